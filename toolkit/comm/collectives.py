@@ -1,0 +1,262 @@
+"""The one door for every collective the toolkit issues: it records the call, then runs it.
+
+Each call leaves a span on this rank's trace: operation, group, dtype, element count, message size,
+bytes this rank sends and receives, and the phase. Then it runs either the backend's collective
+(NCCL or gloo) or a hand-written one (`use("ring")`, or a student's functions), so the same training
+code can run on either and the trace shows which.
+
+Bytes on the wire follow the algorithms the lessons teach (ring all-reduce sends 2(N-1)/N of the
+message per rank, ring reduce-scatter and all-gather (N-1)/N); all-to-all and send/recv are exact.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..runtime import status
+from ..trace.events import recorder
+from . import backend as _backend_impl
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+              "product": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.SUM}
+OPERATIONS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
+
+_impl: dict = dict(_backend_impl.IMPLEMENTATION)
+_impl_name = "backend"
+_ranks_cache: dict = {}
+
+
+# --- choosing the implementation ------------------------------------------------------------------
+def use(implementation="backend") -> str:
+    """Route the toolkit's collectives: "backend", "ring", or a dict {operation: function}.
+
+    A dict replaces only the operations it names (a student's ring all-reduce, say); each function
+    has the backend's signature (see `toolkit.comm.backend`). Returns the previous choice's name.
+    """
+    global _impl, _impl_name
+    from . import ring, alltoall  # noqa: F401 - hand-written implementations register themselves
+
+    previous = _impl_name
+    if implementation == "backend":
+        _impl, _impl_name = dict(_backend_impl.IMPLEMENTATION), "backend"
+    elif implementation == "ring":
+        _impl = dict(_backend_impl.IMPLEMENTATION, **ring.IMPLEMENTATION, **alltoall.IMPLEMENTATION)
+        _impl_name = "ring"
+    elif isinstance(implementation, dict):
+        unknown = set(implementation) - set(OPERATIONS)
+        if unknown:
+            raise ValueError(f"use() got unknown operations {sorted(unknown)}; valid: {OPERATIONS}.")
+        _impl = dict(_backend_impl.IMPLEMENTATION, **implementation)
+        _impl_name = "custom"
+    else:
+        raise ValueError(f"use({implementation!r}): choose 'backend', 'ring' or a dict {{operation: function}}.")
+    return previous
+
+
+def implementation() -> str:
+    return _impl_name
+
+
+class using:
+    """`with comm.using("ring"): ...` switches the implementation for a block, then switches back."""
+
+    def __init__(self, implementation):
+        self.implementation = implementation
+
+    def __enter__(self):
+        self._previous = dict(_impl), _impl_name
+        use(self.implementation)
+
+    def __exit__(self, *exc):
+        global _impl, _impl_name
+        _impl, _impl_name = self._previous
+
+
+# --- bookkeeping ----------------------------------------------------------------------------------
+def group_ranks(group=None) -> list[int]:
+    """Global ranks of a group (the default group when None)."""
+    key = group if group is not None else "world"
+    if key not in _ranks_cache:
+        _ranks_cache[key] = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return _ranks_cache[key]
+
+
+def _reduce_op(op):
+    if isinstance(op, str):
+        if op not in REDUCE_OPS:
+            raise ValueError(f"op={op!r} is not a reduction; choose one of {sorted(REDUCE_OPS)}.")
+        return REDUCE_OPS[op]
+    return op
+
+
+class Handle:
+    """What an asynchronous collective returns: `wait()` blocks until the result is in place."""
+
+    def __init__(self, work, event, after=None):
+        self._work, self._event, self._after = work, event, after
+        if work is None:  # ran synchronously (hand-written implementations)
+            event["end"] = recorder.mark()
+        elif recorder._on_gpu():
+            side = torch.cuda.Stream()  # marks the end on the device without blocking the host
+            with torch.cuda.stream(side):
+                work.wait()
+            event["end"] = recorder.mark(side)
+        else:  # gloo completes on its own thread; note the moment it does
+            work.get_future().then(lambda _: event.__setitem__("end", recorder.mark()))
+
+    def wait(self):
+        if self._work is not None:
+            status.enter(_describe(self._event))
+            try:
+                self._work.wait()
+            except RuntimeError as exc:
+                raise _explained(exc, self._event) from exc
+            status.leave()
+            if self._event["end"] is None:
+                self._event["end"] = recorder.mark()
+        if self._after is not None:
+            self._after()
+            self._after = None
+        return None
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def _describe(event) -> str:
+    a = event["args"]
+    return (f"{event['name']} #{len(recorder.events)} (phase '{event['phase']}', group ranks {a['group']}, "
+            f"{a['numel']} x {a['dtype']})")
+
+
+def _explained(exc: Exception, event) -> RuntimeError:
+    hint = ""
+    if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+        hint = ("\nA collective completes only when every rank of its group calls it, with matching "
+                "shapes: look for a rank that skipped it, called another one, or is still computing.")
+    return RuntimeError(f"{event['name']} failed on this rank: {_describe(event)}.\n"
+                        f"{type(exc).__name__}: {exc}{hint}")
+
+
+def _run(name, group, tensor, size_bytes, sent, received, call, async_op, after=None, **extra):
+    """Record a span, run `call()` through the chosen implementation, close the span."""
+    event = recorder.add(name, "comm", recorder.mark(), group=group_ranks(group),
+                         dtype=str(tensor.dtype).replace("torch.", ""), numel=tensor.numel(),
+                         size_bytes=size_bytes, bytes_sent=sent, bytes_recv=received,
+                         impl=_impl_name, async_op=async_op, **extra)
+    native = _impl.get(name) is _backend_impl.IMPLEMENTATION.get(name)
+    status.enter(_describe(event))
+    try:
+        work = call(async_op and native)
+    except RuntimeError as exc:  # the board keeps saying where this rank was
+        raise _explained(exc, event) from exc
+    status.leave()
+    handle = Handle(work if async_op and native else None, event, after)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+# --- the collectives ------------------------------------------------------------------------------
+def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op=False):
+    """Every rank ends with the reduction of everyone's `tensor` (in place). op="avg" divides by N."""
+    n = len(group_ranks(group))
+    size = tensor.numel() * tensor.element_size()
+    wire = 2 * (n - 1) * size // n
+    after = (lambda: tensor.div_(n)) if op == "avg" else None
+    reduce = _reduce_op(op)
+    return _run("all_reduce", group, tensor, size, wire, wire,
+                lambda a: _impl["all_reduce"](tensor, reduce, group, a), async_op, after, op=str(op))
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=None, async_op=False):
+    """Rank r ends with chunk r of the reduction of everyone's `input` (input = N x output elements)."""
+    n = len(group_ranks(group))
+    if input.numel() != n * output.numel():
+        raise ValueError(f"reduce_scatter needs input.numel() == group size x output.numel(): "
+                         f"{input.numel()} != {n} x {output.numel()}. Pad the input to a multiple of {n}.")
+    size = input.numel() * input.element_size()
+    wire = (n - 1) * size // n
+    after = (lambda: output.div_(n)) if op == "avg" else None
+    reduce = _reduce_op(op)
+    return _run("reduce_scatter", group, input, size, wire, wire,
+                lambda a: _impl["reduce_scatter"](output, input, reduce, group, a), async_op, after, op=str(op))
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op=False):
+    """Every rank ends with everyone's `input` concatenated in rank order (output = N x input elements)."""
+    n = len(group_ranks(group))
+    if output.numel() != n * input.numel():
+        raise ValueError(f"all_gather needs output.numel() == group size x input.numel(): "
+                         f"{output.numel()} != {n} x {input.numel()}.")
+    size = output.numel() * output.element_size()
+    wire = (n - 1) * size // n
+    return _run("all_gather", group, output, size, wire, wire,
+                lambda a: _impl["all_gather"](output, input, group, a), async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op=False):
+    """Every rank ends with global rank `src`'s `tensor` (in place)."""
+    size = tensor.numel() * tensor.element_size()
+    me = dist.get_rank()
+    return _run("broadcast", group, tensor, size, size if me == src else 0, 0 if me == src else size,
+                lambda a: _impl["broadcast"](tensor, src, group, a), async_op, src=src)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
+               group=None, async_op=False):
+    """Rank r sends split j of its `input` (along dim 0) to rank j and receives split r of everyone's.
+
+    Split sizes are rows along dim 0 and may be uneven; None means equal splits.
+    """
+    ranks = group_ranks(group)
+    n, me = len(ranks), ranks.index(dist.get_rank())
+    in_splits = list(input_split_sizes) if input_split_sizes is not None else [input.shape[0] // n] * n
+    out_splits = list(output_split_sizes) if output_split_sizes is not None else [output.shape[0] // n] * n
+    if len(in_splits) != n or len(out_splits) != n:
+        raise ValueError(f"all_to_all needs one split size per rank of the group ({n}); got "
+                         f"{len(in_splits)} input and {len(out_splits)} output split sizes.")
+    if sum(in_splits) != input.shape[0] or sum(out_splits) != output.shape[0]:
+        raise ValueError(f"all_to_all split sizes must add up to dim 0: inputs {in_splits} vs {input.shape[0]}, "
+                         f"outputs {out_splits} vs {output.shape[0]}.")
+    row_in = input[0].numel() * input.element_size() if input.dim() and input.shape[0] else 0
+    row_out = output[0].numel() * output.element_size() if output.dim() and output.shape[0] else 0
+    sent = (sum(in_splits) - in_splits[me]) * row_in
+    received = (sum(out_splits) - out_splits[me]) * row_out
+    size = input.numel() * input.element_size()
+    return _run("all_to_all", group, input, size, sent, received,
+                lambda a: _impl["all_to_all"](output, input, out_splits, in_splits, group, a), async_op,
+                input_splits=in_splits, output_splits=out_splits)
+
+
+def send(tensor: torch.Tensor, dst: int, group=None):
+    """Point-to-point: give `tensor` to global rank `dst` (blocks until it is taken)."""
+    size = tensor.numel() * tensor.element_size()
+    return _run("send", group, tensor, size, size, 0, lambda a: _backend_impl.send(tensor, dst, group, a),
+                False, peer=dst)
+
+
+def recv(tensor: torch.Tensor, src: int, group=None):
+    """Point-to-point: fill `tensor` from global rank `src`."""
+    size = tensor.numel() * tensor.element_size()
+    return _run("recv", group, tensor, size, 0, size, lambda a: _backend_impl.recv(tensor, src, group, a),
+                False, peer=src)
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None) -> Handle:
+    size = tensor.numel() * tensor.element_size()
+    return _run("send", group, tensor, size, size, 0, lambda a: _backend_impl.send(tensor, dst, group, a),
+                True, peer=dst)
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None) -> Handle:
+    size = tensor.numel() * tensor.element_size()
+    return _run("recv", group, tensor, size, 0, size, lambda a: _backend_impl.recv(tensor, src, group, a),
+                True, peer=src)
+
+
+def barrier(group=None):
+    """Wait until every rank of the group gets here (recorded, zero bytes)."""
+    dummy = torch.zeros(1)
+    return _run("barrier", group, dummy, 0, 0, 0, lambda a: dist.barrier(group=group, async_op=a), False)

@@ -1,0 +1,115 @@
+"""Where this process sits in the job, whoever started it.
+
+torchrun, mpirun (OpenMPI or MPICH/PMI), SLURM's srun, ipyparallel MPI engines and `toolkit.launch`
+each describe rank, world size and local rank with their own environment variables. `init()` reads
+whichever is present, picks the backend and device, and initializes the default process group, so
+the same script runs under all of them.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+# (rank, world size, local rank) variable names, in the order they are tried.
+_LAUNCHERS = {
+    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Rank, world size and local rank of this process, and who told us."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    launcher: str
+
+
+def detect(environ=None) -> Placement:
+    """Read the placement from the environment; a lone process is rank 0 of 1."""
+    environ = os.environ if environ is None else environ
+    for launcher, (rank_var, world_var, local_var) in _LAUNCHERS.items():
+        if rank_var in environ and world_var in environ:
+            rank, world = int(environ[rank_var]), int(environ[world_var])
+            local = int(environ.get(local_var, rank))
+            return Placement(rank, world, local, launcher)
+    return Placement(0, 1, 0, "single")
+
+
+def resolve_backend(backend: str = "auto", local_world_size: int = 1) -> str:
+    """'auto' is NCCL when every local rank can have its own GPU, gloo otherwise."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not known; choose one of {BACKENDS}.")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if gpus >= local_world_size and dist.is_nccl_available() else "gloo"
+    if backend == "nccl" and gpus < local_world_size:
+        raise ValueError(
+            f"backend='nccl' needs one GPU per local rank: {local_world_size} local ranks but "
+            f"{gpus} GPU(s) visible. Use backend='gloo' (CPU) or backend='auto'."
+        )
+    return backend
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its own GPU under NCCL, the CPU under gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _mpi_rendezvous(environ) -> None:
+    """Under mpirun nobody sets MASTER_ADDR/PORT: rank 0 picks them and MPI broadcasts them."""
+    if "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
+        return
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    addr = (socket.gethostname(), _free_port()) if comm.Get_rank() == 0 else None
+    addr = comm.bcast(addr, root=0)
+    environ["MASTER_ADDR"], environ["MASTER_PORT"] = addr[0], str(addr[1])
+
+
+def init(backend: str = "auto", *, timeout_s: float = 300.0) -> Placement:
+    """Initialize the default process group from whatever launched us; safe to call twice."""
+    place = detect()
+    if dist.is_initialized():
+        return place
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1)))
+    backend = resolve_backend(backend, max(local_world, place.local_rank + 1))
+    if backend == "nccl":
+        torch.cuda.set_device(place.local_rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = None
+    if "TOOLKIT_STORE_PORT" in os.environ:  # toolkit.launch hosts the rendezvous store itself
+        store = dist.TCPStore(
+            "127.0.0.1", int(os.environ["TOOLKIT_STORE_PORT"]), place.world_size,
+            is_master=False, timeout=timeout,
+        )
+    elif place.launcher in ("openmpi", "mpich", "slurm"):
+        _mpi_rendezvous(os.environ)
+    if store is None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    dist.init_process_group(
+        backend, store=store, rank=place.rank, world_size=place.world_size, timeout=timeout,
+        init_method=None if store is not None else "env://",
+    )
+    return place

@@ -1,0 +1,72 @@
+"""The body of one rank started by `toolkit.launch` (run as `python -m toolkit.runtime.worker FOLDER`)."""
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+
+
+def _exit_with_parent(parent: int) -> None:
+    """If the launcher dies (a notebook kernel restarted), this rank must not linger."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def _to_cpu(value):
+    """Results cross to the parent, which may have no GPU: bring tensors home first."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _write(folder: str, name: str, value) -> None:
+    path = os.path.join(folder, name)
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(value, f)
+    os.replace(path + ".tmp", path)  # the parent never sees half a file
+
+
+def main(folder: str) -> None:
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(folder, "job.pkl"), "rb") as f:
+        job = pickle.load(f)  # plain values; the function itself is a second, inner pickle
+    sys.path[:] = job["sys_path"] + [p for p in sys.path if p not in job["sys_path"]]
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from toolkit.runtime import env, status
+
+        torch.set_num_threads(job["threads"])
+        status.attach(status.board_path(folder, rank))
+        env.init(job["backend"], timeout_s=job["timeout_s"])
+        fn, args = pickle.loads(job["payload"])  # may import the caller's modules: needs its sys.path
+        result = fn(*args)
+        _write(folder, f"result-{rank}.pkl", _to_cpu(result))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        _write(folder, f"error-{rank}.pkl", {
+            "type": type(exc).__name__, "message": str(exc), "time": time.time(),
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        })
+        sys.stdout.flush()
+        os._exit(1)  # skip teardown: peers may be gone, and destroying the group could hang
+    sys.stdout.flush()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,127 @@
+"""What happened on this rank, and when: spans of compute and communication, on one clock.
+
+Every rank keeps one `Recorder`. The collectives door adds a span per collective; the training loop
+adds forward/backward/optimizer spans. On a GPU the start and end of a span are CUDA events
+(the host does not know when the device finished); on the CPU they are `time.perf_counter()`.
+Either way they are turned into seconds on rank 0's wall clock when the Run is captured, so one
+timeline lines up all ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+_phase = "idle"  # a process-wide label: autograd may call hooks from its own threads
+
+
+def current_phase() -> str:
+    return _phase
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Label everything recorded inside (collectives, spans) with a training phase."""
+    global _phase
+    before, _phase = _phase, name
+    try:
+        yield
+    finally:
+        _phase = before
+
+
+class Recorder:
+    """The spans of one rank. Markers are floats (CPU) or CUDA events, resolved at `finish()`."""
+
+    def __init__(self):
+        self.enabled = True
+        self.reset()
+
+    def reset(self) -> None:
+        self.events: list[dict] = []
+        self._cuda = None
+        self.origin_pc, self.origin_wall = time.perf_counter(), time.time()
+        self.clock_offset = 0.0  # this rank's wall clock minus rank 0's, estimated by align()
+
+    # --- markers ---------------------------------------------------------------------------
+    def _on_gpu(self) -> bool:
+        if self._cuda is None:
+            self._cuda = dist.is_initialized() and dist.get_backend() == "nccl"
+            if self._cuda:
+                torch.cuda.synchronize()
+                self._ref_event = torch.cuda.Event(enable_timing=True)
+                self._ref_event.record()
+                torch.cuda.synchronize()
+                self._ref_pc = time.perf_counter()
+        return self._cuda
+
+    def mark(self, stream=None):
+        """A point in time: now on the host, or when `stream` gets here on the GPU."""
+        if self._on_gpu():
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(stream)
+            return event
+        return time.perf_counter()
+
+    def _seconds(self, marker) -> float:
+        if isinstance(marker, float):
+            pc = marker
+        else:
+            marker.synchronize()
+            pc = self._ref_pc + self._ref_event.elapsed_time(marker) / 1e3
+        return self.origin_wall + (pc - self.origin_pc) - self.clock_offset
+
+    # --- recording ---------------------------------------------------------------------------
+    def add(self, name: str, cat: str, start, end=None, **args) -> dict:
+        """Record a span; `end` may be filled in later (asynchronous work)."""
+        event = {"name": name, "cat": cat, "phase": _phase, "start": start, "end": end, "args": args}
+        if self.enabled:
+            self.events.append(event)
+        return event
+
+    @contextlib.contextmanager
+    def span(self, name: str, cat: str = "compute", **args):
+        """Time a block of work on this rank (on a GPU: the device's time, not the host's)."""
+        event = self.add(name, cat, self.mark(), **args)
+        try:
+            yield event
+        finally:
+            event["end"] = self.mark()
+
+    def finish(self, rank: int) -> list[dict]:
+        """Resolve every marker to aligned seconds and return plain, JSON-ready records."""
+        out = []
+        for e in self.events:
+            end = e["end"] if e["end"] is not None else e["start"]
+            out.append({"name": e["name"], "cat": e["cat"], "phase": e["phase"], "rank": rank,
+                        "start": self._seconds(e["start"]), "end": self._seconds(end), "args": e["args"]})
+        return out
+
+
+def align(recorder: Recorder, rounds: int = 5) -> float:
+    """Estimate this rank's clock offset to rank 0: barrier, read the clock, gather, median.
+
+    Barrier exits are close to simultaneous (tens of microseconds on one host), which bounds the
+    error; the median of a few rounds discards an unlucky one. Uses raw torch.distributed on purpose:
+    bookkeeping collectives are not part of the story a trace tells.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        recorder.clock_offset = 0.0
+        return 0.0
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    samples = []
+    for _ in range(rounds):
+        dist.barrier()
+        now = torch.tensor([time.time()], dtype=torch.float64, device=device)
+        everyone = [torch.empty_like(now) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, now)
+        samples.append((now - everyone[0]).item())
+    recorder.clock_offset = statistics.median(samples)
+    return recorder.clock_offset
+
+
+recorder = Recorder()
+span = recorder.span
