@@ -1,0 +1,22 @@
+"""Where the bytes go: the theory (``formulas``) and, alongside it, what is measured."""
+
+from .formulas import (
+    COLLECTIVES,
+    FSDP_SHARDING,
+    STRATEGIES,
+    ZERO_STAGES,
+    activation_bytes,
+    alpha_beta_time,
+    bytes_on_wire,
+    communication_per_step,
+    deepspeed_zero2_estimate,
+    deepspeed_zero3_estimate,
+    flat_padding,
+    fsdp_cross_host_traffic,
+    fsdp_peak_params,
+    model_states,
+    model_states_breakdown,
+    ring_all_gather_bytes,
+    ring_all_reduce_bytes,
+    ring_reduce_scatter_bytes,
+)

@@ -1,0 +1,276 @@
+"""The theory the lessons check the measurements against.
+
+Pure functions, no torch: bytes of model states under ZeRO, elements and bytes a
+collective puts on the wire, an alpha-beta time model, FSDP's peak parameter memory
+and cross-host traffic, activation memory, and DeepSpeed's own estimators.
+
+Notation (as in the ZeRO paper): Ψ parameters, N data-parallel ranks, K bytes of
+optimizer state per parameter (mixed-precision Adam: fp32 master weights 4 +
+momentum 4 + variance 4 = 12). Sizes are plain numbers (floats where a shard is
+a fraction); 1 GB = 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable
+
+ZERO_STAGES = (0, 1, 2, 3)
+STRATEGIES = ("local", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
+FSDP_SHARDING = ("hybrid", "full_replication", "full_shard")
+
+
+# --- checks that speak to a student -------------------------------------------------------------
+
+
+def _check_count(name: str, value, minimum: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum or value != value:
+        raise ValueError(f"{name} must be a number >= {minimum}, got {value!r}")
+
+
+def _check_world(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer (1, 2, 3, ...), got {value!r}")
+
+
+def _check_choice(name: str, value, valid) -> None:
+    if value not in valid or isinstance(value, bool):
+        raise ValueError(f"unknown {name} {value!r}; valid values: {', '.join(map(repr, valid))}")
+
+
+# --- model states under ZeRO --------------------------------------------------------------------
+
+
+def model_states_breakdown(
+    num_params: float,
+    world_size: int = 1,
+    stage: int = 0,
+    *,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optimizer_multiplier: float = 12,
+) -> Dict[str, float]:
+    """Bytes per rank of parameters, gradients and optimizer states under ZeRO ``stage``.
+
+    Plain data parallelism (stage 0) replicates everything: (2 + 2 + K)Ψ on every rank.
+    Each ZeRO stage partitions one more of the three over the N ranks:
+    stage 1 the optimizer states, stage 2 also the gradients, stage 3 also the parameters.
+    """
+    _check_count("num_params", num_params)
+    _check_world("world_size", world_size)
+    _check_choice("ZeRO stage", stage, ZERO_STAGES)
+    for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
+                        ("optimizer_multiplier", optimizer_multiplier)):
+        _check_count(name, value)
+    n = world_size
+    return {
+        "params": param_bytes * num_params / (n if stage >= 3 else 1),
+        "grads": grad_bytes * num_params / (n if stage >= 2 else 1),
+        "optimizer": optimizer_multiplier * num_params / (n if stage >= 1 else 1),
+    }
+
+
+def model_states(
+    num_params: float,
+    world_size: int = 1,
+    stage: int = 0,
+    *,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optimizer_multiplier: float = 12,
+) -> float:
+    """Bytes per rank of model states (parameters + gradients + optimizer) under ZeRO ``stage``.
+
+    stage 0: (2+2+K)Ψ    stage 1: (2+2)Ψ + KΨ/N    stage 2: 2Ψ + (2+K)Ψ/N    stage 3: (2+2+K)Ψ/N
+    """
+    parts = model_states_breakdown(num_params, world_size, stage, param_bytes=param_bytes,
+                                   grad_bytes=grad_bytes, optimizer_multiplier=optimizer_multiplier)
+    return sum(parts.values())
+
+
+def deepspeed_zero2_estimate(num_params: float, world_size: int) -> float:
+    """DeepSpeed's ZeRO-2 GPU estimate (no offload): 2Ψ + 18Ψ/N bytes.
+
+    18 = 2 (fp16 grads) + 4 (fp32 grads) + 4 (fp32 params) + 8 (Adam states): the
+    implementation keeps an fp32 gradient buffer that the textbook 16Ψ leaves out.
+    (Older DeepSpeed releases printed 4Ψ + 16Ψ/N.)
+    """
+    _check_count("num_params", num_params)
+    _check_world("world_size", world_size)
+    return 2 * num_params + 18 * num_params / world_size
+
+
+def deepspeed_zero3_estimate(num_params: float, largest_layer_params: float, world_size: int) -> float:
+    """DeepSpeed's ZeRO-3 GPU estimate (no offload): 4L + 18Ψ/N bytes.
+
+    18Ψ/N is the rank's shard of everything; 4L leaves room for the largest layer
+    (L parameters) gathered whole while it computes.
+    """
+    _check_count("num_params", num_params)
+    _check_count("largest_layer_params", largest_layer_params)
+    _check_world("world_size", world_size)
+    return 4 * largest_layer_params + 18 * num_params / world_size
+
+
+# --- communication volume -----------------------------------------------------------------------
+
+
+def ring_reduce_scatter_bytes(nbytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring reduce-scatter of an ``nbytes`` tensor: (n-1)/n · nbytes.
+
+    n-1 steps, each passing one 1/n chunk to the neighbour.
+    """
+    _check_count("nbytes", nbytes)
+    _check_world("n", n)
+    return (n - 1) / n * nbytes
+
+
+def ring_all_gather_bytes(nbytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-gather whose gathered output is ``nbytes``: (n-1)/n · nbytes."""
+    _check_count("nbytes", nbytes)
+    _check_world("n", n)
+    return (n - 1) / n * nbytes
+
+
+def ring_all_reduce_bytes(nbytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes``: 2(n-1)/n · nbytes.
+
+    A ring all-reduce is a reduce-scatter followed by an all-gather; the volume is
+    (nearly) independent of n, which is why data parallelism scales.
+    """
+    return ring_reduce_scatter_bytes(nbytes, n) + ring_all_gather_bytes(nbytes, n)
+
+
+def communication_per_step(num_params: float, world_size: int, strategy: str) -> float:
+    """Elements each rank sends per training step with ring collectives.
+
+    dp, ddp, zero1, zero2: one all-reduce of the gradients (or its two halves:
+    reduce-scatter of gradients, all-gather of updated parameters) = 2Ψ(N-1)/N.
+    zero3, fsdp: parameters all-gathered in forward and again in backward, gradients
+    reduce-scattered = 3Ψ(N-1)/N, 1.5x data parallelism. local: nothing.
+    Multiply by bytes per element for bytes.
+    """
+    _check_count("num_params", num_params)
+    _check_world("world_size", world_size)
+    _check_choice("strategy", strategy, STRATEGIES)
+    passes = {"local": 0, "dp": 2, "ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3, "fsdp": 3}[strategy]
+    return passes * num_params * (world_size - 1) / world_size
+
+
+def bytes_on_wire(op: str, nbytes: float, world_size: int) -> float:
+    """Bytes each rank sends for collective ``op`` on an ``nbytes`` buffer (see ``alpha_beta_time``)."""
+    return _steps_and_bytes(op, nbytes, world_size)[1]
+
+
+def _steps_and_bytes(op: str, nbytes: float, n: int):
+    _check_choice("collective", op, COLLECTIVES)
+    _check_count("nbytes", nbytes)
+    _check_world("world_size", n)
+    if n == 1:
+        return 0, 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1), ring_all_reduce_bytes(nbytes, n)
+    if op == "broadcast":
+        return n - 1, float(nbytes)  # pipelined along a chain: every link carries the whole buffer
+    # reduce_scatter, all_gather: one chunk per step; all_to_all: one peer per step (pairwise exchange)
+    return n - 1, (n - 1) / n * nbytes
+
+
+def alpha_beta_time(op: str, nbytes: float, world_size: int, alpha: float, beta: float) -> float:
+    """Seconds for collective ``op`` under the alpha-beta model: time = steps·alpha + bytes_on_wire·beta.
+
+    alpha is the latency of one message (s), beta the time per byte (s/B, = 1/bandwidth).
+    ``nbytes`` is the full tensor: the input of all_reduce / reduce_scatter / broadcast, the
+    gathered output of all_gather, a rank's whole send buffer for all_to_all.
+
+    all_reduce (ring)      2(N-1) steps, 2(N-1)/N · nbytes
+    reduce_scatter (ring)   N-1 steps,   (N-1)/N · nbytes
+    all_gather (ring)       N-1 steps,   (N-1)/N · nbytes
+    broadcast (pipelined)   N-1 steps,   nbytes (large-message limit)
+    all_to_all (pairwise)   N-1 steps,   (N-1)/N · nbytes
+    """
+    _check_count("alpha", alpha)
+    _check_count("beta", beta)
+    steps, wire = _steps_and_bytes(op, nbytes, world_size)
+    return steps * alpha + wire * beta
+
+
+# --- FSDP ----------------------------------------------------------------------------------------
+
+
+def fsdp_peak_params(unit_sizes: Iterable[float], sharding_factor: int, in_flight: int = 1) -> float:
+    """Peak parameter elements on a rank with FSDP: Σψ_i/F + in_flight · max ψ_i.
+
+    Every unit i keeps its 1/F shard all the time; only the units being computed (one,
+    or more with prefetching) are gathered whole. So wrapping finer lowers the peak.
+    (Each flat parameter is padded to a multiple of F: at most F-1 extra elements, ignored here.
+    With F = 1 nothing is sharded or gathered, and the peak is just Σψ_i.)
+    """
+    sizes = list(unit_sizes)
+    if not sizes:
+        raise ValueError("unit_sizes must list at least one FSDP unit's parameter count")
+    for i, s in enumerate(sizes):
+        _check_count(f"unit_sizes[{i}]", s)
+    _check_world("sharding_factor", sharding_factor)
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 0:
+        raise ValueError(f"in_flight must be a non-negative integer (units gathered at once), got {in_flight!r}")
+    if sharding_factor == 1:
+        return float(sum(sizes))
+    return sum(sizes) / sharding_factor + in_flight * max(sizes)
+
+
+def flat_padding(numel: int, world_size: int) -> int:
+    """Elements of padding so a flat parameter of ``numel`` splits into ``world_size`` equal shards (< N)."""
+    _check_count("numel", numel)
+    _check_world("world_size", world_size)
+    return -int(numel) % world_size
+
+
+def fsdp_cross_host_traffic(model_size: float, gpus_per_host: int, world_size: int,
+                            sharding: str = "hybrid") -> float:
+    """Cross-host traffic per GPU per step (same unit as ``model_size``), from the FSDP paper.
+
+    M = model size, G = GPUs per host, W = GPUs in all.
+    full_replication (DDP): all-reduce over W       2M(W-1)/W
+    full_shard: 2 all-gathers + 1 reduce-scatter     3M(W-1)/W
+    hybrid: shard inside a host, replicate across    2M(W-1)/(GW)
+    (hybrid is the paper's expression; counting a ring all-reduce of the M/G shard over the
+    W/G replicas exactly gives 2M(W-G)/(GW), the same when W >> G.)
+    """
+    _check_count("model_size", model_size)
+    _check_world("gpus_per_host", gpus_per_host)
+    _check_world("world_size", world_size)
+    _check_choice("sharding", sharding, FSDP_SHARDING)
+    if world_size % gpus_per_host != 0:
+        raise ValueError(f"world_size={world_size} must be a multiple of gpus_per_host={gpus_per_host}")
+    M, G, W = model_size, gpus_per_host, world_size
+    if sharding == "hybrid":
+        return 2 * M * (W - 1) / (G * W)
+    if sharding == "full_replication":
+        return 2 * M * (W - 1) / W
+    return 3 * M * (W - 1) / W
+
+
+# --- activations ---------------------------------------------------------------------------------
+
+
+def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: int = 1) -> float:
+    """Activation bytes a transformer keeps for backward: s·b·h·(34 + 5·a·s/h) per layer.
+
+    Korthikanti et al. 2022, 16-bit activations, no recomputation, no tensor parallelism.
+    34·sbh is the linear part (inputs of matmuls, LayerNorms, GELU, dropout masks);
+    5·a·s²·b is the attention scores, softmax and its dropout mask, quadratic in s.
+    """
+    for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden), ("heads", heads)):
+        _check_world(name, value)
+    _check_count("layers", layers)
+    s, b, h, a = seq_len, batch, hidden, heads
+    return layers * s * b * h * (34 + 5 * a * s / h)
+
+
+__all__ = [
+    "model_states", "model_states_breakdown", "deepspeed_zero2_estimate", "deepspeed_zero3_estimate",
+    "communication_per_step", "ring_all_reduce_bytes", "ring_reduce_scatter_bytes", "ring_all_gather_bytes",
+    "bytes_on_wire", "alpha_beta_time", "fsdp_peak_params", "flat_padding", "fsdp_cross_host_traffic",
+    "activation_bytes", "ZERO_STAGES", "STRATEGIES", "COLLECTIVES", "FSDP_SHARDING",
+]

@@ -1,0 +1,192 @@
+"""A tiny GPT: the model every strategy in the toolkit trains.
+
+Small enough to train on a laptop CPU in seconds, real enough to show where the
+bytes go: embeddings, attention, an MLP per block and a (tied) output head.
+Two things make it a good test subject for distributed training:
+
+* it is deterministic: no dropout, and the weights depend only on
+  ``torch.manual_seed``, so a sharded run can be checked against one process;
+* the MLP of each block is pluggable, so a Mixture-of-Experts layer
+  (``toolkit.moe.MoE``) drops in without touching this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+INIT_STD = 0.02
+
+
+@dataclass
+class GPTConfig:
+    """Shape of the model. Dropout is fixed at 0 so that runs are reproducible."""
+
+    vocab_size: int = 64
+    seq_len: int = 32  # the longest sequence the position embedding covers
+    n_layer: int = 2
+    n_head: int = 2
+    d_model: int = 32
+    d_ff: Optional[int] = None  # hidden width of the MLP; None means 4 * d_model
+    tied_head: bool = True  # the output head reuses the token embedding matrix
+    aux_loss_weight: float = 0.01  # weight of the blocks' auxiliary losses (MoE load balancing)
+
+    def __post_init__(self):
+        if self.d_ff is None:
+            self.d_ff = 4 * self.d_model
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head != 0:
+            divisors = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0]
+            raise ValueError(
+                f"GPTConfig: d_model={self.d_model} must divide evenly into n_head={self.n_head} heads; "
+                f"valid n_head for this d_model: {divisors}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+def init_weights_(module: nn.Module) -> None:
+    """GPT-2 style init of the Linear and Embedding layers inside ``module``:
+    weights ~ N(0, 0.02), biases zero. LayerNorms keep PyTorch's ones/zeros."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=INIT_STD)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention where a token sees only itself and the tokens before it."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)  # q, k, v in one matmul
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).split(D, dim=-1)
+        # (B, T, D) -> (B, heads, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class MLP(nn.Module):
+    """The dense feed-forward layer: d_model -> d_ff -> GELU -> d_model."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, config.d_ff)
+        self.proj = nn.Linear(config.d_ff, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)).
+
+    ``mlp`` replaces the dense MLP (None builds the dense one). It maps
+    (..., d_model) -> (..., d_model) and may return ``(output, aux_loss)``,
+    as a Mixture-of-Experts layer does. A plugged-in mlp keeps its own
+    initialization; the block only initializes what it builds.
+
+    ``forward`` returns ``(x, aux_loss)``; ``aux_loss`` is None for a dense MLP.
+    """
+
+    def __init__(self, config: GPTConfig, mlp: Optional[nn.Module] = None):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config) if mlp is None else mlp
+        init_weights_(self.attn)
+        if mlp is None:
+            init_weights_(self.mlp)
+
+    def forward(self, x: torch.Tensor):
+        x = x + self.attn(self.ln_1(x))
+        out = self.mlp(self.ln_2(x))
+        aux_loss = None
+        if isinstance(out, tuple):
+            out, aux_loss = out
+        return x + out, aux_loss
+
+
+def _build_mlp(mlp_factory, layer_index: int) -> nn.Module:
+    mlp = mlp_factory(layer_index)
+    if not isinstance(mlp, nn.Module):
+        raise ValueError(f"mlp_factory({layer_index}) must return an nn.Module, got {type(mlp).__name__}")
+    return mlp
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``n_layer`` blocks, a final LayerNorm and a linear head.
+
+    ``model(x)`` returns logits (B, T, vocab_size); ``model(x, y)`` returns the mean
+    cross-entropy loss (plus ``aux_loss_weight`` times the blocks' auxiliary losses),
+    so the plain loop ``loss = model(x, y); loss.backward()`` trains it.
+
+    ``mlp_factory(layer_index)``, if given, builds the MLP of each block (see ``Block``).
+    """
+
+    def __init__(self, config: GPTConfig, mlp_factory: Optional[Callable[[int], nn.Module]] = None):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        init_weights_(self.tok_emb)
+        init_weights_(self.pos_emb)
+        self.blocks = nn.ModuleList(
+            Block(config, mlp=None if mlp_factory is None else _build_mlp(mlp_factory, i))
+            for i in range(config.n_layer)
+        )
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tied_head:
+            self.head.weight = self.tok_emb.weight  # one Parameter, two users
+        else:
+            init_weights_(self.head)
+
+    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.dim() != 2:
+            raise ValueError(f"GPT expects token ids of shape (batch, time), got shape {tuple(x.shape)}")
+        T = x.shape[1]
+        if T > self.config.seq_len:
+            raise ValueError(
+                f"sequence length {T} is longer than the model's seq_len={self.config.seq_len}; "
+                "shorten the input or build the model with a larger GPTConfig.seq_len"
+            )
+        h = self.tok_emb(x) + self.pos_emb(torch.arange(T, device=x.device))
+        aux_losses = []
+        for block in self.blocks:
+            h, aux = block(h)
+            if aux is not None:
+                aux_losses.append(aux)
+        logits = self.head(self.ln_f(h))
+        if y is None:
+            return logits
+        if y.shape != x.shape:
+            raise ValueError(f"targets y must have the shape of x {tuple(x.shape)}, got {tuple(y.shape)}")
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        if aux_losses:
+            aux = sum(aux_losses)
+            if aux.dim() != 0:
+                raise ValueError(f"an mlp's aux_loss must be a scalar tensor, got shape {tuple(aux.shape)}")
+            loss = loss + self.config.aux_loss_weight * aux
+        return loss
+
+    def num_params(self) -> int:
+        """Number of distinct parameters (a tied head is counted once)."""
+        return sum(p.numel() for p in self.parameters())
