@@ -42,6 +42,8 @@ class Recorder:
 
     def reset(self) -> None:
         self.events: list[dict] = []
+        self.metrics: list[dict] = []  # {"name", "step", "value"}: losses, expert loads, choices made
+        self.samples: list[dict] = []  # memory samples: {"time", "phase", "step", category: bytes, ...}
         self._cuda = None
         self.origin_pc, self.origin_wall = time.perf_counter(), time.time()
         self.clock_offset = 0.0  # this rank's wall clock minus rank 0's, estimated by align()
@@ -82,6 +84,16 @@ class Recorder:
             self.events.append(event)
         return event
 
+    def metric(self, name: str, value, step: int | None = None) -> None:
+        """Note a number (or a small JSON-able value) against a step: a loss, an expert's load."""
+        if self.enabled:
+            self.metrics.append({"name": name, "step": step, "value": value})
+
+    def sample(self, step: int | None = None, **categories) -> None:
+        """Note measured memory (bytes per category) at this moment, labelled with the phase."""
+        if self.enabled:
+            self.samples.append({"time": time.perf_counter(), "phase": _phase, "step": step, **categories})
+
     @contextlib.contextmanager
     def span(self, name: str, cat: str = "compute", **args):
         """Time a block of work on this rank (on a GPU: the device's time, not the host's)."""
@@ -91,14 +103,16 @@ class Recorder:
         finally:
             event["end"] = self.mark()
 
-    def finish(self, rank: int) -> list[dict]:
-        """Resolve every marker to aligned seconds and return plain, JSON-ready records."""
-        out = []
+    def finish(self, rank: int) -> tuple[list[dict], list[dict], list[dict]]:
+        """Resolve every marker to aligned seconds; return (events, samples, metrics) tagged with `rank`."""
+        events = []
         for e in self.events:
             end = e["end"] if e["end"] is not None else e["start"]
-            out.append({"name": e["name"], "cat": e["cat"], "phase": e["phase"], "rank": rank,
-                        "start": self._seconds(e["start"]), "end": self._seconds(end), "args": e["args"]})
-        return out
+            events.append({"name": e["name"], "cat": e["cat"], "phase": e["phase"], "rank": rank,
+                           "start": self._seconds(e["start"]), "end": self._seconds(end), "args": e["args"]})
+        samples = [dict(s, rank=rank, time=self._seconds(s["time"])) for s in self.samples]
+        metrics = [dict(m, rank=rank) for m in self.metrics]
+        return events, samples, metrics
 
 
 def align(recorder: Recorder, rounds: int = 5) -> float:

@@ -1,0 +1,54 @@
+"""One strategy per file; `wrap` turns (model, optimizer) into their data-parallel form.
+
+    model, opt = toolkit.parallel.wrap(model, "zero2", optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
+
+Each strategy module provides `wrap(model, optimizer, **options) -> (model, optimizer)` and its
+wrapped model provides `full_state_dict()`. The registry below is the whole list.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+# strategy name -> (module, function): imported on first use so each file stands alone.
+STRATEGIES = {
+    "local": ("toolkit.parallel.local", "wrap"),
+    "dp": ("toolkit.parallel.ddp", "wrap_naive"),
+    "ddp": ("toolkit.parallel.ddp", "wrap"),
+    "zero1": ("toolkit.parallel.zero", "wrap_zero1"),
+    "zero2": ("toolkit.parallel.zero", "wrap_zero2"),
+    "zero3": ("toolkit.parallel.zero", "wrap_zero3"),
+    "fsdp": ("toolkit.parallel.fsdp", "wrap"),
+}
+
+
+def wrap(model: torch.nn.Module, strategy: str, *, optimizer=torch.optim.AdamW, **options):
+    """Wrap `model` for `strategy`; `optimizer` is any callable taking parameters and returning an optimizer."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}.")
+    if not callable(optimizer):
+        raise TypeError("optimizer must be a callable that takes parameters and returns a torch optimizer, "
+                        "e.g. torch.optim.AdamW or functools.partial(torch.optim.AdamW, lr=1e-3).")
+    module, function = STRATEGIES[strategy]
+    try:
+        build = getattr(importlib.import_module(module), function)
+    except ModuleNotFoundError as exc:
+        raise NotImplementedError(f"strategy {strategy!r} is not implemented yet ({module} is missing).") from exc
+    return build(model, optimizer, **options)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """The full, unsharded parameters under their original names, on every rank, whatever the strategy."""
+    if hasattr(model, "full_state_dict"):
+        return model.full_state_dict()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def check_options(strategy: str, options: dict, valid) -> None:
+    """Strategies call this first: an unknown option is a ValueError that lists the valid ones."""
+    unknown = set(options) - set(valid)
+    if unknown:
+        raise ValueError(f"strategy {strategy!r} got unknown option(s) {sorted(unknown)}; "
+                         f"valid options: {sorted(valid)}.")
