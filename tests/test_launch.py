@@ -1,0 +1,225 @@
+"""toolkit.launch: results in rank order, functions from notebooks and __main__, and every failure path."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import toolkit
+from toolkit import comm
+from toolkit.runtime import RankError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _everything(tag):
+    """Runs on every rank: each collective once, returns tensors and facts about the rank."""
+    import torch.distributed as dist
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    x = torch.arange(5, dtype=torch.float32) + r
+    comm.all_reduce(x)
+    gathered = torch.empty(n * 2)
+    comm.all_gather(gathered, torch.full((2,), float(r)))
+    mine = torch.empty(3)
+    comm.reduce_scatter(mine, torch.arange(3.0 * n) * (r + 1))
+    b = torch.full((4,), float(r))
+    comm.broadcast(b, src=n - 1)
+    return {"tag": tag, "rank": r, "world": n, "pid": os.getpid(), "sum": x, "gathered": gathered,
+            "scattered": mine, "broadcast": b, "threads": torch.get_num_threads()}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_results_arrive_in_rank_order_with_tensors_intact(world_size, no_leftover_ranks):
+    results = toolkit.launch(_everything, world_size, args=("hi",), timeout_s=30)
+    n = world_size
+    total = n * (n - 1) / 2
+    assert [r["rank"] for r in results] == list(range(n))
+    assert len({r["pid"] for r in results}) == n and os.getpid() not in {r["pid"] for r in results}
+    for r in results:
+        assert r["tag"] == "hi" and r["world"] == n
+        torch.testing.assert_close(r["sum"], torch.arange(5.0) * n + total)
+        torch.testing.assert_close(r["gathered"], torch.arange(n).repeat_interleave(2).float())
+        expected = torch.arange(3.0 * n)[3 * r["rank"]: 3 * r["rank"] + 3] * (n * (n + 1) / 2)
+        torch.testing.assert_close(r["scattered"], expected)
+        torch.testing.assert_close(r["broadcast"], torch.full((4,), float(n - 1)))
+        assert r["threads"] == max(1, (os.cpu_count() or 1) // n)
+
+
+def test_function_defined_in_a_notebook_cell_travels(no_leftover_ranks):
+    """A notebook cell's function lives in `__main__` with no file behind it: exec one the same way."""
+    namespace = {"__name__": "__main__"}
+    exec(textwrap.dedent("""
+        import torch
+        import torch.distributed as dist
+        from toolkit import comm
+        SCALE = 10
+        def cell_function(k):
+            x = torch.ones(2) * (dist.get_rank() + 1) * SCALE * k
+            comm.all_reduce(x)
+            return x
+    """), namespace)
+    torch.ones(64, 64) @ torch.ones(64, 64)  # a parent that already ran torch, as a notebook has
+    out = toolkit.launch(namespace["cell_function"], 2, args=(2,), timeout_s=30)
+    assert [o.tolist() for o in out] == [[60.0, 60.0]] * 2
+
+
+def test_function_from_a_script_main_travels(tmp_path, no_leftover_ranks):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import torch, toolkit
+        torch.ones(8) @ torch.ones(8)
+        def square_rank():
+            import torch.distributed as dist
+            return dist.get_rank() ** 2
+        print("RESULT", toolkit.launch(square_rank, 3, timeout_s=30))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    assert "RESULT [0, 1, 4]" in out.stdout
+
+
+def test_rank_output_is_forwarded_with_its_rank(capfd, no_leftover_ranks):
+    def speak():
+        import torch.distributed as dist
+        print("hello from", dist.get_rank())
+    toolkit.launch(speak, 2, timeout_s=30)
+    time.sleep(0.1)
+    text = capfd.readouterr().out
+    assert "[rank 0] hello from 0" in text and "[rank 1] hello from 1" in text
+
+
+def _raise_on_rank_1(pid_dir):
+    import torch.distributed as dist
+
+    open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is unhappy")
+    comm.all_reduce(torch.ones(3))  # rank 0 waits here for a partner that never comes
+    time.sleep(60)
+
+
+def _assert_dead(pid_dir):
+    pids = [int(p) for p in os.listdir(pid_dir)]
+    assert pids, "the ranks never started"
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_raising_rank_stops_everything_promptly(tmp_path, no_leftover_ranks):
+    start = time.time()
+    with pytest.raises(RankError) as info:
+        toolkit.launch(_raise_on_rank_1, 3, args=(str(tmp_path),), timeout_s=60)
+    assert time.time() - start < 20, "the failure should surface within seconds, not after the timeout"
+    message = str(info.value)
+    assert info.value.rank == 1
+    assert "rank 1 raised ValueError: rank one is unhappy" in message
+    assert "_raise_on_rank_1" in message  # the rank's own traceback
+    _assert_dead(tmp_path)
+    assert toolkit.launch(lambda: 7, 2, timeout_s=30) == [7, 7]  # the next launch works
+
+
+def _hang_on_rank_1():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(120)  # never joins the all-reduce
+    comm.all_reduce(torch.ones(3))
+
+
+def test_a_hung_rank_is_stopped_after_the_timeout_naming_the_collective(no_leftover_ranks):
+    start = time.time()
+    with pytest.raises(RankError) as info:
+        toolkit.launch(_hang_on_rank_1, 2, timeout_s=2)
+    elapsed = time.time() - start
+    assert 2 <= elapsed < 30
+    message = str(info.value)
+    assert info.value.rank == 0 and "all_reduce" in message
+    assert "rank 1: not in a collective" in message
+
+
+def _stuck_inside_a_collective():
+    """Simulate a rank stuck in C inside a collective that never times out by itself."""
+    from toolkit.runtime import status
+
+    status.enter("all_gather #7 (phase 'forward', group ranks [0, 1], 12 x float32)")
+    time.sleep(120)
+
+
+def test_the_launcher_watchdog_stops_a_rank_stuck_in_a_collective(no_leftover_ranks):
+    with pytest.raises(RankError) as info:
+        toolkit.launch(_stuck_inside_a_collective, 2, timeout_s=1)
+    assert "hung" in str(info.value) and "all_gather #7" in str(info.value)
+
+
+def test_a_rank_that_dies_is_reported_with_its_exit_code(no_leftover_ranks):
+    def die():
+        import torch.distributed as dist
+        if dist.get_rank() == 1:
+            os._exit(3)
+        time.sleep(60)
+    with pytest.raises(RankError, match="rank 1 died with exit code 3"):
+        toolkit.launch(die, 2, timeout_s=30)
+
+
+def test_parallel_launches_never_collide(no_leftover_ranks):
+    results, errors = {}, []
+
+    def one(key):
+        try:
+            results[key] = toolkit.launch(_everything, 2, args=(key,), timeout_s=60)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert {r["tag"] for r in results["a"]} == {"a"} and {r["tag"] for r in results["b"]} == {"b"}
+
+
+def test_keyboard_interrupt_stops_all_ranks(tmp_path):
+    script = tmp_path / "interrupted.py"
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    script.write_text(textwrap.dedent(f"""
+        import os, time, toolkit
+        def sleepy():
+            open(os.path.join({str(pid_dir)!r}, str(os.getpid())), "w").close()
+            time.sleep(120)
+        try:
+            toolkit.launch(sleepy, 2, timeout_s=300)
+        except KeyboardInterrupt:
+            print("INTERRUPTED")
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while len(os.listdir(pid_dir)) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert "INTERRUPTED" in out
+    time.sleep(0.5)
+    _assert_dead(pid_dir)
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="world_size must be a positive integer"):
+        toolkit.launch(lambda: 0, 0)
+    with pytest.raises(TypeError, match="needs a function"):
+        toolkit.launch(42, 2)
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        toolkit.launch(lambda: 0, 2, timeout_s=0)
+    with pytest.raises(ValueError, match="backend='mpi' is not known"):
+        toolkit.launch(lambda: 0, 2, backend="mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs one GPU per local rank"):
+            toolkit.launch(lambda: 0, 2, backend="nccl")
