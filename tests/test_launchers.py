@@ -1,0 +1,93 @@
+"""The same toolkit script under torchrun, mpiexec and ipyparallel MPI engines."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from toolkit.runtime import detect, resolve_backend
+
+pytestmark = pytest.mark.timeout(180)
+
+SCRIPT = textwrap.dedent("""
+    import torch, toolkit
+    place = toolkit.runtime.init()
+    x = torch.ones(3) * (place.rank + 1)
+    toolkit.comm.all_reduce(x)
+    print(f"OK rank={place.rank} world={place.world_size} local={place.local_rank} "
+          f"launcher={place.launcher} sum={x[0].item():g}", flush=True)
+""")
+
+
+def _bin(name):
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    return path if os.path.exists(path) else shutil.which(name)
+
+
+def _clean_env():
+    env = dict(os.environ)
+    for var in list(env):
+        if var.startswith(("OMPI_", "PMI_", "SLURM_", "TOOLKIT_")) or var in (
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(var)
+    return env
+
+
+def _run(cmd, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run(cmd + [str(script)], capture_output=True, text=True, timeout=150,
+                         env=_clean_env(), cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return sorted(line for line in out.stdout.splitlines() if line.startswith("OK"))
+
+
+def test_torchrun(tmp_path):
+    lines = _run([_bin("torchrun"), "--standalone", "--nproc_per_node=2"], tmp_path)
+    assert lines == [f"OK rank={r} world=2 local={r} launcher=torchrun sum=3" for r in range(2)]
+
+
+@pytest.mark.skipif(_bin("mpiexec") is None, reason="no mpiexec on this machine")
+def test_mpiexec(tmp_path):
+    lines = _run([_bin("mpiexec"), "-n", "3", sys.executable], tmp_path)
+    assert lines == [f"OK rank={r} world=3 local={r} launcher=mpich sum=6" for r in range(3)]
+
+
+def test_ipyparallel_mpi_engines():
+    import toolkit
+    rc = toolkit.runtime.cluster(2, activate=False)
+    try:
+        def on_engine():
+            import torch
+            import torch.distributed as dist
+            import toolkit
+            x = torch.ones(2) * (dist.get_rank() + 1)
+            toolkit.comm.all_reduce(x)
+            return dist.get_rank(), x.tolist()
+        assert sorted(rc[:].apply_sync(on_engine)) == [(0, [3.0, 3.0]), (1, [3.0, 3.0])]
+    finally:
+        toolkit.runtime.stop_cluster(rc)
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}, (3, 8, 1, "torchrun")),
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
+     (5, 6, 1, "openmpi")),
+    ({"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0"}, (2, 4, 0, "mpich")),
+    ({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1"}, (9, 16, 1, "slurm")),
+    ({}, (0, 1, 0, "single")),
+])
+def test_placement_is_read_from_every_launcher(environ, expected):
+    p = detect(environ)
+    assert (p.rank, p.world_size, p.local_rank, p.launcher) == expected
+
+
+def test_backend_choice():
+    import torch
+    assert resolve_backend("gloo") == "gloo"
+    if not torch.cuda.is_available():
+        assert resolve_backend("auto", 2) == "gloo"
+    with pytest.raises(ValueError, match="choose one of"):
+        resolve_backend("ucc")
