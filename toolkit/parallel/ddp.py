@@ -1,0 +1,208 @@
+"""Data parallelism: every rank holds the whole model and computes gradients on its own slice of the
+batch; averaging the gradients over the ranks makes every rank take the step that one process would
+take on the whole batch.
+
+Two versions, in the order a course builds them:
+
+- "dp" (`wrap_naive`): once backward is over, all-reduce every gradient, one message per tensor.
+  Correct, and slow: the network idles during backward, then many small messages each pay the latency.
+- "ddp" (`wrap`): torch DDP's design. Gradients are grouped into buckets of about `bucket_cap_mb`
+  MiB, last-registered parameters first (roughly the order backward produces them). A hook on each
+  parameter marks its gradient ready; a complete bucket is copied into one flat buffer and its
+  all-reduce starts asynchronously, while backward goes on computing earlier layers. At the end of
+  backward we wait for every bucket and copy the averages back into `.grad`.
+
+What both share: at wrap time the ranks' models are checked to be the same and rank 0's parameters and
+buffers are broadcast; `no_sync()` for gradient accumulation; `mixed_precision` (see local.py: 16-bit
+parameters, gradients and messages, fp32 masters in the optimizer). Corner cases:
+
+- requires_grad=False parameters are never reduced (as in torch). Buffers are broadcast once, at
+  wrap time (torch re-broadcasts them before every forward, which matters for BatchNorm statistics).
+- a tied parameter (the GPT's embedding and head) is one Parameter: autograd sums both uses before
+  accumulating, so its hook fires once per backward and it is reduced once.
+- a parameter that gets no gradient in a backward (unused in that forward) contributes zeros, so a
+  layer skipped on some ranks still averages right (torch's `find_unused_parameters=True`; torch's
+  default raises instead). A parameter that no rank used ends with a zero gradient where "local"
+  would leave None (AdamW then still decays it): freeze it with `requires_grad_(False)`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from .. import comm
+from ..runtime import env
+from ..trace.events import phase
+from . import check_options, consistency
+from .local import Wrapped
+
+NAIVE_OPTIONS = ("mixed_precision",)
+DDP_OPTIONS = ("mixed_precision", "bucket_cap_mb")
+
+
+class DataParallel(Wrapped):
+    """What both versions share: the same start on every rank, and noticing when a backward runs."""
+
+    def __init__(self, module, mixed_precision=False, group=None):
+        consistency.check_same_model(module, group)  # a clear error now rather than a hang later
+        module.to(env.device())
+        with phase("setup"):
+            consistency.broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), group)
+        super().__init__(module, mixed_precision)  # fp32 masters copy rank 0's values, then the cast
+        self.group = group
+        self.params = [p for p in module.parameters() if p.requires_grad]  # tied ones appear once
+        self.require_sync = True  # no_sync() turns it off
+        self._sync = True         # what the last forward saw: torch decides at forward time too
+        self._in_backward = False
+        for index, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, index))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Forwards and backwards inside only accumulate local gradients; the next synchronised
+        backward then reduces the accumulated sum, so k micro-batches cost one reduction."""
+        before, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = before
+
+    def forward(self, *args, **kwargs):
+        self._sync, self._in_backward = self.require_sync, False
+        return super().forward(*args, **kwargs)
+
+    def _on_grad(self, index, param):
+        """Autograd calls this once per parameter per backward, right after `.grad` is accumulated."""
+        if not self._sync:
+            return
+        if not self._in_backward:  # the first gradient of this backward: be called back at its end
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self.grad_ready(index)
+
+    def _end_of_backward(self):
+        self._in_backward = False
+        self.finish_backward()
+
+    def grad_ready(self, index: int) -> None:
+        """Parameter `index`'s gradient is final for this backward."""
+
+    def finish_backward(self) -> None:
+        """Backward is over: every rank must now hold the averaged gradients."""
+        raise NotImplementedError
+
+
+# --- 1. naive data parallel ---------------------------------------------------------------------
+class NaiveDataParallel(DataParallel):
+    """"dp": when backward is over, average every gradient with its own blocking all-reduce.
+
+    Why at the end of backward rather than at the start of `optimizer.step()`: whatever runs between
+    backward and step (clip_grad_norm_, logging the gradient norm) sees averaged gradients, exactly as
+    under DDP; the two versions then differ only in when and how the bytes travel.
+    """
+
+    def finish_backward(self):
+        for p in self.params:
+            if p.grad is None:  # unused in this forward here: it still joins, or the ranks' calls mismatch
+                p.grad = torch.zeros_like(p)
+            comm.all_reduce(p.grad, op="avg", group=self.group)
+
+
+# --- 2. bucketed, overlapped DDP -----------------------------------------------------------------
+def assign_buckets(params, cap_bytes: float) -> list[list[int]]:
+    """Indices of `params` in buckets, last-registered first. A bucket closes once it holds at least
+    `cap_bytes` (so a parameter larger than the cap gets a bucket of its own) or the dtype changes."""
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(params))):
+        p = params[i]
+        if current and (size >= cap_bytes or p.dtype != params[current[0]].dtype):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += p.numel() * p.element_size()
+    return buckets + [current] if current else buckets
+
+
+class Bucket:
+    """Some parameters' gradients side by side in one flat buffer: one all-reduce carries them all."""
+
+    def __init__(self, params, indices):
+        mine = [params[i] for i in indices]
+        self.indices = indices
+        self.buffer = torch.zeros(sum(p.numel() for p in mine), dtype=mine[0].dtype, device=mine[0].device)
+        self.views = dict(zip(indices, self.buffer.split([p.numel() for p in mine])))  # index -> slice
+        self.ready: set[int] = set()
+        self.handle = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.indices)
+
+
+class DistributedDataParallel(DataParallel):
+    """"ddp": buckets of gradients all-reduced asynchronously while backward goes on."""
+
+    def __init__(self, module, mixed_precision=False, bucket_cap_mb=25, group=None):
+        super().__init__(module, mixed_precision, group)
+        cap = bucket_cap_mb * 2**20
+        self.buckets = [Bucket(self.params, ix) for ix in assign_buckets(self.params, cap)]
+        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.indices}
+        self.next_bucket = 0  # buckets start in order, so every rank issues the same collectives
+
+    def grad_ready(self, index):
+        bucket = self.buckets[self.bucket_of[index]]
+        if index in bucket.ready:
+            raise RuntimeError(f"parameter #{index} became ready twice in one backward; DDP reduces each "
+                               "gradient once per backward (reentrant checkpointing can cause this).")
+        bucket.views[index].copy_(self.params[index].grad.reshape(-1))
+        bucket.ready.add(index)
+        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].complete:
+            self._launch(self.buckets[self.next_bucket])
+
+    def _launch(self, bucket):
+        for index, view in bucket.views.items():
+            if index not in bucket.ready:  # no gradient in this backward: contribute zeros
+                view.zero_()
+        bucket.handle = comm.all_reduce(bucket.buffer, op="avg", group=self.group, async_op=True)
+        self.next_bucket += 1
+
+    def finish_backward(self):
+        while self.next_bucket < len(self.buckets):  # buckets still waiting on an unused parameter
+            self._launch(self.buckets[self.next_bucket])
+        for bucket in self.buckets:
+            bucket.handle.wait()
+            for index, view in bucket.views.items():
+                p = self.params[index]
+                if p.grad is None:
+                    p.grad = view.view_as(p).clone()
+                else:
+                    p.grad.copy_(view.view_as(p))
+            bucket.ready.clear()
+            bucket.handle = None
+        self.next_bucket = 0
+
+    def memory_groups(self):
+        """As every strategy's, plus the bucket buffers, which count as gradients."""
+        groups = super().memory_groups()
+        groups["grads"] = groups["grads"] + [b.buffer for b in self.buckets]
+        return groups
+
+
+# --- the strategies' entry points ----------------------------------------------------------------
+def wrap_naive(model, optimizer, **options):
+    """"dp": one all-reduce per gradient after backward. Options: mixed_precision."""
+    check_options("dp", options, NAIVE_OPTIONS)
+    wrapped = NaiveDataParallel(model, **options)
+    return wrapped, wrapped.build_optimizer(optimizer)
+
+
+def wrap(model, optimizer, **options):
+    """"ddp": bucketed all-reduces overlapped with backward. Options: mixed_precision, bucket_cap_mb (25)."""
+    check_options("ddp", options, DDP_OPTIONS)
+    cap = options.get("bucket_cap_mb", 25)
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {cap!r}.")
+    wrapped = DistributedDataParallel(model, **options)
+    return wrapped, wrapped.build_optimizer(optimizer)

@@ -1,0 +1,161 @@
+"""One process, the whole batch: the reference ("oracle") that every strategy is checked against.
+
+It also holds the two things every strategy shares, because they are the same on one process as on many:
+
+1. `Wrapped`, the thin wrapper a strategy returns: `forward` passes through, and it adds
+   `full_state_dict()`, `memory_groups()` and `clip_grad_norm_()`. Strategies subclass it.
+2. The mixed-precision recipe (`mixed_precision=True` or a 16-bit dtype; True means bfloat16):
+
+   - the model's parameters, and so its activations and gradients, are 16-bit:  2 + 2 bytes per parameter;
+   - the optimizer never sees them: it is built on fp32 *master* copies, so master weights and
+     Adam's two moments are fp32:                                               K = 4 + 4 + 4 = 12 bytes;
+   - a step: 16-bit gradients become the masters' fp32 `.grad` (and leave the model), the optimizer
+     updates the masters, the masters are rounded back into the 16-bit parameters.
+
+   Why masters: an update lr * m / sqrt(v) is often smaller than bfloat16's spacing (8 significant bits),
+   so adding it to a 16-bit weight would round it away; summed in fp32 it is kept.
+   Two optimizer hooks do the copies, so `optimizer` stays a real torch optimizer (LR schedulers,
+   state_dict and param_groups all work). There is no loss scaling: use bfloat16 (float16 gradients
+   can underflow without it).
+
+So "local" with `mixed_precision` is the oracle for mixed-precision strategies too.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from . import check_options
+
+OPTIONS = ("mixed_precision",)
+
+
+def compute_dtype(mixed_precision) -> torch.dtype | None:
+    """The 16-bit compute dtype asked for, or None for plain fp32 training."""
+    if mixed_precision is None or mixed_precision is False:
+        return None
+    if mixed_precision is True:
+        return torch.bfloat16
+    if mixed_precision in (torch.bfloat16, torch.float16):
+        return mixed_precision
+    raise ValueError(f"mixed_precision={mixed_precision!r}: use False, True (bfloat16), "
+                     "torch.bfloat16 or torch.float16.")
+
+
+class MasterWeights:
+    """fp32 master copies of some parameters; the optimizer steps the masters, not the parameters.
+
+    Make it while the parameters are still fp32 (then cast the model). `attach(optimizer)` adds
+    the two copies around every `optimizer.step()`. ZeRO can use the same class on its flat shards.
+    """
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.masters = [nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
+                        for p in self.params]
+
+    def grads_to_masters(self, *_):
+        """Before the step: each 16-bit gradient moves into its master's fp32 `.grad`."""
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None  # the step consumes the gradient, so `zero_grad()` on the optimizer is enough
+
+    @torch.no_grad()
+    def masters_to_params(self, *_):
+        """After the step: round the updated masters into the 16-bit parameters; drop the fp32 grads."""
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+            m.grad = None
+
+    def attach(self, optimizer):
+        optimizer.register_step_pre_hook(self.grads_to_masters)
+        optimizer.register_step_post_hook(self.masters_to_params)
+        return optimizer
+
+
+def clip_grad_norm_(grads, max_norm: float, reduce=None) -> torch.Tensor:
+    """Scale `grads` in place so that their joint L2 norm is at most `max_norm`; return the norm before.
+
+    The sum of squares is taken in fp32 whatever the gradients' dtype. `reduce(sum_of_squares)`, if
+    given, adds the other ranks' parts in place (for strategies whose gradients are sharded).
+    """
+    grads = [g for g in grads if g is not None]
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+    for g in grads:
+        total += g.float().pow(2).sum()
+    if reduce is not None:
+        reduce(total)
+    norm = total.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return norm
+
+
+class Wrapped(nn.Module):
+    """The wrapper every strategy returns: the original model inside, plus what training tools ask of it."""
+
+    def __init__(self, module: nn.Module, mixed_precision=False):
+        super().__init__()
+        self.module = module
+        self.dtype = compute_dtype(mixed_precision)
+        self.master = None
+        if self.dtype is not None:
+            self.master = MasterWeights(module.parameters())  # fp32 copies first, then cast
+            module.to(self.dtype)
+        self.optimizer = None
+
+    def build_optimizer(self, optimizer) -> torch.optim.Optimizer:
+        """`optimizer(params)` on the fp32 masters (mixed precision) or on the model's parameters."""
+        params = self.master.masters if self.master is not None else list(self.module.parameters())
+        self.optimizer = optimizer(params)
+        if self.master is not None:
+            self.master.attach(self.optimizer)
+        return self.optimizer
+
+    def forward(self, *args, **kwargs):
+        return self.module(*self._prepare(args), **self._prepare(kwargs))
+
+    def _prepare(self, value):
+        """Inputs go to the parameters' device; floating inputs to the compute dtype (ids stay ints)."""
+        if isinstance(value, torch.Tensor):
+            p = next(self.module.parameters(), None)
+            if p is None:
+                return value
+            dtype = p.dtype if value.is_floating_point() else value.dtype
+            return value.to(device=p.device, dtype=dtype)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._prepare(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._prepare(v) for k, v in value.items()}
+        return value
+
+    def full_state_dict(self) -> dict:
+        """{original parameter name: full fp32 tensor}: the masters under mixed precision."""
+        if self.master is not None:
+            return {name: m.detach().clone()
+                    for (name, _), m in zip(self.module.named_parameters(), self.master.masters)}
+        return {name: p.detach().clone() for name, p in self.module.named_parameters()}
+
+    def memory_groups(self) -> dict:
+        """The tensors on this rank now: params, grads, optimizer (fp32 masters and states count there)."""
+        params = list(self.module.parameters())
+        optimizer = []
+        if self.master is not None:
+            optimizer += self.master.masters + [m.grad for m in self.master.masters if m.grad is not None]
+        if self.optimizer is not None:
+            optimizer += [t for state in self.optimizer.state.values() for t in state.values()
+                          if isinstance(t, torch.Tensor)]
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "optimizer": optimizer}
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to `max_norm` in place; return the global norm (fp32)."""
+        return clip_grad_norm_([p.grad for p in self.module.parameters()], max_norm)
+
+
+def wrap(model: nn.Module, optimizer, **options):
+    """The reference: `Wrapped(model)` and `optimizer(...)`, with an optional mixed-precision policy."""
+    check_options("local", options, OPTIONS)
+    wrapped = Wrapped(model, options.get("mixed_precision", False))
+    return wrapped, wrapped.build_optimizer(optimizer)
