@@ -58,15 +58,12 @@ def test_mpiexec(tmp_path):
 def test_ipyparallel_mpi_engines():
     import toolkit
     rc = toolkit.runtime.cluster(2, activate=False)
-    try:
-        def on_engine():
-            import torch
-            import torch.distributed as dist
-            import toolkit
-            x = torch.ones(2) * (dist.get_rank() + 1)
-            toolkit.comm.all_reduce(x)
-            return dist.get_rank(), x.tolist()
-        assert sorted(rc[:].apply_sync(on_engine)) == [(0, [3.0, 3.0]), (1, [3.0, 3.0])]
+    try:  # what a `%%px` cell does: the same code on every engine
+        rc[:].execute("import torch, torch.distributed as dist\n"
+                      "x = torch.ones(2) * (dist.get_rank() + 1)\n"
+                      "toolkit.comm.all_reduce(x)\n"
+                      "result = (dist.get_rank(), x.tolist())", block=True)
+        assert sorted(rc[:].pull("result", block=True)) == [(0, [3.0, 3.0]), (1, [3.0, 3.0])]
     finally:
         toolkit.runtime.stop_cluster(rc)
 
