@@ -89,6 +89,17 @@ def _reduce_op(op):
     return op
 
 
+_side_stream = None
+
+
+def _marker_stream():
+    """One side stream per process on which the ends of asynchronous collectives are marked."""
+    global _side_stream
+    if _side_stream is None:
+        _side_stream = torch.cuda.Stream()
+    return _side_stream
+
+
 class Handle:
     """What an asynchronous collective returns: `wait()` blocks until the result is in place."""
 
@@ -97,7 +108,7 @@ class Handle:
         if work is None:  # ran synchronously (hand-written implementations)
             event["end"] = recorder.mark()
         elif recorder._on_gpu():
-            side = torch.cuda.Stream()  # marks the end on the device without blocking the host
+            side = _marker_stream()  # marks the end on the device without blocking the host
             with torch.cuda.stream(side):
                 work.wait()
             event["end"] = recorder.mark(side)
