@@ -20,3 +20,4 @@ from .formulas import (
     ring_all_reduce_bytes,
     ring_reduce_scatter_bytes,
 )
+from .ledger import ActivationMeter, ledger, memory_groups, record_memory
