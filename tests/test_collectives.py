@@ -49,7 +49,7 @@ def _door_checks():
         elif r == 1:
             comm.recv(buf, src=0)
         out["p2p"] = buf
-    out["events"] = [dict(e, start=None, end=None) for e in rec.events]
+    out["events"] = [dict(e, start=None, end=None) for e in rec.events if e["cat"] == "comm"]
     out["complete"] = all(e["end"] is not None and e["end"] >= e["start"] for e in rec.events)
     return out
 

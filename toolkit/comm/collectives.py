@@ -118,10 +118,15 @@ class Handle:
     def wait(self):
         if self._work is not None:
             status.enter(_describe(self._event))
+            # time spent blocked here is idle compute: the trace shows it as a "wait" span
+            blocked = None if self._work.is_completed() else recorder.add(
+                "wait", "wait", recorder.mark(), op=self._event["name"])
             try:
                 self._work.wait()
             except RuntimeError as exc:
                 raise _explained(exc, self._event) from exc
+            if blocked is not None:
+                blocked["end"] = recorder.mark()
             status.leave()
             if self._event["end"] is None:
                 self._event["end"] = recorder.mark()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 THREADS = {"compute": 0, "comm": 1}
+LANE = dict(THREADS, wait=0)  # waiting on a collective blocks the compute lane
 
 
 def to_chrome(run) -> dict:
@@ -23,7 +24,7 @@ def to_chrome(run) -> dict:
     for e in run.events:
         duration = max(e["end"] - e["start"], 0.0)
         out.append({"ph": "X", "name": e["name"], "cat": e["cat"], "pid": e["rank"],
-                    "tid": THREADS.get(e["cat"], 2), "ts": (e["start"] - t0) * 1e6, "dur": duration * 1e6,
+                    "tid": LANE.get(e["cat"], 2), "ts": (e["start"] - t0) * 1e6, "dur": duration * 1e6,
                     "args": dict(e["args"], phase=e["phase"])})
     return {"traceEvents": out, "displayTimeUnit": "ms",
             "otherData": {k: str(v) for k, v in run.meta.items()}}
