@@ -1,0 +1,160 @@
+"""`python -m toolkit demo` (`make demo`): the whole toolkit in one command, on this machine.
+
+What it does: launches real ranks, runs every collective through the backend (NCCL or gloo) and
+through the hand-written versions (ring, pairwise exchange), checks that both give the same answer,
+prints a table of time and bandwidth, and leaves three files under `runs/`:
+
+- `demo-report.html`  the table and interactive figures, self-contained (opens with no network)
+- `demo-trace.json`   a Chrome trace: open it in ui.perfetto.dev or chrome://tracing
+- `demo-run.json`     the merged Run, to reload with `toolkit.Run.load` and draw again
+
+The demo is a sequence of sections (today: collectives); later sections (training) add their own
+measurements, table lines and report blocks the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from .comm import measure
+from .comm.collectives import OPERATIONS
+from .runtime.env import resolve_backend
+from .trace.chrome import save_chrome
+
+DEMO_SIZES = (4 * measure.KiB, 64 * measure.KiB, 1 * measure.MiB, 4 * measure.MiB)
+GPU_SIZES = (64 * measure.KiB, 1 * measure.MiB, 16 * measure.MiB, 64 * measure.MiB)
+QUICK_SIZES = measure.QUICK_SIZES
+
+
+def default_world_size() -> int:
+    """One rank per GPU on a CUDA machine; otherwise 4.
+
+    Why 4 on a CPU: it is the smallest ring where the pattern shows (every rank has a distinct left and
+    right neighbour, and 2(N-1)/N = 1.5 is visibly between 1 and 2), and gloo runs 4 ranks on any
+    laptop. With fewer cores than ranks the ranks take turns on the cores, so every time measured is
+    a lower bound on the algorithm's speed (an upper bound on its time), not a property of the network.
+    """
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return torch.cuda.device_count()
+    return 4
+
+
+def default_sizes(quick: bool = False) -> tuple:
+    if quick:
+        return QUICK_SIZES
+    return GPU_SIZES if torch.cuda.is_available() and torch.cuda.device_count() > 0 else DEMO_SIZES
+
+
+# --- section: collectives ------------------------------------------------------------------------------
+def collectives_section(world_size: int, sizes, repeats: int, warmup: int, say):
+    """Measure every collective both ways; print the table; return (records, run, report blocks)."""
+    from . import viz
+
+    handwritten = measure.handwritten_operations()
+    say(f"Timing {', '.join(OPERATIONS)} on {world_size} ranks, "
+        f"{len(sizes)} sizes, {repeats} repetitions each; backend versus hand-written "
+        f"({', '.join(sorted(handwritten)) or 'none yet'}).")
+    records, run = measure.measure_collectives(world_size, sizes=sizes, warmup=warmup, repeats=repeats,
+                                               config={"demo": "collectives"})
+    say("")
+    say(measure.format_table(records))
+    say("")
+    disagree = [r for r in records if r["agree"] is False]
+    without = sorted(set(OPERATIONS) - handwritten)
+    if disagree:
+        say("DISAGREEMENT: " + ", ".join(f"{r['op']} at {measure.size_label(r['size_bytes'])}" for r in disagree)
+            + " - the hand-written and backend results differ.")
+    else:
+        say("The backend and hand-written results agree wherever both ran.")
+    if without:
+        say(f"No hand-written version of {', '.join(without)} yet: only the backend was timed for it.")
+
+    largest = max(r["size_bytes"] for r in records)
+    focus = f"all_reduce/backend/{measure.size_label(largest)}", f"all_reduce/ring/{measure.size_label(largest)}"
+    blocks = [
+        viz.heading("Every collective, backend versus hand-written"),
+        "Each row is the median over repetitions of the slowest rank's time (every repetition starts "
+        "after a barrier). algbw = size / time; busbw = algbw × the collective's bus factor "
+        "(all-reduce 2(N-1)/N; reduce-scatter, all-gather, all-to-all (N-1)/N; broadcast 1), which is "
+        "comparable with the speed of one link.",
+        viz.table(measure.table_rows(records)),
+        viz.bandwidth(records, model="fit"),
+        viz.collective_times(records, model="fit"),
+        viz.heading("Timeline"),
+        "One all-reduce of the largest size, backend then ring, on every rank. Hover a span for its "
+        "bytes, duration and bandwidth; drag to zoom.",
+        viz.timeline(run, phase=focus, title=f"all-reduce of {measure.size_label(largest)}: backend, then ring"),
+        viz.timeline(run, title="The whole measurement (zoom in: every bar is one call)"),
+        viz.heading("The ring's schedule"),
+        viz.ring_schedule(world_size),
+    ]
+    return records, run, blocks, not disagree
+
+
+# --- the demo ------------------------------------------------------------------------------------------
+def run_demo(world_size: int | None = None, out_dir="runs", sizes=None, quick: bool = False,
+             repeats: int | None = None, say=print) -> dict:
+    """Run the demo; return the paths written: {"report", "trace", "run"} (plus "ok": did everything agree).
+
+    quick: two sizes and three repetitions (for tests and a first look). sizes: message sizes in bytes.
+    """
+    from . import viz
+
+    started = time.perf_counter()
+    world_size = world_size or default_world_size()
+    sizes = tuple(sizes or default_sizes(quick))
+    repeats = repeats or (3 if quick else 5)
+    cores = os.cpu_count() or 1
+    backend = resolve_backend("auto", world_size)
+    say(f"toolkit demo: {world_size} ranks ({backend}) on a machine with {cores} CPU cores"
+        + (f" and {torch.cuda.device_count()} GPUs" if torch.cuda.is_available() else "") + ".")
+    if backend == "gloo" and world_size > cores:
+        say(f"{world_size} ranks share {cores} cores: they take turns, so times are upper bounds and "
+            "bandwidths lower bounds; compare implementations side by side, not with a datasheet.")
+
+    records, run, blocks, ok = collectives_section(world_size, sizes, repeats, 1, say)
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"report": os.path.join(out_dir, "demo-report.html"), "trace": os.path.join(out_dir, "demo-trace.json"),
+             "run": os.path.join(out_dir, "demo-run.json")}
+    run.save(paths["run"])
+    save_chrome(run, paths["trace"])
+    wall = time.perf_counter() - started
+    meta = run.meta
+    summary = (f"{world_size} ranks, backend {meta.get('backend')}, device {meta.get('device')}, torch "
+               f"{meta.get('torch')}, host {meta.get('host')}, {cores} CPU cores; measured in {wall:.1f} s.")
+    viz.write_report(paths["report"], "toolkit demo: collectives, measured live",
+                     [summary, viz.note("Times on a shared or oversubscribed machine are upper bounds; "
+                                        "compare the implementations with each other, measured side by side.")]
+                     + blocks
+                     + [viz.heading("Files"),
+                        f"Chrome trace: {os.path.basename(paths['trace'])} (open in ui.perfetto.dev or "
+                        f"chrome://tracing). Run record: {os.path.basename(paths['run'])} "
+                        "(toolkit.Run.load, then toolkit.viz.timeline)."])
+    say("")
+    for label, path in paths.items():
+        say(f"{label:>6}: {path}")
+    say(f"done in {time.perf_counter() - started:.1f} s")
+    return dict(paths, ok=ok)
+
+
+def main(argv=None) -> int:
+    """The command line of `python -m toolkit demo`; returns 0 when every comparison agreed."""
+    parser = argparse.ArgumentParser(prog="python -m toolkit demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks to launch (default: one per GPU, else 4)")
+    parser.add_argument("--out", default="runs", help="folder for the report, trace and run (default: runs)")
+    parser.add_argument("--quick", action="store_true", help="two sizes, three repetitions: a first look in seconds")
+    args = parser.parse_args(argv)
+    if args.world_size is not None and args.world_size < 2:
+        parser.error("--world-size must be at least 2: a collective needs someone to talk to.")
+    result = run_demo(world_size=args.world_size, out_dir=args.out, quick=args.quick)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
