@@ -1,0 +1,475 @@
+"""ZeRO stages 1, 2, 3 checked against one process, against theory, and against torch's own versions.
+
+Every rank trains on its contiguous slice of the same global batch, so every stage must reproduce a
+plain one-process torch loop (torch.optim.AdamW on the full batch): same losses, same parameters.
+Each world size is one launch (`results(n)`, cached) that runs every check for that size; the tests
+below only compare the numbers it brought back.
+
+The model: the tiny GPT with a tied head and a shape chosen so that Ψ = 19,006 divides by neither 3
+nor 4 (nor do most of its per-module units), so padding is exercised at every world size but 1 and 2.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import toolkit
+from toolkit.memory import communication_per_step, model_states_breakdown
+from toolkit.models import SyntheticCorpus, tiny_gpt
+from toolkit.parallel import wrap
+from toolkit.parallel.flat import FlatBuffer, padded_numel
+
+CFG = dict(vocab_size=63, d_model=26, n_head=2, seq_len=16)  # Ψ = 19,006: not a multiple of 3 or 4
+DATA = dict(vocab_size=63, seq_len=16)
+PSI = 19006
+STEPS, GLOBAL_BATCH, LR = 4, 12, 1e-3  # 12 rows split evenly over 1, 2, 3 and 4 ranks
+OPT = functools.partial(torch.optim.AdamW, lr=LR)
+ATOL = 1e-5  # fp32: only the order of floating-point sums differs
+CLIP = 0.05  # well below the gradient norms (about 0.3-1), so every step clips
+SMALL = 0.01  # MiB: the 76 KB model spreads over several ZeRO-1/2 buckets
+STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+# Mixed precision (bfloat16 compute, fp32 masters), compared with the same recipe in one process.
+# Losses are bf16 numbers near 4.1, where bf16's spacing is 1/32. The ranks' cross-entropies round
+# differently from the whole batch's inside the reduction, not only at the end (on the same weights the
+# full batch's bf16 loss and the mean of its halves' differ by up to one spacing): allow 3 spacings.
+# Parameters: ranks average bf16 gradients, which rounds them again. Adam moves every element by about
+# lr per step whatever its gradient's size, so the few elements whose gradient is near zero can flip
+# the sign of their update: the largest difference is bounded only by 2 * lr * STEPS. The typical
+# element agrees far better: mean |difference| below 1e-4 (an element moves about 3e-3 in 4 steps,
+# so a wrong update would show) and 99% of the elements within 5e-4.
+MP_LOSS_ATOL = 3 / 32
+MP_PARAM_MAX, MP_PARAM_MEAN, MP_PARAM_P99 = 2 * LR * STEPS, 1e-4, 5e-4
+
+
+def build(**overrides):
+    torch.manual_seed(0)
+    return tiny_gpt(**{**CFG, **overrides})
+
+
+def batches(rank=0, world_size=1, steps=STEPS):
+    corpus = SyntheticCorpus(**DATA)
+    return [corpus.batch(s, GLOBAL_BATCH, rank=rank, world_size=world_size) for s in range(steps)]
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# --- the oracles: plain torch loops in this process --------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def oracle(clip=None, mixed=False):
+    """Losses, clip norms and final parameters of one process on the whole batch, torch only."""
+    model = build()
+    params = list(model.parameters())
+    if mixed:  # fp32 masters of the fp32 initial values, then a bf16 model
+        masters = [nn.Parameter(p.detach().clone()) for p in params]
+        model.to(torch.bfloat16)
+    opt = OPT(masters if mixed else params)
+    losses, norms = [], []
+    for x, y in batches():
+        loss = model(x, y)
+        loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(params, clip).item())
+        if mixed:
+            for p, m in zip(params, masters):
+                m.grad, p.grad = p.grad.float(), None
+        opt.step()
+        opt.zero_grad()
+        if mixed:
+            with torch.no_grad():
+                for p, m in zip(params, masters):
+                    p.copy_(m)
+        losses.append(loss.item())
+    final = masters if mixed else params
+    return losses, norms, {n: t.detach().float().clone() for (n, _), t in zip(model.named_parameters(), final)}
+
+
+# --- what every rank runs ------------------------------------------------------------------------------
+def storage_bytes(groups: dict) -> dict:
+    """Bytes per category, a storage counted once (in its first category), freed storages as 0."""
+    seen, out = set(), {}
+    for category in ("params", "grads", "optimizer"):
+        out[category] = 0
+        for t in groups[category]:
+            if t is None or t.untyped_storage().nbytes() == 0 or t.untyped_storage().data_ptr() in seen:
+                continue
+            seen.add(t.untyped_storage().data_ptr())
+            out[category] += t.untyped_storage().nbytes()
+    return out
+
+
+def train(rank, n, strategy, clip=None, micro=1, **options):
+    """The plain loop on this rank's rows. Measures memory (after the last step, before zero_grad) and
+    the bytes this rank sent during the last step (forward, backward and step; no clipping then)."""
+    from toolkit.trace import recorder
+
+    model, opt = wrap(build(), strategy, optimizer=OPT, **options)
+    losses, norms = [], []
+    for step, (x, y) in enumerate(batches(rank, n)):
+        last = step == STEPS - 1
+        start = len(recorder.events)
+        if micro == 1:
+            loss = model(x, y)
+            loss.backward()
+        else:  # micro-batches, as toolkit.train does: all but the last under no_sync() (ZeRO-1 then
+            rows, loss = x.shape[0] // micro, 0.0  # does not communicate; ZeRO-2/3 reduce all the same)
+            for i in range(micro):
+                with model.no_sync() if i < micro - 1 else contextlib.nullcontext():
+                    part = model(x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows]) / micro
+                    part.backward()
+                loss = loss + part.detach()
+        if clip is not None:
+            norms.append(model.clip_grad_norm_(clip).item())
+        opt.step()
+        if last:
+            sent = sum(e["args"]["bytes_sent"] for e in recorder.events[start:] if e["cat"] == "comm")
+            memory = storage_bytes(model.memory_groups())
+            freed = all(p.untyped_storage().nbytes() == 0 for p in model.module.parameters())
+        opt.zero_grad()
+        losses.append(loss.float().item())
+    with torch.no_grad():  # the wrapped model's outputs, to compare with a plain model's
+        logits = model(batches(0, 1, steps=1)[0][0]).float()
+    flats = model.flat_buffers()
+    return {"losses": losses, "norms": norms, "params": model.full_state_dict(), "memory": memory,
+            "logits": logits,
+            "sent": sent, "freed": freed, "padded": sum(f.padded_numel for f in flats),
+            "padding": sum(f.padding for f in flats), "shards": len(flats),
+            "dtype_bytes": flats[0].data.element_size()}
+
+
+def peer_zero_redundancy(rank, n):
+    """torch's ZeroRedundancyOptimizer (whole parameters per rank) under torch DDP."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build()
+    ddp = DistributedDataParallel(model)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+    losses = []
+    for x, y in batches(rank, n):
+        loss = ddp(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
+
+
+def peer_fsdp2(rank, n):
+    """torch's FSDP2: fully_shard on every block, then the root (which holds the tied embedding/head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build()
+    mesh = init_device_mesh("cpu", (n,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = OPT(model.parameters())
+    losses = []
+    for x, y in batches(rank, n):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {k: v.full_tensor().detach().clone() for k, v in model.named_parameters()}}
+
+
+def errors(rank, n):
+    """Misuse on real ranks: each must raise a clear error on every rank (no hang)."""
+    found = {}
+
+    def catch(key, fn):
+        try:
+            fn()
+        except (ValueError, RuntimeError) as exc:
+            found[key] = f"{type(exc).__name__}: {exc}"
+
+    catch("mismatch", lambda: wrap(build(d_model=26 if rank == 0 else 28), "zero2", optimizer=OPT))
+    model, opt = wrap(build(), "zero1", optimizer=OPT)
+    (x, y), = batches(rank, n, steps=1)
+
+    def twice():
+        model(x, y).backward()
+        model(x, y).backward()  # no zero_grad, no no_sync: the slice would be averaged twice
+
+    catch("zero1_twice", twice)
+    opt.zero_grad()
+
+    def only_no_sync():
+        with model.no_sync():
+            model(x, y).backward()
+        opt.step()
+
+    catch("zero1_no_sync_only", only_no_sync)
+    return found
+
+
+def scheduler_and_state_dict(rank, n):
+    """The sharded optimizer is a torch Optimizer: an LR scheduler drives it, state_dict() sees its slices."""
+    model, opt = wrap(build(), "zero2", optimizer=OPT)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    (x, y), = batches(rank, n, steps=1)
+    model(x, y).backward()
+    opt.step()
+    schedule.step()
+    state = opt.state_dict()
+    return {"lr": opt.inner.param_groups[0]["lr"], "states": len(state["state"]),
+            "moment": tuple(next(iter(state["state"].values()))["exp_avg"].shape)}
+
+
+def run_rank(n):
+    rank = torch.distributed.get_rank()
+    out = {}
+    for strategy in STAGES:
+        out[strategy] = train(rank, n, strategy)
+    if n == 1:
+        out["scheduler"] = scheduler_and_state_dict(rank, n)
+        return out
+    out["zero1_small"] = train(rank, n, "zero1", bucket_cap_mb=SMALL)
+    out["zero2_small"] = train(rank, n, "zero2", bucket_cap_mb=SMALL)
+    if n == 4:  # two groups of two ranks, each sharding over its own group: each is a world of 2
+        groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+        out["zero3_group"] = train(rank % 2, 2, "zero3", group=groups[rank // 2])
+    if n != 2:
+        return out
+    out["zero1_all_reduce"] = train(rank, n, "zero1", reduce="all_reduce")
+    for strategy in STAGES:
+        out[f"{strategy}_mixed"] = train(rank, n, strategy, mixed_precision=True)
+        out[f"{strategy}_clip"] = train(rank, n, strategy, clip=CLIP)
+        out[f"{strategy}_accumulate"] = train(rank, n, strategy, micro=2)
+    out["torch_zero"] = peer_zero_redundancy(rank, n)
+    out["torch_fsdp2"] = peer_fsdp2(rank, n)
+    out["errors"] = errors(rank, n)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results(n):
+    """Every rank's results for world size n (one launch); losses averaged over ranks."""
+    ranks = toolkit.launch(run_rank, n, args=(n,), timeout_s=60, quiet=True)
+    merged = ranks[0]
+    for key, value in merged.items():
+        if isinstance(value, dict) and "losses" in value:
+            value["losses"] = [sum(r[key]["losses"][i] for r in ranks) / n for i in range(STEPS)]
+            value["all_memory"] = [r[key].get("memory") for r in ranks]
+    return merged
+
+
+# --- parity with one process ---------------------------------------------------------------------------
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("strategy", list(STAGES))
+def test_parity_with_one_process(strategy, n):
+    losses, _, params = oracle()
+    got = results(n)
+    for key in [strategy] + ([f"{strategy}_small"] if n > 1 and strategy != "zero3" else []):
+        assert max(abs(a - b) for a, b in zip(got[key]["losses"], losses)) < ATOL, key
+        assert max_diff(got[key]["params"], params) < ATOL, key
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", list(STAGES))
+def test_mixed_precision_parity(strategy):
+    losses, _, params = oracle(mixed=True)
+    got = results(2)[f"{strategy}_mixed"]
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < MP_LOSS_ATOL
+    diff = torch.cat([(got["params"][k] - params[k]).abs().flatten() for k in params])
+    assert diff.max() < MP_PARAM_MAX and diff.mean() < MP_PARAM_MEAN and diff.quantile(0.99) < MP_PARAM_P99
+    moved = torch.cat([(params[k] - v.detach()).abs().flatten() for k, v in build().named_parameters()])
+    assert moved.mean() > 20 * MP_PARAM_MEAN  # the bound is far below what training moves
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", list(STAGES))
+def test_clipping_uses_the_global_norm(strategy):
+    losses, norms, params = oracle(clip=CLIP)
+    got = results(2)[f"{strategy}_clip"]
+    assert min(norms) > 2 * CLIP  # every step clipped
+    assert max(abs(a - b) for a, b in zip(got["norms"], norms)) < 1e-5  # the true global norm
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < ATOL
+    assert max_diff(got["params"], params) < ATOL
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", list(STAGES))
+def test_gradient_accumulation(strategy):
+    """Two micro-batches per step (ZeRO-1 under no_sync) take the full-batch step."""
+    losses, _, params = oracle()
+    got = results(2)[f"{strategy}_accumulate"]
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < ATOL
+    assert max_diff(got["params"], params) < ATOL
+
+
+@pytest.mark.timeout(150)
+def test_all_reduce_variant_of_zero1():
+    """reduce="all_reduce" gives the same training, at 3 passes over Ψ instead of 2."""
+    losses, _, params = oracle()
+    got = results(2)["zero1_all_reduce"]
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < ATOL
+    assert max_diff(got["params"], params) < ATOL
+    assert got["sent"] == 3 * got["padded"] * 4 // 2  # all-reduce 2(N-1)/N + all-gather (N-1)/N, N = 2
+
+
+# --- parity with torch's own ZeRO-1 and FSDP2 ------------------------------------------------------
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("ours, theirs", [("zero1", "torch_zero"), ("zero3", "torch_fsdp2")])
+def test_parity_with_torch(ours, theirs):
+    got = results(2)
+    assert max(abs(a - b) for a, b in zip(got[ours]["losses"], got[theirs]["losses"])) < ATOL
+    assert max_diff(got[ours]["params"], got[theirs]["params"]) < ATOL
+
+
+# --- memory: measured model states against the ZeRO formulas ------------------------------------------
+CASES = [(n, s, False) for n in (1, 2, 3, 4) for s in STAGES] + [(2, s, True) for s in STAGES]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("n, strategy, mixed", CASES)
+def test_memory_matches_model_states(n, strategy, mixed):
+    """After the optimizer step, before zero_grad: fp32 4+4+8 (AdamW's two moments, no separate master:
+    the optimizer steps the slice itself), mixed 2+2+12 (fp32 master, momentum, variance).
+
+    Measured = theory within the padding (< N elements per flat buffer, counted in every category it
+    is in) plus AdamW's 4-byte step counter per shard.
+    """
+    got = results(n)[f"{strategy}_mixed" if mixed else strategy]
+    p, g, k = (2, 2, 12) if mixed else (4, 4, 8)
+    theory = model_states_breakdown(PSI, n, STAGES[strategy], param_bytes=p, grad_bytes=g, optimizer_multiplier=k)
+    slack = {"params": got["padding"] * p, "grads": got["padding"] * g,
+             "optimizer": got["padding"] * k / n + 4 * got["shards"]}
+    for memory in got["all_memory"]:  # every rank
+        for category, bytes_ in memory.items():
+            assert 0 <= bytes_ - theory[category] <= slack[category] + 1e-9, (category, bytes_, theory[category])
+    if strategy == "zero3":
+        assert got["freed"]  # outside forward and backward, the module's parameters hold 0 bytes
+
+
+# --- communication: bytes this rank sent in one step --------------------------------------------------
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("strategy", list(STAGES))
+def test_bytes_on_the_wire(strategy, n):
+    """ZeRO-1/2: reduce-scatter + all-gather = 2Ψ(N-1)/N; ZeRO-3: + the backward gather = 3Ψ(N-1)/N.
+    Exact for the padded buffers; within the padding of the unpadded theory."""
+    got = results(n)[strategy]
+    passes = 3 if strategy == "zero3" else 2
+    b = got["dtype_bytes"]
+    assert got["sent"] == passes * got["padded"] * b * (n - 1) // n
+    theory = communication_per_step(PSI, n, strategy) * b
+    assert abs(got["sent"] - theory) <= passes * got["padding"] * b
+    if n > 1 and strategy != "zero3":
+        small = results(n)[f"{strategy}_small"]
+        assert small["shards"] > 3 and small["sent"] == 2 * small["padded"] * b * (n - 1) // n
+
+
+@pytest.mark.timeout(150)
+def test_mixed_precision_halves_the_bytes():
+    got = results(2)
+    for strategy in STAGES:
+        assert got[f"{strategy}_mixed"]["sent"] * 2 == got[strategy]["sent"]
+
+
+# --- misuse -------------------------------------------------------------------------------------------
+@pytest.mark.timeout(150)
+def test_errors_on_ranks():
+    found = results(2)["errors"]
+    assert "different models" in found["mismatch"]
+    assert "zero_grad" in found["zero1_twice"] and "no_sync" in found["zero1_twice"]
+    assert "no_sync" in found["zero1_no_sync_only"]
+
+
+@pytest.mark.timeout(150)
+def test_forward_gives_the_unwrapped_models_outputs():
+    """model(x) after training equals a plain GPT holding the full_state_dict() parameters."""
+    for n, key in [(1, "zero1"), (2, "zero2"), (3, "zero3"), (4, "zero3")]:
+        got = results(n)[key]
+        plain = build()
+        plain.load_state_dict(got["params"], strict=False)  # the head is the embedding: tied
+        with torch.no_grad():
+            expected = plain(batches(0, 1, steps=1)[0][0])
+        assert (got["logits"] - expected).abs().max() < ATOL, (n, key)
+
+
+@pytest.mark.timeout(150)
+def test_scheduler_and_state_dict():
+    got = results(1)["scheduler"]
+    assert got["lr"] == LR / 2  # StepLR changed the inner optimizer's learning rate
+    assert got["states"] == 1 and got["moment"] == (PSI,)  # one slice (one bucket), whole model at N = 1
+
+
+@pytest.mark.timeout(150)
+def test_sharding_over_a_subgroup():
+    losses, _, params = oracle()
+    got = results(4)["zero3_group"]
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < ATOL
+    assert max_diff(got["params"], params) < ATOL
+    assert got["sent"] == 3 * got["padded"] * 4 // 2  # the group of 2 is the world here
+
+
+@pytest.mark.parametrize("strategy", list(STAGES))
+def test_bad_options_and_optimizers(strategy):
+    with pytest.raises(ValueError, match="valid options"):
+        wrap(build(), strategy, optimizer=OPT, bucket_size=3)
+    with pytest.raises(ValueError, match="elementwise"):
+        wrap(build(), strategy, optimizer=torch.optim.LBFGS)
+    with pytest.raises(ValueError, match="mixed_precision"):
+        wrap(build(), strategy, optimizer=OPT, mixed_precision="fp8")
+    with pytest.raises(RuntimeError, match="toolkit.launch"):  # no process group: even one rank needs one
+        wrap(build(), strategy, optimizer=OPT)
+
+
+def test_bad_stage_options():
+    with pytest.raises(ValueError, match="reduce"):
+        wrap(build(), "zero1", optimizer=OPT, reduce="broadcast")
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        wrap(build(), "zero2", optimizer=OPT, bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="valid options"):
+        wrap(build(), "zero3", optimizer=OPT, bucket_cap_mb=1)  # stage 3 has no buckets
+    with pytest.raises(ValueError, match="could not build"):
+        wrap(build(), "zero2", optimizer=lambda params: None.step)
+
+
+# --- flat buffers ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+def test_flat_buffer_layout_and_padding(world_size):
+    tensors = [torch.randn(5), torch.randn(3, 1), torch.randn(2, 3, 1)]  # 14 elements
+    flat = FlatBuffer.of(tensors, world_size)
+    assert flat.numel == 14 and flat.padded_numel % world_size == 0
+    assert 0 <= flat.padding < world_size and flat.padded_numel == padded_numel(14, world_size)
+    for t, view in zip(tensors, flat.views()):
+        assert view.shape == t.shape and torch.equal(view, t)
+        assert view.untyped_storage().data_ptr() == flat.data.untyped_storage().data_ptr()
+    assert torch.all(flat.data[flat.numel:] == 0)
+    shards = [flat.shard(r) for r in range(world_size)]
+    assert torch.equal(torch.cat(shards), flat.data)
+    # pieces: every element of every tensor is in exactly one rank's shard, where the layout says
+    covered = [torch.zeros(n, dtype=torch.int) for n in flat.numels]
+    for r in range(world_size):
+        for piece in flat.pieces(r):
+            covered[piece.index][piece.tensor_start:piece.tensor_end] += 1
+            assert torch.equal(shards[r][piece.shard_start:piece.shard_end],
+                               tensors[piece.index].reshape(-1)[piece.tensor_start:piece.tensor_end])
+            assert r in flat.owners(piece.index)
+    assert all(torch.all(c == 1) for c in covered)
+
+
+def test_flat_buffer_free_keeps_views():
+    flat = FlatBuffer.of([torch.ones(2, 2), torch.ones(3)], 2)
+    view = flat.view(0)
+    flat.free()
+    assert not flat.is_allocated and view.untyped_storage().nbytes() == 0 and view.shape == (2, 2)
+    flat.allocate()
+    flat.data.fill_(7)
+    assert flat.is_allocated and torch.all(view == 7)
+
+
+def test_model_shape_divides_by_neither_3_nor_4():
+    assert build().num_params() == PSI and PSI % 3 and PSI % 4

@@ -1,0 +1,192 @@
+"""ZeRO stage 3: each rank stores only its slice of the parameters; a module's parameters exist in
+full only while that module computes.
+
+The DeepSpeed way, at submodule granularity: every module that owns parameters directly (an
+Embedding, a Linear, a LayerNorm) is a *unit*; its parameters are flattened into one padded buffer
+(`flat.py`) of which this rank keeps slice r. Hooks then run the step, in this order:
+
+  forward   pre-hook   all-gather the unit (the module's full parameters appear)
+            hook       free it again (its memory drops to 0 bytes), and put a hook on the output
+  backward  output's gradient arrives -> backward is about to enter the module: all-gather again
+            each parameter's gradient is final (post-accumulate hook) -> into the unit's flat gradient;
+            the unit's last one -> free the parameters, reduce-scatter the gradients into the
+            owners' slices (rank r receives the average of slice r), free the full gradients
+  step      the optimizer updates each rank's fp32 slice; nothing is gathered until the next forward
+
+So every step moves Ψ three times (gather in forward, gather in backward, reduce-scatter), 1.5x
+ZeRO-1/2's 2Ψ, to hold (2 + 2 + K)Ψ/N bytes of model states per rank.
+
+How "free" works: the module's parameters are views of the unit's flat buffer, and freeing resizes
+that buffer's storage to 0 bytes. Autograd keeps references to the parameters (and views of them)
+for backward; those references stay valid, and the backward gather refills the same storage before
+they are read (FSDP2 does the same).
+
+Tied parameters: the GPT's token embedding is also its output head. A parameter belongs to the unit
+of the first module that owns it (the embedding); every module that uses it directly (the head too)
+is a *user* of that unit. In forward the unit stays gathered until its last user has run (so it is
+gathered once, not twice); in backward it stays gathered until its gradient is complete, which for
+a tied weight is after the embedding's backward, the very end. (FSDP asks for tied parameters to be
+in one unit for the same reason.)
+
+Limits: a module's parameters must be used through that module's forward (reading
+`module.weight` from outside sees an empty tensor between uses), and every rank must run the same
+modules in the same order (collectives must match).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from .. import comm
+from . import sharded
+from .flat import FlatBuffer
+from .sharded import Shard, ShardedEngine
+
+
+class Unit:
+    """The parameters one module owns directly, flattened; between uses only this rank's slice is kept.
+
+    flat:   the gathered buffer, in the compute dtype; the module's parameters are views of it. It has
+            memory only while a user of the unit computes.
+    kept:   this rank's slice of the parameters, the one copy kept all the time (in fp32 training it
+            is also the master the optimizer steps; with mixed precision, a 16-bit copy of it).
+    mine:   the Shard the optimizer sees (fp32 master, averaged gradient slice).
+    users:  every module that uses one of these parameters directly (a tied weight has two).
+    """
+
+    def __init__(self, engine: "Zero3", name: str, params: list):
+        self.name, self.params, self.index = name, params, {p: i for i, p in enumerate(params)}
+        self.flat, master = engine.flatten(params)
+        if engine.dtype == torch.float32:
+            master = nn.Parameter(master.detach().clone())  # its own memory: the flat buffer is freed below
+            self.kept = master
+        else:
+            self.kept = self.flat.shard(engine.rank).clone()
+        for p, view in zip(params, self.flat.views()):
+            p.data = view
+        self.flat.free()  # from now on this rank keeps only its slice
+        self.mine = Shard(master)
+        self.users: list[nn.Module] = []
+        self.done_forward: set[int] = set()  # users whose forward has finished in this pass
+        self.grads: FlatBuffer | None = None  # full gradients, while they arrive during backward
+        self.waiting = len(params)  # gradients not yet arrived in this backward
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, {len(self.params)} parameters, {self.flat})"
+
+
+class Zero3(ShardedEngine):
+    """ZeRO-3: each module's parameters gathered for its forward and for its backward, then freed."""
+
+    name = "zero3"
+
+    def __init__(self, module: nn.Module, dtype, group=None):
+        super().__init__(module, dtype, group)
+        self.unit_of, self.uses = {}, {}
+        for name, m in module.named_modules():
+            own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+            new = [p for p in own if p not in self.unit_of]
+            if new:
+                unit = Unit(self, name or "(root)", new)
+                self.pieces.append(unit)
+                self.unit_of.update({p: unit for p in new})
+            uses = list(dict.fromkeys(self.unit_of[p] for p in own))  # its units, without repeats
+            if uses:
+                self.uses[m] = uses
+                for unit in uses:
+                    unit.users.append(m)
+                m.register_forward_pre_hook(self._before_forward)
+                m.register_forward_hook(self._after_forward)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
+        self.in_flight = []  # (unit, handle, output, input) of launched reduce-scatters
+
+    # --- gather and free -----------------------------------------------------------------------------
+    def _gather(self, unit: Unit) -> None:
+        if not unit.flat.is_allocated:
+            unit.flat.allocate()
+            comm.all_gather(unit.flat.data, unit.kept.detach(), group=self.group)
+
+    @staticmethod
+    def _free(unit: Unit) -> None:
+        unit.flat.free()  # the module's parameters (and autograd's views of them) now hold 0 bytes
+
+    # --- forward -------------------------------------------------------------------------------------
+    def _before_forward(self, module, args) -> None:
+        for unit in self.uses[module]:
+            self._gather(unit)
+
+    def _after_forward(self, module, args, output):
+        for unit in self.uses[module]:
+            unit.done_forward.add(id(module))
+            if len(unit.done_forward) == len(unit.users):  # its last user in this forward is done
+                self._free(unit)
+                unit.done_forward.clear()
+        if torch.is_grad_enabled():  # backward enters this module when its output's gradient arrives
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(partial(self._before_backward, module))
+        return output
+
+    def forward(self, module, args, kwargs):
+        try:
+            return module(*args, **kwargs)
+        finally:  # a unit whose later user did not run this time: free it (backward gathers again)
+            for unit in self.pieces:
+                unit.done_forward.clear()
+                self._free(unit)
+
+    # --- backward ------------------------------------------------------------------------------------
+    def _before_backward(self, module, grad) -> None:
+        self.queue_end_of_backward()
+        for unit in self.uses[module]:
+            self._gather(unit)
+
+    def _gradient_ready(self, p: nn.Parameter) -> None:
+        """Hook: p.grad is final for this backward. Collect it; the unit's last one triggers the reduction."""
+        unit = self.unit_of[p]
+        if unit.grads is None:
+            unit.grads = FlatBuffer(unit.flat.shapes, self.world, dtype=self.dtype, device=p.device)
+        unit.grads.view(unit.index[p]).copy_(p.grad)
+        p.grad = None
+        unit.waiting -= 1
+        if unit.waiting == 0:  # every user's backward is done with this unit
+            self._free(unit)
+            self._reduce_scatter(unit)
+
+    def _reduce_scatter(self, unit: Unit) -> None:
+        out = torch.empty(unit.flat.shard_numel, dtype=self.dtype, device=unit.grads.data.device)
+        handle = comm.reduce_scatter(out, unit.grads.data, op="avg", group=self.group,
+                                     async_op=sharded.OVERLAP_REDUCE_SCATTER)
+        self.in_flight.append((unit, handle, out, unit.grads))
+        unit.grads = None
+
+    def end_of_backward(self) -> None:
+        for unit in self.pieces:
+            if unit.grads is not None:  # some of its parameters got no gradient this time
+                self._reduce_scatter(unit)
+            unit.waiting = len(unit.params)
+            self._free(unit)
+        for unit, handle, out, _ in self.in_flight:  # accumulate: add into the slice
+            if handle is not None:
+                handle.wait()
+            unit.mine.grad = out if unit.mine.grad is None else unit.mine.grad.add_(out)
+        self.in_flight = []
+
+    # --- step ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Nothing to gather: the next forward gathers what it needs. Mixed precision: refresh the 16-bit slice."""
+        if self.dtype != torch.float32:
+            for unit in self.pieces:
+                unit.kept.copy_(unit.mine.master)
+
+    def memory_groups(self) -> dict:
+        grads = [u.mine.grad for u in self.pieces if u.mine.grad is not None]
+        grads += [u.grads.data for u in self.pieces if u.grads is not None] + [t[3].data for t in self.in_flight]
+        grads += [p.grad for p in self.params if p.grad is not None]
+        params = [u.flat.data for u in self.pieces] + [u.kept for u in self.pieces] + self.frozen
+        return {"params": params, "grads": grads, "optimizer": self.optimizer_tensors()}
