@@ -146,9 +146,12 @@ def test_a_hung_rank_is_stopped_after_the_timeout_naming_the_collective(no_lefto
 
 def _stuck_inside_a_collective():
     """Simulate a rank stuck in C inside a collective that never times out by itself."""
+    import torch.distributed as dist
+
     from toolkit.runtime import status
 
-    status.enter("all_gather #7 (phase 'forward', group ranks [0, 1], 12 x float32)")
+    if dist.get_rank() == 0:
+        status.enter("all_gather #7 (phase 'forward', group ranks [0, 1], 12 x float32)")
     time.sleep(120)
 
 
@@ -156,6 +159,7 @@ def test_the_launcher_watchdog_stops_a_rank_stuck_in_a_collective(no_leftover_ra
     with pytest.raises(RankError) as info:
         toolkit.launch(_stuck_inside_a_collective, 2, timeout_s=1)
     assert "hung" in str(info.value) and "all_gather #7" in str(info.value)
+    assert "Ranks not in any collective: [1]" in str(info.value)
 
 
 def test_a_rank_that_dies_is_reported_with_its_exit_code(no_leftover_ranks):
@@ -223,3 +227,24 @@ def test_bad_arguments_are_clear_errors():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs one GPU per local rank"):
             toolkit.launch(lambda: 0, 2, backend="nccl")
+
+
+def test_a_deadline_stops_ranks_that_never_reach_a_collective(no_leftover_ranks):
+    def spin():
+        while True:
+            pass
+    start = time.time()
+    with pytest.raises(RankError, match="deadline_s=3"):
+        toolkit.launch(spin, 2, deadline_s=3)
+    assert time.time() - start < 20
+
+
+def test_not_implemented_reaches_the_caller_as_such(no_leftover_ranks):
+    def unfinished(tensor, op, group, async_op):
+        raise NotImplementedError("write the ring all-reduce")
+
+    def work():
+        with comm.using({"all_reduce": unfinished}):
+            comm.all_reduce(torch.ones(2))
+    with pytest.raises(RankError, match="raised NotImplementedError: write the ring all-reduce"):
+        toolkit.launch(work, 2, timeout_s=30)

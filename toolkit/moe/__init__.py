@@ -10,3 +10,5 @@ from .gates import (
     router_z_loss,
     switch_aux_loss,
 )
+from .experts import Experts, gather_experts, is_expert
+from .layer import MoE, Plan, all_to_all, merge_load, reference_moe

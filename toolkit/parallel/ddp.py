@@ -24,6 +24,9 @@ parameters, gradients and messages, fp32 masters in the optimizer). Corner cases
   layer skipped on some ranks still averages right (torch's `find_unused_parameters=True`; torch's
   default raises instead). A parameter that no rank used ends with a zero gradient where "local"
   would leave None (AdamW then still decays it): freeze it with `requires_grad_(False)`.
+- expert parameters (tagged `param._toolkit_expert` by toolkit.moe) differ per rank: they are neither
+  broadcast nor all-reduced; the MoE all-to-all backward already summed every rank's contribution, so
+  they are only divided by the group size (the average the dense gradients get).
 """
 from __future__ import annotations
 
@@ -49,10 +52,12 @@ class DataParallel(Wrapped):
         consistency.check_same_model(module, group)  # a clear error now rather than a hang later
         module.to(env.device())
         with phase("setup"):
-            consistency.broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), group)
+            dense = [p for p in module.parameters() if not getattr(p, "_toolkit_expert", False)]
+            consistency.broadcast_from_rank0(dense + list(module.buffers()), group)  # experts differ per rank
         super().__init__(module, mixed_precision)  # fp32 masters copy rank 0's values, then the cast
         self.group = group
-        self.params = [p for p in module.parameters() if p.requires_grad]  # tied ones appear once
+        self.params = [p for p in dense if p.requires_grad]  # tied ones appear once
+        self.experts = [p for p in module.parameters() if getattr(p, "_toolkit_expert", False)]
         self.require_sync = True  # no_sync() turns it off
         self._sync = True         # what the last forward saw: torch decides at forward time too
         self._in_backward = False
@@ -84,6 +89,9 @@ class DataParallel(Wrapped):
 
     def _end_of_backward(self):
         self._in_backward = False
+        for p in self.experts:  # MoE all-to-all backward already summed every rank's part: average
+            if p.grad is not None:
+                p.grad.div_(len(comm.group_ranks(self.group)))
         self.finish_backward()
 
     def grad_ready(self, index: int) -> None:

@@ -30,16 +30,25 @@ from . import check_options
 OPTIONS = ("mixed_precision",)
 
 
+_NAMED = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16, "torch.float16": torch.float16}
+
+
 def compute_dtype(mixed_precision) -> torch.dtype | None:
-    """The 16-bit compute dtype asked for, or None for plain fp32 training."""
+    """The 16-bit compute dtype asked for, or None for plain fp32 training.
+
+    Names ("bf16", "torch.bfloat16", ...) are accepted too, so a config read back from a saved Run works.
+    """
     if mixed_precision is None or mixed_precision is False:
         return None
     if mixed_precision is True:
         return torch.bfloat16
     if mixed_precision in (torch.bfloat16, torch.float16):
         return mixed_precision
+    if isinstance(mixed_precision, str) and mixed_precision in _NAMED:
+        return _NAMED[mixed_precision]
     raise ValueError(f"mixed_precision={mixed_precision!r}: use False, True (bfloat16), "
-                     "torch.bfloat16 or torch.float16.")
+                     "torch.bfloat16 or torch.float16 (or their names, e.g. 'bf16').")
 
 
 class MasterWeights:

@@ -35,15 +35,9 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from .. import comm
+from .local import compute_dtype as local_compute_dtype
 from ..runtime import env
 from .flat import FlatBuffer
-
-# ZeRO-2/3 launch each reduce-scatter asynchronously so that it overlaps the rest of backward. The
-# collectives door cannot yet hand back a Handle for gloo's asynchronous reduce-scatter (its Work has
-# no future: "Work::getFuture not implemented"), so for now they run synchronously, still bucket by
-# bucket during backward. Set to True once toolkit.comm handles that (read at each launch, so a
-# notebook may flip it too); nothing else changes.
-OVERLAP_REDUCE_SCATTER = False
 
 # Optimizers whose update is elementwise: one element's new value depends on its own gradient and
 # state, plus scalars (learning rate, step count). Adding one here is a claim about its math.
@@ -74,20 +68,9 @@ def check_optimizer(strategy: str, optimizer_factory) -> None:
 
 
 def compute_dtype(mixed_precision) -> torch.dtype:
-    """The dtype the model computes in: float32, or the 16-bit dtype mixed precision asks for.
-
-    mixed_precision: False/None (fp32 everywhere), True (bfloat16: no loss scaling needed), or a
-    dtype (torch.bfloat16 or torch.float16; float16 has no loss scaler here, so small gradients may
-    underflow). Same option and meaning as "local" and "ddp".
-    """
-    if mixed_precision is None or mixed_precision is False:
-        return torch.float32
-    if mixed_precision is True:
-        return torch.bfloat16
-    if mixed_precision in (torch.bfloat16, torch.float16):
-        return mixed_precision
-    raise ValueError(f"mixed_precision={mixed_precision!r}: choose False, True (bfloat16), "
-                     "torch.bfloat16 or torch.float16.")
+    """The dtype the model computes in: float32, or the 16-bit dtype mixed precision asks for
+    (the option means the same as for "local" and "ddp": see `local.compute_dtype`)."""
+    return local_compute_dtype(mixed_precision) or torch.float32
 
 
 class Shard:

@@ -52,7 +52,7 @@ import torch.nn as nn
 from .. import comm
 from ..runtime import env
 from ..trace.events import phase
-from . import check_options, consistency, sharded
+from . import check_options, consistency
 from .flat import FlatBuffer
 from .sharded import Shard, ShardedEngine, ShardedModel, ShardedOptimizer, check_optimizer, compute_dtype
 from .zero3 import Zero3  # stage 3 is its own idea, in its own file
@@ -195,7 +195,7 @@ class Zero12(ShardedEngine):
         """ZeRO-2: average the bucket over the ranks, rank r receiving slice r, while backward goes on."""
         out = torch.empty(b.flat.shard_numel, dtype=self.dtype, device=b.grads.data.device)
         handle = comm.reduce_scatter(out, b.grads.data, op="avg", group=self.group,
-                                     async_op=sharded.OVERLAP_REDUCE_SCATTER)
+                                     async_op=True)
         self.in_flight.append((b, handle, out, b.grads))
         b.grads = None
 
@@ -208,8 +208,7 @@ class Zero12(ShardedEngine):
                 self._reduce_scatter(b)
             b.waiting = len(b.params)
         for b, handle, out, _ in self.in_flight:  # accumulate: add into the slice
-            if handle is not None:
-                handle.wait()
+            handle.wait()
             b.mine.grad = out if b.mine.grad is None else b.mine.grad.add_(out)
         self.in_flight = []
 

@@ -41,7 +41,6 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from .. import comm
-from . import sharded
 from .flat import FlatBuffer
 from .sharded import Shard, ShardedEngine
 
@@ -160,7 +159,7 @@ class Zero3(ShardedEngine):
     def _reduce_scatter(self, unit: Unit) -> None:
         out = torch.empty(unit.flat.shard_numel, dtype=self.dtype, device=unit.grads.data.device)
         handle = comm.reduce_scatter(out, unit.grads.data, op="avg", group=self.group,
-                                     async_op=sharded.OVERLAP_REDUCE_SCATTER)
+                                     async_op=True)
         self.in_flight.append((unit, handle, out, unit.grads))
         unit.grads = None
 
@@ -171,8 +170,7 @@ class Zero3(ShardedEngine):
             unit.waiting = len(unit.params)
             self._free(unit)
         for unit, handle, out, _ in self.in_flight:  # accumulate: add into the slice
-            if handle is not None:
-                handle.wait()
+            handle.wait()
             unit.mine.grad = out if unit.mine.grad is None else unit.mine.grad.add_(out)
         self.in_flight = []
 

@@ -74,10 +74,12 @@ def _who_is_where(boards) -> str:
 
 
 def launch(fn, world_size: int, *, args=(), backend: str = "auto", timeout_s: float = 120.0,
-           threads_per_rank: int | None = None, quiet: bool = False):
+           deadline_s: float | None = None, threads_per_rank: int | None = None, quiet: bool = False):
     """Run `fn(*args)` on `world_size` ranks with the default process group ready; return results in rank order.
 
     timeout_s: how long one rank may wait inside one collective before the job is stopped.
+    deadline_s: a limit on the whole call's wall-clock time (None: no limit), for work that may loop
+        without ever entering a collective (a grader running a student's code, say).
     threads_per_rank: torch CPU threads each rank uses (default: the cores shared out evenly).
     quiet: drop the ranks' printed output instead of forwarding it with a "[rank r]" prefix.
     """
@@ -114,7 +116,7 @@ def launch(fn, world_size: int, *, args=(), backend: str = "auto", timeout_s: fl
                 t = threading.Thread(target=_forward, args=(p.stdout, rank, sink), daemon=True)
                 t.start()
                 pumps.append(t)
-            _watch(procs, boards, folder, timeout_s)
+            _watch(procs, boards, folder, timeout_s, deadline_s)
             for t in pumps:
                 t.join(timeout=5)
             results = []
@@ -129,8 +131,9 @@ def launch(fn, world_size: int, *, args=(), backend: str = "auto", timeout_s: fl
             del store
 
 
-def _watch(procs, boards, folder: str, timeout_s: float) -> None:
+def _watch(procs, boards, folder: str, timeout_s: float, deadline_s: float | None) -> None:
     """Wait for every rank; on the first failure or hang, stop them all and raise."""
+    started = time.time()
     while True:
         codes = [p.poll() for p in procs]
         if all(c == 0 for c in codes):
@@ -155,13 +158,20 @@ def _watch(procs, boards, folder: str, timeout_s: float) -> None:
             rank = dead[0]
             raise RankError(f"rank {rank} died with exit code {codes[rank]} before returning "
                             f"(killed by a signal or out of memory?).\nwhere every rank was:\n{where}", rank)
-        for rank, board in enumerate(boards):
-            waited, _, what = board.read()
-            if waited > timeout_s + 5:  # the rank's own timeout had its chance first
-                where = _who_is_where(boards)
-                _kill_all(procs)
-                raise RankError(f"rank {rank} hung for {waited:.0f}s in {what} (timeout_s={timeout_s}); "
-                                f"all ranks were stopped.\nwhere every rank was:\n{where}\n"
-                                "A collective completes only when every rank of its group calls it: "
-                                "look for a rank that skipped it or called another one.", rank)
+        states = [board.read() for board in boards]
+        stuck = max(range(len(boards)), key=lambda r: states[r][0])
+        if states[stuck][0] > timeout_s + 5:  # the rank's own timeout had its chance first
+            where = _who_is_where(boards)
+            _kill_all(procs)
+            absent = [r for r, (waited, _, _) in enumerate(states) if not waited]
+            raise RankError(f"rank {stuck} hung for {states[stuck][0]:.0f}s in {states[stuck][2]} "
+                            f"(timeout_s={timeout_s}); all ranks were stopped. Ranks not in any collective: "
+                            f"{absent or 'none'}.\nwhere every rank was:\n{where}\n"
+                            "A collective completes only when every rank of its group calls it: "
+                            "look for a rank that skipped it or called another one.", stuck)
+        if deadline_s is not None and time.time() - started > deadline_s:
+            where = _who_is_where(boards)
+            _kill_all(procs)
+            raise RankError(f"the ranks ran past deadline_s={deadline_s}s and were stopped.\n"
+                            f"where every rank was:\n{where}")
         time.sleep(0.02)

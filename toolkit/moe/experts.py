@@ -1,0 +1,111 @@
+"""The experts of an MoE layer: E feed-forward networks, of which this rank holds its share.
+
+Expert parallelism splits the E experts over the W ranks of a group: rank r holds experts
+r*E/W .. (r+1)*E/W - 1 (its *local* experts). Three choices here make that split invisible to the
+mathematics, which is what lets one process holding all experts serve as the reference:
+
+1. Batched weights. The local experts' weights live in one tensor per kind, (E_local, d_model, d_ff)
+   and so on, so a rank's experts are four parameters whatever E_local is.
+2. Layout-independent initialization. Global expert i draws its weights from a generator seeded by
+   (seed, i), never from torch's global RNG, so with the same seed expert i has the same weights at
+   any expert-parallel size, and building the layer consumes no global randomness.
+3. Tags. Every expert parameter carries ``param._toolkit_expert = True``: data-parallel strategies
+   must not average it with the other ranks' (they hold *other* experts). ``gather_experts``
+   collects them under global names (``experts.{i}.w1``) for a full, layout-free state dict.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import comm
+
+WEIGHTS = ("w1", "b1", "w2", "b2")  # x @ w1 + b1 -> GELU -> @ w2 + b2
+
+
+def is_expert(param) -> bool:
+    """True for parameters that belong to one rank's experts (data parallelism must skip them)."""
+    return bool(getattr(param, "_toolkit_expert", False))
+
+
+def expert_generator(seed: int, index: int) -> torch.Generator:
+    """A CPU generator that depends only on (seed, global expert index): the layout-free init."""
+    digest = hashlib.sha256(f"toolkit.moe/{int(seed)}/{int(index)}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+class Experts(nn.Module):
+    """The FFN experts ``first .. first + num_local - 1`` out of ``num_experts``, as batched weights.
+
+    ``forward(x, counts)`` takes rows already grouped by local expert (``counts[e]`` rows for
+    expert e, in order) and returns each row's expert output, in the same order.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, first: int, num_local: int, *,
+                 seed: int = 0, init_std: float = 0.02, group=None):
+        super().__init__()
+        self.d_model, self.d_ff, self.num_experts = d_model, d_ff, num_experts
+        self.first, self.num_local, self.seed, self.group = first, num_local, seed, group
+        shapes = {"w1": (d_model, d_ff), "b1": (d_ff,), "w2": (d_ff, d_model), "b2": (d_model,)}
+        for name, shape in shapes.items():
+            p = nn.Parameter(torch.zeros(num_local, *shape))
+            p._toolkit_expert = True
+            setattr(self, name, p)
+        self.reset_parameters(init_std)
+
+    @torch.no_grad()
+    def reset_parameters(self, init_std: float = 0.02) -> None:
+        """Weights ~ N(0, init_std) from each global expert's own generator, biases zero."""
+        for e in range(self.num_local):
+            g = expert_generator(self.seed, self.first + e)
+            for w in (self.w1, self.w2):  # drawn in this order for every expert, on every layout
+                w[e].copy_(torch.randn(w.shape[1:], generator=g) * init_std)
+        self.b1.zero_()
+        self.b2.zero_()
+
+    def extra_repr(self) -> str:
+        last = self.first + self.num_local - 1
+        return (f"experts {self.first}..{last} of {self.num_experts}, d_model={self.d_model}, "
+                f"d_ff={self.d_ff}, seed={self.seed}")
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert e on rows x: the dense MLP, d_model -> d_ff -> GELU -> d_model."""
+        return F.gelu(x @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e]
+
+    def forward(self, x: torch.Tensor, counts) -> torch.Tensor:
+        chunks = x.split([int(c) for c in counts])
+        if len(chunks) != self.num_local:
+            raise ValueError(f"Experts.forward needs one count per local expert ({self.num_local}), "
+                             f"got {len(chunks)}.")
+        return torch.cat([self.expert(e, chunk) for e, chunk in enumerate(chunks)])
+
+
+def gather_experts(model: nn.Module, state: dict) -> dict:
+    """``state`` with every Experts module's local, batched entries replaced by global ones.
+
+    ``blocks.0.mlp.experts.w1`` of shape (E_local, d, d_ff) on each rank becomes
+    ``blocks.0.mlp.experts.{i}.w1`` of shape (d, d_ff) for every global expert i, gathered from the
+    ranks that hold them (an all-gather over the experts' group, through the door). Every rank of
+    that group must call it. ``state`` may be keyed relative to ``model`` or to its ``.module``
+    (what a strategy's wrapper holds). Entries of other modules pass through unchanged.
+    """
+    out = dict(state)
+    for path, m in model.named_modules():
+        if not isinstance(m, Experts):
+            continue
+        prefix = next((p for p in (path, path.removeprefix("module.")) if f"{p}.w1" in out), None)
+        if prefix is None:
+            continue
+        for name in WEIGHTS:
+            local = out.pop(f"{prefix}.{name}")
+            everyone = local
+            if dist.is_initialized() and m.num_local < m.num_experts:
+                everyone = local.new_empty((m.num_experts,) + tuple(local.shape[1:]))
+                comm.all_gather(everyone, local.contiguous(), group=m.group)
+            for i in range(m.num_experts):
+                out[f"{prefix}.{i}.{name}"] = everyone[i].clone()
+    return out

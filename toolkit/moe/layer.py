@@ -1,0 +1,331 @@
+"""The expert-parallel Mixture-of-Experts layer: gate -> dispatch (all-to-all) -> experts -> combine.
+
+E experts are split over the W ranks of a group; every rank routes its own tokens. One forward, in
+the order a lecture tells it, one method per step:
+
+    1. route                 the gate picks k experts per token; capacity decides what is dropped
+                             (dropless: all-reduce MAX of the capacity so every rank agrees on it)
+    2. exchange_counts       all-to-all of per-expert token counts: now every rank knows how many
+                             rows it will receive from whom, so the next all-to-all can be uneven
+    3. sort_by_destination   kept (token, choice) pairs in order of expert, so of destination rank
+    4. dispatch              all-to-all with uneven splits: the rows travel to their experts
+    5. compute_experts       each local expert runs on the rows it received
+    6. combine               all-to-all back, with the splits swapped
+    7. weighted_sum          each token adds its experts' answers times the gate weights; a dropped
+                             choice adds nothing (the residual connection around the layer carries it)
+
+Steps 4-6 are one method, ``dispatch_compute_combine(rows, plan)``: rows sorted by destination in,
+their expert outputs in the same order out. That contract is where issue 6 plugs in: Tutel's
+pipelined all-to-all (``pipeline_degree``) and FasterMoE's smart schedule (``schedule="smart"``) are
+other implementations of this one step; shadowing (``shadow=``) changes the plan of step 2 (some
+experts' rows stay home) and step 5 (those experts run locally on a broadcast copy); the topology
+gate (``gate="topology"``) is another step 1. None of them changes the mathematics.
+
+Only kept rows travel (uneven splits), so ranks with different numbers of tokens, hence different
+capacities, still agree on every all-to-all; a padded (E, C, d) layout, as Tutel's pipelining splits
+along C, needs one capacity for all: the all-reduce MAX that dropless mode already does.
+
+Backward flows through both all-to-alls: ``all_to_all`` below is an autograd function whose
+backward is the same all-to-all with the splits swapped (gradients return to where rows came from).
+Every collective goes through ``toolkit.comm``, so the trace shows count exchange, dispatch and
+combine, forward and backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import comm
+from ..trace.events import recorder, span
+from .experts import Experts, expert_generator
+from .gates import Routing, TopKGate, load_stats
+
+ISSUE6 = "issue 6 (MoE systems: shadowing, smart schedule, pipelined all-to-all, topology-aware gate)"
+
+
+# ---------------------------------------------------------------------------------------------
+# The differentiable all-to-all
+# ---------------------------------------------------------------------------------------------
+
+def _exchange(x, out_splits, in_splits, group, label):
+    """The door's all-to-all into a fresh tensor; one process alone (no process group) keeps its rows."""
+    if not dist.is_initialized():
+        return x.clone()
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    comm.all_to_all(out, x.contiguous(), out_splits, in_splits, group=group)
+    events = recorder.events  # name the call on the timeline: counts, dispatch, combine (backward)
+    if recorder.enabled and events and events[-1]["name"] == "all_to_all":
+        events[-1]["args"]["moe"] = label
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, label):
+        ctx.out_splits, ctx.in_splits, ctx.group, ctx.label = out_splits, in_splits, group, label
+        return _exchange(x, out_splits, in_splits, group, label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Rows came from rank j (out_splits[j] of them): their gradients go back to rank j.
+        back = _exchange(grad, ctx.in_splits, ctx.out_splits, ctx.group, ctx.label + " backward")
+        return back, None, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits, in_splits, group=None, label="all_to_all") -> torch.Tensor:
+    """Differentiable all-to-all of rows: send ``in_splits[j]`` rows to rank j, get ``out_splits[j]``."""
+    return _AllToAll.apply(x, [int(s) for s in out_splits], [int(s) for s in in_splits], group, label)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: who sends how many rows to whom
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    """Result of the count exchange. Rank r holds local experts r*E_local .. (r+1)*E_local - 1.
+
+    send_counts (W, E_local)  rows this rank sends to rank j's local expert e (kept choices)
+    recv_counts (W, E_local)  rows this rank receives from rank j for its local expert e
+    send_splits, recv_splits  per-rank row totals (host ints: the all-to-all split sizes)
+    """
+
+    send_counts: torch.Tensor
+    recv_counts: torch.Tensor
+
+    def __post_init__(self):
+        self.send_splits = self.send_counts.sum(1).tolist()
+        self.recv_splits = self.recv_counts.sum(1).tolist()
+
+    @property
+    def expert_rows(self) -> list:
+        """Rows each local expert computes, summed over senders (FasterMoE's B_w, per expert)."""
+        return self.recv_counts.sum(0).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer
+# ---------------------------------------------------------------------------------------------
+
+def _check_systems_options(shadow, pipeline_degree, schedule, gate) -> None:
+    """Issue 6's options: accepted names raise NotImplementedError for now, unknown ones ValueError."""
+    later = []
+    if isinstance(shadow, (list, tuple)) or shadow == "auto":
+        later.append(f"shadow={shadow!r}")
+    elif shadow != "off":
+        raise ValueError(f"shadow={shadow!r}: choose 'off', 'auto' or a list of expert ids.")
+    if pipeline_degree == "auto" or (isinstance(pipeline_degree, int) and not isinstance(pipeline_degree, bool)
+                                     and pipeline_degree > 1):
+        later.append(f"pipeline_degree={pipeline_degree!r}")
+    elif pipeline_degree != 1 or isinstance(pipeline_degree, bool):
+        raise ValueError(f"pipeline_degree={pipeline_degree!r}: choose a positive int (1 = no pipelining) or 'auto'.")
+    if schedule == "smart":
+        later.append("schedule='smart'")
+    elif schedule != "plain":
+        raise ValueError(f"schedule={schedule!r}: choose 'plain' or 'smart'.")
+    if gate == "topology":
+        later.append("gate='topology'")
+    elif gate != "topk":
+        raise ValueError(f"gate={gate!r}: choose 'topk' or 'topology'.")
+    if later:
+        raise NotImplementedError(f"{', '.join(later)} arrives with {ISSUE6}. For now use shadow='off', "
+                                  f"pipeline_degree=1, schedule='plain', gate='topk'.")
+
+
+class MoE(nn.Module):
+    """Expert-parallel Mixture-of-Experts: ``forward(x (..., d_model)) -> (output, aux_loss)``.
+
+    The ``num_experts`` experts are split evenly over ``group`` (default: the whole world; without a
+    process group one process holds them all). Every rank feeds its own tokens; capacity is per rank
+    (GShard's groups), C = ceil(top_k * capacity_factor * T_local / E). ``aux_loss`` is the gate's
+    load-balancing loss (+ z-loss) on this rank's tokens: add it, weighted, to the training loss.
+    Expert weights depend only on (seed, global expert index); the router on the seed.
+
+    Options: ``dropless`` (never drop; ranks agree on the capacity with an all-reduce MAX), ``noisy``
+    / ``noise_std``, ``z_loss_weight``, ``aux_loss`` ("gshard" | "switch"), ``min_capacity`` (see
+    ``TopKGate``), ``init_std`` (normal init of router and expert weights), ``name`` (metric key).
+    ``shadow``, ``pipeline_degree``, ``schedule`` and ``gate`` other than the defaults arrive with
+    issue 6.
+
+    Each forward records ``moe/{name}/load`` on this rank (see ``record_load``).
+    """
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, *, top_k: int = 2,
+                 capacity_factor: float = 1.25, group=None, shadow="off", pipeline_degree=1,
+                 schedule: str = "plain", gate: str = "topk", seed: int = 0, dropless: bool = False,
+                 noisy: bool = False, noise_std: float = 1.0, z_loss_weight: float = 0.0,
+                 aux_loss: str = "gshard", min_capacity: int = 1, init_std: float = 0.02,
+                 name: str = "moe"):
+        super().__init__()
+        _check_systems_options(shadow, pipeline_degree, schedule, gate)
+        for key, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoE: {key} must be a positive int, got {value!r}.")
+        self.group, self.name = group, str(name)
+        ranks = comm.group_ranks(group) if dist.is_initialized() else [0]
+        if dist.is_initialized() and dist.get_rank() not in ranks:
+            raise ValueError(f"MoE: this rank ({dist.get_rank()}) is not in the expert-parallel group {ranks}; "
+                             f"build the layer only on the group's ranks.")
+        self.world = len(ranks)
+        self.rank = ranks.index(dist.get_rank()) if dist.is_initialized() else 0
+        if num_experts % self.world:
+            fits = [w for w in range(1, num_experts + 1) if num_experts % w == 0]
+            raise ValueError(f"MoE: num_experts={num_experts} does not split evenly over the {self.world} ranks "
+                             f"of the expert-parallel group. Use a multiple of {self.world} experts, or a "
+                             f"group whose size divides {num_experts} (one of {fits}).")
+        self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
+        self.num_local, self.dropless, self.seed = num_experts // self.world, bool(dropless), seed
+        self.gate = TopKGate(d_model, num_experts, top_k, capacity_factor, noisy=noisy, noise_std=noise_std,
+                             dropless=dropless, z_loss_weight=z_loss_weight, aux_loss=aux_loss,
+                             min_capacity=min_capacity)
+        with torch.no_grad():  # the router is the same on every rank and layout: seeded by `seed` alone
+            g = expert_generator(seed, -1)
+            self.gate.router.weight.copy_(torch.randn(num_experts, d_model, generator=g) * init_std)
+        self.experts = Experts(d_model, d_ff, num_experts, self.rank * self.num_local, self.num_local,
+                               seed=seed, init_std=init_std, group=group)
+        self.calls = 0
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, expert-parallel over {self.world} rank(s), {self.num_local} local expert(s)"
+
+    # --- the forward, step by step ------------------------------------------------------------
+    def forward(self, x: torch.Tensor):
+        if x.dim() == 0 or x.shape[-1] != self.d_model:
+            raise ValueError(f"MoE {self.name!r} expects tokens of shape (..., d_model={self.d_model}), "
+                             f"got {tuple(x.shape)}.")
+        tokens = x.reshape(-1, self.d_model)
+        routing = self.route(tokens)                                  # 1
+        plan = self.exchange_counts(routing)                          # 2
+        order, rows = self.sort_by_destination(tokens, routing)       # 3
+        answers = self.dispatch_compute_combine(rows, plan)           # 4, 5, 6
+        out = self.weighted_sum(answers, routing, order, tokens)      # 7
+        self.record_load(routing, plan)
+        return out.reshape(x.shape), routing.loss
+
+    def route(self, tokens: torch.Tensor) -> Routing:
+        """Step 1: the gate's decision; in dropless mode, the capacity every rank agrees on."""
+        routing = self.gate(tokens)
+        if self.dropless and dist.is_initialized():
+            cap = torch.tensor([routing.capacity], device=tokens.device)
+            comm.all_reduce(cap, op="max", group=self.group)
+            routing = routing.with_capacity(int(cap.item()))
+        return routing
+
+    def exchange_counts(self, routing: Routing) -> Plan:
+        """Step 2: tell every rank how many rows it gets for each of its experts (all-to-all of counts)."""
+        send = routing.kept_counts.reshape(self.world, self.num_local)
+        split = [self.num_local] * self.world
+        recv = _exchange(send.reshape(-1), split, split, self.group, "counts")
+        return Plan(send, recv.reshape(self.world, self.num_local))
+
+    def sort_by_destination(self, tokens: torch.Tensor, routing: Routing):
+        """Step 3: kept (token, choice) pairs ordered by expert, then slot; experts are contiguous per
+        rank, so this is also destination-rank order. Returns (choice ids into the flat (T*k), rows)."""
+        place = routing.buffer_index().reshape(-1)       # expert * C + slot, -1 when dropped
+        kept = (place >= 0).nonzero().squeeze(1)
+        order = kept[place[kept].argsort()]              # unique keys: the order is deterministic
+        return order, tokens[order // routing.top_k]
+
+    def dispatch_compute_combine(self, rows: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """Steps 4-6: rows to their experts' ranks, through the experts, and back in the same order."""
+        received = all_to_all(rows, plan.recv_splits, plan.send_splits, self.group, "dispatch")
+        outputs = self.compute_experts(received, plan)
+        return all_to_all(outputs, plan.send_splits, plan.recv_splits, self.group, "combine")
+
+    def compute_experts(self, received: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """Step 5: rows arrive grouped by sender, then local expert; regroup by expert, run, put back."""
+        W, E_local = plan.recv_counts.shape
+        expert_of_row = torch.arange(E_local, device=received.device).repeat(W)
+        expert_of_row = expert_of_row.repeat_interleave(plan.recv_counts.reshape(-1))
+        by_expert = expert_of_row.argsort(stable=True)
+        with span(f"moe/{self.name}/experts", rows=received.shape[0]):
+            out = self.experts(received[by_expert], plan.expert_rows)
+        return out[by_expert.argsort()]
+
+    def weighted_sum(self, answers, routing: Routing, order, tokens) -> torch.Tensor:
+        """Step 7: out[t] = sum over t's kept choices of gate_weight * expert output (differentiable)."""
+        weight = routing.gate_weight.reshape(-1)[order].to(answers.dtype)
+        out = answers.new_zeros(tokens.shape)
+        return out.index_add(0, order // routing.top_k, answers * weight[:, None])
+
+    # --- what the Run learns ------------------------------------------------------------------
+    def record_load(self, routing: Routing, plan: Plan) -> None:
+        """Record ``moe/{name}/load`` on this rank, one per forward (this rank's view; sum over ranks
+        for the global load, see ``merge_load``):
+
+        counts    [E]  (token, choice) pairs this rank routed to each global expert, before capacity
+        kept      [E]  the same after capacity;  dropped = sum(counts) - sum(kept)
+        capacity       slots per expert on this rank
+        received  [E_local]  rows each of this rank's experts computed (from all ranks)
+        first          global id of this rank's first expert
+        max_over_mean, cv    imbalance of ``counts`` (``load_stats``)
+        call           this layer's forward count on this rank
+        The metric's step is the training loop's step when called inside its "forward" span.
+        """
+        self.calls += 1
+        if not recorder.enabled:
+            return
+        stats = load_stats(routing.counts)
+        value = {"counts": routing.counts.tolist(), "kept": routing.kept_counts.tolist(),
+                 "dropped": routing.dropped, "capacity": routing.capacity, "received": plan.expert_rows,
+                 "first": self.rank * self.num_local, "max_over_mean": stats["max_over_mean"],
+                 "cv": stats["cv"], "call": self.calls}
+        recorder.metric(f"moe/{self.name}/load", value, step=_enclosing_step())
+
+
+def _enclosing_step(lookback: int = 256):
+    """The step of the training loop's open "forward" span (see toolkit.train), or None."""
+    for event in reversed(recorder.events[-lookback:]):
+        if event["name"] == "forward" and event["cat"] == "compute":
+            return event["args"].get("step") if event["end"] is None else None
+    return None
+
+
+def merge_load(metrics, name: str = "moe") -> list:
+    """The global expert load per forward of layer ``name``, from every rank's ``moe/{name}/load``.
+
+    ``metrics``: a Run's ``metrics`` (each with "rank"). The i-th record of each rank belongs to the
+    same forward. Returns, per forward: step, counts and kept summed over ranks, dropped, and
+    ``load_stats`` of the global counts (max_over_mean, cv, ...).
+    """
+    per_rank = {}
+    for m in metrics:
+        if m["name"] == f"moe/{name}/load":
+            per_rank.setdefault(m.get("rank", 0), []).append(m)
+    rows = []
+    for records in zip(*per_rank.values()):
+        counts = [sum(c) for c in zip(*(r["value"]["counts"] for r in records))]
+        kept = [sum(c) for c in zip(*(r["value"]["kept"] for r in records))]
+        rows.append({"step": records[0]["step"], "counts": counts, "kept": kept,
+                     "dropped": sum(r["value"]["dropped"] for r in records), **load_stats(counts)})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The oracle
+# ---------------------------------------------------------------------------------------------
+
+def reference_moe(layer: MoE, chunks):
+    """Brute force, one process, all experts: what an expert-parallel run over len(chunks) ranks computes.
+
+    ``chunks[r]`` are rank r's tokens; each chunk is gated on its own (capacity is per rank), then
+    every expert loops over the tokens that chose it. No sorting, no all-to-all: an independent path
+    to check the layer's against. Returns (outputs per chunk, aux losses per chunk).
+    """
+    if layer.num_local != layer.num_experts:
+        raise ValueError("reference_moe needs a layer that holds every expert: build it in one process "
+                         "(no process group), with the same seed.")
+    outputs, losses = [], []
+    for x in chunks:
+        tokens = x.reshape(-1, layer.d_model)
+        r = layer.gate(tokens)
+        y = tokens.new_zeros(tokens.shape)
+        for e in range(layer.num_experts):
+            t, j = ((r.expert_index == e) & r.kept).nonzero(as_tuple=True)
+            y = y.index_add(0, t, layer.experts.expert(e, tokens[t]) * r.gate_weight[t, j, None])
+        outputs.append(y.reshape(x.shape))
+        losses.append(r.loss)
+    return outputs, losses
