@@ -93,8 +93,15 @@ def moe_gpt_training(strategy):
     from toolkit.models import moe_model_fn
     from toolkit.train import train
 
-    run, state = train(train_config(strategy), model_fn=moe_model_fn(4, 2, capacity_factor=1.0), return_state=True)
-    return run, state
+    built = []
+
+    def keep(config):
+        built.append(moe_model_fn(4, 2, capacity_factor=1.0)(config))
+        return built[-1]
+
+    run, state = train(train_config(strategy), model_fn=keep, return_state=True)
+    local = {n: p.detach().clone() for n, p in built[0].named_parameters() if is_expert(p)}
+    return run, state, local
 
 
 def everything(world):
@@ -303,23 +310,27 @@ def one_process_moe_gpt():
 def test_moe_gpt_expert_parallel_training_matches_one_process(strategy):
     ref_run, ref_state = one_process_moe_gpt()
     ranks = [res[f"train_{strategy}"] for res in results(2)]
-    for run, _ in ranks:
+    for run, _, _ in ranks:
         for (s, got), (_, want) in zip(run.metric("loss", rank=run.ranks[0]), ref_run.metric("loss")):
             assert got == pytest.approx(want, abs=1e-5), f"loss at step {s}"
-    states = [state for _, state in ranks]
+    states = [state for _, state, _ in ranks]
+    locals_ = [local for _, _, local in ranks]
+    for key in locals_[0]:  # what each rank holds: its own experts, different from the other rank's
+        assert not torch.equal(locals_[0][key], locals_[1][key]), f"{key}: ranks hold different experts"
     torch.manual_seed(0)
     init = toolkit.models.moe_gpt(4, 2, seed=0, seq_len=16, n_layer=2, d_model=16, n_head=2).state_dict()
+    assert any(".experts.3." in key for key in ref_state), "full state dicts name experts globally"
     for key, want in ref_state.items():
-        if ".experts." in key:  # rank r holds global experts 2r, 2r+1 under the local name
+        if ".experts." in key:  # gathered from its owner (rank i // 2) under its global name, on every rank
             for r, state in enumerate(states):
-                close(state[key], want[2 * r:2 * r + 2], f"{strategy}: {key} on rank {r}")
-            assert not torch.equal(states[0][key], states[1][key]), f"{key}: ranks hold different experts"
-            assert not torch.equal(want, init[key]), f"{key}: the experts trained"
+                close(state[key], want, f"{strategy}: {key} on rank {r}")
+            prefix, i, name = key.rsplit(".", 2)
+            assert not torch.equal(want, init[f"{prefix}.{name}"][int(i)]), f"{key}: the experts trained"
         else:
             close(states[0][key], want, f"{strategy}: {key}")
             assert torch.equal(states[0][key], states[1][key]), f"{key}: dense parameters identical on all ranks"
     # the load in the Run: per step, the ranks' records sum to the one process's two micro-batches
-    merged = merge_load(toolkit.Run.merge(run for run, _ in ranks).metrics, "layer0")
+    merged = merge_load(toolkit.Run.merge(run for run, _, _ in ranks).metrics, "layer0")
     want = {}
     for row in merge_load(ref_run.metrics, "layer0"):
         want[row["step"]] = [a + b for a, b in zip(want.get(row["step"], [0] * 4), row["counts"])]

@@ -8,8 +8,9 @@ prints a table of time and bandwidth, and leaves three files under `runs/`:
 - `demo-trace.json`   a Chrome trace: open it in ui.perfetto.dev or chrome://tracing
 - `demo-run.json`     the merged Run, to reload with `toolkit.Run.load` and draw again
 
-The demo is a sequence of sections (today: collectives); later sections (training) add their own
-measurements, table lines and report blocks the same way.
+The demo is a sequence of sections: collectives, then training the tiny GPT with every strategy
+(`toolkit.compare`: loss, memory against the ZeRO formula, bytes against theory, overlap), each adding
+its measurements, table lines and report blocks.
 """
 from __future__ import annotations
 
@@ -97,11 +98,14 @@ def collectives_section(world_size: int, sizes, repeats: int, warmup: int, say):
 
 # --- the demo ------------------------------------------------------------------------------------------
 def run_demo(world_size: int | None = None, out_dir="runs", sizes=None, quick: bool = False,
-             repeats: int | None = None, say=print) -> dict:
+             repeats: int | None = None, say=print, train: bool | None = None, train_steps: int = 6) -> dict:
     """Run the demo; return the paths written: {"report", "trace", "run"} (plus "ok": did everything agree).
 
     quick: two sizes and three repetitions (for tests and a first look). sizes: message sizes in bytes.
+    train: also train the tiny GPT with every strategy (`toolkit.compare`); default: unless quick.
+    Its traces and Runs go to `compare-<strategy>-trace.json` / `-run.json` beside the others.
     """
+    train = (not quick) if train is None else train
     from . import viz
 
     started = time.perf_counter()
@@ -119,6 +123,14 @@ def run_demo(world_size: int | None = None, out_dir="runs", sizes=None, quick: b
     records, run, blocks, ok = collectives_section(world_size, sizes, repeats, 1, say)
 
     os.makedirs(out_dir, exist_ok=True)
+    if train:
+        from .compare import available_strategies, training_section
+
+        say("")
+        say(f"Training the tiny GPT with every strategy on {world_size} ranks ({train_steps} steps each):")
+        _, _, training_blocks = training_section(world_size, available_strategies(), train_steps, say,
+                                                 out_dir=out_dir)
+        blocks += training_blocks
     paths = {"report": os.path.join(out_dir, "demo-report.html"), "trace": os.path.join(out_dir, "demo-trace.json"),
              "run": os.path.join(out_dir, "demo-run.json")}
     run.save(paths["run"])
@@ -127,7 +139,7 @@ def run_demo(world_size: int | None = None, out_dir="runs", sizes=None, quick: b
     meta = run.meta
     summary = (f"{world_size} ranks, backend {meta.get('backend')}, device {meta.get('device')}, torch "
                f"{meta.get('torch')}, host {meta.get('host')}, {cores} CPU cores; measured in {wall:.1f} s.")
-    viz.write_report(paths["report"], "toolkit demo: collectives, measured live",
+    viz.write_report(paths["report"], "toolkit demo: collectives and training strategies, measured live",
                      [summary, viz.note("Times on a shared or oversubscribed machine are upper bounds; "
                                         "compare the implementations with each other, measured side by side.")]
                      + blocks
@@ -148,11 +160,15 @@ def main(argv=None) -> int:
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks to launch (default: one per GPU, else 4)")
     parser.add_argument("--out", default="runs", help="folder for the report, trace and run (default: runs)")
-    parser.add_argument("--quick", action="store_true", help="two sizes, three repetitions: a first look in seconds")
+    parser.add_argument("--quick", action="store_true",
+                        help="two sizes, three repetitions, no training: a first look in seconds")
+    parser.add_argument("--no-train", action="store_true", help="collectives only: skip training the strategies")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per strategy (default: 6)")
     args = parser.parse_args(argv)
     if args.world_size is not None and args.world_size < 2:
         parser.error("--world-size must be at least 2: a collective needs someone to talk to.")
-    result = run_demo(world_size=args.world_size, out_dir=args.out, quick=args.quick)
+    result = run_demo(world_size=args.world_size, out_dir=args.out, quick=args.quick,
+                      train=False if args.no_train else None, train_steps=args.steps)
     return 0 if result["ok"] else 1
 
 

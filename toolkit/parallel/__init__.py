@@ -40,10 +40,18 @@ def wrap(model: torch.nn.Module, strategy: str, *, optimizer=torch.optim.AdamW, 
 
 
 def full_state_dict(model: torch.nn.Module) -> dict:
-    """The full, unsharded parameters under their original names, on every rank, whatever the strategy."""
+    """The full, unsharded parameters under their original names, on every rank, whatever the strategy.
+
+    Experts split over ranks (toolkit.moe) appear under their global names (`...experts.{i}.w1`),
+    gathered from their owners, so an expert-parallel run compares directly with a one-rank run.
+    """
+    from ..moe.experts import gather_experts
+
     if hasattr(model, "full_state_dict"):
-        return model.full_state_dict()
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+        state = model.full_state_dict()
+    else:
+        state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return gather_experts(model, state)
 
 
 def check_options(strategy: str, options: dict, valid) -> None:

@@ -10,7 +10,9 @@ Two versions, in the order a course builds them:
   MiB, last-registered parameters first (roughly the order backward produces them). A hook on each
   parameter marks its gradient ready; a complete bucket is copied into one flat buffer and its
   all-reduce starts asynchronously, while backward goes on computing earlier layers. At the end of
-  backward we wait for every bucket and copy the averages back into `.grad`.
+  backward we wait for every bucket and point each `.grad` at its slice of the bucket (torch's
+  `gradient_as_bucket_view=True`), so after backward the gradients take Ψ·bytes once, as the
+  (2+2+K)Ψ accounting says, not once in `.grad` and again in the buckets.
 
 What both share: at wrap time the ranks' models are checked to be the same and rank 0's parameters and
 buffers are broadcast; `no_sync()` for gradient accumulation; `mixed_precision` (see local.py: 16-bit
@@ -181,12 +183,8 @@ class DistributedDataParallel(DataParallel):
             self._launch(self.buckets[self.next_bucket])
         for bucket in self.buckets:
             bucket.handle.wait()
-            for index, view in bucket.views.items():
-                p = self.params[index]
-                if p.grad is None:
-                    p.grad = view.view_as(p).clone()
-                else:
-                    p.grad.copy_(view.view_as(p))
+            for index, view in bucket.views.items():  # gradients become views of the bucket: no copy,
+                self.params[index].grad = view.view_as(self.params[index])  # and 2Ψ of grads, not 3Ψ
             bucket.ready.clear()
             bucket.handle = None
         self.next_bucket = 0
