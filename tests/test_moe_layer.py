@@ -337,3 +337,34 @@ def test_moe_gpt_expert_parallel_training_matches_one_process(strategy):
     assert [row["step"] for row in merged] == [0, 1, 2]
     assert [row["counts"] for row in merged] == [want[s] for s in range(3)]
     assert all(sum(row["counts"]) == 4 * 16 * 2 for row in merged)
+
+
+def _clip_and_zero_with_experts():
+    """Clipping with experts: one global norm on every rank; sharded strategies refuse experts clearly."""
+    from toolkit.models import moe_gpt
+
+    torch.manual_seed(0)
+    model = moe_gpt(4, 2, seed=0, seq_len=16, n_layer=1, d_model=16, n_head=2)
+    wrapped, _ = toolkit.parallel.wrap(model, "ddp", optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    import torch.distributed as dist
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    wrapped(x, x).backward()
+    own = sum(float(p.grad.pow(2).sum()) for p in wrapped.module.parameters() if is_expert(p))
+    dense = sum(float(p.grad.pow(2).sum()) for p in wrapped.module.parameters() if not is_expert(p))
+    norm = float(wrapped.clip_grad_norm_(1e-3))
+    try:
+        toolkit.parallel.wrap(moe_gpt(4, 2, seed=0, seq_len=16, n_layer=1, d_model=16, n_head=2), "zero2")
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    return norm, own, dense, refused
+
+
+@pytest.mark.timeout(120)
+def test_clipping_counts_every_ranks_experts_and_zero_refuses_them(no_leftover_ranks):
+    results = toolkit.launch(_clip_and_zero_with_experts, 2, timeout_s=60)
+    (n0, own0, dense0, refused), (n1, own1, dense1, _) = results
+    assert dense0 == pytest.approx(dense1, rel=1e-6)  # dense gradients are averaged: the same everywhere
+    assert own0 != pytest.approx(own1)                # each rank's experts are its own
+    assert n0 == pytest.approx(n1, rel=1e-6) == pytest.approx(math.sqrt(dense0 + own0 + own1), rel=1e-5)
+    assert "does not handle expert-parallel parameters" in refused and "'zero2'" in refused

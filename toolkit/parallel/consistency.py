@@ -42,3 +42,11 @@ def broadcast_from_rank0(tensors, group=None) -> None:
     src = comm.group_ranks(group)[0]
     for t in tensors:
         comm.broadcast(t.data, src=src, group=group)
+
+
+def reject_experts(model: torch.nn.Module, strategy: str) -> None:
+    """Sharded strategies treat every parameter as replicated; expert parameters are not (toolkit.moe)."""
+    if any(getattr(p, "_toolkit_expert", False) for p in model.parameters()):
+        raise ValueError(f"strategy {strategy!r} does not handle expert-parallel parameters (toolkit.moe "
+                         "experts differ per rank and must not be broadcast or sharded as if replicated). "
+                         "Train MoE models with 'ddp' or 'dp' for the dense parameters.")

@@ -82,21 +82,28 @@ class MasterWeights:
         return optimizer
 
 
-def clip_grad_norm_(grads, max_norm: float, reduce=None) -> torch.Tensor:
-    """Scale `grads` in place so that their joint L2 norm is at most `max_norm`; return the norm before.
+def clip_grad_norm_(grads, max_norm: float, own=(), reduce=None) -> torch.Tensor:
+    """Scale gradients in place so that their joint L2 norm is at most `max_norm`; return the norm before.
 
-    The sum of squares is taken in fp32 whatever the gradients' dtype. `reduce(sum_of_squares)`, if
-    given, adds the other ranks' parts in place (for strategies whose gradients are sharded).
+    grads: gradients every rank holds alike (replicated). own: gradients only this rank holds (its
+    experts): their sum of squares is completed over the ranks by `reduce(tensor)` before the root.
+    Sums of squares are taken in fp32 whatever the gradients' dtype.
     """
-    grads = [g for g in grads if g is not None]
-    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+    grads, own = [g for g in grads if g is not None], [g for g in own if g is not None]
+    device = (grads or own)[0].device if grads or own else None
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         total += g.float().pow(2).sum()
-    if reduce is not None:
-        reduce(total)
+    if own or reduce is not None:
+        part = torch.zeros((), dtype=torch.float32, device=device)
+        for g in own:
+            part += g.float().pow(2).sum()
+        if reduce is not None:
+            reduce(part)
+        total += part
     norm = total.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-    for g in grads:
+    for g in grads + own:
         g.mul_(coef.to(g.dtype))
     return norm
 
@@ -159,8 +166,23 @@ class Wrapped(nn.Module):
                 "optimizer": optimizer}
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the gradients to `max_norm` in place; return the global norm (fp32)."""
-        return clip_grad_norm_([p.grad for p in self.module.parameters()], max_norm)
+        """Clip the gradients to `max_norm` in place; return the global norm (fp32).
+
+        Expert parameters (toolkit.moe) differ per rank: their part of the norm is summed over the
+        experts' group, so every rank computes the same norm and dense parameters stay identical.
+        """
+        from ..moe.experts import Experts
+
+        params = [p for p in self.module.parameters()]
+        own = [p.grad for p in params if getattr(p, "_toolkit_expert", False)]
+        replicated = [p.grad for p in params if not getattr(p, "_toolkit_expert", False)]
+        groups = [m.group for m in self.module.modules() if isinstance(m, Experts)]
+        reduce = None
+        if groups and torch.distributed.is_initialized():
+            from .. import comm
+
+            reduce = lambda t: comm.all_reduce(t, group=groups[0])  # noqa: E731
+        return clip_grad_norm_(replicated, max_norm, own, reduce)
 
 
 def wrap(model: nn.Module, optimizer, **options):

@@ -96,6 +96,7 @@ def _wrap(stage: int, model: nn.Module, optimizer, options: dict):
                            "inside toolkit.launch(fn, world_size) (world_size=1 works too), or call "
                            "toolkit.runtime.init() under torchrun or mpirun.")
     group = options.get("group")
+    consistency.reject_experts(model, name)
     consistency.check_same_model(model, group)  # a clear error now rather than a hang later
     model.to(env.device())
     with phase("setup"):  # every rank starts from rank 0's values
