@@ -1,0 +1,379 @@
+"""FSDP: fully sharded data parallelism, as PyTorch's FSDP paper describes it.
+
+ZeRO-3 (`zero3.py`) already stores only a 1/N slice of every parameter and gathers each module's
+parameters just in time. FSDP organizes the same idea around *units* chosen by a wrap policy
+(`fsdp_policy.py`; by default one per transformer block, plus the root for the rest): each unit's
+parameters are one flat parameter (`fsdp_unit.py`), so a unit costs exactly one all-gather and one
+reduce-scatter whatever its number of tensors, and what is in memory at any time is "the shards, plus
+the unit(s) in flight": peak parameter bytes about Σψ_i/F + max ψ_i.
+
+A step, in the order things happen (reshard_after_forward=True, the default):
+
+  forward   unit pre-hook    all-gather the unit (1st all-gather)    [forward_prefetch: also issue the
+                                                                      next unit's all-gather now]
+            the unit's module computes (a nested unit gathers and frees itself inside)
+            unit post-hook   free the gathered copy; hook the outputs so backward can find the unit
+  backward  output's gradient arrives -> all-gather again (2nd)      [backward_prefetch: also issue the
+                                                                      all-gather of the unit backward
+                                                                      reaches next, before this unit's
+                                                                      reduce-scatter]
+            every parameter's gradient is final -> free the unit, reduce-scatter its gradient (the
+            previous unit's reduce-scatter is finished first: at most one in flight)
+  end of backward  finish every reduction: each rank holds the averaged gradient of its slices only
+  step      the optimizer updates the fp32 slices; nothing is gathered until the next forward
+
+Per step every unit moves its Ψ_i three times: 3Ψ(N-1)/N bytes per rank, 1.5x data parallelism.
+`reshard_after_forward=False` keeps each unit gathered from its forward until its backward (no 2nd
+all-gather: 2Ψ, and ZeRO-2-like parameter memory).
+
+Options:
+  wrap_policy            which modules are units (see fsdp_policy.py); the root always is one.
+  reshard_after_forward  True (default) or False, as above. (FSDP2 keeps the *root* gathered after
+                         forward as a heuristic, backward needing it at once; here every unit obeys the
+                         option, so the count above is exact.)
+  forward_prefetch       False (default) or True.
+  backward_prefetch      True (default, torch FSDP's BACKWARD_PRE) or False. Prefetching overlaps a
+                         unit's all-gather with the computation before it, at the price of one more
+                         unit in memory.
+  sharding_group_size    F (default: the world size). Hybrid sharding (HSDP) with F < N: shard within
+                         groups of F consecutive ranks, replicate across the N/F groups; a gradient is
+                         reduce-scattered within its shard group, then all-reduced across the replicas.
+                         F must divide the world size.
+  mixed_precision        False (fp32), True (bfloat16), a dtype or its name, or `MixedPrecision(param_dtype,
+                         reduce_dtype)`: parameters gathered and computed in param_dtype, gradients reduced
+                         in reduce_dtype; the shards, their gradients and the optimizer states stay fp32
+                         (4 + 4 + 8 = the same 16 bytes per parameter as (2 + 2 + 12), split differently).
+  activation_checkpointing  False (default) or True: every unit but the root runs its forward under
+                         torch.utils.checkpoint (use_reentrant=False): its activations are recomputed in
+                         backward, after the unit has been gathered again.
+  param_init_fn          for a model built on the meta device (deferred initialization, fsdp_init.py).
+
+Gradient accumulation: call backward on every micro-batch; each one reduce-scatters and adds into the
+slices. Or run all but the last inside `model.no_sync()`: those keep the unit's *full* gradient and skip
+the reduce-scatter, and the last backward reduces the sum once (less communication, Ψ more memory).
+`model.clip_grad_norm_(max)` clips by the norm of the whole averaged gradient (every rank's slices).
+Checkpoints: `toolkit.parallel.checkpoint`.
+
+Limits: a unit's parameters must be used inside its module's forward, and gradients must reach them
+through that forward's outputs (reading `module.weight` between uses sees an empty tensor); every rank
+runs the same units in the same order.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from ..memory.ledger import record_memory
+from ..runtime import env
+from ..trace.events import phase, recorder
+from . import check_options, consistency
+from .fsdp_init import check_deferred, initialize, is_deferred, owners, seeded_init  # noqa: F401 - re-exported
+from .fsdp_policy import plan
+from .fsdp_unit import SHARDED, FSDPUnit, Sharding
+from .local import compute_dtype
+from .sharded import ShardedEngine, ShardedModel, ShardedOptimizer, check_optimizer
+
+OPTIONS = ("wrap_policy", "reshard_after_forward", "forward_prefetch", "backward_prefetch",
+           "sharding_group_size", "mixed_precision", "activation_checkpointing", "param_init_fn")
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes of the gathered parameters (compute, all-gather) and of the gradient reduction.
+    reduce_dtype=None means the same as param_dtype; torch.float32 reduces 16-bit gradients in fp32."""
+
+    param_dtype: torch.dtype | str = torch.bfloat16
+    reduce_dtype: torch.dtype | str | None = None
+
+
+def _dtypes(mixed_precision) -> tuple[torch.dtype, torch.dtype]:
+    if isinstance(mixed_precision, dict):
+        mixed_precision = MixedPrecision(**mixed_precision)
+    if isinstance(mixed_precision, MixedPrecision):
+        param = _dtype(mixed_precision.param_dtype)
+        return param, param if mixed_precision.reduce_dtype is None else _dtype(mixed_precision.reduce_dtype)
+    dtype = compute_dtype(mixed_precision) or torch.float32
+    return dtype, dtype
+
+
+def _dtype(value) -> torch.dtype:
+    if value in (torch.float32, "float32", "fp32", "torch.float32"):
+        return torch.float32
+    dtype = compute_dtype(value)
+    if dtype is None:
+        raise ValueError(f"MixedPrecision dtype {value!r}: use torch.float32, torch.bfloat16 or torch.float16.")
+    return dtype
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"fsdp: {name} must be True or False, got {value!r}.")
+    return value
+
+
+_GROUPS: dict = {}
+
+
+def _sharding_groups(F: int):
+    """(shard group, replica group) of this rank. Every rank creates every group, in the same order."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if F == world:
+        return None, None
+    key = (id(dist.group.WORLD), F)
+    if key not in _GROUPS:
+        shards = [dist.new_group(list(range(g * F, (g + 1) * F))) for g in range(world // F)]
+        replicas = [dist.new_group(list(range(i, world, F))) for i in range(F)]
+        _GROUPS[key] = (shards, replicas)
+    shards, replicas = _GROUPS[key]
+    return shards[rank // F], replicas[rank % F]
+
+
+def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
+    """Wrap `model` for FSDP. Returns (wrapped model, sharded optimizer over the fp32 slices)."""
+    check_options("fsdp", options, OPTIONS)  # every mistake is reported before any collective
+    check_optimizer("fsdp", optimizer)
+    param_dtype, reduce_dtype = _dtypes(options.get("mixed_precision", False))
+    flags = {k: _flag(k, options.get(k, default)) for k, default in (
+        ("reshard_after_forward", True), ("forward_prefetch", False), ("backward_prefetch", True),
+        ("activation_checkpointing", False))}
+    if not dist.is_initialized():
+        raise RuntimeError("fsdp shards over ranks, so it needs torch.distributed initialized: run it inside "
+                           "toolkit.launch(fn, world_size) (world_size=1 works too), or call "
+                           "toolkit.runtime.init() under torchrun or mpirun.")
+    world = dist.get_world_size()
+    F = options.get("sharding_group_size") or world
+    if isinstance(F, bool) or not isinstance(F, int) or F < 1 or world % F:
+        valid = [f for f in range(1, world + 1) if world % f == 0]
+        raise ValueError(f"fsdp: sharding_group_size={options.get('sharding_group_size')!r} must divide the "
+                         f"world size {world} (shard groups of F ranks, replicated {world}/F times); valid "
+                         f"values here: {valid}.")
+    plans = plan(model, options.get("wrap_policy"))
+    init_fn = options.get("param_init_fn")
+    deferred = is_deferred(model)
+    if deferred:
+        check_deferred(model, init_fn)
+    elif init_fn is not None:
+        raise ValueError("param_init_fn is for a model built on the meta device (deferred initialization); "
+                         "this model already has values. Build it under `with torch.device('meta'):`.")
+    consistency.check_same_model(model)  # a clear error now rather than a hang later
+    shard_group, replica_group = _sharding_groups(F)
+    sharding = Sharding(shard_group, replica_group, param_dtype, reduce_dtype)
+    if not deferred:
+        model.to(env.device())
+    else:  # parameters stay on meta until their unit materializes them; buffers move now
+        for m in model.modules():
+            m._buffers.update({k: b.to(env.device()) for k, b in m._buffers.items() if b is not None})
+    with phase("setup"):  # every rank starts from rank 0's values (deferred: the seeded init agrees already)
+        consistency.broadcast_from_rank0([*([] if deferred else model.parameters()), *model.buffers()])
+    engine = FullyShardedDataParallel(model, plans, sharding, init_fn=init_fn if deferred else None, **flags)
+    engine.optimizer = ShardedOptimizer(optimizer([u.master for u in engine.units]), engine)
+    return FSDPModel(model, engine), engine.optimizer
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    """Run `module.forward` under activation checkpointing. The FSDP hooks stay outside: in backward the
+    unit is gathered (pre-backward hook) before autograd asks for the recomputation."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed
+
+
+class FullyShardedDataParallel(ShardedEngine):
+    """The schedule: when each unit is gathered, freed and reduced (the units do the work)."""
+
+    name = "fsdp"
+
+    def __init__(self, module: nn.Module, plans, sharding: Sharding, *, init_fn=None, reshard_after_forward=True,
+                 forward_prefetch=False, backward_prefetch=True, activation_checkpointing=False):
+        super().__init__(module, sharding.param_dtype, sharding.shard_group)
+        self.sharding = sharding
+        self.reshard_after_forward, self.forward_prefetch = reshard_after_forward, forward_prefetch
+        self.backward_prefetch = backward_prefetch
+        holders = owners(module) if init_fn is not None else None
+        self.units = [FSDPUnit(p, sharding, param_init_fn=init_fn, holders=holders) for p in plans]
+        self.pieces = self.units
+        # deferred initialization made new Parameter objects: name them again
+        self.names = {p: n for n, p in module.named_parameters()}
+        self.params = [p for p in self.names if p.requires_grad]
+        self.unit_of = {p: u for u in self.units for p in u.params}
+        for unit in self.units:
+            unit.param_names = [self.names[p] for p in unit.params]
+            unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
+            unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
+            if activation_checkpointing and unit.module is not module:
+                _checkpoint_forward(unit.module)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+        self.forward_order = list(self.units)  # a guess (model order) until a forward has run
+        self._order, self._post_order, self.backward_order = [], [], []
+        self.in_backward, self.sync = False, True
+        self.probes: list = []  # fn(event, unit) called at every gather, free and reduction
+
+    def _probe(self, event: str, unit: FSDPUnit) -> None:
+        for probe in self.probes:
+            probe(event, unit)
+
+    @staticmethod
+    def _after(order: list, unit: FSDPUnit):
+        """The unit that comes after `unit` in `order` (None at the end)."""
+        i = order.index(unit) + 1 if unit in order else len(order)
+        return order[i] if i < len(order) else None
+
+    # --- forward -------------------------------------------------------------------------------------
+    def forward(self, module, args, kwargs):
+        self._order, self._post_order = [], []
+        try:
+            return module(*args, **kwargs)
+        finally:
+            if self._order:  # next time, prefetch in the order this forward ran
+                self.forward_order = self._order + [u for u in self.units if u not in self._order]
+            for unit in self.units:  # prefetched but not run, or everything if forward failed
+                if unit.state != SHARDED and (unit not in self._post_order or self.reshard_after_forward
+                                              or not torch.is_grad_enabled()):
+                    unit.reshard()
+
+    def _pre_forward(self, unit: FSDPUnit, module, args) -> None:
+        if self.in_backward:  # a recomputation under activation checkpointing: just make sure it is there
+            unit.unshard()
+            return
+        self._order.append(unit)
+        unit.unshard()  # waits for it (it may have been prefetched)
+        self._probe("gathered", unit)
+        if self.forward_prefetch and (nxt := self._after(self.forward_order, unit)) is not None:
+            nxt.unshard(async_op=True)  # in flight while this unit computes
+        unit.span = recorder.add(f"forward {unit.name}", "fsdp", recorder.mark(), unit=unit.name)
+
+    def _post_forward(self, unit: FSDPUnit, module, args, output):
+        if self.in_backward:
+            return output
+        unit.span["end"] = recorder.mark()
+        self._post_order.append(unit)
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            unit.reshard()
+            self._probe("freed", unit)
+        if torch.is_grad_enabled():  # backward enters the unit when its outputs' gradients arrive
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(functools.partial(self._pre_backward, unit))
+        return output
+
+    # --- backward ------------------------------------------------------------------------------------
+    def _pre_backward(self, unit: FSDPUnit, grad) -> None:
+        if not self.in_backward:  # the first unit of this backward
+            self.in_backward = True
+            self.queue_end_of_backward()
+            self.backward_order = self._post_order[::-1]  # backward visits units in reverse
+        if unit.backward_started:
+            return
+        unit.backward_started = True
+        unit.unshard()
+        self._probe("gathered", unit)
+        if self.backward_prefetch and (nxt := self._after(self.backward_order, unit)) is not None:
+            nxt.unshard(async_op=True)  # before this unit's reduce-scatter is issued
+        unit.span = recorder.add(f"backward {unit.name}", "fsdp", recorder.mark(), unit=unit.name)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        unit = self.unit_of[p]
+        if unit.add_grad(p):  # the unit's last gradient of this backward
+            self._post_backward(unit)
+
+    def _post_backward(self, unit: FSDPUnit) -> None:
+        if getattr(unit, "span", None) is not None and unit.span["end"] is None:
+            unit.span["end"] = recorder.mark()
+        self._probe("backward done", unit)
+        unit.reshard()
+        self._probe("freed", unit)
+        if self.sync:
+            for other in self.units:  # at most one reduction in flight: bounded gradient memory
+                if other.reduction is not None:
+                    other.finish_reduce()
+            unit.reduce_grad()
+            self._probe("reduce-scatter", unit)
+
+    def end_of_backward(self) -> None:
+        for unit in self.units:
+            if 0 < unit.waiting < len(unit.params):  # some parameter got no gradient in this backward
+                self._post_backward(unit)
+            elif self.sync and unit.grads is not None:  # accumulated under no_sync(), unused this time
+                unit.reduce_grad()
+            unit.reshard()
+            unit.waiting, unit.backward_started = len(unit.params), False
+        for unit in self.units:
+            if unit.reduction is not None:
+                unit.finish_reduce()
+        self.in_backward = False
+
+    def no_sync(self):
+        return self._no_sync()
+
+    @contextlib.contextmanager
+    def _no_sync(self):
+        """Backwards inside keep each unit's full gradient and skip the reduce-scatter; the next
+        backward outside reduces the accumulated sum once."""
+        before, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = before
+
+    # --- step ----------------------------------------------------------------------------------------
+    def before_step(self) -> None:
+        if any(u.grads is not None for u in self.units):
+            raise RuntimeError("fsdp: the last backward ran inside model.no_sync(), so its gradients were not "
+                               "reduced; run the final micro-batch's backward outside no_sync() before step().")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for unit in self.units:
+            unit.grads = None
+
+    def memory_groups(self) -> dict:
+        params = [u.flat.data for u in self.units] + [u.master for u in self.units] + self.frozen
+        grads = [u.mine.grad for u in self.units if u.mine.grad is not None]
+        grads += [u.grads.data for u in self.units if u.grads is not None]
+        grads += [t for u in self.units if u.reduction is not None for t in (u.reduction[1], u.reduction[2].data)]
+        grads += [p.grad for p in self.params if p.grad is not None]
+        optimizer = self.optimizer.state_tensors() if self.optimizer is not None else []
+        return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+class FSDPModel(ShardedModel):
+    """The wrapped model: forward as the original's; `full_state_dict()`, `memory_groups()`,
+    `clip_grad_norm_()`, `no_sync()` as every sharded strategy; plus the units and a memory probe."""
+
+    @property
+    def units(self) -> list[FSDPUnit]:
+        return self.engine.units
+
+    def describe(self) -> list[dict]:
+        """One row per unit: name, parameter names, elements, padded elements, elements per shard."""
+        return [{"unit": u.name, "params": list(u.param_names), "numel": u.flat.numel,
+                 "padded_numel": u.flat.padded_numel, "shard_numel": u.flat.shard_numel,
+                 "moved_in": [name for name, _ in u.moved_in]} for u in self.units]
+
+    @contextlib.contextmanager
+    def watch_memory(self, meter=None, step=None, probe=None):
+        """Inside, record a memory sample into the trace at every gather, free and reduction (the event
+        and the unit are in the sample), so a step's memory over time shows each unit come and go.
+        `probe(event, unit)` replaces the recording with your own function."""
+        def record(event, unit):
+            record_memory(self, self.engine.optimizer, step=step, meter=meter, event=f"{event} {unit.name}")
+
+        fn = probe or record
+        self.engine.probes.append(fn)
+        try:
+            yield self
+        finally:
+            self.engine.probes.remove(fn)

@@ -1,0 +1,176 @@
+"""One FSDP unit: a flat parameter, sharded, that can be gathered whole and freed again.
+
+A unit owns the parameters of one module (see `fsdp_policy.py`), laid end to end in one flat
+parameter padded to a multiple of the sharding factor F (`flat.py`). Between uses a rank keeps only
+its 1/F slice, in fp32: that slice is also the master weight the optimizer steps. The module's own
+Parameters stay in place as *views* of the flat buffer, so the module's code runs unchanged; only
+the buffer's memory comes and goes:
+
+    SHARDED  --unshard()-->  GATHERING  --wait_unshard()-->  GATHERED  --reshard()-->  SHARDED
+    (views hold 0 bytes)     (all-gather in flight)          (views hold the full values)
+
+and during backward, the gradients take the reverse road:
+
+    add_grad(p) for every parameter  ->  reduce_grad(): reduce-scatter the flat gradient, rank r
+    receiving the average of slice r  ->  finish_reduce(): wait; with hybrid sharding all-reduce that
+    slice across the replicas; add it into the fp32 gradient of the shard
+
+Those five methods are the unit's whole job. *When* they are called (hooks, prefetching, the end
+of backward) is `fsdp.py`'s job: a lab can re-implement `unshard` and `reshard` alone and plug them in.
+
+Why one flat parameter per unit (FSDP1, and the FSDP paper) rather than FSDP2's per-parameter dim-0
+shards: one all-gather and one reduce-scatter per unit on one contiguous buffer is the simplest picture
+of "a unit", the padding is at most F-1 elements per unit, and the shards reuse the `FlatBuffer` ZeRO
+already uses. The price: a rank's slice cuts through tensors anywhere, so a rank does not hold whole
+rows of any weight (FSDP2's dim-0 shards are real `DTensor`s that keep shapes and let an optimizer or a
+checkpoint see each parameter's rows); and only elementwise optimizers can step the slices
+(`sharded.py`'s allow-list). FSDP2 also copies into and out of a flat buffer around each collective;
+here the flat buffer *is* the storage, so there is no copy.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import comm
+from ..runtime import env
+from ..trace.events import recorder
+from .flat import FlatBuffer
+from .fsdp_init import materialize
+from .sharded import Shard
+
+SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
+
+
+class Sharding:
+    """Who holds the shards, and in which dtypes the unit computes and communicates.
+
+    shard_group:   the F ranks over which every unit is sharded (F = the sharding factor; all ranks
+                   for full sharding). `size` = F, `rank` = this rank's index in it.
+    replica_group: with hybrid sharding (HSDP), the ranks that hold the same shard in the other
+                   shard groups; gradients are averaged over them after the reduce-scatter. None otherwise.
+    param_dtype:   the dtype of the gathered parameters (compute and all-gather); reduce_dtype: of the
+                   gradient reduction. Masters, gradient shards and optimizer states are fp32.
+    """
+
+    def __init__(self, shard_group=None, replica_group=None, param_dtype=torch.float32,
+                 reduce_dtype=torch.float32):
+        self.shard_group, self.replica_group = shard_group, replica_group
+        ranks = comm.group_ranks(shard_group)
+        self.size, self.rank = len(ranks), ranks.index(dist.get_rank())
+        self.replicas = len(comm.group_ranks(replica_group)) if replica_group is not None else 1
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.device = env.device()
+
+
+def _label(unit_name: str, op: str) -> None:
+    """Name the unit on the collective the door has just recorded (the timeline then says whose it is)."""
+    if recorder.enabled and recorder.events and recorder.events[-1]["name"] == op:
+        recorder.events[-1]["args"]["unit"] = unit_name
+
+
+class FSDPUnit:
+    """One unit's flat parameter and its state. Attributes:
+
+    name, module, params   the unit's module and its parameters (views of `flat`), in layout order
+    flat                   FlatBuffer in param_dtype: the gathered parameters; 0 bytes while sharded
+    master                 this rank's fp32 slice (an nn.Parameter: what the optimizer steps)
+    mine                   the `Shard` the optimizer sees: master and its reduced fp32 gradient
+    grads                  FlatBuffer in reduce_dtype: full gradients while they arrive in backward
+    state                  SHARDED, GATHERING or GATHERED
+    """
+
+    def __init__(self, plan, sharding: Sharding, *, param_init_fn=None, holders=None):
+        self.name, self.module, self.sharding = plan.name or "(root)", plan.module, sharding
+        self.moved_in = plan.moved_in
+        shapes = [p.shape for p in plan.params]
+        # The whole unit exists once, here, in fp32: the values every rank agrees on.
+        full = FlatBuffer(shapes, sharding.size, dtype=torch.float32, device=sharding.device)
+        if param_init_fn is not None:  # deferred initialization: the meta parameters become real now
+            self.params = materialize(plan.params, full.views(), holders, param_init_fn, plan.name)
+        else:
+            full.copy_from(plan.params)
+            self.params = list(plan.params)
+        self.index = {p: i for i, p in enumerate(self.params)}
+        self.master = nn.Parameter(full.shard(sharding.rank).clone())  # the one copy kept, fp32
+        self.mine = Shard(self.master)
+        self.flat = full if sharding.param_dtype == torch.float32 else \
+            FlatBuffer(shapes, sharding.size, data=full.data.to(sharding.param_dtype))
+        with torch.no_grad():
+            for p, view in zip(self.params, self.flat.views()):
+                p.data = view  # the module's parameters now live in the flat buffer...
+        self.flat.free()       # ...which holds nothing until the unit is gathered
+        self.state = SHARDED
+        self.grads: FlatBuffer | None = None
+        self.waiting = len(self.params)  # gradients not yet arrived in this backward
+        self.backward_started = False
+        self._gather = None    # (handle, input) of the all-gather in flight
+        self.reduction = None  # (handle, output, input) of the reduce-scatter in flight
+
+    # --- 1. unshard: all-gather the flat parameter ----------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Make the full parameters appear: give the flat buffer memory, all-gather every rank's slice
+        into it (cast to param_dtype on the way). With async_op, return while the gather is in flight."""
+        if self.state == SHARDED:
+            self.flat.allocate()
+            piece = self.master.detach().to(self.sharding.param_dtype)  # fp32: the master itself, no copy
+            handle = comm.all_gather(self.flat.data, piece, group=self.sharding.shard_group, async_op=True)
+            _label(self.name, "all_gather")
+            self._gather, self.state = (handle, piece), GATHERING
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        if self.state == GATHERING:
+            self._gather[0].wait()
+            self._gather, self.state = None, GATHERED
+
+    # --- 2. reshard: free the gathered copy -------------------------------------------------------------
+    def reshard(self) -> None:
+        """Drop the full parameters: the storage shrinks to 0 bytes, the views (and autograd's references
+        to them) stay valid and are refilled by the next unshard. The master slice is untouched."""
+        if self.state == GATHERING:
+            self.wait_unshard()  # never free memory a collective is still writing into
+        self.flat.free()
+        self.state = SHARDED
+
+    # --- 3. gradients: collect, reduce-scatter, keep the slice -------------------------------------------
+    def add_grad(self, p: nn.Parameter) -> bool:
+        """`p.grad` is final for this backward: add it into the flat gradient and drop it.
+        Returns True when it was the unit's last one (then the unit's backward is done)."""
+        if self.grads is None:  # zeros: padding and parameters without a gradient contribute nothing
+            self.grads = FlatBuffer(self.flat.shapes, self.sharding.size, dtype=self.sharding.reduce_dtype,
+                                    device=self.master.device)
+        self.grads.view(self.index[p]).add_(p.grad)  # add: micro-batches under no_sync() accumulate here
+        p.grad = None
+        self.waiting -= 1
+        return self.waiting == 0
+
+    def reduce_grad(self) -> None:
+        """Average the flat gradient over the shard group, rank r receiving slice r (asynchronously)."""
+        out = torch.empty(self.grads.shard_numel, dtype=self.sharding.reduce_dtype, device=self.master.device)
+        handle = comm.reduce_scatter(out, self.grads.data, op="avg", group=self.sharding.shard_group,
+                                     async_op=True)
+        _label(self.name, "reduce_scatter")
+        self.reduction, self.grads = (handle, out, self.grads), None
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter; with hybrid sharding, average the slice over the replicas too
+        (each replica group holds the same slice); add it into the fp32 gradient of the shard."""
+        handle, out, _ = self.reduction
+        handle.wait()
+        self.reduction = None
+        if self.sharding.replica_group is not None:
+            comm.all_reduce(out, op="avg", group=self.sharding.replica_group)
+            _label(self.name, "all_reduce")
+        out = out.to(torch.float32)
+        self.mine.grad = out if self.mine.grad is None else self.mine.grad.add_(out)
+
+    # --- views for people ---------------------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        return self.flat.numel
+
+    def __repr__(self) -> str:
+        return f"FSDPUnit({self.name!r}, {len(self.params)} parameters, {self.flat}, {self.state})"
