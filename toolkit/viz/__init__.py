@@ -19,3 +19,6 @@ from .timeline import timeline
 
 __all__ = ["CollectivePanel", "bandwidth", "collective_panel", "collective_times", "fit_alpha_beta", "heading",
            "note", "preformatted", "report_html", "ring_schedule", "ring_steps", "table", "timeline", "write_report"]
+from .expert_load import expert_load
+
+__all__ += ["expert_load"]

@@ -1,0 +1,162 @@
+"""Expert load over training: which experts the router sent tokens to, forward after forward.
+
+An MoE layer is only as fast as its busiest expert: the step waits for it, and capacity drops what
+does not fit. FasterMoE measured that the choice of experts is skewed (a few popular experts take
+most tokens) and that it drifts (which experts are popular changes from iteration to iteration and
+over training). This figure shows both, from the ``moe/{name}/load`` records an MoE layer leaves in
+a Run (``toolkit.moe.MoE.record_load``), summed over the ranks (``toolkit.moe.merge_load``):
+
+- top: a heatmap, experts (rows) by iteration (columns, one per forward pass). The colour is an
+  expert's load relative to a perfectly balanced one (tokens routed / (total / E)): 1 is white, busier
+  is red, idler is blue. A black dot marks each iteration's busiest expert, so drift shows as dots
+  wandering between rows. Hover gives the counts: routed, kept, over capacity, share of the tokens.
+- middle: dropped (token, choice) pairs per iteration, the price of skew under a fixed capacity.
+- bottom: the imbalance max/mean (busiest expert / average; 1.0 = balanced, E/k = everything on
+  k experts), roughly the slowdown of the expert computation relative to a balanced load.
+
+With several MoE layers a dropdown picks the layer (or pass ``layer=``). A pure function of a Run.
+"""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ..moe.layer import merge_load
+
+IDLE, QUIET, BALANCED, BUSY, HOT = "#2166ac", "#92c5de", "#f7f7f7", "#f4a582", "#b2182b"
+TRACES_PER_LAYER = 4  # heatmap, busiest-expert dots, dropped bars, imbalance line
+
+
+def moe_layers(run) -> list[str]:
+    """Names of the MoE layers that recorded their load in this Run, in the order they first appear."""
+    names = {}
+    for m in run.metrics:
+        name = m["name"]
+        if name.startswith("moe/") and name.endswith("/load"):
+            names.setdefault(name[len("moe/"):-len("/load")], None)
+    return list(names)
+
+
+def load_rows(run, layer: str) -> list[dict]:
+    """Per forward of ``layer``: ``merge_load``'s row (step, counts, kept, dropped, max_over_mean, cv, ...)
+    plus ``capacity`` (slots per expert summed over ranks), ``micro`` (forward index within its step)
+    and ``owner`` (the rank that holds each expert)."""
+    records = {}
+    for m in run.metrics:
+        if m["name"] == f"moe/{layer}/load":
+            records.setdefault(m.get("rank", 0), []).append(m["value"])
+    rows = merge_load(run.metrics, layer)
+    num_experts = len(rows[0]["counts"]) if rows else 0
+    owner = [0] * num_experts
+    for rank, values in records.items():
+        first, local = values[0].get("first", 0), len(values[0].get("received", [])) or num_experts
+        for e in range(first, min(first + local, num_experts)):
+            owner[e] = rank
+    seen = {}
+    for i, row in enumerate(rows):
+        row["capacity"] = sum(values[i]["capacity"] for values in records.values())
+        row["micro"] = seen.get(row["step"], 0)
+        seen[row["step"]] = row["micro"] + 1
+        row["owner"] = owner
+    return rows
+
+
+def balanced_colourscale(zmax: float) -> list:
+    """Blue below 1 (idler than balance), white at 1, red above, on the colour range [0, zmax]."""
+    w = 1.0 / zmax
+    return [(0.0, IDLE), (w / 2, QUIET), (w, BALANCED), (w + (1 - w) / 2, BUSY), (1.0, HOT)]
+
+
+def _hover(row, i: int, e: int) -> str:
+    routed, kept = row["counts"][e], row["kept"][e]
+    total = sum(row["counts"])
+    balanced = total / len(row["counts"]) if total else 0
+    when = f"iteration {i}" + (f" (step {row['step']}" + (f", micro-batch {row['micro']})" if row["micro"] else ")")
+                               if row["step"] is not None else "")
+    lines = [f"<b>expert {e}</b> on rank {row['owner'][e]} · {when}",
+             f"routed {routed} of {total} choices ({routed / total:.1%})" if total else "routed 0",
+             f"kept {kept} · over capacity {routed - kept} (capacity {row['capacity']} over all ranks)",
+             f"load / balanced = {routed / balanced:.2f}" if balanced else "no tokens"]
+    return "<br>".join(lines)
+
+
+def _layer_traces(rows, layer: str, visible: bool):
+    E = len(rows[0]["counts"])
+    x = list(range(len(rows)))
+    z = [[(row["counts"][e] * E / sum(row["counts"])) if sum(row["counts"]) else 1.0 for row in rows]
+         for e in range(E)]
+    zmax = max(2.0, max(max(r) for r in z))  # white at 1 (balance) whatever the range
+    hover = [[_hover(row, i, e) for i, row in enumerate(rows)] for e in range(E)]
+    busiest = [row["counts"].index(max(row["counts"])) for row in rows]
+    step_of = [row["step"] for row in rows]
+    heat = go.Heatmap(z=z, x=x, y=list(range(E)), zmin=0.0, zmax=zmax,
+                      colorscale=balanced_colourscale(zmax), hovertext=hover, hoverinfo="text", visible=visible,
+                      name=f"{layer} load", colorbar=dict(title="load /<br>balanced", len=0.55, y=0.74),
+                      xgap=1, ygap=1)
+    dots = go.Scatter(x=x, y=busiest, mode="markers", name="busiest expert", visible=visible,
+                      marker=dict(color="black", size=5, symbol="circle"),
+                      customdata=[[s, max(row["counts"])] for s, row in zip(step_of, rows)],
+                      hovertemplate="iteration %{x} (step %{customdata[0]})<br>busiest: expert %{y}, "
+                                    "%{customdata[1]} choices<extra></extra>")
+    dropped = go.Bar(x=x, y=[row["dropped"] for row in rows], name="dropped", visible=visible,
+                     marker_color="#d62728", showlegend=False,
+                     customdata=[[s, sum(row["counts"]), row["capacity"]] for s, row in zip(step_of, rows)],
+                     hovertemplate="iteration %{x} (step %{customdata[0]})<br>%{y} of %{customdata[1]} choices "
+                                   "dropped<br>capacity %{customdata[2]} per expert over all ranks<extra></extra>")
+    imbalance = go.Scatter(x=x, y=[row["max_over_mean"] for row in rows], mode="lines+markers", visible=visible,
+                           name="max / mean", line=dict(color="#4C78A8"), marker=dict(size=4), showlegend=False,
+                           customdata=[[s, row["cv"]] for s, row in zip(step_of, rows)],
+                           hovertemplate="iteration %{x} (step %{customdata[0]})<br>max/mean %{y:.2f}"
+                                         "<br>coefficient of variation %{customdata[1]:.2f}<extra></extra>")
+    return [heat, dots, dropped, imbalance]
+
+
+def _title(layer: str, rows) -> str:
+    E, worst = len(rows[0]["counts"]), max(row["max_over_mean"] for row in rows)
+    dropped = sum(row["dropped"] for row in rows)
+    total = sum(sum(row["counts"]) for row in rows)
+    changes = sum(a["counts"].index(max(a["counts"])) != b["counts"].index(max(b["counts"]))
+                  for a, b in zip(rows, rows[1:]))
+    return (f"Expert load of MoE layer {layer!r}: {E} experts, {len(rows)} iterations · worst max/mean "
+            f"{worst:.2f} · {dropped / total:.1%} of choices dropped · busiest expert changed {changes} times")
+
+
+def expert_load(run, layer: str | None = None, *, title: str | None = None) -> go.Figure:
+    """Heatmap of expert load (experts x iterations) with dropped tokens and max/mean imbalance below.
+
+    layer: the MoE layer's name (its ``name=``; in the MoE-GPT ``layer0``, ``layer1``, ...). None shows
+    the first and adds a dropdown to switch between layers when there are several.
+    """
+    layers = moe_layers(run)
+    if not layers:
+        raise ValueError("this Run has no expert-load records (metrics 'moe/<layer>/load'): train a model with "
+                         "toolkit.moe.MoE layers (e.g. toolkit.models.moe_model_fn) with the recorder enabled.")
+    if layer is not None and layer not in layers:
+        raise ValueError(f"no MoE layer named {layer!r} recorded its load in this Run; choose one of {layers}.")
+    shown = [layer] if layer is not None else layers
+    tables = {name: load_rows(run, name) for name in shown}
+
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, row_heights=[0.6, 0.2, 0.2], vertical_spacing=0.05)
+    for i, name in enumerate(shown):
+        for trace, row in zip(_layer_traces(tables[name], name, visible=i == 0), (1, 1, 2, 3)):
+            fig.add_trace(trace, row=row, col=1)
+    fig.add_hline(y=1.0, line=dict(color="grey", dash="dot", width=1), row=3, col=1)  # balance
+
+    first = tables[shown[0]]
+    E = len(first[0]["counts"])
+    fig.update_yaxes(title_text="expert", autorange="reversed", dtick=1 if E <= 16 else None, row=1, col=1)
+    fig.update_yaxes(title_text="dropped", rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(title_text="max/mean", rangemode="tozero", row=3, col=1)
+    fig.update_xaxes(title_text="iteration (one forward pass of the layer)", row=3, col=1)
+    fig.update_layout(title=title or _title(shown[0], first), template="plotly_white",
+                      height=360 + 14 * min(E, 32), margin=dict(l=10, r=10, t=90, b=40),
+                      legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"))
+    if len(shown) > 1:
+        buttons = []
+        for i, name in enumerate(shown):
+            visible = [j // TRACES_PER_LAYER == i for j in range(TRACES_PER_LAYER * len(shown))]
+            buttons.append(dict(label=name, method="update",
+                                args=[{"visible": visible}, {"title.text": title or _title(name, tables[name])}]))
+        fig.update_layout(updatemenus=[dict(buttons=buttons, direction="down", x=0.0, xanchor="left", y=1.12,
+                                            yanchor="bottom", showactive=True)])
+    return fig
