@@ -55,6 +55,9 @@ def main(folder: str) -> None:
         fn, args = pickle.loads(job["payload"])  # may import the caller's modules: needs its sys.path
         result = fn(*args)
         _write(folder, f"result-{rank}.pkl", _to_cpu(result))
+        # Leave together: a rank that exits at once (fn used no collective) would otherwise close its
+        # sockets while a slower peer is still connecting to it. Raw, so no trace records it.
+        dist.barrier()
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         _write(folder, f"error-{rank}.pkl", {
             "type": type(exc).__name__, "message": str(exc), "time": time.time(),
