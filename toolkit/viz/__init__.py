@@ -16,9 +16,11 @@ from .panels import CollectivePanel, collective_panel
 from .report import heading, note, preformatted, report_html, table, write_report
 from .ring import ring_schedule, ring_steps
 from .timeline import timeline
+from .explorer import MemoryExplorer, explorer_numbers, memory_explorer
 
 __all__ = ["CollectivePanel", "bandwidth", "collective_panel", "collective_times", "fit_alpha_beta", "heading",
-           "note", "preformatted", "report_html", "ring_schedule", "ring_steps", "table", "timeline", "write_report"]
+           "note", "preformatted", "report_html", "ring_schedule", "ring_steps", "table", "timeline", "write_report",
+           "MemoryExplorer", "explorer_numbers", "memory_explorer"]
 from .expert_load import expert_load
 
 __all__ += ["expert_load"]
