@@ -5,6 +5,11 @@ strategy gives the final loss (and its distance from "local"), the step time, th
 memory per category against the ZeRO formula, the bytes each rank sent per step against the theory,
 and how much of the communication hid behind compute. The report draws the same as figures, plus a
 timeline of one step per strategy; every run's Chrome trace is written too.
+
+"moe-ep" is not a strategy of its own: it trains the MoE-GPT (every MLP an MoE layer, 2 experts per rank,
+top-2) with its experts split over the ranks (all-to-all dispatch and combine) while DDP trains the dense
+parameters. Its row's theory counts the dense all-reduce plus the all-to-alls under balanced routing, and
+the report adds its expert-load figure.
 """
 from __future__ import annotations
 
@@ -20,12 +25,14 @@ from .trace.analysis import bytes_per_step, overlap_fraction
 from .trace.chrome import save_chrome
 from .train import TrainConfig, launch_train
 
-DEFAULT_STRATEGIES = ("local", "dp", "ddp", "zero1", "zero2", "zero3")
+MOE_LABEL = "moe-ep"
+DEFAULT_STRATEGIES = ("local", "dp", "ddp", "zero1", "zero2", "zero3", MOE_LABEL)
 ZERO_STAGE = {"local": 0, "dp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
 MODEL = dict(n_layer=2, d_model=64, n_head=4)
 # Strategy options for a model this small: DDP's default 25 MB bucket would hold the whole model,
 # leaving nothing to overlap; a quarter of the gradient bytes gives four buckets.
 STRATEGY_OPTIONS = {"ddp": lambda grad_bytes: {"bucket_cap_mb": grad_bytes / 4 / 2**20}}
+MOE = dict(strategy="ddp", experts_per_rank=2, top_k=2)  # how "moe-ep" trains the MoE-GPT
 
 
 def available_strategies(wanted=DEFAULT_STRATEGIES) -> list[str]:
@@ -34,7 +41,7 @@ def available_strategies(wanted=DEFAULT_STRATEGIES) -> list[str]:
 
     out = []
     for name in wanted:
-        module, _ = parallel.STRATEGIES[name]
+        module, _ = ("toolkit.moe.layer", None) if name == MOE_LABEL else parallel.STRATEGIES[name]
         try:
             importlib.import_module(module)
         except ModuleNotFoundError:
@@ -53,8 +60,33 @@ def predicted_model_states(num_params: int, world: int, strategy: str, mixed_pre
     return model_states(num_params, world, ZERO_STAGE[strategy], param_bytes=4, grad_bytes=4, optimizer_multiplier=8)
 
 
-def summarize(label: str, run, world: int, num_params: int, mixed_precision: bool, local_loss=None) -> dict:
-    """One row of the comparison from a merged Run."""
+def moe_theory(world: int, config: TrainConfig, mixed_precision: bool) -> dict:
+    """What "moe-ep" should cost per rank: model states of the dense parameters plus this rank's experts,
+    and bytes sent per step: DDP's all-reduce of the dense gradients plus, per MoE layer, the count
+    exchange and four all-to-alls of token rows (dispatch, combine, and both again in backward),
+    each sending the (W-1)/W of a rank's T*k rows that belong to other ranks' experts (balanced
+    routing, nothing dropped)."""
+    from .models import moe_gpt
+    from .moe import is_expert
+
+    E, k = MOE["experts_per_rank"] * world, MOE["top_k"]
+    model = moe_gpt(E, k, **MODEL)
+    experts = sum(p.numel() for p in model.parameters() if is_expert(p))
+    dense = model.num_params() - experts
+    layers = MODEL["n_layer"]
+    tokens = config.global_batch_size // world * config.seq_len
+    element = 2 if mixed_precision else 4
+    rows = 4 * layers * tokens * k * (world - 1) / world * MODEL["d_model"] * element
+    counts = layers * E * (world - 1) / world * 8
+    return {"num_params": dense + experts, "dense": dense, "experts": experts, "experts_per_rank": experts // world,
+            "states": predicted_model_states(dense + experts // world, world, "ddp", mixed_precision),
+            "sent": communication_per_step(dense, world, "ddp") * element + rows + counts}
+
+
+def summarize(label: str, run, world: int, num_params: int, mixed_precision: bool, local_loss=None, *,
+              theory_states=None, theory_sent=None) -> dict:
+    """One row of the comparison from a merged Run (theory_*: bytes that replace the formulas' for the
+    rows, like "moe-ep", that the ZeRO formulas do not describe)."""
     from .viz.memory import peak_by_category
 
     losses = [v for _, v in run.metric("loss")]
@@ -66,6 +98,9 @@ def summarize(label: str, run, world: int, num_params: int, mixed_precision: boo
     element = 2 if mixed_precision else 4
     theory = communication_per_step(num_params, world, label if label in ZERO_STAGE else "ddp") * element \
         if world > 1 else 0
+    theory = theory if theory_sent is None else theory_sent
+    if theory_states is None:
+        theory_states = predicted_model_states(num_params, world, label, mixed_precision)
     return {"strategy": label, "ranks": world, "final loss": round(losses[-1], 4),
             "|loss - local|": None if local_loss is None else float(f"{abs(losses[-1] - local_loss):.2e}"),
             "step ms": round(1e3 * statistics.median(times), 1),
@@ -74,7 +109,7 @@ def summarize(label: str, run, world: int, num_params: int, mixed_precision: boo
             "optimizer MB": round(max(p["optimizer"] for p in peaks) / 1e6, 3),
             "activations MB": round(max(p["activations"] for p in peaks) / 1e6, 3),
             "model states MB": round(states / 1e6, 3),
-            "theory MB": round(predicted_model_states(num_params, world, label, mixed_precision) / 1e6, 3),
+            "theory MB": round(theory_states / 1e6, 3),
             "sent MB/step": round(sent / 1e6, 3), "theory sent MB/step": round(theory / 1e6, 3),
             "overlap": round(overlap_fraction(run), 2) if world > 1 else None}
 
@@ -90,19 +125,31 @@ def training_section(world_size: int, strategies, steps: int, say, *, mixed_prec
     runs, rows, predicted = {}, [], {}
     num_params = tiny_gpt(**MODEL).num_params()
     local_loss = None
+    moe = None
     for name in strategies:
         world = 1 if name == "local" else world_size
-        extra = STRATEGY_OPTIONS.get(name, lambda _: {})(num_params * (2 if mixed_precision else 4))
-        config = TrainConfig(strategy=name, steps=steps, global_batch_size=4 * world_size, model=dict(MODEL),
+        strategy = MOE["strategy"] if name == MOE_LABEL else name
+        extra = STRATEGY_OPTIONS.get(strategy, lambda _: {})(num_params * (2 if mixed_precision else 4))
+        config = TrainConfig(strategy=strategy, steps=steps, global_batch_size=4 * world_size, model=dict(MODEL),
                              options=dict(options, **extra), progress=False)
         started = time.perf_counter()
-        run = launch_train(config, world, quiet=True, timeout_s=120)
-        row = summarize(name, run, world, num_params, mixed_precision, local_loss)
+        if name == MOE_LABEL:
+            from .models import moe_model_fn
+
+            moe = moe_theory(world, config, mixed_precision)
+            run = launch_train(config, world, quiet=True, timeout_s=120,
+                               model_fn=moe_model_fn(MOE["experts_per_rank"] * world, MOE["top_k"]))
+            row = summarize(name, run, world, moe["num_params"], mixed_precision, None,
+                            theory_states=moe["states"], theory_sent=moe["sent"])
+        else:
+            run = launch_train(config, world, quiet=True, timeout_s=120)
+            row = summarize(name, run, world, num_params, mixed_precision, local_loss)
         if name == "local":
             local_loss = row["final loss"]
         rows.append(row)
         runs[name] = run
-        predicted[name] = predicted_model_states(num_params, world, name, mixed_precision)
+        predicted[name] = moe["states"] if name == MOE_LABEL else \
+            predicted_model_states(num_params, world, name, mixed_precision)
         say(f"  {name:>6} on {world} rank(s): loss {row['final loss']:.4f}, {row['step ms']} ms/step, "
             f"model states {row['model states MB']} MB (theory {row['theory MB']}), "
             f"sent {row['sent MB/step']} MB/step (theory {row['theory sent MB/step']}), "
@@ -126,7 +173,24 @@ def training_section(world_size: int, strategies, steps: int, say, *, mixed_prec
         if run.meta["world_size"] > 1:
             blocks.append(viz.timeline(run, where=lambda e, s=last_step: _in_step(e, run, s),
                                        title=f"{name}: the last step on every rank"))
+    if moe is not None:
+        blocks += _moe_blocks(runs[MOE_LABEL], moe, world_size)
     return runs, rows, blocks
+
+
+def _moe_blocks(run, moe: dict, world: int) -> list:
+    """The report's MoE part: what the "moe-ep" row trained, and where its tokens went."""
+    from . import viz
+
+    E = MOE["experts_per_rank"] * world
+    return [viz.heading("The MoE-GPT with expert parallelism (moe-ep)"),
+            f"The same GPT with every MLP replaced by an MoE layer of {E} experts (top-{MOE['top_k']}, capacity "
+            f"factor 1.25): {moe['num_params']:,} parameters, of which {moe['experts']:,} in experts, "
+            f"{moe['experts_per_rank']:,} per rank. Each rank holds {MOE['experts_per_rank']} experts per layer and "
+            f"sends tokens to the others with all-to-alls (on the timeline above: counts, dispatch, combine, and "
+            f"their backward); DDP all-reduces only the {moe['dense']:,} dense parameters' gradients. Its loss is "
+            "not comparable with the dense rows' (another model), hence no |loss - local|.",
+            viz.expert_load(run)]
 
 
 def _in_step(event, run, step: int) -> bool:
@@ -151,9 +215,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="runs")
     args = parser.parse_args(argv)
     wanted = [s for s in args.strategies.split(",") if s]
-    unknown = set(wanted) - set(parallel.STRATEGIES)
+    unknown = set(wanted) - set(parallel.STRATEGIES) - {MOE_LABEL}
     if unknown:
-        parser.error(f"unknown strategies {sorted(unknown)}; choose from {sorted(parallel.STRATEGIES)}")
+        parser.error(f"unknown strategies {sorted(unknown)}; choose from {sorted(parallel.STRATEGIES) + [MOE_LABEL]}")
     strategies = available_strategies(wanted)
     world = args.world_size or default_world_size()
     os.makedirs(args.out, exist_ok=True)
