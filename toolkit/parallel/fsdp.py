@@ -142,6 +142,14 @@ def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
     flags = {k: _flag(k, options.get(k, default)) for k, default in (
         ("reshard_after_forward", True), ("forward_prefetch", False), ("backward_prefetch", True),
         ("activation_checkpointing", False))}
+    plans = plan(model, options.get("wrap_policy"))
+    init_fn = options.get("param_init_fn")
+    deferred = is_deferred(model)
+    if deferred:
+        check_deferred(model, init_fn)
+    elif init_fn is not None:
+        raise ValueError("param_init_fn is for a model built on the meta device (deferred initialization); "
+                         "this model already has values. Build it under `with torch.device('meta'):`.")
     if not dist.is_initialized():
         raise RuntimeError("fsdp shards over ranks, so it needs torch.distributed initialized: run it inside "
                            "toolkit.launch(fn, world_size) (world_size=1 works too), or call "
@@ -153,14 +161,6 @@ def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
         raise ValueError(f"fsdp: sharding_group_size={options.get('sharding_group_size')!r} must divide the "
                          f"world size {world} (shard groups of F ranks, replicated {world}/F times); valid "
                          f"values here: {valid}.")
-    plans = plan(model, options.get("wrap_policy"))
-    init_fn = options.get("param_init_fn")
-    deferred = is_deferred(model)
-    if deferred:
-        check_deferred(model, init_fn)
-    elif init_fn is not None:
-        raise ValueError("param_init_fn is for a model built on the meta device (deferred initialization); "
-                         "this model already has values. Build it under `with torch.device('meta'):`.")
     consistency.check_same_model(model)  # a clear error now rather than a hang later
     shard_group, replica_group = _sharding_groups(F)
     sharding = Sharding(shard_group, replica_group, param_dtype, reduce_dtype)
@@ -235,7 +235,13 @@ class FullyShardedDataParallel(ShardedEngine):
     def forward(self, module, args, kwargs):
         self._order, self._post_order = [], []
         try:
-            return module(*args, **kwargs)
+            output = module(*args, **kwargs)
+            skipped = [u.name for u in self.units if u not in self._order]
+            if skipped:  # its parameters were never gathered: anything that read them read nothing
+                raise RuntimeError(f"fsdp: the module of unit(s) {skipped} was not called in this forward, so "
+                                   f"its parameters were never gathered. Every unit's module must run its own "
+                                   f"forward (choose units whose forward the model calls).")
+            return output
         finally:
             if self._order:  # next time, prefetch in the order this forward ran
                 self.forward_order = self._order + [u for u in self.units if u not in self._order]
@@ -253,6 +259,7 @@ class FullyShardedDataParallel(ShardedEngine):
         self._probe("gathered", unit)
         if self.forward_prefetch and (nxt := self._after(self.forward_order, unit)) is not None:
             nxt.unshard(async_op=True)  # in flight while this unit computes
+            self._probe("prefetch", nxt)
         unit.span = recorder.add(f"forward {unit.name}", "fsdp", recorder.mark(), unit=unit.name)
 
     def _post_forward(self, unit: FSDPUnit, module, args, output):
@@ -282,6 +289,7 @@ class FullyShardedDataParallel(ShardedEngine):
         self._probe("gathered", unit)
         if self.backward_prefetch and (nxt := self._after(self.backward_order, unit)) is not None:
             nxt.unshard(async_op=True)  # before this unit's reduce-scatter is issued
+            self._probe("prefetch", nxt)
         unit.span = recorder.add(f"backward {unit.name}", "fsdp", recorder.mark(), unit=unit.name)
 
     def _on_grad(self, p: nn.Parameter) -> None:

@@ -116,7 +116,9 @@ def materialize(params: list, fp32_views: list, holders: dict, param_init_fn, un
                              f"parameters in one unit with the wrap policy.")
     new = []
     for p, view in zip(params, fp32_views):
-        real = nn.Parameter(view, requires_grad=p.requires_grad)
+        real = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=p.requires_grad)
+        real.data = view  # not nn.Parameter(view): that would share the flat buffer's version counter, and
+        #                   every all-gather into the buffer would look like an in-place edit to autograd
         for _, _, module, attr in holders[id(p)]:
             module._parameters[attr] = real
         new.append(real)

@@ -62,8 +62,8 @@ def select(model: nn.Module, policy=None) -> list[str]:
     if isinstance(policy, int):
         if policy < 1:
             raise ValueError(f"wrap_policy={policy}: a minimum parameter count must be >= 1.")
-        return _by_size(model, policy)
-    if isinstance(policy, (tuple, list)) and policy and all(isinstance(c, type) for c in policy):
+        chosen = _by_size(model, policy)
+    elif isinstance(policy, (tuple, list)) and policy and all(isinstance(c, type) for c in policy):
         chosen = [n for n, m in named if n and isinstance(m, tuple(policy))]
     elif isinstance(policy, (tuple, list)):
         names = {id(m): n for n, m in named}
@@ -83,6 +83,12 @@ def select(model: nn.Module, policy=None) -> list[str]:
         chosen = [n for n, m in named if n and policy(n, m)]
     else:
         raise ValueError(f"wrap_policy={policy!r} is not a policy. {POLICY_HELP}")
+    containers = [n for n in chosen if isinstance(dict(named)[n], CONTAINERS)]
+    if containers and isinstance(policy, (tuple, list)) and not all(isinstance(c, type) for c in policy):
+        raise ValueError(f"wrap_policy lists {containers}, a module container: its forward is never called "
+                         f"(the model calls its children), so its unit would never be gathered. List its "
+                         f"children instead, e.g. {containers[0]}.0.")
+    chosen = [n for n in chosen if n not in containers]
     if not chosen:
         classes = sorted({type(m).__name__ for n, m in named if n})
         raise ValueError(
@@ -92,6 +98,10 @@ def select(model: nn.Module, policy=None) -> list[str]:
             f"{classes}; or a minimum parameter count, or a list of names. {POLICY_HELP}")
     return chosen
 
+
+# Modules whose forward is never called (a model iterates over them): never units. (torch FSDP1's
+# size-based policy excludes them too.)
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 POLICY_HELP = ("Valid policies: None (each toolkit.models.Block), a module class or tuple of classes, an "
                "int (minimum parameters per unit), a list of modules or qualified names, or a function "
@@ -110,7 +120,7 @@ def _by_size(model: nn.Module, min_params: int) -> list[str]:
             if id(p) not in seen:
                 seen.add(id(p))
                 remaining += p.numel()
-        if name and remaining >= min_params:
+        if name and remaining >= min_params and not isinstance(module, CONTAINERS):
             chosen.append(name)
             return 0
         return remaining
