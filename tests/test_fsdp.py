@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import tempfile
 
 import pytest
@@ -26,7 +25,7 @@ from toolkit.memory import communication_per_step
 from toolkit.models import SyntheticCorpus, tiny_gpt
 from toolkit.parallel import checkpoint as ckpt
 from toolkit.parallel import wrap
-from toolkit.parallel.fsdp import MixedPrecision, initialize, seeded_init
+from toolkit.parallel.fsdp import FSDPUnit, MixedPrecision, initialize, seeded_init
 from toolkit.parallel.fsdp_policy import plan
 from toolkit.runtime import env
 
@@ -265,6 +264,22 @@ def deferred(rank, n):
             "params": model.full_state_dict(), "units": model.describe()}
 
 
+class PlainUnit(FSDPUnit):
+    """What the lab asks for: a unit's unshard and reshard written again, from its attributes only
+    (a blocking all-gather: no prefetch can overlap it). Plugged in with unit_class=PlainUnit."""
+
+    def unshard(self, async_op=False):
+        if self.state == "sharded":
+            self.flat.allocate()
+            piece = self.master.detach().to(self.flat.data.dtype)
+            toolkit.comm.all_gather(self.flat.data, piece, group=self.sharding.shard_group)
+            self.state = "gathered"
+
+    def reshard(self):
+        self.flat.free()
+        self.state = "sharded"
+
+
 VARIANTS_2 = {
     "prefetch_off": dict(backward_prefetch=False),
     "prefetch_all": dict(forward_prefetch=True, track=True),
@@ -275,6 +290,7 @@ VARIANTS_2 = {
     "nested_policy": dict(wrap_policy=["blocks.0", "blocks.0.mlp", "blocks.1"]),
     "size_policy": dict(wrap_policy=3000),
     "one_shard_group": dict(sharding_group_size=1),
+    "plain_unit": dict(unit_class=PlainUnit, forward_prefetch=True),
 }
 
 
@@ -652,5 +668,7 @@ def test_bad_options_and_policies():
         wrap(build(), "fsdp", optimizer=OPT, wrap_policy=["blocks"])
     with pytest.raises(ValueError, match="not a policy"):
         wrap(build(), "fsdp", optimizer=OPT, wrap_policy="blocks")
+    with pytest.raises(ValueError, match="unit_class"):
+        wrap(build(), "fsdp", optimizer=OPT, unit_class=nn.Linear)
     with pytest.raises(RuntimeError, match="toolkit.launch"):
         wrap(build(), "fsdp", optimizer=OPT)

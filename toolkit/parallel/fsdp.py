@@ -5,7 +5,9 @@ parameters just in time. FSDP organizes the same idea around *units* chosen by a
 (`fsdp_policy.py`; by default one per transformer block, plus the root for the rest): each unit's
 parameters are one flat parameter (`fsdp_unit.py`), so a unit costs exactly one all-gather and one
 reduce-scatter whatever its number of tensors, and what is in memory at any time is "the shards, plus
-the unit(s) in flight": peak parameter bytes about Σψ_i/F + max ψ_i.
+the unit(s) in flight": peak parameter bytes about Σψ_i/F + max ψ_i. What else differs from zero3.py:
+explicit prefetching, hybrid sharding, per-unit activation checkpointing, deferred initialization and
+checkpoints. (Why one flat parameter per unit, not FSDP2's per-parameter dim-0 shards: fsdp_unit.py.)
 
 A step, in the order things happen (reshard_after_forward=True, the default):
 
@@ -47,6 +49,8 @@ Options:
                          torch.utils.checkpoint (use_reentrant=False): its activations are recomputed in
                          backward, after the unit has been gathered again.
   param_init_fn          for a model built on the meta device (deferred initialization, fsdp_init.py).
+  unit_class             the class that does a unit's work (default `FSDPUnit`): a lab's subclass that
+                         re-implements `unshard`/`reshard` (or the gradient reduction) plugs in here.
 
 Gradient accumulation: call backward on every micro-batch; each one reduce-scatters and adds into the
 slices. Or run all but the last inside `model.no_sync()`: those keep the unit's *full* gradient and skip
@@ -62,7 +66,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -75,40 +78,11 @@ from ..trace.events import phase, recorder
 from . import check_options, consistency
 from .fsdp_init import check_deferred, initialize, is_deferred, owners, seeded_init  # noqa: F401 - re-exported
 from .fsdp_policy import plan
-from .fsdp_unit import SHARDED, FSDPUnit, Sharding
-from .local import compute_dtype
+from .fsdp_unit import SHARDED, FSDPUnit, MixedPrecision, Sharding, dtypes, sharding_groups  # noqa: F401
 from .sharded import ShardedEngine, ShardedModel, ShardedOptimizer, check_optimizer
 
 OPTIONS = ("wrap_policy", "reshard_after_forward", "forward_prefetch", "backward_prefetch",
-           "sharding_group_size", "mixed_precision", "activation_checkpointing", "param_init_fn")
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """Dtypes of the gathered parameters (compute, all-gather) and of the gradient reduction.
-    reduce_dtype=None means the same as param_dtype; torch.float32 reduces 16-bit gradients in fp32."""
-
-    param_dtype: torch.dtype | str = torch.bfloat16
-    reduce_dtype: torch.dtype | str | None = None
-
-
-def _dtypes(mixed_precision) -> tuple[torch.dtype, torch.dtype]:
-    if isinstance(mixed_precision, dict):
-        mixed_precision = MixedPrecision(**mixed_precision)
-    if isinstance(mixed_precision, MixedPrecision):
-        param = _dtype(mixed_precision.param_dtype)
-        return param, param if mixed_precision.reduce_dtype is None else _dtype(mixed_precision.reduce_dtype)
-    dtype = compute_dtype(mixed_precision) or torch.float32
-    return dtype, dtype
-
-
-def _dtype(value) -> torch.dtype:
-    if value in (torch.float32, "float32", "fp32", "torch.float32"):
-        return torch.float32
-    dtype = compute_dtype(value)
-    if dtype is None:
-        raise ValueError(f"MixedPrecision dtype {value!r}: use torch.float32, torch.bfloat16 or torch.float16.")
-    return dtype
+           "sharding_group_size", "mixed_precision", "activation_checkpointing", "param_init_fn", "unit_class")
 
 
 def _flag(name: str, value) -> bool:
@@ -117,31 +91,17 @@ def _flag(name: str, value) -> bool:
     return value
 
 
-_GROUPS: dict = {}
-
-
-def _sharding_groups(F: int):
-    """(shard group, replica group) of this rank. Every rank creates every group, in the same order."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if F == world:
-        return None, None
-    key = (id(dist.group.WORLD), F)
-    if key not in _GROUPS:
-        shards = [dist.new_group(list(range(g * F, (g + 1) * F))) for g in range(world // F)]
-        replicas = [dist.new_group(list(range(i, world, F))) for i in range(F)]
-        _GROUPS[key] = (shards, replicas)
-    shards, replicas = _GROUPS[key]
-    return shards[rank // F], replicas[rank % F]
-
-
 def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
     """Wrap `model` for FSDP. Returns (wrapped model, sharded optimizer over the fp32 slices)."""
     check_options("fsdp", options, OPTIONS)  # every mistake is reported before any collective
     check_optimizer("fsdp", optimizer)
-    param_dtype, reduce_dtype = _dtypes(options.get("mixed_precision", False))
+    param_dtype, reduce_dtype = dtypes(options.get("mixed_precision", False))
     flags = {k: _flag(k, options.get(k, default)) for k, default in (
         ("reshard_after_forward", True), ("forward_prefetch", False), ("backward_prefetch", True),
         ("activation_checkpointing", False))}
+    unit_class = options.get("unit_class", FSDPUnit)
+    if not (isinstance(unit_class, type) and issubclass(unit_class, FSDPUnit)):
+        raise ValueError(f"fsdp: unit_class must be FSDPUnit or a subclass of it, got {unit_class!r}.")
     plans = plan(model, options.get("wrap_policy"))
     init_fn = options.get("param_init_fn")
     deferred = is_deferred(model)
@@ -162,7 +122,7 @@ def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
                          f"world size {world} (shard groups of F ranks, replicated {world}/F times); valid "
                          f"values here: {valid}.")
     consistency.check_same_model(model)  # a clear error now rather than a hang later
-    shard_group, replica_group = _sharding_groups(F)
+    shard_group, replica_group = sharding_groups(F)
     sharding = Sharding(shard_group, replica_group, param_dtype, reduce_dtype)
     if not deferred:
         model.to(env.device())
@@ -171,7 +131,8 @@ def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
             m._buffers.update({k: b.to(env.device()) for k, b in m._buffers.items() if b is not None})
     with phase("setup"):  # every rank starts from rank 0's values (deferred: the seeded init agrees already)
         consistency.broadcast_from_rank0([*([] if deferred else model.parameters()), *model.buffers()])
-    engine = FullyShardedDataParallel(model, plans, sharding, init_fn=init_fn if deferred else None, **flags)
+    engine = FullyShardedDataParallel(model, plans, sharding, init_fn=init_fn if deferred else None,
+                                      unit_class=unit_class, **flags)
     engine.optimizer = ShardedOptimizer(optimizer([u.master for u in engine.units]), engine)
     return FSDPModel(model, engine), engine.optimizer
 
@@ -195,14 +156,15 @@ class FullyShardedDataParallel(ShardedEngine):
 
     name = "fsdp"
 
-    def __init__(self, module: nn.Module, plans, sharding: Sharding, *, init_fn=None, reshard_after_forward=True,
-                 forward_prefetch=False, backward_prefetch=True, activation_checkpointing=False):
+    def __init__(self, module: nn.Module, plans, sharding: Sharding, *, init_fn=None, unit_class=FSDPUnit,
+                 reshard_after_forward=True, forward_prefetch=False, backward_prefetch=True,
+                 activation_checkpointing=False):
         super().__init__(module, sharding.param_dtype, sharding.shard_group)
         self.sharding = sharding
         self.reshard_after_forward, self.forward_prefetch = reshard_after_forward, forward_prefetch
         self.backward_prefetch = backward_prefetch
         holders = owners(module) if init_fn is not None else None
-        self.units = [FSDPUnit(p, sharding, param_init_fn=init_fn, holders=holders) for p in plans]
+        self.units = [unit_class(p, sharding, param_init_fn=init_fn, holders=holders) for p in plans]
         self.pieces = self.units
         # deferred initialization made new Parameter objects: name them again
         self.names = {p: n for n, p in module.named_parameters()}

@@ -29,6 +29,8 @@ here the flat buffer *is* the storage, so there is no copy.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -38,6 +40,7 @@ from ..runtime import env
 from ..trace.events import recorder
 from .flat import FlatBuffer
 from .fsdp_init import materialize
+from .local import compute_dtype
 from .sharded import Shard
 
 SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
@@ -62,6 +65,52 @@ class Sharding:
         self.replicas = len(comm.group_ranks(replica_group)) if replica_group is not None else 1
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.device = env.device()
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes of the gathered parameters (compute, all-gather) and of the gradient reduction.
+    reduce_dtype=None means the same as param_dtype; torch.float32 reduces 16-bit gradients in fp32."""
+
+    param_dtype: torch.dtype | str = torch.bfloat16
+    reduce_dtype: torch.dtype | str | None = None
+
+
+def dtypes(mixed_precision) -> tuple[torch.dtype, torch.dtype]:
+    """(param_dtype, reduce_dtype) from the mixed_precision option."""
+    if isinstance(mixed_precision, dict):
+        mixed_precision = MixedPrecision(**mixed_precision)
+    if isinstance(mixed_precision, MixedPrecision):
+        param = _dtype(mixed_precision.param_dtype)
+        return param, param if mixed_precision.reduce_dtype is None else _dtype(mixed_precision.reduce_dtype)
+    dtype = compute_dtype(mixed_precision) or torch.float32
+    return dtype, dtype
+
+
+def _dtype(value) -> torch.dtype:
+    if value in (torch.float32, "float32", "fp32", "torch.float32"):
+        return torch.float32
+    dtype = compute_dtype(value)
+    if dtype is None:
+        raise ValueError(f"MixedPrecision dtype {value!r}: use torch.float32, torch.bfloat16 or torch.float16.")
+    return dtype
+
+
+_GROUPS: dict = {}
+
+
+def sharding_groups(F: int):
+    """(shard group, replica group) of this rank. Every rank creates every group, in the same order."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if F == world:
+        return None, None
+    key = (id(dist.group.WORLD), F)
+    if key not in _GROUPS:
+        shards = [dist.new_group(list(range(g * F, (g + 1) * F))) for g in range(world // F)]
+        replicas = [dist.new_group(list(range(i, world, F))) for i in range(F)]
+        _GROUPS[key] = (shards, replicas)
+    shards, replicas = _GROUPS[key]
+    return shards[rank // F], replicas[rank % F]
 
 
 def _label(unit_name: str, op: str) -> None:
