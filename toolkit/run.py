@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .comm.emulate import meta as _emulated_link
 from .trace import events as _events
 
 
@@ -37,7 +38,7 @@ class Run:
                 "backend": dist.get_backend() if dist.is_initialized() else "none",
                 "device": "cuda" if _events.recorder._on_gpu() else "cpu",
                 "torch": torch.__version__, "host": platform.node(),
-                "clock_offset_s": _events.recorder.clock_offset}
+                "clock_offset_s": _events.recorder.clock_offset, "emulated_link": _emulated_link()}
         return cls(dict(config or {}), events, samples, metrics, meta)
 
     @classmethod

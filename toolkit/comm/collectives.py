@@ -7,8 +7,14 @@ code can run on either and the trace shows which.
 
 Bytes on the wire follow the algorithms the lessons teach (ring all-reduce sends 2(N-1)/N of the
 message per rank, ring reduce-scatter and all-gather (N-1)/N); all-to-all and send/recv are exact.
+
+Under `toolkit.comm.emulate(...)` every call here also books the emulated link (`comm/emulate.py`):
+the data moves for real, then the call completes no sooner than the link's alpha-beta model says
+(`Handle.wait` sleeps the remainder), and its span carries `args.emulated_s`.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -16,6 +22,7 @@ import torch.distributed as dist
 from ..runtime import status
 from ..trace.events import recorder
 from . import backend as _backend_impl
+from . import emulate as _emulation
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
               "product": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.SUM}
@@ -101,10 +108,14 @@ def _marker_stream():
 
 
 class Handle:
-    """What an asynchronous collective returns: `wait()` blocks until the result is in place."""
+    """What an asynchronous collective returns: `wait()` blocks until the result is in place.
 
-    def __init__(self, work, event, after=None):
-        self._work, self._event, self._after = work, event, after
+    Under an emulated link (`toolkit.comm.emulate`) the result is in place only at the call's modelled
+    completion (`deadline`): `wait()` sleeps what remains of it, `is_completed()` is False before it.
+    """
+
+    def __init__(self, work, event, after=None, deadline=None):
+        self._work, self._event, self._after, self._deadline = work, event, after, deadline
         if work is None:  # ran synchronously (hand-written implementations)
             event["end"] = recorder.mark()
         elif recorder._on_gpu():
@@ -114,7 +125,8 @@ class Handle:
             event["end"] = recorder.mark(side)
         else:  # gloo completes on its own thread; note the moment it does
             try:
-                work.get_future().then(lambda _: event.__setitem__("end", recorder.mark()))
+                work.get_future().then(lambda _: event.__setitem__(
+                    "end", recorder.mark() if deadline is None else _emulation.emulated_end(recorder.mark(), deadline)))
             except RuntimeError:  # some gloo ops (reduce-scatter) have no future: the end is marked at
                 pass              # wait(), an upper bound on when it finished
 
@@ -134,13 +146,23 @@ class Handle:
                 blocked["end"] = recorder.mark()
             if self._event["end"] is None:
                 self._event["end"] = recorder.mark()
+        if self._deadline is not None:  # the emulated link: not before the model says so
+            _emulation.hold(self._event, self._deadline)
+            self._deadline = None
         if self._after is not None:
             self._after()
             self._after = None
         return None
 
     def is_completed(self) -> bool:
+        if self._deadline is not None and time.perf_counter() < self._deadline:
+            return False
         return self._work is None or self._work.is_completed()
+
+    @property
+    def event(self) -> dict:
+        """This call's trace record; callers may annotate its args (an MoE layer names its chunks)."""
+        return self._event
 
 
 def _describe(event) -> str:
@@ -165,6 +187,10 @@ def _run(name, group, tensor, size_bytes, sent, received, call, async_op, after=
                          size_bytes=size_bytes, bytes_sent=sent, bytes_recv=received,
                          impl=_impl_name, async_op=async_op, **extra)
     native = _impl.get(name) is _backend_impl.IMPLEMENTATION.get(name)
+    booked = None if _emulation._current is None else _emulation.book(
+        name, event["args"]["group"], dist.get_rank(), size_bytes, extra)
+    if booked is not None:  # the emulated link's model for this call, marked on its span
+        event["args"].update(booked[1])
     status.enter(_describe(event))
     try:
         work = call(async_op and native)
@@ -174,7 +200,7 @@ def _run(name, group, tensor, size_bytes, sent, received, call, async_op, after=
         raise _explained(exc, event) from exc
     finally:
         status.leave()
-    handle = Handle(work if async_op and native else None, event, after)
+    handle = Handle(work if async_op and native else None, event, after, booked and booked[0])
     if async_op:
         return handle
     handle.wait()

@@ -1,0 +1,355 @@
+"""An emulated interconnect: collectives that take as long as a real link would, on a laptop.
+
+Why: on one machine every rank talks over loopback, which is nearly free, while the ranks share a few
+cores, so computing is slow. A GPU cluster is the other way round. The systems the MoE lessons study
+(FasterMoE's smart schedule, Tutel's pipelining, shadowing) are all about the balance between the two,
+so a lesson needs to set that balance. ``emulate`` does it honestly: the data still moves for real,
+and then the collective is held until the alpha-beta model of the chosen link says it may finish.
+
+    with toolkit.comm.emulate(bandwidth="100 MB/s", latency="50 us"):
+        toolkit.launch(fn, 4)            # every rank sees the emulated link (see "Launched ranks")
+
+The model (``toolkit.memory.formulas.alpha_beta_time``; alpha = latency, beta = 1 / bandwidth):
+
+    all_reduce, reduce_scatter, all_gather, broadcast   alpha_beta_time(op, message bytes, N)
+    all_to_all       for each kind of link (intra-, inter-node) this rank has peers on:
+                     (peers) x alpha + max(bytes sent to them, bytes received from them) x beta,
+                     the kinds one after the other; with one kind and even splits this is exactly
+                     alpha_beta_time("all_to_all", ...) (pairwise exchange, full-duplex links)
+    send, recv       alpha + bytes x beta on the link between the two ranks
+    barrier          ceil(log2 N) x alpha (no data: a dissemination barrier's rounds)
+
+Nodes: ranks ``0..k-1`` form node 0, ``k..2k-1`` node 1, ... (``ranks_per_node=k``; the last node may
+be smaller). A collective whose group lies inside one node uses the ``intra_node`` link, otherwise the
+inter-node one (the ring's slowest hop sets its pace). ``intra_node=None`` leaves traffic inside a node
+unslowed (only the real loopback): the usual picture of fast NVLink inside a node, a slow network
+between nodes. By default every rank is its own node, so every link is the emulated one.
+
+One link per rank, used in turn. Each rank has a send side and a receive side (full duplex); a
+transfer starts when this rank issues it or when the previous transfer on the same side is done,
+whichever is later, and ends a modelled time after that. So two all-to-alls in flight at once take
+twice as long, not the same time: overlapping communication with communication gains nothing, as on a
+real link; overlapping it with computation does, which is the point of the lessons.
+
+What the emulation cannot know: when the *other* ranks issue the collective. The clock starts at this
+rank's call; a peer that arrives late delays the real completion, and the modelled time is counted
+from this rank's call, not from the last arrival. The rank on the critical path (the late one) pays
+the full modelled time, so step times stay right; an early rank may see less waiting than on a real
+link. Synchronise (barrier) before timing one collective.
+
+Traces: every emulated span carries ``args.emulated_s`` (the modelled transfer time),
+``args.link`` ("inter-node", "intra-node" or "intra+inter-node"), ``args.emulated_queue_s`` (how long
+it waited for the link behind earlier transfers) and, once waited, ``args.emulated_sleep_s`` (how long
+this rank slept to honour the model); a sleep inside ``Handle.wait`` is also a "wait" span with
+``emulated=True``. ``toolkit.Run.capture`` writes ``meta["emulated_link"]`` (None when off), so a
+report always says whether the link was real.
+
+Launched ranks: ``emulate`` also sets the environment variable ``TOOLKIT_EMULATED_LINK``, which
+``toolkit.launch`` passes to the ranks it starts; they read it when they import the toolkit. Calling
+``emulate`` inside a rank's function works too (that rank only: call it on every rank).
+
+On a GPU (NCCL) the hold happens on the host after the collective: the emulation is meant for CPU runs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+ENV = "TOOLKIT_EMULATED_LINK"
+
+_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+# --- reading numbers with units ---------------------------------------------------------------------
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"emulate: {name} must be a positive, finite number, got {value!r}.")
+    return float(value)
+
+
+def parse_bandwidth(value, name: str = "bandwidth") -> float:
+    """Bytes per second from a number (bytes/s) or a string: "10 Gb/s" (bits), "100 MB/s" (bytes)."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]?)([bB])(?:it)?(?:ps|/s)\s*", value)
+        if not m:
+            raise ValueError(f"emulate: {name}={value!r} is not a bandwidth; write bytes per second as a "
+                             f"number, or a string like '100 MB/s' (bytes) or '10 Gb/s' (bits).")
+        try:
+            number = float(m.group(1))
+        except ValueError:
+            raise ValueError(f"emulate: {name}={value!r}: {m.group(1)!r} is not a number.") from None
+        value = number * _UNITS[m.group(2).lower()] / (8.0 if m.group(3) == "b" else 1.0)
+    return _number(name, value)
+
+
+def parse_latency(value, name: str = "latency") -> float:
+    """Seconds from a number (seconds) or a string: "5 us", "1 ms", "2e-6 s"."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(s|ms|us|µs|ns)\s*", value)
+        if not m:
+            raise ValueError(f"emulate: {name}={value!r} is not a latency; write seconds as a number, or a "
+                             f"string like '5 us' or '1 ms'.")
+        try:
+            value = float(m.group(1)) * _TIME_UNITS[m.group(2)]
+        except ValueError:
+            raise ValueError(f"emulate: {name}={value!r}: {m.group(1)!r} is not a number.") from None
+    return _number(name, value)
+
+
+def _rate(bytes_per_s: float) -> str:
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:g} {unit}"
+    return f"{bytes_per_s:g} B/s"
+
+
+def _time(seconds: float) -> str:
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:g} ms"
+    return f"{seconds * 1e6:g} µs"
+
+
+# --- the link ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: ``bandwidth`` in bytes/s, ``latency`` (alpha) in seconds per message."""
+
+    bandwidth: float
+    latency: float
+
+    @property
+    def beta(self) -> float:
+        return 1.0 / self.bandwidth
+
+    def describe(self) -> str:
+        return f"{_rate(self.bandwidth)}, {_time(self.latency)} latency"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The emulated interconnect: ``inter`` between nodes, ``intra`` inside one (None: not slowed)."""
+
+    inter: Link
+    intra: Link | None = None
+    ranks_per_node: int = 1
+
+    def node_of(self, rank: int) -> int:
+        return int(rank) // self.ranks_per_node
+
+    def link(self, ranks) -> Link | None:
+        """The link a group of global ranks talks over: intra-node if they share a node, else inter-node."""
+        return self.intra if len({self.node_of(r) for r in ranks}) <= 1 else self.inter
+
+    def describe(self) -> str:
+        text = f"emulated link: {self.inter.describe()} between nodes"
+        if self.ranks_per_node == 1:
+            return text + " (every rank its own node)"
+        inside = self.intra.describe() if self.intra is not None else "not slowed (real loopback)"
+        return text + f"; inside a node of {self.ranks_per_node} ranks: {inside}"
+
+    def to_dict(self) -> dict:
+        return {"bandwidth": self.inter.bandwidth, "latency": self.inter.latency,
+                "intra_node": asdict(self.intra) if self.intra is not None else None,
+                "ranks_per_node": self.ranks_per_node, "description": self.describe()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Settings":
+        intra = d.get("intra_node")
+        return cls(Link(float(d["bandwidth"]), float(d["latency"])),
+                   Link(float(intra["bandwidth"]), float(intra["latency"])) if intra else None,
+                   int(d.get("ranks_per_node", 1)))
+
+
+def make_settings(bandwidth, latency="10 us", intra_node=None, ranks_per_node=None) -> Settings:
+    """Validate ``emulate``'s arguments into Settings (every parameter must be positive)."""
+    inter = Link(parse_bandwidth(bandwidth), parse_latency(latency))
+    intra = None
+    if intra_node is not None:
+        if isinstance(intra_node, Link):
+            intra = Link(parse_bandwidth(intra_node.bandwidth, "intra_node bandwidth"),
+                         parse_latency(intra_node.latency, "intra_node latency"))
+        elif isinstance(intra_node, dict) and set(intra_node) <= {"bandwidth", "latency"} and "bandwidth" in intra_node:
+            intra = Link(parse_bandwidth(intra_node["bandwidth"], "intra_node bandwidth"),
+                         parse_latency(intra_node.get("latency", latency), "intra_node latency"))
+        elif isinstance(intra_node, (tuple, list)) and len(intra_node) == 2:
+            intra = Link(parse_bandwidth(intra_node[0], "intra_node bandwidth"),
+                         parse_latency(intra_node[1], "intra_node latency"))
+        else:
+            raise ValueError(f"emulate: intra_node={intra_node!r}: give the link inside a node as "
+                             f"dict(bandwidth=..., latency=...), a (bandwidth, latency) pair, or None "
+                             f"(traffic inside a node is not slowed).")
+        if ranks_per_node is None:
+            raise ValueError("emulate: intra_node needs ranks_per_node (how many consecutive ranks share a "
+                             "node); without it every rank is its own node and there is no intra-node link.")
+    if ranks_per_node is None:
+        ranks_per_node = 1
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"emulate: ranks_per_node must be a positive int, got {ranks_per_node!r}.")
+    return Settings(inter, intra, ranks_per_node)
+
+
+# --- the state of this process ----------------------------------------------------------------------
+def _from_env() -> Settings | None:
+    raw = os.environ.get(ENV)
+    if not raw:
+        return None
+    try:
+        return Settings.from_dict(json.loads(raw))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{ENV}={raw!r} is not a valid emulated link ({exc}); unset it or call "
+                         f"toolkit.comm.emulate(...).") from None
+
+
+_current: Settings | None = _from_env()
+_lock = threading.Lock()
+_busy = {"send": 0.0, "recv": 0.0}  # when this rank's link is free again, per direction (perf_counter)
+
+
+def _set(settings: Settings | None) -> None:
+    global _current
+    _current = settings
+    if settings is None:
+        os.environ.pop(ENV, None)
+    else:
+        os.environ[ENV] = json.dumps(settings.to_dict())
+    _busy["send"] = _busy["recv"] = 0.0
+
+
+class emulate:
+    """Slow every collective through ``toolkit.comm`` down to an emulated link (see the module doc).
+
+    bandwidth: bytes/s (number) or a string, "10 Gb/s" or "100 MB/s"; latency: seconds per message
+    (alpha), number or "5 us"; both must be positive. ranks_per_node: consecutive ranks per node
+    (default 1: every link is this one). intra_node: the link inside a node, dict(bandwidth=...,
+    latency=...) or a pair; None leaves it unslowed. ``emulate(None)`` switches emulation off.
+
+    Takes effect at once, for this process and the ranks ``toolkit.launch`` starts afterwards; as a
+    context manager (``with emulate(...):``) it restores the previous setting on exit.
+    """
+
+    def __init__(self, bandwidth, latency="10 us", *, intra_node=None, ranks_per_node=None):
+        settings = None if bandwidth is None else make_settings(bandwidth, latency, intra_node, ranks_per_node)
+        if bandwidth is None and (intra_node is not None or ranks_per_node is not None):
+            raise ValueError("emulate(None) switches emulation off; it takes no intra_node/ranks_per_node.")
+        self.previous, self.settings = _current, settings
+        _set(settings)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        _set(self.previous)
+
+    def __repr__(self) -> str:
+        return f"emulate({self.settings.describe() if self.settings else 'off'})"
+
+
+def emulated_link() -> Settings | None:
+    """The emulated interconnect in force (Settings: inter, intra, ranks_per_node, node_of), or None."""
+    return _current
+
+
+def emulation_description() -> str:
+    """One line for reports: the emulated link in force, or that the links are real."""
+    return _current.describe() if _current is not None else "no emulation: real links (loopback on one machine)"
+
+
+def meta() -> dict | None:
+    """What ``Run.capture`` records as ``meta["emulated_link"]``: the settings, or None when off."""
+    return _current.to_dict() if _current is not None else None
+
+
+# --- the model --------------------------------------------------------------------------------------
+def model_time(settings: Settings, op: str, ranks, me: int, size_bytes: float, extra: dict | None = None):
+    """(seconds, link label) the emulated link needs for one call of ``op`` by global rank ``me``.
+
+    ranks: the group's global ranks; size_bytes: the door's message size (the tensor for all_reduce,
+    reduce_scatter's input, all_gather's output, a rank's whole send buffer for all_to_all); extra:
+    all_to_all's ``input_splits`` / ``output_splits`` (rows), send/recv's ``peer`` (global rank).
+    """
+    from ..memory.formulas import alpha_beta_time
+
+    extra = extra or {}
+    ranks = list(ranks)
+    n = len(ranks)
+    if op in ("send", "recv"):
+        link = settings.link([me, extra["peer"]])
+        label = "intra-node" if link is settings.intra else "inter-node"
+        return (0.0 if link is None else link.latency + size_bytes * link.beta), label
+    if n <= 1:
+        return 0.0, "none"
+    if op == "all_to_all":
+        ins, outs = extra.get("input_splits"), extra.get("output_splits")
+        if ins is None:
+            ins = outs = [0] * n
+        me_at = ranks.index(me)
+        row = size_bytes / sum(ins) if sum(ins) else 0.0  # output rows have the input's row size
+        total, kinds = 0.0, []
+        for kind, link in (("intra-node", settings.intra), ("inter-node", settings.inter)):
+            peers = [p for p in range(n) if p != me_at
+                     and (settings.node_of(ranks[p]) == settings.node_of(me)) == (kind == "intra-node")]
+            if not peers:
+                continue
+            kinds.append(kind)
+            if link is None:
+                continue
+            sent, received = sum(ins[p] for p in peers) * row, sum(outs[p] for p in peers) * row
+            total += len(peers) * link.latency + max(sent, received) * link.beta
+        label = "intra+inter-node" if len(kinds) == 2 else (kinds[0] if kinds else "none")
+        return total, label
+    link = settings.link(ranks)
+    label = "intra-node" if link is settings.intra and settings.ranks_per_node > 1 else "inter-node"
+    if link is None:
+        return 0.0, label
+    if op == "barrier":
+        return math.ceil(math.log2(n)) * link.latency, label
+    return alpha_beta_time(op, size_bytes, n, link.latency, link.beta), label
+
+
+def book(op: str, ranks, me: int, size_bytes: float, extra: dict):
+    """Reserve this rank's link for one call issued now: (deadline in perf_counter seconds, trace args),
+    or None when emulation is off. Transfers on the same side of the link take turns."""
+    settings = _current
+    if settings is None:
+        return None
+    seconds, label = model_time(settings, op, ranks, me, size_bytes, extra)
+    sides = (op,) if op in ("send", "recv") else ("send", "recv")
+    with _lock:
+        now = time.perf_counter()
+        start = max([now] + [_busy[s] for s in sides])
+        deadline = start + seconds
+        if seconds > 0:
+            for s in sides:
+                _busy[s] = deadline
+    return deadline, {"emulated_s": seconds, "link": label, "emulated_queue_s": start - now}
+
+
+def hold(event, deadline: float) -> float:
+    """Sleep until ``deadline`` (the call's modelled completion) and stretch the span to it. Returns the
+    seconds slept (added to ``args.emulated_sleep_s``); the sleep is a "wait" span with emulated=True."""
+    from ..trace.events import recorder
+
+    remaining = deadline - time.perf_counter()
+    slept = 0.0
+    if remaining > 0:
+        span = recorder.add("wait", "wait", recorder.mark(), op=event["name"], emulated=True)
+        time.sleep(remaining)
+        slept = remaining
+        span["end"] = recorder.mark()
+    event["args"]["emulated_sleep_s"] = event["args"].get("emulated_sleep_s", 0.0) + slept
+    event["end"] = emulated_end(event.get("end"), deadline, slept > 0)
+    return slept
+
+
+def emulated_end(marker, deadline: float, slept: bool = True):
+    """A span's end pushed to the modelled deadline. Markers are perf_counter floats on the CPU (the
+    recorder reads floats as such on a GPU too); a CUDA event is replaced by the deadline if we slept."""
+    if marker is None or isinstance(marker, float):
+        return max(marker if marker is not None else deadline, deadline)
+    return deadline if slept else marker
