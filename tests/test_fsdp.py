@@ -280,6 +280,19 @@ class PlainUnit(FSDPUnit):
         self.state = "sharded"
 
 
+def watched(rank, n):
+    """model.watch_memory(): a ledger sample in the trace at every gather, free and reduction."""
+    from toolkit.trace import recorder
+
+    model, opt = wrap(build(), "fsdp", optimizer=OPT)
+    (x, y), = batches(rank, n, steps=1)
+    start = len(recorder.samples)
+    with model.watch_memory(step=0):
+        model(x, y).backward()
+        opt.step()
+    return [(s["event"], s["params"], s["grads"]) for s in recorder.samples[start:]]
+
+
 VARIANTS_2 = {
     "prefetch_off": dict(backward_prefetch=False),
     "prefetch_all": dict(forward_prefetch=True, track=True),
@@ -308,12 +321,14 @@ def run_rank(n, tmp):
         out["checkpoints"] = checkpoints(rank, n, tmp)
         out["errors"] = errors(rank, n, tmp)
         out["deferred"] = deferred(rank, n)
+        out["watched"] = watched(rank, n)
     if n == 3:
         out["prefetch_off"] = train(rank, n, backward_prefetch=False)
     if n == 4:
         out["hsdp"] = train(rank, n, sharding_group_size=2)
         out["hsdp_prefetch"] = train(rank, n, sharding_group_size=2, forward_prefetch=True)
         out["hsdp_ac"] = train(rank, n, sharding_group_size=2, activation_checkpointing=True)
+        out["hsdp_clip"] = train(rank, n, sharding_group_size=2, clip=CLIP)
         found = {}
         try:
             wrap(build(), "fsdp", optimizer=OPT, sharding_group_size=3)
@@ -433,6 +448,15 @@ def test_clipping_uses_the_global_norm():
     losses, norms, params = oracle(clip=CLIP)
     got = results(2)["clip"]
     assert min(norms) > 2 * CLIP
+    assert max(abs(a - b) for a, b in zip(got["norms"], norms)) < 1e-5
+    assert_parity(got, oracle(clip=CLIP))
+
+
+@pytest.mark.timeout(150)
+def test_clipping_with_hybrid_sharding():
+    """Replicas hold the same averaged slice, so the shard group's slices make up the whole gradient."""
+    losses, norms, params = oracle(clip=CLIP)
+    got = results(4)["hsdp_clip"]
     assert max(abs(a - b) for a, b in zip(got["norms"], norms)) < 1e-5
     assert_parity(got, oracle(clip=CLIP))
 
@@ -563,6 +587,18 @@ def test_memory_within_the_paper_bound():
         r = got[key]
         assert r["tracked_peak"] <= bound(units, 2, 2) + r["activations_peak"] + extra + 64 * 1024, key
         assert r["tracked_peak"] >= r["states_peak"] + r["activations_peak"]
+
+
+@pytest.mark.timeout(150)
+def test_memory_over_time_is_in_the_trace():
+    """What the notebook plots: each unit's gather raises the parameter bytes by the unit, its free lowers them."""
+    samples = results(2)["watched"]
+    events = [e for e, _, _ in samples]
+    for unit in ("(root)", "blocks.0", "blocks.1"):
+        assert events.count(f"gathered {unit}") == 2 and f"reduce-scatter {unit}" in events
+    gathered = events.index("gathered blocks.0")  # forward: right after the gather, then after the free
+    freed = events.index("freed blocks.0")
+    assert samples[gathered][1] - samples[freed][1] == BLOCK * 4
 
 
 @pytest.mark.timeout(150)
