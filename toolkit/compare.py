@@ -26,7 +26,7 @@ from .trace.chrome import save_chrome
 from .train import TrainConfig, launch_train
 
 MOE_LABEL = "moe-ep"
-DEFAULT_STRATEGIES = ("local", "dp", "ddp", "zero1", "zero2", "zero3", MOE_LABEL)
+DEFAULT_STRATEGIES = ("local", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", MOE_LABEL)
 ZERO_STAGE = {"local": 0, "dp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
 MODEL = dict(n_layer=2, d_model=64, n_head=4)
 # Strategy options for a model this small: DDP's default 25 MB bucket would hold the whole model,
