@@ -692,6 +692,10 @@ def test_bad_options_and_policies():
         wrap(build(), "fsdp", optimizer=torch.optim.LBFGS)
     with pytest.raises(ValueError, match="mixed_precision"):
         wrap(build(), "fsdp", optimizer=OPT, mixed_precision="fp8")
+    with pytest.raises(ValueError, match="unknown keys"):
+        wrap(build(), "fsdp", optimizer=OPT, mixed_precision={"param": "bf16"})
+    with pytest.raises(ValueError, match="MixedPrecision dtype"):
+        wrap(build(), "fsdp", optimizer=OPT, mixed_precision=MixedPrecision(torch.int8))
     with pytest.raises(ValueError, match="True or False"):
         wrap(build(), "fsdp", optimizer=OPT, forward_prefetch="yes")
     with pytest.raises(ValueError, match="matched no module"):

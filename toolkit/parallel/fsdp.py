@@ -195,6 +195,11 @@ class FullyShardedDataParallel(ShardedEngine):
 
     # --- forward -------------------------------------------------------------------------------------
     def forward(self, module, args, kwargs):
+        if self.in_backward:  # the last backward raised before its end: start from a clean state
+            for unit in self.units:
+                unit.reshard()
+                unit.grads, unit.waiting, unit.backward_started = None, len(unit.params), False
+            self.in_backward = False
         self._order, self._post_order = [], []
         try:
             output = module(*args, **kwargs)

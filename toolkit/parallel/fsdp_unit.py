@@ -78,7 +78,11 @@ class MixedPrecision:
 
 def dtypes(mixed_precision) -> tuple[torch.dtype, torch.dtype]:
     """(param_dtype, reduce_dtype) from the mixed_precision option."""
-    if isinstance(mixed_precision, dict):
+    if isinstance(mixed_precision, dict):  # as a config read back from a saved Run holds it
+        unknown = set(mixed_precision) - {"param_dtype", "reduce_dtype"}
+        if unknown:
+            raise ValueError(f"mixed_precision={mixed_precision!r}: unknown keys {sorted(unknown)}; valid keys: "
+                             f"param_dtype, reduce_dtype.")
         mixed_precision = MixedPrecision(**mixed_precision)
     if isinstance(mixed_precision, MixedPrecision):
         param = _dtype(mixed_precision.param_dtype)
@@ -90,9 +94,13 @@ def dtypes(mixed_precision) -> tuple[torch.dtype, torch.dtype]:
 def _dtype(value) -> torch.dtype:
     if value in (torch.float32, "float32", "fp32", "torch.float32"):
         return torch.float32
-    dtype = compute_dtype(value)
+    try:
+        dtype = compute_dtype(value) if not isinstance(value, bool) else None
+    except ValueError:
+        dtype = None
     if dtype is None:
-        raise ValueError(f"MixedPrecision dtype {value!r}: use torch.float32, torch.bfloat16 or torch.float16.")
+        raise ValueError(f"MixedPrecision dtype {value!r}: use torch.float32, torch.bfloat16 or torch.float16 "
+                         f"(or their names).")
     return dtype
 
 
