@@ -37,7 +37,6 @@ import torch.nn as nn
 
 from .. import comm
 from ..runtime import env
-from ..trace.events import recorder
 from .flat import FlatBuffer
 from .fsdp_init import materialize
 from .local import compute_dtype
@@ -121,10 +120,10 @@ def sharding_groups(F: int):
     return shards[rank // F], replicas[rank % F]
 
 
-def _label(unit_name: str, op: str) -> None:
-    """Name the unit on the collective the door has just recorded (the timeline then says whose it is)."""
-    if recorder.enabled and recorder.events and recorder.events[-1]["name"] == op:
-        recorder.events[-1]["args"]["unit"] = unit_name
+def _named(handle, unit_name: str):
+    """Name the unit on the collective's trace record (the timeline then says whose it is)."""
+    handle.event["args"]["unit"] = unit_name
+    return handle
 
 
 class FSDPUnit:
@@ -172,8 +171,8 @@ class FSDPUnit:
         if self.state == SHARDED:
             self.flat.allocate()
             piece = self.master.detach().to(self.sharding.param_dtype)  # fp32: the master itself, no copy
-            handle = comm.all_gather(self.flat.data, piece, group=self.sharding.shard_group, async_op=True)
-            _label(self.name, "all_gather")
+            handle = _named(comm.all_gather(self.flat.data, piece, group=self.sharding.shard_group,
+                                            async_op=True), self.name)
             self._gather, self.state = (handle, piece), GATHERING
         if not async_op:
             self.wait_unshard()
@@ -207,9 +206,8 @@ class FSDPUnit:
     def reduce_grad(self) -> None:
         """Average the flat gradient over the shard group, rank r receiving slice r (asynchronously)."""
         out = torch.empty(self.grads.shard_numel, dtype=self.sharding.reduce_dtype, device=self.master.device)
-        handle = comm.reduce_scatter(out, self.grads.data, op="avg", group=self.sharding.shard_group,
-                                     async_op=True)
-        _label(self.name, "reduce_scatter")
+        handle = _named(comm.reduce_scatter(out, self.grads.data, op="avg", group=self.sharding.shard_group,
+                                            async_op=True), self.name)
         self.reduction, self.grads = (handle, out, self.grads), None
 
     def finish_reduce(self) -> None:
@@ -219,8 +217,7 @@ class FSDPUnit:
         handle.wait()
         self.reduction = None
         if self.sharding.replica_group is not None:
-            comm.all_reduce(out, op="avg", group=self.sharding.replica_group)
-            _label(self.name, "all_reduce")
+            _named(comm.all_reduce(out, op="avg", group=self.sharding.replica_group, async_op=True), self.name).wait()
         out = out.to(torch.float32)
         self.mine.grad = out if self.mine.grad is None else self.mine.grad.add_(out)
 
