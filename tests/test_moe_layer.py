@@ -252,10 +252,8 @@ def test_bad_input_is_a_clear_error():
     layer = MoE(D, FF, 4)
     with pytest.raises(ValueError, match=r"d_model=8\), got \(3, 7\)"):
         layer(torch.randn(3, 7))
-    for option in (dict(shadow="auto"), dict(shadow=[0]), dict(pipeline_degree=2), dict(schedule="smart"),
-                   dict(gate="topology")):
-        with pytest.raises(NotImplementedError, match="issue 6"):
-            MoE(D, FF, 4, **option)
+    # issue 6's options and their bad input: tests/test_moe_systems.py (schedule, pipeline_degree) and
+    # tests/test_moe_shadow.py (shadow, gate="topology", expert_parallel)
     for option in (dict(shadow="on"), dict(pipeline_degree=0), dict(schedule="fast"), dict(gate="hash")):
         with pytest.raises(ValueError, match="choose"):
             MoE(D, FF, 4, **option)

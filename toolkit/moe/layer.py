@@ -19,7 +19,10 @@ their expert outputs in the same order out. That contract is where issue 6 plugs
 pipelined all-to-all (``pipeline_degree``) and FasterMoE's smart schedule (``schedule="smart"``) are
 other implementations of this one step; shadowing (``shadow=``) changes the plan of step 2 (some
 experts' rows stay home) and step 5 (those experts run locally on a broadcast copy); the topology
-gate (``gate="topology"``) is another step 1. None of them changes the mathematics.
+gate (``gate="topology"``) is another step 1; Tutel's data parallelism for the expert weights
+(``expert_parallel="dp"``, or "auto" per forward) replaces steps 2-6: every rank uses every expert
+and the weights travel instead of the rows. None of them changes the mathematics (the topology gate
+changes the routing, by design).
 
 Only kept rows travel (uneven splits), so ranks with different numbers of tokens, hence different
 capacities, still agree on every all-to-all; a padded (E, C, d) layout, as Tutel's pipelining splits
@@ -41,7 +44,10 @@ import torch.nn as nn
 from .. import comm
 from ..trace.events import recorder, span
 from .experts import Experts, expert_generator
-from .gates import Routing, TopKGate, load_stats
+from .gates import Routing, TopKGate, TopologyGate, load_stats
+from . import machine
+from .placement import Placement
+from .shadow import Shadowing
 
 ISSUE6 = "issue 6 (MoE systems: shadowing, smart schedule, pipelined all-to-all, topology-aware gate)"
 
@@ -110,25 +116,27 @@ class Plan:
 # The layer
 # ---------------------------------------------------------------------------------------------
 
-def _check_systems_options(shadow, pipeline_degree, schedule, gate) -> None:
+def _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_parallel="ep", node_size=None,
+                           local_bandwidth=None) -> None:
     """Issue 6's options: accepted names raise NotImplementedError for now, unknown ones ValueError."""
     later = []
-    if isinstance(shadow, (list, tuple)) or shadow == "auto":
-        later.append(f"shadow={shadow!r}")
-    elif shadow != "off":
+    if not (isinstance(shadow, (list, tuple)) or shadow in ("auto", "off")):
         raise ValueError(f"shadow={shadow!r}: choose 'off', 'auto' or a list of expert ids.")
-    if pipeline_degree == "auto" or (isinstance(pipeline_degree, int) and not isinstance(pipeline_degree, bool)
-                                     and pipeline_degree > 1):
-        later.append(f"pipeline_degree={pipeline_degree!r}")
-    elif pipeline_degree != 1 or isinstance(pipeline_degree, bool):
+    Placement(expert_parallel)  # validates the name
+    if shadow != "off" and expert_parallel != "ep":
+        raise ValueError(f"shadow={shadow!r} needs expert_parallel='ep': with {expert_parallel!r} every rank may "
+                         f"already use every expert (data parallelism is shadowing them all).")
+    if gate != "topology" and (node_size is not None or local_bandwidth is not None):
+        raise ValueError("node_size= and local_bandwidth= describe the nodes for gate='topology'; pass them with it.")
+    if pipeline_degree != "auto" and (isinstance(pipeline_degree, bool) or not isinstance(pipeline_degree, int)
+                                      or pipeline_degree < 1):
         raise ValueError(f"pipeline_degree={pipeline_degree!r}: choose a positive int (1 = no pipelining) or 'auto'.")
-    if schedule == "smart":
-        later.append("schedule='smart'")
-    elif schedule != "plain":
+    if schedule not in ("plain", "smart"):
         raise ValueError(f"schedule={schedule!r}: choose 'plain' or 'smart'.")
-    if gate == "topology":
-        later.append("gate='topology'")
-    elif gate != "topk":
+    if schedule == "smart" and pipeline_degree != 1:  # moe/schedule.py and moe/pipeline.py: one at a time
+        raise ValueError(f"schedule='smart' and pipeline_degree={pipeline_degree!r} are two ways to overlap the "
+                         f"all-to-alls with the experts: choose one (pipeline_degree=1, or schedule='plain').")
+    if gate not in ("topk", "topology"):
         raise ValueError(f"gate={gate!r}: choose 'topk' or 'topology'.")
     if later:
         raise NotImplementedError(f"{', '.join(later)} arrives with {ISSUE6}. For now use shadow='off', "
@@ -147,8 +155,12 @@ class MoE(nn.Module):
     Options: ``dropless`` (never drop; ranks agree on the capacity with an all-reduce MAX), ``noisy``
     / ``noise_std``, ``z_loss_weight``, ``aux_loss`` ("gshard" | "switch"), ``min_capacity`` (see
     ``TopKGate``), ``init_std`` (normal init of router and expert weights), ``name`` (metric key).
-    ``shadow``, ``pipeline_degree``, ``schedule`` and ``gate`` other than the defaults arrive with
-    issue 6.
+    Issue 6's systems options (none changes the mathematics, except the topology gate's routing):
+    ``shadow`` "off" | "auto" | [expert ids] (FasterMoE shadowing, ``moe/shadow.py``; ``compute_flops``
+    and ``bandwidth`` override the measured or emulated P and W_net of its predictor);
+    ``gate`` "topk" | "topology" (FasterMoE's topology-aware gate; ``node_size``, ``bandwidth``,
+    ``local_bandwidth`` or the emulated link give its nodes and links); ``expert_parallel``
+    "ep" | "dp" | "auto" (Tutel's switchable parallelism for the expert weights, ``moe/placement.py``).
 
     Each forward records ``moe/{name}/load`` on this rank (see ``record_load``).
     """
@@ -158,9 +170,10 @@ class MoE(nn.Module):
                  schedule: str = "plain", gate: str = "topk", seed: int = 0, dropless: bool = False,
                  noisy: bool = False, noise_std: float = 1.0, z_loss_weight: float = 0.0,
                  aux_loss: str = "gshard", min_capacity: int = 1, init_std: float = 0.02,
-                 name: str = "moe"):
+                 name: str = "moe", expert_parallel: str = "ep", node_size=None, compute_flops=None,
+                 bandwidth=None, local_bandwidth=None):
         super().__init__()
-        _check_systems_options(shadow, pipeline_degree, schedule, gate)
+        _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_parallel, node_size, local_bandwidth)
         for key, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MoE: {key} must be a positive int, got {value!r}.")
@@ -178,15 +191,26 @@ class MoE(nn.Module):
                              f"group whose size divides {num_experts} (one of {fits}).")
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.num_local, self.dropless, self.seed = num_experts // self.world, bool(dropless), seed
-        self.gate = TopKGate(d_model, num_experts, top_k, capacity_factor, noisy=noisy, noise_std=noise_std,
-                             dropless=dropless, z_loss_weight=z_loss_weight, aux_loss=aux_loss,
-                             min_capacity=min_capacity)
+        gate_options = dict(noisy=noisy, noise_std=noise_std, dropless=dropless, z_loss_weight=z_loss_weight,
+                            aux_loss=aux_loss, min_capacity=min_capacity)
+        if gate == "topology":  # FasterMoE: nodes and links from the arguments or the emulated link
+            nodes = machine.topology(self.world, node_size=node_size, bandwidth=bandwidth,
+                                     local_bandwidth=local_bandwidth)
+            self.gate = TopologyGate(d_model, num_experts, top_k, capacity_factor, world=self.world, rank=self.rank,
+                                     node_size=nodes["node_size"], cross_fraction=nodes["cross_fraction"],
+                                     **gate_options)
+        else:
+            self.gate = TopKGate(d_model, num_experts, top_k, capacity_factor, **gate_options)
+        self.placement = Placement(expert_parallel)  # Tutel: expert weights used on their owners or everywhere
+        self.shadowing = None if shadow == "off" else Shadowing(  # FasterMoE: some experts computed at home
+            shadow, num_experts, compute_flops=compute_flops, bandwidth=bandwidth)
         with torch.no_grad():  # the router is the same on every rank and layout: seeded by `seed` alone
             g = expert_generator(seed, -1)
             self.gate.router.weight.copy_(torch.randn(num_experts, d_model, generator=g) * init_std)
         self.experts = Experts(d_model, d_ff, num_experts, self.rank * self.num_local, self.num_local,
                                seed=seed, init_std=init_std, group=group)
         self.calls = 0
+        self.schedule, self.pipeline_degree = schedule, pipeline_degree  # steps 4-6: moe/schedule.py, pipeline.py
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, expert-parallel over {self.world} rank(s), {self.num_local} local expert(s)"
@@ -198,9 +222,14 @@ class MoE(nn.Module):
                              f"got {tuple(x.shape)}.")
         tokens = x.reshape(-1, self.d_model)
         routing = self.route(tokens)                                  # 1
-        plan = self.exchange_counts(routing)                          # 2
-        order, rows = self.sort_by_destination(tokens, routing)       # 3
-        answers = self.dispatch_compute_combine(rows, plan)           # 4, 5, 6
+        if self.placement.replicate(self, routing):                   # 2-6 data-parallel (moe/placement.py)
+            plan, order, answers = self.placement.forward(self, tokens, routing)
+        elif self.shadowing is not None:                              # 2-6, shadowed experts at home (moe/shadow.py)
+            plan, order, answers = self.shadowing.forward(self, tokens, routing)
+        else:
+            plan = self.exchange_counts(routing)                      # 2
+            order, rows = self.sort_by_destination(tokens, routing)   # 3
+            answers = self.dispatch_compute_combine(rows, plan)       # 4, 5, 6
         out = self.weighted_sum(answers, routing, order, tokens)      # 7
         self.record_load(routing, plan)
         return out.reshape(x.shape), routing.loss
@@ -230,7 +259,14 @@ class MoE(nn.Module):
         return order, tokens[order // routing.top_k]
 
     def dispatch_compute_combine(self, rows: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """Steps 4-6: rows to their experts' ranks, through the experts, and back in the same order."""
+        """Steps 4-6: rows to their experts' ranks, through the experts, and back in the same order.
+        ``schedule="smart"``: per-peer steps (moe/schedule.py); ``pipeline_degree``: chunks (moe/pipeline.py)."""
+        if dist.is_initialized() and self.world > 1 and (self.schedule == "smart" or self.pipeline_degree != 1):
+            from .pipeline import pipelined_dispatch_compute_combine
+            from .schedule import smart_dispatch_compute_combine
+
+            overlap = smart_dispatch_compute_combine if self.schedule == "smart" else pipelined_dispatch_compute_combine
+            return overlap(self, rows, plan)
         received = all_to_all(rows, plan.recv_splits, plan.send_splits, self.group, "dispatch")
         outputs = self.compute_experts(received, plan)
         return all_to_all(outputs, plan.send_splits, plan.recv_splits, self.group, "combine")
@@ -268,6 +304,8 @@ class MoE(nn.Module):
         self.calls += 1
         if not recorder.enabled:
             return
+        if isinstance(self.gate, TopologyGate):  # rows that cross nodes, wanted and sent, and the limit L
+            recorder.metric(f"moe/{self.name}/topology", self.gate.record(routing), step=_enclosing_step())
         stats = load_stats(routing.counts)
         value = {"counts": routing.counts.tolist(), "kept": routing.kept_counts.tolist(),
                  "dropped": routing.dropped, "capacity": routing.capacity, "received": plan.expert_rows,

@@ -10,6 +10,8 @@ a Run (``toolkit.moe.MoE.record_load``), summed over the ranks (``toolkit.moe.me
   expert's load relative to a perfectly balanced one (tokens routed / (total / E)): 1 is white, busier
   is red, idler is blue. A black dot marks each iteration's busiest expert, so drift shows as dots
   wandering between rows. Hover gives the counts: routed, kept, over capacity, share of the tokens.
+  With shadowing (``MoE(shadow=...)``) an open green square marks each expert shadowed in that
+  iteration (its weights went to every rank; its tokens stayed home).
 - middle: dropped (token, choice) pairs per iteration, the price of skew under a fixed capacity.
 - bottom: the imbalance max/mean (busiest expert / average; 1.0 = balanced, E/k = everything on
   k experts), roughly the slowdown of the expert computation relative to a balanced load.
@@ -24,7 +26,8 @@ from plotly.subplots import make_subplots
 from ..moe.layer import merge_load
 
 IDLE, QUIET, BALANCED, BUSY, HOT = "#2166ac", "#92c5de", "#f7f7f7", "#f4a582", "#b2182b"
-TRACES_PER_LAYER = 4  # heatmap, busiest-expert dots, dropped bars, imbalance line
+TRACES_PER_LAYER = 4  # heatmap, busiest-expert dots, dropped bars, imbalance line (+ shadowed marks, if any)
+SHADOWED = "#1a9850"
 
 
 def moe_layers(run) -> list[str]:
@@ -52,8 +55,11 @@ def load_rows(run, layer: str) -> list[dict]:
         first, local = values[0].get("first", 0), len(values[0].get("received", [])) or num_experts
         for e in range(first, min(first + local, num_experts)):
             owner[e] = rank
+    shadows = [m["value"].get("shadowed", []) for m in run.metrics  # one rank's view: every rank decides alike
+               if m["name"] == f"moe/{layer}/shadow" and m.get("rank", 0) == min(records, default=0)]
     seen = {}
     for i, row in enumerate(rows):
+        row["shadowed"] = list(shadows[i]) if i < len(shadows) else []
         row["capacity"] = sum(values[i]["capacity"] for values in records.values())
         row["micro"] = seen.get(row["step"], 0)
         seen[row["step"]] = row["micro"] + 1
@@ -73,7 +79,8 @@ def _hover(row, i: int, e: int) -> str:
     balanced = total / len(row["counts"]) if total else 0
     when = f"iteration {i}" + (f" (step {row['step']}" + (f", micro-batch {row['micro']})" if row["micro"] else ")")
                                if row["step"] is not None else "")
-    lines = [f"<b>expert {e}</b> on rank {row['owner'][e]} · {when}",
+    shadowed = " · <b>shadowed</b> (computed on every rank)" if e in row.get("shadowed", ()) else ""
+    lines = [f"<b>expert {e}</b> on rank {row['owner'][e]} · {when}{shadowed}",
              f"routed {routed} of {total} choices ({routed / total:.1%})" if total else "routed 0",
              f"kept {kept} · over capacity {routed - kept} (capacity {row['capacity']} over all ranks)",
              f"load / balanced = {routed / balanced:.2f}" if balanced else "no tokens"]
@@ -108,7 +115,15 @@ def _layer_traces(rows, layer: str, visible: bool):
                            customdata=[[s, row["cv"]] for s, row in zip(step_of, rows)],
                            hovertemplate="iteration %{x} (step %{customdata[0]})<br>max/mean %{y:.2f}"
                                          "<br>coefficient of variation %{customdata[1]:.2f}<extra></extra>")
-    return [heat, dots, dropped, imbalance]
+    traces = [heat, dots, dropped, imbalance]
+    marks = [(i, e) for i, row in enumerate(rows) for e in row.get("shadowed", ())]
+    if marks:
+        traces.append(go.Scatter(x=[i for i, _ in marks], y=[e for _, e in marks], mode="markers", name="shadowed",
+                                 visible=visible, marker=dict(color=SHADOWED, size=12, symbol="square-open",
+                                                              line=dict(width=2)),
+                                 hovertemplate="iteration %{x}<br>expert %{y} shadowed: its weights went to every "
+                                               "rank, its tokens stayed home<extra></extra>"))
+    return traces
 
 
 def _title(layer: str, rows) -> str:
@@ -137,9 +152,11 @@ def expert_load(run, layer: str | None = None, *, title: str | None = None) -> g
     tables = {name: load_rows(run, name) for name in shown}
 
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, row_heights=[0.6, 0.2, 0.2], vertical_spacing=0.05)
+    owner_of_trace = []  # which layer each trace belongs to (a layer has 4 traces, 5 with shadowed marks)
     for i, name in enumerate(shown):
-        for trace, row in zip(_layer_traces(tables[name], name, visible=i == 0), (1, 1, 2, 3)):
+        for trace, row in zip(_layer_traces(tables[name], name, visible=i == 0), (1, 1, 2, 3, 1)):
             fig.add_trace(trace, row=row, col=1)
+            owner_of_trace.append(i)
     fig.add_hline(y=1.0, line=dict(color="grey", dash="dot", width=1), row=3, col=1)  # balance
 
     first = tables[shown[0]]
@@ -154,7 +171,7 @@ def expert_load(run, layer: str | None = None, *, title: str | None = None) -> g
     if len(shown) > 1:
         buttons = []
         for i, name in enumerate(shown):
-            visible = [j // TRACES_PER_LAYER == i for j in range(TRACES_PER_LAYER * len(shown))]
+            visible = [owner == i for owner in owner_of_trace]
             buttons.append(dict(label=name, method="update",
                                 args=[{"visible": visible}, {"title.text": title or _title(name, tables[name])}]))
         fig.update_layout(updatemenus=[dict(buttons=buttons, direction="down", x=0.0, xanchor="left", y=1.12,

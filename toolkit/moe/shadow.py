@@ -1,0 +1,344 @@
+"""Expert shadowing (FasterMoE): copy a popular expert to every rank instead of sending it the tokens.
+
+Under skewed routing one expert gets most tokens; its owner computes them all while the other ranks
+wait (the straggler). Shadowing expert e means: broadcast e's weights from its owner to every rank,
+let every rank compute its own tokens for e locally (they no longer travel in the all-to-all), and in
+backward bring e's gradient, summed over the ranks, back to the owner. The tokens stay home; the
+weights travel, twice (parameters out, gradients back). Whether that pays depends on the load, the
+expert's size, the compute rate and the link, which is what the paper's performance model weighs.
+
+The model (FasterMoE, PPoPP'22; H = d_model, alpha*H = d_ff, P = FLOP/s, W_net = link bytes/s,
+B_w = rows worker w computes, s = bytes per element):
+
+    Lat_imbl     = max_w { 3 * 4 * B_w * alpha*H^2 / P  +  4 * B_w * H * s / W_net }
+    Lat_shadow(r) = max_w 3 * 4 * B'_w * alpha*H^2 / P  +  2r * 2 * alpha*H^2 * s / W_net
+
+3 * 4 * alpha*H^2 FLOPs per row: two GEMMs of 2 * H * alpha*H FLOPs, times 3 for forward plus
+backward; 4 * H elements per row on the wire: dispatch and combine, in forward and in backward;
+2 * alpha*H^2 elements per expert (its two weight matrices), moved twice (broadcast, gradient return).
+The paper counts elements; we multiply by s so that W_net is in bytes/s. B'_w is what worker w
+computes once the r shadowed experts' rows stay with their senders: the rows of its own unshadowed
+experts from everyone, plus its own rows for every shadowed expert. As in the paper, Lat_shadow
+counts the remaining computation and the weights' traffic only.
+
+Algorithm 1 (greedy, ``choose_shadows``): sort the experts by load (rows routed to them, from all
+ranks), heaviest first; start from Lat_imbl; tentatively shadow the next expert, recompute every B'_w
+and Lat_shadow; keep it while the predicted latency falls, stop at the first that does not lower it.
+(FastMoE's released shadow_policy.py differs: it sorts the per-sender totals and counts one transfer;
+this follows the paper.)
+
+In the layer (``shadow="auto"`` or ``shadow=[...]``): the per-expert counts are all-gathered (every
+rank needs everyone's to predict, and every rank reaches the same decision from the same numbers);
+the chosen experts' weights are broadcast from their owners; their rows are taken out of the dispatch
+and computed at home; the rest goes through the layer's own dispatch/compute/combine. The Run gets
+``moe/{name}/shadow`` per forward: the experts shadowed, the predicted latency with and without, and
+the measured one (forward + backward of these steps).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..trace.events import recorder, span
+from .machine import _label, _positive, machine_rates
+from .placement import run_experts
+
+
+# ---------------------------------------------------------------------------------------------
+# The performance model and Algorithm 1 (pure functions: a lab and the tests call them directly)
+# ---------------------------------------------------------------------------------------------
+
+def _check(counts, owners):
+    rows = [[float(c) for c in row] for row in (counts.tolist() if hasattr(counts, "tolist") else counts)]
+    if not rows or not rows[0] or any(len(r) != len(rows[0]) for r in rows):
+        raise ValueError("counts must be a (workers, experts) table: counts[w][e] = rows worker w routes to "
+                         "expert e, one row per worker, one column per expert.")
+    if any(c < 0 for r in rows for c in r):
+        raise ValueError("counts must be >= 0 (rows routed).")
+    W, E = len(rows), len(rows[0])
+    owners = [int(o) for o in owners]
+    if len(owners) != E or any(not 0 <= o < W for o in owners):
+        raise ValueError(f"owners must give, for each of the {E} experts, the worker (0..{W - 1}) that holds it; "
+                         f"got {owners}.")
+    return rows, owners
+
+
+def worker_loads(counts, owners, shadowed=()) -> list:
+    """B'_w: rows each worker computes when ``shadowed`` experts run at home (B_w when none is).
+
+    counts[w][e]: rows worker w routes to expert e; owners[e]: the worker that holds expert e.
+    """
+    rows, owners = _check(counts, owners)
+    shadowed = set(shadowed)
+    B = [0.0] * len(rows)
+    for w, row in enumerate(rows):
+        for e, c in enumerate(row):
+            B[w if e in shadowed else owners[e]] += c
+    return B
+
+
+def _unit_costs(H, alpha, P, W_net, element_bytes):
+    H, alpha = _positive("H", H), _positive("alpha", alpha)
+    P = _positive("P (compute FLOP/s)", P)
+    W_net = W_net if W_net == math.inf else _positive("W_net (bytes/s)", W_net)  # inf: nothing travels (one rank)
+    compute = 3 * 4 * alpha * H * H / P                      # seconds per row, forward + backward
+    wire = 4 * H * element_bytes / W_net                     # seconds per row, 4 all-to-all passes
+    weights = 2 * alpha * H * H * element_bytes / W_net      # seconds per expert per transfer
+    return compute, wire, weights
+
+
+def latency_imbalanced(counts, owners, *, H, alpha, P, W_net, element_bytes=4) -> float:
+    """Lat_imbl = max_w {3*4*B_w*alpha*H^2/P + 4*B_w*H*s/W_net}: the plain layer, waiting for its busiest worker."""
+    compute, wire, _ = _unit_costs(H, alpha, P, W_net, element_bytes)
+    return max(b * (compute + wire) for b in worker_loads(counts, owners))
+
+
+def latency_shadowed(counts, owners, shadowed, *, H, alpha, P, W_net, element_bytes=4) -> float:
+    """Lat_shadow(r) = max_w 3*4*B'_w*alpha*H^2/P + 2r*2*alpha*H^2*s/W_net for the r experts in ``shadowed``."""
+    compute, _, weights = _unit_costs(H, alpha, P, W_net, element_bytes)
+    return max(worker_loads(counts, owners, shadowed)) * compute + 2 * len(set(shadowed)) * weights
+
+
+@dataclass
+class ShadowChoice:
+    """What the predictor decided, and the numbers behind it (seconds)."""
+
+    shadowed: list                 # experts to shadow, in the order they were accepted
+    predicted_s: float             # predicted latency with them (Lat_imbl when none)
+    plain_s: float                 # Lat_imbl: predicted latency without shadowing
+    loads: list                    # B_w without shadowing
+    loads_shadowed: list           # B'_w with the chosen set
+    trail: list = field(default_factory=list)  # Algorithm 1's steps: expert, load, latency_s, accepted
+
+    def as_dict(self) -> dict:
+        return {"shadowed": list(self.shadowed), "predicted_s": self.predicted_s, "plain_s": self.plain_s,
+                "loads": list(self.loads), "loads_shadowed": list(self.loads_shadowed), "trail": list(self.trail)}
+
+    def explain(self) -> str:
+        """Algorithm 1's reasoning, one line per step, for a notebook or a lab's feedback."""
+        lines = [f"no shadow: Lat_imbl = {self.plain_s:.4g} s (rows per worker {self._fmt(self.loads)})"]
+        for step in self.trail:
+            verdict = "accept" if step["accepted"] else "stop: it does not lower the latency"
+            lines.append(f"+ shadow expert {step['expert']} (load {step['load']:g}): "
+                         f"Lat_shadow = {step['latency_s']:.4g} s -> {verdict}")
+        lines.append(f"shadowed {self.shadowed or 'nothing'}: predicted {self.predicted_s:.4g} s "
+                     f"(rows per worker {self._fmt(self.loads_shadowed)})")
+        return "\n".join(lines)
+
+    @staticmethod
+    def _fmt(loads) -> str:
+        return "[" + ", ".join(f"{b:g}" for b in loads) + "]"
+
+
+def choose_shadows(counts, owners, *, H, alpha, P, W_net, element_bytes=4) -> ShadowChoice:
+    """FasterMoE's Algorithm 1: which experts to shadow for this forward.
+
+    counts[w][e]  rows worker w routes to expert e (every rank's, so every rank decides alike)
+    owners[e]     the worker holding expert e
+    H, alpha      d_model and d_ff / d_model;  P  FLOP/s;  W_net  bytes/s;  element_bytes  s
+
+    Experts are tried heaviest first (ties: lower id first); each is kept while Lat_shadow falls below
+    the best latency so far (starting from Lat_imbl); the first that does not lower it ends the search.
+    """
+    rows, owners = _check(counts, owners)
+    model = dict(H=H, alpha=alpha, P=P, W_net=W_net, element_bytes=element_bytes)
+    load = [sum(r[e] for r in rows) for e in range(len(owners))]
+    best = plain = latency_imbalanced(rows, owners, **model)
+    chosen, trail = [], []
+    for e in sorted(range(len(load)), key=lambda e: (-load[e], e)):
+        latency = latency_shadowed(rows, owners, chosen + [e], **model)
+        accepted = latency < best
+        trail.append({"expert": e, "load": load[e], "latency_s": latency, "accepted": accepted})
+        if not accepted:
+            break
+        chosen.append(e)
+        best = latency
+    return ShadowChoice(chosen, best, plain, worker_loads(rows, owners), worker_loads(rows, owners, chosen), trail)
+
+
+def predict(counts, owners, shadowed, *, H, alpha, P, W_net, element_bytes=4) -> ShadowChoice:
+    """The model's numbers for a given set (``shadow=[...]``): Lat_shadow, or Lat_imbl when empty."""
+    rows, owners = _check(counts, owners)
+    model = dict(H=H, alpha=alpha, P=P, W_net=W_net, element_bytes=element_bytes)
+    shadowed = sorted(set(shadowed))
+    plain = latency_imbalanced(rows, owners, **model)
+    predicted = latency_shadowed(rows, owners, shadowed, **model) if shadowed else plain
+    return ShadowChoice(shadowed, predicted, plain, worker_loads(rows, owners),
+                        worker_loads(rows, owners, shadowed))
+
+
+# ---------------------------------------------------------------------------------------------
+# The mechanics: weights out from the owner, gradients back to it
+# ---------------------------------------------------------------------------------------------
+
+class _Broadcast(torch.autograd.Function):
+    """Forward: the owner's flat expert weights on every rank (broadcast). Backward: every rank's
+    gradient for them summed (all-reduce through the door; the door has no reduce), and only the
+    owner passes it on, so autograd adds it to the owner's parameters."""
+
+    @staticmethod
+    def forward(ctx, flat, src, group, owner, label, clock):
+        ctx.group, ctx.owner, ctx.label, ctx.clock = group, owner, label, clock
+        out = flat.detach().clone()
+        comm.broadcast(out, src=src, group=group)
+        _label(label)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.contiguous().clone()
+        comm.all_reduce(total, op="sum", group=ctx.group)
+        _label(ctx.label + " backward")
+        if ctx.clock is not None:
+            ctx.clock.backward_end()
+        return (total if ctx.owner else None), None, None, None, None, None
+
+
+class _Stamp(torch.autograd.Function):
+    """Identity whose backward notes the time: where the backward of the shadowed steps starts and ends."""
+
+    @staticmethod
+    def forward(ctx, x, note):
+        ctx.note = note
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.note()
+        return grad, None
+
+
+class _Clock:
+    """Measured latency of steps 2-6: forward time plus the backward from answers to rows (and the
+    gradient returns of the shadowed experts), written into the metric's value as it happens."""
+
+    def __init__(self, value: dict, forward_s: float):
+        self.value, self.forward_s, self.start = value, forward_s, None
+
+    def backward_start(self):
+        self.start = time.perf_counter()
+
+    def backward_end(self):
+        if self.start is not None:
+            self.value["measured_s"] = self.forward_s + time.perf_counter() - self.start
+
+
+def _unpack(flat, d_model, d_ff):
+    shapes = ((d_model, d_ff), (d_ff,), (d_ff, d_model), (d_model,))
+    out, at = [], 0
+    for shape in shapes:
+        n = 1
+        for s in shape:
+            n *= s
+        out.append(flat[at:at + n].reshape(shape))
+        at += n
+    return out
+
+
+class Shadowing:
+    """``shadow="auto"`` (Algorithm 1 each forward) or a forced list, for one MoE layer.
+
+    compute_flops / bandwidth override the measured (or emulated) P and W_net. After each forward
+    ``last`` is the ShadowChoice that ran.
+    """
+
+    def __init__(self, shadow, num_experts: int, *, compute_flops=None, bandwidth=None):
+        if shadow == "auto":
+            self.mode, self.forced = "auto", None
+        elif isinstance(shadow, (list, tuple)):
+            bad = [e for e in shadow if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < num_experts]
+            if bad:
+                raise ValueError(f"shadow={list(shadow)!r}: expert(s) {bad} do not exist; this layer has experts "
+                                 f"0..{num_experts - 1} (global ids). Name existing experts, or use shadow='auto'.")
+            self.mode, self.forced = "forced", sorted(set(shadow))
+        else:
+            raise ValueError(f"shadow={shadow!r}: choose 'off', 'auto' or a list of expert ids.")
+        self.compute_flops = None if compute_flops is None else _positive("compute_flops", compute_flops)
+        self.bandwidth = None if bandwidth is None else _positive("bandwidth", bandwidth)
+        self.last = None
+
+    def __repr__(self) -> str:
+        return f"Shadowing({'auto' if self.mode == 'auto' else self.forced})"
+
+    def decide(self, layer, counts, element_bytes) -> tuple:
+        """(ShadowChoice, Rates) from the all-gathered (W, E) counts. Identical on every rank."""
+        rates = machine_rates(layer.d_model, layer.d_ff, group=layer.group, compute_flops=self.compute_flops,
+                              bandwidth=self.bandwidth)
+        owners = [e // layer.num_local for e in range(layer.num_experts)]
+        model = dict(H=layer.d_model, alpha=layer.d_ff / layer.d_model, P=rates.compute_flops,
+                     W_net=rates.bandwidth, element_bytes=element_bytes)
+        if self.mode == "auto":
+            return choose_shadows(counts, owners, **model), rates
+        return predict(counts, owners, self.forced, **model), rates
+
+    def forward(self, layer, tokens, routing):
+        """Steps 2-6 with the shadowed experts at home. -> (plan, order, answers)"""
+        from .layer import Plan, _enclosing_step
+
+        started = time.perf_counter()
+        W, El, E, r = layer.world, layer.num_local, layer.num_experts, layer.rank
+        distributed = dist.is_initialized() and W > 1
+        kept = routing.kept_counts
+        if distributed:  # 2. everyone's counts: the predictor needs them all
+            everyone = kept.new_empty(W * E)
+            comm.all_gather(everyone, kept.contiguous(), group=layer.group)
+            _label("counts")
+            counts = everyone.reshape(W, E)
+        else:
+            counts = kept.reshape(1, E)
+        choice, rates = self.decide(layer, counts.tolist(), tokens.element_size())
+        self.last = choice
+        shadowed = sorted(choice.shadowed)
+        home_expert = torch.zeros(E, dtype=torch.bool, device=kept.device)
+        home_expert[shadowed] = True
+        travel = counts.masked_fill(home_expert, 0)          # shadowed experts' rows do not travel
+        plan = Plan(travel[r].reshape(W, El).clone(), travel[:, r * El:(r + 1) * El].clone())
+
+        value = {"mode": self.mode, "shadowed": shadowed, "predicted_s": choice.predicted_s,
+                 "plain_s": choice.plain_s, "loads": choice.loads, "loads_shadowed": choice.loads_shadowed,
+                 "trail": choice.trail, **rates.as_dict(), "measured_forward_s": None, "measured_s": None,
+                 "call": layer.calls + 1}
+        clock = _Clock(value, 0.0)
+
+        order, rows = layer.sort_by_destination(tokens, routing)                   # 3
+        rows = _Stamp.apply(rows, clock.backward_end)
+        expert_of = routing.expert_index.reshape(-1)[order]
+        home = home_expert[expert_of]
+        weights = self.fetch(layer, shadowed, clock)                              # weights out
+        away = layer.dispatch_compute_combine(rows[~home], plan)                  # 4-6 for the rest
+        with span(f"moe/{layer.name}/shadowed experts", rows=int(home.sum()), experts=shadowed):
+            here = run_experts(rows[home], [int(kept[e]) for e in shadowed], weights, shadowed)
+        placed = torch.cat([(~home).nonzero().squeeze(1), home.nonzero().squeeze(1)])
+        answers = torch.cat([away, here])[placed.argsort()]
+        answers = _Stamp.apply(answers, clock.backward_start)
+
+        clock.forward_s = value["measured_forward_s"] = time.perf_counter() - started
+        if recorder.enabled:
+            recorder.metric(f"moe/{layer.name}/shadow", value, step=_enclosing_step())
+        return plan, order, answers
+
+    def fetch(self, layer, shadowed, clock):
+        """The shadowed experts' weights on this rank, (w1, b1, w2, b2) dicts keyed by expert id:
+        broadcast from each owner, differentiable back into the owner's parameters."""
+        ex, El, r = layer.experts, layer.num_local, layer.rank
+        w1, b1, w2, b2 = {}, {}, {}, {}
+        for e in shadowed:
+            owner, i = divmod(e, El)
+            mine = (ex.w1[i].reshape(-1), ex.b1[i], ex.w2[i].reshape(-1), ex.b2[i])
+            if dist.is_initialized() and layer.world > 1:
+                if owner == r:
+                    flat = torch.cat(mine)
+                else:  # a receive buffer that asks for a gradient, so every rank joins the backward all-reduce
+                    flat = torch.zeros(sum(t.numel() for t in mine), dtype=ex.w1.dtype, device=ex.w1.device,
+                                       requires_grad=torch.is_grad_enabled())
+                src = comm.group_ranks(layer.group)[owner]
+                flat = _Broadcast.apply(flat, src, layer.group, owner == r, f"shadow expert {e}", clock)
+                w1[e], b1[e], w2[e], b2[e] = _unpack(flat, layer.d_model, layer.d_ff)
+            else:
+                w1[e], b1[e], w2[e], b2[e] = ex.w1[i], ex.b1[i], ex.w2[i], ex.b2[i]
+        return w1, b1, w2, b2
