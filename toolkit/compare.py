@@ -103,6 +103,7 @@ def summarize(label: str, run, world: int, num_params: int, mixed_precision: boo
         theory_states = predicted_model_states(num_params, world, label, mixed_precision)
     return {"strategy": label, "ranks": world, "final loss": round(losses[-1], 4),
             "|loss - local|": None if local_loss is None else float(f"{abs(losses[-1] - local_loss):.2e}"),
+            "_loss": losses[-1],  # unrounded, for the distance to "local"
             "step ms": round(1e3 * statistics.median(times), 1),
             "params MB": round(max(p["params"] for p in peaks) / 1e6, 3),
             "grads MB": round(max(p["grads"] for p in peaks) / 1e6, 3),
@@ -145,7 +146,7 @@ def training_section(world_size: int, strategies, steps: int, say, *, mixed_prec
             run = launch_train(config, world, quiet=True, timeout_s=120)
             row = summarize(name, run, world, num_params, mixed_precision, local_loss)
         if name == "local":
-            local_loss = row["final loss"]
+            local_loss = row["_loss"]
         rows.append(row)
         runs[name] = run
         predicted[name] = moe["states"] if name == MOE_LABEL else \
@@ -164,7 +165,7 @@ def training_section(world_size: int, strategies, steps: int, say, *, mixed_prec
         f"split over {world_size} ranks ('local' trains the whole batch in one process: the oracle). "
         + ("Mixed precision (bf16 compute, fp32 masters): theory 2 + 2 + 12 bytes per parameter."
            if mixed_precision else "fp32: theory 4 + 4 + 8 bytes per parameter (AdamW's two moments)."),
-        viz.table(rows),
+        viz.table([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]),
         memory_bars(runs, predicted),
         comm_bars([{"strategy": r["strategy"], "measured": r["sent MB/step"] * 1e6,
                     "theory": r["theory sent MB/step"] * 1e6} for r in rows if r["ranks"] > 1]),

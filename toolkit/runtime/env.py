@@ -7,6 +7,7 @@ the same script runs under all of them.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -24,6 +25,10 @@ _LAUNCHERS = {
     "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
     "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
 }
+
+
+# ranks on this node, by launcher: how many GPUs 'auto' needs before it picks NCCL
+_LOCAL_SIZES = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,7 @@ def init(backend: str = "auto", *, timeout_s: float = 300.0) -> Placement:
     place = detect()
     if dist.is_initialized():
         return place
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1)))
+    local_world = next((int(os.environ[v]) for v in _LOCAL_SIZES if v in os.environ), 1)
     backend = resolve_backend(backend, max(local_world, place.local_rank + 1))
     if backend == "nccl":
         torch.cuda.set_device(place.local_rank)
@@ -112,4 +117,10 @@ def init(backend: str = "auto", *, timeout_s: float = 300.0) -> Placement:
         backend, store=store, rank=place.rank, world_size=place.world_size, timeout=timeout,
         init_method=None if store is not None else "env://",
     )
+    atexit.register(_shutdown)  # a script that never tears down must not abort at exit (gloo's threads)
     return place
+
+
+def _shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

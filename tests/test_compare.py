@@ -1,0 +1,59 @@
+"""`python -m toolkit compare`: every strategy side by side, and the numbers agree with the theory."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from toolkit.compare import training_section
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def section():
+    lines = []
+    runs, rows, blocks = training_section(2, ["local", "dp", "ddp", "zero2"], 4, lines.append)
+    return runs, {r["strategy"]: r for r in rows}, blocks, lines
+
+
+def test_every_strategy_trains_like_local(section):
+    _, rows, _, _ = section
+    for name in ("dp", "ddp", "zero2"):
+        assert rows[name]["|loss - local|"] < 1e-5, name
+
+
+def test_measured_memory_and_bytes_match_the_theory(section):
+    _, rows, _, _ = section
+    for name in ("local", "dp", "ddp", "zero2"):
+        # model states within the padding and AdamW's 4-byte step counters (a few hundred bytes here)
+        assert rows[name]["model states MB"] == pytest.approx(rows[name]["theory MB"], abs=0.002), name
+    for name in ("dp", "ddp", "zero2"):
+        assert rows[name]["sent MB/step"] == pytest.approx(rows[name]["theory sent MB/step"], abs=0.002), name
+
+
+def test_buckets_hide_communication_that_naive_dp_does_not(section):
+    _, rows, _, _ = section
+    assert rows["dp"]["overlap"] == 0.0  # blocking all-reduces after backward: nothing hidden
+    assert rows["ddp"]["overlap"] >= 0.1, rows["ddp"]
+
+
+def test_report_blocks_and_progress_lines(section):
+    runs, _, blocks, lines = section
+    assert set(runs) == {"local", "dp", "ddp", "zero2"}
+    assert len(lines) == 4 and all("loss" in line and "theory" in line for line in lines)
+    figures = [b for b in blocks if hasattr(b, "to_plotly_json")]
+    assert len(figures) >= 2 + 3  # memory bars, bytes bars, a timeline per multi-rank strategy
+
+
+def test_command_line_writes_the_report(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "toolkit", "compare", "--world-size", "2", "--steps", "2",
+                          "--strategies", "zero1", "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "zero1 on 2 rank(s)" in out.stdout
+    for name in ("compare-report.html", "compare-zero1-trace.json", "compare-zero1-run.json"):
+        assert os.path.getsize(tmp_path / name) > 0
+    bad = subprocess.run([sys.executable, "-m", "toolkit", "compare", "--strategies", "zero4"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown strategies ['zero4']" in bad.stderr
