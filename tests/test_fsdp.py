@@ -12,8 +12,10 @@ norm; two blocks of 8,450) pad at world sizes 3 and 4.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import shutil
 import tempfile
 
 import pytest
@@ -375,7 +377,9 @@ def results(n):
 @functools.lru_cache(maxsize=None)
 def tmp_dir() -> str:
     """One folder for the whole session, made here and handed to the ranks (each imports this file anew)."""
-    return tempfile.mkdtemp(prefix="toolkit-fsdp-")
+    path = tempfile.mkdtemp(prefix="toolkit-fsdp-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 @functools.lru_cache(maxsize=None)
