@@ -78,7 +78,7 @@ def _check_chrome_structure(trace, ranks):
     assert spans
     for e in spans:
         assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0 and e["dur"] >= 0
-        assert e["tid"] == (1 if e["cat"] == "comm" else 0) and e["pid"] in ranks
+        assert e["tid"] == {"comm": 1, "compute": 0, "wait": 0}.get(e["cat"], e["tid"]) and e["pid"] in ranks
         if e["cat"] == "comm":
             assert {"bytes_sent", "group", "dtype", "phase"} <= set(e["args"])
 
@@ -100,8 +100,12 @@ def test_chrome_export_of_a_hand_made_run():
         {"name": "forward", "cat": "compute", "phase": "forward", "rank": 0, "start": 10.0, "end": 10.5, "args": {}},
         {"name": "all_reduce", "cat": "comm", "phase": "backward", "rank": 1, "start": 10.25, "end": 10.75,
          "args": {"bytes_sent": 8, "group": [0, 1], "dtype": "float32"}},
+        {"name": "unit 2", "cat": "fsdp", "phase": "forward", "rank": 0, "start": 10.0, "end": 10.1, "args": {}},
+        {"name": "wait", "cat": "wait", "phase": "backward", "rank": 1, "start": 10.5, "end": 10.75, "args": {}},
     ])
     trace = to_chrome(run)
-    _check_chrome_structure(trace, ranks=[0, 1])
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert [(e["ts"], e["dur"]) for e in spans] == [(0.0, 500000.0), (250000.0, 500000.0)]
+    assert [(round(e["ts"]), round(e["dur"]), e["tid"]) for e in spans] == [
+        (0.0, 500000.0, 0), (250000.0, 500000.0, 1), (0.0, 100000.0, 2), (500000.0, 250000.0, 0)]
+    threads = {(e["pid"], e["tid"], e["args"]["name"]) for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert (0, 2, "FSDP units") in threads and not any(name == "wait" for _, _, name in threads)
