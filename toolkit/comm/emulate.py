@@ -40,7 +40,7 @@ link. Synchronise (barrier) before timing one collective.
 Traces: every emulated span carries ``args.emulated_s`` (the modelled transfer time),
 ``args.link`` ("inter-node", "intra-node" or "intra+inter-node"), ``args.emulated_queue_s`` (how long
 it waited for the link behind earlier transfers) and, once waited, ``args.emulated_sleep_s`` (how long
-this rank slept to honour the model); a sleep inside ``Handle.wait`` is also a "wait" span with
+this rank slept to honour the model); for an asynchronous call that sleep is also a "wait" span with
 ``emulated=True``. ``toolkit.Run.capture`` writes ``meta["emulated_link"]`` (None when off), so a
 report always says whether the link was real.
 
@@ -332,16 +332,20 @@ def book(op: str, ranks, me: int, size_bytes: float, extra: dict):
 
 def hold(event, deadline: float) -> float:
     """Sleep until ``deadline`` (the call's modelled completion) and stretch the span to it. Returns the
-    seconds slept (added to ``args.emulated_sleep_s``); the sleep is a "wait" span with emulated=True."""
+    seconds slept (added to ``args.emulated_sleep_s``). For an asynchronous call the sleep is also a
+    "wait" span with emulated=True (time the rank could have computed); a synchronous call's span is
+    blocking time already."""
     from ..trace.events import recorder
 
     remaining = deadline - time.perf_counter()
     slept = 0.0
     if remaining > 0:
-        span = recorder.add("wait", "wait", recorder.mark(), op=event["name"], emulated=True)
+        waiting = event["args"].get("async_op", False)
+        span = recorder.add("wait", "wait", recorder.mark(), op=event["name"], emulated=True) if waiting else None
         time.sleep(remaining)
         slept = remaining
-        span["end"] = recorder.mark()
+        if span is not None:
+            span["end"] = recorder.mark()
     event["args"]["emulated_sleep_s"] = event["args"].get("emulated_sleep_s", 0.0) + slept
     event["end"] = emulated_end(event.get("end"), deadline, slept > 0)
     return slept

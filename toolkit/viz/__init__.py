@@ -24,3 +24,6 @@ __all__ = ["CollectivePanel", "bandwidth", "collective_panel", "collective_times
 from .expert_load import expert_load
 
 __all__ += ["expert_load"]
+from .roofline import roofline, roofline_point
+
+__all__ += ["roofline", "roofline_point"]

@@ -1,0 +1,232 @@
+"""FasterMoE's smart schedule: the all-to-all cut into per-peer steps, each block computed as it lands.
+
+The plain layer runs steps 4-6 as three coarse operators: dispatch (one all-to-all), the experts, then
+combine (one all-to-all). Nothing computes while rows are on the wire, and nothing travels while the
+experts compute. FasterMoE cuts them along the ranks instead. With W ranks, rank i at step j
+(the pairwise exchange of ``toolkit.comm.alltoall.pairwise_schedule``):
+
+    S_j   sends its rows for rank (i - j) mod W, receives rank (i + j) mod W's rows for its experts
+    C_j   its local experts compute the block that just arrived
+    R_j   sends those outputs back to (i + j) mod W, receives its own rows' outputs from (i - j) mod W
+
+Step 0 is the block a rank keeps (no traffic). S_{j+1} is issued before C_j starts, so the next block
+travels while this one computes, and R_j leaves as soon as C_j is done: on the timeline, sends and
+receives interleave with expert compute. Ideal speedup (Lat_comm + Lat_comp) / max(Lat_comm, Lat_comp).
+(The paper groups workers and uses a group as the unit; here a group is one rank.)
+
+Gradients. Backward is the same schedule run again: the gradient of a rank's outputs goes where its
+rows went (like S), the owner computes the experts' backward for that block (vector-Jacobian product;
+the weight gradients accumulate), and the rows' gradients return (like R); each step overlaps the next
+one's traffic. ``Overlapped`` is that one idea as an autograd function, shared with Tutel's pipelining
+(``toolkit.moe.pipeline``): a list of units, each *post* (send out), *compute*, *post back*; forward
+computes the experts on each unit, backward their vector-Jacobian products, on the same traffic
+pattern. A custom function rather than differentiable send/recv ops: autograd would be free to run
+independent per-peer backward nodes in any order, and point-to-point traffic must be issued in the
+same order on both ends.
+
+Every transfer goes through ``toolkit.comm`` (``isend`` / ``irecv`` return Handles), so an emulated
+link (``toolkit.comm.emulate``) slows each step as a real one would, and the trace labels them
+("dispatch step 1/4", "combine step 1/4", "... backward"). Expert compute is a
+``moe/{name}/experts`` span per block (``backward=True`` in backward).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..trace.events import span
+
+SCHEDULES = ("plain", "smart")
+
+
+class _Ready:
+    """A unit that needs no traffic (the block a rank keeps)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def wait(self):
+        return self.tensor
+
+
+class _Pending:
+    """Transfers in flight; ``wait()`` returns the tensor they fill. Sends are waited at the end."""
+
+    def __init__(self, tensor, receive=(), send=()):
+        self.tensor, self.receive, self.send = tensor, list(receive), list(send)
+
+    def wait(self):
+        for handle in self.receive:
+            handle.wait()
+        self.receive = []
+        return self.tensor
+
+    def finish(self):
+        self.wait()
+        for handle in self.send:
+            handle.wait()
+        self.send = []
+
+
+def label(handle, text: str, layer: str):
+    """Name a transfer on the timeline (as the plain layer names its all-to-alls)."""
+    handle.event["args"]["moe"] = text
+    handle.event["args"]["layer"] = layer
+    return handle
+
+
+class Units:
+    """The traffic pattern of an overlapped steps 4-6 (subclasses: smart schedule, pipelined chunks).
+
+    ``x`` is a tensor in the layout of the rows a rank sends (sorted by destination); ``count`` units;
+    ``post(x, k, names)`` sends unit k's part of x to the experts' owners and returns something whose
+    ``wait()`` gives the rows received for unit k; ``block(k, received)`` computes them (forward:
+    the local experts); ``post_back(k, y, names)`` returns the results to their senders; ``assemble``
+    puts the results of every unit back in x's layout. ``names`` = (out, back) labels for the trace.
+    """
+
+    count = 0
+
+    def post(self, x, k, names):
+        raise NotImplementedError
+
+    def block(self, k, received):
+        raise NotImplementedError
+
+    def post_back(self, k, y, names):
+        raise NotImplementedError
+
+    def assemble(self, results, like):
+        raise NotImplementedError
+
+
+def run_units(units: Units, x: torch.Tensor, compute, names) -> torch.Tensor:
+    """Post unit 0; then for each unit k: post unit k+1, wait for k, compute it, post its results back.
+    Finally wait for every result and assemble. Communication of k+1 overlaps computation of k."""
+    results, backs = [None] * units.count, []
+    pending = units.post(x, 0, names) if units.count else None
+    for k in range(units.count):
+        following = units.post(x, k + 1, names) if k + 1 < units.count else None
+        y = compute(k, pending.wait())
+        backs.append(units.post_back(k, y, names))
+        if isinstance(pending, _Pending):
+            pending.finish()
+        pending = following
+    for k, back in enumerate(backs):
+        results[k] = back.wait()
+        if isinstance(back, _Pending):
+            back.finish()
+    return units.assemble(results, x)
+
+
+FORWARD_NAMES = ("dispatch", "combine")
+BACKWARD_NAMES = ("combine backward", "dispatch backward")  # the plain layer's names, in backward order
+
+
+class Overlapped(torch.autograd.Function):
+    """Steps 4-6 on a ``Units`` pattern, differentiable: backward runs the same pattern on gradients.
+
+    Forward keeps, per unit, the received rows (as a leaf) and the experts' output graph; backward
+    sends each unit's output gradients to the owners, who take the vector-Jacobian product of their
+    block (gradients of the received rows, and of the expert parameters, summed over units) and send
+    the rows' gradients home.
+    """
+
+    @staticmethod
+    def forward(ctx, units, layer_name, x, *params):
+        saved = {}
+
+        def forward_block(k, received):
+            leaf = received.detach().requires_grad_(True)
+            with torch.enable_grad():
+                y = units.block(k, leaf)
+            saved[k] = (leaf, y)
+            return y.detach()
+
+        out = run_units(units, x.detach(), forward_block, FORWARD_NAMES)
+        ctx.units, ctx.saved, ctx.layer_name, ctx.params = units, saved, layer_name, params
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        units, saved, params = ctx.units, ctx.saved, ctx.params
+        param_grads = [None] * len(params)
+
+        def backward_block(k, grad_y):
+            leaf, y = saved.pop(k)
+            with span(f"moe/{ctx.layer_name}/experts", rows=int(leaf.shape[0]), backward=True):
+                grads = torch.autograd.grad(y, [leaf, *params], grad_y, allow_unused=True)
+            for i, g in enumerate(grads[1:]):
+                if g is not None:
+                    param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
+            return grads[0] if grads[0] is not None else torch.zeros_like(leaf)
+
+        grad_x = run_units(units, grad.contiguous(), backward_block, BACKWARD_NAMES)
+        return (None, None, grad_x, *param_grads)
+
+
+def overlapped(units: Units, x: torch.Tensor, layer) -> torch.Tensor:
+    """Run ``units`` forward (and, when gradients are wanted, backward) for ``layer``'s experts."""
+    params = tuple(p for p in layer.experts.parameters() if p.requires_grad)
+    if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
+        with torch.no_grad():
+            return run_units(units, x, units.block, FORWARD_NAMES)
+    return Overlapped.apply(units, layer.name, x, *params)
+
+
+# ---------------------------------------------------------------------------------------------
+# The smart schedule
+# ---------------------------------------------------------------------------------------------
+
+class SmartSchedule(Units):
+    """Per-peer units in pairwise-exchange order: unit j = (S_j, C_j, R_j) of the module docstring."""
+
+    def __init__(self, layer, plan):
+        self.layer, self.plan, self.group = layer, plan, layer.group
+        self.ranks = comm.group_ranks(layer.group)
+        self.n, self.me = len(self.ranks), layer.rank
+        self.count = self.n
+        self.send_rows, self.recv_rows = list(plan.send_splits), list(plan.recv_splits)
+
+    def peers(self, k):
+        """(send_to, recv_from) group positions at step k."""
+        return (self.me - k) % self.n, (self.me + k) % self.n
+
+    def _tag(self, handle, what, k):
+        return label(handle, f"{what} step {k}/{self.n - 1}", self.layer.name)
+
+    def post(self, x, k, names):
+        to, frm = self.peers(k)
+        blocks = x.split(self.send_rows)
+        if k == 0:
+            return _Ready(blocks[self.me])
+        buf = x.new_empty((self.recv_rows[frm],) + tuple(x.shape[1:]))
+        receive = self._tag(comm.irecv(buf, self.ranks[frm], self.group), names[0], k)
+        send = self._tag(comm.isend(blocks[to].contiguous(), self.ranks[to], self.group), names[0], k)
+        return _Pending(buf, [receive], [send])
+
+    def block(self, k, received):
+        _, frm = self.peers(k)
+        counts = self.plan.recv_counts[frm:frm + 1]  # one sender's rows, already grouped by local expert
+        return self.layer.compute_experts(received, type(self.plan)(counts, counts))
+
+    def post_back(self, k, y, names):
+        to, frm = self.peers(k)
+        if k == 0:
+            return _Ready(y)
+        buf = y.new_empty((self.send_rows[to],) + tuple(y.shape[1:]))
+        receive = self._tag(comm.irecv(buf, self.ranks[to], self.group), names[1], k)
+        send = self._tag(comm.isend(y.contiguous(), self.ranks[frm], self.group), names[1], k)
+        return _Pending(buf, [receive], [send])
+
+    def assemble(self, results, like):
+        by_peer = [None] * self.n
+        for k, result in enumerate(results):
+            by_peer[self.peers(k)[0]] = result
+        return torch.cat(by_peer) if by_peer else like.new_empty((0,) + tuple(like.shape[1:]))
+
+
+def smart_dispatch_compute_combine(layer, rows: torch.Tensor, plan) -> torch.Tensor:
+    """Steps 4-6 of ``layer`` (a ``toolkit.moe.MoE`` in a process group) by FasterMoE's smart schedule:
+    the contract of ``MoE.dispatch_compute_combine`` (rows sorted by destination in, outputs out)."""
+    return overlapped(SmartSchedule(layer, plan), rows, layer)
