@@ -160,7 +160,10 @@ class MoE(nn.Module):
     and ``bandwidth`` override the measured or emulated P and W_net of its predictor);
     ``gate`` "topk" | "topology" (FasterMoE's topology-aware gate; ``node_size``, ``bandwidth``,
     ``local_bandwidth`` or the emulated link give its nodes and links); ``expert_parallel``
-    "ep" | "dp" | "auto" (Tutel's switchable parallelism for the expert weights, ``moe/placement.py``).
+    "ep" | "dp" | "auto" (Tutel's switchable parallelism for the expert weights, ``moe/placement.py``);
+    ``schedule`` "plain" | "smart" (FasterMoE's per-peer steps, ``moe/schedule.py``) or
+    ``pipeline_degree`` 1 | d | "auto" (Tutel's chunks along the capacity, ``moe/pipeline.py``): steps
+    4-6 overlapped with the experts, one or the other.
 
     Each forward records ``moe/{name}/load`` on this rank (see ``record_load``).
     """
