@@ -24,7 +24,7 @@ import torch
 import toolkit
 from toolkit.moe import MoE, gather_experts, reference_moe
 from toolkit.moe.experts import WEIGHTS
-from toolkit.moe.gates import TopologyGate, topology_limit
+from toolkit.moe.topology import TopologyGate, topology_limit
 from toolkit.moe.placement import choose_parallel, parallel_costs
 from toolkit.moe.shadow import (choose_shadows, latency_imbalanced, latency_shadowed, predict,
                                 worker_loads)

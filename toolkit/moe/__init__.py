@@ -4,14 +4,13 @@ from .gates import (
     AUX_LOSSES,
     Routing,
     TopKGate,
-    TopologyGate,
     capacity,
     gshard_aux_loss,
     load_stats,
     router_z_loss,
     switch_aux_loss,
-    topology_limit,
 )
+from .topology import TopologyGate, topology_limit
 from .experts import Experts, gather_experts, is_expert
 from .layer import MoE, Plan, all_to_all, merge_load, reference_moe
 from .placement import Placement, choose_parallel, parallel_costs

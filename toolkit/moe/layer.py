@@ -44,7 +44,8 @@ import torch.nn as nn
 from .. import comm
 from ..trace.events import recorder, span
 from .experts import Experts, expert_generator
-from .gates import Routing, TopKGate, TopologyGate, load_stats
+from .gates import Routing, TopKGate, load_stats
+from .topology import TopologyGate
 from . import machine
 from .placement import Placement
 from .shadow import Shadowing
