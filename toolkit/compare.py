@@ -10,6 +10,11 @@ timeline of one step per strategy; every run's Chrome trace is written too.
 top-2) with its experts split over the ranks (all-to-all dispatch and combine) while DDP trains the dense
 parameters. Its row's theory counts the dense all-reduce plus the all-to-alls under balanced routing, and
 the report adds its expert-load figure.
+
+"hsdp" is FSDP with hybrid sharding: units sharded within pairs of ranks and replicated across the pairs
+(world size 4: 2 x 2). It needs an even world size of 4 or more and is skipped otherwise. Its theory: model
+states of ZeRO-3 over F = 2 ranks, and 3Ψ(F-1)/F sent in the shard group plus a ring all-reduce of the Ψ/F
+gradient slice over the W/F replicas.
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ from .trace.chrome import save_chrome
 from .train import TrainConfig, launch_train
 
 MOE_LABEL = "moe-ep"
-DEFAULT_STRATEGIES = ("local", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", MOE_LABEL)
+HSDP_LABEL, HSDP_GROUP = "hsdp", 2  # "hsdp": strategy fsdp with sharding_group_size=2
+DEFAULT_STRATEGIES = ("local", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", HSDP_LABEL, MOE_LABEL)
 ZERO_STAGE = {"local": 0, "dp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
 MODEL = dict(n_layer=2, d_model=64, n_head=4)
 # Strategy options for a model this small: DDP's default 25 MB bucket would hold the whole model,
@@ -41,7 +47,8 @@ def available_strategies(wanted=DEFAULT_STRATEGIES) -> list[str]:
 
     out = []
     for name in wanted:
-        module, _ = ("toolkit.moe.layer", None) if name == MOE_LABEL else parallel.STRATEGIES[name]
+        module, _ = ("toolkit.moe.layer", None) if name == MOE_LABEL else \
+            parallel.STRATEGIES["fsdp" if name == HSDP_LABEL else name]
         try:
             importlib.import_module(module)
         except ModuleNotFoundError:
@@ -81,6 +88,16 @@ def moe_theory(world: int, config: TrainConfig, mixed_precision: bool) -> dict:
     return {"num_params": dense + experts, "dense": dense, "experts": experts, "experts_per_rank": experts // world,
             "states": predicted_model_states(dense + experts // world, world, "ddp", mixed_precision),
             "sent": communication_per_step(dense, world, "ddp") * element + rows + counts}
+
+
+def hsdp_theory(num_params: int, world: int, mixed_precision: bool) -> dict:
+    """What "hsdp" should cost per rank: ZeRO-3's model states over the F ranks of a shard group, and bytes
+    sent per step: 3Ψ(F-1)/F within the group (two all-gathers, one reduce-scatter) plus the all-reduce of
+    the Ψ/F gradient slice across the R = W/F replicas, 2(Ψ/F)(R-1)/R."""
+    F, R = HSDP_GROUP, world // HSDP_GROUP
+    element = 2 if mixed_precision else 4
+    sent = communication_per_step(num_params, F, "fsdp") + 2 * (num_params / F) * (R - 1) / R
+    return {"states": predicted_model_states(num_params, F, "fsdp", mixed_precision), "sent": sent * element}
 
 
 def summarize(label: str, run, world: int, num_params: int, mixed_precision: bool, local_loss=None, *,
@@ -129,8 +146,14 @@ def training_section(world_size: int, strategies, steps: int, say, *, mixed_prec
     moe = None
     for name in strategies:
         world = 1 if name == "local" else world_size
-        strategy = MOE["strategy"] if name == MOE_LABEL else name
+        if name == HSDP_LABEL and (world % HSDP_GROUP or world < 2 * HSDP_GROUP):
+            say(f"  {name:>6} skipped: hybrid sharding over pairs of ranks needs an even world size >= 4, "
+                f"got {world}")
+            continue
+        strategy = {MOE_LABEL: MOE["strategy"], HSDP_LABEL: "fsdp"}.get(name, name)
         extra = STRATEGY_OPTIONS.get(strategy, lambda _: {})(num_params * (2 if mixed_precision else 4))
+        if name == HSDP_LABEL:
+            extra = dict(extra, sharding_group_size=HSDP_GROUP)
         config = TrainConfig(strategy=strategy, steps=steps, global_batch_size=4 * world_size, model=dict(MODEL),
                              options=dict(options, **extra), progress=False)
         started = time.perf_counter()
@@ -142,6 +165,11 @@ def training_section(world_size: int, strategies, steps: int, say, *, mixed_prec
                                model_fn=moe_model_fn(MOE["experts_per_rank"] * world, MOE["top_k"]))
             row = summarize(name, run, world, moe["num_params"], mixed_precision, None,
                             theory_states=moe["states"], theory_sent=moe["sent"])
+        elif name == HSDP_LABEL:
+            hsdp = hsdp_theory(num_params, world, mixed_precision)
+            run = launch_train(config, world, quiet=True, timeout_s=120)
+            row = summarize(name, run, world, num_params, mixed_precision, local_loss,
+                            theory_states=hsdp["states"], theory_sent=hsdp["sent"])
         else:
             run = launch_train(config, world, quiet=True, timeout_s=120)
             row = summarize(name, run, world, num_params, mixed_precision, local_loss)
@@ -149,7 +177,7 @@ def training_section(world_size: int, strategies, steps: int, say, *, mixed_prec
             local_loss = row["_loss"]
         rows.append(row)
         runs[name] = run
-        predicted[name] = moe["states"] if name == MOE_LABEL else \
+        predicted[name] = moe["states"] if name == MOE_LABEL else hsdp["states"] if name == HSDP_LABEL else \
             predicted_model_states(num_params, world, name, mixed_precision)
         say(f"  {name:>6} on {world} rank(s): loss {row['final loss']:.4f}, {row['step ms']} ms/step, "
             f"model states {row['model states MB']} MB (theory {row['theory MB']}), "
@@ -216,9 +244,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="runs")
     args = parser.parse_args(argv)
     wanted = [s for s in args.strategies.split(",") if s]
-    unknown = set(wanted) - set(parallel.STRATEGIES) - {MOE_LABEL}
+    unknown = set(wanted) - set(parallel.STRATEGIES) - {MOE_LABEL, HSDP_LABEL}
     if unknown:
-        parser.error(f"unknown strategies {sorted(unknown)}; choose from {sorted(parallel.STRATEGIES) + [MOE_LABEL]}")
+        parser.error(f"unknown strategies {sorted(unknown)}; choose from "
+                     f"{sorted(parallel.STRATEGIES) + [HSDP_LABEL, MOE_LABEL]}")
     strategies = available_strategies(wanted)
     world = args.world_size or default_world_size()
     os.makedirs(args.out, exist_ok=True)
