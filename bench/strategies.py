@@ -64,7 +64,8 @@ def _local(t):
 def _peer_memory(model, optimizer) -> int:
     tensors = [_local(p) for p in model.parameters()] + [_local(p.grad) for p in model.parameters()
                                                          if p.grad is not None]
-    tensors += [_local(t) for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's state inside
+    tensors += [_local(t) for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     seen, total = set(), 0
     for t in tensors:
         key = t.untyped_storage().data_ptr()
