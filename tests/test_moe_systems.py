@@ -1,8 +1,9 @@
 """Issue 6's schedules and the emulated link: proven equal to the plain path, and honest about time.
 
 - FasterMoE's smart schedule and Tutel's pipelined all-to-all (degrees 1, 2, 3 (padded), 4, 8 and
-  "auto") give the plain layer's outputs and gradients (inputs, expert weights, router) to fp32
-  precision at world sizes 2 and 4, with balanced, skewed and dropless routing; "auto" tries every
+  "auto"; and each under forced shadowing) give the plain layer's outputs and gradients (inputs,
+  expert weights, router) to fp32 precision at world sizes 2 and 4, with balanced, skewed and
+  dropless routing; "auto" tries every
   degree once, then keeps the fastest, the same on every rank, and records it in the Run.
 - The emulated link: a collective of known size takes at least the alpha-beta model's time (and not
   much more), its span says so, an asynchronous one lets computation hide it, two in flight take turns.
@@ -33,6 +34,8 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 OPTIONS = {"smart": dict(schedule="smart"), "p1": dict(pipeline_degree=1), "p2": dict(pipeline_degree=2),
            "p3": dict(pipeline_degree=3), "p4": dict(pipeline_degree=4), "p8": dict(pipeline_degree=8),
            "auto": dict(pipeline_degree="auto")}
+COMBINED = {"shadow+smart": dict(shadow=[0], schedule="smart"),  # shadowing hands the rows that travel
+            "shadow+p4": dict(shadow=[0], pipeline_degree=4)}     # to dispatch_compute_combine: ours too
 ROUTINGS = {"balanced": dict(capacity_factor=1.25), "skewed": dict(capacity_factor=1.0),
             "dropless": dict(capacity_factor=0.5, dropless=True)}
 AUTO_FORWARDS = len(DEGREES) + 2  # one trial per degree, then the choice twice
@@ -82,7 +85,7 @@ def schedules(world, rank):
     for routing in ROUTINGS:
         x, probe = tokens(routing, world, rank)
         out[(routing, "plain")] = [step(build(routing, world), x, probe)]
-        for name, options in OPTIONS.items():
+        for name, options in {**OPTIONS, **COMBINED}.items():
             layer = build(routing, world, **options)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -174,7 +177,7 @@ def test_smart_schedule_and_every_pipeline_degree_equal_the_plain_path(world, no
         runs = res["schedules"]
         for routing in ROUTINGS:
             plain = runs[(routing, "plain")][0]
-            for name in OPTIONS:
+            for name in [*OPTIONS, *COMBINED]:
                 for i, got in enumerate(runs[(routing, name)]):
                     for key in KEYS:
                         close(got[key], plain[key], f"{name}, {routing} routing, forward {i}: {key} on rank {rank}")
