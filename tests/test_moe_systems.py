@@ -329,7 +329,7 @@ def test_the_model_of_each_collective():
 
 
 def test_emulation_settings_units_switching_and_the_run_meta():
-    from toolkit.comm.emulate import ENV, parse_bandwidth, parse_latency
+    from toolkit.comm.emulate import ENV, _from_env, parse_bandwidth, parse_latency
 
     assert parse_bandwidth("10 Gb/s") == 1.25e9 and parse_bandwidth("100 MB/s") == 1e8 == parse_bandwidth(1e8)
     assert parse_latency("5 us") == pytest.approx(5e-6) and parse_latency("2 ms") == pytest.approx(2e-3)
@@ -339,7 +339,8 @@ def test_emulation_settings_units_switching_and_the_run_meta():
         assert toolkit.comm.emulated_link() is link.settings and link.settings.node_of(5) == 1
         text = emulation_description()
         assert "1.25 GB/s, 5 µs latency between nodes" in text and "node of 4 ranks: 100 GB/s, 1 µs" in text
-        assert ENV in os.environ  # launched ranks inherit it
+        assert ENV in os.environ  # launched ranks inherit it and read it when they import the toolkit
+        assert _from_env() == link.settings
         meta = toolkit.Run.capture(align=False).meta["emulated_link"]
         assert meta["bandwidth"] == 1.25e9 and meta["ranks_per_node"] == 4 and meta["description"] == text
         with emulate(None):
