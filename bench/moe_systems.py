@@ -1,0 +1,364 @@
+"""Issue 6's MoE systems options side by side: shadowing, Tutel's pipelining, FasterMoE's smart schedule.
+
+One MoE layer (the toolkit's, expert parallel over all ranks, gloo on the CPU) under Zipf-skewed
+routing, forward + backward, in six variants built with the same seed, hence the same weights and the
+same routing: the plain path; ``shadow="auto"`` (FasterMoE's Algorithm 1 picks experts to copy to
+every rank); ``pipeline_degree`` 2, 4 and 8 (Tutel: chunks along the capacity, the next chunk's
+all-to-all overlapping this chunk's experts); ``schedule="smart"`` (FasterMoE: per-peer steps). Every
+variant computes the same function (tests/test_moe_systems.py and tests/test_moe_shadow.py prove it).
+Each repetition runs every variant once, back to back, in an order that rotates; a pass is timed on
+every rank and the slowest rank's time counts. Reported: the median time, and the median over
+repetitions of plain / variant (paired, so a slow moment of this shared machine hits both sides).
+
+Links. On loopback (no emulation) communication is nearly free next to the two shared cores, which no
+GPU cluster resembles. The emulated links (``toolkit.comm.emulate``) set the balance on purpose, from
+a measurement: the plain path is first run on loopback, which gives the slowest rank's expert compute
+(forward + backward) and the bytes its dispatch/combine all-to-alls move; then
+
+    comparable   bandwidth such that the link's model time for that traffic equals the compute: R_CC = 1
+    slow         ten times less: R_CC = 0.1 (communication-bound)
+
+both with 0.5 ms per message (small next to a pass's transfers, tens of ms, as ~10 us is next to a
+~1 ms dispatch on a GPU cluster). Why these two: by FasterMoE's model R_CC = 3·alpha·H·W_net / (s·P),
+so its MoE-GPT-S (H = 1024, alpha = 2, fp16) on V100s (P ~ 30-50 TFLOP/s) sits at R_CC ~ 0.8-1.3 on
+100 Gb/s InfiniBand and ~0.1 on 10 Gb/s: the links stand in for those two networks for this small
+layer. The bandwidths are derived from the measurement, never from the results, and are printed.
+
+Predicted ideal speedups:
+
+- overlap (pipelining, smart schedule): (comm + comp) / max(comm, comp) from the plain path's trace:
+  comm the slowest rank's link time for dispatch and combine, forward and backward (the emulated
+  model's time; on loopback the time spent inside them, waiting for the straggler included, so an
+  upper bound), comp the slowest rank's expert compute, forward (the layer's spans) and backward
+  (timed by marks this bench puts around the plain variant's experts);
+- shadowing: Lat_imbl / Lat_shadow of FasterMoE's model for the experts Algorithm 1 chose, as the layer
+  records them (P measured here, W_net the emulated link or, on loopback, measured).
+
+    python bench/moe_systems.py [--world-sizes 2,4] [--links loopback,comparable,slow] [--repeats 9]
+                                [--write docs/benchmarks.md]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import toolkit
+
+CONFIG = dict(d=128, ff=512, per_rank=2, tokens=1024, top_k=2, zipf=1.5)
+LINKS = {  # name -> R_CC the link is calibrated for (see calibrate); None: loopback, no emulation
+    "loopback": None,
+    "comparable": 1.0,
+    "slow": 0.1,
+}
+LATENCY_S = 0.5e-3
+VARIANTS = {
+    "plain": {},
+    "shadow auto": dict(shadow="auto"),
+    "pipeline 2": dict(pipeline_degree=2),
+    "pipeline 4": dict(pipeline_degree=4),
+    "pipeline 8": dict(pipeline_degree=8),
+    "smart": dict(schedule="smart"),
+}
+SECTION = "## MoE systems: shadowing, pipelining, smart schedule (bench/moe_systems.py)"
+
+
+# --- the routing ---------------------------------------------------------------------------------------
+def zipf_router(layer, s: float, seed: int = 0) -> None:
+    """Zipf-skewed routing: token t's logit for expert e is -s * ln(e + 1) + noise (feature 0 of every
+    token is set to 1 by ``zipf_tokens``; the other features give each token unit-variance noise).
+    Popularity follows the expert ids, so the hottest experts share rank 0: the straggler case."""
+    E, d = layer.num_experts, layer.d_model
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        weight = torch.randn(E, d, generator=g) / (d - 1) ** 0.5
+        weight[:, 0] = -s * torch.log(torch.arange(1, E + 1, dtype=torch.float32))
+        layer.gate.router.weight.copy_(weight)
+
+
+def zipf_tokens(tokens: int, d: int, rank: int) -> torch.Tensor:
+    x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(1000 + rank))
+    x[:, 0] = 1.0
+    return x
+
+
+# --- timing the plain path's expert backward ---------------------------------------------------------------
+class _Mark(torch.autograd.Function):
+    """Identity; its backward notes the time: "start" where the experts' backward begins (the gradient of
+    their output arrives), "end" where it ends (the gradient of their input leaves)."""
+
+    @staticmethod
+    def forward(ctx, x, clock, which):
+        ctx.clock, ctx.which = clock, which
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock(ctx.which)
+        return grad, None, None
+
+
+def time_expert_backward(layer) -> None:
+    """Put a ``moe/<name>/experts`` span with backward=True around the plain path's expert backward."""
+    from toolkit.trace import recorder
+
+    inner = layer.compute_experts
+    state = {}
+
+    def clock(which):
+        if which == "start":
+            state["start"] = recorder.mark()
+        elif "start" in state and recorder.enabled:
+            recorder.add(f"moe/{layer.name}/experts", "compute", state.pop("start"), recorder.mark(),
+                         backward=True, rows=state.get("rows", 0))
+
+    def compute_experts(received, plan):
+        state["rows"] = int(received.shape[0])
+        out = inner(_Mark.apply(received, clock, "end"), plan)
+        return _Mark.apply(out, clock, "start")
+
+    layer.compute_experts = compute_experts
+
+
+# --- on every rank -------------------------------------------------------------------------------------
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # raw: bookkeeping, not part of any layer's trace
+    return t.item()
+
+
+def _traffic(events) -> list:
+    return [e for e in events if e["cat"] == "comm" and str(e["args"].get("moe", "")).startswith(("dispatch", "combine"))]
+
+
+def _pass_numbers(events, name: str) -> dict:
+    """One pass on this rank: link time of dispatch/combine (emulated model, else time inside them) and
+    expert compute (forward + backward spans)."""
+    from toolkit.trace.analysis import _length, _union
+
+    traffic = _traffic(events)
+    if traffic and all("emulated_s" in e["args"] for e in traffic):
+        sends = sum(e["args"]["emulated_s"] for e in traffic if e["name"] != "recv")
+        receives = sum(e["args"]["emulated_s"] for e in traffic if e["name"] != "send")
+        comm = max(sends, receives)
+    else:
+        comm = _length(_union((e["start"], e["end"]) for e in traffic))
+    experts = [e for e in events if e["cat"] == "compute" and e["name"] == f"moe/{name}/experts"]
+    comp = _length(_union((e["start"], e["end"]) for e in experts))
+    wire = sum(max(e["args"]["bytes_sent"], e["args"]["bytes_recv"]) for e in traffic)
+    messages = sum(len(e["args"]["group"]) - 1 if e["name"] == "all_to_all" else 1 for e in traffic)
+    return {"comm": comm, "comp": comp, "wire_bytes": wire, "messages": messages}
+
+
+def calibrate(passes_by_rank, r_cc: float, latency: float) -> float:
+    """The bandwidth (bytes/s) at which the plain path's dispatch/combine traffic, forward and backward,
+    takes 1/r_cc times its expert compute on the emulated link (both: the slowest rank's, median over
+    passes). The link's model for one all-to-all: peers x latency + max(bytes sent, received) / bandwidth."""
+    n_pass = len(passes_by_rank[0])
+    comp = statistics.median(max(p[i]["comp"] for p in passes_by_rank) for i in range(n_pass))
+    wire = max(statistics.median(p[i]["wire_bytes"] for i in range(n_pass)) for p in passes_by_rank)
+    messages = max(p[0]["messages"] for p in passes_by_rank)
+    budget = comp / r_cc - messages * latency
+    if budget <= 0:
+        raise ValueError(f"cannot calibrate a link for R_CC = {r_cc}: {messages} messages of {latency * 1e3:g} ms "
+                         f"latency already take longer than {comp / r_cc * 1e3:.1f} ms; lower LATENCY_S.")
+    return wire / budget
+
+
+def run_link(cfg, variants, repeats, warmup, emulation) -> dict:
+    """Every variant on the current link: step times and, per pass, each rank's comm/comp numbers."""
+    from toolkit.moe import MoE
+    from toolkit.trace import recorder
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    E = cfg["per_rank"] * world
+    layers = {}
+    for name, options in variants.items():
+        layer = MoE(cfg["d"], cfg["ff"], E, top_k=cfg["top_k"], dropless=True, seed=0, init_std=0.05,
+                    name="bench", **options)
+        zipf_router(layer, cfg["zipf"])
+        if name == "plain":
+            time_expert_backward(layer)
+        layers[name] = layer
+    x = zipf_tokens(cfg["tokens"], cfg["d"], rank).requires_grad_(True)
+    times = {name: [] for name in variants}
+    passes = {name: [] for name in variants}
+    records = {name: [] for name in variants}
+    names = list(variants)
+    with emulation:
+        for i in range(warmup + repeats):
+            order = names[i % len(names):] + names[:i % len(names)]
+            for name in order:
+                layer = layers[name]
+                layer.zero_grad(set_to_none=True)
+                x.grad = None
+                dist.barrier()
+                recorder.reset()
+                start = time.perf_counter()
+                out, aux = layer(x)
+                (out.square().mean() + 0.01 * aux).backward()
+                seconds = _slowest(time.perf_counter() - start)
+                if i >= warmup:
+                    times[name].append(seconds)
+                    passes[name].append(_pass_numbers(recorder.events, "bench"))
+                    records[name].append({m["name"].split("/")[-1]: m["value"] for m in recorder.metrics})
+    return {"times": times, "passes": passes, "records": records}
+
+
+def bench(cfg, link_names, variants, repeats, warmup) -> dict:
+    """On every rank: every link in turn. Emulated links are calibrated on the plain path measured on
+    loopback first (the loopback run itself when it is asked for). Every rank returns the same record."""
+    world = dist.get_world_size()
+    out = {"world": world, "links": {}}
+    todo = list(link_names)
+    if any(LINKS[n] is not None for n in todo) and "loopback" not in todo:
+        todo.insert(0, "calibration")
+    elif "loopback" in todo:
+        todo.remove("loopback")
+        todo.insert(0, "loopback")
+    measured = None
+    for link_name in todo:
+        if link_name in ("loopback", "calibration"):
+            emulation, params = contextlib.nullcontext(), None
+            chosen = variants if link_name == "loopback" else {"plain": variants["plain"]}
+        else:
+            bandwidth = calibrate(measured, LINKS[link_name], LATENCY_S)
+            params = (bandwidth, LATENCY_S)
+            emulation, chosen = toolkit.comm.emulate(bandwidth=bandwidth, latency=LATENCY_S), variants
+        result = run_link(cfg, chosen, repeats, warmup, emulation)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, (result["passes"], result["records"]))
+        if measured is None:
+            measured = [p["plain"] for p, _ in everyone]
+        if link_name != "calibration":
+            out["links"][link_name] = {"params": params, "r_cc_target": LINKS[link_name], "times": result["times"],
+                                       "passes": [p for p, _ in everyone], "records": [r for _, r in everyone]}
+    return out
+
+
+# --- the numbers ---------------------------------------------------------------------------------------
+def summarize(link: dict, cfg) -> dict:
+    """Median step time per variant, speedups over plain, the predictions, and what the layer decided."""
+    times = {name: statistics.median(t) for name, t in link["times"].items()}
+    n_pass = len(link["times"]["plain"])
+    # paired: each repetition ran every variant back to back, so a slow moment of the machine hits all alike
+    speedup = {name: statistics.median(p / v for p, v in zip(link["times"]["plain"], t))
+               for name, t in link["times"].items()}
+    ranks = range(len(link["passes"]))
+
+    def slowest(variant, key):  # per pass, the slowest rank's number; median over passes
+        return statistics.median(max(link["passes"][r][variant][i][key] for r in ranks) for i in range(n_pass))
+
+    comm, comp = slowest("plain", "comm"), slowest("plain", "comp")
+    row = {"times": times, "speedup": speedup, "comm": comm, "comp": comp,
+           "r_cc": comp / comm if comm > 0 else float("inf"),
+           "ideal_overlap": (comm + comp) / max(comm, comp) if max(comm, comp) > 0 else 1.0}
+    records0 = link["records"][0]
+    if "shadow auto" in records0:
+        shadows = [rec["shadow"] for rec in records0["shadow auto"] if "shadow" in rec]
+        if shadows:
+            row["shadowed"] = statistics.mode(tuple(s["shadowed"]) for s in shadows)
+            row["ideal_shadow"] = statistics.median(s["plain_s"] / s["predicted_s"] for s in shadows)
+            row["shadow_rates"] = {"P": shadows[0]["compute_flops"], "W_net": shadows[0]["bandwidth"],
+                                   "source": shadows[0]["source"]}
+    load = [link["records"][r]["plain"][0]["load"] for r in ranks]
+    counts = [sum(c) for c in zip(*(rec["counts"] for rec in load))]
+    per_rank = [sum(rec["received"]) for rec in load]
+    row["counts"], row["rank_rows"] = counts, per_rank
+    row["expert_max_over_mean"] = max(counts) / (sum(counts) / len(counts))
+    row["rank_max_over_mean"] = max(per_rank) / (sum(per_rank) / len(per_rank))
+    return row
+
+
+def _fmt_link(name, params) -> str:
+    if params is None:
+        return "loopback (no emulation)"
+    return f"emulated {name}: {params[0] / 1e6:.3g} MB/s, {params[1] * 1e3:.3g} ms per message"
+
+
+def table(results: list, cfg) -> str:
+    first = results[0]
+    link0 = next(iter(first["links"].values()))
+    variants = list(link0["times"])
+    lines = [f"gloo on CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other "
+             f"work), torch {torch.__version__}. One MoE layer: d_model {cfg['d']}, d_ff {cfg['ff']}, "
+             f"{cfg['per_rank']} experts per rank, top-{cfg['top_k']}, dropless, {cfg['tokens']} tokens per rank, "
+             f"Zipf-skewed routing (logit prior -{cfg['zipf']}·ln(e+1), the hottest experts on rank 0), fp32. "
+             f"Forward + backward of the layer, the slowest rank's time, median of {len(link0['times']['plain'])} "
+             f"repetitions; each cell: median ms, then the median over repetitions of plain / this (paired: every "
+             f"repetition runs all variants back to back, in rotating order).", ""]
+    head = ["W", "link", "R_CC", *variants, "ideal overlap", "shadow: model", "shadowed"]
+    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for res in results:
+        for link_name, link in res["links"].items():
+            s = summarize(link, cfg)
+            cells = [str(res["world"]), _fmt_link(link_name, link["params"]), f"{s['r_cc']:.2f}"]
+            cells += [f"{s['times'][v] * 1e3:.0f}" + ("" if v == "plain" else f" ({s['speedup'][v]:.2f}x)")
+                      for v in variants]
+            cells += [f"{s['ideal_overlap']:.2f}x", f"{s['ideal_shadow']:.2f}x" if "ideal_shadow" in s else "-",
+                      " ".join(map(str, s["shadowed"])) if s.get("shadowed") else "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+    for res in results:
+        s = summarize(next(iter(res["links"].values())), cfg)
+        lines += ["", f"Load at world size {res['world']}: (token, choice) pairs per expert {s['counts']} "
+                      f"(max/mean {s['expert_max_over_mean']:.2f}); rows each rank's experts compute "
+                      f"{s['rank_rows']} (max/mean {s['rank_max_over_mean']:.2f})."]
+    return "\n".join(lines)
+
+
+def write_section(path: str, body: str, argv) -> None:
+    """Put this bench's section into ``path``: replace an earlier one, keep every other section."""
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    section = f"{SECTION}\n\n`python bench/moe_systems.py {' '.join(argv)}` ({time.strftime('%Y-%m-%d')})\n\n{body}\n"
+    start = text.find(SECTION)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", default="2")
+    parser.add_argument("--links", default=",".join(LINKS))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--zipf", type=float, default=CONFIG["zipf"])
+    parser.add_argument("--write", help="put the table into this markdown file (its own section)")
+    args = parser.parse_args(argv)
+    links = [n for n in args.links.split(",") if n]
+    variants = {n: VARIANTS[n] for n in args.variants.split(",") if n}
+    if "plain" not in variants:
+        parser.error("--variants must include plain (the baseline)")
+    bad = set(links) - set(LINKS)
+    if bad:
+        parser.error(f"unknown links {sorted(bad)}; choose from {sorted(LINKS)}")
+    cfg = dict(CONFIG, zipf=args.zipf)
+    results = []
+    for world in (int(w) for w in args.world_sizes.split(",")):
+        start = time.time()
+        results.append(toolkit.launch(bench, world, args=(cfg, links, variants, args.repeats, args.warmup),
+                                     timeout_s=300, quiet=True)[0])
+        print(f"world size {world}: {time.time() - start:.0f} s", file=sys.stderr)
+    text = table(results, cfg)
+    print(text)
+    if args.write:
+        write_section(args.write, text, argv)
+        print(f"written to {args.write}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

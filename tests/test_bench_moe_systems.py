@@ -1,0 +1,60 @@
+"""bench/moe_systems.py: a tiny run measures every variant on a calibrated emulated link, and its section in
+docs/benchmarks.md replaces only itself (the other benches' sections stay)."""
+import importlib.util
+import os
+
+import pytest
+
+import toolkit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_moe_systems", os.path.join(ROOT, "bench", "moe_systems.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_section_is_appended_then_replaced_never_clobbering_others(tmp_path):
+    bench = _bench()
+    path = tmp_path / "benchmarks.md"
+    path.write_text("# Benchmarks\n\n## MoE layer: toolkit vs DeepSpeed (bench/moe.py)\n\ndeepspeed table\n")
+    bench.write_section(str(path), "first table", ["--repeats", "1"])
+    with open(path, "a") as f:
+        f.write("\n## FSDP\n\nfsdp table\n")
+    bench.write_section(str(path), "second table", [])
+    text = path.read_text()
+    assert text.count(bench.SECTION) == 1 and "second table" in text and "first table" not in text
+    assert "deepspeed table" in text and "## FSDP\n\nfsdp table" in text
+
+
+def test_calibration_solves_the_link_model():
+    bench = _bench()
+    # two ranks' passes: the slowest rank computes 100 ms and moves 1 MB in 4 messages
+    passes = [[{"comp": 0.1, "wire_bytes": 1e6, "messages": 4}], [{"comp": 0.05, "wire_bytes": 0.5e6, "messages": 4}]]
+    bandwidth = bench.calibrate(passes, 1.0, 1e-3)
+    assert 4 * 1e-3 + 1e6 / bandwidth == pytest.approx(0.1)          # R_CC = 1: link time = compute
+    assert bench.calibrate(passes, 0.1, 1e-3) == pytest.approx(1e6 / (1.0 - 4e-3))
+    with pytest.raises(ValueError, match="lower LATENCY_S"):
+        bench.calibrate(passes, 1.0, 0.03)
+
+
+@pytest.mark.timeout(180)
+def test_a_tiny_run_measures_every_variant_on_a_calibrated_link(no_leftover_ranks):
+    bench = _bench()
+    cfg = dict(bench.CONFIG, tokens=256)
+    variants = {name: bench.VARIANTS[name] for name in ("plain", "shadow auto", "pipeline 2", "smart")}
+    (res, _) = toolkit.launch(bench.bench, 2, args=(cfg, ["comparable"], variants, 2, 1), timeout_s=120, quiet=True)
+    link = res["links"]["comparable"]
+    bandwidth, latency = link["params"]
+    assert bandwidth > 0 and latency == bench.LATENCY_S and link["r_cc_target"] == 1.0
+    summary = bench.summarize(link, cfg)
+    assert set(summary["times"]) == set(variants) and all(t > 0 for t in summary["times"].values())
+    assert summary["comm"] > 0 and summary["comp"] > 0 and summary["ideal_overlap"] >= 1.0
+    assert summary["ideal_shadow"] > 0 and isinstance(summary["shadowed"], tuple)
+    assert sum(summary["rank_rows"]) == sum(summary["counts"])         # dropless: every choice computed once
+    assert summary["expert_max_over_mean"] > 1.3                        # Zipf: the load is skewed
+    text = bench.table([res], cfg)
+    assert "emulated comparable" in text and "| 2 |" in text and "Load at world size 2" in text
