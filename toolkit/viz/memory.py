@@ -89,7 +89,7 @@ def model_states_bars(num_params: float, world_size: int, *, optimizer_multiplie
 EVENT_MARKERS = {"gathered": ("triangle-up", "#2ca02c"), "prefetch": ("triangle-right", "#17becf"),
                  "freed": ("triangle-down", "#d62728"), "backward done": ("circle-open", "#7f7f7f"),
                  "reduce-scatter": ("x", "#ff7f0e")}
-LINE_CATEGORIES = CATEGORIES + ("total",)
+LINE_CATEGORIES = CATEGORIES + ("states", "total")  # states: params + grads + optimizer
 
 
 def _event_kind(label: str) -> tuple[str, str]:
@@ -100,16 +100,18 @@ def _event_kind(label: str) -> tuple[str, str]:
     return label, ""
 
 
-def memory_over_time(run, rank=None, *, step=None, categories=LINE_CATEGORIES, unit: float = 1e3,
+def memory_over_time(run, rank=None, *, step=None, categories=CATEGORIES + ("total",), unit: float = 1e3,
                      bound=None, bound_label: str = "bound", title: str | None = None) -> go.Figure:
     """Memory per category against time from the Run's samples: one line per category and one for the total
     (params + grads + optimizer + activations), one panel per rank (`rank=None`: every rank; an int or a
-    list: those).
+    list: those). categories may also name "states", the model states (params + grads + optimizer), the
+    quantity the FSDP paper bounds.
 
     Samples are the ledger's (`record_memory`): phase boundaries in `train`, and with
     `FSDPModel.watch_memory` one at every unit's gather, prefetch, free and reduce-scatter. Those carry an
     "event" label; the figure marks each on the total line (gathered ▲, prefetched ▶, freed ▼,
-    reduce-scatter ×) and names its unit on hover, so a unit coming and going is visible.
+    reduce-scatter ×; on the total line, else on the states line, else on the first category) and names
+    its unit on hover, so a unit coming and going is visible.
     step: only the samples of these step(s). unit: bytes per plotted unit (1e3: KB).
     bound: a horizontal dashed line per panel, in bytes (a number, or {rank: number}), e.g. a formula's
     peak for params + grads + optimizer. Lines are steps (memory holds its value until the next sample).
@@ -133,22 +135,22 @@ def memory_over_time(run, rank=None, *, step=None, categories=LINE_CATEGORIES, u
     label = {1: "B", 1e3: "KB", 1e6: "MB", 1e9: "GB"}.get(unit, f"x{unit:g} B")
     fig = make_subplots(rows=len(wanted), cols=1, shared_xaxes=True, vertical_spacing=0.1 if len(wanted) > 1 else 0,
                         subplot_titles=[f"rank {r}" for r in wanted])
-    colours = dict(COLOURS, total="#222222")
+    colours = dict(COLOURS, states="#17becf", total="#222222")
+    sums = {"total": CATEGORIES, "states": ("params", "grads", "optimizer")}
     for i, r in enumerate(wanted, start=1):
         samples = rows[r]
         x = [(s["time"] - t0) * 1e3 for s in samples]
-        values = {c: [sum(s.get(k, 0) for k in CATEGORIES) if c == "total" else s.get(c, 0) for s in samples]
+        values = {c: [sum(s.get(k, 0) for k in sums[c]) if c in sums else s.get(c, 0) for s in samples]
                   for c in categories}
         hover = [f"{s.get('event') or s.get('phase', '')} · step {s.get('step')}" for s in samples]
         for c in categories:
             fig.add_trace(go.Scatter(
                 x=x, y=[v / unit for v in values[c]], mode="lines", line_shape="hv", name=c, legendgroup=c,
-                showlegend=i == 1, line=dict(color=colours[c], width=3 if c == "total" else 2),
+                showlegend=i == 1, line=dict(color=colours[c], width=3 if c in sums else 2),
                 customdata=hover, hovertemplate=f"rank {r} · {c}: %{{y:.1f}} {label}<br>%{{customdata}}<extra></extra>"),
                 row=i, col=1)
-        totals = [sum(s.get(k, 0) for k in CATEGORIES) for s in samples]
-        anchor = "total" if "total" in categories else categories[0]
-        anchor_values = totals if anchor == "total" else values[anchor]
+        anchor = next((c for c in ("total", "states") if c in categories), categories[0])
+        anchor_values = values[anchor]
         for kind, (symbol, colour) in EVENT_MARKERS.items():
             hits = [j for j, s in enumerate(samples) if s.get("event") and _event_kind(s["event"])[0] == kind]
             if hits:
