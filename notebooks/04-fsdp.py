@@ -341,9 +341,10 @@ for label in SETTINGS:
     steps = set(steps_with(label))
     times = [v for r in fsdp.ranks for s, v in fsdp.metric("step_time", r) if s in steps]
     medians[label] = statistics.median(times)
+    waits = [link_wait(fsdp, s) for s in steps]
     rows.append({"setting": label, "median step ms": round(medians[label] * 1e3, 1),
                  "fastest ms": round(min(times) * 1e3, 1),
-                 "waiting for the link, ms (median)": round(statistics.median(link_wait(fsdp, s) for s in steps) * 1e3, 1),
+                 "waiting for the link, ms (median)": round(statistics.median(waits) * 1e3, 1),
                  "vs no prefetch": f"{medians['no prefetch'] / medians[label]:.2f}x"})
 show_table(rows)
 
@@ -410,8 +411,8 @@ for label in SETTINGS:
                      "peak model states KB": round(states / KB, 1), "bound KB": round(bounds[label] / KB, 1),
                      "states / bound": round(states / bounds[label], 3)})
 show_table(rows)
-print(f"data parallelism would hold {model_states(PSI, 1, 0, param_bytes=4, grad_bytes=4, optimizer_multiplier=8) / KB:,.0f} "
-      f"KB of model states on every rank (16 bytes x Ψ)")
+ddp_states = model_states(PSI, 1, 0, param_bytes=4, grad_bytes=4, optimizer_multiplier=8)
+print(f"data parallelism would hold {ddp_states / KB:,.0f} KB of model states on every rank (16 bytes x Ψ)")
 
 # %% [markdown]
 # The peak parameter bytes match the bound to the byte: prefetching costs exactly one more block. The
@@ -426,7 +427,8 @@ print(f"data parallelism would hold {model_states(PSI, 1, 0, param_bytes=4, grad
 # %%
 k1 = 4 * (shards + root + block)
 memory_over_time(fsdp, rank=0, step=LAST_ROUND["no prefetch"], categories=("params",), bound=k1,
-                 bound_label="4(Σψ/N + ψ_root + ψ_block)", title="Parameters through one step without prefetch, rank 0")
+                 bound_label="4(Σψ/N + ψ_root + ψ_block)",
+                 title="Parameters through one step without prefetch, rank 0")
 
 # %% [markdown]
 # ## 6. Full sharding versus hybrid sharding
@@ -578,9 +580,10 @@ show_table(rows)
 # %%
 predicted = policy_numbers(model, None, WORLD, prefetch=True)
 measured = max(x["params"] + x["grads"] + x["optimizer"] for x in fsdp.samples if x["step"] == step)
-print(f"tiny GPT on {WORLD} ranks, one unit per block, prefetch: predicted peak {predicted['memory']['peak'] / KB:.1f} KB, "
-      f"measured {measured / KB:.1f} KB; {predicted['collectives']['total']} collectives per step predicted, "
-      f"{sum(1 for e in fsdp.comm_events(0) if window_of(fsdp, step)(e))} measured")
+calls = sum(1 for e in fsdp.comm_events(0) if window_of(fsdp, step)(e))
+print(f"tiny GPT on {WORLD} ranks, one unit per block, prefetch: predicted peak "
+      f"{predicted['memory']['peak'] / KB:.1f} KB, measured {measured / KB:.1f} KB; "
+      f"{predicted['collectives']['total']} collectives per step predicted, {calls} measured")
 
 # %% [markdown]
 # Things to try:

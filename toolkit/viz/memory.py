@@ -147,7 +147,8 @@ def memory_over_time(run, rank=None, *, step=None, categories=CATEGORIES + ("tot
             fig.add_trace(go.Scatter(
                 x=x, y=[v / unit for v in values[c]], mode="lines", line_shape="hv", name=c, legendgroup=c,
                 showlegend=i == 1, line=dict(color=colours[c], width=3 if c in sums else 2),
-                customdata=hover, hovertemplate=f"rank {r} · {c}: %{{y:.1f}} {label}<br>%{{customdata}}<extra></extra>"),
+                customdata=hover,
+                hovertemplate=f"rank {r} · {c}: %{{y:.1f}} {label}<br>%{{customdata}}<extra></extra>"),
                 row=i, col=1)
         anchor = next((c for c in ("total", "states") if c in categories), categories[0])
         anchor_values = values[anchor]
@@ -170,6 +171,7 @@ def memory_over_time(run, rank=None, *, step=None, categories=CATEGORIES + ("tot
         fig.update_yaxes(title_text=f"{label}", row=i, col=1)
     fig.update_xaxes(title_text="time since the first sample (ms)", row=len(wanted), col=1)
     fig.update_layout(title=title or "Memory over time per rank (ledger samples)", template="plotly_white",
-                      height=140 + 260 * len(wanted), legend=dict(orientation="h", y=-0.12 if len(wanted) > 1 else -0.25),
+                      height=140 + 260 * len(wanted),
+                      legend=dict(orientation="h", y=-0.12 if len(wanted) > 1 else -0.25),
                       hovermode="closest", margin=dict(l=10, r=10, t=70, b=40))
     return fig
