@@ -385,8 +385,8 @@ memory_over_time(fsdp, step=step, categories=("params", "grads", "optimizer", "a
 # Read it left to right: the parameters rise by a block (200 KB) at each ▲ and fall back at each ▼, one
 # block at a time in forward while the activations pile up; in backward two blocks are up at once (the
 # prefetched one), the activations drain, and the gradients jump by a block as each unit's full
-# gradient is collected, then fall to a slice at its reduce-scatter. The model states stay under the
-# bound throughout.
+# gradient is collected; that full gradient goes once its reduce-scatter has finished (at the next
+# unit's turn), leaving a slice. The model states stay under the bound throughout.
 #
 # The parameter bytes alone make the bound exact: shards (4 bytes x Σψ_i/N) + the root (4 bytes x ψ_root,
 # gathered all step long) + k blocks gathered (k = 1 without prefetch, 2 with: the paper's "largest
@@ -554,8 +554,8 @@ show_table(rows)
 #
 # **Think twice when**
 #
-# - the model is small (below a few hundred million parameters, DDP fits): FSDP then only adds 50% more
-#   communication and many small collectives. Activation checkpointing, or a smaller batch per GPU
+# - the model is small (below about 100 million parameters, where DDP fits easily): FSDP then only adds
+#   50% more communication and many small collectives. Activation checkpointing, or a smaller batch per GPU
 #   with gradient accumulation, is often the better fix for memory there;
 # - activations, not model states, fill the memory: FSDP shards model states only (combine it with
 #   activation checkpointing: the toolkit's `activation_checkpointing=True` per unit);
@@ -625,6 +625,6 @@ explorer
 #    never three.
 # 3. Forward prefetch uses the order of the *previous* forward. What could go wrong for a model whose
 #    forward takes a different path through its units every step?
-# 4. In the 4-rank run, hybrid sharding beat DDP although it sends more bytes in total. Why?
+# 4. In the 4-rank run, hybrid sharding was faster than DDP although it sends more bytes in total. Why?
 # 5. A 30B-parameter model on hosts of 8 x 80 GB, 64 hosts: full or hybrid sharding? What would
 #    sharding over 2 hosts (F = 16) cost across hosts, and save in memory?
