@@ -8,22 +8,26 @@
 - `ring_schedule(n)`: which chunk each rank sends at each step of a ring all-reduce.
 - `collective_panel()`: pick an operation, a size and a world size, launch, redraw the timeline.
 - `write_report(path, title, blocks)`: one self-contained HTML file of text, tables and figures.
+- `memory_bars(runs, predicted)` / `comm_bars(rows)` / `model_states_bars(...)` / `memory_over_time(run)`:
+  measured memory and bytes against the formulas; memory through a step with FSDP's gathers and frees.
+- `memory_explorer()` (ZeRO stages, Figure 1) and `wrap_policy_explorer()` (FSDP units): widgets on the theory.
+- `expert_load(run)`: experts x iterations heatmap, dropped tokens, imbalance; `roofline(runs)`: the DDL-roofline.
 
 Nothing here runs training; only the panel's button launches ranks (through a measuring function).
 """
 from .bandwidth import bandwidth, collective_times, fit_alpha_beta
+from .expert_load import expert_load
+from .explorer import MemoryExplorer, explorer_numbers, memory_explorer
+from .fsdp_explorer import WrapPolicyExplorer, policy_numbers, wrap_policy_explorer
+from .memory import comm_bars, memory_bars, memory_over_time, model_states_bars
 from .panels import CollectivePanel, collective_panel
 from .report import heading, note, preformatted, report_html, table, write_report
 from .ring import ring_schedule, ring_steps
-from .timeline import timeline
-from .explorer import MemoryExplorer, explorer_numbers, memory_explorer
-
-__all__ = ["CollectivePanel", "bandwidth", "collective_panel", "collective_times", "fit_alpha_beta", "heading",
-           "note", "preformatted", "report_html", "ring_schedule", "ring_steps", "table", "timeline", "write_report",
-           "MemoryExplorer", "explorer_numbers", "memory_explorer"]
-from .expert_load import expert_load
-
-__all__ += ["expert_load"]
 from .roofline import roofline, roofline_point
+from .timeline import timeline
 
-__all__ += ["roofline", "roofline_point"]
+__all__ = ["CollectivePanel", "MemoryExplorer", "WrapPolicyExplorer", "bandwidth", "collective_panel",
+           "collective_times", "comm_bars", "expert_load", "explorer_numbers", "fit_alpha_beta", "heading",
+           "memory_bars", "memory_explorer", "memory_over_time", "model_states_bars", "note", "policy_numbers",
+           "preformatted", "report_html", "ring_schedule", "ring_steps", "roofline", "roofline_point", "table",
+           "timeline", "wrap_policy_explorer", "write_report"]
