@@ -1,13 +1,8 @@
 """Lab 04 (MoE dispatch and combine) through the grader: the untouched skeleton scores 0, the reference full
 marks, and two classic mistakes lose exactly the points of the checks that describe them."""
-from pathlib import Path
-
 import pytest
+from lab_grading import LabGrading
 
-from toolkit.grading import format_score, grade
-
-LAB = Path(__file__).resolve().parent.parent / "labs" / "04-moe-dispatch"
-MAXIMUM = 13
 CHECKS = {  # a short key -> the start of the check's name in checks.py
     "counts": "exchange_counts",
     "sort": "sort_by_destination",
@@ -18,30 +13,17 @@ CHECKS = {  # a short key -> the start of the check's name in checks.py
     "skew": "extreme skew",
     "trace": "the trace",
 }
-
-
-def by_key(score):
-    results = {}
-    for key, prefix in CHECKS.items():
-        found = [r for r in score.results if r.name.startswith(prefix)]
-        assert len(found) == 1, f"no single check named {prefix!r}: {[r.name for r in score.results]}"
-        results[key] = found[0]
-    assert len(results) == len(score.results)
-    return results
+LAB = LabGrading("04-moe-dispatch", 13, CHECKS)
 
 
 @pytest.mark.timeout(120)
 def test_untouched_skeleton_scores_zero(no_leftover_ranks):
-    score = grade(LAB)
-    assert score.maximum == MAXIMUM and score.total == 0, format_score(score)
-    for result in score.results:
-        assert "not implemented yet" in result.message, result
+    LAB.assert_skeleton_scores_zero()
 
 
 @pytest.mark.timeout(150)
 def test_reference_solution_scores_full_marks(no_leftover_ranks):
-    score = grade(LAB, LAB / "solution.py")
-    assert score.total == score.maximum == MAXIMUM, format_score(score)
+    LAB.assert_reference_scores_full()
 
 
 # (name, what to change in the reference, {check that must fail: a phrase its message must contain})
@@ -58,15 +40,5 @@ MISTAKES = [
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("name, change, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
-def test_a_classic_mistake_loses_exactly_its_checks(name, change, failing, tmp_path, no_leftover_ranks):
-    reference = (LAB / "solution.py").read_text()
-    wrong = reference.replace(*change)
-    assert wrong != reference, f"{name}: the change no longer applies to solution.py"
-    (tmp_path / "wrong.py").write_text(wrong)
-    results = by_key(grade(LAB, tmp_path / "wrong.py"))
-    for key, result in results.items():
-        if key in failing:
-            assert not result.passed and result.earned == 0, f"{name}: {key} should fail"
-            assert failing[key] in result.message, f"{name}: {key}: {result.message}"
-        else:
-            assert result.passed, f"{name}: {key} should still pass: {result.message}"
+def test_a_mistake_loses_exactly_its_checks(name, change, failing, tmp_path, no_leftover_ranks):
+    LAB.assert_mistake_loses_exactly(name, change, failing, tmp_path)

@@ -1,0 +1,51 @@
+"""What every lab's grader test proves, written once: the untouched skeleton scores 0, the reference
+scores full marks, and a classic mistake loses exactly the checks that describe it (so the checks can
+fail, and fail for the right reason)."""
+from pathlib import Path
+
+from toolkit.grading import format_score, grade
+
+LABS = Path(__file__).resolve().parent.parent / "labs"
+
+
+class LabGrading:
+    def __init__(self, folder: str, maximum: int, checks: dict):
+        self.lab = LABS / folder
+        self.maximum = maximum
+        self.checks = checks  # a short key -> the start of the check's name in checks.py
+
+    def by_key(self, score) -> dict:
+        results = {}
+        for key, prefix in self.checks.items():
+            found = [r for r in score.results if r.name.startswith(prefix)]
+            assert len(found) == 1, f"no single check named {prefix!r}: {[r.name for r in score.results]}"
+            results[key] = found[0]
+        assert len(results) == len(score.results), "a check is missing from this test's list"
+        return results
+
+    def assert_skeleton_scores_zero(self) -> None:
+        score = grade(self.lab)
+        assert score.maximum == self.maximum and score.total == 0, format_score(score)
+        for result in score.results:
+            assert "not implemented yet" in result.message, result
+
+    def assert_reference_scores_full(self) -> None:
+        score = grade(self.lab, self.lab / "solution.py")
+        assert score.total == score.maximum == self.maximum, format_score(score)
+
+    def assert_mistake_loses_exactly(self, name: str, change: tuple, failing: dict, tmp_path) -> None:
+        """Apply `change` (old, new) to the reference once; `failing` maps check keys to a phrase of their message."""
+        reference = (self.lab / "solution.py").read_text()
+        old, new = change
+        assert reference.count(old) == 1, f"{name}: the reference no longer contains {old!r}: update this test"
+        broken = tmp_path / "broken.py"
+        broken.write_text(reference.replace(old, new))
+        score = grade(self.lab, broken)
+        results = self.by_key(score)
+        for key, result in results.items():
+            if key in failing:
+                assert result.earned == 0, f"{name}: check {key!r} should fail\n{format_score(score)}"
+                assert failing[key] in result.message, f"{name}: {key!r} says {result.message!r}"
+            else:
+                assert result.passed, f"{name}: check {key!r} should still pass\n{format_score(score)}"
+        assert score.total == self.maximum - sum(results[k].points for k in failing)
