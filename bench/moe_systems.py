@@ -35,7 +35,7 @@ Predicted ideal speedups:
   records them (P measured here, W_net the emulated link or, on loopback, measured).
 
     python bench/moe_systems.py [--world-sizes 2,4] [--links loopback,comparable,slow] [--repeats 9]
-                                [--write docs/benchmarks.md]
+                                [--rounds 3] [--write docs/benchmarks.md]
 """
 from __future__ import annotations
 
@@ -277,40 +277,135 @@ def summarize(link: dict, cfg) -> dict:
     return row
 
 
-def _fmt_link(name, params) -> str:
-    if params is None:
+def combined(results: list, cfg) -> dict:
+    """{(world, link name): [summary of each round]} in the order measured; a round is one launch."""
+    out = {}
+    for res in results:
+        for link_name, link in res["links"].items():
+            out.setdefault((res["world"], link_name), []).append(dict(summarize(link, cfg), params=link["params"],
+                                                                     r_cc_target=link["r_cc_target"]))
+    return out
+
+
+def _spread(values, fmt) -> str:
+    """The median over rounds, with the range when there were several."""
+    mid = fmt(statistics.median(values))
+    return mid if len(values) == 1 else f"{mid} ({fmt(min(values))}-{fmt(max(values))})"
+
+
+def _fmt_link(name, rounds) -> str:
+    if rounds[0]["params"] is None:
         return "loopback (no emulation)"
-    return f"emulated {name}: {params[0] / 1e6:.3g} MB/s, {params[1] * 1e3:.3g} ms per message"
+    bandwidth = _spread([r["params"][0] / 1e6 for r in rounds], lambda v: f"{v:.3g}")
+    return f"emulated {name}: {bandwidth} MB/s, {rounds[0]['params'][1] * 1e3:.3g} ms per message"
 
 
 def table(results: list, cfg) -> str:
-    first = results[0]
-    link0 = next(iter(first["links"].values()))
-    variants = list(link0["times"])
+    """The markdown report: one row per (world size, link); with several rounds (launches) each number is
+    the median over rounds, with the range in parentheses."""
+    groups = combined(results, cfg)
+    first = next(iter(groups.values()))[0]
+    variants = list(first["times"])
+    rounds = max(len(g) for g in groups.values())
+    repeats = len(results[0]["links"][next(iter(results[0]["links"]))]["times"]["plain"])
     lines = [f"gloo on CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other "
              f"work), torch {torch.__version__}. One MoE layer: d_model {cfg['d']}, d_ff {cfg['ff']}, "
              f"{cfg['per_rank']} experts per rank, top-{cfg['top_k']}, dropless, {cfg['tokens']} tokens per rank, "
              f"Zipf-skewed routing (logit prior -{cfg['zipf']}·ln(e+1), the hottest experts on rank 0), fp32. "
-             f"Forward + backward of the layer, the slowest rank's time, median of {len(link0['times']['plain'])} "
-             f"repetitions; each cell: median ms, then the median over repetitions of plain / this (paired: every "
-             f"repetition runs all variants back to back, in rotating order).", ""]
+             f"Forward + backward of the layer, the slowest rank's time. {rounds} round(s) (separate launches, "
+             f"each calibrating its own links) of {repeats} repetitions; each cell: median ms, then plain / this "
+             f"(the median over repetitions, paired: every repetition runs all variants back to back, in rotating "
+             f"order)" + (", as the median over rounds with the range over rounds" if rounds > 1 else "") + ".", ""]
     head = ["W", "link", "R_CC", *variants, "ideal overlap", "shadow: model", "shadowed"]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for res in results:
-        for link_name, link in res["links"].items():
-            s = summarize(link, cfg)
-            cells = [str(res["world"]), _fmt_link(link_name, link["params"]), f"{s['r_cc']:.2f}"]
-            cells += [f"{s['times'][v] * 1e3:.0f}" + ("" if v == "plain" else f" ({s['speedup'][v]:.2f}x)")
-                      for v in variants]
-            cells += [f"{s['ideal_overlap']:.2f}x", f"{s['ideal_shadow']:.2f}x" if "ideal_shadow" in s else "-",
-                      " ".join(map(str, s["shadowed"])) if s.get("shadowed") else "-"]
-            lines.append("| " + " | ".join(cells) + " |")
-    for res in results:
-        s = summarize(next(iter(res["links"].values())), cfg)
-        lines += ["", f"Load at world size {res['world']}: (token, choice) pairs per expert {s['counts']} "
+    for (world, link_name), rs in groups.items():
+        cells = [str(world), _fmt_link(link_name, rs), _spread([r["r_cc"] for r in rs], lambda v: f"{v:.2f}")]
+        for v in variants:
+            ms = f"{statistics.median(r['times'][v] for r in rs) * 1e3:.0f}"
+            cells.append(ms if v == "plain" else f"{ms}, {_spread([r['speedup'][v] for r in rs], lambda x: f'{x:.2f}x')}")
+        cells.append(_spread([r["ideal_overlap"] for r in rs], lambda x: f"{x:.2f}x"))
+        shadow = [r["ideal_shadow"] for r in rs if "ideal_shadow" in r]
+        cells.append(_spread(shadow, lambda x: f"{x:.2f}x") if shadow else "-")
+        sets = sorted({tuple(r["shadowed"]) for r in rs if r.get("shadowed") is not None})
+        cells.append(" / ".join(str(list(x)) for x in sets) if sets else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    seen = set()
+    for (world, _), rs in groups.items():
+        s = rs[0]
+        if world in seen:
+            continue
+        seen.add(world)
+        lines += ["", f"Load at world size {world}: (token, choice) pairs per expert {s['counts']} "
                       f"(max/mean {s['expert_max_over_mean']:.2f}); rows each rank's experts compute "
                       f"{s['rank_rows']} (max/mean {s['rank_max_over_mean']:.2f})."]
+    lines += ["", *targets(results, cfg), "", NOTES]
     return "\n".join(lines)
+
+
+def targets(results: list, cfg) -> list:
+    """Issue 6's targets, read off this run: on the link where communication and compute are comparable,
+    pipelining or the smart schedule >= 1.3x over plain, shadowing >= 1.5x under strong skew (the median
+    over rounds decides; the range is shown)."""
+    lines = ["Targets (issue 6), read off this run:", ""]
+    for (world, link_name), rs in combined(results, cfg).items():
+        if rs[0]["params"] is None:
+            continue
+        where = f"world size {world}, {link_name} link (R_CC {statistics.median(r['r_cc'] for r in rs):.2f})"
+        overlap = [v for v in rs[0]["speedup"] if v.startswith(("pipeline", "smart"))]
+        if overlap:
+            best = max(overlap, key=lambda v: statistics.median(r["speedup"][v] for r in rs))
+            x = statistics.median(r["speedup"][best] for r in rs)
+            shown = _spread([r["speedup"][best] for r in rs], lambda v: f"{v:.2f}x")
+            if rs[0]["r_cc_target"] == 1.0:  # the target is set where communication and compute are comparable
+                verdict = f"target 1.3x: {'met' if x >= 1.3 else 'missed'}"
+            else:
+                verdict = (f"ideal {statistics.median(r['ideal_overlap'] for r in rs):.2f}x; the 1.3x target is for "
+                           f"the comparable link")
+            lines.append(f"- {where}: best overlap {shown} ({best}), {verdict}.")
+        if "shadow auto" in rs[0]["speedup"]:
+            x = statistics.median(r["speedup"]["shadow auto"] for r in rs)
+            shown = _spread([r["speedup"]["shadow auto"] for r in rs], lambda v: f"{v:.2f}x")
+            lines.append(f"- {where}: shadowing {shown}, target 1.5x: {'met' if x >= 1.5 else 'missed'} (expert load "
+                         f"max/mean {rs[0]['expert_max_over_mean']:.2f}, rank load max/mean "
+                         f"{rs[0]['rank_max_over_mean']:.2f}).")
+    return lines
+
+
+NOTES = """How to read it. *R_CC* is measured on each link from the plain path's trace: the slowest rank's expert \
+compute (forward + backward) over its link time for dispatch and combine (forward + backward). The emulated links \
+are set from a loopback measurement of the same plain path so that R_CC is 1 ("comparable": roughly where \
+FasterMoE's MoE-GPT-S sits on V100s with 100 Gb/s InfiniBand, by the paper's model R_CC = 3·α·H·W_net/(s·P)) or 0.1 \
+("slow": the same on 10 Gb/s); the bandwidths printed are what was used, 0.5 ms per message. *Ideal overlap* is \
+(comm + comp)/max(comm, comp) from the plain path's trace; *shadow: model* is FasterMoE's Lat_imbl/Lat_shadow for the \
+experts Algorithm 1 chose, as the layer recorded it.
+
+Why the numbers land where they do:
+
+- Pipelining pays while chunks are few; every chunk costs a message's latency (four all-to-alls per chunk, \
+forward and backward) and Python overhead, so degree 8 falls behind, as in Tutel's measurements. On loopback \
+there is nothing to hide and the chunking only costs.
+- The smart schedule has W - 1 transfers to hide; with 2 ranks only the block a rank keeps for itself overlaps \
+the one transfer. On the slow link at 4 ranks it can beat the "ideal overlap": the plain all-to-all holds both \
+directions of a rank's link for max(sent, received), while the per-peer sends and receives of different steps \
+use the two directions at once. Under skew the hot rank receives much in dispatch and sends much in combine, so \
+the full-duplex link is worth up to 2x on its own: a real property of point-to-point schedules, not in the formula.
+- The shadowing model is optimistic by design (the paper's): Lat_imbl charges the wire for every row, even rows \
+a rank keeps for its own experts, and Lat_shadow charges none of the rows that still travel. It ranks options; \
+it does not predict the step.
+- Shadowing on the comparable link stays below 1.5x because the toolkit's shadow path is serial: the weights' \
+broadcast blocks before the dispatch, the shadowed expert is computed after the combine, and the gradients' \
+all-reduce comes last in backward; nothing of it overlaps. At 2 ranks, shadowing expert 0 (what Algorithm 1 \
+picks) cuts the busiest rank's rows from 3079 to about 2170 (0.70x) and the rows the hot rank receives per \
+all-to-all to about 0.41x, but adds two transfers of the expert's 0.5 MB of weights (a third of the plain \
+path's link time): with comm = comp = 1, the serial best is 1/(0.5·0.70 + 0.5·0.41 + 0.5·0.33) ≈ 1.4x, and the \
+two ranks now compute at the same time on two shared cores. What would \
+close the gap: overlap the broadcast with the count exchange and dispatch, compute the shadowed experts while \
+the other experts' all-to-all is in flight, and start the gradient all-reduce as soon as the shadowed expert's \
+backward is done (FasterMoE uses separate CUDA streams for this); a bigger batch per rank (more rows kept home \
+per weight moved) helps too. Where the rows dominate (slow link, 4 ranks, stronger skew) the same serial path \
+reaches well past 1.5x.
+- Noise: the two cores are shared with other work, so compute times move by tens of percent between runs (the \
+emulated link's times do not). Paired medians absorb most of it; repeat the command to see the spread."""
 
 
 def write_section(path: str, body: str, argv) -> None:
@@ -335,6 +430,7 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="separate launches; the report gives median and range")
     parser.add_argument("--zipf", type=float, default=CONFIG["zipf"])
     parser.add_argument("--write", help="put the table into this markdown file (its own section)")
     args = parser.parse_args(argv)
@@ -348,10 +444,11 @@ def main(argv=None) -> int:
     cfg = dict(CONFIG, zipf=args.zipf)
     results = []
     for world in (int(w) for w in args.world_sizes.split(",")):
-        start = time.time()
-        results.append(toolkit.launch(bench, world, args=(cfg, links, variants, args.repeats, args.warmup),
-                                     timeout_s=300, quiet=True)[0])
-        print(f"world size {world}: {time.time() - start:.0f} s", file=sys.stderr)
+        for r in range(args.rounds):
+            start = time.time()
+            results.append(toolkit.launch(bench, world, args=(cfg, links, variants, args.repeats, args.warmup),
+                                          timeout_s=300, quiet=True)[0])
+            print(f"world size {world}, round {r + 1}/{args.rounds}: {time.time() - start:.0f} s", file=sys.stderr)
     text = table(results, cfg)
     print(text)
     if args.write:

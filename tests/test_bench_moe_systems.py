@@ -58,3 +58,6 @@ def test_a_tiny_run_measures_every_variant_on_a_calibrated_link(no_leftover_rank
     assert summary["expert_max_over_mean"] > 1.3                        # Zipf: the load is skewed
     text = bench.table([res], cfg)
     assert "emulated comparable" in text and "| 2 |" in text and "Load at world size 2" in text
+    assert "1 round(s)" in text and "Targets (issue 6)" in text and "target 1.3x" in text
+    twice = bench.table([res, res], cfg)                                 # two rounds: median and range
+    assert "2 round(s)" in twice and twice.count("| 2 |") == 1 and "x (" in twice
