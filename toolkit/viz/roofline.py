@@ -17,7 +17,8 @@ A point from a Run (``roofline_point``), for the MoE layers' forward passes:
 1. Each rank's forwards are told apart by their count exchange (the all-to-all labelled "counts").
    In one forward, the layer's traffic for steps 4-6 is every comm span whose ``args.moe`` starts
    with "dispatch" or "combine" (not "... backward"): the plain all-to-alls, pipelined chunks, smart
-   schedule steps; its compute is every "moe/<layer>/experts" span without ``backward``.
+   schedule steps; its compute is every "moe/<layer>/experts" (and "shadowed experts") span without
+   ``backward``.
 2. Per rank and forward: Lat_e2e = from the first of those spans' start to the last one's end;
    Lat_comp = the union of its expert spans; FLOPs = 4 · rows · d_model · d_ff (two matrix products
    per row: d_model -> d_ff -> d_model; rows from the spans' ``rows``); Lat_comm = the time the
@@ -54,7 +55,8 @@ def _is_forward_traffic(e) -> bool:
 
 
 def _is_forward_experts(e) -> bool:
-    return (e["cat"] == "compute" and e["name"].startswith("moe/") and e["name"].endswith("/experts")
+    return (e["cat"] == "compute" and e["name"].startswith("moe/")
+            and e["name"].endswith(("/experts", "/shadowed experts"))  # shadowed rows are computed at home
             and not e["args"].get("backward", False))
 
 
