@@ -50,8 +50,6 @@ from . import machine
 from .placement import Placement
 from .shadow import Shadowing
 
-ISSUE6 = "issue 6 (MoE systems: shadowing, smart schedule, pipelined all-to-all, topology-aware gate)"
-
 
 # ---------------------------------------------------------------------------------------------
 # The differentiable all-to-all
@@ -119,8 +117,7 @@ class Plan:
 
 def _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_parallel="ep", node_size=None,
                            local_bandwidth=None) -> None:
-    """Issue 6's options: accepted names raise NotImplementedError for now, unknown ones ValueError."""
-    later = []
+    """The systems options (FasterMoE, Tutel): unknown names and combinations that cannot work are ValueErrors."""
     if not (isinstance(shadow, (list, tuple)) or shadow in ("auto", "off")):
         raise ValueError(f"shadow={shadow!r}: choose 'off', 'auto' or a list of expert ids.")
     Placement(expert_parallel)  # validates the name
@@ -139,9 +136,6 @@ def _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_paral
                          f"all-to-alls with the experts: choose one (pipeline_degree=1, or schedule='plain').")
     if gate not in ("topk", "topology"):
         raise ValueError(f"gate={gate!r}: choose 'topk' or 'topology'.")
-    if later:
-        raise NotImplementedError(f"{', '.join(later)} arrives with {ISSUE6}. For now use shadow='off', "
-                                  f"pipeline_degree=1, schedule='plain', gate='topk'.")
 
 
 class MoE(nn.Module):
