@@ -20,7 +20,7 @@ Everything here is single-process math on the tokens of one rank; no collective 
     expert_index, gate_weight = top-k(probs)    (T, k)   the decision
     slot = position of the token in its expert's buffer, first choices before second choices
     kept = slot < capacity                      (T, k)   what fits
-    aux_loss, z_loss                                     what teaches the router to balance
+    aux_loss, z_loss                                     what teaches the router to balance (moe/losses.py)
 
 ``TopologyGate`` (FasterMoE, in `moe/topology.py`) changes only the decision: at most L rows per
 worker may leave its node, the rest re-pick inside it.
@@ -36,6 +36,8 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .losses import gshard_aux_loss, router_z_loss, switch_aux_loss
 
 __all__ = [
     "capacity",
@@ -94,71 +96,7 @@ def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: flo
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. The losses that teach the router to balance (pure functions)
-# ---------------------------------------------------------------------------------------------
-
-def _check_probs(probs: torch.Tensor, top1_index: torch.Tensor, name: str) -> None:
-    if probs.dim() != 2:
-        raise ValueError(f"{name}: probs must be (tokens, experts), got shape {tuple(probs.shape)}.")
-    if top1_index.shape != probs.shape[:1]:
-        raise ValueError(f"{name}: top1_index must be (tokens,) = ({probs.shape[0]},) holding each token's "
-                         f"first-choice expert, got shape {tuple(top1_index.shape)}. "
-                         f"Pass expert_index[:, 0], not the whole (T, k) index.")
-
-
-def _fraction_and_mean_prob(probs: torch.Tensor, top1_index: torch.Tensor):
-    """f_e: fraction of tokens whose first choice is e (no gradient: it is a count);
-    P_e: mean router probability of e (differentiable: this is where the gradient goes)."""
-    E = probs.shape[1]
-    frac = torch.bincount(top1_index, minlength=E).to(probs.dtype) / probs.shape[0]
-    return frac, probs.mean(dim=0)
-
-
-def gshard_aux_loss(probs: torch.Tensor, top1_index: torch.Tensor) -> torch.Tensor:
-    """GShard's load-balancing loss: ``mean_e(c_e/S * m_e) * E**2``.
-
-    c_e/S is the fraction of the S tokens whose first choice is expert e, m_e the mean gate
-    probability of e. The counts are not differentiable, so the gradient flows through m_e: it lowers
-    the probability of experts that are already crowded. Scaled by E**2 the loss is 1.0 at perfect
-    balance and E when one expert takes everything; multiply by your own weight (e.g. 0.01).
-    """
-    _check_probs(probs, top1_index, "gshard_aux_loss")
-    if probs.shape[0] == 0:
-        return probs.sum() * 0.0
-    E = probs.shape[1]
-    frac, mean_prob = _fraction_and_mean_prob(probs, top1_index)
-    return (frac * mean_prob).mean() * E * E
-
-
-def switch_aux_loss(probs: torch.Tensor, top1_index: torch.Tensor, alpha: float = 0.01) -> torch.Tensor:
-    """Switch Transformer's load-balancing loss: ``alpha * E * sum_e f_e * P_e``.
-
-    The same quantity as GShard's (E * sum = E**2 * mean), already scaled by alpha = 0.01 as in the
-    paper, so it is 0.01 at perfect balance.
-    """
-    _check_probs(probs, top1_index, "switch_aux_loss")
-    if probs.shape[0] == 0:
-        return probs.sum() * 0.0
-    E = probs.shape[1]
-    frac, mean_prob = _fraction_and_mean_prob(probs, top1_index)
-    return alpha * E * (frac * mean_prob).sum()
-
-
-def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE's router z-loss: ``mean over tokens of logsumexp(logits)**2``.
-
-    Large logits make the softmax (and bf16 arithmetic) brittle; this penalises their overall size
-    without caring which expert wins. Unweighted: the gate multiplies by ``z_loss_weight``.
-    """
-    if logits.dim() != 2:
-        raise ValueError(f"router_z_loss: logits must be (tokens, experts), got shape {tuple(logits.shape)}.")
-    if logits.shape[0] == 0:
-        return logits.sum() * 0.0
-    return torch.logsumexp(logits, dim=-1).pow(2).mean()
-
-
-# ---------------------------------------------------------------------------------------------
-# 3. The decision: a Routing record
+# 2. The decision: a Routing record
 # ---------------------------------------------------------------------------------------------
 
 @dataclass
@@ -277,7 +215,7 @@ def _slots(expert_index: torch.Tensor, num_experts: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. The gate module
+# 3. The gate module
 # ---------------------------------------------------------------------------------------------
 
 class TopKGate(nn.Module):
