@@ -32,10 +32,22 @@ def test_measured_memory_and_bytes_match_the_theory(section):
         assert rows[name]["sent MB/step"] == pytest.approx(rows[name]["theory sent MB/step"], abs=0.002), name
 
 
-def test_buckets_hide_communication_that_naive_dp_does_not(section):
-    _, rows, _, _ = section
-    assert rows["dp"]["overlap"] == 0.0  # blocking all-reduces after backward: nothing hidden
-    assert rows["ddp"]["overlap"] >= 0.1, rows["ddp"]
+def test_buckets_hide_communication_that_naive_dp_does_not():
+    """A model whose backward takes long enough to hide a bucket's all-reduce (on 2 shared cores the
+    comparison's tiny model computes too briefly for the overlap to stand clear of the noise)."""
+    from toolkit.models import tiny_gpt
+    from toolkit.trace.analysis import overlap_fraction
+    from toolkit.train import TrainConfig, launch_train
+
+    model = dict(n_layer=4, d_model=128, n_head=4)
+    quarter = tiny_gpt(**model).num_params() * 4 / 4 / 2**20  # four buckets
+    overlap = {}
+    for strategy, options in (("dp", {}), ("ddp", {"bucket_cap_mb": quarter})):
+        config = TrainConfig(strategy=strategy, steps=4, global_batch_size=8, model=model, options=options,
+                             progress=False, sample_memory=False)
+        overlap[strategy] = overlap_fraction(launch_train(config, 2, quiet=True, timeout_s=120))
+    assert overlap["dp"] == 0.0  # blocking all-reduces after backward: nothing hidden
+    assert overlap["ddp"] >= 0.1, overlap  # measured 0.2-0.3 on 2 loaded cores
 
 
 def test_report_blocks_and_progress_lines(section):

@@ -12,12 +12,13 @@ from toolkit.runtime import detect, resolve_backend
 pytestmark = pytest.mark.timeout(180)
 
 SCRIPT = textwrap.dedent("""
-    import torch, toolkit
+    import os, torch, toolkit
     place = toolkit.runtime.init()
     x = torch.ones(3) * (place.rank + 1)
     toolkit.comm.all_reduce(x)
-    print(f"OK rank={place.rank} world={place.world_size} local={place.local_rank} "
-          f"launcher={place.launcher} sum={x[0].item():g}", flush=True)
+    line = (f"OK rank={place.rank} world={place.world_size} local={place.local_rank} "
+            f"launcher={place.launcher} sum={x[0].item():g}\\n")
+    os.write(1, line.encode())  # one write per line: ranks share stdout, print() may split a line in two
 """)
 
 
