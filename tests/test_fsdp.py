@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 import toolkit
+from oracle import plain_training
 from toolkit.memory import communication_per_step
 from toolkit.models import SyntheticCorpus, tiny_gpt
 from toolkit.parallel import checkpoint as ckpt
@@ -70,29 +71,7 @@ def ckpt_diff(a: dict, b: dict) -> float:
 def oracle(clip=None, mixed=False, model=None):
     """Losses, clip norms and final parameters of one process on the whole batch, torch only."""
     net = build() if model is None else initialize(tiny_gpt(**dict(model)), seeded_init(0))
-    params = list(net.parameters())
-    if mixed:
-        masters = [nn.Parameter(p.detach().clone()) for p in params]
-        net.to(torch.bfloat16)
-    opt = OPT(masters if mixed else params)
-    losses, norms = [], []
-    for x, y in batches():
-        loss = net(x, y)
-        loss.backward()
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(params, clip).item())
-        if mixed:
-            for p, m in zip(params, masters):
-                m.grad, p.grad = p.grad.float(), None
-        opt.step()
-        opt.zero_grad()
-        if mixed:
-            with torch.no_grad():
-                for p, m in zip(params, masters):
-                    p.copy_(m)
-        losses.append(loss.item())
-    final = masters if mixed else params
-    return losses, norms, {n: t.detach().float().clone() for (n, _), t in zip(net.named_parameters(), final)}
+    return plain_training(net, batches(), OPT, clip=clip, mixed=mixed)
 
 
 # --- what every rank runs ------------------------------------------------------------------------------

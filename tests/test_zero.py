@@ -15,9 +15,9 @@ import functools
 
 import pytest
 import torch
-import torch.nn as nn
 
 import toolkit
+from oracle import plain_training
 from toolkit.memory import communication_per_step, model_states_breakdown
 from toolkit.models import SyntheticCorpus, tiny_gpt
 from toolkit.parallel import wrap
@@ -64,30 +64,7 @@ def max_diff(a: dict, b: dict) -> float:
 @functools.lru_cache(maxsize=None)
 def oracle(clip=None, mixed=False):
     """Losses, clip norms and final parameters of one process on the whole batch, torch only."""
-    model = build()
-    params = list(model.parameters())
-    if mixed:  # fp32 masters of the fp32 initial values, then a bf16 model
-        masters = [nn.Parameter(p.detach().clone()) for p in params]
-        model.to(torch.bfloat16)
-    opt = OPT(masters if mixed else params)
-    losses, norms = [], []
-    for x, y in batches():
-        loss = model(x, y)
-        loss.backward()
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(params, clip).item())
-        if mixed:
-            for p, m in zip(params, masters):
-                m.grad, p.grad = p.grad.float(), None
-        opt.step()
-        opt.zero_grad()
-        if mixed:
-            with torch.no_grad():
-                for p, m in zip(params, masters):
-                    p.copy_(m)
-        losses.append(loss.item())
-    final = masters if mixed else params
-    return losses, norms, {n: t.detach().float().clone() for (n, _), t in zip(model.named_parameters(), final)}
+    return plain_training(build(), batches(), OPT, clip=clip, mixed=mixed)
 
 
 # --- what every rank runs ------------------------------------------------------------------------------
