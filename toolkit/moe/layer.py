@@ -256,15 +256,20 @@ class MoE(nn.Module):
         order = kept[place[kept].argsort()]              # unique keys: the order is deterministic
         return order, tokens[order // routing.top_k]
 
-    def dispatch_compute_combine(self, rows: torch.Tensor, plan: Plan) -> torch.Tensor:
+    def dispatch_compute_combine(self, rows: torch.Tensor, plan: Plan, wrap=None) -> torch.Tensor:
         """Steps 4-6: rows to their experts' ranks, through the experts, and back in the same order.
-        ``schedule="smart"``: per-peer steps (moe/schedule.py); ``pipeline_degree``: chunks (moe/pipeline.py)."""
+        ``schedule="smart"``: per-peer steps (moe/schedule.py); ``pipeline_degree``: chunks (moe/pipeline.py).
+        ``wrap``: shadowing puts its rows kept home around whichever pattern runs (moe/shadow_steps.py)."""
+        from .schedule import WholeExchange, overlapped
+
         if dist.is_initialized() and self.world > 1 and (self.schedule == "smart" or self.pipeline_degree != 1):
             from .pipeline import pipelined_dispatch_compute_combine
             from .schedule import smart_dispatch_compute_combine
 
             overlap = smart_dispatch_compute_combine if self.schedule == "smart" else pipelined_dispatch_compute_combine
-            return overlap(self, rows, plan)
+            return overlap(self, rows, plan, wrap)
+        if wrap is not None:
+            return overlapped(wrap(WholeExchange(self, plan)), rows, self)
         received = all_to_all(rows, plan.recv_splits, plan.send_splits, self.group, "dispatch")
         outputs = self.compute_experts(received, plan)
         return all_to_all(outputs, plan.send_splits, plan.recv_splits, self.group, "combine")

@@ -131,7 +131,7 @@ def record(layer, value: dict) -> None:
     recorder.metric(f"moe/{layer.name}/pipeline", value, step=_enclosing_step())
 
 
-def pipelined_dispatch_compute_combine(layer, rows: torch.Tensor, plan) -> torch.Tensor:
+def pipelined_dispatch_compute_combine(layer, rows: torch.Tensor, plan, wrap=None) -> torch.Tensor:
     """Steps 4-6 of ``layer`` in ``layer.pipeline_degree`` chunks (an int, or "auto": search and remember);
     the contract of ``MoE.dispatch_compute_combine``."""
     capacity = occupied_capacity(layer, plan)
@@ -155,7 +155,7 @@ def pipelined_dispatch_compute_combine(layer, rows: torch.Tensor, plan) -> torch
                       stacklevel=3)
     units = Chunks(layer, plan, shape["chunk_slots"], shape["chunks"], degree)
     start = time.perf_counter()
-    out = overlapped(units, rows, layer)
+    out = overlapped(wrap(units) if wrap else units, rows, layer)
     value = {"degree": degree, "capacity": capacity, "bucket": bucket, **shape, "auto": auto}
     if trial:
         seconds = _agree_on_time(layer, time.perf_counter() - start)

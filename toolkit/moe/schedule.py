@@ -32,6 +32,7 @@ link (``toolkit.comm.emulate``) slows each step as a real one would, and the tra
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .. import comm
 from ..trace.events import span
@@ -99,12 +100,25 @@ class Units:
     def assemble(self, results, like):
         raise NotImplementedError
 
+    def alongside(self, backward: bool) -> dict:
+        """Work that is not a unit but can hide the units' traffic (shadowing's rows kept home):
+        {"early": f(x), "late": f(x)}, see ``run_units``. None by default."""
+        return {}
 
-def run_units(units: Units, x: torch.Tensor, compute, names) -> torch.Tensor:
+    def finish(self, param_grads: list) -> list:
+        """The experts' parameter gradients once backward is done; work alongside may add to them."""
+        return param_grads
+
+
+def run_units(units: Units, x: torch.Tensor, compute, names, early=None, late=None) -> torch.Tensor:
     """Post unit 0; then for each unit k: post unit k+1, wait for k, compute it, post its results back.
-    Finally wait for every result and assemble. Communication of k+1 overlaps computation of k."""
+    Finally wait for every result and assemble. Communication of k+1 overlaps computation of k.
+    ``early(x)`` runs once unit 0 is on the wire, ``late(x)`` once every result is on its way back:
+    other computation placed where it hides traffic."""
     results, backs = [None] * units.count, []
     pending = units.post(x, 0, names) if units.count else None
+    if early is not None:
+        early(x)
     for k in range(units.count):
         following = units.post(x, k + 1, names) if k + 1 < units.count else None
         y = compute(k, pending.wait())
@@ -112,6 +126,8 @@ def run_units(units: Units, x: torch.Tensor, compute, names) -> torch.Tensor:
         if isinstance(pending, _Pending):
             pending.finish()
         pending = following
+    if late is not None:
+        late(x)
     for k, back in enumerate(backs):
         results[k] = back.wait()
         if isinstance(back, _Pending):
@@ -143,7 +159,7 @@ class Overlapped(torch.autograd.Function):
             saved[k] = (leaf, y)
             return y.detach()
 
-        out = run_units(units, x.detach(), forward_block, FORWARD_NAMES)
+        out = run_units(units, x.detach(), forward_block, FORWARD_NAMES, **units.alongside(backward=False))
         ctx.units, ctx.saved, ctx.layer_name, ctx.params = units, saved, layer_name, params
         return out
 
@@ -161,8 +177,8 @@ class Overlapped(torch.autograd.Function):
                     param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
             return grads[0] if grads[0] is not None else torch.zeros_like(leaf)
 
-        grad_x = run_units(units, grad.contiguous(), backward_block, BACKWARD_NAMES)
-        return (None, None, grad_x, *param_grads)
+        grad_x = run_units(units, grad.contiguous(), backward_block, BACKWARD_NAMES, **units.alongside(backward=True))
+        return (None, None, grad_x, *units.finish(param_grads))
 
 
 def overlapped(units: Units, x: torch.Tensor, layer) -> torch.Tensor:
@@ -170,7 +186,7 @@ def overlapped(units: Units, x: torch.Tensor, layer) -> torch.Tensor:
     params = tuple(p for p in layer.experts.parameters() if p.requires_grad)
     if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
         with torch.no_grad():
-            return run_units(units, x, units.block, FORWARD_NAMES)
+            return run_units(units, x, units.block, FORWARD_NAMES, **units.alongside(backward=False))
     return Overlapped.apply(units, layer.name, x, *params)
 
 
@@ -226,7 +242,42 @@ class SmartSchedule(Units):
         return torch.cat(by_peer) if by_peer else like.new_empty((0,) + tuple(like.shape[1:]))
 
 
-def smart_dispatch_compute_combine(layer, rows: torch.Tensor, plan) -> torch.Tensor:
+def smart_dispatch_compute_combine(layer, rows: torch.Tensor, plan, wrap=None) -> torch.Tensor:
     """Steps 4-6 of ``layer`` (a ``toolkit.moe.MoE`` in a process group) by FasterMoE's smart schedule:
     the contract of ``MoE.dispatch_compute_combine`` (rows sorted by destination in, outputs out)."""
-    return overlapped(SmartSchedule(layer, plan), rows, layer)
+    units = SmartSchedule(layer, plan)
+    return overlapped(wrap(units) if wrap else units, rows, layer)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plain pattern as one unit (what shadowing adds its home rows to, moe/shadow_steps.py)
+# ---------------------------------------------------------------------------------------------
+
+class WholeExchange(Units):
+    """Steps 4-6 as a single unit: one asynchronous all-to-all out, the experts, one back. On its own
+    nothing overlaps (the layer's plain path says it more simply); work alongside it can."""
+
+    count = 1
+
+    def __init__(self, layer, plan):
+        self.layer, self.plan = layer, plan
+        self.distributed = dist.is_initialized() and layer.world > 1
+
+    def _exchange(self, x, out_splits, in_splits, name):
+        if not self.distributed:
+            return _Ready(x)
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        handle = comm.all_to_all(out, x.contiguous(), out_splits, in_splits, group=self.layer.group, async_op=True)
+        return _Pending(out, [label(handle, name, self.layer.name)])
+
+    def post(self, x, k, names):
+        return self._exchange(x, self.plan.recv_splits, self.plan.send_splits, names[0])
+
+    def block(self, k, received):
+        return self.layer.compute_experts(received, self.plan)
+
+    def post_back(self, k, y, names):
+        return self._exchange(y, self.plan.send_splits, self.plan.recv_splits, names[1])
+
+    def assemble(self, results, like):
+        return results[0]

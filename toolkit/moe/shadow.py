@@ -30,7 +30,8 @@ this follows the paper.)
 In the layer (``shadow="auto"`` or ``shadow=[...]``): the per-expert counts are all-gathered (every
 rank needs everyone's to predict, and every rank reaches the same decision from the same numbers);
 the chosen experts' weights are broadcast from their owners; their rows are taken out of the dispatch
-and computed at home; the rest goes through the layer's own dispatch/compute/combine. The Run gets
+and computed at home; the rest goes through the layer's own dispatch/compute/combine, and the
+weights' traffic hides behind its computation (``moe/shadow_steps.py`` says where). The Run gets
 ``moe/{name}/shadow`` per forward: the experts shadowed, the predicted latency with and without, and
 the measured one (forward + backward of these steps).
 """
@@ -44,9 +45,9 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..trace.events import recorder, span
+from ..trace.events import recorder
 from .machine import _label, _positive, machine_rates
-from .placement import run_experts
+from .shadow_steps import ShadowUnits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,31 +174,8 @@ def predict(counts, owners, shadowed, *, H, alpha, P, W_net, element_bytes=4) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# The mechanics: weights out from the owner, gradients back to it
+# In the layer: decide, then run steps 4-6 with the rows kept home (moe/shadow_steps.py)
 # ---------------------------------------------------------------------------------------------
-
-class _Broadcast(torch.autograd.Function):
-    """Forward: the owner's flat expert weights on every rank (broadcast). Backward: every rank's
-    gradient for them summed (all-reduce through the door; the door has no reduce), and only the
-    owner passes it on, so autograd adds it to the owner's parameters."""
-
-    @staticmethod
-    def forward(ctx, flat, src, group, owner, label, clock):
-        ctx.group, ctx.owner, ctx.label, ctx.clock = group, owner, label, clock
-        out = flat.detach().clone()
-        comm.broadcast(out, src=src, group=group)
-        _label(label)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        total = grad.contiguous().clone()
-        comm.all_reduce(total, op="sum", group=ctx.group)
-        _label(ctx.label + " backward")
-        if ctx.clock is not None:
-            ctx.clock.backward_end()
-        return (total if ctx.owner else None), None, None, None, None, None
-
 
 class _Stamp(torch.autograd.Function):
     """Identity whose backward notes the time: where the backward of the shadowed steps starts and ends."""
@@ -226,18 +204,6 @@ class _Clock:
     def backward_end(self):
         if self.start is not None:
             self.value["measured_s"] = self.forward_s + time.perf_counter() - self.start
-
-
-def _unpack(flat, d_model, d_ff):
-    shapes = ((d_model, d_ff), (d_ff,), (d_ff, d_model), (d_model,))
-    out, at = [], 0
-    for shape in shapes:
-        n = 1
-        for s in shape:
-            n *= s
-        out.append(flat[at:at + n].reshape(shape))
-        at += n
-    return out
 
 
 class Shadowing:
@@ -307,38 +273,16 @@ class Shadowing:
 
         order, rows = layer.sort_by_destination(tokens, routing)                   # 3
         rows = _Stamp.apply(rows, clock.backward_end)
-        expert_of = routing.expert_index.reshape(-1)[order]
-        home = home_expert[expert_of]
-        weights = self.fetch(layer, shadowed, clock)                              # weights out
-        away = layer.dispatch_compute_combine(rows[~home], plan)                  # 4-6 for the rest
-        with span(f"moe/{layer.name}/shadowed experts", rows=int(home.sum()), experts=shadowed):
-            here = run_experts(rows[home], [int(kept[e]) for e in shadowed], weights, shadowed)
-        placed = torch.cat([(~home).nonzero().squeeze(1), home.nonzero().squeeze(1)])
-        answers = torch.cat([away, here])[placed.argsort()]
+        if shadowed:  # 4-6: the rows that travel as the layer's pattern runs them, the others at home
+            home = home_expert[routing.expert_index.reshape(-1)[order]]
+            counts_home = [int(kept[e]) for e in shadowed]
+            answers = layer.dispatch_compute_combine(
+                rows, plan, wrap=lambda units: ShadowUnits(units, layer, home, shadowed, counts_home))
+        else:
+            answers = layer.dispatch_compute_combine(rows, plan)
         answers = _Stamp.apply(answers, clock.backward_start)
 
         clock.forward_s = value["measured_forward_s"] = time.perf_counter() - started
         if recorder.enabled:
             recorder.metric(f"moe/{layer.name}/shadow", value, step=_enclosing_step())
         return plan, order, answers
-
-    def fetch(self, layer, shadowed, clock):
-        """The shadowed experts' weights on this rank, (w1, b1, w2, b2) dicts keyed by expert id:
-        broadcast from each owner, differentiable back into the owner's parameters."""
-        ex, El, r = layer.experts, layer.num_local, layer.rank
-        w1, b1, w2, b2 = {}, {}, {}, {}
-        for e in shadowed:
-            owner, i = divmod(e, El)
-            mine = (ex.w1[i].reshape(-1), ex.b1[i], ex.w2[i].reshape(-1), ex.b2[i])
-            if dist.is_initialized() and layer.world > 1:
-                if owner == r:
-                    flat = torch.cat(mine)
-                else:  # a receive buffer that asks for a gradient, so every rank joins the backward all-reduce
-                    flat = torch.zeros(sum(t.numel() for t in mine), dtype=ex.w1.dtype, device=ex.w1.device,
-                                       requires_grad=torch.is_grad_enabled())
-                src = comm.group_ranks(layer.group)[owner]
-                flat = _Broadcast.apply(flat, src, layer.group, owner == r, f"shadow expert {e}", clock)
-                w1[e], b1[e], w2[e], b2[e] = _unpack(flat, layer.d_model, layer.d_ff)
-            else:
-                w1[e], b1[e], w2[e], b2[e] = ex.w1[i], ex.b1[i], ex.w2[i], ex.b2[i]
-        return w1, b1, w2, b2
