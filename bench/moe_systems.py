@@ -365,7 +365,9 @@ def targets(results: list, cfg) -> list:
         if "shadow auto" in rs[0]["speedup"]:
             x = statistics.median(r["speedup"]["shadow auto"] for r in rs)
             shown = _spread([r["speedup"]["shadow auto"] for r in rs], lambda v: f"{v:.2f}x")
-            lines.append(f"- {where}: shadowing {shown}, target 1.5x: {'met' if x >= 1.5 else 'missed'} (expert load "
+            verdict = (f"target 1.5x: {'met' if x >= 1.5 else 'missed'}" if rs[0]["r_cc_target"] == 1.0
+                       else "the 1.5x target is for the comparable link")
+            lines.append(f"- {where}: shadowing {shown}, {verdict} (expert load "
                          f"max/mean {rs[0]['expert_max_over_mean']:.2f}, rank load max/mean "
                          f"{rs[0]['rank_max_over_mean']:.2f}).")
     return lines
@@ -392,18 +394,18 @@ the full-duplex link is worth up to 2x on its own: a real property of point-to-p
 - The shadowing model is optimistic by design (the paper's): Lat_imbl charges the wire for every row, even rows \
 a rank keeps for its own experts, and Lat_shadow charges none of the rows that still travel. It ranks options; \
 it does not predict the step.
-- Shadowing on the comparable link stays below 1.5x because the toolkit's shadow path is serial: the weights' \
-broadcast blocks before the dispatch, the shadowed expert is computed after the combine, and the gradients' \
-all-reduce comes last in backward; nothing of it overlaps. At 2 ranks, shadowing expert 0 (what Algorithm 1 \
-picks) cuts the busiest rank's rows from 3079 to about 2170 (0.70x) and the rows the hot rank receives per \
-all-to-all to about 0.41x, but adds two transfers of the expert's 0.5 MB of weights (a third of the plain \
-path's link time): with comm = comp = 1, the serial best is 1/(0.5·0.70 + 0.5·0.41 + 0.5·0.33) ≈ 1.4x, and the \
-two ranks now compute at the same time on two shared cores. What would \
-close the gap: overlap the broadcast with the count exchange and dispatch, compute the shadowed experts while \
-the other experts' all-to-all is in flight, and start the gradient all-reduce as soon as the shadowed expert's \
-backward is done (FasterMoE uses separate CUDA streams for this); a bigger batch per rank (more rows kept home \
-per weight moved) helps too. Where the rows dominate (slow link, 4 ranks, stronger skew) the same serial path \
-reaches well past 1.5x.
+- Shadowing hides its own traffic (``toolkit/moe/shadow_steps.py``): the weights' broadcast travels while the \
+local experts compute, the shadowed expert computes while the combine travels, and the gradients' all-reduce \
+travels while the local experts' backward runs. At 2 ranks, shadowing expert 0 (what Algorithm 1 picks) cuts \
+the busiest rank's rows from 3079 to about 2170 (0.70x) and the rows the hot rank receives per all-to-all to \
+about 0.41x, but adds two transfers of the expert's 0.5 MB of weights (a third of the plain path's link time). \
+With comm = comp = 1, done in series that is at best 1/(0.5·0.70 + 0.5·0.41 + 0.5·0.33) ≈ 1.4x, which is what \
+the serial version of this path measured (1.23x at 2 ranks, 1.41x at 4, before the overlap); overlapped, the \
+bound is 1/max(0.70, 0.74) ≈ 2.7x, less what cannot hide (the dispatch before the first computation, the \
+dispatch's backward after the last) and the ranks computing at once on two shared cores. On the slow link \
+the layer is communication-bound, so the link time decides: at 2 ranks shadowing leaves 0.74 of it (the rows' \
+0.41 plus the weights' 0.33), a bound of about 1.35x before the hidden compute; at 4 ranks the hot rank's rows \
+are a larger share of the traffic and the gain is larger.
 - Noise: the two cores are shared with other work, so compute times move by tens of percent between runs (the \
 emulated link's times do not). Paired medians absorb most of it; repeat the command to see the spread."""
 

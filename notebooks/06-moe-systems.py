@@ -325,14 +325,15 @@ print(f"shadowing: {step_ms('plain') / step_ms('shadow auto'):.2f}x over plain o
 # %% [markdown]
 # Whatever this run measured, read where the time went on the two timelines. Shadowing removes the
 # hot expert's rows from every all-to-all (the link's model time of dispatch and combine drops) and
-# takes work off the busiest rank. It pays with the weights' broadcast and, at the end of backward,
-# the gradients' all-reduce, and in this implementation the steps run one after the other: broadcast,
-# the other experts' all-to-alls, then the shadowed expert at home. So the gain is at most the rows'
-# link time plus the straggler's extra compute, minus two weight transfers; on this small layer
-# (1024 tokens per rank, d_ff = 256) that margin is a few milliseconds out of a step of tens, about
-# the size of this shared machine's noise. FasterMoE overlaps the broadcast and the shadowed
-# computation with the other experts' traffic (separate CUDA streams), and a bigger batch keeps more
-# rows at home for each weight moved. `bench/moe_systems.py` measures shadowing on a larger layer and
+# takes work off the busiest rank. It pays with the weights' broadcast and, in backward, the
+# gradients' all-reduce. Both are posted where computation can hide them, as FasterMoE does with
+# separate CUDA streams (`toolkit/moe/shadow_steps.py` lists the order): on the timeline the broadcast
+# travels under the local experts' box, the shadowed expert computes while the combine travels, and
+# the all-reduce travels under the local experts' backward. What stays exposed is the dispatch before
+# the first computation and the dispatch's backward after the last. On this small layer (1024 tokens
+# per rank, d_ff = 256) the whole margin is a few milliseconds out of a step of tens, about the size
+# of this shared machine's noise; a bigger batch keeps more rows at home for each weight moved.
+# `bench/moe_systems.py` measures shadowing on a larger layer and
 # on a slower link, where the rows saved outweigh the weights by far (`docs/benchmarks.md`).
 
 # %% [markdown]
