@@ -22,7 +22,8 @@ one's traffic. ``Overlapped`` is that one idea as an autograd function, shared w
 computes the experts on each unit, backward their vector-Jacobian products, on the same traffic
 pattern. A custom function rather than differentiable send/recv ops: autograd would be free to run
 independent per-peer backward nodes in any order, and point-to-point traffic must be issued in the
-same order on both ends.
+same order on both ends. Work that is not a unit can run alongside, where it hides traffic
+(``Units.alongside``): shadowing's rows kept home (``toolkit.moe.shadow_steps``).
 
 Every transfer goes through ``toolkit.comm`` (``isend`` / ``irecv`` return Handles), so an emulated
 link (``toolkit.comm.emulate``) slows each step as a real one would, and the trace labels them
@@ -102,7 +103,7 @@ class Units:
 
     def alongside(self, backward: bool) -> dict:
         """Work that is not a unit but can hide the units' traffic (shadowing's rows kept home):
-        {"early": f(x), "late": f(x)}, see ``run_units``. None by default."""
+        {"early": f(x), "late": f(x)}, see ``run_units``. Nothing by default."""
         return {}
 
     def finish(self, param_grads: list) -> list:
