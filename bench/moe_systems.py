@@ -67,6 +67,9 @@ VARIANTS = {
     "pipeline 8": dict(pipeline_degree=8),
     "smart": dict(schedule="smart"),
 }
+EXTRA_VARIANTS = {  # asked for by name (--variants), not in the default table
+    "smart g2": dict(schedule="smart", smart_group_size=2),
+}
 SECTION = "## MoE systems: shadowing, pipelining, smart schedule (bench/moe_systems.py)"
 
 
@@ -437,7 +440,11 @@ def main(argv=None) -> int:
     parser.add_argument("--write", help="put the table into this markdown file (its own section)")
     args = parser.parse_args(argv)
     links = [n for n in args.links.split(",") if n]
-    variants = {n: VARIANTS[n] for n in args.variants.split(",") if n}
+    known = {**VARIANTS, **EXTRA_VARIANTS}
+    unknown = [n for n in args.variants.split(",") if n and n not in known]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {list(known)}")
+    variants = {n: known[n] for n in args.variants.split(",") if n}
     if "plain" not in variants:
         parser.error("--variants must include plain (the baseline)")
     bad = set(links) - set(LINKS)

@@ -1,6 +1,6 @@
 """Issue 6's schedules and the emulated link: proven equal to the plain path, and honest about time.
 
-- FasterMoE's smart schedule and Tutel's pipelined all-to-all (degrees 1, 2, 3 (padded), 4, 8 and
+- FasterMoE's smart schedule (one rank or two per group) and Tutel's pipelined all-to-all (degrees 1, 2, 3 (padded), 4, 8 and
   "auto"; and each under forced shadowing) give the plain layer's outputs and gradients (inputs,
   expert weights, router) to fp32 precision at world sizes 2 and 4, with balanced, skewed and
   dropless routing; "auto" tries every
@@ -31,11 +31,13 @@ from toolkit.moe.pipeline import DEGREES, chunking
 
 D, FF, SEED, INIT = 8, 16, 11, 0.3
 TOL = dict(rtol=1e-5, atol=1e-5)
-OPTIONS = {"smart": dict(schedule="smart"), "p1": dict(pipeline_degree=1), "p2": dict(pipeline_degree=2),
+OPTIONS = {"smart": dict(schedule="smart"), "smart g2": dict(schedule="smart", smart_group_size=2),
+           "p1": dict(pipeline_degree=1), "p2": dict(pipeline_degree=2),
            "p3": dict(pipeline_degree=3), "p4": dict(pipeline_degree=4), "p8": dict(pipeline_degree=8),
            "auto": dict(pipeline_degree="auto")}
 COMBINED = {"shadow+smart": dict(shadow=[0], schedule="smart"),  # shadowing hands the rows that travel
-            "shadow+p4": dict(shadow=[0], pipeline_degree=4)}     # to dispatch_compute_combine: ours too
+            "shadow+p4": dict(shadow=[0], pipeline_degree=4),     # to dispatch_compute_combine: ours too
+            "shadow+smart g2": dict(shadow=[0], schedule="smart", smart_group_size=2)}
 ROUTINGS = {"balanced": dict(capacity_factor=1.25), "skewed": dict(capacity_factor=1.0),
             "dropless": dict(capacity_factor=0.5, dropless=True)}
 AUTO_FORWARDS = len(DEGREES) + 2  # one trial per degree, then the choice twice
@@ -205,6 +207,12 @@ def test_the_traffic_is_cut_as_each_schedule_says(world):
     # one expert span per step (block) in forward and in backward
     spans = res[("balanced", "smart")][0]["expert_spans"]
     assert sum(not s.get("backward") for s in spans) == n and sum(bool(s.get("backward")) for s in spans) == n
+    # groups of 2 ranks: W/2 steps; step 0 exchanges inside the group, step j with every rank of one group
+    grouped = [c for c in res[("balanced", "smart g2")][0]["comms"] if "backward" not in c[1]][1:]
+    steps = n // 2
+    assert sorted(grouped) == sorted([(op, f"{what} step {j}/{steps - 1}") for j in range(steps)
+                                      for _ in range(1 if j == 0 else 2)
+                                      for what in ("dispatch", "combine") for op in ("send", "recv")])
     plain = res[("balanced", "plain")][0]["comms"]
     assert plain == [("all_to_all", "counts"), ("all_to_all", "dispatch"), ("all_to_all", "combine"),
                      ("all_to_all", "combine backward"), ("all_to_all", "dispatch backward")]
@@ -379,7 +387,16 @@ def test_schedule_options_bad_input_and_one_process():
         chunking(10, 0)
     x, probe = tokens("balanced", 1, 0)  # one process holds every expert: nothing to overlap, same numbers
     plain = step(build("balanced", 1), x, probe)
+    with pytest.raises(ValueError, match="smart_group_size=2 does not divide the 1 ranks"):
+        MoE(D, FF, 4, schedule="smart", smart_group_size=2)
+    for option in (dict(smart_group_size=0), dict(smart_group_size=1.0), dict(schedule="smart", smart_group_size=True)):
+        with pytest.raises(ValueError, match="choose a positive int"):
+            MoE(D, FF, 4, **option)
+    with pytest.raises(ValueError, match="pass it with it"):
+        MoE(D, FF, 4, smart_group_size=2)
     for options in OPTIONS.values():
+        if options.get("smart_group_size", 1) > 1:
+            continue  # one rank cannot form groups of two (refused above)
         got = step(build("balanced", 1, **options), x, probe)
         for key in KEYS:
             close(got[key], plain[key], f"one process, {options}: {key}")

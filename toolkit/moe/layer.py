@@ -116,7 +116,7 @@ class Plan:
 # ---------------------------------------------------------------------------------------------
 
 def _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_parallel="ep", node_size=None,
-                           local_bandwidth=None) -> None:
+                           local_bandwidth=None, smart_group_size=1) -> None:
     """The systems options (FasterMoE, Tutel): unknown names and combinations that cannot work are ValueErrors."""
     if not (isinstance(shadow, (list, tuple)) or shadow in ("auto", "off")):
         raise ValueError(f"shadow={shadow!r}: choose 'off', 'auto' or a list of expert ids.")
@@ -136,6 +136,11 @@ def _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_paral
                          f"all-to-alls with the experts: choose one (pipeline_degree=1, or schedule='plain').")
     if gate not in ("topk", "topology"):
         raise ValueError(f"gate={gate!r}: choose 'topk' or 'topology'.")
+    if isinstance(smart_group_size, bool) or not isinstance(smart_group_size, int) or smart_group_size < 1:
+        raise ValueError(f"smart_group_size={smart_group_size!r}: choose a positive int (ranks per group of the smart "
+                         f"schedule; 1 = one rank per step).")
+    if smart_group_size != 1 and schedule != "smart":
+        raise ValueError(f"smart_group_size={smart_group_size} groups the ranks of schedule='smart'; pass it with it.")
 
 
 class MoE(nn.Module):
@@ -156,7 +161,8 @@ class MoE(nn.Module):
     ``gate`` "topk" | "topology" (FasterMoE's topology-aware gate; ``node_size``, ``bandwidth``,
     ``local_bandwidth`` or the emulated link give its nodes and links); ``expert_parallel``
     "ep" | "dp" | "auto" (Tutel's switchable parallelism for the expert weights, ``moe/placement.py``);
-    ``schedule`` "plain" | "smart" (FasterMoE's per-peer steps, ``moe/schedule.py``) or
+    ``schedule`` "plain" | "smart" (FasterMoE's per-peer steps, ``moe/schedule.py``; ``smart_group_size``
+    ranks per step, default 1) or
     ``pipeline_degree`` 1 | d | "auto" (Tutel's chunks along the capacity, ``moe/pipeline.py``): steps
     4-6 overlapped with the experts, one or the other.
 
@@ -169,9 +175,10 @@ class MoE(nn.Module):
                  noisy: bool = False, noise_std: float = 1.0, z_loss_weight: float = 0.0,
                  aux_loss: str = "gshard", min_capacity: int = 1, init_std: float = 0.02,
                  name: str = "moe", expert_parallel: str = "ep", node_size=None, compute_flops=None,
-                 bandwidth=None, local_bandwidth=None):
+                 bandwidth=None, local_bandwidth=None, smart_group_size: int = 1):
         super().__init__()
-        _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_parallel, node_size, local_bandwidth)
+        _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_parallel, node_size, local_bandwidth,
+                               smart_group_size)
         for key, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MoE: {key} must be a positive int, got {value!r}.")
@@ -187,6 +194,10 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: num_experts={num_experts} does not split evenly over the {self.world} ranks "
                              f"of the expert-parallel group. Use a multiple of {self.world} experts, or a "
                              f"group whose size divides {num_experts} (one of {fits}).")
+        if self.world % smart_group_size:
+            fits = [g for g in range(1, self.world + 1) if self.world % g == 0]
+            raise ValueError(f"MoE: smart_group_size={smart_group_size} does not divide the {self.world} ranks of the "
+                             f"expert-parallel group; choose one of {fits}.")
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.num_local, self.dropless, self.seed = num_experts // self.world, bool(dropless), seed
         gate_options = dict(noisy=noisy, noise_std=noise_std, dropless=dropless, z_loss_weight=z_loss_weight,
@@ -209,6 +220,7 @@ class MoE(nn.Module):
                                seed=seed, init_std=init_std, group=group)
         self.calls = 0
         self.schedule, self.pipeline_degree = schedule, pipeline_degree  # steps 4-6: moe/schedule.py, pipeline.py
+        self.smart_group_size = smart_group_size
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, expert-parallel over {self.world} rank(s), {self.num_local} local expert(s)"

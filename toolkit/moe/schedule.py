@@ -12,7 +12,13 @@ experts compute. FasterMoE cuts them along the ranks instead. With W ranks, rank
 Step 0 is the block a rank keeps (no traffic). S_{j+1} is issued before C_j starts, so the next block
 travels while this one computes, and R_j leaves as soon as C_j is done: on the timeline, sends and
 receives interleave with expert compute. Ideal speedup (Lat_comm + Lat_comp) / max(Lat_comm, Lat_comp).
-(The paper groups workers and uses a group as the unit; here a group is one rank.)
+
+Groups (``smart_group_size=g``, the paper's granularity): the W ranks form W/g groups of g
+consecutive ranks, and the steps run between groups: at step j group i sends to group (i - j) mod
+W/g and receives from group (i + j) mod W/g, a block per rank of that group. Fewer, larger steps:
+less latency paid per message and per Python call, less to overlap. g = 1 is one rank per group;
+g = W is one step, the plain all-to-all done point to point. (The paper's heuristics for choosing the
+groups are not implemented: groups are consecutive ranks, a node's when ranks are numbered by node.)
 
 Gradients. Backward is the same schedule run again: the gradient of a rank's outputs goes where its
 rows went (like S), the owner computes the experts' backward for that block (vector-Jacobian product;
@@ -196,18 +202,41 @@ def overlapped(units: Units, x: torch.Tensor, layer) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 class SmartSchedule(Units):
-    """Per-peer units in pairwise-exchange order: unit j = (S_j, C_j, R_j) of the module docstring."""
+    """Per-group units in pairwise-exchange order: unit j = (S_j, C_j, R_j) of the module docstring.
 
-    def __init__(self, layer, plan):
-        self.layer, self.plan, self.group = layer, plan, layer.group
+    With ``group_size`` g the W ranks form W/g groups of consecutive ranks; at step j a rank exchanges
+    with every rank of one group, a block per peer (its own block stays put, no traffic).
+    """
+
+    def __init__(self, layer, plan, group_size: int = 1):
+        self.layer, self.plan, self.group, self.g = layer, plan, layer.group, group_size
         self.ranks = comm.group_ranks(layer.group)
-        self.n, self.me = len(self.ranks), layer.rank
+        self.me = layer.rank
+        self.n = len(self.ranks) // group_size         # groups, hence steps
         self.count = self.n
         self.send_rows, self.recv_rows = list(plan.send_splits), list(plan.recv_splits)
 
     def peers(self, k):
-        """(send_to, recv_from) group positions at step k."""
-        return (self.me - k) % self.n, (self.me + k) % self.n
+        """(ranks sent to, ranks received from) at step k: positions in the process group."""
+        mine = self.me // self.g
+        to, frm = (mine - k) % self.n, (mine + k) % self.n
+        return range(to * self.g, (to + 1) * self.g), range(frm * self.g, (frm + 1) * self.g)
+
+    def _exchange(self, blocks, dests, sources, sizes, like, what, k):
+        """Send ``blocks[i]`` to ``dests[i]`` and receive ``sizes[i]`` rows from ``sources[i]`` into one
+        buffer (in sources' order); this rank's own block is copied, not sent."""
+        buf = like.new_empty((sum(sizes),) + tuple(like.shape[1:]))
+        parts = dict(zip(sources, buf.split(sizes)))
+        receive, send = [], []
+        for src, part in parts.items():
+            if src != self.me:
+                receive.append(self._tag(comm.irecv(part, self.ranks[src], self.group), what, k))
+        for dst, block in zip(dests, blocks):
+            if dst == self.me:
+                parts[dst].copy_(block)
+            else:
+                send.append(self._tag(comm.isend(block.contiguous(), self.ranks[dst], self.group), what, k))
+        return _Pending(buf, receive, send)
 
     def _tag(self, handle, what, k):
         return label(handle, f"{what} step {k}/{self.n - 1}", self.layer.name)
@@ -215,38 +244,29 @@ class SmartSchedule(Units):
     def post(self, x, k, names):
         to, frm = self.peers(k)
         blocks = x.split(self.send_rows)
-        if k == 0:
-            return _Ready(blocks[self.me])
-        buf = x.new_empty((self.recv_rows[frm],) + tuple(x.shape[1:]))
-        receive = self._tag(comm.irecv(buf, self.ranks[frm], self.group), names[0], k)
-        send = self._tag(comm.isend(blocks[to].contiguous(), self.ranks[to], self.group), names[0], k)
-        return _Pending(buf, [receive], [send])
+        return self._exchange([blocks[d] for d in to], to, frm, [self.recv_rows[s] for s in frm], x, names[0], k)
 
     def block(self, k, received):
         _, frm = self.peers(k)
-        counts = self.plan.recv_counts[frm:frm + 1]  # one sender's rows, already grouped by local expert
+        counts = self.plan.recv_counts[frm.start:frm.stop]  # rows by sender, then local expert
         return self.layer.compute_experts(received, type(self.plan)(counts, counts))
 
     def post_back(self, k, y, names):
         to, frm = self.peers(k)
-        if k == 0:
-            return _Ready(y)
-        buf = y.new_empty((self.send_rows[to],) + tuple(y.shape[1:]))
-        receive = self._tag(comm.irecv(buf, self.ranks[to], self.group), names[1], k)
-        send = self._tag(comm.isend(y.contiguous(), self.ranks[frm], self.group), names[1], k)
-        return _Pending(buf, [receive], [send])
+        blocks = y.split([self.recv_rows[s] for s in frm])
+        return self._exchange(blocks, frm, to, [self.send_rows[d] for d in to], y, names[1], k)
 
     def assemble(self, results, like):
-        by_peer = [None] * self.n
+        by_group = [None] * self.n
         for k, result in enumerate(results):
-            by_peer[self.peers(k)[0]] = result
-        return torch.cat(by_peer) if by_peer else like.new_empty((0,) + tuple(like.shape[1:]))
+            by_group[self.peers(k)[0].start // self.g] = result
+        return torch.cat(by_group) if by_group else like.new_empty((0,) + tuple(like.shape[1:]))
 
 
 def smart_dispatch_compute_combine(layer, rows: torch.Tensor, plan, wrap=None) -> torch.Tensor:
     """Steps 4-6 of ``layer`` (a ``toolkit.moe.MoE`` in a process group) by FasterMoE's smart schedule:
     the contract of ``MoE.dispatch_compute_combine`` (rows sorted by destination in, outputs out)."""
-    units = SmartSchedule(layer, plan)
+    units = SmartSchedule(layer, plan, layer.smart_group_size)
     return overlapped(wrap(units) if wrap else units, rows, layer)
 
 
