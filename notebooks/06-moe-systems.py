@@ -365,7 +365,9 @@ viz.roofline({label: for_roofline(runs[label]) for label in ("plain", "shadow au
 # has landed the experts compute it while the next block travels, and its outputs go back at once.
 # Step 0 is the block a rank keeps for itself, so it computes while the first real transfer is in
 # flight. On the timeline: sends and receives labelled "dispatch steps" and "combine steps" (point-to-
-# point, per peer), expert boxes in between.
+# point, per peer), expert boxes in between. The paper's unit is a group of workers rather than one:
+# `smart_group_size=g` makes W/g steps, each exchanging a block with every rank of one group (fewer,
+# larger steps; `docs/benchmarks.md` measures when that pays).
 
 # %%
 iteration(runs["smart schedule"], "smart schedule")
