@@ -1,12 +1,13 @@
 """The toolkit's strategies next to the implementations a user would pick instead, in one run.
 
-Pairs: ddp vs torch DistributedDataParallel, zero1 vs ZeroRedundancyOptimizer, zero3 and fsdp vs FSDP2
+Pairs: ddp vs torch DistributedDataParallel, zero1 vs ZeroRedundancyOptimizer, zero3 (also with
+DeepSpeed's prefetch and reduce buckets of one block's size: "zero3-buckets") and fsdp vs FSDP2
 (`fully_shard` per block, then the root). For each pair both models are built from the same seed, train
 on the same batches, and their steps are interleaved (A, B, A, B, ...) so that machine noise hits
 both alike. Reported: median step time per side (the slowest rank's), the ratio toolkit/peer, and
 model-state bytes per rank as counted from the live tensors after a step.
 
-    python bench/strategies.py [--world-size 2] [--steps 12] [--pairs ddp,zero1,zero3,fsdp] [--write docs/benchmarks.md]
+    python bench/strategies.py [--world-size 2] [--steps 12] [--pairs ddp,zero1,zero3,zero3-buckets,fsdp] [--write docs/benchmarks.md]
 """
 from __future__ import annotations
 
@@ -54,7 +55,19 @@ def _peer(name: str):
     raise ValueError(f"no peer for {name!r}")
 
 
-PEERS = {"ddp": "torch DDP", "zero1": "ZeroRedundancyOptimizer", "zero3": "FSDP2", "fsdp": "FSDP2"}
+PEERS = {"ddp": "torch DDP", "zero1": "ZeroRedundancyOptimizer", "zero3": "FSDP2", "zero3-buckets": "FSDP2",
+         "fsdp": "FSDP2"}
+
+
+def _mine(name: str):
+    """The toolkit's side. "zero3-buckets": ZeRO-3 with DeepSpeed's buckets set to one block's parameters,
+    so that a collective moves about what one of FSDP2's units does."""
+    adamw = functools.partial(torch.optim.AdamW, lr=LR)
+    if name == "zero3-buckets":
+        model = _model()
+        block = sum(p.numel() for p in model.blocks[0].parameters())
+        return parallel.wrap(model, "zero3", optimizer=adamw, prefetch_bucket_size=block, reduce_bucket_size=block)
+    return parallel.wrap(_model(), name, optimizer=adamw)
 
 
 def _local(t):
@@ -96,8 +109,8 @@ def bench(pairs, steps: int, warmup: int = 2):
     rows = []
     for name in pairs:
         toolkit.trace.recorder.enabled = False  # the bench measures steps, not the trace
-        mine = parallel.wrap(_model(), name, optimizer=functools.partial(torch.optim.AdamW, lr=LR))
-        peer = _peer(name)
+        mine = _mine(name)
+        peer = _peer("zero3" if name == "zero3-buckets" else name)
         times = {"toolkit": [], "peer": []}
         for step in range(warmup + steps):
             x, y = corpus.batch(step, PER_RANK_BATCH * world, rank=rank, world_size=world)
@@ -136,7 +149,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--pairs", default="ddp,zero1,zero3,fsdp")
+    parser.add_argument("--pairs", default="ddp,zero1,zero3,zero3-buckets,fsdp")
     parser.add_argument("--write", help="append the table to this markdown file")
     args = parser.parse_args(argv)
     pairs = [p for p in args.pairs.split(",") if p]

@@ -10,6 +10,7 @@ nor 4 (nor do most of its per-module units), so padding is exercised at every wo
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 
@@ -31,6 +32,7 @@ OPT = functools.partial(torch.optim.AdamW, lr=LR)
 ATOL = 1e-5  # fp32: only the order of floating-point sums differs
 CLIP = 0.05  # well below the gradient norms (about 0.3-1), so every step clips
 SMALL = 0.01  # MiB: the 76 KB model spreads over several ZeRO-1/2 buckets
+BUCKET = 5000  # elements: ZeRO-3's buckets hold a few modules each (a block has about 8,000 parameters)
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 # Mixed precision (bfloat16 compute, fp32 masters), compared with the same recipe in one process.
 # Losses are bf16 numbers near 4.1, where bf16's spacing is 1/32. The ranks' cross-entropies round
@@ -106,6 +108,7 @@ def train(rank, n, strategy, clip=None, micro=1, **options):
         opt.step()
         if last:
             sent = sum(e["args"]["bytes_sent"] for e in recorder.events[start:] if e["cat"] == "comm")
+            calls = collections.Counter(e["name"] for e in recorder.events[start:] if e["cat"] == "comm")
             memory = storage_bytes(model.memory_groups())
             freed = all(p.untyped_storage().nbytes() == 0 for p in model.module.parameters())
         opt.zero_grad()
@@ -115,7 +118,7 @@ def train(rank, n, strategy, clip=None, micro=1, **options):
     flats = model.flat_buffers()
     return {"losses": losses, "norms": norms, "params": model.full_state_dict(), "memory": memory,
             "logits": logits,
-            "sent": sent, "freed": freed, "padded": sum(f.padded_numel for f in flats),
+            "sent": sent, "calls": dict(calls), "freed": freed, "padded": sum(f.padded_numel for f in flats),
             "padding": sum(f.padding for f in flats), "shards": len(flats),
             "dtype_bytes": flats[0].data.element_size()}
 
@@ -212,6 +215,8 @@ def run_rank(n):
         return out
     out["zero1_small"] = train(rank, n, "zero1", bucket_cap_mb=SMALL)
     out["zero2_small"] = train(rank, n, "zero2", bucket_cap_mb=SMALL)
+    # DeepSpeed's buckets: a whole block's units per all-gather, about as much per reduce-scatter
+    out["zero3_buckets"] = train(rank, n, "zero3", prefetch_bucket_size=BUCKET, reduce_bucket_size=BUCKET)
     if n == 4:  # two groups of two ranks, each sharding over its own group: each is a world of 2
         groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
         out["zero3_group"] = train(rank % 2, 2, "zero3", group=groups[rank // 2])
@@ -348,6 +353,21 @@ def test_bytes_on_the_wire(strategy, n):
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_zero3_buckets_change_the_calls_not_the_training(n):
+    """prefetch_bucket_size / reduce_bucket_size: the same training, bytes and model states, in fewer
+    collectives (a step's first forward records the order; the later ones gather a bucket at a time)."""
+    losses, _, params = oracle()
+    plain, got = results(n)["zero3"], results(n)["zero3_buckets"]
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < ATOL
+    assert max_diff(got["params"], params) < ATOL
+    assert got["sent"] == plain["sent"] and got["all_memory"] == plain["all_memory"] and got["freed"]
+    units = plain["shards"]
+    assert plain["calls"] == {"all_gather": 2 * units, "reduce_scatter": units}
+    assert got["calls"]["all_gather"] < units and got["calls"]["reduce_scatter"] < units / 2, got["calls"]
+
+
+@pytest.mark.timeout(150)
 def test_mixed_precision_halves_the_bytes():
     got = results(2)
     for strategy in STAGES:
@@ -409,7 +429,12 @@ def test_bad_stage_options():
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         wrap(build(), "zero2", optimizer=OPT, bucket_cap_mb=0)
     with pytest.raises(ValueError, match="valid options"):
-        wrap(build(), "zero3", optimizer=OPT, bucket_cap_mb=1)  # stage 3 has no buckets
+        wrap(build(), "zero3", optimizer=OPT, bucket_cap_mb=1)  # stage 3's buckets are DeepSpeed's, below
+    with pytest.raises(ValueError, match="valid options"):
+        wrap(build(), "zero2", optimizer=OPT, prefetch_bucket_size=10)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="number of elements"):
+            wrap(build(), "zero3", optimizer=OPT, reduce_bucket_size=bad)
     with pytest.raises(ValueError, match="could not build"):
         wrap(build(), "zero2", optimizer=lambda params: None.step)
 

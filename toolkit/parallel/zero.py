@@ -27,6 +27,9 @@ Options (every stage):
   group            the process group to shard over (default: every rank).
 ZeRO-1 and ZeRO-2:
   bucket_cap_mb    MiB of gradients per bucket (25, as DDP): the unit of a reduce-scatter.
+ZeRO-3:
+  prefetch_bucket_size, reduce_bucket_size   elements per all-gather / reduce-scatter (DeepSpeed's
+                   names), 0 by default: one module at a time. See `zero3.py`.
 ZeRO-1:
   reduce           "reduce_scatter" (default), or "all_reduce": every rank receives the whole averaged
                    gradient and uses only its slice. Same result, DDP's traffic plus the all-gather
@@ -60,7 +63,7 @@ from .zero3 import Zero3  # stage 3 is its own idea, in its own file
 OPTIONS = {
     1: ("mixed_precision", "group", "bucket_cap_mb", "reduce"),
     2: ("mixed_precision", "group", "bucket_cap_mb"),
-    3: ("mixed_precision", "group"),
+    3: ("mixed_precision", "group", "prefetch_bucket_size", "reduce_bucket_size"),
 }
 REDUCE = ("reduce_scatter", "all_reduce")
 
@@ -91,6 +94,12 @@ def _wrap(stage: int, model: nn.Module, optimizer, options: dict):
     cap = options.get("bucket_cap_mb", 25)
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0:
         raise ValueError(f"{name}: bucket_cap_mb must be a positive number of MiB, got {cap!r}.")
+    buckets = {}
+    for key in ("prefetch_bucket_size", "reduce_bucket_size"):  # stage 3 only (check_options said so)
+        value = buckets[key] = options.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: {key} is a number of elements (an int >= 0; 0 = one module at a time), "
+                             f"got {value!r}.")
     if not torch.distributed.is_initialized():
         raise RuntimeError(f"{name} shards over ranks, so it needs torch.distributed initialized: run it "
                            "inside toolkit.launch(fn, world_size) (world_size=1 works too), or call "
@@ -102,7 +111,7 @@ def _wrap(stage: int, model: nn.Module, optimizer, options: dict):
     with phase("setup"):  # every rank starts from rank 0's values
         consistency.broadcast_from_rank0([*model.parameters(), *model.buffers()], group)
     if stage == 3:
-        engine = Zero3(model, dtype, group)
+        engine = Zero3(model, dtype, group, **buckets)
     else:
         engine = Zero12(model, stage, dtype, group, reduce, cap * 2**20)
     # The user's optimizer, built on this rank's fp32 slices only: that is the stage-1 saving.

@@ -28,6 +28,14 @@ gathered once, not twice); in backward it stays gathered until its gradient is c
 a tied weight is after the embedding's backward, the very end. (FSDP asks for tied parameters to be
 in one unit for the same reason.)
 
+Buckets (DeepSpeed's `stage3_prefetch_bucket_size` and `reduce_bucket_size`, in elements; 0, the
+default, is the plain per-module picture above). Small modules make many small collectives, and each
+pays a fixed cost. With `prefetch_bucket_size=B`, gathering a unit also gathers the units that come
+next (in the order the first forward ran them, reversed in backward) until B elements, all in one
+all-gather. With `reduce_bucket_size=B`, finished units wait until B elements of gradients are ready,
+then go in one reduce-scatter. The bytes moved and the model states stay the same. The peak grows by
+up to a bucket of gathered parameters.
+
 Limits: a module's parameters must be used through that module's forward (reading
 `module.weight` from outside sees an empty tensor between uses), and every rank must run the same
 modules in the same order (collectives must match).
@@ -82,8 +90,11 @@ class Zero3(ShardedEngine):
 
     name = "zero3"
 
-    def __init__(self, module: nn.Module, dtype, group=None):
+    def __init__(self, module: nn.Module, dtype, group=None, prefetch_bucket_size=0, reduce_bucket_size=0):
         super().__init__(module, dtype, group)
+        self.prefetch_bucket_size, self.reduce_bucket_size = prefetch_bucket_size, reduce_bucket_size
+        self.order: list[Unit] = []  # units in the order the first forward gathered them
+        self.ready: list[Unit] = []  # units whose gradients wait for a reduce bucket to fill
         self.unit_of, self.uses = {}, {}
         for name, m in module.named_modules():
             own = [p for p in m.parameters(recurse=False) if p.requires_grad]
@@ -101,13 +112,39 @@ class Zero3(ShardedEngine):
                 m.register_forward_hook(self._after_forward)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._gradient_ready)
-        self.in_flight = []  # (unit, handle, output, input) of launched reduce-scatters
+        self.in_flight = []  # (units, handle, output, input) of launched reduce-scatters
 
     # --- gather and free -----------------------------------------------------------------------------
-    def _gather(self, unit: Unit) -> None:
-        if not unit.flat.is_allocated:
-            unit.flat.allocate()
+    def _gather(self, unit: Unit, backward: bool = False) -> None:
+        if unit.flat.is_allocated:
+            return
+        if not backward and unit not in self.order:
+            self.order.append(unit)
+        units = [unit] + self._next(unit, backward)
+        for u in units:
+            u.flat.allocate()
+        if len(units) == 1:
             comm.all_gather(unit.flat.data, unit.kept.detach(), group=self.group)
+            return
+        sizes = [u.flat.shard_numel for u in units]  # one all-gather for the bucket, then each its part
+        out = unit.flat.data.new_empty(self.world * sum(sizes))
+        comm.all_gather(out, torch.cat([u.kept.detach() for u in units]), group=self.group)
+        for u, part in zip(units, out.view(self.world, -1).split(sizes, dim=1)):
+            u.flat.data.view(self.world, -1).copy_(part)
+
+    def _next(self, unit: Unit, backward: bool) -> list:
+        """The units to prefetch with `unit`: those that run next, up to the bucket's elements."""
+        order = self.order[::-1] if backward else self.order
+        if self.prefetch_bucket_size <= 0 or unit not in order:
+            return []
+        found, total = [], unit.flat.padded_numel
+        for u in order[order.index(unit) + 1:]:
+            if total >= self.prefetch_bucket_size:
+                break
+            if not u.flat.is_allocated:
+                found.append(u)
+                total += u.flat.padded_numel
+        return found
 
     @staticmethod
     def _free(unit: Unit) -> None:
@@ -142,7 +179,7 @@ class Zero3(ShardedEngine):
     def _before_backward(self, module, grad) -> None:
         self.queue_end_of_backward()
         for unit in self.uses[module]:
-            self._gather(unit)
+            self._gather(unit, backward=True)
 
     def _gradient_ready(self, p: nn.Parameter) -> None:
         """Hook: p.grad is final for this backward. Collect it; the unit's last one triggers the reduction."""
@@ -154,24 +191,36 @@ class Zero3(ShardedEngine):
         unit.waiting -= 1
         if unit.waiting == 0:  # every user's backward is done with this unit
             self._free(unit)
-            self._reduce_scatter(unit)
+            self.ready.append(unit)
+            if sum(u.grads.padded_numel for u in self.ready) >= self.reduce_bucket_size:
+                self._reduce_scatter()
 
-    def _reduce_scatter(self, unit: Unit) -> None:
-        out = torch.empty(unit.flat.shard_numel, dtype=self.dtype, device=unit.grads.data.device)
-        handle = comm.reduce_scatter(out, unit.grads.data, op="avg", group=self.group,
-                                     async_op=True)
-        self.in_flight.append((unit, handle, out, unit.grads))
-        unit.grads = None
+    def _reduce_scatter(self) -> None:
+        """The ready units' gradients, averaged into their owners' slices: one reduce-scatter."""
+        units, self.ready = self.ready, []
+        if len(units) == 1:
+            grads = units[0].grads.data
+        else:  # rank r's part of every unit, side by side: the layout a reduce-scatter splits
+            grads = torch.cat([u.grads.data.view(self.world, -1) for u in units], dim=1).reshape(-1)
+        out = torch.empty(grads.numel() // self.world, dtype=self.dtype, device=grads.device)
+        handle = comm.reduce_scatter(out, grads, op="avg", group=self.group, async_op=True)
+        self.in_flight.append((units, handle, out, grads))
+        for u in units:
+            u.grads = None
 
     def end_of_backward(self) -> None:
         for unit in self.pieces:
-            if unit.grads is not None:  # some of its parameters got no gradient this time
-                self._reduce_scatter(unit)
+            if unit.grads is not None and unit not in self.ready:  # some parameters got no gradient
+                self.ready.append(unit)
             unit.waiting = len(unit.params)
             self._free(unit)
-        for unit, handle, out, _ in self.in_flight:  # accumulate: add into the slice
+        if self.ready:
+            self._reduce_scatter()
+        for units, handle, out, _ in self.in_flight:  # accumulate: add into the slices
             handle.wait()
-            unit.mine.grad = out if unit.mine.grad is None else unit.mine.grad.add_(out)
+            parts = out.split([u.flat.shard_numel for u in units]) if len(units) > 1 else [out]
+            for unit, part in zip(units, parts):
+                unit.mine.grad = part if unit.mine.grad is None else unit.mine.grad.add_(part)
         self.in_flight = []
 
     # --- step ----------------------------------------------------------------------------------------
@@ -184,7 +233,7 @@ class Zero3(ShardedEngine):
 
     def memory_groups(self) -> dict:
         grads = [u.mine.grad for u in self.pieces if u.mine.grad is not None]
-        grads += [u.grads.data for u in self.pieces if u.grads is not None] + [t[3].data for t in self.in_flight]
+        grads += [u.grads.data for u in self.pieces if u.grads is not None] + [t[3] for t in self.in_flight]
         grads += [p.grad for p in self.params if p.grad is not None]
         params = [u.flat.data for u in self.pieces] + [u.kept for u in self.pieces] + self.frozen
         return {"params": params, "grads": grads, "optimizer": self.optimizer_tensors()}
