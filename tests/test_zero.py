@@ -227,6 +227,9 @@ def run_rank(n):
         out[f"{strategy}_mixed"] = train(rank, n, strategy, mixed_precision=True)
         out[f"{strategy}_clip"] = train(rank, n, strategy, clip=CLIP)
         out[f"{strategy}_accumulate"] = train(rank, n, strategy, micro=2)
+    buckets = dict(prefetch_bucket_size=BUCKET, reduce_bucket_size=BUCKET)
+    out["zero3_buckets_mixed"] = train(rank, n, "zero3", mixed_precision=True, **buckets)
+    out["zero3_buckets_accumulate"] = train(rank, n, "zero3", micro=2, **buckets)
     out["torch_zero"] = peer_zero_redundancy(rank, n)
     out["torch_fsdp2"] = peer_fsdp2(rank, n)
     out["errors"] = errors(rank, n)
@@ -365,6 +368,19 @@ def test_zero3_buckets_change_the_calls_not_the_training(n):
     units = plain["shards"]
     assert plain["calls"] == {"all_gather": 2 * units, "reduce_scatter": units}
     assert got["calls"]["all_gather"] < units and got["calls"]["reduce_scatter"] < units / 2, got["calls"]
+
+
+@pytest.mark.timeout(150)
+def test_zero3_buckets_in_mixed_precision_and_with_accumulation():
+    got = results(2)
+    mixed, plain_mixed = got["zero3_buckets_mixed"], got["zero3_mixed"]
+    assert max(abs(a - b) for a, b in zip(mixed["losses"], plain_mixed["losses"])) < ATOL
+    assert max_diff(mixed["params"], plain_mixed["params"]) < ATOL  # 16-bit sums of two ranks: alike
+    assert mixed["sent"] == plain_mixed["sent"] and mixed["all_memory"] == plain_mixed["all_memory"]
+    losses, _, params = oracle()
+    accumulated = got["zero3_buckets_accumulate"]
+    assert max(abs(a - b) for a, b in zip(accumulated["losses"], losses)) < ATOL
+    assert max_diff(accumulated["params"], params) < ATOL
 
 
 @pytest.mark.timeout(150)

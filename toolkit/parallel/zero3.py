@@ -34,7 +34,7 @@ pays a fixed cost. With `prefetch_bucket_size=B`, gathering a unit also gathers 
 next (in the order the first forward ran them, reversed in backward) until B elements, all in one
 all-gather. With `reduce_bucket_size=B`, finished units wait until B elements of gradients are ready,
 then go in one reduce-scatter. The bytes moved and the model states stay the same. The peak grows by
-up to a bucket of gathered parameters.
+up to a bucket of gathered parameters, twice that while a bucket is copied out into its units.
 
 Limits: a module's parameters must be used through that module's forward (reading
 `module.weight` from outside sees an empty tensor between uses), and every rank must run the same
