@@ -422,7 +422,7 @@ def write_section(path: str, body: str, argv) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     else:
         end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
+        text = text[:start] + section + ("\n" + text[end + 1:] if end >= 0 else "")  # a blank line before the next
     with open(path, "w") as f:
         f.write(text)
 

@@ -30,6 +30,7 @@ def test_section_is_appended_then_replaced_never_clobbering_others(tmp_path):
     assert text.count(bench.SECTION) == 1 and "third table" in text
     assert "first table" not in text and "second table" not in text
     assert "old strategies table" in text and "## FSDP\n\nfsdp table" in text
+    assert "third table\n\n## FSDP" in text  # the next section keeps its blank line
 
 
 @pytest.mark.timeout(120)
