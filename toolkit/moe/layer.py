@@ -272,7 +272,7 @@ class MoE(nn.Module):
         """Steps 4-6: rows to their experts' ranks, through the experts, and back in the same order.
         ``schedule="smart"``: per-peer steps (moe/schedule.py); ``pipeline_degree``: chunks (moe/pipeline.py).
         ``wrap``: shadowing puts its rows kept home around whichever pattern runs (moe/shadow_steps.py)."""
-        from .schedule import WholeExchange, overlapped
+        from .units import WholeExchange, overlapped
 
         if dist.is_initialized() and self.world > 1 and (self.schedule == "smart" or self.pipeline_degree != 1):
             from .pipeline import pipelined_dispatch_compute_combine

@@ -25,7 +25,7 @@ d*c slots, the padding holds no rows (nothing extra travels), so the last chunk 
 chunks past C_occ are empty on every rank and skipped. E.g. C_occ = 10, d = 3: chunks of 4, 4 and 2
 slots; C_occ = 2, d = 8: two chunks of one slot. The record says so (``padded_slots``, ``chunks``) and
 an explicit degree warns once per layer. The mathematics never changes: the same rows meet the same
-experts; gradients run the same chunks in reverse (``toolkit.moe.schedule.Overlapped``).
+experts; gradients run the same chunks in reverse (``toolkit.moe.units.Overlapped``).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import torch
 
 from .. import comm
 from ..trace.events import recorder
-from .schedule import Units, _Pending, label, overlapped
+from .units import Units, _Pending, label, overlapped
 
 DEGREES = (1, 2, 4, 8)
 BUCKET = 128  # the paper's dictionary key: floor(capacity / 128)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .. import comm
 from ..trace.events import span
 from .placement import run_experts
-from .schedule import Units, label
+from .units import Units, label
 
 
 class ShadowUnits(Units):
@@ -144,7 +144,7 @@ class ShadowUnits(Units):
 
     def finish(self, param_grads: list) -> list:
         """The owners add the summed gradients of their shadowed experts to the local experts' ones.
-        ``param_grads`` follow the trainable expert parameters, in order (``schedule.overlapped``)."""
+        ``param_grads`` follow the trainable expert parameters, in order (``units.overlapped``)."""
         total, handle = self.reduction
         self.reduction = None
         if handle is not None:
