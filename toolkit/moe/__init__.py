@@ -12,6 +12,8 @@ from .gates import (
 )
 from .topology import TopologyGate, topology_limit
 from .experts import Experts, gather_experts, is_expert
-from .layer import MoE, Plan, all_to_all, merge_load, reference_moe
+from .layer import MoE, Plan, all_to_all
+from .load import merge_load
+from .reference import reference_moe
 from .placement import Placement, choose_parallel, parallel_costs
 from .shadow import ShadowChoice, choose_shadows, latency_imbalanced, latency_shadowed

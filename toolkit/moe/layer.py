@@ -305,7 +305,7 @@ class MoE(nn.Module):
     # --- what the Run learns ------------------------------------------------------------------
     def record_load(self, routing: Routing, plan: Plan) -> None:
         """Record ``moe/{name}/load`` on this rank, one per forward (this rank's view; sum over ranks
-        for the global load, see ``merge_load``):
+        for the global load, see ``merge_load`` in moe/load.py):
 
         counts    [E]  (token, choice) pairs this rank routed to each global expert, before capacity
         kept      [E]  the same after capacity;  dropped = sum(counts) - sum(kept)
@@ -335,50 +335,3 @@ def _enclosing_step(lookback: int = 256):
         if event["name"] == "forward" and event["cat"] == "compute":
             return event["args"].get("step") if event["end"] is None else None
     return None
-
-
-def merge_load(metrics, name: str = "moe") -> list:
-    """The global expert load per forward of layer ``name``, from every rank's ``moe/{name}/load``.
-
-    ``metrics``: a Run's ``metrics`` (each with "rank"). The i-th record of each rank belongs to the
-    same forward. Returns, per forward: step, counts and kept summed over ranks, dropped, and
-    ``load_stats`` of the global counts (max_over_mean, cv, ...).
-    """
-    per_rank = {}
-    for m in metrics:
-        if m["name"] == f"moe/{name}/load":
-            per_rank.setdefault(m.get("rank", 0), []).append(m)
-    rows = []
-    for records in zip(*per_rank.values()):
-        counts = [sum(c) for c in zip(*(r["value"]["counts"] for r in records))]
-        kept = [sum(c) for c in zip(*(r["value"]["kept"] for r in records))]
-        rows.append({"step": records[0]["step"], "counts": counts, "kept": kept,
-                     "dropped": sum(r["value"]["dropped"] for r in records), **load_stats(counts)})
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------
-# The oracle
-# ---------------------------------------------------------------------------------------------
-
-def reference_moe(layer: MoE, chunks):
-    """Brute force, one process, all experts: what an expert-parallel run over len(chunks) ranks computes.
-
-    ``chunks[r]`` are rank r's tokens; each chunk is gated on its own (capacity is per rank), then
-    every expert loops over the tokens that chose it. No sorting, no all-to-all: an independent path
-    to check the layer's against. Returns (outputs per chunk, aux losses per chunk).
-    """
-    if layer.num_local != layer.num_experts:
-        raise ValueError("reference_moe needs a layer that holds every expert: build it in one process "
-                         "(no process group), with the same seed.")
-    outputs, losses = [], []
-    for x in chunks:
-        tokens = x.reshape(-1, layer.d_model)
-        r = layer.gate(tokens)
-        y = tokens.new_zeros(tokens.shape)
-        for e in range(layer.num_experts):
-            t, j = ((r.expert_index == e) & r.kept).nonzero(as_tuple=True)
-            y = y.index_add(0, t, layer.experts.expert(e, tokens[t]) * r.gate_weight[t, j, None])
-        outputs.append(y.reshape(x.shape))
-        losses.append(r.loss)
-    return outputs, losses

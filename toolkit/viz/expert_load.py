@@ -23,7 +23,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..moe.layer import merge_load
+from ..moe.load import merge_load
 
 IDLE, QUIET, BALANCED, BUSY, HOT = "#2166ac", "#92c5de", "#f7f7f7", "#f4a582", "#b2182b"
 TRACES_PER_LAYER = 4  # heatmap, busiest-expert dots, dropped bars, imbalance line (+ shadowed marks, if any)
