@@ -31,6 +31,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import toolkit
 
 CONFIGS = {  # name -> d_model, d_ff, experts per rank, tokens per rank; top-2, capacity factor 1.25
@@ -237,18 +238,8 @@ def table(rows) -> str:
 
 
 def write_section(path: str, body: str) -> None:
-    """Put this bench's section into `path`: replace an earlier one, keep every other section."""
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    section = f"{SECTION}\n\n`python {' '.join(sys.argv)}` ({time.strftime('%Y-%m-%d')})\n\n{body}\n"
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("\n" + text[end + 1:] if end >= 0 else "")  # a blank line before the next
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text)
+    """This bench's section of ``path`` (``benchlib.write_section``)."""
+    benchlib.write_section(path, SECTION, f"python {' '.join(sys.argv)}", body)
 
 
 def main(argv=None) -> int:

@@ -50,6 +50,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import toolkit
 
 CONFIG = dict(d=128, ff=512, per_rank=2, tokens=1024, top_k=2, zipf=1.5)
@@ -414,17 +415,8 @@ emulated link's times do not). Paired medians absorb most of it; repeat the comm
 
 
 def write_section(path: str, body: str, argv) -> None:
-    """Put this bench's section into ``path``: replace an earlier one, keep every other section."""
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    section = f"{SECTION}\n\n`python bench/moe_systems.py {' '.join(argv)}` ({time.strftime('%Y-%m-%d')})\n\n{body}\n"
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("\n" + text[end + 1:] if end >= 0 else "")  # a blank line before the next
-    with open(path, "w") as f:
-        f.write(text)
+    """This bench's section of ``path`` (``benchlib.write_section``), naming the command with ``argv``."""
+    benchlib.write_section(path, SECTION, f"python bench/moe_systems.py {' '.join(argv)}", body)
 
 
 def main(argv=None) -> int:

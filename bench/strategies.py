@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import toolkit
 from toolkit import parallel
 from toolkit.memory import ledger
@@ -160,8 +161,7 @@ def main(argv=None) -> int:
     text = table(rows, args.world_size)
     print(text)
     if args.write:
-        with open(args.write, "a") as f:
-            f.write(f"\n### `python {' '.join(sys.argv)}` ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
+        benchlib.append_table(args.write, f"python {' '.join(sys.argv)}", text)
     return 0
 
 

@@ -1,20 +1,13 @@
 """bench/moe.py: its section in docs/benchmarks.md leaves other sections alone, and without DeepSpeed it
 still measures the toolkit's layer (time, all-to-all share) and says why DeepSpeed is missing."""
-import importlib.util
-import os
-
 import pytest
 
 import toolkit
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_module import load
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_moe", os.path.join(ROOT, "bench", "moe.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("moe")
 
 
 def test_section_is_appended_then_replaced_never_clobbering_others(tmp_path):

@@ -1,20 +1,13 @@
 """bench/moe_systems.py: a tiny run measures every variant on a calibrated emulated link, and its section in
 docs/benchmarks.md replaces only itself (the other benches' sections stay)."""
-import importlib.util
-import os
-
 import pytest
 
 import toolkit
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_module import load
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_moe_systems", os.path.join(ROOT, "bench", "moe_systems.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("moe_systems")
 
 
 def test_section_is_appended_then_replaced_never_clobbering_others(tmp_path):
