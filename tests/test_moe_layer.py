@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import toolkit
+from moe_routing import prefer
 from toolkit.moe import MoE, gather_experts, is_expert, merge_load, reference_moe
 from toolkit.moe.experts import WEIGHTS
 
@@ -45,13 +46,8 @@ def build(options):
     options = dict(options)
     skew = options.pop("skew", False)
     layer = MoE(D, FF, init_std=INIT, seed=SEED, name="test", **options)
-    if skew:
-        with torch.no_grad():  # logits depend on feature 0 only (set to 1): the same order for every token
-            E = layer.num_experts
-            scores = -0.1 * torch.arange(1, E + 1, dtype=torch.float32)
-            scores[E - 1], scores[0] = 2.0, 1.0
-            layer.gate.router.weight.zero_()
-            layer.gate.router.weight[:, 0] = scores
+    if skew:  # every token: the last expert first, then expert 0
+        prefer(layer.gate.router.weight, layer.num_experts - 1, 0)
     return layer
 
 

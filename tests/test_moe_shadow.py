@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import toolkit
+from moe_routing import prefer
 from toolkit.moe import MoE, gather_experts, reference_moe
 from toolkit.moe.experts import WEIGHTS
 from toolkit.moe.topology import TopologyGate, topology_limit
@@ -223,17 +224,6 @@ def build(options, plain=False):
     return layer
 
 
-def skew_router(weight):
-    """Logits depend on feature 0 only (set to 1): every token ranks the experts alike, expert 0 then 1,
-    both on rank 0: the straggler that shadowing is for."""
-    E = weight.shape[0]
-    with torch.no_grad():
-        scores = -0.1 * torch.arange(1, E + 1, dtype=torch.float32)
-        scores[0], scores[1] = 2.0, 1.0
-        weight.zero_()
-        weight[:, 0] = scores
-
-
 def inputs(name, world, rank, options):
     g = torch.Generator().manual_seed(zlib.crc32(f"{name}/{world}/{rank}".encode()))
     x = torch.randn(options.get("batch", 2), 5 + 2 * rank, D, generator=g)
@@ -251,7 +241,7 @@ def one_config(name, options, world, rank):
 
     layer = build(options)
     if options.get("skew"):
-        skew_router(layer.gate.router.weight)
+        prefer(layer.gate.router.weight, 0, 1)  # experts 0 and 1, both on rank 0
     x, probe = inputs(name, world, rank, options)
     x.requires_grad_(True)
     recorder.reset()
@@ -332,7 +322,7 @@ def reference(name, world):
     options = configs(world)[name]
     layer = build(options, plain=True)
     if options.get("skew"):
-        skew_router(layer.gate.router.weight)
+        prefer(layer.gate.router.weight, 0, 1)  # experts 0 and 1, both on rank 0
     xs, probes = zip(*(inputs(name, world, r, options) for r in range(world)))
     for x in xs:
         x.requires_grad_(True)

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import toolkit
+from moe_routing import prefer
 from toolkit.comm import emulate, emulation_description
 from toolkit.memory.formulas import alpha_beta_time
 from toolkit.moe import MoE
@@ -56,12 +57,7 @@ def tokens(routing, world, rank):
 def build(routing, world, **options):
     layer = MoE(D, FF, 2 * world, top_k=2, init_std=INIT, seed=SEED, name="sys", **ROUTINGS[routing], **options)
     if routing == "skewed":  # every token: the last expert first, then expert 0 (as tests/test_moe_layer.py)
-        with torch.no_grad():
-            E = layer.num_experts
-            scores = -0.1 * torch.arange(1, E + 1, dtype=torch.float32)
-            scores[E - 1], scores[0] = 2.0, 1.0
-            layer.gate.router.weight.zero_()
-            layer.gate.router.weight[:, 0] = scores
+        prefer(layer.gate.router.weight, layer.num_experts - 1, 0)
     return layer
 
 
