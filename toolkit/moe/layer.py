@@ -35,8 +35,6 @@ combine, forward and backward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -45,9 +43,11 @@ from .. import comm
 from ..trace.events import recorder, span
 from .experts import Experts, expert_generator
 from .gates import Routing, TopKGate, load_stats
+from .load import enclosing_step
 from .topology import TopologyGate
 from . import machine
 from .placement import Placement
+from .plan import Plan
 from .shadow import Shadowing
 
 
@@ -83,32 +83,6 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all(x: torch.Tensor, out_splits, in_splits, group=None, label="all_to_all") -> torch.Tensor:
     """Differentiable all-to-all of rows: send ``in_splits[j]`` rows to rank j, get ``out_splits[j]``."""
     return _AllToAll.apply(x, [int(s) for s in out_splits], [int(s) for s in in_splits], group, label)
-
-
-# ---------------------------------------------------------------------------------------------
-# The plan: who sends how many rows to whom
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class Plan:
-    """Result of the count exchange. Rank r holds local experts r*E_local .. (r+1)*E_local - 1.
-
-    send_counts (W, E_local)  rows this rank sends to rank j's local expert e (kept choices)
-    recv_counts (W, E_local)  rows this rank receives from rank j for its local expert e
-    send_splits, recv_splits  per-rank row totals (host ints: the all-to-all split sizes)
-    """
-
-    send_counts: torch.Tensor
-    recv_counts: torch.Tensor
-
-    def __post_init__(self):
-        self.send_splits = self.send_counts.sum(1).tolist()
-        self.recv_splits = self.recv_counts.sum(1).tolist()
-
-    @property
-    def expert_rows(self) -> list:
-        """Rows each local expert computes, summed over senders (FasterMoE's B_w, per expert)."""
-        return self.recv_counts.sum(0).tolist()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,18 +294,10 @@ class MoE(nn.Module):
         if not recorder.enabled:
             return
         if isinstance(self.gate, TopologyGate):  # rows that cross nodes, wanted and sent, and the limit L
-            recorder.metric(f"moe/{self.name}/topology", self.gate.record(routing), step=_enclosing_step())
+            recorder.metric(f"moe/{self.name}/topology", self.gate.record(routing), step=enclosing_step())
         stats = load_stats(routing.counts)
         value = {"counts": routing.counts.tolist(), "kept": routing.kept_counts.tolist(),
                  "dropped": routing.dropped, "capacity": routing.capacity, "received": plan.expert_rows,
                  "first": self.rank * self.num_local, "max_over_mean": stats["max_over_mean"],
                  "cv": stats["cv"], "call": self.calls}
-        recorder.metric(f"moe/{self.name}/load", value, step=_enclosing_step())
-
-
-def _enclosing_step(lookback: int = 256):
-    """The step of the training loop's open "forward" span (see toolkit.train), or None."""
-    for event in reversed(recorder.events[-lookback:]):
-        if event["name"] == "forward" and event["cat"] == "compute":
-            return event["args"].get("step") if event["end"] is None else None
-    return None
+        recorder.metric(f"moe/{self.name}/load", value, step=enclosing_step())

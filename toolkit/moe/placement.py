@@ -30,7 +30,9 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..trace.events import recorder, span
+from .load import enclosing_step
 from .machine import _label
+from .plan import Plan
 
 MODES = ("ep", "dp", "auto")
 
@@ -171,17 +173,14 @@ class Placement:
             self.choice, self.reason = choose_parallel(self.costs, num_experts=layer.num_experts,
                                                        rows_off_rank=rows_off, expert_params=P)
         if recorder.enabled:
-            from .layer import _enclosing_step
             recorder.metric(f"moe/{layer.name}/parallel",
                             {"mode": self.mode, "choice": self.choice, "reason": self.reason,
                              "rows_off_rank": rows_off, "expert_params": P, **self.costs},
-                            step=_enclosing_step())
+                            step=enclosing_step())
         return self.choice == "dp"
 
     def forward(self, layer, tokens, routing):
         """Steps 2-6 data-parallel: all experts here, this rank's rows through them. -> (plan, order, answers)"""
-        from .layer import Plan
-
         weights = all_experts(layer)
         order, rows = layer.sort_by_destination(tokens, routing)   # grouped by expert, ascending
         kept = routing.kept_counts
