@@ -7,15 +7,16 @@ decision and the time it is then measured in cannot disagree about the physics.
 
 The machine. Every rank has its own link inside its node (NVLink-like; ``intra``, or not slowed at
 all). Everything that leaves or enters a node goes through the node's network card, full duplex (an
-uplink and a downlink, each ``inter``), which the node's ranks SHARE: transfers that need it at the
-same time queue on it, each holding it for alpha x messages + bytes x beta. With one rank per node
+uplink and a downlink, each ``inter``), whose bandwidth the node's ranks SHARE: the bytes of transfers
+that need it at the same time queue on it, each holding it for bytes x beta; a message's latency
+(alpha) is its own and does not hold the card (it is delay, not occupancy). With one rank per node
 (the default) the card is the rank's own and nothing is shared.
 
 What a call needs (``demand``), for global rank ``me``:
 
     all_to_all      own:  (peers on my node) x alpha_intra + max(bytes sent to them, received) x beta_intra
-                    up:   (peers off my node) x alpha + bytes I send off the node x beta
-                    down: (peers off my node) x alpha + bytes I receive from off the node x beta
+                    card: (peers off my node) x alpha, plus the bytes I send off the node x beta on
+                          its uplink and the bytes I receive from off the node x beta on its downlink
                     (what a rank sends AND what it receives: a rank that sends nothing still waits for
                     what arrives)
     all_reduce, reduce_scatter, all_gather, broadcast    a ring in group order, paced by its slowest hop:
@@ -26,8 +27,8 @@ What a call needs (``demand``), for global rank ``me``:
     send / recv     alpha + bytes x beta on the link between the two ranks (the card, across nodes)
     barrier         ceil(log2 N) x alpha, no data
 
-A call runs its own part first, then its card part; ``schedule`` books both on a ``Ledger`` (who is
-busy until when) and returns when the call may finish. ``alone`` is a call's time on idle links;
+A call runs its own part first, then its card part (its bytes queue on the card, then its latency);
+``schedule`` books both on a ``Ledger`` (who is busy until when) and returns when it may finish. ``alone`` is a call's time on idle links;
 ``together`` is the time of one collective issued by every rank at the same moment: each node's card
 carries all of its ranks' cross-node traffic in turn, which is what the emulator then measures.
 """
@@ -41,17 +42,19 @@ RING_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
 @dataclass(frozen=True)
 class Demand:
-    """What one call of one rank needs: seconds on its own link, then on its node's uplink and downlink."""
+    """What one call of one rank needs: seconds on its own link, then its bytes' seconds on its node's
+    uplink and downlink (shared) and the latency of its cross-node messages (not shared)."""
 
     own_s: float = 0.0
     up_s: float = 0.0
     down_s: float = 0.0
+    latency_s: float = 0.0
     label: str = "none"
 
     @property
     def alone(self) -> float:
         """Seconds when no other call uses the links (the modelled transfer time)."""
-        return self.own_s + max(self.up_s, self.down_s)
+        return self.own_s + max(self.up_s, self.down_s) + self.latency_s
 
 
 def _kind(settings, a: int, b: int) -> str:
@@ -78,8 +81,8 @@ def demand(settings, op: str, ranks, me: int, size_bytes: float, extra: dict | N
         kind = _kind(settings, me, extra["peer"])
         if kind == "intra-node":
             return Demand(own_s=_time(settings.intra, 1, size_bytes), label=kind)
-        seconds = _time(settings.inter, 1, size_bytes)
-        return Demand(up_s=seconds, label=kind) if op == "send" else Demand(down_s=seconds, label=kind)
+        seconds, alpha = size_bytes * settings.inter.beta, settings.inter.latency
+        return Demand(**{"up_s" if op == "send" else "down_s": seconds}, latency_s=alpha, label=kind)
     n = len(ranks)
     if n <= 1:
         return Demand()
@@ -94,9 +97,9 @@ def demand(settings, op: str, ranks, me: int, size_bytes: float, extra: dict | N
         own = parts.get("intra-node", (0, 0.0, 0.0))
         cross = parts.get("inter-node")
         label = "intra+inter-node" if len(kinds) == 2 else (kinds[0] if kinds else "none")
-        return Demand(own_s=_time(settings.intra, own[0], max(own[1], own[2])),
-                      up_s=_time(settings.inter, cross[0], cross[1]) if cross else 0.0,
-                      down_s=_time(settings.inter, cross[0], cross[2]) if cross else 0.0, label=label)
+        cross = cross or (0, 0.0, 0.0)
+        return Demand(own_s=_time(settings.intra, own[0], max(own[1], own[2])), up_s=cross[1] * settings.inter.beta,
+                      down_s=cross[2] * settings.inter.beta, latency_s=cross[0] * settings.inter.latency, label=label)
     spans_nodes = len({settings.node_of(r) for r in ranks}) > 1
     link = settings.inter if spans_nodes else settings.intra
     label = "inter-node" if spans_nodes or settings.ranks_per_node == 1 else "intra-node"
@@ -109,9 +112,11 @@ def demand(settings, op: str, ranks, me: int, size_bytes: float, extra: dict | N
         return Demand(own_s=seconds, label=label)
     at = ranks.index(me)
     after, before = ranks[(at + 1) % n], ranks[(at - 1) % n]
-    up = seconds if settings.node_of(after) != settings.node_of(me) else 0.0
-    down = seconds if settings.node_of(before) != settings.node_of(me) else 0.0
-    return Demand(own_s=0.0 if up or down else seconds, up_s=up, down_s=down, label=label)
+    up, down = (settings.node_of(r) != settings.node_of(me) for r in (after, before))
+    if not (up or down):  # my ring neighbours are on my node: I keep the pace of the ring's slowest hop
+        return Demand(own_s=seconds, label=label)
+    wire = alpha_beta_time(op, size_bytes, n, 0.0, link.beta)
+    return Demand(up_s=wire if up else 0.0, down_s=wire if down else 0.0, latency_s=seconds - wire, label=label)
 
 
 def _all_to_all_bytes(me_at: int, n: int, size_bytes: float, extra: dict):
@@ -155,7 +160,7 @@ def schedule(ledger, own: "Ledger", settings, d: Demand, me: int, now: float, si
     for side, seconds in (("up", d.up_s), ("down", d.down_s)):
         if seconds > 0:
             finish = max(finish, ledger.reserve(("node", node, side), end, seconds))
-    return finish
+    return finish + d.latency_s
 
 
 def together(settings, demands: dict) -> float:

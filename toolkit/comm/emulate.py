@@ -29,8 +29,8 @@ emulated one.
 
 The node's card is shared. Everything that leaves or enters a node goes through the node's network
 card (full duplex: an uplink and a downlink, each ``bandwidth``), and the ranks of the node that cross
-nodes at the same time share it: their transfers queue on it, each holding it for its alpha x messages
-+ bytes x beta. Two ranks of one node each pushing 1 MB to the other node at 100 MB/s therefore take
+nodes at the same time share its bandwidth: their bytes queue on it, each transfer holding it for bytes
+x beta (a message's latency is delay, its own, and does not hold the card). Two ranks of one node each pushing 1 MB to the other node at 100 MB/s therefore take
 20 ms together, not 10 ms each: the congestion FasterMoE's topology-aware gate is about (M workers
 share W_net). A ring collective crosses each node boundary once (only the rank whose ring neighbour
 is on the other node uses the card), so one ring does not congest a card; two rings in parallel

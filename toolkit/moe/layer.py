@@ -43,7 +43,7 @@ from .. import comm
 from ..comm import hierarchical
 from ..trace.events import recorder, span
 from .experts import Experts, expert_generator
-from .gates import Routing, TopKGate, load_stats
+from .gates import Routing, TopKGate, capacity, load_stats
 from .load import enclosing_step
 from .topology import TopologyGate
 from . import machine
@@ -152,7 +152,9 @@ class MoE(nn.Module):
     load-balancing loss (+ z-loss) on this rank's tokens: add it, weighted, to the training loss.
     Expert weights depend only on (seed, global expert index); the router on the seed.
 
-    Options: ``dropless`` (never drop; ranks agree on the capacity with an all-reduce MAX), ``noisy``
+    Options: ``dropless`` (never drop; ranks agree on the capacity with an all-reduce MAX),
+    ``dynamic_capacity`` (Tutel's adaptive capacity: each step the fullest expert's load, at most
+    ``capacity_factor``'s C, agreed like dropless; Tutel spells it capacity_factor=-f), ``noisy``
     / ``noise_std``, ``z_loss_weight``, ``aux_loss`` ("gshard" | "switch"), ``min_capacity`` (see
     ``TopKGate``), ``init_std`` (normal init of router and expert weights), ``name`` (metric key).
     Issue 6's systems options (none changes the mathematics, except the topology gate's routing):
@@ -179,7 +181,7 @@ class MoE(nn.Module):
                  aux_loss: str = "gshard", min_capacity: int = 1, init_std: float = 0.02,
                  name: str = "moe", expert_parallel: str = "ep", node_size=None, compute_flops=None,
                  bandwidth=None, local_bandwidth=None, smart_group_size: int = 1, expert_slices=None,
-                 all_to_all_algorithm: str = "flat"):
+                 all_to_all_algorithm: str = "flat", dynamic_capacity: bool = False):
         super().__init__()
         _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_parallel, node_size, local_bandwidth,
                                smart_group_size, all_to_all_algorithm)
@@ -212,7 +214,12 @@ class MoE(nn.Module):
                              f"expert-parallel group; choose one of {fits}.")
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.num_local, self.dropless, self.seed = max(1, num_experts // self.world), bool(dropless), seed
-        gate_options = dict(noisy=noisy, noise_std=noise_std, dropless=dropless, z_loss_weight=z_loss_weight,
+        if dynamic_capacity and dropless:
+            raise ValueError("MoE: dynamic_capacity=True already sets the capacity from the load (at most "
+                             "capacity_factor's); dropless=True never limits it. Choose one.")
+        self.dynamic_capacity = bool(dynamic_capacity)
+        gate_options = dict(noisy=noisy, noise_std=noise_std, dropless=dropless or self.dynamic_capacity,
+                            z_loss_weight=z_loss_weight,
                             aux_loss=aux_loss, min_capacity=min_capacity)
         if gate == "topology":  # FasterMoE: nodes and links from the arguments or the emulated link
             nodes = machine.topology(self.world, node_size=node_size, bandwidth=bandwidth,
@@ -260,9 +267,15 @@ class MoE(nn.Module):
         return out.reshape(x.shape), routing.loss
 
     def route(self, tokens: torch.Tensor) -> Routing:
-        """Step 1: the gate's decision; in dropless mode, the capacity every rank agrees on."""
+        """Step 1: the gate's decision; in dropless mode, the capacity every rank agrees on. Dynamic
+        capacity (Tutel): this step's capacity is the fullest expert's load, at most what
+        ``capacity_factor`` allows, agreed by all ranks like dropless."""
         routing = self.gate(tokens)
-        if self.dropless and dist.is_initialized():
+        if self.dynamic_capacity:
+            bound = capacity(routing.num_tokens, self.num_experts, self.top_k, self.gate.capacity_factor,
+                             self.gate.min_capacity)
+            routing = routing.with_capacity(min(routing.capacity, bound))
+        if (self.dropless or self.dynamic_capacity) and dist.is_initialized():
             cap = torch.tensor([routing.capacity], device=tokens.device)
             comm.all_reduce(cap, op="max", group=self.group)
             routing = routing.with_capacity(int(cap.item()))
@@ -334,7 +347,7 @@ class MoE(nn.Module):
 
         counts    [E]  (token, choice) pairs this rank routed to each global expert, before capacity
         kept      [E]  the same after capacity;  dropped = sum(counts) - sum(kept)
-        capacity       slots per expert on this rank
+        capacity       slots per expert on this rank;  capacity_factor  the f it amounts to, C*E/(k*T)
         received  [E_local]  rows each of this rank's experts computed (from all ranks)
         first          global id of this rank's first expert
         max_over_mean, cv    imbalance of ``counts`` (``load_stats``)
@@ -349,6 +362,7 @@ class MoE(nn.Module):
         stats = load_stats(routing.counts)
         value = {"counts": routing.counts.tolist(), "kept": routing.kept_counts.tolist(),
                  "dropped": routing.dropped, "capacity": routing.capacity, "received": plan.expert_rows,
+                 "capacity_factor": routing.capacity * self.num_experts / max(1, routing.num_tokens * self.top_k),
                  "first": self.experts.first, "max_over_mean": stats["max_over_mean"],
                  "cv": stats["cv"], "call": self.calls}
         recorder.metric(f"moe/{self.name}/load", value, step=enclosing_step())
