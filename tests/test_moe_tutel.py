@@ -54,6 +54,9 @@ def test_the_ranks_of_a_node_share_its_card():
     nodes = make_settings(100e6, "1 us", ranks_per_node=2)
     push = {0: demand(nodes, "send", [0, 2], 0, 1e6, dict(peer=2)), 1: demand(nodes, "send", [1, 3], 1, 1e6, dict(peer=3))}
     assert push[0].alone == pytest.approx(0.01 + 1e-6) and together(nodes, push) == pytest.approx(0.02 + 1e-6)
+    free = make_settings(100e6, "1 us", ranks_per_node=2, shared_card=False)  # same nodes, a card per rank
+    assert together(free, {r: demand(free, "send", [r, r + 2], r, 1e6, dict(peer=r + 2)) for r in (0, 1)}) == \
+        pytest.approx(0.01 + 1e-6)
     apart = make_settings(100e6, "1 us")  # one rank per node: every rank has its own card
     assert together(apart, {0: demand(apart, "send", [0, 2], 0, 1e6, dict(peer=2)),
                             1: demand(apart, "send", [1, 3], 1, 1e6, dict(peer=3))}) == pytest.approx(0.01 + 1e-6)

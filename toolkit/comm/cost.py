@@ -156,7 +156,7 @@ def schedule(ledger, own: "Ledger", settings, d: Demand, me: int, now: float, si
     if d.own_s > 0:
         for s in sides:
             own.free[("rank", me, s)] = end
-    node, finish = settings.node_of(me), end
+    node, finish = settings.card_of(me), end
     for side, seconds in (("up", d.up_s), ("down", d.down_s)):
         if seconds > 0:
             finish = max(finish, ledger.reserve(("node", node, side), end, seconds))

@@ -154,9 +154,14 @@ class Settings:
     inter: Link
     intra: Link | None = None
     ranks_per_node: int = 1
+    shared_card: bool = True  # False: every rank has its own card to the network (no congestion)
 
     def node_of(self, rank: int) -> int:
         return int(rank) // self.ranks_per_node
+
+    def card_of(self, rank: int):
+        """The network card a rank's cross-node traffic goes through: its node's, or its own."""
+        return self.node_of(rank) if self.shared_card else f"rank {int(rank)}"
 
     def link(self, ranks) -> Link | None:
         """The link a group of global ranks talks over: intra-node if they share a node, else inter-node."""
@@ -167,22 +172,24 @@ class Settings:
         if self.ranks_per_node == 1:
             return text + " (every rank its own node)"
         inside = self.intra.describe() if self.intra is not None else "not slowed (real loopback)"
-        return text + f"; inside a node of {self.ranks_per_node} ranks: {inside}"
+        card = "one card per node, shared" if self.shared_card else "one card per rank (no congestion)"
+        return text + f" ({card}); inside a node of {self.ranks_per_node} ranks: {inside}"
 
     def to_dict(self) -> dict:
         return {"bandwidth": self.inter.bandwidth, "latency": self.inter.latency,
                 "intra_node": asdict(self.intra) if self.intra is not None else None,
-                "ranks_per_node": self.ranks_per_node, "description": self.describe()}
+                "ranks_per_node": self.ranks_per_node, "shared_card": self.shared_card,
+                "description": self.describe()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Settings":
         intra = d.get("intra_node")
         return cls(Link(float(d["bandwidth"]), float(d["latency"])),
                    Link(float(intra["bandwidth"]), float(intra["latency"])) if intra else None,
-                   int(d.get("ranks_per_node", 1)))
+                   int(d.get("ranks_per_node", 1)), bool(d.get("shared_card", True)))
 
 
-def make_settings(bandwidth, latency="10 us", intra_node=None, ranks_per_node=None) -> Settings:
+def make_settings(bandwidth, latency="10 us", intra_node=None, ranks_per_node=None, shared_card=True) -> Settings:
     """Validate ``emulate``'s arguments into Settings (every parameter must be positive)."""
     inter = Link(parse_bandwidth(bandwidth), parse_latency(latency))
     intra = None
@@ -207,7 +214,7 @@ def make_settings(bandwidth, latency="10 us", intra_node=None, ranks_per_node=No
         ranks_per_node = 1
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
         raise ValueError(f"emulate: ranks_per_node must be a positive int, got {ranks_per_node!r}.")
-    return Settings(inter, intra, ranks_per_node)
+    return Settings(inter, intra, ranks_per_node, bool(shared_card))
 
 
 # --- the state of this process ----------------------------------------------------------------------
@@ -244,14 +251,17 @@ class emulate:
     bandwidth: bytes/s (number) or a string, "10 Gb/s" or "100 MB/s"; latency: seconds per message
     (alpha), number or "5 us"; both must be positive. ranks_per_node: consecutive ranks per node
     (default 1: every link is this one). intra_node: the link inside a node, dict(bandwidth=...,
-    latency=...) or a pair; None leaves it unslowed. ``emulate(None)`` switches emulation off.
+    latency=...) or a pair; None leaves it unslowed. shared_card: the ranks of a node share its card to
+    the network (default; see "The node's card is shared"); False gives every rank its own, the same
+    network without congestion. ``emulate(None)`` switches emulation off.
 
     Takes effect at once, for this process and the ranks ``toolkit.launch`` starts afterwards; as a
     context manager (``with emulate(...):``) it restores the previous setting on exit.
     """
 
-    def __init__(self, bandwidth, latency="10 us", *, intra_node=None, ranks_per_node=None):
-        settings = None if bandwidth is None else make_settings(bandwidth, latency, intra_node, ranks_per_node)
+    def __init__(self, bandwidth, latency="10 us", *, intra_node=None, ranks_per_node=None, shared_card=True):
+        settings = None if bandwidth is None else make_settings(bandwidth, latency, intra_node, ranks_per_node,
+                                                                 shared_card)
         if bandwidth is None and (intra_node is not None or ranks_per_node is not None):
             raise ValueError("emulate(None) switches emulation off; it takes no intra_node/ranks_per_node.")
         self.previous, self.settings = _current, settings
@@ -316,7 +326,7 @@ def _card_ledger(settings: Settings):
     processes must see each other's transfers), else this process (the card is this rank's own)."""
     import torch.distributed as dist
 
-    if settings.ranks_per_node == 1 or not dist.is_initialized():
+    if settings.ranks_per_node == 1 or not settings.shared_card or not dist.is_initialized():
         return _own
     store = dist.distributed_c10d._get_default_store()
     if _shared.get("store") is not store:
