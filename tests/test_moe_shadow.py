@@ -528,7 +528,7 @@ def test_bad_options_are_clear_errors():
         MoE(D, FF, 4, gate="topology")                  # no nodes, no links, no emulation
     with pytest.raises(ValueError, match="fewer than top_k=2"):
         TopologyGate(D, 4, 2, world=4, rank=0, node_size=1, cross_fraction=0.5)
-    with pytest.raises(ValueError, match="node_size= and local_bandwidth= describe the nodes"):
+    with pytest.raises(ValueError, match="node_size= describes the nodes for gate=.topology. or all_to_all_algorithm"):
         MoE(D, FF, 4, node_size=2)
 
 
