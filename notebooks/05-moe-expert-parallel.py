@@ -35,7 +35,8 @@
 #    complexity comparison), computed for this model and measured from the traces.
 #
 # It runs top to bottom in about a minute on a 2-core laptop. Then do `labs/04-moe-dispatch`: you write
-# the dispatch and combine yourself and the grader checks them on real ranks.
+# the dispatch and combine yourself and the grader checks them on real ranks. Where the toolkit's layer
+# differs from FastMoE, Tutel and DeepSpeed-MoE, and what you would notice: `docs/differences.md`.
 
 # %%
 import math

@@ -43,7 +43,8 @@
 # Every number printed below says which link it was measured on.
 #
 # It runs top to bottom in well under a minute on a 2-core laptop (two launches: 2 ranks, then 4).
-# Then do `labs/05-shadowing`: you write the rule that decides which experts to shadow.
+# Then do `labs/05-shadowing`: you write the rule that decides which experts to shadow. What each
+# system here does differently from FasterMoE's and Tutel's releases: `docs/differences.md`.
 
 # %%
 import re
