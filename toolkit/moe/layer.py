@@ -219,8 +219,7 @@ class MoE(nn.Module):
                              "capacity_factor's); dropless=True never limits it. Choose one.")
         self.dynamic_capacity = bool(dynamic_capacity)
         gate_options = dict(noisy=noisy, noise_std=noise_std, dropless=dropless or self.dynamic_capacity,
-                            z_loss_weight=z_loss_weight,
-                            aux_loss=aux_loss, min_capacity=min_capacity)
+                            z_loss_weight=z_loss_weight, aux_loss=aux_loss, min_capacity=min_capacity)
         if gate == "topology":  # FasterMoE: nodes and links from the arguments or the emulated link
             nodes = machine.topology(self.world, node_size=node_size, bandwidth=bandwidth,
                                      local_bandwidth=local_bandwidth)
