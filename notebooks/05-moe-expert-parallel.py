@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -24,7 +26,8 @@
 #
 # 1. **why MoE**: parameters and compute per token of this notebook's model as E grows;
 # 2. **the gate**: top-k routing of a small batch, by hand;
-# 3. **capacity and dropping**: C = ceil(k·f·T/E), and which tokens lose their seat;
+# 3. **capacity and dropping**: C = ceil(k·f·T/E), and which tokens lose their seat; how tokens reach
+#    their slots: GShard's one-hot einsum against Tutel's fast encode/decode, in memory and time;
 # 4. **expert parallelism**: experts split over the ranks, the count exchange and the two all-to-alls
 #    (dispatch, combine) on the timeline of a real run, forward and backward;
 # 5. **the expert load over training**: skewed and drifting, as FasterMoE observed, on a real training run;
@@ -32,7 +35,8 @@
 #    complexity comparison), computed for this model and measured from the traces.
 #
 # It runs top to bottom in about a minute on a 2-core laptop. Then do `labs/04-moe-dispatch`: you write
-# the dispatch and combine yourself and the grader checks them on real ranks.
+# the dispatch and combine yourself and the grader checks them on real ranks. Where the toolkit's layer
+# differs from FastMoE, Tutel and DeepSpeed-MoE, and what you would notice: `docs/differences.md`.
 
 # %%
 import math
@@ -153,6 +157,64 @@ for f in (0.5, 1.0, 1.25, 2.0):
 
 # %%
 print(f"this batch: GShard auxiliary loss {routing.aux_loss.item():.3f} (1.0 = balanced, {E_small} = all on one expert)")
+
+# %% [markdown]
+# ### Getting tokens into their slots: one-hot einsum, or Tutel's fast encode and decode
+#
+# GShard writes the move into the experts' (E, C, d) buffers, and back, as two einsums with dense
+# (T, E, C) masks: a one-hot *dispatch mask* (token t sits in slot c of expert e) and the *combine
+# weights* (the same, holding the gate weight):
+#
+# $$ \text{buffers}_{ecd} = \sum_t \text{mask}_{tec}\, x_{td}, \qquad y_{td} = \sum_{e,c} \text{weights}_{tec}\, \text{out}_{ecd}. $$
+#
+# Each mask has T·E·C entries, and with C = k·f·T/E that is k·f·T²: quadratic in the tokens, nearly all
+# zeros, and each einsum multiplies all of them by d numbers. Tutel's **fast encode and decode** (fused
+# GPU kernels there; "90 % less memory" in its slides) instead write each kept (token, choice) to its
+# slot by index and read it back the same way: work and memory O(T·k·d), no mask. `toolkit.moe.encode`
+# has both forms in plain torch. The same tokens through both, encode then decode (experts left out),
+# memory measured with torch's `MemTracker` (peak bytes allocated), time the fastest of a few runs
+# (the least disturbed by whatever else shares this machine):
+
+# %%
+import time
+
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from toolkit.moe.encode import decode_einsum, decode_index, encode_einsum, encode_index
+
+
+def cost(fn):
+    """(result, peak bytes allocated, fastest seconds) of fn(): at least 3 runs, up to 50 or 0.1 s."""
+    tracker = MemTracker()
+    with tracker:
+        result = fn()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    seconds = []
+    while len(seconds) < 3 or (sum(seconds) < 0.1 and len(seconds) < 50):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return result, peak, min(seconds)
+
+
+torch.manual_seed(0)
+print(f"{'T':>5}{'C':>5}{'einsum: memory':>16}{'time':>10}{'index: memory':>15}{'time':>10}   einsum / index")
+for T_enc in (128, 256, 512):
+    gate_enc = TopKGate(D, E, top_k=K, capacity_factor=FACTOR)
+    x_enc = torch.randn(T_enc, D)
+    with torch.no_grad():
+        r_enc = gate_enc(x_enc)
+        slow, slow_peak, slow_s = cost(lambda: decode_einsum(r_enc, encode_einsum(r_enc, x_enc)))
+        fast, fast_peak, fast_s = cost(lambda: decode_index(r_enc, encode_index(r_enc, x_enc)))
+    assert torch.allclose(slow, fast, atol=1e-5)      # the same numbers either way
+    print(f"{T_enc:>5}{r_enc.capacity:>5}{slow_peak / 1e6:>13.2f} MB{slow_s * 1e3:>8.1f}ms{fast_peak / 1e6:>12.3f} MB"
+          f"{fast_s * 1e3:>8.2f}ms   {slow_peak / fast_peak:>4.0f}x memory, {slow_s / fast_s:>4.0f}x time")
+
+# %% [markdown]
+# Doubling the tokens doubles the index form's memory and roughly quadruples the einsum's: the masks
+# grow with T·C. (Times on a shared CPU move between runs; the ratios' growth is the point.) The layer
+# of section 4 goes one step further than Tutel's buffers: only kept rows travel, sorted by destination,
+# so there is no (E, C, d) buffer at all.
 
 # %% [markdown]
 # ## 4. Expert parallelism: experts on different ranks, tokens travel
@@ -307,9 +369,9 @@ viz.expert_load(trainings["balancing loss 0.1"])
 # | **EP**: experts split | E/W experts | its tokens' rows: 4 all-to-alls per layer (dispatch, combine, twice) | O(C_g) |
 #
 # where C_g is the number of token rows a rank's all-to-all carries, bounded by capacity:
-# C_g ≤ E·C = k·f·T for T tokens on the rank. (With more ranks than experts, W > E, each expert is
-# replicated on W/E ranks and those replicas all-reduce: EP+DP costs O(C_g + P/E).) DP's cost grows
-# with the *model*, EP's with the *batch*. For this notebook's model:
+# C_g ≤ E·C = k·f·T for T tokens on the rank. (With more ranks than experts, W > E, each expert lives on
+# W/E ranks: gathered whole there, EP+DP costs O(C_g + P/E); sliced, EP+DP+MP costs O(C_g·W/E);
+# notebook 06 runs both.) DP's cost grows with the *model*, EP's with the *batch*. For this notebook's model:
 
 # %%
 torch.manual_seed(0)

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -41,7 +43,8 @@
 # Every number printed below says which link it was measured on.
 #
 # It runs top to bottom in well under a minute on a 2-core laptop (two launches: 2 ranks, then 4).
-# Then do `labs/05-shadowing`: you write the rule that decides which experts to shadow.
+# Then do `labs/05-shadowing`: you write the rule that decides which experts to shadow. What each
+# system here does differently from FasterMoE's and Tutel's releases: `docs/differences.md`.
 
 # %%
 import re
@@ -120,7 +123,7 @@ def run_config(label, options, iterations, tokens=TOKENS, per_rank=PER_RANK, zip
     options = dict(options)
     capacity_factor = options.pop("capacity_factor", 1.25)
     dropless = options.pop("dropless", True)
-    layer = MoE(D, FF, per_rank * world, top_k=K, capacity_factor=capacity_factor, dropless=dropless, seed=0,
+    layer = MoE(D, FF, int(per_rank * world), top_k=K, capacity_factor=capacity_factor, dropless=dropless, seed=0,
                 init_std=0.05, name="moe", **options)
     recorder.reset()
     times = []
@@ -465,21 +468,47 @@ for f in SWEEP_FACTORS:
 # its node (M workers per node), highest scores first; the others re-pick among the experts inside the
 # node. Unlike the other fixes, this one changes the routing (by design): it trades a little model
 # freedom for traffic on the slow link. The gate reads M, W_net and W_local from the emulated link.
+#
+# The congestion itself is in the link: the two ranks of a node share its card to the network, so
+# when both send across at once their bytes queue (`toolkit.comm.emulate`'s "The node's card is
+# shared"). Each gate runs twice: with that shared card, and with a card per rank (`shared_card=False`,
+# the same network without congestion). Everything for 4 ranks happens in this one launch, section 4's
+# Tutel configurations too (4 iterations each for the gates, 3 for the others).
 
 # %%
-def topology_on_four_ranks(bandwidth):
+FOUR = {  # label -> (MoE options, experts per rank, the node's card shared, iterations)
+    "top-k gate": ({}, PER_RANK, True, 4),
+    "topology gate": (dict(gate="topology"), PER_RANK, True, 4),
+    "top-k gate, own cards": ({}, PER_RANK, False, 4),
+    "topology gate, own cards": (dict(gate="topology"), PER_RANK, False, 4),
+    "2DH all-to-all": (dict(all_to_all_algorithm="2dh"), PER_RANK, True, 3),            # section 4
+    "EP+MP, r=2": ({}, 0.5, True, 3),                                                   # 2 experts on 4 ranks
+    "EP+DP, r=1": (dict(expert_slices=1), 0.5, True, 3),
+    "DP": (dict(expert_parallel="dp"), 0.5, True, 3),
+    "static f=1": (dict(capacity_factor=1.0, dropless=False, zipf=0.5), PER_RANK, True, 3),
+    "static f=4": (dict(capacity_factor=4.0, dropless=False, zipf=0.5), PER_RANK, True, 3),
+    "dynamic f<=4": (dict(capacity_factor=4.0, dropless=False, dynamic_capacity=True, zipf=0.5), PER_RANK, True, 3),
+}
+
+
+def everything_on_four_ranks(bandwidth):
     import toolkit
 
-    with toolkit.comm.emulate(bandwidth=bandwidth / 4, latency=LATENCY_S, intra_node=dict(bandwidth=bandwidth),
-                              ranks_per_node=2):
-        return {label: run_config(label, options, 4, tokens=256)
-                for label, options in (("top-k gate", {}), ("topology gate", dict(gate="topology")))}
+    out = {}
+    for label, (options, per_rank, shared, iterations) in FOUR.items():
+        options = dict(options)
+        zipf = options.pop("zipf", ZIPF)
+        with toolkit.comm.emulate(bandwidth=bandwidth / 4, latency=LATENCY_S, intra_node=dict(bandwidth=bandwidth),
+                                  ranks_per_node=2, shared_card=shared):
+            out[label] = run_config(label, options, iterations, tokens=256, per_rank=per_rank, zipf=zipf)
+    return out
 
 
-four = toolkit.launch(topology_on_four_ranks, 4, args=(link["bandwidth"],))
-for label in ("top-k gate", "topology gate"):
+four = toolkit.launch(everything_on_four_ranks, 4, args=(link["bandwidth"],))
+for label in FOUR:
     runs[label] = Run.merge(r[label][0] for r in four)
     times[label] = four[0][label][1]
+for label in ("top-k gate", "topology gate"):
     print(f"{label:<14} step per iteration (ms): {[round(t * 1e3) for t in times[label]]}")
 print(runs["topology gate"].meta["emulated_link"]["description"])
 
@@ -532,7 +561,181 @@ viz.roofline({"top-k gate": runs["top-k gate"], "topology gate": runs["topology 
 # a constraint, what finally counts is the time to reach a given loss, which FasterMoE measures end to
 # end; here we only measure the layer.
 #
-# ## 4. What to take away
+# ### The gain with congestion present and absent
+#
+# The gate's rationale is the shared card: a worker may send only L = W_net / (M · W_local) · B rows
+# out because the M workers of its node share W_net. The same gates on the same network with a card
+# per rank (no congestion): what the link's model charged the all-to-alls (`args.emulated_s` plus the
+# time queued behind the node's other rank, `args.emulated_queue_s`, summed per iteration on the
+# busiest rank; exact, not noisy), and the measured step.
+
+# %%
+def link_ms(run):
+    """Median over iterations (after the first) of the busiest rank's modelled all-to-all time, queueing
+    on the card included, per iteration (forward and backward)."""
+    per = {}
+    for e in run.events:
+        if e["name"] == "all_to_all" and "emulated_s" in e["args"]:
+            step = sum(1 for f in run.events if f["name"] == "forward" and f["rank"] == e["rank"]
+                       and f["start"] <= e["start"]) - 1
+            key = (step, e["rank"])
+            per[key] = per.get(key, 0.0) + e["args"]["emulated_s"] + e["args"]["emulated_queue_s"]
+    steps = sorted({s for s, _ in per if s >= 1})
+    return statistics.median(max(v for (s, _), v in per.items() if s == step) for step in steps) * 1e3
+
+
+print(f"{'card':<22}{'top-k: link':>12}{'topology: link':>16}{'gain':>7}{'top-k: step':>13}{'topology: step':>16}")
+for card, suffix in (("shared (congestion)", ""), ("one per rank", ", own cards")):
+    a, b = link_ms(runs["top-k gate" + suffix]), link_ms(runs["topology gate" + suffix])
+    print(f"{card:<22}{a:>10.1f}ms{b:>14.1f}ms{a / b:>6.2f}x{step_ms('top-k gate' + suffix):>11.0f}ms"
+          f"{step_ms('topology gate' + suffix):>14.0f}ms")
+
+# %% [markdown]
+# With the card shared, every row that crosses waits for its node neighbour's rows as well, so the
+# rows the gate keeps inside the node save about twice their own time; with a card per rank they save
+# only their own. The gate's gain in link time is larger with congestion than without, which is the
+# case FasterMoE designed it for (the step times carry this machine's compute noise on top).
+#
+# ## 4. Tutel, complete: 2DH all-to-all, EP+DP+MP, dynamic capacity
+#
+# Three more of Tutel's mechanisms, run in the launch above (4 ranks, 2 nodes of 2, card shared).
+#
+# ### The 2D hierarchical all-to-all
+#
+# A flat all-to-all over W ranks in N nodes of G sends W - 1 messages per rank, W - G of them across
+# the network. Tutel's 2DH (`toolkit/comm/hierarchical.py`) first exchanges inside each node, so that
+# local rank j collects every block its node has for local rank j of any node, then exchanges across
+# nodes among the ranks of the same local index: G - 1 messages inside, N - 1 across, each G times
+# larger. The result is the flat all-to-all's, row for row (`tests/test_moe_tutel.py` checks it, uneven
+# splits included). Here the MoE layer's dispatch, first flat (`top-k gate`), then 2DH, as rank 0's
+# trace shows them (uneven splits need a small count exchange first; Tutel pads to a fixed capacity
+# instead):
+
+# %%
+def dispatch_calls(run):
+    """Rank 0's all-to-alls of the first dispatch: (2DH step, group, rows sent per peer, bytes sent)."""
+    calls = [e for e in run.comm_events(0, "all_to_all") if e["args"].get("moe") == "dispatch"]
+    first = [e for e in calls if abs(e["start"] - calls[0]["start"]) < 1.0][:3]
+    return [(e["args"].get("2dh", "flat"), e["args"]["group"], e["args"]["input_splits"], e["args"]["bytes_sent"])
+            for e in (first if first[0]["args"].get("2dh") else first[:1])]
+
+
+for label in ("top-k gate", "2DH all-to-all"):
+    print(label)
+    for step, group, rows, sent in dispatch_calls(runs[label]):
+        print(f"   {step:<12} group {group!s:<14} rows to each {rows!s:<22} {sent:>8,} bytes sent")
+print(f"\nlink time per iteration (model): flat {link_ms(runs['top-k gate']):.1f} ms, "
+      f"2DH {link_ms(runs['2DH all-to-all']):.1f} ms;  step: flat {step_ms('top-k gate'):.0f} ms, "
+      f"2DH {step_ms('2DH all-to-all'):.0f} ms")
+
+# %% [markdown]
+# On 2 nodes of 2, 2DH saves nothing: a flat all-to-all sends 2 messages across per rank, 2DH 1, but
+# pays a whole extra pass inside the node. It pays as nodes grow: the flat all-to-all's cross-node
+# messages per rank grow with W, 2DH's with N only, while the bytes that cross are the same. The link's
+# model (`toolkit.comm.hierarchical.predicted_times`, the emulator's own cost function, every rank
+# issuing at once and each node's card shared) predicts both for this lesson's link and this layer's
+# dispatch, as the number of nodes grows:
+
+# %%
+import plotly.graph_objects as go
+
+from toolkit.comm.emulate import make_settings
+from toolkit.comm.hierarchical import predicted_times
+
+lesson_link = make_settings(link["bandwidth"] / 4, LATENCY_S, intra_node=(link["bandwidth"], LATENCY_S),
+                            ranks_per_node=2)
+per_rank_bytes = 256 * K * D * 4                        # one rank's dispatch: T*k rows of d_model fp32
+nodes = [1, 2, 4, 8, 16, 32, 64, 128]
+model = {n: predicted_times(lesson_link, n, 2, per_rank_bytes) for n in nodes}
+crossover = next((n for n in nodes if model[n]["2dh"] < model[n]["flat"]), None)
+figure = go.Figure([go.Scatter(x=nodes, y=[model[n][kind] * 1e3 for n in nodes], name=kind, mode="lines+markers")
+                    for kind in ("flat", "2dh")])
+figure.update_layout(title=f"One dispatch all-to-all, nodes of 2 ranks, this lesson's link: 2DH wins from "
+                           f"{crossover} nodes", xaxis=dict(title="nodes", type="log"),
+                     yaxis=dict(title="modelled time (ms)", type="log"))
+figure
+
+# %%
+dgx = make_settings("200 Gb/s", "5 us", intra_node=("300 GB/s", "2 us"), ranks_per_node=8)
+print("nodes of 8 GPUs, 200 Gb/s per node, NVLink inside; 64 MB per GPU per all-to-all:")
+print(f"{'nodes':>6}{'flat (ms)':>11}{'2DH (ms)':>10}{'messages flat':>15}{'2DH':>5}")
+for n in (2, 4, 8, 16, 32, 64, 256):
+    t = predicted_times(dgx, n, 8, 64e6)
+    print(f"{n:>6}{t['flat'] * 1e3:>11.2f}{t['2dh'] * 1e3:>10.2f}{t['messages flat']:>15}{t['messages 2dh']:>5}")
+
+# %% [markdown]
+# Where the crossover lies follows from the model: 2DH saves (G - 1)(N - 1) message latencies per rank
+# and pays (G - 1)/G · S · (N - 1)/N more bytes inside the node, so it wins once N > S / (G · α · B_intra).
+# Big messages on fast nodes push the crossover out, many small messages pull it in; Tutel measured up
+# to 20.7x for the all-to-all alone at 2,048 GPUs. (The model leaves out the local reordering, a
+# memory copy GPUs pay on top.)
+#
+# ### EP+DP+MP: more ranks than experts
+#
+# With W > E each expert lives on W/E ranks, sliced along its hidden layer (`toolkit/moe/sharded.py`).
+# Tutel's r chooses how a step runs on that storage: r = W/E computes each slice where it is stored and
+# sends every row to all W/E slices of its expert (EP+MP); r = 1 gathers the whole expert on each of
+# its ranks, which split its rows (EP+DP); DP gathers every expert everywhere. Same storage, same
+# mathematics (the tests compare all three with the one-rank layer). Here E = 2 experts on W = 4
+# ranks, r = 2 or 1, and DP, next to Tutel's table; bytes per rank per iteration, forward and backward,
+# measured from the traces (mean over ranks):
+
+# %%
+def bytes_by_kind(run):
+    """Mean over ranks of bytes sent per iteration: rows (all-to-all) and weights (gathers, reduce-scatters)."""
+    n = len([e for e in run.events if e["name"] == "forward" and e["rank"] == 0])
+    rows = sum(e["args"]["bytes_sent"] for e in run.events if e["name"] == "all_to_all") / 4 / n
+    weights = sum(e["args"]["bytes_sent"] for e in run.events
+                  if e["name"] in ("all_gather", "reduce_scatter") and e["args"].get("moe")) / 4 / n
+    return rows, weights
+
+
+P = 2 * (2 * D * FF + FF + D)                           # the 2 experts' parameters
+C_g = 256 * K                                           # rows one rank dispatches (dropless: T*k)
+print(f"P = {P:,} expert parameters, C_g = {C_g} rows of d_model {D} per rank, W/E = 2")
+print(f"{'placement':<12}{'Tutel':>18}{'rows (kB)':>11}{'weights (kB)':>14}{'total (kB)':>12}{'step (ms)':>11}")
+for label, order in (("EP+MP, r=2", "O(C_g·W/E)"), ("EP+DP, r=1", "O(C_g + P/E)"), ("DP", "O(P)")):
+    rows, weights = bytes_by_kind(runs[label])
+    print(f"{label:<12}{order:>18}{rows / 1e3:>11.0f}{weights / 1e3:>14.0f}{(rows + weights) / 1e3:>12.0f}"
+          f"{step_ms(label):>11.0f}")
+print(f"\nfor scale: 4 all-to-alls of C_g rows = {4 * C_g * D * 4 / 1e3:.0f} kB; P/E x 4 B = {P / 2 * 4 / 1e3:.0f} kB; "
+      f"DP's all-gather + reduce-scatter 2 x 3/4 x P x 4 B = {1.5 * P * 4 / 1e3:.0f} kB")
+
+# %% [markdown]
+# Read the columns against Tutel's table: EP+MP moves only rows, about twice as many as EP+DP (each
+# row goes to both slices of its expert), and no weights beyond the output bias; EP+DP moves each row
+# once and gathers half an expert per rank (P/E/2 in, its gradient back); DP moves no row at all and
+# the whole P. Which is cheapest depends on C_g against P, which is why Tutel switches at run time
+# (`expert_parallel="auto"` does that here, priced with the emulated link's own model).
+#
+# ### Dynamic capacity
+#
+# Notebook 05 fixed the capacity factor f. Tutel chooses the capacity per step from the load it
+# observes: the fullest expert's count, agreed by all ranks, never more than a bound
+# (`dynamic_capacity=True`, the bound `capacity_factor`; Tutel writes capacity_factor=-f). Three layers
+# on the same batches, with a milder skew (Zipf 0.5, still drifting): f = 1 (slots for a balanced
+# load), f = 4, and dynamic up to 4:
+
+# %%
+print(f"{'capacity':<14}{'C per iteration (rank 0)':>26}{'dropped':>9}{'padded rows':>13}{'kept rows':>11}"
+      f"{'step (ms)':>11}")
+for label in ("static f=1", "static f=4", "dynamic f<=4"):
+    loads = [m["value"] for m in runs[label].metrics if m["name"] == "moe/moe/load"]
+    capacities = [v["capacity"] for v in loads if v["first"] == 0]
+    dropped = sum(v["dropped"] for v in loads) / sum(sum(v["counts"]) for v in loads)
+    padded = sum(v["capacity"] * len(v["counts"]) for v in loads) // len(capacities)   # E*C per rank, summed
+    kept = sum(sum(v["kept"]) for v in loads) // len(capacities)
+    print(f"{label:<14}{capacities!s:>26}{dropped:>9.1%}{padded:>13}{kept:>11}{step_ms(label):>11.0f}")
+
+# %% [markdown]
+# f = 1 drops what the popular experts cannot hold; f = 4 drops nothing but gives every expert room for
+# four times the balanced load; dynamic capacity drops nothing either and asks only for the slots the
+# fullest expert needed this step. In this layer only kept rows travel, so the step times of f = 4 and
+# dynamic are alike; in Tutel's padded (E, C, d) buffers every slot travels and is computed ("padded
+# rows", all ranks, per iteration), so there dynamic capacity saves the difference every step, and more
+# when the load is balanced.
+#
+# ## 5. What to take away
 #
 # | fix | what it changes on the timeline | on the roofline | when it pays |
 # | --- | --- | --- | --- |
@@ -540,6 +743,9 @@ viz.roofline({"top-k gate": runs["top-k gate"], "topology gate": runs["topology 
 # | smart schedule | per-peer sends and receives interleaved with expert blocks | up, toward the ideal line | R_CC near 1, many ranks (more steps to overlap) |
 # | pipelining | chunks of all-to-all interleaved with expert chunks | up | R_CC near 1; the degree must fit the workload |
 # | topology gate | fewer rows on the slow link | right | slow links between nodes, skew across nodes |
+# | 2DH all-to-all | fewer, larger messages across nodes, one extra pass inside | right | many nodes, small messages |
+# | EP+DP+MP, r | rows to W/E slices (r = W/E) or slices gathered (r = 1) | right | more ranks than experts |
+# | dynamic capacity | no drops, no empty slots | (fewer drops) | skew that changes from step to step |
 #
 # And the bench (`bench/moe_systems.py`, results in `docs/benchmarks.md`) measures all of them side by
 # side, on loopback and on links calibrated for R_CC = 1 and 0.1, at 2 and 4 ranks.

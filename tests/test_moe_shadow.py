@@ -151,16 +151,19 @@ def test_topology_limit_and_placement_model_by_hand():
     # L = W_net / (M * W_local) * B: 1 GB/s out of a node of 4 workers with 8 GB/s each, 100 rows -> 3.125 -> 3
     assert topology_limit(100, 1e9, 8e9, 4) == 3
     assert topology_limit(100, 64e9, 8e9, 4) == 200  # a fast network constrains nothing (L >= B)
-    # 4 ranks, P = 1000 expert parameters fp32: DP sends 2 * 3/4 * 1000 * 4 = 6000 B per training step;
-    # EP with 50 off-rank rows of d_model 8: 4 * 50 * 8 * 4 = 6400 B -> dp; with 40 rows 5120 B -> ep
-    costs = parallel_costs(world=4, expert_params=1000, rows_off_rank=50, d_model=8)
-    assert costs == {"dp_bytes": 6000.0, "ep_bytes": 6400.0}
-    assert choose_parallel(costs, num_experts=4, rows_off_rank=50, expert_params=1000)[0] == "dp"
-    fewer = parallel_costs(world=4, expert_params=1000, rows_off_rank=40, d_model=8)
-    choice, reason = choose_parallel(fewer, num_experts=4, rows_off_rank=40, expert_params=1000)
+    # 4 ranks, P = 1000 expert parameters fp32: DP sends 2 * 3/4 * 1000 * 4 = 6000 B per training step (on the
+    # unit link, seconds are bytes); EP: every rank sends 50 rows of d_model 8 to one other rank and receives
+    # 50: 4 all-to-alls * 50 * 8 * 4 = 6400 B -> dp; with 40 rows 5120 B -> ep
+    ring = [[0, 50, 0, 0], [0, 0, 50, 0], [0, 0, 0, 50], [50, 0, 0, 0]]
+    costs = parallel_costs(ring, expert_params=1000, d_model=8)
+    assert (costs["dp_s"], costs["ep_s"], costs["dp_bytes"], costs["ep_bytes"]) == (6000.0, 6400.0, 6000.0, 6400.0)
+    assert choose_parallel(costs, num_experts=4, expert_params=1000)[0] == "dp"
+    fewer = parallel_costs([[4 * t // 5 for t in row] for row in ring], expert_params=1000, d_model=8)
+    choice, reason = choose_parallel(fewer, num_experts=4, expert_params=1000)
     assert choice == "ep" and "O(C_g)" in reason and "5.0 KiB" in reason
-    assert parallel_costs(world=4, expert_params=1000, rows_off_rank=40, d_model=8, training=False) == \
-        {"dp_bytes": 3000.0, "ep_bytes": 2560.0}  # inference: all-gather only, dispatch + combine only
+    inference = parallel_costs([[4 * t // 5 for t in row] for row in ring], expert_params=1000, d_model=8,
+                               training=False)
+    assert (inference["dp_s"], inference["ep_s"]) == (3000.0, 2560.0)  # all-gather only, dispatch + combine only
 
 
 def test_topology_gate_keeps_most_rows_in_the_node():
@@ -450,13 +453,13 @@ def test_dp_placement_moves_weights_not_tokens_and_auto_explains_itself(world):
             assert dp["metrics"]["parallel"]["choice"] == "dp"
             few = res[f"{routing}/auto_parallel_few_tokens"]["metrics"]["parallel"]
             many = res[f"{routing}/auto_parallel_many_tokens"]["metrics"]["parallel"]
-            assert few["choice"] == "ep" and few["ep_bytes"] <= few["dp_bytes"] and "ep:" in few["reason"]
-            assert many["choice"] == "dp" and many["dp_bytes"] < many["ep_bytes"] and "dp:" in many["reason"]
-            assert res[f"{routing}/auto_parallel_few_tokens"]["comms"][0] == ("all_reduce", "parallel choice")
+            assert few["choice"] == "ep" and few["ep_s"] <= few["dp_s"] and "ep:" in few["reason"]
+            assert many["choice"] == "dp" and many["dp_s"] < many["ep_s"] and "dp:" in many["reason"]
+            assert res[f"{routing}/auto_parallel_few_tokens"]["comms"][0] == ("all_gather", "parallel choice")
             assert ("all_to_all", "dispatch") in res[f"{routing}/auto_parallel_few_tokens"]["comms"]
             assert not any(c[0] == "all_to_all" for c in res[f"{routing}/auto_parallel_many_tokens"]["comms"])
-        # every rank made the same choice from the same (all-reduced) numbers
-        assert len({res[f"{routing}/auto_parallel_many_tokens"]["metrics"]["parallel"]["rows_off_rank"]
+        # every rank made the same choice from the same (all-gathered) numbers
+        assert len({res[f"{routing}/auto_parallel_many_tokens"]["metrics"]["parallel"]["ep_s"]
                     for res in results(world)}) == 1
 
 
@@ -525,7 +528,7 @@ def test_bad_options_are_clear_errors():
         MoE(D, FF, 4, gate="topology")                  # no nodes, no links, no emulation
     with pytest.raises(ValueError, match="fewer than top_k=2"):
         TopologyGate(D, 4, 2, world=4, rank=0, node_size=1, cross_fraction=0.5)
-    with pytest.raises(ValueError, match="node_size= and local_bandwidth= describe the nodes"):
+    with pytest.raises(ValueError, match="node_size= describes the nodes for gate=.topology. or all_to_all_algorithm"):
         MoE(D, FF, 4, node_size=2)
 
 

@@ -14,6 +14,7 @@ the data moves for real, then the call completes no sooner than the link's alpha
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -180,15 +181,16 @@ def _explained(exc: Exception, event) -> RuntimeError:
                         f"{type(exc).__name__}: {exc}{hint}")
 
 
-def _run(name, group, tensor, size_bytes, sent, received, call, async_op, after=None, **extra):
-    """Record a span, run `call()` through the chosen implementation, close the span."""
+def _run(name, group, tensor, size_bytes, sent, received, call, async_op, after=None, link=None, **extra):
+    """Record a span, run `call()` through the chosen implementation, close the span. ``link``: what
+    the emulated link's model needs beyond the span's args (all_to_all's row sizes)."""
     event = recorder.add(name, "comm", recorder.mark(), group=group_ranks(group),
                          dtype=str(tensor.dtype).replace("torch.", ""), numel=tensor.numel(),
                          size_bytes=size_bytes, bytes_sent=sent, bytes_recv=received,
                          impl=_impl_name, async_op=async_op, **extra)
     native = _impl.get(name) is _backend_impl.IMPLEMENTATION.get(name)
     booked = None if _emulation._current is None else _emulation.book(
-        name, event["args"]["group"], dist.get_rank(), size_bytes, extra)
+        name, event["args"]["group"], dist.get_rank(), size_bytes, dict(extra, **(link or {})))
     if booked is not None:  # the emulated link's model for this call, marked on its span
         event["args"].update(booked[1])
     status.enter(_describe(event))
@@ -269,14 +271,14 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes=Non
     if sum(in_splits) != input.shape[0] or sum(out_splits) != output.shape[0]:
         raise ValueError(f"all_to_all split sizes must add up to dim 0: inputs {in_splits} vs {input.shape[0]}, "
                          f"outputs {out_splits} vs {output.shape[0]}.")
-    row_in = input[0].numel() * input.element_size() if input.dim() and input.shape[0] else 0
-    row_out = output[0].numel() * output.element_size() if output.dim() and output.shape[0] else 0
+    row_in = math.prod(input.shape[1:]) * input.element_size() if input.dim() else 0
+    row_out = math.prod(output.shape[1:]) * output.element_size() if output.dim() else 0
     sent = (sum(in_splits) - in_splits[me]) * row_in
     received = (sum(out_splits) - out_splits[me]) * row_out
     size = input.numel() * input.element_size()
     return _run("all_to_all", group, input, size, sent, received,
                 lambda a: _impl["all_to_all"](output, input, out_splits, in_splits, group, a), async_op,
-                input_splits=in_splits, output_splits=out_splits)
+                link=dict(row_bytes=(row_in, row_out)), input_splits=in_splits, output_splits=out_splits)
 
 
 def send(tensor: torch.Tensor, dst: int, group=None):

@@ -9,27 +9,41 @@ and then the collective is held until the alpha-beta model of the chosen link sa
     with toolkit.comm.emulate(bandwidth="100 MB/s", latency="50 us"):
         toolkit.launch(fn, 4)            # every rank sees the emulated link (see "Launched ranks")
 
-The model (``toolkit.memory.formulas.alpha_beta_time``; alpha = latency, beta = 1 / bandwidth):
+The model (``comm/cost.py``; alpha = latency, beta = 1 / bandwidth), for one call on idle links:
 
-    all_reduce, reduce_scatter, all_gather, broadcast   alpha_beta_time(op, message bytes, N)
+    all_reduce, reduce_scatter, all_gather, broadcast   alpha_beta_time(op, message bytes, N) on the
+                     slowest link the ring crosses
     all_to_all       for each kind of link (intra-, inter-node) this rank has peers on:
                      (peers) x alpha + max(bytes sent to them, bytes received from them) x beta,
-                     the kinds one after the other; with one kind and even splits this is exactly
+                     the kinds one after the other: what a rank sends AND what it receives (a rank that
+                     sends nothing still waits for what arrives). With one kind and even splits this is
                      alpha_beta_time("all_to_all", ...) (pairwise exchange, full-duplex links)
     send, recv       alpha + bytes x beta on the link between the two ranks
     barrier          ceil(log2 N) x alpha (no data: a dissemination barrier's rounds)
 
 Nodes: ranks ``0..k-1`` form node 0, ``k..2k-1`` node 1, ... (``ranks_per_node=k``; the last node may
-be smaller). A collective whose group lies inside one node uses the ``intra_node`` link, otherwise the
-inter-node one (the ring's slowest hop sets its pace). ``intra_node=None`` leaves traffic inside a node
-unslowed (only the real loopback): the usual picture of fast NVLink inside a node, a slow network
-between nodes. By default every rank is its own node, so every link is the emulated one.
+be smaller). Traffic between two ranks of one node uses the ``intra_node`` link, each rank its own;
+``intra_node=None`` leaves it unslowed (only the real loopback): the usual picture of fast NVLink inside
+a node, a slow network between nodes. By default every rank is its own node, so every link is the
+emulated one.
 
-One link per rank, used in turn. Each rank has a send side and a receive side (full duplex); a
-transfer starts when this rank issues it or when the previous transfer on the same side is done,
-whichever is later, and ends a modelled time after that. So two all-to-alls in flight at once take
-twice as long, not the same time: overlapping communication with communication gains nothing, as on a
-real link; overlapping it with computation does, which is the point of the lessons.
+The node's card is shared. Everything that leaves or enters a node goes through the node's network
+card (full duplex: an uplink and a downlink, each ``bandwidth``), and the ranks of the node that cross
+nodes at the same time share its bandwidth: their bytes queue on it, each transfer holding it for bytes
+x beta (a message's latency is delay, its own, and does not hold the card). Two ranks of one node each pushing 1 MB to the other node at 100 MB/s therefore take
+20 ms together, not 10 ms each: the congestion FasterMoE's topology-aware gate is about (M workers
+share W_net). A ring collective crosses each node boundary once (only the rank whose ring neighbour
+is on the other node uses the card), so one ring does not congest a card; two rings in parallel
+groups do. The ranks are separate processes, so the cards' bookings live in the job's key-value store
+(the process group's, an atomic compare-and-set per cross-node call); with one rank per node the card
+is the rank's own and nothing is shared.
+
+One link per rank, used in turn. Each rank's own link has a send side and a receive side (full
+duplex); a transfer starts when this rank issues it or when the previous transfer on the same side is
+done, whichever is later, and ends a modelled time after that; its card part then queues on the
+node's card. So two all-to-alls in flight at once take twice as long, not the same time: overlapping
+communication with communication gains nothing, as on a real link; overlapping it with computation
+does, which is the point of the lessons.
 
 What the emulation cannot know: when the *other* ranks issue the collective. The clock starts at this
 rank's call; a peer that arrives late delays the real completion, and the modelled time is counted
@@ -39,8 +53,8 @@ link. Synchronise (barrier) before timing one collective.
 
 Traces: every emulated span carries ``args.emulated_s`` (the modelled transfer time),
 ``args.link`` ("inter-node", "intra-node" or "intra+inter-node"), ``args.emulated_queue_s`` (how long
-it waited for the link behind earlier transfers) and, once waited, ``args.emulated_sleep_s`` (how long
-this rank slept to honour the model); for an asynchronous call that sleep is also a "wait" span with
+it waited behind earlier transfers: its own, or other ranks' on the node's card) and, once waited,
+``args.emulated_sleep_s`` (how long this rank slept to honour the model); for an asynchronous call that sleep is also a "wait" span with
 ``emulated=True``. ``toolkit.Run.capture`` writes ``meta["emulated_link"]`` (None when off), so a
 report always says whether the link was real.
 
@@ -59,6 +73,8 @@ import re
 import threading
 import time
 from dataclasses import asdict, dataclass
+
+from .cost import Ledger, demand, schedule
 
 ENV = "TOOLKIT_EMULATED_LINK"
 
@@ -138,9 +154,14 @@ class Settings:
     inter: Link
     intra: Link | None = None
     ranks_per_node: int = 1
+    shared_card: bool = True  # False: every rank has its own card to the network (no congestion)
 
     def node_of(self, rank: int) -> int:
         return int(rank) // self.ranks_per_node
+
+    def card_of(self, rank: int):
+        """The network card a rank's cross-node traffic goes through: its node's, or its own."""
+        return self.node_of(rank) if self.shared_card else f"rank {int(rank)}"
 
     def link(self, ranks) -> Link | None:
         """The link a group of global ranks talks over: intra-node if they share a node, else inter-node."""
@@ -151,22 +172,24 @@ class Settings:
         if self.ranks_per_node == 1:
             return text + " (every rank its own node)"
         inside = self.intra.describe() if self.intra is not None else "not slowed (real loopback)"
-        return text + f"; inside a node of {self.ranks_per_node} ranks: {inside}"
+        card = "one card per node, shared" if self.shared_card else "one card per rank (no congestion)"
+        return text + f" ({card}); inside a node of {self.ranks_per_node} ranks: {inside}"
 
     def to_dict(self) -> dict:
         return {"bandwidth": self.inter.bandwidth, "latency": self.inter.latency,
                 "intra_node": asdict(self.intra) if self.intra is not None else None,
-                "ranks_per_node": self.ranks_per_node, "description": self.describe()}
+                "ranks_per_node": self.ranks_per_node, "shared_card": self.shared_card,
+                "description": self.describe()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Settings":
         intra = d.get("intra_node")
         return cls(Link(float(d["bandwidth"]), float(d["latency"])),
                    Link(float(intra["bandwidth"]), float(intra["latency"])) if intra else None,
-                   int(d.get("ranks_per_node", 1)))
+                   int(d.get("ranks_per_node", 1)), bool(d.get("shared_card", True)))
 
 
-def make_settings(bandwidth, latency="10 us", intra_node=None, ranks_per_node=None) -> Settings:
+def make_settings(bandwidth, latency="10 us", intra_node=None, ranks_per_node=None, shared_card=True) -> Settings:
     """Validate ``emulate``'s arguments into Settings (every parameter must be positive)."""
     inter = Link(parse_bandwidth(bandwidth), parse_latency(latency))
     intra = None
@@ -191,7 +214,7 @@ def make_settings(bandwidth, latency="10 us", intra_node=None, ranks_per_node=No
         ranks_per_node = 1
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
         raise ValueError(f"emulate: ranks_per_node must be a positive int, got {ranks_per_node!r}.")
-    return Settings(inter, intra, ranks_per_node)
+    return Settings(inter, intra, ranks_per_node, bool(shared_card))
 
 
 # --- the state of this process ----------------------------------------------------------------------
@@ -208,7 +231,8 @@ def _from_env() -> Settings | None:
 
 _current: Settings | None = _from_env()
 _lock = threading.Lock()
-_busy = {"send": 0.0, "recv": 0.0}  # when this rank's link is free again, per direction (perf_counter)
+_own = Ledger()  # when this rank's links (and, one rank per node, its card) are free again (perf_counter)
+_shared: dict = {}  # the job's store and the ledger on it, once a node holds several ranks
 
 
 def _set(settings: Settings | None) -> None:
@@ -218,7 +242,7 @@ def _set(settings: Settings | None) -> None:
         os.environ.pop(ENV, None)
     else:
         os.environ[ENV] = json.dumps(settings.to_dict())
-    _busy["send"] = _busy["recv"] = 0.0
+    _own.free.clear()
 
 
 class emulate:
@@ -227,14 +251,17 @@ class emulate:
     bandwidth: bytes/s (number) or a string, "10 Gb/s" or "100 MB/s"; latency: seconds per message
     (alpha), number or "5 us"; both must be positive. ranks_per_node: consecutive ranks per node
     (default 1: every link is this one). intra_node: the link inside a node, dict(bandwidth=...,
-    latency=...) or a pair; None leaves it unslowed. ``emulate(None)`` switches emulation off.
+    latency=...) or a pair; None leaves it unslowed. shared_card: the ranks of a node share its card to
+    the network (default; see "The node's card is shared"); False gives every rank its own, the same
+    network without congestion. ``emulate(None)`` switches emulation off.
 
     Takes effect at once, for this process and the ranks ``toolkit.launch`` starts afterwards; as a
     context manager (``with emulate(...):``) it restores the previous setting on exit.
     """
 
-    def __init__(self, bandwidth, latency="10 us", *, intra_node=None, ranks_per_node=None):
-        settings = None if bandwidth is None else make_settings(bandwidth, latency, intra_node, ranks_per_node)
+    def __init__(self, bandwidth, latency="10 us", *, intra_node=None, ranks_per_node=None, shared_card=True):
+        settings = None if bandwidth is None else make_settings(bandwidth, latency, intra_node, ranks_per_node,
+                                                                 shared_card)
         if bandwidth is None and (intra_node is not None or ranks_per_node is not None):
             raise ValueError("emulate(None) switches emulation off; it takes no intra_node/ranks_per_node.")
         self.previous, self.settings = _current, settings
@@ -265,69 +292,62 @@ def meta() -> dict | None:
     return _current.to_dict() if _current is not None else None
 
 
-# --- the model --------------------------------------------------------------------------------------
+# --- the model and the bookings --------------------------------------------------------------------
 def model_time(settings: Settings, op: str, ranks, me: int, size_bytes: float, extra: dict | None = None):
-    """(seconds, link label) the emulated link needs for one call of ``op`` by global rank ``me``.
+    """(seconds, link label) that one call of ``op`` by global rank ``me`` needs on idle links (what it
+    costs alone; ``comm/cost.py`` has the model, ``demand`` the arguments)."""
+    d = demand(settings, op, ranks, me, size_bytes, extra)
+    return d.alone, d.label
 
-    ranks: the group's global ranks; size_bytes: the door's message size (the tensor for all_reduce,
-    reduce_scatter's input, all_gather's output, a rank's whole send buffer for all_to_all); extra:
-    all_to_all's ``input_splits`` / ``output_splits`` (rows), send/recv's ``peer`` (global rank).
-    """
-    from ..memory.formulas import alpha_beta_time
 
-    extra = extra or {}
-    ranks = list(ranks)
-    n = len(ranks)
-    if op in ("send", "recv"):
-        link = settings.link([me, extra["peer"]])
-        label = "intra-node" if link is settings.intra else "inter-node"
-        return (0.0 if link is None else link.latency + size_bytes * link.beta), label
-    if n <= 1:
-        return 0.0, "none"
-    if op == "all_to_all":
-        ins, outs = extra.get("input_splits"), extra.get("output_splits")
-        if ins is None:
-            ins = outs = [0] * n
-        me_at = ranks.index(me)
-        row = size_bytes / sum(ins) if sum(ins) else 0.0  # output rows have the input's row size
-        total, kinds = 0.0, []
-        for kind, link in (("intra-node", settings.intra), ("inter-node", settings.inter)):
-            peers = [p for p in range(n) if p != me_at
-                     and (settings.node_of(ranks[p]) == settings.node_of(me)) == (kind == "intra-node")]
-            if not peers:
-                continue
-            kinds.append(kind)
-            if link is None:
-                continue
-            sent, received = sum(ins[p] for p in peers) * row, sum(outs[p] for p in peers) * row
-            total += len(peers) * link.latency + max(sent, received) * link.beta
-        label = "intra+inter-node" if len(kinds) == 2 else (kinds[0] if kinds else "none")
-        return total, label
-    link = settings.link(ranks)
-    label = "intra-node" if link is settings.intra and settings.ranks_per_node > 1 else "inter-node"
-    if link is None:
-        return 0.0, label
-    if op == "barrier":
-        return math.ceil(math.log2(n)) * link.latency, label
-    return alpha_beta_time(op, size_bytes, n, link.latency, link.beta), label
+class _StoreLedger:
+    """The node cards' ledger shared by every rank of the job, in the process group's key-value store:
+    a reservation is an atomic compare-and-set of "free again at" (one clock: perf_counter is the
+    machine's monotonic clock, the same in every process). Same methods as ``cost.Ledger``."""
+
+    PREFIX = "toolkit/emulated_link/"
+
+    def __init__(self, store):
+        self.store = store
+
+    def reserve(self, resource, earliest: float, seconds: float) -> float:
+        key = self.PREFIX + "/".join(str(part) for part in resource)
+        current = self.store.compare_set(key, "", "0.0")
+        while True:
+            end = max(earliest, float(current)) + seconds
+            wanted = repr(end).encode()
+            current = self.store.compare_set(key, current, wanted)
+            if current == wanted:
+                return end
+
+
+def _card_ledger(settings: Settings):
+    """Where the nodes' cards are booked: the job's store when a node holds several ranks (their
+    processes must see each other's transfers), else this process (the card is this rank's own)."""
+    import torch.distributed as dist
+
+    if settings.ranks_per_node == 1 or not settings.shared_card or not dist.is_initialized():
+        return _own
+    store = dist.distributed_c10d._get_default_store()
+    if _shared.get("store") is not store:
+        _shared.update(store=store, ledger=_StoreLedger(store))
+    return _shared["ledger"]
 
 
 def book(op: str, ranks, me: int, size_bytes: float, extra: dict):
-    """Reserve this rank's link for one call issued now: (deadline in perf_counter seconds, trace args),
-    or None when emulation is off. Transfers on the same side of the link take turns."""
+    """Reserve the links for one call issued now: (deadline in perf_counter seconds, trace args), or None
+    when emulation is off. Transfers on the same link take turns; across nodes, the node's card is
+    shared by its ranks (``comm/cost.py``)."""
     settings = _current
     if settings is None:
         return None
-    seconds, label = model_time(settings, op, ranks, me, size_bytes, extra)
+    d = demand(settings, op, ranks, me, size_bytes, extra)
     sides = (op,) if op in ("send", "recv") else ("send", "recv")
+    ledger = _card_ledger(settings) if d.up_s or d.down_s else _own
     with _lock:
         now = time.perf_counter()
-        start = max([now] + [_busy[s] for s in sides])
-        deadline = start + seconds
-        if seconds > 0:
-            for s in sides:
-                _busy[s] = deadline
-    return deadline, {"emulated_s": seconds, "link": label, "emulated_queue_s": start - now}
+        deadline = schedule(ledger, _own, settings, d, me, now, sides)
+    return deadline, {"emulated_s": d.alone, "link": d.label, "emulated_queue_s": max(0.0, deadline - now - d.alone)}
 
 
 def hold(event, deadline: float) -> float:

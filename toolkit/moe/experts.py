@@ -12,6 +12,11 @@ mathematics, which is what lets one process holding all experts serve as the ref
 3. Tags. Every expert parameter carries ``param._toolkit_expert = True``: data-parallel strategies
    must not average it with the other ranks' (they hold *other* experts). ``gather_experts``
    collects them under global names (``experts.{i}.w1``) for a full, layout-free state dict.
+
+With more ranks than experts (W > E, Tutel's EP+DP+MP, ``moe/sharded.py``) a rank holds one slice of
+one expert: ``shard=(k, s)`` keeps slice k of s of the hidden layer (d_ff/s columns of w1 and b1, rows
+of w2) and of the output bias b2 (ceil(d_model/s) entries, the last slice padded), cut from the same
+layout-independent weights.
 """
 from __future__ import annotations
 
@@ -46,11 +51,13 @@ class Experts(nn.Module):
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, first: int, num_local: int, *,
-                 seed: int = 0, init_std: float = 0.02, group=None):
+                 seed: int = 0, init_std: float = 0.02, group=None, shard=(0, 1)):
         super().__init__()
         self.d_model, self.d_ff, self.num_experts = d_model, d_ff, num_experts
         self.first, self.num_local, self.seed, self.group = first, num_local, seed, group
-        shapes = {"w1": (d_model, d_ff), "b1": (d_ff,), "w2": (d_ff, d_model), "b2": (d_model,)}
+        self.shard = tuple(shard)  # (k, s): slice k of s of each expert (W > E); (0, 1): whole experts
+        f, b = d_ff // self.shard[1], -(-d_model // self.shard[1])
+        shapes = {"w1": (d_model, f), "b1": (f,), "w2": (f, d_model), "b2": (b,)}
         for name, shape in shapes.items():
             p = nn.Parameter(torch.zeros(num_local, *shape))
             p._toolkit_expert = True
@@ -60,16 +67,21 @@ class Experts(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, init_std: float = 0.02) -> None:
         """Weights ~ N(0, init_std) from each global expert's own generator, biases zero."""
+        k, s = self.shard
+        f = self.d_ff // s
         for e in range(self.num_local):
             g = expert_generator(self.seed, self.first + e)
-            for w in (self.w1, self.w2):  # drawn in this order for every expert, on every layout
-                w[e].copy_(torch.randn(w.shape[1:], generator=g) * init_std)
+            w1 = torch.randn(self.d_model, self.d_ff, generator=g) * init_std  # drawn in this order for
+            w2 = torch.randn(self.d_ff, self.d_model, generator=g) * init_std  # every expert, every layout
+            self.w1[e].copy_(w1[:, k * f:(k + 1) * f])
+            self.w2[e].copy_(w2[k * f:(k + 1) * f])
         self.b1.zero_()
         self.b2.zero_()
 
     def extra_repr(self) -> str:
         last = self.first + self.num_local - 1
-        return (f"experts {self.first}..{last} of {self.num_experts}, d_model={self.d_model}, "
+        sliced = f", slice {self.shard[0]} of {self.shard[1]}" if self.shard[1] > 1 else ""
+        return (f"experts {self.first}..{last} of {self.num_experts}{sliced}, d_model={self.d_model}, "
                 f"d_ff={self.d_ff}, seed={self.seed}")
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -100,12 +112,52 @@ def gather_experts(model: nn.Module, state: dict) -> dict:
         prefix = next((p for p in (path, path.removeprefix("module.")) if f"{p}.w1" in out), None)
         if prefix is None:
             continue
+        s = m.shard[1]
         for name in WEIGHTS:
             local = out.pop(f"{prefix}.{name}")
             everyone = local
-            if dist.is_initialized() and m.num_local < m.num_experts:
-                everyone = local.new_empty((m.num_experts,) + tuple(local.shape[1:]))
+            if dist.is_initialized() and (m.num_local < m.num_experts or s > 1):
+                everyone = local.new_empty((m.num_experts * s,) + tuple(local.shape[1:]))
                 comm.all_gather(everyone, local.contiguous(), group=m.group)
+            everyone = join_slices(everyone, name, s, m.d_model)
             for i in range(m.num_experts):
                 out[f"{prefix}.{i}.{name}"] = everyone[i].clone()
     return out
+
+
+def join_slices(stacked: torch.Tensor, name: str, s: int, d_model: int) -> torch.Tensor:
+    """(E*s, slice shape) -> (E, whole shape): the s slices of each expert side by side (hidden columns
+    of w1, entries of b1, rows of w2; b2's entries, trimmed to d_model). Differentiable; s = 1: as is."""
+    if s == 1:
+        return stacked
+    E = stacked.shape[0] // s
+    parts = stacked.reshape((E, s) + tuple(stacked.shape[1:]))
+    if name == "w1":  # (E, s, d, f) -> (E, d, s*f)
+        return parts.permute(0, 2, 1, 3).reshape(E, parts.shape[2], -1)
+    whole = parts.reshape((E, -1) + tuple(parts.shape[3:]))
+    return whole[:, :d_model] if name == "b2" else whole
+
+
+class GatherWeights(torch.autograd.Function):
+    """Weights travel: forward, every rank's flat ``flat`` rank after rank (an all-gather over ``group``);
+    backward, the gradient summed over the ranks, each keeping its own slice (a reduce-scatter). Used by
+    Tutel's data-parallel placement (every expert everywhere) and EP+DP+MP (an expert's slices)."""
+
+    @staticmethod
+    def forward(ctx, flat, group, world, label):
+        ctx.group, ctx.numel, ctx.label = group, flat.numel(), label
+        out = flat.new_empty(world * flat.numel())
+        _label(comm.all_gather(out, flat.contiguous(), group=group, async_op=True), label).wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        mine = grad.new_empty(ctx.numel)
+        _label(comm.reduce_scatter(mine, grad.contiguous(), op="sum", group=ctx.group, async_op=True),
+               ctx.label + " backward").wait()
+        return mine, None, None, None
+
+
+def _label(handle, label: str):
+    handle.event["args"]["moe"] = label
+    return handle

@@ -35,80 +35,63 @@ combine, forward and backward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
+from ..comm import hierarchical
 from ..trace.events import recorder, span
 from .experts import Experts, expert_generator
-from .gates import Routing, TopKGate, load_stats
+from .gates import Routing, TopKGate, capacity, load_stats
+from .load import enclosing_step
 from .topology import TopologyGate
 from . import machine
-from .placement import Placement
+from .placement import Placement, ffn
+from .plan import Plan
 from .shadow import Shadowing
+from .sharded import Slicing
 
 
 # ---------------------------------------------------------------------------------------------
 # The differentiable all-to-all
 # ---------------------------------------------------------------------------------------------
 
-def _exchange(x, out_splits, in_splits, group, label):
-    """The door's all-to-all into a fresh tensor; one process alone (no process group) keeps its rows."""
+def _exchange(x, out_splits, in_splits, group, label, node_size=None):
+    """The door's all-to-all into a fresh tensor (Tutel's 2DH one when ``node_size`` is given,
+    comm/hierarchical.py); one process alone (no process group) keeps its rows."""
     if not dist.is_initialized():
         return x.clone()
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    comm.all_to_all(out, x.contiguous(), out_splits, in_splits, group=group)
-    events = recorder.events  # name the call on the timeline: counts, dispatch, combine (backward)
-    if recorder.enabled and events and events[-1]["name"] == "all_to_all":
-        events[-1]["args"]["moe"] = label
+    first = len(recorder.events)
+    if node_size is None:
+        comm.all_to_all(out, x.contiguous(), out_splits, in_splits, group=group)
+    else:
+        hierarchical.all_to_all(out, x.contiguous(), out_splits, in_splits, group=group, node_size=node_size)
+    for event in recorder.events[first:] if recorder.enabled else ():  # name them on the timeline
+        if event["name"] == "all_to_all":
+            event["args"]["moe"] = label
     return out
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, label):
+    def forward(ctx, x, out_splits, in_splits, group, label, node_size):
         ctx.out_splits, ctx.in_splits, ctx.group, ctx.label = out_splits, in_splits, group, label
-        return _exchange(x, out_splits, in_splits, group, label)
+        ctx.node_size = node_size
+        return _exchange(x, out_splits, in_splits, group, label, node_size)
 
     @staticmethod
     def backward(ctx, grad):
         # Rows came from rank j (out_splits[j] of them): their gradients go back to rank j.
-        back = _exchange(grad, ctx.in_splits, ctx.out_splits, ctx.group, ctx.label + " backward")
-        return back, None, None, None, None
+        back = _exchange(grad, ctx.in_splits, ctx.out_splits, ctx.group, ctx.label + " backward", ctx.node_size)
+        return back, None, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits, in_splits, group=None, label="all_to_all") -> torch.Tensor:
-    """Differentiable all-to-all of rows: send ``in_splits[j]`` rows to rank j, get ``out_splits[j]``."""
-    return _AllToAll.apply(x, [int(s) for s in out_splits], [int(s) for s in in_splits], group, label)
-
-
-# ---------------------------------------------------------------------------------------------
-# The plan: who sends how many rows to whom
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class Plan:
-    """Result of the count exchange. Rank r holds local experts r*E_local .. (r+1)*E_local - 1.
-
-    send_counts (W, E_local)  rows this rank sends to rank j's local expert e (kept choices)
-    recv_counts (W, E_local)  rows this rank receives from rank j for its local expert e
-    send_splits, recv_splits  per-rank row totals (host ints: the all-to-all split sizes)
-    """
-
-    send_counts: torch.Tensor
-    recv_counts: torch.Tensor
-
-    def __post_init__(self):
-        self.send_splits = self.send_counts.sum(1).tolist()
-        self.recv_splits = self.recv_counts.sum(1).tolist()
-
-    @property
-    def expert_rows(self) -> list:
-        """Rows each local expert computes, summed over senders (FasterMoE's B_w, per expert)."""
-        return self.recv_counts.sum(0).tolist()
+def all_to_all(x: torch.Tensor, out_splits, in_splits, group=None, label="all_to_all", node_size=None) -> torch.Tensor:
+    """Differentiable all-to-all of rows: send ``in_splits[j]`` rows to rank j, get ``out_splits[j]``
+    (``node_size``: Tutel's 2DH all-to-all over nodes of that many ranks, the same result)."""
+    return _AllToAll.apply(x, [int(s) for s in out_splits], [int(s) for s in in_splits], group, label, node_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +99,7 @@ class Plan:
 # ---------------------------------------------------------------------------------------------
 
 def _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_parallel="ep", node_size=None,
-                           local_bandwidth=None, smart_group_size=1) -> None:
+                           local_bandwidth=None, smart_group_size=1, all_to_all_algorithm="flat") -> None:
     """The systems options (FasterMoE, Tutel): unknown names and combinations that cannot work are ValueErrors."""
     if not (isinstance(shadow, (list, tuple)) or shadow in ("auto", "off")):
         raise ValueError(f"shadow={shadow!r}: choose 'off', 'auto' or a list of expert ids.")
@@ -124,8 +107,17 @@ def _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_paral
     if shadow != "off" and expert_parallel != "ep":
         raise ValueError(f"shadow={shadow!r} needs expert_parallel='ep': with {expert_parallel!r} every rank may "
                          f"already use every expert (data parallelism is shadowing them all).")
-    if gate != "topology" and (node_size is not None or local_bandwidth is not None):
-        raise ValueError("node_size= and local_bandwidth= describe the nodes for gate='topology'; pass them with it.")
+    if all_to_all_algorithm not in ("flat", "2dh"):
+        raise ValueError(f"all_to_all_algorithm={all_to_all_algorithm!r}: choose 'flat' (one all-to-all over the group) "
+                         f"or '2dh' (Tutel's two-level one: inside each node, then across nodes).")
+    if all_to_all_algorithm == "2dh" and (shadow != "off" or schedule != "plain" or pipeline_degree != 1):
+        raise ValueError("all_to_all_algorithm='2dh' replaces the plain layer's dispatch and combine; it does not "
+                         "combine with shadow=, schedule='smart' or pipeline_degree= here: choose one.")
+    if gate != "topology" and local_bandwidth is not None:
+        raise ValueError("local_bandwidth= describes the nodes for gate='topology'; pass it with it.")
+    if gate != "topology" and all_to_all_algorithm != "2dh" and node_size is not None:
+        raise ValueError("node_size= describes the nodes for gate='topology' or all_to_all_algorithm='2dh'; pass it "
+                         "with one of them.")
     if pipeline_degree != "auto" and (isinstance(pipeline_degree, bool) or not isinstance(pipeline_degree, int)
                                       or pipeline_degree < 1):
         raise ValueError(f"pipeline_degree={pipeline_degree!r}: choose a positive int (1 = no pipelining) or 'auto'.")
@@ -143,6 +135,14 @@ def _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_paral
         raise ValueError(f"smart_group_size={smart_group_size} groups the ranks of schedule='smart'; pass it with it.")
 
 
+def _check_sliceable(shadow, schedule, pipeline_degree, gate) -> None:
+    """More ranks than experts (moe/sharded.py) runs the plain steps 2-6 (flat or 2DH all-to-all)."""
+    if shadow != "off" or schedule != "plain" or pipeline_degree != 1 or gate != "topk":
+        raise ValueError("MoE: with more ranks than experts each expert is sliced over several ranks (Tutel's "
+                         "EP+DP+MP); shadow=, schedule='smart', pipeline_degree= and gate='topology' assume whole "
+                         "experts on their owners. Use at least as many experts as ranks for them.")
+
+
 class MoE(nn.Module):
     """Expert-parallel Mixture-of-Experts: ``forward(x (..., d_model)) -> (output, aux_loss)``.
 
@@ -152,7 +152,9 @@ class MoE(nn.Module):
     load-balancing loss (+ z-loss) on this rank's tokens: add it, weighted, to the training loss.
     Expert weights depend only on (seed, global expert index); the router on the seed.
 
-    Options: ``dropless`` (never drop; ranks agree on the capacity with an all-reduce MAX), ``noisy``
+    Options: ``dropless`` (never drop; ranks agree on the capacity with an all-reduce MAX),
+    ``dynamic_capacity`` (Tutel's adaptive capacity: each step the fullest expert's load, at most
+    ``capacity_factor``'s C, agreed like dropless; Tutel spells it capacity_factor=-f), ``noisy``
     / ``noise_std``, ``z_loss_weight``, ``aux_loss`` ("gshard" | "switch"), ``min_capacity`` (see
     ``TopKGate``), ``init_std`` (normal init of router and expert weights), ``name`` (metric key).
     Issue 6's systems options (none changes the mathematics, except the topology gate's routing):
@@ -164,7 +166,10 @@ class MoE(nn.Module):
     ``schedule`` "plain" | "smart" (FasterMoE's per-peer steps, ``moe/schedule.py``; ``smart_group_size``
     ranks per step, default 1) or
     ``pipeline_degree`` 1 | d | "auto" (Tutel's chunks along the capacity, ``moe/pipeline.py``): steps
-    4-6 overlapped with the experts, one or the other.
+    4-6 overlapped with the experts, one or the other. Tutel, issue 15: ``all_to_all_algorithm``
+    "flat" | "2dh" (the two-level all-to-all over nodes of ``node_size`` ranks, ``comm/hierarchical.py``);
+    more ranks than experts slices each expert over W/E ranks, ``expert_slices`` = Tutel's r
+    (``moe/sharded.py``).
 
     Each forward records ``moe/{name}/load`` on this rank (see ``record_load``).
     """
@@ -175,10 +180,11 @@ class MoE(nn.Module):
                  noisy: bool = False, noise_std: float = 1.0, z_loss_weight: float = 0.0,
                  aux_loss: str = "gshard", min_capacity: int = 1, init_std: float = 0.02,
                  name: str = "moe", expert_parallel: str = "ep", node_size=None, compute_flops=None,
-                 bandwidth=None, local_bandwidth=None, smart_group_size: int = 1):
+                 bandwidth=None, local_bandwidth=None, smart_group_size: int = 1, expert_slices=None,
+                 all_to_all_algorithm: str = "flat", dynamic_capacity: bool = False):
         super().__init__()
         _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_parallel, node_size, local_bandwidth,
-                               smart_group_size)
+                               smart_group_size, all_to_all_algorithm)
         for key, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MoE: {key} must be a positive int, got {value!r}.")
@@ -189,19 +195,31 @@ class MoE(nn.Module):
                              f"build the layer only on the group's ranks.")
         self.world = len(ranks)
         self.rank = ranks.index(dist.get_rank()) if dist.is_initialized() else 0
-        if num_experts % self.world:
+        if num_experts % self.world and self.world % num_experts:
             fits = [w for w in range(1, num_experts + 1) if num_experts % w == 0]
             raise ValueError(f"MoE: num_experts={num_experts} does not split evenly over the {self.world} ranks "
-                             f"of the expert-parallel group. Use a multiple of {self.world} experts, or a "
-                             f"group whose size divides {num_experts} (one of {fits}).")
+                             f"of the expert-parallel group. Use a multiple of {self.world} experts, a number "
+                             f"that divides {self.world} (more ranks than experts: each expert sliced over "
+                             f"them, Tutel's EP+DP+MP), or a group whose size divides {num_experts} (one of {fits}).")
+        self.slicing = None  # W > E: moe/sharded.py
+        if self.world > num_experts:
+            _check_sliceable(shadow, schedule, pipeline_degree, gate)
+            self.slicing = Slicing(self.world, num_experts, d_ff, expert_slices)
+        elif expert_slices is not None:
+            raise ValueError(f"expert_slices={expert_slices!r} slices experts over more ranks than experts; here "
+                             f"{num_experts} experts fit whole on {self.world} ranks. Leave it at None.")
         if self.world % smart_group_size:
             fits = [g for g in range(1, self.world + 1) if self.world % g == 0]
             raise ValueError(f"MoE: smart_group_size={smart_group_size} does not divide the {self.world} ranks of the "
                              f"expert-parallel group; choose one of {fits}.")
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
-        self.num_local, self.dropless, self.seed = num_experts // self.world, bool(dropless), seed
-        gate_options = dict(noisy=noisy, noise_std=noise_std, dropless=dropless, z_loss_weight=z_loss_weight,
-                            aux_loss=aux_loss, min_capacity=min_capacity)
+        self.num_local, self.dropless, self.seed = max(1, num_experts // self.world), bool(dropless), seed
+        if dynamic_capacity and dropless:
+            raise ValueError("MoE: dynamic_capacity=True already sets the capacity from the load (at most "
+                             "capacity_factor's); dropless=True never limits it. Choose one.")
+        self.dynamic_capacity = bool(dynamic_capacity)
+        gate_options = dict(noisy=noisy, noise_std=noise_std, dropless=dropless or self.dynamic_capacity,
+                            z_loss_weight=z_loss_weight, aux_loss=aux_loss, min_capacity=min_capacity)
         if gate == "topology":  # FasterMoE: nodes and links from the arguments or the emulated link
             nodes = machine.topology(self.world, node_size=node_size, bandwidth=bandwidth,
                                      local_bandwidth=local_bandwidth)
@@ -216,11 +234,14 @@ class MoE(nn.Module):
         with torch.no_grad():  # the router is the same on every rank and layout: seeded by `seed` alone
             g = expert_generator(seed, -1)
             self.gate.router.weight.copy_(torch.randn(num_experts, d_model, generator=g) * init_std)
-        self.experts = Experts(d_model, d_ff, num_experts, self.rank * self.num_local, self.num_local,
-                               seed=seed, init_std=init_std, group=group)
+        s = self.slicing.s if self.slicing else 1  # W > E: rank r holds slice r % s of expert r // s
+        self.experts = Experts(d_model, d_ff, num_experts, self.rank * self.num_local // s, self.num_local,
+                               seed=seed, init_std=init_std, group=group, shard=(self.rank % s, s))
         self.calls = 0
         self.schedule, self.pipeline_degree = schedule, pipeline_degree  # steps 4-6: moe/schedule.py, pipeline.py
         self.smart_group_size = smart_group_size
+        self.all_to_all_algorithm = all_to_all_algorithm  # Tutel's 2DH over nodes of node_size ranks
+        self.node_size = machine.node_size(self.world, node_size) if all_to_all_algorithm == "2dh" else None
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, expert-parallel over {self.world} rank(s), {self.num_local} local expert(s)"
@@ -245,9 +266,15 @@ class MoE(nn.Module):
         return out.reshape(x.shape), routing.loss
 
     def route(self, tokens: torch.Tensor) -> Routing:
-        """Step 1: the gate's decision; in dropless mode, the capacity every rank agrees on."""
+        """Step 1: the gate's decision; in dropless mode, the capacity every rank agrees on. Dynamic
+        capacity (Tutel): this step's capacity is the fullest expert's load, at most what
+        ``capacity_factor`` allows, agreed by all ranks like dropless."""
         routing = self.gate(tokens)
-        if self.dropless and dist.is_initialized():
+        if self.dynamic_capacity:
+            bound = capacity(routing.num_tokens, self.num_experts, self.top_k, self.gate.capacity_factor,
+                             self.gate.min_capacity)
+            routing = routing.with_capacity(min(routing.capacity, bound))
+        if (self.dropless or self.dynamic_capacity) and dist.is_initialized():
             cap = torch.tensor([routing.capacity], device=tokens.device)
             comm.all_reduce(cap, op="max", group=self.group)
             routing = routing.with_capacity(int(cap.item()))
@@ -255,7 +282,8 @@ class MoE(nn.Module):
 
     def exchange_counts(self, routing: Routing) -> Plan:
         """Step 2: tell every rank how many rows it gets for each of its experts (all-to-all of counts)."""
-        send = routing.kept_counts.reshape(self.world, self.num_local)
+        send = (self.slicing.send_counts(routing.kept_counts) if self.slicing else
+                routing.kept_counts.reshape(self.world, self.num_local))
         split = [self.num_local] * self.world
         recv = _exchange(send.reshape(-1), split, split, self.group, "counts")
         return Plan(send, recv.reshape(self.world, self.num_local))
@@ -282,9 +310,16 @@ class MoE(nn.Module):
             return overlap(self, rows, plan, wrap)
         if wrap is not None:
             return overlapped(wrap(WholeExchange(self, plan)), rows, self)
-        received = all_to_all(rows, plan.recv_splits, plan.send_splits, self.group, "dispatch")
+        copies = self.slicing.copies(plan) if self.slicing else None  # W > E: one copy per slice group
+        if copies is not None:
+            kept, rows = rows.shape[0], rows[copies]
+        nodes = self.node_size if self.all_to_all_algorithm == "2dh" else None
+        received = all_to_all(rows, plan.recv_splits, plan.send_splits, self.group, "dispatch", nodes)
         outputs = self.compute_experts(received, plan)
-        return all_to_all(outputs, plan.send_splits, plan.recv_splits, self.group, "combine")
+        answers = all_to_all(outputs, plan.send_splits, plan.recv_splits, self.group, "combine", nodes)
+        if copies is not None:  # the slices' partial outputs, added up
+            answers = answers.new_zeros((kept,) + tuple(answers.shape[1:])).index_add(0, copies, answers)
+        return answers
 
     def compute_experts(self, received: torch.Tensor, plan: Plan) -> torch.Tensor:
         """Step 5: rows arrive grouped by sender, then local expert; regroup by expert, run, put back."""
@@ -293,6 +328,8 @@ class MoE(nn.Module):
         expert_of_row = expert_of_row.repeat_interleave(plan.recv_counts.reshape(-1))
         by_expert = expert_of_row.argsort(stable=True)
         with span(f"moe/{self.name}/experts", rows=received.shape[0]):
+            if self.slicing is not None:  # one slice of one expert (moe/sharded.py)
+                return ffn(received, *self.slicing.weights(self))
             out = self.experts(received[by_expert], plan.expert_rows)
         return out[by_expert.argsort()]
 
@@ -309,7 +346,7 @@ class MoE(nn.Module):
 
         counts    [E]  (token, choice) pairs this rank routed to each global expert, before capacity
         kept      [E]  the same after capacity;  dropped = sum(counts) - sum(kept)
-        capacity       slots per expert on this rank
+        capacity       slots per expert on this rank;  capacity_factor  the f it amounts to, C*E/(k*T)
         received  [E_local]  rows each of this rank's experts computed (from all ranks)
         first          global id of this rank's first expert
         max_over_mean, cv    imbalance of ``counts`` (``load_stats``)
@@ -320,18 +357,11 @@ class MoE(nn.Module):
         if not recorder.enabled:
             return
         if isinstance(self.gate, TopologyGate):  # rows that cross nodes, wanted and sent, and the limit L
-            recorder.metric(f"moe/{self.name}/topology", self.gate.record(routing), step=_enclosing_step())
+            recorder.metric(f"moe/{self.name}/topology", self.gate.record(routing), step=enclosing_step())
         stats = load_stats(routing.counts)
         value = {"counts": routing.counts.tolist(), "kept": routing.kept_counts.tolist(),
                  "dropped": routing.dropped, "capacity": routing.capacity, "received": plan.expert_rows,
-                 "first": self.rank * self.num_local, "max_over_mean": stats["max_over_mean"],
+                 "capacity_factor": routing.capacity * self.num_experts / max(1, routing.num_tokens * self.top_k),
+                 "first": self.experts.first, "max_over_mean": stats["max_over_mean"],
                  "cv": stats["cv"], "call": self.calls}
-        recorder.metric(f"moe/{self.name}/load", value, step=_enclosing_step())
-
-
-def _enclosing_step(lookback: int = 256):
-    """The step of the training loop's open "forward" span (see toolkit.train), or None."""
-    for event in reversed(recorder.events[-lookback:]):
-        if event["name"] == "forward" and event["cat"] == "compute":
-            return event["args"].get("step") if event["end"] is None else None
-    return None
+        recorder.metric(f"moe/{self.name}/load", value, step=enclosing_step())

@@ -22,3 +22,14 @@ def merge_load(metrics, name: str = "moe") -> list:
         rows.append({"step": records[0]["step"], "counts": counts, "kept": kept,
                      "dropped": sum(r["value"]["dropped"] for r in records), **load_stats(counts)})
     return rows
+
+
+def enclosing_step(lookback: int = 256):
+    """The step of the training loop's open "forward" span (see toolkit.train), or None: the step an
+    MoE layer's records (load, placement, shadowing, pipeline) belong to."""
+    from ..trace.events import recorder
+
+    for event in reversed(recorder.events[-lookback:]):
+        if event["name"] == "forward" and event["cat"] == "compute":
+            return event["args"].get("step") if event["end"] is None else None
+    return None

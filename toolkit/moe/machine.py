@@ -148,6 +148,20 @@ def machine_rates(d_model: int, d_ff: int, *, group=None, compute_flops=None, ba
     return Rates(P, W, source)
 
 
+def node_size(world: int, given=None) -> int:
+    """Ranks per node for Tutel's 2DH all-to-all: ``given``, else the emulated link's ranks_per_node."""
+    link = emulated_link() or {}
+    M = given if given is not None else link.get("ranks_per_node")
+    if M is None:
+        raise ValueError("all_to_all_algorithm='2dh' needs the nodes: pass node_size= (ranks per node) or turn on an "
+                         "emulated link with toolkit.comm.emulate(..., ranks_per_node=...).")
+    if isinstance(M, bool) or not isinstance(M, int) or M < 1 or world % M:
+        fits = [m for m in range(1, world + 1) if world % m == 0]
+        raise ValueError(f"node_size={M!r} must divide the {world} ranks of the group (every node holds the same "
+                         f"number); choose one of {fits}.")
+    return M
+
+
 def topology(world: int, *, node_size=None, bandwidth=None, local_bandwidth=None) -> dict:
     """Node size M and the fraction W_net / (M * W_local) for the topology-aware gate.
 

@@ -37,6 +37,7 @@ import torch
 
 from .. import comm
 from ..trace.events import recorder
+from .load import enclosing_step
 from .units import Units, _Pending, label, overlapped
 
 DEGREES = (1, 2, 4, 8)
@@ -126,9 +127,7 @@ def record(layer, value: dict) -> None:
     """``moe/{name}/pipeline`` in the Run, one per pipelined forward: degree, capacity (occupied),
     bucket, chunk_slots, chunks, padded_slots, auto; when searching: trial=True and the (slowest
     rank's) seconds of this forward; once decided: best and the times of every degree tried."""
-    from .layer import _enclosing_step
-
-    recorder.metric(f"moe/{layer.name}/pipeline", value, step=_enclosing_step())
+    recorder.metric(f"moe/{layer.name}/pipeline", value, step=enclosing_step())
 
 
 def pipelined_dispatch_compute_combine(layer, rows: torch.Tensor, plan, wrap=None) -> torch.Tensor:

@@ -46,7 +46,9 @@ import torch.distributed as dist
 
 from .. import comm
 from ..trace.events import recorder
+from .load import enclosing_step
 from .machine import _label, _positive, machine_rates
+from .plan import Plan
 from .shadow_steps import ShadowUnits
 
 
@@ -244,8 +246,6 @@ class Shadowing:
 
     def forward(self, layer, tokens, routing):
         """Steps 2-6 with the shadowed experts at home. -> (plan, order, answers)"""
-        from .layer import Plan, _enclosing_step
-
         started = time.perf_counter()
         W, El, E, r = layer.world, layer.num_local, layer.num_experts, layer.rank
         distributed = dist.is_initialized() and W > 1
@@ -284,5 +284,5 @@ class Shadowing:
 
         clock.forward_s = value["measured_forward_s"] = time.perf_counter() - started
         if recorder.enabled:
-            recorder.metric(f"moe/{layer.name}/shadow", value, step=_enclosing_step())
+            recorder.metric(f"moe/{layer.name}/shadow", value, step=enclosing_step())
         return plan, order, answers
