@@ -80,12 +80,13 @@ def main(argv=None):
         lines += ["", "| model, strategy, ranks | params | model states / rank (GB) | formula (GB) | peak (GB) "
                   "| sent per step (GB) | theory (GB) | across nodes (GB) | seconds |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        cases = [("zero_7_5b", s, 64, mixed) for s in ("ddp", "zero1", "zero2", "zero3")]
+        cases = [("zero_7_5b", s, 64, dict(mixed, seq_len=2048)) for s in ("ddp", "zero1", "zero2", "zero3")]
         cases += [("gpt3_175b", "fsdp", 512, mixed), ("gpt3_175b", "fsdp", 512, dict(mixed, sharding_group_size=8))]
         for model, strategy, world, options in cases:
             r = run_case(model, strategy, world, options)
             t = r["theory"]
             label = strategy + (" (HSDP, 8 per node)" if "sharding_group_size" in options else "")
+            label += f", seq {options['seq_len']}" if "seq_len" in options else ""
             lines.append(f"| {model}, {label}, {world} | {r['num_params'] / 1e9:.2f}B | {r['memory'] / GB:.2f} | "
                          f"{t['model_states_total'] / GB:.2f} | {r['peak'] / GB:.1f} | {r['bytes'] / GB:.1f} | "
                          f"{t['bytes_per_step'] / GB:.1f} | {r['cross'] / GB:.1f} | {r['seconds']:.1f} |")
