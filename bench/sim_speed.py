@@ -71,7 +71,8 @@ def main(argv=None):
     mixed = {"mixed_precision": True}
     target = run_case("gpt3_175b", "zero3", 512, mixed)
     lines = ["| case | seconds | peak RSS (GB) | vs target |", "| --- | --- | --- | --- |",
-             f"| GPT-3 175B, zero3, 512 ranks, 1 step (+ warm-up) | {target['seconds']:.1f} | {target['rss'] / GB:.2f} | "
+             f"| GPT-3 175B, zero3, 512 ranks, 1 step (+ warm-up) | {target['seconds']:.1f} | "
+             f"{target['rss'] / GB:.2f} | "
              f"time {target['seconds'] / 60:.2f} x 60 s, RAM {target['rss'] / 4e9:.2f} x 4 GB |"]
     if args.profile:  # where the time goes (cProfile slows the run several times: read shares, not seconds)
         split = run_case("gpt3_175b", "zero3", 512, mixed, profile=True)["split"]
