@@ -1,0 +1,78 @@
+"""The simulated cluster: what a Simulation holds, and how it fails.
+
+(Exact numbers: tests/test_sim_vs_real.py against real gloo runs, tests/test_sim_scale.py against the
+papers; the fake process group itself: tests/test_sim_fake.py.)
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from toolkit.models import tiny_gpt
+from toolkit.sim import Collective, Compute, Wait, simulate
+from toolkit.sim.program import check
+from toolkit.trace.analysis import bytes_per_step
+
+SMALL = dict(n_layer=2, d_model=64, n_head=4)
+
+
+def small():
+    return tiny_gpt(**SMALL)
+
+
+def test_a_step_is_a_program_of_compute_collectives_and_waits():
+    sim = simulate(small, "zero3", 4, steps=2, progress=False)
+    assert len(sim.programs) == 2
+    for program in sim.programs:
+        check(program)
+        kinds = {type(i) for i in program}
+        assert kinds == {Compute, Collective, Wait}
+        issued = [i for i in program if isinstance(i, Collective)]
+        waited = {i.id for i in program if isinstance(i, Wait)}
+        assert waited == {c.id for c in issued}  # every collective is waited on within its step
+        for c in issued:
+            assert c.group == (0, 1, 2, 3) and c.op in ("all_gather", "reduce_scatter")
+        assert {c.phase for c in issued} == {"forward", "backward"}
+    # FLOPs: the same ops FlopCounterMode counts; about 6 x params x tokens plus attention
+    tokens = sim.batch_per_rank * sim.seq_len
+    assert 6 * sim.num_params * tokens < sim.flops < 1.2 * 6 * sim.num_params * tokens
+    assert sim.flops == sum(i.flops for i in sim.programs[-1] if isinstance(i, Compute))
+    assert sim.programs[0] == sim.programs[1]  # a steady state: both steps issue the same program
+    # the Run the simulation leaves reads as a real one: trace analysis finds the same bytes per step
+    assert bytes_per_step(sim.run, 0)[-1] == sim.bytes_per_phase
+    sent = 3 * sim.message_bytes["reduce_scatter"] * 3 // 4  # three passes of the model, ring factor 3/4
+    assert sim.bytes_per_phase["total"] == sim.bytes_per_step["total"] == sent
+
+
+def test_leaves_the_process_clean_even_after_an_error():
+    with pytest.raises(ValueError, match="unknown option"):
+        simulate(small, "zero2", 16, progress=False, bucket_size=3)
+    assert not dist.is_initialized()
+    sim = simulate(small, "ddp", 2, progress=False)  # a second simulation in the same process works
+    assert sim.bytes_per_step["all_reduce"] > 0
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(strategy="zero4", world_size=8), "unknown strategy"),
+    (dict(strategy="ddp", world_size=2048), "1 to 1024"),
+    (dict(strategy="ddp", world_size=12, ranks_per_node=8), "whole number of nodes"),
+    (dict(strategy="ddp", world_size=8, rank=8), "not a rank"),
+])
+def test_bad_input_is_a_clear_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        simulate(small, progress=False, **call)
+    assert not dist.is_initialized()
+
+
+def test_a_model_that_cannot_be_built_on_meta_is_named():
+    class ReadsValues(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4))
+            self.scale = float(self.w.sum())  # reading a value: impossible on meta
+
+    with pytest.raises(ValueError, match="ReadsValues"):
+        simulate(ReadsValues, "ddp", 2, progress=False)
+    assert not dist.is_initialized()
