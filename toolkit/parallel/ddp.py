@@ -60,6 +60,8 @@ class DataParallel(Wrapped):
         self.group = group
         self.params = [p for p in dense if p.requires_grad]  # tied ones appear once
         self.experts = [p for p in module.parameters() if getattr(p, "_toolkit_expert", False)]
+        if self.scaler is not None:  # fp16: replicas hold the same averaged gradients, experts their own
+            self.scaler.group, self.scaler.across_ranks = group, bool(self.experts)
         self.require_sync = True  # no_sync() turns it off
         self._sync = True         # what the last forward saw: torch decides at forward time too
         self._in_backward = False
