@@ -190,10 +190,11 @@ class DistributedDataParallel(DataParallel):
         """Buckets in the order the first backward made gradients ready (rank 0's, so all ranks agree);
         parameters that got no gradient then follow, last-registered first."""
         order = self.ready_order + [i for i in reversed(range(len(self.params))) if i not in self.ready_order]
-        order = torch.tensor(order, device=self.buckets[0].buffer.device)
-        comm.broadcast(order, src=comm.group_ranks(self.group)[0], group=self.group)
+        agreed = torch.tensor(order, device=self.buckets[0].buffer.device)
+        comm.broadcast(agreed, src=comm.group_ranks(self.group)[0], group=self.group)
         self.ready_order = None
-        self._build(assign_buckets(self.params, self.caps[1], self.caps[0], order=order.tolist()))
+        order = order if agreed.is_meta else agreed.tolist()  # meta tensors (a simulation) hold no values
+        self._build(assign_buckets(self.params, self.caps[1], self.caps[0], order=order))
         for bucket in self.buckets:  # gradients kept from before (zero_grad(set_to_none=False)) move along
             for index, view in bucket.views.items():
                 p = self.params[index]
