@@ -627,13 +627,14 @@ explorer
 # does anyway), autograd runs the block's forward a second time and backward proceeds through the
 # recomputed tensors, one block at a time.
 #
-# One launch on 2 ranks trains this notebook's model four steps each way and counts both sides of the
-# trade on rank 0: the bytes kept from forward to backward (an `ActivationMeter`) and the floating-point
-# operations of each pass (torch's `FlopCounterMode`, which counts the matmuls; the fused attention
-# kernel is not in its table on the CPU). The same launch trains a few fp16 steps, for what follows.
+# One launch on 2 ranks trains this notebook's model five steps each way, times the middle three and
+# counts both sides of the trade in the last, on rank 0, with `toolkit.memory.pass_costs`: the bytes kept from forward to backward (an
+# `ActivationMeter`) and the floating-point operations of each pass (torch's `FlopCounterMode`, which
+# counts the matmuls; the fused attention kernel is not in its table on the CPU). The same launch trains
+# a few fp16 steps, for what follows.
 
 # %%
-def stash_or_recompute(steps=4):
+def stash_or_recompute(steps=5):
     """On every rank: FSDP with and without activation checkpointing, then fp16; return what was counted."""
     import functools
     import statistics
@@ -641,9 +642,8 @@ def stash_or_recompute(steps=4):
 
     import torch
     import torch.distributed as dist
-    from torch.utils.flop_counter import FlopCounterMode
 
-    from toolkit.memory import ActivationMeter
+    from toolkit.memory import pass_costs
     from toolkit.models import SyntheticCorpus, tiny_gpt
     from toolkit.parallel import wrap
     from toolkit.train import TrainConfig, train
@@ -654,22 +654,19 @@ def stash_or_recompute(steps=4):
         torch.manual_seed(0)
         model, opt = wrap(tiny_gpt(**MODEL), "fsdp", optimizer=functools.partial(torch.optim.AdamW, lr=3e-3),
                           activation_checkpointing=checkpointing)
-        meter, times = ActivationMeter(model), []
+        times = []
         for step in range(steps):
             x, y = corpus.batch(step, BATCH, rank=rank, world_size=world)
             dist.barrier()
             t0 = time.perf_counter()
-            with FlopCounterMode(display=False) as forward, meter:
-                loss = model(x, y)
-            kept = meter.live
-            with FlopCounterMode(display=False) as backward:
-                loss.backward()
+            if step < steps - 1:  # timed steps (the first one warms up)
+                model(x, y).backward()
+            else:  # the last step, counted: bytes kept, FLOPs of each pass
+                cost = pass_costs(model, x, y)
             opt.step()
             opt.zero_grad()
             times.append(time.perf_counter() - t0)
-        out[checkpointing] = {"kept": kept, "forward": forward.get_total_flops(),
-                              "backward": backward.get_total_flops(), "loss": loss.item(),
-                              "step": statistics.median(times[1:])}
+        out[checkpointing] = {**cost, "step": statistics.median(times[1:-1])}
     out["fp16"] = train(TrainConfig(strategy="fsdp", steps=5, global_batch_size=BATCH, model=dict(MODEL),
                                     options={"mixed_precision": "fp16"}, progress=False, sample_memory=False))
     return out

@@ -56,9 +56,8 @@ def test_the_tiny_gpt_saves_exactly_what_the_terms_say(shape, dtype):
 def stash_or_recompute(checkpointing: bool) -> dict:
     """One FSDP step: activation bytes kept from forward to backward, FLOPs of each pass, final state."""
     import torch.distributed as dist
-    from torch.utils.flop_counter import FlopCounterMode
 
-    from toolkit.memory import ActivationMeter
+    from toolkit.memory import pass_costs
     from toolkit.parallel import full_state_dict, wrap
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -66,18 +65,10 @@ def stash_or_recompute(checkpointing: bool) -> dict:
     model, opt = wrap(tiny_gpt(**CKPT), "fsdp", optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
                       activation_checkpointing=checkpointing)
     x, y = SyntheticCorpus().batch(0, CKPT_BATCH, rank=rank, world_size=world)
-    meter = ActivationMeter(model)
-    with FlopCounterMode(display=False) as forward, meter:
-        loss = model(x, y)
-    kept = meter.live
-    with FlopCounterMode(display=False) as backward:
-        loss.backward()
+    cost = pass_costs(model, x, y)
     opt.step()
-    flops = {name: sum(ops.values()) for name, ops in forward.get_flop_counts().items()}  # per module path
-    of = lambda suffix: next(n for name, n in flops.items() if name.endswith(suffix))  # noqa: E731
-    return {"kept": kept, "forward": forward.get_total_flops(), "backward": backward.get_total_flops(),
-            "block": of(".blocks.0"), "last_matmul": of(".blocks.0.mlp.proj"), "loss": loss.item(),
-            "state": full_state_dict(model)}
+    of = lambda suffix: next(n for name, n in cost["by_module"].items() if name.endswith(suffix))  # noqa: E731
+    return {**cost, "block": of(".blocks.0"), "last_matmul": of(".blocks.0.mlp.proj"), "state": full_state_dict(model)}
 
 
 def both():

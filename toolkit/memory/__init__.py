@@ -21,4 +21,5 @@ from .formulas import (
     ring_all_reduce_bytes,
     ring_reduce_scatter_bytes,
 )
-from .ledger import ActivationMeter, activations_by_module, ledger, memory_groups, record_memory
+from .activations import activations_by_module, pass_costs
+from .ledger import ActivationMeter, ledger, memory_groups, record_memory

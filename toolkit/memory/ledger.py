@@ -1,11 +1,10 @@
 """What is in memory on this rank right now, counted from the real tensors.
 
 `formulas.py` says what ZeRO or FSDP *should* cost; this file measures what they *do* cost, so a lesson
-can put the two side by side. Four tools:
+can put the two side by side. Three tools (and `activations.py` for one forward's activations):
 
 * `ledger(model, optimizer)`: bytes of parameters, gradients and optimizer states that exist now.
 * `ActivationMeter`: bytes autograd keeps for the backward pass (activations), live and peak.
-* `activations_by_module(model, modules, ...)`: one forward, the bytes saved for backward per module.
 * `record_memory(...)`: one sample of both into the trace, labelled with the current phase, so a
   Run shows memory over time per category.
 
@@ -203,28 +202,6 @@ class ActivationMeter:
             if entry[0] == 0:
                 self.live -= entry[1]
                 del self._live[key]
-
-
-def activations_by_module(model: torch.nn.Module, modules, *args, **kwargs) -> tuple[list[int], int]:
-    """Run `model(*args, **kwargs)` once with autograd on; return (bytes saved for backward while each of
-    `modules` ran its forward, bytes saved in all). The graph is dropped afterwards.
-
-    Each module's share is the growth of an `ActivationMeter` across its forward: what its operations
-    saved (a tensor it saves that an earlier module had saved already counts there, once)."""
-    meter, shares = ActivationMeter(model), []
-    hooks = []
-    for m in modules:
-        hooks.append(m.register_forward_pre_hook(lambda mod, args: shares.append(-meter.live)))
-        hooks.append(m.register_forward_hook(lambda mod, args, out: shares.append(shares.pop() + meter.live)))
-    try:
-        with torch.enable_grad(), meter:
-            output = model(*args, **kwargs)
-        total = meter.live
-    finally:
-        for h in hooks:
-            h.remove()
-    del output
-    return shares, total
 
 
 def record_memory(model: torch.nn.Module, optimizer=None, *, step: int | None = None,
