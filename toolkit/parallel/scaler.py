@@ -38,6 +38,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .. import comm
+from ..runtime import env
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -85,7 +86,7 @@ class LossScaler:
         """Divide the fp32 gradients by S in place; return True when any rank found an inf or NaN.
         Call it once per step, before the optimizer: the caller skips the step on True, then `update`."""
         grads = [g for g in grads if g is not None]
-        device = grads[0].device if grads else None
+        device = grads[0].device if grads else env.device()  # a rank may hold no gradient: it still votes
         found = torch.zeros(1, device=device)
         for g in grads:
             g.mul_(1.0 / self.scale)
