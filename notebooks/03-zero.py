@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -460,6 +462,89 @@ print(explorer.text)
 explorer
 
 # %% [markdown]
+# ## 9. Activations: what ZeRO leaves alone, counted
+#
+# Section 5 found the activations the same under every stage, and the largest category in this tiny
+# model. How large they are is a formula too. Korthikanti et al. (2022) count what one transformer layer
+# keeps for backward, with 16-bit values and dropout: **s·b·h·(34 + 5·a·s/h) bytes** per layer, for
+# sequence length s, b rows, hidden size h and a attention heads. The 34·sbh are the inputs of the
+# matmuls, LayerNorms and GELU, and two dropout masks; the 5·a·s²·b are the attention scores after the
+# softmax, its dropout mask and the dropped-out copy, quadratic in s.
+#
+# The tiny GPT is not the paper's model in three ways: it computes in fp32 (4 bytes a value, not 2), it has
+# no dropout, and its attention is torch's fused `scaled_dot_product_attention`, which never stores the
+# s x s scores (it keeps its output and one log-sum-exp per row instead). `toolkit.memory.activation_terms`
+# lists the paper's count operation by operation, with those three switches, and can add the small terms
+# the paper neglects (each LayerNorm's mean and 1/std per row). The measurement, `activations_by_module`,
+# runs one forward and reports what autograd saved while each block ran (section 3's micro-batch: 4 rows
+# of 32 tokens):
+
+# %%
+from toolkit.memory import activation_bytes, activation_terms, activations_by_module
+from toolkit.models import SyntheticCorpus
+
+S, B, H, A = 32, 4, MODEL["d_model"], MODEL["n_head"]
+model = tiny_gpt(**MODEL)
+x, y = SyntheticCorpus().batch(0, B)
+per_block, saved_in_all = activations_by_module(model, model.blocks, x, y)
+paper = activation_terms(S, B, H, A)
+ours = activation_terms(S, B, H, A, bytes_per_value=4, dropout=False, fused_attention=True, small_terms=True)
+show_table([{"what one layer keeps": term, "paper: 16-bit, dropout, scores stored (B)": paper.get(term, "-"),
+             "tiny GPT: fp32, no dropout, fused attention (B)": ours[term]} for term in ours]
+           + [{"what one layer keeps": "total", "paper: 16-bit, dropout, scores stored (B)": sum(paper.values()),
+               "tiny GPT: fp32, no dropout, fused attention (B)": sum(ours.values())}])
+predicted = sum(ours.values())
+print(f"measured per block: {per_block} bytes; predicted {predicted:,.0f}; "
+      f"the paper's s·b·h·(34 + 5·a·s/h) = {activation_bytes(S, B, H, A):,.0f} "
+      f"({activation_bytes(S, B, H, A) / per_block[0] - 1:+.0%} against the measurement)")
+print(f"outside the blocks (embeddings, final LayerNorm, the logits): {saved_in_all - sum(per_block):,} bytes")
+
+# %% [markdown]
+# The terms, with the tiny GPT's switches, predict every block to the byte. The paper's formula, as
+# published, misses by its assumptions, not its method: at 16 bits the tiny GPT would keep half as much,
+# without dropout 2·sbh less, and the quadratic term, 5·a·s/h = 10 against 34 here, is nearly a quarter of
+# the formula while the fused kernel keeps none of it. How that term grows with the sequence, measured
+# with the fused kernel and with the plain softmax path that stores the scores (torch's `MATH` backend):
+
+# %%
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+rows = []
+for seq in (16, 32, 64, 128):
+    net = tiny_gpt(**MODEL, seq_len=seq)
+    xs, ys = SyntheticCorpus(seq_len=seq).batch(0, B)
+    fused = activations_by_module(net, net.blocks[:1], xs, ys)[0][0]
+    with sdpa_kernel(SDPBackend.MATH):
+        stored = activations_by_module(net, net.blocks[:1], xs, ys)[0][0]
+    terms = {kernel: sum(activation_terms(seq, B, H, A, bytes_per_value=4, dropout=False, small_terms=True,
+                                          fused_attention=kernel == "fused").values()) for kernel in ("fused", "math")}
+    rows.append({"s": seq, "fused, measured KB": round(fused / KB, 1), "fused, terms KB": round(terms["fused"] / KB, 1),
+                 "scores stored, measured KB": round(stored / KB, 1),
+                 "scores stored, terms KB": round(terms["math"] / KB, 1),
+                 "paper (16-bit, dropout) KB": round(activation_bytes(seq, B, H, A) / KB, 1)})
+show_table(rows)
+
+# %% [markdown]
+# Both kernels match their terms exactly. With the scores stored, doubling s more than doubles the bytes
+# (the s² term); the fused kernel grows linearly, which is much of why FlashAttention made long sequences
+# affordable. On a real model the count is sobering. GPT-3 (s = 2048, h = 12288, a = 96, 96 layers), one
+# row per micro-batch, against its model states under ZeRO-3 over 64 GPUs:
+
+# %%
+gpt3 = activation_bytes(2048, 1, 12288, 96, layers=96)
+print(f"activations, paper's formula:  {gpt3 / GB:6.0f} GB per GPU per row of 2048 tokens")
+print(f"model states, ZeRO-3 over 64:  {model_states(175e9, 64, 3) / GB:6.0f} GB per GPU")
+print(f"activations, keeping only each layer's input (2·sbh, full recomputation): "
+      f"{96 * 2 * 2048 * 12288 / GB:.1f} GB")
+
+# %% [markdown]
+# ZeRO divides the model states by N; nothing here divides the activations. The usual cure is
+# **activation checkpointing**: keep only each layer's input during forward and recompute the layer's
+# forward during backward, when its gradients are due; about a third more computation for most of the
+# activation memory. Notebook 04 (section 9) measures both sides of that trade with FSDP's
+# `activation_checkpointing=True`. (Where the toolkit's ZeRO differs from DeepSpeed's: `docs/differences.md`.)
+
+# %% [markdown]
 # ## What to remember
 #
 # - Model states cost (2 + 2 + K)Ψ bytes per rank under data parallelism: 16 bytes per parameter with
@@ -468,7 +553,8 @@ explorer
 #   4Ψ + KΨ/N, 2Ψ + (2 + K)Ψ/N, (2 + 2 + K)Ψ/N. The measurements match, padding aside.
 # - ZeRO-1 and ZeRO-2 send what DDP sends, 2Ψ(N-1)/N, because a reduce-scatter and an all-gather add
 #   up to an all-reduce. ZeRO-3 sends 3Ψ(N-1)/N, gathering parameters in forward and again in backward.
-# - Activations are untouched by ZeRO-DP.
+# - Activations are untouched by ZeRO-DP: s·b·h·(34 + 5·a·s/h) bytes per layer in the paper's model,
+#   exactly its terms once the model's precision, dropout and attention kernel are plugged in.
 #
 # ## Questions
 #

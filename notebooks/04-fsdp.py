@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -36,6 +38,8 @@
 # 7. reasons to use FSDP, and reasons not to;
 # 8. a **wrap-policy explorer**: choose the units and see their sizes, padding, peak memory and
 #    number of collectives change.
+# 9. **activation checkpointing** against stashing: the bytes saved and the computation paid; and
+#    **fp16** with its loss scale, skipped steps included.
 #
 # It runs top to bottom in about a minute on a 2-core laptop. Then do `labs/03-fsdp-unit`: you write
 # the unshard/reshard of a unit and its gradient reduce-scatter, and the grader trains with them.
@@ -47,7 +51,7 @@ from IPython.display import HTML, display
 
 import toolkit
 from toolkit import viz
-from toolkit.memory import communication_per_step, fsdp_cross_host_traffic, model_states
+from toolkit.memory import activation_terms, communication_per_step, fsdp_cross_host_traffic, model_states
 from toolkit.models import tiny_gpt
 from toolkit.run import Run
 from toolkit.trace.analysis import step_windows
@@ -431,6 +435,17 @@ memory_over_time(fsdp, rank=0, step=LAST_ROUND["no prefetch"], categories=("para
                  title="Parameters through one step without prefetch, rank 0")
 
 # %% [markdown]
+# On a GPU this bound needs help that the CPU does not. There the CPU only *issues* kernels and runs ahead
+# of the device: it could issue the all-gathers of unit after unit while the device is still computing
+# the first, and the caching allocator cannot reuse a unit's memory while a collective on another stream
+# may still touch it, so gathered units would pile up. torch's FSDP therefore has a **rate limiter**
+# (`limit_all_gathers=True`, its default): before issuing an all-gather, the CPU waits until the unit two
+# back has really been freed, so at most two units are in flight. The toolkit's FSDP does not have one.
+# On the CPU it needs none (a unit's forward has finished before the next unit's hook runs, which is why
+# the peak above is exact), but on GPUs its peak can exceed the bound; asking for `limit_all_gathers=True`
+# is an error that says so. Every such difference from torch and DeepSpeed: `docs/differences.md`.
+
+# %% [markdown]
 # ## 6. Full sharding versus hybrid sharding
 #
 # Full sharding spreads every unit over all W ranks: the least memory, but every all-gather and
@@ -558,13 +573,13 @@ show_table(rows)
 #   50% more communication and many small collectives. Activation checkpointing, or a smaller batch per GPU
 #   with gradient accumulation, is often the better fix for memory there;
 # - activations, not model states, fill the memory: FSDP shards model states only (combine it with
-#   activation checkpointing: the toolkit's `activation_checkpointing=True` per unit);
+#   activation checkpointing: the toolkit's `activation_checkpointing=True` per unit, section 9);
 # - the wrap policy is hard to get right: a generic policy (every module above some size) is simple
 #   but can leave tiny units (latency-bound collectives) or huge ones (high peak); an architecture-aware
 #   policy (one unit per block) is better and needs to know the model. Shared weights must live in
 #   their lowest common ancestor unit;
 # - precision: bf16 (Ampere or newer) is simple; fp16 needs a *sharded* gradient scaler, since no rank
-#   sees every gradient to check for overflow;
+#   sees every gradient to check for overflow (the toolkit has one: section 9);
 # - partial fine-tuning (frozen and trainable parameters in one unit), non-elementwise optimizers (a
 #   flat shard cuts through tensors), or code that reads parameters outside the unit's forward need care.
 #
@@ -602,6 +617,114 @@ print(explorer.text)
 explorer
 
 # %% [markdown]
+# ## 9. Activation checkpointing: memory for compute; and fp16
+#
+# FSDP shards the model states; the activations stay whole on every rank (notebook 03, section 9, counted
+# them: s·b·h·(34 + 5·a·s/h) bytes per layer in the paper's model). **Stashing**, the default, keeps
+# every tensor the forward saves until backward uses it. **Checkpointing** keeps only each block's input:
+# with `activation_checkpointing=True` every unit but the root runs its forward under
+# `torch.utils.checkpoint` (non-reentrant), and in backward, once FSDP has gathered the unit again (as it
+# does anyway), autograd runs the block's forward a second time and backward proceeds through the
+# recomputed tensors, one block at a time.
+#
+# One launch on 2 ranks trains this notebook's model five steps each way, times the middle three and
+# counts both sides of the trade in the last, on rank 0, with `toolkit.memory.pass_costs`: the bytes kept from forward to backward (an
+# `ActivationMeter`) and the floating-point operations of each pass (torch's `FlopCounterMode`, which
+# counts the matmuls; the fused attention kernel is not in its table on the CPU). The same launch trains
+# a few fp16 steps, for what follows (on 4 rows per rank: the CPU has no fast fp16 matmul).
+
+# %%
+def stash_or_recompute(steps=5):
+    """On every rank: FSDP with and without activation checkpointing, then fp16; return what was counted."""
+    import functools
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from toolkit.memory import pass_costs
+    from toolkit.models import SyntheticCorpus, tiny_gpt
+    from toolkit.parallel import wrap
+    from toolkit.train import TrainConfig, train
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    corpus, out = SyntheticCorpus(64, 32, 0), {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model, opt = wrap(tiny_gpt(**MODEL), "fsdp", optimizer=functools.partial(torch.optim.AdamW, lr=3e-3),
+                          activation_checkpointing=checkpointing)
+        times = []
+        for step in range(steps):
+            x, y = corpus.batch(step, BATCH, rank=rank, world_size=world)
+            dist.barrier()
+            t0 = time.perf_counter()
+            if step < steps - 1:  # timed steps (the first one warms up)
+                model(x, y).backward()
+            else:  # the last step, counted: bytes kept, FLOPs of each pass
+                cost = pass_costs(model, x, y)
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - t0)
+        out[checkpointing] = {**cost, "step": statistics.median(times[1:-1])}
+    out["fp16"] = train(TrainConfig(strategy="fsdp", steps=4, global_batch_size=8, model=dict(MODEL),  # fp16
+                                    options={"mixed_precision": "fp16"}, progress=False, sample_memory=False))
+    return out
+
+
+ckpt_ranks = toolkit.launch(stash_or_recompute, WORLD, quiet=True)
+stash, recompute = ckpt_ranks[0][False], ckpt_ranks[0][True]
+S, B = 32, BATCH // WORLD
+per_block = sum(activation_terms(S, B, MODEL["d_model"], MODEL["n_head"], bytes_per_value=4, dropout=False,
+                                 fused_attention=True, small_terms=True).values())
+saving = MODEL["n_layer"] * (per_block - 4 * S * B * MODEL["d_model"])  # each block keeps its input, 4·sbh
+show_table([{"activations": label, "kept from forward to backward, KB": round(r["kept"] / KB, 1),
+             "forward MFLOP": round(r["forward"] / 1e6, 1), "backward MFLOP": round(r["backward"] / 1e6, 1),
+             "median step ms": round(r["step"] * 1e3, 1), "loss, last step": round(r["loss"], 6)}
+            for label, r in (("stashed (default)", stash), ("checkpointed", recompute))])
+print(f"one block saves {per_block / KB:,.0f} KB for backward; its input is {4 * S * B * MODEL['d_model'] / KB:,.0f} KB")
+print(f"saved: {(stash['kept'] - recompute['kept']) / KB:,.1f} KB measured, {saving / KB:,.1f} KB predicted "
+      f"(L x (one block's terms - its input)); backward paid {recompute['backward'] / stash['backward'] - 1:+.0%} "
+      f"FLOPs, the step {recompute['step'] / stash['step'] - 1:+.0%} time")
+
+# %% [markdown]
+# The saving is the prediction to the byte: each block keeps only its input instead of everything its
+# operations saved (the root's embeddings and logits are stashed either way). The price is a second
+# forward of each block inside backward, about a third more backward FLOPs here: a forward costs about
+# half a backward, the root is not recomputed, and torch stops recomputing once it has every tensor
+# backward needs (a block's last matmul is never rerun). Over a whole step that is the textbook "one more
+# forward", up to 4/3 of the computation. On these two shared cores the step time hardly follows (a step
+# of this tiny model is mostly hooks, Python and gloo, and the timings are noisy); on a GPU, where the
+# matmuls are the step, it does. Both runs compute the same losses: a recomputation gives back the very
+# tensors stashing kept. During backward one recomputed block is alive at a time, so the peak is what is
+# kept plus one block's activations.
+#
+# That trade is usually a good one for large models: notebook 03 found 275 GB of activations per row of
+# GPT-3 against 4.8 GB with checkpointing, for about a third more computation. FSDP and checkpointing
+# compose: the one shards what the other does not touch.
+#
+# **fp16.** bf16 keeps fp32's exponent range, so gradients do not underflow; fp16 stops at 6e-8, and
+# gradients of large models are often smaller. The cure is **dynamic loss scaling**: gradients of S·loss
+# instead of the loss, divided by S again in fp32 before the step. An overflow (S too large) makes some
+# gradient inf: the step is skipped and S halves; S doubles after 2000 good steps. Under FSDP each rank
+# holds only its slice of the gradient, so an overflow can be visible to one rank alone: the ranks
+# all-reduce their "found inf" flag before deciding, so all step or all skip (torch's
+# `ShardedGradScaler`). The toolkit's strategies do this themselves for `mixed_precision="fp16"`, and the
+# Run records the scale and the skipped steps:
+
+# %%
+fp16 = Run.merge(rank["fp16"] for rank in ckpt_ranks)
+show_table([{"step": step, "loss scale": scale, "skipped": bool(skipped), "loss": round(loss, 4)}
+            for (step, scale), (_, skipped), (_, loss) in zip(fp16.metric("loss_scale", 0),
+                                                              fp16.metric("skipped_step", 0), fp16.metric("loss", 0))])
+
+# %% [markdown]
+# The first step is skipped: the model's loss is itself fp16, and its own gradient, S = 2^16 = 65536, is
+# above fp16's largest number, 65504. At 2^15 everything fits, and training goes on; DeepSpeed prints the
+# same skip at the start of every fp16 run. The seed lecture's advice stands: prefer bf16 where the
+# hardware has it (Ampere or newer), for no scaler, no guessing and no tossed steps.
+
+# %% [markdown]
 # ## What to remember
 #
 # - FSDP = ZeRO-3 organized in units: each unit's parameters are one flat, padded, sharded tensor,
@@ -615,6 +738,8 @@ explorer
 # - Hybrid sharding shards within a host and replicates across hosts: cross-host traffic 2M(W-1)/(GW)
 #   instead of 3M(W-1)/W, memory 16Ψ/G instead of 16Ψ/W. It wins while the model fits a host.
 # - The wrap policy sets the trade-off between peak memory and the number (and size) of collectives.
+# - FSDP shards model states, not activations: checkpointing keeps only each block's input and pays a
+#   second forward in backward. fp16 needs a loss scale whose overflow check all ranks agree on; bf16 none.
 #
 # ## Questions
 #

@@ -125,6 +125,51 @@ def unused_step(rank, strategy):
     return {n: p.grad.clone() for n, p in toy.named_parameters()}
 
 
+class Swapped(nn.Module):
+    """`late` is registered first but runs last: registration order is the wrong guess for backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.late, self.early = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.late(self.early(x)).pow(2).sum()
+
+
+def rebuild_steps(rank, n, steps=3):
+    """ddp on Swapped, one bucket per layer: the buckets per step, how many all-reduces had started
+    when backward reached `early`, and the broadcasts (the rebuild's) per step."""
+    from toolkit.trace import recorder
+
+    toy, started = Swapped(), []
+    toy.early.weight.register_post_accumulate_grad_hook(  # before wrap: runs before DDP's own hook
+        lambda p: started.append(sum(e["name"] == "all_reduce" for e in recorder.events)))
+    model, opt = wrap(toy, "ddp", optimizer=functools.partial(torch.optim.SGD, lr=0.1), bucket_cap_mb=64 / 2**20)
+    buckets, broadcasts = [], []
+    torch.manual_seed(1)
+    xs = torch.randn(steps, n, 3, 4)
+    for step in range(steps):
+        recorder.reset()
+        loss = model(xs[step, rank])
+        buckets.append([b.indices for b in model.buckets])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        broadcasts.append(sum(e["name"] == "broadcast" for e in recorder.events))
+    return {"buckets": buckets, "started": started, "broadcasts": broadcasts, "state": full_state_dict(model),
+            "xs": xs}
+
+
+def first_bucket(rank):
+    """Three 512 KiB layers: the default cap's first bucket closes at 1 MiB; an explicit cap is every bucket's."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(nn.Linear(512, 256, bias=False) for _ in range(3)))
+    default, _ = wrap(layers, "ddp", optimizer=OPT)
+    explicit, _ = wrap(layers, "ddp", optimizer=OPT, bucket_cap_mb=25)
+    return [b.indices for b in default.buckets], [b.indices for b in explicit.buckets]
+
+
 def torch_ddp_run(rank, n):
     """The same training with torch.nn.parallel.DistributedDataParallel (the peer, not the toolkit)."""
     model = torch.nn.parallel.DistributedDataParallel(build())
@@ -162,6 +207,8 @@ def everything(n):
     out["buckets"] = bucket_step(rank, n)
     if n == 2:
         out["torch_ddp"] = torch_ddp_run(rank, n)
+        out["rebuild"] = rebuild_steps(rank, n)
+        out["first_bucket"] = first_bucket(rank)
         for strategy in ("dp", "ddp"):
             out[f"no_sync_{strategy}"] = no_sync_step(rank, n, strategy)
             out[f"unused_{strategy}"] = unused_step(rank, strategy)
@@ -192,6 +239,12 @@ def test_buckets_are_reverse_registration_order_and_capped():
     assert assign_buckets(params, cap_bytes=60) == [[5, 4, 3], [2], [1, 0]]
     assert assign_buckets(params, cap_bytes=1e9) == [[5, 4, 3, 2, 1, 0]]
     assert assign_buckets(params, cap_bytes=1) == [[i] for i in reversed(range(6))]
+
+
+def test_the_first_bucket_has_its_own_cap_and_buckets_follow_a_given_order():
+    params = [torch.zeros(n) for n in (10, 10, 30, 5, 5, 5)]  # 4 bytes each element
+    assert assign_buckets(params, cap_bytes=60, first_cap_bytes=40) == [[5, 4], [3, 2], [1, 0]]
+    assert assign_buckets(params, cap_bytes=60, order=[0, 1, 2, 3, 4, 5]) == [[0, 1], [2], [3, 4, 5]]
 
 
 def test_local_is_the_plain_loop():
@@ -273,6 +326,38 @@ def test_buckets_launch_during_backward_and_send_the_ring_bytes(n):
         assert b["started_before_last_grad"] == len(b["bucket_bytes"]) - 1
         assert b["sent"] == [2 * (n - 1) * size // n for size in b["bucket_bytes"]]
         assert abs(sum(b["sent"]) - 2 * (n - 1) / n * 4 * build().num_params()) < len(b["sent"])
+
+
+@pytest.mark.timeout(120)
+def test_default_cap_has_a_1_mib_first_bucket_as_torch():
+    for r in results(2):
+        default, explicit = r["first_bucket"]
+        assert default == [[2, 1], [0]]  # 512 KiB + 512 KiB reach 1 MiB: the first bucket closes
+        assert explicit == [[2, 1, 0]]   # bucket_cap_mb=25 given: one 25 MiB cap for every bucket
+
+
+@pytest.mark.timeout(120)
+def test_buckets_are_rebuilt_in_the_order_gradients_became_ready():
+    """Registration order puts `early` (run first, so ready last) in bucket 0: the first backward can
+    launch nothing until the end. The next forward rebuilds the buckets in the order gradients arrived
+    (one broadcast of rank 0's order, once), and from then on `late`'s bucket leaves while backward
+    is still computing `early`'s gradients. The arithmetic is unchanged."""
+    runs = results(2)
+    for r in runs:
+        b = r["rebuild"]
+        assert b["buckets"][0] == [[3, 2], [1, 0]]  # early.bias, early.weight first: the wrong guess
+        assert b["buckets"][1] == b["buckets"][2] and sorted(map(sorted, b["buckets"][1])) == [[0, 1], [2, 3]]
+        assert set(b["buckets"][1][0]) == {0, 1}  # late's parameters lead now
+        assert b["started"] == [0, 1, 1]  # all-reduces in flight when backward reached early.weight
+        assert b["broadcasts"] == [0, 1, 0]
+    model, opt = wrap(Swapped(), "local", optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    for x in runs[0]["rebuild"]["xs"]:
+        model(x.reshape(-1, 4)).backward()  # the sum of both ranks' losses, so gradients are 2x the mean
+        for p in model.parameters():
+            p.grad /= 2
+        opt.step()
+        opt.zero_grad()
+    assert max_diff(runs[0]["rebuild"]["state"], full_state_dict(model)) < ATOL
 
 
 @pytest.mark.timeout(120)

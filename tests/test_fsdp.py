@@ -695,3 +695,12 @@ def test_bad_options_and_policies():
         wrap(build(), "fsdp", optimizer=OPT, unit_class=nn.Linear)
     with pytest.raises(RuntimeError, match="toolkit.launch"):
         wrap(build(), "fsdp", optimizer=OPT)
+
+
+def test_the_absent_rate_limiter_is_named_not_silently_ignored():
+    """torch FSDP's `limit_all_gathers=True` is not implemented: asking for it says why and what to do."""
+    with pytest.raises(ValueError, match=r"limit_all_gathers=True.*rate limiter.*GPUs.*differences\.md"):
+        wrap(build(), "fsdp", optimizer=OPT, limit_all_gathers=True)
+    with pytest.raises(RuntimeError, match="toolkit.launch"):  # False is what this FSDP does: accepted
+        wrap(build(), "fsdp", optimizer=OPT, limit_all_gathers=False)
+    assert "limit_all_gathers" in toolkit.parallel.fsdp.__doc__

@@ -186,6 +186,10 @@ def test_launch_train_ddp_matches_local(reference):
     assert losses(run) == pytest.approx(losses(ref_run), abs=1e-6)
     per_step = bytes_per_step(run, 0)
     assert len(per_step) == steps
-    assert per_step == [per_step[0]] * steps  # the same traffic every step: one reduction per step
+    # the same traffic every step, one reduction per step; step 1 also carries DDP's bucket rebuild, one
+    # broadcast of rank 0's gradient-ready order (an int64 per parameter tensor)
+    order = 8 * len(list(tiny_gpt().parameters()))
+    assert per_step[1] == {**per_step[0], "forward": order, "total": per_step[0]["total"] + order}
+    assert [s for i, s in enumerate(per_step) if i != 1] == [per_step[0]] * (steps - 1)
     # a ring all-reduce on 2 ranks sends 2(N-1)/N = 1x the message: every fp32 gradient once
     assert per_step[0]["total"] == 4 * tiny_gpt().num_params()

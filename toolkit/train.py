@@ -119,8 +119,9 @@ def train(config, *, model_fn=None, return_state: bool = False):
 
     The Run holds this call's work only (the trace recorder is reset first). Its metrics per step:
     "loss" (mean over all ranks and micro-batches: the loss of the whole global batch), "local_loss"
-    (this rank's), "step_time" (seconds), "grad_norm" (when clipping); and once, "param_norm" (the
-    L2 norm of the final full parameters, for comparing runs without the tensors).
+    (this rank's), "step_time" (seconds), "grad_norm" (when clipping), with fp16 "loss_scale" and
+    "skipped_step" (1 when an overflow skipped the step); and once, "param_norm" (the L2 norm of the
+    final full parameters, for comparing runs without the tensors).
     """
     config = TrainConfig.of(config)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -174,6 +175,9 @@ def train(config, *, model_fn=None, return_state: bool = False):
                 opt.step()
                 opt.zero_grad()
             sample(step)
+        if getattr(model, "scaler", None) is not None:  # fp16: the loss scale this step ran with, and
+            recorder.metric("loss_scale", model.scaler.last_scale, step=step)  # whether its update was
+            recorder.metric("skipped_step", int(model.scaler.last_skipped), step=step)  # skipped (overflow)
         if device.type == "cuda":
             torch.cuda.synchronize()  # a step's time is the device's, not the host's
         recorder.metric("step_time", time.perf_counter() - t0, step=step)

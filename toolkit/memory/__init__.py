@@ -6,6 +6,7 @@ from .formulas import (
     STRATEGIES,
     ZERO_STAGES,
     activation_bytes,
+    activation_terms,
     alpha_beta_time,
     bytes_on_wire,
     communication_per_step,
@@ -20,4 +21,5 @@ from .formulas import (
     ring_all_reduce_bytes,
     ring_reduce_scatter_bytes,
 )
+from .activations import activations_by_module, pass_costs
 from .ledger import ActivationMeter, ledger, memory_groups, record_memory

@@ -260,6 +260,7 @@ def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: 
     Korthikanti et al. 2022, 16-bit activations, no recomputation, no tensor parallelism.
     34·sbh is the linear part (inputs of matmuls, LayerNorms, GELU, dropout masks);
     5·a·s²·b is the attention scores, softmax and its dropout mask, quadratic in s.
+    `activation_terms` gives the same number term by term, and for other models.
     """
     for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden), ("heads", heads)):
         _check_world(name, value)
@@ -268,9 +269,53 @@ def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: 
     return layers * s * b * h * (34 + 5 * a * s / h)
 
 
+def activation_terms(seq_len: int, batch: int, hidden: int, heads: int, *, bytes_per_value: float = 2,
+                     ffn_hidden: int | None = None, dropout: bool = True, fused_attention: bool = False,
+                     small_terms: bool = False) -> Dict[str, float]:
+    """Bytes one transformer layer keeps for backward, term by term (what each operation saves).
+
+    With the defaults (16-bit values, dropout, attention that materializes its s x s scores, an MLP
+    of width 4h) the terms add up to Korthikanti et al.'s s·b·h·(34 + 5·a·s/h) exactly. The switches
+    describe a model the paper does not:
+
+    bytes_per_value  2 for 16-bit activations, 4 for fp32 (dropout masks stay 1 byte)
+    ffn_hidden       the MLP's hidden width (default 4h)
+    dropout          False: no dropout masks, no dropped-out copy of the scores
+    fused_attention  True: a fused kernel (FlashAttention, torch's scaled_dot_product_attention) never
+                     stores the s x s scores; it keeps its output and a log-sum-exp per row (fp32)
+    small_terms      True: also the terms the paper neglects, the LayerNorms' mean and 1/std per row
+                     (in the activations' dtype, as torch's CPU kernel keeps them; CUDA keeps fp32)
+                     and the fused kernel's log-sum-exp, so the count is exact
+    """
+    for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden), ("heads", heads)):
+        _check_world(name, value)
+    _check_count("bytes_per_value", bytes_per_value, 1)
+    s, b, h, a, p = seq_len, batch, hidden, heads, bytes_per_value
+    f = 4 * h if ffn_hidden is None else ffn_hidden
+    _check_world("ffn_hidden", f)
+    sbh, scores = s * b * h, a * s * s * b
+    terms = {
+        "LayerNorm inputs (2)": 2 * p * sbh,
+        "QKV matmul input": p * sbh,
+        "Q, K, V": 3 * p * sbh,
+        "attention output (projection input)": p * sbh,
+        "MLP input": p * sbh,
+        "GELU input": p * s * b * f,
+        "GELU output (second matmul input)": p * s * b * f,
+        "dropout masks (2, 1 byte)": 2 * sbh if dropout else 0,
+        "softmax output": 0 if fused_attention else p * scores,
+        "softmax dropout mask (1 byte)": scores if dropout and not fused_attention else 0,
+        "softmax dropout output": p * scores if dropout and not fused_attention else 0,
+    }
+    if small_terms:
+        terms["LayerNorm mean and 1/std (2)"] = 2 * 2 * p * s * b
+        terms["attention log-sum-exp (fp32)"] = 4 * a * s * b if fused_attention else 0
+    return terms
+
+
 __all__ = [
     "model_states", "model_states_breakdown", "deepspeed_zero2_estimate", "deepspeed_zero3_estimate",
     "communication_per_step", "ring_all_reduce_bytes", "ring_reduce_scatter_bytes", "ring_all_gather_bytes",
     "bytes_on_wire", "alpha_beta_time", "fsdp_peak_params", "flat_padding", "fsdp_cross_host_traffic",
-    "activation_bytes", "ZERO_STAGES", "STRATEGIES", "COLLECTIVES", "FSDP_SHARDING",
+    "activation_bytes", "activation_terms", "ZERO_STAGES", "STRATEGIES", "COLLECTIVES", "FSDP_SHARDING",
 ]

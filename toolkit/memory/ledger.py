@@ -1,7 +1,7 @@
 """What is in memory on this rank right now, counted from the real tensors.
 
 `formulas.py` says what ZeRO or FSDP *should* cost; this file measures what they *do* cost, so a lesson
-can put the two side by side. Three tools:
+can put the two side by side. Three tools (and `activations.py` for one forward's activations):
 
 * `ledger(model, optimizer)`: bytes of parameters, gradients and optimizer states that exist now.
 * `ActivationMeter`: bytes autograd keeps for the backward pass (activations), live and peak.

@@ -13,6 +13,11 @@ Two versions, in the order a course builds them:
   backward we wait for every bucket and point each `.grad` at its slice of the bucket (torch's
   `gradient_as_bucket_view=True`), so after backward the gradients take Ψ·bytes once, as the
   (2+2+K)Ψ accounting says, not once in `.grad` and again in the buckets.
+  Two refinements of torch's: with the default cap the *first* bucket closes at 1 MiB (the last
+  layers' gradients leave early instead of waiting for 25 MiB to fill; an explicit `bucket_cap_mb`
+  applies to every bucket, as in torch); and registration order is only a guess, so the first
+  backward records the order in which gradients really became ready, and the next forward rebuilds
+  the buckets in that order (rank 0's order, broadcast, so that every rank's buckets match).
 
 What both share: at wrap time the ranks' models are checked to be the same and rank 0's parameters and
 buffers are broadcast; `no_sync()` for gradient accumulation; `mixed_precision` (see local.py: 16-bit
@@ -60,6 +65,8 @@ class DataParallel(Wrapped):
         self.group = group
         self.params = [p for p in dense if p.requires_grad]  # tied ones appear once
         self.experts = [p for p in module.parameters() if getattr(p, "_toolkit_expert", False)]
+        if self.scaler is not None:  # fp16: replicas hold the same averaged gradients, experts their own
+            self.scaler.group, self.scaler.across_ranks = group, bool(self.experts)
         self.require_sync = True  # no_sync() turns it off
         self._sync = True         # what the last forward saw: torch decides at forward time too
         self._in_backward = False
@@ -121,13 +128,20 @@ class NaiveDataParallel(DataParallel):
 
 
 # --- 2. bucketed, overlapped DDP -----------------------------------------------------------------
-def assign_buckets(params, cap_bytes: float) -> list[list[int]]:
-    """Indices of `params` in buckets, last-registered first. A bucket closes once it holds at least
-    `cap_bytes` (so a parameter larger than the cap gets a bucket of its own) or the dtype changes."""
+FIRST_BUCKET_BYTES = 2**20  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def assign_buckets(params, cap_bytes: float, first_cap_bytes: float | None = None,
+                   order=None) -> list[list[int]]:
+    """Indices of `params` in buckets, in `order` (default: last-registered first). A bucket closes
+    once it holds at least `cap_bytes` (the first bucket: `first_cap_bytes`, default the same), so a
+    parameter larger than the cap gets a bucket of its own, or when the dtype changes."""
+    order = reversed(range(len(params))) if order is None else order
     buckets, current, size = [], [], 0
-    for i in reversed(range(len(params))):
+    for i in order:
         p = params[i]
-        if current and (size >= cap_bytes or p.dtype != params[current[0]].dtype):
+        limit = cap_bytes if buckets or first_cap_bytes is None else first_cap_bytes
+        if current and (size >= limit or p.dtype != params[current[0]].dtype):
             buckets.append(current)
             current, size = [], 0
         current.append(i)
@@ -154,14 +168,43 @@ class Bucket:
 class DistributedDataParallel(DataParallel):
     """"ddp": buckets of gradients all-reduced asynchronously while backward goes on."""
 
-    def __init__(self, module, mixed_precision=False, bucket_cap_mb=25, group=None):
+    def __init__(self, module, mixed_precision=False, bucket_cap_mb=None, group=None):
         super().__init__(module, mixed_precision, group)
-        cap = bucket_cap_mb * 2**20
-        self.buckets = [Bucket(self.params, ix) for ix in assign_buckets(self.params, cap)]
+        # torch's rule: the default cap (25 MiB) comes with a 1 MiB first bucket; a cap you choose is every bucket's
+        self.caps = (FIRST_BUCKET_BYTES, 25 * 2**20) if bucket_cap_mb is None else (bucket_cap_mb * 2**20,) * 2
+        self._build(assign_buckets(self.params, self.caps[1], self.caps[0]))
+        self.ready_order: list[int] | None = []  # the first backward's order; None once rebuilt
+
+    def _build(self, assignment) -> None:
+        self.buckets = [Bucket(self.params, ix) for ix in assignment]
         self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.indices}
         self.next_bucket = 0  # buckets start in order, so every rank issues the same collectives
 
+    def forward(self, *args, **kwargs):
+        if self.ready_order:  # a backward has run: rebuild once, before the next backward needs buckets
+            self._rebuild_buckets()
+        return super().forward(*args, **kwargs)
+
+    @torch.no_grad()
+    def _rebuild_buckets(self) -> None:
+        """Buckets in the order the first backward made gradients ready (rank 0's, so all ranks agree);
+        parameters that got no gradient then follow, last-registered first."""
+        order = self.ready_order + [i for i in reversed(range(len(self.params))) if i not in self.ready_order]
+        agreed = torch.tensor(order, device=self.buckets[0].buffer.device)
+        comm.broadcast(agreed, src=comm.group_ranks(self.group)[0], group=self.group)
+        self.ready_order = None
+        order = order if agreed.is_meta else agreed.tolist()  # meta tensors (a simulation) hold no values
+        self._build(assign_buckets(self.params, self.caps[1], self.caps[0], order=order))
+        for bucket in self.buckets:  # gradients kept from before (zero_grad(set_to_none=False)) move along
+            for index, view in bucket.views.items():
+                p = self.params[index]
+                if p.grad is not None:
+                    view.copy_(p.grad.reshape(-1))
+                    p.grad = view.view_as(p)
+
     def grad_ready(self, index):
+        if self.ready_order is not None:
+            self.ready_order.append(index)
         bucket = self.buckets[self.bucket_of[index]]
         if index in bucket.ready:
             raise RuntimeError(f"parameter #{index} became ready twice in one backward; DDP reduces each "
@@ -205,7 +248,8 @@ def wrap_naive(model, optimizer, **options):
 
 
 def wrap(model, optimizer, **options):
-    """"ddp": bucketed all-reduces overlapped with backward. Options: mixed_precision, bucket_cap_mb (25)."""
+    """"ddp": bucketed all-reduces overlapped with backward. Options: mixed_precision, bucket_cap_mb
+    (default 25, with a 1 MiB first bucket; a cap given applies to every bucket)."""
     check_options("ddp", options, DDP_OPTIONS)
     cap = options.get("bucket_cap_mb", 25)
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0:

@@ -61,6 +61,17 @@ Checkpoints: `toolkit.parallel.checkpoint`.
 Limits: a unit's parameters must be used inside its module's forward, and gradients must reach them
 through that forward's outputs (reading `module.weight` between uses sees an empty tensor); every rank
 runs the same units in the same order.
+
+Absent: torch FSDP's rate limiter (`limit_all_gathers=True`, on by default there). On a GPU the CPU only
+*issues* kernels, so it can run ahead of the device, issuing the all-gathers of unit after unit before
+the device has computed (and freed) the earlier ones; the caching allocator cannot reuse memory a
+collective on another stream may still touch, so the gathered units pile up. The limiter makes the CPU
+wait on the free of the unit two back: at most two units in flight (the one computing, the one
+prefetched). On the CPU (gloo) a unit's forward has finished before the next unit's hook runs, so at most
+the root and two units are ever gathered, and notebook 04 measures exactly that; on GPUs this toolkit's
+FSDP has no limiter, and its peak memory can exceed that bound. (FSDP2 keeps the same bound with stream
+waits instead of a CPU sync.) Passing limit_all_gathers=True is an error that says so; False is accepted.
+See docs/differences.md for every difference from torch FSDP.
 """
 from __future__ import annotations
 
@@ -82,7 +93,15 @@ from .fsdp_unit import SHARDED, FSDPUnit, MixedPrecision, Sharding, dtypes, shar
 from .sharded import ShardedEngine, ShardedModel, ShardedOptimizer, check_optimizer
 
 OPTIONS = ("wrap_policy", "reshard_after_forward", "forward_prefetch", "backward_prefetch",
-           "sharding_group_size", "mixed_precision", "activation_checkpointing", "param_init_fn", "unit_class")
+           "sharding_group_size", "mixed_precision", "activation_checkpointing", "param_init_fn", "unit_class",
+           "limit_all_gathers")
+NO_RATE_LIMITER = (
+    "fsdp: limit_all_gathers=True asks for torch FSDP's rate limiter, which this FSDP does not have. It exists "
+    "for GPUs, where the CPU issues kernels ahead of the device and could all-gather unit after unit before "
+    "earlier ones are freed; the limiter keeps at most two units in flight. Here a unit's forward finishes on "
+    "the host before the next unit is gathered, so the bound holds without it on the CPU; on GPUs this FSDP "
+    "can use more memory than torch's. Leave the option out (or pass limit_all_gathers=False); "
+    "docs/differences.md lists what else differs from torch FSDP.")
 
 
 def _flag(name: str, value) -> bool:
@@ -94,6 +113,8 @@ def _flag(name: str, value) -> bool:
 def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
     """Wrap `model` for FSDP. Returns (wrapped model, sharded optimizer over the fp32 slices)."""
     check_options("fsdp", options, OPTIONS)  # every mistake is reported before any collective
+    if _flag("limit_all_gathers", options.pop("limit_all_gathers", False)):
+        raise ValueError(NO_RATE_LIMITER)
     check_optimizer("fsdp", optimizer)
     param_dtype, reduce_dtype = dtypes(options.get("mixed_precision", False))
     flags = {k: _flag(k, options.get(k, default)) for k, default in (

@@ -15,8 +15,8 @@ It also holds the two things every strategy shares, because they are the same on
    Why masters: an update lr * m / sqrt(v) is often smaller than bfloat16's spacing (8 significant bits),
    so adding it to a 16-bit weight would round it away; summed in fp32 it is kept.
    Two optimizer hooks do the copies, so `optimizer` stays a real torch optimizer (LR schedulers,
-   state_dict and param_groups all work). There is no loss scaling: use bfloat16 (float16 gradients
-   can underflow without it).
+   state_dict and param_groups all work). float16 adds dynamic loss scaling (`scaler.py`): its
+   gradients would underflow without it; bfloat16 needs none.
 
 So "local" with `mixed_precision` is the oracle for mixed-precision strategies too.
 """
@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from . import check_options
+from .scaler import scaler_for
 
 OPTIONS = ("mixed_precision",)
 
@@ -58,16 +59,24 @@ class MasterWeights:
     the two copies around every `optimizer.step()`. ZeRO can use the same class on its flat shards.
     """
 
-    def __init__(self, params):
+    def __init__(self, params, scaler=None):
         self.params = list(params)
         self.masters = [nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
                         for p in self.params]
+        self.scaler = scaler  # fp16: a LossScaler (scaler.py)
 
     def grads_to_masters(self, *_):
-        """Before the step: each 16-bit gradient moves into its master's fp32 `.grad`."""
+        """Before the step: each 16-bit gradient moves into its master's fp32 `.grad`. fp16: unscaled
+        there, and on an overflow every master's gradient is dropped, so the optimizer skips the step."""
         for p, m in zip(self.params, self.masters):
             m.grad = None if p.grad is None else p.grad.float()
             p.grad = None  # the step consumes the gradient, so `zero_grad()` on the optimizer is enough
+        if self.scaler is not None:
+            found_inf = self.scaler.unscale_and_check([m.grad for m in self.masters])
+            if found_inf:
+                for m in self.masters:
+                    m.grad = None  # torch optimizers leave a parameter without a gradient alone
+            self.scaler.update(found_inf)
 
     @torch.no_grad()
     def masters_to_params(self, *_):
@@ -116,8 +125,9 @@ class Wrapped(nn.Module):
         self.module = module
         self.dtype = compute_dtype(mixed_precision)
         self.master = None
+        self.scaler = scaler_for(self.dtype)  # fp16 only: dynamic loss scaling
         if self.dtype is not None:
-            self.master = MasterWeights(module.parameters())  # fp32 copies first, then cast
+            self.master = MasterWeights(module.parameters(), self.scaler)  # fp32 copies first, then cast
             module.to(self.dtype)
         self.optimizer = None
 
@@ -130,7 +140,8 @@ class Wrapped(nn.Module):
         return self.optimizer
 
     def forward(self, *args, **kwargs):
-        return self.module(*self._prepare(args), **self._prepare(kwargs))
+        output = self.module(*self._prepare(args), **self._prepare(kwargs))
+        return output if self.scaler is None else self.scaler.scale_outputs(output)
 
     def _prepare(self, value):
         """Inputs go to the parameters' device; floating inputs to the compute dtype (ids stay ints)."""
@@ -182,6 +193,8 @@ class Wrapped(nn.Module):
             from .. import comm
 
             reduce = lambda t: comm.all_reduce(t, group=groups[0])  # noqa: E731
+        if self.scaler is not None:  # the gradients still carry the loss scale
+            return self.scaler.clip_norm(lambda limit: clip_grad_norm_(replicated, limit, own, reduce), max_norm)
         return clip_grad_norm_(replicated, max_norm, own, reduce)
 
 

@@ -38,6 +38,7 @@ from .. import comm
 from .local import compute_dtype as local_compute_dtype
 from ..runtime import env
 from .flat import FlatBuffer
+from .scaler import scaler_for
 
 # Optimizers whose update is elementwise: one element's new value depends on its own gradient and
 # state, plus scalars (learning rate, step count). Adding one here is a claim about its math.
@@ -126,6 +127,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """Steps this rank's slices; the strategy (`engine`) brings the results back into the model.
 
     step():  1. give each fp32 master its gradient (the reduced slice, cast to fp32 if it is 16-bit)
+                fp16: unscale it, and if any rank found an inf or NaN, skip 2 and 4 (`scaler.py`)
              2. run the user's optimizer on the masters (this rank's slices only)
              3. drop those fp32 gradients (a transient copy, not model state)
              4. engine.after_step(): 16-bit copies of the masters; the all-gather of ZeRO-1/2
@@ -148,10 +150,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         shards = self.engine.shards()
         for s in shards:
             s.master.grad = None if s.grad is None else s.grad.to(torch.float32)  # fp32: no copy
-        self.inner.step()
+        scaler = self.engine.scaler
+        found_inf = scaler is not None and scaler.unscale_and_check([s.master.grad for s in shards])
+        if not found_inf:  # every rank agreed (an all-reduce of the flag), so all step or all skip
+            self.inner.step()
         for s in shards:
             s.master.grad = None
-        self.engine.after_step()
+        if scaler is not None:
+            scaler.update(found_inf)
+        if not found_inf:
+            self.engine.after_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)
@@ -182,7 +190,13 @@ class ShardedModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         args, kwargs = tree_map(self._prepare, args), tree_map(self._prepare, kwargs)
-        return self.engine.forward(self.module, args, kwargs)
+        output = self.engine.forward(self.module, args, kwargs)
+        return output if self.scaler is None else self.scaler.scale_outputs(output)
+
+    @property
+    def scaler(self):
+        """fp16: the dynamic loss scaler (`scaler.py`); None otherwise."""
+        return self.engine.scaler
 
     def _prepare(self, value):
         """Inputs go to this rank's device; floating ones to the compute dtype (token ids stay integers)."""
@@ -198,7 +212,8 @@ class ShardedModel(nn.Module):
         return self.engine.memory_groups()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        return clip_grad_norm_(self.engine.shards(), max_norm, norm_type, self.engine.group)
+        clip = lambda limit: clip_grad_norm_(self.engine.shards(), limit, norm_type, self.engine.group)  # noqa: E731
+        return clip(max_norm) if self.scaler is None else self.scaler.clip_norm(clip, max_norm)
 
     def no_sync(self):
         return self.engine.no_sync()
@@ -226,6 +241,9 @@ class ShardedEngine:
             p.data = p.data.to(dtype)
         self.pieces: list = []
         self.optimizer: ShardedOptimizer | None = None
+        self.scaler = scaler_for(dtype)  # fp16: a rank sees only its slice, so overflow is agreed on
+        if self.scaler is not None:
+            self.scaler.group, self.scaler.across_ranks = group, True
         self._callback_queued = False
 
     def shards(self) -> list[Shard]:

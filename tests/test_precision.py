@@ -1,0 +1,155 @@
+"""fp16 training: dynamic loss scaling, the overflow check agreed across ranks, skipped steps in the Run.
+
+fp16's range is 6e-8 (smallest subnormal) to 65504; bf16 has fp32's range. Without loss scaling, fp16
+gradients below 6e-8 round to zero; with it they are lifted by the scale S before they are computed and
+divided by S in fp32 before the step. A step whose gradients overflow is skipped on every rank and S
+halves. One launch (`results()`, cached) runs every multi-rank check; the tests compare its numbers.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import toolkit
+from toolkit.parallel import full_state_dict, wrap
+from toolkit.train import TrainConfig
+
+TINY = 1e-8   # gradients this small are below fp16's smallest subnormal (5.96e-8): they underflow to 0
+STRATEGIES = ("local", "ddp", "zero1", "zero2", "zero3", "fsdp")
+FP16_RUN = dict(steps=3, global_batch_size=8, model=dict(n_layer=1, d_model=32, n_head=2), seq_len=16,
+                progress=False, clip=1.0)
+
+
+class Tiny(nn.Module):
+    """loss = factor * sum(Wx), so dL/dW = factor * x: any gradient size we want, exactly known.
+    W starts at 0, where fp32 resolves a change of 1e-8 (next to 0.3 it would round away)."""
+
+    def __init__(self, factor: float = 1.0):
+        super().__init__()
+        self.lin, self.factor = nn.Linear(8, 1, bias=False), factor
+        nn.init.zeros_(self.lin.weight)
+
+    def forward(self, x):
+        return self.lin(x).sum() * self.factor
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=1.0)
+
+
+def wrap_tiny(factor: float, strategy: str):
+    options = {"wrap_policy": nn.Linear} if strategy == "fsdp" else {}  # the Linear is FSDP's unit
+    return wrap(Tiny(factor), strategy, optimizer=sgd, mixed_precision=torch.float16, **options)
+
+
+def weight(model) -> torch.Tensor:
+    return full_state_dict(model)["lin.weight"].clone()
+
+
+def tiny_update(strategy: str) -> torch.Tensor:
+    """One step of SGD(lr=1) on gradients of 1e-8 in fp16; returns the change of the fp32 weights."""
+    model, opt = wrap_tiny(TINY, strategy)
+    before = weight(model)
+    model.scaler.scale = 2.0**13  # S * 1e-8 = 8e-5: a normal fp16 number, and the loss gradient S fits
+    model(torch.ones(8)).backward()
+    opt.step()
+    return weight(model) - before
+
+
+def overflow_on_one_rank(strategy: str) -> dict:
+    """Rank 1's input makes the gradient of the last weight overflow once scaled (1024 x 60000 > 65504).
+
+    Under a sharded strategy that element lies in rank 1's slice only, so only rank 1 can see the inf:
+    the ranks must agree to skip, or rank 0 would step its slice alone.
+    """
+    model, opt = wrap_tiny(1.0, strategy)
+    before = weight(model)
+    model.scaler.scale = 1024.0
+    x = torch.ones(8)
+    if torch.distributed.get_rank() == 1:
+        x[7] = 6e4
+    model(x).backward()
+    opt.step()
+    return {"changed": bool((weight(model) != before).any()), "scale": model.scaler.scale,
+            "skipped": model.scaler.skipped}
+
+
+def everything():
+    from toolkit.train import train
+
+    out = {"runs": {s: train(TrainConfig(strategy=s, options={"mixed_precision": "fp16"}, **FP16_RUN))
+                    for s in ("ddp", "zero2", "fsdp")}}
+    out["updates"] = {s: tiny_update(s) for s in STRATEGIES[1:]}
+    out["overflow"] = {s: overflow_on_one_rank(s) for s in STRATEGIES[1:]}
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results():
+    return toolkit.launch(everything, 2, timeout_s=60)
+
+
+# --- one process -------------------------------------------------------------------------------------
+def test_fp16_gradients_below_the_subnormal_range_survive_with_loss_scaling():
+    """Without scaling, 1e-8 rounds to 0 in fp16 and the step does nothing."""
+    reference = -TINY * torch.ones(1, 8)  # SGD(lr=1) moves W by -dL/dW = -TINY * x
+    assert torch.allclose(tiny_update("local"), reference, rtol=1e-3, atol=0)
+
+
+def test_the_first_fp16_step_overflows_at_scale_2_16_and_is_skipped():
+    """The loss's own gradient is S = 65536 > 65504 in fp16: DeepSpeed's famous first skipped step."""
+    model, opt = wrap(Tiny(), "local", optimizer=sgd, mixed_precision="fp16")
+    assert model.scaler.scale == 2.0**16
+    before = model.module.lin.weight.detach().clone()
+    model(torch.ones(8)).backward()
+    opt.step()
+    assert torch.equal(model.module.lin.weight, before)
+    assert (model.scaler.scale, model.scaler.skipped, model.scaler.last_skipped) == (2.0**15, 1, True)
+
+
+def test_the_scale_grows_after_growth_interval_good_steps():
+    model, opt = wrap(Tiny(), "local", optimizer=sgd, mixed_precision="fp16")
+    model.scaler.scale, model.scaler.growth_interval = 1024.0, 3
+    scales = []
+    for _ in range(4):
+        model(torch.ones(8)).backward()
+        opt.step()
+        opt.zero_grad()
+        scales.append(model.scaler.scale)
+    assert scales == [1024.0, 1024.0, 2048.0, 2048.0] and model.scaler.skipped == 0
+
+
+def test_bf16_and_fp32_have_no_scaler():
+    for mp in (False, True, torch.bfloat16):
+        model, _ = wrap(Tiny(), "local", optimizer=sgd, mixed_precision=mp)
+        assert model.scaler is None
+
+
+# --- on two ranks --------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("no_leftover_ranks")
+@pytest.mark.parametrize("strategy", STRATEGIES[1:])
+def test_every_strategy_unscales_fp16_gradients(strategy):
+    reference = -TINY * torch.ones(1, 8)
+    for rank in results():
+        assert torch.allclose(rank["updates"][strategy], reference, rtol=1e-3, atol=0), strategy
+
+
+@pytest.mark.usefixtures("no_leftover_ranks")
+@pytest.mark.parametrize("strategy", STRATEGIES[1:])
+def test_an_overflow_seen_by_one_rank_skips_the_step_on_every_rank(strategy):
+    for rank in results():
+        assert rank["overflow"][strategy] == {"changed": False, "scale": 512.0, "skipped": 1}
+
+
+@pytest.mark.usefixtures("no_leftover_ranks")
+def test_the_run_records_the_loss_scale_and_the_skipped_steps():
+    for rank in results():
+        for strategy, run in rank["runs"].items():
+            assert run.metric("skipped_step") == [(0, 1), (1, 0), (2, 0)], strategy
+            assert run.metric("loss_scale") == [(0, 2.0**16), (1, 2.0**15), (2, 2.0**15)], strategy
+    # the same arithmetic whatever the strategy: sharding changes where the bytes are, not the result
+    final = {s: run.metric("param_norm")[0][1] for s, run in results()[0]["runs"].items()}
+    assert max(final.values()) - min(final.values()) < 1e-3, final
