@@ -204,10 +204,23 @@ class Zero12(ShardedEngine):
     def _reduce_scatter(self, b: Bucket) -> None:
         """ZeRO-2: average the bucket over the ranks, rank r receiving slice r, while backward goes on."""
         out = torch.empty(b.flat.shard_numel, dtype=self.dtype, device=b.grads.data.device)
+        self._settle()  # the previous bucket's reduction is done by now: free its full gradient first
         handle = comm.reduce_scatter(out, b.grads.data, op="avg", group=self.group,
                                      async_op=True)
         self.in_flight.append((b, handle, out, b.grads))
         b.grads = None
+
+    def _settle(self) -> None:
+        """Wait for the launched reduce-scatters, add each result into its slice, and drop its input.
+
+        Called before each new reduction, so at most one bucket's full gradient is in flight (as in
+        torch FSDP): holding every bucket until the end of backward would keep the whole model's
+        gradients alive at the peak, which is what ZeRO-2 exists to avoid.
+        """
+        for b, handle, out, _ in self.in_flight:
+            handle.wait()
+            b.mine.grad = out if b.mine.grad is None else b.mine.grad.add_(out)
+        self.in_flight = []
 
     def end_of_backward(self) -> None:
         if self.stage == 1:
@@ -217,10 +230,7 @@ class Zero12(ShardedEngine):
             if b.grads is not None:
                 self._reduce_scatter(b)
             b.waiting = len(b.params)
-        for b, handle, out, _ in self.in_flight:  # accumulate: add into the slice
-            handle.wait()
-            b.mine.grad = out if b.mine.grad is None else b.mine.grad.add_(out)
-        self.in_flight = []
+        self._settle()
 
     def _reduce_full_gradients(self) -> None:
         """ZeRO-1, once backward is over: each rank gets the averaged gradient of its slice."""

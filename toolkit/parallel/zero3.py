@@ -203,6 +203,7 @@ class Zero3(ShardedEngine):
         else:  # rank r's part of every unit, side by side: the layout a reduce-scatter splits
             grads = torch.cat([u.grads.data.view(self.world, -1) for u in units], dim=1).reshape(-1)
         out = torch.empty(grads.numel() // self.world, dtype=self.dtype, device=grads.device)
+        self._settle()  # the previous reduction is done by now: free its full gradients first
         handle = comm.reduce_scatter(out, grads, op="avg", group=self.group, async_op=True)
         self.in_flight.append((units, handle, out, grads))
         for u in units:
@@ -216,6 +217,15 @@ class Zero3(ShardedEngine):
             self._free(unit)
         if self.ready:
             self._reduce_scatter()
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait for the launched reduce-scatters, add each result into its owners' slices, drop its input.
+
+        Called before each new reduction, so at most one reduction's full gradients are in flight (as
+        in torch FSDP); keeping them all until the end of backward would hold the whole model's
+        16-bit gradients at the peak.
+        """
         for units, handle, out, _ in self.in_flight:  # accumulate: add into the slices
             handle.wait()
             parts = out.split([u.flat.shard_numel for u in units]) if len(units) > 1 else [out]
