@@ -102,8 +102,9 @@ def collective_time(cluster: Cluster, op: str, size_bytes: float, group, me: int
         raise ValueError(f"no time model for collective {op!r}; known: {list(RING_OPS)} + "
                          f"['all_to_all', 'send', 'recv', 'barrier'].")
     steps, inter_steps = ring_steps(op, n, nodes)
-    latency = cluster.call_latency + (steps - inter_steps) * cluster.intra.latency + inter_steps * cluster.inter.latency
-    bandwidth = cluster.intra.bandwidth if nodes == 1 else min(cluster.intra.bandwidth, g * cluster.inter.bandwidth)
+    intra = cluster.op_links.get(op, cluster.intra)  # a calibrated machine may measure each op apart
+    latency = cluster.call_latency + (steps - inter_steps) * intra.latency + inter_steps * cluster.inter.latency
+    bandwidth = intra.bandwidth if nodes == 1 else min(intra.bandwidth, g * cluster.inter.bandwidth)
     return CollectiveCost(latency + wire_bytes(op, size_bytes, n) / bandwidth, latency, label, resources, bandwidth)
 
 
@@ -116,7 +117,7 @@ def _all_to_all(cluster, size_bytes, group, me, args, label, resources) -> Colle
     outs = list(args.get("output_splits") or ins)
     row = size_bytes / sum(ins) if sum(ins) else 0.0
     latency, seconds = cluster.call_latency, 0.0
-    for kind, link in (("intra", cluster.intra), ("inter", cluster.inter)):
+    for kind, link in (("intra", cluster.op_links.get("all_to_all", cluster.intra)), ("inter", cluster.inter)):
         peers = [p for p in range(n) if p != at
                  and (cluster.node_of(group[p]) == cluster.node_of(me)) == (kind == "intra")]
         if not peers:

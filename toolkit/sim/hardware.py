@@ -62,6 +62,7 @@ class Cluster:
     inter: Link
     call_latency: float = 0.0       # seconds every collective call pays once (NCCL's base latency)
     source: str = ""
+    op_links: dict = field(default_factory=dict, compare=False)  # op -> Link measured for it inside a node
     notes: dict = field(default_factory=dict, compare=False)  # e.g. calibration details
 
     def node_of(self, rank: int) -> int:
