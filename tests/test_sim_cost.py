@@ -6,13 +6,13 @@ import math
 import pytest
 
 from toolkit.memory.formulas import alpha_beta_time, fsdp_cross_host_traffic
-from toolkit.sim import Collective, Compute, Wait, cluster, estimate, presets
+from toolkit.sim import Collective, Compute, Wait, cluster_of, estimate, presets
 from toolkit.sim.collective_time import collective_time
 from toolkit.sim.timeline import schedule
 from toolkit.trace import analysis
 from toolkit.trace.chrome import to_chrome
 
-DGX = cluster("dgx-a100")
+DGX = cluster_of("dgx-a100")
 MB = 1e6
 
 
@@ -163,11 +163,11 @@ def test_the_modelled_run_has_a_real_runs_spans_and_the_trace_tools_read_it(tmp_
 # --- bad input -----------------------------------------------------------------------------------------
 def test_bad_input_gets_a_clear_error():
     with pytest.raises(ValueError, match=r"unknown cluster preset 'dgx-b200'.*'dgx-a100', 'dgx-h100', 'this-machine'"):
-        cluster("dgx-b200")
+        cluster_of("dgx-b200")
     with pytest.raises(ValueError, match=r"missing \['inter'\]"):
-        cluster(dict(name="mine", gpu="a100-80gb", gpus_per_node=8, intra=("300 GB/s", "3 us")))
+        cluster_of(dict(name="mine", gpu="a100-80gb", gpus_per_node=8, intra=("300 GB/s", "3 us")))
     with pytest.raises(ValueError, match=r"missing \['memory_bandwidth', 'mfu'\]"):
-        cluster(dict(name="mine", gpu=dict(name="x", peak_flops={"bf16": 1e15}, memory_bytes=1e10),
+        cluster_of(dict(name="mine", gpu=dict(name="x", peak_flops={"bf16": 1e15}, memory_bytes=1e10),
                      gpus_per_node=4, intra=("300 GB/s", "3 us"), inter=("100 Gb/s", "10 us")))
     with pytest.raises(ValueError, match=r"world_size=12 does not fill whole nodes of 8 GPUs.*multiple of 8"):
         estimate([[Compute(1.0)]], "dgx-h100", world_size=12)
@@ -180,7 +180,7 @@ def test_bad_input_gets_a_clear_error():
 
 
 def test_a_user_defined_cluster_reads_units():
-    mine = cluster(dict(name="fsdp-paper", gpu="a100-80gb", gpus_per_node=8, intra=("600 GB/s", "3.4 us"),
+    mine = cluster_of(dict(name="fsdp-paper", gpu="a100-80gb", gpus_per_node=8, intra=("600 GB/s", "3.4 us"),
                         inter=("250 Gb/s", "9.6 us"), call_latency="8.4 us"))
     assert mine.inter.bandwidth == 31.25e9 and mine.intra.bandwidth == 600e9 and mine.call_latency == 8.4e-6
-    assert cluster("dgx-a100", gpus_per_node=4).gpus_per_node == 4
+    assert cluster_of("dgx-a100", gpus_per_node=4).gpus_per_node == 4

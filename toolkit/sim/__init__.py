@@ -6,5 +6,5 @@ simulator fills it, the cost model reads it: `hardware.py` (presets with their s
 `cost.py` (step time, breakdown, TFLOP/s, MFU and a modelled Run), `calibrate.py` ("this-machine").
 """
 from .cost import StepCost, compute_time, estimate, modelled_run  # noqa: F401
-from .hardware import CLUSTERS, GPUS, Accelerator, Cluster, accelerator, cluster, presets  # noqa: F401
+from .hardware import CLUSTERS, GPUS, Accelerator, Cluster, accelerator, cluster_of, presets  # noqa: F401
 from .program import Collective, Compute, Wait  # noqa: F401

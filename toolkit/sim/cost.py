@@ -21,7 +21,7 @@ import torch
 
 from ..run import Run
 from .collective_time import collective_time
-from .hardware import Cluster, check_mfu, cluster as resolve_cluster
+from .hardware import Cluster, check_mfu, cluster_of
 from .program import Compute, check, total_flops
 from .timeline import Timeline, schedule
 
@@ -77,7 +77,7 @@ class StepCost:
 def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mfu: float | None = None,
              dtype: str = "bf16", config: dict | None = None) -> StepCost:
     """Price each step's program on `cluster` (a preset name, a dict or a Cluster); steps run back to back."""
-    found = cluster if isinstance(cluster, Cluster) else resolve_cluster(cluster)
+    found = cluster if isinstance(cluster, Cluster) else cluster_of(cluster)
     found.check_world(world_size)
     achievable = found.gpu.mfu if mfu is None else check_mfu(mfu)
     found.gpu.flops_per_s(dtype)  # an unknown dtype fails here, before any work

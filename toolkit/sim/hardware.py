@@ -6,9 +6,9 @@ by NVLink/NVSwitch inside a node (`intra`), and one network card per accelerator
 ring pays on that kind of link (alpha), plus `call_latency` once per collective call.
 
     toolkit.sim.presets()                      # {'dgx-a100': '...', 'dgx-h100': '...', 'this-machine': '...'}
-    toolkit.sim.cluster("dgx-a100")            # a Cluster
-    toolkit.sim.cluster(dict(name="fsdp-paper", gpu="a100-80gb", gpus_per_node=8,
-                             intra=("300 GB/s", "3.4 us"), inter=("250 Gb/s", "9.6 us")))
+    toolkit.sim.cluster_of("dgx-a100")         # a Cluster
+    toolkit.sim.cluster_of(dict(name="fsdp-paper", gpu="a100-80gb", gpus_per_node=8,
+                                intra=("300 GB/s", "3.4 us"), inter=("250 Gb/s", "9.6 us")))
 
 Sources (dense math, no sparsity):
 - A100 SXM: 312 TFLOP/s bf16/fp16, 19.5 TFLOP/s fp32; 40 GB HBM2 at 1,555 GB/s or 80 GB HBM2e at
@@ -69,15 +69,15 @@ class Cluster:
         return int(rank) // self.gpus_per_node
 
     def check_world(self, world_size: int) -> None:
-        """A world fills whole nodes: world_size must be a multiple of gpus_per_node."""
+        """A world is part of one node, or whole nodes: world_size < gpus_per_node, or a multiple of it."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}.")
-        if world_size % self.gpus_per_node:
+        if world_size > self.gpus_per_node and world_size % self.gpus_per_node:
             fits = [self.gpus_per_node * k for k in range(1, 4)]
             raise ValueError(
                 f"world_size={world_size} does not fill whole nodes of {self.gpus_per_node} GPUs on "
                 f"{self.name!r}: use a multiple of {self.gpus_per_node} (e.g. {fits}), or a cluster with "
-                f"smaller nodes: toolkit.sim.cluster({self.name!r}, gpus_per_node=...).")
+                f"smaller nodes: toolkit.sim.cluster_of({self.name!r}, gpus_per_node=...).")
 
     def with_changes(self, **changes) -> "Cluster":
         return dataclasses.replace(self, **changes)
@@ -160,7 +160,7 @@ def accelerator(spec) -> Accelerator:
     raise ValueError(f"an accelerator is a preset name {sorted(GPUS)}, an Accelerator or a dict, not {spec!r}.")
 
 
-def cluster(spec, **changes) -> Cluster:
+def cluster_of(spec, **changes) -> Cluster:
     """A Cluster from a preset name, a Cluster, or a dict (a user-defined cluster); `changes` override fields.
 
     "this-machine" is calibrated by measurement: use `toolkit.sim.calibrate.this_machine(world_size)`
@@ -196,7 +196,7 @@ def cluster(spec, **changes) -> Cluster:
     if changes:
         unknown = set(changes) - {f.name for f in dataclasses.fields(Cluster)}
         if unknown:
-            raise ValueError(f"cluster(...) got unknown fields {sorted(unknown)}; valid: "
+            raise ValueError(f"cluster_of(...) got unknown fields {sorted(unknown)}; valid: "
                              f"{[f.name for f in dataclasses.fields(Cluster)]}.")
         if "gpu" in changes:
             changes["gpu"] = accelerator(changes["gpu"])
