@@ -31,6 +31,7 @@ OPERATIONS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to
 _impl: dict = dict(_backend_impl.IMPLEMENTATION)
 _impl_name = "backend"
 _ranks_cache: dict = {}
+_listeners: list = []  # fn(kind, event, tensor): see `listening`
 
 
 # --- choosing the implementation ------------------------------------------------------------------
@@ -62,6 +63,33 @@ def use(implementation="backend") -> str:
 
 def implementation() -> str:
     return _impl_name
+
+
+class listening:
+    """`with comm.listening(fn): ...` calls `fn(kind, event, tensor)` at every collective inside the block.
+
+    kind is "issue" right after a call has started (`event` is its trace record, `tensor` the message
+    the door sized it by) and "wait" (tensor None) when this rank blocks until it is complete: a
+    synchronous call is an "issue" then a "wait" at once; an asynchronous one waits where its
+    `Handle.wait()` is called. That order is what a
+    timeline needs (toolkit.sim records a step's program from it); a collective's own timing, as the
+    backend reports it, stays in `event`.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __enter__(self):
+        _listeners.append(self.fn)
+        return self
+
+    def __exit__(self, *exc):
+        _listeners.remove(self.fn)
+
+
+def _tell(kind: str, event: dict, tensor=None) -> None:
+    for fn in _listeners:
+        fn(kind, event, tensor)
 
 
 class using:
@@ -116,6 +144,7 @@ class Handle:
 
     def __init__(self, work, event, after=None, deadline=None):
         self._work, self._event, self._after, self._deadline = work, event, after, deadline
+        self._waited = False
         if work is None:  # ran synchronously (hand-written implementations)
             event["end"] = recorder.mark()
         elif recorder._on_gpu():
@@ -131,6 +160,9 @@ class Handle:
                 pass              # wait(), an upper bound on when it finished
 
     def wait(self):
+        if not self._waited:
+            self._waited = True
+            _tell("wait", self._event)
         if self._work is not None:
             status.enter(_describe(self._event))
             # time spent blocked here is idle compute: the trace shows it as a "wait" span
@@ -200,6 +232,7 @@ def _run(name, group, tensor, size_bytes, sent, received, call, async_op, after=
         raise _explained(exc, event) from exc
     finally:
         status.leave()
+    _tell("issue", event, tensor)
     handle = Handle(work if async_op and native else None, event, after, booked and booked[0])
     if async_op:
         return handle

@@ -25,11 +25,17 @@ from ..trace import events as _events
 CATEGORIES = ("params", "grads", "optimizer")
 
 
-def _key(t: torch.Tensor):
-    """Identity of the memory behind `t`: (device, address). None when nothing is allocated."""
-    if t.is_meta or t.is_sparse:
+def _key(t: torch.Tensor, meta: bool = False):
+    """Identity of the memory behind `t`: (device, address). None when nothing is allocated.
+
+    A meta tensor has sizes but no memory; with `meta` it counts as what it would allocate (a
+    simulated rank's tensors are all meta: toolkit.sim), identified by its storage object.
+    """
+    if t.is_sparse or (t.is_meta and not meta):
         return None
     storage = t.untyped_storage()
+    if t.is_meta:
+        return (t.device, storage._cdata) if storage.nbytes() else None
     if storage.data_ptr() == 0 or storage.nbytes() == 0:
         return None
     return (t.device, storage.data_ptr())
@@ -64,7 +70,7 @@ def memory_groups(model: torch.nn.Module, optimizer=None) -> dict:
     return {"params": params, "grads": [p.grad for p in params if p.grad is not None], "optimizer": state}
 
 
-def ledger(model: torch.nn.Module, optimizer=None) -> dict:
+def ledger(model: torch.nn.Module, optimizer=None, *, meta: bool = False) -> dict:
     """Measured bytes on this rank: {"params", "grads", "optimizer", (other categories), "total"}.
 
     Categories are counted in that order and a storage counts in the first one that holds it.
@@ -72,6 +78,7 @@ def ledger(model: torch.nn.Module, optimizer=None) -> dict:
     (2 x 4 bytes per fp32 parameter) plus one 4-byte `step` scalar per parameter tensor.
     On CUDA, `cuda_allocated` (torch.cuda.memory_allocated) is added as a cross-check: it also holds
     activations, buffers, workspace and the allocator's rounding, so it is at least `total`.
+    `meta=True` counts meta tensors as the bytes they would take (a simulated rank, toolkit.sim).
     """
     groups = memory_groups(model, optimizer)
     missing = [c for c in CATEGORIES if c not in groups]
@@ -85,7 +92,7 @@ def ledger(model: torch.nn.Module, optimizer=None) -> dict:
         for t in groups[category]:
             if t is None:
                 continue
-            key = _key(t)
+            key = _key(t, meta)
             if key is not None and key not in seen:
                 seen.add(key)
                 total += t.untyped_storage().nbytes()

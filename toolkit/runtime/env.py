@@ -8,6 +8,7 @@ the same script runs under all of them.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import socket
@@ -67,8 +68,24 @@ def resolve_backend(backend: str = "auto", local_world_size: int = 1) -> str:
     return backend
 
 
+_device: torch.device | None = None  # set by `computing_on` (a simulated cluster computes on "meta")
+
+
+@contextlib.contextmanager
+def computing_on(where):
+    """Inside, `device()` is `where`: toolkit.sim runs a rank's strategy code on the "meta" device."""
+    global _device
+    before, _device = _device, torch.device(where)
+    try:
+        yield _device
+    finally:
+        _device = before
+
+
 def device() -> torch.device:
-    """The device this rank computes on: its own GPU under NCCL, the CPU under gloo."""
+    """The device this rank computes on: its own GPU under NCCL, the CPU under gloo (or `computing_on`'s)."""
+    if _device is not None:
+        return _device
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

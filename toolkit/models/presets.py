@@ -1,0 +1,51 @@
+"""The models the papers talk about, built from their configurations with the toolkit's own GPT.
+
+Too big for any laptop, they are meant for the simulated cluster (`toolkit.sim`), which builds them
+on the meta device: `simulate(presets.gpt3_175b, "zero3", 512)`. Each is a plain function (no
+arguments needed) so it can be passed as a `model_fn`; `PRESETS` names them for the command line.
+
+    gpt3_175b    GPT-3 175B (Brown et al. 2020): 96 layers, d_model 12288, 96 heads, vocab 50257,
+                 sequence 2048: 174.6B parameters in this GPT (biases, tied head)
+    zero_7_5b    a GPT-like 7.5B model for ZeRO's Figure 1: 36 layers, d_model 4096, 32 heads,
+                 vocab 50257, sequence 2048: 7.46B parameters
+    gpt2_xl      GPT-2 XL: 48 layers, d_model 1600, 25 heads: 1.56B (a size a lesson can also train)
+    moe_gpt_s    FasterMoE's MoE-GPT-S: 12 layers, d_model 1024, 16 experts (d_ff 4096, top-2)
+    moe_gpt_64   the same with 64 experts, one per rank of a 64-rank expert-parallel cluster
+"""
+from __future__ import annotations
+
+import functools
+
+from . import tiny_gpt
+from .moe_gpt import moe_gpt
+
+GPT3 = dict(vocab_size=50257, seq_len=2048, n_layer=96, n_head=96, d_model=12288)
+ZERO_7_5B = dict(vocab_size=50257, seq_len=2048, n_layer=36, n_head=32, d_model=4096)
+GPT2_XL = dict(vocab_size=50257, seq_len=1024, n_layer=48, n_head=25, d_model=1600)
+MOE_GPT_S = dict(vocab_size=50257, seq_len=1024, n_layer=12, n_head=16, d_model=1024)
+
+
+def gpt3_175b(**overrides):
+    """GPT-3 175B; `overrides` change GPTConfig fields (e.g. n_layer=2 for a quick look at one layer)."""
+    return tiny_gpt(**{**GPT3, **overrides})
+
+
+def zero_7_5b(**overrides):
+    """The 7.5B-parameter GPT-like model of ZeRO's Figure 1."""
+    return tiny_gpt(**{**ZERO_7_5B, **overrides})
+
+
+def gpt2_xl(**overrides):
+    return tiny_gpt(**{**GPT2_XL, **overrides})
+
+
+def moe_gpt_s(num_experts: int = 16, top_k: int = 2, **overrides):
+    """MoE-GPT-S (FasterMoE Table 2): every block's MLP is an expert-parallel MoE layer."""
+    return moe_gpt(num_experts, top_k, **{**MOE_GPT_S, **overrides})
+
+
+moe_gpt_64 = functools.partial(moe_gpt_s, 64)
+moe_gpt_64.__doc__ = "MoE-GPT-S with 64 experts (one per rank at 64 ranks)."
+
+PRESETS = {"gpt3-175b": gpt3_175b, "zero-7.5b": zero_7_5b, "gpt2-xl": gpt2_xl, "moe-gpt-s": moe_gpt_s,
+           "moe-gpt-64": moe_gpt_64, "tiny": tiny_gpt}

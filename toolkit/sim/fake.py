@@ -1,0 +1,31 @@
+"""torch's fake process group, pinned in one place: it is private API and changes between releases.
+
+`torch.testing._internal.distributed.fake_pg` registers a "fake" backend: a process group of any size
+in which this one process plays one rank, and every collective completes at once without moving data
+(an all-gather copies the local input into every slot, a reduce-scatter copies this rank's chunk, an
+all-to-all repeats the input: shapes and allocations are right, values are not). Sub-groups work.
+Checked with torch 2.13 (tests/test_sim_fake.py); if a release moves it, this is the file to change.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+BACKEND = "fake"
+MAX_WORLD_SIZE = 1024  # what the toolkit promises (and tests); the fake group itself has no limit
+
+
+def store():
+    """The fake key-value store `init_process_group` wants (it stores nothing)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    return FakeStore()
+
+
+def init(world_size: int, rank: int) -> None:
+    """Make this process rank `rank` of a fake default group of `world_size` ranks."""
+    dist.init_process_group(BACKEND, store=store(), rank=rank, world_size=world_size)
+
+
+def is_fake() -> bool:
+    """True when the default group is a fake one (the simulator's own check; strategies never ask)."""
+    return dist.is_initialized() and dist.get_backend() == BACKEND

@@ -1,0 +1,130 @@
+"""Memory over a step, by category, from the tensors that exist: torch's `MemTracker`, taught our categories.
+
+`torch.distributed._tools.mem_tracker.MemTracker` is a dispatch mode that sees every tensor an
+operation creates, follows each storage until it is freed (or resized, as sharded strategies free a
+gathered unit), and keeps a running total per reference type and its peak. It works the same on meta
+tensors (a simulated rank) and on real ones, which is how the simulator is checked against real runs.
+
+Its seven reference types, as this toolkit names them (two are used for what our strategies have and
+plain PyTorch does not):
+
+    Parameter -> params       the parameters a rank keeps between steps (its shards, or everything)
+    Buffer    -> gathered     flat buffers that hold a unit's full parameters only while it computes
+    Gradient  -> grads        gradients the strategy keeps (its memory_groups, as the ledger counts)
+    Optstate  -> optimizer    fp32 masters, Adam's moments, step counters
+    Other     -> comm         buffers made during the step and handed to a collective
+    Activation-> activations  made in forward and still alive (what autograd saved for backward)
+    Temp      -> temporary    made in backward or the step and not yet one of the above
+
+The strategy says what its tensors are (`memory_groups`, the ledger's source): `classify` tags them
+before every step; what the step creates is tagged by when it appears, and a tensor handed to the
+collectives door is tagged comm.
+"""
+from __future__ import annotations
+
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+
+from ..memory.ledger import memory_groups
+from ..trace.events import current_phase
+
+NAMES = {_MemRefType.PARAM: "params", _MemRefType.BUFFER: "gathered", _MemRefType.GRAD: "grads",
+         _MemRefType.OPT: "optimizer", _MemRefType.OTH: "comm", _MemRefType.ACT: "activations",
+         _MemRefType.TEMP: "temporary"}
+CATEGORIES = tuple(NAMES.values())
+_FRESH = (_MemRefType.ACT, _MemRefType.TEMP)  # made during the step, not claimed by anything yet
+
+
+def short_name(name: str) -> str:
+    """'FSDPModel.module.blocks.1.mlp' -> 'blocks.1.mlp': the module tracker's name without the wrapper."""
+    parts = name.split(".")[1:]
+    if parts[:1] == ["module"]:
+        parts = parts[1:]
+    return ".".join(parts) or name
+
+
+def _storage_key(t):
+    return t.untyped_storage()._cdata
+
+
+class StepMemory(MemTracker):
+    """A MemTracker that names our categories and notes when (phase, module) the peak happened."""
+
+    def __init__(self):
+        super().__init__()
+        self._gathered: set | None = None  # storages that hold nothing between uses (found once)
+        self.peak_total = 0
+        self.peak_categories: dict = dict.fromkeys(CATEGORIES, 0)
+        self.peak_moment: dict = {}
+
+    # --- telling the tracker what the strategy's tensors are ---------------------------------------
+    def classify(self, model, optimizer=None) -> None:
+        """Tag the strategy's tensors: optimizer, grads, params (a storage in several: the ledger's first),
+        and as gathered the parameter buffers that are empty between steps (ZeRO-3's and FSDP's units)."""
+        groups = memory_groups(model, optimizer)
+        params = [t for t in groups["params"] if t is not None]
+        if self._gathered is None:
+            self._gathered = {_storage_key(t) for t in params if t.untyped_storage().nbytes() == 0}
+        for category, reftype in (("optimizer", _MemRefType.OPT), ("grads", _MemRefType.GRAD)):
+            for t in groups[category]:
+                if t is not None:
+                    self._update_and_maybe_create_winfos(t, reftype)
+        for t in params:
+            gathered = _storage_key(t) in self._gathered
+            self._update_and_maybe_create_winfos(t, _MemRefType.BUFFER if gathered else _MemRefType.PARAM)
+        for b in model.buffers():
+            self._update_and_maybe_create_winfos(b, _MemRefType.PARAM)
+
+    def communicated(self, tensor) -> None:
+        """A tensor handed to a collective: comm, unless it is already one of the strategy's own."""
+        for st in [tensor.untyped_storage()]:
+            winfo, _ = self._WINFO.get(st, (None, None))
+            if winfo is None or winfo.reftype in _FRESH:
+                self._update_and_maybe_create_winfos(tensor, _MemRefType.OTH)
+
+    # --- MemTracker's hooks, adjusted ----------------------------------------------------------------
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        """Keep the tags `classify` gave (MemTracker would call a gathered unit's views parameters);
+        tag a gradient as grads when autograd hands it over."""
+        for p in module.parameters():
+            if install_grad_hooks and p not in self._param_to_grad_hook_handles and p.requires_grad:
+                self._param_to_grad_hook_handles[p] = (p.register_hook(self._grad),
+                                                       p.register_post_accumulate_grad_hook(self._accumulated))
+        return 0, 0
+
+    def _grad(self, grad) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+    def _accumulated(self, param) -> None:
+        if param.grad is not None:  # (a sharded strategy may already have taken it into its buffer)
+            self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        """Only the rank's peak (MemTracker also keeps one per module: costly, and not needed here)."""
+        total = sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())
+        if total > self.peak_total:
+            self.peak_total = total
+            self.peak_categories = self.current()
+            phase = current_phase()
+            self.peak_moment = {"phase": phase, "module": self.module(),
+                                "pass": "backward" if self._mod_tracker.is_bw else phase}
+
+    # --- reading it ------------------------------------------------------------------------------------
+    def current(self) -> dict:
+        """Bytes alive now per category (all devices together)."""
+        out = dict.fromkeys(CATEGORIES, 0)
+        for snap in self._curr_mem_snap.values():
+            for reftype, name in NAMES.items():
+                out[name] += snap.get(reftype, 0)
+        return out
+
+    def total(self) -> int:
+        return sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())
+
+    def module(self) -> str:
+        """The innermost module running now, by its name in the user's model ("" between modules)."""
+        names = [n for n in self._mod_tracker.parents if n != "Global"]
+        return short_name(max(names, key=lambda n: n.count("."))) if names else ""
+
+    def reset_peak(self) -> None:
+        self.peak_total = 0
+        self._update_peak_stats(None)

@@ -1,0 +1,89 @@
+"""Recording a simulated step as a program: compute segments cut at every call to the collectives door.
+
+Two counters watch every aten operation the rank runs: torch's `FlopCounterMode` (FLOPs, the same
+counts that make up `Simulation.flops`) and `OpCounter` below (operations, and bytes of their
+inputs and outputs: what a memory-bound kernel would read and write). The door tells `Programmer`
+when a collective is issued and when the rank waits on one (`toolkit.comm.listening`); each time, the
+work since the last cut becomes a `Compute`, then the call becomes a `Collective` or a `Wait`.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..trace.events import current_phase
+from .memory import short_name
+from .program import Collective, Compute, Wait
+
+_NOT_COMPUTE = {"c10d", "_c10d_functional", "c10d_functional"}  # a collective is not compute work
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten operations and the bytes of their tensor inputs and outputs (views move nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace not in _NOT_COMPUTE and not func.is_view:
+            self.ops += 1
+            for t in tree_flatten((args, kwargs, out))[0]:
+                if isinstance(t, torch.Tensor):
+                    self.bytes += t.numel() * t.element_size()
+        return out
+
+
+def _module(flops: FlopCounterMode) -> str:
+    """The innermost module running now, by its name in the user's model ("" outside every module)."""
+    names = [n for n in flops.mod_tracker.parents if n != "Global"]
+    return short_name(max(names, key=lambda n: n.count("."))) if names else ""
+
+
+class Programmer:
+    """Listens to the door and cuts the rank's work into a program (one per step, see `program.py`)."""
+
+    def __init__(self, flops: FlopCounterMode, ops: OpCounter):
+        self.flops, self.ops = flops, ops
+        self.program: list = []
+        self._issued: dict = {}   # id(trace event) -> collective id, this step
+        self._mark = (0, 0, 0)    # flops, ops, bytes at the last cut
+
+    def start_step(self) -> None:
+        self.cut()
+        self.program, self._issued = [], {}
+
+    def cut(self, label: str | None = None) -> None:
+        """Close the compute segment running since the last cut (nothing when it ran no operation)."""
+        now = (self.flops.get_total_flops(), self.ops.ops, self.ops.bytes)
+        flops, ops, nbytes = (a - b for a, b in zip(now, self._mark))
+        self._mark = now
+        if ops:
+            self.program.append(Compute(flops=float(flops), bytes=float(nbytes), phase=current_phase(),
+                                        label=_module(self.flops) if label is None else label, ops=ops))
+
+    def __call__(self, kind: str, event: dict, tensor=None) -> None:
+        self.cut()
+        if kind == "issue":
+            self._issued[id(event)] = len(self._issued)
+            self.program.append(event)  # made a Collective at the end of the step: callers annotate it
+        elif id(event) in self._issued:  # (a wait on a collective of an earlier step is not this step's)
+            self.program.append(Wait(self._issued[id(event)], phase=current_phase()))
+
+    def end_step(self) -> list:
+        """The step's program: Compute, Collective and Wait in the order they happened."""
+        self.cut()
+        program = [self._collective(i) if isinstance(i, dict) else i for i in self.program]
+        self.program = []
+        return program
+
+    def _collective(self, event: dict) -> Collective:
+        a = event["args"]
+        label = a.get("unit") or a.get("moe") or ""
+        return Collective(id=self._issued[id(event)], op=event["name"], size_bytes=a["size_bytes"],
+                          bytes_sent=a["bytes_sent"], bytes_recv=a["bytes_recv"], group=tuple(a["group"]),
+                          async_op=bool(a["async_op"]), phase=event["phase"], label=str(label), args=dict(a))

@@ -1,0 +1,205 @@
+"""`simulate`: one rank of a large cluster, running the strategies' own code, in this process.
+
+    sim = toolkit.sim.simulate(presets.gpt3_175b, "zero3", world_size=512, mixed_precision=True)
+    sim.memory, sim.peak, sim.bytes_per_step, sim.flops, sim.programs, sim.run
+
+What happens, in order:
+
+1. a fake process group of `world_size` ranks makes this process rank `rank` (`cluster.py`);
+2. `model_fn()` builds the model on the meta device: shapes and dtypes, no memory, no values;
+3. `toolkit.parallel.wrap(model, strategy, **options)` wraps it exactly as on a real rank: the flat
+   buffers, shards, buckets and gathered copies it makes are meta tensors of their real sizes;
+4. whole training steps run (forward, backward, optimizer step) in the same phases and spans as
+   `toolkit.train`, while three counters watch every operation: MemTracker (memory by category,
+   `memory.py`), FlopCounterMode and an op counter (`record.py`); the collectives door reports every
+   call and every wait, which cuts the step into a program (`program.py`);
+5. the group is destroyed; what was recorded becomes a `Simulation` (`simulation.py`).
+
+`measure_steps` (4) is the same on a real process group with real tensors: that is how the tests
+hold the simulation to a real gloo run of the same code.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from .. import comm, parallel
+from ..memory.ledger import ledger
+from ..run import Run
+from ..trace.events import phase, recorder, span
+from . import cluster as _cluster
+from .memory import StepMemory
+from .record import OpCounter, Programmer
+from .simulation import Simulation, global_num_params
+
+
+def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_per_node: int = 8,
+             batch_per_rank: int = 1, seq_len: int | None = None, steps: int = 1, warmup: bool = True,
+             optimizer=torch.optim.AdamW, progress: bool = True, **options) -> Simulation:
+    """Run `steps` training steps of `strategy` for rank `rank` of a simulated `world_size`-rank cluster.
+
+    model_fn() builds the model (called under `torch.device("meta")`); it maps token ids (x, y) of shape
+    (batch_per_rank, seq_len) to a scalar loss, as `toolkit.models` do. seq_len defaults to the model's
+    `config.seq_len`. options go to `toolkit.parallel.wrap` (mixed_precision, sharding_group_size, ...).
+    warmup: first run one step unwatched, so that what is measured is a steady step (an optimizer such as
+    Adam creates its states during its first step; ZeRO-3 and FSDP learn the module order in their first
+    forward). The Run holds the warm-up step too; programs and memory are of the `steps` after it.
+    """
+    nodes = _cluster.check(world_size, rank, ranks_per_node)
+    if strategy not in parallel.STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(parallel.STRATEGIES)}.")
+    for name, value in (("batch_per_rank", batch_per_rank), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    if not callable(model_fn):
+        raise ValueError(f"model_fn must be a function that builds the model, got {model_fn!r}.")
+    with _cluster.cluster(world_size, rank):
+        model = build_on_meta(model_fn)
+        num_params = global_num_params(model)
+        seq = _seq_len(model, seq_len)
+        if strategy == "fsdp" and "param_init_fn" not in options:
+            options["param_init_fn"] = no_values  # FSDP's deferred initialization, with nothing to fill
+        with phase("setup"):
+            model, opt = parallel.wrap(model, strategy, optimizer=optimizer, **options)
+        x = torch.empty((batch_per_rank, seq), dtype=torch.long, device="meta")
+        bar = _progress(progress, strategy, world_size, steps + warmup)
+        if warmup:  # the optimizer makes its states in its first step (Adam does): measure the steady state
+            train_step(model, opt, x, x, step=0, bar=bar)
+        measured = measure_steps(model, opt, x, x, steps, bar=bar, meta=True, first=int(warmup))
+        if bar is not None:
+            bar.close()
+        run = Run.capture(dict(strategy=strategy, options={k: repr(v) for k, v in options.items()},
+                               batch_per_rank=batch_per_rank, seq_len=seq, steps=steps), align=False)
+    run.meta.update(simulated=True, ranks_per_node=nodes)
+    return Simulation(strategy=strategy, world_size=world_size, rank=rank, ranks_per_node=nodes,
+                      options=dict(options), num_params=num_params, batch_per_rank=batch_per_rank,
+                      seq_len=seq, run=run, **measured)
+
+
+def train_step(model, opt, x, y, *, step: int, bar=None, after=None, updated=None) -> None:
+    """One training step in `toolkit.train`'s phases and spans; `after(label)` ends each phase, and
+    `updated()` runs between the optimizer's update and `zero_grad` (every model state alive)."""
+    for name in ("forward", "backward", "optimizer"):
+        with phase(name):
+            with span(name, step=step, **({} if name == "optimizer" else {"micro": 0})):
+                if name == "forward":
+                    loss = model(x, y)
+                elif name == "backward":
+                    loss.backward()
+                    del loss
+                else:
+                    opt.step()
+                    if updated is not None:
+                        updated()
+                    opt.zero_grad()
+            if after is not None:
+                after("optimizer" if name == "optimizer" else None)
+        if bar is not None:
+            bar.update()
+
+
+def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False, first: int = 0) -> dict:
+    """Train `steps` steps on (x, y) as `toolkit.train` does, watched: programs, memory, FLOPs.
+
+    Works on any process group: on the simulated cluster (meta tensors, `meta=True` so the ledger counts
+    them) or on a real one. Returns the fields of a `Simulation` that a step produces.
+    """
+    memory, flops, ops = StepMemory(), FlopCounterMode(display=False), OpCounter()
+    programmer = Programmer(flops, ops)
+
+    def door(kind, event, tensor):
+        programmer(kind, event)
+        if tensor is not None:
+            memory.communicated(tensor)
+        if bar is not None:
+            bar.set_postfix_str(f"{event['phase']}: {event['name']} {event['args'].get('unit', '')}", refresh=False)
+
+    programs, samples, states = [], [], {}
+    memory.classify(model, opt)
+    with contextlib.ExitStack() as stack:
+        for context in (memory, flops, ops, comm.listening(door)):
+            stack.enter_context(context)
+        for step in range(first, first + steps):
+            memory.reset_mod_stats()  # MemTracker counts one iteration at a time
+            programmer.start_step()
+
+            def boundary(label=None):  # the end of a phase: cut the program, sample memory
+                programmer.cut(label)
+                samples.append(_sample(memory, step))
+
+            def update():  # the model states, as the formulas count them: all of them alive
+                states.update(ledger(model, opt, meta=meta))
+
+            train_step(model, opt, x, y, step=step, bar=bar, after=boundary, updated=update)
+            memory.classify(model, opt)  # what the strategy's tensors are after the step
+            programs.append(programmer.end_step())
+    return {"programs": programs, "memory": states, "peak": memory.peak_total,
+            "peak_memory": memory.peak_categories, "peak_moment": memory.peak_moment,
+            "end_memory": memory.current(), "samples": samples}
+
+
+def _sample(memory: StepMemory, step: int) -> dict:
+    """One memory sample into the trace (as `record_memory` does on real runs), with the viz's keys."""
+    now = memory.current()
+    sample = {"params": now["params"] + now["gathered"], "grads": now["grads"], "optimizer": now["optimizer"],
+              "activations": now["activations"], **{f"sim_{k}": v for k, v in now.items()}}
+    recorder.sample(step=step, **sample)
+    return dict(now, phase=recorder.samples[-1]["phase"] if recorder.samples else "", step=step)
+
+
+def no_values(name, module) -> None:
+    """FSDP's `param_init_fn` on the simulated cluster: meta parameters have no values to fill."""
+
+
+def build_on_meta(model_fn) -> torch.nn.Module:
+    """`model_fn()` under `torch.device("meta")`; a clear error when it cannot be built there."""
+    try:
+        with torch.device("meta"):
+            model = model_fn()
+    except Exception as exc:  # noqa: BLE001 - say which module failed, and why
+        where = _failing_module(sys.exc_info()[2])
+        raise ValueError(
+            f"model_fn() could not build the model on the meta device (shapes only, no values): {where}raised "
+            f"{type(exc).__name__}: {exc}. Build every tensor without an explicit device= (the simulator builds "
+            f"under `with torch.device('meta')`) and do not read tensor values (.item(), .tolist(), printing) "
+            f"while building.") from exc
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model_fn() must return an nn.Module, got {type(model).__name__}.")
+    real = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta]
+    if real:
+        raise ValueError(f"model_fn() built tensors on a real device, not on meta: {real[:4]}. Create them without "
+                         f"an explicit device= so that the simulator can build them on the meta device.")
+    return model
+
+
+def _failing_module(tb) -> str:
+    """'Module (class X) ' for the innermost nn.Module whose code was running when building failed."""
+    found = ""
+    while tb is not None:
+        this = tb.tb_frame.f_locals.get("self")
+        if isinstance(this, torch.nn.Module):
+            found = f"{type(this).__name__} (in {tb.tb_frame.f_code.co_name}) "
+        tb = tb.tb_next
+    return found
+
+
+def _seq_len(model, seq_len):
+    if seq_len is not None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}.")
+        return seq_len
+    config = getattr(model, "config", None)
+    if getattr(config, "seq_len", None) is None:
+        raise ValueError("seq_len=None needs a model with config.seq_len (as toolkit.models have); pass seq_len=.")
+    return config.seq_len
+
+
+def _progress(progress: bool, strategy: str, world_size: int, steps: int):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=3 * steps, desc=f"simulating {strategy} x{world_size}", unit="phase", leave=False)

@@ -1,0 +1,147 @@
+"""What a simulation leaves: one rank's step, exactly as its strategy ran it, and readings of it.
+
+The contract lessons and tests build on (all for the simulated rank):
+
+    memory          {"params", "grads", "optimizer", "total"}: the ledger at the end of the last step,
+                    after the optimizer's update and before `zero_grad` (every model state alive)
+    peak            bytes: the highest total during the steps; peak_memory by category, peak_moment
+                    ({"phase", "module", "pass"}) when it happened
+    bytes_per_step  {op: bytes sent, "total": ...} in the last step (ring accounting, as the door
+                    counts them; the total equals `toolkit.trace.analysis.bytes_per_step` of a real run)
+    message_bytes   {op: bytes of the messages handed to the collectives} in the last step
+    num_params      the whole model's parameters (every rank's experts counted once)
+    flops           FLOPs of the last step (FlopCounterMode), programs: one per step, run: the Run
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..memory import formulas
+from ..run import Run
+from ..trace.analysis import bytes_per_step as _bytes_per_phase
+from .program import Collective, collectives, total_flops
+
+
+def global_num_params(model: torch.nn.Module) -> int:
+    """Parameters of the whole model: a rank's expert parameters stand for E / E_local times as many."""
+    from ..moe.experts import Experts
+
+    scale = {}
+    for m in model.modules():
+        if isinstance(m, Experts):
+            for p in m.parameters(recurse=False):
+                scale[id(p)] = m.num_experts // m.num_local
+    return sum(p.numel() * scale.get(id(p), 1) for p in model.parameters())
+
+
+@dataclass
+class Simulation:
+    strategy: str
+    world_size: int
+    rank: int
+    ranks_per_node: int
+    options: dict
+    num_params: int
+    batch_per_rank: int
+    seq_len: int
+    programs: list
+    memory: dict
+    peak: int
+    peak_memory: dict
+    peak_moment: dict
+    end_memory: dict
+    run: Run
+    samples: list = field(default_factory=list)
+
+    # --- communication -----------------------------------------------------------------------------
+    def collectives(self, step: int = -1) -> list[Collective]:
+        return collectives(self.programs[step])
+
+    @property
+    def bytes_per_step(self) -> dict:
+        """{op: bytes this rank sent, "total"} in the last step (ring algorithm accounting)."""
+        out: dict = {}
+        for c in self.collectives():
+            out[c.op] = out.get(c.op, 0) + c.bytes_sent
+        out["total"] = sum(out.values())
+        return out
+
+    @property
+    def message_bytes(self) -> dict:
+        """{op: bytes of the messages handed to the door} in the last step (the collective's own size)."""
+        out: dict = {}
+        for c in self.collectives():
+            out[c.op] = out.get(c.op, 0) + c.size_bytes
+        return out
+
+    @property
+    def bytes_per_phase(self) -> dict:
+        """The last step's bytes sent by phase: `toolkit.trace.analysis.bytes_per_step` of this Run."""
+        return _bytes_per_phase(self.run, self.rank)[-1]
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    @property
+    def cross_node_bytes(self) -> int:
+        """Bytes sent in the last step by collectives whose group spans more than one node.
+
+        As the FSDP paper counts per-GPU cross-host traffic: a ring over ranks on several nodes is charged
+        in full (how the hops map onto NICs is the cost model's business)."""
+        return sum(c.bytes_sent for c in self.collectives() if len({self.node_of(r) for r in c.group}) > 1)
+
+    @property
+    def flops(self) -> float:
+        return total_flops(self.programs[-1])
+
+    # --- the theory next to it ---------------------------------------------------------------------
+    def theory(self) -> dict:
+        """What `toolkit.memory.formulas` predicts for this model, strategy and world size.
+
+        model_states: (2+2+K)Ψ under the strategy's ZeRO stage, with the bytes per value of the run (16-bit
+        with mixed precision, else 4) and K = 12 with mixed precision (fp32 masters and Adam) or 8 (Adam)
+        in fp32; fsdp as stage 3 over its sharding group, its fp32 shards counted 4 + 4 + 8; bytes_per_step: passes x Ψ x
+        bytes x (N-1)/N over the sharding group (hybrid sharding adds its replica all-reduce).
+        """
+        mixed = bool(self.options.get("mixed_precision"))
+        value = 2 if mixed else 4
+        K = 12 if mixed else 8
+        stage = {"local": 0, "dp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[self.strategy]
+        F = (self.options.get("sharding_group_size") or self.world_size) if self.strategy == "fsdp" else self.world_size
+        kept = (4, 4, 8) if self.strategy == "fsdp" else (value, value, K)  # FSDP keeps fp32 shards: 4 + 4 + 8
+        states = formulas.model_states_breakdown(self.num_params, F, stage, param_bytes=kept[0], grad_bytes=kept[1],
+                                                 optimizer_multiplier=kept[2])
+        wire = formulas.communication_per_step(self.num_params, F, self.strategy) * value
+        if self.strategy == "fsdp" and F < self.world_size:
+            wire += formulas.ring_all_reduce_bytes(self.num_params / F * value, self.world_size // F)
+        return {"model_states": states, "model_states_total": sum(states.values()), "bytes_per_step": wire,
+                "flops_6PT": 6 * self.num_params * self.batch_per_rank * self.seq_len}
+
+    def summary(self) -> str:
+        """A few lines a person reads: memory against the formula, bytes against theory, the peak."""
+        t = self.theory()
+        gb = 1e9
+        lines = [f"{self.strategy} on {self.world_size} simulated ranks (rank {self.rank}, {self.ranks_per_node} "
+                 f"per node): {self.num_params / 1e9:.3g}B parameters, batch {self.batch_per_rank} x {self.seq_len}",
+                 f"  model states per rank  {self.memory['total'] / gb:10.3f} GB   formula {t['model_states_total'] / gb:10.3f} GB"]
+        for k in ("params", "grads", "optimizer"):
+            lines.append(f"    {k:<20} {self.memory[k] / gb:10.3f} GB   formula {t['model_states'][k] / gb:10.3f} GB")
+        peak = ", ".join(f"{k} {v / gb:.3f}" for k, v in self.peak_memory.items() if v)
+        where = self.peak_moment
+        lines.append(f"  peak                   {self.peak / gb:10.3f} GB   in {where.get('pass', '?')} at "
+                     f"{where.get('module') or '-'} ({peak} GB)")
+        lines.append(f"  bytes sent per step    {self.bytes_per_step['total'] / gb:10.3f} GB   theory "
+                     f"{t['bytes_per_step'] / gb:10.3f} GB")
+        for op, b in self.bytes_per_step.items():
+            if op != "total":
+                lines.append(f"    {op:<20} {b / gb:10.3f} GB   (messages {self.message_bytes[op] / gb:.3f} GB)")
+        lines.append(f"  across nodes           {self.cross_node_bytes / gb:10.3f} GB")
+        lines.append(f"  FLOPs per step         {self.flops:10.4g}        6·Ψ·tokens {t['flops_6PT']:.4g}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"Simulation({self.strategy!r}, world_size={self.world_size}, rank={self.rank}, "
+                f"memory={self.memory['total'] / 1e9:.3f} GB, peak={self.peak / 1e9:.3f} GB, "
+                f"bytes_per_step={self.bytes_per_step['total'] / 1e9:.3f} GB)")
