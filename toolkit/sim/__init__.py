@@ -8,7 +8,7 @@ collectives in issue order), which the cost model reads: `hardware.py` (presets 
 `collective_time.py` (alpha-beta on a two-level cluster), `timeline.py` (the overlap rule),
 `cost.py` (step time, breakdown, TFLOP/s, MFU and a modelled Run), `calibrate.py` ("this-machine").
 """
-from .cost import StepCost, compute_time, estimate, modelled_run  # noqa: F401
+from .cost import StepCost, compute_time, estimate, modelled_run, price  # noqa: F401
 from .hardware import CLUSTERS, GPUS, Accelerator, Cluster, accelerator, cluster_of, presets  # noqa: F401
 from .program import Collective, Compute, Wait  # noqa: F401
 from .simulate import measure_steps, simulate  # noqa: F401

@@ -21,7 +21,7 @@ import torch
 
 from ..run import Run
 from .collective_time import collective_time
-from .hardware import Cluster, check_mfu, cluster_of
+from .hardware import THIS_MACHINE, Cluster, check_mfu, cluster_of
 from .program import Compute, check, total_flops
 from .timeline import Timeline, schedule
 
@@ -102,6 +102,45 @@ def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mf
     cost.run = modelled_run(cost.timelines, found, rank=rank, world_size=world_size,
                             config=dict(config or {}, cluster=found.name, dtype=dtype, mfu=achievable))
     return cost
+
+
+# --- a simulation, priced ------------------------------------------------------------------------------
+def resolve(cluster, world_size: int) -> Cluster:
+    """A Cluster from what a user passes; "this-machine" is calibrated for `world_size` ranks (cached)."""
+    if isinstance(cluster, str) and cluster.lower() == THIS_MACHINE:
+        from .calibrate import this_machine
+        return this_machine(world_size)
+    return cluster if isinstance(cluster, Cluster) else cluster_of(cluster)
+
+
+def dtype_of(options: dict) -> str:
+    """The dtype a strategy computes in: its mixed-precision option's 16-bit type, else fp32."""
+    from ..parallel.fsdp_unit import dtypes
+
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtypes(options.get("mixed_precision", False))[0], "fp32")
+
+
+def pricer(cluster, world_size: int, *, mfu: float | None = None, dtype: str | None = None):
+    """Check `cluster` and `mfu` now; return price(sim), which fills sim.cost, sim.step_time, sim.tflops_per_gpu,
+    sim.mfu, sim.breakdown and sim.modelled_run (the cluster's nodes taken as the simulation's)."""
+    found = resolve(cluster, world_size)
+    if mfu is not None:
+        check_mfu(mfu)
+
+    def price(sim) -> StepCost:
+        shaped = found if found.gpus_per_node == sim.ranks_per_node else found.with_changes(gpus_per_node=sim.ranks_per_node)
+        cost = estimate(sim.programs, shaped, world_size=sim.world_size, rank=sim.rank, mfu=mfu,
+                        dtype=dtype or dtype_of(sim.options), config=sim.run.config)
+        sim.cost, sim.modelled_run = cost, cost.run
+        sim.step_time, sim.tflops_per_gpu, sim.mfu, sim.breakdown = cost.step_time, cost.tflops_per_gpu, cost.mfu, cost.breakdown
+        return cost
+
+    return price
+
+
+def price(sim, cluster="dgx-a100", *, mfu: float | None = None, dtype: str | None = None) -> StepCost:
+    """Price a Simulation's steps on `cluster` (again, or on another one): see `pricer`."""
+    return pricer(cluster, sim.world_size, mfu=mfu, dtype=dtype)(sim)
 
 
 # --- the modelled Run ---------------------------------------------------------------------------------
