@@ -58,9 +58,11 @@ def _slowest(seconds: float) -> float:
 
 
 def measure_strategies(configs, steps: int, warmup: int = 2) -> dict:
-    """Median over steps of the slowest rank's step time, per config; the configs take turns."""
+    """Median over steps of the slowest rank's step time, per config; the configs take turns, and with them
+    the calibration's reference step (local, no communication), so the fitted compute rate sees the same load."""
     from toolkit import parallel
     from toolkit.models import SyntheticCorpus, tiny_gpt
+    from toolkit.sim.calibrate import reference_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
     toolkit.trace.recorder.enabled = False  # the bench times steps, not the trace
@@ -69,9 +71,15 @@ def measure_strategies(configs, steps: int, warmup: int = 2) -> dict:
     for name, (strategy, options) in configs.items():
         torch.manual_seed(0)
         wrapped[name] = parallel.wrap(tiny_gpt(**MODEL), strategy, **options)
-    times = {name: [] for name in configs}
+    times = {name: [] for name in [*configs, "reference"]}
+    reference = reference_step()
     for step in range(warmup + steps):
         x, y = corpus.batch(step, PER_RANK_BATCH * world, rank=rank, world_size=world)
+        dist.barrier()
+        start = time.perf_counter()
+        reference()
+        if step >= warmup:
+            times["reference"].append(_slowest(time.perf_counter() - start))
         for name, (model, opt) in wrapped.items():
             dist.barrier()
             start = time.perf_counter()
@@ -143,7 +151,8 @@ def ranking(predicted: dict, measured: dict) -> str:
 def table(world: int, machine, rows: list) -> str:
     m = machine.notes["measurements"]
     lines = [f"World size {world}: calibrated {m['flops']['fp32'] / 1e9:.1f} GFLOP/s fp32 matmul per rank, "
-             f"{m['op_overhead'] * 1e6:.1f} µs per operation, loopback all-reduce "
+             f"{m['op_overhead'] * 1e6:.1f} µs per operation, achievable fraction {m['mfu']:.2f} (fitted to the "
+             f"reference step, {m['reference_step_s'] * 1e3:.1f} ms, timed beside the strategies), loopback all-reduce "
              f"α = {machine.op_links['all_reduce'].latency * 1e6:.0f} µs, "
              f"1/β = {machine.op_links['all_reduce'].bandwidth / 1e9:.2f} GB/s.",
              "",
@@ -160,9 +169,12 @@ def table(world: int, machine, rows: list) -> str:
 def run_world(world: int, steps: int, cached: bool, with_moe: bool) -> tuple[str, list]:
     from toolkit.sim.calibrate import this_machine
 
-    machine = this_machine(world, refresh=not cached, quiet=False)
-    sims = predict_strategies(CONFIGS, world, machine)
+    from toolkit.sim.calibrate import from_measurements
+
+    calibrated = this_machine(world, refresh=not cached, quiet=False)
     measured = toolkit.launch(measure_strategies, world, args=(CONFIGS, steps), timeout_s=600, quiet=True)[0]
+    machine = from_measurements(calibrated.notes["measurements"], reference_step_s=measured.pop("reference"))
+    sims = predict_strategies(CONFIGS, world, machine)
     rows = [{"name": f"{name} x{world}", "predicted": sims[name].step_time, "measured": measured[name],
              "breakdown": sims[name].breakdown} for name in CONFIGS]
     text = table(world, machine, rows)
@@ -170,7 +182,7 @@ def run_world(world: int, steps: int, cached: bool, with_moe: bool) -> tuple[str
     if with_moe:
         link = toolkit.comm.emulate(bandwidth=MOE["bandwidth"], latency=MOE["latency"])
         try:
-            emulated = this_machine(world, link=toolkit.comm.emulated_link())
+            emulated = from_measurements(machine.notes["measurements"], toolkit.comm.emulated_link())
             predicted = predict_moe(MOE_VARIANTS, world, emulated)
             moe_measured = toolkit.launch(measure_moe, world, args=(MOE_VARIANTS, steps), timeout_s=600, quiet=True)[0]
         finally:

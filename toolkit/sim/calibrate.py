@@ -1,14 +1,18 @@
 """The "this-machine" preset: this computer's rates, measured once with every rank busy, cached on disk.
 
 A prediction is only as good as its constants. For the GPU presets they come from datasheets and
-published measurements; for this computer they are measured, by the same ranks a real run would use
-(N processes sharing its cores, so each rank's share of the machine is what it measures):
+published measurements (Megatron-LM's achieved fraction of peak on a real training step); for this
+computer they are measured the same way, by the same ranks a real run would use (N processes sharing
+its cores, all at once, so each rank measures its share of the machine):
 
-- FLOP/s of a matrix product (fp32 and bf16), every rank multiplying at once;
-- the cost of one operation beyond its FLOPs: a tiny training step (forward, backward, AdamW) timed
-  and divided by the aten operations it dispatches. On a CPU with small tensors this overhead, not the
-  arithmetic, is most of a step;
-- memory bandwidth (a large copy);
+- FLOP/s of a matrix product (fp32 and bf16): the peak;
+- the cost of one operation beyond its work: a tiny training step timed and divided by the aten
+  operations it dispatches;
+- memory bandwidth (a copy between two preallocated buffers);
+- the achievable fraction of peak (`mfu`), as the GPU presets have it: one training step of a small
+  reference GPT (`REFERENCE`, no communication: "local"), timed on every rank at once; the simulator
+  records that step's program and the fraction is solved so that the cost model reproduces the
+  measured time. One constant per machine, from a model that is not the one being predicted;
 - the loopback links: `toolkit.comm.measure.time_collectives` times each collective through the
   collectives door at several sizes, and `toolkit.viz.fit_alpha_beta` fits alpha and beta to each
   operation apart (gloo runs a reduce-scatter as an all-reduce, so one fit for all would mislead).
@@ -29,7 +33,8 @@ from pathlib import Path
 from ..comm.emulate import Link, Settings
 from .hardware import Accelerator, Cluster
 
-VERSION = 1
+VERSION = 2
+REFERENCE = dict(model=dict(n_layer=2, d_model=128, n_head=4, vocab_size=256, seq_len=64), batch=8)
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024)
 
@@ -44,7 +49,7 @@ def _key(world_size: int) -> dict:
     import torch
 
     return {"version": VERSION, "host": platform.node(), "torch": torch.__version__,
-            "cores": os.cpu_count(), "world_size": world_size}
+            "cores": os.cpu_count(), "world_size": world_size, "reference": REFERENCE}
 
 
 # --- on every rank ---------------------------------------------------------------------------------------
@@ -92,7 +97,26 @@ def _tiny_step():
     return step
 
 
-def _measure_on_rank(ops, sizes) -> dict:
+def reference_step(reference=REFERENCE):
+    """One local training step of the reference GPT (no communication): what the achievable rate is fitted to."""
+    import torch
+
+    from toolkit.models import SyntheticCorpus, tiny_gpt
+
+    torch.manual_seed(0)
+    model = tiny_gpt(**reference["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = SyntheticCorpus(reference["model"]["vocab_size"], reference["model"]["seq_len"], 0).batch(0, reference["batch"])
+
+    def step():
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _measure_on_rank(ops, sizes, reference) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -112,12 +136,38 @@ def _measure_on_rank(ops, sizes) -> dict:
         a, b = torch.randn(512, 256, dtype=dtype), torch.randn(256, 512, dtype=dtype)
         seconds = together(lambda: a @ b, 10)
         rates[name] = 2 * 512 * 256 * 512 / max(seconds - overhead, seconds / 10)
-    big = torch.empty(8 * 2 ** 20)  # 32 MiB
-    bandwidth = 2 * big.numel() * 4 / together(lambda: big.clone(), 5)
+    src, dst = torch.randn(2 * 2 ** 20), torch.empty(2 * 2 ** 20)  # 8 MiB each, allocated once
+    bandwidth = 2 * src.numel() * 4 / together(lambda: dst.copy_(src), 10)
+    reference_s = together(reference_step(reference), 7)
     recorder.enabled = False  # bookkeeping: the calibration leaves no trace
     records = time_collectives(ops, sizes, ("backend",), warmup=2, repeats=5)
     return {"flops": rates, "op_overhead": overhead, "ops_in_tiny_step": op_count,
-            "memory_bandwidth": bandwidth, "records": records}
+            "memory_bandwidth": bandwidth, "reference_step_s": reference_s, "records": records}
+
+
+def fit_mfu(m: dict) -> float:
+    """The fraction of the matmul peak at which the cost model reproduces the measured reference step."""
+    import functools
+
+    from ..models import tiny_gpt
+    from .cost import compute_time
+    from .simulate import simulate
+
+    sim = simulate(functools.partial(tiny_gpt, **REFERENCE["model"]), "local", 1, batch_per_rank=REFERENCE["batch"],
+                   progress=False)
+    segments = [c for c in sim.programs[-1] if hasattr(c, "flops")]
+    gpu = Accelerator("reference", {"fp32": m["flops"]["fp32"]}, 0, m["memory_bandwidth"], 1.0, m["op_overhead"])
+
+    def predicted(mfu):
+        return sum(compute_time(c, gpu, "fp32", mfu) for c in segments)
+
+    if predicted(1.0) >= m["reference_step_s"]:
+        return 1.0  # already as slow as measured at the full matmul rate
+    low, high = 1e-4, 1.0
+    for _ in range(60):  # predicted() falls as mfu rises: bisect
+        mid = (low + high) / 2
+        low, high = (mid, high) if predicted(mid) > m["reference_step_s"] else (low, mid)
+    return (low + high) / 2
 
 
 # --- in the caller ------------------------------------------------------------------------------------------
@@ -126,26 +176,37 @@ def measure(world_size: int, *, timeout_s: float = 180.0) -> dict:
     from ..runtime import launch
     from ..viz.bandwidth import fit_alpha_beta
 
-    results = launch(_measure_on_rank, world_size, args=(OPS, SIZES), timeout_s=timeout_s)
+    results = launch(_measure_on_rank, world_size, args=(OPS, SIZES, REFERENCE), timeout_s=timeout_s)
     links = {}
     for op in OPS:
         alpha, beta = fit_alpha_beta([r for r in results[0]["records"] if r["op"] == op], impl=None)
         links[op] = {"bandwidth": 1 / beta if beta > 0 else 1e15, "latency": max(alpha, 1e-9)}
-    return dict(_key(world_size), measured_at=time.strftime("%Y-%m-%d %H:%M"),
-                flops={k: min(r["flops"][k] for r in results) for k in ("fp32", "bf16")},
-                op_overhead=max(r["op_overhead"] for r in results),
-                memory_bandwidth=min(r["memory_bandwidth"] for r in results),
-                links=links, records=results[0]["records"])
+    m = dict(_key(world_size), measured_at=time.strftime("%Y-%m-%d %H:%M"),
+             flops={k: min(r["flops"][k] for r in results) for k in ("fp32", "bf16")},
+             op_overhead=max(r["op_overhead"] for r in results),
+             memory_bandwidth=min(r["memory_bandwidth"] for r in results),
+             reference_step_s=max(r["reference_step_s"] for r in results),
+             links=links, records=results[0]["records"])
+    m["mfu"] = fit_mfu(m)
+    return m
 
 
-def from_measurements(m: dict, link: Settings | None = None) -> Cluster:
-    """The Cluster a measurement describes; `link` (an emulated interconnect) replaces the loopback."""
+def from_measurements(m: dict, link: Settings | None = None, *, reference_step_s: float | None = None) -> Cluster:
+    """The Cluster a measurement describes; `link` (an emulated interconnect) replaces the loopback.
+
+    reference_step_s: the reference step timed again (a benchmark times it beside what it predicts, so
+    that the machine's load is the same for both); the achievable fraction is fitted to it anew.
+    """
+    if reference_step_s is not None:
+        m = dict(m, reference_step_s=reference_step_s)
+        m["mfu"] = fit_mfu(m)
     n = m["world_size"]
     gpu = Accelerator(f"this machine ({n} ranks on {m['cores']} cores)",
                       {"fp32": m["flops"]["fp32"], "bf16": m["flops"]["bf16"], "fp16": m["flops"]["bf16"]},
                       memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
-                      memory_bandwidth=m["memory_bandwidth"], mfu=1.0, op_overhead=m["op_overhead"],
-                      source=f"measured {m['measured_at']} on {m['host']} with {n} ranks at once")
+                      memory_bandwidth=m["memory_bandwidth"], mfu=m["mfu"], op_overhead=m["op_overhead"],
+                      source=f"measured {m['measured_at']} on {m['host']} with {n} ranks at once; mfu fitted "
+                             f"to a local step of {REFERENCE}")
     op_links = {op: Link(float(v["bandwidth"]), float(v["latency"])) for op, v in m["links"].items()}
     loopback = op_links["all_reduce"]
     found = Cluster("this-machine", gpu, n, loopback, loopback, 0.0, source=gpu.source + "; links: loopback (gloo)",
