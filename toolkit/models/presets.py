@@ -6,10 +6,12 @@ arguments needed) so it can be passed as a `model_fn`; `PRESETS` names them for 
 
     gpt3_175b    GPT-3 175B (Brown et al. 2020): 96 layers, d_model 12288, 96 heads, vocab 50257,
                  sequence 2048: 174.6B parameters in this GPT (biases, tied head)
-    zero_7_5b    a GPT-like 7.5B model for ZeRO's Figure 1: 36 layers, d_model 4096, 32 heads,
-                 vocab 50257, sequence 2048: 7.46B parameters
+    zero_7_5b    a GPT-like 7.5B model for ZeRO's Figure 1 (the paper gives only Ψ): GPT-3 6.7B's width
+                 (d_model 4096, 32 heads), 36 layers, vocab 50257, context 8192: 7.49B parameters,
+                 which gives the figure's 120 / 31.4 / 16.6 / 1.9 GB to its precision
     gpt2_xl      GPT-2 XL: 48 layers, d_model 1600, 25 heads: 1.56B (a size a lesson can also train)
-    moe_gpt_s    FasterMoE's MoE-GPT-S: 12 layers, d_model 1024, 16 experts (d_ff 4096, top-2)
+    moe_gpt_s    FasterMoE's MoE-GPT-S: 12 layers, d_model H = 1024, 16 experts of d_ff 2H, top-2: the
+                 paper's L(2αE + 4)H² = 0.86B, plus embeddings and biases
     moe_gpt_64   the same with 64 experts, one per rank of a 64-rank expert-parallel cluster
 """
 from __future__ import annotations
@@ -20,9 +22,9 @@ from . import tiny_gpt
 from .moe_gpt import moe_gpt
 
 GPT3 = dict(vocab_size=50257, seq_len=2048, n_layer=96, n_head=96, d_model=12288)
-ZERO_7_5B = dict(vocab_size=50257, seq_len=2048, n_layer=36, n_head=32, d_model=4096)
+ZERO_7_5B = dict(vocab_size=50257, seq_len=8192, n_layer=36, n_head=32, d_model=4096)
 GPT2_XL = dict(vocab_size=50257, seq_len=1024, n_layer=48, n_head=25, d_model=1600)
-MOE_GPT_S = dict(vocab_size=50257, seq_len=1024, n_layer=12, n_head=16, d_model=1024)
+MOE_GPT_S = dict(vocab_size=50257, seq_len=1024, n_layer=12, n_head=16, d_model=1024, d_ff=2048)
 
 
 def gpt3_175b(**overrides):

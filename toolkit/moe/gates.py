@@ -28,6 +28,7 @@ worker may leave its node, the rest re-pick inside it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from dataclasses import dataclass, replace
@@ -218,6 +219,25 @@ def _slots(expert_index: torch.Tensor, num_experts: int):
 # 3. The gate module
 # ---------------------------------------------------------------------------------------------
 
+_assumed = None  # fn(num_tokens, num_experts, top_k) -> (T, k) expert ids: see `assume_routing`
+
+
+@contextlib.contextmanager
+def assume_routing(decide):
+    """Inside, every gate takes its choice of experts from ``decide(T, E, k)`` instead of its scores.
+
+    The weights, slots, capacity and losses still follow from that choice as usual. It is how a
+    simulated rank routes (``toolkit.sim``: its tokens are meta tensors, with no values to score), and
+    a way to ask "what if the load were exactly this?" of a real layer.
+    """
+    global _assumed
+    before, _assumed = _assumed, decide
+    try:
+        yield
+    finally:
+        _assumed = before
+
+
 class TopKGate(nn.Module):
     """Top-k softmax gate with capacity (GShard / Switch), optional noise, dropless mode and z-loss.
 
@@ -293,8 +313,8 @@ class TopKGate(nn.Module):
         if self.noisy and self.training and self.noise_std > 0:
             noise = torch.randn(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
             scores = logits + self.noise_std * noise
-        expert_index = self.choose(scores.detach())                                    # (T, k)
-        gate_weight = probs.gather(1, expert_index)                                    # (T, k)
+        expert_index = self.choose(scores.detach()) if _assumed is None else _assumed(T, E, k)  # (T, k)
+        gate_weight = probs.gather(1, expert_index.to(probs.device))                   # (T, k)
         if self.normalize_topk and k > 1:
             gate_weight = gate_weight / gate_weight.sum(dim=-1, keepdim=True).clamp_min(1e-9)
 

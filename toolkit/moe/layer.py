@@ -248,7 +248,7 @@ class MoE(nn.Module):
         """Step 1: the gate's decision; in dropless mode, the capacity every rank agrees on."""
         routing = self.gate(tokens)
         if self.dropless and dist.is_initialized():
-            cap = torch.tensor([routing.capacity], device=tokens.device)
+            cap = torch.tensor([routing.capacity], device=routing.counts.device)
             comm.all_reduce(cap, op="max", group=self.group)
             routing = routing.with_capacity(int(cap.item()))
         return routing
@@ -289,7 +289,7 @@ class MoE(nn.Module):
     def compute_experts(self, received: torch.Tensor, plan: Plan) -> torch.Tensor:
         """Step 5: rows arrive grouped by sender, then local expert; regroup by expert, run, put back."""
         W, E_local = plan.recv_counts.shape
-        expert_of_row = torch.arange(E_local, device=received.device).repeat(W)
+        expert_of_row = torch.arange(E_local, device=plan.recv_counts.device).repeat(W)
         expert_of_row = expert_of_row.repeat_interleave(plan.recv_counts.reshape(-1))
         by_expert = expert_of_row.argsort(stable=True)
         with span(f"moe/{self.name}/experts", rows=received.shape[0]):
@@ -300,7 +300,7 @@ class MoE(nn.Module):
         """Step 7: out[t] = sum over t's kept choices of gate_weight * expert output (differentiable)."""
         weight = routing.gate_weight.reshape(-1)[order].to(answers.dtype)
         out = answers.new_zeros(tokens.shape)
-        return out.index_add(0, order // routing.top_k, answers * weight[:, None])
+        return out.index_add(0, (order // routing.top_k).to(out.device), answers * weight[:, None])
 
     # --- what the Run learns ------------------------------------------------------------------
     def record_load(self, routing: Routing, plan: Plan) -> None:

@@ -26,7 +26,7 @@ def _fraction_and_mean_prob(probs: torch.Tensor, top1_index: torch.Tensor):
     """f_e: fraction of tokens whose first choice is e (no gradient: it is a count);
     P_e: mean router probability of e (differentiable: this is where the gradient goes)."""
     E = probs.shape[1]
-    frac = torch.bincount(top1_index, minlength=E).to(probs.dtype) / probs.shape[0]
+    frac = torch.bincount(top1_index, minlength=E).to(probs.device, probs.dtype) / probs.shape[0]
     return frac, probs.mean(dim=0)
 
 

@@ -39,7 +39,7 @@ def short_name(name: str) -> str:
     parts = name.split(".")[1:]
     if parts[:1] == ["module"]:
         parts = parts[1:]
-    return ".".join(parts) or name
+    return ".".join(parts) or "(model)"
 
 
 def _storage_key(t):

@@ -28,19 +28,22 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .. import comm, parallel
 from ..memory.ledger import ledger
+from ..moe.gates import assume_routing
+from ..moe.experts import is_expert
+from ..moe.layer import MoE
 from ..run import Run
 from ..trace.events import phase, recorder, span
 from . import cluster as _cluster
 from .cost import pricer
 from .memory import StepMemory
 from .record import OpCounter, Programmer
-from .simulation import Simulation, global_num_params
+from .simulation import Simulation, count_params
 
 
 def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_per_node: int = 8,
              batch_per_rank: int = 1, seq_len: int | None = None, steps: int = 1, warmup: bool = True,
-             optimizer=torch.optim.AdamW, progress: bool = True, cluster=None, mfu: float | None = None,
-             **options) -> Simulation:
+             optimizer=torch.optim.AdamW, routing=None, progress: bool = True, cluster=None,
+             mfu: float | None = None, **options) -> Simulation:
     """Run `steps` training steps of `strategy` for rank `rank` of a simulated `world_size`-rank cluster.
 
     model_fn() builds the model (called under `torch.device("meta")`); it maps token ids (x, y) of shape
@@ -49,6 +52,8 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     warmup: first run one step unwatched, so that what is measured is a steady step (an optimizer such as
     Adam creates its states during its first step; ZeRO-3 and FSDP learn the module order in their first
     forward). The Run holds the warm-up step too; programs and memory are of the `steps` after it.
+    routing: how MoE gates choose experts, `fn(T, E, k) -> (T, k)` expert ids (meta tokens have no values
+    to score); default `balanced`, every expert gets the same number of tokens.
     cluster: price the steps on a cluster (`toolkit.sim.presets()`: "dgx-a100", "dgx-h100", "this-machine",
     or a user-defined one) and fill sim.step_time, tflops_per_gpu, mfu, breakdown, modelled_run and cost
     (`cost.pricer`); mfu overrides the preset's achievable fraction of peak.
@@ -62,9 +67,11 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
     if not callable(model_fn):
         raise ValueError(f"model_fn must be a function that builds the model, got {model_fn!r}.")
-    with _cluster.cluster(world_size, rank):
+    with _cluster.cluster(world_size, rank), assume_routing(routing or balanced):
         model = build_on_meta(model_fn)
-        num_params = global_num_params(model)
+        num_params, expert_params = count_params(model)
+        expert_parallel = max([m.world for m in model.modules() if isinstance(m, MoE)], default=1)
+        local_experts = sum(p.numel() for p in model.parameters() if is_expert(p))
         seq = _seq_len(model, seq_len)
         if strategy == "fsdp" and "param_init_fn" not in options:
             options["param_init_fn"] = no_values  # FSDP's deferred initialization, with nothing to fill
@@ -81,7 +88,8 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
                                batch_per_rank=batch_per_rank, seq_len=seq, steps=steps), align=False)
     run.meta.update(simulated=True, ranks_per_node=nodes)
     sim = Simulation(strategy=strategy, world_size=world_size, rank=rank, ranks_per_node=nodes,
-                     options=dict(options), num_params=num_params, batch_per_rank=batch_per_rank,
+                     options=dict(options), num_params=num_params, expert_params=expert_params,
+                     expert_parallel=expert_parallel, local_expert_params=local_experts, batch_per_rank=batch_per_rank,
                      seq_len=seq, run=run, **measured)
     if price is not None:
         price(sim)
@@ -157,6 +165,12 @@ def _sample(memory: StepMemory, step: int) -> dict:
               "activations": now["activations"], **{f"sim_{k}": v for k, v in now.items()}}
     recorder.sample(step=step, **sample)
     return dict(now, phase=recorder.samples[-1]["phase"] if recorder.samples else "", step=step)
+
+
+def balanced(num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
+    """An MoE routing in which every expert gets the same share: choice j of token t is expert (t*k + j) mod E."""
+    index = torch.arange(num_tokens * top_k, device="cpu").reshape(num_tokens, top_k)
+    return index % num_experts
 
 
 def no_values(name, module) -> None:

@@ -9,7 +9,9 @@ The contract lessons and tests build on (all for the simulated rank):
     bytes_per_step  {op: bytes sent, "total": ...} in the last step (ring accounting, as the door
                     counts them; the total equals `toolkit.trace.analysis.bytes_per_step` of a real run)
     message_bytes   {op: bytes of the messages handed to the collectives} in the last step
-    num_params      the whole model's parameters (every rank's experts counted once)
+    num_params      the whole model's parameters (every rank's experts counted once); expert_params:
+                    how many of them are MoE experts, split over `expert_parallel` ranks (this rank
+                    holds local_expert_params of them)
     flops           FLOPs of the last step (FlopCounterMode), programs: one per step, run: the Run
 """
 from __future__ import annotations
@@ -24,8 +26,9 @@ from ..trace.analysis import bytes_per_step as _bytes_per_phase
 from .program import Collective, collectives, total_flops
 
 
-def global_num_params(model: torch.nn.Module) -> int:
-    """Parameters of the whole model: a rank's expert parameters stand for E / E_local times as many."""
+def count_params(model: torch.nn.Module) -> tuple[int, int]:
+    """(parameters of the whole model, of which in MoE experts): a rank's experts stand for E / E_local
+    times as many, split over the expert-parallel group."""
     from ..moe.experts import Experts
 
     scale = {}
@@ -33,7 +36,9 @@ def global_num_params(model: torch.nn.Module) -> int:
         if isinstance(m, Experts):
             for p in m.parameters(recurse=False):
                 scale[id(p)] = m.num_experts // m.num_local
-    return sum(p.numel() * scale.get(id(p), 1) for p in model.parameters())
+    params = list(model.parameters())
+    experts = sum(p.numel() * scale[id(p)] for p in params if id(p) in scale)
+    return sum(p.numel() * scale.get(id(p), 1) for p in params), experts
 
 
 @dataclass
@@ -44,6 +49,9 @@ class Simulation:
     ranks_per_node: int
     options: dict
     num_params: int
+    expert_params: int
+    expert_parallel: int
+    local_expert_params: int
     batch_per_rank: int
     seq_len: int
     programs: list
@@ -103,7 +111,8 @@ class Simulation:
         model_states: (2+2+K)Ψ under the strategy's ZeRO stage, with the bytes per value of the run (16-bit
         with mixed precision, else 4) and K = 12 with mixed precision (fp32 masters and Adam) or 8 (Adam)
         in fp32; fsdp as stage 3 over its sharding group, its fp32 shards counted 4 + 4 + 8; bytes_per_step: passes x Ψ x
-        bytes x (N-1)/N over the sharding group (hybrid sharding adds its replica all-reduce).
+        bytes x (N-1)/N over the sharding group (hybrid sharding adds its replica all-reduce). MoE experts
+        are kept whole by their owners and travel as tokens (all-to-all), not in these bytes.
         """
         mixed = bool(self.options.get("mixed_precision"))
         value = 2 if mixed else 4
@@ -111,11 +120,15 @@ class Simulation:
         stage = {"local": 0, "dp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[self.strategy]
         F = (self.options.get("sharding_group_size") or self.world_size) if self.strategy == "fsdp" else self.world_size
         kept = (4, 4, 8) if self.strategy == "fsdp" else (value, value, K)  # FSDP keeps fp32 shards: 4 + 4 + 8
-        states = formulas.model_states_breakdown(self.num_params, F, stage, param_bytes=kept[0], grad_bytes=kept[1],
+        dense = self.num_params - self.expert_params  # experts: each rank keeps its own, whole
+        states = formulas.model_states_breakdown(dense, F, stage, param_bytes=kept[0], grad_bytes=kept[1],
                                                  optimizer_multiplier=kept[2])
-        wire = formulas.communication_per_step(self.num_params, F, self.strategy) * value
+        mine = formulas.model_states_breakdown(self.expert_params / self.expert_parallel, 1, 0, param_bytes=kept[0],
+                                               grad_bytes=kept[1], optimizer_multiplier=kept[2])
+        states = {k: v + mine[k] for k, v in states.items()}
+        wire = formulas.communication_per_step(dense, F, self.strategy) * value
         if self.strategy == "fsdp" and F < self.world_size:
-            wire += formulas.ring_all_reduce_bytes(self.num_params / F * value, self.world_size // F)
+            wire += formulas.ring_all_reduce_bytes(dense / F * value, self.world_size // F)
         return {"model_states": states, "model_states_total": sum(states.values()), "bytes_per_step": wire,
                 "flops_6PT": 6 * self.num_params * self.batch_per_rank * self.seq_len}
 

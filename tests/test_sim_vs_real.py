@@ -1,0 +1,92 @@
+"""Same code, same answer: the simulated rank against a real gloo run of the same strategy, at 2 and 4 ranks.
+
+The real side is `toolkit.train.train` (the training loop every lesson uses) on real ranks; from its Run
+come the bytes per step (`toolkit.trace.analysis.bytes_per_step`) and the ledger after the backward of
+a steady step (parameters, gradients and optimizer states all alive: the model states). The simulated
+side must give the same numbers exactly, strategy by strategy, and a peak within 10% of the real one as
+the CPU allocator reports it (torch.profiler's memory events, the allocator's own running total).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import tempfile
+
+import pytest
+import torch.distributed as dist
+
+import toolkit
+from toolkit.models import SyntheticCorpus, tiny_gpt
+from toolkit.sim import simulate
+from toolkit.sim.simulate import train_step
+from toolkit.train import TrainConfig, train
+
+SMALL = dict(n_layer=2, d_model=64, n_head=4)
+BATCH = 2  # rows per rank
+MIXED = {"mixed_precision": True}
+CASES = {  # every strategy in fp32 at 2 ranks; in mixed precision, and hybrid sharding, at 4
+    2: [("ddp", {}), ("zero1", {}), ("zero2", {}), ("zero3", {}), ("fsdp", {})],
+    4: [("ddp", MIXED), ("zero1", MIXED), ("zero2", MIXED), ("zero3", MIXED), ("fsdp", MIXED),
+        ("fsdp", {"sharding_group_size": 2})],  # HSDP: shard over 2, replicate over 2
+}
+
+
+def allocator_peak(strategy, options, world, rank) -> int:
+    """The CPU allocator's own account of a steady step's peak: the model states when the step starts, plus
+    the most bytes allocated during the step and not yet freed (torch.profiler's memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, opt = toolkit.parallel.wrap(tiny_gpt(**SMALL), strategy, **options)
+    x, y = SyntheticCorpus().batch(0, BATCH * world, rank=rank, world_size=world)
+    train_step(model, opt, x, y, step=0)  # the optimizer's states exist from here on
+    gc.collect()  # the previous case's tensors go now, not during the measured step
+    start = toolkit.memory.ledger(model, opt)["total"] + x.nbytes + y.nbytes
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        train_step(model, opt, x, y, step=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+        with open(os.path.join(tmp, "trace.json")) as f:
+            trace = json.load(f)["traceEvents"]
+    # gloo stages a reduce-scatter or all-gather through a copy of the message, inside the c10d call (NCCL
+    # writes in place): that copy is gloo's, not the strategy's, and the simulated cluster has none
+    gloo = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("name", "").startswith("c10d::")]
+    events = [e["args"] for e in trace if e.get("name") == "[memory]"
+              and not any(a <= e["ts"] <= b for a, b in gloo)]
+    live, running, highest = {}, 0, 0  # blocks allocated during the step, by address
+    for e in events:
+        if e["Bytes"] > 0:
+            live[e["Addr"]] = e["Bytes"]
+            running += e["Bytes"]
+        elif e["Addr"] in live:
+            running -= live.pop(e["Addr"])
+        highest = max(highest, running)
+    return start + highest
+
+
+def real_runs(cases):
+    """On every real rank: train 2 steps of each case; return what the Run says about the second."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    found = []
+    for strategy, options in cases:
+        config = TrainConfig(strategy=strategy, steps=2, global_batch_size=BATCH * world, model=SMALL,
+                             options=dict(options), progress=False)
+        run = train(config)
+        after_backward = next(s for s in run.samples if s["step"] == 1 and s["phase"] == "backward")
+        found.append({"bytes": toolkit.trace.analysis.bytes_per_step(run, rank)[-1],
+                      "states": {k: after_backward[k] for k in ("params", "grads", "optimizer")},
+                      "peak": allocator_peak(strategy, options, world, rank)})
+    return found
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_simulated_rank_equals_a_real_gloo_run(world, no_leftover_ranks):
+    real = toolkit.launch(real_runs, world, args=(CASES[world],), timeout_s=60, quiet=True)
+    rank = world - 1  # the last rank: its shards are the ones that hold the padding
+    for (strategy, options), measured in zip(CASES[world], real[rank]):
+        sim = simulate(lambda: tiny_gpt(**SMALL), strategy, world, rank=rank, batch_per_rank=BATCH,
+                       ranks_per_node=2, progress=False, **options)
+        case = f"{strategy} {options} rank {rank}/{world}"
+        assert sim.bytes_per_phase == measured["bytes"], case
+        assert {k: sim.memory[k] for k in measured["states"]} == measured["states"], case
+        assert abs(sim.peak - measured["peak"]) <= 0.10 * measured["peak"], (case, sim.peak, measured["peak"])
