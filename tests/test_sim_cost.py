@@ -184,3 +184,23 @@ def test_a_user_defined_cluster_reads_units():
                         inter=("250 Gb/s", "9.6 us"), call_latency="8.4 us"))
     assert mine.inter.bandwidth == 31.25e9 and mine.intra.bandwidth == 600e9 and mine.call_latency == 8.4e-6
     assert cluster_of("dgx-a100", gpus_per_node=4).gpus_per_node == 4
+
+
+# --- the sweep's extrapolation ------------------------------------------------------------------------------
+def test_sweep_extrapolates_one_and_two_layers_to_the_whole_model():
+    import functools
+
+    from toolkit.models import tiny_gpt
+    from toolkit.sim import simulate
+    from toolkit.sim.sweep import sweep
+
+    model = functools.partial(tiny_gpt, d_model=64, n_head=4, vocab_size=128, seq_len=32)
+    hsdp = ("fsdp", dict(sharding_group_size=8, forward_prefetch=True))
+    rows = sweep(model, layers=5, strategies={"hsdp": hsdp}, worlds=(16,), batch_per_rank=2, mixed_precision=True)
+    for row, (strategy, options) in zip(rows, [hsdp]):
+        whole = simulate(lambda: model(n_layer=5), strategy, 16, warmup=False, progress=False, batch_per_rank=2,
+                         mixed_precision=True, cluster="dgx-a100", **options)
+        assert row["step_time"] == pytest.approx(whole.step_time, rel=1e-6), row["label"]
+        assert row["flops"] == pytest.approx(whole.flops, rel=1e-9) and row["states"] == whole.memory["total"]
+        assert row["peak"] == pytest.approx(whole.peak, rel=0.05)  # what is alive at the peak may shift a little
+        assert row["fits"] and row["tflops_per_gpu"] == pytest.approx(whole.tflops_per_gpu, rel=1e-6)

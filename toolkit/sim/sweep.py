@@ -2,9 +2,10 @@
 
 Simulating every layer of a 96-layer model for every (strategy, world size) takes minutes. But the
 layers of a transformer are identical, so whatever a rank spends per step grows by the same amount
-with each layer: memory, FLOPs and step time are affine in the number of layers, f(L) = f(1) +
-(L - 1) x (f(2) - f(1)). `sweep` simulates each case with one and with two layers and extrapolates
-to the model's depth; `tests/test_sim_sweep.py` holds the extrapolation to a whole-model simulation.
+with each layer: memory, FLOPs and step time are affine in the number of layers, f(L) = f(2) +
+(L - 2) x (f(3) - f(2)). `sweep` simulates each case with two and with three layers (so that a layer
+in the middle of the stack, prefetched from both sides, is what gets repeated) and extrapolates to
+the model's depth; `tests/test_sim_cost.py` holds the extrapolation to a whole-model simulation.
 
     rows = sweep(presets.zero_7_5b, layers=36, strategies={"ddp": {}, "zero3": {}}, worlds=(8, 64, 512),
                  cluster="dgx-a100", mixed_precision=True)
@@ -15,12 +16,15 @@ from .cost import resolve
 from .simulate import simulate
 
 
+BASE = (2, 3)  # the depths simulated
+
+
 def _affine(one: float, two: float, layers: int) -> float:
-    return one + (layers - 1) * (two - one)
+    return one + (layers - BASE[0]) * (two - one)
 
 
 def extrapolate(one, two, layers: int) -> dict:
-    """The numbers of an L-layer model from simulations of its 1- and 2-layer versions (priced ones)."""
+    """The numbers of an L-layer model from priced simulations of its BASE-layer versions."""
     step = _affine(one.step_time, two.step_time, layers)
     flops = _affine(one.flops, two.flops, layers)
     peak = _affine(one.peak, two.peak, layers)
@@ -47,6 +51,6 @@ def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100"
             if progress is not None:
                 progress(f"{label} x{world}")
             sims = [simulate(lambda n=n: model_fn(n_layer=n), strategy, world, warmup=False, progress=False,
-                             cluster=found, **{**common, **options}) for n in (1, 2)]
+                             cluster=found, **{**common, **options}) for n in BASE]
             rows.append(dict(extrapolate(*sims, layers), label=label, strategy=strategy, world_size=world))
     return rows
