@@ -187,7 +187,7 @@ def test_a_user_defined_cluster_reads_units():
 
 
 # --- the sweep's extrapolation ------------------------------------------------------------------------------
-def test_sweep_extrapolates_one_and_two_layers_to_the_whole_model():
+def test_sweep_extrapolates_two_and_three_layers_to_the_whole_model():
     import functools
 
     from toolkit.models import tiny_gpt
