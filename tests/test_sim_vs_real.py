@@ -81,11 +81,12 @@ def real_runs(cases):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_simulated_rank_equals_a_real_gloo_run(world, no_leftover_ranks):
-    real = toolkit.launch(real_runs, world, args=(CASES[world],), timeout_s=60, quiet=True)
     rank = world - 1  # the last rank: its shards are the ones that hold the padding
-    for (strategy, options), measured in zip(CASES[world], real[rank]):
-        sim = simulate(lambda: tiny_gpt(**SMALL), strategy, world, rank=rank, batch_per_rank=BATCH,
-                       ranks_per_node=2, progress=False, **options)
+    sims = [simulate(lambda: tiny_gpt(**SMALL), strategy, world, rank=rank, batch_per_rank=BATCH, ranks_per_node=2,
+                     progress=False, **options) for strategy, options in CASES[world]]
+    # simulations first: they leave this process ready to launch real ranks
+    real = toolkit.launch(real_runs, world, args=(CASES[world],), timeout_s=60, quiet=True)
+    for (strategy, options), sim, measured in zip(CASES[world], sims, real[rank]):
         case = f"{strategy} {options} rank {rank}/{world}"
         assert sim.bytes_per_phase == measured["bytes"], case
         assert {k: sim.memory[k] for k in measured["states"]} == measured["states"], case

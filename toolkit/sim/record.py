@@ -70,20 +70,21 @@ class Programmer:
         self.cut()
         if kind == "issue":
             self._issued[id(event)] = len(self._issued)
-            self.program.append(event)  # made a Collective at the end of the step: callers annotate it
+            self.program.append((event, _module(self.flops)))  # a Collective at the end of the step:
+            #                                                    callers annotate the event after the call
         elif id(event) in self._issued:  # (a wait on a collective of an earlier step is not this step's)
             self.program.append(Wait(self._issued[id(event)], phase=current_phase()))
 
     def end_step(self) -> list:
         """The step's program: Compute, Collective and Wait in the order they happened."""
         self.cut()
-        program = [self._collective(i) if isinstance(i, dict) else i for i in self.program]
+        program = [self._collective(*i) if isinstance(i, tuple) else i for i in self.program]
         self.program = []
         return program
 
-    def _collective(self, event: dict) -> Collective:
+    def _collective(self, event: dict, module: str) -> Collective:
         a = event["args"]
-        label = a.get("unit") or a.get("moe") or ""
+        label = a.get("unit") or a.get("moe") or module  # the unit or MoE step, else the module issuing it
         return Collective(id=self._issued[id(event)], op=event["name"], size_bytes=a["size_bytes"],
                           bytes_sent=a["bytes_sent"], bytes_recv=a["bytes_recv"], group=tuple(a["group"]),
                           async_op=bool(a["async_op"]), phase=event["phase"], label=str(label), args=dict(a))
