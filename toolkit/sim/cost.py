@@ -70,7 +70,7 @@ class StepCost:
         ms = lambda s: f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"  # noqa: E731
         return (f"{self.cluster.name}, {self.dtype} at {self.achievable_mfu:.0%} of peak: step {ms(self.step_time)} "
                 f"= compute {ms(b['compute'])} + exposed communication {ms(b['exposed_comm'])} "
-                f"({ms(b["overlapped_comm"])} more hidden behind compute); {self.tflops_per_gpu:.3g} TFLOP/s per "
+                f"({ms(b['overlapped_comm'])} more hidden behind compute); {self.tflops_per_gpu:.3g} TFLOP/s per "
                 f"GPU, MFU {self.mfu:.1%}")
 
 
