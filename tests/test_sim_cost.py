@@ -177,6 +177,12 @@ def test_bad_input_gets_a_clear_error():
     with pytest.raises(ValueError, match="waits on collective 4 before it was issued"):
         estimate([[Wait(4)]], "dgx-a100", world_size=8)
     assert set(presets()) >= {"dgx-a100", "dgx-h100", "this-machine"}
+    from toolkit.models import tiny_gpt
+    from toolkit.sim import simulate
+    with pytest.raises(ValueError, match="unknown cluster preset 'dgx-a10'"):  # before any work is done
+        simulate(tiny_gpt, "ddp", 8, cluster="dgx-a10", progress=False)
+    with pytest.raises(ValueError, match=r"mfu=2: .* must be in \(0, 1\]"):
+        simulate(tiny_gpt, "ddp", 8, cluster="dgx-a100", mfu=2, progress=False)
 
 
 def test_a_user_defined_cluster_reads_units():
