@@ -71,7 +71,7 @@ def test_fsdp_paper_gpt_175b_throughput_and_hybrid_sharding_on_8_of_its_layers()
     """8 of GPT-3's 96 layers (same width, heads and sequence; the embedding and head as in the full model):
     per-GPU throughput is the ratio of a layer's compute to the communication it cannot hide, so it lands
     in the paper's band (173-186 TFLOP/s within 15%), flat from 128 to 512 GPUs as the paper's scaling is.
-    (The whole 96-layer model: the slow test below.)
+    (The whole 96-layer model: the `papers` test below, `make test-papers`.)
 
     What the model can and cannot reproduce of full against hybrid sharding: hybrid sharding sends 2/3 of
     full sharding's bytes across nodes per GPU (the paper's 2M(W-1)/(GW) against 3M(W-1)/W, both at the
@@ -100,7 +100,7 @@ def test_fsdp_paper_gpt_175b_throughput_and_hybrid_sharding_on_8_of_its_layers()
     assert exposed_replica == pytest.approx(hybrid_cross, rel=0.05)
 
 
-@pytest.mark.slow
+@pytest.mark.papers  # about a minute on 2 cores: `make test-papers`
 @pytest.mark.timeout(600)
 def test_fsdp_paper_gpt_175b_whole_model_on_128_256_512_gpus():
     for world in (128, 256, 512):
