@@ -59,6 +59,29 @@ def _slowest(seconds: float) -> float:
     return t.item()
 
 
+def _train_step(model, opt):
+    def step(x, y):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def _in_turns(steps_by_name: dict, batches, steps: int, warmup: int) -> dict:
+    """Each step function in turn on each batch (all ranks start together); median of the slowest rank's times."""
+    times = {name: [] for name in steps_by_name}
+    for i in range(warmup + steps):
+        x, y = batches(i)
+        for name, step in steps_by_name.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step(x, y)
+            seconds = _slowest(time.perf_counter() - start)
+            if i >= warmup:
+                times[name].append(seconds)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def measure_strategies(configs, steps: int, warmup: int = 2) -> dict:
     """Median over steps of the slowest rank's step time, per config; the configs take turns, and with them
     the calibration's reference step (local, no communication), so the fitted compute rate sees the same load."""
@@ -69,29 +92,13 @@ def measure_strategies(configs, steps: int, warmup: int = 2) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     toolkit.trace.recorder.enabled = False  # the bench times steps, not the trace
     corpus = SyntheticCorpus(vocab_size=MODEL["vocab_size"], seq_len=MODEL["seq_len"], seed=0)
-    wrapped = {}
+    reference = reference_step()
+    steps_by_name = {"reference": lambda x, y: reference()}
     for name, (strategy, options) in configs.items():
         torch.manual_seed(0)
-        wrapped[name] = parallel.wrap(tiny_gpt(**MODEL), strategy, **options)
-    times = {name: [] for name in [*configs, "reference"]}
-    reference = reference_step()
-    for step in range(warmup + steps):
-        x, y = corpus.batch(step, PER_RANK_BATCH * world, rank=rank, world_size=world)
-        dist.barrier()
-        start = time.perf_counter()
-        reference()
-        if step >= warmup:
-            times["reference"].append(_slowest(time.perf_counter() - start))
-        for name, (model, opt) in wrapped.items():
-            dist.barrier()
-            start = time.perf_counter()
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            seconds = _slowest(time.perf_counter() - start)
-            if step >= warmup:
-                times[name].append(seconds)
-    return {name: statistics.median(t) for name, t in times.items()}
+        steps_by_name[name] = _train_step(*parallel.wrap(tiny_gpt(**MODEL), strategy, **options))
+    return _in_turns(steps_by_name, lambda i: corpus.batch(i, PER_RANK_BATCH * world, rank=rank, world_size=world),
+                     steps, warmup)
 
 
 def moe_block(world: int, **options):
@@ -117,26 +124,19 @@ def measure_moe(variants, steps: int, warmup: int = 2) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     toolkit.trace.recorder.enabled = False
-    layers = {}
+    steps_by_name = {}
     for name, options in variants.items():
         torch.manual_seed(0)
         model = moe_block(world, **options)
-        layers[name] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
+        steps_by_name[name] = _train_step(model, torch.optim.SGD(model.parameters(), lr=1e-3))
     g = torch.Generator().manual_seed(rank)
-    times = {name: [] for name in variants}
+
+    def tokens(i):
+        x = torch.randint(0, MOE["vocab"], (MOE["batch"], MOE["seq_len"]), generator=g)
+        return x, x
+
     with assume_routing(skewed):
-        for step in range(warmup + steps):
-            x = torch.randint(0, MOE["vocab"], (MOE["batch"], MOE["seq_len"]), generator=g)
-            for name, (model, opt) in layers.items():
-                dist.barrier()
-                start = time.perf_counter()
-                model(x, x).backward()
-                opt.step()
-                opt.zero_grad()
-                seconds = _slowest(time.perf_counter() - start)
-                if step >= warmup:
-                    times[name].append(seconds)
-    return {name: statistics.median(t) for name, t in times.items()}
+        return _in_turns(steps_by_name, tokens, steps, warmup)
 
 
 # --- predicting (in this process) ----------------------------------------------------------------------------
