@@ -120,17 +120,23 @@ def dtype_of(options: dict) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtypes(options.get("mixed_precision", False))[0], "fp32")
 
 
+def _priced(sim, found: Cluster, mfu, dtype) -> StepCost:
+    """The simulation's programs on `found`, whose nodes are taken to be the simulation's."""
+    if found.gpus_per_node != sim.ranks_per_node:
+        found = found.with_changes(gpus_per_node=sim.ranks_per_node)
+    return estimate(sim.programs, found, world_size=sim.world_size, rank=sim.rank, mfu=mfu,
+                    dtype=dtype or dtype_of(sim.options), config=sim.run.config)
+
+
 def pricer(cluster, world_size: int, *, mfu: float | None = None, dtype: str | None = None):
     """Check `cluster` and `mfu` now; return price(sim), which fills sim.cost, sim.step_time, sim.tflops_per_gpu,
-    sim.mfu, sim.breakdown and sim.modelled_run (the cluster's nodes taken as the simulation's)."""
+    sim.mfu, sim.breakdown and sim.modelled_run (what `simulate(..., cluster=...)` does)."""
     found = resolve(cluster, world_size)
     if mfu is not None:
         check_mfu(mfu)
 
     def price(sim) -> StepCost:
-        shaped = found if found.gpus_per_node == sim.ranks_per_node else found.with_changes(gpus_per_node=sim.ranks_per_node)
-        cost = estimate(sim.programs, shaped, world_size=sim.world_size, rank=sim.rank, mfu=mfu,
-                        dtype=dtype or dtype_of(sim.options), config=sim.run.config)
+        cost = _priced(sim, found, mfu, dtype)
         sim.cost, sim.modelled_run = cost, cost.run
         sim.step_time, sim.tflops_per_gpu, sim.mfu, sim.breakdown = cost.step_time, cost.tflops_per_gpu, cost.mfu, cost.breakdown
         return cost
@@ -139,8 +145,8 @@ def pricer(cluster, world_size: int, *, mfu: float | None = None, dtype: str | N
 
 
 def price(sim, cluster="dgx-a100", *, mfu: float | None = None, dtype: str | None = None) -> StepCost:
-    """Price a Simulation's steps on `cluster` (again, or on another one): see `pricer`."""
-    return pricer(cluster, sim.world_size, mfu=mfu, dtype=dtype)(sim)
+    """What a Simulation's steps would cost on another cluster (or at another mfu): a StepCost; `sim` is unchanged."""
+    return _priced(sim, resolve(cluster, sim.world_size), None if mfu is None else check_mfu(mfu), dtype)
 
 
 # --- the modelled Run ---------------------------------------------------------------------------------
