@@ -296,12 +296,15 @@ def hot_expert(num_tokens, num_experts, top_k):
     return torch.stack([first] + [(first + 1 + t % (num_experts - 1)) % num_experts for _ in range(top_k - 1)], 1)
 
 
-for label, moe_options in (("plain", {"dropless": True}), ("shadow expert 0", {"dropless": True, "shadow": [0]})):
+for label, moe_options in (("plain", {}), ("shadow expert 0", {"shadow": [0]}), ("pipeline 4", {"pipeline_degree": 4})):
+    moe_options["dropless"] = True
     s = simulate(lambda: presets.moe_gpt_64(n_layer=1, moe_options=moe_options), "ddp", 64, routing=hot_expert,
                  progress=False, mixed_precision=True, warmup=False, cluster="dgx-a100")
     print(f"{label:<16} {s.cost.summary()}")
 
 # %% [markdown]
-# (Tutel's pipelining, `pipeline_degree`, cannot run on the simulated cluster yet: its chunking indexes
-# with a CPU tensor that meta tensors refuse. The lab, `labs/10-cost-model`, has you write the two rules
-# this part rests on: the alpha-beta times of the ring's collectives and the overlap rule.)
+# Shadowing pays here: the hot rank's compute is spread, for one expert's weights on the network. Tutel's
+# pipelining (4 chunks) does not: each chunk's all-to-all pays the latency of 63 messages, and there is
+# little expert compute per chunk to hide it behind (`tests/test_sim_papers.py` shows the degree that wins
+# growing as the network slows). The lab, `labs/10-cost-model`, has you write the two rules this part
+# rests on: the alpha-beta times of the ring's collectives and the overlap rule.
