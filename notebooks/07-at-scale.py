@@ -214,7 +214,7 @@ print(f"predicted {predicted.step_time * 1e3:.1f} ms, measured {measured * 1e3:.
 print(predicted.cost.summary())
 
 # %% [markdown]
-# On this machine, under load from other work, errors of 10-40% are usual (`docs/benchmarks.md`, "Simulator
+# On this machine, under load from other work, errors of 10-50% are usual (`docs/benchmarks.md`, "Simulator
 # accuracy", holds the numbers for every strategy): the model assumes communication runs on links beside
 # the compute, while here gloo's threads share the CPU cores with the computation, and a rank that is not
 # scheduled delays every collective. The published simulators (vTrain, ASTRA-sim) reach 8-20% on GPU
