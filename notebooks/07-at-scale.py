@@ -112,8 +112,8 @@ gpt3 = lambda: presets.gpt3_175b(n_layer=4)  # noqa: E731 - the full width, 4 of
 for strategy, options in (("zero3", {}), ("fsdp", {}), ("fsdp", {"sharding_group_size": 8})):
     s = simulate(gpt3, strategy, 512, progress=False, mixed_precision=True, **options)
     name = strategy + (" (hybrid)" if options else "")
-    M = 2 * s.num_params
-    print(f"{name:<14} states {s.memory['total'] / GB:6.2f} GB (formula {16 * s.num_params / (options.get('sharding_group_size') or 512) / GB:6.2f})"
+    M, F = 2 * s.num_params, options.get("sharding_group_size", 512)  # the 16-bit model; the sharding factor
+    print(f"{name:<14} states {s.memory['total'] / GB:6.2f} GB (formula {16 * s.num_params / F / GB:6.2f})"
           f"   peak {s.peak / GB:5.1f} GB in {s.peak_moment['pass']} at {s.peak_moment['module']}"
           f"   sent {s.bytes_per_step['total'] / GB:6.1f} GB, across nodes {s.cross_node_bytes / GB:6.2f} GB"
           f" (paper: {formulas.fsdp_cross_host_traffic(M, 8, 512, 'hybrid' if options else 'full_shard') / GB:6.2f})")

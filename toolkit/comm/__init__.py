@@ -4,5 +4,6 @@ from .collectives import (OPERATIONS, Handle, all_gather, all_reduce, all_to_all
 from .emulate import Link, emulate, emulated_link, emulation_description
 
 __all__ = ["OPERATIONS", "Handle", "all_gather", "all_reduce", "all_to_all", "barrier", "broadcast",
-           "group_ranks", "implementation", "irecv", "isend", "listening", "recv", "reduce_scatter", "send", "use", "using",
+           "group_ranks", "implementation", "irecv", "isend", "listening", "recv", "reduce_scatter", "send", "use",
+           "using",
            "Link", "emulate", "emulated_link", "emulation_description"]

@@ -71,9 +71,8 @@ class listening:
     kind is "issue" right after a call has started (`event` is its trace record, `tensor` the message
     the door sized it by) and "wait" (tensor None) when this rank blocks until it is complete: a
     synchronous call is an "issue" then a "wait" at once; an asynchronous one waits where its
-    `Handle.wait()` is called. That order is what a
-    timeline needs (toolkit.sim records a step's program from it); a collective's own timing, as the
-    backend reports it, stays in `event`.
+    `Handle.wait()` is called. That order is what a timeline needs (toolkit.sim records a step's program
+    from it); a collective's own timing, as the backend reports it, stays in `event`.
     """
 
     def __init__(self, fn):

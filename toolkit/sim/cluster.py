@@ -37,9 +37,10 @@ def check(world_size, rank=0, ranks_per_node=8) -> int:
     if world_size <= ranks_per_node:
         return world_size  # one node holds the whole world
     if world_size % ranks_per_node:
-        fits = [w for w in (ranks_per_node * k for k in range(1, 9))]
+        below = world_size - world_size % ranks_per_node
         raise ValueError(f"world_size={world_size} is not a whole number of nodes of ranks_per_node={ranks_per_node}; "
-                         f"use a multiple of {ranks_per_node} (e.g. {fits}) or another ranks_per_node.")
+                         f"use a multiple of {ranks_per_node} (e.g. {below} or {below + ranks_per_node}) or "
+                         f"another ranks_per_node.")
     return ranks_per_node
 
 

@@ -79,18 +79,20 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
             model, opt = parallel.wrap(model, strategy, optimizer=optimizer, **options)
         x = torch.empty((batch_per_rank, seq), dtype=torch.long, device="meta")
         bar = _progress(progress, strategy, world_size, steps + warmup)
-        if warmup:  # the optimizer makes its states in its first step (Adam does): measure the steady state
-            train_step(model, opt, x, x, step=0, bar=bar)
-        measured = measure_steps(model, opt, x, x, steps, bar=bar, meta=True, first=int(warmup))
-        if bar is not None:
-            bar.close()
+        try:
+            if warmup:  # the optimizer makes its states in its first step (Adam does): measure a steady one
+                train_step(model, opt, x, x, step=0, bar=bar)
+            measured = measure_steps(model, opt, x, x, steps, bar=bar, meta=True, first=int(warmup))
+        finally:
+            if bar is not None:
+                bar.close()
         run = Run.capture(dict(strategy=strategy, options={k: repr(v) for k, v in options.items()},
                                batch_per_rank=batch_per_rank, seq_len=seq, steps=steps), align=False)
     run.meta.update(simulated=True, ranks_per_node=nodes)
     sim = Simulation(strategy=strategy, world_size=world_size, rank=rank, ranks_per_node=nodes,
                      options=dict(options), num_params=num_params, expert_params=expert_params,
-                     expert_parallel=expert_parallel, local_expert_params=local_experts, batch_per_rank=batch_per_rank,
-                     seq_len=seq, run=run, **measured)
+                     expert_parallel=expert_parallel, local_expert_params=local_experts,
+                     batch_per_rank=batch_per_rank, seq_len=seq, run=run, **measured)
     if price is not None:
         price(sim)
     return sim

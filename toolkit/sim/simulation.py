@@ -110,8 +110,8 @@ class Simulation:
 
         model_states: (2+2+K)Ψ under the strategy's ZeRO stage, with the bytes per value of the run (16-bit
         with mixed precision, else 4) and K = 12 with mixed precision (fp32 masters and Adam) or 8 (Adam)
-        in fp32; fsdp as stage 3 over its sharding group, its fp32 shards counted 4 + 4 + 8; bytes_per_step: passes x Ψ x
-        bytes x (N-1)/N over the sharding group (hybrid sharding adds its replica all-reduce). MoE experts
+        in fp32; fsdp as stage 3 over its sharding group, its fp32 shards counted 4 + 4 + 8;
+        bytes_per_step: passes x Ψ x bytes x (N-1)/N over the sharding group (hybrid sharding adds its replica all-reduce). MoE experts
         are kept whole by their owners and travel as tokens (all-to-all), not in these bytes.
         """
         mixed = bool(self.options.get("mixed_precision"))
@@ -138,7 +138,8 @@ class Simulation:
         gb = 1e9
         lines = [f"{self.strategy} on {self.world_size} simulated ranks (rank {self.rank}, {self.ranks_per_node} "
                  f"per node): {self.num_params / 1e9:.3g}B parameters, batch {self.batch_per_rank} x {self.seq_len}",
-                 f"  model states per rank  {self.memory['total'] / gb:10.3f} GB   formula {t['model_states_total'] / gb:10.3f} GB"]
+                 f"  model states per rank  {self.memory['total'] / gb:10.3f} GB   formula "
+                 f"{t['model_states_total'] / gb:10.3f} GB"]
         for k in ("params", "grads", "optimizer"):
             lines.append(f"    {k:<20} {self.memory[k] / gb:10.3f} GB   formula {t['model_states'][k] / gb:10.3f} GB")
         peak = ", ".join(f"{k} {v / gb:.3f}" for k, v in self.peak_memory.items() if v)
