@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # Here torch 2.13.0 (CPU) installs offline; a bare `torch` would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo compare test lab notebooks clean
+.PHONY: setup demo compare test test-papers lab notebooks clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+test-papers: $(STAMP)
+	$(PY) -m pytest -q -m papers
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/

@@ -94,7 +94,7 @@ class Chunks(Units):
     def assemble(self, results, like):
         out = like.new_zeros(like.shape)
         if results:
-            out.index_copy_(0, torch.cat(self.index), torch.cat(results))
+            out.index_copy_(0, torch.cat(self.index).to(out.device), torch.cat(results))  # CPU counts, meta rows (sim)
         return out
 
 

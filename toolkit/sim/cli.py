@@ -30,6 +30,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fp32", action="store_true", help="plain fp32 training (default: mixed precision, bf16)")
     p.add_argument("--sharding-group-size", type=int, default=None, help="fsdp: hybrid sharding over groups of F")
     p.add_argument("--out", default="runs", help="folder for the Run and the HTML report")
+    p.add_argument("--cluster", default=None, help="price the step on a cluster (toolkit.sim.presets(): dgx-a100, "
+                                                   "dgx-h100, this-machine): step time, TFLOP/s, MFU, a modelled timeline")
+    p.add_argument("--mfu", type=float, default=None, help="with --cluster: the achievable fraction of peak")
     return p
 
 
@@ -44,7 +47,8 @@ def main(argv=None) -> int:
         options["sharding_group_size"] = args.sharding_group_size
     try:
         sim = simulate(model_fn, args.strategy, args.world_size, rank=args.rank, ranks_per_node=args.ranks_per_node,
-                       batch_per_rank=args.batch_per_rank, seq_len=args.seq_len, steps=args.steps, **options)
+                       batch_per_rank=args.batch_per_rank, seq_len=args.seq_len, steps=args.steps,
+                       cluster=args.cluster, mfu=args.mfu, **options)
     except ValueError as exc:
         print(f"error: {exc}")
         return 2
@@ -54,6 +58,11 @@ def main(argv=None) -> int:
     sim.run.save(os.path.join(args.out, f"{name}-run.json"))
     report = write_report(sim, os.path.join(args.out, f"{name}-report.html"))
     print(f"run: {os.path.join(args.out, name + '-run.json')}\nreport: {report}")
+    if args.cluster:  # the cost model's answer, and its timeline for Perfetto
+        from ..trace.chrome import save_chrome
+        print(sim.cost.summary())
+        save_chrome(sim.modelled_run, os.path.join(args.out, f"{name}-{args.cluster}-trace.json"))
+        print(f"modelled timeline (Perfetto): {os.path.join(args.out, f'{name}-{args.cluster}-trace.json')}")
     return 0
 
 

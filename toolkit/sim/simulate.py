@@ -34,6 +34,7 @@ from ..moe.layer import MoE
 from ..run import Run
 from ..trace.events import phase, recorder, span
 from . import cluster as _cluster
+from .cost import pricer
 from .memory import StepMemory
 from .record import OpCounter, Programmer
 from .simulation import Simulation, count_params
@@ -41,7 +42,8 @@ from .simulation import Simulation, count_params
 
 def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_per_node: int = 8,
              batch_per_rank: int = 1, seq_len: int | None = None, steps: int = 1, warmup: bool = True,
-             optimizer=torch.optim.AdamW, routing=None, progress: bool = True, **options) -> Simulation:
+             optimizer=torch.optim.AdamW, routing=None, progress: bool = True, cluster=None,
+             mfu: float | None = None, **options) -> Simulation:
     """Run `steps` training steps of `strategy` for rank `rank` of a simulated `world_size`-rank cluster.
 
     model_fn() builds the model (called under `torch.device("meta")`); it maps token ids (x, y) of shape
@@ -52,8 +54,12 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     forward). The Run holds the warm-up step too; programs and memory are of the `steps` after it.
     routing: how MoE gates choose experts, `fn(T, E, k) -> (T, k)` expert ids (meta tokens have no values
     to score); default `balanced`, every expert gets the same number of tokens.
+    cluster: price the steps on a cluster (`toolkit.sim.presets()`: "dgx-a100", "dgx-h100", "this-machine",
+    or a user-defined one) and fill sim.step_time, tflops_per_gpu, mfu, breakdown, modelled_run and cost
+    (`cost.pricer`); mfu overrides the preset's achievable fraction of peak.
     """
     nodes = _cluster.check(world_size, rank, ranks_per_node)
+    price = None if cluster is None else pricer(cluster, world_size, mfu=mfu)  # a bad cluster fails before the work
     if strategy not in parallel.STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(parallel.STRATEGIES)}.")
     for name, value in (("batch_per_rank", batch_per_rank), ("steps", steps)):
@@ -83,10 +89,13 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
         run = Run.capture(dict(strategy=strategy, options={k: repr(v) for k, v in options.items()},
                                batch_per_rank=batch_per_rank, seq_len=seq, steps=steps), align=False)
     run.meta.update(simulated=True, ranks_per_node=nodes)
-    return Simulation(strategy=strategy, world_size=world_size, rank=rank, ranks_per_node=nodes,
-                      options=dict(options), num_params=num_params, expert_params=expert_params,
-                      expert_parallel=expert_parallel, local_expert_params=local_experts,
-                      batch_per_rank=batch_per_rank, seq_len=seq, run=run, **measured)
+    sim = Simulation(strategy=strategy, world_size=world_size, rank=rank, ranks_per_node=nodes,
+                     options=dict(options), num_params=num_params, expert_params=expert_params,
+                     expert_parallel=expert_parallel, local_expert_params=local_experts,
+                     batch_per_rank=batch_per_rank, seq_len=seq, run=run, **measured)
+    if price is not None:
+        price(sim)
+    return sim
 
 
 def train_step(model, opt, x, y, *, step: int, bar=None, after=None, updated=None) -> None:

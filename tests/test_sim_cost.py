@@ -1,0 +1,212 @@
+"""The cost model on hand-written programs: collective times on a two-level cluster, the overlap rule,
+the modelled Run read by the same tools as a real one, and clear errors for bad input."""
+import json
+import math
+
+import pytest
+
+from toolkit.memory.formulas import alpha_beta_time, fsdp_cross_host_traffic
+from toolkit.sim import Collective, Compute, Wait, cluster_of, estimate, presets
+from toolkit.sim.collective_time import collective_time
+from toolkit.sim.timeline import schedule
+from toolkit.trace import analysis
+from toolkit.trace.chrome import to_chrome
+
+DGX = cluster_of("dgx-a100")
+MB = 1e6
+
+
+def comm(i, op, size, group, async_op=True, phase="backward", **args):
+    return Collective(i, op, int(size), 0, 0, tuple(group), async_op, phase=phase, args=args)
+
+
+# --- collective times ----------------------------------------------------------------------------------
+def test_inside_one_node_the_ring_is_the_lessons_alpha_beta_plus_nccls_call_latency():
+    for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
+        got = collective_time(DGX, op, 64 * MB, range(8)).seconds
+        ring = alpha_beta_time(op, 64 * MB, 8, DGX.intra.latency, 1 / DGX.intra.bandwidth)
+        assert got == pytest.approx(DGX.call_latency + ring, rel=1e-12), op
+
+
+def test_across_nodes_the_nics_of_a_node_add_up_and_latency_crosses_the_network_only_between_nodes():
+    # 4 nodes x 8 GPUs: 8 rings at once, one per card: min(NVLink 300, 8 x 25) = 200 GB/s
+    full = collective_time(DGX, "all_gather", 1e9, range(32))
+    assert full.bandwidth == 200e9 and full.resources == ("intra", "inter")
+    assert full.latency == pytest.approx(8.4e-6 + (31 - 3) * 3.4e-6 + 3 * 9.6e-6)
+    assert full.seconds == pytest.approx(full.latency + 31 / 32 * 1e9 / 200e9)
+    # one GPU per node (HSDP's replicate group): a single card
+    replicate = collective_time(DGX, "all_reduce", 1e9, range(0, 32, 8))
+    assert replicate.bandwidth == 25e9 and replicate.link == "inter-node" and replicate.resources == ("inter",)
+    assert replicate.seconds == pytest.approx(8.4e-6 + 6 * 9.6e-6 + 2 * 3 / 4 * 1e9 / 25e9)
+
+
+def test_hybrid_sharding_crosses_the_network_with_the_fsdp_papers_volumes():
+    """Per GPU and per unit of M bytes: full sharding sends 3M(W-1)/W across nodes at 8 cards' speed,
+    hybrid sharding one all-reduce of M/G over one card: the times follow the paper's 3M(W-1)/W vs
+    2M(W-1)/(GW) once each is divided by its bandwidth."""
+    M, W, G = 3.6e9, 512, 8
+    full = sum(collective_time(DGX, op, M, range(W)).seconds - collective_time(DGX, op, M, range(W)).latency
+               for op in ("all_gather", "all_gather", "reduce_scatter"))
+    hybrid = (collective_time(DGX, "all_reduce", M / G, range(0, W, G)).seconds
+              - collective_time(DGX, "all_reduce", M / G, range(0, W, G)).latency)
+    assert full == pytest.approx(fsdp_cross_host_traffic(M, G, W, "full_shard") / (G * 25e9), rel=1e-9)
+    # the replicate ring has W/G members: (W/G-1)/(W/G) against the paper's (W-1)/W, 1.4% apart at W=512
+    assert hybrid == pytest.approx(fsdp_cross_host_traffic(M, G, W, "hybrid") / 25e9, rel=2e-2)
+    assert hybrid < full
+
+
+def test_all_to_all_sends_each_peer_over_its_own_kind_of_link():
+    rows = [10] * 16  # 16 ranks on 2 nodes, 10 rows of 1 kB to every rank
+    cost = collective_time(DGX, "all_to_all", 160e3, range(16), me=3,
+                           args=dict(input_splits=rows, output_splits=rows))
+    intra, inter = 7 * 10e3 / 300e9, 8 * 10e3 / 25e9
+    assert cost.seconds == pytest.approx(8.4e-6 + 7 * 3.4e-6 + 8 * 9.6e-6 + max(intra, inter))
+    assert collective_time(DGX, "all_reduce", 1e6, [5]).seconds == 0.0  # a group of one moves nothing
+
+
+# --- the overlap rule ----------------------------------------------------------------------------------
+def fixed(seconds):
+    return lambda c: seconds[c.label] if isinstance(c, Compute) else None
+
+
+class Cost:
+    def __init__(self, seconds, resources=("link",)):
+        self.seconds, self.resources = seconds, resources
+
+
+def test_async_collective_hides_behind_the_compute_issued_after_it_and_a_wait_stalls():
+    program = [Compute(0, label="a"), comm(0, "all_reduce", 1, [0, 1]), Compute(0, label="b"), Wait(0),
+               Compute(0, label="c")]
+    t = schedule(program, fixed({"a": 1.0, "b": 0.4, "c": 1.0}), lambda c: Cost(1.0))
+    assert [(s.kind, s.start, s.end) for s in t.spans] == [
+        ("compute", 0.0, 1.0), ("comm", 1.0, 2.0), ("compute", 1.0, 1.4), ("wait", 1.4, 2.0), ("compute", 2.0, 3.0)]
+    assert t.breakdown() == pytest.approx(dict(compute=2.4, exposed_comm=0.6, overlapped_comm=0.4, step=3.0))
+
+
+def test_collectives_on_one_link_take_turns_and_on_different_links_run_side_by_side():
+    program = [comm(0, "all_gather", 1, [0, 1]), comm(1, "all_reduce", 1, [0, 1]), Wait(0), Wait(1)]
+    same = schedule(program, None, lambda c: Cost(1.0))
+    apart = schedule(program, None, lambda c: Cost(1.0, ("intra",) if c.op == "all_gather" else ("inter",)))
+    assert same.step_time == 2.0 and apart.step_time == 1.0
+    assert same.breakdown()["exposed_comm"] == 2.0 and same.breakdown()["overlapped_comm"] == 0.0
+
+
+def test_buckets_beat_one_all_reduce_after_backward_and_the_model_says_by_how_much():
+    """DDP's point: four buckets issued as backward produces them hide all but the last one."""
+    layer = Compute(1e12, phase="backward", label="layer")
+    grads = 400 * MB
+    one = [layer] * 4 + [comm(0, "all_reduce", grads, range(8), async_op=False), Wait(0, "backward")]
+    buckets = []
+    for i in range(4):
+        buckets += [layer, comm(i, "all_reduce", grads / 4, range(8))]
+    buckets += [Wait(i, "backward") for i in range(4)]
+    naive, ddp = estimate([one], DGX, world_size=8), estimate([buckets], DGX, world_size=8)
+    layer_s = 1e12 / (312e12 * 0.52)
+    bucket_s = collective_time(DGX, "all_reduce", grads / 4, range(8)).seconds
+    assert naive.step_time == pytest.approx(4 * layer_s + collective_time(DGX, "all_reduce", grads, range(8)).seconds)
+    assert ddp.step_time == pytest.approx(4 * layer_s + bucket_s)  # only the last bucket is exposed
+    assert ddp.breakdown["overlapped_comm"] == pytest.approx(3 * bucket_s)
+    assert ddp.tflops_per_gpu == pytest.approx(4e12 / ddp.step_time / 1e12)
+    assert ddp.mfu == pytest.approx(ddp.tflops_per_gpu * 1e12 / 312e12)
+
+
+def test_an_mfu_override_charges_compute_at_that_fraction():
+    program = [Compute(312e12, phase="forward")]
+    assert estimate([program], DGX, world_size=8, mfu=0.25).step_time == pytest.approx(4.0)
+    assert estimate([program], DGX, world_size=8, dtype="fp32", mfu=1.0).step_time == pytest.approx(312 / 19.5)
+
+
+# --- the modelled Run ----------------------------------------------------------------------------------
+def fsdp_like_program(units=3, phase_of=("forward", "backward")):
+    """All-gather each unit ahead of its compute (prefetch one), reduce-scatter after backward."""
+    program, i, group = [], 0, range(16)
+    for phase in phase_of:
+        gathers = []
+        for u in range(units):
+            program.append(comm(i, "all_gather", 200 * MB, group, phase=phase, unit=f"block{u}"))
+            gathers.append(i)
+            i += 1
+        for u, g in enumerate(gathers):
+            program += [Wait(g, phase), Compute(5e13, phase=phase, label=f"block{u}", ops=40)]
+            if phase == "backward":
+                program += [comm(i, "reduce_scatter", 200 * MB, group, phase=phase)]
+                i += 1
+        if phase == "backward":
+            program += [Wait(j, phase) for j in range(i - units, i)]
+    return program + [Compute(1e11, phase="optimizer", label="optimizer")]
+
+
+def test_the_modelled_run_has_a_real_runs_spans_and_the_trace_tools_read_it(tmp_path):
+    cost = estimate([fsdp_like_program(), fsdp_like_program()], "dgx-a100", world_size=16, rank=3)
+    run = cost.run
+    names = [e["name"] for e in run.events if e["cat"] == "compute"]
+    assert names == ["forward", "backward", "optimizer"] * 2
+    assert all(e["args"]["modelled"] for e in run.events) and run.meta["modelled"]
+    assert {e["rank"] for e in run.events} == {3}
+    assert len(analysis.step_windows(run, 3)) == 2
+    sent = analysis.bytes_per_step(run, 3)
+    assert sent[0] == sent[1]
+    assert 0 < analysis.overlap_fraction(run) < 1
+    # the step split agrees with what the trace tools measure on the modelled spans
+    window = analysis.step_windows(run, 3)[1]
+    assert window[1] - window[0] == pytest.approx(cost.step_time)
+    assert [v for _, v in run.metric("step_time")] == pytest.approx(cost.step_times)
+    chrome = json.loads(json.dumps(to_chrome(run), default=str))
+    assert any(e.get("name") == "all_gather" and e["args"]["modelled"] for e in chrome["traceEvents"])
+    run.save(tmp_path / "run.json")
+    from toolkit import Run
+    from toolkit.viz import timeline
+    fig = timeline(Run.load(tmp_path / "run.json"))
+    assert sum(len(t.x) for t in fig.data) == len(run.events)  # every modelled span is drawn
+
+
+# --- bad input -----------------------------------------------------------------------------------------
+def test_bad_input_gets_a_clear_error():
+    with pytest.raises(ValueError, match=r"unknown cluster preset 'dgx-b200'.*'dgx-a100', 'dgx-h100', 'this-machine'"):
+        cluster_of("dgx-b200")
+    with pytest.raises(ValueError, match=r"missing \['inter'\]"):
+        cluster_of(dict(name="mine", gpu="a100-80gb", gpus_per_node=8, intra=("300 GB/s", "3 us")))
+    with pytest.raises(ValueError, match=r"missing \['memory_bandwidth', 'mfu'\]"):
+        cluster_of(dict(name="mine", gpu=dict(name="x", peak_flops={"bf16": 1e15}, memory_bytes=1e10),
+                     gpus_per_node=4, intra=("300 GB/s", "3 us"), inter=("100 Gb/s", "10 us")))
+    with pytest.raises(ValueError, match=r"world_size=12 does not fill whole nodes of 8 GPUs.*multiple of 8"):
+        estimate([[Compute(1.0)]], "dgx-h100", world_size=12)
+    for bad in (0, 1.5, -0.1, math.nan, True):
+        with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+            estimate([[Compute(1.0)]], "dgx-a100", world_size=8, mfu=bad)
+    with pytest.raises(ValueError, match="waits on collective 4 before it was issued"):
+        estimate([[Wait(4)]], "dgx-a100", world_size=8)
+    assert set(presets()) >= {"dgx-a100", "dgx-h100", "this-machine"}
+    from toolkit.models import tiny_gpt
+    from toolkit.sim import simulate
+    with pytest.raises(ValueError, match="unknown cluster preset 'dgx-a10'"):  # before any work is done
+        simulate(tiny_gpt, "ddp", 8, cluster="dgx-a10", progress=False)
+    with pytest.raises(ValueError, match=r"mfu=2: .* must be in \(0, 1\]"):
+        simulate(tiny_gpt, "ddp", 8, cluster="dgx-a100", mfu=2, progress=False)
+
+
+def test_a_user_defined_cluster_reads_units():
+    mine = cluster_of(dict(name="fsdp-paper", gpu="a100-80gb", gpus_per_node=8, intra=("600 GB/s", "3.4 us"),
+                        inter=("250 Gb/s", "9.6 us"), call_latency="8.4 us"))
+    assert mine.inter.bandwidth == 31.25e9 and mine.intra.bandwidth == 600e9 and mine.call_latency == 8.4e-6
+    assert cluster_of("dgx-a100", gpus_per_node=4).gpus_per_node == 4
+
+
+# --- the sweep's extrapolation ------------------------------------------------------------------------------
+def test_sweep_extrapolates_two_and_three_layers_to_the_whole_model():
+    import functools
+
+    from toolkit.models import tiny_gpt
+    from toolkit.sim import simulate
+    from toolkit.sim.sweep import sweep
+
+    model = functools.partial(tiny_gpt, d_model=64, n_head=4, vocab_size=128, seq_len=32)
+    hsdp = ("fsdp", dict(sharding_group_size=8, forward_prefetch=True))
+    rows = sweep(model, layers=5, strategies={"hsdp": hsdp}, worlds=(16,), batch_per_rank=2, mixed_precision=True)
+    for row, (strategy, options) in zip(rows, [hsdp]):
+        whole = simulate(lambda: model(n_layer=5), strategy, 16, warmup=False, progress=False, batch_per_rank=2,
+                         mixed_precision=True, cluster="dgx-a100", **options)
+        assert row["step_time"] == pytest.approx(whole.step_time, rel=1e-6), row["label"]
+        assert row["flops"] == pytest.approx(whole.flops, rel=1e-9) and row["states"] == whole.memory["total"]
+        assert row["peak"] == pytest.approx(whole.peak, rel=0.05)  # what is alive at the peak may shift a little
+        assert row["fits"] and row["tflops_per_gpu"] == pytest.approx(whole.tflops_per_gpu, rel=1e-6)

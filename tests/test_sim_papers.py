@@ -1,0 +1,177 @@
+"""The papers' numbers as expected values: FasterMoE's Table 2 from the toolkit's MoE models built on meta,
+its DDL-roofline and Algorithm 1 on the cost model, Tutel's adaptive pipelining degree, and the FSDP
+paper's GPT-175B throughput and full-versus-hybrid trend, predicted by the simulator and the cost model.
+Each test states its tolerance and what the model cannot reproduce."""
+import pytest
+import torch
+
+from toolkit.models.moe_gpt import moe_gpt
+from toolkit.moe.experts import Experts
+
+# --- FasterMoE Table 2: parameters = L (2 alpha E + 4) H^2 --------------------------------------------------
+TABLE_2 = {  # name -> (size in the paper, layers, experts, H); alpha = 2 for every model
+    "MoE-GPT-S": (0.86e9, 12, 16, 1024), "MoE-GPT": (3.42e9, 12, 16, 2048), "MoE-GPT-L": (13.7e9, 12, 16, 4096),
+    "MoE-BERT-Deep": (1.71e9, 24, 16, 1024), "MoE-BERT-Deep-L": (27.4e9, 24, 16, 4096),
+    "MoE-BERT-Wide": (3.27e9, 12, 64, 1024), "MoE-BERT-Wide-L": (13.1e9, 12, 64, 2048),
+}
+
+
+@pytest.mark.parametrize("name", TABLE_2)
+def test_fastermoe_table_2_parameter_counts_from_the_real_models_built_on_meta(name, monkeypatch):
+    """The table counts the weight matrices of attention (4H^2) and of the experts (2 alpha H^2 each):
+    exactly L (2 alpha E + 4) H^2 in the model the toolkit builds, and that rounds to the paper's size
+    (3 significant digits). Embeddings, biases, norms and routers come on top (reported, not in the table)."""
+    size, layers, experts, H = TABLE_2[name]
+    alpha = 2
+    monkeypatch.setattr(Experts, "reset_parameters", lambda self, init_std=0.02: None)  # no values on meta
+    with torch.device("meta"):
+        model = moe_gpt(experts, 2, n_layer=layers, d_model=H, n_head=16, d_ff=alpha * H, vocab_size=50257, seq_len=1024)
+    counted = 0
+    for block in model.blocks:
+        counted += block.attn.qkv.weight.numel() + block.attn.proj.weight.numel()
+        counted += block.mlp.experts.w1.numel() + block.mlp.experts.w2.numel()
+    assert counted == layers * (2 * alpha * experts + 4) * H * H
+    assert float(f"{counted:.3g}") == pytest.approx(size, rel=0.005), f"{name}: {counted / 1e9:.3f}B"
+    total = sum(p.numel() for p in model.parameters())
+    assert 0 < total - counted < 0.1 * total  # the rest: embeddings, biases, norms, routers
+
+
+# --- FSDP paper: GPT-175B on 128-512 A100 ------------------------------------------------------------------
+# The paper's cluster: A100 80GB, 8 per node on NVLink, 2 Tb/s RoCE per node (250 Gb/s per GPU); NCCL's
+# latencies. Its configuration: full sharding, bf16, activation checkpointing, backward prefetch, and
+# forward prefetch (torch FSDP's CPU runs ahead and issues the next unit's all-gather early; the
+# toolkit's FSDP does that only when asked, forward_prefetch=True), a batch of 1 sequence of 2048 per GPU.
+PAPER_TFLOPS = (173, 186)
+TOLERANCE = 0.15
+
+
+def fsdp_paper_cluster():
+    from toolkit.sim import cluster_of
+
+    return cluster_of(dict(name="fsdp-paper", gpu="a100-80gb", gpus_per_node=8, intra=("300 GB/s", "3.4 us"),
+                           inter=("250 Gb/s", "9.6 us"), call_latency="8.4 us", source="FSDP paper, section 6"))
+
+
+def gpt3_fsdp(world, layers=96, **options):
+    from toolkit.models.presets import gpt3_175b
+    from toolkit.sim import simulate
+
+    return simulate(lambda: gpt3_175b(n_layer=layers), "fsdp", world, batch_per_rank=1, mixed_precision=True,
+                    activation_checkpointing=True, forward_prefetch=True, warmup=False, progress=False,
+                    cluster=fsdp_paper_cluster(), **options)
+
+
+def assert_in_papers_band(sim):
+    low, high = PAPER_TFLOPS[0] * (1 - TOLERANCE), PAPER_TFLOPS[1] * (1 + TOLERANCE)
+    assert low <= sim.tflops_per_gpu <= high, (f"{sim.world_size} GPUs: {sim.tflops_per_gpu:.1f} TFLOP/s per GPU, "
+                                               f"paper {PAPER_TFLOPS}, tolerance {TOLERANCE:.0%}")
+
+
+def test_fsdp_paper_gpt_175b_throughput_and_hybrid_sharding_on_8_of_its_layers():
+    """8 of GPT-3's 96 layers (same width, heads and sequence; the embedding and head as in the full model):
+    per-GPU throughput is the ratio of a layer's compute to the communication it cannot hide, so it lands
+    in the paper's band (173-186 TFLOP/s within 15%), flat from 128 to 512 GPUs as the paper's scaling is.
+    (The whole 96-layer model: the `papers` test below, `make test-papers`.)
+
+    What the model can and cannot reproduce of full against hybrid sharding: hybrid sharding sends 2/3 of
+    full sharding's bytes across nodes per GPU (the paper's 2M(W-1)/(GW) against 3M(W-1)/W, both at the
+    node's cards), which the cost model shows; but the toolkit's HSDP waits for each replica all-reduce as
+    soon as it issues it (fsdp_unit's finish), so that all-reduce is exposed, and the prediction says so:
+    hybrid's exposed communication is its all-reduces' time. torch FSDP runs it on its reduce-scatter
+    stream instead, which is why the paper sees hybrid sharding win on slow networks."""
+    sims = {w: gpt3_fsdp(w, layers=8) for w in (128, 512)}
+    for sim in sims.values():
+        assert_in_papers_band(sim)
+        assert sim.breakdown["exposed_comm"] < 0.05 * sim.step_time  # prefetching hides it
+    assert sims[512].tflops_per_gpu == pytest.approx(sims[128].tflops_per_gpu, rel=0.02)
+
+    hybrid = gpt3_fsdp(512, layers=8, sharding_group_size=8)
+    spans = [s for s in hybrid.cost.timelines[-1].spans if s.kind == "comm"]
+    replica = [s for s in spans if s.cost.link == "inter-node"]
+    assert replica and all(s.instruction.op == "all_reduce" for s in replica)  # the only cross-node traffic
+    def bandwidth_time(spans):  # the bytes' part of the time (latencies differ: 511-step rings against 63-step ones)
+        return sum(s.end - s.start - s.cost.latency for s in spans)
+
+    full = [s for s in sims[512].cost.timelines[-1].spans if s.kind == "comm"]
+    assert bandwidth_time(replica) / bandwidth_time(full) == pytest.approx(2 / 3, rel=0.03)
+    hybrid_cross = sum(s.end - s.start for s in replica)
+    exposed_replica = sum(w.end - w.start for w in hybrid.cost.timelines[-1].spans if w.kind == "wait"
+                          and w.instruction.id in {s.instruction.id for s in replica})
+    assert exposed_replica == pytest.approx(hybrid_cross, rel=0.05)
+
+
+@pytest.mark.papers  # about a minute on 2 cores: `make test-papers`
+@pytest.mark.timeout(600)
+def test_fsdp_paper_gpt_175b_whole_model_on_128_256_512_gpus():
+    for world in (128, 256, 512):
+        assert_in_papers_band(gpt3_fsdp(world))
+
+
+# --- FasterMoE Algorithm 1 and Tutel's adaptive degree, on simulated 64-rank layers -------------------------
+def zipf_routing(num_tokens, num_experts, top_k, s=1.2):
+    """Simulated counts: every rank routes its tokens by the same Zipf(s) popularity of the experts (expert 0
+    the most popular), deterministically, choices of one token distinct."""
+    weights = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** s
+    cdf = torch.cumsum(weights / weights.sum(), 0)
+    u = (torch.arange(num_tokens, dtype=torch.float64) * 0.6180339887) % 1.0
+    first = torch.searchsorted(cdf, u).clamp(max=num_experts - 1)
+    t = torch.arange(num_tokens)
+    return torch.stack([first] + [(first + 1 + (t + j) % (num_experts - 1)) % num_experts
+                                  for j in range(top_k - 1)], 1)
+
+
+def moe_block(**options):
+    from toolkit.models.presets import moe_gpt_s
+
+    # MoE-GPT-S's width with FasterMoE's alpha = 2 (d_ff = 2H), 64 experts, one block, no token dropped
+    return moe_gpt_s(64, n_layer=1, d_ff=2048, moe_options=dict(dropless=True, **options))
+
+
+def test_fastermoe_algorithm_1_on_simulated_counts_at_64_ranks_and_the_cost_model_agrees():
+    """The layer's own Algorithm 1 (shadow="auto") on the counts of a Zipf-skewed routing at 64 ranks, with
+    the DGX A100 preset's P (bf16 at 52%) and one NIC (25 GB/s) as W_net: it shadows the most loaded experts,
+    heaviest first, exactly as `toolkit.moe.choose_shadows` does on the same counts; and the cost model,
+    pricing the programs the strategy really issued, agrees that the step gets faster. The paper's "19% of
+    experts shadowed on average" and "up to 1.97x" come from its training runs' loads: not reproducible here."""
+    from toolkit.moe import choose_shadows
+    from toolkit.sim import simulate
+
+    P, W_net = 312e12 * 0.52, 25e9
+    common = dict(routing=zipf_routing, progress=False, mixed_precision=True, warmup=False, cluster="dgx-a100")
+    plain = simulate(lambda: moe_block(), "ddp", 64, **common)
+    shadow = simulate(lambda: moe_block(shadow="auto", compute_flops=P, bandwidth=W_net), "ddp", 64, **common)
+    record = [m["value"] for m in shadow.run.metrics if m["name"].endswith("/shadow")][-1]
+    tokens = shadow.batch_per_rank * shadow.seq_len
+    counts = [torch.bincount(zipf_routing(tokens, 64, 2).reshape(-1), minlength=64).tolist()] * 64
+    expected = choose_shadows(counts, list(range(64)), H=1024, alpha=2, P=P, W_net=W_net, element_bytes=2)
+    assert record["shadowed"] == list(expected.shadowed) and record["shadowed"][:1] == [0]
+    loads = [sum(row[e] for row in counts) for e in range(64)]
+    assert loads[record["shadowed"][0]] == max(loads)
+    assert shadow.step_time < plain.step_time  # the cost model agrees with Algorithm 1's direction
+    predicted_gain = record["plain_s"] / record["predicted_s"]
+    modelled_gain = plain.step_time / shadow.step_time
+    assert predicted_gain > 1 and modelled_gain > 1, (predicted_gain, modelled_gain)
+
+
+def test_tutel_adaptive_degree_grows_as_the_all_to_all_grows_relative_to_compute():
+    """Tutel picks the pipelining degree d in {1, 2, 4, 8} that runs fastest. The simulated layer (64 experts
+    on 64 ranks, one per GPU as on Tutel's 2,048-GPU runs; 16K tokens per GPU) is priced on DGX A100 nodes
+    whose network goes from 30x faster to 10x slower than HDR, so the all-to-all grows against the experts'
+    compute: the best degree is 1 while communication is cheap (more chunks only add latency), and larger
+    once it is not. What the model can and cannot give: the trend, yes; degrees 4 and 8 never win here,
+    because every chunk's all-to-all pays the latency of 63 messages (Tutel's 2DH all-to-all, which this
+    model does not implement, cuts that); nor Tutel's measured 5.75x at 2,048 GPUs (against Fairseq's and
+    DeepSpeed's kernels, which are not modelled), nor its run-time choice, which sees real skew and jitter."""
+    from toolkit.sim import cluster_of, price, simulate
+    from toolkit.sim.hardware import Link
+
+    sims = {d: simulate(lambda d=d: moe_block(pipeline_degree=d), "ddp", 64, batch_per_rank=16, progress=False,
+                        mixed_precision=True, warmup=False) for d in (1, 2, 4, 8)}
+    dgx = cluster_of("dgx-a100")
+    best = []
+    for speed in (30, 3, 1, 0.1):
+        net = dgx.with_changes(inter=Link(dgx.inter.bandwidth * speed, dgx.inter.latency))
+        times = {d: price(sim, net).step_time for d, sim in sims.items()}
+        best.append(min(times, key=times.get))
+    assert best == sorted(best), best  # never a smaller degree when communication grows
+    assert best[0] == 1 and best[-1] > 1, best

@@ -1,0 +1,128 @@
+"""How long one collective takes on a two-level cluster: the alpha-beta model of the links it crosses.
+
+    time = call_latency + (steps - inter_steps) x alpha_intra + inter_steps x alpha_inter + wire / bandwidth
+
+- Steps and bytes on the wire are the ring's (the lessons' algorithms, `toolkit.memory.formulas`):
+  all-reduce 2(N-1) steps and 2(N-1)/N of the message, reduce-scatter and all-gather N-1 steps and
+  (N-1)/N, broadcast N-1 steps and the whole message; all-to-all is the pairwise exchange.
+- Latency follows NCCL's own model: a ring over `nodes` nodes crosses the network on only
+  2(nodes-1) of an all-reduce's steps (nodes-1 for the others); the rest are NVLink steps.
+- Bandwidth: inside one node the NVLink of one GPU. Across nodes the slowest link bounds the ring, and
+  the network side is the node's cards together: a group with g members on each node runs g rings at
+  once (NCCL's channels, one per card), so its bandwidth is min(NVLink, g x NIC). A group with one
+  member per node (HSDP's replicate group, the experts' data-parallel group) gets one card: that is
+  what makes a hierarchy of groups pay.
+- All-to-all: every peer at once, the two kinds of link in parallel: latency of each peer's message,
+  then max(bytes to peers in the node / NVLink, bytes to other nodes / NIC).
+
+Which links a collective occupies (`resources`) lets the timeline run two collectives at once when they
+use different links (an intra-node all-gather beside an inter-node all-reduce), and queue them when
+they share one.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .hardware import Cluster
+
+RING_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    seconds: float
+    latency: float            # the alpha part of `seconds` (call latency included)
+    link: str                 # "intra-node", "inter-node", "intra+inter-node" or "none"
+    resources: tuple          # the links it occupies: ("intra",), ("inter",), ("intra", "inter") or ()
+    bandwidth: float = math.inf  # bytes/s the bandwidth term ran at (ring ops)
+
+
+def _placement(cluster: Cluster, group) -> tuple[int, int]:
+    """(nodes the group spans, fewest members on one of those nodes)."""
+    per_node: dict[int, int] = {}
+    for r in group:
+        node = cluster.node_of(r)
+        per_node[node] = per_node.get(node, 0) + 1
+    return len(per_node), min(per_node.values())
+
+
+def _kind(nodes: int, n: int, g: int) -> tuple[str, tuple]:
+    if nodes == 1:
+        return "intra-node", ("intra",)
+    if g == 1:
+        return "inter-node", ("inter",)
+    return "intra+inter-node", ("intra", "inter")
+
+
+def ring_steps(op: str, n: int, nodes: int) -> tuple[int, int]:
+    """(steps, of which across the network) of a ring collective over n ranks on `nodes` nodes."""
+    if op == "all_reduce":
+        return 2 * (n - 1), 2 * (nodes - 1)
+    return n - 1, nodes - 1
+
+
+def wire_bytes(op: str, size_bytes: float, n: int) -> float:
+    """Bytes each rank sends in the ring algorithm (the door's `size_bytes` convention)."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * size_bytes
+    if op == "broadcast":
+        return float(size_bytes)
+    return (n - 1) / n * size_bytes
+
+
+def collective_time(cluster: Cluster, op: str, size_bytes: float, group, me: int | None = None,
+                    args: dict | None = None) -> CollectiveCost:
+    """Seconds that `op` on `size_bytes` (the door's message size) takes for the group of global ranks `group`.
+
+    me: this rank (all-to-all and send/recv need it); args: the door's extra args (all-to-all's
+    input_splits/output_splits in rows, send/recv's peer).
+    """
+    group, args = list(group), args or {}
+    n = len(group)
+    if op in ("send", "recv"):
+        peer = args.get("peer")
+        inside = peer is None or me is None or cluster.node_of(peer) == cluster.node_of(me)
+        link = cluster.intra if inside else cluster.inter
+        latency = cluster.call_latency + link.latency
+        return CollectiveCost(latency + size_bytes / link.bandwidth, latency,
+                              "intra-node" if inside else "inter-node", ("intra",) if inside else ("inter",),
+                              link.bandwidth)
+    if n <= 1:
+        return CollectiveCost(0.0, 0.0, "none", ())
+    nodes, g = _placement(cluster, group)
+    label, resources = _kind(nodes, n, g)
+    if op == "barrier":
+        link = cluster.intra if nodes == 1 else cluster.inter
+        latency = cluster.call_latency + math.ceil(math.log2(n)) * link.latency
+        return CollectiveCost(latency, latency, label, resources)
+    if op == "all_to_all":
+        return _all_to_all(cluster, size_bytes, group, me, args, label, resources)
+    if op not in RING_OPS:
+        raise ValueError(f"no time model for collective {op!r}; known: {list(RING_OPS)} + "
+                         f"['all_to_all', 'send', 'recv', 'barrier'].")
+    steps, inter_steps = ring_steps(op, n, nodes)
+    intra = cluster.op_links.get(op, cluster.intra)  # a calibrated machine may measure each op apart
+    latency = cluster.call_latency + (steps - inter_steps) * intra.latency + inter_steps * cluster.inter.latency
+    bandwidth = intra.bandwidth if nodes == 1 else min(intra.bandwidth, g * cluster.inter.bandwidth)
+    return CollectiveCost(latency + wire_bytes(op, size_bytes, n) / bandwidth, latency, label, resources, bandwidth)
+
+
+def _all_to_all(cluster, size_bytes, group, me, args, label, resources) -> CollectiveCost:
+    """Pairwise exchange with every peer at once: bytes to each kind of peer over that kind of link."""
+    n = len(group)
+    me = group[0] if me is None or me not in group else me
+    at = group.index(me)
+    ins = list(args.get("input_splits") or [1] * n)
+    outs = list(args.get("output_splits") or ins)
+    row = size_bytes / sum(ins) if sum(ins) else 0.0
+    latency, seconds = cluster.call_latency, 0.0
+    for kind, link in (("intra", cluster.op_links.get("all_to_all", cluster.intra)), ("inter", cluster.inter)):
+        peers = [p for p in range(n) if p != at
+                 and (cluster.node_of(group[p]) == cluster.node_of(me)) == (kind == "intra")]
+        if not peers:
+            continue
+        latency += len(peers) * link.latency
+        moved = max(sum(ins[p] for p in peers), sum(outs[p] for p in peers)) * row
+        seconds = max(seconds, moved / link.bandwidth)
+    return CollectiveCost(latency + seconds, latency, label, resources)
