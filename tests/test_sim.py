@@ -87,3 +87,19 @@ def test_sharded_gradients_do_not_pile_up_in_flight(strategy, options):
     assert sim.peak_moment["pass"] == "backward"
     full_gradients = sim.num_params * 4
     assert sim.peak_memory["comm"] <= 0.1 * full_gradients, sim.peak_memory
+
+
+def test_attention_keeps_what_the_fused_kernel_keeps():
+    """On meta, torch's attention would take the math path and keep (heads, s, s) scores; a real rank's fused
+    kernel keeps O(s). Doubling the sequence must about double the activations, not quadruple them, and the
+    FLOPs still count attention (the fused kernel's formula)."""
+    def after_forward(seq):
+        sim = simulate(lambda: tiny_gpt(n_layer=2, d_model=64, n_head=4, seq_len=seq), "ddp", 2, seq_len=seq,
+                       progress=False)
+        return next(s["activations"] for s in sim.samples if s["phase"] == "forward"), sim
+
+    short, _ = after_forward(256)
+    long, sim = after_forward(512)
+    assert long / short < 2.2, (short, long)
+    matmul_flops = 6 * sim.num_params * 512  # the dense part; attention adds its s^2 terms on top
+    assert sim.flops > matmul_flops

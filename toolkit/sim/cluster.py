@@ -5,7 +5,8 @@
 
 Inside, the default process group is torch's fake one (`fake.py`) and `toolkit.runtime.env.device()`
 is the meta device, so the strategies build their flat buffers, shards and gathered copies as meta
-tensors: every size is real, nothing is allocated. On the way out, even after an error, the group is
+tensors: every size is real, nothing is allocated. Attention takes the fused kernel a real device
+would (`attention.py`). On the way out, even after an error, the group is
 destroyed and every per-process cache that remembers groups or the backend is cleared, so a later
 simulation, or a real `toolkit.launch`, starts clean. This process's trace recorder is set aside and
 given back, so a simulation leaves no spans in it.
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from ..runtime import env
 from ..trace.events import recorder
 from . import fake
+from .attention import fused_attention
 
 MAX_WORLD_SIZE = fake.MAX_WORLD_SIZE
 
@@ -70,7 +72,7 @@ def cluster(world_size: int, rank: int = 0):
     fake.init(world_size, rank)
     try:
         recorder.reset()
-        with env.computing_on("meta"):
+        with env.computing_on("meta"), fused_attention():  # attention as a real rank runs it (attention.py)
             yield
     finally:
         if dist.is_initialized():

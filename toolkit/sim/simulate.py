@@ -34,6 +34,7 @@ from ..moe.layer import MoE
 from ..run import Run
 from ..trace.events import phase, recorder, span
 from . import cluster as _cluster
+from .attention import FLOPS
 from .cost import pricer
 from .memory import StepMemory
 from .record import OpCounter, Programmer
@@ -126,7 +127,7 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
     Works on any process group: on the simulated cluster (meta tensors, `meta=True` so the ledger counts
     them) or on a real one. Returns the fields of a `Simulation` that a step produces.
     """
-    memory, flops, ops = StepMemory(), FlopCounterMode(display=False), OpCounter()
+    memory, flops, ops = StepMemory(), FlopCounterMode(display=False, custom_mapping=FLOPS), OpCounter()
     programmer = Programmer(flops, ops)
 
     def door(kind, event, tensor):
