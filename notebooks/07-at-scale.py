@@ -278,9 +278,11 @@ figure.update_layout(xaxis=dict(type="log", title="GPUs"), yaxis_title="TFLOP/s 
 # %% [markdown]
 # Plain data parallelism never fits (120 GB of model states per GPU: lesson 03). ZeRO-3 one module at a time waits
 # for every all-gather, so it pays the network on every layer and loses throughput as the rings grow;
-# FSDP prefetches and keeps its rate. HSDP keeps the gathers inside a node, but the toolkit's HSDP waits
-# for each replica all-reduce before it goes on, so that one crosses the network exposed (torch's FSDP runs
-# it in the background: change the program and see).
+# FSDP prefetches and keeps its rate. HSDP keeps the gathers inside a node; only its all-reduce over the
+# replicas crosses the network, and it runs behind the next units' backward (as torch's FSDP runs it). What it
+# pays instead is memory and the optimizer step: a replica holds 1/8 of the model, so its step is 64x a fully
+# sharded rank's at 512 GPUs. On a slower network than the DGX's the balance tips toward HSDP (the FSDP paper's
+# finding): try `cluster=` with a custom preset.
 #
 # ### The same question for experts
 #

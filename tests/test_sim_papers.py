@@ -45,20 +45,20 @@ PAPER_TFLOPS = (173, 186)
 TOLERANCE = 0.15
 
 
-def fsdp_paper_cluster():
+def fsdp_paper_cluster(inter_node="250 Gb/s"):
     from toolkit.sim import cluster_of
 
     return cluster_of(dict(name="fsdp-paper", gpu="a100-80gb", gpus_per_node=8, intra=("300 GB/s", "3.4 us"),
-                           inter=("250 Gb/s", "9.6 us"), call_latency="8.4 us", source="FSDP paper, section 6"))
+                           inter=(inter_node, "9.6 us"), call_latency="8.4 us", source="FSDP paper, section 6"))
 
 
-def gpt3_fsdp(world, layers=96, **options):
+def gpt3_fsdp(world, layers=96, inter_node="250 Gb/s", **options):
     from toolkit.models.presets import gpt3_175b
     from toolkit.sim import simulate
 
     return simulate(lambda: gpt3_175b(n_layer=layers), "fsdp", world, batch_per_rank=1, mixed_precision=True,
                     activation_checkpointing=True, forward_prefetch=True, warmup=False, progress=False,
-                    cluster=fsdp_paper_cluster(), **options)
+                    cluster=fsdp_paper_cluster(inter_node), **options)
 
 
 def assert_in_papers_band(sim):
@@ -73,12 +73,12 @@ def test_fsdp_paper_gpt_175b_throughput_and_hybrid_sharding_on_8_of_its_layers()
     in the paper's band (173-186 TFLOP/s within 15%), flat from 128 to 512 GPUs as the paper's scaling is.
     (The whole 96-layer model: the `papers` test below, `make test-papers`.)
 
-    What the model can and cannot reproduce of full against hybrid sharding: hybrid sharding sends 2/3 of
-    full sharding's bytes across nodes per GPU (the paper's 2M(W-1)/(GW) against 3M(W-1)/W, both at the
-    node's cards), which the cost model shows; but the toolkit's HSDP waits for each replica all-reduce as
-    soon as it issues it (fsdp_unit's finish), so that all-reduce is exposed, and the prediction says so:
-    hybrid's exposed communication is its all-reduces' time. torch FSDP runs it on its reduce-scatter
-    stream instead, which is why the paper sees hybrid sharding win on slow networks."""
+    Full against hybrid sharding: hybrid sharding sends 2/3 of full sharding's bytes across nodes per GPU
+    (the paper's 2M(W-1)/(GW) against 3M(W-1)/W, both at the node's cards); its all-reduce over the
+    replicas runs behind the next units' backward (as torch FSDP runs it), so most of it is hidden. The
+    paper's trend follows: on a slow network between nodes hybrid sharding (shard within a node) is
+    faster than full sharding; on the paper's 2 Tb/s per node full sharding is not slower, since a
+    replica holds 1/8 of the model and its optimizer step costs more."""
     sims = {w: gpt3_fsdp(w, layers=8) for w in (128, 512)}
     for sim in sims.values():
         assert_in_papers_band(sim)
@@ -97,7 +97,11 @@ def test_fsdp_paper_gpt_175b_throughput_and_hybrid_sharding_on_8_of_its_layers()
     hybrid_cross = sum(s.end - s.start for s in replica)
     exposed_replica = sum(w.end - w.start for w in hybrid.cost.timelines[-1].spans if w.kind == "wait"
                           and w.instruction.id in {s.instruction.id for s in replica})
-    assert exposed_replica == pytest.approx(hybrid_cross, rel=0.05)
+    assert exposed_replica < 0.35 * hybrid_cross  # the rest runs behind the next units' backward
+    assert sims[512].tflops_per_gpu >= hybrid.tflops_per_gpu
+    slow = "25 Gb/s"  # a tenth of the paper's network per GPU: cross-node traffic is the bottleneck
+    assert gpt3_fsdp(512, layers=8, inter_node=slow, sharding_group_size=8).tflops_per_gpu > \
+        1.1 * gpt3_fsdp(512, layers=8, inter_node=slow).tflops_per_gpu
 
 
 @pytest.mark.papers  # about a minute on 2 cores: `make test-papers`

@@ -20,7 +20,8 @@ A step, in the order things happen (reshard_after_forward=True, the default):
                                                                       reaches next, before this unit's
                                                                       reduce-scatter]
             every parameter's gradient is final -> free the unit, reduce-scatter its gradient (the
-            previous unit's reduce-scatter is finished first: at most one in flight)
+            previous unit's reduce-scatter is finished first: at most one in flight; with hybrid
+            sharding its all-reduce over the replicas then starts, and runs behind this unit's work)
   end of backward  finish every reduction: each rank holds the averaged gradient of its slices only
   step      the optimizer updates the fp32 slices; nothing is gathered until the next forward
 
@@ -292,9 +293,9 @@ class FullyShardedDataParallel(ShardedEngine):
         unit.reshard()
         self._probe("freed", unit)
         if self.sync:
-            for other in self.units:  # at most one reduction in flight: bounded gradient memory
+            for other in self.units:  # at most one reduce-scatter in flight (and one replicas' all-reduce)
                 if other.reduction is not None:
-                    other.finish_reduce()
+                    other.finish_reduce(wait_replicas=False)
             unit.reduce_grad()
             self._probe("reduce-scatter", unit)
 
@@ -339,7 +340,7 @@ class FullyShardedDataParallel(ShardedEngine):
         params = [u.flat.data for u in self.units] + [u.master for u in self.units] + self.frozen
         grads = [u.mine.grad for u in self.units if u.mine.grad is not None]
         grads += [u.grads.data for u in self.units if u.grads is not None]
-        grads += [t for u in self.units if u.reduction is not None for t in (u.reduction[1], u.reduction[2].data)]
+        grads += [t.data for u in self.units if u.reduction is not None for t in u.reduction[1:] if t is not None]
         grads += [p.grad for p in self.params if p.grad is not None]
         optimizer = self.optimizer.state_tensors() if self.optimizer is not None else []
         return {"params": params, "grads": grads, "optimizer": optimizer}

@@ -162,7 +162,7 @@ class FSDPUnit:
         self.waiting = len(self.params)  # gradients not yet arrived in this backward
         self.backward_started = False
         self._gather = None    # (handle, input) of the all-gather in flight
-        self.reduction = None  # (handle, output, input) of the reduce-scatter in flight
+        self.reduction = None  # (handle, output, input) of the reduce-scatter in flight (input None: the replicas' all-reduce)
 
     # --- 1. unshard: all-gather the flat parameter ----------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -210,14 +210,24 @@ class FSDPUnit:
                                             async_op=True), self.name)
         self.reduction, self.grads = (handle, out, self.grads), None
 
-    def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter; with hybrid sharding, average the slice over the replicas too
-        (each replica group holds the same slice); add it into the fp32 gradient of the shard."""
-        handle, out, _ = self.reduction
+    def finish_reduce(self, wait_replicas: bool = True) -> None:
+        """Wait for the reduce-scatter; add the slice into the fp32 gradient of the shard.
+
+        With hybrid sharding the slice is averaged over the replicas too (each replica group holds the same
+        slice): the all-reduce starts once the reduce-scatter is done, and with `wait_replicas=False` it is
+        left in flight (`reduction` then holds it, input None) while backward goes on, as torch FSDP runs
+        it behind the next units' work; the next call waits for it and finishes.
+        """
+        handle, out, given = self.reduction
         handle.wait()
+        if given is not None and self.sharding.replica_group is not None:
+            handle = _named(comm.all_reduce(out, op="avg", group=self.sharding.replica_group, async_op=True),
+                            self.name)
+            self.reduction = (handle, out, None)
+            if not wait_replicas:
+                return
+            handle.wait()
         self.reduction = None
-        if self.sharding.replica_group is not None:
-            _named(comm.all_reduce(out, op="avg", group=self.sharding.replica_group, async_op=True), self.name).wait()
         out = out.to(torch.float32)
         self.mine.grad = out if self.mine.grad is None else self.mine.grad.add_(out)
 
