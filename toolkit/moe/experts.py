@@ -67,6 +67,8 @@ class Experts(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, init_std: float = 0.02) -> None:
         """Weights ~ N(0, init_std) from each global expert's own generator, biases zero."""
+        if self.w1.is_meta:  # built on meta (a simulated cluster): shapes only, no values to draw
+            return
         k, s = self.shard
         f = self.d_ff // s
         for e in range(self.num_local):
