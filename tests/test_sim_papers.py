@@ -129,6 +129,26 @@ def moe_block(**options):
     return moe_gpt_s(64, n_layer=1, d_ff=2048, moe_options=dict(dropless=True, **options))
 
 
+def test_fastermoe_ddl_roofline_point_of_a_simulated_configuration():
+    """The DDL-roofline (FasterMoE, section 3) from a simulated 64-rank layer's modelled Run, by the same
+    recipe as a real run's (`toolkit.viz.roofline_point`: the experts' spans, the all-to-alls' time): the plain
+    layer, which computes and communicates in turn, sits on the semi-ideal line P·R/(R+1) (within 5%); the
+    pipelined layer (Tutel, degree 4) overlaps them, so it rises above that line, stays under the ideal
+    P·min(1, R), and beats the plain layer, although its chunks pay more latency (a lower R_CC)."""
+    from toolkit.sim import simulate
+    from toolkit.viz.roofline import ideal, roofline_point, semi_ideal
+
+    points = {}
+    for label, options in (("plain", {}), ("pipeline 4", {"pipeline_degree": 4})):
+        sim = simulate(lambda: moe_block(**options), "ddp", 64, batch_per_rank=8, warmup=False, progress=False,
+                       cluster="dgx-a100")  # fp32: R_CC about 2 on this cluster, where overlap matters
+        points[label] = roofline_point(sim.modelled_run, 1024, 2048, label=label)
+    plain, piped = points["plain"], points["pipeline 4"]
+    assert plain["throughput"] == pytest.approx(semi_ideal(plain["r_cc"], plain["peak"]), rel=0.05)
+    assert semi_ideal(piped["r_cc"], piped["peak"]) * 1.1 < piped["throughput"] <= ideal(piped["r_cc"], piped["peak"])
+    assert piped["r_cc"] < plain["r_cc"] and piped["throughput"] > plain["throughput"]
+
+
 def test_fastermoe_algorithm_1_on_simulated_counts_at_64_ranks_and_the_cost_model_agrees():
     """The layer's own Algorithm 1 (shadow="auto") on the counts of a Zipf-skewed routing at 64 ranks, with
     the DGX A100 preset's P (bf16 at 52%) and one NIC (25 GB/s) as W_net: it shadows the most loaded experts,

@@ -76,15 +76,24 @@ def real_runs(cases):
         after_backward = next(s for s in run.samples if s["step"] == 1 and s["phase"] == "backward")
         found.append({"bytes": toolkit.trace.analysis.bytes_per_step(run, rank)[-1],
                       "states": {k: after_backward[k] for k in ("params", "grads", "optimizer")},
-                      "peak": allocator_peak(strategy, options, world, rank)})
+                      "peak": allocator_peak(strategy, options, world, rank), **structure(run, rank)})
     return found
+
+
+def structure(run, rank, last_step=None) -> dict:
+    """The last step's collectives (op, unit) in issue order and its FSDP unit spans in start order."""
+    start, end = toolkit.trace.analysis.step_windows(run, rank)[-1]
+    events = sorted((e for e in run.events if e["rank"] == rank and start <= e["start"] < end
+                     and (last_step is None or e["args"].get("step") == last_step)), key=lambda e: e["start"])
+    return {"collectives": [(e["name"], e["args"].get("unit")) for e in events if e["cat"] == "comm"],
+            "unit spans": [e["name"] for e in events if e["cat"] == "fsdp"]}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_simulated_rank_equals_a_real_gloo_run(world, no_leftover_ranks):
     rank = world - 1  # the last rank: its shards are the ones that hold the padding
     sims = [simulate(lambda: tiny_gpt(**SMALL), strategy, world, rank=rank, batch_per_rank=BATCH, ranks_per_node=2,
-                     progress=False, **options) for strategy, options in CASES[world]]
+                     progress=False, cluster="dgx-a100", **options) for strategy, options in CASES[world]]
     # simulations first: they leave this process ready to launch real ranks
     real = toolkit.launch(real_runs, world, args=(CASES[world],), timeout_s=60, quiet=True)
     for (strategy, options), sim, measured in zip(CASES[world], sims, real[rank]):
@@ -92,3 +101,8 @@ def test_simulated_rank_equals_a_real_gloo_run(world, no_leftover_ranks):
         assert sim.bytes_per_phase == measured["bytes"], case
         assert {k: sim.memory[k] for k in measured["states"]} == measured["states"], case
         assert abs(sim.peak - measured["peak"]) <= 0.10 * measured["peak"], (case, sim.peak, measured["peak"])
+        # the modelled timeline has the real trace's structure: the same collectives in the same order, the
+        # same FSDP unit spans (issue 11: "same spans, same order", modelled durations)
+        modelled = sim.modelled_run
+        assert structure(modelled, rank, last_step=len(sim.programs) - 1) == \
+            {k: measured[k] for k in ("collectives", "unit spans")}, case

@@ -249,12 +249,12 @@ class FullyShardedDataParallel(ShardedEngine):
         if self.forward_prefetch and (nxt := self._after(self.forward_order, unit)) is not None:
             nxt.unshard(async_op=True)  # in flight while this unit computes
             self._probe("prefetch", nxt)
-        unit.span = recorder.add(f"forward {unit.name}", "fsdp", recorder.mark(), unit=unit.name)
+        unit.span = recorder.open(f"forward {unit.name}", "fsdp", unit=unit.name)
 
     def _post_forward(self, unit: FSDPUnit, module, args, output):
         if self.in_backward:
             return output
-        unit.span["end"] = recorder.mark()
+        recorder.close(unit.span)
         self._post_order.append(unit)
         if self.reshard_after_forward or not torch.is_grad_enabled():
             unit.reshard()
@@ -279,7 +279,7 @@ class FullyShardedDataParallel(ShardedEngine):
         if self.backward_prefetch and (nxt := self._after(self.backward_order, unit)) is not None:
             nxt.unshard(async_op=True)  # before this unit's reduce-scatter is issued
             self._probe("prefetch", nxt)
-        unit.span = recorder.add(f"backward {unit.name}", "fsdp", recorder.mark(), unit=unit.name)
+        unit.span = recorder.open(f"backward {unit.name}", "fsdp", unit=unit.name)
 
     def _on_grad(self, p: nn.Parameter) -> None:
         unit = self.unit_of[p]
@@ -288,7 +288,7 @@ class FullyShardedDataParallel(ShardedEngine):
 
     def _post_backward(self, unit: FSDPUnit) -> None:
         if getattr(unit, "span", None) is not None and unit.span["end"] is None:
-            unit.span["end"] = recorder.mark()
+            recorder.close(unit.span)
         self._probe("backward done", unit)
         unit.reshard()
         self._probe("freed", unit)

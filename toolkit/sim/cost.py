@@ -168,7 +168,26 @@ def _compute_events(timeline: Timeline, step: int) -> list[dict]:
         if s.kind == "compute":
             last["args"]["flops"] += s.instruction.flops
             last["args"]["segments"] += 1
-    return events
+    return events + _span_events(timeline, step)
+
+
+def _span_events(timeline: Timeline, step: int) -> list[dict]:
+    """The strategy's own spans (an FSDP unit's forward, a MoE layer's experts, with their args), each from its
+    first segment's start to its last one's end, as a real trace has them inside the phase's span."""
+    spans: dict = {}
+    for s in timeline.spans:
+        if s.kind != "compute":
+            continue
+        for key, name, cat, args in s.instruction.spans:
+            if name == s.instruction.phase:  # the loop's own "forward"/"backward"/"optimizer": above
+                continue
+            if key in spans:
+                spans[key]["end"] = s.end
+                spans[key]["args"]["flops"] += s.instruction.flops
+            else:
+                spans[key] = {"name": name, "cat": cat, "phase": s.instruction.phase, "start": s.start, "end": s.end,
+                              "args": dict(args, modelled=True, step=step, flops=s.instruction.flops)}
+    return list(spans.values())
 
 
 def _comm_event(s, step: int) -> dict:
@@ -177,7 +196,7 @@ def _comm_event(s, step: int) -> dict:
                 bytes_recv=c.bytes_recv, async_op=c.async_op, impl=c.args.get("impl", "backend"),
                 modelled=True, step=step, link=s.cost.link, modelled_s=s.end - s.start, queued_s=s.start - s.issued)
     if c.label:
-        args.setdefault("unit", c.label)
+        args["label"] = c.label  # the unit, MoE step or module that issued it (the door's own args stay as they were)
     return {"name": c.op, "cat": "comm", "phase": c.phase, "start": s.start, "end": s.end, "args": args}
 
 

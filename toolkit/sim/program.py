@@ -4,8 +4,9 @@ On the simulated cluster (torch's fake process group, meta tensors) every collec
 once and no kernel runs, so the simulator cannot record *time*. What it records exactly is what the
 strategy's own code asked for, and in which order:
 
-- `Compute`: the operations run between two calls to the collectives door, with their FLOPs
-  (counted by `torch.utils.flop_counter.FlopCounterMode`) and the bytes they read and wrote;
+- `Compute`: the operations run between two calls to the collectives door (or two edges of the
+  strategy's own spans), with their FLOPs (counted by `torch.utils.flop_counter.FlopCounterMode`), the
+  bytes they read and wrote, and the spans open around them;
 - `Collective`: a call to the door (operation, bytes, the global ranks of its group, whether it was
   asynchronous), issued when the compute before it had been issued;
 - `Wait`: the moment this rank blocks until collective `id` is complete (a synchronous collective is
@@ -29,6 +30,8 @@ class Compute:
     phase: str = "idle"     # the training phase: "forward", "backward", "optimizer", "setup", ...
     label: str = ""         # what a real trace would call it (a unit, a module, "optimizer")
     ops: int = 0            # how many aten operations the segment holds
+    spans: tuple = field(default=(), compare=False)  # the strategy's spans open around it, outermost first:
+    #                         (key, name, cat, args) as a real trace records them ("forward blocks.0", "moe/…/experts")
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ class Programmer:
         self.program: list = []
         self._issued: dict = {}   # id(trace event) -> collective id, this step
         self._mark = (0, 0, 0)    # flops, ops, bytes at the last cut
+        self._open: list = []     # the strategy's spans open now: (key, event), outermost first
+        self._keys = 0
 
     def start_step(self) -> None:
         self.cut()
@@ -63,8 +65,21 @@ class Programmer:
         flops, ops, nbytes = (a - b for a, b in zip(now, self._mark))
         self._mark = now
         if ops:
+            spans = tuple((key, e["name"], e["cat"], dict(e["args"])) for key, e in self._open)
             self.program.append(Compute(flops=float(flops), bytes=float(nbytes), phase=current_phase(),
-                                        label=_module(self.flops) if label is None else label, ops=ops))
+                                        label=_module(self.flops) if label is None else label, ops=ops, spans=spans))
+
+    def span(self, kind: str, event: dict) -> None:
+        """A compute span of the strategy's (an FSDP unit's pass, a MoE layer's experts) opens or closes: cut
+        there, so the segments inside know it (`toolkit.trace.recorder.listening`)."""
+        if event["cat"] not in ("compute", "fsdp"):
+            return
+        self.cut()
+        if kind == "open":
+            self._keys += 1
+            self._open.append((self._keys, event))
+        else:
+            self._open = [(key, e) for key, e in self._open if e is not event]
 
     def __call__(self, kind: str, event: dict, tensor=None) -> None:
         self.cut()

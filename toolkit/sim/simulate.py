@@ -140,7 +140,7 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
     programs, samples, states = [], [], {}
     memory.classify(model, opt)
     with contextlib.ExitStack() as stack:
-        for context in (memory, flops, ops, comm.listening(door)):
+        for context in (memory, flops, ops, comm.listening(door), recorder.listening(programmer.span)):
             stack.enter_context(context)
         for step in range(first, first + steps):
             memory.reset_mod_stats()  # MemTracker counts one iteration at a time

@@ -38,6 +38,7 @@ class Recorder:
 
     def __init__(self):
         self.enabled = True
+        self.listeners: list = []  # fn(kind, event) for kind "open"/"close" of every span (the simulator's seam)
         self.reset()
 
     def reset(self) -> None:
@@ -94,14 +95,36 @@ class Recorder:
         if self.enabled:
             self.samples.append({"time": time.perf_counter(), "phase": _phase, "step": step, **categories})
 
+    def open(self, name: str, cat: str = "compute", **args) -> dict:
+        """Start a span now; `close` ends it. For spans that begin in one hook and end in another."""
+        event = self.add(name, cat, self.mark(), **args)
+        for listener in self.listeners:
+            listener("open", event)
+        return event
+
+    def close(self, event: dict) -> None:
+        event["end"] = self.mark()
+        for listener in self.listeners:
+            listener("close", event)
+
     @contextlib.contextmanager
     def span(self, name: str, cat: str = "compute", **args):
         """Time a block of work on this rank (on a GPU: the device's time, not the host's)."""
-        event = self.add(name, cat, self.mark(), **args)
+        event = self.open(name, cat, **args)
         try:
             yield event
         finally:
-            event["end"] = self.mark()
+            self.close(event)
+
+    @contextlib.contextmanager
+    def listening(self, listener):
+        """Call `listener(kind, event)` when a span opens or closes, for the block (the simulator cuts a
+        step's program at the strategies' own spans, so its timeline has the spans a real trace has)."""
+        self.listeners.append(listener)
+        try:
+            yield
+        finally:
+            self.listeners.remove(listener)
 
     def finish(self, rank: int) -> tuple[list[dict], list[dict], list[dict]]:
         """Resolve every marker to aligned seconds; return (events, samples, metrics) tagged with `rank`."""
