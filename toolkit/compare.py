@@ -26,6 +26,8 @@ import time
 
 from . import parallel
 from .memory import communication_per_step, model_states
+from .interpret import collectives_per_step, notes
+from .runtime.env import default_world_size
 from .trace.analysis import bytes_per_step, overlap_fraction
 from .trace.chrome import save_chrome
 from .train import TrainConfig, launch_train
@@ -39,6 +41,12 @@ MODEL = dict(n_layer=2, d_model=64, n_head=4)
 # leaving nothing to overlap; a quarter of the gradient bytes gives four buckets.
 STRATEGY_OPTIONS = {"ddp": lambda grad_bytes: {"bucket_cap_mb": grad_bytes / 4 / 2**20}}
 MOE = dict(strategy="ddp", experts_per_rank=2, top_k=2)  # how "moe-ep" trains the MoE-GPT
+NOT_APPLICABLE = "n/a"  # "local": one rank, nothing sent or overlapped; "moe-ep": another model than local's
+
+
+def strategy_files(out_dir, name: str) -> tuple[str, str]:
+    """Where a strategy's Chrome trace and Run go: compare-<name>-trace.json, compare-<name>-run.json."""
+    return (os.path.join(out_dir, f"compare-{name}-trace.json"), os.path.join(out_dir, f"compare-{name}-run.json"))
 
 
 def available_strategies(wanted=DEFAULT_STRATEGIES) -> list[str]:
@@ -87,7 +95,8 @@ def moe_theory(world: int, config: TrainConfig, mixed_precision: bool) -> dict:
     counts = layers * E * (world - 1) / world * 8
     return {"num_params": dense + experts, "dense": dense, "experts": experts, "experts_per_rank": experts // world,
             "states": predicted_model_states(dense + experts // world, world, "ddp", mixed_precision),
-            "sent": communication_per_step(dense, world, "ddp") * element + rows + counts}
+            "sent": communication_per_step(dense, world, "ddp") * element + rows + counts,
+            "rows": rows, "row_bytes": MODEL["d_model"] * element, "experts_per_rank_per_layer": MOE["experts_per_rank"]}
 
 
 def hsdp_theory(num_params: int, world: int, mixed_precision: bool) -> dict:
@@ -119,9 +128,10 @@ def summarize(label: str, run, world: int, num_params: int, mixed_precision: boo
     if theory_states is None:
         theory_states = predicted_model_states(num_params, world, label, mixed_precision)
     return {"strategy": label, "ranks": world, "final loss": round(losses[-1], 4),
-            "|loss - local|": None if local_loss is None else float(f"{abs(losses[-1] - local_loss):.2e}"),
+            "|loss - local|": NOT_APPLICABLE if local_loss is None else float(f"{abs(losses[-1] - local_loss):.2e}"),
             "_loss": losses[-1],  # unrounded, for the distance to "local"
             "step ms": round(1e3 * statistics.median(times), 1),
+            "collectives/step": collectives_per_step(run, run.ranks[0]) if world > 1 else 0,
             "params MB": round(max(p["params"] for p in peaks) / 1e6, 3),
             "grads MB": round(max(p["grads"] for p in peaks) / 1e6, 3),
             "optimizer MB": round(max(p["optimizer"] for p in peaks) / 1e6, 3),
@@ -129,7 +139,7 @@ def summarize(label: str, run, world: int, num_params: int, mixed_precision: boo
             "model states MB": round(states / 1e6, 3),
             "theory MB": round(theory_states / 1e6, 3),
             "sent MB/step": round(sent / 1e6, 3), "theory sent MB/step": round(theory / 1e6, 3),
-            "overlap": round(overlap_fraction(run), 2) if world > 1 else None}
+            "overlap": round(overlap_fraction(run), 2) if world > 1 else NOT_APPLICABLE}
 
 
 def training_section(world_size: int, strategies, steps: int, say, *, mixed_precision: bool = False,
@@ -184,8 +194,14 @@ def training_section(world_size: int, strategies, steps: int, say, *, mixed_prec
             f"sent {row['sent MB/step']} MB/step (theory {row['theory sent MB/step']}), "
             f"overlap {row['overlap']}  [{time.perf_counter() - started:.0f} s]")
         if out_dir:
-            save_chrome(run, os.path.join(out_dir, f"compare-{name}-trace.json"))
-            run.save(os.path.join(out_dir, f"compare-{name}-run.json"))
+            trace_path, run_path = strategy_files(out_dir, name)
+            save_chrome(run, trace_path)
+            run.save(run_path)
+    explained = notes(rows, runs, moe=moe)
+    if explained:
+        say("What the numbers say:")
+        for line in explained:
+            say(f"  - {line}")
     last_step = steps - 1
     blocks = [
         viz.heading("Training the tiny GPT with every strategy"),
@@ -194,6 +210,7 @@ def training_section(world_size: int, strategies, steps: int, say, *, mixed_prec
         + ("Mixed precision (bf16 compute, fp32 masters): theory 2 + 2 + 12 bytes per parameter."
            if mixed_precision else "fp32: theory 4 + 4 + 8 bytes per parameter (AdamW's two moments)."),
         viz.table([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]),
+        viz.bullets(explained),
         memory_bars(runs, predicted),
         comm_bars([{"strategy": r["strategy"], "measured": r["sent MB/step"] * 1e6,
                     "theory": r["theory sent MB/step"] * 1e6} for r in rows if r["ranks"] > 1]),
@@ -234,7 +251,6 @@ def _in_step(event, run, step: int) -> bool:
 
 def main(argv=None) -> int:
     from . import viz
-    from .demo import default_world_size
 
     parser = argparse.ArgumentParser(prog="python -m toolkit compare", description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=None, help="ranks per strategy (default: GPUs, else 4)")

@@ -21,12 +21,12 @@ from .explorer import MemoryExplorer, explorer_numbers, memory_explorer
 from .fsdp_explorer import WrapPolicyExplorer, policy_numbers, wrap_policy_explorer
 from .memory import comm_bars, memory_bars, memory_over_time, model_states_bars
 from .panels import CollectivePanel, collective_panel
-from .report import heading, note, preformatted, report_html, table, write_report
+from .report import bullets, heading, note, preformatted, report_html, table, write_report
 from .ring import ring_schedule, ring_steps
 from .roofline import roofline, roofline_point
 from .timeline import timeline
 
-__all__ = ["CollectivePanel", "MemoryExplorer", "WrapPolicyExplorer", "bandwidth", "collective_panel",
+__all__ = ["CollectivePanel", "MemoryExplorer", "WrapPolicyExplorer", "bandwidth", "bullets", "collective_panel",
            "collective_times", "comm_bars", "expert_load", "explorer_numbers", "fit_alpha_beta", "heading",
            "memory_bars", "memory_explorer", "memory_over_time", "model_states_bars", "note", "policy_numbers",
            "preformatted", "report_html", "ring_schedule", "ring_steps", "roofline", "roofline_point", "table",
