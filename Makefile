@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # Here torch 2.13.0 (CPU) installs offline; a bare `torch` would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-# The lessons' save hook (toolkit/lessons.py) for every Jupyter server of this environment (an editable
+# The lessons' save hook (toolkit_lessons/, a server extension) for every Jupyter server of this environment (an editable
 # install skips pyproject's data-files, so it is copied here).
 LESSONS_HOOK := etc/jupyter/jupyter_server_config.d/toolkit-lessons.json
 # The browser tests drive Debian's chromium through Playwright (Playwright's own browser download is not

@@ -8,9 +8,11 @@ out), and the server writes the outputs, execution counts and the kernel's `lang
 before it is written, so running a lesson and saving it leaves `git status` clean (and the notebook
 tests, which insist on the stored form, pass).
 
-It is switched on for every Jupyter server started from the project's environment: the package
-installs `etc/jupyter/jupyter_server_config.d/toolkit-lessons.json`, which names this function as
-`ContentsManager.pre_save_hook`. Notebooks that are not paired with a text file keep their outputs.
+It is switched on for every Jupyter server started from the project's environment: this package is a
+(tiny) Jupyter server extension, enabled by `etc/jupyter/jupyter_server_config.d/toolkit-lessons.json`
+(which `make setup` puts in .venv), and on loading it registers the hook with the server's contents
+manager. Notebooks that are not paired with a text file keep their outputs. It lives beside `toolkit`,
+not in it, so that the server does not import torch to load it.
 """
 from __future__ import annotations
 
@@ -43,3 +45,13 @@ def keep_stored_form(model: dict, **_) -> None:
     """Jupyter server pre-save hook: a paired notebook is written in its stored form."""
     if model.get("type") == "notebook" and isinstance(model.get("content"), dict) and is_paired(model["content"]):
         stored_form(model["content"])
+
+
+# --- the Jupyter server extension that installs the hook -------------------------------------------------
+def _jupyter_server_extension_points():
+    return [{"module": "toolkit_lessons"}]
+
+
+def _load_jupyter_server_extension(server_app) -> None:
+    server_app.contents_manager.register_pre_save_hook(keep_stored_form)
+    server_app.log.info("toolkit_lessons: paired notebooks (the lessons) are saved without outputs")
