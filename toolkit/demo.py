@@ -105,6 +105,19 @@ def files_section(paths: dict, strategies, out_dir) -> list:
     return [viz.heading("Files"), f"Written to {os.path.abspath(out_dir)}:", viz.table(rows)]
 
 
+def write_demo_report(paths: dict, run, blocks, strategies, out_dir, *, seconds: float) -> str:
+    """The demo's report: what ran where, the sections' blocks, and the files; returns its path."""
+    from . import viz
+
+    meta, cores = run.meta, os.cpu_count() or 1
+    summary = (f"{meta.get('world_size')} ranks, backend {meta.get('backend')}, device {meta.get('device')}, torch "
+               f"{meta.get('torch')}, host {meta.get('host')}, {cores} CPU cores; measured in {seconds:.1f} s.")
+    return viz.write_report(paths["report"], "toolkit demo: collectives and training strategies, measured live",
+                            [summary, viz.note("Times on a shared or oversubscribed machine are upper bounds; "
+                                               "compare the implementations with each other, measured side by "
+                                               "side.")] + blocks + files_section(paths, strategies, out_dir))
+
+
 # --- the demo ------------------------------------------------------------------------------------------
 def run_demo(world_size: int | None = None, out_dir="runs", sizes=None, quick: bool = False,
              repeats: int | None = None, say=print, train: bool | None = None, train_steps: int = 6) -> dict:
@@ -146,14 +159,7 @@ def run_demo(world_size: int | None = None, out_dir="runs", sizes=None, quick: b
              for kind, ext in (("report", "html"), ("trace", "json"), ("run", "json"))}
     run.save(paths["run"])
     save_chrome(run, paths["trace"])
-    wall = time.perf_counter() - started
-    meta = run.meta
-    summary = (f"{world_size} ranks, backend {meta.get('backend')}, device {meta.get('device')}, torch "
-               f"{meta.get('torch')}, host {meta.get('host')}, {cores} CPU cores; measured in {wall:.1f} s.")
-    viz.write_report(paths["report"], "toolkit demo: collectives and training strategies, measured live",
-                     [summary, viz.note("Times on a shared or oversubscribed machine are upper bounds; "
-                                        "compare the implementations with each other, measured side by side.")]
-                     + blocks + files_section(paths, trained, out_dir))
+    write_demo_report(paths, run, blocks, trained, out_dir, seconds=time.perf_counter() - started)
     say("")
     for label, path in paths.items():
         say(f"{label:>6}: {path}")

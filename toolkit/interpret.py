@@ -72,8 +72,8 @@ def notes(rows, runs, *, moe: dict | None = None) -> list[str]:
         routed = row["theory sent MB/step"] * 1e6 - moe["rows"] + routed_rows_bytes(
             run, run.ranks[0], moe["row_bytes"], moe["experts_per_rank_per_layer"])
         out.append(f"moe-ep sent {row['sent MB/step']} MB per step against a theory of "
-                   f"{row['theory sent MB/step']} MB that assumes balanced routing with nothing dropped. This run's "
-                   f"router sent rank {run.ranks[0]} fewer rows: choices over an expert's capacity are dropped, and "
+                   f"{row['theory sent MB/step']} MB that assumes balanced routing with nothing dropped. In this run "
+                   f"rank {run.ranks[0]} sent fewer token rows: choices over an expert's capacity are dropped, and "
                    f"rows for the rank's own experts stay home. Counting the rows its recorded routing sent gives "
                    f"{routed / 1e6:.3f} MB.")
     return out

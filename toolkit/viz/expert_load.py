@@ -102,7 +102,7 @@ def _layer_traces(rows, layer: str, visible: bool):
                       name=f"{layer} load", colorbar=dict(title="load /<br>balanced", len=0.55, y=0.74),
                       xgap=1, ygap=1)
     dots = go.Scatter(x=x, y=busiest, mode="markers", name="busiest expert", visible=visible,
-                      marker=dict(color="black", size=5, symbol="circle"),
+                      marker=dict(color=style.MARK, size=5, symbol="circle"),
                       customdata=[[s, max(row["counts"])] for s, row in zip(step_of, rows)],
                       hovertemplate="iteration %{x} (step %{customdata[0]})<br>busiest: expert %{y}, "
                                     "%{customdata[1]} choices<extra></extra>")
@@ -162,7 +162,7 @@ def expert_load(run, layer: str | None = None, *, title: str | None = None) -> g
         for trace, row in zip(_layer_traces(tables[name], name, visible=i == 0), (1, 1, 2, 3, 1)):
             fig.add_trace(trace, row=row, col=1)
             owner_of_trace.append(i)
-    fig.add_hline(y=1.0, line=dict(color="grey", dash="dot", width=1), row=3, col=1)  # balance
+    fig.add_hline(y=1.0, line=dict(color=style.THEORY, dash="dot", width=1), row=3, col=1)  # balance
 
     first = tables[shown[0]]
     E = len(first[0]["counts"])

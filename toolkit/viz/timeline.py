@@ -164,13 +164,15 @@ def timeline(run, *, ranks=None, phase=None, where=None, include_compute: bool =
             y=[lane_name(e["rank"], "comm" if is_comm else "compute") for e in spans],
             base=[(e["start"] - t0) * 1e3 for e in spans],
             x=[max(e["end"] - e["start"], 0.0) * 1e3 for e in spans],
-            marker=dict(color=colours[label], line=dict(width=0.5, color="white"), pattern=pattern),
+            marker=dict(color=colours[label], line=dict(width=0.5, color=style.SEPARATOR), pattern=pattern),
             hovertext=hover, hoverinfo="text"))
     calls = sum(e["cat"] == "comm" for e in events)
     style.place_title(fig, title or f"Timeline: {len(shown_ranks)} ranks, {calls} collective calls",
                       subtitle if subtitle is not None else _overlap_line(run, events, blocked))
+    legend_px = 20 * (len(groups) + 2)  # one line per name and per group title: the lanes make room for it
     fig.update_layout(
-        barmode="overlay", bargap=0.25, height=150 + 34 * len(order), template="plotly_white",
+        barmode="overlay", bargap=0.25, height=fig.layout.margin.t + 80 + max(34 * len(order), legend_px),
+        template="plotly_white",
         xaxis_title="time since the first span (ms)", legend=dict(groupclick="toggleitem"),
         yaxis=dict(categoryorder="array", categoryarray=order, autorange="reversed", title=None),
         margin=dict(l=10, r=10, b=40))
