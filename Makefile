@@ -41,11 +41,11 @@ browser:
 demo: $(STAMP)
 	$(PY) -m toolkit demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q
 
 # The whole browser set: every lesson run in JupyterLab, its widgets exercised (make test runs a smaller set).
-test-browser: $(STAMP)
+test-browser: $(STAMP) browser
 	TOOLKIT_BROWSER_LESSONS=all $(PY) -m pytest -q -m browser tests/test_browser.py
 
 lab: $(STAMP)

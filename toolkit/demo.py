@@ -129,8 +129,6 @@ def run_demo(world_size: int | None = None, out_dir="runs", sizes=None, quick: b
     demo's own files are `demo-*` with training and `demo-collectives-*` without.
     """
     train = (not quick) if train is None else train
-    from . import viz
-
     started = time.perf_counter()
     world_size = world_size or default_world_size()
     sizes = tuple(sizes or default_sizes(quick))
