@@ -126,7 +126,10 @@ class Lab:
         return (self.folder / "server.log").read_text()[-3000:]
 
     def url(self, notebook: str) -> str:
-        return f"http://127.0.0.1:{self.port}/lab/tree/notebooks/{notebook}?token={self.token}"
+        """The lesson alone in a fresh workspace of its own (no tab restored from an earlier test)."""
+        workspace = re.sub(r"\W", "-", notebook)
+        return (f"http://127.0.0.1:{self.port}/lab/workspaces/{workspace}/tree/notebooks/{notebook}"
+                f"?reset&token={self.token}")
 
     def stop_kernels(self) -> None:
         for session in self.api("sessions"):

@@ -225,9 +225,10 @@ def test_lesson_03_explorer_in_jupyterlab(page, lab):
     run_cell(page, code_cell(page, "memory_explorer("))
     assert not errors_shown(page) and not page.problems, (errors_shown(page), page.problems)
     explore_memory(page)
-    save(page)
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / "lesson-03-explorer.png"))
+    save(page)
+    page.close()  # first the page, then its kernel: a page that sees its kernel go asks for a new one
     lab.stop_kernels()
     assert_saved_as_stored(lab, "03-zero")
 
@@ -242,8 +243,9 @@ def test_every_lesson_runs_in_jupyterlab(page, lab, lesson):
     assert not problems, f"{lesson} after {seconds:.0f} s:\n" + "\n".join(problems)
     if lesson in INTERACTIONS:
         INTERACTIONS[lesson](page)
-    save(page)
     SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / f"lesson-{lesson}.png"))
+    page.screenshot(path=str(SHOTS / f"lesson-{lesson}.png"))  # the widget just used, or the lesson's end
+    save(page)
+    page.close()  # first the page, then its kernel: a page that sees its kernel go asks for a new one
     lab.stop_kernels()
     assert_saved_as_stored(lab, lesson)

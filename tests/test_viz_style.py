@@ -67,15 +67,18 @@ def test_colours_are_defined_once():
 
 
 def test_compute_categories_and_shades():
+    """A name always gets the same colour: its category's, in a shade fixed by the name alone."""
     assert [style.compute_category({"name": n, "cat": c, "args": a}) for n, c, a in [
         ("forward", "compute", {}), ("forward blocks.0", "fsdp", {}), ("backward (root)", "fsdp", {}),
         ("optimizer", "compute", {}), ("wait", "wait", {}), ("wait", "wait", {"emulated": True}),
         ("moe/layer0/experts", "compute", {}), ("prepare inputs", "compute", {})]] == \
         ["forward", "forward", "backward", "optimizer", "wait", "emulated", "experts", "other"]
-    colours = style.shades(["forward", "forward blocks.0", "forward blocks.1", "optimizer"],
-                           lambda n: style.COMPUTE[n.split()[0]])
-    assert colours["forward"] == style.COMPUTE["forward"] and colours["optimizer"] == style.COMPUTE["optimizer"]
-    assert len({colours["forward"], colours["forward blocks.0"], colours["forward blocks.1"]}) == 3
+    family = [style.compute_colour(n) for n in ("forward", "forward (root)", "forward blocks.0", "forward blocks.1")]
+    assert family[0] == style.COMPUTE["forward"] and len(set(family)) == 4
+    assert style.compute_colour("optimizer") == style.COMPUTE["optimizer"]
+    assert style.compute_colour("blocked in all_reduce") == style.shade(style.COMPUTE["wait"],
+                                                                      style.variant("blocked in all_reduce", "wait"))
+    assert style.comm_colour("all_to_all · dispatch") != style.comm_colour("all_to_all") == style.COMMUNICATION["all_to_all"]
     assert style.shade("#808080", 1) > "#808080" > style.shade("#808080", 2)  # lighter, then darker
 
 

@@ -8,16 +8,18 @@ its step and for its states.
 
 The colours come from Paul Tol's colour-blind-safe schemes and were chosen so that every two colours
 of a family stay apart for readers with deuteranopia or protanopia as well as for everyone else
-(tests/test_browser.py measures it with `CVD_MATRICES`, and screenshots the report as a deuteranope
-sees it). Names that refine a category ("forward blocks.0", "all_to_all · dispatch") get shades of
-its colour, so the family still reads at a glance.
+(tests/test_viz_style.py measures it with `CVD_MATRICES`; tests/test_browser.py screenshots the report
+as a deuteranope sees it). Names that refine a category ("forward blocks.0", "all_to_all · dispatch") get shades of
+its colour, each name always the same shade, so the family still reads at a glance.
 
 Titles: plotly's toolbar (zoom, pan, save) and dropdowns sit at the top of a figure. `place_title`
 puts the title below the toolbar's strip, with an optional smaller second line, and makes room for it.
 """
 from __future__ import annotations
 
+import re
 import textwrap
+import zlib
 
 COMPUTE = {
     "forward": "#56B4E9",      # sky blue
@@ -47,7 +49,8 @@ THEORY = "#000000"       # a formula's prediction or a reference level (diamonds
 MARK = "#000000"         # a point singled out on a figure (the busiest expert)
 SEPARATOR = "#FFFFFF"    # the thin line between two spans of one colour
 ALERT = "#CC3311"        # a limit crossed, tokens dropped, memory freed
-LABELS = {"emulated": "wait (emulated link)", "experts": "experts", "other": "other compute"}
+LABELS = {"emulated": "wait (emulated link)"}  # a category's name on the legend, where it is not its key
+BLOCKED = "blocked in "  # "blocked in all_reduce": a synchronous collective that kept a compute span waiting
 HANDWRITTEN_PATTERN = "/"  # a collective run by a hand-written implementation (ring, pairwise) is hatched
 
 # Machado, Oliveira and Fernandes (2009), severity 1: linear-RGB matrices that show a colour as a reader
@@ -77,28 +80,42 @@ def operation_of(name: str) -> str:
 
 
 def comm_colour(name: str) -> str:
-    """The colour of a communication span (its operation's); an unknown operation gets "other"'s."""
-    return COMMUNICATION.get(operation_of(name), COMPUTE["other"])
+    """The colour of a communication span's name: its operation's, in the shade its refinement gets."""
+    operation = operation_of(name)
+    return shade(COMMUNICATION.get(operation, COMPUTE["other"]), variant(name, operation))
+
+
+def compute_colour(label: str) -> str:
+    """The colour of a compute-lane name ("forward", "backward blocks.1", "wait (emulated link)", ...)."""
+    category = compute_category({"name": label, "cat": "compute", "args": {}})
+    if label == LABELS["emulated"]:
+        category = "emulated"
+    elif label.startswith(BLOCKED):  # a synchronous collective inside compute: waiting
+        category = "wait"
+    return shade(COMPUTE[category], variant(label, category))
+
+
+def variant(name: str, category: str) -> int:
+    """Which shade of its category's colour a name gets, the same in every figure: 0 (the colour itself) for
+    the category's own name, 1 for a root unit, 2 + i for unit i ("blocks.3": 5), else one by the name."""
+    name = str(name)
+    if name in (category, LABELS.get(category)):
+        return 0
+    if name.endswith("(root)"):
+        return 1
+    number = re.search(r"(\d+)$", name)
+    return 2 + int(number.group(1)) if number else 1 + zlib.crc32(name.encode()) % 6
 
 
 def shade(colour: str, k: int) -> str:
-    """The k-th shade of a colour (k = 0: itself; then lighter and darker in turn), for names that refine
-    one category."""
+    """The k-th shade of a colour (k = 0: itself; then lighter and darker in turn, six in all), for names
+    that refine one category."""
     if k == 0:
         return colour
+    k = 1 + (k - 1) % 6
     toward, amount = (255, 0.28 * ((k + 1) // 2)) if k % 2 else (0, 0.22 * (k // 2))
-    amount = min(amount, 0.7)
     rgb = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
     return "#" + "".join(f"{round(c + (toward - c) * amount):02X}" for c in rgb)
-
-
-def shades(names, colour_of) -> dict:
-    """{name: colour}: each name in its category's colour; a category's several names in its shades (the
-    shortest name, usually the category itself, keeps the pure colour)."""
-    by_colour: dict[str, list] = {}
-    for name in sorted(set(names), key=lambda n: (len(str(n)), str(n))):
-        by_colour.setdefault(colour_of(name), []).append(name)
-    return {name: shade(colour, k) for colour, group in by_colour.items() for k, name in enumerate(group)}
 
 
 # --- titles ----------------------------------------------------------------------------------------------

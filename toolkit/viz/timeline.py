@@ -24,7 +24,7 @@ from ..trace.analysis import _intersection, _union, overlap_fraction
 from . import style
 
 LANES = ("comm", "compute")
-BLOCKED = "blocked in "  # the label of the time a synchronous collective kept a compute span waiting
+BLOCKED = style.BLOCKED
 
 
 def lane_name(rank: int, lane: str) -> str:
@@ -36,12 +36,6 @@ def _compute_label(event) -> str:
     if event["cat"] == "blocked":
         return event["name"]
     return style.LABELS["emulated"] if style.compute_category(event) == "emulated" else event["name"]
-
-
-def _category_colour(label: str) -> str:
-    if label.startswith(BLOCKED) or label == style.LABELS["emulated"]:
-        return style.COMPUTE["wait" if label.startswith(BLOCKED) else "emulated"]
-    return style.COMPUTE[style.compute_category({"name": label, "cat": "compute", "args": {}})]
 
 
 def blocked_spans(events) -> list[dict]:
@@ -145,8 +139,6 @@ def timeline(run, *, ranks=None, phase=None, where=None, include_compute: bool =
         is_comm = e["cat"] == "comm"
         impl = e["args"].get("impl", "backend") if is_comm else ""
         groups.setdefault((is_comm, e["name"] if is_comm else _compute_label(e), impl), []).append(e)
-    colours = style.shades([label for is_comm, label, _ in groups if is_comm], style.comm_colour)
-    colours.update(style.shades([label for is_comm, label, _ in groups if not is_comm], _category_colour))
 
     fig = go.Figure()
     drawing_order = sorted(groups, key=lambda k: (not k[0], k[1].startswith(BLOCKED), k[1], k[2]))
@@ -164,7 +156,7 @@ def timeline(run, *, ranks=None, phase=None, where=None, include_compute: bool =
             y=[lane_name(e["rank"], "comm" if is_comm else "compute") for e in spans],
             base=[(e["start"] - t0) * 1e3 for e in spans],
             x=[max(e["end"] - e["start"], 0.0) * 1e3 for e in spans],
-            marker=dict(color=colours[label], line=dict(width=0.5, color=style.SEPARATOR), pattern=pattern),
+            marker=dict(color=(style.comm_colour if is_comm else style.compute_colour)(label), line=dict(width=0.5, color=style.SEPARATOR), pattern=pattern),
             hovertext=hover, hoverinfo="text"))
     calls = sum(e["cat"] == "comm" for e in events)
     style.place_title(fig, title or f"Timeline: {len(shown_ranks)} ranks, {calls} collective calls",
