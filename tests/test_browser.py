@@ -46,36 +46,45 @@ def page(chromium):
 
 
 # --- the report --------------------------------------------------------------------------------------------
-def _train(names, steps):
+def _measure_and_train(names, steps):
+    """On each rank: one size of every collective, both ways, then a few steps of each strategy."""
     import torch.distributed as dist
 
     from toolkit import compare
+    from toolkit.comm import measure
+    from toolkit.comm.collectives import OPERATIONS
+    from toolkit.run import Run
+    from toolkit.trace import recorder
     from toolkit.train import train
 
-    runs = {}
+    recorder.reset()
+    records = measure.time_collectives(OPERATIONS, (64 * 1024,), measure.IMPLEMENTATIONS, warmup=1, repeats=1)
+    runs = {"collectives": Run.capture({"demo": "collectives"})}
     for name in names:
         config, model_fn, _ = compare.plan(name, dist.get_world_size(), steps)
         runs[name] = train(config, model_fn=model_fn)
-    return runs
+    return records, runs
 
 
 def small_report(out) -> str:
-    """The demo's report from one short launch (dp, fsdp, moe-ep on 2 ranks, 2 steps) and one size of
-    every collective: the same code as `make demo`, less waiting."""
+    """The demo's report from one short launch (every collective at one size, then dp, fsdp and moe-ep on 2
+    ranks for 2 steps): the same code as `make demo` draws it, less waiting."""
     import toolkit
     from toolkit import compare, demo, interpret
     from toolkit.run import Run
 
-    per_rank = toolkit.launch(_train, 2, args=(REPORT_STRATEGIES, 2), timeout_s=180)
-    runs = {name: Run.merge(r[name] for r in per_rank) for name in REPORT_STRATEGIES}
+    per_rank = toolkit.launch(_measure_and_train, 2, args=(REPORT_STRATEGIES, 2), timeout_s=180)
+    records = per_rank[0][0]
+    runs = {name: Run.merge(r[1][name] for r in per_rank) for name in ("collectives",) + REPORT_STRATEGIES}
+    collectives = runs.pop("collectives")
     rows, predicted, moe = [], {}, None
     for name, run in runs.items():
         row, predicted[name], theory = compare.measure(name, run, 2)
         rows.append(row)
         moe = theory or moe
     explained = interpret.notes(rows, runs, moe=moe)
-    _, collectives, blocks, _ = demo.collectives_section(2, (64 * 1024,), 1, 1, lambda *_: None)
-    blocks += compare.training_blocks(runs, rows, predicted, world_size=2, steps=2, moe=moe, explained=explained)
+    blocks = demo.collectives_blocks(records, collectives, 2) + compare.training_blocks(
+        runs, rows, predicted, world_size=2, steps=2, moe=moe, explained=explained)
     paths = {kind: str(out / f"demo-{kind}.{ext}") for kind, ext in (("report", "html"), ("trace", "json"),
                                                                       ("run", "json"))}
     return demo.write_demo_report(paths, collectives, blocks, list(runs), out, seconds=0.0)

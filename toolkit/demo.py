@@ -44,9 +44,7 @@ def default_sizes(quick: bool = False) -> tuple:
 
 # --- section: collectives ------------------------------------------------------------------------------
 def collectives_section(world_size: int, sizes, repeats: int, warmup: int, say):
-    """Measure every collective both ways; print the table; return (records, run, report blocks)."""
-    from . import viz
-
+    """Measure every collective both ways; print the table; return (records, run, report blocks, all agreed)."""
     handwritten = measure.handwritten_operations()
     say(f"Timing {', '.join(OPERATIONS)} on {world_size} ranks, "
         f"{len(sizes)} sizes, {repeats} repetitions each; backend versus hand-written "
@@ -66,9 +64,17 @@ def collectives_section(world_size: int, sizes, repeats: int, warmup: int, say):
     if without:
         say(f"No hand-written version of {', '.join(without)} yet: only the backend was timed for it.")
 
+    return records, run, collectives_blocks(records, run, world_size), not disagree
+
+
+def collectives_blocks(records, run, world_size: int) -> list:
+    """The report's collectives part, from the measurement (nothing runs): the table, bandwidth and time
+    against size, the timeline of the largest all-reduce, the ring's schedule."""
+    from . import viz
+
     largest = max(r["size_bytes"] for r in records)
     focus = f"all_reduce/backend/{measure.size_label(largest)}", f"all_reduce/ring/{measure.size_label(largest)}"
-    blocks = [
+    return [
         viz.heading("Every collective, backend versus hand-written"),
         "Each row is the median over repetitions of the slowest rank's time (every repetition starts "
         "after a barrier). algbw = size / time; busbw = algbw × the collective's bus factor "
@@ -85,7 +91,6 @@ def collectives_section(world_size: int, sizes, repeats: int, warmup: int, say):
         viz.heading("The ring's schedule"),
         viz.ring_schedule(world_size),
     ]
-    return records, run, blocks, not disagree
 
 
 # --- the files ------------------------------------------------------------------------------------------
