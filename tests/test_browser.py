@@ -173,6 +173,18 @@ def lab(tmp_path_factory):
     assert not left, f"processes left running after JupyterLab shut down: {left}"
 
 
+def test_make_lab_starts_jupyterlab_as_root_too():
+    """JupyterLab refuses to run as root without --allow-root: `make lab` adds it when root runs it."""
+    import subprocess
+
+    from browser import ROOT
+
+    dry = subprocess.run(["make", "-n", "lab"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60).stdout.splitlines()
+    (command,) = [line for line in dry if "jupyter lab" in line]
+    assert ("--allow-root" in command) == (os.geteuid() == 0), command
+
+
 def assert_saved_as_stored(lab, lesson: str) -> None:
     """Saving a lesson that ran writes back exactly the files the repository stores (`git status` stays clean)."""
     from browser import ROOT
