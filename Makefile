@@ -7,27 +7,52 @@ STAMP  := $(VENV)/.installed
 # Here torch 2.13.0 (CPU) installs offline; a bare `torch` would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo compare test test-papers lab notebooks clean
+# The lessons' save hook (toolkit_lessons/, a server extension) for every Jupyter server of this environment (an editable
+# install skips pyproject's data-files, so it is copied here).
+LESSONS_HOOK := etc/jupyter/jupyter_server_config.d/toolkit-lessons.json
+# The browser tests drive Debian's chromium through Playwright (Playwright's own browser download is not
+# used); set CHROMIUM=/path/to/chrome to use another.
+CHROMIUM ?= $(shell command -v chromium chromium-browser google-chrome 2>/dev/null | head -n1)
+export CHROMIUM
+# JupyterLab refuses to start as root (containers, course VMs) unless told it may.
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
+.PHONY: setup demo compare test test-browser test-papers lab notebooks browser clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml jupyter-config/jupyter_server_config.d/toolkit-lessons.json
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
+	install -D -m 644 jupyter-config/jupyter_server_config.d/toolkit-lessons.json $(VENV)/$(LESSONS_HOOK)
+	@$(MAKE) --no-print-directory browser
 	@touch $(STAMP)
+
+# Debian's chromium where it is missing and can be installed (root and apt-get); otherwise say what to do.
+browser:
+	@if [ -n "$(CHROMIUM)" ]; then echo "browser tests use $(CHROMIUM)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null && \
+	  echo "installed Debian's chromium for the browser tests"; \
+	else echo "WARNING: no Chromium found and none can be installed here (not root, or no apt-get): the browser"\
+	  "tests will fail. Install chromium, or set CHROMIUM=/path/to/chrome."; fi
 
 demo: $(STAMP)
 	$(PY) -m toolkit demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q
 
 test-papers: $(STAMP)
 	$(PY) -m pytest -q -m papers
 
+# The whole browser set: every lesson run in JupyterLab, its widgets exercised (make test runs a smaller set).
+test-browser: $(STAMP) browser
+	TOOLKIT_BROWSER_LESSONS=all $(PY) -m pytest -q -m browser tests/test_browser.py
+
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab $(LAB_ROOT) notebooks/
 
 notebooks: $(STAMP)
 	$(VENV)/bin/jupytext --sync notebooks/*.py

@@ -2,6 +2,7 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version,-jupytext.text_representation.format_version
 #     text_representation:
 #       extension: .py
 #       format_name: percent
@@ -269,13 +270,14 @@ for cap, run in zip(CAPS_MB, sweep_runs):
     calls, sent = per_step(run)
     rows.append((cap, calls, step_time(run), step_overlap(run), sent))
 print(f"{'cap (MiB)':>9} {'all-reduces/step':>17} {'step time':>10} {'overlap':>8} {'bytes/step':>11}")
-for cap, calls, step_time, overlap, sent in rows:
-    print(f"{cap:>9} {calls:>17.0f} {step_time * 1e3:>7.1f} ms {overlap:>8.0%} {sent:>11,.0f}")
+for cap, calls, seconds, overlap, sent in rows:  # not `step_time`: that would replace the function above
+    print(f"{cap:>9} {calls:>17.0f} {seconds * 1e3:>7.1f} ms {overlap:>8.0%} {sent:>11,.0f}")
 
 fig = make_subplots(rows=1, cols=3, subplot_titles=("all-reduces per step", "median step time (ms)", "overlap"))
 labels = [f"{cap} MiB" for cap in CAPS_MB]
 for col, values in enumerate(([r[1] for r in rows], [r[2] * 1e3 for r in rows], [r[3] for r in rows]), start=1):
-    fig.add_trace(go.Bar(x=labels, y=values, showlegend=False, marker_color="#1f77b4"), row=1, col=col)
+    fig.add_trace(go.Bar(x=labels, y=values, showlegend=False, marker_color=viz.style.COMMUNICATION["all_reduce"]),
+                  row=1, col=col)
 fig.update_xaxes(title_text="bucket cap")
 fig.update_yaxes(tickformat=".0%", row=1, col=3)
 fig.update_layout(height=330, template="plotly_white", margin=dict(t=50, b=40))

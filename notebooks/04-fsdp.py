@@ -2,6 +2,7 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version,-jupytext.text_representation.format_version
 #     text_representation:
 #       extension: .py
 #       format_name: percent
@@ -250,8 +251,8 @@ def steps_with(label):
 DEFAULT, LAST_ROUND = "backward prefetch (default)", {l: steps_with(l)[-1] for l in SETTINGS}
 rows = []
 for label, run in runs.items():
-    step = LAST_ROUND[DEFAULT] if label == "fsdp" else len(step_windows(run, 0)) - 1
-    inside = window_of(run, step)
+    shown = LAST_ROUND[DEFAULT] if label == "fsdp" else len(step_windows(run, 0)) - 1
+    inside = window_of(run, shown)
     calls = [e for e in run.comm_events(0) if inside(e)]
     count = {}
     for e in calls:

@@ -53,7 +53,13 @@ def test_buckets_hide_communication_that_naive_dp_does_not():
 def test_report_blocks_and_progress_lines(section):
     runs, _, blocks, lines = section
     assert set(runs) == {"local", "dp", "ddp", "zero2"}
-    assert len(lines) == 4 and all("loss" in line and "theory" in line for line in lines)
+    progress = [line for line in lines if " rank(s): " in line]
+    assert len(progress) == 4 and all("loss" in line and "theory" in line for line in progress)
+    _, rows, _, _ = section  # the numbers come with what they mean, counted from the same traces
+    (dp_line,) = [line for line in lines if "dp takes" in line]
+    assert f"dp issues {rows['dp']['collectives/step']} all-reduces per step" in dp_line
+    assert f"in {rows['ddp']['collectives/step']} buckets" in dp_line and rows["dp"]["collectives/step"] > 4
+    assert rows["local"]["overlap"] == "n/a" and any("local runs on one rank" in line for line in lines)
     figures = [b for b in blocks if hasattr(b, "to_plotly_json")]
     assert len(figures) >= 2 + 3  # memory bars, bytes bars, a timeline per multi-rank strategy
 

@@ -14,6 +14,8 @@ from toolkit.run import Run
 
 @pytest.mark.timeout(240)
 def test_quick_demo_on_two_ranks(tmp_path, capsys, no_leftover_ranks):
+    full = tmp_path / "demo-report.html"  # what `make demo` wrote earlier: a quick look must leave it alone
+    full.write_text("the full report")
     code = demo.main(["--world-size", "2", "--quick", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -23,13 +25,16 @@ def test_quick_demo_on_two_ranks(tmp_path, capsys, no_leftover_ranks):
     for op in OPERATIONS:
         assert re.search(rf"^{op}\s+backend", out, re.M), f"no backend row for {op}"
     if "all_reduce" in handwritten_operations():  # the hand-written ring is timed and agrees
-        assert re.search(r"^all_reduce\s+ring \(ring\).*yes", out, re.M)
+        assert re.search(r"^all_reduce\s+hand-written ring .*yes", out, re.M)
+    if "all_to_all" in handwritten_operations():  # the pairwise exchange, named as such
+        assert re.search(r"^all_to_all\s+hand-written pairwise .*yes", out, re.M)
     assert "NO (" not in out
 
-    report = (tmp_path / "demo-report.html").read_text(encoding="utf-8")
+    assert full.read_text() == "the full report" and "the full report of `make demo` is still" in out
+    report = (tmp_path / "demo-collectives-report.html").read_text(encoding="utf-8")
     assert "Plotly.newPlot" in report and not re.search(r"<script[^>]*src=[\"']?https?:", report)
 
-    trace = json.loads((tmp_path / "demo-trace.json").read_text())["traceEvents"]
+    trace = json.loads((tmp_path / "demo-collectives-trace.json").read_text())["traceEvents"]
     processes = {e["pid"]: e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "process_name"}
     assert processes == {0: "rank 0", 1: "rank 1"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
@@ -40,7 +45,7 @@ def test_quick_demo_on_two_ranks(tmp_path, capsys, no_leftover_ranks):
         assert len(comm) == 1 and len(compute) == 1 and comm != compute
         assert threads[(rank, comm.pop())] == "communication" and threads[(rank, compute.pop())] == "compute"
 
-    run = Run.load(tmp_path / "demo-run.json")
+    run = Run.load(tmp_path / "demo-collectives-run.json")
     assert run.ranks == [0, 1] and run.meta["world_size"] == 2
     assert len(records_from_run(run)) == out.count(" KiB ")  # every table row is in the saved Run
 

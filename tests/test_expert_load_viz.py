@@ -63,7 +63,7 @@ def test_heatmap_dropped_and_imbalance_panels(run):
     assert "expert 0</b> on rank 0" in hover and "routed 10 of 12" in hover and "kept 6" in hover
     assert "over capacity 4" in hover and "capacity 6" in hover and "step 0" in hover
     assert "expert 2</b> on rank 1" in heat.hovertext[2][1]
-    title = fig.layout.title.text
+    title = fig.layout.title.text + " " + fig.layout.title.subtitle.text
     assert "'a'" in title and "4 experts" in title and "3.33" in title and "busiest expert changed 1 times" in title
     assert not fig.layout.updatemenus  # one layer asked for: no dropdown
 
@@ -75,7 +75,7 @@ def test_dropdown_switches_layers(run):
     (menu,) = fig.layout.updatemenus
     assert [b.label for b in menu.buttons] == ["a", "b"]
     assert menu.buttons[1].args[0]["visible"] == [False] * 4 + [True] * 4
-    assert "'b'" in menu.buttons[1].args[1]["title.text"]
+    assert "'b'" in menu.buttons[1].args[1]["title.text"] and "experts" in menu.buttons[1].args[1]["title.subtitle.text"]
     flat = fig.data[4]  # layer b: perfectly balanced, nothing dropped
     assert all(v == pytest.approx(1.0) for row in flat.z for v in row)
     assert list(fig.data[6].y) == [0, 0, 0] and list(fig.data[7].y) == pytest.approx([1.0] * 3)

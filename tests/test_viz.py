@@ -8,7 +8,7 @@ from toolkit import viz
 from toolkit.comm.measure import bus_factor, format_table, table_rows
 from toolkit.memory import alpha_beta_time
 from toolkit.run import Run
-from toolkit.viz.timeline import OPERATION_COLOURS
+from toolkit.viz.style import COMMUNICATION as OPERATION_COLOURS
 
 
 def _comm(rank, name, start, end, impl="backend", size=4096, phase="all_reduce/backend/4 KiB", group=(0, 1)):
@@ -113,9 +113,9 @@ def test_bandwidth_has_a_panel_per_operation_and_a_line_per_impl_and_metric(reco
     assert [a.text for a in fig.layout.annotations] == ["all_reduce", "all_gather", "broadcast"]
     names = [t.name for t in fig.data]
     assert len(names) == 2 * 2 + 2 * 2 + 1 * 2           # impls x metrics per op
-    assert set(names) == {"backend algbw", "backend busbw", "ring algbw", "ring busbw"}
+    assert set(names) == {"backend algbw", "backend busbw", "hand-written algbw", "hand-written busbw"}
     assert fig.layout.xaxis.type == "log"
-    ring_busbw = next(t for t in fig.data if t.name == "ring busbw")  # the first panel: all_reduce
+    ring_busbw = next(t for t in fig.data if t.name == "hand-written busbw")  # the first panel: all_reduce
     expected = [r["busbw"] / 1e9 for r in records if r["op"] == "all_reduce" and r["impl"] == "ring"]
     assert list(ring_busbw.y) == pytest.approx(expected)
     assert "busbw" in ring_busbw.hovertext[0] and "agrees" in ring_busbw.hovertext[0]

@@ -25,7 +25,10 @@ import sys
 import time
 
 from . import parallel
+from .interpret import collectives_per_step, notes
 from .memory import communication_per_step, model_states
+from .models import moe_model_fn, tiny_gpt
+from .runtime.env import default_world_size
 from .trace.analysis import bytes_per_step, overlap_fraction
 from .trace.chrome import save_chrome
 from .train import TrainConfig, launch_train
@@ -39,6 +42,12 @@ MODEL = dict(n_layer=2, d_model=64, n_head=4)
 # leaving nothing to overlap; a quarter of the gradient bytes gives four buckets.
 STRATEGY_OPTIONS = {"ddp": lambda grad_bytes: {"bucket_cap_mb": grad_bytes / 4 / 2**20}}
 MOE = dict(strategy="ddp", experts_per_rank=2, top_k=2)  # how "moe-ep" trains the MoE-GPT
+NOT_APPLICABLE = "n/a"  # "local": one rank, nothing sent or overlapped; "moe-ep": another model than local's
+
+
+def strategy_files(out_dir, name: str) -> tuple[str, str]:
+    """Where a strategy's Chrome trace and Run go: compare-<name>-trace.json, compare-<name>-run.json."""
+    return (os.path.join(out_dir, f"compare-{name}-trace.json"), os.path.join(out_dir, f"compare-{name}-run.json"))
 
 
 def available_strategies(wanted=DEFAULT_STRATEGIES) -> list[str]:
@@ -87,7 +96,8 @@ def moe_theory(world: int, config: TrainConfig, mixed_precision: bool) -> dict:
     counts = layers * E * (world - 1) / world * 8
     return {"num_params": dense + experts, "dense": dense, "experts": experts, "experts_per_rank": experts // world,
             "states": predicted_model_states(dense + experts // world, world, "ddp", mixed_precision),
-            "sent": communication_per_step(dense, world, "ddp") * element + rows + counts}
+            "sent": communication_per_step(dense, world, "ddp") * element + rows + counts,
+            "rows": rows, "row_bytes": MODEL["d_model"] * element, "experts_per_rank_per_layer": MOE["experts_per_rank"]}
 
 
 def hsdp_theory(num_params: int, world: int, mixed_precision: bool) -> dict:
@@ -119,9 +129,10 @@ def summarize(label: str, run, world: int, num_params: int, mixed_precision: boo
     if theory_states is None:
         theory_states = predicted_model_states(num_params, world, label, mixed_precision)
     return {"strategy": label, "ranks": world, "final loss": round(losses[-1], 4),
-            "|loss - local|": None if local_loss is None else float(f"{abs(losses[-1] - local_loss):.2e}"),
+            "|loss - local|": NOT_APPLICABLE if local_loss is None else float(f"{abs(losses[-1] - local_loss):.2e}"),
             "_loss": losses[-1],  # unrounded, for the distance to "local"
             "step ms": round(1e3 * statistics.median(times), 1),
+            "collectives/step": collectives_per_step(run, run.ranks[0]) if world > 1 else 0,
             "params MB": round(max(p["params"] for p in peaks) / 1e6, 3),
             "grads MB": round(max(p["grads"] for p in peaks) / 1e6, 3),
             "optimizer MB": round(max(p["optimizer"] for p in peaks) / 1e6, 3),
@@ -129,64 +140,86 @@ def summarize(label: str, run, world: int, num_params: int, mixed_precision: boo
             "model states MB": round(states / 1e6, 3),
             "theory MB": round(theory_states / 1e6, 3),
             "sent MB/step": round(sent / 1e6, 3), "theory sent MB/step": round(theory / 1e6, 3),
-            "overlap": round(overlap_fraction(run), 2) if world > 1 else None}
+            "overlap": round(overlap_fraction(run), 2) if world > 1 else NOT_APPLICABLE}
+
+
+def plan(name: str, world_size: int, steps: int, mixed_precision: bool = False):
+    """How a label trains: (TrainConfig, model_fn or None, ranks). The same model, seed and global batch
+    for every label; "local" on one rank, the others on `world_size`."""
+    num_params = tiny_gpt(**MODEL).num_params()
+    strategy = {MOE_LABEL: MOE["strategy"], HSDP_LABEL: "fsdp"}.get(name, name)
+    extra = STRATEGY_OPTIONS.get(strategy, lambda _: {})(num_params * (2 if mixed_precision else 4))
+    if name == HSDP_LABEL:
+        extra = dict(extra, sharding_group_size=HSDP_GROUP)
+    options = dict({"mixed_precision": True} if mixed_precision else {}, **extra)
+    config = TrainConfig(strategy=strategy, steps=steps, global_batch_size=4 * world_size, model=dict(MODEL),
+                         options=options, progress=False)
+    model_fn = moe_model_fn(MOE["experts_per_rank"] * world_size, MOE["top_k"]) if name == MOE_LABEL else None
+    return config, model_fn, 1 if name == "local" else world_size
+
+
+def measure(name: str, run, world_size: int, mixed_precision: bool = False, local_loss=None):
+    """(the table's row, the predicted model states, the MoE theory or None) of one label's merged Run."""
+    num_params = tiny_gpt(**MODEL).num_params()
+    world = run.meta["world_size"]
+    if name == MOE_LABEL:
+        moe = moe_theory(world, plan(name, world_size, 1, mixed_precision)[0], mixed_precision)
+        row = summarize(name, run, world, moe["num_params"], mixed_precision, None,
+                        theory_states=moe["states"], theory_sent=moe["sent"])
+        return row, moe["states"], moe
+    if name == HSDP_LABEL:
+        hsdp = hsdp_theory(num_params, world, mixed_precision)
+        row = summarize(name, run, world, num_params, mixed_precision, local_loss,
+                        theory_states=hsdp["states"], theory_sent=hsdp["sent"])
+        return row, hsdp["states"], None
+    row = summarize(name, run, world, num_params, mixed_precision, local_loss)
+    return row, predicted_model_states(num_params, world, name, mixed_precision), None
 
 
 def training_section(world_size: int, strategies, steps: int, say, *, mixed_precision: bool = False,
                      out_dir: str | None = None):
     """Train each strategy; print the table; return (runs, rows, report blocks)."""
-    from . import viz
-    from .models import tiny_gpt
-    from .viz.memory import comm_bars, memory_bars
-
-    options = {"mixed_precision": True} if mixed_precision else {}
     runs, rows, predicted = {}, [], {}
-    num_params = tiny_gpt(**MODEL).num_params()
-    local_loss = None
-    moe = None
+    local_loss, moe = None, None
     for name in strategies:
-        world = 1 if name == "local" else world_size
-        if name == HSDP_LABEL and (world % HSDP_GROUP or world < 2 * HSDP_GROUP):
+        if name == HSDP_LABEL and (world_size % HSDP_GROUP or world_size < 2 * HSDP_GROUP):
             say(f"  {name:>6} skipped: hybrid sharding over pairs of ranks needs an even world size >= 4, "
-                f"got {world}")
+                f"got {world_size}")
             continue
-        strategy = {MOE_LABEL: MOE["strategy"], HSDP_LABEL: "fsdp"}.get(name, name)
-        extra = STRATEGY_OPTIONS.get(strategy, lambda _: {})(num_params * (2 if mixed_precision else 4))
-        if name == HSDP_LABEL:
-            extra = dict(extra, sharding_group_size=HSDP_GROUP)
-        config = TrainConfig(strategy=strategy, steps=steps, global_batch_size=4 * world_size, model=dict(MODEL),
-                             options=dict(options, **extra), progress=False)
         started = time.perf_counter()
-        if name == MOE_LABEL:
-            from .models import moe_model_fn
-
-            moe = moe_theory(world, config, mixed_precision)
-            run = launch_train(config, world, quiet=True, timeout_s=120,
-                               model_fn=moe_model_fn(MOE["experts_per_rank"] * world, MOE["top_k"]))
-            row = summarize(name, run, world, moe["num_params"], mixed_precision, None,
-                            theory_states=moe["states"], theory_sent=moe["sent"])
-        elif name == HSDP_LABEL:
-            hsdp = hsdp_theory(num_params, world, mixed_precision)
-            run = launch_train(config, world, quiet=True, timeout_s=120)
-            row = summarize(name, run, world, num_params, mixed_precision, local_loss,
-                            theory_states=hsdp["states"], theory_sent=hsdp["sent"])
-        else:
-            run = launch_train(config, world, quiet=True, timeout_s=120)
-            row = summarize(name, run, world, num_params, mixed_precision, local_loss)
+        config, model_fn, world = plan(name, world_size, steps, mixed_precision)
+        run = launch_train(config, world, quiet=True, timeout_s=120, model_fn=model_fn)
+        row, predicted[name], theory = measure(name, run, world_size, mixed_precision, local_loss)
+        moe = theory or moe
         if name == "local":
             local_loss = row["_loss"]
         rows.append(row)
         runs[name] = run
-        predicted[name] = moe["states"] if name == MOE_LABEL else hsdp["states"] if name == HSDP_LABEL else \
-            predicted_model_states(num_params, world, name, mixed_precision)
         say(f"  {name:>6} on {world} rank(s): loss {row['final loss']:.4f}, {row['step ms']} ms/step, "
             f"model states {row['model states MB']} MB (theory {row['theory MB']}), "
             f"sent {row['sent MB/step']} MB/step (theory {row['theory sent MB/step']}), "
             f"overlap {row['overlap']}  [{time.perf_counter() - started:.0f} s]")
         if out_dir:
-            save_chrome(run, os.path.join(out_dir, f"compare-{name}-trace.json"))
-            run.save(os.path.join(out_dir, f"compare-{name}-run.json"))
-    last_step = steps - 1
+            trace_path, run_path = strategy_files(out_dir, name)
+            save_chrome(run, trace_path)
+            run.save(run_path)
+    explained = notes(rows, runs, moe=moe)
+    if explained:
+        say("What the numbers say:")
+        for line in explained:
+            say(f"  - {line}")
+    return runs, rows, training_blocks(runs, rows, predicted, world_size=world_size, steps=steps,
+                                       mixed_precision=mixed_precision, moe=moe, explained=explained)
+
+
+def training_blocks(runs, rows, predicted, *, world_size: int, steps: int, mixed_precision: bool = False,
+                    moe: dict | None = None, explained=()) -> list:
+    """The report's training part, from the Runs and rows (nothing runs): the table, what it says,
+    memory and bytes against the theory, the last step of each strategy, the MoE's expert load."""
+    from . import viz
+    from .viz.memory import comm_bars, memory_bars
+
+    num_params = tiny_gpt(**MODEL).num_params()
     blocks = [
         viz.heading("Training the tiny GPT with every strategy"),
         f"Tiny GPT {MODEL}, {num_params:,} parameters, {steps} AdamW steps, global batch {4 * world_size} rows "
@@ -194,17 +227,18 @@ def training_section(world_size: int, strategies, steps: int, say, *, mixed_prec
         + ("Mixed precision (bf16 compute, fp32 masters): theory 2 + 2 + 12 bytes per parameter."
            if mixed_precision else "fp32: theory 4 + 4 + 8 bytes per parameter (AdamW's two moments)."),
         viz.table([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]),
+        viz.bullets(explained),
         memory_bars(runs, predicted),
         comm_bars([{"strategy": r["strategy"], "measured": r["sent MB/step"] * 1e6,
                     "theory": r["theory sent MB/step"] * 1e6} for r in rows if r["ranks"] > 1]),
     ]
     for name, run in runs.items():
         if run.meta["world_size"] > 1:
-            blocks.append(viz.timeline(run, where=lambda e, s=last_step: _in_step(e, run, s),
+            blocks.append(viz.timeline(run, where=lambda e, s=steps - 1, r=run: _in_step(e, r, s),
                                        title=f"{name}: the last step on every rank"))
-    if moe is not None:
+    if moe is not None and MOE_LABEL in runs:
         blocks += _moe_blocks(runs[MOE_LABEL], moe, world_size)
-    return runs, rows, blocks
+    return blocks
 
 
 def _moe_blocks(run, moe: dict, world: int) -> list:
@@ -234,7 +268,6 @@ def _in_step(event, run, step: int) -> bool:
 
 def main(argv=None) -> int:
     from . import viz
-    from .demo import default_world_size
 
     parser = argparse.ArgumentParser(prog="python -m toolkit compare", description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=None, help="ranks per strategy (default: GPUs, else 4)")

@@ -8,6 +8,10 @@ prints a table of time and bandwidth, and leaves three files under `runs/`:
 - `demo-trace.json`   a Chrome trace: open it in ui.perfetto.dev or chrome://tracing
 - `demo-run.json`     the merged Run, to reload with `toolkit.Run.load` and draw again
 
+plus a trace and a Run per trained strategy (`compare-<strategy>-trace.json`, `-run.json`). Without
+training (`--quick`, `--no-train`) the three are `demo-collectives-*` instead, so a quick look never
+overwrites the full report.
+
 The demo is a sequence of sections: collectives, then training the tiny GPT with every strategy
 (`toolkit.compare`: loss, memory against the ZeRO formula, bytes against theory, overlap), each adding
 its measurements, table lines and report blocks.
@@ -23,25 +27,13 @@ import torch
 
 from .comm import measure
 from .comm.collectives import OPERATIONS
-from .runtime.env import resolve_backend
+from .compare import available_strategies, strategy_files, training_section
+from .runtime.env import default_world_size, resolve_backend
 from .trace.chrome import save_chrome
 
 DEMO_SIZES = (4 * measure.KiB, 64 * measure.KiB, 1 * measure.MiB, 4 * measure.MiB)
 GPU_SIZES = (64 * measure.KiB, 1 * measure.MiB, 16 * measure.MiB, 64 * measure.MiB)
 QUICK_SIZES = measure.QUICK_SIZES
-
-
-def default_world_size() -> int:
-    """One rank per GPU on a CUDA machine; otherwise 4.
-
-    Why 4 on a CPU: it is the smallest ring where the pattern shows (every rank has a distinct left and
-    right neighbour, and 2(N-1)/N = 1.5 is visibly between 1 and 2), and gloo runs 4 ranks on any
-    laptop. With fewer cores than ranks the ranks take turns on the cores, so every time measured is
-    a lower bound on the algorithm's speed (an upper bound on its time), not a property of the network.
-    """
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return torch.cuda.device_count()
-    return 4
 
 
 def default_sizes(quick: bool = False) -> tuple:
@@ -52,9 +44,7 @@ def default_sizes(quick: bool = False) -> tuple:
 
 # --- section: collectives ------------------------------------------------------------------------------
 def collectives_section(world_size: int, sizes, repeats: int, warmup: int, say):
-    """Measure every collective both ways; print the table; return (records, run, report blocks)."""
-    from . import viz
-
+    """Measure every collective both ways; print the table; return (records, run, report blocks, all agreed)."""
     handwritten = measure.handwritten_operations()
     say(f"Timing {', '.join(OPERATIONS)} on {world_size} ranks, "
         f"{len(sizes)} sizes, {repeats} repetitions each; backend versus hand-written "
@@ -74,9 +64,17 @@ def collectives_section(world_size: int, sizes, repeats: int, warmup: int, say):
     if without:
         say(f"No hand-written version of {', '.join(without)} yet: only the backend was timed for it.")
 
+    return records, run, collectives_blocks(records, run, world_size), not disagree
+
+
+def collectives_blocks(records, run, world_size: int) -> list:
+    """The report's collectives part, from the measurement (nothing runs): the table, bandwidth and time
+    against size, the timeline of the largest all-reduce, the ring's schedule."""
+    from . import viz
+
     largest = max(r["size_bytes"] for r in records)
     focus = f"all_reduce/backend/{measure.size_label(largest)}", f"all_reduce/ring/{measure.size_label(largest)}"
-    blocks = [
+    return [
         viz.heading("Every collective, backend versus hand-written"),
         "Each row is the median over repetitions of the slowest rank's time (every repetition starts "
         "after a barrier). algbw = size / time; busbw = algbw × the collective's bus factor "
@@ -93,7 +91,36 @@ def collectives_section(world_size: int, sizes, repeats: int, warmup: int, say):
         viz.heading("The ring's schedule"),
         viz.ring_schedule(world_size),
     ]
-    return records, run, blocks, not disagree
+
+
+# --- the files ------------------------------------------------------------------------------------------
+def files_section(paths: dict, strategies, out_dir) -> list:
+    """The report's last section: every file this demo wrote beside it, and how to open each."""
+    from . import viz
+
+    rows = [{"file": os.path.basename(paths["report"]), "what": "this report (self-contained, opens offline)"},
+            {"file": os.path.basename(paths["trace"]),
+             "what": "the collectives' Chrome trace: open it in ui.perfetto.dev or chrome://tracing"},
+            {"file": os.path.basename(paths["run"]),
+             "what": "the collectives' Run: toolkit.Run.load(path), then toolkit.viz.timeline(run)"}]
+    for name in strategies:
+        trace, run = strategy_files(out_dir, name)
+        rows += [{"file": os.path.basename(trace), "what": f"{name}: Chrome trace of its training steps"},
+                 {"file": os.path.basename(run), "what": f"{name}: its merged Run (every rank)"}]
+    return [viz.heading("Files"), f"Written to {os.path.abspath(out_dir)}:", viz.table(rows)]
+
+
+def write_demo_report(paths: dict, run, blocks, strategies, out_dir, *, seconds: float) -> str:
+    """The demo's report: what ran where, the sections' blocks, and the files; returns its path."""
+    from . import viz
+
+    meta, cores = run.meta, os.cpu_count() or 1
+    summary = (f"{meta.get('world_size')} ranks, backend {meta.get('backend')}, device {meta.get('device')}, torch "
+               f"{meta.get('torch')}, host {meta.get('host')}, {cores} CPU cores; measured in {seconds:.1f} s.")
+    return viz.write_report(paths["report"], "toolkit demo: collectives and training strategies, measured live",
+                            [summary, viz.note("Times on a shared or oversubscribed machine are upper bounds; "
+                                               "compare the implementations with each other, measured side by "
+                                               "side.")] + blocks + files_section(paths, strategies, out_dir))
 
 
 # --- the demo ------------------------------------------------------------------------------------------
@@ -103,11 +130,10 @@ def run_demo(world_size: int | None = None, out_dir="runs", sizes=None, quick: b
 
     quick: two sizes and three repetitions (for tests and a first look). sizes: message sizes in bytes.
     train: also train the tiny GPT with every strategy (`toolkit.compare`); default: unless quick.
-    Its traces and Runs go to `compare-<strategy>-trace.json` / `-run.json` beside the others.
+    Its traces and Runs go to `compare-<strategy>-trace.json` / `-run.json` beside the others. The
+    demo's own files are `demo-*` with training and `demo-collectives-*` without.
     """
     train = (not quick) if train is None else train
-    from . import viz
-
     started = time.perf_counter()
     world_size = world_size or default_world_size()
     sizes = tuple(sizes or default_sizes(quick))
@@ -123,33 +149,27 @@ def run_demo(world_size: int | None = None, out_dir="runs", sizes=None, quick: b
     records, run, blocks, ok = collectives_section(world_size, sizes, repeats, 1, say)
 
     os.makedirs(out_dir, exist_ok=True)
+    trained = []
     if train:
-        from .compare import available_strategies, training_section
-
         say("")
         say(f"Training the tiny GPT with every strategy on {world_size} ranks ({train_steps} steps each):")
-        _, _, training_blocks = training_section(world_size, available_strategies(), train_steps, say,
-                                                 out_dir=out_dir)
+        runs, _, training_blocks = training_section(world_size, available_strategies(), train_steps, say,
+                                                    out_dir=out_dir)
         blocks += training_blocks
-    paths = {"report": os.path.join(out_dir, "demo-report.html"), "trace": os.path.join(out_dir, "demo-trace.json"),
-             "run": os.path.join(out_dir, "demo-run.json")}
+        trained = list(runs)
+    stem = "demo" if train else "demo-collectives"
+    paths = {kind: os.path.join(out_dir, f"{stem}-{kind}.{ext}")
+             for kind, ext in (("report", "html"), ("trace", "json"), ("run", "json"))}
     run.save(paths["run"])
     save_chrome(run, paths["trace"])
-    wall = time.perf_counter() - started
-    meta = run.meta
-    summary = (f"{world_size} ranks, backend {meta.get('backend')}, device {meta.get('device')}, torch "
-               f"{meta.get('torch')}, host {meta.get('host')}, {cores} CPU cores; measured in {wall:.1f} s.")
-    viz.write_report(paths["report"], "toolkit demo: collectives and training strategies, measured live",
-                     [summary, viz.note("Times on a shared or oversubscribed machine are upper bounds; "
-                                        "compare the implementations with each other, measured side by side.")]
-                     + blocks
-                     + [viz.heading("Files"),
-                        f"Chrome trace: {os.path.basename(paths['trace'])} (open in ui.perfetto.dev or "
-                        f"chrome://tracing). Run record: {os.path.basename(paths['run'])} "
-                        "(toolkit.Run.load, then toolkit.viz.timeline)."])
+    write_demo_report(paths, run, blocks, trained, out_dir, seconds=time.perf_counter() - started)
     say("")
     for label, path in paths.items():
         say(f"{label:>6}: {path}")
+    if trained:
+        say(f" and a trace and a Run per strategy: {strategy_files(out_dir, '<strategy>')[0]}, ...")
+    elif os.path.exists(os.path.join(out_dir, "demo-report.html")):
+        say(f"(collectives only; the full report of `make demo` is still {os.path.join(out_dir, 'demo-report.html')})")
     say(f"done in {time.perf_counter() - started:.1f} s")
     return dict(paths, ok=ok)
 

@@ -66,6 +66,14 @@ def algorithm_name(op: str, impl: str, backend: str) -> str:
     return "pairwise" if op == "all_to_all" else "ring"
 
 
+def implementation_label(impl: str, algorithm: str) -> str:
+    """How a table names who ran a collective: 'backend (gloo)', 'hand-written ring', 'hand-written
+    pairwise' (the all-to-all that `use("ring")` selects), or a plugged-in function's name."""
+    if impl == "backend":
+        return f"backend ({algorithm})"
+    return f"hand-written {algorithm}" if impl == "ring" else impl
+
+
 def size_label(nbytes: float) -> str:
     """4096 -> '4 KiB', 1048576 -> '1 MiB' (binary units, as message sizes usually are)."""
     for unit, scale in (("GiB", 1024 ** 3), ("MiB", MiB), ("KiB", KiB)):
@@ -265,7 +273,7 @@ def _time_label(seconds: float) -> str:
 
 def table_rows(records) -> list[dict]:
     """Records as rows of printable strings: operation, implementation, size, time, algbw, busbw, agreement."""
-    return [{"operation": r["op"], "implementation": f"{r['impl']} ({r['algorithm']})",
+    return [{"operation": r["op"], "implementation": implementation_label(r["impl"], r["algorithm"]),
              "size": size_label(r["size_bytes"]), "time": _time_label(r["seconds"]),
              "algbw": f"{r['algbw'] / 1e9:.3f} GB/s", "busbw": f"{r['busbw'] / 1e9:.3f} GB/s",
              "agreement": _agreement(r)} for r in records]

@@ -82,6 +82,19 @@ def computing_on(where):
         _device = before
 
 
+def default_world_size() -> int:
+    """Ranks for a demo or a comparison: one per GPU on a CUDA machine; otherwise 4.
+
+    Why 4 on a CPU: it is the smallest ring where the pattern shows (every rank has a distinct left and
+    right neighbour, and 2(N-1)/N = 1.5 is visibly between 1 and 2), and gloo runs 4 ranks on any
+    laptop. With fewer cores than ranks the ranks take turns on the cores, so every time measured is
+    a lower bound on the algorithm's speed (an upper bound on its time), not a property of the network.
+    """
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return torch.cuda.device_count()
+    return 4
+
+
 def device() -> torch.device:
     """The device this rank computes on: its own GPU under NCCL, the CPU under gloo (or `computing_on`'s)."""
     if _device is not None:

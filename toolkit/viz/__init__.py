@@ -1,5 +1,7 @@
 """Figures as pure functions of Runs and measurement records, and the panels built on them.
 
+- `style`: one colour per meaning for every figure (forward, backward, optimizer, wait, each collective,
+  each memory category; colour-blind safe), and titles placed below plotly's toolbar.
 - `timeline(run)`: one lane per rank (communication above compute), spans coloured by operation,
   hover with bytes, duration and achieved bandwidth.
 - `bandwidth(records_or_run)` / `collective_times(...)`: achieved algbw and busbw (or time) against message
@@ -15,18 +17,19 @@
 
 Nothing here runs training; only the panel's button launches ranks (through a measuring function).
 """
+from . import style
 from .bandwidth import bandwidth, collective_times, fit_alpha_beta
 from .expert_load import expert_load
 from .explorer import MemoryExplorer, explorer_numbers, memory_explorer
 from .fsdp_explorer import WrapPolicyExplorer, policy_numbers, wrap_policy_explorer
 from .memory import comm_bars, memory_bars, memory_over_time, model_states_bars
 from .panels import CollectivePanel, collective_panel
-from .report import heading, note, preformatted, report_html, table, write_report
+from .report import bullets, heading, note, preformatted, report_html, table, write_report
 from .ring import ring_schedule, ring_steps
 from .roofline import roofline, roofline_point
 from .timeline import timeline
 
-__all__ = ["CollectivePanel", "MemoryExplorer", "WrapPolicyExplorer", "bandwidth", "collective_panel",
+__all__ = ["style", "CollectivePanel", "MemoryExplorer", "WrapPolicyExplorer", "bandwidth", "bullets", "collective_panel",
            "collective_times", "comm_bars", "expert_load", "explorer_numbers", "fit_alpha_beta", "heading",
            "memory_bars", "memory_explorer", "memory_over_time", "model_states_bars", "note", "policy_numbers",
            "preformatted", "report_html", "ring_schedule", "ring_steps", "roofline", "roofline_point", "table",

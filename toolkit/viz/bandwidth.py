@@ -16,12 +16,12 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..comm.measure import bus_factor, records_from_run, size_label
+from ..comm.measure import bus_factor, implementation_label, records_from_run, size_label
 from ..memory.formulas import alpha_beta_time
+from . import style
 
-IMPL_COLOURS = {"backend": "#1f77b4", "ring": "#d62728", "custom": "#2ca02c"}
 METRIC_DASH = {"algbw": "solid", "busbw": "dash"}
-MODEL_COLOUR = "#555555"
+MODEL_COLOUR = style.THEORY
 
 
 def _records(data) -> list[dict]:
@@ -32,6 +32,17 @@ def _records(data) -> list[dict]:
 def _ops_in(records, ops):
     present = list(dict.fromkeys(r["op"] for r in records))
     return [op for op in ops if op in present] if ops is not None else present
+
+
+def _impl_name(impl: str) -> str:
+    """The legend's name of an implementation: "ring" (the switch) ran the ring or, for all-to-all, the
+    pairwise exchange, so the legend says "hand-written" and each panel's title says which."""
+    return "hand-written" if impl == "ring" else impl
+
+
+def _panel_titles(records, ops) -> list[str]:
+    return [f"{op} (hand-written: pairwise)" if op == "all_to_all" and any(
+        r["op"] == op and r["impl"] == "ring" for r in records) else op for op in ops]
 
 
 def _grid(count: int):
@@ -90,7 +101,8 @@ def _hover(r) -> str:
     agree = {None: "not compared", True: "agrees with the other implementation",
              False: "DISAGREES with the other implementation"}[r.get("agree")]
     return "<br>".join([
-        f"<b>{r['op']}</b> · {r['impl']} ({r.get('algorithm', r['impl'])}) · {r['world_size']} ranks",
+        f"<b>{r['op']}</b> · {implementation_label(r['impl'], r.get('algorithm', r['impl']))} · "
+        f"{r['world_size']} ranks",
         f"size {size_label(r['size_bytes'])}", f"time {r['seconds'] * 1e3:.3f} ms (median of {r.get('repeats', '?')}, "
         f"slowest rank)", f"algbw {r['algbw'] / 1e9:.3f} GB/s · busbw {r['busbw'] / 1e9:.3f} GB/s", agree])
 
@@ -118,7 +130,7 @@ def bandwidth(data, *, ops=None, metrics=("algbw", "busbw"), model=None, title: 
         raise ValueError(f"metrics must be some of {tuple(METRIC_DASH)}, got {metrics!r}.")
     ops = _ops_in(records, ops)
     rows, cols = _grid(len(ops))
-    fig = make_subplots(rows=rows, cols=cols, subplot_titles=ops, horizontal_spacing=0.07, vertical_spacing=0.14)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=_panel_titles(records, ops), horizontal_spacing=0.07, vertical_spacing=0.14)
     params = _model_params(model, records)
     shown = set()
     for i, op in enumerate(ops):
@@ -126,11 +138,11 @@ def bandwidth(data, *, ops=None, metrics=("algbw", "busbw"), model=None, title: 
         for impl in dict.fromkeys(r["impl"] for r in records if r["op"] == op):
             points = sorted((r for r in records if r["op"] == op and r["impl"] == impl), key=lambda r: r["size_bytes"])
             for metric in metrics:
-                name = f"{impl} {metric}"
+                name = f"{_impl_name(impl)} {metric}"
                 fig.add_trace(go.Scatter(
                     x=[r["size_bytes"] for r in points], y=[r[metric] / 1e9 for r in points],
                     mode="lines+markers", name=name, legendgroup=name, showlegend=name not in shown,
-                    line=dict(color=IMPL_COLOURS.get(impl, "#2ca02c"), dash=METRIC_DASH[metric]),
+                    line=dict(color=style.IMPLEMENTATIONS.get(impl, style.IMPLEMENTATIONS["custom"]), dash=METRIC_DASH[metric]),
                     hovertext=[_hover(r) for r in points], hoverinfo="text"), row=row, col=col)
                 shown.add(name)
         if params is not None:
@@ -146,8 +158,10 @@ def bandwidth(data, *, ops=None, metrics=("algbw", "busbw"), model=None, title: 
     fig.update_xaxes(type="log", title_text="message size (bytes)")
     fig.update_yaxes(title_text="GB/s", rangemode="tozero")
     world = sorted({r["world_size"] for r in records})
-    fig.update_layout(title=title or f"Achieved bandwidth on {', '.join(map(str, world))} ranks",
-                      template="plotly_white", height=320 * rows + 80, margin=dict(l=10, r=10, t=80, b=40))
+    style.place_title(fig, title or f"Achieved bandwidth on {', '.join(map(str, world))} ranks",
+                      "solid: algbw = size / time · dashed: busbw, comparable with one link's speed",
+                      above_plot_px=30)
+    fig.update_layout(template="plotly_white", height=320 * rows + 110, margin=dict(l=10, r=10, b=40))
     return fig
 
 
@@ -160,7 +174,7 @@ def collective_times(data, *, ops=None, model=None, title: str | None = None) ->
     records = _records(data)
     ops = _ops_in(records, ops)
     rows, cols = _grid(len(ops))
-    fig = make_subplots(rows=rows, cols=cols, subplot_titles=ops, horizontal_spacing=0.07, vertical_spacing=0.14)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=_panel_titles(records, ops), horizontal_spacing=0.07, vertical_spacing=0.14)
     params = _model_params(model, records)
     shown = set()
     for i, op in enumerate(ops):
@@ -171,8 +185,8 @@ def collective_times(data, *, ops=None, model=None, title: str | None = None) ->
                 x=[r["size_bytes"] for r in points], y=[r["seconds"] * 1e3 for r in points],
                 error_y=dict(type="data", symmetric=False, array=[(r["seconds_max"] - r["seconds"]) * 1e3 for r in points],
                              arrayminus=[(r["seconds"] - r["seconds_min"]) * 1e3 for r in points], thickness=1),
-                mode="lines+markers", name=impl, legendgroup=impl, showlegend=impl not in shown,
-                line=dict(color=IMPL_COLOURS.get(impl, "#2ca02c")),
+                mode="lines+markers", name=_impl_name(impl), legendgroup=impl, showlegend=impl not in shown,
+                line=dict(color=style.IMPLEMENTATIONS.get(impl, style.IMPLEMENTATIONS["custom"])),
                 hovertext=[_hover(r) for r in points], hoverinfo="text"), row=row, col=col)
             shown.add(impl)
         if params is not None:
@@ -184,6 +198,7 @@ def collective_times(data, *, ops=None, model=None, title: str | None = None) ->
             shown.add("model")
     fig.update_xaxes(type="log", title_text="message size (bytes)")
     fig.update_yaxes(type="log", title_text="ms")
-    fig.update_layout(title=title or "Time per collective (median; bars: fastest and slowest repetition)",
-                      template="plotly_white", height=320 * rows + 80, margin=dict(l=10, r=10, t=80, b=40))
+    style.place_title(fig, title or "Time per collective", "median of the repetitions; error bars: the fastest "
+                      "and the slowest", above_plot_px=30)
+    fig.update_layout(template="plotly_white", height=320 * rows + 110, margin=dict(l=10, r=10, b=40))
     return fig

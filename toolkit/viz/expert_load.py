@@ -24,10 +24,11 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..moe.load import merge_load
+from . import style
 
-IDLE, QUIET, BALANCED, BUSY, HOT = "#2166ac", "#92c5de", "#f7f7f7", "#f4a582", "#b2182b"
+IDLE, QUIET, BALANCED, BUSY, HOT = style.LOAD_SCALE
 TRACES_PER_LAYER = 4  # heatmap, busiest-expert dots, dropped bars, imbalance line (+ shadowed marks, if any)
-SHADOWED = "#1a9850"
+SHADOWED = style.COMPUTE["optimizer"]
 
 
 def moe_layers(run) -> list[str]:
@@ -101,17 +102,17 @@ def _layer_traces(rows, layer: str, visible: bool):
                       name=f"{layer} load", colorbar=dict(title="load /<br>balanced", len=0.55, y=0.74),
                       xgap=1, ygap=1)
     dots = go.Scatter(x=x, y=busiest, mode="markers", name="busiest expert", visible=visible,
-                      marker=dict(color="black", size=5, symbol="circle"),
+                      marker=dict(color=style.MARK, size=5, symbol="circle"),
                       customdata=[[s, max(row["counts"])] for s, row in zip(step_of, rows)],
                       hovertemplate="iteration %{x} (step %{customdata[0]})<br>busiest: expert %{y}, "
                                     "%{customdata[1]} choices<extra></extra>")
     dropped = go.Bar(x=x, y=[row["dropped"] for row in rows], name="dropped", visible=visible,
-                     marker_color="#d62728", showlegend=False,
+                     marker_color=style.ALERT, showlegend=False,
                      customdata=[[s, sum(row["counts"]), row["capacity"]] for s, row in zip(step_of, rows)],
                      hovertemplate="iteration %{x} (step %{customdata[0]})<br>%{y} of %{customdata[1]} choices "
                                    "dropped<br>capacity %{customdata[2]} per expert over all ranks<extra></extra>")
     imbalance = go.Scatter(x=x, y=[row["max_over_mean"] for row in rows], mode="lines+markers", visible=visible,
-                           name="max / mean", line=dict(color="#4C78A8"), marker=dict(size=4), showlegend=False,
+                           name="max / mean", line=dict(color=style.SEQUENCE[0]), marker=dict(size=4), showlegend=False,
                            customdata=[[s, row["cv"]] for s, row in zip(step_of, rows)],
                            hovertemplate="iteration %{x} (step %{customdata[0]})<br>max/mean %{y:.2f}"
                                          "<br>coefficient of variation %{customdata[1]:.2f}<extra></extra>")
@@ -127,13 +128,17 @@ def _layer_traces(rows, layer: str, visible: bool):
 
 
 def _title(layer: str, rows) -> str:
+    return f"Expert load of MoE layer {layer!r}"
+
+
+def _subtitle(rows) -> str:
     E, worst = len(rows[0]["counts"]), max(row["max_over_mean"] for row in rows)
     dropped = sum(row["dropped"] for row in rows)
     total = sum(sum(row["counts"]) for row in rows)
     changes = sum(a["counts"].index(max(a["counts"])) != b["counts"].index(max(b["counts"]))
                   for a, b in zip(rows, rows[1:]))
-    return (f"Expert load of MoE layer {layer!r}: {E} experts, {len(rows)} iterations · worst max/mean "
-            f"{worst:.2f} · {dropped / total:.1%} of choices dropped · busiest expert changed {changes} times")
+    return (f"{E} experts, {len(rows)} iterations · worst max/mean {worst:.2f} · {dropped / total:.1%} of "
+            f"choices dropped · busiest expert changed {changes} times")
 
 
 def expert_load(run, layer: str | None = None, *, title: str | None = None) -> go.Figure:
@@ -157,7 +162,7 @@ def expert_load(run, layer: str | None = None, *, title: str | None = None) -> g
         for trace, row in zip(_layer_traces(tables[name], name, visible=i == 0), (1, 1, 2, 3, 1)):
             fig.add_trace(trace, row=row, col=1)
             owner_of_trace.append(i)
-    fig.add_hline(y=1.0, line=dict(color="grey", dash="dot", width=1), row=3, col=1)  # balance
+    fig.add_hline(y=1.0, line=dict(color=style.THEORY, dash="dot", width=1), row=3, col=1)  # balance
 
     first = tables[shown[0]]
     E = len(first[0]["counts"])
@@ -165,15 +170,18 @@ def expert_load(run, layer: str | None = None, *, title: str | None = None) -> g
     fig.update_yaxes(title_text="dropped", rangemode="tozero", row=2, col=1)
     fig.update_yaxes(title_text="max/mean", rangemode="tozero", row=3, col=1)
     fig.update_xaxes(title_text="iteration (one forward pass of the layer)", row=3, col=1)
-    fig.update_layout(title=title or _title(shown[0], first), template="plotly_white",
-                      height=360 + 14 * min(E, 32), margin=dict(l=10, r=10, t=90, b=40),
-                      legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"))
+    # title, then a row with the layer dropdown (left) and the legend (right), then the plot
+    style.place_title(fig, title or _title(shown[0], first), _subtitle(first), above_plot_px=44)
+    fig.update_layout(template="plotly_white", height=400 + 14 * min(E, 32), margin=dict(l=10, r=10, b=40),
+                      legend=dict(orientation="h", y=1.01, x=1, xanchor="right", yanchor="bottom"))
     if len(shown) > 1:
         buttons = []
         for i, name in enumerate(shown):
             visible = [owner == i for owner in owner_of_trace]
+            heading = fig.layout.title.text if title else _title(name, tables[name])
             buttons.append(dict(label=name, method="update",
-                                args=[{"visible": visible}, {"title.text": title or _title(name, tables[name])}]))
-        fig.update_layout(updatemenus=[dict(buttons=buttons, direction="down", x=0.0, xanchor="left", y=1.12,
-                                            yanchor="bottom", showactive=True)])
+                                args=[{"visible": visible}, {"title.text": heading,
+                                                             "title.subtitle.text": _subtitle(tables[name])}]))
+        fig.update_layout(updatemenus=[dict(buttons=buttons, direction="down", x=0.0, xanchor="left", y=1.01,
+                                            yanchor="bottom", showactive=True, pad=dict(t=0, b=0))])
     return fig

@@ -23,6 +23,7 @@ import math
 import ipywidgets as widgets
 
 from ..memory import model_states_breakdown
+from . import style
 from .memory import model_states_bars
 
 STAGE_NAMES = ("DP (stage 0)", "ZeRO-1", "ZeRO-2", "ZeRO-3")
@@ -131,13 +132,14 @@ def explorer_figure(numbers: dict, highlight: int | None = None):
         opacity = [1.0 if s == highlight else 0.35 for s in range(4)]
         fig.update_traces(marker_opacity=opacity, selector=dict(type="bar"))
     if n["device_gb"]:
-        fig.add_hline(y=n["device_gb"], line_dash="dash", line_color="#d62728",
+        fig.add_hline(y=n["device_gb"], line_dash="dash", line_color=style.ALERT,
                       annotation_text=f"device memory {n['device_gb']:g} GB", annotation_position="top right")
     fig.update_traces(text=[f"{_gb(t)} GB" for t in n["totals_gb"]], selector=dict(mode="text"))
     top = max(max(n["totals_gb"]), n["device_gb"] or 0)
     fig.update_yaxes(range=[0, 1.15 * top if top > 0 else 1])
-    fig.update_layout(title=f"Model states per rank: Ψ = {_count(n['num_params'])}, N = {n['world_size']}, "
-                            f"K = {n['optimizer_multiplier']:g}, {PRECISION_LABELS[n['precision']]}")
+    style.place_title(fig, "Model states per rank under DP and ZeRO 1, 2, 3",
+                      f"Ψ = {_count(n['num_params'])} parameters, N = {n['world_size']} ranks, "
+                      f"K = {n['optimizer_multiplier']:g}, {PRECISION_LABELS[n['precision']]}")
     return fig
 
 

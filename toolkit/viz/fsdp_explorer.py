@@ -33,6 +33,7 @@ from plotly.subplots import make_subplots
 from ..memory.formulas import alpha_beta_time
 from ..parallel.flat import padded_numel
 from ..parallel.fsdp_policy import UnitPlan, plan
+from . import style
 
 WHOLE_MODEL = "whole model"
 POLICIES = {  # label -> what it means (the "min params" policy takes its number from the slider)
@@ -133,9 +134,10 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
-MEMORY_PARTS = (("sharded", "shards: 16 B x Σψ/N", "#54A24B"), ("root", "root: gathered + full gradient", "#4C78A8"),
-                ("in_flight", "units in flight (gathered)", "#72B7B2"),
-                ("full_grads", "full gradients in flight", "#F58518"))
+MEMORY_PARTS = (("sharded", "shards: 16 B x Σψ/N", style.MEMORY["states"]),
+                ("root", "root: gathered + full gradient", style.MEMORY["params"]),
+                ("in_flight", "units in flight (gathered)", style.COMMUNICATION["all_gather"]),
+                ("full_grads", "full gradients in flight", style.MEMORY["grads"]))
 
 
 def policy_figure(numbers: dict, title: str = "") -> go.Figure:
@@ -145,15 +147,16 @@ def policy_figure(numbers: dict, title: str = "") -> go.Figure:
                         subplot_titles=[f"{len(n['units'])} units: elements per flat parameter",
                                         f"predicted peak per rank ({'with' if n['prefetch'] else 'no'} prefetch)"])
     names = [u["unit"] for u in n["units"]]
-    fig.add_trace(go.Bar(x=names, y=[u["numel"] for u in n["units"]], name="parameters", marker_color="#4C78A8",
+    fig.add_trace(go.Bar(x=names, y=[u["numel"] for u in n["units"]], name="parameters", marker_color=style.MEMORY["params"],
                          hovertemplate="%{x}: %{y:,} elements<extra></extra>"), row=1, col=1)
-    fig.add_trace(go.Bar(x=names, y=[u["padding"] for u in n["units"]], name="padding", marker_color="#E45756",
+    fig.add_trace(go.Bar(x=names, y=[u["padding"] for u in n["units"]], name="padding", marker_color=style.ALERT,
                          hovertemplate="%{x}: %{y} padding elements<extra></extra>"), row=1, col=1)
     for key, label, colour in MEMORY_PARTS:
         fig.add_trace(go.Bar(x=["FSDP"], y=[n["memory"][key] / 1e6], name=label, marker_color=colour,
                              hovertemplate=f"{label}: %{{y:.3g}} MB<extra></extra>"), row=1, col=2)
-    fig.update_layout(barmode="stack", height=430, template="plotly_white", title=title,
-                      legend=dict(orientation="h", y=-0.35), margin=dict(l=10, r=10, t=70, b=40))
+    style.place_title(fig, title, above_plot_px=30)  # room for the panels' own titles
+    fig.update_layout(barmode="stack", height=450, template="plotly_white",
+                      legend=dict(orientation="h", y=-0.35), margin=dict(l=10, r=10, b=40))
     fig.update_xaxes(showticklabels=len(names) <= 40, tickangle=-45, row=1, col=1)
     fig.update_yaxes(title_text="elements", row=1, col=1)
     fig.update_yaxes(title_text="MB per rank", row=1, col=2)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from ..memory import model_states_breakdown
+from . import style
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
-COLOURS = {"params": "#4C78A8", "grads": "#F58518", "optimizer": "#54A24B", "activations": "#B279A2"}
+COLOURS = style.MEMORY
 
 
 def peak_by_category(run, rank: int) -> dict:
@@ -41,11 +42,12 @@ def memory_bars(runs: dict, predicted: dict | None = None, *, unit: float = 1e6,
                             hovertemplate="%{x}<br>" + c + ": %{y:.3f} MB<extra></extra>") for c in CATEGORIES])
     if marks_x:
         fig.add_trace(go.Scatter(x=marks_x, y=marks_y, mode="markers", name="theory: model states",
-                                 marker=dict(symbol="diamond", size=11, color="black"),
+                                 marker=dict(symbol="diamond", size=11, color=style.THEORY),
                                  hovertemplate="%{x}<br>predicted params+grads+optimizer: %{y:.3f} MB<extra></extra>"))
-    fig.update_layout(barmode="stack", title=title or "Measured peak memory per rank (bars) and the formula (diamonds)",
-                      yaxis_title="MB per rank", xaxis_tickangle=-40, height=460, legend_orientation="h",
-                      legend_y=-0.35)
+    style.place_title(fig, title or "Peak memory per rank, measured and predicted",
+                      "bars: measured peak per category · diamonds: the formula for params + grads + optimizer")
+    fig.update_layout(barmode="stack", yaxis_title="MB per rank", xaxis_tickangle=-40, height=480,
+                      legend_orientation="h", legend_y=-0.35)
     return fig
 
 
@@ -56,14 +58,16 @@ def comm_bars(rows: list[dict], *, unit: float = 1e6, title=None) -> go.Figure:
     """
     labels = [r["strategy"] for r in rows]
     fig = go.Figure([
-        go.Bar(x=labels, y=[r["measured"] / unit for r in rows], name="measured (trace)", marker_color="#4C78A8",
+        go.Bar(x=labels, y=[r["measured"] / unit for r in rows], name="measured (trace)",
+               marker_color=style.MEMORY["params"],
                hovertemplate="%{x}: %{y:.3f} MB sent per step<extra></extra>"),
         go.Scatter(x=labels, y=[r["theory"] / unit for r in rows], mode="markers", name="theory",
-                   marker=dict(symbol="diamond", size=12, color="black"),
+                   marker=dict(symbol="diamond", size=12, color=style.THEORY),
                    hovertemplate="%{x}: theory %{y:.3f} MB<extra></extra>"),
     ])
-    fig.update_layout(title=title or "Bytes each rank sends per training step", yaxis_title="MB per rank per step",
-                      height=380)
+    style.place_title(fig, title or "Bytes each rank sends per training step",
+                      "bars: measured from the trace (median step) · diamonds: theory")
+    fig.update_layout(yaxis_title="MB per rank per step", height=400)
     return fig
 
 
@@ -79,16 +83,18 @@ def model_states_bars(num_params: float, world_size: int, *, optimizer_multiplie
     totals = [sum(p.values()) / unit for p in parts]
     fig.add_trace(go.Scatter(x=stages, y=totals, mode="text", text=[f"{t:.1f} GB" for t in totals],
                              textposition="top center", showlegend=False, hoverinfo="skip"))
-    fig.update_layout(barmode="stack", height=420, yaxis_title="GB per rank",
-                      title=f"Model states per rank: Ψ = {num_params:,.0f}, N = {world_size}, K = {optimizer_multiplier}")
+    style.place_title(fig, "Model states per rank under DP and ZeRO 1, 2, 3",
+                      f"Ψ = {num_params:,.0f} parameters, N = {world_size} ranks, K = {optimizer_multiplier}")
+    fig.update_layout(barmode="stack", height=440, yaxis_title="GB per rank")
     return fig
 
 
 # --- memory over time ------------------------------------------------------------------------------------
 # A sample taken by `FSDPModel.watch_memory` carries an "event": "<what> <unit>", e.g. "gathered blocks.0".
-EVENT_MARKERS = {"gathered": ("triangle-up", "#2ca02c"), "prefetch": ("triangle-right", "#17becf"),
-                 "freed": ("triangle-down", "#d62728"), "backward done": ("circle-open", "#7f7f7f"),
-                 "reduce-scatter": ("x", "#ff7f0e")}
+EVENT_MARKERS = {"gathered": ("triangle-up", style.COMMUNICATION["all_gather"]),
+                 "prefetch": ("triangle-right", style.shade(style.COMMUNICATION["all_gather"], 2)),
+                 "freed": ("triangle-down", style.ALERT), "backward done": ("circle-open", style.COMPUTE["emulated"]),
+                 "reduce-scatter": ("x", style.shade(style.COMMUNICATION["reduce_scatter"], 2))}
 LINE_CATEGORIES = CATEGORIES + ("states", "total")  # states: params + grads + optimizer
 
 
@@ -135,7 +141,7 @@ def memory_over_time(run, rank=None, *, step=None, categories=CATEGORIES + ("tot
     label = {1: "B", 1e3: "KB", 1e6: "MB", 1e9: "GB"}.get(unit, f"x{unit:g} B")
     fig = make_subplots(rows=len(wanted), cols=1, shared_xaxes=True, vertical_spacing=0.1 if len(wanted) > 1 else 0,
                         subplot_titles=[f"rank {r}" for r in wanted])
-    colours = dict(COLOURS, states="#17becf", total="#222222")
+    colours = COLOURS
     sums = {"total": CATEGORIES, "states": ("params", "grads", "optimizer")}
     for i, r in enumerate(wanted, start=1):
         samples = rows[r]
@@ -166,12 +172,13 @@ def memory_over_time(run, rank=None, *, step=None, categories=CATEGORIES + ("tot
         if level is not None:
             fig.add_trace(go.Scatter(x=[x[0], x[-1]], y=[level / unit] * 2, mode="lines", name=bound_label,
                                      legendgroup="bound", showlegend=i == 1,
-                                     line=dict(color="black", dash="dash", width=1.5),
+                                     line=dict(color=style.THEORY, dash="dash", width=1.5),
                                      hovertemplate=f"{bound_label}: %{{y:.1f}} {label}<extra></extra>"), row=i, col=1)
         fig.update_yaxes(title_text=f"{label}", row=i, col=1)
     fig.update_xaxes(title_text="time since the first sample (ms)", row=len(wanted), col=1)
-    fig.update_layout(title=title or "Memory over time per rank (ledger samples)", template="plotly_white",
-                      height=140 + 260 * len(wanted),
+    style.place_title(fig, title or "Memory over time per rank", "the ledger's samples; markers: a unit gathered "
+                      "▲, prefetched ▶, freed ▼, its gradients reduce-scattered ×", above_plot_px=24)
+    fig.update_layout(template="plotly_white", height=160 + 260 * len(wanted),
                       legend=dict(orientation="h", y=-0.12 if len(wanted) > 1 else -0.25),
-                      hovermode="closest", margin=dict(l=10, r=10, t=70, b=40))
+                      hovermode="closest", margin=dict(l=10, r=10, b=40))
     return fig

@@ -4,8 +4,8 @@ Why self-contained: a report is mailed, attached to an assignment, opened on a c
 a laptop on a plane. plotly.js is inlined once (a few MB) and every figure after the first reuses it,
 so the file opens anywhere with no network and no Python.
 
-Blocks are written in order: a `str` is a paragraph, `heading(...)`, `preformatted(...)` and `note(...)`
-mark other kinds of text, a list of dicts is a table (columns from the first row), and a plotly
+Blocks are written in order: a `str` is a paragraph, `heading(...)`, `preformatted(...)`, `note(...)` and
+`bullets(...)` mark other kinds of text, a list of dicts is a table (columns from the first row), and a plotly
 figure is a figure.
 """
 from __future__ import annotations
@@ -21,12 +21,15 @@ body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; mar
        padding: 0 1em; color: #222; line-height: 1.45; }
 h1 { font-size: 1.6em; margin-bottom: 0.2em; } h2 { font-size: 1.25em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
 .subtitle { color: #666; margin-top: 0; }
-table { border-collapse: collapse; font-size: 0.9em; margin: 1em 0; }
-th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; white-space: nowrap; }
+.table { max-width: 100%; overflow-x: auto; margin: 1em 0; }  /* a wide table scrolls, the page does not */
+table { border-collapse: collapse; font-size: 0.9em; }
+th, td { border: 1px solid #ddd; padding: 0.25em 0.5em; text-align: left; }
+td { white-space: nowrap; } th { vertical-align: bottom; }  /* headers wrap, numbers do not */
 th { background: #f4f4f4; } tr:nth-child(even) td { background: #fafafa; }
 pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
 .note { background: #fff8e1; border-left: 4px solid #f0c36d; padding: 0.5em 0.8em; }
-.figure { margin: 1em 0; }
+.figure { margin: 1em 0; max-width: 100%; }
+li { margin: 0.3em 0; }
 """
 
 
@@ -46,6 +49,12 @@ def note(text: str) -> Html:
     return Html(f'<p class="note">{html.escape(text)}</p>')
 
 
+def bullets(lines) -> Html:
+    """A bulleted list of sentences (nothing when there are none)."""
+    items = "".join(f"<li>{html.escape(str(line))}</li>" for line in lines)
+    return Html(f"<ul>{items}</ul>" if items else "")
+
+
 def table(rows) -> Html:
     """An HTML table from a list of dicts (the first row's keys are the columns)."""
     rows = list(rows)
@@ -55,7 +64,7 @@ def table(rows) -> Html:
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in columns)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(row.get(c, '')))}</td>" for c in columns) + "</tr>"
                    for row in rows)
-    return Html(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+    return Html(f'<div class="table"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>')
 
 
 def _is_figure(block) -> bool:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-CHUNK_COLOURS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7")
+from . import style
+
+CHUNK_COLOURS = style.SEQUENCE
 
 
 def ring_steps(n: int) -> list[dict]:
@@ -56,8 +58,9 @@ def ring_schedule(n: int = 4) -> go.Figure:
         z=z, x=columns, y=[f"rank {r}" for r in range(n)], text=text, texttemplate="%{text}",
         hovertext=hover, hoverinfo="text", colorscale=_colourscale(n), zmin=-0.5, zmax=n - 0.5,
         xgap=3, ygap=3, colorbar=dict(title="chunk", tickvals=list(range(n)), ticktext=[f"c{i}" for i in range(n)])))
-    fig.update_layout(title=f"Ring all-reduce on {n} ranks: {n - 1} reduce-scatter steps (RS), then "
-                            f"{n - 1} all-gather steps (AG); each rank sends 2(N-1)/N = {2 * (n - 1)}/{n} of the tensor",
-                      yaxis=dict(autorange="reversed"), template="plotly_white", height=110 + 60 * n,
-                      margin=dict(l=10, r=10, t=60, b=30))
+    style.place_title(fig, f"Ring all-reduce on {n} ranks: who sends which chunk, step by step",
+                      f"{n - 1} reduce-scatter steps (RS), then {n - 1} all-gather steps (AG); each rank sends "
+                      f"2(N-1)/N = {2 * (n - 1)}/{n} of the tensor")
+    fig.update_layout(yaxis=dict(autorange="reversed"), template="plotly_white", height=130 + 60 * n,
+                      margin=dict(l=10, r=10, b=30))
     return fig

@@ -44,9 +44,10 @@ import statistics
 import plotly.graph_objects as go
 
 from ..trace.analysis import _length, _union
+from . import style
 
 POINT_KEYS = ("r_cc", "throughput")
-COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+COLOURS = style.SEQUENCE
 
 
 def _is_forward_traffic(e) -> bool:
@@ -190,9 +191,9 @@ def roofline(runs_or_points, *, d_model: int | None = None, d_ff: int | None = N
     grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=grid, y=[ideal(x, peak) / 1e9 for x in grid], mode="lines", name="ideal: P·min(1, R)",
-                             line=dict(color="#333333")))
+                             line=dict(color=style.THEORY)))
     fig.add_trace(go.Scatter(x=grid, y=[semi_ideal(x, peak) / 1e9 for x in grid], mode="lines",
-                             name="semi-ideal: P·R/(R+1)", line=dict(color="#333333", dash="dash")))
+                             name="semi-ideal: P·R/(R+1)", line=dict(color=style.THEORY, dash="dash")))
     for i, p in enumerate(points):
         hover = [f"<b>{p['label']}</b>", f"R_CC {p['r_cc']:.3g}", f"throughput {p['throughput'] / 1e9:.3g} GFLOP/s per rank",
                  f"ideal here {ideal(p['r_cc'], peak) / 1e9:.3g}, semi-ideal {semi_ideal(p['r_cc'], peak) / 1e9:.3g}"]
@@ -205,8 +206,10 @@ def roofline(runs_or_points, *, d_model: int | None = None, d_ff: int | None = N
                                  text=[str(p["label"])], textposition="top center",
                                  marker=dict(size=11, color=COLOURS[i % len(COLOURS)]),
                                  hovertext=["<br>".join(hover)], hoverinfo="text"))
-    fig.update_layout(title=title or f"DDL-roofline (P = {peak / 1e9:.3g} GFLOP/s per rank)", template="plotly_white",
+    style.place_title(fig, title or "DDL-roofline", f"P = {peak / 1e9:.3g} GFLOP/s per rank: the experts' "
+                      "compute rate that the reference lines assume")
+    fig.update_layout(template="plotly_white",
                       xaxis=dict(type="log", title="R_CC = Lat_comp / Lat_comm"),
                       yaxis=dict(type="log", title="throughput per rank (GFLOP/s)"),
-                      margin=dict(l=10, r=10, t=60, b=40))
+                      margin=dict(l=10, r=10, b=40))
     return fig

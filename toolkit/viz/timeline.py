@@ -2,9 +2,16 @@
 
 One lane per rank, split into two sub-lanes: communication on top, compute under it, so a glance
 shows whether a rank computed while its collectives were in flight (overlap) or waited for them.
-Communication spans are coloured by operation, and hatched when a hand-written implementation
-(ring, pairwise) ran them instead of the backend. Hovering a span tells its size, the bytes this rank
-sent and received, its duration and the bandwidth it achieved.
+Colours are `style`'s, one per meaning: communication by operation (hatched when a hand-written
+implementation, ring or pairwise, ran it instead of the backend), compute by category (forward,
+backward, optimizer, experts, wait). Hovering a span tells its size, the bytes this rank sent and
+received, its duration and the bandwidth it achieved.
+
+Honest about blocking: a synchronous collective issued inside a compute span (naive data parallelism
+all-reduces at the end of backward, inside the backward span) leaves the rank waiting, not computing.
+The compute lane shows that time as "blocked in <operation>", in the colour of waiting, on top of the
+span it interrupts, and the subtitle gives the share of communication time that really overlapped
+computation (`toolkit.trace.analysis.overlap_fraction`, the number the tables report).
 
 A pure function of a Run: it draws what was recorded and runs nothing.
 """
@@ -13,29 +20,38 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from ..comm.measure import bus_factor, size_label
+from ..trace.analysis import _intersection, _union, overlap_fraction
+from . import style
 
-OPERATION_COLOURS = {
-    "all_reduce": "#1f77b4", "reduce_scatter": "#ff7f0e", "all_gather": "#2ca02c",
-    "broadcast": "#d62728", "all_to_all": "#9467bd", "send": "#8c564b", "recv": "#e377c2",
-    "barrier": "#7f7f7f",
-}
-SPARE_COLOURS = ("#17becf", "#bcbd22", "#393b79", "#8c6d31", "#843c39", "#7b4173")
-COMPUTE_COLOURS = ("#9e9e9e", "#c7c7c7", "#6b6b6b", "#b5a58c", "#8fa3a8")
-HANDWRITTEN_PATTERN = "/"  # backend spans are solid; ring/pairwise/custom ones are hatched
 LANES = ("comm", "compute")
+BLOCKED = style.BLOCKED
 
 
 def lane_name(rank: int, lane: str) -> str:
     return f"rank {rank} · {'comm' if lane == 'comm' else 'compute'}"
 
 
-def colour_of(name: str, _spare: dict = {}) -> str:  # noqa: B006 - a deliberate per-process memo
-    """A stable colour per operation; operations the table does not know get spare colours in turn."""
-    if name in OPERATION_COLOURS:
-        return OPERATION_COLOURS[name]
-    if name not in _spare:
-        _spare[name] = SPARE_COLOURS[len(_spare) % len(SPARE_COLOURS)]
-    return _spare[name]
+def _compute_label(event) -> str:
+    """The legend's name of a compute-lane span: its own, except the emulated link's waits."""
+    if event["cat"] == "blocked":
+        return event["name"]
+    return style.LABELS["emulated"] if style.compute_category(event) == "emulated" else event["name"]
+
+
+def blocked_spans(events) -> list[dict]:
+    """Where a synchronous collective ran inside a compute span of the same rank: the rank waited there.
+    One span per piece, on the compute lane, named "blocked in <operation>"."""
+    out = []
+    for rank in sorted({e["rank"] for e in events}):
+        compute = _union((e["start"], e["end"]) for e in events
+                         if e["rank"] == rank and e["cat"] not in ("comm", "wait") and e["end"] is not None)
+        for e in events:
+            if e["rank"] == rank and e["cat"] == "comm" and e["args"].get("async_op") is False:
+                for start, end in _intersection([(e["start"], e["end"])], compute):
+                    out.append({"name": BLOCKED + style.operation_of(e["name"]), "cat": "blocked", "rank": rank,
+                                "start": start, "end": end, "phase": e.get("phase", ""),
+                                "args": {"collective": e["name"], "impl": e["args"].get("impl", "?")}})
+    return out
 
 
 def _selected(run, ranks, phase, where):
@@ -77,55 +93,79 @@ def comm_hover(event) -> str:
 
 def compute_hover(event) -> str:
     seconds = max(event["end"] - event["start"], 0.0)
+    if event["cat"] == "blocked":
+        return "<br>".join([f"<b>{event['name']}</b> · rank {event['rank']}", f"duration {_duration(seconds)}",
+                            "a synchronous collective inside this compute span: the rank waited, it did not "
+                            "compute", f"phase {event.get('phase', '')}"])
     extra = ", ".join(f"{k}={v}" for k, v in event["args"].items())
     return "<br>".join([f"<b>{event['name']}</b> · rank {event['rank']}", f"duration {_duration(seconds)}",
                         f"phase {event.get('phase', '')}"] + ([extra] if extra else []))
 
 
+def _overlap_line(run, events, blocked) -> str:
+    """The subtitle: how much of the communication shown hid behind computation, and why not more."""
+    working = ("forward", "backward", "optimizer", "experts")
+    if not any(e["cat"] == "comm" for e in events) or not any(
+            e["cat"] != "comm" and style.compute_category(e) in working for e in events):
+        return ""  # nothing but collectives (a measurement): overlap means nothing here
+    share = overlap_fraction(type(run)(run.config, events, meta=run.meta))
+    line = f"communication overlapped with computation: {share:.0%} of its time"
+    if blocked:
+        line += " · grey on a compute lane: blocked in a synchronous collective (waiting, not computing)"
+    return line
+
+
 def timeline(run, *, ranks=None, phase=None, where=None, include_compute: bool = True,
-             title: str | None = None) -> go.Figure:
+             title: str | None = None, subtitle: str | None = None) -> go.Figure:
     """A Gantt-style figure of the Run's spans: one lane per rank, communication above compute.
 
     ranks: only these ranks. phase: a phase name or prefix (or a tuple of them), e.g. "all_reduce/"
     keeps every all-reduce measurement. where: any predicate on an event dict. Time runs in
-    milliseconds from the first span shown.
+    milliseconds from the first span shown. subtitle: a second title line (default: the overlap of
+    the spans shown, and what grey means when a synchronous collective interrupted compute).
     """
     events = _selected(run, ranks, phase, where)
     if not include_compute:
         events = [e for e in events if e["cat"] == "comm"]
+    events = [e for e in events if e["end"] is not None]
+    blocked = blocked_spans(events)
     t0 = min((e["start"] for e in events), default=0.0)
     shown_ranks = sorted({e["rank"] for e in events} | (set(ranks) if ranks is not None else set(run.ranks)))
     lanes = ["comm"] + (["compute"] if any(e["cat"] != "comm" for e in events) else [])
     order = [lane_name(r, lane) for r in shown_ranks for lane in lanes]
 
-    groups: dict[tuple, list] = {}  # (category, name, impl) -> spans, one trace each
-    for e in events:
-        impl = e["args"].get("impl", "backend") if e["cat"] == "comm" else ""
-        groups.setdefault((e["cat"] == "comm", e["name"], impl), []).append(e)
+    groups: dict[tuple, list] = {}  # (is comm, label, impl) -> spans, one trace each
+    for e in events + blocked:
+        is_comm = e["cat"] == "comm"
+        impl = e["args"].get("impl", "backend") if is_comm else ""
+        groups.setdefault((is_comm, e["name"] if is_comm else _compute_label(e), impl), []).append(e)
 
     fig = go.Figure()
-    compute_names = sorted({name for (is_comm, name, _) in groups if not is_comm})
-    for (is_comm, name, impl), spans in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1:])):
+    drawing_order = sorted(groups, key=lambda k: (not k[0], k[1].startswith(BLOCKED), k[1], k[2]))
+    for is_comm, label, impl in drawing_order:  # communication, then compute, blocked time on top
+        spans = groups[(is_comm, label, impl)]
         if is_comm:
-            colour, label = colour_of(name), name if impl == "backend" else f"{name} ({impl})"
-            pattern = dict(shape="" if impl == "backend" else HANDWRITTEN_PATTERN)
+            name = label if impl == "backend" else f"{label} ({impl})"
+            pattern = dict(shape="" if impl == "backend" else style.HANDWRITTEN_PATTERN)
             hover = [comm_hover(e) for e in spans]
         else:
-            colour = COMPUTE_COLOURS[compute_names.index(name) % len(COMPUTE_COLOURS)]
-            label, pattern, hover = name, dict(shape=""), [compute_hover(e) for e in spans]
+            name, pattern, hover = label, dict(shape=""), [compute_hover(e) for e in spans]
         fig.add_trace(go.Bar(
-            orientation="h", name=label, legendgroup="comm" if is_comm else "compute",
+            orientation="h", name=name, legendgroup="comm" if is_comm else "compute",
             legendgrouptitle_text="communication" if is_comm else "compute",
             y=[lane_name(e["rank"], "comm" if is_comm else "compute") for e in spans],
             base=[(e["start"] - t0) * 1e3 for e in spans],
             x=[max(e["end"] - e["start"], 0.0) * 1e3 for e in spans],
-            marker=dict(color=colour, line=dict(width=0), pattern=pattern),
+            marker=dict(color=(style.comm_colour if is_comm else style.compute_colour)(label), line=dict(width=0.5, color=style.SEPARATOR), pattern=pattern),
             hovertext=hover, hoverinfo="text"))
+    calls = sum(e["cat"] == "comm" for e in events)
+    style.place_title(fig, title or f"Timeline: {len(shown_ranks)} ranks, {calls} collective calls",
+                      subtitle if subtitle is not None else _overlap_line(run, events, blocked))
+    legend_px = 20 * (len(groups) + 2)  # one line per name and per group title: the lanes make room for it
     fig.update_layout(
-        title=title or f"Timeline: {len(shown_ranks)} ranks, {sum(e['cat'] == 'comm' for e in events)} "
-                       f"collective calls",
-        barmode="overlay", bargap=0.25, height=120 + 34 * len(order), template="plotly_white",
+        barmode="overlay", bargap=0.25, height=fig.layout.margin.t + 80 + max(34 * len(order), legend_px),
+        template="plotly_white",
         xaxis_title="time since the first span (ms)", legend=dict(groupclick="toggleitem"),
         yaxis=dict(categoryorder="array", categoryarray=order, autorange="reversed", title=None),
-        margin=dict(l=10, r=10, t=60, b=40))
+        margin=dict(l=10, r=10, b=40))
     return fig
