@@ -54,6 +54,20 @@ def _loads(node) -> set:
     return loaded - local
 
 
+SCOPES = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Lambda)
+
+
+def _module_stores(node) -> set:
+    """Names an expression statement binds in the module: `:=` and the like, not a comprehension's own
+    variables (Python 3 keeps those inside the comprehension)."""
+    if isinstance(node, SCOPES):
+        return set()
+    names = {node.id} if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) else set()
+    for child in ast.iter_child_nodes(node):
+        names |= _module_stores(child)
+    return names
+
+
 class Cell:
     """What one cell binds at module level, which names it takes from other cells, and which it edits."""
 
@@ -121,7 +135,7 @@ class Cell:
                 self._block(s.orelse + s.finalbody)
             else:  # expressions, return, assert, raise, del, ...
                 self._read(s)
-                self.binds |= {n.id for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+                self.binds |= _module_stores(s)
 
 
 def code_cells(path):
