@@ -118,3 +118,82 @@ def test_lab01_deadlock_is_found_once_with_each_ranks_line(tmp_path, no_leftover
     assert "blocking send" in first.message  # the hint names the cause
     assert all(r.message.startswith("not run: grading stopped at check 'all-gather") for r in rest)
     print(f"deadlock graded in {elapsed:.1f} s")  # ~10 s on 2 loaded cores (3 minutes before the watchdog)
+
+
+def test_reports_a_platform_reads_and_exit_codes():
+    from toolkit.grading import CheckResult, Score
+    from toolkit.grading.report import as_json, exit_code
+
+    score = Score("labs/x", "alice.py", [CheckResult("ring", 2, 2), CheckResult("bytes", 1, 0, "rank 1 sent 9"),
+                                         CheckResult("secret", 3, 0, "wrong at degree 4", hidden=True)])
+    scope = as_gradescope(score, elapsed_s=4.2)
+    assert (scope["score"], scope["max_score"], scope["execution_time"]) == (2.0, 6.0, 4.2)
+    assert [t["visibility"] for t in scope["tests"]] == ["visible", "visible", "after_published"]
+    assert scope["tests"][1] == {"name": "bytes", "number": "2", "score": 0.0, "max_score": 1.0,
+                                 "status": "failed", "output": "rank 1 sent 9", "visibility": "visible"}
+    assert "wrong at degree 4" not in scope["output"] and "3 points in checks shown once" in scope["output"]
+    plain = json.loads(render(score, "json"))
+    assert plain == as_json(score) and plain["checks"][2]["hidden"] and plain["score"] == 2
+    assert exit_code(score) == 1 and exit_code(Score("x", "y", [CheckResult("a", 1, 1)])) == 0
+    with pytest.raises(ValueError, match="gradescope"):
+        render(score, "xml")
+
+
+@pytest.mark.timeout(60)
+def test_command_line_exit_codes_for_what_cannot_be_graded(tmp_path, capsys):
+    assert main([str(tmp_path / "no-such-lab"), "--format", "json"]) == 2
+    assert "not a lab folder" in capsys.readouterr().err
+    assert main([str(LABS / "06-zero"), "--solution", str(tmp_path / "missing.py")]) == 2
+
+
+CLASS_CHECKS = '''
+from toolkit.grading import check
+
+@check("the answer", points=2, world_sizes=(1,))
+def answer(student, ctx):
+    ctx.expect(__import__("torch").tensor(student.answer()), __import__("torch").tensor(42), "the answer")
+'''
+
+HANGS_AT_IMPORT = '''
+import os, time
+if os.fork() == 0:          # a child that would outlive its parent
+    time.sleep(600)
+    os._exit(0)
+time.sleep(600)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_class_folder_grades_to_a_csv_and_one_hang_costs_only_its_timeout(tmp_path):
+    from toolkit.grading.classroom import grade_class
+
+    lab = tmp_path / "lab"
+    lab.mkdir()
+    (lab / "checks.py").write_text(CLASS_CHECKS)
+    (lab / "skeleton.py").write_text("def answer():\n    raise NotImplementedError\n")
+    submissions = tmp_path / "submissions"
+    (submissions / "carol").mkdir(parents=True)  # a folder with no Python file in it
+    (submissions / "alice.py").write_text("def answer():\n    return 42\n")
+    (submissions / "bob.py").write_text(HANGS_AT_IMPORT)
+    started = time.monotonic()
+    rows = grade_class(lab, submissions, tmp_path / "scores.csv", out_dir=tmp_path / "feedback",
+                       student_timeout_s=20, jobs=2, progress=False)
+    assert time.monotonic() - started < 60
+    with open(tmp_path / "scores.csv") as f:
+        table = {row["student"]: row for row in csv.DictReader(f)}
+    assert (table["alice"]["score"], table["alice"]["max_score"], table["alice"]["status"]) == ("2", "2", "graded")
+    assert table["alice"]["the answer"] == "2"
+    assert table["bob"]["status"] == "timed out after 20 s" and table["bob"]["score"] == "0"
+    assert table["carol"]["status"] == "no file" and table["carol"]["max_score"] == "2"
+    assert json.loads((tmp_path / "feedback" / "alice.json").read_text())["checks"][0]["passed"]
+    assert not [r for r in rows if r.status == "grader error"]
+    leftovers = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).endswith("bob.py")]
+    assert not leftovers, "bob's processes survived the class grading"
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""

@@ -10,8 +10,9 @@ CHECKS = {  # a short key -> the start of the check's name in checks.py
     "grads": "gradients",
     "overlap": "overlap on the trace",
     "traffic": "traffic",
+    "hidden": "degree 4 on a capacity of 5",
 }
-LAB = LabGrading("09-tutel-pipeline", 8, CHECKS)
+LAB = LabGrading("09-tutel-pipeline", 9, CHECKS)  # 8 public points and 1 hidden (hidden_checks.py)
 
 
 @pytest.mark.timeout(90)

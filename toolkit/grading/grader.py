@@ -122,9 +122,19 @@ def lab_checks(lab_dir) -> list[Check]:
     checks = [value for value in vars(module).values() if isinstance(value, Check)]
     if not checks:
         raise ValueError(f"{lab_dir}/checks.py defines no checks (functions decorated with @check).")
-    if (Path(lab_dir) / HIDDEN_CHECKS).exists():
-        hidden = load_module(Path(lab_dir) / HIDDEN_CHECKS, f"_lab_hidden_{abs(hash(str(lab_dir)))}")
-        checks += [replace(v, hidden=True) for v in vars(hidden).values() if isinstance(v, Check)]
+    if (Path(lab_dir) / HIDDEN_CHECKS).exists():  # it may `from checks import ...` the public helpers
+        before = sys.modules.get("checks")
+        sys.modules["checks"] = module
+        try:
+            name = f"_lab_hidden_{abs(hash(str(lab_dir)))}"
+            hidden = load_module(Path(lab_dir) / HIDDEN_CHECKS, name)
+        finally:
+            if before is None:
+                sys.modules.pop("checks", None)
+            else:
+                sys.modules["checks"] = before
+        checks += [replace(v, hidden=True) for v in vars(hidden).values()
+                   if isinstance(v, Check) and v not in checks]
     return checks
 
 

@@ -48,8 +48,12 @@ def as_gradescope(score, elapsed_s: float | None = None) -> dict:
         tests.append({"name": r.name, "number": str(number), "score": float(r.earned),
                       "max_score": float(r.points), "status": "passed" if r.passed else "failed",
                       "output": r.message or "passed", "visibility": "after_published" if r.hidden else "visible"})
-    result = {"score": float(score.total), "max_score": float(score.maximum),
-              "output": format_score(_visible_only(score)), "visibility": "visible",
+    summary = format_score(_visible_only(score))
+    hidden = sum(r.points for r in score.results if r.hidden)
+    if hidden:
+        summary = summary.replace("\nScore: ", "\nScore of the checks shown here: ") + (
+            f"\n(and {hidden} point{'s' * (hidden != 1)} in checks shown once grades are published)")
+    result = {"score": float(score.total), "max_score": float(score.maximum), "output": summary, "visibility": "visible",
               "stdout_visibility": "hidden", "tests": tests}
     if elapsed_s is not None:
         result["execution_time"] = round(elapsed_s, 2)
