@@ -67,21 +67,26 @@ def grade_one(lab, student: str, file: Path | None, *, student_timeout_s: float,
     env = dict(os.environ, **{isolation.MARKER: grading_id})
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="toolkit-class-") as tmp:
-        output = os.path.join(tmp, "result.json")
+        output, errors = os.path.join(tmp, "result.json"), os.path.join(tmp, "stderr.txt")
         command = [sys.executable, "-m", "toolkit", "grade", str(lab), "--solution", str(file),
                    "--format", "json", "--output", output, "--quiet", *options]
-        process = subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp)
-        try:
-            _, err = process.communicate(timeout=student_timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            row.status, err = f"timed out after {student_timeout_s:.0f} s", b""
-        finally:
-            isolation.stop(grading_id)
+        with open(errors, "wb") as err:  # a file, not a pipe: a process that escapes must not hold us up
+            process = subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.DEVNULL, stderr=err, cwd=tmp)
+            try:
+                process.wait(timeout=student_timeout_s)
+            except subprocess.TimeoutExpired:
+                row.status = f"timed out after {student_timeout_s:.0f} s"
+            finally:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)  # its session's process group, whatever is left
+                except ProcessLookupError:
+                    pass
+                process.wait()
+                isolation.stop(grading_id)  # and whatever left the group, by the id in its environment
         row.seconds = round(time.monotonic() - started, 1)
         report = _load(output)
+        err = open(errors, "rb").read()
     if report is not None:
         row.report, row.score, row.max_score = report, report["score"], report["max_score"]
         row.checks = {c["name"]: c["score"] for c in report["checks"]}
