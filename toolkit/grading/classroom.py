@@ -68,7 +68,7 @@ def grade_one(lab, student: str, file: Path | None, *, student_timeout_s: float,
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="toolkit-class-") as tmp:
         output, errors = os.path.join(tmp, "result.json"), os.path.join(tmp, "stderr.txt")
-        command = [sys.executable, "-m", "toolkit", "grade", str(lab), "--solution", str(file),
+        command = [sys.executable, "-m", "toolkit", "grade", str(Path(lab).resolve()), "--solution", str(file.resolve()),
                    "--format", "json", "--output", output, "--quiet", *options]
         with open(errors, "wb") as err:  # a file, not a pipe: a process that escapes must not hold us up
             process = subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
