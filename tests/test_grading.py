@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from toolkit.grading import Limits, grade, main
-from toolkit.grading.isolation import marked
 from toolkit.grading.report import as_gradescope, render
 
 LABS = Path(__file__).resolve().parent.parent / "labs"

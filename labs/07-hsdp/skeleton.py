@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
+import torch.distributed as dist  # noqa: F401 - you will need it
 
 import toolkit
 from toolkit import comm  # noqa: F401 - you will need it

@@ -1,8 +1,6 @@
 """Lab 09's hidden check: graded on the course platform, not released to students (`python -m toolkit release`
 leaves this file out). It asks the same question as the public checks on a case they do not try."""
-import torch
-
-from checks import E_LOCAL, CAPACITY, reference, run  # noqa: F401 - the public checks' helpers
+from checks import reference, run  # the public checks' helpers
 from toolkit.grading import check
 
 

@@ -22,7 +22,6 @@ may map `memory_limit_mb` more than it started the checks with; nothing the solu
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import datetime
@@ -180,7 +179,7 @@ def run_checks_on_rank(lab_dir: str, solution: str, indices: list[int], folder: 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     checks = lab_checks(lab_dir)
     watchdog = Watchdog(folder, rank, world_size, solution, lambda i, r: _result_path(folder, i, r),
-                        limits.stall_s, limits.time_limit_s, lambda i: checks[i].name)
+                        limits.stall_s, limits.time_limit_s)
     student = load_module(solution, "student_solution")
     limit_memory(limits.memory_limit_mb)
     for index in indices:

@@ -25,6 +25,7 @@ the machine swapping for every student graded after.
 from __future__ import annotations
 
 import json
+import linecache
 import os
 import resource
 import sys
@@ -113,12 +114,7 @@ def _where(frame, solution: str) -> dict:
             call = f.f_code.co_name
         if line is None and os.path.abspath(name) == solution:
             line = f.f_lineno
-            try:
-                import linecache
-
-                text = linecache.getline(name, line).strip()
-            except Exception:  # noqa: BLE001
-                text = ""
+            text = linecache.getline(name, line).strip()
         f = f.f_back
     return {"line": line, "text": text, "call": call}
 
@@ -131,9 +127,9 @@ class Watchdog:
     """
 
     def __init__(self, folder: str, rank: int, world_size: int, solution: str, result_path,
-                 stall_s: float, time_limit_s: float, name_of):
+                 stall_s: float, time_limit_s: float):
         self.folder, self.rank, self.world_size, self.solution = folder, rank, world_size, solution
-        self.result_path, self.stall_s, self.time_limit_s, self.name_of = result_path, stall_s, time_limit_s, name_of
+        self.result_path, self.stall_s, self.time_limit_s = result_path, stall_s, time_limit_s
         self.progress = _Progress()
         self.progress.install()
         self.index, self.started = None, 0.0
@@ -164,7 +160,7 @@ class Watchdog:
             frame = sys._current_frames().get(self.main.ident)
             asleep = _thread_state(self.main.native_id) == "S"
             with self._lock:
-                index, stuck_for = self.index, self._observe(frame, asleep)
+                index, started, stuck_for = self.index, self.started, self._observe(frame, asleep)
             if index is not None and stuck_for >= self.stall_s:
                 where = _where(frame, self.solution)
                 where.update(index=index, rank=self.rank, since=time.time() - stuck_for,
@@ -172,7 +168,7 @@ class Watchdog:
                 _write(self._stuck_path(self.rank), where)
                 self._check_everyone(index)
             del frame
-            if index is not None and time.monotonic() - self.started > self.time_limit_s:
+            if index is not None and time.monotonic() - started > self.time_limit_s:
                 self._over_time(index)
 
     def _observe(self, frame, asleep: bool) -> float:
@@ -183,12 +179,15 @@ class Watchdog:
         state = (frame, frame.f_lasti, self.progress.calls)
         last = self._last
         self._last = state
-        if not asleep or last is None or last[0] is not frame or last[1:] != state[1:]:
+        moved = last is None or last[0] is not frame or last[1:] != state[1:]
+        if moved or not asleep:
             if self._since is not None:
                 _remove(self._stuck_path(self.rank))
             self._since = time.monotonic() if asleep else None
             return 0.0
-        return time.monotonic() - self._since if self._since is not None else 0.0
+        if self._since is None:  # it was running at this very instruction, and now waits there
+            self._since = time.monotonic()
+        return time.monotonic() - self._since
 
     def _check_everyone(self, index: int) -> None:
         """Every rank blocked in this check, or finished with it: nothing can move again."""
