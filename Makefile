@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # Here torch 2.13.0 (CPU) installs offline; a bare `torch` would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo compare test test-slow lab notebooks clean
+.PHONY: setup demo compare test test-grading lab notebooks clean
 
 setup: $(STAMP)
 
@@ -21,11 +21,11 @@ demo: $(STAMP)
 	$(PY) -m toolkit demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not grading_scale"
 
-# Tests marked slow, beyond the suite's time budget (grading at scale: misbehaving solutions, a class folder).
-test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+# Beyond the suite's time budget: grading at scale (misbehaving solutions, a class folder), about 25 s.
+test-grading: $(STAMP)
+	$(PY) -m pytest -q -m grading_scale
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/

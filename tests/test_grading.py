@@ -75,7 +75,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.slow  # grading at scale: `make test-slow` (about 9 s on 2 cores)
+@pytest.mark.grading_scale  # beyond the suite's budget: `make test-grading` (about 9 s on 2 cores)
 @pytest.mark.timeout(120)
 def test_a_misbehaving_solution_is_stopped_scored_and_leaves_nothing_running(tmp_path, no_leftover_ranks):
     (tmp_path / "checks.py").write_text(MISBEHAVING_CHECKS)
@@ -167,7 +167,7 @@ time.sleep(600)
 '''
 
 
-@pytest.mark.slow  # grading at scale: `make test-slow` (about 14 s on 2 cores: one submission's timeout)
+@pytest.mark.grading_scale  # beyond the suite's budget: `make test-grading` (about 14 s: a submission's timeout)
 @pytest.mark.timeout(120)
 def test_a_class_folder_grades_to_a_csv_and_one_hang_costs_only_its_timeout(tmp_path):
     from toolkit.grading.classroom import grade_class
