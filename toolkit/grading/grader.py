@@ -18,7 +18,7 @@ A check that failed at a smaller world size is not run again at larger ones.
 What a solution may cost (`Limits`; see `watchdog.py` and `isolation.py`): a check in which every rank
 is blocked or done for `stall_s` is a deadlock, reported once with the line where each rank waits, and
 the grading stops there (the rest would deadlock the same way); a check may run `time_limit_s`; a rank
-may map `memory_limit_mb` more than it started the checks with; nothing the solution started survives.
+may allocate `memory_limit_mb` more than it started the checks with; nothing the solution started survives.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ HIDDEN_CHECKS = "hidden_checks.py"  # the instructor's extra checks: graded, nev
 class Limits:
     """What grading one solution may cost. check_timeout_s: how long one rank waits for one message;
     stall_s: every rank blocked (or done) this long is a deadlock; time_limit_s: one check's wall time;
-    memory_limit_mb: what a rank may map beyond what it had when the checks began (None: no limit)."""
+    memory_limit_mb: the data a rank may allocate beyond what it had when the checks began (None: no limit)."""
 
     check_timeout_s: float = 20.0
     stall_s: float = 5.0
