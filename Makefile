@@ -17,7 +17,7 @@ export CHROMIUM
 # JupyterLab refuses to start as root (containers, course VMs) unless told it may.
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup demo compare test test-browser test-papers lab notebooks browser clean
+.PHONY: setup demo compare test test-browser test-papers test-grading lab notebooks browser clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,10 @@ demo: $(STAMP)
 
 test: $(STAMP) browser
 	$(PY) -m pytest -q
+
+# Beyond the suite's time budget: grading at scale (misbehaving solutions, a class folder), about 25 s.
+test-grading: $(STAMP)
+	$(PY) -m pytest -q -m grading_scale
 
 test-papers: $(STAMP)
 	$(PY) -m pytest -q -m papers

@@ -14,6 +14,7 @@ COMMANDS = {
     "grade": ("toolkit.grading", "main", "grade a lab: python -m toolkit grade labs/01-ring-allreduce"),
     "compare": ("toolkit.compare", "main", "train the tiny GPT with every strategy; table, report, traces"),
     "simulate": ("toolkit.sim.cli", "main", "one rank of a simulated cluster (up to 1024): memory, bytes vs formulas"),
+    "release": ("toolkit.grading.release", "main", "the students' copy of the labs, without solutions: release labs/ --out DIR"),
 }
 
 

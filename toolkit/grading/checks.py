@@ -29,6 +29,7 @@ class Check:
     points: int
     world_sizes: tuple[int, ...]
     fn: object
+    hidden: bool = False  # defined in the lab's hidden_checks.py: graded, not shipped to students
 
 
 def check(name: str, points: int = 1, world_sizes=(2, 3, 4)):

@@ -14,10 +14,14 @@ size. How one failure is kept from spoiling the others:
 - when a launch ends early (that way, or a crash, or a hang), the result files show which check was
   running: it scores 0 with the launcher's story, and a new launch carries on after it.
 A check that failed at a smaller world size is not run again at larger ones.
+
+What a solution may cost (`Limits`; see `watchdog.py` and `isolation.py`): a check in which every rank
+is blocked or done for `stall_s` is a deadlock, reported once with the line where each rank waits, and
+the grading stops there (the rest would deadlock the same way); a check may run `time_limit_s`; a rank
+may allocate `memory_limit_mb` more than it started the checks with; nothing the solution started survives.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import datetime
@@ -28,13 +32,28 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..runtime.launch import RankError, launch
 from .checks import Check, CheckFailed, Context
+from .isolation import Sandbox
+from .watchdog import Watchdog, limit_memory, out_of_memory
 
 PATIENCE_AFTER_FAILURE_S = 1.5  # how long a rank whose check failed waits for its peers before giving up
+HIDDEN_CHECKS = "hidden_checks.py"  # the instructor's extra checks: graded, never released to students
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What grading one solution may cost. check_timeout_s: how long one rank waits for one message;
+    stall_s: every rank blocked (or done) this long is a deadlock; time_limit_s: one check's wall time;
+    memory_limit_mb: the data a rank may allocate beyond what it had when the checks began (None: no limit)."""
+
+    check_timeout_s: float = 20.0
+    stall_s: float = 5.0
+    time_limit_s: float = 120.0
+    memory_limit_mb: float | None = 4096
 
 
 @dataclass
@@ -43,6 +62,7 @@ class CheckResult:
     points: int
     earned: int
     message: str = ""  # why it failed (empty when it passed)
+    hidden: bool = False  # from the instructor's hidden_checks.py
 
     @property
     def passed(self) -> bool:
@@ -95,11 +115,25 @@ def load_module(path, name: str):
 
 
 def lab_checks(lab_dir) -> list[Check]:
-    """The checks a lab's checks.py defines, in the order it defines them."""
+    """The checks a lab's checks.py defines, in the order it defines them, then its hidden_checks.py's
+    (present in the instructor's copy only: `python -m toolkit release` leaves it out)."""
     module = load_module(Path(lab_dir) / "checks.py", f"_lab_checks_{abs(hash(str(lab_dir)))}")
     checks = [value for value in vars(module).values() if isinstance(value, Check)]
     if not checks:
         raise ValueError(f"{lab_dir}/checks.py defines no checks (functions decorated with @check).")
+    if (Path(lab_dir) / HIDDEN_CHECKS).exists():  # it may `from checks import ...` the public helpers
+        before = sys.modules.get("checks")
+        sys.modules["checks"] = module
+        try:
+            name = f"_lab_hidden_{abs(hash(str(lab_dir)))}"
+            hidden = load_module(Path(lab_dir) / HIDDEN_CHECKS, name)
+        finally:
+            if before is None:
+                sys.modules.pop("checks", None)
+            else:
+                sys.modules["checks"] = before
+        checks += [replace(v, hidden=True) for v in vars(hidden).values()
+                   if isinstance(v, Check) and v not in checks]
     return checks
 
 
@@ -116,6 +150,9 @@ def _explain(exc: BaseException, solution: str) -> str:
     if cause is not None:
         return f"not implemented yet ({cause})" if str(cause) else "not implemented yet"
     text = f"{type(exc).__name__}: {exc}".strip()
+    if out_of_memory(exc):
+        text = ("ran out of memory: the rank tried to allocate more than a check may use "
+                f"(the grader's memory limit). {text.splitlines()[0][:200]}")
     mine = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == solution]
     if mine:
         text += f"\n  at {os.path.basename(solution)} line {mine[-1].lineno}: {(mine[-1].line or '').strip()}"
@@ -132,7 +169,7 @@ def _wait_for_peers(folder: str, index: int, world_size: int, patience_s: float 
     return True
 
 
-def run_checks_on_rank(lab_dir: str, solution: str, indices: list[int], folder: str, check_timeout_s: float):
+def run_checks_on_rank(lab_dir: str, solution: str, indices: list[int], folder: str, limits: Limits):
     """The body of each rank: run the lab's checks `indices` on the student's module, writing results."""
     import torch
     import torch.distributed as dist
@@ -141,12 +178,16 @@ def run_checks_on_rank(lab_dir: str, solution: str, indices: list[int], folder: 
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     checks = lab_checks(lab_dir)
+    watchdog = Watchdog(folder, rank, world_size, solution, lambda i, r: _result_path(folder, i, r),
+                        limits.stall_s, limits.time_limit_s)
     student = load_module(solution, "student_solution")
+    limit_memory(limits.memory_limit_mb)
     for index in indices:
         check = checks[index]
-        group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=check_timeout_s))
+        group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=limits.check_timeout_s))
         torch.manual_seed(1000 + rank)
         status.enter(f"check '{check.name}'")
+        watchdog.begin(index)
         try:
             check.fn(student, Context(rank, world_size, group))
             message = ""
@@ -154,6 +195,7 @@ def run_checks_on_rank(lab_dir: str, solution: str, indices: list[int], folder: 
             message = str(exc) if isinstance(exc, CheckFailed) else f"rank {rank}: {_explain(exc, solution)}"
         status.leave()
         _write_json(_result_path(folder, index, rank), {"message": message, "time": time.time()})
+        watchdog.end()
         # No board entry while waiting: a peer that never finishes is inside its check (the launcher
         # sees that one hang) or dead (the launcher sees that too).
         if not _wait_for_peers(folder, index, world_size, PATIENCE_AFTER_FAILURE_S if message else None):
@@ -224,9 +266,10 @@ def _verdict(results: dict, n: int, crash_story: str | None) -> str:
     return ""
 
 
-def _run_world_size(lab_dir: str, solution: str, indices: list[int], n: int,
-                    check_timeout_s: float, quiet: bool, backend: str) -> dict[int, str]:
-    """Run checks `indices` on n ranks; {index: failure message, or "" when it passed on every rank}."""
+def _run_world_size(lab_dir: str, solution: str, indices: list[int], n: int, limits: Limits,
+                    quiet: bool, backend: str) -> tuple[dict[int, str], int | None]:
+    """Run checks `indices` on n ranks: ({index: failure message, or "" when it passed on every rank},
+    the index of a check that deadlocked or ran out of time, after which nothing more runs)."""
     verdicts: dict[int, str] = {}
     todo = list(indices)
     while todo:
@@ -236,30 +279,44 @@ def _run_world_size(lab_dir: str, solution: str, indices: list[int], n: int,
                 print(f"grading: {len(todo)} check(s) on {n} ranks ...", file=sys.stderr, flush=True)
             with contextlib.redirect_stdout(tail):
                 try:
-                    launch(run_checks_on_rank, n, args=(lab_dir, solution, todo, folder, check_timeout_s),
-                           backend=backend, timeout_s=check_timeout_s + 5)
+                    launch(run_checks_on_rank, n, args=(lab_dir, solution, todo, folder, limits),
+                           backend=backend, timeout_s=limits.check_timeout_s + 5,
+                           deadline_s=len(todo) * (limits.time_limit_s + 5) + 60)
                 except RankError as error:
                     crash = error
+            stuck = _read_json(os.path.join(folder, "deadlock.json"))  # the watchdogs' verdict, if any
+            if stuck is not None and stuck["stop"]:  # a deadlock: the next check would deadlock the same way
+                verdicts[stuck["index"]] = f"world size {n}, {stuck['message']}"
+                return verdicts, stuck["index"]
             abandoned = (_read_json(os.path.join(folder, "abandoned.json")) or {}).get("index")
             for position, index in enumerate(todo):
                 results = {r: v for r in range(n) if (v := _read_json(_result_path(folder, index, r)))}
                 verdicts[index] = _verdict(results, n, crash and _crash_story(crash, tail))
+                if stuck is not None and stuck["index"] == index:  # stopped in this check: carry on after it
+                    verdicts[index] = f"world size {n}, {stuck['message']}"
+                    todo = todo[position + 1:]
+                    break
                 if len(results) < n or index == abandoned:  # the launch ended in this check
                     todo = todo[position + 1:]
                     break
             else:
                 todo = []
-    return verdicts
+    return verdicts, None
 
 
-def grade(lab_dir, solution_file=None, *, check_timeout_s: float = 20.0, quiet: bool = True,
-          backend: str = "gloo") -> Score:
+def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, quiet: bool = True,
+          backend: str = "gloo", limits: Limits | None = None) -> Score:
     """Run every check of the lab in `lab_dir` against `solution_file` (default: the lab's skeleton.py).
 
-    check_timeout_s: how long one rank may wait for one message inside a check.
+    limits: what the solution may cost (`Limits()` by default); check_timeout_s overrides its
+        `check_timeout_s`, how long one rank may wait for one message inside a check.
     quiet=False shows what the ranks print (a student's debugging output) while grading.
     backend: gloo by default, since the labs' checks build CPU tensors, even on a machine with GPUs.
+    Whatever the solution started is stopped before this returns (`isolation.Sandbox`).
     """
+    limits = limits or Limits()
+    if check_timeout_s is not None:
+        limits = replace(limits, check_timeout_s=check_timeout_s)
     lab_dir = Path(lab_dir).resolve()
     solution = Path(solution_file).resolve() if solution_file else lab_dir / "skeleton.py"
     if not (lab_dir / "checks.py").exists():
@@ -268,40 +325,29 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float = 20.0, quiet: 
         raise FileNotFoundError(f"no solution file at {solution}.")
     checks = lab_checks(lab_dir)
     score = Score(lab=str(lab_dir), solution=str(solution))
-    try:  # a file that does not import fails every check without starting a single rank
-        load_module(solution, "student_solution")
-        problem = ""
-    except Exception as exc:  # noqa: BLE001
-        problem = f"your file does not import: {_explain(exc, str(solution))}"
-    verdicts = {i: problem for i in range(len(checks))} if problem else {}
-    for n in sorted({n for c in checks for n in c.world_sizes}):
-        indices = [i for i, c in enumerate(checks) if n in c.world_sizes and not verdicts.get(i)]
-        if indices:
-            verdicts.update(_run_world_size(str(lab_dir), str(solution), indices, n,
-                                            check_timeout_s, quiet, backend))
+    with Sandbox():
+        problem = _imports(solution)
+        verdicts = {i: problem for i in range(len(checks))} if problem else {}
+        stopped = None
+        for n in sorted({n for c in checks for n in c.world_sizes}):
+            indices = [i for i, c in enumerate(checks) if n in c.world_sizes and not verdicts.get(i)]
+            if indices and stopped is None:
+                found, stopped = _run_world_size(str(lab_dir), str(solution), indices, n, limits, quiet, backend)
+                verdicts.update(found)
     for i, c in enumerate(checks):
         message = verdicts.get(i, "")
-        score.results.append(CheckResult(c.name, c.points, 0 if message else c.points, message))
+        if stopped is not None and i not in verdicts:
+            message = (f"not run: grading stopped at check '{checks[stopped].name}', which could not finish "
+                       "(see its message); fix that first.")
+        score.results.append(CheckResult(c.name, c.points, 0 if message else c.points, message, c.hidden))
     return score
 
 
-def grade_command(lab_path, solution=None, *, check_timeout_s: float = 20.0, quiet: bool = False) -> int:
-    """`python -m toolkit grade LAB [--solution FILE]`: print the report; exit code 0 only for full marks."""
+def _imports(solution: Path) -> str:
+    """A file that does not import fails every check without starting a single rank. (In this process:
+    a solution that misbehaves at import time is contained by the class grader's per-student process.)"""
     try:
-        score = grade(lab_path, solution, check_timeout_s=check_timeout_s, quiet=quiet)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(format_score(score))
-    return 0 if score.total == score.maximum else 1
-
-
-def main(argv=None) -> int:
-    """The grader's own command line: LAB [--solution FILE] [--timeout SECONDS] [--quiet]."""
-    parser = argparse.ArgumentParser(prog="python -m toolkit grade", description="Grade a lab on real ranks.")
-    parser.add_argument("lab", help="the lab folder, e.g. labs/01-ring-allreduce")
-    parser.add_argument("--solution", help="the file to grade (default: the lab's skeleton.py)")
-    parser.add_argument("--timeout", type=float, default=20.0, help="seconds one check may wait on a message")
-    parser.add_argument("--quiet", action="store_true", help="hide what the ranks print")
-    args = parser.parse_args(argv)
-    return grade_command(args.lab, args.solution, check_timeout_s=args.timeout, quiet=args.quiet)
+        load_module(solution, "student_solution")
+    except Exception as exc:  # noqa: BLE001
+        return f"your file does not import: {_explain(exc, str(solution))}"
+    return ""

@@ -39,6 +39,15 @@ def wrap(model: torch.nn.Module, strategy: str, *, optimizer=torch.optim.AdamW, 
     return build(model, optimizer, **options)
 
 
+def shard_optimizer(params, optimizer_class, *, group=None, **defaults):
+    """`optimizer_class(params, **defaults)` with its states split among the ranks of `group` (default:
+    every rank), shaped like torch's ZeroRedundancyOptimizer: ZeRO-1 as an optimizer alone, beside any
+    data parallelism that averages the gradients. See `optimizer_sharding.py`."""
+    from .optimizer_sharding import ShardedStateOptimizer
+
+    return ShardedStateOptimizer(params, optimizer_class, group=group, **defaults)
+
+
 def full_state_dict(model: torch.nn.Module) -> dict:
     """The full, unsharded parameters under their original names, on every rank, whatever the strategy.
 

@@ -89,7 +89,7 @@ from ..runtime import env
 from ..trace.events import phase, recorder
 from . import check_options, consistency
 from .fsdp_init import check_deferred, initialize, is_deferred, owners, seeded_init  # noqa: F401 - re-exported
-from .fsdp_policy import plan
+from .fsdp_policy import explain, plan
 from .fsdp_unit import SHARDED, FSDPUnit, MixedPrecision, Sharding, dtypes, sharding_groups  # noqa: F401
 from .sharded import ShardedEngine, ShardedModel, ShardedOptimizer, check_optimizer
 
@@ -125,6 +125,7 @@ def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
     if not (isinstance(unit_class, type) and issubclass(unit_class, FSDPUnit)):
         raise ValueError(f"fsdp: unit_class must be FSDPUnit or a subclass of it, got {unit_class!r}.")
     plans = plan(model, options.get("wrap_policy"))
+    recorder.metric("fsdp/wrap_policy", explain(model, options.get("wrap_policy")))  # the Run says why these units
     init_fn = options.get("param_init_fn")
     deferred = is_deferred(model)
     if deferred:

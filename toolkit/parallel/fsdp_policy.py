@@ -10,7 +10,10 @@ transformer the natural unit is one block: equal sizes, and the blocks run one a
 A *wrap policy* picks the unit modules; the root (the whole model) is always a unit too and takes
 every parameter not inside another unit (the embeddings, the final norm, the head). Policies:
 
-    None (default)           every `toolkit.models.Block`
+    None (default)           any model (see `default_units`): every `toolkit.models.Block`; else the
+                             model's repeated layers (the children of a ModuleList or Sequential
+                             that are all of one class, e.g. nn.TransformerEncoder's layers or a
+                             Hugging Face GPT-2's `transformer.h`); else the root alone
     a class, or a tuple of   every module of those classes                  wrap_policy=(Block, MoE)
     an int                   bottom-up, a module whose parameters not yet in a unit below it
                              number at least this many (torch FSDP1's size-based policy)
@@ -52,9 +55,7 @@ def select(model: nn.Module, policy=None) -> list[str]:
     """Qualified names of the modules the policy makes units (the root excluded), in model order."""
     named = list(model.named_modules())
     if policy is None:
-        from ..models import Block
-
-        policy = (Block,)
+        return default_units(model)[0]
     if isinstance(policy, type):
         policy = (policy,)
     if isinstance(policy, bool):
@@ -93,17 +94,64 @@ def select(model: nn.Module, policy=None) -> list[str]:
         classes = sorted({type(m).__name__ for n, m in named if n})
         raise ValueError(
             f"wrap_policy={_describe(policy)} matched no module of this {type(model).__name__}, so the whole "
-            f"model would be one unit, gathered whole for every forward: no memory saved over plain data "
-            f"parallelism. Pick the modules to shard separately: module classes in this model are "
-            f"{classes}; or a minimum parameter count, or a list of names. {POLICY_HELP}")
+            f"model would be one unit, gathered whole for every forward and backward; a policy that chooses "
+            f"nothing is most likely a mistake. Pick the modules to shard separately: module classes in this "
+            f"model are {classes}; or a minimum parameter count, or a list of names; or leave wrap_policy out "
+            f"for the default. {POLICY_HELP}")
     return chosen
+
+
+def default_units(model: nn.Module) -> tuple[list[str], str]:
+    """The units when the user names none, for any model, and why: (qualified names, a sentence).
+
+    1. Every `toolkit.models.Block`: the FSDP paper's unit, one transformer block.
+    2. Otherwise the model's *repeated layers*: wherever a ModuleList or Sequential holds at least two
+       children with parameters, all of one class, each child is a unit (outermost such lists only).
+       That is how transformers of any origin are built (nn.TransformerEncoder's `layers`, Hugging Face's
+       `transformer.h`, a stack of Linear layers), and it gives what the paper recommends: units of
+       equal size that run one after another, so the peak is the shards plus one layer.
+    3. Otherwise the root alone. One unit still shards the parameters, gradients and optimizer states
+       between uses (a rank keeps 1/N of them), but gathers the whole model for each forward and
+       backward: name units with `wrap_policy` (a class, a size, a list) to lower that peak.
+    """
+    from ..models import Block
+
+    named = list(model.named_modules())
+    blocks = [n for n, m in named if n and isinstance(m, Block)]
+    if blocks:
+        return blocks, f"every toolkit.models.Block ({len(blocks)} units, plus the root for the rest)"
+    chosen, lists = [], []
+    for name, module in named:
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or any(_inside(name, c) for c in chosen):
+            continue
+        children = [(f"{name}.{n}" if name else n, c) for n, c in module.named_children()
+                    if any(True for _ in c.parameters())]
+        if len(children) >= 2 and len({type(c) for _, c in children}) == 1:
+            chosen += [n for n, _ in children]
+            lists.append(f"{name or '(root)'} ({len(children)} x {type(children[0][1]).__name__})")
+    if chosen:
+        return chosen, (f"the model's repeated layers, one unit each: {', '.join(lists)}, plus the root "
+                        "for the rest")
+    return [], ("the root alone: this model has no repeated layers (a ModuleList or Sequential of one class) "
+                "to split it by, so it is one unit, gathered whole for each forward and backward; its "
+                "parameters, gradients and optimizer states are still sharded between uses. Pass wrap_policy "
+                "to choose smaller units.")
+
+
+def explain(model: nn.Module, policy=None) -> str:
+    """One line for the Run: which policy chose the units, and which units it chose."""
+    if policy is None:
+        return f"wrap_policy=None (the default): {default_units(model)[1]}"
+    units = select(model, policy)
+    return f"wrap_policy={_describe(policy)}: {len(units)} units ({', '.join(units[:4])}{', ...' * (len(units) > 4)}), plus the root"
 
 
 # Modules whose forward is never called (a model iterates over them): never units. (torch FSDP1's
 # size-based policy excludes them too.)
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
-POLICY_HELP = ("Valid policies: None (each toolkit.models.Block), a module class or tuple of classes, an "
+POLICY_HELP = ("Valid policies: None (the default: each toolkit.models.Block, else the model's repeated layers, "
+               "else the root alone), a module class or tuple of classes, an "
                "int (minimum parameters per unit), a list of modules or qualified names, or a function "
                "fn(name, module) -> bool.")
 

@@ -53,6 +53,11 @@ from .flat import FlatBuffer
 from .sharded import Shard, ShardedEngine
 
 
+# Modules whose forward reads their submodules' parameters without calling those submodules: torch's
+# MultiheadAttention passes out_proj.weight to a functional call. Their unit holds everything below them.
+READS_CHILDREN = (nn.MultiheadAttention,)
+
+
 class Unit:
     """The parameters one module owns directly, flattened; between uses only this rank's slice is kept.
 
@@ -96,8 +101,13 @@ class Zero3(ShardedEngine):
         self.order: list[Unit] = []  # units in the order the first forward gathered them
         self.ready: list[Unit] = []  # units whose gradients wait for a reduce bucket to fill
         self.unit_of, self.uses = {}, {}
+        whole = []  # modules gathered with everything below them (READS_CHILDREN)
         for name, m in module.named_modules():
-            own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+            if any(name.startswith(w + ".") for w in whole):
+                continue  # its parameters are in the enclosing module's unit
+            if isinstance(m, READS_CHILDREN):
+                whole.append(name)
+            own = [p for p in m.parameters(recurse=name in whole) if p.requires_grad]
             new = [p for p in own if p not in self.unit_of]
             if new:
                 unit = Unit(self, name or "(root)", new)
@@ -170,6 +180,13 @@ class Zero3(ShardedEngine):
     def forward(self, module, args, kwargs):
         try:
             return module(*args, **kwargs)
+        except RuntimeError as exc:
+            if "storage of size 0" not in str(exc):
+                raise
+            raise RuntimeError(
+                "zero3 gathers a module's parameters only while that module's own forward runs, and this model "
+                "read a parameter at another time (a parent module using a child's weight directly, without "
+                f"calling the child). Use fsdp for this model: its units are whole layers ({exc})") from exc
         finally:  # a unit whose later user did not run this time: free it (backward gathers again)
             for unit in self.pieces:
                 unit.done_forward.clear()

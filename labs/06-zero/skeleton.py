@@ -1,0 +1,109 @@
+"""Lab 06: ZeRO, written by you: stage 2's gradient reduce-scatter and the partitioned optimizer step.
+
+Three pieces are yours (marked "yours" below): `shard_bounds`, `Zero2.reduce_gradients` and `Zero2.step`.
+The rest is given: the flat buffer the model's parameters live in, this rank's fp32 master slice, the
+optimizer built on that slice alone, and the hook that calls `reduce_gradients()` once backward is over.
+Read README.md first, then grade your work with
+
+    python -m toolkit grade labs/06-zero                     # grades this file
+    python -m toolkit grade labs/06-zero --solution my.py    # or a copy of it
+
+Rule of the game: every collective goes through `toolkit.comm` (`comm.reduce_scatter`, `comm.all_gather`),
+so the trace records it and the grader can count what travelled.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from toolkit import comm
+from toolkit.parallel.flat import FlatBuffer
+
+
+# --- yours: 1. which slice is mine ----------------------------------------------------------------------
+def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
+    """(start, end, padded): rank `rank`'s slice [start, end) of a flat buffer of `numel` elements, once the
+    buffer is padded with zeros to `padded`, the next multiple of `world_size` (every rank owns the same
+    number of elements, which is what a reduce-scatter and an all-gather need).
+
+    shard_bounds(10, 4, 3) == (9, 12, 12): 10 elements padded to 12, slices of 3, rank 3 owns [9, 12).
+    """
+    raise NotImplementedError("shard_bounds: pad numel up to a multiple of world_size, then cut equal slices")
+
+
+class Zero2:
+    """ZeRO stage 2 for a plain model. What `__init__` (given) sets up:
+
+    self.params    the model's trainable parameters; each is now a *view* of `self.flat`
+    self.flat      a FlatBuffer: `self.flat.data` is every parameter end to end in one fp32 1-D tensor,
+                   padded to `self.flat.padded_numel` (a multiple of the world size); `self.flat.shapes`,
+                   `self.flat.views()`, `self.flat.shard_numel` (elements per rank)
+    self.master    this rank's slice of `self.flat.data` (an nn.Parameter, and a view: stepping it updates
+                   the model's own parameters in place, for this slice)
+    self.optimizer the user's optimizer (AdamW, say) built on [self.master] only: its states (Adam's two
+                   moments) exist for this rank's 1/N of the parameters, not for all of them
+    self.group, self.world, self.rank   the process group, its size N, this rank's position in it
+    """
+
+    def __init__(self, model: nn.Module, optimizer=torch.optim.AdamW, group=None):
+        self.group = group
+        ranks = comm.group_ranks(group)
+        self.world = len(ranks)
+        self.rank = ranks.index(torch.distributed.get_rank())
+        self.params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+        self.flat = FlatBuffer.of(self.params, self.world, dtype=torch.float32)
+        with torch.no_grad():
+            for p, view in zip(self.params, self.flat.views()):
+                p.data = view  # the model computes with views of the flat buffer
+        start, end, padded = shard_bounds(self.flat.numel, self.world, self.rank)
+        assert padded == self.flat.padded_numel, "shard_bounds disagrees with the flat buffer's padding"
+        self.master = nn.Parameter(self.flat.data[start:end])  # a view: stepping it updates the model's slice
+        self.optimizer = optimizer([self.master])
+        self._queued = False
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._gradient_arrived)
+
+    def _gradient_arrived(self, p) -> None:
+        if not self._queued:  # once per backward: have _end_of_backward run when autograd is done
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        self.reduce_gradients()
+
+    # --- yours: 2. stage 2's reduce-scatter ----------------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        """Called once backward is over: every `p.grad` holds this rank's gradient of its own rows.
+        Leave in `self.master.grad` the average over the ranks of *this rank's slice* only, and free
+        every full gradient: under stage 2 a rank keeps 1/N of the gradients.
+
+        1. Lay the gradients out like the parameters: `grads = FlatBuffer(self.flat.shapes, self.world)`
+           (zeros, so the padding and any parameter without a gradient contribute nothing), then copy
+           each `p.grad` into its view (`grads.views()`, in the order of `self.params`).
+        2. An output of one slice, `torch.empty(grads.shard_numel)`, and
+           `comm.reduce_scatter(output, grads.data, op="avg", group=self.group)`: rank r receives the
+           average of slice r of everyone's flat gradient.
+        3. `self.master.grad = output`, and `p.grad = None` for every parameter.
+        """
+        raise NotImplementedError("reduce_gradients: reduce-scatter the flat gradient (op='avg') into master.grad")
+
+    # --- yours: 3. the partitioned step ------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update this rank's slice, then bring every rank's updated slice to every rank.
+
+        1. `self.optimizer.step()`: AdamW on `self.master` only (its fp32 slice and its averaged gradient).
+           The master is a view of the flat buffer, so this rank's slice of the model is now up to date;
+           the other N-1 slices still hold last step's values.
+        2. `comm.all_gather(self.flat.data, <this rank's slice>, group=self.group)`: every rank's slice
+           lands at its place in everyone's flat buffer. Pass a copy of the master as the input
+           (`self.master.detach().clone()`): the input must not overlap the output it is gathered into.
+        3. `self.master.grad = None`.
+        """
+        raise NotImplementedError("step: optimizer.step() on the slice, then all-gather the slices")
+
+    def zero_grad(self) -> None:
+        self.master.grad = None
+        for p in self.params:
+            p.grad = None

@@ -1,0 +1,135 @@
+"""Lab 09: Tutel's pipelined all-to-all, written by you: steps 4-6 of an MoE layer in chunks along the
+capacity, chunk k+1's dispatch travelling while chunk k's experts compute.
+
+Two pieces are yours (marked "yours" below): `split_capacity` and `run_pipeline`. Given, at the bottom:
+the experts, `exchange` (post one chunk's all-to-all, get a handle), and the autograd function that runs
+your pipeline forward and, on the gradients, backward. Read README.md first, then grade your work with
+
+    python -m toolkit grade labs/09-tutel-pipeline                     # grades this file
+    python -m toolkit grade labs/09-tutel-pipeline --solution my.py    # or a copy of it
+
+Rule of the game: rows travel only through the given `exchange` (it goes through `toolkit.comm`, labels
+the chunk on the trace and notes when you first waited for it: the grader reads both).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from toolkit import comm
+from toolkit.trace.events import recorder, span
+
+
+# --- yours: 1. chunks along the capacity ---------------------------------------------------------------------
+def split_capacity(x: torch.Tensor, degree: int) -> list[torch.Tensor]:
+    """Cut x, of shape (E, C, d), along the capacity C (dim 1) into `degree` chunks whose sizes differ by
+    at most one slot, the larger first (`torch.tensor_split` does exactly that); drop empty chunks (a degree
+    larger than C). Every rank has the same C, so every rank cuts at the same slots: a sender and a
+    receiver must agree on which rows form chunk k. Raise ValueError for a degree below 1.
+    split_capacity(x, 3) for C = 5: chunks of 2, 2 and 1 slots.
+    """
+    raise NotImplementedError("split_capacity: tensor_split along dim 1, without empty chunks")
+
+
+# --- yours: 2. the pipeline ---------------------------------------------------------------------------------
+def run_pipeline(x: torch.Tensor, degree: int, compute, group, names) -> torch.Tensor:
+    """Dispatch, compute and combine x (E, C, d) in chunks along C, overlapping communication with compute.
+
+    names = (out, back): labels of the two exchanges ("dispatch", "combine" forward; backward runs this
+    same function on the gradients with "combine backward", "dispatch backward"). `compute(k, received)`
+    runs the local experts on chunk k's received rows and returns their outputs (same shape).
+    `exchange(chunk, group, name, k, count)` posts chunk k's all-to-all and returns at once; its `.wait()`
+    returns what arrived. The schedule, with count = len(chunks):
+
+        post the dispatch of chunk 0
+        for k in 0 .. count-1:
+            post the dispatch of chunk k+1 (if there is one)   <- travels while chunk k computes
+            wait for chunk k's dispatch, compute(k, ...)
+            post the combine of chunk k's outputs              <- travels while chunk k+1 computes
+        wait for every combine, in order; concatenate the results along dim 1: shape (E, C, d) again
+
+    Degree 1 is the plain layer: one dispatch, the experts, one combine, nothing overlapped.
+    """
+    raise NotImplementedError("run_pipeline: post chunk k+1's dispatch before computing chunk k")
+
+
+# --- given: the experts, one exchange, and autograd through your pipeline ----------------------------------
+class Experts(nn.Module):
+    """This rank's E_local experts, each a two-layer MLP: y = relu(x @ w1[e]) @ w2[e]."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor):
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(w1.clone()), nn.Parameter(w2.clone())  # (E_local, d, h), (E_local, h, d)
+
+    def forward(self, received: torch.Tensor) -> torch.Tensor:
+        """received: (W * E_local, c, d), grouped by sender, then by this rank's local expert."""
+        world = received.shape[0] // self.w1.shape[0]
+        rows = received.view(world, self.w1.shape[0], -1, received.shape[-1])  # (W, E_local, c, d)
+        hidden = torch.relu(torch.einsum("seci,eih->sech", rows, self.w1))
+        return torch.einsum("sech,ehi->seci", hidden, self.w2).reshape(received.shape)
+
+
+class Pending:
+    """An all-to-all in flight: `wait()` returns the received tensor (and notes when it was first asked for)."""
+
+    def __init__(self, out, handle):
+        self.out, self.handle = out, handle
+
+    def wait(self) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.event["args"]["waited_at"] = recorder.mark()
+            self.handle.wait()
+            self.handle = None
+        return self.out
+
+
+def exchange(chunk: torch.Tensor, group, name: str, k: int, count: int) -> Pending:
+    """Post the all-to-all of one chunk (equal splits along dim 0: rows [j*E_local, (j+1)*E_local) go to
+    rank j) and return at once; `.wait()` gives what arrived. Labelled "<name> chunk k+1/count" on the trace."""
+    chunk = chunk.contiguous()
+    out = torch.empty_like(chunk)
+    handle = comm.all_to_all(out, chunk, group=group, async_op=True)
+    handle.event["args"]["moe"] = f"{name} chunk {k + 1}/{count}"
+    return Pending(out, handle)
+
+
+class Pipelined(torch.autograd.Function):
+    """Your `run_pipeline`, differentiable: backward runs the same pipeline on the gradients (the outputs'
+    gradients travel to the experts' ranks, the inputs' gradients come back), chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, x, degree, experts, group, *params):
+        saved = {}
+
+        def forward_chunk(k, received):
+            leaf = received.detach().requires_grad_(True)
+            with torch.enable_grad(), span(f"experts chunk {k + 1}", chunk=k):
+                y = experts(leaf)
+            saved[k] = (leaf, y)
+            return y.detach()
+
+        out = run_pipeline(x.detach(), degree, forward_chunk, group, ("dispatch", "combine"))
+        ctx.saved, ctx.degree, ctx.group, ctx.params = saved, degree, group, params
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = [torch.zeros_like(p) for p in ctx.params]
+
+        def backward_chunk(k, grad_y):
+            leaf, y = ctx.saved.pop(k)
+            with span(f"experts chunk {k + 1} backward", chunk=k, backward=True):
+                g = torch.autograd.grad(y, [leaf, *ctx.params], grad_y)
+            for total, part in zip(grads, g[1:]):
+                total.add_(part)
+            return g[0]
+
+        grad_x = run_pipeline(grad.contiguous(), ctx.degree, backward_chunk, ctx.group,
+                              ("combine backward", "dispatch backward"))
+        return (grad_x, None, None, None, *grads)
+
+
+def pipelined_experts(x: torch.Tensor, degree: int, experts: Experts, group=None) -> torch.Tensor:
+    """Steps 4-6 of an MoE layer (dispatch, experts, combine) for x of shape (E, C, d), pipelined in
+    `degree` chunks along the capacity C. Differentiable in x and in the experts' weights."""
+    return Pipelined.apply(x, degree, experts, group, *experts.parameters())

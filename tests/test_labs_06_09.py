@@ -1,0 +1,74 @@
+"""Labs 06-09 through the grader, one table: for each lab the untouched skeleton scores 0, the reference
+full marks, and its classic mistake loses exactly the checks that describe it, with feedback that names
+the mistake (so the checks can fail, and fail for the right reason). One grading (one launch) per test.
+
+    06-zero             forgetting the all-gather after the partitioned step
+    07-hsdp             never all-reducing across the replica group (each node trains its own model)
+    08-mixed-precision  all-gathering the fp32 masters and rounding afterwards (twice the bytes)
+    09-tutel-pipeline   posting chunk k+1 only after computing chunk k (right numbers, nothing overlapped)
+"""
+import pytest
+from lab_grading import LabGrading
+
+FP32_GATHER = """            full = torch.empty(self.flat.padded_numel, dtype=torch.float32)
+            handle = comm.all_gather(full, self.master.detach(), group=self.sharding.shard_group, async_op=True)
+            handle.wait()
+            self.flat.data.copy_(full)
+            piece = full
+"""
+POST_NEXT = "        following = exchange(chunks[k + 1], group, names[0], k + 1, count) if k + 1 < count else None\n"
+COMPUTE = "        y = compute(k, pending.wait())\n"
+
+# lab -> (its checks: a short key -> the start of the check's name, maximum, the mistake:
+#         (name, (old, new) in the reference, {check that must fail: a phrase its message must contain}))
+LABS = {
+    "06-zero": ({"bounds": "shard_bounds", "grads": "after one backward", "states": "the optimizer holds states",
+                 "parity": "parity", "bytes": "bytes per step"}, 8,
+                ("no all-gather after the step",
+                 ("        comm.all_gather(self.flat.data, self.master.detach().clone(), group=self.group)\n", ""),
+                 {"parity": "only its own slice of the parameters changed",
+                  "bytes": "without the all-gather after the step"})),
+    "07-hsdp": ({"layout": "hsdp_layout", "groups": "make_groups", "grads": "after one backward", "parity": "parity",
+                 "bytes": "bytes across nodes"}, 8,
+                ("no all-reduce across the replica group",
+                 ('        comm.all_reduce(out, op="avg", group=self.sharding.replica_group)\n', ""),
+                 {"grads": "the replicas were never averaged", "parity": "after 3 SGD steps",
+                  "bytes": "no byte crossed from node to node"})),
+    "08-mixed-precision": ({"gather": "unshard:", "reduce": "gradients are reduced", "fp32": "the optimizer sees fp32",
+                            "close": "4 AdamW steps", "bytes": "bytes halved"}, 8,
+                           ("all-gather in fp32, round afterwards",
+                            ("            piece = self.master.detach().to(self.sharding.param_dtype)\n"
+                             "            handle = comm.all_gather(self.flat.data, piece, group=self.sharding.shard_group,"
+                             " async_op=True)\n", FP32_GATHER),
+                            {"gather": "cast the fp32 master slice to param_dtype *before* the all-gather",
+                             "bytes": "should send"})),
+    "09-tutel-pipeline": ({"split": "split_capacity", "outputs": "outputs", "grads": "gradients",
+                           "overlap": "overlap on the trace", "traffic": "traffic",
+                           "hidden": "degree 4 on a capacity of 5"}, 9,  # 8 public points, 1 hidden
+                          ("post chunk k+1 after computing chunk k", (POST_NEXT + COMPUTE, COMPUTE + POST_NEXT),
+                           {"overlap": "was posted after chunk 1's experts had started"})),
+}
+
+
+def lab(name: str) -> LabGrading:
+    checks, maximum, _ = LABS[name]
+    return LabGrading(name, maximum, checks)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(LABS))
+def test_untouched_skeleton_scores_zero(name, no_leftover_ranks):
+    lab(name).assert_skeleton_scores_zero()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(LABS))
+def test_reference_solution_scores_full_marks(name, no_leftover_ranks):
+    lab(name).assert_reference_scores_full()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(LABS))
+def test_the_classic_mistake_is_named(name, tmp_path, no_leftover_ranks):
+    mistake, change, failing = LABS[name][2]
+    lab(name).assert_mistake_loses_exactly(mistake, change, failing, tmp_path)

@@ -1,0 +1,150 @@
+"""Grade a whole class in one command: one process per submission, a CSV of scores, a progress bar.
+
+    python -m toolkit grade labs/01-ring-allreduce --class submissions/ --csv scores.csv --out feedback/
+
+`submissions/` holds one file per student (`alice.py`) or one folder per student (`alice/ring.py`, the
+layout of a Gradescope or LMS export; the folder's only .py file, or the one named by `--file`).
+Each submission is graded by its own `python -m toolkit grade ... --format json` process in a fresh
+session, with a wall-clock limit (`student_timeout_s`): whatever one submission does (hang, deadlock,
+fork, eat memory), it costs at most that limit, and every process it started is killed before the
+next one begins (`isolation.stop`). `jobs` > 1 grades that many students at once (a machine with
+more cores than one grading's ranks use).
+
+The CSV has one row per student: student, score, max_score, status ("graded", "timed out", "no
+file", "grader error"), seconds, file, then the points of every check. With `out_dir`, each student's
+full report (every check's message) is written there as `<student>.json`.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import isolation
+
+
+@dataclass
+class Row:
+    student: str
+    file: str
+    status: str = "graded"
+    score: float = 0
+    max_score: float = 0
+    seconds: float = 0.0
+    checks: dict = field(default_factory=dict)  # check name -> points earned
+    report: dict | None = None
+
+
+def submissions(class_dir, filename: str | None = None) -> list[tuple[str, Path | None]]:
+    """(student, file) for every submission in `class_dir`, sorted by student; file None if not found."""
+    found = []
+    for entry in sorted(Path(class_dir).iterdir()):
+        if entry.is_file() and entry.suffix == ".py":
+            found.append((entry.stem, entry))
+        elif entry.is_dir() and not entry.name.startswith("."):
+            files = [entry / filename] if filename else sorted(entry.glob("*.py"))
+            files = [f for f in files if f.is_file()]
+            found.append((entry.name, files[0] if len(files) == 1 else None))
+    return found
+
+
+def grade_one(lab, student: str, file: Path | None, *, student_timeout_s: float, options: list[str]) -> Row:
+    """Grade one submission in its own process and session; nothing it starts survives."""
+    row = Row(student, str(file or ""))
+    if file is None:
+        row.status = "no file"
+        return row
+    grading_id = uuid.uuid4().hex
+    env = dict(os.environ, **{isolation.MARKER: grading_id})
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="toolkit-class-") as tmp:
+        output, errors = os.path.join(tmp, "result.json"), os.path.join(tmp, "stderr.txt")
+        command = [sys.executable, "-m", "toolkit", "grade", str(Path(lab).resolve()), "--solution", str(file.resolve()),
+                   "--format", "json", "--output", output, "--quiet", *options]
+        with open(errors, "wb") as err:  # a file, not a pipe: a process that escapes must not hold us up
+            process = subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.DEVNULL, stderr=err, cwd=tmp)
+            try:
+                process.wait(timeout=student_timeout_s)
+            except subprocess.TimeoutExpired:
+                row.status = f"timed out after {student_timeout_s:.0f} s"
+            finally:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)  # its session's process group, whatever is left
+                except ProcessLookupError:
+                    pass
+                process.wait()
+                isolation.stop(grading_id)  # and whatever left the group, by the id in its environment
+        row.seconds = round(time.monotonic() - started, 1)
+        report = _load(output)
+        err = open(errors, "rb").read()
+    if report is not None:
+        row.report, row.score, row.max_score = report, report["score"], report["max_score"]
+        row.checks = {c["name"]: c["score"] for c in report["checks"]}
+    elif row.status == "graded":
+        row.status = "grader error"
+        row.report = {"error": err.decode(errors="replace")[-2000:]}
+    return row
+
+
+def _load(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def grade_class(lab, class_dir, csv_path, *, out_dir=None, filename: str | None = None,
+                student_timeout_s: float = 600.0, jobs: int = 1, options: list[str] = (),
+                progress: bool = True) -> list[Row]:
+    """Grade every submission in `class_dir` against `lab`; write the CSV (and the reports); return rows."""
+    from tqdm.auto import tqdm
+
+    work = submissions(class_dir, filename)
+    if not work:
+        raise FileNotFoundError(f"{class_dir} holds no submissions (.py files, or one folder per student).")
+    rows: list[Row] = []
+    bar = tqdm(total=len(work), desc="grading", unit="student", disable=not progress, file=sys.stderr)
+
+    def one(item):
+        return grade_one(lab, *item, student_timeout_s=student_timeout_s, options=list(options))
+
+    from .grader import lab_checks
+
+    maximum = sum(c.points for c in lab_checks(lab))
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for row in pool.map(one, work):
+            row.max_score = row.max_score or maximum
+            rows.append(row)
+            bar.set_postfix_str(f"{row.student}: {row.score:g}/{row.max_score:g} {row.status}"[:60])
+            bar.update()
+    bar.close()
+    write_csv(rows, csv_path)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        for row in rows:
+            (Path(out_dir) / f"{row.student}.json").write_text(json.dumps(
+                {"student": row.student, "status": row.status, **(row.report or {})}, indent=2))
+    return rows
+
+
+def write_csv(rows: list[Row], path) -> None:
+    names = []
+    for row in rows:
+        names += [n for n in row.checks if n not in names]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["student", "score", "max_score", "status", "seconds", "file", *names])
+        for r in rows:
+            writer.writerow([r.student, r.score, r.max_score, r.status, r.seconds, r.file,
+                             *[r.checks.get(n, 0) for n in names]])

@@ -1,0 +1,123 @@
+"""Nothing of a graded solution outlives its grading: every process it started is found and stopped.
+
+`toolkit.launch` already stops its ranks (each in its own process group) when a launch ends. A
+student's code can go further: fork a child that keeps running, start a subprocess in a new session,
+daemonize. Such a process escapes its rank's process group, but not its environment: every process
+descended from a grading inherits the variable `TOOLKIT_GRADING=<a fresh id>` set for that grading
+(unless it goes out of its way to clear its environment). When the grading ends, `Sandbox` kills every
+process of this user whose environment carries the id, until none is left.
+
+On Linux the grading process can also become a *child subreaper* (prctl PR_SET_CHILD_SUBREAPER): an
+orphan anywhere below it is re-parented to it instead of to init, so even a process that cleared its
+environment is found, as a child of ours, and killed. The command line does this; a library call
+(`grade()` from a notebook or a test) does not, since it would change how the caller's own orphans
+are reaped.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+import uuid
+
+MARKER = "TOOLKIT_GRADING"
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Orphans below this process are re-parented here (Linux only); True if that worked."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def marked(grading_id: str) -> list[int]:
+    """PIDs of live processes whose environment carries this grading's id."""
+    needle = f"{MARKER}={grading_id}".encode()
+    found = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue  # already dead, waiting to be reaped
+        except OSError:
+            continue
+        found.append(int(name))
+    return found
+
+
+def _children() -> list[int]:
+    """Our own child processes (after PR_SET_CHILD_SUBREAPER: also the orphans re-parented to us)."""
+    me, found = os.getpid(), []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me:
+                found.append(int(name))
+    return found
+
+
+def _reap(pids) -> None:
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+class Sandbox:
+    """`with Sandbox() as box:` everything started inside carries `box.id`; on exit none of it survives.
+
+    all_children=True (the command line, a subreaper): also kill every child of this process that
+    exists on exit, whatever its environment says; this process started nothing else.
+    """
+
+    def __init__(self, all_children: bool = False):
+        self.id = uuid.uuid4().hex
+        self.all_children = all_children
+        self.killed: list[int] = []
+
+    def __enter__(self) -> "Sandbox":
+        self._before = os.environ.get(MARKER)
+        os.environ[MARKER] = self.id
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._before is None:
+            os.environ.pop(MARKER, None)
+        else:
+            os.environ[MARKER] = self._before
+        self.stop_everything()
+
+    def stop_everything(self) -> None:
+        self.killed += stop(self.id, self.all_children)
+
+
+def stop(grading_id: str | None, all_children: bool = False, rounds: int = 20) -> list[int]:
+    """SIGKILL every process carrying `grading_id` (and with all_children, every child of ours), again
+    and again until none is left (a fork bomb adds processes while we kill). Returns the PIDs killed."""
+    killed = []
+    for _ in range(rounds):
+        pids = (marked(grading_id) if grading_id else []) + (_children() if all_children else [])
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.05)
+        _reap(pids)
+    return killed
