@@ -21,7 +21,7 @@ class Consequence(Exception):
 # What gloo and NCCL say when the peer, not this rank, is the problem.
 PEER_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out waiting",
               "application timeout caused pair closure", "communicator was aborted",
-              "watchdog caught collective operation timeout", "socket timeout")
+              "watchdog caught collective operation timeout", "socket timeout", "wait timeout after")
 
 
 def is_consequence(exc: BaseException) -> bool:

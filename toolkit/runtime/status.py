@@ -118,14 +118,14 @@ def attach(path: str) -> None:
 
 
 def before_next_collective(fn) -> None:
-    """Run `fn()` once, just before the next collective this process enters (a cluster re-checks its group)."""
+    """Run `fn()` once, just before the next collective this process enters (None: forget it)."""
     global _before_next
     _before_next = fn
 
 
 def begin(op: str, group, detail: str = "") -> Entry:
     """Enter a collective: number it on its group, post "inside since now"."""
-    global _current, _before_next
+    global _before_next
     if _before_next is not None:
         fn, _before_next = _before_next, None
         fn()
