@@ -35,7 +35,7 @@ from .env import resolve_backend
 # The backend's own timeout fires this long after the launcher's hang check, so the check (which can
 # still see who never entered the collective) speaks first; the backend's timeout is the backstop.
 BACKEND_GRACE_S = 5.0
-_SETTLE_S = 0.2       # failures within this long of each other are judged together
+_SETTLE_S = 1.0       # after a first failure, wait this long at most for the ranks it takes down
 _CAUSE_GRACE_S = 2.0  # how long to wait for a cause when only its consequences are visible
 
 
@@ -195,7 +195,8 @@ def _watch(procs, boards, folder: str, timeout_s: float, deadline_s: float | Non
         if trouble_since is None and any(e.error is not None or e.code not in (None, 0) or
                                          (e.code == 0 and not e.returned) for e in evidence):
             trouble_since = time.time()
-            time.sleep(_SETTLE_S)  # let near-simultaneous failures land, then judge them all
+            while time.time() - trouble_since < _SETTLE_S and any(p.poll() is None for p in procs):
+                time.sleep(0.02)  # let the failures it causes land (peers in a collective fail at once)
             evidence = _evidence(procs, boards, folder, ended_at)
         verdict = blame.judge(evidence, time.time(), timeout_s)
         if verdict is not None and (verdict.found_cause or time.time() - trouble_since > _CAUSE_GRACE_S):
