@@ -96,11 +96,11 @@ def judge(evidence: list[Evidence], now: float, timeout_s: float) -> Verdict | N
     named = {rank for _, rank, _ in causes}
     causes += [c for c in _absent(evidence, now, timeout_s) if c[1] not in named]
     consequences = [e for e in evidence if e.error is not None and e.error.get("consequence")]
-    where = ["where every rank was:"] + [f"  rank {e.rank}: {_where(e, now)}" for e in evidence]
+    where = where_every_rank_was(evidence, now)
     if causes:
         causes.sort()
-        first_time, rank, headline = causes[0]
-        same = [r for _, r, h in causes[1:] if h.split(":", 1)[-1] == headline.split(":", 1)[-1]]
+        _, rank, headline = causes[0]
+        same = [r for _, r, h in causes[1:] if h.split(" ", 2)[2] == headline.split(" ", 2)[2]]  # minus "rank N"
         lines = [f"  (rank{'s' * (len(same) > 1)} {', '.join(map(str, same))} failed the same way)"] if same else []
         lines += [f"also on its own: {h}" for _, r, h in causes[1:] if r not in same]
         if consequences:
@@ -165,6 +165,11 @@ def _hung(evidence, now, timeout_s, where) -> Verdict | None:
                    f"(timeout_s={timeout_s:g}); all ranks were stopped. Ranks not in any collective: {idle or 'none'}.",
                    where + ["A collective completes only when every rank of its group calls it: look for a rank "
                             "that skipped it or called another one."])
+
+
+def where_every_rank_was(evidence: list[Evidence], now: float) -> list[str]:
+    """The status table: one line per rank (the grader shows the lines that start with "  rank ")."""
+    return ["where every rank was:"] + [f"  rank {e.rank}: {_where(e, now)}" for e in evidence]
 
 
 def _where(e: Evidence, now: float) -> str:

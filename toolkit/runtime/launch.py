@@ -203,8 +203,7 @@ def _watch(procs, boards, folder: str, timeout_s: float, deadline_s: float | Non
             _kill_all(procs)
             raise RankError(verdict.message(), verdict.rank)
         if deadline_s is not None and time.time() - started > deadline_s:
-            where = "\n".join(f"  rank {e.rank}: {blame._where(e, time.time())}" for e in evidence)
+            where = "\n".join(blame.where_every_rank_was(evidence, time.time()))
             _kill_all(procs)
-            raise RankError(f"the ranks ran past deadline_s={deadline_s}s and were stopped.\n"
-                            f"where every rank was:\n{where}")
+            raise RankError(f"the ranks ran past deadline_s={deadline_s}s and were stopped.\n{where}")
         time.sleep(0.02)
