@@ -139,15 +139,38 @@ def explain(rc, error) -> str | None:
     echoes = [e for e, *_ in failures if e not in {c[0] for c in causes}]
     fresh = "The next cell re-creates the process group on every engine by itself: nothing to restart."
     if not causes:
-        return ("toolkit: every error here is a consequence (a timeout or a lost partner): no engine raised on its "
-                "own, so look for a rank that skipped the collective, called another one, or is still computing. "
+        return (f"toolkit: {_who_skipped(rc, failures) or 'every error here is a consequence (a timeout or a lost partner): no engine raised on its own, so look for a rank that skipped the collective, called another one, or is still computing.'} "
                 + fresh)
     lines = [f"toolkit: rank {ranks.get(e, '?')} (engine {e}) raised {name}: {text.splitlines()[0] if text else ''}"
              for e, name, text in causes]
     if echoes:
         lines.append(f"The errors on rank{'s' * (len(echoes) > 1)} {', '.join(str(ranks.get(e, '?')) for e in echoes)} "
-                     "are consequences: their collective lost its partner when that cell failed.")
+                     "are consequences: they were waiting for it in a collective when its cell failed.")
     return "\n".join(lines + [fresh])
+
+
+def _who_skipped(rc, failures) -> str | None:
+    """Ask the engines how far each got on the group of the collective that timed out."""
+    import re
+
+    from .cluster_engine import entered
+
+    found = next((m for _, _, text in failures if (m := re.search(r"(\w+) #(\d+) \(group \[([\d, ]+)\]\)", text))), None)
+    if found is None:
+        return None
+    op, number, group = found[1], int(found[2]), tuple(int(r) for r in found[3].split(","))
+    try:
+        counts = dict(rc[:].apply_sync(entered, group))  # {rank: collectives entered on the group}
+    except Exception:  # noqa: BLE001 - an engine gone: no answer
+        return None
+    absent = [r for r in group if counts.get(r, 0) < number]
+    if not absent:
+        return None
+    waited = [r for r in group if r not in absent]
+    return (f"rank{'s' * (len(absent) > 1)} {', '.join(map(str, absent))} did not enter {op} #{number} "
+            f"(group {list(group)}): {'they' if len(absent) > 1 else 'it'} finished the cell without calling it, "
+            f"while rank{'s' * (len(waited) > 1)} {', '.join(map(str, waited))} waited in it until timeout_s. The "
+            "errors shown are those waits (consequences).")
 
 
 def _explain_under_errors(rc) -> None:

@@ -103,3 +103,8 @@ def _after_cell() -> None:
         dist.destroy_process_group()  # closes its connections: peers waiting on this engine fail now
     _init(f"toolkit/stand-in/{failed}/{_state['place'].rank}", lazy=True)
     _state["generation"] = -1
+
+
+def entered(group: tuple) -> tuple[int, int]:
+    """(this engine's rank, collectives it entered on `group` since its group was built): for `explain`."""
+    return _state["place"].rank, status.entered(group)

@@ -168,6 +168,11 @@ def busy() -> bool:
     return _current is not None
 
 
+def entered(group) -> int:
+    """Collectives this process entered on the group of these ranks."""
+    return _entered.get(key(tuple(group)), 0)
+
+
 def reset() -> None:
     """Forget the numbering (a process group was re-created: every rank starts again from #1)."""
     _entered.clear()
