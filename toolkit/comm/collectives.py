@@ -142,7 +142,9 @@ class Handle:
                 self._work.wait()
             except BaseException as exc:
                 status.fail(self._entry)
-                raise (_explained(exc, self._entry) if isinstance(exc, RuntimeError) else exc) from exc
+                if isinstance(exc, RuntimeError):
+                    raise _explained(exc, self._entry) from exc
+                raise
             status.end(self._entry)
             if blocked is not None:
                 blocked["end"] = recorder.mark()

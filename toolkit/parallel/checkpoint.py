@@ -189,18 +189,24 @@ def _read(path: str):
         return torch.load(path, map_location="cpu", weights_only=True), None
     except FileNotFoundError:
         return None, f"no checkpoint at {path!r}."
-    except pickle.UnpicklingError as exc:  # weights_only refused an object: safe to read, not safe to run
-        refused = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line), "")
+    except pickle.UnpicklingError as exc:
+        refused = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line), None)
+        if refused is None:  # not a refusal: garbage where a pickle should be
+            return None, _damaged(path, exc)
         return None, (f"the checkpoint {path!r} holds Python objects other than tensors, numbers and strings "
-                      f"({refused or 'see below'}), and loading them could run arbitrary code, so torch.load("
+                      f"({refused}), and loading them could run arbitrary code, so torch.load("
                       f"weights_only=True) refused it; nothing was loaded. Toolkit checkpoints hold plain values "
                       f"only: write one with save_full (or save_sharded). If you trust this file, read it "
                       f"yourself with torch.load(path, weights_only=False) and pass the dict to "
                       f"load_full_checkpoint.\n({type(exc).__name__}: {exc})")
     except Exception as exc:  # noqa: BLE001 - any other failure to unpickle means a damaged or foreign file
-        return None, (f"could not read the checkpoint {path!r}: the file is damaged (cut short? overwritten while "
-                      f"being read?) or was not written by torch.save; nothing was loaded. Write it again (or "
-                      f"copy it again) and retry.\n({type(exc).__name__}: {exc})")
+        return None, _damaged(path, exc)
+
+
+def _damaged(path: str, exc: Exception) -> str:
+    return (f"could not read the checkpoint {path!r}: the file is damaged (cut short? overwritten while being "
+            f"read?) or was not written by torch.save; nothing was loaded. Write it again (or copy it again) and "
+            f"retry.\n({type(exc).__name__}: {exc})")
 
 
 def _check_full(checkpoint, shapes: dict, optimizer) -> str | None:
