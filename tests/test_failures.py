@@ -251,7 +251,7 @@ MPI_SCRIPT = textwrap.dedent("""
 
 
 def test_under_mpiexec_a_raising_rank_ends_the_job_with_its_traceback_once(tmp_path):
-    from test_launchers import _bin, _clean_env
+    from test_launchers import _bin, _clean_env, gone
 
     if _bin("mpiexec") is None:
         pytest.skip("no mpiexec on this machine")
@@ -268,22 +268,5 @@ def test_under_mpiexec_a_raising_rank_ends_the_job_with_its_traceback_once(tmp_p
     assert err.count("ValueError: rank one is unhappy") == 1, err
     assert "[rank1]: toolkit: rank 1 raised ValueError; ending the whole job (MPI_Abort)" in err
     assert len(os.listdir(pids)) == 3
-    assert _gone([int(p) for p in os.listdir(pids)]), "a rank outlived its job"
+    assert gone([int(p) for p in os.listdir(pids)]), "a rank outlived its job"
 
-
-def _gone(pids, patience_s=15.0) -> bool:
-    """True once every pid has exited (the MPI launcher reaps its ranks a moment after it returns)."""
-    deadline = time.time() + patience_s
-    while time.time() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                        alive.append(pid)
-            except OSError:
-                pass
-        if not alive:
-            return True
-        time.sleep(0.1)
-    return False

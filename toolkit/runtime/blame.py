@@ -29,10 +29,15 @@ def is_consequence(exc: BaseException) -> bool:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, Consequence) or any(sign in str(exc).lower() for sign in PEER_SIGNS):
+        if isinstance(exc, Consequence) or reads_as_consequence("", str(exc)):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def reads_as_consequence(type_name: str, message: str) -> bool:
+    """The same test on an error known only by its type's name and its text (a remote engine's)."""
+    return type_name in ("PeerFailed", "AnotherRankCouldNotLoad") or any(s in message.lower() for s in PEER_SIGNS)
 
 
 def exit_story(code: int) -> str:

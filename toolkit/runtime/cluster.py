@@ -114,7 +114,7 @@ def explain(rc, error) -> str | None:
     """What went wrong in a cell that failed on the engines, who caused it and what to do (None: not ours)."""
     from ipyparallel import error as ipp_error
 
-    from .blame import PEER_SIGNS
+    from .blame import reads_as_consequence
 
     ranks = rc.toolkit_cluster["ranks"]
     error = getattr(error, "original_error", error)  # the magic's "already displayed" wrapper
@@ -134,13 +134,14 @@ def explain(rc, error) -> str | None:
                 f"e.g. by the out-of-memory killer). The other engines are alive, but their process group lost a "
                 f"member, so no collective can work again. Restart the cluster (fresh engines: variables on them "
                 f"are lost):\n    {_RESTART}")
-    causes = [(e, name, text) for e, name, text in failures
-              if name != "PeerFailed" and not any(sign in text.lower() for sign in PEER_SIGNS)]
+    causes = [(e, name, text) for e, name, text in failures if not reads_as_consequence(name, text)]
     echoes = [e for e, *_ in failures if e not in {c[0] for c in causes}]
     fresh = "The next cell re-creates the process group on every engine by itself: nothing to restart."
     if not causes:
-        return (f"toolkit: {_who_skipped(rc, failures) or 'every error here is a consequence (a timeout or a lost partner): no engine raised on its own, so look for a rank that skipped the collective, called another one, or is still computing.'} "
-                + fresh)
+        story = _who_skipped(rc, failures) or (
+            "every error here is a consequence (a timeout or a lost partner): no engine raised on its own, so look "
+            "for a rank that skipped the collective, called another one, or is still computing.")
+        return f"toolkit: {story} {fresh}"
     lines = [f"toolkit: rank {ranks.get(e, '?')} (engine {e}) raised {name}: {text.splitlines()[0] if text else ''}"
              for e, name, text in causes]
     if echoes:

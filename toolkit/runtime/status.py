@@ -70,9 +70,11 @@ class StatusBoard:
         self._file = open(path, "r+b")
         self._map = mmap.mmap(self._file.fileno(), _SIZE)
         self._slots: dict[int, int] = {}
+        self._posted: Entry | None = None
 
     def post(self, state: int, entry: Entry | None, since: float = 0.0) -> None:
-        if entry is not None:
+        if entry is not None and entry is not self._posted:  # the text only changes with the entry
+            self._posted = entry
             text = "\x1f".join((entry.op, ",".join(map(str, entry.group)), entry.detail)).encode()
             text = text[: _SIZE - _TEXT_AT - 1]
             self._map[_TEXT_AT: _TEXT_AT + len(text) + 1] = text + b"\0"
