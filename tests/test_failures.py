@@ -72,7 +72,7 @@ def test_a_skipped_collective_blames_the_rank_that_never_entered_it(tmp_path, gl
     error = _error("timed out", True) if gloo_timed_out_first else None
     evidence = [blame.Evidence(0, _board(tmp_path, 0, state, waited, {WORLD: 4}, since=90.0), error),
                 blame.Evidence(1, _board(tmp_path, 1, IDLE, Entry("all_reduce", WORLD, 3), {WORLD: 3})),
-                blame.Evidence(2, _board(tmp_path, 2, state, waited, {WORLD: 4}, since=90.5), error)]
+                blame.Evidence(2, _board(tmp_path, 2, state, waited, {WORLD: 4}, since=99.5), error)]  # came late
     verdict = blame.judge(evidence, now=101.0, timeout_s=10)
     assert verdict.rank == 1
     assert verdict.headline.startswith("rank 1 did not enter all_reduce #4 (group [0, 1, 2]): ranks 0, 2 waited")

@@ -124,14 +124,15 @@ def judge(evidence: list[Evidence], now: float, timeout_s: float) -> Verdict | N
 def _absent(evidence, now, timeout_s) -> list[tuple]:
     """Ranks that never entered a collective their peers waited in past timeout_s (or failed in)."""
     boards = {e.rank: e.board for e in evidence if e.board is not None}
-    waiting: dict[tuple, dict] = {}  # (group, number) -> {rank: (entry, since)}
+    waiting: dict[tuple, dict] = {}  # (group, number) -> {rank: (entry, since, failed)}
     for rank, b in boards.items():
-        if b.entry is not None and b.entry.group and (
-                b.state == FAILED or (b.state == INSIDE and now - b.since > timeout_s)):
-            waiting.setdefault((b.entry.group, b.entry.number), {})[rank] = (b.entry, b.since)
+        if b.entry is not None and b.entry.group and b.state in (INSIDE, FAILED):
+            waiting.setdefault((b.entry.group, b.entry.number), {})[rank] = (b.entry, b.since, b.state == FAILED)
     found = []
     for (group, number), inside in waiting.items():
-        entry, since = min(inside.values(), key=lambda v: v[1])
+        entry, since, _ = min(inside.values(), key=lambda v: v[1])
+        if not any(failed for *_, failed in inside.values()) and now - since <= timeout_s:
+            continue  # nobody has waited too long yet
         ops = {v[0].op for v in inside.values()}
         absent = [m for m in group if m not in inside and (m not in boards or boards[m].entered(group) < number)]
         waiters = ", ".join(map(str, sorted(inside)))
