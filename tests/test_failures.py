@@ -163,7 +163,7 @@ def _dies_inside_a_collective(how, folder):
 
     comm.all_reduce(torch.ones(3))
     if dist.get_rank() == 2:
-        time.sleep(0.5)  # the others are waiting in all_reduce #2 by now
+        time.sleep(1.0)  # the others are waiting in all_reduce #2 by now
         with open(os.path.join(folder, "died"), "w") as f:
             f.write(str(time.time()))
         if how == "kill":
@@ -184,7 +184,7 @@ def test_a_rank_that_dies_inside_a_collective_is_named_not_its_peers(how, story,
     assert "  - rank 0: all_reduce #2 (group [0, 1, 2])" in message and "  - rank 1: all_reduce #2" in message
     assert "  rank 0: failed in all_reduce #2 (group [0, 1, 2])" in message
     assert "  rank 2: not in a collective (last entered: all_reduce #1 (group [0, 1, 2])" in message
-    assert seen < 5, f"the death surfaced {seen:.1f}s after it happened"  # seen ~0.3 s on a loaded laptop
+    assert seen < 5, f"the death surfaced {seen:.1f}s after it happened"  # 0.05-0.15 s here, under load
 
 
 def _skips_one(raw):

@@ -35,7 +35,7 @@ from .env import resolve_backend
 # The backend's own timeout fires this long after the launcher's hang check, so the check (which can
 # still see who never entered the collective) speaks first; the backend's timeout is the backstop.
 BACKEND_GRACE_S = 5.0
-_SETTLE_S = 1.0       # after a first failure, wait this long at most for the ranks it takes down
+_SETTLE_S = 2.0       # after a first failure, wait this long at most for the ranks it takes down
 _CAUSE_GRACE_S = 2.0  # how long to wait for a cause when only its consequences are visible
 
 
