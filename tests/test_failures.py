@@ -181,8 +181,10 @@ def test_a_rank_that_dies_inside_a_collective_is_named_not_its_peers(how, story,
     seen = time.time() - float((tmp_path / "died").read_text())
     message = str(info.value)
     assert info.value.rank == 2 and message.startswith(story), message
-    assert "  - rank 0: all_reduce #2 (group [0, 1, 2])" in message and "  - rank 1: all_reduce #2" in message
-    assert "  rank 0: failed in all_reduce #2 (group [0, 1, 2])" in message
+    for peer in (0, 1):  # a peer is listed as a consequence, or (starved on a loaded machine) still waiting
+        listed = f"  - rank {peer}: all_reduce #2 (group [0, 1, 2])" in message
+        assert listed or f"  rank {peer}: in all_reduce #2 (group [0, 1, 2])" in message, message
+        assert not listed or f"  rank {peer}: failed in all_reduce #2 (group [0, 1, 2])" in message, message
     assert "  rank 2: not in a collective (last entered: all_reduce #1 (group [0, 1, 2])" in message
     assert seen < 5, f"the death surfaced {seen:.1f}s after it happened"  # 0.05-0.15 s here, under load
 
