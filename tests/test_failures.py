@@ -53,7 +53,7 @@ def test_a_death_is_named_before_the_errors_it_caused(tmp_path):
     failed = Entry("all_reduce", WORLD, 2, "")
     evidence = [
         blame.Evidence(0, _board(tmp_path, 0, FAILED, failed, {WORLD: 2}), _error("lost a partner", True, 100.0)),
-        blame.Evidence(1, _board(tmp_path, 1, FAILED, failed, {WORLD: 2}), _error("lost a partner", True, 100.1)),
+        blame.Evidence(1, _board(tmp_path, 1, FAILED, failed, {WORLD: 2})),  # its error not written yet
         blame.Evidence(2, _board(tmp_path, 2, IDLE, Entry("all_reduce", WORLD, 1), {WORLD: 1}),
                        code=-signal.SIGKILL, ended_at=100.5),
     ]
@@ -61,7 +61,7 @@ def test_a_death_is_named_before_the_errors_it_caused(tmp_path):
     assert verdict.found_cause and verdict.rank == 2
     text = verdict.message()
     assert text.startswith("rank 2 died: killed by SIGKILL (9)") and "out-of-memory" in text
-    assert "consequences" in text and "  - rank 0: lost a partner" in text and "  - rank 1: lost a partner" in text
+    assert "consequences" in text and "  - rank 0: lost a partner" in text
     assert "  rank 0: failed in all_reduce #2 (group [0, 1, 2]); failed because another rank did" in text
 
 

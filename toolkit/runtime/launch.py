@@ -185,6 +185,13 @@ def _picklable(value) -> bool:
         return False
 
 
+def _went_wrong(e: blame.Evidence) -> bool:
+    """This rank raised, ended without its result, or saw a collective fail (a peer's death shows there
+    first: its sockets close a moment before the launcher can see that it exited)."""
+    return (e.error is not None or e.code not in (None, 0) or (e.code == 0 and not e.returned)
+            or e.board.state == status.FAILED)
+
+
 def _watch(procs, boards, folder: str, timeout_s: float, deadline_s: float | None) -> None:
     """Wait for every rank; on the first failure or hang, stop them all and raise, naming the cause."""
     started, ended_at, trouble_since = time.time(), {}, None
@@ -192,12 +199,11 @@ def _watch(procs, boards, folder: str, timeout_s: float, deadline_s: float | Non
         evidence = _evidence(procs, boards, folder, ended_at)
         if all(e.code == 0 and e.returned for e in evidence):
             return
-        if trouble_since is None and any(e.error is not None or e.code not in (None, 0) or
-                                         (e.code == 0 and not e.returned) for e in evidence):
+        if trouble_since is None and any(map(_went_wrong, evidence)):
             trouble_since = time.time()
-            while time.time() - trouble_since < _SETTLE_S and any(p.poll() is None for p in procs):
-                time.sleep(0.02)  # let the failures it causes land (peers in a collective fail at once)
-            evidence = _evidence(procs, boards, folder, ended_at)
+            while time.time() - trouble_since < _SETTLE_S and any(e.code is None for e in evidence):
+                time.sleep(0.02)  # let what it causes land: peers in a collective with it fail at once
+                evidence = _evidence(procs, boards, folder, ended_at)
         verdict = blame.judge(evidence, time.time(), timeout_s)
         if verdict is not None and (verdict.found_cause or time.time() - trouble_since > _CAUSE_GRACE_S):
             _kill_all(procs)
