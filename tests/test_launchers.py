@@ -4,6 +4,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -25,6 +26,24 @@ SCRIPT = textwrap.dedent("""
 def _bin(name):
     path = os.path.join(os.path.dirname(sys.executable), name)
     return path if os.path.exists(path) else shutil.which(name)
+
+
+def gone(pids, patience_s=15.0) -> bool:
+    """True once every pid has exited (the MPI launcher reaps its ranks a moment after it returns)."""
+    deadline = time.time() + patience_s
+    while time.time() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        alive.append(pid)
+            except OSError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _clean_env():
@@ -56,17 +75,42 @@ def test_mpiexec(tmp_path):
     assert lines == [f"OK rank={r} world=3 local={r} launcher=mpich sum=6" for r in range(3)]
 
 
-def test_ipyparallel_mpi_engines():
+RAISES_ON_RANK_1 = ("import os, torch, torch.distributed as dist\n"
+                    "if dist.get_rank() == 1: raise ValueError('rank one is unhappy')\n"
+                    "toolkit.comm.all_reduce(torch.ones(3))  # ranks 0 and 2 wait here for rank 1\n")
+SUMS = "x = torch.ones(2) * (dist.get_rank() + 1)\ntoolkit.comm.all_reduce(x)\nresult = (dist.get_rank(), x.tolist())"
+
+
+def test_ipyparallel_engines_run_cells_survive_a_failed_one_and_name_a_dead_engine():
+    import ipyparallel as ipp
+
     import toolkit
-    rc = toolkit.runtime.cluster(2, activate=False)
-    try:  # what a `%%px` cell does: the same code on every engine
-        rc[:].execute("import torch, torch.distributed as dist\n"
-                      "x = torch.ones(2) * (dist.get_rank() + 1)\n"
-                      "toolkit.comm.all_reduce(x)\n"
-                      "result = (dist.get_rank(), x.tolist())", block=True)
-        assert sorted(rc[:].pull("result", block=True)) == [(0, [3.0, 3.0]), (1, [3.0, 3.0])]
+
+    rc = toolkit.runtime.cluster(3, activate=False, timeout_s=20)
+    pids = rc.toolkit_cluster["pids"]
+    view = rc[:]
+    expected = sorted((r, [6.0, 6.0]) for r in range(3))
+    try:  # what `%%px` cells do: the same code on every engine
+        view.execute("import torch, torch.distributed as dist\n" + SUMS, block=True)
+        assert sorted(view.pull("result", block=True)) == expected
+        start = time.time()
+        with pytest.raises(ipp.error.CompositeError) as failed:
+            view.execute(RAISES_ON_RANK_1, silent=False, block=True)
+        assert time.time() - start < 15, "rank 1's failure should end the cell at once, not at timeout_s=20"
+        note = toolkit.runtime.explain_cluster_error(rc, failed.value)
+        assert note.startswith("toolkit: rank 1 (engine 1) raised ValueError: rank one is unhappy"), note
+        assert "ranks 0, 2 are consequences" in note and "nothing to restart" in note
+        view.execute(SUMS, silent=False, block=True)  # the next cell just works
+        assert sorted(view.pull("result", block=True)) == expected
+
+        with pytest.raises(ipp.error.CompositeError) as died:
+            view.execute("if dist.get_rank() == 1: os._exit(9)\n" + SUMS, silent=False, block=True)
+        note = toolkit.runtime.explain_cluster_error(rc, died.value)
+        assert note.startswith("toolkit: engine 1 (rank 1) died"), note
+        assert "rc = toolkit.runtime.restart_cluster(rc)" in note
     finally:
         toolkit.runtime.stop_cluster(rc)
+    assert gone(pids), "an engine outlived stop_cluster"
 
 
 @pytest.mark.parametrize("environ, expected", [

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import status
+from ..runtime.blame import Consequence, is_consequence
 from ..trace.events import recorder
 from . import backend as _backend_impl
 from . import emulate as _emulation
@@ -142,9 +143,10 @@ class Handle:
     completion (`deadline`): `wait()` sleeps what remains of it, `is_completed()` is False before it.
     """
 
-    def __init__(self, work, event, after=None, deadline=None):
+    def __init__(self, work, event, after=None, deadline=None, entry=None):
         self._work, self._event, self._after, self._deadline = work, event, after, deadline
         self._waited = False
+        self._entry = entry  # this call on the status board (numbered when issued)
         if work is None:  # ran synchronously (hand-written implementations)
             event["end"] = recorder.mark()
         elif recorder._on_gpu():
@@ -164,16 +166,18 @@ class Handle:
             self._waited = True
             _tell("wait", self._event)
         if self._work is not None:
-            status.enter(_describe(self._event))
+            status.resume(self._entry)
             # time spent blocked here is idle compute: the trace shows it as a "wait" span
             blocked = None if self._work.is_completed() else recorder.add(
                 "wait", "wait", recorder.mark(), op=self._event["name"])
             try:
                 self._work.wait()
-            except RuntimeError as exc:
-                raise _explained(exc, self._event) from exc
-            finally:
-                status.leave()
+            except BaseException as exc:
+                status.fail(self._entry)
+                if isinstance(exc, RuntimeError):
+                    raise _explained(exc, self._entry) from exc
+                raise
+            status.end(self._entry)
             if blocked is not None:
                 blocked["end"] = recorder.mark()
             if self._event["end"] is None:
@@ -197,19 +201,28 @@ class Handle:
         return self._event
 
 
-def _describe(event) -> str:
+def _detail(event) -> str:
     a = event["args"]
-    return (f"{event['name']} #{len(recorder.events)} (phase '{event['phase']}', group ranks {a['group']}, "
-            f"{a['numel']} x {a['dtype']})")
+    return f"phase '{event['phase']}', {a['numel']} x {a['dtype']}"
 
 
-def _explained(exc: Exception, event) -> RuntimeError:
-    hint = ""
-    if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-        hint = ("\nA collective completes only when every rank of its group calls it, with matching "
-                "shapes: look for a rank that skipped it, called another one, or is still computing.")
-    return RuntimeError(f"{event['name']} failed on this rank: {_describe(event)}.\n"
-                        f"{type(exc).__name__}: {exc}{hint}")
+class PeerFailed(Consequence, RuntimeError):
+    """A collective failed on this rank because another rank of its group went away or never came."""
+
+
+def _explained(exc: Exception, entry: status.Entry) -> RuntimeError:
+    """Say which call failed, and whether this rank is its cause or a casualty of another rank."""
+    text = str(exc)
+    where = f"{entry.describe()} failed on rank {dist.get_rank()}"
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return PeerFailed(f"{where}: it timed out waiting for the other ranks of the group.\n"
+                          f"{type(exc).__name__}: {text}\nA collective completes only when every rank of its group "
+                          "calls it, with matching shapes: look for a rank that raised or died first, skipped "
+                          "this call, called another one, or is still computing.")
+    if is_consequence(exc):
+        return PeerFailed(f"{where}: another rank of the group went away (it raised, died or was stopped); "
+                          f"look for that rank's own error.\n{type(exc).__name__}: {text}")
+    return RuntimeError(f"{where}.\n{type(exc).__name__}: {text}")
 
 
 def _run(name, group, tensor, size_bytes, sent, received, call, async_op, after=None, link=None, **extra):
@@ -224,17 +237,18 @@ def _run(name, group, tensor, size_bytes, sent, received, call, async_op, after=
         name, event["args"]["group"], dist.get_rank(), size_bytes, dict(extra, **(link or {})))
     if booked is not None:  # the emulated link's model for this call, marked on its span
         event["args"].update(booked[1])
-    status.enter(_describe(event))
+    entry = status.begin(name, event["args"]["group"] if "peer" not in extra else
+                         sorted({dist.get_rank(), extra["peer"]}), _detail(event))
     try:
         work = call(async_op and native)
-    except NotImplementedError:
-        raise  # a student's unfinished implementation: say exactly that
-    except RuntimeError as exc:
-        raise _explained(exc, event) from exc
-    finally:
-        status.leave()
+    except BaseException as exc:
+        status.fail(entry)
+        if isinstance(exc, RuntimeError) and not isinstance(exc, NotImplementedError):
+            raise _explained(exc, entry) from exc
+        raise  # a student's own error (an unfinished implementation, say): exactly as raised
+    status.end(entry)
     _tell("issue", event, tensor)
-    handle = Handle(work if async_op and native else None, event, after, booked and booked[0])
+    handle = Handle(work if async_op and native else None, event, after, booked and booked[0], entry)
     if async_op:
         return handle
     handle.wait()

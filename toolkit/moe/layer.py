@@ -251,6 +251,11 @@ class MoE(nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"MoE {self.name!r} expects tokens of shape (..., d_model={self.d_model}), "
                              f"got {tuple(x.shape)}.")
+        weights = self.gate.router.weight.dtype
+        if not x.is_floating_point() or (x.dtype != weights and not torch.is_autocast_enabled(x.device.type)):
+            hint = ("token ids go through an embedding first (nn.Embedding), the MoE layer takes its vectors"
+                    if not x.is_floating_point() else f"convert one to the other: x.to({weights}) or layer.to({x.dtype})")
+            raise TypeError(f"MoE {self.name!r} expects {weights} tokens, like its weights, got {x.dtype}: {hint}.")
         tokens = x.reshape(-1, self.d_model)
         routing = self.route(tokens)                                  # 1
         if self.placement.replicate(self, routing):                   # 2-6 data-parallel (moe/placement.py)

@@ -26,12 +26,14 @@ The full format (portable, keyed by name; a tied weight appears once, under its 
 from __future__ import annotations
 
 import os
+import pickle
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
 from ..runtime import env
+from ..runtime.blame import Consequence
 from ..trace.events import phase
 from .flat import FlatBuffer
 
@@ -187,9 +189,24 @@ def _read(path: str):
         return torch.load(path, map_location="cpu", weights_only=True), None
     except FileNotFoundError:
         return None, f"no checkpoint at {path!r}."
-    except Exception as exc:  # noqa: BLE001 - any failure to unpickle means a damaged or foreign file
-        return None, (f"could not read the checkpoint {path!r} ({type(exc).__name__}: {str(exc)[:200]}). The file "
-                      f"is damaged (cut short? overwritten?) or was not written by torch.save; nothing was loaded.")
+    except pickle.UnpicklingError as exc:
+        refused = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line), None)
+        if refused is None:  # not a refusal: garbage where a pickle should be
+            return None, _damaged(path, exc)
+        return None, (f"the checkpoint {path!r} holds Python objects other than tensors, numbers and strings "
+                      f"({refused}), and loading them could run arbitrary code, so torch.load("
+                      f"weights_only=True) refused it; nothing was loaded. Toolkit checkpoints hold plain values "
+                      f"only: write one with save_full (or save_sharded). If you trust this file, read it "
+                      f"yourself with torch.load(path, weights_only=False) and pass the dict to "
+                      f"load_full_checkpoint.\n({type(exc).__name__}: {exc})")
+    except Exception as exc:  # noqa: BLE001 - any other failure to unpickle means a damaged or foreign file
+        return None, _damaged(path, exc)
+
+
+def _damaged(path: str, exc: Exception) -> str:
+    return (f"could not read the checkpoint {path!r}: the file is damaged (cut short? overwritten while being "
+            f"read?) or was not written by torch.save; nothing was loaded. Write it again (or copy it again) and "
+            f"retry.\n({type(exc).__name__}: {exc})")
 
 
 def _check_full(checkpoint, shapes: dict, optimizer) -> str | None:
@@ -237,17 +254,25 @@ def _distributed(model) -> bool:
     return _is_sharded(model) or hasattr(model, "group")
 
 
+class AnotherRankCouldNotLoad(Consequence, ValueError):
+    """Raised on the ranks that could load, when another could not: a consequence, not the cause."""
+
+
 def _agree(model, error: str | None) -> None:
     """Raise on every rank if any rank found a problem (so no rank loads while another does not)."""
-    failed = error is not None
     if dist.is_initialized() and _distributed(model):
-        flag = torch.tensor([1.0 if failed else 0.0], device=env.device())
+        group = getattr(model, "group", None) if not _is_sharded(model) else None
+        ranks = comm.group_ranks(group)
+        flags = torch.zeros(len(ranks), device=env.device())
+        flags[ranks.index(dist.get_rank())] = float(error is not None)
         with phase("checkpoint"):
-            comm.all_reduce(flag, op="max", group=getattr(model, "group", None) if not _is_sharded(model) else None)
-        if flag.item() and not failed:
-            error = "another rank could not load its checkpoint (see its error); nothing was loaded here either."
-        failed = bool(flag.item())
-    if failed:
+            comm.all_reduce(flags, group=group)
+        failed = [r for r, flag in zip(ranks, flags.tolist()) if flag]
+        if failed and error is None:
+            raise AnotherRankCouldNotLoad(
+                f"rank{'s' * (len(failed) > 1)} {', '.join(map(str, failed))} could not load the checkpoint (its own "
+                f"error says why); nothing was loaded on this rank either, so every rank still holds the same model.")
+    if error is not None:
         raise ValueError(error)
 
 

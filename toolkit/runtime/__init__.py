@@ -1,7 +1,7 @@
 """Where processes come from: `launch` from a notebook or script, `init` under torchrun/mpirun, `cluster` for ipyparallel."""
-from .cluster import cluster, stop as stop_cluster
+from .cluster import cluster, explain as explain_cluster_error, restart_cluster, stop as stop_cluster
 from .env import Placement, detect, device, init, resolve_backend
 from .launch import RankError, launch
 
-__all__ = ["Placement", "RankError", "cluster", "detect", "device", "init", "launch", "resolve_backend",
-           "stop_cluster"]
+__all__ = ["Placement", "RankError", "cluster", "detect", "device", "explain_cluster_error", "init", "launch",
+           "resolve_backend", "restart_cluster", "stop_cluster"]

@@ -8,18 +8,31 @@ cells, so a lesson can build a model in one cell and step it in the next, on eve
     import torch, toolkit
     x = torch.ones(3); toolkit.comm.all_reduce(x); x
     ...
-    rc.cluster.stop_cluster_sync()       # or: toolkit.runtime.cluster.stop(rc)
+    toolkit.runtime.stop_cluster(rc)     # or: rc.cluster.stop_cluster_sync()
 
 The engines are started with `mpiexec` (the one beside this Python if there is one, e.g. from the
 mpich wheel), so each engine reads its rank from MPI, exactly as under `mpirun` on a cluster.
+
+When a cell fails: the engine that raised aborts its process group, so the others, blocked in a
+collective with it, fail within a second instead of waiting out `timeout_s`; the next cell re-creates
+the process group on every engine by itself (`cluster_engine.py`). `timeout_s` (30 s by default, short
+enough for an interactive cell, long enough for one engine to build a lesson's model while the others
+wait) bounds a cell in which a rank skipped a collective. If an engine dies, the others live on but
+cannot run a collective again: the toolkit says which engine died and how to restart the cluster
+(`restart_cluster`). In IPython that explanation is printed under the cell's error; elsewhere,
+`explain(rc, error)` returns it.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import sys
+import time
 
-_SETUP = "import toolkit, torch; _toolkit_place = toolkit.runtime.init({backend!r}, timeout_s={timeout_s})"
+_SETUP = ("import toolkit, torch; from toolkit.runtime import cluster_engine as _toolkit_engine; "
+          "_toolkit_place = _toolkit_engine.setup({backend!r}, {timeout_s!r})")
+_START_TIMEOUT_S = 180.0  # engines import torch on start: slow on a loaded laptop
+_RESTART = "rc = toolkit.runtime.restart_cluster(rc)"
 
 
 def _mpiexec() -> str:
@@ -31,10 +44,11 @@ def _mpiexec() -> str:
     return found
 
 
-def cluster(n: int, *, backend: str = "auto", timeout_s: float = 120.0, activate: bool = True):
+def cluster(n: int, *, backend: str = "auto", timeout_s: float = 30.0, activate: bool = True):
     """Start `n` MPI engines, initialize torch.distributed on each, return the connected ipyparallel Client.
 
-    With `activate=True` the `%px`/`%%px` magics target all engines. Stop with `rc.cluster.stop_cluster_sync()`.
+    timeout_s: how long a rank waits inside one collective before its cell fails.
+    With `activate=True` the `%px`/`%%px` magics target all engines. Stop with `stop_cluster(rc)`.
     """
     import ipyparallel as ipp
 
@@ -42,10 +56,17 @@ def cluster(n: int, *, backend: str = "auto", timeout_s: float = 120.0, activate
         raise ValueError(f"cluster needs a positive number of engines, got {n!r}.")
     c = ipp.Cluster(engines="mpi", n=n)
     c.config.MPILauncher.mpi_cmd = [_mpiexec()]
+    c.config.MPILauncher.mpi_args = ["-disable-auto-cleanup"]  # one dead engine must not take the others down
     rc = c.start_and_connect_sync(activate=activate and _in_ipython())
-    rc.wait_for_engines(n, timeout=timeout_s)
+    rc.wait_for_engines(n, timeout=_START_TIMEOUT_S)
     view = rc[:]
-    view.execute(_SETUP.format(backend=backend, timeout_s=timeout_s), block=True)
+    view.execute(_SETUP.format(backend=backend, timeout_s=float(timeout_s)), block=True)
+    places = view.pull("_toolkit_place", block=True)
+    rc.toolkit_cluster = {"n": n, "backend": backend, "timeout_s": timeout_s, "activate": activate,
+                          "ranks": {e: p.rank for e, p in zip(view.targets, places)},
+                          "pids": view.apply_sync(os.getpid)}
+    if _in_ipython():
+        _explain_under_errors(rc)
     return rc
 
 
@@ -58,5 +79,114 @@ def _in_ipython() -> bool:
 
 
 def stop(rc) -> None:
-    """Stop the engines and controller a `cluster()` call started."""
+    """Stop the engines and controller a `cluster()` call started (engines first: asked, they exit at once)."""
+    pids = rc.toolkit_cluster["pids"] if hasattr(rc, "toolkit_cluster") else []
+    try:
+        rc[:].execute("import os; os._exit(0)", block=False)
+    except Exception:  # noqa: BLE001 - no engine left to ask
+        pass
+    deadline = time.time() + 5
+    while any(_alive(pid) for pid in pids) and time.time() < deadline:
+        time.sleep(0.05)
     rc.cluster.stop_cluster_sync()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def restart_cluster(rc):
+    """Stop the cluster `rc` (dead engines and all) and start a fresh one like it; returns the new Client."""
+    options = rc.toolkit_cluster
+    try:
+        stop(rc)
+    except Exception:  # noqa: BLE001 - a half-dead cluster may not stop cleanly; start the new one anyway
+        pass
+    return cluster(options["n"], backend=options["backend"], timeout_s=options["timeout_s"],
+                   activate=options["activate"])
+
+
+def explain(rc, error) -> str | None:
+    """What went wrong in a cell that failed on the engines, who caused it and what to do (None: not ours)."""
+    from ipyparallel import error as ipp_error
+
+    from .blame import reads_as_consequence
+
+    ranks = rc.toolkit_cluster["ranks"]
+    error = getattr(error, "original_error", error)  # the magic's "already displayed" wrapper
+    gone = sorted(set(ranks) - set(rc.ids))
+    if isinstance(error, ipp_error.CompositeError):
+        failures = [(ei.get("engine_id"), en, str(ev)) for en, ev, _, ei in error.elist]
+    elif isinstance(error, ipp_error.RemoteError):
+        failures = [(error.engine_info.get("engine_id"), error.ename, error.evalue)]
+    elif isinstance(error, ipp_error.KernelError):
+        failures = []
+    else:
+        return None
+    gone += sorted({e for e, name, _ in failures if name == "EngineError" and e in ranks} - set(gone))
+    if gone or isinstance(error, ipp_error.NoEnginesRegistered):
+        who = ", ".join(f"engine {e} (rank {ranks[e]})" for e in gone) or "every engine"
+        return (f"toolkit: {who} died: its process ended (os._exit, a crash in native code, or it was killed, "
+                f"e.g. by the out-of-memory killer). The other engines are alive, but their process group lost a "
+                f"member, so no collective can work again. Restart the cluster (fresh engines: variables on them "
+                f"are lost):\n    {_RESTART}")
+    causes = [(e, name, text) for e, name, text in failures if not reads_as_consequence(name, text)]
+    echoes = [e for e, *_ in failures if e not in {c[0] for c in causes}]
+    fresh = "The next cell re-creates the process group on every engine by itself: nothing to restart."
+    if not causes:
+        story = _who_skipped(rc, failures) or (
+            "every error here is a consequence (a timeout or a lost partner): no engine raised on its own, so look "
+            "for a rank that skipped the collective, called another one, or is still computing.")
+        return f"toolkit: {story} {fresh}"
+    lines = [f"toolkit: rank {ranks.get(e, '?')} (engine {e}) raised {name}: {text.splitlines()[0] if text else ''}"
+             for e, name, text in causes]
+    if echoes:
+        lines.append(f"The errors on rank{'s' * (len(echoes) > 1)} {', '.join(str(ranks.get(e, '?')) for e in echoes)} "
+                     "are consequences: they were waiting for it in a collective when its cell failed.")
+    return "\n".join(lines + [fresh])
+
+
+def _who_skipped(rc, failures) -> str | None:
+    """Ask the engines how far each got on the group of the collective that timed out."""
+    import re
+
+    from .cluster_engine import entered
+
+    found = next((m for _, _, text in failures if (m := re.search(r"(\w+) #(\d+) \(group \[([\d, ]+)\]\)", text))), None)
+    if found is None:
+        return None
+    op, number, group = found[1], int(found[2]), tuple(int(r) for r in found[3].split(","))
+    try:
+        counts = dict(rc[:].apply_sync(entered, group))  # {rank: collectives entered on the group}
+    except Exception:  # noqa: BLE001 - an engine gone: no answer
+        return None
+    absent = [r for r in group if counts.get(r, 0) < number]
+    if not absent:
+        return None
+    waited = [r for r in group if r not in absent]
+    return (f"rank{'s' * (len(absent) > 1)} {', '.join(map(str, absent))} did not enter {op} #{number} "
+            f"(group {list(group)}): {'they' if len(absent) > 1 else 'it'} finished the cell without calling it, "
+            f"while rank{'s' * (len(waited) > 1)} {', '.join(map(str, waited))} waited in it until timeout_s. The "
+            "errors shown are those waits (consequences).")
+
+
+def _explain_under_errors(rc) -> None:
+    """In IPython: after ipyparallel shows a cell's engine errors, print the toolkit's explanation."""
+    from IPython import get_ipython
+    from ipyparallel import error as ipp_error
+
+    def show(shell, kind, value, tb, tb_offset=None):
+        shell.showtraceback((kind, value, tb), tb_offset=tb_offset)
+        note = explain(_current["rc"], value)
+        if note:
+            print(note, file=sys.stderr)
+
+    _current["rc"] = rc
+    get_ipython().set_custom_exc((ipp_error.KernelError,), show)
+
+
+_current: dict = {}

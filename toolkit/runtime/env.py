@@ -3,7 +3,8 @@
 torchrun, mpirun (OpenMPI or MPICH/PMI), SLURM's srun, ipyparallel MPI engines and `toolkit.launch`
 each describe rank, world size and local rank with their own environment variables. `init()` reads
 whichever is present, picks the backend and device, and initializes the default process group, so
-the same script runs under all of them.
+the same script runs under all of them. Under mpirun/srun it also makes a raising rank end the whole
+job (`abort.py`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from . import abort
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -148,6 +151,8 @@ def init(backend: str = "auto", *, timeout_s: float = 300.0) -> Placement:
         init_method=None if store is not None else "env://",
     )
     atexit.register(_shutdown)  # a script that never tears down must not abort at exit (gloo's threads)
+    if place.launcher in ("openmpi", "mpich", "slurm") and place.world_size > 1:
+        abort.install(place.rank, place.launcher)  # a rank that raises ends the job (after torch's hook)
     return place
 
 

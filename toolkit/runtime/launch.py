@@ -8,9 +8,11 @@ How it works, in the order it happens:
 3. Each rank is a fresh `python -m toolkit.runtime.worker` process in its own process group;
    it initializes torch.distributed, runs `fn(*args)` and writes its result (or its traceback) to a
    private temporary folder.
-4. The parent watches: the first rank to fail, or a rank stuck in one collective for longer than
-   `timeout_s`, stops every rank at once and raises with that rank's number and story. Ctrl-C
-   (a notebook's stop button) stops them too. No process outlives the call.
+4. The parent watches every rank's exit code, error file and status board (`status.py`). When one
+   fails, it stops every rank at once and raises, naming the rank that *caused* it (`blame.py`): the
+   one that raised on its own, died, or never entered a collective its peers waited in for `timeout_s`;
+   the others' errors (a lost connection, a timeout) are listed below as consequences. Ctrl-C (a
+   notebook's stop button) stops them too. No process outlives the call.
 """
 from __future__ import annotations
 
@@ -27,8 +29,14 @@ import time
 import cloudpickle
 import torch.distributed as dist
 
-from . import status
+from . import blame, status
 from .env import resolve_backend
+
+# The backend's own timeout fires this long after the launcher's hang check, so the check (which can
+# still see who never entered the collective) speaks first; the backend's timeout is the backstop.
+BACKEND_GRACE_S = 5.0
+_SETTLE_S = 2.0       # after a first failure, wait this long at most for the ranks it takes down
+_CAUSE_GRACE_S = 2.0  # how long to wait for a cause when only its consequences are visible
 
 
 class RankError(RuntimeError):
@@ -69,10 +77,6 @@ def _read_error(folder: str, rank: int):
         return None
 
 
-def _who_is_where(boards) -> str:
-    return "\n".join(f"  rank {r}: {b.describe()}" for r, b in enumerate(boards))
-
-
 def launch(fn, world_size: int, *, args=(), backend: str = "auto", timeout_s: float = 120.0,
            deadline_s: float | None = None, threads_per_rank: int | None = None, quiet: bool = False):
     """Run `fn(*args)` on `world_size` ranks with the default process group ready; return results in rank order.
@@ -92,10 +96,11 @@ def launch(fn, world_size: int, *, args=(), backend: str = "auto", timeout_s: fl
     backend = resolve_backend(backend, world_size)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
 
+    payload = _by_value(fn, tuple(args))
     with tempfile.TemporaryDirectory(prefix="toolkit-launch-") as folder:
         with open(os.path.join(folder, "job.pkl"), "wb") as f:
-            pickle.dump({"payload": cloudpickle.dumps((fn, tuple(args))), "sys_path": list(sys.path),
-                              "backend": backend, "timeout_s": timeout_s, "threads": threads}, f)
+            pickle.dump({"payload": payload, "sys_path": list(sys.path), "backend": backend,
+                         "timeout_s": timeout_s + BACKEND_GRACE_S, "threads": threads}, f)
         boards = [status.StatusBoard(status.board_path(folder, r), create=True) for r in range(world_size)]
         store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout_s + 30))
@@ -131,47 +136,80 @@ def launch(fn, world_size: int, *, args=(), backend: str = "auto", timeout_s: fl
             del store
 
 
+def _evidence(procs, boards, folder: str, ended_at: dict) -> list[blame.Evidence]:
+    now = time.time()
+    found = []
+    for rank, p in enumerate(procs):
+        code = p.poll()
+        if code is not None:
+            ended_at.setdefault(rank, now)
+        found.append(blame.Evidence(rank, boards[rank].read(), _read_error(folder, rank), code, ended_at.get(rank),
+                                    os.path.exists(os.path.join(folder, f"result-{rank}.pkl"))))
+    return found
+
+
+def _by_value(fn, args: tuple) -> bytes:
+    """cloudpickle `fn` and `args`; if something cannot travel, say which thing and what to do."""
+    try:
+        return cloudpickle.dumps((fn, args))
+    except Exception as exc:  # noqa: BLE001 - pickling raises TypeError, PicklingError, AttributeError...
+        code = getattr(fn, "__code__", None)
+        carried = [(f"argument {i}", a) for i, a in enumerate(args)]
+        if code is not None:
+            cells = [c.cell_contents for c in (fn.__closure__ or ()) if _has_contents(c)]
+            carried += [(f"the variable `{n}` it closes over", v) for n, v in zip(code.co_freevars, cells)]
+            if getattr(fn, "__module__", None) == "__main__":  # cloudpickle copies __main__'s globals too
+                carried += [(f"the global `{n}`", fn.__globals__[n]) for n in code.co_names if n in fn.__globals__]
+        culprit = next((f"{what}, a {type(v).__name__}" for what, v in carried if not _picklable(v)), "something it uses")
+        raise TypeError(
+            f"launch sends the function and its args to every rank by value (cloudpickle), so all they carry must "
+            f"be picklable; {getattr(fn, '__name__', 'the function')} carries {culprit}, which is not "
+            f"({type(exc).__name__}: {exc}). Create such things (locks, open files, sockets, process groups, "
+            f"CUDA streams) inside the function, on each rank, or pass something that pickles (a path, numbers, "
+            f"tensors) instead.") from exc
+
+
+def _has_contents(cell) -> bool:
+    try:
+        cell.cell_contents
+        return True
+    except ValueError:  # an empty cell (a name assigned later)
+        return False
+
+
+def _picklable(value) -> bool:
+    try:
+        cloudpickle.dumps(value)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _went_wrong(e: blame.Evidence) -> bool:
+    """This rank raised, ended without its result, or saw a collective fail (a peer's death shows there
+    first: its sockets close a moment before the launcher can see that it exited)."""
+    return (e.error is not None or e.code not in (None, 0) or (e.code == 0 and not e.returned)
+            or e.board.state == status.FAILED)
+
+
 def _watch(procs, boards, folder: str, timeout_s: float, deadline_s: float | None) -> None:
-    """Wait for every rank; on the first failure or hang, stop them all and raise."""
-    started = time.time()
+    """Wait for every rank; on the first failure or hang, stop them all and raise, naming the cause."""
+    started, ended_at, trouble_since = time.time(), {}, None
     while True:
-        codes = [p.poll() for p in procs]
-        if all(c == 0 for c in codes):
+        evidence = _evidence(procs, boards, folder, ended_at)
+        if all(e.code == 0 and e.returned for e in evidence):
             return
-        errors = {r: e for r in range(len(procs)) if (e := _read_error(folder, r)) is not None}
-        if errors:
-            time.sleep(0.2)  # let near-simultaneous failures land, then blame the earliest
-            errors = {r: e for r in range(len(procs)) if (e := _read_error(folder, r)) is not None}
-            where = _who_is_where(boards)
+        if trouble_since is None and any(map(_went_wrong, evidence)):
+            trouble_since = time.time()
+            while time.time() - trouble_since < _SETTLE_S and any(e.code is None for e in evidence):
+                time.sleep(0.02)  # let what it causes land: peers in a collective with it fail at once
+                evidence = _evidence(procs, boards, folder, ended_at)
+        verdict = blame.judge(evidence, time.time(), timeout_s)
+        if verdict is not None and (verdict.found_cause or time.time() - trouble_since > _CAUSE_GRACE_S):
             _kill_all(procs)
-            rank, err = min(errors.items(), key=lambda item: item[1]["time"])
-            raise RankError(f"rank {rank} raised {err['type']}: {err['message']}\n"
-                            f"where every rank was:\n{where}\n\n"
-                            f"traceback of rank {rank}:\n{err['traceback']}", rank)
-        dead = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if dead:
-            time.sleep(0.2)
-            if any(_read_error(folder, r) is not None for r in range(len(procs))):
-                continue  # report the Python error instead of the bare exit code
-            where = _who_is_where(boards)
-            _kill_all(procs)
-            rank = dead[0]
-            raise RankError(f"rank {rank} died with exit code {codes[rank]} before returning "
-                            f"(killed by a signal or out of memory?).\nwhere every rank was:\n{where}", rank)
-        states = [board.read() for board in boards]
-        stuck = max(range(len(boards)), key=lambda r: states[r][0])
-        if states[stuck][0] > timeout_s + 5:  # the rank's own timeout had its chance first
-            where = _who_is_where(boards)
-            _kill_all(procs)
-            absent = [r for r, (waited, _, _) in enumerate(states) if not waited]
-            raise RankError(f"rank {stuck} hung for {states[stuck][0]:.0f}s in {states[stuck][2]} "
-                            f"(timeout_s={timeout_s}); all ranks were stopped. Ranks not in any collective: "
-                            f"{absent or 'none'}.\nwhere every rank was:\n{where}\n"
-                            "A collective completes only when every rank of its group calls it: "
-                            "look for a rank that skipped it or called another one.", stuck)
+            raise RankError(verdict.message(), verdict.rank)
         if deadline_s is not None and time.time() - started > deadline_s:
-            where = _who_is_where(boards)
+            where = "\n".join(blame.where_every_rank_was(evidence, time.time()))
             _kill_all(procs)
-            raise RankError(f"the ranks ran past deadline_s={deadline_s}s and were stopped.\n"
-                            f"where every rank was:\n{where}")
+            raise RankError(f"the ranks ran past deadline_s={deadline_s}s and were stopped.\n{where}")
         time.sleep(0.02)

@@ -37,30 +37,44 @@ def _write(folder: str, name: str, value) -> None:
     os.replace(path + ".tmp", path)  # the parent never sees half a file
 
 
+def _leave_together(world_size: int) -> None:
+    """Wait until every rank has returned: one that exits at once (fn used no collective) would otherwise
+    close its sockets while a slower peer is still connecting to it. Through the store, not a collective,
+    so a rank that returned early is seen as "returned", never as inside a collective its peers skipped."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.add("toolkit/returned", 1)
+    while store.add("toolkit/returned", 0) < world_size:
+        time.sleep(0.02)
+
+
 def main(folder: str) -> None:
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     rank = int(os.environ["RANK"])
     with open(os.path.join(folder, "job.pkl"), "rb") as f:
         job = pickle.load(f)  # plain values; the function itself is a second, inner pickle
     sys.path[:] = job["sys_path"] + [p for p in sys.path if p not in job["sys_path"]]
+    is_consequence = None  # known once toolkit is imported
     try:
         import torch
         import torch.distributed as dist
 
-        from toolkit.runtime import env, status
+        from toolkit.runtime import blame, env, raw, status
 
+        is_consequence = blame.is_consequence
         torch.set_num_threads(job["threads"])
         status.attach(status.board_path(folder, rank))
         env.init(job["backend"], timeout_s=job["timeout_s"])
+        raw.watch()
         fn, args = pickle.loads(job["payload"])  # may import the caller's modules: needs its sys.path
         result = fn(*args)
         _write(folder, f"result-{rank}.pkl", _to_cpu(result))
-        # Leave together: a rank that exits at once (fn used no collective) would otherwise close its
-        # sockets while a slower peer is still connecting to it. Raw, so no trace records it.
-        dist.barrier()
+        _leave_together(dist.get_world_size())
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        consequence = is_consequence is not None and is_consequence(exc)
         _write(folder, f"error-{rank}.pkl", {
-            "type": type(exc).__name__, "message": str(exc), "time": time.time(),
+            "type": type(exc).__name__, "message": str(exc), "time": time.time(), "consequence": consequence,
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         })
         sys.stdout.flush()

@@ -1,0 +1,110 @@
+"""The engines' side of `toolkit.runtime.cluster`: a process group that survives a failed cell.
+
+Engines outlive cells, so one failed cell must not poison the next. A gloo group whose collective timed
+out or lost a peer is broken for good, and even a healthy one is out of step if one rank skipped a
+collective the others entered. So each engine:
+
+1. meets the others once over MPI, on a TCPStore that rank 0 hosts for the cluster's whole life;
+2. initializes the default process group under a prefix of that store (generation 0);
+3. after a cell that raised (IPython's `post_execute`), counts one failed cell in the store and destroys
+   its process group: its connections close, so peers blocked in a collective with it fail at once
+   instead of at the timeout. A stand-in group that never connects keeps `dist.get_rank()` working;
+4. before every cell (`pre_execute`), compares the store's count of failed cells with the count its
+   group was built at. If they differ, the cell's first collective builds the group of that generation
+   first. Every engine reads the same count, so all of them build the same new group together, engines
+   whose cell succeeded included; a cell that runs no collective (on one engine, say) builds nothing.
+
+Groups made with `dist.new_group` in earlier cells die with their generation: make them again. Functions
+sent with `view.apply` run outside cells: the hooks do not run for them.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from . import raw, status
+from .env import Placement, detect, resolve_backend
+
+_FAILED_CELLS = "toolkit/failed-cells"
+_state: dict = {}
+
+
+def setup(backend: str, timeout_s: float) -> Placement:
+    """Run once on every engine by `cluster()`: rendezvous, first process group, cell hooks."""
+    from mpi4py import MPI
+
+    place = detect()
+    if dist.is_initialized():
+        return place
+    comm = MPI.COMM_WORLD
+    local = int(os.environ.get("MPI_LOCALNRANKS", comm.Get_size()))
+    backend = resolve_backend(backend, local)
+    if backend == "nccl":
+        torch.cuda.set_device(place.local_rank)
+    address = _host_and_port() if place.rank == 0 else None
+    address = comm.bcast(address, root=0)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address[0], address[1], place.world_size, is_master=place.rank == 0, timeout=timeout)
+    _state.update(store=store, backend=backend, place=place, timeout=timeout, generation=-1)
+    _build(0)
+    raw.watch()
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is not None:
+        shell.events.register("pre_execute", _before_cell)
+        shell.events.register("post_execute", _after_cell)
+    return place
+
+
+def _host_and_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return socket.gethostname(), s.getsockname()[1]
+
+
+def _build(generation: int) -> None:
+    """The default group of this generation; every engine must call this (it connects to all of them)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _init(f"toolkit/pg/{generation}")
+    _state["generation"] = generation
+    status.reset()  # every rank numbers collectives from #1 again
+    from ..comm import collectives
+
+    collectives._ranks_cache.clear()  # it held the old generation's group objects
+
+
+def _init(prefix: str, lazy: bool = False) -> None:
+    place = _state["place"]
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1" if lazy else "0"  # lazy: connect on first use, never wait now
+    dist.init_process_group(_state["backend"], store=dist.PrefixStore(prefix, _state["store"]), rank=place.rank,
+                            world_size=place.world_size, timeout=_state["timeout"])
+
+
+def _before_cell() -> None:
+    failed = _state["store"].add(_FAILED_CELLS, 0)
+    if failed != _state["generation"]:
+        status.before_next_collective(lambda: _build(failed))
+
+
+def _after_cell() -> None:
+    from IPython import get_ipython
+
+    if get_ipython().last_execution_succeeded:
+        return
+    failed = _state["store"].add(_FAILED_CELLS, 1)
+    status.before_next_collective(None)
+    if dist.is_initialized():
+        dist.destroy_process_group()  # closes its connections: peers waiting on this engine fail now
+    _init(f"toolkit/stand-in/{failed}/{_state['place'].rank}", lazy=True)
+    _state["generation"] = -1
+
+
+def entered(group: tuple) -> tuple[int, int]:
+    """(this engine's rank, collectives it entered on `group` since its group was built): for `explain`."""
+    return _state["place"].rank, status.entered(group)
