@@ -21,10 +21,10 @@ LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml jupyter-config/jupyter_server_config.d/toolkit-lessons.json
+$(STAMP): pyproject.toml Makefile jupyter-config/jupyter_server_config.d/toolkit-lessons.json
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,hf]"
 	install -D -m 644 jupyter-config/jupyter_server_config.d/toolkit-lessons.json $(VENV)/$(LESSONS_HOOK)
 	@$(MAKE) --no-print-directory browser
 	@touch $(STAMP)
