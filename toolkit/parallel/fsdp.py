@@ -296,7 +296,7 @@ class FullyShardedDataParallel(ShardedEngine):
         if self.sync:
             for other in self.units:  # at most one reduce-scatter in flight (and one replicas' all-reduce)
                 if other.reduction is not None:
-                    other.finish_reduce(wait_replicas=False)
+                    other.advance_reduce()
             unit.reduce_grad()
             self._probe("reduce-scatter", unit)
 
