@@ -29,7 +29,7 @@ MemTracker, the op counter); the toolkit's strategies themselves are a small sha
 slowest because every module is a unit (about six all-gathers, waits and frees per layer and pass).
 Model states and bytes equal the formulas on the model's own parameter count (padding below 0.01 GB);
 the peak adds what one moment of the step holds: gathered units, activations of the sequence, gradients
-on their way to a reduce-scatter (ZeRO-3 keeps every reduce-scatter's input until the end of backward)."""
+on their way to a reduce-scatter (one reduction's input at a time: ZeRO-2/3 and FSDP finish each before starting the next)."""
 
 
 def _case(queue, model, strategy, world, options, profile):
