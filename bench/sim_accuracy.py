@@ -194,7 +194,9 @@ def table(world: int, machine, rows: list) -> str:
              f"{m['op_overhead'] * 1e6:.1f} µs per operation, achievable fraction {m['mfu']:.2f} (fitted to the "
              f"reference step, {m['reference_step_s'] * 1e3:.1f} ms, timed beside the strategies), loopback all-reduce "
              f"α = {machine.op_links['all_reduce'].latency * 1e6:.0f} µs, "
-             f"1/β = {machine.op_links['all_reduce'].bandwidth / 1e9:.2f} GB/s.",
+             f"1/β = {machine.op_links['all_reduce'].bandwidth / 1e9:.2f} GB/s (collectives timed with compute "
+             f"between calls), overlap {machine.overlap:.2f} (the fraction of a collective that hides behind "
+             f"compute; the emulated link's sleep hides whole).",
              "",
              "| case | predicted step (ms) | measured step (ms) | error | predicted split: compute / exposed / hidden comm (ms) |",
              "| --- | --- | --- | --- | --- |"]

@@ -213,12 +213,13 @@ print(f"predicted {predicted.step_time * 1e3:.1f} ms, measured {measured * 1e3:.
 print(predicted.cost.summary())
 
 # %% [markdown]
-# On this machine, under load from other work, errors of 10-50% are usual (`docs/benchmarks.md`, "Simulator
-# accuracy", holds the numbers for every strategy): the model assumes communication runs on links beside
-# the compute, while here gloo's threads share the CPU cores with the computation, and a rank that is not
-# scheduled delays every collective. The published simulators (vTrain, ASTRA-sim) reach 8-20% on GPU
-# clusters, where those assumptions hold. Compare the two timelines: the same spans in the same order,
-# measured above, modelled below.
+# On a quiet machine most predictions land within 20% (`docs/benchmarks.md`, "Simulator accuracy", holds
+# the numbers for every strategy); under load from other work, errors of 10-50% are usual. Two things the
+# calibration measures make that possible on a CPU: a collective's cost as a step pays it (compute between
+# calls, the mean with its slow tail, not back-to-back calls), and how little of it hides behind compute
+# (`machine.overlap`: gloo's threads copy on the cores the ranks compute on, so prefetching buys little
+# here, unlike on a GPU). The published simulators (vTrain, ASTRA-sim) reach 8-20% on GPU clusters.
+# Compare the two timelines: the same spans in the same order, measured above, modelled below.
 
 # %%
 start, end = toolkit.trace.analysis.step_windows(real, 0)[3]

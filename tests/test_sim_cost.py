@@ -83,6 +83,26 @@ def test_async_collective_hides_behind_the_compute_issued_after_it_and_a_wait_st
     assert t.breakdown() == pytest.approx(dict(compute=2.4, exposed_comm=0.6, overlapped_comm=0.4, step=3.0))
 
 
+def test_where_the_cores_do_the_copies_an_async_collective_hides_only_its_overlap_fraction():
+    """A CPU's collectives run on the cores the ranks compute on (`Cluster.overlap` < 1, measured by the
+    calibration): an asynchronous one then costs what a synchronous one does at overlap 0, and a synchronous
+    one costs the same whatever the fraction; the GPU presets keep separate links (overlap 1)."""
+    program = [Compute(0, label="a"), comm(0, "all_reduce", 1, [0, 1]), Compute(0, label="b"), Wait(0),
+               Compute(0, label="c")]
+    sync = [Compute(0, label="a"), comm(0, "all_reduce", 1, [0, 1], async_op=False), Wait(0),
+            Compute(0, label="b"), Compute(0, label="c")]
+    times = fixed({"a": 1.0, "b": 0.8, "c": 1.0})
+    step = {f: schedule(program, times, lambda c: Cost(1.0), overlap=f).breakdown() for f in (0.0, 0.5, 1.0)}
+    assert [step[f]["step"] for f in (1.0, 0.5, 0.0)] == pytest.approx([3.0, 3.3, 3.8])
+    assert step[0.0] == pytest.approx(schedule(sync, times, lambda c: Cost(1.0)).breakdown())
+    assert step[0.0]["overlapped_comm"] == 0.0 and step[0.5]["exposed_comm"] == pytest.approx(0.5)
+    for f in (0.0, 0.5):
+        assert schedule(sync, times, lambda c: Cost(1.0), overlap=f).step_time == pytest.approx(3.8)
+    assert DGX.overlap == 1.0 and cluster_of("dgx-h100").overlap == 1.0
+    with pytest.raises(ValueError, match=r"overlap=1.5 .* in \[0, 1\]"):
+        cluster_of("dgx-a100", overlap=1.5)
+
+
 def test_collectives_on_one_link_take_turns_and_on_different_links_run_side_by_side():
     program = [comm(0, "all_gather", 1, [0, 1]), comm(1, "all_reduce", 1, [0, 1]), Wait(0), Wait(1)]
     same = schedule(program, None, lambda c: Cost(1.0))

@@ -13,9 +13,17 @@ its cores, all at once, so each rank measures its share of the machine):
   reference GPT (`REFERENCE`, no communication: "local"), timed on every rank at once; the simulator
   records that step's program and the fraction is solved so that the cost model reproduces the
   measured time. One constant per machine, from a model that is not the one being predicted;
-- the loopback links: `toolkit.comm.measure.time_collectives` times each collective through the
-  collectives door at several sizes, and `toolkit.viz.fit_alpha_beta` fits alpha and beta to each
-  operation apart (gloo runs a reduce-scatter as an all-reduce, so one fit for all would mislead).
+- the loopback links, as a step pays them: each collective is called through the collectives door
+  at several sizes with compute between the calls (a spread of gaps, as a step has), with no barrier
+  before each; what the calls add to the loop's time, divided by the calls, is the mean cost of one
+  (the door's host work, the handover to gloo's thread and back, the ranks' skew and the slow tail are
+  all in it: a step pays every call's tail, so the mean, not the median of back-to-back calls).
+  `toolkit.viz.fit_alpha_beta` fits alpha and beta to each operation apart (gloo runs a
+  reduce-scatter as an all-reduce, so one fit for all would mislead);
+- how much of a collective hides behind compute (`Cluster.overlap`): the same loop with the
+  all-gather issued asynchronously before the compute and waited after it; the time it saves over
+  the synchronous loop, over the time it could save (the shorter of the two). On a GPU the links and
+  the streams are separate hardware (1.0); here gloo's threads copy on the cores the ranks compute on.
 
 The result is cached as JSON under the cache folder (``$TOOLKIT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/toolkit``, else ``~/.cache/toolkit``), keyed by host, torch version, core count and
@@ -31,12 +39,17 @@ import time
 from pathlib import Path
 
 from ..comm.emulate import Link, Settings
+from ..comm.measure import _numel_for, _prepare
 from .hardware import Accelerator, Cluster
 
-VERSION = 2
+VERSION = 3
 REFERENCE = dict(model=dict(n_layer=2, d_model=128, n_head=4, vocab_size=256, seq_len=64), batch=8)
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024)
+GAPS = (3, 10, 30)       # 128x128 matmuls between two calls, in turn (about 0.1, 0.3 and 1 ms on 2 cores)
+CALLS, ROUNDS = 18, 3    # calls per timed loop; loops with and without the calls, interleaved
+OVERLAP_SIZES, OVERLAP_GAPS = (512 * 1024, 2 * 1024 * 1024), (50,)  # compute about as long as the call
+OVERLAP_ROUNDS = 5       # a difference of two noisy loops: on 2 cores it still spreads 0-0.5 between calibrations
 
 
 def cache_dir() -> Path:
@@ -120,12 +133,14 @@ def _measure_on_rank(ops, sizes, reference) -> dict:
     import torch
     import torch.distributed as dist
 
-    from toolkit.comm.measure import time_collectives
     from toolkit.trace.events import recorder
 
-    def together(fn, repeats):
+    def together(fn, repeats, block=1):
+        """Seconds of one fn() with every rank at it; timed `block` calls at a time, so that each timing spans
+        several of the scheduler's slices and a rank sees its share of the cores (ranks > cores), not a
+        lucky or unlucky slice of it."""
         dist.barrier()
-        return _median_time(fn, repeats)
+        return _median_time(lambda: [fn() for _ in range(block)], repeats) / block
 
     step = _tiny_step()
     step()
@@ -134,15 +149,97 @@ def _measure_on_rank(ops, sizes, reference) -> dict:
     rates = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a, b = torch.randn(512, 256, dtype=dtype), torch.randn(256, 512, dtype=dtype)
-        seconds = together(lambda: a @ b, 10)
+        seconds = together(lambda: a @ b, 10, block=8)
         rates[name] = 2 * 512 * 256 * 512 / max(seconds - overhead, seconds / 10)
     src, dst = torch.randn(2 * 2 ** 20), torch.empty(2 * 2 ** 20)  # 8 MiB each, allocated once
-    bandwidth = 2 * src.numel() * 4 / together(lambda: dst.copy_(src), 10)
+    bandwidth = 2 * src.numel() * 4 / together(lambda: dst.copy_(src), 10, block=8)
     reference_s = together(reference_step(reference), 7)
     recorder.enabled = False  # bookkeeping: the calibration leaves no trace
-    records = time_collectives(ops, sizes, ("backend",), warmup=2, repeats=5)
+    records, n = [], dist.get_world_size()
+    for op in ops:
+        for size in sizes:
+            numel = _numel_for(size, n, 4)
+            seconds = _in_a_step(_prepare(op, numel, torch.float32, torch.device("cpu"), seed=len(records)))
+            records.append(dict(op=op, impl="backend", size_bytes=numel * 4, world_size=n, seconds=seconds))
     return {"flops": rates, "op_overhead": overhead, "ops_in_tiny_step": op_count,
-            "memory_bandwidth": bandwidth, "reference_step_s": reference_s, "records": records}
+            "memory_bandwidth": bandwidth, "reference_step_s": reference_s, "records": records,
+            "overlap": _overlap(sizes=OVERLAP_SIZES)}
+
+
+def _loop(call, reset=lambda: None, gaps=GAPS) -> float:
+    """Seconds for CALLS rounds of (compute, then `call`), all ranks starting together."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(CALLS):
+        reset()
+        for _ in range(gaps[i % len(gaps)]):
+            a @ b
+        call()
+    return time.perf_counter() - start
+
+
+def _in_a_step(prepared) -> float:
+    """The mean seconds one call adds to a loop that computes between calls (every rank: the slowest one's)."""
+    import torch
+    import torch.distributed as dist
+
+    reset, call, _ = prepared
+    _loop(call, reset)  # warm-up
+    with_calls, without = [], []
+    for _ in range(ROUNDS):
+        with_calls.append(_loop(call, reset))
+        without.append(_loop(lambda: None, reset))
+    added = torch.tensor([max(statistics.median(with_calls) - statistics.median(without), 0.0) / CALLS])
+    dist.all_reduce(added, op=dist.ReduceOp.MAX)
+    return added.item()
+
+
+def _overlap(sizes) -> float:
+    """The fraction of an asynchronous all-gather that hides behind the compute issued after it, pooled over
+    `sizes`: (synchronous loop - asynchronous loop) / the shorter of (its calls, its compute), in [0, 1]."""
+    import torch
+    import torch.distributed as dist
+
+    from ..comm import collectives as door
+
+    saved = possible = 0.0
+    for size in sizes:
+        n = dist.get_world_size()
+        out = torch.empty(_numel_for(size, n, 4))
+        mine = out[: out.numel() // n].clone()
+        pending = []
+
+        def issue():  # runs before the compute of the next round: waited there, after it
+            if pending:
+                pending.pop().wait()
+            pending.append(door.all_gather(out, mine, async_op=True))
+
+        def synchronous():
+            door.all_gather(out, mine)
+
+        _loop(synchronous, gaps=OVERLAP_GAPS)
+        times = {"sync": [], "async": [], "none": []}
+        for _ in range(OVERLAP_ROUNDS):
+            times["sync"].append(_loop(synchronous, gaps=OVERLAP_GAPS))
+            times["async"].append(_loop(lambda: None, issue, OVERLAP_GAPS) + _drain(pending))
+            times["none"].append(_loop(lambda: None, gaps=OVERLAP_GAPS))
+        sync, overlapped, compute = (statistics.median(times[k]) for k in ("sync", "async", "none"))
+        saved += sync - overlapped
+        possible += min(sync - compute, compute)
+    both = torch.tensor([saved, possible])
+    dist.all_reduce(both)
+    return min(max(both[0].item() / both[1].item(), 0.0), 1.0) if both[1] > 0 else 1.0
+
+
+def _drain(pending) -> float:
+    start = time.perf_counter()
+    while pending:
+        pending.pop().wait()
+    return time.perf_counter() - start
 
 
 def fit_mfu(m: dict) -> float:
@@ -186,7 +283,7 @@ def measure(world_size: int, *, timeout_s: float = 180.0) -> dict:
              op_overhead=max(r["op_overhead"] for r in results),
              memory_bandwidth=min(r["memory_bandwidth"] for r in results),
              reference_step_s=max(r["reference_step_s"] for r in results),
-             links=links, records=results[0]["records"])
+             links=links, overlap=results[0]["overlap"], records=results[0]["records"])
     m["mfu"] = fit_mfu(m)
     return m
 
@@ -210,11 +307,14 @@ def from_measurements(m: dict, link: Settings | None = None, *, reference_step_s
     op_links = {op: Link(float(v["bandwidth"]), float(v["latency"])) for op, v in m["links"].items()}
     loopback = op_links["all_reduce"]
     found = Cluster("this-machine", gpu, n, loopback, loopback, 0.0, source=gpu.source + "; links: loopback (gloo)",
-                    op_links=op_links, notes={"measurements": {k: v for k, v in m.items() if k != "records"}})
+                    op_links=op_links, overlap=m["overlap"],
+                    notes={"measurements": {k: v for k, v in m.items() if k != "records"}})
     if link is None:
         return found
+    # An emulated link's time is a sleep on top of the loopback's (`toolkit.comm.emulate`): it takes no core,
+    # so what it models hides behind compute as a separate link's would.
     return found.with_changes(name="this-machine (emulated link)", gpus_per_node=link.ranks_per_node,
-                              inter=link.inter, intra=link.intra or loopback,
+                              inter=link.inter, intra=link.intra or loopback, overlap=1.0,
                               op_links={} if link.intra is not None or link.ranks_per_node == 1 else op_links,
                               source=found.source + f"; {link.describe()}")
 

@@ -95,7 +95,7 @@ def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mf
     clock = 0.0
     for program in programs:
         check(program)
-        timeline = schedule(program, seconds, comm, start=clock)
+        timeline = schedule(program, seconds, comm, start=clock, overlap=found.overlap)
         cost.timelines.append(timeline)
         cost.flops.append(total_flops(program))
         clock = timeline.end

@@ -62,6 +62,9 @@ class Cluster:
     inter: Link
     call_latency: float = 0.0       # seconds every collective call pays once (NCCL's base latency)
     source: str = ""
+    overlap: float = 1.0            # fraction of a collective's time that can hide behind compute: 1 where the
+    #                                 links and copy engines are their own hardware (GPUs); measured on a CPU,
+    #                                 whose cores do the copies (toolkit.sim.calibrate)
     op_links: dict = field(default_factory=dict, compare=False)  # op -> Link measured for it inside a node
     notes: dict = field(default_factory=dict, compare=False)  # e.g. calibration details
 
@@ -114,7 +117,8 @@ def presets() -> dict:
     """The named clusters `simulate(..., cluster=...)` accepts, each with a one-line description."""
     out = {name: c.describe() for name, c in CLUSTERS.items()}
     out[THIS_MACHINE] = ("this computer, calibrated once by measurement (matmul FLOP/s, per-operation "
-                         "overhead, loopback alpha-beta of the collectives) and cached on disk")
+                         "overhead, loopback alpha-beta of the collectives as a step calls them, the fraction "
+                         "of a collective that hides behind compute) and cached on disk")
     return out
 
 
@@ -207,6 +211,9 @@ def cluster_of(spec, **changes) -> Cluster:
     gpn = found.gpus_per_node
     if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
         raise ValueError(f"cluster {found.name!r}: gpus_per_node must be a positive integer, got {gpn!r}.")
+    if isinstance(found.overlap, bool) or not isinstance(found.overlap, (int, float)) or not 0 <= found.overlap <= 1:
+        raise ValueError(f"cluster {found.name!r}: overlap={found.overlap!r} is the fraction of a collective that can "
+                         f"hide behind compute, in [0, 1] (1: links beside the compute, as on GPUs).")
     return found
 
 

@@ -11,6 +11,11 @@ The rule, in the order the strategy issued its work (`toolkit.sim.program`):
 3. A `Wait` stalls the compute stream until that collective has finished. A synchronous collective is
    a Collective followed at once by its Wait, so it always stalls; an asynchronous one stalls only
    if the compute issued after it is shorter than it.
+4. Where the links are not hardware of their own (`overlap` < 1: on a CPU, gloo's threads copy and
+   reduce on the cores the ranks compute on), a collective also holds the compute stream for the
+   part of its time that cannot hide, (1 - overlap) x its time, from when it is issued: a "host"
+   span, counted as exposed communication. With overlap 0 an asynchronous collective costs what a
+   synchronous one does; a synchronous one costs the same whatever `overlap` is.
 
 The step ends when the compute stream is done and no collective is still in flight. So the time of a
 step splits three ways: compute; exposed communication (the compute stream waiting); and overlapped
@@ -26,7 +31,7 @@ from .program import Collective, Compute, Wait
 
 @dataclass
 class Span:
-    kind: str            # "compute", "comm" or "wait" (the compute stream stalled)
+    kind: str            # "compute", "comm", "wait" (the compute stream stalled) or "host" (it ran a collective)
     start: float
     end: float
     instruction: object  # the Compute, Collective or Wait it came from
@@ -80,9 +85,9 @@ def _union_length(intervals) -> float:
     return total
 
 
-def schedule(program, compute_time, collective_cost, start: float = 0.0) -> Timeline:
+def schedule(program, compute_time, collective_cost, start: float = 0.0, overlap: float = 1.0) -> Timeline:
     """Replay `program` from time `start`: compute_time(Compute) -> seconds, collective_cost(Collective) ->
-    an object with `.seconds` and `.resources` (the links it occupies)."""
+    an object with `.seconds` and `.resources` (the links it occupies); overlap: rule 4."""
     clock = start                  # where the compute stream is
     free: dict[str, float] = {}    # link -> when its last collective ends
     done: dict[int, float] = {}    # collective id -> when it ends
@@ -102,6 +107,10 @@ def schedule(program, compute_time, collective_cost, start: float = 0.0) -> Time
                 free[link] = end
             done[instruction.id] = end
             spans.append(Span("comm", begin, end, instruction, issued=clock, cost=cost))
+            if overlap < 1 and cost.seconds > 0:
+                held = clock + (1 - overlap) * cost.seconds
+                spans.append(Span("host", clock, held, instruction))
+                clock = held
         elif isinstance(instruction, Wait):
             if instruction.id not in done:
                 raise ValueError(f"instruction {n}: waits on collective {instruction.id} before it was issued")
