@@ -103,6 +103,30 @@ def test_where_the_cores_do_the_copies_an_async_collective_hides_only_its_overla
         cluster_of("dgx-a100", overlap=1.5)
 
 
+def test_where_latency_is_delay_in_flight_the_next_message_leaves_while_the_last_ones_latency_runs():
+    """The emulated link holds its card for a message's bytes only (`toolkit.comm.cost`); a cluster that says
+    so (`latency_holds_link=False`, what calibration gives an emulated link) lets four pipelined all-to-alls
+    pay their bytes in turn and their latencies in flight: the emulator's own ledger agrees to the nanosecond.
+    NCCL's presets keep the whole time on the link (four latencies in turn)."""
+    from toolkit.comm.cost import Ledger, demand, schedule as book
+    from toolkit.comm.emulate import Link, Settings
+
+    link = Link(20e6, 0.5e-3)
+    emulated = cluster_of("dgx-a100", gpus_per_node=1, inter=link, intra=link, call_latency=0.0,
+                          latency_holds_link=False)
+    program = [comm(i, "all_to_all", 256e3, [0, 1]) for i in range(4)] + [Wait(i) for i in range(4)]
+    one = collective_time(emulated, "all_to_all", 256e3, [0, 1], me=0)
+    assert one.occupancy == pytest.approx(one.seconds - 0.5e-3)
+    step = schedule(program, None, lambda c: collective_time(emulated, c.op, c.size_bytes, c.group, me=0)).step_time
+    ledger, settings = Ledger(), Settings(link)
+    emulator = max(book(ledger, ledger, settings, demand(settings, "all_to_all", [0, 1], 0, 256e3), 0, 0.0)
+                   for _ in range(4))
+    assert step == pytest.approx(emulator, abs=1e-9) == pytest.approx(4 * one.seconds - 3 * 0.5e-3)
+    nccl = emulated.with_changes(latency_holds_link=True)
+    held = schedule(program, None, lambda c: collective_time(nccl, c.op, c.size_bytes, c.group, me=0)).step_time
+    assert held == pytest.approx(4 * one.seconds)
+
+
 def test_collectives_on_one_link_take_turns_and_on_different_links_run_side_by_side():
     program = [comm(0, "all_gather", 1, [0, 1]), comm(1, "all_reduce", 1, [0, 1]), Wait(0), Wait(1)]
     same = schedule(program, None, lambda c: Cost(1.0))

@@ -312,9 +312,11 @@ def from_measurements(m: dict, link: Settings | None = None, *, reference_step_s
     if link is None:
         return found
     # An emulated link's time is a sleep on top of the loopback's (`toolkit.comm.emulate`): it takes no core,
-    # so what it models hides behind compute as a separate link's would.
+    # so what it models hides behind compute as a separate link's would; its latency is delay in flight,
+    # not occupancy (`toolkit.comm.cost`), so the next message may leave while the last one's latency runs.
     return found.with_changes(name="this-machine (emulated link)", gpus_per_node=link.ranks_per_node,
                               inter=link.inter, intra=link.intra or loopback, overlap=1.0,
+                              latency_holds_link=False,
                               op_links={} if link.intra is not None or link.ranks_per_node == 1 else op_links,
                               source=found.source + f"; {link.describe()}")
 

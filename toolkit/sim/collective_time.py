@@ -17,12 +17,14 @@
 
 Which links a collective occupies (`resources`) lets the timeline run two collectives at once when they
 use different links (an intra-node all-gather beside an inter-node all-reduce), and queue them when
-they share one.
+they share one; for how long (`occupancy`): the whole time on NCCL's presets, only the bytes where the
+cluster says latency is delay in flight (`Cluster.latency_holds_link=False`, the emulated link's physics:
+`toolkit.comm.cost`), so the next message may start while the last one's latency runs.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .hardware import Cluster
 
@@ -36,6 +38,12 @@ class CollectiveCost:
     link: str                 # "intra-node", "inter-node", "intra+inter-node" or "none"
     resources: tuple          # the links it occupies: ("intra",), ("inter",), ("intra", "inter") or ()
     bandwidth: float = math.inf  # bytes/s the bandwidth term ran at (ring ops)
+    latency_holds_link: bool = True  # see `Cluster.latency_holds_link`
+
+    @property
+    def occupancy(self) -> float:
+        """Seconds its links are held: the whole time, or only the bytes where latency is delay in flight."""
+        return self.seconds if self.latency_holds_link else self.seconds - self.latency
 
 
 def _placement(cluster: Cluster, group) -> tuple[int, int]:
@@ -78,6 +86,11 @@ def collective_time(cluster: Cluster, op: str, size_bytes: float, group, me: int
     me: this rank (all-to-all and send/recv need it); args: the door's extra args (all-to-all's
     input_splits/output_splits in rows, send/recv's peer).
     """
+    cost = _time_on_links(cluster, op, size_bytes, group, me, args)
+    return cost if cluster.latency_holds_link else replace(cost, latency_holds_link=False)
+
+
+def _time_on_links(cluster, op, size_bytes, group, me, args) -> CollectiveCost:
     group, args = list(group), args or {}
     n = len(group)
     if op in ("send", "recv"):

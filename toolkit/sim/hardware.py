@@ -65,6 +65,9 @@ class Cluster:
     overlap: float = 1.0            # fraction of a collective's time that can hide behind compute: 1 where the
     #                                 links and copy engines are their own hardware (GPUs); measured on a CPU,
     #                                 whose cores do the copies (toolkit.sim.calibrate)
+    latency_holds_link: bool = True  # a collective holds its links for its latency too (NCCL runs a
+    #                                 communicator's collectives one after the other); False where latency
+    #                                 is delay in flight and the next message may go meanwhile (the emulator)
     op_links: dict = field(default_factory=dict, compare=False)  # op -> Link measured for it inside a node
     notes: dict = field(default_factory=dict, compare=False)  # e.g. calibration details
 

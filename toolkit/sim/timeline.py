@@ -104,7 +104,7 @@ def schedule(program, compute_time, collective_cost, start: float = 0.0, overlap
             begin = max([clock] + [free.get(link, start) for link in cost.resources])
             end = begin + cost.seconds
             for link in cost.resources:
-                free[link] = end
+                free[link] = begin + getattr(cost, "occupancy", cost.seconds)
             done[instruction.id] = end
             spans.append(Span("comm", begin, end, instruction, issued=clock, cost=cost))
             if overlap < 1 and cost.seconds > 0:
