@@ -87,7 +87,8 @@ def _union_length(intervals) -> float:
 
 def schedule(program, compute_time, collective_cost, start: float = 0.0, overlap: float = 1.0) -> Timeline:
     """Replay `program` from time `start`: compute_time(Compute) -> seconds, collective_cost(Collective) ->
-    an object with `.seconds` and `.resources` (the links it occupies); overlap: rule 4."""
+    an object with `.seconds`, `.resources` (the links it occupies) and optionally `.occupancy` (how long it
+    holds them, `.seconds` if absent: `toolkit.sim.collective_time`); overlap: rule 4."""
     clock = start                  # where the compute stream is
     free: dict[str, float] = {}    # link -> when its last collective ends
     done: dict[int, float] = {}    # collective id -> when it ends
