@@ -49,6 +49,33 @@ def test_the_board_reads_back_what_a_rank_posted(tmp_path):
     assert Entry("send", (0, 2), 3).label() == "send #3 (ranks [0, 2])"
 
 
+def test_a_rank_descheduled_half_way_through_a_post_is_never_read_torn(tmp_path):
+    """A rank writes its slot field by field; on a loaded machine it can stop between the state and the time.
+    A launcher that read then saw "inside since 1970" and blamed a hang of 1.8e9 s on a healthy rank (seen
+    in CI). The reader must wait for the post to finish and see it whole."""
+    path = str(tmp_path / "board-1")
+    writer, reader = StatusBoard(path, create=True), StatusBoard(path)
+    writer.post(IDLE, Entry("all_reduce", (0, 1), 23))
+    entry, half_way, go_on = Entry("all_reduce", (0, 1), 24), threading.Event(), threading.Event()
+
+    def post_slowly():
+        with writer._writing():
+            writer._map[status._HEAD_AT] = INSIDE  # the state is out, the time and number not yet
+            half_way.set()
+            go_on.wait(5)
+            status._HEAD.pack_into(writer._map, status._HEAD_AT, INSIDE, 1234.5, 24, status.key((0, 1)))
+
+    thread = threading.Thread(target=post_slowly)
+    thread.start()
+    assert half_way.wait(5)
+    threading.Timer(0.05, go_on.set).start()
+    snap = reader.read()
+    thread.join(5)
+    assert (snap.state, snap.since, snap.entry.number) == (INSIDE, 1234.5, 24)
+    assert snap.entry.label() == entry.label()
+    writer.close(), reader.close()
+
+
 def test_a_death_is_named_before_the_errors_it_caused(tmp_path):
     failed = Entry("all_reduce", WORLD, 2, "")
     evidence = [

@@ -12,6 +12,7 @@ ranks share one count (the board knows groups by their ranks).
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -19,11 +20,15 @@ import time
 from typing import NamedTuple
 
 IDLE, INSIDE, FAILED = 0, 1, 2
+_SEQ = struct.Struct("<Q")          # odd while the rank is writing its slot (a seqlock: see `read`)
 _HEAD = struct.Struct("<Bdqq")      # state, since (time.time() of entering), number, group key
 _SLOT = struct.Struct("<qq")        # (group key, collectives entered on it)
 _SLOTS = 32
-_TEXT_AT = _HEAD.size + _SLOTS * _SLOT.size
+_HEAD_AT = _SEQ.size
+_SLOTS_AT = _HEAD_AT + _HEAD.size
+_TEXT_AT = _SLOTS_AT + _SLOTS * _SLOT.size
 _SIZE = 2048
+_DEAD_WRITER_S = 1.0                # a slot odd for this long belongs to a rank that died writing it
 
 
 class Entry(NamedTuple):
@@ -71,28 +76,49 @@ class StatusBoard:
         self._map = mmap.mmap(self._file.fileno(), _SIZE)
         self._slots: dict[int, int] = {}
         self._posted: Entry | None = None
+        self._seq = _SEQ.unpack_from(self._map, 0)[0]
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """Mark the slot as being written (sequence odd), then as written (even again)."""
+        self._seq += 1
+        _SEQ.pack_into(self._map, 0, self._seq)
+        try:
+            yield
+        finally:
+            self._seq += 1
+            _SEQ.pack_into(self._map, 0, self._seq)
 
     def post(self, state: int, entry: Entry | None, since: float = 0.0) -> None:
-        if entry is not None and entry is not self._posted:  # the text only changes with the entry
-            self._posted = entry
-            text = "\x1f".join((entry.op, ",".join(map(str, entry.group)), entry.detail)).encode()
-            text = text[: _SIZE - _TEXT_AT - 1]
-            self._map[_TEXT_AT: _TEXT_AT + len(text) + 1] = text + b"\0"
-        number, group = (entry.number, key(entry.group)) if entry is not None and entry.group else (0, 0)
-        _HEAD.pack_into(self._map, 0, state, since, number, group)
+        with self._writing():
+            if entry is not None and entry is not self._posted:  # the text only changes with the entry
+                self._posted = entry
+                text = "\x1f".join((entry.op, ",".join(map(str, entry.group)), entry.detail)).encode()
+                text = text[: _SIZE - _TEXT_AT - 1]
+                self._map[_TEXT_AT: _TEXT_AT + len(text) + 1] = text + b"\0"
+            number, group = (entry.number, key(entry.group)) if entry is not None and entry.group else (0, 0)
+            _HEAD.pack_into(self._map, _HEAD_AT, state, since, number, group)
 
     def count(self, group_key: int, entered: int) -> None:
         slot = self._slots.setdefault(group_key, len(self._slots))
         if slot < _SLOTS:  # beyond that many groups a rank's counts are not shown (never seen in practice)
-            _SLOT.pack_into(self._map, _HEAD.size + slot * _SLOT.size, group_key, entered)
+            with self._writing():
+                _SLOT.pack_into(self._map, _SLOTS_AT + slot * _SLOT.size, group_key, entered)
 
     def read(self) -> Snapshot:
-        while True:  # the rank may be writing: take two equal copies
-            first, second = bytes(self._map), bytes(self._map)
-            if first == second:
+        """A consistent copy of the slot. The rank writes field by field and can be descheduled half-way (a
+        loaded machine): a copy is kept only if the sequence was even before it and unchanged after it, so
+        no reader ever sees a new state with an old time. A rank that died mid-write leaves it odd: after
+        `_DEAD_WRITER_S` the copy is taken as it is (its process has ended, which the launcher sees)."""
+        give_up = time.monotonic() + _DEAD_WRITER_S
+        while True:
+            first = bytes(self._map)
+            seq = _SEQ.unpack_from(first, 0)[0]
+            if (seq % 2 == 0 and _SEQ.unpack_from(self._map, 0)[0] == seq) or time.monotonic() > give_up:
                 break
-        state, since, number, _ = _HEAD.unpack_from(first, 0)
-        counts = dict(_SLOT.unpack_from(first, _HEAD.size + i * _SLOT.size) for i in range(_SLOTS))
+            time.sleep(0.0005)
+        state, since, number, _ = _HEAD.unpack_from(first, _HEAD_AT)
+        counts = dict(_SLOT.unpack_from(first, _SLOTS_AT + i * _SLOT.size) for i in range(_SLOTS))
         counts.pop(0, None)
         text = first[_TEXT_AT:].split(b"\0", 1)[0].decode(errors="replace")
         entry = None
