@@ -25,7 +25,11 @@ STRATEGIES = {
 
 
 def wrap(model: torch.nn.Module, strategy: str, *, optimizer=torch.optim.AdamW, **options):
-    """Wrap `model` for `strategy`; `optimizer` is any callable taking parameters and returning an optimizer."""
+    """Wrap `model` for `strategy`; `optimizer` is any callable taking parameters and returning an optimizer.
+
+    Model-parallel options (tp=, sequence_parallel=, tp_plan=, pp=, microbatches=, schedule=,
+    virtual_stages=, pp_split=) lay the world out as dp x pp x tp (`compose.py`, `model.mesh`); `strategy`
+    is then the data-parallel method over the dp group ("local": dp = 1)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}.")
     if not callable(optimizer):
@@ -36,6 +40,10 @@ def wrap(model: torch.nn.Module, strategy: str, *, optimizer=torch.optim.AdamW, 
         build = getattr(importlib.import_module(module), function)
     except ModuleNotFoundError as exc:
         raise NotImplementedError(f"strategy {strategy!r} is not implemented yet ({module} is missing).") from exc
+    from . import compose
+
+    if compose.wants(options):  # tp= / pp= ...: a dp x pp x tp layout, `strategy` over its dp group
+        return compose.wrap(model, strategy, build, optimizer, options)
     return build(model, optimizer, **options)
 
 

@@ -143,6 +143,16 @@ class Wrapped(nn.Module):
         output = self.module(*self._prepare(args), **self._prepare(kwargs))
         return output if self.scaler is None else self.scaler.scale_outputs(output)
 
+    def forward_backward(self, *inputs, **kwargs) -> torch.Tensor:
+        """One batch's forward and backward; returns the loss, detached.
+
+        For a data-parallel strategy this is `loss = model(x, y); loss.backward()`. Under pipeline
+        parallelism (`pp` > 1) the model splits the batch into micro-batches and runs the whole schedule
+        here instead, so `train.py` and the simulator call this for every strategy."""
+        loss = self(*inputs, **kwargs)
+        loss.backward()
+        return loss.detach()
+
     def _prepare(self, value):
         """Inputs go to the parameters' device; floating inputs to the compute dtype (ids stay ints)."""
         if isinstance(value, torch.Tensor):
