@@ -16,7 +16,7 @@ and let the expert-parallel layer send them to their experts. So here:
 3. the outputs are all-gathered back (`gather_from_tp`) into the tokens every rank holds.
 
 What is replicated and computes on a share of the tokens gets its gradient summed over the group: the
-router (f in front of its weight, `sequence.py`). Each rank's load-balancing loss is over its share; the
+router (f in front of its weight while the layer runs, `sequence.summed_gradients`). Each rank's load-balancing loss is over its share; the
 layer returns their mean over the group (g / t), the same on every rank, as data parallelism averages
 the ranks' losses. The experts' gradients need nothing: the all-to-all's backward already brings every
 token's contribution to the expert's owner, and the data-parallel strategy divides them by dp as ever.
@@ -30,7 +30,7 @@ import torch
 
 from ...moe.layer import MoE
 from .operators import TPGroup, gather_from_tp, reduce_from_tp, scatter_to_tp
-from .sequence import sum_gradients_over_tp
+from .sequence import summed_gradients
 
 
 class TensorParallelMoE(MoE):
@@ -40,18 +40,18 @@ class TensorParallelMoE(MoE):
     tokens_split: bool  # False under sequence parallelism: the input is this rank's share already
 
     def forward(self, x: torch.Tensor):
-        if self.tokens_split:
-            out, aux = super().forward(x)
-        else:
-            tokens = scatter_to_tp(x.reshape(-1, x.shape[-1]), self.tp, 0)
-            out, aux = super().forward(tokens)
-            out = gather_from_tp(out, self.tp, 0).reshape(x.shape)
+        with summed_gradients(self.gate.router, self.tp):  # the router sees a share of the tokens
+            if self.tokens_split:
+                out, aux = super().forward(x)
+            else:
+                tokens = scatter_to_tp(x.reshape(-1, x.shape[-1]), self.tp, 0)
+                out, aux = super().forward(tokens)
+                out = gather_from_tp(out, self.tp, 0).reshape(x.shape)
         return out, reduce_from_tp(aux, self.tp) / self.tp.size
 
 
 def split_moe(moe: MoE, tp: TPGroup, sequence_parallel: bool) -> MoE:
     """Put an MoE layer under tensor parallelism, in place."""
-    sum_gradients_over_tp(moe.gate.router, tp)
     moe.__class__ = TensorParallelMoE
     moe.tp, moe.tokens_split = tp, sequence_parallel
     return moe

@@ -23,6 +23,8 @@ reads every gradient the moment it is final.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -72,24 +74,27 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
                             self.eps)
 
 
-class SummedGradientLinear(nn.Linear):
-    """A replicated Linear (an MoE router) computing on this rank's share of the tokens: its gradient summed."""
+@contextlib.contextmanager
+def summed_gradients(module: nn.Module, tp: TPGroup):
+    """Inside, `module`'s own parameters are seen through f: code that reads `module.weight` directly (an
+    MoE gate's F.linear on its router's weight) gets f(weight), so the weight's gradient is summed over the
+    group. The Parameters stay the leaves that gradients accumulate into (functional_call does the same)."""
+    saved = dict(module._parameters)
+    try:
+        for name, p in saved.items():
+            if p is not None:
+                module._parameters[name] = copy_to_tp(p, tp)
+        yield module
+    finally:
+        module._parameters.update(saved)
 
-    tp: TPGroup
 
-    def forward(self, x):
-        bias = None if self.bias is None else copy_to_tp(self.bias, self.tp)
-        return F.linear(x, copy_to_tp(self.weight, self.tp), bias)
-
-
-def sum_gradients_over_tp(module: nn.Module, tp: TPGroup) -> nn.Module:
-    """Make a replicated LayerNorm or Linear sum its parameters' gradients over the tensor-parallel group
-    (in place: the class changes, the parameters and their names stay, as FSDP2's fully_shard does)."""
+def sum_gradients_over_tp(module: nn.LayerNorm, tp: TPGroup) -> nn.Module:
+    """Make a replicated LayerNorm sum its weight's and bias's gradients over the tensor-parallel group (in
+    place: the class changes, the parameters and their names stay, as FSDP2's fully_shard does)."""
     if type(module) is nn.LayerNorm:
         module.__class__ = SequenceParallelLayerNorm
-    elif type(module) is nn.Linear:
-        module.__class__ = SummedGradientLinear
-    elif not isinstance(module, (SequenceParallelLayerNorm, SummedGradientLinear)):
-        raise TypeError(f"sum_gradients_over_tp takes an nn.LayerNorm or nn.Linear, got {type(module).__name__}.")
+    elif not isinstance(module, SequenceParallelLayerNorm):
+        raise TypeError(f"sum_gradients_over_tp takes an nn.LayerNorm, got {type(module).__name__}.")
     module.tp = tp
     return module
