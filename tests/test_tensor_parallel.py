@@ -1,0 +1,116 @@
+"""Tensor parallelism trains exactly what one process trains: losses per step and final parameters.
+
+Every layout runs the toolkit's own training loop (`toolkit.train.train`) inside one launch per world size;
+the one-process references run here, in the test's process. The MoE GPT's reference accumulates t
+micro-batches (under tp the ranks of a group share out the tokens, each routing its own rows with its own
+capacity, as `tensor/moe.py` says), the dense ones take the whole batch at once.
+
+Tolerances, fp32 (unit roundoff u = 2^-24 = 6e-8). A layout changes only the order of sums: the row-parallel
+outputs add t partial sums, the embedding adds t partial lookups, the cross-entropy's log-sum-exp adds
+V = 64 exponentials in t groups, data parallelism averages dp gradients. A sum of n terms computed in
+another order moves by at most about n·u times the sum of its terms' magnitudes.
+- Loss (about 4.2): the log-sum-exp over V = 64 terms: |Δ| <= 64 · u · 4.2 = 1.6e-5 -> LOSS_ATOL = 2e-5.
+- Parameters: a gradient element sums the contributions of the b·s = 256 tokens of a batch, whose
+  magnitudes add up to less than 1 here (the whole gradient's norm is below 1), so |Δg| <= 256 · u = 1.5e-5;
+  SGD at lr 0.1 moves a parameter by lr·Δg per step, times 1 + 1.9 with momentum 0.9 over two steps, or 3
+  over three plain steps: |Δθ| <= 0.3 · 1.5e-5 = 4.5e-6 -> PARAM_ATOL = 1e-5. A collective left out moves
+  a parameter by lr·|g|, 1e-3 and more: far outside.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import foreign_models as fm
+import toolkit
+from toolkit.models import SyntheticCorpus, moe_model_fn
+from toolkit.train import TrainConfig, train
+
+LOSS_ATOL, PARAM_ATOL = 2e-5, 1e-5
+BASE = dict(steps=3, global_batch_size=8, optimizer="sgd", lr=0.1, progress=False, sample_memory=False)
+MOE = dict(num_experts=4, top_k=2, capacity_factor=2.0)
+ENCODER_PLAN = {"encoder.layers.*.linear1": "colwise", "encoder.layers.*.linear2": "rowwise",
+                "embed": "vocab", "head": "vocab"}
+GPT2_PLAN = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise",
+             "transformer.wte": "vocab", "lm_head": "vocab"}
+SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+# (name, TrainConfig fields, model_fn, the reference's fields): world 2 = tp 2; world 4 = dp 2 x tp 2
+CASES = {
+    2: [("tp", dict(strategy="local", options={"tp": 2}), None, {}),
+        ("tp+sp", dict(strategy="local", options={"tp": 2, "sequence_parallel": True}), None, {}),
+        ("moe tp", dict(strategy="local", options={"tp": 2}), "moe", dict(accumulation=2)),
+        ("encoder tp_plan", dict(strategy="local", options={"tp": 2, "tp_plan": ENCODER_PLAN}), "encoder", {})],
+    4: [("fsdp x tp", dict(strategy="fsdp", clip=0.05, options={"tp": 2}), None, dict(clip=0.05)),
+        ("zero1 x tp+sp", dict(strategy="zero1", clip=0.05, options={"tp": 2, "sequence_parallel": True}), None,
+         dict(clip=0.05)),
+        ("ddp x tp moe", dict(strategy="ddp", options={"tp": 2}), "moe", dict(accumulation=4))],
+}
+
+
+def model_fn(kind):
+    if kind == "moe":
+        return moe_model_fn(**MOE)
+    if kind == "encoder":
+        return lambda config: fm.EncoderLM()
+    return None
+
+
+def reference(fields, kind):
+    return train(TrainConfig(**{**BASE, "strategy": "local", **fields}), model_fn=model_fn(kind), return_state=True)
+
+
+def gpt2_steps(tp: int):
+    """Hugging Face GPT-2 with a tp_plan (keyword forward, an output object, Conv1D weights stored (in, out))."""
+    model = fm.gpt2_lm()
+    if tp > 1:
+        model, opt = toolkit.parallel.wrap(model, "local", optimizer=SGD, tp=tp, tp_plan=GPT2_PLAN)
+    else:
+        opt = SGD(model.parameters())
+    corpus, losses = SyntheticCorpus(vocab_size=fm.VOCAB, seq_len=fm.SEQ), []
+    for step in range(2):
+        loss = fm.gpt2_loss(model, *corpus.batch(step, 8))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in toolkit.parallel.full_state_dict(model).items()}
+
+
+def layouts(cases, with_gpt2):
+    found = {}
+    for name, fields, kind, _ in cases:
+        torch.manual_seed(0)
+        run, state = train(TrainConfig(**{**BASE, **fields}), model_fn=model_fn(kind), return_state=True)
+        found[name] = ([m["value"] for m in run.metrics if m["name"] == "loss"], state)
+    if with_gpt2:
+        found["gpt2 tp_plan"] = gpt2_steps(2)
+    return found if dist.get_rank() == 0 else None
+
+
+def compare(name, got, expected):
+    (losses, state), (ref_losses, ref_state) = got, expected
+    assert set(state) == set(ref_state), (name, set(state) ^ set(ref_state))
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= LOSS_ATOL, (name, losses, ref_losses)
+    worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+    assert worst <= PARAM_ATOL, (name, worst)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_layouts_train_as_one_process(world, no_leftover_ranks):
+    try:
+        import transformers  # noqa: F401
+        with_gpt2 = world == 2
+    except ImportError:
+        with_gpt2 = False
+    got = toolkit.launch(layouts, world, args=(CASES[world], with_gpt2), timeout_s=360, quiet=True)[0]
+    for name, _, kind, ref_fields in CASES[world]:
+        run, state = reference(ref_fields, kind)
+        compare(name, got[name], ([m["value"] for m in run.metrics if m["name"] == "loss"], state))
+    if with_gpt2:
+        torch.manual_seed(0)
+        compare("gpt2 tp_plan", got["gpt2 tp_plan"], gpt2_steps(1))
