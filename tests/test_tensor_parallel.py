@@ -80,8 +80,8 @@ def gpt2_steps(tp: int):
     return losses, {k: v.detach().clone() for k, v in toolkit.parallel.full_state_dict(model).items()}
 
 
-def layouts(cases, with_gpt2):
-    found = {}
+def layouts(cases, with_gpt2, directory):
+    found = {"checkpoints": checkpoints_across_layouts(directory)} if dist.get_world_size() == 4 else {}
     for name, fields, kind, _ in cases:
         torch.manual_seed(0)
         run, state = train(TrainConfig(**{**BASE, **fields}), model_fn=model_fn(kind), return_state=True)
@@ -99,18 +99,94 @@ def compare(name, got, expected):
     assert worst <= PARAM_ATOL, (name, worst)
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("world", [2, 4])
-def test_tensor_parallel_layouts_train_as_one_process(world, no_leftover_ranks):
+@functools.lru_cache(maxsize=None)
+def launched(world: int, directory: str):
     try:
         import transformers  # noqa: F401
         with_gpt2 = world == 2
     except ImportError:
         with_gpt2 = False
-    got = toolkit.launch(layouts, world, args=(CASES[world], with_gpt2), timeout_s=360, quiet=True)[0]
+    return toolkit.launch(layouts, world, args=(CASES[world], with_gpt2, directory), timeout_s=360, quiet=True)[0]
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tp-checkpoints"))
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_layouts_train_as_one_process(world, directory, no_leftover_ranks):
+    got = launched(world, directory)
+    with_gpt2 = "gpt2 tp_plan" in got
     for name, _, kind, ref_fields in CASES[world]:
         run, state = reference(ref_fields, kind)
         compare(name, got[name], ([m["value"] for m in run.metrics if m["name"] == "loss"], state))
     if with_gpt2:
         torch.manual_seed(0)
         compare("gpt2 tp_plan", got["gpt2 tp_plan"], gpt2_steps(1))
+
+
+# --- checkpoints across (dp, tp) layouts ------------------------------------------------------------------
+CKPT_MODEL = dict(n_layer=2, d_model=32, n_head=4)  # 4 heads: tp 4 fits
+ADAM = functools.partial(torch.optim.AdamW, lr=1e-2)
+LOADERS = [("ddp", {}), ("local", {"tp": 4}), ("zero2", {"tp": 2, "sequence_parallel": True}), ("fsdp", {"tp": 2})]
+
+
+def checkpoints_across_layouts(directory):
+    """Train zero1 at dp 2 x tp 2 and save; load into every other layout of 4 ranks and save again."""
+    import os
+
+    from toolkit.parallel.checkpoint import load_full, save_full
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model, opt = toolkit.parallel.wrap(toolkit.models.tiny_gpt(**CKPT_MODEL), "zero1", optimizer=ADAM, tp=2)
+    corpus = SyntheticCorpus()
+    for step in range(2):
+        x, y = corpus.batch(step, 8, rank=rank // 2, world_size=2)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    first = os.path.join(directory, "dp2-tp2.pt")
+    save_full(model, opt, first)
+    saved = toolkit.parallel.full_state_dict(model)
+    found = {}
+    for strategy, options in LOADERS:
+        torch.manual_seed(1)  # other initial values: only the checkpoint can make them equal
+        other, other_opt = toolkit.parallel.wrap(toolkit.models.tiny_gpt(**CKPT_MODEL), strategy, optimizer=ADAM,
+                                                 **options)
+        load_full(other, other_opt, first)
+        again = os.path.join(directory, f"{strategy}-{options.get('tp', 1)}.pt")
+        save_full(other, other_opt, again)
+        state = toolkit.parallel.full_state_dict(other)
+        found[(strategy, options.get("tp", 1))] = (all(torch.equal(state[k], saved[k]) for k in saved), again)
+    return first, {k: v.cpu() for k, v in saved.items()}, found
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.timeout(400)
+def test_checkpoints_move_between_dp_tp_layouts_bit_for_bit(directory, no_leftover_ranks):
+    from toolkit.parallel.checkpoint import load_full, save_full
+
+    first, saved, found = launched(4, directory)["checkpoints"]
+    original = torch.load(first, weights_only=True)
+    for (strategy, tp), (params_equal, again) in found.items():
+        assert params_equal, (strategy, tp)  # loaded: the full parameters, bit for bit
+        assert _same(torch.load(again, weights_only=True), original), (strategy, tp)  # and saved back unchanged
+    # tp 1 in one process: the file does not know it came from a tensor-parallel run
+    torch.manual_seed(1)
+    model, opt = toolkit.parallel.wrap(toolkit.models.tiny_gpt(**CKPT_MODEL), "local", optimizer=ADAM)
+    load_full(model, opt, first)
+    assert all(torch.equal(toolkit.parallel.full_state_dict(model)[k], v) for k, v in saved.items())
+    save_full(model, opt, first + ".local")
+    assert _same(torch.load(first + ".local", weights_only=True), original)
