@@ -12,8 +12,8 @@ another order moves by at most about n·u times the sum of its terms' magnitudes
 - Loss (about 4.2): the log-sum-exp over V = 64 terms: |Δ| <= 64 · u · 4.2 = 1.6e-5 -> LOSS_ATOL = 2e-5.
 - Parameters: a gradient element sums the contributions of the b·s = 256 tokens of a batch, whose
   magnitudes add up to less than 1 here (the whole gradient's norm is below 1), so |Δg| <= 256 · u = 1.5e-5;
-  SGD at lr 0.1 moves a parameter by lr·Δg per step, times 1 + 1.9 with momentum 0.9 over two steps, or 3
-  over two plain steps: |Δθ| <= 0.29 · 1.5e-5 = 4.4e-6 -> PARAM_ATOL = 1e-5. A collective left out moves
+  SGD at lr 0.1 moves a parameter by lr·Δg per step; over two steps, with momentum 0.9, by at most
+  lr·(1 + 1.9)·Δg: |Δθ| <= 0.29 · 1.5e-5 = 4.4e-6 -> PARAM_ATOL = 1e-5. A collective left out moves
   a parameter by lr·|g|, 1e-3 and more: far outside.
 """
 from __future__ import annotations
