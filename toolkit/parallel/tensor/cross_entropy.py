@@ -20,13 +20,11 @@ from __future__ import annotations
 import torch
 
 from ... import comm
-from .operators import TPGroup
+from .operators import TPGroup, labelled
 
 
 def _all_reduce(x: torch.Tensor, tp: TPGroup, op: str, label: str) -> torch.Tensor:
-    handle = comm.all_reduce(x, op=op, group=tp.group, async_op=True)
-    handle.event["args"]["tp"] = label
-    handle.wait()
+    labelled(comm.all_reduce(x, op=op, group=tp.group, async_op=True), label)
     return x
 
 
