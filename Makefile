@@ -17,7 +17,7 @@ export CHROMIUM
 # JupyterLab refuses to start as root (containers, course VMs) unless told it may.
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup demo compare test test-browser test-papers test-grading lab notebooks browser clean
+.PHONY: setup demo compare test test-browser test-papers test-grading test-stress test-gpu lab notebooks browser clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,16 @@ test-papers: $(STAMP)
 # The whole browser set: every lesson run in JupyterLab, its widgets exercised (make test runs a smaller set).
 test-browser: $(STAMP) browser
 	TOOLKIT_BROWSER_LESSONS=all $(PY) -m pytest -q -m browser tests/test_browser.py
+
+# The tests that start processes, while other processes burn every core, three rounds that must all be green
+# (not in make test: it takes several times the suite's time on purpose). tests/stress.py --help for options.
+test-stress: $(STAMP) browser
+	$(PY) tests/stress.py --rounds 3
+
+# The GPU path (NCCL, CUDA memory and events, the simulator against this GPU, torch DDP/FSDP2 beside):
+# where CUDA exists it prints tables for docs/benchmarks.md; elsewhere it says it skipped, and exits 0.
+test-gpu: $(STAMP)
+	$(PY) bench/gpu_suite.py
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab $(LAB_ROOT) notebooks/

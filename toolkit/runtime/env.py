@@ -99,9 +99,14 @@ def default_world_size() -> int:
 
 
 def device() -> torch.device:
-    """The device this rank computes on: its own GPU under NCCL, the CPU under gloo (or `computing_on`'s)."""
+    """The device this rank computes on: its own GPU under NCCL, the CPU under gloo (or `computing_on`'s).
+
+    TOOLKIT_DEVICE=cuda puts gloo ranks on the GPU too (bench/gpu_suite.py: world 2 on one GPU, where NCCL
+    cannot give two ranks one device)."""
     if _device is not None:
         return _device
+    if os.environ.get("TOOLKIT_DEVICE") == "cuda":  # gloo on CUDA tensors: two ranks sharing one GPU
+        return torch.device("cuda", torch.cuda.current_device())
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
