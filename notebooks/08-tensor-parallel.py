@@ -384,5 +384,6 @@ assert speed[("one card per node", 16)] < speed[("one card per node", 8)] / 5
 # critical path. On the DGX's eight cards the rings still run eight at once and the rate drops modestly;
 # with one card per node it drops several-fold (the GB/s above). (The whole step need not slow by as much:
 # at tp = 16 the FSDP traffic over the replicas halves.) Megatron keeps tp <= GPUs per node and puts
-# pipeline or data parallelism across nodes. Next: `labs/11-tensor-parallel`, then lesson 09, pipeline
-# parallelism, the other form of model parallelism.
+# pipeline or data parallelism across nodes. Where the toolkit's tensor parallelism differs from Megatron-LM's
+# and torch's: `docs/differences.md`. Next: `labs/11-tensor-parallel`, then lesson 09, pipeline parallelism,
+# the other form of model parallelism.

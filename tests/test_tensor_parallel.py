@@ -15,6 +15,11 @@ another order moves by at most about n·u times the sum of its terms' magnitudes
   SGD at lr 0.1 moves a parameter by lr·Δg per step; over two steps, with momentum 0.9, by at most
   lr·(1 + 1.9)·Δg: |Δθ| <= 0.29 · 1.5e-5 = 4.4e-6 -> PARAM_ATOL = 1e-5. A collective left out moves
   a parameter by lr·|g|, 1e-3 and more: far outside.
+- Mixed precision (bf16 compute, fp32 masters), against "local" with the same recipe: the reference's loss is a
+  bf16 number near 4 (spacing 1/32) whose log-softmax ran in bf16, the vocabulary-parallel loss runs in fp32:
+  MP_LOSS_ATOL = 3/32 (as tests/test_zero.py). Gradients are bf16 (relative spacing 2^-8) on both sides and
+  round differently: |Δg| <= 2 · 2^-8 · G with G = 0.30 the largest gradient element of this model's first
+  step, so two SGD steps at lr 0.1 differ by at most 0.1 · 2 · 2 · 2^-8 · 0.30 = 4.7e-4 -> MP_PARAM_ATOL = 5e-4.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from toolkit.models import SyntheticCorpus, moe_model_fn
 from toolkit.train import TrainConfig, train
 
 LOSS_ATOL, PARAM_ATOL = 2e-5, 1e-5
+MP_LOSS_ATOL, MP_PARAM_ATOL = 3 / 32, 5e-4
 BASE = dict(steps=2, global_batch_size=8, optimizer="sgd", lr=0.1, progress=False, sample_memory=False)
 MOE = dict(num_experts=4, top_k=2, capacity_factor=2.0)
 ENCODER_PLAN = {"encoder.layers.*.linear1": "colwise", "encoder.layers.*.linear2": "rowwise",
@@ -43,7 +49,9 @@ CASES = {
     2: [("tp", dict(strategy="local", options={"tp": 2}), None, {}),
         ("tp+sp", dict(strategy="local", options={"tp": 2, "sequence_parallel": True}), None, {}),
         ("moe tp", dict(strategy="local", options={"tp": 2}), "moe", dict(accumulation=2)),
-        ("encoder tp_plan", dict(strategy="local", options={"tp": 2, "tp_plan": ENCODER_PLAN}), "encoder", {})],
+        ("encoder tp_plan", dict(strategy="local", options={"tp": 2, "tp_plan": ENCODER_PLAN}), "encoder", {}),
+        ("tp bf16", dict(strategy="local", options={"tp": 2, "mixed_precision": True}), None,
+         dict(options={"mixed_precision": True}))],
     4: [("fsdp x tp", dict(strategy="fsdp", clip=0.05, options={"tp": 2}), None, dict(clip=0.05)),
         ("zero1 x tp+sp", dict(strategy="zero1", clip=0.05, options={"tp": 2, "sequence_parallel": True}), None,
          dict(clip=0.05)),
@@ -110,10 +118,11 @@ def overflow_on_one_rank():
 
 def compare(name, got, expected):
     (losses, state), (ref_losses, ref_state) = got, expected
+    loss_atol, param_atol = (MP_LOSS_ATOL, MP_PARAM_ATOL) if "bf16" in name else (LOSS_ATOL, PARAM_ATOL)
     assert set(state) == set(ref_state), (name, set(state) ^ set(ref_state))
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= LOSS_ATOL, (name, losses, ref_losses)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= loss_atol, (name, losses, ref_losses)
     worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
-    assert worst <= PARAM_ATOL, (name, worst)
+    assert worst <= param_atol, (name, worst)
 
 
 @functools.lru_cache(maxsize=None)
