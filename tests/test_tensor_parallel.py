@@ -55,7 +55,7 @@ CASES = {
     4: [("fsdp x tp", dict(strategy="fsdp", clip=0.05, options={"tp": 2}), None, dict(clip=0.05)),
         ("zero1 x tp+sp", dict(strategy="zero1", clip=0.05, options={"tp": 2, "sequence_parallel": True}), None,
          dict(clip=0.05)),
-        ("ddp x tp moe", dict(strategy="ddp", options={"tp": 2}), "moe", dict(accumulation=4)),
+        ("ddp x tp moe", dict(strategy="ddp", clip=0.05, options={"tp": 2}), "moe", dict(accumulation=4, clip=0.05)),
         ("zero3 x tp, checkpointed", dict(strategy="zero3", options={"tp": 2, "activation_checkpointing": True}), None,
          {})],
 }

@@ -26,11 +26,13 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int, ra
     params = dict(module.named_parameters())
     split = sum(params[n].numel() * t for n, s in info.splits.items() if s is not None and n in params)
     replicated = sum(params[n].numel() for n, s in info.splits.items() if s is None and n in params)
-    config = getattr(module, "config", None)
     tp_bytes = None
-    if info.plan and "tok_emb" in info.plan and config is not None:  # the toolkit GPT's default plan
+    from ..models.gpt import MLP
+    from ..parallel.tensor.gpt import TensorParallelGPT
+
+    if isinstance(module, TensorParallelGPT) and all(isinstance(b.mlp, MLP) for b in module.blocks):  # dense GPT
         value = 2 if options.get("mixed_precision") else 4
-        tp_bytes = tensor_formulas.tp_bytes_per_step(batch, seq_len, config.d_model, config.n_layer, t,
+        tp_bytes = tensor_formulas.tp_bytes_per_step(batch, seq_len, module.config.d_model, module.config.n_layer, t,
                                                      sequence_parallel=info.sequence_parallel, bytes_per_value=value)
     if t > ranks_per_node:
         warnings.warn(f"tp={t} is wider than a node of {ranks_per_node} ranks: the tensor-parallel group spans "
