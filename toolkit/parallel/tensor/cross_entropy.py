@@ -24,7 +24,7 @@ from .operators import TPGroup, labelled
 
 
 def _all_reduce(x: torch.Tensor, tp: TPGroup, op: str, label: str) -> torch.Tensor:
-    labelled(comm.all_reduce(x, op=op, group=tp.group, async_op=True), label)
+    labelled(lambda: comm.all_reduce(x, op=op, group=tp.group), label)
     return x
 
 

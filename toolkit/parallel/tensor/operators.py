@@ -51,23 +51,26 @@ class TPGroup:
         return cls(group, len(ranks), ranks.index(dist.get_rank()))
 
 
-def labelled(handle, label: str) -> None:
-    """Name the operator on the collective's span, and wait for it at once: the next operation needs its
-    result, so the collective is synchronous for the step (`async_op` False, as the timeline's overlap reads it)."""
-    handle.event["args"].update(tp=label, async_op=False)
-    handle.wait()
+def labelled(call, label: str) -> None:
+    """Run `call()`, one collective through the door, synchronously (the next operation needs its result, so
+    nothing could hide it), and name the operator that issued it on its span (`args["tp"]`)."""
+    issued = []
+    with comm.listening(lambda kind, event, tensor: issued.append(event) if kind == "issue" else None):
+        call()
+    for event in issued:
+        event["args"]["tp"] = label
 
 
 def all_reduce(x: torch.Tensor, tp: TPGroup, label: str) -> torch.Tensor:
     out = x.contiguous().clone()
-    labelled(comm.all_reduce(out, group=tp.group, async_op=True), label)
+    labelled(lambda: comm.all_reduce(out, group=tp.group), label)
     return out
 
 
 def all_gather(x: torch.Tensor, tp: TPGroup, dim: int, label: str) -> torch.Tensor:
     """Every rank's `x` side by side along `dim`, in rank order."""
     out = x.new_empty((tp.size,) + tuple(x.shape))
-    labelled(comm.all_gather(out, x.contiguous(), group=tp.group, async_op=True), label)
+    labelled(lambda: comm.all_gather(out, x.contiguous(), group=tp.group), label)
     return torch.cat(out.unbind(0), dim=dim)
 
 
@@ -78,7 +81,7 @@ def reduce_scatter(x: torch.Tensor, tp: TPGroup, dim: int, label: str) -> torch.
                          f"tp={tp.size} ranks; with sequence_parallel the sequence length must be a multiple of tp.")
     chunks = torch.stack(x.chunk(tp.size, dim=dim)).contiguous()
     out = x.new_empty(chunks.shape[1:])
-    labelled(comm.reduce_scatter(out, chunks, group=tp.group, async_op=True), label)
+    labelled(lambda: comm.reduce_scatter(out, chunks, group=tp.group), label)
     return out
 
 
