@@ -8,9 +8,10 @@ Two versions, in the order a course builds them:
   Correct, and slow: the network idles during backward, then many small messages each pay the latency.
 - "ddp" (`wrap`): torch DDP's design. Gradients are grouped into buckets of about `bucket_cap_mb`
   MiB, last-registered parameters first (roughly the order backward produces them). A hook on each
-  parameter marks its gradient ready; a complete bucket is copied into one flat buffer and its
-  all-reduce starts asynchronously, while backward goes on computing earlier layers. At the end of
-  backward we wait for every bucket and point each `.grad` at its slice of the bucket (torch's
+  parameter marks its gradient ready and copies it, divided by N, into its bucket's flat buffer (as
+  torch's reducer: summing N fp16 gradients first could overflow 65504 where their average fits); a
+  complete bucket's all-reduce (a sum) starts asynchronously, while backward goes on computing
+  earlier layers. At the end of backward we wait for every bucket and point each `.grad` at its slice of the bucket (torch's
   `gradient_as_bucket_view=True`), so after backward the gradients take Ψ·bytes once, as the
   (2+2+K)Ψ accounting says, not once in `.grad` and again in the buckets.
   Two refinements of torch's: with the default cap the *first* bucket closes at 1 MiB (the last
@@ -209,7 +210,10 @@ class DistributedDataParallel(DataParallel):
         if index in bucket.ready:
             raise RuntimeError(f"parameter #{index} became ready twice in one backward; DDP reduces each "
                                "gradient once per backward (reentrant checkpointing can cause this).")
-        bucket.views[index].copy_(self.params[index].grad.reshape(-1))
+        # divide while copying into the bucket, then sum (torch's reducer): N fp16 gradients that fit
+        # still fit once summed, where a sum first could overflow 65504 (comm/average.py)
+        torch.mul(self.params[index].grad.reshape(-1), 1.0 / len(comm.group_ranks(self.group)),
+                  out=bucket.views[index])
         bucket.ready.add(index)
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].complete:
             self._launch(self.buckets[self.next_bucket])
@@ -218,7 +222,7 @@ class DistributedDataParallel(DataParallel):
         for index, view in bucket.views.items():
             if index not in bucket.ready:  # no gradient in this backward: contribute zeros
                 view.zero_()
-        bucket.handle = comm.all_reduce(bucket.buffer, op="avg", group=self.group, async_op=True)
+        bucket.handle = comm.all_reduce(bucket.buffer, op="sum", group=self.group, async_op=True)  # pre-divided
         self.next_bucket += 1
 
     def finish_backward(self):
