@@ -199,11 +199,63 @@ def torch_fsdp2_gradient(value: float) -> torch.Tensor:
     return lin.weight.grad.full_tensor().float()
 
 
+class GatheredExpert(nn.Module):
+    """A dense weight, and an expert weight every rank uses through toolkit.moe's all-gather (Tutel's data-
+    parallel placement): its gradient is the sum of every rank's contribution, reduce-scattered to its owner,
+    then averaged by the strategy. dL/d(expert) = the sum over ranks of their x; its average is x."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 1, bias=False)
+        self.expert = nn.Parameter(torch.zeros(8))
+        self.expert._toolkit_expert = True
+        nn.init.zeros_(self.lin.weight)
+
+    def forward(self, x):
+        from toolkit.moe.experts import GatherWeights
+
+        world = torch.distributed.get_world_size()
+        everyone = GatherWeights.apply(self.expert, None, world, "test", (self.expert,)).view(world, 8)
+        return self.lin(x).sum() + (everyone * x).sum()
+
+
+def step_on_large_expert_gradients(strategy: str, value: float) -> dict:
+    model, opt = wrap(GatheredExpert(), strategy, optimizer=sgd, mixed_precision=torch.float16)
+    model.scaler.scale = 1.0
+    model(torch.full((8,), value)).backward()
+    opt.step()
+    return {"skipped": model.scaler.skipped, "update": model.module.expert.detach().float().reshape(1, 8)}
+
+
+def moe_expert_gradients(experts: int, placement: dict) -> dict:
+    """One fp16 backward (scale 1) of an MoE under DDP: this placement's averaged expert gradients."""
+    from toolkit.moe import MoE
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), MoE(8, 16, experts, top_k=1, seed=0, **placement))
+    model, _ = wrap(block, "ddp", optimizer=sgd, mixed_precision=torch.float16)
+    model.scaler.scale = 1.0
+    torch.manual_seed(1 + torch.distributed.get_rank())
+    out, aux = model(torch.randn(32, 8))
+    (out.float().square().sum() * 100 + aux).backward()
+    return {name: p.grad.float() for name, p in block[1].experts.named_parameters()}
+
+
 def large_gradients(value: float, strategies: dict) -> dict:
     out = {name: step_on_large_gradients(name, LARGE[2] if name in HYBRID else value, options)
            for name, options in strategies.items()}
+    out.update({f"{s} experts": step_on_large_expert_gradients(s, value) for s in ("dp", "ddp")})
     out["torch"] = {"ddp": torch_ddp_gradient(value), "fsdp2": torch_fsdp2_gradient(value)}
     return out
+
+
+MOE_PLACEMENTS = {  # (experts, options); on 2 ranks one expert is sliced in two (Tutel's EP+DP+MP)
+    "ep": (2, {}), "dp": (2, {"expert_parallel": "dp"}), "shadowed": (2, {"shadow": [0, 1]}),
+    "slices r=2": (1, {}), "slices r=1": (1, {"expert_slices": 1}), "slices dp": (1, {"expert_parallel": "dp"})}
+
+
+def moe_placements() -> dict:
+    return {name: moe_expert_gradients(*how) for name, how in MOE_PLACEMENTS.items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,5 +277,22 @@ def test_an_fp16_average_whose_sum_overflows_is_not_a_skipped_step(world):
         skipped = [name for name, res in got.items() if res["skipped"]]
         assert not skipped, f"rank {rank} of {world}: {skipped} skipped a step torch DDP and FSDP2 take"
         for name, res in got.items():  # powers of two divide exactly: the update is the average, to the bit
+            if name.endswith("experts"):  # SGD moved the expert weight by its averaged gradient
+                assert torch.equal(res["update"], -average), (name, res["update"])
+                continue
             want = torch.full((1, 8), torch.tensor(LARGE[2], dtype=torch.float16).item()) if name in HYBRID else average
             assert torch.equal(res["update"], -want), (name, res["update"])
+
+
+@pytest.mark.usefixtures("no_leftover_ranks")
+def test_the_moe_placements_average_fp16_expert_gradients_alike():
+    """Expert gradients come home by different sums (the experts' own backward, a reduce-scatter of gathered
+    weights, an all-reduce of shadow copies); the fp16 ones predivide (moe/experts.py), the others not, and
+    the strategy divides by what is left: every placement must end at the same average. A factor of 2
+    would show; fp16 rounding along different paths stays within a few of its 2^-11 steps."""
+    for rank, got in enumerate(toolkit.launch(moe_placements, 2, timeout_s=120)):
+        for name, like in (("dp", "ep"), ("shadowed", "ep"), ("slices r=1", "slices r=2"), ("slices dp", "slices r=2")):
+            for weight_name, grad in got[name].items():
+                want = got[like][weight_name]
+                assert torch.allclose(grad, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()), (
+                    rank, name, weight_name, (grad - want).abs().max())

@@ -69,7 +69,7 @@ def all_experts(layer):
     if not dist.is_initialized() or layer.world == 1:
         return params
     flat = torch.cat([p.reshape(-1) for p in params])
-    everyone = GatherWeights.apply(flat, layer.group, layer.world, "dp experts").reshape(layer.world, -1)
+    everyone = GatherWeights.apply(flat, layer.group, layer.world, "dp experts", params).reshape(layer.world, -1)
     out, at = [], 0
     for name, p in zip(WEIGHTS, params):
         n = p.numel()

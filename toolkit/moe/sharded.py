@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from .experts import WEIGHTS, GatherWeights, join_slices
+from .experts import WEIGHTS, GatherWeights, join_slices, predivided
 
 
 def _positions(group) -> list:
@@ -108,14 +108,17 @@ class Slicing:
             return own[0], own[1], own[2], own[3][:layer.d_model] / self.r
         group, expert = self.groups(layer)
         w1, b1, w2 = own[:3]
-        if self.size > 1:  # EP+DP: the group's storage slices make the slice it computes
+        if self.size == 1:  # EP+MP: the storage slice is the slice computed (experts.predivided)
+            w1, b1, w2 = (predivided(getattr(ex, n))[0] for n in WEIGHTS[:3])
+        else:  # EP+DP: the group's storage slices make the slice it computes
             flat = torch.cat([w.reshape(-1) for w in (w1, b1, w2)])
-            everyone = GatherWeights.apply(flat, group, self.size, "slice weights").reshape(self.size, -1)
+            everyone = GatherWeights.apply(flat, group, self.size, "slice weights", (ex.w1, ex.b1, ex.w2))
+            everyone = everyone.reshape(self.size, -1)
             parts, at = [], 0
             for name, w in zip(WEIGHTS, (w1, b1, w2)):
                 stacked = everyone[:, at:at + w.numel()].reshape((self.size,) + tuple(w.shape))
                 parts.append(join_slices(stacked, name, self.size, layer.d_model)[0])
                 at += w.numel()
             w1, b1, w2 = parts
-        b2 = GatherWeights.apply(own[3], expert, self.s, "output bias")[:layer.d_model]
+        b2 = GatherWeights.apply(own[3], expert, self.s, "output bias", (ex.b2,))[:layer.d_model]
         return w1, b1, w2, b2 / self.r

@@ -44,6 +44,7 @@ import functools
 import torch
 
 from .. import comm
+from ..comm.average import divide_factors
 from ..runtime import env
 from ..trace.events import phase
 from . import check_options, consistency
@@ -66,6 +67,8 @@ class DataParallel(Wrapped):
         self.group = group
         self.params = [p for p in dense if p.requires_grad]  # tied ones appear once
         self.experts = [p for p in module.parameters() if getattr(p, "_toolkit_expert", False)]
+        for p in self.experts:  # averaged here over N; in fp16 toolkit.moe divides by `pre` before its sums
+            p._toolkit_grad_average = len(comm.group_ranks(group))
         if self.scaler is not None:  # fp16: replicas hold the same averaged gradients, experts their own
             self.scaler.group, self.scaler.across_ranks = group, bool(self.experts)
         self.require_sync = True  # no_sync() turns it off
@@ -100,8 +103,8 @@ class DataParallel(Wrapped):
     def _end_of_backward(self):
         self._in_backward = False
         for p in self.experts:  # MoE all-to-all backward already summed every rank's part: average
-            if p.grad is not None:
-                p.grad.div_(len(comm.group_ranks(self.group)))
+            if p.grad is not None:  # by what the sums have not divided already (fp16: moe/experts.py)
+                p.grad.div_(divide_factors(len(comm.group_ranks(self.group)), p.grad.dtype)[1])
         self.finish_backward()
 
     def grad_ready(self, index: int) -> None:
