@@ -192,9 +192,10 @@ class Handle:
         return None
 
     def is_completed(self) -> bool:
-        if self._deadline is not None and time.perf_counter() < self._deadline:
+        done = self._work is None or self._work.is_completed()
+        if done and self._deadline is not None and time.perf_counter() < _emulation.when(self._deadline):
             return False
-        return self._work is None or self._work.is_completed()
+        return done
 
     @property
     def event(self) -> dict:

@@ -65,20 +65,33 @@ class Slicing:
             raise ValueError(f"expert_slices={slices!r}: Tutel's r must divide the {s} ranks per expert; choose one "
                              f"of {fits} (1 = EP+DP: whole experts, rows split; {s} = EP+MP: no weight moves).")
         self.world, self.num_experts, self.s, self.r, self.size = world, num_experts, s, r, s // r
-        self._groups = None
+        self.d_ff, self.chosen = d_ff, slices is not None  # chosen: the user fixed r (auto may not change it)
+        self._groups, self._family = None, {r: self}
 
     def __repr__(self) -> str:
         return f"Slicing({self.s} ranks per expert, r={self.r})"
 
+    def with_slices(self, r: int) -> "Slicing":
+        """The same storage computed as ``r`` slices (Tutel's r switched at run time by
+        ``expert_parallel="auto"``); one Slicing per r, so each r's groups are built once."""
+        if r not in self._family:
+            other = Slicing(self.world, self.num_experts, self.d_ff, r)
+            other.chosen, other._family = self.chosen, self._family
+            self._family[r] = other
+        return self._family[r]
+
+    def members(self, q: int) -> tuple[list, list]:
+        """Positions of (position q's slice group, q's expert's ranks): who gathers weights with whom."""
+        e, k = divmod(q, self.s)
+        start = e * self.s + k // self.size * self.size
+        return list(range(start, start + self.size)), list(range(e * self.s, (e + 1) * self.s))
+
     def groups(self, layer):
         """(my slice group, my expert's ranks) as process groups; built by their members only."""
         if self._groups is None:
-            ranks, me = _positions(layer.group), layer.rank
-            e, k = divmod(me, self.s)
-            start = e * self.s + k // self.size * self.size
-            self._groups = tuple(dist.new_group(members, use_local_synchronization=True) for members in (
-                [ranks[q] for q in range(start, start + self.size)],
-                [ranks[q] for q in range(e * self.s, (e + 1) * self.s)]))
+            ranks = _positions(layer.group)
+            self._groups = tuple(dist.new_group([ranks[q] for q in members], use_local_synchronization=True)
+                                 for members in self.members(layer.rank))
         return self._groups
 
     def send_counts(self, kept) -> torch.Tensor:
