@@ -11,14 +11,17 @@ Two versions, in the order a course builds them:
   parameter marks its gradient ready and copies it, divided by N, into its bucket's flat buffer (as
   torch's reducer: summing N fp16 gradients first could overflow 65504 where their average fits); a
   complete bucket's all-reduce (a sum) starts asynchronously, while backward goes on computing
-  earlier layers. At the end of backward we wait for every bucket and point each `.grad` at its slice of the bucket (torch's
-  `gradient_as_bucket_view=True`), so after backward the gradients take Ψ·bytes once, as the
-  (2+2+K)Ψ accounting says, not once in `.grad` and again in the buckets.
+  earlier layers. At the end of backward we wait for every bucket and point each `.grad` at its slice
+  of the bucket (torch's `gradient_as_bucket_view=True`), so after backward the gradients take Ψ·bytes
+  once, as the (2+2+K)Ψ accounting says, not once in `.grad` and again in the buckets.
   Two refinements of torch's: with the default cap the *first* bucket closes at 1 MiB (the last
   layers' gradients leave early instead of waiting for 25 MiB to fill; an explicit `bucket_cap_mb`
   applies to every bucket, as in torch); and registration order is only a guess, so the first
   backward records the order in which gradients really became ready, and the next forward rebuilds
   the buckets in that order (rank 0's order, broadcast, so that every rank's buckets match).
+  torch has that 1 MiB first bucket only after its rebuild: its first iteration puts every gradient in
+  one bucket (or, with find_unused_parameters=True, which never rebuilds, makes the 1 MiB bucket of the
+  first-registered parameters, reduced last); here the reverse-order buckets start with it.
 
 What both share: at wrap time the ranks' models are checked to be the same and rank 0's parameters and
 buffers are broadcast; `no_sync()` for gradient accumulation; `mixed_precision` (see local.py: 16-bit
