@@ -165,24 +165,13 @@ def predivide(contribution: torch.Tensor, params) -> torch.Tensor:
     return contribution if pre == 1 else contribution / pre
 
 
-class _DivideGrad(torch.autograd.Function):
-    """Identity in forward; divides the gradient by ``pre`` in backward."""
-
-    @staticmethod
-    def forward(ctx, p, pre):
-        ctx.pre = pre
-        return p.view_as(p)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad / ctx.pre, None
-
-
 def predivided(p: torch.Tensor) -> torch.Tensor:
     """Expert parameter ``p`` as used where its own backward makes the contribution (no collective sums it
     after): its gradient is divided by ``pre`` on the way, like every other contribution."""
+    from ..parallel.scaler import _ScaleGrad  # identity forward; backward multiplies (by 1/pre, a power of 2)
+
     pre = predivide_factor((p,), p.dtype)
-    return p if pre == 1 or not (p.requires_grad and torch.is_grad_enabled()) else _DivideGrad.apply(p, pre)
+    return p if pre == 1 or not (p.requires_grad and torch.is_grad_enabled()) else _ScaleGrad.apply(p, 1.0 / pre)
 
 
 class GatherWeights(torch.autograd.Function):
