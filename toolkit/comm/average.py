@@ -42,3 +42,12 @@ def divide_factors(world: int, dtype: torch.dtype) -> tuple[float, float]:
         return 1.0, float(world)
     pre = float(predivide_factor(world))
     return pre, world / pre
+
+
+def divide_around_sum(world: int, before: torch.Tensor, after: torch.Tensor):
+    """The door's op="avg": divide ``before`` (what is about to be summed) by ``pre`` in place now, and return
+    what divides ``after`` (where the sum lands) by ``post`` once it is there, or None when post is 1."""
+    pre, post = divide_factors(world, before.dtype)
+    if pre != 1:
+        before.div_(pre)
+    return (lambda: after.div_(post)) if post != 1 else None

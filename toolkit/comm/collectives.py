@@ -25,7 +25,7 @@ from ..runtime.blame import Consequence, is_consequence
 from ..trace.events import recorder
 from . import backend as _backend_impl
 from . import emulate as _emulation
-from .average import divide_factors
+from .average import divide_around_sum
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
               "product": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.SUM}
@@ -258,33 +258,21 @@ def _run(name, group, tensor, size_bytes, sent, received, call, async_op, after=
 
 
 # --- the collectives ------------------------------------------------------------------------------
-def _average(op, n: int, before: torch.Tensor, after: torch.Tensor):
-    """op="avg": a sum with the division by N split around it (``comm/average.py``: fp16 divides by
-    ~sqrt(N) before the sum, in place on ``before``, and by the rest after; other dtypes after only).
-    Returns what to run once the sum is in ``after``, or None."""
-    if op != "avg":
-        return None
-    pre, post = divide_factors(n, before.dtype)
-    if pre != 1:
-        before.div_(pre)
-    return (lambda: after.div_(post)) if post != 1 else None
-
-
 def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op=False):
     """Every rank ends with the reduction of everyone's `tensor` (in place). op="avg" divides by N
-    (fp16: partly before the sum, see `_average`)."""
+    (fp16: partly before the sum, `comm/average.py`)."""
     n = len(group_ranks(group))
     size = tensor.numel() * tensor.element_size()
     wire = 2 * (n - 1) * size // n
     reduce = _reduce_op(op)
-    after = _average(op, n, tensor, tensor)
+    after = divide_around_sum(n, tensor, tensor) if op == "avg" else None
     return _run("all_reduce", group, tensor, size, wire, wire,
                 lambda a: _impl["all_reduce"](tensor, reduce, group, a), async_op, after, op=str(op))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=None, async_op=False):
     """Rank r ends with chunk r of the reduction of everyone's `input` (input = N x output elements).
-    op="avg" divides by N; in fp16 part of it before the sum, in place on `input` (see `_average`)."""
+    op="avg" divides by N; in fp16 part of it before the sum, in place on `input` (`comm/average.py`)."""
     n = len(group_ranks(group))
     if input.numel() != n * output.numel():
         raise ValueError(f"reduce_scatter needs input.numel() == group size x output.numel(): "
@@ -292,7 +280,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=No
     size = input.numel() * input.element_size()
     wire = (n - 1) * size // n
     reduce = _reduce_op(op)
-    after = _average(op, n, input, output)
+    after = divide_around_sum(n, input, output) if op == "avg" else None
     return _run("reduce_scatter", group, input, size, wire, wire,
                 lambda a: _impl["reduce_scatter"](output, input, reduce, group, a), async_op, after, op=str(op))
 
