@@ -719,9 +719,11 @@ show_table([{"step": step, "loss scale": scale, "skipped": bool(skipped), "loss"
 
 # %% [markdown]
 # The first step is skipped: the model's loss is itself fp16, and its own gradient, S = 2^16 = 65536, is
-# above fp16's largest number, 65504. At 2^15 everything fits, and training goes on; DeepSpeed prints the
-# same skip at the start of every fp16 run. The seed lecture's advice stands: prefer bf16 where the
-# hardware has it (Ampere or newer), for no scaler, no guessing and no tossed steps.
+# above fp16's largest number, 65504. At 2^15 everything fits, and training goes on; torch's GradScaler
+# does exactly this. DeepSpeed would not halve yet: its default hysteresis of 2 lets the first overflow
+# skip the step at the same S ("but hysteresis is 2. Reducing hysteresis to 1"), so this model would skip
+# its second step too, and only then go on at 2^15. The seed lecture's advice stands: prefer bf16 where
+# the hardware has it (Ampere or newer), for no scaler, no guessing and no tossed steps.
 
 # %% [markdown]
 # ## What to remember

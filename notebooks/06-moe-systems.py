@@ -664,10 +664,11 @@ for n in (2, 4, 8, 16, 32, 64, 256):
 
 # %% [markdown]
 # Where the crossover lies follows from the model: 2DH saves (G - 1)(N - 1) message latencies per rank
-# and pays (G - 1)/G · S · (N - 1)/N more bytes inside the node, so it wins once N > S / (G · α · B_intra).
-# Big messages on fast nodes push the crossover out, many small messages pull it in; Tutel measured up
-# to 20.7x for the all-to-all alone at 2,048 GPUs. (The model leaves out the local reordering, a
-# memory copy GPUs pay on top.)
+# and pays a whole pass inside the node, (G - 1)/G · S bytes (the flat all-to-all's own intra-node part
+# runs beside its cross-node part on another link), so it wins once N > 1 + S / (G · α · B_intra).
+# Big messages on fast nodes push the crossover out, many small messages pull it in; the first arXiv
+# version of the Tutel paper (arXiv 2206.03382v1) reports 2DH up to 20.7x faster than the previous
+# all-to-all at 2,048 GPUs. (The model leaves out the local reordering, a memory copy GPUs pay on top.)
 #
 # ### EP+DP+MP: more ranks than experts
 #
@@ -704,8 +705,10 @@ print(f"\nfor scale: 4 all-to-alls of C_g rows = {4 * C_g * D * 4 / 1e3:.0f} kB;
 # Read the columns against Tutel's table: EP+MP moves only rows, about twice as many as EP+DP (each
 # row goes to both slices of its expert), and no weights beyond the output bias; EP+DP moves each row
 # once and gathers half an expert per rank (P/E/2 in, its gradient back); DP moves no row at all and
-# the whole P. Which is cheapest depends on C_g against P, which is why Tutel switches at run time
-# (`expert_parallel="auto"` does that here, priced with the emulated link's own model).
+# the whole P. Which is cheapest depends on C_g against P, which is why Tutel keeps one layout that lets
+# each step switch at no cost. Who decides differs: Tutel's released layer takes r (0 for DP) from the
+# caller at every forward and the paper's adaptive search tries them; `expert_parallel="auto"` is the
+# toolkit's own rule, which prices DP and every r with the emulated link's model and runs the cheapest.
 #
 # ### Dynamic capacity
 #

@@ -86,8 +86,8 @@ def test_capacity_formula(T, E, k, f, minc, expected):
 
 
 @pytest.mark.parametrize("args,match", [
-    ((8, 4, 2, 0.0), "capacity_factor must be a finite number > 0"),
-    ((8, 4, 2, -1.0), "capacity_factor must be a finite number > 0"),
+    ((8, 4, 2, 0.0), r"capacity_factor=0.0: .*Tutel's spelling of dynamic capacity.*dropless=True"),
+    ((8, 4, 2, -1.0), r"capacity_factor=-1.0: .*dynamic_capacity=True, capacity_factor=1.0"),
     ((8, 4, 2, float("nan")), "capacity_factor"),
     ((8, 4, 2, float("inf")), "capacity_factor"),
     ((8, 4, 5, 1.0), r"top_k=5 is larger than num_experts=4.*top_k <= 4"),
@@ -287,7 +287,7 @@ def test_load_stats():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(aux_loss="foo"), r"aux_loss='foo' is not known; choose one of \['gshard', 'switch'\]"),
     (dict(top_k=5), "top_k=5 is larger than num_experts=4"),
-    (dict(capacity_factor=0), "capacity_factor must be a finite number > 0"),
+    (dict(capacity_factor=0), "capacity_factor=0: a factor <= 0 is Tutel's spelling"),
     (dict(noise_std=-1.0), "noise_std must be a finite number >= 0"),
     (dict(z_loss_weight=-0.1), "z_loss_weight must be a finite number >= 0"),
     (dict(d_model=0), "d_model must be an int >= 1"),
@@ -328,3 +328,26 @@ def test_routing_is_public_dataclass():
     r = TopKGate(8, 4)(torch.randn(4, 8))
     assert isinstance(r, Routing)
     assert (r.num_tokens, r.top_k, r.num_experts) == (4, 2, 4)
+
+
+# --- where the capacity arithmetic departs from Tutel's (moe/capacity.py) -----------------------------
+@pytest.mark.parametrize("T, E, k, f, ours, tutels", [
+    (10, 4, 2, 1.25, 7, 6),    # ceil(6.25) = 7; Tutel: 2 * int(1.25 * ceil(10/4) = 3.75) = 6
+    (12, 8, 1, 1.5, 3, 3),     # ceil(2.25) = 3; Tutel: int(1.5 * 2) = 3
+    (100, 8, 2, 1.0, 25, 26),  # ceil(25) = 25; Tutel: 2 * int(13) = 26 (T/E rounded up first)
+])
+def test_capacity_rounds_as_gshard_where_tutel_rounds_t_over_e_up_first(T, E, k, f, ours, tutels):
+    from toolkit.moe.capacity import tutel_capacity
+
+    assert (capacity(T, E, k, f), tutel_capacity(T, E, k, f)) == (ours, tutels)
+    assert tutel_capacity(T, E, k, f, alignment=8) == -(-tutels // 8) * 8  # Tutel's alignment rounds up
+
+
+def test_tutels_negative_capacity_factor_points_to_dynamic_capacity():
+    from toolkit.moe import MoE
+
+    with pytest.raises(ValueError, match=r"capacity_factor=-4.0: a factor <= 0 is Tutel's spelling of dynamic "
+                                         r"capacity .*Here write dynamic_capacity=True, capacity_factor=4.0"):
+        MoE(8, 16, 4, capacity_factor=-4.0)
+    layer = MoE(8, 16, 4, capacity_factor=4.0, dynamic_capacity=True)  # what the message says works
+    assert layer.dynamic_capacity and layer.gate.capacity_factor == 4.0

@@ -98,16 +98,19 @@ def test_auto_placement_prices_the_popular_experts_owner_by_what_it_receives():
 def test_2dh_crossover_on_the_model():
     """8 ranks per node, 64 MB per rank: on few nodes the flat all-to-all wins (2DH pays an extra pass inside
     the node); as nodes grow its W-8 cross-node messages per rank lose to 2DH's nodes-1 larger ones. The
-    crossover: 2DH saves (G-1)(N-1) latencies and pays (G-1)/G * S * (N-1)/N more bytes inside the node, so it
-    wins from N = S / (G * alpha * B_intra) = 64 MB / (8 * 5 us * 150 GB/s) = 10.7 nodes."""
+    crossover: the flat all-to-all's intra-node part runs beside its cross-node part, so it costs the cross-node
+    part, (W-G) alpha + the card's bytes; 2DH pays its whole pass inside the node, (G-1)(alpha_intra + S/(G B_intra)),
+    and (N-1) alpha + the same card bytes. It wins once (N-1) alpha > alpha_intra + S/(G B_intra), from
+    N = 1 + (2 us + 64 MB / (8 x 150 GB/s)) / 5 us = 12.1 nodes."""
     from toolkit.comm.emulate import make_settings
     from toolkit.comm.hierarchical import predicted_times
 
     link = make_settings("100 Gb/s", "5 us", intra_node=("150 GB/s", "2 us"), ranks_per_node=8)
     S = 64e6
-    times = {n: predicted_times(link, n, 8, S) for n in (2, 8, 12, 32)}
+    times = {n: predicted_times(link, n, 8, S) for n in (2, 8, 12, 13, 32)}
     assert times[2]["flat"] < times[2]["2dh"] and times[8]["flat"] < times[8]["2dh"]
-    assert times[12]["2dh"] < times[12]["flat"] and times[32]["2dh"] < times[32]["flat"]
+    assert times[12]["flat"] < times[12]["2dh"]
+    assert times[13]["2dh"] < times[13]["flat"] and times[32]["2dh"] < times[32]["flat"]
     assert (times[2]["messages flat"], times[2]["messages 2dh"]) == (15, 8) and times[32]["messages 2dh"] == 7 + 31
     # the bytes that cross nodes are the same, queued on the card by its 8 ranks; 2DH's cross-node phase on
     # 32 nodes: 8 x 31/32 x S on the card, then 31 latencies
@@ -123,6 +126,8 @@ LAYOUTS = {  # W = 4 ranks; E < W slices each expert over W/E ranks (Tutel's EP+
     "E=2, r=2, 2DH": dict(num_experts=2, all_to_all_algorithm="2dh", node_size=2),
     "E=2, dp": dict(num_experts=2, expert_parallel="dp"),
     "E=8, 2DH": dict(num_experts=8, all_to_all_algorithm="2dh", node_size=2),
+    "E=2, auto": dict(num_experts=2, expert_parallel="auto"),  # dp or ep, and r, chosen per forward
+    "E=8, all-to-all auto": dict(num_experts=8, all_to_all_algorithm="auto", node_size=2),  # flat or 2DH
 }
 
 
@@ -238,12 +243,38 @@ def skewed_auto_and_dynamic(rank):
     return out
 
 
+def slice_weights_priced_and_charged(rank):
+    """E=2 on 4 ranks at r=1 (EP+DP): what the emulator charges this rank for the slice weights' collectives
+    (forward and backward), and what auto priced them at for the same forward."""
+    from toolkit.trace import recorder
+
+    out = {}
+    with emulate(BANDWIDTH, LATENCY):
+        for mode in ("ep", "auto"):
+            layer = layer_of(dict(num_experts=2, expert_slices=1, expert_parallel=mode))
+            x, probe = tokens("slices", rank)
+            recorder.reset()
+            y, aux = layer(x)
+            ((y * probe).sum() + aux).backward()
+            out[mode] = {"charged": sum(e["args"]["emulated_s"] for e in recorder.events if e["cat"] == "comm" and
+                                        str(e["args"].get("moe", "")).startswith(("slice weights", "output bias"))),
+                         "parallel": [m["value"] for m in recorder.metrics if m["name"] == "moe/t/parallel"]}
+    for name, latency in (("latency-bound", "20 ms"), ("bandwidth-bound", "1 us")):  # flat or 2DH, per forward
+        with emulate("10 MB/s", latency, intra_node=("1 GB/s", "1 us"), ranks_per_node=2):
+            layer = layer_of(dict(num_experts=8, all_to_all_algorithm="auto"))
+            recorder.reset()
+            layer(tokens("slices", rank)[0] * (1 if name == "latency-bound" else 0) + 1)
+            out[name] = {"choice": [m["value"] for m in recorder.metrics if m["name"] == "moe/t/all_to_all"],
+                         "steps": [e["args"].get("2dh") for e in recorder.events if e["name"] == "all_to_all"]}
+    return out
+
+
 def everything():
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     return {"layouts": layouts(rank), "2dh": two_dh(rank, world), "physics": physics(rank),
-            "skew": skewed_auto_and_dynamic(rank)}
+            "skew": skewed_auto_and_dynamic(rank), "slices": slice_weights_priced_and_charged(rank)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -428,3 +459,67 @@ def test_tutel_options_bad_input():
     with emulate(1e9, ranks_per_node=1):  # the nodes from the emulated link; one process: the plain layer
         layer = MoE(D, FF, 2, all_to_all_algorithm="2dh")
         assert layer.node_size == 1 and layer(torch.randn(3, D))[0].shape == (3, D)
+
+
+# --- Tutel's switch with sliced experts: the slice weights are priced, and auto chooses r ----------------
+def sliced_layer(expert_slices=None):
+    """What Placement.price reads of a layer: E = 2 experts of d_model 32, d_ff 1024 on W = 4 ranks (s = 2)."""
+    from types import SimpleNamespace
+
+    from toolkit.moe.sharded import Slicing
+
+    return SimpleNamespace(d_model=32, d_ff=1024, num_experts=2, world=4, slicing=Slicing(4, 2, 1024, expert_slices),
+                           experts=SimpleNamespace(w1=torch.zeros(1)))
+
+
+@pytest.mark.parametrize("rows, expert_slices, want", [
+    (100, None, ("ep", 2)), (400, None, ("ep", 1)), (800, None, ("dp", 1)), (800, 1, ("dp", 1)), (400, 1, ("ep", 1))])
+def test_auto_prices_the_slice_weights_and_chooses_r(rows, expert_slices, want):
+    """Every rank keeps n rows for each expert; fp32, training, a unit link (seconds = bytes). Per step:
+    DP: all-gather + reduce-scatter of P = 2 x (2 x 32 x 1024 + 1024 + 32) parameters over 4 ranks,
+        2 x 3/4 x 4P = 799,104.
+    r = 2 (EP+MP): each row goes to both slices of its expert: 4 all-to-alls of 3n rows of 128 B each way,
+        1,536n, plus the output bias's gathers (128).
+    r = 1 (EP+DP): each row once (768n), plus the slice group's all-gather and reduce-scatter of its two
+        slices (2 x 1/2 x 266,240) and the bias: 768n + 266,368.
+    So r = 2 below n = 347, r = 1 above, DP above n = 694. Left out, the slice weights made r = 1 at n = 800
+    look cheaper than DP (614,400 < 799,104)."""
+    from toolkit.moe.placement import Placement, choose_parallel
+
+    slicing, costs = Placement("auto").price(sliced_layer(expert_slices), [[rows, rows]] * 4)
+    assert costs["dp_s"] == pytest.approx(799_104)
+    assert costs["ep_s"] == pytest.approx(1536 * rows + 128 if costs["r"] == 2 else 768 * rows + 266_368)
+    assert (choose_parallel(costs, num_experts=2, expert_params=costs["expert_params"])[0], slicing.r) == want
+
+
+def test_auto_prices_the_slice_weights_at_what_the_emulator_charges_for_them(no_leftover_ranks):
+    for rank, res in enumerate(results()):
+        charged, priced = res["slices"]["ep"]["charged"], res["slices"]["auto"]["parallel"][0]
+        assert priced["r"] == 1 and charged > 0
+        assert priced["ep_weights_s"] == pytest.approx(charged, rel=1e-9), (rank, priced, charged)
+
+
+def test_the_adaptive_all_to_all_takes_2dh_where_the_model_or_tutels_rule_says():
+    """The lecture's "adaptive all-to-all algorithm for different scales (Linear/2DH)". On the crossover test's
+    link (above) 2DH wins from 13 nodes of 8; with no emulated link, Tutel's launcher rule: 2DH from 64 nodes
+    of at least 8 ranks."""
+    from toolkit.comm.emulate import make_settings
+    from toolkit.comm.hierarchical import choose
+
+    link = make_settings("100 Gb/s", "5 us", intra_node=("150 GB/s", "2 us"), ranks_per_node=8)
+    assert [choose(link, n * 8, 8, 64e6)[0] for n in (2, 12, 13, 32)] == ["flat", "flat", "2dh", "2dh"]
+    assert [choose(None, n * g, g, 64e6)[0] for n, g in ((64, 8), (32, 8), (64, 4), (128, 16))] == [
+        "2dh", "flat", "flat", "2dh"]
+    assert "Tutel's rule of scale" in choose(None, 512, 8, 1.0)[1] and choose(link, 8, 8, 1.0)[0] == "flat"
+
+
+def test_the_layer_chooses_its_all_to_all_per_forward_on_the_emulated_link(no_leftover_ranks):
+    """4 ranks in nodes of 2 on a 10 MB/s network: with 20 ms per message, 2DH's one message across saves
+    a latency over the flat one's two; with 1 us the fast pass inside the node is the extra it pays. Every
+    rank chooses alike, and the trace shows 2DH's steps only when it ran."""
+    ranks = results()
+    for name, want in (("latency-bound", "2dh"), ("bandwidth-bound", "flat")):
+        choices = [res["slices"][name]["choice"] for res in ranks]
+        assert all(c == choices[0] for c in choices) and [c["choice"] for c in choices[0]] == [want], choices[0]
+        steps = ranks[0]["slices"][name]["steps"]
+        assert ("intra-node" in steps) == (want == "2dh"), steps

@@ -153,3 +153,146 @@ def test_the_run_records_the_loss_scale_and_the_skipped_steps():
     # the same arithmetic whatever the strategy: sharding changes where the bytes are, not the result
     final = {s: run.metric("param_norm")[0][1] for s, run in results()[0]["runs"].items()}
     assert max(final.values()) - min(final.values()) < 1e-3, final
+
+
+# --- an average of N fp16 gradients is divided as torch divides it, not summed first ------------------
+# Two ranks' loss-scaled gradients of 39,321 each: their sum, 78,642, is above fp16's 65,504 (inf), their
+# average is not. torch DDP divides while copying into its bucket, torch FSDP divides by ~sqrt(N) before
+# and the rest after (toolkit/comm/average.py): neither skips this step. At N = 4 FSDP divides by 2 before
+# the sum, so the case there is 20,000 per rank: 80,000 summed first, 40,000 after dividing by 2. Hybrid
+# sharding (2 shard groups of 2) divides at each of its two reductions: 39,321 fits again.
+LARGE = {2: 39_321.0, 4: 20_000.0}
+AVERAGED = {"dp": {}, "ddp": {}, "zero1": {}, "zero1 all-reduce": {"reduce": "all_reduce"}, "zero2": {},
+            "zero3": {}, "fsdp": {"wrap_policy": nn.Linear}}
+HYBRID = {"fsdp hybrid": {"wrap_policy": nn.Linear, "sharding_group_size": 2}}  # at N = 4: 2 x 2, so 39,321
+
+
+def step_on_large_gradients(strategy: str, value: float, options: dict) -> dict:
+    """Every rank's gradient is `value` (scale 1, SGD lr=1): skipped or not, and the update the weight took."""
+    model, opt = wrap(Tiny(1.0), strategy.split()[0], optimizer=sgd, mixed_precision=torch.float16, **options)
+    model.scaler.scale = 1.0
+    before = weight(model)
+    model(torch.full((8,), value)).backward()
+    opt.step()
+    return {"skipped": model.scaler.skipped, "update": weight(model) - before}
+
+
+def torch_ddp_gradient(value: float) -> torch.Tensor:
+    """What torch's own DDP makes of the same fp16 gradients on the same ranks (gloo)."""
+    lin = nn.Linear(8, 1, bias=False).half()
+    nn.init.zeros_(lin.weight)
+    ddp = torch.nn.parallel.DistributedDataParallel(lin)
+    ddp(torch.full((8,), value, dtype=torch.float16)).sum().backward()
+    return lin.weight.grad.float()
+
+
+def torch_fsdp2_gradient(value: float) -> torch.Tensor:
+    """And torch's FSDP2 (`fully_shard`, fp16 parameters and reduction)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    lin = nn.Linear(8, 1, bias=False)
+    nn.init.zeros_(lin.weight)
+    fully_shard(lin, mesh=init_device_mesh("cpu", (torch.distributed.get_world_size(),)),
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16))
+    lin(torch.full((8,), value)).sum().backward()
+    return lin.weight.grad.full_tensor().float()
+
+
+class GatheredExpert(nn.Module):
+    """A dense weight, and an expert weight every rank uses through toolkit.moe's all-gather (Tutel's data-
+    parallel placement): its gradient is the sum of every rank's contribution, reduce-scattered to its owner,
+    then averaged by the strategy. dL/d(expert) = the sum over ranks of their x; its average is x."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 1, bias=False)
+        self.expert = nn.Parameter(torch.zeros(8))
+        self.expert._toolkit_expert = True
+        nn.init.zeros_(self.lin.weight)
+
+    def forward(self, x):
+        from toolkit.moe.experts import GatherWeights
+
+        world = torch.distributed.get_world_size()
+        everyone = GatherWeights.apply(self.expert, None, world, "test", (self.expert,)).view(world, 8)
+        return self.lin(x).sum() + (everyone * x).sum()
+
+
+def step_on_large_expert_gradients(strategy: str, value: float) -> dict:
+    model, opt = wrap(GatheredExpert(), strategy, optimizer=sgd, mixed_precision=torch.float16)
+    model.scaler.scale = 1.0
+    model(torch.full((8,), value)).backward()
+    opt.step()
+    return {"skipped": model.scaler.skipped, "update": model.module.expert.detach().float().reshape(1, 8)}
+
+
+def moe_expert_gradients(experts: int, placement: dict) -> dict:
+    """One fp16 backward (scale 1) of an MoE under DDP: this placement's averaged expert gradients."""
+    from toolkit.moe import MoE
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), MoE(8, 16, experts, top_k=1, seed=0, **placement))
+    model, _ = wrap(block, "ddp", optimizer=sgd, mixed_precision=torch.float16)
+    model.scaler.scale = 1.0
+    torch.manual_seed(1 + torch.distributed.get_rank())
+    out, aux = model(torch.randn(32, 8))
+    (out.float().square().sum() * 100 + aux).backward()
+    return {name: p.grad.float() for name, p in block[1].experts.named_parameters()}
+
+
+def large_gradients(value: float, strategies: dict) -> dict:
+    out = {name: step_on_large_gradients(name, LARGE[2] if name in HYBRID else value, options)
+           for name, options in strategies.items()}
+    out.update({f"{s} experts": step_on_large_expert_gradients(s, value) for s in ("dp", "ddp")})
+    out["torch"] = {"ddp": torch_ddp_gradient(value), "fsdp2": torch_fsdp2_gradient(value)}
+    return out
+
+
+MOE_PLACEMENTS = {  # (experts, options); on 2 ranks one expert is sliced in two (Tutel's EP+DP+MP)
+    "ep": (2, {}), "dp": (2, {"expert_parallel": "dp"}), "shadowed": (2, {"shadow": [0, 1]}),
+    "slices r=2": (1, {}), "slices r=1": (1, {"expert_slices": 1}), "slices dp": (1, {"expert_parallel": "dp"})}
+
+
+def moe_placements() -> dict:
+    return {name: moe_expert_gradients(*how) for name, how in MOE_PLACEMENTS.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def averages(world: int):
+    strategies = dict(AVERAGED, **(HYBRID if world == 4 else {}))
+    return toolkit.launch(large_gradients, world, args=(LARGE[world], strategies), timeout_s=120)
+
+
+@pytest.mark.usefixtures("no_leftover_ranks")
+@pytest.mark.parametrize("world", sorted(LARGE))
+def test_an_fp16_average_whose_sum_overflows_is_not_a_skipped_step(world):
+    value = torch.tensor(LARGE[world], dtype=torch.float16).float()  # the gradient fp16 holds: 39,328 (or 20,000)
+    assert world * value > 65504, "the case must overflow when summed first"
+    average = torch.full((1, 8), value.item())
+    for rank, everything in enumerate(averages(world)):
+        got = dict(everything)
+        for system, grad in got.pop("torch").items():
+            assert torch.equal(grad, average), f"torch {system}'s own average on rank {rank}: {grad}"
+        skipped = [name for name, res in got.items() if res["skipped"]]
+        assert not skipped, f"rank {rank} of {world}: {skipped} skipped a step torch DDP and FSDP2 take"
+        for name, res in got.items():  # powers of two divide exactly: the update is the average, to the bit
+            if name.endswith("experts"):  # SGD moved the expert weight by its averaged gradient
+                assert torch.equal(res["update"], -average), (name, res["update"])
+                continue
+            want = torch.full((1, 8), torch.tensor(LARGE[2], dtype=torch.float16).item()) if name in HYBRID else average
+            assert torch.equal(res["update"], -want), (name, res["update"])
+
+
+@pytest.mark.usefixtures("no_leftover_ranks")
+def test_the_moe_placements_average_fp16_expert_gradients_alike():
+    """Expert gradients come home by different sums (the experts' own backward, a reduce-scatter of gathered
+    weights, an all-reduce of shadow copies); the fp16 ones predivide (moe/experts.py), the others not, and
+    the strategy divides by what is left: every placement must end at the same average. A factor of 2
+    would show; fp16 rounding along different paths stays within a few of its 2^-11 steps."""
+    for rank, got in enumerate(toolkit.launch(moe_placements, 2, timeout_s=120)):
+        for name, like in (("dp", "ep"), ("shadowed", "ep"), ("slices r=1", "slices r=2"), ("slices dp", "slices r=2")):
+            for weight_name, grad in got[name].items():
+                want = got[like][weight_name]
+                assert torch.allclose(grad, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()), (
+                    rank, name, weight_name, (grad - want).abs().max())

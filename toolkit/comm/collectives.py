@@ -25,6 +25,7 @@ from ..runtime.blame import Consequence, is_consequence
 from ..trace.events import recorder
 from . import backend as _backend_impl
 from . import emulate as _emulation
+from .average import divide_around_sum
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
               "product": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.SUM}
@@ -191,9 +192,10 @@ class Handle:
         return None
 
     def is_completed(self) -> bool:
-        if self._deadline is not None and time.perf_counter() < self._deadline:
+        done = self._work is None or self._work.is_completed()
+        if done and self._deadline is not None and time.perf_counter() < _emulation.when(self._deadline):
             return False
-        return self._work is None or self._work.is_completed()
+        return done
 
     @property
     def event(self) -> dict:
@@ -257,26 +259,28 @@ def _run(name, group, tensor, size_bytes, sent, received, call, async_op, after=
 
 # --- the collectives ------------------------------------------------------------------------------
 def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op=False):
-    """Every rank ends with the reduction of everyone's `tensor` (in place). op="avg" divides by N."""
+    """Every rank ends with the reduction of everyone's `tensor` (in place). op="avg" divides by N
+    (fp16: partly before the sum, `comm/average.py`)."""
     n = len(group_ranks(group))
     size = tensor.numel() * tensor.element_size()
     wire = 2 * (n - 1) * size // n
-    after = (lambda: tensor.div_(n)) if op == "avg" else None
     reduce = _reduce_op(op)
+    after = divide_around_sum(n, tensor, tensor) if op == "avg" else None
     return _run("all_reduce", group, tensor, size, wire, wire,
                 lambda a: _impl["all_reduce"](tensor, reduce, group, a), async_op, after, op=str(op))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=None, async_op=False):
-    """Rank r ends with chunk r of the reduction of everyone's `input` (input = N x output elements)."""
+    """Rank r ends with chunk r of the reduction of everyone's `input` (input = N x output elements).
+    op="avg" divides by N; in fp16 part of it before the sum, in place on `input` (`comm/average.py`)."""
     n = len(group_ranks(group))
     if input.numel() != n * output.numel():
         raise ValueError(f"reduce_scatter needs input.numel() == group size x output.numel(): "
                          f"{input.numel()} != {n} x {output.numel()}. Pad the input to a multiple of {n}.")
     size = input.numel() * input.element_size()
     wire = (n - 1) * size // n
-    after = (lambda: output.div_(n)) if op == "avg" else None
     reduce = _reduce_op(op)
+    after = divide_around_sum(n, input, output) if op == "avg" else None
     return _run("reduce_scatter", group, input, size, wire, wire,
                 lambda a: _impl["reduce_scatter"](output, input, reduce, group, a), async_op, after, op=str(op))
 

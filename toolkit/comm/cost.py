@@ -18,7 +18,8 @@ What a call needs (``demand``), for global rank ``me``:
                     card: (peers off my node) x alpha, plus the bytes I send off the node x beta on
                           its uplink and the bytes I receive from off the node x beta on its downlink
                     (what a rank sends AND what it receives: a rank that sends nothing still waits for
-                    what arrives)
+                    what arrives; a peer counts only with rows either way: an empty block is no message.
+                    The emulator books it chunk by chunk, with backpressure: ``schedule_all_to_all``)
     all_reduce, reduce_scatter, all_gather, broadcast    a ring in group order, paced by its slowest hop:
                     alpha_beta_time(op, bytes, N) on the slowest link the ring uses. The rank whose ring
                     successor is on another node holds its uplink for it, the rank whose predecessor is,
@@ -27,8 +28,9 @@ What a call needs (``demand``), for global rank ``me``:
     send / recv     alpha + bytes x beta on the link between the two ranks (the card, across nodes)
     barrier         ceil(log2 N) x alpha, no data
 
-A call runs its own part first, then its card part (its bytes queue on the card, then its latency);
-``schedule`` books both on a ``Ledger`` (who is busy until when) and returns when it may finish. ``alone`` is a call's time on idle links;
+A call runs its own part and its card part side by side, on their separate links (its card bytes queue
+on the card, then its latency runs); ``schedule`` books both on a ``Ledger`` (who is busy until when) and
+returns when it may finish. ``alone`` is a call's time on idle links;
 ``together`` is the time of one collective issued by every rank at the same moment: each node's card
 carries all of its ranks' cross-node traffic in turn, which is what the emulator then measures.
 """
@@ -53,8 +55,9 @@ class Demand:
 
     @property
     def alone(self) -> float:
-        """Seconds when no other call uses the links (the modelled transfer time)."""
-        return self.own_s + max(self.up_s, self.down_s) + self.latency_s
+        """Seconds when no other call uses the links (the modelled transfer time): the own part and the
+        card part run side by side, on their separate links."""
+        return max(self.own_s, max(self.up_s, self.down_s) + self.latency_s)
 
 
 def _kind(settings, a: int, b: int) -> str:
@@ -89,8 +92,9 @@ def demand(settings, op: str, ranks, me: int, size_bytes: float, extra: dict | N
     if op == "all_to_all":
         sent, received = _all_to_all_bytes(ranks.index(me), n, size_bytes, extra)
         parts, kinds = {}, []
-        for kind in ("intra-node", "inter-node"):
-            peers = [p for p in range(n) if ranks[p] != me and _kind(settings, ranks[p], me) == kind]
+        for kind in ("intra-node", "inter-node"):  # a peer with nothing either way gets no message
+            peers = [p for p in range(n) if ranks[p] != me and _kind(settings, ranks[p], me) == kind
+                     and (sent[p] or received[p])]
             if peers:
                 kinds.append(kind)
                 parts[kind] = (len(peers), sum(sent[p] for p in peers), sum(received[p] for p in peers))
@@ -134,10 +138,10 @@ def _all_to_all_bytes(me_at: int, n: int, size_bytes: float, extra: dict):
 class Ledger:
     """When each link is free again (seconds on one clock). Resources: ("rank", r, side) for a rank's own
     link, side "send" or "recv"; ("node", n, side) for a node's card, side "up" or "down". This one lives
-    in one process; the emulator's shared one (``emulate._StoreLedger``) has the same two methods."""
+    in one process; the emulator's shared one (``comm/store_ledger.py``) has the same methods."""
 
     def __init__(self):
-        self.free = {}
+        self.free, self.notes = {}, {}
 
     def reserve(self, resource, earliest: float, seconds: float) -> float:
         """Hold ``resource`` for ``seconds`` from ``earliest`` or when it is free, whichever is later.
@@ -145,6 +149,14 @@ class Ledger:
         end = max(earliest, self.free.get(resource, 0.0)) + seconds
         self.free[resource] = end
         return end
+
+    def note(self, key, end: float) -> None:
+        """Remember the latest ``end`` said about ``key`` (an all-to-all's chunks into one receiver)."""
+        self.notes[key] = max(end, self.notes.get(key, end))
+
+    def take(self, key) -> float:
+        """The latest end noted for ``key``, forgotten once read."""
+        return self.notes.pop(key)
 
 
 def schedule(ledger, own: "Ledger", settings, d: Demand, me: int, now: float, sides=("send", "recv")) -> float:
@@ -156,11 +168,70 @@ def schedule(ledger, own: "Ledger", settings, d: Demand, me: int, now: float, si
     if d.own_s > 0:
         for s in sides:
             own.free[("rank", me, s)] = end
-    node, finish = settings.card_of(me), end
+    node, card = settings.card_of(me), start  # the card part runs beside the own part, on its own link
     for side, seconds in (("up", d.up_s), ("down", d.down_s)):
         if seconds > 0:
-            finish = max(finish, ledger.reserve(("node", node, side), end, seconds))
-    return finish + d.latency_s
+            card = max(card, ledger.reserve(("node", node, side), start, seconds))
+    return max(end, card + d.latency_s)
+
+
+def schedule_all_to_all(shared, own, settings, ranks, me: int, now: float, size_bytes: float, extra: dict,
+                        call) -> tuple[dict, dict]:
+    """Book rank ``me``'s part of one all-to-all, chunk by chunk, with backpressure: the chunk to peer p
+    holds my sending side (my own link's send side; across nodes my node card's uplink) and then p's
+    receiving side (p's own link's receive side; across nodes p's card's downlink), which every sender to
+    p shares, so a chunk is delivered only when p has taken it: senders to a congested receiver finish
+    when it has their bytes, not when they have pushed them. Inside and across nodes the chunks run side
+    by side on their separate links. Each delivery is noted under (``call``, p, kind) on ``shared``, for
+    p to read once the data has moved.
+
+    ``own``: this rank's own links (its process); ``shared``: the resources other ranks book too (the
+    job's store). Returns ({kind: when my chunks of that kind are delivered}, {kind: (messages, alpha)}):
+    a kind's messages are its peers with rows either way (an empty block sends nothing).
+    """
+    sent, received = _all_to_all_bytes(ranks.index(me), len(ranks), size_bytes, extra)
+    delivered, messages = {}, {}
+    for p, peer in enumerate(ranks):
+        if peer == me or not (sent[p] or received[p]):
+            continue
+        kind = _kind(settings, peer, me)
+        link = settings.intra if kind == "intra-node" else settings.inter
+        count, _ = messages.get(kind, (0, 0.0))
+        messages[kind] = (count + 1, 0.0 if link is None else link.latency)
+        delivered.setdefault(kind, now)
+        if not sent[p] or link is None:  # nothing to push, or a link that is not slowed
+            continue
+        seconds = sent[p] * link.beta
+        if kind == "intra-node":
+            mine, theirs, ledger = ("rank", me, "send"), ("rank", peer, "recv"), own
+        else:
+            mine, theirs = ("node", settings.card_of(me), "up"), ("node", settings.card_of(peer), "down")
+            ledger = shared if settings.ranks_per_node > 1 and settings.shared_card else own
+        pushed = ledger.reserve(mine, now, seconds)
+        taken = max(pushed, shared.reserve(theirs, pushed - seconds, seconds))
+        shared.note((call, peer, kind), taken)
+        delivered[kind] = max(delivered[kind], taken)
+    return delivered, messages
+
+
+def all_to_all_finish(shared, delivered: dict, messages: dict, received_kinds, call, me: int) -> float:
+    """When rank ``me``'s all-to-all may finish: per kind of link, the later of its own chunks' delivery
+    and the chunks it receives (read from ``shared``, where their senders noted them), then that kind's
+    message latencies; the kinds side by side."""
+    finish = max(delivered.values(), default=0.0)
+    for kind, (count, alpha) in messages.items():
+        mine = delivered[kind]
+        if kind in received_kinds:
+            mine = max(mine, shared.take((call, me, kind)))
+        finish = max(finish, mine + count * alpha)
+    return finish
+
+
+def received_kinds(settings, ranks, me: int, size_bytes: float, extra: dict) -> set:
+    """The kinds of link (intra-, inter-node) rank ``me`` receives bytes over in this all-to-all."""
+    _, received = _all_to_all_bytes(ranks.index(me), len(ranks), size_bytes, extra)
+    kinds = {_kind(settings, peer, me) for p, peer in enumerate(ranks) if peer != me and received[p]}
+    return kinds - ({"intra-node"} if settings.intra is None else set())  # an unslowed link notes nothing
 
 
 def together(settings, demands: dict) -> float:

@@ -15,9 +15,18 @@ bytes across the network in fewer, larger messages. Rank (n, l) is local rank l 
 
 What arrives in step 4 from node m is (m, 0)'s rows for me, then (m, 1)'s, ...: the flat all-to-all's
 output order, so nothing is reordered at the end. Per rank: G-1 messages inside the node and N-1
-across, instead of G-1 and W-G; the bytes that cross the network are the same. Tutel reports up to
-20.7x for the all-to-all at 2,048 GPUs; on few nodes the extra pass inside the node costs more than
-it saves (``predicted_times`` finds the crossover on the emulated link's model).
+across, instead of G-1 and W-G; the bytes that cross the network are the same. The first arXiv
+version of the Tutel paper (arXiv 2206.03382v1, its abstract) reports 2DH up to 20.7x faster than the
+previous all-to-all at 2,048 GPUs (the published version's headline is 4.96x / 5.75x for a whole MoE
+layer on 16 / 2,048 A100); on few nodes the extra pass inside the node costs more than it saves
+(``predicted_times`` finds the crossover on the emulated link's model).
+
+Which to run (``choose``, the MoE layer's ``all_to_all_algorithm="auto"``): the lecture's "adaptive
+all-to-all algorithm for different scales (Linear/2DH)". Tutel's released code decides by scale, once:
+its launcher sets 2DH (``TUTEL_ALLTOALL_ALGO=2D``) from 64 nodes of at least 8 GPUs, linear below, and a
+user may force either. Here, on an emulated link, the link's own model decides per call from the
+message size every rank agrees on (the largest dispatch), as the crossover above; with no emulated
+link to price, Tutel's rule of scale.
 
 Uneven splits (an MoE layer's rows): the rank in the middle must know how many rows of each block it
 forwards, so step 2 is preceded by an all-to-all of counts inside the node (N integers per peer).
@@ -121,3 +130,27 @@ def predicted_times(settings, nodes: int, node_size: int, bytes_per_rank: float)
     inter = phase([[m * G + j for m in range(nodes)] for j in range(G)], G) if nodes > 1 else 0.0
     return {"flat": flat, "2dh": intra + inter, "2dh intra": intra, "2dh inter": inter,
             "messages flat": W - 1, "messages 2dh": (G - 1) + (nodes - 1)}
+
+
+TUTEL_2DH_NODES, TUTEL_2DH_NODE_SIZE = 64, 8  # tutel.launcher: 2DH from 64 hosts of at least 8 local GPUs
+
+
+def choose(settings, world: int, node_size: int, bytes_per_rank: float) -> tuple[str, str]:
+    """("flat" | "2dh", why) for one all-to-all of ``bytes_per_rank`` over ``world`` ranks in nodes of
+    ``node_size``: the emulated link's model when one is on (its ranks_per_node must be node_size), else
+    Tutel's rule of scale. Every rank must pass the same numbers to choose alike."""
+    nodes = world // node_size
+    if node_size in (1, world):
+        return "flat", f"flat: {'one rank per node' if node_size == 1 else 'one node'}, 2DH is the flat all-to-all"
+    if settings is None or settings.ranks_per_node != node_size:
+        two = nodes >= TUTEL_2DH_NODES and node_size >= TUTEL_2DH_NODE_SIZE
+        return ("2dh" if two else "flat"), (
+            f"{'2dh' if two else 'flat'}: no emulated link of nodes of {node_size} to price, so Tutel's rule of "
+            f"scale: 2DH from {TUTEL_2DH_NODES} nodes of at least {TUTEL_2DH_NODE_SIZE} ranks (here {nodes} of "
+            f"{node_size})")
+    t = predicted_times(settings, nodes, node_size, bytes_per_rank)
+    two = t["2dh"] < t["flat"]
+    return ("2dh" if two else "flat"), (
+        f"{'2dh' if two else 'flat'}: on the emulated link, {bytes_per_rank:,.0f} bytes per rank over {nodes} nodes "
+        f"of {node_size}: flat {t['flat'] * 1e3:.3g} ms ({t['messages flat']} messages), 2DH {t['2dh'] * 1e3:.3g} ms "
+        f"({t['messages 2dh']} messages)")

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
+from ..comm.average import divide_factors
 
 WEIGHTS = ("w1", "b1", "w2", "b2")  # x @ w1 + b1 -> GELU -> @ w2 + b2
 
@@ -86,16 +87,18 @@ class Experts(nn.Module):
         return (f"experts {self.first}..{last} of {self.num_experts}{sliced}, d_model={self.d_model}, "
                 f"d_ff={self.d_ff}, seed={self.seed}")
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def expert(self, e: int, x: torch.Tensor, weights=None) -> torch.Tensor:
         """Local expert e on rows x: the dense MLP, d_model -> d_ff -> GELU -> d_model."""
-        return F.gelu(x @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e]
+        w1, b1, w2, b2 = weights or (self.w1, self.b1, self.w2, self.b2)
+        return F.gelu(x @ w1[e] + b1[e]) @ w2[e] + b2[e]
 
     def forward(self, x: torch.Tensor, counts) -> torch.Tensor:
         chunks = x.split([int(c) for c in counts])
         if len(chunks) != self.num_local:
             raise ValueError(f"Experts.forward needs one count per local expert ({self.num_local}), "
                              f"got {len(chunks)}.")
-        return torch.cat([self.expert(e, chunk) for e, chunk in enumerate(chunks)])
+        weights = tuple(predivided(getattr(self, n)) for n in WEIGHTS)  # fp16 under an average: see below
+        return torch.cat([self.expert(e, chunk, weights) for e, chunk in enumerate(chunks)])
 
 
 def gather_experts(model: nn.Module, state: dict) -> dict:
@@ -140,14 +143,46 @@ def join_slices(stacked: torch.Tensor, name: str, s: int, d_model: int) -> torch
     return whole[:, :d_model] if name == "b2" else whole
 
 
+# --- fp16 expert gradients under a data-parallel average ------------------------------------------------
+# An expert's gradient is the sum of every rank's contribution (the rows it computed came from every rank;
+# under Tutel's placements a reduce-scatter, under shadowing an all-reduce adds them up), and the strategy
+# then averages it over N (parallel/ddp.py). In fp16 that sum can overflow 65504 where the average fits.
+# So, as torch FSDP divides its gradients before their reduce-scatter (comm/average.py), every contribution
+# is divided by ``pre`` before it is summed over the ranks, and the strategy divides by N / pre after. The
+# strategy says N by tagging its expert parameters ``_toolkit_grad_average``; without one, nothing changes.
+# In the experts' own backward the division comes right after the matrix product that adds up the rows,
+# which has already summed in fp16 (as in Tutel and DeepSpeed-MoE): see docs/differences.md.
+
+def predivide_factor(params, dtype) -> float:
+    """``pre`` for ``params``' gradient contributions in ``dtype`` (1: nothing to divide)."""
+    n = getattr(params[0], "_toolkit_grad_average", None) if params else None
+    return divide_factors(n, dtype)[0] if n else 1.0
+
+
+def predivide(contribution: torch.Tensor, params) -> torch.Tensor:
+    """``contribution`` (to ``params``' gradients) divided by ``pre``, before a collective sums it."""
+    pre = predivide_factor(params, contribution.dtype)
+    return contribution if pre == 1 else contribution / pre
+
+
+def predivided(p: torch.Tensor) -> torch.Tensor:
+    """Expert parameter ``p`` as used where its own backward makes the contribution (no collective sums it
+    after): its gradient is divided by ``pre`` on the way, like every other contribution."""
+    from ..parallel.scaler import _ScaleGrad  # identity forward; backward multiplies (by 1/pre, a power of 2)
+
+    pre = predivide_factor((p,), p.dtype)
+    return p if pre == 1 or not (p.requires_grad and torch.is_grad_enabled()) else _ScaleGrad.apply(p, 1.0 / pre)
+
+
 class GatherWeights(torch.autograd.Function):
     """Weights travel: forward, every rank's flat ``flat`` rank after rank (an all-gather over ``group``);
     backward, the gradient summed over the ranks, each keeping its own slice (a reduce-scatter). Used by
-    Tutel's data-parallel placement (every expert everywhere) and EP+DP+MP (an expert's slices)."""
+    Tutel's data-parallel placement (every expert everywhere) and EP+DP+MP (an expert's slices).
+    ``params``: the parameters ``flat`` is made of (in fp16 their contributions are predivided, see above)."""
 
     @staticmethod
-    def forward(ctx, flat, group, world, label):
-        ctx.group, ctx.numel, ctx.label = group, flat.numel(), label
+    def forward(ctx, flat, group, world, label, params=()):
+        ctx.group, ctx.numel, ctx.label, ctx.params = group, flat.numel(), label, params
         out = flat.new_empty(world * flat.numel())
         _label(comm.all_gather(out, flat.contiguous(), group=group, async_op=True), label).wait()
         return out
@@ -155,9 +190,10 @@ class GatherWeights(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         mine = grad.new_empty(ctx.numel)
-        _label(comm.reduce_scatter(mine, grad.contiguous(), op="sum", group=ctx.group, async_op=True),
+        grad = predivide(grad.contiguous(), ctx.params)
+        _label(comm.reduce_scatter(mine, grad, op="sum", group=ctx.group, async_op=True),
                ctx.label + " backward").wait()
-        return mine, None, None, None
+        return mine, None, None, None, None
 
 
 def _label(handle, label: str):

@@ -5,8 +5,9 @@ router scores all experts, the gate keeps the k best, and the layer sends the to
 makes compute per token constant while parameters grow with E, at two prices that this file is about:
 
 1. Capacity. All-to-all needs fixed shapes, so every expert gets a buffer of C slots,
-   C = ceil(k * f * T / E) (GShard). Tokens beyond an expert's C are dropped (they skip the layer
-   through the residual connection). f > 1 buys slack against imbalance with memory and traffic.
+   C = ceil(k * f * T / E) (GShard; Tutel rounds differently: `moe/capacity.py`). Tokens beyond an
+   expert's C are dropped (they skip the layer through the residual connection). f > 1 buys slack
+   against imbalance with memory and traffic.
 2. Balance. Nothing stops the router from sending everything to one expert (one busy GPU, the rest
    idle, most tokens dropped). An auxiliary loss pushes the router toward an even load
    (GShard, Switch), and the router z-loss keeps its logits small so the softmax stays stable
@@ -29,16 +30,15 @@ worker may leave its node, the rest re-pick inside it.
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
-from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .capacity import _is_int, _is_real, capacity, tutel_capacity  # noqa: F401 - the arithmetic (moe/capacity.py)
 from .losses import gshard_aux_loss, router_z_loss, switch_aux_loss
+from .routing import Routing, _slots  # noqa: F401 - the decision's record (moe/routing.py)
 
 __all__ = [
     "capacity",
@@ -55,168 +55,7 @@ AUX_LOSSES = ("gshard", "switch")
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. Capacity: how many tokens one expert accepts
-# ---------------------------------------------------------------------------------------------
-
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _is_real(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float,
-             min_capacity: int = 1) -> int:
-    """Slots per expert buffer: ``max(ceil(k * f * T / E), min_capacity)``.
-
-    With perfect balance each expert receives k*T/E tokens; ``capacity_factor`` f is the slack on top.
-    The result depends only on these numbers, so every rank that routes the same number of tokens
-    computes the same C and the all-to-all shapes agree without a collective.
-
-    A tiny tolerance absorbs float error (1 * 1.1 * 10 / 11 is 1.0000000000000002 in floating point
-    and must give 1, not 2).
-    """
-    if not _is_int(num_tokens) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be an int >= 0 (tokens routed on this rank), got {num_tokens!r}.")
-    if not _is_int(num_experts) or num_experts < 1:
-        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}.")
-    if not _is_int(top_k) or top_k < 1:
-        raise ValueError(f"top_k must be an int >= 1 (experts per token), got {top_k!r}.")
-    if top_k > num_experts:
-        raise ValueError(f"top_k={top_k} is larger than num_experts={num_experts}: a token cannot pick "
-                         f"more distinct experts than exist. Use top_k <= {num_experts}.")
-    if not _is_real(capacity_factor) or capacity_factor <= 0:
-        raise ValueError(f"capacity_factor must be a finite number > 0 (1.0 = exactly the balanced "
-                         f"load, 1.25 is common), got {capacity_factor!r}. For no dropping at all, "
-                         f"use dropless=True instead of a huge factor.")
-    if not _is_int(min_capacity) or min_capacity < 0:
-        raise ValueError(f"min_capacity must be an int >= 0, got {min_capacity!r}.")
-    c = math.ceil(int(top_k) * float(capacity_factor) * int(num_tokens) / int(num_experts) - 1e-9)
-    return max(c, int(min_capacity))
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. The decision: a Routing record
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class Routing:
-    """What the gate decided for T tokens with top-k routing over E experts.
-
-    expert_index (T, k) long    the chosen experts, best first
-    gate_weight  (T, k) float   their weights in the combine (differentiable wrt the router);
-                                not zeroed for dropped choices: multiply by ``kept`` (or use
-                                ``combine_weights``) when combining
-    slot         (T, k) long    position in the expert's buffer. Slots are given in token order, all
-                                first choices before any second choice (GShard), so a token loses its
-                                second expert before any token loses its first. Slots do not depend
-                                on the capacity; they run 0..counts[e]-1 within expert e.
-    kept         (T, k) bool    slot < capacity (what fits the buffer)
-    counts       (E,)   long    choices routed to each expert, before capacity
-    kept_counts  (E,)   long    after capacity: min(counts, capacity)
-    capacity     int            slots per expert buffer
-    aux_loss     scalar         load-balancing loss (differentiable)
-    z_loss       scalar|None    router z-loss already times its weight, or None when disabled
-    """
-
-    expert_index: torch.Tensor
-    gate_weight: torch.Tensor
-    slot: torch.Tensor
-    kept: torch.Tensor
-    counts: torch.Tensor
-    kept_counts: torch.Tensor
-    capacity: int
-    aux_loss: torch.Tensor
-    z_loss: Optional[torch.Tensor] = None
-
-    @property
-    def num_tokens(self) -> int:
-        return self.expert_index.shape[0]
-
-    @property
-    def top_k(self) -> int:
-        return self.expert_index.shape[1]
-
-    @property
-    def num_experts(self) -> int:
-        return self.counts.shape[0]
-
-    @property
-    def dropped(self) -> int:
-        """How many (token, choice) pairs did not fit (out of T*k)."""
-        return int((~self.kept).sum())
-
-    @property
-    def loss(self) -> torch.Tensor:
-        """aux_loss + z_loss (if any): the extra term to add to the training loss."""
-        return self.aux_loss if self.z_loss is None else self.aux_loss + self.z_loss
-
-    def with_capacity(self, capacity: int) -> "Routing":
-        """The same decision with another capacity: only ``kept`` and ``kept_counts`` change.
-
-        This is how the layer applies a capacity agreed across ranks. In dropless mode each rank's
-        capacity is its own max count; the expert-parallel layer must all-reduce(MAX) that number
-        over the group and call ``routing.with_capacity(global_max)`` so that every rank's
-        all-to-all buffers have the same (E, C, d) shape.
-        """
-        if not _is_int(capacity) or capacity < 0:
-            raise ValueError(f"capacity must be an int >= 0 (slots per expert), got {capacity!r}. "
-                             f"If it came from an all-reduce, convert with int(tensor.item()).")
-        return replace(self, capacity=capacity, kept=self.slot < capacity,
-                       kept_counts=self.counts.clamp(max=capacity))
-
-    def buffer_index(self) -> torch.Tensor:
-        """(T, k) long: row of each choice in the flattened (E * C) expert buffer, -1 where dropped.
-
-        The efficient dispatch: ``buf = x.new_zeros(E * C, d); buf[idx[kept]] = x[token_of_choice]``.
-        """
-        idx = self.expert_index * self.capacity + self.slot
-        return torch.where(self.kept, idx, torch.full_like(idx, -1))
-
-    def _kept_triples(self):
-        t = torch.arange(self.num_tokens, device=self.expert_index.device)
-        t = t[:, None].expand_as(self.expert_index)
-        k = self.kept
-        return t[k], self.expert_index[k], self.slot[k]
-
-    def combine_weights(self) -> torch.Tensor:
-        """(T, E, C) float: gate weight of token t in slot c of expert e, 0 elsewhere.
-
-        The dense teaching form of GShard: ``dispatched = einsum('tec,td->ecd', dispatch_mask, x)``
-        and ``y = einsum('tec,ecd->td', combine_weights, expert_out)``. It costs O(T*E*C) memory,
-        fine for a lesson or a reference check, wasteful in a real layer (use ``buffer_index``).
-        Differentiable wrt the router through ``gate_weight``.
-        """
-        t, e, s = self._kept_triples()
-        out = self.gate_weight.new_zeros(self.num_tokens, self.num_experts, self.capacity)
-        return out.index_put((t, e, s), self.gate_weight[self.kept], accumulate=True)
-
-    def dispatch_mask(self) -> torch.Tensor:
-        """(T, E, C) bool: True where token t occupies slot c of expert e. Dense teaching form, O(T*E*C)."""
-        t, e, s = self._kept_triples()
-        out = torch.zeros(self.num_tokens, self.num_experts, self.capacity, dtype=torch.bool,
-                          device=self.expert_index.device)
-        out[t, e, s] = True
-        return out
-
-
-def _slots(expert_index: torch.Tensor, num_experts: int):
-    """Buffer positions in GShard order: choice 0 of every token (in token order), then choice 1, ...
-
-    Lay the (T, k) choices out choice-major as (k*T,), one-hot them to (k*T, E), and a running sum
-    down the column of expert e counts how many earlier choices also went to e: that is the slot.
-    """
-    T, k = expert_index.shape
-    onehot = F.one_hot(expert_index.t().reshape(-1), num_experts)            # (k*T, E)
-    position = onehot.cumsum(dim=0) - 1                                       # running count - 1
-    slot = (position * onehot).sum(dim=-1).reshape(k, T).t().contiguous()     # back to (T, k)
-    counts = onehot.sum(dim=0)                                                # (E,)
-    return slot, counts
-
-
-# ---------------------------------------------------------------------------------------------
-# 3. The gate module
+# The gate module (capacity: moe/capacity.py; the Routing record and its slots: moe/routing.py)
 # ---------------------------------------------------------------------------------------------
 
 _assumed = None  # fn(num_tokens, num_experts, top_k) -> (T, k) expert ids: see `assume_routing`

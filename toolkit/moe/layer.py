@@ -107,15 +107,17 @@ def _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_paral
     if shadow != "off" and expert_parallel != "ep":
         raise ValueError(f"shadow={shadow!r} needs expert_parallel='ep': with {expert_parallel!r} every rank may "
                          f"already use every expert (data parallelism is shadowing them all).")
-    if all_to_all_algorithm not in ("flat", "2dh"):
-        raise ValueError(f"all_to_all_algorithm={all_to_all_algorithm!r}: choose 'flat' (one all-to-all over the group) "
-                         f"or '2dh' (Tutel's two-level one: inside each node, then across nodes).")
-    if all_to_all_algorithm == "2dh" and (shadow != "off" or schedule != "plain" or pipeline_degree != 1):
-        raise ValueError("all_to_all_algorithm='2dh' replaces the plain layer's dispatch and combine; it does not "
-                         "combine with shadow=, schedule='smart' or pipeline_degree= here: choose one.")
+    if all_to_all_algorithm not in ("flat", "2dh", "auto"):
+        raise ValueError(f"all_to_all_algorithm={all_to_all_algorithm!r}: choose 'flat' (one all-to-all over the group), "
+                         f"'2dh' (Tutel's two-level one: inside each node, then across nodes) or 'auto' (the faster "
+                         f"per forward, comm/hierarchical.py's choose).")
+    if all_to_all_algorithm != "flat" and (shadow != "off" or schedule != "plain" or pipeline_degree != 1):
+        raise ValueError(f"all_to_all_algorithm={all_to_all_algorithm!r} replaces the plain layer's dispatch and "
+                         "combine; it does not combine with shadow=, schedule='smart' or pipeline_degree= here: "
+                         "choose one.")
     if gate != "topology" and local_bandwidth is not None:
         raise ValueError("local_bandwidth= describes the nodes for gate='topology'; pass it with it.")
-    if gate != "topology" and all_to_all_algorithm != "2dh" and node_size is not None:
+    if gate != "topology" and all_to_all_algorithm == "flat" and node_size is not None:
         raise ValueError("node_size= describes the nodes for gate='topology' or all_to_all_algorithm='2dh'; pass it "
                          "with one of them.")
     if pipeline_degree != "auto" and (isinstance(pipeline_degree, bool) or not isinstance(pipeline_degree, int)
@@ -167,7 +169,8 @@ class MoE(nn.Module):
     ranks per step, default 1) or
     ``pipeline_degree`` 1 | d | "auto" (Tutel's chunks along the capacity, ``moe/pipeline.py``): steps
     4-6 overlapped with the experts, one or the other. Tutel, issue 15: ``all_to_all_algorithm``
-    "flat" | "2dh" (the two-level all-to-all over nodes of ``node_size`` ranks, ``comm/hierarchical.py``);
+    "flat" | "2dh" (the two-level all-to-all over nodes of ``node_size`` ranks, ``comm/hierarchical.py``) |
+    "auto" (the faster of the two per forward: the emulated link's model, else Tutel's rule of scale);
     more ranks than experts slices each expert over W/E ranks, ``expert_slices`` = Tutel's r
     (``moe/sharded.py``).
 
@@ -242,6 +245,9 @@ class MoE(nn.Module):
         self.smart_group_size = smart_group_size
         self.all_to_all_algorithm = all_to_all_algorithm  # Tutel's 2DH over nodes of node_size ranks
         self.node_size = machine.node_size(self.world, node_size) if all_to_all_algorithm == "2dh" else None
+        if all_to_all_algorithm == "auto":  # nodes given or emulated; else one rank per node (always flat)
+            self.node_size = node_size or (comm.emulated_link().ranks_per_node if comm.emulated_link() else 1)
+            machine.node_size(self.world, self.node_size)  # validates it
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, expert-parallel over {self.world} rank(s), {self.num_local} local expert(s)"
@@ -318,7 +324,7 @@ class MoE(nn.Module):
         copies = self.slicing.copies(plan) if self.slicing else None  # W > E: one copy per slice group
         if copies is not None:
             kept, rows = rows.shape[0], rows[copies]
-        nodes = self.node_size if self.all_to_all_algorithm == "2dh" else None
+        nodes = self.node_size if self.all_to_all_algorithm == "2dh" else machine.all_to_all_nodes(self, rows)
         received = all_to_all(rows, plan.recv_splits, plan.send_splits, self.group, "dispatch", nodes)
         outputs = self.compute_experts(received, plan)
         answers = all_to_all(outputs, plan.send_splits, plan.recv_splits, self.group, "combine", nodes)

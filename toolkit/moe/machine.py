@@ -195,3 +195,26 @@ def topology(world: int, *, node_size=None, bandwidth=None, local_bandwidth=None
     W_net, W_local = _positive("bandwidth", W_net), _positive("local_bandwidth", W_local)
     return {"node_size": M, "bandwidth": W_net, "local_bandwidth": W_local,
             "cross_fraction": W_net / (M * W_local), "source": source}
+
+
+def all_to_all_nodes(layer, rows):
+    """``all_to_all_algorithm="auto"``: the node size for Tutel's 2DH all-to-all, or None for the flat one
+    (``comm.hierarchical.choose``), from the largest dispatch of any rank (one small all-reduce on an
+    emulated link, so every rank prices the same message and decides alike). Recorded as
+    ``moe/{name}/all_to_all``."""
+    from ..comm import hierarchical
+    from .load import enclosing_step
+
+    if layer.all_to_all_algorithm != "auto" or not dist.is_initialized():
+        return None
+    largest = torch.tensor([float(rows.numel() * rows.element_size())])
+    link = comm.emulated_link()
+    if link is not None:
+        handle = comm.all_reduce(largest, op="max", group=layer.group, async_op=True)
+        handle.event["args"]["moe"] = "all-to-all choice"
+        handle.wait()
+    choice, reason = hierarchical.choose(link, layer.world, layer.node_size, largest.item())
+    if recorder.enabled:
+        recorder.metric(f"moe/{layer.name}/all_to_all", {"choice": choice, "reason": reason,
+                                                          "bytes_per_rank": largest.item()}, step=enclosing_step())
+    return layer.node_size if choice == "2dh" else None

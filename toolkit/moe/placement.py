@@ -9,16 +9,16 @@ gradient, summed over the ranks, back to its owner. That is O(P) bytes for P exp
 whatever the load. Tutel's table: DP O(P), EP+DP O(C_g + P/E), EP+DP+MP O(C_g * W/E). With E >= W
 every expert has exactly one owner, so the P/E term, the all-reduce among an expert's replicas, is
 zero and EP costs O(C_g); with W > E each expert is sliced over W/E ranks (``moe/sharded.py``, Tutel's
-r) and "ep" runs that layout.
+r) and "ep" runs that layout, its slice weights travelling too when r < W/E.
 
 The switch costs nothing (Tutel's point): storage is the expert-parallel layout in both cases (rank r
 keeps its experts, or its slice of one, and their optimizer state), so "dp" is a way of running a step,
 not another model: all-gather + reduce-scatter is exactly an all-reduce of the gradients that skips
 the all-gather no rank needs. That lets ``expert_parallel="auto"`` choose per layer and per forward
 from the communication model: the time each would take for the rows actually routed, predicted with
-the emulated link's own model (``comm/cost.py``; a unit link, seconds as bytes, when none is on), where
-an all-to-all lasts as long as its slowest rank and a rank is timed by what it sends and what it
-receives. One all-gather of the per-expert counts lets every rank predict the same and decide alike.
+the emulated link's own model (``moe/placement_cost.py``), where an all-to-all lasts as long as its
+slowest rank and a rank is timed by what it sends and what it receives, and EP+DP+MP pays for its slice
+weights; with W > E and no ``expert_slices`` given it also picks r (Tutel's adaptive r). One all-gather of the per-expert counts lets every rank predict the same and decide alike.
 The choice and its reason are kept in ``placement.choice`` / ``placement.reason`` and recorded as
 ``moe/{name}/parallel``. Outputs and gradients are the same either way.
 
@@ -32,12 +32,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import comm
-from ..comm.cost import demand, together
-from ..comm.emulate import Link, Settings
 from ..trace.events import recorder, span
 from .experts import WEIGHTS, GatherWeights, join_slices
 from .load import enclosing_step
 from .machine import _label
+from .placement_cost import (UNIT_LINK, choose_parallel, expert_parameters, parallel_costs,  # noqa: F401
+                             slice_weight_calls)
 from .plan import Plan
 from .sharded import row_destinations
 
@@ -69,7 +69,7 @@ def all_experts(layer):
     if not dist.is_initialized() or layer.world == 1:
         return params
     flat = torch.cat([p.reshape(-1) for p in params])
-    everyone = GatherWeights.apply(flat, layer.group, layer.world, "dp experts").reshape(layer.world, -1)
+    everyone = GatherWeights.apply(flat, layer.group, layer.world, "dp experts", params).reshape(layer.world, -1)
     out, at = [], 0
     for name, p in zip(WEIGHTS, params):
         n = p.numel()
@@ -77,81 +77,6 @@ def all_experts(layer):
         out.append(join_slices(stacked, name, ex.shard[1], layer.d_model))
         at += n
     return tuple(out)
-
-
-# --- the communication model ---------------------------------------------------------------------------
-def expert_parameters(d_model: int, d_ff: int, num_experts: int) -> int:
-    """P: parameters of all experts (two weight matrices and two biases each)."""
-    return num_experts * (2 * d_model * d_ff + d_ff + d_model)
-
-
-UNIT_LINK = Settings(Link(bandwidth=1.0, latency=0.0))  # no emulated link: seconds read as bytes
-
-
-def parallel_costs(traffic, *, expert_params: int, d_model: int, element_bytes: int = 4, training: bool = True,
-                   settings=None, ranks=None) -> dict:
-    """Predicted seconds per step of the expert layer's communication under each placement, on the
-    emulated link's own model (``comm/cost.py``: the function the emulator holds every call to), so the
-    choice and the time it is measured in agree. Without an emulated link, a unit link (1 byte/s, no
-    latency): the seconds read as bytes.
-
-    traffic[i][j]: rows rank i sends to rank j in the dispatch (``sharded.row_destinations``); the
-        combine sends them back.
-    dp: all-gather of the experts' P parameters in forward; in training, the reduce-scatter of their
-        gradients: O(P), whatever the load.
-    ep: dispatch and combine, and both again in training (their backwards). Each all-to-all lasts as
-        long as its slowest rank, and a rank is timed by what it sends AND what it receives: under skew
-        the popular expert's owner, receiving from everyone, is the slowest: O(C_g).
-    Returns dp_s, ep_s, and to read them by: dp_bytes (each rank, per step), ep_bytes (the busiest rank,
-    per step), busiest (that rank's position), busiest_rows (the rows it sends or receives, the larger).
-    """
-    W = len(traffic)
-    ranks = list(range(W)) if ranks is None else list(ranks)
-    link = settings or UNIT_LINK
-    row, size, passes = d_model * element_bytes, expert_params * element_bytes, 2 if training else 1
-
-    def exchange(back: bool) -> float:
-        demands = {}
-        for i, me in enumerate(ranks):
-            sent, received = [t * row for t in traffic[i]], [traffic[j][i] * row for j in range(W)]
-            if back:
-                sent, received = received, sent
-            demands[me] = demand(link, "all_to_all", ranks, me, 0.0, dict(sent=sent, received=received))
-        return together(link, demands)
-
-    def ring(op: str) -> float:
-        return together(link, {me: demand(link, op, ranks, me, size) for me in ranks})
-
-    moved = [max(sum(traffic[i]) - traffic[i][i], sum(t[i] for t in traffic) - traffic[i][i]) for i in range(W)]
-    busiest = max(range(W), key=moved.__getitem__)
-    return {"dp_s": ring("all_gather") + (ring("reduce_scatter") if training else 0.0),
-            "ep_s": passes * (exchange(False) + exchange(True)),
-            "dp_bytes": float(passes * (W - 1) / W * size if W > 1 else 0.0),
-            "ep_bytes": float(passes * 2 * moved[busiest] * row), "busiest": busiest,
-            "busiest_rows": int(moved[busiest]), "unit_link": settings is None}
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def choose_parallel(costs: dict, *, num_experts: int, expert_params: int) -> tuple[str, str]:
-    """("dp" | "ep", reason): the placement the model says communicates faster, with a sentence that
-    says why. Ties go to "ep" (no copies of the weights to hold)."""
-    dp, ep = costs["dp_s"], costs["ep_s"]
-    cost = (lambda s: _size(s)) if costs.get("unit_link") else (lambda s: f"{s * 1e3:.3g} ms")
-    weights = (f"{num_experts} experts' {expert_params:,} parameters ({cost(dp)} for all-gather + reduce-scatter, "
-               f"{_size(costs['dp_bytes'])} per rank)")
-    tokens = (f"the 4 all-to-alls ({cost(ep)}), whose slowest rank, rank {costs['busiest']}, sends or receives "
-              f"{costs['busiest_rows']:,} rows ({_size(costs['ep_bytes'])})")
-    if dp < ep:
-        return "dp", (f"dp: moving the weights is cheaper: {weights} < {tokens}. Tutel: DP costs O(P) whatever "
-                      f"the load; EP O(C_g) grows with the tokens routed, and the popular expert's rank receives most.")
-    return "ep", (f"ep: moving the tokens is cheaper: {tokens} <= {weights}. Tutel: EP costs O(C_g); DP O(P) "
-                  f"whatever the load.")
 
 
 # --- the switch -----------------------------------------------------------------------------------------
@@ -193,19 +118,44 @@ class Placement:
             comm.all_gather(everyone, kept.contiguous(), group=layer.group)
             _label("parallel choice")
             counts = everyone.reshape(layer.world, -1)
-        slices = layer.slicing.r if layer.slicing else None
-        traffic = [row_destinations(c, layer.world, layer.num_experts, slices) for c in counts.tolist()]
-        P = expert_parameters(layer.d_model, layer.d_ff, layer.num_experts)
         ranks = comm.group_ranks(layer.group) if dist.is_initialized() else None
-        self.costs = parallel_costs(traffic, expert_params=P, d_model=layer.d_model,
-                                    element_bytes=layer.experts.w1.element_size(), training=torch.is_grad_enabled(),
-                                    settings=comm.emulated_link(), ranks=ranks)
+        slicing, self.costs = self.price(layer, counts.tolist(), comm.emulated_link(), ranks, torch.is_grad_enabled())
+        P = self.costs["expert_params"]
         self.choice, self.reason = choose_parallel(self.costs, num_experts=layer.num_experts, expert_params=P)
+        if self.choice == "ep" and slicing is not None:
+            layer.slicing = slicing  # Tutel's adaptive r: this forward computes the experts as r slices
         if recorder.enabled:
             recorder.metric(f"moe/{layer.name}/parallel",
-                            {"mode": self.mode, "choice": self.choice, "reason": self.reason, "expert_params": P,
-                             **self.costs}, step=enclosing_step())
+                            {"mode": self.mode, "choice": self.choice, "reason": self.reason, **self.costs},
+                            step=enclosing_step())
         return self.choice == "dp"
+
+    def price(self, layer, counts, settings=None, ranks=None, training=True) -> tuple:
+        """(the Slicing "ep" would run, or None for whole experts; its costs against "dp"): the cheapest
+        way of running "ep" for everyone's ``counts`` (one list of kept rows per expert, per rank)."""
+        P = expert_parameters(layer.d_model, layer.d_ff, layer.num_experts)
+        size = layer.experts.w1.element_size()
+        best = None
+        for slicing in self._slicings(layer):  # W > E: every r Tutel allows (one, if expert_slices fixed it)
+            traffic = [row_destinations(c, layer.world, layer.num_experts, slicing and slicing.r) for c in counts]
+            weights = slice_weight_calls(slicing, layer.d_model, size, ranks) if slicing else ()
+            costs = parallel_costs(traffic, expert_params=P, d_model=layer.d_model, element_bytes=size,
+                                   training=training, settings=settings, ranks=ranks, weights=weights)
+            costs.update(r=slicing and slicing.r, expert_params=P)
+            if best is None or costs["ep_s"] < best[1]["ep_s"]:  # ties keep the larger r: fewer weights move
+                best = slicing, costs
+        return best
+
+    @staticmethod
+    def _slicings(layer) -> list:
+        """What "ep" may mean: whole experts ([None]); with W > E, the layer's r when ``expert_slices`` fixed
+        it, else every divisor of s, largest first (Tutel's EP+MP first: no weight moves)."""
+        if layer.slicing is None:
+            return [None]
+        if layer.slicing.chosen:
+            return [layer.slicing]
+        s = layer.slicing.s
+        return [layer.slicing.with_slices(r) for r in range(s, 0, -1) if s % r == 0]
 
     def forward(self, layer, tokens, routing):
         """Steps 2-6 data-parallel: all experts here, this rank's rows through them. -> (plan, order, answers)"""

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..trace.events import span
+from .experts import predivide
 from .placement import run_experts
 from .units import Units, label
 
@@ -136,6 +137,7 @@ class ShadowUnits(Units):
             grads = torch.autograd.grad(y, [rows, *flats], grad[self.home_index], allow_unused=True)
         self.result = grads[0] if grads[0] is not None else torch.zeros_like(rows)
         total = torch.cat([g if g is not None else torch.zeros_like(f) for g, f in zip(grads[1:], flats)])
+        total = predivide(total, [p for _, p in self.named])  # fp16 under a data-parallel average: experts.py
         handle = None
         if self.distributed:
             handle = label(comm.all_reduce(total, op="sum", group=self.layer.group, async_op=True),

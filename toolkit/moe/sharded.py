@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from .experts import WEIGHTS, GatherWeights, join_slices
+from .experts import WEIGHTS, GatherWeights, join_slices, predivided
 
 
 def _positions(group) -> list:
@@ -65,20 +65,33 @@ class Slicing:
             raise ValueError(f"expert_slices={slices!r}: Tutel's r must divide the {s} ranks per expert; choose one "
                              f"of {fits} (1 = EP+DP: whole experts, rows split; {s} = EP+MP: no weight moves).")
         self.world, self.num_experts, self.s, self.r, self.size = world, num_experts, s, r, s // r
-        self._groups = None
+        self.d_ff, self.chosen = d_ff, slices is not None  # chosen: the user fixed r (auto may not change it)
+        self._groups, self._family = None, {r: self}
 
     def __repr__(self) -> str:
         return f"Slicing({self.s} ranks per expert, r={self.r})"
 
+    def with_slices(self, r: int) -> "Slicing":
+        """The same storage computed as ``r`` slices (Tutel's r switched at run time by
+        ``expert_parallel="auto"``); one Slicing per r, so each r's groups are built once."""
+        if r not in self._family:
+            other = Slicing(self.world, self.num_experts, self.d_ff, r)
+            other.chosen, other._family = self.chosen, self._family
+            self._family[r] = other
+        return self._family[r]
+
+    def members(self, q: int) -> tuple[list, list]:
+        """Positions of (position q's slice group, q's expert's ranks): who gathers weights with whom."""
+        e, k = divmod(q, self.s)
+        start = e * self.s + k // self.size * self.size
+        return list(range(start, start + self.size)), list(range(e * self.s, (e + 1) * self.s))
+
     def groups(self, layer):
         """(my slice group, my expert's ranks) as process groups; built by their members only."""
         if self._groups is None:
-            ranks, me = _positions(layer.group), layer.rank
-            e, k = divmod(me, self.s)
-            start = e * self.s + k // self.size * self.size
-            self._groups = tuple(dist.new_group(members, use_local_synchronization=True) for members in (
-                [ranks[q] for q in range(start, start + self.size)],
-                [ranks[q] for q in range(e * self.s, (e + 1) * self.s)]))
+            ranks = _positions(layer.group)
+            self._groups = tuple(dist.new_group([ranks[q] for q in members], use_local_synchronization=True)
+                                 for members in self.members(layer.rank))
         return self._groups
 
     def send_counts(self, kept) -> torch.Tensor:
@@ -108,14 +121,17 @@ class Slicing:
             return own[0], own[1], own[2], own[3][:layer.d_model] / self.r
         group, expert = self.groups(layer)
         w1, b1, w2 = own[:3]
-        if self.size > 1:  # EP+DP: the group's storage slices make the slice it computes
+        if self.size == 1:  # EP+MP: the storage slice is the slice computed (experts.predivided)
+            w1, b1, w2 = (predivided(getattr(ex, n))[0] for n in WEIGHTS[:3])
+        else:  # EP+DP: the group's storage slices make the slice it computes
             flat = torch.cat([w.reshape(-1) for w in (w1, b1, w2)])
-            everyone = GatherWeights.apply(flat, group, self.size, "slice weights").reshape(self.size, -1)
+            everyone = GatherWeights.apply(flat, group, self.size, "slice weights", (ex.w1, ex.b1, ex.w2))
+            everyone = everyone.reshape(self.size, -1)
             parts, at = [], 0
             for name, w in zip(WEIGHTS, (w1, b1, w2)):
                 stacked = everyone[:, at:at + w.numel()].reshape((self.size,) + tuple(w.shape))
                 parts.append(join_slices(stacked, name, self.size, layer.d_model)[0])
                 at += w.numel()
             w1, b1, w2 = parts
-        b2 = GatherWeights.apply(own[3], expert, self.s, "output bias")[:layer.d_model]
+        b2 = GatherWeights.apply(own[3], expert, self.s, "output bias", (ex.b2,))[:layer.d_model]
         return w1, b1, w2, b2 / self.r

@@ -8,16 +8,20 @@ Two versions, in the order a course builds them:
   Correct, and slow: the network idles during backward, then many small messages each pay the latency.
 - "ddp" (`wrap`): torch DDP's design. Gradients are grouped into buckets of about `bucket_cap_mb`
   MiB, last-registered parameters first (roughly the order backward produces them). A hook on each
-  parameter marks its gradient ready; a complete bucket is copied into one flat buffer and its
-  all-reduce starts asynchronously, while backward goes on computing earlier layers. At the end of
-  backward we wait for every bucket and point each `.grad` at its slice of the bucket (torch's
-  `gradient_as_bucket_view=True`), so after backward the gradients take Ψ·bytes once, as the
-  (2+2+K)Ψ accounting says, not once in `.grad` and again in the buckets.
+  parameter marks its gradient ready and copies it, divided by N, into its bucket's flat buffer (as
+  torch's reducer: summing N fp16 gradients first could overflow 65504 where their average fits); a
+  complete bucket's all-reduce (a sum) starts asynchronously, while backward goes on computing
+  earlier layers. At the end of backward we wait for every bucket and point each `.grad` at its slice
+  of the bucket (torch's `gradient_as_bucket_view=True`), so after backward the gradients take Ψ·bytes
+  once, as the (2+2+K)Ψ accounting says, not once in `.grad` and again in the buckets.
   Two refinements of torch's: with the default cap the *first* bucket closes at 1 MiB (the last
   layers' gradients leave early instead of waiting for 25 MiB to fill; an explicit `bucket_cap_mb`
   applies to every bucket, as in torch); and registration order is only a guess, so the first
   backward records the order in which gradients really became ready, and the next forward rebuilds
   the buckets in that order (rank 0's order, broadcast, so that every rank's buckets match).
+  torch has that 1 MiB first bucket only after its rebuild: its first iteration puts every gradient in
+  one bucket (or, with find_unused_parameters=True, which never rebuilds, makes the 1 MiB bucket of the
+  first-registered parameters, reduced last); here the reverse-order buckets start with it.
 
 What both share: at wrap time the ranks' models are checked to be the same and rank 0's parameters and
 buffers are broadcast; `no_sync()` for gradient accumulation; `mixed_precision` (see local.py: 16-bit
@@ -43,6 +47,7 @@ import functools
 import torch
 
 from .. import comm
+from ..comm.average import divide_factors
 from ..runtime import env
 from ..trace.events import phase
 from . import check_options, consistency
@@ -65,6 +70,8 @@ class DataParallel(Wrapped):
         self.group = group
         self.params = [p for p in dense if p.requires_grad]  # tied ones appear once
         self.experts = [p for p in module.parameters() if getattr(p, "_toolkit_expert", False)]
+        for p in self.experts:  # averaged here over N; in fp16 toolkit.moe divides by `pre` before its sums
+            p._toolkit_grad_average = len(comm.group_ranks(group))
         if self.scaler is not None:  # fp16: replicas hold the same averaged gradients, experts their own
             self.scaler.group, self.scaler.across_ranks = group, bool(self.experts)
         self.require_sync = True  # no_sync() turns it off
@@ -99,8 +106,8 @@ class DataParallel(Wrapped):
     def _end_of_backward(self):
         self._in_backward = False
         for p in self.experts:  # MoE all-to-all backward already summed every rank's part: average
-            if p.grad is not None:
-                p.grad.div_(len(comm.group_ranks(self.group)))
+            if p.grad is not None:  # by what the sums have not divided already (fp16: moe/experts.py)
+                p.grad.div_(divide_factors(len(comm.group_ranks(self.group)), p.grad.dtype)[1])
         self.finish_backward()
 
     def grad_ready(self, index: int) -> None:
@@ -209,7 +216,10 @@ class DistributedDataParallel(DataParallel):
         if index in bucket.ready:
             raise RuntimeError(f"parameter #{index} became ready twice in one backward; DDP reduces each "
                                "gradient once per backward (reentrant checkpointing can cause this).")
-        bucket.views[index].copy_(self.params[index].grad.reshape(-1))
+        # divide while copying into the bucket, then sum (torch's reducer): N fp16 gradients that fit
+        # still fit once summed, where a sum first could overflow 65504 (comm/average.py)
+        torch.mul(self.params[index].grad.reshape(-1), 1.0 / len(comm.group_ranks(self.group)),
+                  out=bucket.views[index])
         bucket.ready.add(index)
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].complete:
             self._launch(self.buckets[self.next_bucket])
@@ -218,7 +228,7 @@ class DistributedDataParallel(DataParallel):
         for index, view in bucket.views.items():
             if index not in bucket.ready:  # no gradient in this backward: contribute zeros
                 view.zero_()
-        bucket.handle = comm.all_reduce(bucket.buffer, op="avg", group=self.group, async_op=True)
+        bucket.handle = comm.all_reduce(bucket.buffer, op="sum", group=self.group, async_op=True)  # pre-divided
         self.next_bucket += 1
 
     def finish_backward(self):

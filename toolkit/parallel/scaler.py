@@ -14,10 +14,12 @@ divided by S again, in fp32, where 1e-8 is an ordinary number. S is chosen as th
         yes -> skip the step (parameters and optimizer states unchanged), S = S / 2
         no  -> step; after `growth_interval` good steps in a row, S = 2S
 
-(torch.amp.GradScaler's rule and defaults. DeepSpeed's fp16 optimizer is the same idea, with a window of
-1000 steps and a "hysteresis" that tolerates a few overflows before halving.) A model whose loss is
-itself fp16 overflows on its first step, because the loss's own gradient is S = 65536 > 65504: the first
-step is skipped and training goes on at 2^15, exactly DeepSpeed's familiar "OVERFLOW! Skipping step".
+(torch.amp.GradScaler's rule and defaults. DeepSpeed's fp16 optimizer is the same idea with other
+defaults: a window of 1000 steps, and a "hysteresis" of 2: an overflow always skips its step, but S
+halves only once the hysteresis is used up, so its first overflow skips at the same S.) A model whose
+loss is itself fp16 overflows on its first step, because the loss's own gradient is S = 65536 > 65504:
+the first step is skipped and training goes on at 2^15, as with torch's GradScaler. DeepSpeed would skip
+that step and the next one ("Attempted loss scale: 65536, but hysteresis is 2"), and halve only then.
 
 Across ranks. Under ZeRO and FSDP a rank holds only its slice of the averaged gradient, so an overflow
 may sit in one rank's slice alone. If that rank skipped while the others stepped, the replicas would no

@@ -1,0 +1,120 @@
+"""The emulated link's physics (toolkit/comm/emulate.py, cost.py): backpressure at a congested receiver, a
+rank's links inside and across nodes working side by side, and no message for an empty block.
+
+Each is checked on the emulator's own ledger (its bookings, in one process, where the arithmetic is exact)
+and the backpressure once more on launched ranks, through the door, as a lesson sees it.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import toolkit
+
+MB_S, ALPHA = 1e6, 1e-3            # 1 MB/s: 10 kB take 10 ms; 1 ms per message
+RANKS = [0, 1, 2, 3]
+
+
+def into_rank_0(me: int, rows: int = 10, row_bytes: int = 1000) -> dict:
+    """Ranks 1-3 each send `rows` rows of `row_bytes` to rank 0 only; rank 0 sends nothing (skew: one hot expert)."""
+    ins, outs = [0] * 4, [0] * 4
+    if me == 0:
+        outs = [0, rows, rows, rows]
+    else:
+        ins[0] = rows
+    return dict(input_splits=ins, output_splits=outs, row_bytes=(row_bytes, row_bytes))
+
+
+def booked(settings, calls) -> dict:
+    """Each rank's all-to-all booked on the emulator's own ledger, issued at time 0 in the order given;
+    {rank: its modelled finish}. What `emulate.book` does for each rank, in one process."""
+    from toolkit.comm.cost import Ledger, all_to_all_finish, received_kinds, schedule_all_to_all
+
+    shared, done = Ledger(), {}
+    for me, extra in calls:
+        own = Ledger()
+        done[me] = (schedule_all_to_all(shared, own, settings, RANKS, me, 0.0, 0.0, extra, "call"), extra)
+    return {me: all_to_all_finish(shared, *parts, received_kinds(settings, RANKS, me, 0.0, extra), "call", me)
+            for me, (parts, extra) in done.items()}
+
+
+def test_senders_to_a_congested_receiver_finish_when_it_has_their_bytes():
+    """Three senders of 10 ms each into one receiver that needs 30 ms: released at 10, 20 and 30 ms (plus their
+    one message's latency), in the order they issued, not all at 10 ms."""
+    from toolkit.comm.link import make_settings
+
+    finish = booked(make_settings(MB_S, ALPHA), [(me, into_rank_0(me)) for me in (1, 2, 3, 0)])
+    assert [finish[me] for me in (1, 2, 3)] == pytest.approx([0.010 + ALPHA, 0.020 + ALPHA, 0.030 + ALPHA])
+    assert finish[0] == pytest.approx(0.030 + 3 * ALPHA)  # the receiver: all bytes, three messages
+
+
+def test_a_ranks_links_inside_and_across_nodes_work_side_by_side():
+    """Nodes of 2: rank 0 sends 10 ms to rank 1 (same node, its own link) and 10 ms to rank 2 (the node's
+    card): 10 ms and the latencies, not 20. The model for one call on idle links says the same."""
+    from toolkit.comm.emulate import model_time
+    from toolkit.comm.link import make_settings
+
+    nodes = make_settings(MB_S, ALPHA, intra_node=(MB_S, ALPHA), ranks_per_node=2)
+    out = dict(input_splits=[0, 10, 10, 0], output_splits=[0, 0, 0, 0], row_bytes=(1000, 1000))
+    inward = {1: dict(input_splits=[0] * 4, output_splits=[10, 0, 0, 0], row_bytes=(1000, 1000)),
+              2: dict(input_splits=[0] * 4, output_splits=[10, 0, 0, 0], row_bytes=(1000, 1000))}
+    finish = booked(nodes, [(0, out), (1, inward[1]), (2, inward[2])])
+    assert finish[0] == pytest.approx(0.010 + ALPHA)
+    seconds, label = model_time(nodes, "all_to_all", RANKS, 0, 0.0, out)
+    assert (seconds, label) == (pytest.approx(0.010 + ALPHA), "intra+inter-node")
+
+
+def test_an_empty_block_is_no_message():
+    """Rank 1 exchanges rows with rank 0 only: one message's latency, not three."""
+    from toolkit.comm.emulate import model_time
+    from toolkit.comm.link import make_settings
+
+    link = make_settings(MB_S, ALPHA)
+    one_peer = dict(input_splits=[10, 0, 0, 0], output_splits=[0, 0, 0, 0], row_bytes=(1000, 1000))
+    assert model_time(link, "all_to_all", RANKS, 1, 0.0, one_peer)[0] == pytest.approx(0.010 + ALPHA)
+    assert booked(link, [(1, one_peer)])[1] == pytest.approx(0.010 + ALPHA)
+
+
+# --- on launched ranks, through the door ---------------------------------------------------------------
+def skewed_exchange(rows: int) -> dict:
+    """One all-to-all into rank 0 after a barrier; the modelled queue and the time this rank was held."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from toolkit.trace.events import recorder
+
+    me = dist.get_rank()
+    extra = into_rank_0(me, rows)
+    out = torch.empty(sum(extra["output_splits"]), 250)    # rows of 250 fp32: 1,000 bytes
+    toolkit.comm.barrier()
+    start = time.perf_counter()
+    toolkit.comm.all_to_all(out, torch.ones(sum(extra["input_splits"]), 250), extra["output_splits"],
+                            extra["input_splits"])
+    end = time.perf_counter()
+    event = [e for e in recorder.events if e["name"] == "all_to_all"][-1]
+    return {"start": start, "end": end, "queue": event["args"]["emulated_queue_s"], "alone": event["args"]["emulated_s"]}
+
+
+@functools.lru_cache(maxsize=None)
+def launched():
+    with toolkit.comm.emulate(MB_S, "100 us"):
+        return toolkit.launch(skewed_exchange, 4, args=(100,), timeout_s=120)  # 100 kB per sender: 100 ms
+
+
+@pytest.mark.usefixtures("no_leftover_ranks")
+def test_on_launched_ranks_the_last_sender_waits_for_the_congested_receiver():
+    """Each sender alone needs 100 ms; the receiver 300 ms. The senders queue at the receiver, so the last one
+    is released 300 ms after the first one issued, with the receiver (lower bounds on one clock, as sleeping
+    guarantees them; before backpressure every sender was released 100 ms after its own call). Their modelled
+    queues add up to 0 + 100 + 200 ms, less the moments between their calls."""
+    ranks = launched()
+    senders = ranks[1:]
+    first = min(r["start"] for r in senders)
+    assert [r["alone"] for r in senders] == pytest.approx([0.1 + 1e-4] * 3), ranks
+    assert max(r["end"] for r in senders) - first >= 0.3, ranks
+    assert ranks[0]["end"] - first >= 0.3
+    spread = max(r["start"] for r in senders) - first
+    assert 0.3 - 2 * spread - 0.01 <= sum(r["queue"] for r in senders) <= 0.3 + 0.01, ranks
