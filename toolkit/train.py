@@ -9,8 +9,8 @@ optimizer. Around it the loop labels phases (forward, backward, optimizer) so ev
 trace says when it happened, times each phase as a "compute" span, and samples memory at the phase
 boundaries.
 
-Data: step s uses the corpus's global batch s (`global_batch_size` rows); rank r of N takes its
-contiguous slice, and with `accumulation` = M it splits that slice into M micro-batches, calling
+Data: step s uses the corpus's global batch s (`global_batch_size` rows); data-parallel replica r of N
+takes its contiguous slice (every rank of a replica's tensor/pipeline-parallel group reads the same rows), and with `accumulation` = M it splits that slice into M micro-batches, calling
 backward on loss/M each. So the rows of a step are the same whatever N and M are, and every strategy,
 world size and accumulation can be checked against "local" with accumulation 1.
 """
@@ -92,12 +92,23 @@ class TrainConfig:
                              f"valid keys: {sorted(fields)}.")
 
     def check_world(self, world_size: int) -> None:
-        """Each rank's micro-batch must be whole rows: global_batch_size % (world_size * accumulation) == 0."""
-        per = world_size * self.accumulation
+        """Each data-parallel replica's micro-batch must be whole rows: global_batch_size % (dp * accumulation)
+        == 0, where dp = world_size / (tp x pp) (the ranks of one tensor/pipeline-parallel group share rows)."""
+        dp, _ = self.data_parallel(world_size)
+        per = dp * self.accumulation
         if self.global_batch_size % per:
-            raise ValueError(f"global_batch_size={self.global_batch_size} does not divide over world_size="
-                             f"{world_size} x accumulation={self.accumulation} = {per} micro-batches; use a "
+            ranks = f"world_size={world_size}" if dp == world_size else f"dp={dp} replicas (world {world_size})"
+            raise ValueError(f"global_batch_size={self.global_batch_size} does not divide over {ranks} x "
+                             f"accumulation={self.accumulation} = {per} micro-batches; use a "
                              f"multiple of {per}, e.g. {per * max(1, self.global_batch_size // per)}.")
+
+    def data_parallel(self, world_size: int, rank: int = 0) -> tuple[int, int]:
+        """(dp, this rank's dp index): the world is dp x pp x tp (`options` tp=, pp=), and a rank reads the
+        rows of its data-parallel replica, the same rows as every rank of its tp and pp groups."""
+        from .parallel import mesh
+
+        layout = mesh.layout(world_size, tp=self.options.get("tp", 1), pp=self.options.get("pp", 1))
+        return layout.dp, layout.coordinate(rank)[0]
 
     @classmethod
     def of(cls, config) -> "TrainConfig":
@@ -143,6 +154,7 @@ def train(config, *, model_fn=None, return_state: bool = False):
 
     meter = ActivationMeter(model)
     M = config.accumulation
+    dp, dp_rank = config.data_parallel(world, rank)  # tp/pp ranks of one replica read the same rows
 
     def sample(step):
         if config.sample_memory:
@@ -152,7 +164,7 @@ def train(config, *, model_fn=None, return_state: bool = False):
     steps = _progress(range(config.steps), config, rank, world)
     for step in steps:
         t0 = time.perf_counter()
-        x, y = corpus.batch(step, config.global_batch_size, rank=rank, world_size=world, device=device)
+        x, y = corpus.batch(step, config.global_batch_size, rank=dp_rank, world_size=dp, device=device)
         step_loss = torch.zeros((), device=device)
         for micro, (xm, ym) in enumerate(zip(x.chunk(M), y.chunk(M))):
             # Gradients are synchronized once per step: skip it on all but the last micro-batch.

@@ -22,4 +22,6 @@ from .formulas import (
     ring_reduce_scatter_bytes,
 )
 from .activations import activations_by_module, pass_costs
+from .tensor_formulas import (gpt_parameter_split, tp_activation_bytes, tp_activation_terms, tp_bytes_per_layer,
+                              tp_bytes_per_step, tp_collectives, tp_model_states)
 from .ledger import ActivationMeter, ledger, memory_groups, record_memory

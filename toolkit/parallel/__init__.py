@@ -40,8 +40,9 @@ def wrap(model: torch.nn.Module, strategy: str, *, optimizer=torch.optim.AdamW, 
         build = getattr(importlib.import_module(module), function)
     except ModuleNotFoundError as exc:
         raise NotImplementedError(f"strategy {strategy!r} is not implemented yet ({module} is missing).") from exc
-    from . import compose
+    from . import checkpointing, compose
 
+    options = checkpointing.apply_option(model, strategy, options)  # every strategy, not only fsdp
     if compose.wants(options):  # tp= / pp= ...: a dp x pp x tp layout, `strategy` over its dp group
         return compose.wrap(model, strategy, build, optimizer, options)
     return build(model, optimizer, **options)
@@ -61,6 +62,7 @@ def full_state_dict(model: torch.nn.Module) -> dict:
 
     Experts split over ranks (toolkit.moe) appear under their global names (`...experts.{i}.w1`),
     gathered from their owners, so an expert-parallel run compares directly with a one-rank run.
+    Tensor-parallel pieces (`tp=`) are all-gathered over the tp group and joined (`tensor/state.py`).
     """
     from ..moe.experts import gather_experts
 
@@ -68,6 +70,8 @@ def full_state_dict(model: torch.nn.Module) -> dict:
         state = model.full_state_dict()
     else:
         state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    if getattr(model, "tensor_parallel", None) is not None:
+        state = model.tensor_parallel.gather(state)
     return gather_experts(model, state)
 
 

@@ -107,7 +107,11 @@ def _gather(shard: torch.Tensor, shapes, engine) -> list[torch.Tensor]:
 
 def save_full(model, optimizer, path: str) -> None:
     """Gather the full checkpoint and write it from rank 0 (every rank must call this)."""
-    checkpoint = full_checkpoint(model, optimizer, rank0_only=True)
+    if getattr(model, "tensor_parallel", None) is not None:  # tensor-parallel pieces joined (tensor/checkpoint.py)
+        from .tensor import checkpoint as tensor_parallel
+        checkpoint = tensor_parallel.join(model, full_checkpoint(model, optimizer, rank0_only=False))
+    else:
+        checkpoint = full_checkpoint(model, optimizer, rank0_only=True)
     if checkpoint is not None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         torch.save(checkpoint, path)
@@ -118,6 +122,9 @@ def save_full(model, optimizer, path: str) -> None:
 def load_full(model, optimizer, path: str) -> None:
     """Read a full checkpoint (every rank reads the file: it must be visible to all) and load it."""
     checkpoint, error = _read(path)
+    if getattr(model, "tensor_parallel", None) is not None:  # this rank's tensor-parallel pieces of it
+        from .tensor import checkpoint as tensor_parallel
+        checkpoint = tensor_parallel.cut(model, checkpoint)
     load_full_checkpoint(model, optimizer, checkpoint, _error=error)
 
 
@@ -251,7 +258,7 @@ def _check_slices(checkpoint, engine) -> str | None:
 
 
 def _distributed(model) -> bool:
-    return _is_sharded(model) or hasattr(model, "group")
+    return _is_sharded(model) or hasattr(model, "group") or getattr(model, "tensor_parallel", None) is not None
 
 
 class AnotherRankCouldNotLoad(Consequence, ValueError):

@@ -38,6 +38,7 @@ def split_options(options: dict) -> tuple[dict, dict]:
 def wrap(model, strategy: str, build, optimizer, options: dict):
     """`build(model, optimizer, **options)` (the strategy's wrap) under the layout the options ask for."""
     mp, options = split_options(options)
+    check_tensor_options(mp)
     mesh = mesh_.build(tp=mp["tp"], pp=mp["pp"])
     layout = mesh_.layout_of(mesh)
     if strategy == "local" and layout.dp > 1:
@@ -57,7 +58,37 @@ def wrap(model, strategy: str, build, optimizer, options: dict):
             options = dict(options, group=mesh_.group(mesh, "dp"))
         wrapped, opt = build(model, optimizer, **options)
     wrapped.mesh = mesh
+    if hasattr(model, "tensor_parallel"):
+        join_tensor_parallel(wrapped, model.tensor_parallel, mesh)
     return wrapped, opt
+
+
+def check_tensor_options(mp: dict) -> None:
+    """Tensor-parallel options that make no sense are refused before any group exists."""
+    if not isinstance(mp["sequence_parallel"], bool):
+        raise ValueError(f"sequence_parallel must be True or False, got {mp['sequence_parallel']!r}.")
+    if mp["sequence_parallel"] and mp["tp"] == 1:
+        raise ValueError("sequence_parallel=True splits the sequence over the tensor-parallel ranks, so it needs "
+                         "tp > 1 (e.g. tp=2); with tp=1 there is nothing to split.")
+
+
+def join_tensor_parallel(wrapped, info, mesh) -> None:
+    """What the data-parallel strategy cannot know about the tensor-parallel ranks beside it:
+
+    - its gradient clipping must count every piece of the gradient once (`tensor/clip.py`);
+    - under fp16, an overflow in one tensor-parallel rank's piece must skip the step on every rank of the
+      world, so the loss scaler's found-inf vote is taken over the world, not over the dp group;
+    - `full_state_dict` and checkpoints join the tensor-parallel pieces (`model.tensor_parallel`).
+    """
+    import functools
+
+    from .tensor.clip import clip_grad_norm_
+
+    wrapped.tensor_parallel = info
+    wrapped.clip_grad_norm_ = functools.partial(clip_grad_norm_, wrapped, info, mesh.get_coordinate()[0])
+    scaler = getattr(wrapped, "scaler", None)
+    if scaler is not None:
+        scaler.group, scaler.across_ranks = None, True
 
 
 def _pipeline_options(mp: dict) -> dict:

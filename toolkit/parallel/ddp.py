@@ -53,8 +53,8 @@ from ..trace.events import phase
 from . import check_options, consistency
 from .local import Wrapped
 
-NAIVE_OPTIONS = ("mixed_precision",)
-DDP_OPTIONS = ("mixed_precision", "bucket_cap_mb")
+NAIVE_OPTIONS = ("mixed_precision", "group")
+DDP_OPTIONS = ("mixed_precision", "bucket_cap_mb", "group")
 
 
 class DataParallel(Wrapped):
@@ -251,7 +251,8 @@ class DistributedDataParallel(DataParallel):
 
 # --- the strategies' entry points ----------------------------------------------------------------
 def wrap_naive(model, optimizer, **options):
-    """"dp": one all-reduce per gradient after backward. Options: mixed_precision."""
+    """"dp": one all-reduce per gradient after backward. Options: mixed_precision, group (the ranks to
+    average over; default every rank)."""
     check_options("dp", options, NAIVE_OPTIONS)
     wrapped = NaiveDataParallel(model, **options)
     return wrapped, wrapped.build_optimizer(optimizer)
@@ -259,7 +260,7 @@ def wrap_naive(model, optimizer, **options):
 
 def wrap(model, optimizer, **options):
     """"ddp": bucketed all-reduces overlapped with backward. Options: mixed_precision, bucket_cap_mb
-    (default 25, with a 1 MiB first bucket; a cap given applies to every bucket)."""
+    (default 25, with a 1 MiB first bucket; a cap given applies to every bucket), group (default every rank)."""
     check_options("ddp", options, DDP_OPTIONS)
     cap = options.get("bucket_cap_mb", 25)
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0:

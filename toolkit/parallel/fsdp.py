@@ -41,7 +41,9 @@ Options:
   sharding_group_size    F (default: the world size). Hybrid sharding (HSDP) with F < N: shard within
                          groups of F consecutive ranks, replicate across the N/F groups; a gradient is
                          reduce-scattered within its shard group, then all-reduced across the replicas.
-                         F must divide the world size.
+                         F must divide the world size (the group's size).
+  group                  the process group to shard over (default every rank; under tensor parallelism
+                         compose.py passes the dp group: torchtitan's 2D FSDP + TP).
   mixed_precision        False (fp32), True (bfloat16), a dtype or its name, or `MixedPrecision(param_dtype,
                          reduce_dtype)`: parameters gathered and computed in param_dtype, gradients reduced
                          in reduce_dtype; the shards, their gradients and the optimizer states stay fp32
@@ -84,6 +86,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from .. import comm
 from ..memory.ledger import record_memory
 from ..runtime import env
 from ..trace.events import phase, recorder
@@ -95,7 +98,7 @@ from .sharded import ShardedEngine, ShardedModel, ShardedOptimizer, check_optimi
 
 OPTIONS = ("wrap_policy", "reshard_after_forward", "forward_prefetch", "backward_prefetch",
            "sharding_group_size", "mixed_precision", "activation_checkpointing", "param_init_fn", "unit_class",
-           "limit_all_gathers")
+           "limit_all_gathers", "group")
 NO_RATE_LIMITER = (
     "fsdp: limit_all_gathers=True asks for torch FSDP's rate limiter, which this FSDP does not have. It exists "
     "for GPUs, where the CPU issues kernels ahead of the device and could all-gather unit after unit before "
@@ -137,15 +140,16 @@ def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
         raise RuntimeError("fsdp shards over ranks, so it needs torch.distributed initialized: run it inside "
                            "toolkit.launch(fn, world_size) (world_size=1 works too), or call "
                            "toolkit.runtime.init() under torchrun or mpirun.")
-    world = dist.get_world_size()
+    group = options.get("group")
+    world = len(comm.group_ranks(group))
     F = options.get("sharding_group_size") or world
     if isinstance(F, bool) or not isinstance(F, int) or F < 1 or world % F:
         valid = [f for f in range(1, world + 1) if world % f == 0]
         raise ValueError(f"fsdp: sharding_group_size={options.get('sharding_group_size')!r} must divide the "
                          f"world size {world} (shard groups of F ranks, replicated {world}/F times); valid "
                          f"values here: {valid}.")
-    consistency.check_same_model(model)  # a clear error now rather than a hang later
-    shard_group, replica_group = sharding_groups(F)
+    consistency.check_same_model(model, group)  # a clear error now rather than a hang later
+    shard_group, replica_group = sharding_groups(F, group)
     sharding = Sharding(shard_group, replica_group, param_dtype, reduce_dtype)
     if not deferred:
         model.to(env.device())
@@ -153,7 +157,7 @@ def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
         for m in model.modules():
             m._buffers.update({k: b.to(env.device()) for k, b in m._buffers.items() if b is not None})
     with phase("setup"):  # every rank starts from rank 0's values (deferred: the seeded init agrees already)
-        consistency.broadcast_from_rank0([*([] if deferred else model.parameters()), *model.buffers()])
+        consistency.broadcast_from_rank0([*([] if deferred else model.parameters()), *model.buffers()], group)
     engine = FullyShardedDataParallel(model, plans, sharding, init_fn=init_fn if deferred else None,
                                       unit_class=unit_class, **flags)
     engine.optimizer = ShardedOptimizer(optimizer([u.master for u in engine.units]), engine)

@@ -106,18 +106,33 @@ def _dtype(value) -> torch.dtype:
 _GROUPS: dict = {}
 
 
-def sharding_groups(F: int):
-    """(shard group, replica group) of this rank. Every rank creates every group, in the same order."""
+def sharding_groups(F: int, group=None):
+    """(shard group, replica group) of this rank among the ranks of `group` (default: every rank)."""
+    if group is not None:
+        return _subgroups(F, comm.group_ranks(group), group)
     world, rank = dist.get_world_size(), dist.get_rank()
     if F == world:
         return None, None
     key = (id(dist.group.WORLD), F)
-    if key not in _GROUPS:
+    if key not in _GROUPS:  # every rank creates every group, in the same order
         shards = [dist.new_group(list(range(g * F, (g + 1) * F))) for g in range(world // F)]
         replicas = [dist.new_group(list(range(i, world, F))) for i in range(F)]
         _GROUPS[key] = (shards, replicas)
     shards, replicas = _GROUPS[key]
     return shards[rank // F], replicas[rank % F]
+
+
+def _subgroups(F: int, ranks: list, group):
+    """Within a sub-group (the dp group of a dp x tp layout): shards of F consecutive members, replicas
+    across them. Only the members create them (other sub-groups make their own)."""
+    if F == len(ranks):
+        return group, None
+    key = (tuple(ranks), F)
+    if key not in _GROUPS:
+        me = ranks.index(dist.get_rank())
+        _GROUPS[key] = tuple(dist.new_group(members, use_local_synchronization=True) for members in (
+            ranks[me // F * F:(me // F + 1) * F], ranks[me % F::F]))
+    return _GROUPS[key]
 
 
 def _named(handle, unit_name: str):

@@ -39,6 +39,7 @@ from .cost import pricer
 from .memory import StepMemory
 from .record import OpCounter, Programmer
 from .simulation import Simulation, count_params
+from .tensor_parallel import describe as describe_tp
 
 
 def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_per_node: int = 8,
@@ -55,6 +56,9 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     forward). The Run holds the warm-up step too; programs and memory are of the `steps` after it.
     routing: how MoE gates choose experts, `fn(T, E, k) -> (T, k)` expert ids (meta tokens have no values
     to score); default `balanced`, every expert gets the same number of tokens.
+    Tensor parallelism: `tp=`, `sequence_parallel=`, `tp_plan=` as in `toolkit.parallel.wrap`; the world is then
+    dp x tp and `batch_per_rank` is the sequences of one data-parallel replica (every rank of its tp group
+    computes on them). A tp group wider than `ranks_per_node` is allowed, with a warning that says its cost.
     cluster: price the steps on a cluster (`toolkit.sim.presets()`: "dgx-a100", "dgx-h100", "this-machine",
     or a user-defined one) and fill sim.step_time, tflops_per_gpu, mfu, breakdown, modelled_run and cost
     (`cost.pricer`); mfu overrides the preset's achievable fraction of peak.
@@ -78,6 +82,7 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
             options["param_init_fn"] = no_values  # FSDP's deferred initialization, with nothing to fill
         with phase("setup"):
             model, opt = parallel.wrap(model, strategy, optimizer=optimizer, **options)
+        tensor_parallel = describe_tp(model, options, batch_per_rank, seq, world_size, nodes)
         x = torch.empty((batch_per_rank, seq), dtype=torch.long, device="meta")
         bar = _progress(progress, strategy, world_size, steps + warmup)
         try:
@@ -94,6 +99,7 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
                      options=dict(options), num_params=num_params, expert_params=expert_params,
                      expert_parallel=expert_parallel, local_expert_params=local_experts,
                      batch_per_rank=batch_per_rank, seq_len=seq, run=run, **measured)
+    sim.tensor_parallel = tensor_parallel  # None unless tp= (sim/tensor_parallel.py)
     if price is not None:
         price(sim)
     return sim

@@ -113,7 +113,12 @@ class Simulation:
         in fp32; fsdp as stage 3 over its sharding group, its fp32 shards counted 4 + 4 + 8;
         bytes_per_step: passes x Ψ x bytes x (N-1)/N over the sharding group (hybrid sharding adds its replica all-reduce). MoE experts
         are kept whole by their owners and travel as tokens (all-to-all), not in these bytes.
+        Tensor parallelism: `sim/tensor_parallel.theory`.
         """
+        if getattr(self, "tensor_parallel", None):
+            from .tensor_parallel import theory
+
+            return theory(self)
         mixed = bool(self.options.get("mixed_precision"))
         value = 2 if mixed else 4
         K = 12 if mixed else 8

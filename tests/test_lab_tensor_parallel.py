@@ -1,0 +1,45 @@
+"""Lab 11 (tensor parallelism) through the grader: the untouched skeleton scores 0, the reference full marks,
+and each classic mistake loses exactly the checks that describe it, with feedback that names it.
+
+    an all-reduce in the column-parallel forward (where f's backward belongs)
+    the row-parallel bias added before the reduction (so the output holds it t times)
+"""
+import pytest
+from lab_grading import LabGrading
+
+CHECKS = {"f": "f:", "g": "g:", "column": "column-parallel forward", "row": "row-parallel forward",
+          "mlp": "the split MLP", "talk": "talk", "training": "training"}
+COLUMN_FORWARD = "        return F.linear(CopyToTP.apply(x, self.group), self.weight, self.bias)\n"
+ROW_FORWARD = ("        partial = F.linear(x, self.weight)\n"
+               "        return ReduceFromTP.apply(partial, self.group) + self.bias\n")
+MISTAKES = {
+    "all-reduce in the column forward": (
+        (COLUMN_FORWARD, "        return ReduceFromTP.apply(F.linear(x, self.weight, self.bias), self.group)\n"),
+        {"column": "the column-parallel forward issued ['all_reduce']", "mlp": "the output of the split MLP",
+         "talk": "the MLP's forward issued", "training": "the loss of step 0"}),
+    "row bias before the reduction": (
+        (ROW_FORWARD, "        return ReduceFromTP.apply(F.linear(x, self.weight, self.bias), self.group)\n"),
+        {"row": "the output holds the bias 2 times", "mlp": "the output of the split MLP",
+         "training": "the loss of step 1"}),  # the GPT's biases start at zero: step 0 cannot tell
+}
+
+
+def lab() -> LabGrading:
+    return LabGrading("11-tensor-parallel", 8, CHECKS)
+
+
+@pytest.mark.timeout(120)
+def test_untouched_skeleton_scores_zero(no_leftover_ranks):
+    lab().assert_skeleton_scores_zero()
+
+
+@pytest.mark.timeout(120)
+def test_reference_solution_scores_full_marks(no_leftover_ranks):
+    lab().assert_reference_scores_full()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_the_classic_mistakes_are_named(mistake, tmp_path, no_leftover_ranks):
+    change, failing = MISTAKES[mistake]
+    lab().assert_mistake_loses_exactly(mistake, change, failing, tmp_path)

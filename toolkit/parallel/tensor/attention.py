@@ -1,0 +1,48 @@
+"""Attention split by heads: the heads are independent, so each rank computes n_head/t of them.
+
+The fused projection X -> [Q | K | V] is column-parallel, cut so that rank r gets the q, k and v columns
+of the same heads r·a/t .. (r+1)·a/t - 1 (`shards.QKV_ROWS`: each of the three blocks cut t ways). The
+rank then runs ordinary causal attention on its heads, with no talk, and the output projection is
+row-parallel: its input features are exactly the concatenated outputs of this rank's heads. So attention
+costs what the MLP costs: f before the projection (one all-reduce backward), g after (one forward).
+
+    X --f--> [Q_r | K_r | V_r] = X W_qkv,r --> softmax(Q_r K_r^T / sqrt(d)) V_r --> Y_r W_o,r --g--> + b_o
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...models.gpt import CausalSelfAttention
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .operators import TPGroup
+from .shards import QKV_ROWS
+
+
+class TensorParallelAttention(CausalSelfAttention):
+    """The toolkit GPT's attention with this rank's heads only (n_head/t of them)."""
+
+    local_heads: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)                       # (B, T, 3 * local width); T whole also under sequence parallelism
+        B, T, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        q, k, v = (t.view(B, T, self.local_heads, width // self.local_heads).transpose(1, 2)
+                   for t in qkv.split(width, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, width))
+
+
+def split_attention(attn: CausalSelfAttention, tp: TPGroup, done: dict, name: str, sequence_parallel: bool):
+    """Make the GPT's attention tensor-parallel, in place (the class changes, the names stay)."""
+    if attn.n_head % tp.size:
+        fits = [t for t in range(1, attn.n_head + 1) if attn.n_head % t == 0]
+        raise ValueError(f"tensor parallelism splits attention by heads: n_head={attn.n_head} of {name!r} does not "
+                         f"split over tp={tp.size} ranks. Choose a tp that divides it (one of {fits}), or a model "
+                         f"with a multiple of {tp.size} heads.")
+    attn.qkv = ColumnParallelLinear(attn.qkv, tp, done, f"{name}.qkv", weight_split=QKV_ROWS,
+                                    sequence_parallel=sequence_parallel)
+    attn.proj = RowParallelLinear(attn.proj, tp, done, f"{name}.proj", sequence_parallel=sequence_parallel)
+    attn.__class__ = TensorParallelAttention
+    attn.local_heads = attn.n_head // tp.size
+    return attn

@@ -1,0 +1,50 @@
+"""The vocabulary split over the tensor-parallel ranks: the embedding table and, tied to it, the head.
+
+The token embedding (V, h) and the output head (V, h) are often the largest matrices of a small model,
+and the logits (b, s, V) the largest activation. Megatron cuts both along the vocabulary: rank r holds
+rows r·V/t .. (r+1)·V/t - 1.
+
+Embedding: a rank looks up the tokens whose ids fall in its rows and writes zeros for the others; the
+t partial tables add up to the real lookup (g: one all-reduce of b·s·h). The ids need no gradient, so
+no f in front.
+
+Head: a column-parallel layer over the vocabulary (`linear.py`), so rank r computes the logits of its
+V/t words only, and the loss is computed on them where they lie (`cross_entropy.py`): no rank ever
+holds the full (b, s, V) logits. With a tied head the embedding and the head share one Parameter, and
+because both are cut by vocabulary rows, they share this rank's piece too.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .linear import split_parameter
+from .operators import TPGroup, reduce_from_tp
+from .shards import ROWS
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An nn.Embedding whose rows are split over the tensor-parallel group; forward as the original's."""
+
+    def __init__(self, module: nn.Embedding, tp: TPGroup, done: dict, name: str = ""):
+        super().__init__()
+        if module.padding_idx is not None or module.max_norm is not None or module.sparse:
+            raise ValueError(f"tensor parallelism: embedding {name!r} uses padding_idx, max_norm or sparse "
+                             f"gradients, which the vocabulary-parallel embedding does not support; plan it "
+                             f"'replicate'.")
+        self.tp, self.name = tp, name
+        self.num_embeddings, self.embedding_dim = module.num_embeddings, module.embedding_dim
+        self.weight = split_parameter(module.weight, ROWS, tp, done, f"the vocabulary of {name!r}")
+        rows = self.weight.shape[0]
+        self.vocab_start, self.vocab_end = tp.rank * rows, (tp.rank + 1) * rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)   # any row: it is zeroed next
+        partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(partial, self.tp)                    # g: the t partial lookups add up
+
+    def extra_repr(self) -> str:
+        return (f"rows {self.vocab_start}..{self.vocab_end - 1} of {self.num_embeddings}, dim={self.embedding_dim}, "
+                f"tp={self.tp.size}")

@@ -1,0 +1,119 @@
+"""The toolkit GPT's default tensor-parallel plan: Megatron-LM's layout, with sequence parallelism on request.
+
+    tok_emb              vocabulary-parallel embedding (rows by vocabulary; g after the lookup)
+    pos_emb              replicated
+    blocks.*.ln_1, ln_2  replicated (sequence parallelism: on s/t positions, gradients summed)
+    blocks.*.attn        split by heads: qkv column-parallel (q, k, v of this rank's heads), proj row-parallel
+    blocks.*.mlp         dense: fc column-parallel, proj row-parallel; MoE: tokens shared out (`moe.py`)
+    ln_f                 as ln_1
+    head                 column-parallel over the vocabulary, tied to tok_emb: the same rows of one Parameter
+    loss                 vocabulary-parallel cross-entropy: no rank holds the full logits
+
+One block costs two all-reduces of b·s·h forward (g after attention, g after the MLP) and two backward
+(f before each), or under sequence parallelism their reduce-scatter/all-gather halves. The model's
+forward is the GPT's, with the sequence split after the embeddings (sequence parallelism) and the loss
+taken on the split logits.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...models.gpt import GPT, MLP
+from ...moe.layer import MoE
+from .attention import split_attention
+from .cross_entropy import vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .moe import split_moe
+from .operators import TPGroup, gather_from_tp, scatter_to_tp
+from .sequence import SEQUENCE_DIM, sum_gradients_over_tp
+
+
+class TensorParallelGPT(GPT):
+    """The GPT after `parallelize_gpt`: `embed` (+ the sequence split), the blocks, `head_loss`."""
+
+    tp: TPGroup
+    sequence_parallel: bool
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Token + position embeddings; under sequence parallelism, this rank's s/t positions of them."""
+        T = x.shape[1]
+        h = self.tok_emb(x) + self.pos_emb(torch.arange(T, device=x.device))
+        if self.sequence_parallel:
+            if T % self.tp.size:
+                raise ValueError(f"sequence_parallel splits the sequence over tp={self.tp.size} ranks: a sequence of "
+                                 f"{T} tokens does not split; use a length that is a multiple of {self.tp.size}.")
+            h = scatter_to_tp(h, self.tp, SEQUENCE_DIM)
+        return h
+
+    def head_loss(self, h: torch.Tensor, y: Optional[torch.Tensor]) -> torch.Tensor:
+        """The final norm, the vocabulary-parallel head and its loss (full logits only when y is None)."""
+        logits = self.head(self.ln_f(h))  # (B, T, V/t): this rank's words
+        if y is None:
+            return gather_from_tp(logits, self.tp, -1)
+        return vocab_parallel_cross_entropy(logits, y, self.tp)
+
+    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self.check_input(x, y)
+        h = self.embed(x)
+        aux_losses = []
+        for block in self.blocks:
+            h, aux = block(h)
+            if aux is not None:
+                aux_losses.append(aux)
+        loss = self.head_loss(h, y)
+        if y is None or not aux_losses:
+            return loss
+        return loss + self.config.aux_loss_weight * sum(aux_losses)
+
+    def check_input(self, x, y) -> None:
+        if x.dim() != 2:
+            raise ValueError(f"GPT expects token ids of shape (batch, time), got shape {tuple(x.shape)}")
+        if x.shape[1] > self.config.seq_len:
+            raise ValueError(f"sequence length {x.shape[1]} is longer than the model's seq_len={self.config.seq_len}")
+        if y is not None and y.shape != x.shape:
+            raise ValueError(f"targets y must have the shape of x {tuple(x.shape)}, got {tuple(y.shape)}")
+
+
+def default_plan(model: GPT) -> dict:
+    """The plan `parallelize_gpt` applies, in `tp_plan` spelling (what a student compares with torch's)."""
+    plan = {"tok_emb": "vocab", "pos_emb": "replicate", "blocks.*.attn.qkv": "colwise (by heads)",
+            "blocks.*.attn.proj": "rowwise", "head": "vocab (loss on split logits)"}
+    if any(isinstance(b.mlp, MLP) for b in model.blocks):
+        plan.update({"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"})
+    if any(isinstance(b.mlp, MoE) for b in model.blocks):
+        plan["blocks.*.mlp (MoE)"] = "tokens shared out, experts over the world"
+    return plan
+
+
+def parallelize_gpt(model: GPT, tp: TPGroup, sequence_parallel: bool) -> GPT:
+    """Apply the default plan to a toolkit GPT, in place; parameter names do not change."""
+    c = model.config
+    unknown = [i for i, b in enumerate(model.blocks) if not isinstance(b.mlp, (MLP, MoE))]
+    if unknown:
+        raise ValueError(f"tensor parallelism: blocks {unknown} have an MLP of a kind the default plan does not know "
+                         f"({type(model.blocks[unknown[0]].mlp).__name__}); pass tp_plan= naming its Linear layers.")
+    if c.n_head % tp.size:  # the first error a student meets: say it before anything is cut
+        split_attention(model.blocks[0].attn, tp, {}, "blocks.0.attn", False)
+    done: dict = {}
+    model.tok_emb = VocabParallelEmbedding(model.tok_emb, tp, done, "tok_emb")
+    for i, block in enumerate(model.blocks):
+        split_attention(block.attn, tp, done, f"blocks.{i}.attn", sequence_parallel)
+        if isinstance(block.mlp, MoE):
+            split_moe(block.mlp, tp, sequence_parallel)
+        else:
+            block.mlp.fc = ColumnParallelLinear(block.mlp.fc, tp, done, f"blocks.{i}.mlp.fc",
+                                                sequence_parallel=sequence_parallel)
+            block.mlp.proj = RowParallelLinear(block.mlp.proj, tp, done, f"blocks.{i}.mlp.proj",
+                                               sequence_parallel=sequence_parallel)
+        if sequence_parallel:
+            sum_gradients_over_tp(block.ln_1, tp)
+            sum_gradients_over_tp(block.ln_2, tp)
+    if sequence_parallel:
+        sum_gradients_over_tp(model.ln_f, tp)
+    model.head = ColumnParallelLinear(model.head, tp, done, "head", sequence_parallel=sequence_parallel)
+    model.__class__ = TensorParallelGPT
+    model.tp, model.sequence_parallel = tp, sequence_parallel
+    return model
