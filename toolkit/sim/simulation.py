@@ -27,18 +27,17 @@ from .program import Collective, collectives, total_flops
 
 
 def count_params(model: torch.nn.Module) -> tuple[int, int]:
-    """(parameters of the whole model, of which in MoE experts): a rank's experts stand for E / E_local
-    times as many, split over the expert-parallel group."""
+    """(parameters of the whole model, of which in MoE experts): a rank holds E_local of E experts, or
+    with more ranks than experts one slice of one, so every expert is counted from its shape (d_model ->
+    d_ff -> d_model, with biases), once."""
     from ..moe.experts import Experts
 
-    scale = {}
+    mine, experts = set(), 0
     for m in model.modules():
         if isinstance(m, Experts):
-            for p in m.parameters(recurse=False):
-                scale[id(p)] = m.num_experts // m.num_local
-    params = list(model.parameters())
-    experts = sum(p.numel() * scale[id(p)] for p in params if id(p) in scale)
-    return sum(p.numel() * scale.get(id(p), 1) for p in params), experts
+            mine.update(id(p) for p in m.parameters(recurse=False))
+            experts += m.num_experts * (2 * m.d_model * m.d_ff + m.d_ff + m.d_model)
+    return sum(p.numel() for p in model.parameters() if id(p) not in mine) + experts, experts
 
 
 @dataclass
