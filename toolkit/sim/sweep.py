@@ -2,21 +2,29 @@
 
 Simulating every layer of a 96-layer model for every (strategy, world size) takes minutes. But the
 layers of a transformer are identical, so whatever a rank spends per step grows by the same amount
-with each layer: memory, FLOPs and step time are affine in the number of layers, f(L) = f(2) +
-(L - 2) x (f(3) - f(2)). `sweep` simulates each case with two and with three layers (so that a layer
-in the middle of the stack, prefetched from both sides, is what gets repeated) and extrapolates to
-the model's depth; `tests/test_sim_cost.py` holds the extrapolation to a whole-model simulation.
+with each layer: memory (each category at the peak), FLOPs and step time are affine in the number of
+layers, f(L) = f(3) + (L - 3) x (f(4) - f(3)). `sweep` simulates each case with three and with four layers
+(so that a layer in the middle of the stack, prefetched from both sides, is what gets repeated: with two
+layers there is no middle, and the peak happens elsewhere, e.g. before FSDP's first reduce-scatter) and
+extrapolates to the model's depth; `tests/test_sim_cost.py` holds the extrapolation to a whole-model
+simulation. One exception: exposed communication shrinks when another layer's compute hides more of it,
+and cannot go below zero; where its line would, the deeper model hides it all (step = compute).
 
     rows = sweep(presets.zero_7_5b, layers=36, strategies={"ddp": {}, "zero3": {}}, worlds=(8, 64, 512),
                  cluster="dgx-a100", mixed_precision=True)
+
+Each row says whether the whole model's peak fits in the cluster's GPU memory (`fits`, `fit`: the verdict,
+its headroom and what would make it fit); a case that does not fit has no step time, TFLOP/s or MFU (None).
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from .cost import resolve
+from .fit import check_fit
 from .simulate import simulate
 
-
-BASE = (2, 3)  # the depths simulated
+BASE = (3, 4)  # the depths simulated
 
 
 def _affine(one: float, two: float, layers: int) -> float:
@@ -25,15 +33,32 @@ def _affine(one: float, two: float, layers: int) -> float:
 
 def extrapolate(one, two, layers: int) -> dict:
     """The numbers of an L-layer model from priced simulations of its BASE-layer versions."""
-    step = _affine(one.step_time, two.step_time, layers)
+    a, b = one.cost, two.cost
+    compute = _affine(a.breakdown["compute"], b.breakdown["compute"], layers)
+    exposed = max(_affine(a.breakdown["exposed_comm"], b.breakdown["exposed_comm"], layers), 0.0)
+    step = compute + exposed
+    comm = _affine(a.breakdown["exposed_comm"] + a.breakdown["overlapped_comm"],
+                   b.breakdown["exposed_comm"] + b.breakdown["overlapped_comm"], layers)
+    breakdown = {"compute": compute, "exposed_comm": exposed, "overlapped_comm": max(comm - exposed, 0.0),
+                 "step": step}
     flops = _affine(one.flops, two.flops, layers)
-    peak = _affine(one.peak, two.peak, layers)
-    breakdown = {k: _affine(one.breakdown[k], two.breakdown[k], layers) for k in one.breakdown}
-    gpu = one.cost.cluster.gpu
-    return {"step_time": step, "flops": flops, "tflops_per_gpu": flops / step / 1e12,
-            "mfu": flops / step / gpu.flops_per_s(one.cost.dtype), "peak": peak,
-            "states": _affine(one.memory["total"], two.memory["total"], layers),
-            "fits": peak <= gpu.memory_bytes, "breakdown": breakdown}
+    useful = _affine(one.useful_flops, two.useful_flops, layers)
+    categories = set(one.peak_memory) | set(two.peak_memory)
+    peak_memory = {k: max(_affine(one.peak_memory.get(k, 0), two.peak_memory.get(k, 0), layers), 0.0)
+                   for k in categories}
+    whole = SimpleNamespace(  # the L-layer model, as the verdict reads a Simulation
+        peak=sum(peak_memory.values()), peak_memory=peak_memory, strategy=one.strategy, options=one.options,
+        world_size=one.world_size, batch_per_rank=one.batch_per_rank, seq_len=one.seq_len,
+        num_params=_affine(one.num_params, two.num_params, layers),
+        expert_params=_affine(one.expert_params, two.expert_params, layers), expert_parallel=one.expert_parallel)
+    fit = check_fit(whole, a.cluster)
+    peak_flops = a.cluster.gpu.flops_per_s(a.dtype)
+    ran = fit.fits
+    return {"step_time": step if ran else None, "flops": flops, "useful_flops": useful,
+            "tflops_per_gpu": useful / step / 1e12 if ran else None,
+            "mfu": useful / step / peak_flops if ran else None, "peak": whole.peak, "peak_memory": peak_memory,
+            "states": _affine(one.memory["total"], two.memory["total"], layers), "num_params": whole.num_params,
+            "fits": ran, "fit": fit, "breakdown": breakdown, "layers": layers}
 
 
 def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100", progress=None, **common) -> list:
