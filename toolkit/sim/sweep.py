@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from ..units import bytes_text, seconds_text
 from .cost import resolve
 from .fit import check_fit
 from .simulate import simulate
@@ -79,3 +80,35 @@ def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100"
                              cluster=found, **{**common, **options}) for n in BASE]
             rows.append(dict(extrapolate(*sims, layers), label=label, strategy=strategy, world_size=world))
     return rows
+
+
+KEEPS = 0.1  # a rate that moves less than this fraction "keeps" it
+
+
+def describe(rows) -> list[str]:
+    """One sentence per label of `sweep`'s rows, from the smallest world to the largest: the rate and where it
+    goes, with the exposed communication that moves it; or where it does not fit, and by how much."""
+    out = []
+    for label in dict.fromkeys(r["label"] for r in rows):
+        mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["world_size"])
+        ran = [r for r in mine if r["fits"]]
+        missing = [r for r in mine if not r["fits"]]
+        words = []
+        if len(ran) >= 2:
+            first, last = ran[0], ran[-1]
+            change = last["tflops_per_gpu"] / first["tflops_per_gpu"] - 1
+            trend = ("keeps its rate" if abs(change) < KEEPS else
+                     f"{'loses' if change < 0 else 'gains'} {abs(change):.0%} of its rate")
+            words.append(f"{trend}: {first['tflops_per_gpu']:.3g} TFLOP/s per GPU at {first['world_size']} GPUs, "
+                         f"{last['tflops_per_gpu']:.3g} at {last['world_size']} (exposed communication "
+                         f"{seconds_text(first['breakdown']['exposed_comm'])} -> "
+                         f"{seconds_text(last['breakdown']['exposed_comm'])} of a "
+                         f"{seconds_text(first['step_time'])} -> {seconds_text(last['step_time'])} step)")
+        elif ran:
+            words.append(f"{ran[0]['tflops_per_gpu']:.3g} TFLOP/s per GPU at {ran[0]['world_size']} GPUs")
+        if missing:
+            worst = max(missing, key=lambda r: r["peak"])
+            words.append(f"does not fit at {', '.join(str(r['world_size']) for r in missing)} GPUs (peak up to "
+                         f"{bytes_text(worst['peak'])}, {bytes_text(worst['fit'].capacity)} per GPU)")
+        out.append(f"{label} " + "; ".join(words))
+    return out
