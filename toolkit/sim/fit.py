@@ -61,10 +61,11 @@ class Fit:
 
 
 def capacity(cluster, world_size: int) -> float:
-    """Bytes one rank may use: its accelerator's memory; on "this-machine" the RAM, shared by its ranks."""
+    """Bytes one rank may use: its accelerator's memory; on "this-machine" the RAM, shared by all its ranks (an
+    emulated link may split them into "nodes", but they all run on this one computer)."""
     memory = float(cluster.gpu.memory_bytes)
     if cluster.name.startswith("this-machine"):
-        return memory / max(1, min(world_size, cluster.gpus_per_node))
+        return memory / max(1, world_size)
     return memory
 
 

@@ -62,12 +62,15 @@ def extrapolate(one, two, layers: int) -> dict:
             "fits": ran, "fit": fit, "breakdown": breakdown, "layers": layers}
 
 
-def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100", progress=None, **common) -> list:
+def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100", progress=None, warmup: bool = True,
+          **common) -> list:
     """One row per (strategy, world size): step time, TFLOP/s per GPU, MFU, peak memory, whether it fits.
 
     model_fn(n_layer=...) builds the model (a preset of `toolkit.models.presets`); strategies maps a label
     to (strategy, options) or to options of the strategy named by the label; common: options for every
     case (mixed_precision, batch_per_rank, seq_len, ...). progress: a callable told each case's label.
+    warmup: measure a steady step (True: Adam's states exist through it, as in every step but the first; a
+    first step's peak leaves them out, and with them what a data-parallel or hybrid rank mostly holds).
     """
     rows = []
     for label, spec in strategies.items():
@@ -76,7 +79,7 @@ def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100"
             found = resolve(cluster, world)
             if progress is not None:
                 progress(f"{label} x{world}")
-            sims = [simulate(lambda n=n: model_fn(n_layer=n), strategy, world, warmup=False, progress=False,
+            sims = [simulate(lambda n=n: model_fn(n_layer=n), strategy, world, warmup=warmup, progress=False,
                              cluster=found, **{**common, **options}) for n in BASE]
             rows.append(dict(extrapolate(*sims, layers), label=label, strategy=strategy, world_size=world))
     return rows
