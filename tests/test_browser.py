@@ -239,7 +239,7 @@ def explore_scale(page) -> None:
     """Lesson 07: three configurations, three clicks of "simulate": each redraws the figure in the panel (its
     title names the configuration, its dashed line the GPU's memory) and the verdict under it. (The trial: the
     old panel printed a new summary on each click above a figure that never changed.)"""
-    panel = page.locator(".widget-vbox", has=page.get_by_role("button", name="simulate")).last
+    panel = page.locator(".toolkit-scale-explorer").last
     output = panel.locator(".widget-output")
 
     def choose(label, value):

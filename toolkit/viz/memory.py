@@ -96,23 +96,24 @@ def peak_bars(peaks: dict, *, capacity: float | None = None, device: str = "devi
     return fig
 
 
-def comm_bars(rows: list[dict], *, unit: float = 1e6, title=None) -> go.Figure:
+def comm_bars(rows: list[dict], *, unit: float | None = None, title=None) -> go.Figure:
     """Bytes each rank sends per step, measured (bars) against theory (diamonds).
 
-    rows: [{"strategy", "measured", "theory"}] in bytes.
+    rows: [{"strategy", "measured", "theory"}] in bytes; unit: bytes per plotted unit (None: by magnitude).
     """
     labels = [r["strategy"] for r in rows]
+    unit, name_of_unit = _unit(unit, max([max(r["measured"], r["theory"]) for r in rows] + [0]))
     fig = go.Figure([
         go.Bar(x=labels, y=[r["measured"] / unit for r in rows], name="measured (trace)",
                marker_color=style.MEMORY["params"],
-               hovertemplate="%{x}: %{y:.3f} MB sent per step<extra></extra>"),
+               hovertemplate="%{x}: %{y:.3g} " + name_of_unit + " sent per step<extra></extra>"),
         go.Scatter(x=labels, y=[r["theory"] / unit for r in rows], mode="markers", name="theory",
                    marker=dict(symbol="diamond", size=12, color=style.THEORY),
-                   hovertemplate="%{x}: theory %{y:.3f} MB<extra></extra>"),
+                   hovertemplate="%{x}: theory %{y:.3g} " + name_of_unit + "<extra></extra>"),
     ])
     style.place_title(fig, title or "Bytes each rank sends per training step",
                       "bars: measured from the trace (median step) · diamonds: theory")
-    fig.update_layout(yaxis_title="MB per rank per step", height=400)
+    fig.update_layout(yaxis_title=f"{name_of_unit} per rank per step", height=400)
     return fig
 
 

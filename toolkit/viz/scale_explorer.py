@@ -34,6 +34,7 @@ CHECKPOINTING = ("fsdp", "hsdp")
 WORLDS = (8, 64, 128, 256, 512, 1024)
 CLUSTERS = ("dgx-a100", "dgx-h100")
 NODE = 8  # GPUs per node on both presets: hsdp shards inside a node
+PANEL_CLASS = "toolkit-scale-explorer"  # the panel's CSS class (a browser test finds it by it)
 
 
 def _config(model: str) -> dict:
@@ -101,7 +102,8 @@ class ScaleExplorer:
         self.world_size = widgets.Dropdown(options=list(WORLDS), value=world_size, description="GPUs", style=look)
         self.cluster = widgets.Dropdown(options=list(CLUSTERS), value=cluster, description="cluster", style=look)
         self.checkpointing = widgets.Checkbox(value=activation_checkpointing, description="activation checkpointing",
-                                              style=look)
+                                              indent=False, style={"description_width": "initial"},
+                                              layout=widgets.Layout(width="260px", margin="0 0 0 125px"))
         self.button = widgets.Button(description="simulate", button_style="primary")
         self.status = widgets.HTML()
         self.output = widgets.Output()
@@ -112,7 +114,7 @@ class ScaleExplorer:
         self.widget = widgets.VBox([
             widgets.HBox([widgets.VBox([self.model, self.strategy, self.world_size]),
                           widgets.VBox([self.cluster, self.checkpointing, widgets.HBox([self.button, self.status])])]),
-            self.output])
+            self.output]).add_class(PANEL_CLASS)
         self._offer()
         if run:
             self.redraw()
