@@ -41,6 +41,7 @@ import toolkit
 from toolkit.memory import formulas, model_states
 from toolkit.models import presets, tiny_gpt
 from toolkit.sim import Collective, Compute, Wait, simulate
+from toolkit.units import bytes_text, count_text, seconds_text
 
 GB = 1e9
 
@@ -79,86 +80,101 @@ for instruction in sim.programs[-1][:9]:
 # 64, and we count the bytes of the tensors they keep (a few seconds each: the model has 36 layers).
 
 # %%
-rows = []
+figure1 = []
 for strategy, stage in (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3)):
     s = simulate(presets.zero_7_5b, strategy, 64, seq_len=128, warmup=False, progress=False,
                  mixed_precision=True)
-    rows.append({"strategy": strategy, "simulated GB per rank": round(s.memory["total"] / GB, 3),
-                 "formula GB": round(model_states(s.num_params, 64, stage) / GB, 3),
-                 "paper GB": {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}[stage]})
-print(f"{s.num_params / 1e9:.2f}B parameters")
-for row in rows:
-    print(row)
+    formula = model_states(s.num_params, 64, stage)
+    figure1.append({"strategy": strategy, "simulated GB per rank": round(s.memory["total"] / GB, 3),
+                    "formula GB": round(formula / GB, 3), "paper GB": {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}[stage],
+                    "simulated - formula": bytes_text(s.memory["total"] - formula), "_extra": s.memory["total"] - formula})
+print(f"{count_text(s.num_params)} parameters")
+for row in figure1:
+    print({k: v for k, v in row.items() if not k.startswith("_")})
 
 # %% [markdown]
-# The strategies' tensors agree with (2 + 2 + 12)Ψ to a few bytes: the padding that makes every flat
-# buffer split evenly over 64 ranks (at most 63 elements per buffer), and Adam's 4-byte step counters.
-#
+# The strategies' tensors agree with (2 + 2 + 12)Ψ to a few kilobytes out of gigabytes (the last column): the
+# padding that makes every flat buffer split evenly over 64 ranks (at most 63 elements of 16 bytes per buffer),
+# and Adam's 4-byte step counters, one per tensor it updates.
+
+# %%
+for row in figure1:  # the sentence above, checked
+    assert 0 <= row["_extra"] < 100e3, row
+
+# %% [markdown]
 # ### GPT-3 175B on 512 GPUs
 #
 # The FSDP paper trains GPT-3 175B (96 layers, d_model 12288) on up to 512 A100s. Each rank keeps
-# (2+2+12)Ψ/512 = 5.5 GB of model states, and every step moves the 16-bit model three times (gather in
-# forward, gather in backward, reduce-scatter): 3·2Ψ·(N-1)/N = 1 TB sent per rank. With hybrid sharding
-# (shard inside each 8-GPU node, replicate across nodes) only a gradient all-reduce of the node's shard
-# leaves the node: 2M(W-1)/(GW) instead of 3M(W-1)/W.
+# (2+2+12)Ψ/512 of model states, and every step moves the 16-bit model three times (gather in forward,
+# gather in backward, reduce-scatter): 3·2Ψ·(N-1)/N sent per rank. With hybrid sharding (shard inside each
+# 8-GPU node, replicate across nodes) only a gradient all-reduce of the node's shard leaves the node:
+# 2M(W-1)/(GW) instead of 3M(W-1)/W. The cell prints those formulas for the whole model.
 #
-# The full 96 layers take about 15 s per strategy (`python -m toolkit simulate --model gpt3-175b`, or
-# `bench/sim_speed.py`). Per-rank memory and bytes grow layer by layer, so 4 layers at the full width show
-# every effect in a second; the formulas are evaluated for the model that was simulated.
+# The full 96 layers take a while per strategy (`.venv/bin/python -m toolkit simulate --model gpt3-175b`). But
+# the layers are identical: whatever a rank holds or sends grows by the same amount with each layer. So we
+# simulate 3 and 4 layers at the full width (a second each) and extrapolate to 96 (`toolkit.sim.sweep`; its
+# test holds the extrapolation to a whole-model simulation). Priced on a DGX A100 cluster, each case also
+# answers the first question anyone asks at this scale: does it fit in the GPU's 80 GB?
 
 # %%
-gpt3 = lambda: presets.gpt3_175b(n_layer=4)  # noqa: E731 - the full width, 4 of its 96 layers
-for strategy, options in (("zero3", {}), ("fsdp", {}), ("fsdp", {"sharding_group_size": 8})):
-    s = simulate(gpt3, strategy, 512, progress=False, mixed_precision=True, **options)
-    name = strategy + (" (hybrid)" if options else "")
-    M, F = 2 * s.num_params, options.get("sharding_group_size", 512)  # the 16-bit model; the sharding factor
-    print(f"{name:<14} states {s.memory['total'] / GB:6.2f} GB (formula {16 * s.num_params / F / GB:6.2f})"
-          f"   peak {s.peak / GB:5.1f} GB in {s.peak_moment['pass']} at {s.peak_moment['module']}"
-          f"   sent {s.bytes_per_step['total'] / GB:6.1f} GB, across nodes {s.cross_node_bytes / GB:6.2f} GB"
-          f" (paper: {formulas.fsdp_cross_host_traffic(M, 8, 512, 'hybrid' if options else 'full_shard') / GB:6.2f})")
+from toolkit.sim.sweep import BASE, extrapolate  # noqa: E402
+
+with torch.device("meta"):
+    PSI = sum(p.numel() for p in presets.gpt3_175b().parameters())
+print(f"GPT-3: {count_text(PSI)} parameters; (2+2+12)Ψ/512 = {16 * PSI / 512 / GB:.2f} GB of model "
+      f"states per rank; 3·2Ψ·511/512 = {3 * 2 * PSI * 511 / 512 / 1e12:.2f} TB sent per rank and step "
+      f"(hybrid, across nodes: {formulas.fsdp_cross_host_traffic(2 * PSI, 8, 512, 'hybrid') / GB:.0f} GB)")
+CASES = {"ddp": ("ddp", {}), "zero3": ("zero3", {}), "fsdp": ("fsdp", {}),
+         "hsdp": ("fsdp", {"sharding_group_size": 8}), "fsdp + checkpointing": ("fsdp", {"activation_checkpointing": True})}
+gpt3 = {}
+for name, (strategy, options) in CASES.items():
+    sims = [simulate(lambda n=n: presets.gpt3_175b(n_layer=n), strategy, 512, progress=False, mixed_precision=True,
+                     cluster="dgx-a100", **options) for n in BASE]  # a steady step: Adam's states alive throughout
+    gpt3[name] = (sims[-1], extrapolate(*sims, 96))
+for name, (s, whole) in gpt3.items():
+    F = s.options.get("sharding_group_size", 512)
+    cross = formulas.fsdp_cross_host_traffic(2 * s.num_params, 8, 512, "hybrid" if F < 512 else "full_shard")
+    print(f"{name:<21} {BASE[-1]} layers: sent {bytes_text(s.bytes_per_step['total']):>8}, across nodes "
+          f"{bytes_text(s.cross_node_bytes):>8} (paper's formula {bytes_text(cross):>8})"
+          f" | 96 layers: states {bytes_text(whole['states']):>8}, peak "
+          f"{bytes_text(whole['peak']):>8}: {'fits' if whole['fits'] else 'DOES NOT FIT'}")
 
 # %% [markdown]
-# Read the peaks: model states are tiny per rank, yet the peak is many gigabytes. It is made of what
-# the step holds at one moment: the gathered units (FSDP: the unit computing, the next one prefetched,
-# and the root unit with the embeddings, needed first and last in backward), the activations of a
-# 2048-token sequence, and the gradients on their way to a reduce-scatter. `sim.peak_memory` says which.
-#
-# ### Try it
-#
-# Pick a model, a strategy and a cluster; the simulated rank's memory at its peak is drawn per category
-# next to the formula's model states. Big models take a few seconds per simulated layer group: lower the
-# layers to see the effect quickly (per-rank numbers scale with them).
+# Read the peaks. Plain data parallelism keeps 2.8 TB of model states on every GPU: it never fits. Sharded,
+# the model states are a few GB per rank, yet the peak is many times that. It is made of what the step holds
+# at one moment: the gathered units (FSDP: the unit computing, the next one prefetched, and the root unit with
+# the embeddings, needed first and last in backward), the activations of a 2048-token sequence in every layer,
+# and the gradients on their way to a reduce-scatter. Without activation checkpointing the activations of 96
+# layers alone are more than a GPU holds: zero3 and fsdp do not fit; the FSDP paper's configuration
+# (checkpointing: each block keeps only its input, and recomputes the rest in backward) does. Hybrid sharding
+# keeps its gathers inside the node, so far fewer bytes cross the network, for 64 times the model states per GPU
+# (1/8 of the model instead of 1/512): for GPT-3, more than a GPU holds.
+# `sim.fit` says what would make a case fit:
 
 # %%
-import ipywidgets as widgets  # noqa: E402
-from IPython.display import display  # noqa: E402
+for name, (s, whole) in gpt3.items():
+    assert whole["peak"] > 2 * whole["states"] or name in ("ddp", "hsdp"), name  # "the peak is many times that"
+    assert whole["fits"] == (name == "fsdp + checkpointing"), name      # which fit, as the text says
+assert gpt3["hsdp"][0].cross_node_bytes < gpt3["fsdp"][0].cross_node_bytes / 2
+assert gpt3["ddp"][1]["states"] > 2.7e12 and gpt3["hsdp"][1]["states"] > 80 * GB
+assert abs(gpt3["hsdp"][1]["states"] / gpt3["fsdp"][1]["states"] - 64) < 1
+assert all(1e9 < whole["states"] < 1e10 for name, (_, whole) in gpt3.items() if name in ("zero3", "fsdp"))
+print(gpt3["zero3"][1]["fit"].text())
 
-from toolkit.sim.cli import write_report  # noqa: E402,F401 - the same report the command line writes
+# %% [markdown]
+# ### Try it
+#
+# Pick a model, a strategy, a number of GPUs and a cluster (DGX A100 or DGX H100 nodes of 8 GPUs), then
+# "simulate". The panel simulates 3 and 4 layers of the model at its full width and extrapolates to its full
+# depth (every click: a few seconds for the big models), then draws what rank 0 holds at its peak, every
+# category, against the GPU's memory, says whether it fits (and, if not, what would), and, when it fits, how
+# long a step takes. MoE-GPT-S trains its dense part with ddp (its experts are expert-parallel); activation
+# checkpointing is FSDP's option (fsdp, hsdp).
 
-MODELS = {"GPT-3 175B": presets.gpt3_175b, "ZeRO 7.5B": presets.zero_7_5b, "GPT-2 XL": presets.gpt2_xl,
-          "MoE-GPT-S (16 experts)": presets.moe_gpt_s}
+# %%
+from toolkit.viz.scale_explorer import scale_explorer  # noqa: E402
 
-
-def show(model="GPT-3 175B", strategy="fsdp", world_size=512, layers=2, hybrid=False):
-    build = MODELS[model]
-    options = {"mixed_precision": True}
-    if hybrid and strategy == "fsdp":
-        options["sharding_group_size"] = min(8, world_size)
-    if "MoE" in model and strategy not in ("ddp", "dp"):
-        print("MoE models train their dense part with 'ddp' (experts are expert-parallel): choose ddp.")
-        return None
-    s = simulate(lambda: build(n_layer=layers), strategy, world_size, progress=False, **options)
-    print(s.summary())
-    return toolkit.viz.memory_bars({strategy: s.run}, {strategy: s.theory()["model_states_total"]}, unit=GB,
-                                   title=f"{model} ({layers} layers), {strategy}, rank 0 of {world_size}")
-
-
-controls = widgets.interactive(
-    show, {"manual": True, "manual_name": "simulate"}, model=list(MODELS),
-    strategy=["ddp", "zero1", "zero2", "zero3", "fsdp"], world_size=[8, 64, 128, 256, 512, 1024],
-    layers=widgets.IntSlider(2, 1, 12), hybrid=False)
-display(controls)
-show()  # the default, so that the figure is there before you touch anything
+scale_explorer(activation_checkpointing=True)  # the FSDP paper's configuration, drawn before you touch anything
 
 # %% [markdown]
 # ## 2. How long would a step take?
@@ -175,9 +191,11 @@ show()  # the default, so that the figure is there before you touch anything
 # - **overlap**: a collective starts when the compute issued before it is done and its link is free; the
 #   compute stream stalls only at a `Wait`. That is why buckets and prefetching pay.
 #
-# `simulate(..., cluster=...)` fills `sim.step_time`, `sim.breakdown` (compute, exposed and overlapped
-# communication), `sim.tflops_per_gpu`, `sim.mfu` and `sim.modelled_run`, a Run with the same spans as a
-# real trace. The presets, each with its sources:
+# `simulate(..., cluster=...)` fills `sim.fit` (the peak against the GPU's memory, as above) and, for a job that
+# fits, `sim.step_time`, `sim.breakdown` (compute, exposed and overlapped communication), `sim.tflops_per_gpu`
+# (the cluster's useful rate: all ranks' FLOPs / GPUs / step time), `sim.mfu` and `sim.modelled_run`, a Run with
+# the same spans as a real trace. A job that does not fit gets no time: it would stop at its first peak. The
+# presets, each with its sources:
 
 # %%
 from toolkit.sim import price  # noqa: E402
@@ -208,9 +226,10 @@ for r in real.ranks:
     for step, seconds in real.metric("step_time", rank=r):
         slowest[step] = max(slowest.get(step, 0.0), seconds)
 measured = sorted(slowest[step] for step in range(1, 5))[2]
-print(f"predicted {predicted.step_time * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms (slowest rank, median of "
+print(f"predicted {seconds_text(predicted.step_time)}, measured {seconds_text(measured)} (slowest rank, median of "
       f"the last 4 steps): error {predicted.step_time / measured - 1:+.0%}")
 print(predicted.cost.summary())
+print(f"machine.overlap = {machine.overlap:.2f} of a collective can hide behind compute here")
 
 # %% [markdown]
 # On a quiet machine most predictions land within 20% (`docs/benchmarks.md`, "Simulator accuracy", holds
@@ -225,65 +244,82 @@ print(predicted.cost.summary())
 start, end = toolkit.trace.analysis.step_windows(real, 0)[3]
 toolkit.viz.timeline(real, ranks=[0], where=lambda e: start <= e["start"] < end,
                      title="measured: rank 0, step 3").show()
-toolkit.viz.timeline(predicted.modelled_run, title="modelled: rank 0 of 2, one step")
+modelled = toolkit.viz.timeline(predicted.modelled_run, title="modelled: rank 0 of 2, one step")
+b = predicted.breakdown  # the timeline's overlap is the cost model's: hidden / (hidden + exposed) communication
+shown = int(modelled.layout.title.subtitle.text.split("computation: ")[1].split("%")[0])
+assert abs(shown - 100 * b["overlapped_comm"] / max(b["overlapped_comm"] + b["exposed_comm"], 1e-12)) <= 1.5
+modelled
 
 # %% [markdown]
 # ### GPT-3 175B on 512 A100s
 #
 # The FSDP paper reports 173-186 TFLOP/s per GPU for GPT-3 175B on 128 to 512 A100s. Its configuration:
-# full sharding, bf16, activation checkpointing, prefetching, one 2048-token sequence per GPU. Four of the
-# 96 layers at the full width show the per-layer balance in a second (`tests/test_sim_papers.py` runs the
-# whole model, within 15% of the paper).
+# full sharding, bf16, activation checkpointing, prefetching, one 2048-token sequence per GPU. Three and four
+# of the 96 layers at the full width show the per-layer balance in a second, and extrapolate to the whole
+# model (`tests/test_sim_papers.py` simulates all 96 layers: within 15% of the paper).
 
 # %%
-gpt3_sim = simulate(lambda: presets.gpt3_175b(n_layer=4), "fsdp", 512, progress=False, mixed_precision=True,
-                    activation_checkpointing=True, forward_prefetch=True, warmup=False, cluster="dgx-a100")
+paper = [simulate(lambda n=n: presets.gpt3_175b(n_layer=n), "fsdp", 512, progress=False, mixed_precision=True,
+                  activation_checkpointing=True, forward_prefetch=True, cluster="dgx-a100") for n in BASE]
+gpt3_sim, whole = paper[-1], extrapolate(*paper, 96)
+h100 = price(gpt3_sim, "dgx-h100")
 print(gpt3_sim.cost.summary())
-print(price(gpt3_sim, "dgx-h100").summary())
+print(h100.summary())
+print(f"96 layers: {whole['tflops_per_gpu']:.0f} TFLOP/s per GPU (the paper: 173-186), exposed communication "
+      f"{seconds_text(whole['breakdown']['exposed_comm'])} of a {seconds_text(whole['step_time'])} step")
+print(f"the H100 cluster's step is {gpt3_sim.step_time / h100.step_time:.1f}x shorter; compute is "
+      f"{h100.breakdown['compute'] / h100.step_time:.0%} of it")
+assert whole["breakdown"]["exposed_comm"] < 0.1 * whole["step_time"]      # "almost all hidden", below
+assert h100.step_time < gpt3_sim.step_time and h100.breakdown["compute"] > 0.8 * h100.step_time  # "bounded by compute"
 toolkit.viz.timeline(gpt3_sim.modelled_run, title="GPT-3 175B (4 of 96 layers), FSDP, rank 0 of 512, DGX A100")
 
 # %% [markdown]
-# Communication is almost all hidden: each unit's all-gather runs while the previous unit computes. The
-# whole step on the H100 cluster is about 3x faster, bounded by its compute. Open the timeline in Perfetto:
+# Communication is almost all hidden: each unit's all-gather runs while the previous unit computes (on the
+# timeline, a pass's units are one colour, each bar named). The H100 cluster's step is shorter by about its
+# faster compute, which is most of its step. Open the timeline in Perfetto:
 # `toolkit.trace.chrome.save_chrome(gpt3_sim.modelled_run, "gpt3.json")`, then ui.perfetto.dev.
 #
 # ### Where does each strategy stop fitting, or stop scaling?
 #
-# ZeRO's 7.5B model, one sequence of 1024 tokens per GPU, on 8 and on 1024 GPUs. Layers are identical, so
-# `toolkit.sim.sweep` simulates 2 and 3 layers and extrapolates time and memory to all 36 (a few seconds
-# per case: add world sizes and "ddp" to the lists to see more). A hollow marker means the rank's peak
-# memory does not fit in the A100's 80 GB.
+# ZeRO's 7.5B model, one sequence of 1024 tokens per GPU, on 8 and on 1024 GPUs: plain data parallelism,
+# ZeRO-3, FSDP with prefetching and HSDP (FSDP sharded inside each 8-GPU node). `toolkit.sim.sweep` simulates
+# 3 and 4 layers and extrapolates time and memory to all 36 (a few seconds per case: add world sizes to see
+# more). What each strategy does is printed under the figure, from its numbers.
 
 # %%
-import plotly.graph_objects as go  # noqa: E402
-
-from toolkit.sim.sweep import sweep  # noqa: E402
+from toolkit.sim.sweep import describe, sweep  # noqa: E402
 
 WORLDS = (8, 1024)
-STRATEGIES = {"zero3": {}, "fsdp": dict(forward_prefetch=True),
+STRATEGIES = {"ddp": {}, "zero3": {}, "fsdp": dict(forward_prefetch=True),
               "hsdp": ("fsdp", dict(sharding_group_size=8, forward_prefetch=True))}
-rows = sweep(presets.zero_7_5b, layers=36, strategies=STRATEGIES, worlds=WORLDS, cluster="dgx-a100",
+scaling_rows = sweep(presets.zero_7_5b, layers=36, strategies=STRATEGIES, worlds=WORLDS, cluster="dgx-a100",
              mixed_precision=True, seq_len=1024)
-figure = go.Figure()
-for label in STRATEGIES:
-    mine = [r for r in rows if r["label"] == label]
-    figure.add_trace(go.Scatter(
-        x=[r["world_size"] for r in mine], y=[r["tflops_per_gpu"] for r in mine], name=label, mode="lines+markers",
-        marker=dict(size=11, symbol=["circle" if r["fits"] else "circle-open" for r in mine]),
-        hovertext=[f"{label} x{r['world_size']}: step {r['step_time'] * 1e3:.0f} ms, exposed communication "
-                   f"{r['breakdown']['exposed_comm'] * 1e3:.0f} ms, peak {r['peak'] / GB:.0f} GB" for r in mine]))
-figure.update_layout(xaxis=dict(type="log", title="GPUs"), yaxis_title="TFLOP/s per GPU", template="plotly_white",
-                     title="ZeRO's 7.5B model on DGX A100 nodes (hollow: does not fit in 80 GB)")
+for line in describe(scaling_rows):
+    print(line)
+toolkit.viz.scaling(scaling_rows, title="ZeRO's 7.5B model on DGX A100 nodes")
 
 # %% [markdown]
-# Plain data parallelism never fits (120 GB of model states per GPU: lesson 03). ZeRO-3 one module at a time waits
-# for every all-gather, so it pays the network on every layer and loses throughput as the rings grow;
-# FSDP prefetches and keeps its rate. HSDP keeps the gathers inside a node; only its all-reduce over the
-# replicas crosses the network, and it runs behind the next units' backward (as torch's FSDP runs it). What it
-# pays instead is memory and the optimizer step: a replica holds 1/8 of the model, so its step is 64x a fully
-# sharded rank's at 512 GPUs. On a slower network than the DGX's the balance tips toward HSDP (the FSDP paper's
-# finding): try `cluster=` with a custom preset.
-#
+# Plain data parallelism never fits: its 120 GB of model states per GPU do not shrink as GPUs are added (lesson
+# 03). ZeRO-3, one module at a time, waits for every all-gather: it pays the network on every layer and loses
+# most of its rate as the rings grow. FSDP prefetches: at 8 GPUs its gathers hide behind compute, but across
+# 128 nodes a unit's gather takes longer than the unit computes, so it loses rate too, far less than ZeRO-3.
+# HSDP keeps the gathers inside a node; only its all-reduce over the replicas crosses the network, behind the
+# next units' backward (as torch's FSDP runs it), and it keeps more of its rate than FSDP. What it pays instead
+# is memory and compute: a replica holds and updates 1/8 of the model where a fully sharded rank holds 1/1024. On
+# a slower network than the DGX's the balance tips further toward HSDP (the FSDP paper's finding): try `cluster=`
+# with a custom preset. The cell below checks each of these sentences against the numbers above.
+
+# %%
+at = {(r["label"], r["world_size"]): r for r in scaling_rows}
+change = {k: at[k, WORLDS[-1]]["tflops_per_gpu"] / at[k, WORLDS[0]]["tflops_per_gpu"] - 1 for k in STRATEGIES if k != "ddp"}
+assert not any(at["ddp", w]["fits"] for w in WORLDS) and at["ddp", WORLDS[0]]["states"] > 100 * GB
+assert change["zero3"] < -0.5 and change["zero3"] < change["fsdp"] < -0.1
+assert at["fsdp", 8]["breakdown"]["exposed_comm"] < 0.1 * at["fsdp", 8]["step_time"]
+assert change["hsdp"] > change["fsdp"] and at["hsdp", 1024]["tflops_per_gpu"] > at["fsdp", 1024]["tflops_per_gpu"]
+assert at["hsdp", 1024]["states"] > at["fsdp", 1024]["states"]
+assert at["hsdp", 1024]["breakdown"]["compute"] > at["fsdp", 1024]["breakdown"]["compute"]
+print({k: f"{v:+.0%}" for k, v in change.items()})
+
 # ### The same question for experts
 #
 # 64 experts on 64 GPUs (MoE-GPT-S's width, one block, no token dropped), half of the tokens routed to
@@ -298,14 +334,24 @@ def hot_expert(num_tokens, num_experts, top_k):
     return torch.stack([first] + [(first + 1 + t % (num_experts - 1)) % num_experts for _ in range(top_k - 1)], 1)
 
 
-for label, moe_options in (("plain", {}), ("shadow expert 0", {"shadow": [0]}), ("pipeline 4", {"pipeline_degree": 4})):
-    moe_options["dropless"] = True
-    s = simulate(lambda: presets.moe_gpt_64(n_layer=1, moe_options=moe_options), "ddp", 64, routing=hot_expert,
-                 progress=False, mixed_precision=True, warmup=False, cluster="dgx-a100")
-    print(f"{label:<16} {s.cost.summary()}")
+RATES = dict(compute_flops=312e12 * 0.52, bandwidth=25e9)  # the shadowing predictor's P and W_net: the cluster's
+experts = {}
+for label, moe_options in (("plain", {}), ("shadow expert 0", dict(shadow=[0], **RATES)), ("pipeline 4", {"pipeline_degree": 4})):
+    experts[label] = simulate(lambda o=moe_options: presets.moe_gpt_64(n_layer=1, moe_options=dict(o, dropless=True)),
+                              "ddp", 64, routing=hot_expert, progress=False, mixed_precision=True,
+                              cluster="dgx-a100")
+    print(f"{label:<16} {experts[label].cost.summary()}\n")
+plain, shadow, pipelined = experts.values()
+assert shadow.step_time < plain.step_time <= pipelined.step_time  # the sentences below
+faster = plain.step_time / shadow.step_time  # the cluster's useful rate rises by as much; rank 0's own falls
+assert abs(shadow.tflops_per_gpu / plain.tflops_per_gpu / faster - 1) < 1e-6 and shadow.cost.rank_tflops < plain.cost.rank_tflops
+print(f"shadowing: a {faster:.1f}x shorter step, {plain.tflops_per_gpu:.3g} -> {shadow.tflops_per_gpu:.3g} TFLOP/s per GPU "
+      f"(rank 0's own: {plain.cost.rank_tflops:.3g} -> {shadow.cost.rank_tflops:.3g})")
 
 # %% [markdown]
-# Shadowing pays here: the hot rank's compute is spread, for one expert's weights on the network. Tutel's
+# Shadowing pays here: the hot rank's compute is spread, for one expert's weights on the network, and the
+# cluster's useful rate (all ranks' work per GPU) rises by as much as the step shortens, while rank 0's own rate
+# falls: it no longer computes most of expert 0's rows. Tutel's
 # pipelining (4 chunks) does not: each chunk's all-to-all pays the latency of 63 messages, and there is
 # little expert compute per chunk to hide it behind (`tests/test_sim_papers.py` shows the degree that wins
 # growing as the network slows). The lab, `labs/10-cost-model`, has you write the two rules this part

@@ -235,7 +235,42 @@ def explore_wrap_policy(page) -> None:
     assert "each Linear layer" in output.locator(".gtitle").text_content()
 
 
-INTERACTIONS = {"01-collectives": launch_and_draw, "03-zero": explore_memory, "04-fsdp": explore_wrap_policy}
+def explore_scale(page) -> None:
+    """Lesson 07: three configurations, three clicks of "simulate": each redraws the figure in the panel (its
+    title names the configuration, its dashed line the GPU's memory) and the verdict under it. (The trial: the
+    old panel printed a new summary on each click above a figure that never changed.)"""
+    panel = page.locator(".toolkit-scale-explorer").last
+    output = panel.locator(".widget-output")
+
+    def choose(label, value):
+        panel.locator(".widget-dropdown", has=page.locator("label", has_text=label)).locator("select").select_option(value)
+
+    seen = []
+    for model, strategy, gpus, cluster in (("GPT-2 XL", "zero3", "8", "dgx-a100"), ("GPT-3 175B", "ddp", "64", "dgx-a100"),
+                                           ("GPT-2 XL", "hsdp", "64", "dgx-h100")):
+        before = output.inner_text()
+        choose("model", model)
+        choose("strategy", strategy)
+        choose("GPUs", gpus)
+        choose("cluster", cluster)
+        panel.get_by_role("button", name="simulate").click()
+        page.wait_for_function("([b, w]) => { const o = [...document.querySelectorAll('.widget-output')].pop(); "
+                               "return o.innerText !== b && o.innerText.includes(w); }",
+                               arg=[before, f"rank 0 of {gpus} on {cluster}"], timeout=240_000)
+        title = output.locator(".js-plotly-plot .gtitle").text_content()
+        verdict = output.inner_text()
+        assert output.locator(".js-plotly-plot").count() == 1
+        fits = "fits in the" in verdict
+        assert f"{model}, {strategy}, rank 0 of {gpus}" in title and fits != ("DOES NOT FIT" in verdict)
+        assert (": fits" in title) == fits == ("TFLOP/s" in verdict) and ("does not fit" in title) != fits
+        assert output.locator(".js-plotly-plot .shapelayer path").count() >= 1  # the GPU's memory, dashed
+        seen.append((title, verdict))
+    assert len(set(seen)) == 3 and "H100" in seen[-1][1]
+    assert "DOES NOT FIT" in seen[1][1] and "shard the model states" in seen[1][1]  # GPT-3 under ddp, and what would
+
+
+INTERACTIONS = {"01-collectives": launch_and_draw, "03-zero": explore_memory, "04-fsdp": explore_wrap_policy,
+                "07-at-scale": explore_scale}
 
 
 @pytest.mark.timeout(300)
@@ -252,6 +287,24 @@ def test_lesson_03_explorer_in_jupyterlab(page, lab):
     page.close()  # first the page, then its kernel: a page that sees its kernel go asks for a new one
     lab.stop_kernels()
     assert_saved_as_stored(lab, "03-zero")
+
+
+@pytest.mark.timeout(900)
+def test_lesson_07_scale_explorer_in_jupyterlab(page, lab):
+    """The set-up cell, then the scale explorer out of order; three configurations clicked through; then save."""
+    open_lesson(page, lab, "07-at-scale.ipynb")
+    run_cell(page, page.locator(".jp-Notebook .jp-CodeCell").first)
+    run_cell(page, code_cell(page, "scale_explorer("), timeout_s=300)
+    assert not errors_shown(page) and not page.problems, (errors_shown(page), page.problems)
+    assert "fits in the" in page.locator(".widget-output").last.inner_text()  # drawn before anything is touched
+    explore_scale(page)
+    assert not errors_shown(page) and not page.problems, (errors_shown(page), page.problems)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "lesson-07-explorer.png"))
+    save(page)
+    page.close()
+    lab.stop_kernels()
+    assert_saved_as_stored(lab, "07-at-scale")
 
 
 @pytest.mark.skipif(not ALL, reason="every lesson, top to bottom: make test-browser")

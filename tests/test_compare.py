@@ -75,3 +75,16 @@ def test_command_line_writes_the_report(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "toolkit", "compare", "--strategies", "zero4"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown strategies ['zero4']" in bad.stderr
+
+
+def test_each_timeline_says_how_its_overlap_relates_to_the_tables(section):
+    """The trial: the demo report's table gave one overlap and the timeline under it another, without a word: the
+    table pools every rank over the whole run, the timeline shows the last step. The timeline now says both."""
+    _, rows, blocks, _ = section
+    figures = [b for b in blocks if hasattr(b, "layout") and "the last step on every rank" in str(b.layout.title.text)]
+    assert {f.layout.title.text.split(":")[0] for f in figures} == {"dp", "ddp", "zero2"}
+    for fig in figures:
+        name = fig.layout.title.text.split(":")[0]
+        subtitle = fig.layout.title.subtitle.text.replace("<br>", " ")
+        assert "communication overlapped with computation:" in subtitle
+        assert f"the table's overlap, {rows[name]['overlap']:.0%}, pools every rank over the whole run" in subtitle

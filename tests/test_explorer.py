@@ -139,3 +139,55 @@ def test_in_a_notebook_the_figure_goes_into_the_output_not_under_the_cell(monkey
     figure_entry = explorer.output.outputs[0]
     assert "application/vnd.plotly.v1+json" in figure_entry["data"]
     assert figure_entry["data"]["application/vnd.plotly.v1+json"]["data"][0]["name"] == "params"
+
+
+# --- lesson 07's scale explorer: a simulated cluster behind a button ----------------------------------------
+def test_the_scale_explorer_redraws_its_figure_and_verdict_on_every_click():
+    """The trial: lesson 07's widget (`widgets.interactive(manual=True)`) printed a new summary on each click above
+    a chart that never changed. Here three clicks, three configurations: each draws its own figure and verdict,
+    at the model's full depth (48 layers for GPT-2 XL), against the cluster's GPU memory."""
+    from toolkit.viz.scale_explorer import ScaleExplorer
+
+    explorer = ScaleExplorer("GPT-2 XL", "zero3", 8, run=False)
+    assert explorer.redraws == 0 and explorer.output.outputs == ()
+    seen = []
+    for strategy, world, cluster in (("zero3", 8, "dgx-a100"), ("ddp", 64, "dgx-a100"), ("hsdp", 64, "dgx-h100")):
+        explorer.strategy.value, explorer.world_size.value, explorer.cluster.value = strategy, world, cluster
+        explorer.button.click()  # what the student's click does
+        row, text = explorer.row, _text_output(explorer)
+        kinds = [o["output_type"] for o in explorer.output.outputs]
+        assert kinds == ["display_data", "stream"] and text == explorer.text + "\n"
+        assert row["layers"] == 48 and f"rank 0 of {world} on {cluster}" in text
+        assert f"{row['label']} x{world}" in explorer.figure.data[0].x  # the figure is this click's
+        capacity = [s.y0 for s in explorer.figure.layout.shapes]
+        assert len(capacity) == 1 and capacity[0] * (1e9 if "GB" in explorer.figure.layout.yaxis.title.text else
+                                                     1e6) == pytest.approx(row["fit"].capacity, rel=1e-3)
+        assert ("fits in the" in text) == row["fits"] and ("TFLOP/s" in text) == row["fits"]
+        seen.append((explorer.figure.layout.title.text, text))
+    assert explorer.redraws == 3 and len(set(seen)) == 3
+    assert "H100" in seen[2][1] and "hsdp" in seen[2][0]
+
+
+def test_the_scale_explorer_offers_only_what_applies():
+    from toolkit.viz.scale_explorer import ScaleExplorer, scale_case
+
+    explorer = ScaleExplorer(run=False)
+    assert explorer.checkpointing.disabled is False  # fsdp checkpoints
+    explorer.strategy.value = "zero2"
+    assert explorer.checkpointing.disabled is True and explorer.checkpointing.value is False
+    explorer.model.value = "MoE-GPT-S (16 experts)"  # experts are expert-parallel: ddp trains the dense part
+    assert list(explorer.strategy.options) == ["ddp"] and explorer.strategy.value == "ddp"
+    explorer.model.value = "GPT-3 175B"
+    assert "hsdp" in explorer.strategy.options and "hybrid" not in str(explorer.widget.children)
+    with pytest.raises(ValueError, match="does not apply"):
+        scale_case("MoE-GPT-S (16 experts)", "zero3", 64)
+    with pytest.raises(ValueError, match="activation checkpointing"):
+        scale_case("GPT-2 XL", "ddp", 8, activation_checkpointing=True)
+
+
+def test_the_scale_explorer_simulates_moe_with_more_ranks_than_experts():
+    """The trial: 5 of the widget's 6 world sizes crashed for the MoE model (16 experts on 64..1024 GPUs)."""
+    from toolkit.viz.scale_explorer import scale_case
+
+    row = scale_case("MoE-GPT-S (16 experts)", "ddp", 64)
+    assert row["fits"] and row["tflops_per_gpu"] > 0 and row["layers"] == 12

@@ -54,6 +54,25 @@ def test_leaves_the_process_clean_even_after_an_error():
     assert not dist.is_initialized()
 
 
+def test_each_simulation_gives_back_the_excepthook_and_toolkit_sim_is_an_attribute():
+    """torch's process group wraps sys.excepthook to prefix tracebacks with "[rank0]:", once more per group: after
+    N simulations every traceback would carry N prefixes. And `import toolkit; toolkit.sim` works, as viz does."""
+    import subprocess
+    import sys
+
+    import toolkit
+
+    assert toolkit.sim.simulate is simulate
+    hook = sys.excepthook
+    for _ in range(2):
+        simulate(small, "ddp", 2, progress=False)
+        assert sys.excepthook is hook
+    script = ("import toolkit\ntoolkit.sim.simulate(toolkit.models.tiny_gpt, 'ddp', 2, progress=False)\n"
+              "raise SystemError('after a simulation')")
+    err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300).stderr
+    assert "SystemError: after a simulation" in err and "[rank0]" not in err, err[-2000:]
+
+
 @pytest.mark.parametrize("call, message", [
     (dict(strategy="zero4", world_size=8), "unknown strategy"),
     (dict(strategy="ddp", world_size=2048), "1 to 1024"),

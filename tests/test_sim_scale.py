@@ -90,6 +90,25 @@ def test_moe_64_experts_on_64_ranks():
     assert sim.memory["params"] == 4 * (sim.num_params - sim.expert_params) + expert_bytes
 
 
+@pytest.mark.parametrize("world", [32, 64])
+def test_moe_with_more_ranks_than_experts_simulates(world):
+    """16 experts on 32 and 64 ranks: each expert sliced over W/E ranks (Tutel's EP+DP+MP). The simulated rank
+    runs the sliced path on meta tensors (it once crashed in index_add: a CPU index into a meta tensor), counts
+    every expert once whatever the layout, and holds 1/W of the experts' weights (their output bias slices
+    padded to whole elements)."""
+    with __import__("torch").device("meta"):
+        whole = sum(p.numel() for p in presets.moe_gpt_s(n_layer=1).parameters())
+    sims = {w: simulate(lambda: presets.moe_gpt_s(n_layer=1), "ddp", w, progress=False, **MIXED) for w in (16, world)}
+    sliced = sims[world]
+    assert sliced.num_params == sims[16].num_params == whole
+    assert sliced.expert_params == sims[16].expert_params
+    s, d = world // 16, 1024
+    assert sliced.expert_params // world <= sliced.local_expert_params <= sliced.expert_params // world + d % s + s
+    exchanges = [c for c in sliced.collectives() if c.op == "all_to_all" and c.label != "counts"]
+    assert sorted({c.label for c in exchanges}) == ["combine", "combine backward", "dispatch", "dispatch backward"]
+    assert sliced.flops == pytest.approx(sims[16].flops, rel=1e-9)  # the same rows, each through 1/s of an expert s times
+
+
 def test_presets_are_the_papers():
     import torch
 

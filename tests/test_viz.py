@@ -227,3 +227,40 @@ def test_panel_reports_a_failed_launch():
     panel = viz.collective_panel(broken)
     panel.launch()
     assert "failed" in panel.status.value and panel.figure is None and not panel.button.disabled
+
+
+# --- a simulated rank's peak, and a sweep --------------------------------------------------------------------
+def test_peak_bars_draw_every_category_of_the_peak_in_the_unit_its_size_calls_for():
+    """The trial: the lesson's chart said MB while its values were GB, and drew ~2 GB of params, grads, optimizer
+    and activations against a printed 17.7 GB peak: gathered units, communication buffers and temporaries were
+    left out. Every category at the peak is drawn, and they add up to it."""
+    peak = {"params": 0.06e9, "gathered": 8.53e9, "grads": 0, "optimizer": 0.12e9, "comm": 3.62e9,
+            "activations": 1.31e9, "temporary": 4.1e9}
+    fig = viz.peak_bars({"fsdp": peak}, capacity=80 * 2**30, device="A100", predicted={"fsdp": 0.25e9})
+    bars = {t.name: t.y[0] for t in fig.data if t.type == "bar"}
+    assert set(bars) == {k for k, v in peak.items() if v}
+    assert sum(bars.values()) == pytest.approx(sum(peak.values()) / 1e9)  # GB, and the axis says so
+    assert fig.layout.yaxis.title.text == "GB per rank" and "peak 17.7 GB" in next(
+        t for t in fig.data if t.type == "scatter" and t.mode == "text").text[0]
+    assert [s.y0 for s in fig.layout.shapes] == [pytest.approx(80 * 2**30 / 1e9)]
+    tiny = viz.peak_bars({"ddp": {"params": 5090, "activations": 27100}})
+    assert tiny.layout.yaxis.title.text == "kB per rank" and not tiny.layout.shapes
+    bars = viz.memory_bars({"x": Run(config={}, samples=[{"rank": 0, "params": 2e9, "grads": 2e9, "optimizer": 12e9,
+                                                           "activations": 1e9, "time": 0}], meta={"ranks": [0]})})
+    assert bars.layout.yaxis.title.text == "GB per rank" and bars.data[0].y[0] == pytest.approx(2)
+
+
+def test_a_sweep_figure_draws_what_does_not_fit_hollow_and_says_so_only_then():
+    from types import SimpleNamespace
+
+    fit = SimpleNamespace(capacity=85.9e9)
+    row = lambda label, w, fits, rate: dict(label=label, world_size=w, fits=fits, tflops_per_gpu=rate if fits else None,  # noqa: E731
+                                            peak=120e9 if not fits else 10e9, fit=fit, step_time=0.3 if fits else None,
+                                            breakdown=dict(exposed_comm=0.01))
+    rows = [row("ddp", 8, False, None), row("ddp", 1024, False, None), row("fsdp", 8, True, 133), row("fsdp", 1024, True, 68)]
+    fig = viz.scaling(rows)
+    ddp, fsdp = fig.data
+    assert list(ddp.marker.symbol) == ["circle-open"] * 2 and list(ddp.y) == [0, 0]
+    assert list(fsdp.marker.symbol) == ["circle"] * 2 and list(fsdp.y) == [133, 68]
+    assert "does not fit" in fig.layout.title.subtitle.text and "does not fit: peak 120 GB" in ddp.hovertext[0]
+    assert "does not fit" not in viz.scaling(rows[2:]).layout.title.subtitle.text

@@ -111,3 +111,28 @@ def test_titles_sit_below_the_toolbar_and_long_ones_wrap():
     assert fig.layout.title.yref == "container" and fig.layout.title.pad.t == style.TOOLBAR_PX
     assert fig.layout.title.text.count("<br>") == 1 and fig.layout.title.subtitle.text.count("<br>") == 1
     assert fig.layout.margin.t == style.TOOLBAR_PX + 2 * style.TITLE_PX + 2 * style.SUBTITLE_PX + 16
+
+
+def test_a_pass_s_units_share_one_name_and_colour_and_each_bar_is_named():
+    """The trial: FSDP/HSDP timelines drew 8-12 near-identical blues, one legend entry per unit. A pass's units
+    are now one trace in one shade ("forward · units"), each bar named by its unit and edged, so neighbours part."""
+    events = [_span(0, "forward", "compute", 0.0, 0.012), _span(0, "backward", "compute", 0.012, 0.036)]
+    for i in range(12):
+        events.append(_span(0, f"forward blocks.{i}", "fsdp", 0.001 * i, 0.001 * (i + 1)))
+        events.append(_span(0, f"backward blocks.{11 - i}", "fsdp", 0.012 + 0.002 * i, 0.012 + 0.002 * (i + 1)))
+    events.append(_span(0, "all_gather", "comm", 0.0, 0.001, async_op=True, impl="backend"))
+    fig = viz.timeline(Run(config={}, events=events, meta={"ranks": [0], "world_size": 1}))
+    traces = {t.name: t for t in fig.data}
+    assert not any(re.search(r"blocks\.\d", name) for name in traces), list(traces)
+    for pass_ in ("forward", "backward"):
+        units = traces[f"{pass_} · units"]
+        assert list(units.text) == [f"blocks.{i}" for i in (range(12) if pass_ == "forward" else range(11, -1, -1))]
+        assert units.marker.color == style.compute_colour(f"{pass_} · units") != style.COMPUTE[pass_]
+        assert units.marker.line.width >= 1.5 and units.marker.line.color == style.SEPARATOR
+        distance = math.dist(seen(units.marker.color), seen(style.COMPUTE[pass_]))
+        assert distance >= 10, f"{pass_}'s units are only ΔE {distance:.1f} from the pass's own span"
+
+
+def test_the_simulated_peaks_categories_have_colours_of_their_own():
+    for category in ("gathered", "comm", "temporary"):
+        assert category in style.MEMORY  # test_each_familys_colours_stay_apart measures them with the rest

@@ -232,10 +232,14 @@ def training_blocks(runs, rows, predicted, *, world_size: int, steps: int, mixed
         comm_bars([{"strategy": r["strategy"], "measured": r["sent MB/step"] * 1e6,
                     "theory": r["theory sent MB/step"] * 1e6} for r in rows if r["ranks"] > 1]),
     ]
+    overlaps = {r["strategy"]: r["overlap"] for r in rows}
     for name, run in runs.items():
         if run.meta["world_size"] > 1:
+            table = overlaps.get(name)
+            note = (f"the table's overlap, {table:.0%}, pools every rank over the whole run ({steps} steps and the "
+                    f"set-up)" if isinstance(table, float) else None)
             blocks.append(viz.timeline(run, where=lambda e, s=steps - 1, r=run: _in_step(e, r, s),
-                                       title=f"{name}: the last step on every rank"))
+                                       title=f"{name}: the last step on every rank", note=note))
     if moe is not None and MOE_LABEL in runs:
         blocks += _moe_blocks(runs[MOE_LABEL], moe, world_size)
     return blocks

@@ -329,7 +329,7 @@ class MoE(nn.Module):
         outputs = self.compute_experts(received, plan)
         answers = all_to_all(outputs, plan.send_splits, plan.recv_splits, self.group, "combine", nodes)
         if copies is not None:  # the slices' partial outputs, added up
-            answers = answers.new_zeros((kept,) + tuple(answers.shape[1:])).index_add(0, copies, answers)
+            answers = answers.new_zeros((kept,) + tuple(answers.shape[1:])).index_add(0, copies.to(answers.device), answers)
         return answers
 
     def compute_experts(self, received: torch.Tensor, plan: Plan) -> torch.Tensor:

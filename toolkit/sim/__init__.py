@@ -6,7 +6,9 @@
 `simulation.py` is what it returns; `program.py` is the record a simulated step leaves (compute and
 collectives in issue order), which the cost model reads: `hardware.py` (presets with their sources),
 `collective_time.py` (alpha-beta on a two-level cluster), `timeline.py` (the overlap rule),
-`cost.py` (step time, breakdown, TFLOP/s, MFU and a modelled Run), `calibrate.py` ("this-machine").
+`cost.py` (step time, breakdown, TFLOP/s, MFU and a modelled Run), `calibrate.py` ("this-machine");
+`fit.py` says whether the peak fits in the accelerator's memory and what would make it fit; `sweep.py`
+extrapolates a few layers to a whole model over world sizes; `cli.py` is `python -m toolkit simulate`.
 """
 from .cost import StepCost, compute_time, estimate, modelled_run, price  # noqa: F401
 from .hardware import CLUSTERS, GPUS, Accelerator, Cluster, accelerator, cluster_of, presets  # noqa: F401

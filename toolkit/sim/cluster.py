@@ -9,11 +9,13 @@ tensors: every size is real, nothing is allocated. Attention takes the fused ker
 would (`attention.py`). On the way out, even after an error, the group is
 destroyed and every per-process cache that remembers groups or the backend is cleared, so a later
 simulation, or a real `toolkit.launch`, starts clean. This process's trace recorder is set aside and
-given back, so a simulation leaves no spans in it.
+given back, so a simulation leaves no spans in it, and so is `sys.excepthook` (torch's process group
+wraps it to prefix tracebacks with the rank, once more per group).
 """
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch.distributed as dist
 
@@ -67,10 +69,10 @@ def cluster(world_size: int, rank: int = 0):
             f"a process group ({dist.get_backend()}, {dist.get_world_size()} ranks) is already initialized in "
             f"this process; a simulation makes its own fake one. Simulate outside toolkit.launch's ranks (in the "
             f"notebook or script itself), or call torch.distributed.destroy_process_group() first.")
-    saved = dict(recorder.__dict__)
+    saved, hook = dict(recorder.__dict__), sys.excepthook
     forget_groups()
-    fake.init(world_size, rank)
     try:
+        fake.init(world_size, rank)  # torch chains a "[rank0]:" excepthook onto sys.excepthook here
         recorder.reset()
         with env.computing_on("meta"), fused_attention():  # attention as a real rank runs it (attention.py)
             yield
@@ -79,3 +81,4 @@ def cluster(world_size: int, rank: int = 0):
             dist.destroy_process_group()
         forget_groups()
         recorder.__dict__.update(saved)
+        sys.excepthook = hook  # else every later traceback in this process carries one prefix per simulation

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..run import Run
+from ..units import seconds_text
 from .collective_time import collective_time
 from .hardware import THIS_MACHINE, Cluster, check_mfu, cluster_of
 from .program import Compute, check, total_flops
@@ -40,8 +41,10 @@ class StepCost:
     dtype: str
     achievable_mfu: float               # the fraction of peak compute was charged at
     timelines: list = field(default_factory=list)
-    flops: list = field(default_factory=list)  # per step
+    flops: list = field(default_factory=list)  # per step, this rank's own
     run: Run | None = None
+    useful_flops: list | None = None    # per step, the average rank's: all ranks' work / world (None: = flops)
+    fit: object = None                  # the peak against the accelerator's memory (`fit.Fit`), when known
 
     @property
     def step_time(self) -> float:
@@ -58,6 +61,13 @@ class StepCost:
 
     @property
     def tflops_per_gpu(self) -> float:
+        """The cluster's useful rate per GPU: all ranks' work / world size / step time (TFLOP/s)."""
+        work = self.flops[-1] if self.useful_flops is None else self.useful_flops[-1]
+        return work / self.step_time / 1e12 if self.step_time > 0 else 0.0
+
+    @property
+    def rank_tflops(self) -> float:
+        """This rank's own FLOPs over the step time (differs from tflops_per_gpu where ranks' work differs)."""
         return self.flops[-1] / self.step_time / 1e12 if self.step_time > 0 else 0.0
 
     @property
@@ -66,12 +76,28 @@ class StepCost:
         return self.tflops_per_gpu * 1e12 / self.cluster.gpu.flops_per_s(self.dtype)
 
     def summary(self) -> str:
-        b = self.breakdown
-        ms = lambda s: f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"  # noqa: E731
-        return (f"{self.cluster.name}, {self.dtype} at {self.achievable_mfu:.0%} of peak: step {ms(self.step_time)} "
-                f"= compute {ms(b['compute'])} + exposed communication {ms(b['exposed_comm'])} "
-                f"({ms(b['overlapped_comm'])} more hidden behind compute); {self.tflops_per_gpu:.3g} TFLOP/s per "
-                f"GPU, MFU {self.mfu:.1%}")
+        """The step's time and rate; for a job that does not fit, the verdict instead of a time."""
+        if self.fit is not None and not self.fit.fits:
+            return f"{self.cluster.name}: {self.fit.text()}"
+        b, t = self.breakdown, seconds_text
+        peak = self.cluster.gpu.flops_per_s(self.dtype)
+        at_rate = self.flops[-1] / (peak * self.achievable_mfu) / self.step_time  # share of the step at that rate
+        text = (f"{self.cluster.name}: step {t(self.step_time)} = compute {t(b['compute'])} + exposed communication "
+                f"{t(max(b['exposed_comm'], 0.0))} ({t(b['overlapped_comm'])} more hidden behind compute); "
+                f"{self.tflops_per_gpu:.3g} TFLOP/s per GPU")
+        ratio = self.tflops_per_gpu / self.rank_tflops if self.rank_tflops > 0 else 1.0
+        if abs(ratio - 1) > 1e-3:
+            text += f" (all ranks' work / {self.run.meta['world_size']}; rank {self.run.ranks[0]}'s own: " \
+                    f"{self.rank_tflops:.3g})"
+        text += (f", MFU {self.mfu:.1%} = {self.achievable_mfu:.0%} of the {self.dtype} peak (the rate compute is "
+                 f"charged at) x {at_rate:.1%} of the step computing at that rate"
+                 + (f" x {ratio:.2f} (the average rank's work over this rank's)" if abs(ratio - 1) > 1e-3 else "")
+                 + "; the rest of the step: exposed communication"
+                 + (", memory-bound operations and per-operation overhead" if at_rate * self.step_time < b["compute"] * 0.999
+                    else ""))
+        if self.fit is not None:
+            text += f"; {self.fit.text()}"
+        return text
 
 
 def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mfu: float | None = None,
@@ -124,21 +150,28 @@ def _priced(sim, found: Cluster, mfu, dtype) -> StepCost:
     """The simulation's programs on `found`, whose nodes are taken to be the simulation's."""
     if found.gpus_per_node != sim.ranks_per_node:
         found = found.with_changes(gpus_per_node=sim.ranks_per_node)
-    return estimate(sim.programs, found, world_size=sim.world_size, rank=sim.rank, mfu=mfu,
+    cost = estimate(sim.programs, found, world_size=sim.world_size, rank=sim.rank, mfu=mfu,
                     dtype=dtype or dtype_of(sim.options), config=sim.run.config)
+    from .fit import check_fit
+
+    cost.useful_flops, cost.fit = sim.useful_flops_per_step(), check_fit(sim, found)
+    return cost
 
 
 def pricer(cluster, world_size: int, *, mfu: float | None = None, dtype: str | None = None):
-    """Check `cluster` and `mfu` now; return price(sim), which fills sim.cost, sim.step_time, sim.tflops_per_gpu,
-    sim.mfu, sim.breakdown and sim.modelled_run (what `simulate(..., cluster=...)` does)."""
+    """Check `cluster` and `mfu` now; return price(sim), which fills sim.cost, sim.fit, sim.modelled_run and, when
+    the peak fits in the accelerator's memory, sim.step_time, sim.tflops_per_gpu, sim.mfu, sim.breakdown (None
+    when it does not: it would not run). What `simulate(..., cluster=...)` does."""
     found = resolve(cluster, world_size)
     if mfu is not None:
         check_mfu(mfu)
 
     def price(sim) -> StepCost:
         cost = _priced(sim, found, mfu, dtype)
-        sim.cost, sim.modelled_run = cost, cost.run
-        sim.step_time, sim.tflops_per_gpu, sim.mfu, sim.breakdown = cost.step_time, cost.tflops_per_gpu, cost.mfu, cost.breakdown
+        sim.cost, sim.modelled_run, sim.fit = cost, cost.run, cost.fit
+        ran = cost.fit.fits
+        sim.step_time, sim.tflops_per_gpu, sim.mfu, sim.breakdown = (
+            (cost.step_time, cost.tflops_per_gpu, cost.mfu, cost.breakdown) if ran else (None, None, None, None))
         return cost
 
     return price
@@ -201,12 +234,14 @@ def _comm_event(s, step: int) -> dict:
 
 
 def _wait_events(timeline: Timeline, step: int) -> list[dict]:
-    """A "wait" span where compute stalls on an asynchronous collective (a synchronous one's own span,
-    async_op=False, already says the rank was blocked, as in a real trace)."""
+    """A "wait" span where compute stalls on an asynchronous collective, or runs its copies on the cores
+    ("host", overlap < 1: not computing either, args.host=True). A synchronous one's own span, async_op=False,
+    already says the rank was blocked, as in a real trace."""
     ops = {s.instruction.id: s.instruction for s in timeline.spans if s.kind == "comm"}
     return [{"name": "wait", "cat": "wait", "phase": s.instruction.phase, "start": s.start, "end": s.end,
-             "args": {"op": ops[s.instruction.id].op, "modelled": True, "step": step}}
-            for s in timeline.spans if s.kind == "wait" and ops[s.instruction.id].async_op]
+             "args": {"op": ops[s.instruction.id].op, "modelled": True, "step": step,
+                      **({"host": True} if s.kind == "host" else {})}}
+            for s in timeline.spans if s.kind in ("wait", "host") and ops[s.instruction.id].async_op]
 
 
 def modelled_run(timelines, cluster: Cluster, *, rank: int = 0, world_size: int = 1,

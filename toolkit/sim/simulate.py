@@ -60,8 +60,9 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     dp x tp and `batch_per_rank` is the sequences of one data-parallel replica (every rank of its tp group
     computes on them). A tp group wider than `ranks_per_node` is allowed, with a warning that says its cost.
     cluster: price the steps on a cluster (`toolkit.sim.presets()`: "dgx-a100", "dgx-h100", "this-machine",
-    or a user-defined one) and fill sim.step_time, tflops_per_gpu, mfu, breakdown, modelled_run and cost
-    (`cost.pricer`); mfu overrides the preset's achievable fraction of peak.
+    or a user-defined one) and fill sim.fit (the peak against its accelerator's memory: sim.fits), cost and
+    modelled_run, and, when it fits, sim.step_time, tflops_per_gpu, mfu and breakdown (`cost.pricer`);
+    mfu overrides the preset's achievable fraction of peak.
     """
     nodes = _cluster.check(world_size, rank, ranks_per_node)
     price = None if cluster is None else pricer(cluster, world_size, mfu=mfu)  # a bad cluster fails before the work
@@ -76,6 +77,7 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
         model = build_on_meta(model_fn)
         num_params, expert_params = count_params(model)
         expert_parallel = max([m.world for m in model.modules() if isinstance(m, MoE)], default=1)
+        row_flops = {m.name: 4 * m.d_model * m.d_ff for m in model.modules() if isinstance(m, MoE)}  # two GEMMs
         local_experts = sum(p.numel() for p in model.parameters() if is_expert(p))
         seq = _seq_len(model, seq_len)
         if strategy == "fsdp" and "param_init_fn" not in options:
@@ -98,7 +100,7 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     sim = Simulation(strategy=strategy, world_size=world_size, rank=rank, ranks_per_node=nodes,
                      options=dict(options), num_params=num_params, expert_params=expert_params,
                      expert_parallel=expert_parallel, local_expert_params=local_experts,
-                     batch_per_rank=batch_per_rank, seq_len=seq, run=run, **measured)
+                     batch_per_rank=batch_per_rank, seq_len=seq, run=run, expert_row_flops=row_flops, **measured)
     sim.tensor_parallel = tensor_parallel  # None unless tp= (sim/tensor_parallel.py)
     if price is not None:
         price(sim)

@@ -13,6 +13,12 @@ The contract lessons and tests build on (all for the simulated rank):
                     how many of them are MoE experts, split over `expert_parallel` ranks (this rank
                     holds local_expert_params of them)
     flops           FLOPs of the last step (FlopCounterMode), programs: one per step, run: the Run
+    useful_flops    the average rank's FLOPs in the last step: all ranks' work / world size (differs
+                    from `flops`, this rank's own, where ranks compute different numbers of MoE rows)
+
+Priced on a cluster (`simulate(..., cluster=...)`, `cost.pricer`) it also holds `fit` (`fit.Fit`: the peak
+against the accelerator's memory, the headroom, what would make it fit), `fits`, `cost`, `modelled_run`,
+and, when it fits, `step_time`, `breakdown`, `tflops_per_gpu` and `mfu` (None when it does not fit).
 """
 from __future__ import annotations
 
@@ -22,23 +28,23 @@ import torch
 
 from ..memory import formulas
 from ..run import Run
+from ..units import bytes_text, count_text
 from ..trace.analysis import bytes_per_step as _bytes_per_phase
-from .program import Collective, collectives, total_flops
+from .program import Collective, Compute, collectives, total_flops
 
 
 def count_params(model: torch.nn.Module) -> tuple[int, int]:
-    """(parameters of the whole model, of which in MoE experts): a rank's experts stand for E / E_local
-    times as many, split over the expert-parallel group."""
+    """(parameters of the whole model, of which in MoE experts): a rank holds E_local of E experts, or
+    with more ranks than experts one slice of one, so every expert is counted from its shape (d_model ->
+    d_ff -> d_model, with biases), once."""
     from ..moe.experts import Experts
 
-    scale = {}
+    mine, experts = set(), 0
     for m in model.modules():
         if isinstance(m, Experts):
-            for p in m.parameters(recurse=False):
-                scale[id(p)] = m.num_experts // m.num_local
-    params = list(model.parameters())
-    experts = sum(p.numel() * scale[id(p)] for p in params if id(p) in scale)
-    return sum(p.numel() * scale.get(id(p), 1) for p in params), experts
+            mine.update(id(p) for p in m.parameters(recurse=False))
+            experts += m.num_experts * (2 * m.d_model * m.d_ff + m.d_ff + m.d_model)
+    return sum(p.numel() for p in model.parameters() if id(p) not in mine) + experts, experts
 
 
 @dataclass
@@ -62,6 +68,13 @@ class Simulation:
     end_memory: dict
     run: Run
     samples: list = field(default_factory=list)
+    expert_row_flops: dict = field(default_factory=dict)  # MoE layer name -> forward FLOPs of a row, whole expert
+    fit: object = None  # set when priced on a cluster (`cost.pricer`)
+
+    @property
+    def fits(self):
+        """True/False against the pricing cluster's accelerator memory; None when not priced on one."""
+        return None if self.fit is None else self.fit.fits
 
     # --- communication -----------------------------------------------------------------------------
     def collectives(self, step: int = -1) -> list[Collective]:
@@ -104,6 +117,35 @@ class Simulation:
     def flops(self) -> float:
         return total_flops(self.programs[-1])
 
+    @property
+    def useful_flops(self) -> float:
+        return self.useful_flops_per_step()[-1]
+
+    def useful_flops_per_step(self) -> list[float]:
+        """Each step's FLOPs of the average rank: all ranks' work / world size.
+
+        Ranks differ only in their MoE experts' rows (a rank holding a popular expert computes more; a
+        shadowed expert's rows are computed by their senders). Every rank routes its tokens the same way
+        here, so the average rank's experts compute the rows one rank routed and kept, through a whole
+        expert; this rank's forward expert FLOPs are read from its program (the layer's "experts" spans).
+        A row costs its forward once per call of the layer (a recomputation under activation checkpointing
+        is a second call) and twice that in backward (the input's and the weights' gradients)."""
+        steps = sorted({m["step"] for m in self.run.metrics if m["name"].endswith("/load")})[-len(self.programs):]
+        out = []
+        for i, program in enumerate(self.programs):
+            useful = total_flops(program)
+            for name, row_flops in self.expert_row_flops.items():
+                loads = [m["value"] for m in self.run.metrics
+                         if m["name"] == f"moe/{name}/load" and steps and m["step"] == steps[min(i, len(steps) - 1)]]
+                if not loads:
+                    continue
+                spans = (f"moe/{name}/experts", f"moe/{name}/shadowed experts")
+                mine = sum(c.flops for c in program if isinstance(c, Compute) and c.phase == "forward" and any(
+                    n in spans and not a.get("backward") for _, n, _, a in c.spans))
+                useful += (sum(loads[0]["kept"]) * row_flops - mine) * (len(loads) + 2)
+            out.append(useful)
+        return out
+
     # --- the theory next to it ---------------------------------------------------------------------
     def theory(self) -> dict:
         """What `toolkit.memory.formulas` predicts for this model, strategy and world size.
@@ -138,29 +180,35 @@ class Simulation:
                 "flops_6PT": 6 * self.num_params * self.batch_per_rank * self.seq_len}
 
     def summary(self) -> str:
-        """A few lines a person reads: memory against the formula, bytes against theory, the peak."""
+        """A few lines a person reads: memory against the formula, the peak and whether it fits, bytes against
+        theory, FLOPs. Units follow the magnitude (a tiny model reads in kB, GPT-3 in GB)."""
         t = self.theory()
-        gb = 1e9
+        b = lambda n: f"{bytes_text(n):>10}"  # noqa: E731
         lines = [f"{self.strategy} on {self.world_size} simulated ranks (rank {self.rank}, {self.ranks_per_node} "
-                 f"per node): {self.num_params / 1e9:.3g}B parameters, batch {self.batch_per_rank} x {self.seq_len}",
-                 f"  model states per rank  {self.memory['total'] / gb:10.3f} GB   formula "
-                 f"{t['model_states_total'] / gb:10.3f} GB"]
+                 f"per node): {count_text(self.num_params)} parameters, batch {self.batch_per_rank} x {self.seq_len}",
+                 f"  model states per rank  {b(self.memory['total'])}   formula {b(t['model_states_total'])}"]
         for k in ("params", "grads", "optimizer"):
-            lines.append(f"    {k:<20} {self.memory[k] / gb:10.3f} GB   formula {t['model_states'][k] / gb:10.3f} GB")
-        peak = ", ".join(f"{k} {v / gb:.3f}" for k, v in self.peak_memory.items() if v)
+            lines.append(f"    {k:<20} {b(self.memory[k])}   formula {b(t['model_states'][k])}")
+        peak = ", ".join(f"{k} {bytes_text(v)}" for k, v in self.peak_memory.items() if v)
         where = self.peak_moment
-        lines.append(f"  peak                   {self.peak / gb:10.3f} GB   in {where.get('pass', '?')} at "
-                     f"{where.get('module') or '-'} ({peak} GB)")
-        lines.append(f"  bytes sent per step    {self.bytes_per_step['total'] / gb:10.3f} GB   theory "
-                     f"{t['bytes_per_step'] / gb:10.3f} GB")
-        for op, b in self.bytes_per_step.items():
+        lines.append(f"  peak                   {b(self.peak)}   in {where.get('pass', '?')} at "
+                     f"{where.get('module') or '-'} ({peak})")
+        lines.append("  " + (self.fit.text().replace("\n", "\n  ") if self.fit is not None else
+                             "does it fit? price it on a cluster (cluster='dgx-a100') to check the peak against "
+                             "its accelerator's memory"))
+        lines.append(f"  bytes sent per step    {b(self.bytes_per_step['total'])}   theory {b(t['bytes_per_step'])}")
+        for op, n in self.bytes_per_step.items():
             if op != "total":
-                lines.append(f"    {op:<20} {b / gb:10.3f} GB   (messages {self.message_bytes[op] / gb:.3f} GB)")
-        lines.append(f"  across nodes           {self.cross_node_bytes / gb:10.3f} GB")
-        lines.append(f"  FLOPs per step         {self.flops:10.4g}        6·Ψ·tokens {t['flops_6PT']:.4g}")
+                lines.append(f"    {op:<20} {b(n)}   (messages {bytes_text(self.message_bytes[op])})")
+        lines.append(f"  across nodes           {b(self.cross_node_bytes)}")
+        lines.append(f"  FLOPs per step         {self.flops:10.4g}   6·Ψ·tokens {t['flops_6PT']:.4g}")
+        if abs(self.useful_flops - self.flops) > 1e-6 * self.flops:
+            lines.append(f"  the average rank's     {self.useful_flops:10.4g}   (all ranks' work / {self.world_size}: "
+                         f"this rank computes {self.flops / self.useful_flops:.2f}x the average)")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         return (f"Simulation({self.strategy!r}, world_size={self.world_size}, rank={self.rank}, "
-                f"memory={self.memory['total'] / 1e9:.3f} GB, peak={self.peak / 1e9:.3f} GB, "
-                f"bytes_per_step={self.bytes_per_step['total'] / 1e9:.3f} GB)")
+                f"memory={bytes_text(self.memory['total'])}, peak={bytes_text(self.peak)}, "
+                f"bytes_per_step={bytes_text(self.bytes_per_step['total'])}"
+                + ("" if self.fit is None else f", fits={self.fit.fits}") + ")")

@@ -2,21 +2,30 @@
 
 Simulating every layer of a 96-layer model for every (strategy, world size) takes minutes. But the
 layers of a transformer are identical, so whatever a rank spends per step grows by the same amount
-with each layer: memory, FLOPs and step time are affine in the number of layers, f(L) = f(2) +
-(L - 2) x (f(3) - f(2)). `sweep` simulates each case with two and with three layers (so that a layer
-in the middle of the stack, prefetched from both sides, is what gets repeated) and extrapolates to
-the model's depth; `tests/test_sim_cost.py` holds the extrapolation to a whole-model simulation.
+with each layer: memory (each category at the peak), FLOPs and step time are affine in the number of
+layers, f(L) = f(3) + (L - 3) x (f(4) - f(3)). `sweep` simulates each case with three and with four layers
+(so that a layer in the middle of the stack, prefetched from both sides, is what gets repeated: with two
+layers there is no middle, and the peak happens elsewhere, e.g. before FSDP's first reduce-scatter) and
+extrapolates to the model's depth; `tests/test_sim_cost.py` holds the extrapolation to a whole-model
+simulation. One exception: exposed communication shrinks when another layer's compute hides more of it,
+and cannot go below zero; where its line would, the deeper model hides it all (step = compute).
 
     rows = sweep(presets.zero_7_5b, layers=36, strategies={"ddp": {}, "zero3": {}}, worlds=(8, 64, 512),
                  cluster="dgx-a100", mixed_precision=True)
+
+Each row says whether the whole model's peak fits in the cluster's GPU memory (`fits`, `fit`: the verdict,
+its headroom and what would make it fit); a case that does not fit has no step time, TFLOP/s or MFU (None).
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from ..units import bytes_text, seconds_text
 from .cost import resolve
+from .fit import check_fit
 from .simulate import simulate
 
-
-BASE = (2, 3)  # the depths simulated
+BASE = (3, 4)  # the depths simulated
 
 
 def _affine(one: float, two: float, layers: int) -> float:
@@ -25,23 +34,43 @@ def _affine(one: float, two: float, layers: int) -> float:
 
 def extrapolate(one, two, layers: int) -> dict:
     """The numbers of an L-layer model from priced simulations of its BASE-layer versions."""
-    step = _affine(one.step_time, two.step_time, layers)
+    a, b = one.cost, two.cost
+    compute = _affine(a.breakdown["compute"], b.breakdown["compute"], layers)
+    exposed = max(_affine(a.breakdown["exposed_comm"], b.breakdown["exposed_comm"], layers), 0.0)
+    step = compute + exposed
+    comm = _affine(a.breakdown["exposed_comm"] + a.breakdown["overlapped_comm"],
+                   b.breakdown["exposed_comm"] + b.breakdown["overlapped_comm"], layers)
+    breakdown = {"compute": compute, "exposed_comm": exposed, "overlapped_comm": max(comm - exposed, 0.0),
+                 "step": step}
     flops = _affine(one.flops, two.flops, layers)
-    peak = _affine(one.peak, two.peak, layers)
-    breakdown = {k: _affine(one.breakdown[k], two.breakdown[k], layers) for k in one.breakdown}
-    gpu = one.cost.cluster.gpu
-    return {"step_time": step, "flops": flops, "tflops_per_gpu": flops / step / 1e12,
-            "mfu": flops / step / gpu.flops_per_s(one.cost.dtype), "peak": peak,
-            "states": _affine(one.memory["total"], two.memory["total"], layers),
-            "fits": peak <= gpu.memory_bytes, "breakdown": breakdown}
+    useful = _affine(one.useful_flops, two.useful_flops, layers)
+    categories = set(one.peak_memory) | set(two.peak_memory)
+    peak_memory = {k: max(_affine(one.peak_memory.get(k, 0), two.peak_memory.get(k, 0), layers), 0.0)
+                   for k in categories}
+    whole = SimpleNamespace(  # the L-layer model, as the verdict reads a Simulation
+        peak=sum(peak_memory.values()), peak_memory=peak_memory, strategy=one.strategy, options=one.options,
+        world_size=one.world_size, batch_per_rank=one.batch_per_rank, seq_len=one.seq_len,
+        num_params=_affine(one.num_params, two.num_params, layers),
+        expert_params=_affine(one.expert_params, two.expert_params, layers), expert_parallel=one.expert_parallel)
+    fit = check_fit(whole, a.cluster)
+    peak_flops = a.cluster.gpu.flops_per_s(a.dtype)
+    ran = fit.fits
+    return {"step_time": step if ran else None, "flops": flops, "useful_flops": useful,
+            "tflops_per_gpu": useful / step / 1e12 if ran else None,
+            "mfu": useful / step / peak_flops if ran else None, "peak": whole.peak, "peak_memory": peak_memory,
+            "states": _affine(one.memory["total"], two.memory["total"], layers), "num_params": whole.num_params,
+            "fits": ran, "fit": fit, "breakdown": breakdown, "layers": layers}
 
 
-def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100", progress=None, **common) -> list:
+def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100", progress=None, warmup: bool = True,
+          **common) -> list:
     """One row per (strategy, world size): step time, TFLOP/s per GPU, MFU, peak memory, whether it fits.
 
     model_fn(n_layer=...) builds the model (a preset of `toolkit.models.presets`); strategies maps a label
     to (strategy, options) or to options of the strategy named by the label; common: options for every
     case (mixed_precision, batch_per_rank, seq_len, ...). progress: a callable told each case's label.
+    warmup: measure a steady step (True: Adam's states exist through it, as in every step but the first; a
+    first step's peak leaves them out, and with them what a data-parallel or hybrid rank mostly holds).
     """
     rows = []
     for label, spec in strategies.items():
@@ -50,7 +79,39 @@ def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100"
             found = resolve(cluster, world)
             if progress is not None:
                 progress(f"{label} x{world}")
-            sims = [simulate(lambda n=n: model_fn(n_layer=n), strategy, world, warmup=False, progress=False,
+            sims = [simulate(lambda n=n: model_fn(n_layer=n), strategy, world, warmup=warmup, progress=False,
                              cluster=found, **{**common, **options}) for n in BASE]
             rows.append(dict(extrapolate(*sims, layers), label=label, strategy=strategy, world_size=world))
     return rows
+
+
+KEEPS = 0.1  # a rate that moves less than this fraction "keeps" it
+
+
+def describe(rows) -> list[str]:
+    """One sentence per label of `sweep`'s rows, from the smallest world to the largest: the rate and where it
+    goes, with the exposed communication that moves it; or where it does not fit, and by how much."""
+    out = []
+    for label in dict.fromkeys(r["label"] for r in rows):
+        mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["world_size"])
+        ran = [r for r in mine if r["fits"]]
+        missing = [r for r in mine if not r["fits"]]
+        words = []
+        if len(ran) >= 2:
+            first, last = ran[0], ran[-1]
+            change = last["tflops_per_gpu"] / first["tflops_per_gpu"] - 1
+            trend = ("keeps its rate" if abs(change) < KEEPS else
+                     f"{'loses' if change < 0 else 'gains'} {abs(change):.0%} of its rate")
+            words.append(f"{trend}: {first['tflops_per_gpu']:.3g} TFLOP/s per GPU at {first['world_size']} GPUs, "
+                         f"{last['tflops_per_gpu']:.3g} at {last['world_size']} (exposed communication "
+                         f"{seconds_text(first['breakdown']['exposed_comm'])} -> "
+                         f"{seconds_text(last['breakdown']['exposed_comm'])} of a "
+                         f"{seconds_text(first['step_time'])} -> {seconds_text(last['step_time'])} step)")
+        elif ran:
+            words.append(f"{ran[0]['tflops_per_gpu']:.3g} TFLOP/s per GPU at {ran[0]['world_size']} GPUs")
+        if missing:
+            worst = max(missing, key=lambda r: r["peak"])
+            words.append(f"does not fit at {', '.join(str(r['world_size']) for r in missing)} GPUs (peak up to "
+                         f"{bytes_text(worst['peak'])}, {bytes_text(worst['fit'].capacity)} per GPU)")
+        out.append(f"{label} " + "; ".join(words))
+    return out

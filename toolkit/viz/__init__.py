@@ -11,9 +11,12 @@
 - `collective_panel()`: pick an operation, a size and a world size, launch, redraw the timeline.
 - `write_report(path, title, blocks)`: one self-contained HTML file of text, tables and figures.
 - `memory_bars(runs, predicted)` / `comm_bars(rows)` / `model_states_bars(...)` / `memory_over_time(run)`:
-  measured memory and bytes against the formulas; memory through a step with FSDP's gathers and frees.
+  measured memory and bytes against the formulas; memory through a step with FSDP's gathers and frees;
+  `peak_bars(peaks, capacity=...)`: a simulated rank's memory at its peak, every category, against the device.
 - `memory_explorer()` (ZeRO stages, Figure 1) and `wrap_policy_explorer()` (FSDP units): widgets on the theory.
 - `expert_load(run)`: experts x iterations heatmap, dropped tokens, imbalance; `roofline(runs)`: the DDL-roofline.
+- `scaling(rows)`: a simulated sweep's TFLOP/s per GPU over the number of GPUs, hollow where it does not fit
+  (`scale_explorer.scale_explorer()`, lesson 07's panel, imports the simulator: not loaded here).
 
 Nothing here runs training; only the panel's button launches ranks (through a measuring function).
 """
@@ -22,15 +25,16 @@ from .bandwidth import bandwidth, collective_times, fit_alpha_beta
 from .expert_load import expert_load
 from .explorer import MemoryExplorer, explorer_numbers, memory_explorer
 from .fsdp_explorer import WrapPolicyExplorer, policy_numbers, wrap_policy_explorer
-from .memory import comm_bars, memory_bars, memory_over_time, model_states_bars
+from .memory import comm_bars, memory_bars, memory_over_time, model_states_bars, peak_bars
 from .panels import CollectivePanel, collective_panel
 from .report import bullets, heading, note, preformatted, report_html, table, write_report
 from .ring import ring_schedule, ring_steps
 from .roofline import roofline, roofline_point
+from .scaling import scaling
 from .timeline import timeline
 
 __all__ = ["style", "CollectivePanel", "MemoryExplorer", "WrapPolicyExplorer", "bandwidth", "bullets", "collective_panel",
            "collective_times", "comm_bars", "expert_load", "explorer_numbers", "fit_alpha_beta", "heading",
-           "memory_bars", "memory_explorer", "memory_over_time", "model_states_bars", "note", "policy_numbers",
-           "preformatted", "report_html", "ring_schedule", "ring_steps", "roofline", "roofline_point", "table",
+           "memory_bars", "memory_explorer", "memory_over_time", "model_states_bars", "note", "peak_bars", "policy_numbers",
+           "preformatted", "report_html", "ring_schedule", "ring_steps", "roofline", "roofline_point", "scaling", "table",
            "timeline", "wrap_policy_explorer", "write_report"]

@@ -9,10 +9,20 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from ..memory import model_states_breakdown
+from ..units import byte_unit, bytes_text
 from . import style
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
+PEAK_CATEGORIES = ("params", "gathered", "grads", "optimizer", "comm", "activations", "temporary")  # a simulated peak
 COLOURS = style.MEMORY
+UNIT_NAMES = {1: "B", 1e3: "kB", 1e6: "MB", 1e9: "GB", 1e12: "TB"}
+
+
+def _unit(unit, largest: float) -> tuple[float, str]:
+    """(bytes per unit, name): the one given, else the one the largest value calls for."""
+    if unit is None:
+        return byte_unit(largest)
+    return unit, UNIT_NAMES.get(unit, f"x{unit:g} B")
 
 
 def peak_by_category(run, rank: int) -> dict:
@@ -21,53 +31,89 @@ def peak_by_category(run, rank: int) -> dict:
     return {c: max((s.get(c, 0) for s in rows), default=0) for c in CATEGORIES}
 
 
-def memory_bars(runs: dict, predicted: dict | None = None, *, unit: float = 1e6, title=None) -> go.Figure:
+def memory_bars(runs: dict, predicted: dict | None = None, *, unit: float | None = None, title=None) -> go.Figure:
     """Stacked measured peaks per category, one bar per (strategy, rank); `predicted[label]` marks the theory.
 
-    runs: {label: merged Run}; predicted: {label: bytes per rank of params + grads + optimizer}.
+    runs: {label: merged Run}; predicted: {label: bytes per rank of params + grads + optimizer}; unit: bytes
+    per plotted unit (1e6: MB), None: the one the largest bar calls for.
     """
-    x, values = [], {c: [] for c in CATEGORIES}
-    marks_x, marks_y = [], []
-    for label, run in runs.items():
-        for rank in run.ranks:
-            name = f"{label} · r{rank}"
-            x.append(name)
-            peaks = peak_by_category(run, rank)
-            for c in CATEGORIES:
-                values[c].append(peaks[c] / unit)
-            if predicted and label in predicted:
-                marks_x.append(name)
-                marks_y.append(predicted[label] / unit)
+    peaks = {(label, rank): peak_by_category(run, rank) for label, run in runs.items() for rank in run.ranks}
+    largest = max([sum(p.values()) for p in peaks.values()] + list((predicted or {}).values()) + [0])
+    unit, name_of_unit = _unit(unit, largest)
+    x = [f"{label} · r{rank}" for label, rank in peaks]
+    values = {c: [p[c] / unit for p in peaks.values()] for c in CATEGORIES}
+    marks = [(f"{label} · r{rank}", predicted[label] / unit) for label, rank in peaks if label in (predicted or {})]
     fig = go.Figure([go.Bar(x=x, y=values[c], name=c, marker_color=COLOURS[c],
-                            hovertemplate="%{x}<br>" + c + ": %{y:.3f} MB<extra></extra>") for c in CATEGORIES])
-    if marks_x:
-        fig.add_trace(go.Scatter(x=marks_x, y=marks_y, mode="markers", name="theory: model states",
-                                 marker=dict(symbol="diamond", size=11, color=style.THEORY),
-                                 hovertemplate="%{x}<br>predicted params+grads+optimizer: %{y:.3f} MB<extra></extra>"))
+                            hovertemplate="%{x}<br>" + c + ": %{y:.3g} " + name_of_unit + "<extra></extra>")
+                     for c in CATEGORIES])
+    if marks:
+        fig.add_trace(go.Scatter(x=[m[0] for m in marks], y=[m[1] for m in marks], mode="markers",
+                                 name="theory: model states", marker=dict(symbol="diamond", size=11, color=style.THEORY),
+                                 hovertemplate="%{x}<br>predicted params+grads+optimizer: %{y:.3g} " + name_of_unit
+                                 + "<extra></extra>"))
     style.place_title(fig, title or "Peak memory per rank, measured and predicted",
                       "bars: measured peak per category · diamonds: the formula for params + grads + optimizer")
-    fig.update_layout(barmode="stack", yaxis_title="MB per rank", xaxis_tickangle=-40, height=480,
+    fig.update_layout(barmode="stack", yaxis_title=f"{name_of_unit} per rank", xaxis_tickangle=-40, height=480,
                       legend_orientation="h", legend_y=-0.35)
     return fig
 
 
-def comm_bars(rows: list[dict], *, unit: float = 1e6, title=None) -> go.Figure:
+def peak_bars(peaks: dict, *, capacity: float | None = None, device: str = "device", predicted: dict | None = None,
+              title=None, subtitle=None) -> go.Figure:
+    """What a rank holds at the moment of its peak, every category stacked (they add up to the peak), one bar per
+    case, against the device's memory (a dashed line) and the formula's model states (diamonds).
+
+    peaks: {label: {category: bytes}} (a Simulation's `peak_memory`); capacity: the device's bytes;
+    predicted: {label: bytes of params + grads + optimizer by the formula}. The unit follows the magnitude.
+    """
+    labels = list(peaks)
+    totals = [sum(peaks[k].values()) for k in labels]
+    unit, name_of_unit = _unit(None, max(totals + [capacity or 0] + list((predicted or {}).values()) + [1]))
+    categories = [c for c in PEAK_CATEGORIES if any(peaks[k].get(c) for k in labels)] + sorted(
+        {c for k in labels for c in peaks[k] if c not in PEAK_CATEGORIES and peaks[k][c]})
+    fig = go.Figure([go.Bar(x=labels, y=[peaks[k].get(c, 0) / unit for k in labels], name=c,
+                            marker_color=COLOURS.get(c, style.COMPUTE["other"]),
+                            customdata=[bytes_text(peaks[k].get(c, 0)) for k in labels],
+                            hovertemplate="%{x}<br>" + c + ": %{customdata}<extra></extra>") for c in categories])
+    fig.add_trace(go.Scatter(x=labels, y=[t / unit for t in totals], mode="text", showlegend=False, hoverinfo="skip",
+                             text=[f"peak {bytes_text(t)}" for t in totals], textposition="top center"))
+    if predicted:
+        shown = [k for k in labels if k in predicted]
+        fig.add_trace(go.Scatter(x=shown, y=[predicted[k] / unit for k in shown], mode="markers",
+                                 name="formula: model states", marker=dict(symbol="diamond", size=11, color=style.THEORY),
+                                 customdata=[bytes_text(predicted[k]) for k in shown],
+                                 hovertemplate="%{x}<br>formula params+grads+optimizer: %{customdata}<extra></extra>"))
+    if capacity:
+        fig.add_hline(y=capacity / unit, line_dash="dash", line_color=style.ALERT,
+                      annotation_text=f"{device}: {bytes_text(capacity)}", annotation_position="top left")
+    top = max(totals + [capacity or 0]) / unit
+    fig.update_yaxes(range=[0, 1.15 * top if top > 0 else 1], title_text=f"{name_of_unit} per rank")
+    style.place_title(fig, title or "Memory at the peak, by category", subtitle if subtitle is not None else
+                      "what the rank holds at its peak moment (the categories add up to the peak)"
+                      + (" · dashed: the device's memory" if capacity else "")
+                      + (" · diamonds: the formula's model states" if predicted else ""))
+    fig.update_layout(barmode="stack", height=460, template="plotly_white", legend_orientation="h", legend_y=-0.2)
+    return fig
+
+
+def comm_bars(rows: list[dict], *, unit: float | None = None, title=None) -> go.Figure:
     """Bytes each rank sends per step, measured (bars) against theory (diamonds).
 
-    rows: [{"strategy", "measured", "theory"}] in bytes.
+    rows: [{"strategy", "measured", "theory"}] in bytes; unit: bytes per plotted unit (None: by magnitude).
     """
     labels = [r["strategy"] for r in rows]
+    unit, name_of_unit = _unit(unit, max([max(r["measured"], r["theory"]) for r in rows] + [0]))
     fig = go.Figure([
         go.Bar(x=labels, y=[r["measured"] / unit for r in rows], name="measured (trace)",
                marker_color=style.MEMORY["params"],
-               hovertemplate="%{x}: %{y:.3f} MB sent per step<extra></extra>"),
+               hovertemplate="%{x}: %{y:.3g} " + name_of_unit + " sent per step<extra></extra>"),
         go.Scatter(x=labels, y=[r["theory"] / unit for r in rows], mode="markers", name="theory",
                    marker=dict(symbol="diamond", size=12, color=style.THEORY),
-                   hovertemplate="%{x}: theory %{y:.3f} MB<extra></extra>"),
+                   hovertemplate="%{x}: theory %{y:.3g} " + name_of_unit + "<extra></extra>"),
     ])
     style.place_title(fig, title or "Bytes each rank sends per training step",
                       "bars: measured from the trace (median step) · diamonds: theory")
-    fig.update_layout(yaxis_title="MB per rank per step", height=400)
+    fig.update_layout(yaxis_title=f"{name_of_unit} per rank per step", height=400)
     return fig
 
 

@@ -41,7 +41,10 @@ COMMUNICATION = {
     "barrier": "#000000",
 }
 MEMORY = {"params": "#4477AA", "grads": "#CC6677", "optimizer": COMPUTE["optimizer"], "activations": "#DDCC77",
-          "states": "#88CCEE", "total": "#222222"}
+          "states": "#88CCEE", "total": "#222222",
+          # a simulated rank's other categories at its peak (toolkit.sim.memory): a unit's gathered parameters
+          # (dark blue, kin to params), buffers handed to collectives, temporaries of backward and the step
+          "gathered": "#004488", "comm": "#BBCC33", "temporary": "#BBBBBB"}
 IMPLEMENTATIONS = {"backend": "#4477AA", "ring": "#EE6677", "custom": "#228833"}  # who ran a collective
 SEQUENCE = ("#4477AA", "#EE6677", "#228833", "#CCBB44", "#66CCEE", "#AA3377", "#BBBBBB", "#332288")  # numbered things
 LOAD_SCALE = ("#2166AC", "#92C5DE", "#F7F7F7", "#F4A582", "#B2182B")  # idle .. balanced (white) .. hot: blue-red
@@ -97,12 +100,15 @@ def compute_colour(label: str) -> str:
 
 def variant(name: str, category: str) -> int:
     """Which shade of its category's colour a name gets, the same in every figure: 0 (the colour itself) for
-    the category's own name, 1 for a root unit, 2 + i for unit i ("blocks.3": 5), else one by the name."""
+    the category's own name, 1 for a root unit, 2 + i for unit i ("blocks.3": 5), 2 for a pass's units drawn
+    together ("forward · units"), else one by the name."""
     name = str(name)
     if name in (category, LABELS.get(category)):
         return 0
     if name.endswith("(root)"):
         return 1
+    if name.endswith(" · units"):  # every unit of a pass in one shade, darker (the timeline names each bar)
+        return 2
     number = re.search(r"(\d+)$", name)
     return 2 + int(number.group(1)) if number else 1 + zlib.crc32(name.encode()) % 6
 

@@ -25,16 +25,26 @@ from . import style
 
 LANES = ("comm", "compute")
 BLOCKED = style.BLOCKED
+UNITS = " · units"  # "forward · units": every unit's span of a pass, one colour, each bar named, edges drawn
 
 
 def lane_name(rank: int, lane: str) -> str:
     return f"rank {rank} · {'comm' if lane == 'comm' else 'compute'}"
 
 
+def unit_of(name: str):
+    """("forward", "blocks.3") for a sharded unit's span ("forward blocks.3", "backward (root)"); else None."""
+    word, _, unit = str(name).partition(" ")
+    return (word, unit) if word in ("forward", "backward") and unit else None
+
+
 def _compute_label(event) -> str:
-    """The legend's name of a compute-lane span: its own, except the emulated link's waits."""
+    """The legend's name of a compute-lane span: its own, except the emulated link's waits and the units of
+    FSDP / ZeRO-3 ("forward blocks.3"), which share one name per pass, each bar labelled with its unit."""
     if event["cat"] == "blocked":
         return event["name"]
+    if unit_of(event["name"]):
+        return unit_of(event["name"])[0] + UNITS
     return style.LABELS["emulated"] if style.compute_category(event) == "emulated" else event["name"]
 
 
@@ -116,13 +126,14 @@ def _overlap_line(run, events, blocked) -> str:
 
 
 def timeline(run, *, ranks=None, phase=None, where=None, include_compute: bool = True,
-             title: str | None = None, subtitle: str | None = None) -> go.Figure:
+             title: str | None = None, subtitle: str | None = None, note: str | None = None) -> go.Figure:
     """A Gantt-style figure of the Run's spans: one lane per rank, communication above compute.
 
     ranks: only these ranks. phase: a phase name or prefix (or a tuple of them), e.g. "all_reduce/"
     keeps every all-reduce measurement. where: any predicate on an event dict. Time runs in
     milliseconds from the first span shown. subtitle: a second title line (default: the overlap of
-    the spans shown, and what grey means when a synchronous collective interrupted compute).
+    the spans shown, and what grey means when a synchronous collective interrupted compute). note: a
+    sentence added to the subtitle (e.g. how the spans shown relate to a table's numbers beside it).
     """
     events = _selected(run, ranks, phase, where)
     if not include_compute:
@@ -150,20 +161,25 @@ def timeline(run, *, ranks=None, phase=None, where=None, include_compute: bool =
             hover = [comm_hover(e) for e in spans]
         else:
             name, pattern, hover = label, dict(shape=""), [compute_hover(e) for e in spans]
+        units = not is_comm and label.endswith(UNITS)  # near-identical shades per unit would not tell them apart:
+        text = [unit_of(e["name"])[1] for e in spans] if units else None  # a name on each bar, and its edges
         fig.add_trace(go.Bar(
             orientation="h", name=name, legendgroup="comm" if is_comm else "compute",
             legendgrouptitle_text="communication" if is_comm else "compute",
             y=[lane_name(e["rank"], "comm" if is_comm else "compute") for e in spans],
             base=[(e["start"] - t0) * 1e3 for e in spans],
             x=[max(e["end"] - e["start"], 0.0) * 1e3 for e in spans],
-            marker=dict(color=(style.comm_colour if is_comm else style.compute_colour)(label), line=dict(width=0.5, color=style.SEPARATOR), pattern=pattern),
-            hovertext=hover, hoverinfo="text"))
+            marker=dict(color=(style.comm_colour if is_comm else style.compute_colour)(label),
+                        line=dict(width=1.5 if units else 0.5, color=style.SEPARATOR), pattern=pattern),
+            text=text, textposition="inside" if units else None, insidetextanchor="middle",
+            textfont=dict(color=style.SEPARATOR) if units else None, hovertext=hover, hoverinfo="text"))
     calls = sum(e["cat"] == "comm" for e in events)
     style.place_title(fig, title or f"Timeline: {len(shown_ranks)} ranks, {calls} collective calls",
-                      subtitle if subtitle is not None else _overlap_line(run, events, blocked))
+                      " · ".join(t for t in (subtitle if subtitle is not None else _overlap_line(run, events, blocked),
+                                             note) if t))
     legend_px = 20 * (len(groups) + 2)  # one line per name and per group title: the lanes make room for it
     fig.update_layout(
-        barmode="overlay", bargap=0.25, height=fig.layout.margin.t + 80 + max(34 * len(order), legend_px),
+        barmode="overlay", bargap=0.25, uniformtext=dict(minsize=8, mode="hide"),  # a unit's name where it fits height=fig.layout.margin.t + 80 + max(34 * len(order), legend_px),
         template="plotly_white",
         xaxis_title="time since the first span (ms)", legend=dict(groupclick="toggleitem"),
         yaxis=dict(categoryorder="array", categoryarray=order, autorange="reversed", title=None),
