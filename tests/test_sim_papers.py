@@ -51,10 +51,11 @@ def fsdp_paper_cluster(inter_node="250 Gb/s"):
 
 
 def gpt3_fsdp(world, layers=96, inter_node="250 Gb/s", **options):
+    from toolkit.models.as_in_papers import as_in
     from toolkit.models.presets import gpt3_175b
     from toolkit.sim import simulate
 
-    return simulate(lambda: gpt3_175b(n_layer=layers), "fsdp", world, batch_per_rank=1, mixed_precision=True,
+    return simulate(lambda: as_in(gpt3_175b(n_layer=layers), "mingpt"), "fsdp", world, batch_per_rank=1, mixed_precision=True,
                     activation_checkpointing=True, forward_prefetch=True, warmup=False, progress=False,
                     cluster=fsdp_paper_cluster(inter_node), **options)
 

@@ -10,6 +10,6 @@ collectives in issue order), which the cost model reads: `hardware.py` (presets 
 """
 from .cost import StepCost, compute_time, estimate, modelled_run, price  # noqa: F401
 from .hardware import CLUSTERS, GPUS, Accelerator, Cluster, accelerator, cluster_of, presets  # noqa: F401
-from .program import Collective, Compute, Wait  # noqa: F401
+from .program import Collective, Compute, Kernel, Wait  # noqa: F401
 from .simulate import measure_steps, simulate  # noqa: F401
 from .simulation import Simulation  # noqa: F401

@@ -27,17 +27,18 @@ def extrapolate(one, two, layers: int) -> dict:
     """The numbers of an L-layer model from priced simulations of its BASE-layer versions."""
     step = _affine(one.step_time, two.step_time, layers)
     flops = _affine(one.flops, two.flops, layers)
+    model_flops = _affine(one.cost.model_flops[-1], two.cost.model_flops[-1], layers)
     peak = _affine(one.peak, two.peak, layers)
     breakdown = {k: _affine(one.breakdown[k], two.breakdown[k], layers) for k in one.breakdown}
-    gpu = one.cost.cluster.gpu
+    gpu_peak = one.cost.cluster.gpu.flops_per_s(one.cost.dtype)
     return {"step_time": step, "flops": flops, "tflops_per_gpu": flops / step / 1e12,
-            "mfu": flops / step / gpu.flops_per_s(one.cost.dtype), "peak": peak,
+            "mfu": model_flops / step / gpu_peak, "hfu": flops / step / gpu_peak, "peak": peak,
             "states": _affine(one.memory["total"], two.memory["total"], layers),
-            "fits": peak <= gpu.memory_bytes, "breakdown": breakdown}
+            "fits": peak <= one.cost.cluster.gpu.memory_bytes, "breakdown": breakdown}
 
 
 def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100", progress=None, **common) -> list:
-    """One row per (strategy, world size): step time, TFLOP/s per GPU, MFU, peak memory, whether it fits.
+    """One row per (strategy, world size): step time, TFLOP/s per GPU, MFU and HFU, peak memory, whether it fits.
 
     model_fn(n_layer=...) builds the model (a preset of `toolkit.models.presets`); strategies maps a label
     to (strategy, options) or to options of the strategy named by the label; common: options for every

@@ -85,10 +85,11 @@ def _union_length(intervals) -> float:
     return total
 
 
-def schedule(program, compute_time, collective_cost, start: float = 0.0, overlap: float = 1.0) -> Timeline:
+def schedule(program, compute_time, collective_cost, start: float = 0.0, overlap: float = 1.0,
+             beside: float = 1.0) -> Timeline:
     """Replay `program` from time `start`: compute_time(Compute) -> seconds, collective_cost(Collective) ->
     an object with `.seconds`, `.resources` (the links it occupies) and optionally `.occupancy` (how long it
-    holds them, `.seconds` if absent: `toolkit.sim.collective_time`); overlap: rule 4."""
+    holds them, `.seconds` if absent: `toolkit.sim.collective_time`); overlap: rule 4; beside: rule 5."""
     clock = start                  # where the compute stream is
     free: dict[str, float] = {}    # link -> when its last collective ends
     done: dict[int, float] = {}    # collective id -> when it ends
@@ -102,10 +103,11 @@ def schedule(program, compute_time, collective_cost, start: float = 0.0, overlap
             if instruction.id in done:
                 raise ValueError(f"instruction {n}: collective id {instruction.id} issued twice")
             cost = collective_cost(instruction)
+            stretch = beside if instruction.async_op else 1.0
             begin = max([clock] + [free.get(link, start) for link in cost.resources])
-            end = begin + cost.seconds
+            end = begin + cost.seconds * stretch
             for link in cost.resources:
-                free[link] = begin + getattr(cost, "occupancy", cost.seconds)
+                free[link] = begin + getattr(cost, "occupancy", cost.seconds) * stretch
             done[instruction.id] = end
             spans.append(Span("comm", begin, end, instruction, issued=clock, cost=cost))
             if overlap < 1 and cost.seconds > 0:
