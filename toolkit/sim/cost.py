@@ -106,6 +106,13 @@ class StepCost:
             row["fraction_of_peak"] = row["flops"] / row["seconds"] / peak if row["seconds"] and peak else 0.0
         return sorted(rows.values(), key=lambda r: -r["seconds"])
 
+    @property
+    def trust(self) -> str | None:
+        """How far to trust this prediction, where the cluster was measured (`toolkit.sim.calibrate.trust`): the
+        calibration's spread, the load then and now. None on the datasheet presets (see docs/benchmarks.md)."""
+        found = self.cluster.notes.get("trust")
+        return found["note"] if found else None
+
     def summary(self) -> str:
         b = self.breakdown
         ms = lambda s: f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"  # noqa: E731
@@ -113,7 +120,7 @@ class StepCost:
         return (f"{self.cluster.name}, {self.dtype}, {how}: step {ms(self.step_time)} "
                 f"= compute {ms(b['compute'])} + exposed communication {ms(b['exposed_comm'])} "
                 f"({ms(b['overlapped_comm'])} more hidden behind compute); {self.tflops_per_gpu:.3g} TFLOP/s per "
-                f"GPU, MFU {self.mfu:.1%}, HFU {self.hfu:.1%}")
+                f"GPU, MFU {self.mfu:.1%}, HFU {self.hfu:.1%}" + (f"\n  trust: {self.trust}" if self.trust else ""))
 
 
 def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mfu: float | None = None,
