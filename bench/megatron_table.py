@@ -141,8 +141,13 @@ def main(argv=None) -> int:
     done = [r for r in results if "skipped" not in r]
     within = sum(abs(r["error"]) <= TOLERANCE for r in done)
     body += (f"\n\n{within} of {len(done)} rows predicted within {TOLERANCE:.0%} "
-             f"({len(results) - len(done)} not run yet). The slowest operations of each predicted row's step: "
-             + "; ".join(f"row {r['row']}: " + ", ".join(f"{n} {s:.2f} s" for n, s in r["top"]) for r in done) + ".")
+             f"({len(results) - len(done)} not run yet). The slowest operations in each predicted row's "
+             f"three-layer simulation: "
+             + "; ".join(f"row {r['row']}: " + ", ".join(f"{n} {s:.2f} s" for n, s in r["top"]) for r in done) + "."
+             "\n\nThe model is priced from datasheets and a GEMM microbenchmark only, so it predicts what the paper's "
+             "kernels would take, not what its run paid besides; where it is above the paper, docs/differences.md "
+             "('The simulator's cost model') lists what it leaves out. The table gives no micro-batch size: "
+             f"a pipelined row is assumed to run micro-batches of {MICRO_BATCH} sequence(s).")
     print(body)
     if args.write:
         benchlib.write_section(args.write, SECTION, f"python {' '.join(sys.argv)}", body)
