@@ -255,3 +255,45 @@ def test_sweep_extrapolates_two_and_three_layers_to_the_whole_model():
         assert row["flops"] == pytest.approx(whole.flops, rel=1e-9) and row["states"] == whole.memory["total"]
         assert row["peak"] == pytest.approx(whole.peak, rel=0.05)  # what is alive at the peak may shift a little
         assert row["fits"] and row["tflops_per_gpu"] == pytest.approx(whole.tflops_per_gpu, rel=1e-3)
+
+
+# --- a collective beside compute (rule 5) and how far to trust a calibrated machine -------------------------
+def test_an_asynchronous_collective_beside_compute_takes_beside_times_longer_and_delays_what_queues_behind():
+    """ZeRO-3's backward on a CPU: a reduce-scatter in flight while the cores compute takes `beside` times its
+    time, and the next all-gather on the same link starts only when it is done; a synchronous one is unchanged."""
+    program = [comm(0, "reduce_scatter", 1, [0, 1]), Compute(0, label="b"), comm(1, "all_gather", 1, [0, 1],
+                                                                                 async_op=False), Wait(1), Wait(0)]
+    times = fixed({"b": 1.0})
+    plain = schedule(program, times, lambda c: Cost(1.0))
+    stretched = schedule(program, times, lambda c: Cost(1.0), beside=3.0)
+    assert plain.step_time == 2.0  # the all-gather waits for the link until 1, ends at 2
+    assert stretched.step_time == 4.0  # the reduce-scatter holds it until 3
+    assert [s.end - s.start for s in stretched.spans if s.kind == "comm"] == [3.0, 1.0]
+
+
+def calibration(**changes):
+    """A measurement dict as `toolkit.sim.calibrate.measure` returns it (numbers made up, shapes real)."""
+    links = {op: {"bandwidth": 1e9, "latency": 1e-4} for op in ("all_reduce", "reduce_scatter", "all_gather",
+                                                                 "broadcast", "all_to_all")}
+    return {"world_size": 2, "cores": 2, "host": "h", "measured_at": "now", "load": 2.0, "reference_spread": 0.2,
+            "gemm_rates": {"fp32": [(4e6, 2e10), (5e8, 5e10)], "bf16": [(4e6, 1e9), (5e8, 1e9)]},
+            "flops": {"fp32": 5e10, "bf16": 1e9}, "op_overhead": 5e-6, "memory_bandwidth": 5e9,
+            "reference_step_s": 0.02, "links": links, "overlap": 0.2,
+            "beside_compute": {"stretch": 2.5}, **changes}
+
+
+def test_a_calibrated_machine_scales_its_rates_by_the_reference_step_timed_again_and_says_how_far_to_trust_it():
+    from toolkit.sim.calibrate import from_measurements
+    from toolkit.sim.kernel_time import measured_rate
+
+    now = from_measurements(calibration())
+    slower = from_measurements(calibration(), reference_step_s=0.04)  # the machine runs at half speed now
+    assert measured_rate(slower.gpu, 5e8, "fp32") == measured_rate(now.gpu, 5e8, "fp32") / 2
+    assert slower.gpu.op_overhead == 2 * now.gpu.op_overhead
+    assert slower.gpu.memory_bandwidth == now.gpu.memory_bandwidth / 2 and slower.beside_compute == 2.5
+    # between two measured sizes the rate is log-linear in the GEMM's FLOPs
+    assert measured_rate(now.gpu, (4e6 * 5e8) ** 0.5, "fp32") == pytest.approx((2e10 * 5e10) ** 0.5)
+    note = slower.notes["trust"]["note"]
+    assert "load 1.0 per core" in note and "spread ±10%" in note and "0.50x as fast" in note
+    cost = estimate([[Compute(1e9, label="x")]], slower, world_size=2)
+    assert cost.trust == note and note in cost.summary() and estimate([[Compute(1.0)]], DGX, world_size=8).trust is None
