@@ -288,11 +288,16 @@ def test_a_calibrated_machine_scales_its_rates_by_the_reference_step_timed_again
 
     now = from_measurements(calibration())
     slower = from_measurements(calibration(), reference_step_s=0.04)  # the machine runs at half speed now
-    assert measured_rate(slower.gpu, 5e8, "fp32") == measured_rate(now.gpu, 5e8, "fp32") / 2
-    assert slower.gpu.op_overhead == 2 * now.gpu.op_overhead
-    assert slower.gpu.memory_bandwidth == now.gpu.memory_bandwidth / 2 and slower.beside_compute == 2.5
+    assert measured_rate(slower.gpu, 5e8, "fp32") == pytest.approx(measured_rate(now.gpu, 5e8, "fp32") / 2)
+    assert slower.gpu.op_overhead == pytest.approx(2 * now.gpu.op_overhead)
+    assert slower.gpu.memory_bandwidth == pytest.approx(now.gpu.memory_bandwidth / 2)
+    assert slower.beside_compute == 1.0  # measured and reported, not charged (docs/benchmarks.md says why)
+    # the rates are scaled so that the per-operation model reproduces the reference step it was timed on
+    from toolkit.sim.calibrate import reference_seconds
+    assert reference_seconds(now.gpu) == pytest.approx(0.02) and reference_seconds(slower.gpu) == pytest.approx(0.04)
     # between two measured sizes the rate is log-linear in the GEMM's FLOPs
-    assert measured_rate(now.gpu, (4e6 * 5e8) ** 0.5, "fp32") == pytest.approx((2e10 * 5e10) ** 0.5)
+    ratio = measured_rate(now.gpu, (4e6 * 5e8) ** 0.5, "fp32") / measured_rate(now.gpu, 4e6, "fp32")
+    assert ratio == pytest.approx((5e10 / 2e10) ** 0.5)
     note = slower.notes["trust"]["note"]
     assert "load 1.0 per core" in note and "spread ±10%" in note and "0.50x as fast" in note
     cost = estimate([[Compute(1e9, label="x")]], slower, world_size=2)

@@ -11,12 +11,16 @@ a real run would use (N processes sharing its cores, all at once, so each rank m
   `toolkit.viz.fit_alpha_beta` fits alpha and beta to each operation apart (gloo runs a reduce-scatter
   as an all-reduce, so one fit for all would mislead).
 
-Nothing is fitted to a training step: the cost model prices a step's recorded operations on these
-rates (`toolkit.sim.kernel_time`, a CPU's rules). How far to trust a prediction is measured too
-(`trust`): the reference step's spread while calibrating and the machine's load then and now. A
-shared machine's load changes by the minute: `from_measurements(m, reference_step_s=...)` takes the
-reference step timed again beside what is predicted, and scales the compute rates by how much slower
-or faster the machine is now (the load, measured, not a fit).
+The cost model prices a step's recorded operations on these rates (`toolkit.sim.kernel_time`, a CPU's
+rules), scaled by one constant per machine: the reference step's measured time over what the model
+predicts for it (a small GPT that is not the model being predicted, as a GEMM microbenchmark is not the
+training run for a GPU preset; it takes in what a CPU's kernels pay beyond the rates measured apart).
+How far to trust a prediction is measured too (`trust`): the reference step's spread while
+calibrating and the machine's load then and now. A shared machine's load changes by the minute:
+`from_measurements(m, reference_step_s=...)` takes the reference step timed again beside what is
+predicted and scales to that instead. The in-flight stretch of a collective beside compute is measured
+and reported (`m["beside_compute"]`), not charged: charging it to every asynchronous collective made the
+predictions worse (docs/benchmarks.md).
 
 The result is cached as JSON under the cache folder (``$TOOLKIT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/toolkit``, else ``~/.cache/toolkit``), keyed by host, torch version, core count and
@@ -24,6 +28,7 @@ world size; `this_machine(world_size, refresh=True)` measures again.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -33,7 +38,9 @@ from pathlib import Path
 from ..comm.emulate import Link, Settings
 from .calibrate_compute import REFERENCE, measure_compute, reference_step  # noqa: F401 - reference_step: benches
 from .calibrate_links import SIZES, measure_links
+from .cost import compute_time
 from .hardware import MEASURED, THIS_MACHINE, Accelerator, Cluster
+from .program import Compute
 
 VERSION = 4
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
@@ -88,46 +95,74 @@ def measure(world_size: int, *, timeout_s: float = 240.0) -> dict:
                 records=results[0]["records"])
 
 
-def trust(m: dict, speed: float = 1.0) -> dict:
+def trust(m: dict, speed: float = 1.0, model: float = 1.0) -> dict:
     """How far to trust a prediction from measurement `m`: the calibration's own spread, the load then and now.
 
     spread: the reference step's interquartile range over its median while calibrating (one step of the
     machine may sit that far from the typical one); load: runnable processes per core then and now;
     speed: how much faster the machine is now than when calibrated (the reference step timed beside the
-    prediction), 1 where it was not timed again."""
+    prediction, 1 where it was not timed again); model: the reference step's measured time over what the
+    per-operation model predicts for it at the calibrated rates (what the CPU kernel model misses)."""
     cores = m.get("cores") or 1
     then, now = m.get("load", 0.0) / cores, load_now() / cores
     note = (f"calibrated {m.get('measured_at', '?')} at load {then:.1f} per core (reference step spread "
-            f"±{m.get('reference_spread', 0) / 2:.0%}); load now {now:.1f} per core")
+            f"±{m.get('reference_spread', 0) / 2:.0%}); the reference step takes {model:.2f}x what the "
+            f"per-operation model predicts at the calibrated rates, which are scaled by it; load now {now:.1f} per core")
     if speed != 1.0:
-        note += f"; the machine runs {speed:.2f}x as fast as then (reference step timed again), rates scaled"
+        note += f"; the machine runs {speed:.2f}x as fast as then (reference step timed again beside the run)"
     elif now > 1.5 * max(then, 0.5):
         note += ("; the load has grown since: compute will be slower than predicted (time the reference step "
                  "beside the run and pass it to from_measurements, or calibrate again with refresh=True)")
-    return {"spread": m.get("reference_spread", 0.0), "load_then": then, "load_now": now, "speed": speed, "note": note}
+    return {"spread": m.get("reference_spread", 0.0), "load_then": then, "load_now": now, "speed": speed,
+            "model": model, "note": note}
+
+
+def _accelerator(m: dict, speed: float) -> Accelerator:
+    """This machine's rates as measured, every one scaled by `speed` (work per second)."""
+    n = m["world_size"]
+    rates = {dtype: tuple((f, r * speed) for f, r in points) for dtype, points in m["gemm_rates"].items()}
+    peak = {"fp32": m["flops"]["fp32"] * speed, "bf16": m["flops"]["bf16"] * speed, "fp16": m["flops"]["bf16"] * speed}
+    return Accelerator(f"this machine ({n} ranks on {m['cores']} cores)", peak,
+                       memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+                       memory_bandwidth=m["memory_bandwidth"] * speed, op_overhead=m["op_overhead"] / speed,
+                       asynchronous=False, gemm_rates={**rates, "fp16": rates["bf16"]},
+                       source=f"measured {m['measured_at']} on {m['host']} with {n} ranks at once")
+
+
+@functools.lru_cache(maxsize=1)
+def _reference_program() -> tuple:
+    """The reference step's compute segments, recorded by the simulator once per process."""
+    from ..models import tiny_gpt
+    from .simulate import simulate  # here, not at the top: simulate prices through cost, which finds this module
+
+    sim = simulate(functools.partial(tiny_gpt, **REFERENCE["model"]), "local", 1, batch_per_rank=REFERENCE["batch"],
+                   progress=False)
+    return tuple(c for c in sim.programs[-1] if isinstance(c, Compute))
+
+
+def reference_seconds(gpu: Accelerator) -> float:
+    """What the per-operation model predicts for the reference step on `gpu` (compute only: it has no collective)."""
+    return sum(compute_time(c, gpu, "fp32") for c in _reference_program())
 
 
 def from_measurements(m: dict, link: Settings | None = None, *, reference_step_s: float | None = None) -> Cluster:
     """The Cluster a measurement describes; `link` (an emulated interconnect) replaces the loopback.
 
-    reference_step_s: the reference step timed again (a benchmark times it beside what it predicts, so that
-    the machine's load is the same for both): every compute rate is scaled by how much faster (or slower)
-    it ran than during the calibration.
+    Compute: the measured rates, scaled so that the per-operation model reproduces the reference step (a small
+    GPT that is not the model being predicted; the one constant per machine, as the GEMM microbenchmark is for
+    a GPU). reference_step_s: the reference step timed again (a benchmark times it beside what it predicts, so
+    that the machine's load is the same for both): the rates are then scaled to that time instead.
     """
-    speed = m["reference_step_s"] / reference_step_s if reference_step_s else 1.0
+    measured = reference_step_s or m["reference_step_s"]
+    modelled = reference_seconds(_accelerator(m, 1.0))
+    gpu = _accelerator(m, modelled / measured)
     n = m["world_size"]
-    rates = {dtype: tuple((f, r * speed) for f, r in points) for dtype, points in m["gemm_rates"].items()}
-    peak = {"fp32": m["flops"]["fp32"] * speed, "bf16": m["flops"]["bf16"] * speed, "fp16": m["flops"]["bf16"] * speed}
-    gpu = Accelerator(f"this machine ({n} ranks on {m['cores']} cores)", peak,
-                      memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
-                      memory_bandwidth=m["memory_bandwidth"] * speed, op_overhead=m["op_overhead"] / speed,
-                      asynchronous=False, gemm_rates={**rates, "fp16": rates["bf16"]},
-                      source=f"measured {m['measured_at']} on {m['host']} with {n} ranks at once")
+    notes = trust(m, m["reference_step_s"] / measured, m["reference_step_s"] / modelled)
     op_links = {op: Link(float(v["bandwidth"]), float(v["latency"])) for op, v in m["links"].items()}
     loopback = op_links["all_reduce"]
     found = Cluster(THIS_MACHINE, gpu, n, loopback, loopback, 0.0, source=gpu.source + "; links: loopback (gloo)",
-                    op_links=op_links, overlap=m["overlap"], beside_compute=m["beside_compute"]["stretch"],
-                    notes={"measurements": {k: v for k, v in m.items() if k != "records"}, "trust": trust(m, speed)})
+                    op_links=op_links, overlap=m["overlap"],
+                    notes={"measurements": {k: v for k, v in m.items() if k != "records"}, "trust": notes})
     if link is None:
         return found
     # An emulated link's time is a sleep on top of the loopback's (`toolkit.comm.emulate`): it takes no core,

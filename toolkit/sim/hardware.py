@@ -147,9 +147,10 @@ def measured(name: str, world_size: int) -> Cluster:
 def presets() -> dict:
     """The named clusters `simulate(..., cluster=...)` accepts, each with a one-line description."""
     out = {name: c.describe() for name, c in CLUSTERS.items()}
-    out[THIS_MACHINE] = ("this computer, calibrated once by measurement (matmul FLOP/s, per-operation "
-                         "overhead, loopback alpha-beta of the collectives as a step calls them, the fraction "
-                         "of a collective that hides behind compute) and cached on disk")
+    out[THIS_MACHINE] = ("this computer, calibrated once by measurement (GEMM FLOP/s by size, per-operation "
+                         "overhead, memory bandwidth, loopback alpha-beta of the collectives as a step calls them, "
+                         "the fraction of a collective that hides behind compute and how much longer one takes "
+                         "beside compute) and cached on disk")
     return out
 
 
