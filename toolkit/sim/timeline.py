@@ -16,6 +16,10 @@ The rule, in the order the strategy issued its work (`toolkit.sim.program`):
    part of its time that cannot hide, (1 - overlap) x its time, from when it is issued: a "host"
    span, counted as exposed communication. With overlap 0 an asynchronous collective costs what a
    synchronous one does; a synchronous one costs the same whatever `overlap` is.
+5. Optionally (`beside` > 1, `Cluster.beside_compute`), an asynchronous collective takes `beside` times
+   its own time in flight, as where the cores that run it are also computing; what queues behind it
+   on its link waits that much longer. A synchronous collective has nothing beside it. 1 on every
+   preset: the calibration measures it on a CPU but does not charge it (too unsteady: docs/benchmarks.md).
 
 The step ends when the compute stream is done and no collective is still in flight. So the time of a
 step splits three ways: compute; exposed communication (the compute stream waiting); and overlapped
