@@ -9,7 +9,8 @@
   issued asynchronously before the compute and waited after it; the time it saves over the
   synchronous loop, over the time it could save (the shorter of the two). On a GPU the links and the
   streams are separate hardware (1.0); here gloo's threads copy on the cores the ranks compute on.
-- A collective in flight beside compute and another collective (`Cluster.beside_compute`): what ZeRO-3
+- A collective in flight beside compute and another collective (reported; `Cluster.beside_compute` charges
+  it only where a user asks, as it is too unsteady on a shared CPU to charge by default): what ZeRO-3
   and FSDP do in backward. An asynchronous reduce-scatter is issued, compute runs, and the next layer's
   all-gather is called while it may still be in flight; the reduce-scatter's completion is polled
   between the compute's matmuls. Its time in flight over its cost alone (the loop above) says how much

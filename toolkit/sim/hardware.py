@@ -77,8 +77,8 @@ class Cluster:
     overlap: float = 1.0            # fraction of a collective's time that can hide behind compute: 1 where the
     #                                 links and copy engines are their own hardware (GPUs); measured on a CPU,
     #                                 whose cores do the copies (toolkit.sim.calibrate)
-    beside_compute: float = 1.0     # how many times longer an asynchronous collective takes in flight beside compute:
-    #                                 1 on GPUs (links of their own); measured on a CPU (toolkit.sim.calibrate_links)
+    beside_compute: float = 1.0     # how many times longer an asynchronous collective takes in flight beside compute
+    #                                 (timeline rule 5): 1 on every preset; a what-if (measured on a CPU, not charged)
     latency_holds_link: bool = True  # a collective holds its links for its latency too (NCCL runs a
     #                                 communicator's collectives one after the other); False where latency
     #                                 is delay in flight and the next message may go meanwhile (the emulator)
