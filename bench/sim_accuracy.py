@@ -1,14 +1,17 @@
 """How far to trust the simulator's step time: its prediction next to a measurement, on this machine, in one run.
 
-For each world size: calibrate the "this-machine" preset (`toolkit.sim.calibrate`: matmul FLOP/s,
-per-operation overhead and the loopback alpha-beta of every collective, all measured with every rank
-busy), then for each strategy
+For each world size: calibrate the "this-machine" preset (`toolkit.sim.calibrate`: GEMM FLOP/s by size,
+per-operation overhead, memory bandwidth and the loopback alpha-beta of every collective, all measured with
+every rank busy; nothing fitted to a step), then for each strategy
 
 - predict: `toolkit.sim.simulate` runs the strategy's own code for one rank on the fake process group
   (meta tensors) and the cost model prices its program on the calibrated preset;
 - measure: the same model and strategy train for real on gloo ranks; a step's time is the slowest
   rank's, and the reported time is the median over steps. The strategies take their steps in turn
-  (ddp, zero1, ..., ddp, zero1, ...) so that the shared machine's slow moments hit all of them.
+  (ddp, zero1, ..., ddp, zero1, ...) so that the shared machine's slow moments hit all of them, and
+  with them the calibration's reference step: how much faster or slower it runs than while calibrating
+  is the change in the machine's load, and the compute rates are scaled by it (a measurement, not a fit).
+  The load average during calibration and during the run is reported beside.
 
 Reported: both times, the error (predicted / measured - 1), and whether ranking the strategies by
 step time gives the same order. The target is every error within 20% and the ranking preserved; a miss
@@ -190,41 +193,61 @@ def ranking(predicted: dict, measured: dict) -> str:
 
 def table(world: int, machine, rows: list) -> str:
     m = machine.notes["measurements"]
-    lines = [f"World size {world}: calibrated {m['flops']['fp32'] / 1e9:.1f} GFLOP/s fp32 matmul per rank, "
-             f"{m['op_overhead'] * 1e6:.1f} µs per operation, achievable fraction {m['mfu']:.2f} (fitted to the "
-             f"reference step, {m['reference_step_s'] * 1e3:.1f} ms, timed beside the strategies), loopback all-reduce "
-             f"α = {machine.op_links['all_reduce'].latency * 1e6:.0f} µs, "
+    trust = machine.notes["trust"]
+    curve = ", ".join(f"{r / 1e9:.0f}" for _, r in m["gemm_rates"]["fp32"])
+    beside = m["beside_compute"]
+    lines = [f"World size {world}: calibrated GEMM rates {curve} GFLOP/s fp32 per rank (4 MFLOP to 0.5 GFLOP "
+             f"products), {m['op_overhead'] * 1e6:.1f} µs per operation, {m['memory_bandwidth'] / 1e9:.1f} GB/s; "
+             f"reference step {m['reference_step_s'] * 1e3:.1f} ms (spread ±{trust['spread'] / 2:.0%}) at load "
+             f"{trust['load_then']:.1f} per core, {trust['model']:.2f}x what the per-operation model gives it at "
+             f"those rates; timed again beside the strategies, the machine ran {trust['speed']:.2f}x as fast "
+             f"(load {trust['load_now']:.1f} per core): rates scaled so the model reproduces it then; loopback "
+             f"all-reduce α = {machine.op_links['all_reduce'].latency * 1e6:.0f} µs, "
              f"1/β = {machine.op_links['all_reduce'].bandwidth / 1e9:.2f} GB/s (collectives timed with compute "
              f"between calls), overlap {machine.overlap:.2f} (the fraction of a collective that hides behind "
-             f"compute; the emulated link's sleep hides whole).",
+             f"compute; the emulated link's sleep hides whole); a reduce-scatter of "
+             f"{beside['size_bytes'] / 2**20:.1f} MiB in flight beside compute takes "
+             f"{beside['reduce_scatter_in_flight_s'] * 1e3:.2f} ms against {beside['reduce_scatter_alone_s'] * 1e3:.2f} "
+             f"ms alone ({beside['stretch']:.2f}x; the column 'with the in-flight stretch' charges it to every "
+             f"asynchronous collective), and an all-gather called behind it "
+             f"{beside['all_gather_behind_s'] * 1e3:.2f} ms.",
              "",
-             "| case | predicted step (ms) | measured step (ms) | error | predicted split: compute / exposed / hidden comm (ms) |",
-             "| --- | --- | --- | --- | --- |"]
+             "| case | predicted step (ms) | measured step (ms) | error | with each calibration (ms) | "
+             "with the in-flight stretch | predicted split: compute / exposed / hidden comm (ms) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         b = r["breakdown"]
+        each = " / ".join(f"{t * 1e3:.1f}" for t in r.get("each", [r["predicted"]]))
+        flat = f"{r['flat'] / r['measured'] - 1:+.0%}" if "flat" in r else "-"
         lines.append(f"| {r['name']} | {r['predicted'] * 1e3:.1f} | {r['measured'] * 1e3:.1f} | "
-                     f"{r['predicted'] / r['measured'] - 1:+.0%} | {b['compute'] * 1e3:.1f} / "
+                     f"{r['predicted'] / r['measured'] - 1:+.0%} | {each} | {flat} | {b['compute'] * 1e3:.1f} / "
                      f"{b['exposed_comm'] * 1e3:.1f} / {b['overlapped_comm'] * 1e3:.1f} |")
     return "\n".join(lines)
 
 
-def run_world(world: int, steps: int, cached: bool, with_moe: bool) -> tuple[str, list]:
-    from toolkit.sim.calibrate import this_machine
+def run_world(world: int, steps: int, cached: bool, with_moe: bool, calibrations: int = 2) -> tuple[str, list]:
+    """Calibrate `calibrations` times (their spread is how far one calibration's constants move), measure the
+    strategies once, predict with the first calibration (the rest priced on the same simulated programs)."""
+    from toolkit.sim import price
+    from toolkit.sim.calibrate import from_measurements, this_machine
 
-    from toolkit.sim.calibrate import from_measurements
-
-    calibrated = this_machine(world, refresh=not cached, quiet=False)
+    found = [this_machine(world, refresh=not cached or i > 0, quiet=False).notes["measurements"]
+             for i in range(calibrations)]
     measured = toolkit.launch(measure_strategies, world, args=(CONFIGS, steps), timeout_s=600, quiet=True)[0]
-    machine = from_measurements(calibrated.notes["measurements"], reference_step_s=measured.pop("reference"))
+    reference = measured.pop("reference")
+    machines = [from_measurements(m, reference_step_s=reference) for m in found]
+    machine = machines[0]
     sims = predict_strategies(CONFIGS, world, machine)
     rows = [{"name": f"{name} x{world}", "predicted": sims[name].step_time, "measured": measured[name],
-             "breakdown": sims[name].breakdown} for name in CONFIGS]
+             "breakdown": sims[name].breakdown, "each": [price(sims[name], mc).step_time for mc in machines],
+             "flat": price(sims[name], machine.with_changes(beside_compute=found[0]["beside_compute"]["stretch"])).step_time}
+            for name in CONFIGS]
     text = table(world, machine, rows)
     text += "\n\nRanking by step time: " + ranking({n: sims[n].step_time for n in CONFIGS}, measured) + "."
     if with_moe:
         link = toolkit.comm.emulate(bandwidth=MOE["bandwidth"], latency=MOE["latency"])
         try:
-            emulated = from_measurements(machine.notes["measurements"], toolkit.comm.emulated_link())
+            emulated = from_measurements(found[0], toolkit.comm.emulated_link(), reference_step_s=reference)
             predicted = predict_moe(MOE_VARIANTS, world, emulated)
             moe_measured = toolkit.launch(measure_moe, world, args=(MOE_VARIANTS, steps), timeout_s=600, quiet=True)[0]
         finally:
@@ -251,6 +274,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--cached", action="store_true", help="reuse a cached calibration instead of measuring again")
     parser.add_argument("--no-moe", action="store_true")
+    parser.add_argument("--calibrations", type=int, default=2, help="calibrate this many times: their spread")
     parser.add_argument("--write", help="put the section into this markdown file")
     args = parser.parse_args(argv)
     header = (f"gloo on CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), torch "
@@ -258,7 +282,7 @@ def main(argv=None) -> int:
               f"Target: every error within 20%, ranking preserved.")
     parts, rows = [header], []
     for world in (int(w) for w in args.world_sizes.split(",") if w):
-        text, got = run_world(world, args.steps, args.cached, not args.no_moe)
+        text, got = run_world(world, args.steps, args.cached, not args.no_moe, args.calibrations)
         parts.append(text)
         rows += got
     worst = max(rows, key=lambda r: abs(r["predicted"] / r["measured"] - 1))

@@ -145,13 +145,13 @@ def test_buckets_beat_one_all_reduce_after_backward_and_the_model_says_by_how_mu
         buckets += [layer, comm(i, "all_reduce", grads / 4, range(8))]
     buckets += [Wait(i, "backward") for i in range(4)]
     naive, ddp = estimate([one], DGX, world_size=8), estimate([buckets], DGX, world_size=8)
-    layer_s = 1e12 / (312e12 * 0.52)
+    layer_s = 1e12 / 312e12  # no operations recorded (a hand-written segment): one roofline at the datasheet peak
     bucket_s = collective_time(DGX, "all_reduce", grads / 4, range(8)).seconds
     assert naive.step_time == pytest.approx(4 * layer_s + collective_time(DGX, "all_reduce", grads, range(8)).seconds)
     assert ddp.step_time == pytest.approx(4 * layer_s + bucket_s)  # only the last bucket is exposed
     assert ddp.breakdown["overlapped_comm"] == pytest.approx(3 * bucket_s)
     assert ddp.tflops_per_gpu == pytest.approx(4e12 / ddp.step_time / 1e12)
-    assert ddp.mfu == pytest.approx(ddp.tflops_per_gpu * 1e12 / 312e12)
+    assert ddp.hfu == pytest.approx(ddp.tflops_per_gpu * 1e12 / 312e12)
 
 
 def test_an_mfu_override_charges_compute_at_that_fraction():
@@ -210,7 +210,7 @@ def test_bad_input_gets_a_clear_error():
         cluster_of("dgx-b200")
     with pytest.raises(ValueError, match=r"missing \['inter'\]"):
         cluster_of(dict(name="mine", gpu="a100-80gb", gpus_per_node=8, intra=("300 GB/s", "3 us")))
-    with pytest.raises(ValueError, match=r"missing \['memory_bandwidth', 'mfu'\]"):
+    with pytest.raises(ValueError, match=r"missing \['memory_bandwidth'\]"):
         cluster_of(dict(name="mine", gpu=dict(name="x", peak_flops={"bf16": 1e15}, memory_bytes=1e10),
                      gpus_per_node=4, intra=("300 GB/s", "3 us"), inter=("100 Gb/s", "10 us")))
     with pytest.raises(ValueError, match=r"world_size=12 does not fill whole nodes of 8 GPUs.*multiple of 8"):
@@ -310,3 +310,50 @@ def test_describe_says_a_rate_is_kept_only_when_it_is():
     assert "keeps" not in fell
     (held,) = describe(rows("hsdp", (133.4, 125.0)))
     assert held.startswith("hsdp keeps its rate")
+
+
+# --- a collective beside compute (rule 5) and how far to trust a calibrated machine -------------------------
+def test_an_asynchronous_collective_beside_compute_takes_beside_times_longer_and_delays_what_queues_behind():
+    """ZeRO-3's backward on a CPU: a reduce-scatter in flight while the cores compute takes `beside` times its
+    time, and the next all-gather on the same link starts only when it is done; a synchronous one is unchanged."""
+    program = [comm(0, "reduce_scatter", 1, [0, 1]), Compute(0, label="b"), comm(1, "all_gather", 1, [0, 1],
+                                                                                 async_op=False), Wait(1), Wait(0)]
+    times = fixed({"b": 1.0})
+    plain = schedule(program, times, lambda c: Cost(1.0))
+    stretched = schedule(program, times, lambda c: Cost(1.0), beside=3.0)
+    assert plain.step_time == 2.0  # the all-gather waits for the link until 1, ends at 2
+    assert stretched.step_time == 4.0  # the reduce-scatter holds it until 3
+    assert [s.end - s.start for s in stretched.spans if s.kind == "comm"] == [3.0, 1.0]
+
+
+def calibration(**changes):
+    """A measurement dict as `toolkit.sim.calibrate.measure` returns it (numbers made up, shapes real)."""
+    links = {op: {"bandwidth": 1e9, "latency": 1e-4} for op in ("all_reduce", "reduce_scatter", "all_gather",
+                                                                 "broadcast", "all_to_all")}
+    return {"world_size": 2, "cores": 2, "host": "h", "measured_at": "now", "load": 2.0, "reference_spread": 0.2,
+            "gemm_rates": {"fp32": [(4e6, 2e10), (5e8, 5e10)], "bf16": [(4e6, 1e9), (5e8, 1e9)]},
+            "flops": {"fp32": 5e10, "bf16": 1e9}, "op_overhead": 5e-6, "memory_bandwidth": 5e9,
+            "reference_step_s": 0.02, "links": links, "overlap": 0.2,
+            "beside_compute": {"stretch": 2.5}, **changes}
+
+
+def test_a_calibrated_machine_scales_its_rates_by_the_reference_step_timed_again_and_says_how_far_to_trust_it():
+    from toolkit.sim.calibrate import from_measurements
+    from toolkit.sim.kernel_time import measured_rate
+
+    now = from_measurements(calibration())
+    slower = from_measurements(calibration(), reference_step_s=0.04)  # the machine runs at half speed now
+    assert measured_rate(slower.gpu, 5e8, "fp32") == pytest.approx(measured_rate(now.gpu, 5e8, "fp32") / 2)
+    assert slower.gpu.op_overhead == pytest.approx(2 * now.gpu.op_overhead)
+    assert slower.gpu.memory_bandwidth == pytest.approx(now.gpu.memory_bandwidth / 2)
+    assert slower.beside_compute == 1.0  # measured and reported, not charged (docs/benchmarks.md says why)
+    # the rates are scaled so that the per-operation model reproduces the reference step it was timed on
+    from toolkit.sim.calibrate import reference_seconds
+    assert reference_seconds(now.gpu) == pytest.approx(0.02) and reference_seconds(slower.gpu) == pytest.approx(0.04)
+    # between two measured sizes the rate is log-linear in the GEMM's FLOPs
+    ratio = measured_rate(now.gpu, (4e6 * 5e8) ** 0.5, "fp32") / measured_rate(now.gpu, 4e6, "fp32")
+    assert ratio == pytest.approx((5e10 / 2e10) ** 0.5)
+    note = slower.notes["trust"]["note"]
+    assert "load 1.0 per core" in note and "spread ±10%" in note and "0.50x as fast" in note
+    cost = estimate([[Compute(1e9, label="x")]], slower, world_size=2)
+    assert cost.trust == note and note in cost.summary() and estimate([[Compute(1.0)]], DGX, world_size=8).trust is None

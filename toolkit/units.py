@@ -3,6 +3,8 @@
     bytes_text(2.79e12)    -> "2.79 TB"          bytes_text(106_000)  -> "106 kB"
     count_text(1.06e5)     -> "106K"             count_text(1.75e11)  -> "175B"
     seconds_text(0.0309)   -> "30.9 ms"          seconds_text(3e-18)  -> "0 µs"  (below a microsecond: noise)
+    flops_text(2.15e8)     -> "215 MFLOP/s"      flops_text(1.61e14)  -> "161 TFLOP/s"
+    percent_text(0.00012)  -> "0.012%"           percent_text(0.437)  -> "43.7%"
     byte_unit(8.5e9)       -> (1e9, "GB")        an axis's unit for values up to 8.5e9 bytes
 
 Decimal units (1 GB = 1e9 bytes), as the papers and `toolkit.memory.formulas` count.
@@ -45,3 +47,22 @@ def seconds_text(s: float, digits: int = 3) -> str:
         if abs(s) >= scale:
             return f"{s / scale:.{digits}g} {name}"
     return f"{s / 1e-6:.{digits}g} µs"
+
+
+RATE_UNITS = ((1e15, "PFLOP/s"), (1e12, "TFLOP/s"), (1e9, "GFLOP/s"), (1e6, "MFLOP/s"), (1e3, "kFLOP/s"))
+
+
+def flops_text(rate: float, digits: int = 3) -> str:
+    """A rate in FLOP/s with the prefix its magnitude calls for: 2.15e8 -> "215 MFLOP/s"."""
+    for scale, name in RATE_UNITS:
+        if abs(rate) >= scale:
+            return f"{rate / scale:.{digits}g} {name}"
+    return f"{rate:.{digits}g} FLOP/s"
+
+
+def percent_text(fraction: float, digits: int = 3) -> str:
+    """A fraction as a percentage with `digits` significant digits: a small one is not printed as "0.0%"."""
+    value = fraction * 100
+    if value == 0 or abs(value) >= 1:
+        return f"{value:.1f}%"
+    return f"{value:.{digits - 1}g}%"

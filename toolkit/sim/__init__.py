@@ -3,15 +3,18 @@
     sim = toolkit.sim.simulate(model_fn, "zero3", world_size=512, mixed_precision=True)
 
 `simulate.py` runs it (on torch's fake process group, `fake.py`, and meta tensors, `cluster.py`);
-`simulation.py` is what it returns; `program.py` is the record a simulated step leaves (compute and
-collectives in issue order), which the cost model reads: `hardware.py` (presets with their sources),
-`collective_time.py` (alpha-beta on a two-level cluster), `timeline.py` (the overlap rule),
-`cost.py` (step time, breakdown, TFLOP/s, MFU and a modelled Run), `calibrate.py` ("this-machine");
-`fit.py` says whether the peak fits in the accelerator's memory and what would make it fit; `sweep.py`
-extrapolates a few layers to a whole model over world sizes; `cli.py` is `python -m toolkit simulate`.
+`simulation.py` is what it returns; `program.py` is the record a simulated step leaves (compute, each
+operation in it, and collectives in issue order), which the cost model reads: `hardware.py` (presets
+with their sources), `kernel_time.py` (one operation's time: GEMM tiles in waves, fused attention,
+memory-bound kernels, launches), `collective_time.py` (alpha-beta on a two-level cluster),
+`timeline.py` (the overlap rule), `stage_timeline.py` (pipeline stages on one clock), `cost.py` (step
+time, breakdown, TFLOP/s, MFU, HFU, per-operation breakdown), `modelled_run.py` (a priced step as a Run),
+`calibrate.py` with `calibrate_compute.py` and `calibrate_links.py` ("this-machine"); `fit.py` says
+whether the peak fits in the accelerator's memory and what would make it fit; `sweep.py` extrapolates a
+few layers to a whole model over world sizes; `cli.py` is `python -m toolkit simulate`.
 """
 from .cost import StepCost, compute_time, estimate, modelled_run, price  # noqa: F401
 from .hardware import CLUSTERS, GPUS, Accelerator, Cluster, accelerator, cluster_of, presets  # noqa: F401
-from .program import Collective, Compute, Wait  # noqa: F401
+from .program import Collective, Compute, Kernel, Wait  # noqa: F401
 from .simulate import measure_steps, simulate  # noqa: F401
 from .simulation import Simulation  # noqa: F401

@@ -1,29 +1,26 @@
 """The "this-machine" preset: this computer's rates, measured once with every rank busy, cached on disk.
 
-A prediction is only as good as its constants. For the GPU presets they come from datasheets and
-published measurements (Megatron-LM's achieved fraction of peak on a real training step); for this
-computer they are measured the same way, by the same ranks a real run would use (N processes sharing
-its cores, all at once, so each rank measures its share of the machine):
+A prediction is only as good as its constants. For the GPU presets they come from datasheets and a
+GEMM microbenchmark (`toolkit.sim.hardware`); for this computer they are measured, by the same ranks
+a real run would use (N processes sharing its cores, all at once, so each rank measures its share):
 
-- FLOP/s of a matrix product (fp32 and bf16): the peak;
-- the cost of one operation beyond its work: a tiny training step timed and divided by the aten
-  operations it dispatches;
-- memory bandwidth (a copy between two preallocated buffers);
-- the achievable fraction of peak (`mfu`), as the GPU presets have it: one training step of a small
-  reference GPT (`REFERENCE`, no communication: "local"), timed on every rank at once; the simulator
-  records that step's program and the fraction is solved so that the cost model reproduces the
-  measured time. One constant per machine, from a model that is not the one being predicted;
-- the loopback links, as a step pays them: each collective is called through the collectives door
-  at several sizes with compute between the calls (a spread of gaps, as a step has), with no barrier
-  before each; what the calls add to the loop's time, divided by the calls, is the mean cost of one
-  (the door's host work, the handover to gloo's thread and back, the ranks' skew and the slow tail are
-  all in it: a step pays every call's tail, so the mean, not the median of back-to-back calls).
-  `toolkit.viz.fit_alpha_beta` fits alpha and beta to each operation apart (gloo runs a
-  reduce-scatter as an all-reduce, so one fit for all would mislead);
-- how much of a collective hides behind compute (`Cluster.overlap`): the same loop with the
-  all-gather issued asynchronously before the compute and waited after it; the time it saves over
-  the synchronous loop, over the time it could save (the shorter of the two). On a GPU the links and
-  the streams are separate hardware (1.0); here gloo's threads copy on the cores the ranks compute on.
+- compute (`calibrate_compute`): GEMM FLOP/s by size, the host cost of one operation, memory bandwidth,
+  and a small reference GPT's local step, timed several times;
+- collectives (`calibrate_links`): each one's cost as a step pays it, the fraction that hides behind
+  compute, and how much longer one takes in flight beside compute and another collective;
+  `toolkit.viz.fit_alpha_beta` fits alpha and beta to each operation apart (gloo runs a reduce-scatter
+  as an all-reduce, so one fit for all would mislead).
+
+The cost model prices a step's recorded operations on these rates (`toolkit.sim.kernel_time`, a CPU's
+rules), scaled by one constant per machine: the reference step's measured time over what the model
+predicts for it (a small GPT that is not the model being predicted, as a GEMM microbenchmark is not the
+training run for a GPU preset; it takes in what a CPU's kernels pay beyond the rates measured apart).
+How far to trust a prediction is measured too (`trust`): the reference step's spread while
+calibrating and the machine's load then and now. A shared machine's load changes by the minute:
+`from_measurements(m, reference_step_s=...)` takes the reference step timed again beside what is
+predicted and scales to that instead. The in-flight stretch of a collective beside compute is measured
+and reported (`m["beside_compute"]`), not charged: charging it to every asynchronous collective made the
+predictions worse (docs/benchmarks.md).
 
 The result is cached as JSON under the cache folder (``$TOOLKIT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/toolkit``, else ``~/.cache/toolkit``), keyed by host, torch version, core count and
@@ -31,25 +28,22 @@ world size; `this_machine(world_size, refresh=True)` measures again.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 
 from ..comm.emulate import Link, Settings
-from ..comm.measure import _numel_for, _prepare
-from .hardware import Accelerator, Cluster
+from .calibrate_compute import REFERENCE, measure_compute, reference_step  # noqa: F401 - reference_step: benches
+from .calibrate_links import SIZES, measure_links
+from .cost import compute_time
+from .hardware import MEASURED, THIS_MACHINE, Accelerator, Cluster
+from .program import Compute
 
-VERSION = 3
-REFERENCE = dict(model=dict(n_layer=2, d_model=128, n_head=4, vocab_size=256, seq_len=64), batch=8)
+VERSION = 4
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
-SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024)
-GAPS = (3, 10, 30)       # 128x128 matmuls between two calls, in turn (about 0.1, 0.3 and 1 ms on 2 cores)
-CALLS, ROUNDS = 18, 3    # calls per timed loop; loops with and without the calls, interleaved
-OVERLAP_SIZES, OVERLAP_GAPS = (512 * 1024, 2 * 1024 * 1024), (50,)  # compute about as long as the call
-OVERLAP_ROUNDS = 5       # a difference of two noisy loops: on 2 cores it still spreads 0-0.5 between calibrations
 
 
 def cache_dir() -> Path:
@@ -65,257 +59,120 @@ def _key(world_size: int) -> dict:
             "cores": os.cpu_count(), "world_size": world_size, "reference": REFERENCE}
 
 
-# --- on every rank ---------------------------------------------------------------------------------------
-def _median_time(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def load_now() -> float:
+    """The machine's one-minute load average (runnable processes), 0 where the system does not say."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
 
 
-def _count_ops(fn) -> int:
-    """How many aten operations `fn` dispatches (what a program's `Compute.ops` counts)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Counter(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.calls += 1
-            return func(*args, **(kwargs or {}))
-
-    with Counter():
-        fn()
-    return Counter.calls
+def _on_rank(ops, sizes, reference) -> dict:
+    return {**measure_compute(reference), **measure_links(ops, sizes)}
 
 
-def _tiny_step():
-    """A training step whose arithmetic is negligible: what remains is the cost of dispatching its ops."""
-    import torch
-
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
-                                  for _ in range(4)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(4, 8)
-
-    def step():
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-    return step
-
-
-def reference_step(reference=REFERENCE):
-    """One local training step of the reference GPT (no communication): what the achievable rate is fitted to."""
-    import torch
-
-    from toolkit.models import SyntheticCorpus, tiny_gpt
-
-    torch.manual_seed(0)
-    model = tiny_gpt(**reference["model"])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = SyntheticCorpus(reference["model"]["vocab_size"], reference["model"]["seq_len"], 0).batch(0, reference["batch"])
-
-    def step():
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-
-    return step
-
-
-def _measure_on_rank(ops, sizes, reference) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    from toolkit.trace.events import recorder
-
-    def together(fn, repeats, block=1):
-        """Seconds of one fn() with every rank at it; timed `block` calls at a time, so that each timing spans
-        several of the scheduler's slices and a rank sees its share of the cores (ranks > cores), not a
-        lucky or unlucky slice of it."""
-        dist.barrier()
-        return _median_time(lambda: [fn() for _ in range(block)], repeats) / block
-
-    step = _tiny_step()
-    step()
-    op_count = _count_ops(step)
-    overhead = together(step, 15) / op_count
-    rates = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a, b = torch.randn(512, 256, dtype=dtype), torch.randn(256, 512, dtype=dtype)
-        seconds = together(lambda: a @ b, 10, block=8)
-        rates[name] = 2 * 512 * 256 * 512 / max(seconds - overhead, seconds / 10)
-    src, dst = torch.randn(2 * 2 ** 20), torch.empty(2 * 2 ** 20)  # 8 MiB each, allocated once
-    bandwidth = 2 * src.numel() * 4 / together(lambda: dst.copy_(src), 10, block=8)
-    reference_s = together(reference_step(reference), 7)
-    recorder.enabled = False  # bookkeeping: the calibration leaves no trace
-    records, n = [], dist.get_world_size()
-    for op in ops:
-        for size in sizes:
-            numel = _numel_for(size, n, 4)
-            seconds = _in_a_step(_prepare(op, numel, torch.float32, torch.device("cpu"), seed=len(records)))
-            records.append(dict(op=op, impl="backend", size_bytes=numel * 4, world_size=n, seconds=seconds))
-    return {"flops": rates, "op_overhead": overhead, "ops_in_tiny_step": op_count,
-            "memory_bandwidth": bandwidth, "reference_step_s": reference_s, "records": records,
-            "overlap": _overlap(sizes=OVERLAP_SIZES)}
-
-
-def _loop(call, reset=lambda: None, gaps=GAPS) -> float:
-    """Seconds for CALLS rounds of (compute, then `call`), all ranks starting together."""
-    import torch
-    import torch.distributed as dist
-
-    a, b = torch.randn(128, 128), torch.randn(128, 128)
-    dist.barrier()
-    start = time.perf_counter()
-    for i in range(CALLS):
-        reset()
-        for _ in range(gaps[i % len(gaps)]):
-            a @ b
-        call()
-    return time.perf_counter() - start
-
-
-def _in_a_step(prepared) -> float:
-    """The mean seconds one call adds to a loop that computes between calls (every rank: the slowest one's)."""
-    import torch
-    import torch.distributed as dist
-
-    reset, call, _ = prepared
-    _loop(call, reset)  # warm-up
-    with_calls, without = [], []
-    for _ in range(ROUNDS):
-        with_calls.append(_loop(call, reset))
-        without.append(_loop(lambda: None, reset))
-    added = torch.tensor([max(statistics.median(with_calls) - statistics.median(without), 0.0) / CALLS])
-    dist.all_reduce(added, op=dist.ReduceOp.MAX)
-    return added.item()
-
-
-def _overlap(sizes) -> float:
-    """The fraction of an asynchronous all-gather that hides behind the compute issued after it, pooled over
-    `sizes`: (synchronous loop - asynchronous loop) / the shorter of (its calls, its compute), in [0, 1]."""
-    import torch
-    import torch.distributed as dist
-
-    from ..comm import collectives as door
-
-    saved = possible = 0.0
-    for size in sizes:
-        n = dist.get_world_size()
-        out = torch.empty(_numel_for(size, n, 4))
-        mine = out[: out.numel() // n].clone()
-        pending = []
-
-        def issue():  # runs before the compute of the next round: waited there, after it
-            if pending:
-                pending.pop().wait()
-            pending.append(door.all_gather(out, mine, async_op=True))
-
-        def synchronous():
-            door.all_gather(out, mine)
-
-        _loop(synchronous, gaps=OVERLAP_GAPS)
-        times = {"sync": [], "async": [], "none": []}
-        for _ in range(OVERLAP_ROUNDS):
-            times["sync"].append(_loop(synchronous, gaps=OVERLAP_GAPS))
-            times["async"].append(_loop(lambda: None, issue, OVERLAP_GAPS) + _drain(pending))
-            times["none"].append(_loop(lambda: None, gaps=OVERLAP_GAPS))
-        sync, overlapped, compute = (statistics.median(times[k]) for k in ("sync", "async", "none"))
-        saved += sync - overlapped
-        possible += min(sync - compute, compute)
-    both = torch.tensor([saved, possible])
-    dist.all_reduce(both)
-    return min(max(both[0].item() / both[1].item(), 0.0), 1.0) if both[1] > 0 else 1.0
-
-
-def _drain(pending) -> float:
-    start = time.perf_counter()
-    while pending:
-        pending.pop().wait()
-    return time.perf_counter() - start
-
-
-def fit_mfu(m: dict) -> float:
-    """The fraction of the matmul peak at which the cost model reproduces the measured reference step."""
-    import functools
-
-    from ..models import tiny_gpt
-    from .cost import compute_time
-    from .simulate import simulate
-
-    sim = simulate(functools.partial(tiny_gpt, **REFERENCE["model"]), "local", 1, batch_per_rank=REFERENCE["batch"],
-                   progress=False)
-    segments = [c for c in sim.programs[-1] if hasattr(c, "flops")]
-    gpu = Accelerator("reference", {"fp32": m["flops"]["fp32"]}, 0, m["memory_bandwidth"], 1.0, m["op_overhead"])
-
-    def predicted(mfu):
-        return sum(compute_time(c, gpu, "fp32", mfu) for c in segments)
-
-    if predicted(1.0) >= m["reference_step_s"]:
-        return 1.0  # already as slow as measured at the full matmul rate
-    low, high = 1e-4, 1.0
-    for _ in range(60):  # predicted() falls as mfu rises: bisect
-        mid = (low + high) / 2
-        low, high = (mid, high) if predicted(mid) > m["reference_step_s"] else (low, mid)
-    return (low + high) / 2
-
-
-# --- in the caller ------------------------------------------------------------------------------------------
-def measure(world_size: int, *, timeout_s: float = 180.0) -> dict:
+def measure(world_size: int, *, timeout_s: float = 240.0) -> dict:
     """Launch `world_size` ranks and measure; compute rates are the slowest rank's."""
     from ..runtime import launch
     from ..viz.bandwidth import fit_alpha_beta
 
-    results = launch(_measure_on_rank, world_size, args=(OPS, SIZES, REFERENCE), timeout_s=timeout_s)
+    load_before = load_now()
+    results = launch(_on_rank, world_size, args=(OPS, SIZES, REFERENCE), timeout_s=timeout_s)
     links = {}
     for op in OPS:
-        alpha, beta = fit_alpha_beta([r for r in results[0]["records"] if r["op"] == op], impl=None)
+        # a size whose calls added nothing measurable to the loop (0 s: below the machine's noise) says nothing
+        # about alpha or beta; fit the others, and call the op free where none is left
+        usable = [r for r in results[0]["records"] if r["op"] == op and r["seconds"] > 0]
+        alpha, beta = fit_alpha_beta(usable, impl=None) if len(usable) >= 2 else (1e-9, 0.0)
         links[op] = {"bandwidth": 1 / beta if beta > 0 else 1e15, "latency": max(alpha, 1e-9)}
-    m = dict(_key(world_size), measured_at=time.strftime("%Y-%m-%d %H:%M"),
-             flops={k: min(r["flops"][k] for r in results) for k in ("fp32", "bf16")},
-             op_overhead=max(r["op_overhead"] for r in results),
-             memory_bandwidth=min(r["memory_bandwidth"] for r in results),
-             reference_step_s=max(r["reference_step_s"] for r in results),
-             links=links, overlap=results[0]["overlap"], records=results[0]["records"])
-    m["mfu"] = fit_mfu(m)
-    return m
+    slowest_curve = {dtype: [(flops, min(r["gemm_rates"][dtype][i][1] for r in results))  # the slowest rank's
+                             for i, (flops, _) in enumerate(results[0]["gemm_rates"][dtype])] for dtype in ("fp32", "bf16")}
+    return dict(_key(world_size), measured_at=time.strftime("%Y-%m-%d %H:%M"),
+                gemm_rates=slowest_curve, flops={k: max(r for _, r in v) for k, v in slowest_curve.items()},
+                op_overhead=max(r["op_overhead"] for r in results),
+                memory_bandwidth=min(r["memory_bandwidth"] for r in results),
+                reference_step_s=max(r["reference_step_s"] for r in results),
+                reference_spread=max(r["reference_spread"] for r in results),
+                load=(load_before + load_now()) / 2,
+                links=links, overlap=results[0]["overlap"], beside_compute=results[0]["beside_compute"],
+                records=results[0]["records"])
+
+
+def trust(m: dict, speed: float = 1.0, model: float = 1.0) -> dict:
+    """How far to trust a prediction from measurement `m`: the calibration's own spread, the load then and now.
+
+    spread: the reference step's interquartile range over its median while calibrating (one step of the
+    machine may sit that far from the typical one); load: runnable processes per core then and now;
+    speed: how much faster the machine is now than when calibrated (the reference step timed beside the
+    prediction, 1 where it was not timed again); model: the reference step's measured time over what the
+    per-operation model predicts for it at the calibrated rates (what the CPU kernel model misses)."""
+    cores = m.get("cores") or 1
+    then, now = m.get("load", 0.0) / cores, load_now() / cores
+    note = (f"calibrated {m.get('measured_at', '?')} at load {then:.1f} per core (reference step spread "
+            f"±{m.get('reference_spread', 0) / 2:.0%}); the reference step takes {model:.2f}x what the "
+            f"per-operation model predicts at the calibrated rates, which are scaled by it; load now {now:.1f} per core")
+    if speed != 1.0:
+        note += f"; the machine runs {speed:.2f}x as fast as then (reference step timed again beside the run)"
+    elif now > 1.5 * max(then, 0.5):
+        note += ("; the load has grown since: compute will be slower than predicted (time the reference step "
+                 "beside the run and pass it to from_measurements, or calibrate again with refresh=True)")
+    return {"spread": m.get("reference_spread", 0.0), "load_then": then, "load_now": now, "speed": speed,
+            "model": model, "note": note}
+
+
+def _accelerator(m: dict, speed: float) -> Accelerator:
+    """This machine's rates as measured, every one scaled by `speed` (work per second)."""
+    n = m["world_size"]
+    rates = {dtype: tuple((f, r * speed) for f, r in points) for dtype, points in m["gemm_rates"].items()}
+    peak = {"fp32": m["flops"]["fp32"] * speed, "bf16": m["flops"]["bf16"] * speed, "fp16": m["flops"]["bf16"] * speed}
+    return Accelerator(f"this machine ({n} ranks on {m['cores']} cores)", peak,
+                       memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+                       memory_bandwidth=m["memory_bandwidth"] * speed, op_overhead=m["op_overhead"] / speed,
+                       asynchronous=False, gemm_rates={**rates, "fp16": rates["bf16"]},
+                       source=f"measured {m['measured_at']} on {m['host']} with {n} ranks at once")
+
+
+@functools.lru_cache(maxsize=1)
+def _reference_program() -> tuple:
+    """The reference step's compute segments, recorded by the simulator once per process."""
+    from ..models import tiny_gpt
+    from .simulate import simulate  # here, not at the top: simulate prices through cost, which finds this module
+
+    sim = simulate(functools.partial(tiny_gpt, **REFERENCE["model"]), "local", 1, batch_per_rank=REFERENCE["batch"],
+                   progress=False)
+    return tuple(c for c in sim.programs[-1] if isinstance(c, Compute))
+
+
+def reference_seconds(gpu: Accelerator) -> float:
+    """What the per-operation model predicts for the reference step on `gpu` (compute only: it has no collective)."""
+    return sum(compute_time(c, gpu, "fp32") for c in _reference_program())
 
 
 def from_measurements(m: dict, link: Settings | None = None, *, reference_step_s: float | None = None) -> Cluster:
     """The Cluster a measurement describes; `link` (an emulated interconnect) replaces the loopback.
 
-    reference_step_s: the reference step timed again (a benchmark times it beside what it predicts, so
-    that the machine's load is the same for both); the achievable fraction is fitted to it anew.
+    Compute: the measured rates, scaled so that the per-operation model reproduces the reference step (a small
+    GPT that is not the model being predicted; the one constant per machine, as the GEMM microbenchmark is for
+    a GPU). reference_step_s: the reference step timed again (a benchmark times it beside what it predicts, so
+    that the machine's load is the same for both): the rates are then scaled to that time instead.
     """
-    if reference_step_s is not None:
-        m = dict(m, reference_step_s=reference_step_s)
-        m["mfu"] = fit_mfu(m)
+    measured = reference_step_s or m["reference_step_s"]
+    modelled = reference_seconds(_accelerator(m, 1.0))
+    gpu = _accelerator(m, modelled / measured)
     n = m["world_size"]
-    gpu = Accelerator(f"this machine ({n} ranks on {m['cores']} cores)",
-                      {"fp32": m["flops"]["fp32"], "bf16": m["flops"]["bf16"], "fp16": m["flops"]["bf16"]},
-                      memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
-                      memory_bandwidth=m["memory_bandwidth"], mfu=m["mfu"], op_overhead=m["op_overhead"],
-                      source=f"measured {m['measured_at']} on {m['host']} with {n} ranks at once; mfu fitted "
-                             f"to a local step of {REFERENCE}")
+    notes = trust(m, m["reference_step_s"] / measured, m["reference_step_s"] / modelled)
     op_links = {op: Link(float(v["bandwidth"]), float(v["latency"])) for op, v in m["links"].items()}
     loopback = op_links["all_reduce"]
-    found = Cluster("this-machine", gpu, n, loopback, loopback, 0.0, source=gpu.source + "; links: loopback (gloo)",
+    found = Cluster(THIS_MACHINE, gpu, n, loopback, loopback, 0.0, source=gpu.source + "; links: loopback (gloo)",
                     op_links=op_links, overlap=m["overlap"],
-                    notes={"measurements": {k: v for k, v in m.items() if k != "records"}})
+                    notes={"measurements": {k: v for k, v in m.items() if k != "records"}, "trust": notes})
     if link is None:
         return found
     # An emulated link's time is a sleep on top of the loopback's (`toolkit.comm.emulate`): it takes no core,
     # so what it models hides behind compute as a separate link's would; its latency is delay in flight,
     # not occupancy (`toolkit.comm.cost`), so the next message may leave while the last one's latency runs.
     return found.with_changes(name="this-machine (emulated link)", gpus_per_node=link.ranks_per_node,
-                              inter=link.inter, intra=link.intra or loopback, overlap=1.0,
+                              inter=link.inter, intra=link.intra or loopback, overlap=1.0, beside_compute=1.0,
                               latency_holds_link=False,
                               op_links={} if link.intra is not None or link.ranks_per_node == 1 else op_links,
                               source=found.source + f"; {link.describe()}")
@@ -346,3 +203,6 @@ def this_machine(world_size: int = 2, *, refresh: bool = False, link: Settings |
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(m, default=str))
     return from_measurements(m, link)
+
+
+MEASURED[THIS_MACHINE] = this_machine

@@ -1,37 +1,50 @@
 """What a simulated step costs: its programs, priced on a cluster, as time, TFLOP/s and a modelled Run.
 
     cost = estimate(sim.programs, "dgx-a100", world_size=512, dtype="bf16")
-    cost.step_time, cost.breakdown, cost.tflops_per_gpu, cost.mfu, cost.run
+    cost.step_time, cost.breakdown, cost.tflops_per_gpu, cost.mfu, cost.hfu, cost.per_op(), cost.run
 
-- Compute: a segment's FLOPs at the achievable fraction of the accelerator's peak (`mfu`, the preset's
-  unless overridden), or its bytes at the memory's bandwidth when that is slower (a roofline), plus a
-  fixed cost per operation where the preset has one (a CPU's dispatch; 0 on the GPU presets).
+- Compute: every operation the step recorded, priced on its own (`kernel_time`: a GEMM's tiles in waves
+  on the SMs at the best measured GEMM rate, a fused attention's blocks, anything else its bytes at the
+  memory's bandwidth; the host's launches behind them). A segment with no operations recorded (a
+  hand-written program) is one roofline: its FLOPs at the datasheet peak, or its bytes if slower.
+  `mfu=` instead charges every FLOP at that fraction of peak (a what-if, not a prediction).
+- MFU and HFU, as the papers report them: hfu = the FLOPs the step executed (recomputation included)
+  over step time x peak; mfu = the model's FLOPs, 3 x its forward pass (PaLM's definition: backward
+  is twice the forward; a recomputed forward is not counted), over the same.
 - Communication: `collective_time` on the cluster's links; overlap: `timeline.schedule`.
-- The Run has the spans a real run's trace has, in the same order: "forward", "backward" and
-  "optimizer" compute spans, one span per collective with the door's args, and a "wait" span wherever
-  the compute stream stalls on an asynchronous collective; every event says `args.modelled=True`.
-  So `toolkit.viz.timeline`, `toolkit.trace.analysis` and the Chrome export treat it as a real run.
+- The Run (`modelled_run.py`) has the spans a real run's trace has, so the trace tools read it as one.
 """
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass, field
 
 import torch
 
 from ..run import Run
-from ..units import seconds_text
+from ..units import flops_text, percent_text, seconds_text
 from .collective_time import collective_time
-from .hardware import THIS_MACHINE, Cluster, check_mfu, cluster_of
+from .hardware import MEASURED, THIS_MACHINE, Cluster, check_mfu, cluster_of, measured
+from .kernel_time import device_seconds, segment_seconds
+from .modelled_run import modelled_run
 from .program import Compute, check, total_flops
-from .timeline import Timeline, schedule
+from .stage_timeline import StagesTimeline, schedule_stages
+from .timeline import schedule
 
 
-def compute_time(segment: Compute, gpu, dtype: str = "bf16", mfu: float | None = None) -> float:
-    """Seconds for one compute segment: max(FLOPs at mfu x peak, bytes at memory bandwidth) + ops x overhead."""
-    rate = gpu.flops_per_s(dtype) * (gpu.mfu if mfu is None else mfu)
+def compute_time(segment: Compute, gpu, dtype: str = "bf16", mfu: float | None = None, cache: dict | None = None) -> float:
+    """Seconds for one compute segment: its operations priced one by one (`kernel_time`); a segment without
+    recorded operations, or any segment when `mfu` is given, as one roofline: max(FLOPs at mfu x peak (1 x
+    peak by default), bytes at memory bandwidth) + ops x the host's overhead per operation."""
+    if segment.kernels and mfu is None:
+        return segment_seconds(segment, gpu, cache)[0]
+    rate = gpu.flops_per_s(dtype) * (1.0 if mfu is None else mfu)
     memory = segment.bytes / gpu.memory_bandwidth if segment.bytes else 0.0
     return max(segment.flops / rate, memory) + segment.ops * gpu.op_overhead
+
+
+def model_flops(program) -> float:
+    """The model's FLOPs in a step: 3 x its forward pass's (PaLM's MFU; recomputation is not the model's)."""
+    return 3.0 * sum(i.flops for i in program if isinstance(i, Compute) and i.phase == "forward")
 
 
 @dataclass
@@ -39,10 +52,11 @@ class StepCost:
     """The modelled cost of a simulated rank's steps (the last one is the steady state reported)."""
     cluster: Cluster
     dtype: str
-    achievable_mfu: float               # the fraction of peak compute was charged at
+    mfu_override: float | None          # None: every operation priced on its own; else the flat fraction of peak
     timelines: list = field(default_factory=list)
-    flops: list = field(default_factory=list)  # per step, this rank's own
+    flops: list = field(default_factory=list)  # per step, this rank's, executed (recomputation included)
     run: Run | None = None
+    model_flops: list = field(default_factory=list)  # per step, this rank's: 3 x the forward pass's FLOPs
     useful_flops: list | None = None    # per step, the average rank's: all ranks' work / world (None: = flops)
     fit: object = None                  # the peak against the accelerator's memory (`fit.Fit`), when known
 
@@ -71,33 +85,86 @@ class StepCost:
         return self.flops[-1] / self.step_time / 1e12 if self.step_time > 0 else 0.0
 
     @property
+    def share(self) -> float:
+        """The average rank's work over this rank's: 1 where every rank does the same (MoE load may not)."""
+        if self.useful_flops is None or not self.flops[-1]:
+            return 1.0
+        return self.useful_flops[-1] / self.flops[-1]
+
+    def _utilisation(self, flops: float) -> float:
+        """The cluster's: the average rank's `flops` over (step time x the accelerator's peak)."""
+        peak = self.cluster.gpu.flops_per_s(self.dtype)
+        return flops * self.share / self.step_time / peak if self.step_time > 0 else 0.0
+
+    @property
     def mfu(self) -> float:
-        """Model FLOPs utilisation: the step's FLOPs over (step time x the accelerator's peak)."""
-        return self.tflops_per_gpu * 1e12 / self.cluster.gpu.flops_per_s(self.dtype)
+        """Model FLOPs utilisation: 3 x the forward pass's FLOPs over (step time x peak), as the papers count it."""
+        return self._utilisation(self.model_flops[-1])
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilisation: every FLOP run, recomputation too, over (step time x peak)."""
+        return self._utilisation(self.flops[-1])
+
+    def utilisation_text(self) -> str:
+        """MFU multiplied out, so that no number beside it seems to contradict it: the rate compute ran at (of the
+        peak) x the share of the step spent computing x model FLOPs over FLOPs run (recomputation) x the average
+        rank's work over this rank's; then HFU, the same without the recomputation factor."""
+        compute, peak = self.breakdown["compute"], self.cluster.gpu.flops_per_s(self.dtype)
+        rate = self.flops[-1] / compute / peak if compute > 0 else 0.0
+        computing = compute / self.step_time if self.step_time > 0 else 0.0
+        useful = self.model_flops[-1] / self.flops[-1] if self.flops[-1] else 1.0
+        p = percent_text
+        text = (f"MFU {p(self.mfu)} = {p(rate)} of the {self.dtype} peak (the rate compute ran at) x "
+                f"{p(computing)} of the step computing")
+        if abs(useful - 1) > 1e-3:
+            text += f" x {useful:.2f} (model FLOPs, 3 x the forward's, over the FLOPs run)"
+        if abs(self.share - 1) > 1e-3:
+            text += f" x {self.share:.2f} (the average rank's work over this rank's)"
+        return text + f"; HFU {p(self.hfu)} (every FLOP run, recomputation included)"
+
+    def per_op(self, step: int = -1) -> list[dict]:
+        """The step's compute by operation, slowest first: name, kind, count, device seconds, FLOPs, bytes and
+        the fraction of peak it reached (its own dtype's). Device seconds: what the device spends on it, before
+        the host's launches are set beside (`kernel_time`, rule 4)."""
+        rows: dict = {}
+        gpu = self.cluster.gpu
+        for segment in (s.instruction for s in self.timelines[step].spans if s.kind == "compute"):
+            for kernel, count in segment.kernels:
+                row = rows.setdefault((kernel.name, kernel.dtype), dict(name=kernel.name, kind=kernel.kind,
+                                      dtype=kernel.dtype, count=0, seconds=0.0, flops=0.0, bytes=0.0))
+                row["count"] += count
+                row["seconds"] += count * device_seconds(gpu, kernel)
+                row["flops"] += count * kernel.flops
+                row["bytes"] += count * kernel.bytes
+        for row in rows.values():
+            peak = gpu.peak_flops.get(row["dtype"], 0.0)
+            row["fraction_of_peak"] = row["flops"] / row["seconds"] / peak if row["seconds"] and peak else 0.0
+        return sorted(rows.values(), key=lambda r: -r["seconds"])
+
+    @property
+    def trust(self) -> str | None:
+        """How far to trust this prediction, where the cluster was measured (`toolkit.sim.calibrate.trust`): the
+        calibration's spread, the load then and now. None on the datasheet presets (see docs/benchmarks.md)."""
+        found = self.cluster.notes.get("trust")
+        return found["note"] if found else None
 
     def summary(self) -> str:
         """The step's time and rate; for a job that does not fit, the verdict instead of a time."""
         if self.fit is not None and not self.fit.fits:
             return f"{self.cluster.name}: {self.fit.text()}"
         b, t = self.breakdown, seconds_text
-        peak = self.cluster.gpu.flops_per_s(self.dtype)
-        at_rate = self.flops[-1] / (peak * self.achievable_mfu) / self.step_time  # share of the step at that rate
-        text = (f"{self.cluster.name}: step {t(self.step_time)} = compute {t(b['compute'])} + exposed communication "
-                f"{t(max(b['exposed_comm'], 0.0))} ({t(b['overlapped_comm'])} more hidden behind compute); "
-                f"{self.tflops_per_gpu:.3g} TFLOP/s per GPU")
-        ratio = self.tflops_per_gpu / self.rank_tflops if self.rank_tflops > 0 else 1.0
-        if abs(ratio - 1) > 1e-3:
+        how = "per-operation model" if self.mfu_override is None else f"at {self.mfu_override:.0%} of peak"
+        text = (f"{self.cluster.name}, {self.dtype}, {how}: step {t(self.step_time)} = compute {t(b['compute'])} "
+                f"+ exposed communication {t(max(b['exposed_comm'], 0.0))} ({t(b['overlapped_comm'])} more hidden "
+                f"behind compute); {flops_text(self.tflops_per_gpu * 1e12)} per GPU")
+        if abs(self.share - 1) > 1e-3:
             text += f" (all ranks' work / {self.run.meta['world_size']}; rank {self.run.ranks[0]}'s own: " \
-                    f"{self.rank_tflops:.3g})"
-        text += (f", MFU {self.mfu:.1%} = {self.achievable_mfu:.0%} of the {self.dtype} peak (the rate compute is "
-                 f"charged at) x {at_rate:.1%} of the step computing at that rate"
-                 + (f" x {ratio:.2f} (the average rank's work over this rank's)" if abs(ratio - 1) > 1e-3 else "")
-                 + "; the rest of the step: exposed communication"
-                 + (", memory-bound operations and per-operation overhead" if at_rate * self.step_time < b["compute"] * 0.999
-                    else ""))
+                    f"{flops_text(self.rank_tflops * 1e12)})"
+        text += ", " + self.utilisation_text()
         if self.fit is not None:
             text += f"; {self.fit.text()}"
-        return text
+        return text + (f"\n  trust: {self.trust}" if self.trust else "")
 
 
 def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mfu: float | None = None,
@@ -105,37 +172,55 @@ def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mf
     """Price each step's program on `cluster` (a preset name, a dict or a Cluster); steps run back to back."""
     found = cluster if isinstance(cluster, Cluster) else cluster_of(cluster)
     found.check_world(world_size)
-    achievable = found.gpu.mfu if mfu is None else check_mfu(mfu)
+    override = None if mfu is None else check_mfu(mfu)
     found.gpu.flops_per_s(dtype)  # an unknown dtype fails here, before any work
     programs = list(programs)
     if not programs:
         raise ValueError("estimate needs at least one step's program (sim.programs is empty).")
+    cache: dict = {}  # Kernel -> device seconds: a model's layers repeat the same operations
 
     def seconds(segment):
-        return compute_time(segment, found.gpu, dtype, achievable)
+        return compute_time(segment, found.gpu, dtype, override, cache)
 
     def comm(c):
         return collective_time(found, c.op, c.size_bytes, c.group, rank, c.args)
 
-    cost = StepCost(found, dtype, achievable)
+    cost = StepCost(found, dtype, override)
     clock = 0.0
     for program in programs:
         check(program)
-        timeline = schedule(program, seconds, comm, start=clock, overlap=found.overlap)
+        timeline = schedule(program, seconds, comm, start=clock, overlap=found.overlap, beside=found.beside_compute)
         cost.timelines.append(timeline)
         cost.flops.append(total_flops(program))
+        cost.model_flops.append(model_flops(program))
         clock = timeline.end
     cost.run = modelled_run(cost.timelines, found, rank=rank, world_size=world_size,
-                            config=dict(config or {}, cluster=found.name, dtype=dtype, mfu=achievable))
+                            config=dict(config or {}, cluster=found.name, dtype=dtype, mfu=override))
     return cost
+
+
+def estimate_stages(programs: dict, dependencies, cluster="dgx-a100", *, ranks: dict, world_size: int,
+                    dtype: str = "bf16") -> StagesTimeline:
+    """One step of a pipeline priced on `cluster`: programs {stage: that stage's rank's program}, ranks {stage:
+    its global rank} (which link a transfer or a collective takes), dependencies: `P2P` pairs. The step time is
+    the critical path across the stages (`toolkit.sim.stage_timeline`); each stage's compute is priced
+    operation by operation as on one rank."""
+    found = cluster if isinstance(cluster, Cluster) else cluster_of(cluster)
+    found.check_world(world_size)
+    cache: dict = {}
+    for program in programs.values():
+        check(program)
+    return schedule_stages(
+        programs, dependencies, lambda stage, c: compute_time(c, found.gpu, dtype, None, cache),
+        lambda stage, c: collective_time(found, c.op, c.size_bytes, c.group, ranks[stage], c.args),
+        overlap=found.overlap, beside=found.beside_compute)
 
 
 # --- a simulation, priced ------------------------------------------------------------------------------
 def resolve(cluster, world_size: int) -> Cluster:
     """A Cluster from what a user passes; "this-machine" is calibrated for `world_size` ranks (cached)."""
-    if isinstance(cluster, str) and cluster.lower() == THIS_MACHINE:
-        from .calibrate import this_machine
-        return this_machine(world_size)
+    if isinstance(cluster, str) and (cluster.lower() == THIS_MACHINE or cluster.lower() in MEASURED):
+        return measured(cluster.lower(), world_size)
     return cluster if isinstance(cluster, Cluster) else cluster_of(cluster)
 
 
@@ -160,8 +245,8 @@ def _priced(sim, found: Cluster, mfu, dtype) -> StepCost:
 
 def pricer(cluster, world_size: int, *, mfu: float | None = None, dtype: str | None = None):
     """Check `cluster` and `mfu` now; return price(sim), which fills sim.cost, sim.fit, sim.modelled_run and, when
-    the peak fits in the accelerator's memory, sim.step_time, sim.tflops_per_gpu, sim.mfu, sim.breakdown (None
-    when it does not: it would not run). What `simulate(..., cluster=...)` does."""
+    the peak fits in the accelerator's memory, sim.step_time, sim.tflops_per_gpu, sim.mfu, sim.hfu, sim.breakdown
+    (None when it does not: it would not run). What `simulate(..., cluster=...)` does."""
     found = resolve(cluster, world_size)
     if mfu is not None:
         check_mfu(mfu)
@@ -170,8 +255,8 @@ def pricer(cluster, world_size: int, *, mfu: float | None = None, dtype: str | N
         cost = _priced(sim, found, mfu, dtype)
         sim.cost, sim.modelled_run, sim.fit = cost, cost.run, cost.fit
         ran = cost.fit.fits
-        sim.step_time, sim.tflops_per_gpu, sim.mfu, sim.breakdown = (
-            (cost.step_time, cost.tflops_per_gpu, cost.mfu, cost.breakdown) if ran else (None, None, None, None))
+        sim.step_time, sim.tflops_per_gpu, sim.mfu, sim.hfu, sim.breakdown = (
+            (cost.step_time, cost.tflops_per_gpu, cost.mfu, cost.hfu, cost.breakdown) if ran else (None,) * 5)
         return cost
 
     return price
@@ -180,84 +265,3 @@ def pricer(cluster, world_size: int, *, mfu: float | None = None, dtype: str | N
 def price(sim, cluster="dgx-a100", *, mfu: float | None = None, dtype: str | None = None) -> StepCost:
     """What a Simulation's steps would cost on another cluster (or at another mfu): a StepCost; `sim` is unchanged."""
     return _priced(sim, resolve(cluster, sim.world_size), None if mfu is None else check_mfu(mfu), dtype)
-
-
-# --- the modelled Run ---------------------------------------------------------------------------------
-def _compute_events(timeline: Timeline, step: int) -> list[dict]:
-    """One compute span per run of consecutive instructions in one phase, as the training loop records
-    "forward", "backward", "optimizer" (a phase's span covers the stalls inside it, as a real one does)."""
-    events = []
-    for s in timeline.spans:
-        if s.kind == "comm":
-            continue
-        phase = s.instruction.phase
-        last = events[-1] if events else None
-        if last is not None and last["phase"] == phase:
-            last["end"] = s.end
-        else:
-            last = {"name": phase, "cat": "compute", "phase": phase, "start": s.start, "end": s.end,
-                    "args": {"modelled": True, "step": step, "flops": 0.0, "segments": 0}}
-            events.append(last)
-        if s.kind == "compute":
-            last["args"]["flops"] += s.instruction.flops
-            last["args"]["segments"] += 1
-    return events + _span_events(timeline, step)
-
-
-def _span_events(timeline: Timeline, step: int) -> list[dict]:
-    """The strategy's own spans (an FSDP unit's forward, a MoE layer's experts, with their args), each from its
-    first segment's start to its last one's end, as a real trace has them inside the phase's span."""
-    spans: dict = {}
-    for s in timeline.spans:
-        if s.kind != "compute":
-            continue
-        for key, name, cat, args in s.instruction.spans:
-            if name == s.instruction.phase:  # the loop's own "forward"/"backward"/"optimizer": above
-                continue
-            if key in spans:
-                spans[key]["end"] = s.end
-                spans[key]["args"]["flops"] += s.instruction.flops
-            else:
-                spans[key] = {"name": name, "cat": cat, "phase": s.instruction.phase, "start": s.start, "end": s.end,
-                              "args": dict(args, modelled=True, step=step, flops=s.instruction.flops)}
-    return list(spans.values())
-
-
-def _comm_event(s, step: int) -> dict:
-    c = s.instruction
-    args = dict(c.args, group=list(c.group), size_bytes=c.size_bytes, bytes_sent=c.bytes_sent,
-                bytes_recv=c.bytes_recv, async_op=c.async_op, impl=c.args.get("impl", "backend"),
-                modelled=True, step=step, link=s.cost.link, modelled_s=s.end - s.start, queued_s=s.start - s.issued)
-    if c.label:
-        args["label"] = c.label  # the unit, MoE step or module that issued it (the door's own args stay as they were)
-    return {"name": c.op, "cat": "comm", "phase": c.phase, "start": s.start, "end": s.end, "args": args}
-
-
-def _wait_events(timeline: Timeline, step: int) -> list[dict]:
-    """A "wait" span where compute stalls on an asynchronous collective, or runs its copies on the cores
-    ("host", overlap < 1: not computing either, args.host=True). A synchronous one's own span, async_op=False,
-    already says the rank was blocked, as in a real trace."""
-    ops = {s.instruction.id: s.instruction for s in timeline.spans if s.kind == "comm"}
-    return [{"name": "wait", "cat": "wait", "phase": s.instruction.phase, "start": s.start, "end": s.end,
-             "args": {"op": ops[s.instruction.id].op, "modelled": True, "step": step,
-                      **({"host": True} if s.kind == "host" else {})}}
-            for s in timeline.spans if s.kind in ("wait", "host") and ops[s.instruction.id].async_op]
-
-
-def modelled_run(timelines, cluster: Cluster, *, rank: int = 0, world_size: int = 1,
-                 config: dict | None = None) -> Run:
-    """The timelines of one rank's steps as a Run (events marked modelled), with a "step_time" metric per step."""
-    events, metrics = [], []
-    for step, timeline in enumerate(timelines):
-        events += _compute_events(timeline, step)
-        events += [_comm_event(s, step) for s in timeline.spans if s.kind == "comm"]
-        events += _wait_events(timeline, step)
-        metrics.append({"name": "step_time", "step": step, "value": timeline.step_time, "rank": rank})
-        metrics.append({"name": "modelled_breakdown", "step": step, "value": timeline.breakdown(), "rank": rank})
-    for e in events:
-        e["rank"] = rank
-    events.sort(key=lambda e: (e["start"], e["cat"] != "compute"))
-    meta = {"world_size": world_size, "ranks": [rank], "backend": "simulated", "device": cluster.gpu.name,
-            "torch": torch.__version__, "host": platform.node(), "clock_offset_s": 0.0, "emulated_link": None,
-            "modelled": True, "cluster": cluster.describe()}
-    return Run(dict(config or {}, kind="simulated"), events, [], metrics, meta)

@@ -10,19 +10,27 @@ ring pays on that kind of link (alpha), plus `call_latency` once per collective 
     toolkit.sim.cluster_of(dict(name="fsdp-paper", gpu="a100-80gb", gpus_per_node=8,
                                 intra=("300 GB/s", "3.4 us"), inter=("250 Gb/s", "9.6 us")))
 
-Sources (dense math, no sparsity):
+Sources (dense math, no sparsity); nothing here is fitted to a training run:
 - A100 SXM: 312 TFLOP/s bf16/fp16, 19.5 TFLOP/s fp32; 40 GB HBM2 at 1,555 GB/s or 80 GB HBM2e at
-  2,039 GB/s (NVIDIA A100 datasheet). H100 SXM: 989 TFLOP/s bf16, 67 TFLOP/s fp32, 80 GB HBM3 at
-  3.35 TB/s (NVIDIA H100 datasheet).
+  2,039 GB/s; 108 SMs (NVIDIA A100 datasheet and whitepaper). H100 SXM: 989 TFLOP/s bf16, 67 TFLOP/s
+  fp32, 80 GB HBM3 at 3.35 TB/s, 132 SMs (NVIDIA H100 datasheet).
+- The best GEMM's fraction of peak (`matmul_efficiency`): the maximum achievable matmul FLOP/s measured
+  by a microbenchmark that searches GEMM shapes (S. Bekman, "Machine Learning Engineering",
+  compute/accelerator: MAMF, bf16, 267.9 of 312 TFLOP/s on A100 SXM, 792.1 of 989 on H100 SXM). A
+  kernel's ceiling (clocks under load, the GEMM's own loop), not a training step's.
+- L2 bandwidth (bounds small GEMM tiles, `toolkit.sim.kernel_time`): A100 5,120 bytes per clock at
+  1.41 GHz (A100 whitepaper); H100's whitepaper gives no figure: A100's bytes per clock at H100 SXM's
+  1.98 GHz boost is assumed (it changes only 64 x 64 tiles).
+- Host work per operation (`op_overhead`, dispatch and launch): 5 us on the GPU presets, what the
+  calibration measures for PyTorch's eager dispatch of a tiny operation on a CPU (4.8-5.8 us,
+  docs/benchmarks.md); it hides behind any kernel longer than that (the host runs ahead of a GPU).
 - NVLink: A100 600 GB/s, H100 900 GB/s per GPU, both directions added (half each way); DGX A100 has
   8 x 200 Gb/s InfiniBand HDR per node (one per GPU), DGX H100 8 x 400 Gb/s NDR.
 - Latencies: NCCL's own tuning model (src/graph/tuning.cc, ring with the Simple protocol): 8.4 us per
   call, 3.4 us per step over NVLink, 9.6 us per step across the network.
-- Achievable fraction of peak (`mfu`): A100 0.52, Megatron-LM's measured 163 of 312 TFLOP/s per GPU
-  (Narayanan et al., SC21: a 1T-parameter GPT on 3,072 A100, its FLOPs counting the recomputed
-  forward); H100 0.47, "up to 47% MFU on H100" (Megatron-Core, NVIDIA/Megatron-LM README).
-  These are end-to-end measurements of well-tuned training, not kernel peaks: the model charges a
-  step's FLOPs at this rate and adds only the communication it cannot hide.
+A step's compute time is then each recorded operation priced on these (`toolkit.sim.kernel_time`):
+what an end-to-end measurement such as Megatron-LM's 163 of 312 TFLOP/s reaches is an outcome of the
+model, which `tests/test_sim_papers.py` holds against the papers, not an input.
 """
 from __future__ import annotations
 
@@ -36,13 +44,17 @@ GB, GiB = 1e9, 2 ** 30
 
 @dataclass(frozen=True)
 class Accelerator:
-    """One accelerator: peak FLOP/s per dtype, memory, and the fraction of peak training achieves."""
+    """One accelerator: datasheet peak FLOP/s per dtype, memory and its bandwidth, and what prices a kernel."""
     name: str
-    peak_flops: dict                # dtype name -> FLOP/s ("bf16", "fp16", "fp32")
+    peak_flops: dict                # dtype name -> FLOP/s ("bf16", "fp16", "fp32"): the datasheet's, dense
     memory_bytes: float
     memory_bandwidth: float         # bytes/s to its own memory (memory-bound work)
-    mfu: float                      # achievable fraction of peak for a training step's FLOPs
-    op_overhead: float = 0.0        # seconds each operation costs beyond its FLOPs (launch, dispatch)
+    sms: int = 0                    # streaming multiprocessors: GEMMs run in waves of tiles over them (0: no tiles)
+    matmul_efficiency: float = 1.0  # the fastest GEMM's fraction of peak (a microbenchmark's; 1 for measured rates)
+    l2_bandwidth: float = 0.0       # bytes/s from L2 to the SMs (bounds small tiles; 0: no bound)
+    op_overhead: float = 0.0        # host seconds per operation (dispatch, launch)
+    asynchronous: bool = True       # the host runs ahead of the device (a GPU); False: it runs each op (a CPU)
+    gemm_rates: dict = field(default_factory=dict)  # measured: dtype -> ((FLOPs of one GEMM, FLOP/s), ...), by size
     source: str = ""
 
     def flops_per_s(self, dtype: str = "bf16") -> float:
@@ -65,6 +77,8 @@ class Cluster:
     overlap: float = 1.0            # fraction of a collective's time that can hide behind compute: 1 where the
     #                                 links and copy engines are their own hardware (GPUs); measured on a CPU,
     #                                 whose cores do the copies (toolkit.sim.calibrate)
+    beside_compute: float = 1.0     # how many times longer an asynchronous collective takes in flight beside compute
+    #                                 (timeline rule 5): 1 on every preset; a what-if (measured on a CPU, not charged)
     latency_holds_link: bool = True  # a collective holds its links for its latency too (NCCL runs a
     #                                 communicator's collectives one after the other); False where latency
     #                                 is delay in flight and the next message may go meanwhile (the emulator)
@@ -94,15 +108,18 @@ class Cluster:
 
 
 # --- presets -------------------------------------------------------------------------------------------
-_MEGATRON_A100 = "Megatron-LM, Narayanan et al. SC21: 163 of 312 TFLOP/s per A100 (52%)"
+_A100 = dict(peak_flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, sms=108, matmul_efficiency=267.9 / 312,
+             l2_bandwidth=5120 * 1.41e9, op_overhead=5e-6)
+_H100 = dict(peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, sms=132, matmul_efficiency=792.1 / 989,
+             l2_bandwidth=5120 * 1.98e9, op_overhead=5e-6)
+_MAMF = "best GEMM: Bekman, ML Engineering, MAMF table"
 GPUS = {
-    "a100-40gb": Accelerator("A100 SXM 40GB", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 40 * GiB,
-                             1555 * GB, 0.52, source=f"NVIDIA A100 datasheet; mfu: {_MEGATRON_A100}"),
-    "a100-80gb": Accelerator("A100 SXM 80GB", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * GiB,
-                             2039 * GB, 0.52, source=f"NVIDIA A100 datasheet; mfu: {_MEGATRON_A100}"),
-    "h100-sxm": Accelerator("H100 SXM 80GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * GiB,
-                            3350 * GB, 0.47, source="NVIDIA H100 datasheet; mfu: Megatron-Core README, "
-                                                    "up to 47% MFU on H100"),
+    "a100-40gb": Accelerator("A100 SXM 40GB", memory_bytes=40 * GiB, memory_bandwidth=1555 * GB, **_A100,
+                             source=f"NVIDIA A100 datasheet and whitepaper; {_MAMF} (267.9 TFLOP/s)"),
+    "a100-80gb": Accelerator("A100 SXM 80GB", memory_bytes=80 * GiB, memory_bandwidth=2039 * GB, **_A100,
+                             source=f"NVIDIA A100 datasheet and whitepaper; {_MAMF} (267.9 TFLOP/s)"),
+    "h100-sxm": Accelerator("H100 SXM 80GB", memory_bytes=80 * GiB, memory_bandwidth=3350 * GB, **_H100,
+                            source=f"NVIDIA H100 datasheet; {_MAMF} (792.1 TFLOP/s); L2 assumed A100's per clock"),
 }
 _NCCL = "latencies: NCCL src/graph/tuning.cc (ring, Simple): 8.4 us/call, 3.4 us/NVLink step, 9.6 us/network step"
 CLUSTERS = {
@@ -114,20 +131,32 @@ CLUSTERS = {
                                + _NCCL),
 }
 THIS_MACHINE = "this-machine"
+MEASURED: dict = {}  # preset name -> fn(world_size) -> Cluster, registered by the module that measures it
+#                      (`toolkit.sim.calibrate` registers "this-machine"), so pricing never imports a measurement
+
+
+def measured(name: str, world_size: int) -> Cluster:
+    """The cluster a measured preset describes for `world_size` ranks (measured once, then cached)."""
+    if name not in MEASURED:
+        from importlib import import_module  # the measuring module registers itself when imported
+
+        import_module(".calibrate", __package__)
+    return MEASURED[name](world_size)
 
 
 def presets() -> dict:
     """The named clusters `simulate(..., cluster=...)` accepts, each with a one-line description."""
     out = {name: c.describe() for name, c in CLUSTERS.items()}
-    out[THIS_MACHINE] = ("this computer, calibrated once by measurement (matmul FLOP/s, per-operation "
-                         "overhead, loopback alpha-beta of the collectives as a step calls them, the fraction "
-                         "of a collective that hides behind compute) and cached on disk")
+    out[THIS_MACHINE] = ("this computer, calibrated once by measurement (GEMM FLOP/s by size, per-operation "
+                         "overhead, memory bandwidth, loopback alpha-beta of the collectives as a step calls them, "
+                         "the fraction of a collective that hides behind compute and how much longer one takes "
+                         "beside compute) and cached on disk")
     return out
 
 
 # --- resolving what a user passes -----------------------------------------------------------------------
 _CLUSTER_FIELDS = ("name", "gpu", "gpus_per_node", "intra", "inter")
-_GPU_FIELDS = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", "mfu")
+_GPU_FIELDS = ("name", "peak_flops", "memory_bytes", "memory_bandwidth")
 _EXAMPLE = ("dict(name='my-cluster', gpu='a100-80gb', gpus_per_node=8, intra=('300 GB/s', '3.4 us'), "
             "inter=('200 Gb/s', '9.6 us'), call_latency='8.4 us')")
 
@@ -156,13 +185,14 @@ def accelerator(spec) -> Accelerator:
         missing = [f for f in _GPU_FIELDS if f not in spec]
         if missing:
             raise ValueError(f"accelerator {spec.get('name', '(unnamed)')!r} is missing {missing}; an accelerator "
-                             f"needs {list(_GPU_FIELDS)} (op_overhead, source optional).")
+                             f"needs {list(_GPU_FIELDS)} (sms, matmul_efficiency, l2_bandwidth, op_overhead, "
+                             f"asynchronous, source optional).")
         unknown = set(spec) - {f.name for f in dataclasses.fields(Accelerator)}
         if unknown:
             raise ValueError(f"accelerator has unknown fields {sorted(unknown)}; valid: "
                              f"{[f.name for f in dataclasses.fields(Accelerator)]}.")
         gpu = Accelerator(**spec)
-        check_mfu(gpu.mfu)
+        check_mfu(gpu.matmul_efficiency, "matmul_efficiency")
         return gpu
     raise ValueError(f"an accelerator is a preset name {sorted(GPUS)}, an Accelerator or a dict, not {spec!r}.")
 
@@ -217,12 +247,16 @@ def cluster_of(spec, **changes) -> Cluster:
     if isinstance(found.overlap, bool) or not isinstance(found.overlap, (int, float)) or not 0 <= found.overlap <= 1:
         raise ValueError(f"cluster {found.name!r}: overlap={found.overlap!r} is the fraction of a collective that can "
                          f"hide behind compute, in [0, 1] (1: links beside the compute, as on GPUs).")
+    beside = found.beside_compute
+    if isinstance(beside, bool) or not isinstance(beside, (int, float)) or not 1 <= beside < float("inf"):
+        raise ValueError(f"cluster {found.name!r}: beside_compute={beside!r} is how many times longer a collective "
+                         f"takes in flight beside compute, a finite number >= 1 (1: links of their own, as on GPUs).")
     return found
 
 
-def check_mfu(mfu) -> float:
+def check_mfu(mfu, name: str = "mfu") -> float:
     """An achievable fraction of peak lies in (0, 1]."""
     if isinstance(mfu, bool) or not isinstance(mfu, (int, float)) or not 0 < mfu <= 1:
-        raise ValueError(f"mfu={mfu!r}: the achievable fraction of peak must be in (0, 1] (e.g. 0.5 for half "
+        raise ValueError(f"{name}={mfu!r}: the achievable fraction of peak must be in (0, 1] (e.g. 0.5 for half "
                          f"of the accelerator's peak FLOP/s).")
     return float(mfu)

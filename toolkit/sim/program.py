@@ -6,7 +6,8 @@ strategy's own code asked for, and in which order:
 
 - `Compute`: the operations run between two calls to the collectives door (or two edges of the
   strategy's own spans), with their FLOPs (counted by `torch.utils.flop_counter.FlopCounterMode`), the
-  bytes they read and wrote, and the spans open around them;
+  bytes they read and wrote, the spans open around them, and each operation itself (`Kernel`: a GEMM's
+  shape, an attention's, or an elementwise op's bytes), which the cost model prices one by one;
 - `Collective`: a call to the door (operation, bytes, the global ranks of its group, whether it was
   asynchronous), issued when the compute before it had been issued;
 - `Wait`: the moment this rank blocks until collective `id` is complete (a synchronous collective is
@@ -23,6 +24,21 @@ from typing import Union
 
 
 @dataclass(frozen=True)
+class Kernel:
+    """One aten operation as the cost model prices it (`toolkit.sim.kernel_time`); equal ones are counted once.
+
+    kind "gemm": shape (batch, m, n, k), an (m x k) by (k x n) product, `batch` of them; "attention": a fused
+    attention kernel, shape (batch, heads, queries, keys, head_dim, causal, backward); "other": everything
+    else, priced by its bytes (and FLOPs where torch counts any)."""
+    name: str               # the aten op ("addmm", "bmm", "native_layer_norm", ...)
+    kind: str               # "gemm", "attention" or "other"
+    flops: float
+    bytes: float            # of its tensor inputs and outputs
+    dtype: str              # of its first floating-point input: "bf16", "fp16", "fp32", ...
+    shape: tuple = ()
+
+
+@dataclass(frozen=True)
 class Compute:
     """Work on the compute stream between two door calls."""
     flops: float            # floating-point operations of the ops in this segment
@@ -32,6 +48,8 @@ class Compute:
     ops: int = 0            # how many aten operations the segment holds
     spans: tuple = field(default=(), compare=False)  # the strategy's spans open around it, outermost first:
     #                         (key, name, cat, args) as a real trace records them ("forward blocks.0", "moe/…/experts")
+    kernels: tuple = field(default=(), compare=False)  # ((Kernel, count), ...): its operations; () where only
+    #                         the totals are known (a hand-written program): priced as one roofline
 
 
 @dataclass(frozen=True)
@@ -57,6 +75,7 @@ class Wait:
 
 
 Instruction = Union[Compute, Collective, Wait]
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
 def collectives(program) -> list[Collective]:

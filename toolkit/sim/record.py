@@ -2,7 +2,8 @@
 
 Two counters watch every aten operation the rank runs: torch's `FlopCounterMode` (FLOPs, the same
 counts that make up `Simulation.flops`) and `OpCounter` below (operations, and bytes of their
-inputs and outputs: what a memory-bound kernel would read and write). The door tells `Programmer`
+inputs and outputs: what a memory-bound kernel would read and write; and each operation as a
+`Kernel`, a GEMM's or an attention's shape, which the cost model prices one by one). The door tells `Programmer`
 when a collective is issued and when the rank waits on one (`toolkit.comm.listening`); each time, the
 work since the last cut becomes a `Compute`, then the call becomes a `Collective` or a `Wait`.
 """
@@ -11,31 +12,72 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapper
 
 from ..trace.events import current_phase
+from .attention import FLOPS as ATTENTION_FLOPS
 from .memory import short_name
-from .program import Collective, Compute, Wait
+from .program import DTYPES, Collective, Compute, Kernel, Wait
 
 _NOT_COMPUTE = {"c10d", "_c10d_functional", "c10d_functional"}  # a collective is not compute work
+_FLOPS = {**flop_registry, **{k: shape_wrapper(v) for k, v in ATTENTION_FLOPS.items()}}  # as FlopCounterMode's
+aten = torch.ops.aten
+_GEMMS = {aten.mm: 0, aten.addmm: 1, aten.bmm: 0, aten.baddbmm: 1}  # op -> index of its first factor
+_NO_DEVICE_WORK = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
+                   "lift_fresh", "_unsafe_view", "_record_function_enter_new", "_record_function_exit"}  # metadata only
+
+
+def kernel_of(func, args, kwargs, out, nbytes: int) -> Kernel:
+    """The `Kernel` record of one aten call: a GEMM's (batch, m, n, k), a fused attention's shape, else its bytes."""
+    packet = func._overloadpacket
+    flops = float(_FLOPS[packet](*args, **kwargs, out_val=out)) if packet in _FLOPS else 0.0
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    floating = [t for t in tensors if t.is_floating_point()]
+    dtype = DTYPES.get(str(floating[0].dtype).replace("torch.", ""), "other") if floating else "other"
+    name = packet.__name__
+    if name in _NO_DEVICE_WORK:
+        return Kernel(name, "other", 0.0, 0.0, dtype)
+    if packet in _GEMMS:
+        a, b = args[_GEMMS[packet]], args[_GEMMS[packet] + 1]
+        batch = a.shape[0] if a.dim() == 3 else 1
+        if _GEMMS[packet] and kwargs.get("beta", args[3] if len(args) > 3 else 1) == 0:  # C = alpha AB: C not read
+            nbytes -= args[0].numel() * args[0].element_size()
+        return Kernel(name, "gemm", flops, float(nbytes), dtype, (batch, a.shape[-2], b.shape[-1], a.shape[-1]))
+    if name.startswith("_scaled_dot_product") and "attention" in name:
+        named = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+        q, k = named["query"], named["key"]
+        shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], bool(named.get("is_causal")),
+                 "backward" in name)
+        return Kernel(name, "attention", flops, float(nbytes), dtype, tuple(int(x) for x in shape[:5]) + shape[5:])
+    return Kernel(name, "other", flops, float(nbytes), dtype)
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts aten operations and the bytes of their tensor inputs and outputs (views move nothing)."""
+    """Counts aten operations and the bytes of their tensor inputs and outputs (views move nothing), and keeps
+    each operation's `Kernel` until `take_kernels()`."""
 
     def __init__(self):
         super().__init__()
         self.ops = 0
         self.bytes = 0
+        self.kernels: dict = {}   # Kernel -> count, since the last take_kernels()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func.namespace not in _NOT_COMPUTE and not func.is_view:
             self.ops += 1
-            for t in tree_flatten((args, kwargs, out))[0]:
-                if isinstance(t, torch.Tensor):
-                    self.bytes += t.numel() * t.element_size()
+            nbytes = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
+                         if isinstance(t, torch.Tensor))
+            self.bytes += nbytes
+            kernel = kernel_of(func, args, kwargs, out, nbytes)
+            self.kernels[kernel] = self.kernels.get(kernel, 0) + 1
         return out
+
+    def take_kernels(self) -> tuple:
+        """((Kernel, count), ...) since the last call, in first-seen order."""
+        taken, self.kernels = tuple(self.kernels.items()), {}
+        return taken
 
 
 def _module(flops: FlopCounterMode) -> str:
@@ -64,10 +106,12 @@ class Programmer:
         now = (self.flops.get_total_flops(), self.ops.ops, self.ops.bytes)
         flops, ops, nbytes = (a - b for a, b in zip(now, self._mark))
         self._mark = now
+        kernels = self.ops.take_kernels()
         if ops:
             spans = tuple((key, e["name"], e["cat"], dict(e["args"])) for key, e in self._open)
             self.program.append(Compute(flops=float(flops), bytes=float(nbytes), phase=current_phase(),
-                                        label=_module(self.flops) if label is None else label, ops=ops, spans=spans))
+                                        label=_module(self.flops) if label is None else label, ops=ops, spans=spans,
+                                        kernels=kernels))
 
     def span(self, kind: str, event: dict) -> None:
         """A compute span of the strategy's (an FSDP unit's pass, a MoE layer's experts) opens or closes: cut

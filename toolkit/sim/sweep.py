@@ -54,17 +54,20 @@ def extrapolate(one, two, layers: int) -> dict:
         expert_params=_affine(one.expert_params, two.expert_params, layers), expert_parallel=one.expert_parallel)
     fit = check_fit(whole, a.cluster)
     peak_flops = a.cluster.gpu.flops_per_s(a.dtype)
+    share = useful / flops if flops else 1.0  # the average rank's work over this rank's
+    model_flops = _affine(a.model_flops[-1], b.model_flops[-1], layers) * share
     ran = fit.fits
     return {"step_time": step if ran else None, "flops": flops, "useful_flops": useful,
             "tflops_per_gpu": useful / step / 1e12 if ran else None,
-            "mfu": useful / step / peak_flops if ran else None, "peak": whole.peak, "peak_memory": peak_memory,
+            "mfu": model_flops / step / peak_flops if ran else None, "hfu": useful / step / peak_flops if ran else None,
+            "peak": whole.peak, "peak_memory": peak_memory,
             "states": _affine(one.memory["total"], two.memory["total"], layers), "num_params": whole.num_params,
             "fits": ran, "fit": fit, "breakdown": breakdown, "layers": layers}
 
 
 def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100", progress=None, warmup: bool = True,
           **common) -> list:
-    """One row per (strategy, world size): step time, TFLOP/s per GPU, MFU, peak memory, whether it fits.
+    """One row per (strategy, world size): step time, TFLOP/s per GPU, MFU and HFU, peak memory, whether it fits.
 
     model_fn(n_layer=...) builds the model (a preset of `toolkit.models.presets`); strategies maps a label
     to (strategy, options) or to options of the strategy named by the label; common: options for every

@@ -16,6 +16,10 @@ The rule, in the order the strategy issued its work (`toolkit.sim.program`):
    part of its time that cannot hide, (1 - overlap) x its time, from when it is issued: a "host"
    span, counted as exposed communication. With overlap 0 an asynchronous collective costs what a
    synchronous one does; a synchronous one costs the same whatever `overlap` is.
+5. Optionally (`beside` > 1, `Cluster.beside_compute`), an asynchronous collective takes `beside` times
+   its own time in flight, as where the cores that run it are also computing; what queues behind it
+   on its link waits that much longer. A synchronous collective has nothing beside it. 1 on every
+   preset: the calibration measures it on a CPU but does not charge it (too unsteady: docs/benchmarks.md).
 
 The step ends when the compute stream is done and no collective is still in flight. So the time of a
 step splits three ways: compute; exposed communication (the compute stream waiting); and overlapped
@@ -85,10 +89,11 @@ def _union_length(intervals) -> float:
     return total
 
 
-def schedule(program, compute_time, collective_cost, start: float = 0.0, overlap: float = 1.0) -> Timeline:
+def schedule(program, compute_time, collective_cost, start: float = 0.0, overlap: float = 1.0,
+             beside: float = 1.0) -> Timeline:
     """Replay `program` from time `start`: compute_time(Compute) -> seconds, collective_cost(Collective) ->
     an object with `.seconds`, `.resources` (the links it occupies) and optionally `.occupancy` (how long it
-    holds them, `.seconds` if absent: `toolkit.sim.collective_time`); overlap: rule 4."""
+    holds them, `.seconds` if absent: `toolkit.sim.collective_time`); overlap: rule 4; beside: rule 5."""
     clock = start                  # where the compute stream is
     free: dict[str, float] = {}    # link -> when its last collective ends
     done: dict[int, float] = {}    # collective id -> when it ends
@@ -102,10 +107,11 @@ def schedule(program, compute_time, collective_cost, start: float = 0.0, overlap
             if instruction.id in done:
                 raise ValueError(f"instruction {n}: collective id {instruction.id} issued twice")
             cost = collective_cost(instruction)
+            stretch = beside if instruction.async_op else 1.0
             begin = max([clock] + [free.get(link, start) for link in cost.resources])
-            end = begin + cost.seconds
+            end = begin + cost.seconds * stretch
             for link in cost.resources:
-                free[link] = begin + getattr(cost, "occupancy", cost.seconds)
+                free[link] = begin + getattr(cost, "occupancy", cost.seconds) * stretch
             done[instruction.id] = end
             spans.append(Span("comm", begin, end, instruction, issued=clock, cost=cost))
             if overlap < 1 and cost.seconds > 0:

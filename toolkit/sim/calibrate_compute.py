@@ -1,0 +1,127 @@
+"""This machine's compute, measured on every rank at once (each rank sees its share of the cores).
+
+What the cost model needs to price a recorded operation here (`toolkit.sim.kernel_time`, a CPU's
+rules: no SMs, the host runs each operation itself):
+
+- GEMM FLOP/s at a few shapes (fp32 and bf16), from a small product to the largest a lesson's model
+  runs: a CPU's GEMM rate depends on the shape too (cache blocking, the library's packing per call),
+  and the measurement is the rate itself, with no peak to take a fraction of;
+- the host cost of one operation: a tiny training step timed and divided by the aten operations it
+  dispatches;
+- memory bandwidth: a copy between two preallocated 8 MiB buffers;
+- the reference step (a small GPT's local training step) timed several times: its spread says how
+  steady the machine was while calibrating, and timing it again beside a later measurement says how
+  much the machine's load has changed since (`toolkit.sim.calibrate.from_measurements`).
+
+Every timing spans several of the scheduler's slices (`block` calls at a time), so that a rank sees
+its share of the cores (ranks > cores), not a lucky or unlucky slice of them.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+REFERENCE = dict(model=dict(n_layer=2, d_model=128, n_head=4, vocab_size=256, seq_len=64), batch=8)
+GEMM_SHAPES = ((128, 128, 128), (512, 128, 128), (512, 256, 512), (1024, 512, 512))  # (m, n, k), 4 MFLOP to 0.5 GFLOP
+REFERENCE_REPEATS = 9
+
+
+def timings(fn, repeats: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def spread(values) -> float:
+    """The interquartile range over the median: how far one timing may sit from the typical one."""
+    values = sorted(values)
+    q = statistics.quantiles(values, n=4) if len(values) >= 4 else (values[0], 0, values[-1])
+    return (q[2] - q[0]) / statistics.median(values)
+
+
+def count_ops(fn) -> int:
+    """How many aten operations `fn` dispatches (what a program's `Compute.ops` counts)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        fn()
+    return Counter.calls
+
+
+def tiny_step():
+    """A training step whose arithmetic is negligible: what remains is the cost of dispatching its ops."""
+    import torch
+
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
+                                  for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 8)
+
+    def step():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def reference_step(reference=REFERENCE):
+    """One local training step of the reference GPT (no communication): the machine's speed, timed."""
+    import torch
+
+    from toolkit.models import SyntheticCorpus, tiny_gpt
+
+    torch.manual_seed(0)
+    model = tiny_gpt(**reference["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = SyntheticCorpus(reference["model"]["vocab_size"], reference["model"]["seq_len"], 0).batch(0, reference["batch"])
+
+    def step():
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def measure_compute(reference=REFERENCE) -> dict:
+    """On every rank, all ranks at once (the caller launched them): rates, overhead, bandwidth, reference step."""
+    import torch
+    import torch.distributed as dist
+
+    def together(fn, repeats, block=1):
+        dist.barrier()
+        return [t / block for t in timings(lambda: [fn() for _ in range(block)], repeats)]
+
+    step = tiny_step()
+    step()
+    op_count = count_ops(step)
+    overhead = statistics.median(together(step, 15)) / op_count
+    curves = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        points = []
+        for m, n, k in GEMM_SHAPES:
+            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+            flops = 2 * m * n * k
+            block = max(1, round(2e8 / flops))  # every timing the same work: the same share of a loaded machine
+            seconds = statistics.median(together(lambda: a @ b, 7, block=block))
+            points.append((flops, flops / max(seconds - overhead, seconds / 10)))
+        curves[name] = points
+    src, dst = torch.randn(2 * 2 ** 20), torch.empty(2 * 2 ** 20)  # 8 MiB each, allocated once
+    bandwidth = 2 * src.numel() * 4 / statistics.median(together(lambda: dst.copy_(src), 10, block=8))
+    reference_times = together(reference_step(reference), REFERENCE_REPEATS)
+    return {"gemm_rates": curves, "flops": {k: max(r for _, r in v) for k, v in curves.items()},
+            "op_overhead": overhead, "ops_in_tiny_step": op_count, "memory_bandwidth": bandwidth,
+            "reference_step_s": statistics.median(reference_times), "reference_spread": spread(reference_times)}

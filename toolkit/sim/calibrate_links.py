@@ -1,0 +1,172 @@
+"""This machine's collectives, measured as a training step pays them (every rank at once, gloo on loopback).
+
+- A collective's cost inside a step: each one is called through the collectives door at several sizes
+  with compute between the calls (a spread of gaps, as a step has), with no barrier before each; what
+  the calls add to the loop's time, divided by the calls, is the mean cost of one (the door's host
+  work, the handover to gloo's thread and back, the ranks' skew and the slow tail are all in it: a step
+  pays every call's tail, so the mean, not the median of back-to-back calls).
+- How much of a collective hides behind compute (`Cluster.overlap`): the same loop with the all-gather
+  issued asynchronously before the compute and waited after it; the time it saves over the
+  synchronous loop, over the time it could save (the shorter of the two). On a GPU the links and the
+  streams are separate hardware (1.0); here gloo's threads copy on the cores the ranks compute on.
+- A collective in flight beside compute and another collective (reported; `Cluster.beside_compute` charges
+  it only where a user asks, as it is too unsteady on a shared CPU to charge by default): what ZeRO-3
+  and FSDP do in backward. An asynchronous reduce-scatter is issued, compute runs, and the next layer's
+  all-gather is called while it may still be in flight; the reduce-scatter's completion is polled
+  between the compute's matmuls. Its time in flight over its cost alone (the loop above) says how much
+  longer a collective takes when the cores it runs on are computing too.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024)
+GAPS = (3, 10, 30)       # 128x128 matmuls between two calls, in turn (about 0.1, 0.3 and 1 ms on 2 cores)
+CALLS, ROUNDS = 18, 3    # calls per timed loop; loops with and without the calls, interleaved
+OVERLAP_SIZES, OVERLAP_GAPS = (512 * 1024, 2 * 1024 * 1024), (50,)  # compute about as long as the call
+OVERLAP_ROUNDS = 5       # a difference of two noisy loops: on 2 cores it still spreads 0-0.5 between calibrations
+BESIDE_SIZE, BESIDE_GAP = 512 * 1024, 50  # one layer's gradients of the accuracy benchmark's model, order of
+
+
+def _matmuls():
+    import torch
+
+    return torch.randn(128, 128), torch.randn(128, 128)
+
+
+def _loop(call, reset=lambda: None, gaps=GAPS) -> float:
+    """Seconds for CALLS rounds of (compute, then `call`), all ranks starting together."""
+    import torch.distributed as dist
+
+    a, b = _matmuls()
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(CALLS):
+        reset()
+        for _ in range(gaps[i % len(gaps)]):
+            a @ b
+        call()
+    return time.perf_counter() - start
+
+
+def in_a_step(prepared) -> float:
+    """The mean seconds one call adds to a loop that computes between calls (every rank: the slowest one's)."""
+    import torch
+    import torch.distributed as dist
+
+    reset, call, _ = prepared
+    _loop(call, reset)  # warm-up
+    with_calls, without = [], []
+    for _ in range(ROUNDS):
+        with_calls.append(_loop(call, reset))
+        without.append(_loop(lambda: None, reset))
+    added = torch.tensor([max(statistics.median(with_calls) - statistics.median(without), 0.0) / CALLS])
+    dist.all_reduce(added, op=dist.ReduceOp.MAX)
+    return added.item()
+
+
+def overlap(sizes=OVERLAP_SIZES) -> float:
+    """The fraction of an asynchronous all-gather that hides behind the compute issued after it, pooled over
+    `sizes`: (synchronous loop - asynchronous loop) / the shorter of (its calls, its compute), in [0, 1]."""
+    import torch
+    import torch.distributed as dist
+
+    from ..comm import collectives as door
+    from ..comm.measure import _numel_for
+
+    saved = possible = 0.0
+    for size in sizes:
+        n = dist.get_world_size()
+        out = torch.empty(_numel_for(size, n, 4))
+        mine = out[: out.numel() // n].clone()
+        pending = []
+
+        def issue():  # runs before the compute of the next round: waited there, after it
+            if pending:
+                pending.pop().wait()
+            pending.append(door.all_gather(out, mine, async_op=True))
+
+        def synchronous():
+            door.all_gather(out, mine)
+
+        _loop(synchronous, gaps=OVERLAP_GAPS)
+        times = {"sync": [], "async": [], "none": []}
+        for _ in range(OVERLAP_ROUNDS):
+            times["sync"].append(_loop(synchronous, gaps=OVERLAP_GAPS))
+            times["async"].append(_loop(lambda: None, issue, OVERLAP_GAPS) + _drain(pending))
+            times["none"].append(_loop(lambda: None, gaps=OVERLAP_GAPS))
+        sync, overlapped, compute = (statistics.median(times[k]) for k in ("sync", "async", "none"))
+        saved += sync - overlapped
+        possible += min(sync - compute, compute)
+    both = torch.tensor([saved, possible])
+    dist.all_reduce(both)
+    return min(max(both[0].item() / both[1].item(), 0.0), 1.0) if both[1] > 0 else 1.0
+
+
+def _drain(pending) -> float:
+    start = time.perf_counter()
+    while pending:
+        pending.pop().wait()
+    return time.perf_counter() - start
+
+
+def beside_compute(alone_s: float, size: int = BESIDE_SIZE, gap: int = BESIDE_GAP) -> dict:
+    """An asynchronous reduce-scatter in flight beside compute, then an all-gather called behind it (ZeRO-3's
+    and FSDP's backward): the reduce-scatter's time from issue to completion (polled between matmuls; the
+    slowest rank's median) over `alone_s`, its cost in a step when nothing runs beside it."""
+    import torch
+    import torch.distributed as dist
+
+    from ..comm import collectives as door
+    from ..comm.measure import _numel_for
+
+    n = dist.get_world_size()
+    numel = _numel_for(size, n, 4)
+    grads, shard = torch.randn(numel), torch.empty(numel // n)
+    out, mine = torch.empty(numel), torch.randn(numel // n)
+    a, b = _matmuls()
+    in_flight, gathers = [], []
+    for round_ in range(CALLS + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        work = door.reduce_scatter(shard, grads, async_op=True)
+        done = None
+        for _ in range(gap):
+            a @ b
+            if done is None and work.is_completed():
+                done = time.perf_counter()
+        called = time.perf_counter()
+        door.all_gather(out, mine)
+        gathered = time.perf_counter()
+        work.wait()
+        done = done or time.perf_counter()
+        if round_ >= 2:  # two rounds of warm-up
+            in_flight.append(done - start)
+            gathers.append(gathered - called)
+    mine_ = torch.tensor([statistics.median(in_flight), statistics.median(gathers)])
+    dist.all_reduce(mine_, op=dist.ReduceOp.MAX)
+    rs, ag = mine_.tolist()
+    return {"size_bytes": numel * 4, "reduce_scatter_in_flight_s": rs, "reduce_scatter_alone_s": alone_s,
+            "all_gather_behind_s": ag, "stretch": max(rs / alone_s, 1.0) if alone_s > 0 else 1.0}
+
+
+def measure_links(ops, sizes=SIZES) -> dict:
+    """On every rank: each op's cost in a step at each size, the overlap fraction, and a reduce-scatter beside
+    compute. Records are rank 0's view (every value is already the slowest rank's)."""
+    import torch
+    import torch.distributed as dist
+
+    from ..comm.measure import _numel_for, _prepare
+    from ..trace.events import recorder
+
+    recorder.enabled = False  # bookkeeping: the calibration leaves no trace
+    records, n = [], dist.get_world_size()
+    for op in ops:
+        for size in sizes:
+            numel = _numel_for(size, n, 4)
+            seconds = in_a_step(_prepare(op, numel, torch.float32, torch.device("cpu"), seed=len(records)))
+            records.append(dict(op=op, impl="backend", size_bytes=numel * 4, world_size=n, seconds=seconds))
+    alone = in_a_step(_prepare("reduce_scatter", _numel_for(BESIDE_SIZE, n, 4), torch.float32, torch.device("cpu"),
+                               seed=99))
+    return {"records": records, "overlap": overlap(), "beside_compute": beside_compute(alone)}

@@ -1,0 +1,166 @@
+"""Several ranks' programs replayed together: the pipeline's stages, joined by their sends and receives.
+
+One rank's program becomes a timeline by the overlap rule (`toolkit.sim.timeline`). A pipeline step is
+several such programs, one per stage, that wait on each other: stage s+1 cannot run micro-batch m's
+forward before stage s has sent it the activations, and stage s cannot run its backward before stage
+s+1 has sent the gradients back. The step time is then the critical path across the stages, and a
+stage's idle time on it is the pipeline's bubble. Nothing here knows the schedule (GPipe, 1F1B,
+interleaved): the programs carry it, in the order each stage issued its work, and `P2P` pairs say
+which send feeds which receive.
+
+The rules, on top of the overlap rule (every stage has its own compute stream and its own links):
+
+1. A send and its receive are one transfer. It starts when both have been issued (NCCL's
+   point-to-point needs both sides) and the sender's outgoing and the receiver's incoming
+   point-to-point channels are free, and lasts what `collective_cost` gives the send (its link: NVLink
+   between stages of one node, the network between nodes). Both collectives complete at its end.
+2. A `Wait` on either half stalls that stage's compute stream until the transfer has completed; a
+   stage's later instructions wait with it (a stage runs its program in order).
+3. Point-to-point transfers use their own channels (`("p2p-out", stage)`, `("p2p-in", stage)`): they
+   queue behind each other, not behind the stage's data-parallel collectives (NCCL runs them on other
+   streams); the stage's other collectives follow rules 2-5 of the overlap rule as on one rank.
+4. Stages advance as far as their dependencies allow; if none can and work remains, the programs
+   deadlock (a receive whose send is never issued, or two stages each waiting to receive first): an
+   error names every stage's blocked instruction.
+
+    timeline = schedule_stages({0: program0, 1: program1}, [P2P(send=(0, 3), recv=(1, 0)), ...],
+                               compute_time=lambda stage, c: ..., collective_cost=lambda stage, c: ...)
+    timeline.step_time, timeline.stages[1].spans, timeline.bubble(1)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .program import Collective, Compute, Wait
+from .timeline import Span, Timeline
+
+
+@dataclass(frozen=True)
+class P2P:
+    """A send on one stage and the receive that takes it on another: (stage, collective id) each."""
+    send: tuple
+    recv: tuple
+
+
+@dataclass
+class StagesTimeline:
+    """Every stage's modelled spans (a `Timeline` each, on one clock) and the step's critical path."""
+    stages: dict = field(default_factory=dict)   # stage -> Timeline
+    start: float = 0.0
+
+    @property
+    def end(self) -> float:
+        return max(t.end for t in self.stages.values())
+
+    @property
+    def step_time(self) -> float:
+        return self.end - self.start
+
+    def bubble(self, stage) -> float:
+        """The fraction of the step `stage`'s compute stream is idle: waiting on a transfer, or done early."""
+        return 1.0 - self.stages[stage].compute / self.step_time if self.step_time > 0 else 0.0
+
+
+class _Stage:
+    def __init__(self, program, start: float):
+        self.program, self.next, self.clock = list(program), 0, start
+        self.spans: list = []
+        self.done: dict = {}       # collective id -> when it completes (None: a transfer not yet matched)
+        self.free: dict = {}       # link -> when its last collective ends
+
+
+def schedule_stages(programs: dict, dependencies, compute_time, collective_cost, *, start: float = 0.0,
+                    overlap: float = 1.0, beside: float = 1.0) -> StagesTimeline:
+    """Replay every stage's program together. compute_time(stage, Compute) -> seconds; collective_cost(stage,
+    Collective) -> an object with `.seconds`, `.resources` (and optionally `.occupancy`), as for one rank
+    (`toolkit.sim.timeline.schedule`); dependencies: `P2P` pairs (anything else is refused)."""
+    stages = {key: _Stage(program, start) for key, program in programs.items()}
+    partner: dict = {}
+    for d in dependencies:
+        if not isinstance(d, P2P):
+            raise TypeError(f"a dependency is a P2P(send=(stage, id), recv=(stage, id)), not {d!r}")
+        for end in (d.send, d.recv):
+            if end[0] not in stages:
+                raise ValueError(f"{d}: stage {end[0]!r} has no program; stages: {sorted(stages, key=str)}")
+            if end in partner:
+                raise ValueError(f"{d}: collective {end} is already paired with {partner[end]}")
+        partner[d.send], partner[d.recv] = d.recv, d.send
+    issued: dict = {}  # (stage, id) -> (Collective, issue time), for transfers waiting for their other half
+    sends = {d.send for d in dependencies}
+
+    def advance(key, st: _Stage) -> bool:
+        """Run `key`'s instructions until one must wait for another stage; True if any ran."""
+        moved = False
+        while st.next < len(st.program):
+            instruction = st.program[st.next]
+            if isinstance(instruction, Compute):
+                end = st.clock + compute_time(key, instruction)
+                st.spans.append(Span("compute", st.clock, end, instruction))
+                st.clock = end
+            elif isinstance(instruction, Collective):
+                if instruction.id in st.done:
+                    raise ValueError(f"stage {key!r}: collective id {instruction.id} issued twice")
+                if (key, instruction.id) in partner:
+                    st.done[instruction.id] = None
+                    issued[(key, instruction.id)] = (instruction, st.clock)
+                    _match(key, instruction.id)
+                else:
+                    _collective(key, st, instruction)
+            elif isinstance(instruction, Wait):
+                if instruction.id not in st.done:
+                    raise ValueError(f"stage {key!r}: waits on collective {instruction.id} before it was issued")
+                if st.done[instruction.id] is None:
+                    return moved  # the other half of this transfer has not been issued yet
+                if st.done[instruction.id] > st.clock:
+                    st.spans.append(Span("wait", st.clock, st.done[instruction.id], instruction))
+                    st.clock = st.done[instruction.id]
+            else:
+                raise TypeError(f"stage {key!r}: instruction {st.next} is a {type(instruction).__name__}")
+            st.next += 1
+            moved = True
+        return moved
+
+    def _collective(key, st: _Stage, c: Collective) -> None:
+        cost = collective_cost(key, c)
+        stretch = beside if c.async_op else 1.0
+        begin = max([st.clock] + [st.free.get(link, start) for link in cost.resources])
+        st.done[c.id] = begin + cost.seconds * stretch
+        for link in cost.resources:
+            st.free[link] = begin + getattr(cost, "occupancy", cost.seconds) * stretch
+        st.spans.append(Span("comm", begin, st.done[c.id], c, issued=st.clock, cost=cost))
+        if overlap < 1 and cost.seconds > 0:
+            held = st.clock + (1 - overlap) * cost.seconds
+            st.spans.append(Span("host", st.clock, held, c))
+            st.clock = held
+
+    def _match(key, cid) -> None:
+        """Both halves issued: run the transfer (rule 1) and complete both."""
+        other = partner[(key, cid)]
+        if other not in issued:
+            return
+        send, recv = ((key, cid), other) if (key, cid) in sends else (other, (key, cid))
+        (send_c, t_send), (recv_c, t_recv) = issued.pop(send), issued.pop(recv)
+        cost = collective_cost(send[0], send_c)
+        sender, receiver = stages[send[0]], stages[recv[0]]
+        out, into = ("p2p-out", send[0]), ("p2p-in", recv[0])
+        begin = max(t_send, t_recv, sender.free.get(out, start), receiver.free.get(into, start))
+        end = begin + cost.seconds
+        sender.free[out] = receiver.free[into] = begin + getattr(cost, "occupancy", cost.seconds)
+        for (stage, i), c, t in ((send, send_c, t_send), (recv, recv_c, t_recv)):
+            stages[stage].done[i] = end
+            stages[stage].spans.append(Span("comm", begin, end, c, issued=t, cost=cost))
+
+    while any(st.next < len(st.program) for st in stages.values()):
+        if not any([advance(key, st) for key, st in stages.items()]):
+            blocked = "; ".join(f"stage {key!r} at instruction {st.next}, {st.program[st.next]!r}"
+                                for key, st in stages.items() if st.next < len(st.program))
+            raise ValueError(f"the stages' programs deadlock: every stage with work left waits for a transfer whose "
+                             f"other half is issued only after it: {blocked}")
+    unmatched = sorted(issued, key=str)
+    if unmatched:
+        raise ValueError(f"transfers issued on one side only: {unmatched} (their partners were never issued)")
+    out = StagesTimeline(start=start)
+    for key, st in stages.items():
+        ends = [st.clock] + [t for t in st.done.values() if t is not None]
+        out.stages[key] = Timeline(st.spans, start, max(ends))
+    return out
