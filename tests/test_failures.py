@@ -267,6 +267,44 @@ def test_a_rank_that_cannot_load_its_checkpoint_is_named_with_its_own_error(tmp_
     assert "  - rank 2: rank 1 could not load the checkpoint" in message
 
 
+def _loads_a_swapped_shard(folder):
+    import shutil
+    from functools import partial
+
+    import torch.distributed as dist
+
+    from toolkit.parallel import checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model, opt = toolkit.parallel.wrap(model, "fsdp", wrap_policy=torch.nn.Linear,
+                                       optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    path = checkpoint.save_sharded(model, opt, folder)
+    comm.barrier()
+    if dist.get_rank() == 2:  # rank 0's file copied over rank 2's: same shapes, same layout, wrong slices
+        shutil.copyfile(path.replace("shard-00002", "shard-00000"), path)
+    comm.barrier()
+    before = [u.master.clone() for u in model.engine.units]
+    try:
+        checkpoint.load_sharded(model, opt, folder)
+    finally:
+        unchanged = all(torch.equal(a, u.master) for a, u in zip(before, model.engine.units))
+        open(os.path.join(folder, f"unchanged-{dist.get_rank()}"), "w").write(str(unchanged))
+
+
+def test_a_shard_file_of_another_rank_is_refused_naming_the_file_and_both_ranks(tmp_path, no_leftover_ranks):
+    """Every shard has the same shapes, so a file copied from another rank loads without a shape error: only
+    the rank it records can tell. Before this check rank 2 silently held rank 0's slices."""
+    with pytest.raises(RankError) as info:
+        toolkit.launch(_loads_a_swapped_shard, 3, args=(str(tmp_path),), timeout_s=30, quiet=True)
+    message = str(info.value)
+    assert info.value.rank == 2, message
+    assert message.startswith("rank 2 raised ValueError: ") and "shard-00002-of-00003.pt" in message, message
+    assert "was written by rank 0 (slice 0 of its sharding group), not rank 2 (slice 2)" in message, message
+    assert "  - rank 0: rank 2 could not load the checkpoint" in message
+    assert all((tmp_path / f"unchanged-{r}").read_text() == "True" for r in range(3))
+
+
 # --- under mpiexec -------------------------------------------------------------------------------------
 MPI_SCRIPT = textwrap.dedent("""
     import os, sys, time, torch, toolkit
