@@ -192,8 +192,11 @@ def test_bad_arguments_are_clear_errors():
         toolkit.launch(lambda: 0, 0)
     with pytest.raises(TypeError, match="needs a function"):
         toolkit.launch(42, 2)
-    with pytest.raises(ValueError, match="timeout_s must be positive"):
-        toolkit.launch(lambda: 0, 2, timeout_s=0)
+    for bad in (0, -1, float("nan"), float("inf"), "10"):  # NaN used to fail later: "cannot convert float NaN"
+        with pytest.raises(ValueError, match=r"timeout_s must be a finite number of seconds greater than 0, got"):
+            toolkit.launch(lambda: 0, 2, timeout_s=bad)
+    with pytest.raises(ValueError, match=r"deadline_s must be a finite number of seconds greater than 0, got nan"):
+        toolkit.launch(lambda: 0, 2, deadline_s=float("nan"))
     with pytest.raises(ValueError, match="backend='mpi' is not known"):
         toolkit.launch(lambda: 0, 2, backend="mpi")
     if not torch.cuda.is_available():

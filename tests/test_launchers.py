@@ -113,6 +113,25 @@ def test_ipyparallel_engines_run_cells_survive_a_failed_one_and_name_a_dead_engi
     assert gone(pids), "an engine outlived stop_cluster"
 
 
+def test_bad_cluster_arguments_are_refused_before_any_engine_starts(monkeypatch):
+    """`cluster(timeout_s=-1)` used to start the controller and engines first and fail only in their setup."""
+    import ipyparallel as ipp
+
+    import toolkit
+
+    def no_start(*args, **kwargs):
+        raise AssertionError("an engine was started for arguments that were already known to be wrong")
+
+    monkeypatch.setattr(ipp, "Cluster", no_start)
+    for bad in (-1, 0, float("nan")):
+        with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds greater than 0"):
+            toolkit.runtime.cluster(2, timeout_s=bad)
+    with pytest.raises(ValueError, match="positive number of engines"):
+        toolkit.runtime.cluster(0)
+    with pytest.raises(ValueError, match="backend='mpi' is not known"):
+        toolkit.runtime.cluster(2, backend="mpi")
+
+
 @pytest.mark.parametrize("environ, expected", [
     ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}, (3, 8, 1, "torchrun")),
     ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},

@@ -29,6 +29,9 @@ import shutil
 import sys
 import time
 
+from .env import resolve_backend
+from .launch import check_seconds
+
 _SETUP = ("import toolkit, torch; from toolkit.runtime import cluster_engine as _toolkit_engine; "
           "_toolkit_place = _toolkit_engine.setup({backend!r}, {timeout_s!r})")
 _START_TIMEOUT_S = 180.0  # engines import torch on start: slow on a loaded laptop
@@ -50,10 +53,12 @@ def cluster(n: int, *, backend: str = "auto", timeout_s: float = 30.0, activate:
     timeout_s: how long a rank waits inside one collective before its cell fails.
     With `activate=True` the `%px`/`%%px` magics target all engines. Stop with `stop_cluster(rc)`.
     """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"cluster needs a positive number of engines, got {n!r}.")
+    check_seconds("timeout_s", timeout_s)  # before any engine starts: a bad value must not cost a start-up
+    resolve_backend(backend, 1)
     import ipyparallel as ipp
 
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"cluster needs a positive number of engines, got {n!r}.")
     c = ipp.Cluster(engines="mpi", n=n)
     c.config.MPILauncher.mpi_cmd = [_mpiexec()]
     c.config.MPILauncher.mpi_args = ["-disable-auto-cleanup"]  # one dead engine must not take the others down

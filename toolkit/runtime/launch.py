@@ -17,6 +17,7 @@ How it works, in the order it happens:
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import pickle
 import signal
@@ -45,6 +46,13 @@ class RankError(RuntimeError):
     def __init__(self, message: str, rank: int | None = None):
         super().__init__(message)
         self.rank = rank
+
+
+def check_seconds(name: str, value) -> None:
+    """A time limit must be a finite positive number of seconds (NaN compares false with everything, so
+    `nan <= 0` would let it through to fail later, deep inside torch, as "cannot convert float NaN")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds greater than 0, got {value!r}.")
 
 
 def _forward(stream, rank: int, sink) -> None:
@@ -91,8 +99,9 @@ def launch(fn, world_size: int, *, args=(), backend: str = "auto", timeout_s: fl
         raise TypeError(f"launch needs a function to run on every rank, got {type(fn).__name__}.")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}.")
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}.")
+    check_seconds("timeout_s", timeout_s)
+    if deadline_s is not None:
+        check_seconds("deadline_s", deadline_s)
     backend = resolve_backend(backend, world_size)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
 
