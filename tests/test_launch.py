@@ -162,6 +162,56 @@ def test_parallel_launches_never_collide(no_leftover_ranks):
     assert {r["tag"] for r in results["a"]} == {"a"} and {r["tag"] for r in results["b"]} == {"b"}
 
 
+_SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+_ORPHAN_MAKER = [sys.executable, "-c", "import subprocess as s, sys; print(s.Popen(sys.argv[1:], start_new_session=True, "
+                 "stdout=s.DEVNULL, stderr=s.DEVNULL).pid)"] + _SLEEPER
+
+
+def _leaves_processes_behind(folder, then):
+    """A child in a new session (beyond its rank's process group), and an orphan in another session (its
+    parent exited at once, so it is nobody's child), both meant to sleep for two minutes."""
+    import torch.distributed as dist
+
+    child = subprocess.Popen(_SLEEPER, start_new_session=True)
+    orphan = int(subprocess.run(_ORPHAN_MAKER, capture_output=True, text=True, timeout=60).stdout)
+    with open(os.path.join(folder, f"pids-{dist.get_rank()}"), "w") as f:
+        f.write(f"{child.pid} {orphan}")
+    comm.barrier()  # every rank has started its processes
+    if then == "raises" and dist.get_rank() == 1:
+        raise ValueError("rank one fails after starting its helpers")
+    if then == "raises":
+        time.sleep(60)
+    return "done"
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("then", ["returns", "raises"])
+def test_nothing_a_rank_started_outlives_the_launch(then, tmp_path, no_leftover_ranks):
+    """Killing each rank's process group missed both: the session child and the orphan slept on."""
+    try:
+        if then == "returns":
+            assert toolkit.launch(_leaves_processes_behind, 2, args=(str(tmp_path), then), timeout_s=60) == ["done"] * 2
+        else:
+            with pytest.raises(RankError, match="rank 1 raised ValueError: rank one fails after starting"):
+                toolkit.launch(_leaves_processes_behind, 2, args=(str(tmp_path), then), timeout_s=60)
+        pids = [int(p) for name in os.listdir(tmp_path) for p in (tmp_path / name).read_text().split()]
+        assert len(pids) == 4
+        survivors = [pid for pid in pids if _alive(pid)]
+        assert not survivors, f"still running after launch returned: {survivors}"
+    finally:
+        for name in os.listdir(tmp_path):
+            for pid in (tmp_path / name).read_text().split():
+                if _alive(int(pid)):
+                    os.kill(int(pid), signal.SIGKILL)
+
+
 def test_keyboard_interrupt_stops_all_ranks(tmp_path):
     script = tmp_path / "interrupted.py"
     pid_dir = tmp_path / "pids"

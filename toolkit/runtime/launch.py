@@ -5,14 +5,18 @@ How it works, in the order it happens:
    cell or in a script's `__main__` travels (plain multiprocessing spawn cannot pickle those, and
    forking a parent that already ran torch can deadlock the children's thread pools).
 2. The parent hosts the rendezvous store on a port the OS picks, so launches never collide.
-3. Each rank is a fresh `python -m toolkit.runtime.worker` process in its own process group;
-   it initializes torch.distributed, runs `fn(*args)` and writes its result (or its traceback) to a
-   private temporary folder.
+3. A small keeper process (`keeper.py`) starts each rank as a fresh `python -m toolkit.runtime.worker`
+   process in its own process group, and dates each rank's end as it happens. The rank initializes
+   torch.distributed, runs `fn(*args)` and writes its result (or its traceback) to a private
+   temporary folder.
 4. The parent watches every rank's exit code, error file and status board (`status.py`). When one
    fails, it stops every rank at once and raises, naming the rank that *caused* it (`blame.py`): the
    one that raised on its own, died, or never entered a collective its peers waited in for `timeout_s`;
-   the others' errors (a lost connection, a timeout) are listed below as consequences. Ctrl-C (a
-   notebook's stop button) stops them too. No process outlives the call.
+   the others' errors (a lost connection, a timeout) are listed below as consequences. Causes are
+   ordered by when they happened (a raise by its rank's clock, a death by the keeper's), not by when
+   the launcher saw them. Ctrl-C (a notebook's stop button) stops them too.
+5. No process outlives the call: the keeper is the ranks' subreaper, so whatever they started (an
+   orphan, a child in a new session) is still below it at the end, and it kills all of it.
 """
 from __future__ import annotations
 
@@ -20,8 +24,6 @@ import datetime
 import math
 import os
 import pickle
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,6 +34,7 @@ import torch.distributed as dist
 
 from . import blame, status
 from .env import resolve_backend
+from .keeper import Keeper
 
 # The backend's own timeout fires this long after the launcher's hang check, so the check (which can
 # still see who never entered the collective) speaks first; the backend's timeout is the backstop.
@@ -61,17 +64,6 @@ def _forward(stream, rank: int, sink) -> None:
         sink.write(f"[rank {rank}] {line.decode(errors='replace')}")
         sink.flush()
     stream.close()
-
-
-def _kill_all(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        p.wait()
 
 
 def _read_error(folder: str, rank: int):
@@ -116,43 +108,37 @@ def launch(fn, world_size: int, *, args=(), backend: str = "auto", timeout_s: fl
         env = dict(os.environ, WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                    TOOLKIT_STORE_PORT=str(store.port), TOOLKIT_LAUNCH_DIR=folder,
                    OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-        for var in ("MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        for var in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                    "SLURM_PROCID"):
             env.pop(var, None)  # we are the launcher now, whoever launched us
-        procs, pumps = [], []
+        keeper, pumps = Keeper.start(folder, world_size, env), []
         try:
-            for rank in range(world_size):
-                env_r = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-                p = subprocess.Popen([sys.executable, "-m", "toolkit.runtime.worker", folder],
-                                     env=env_r, start_new_session=True, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-                procs.append(p)
+            for rank, stream in enumerate(keeper.streams):
                 sink = open(os.devnull, "w") if quiet else sys.stdout
-                t = threading.Thread(target=_forward, args=(p.stdout, rank, sink), daemon=True)
+                t = threading.Thread(target=_forward, args=(stream, rank, sink), daemon=True)
                 t.start()
                 pumps.append(t)
-            _watch(procs, boards, folder, timeout_s, deadline_s)
-            for t in pumps:
-                t.join(timeout=5)
+            _watch(keeper, boards, folder, timeout_s, deadline_s)
             results = []
             for rank in range(world_size):
                 with open(os.path.join(folder, f"result-{rank}.pkl"), "rb") as f:
                     results.append(pickle.load(f))
             return results
         finally:
-            _kill_all(procs)
+            keeper.stop()  # every rank and whatever it started, in a new session or orphaned
+            for t in pumps:
+                t.join(timeout=5)  # the ranks' last lines
             for b in boards:
                 b.close()
             del store
 
 
-def _evidence(procs, boards, folder: str, ended_at: dict) -> list[blame.Evidence]:
-    now = time.time()
-    found = []
-    for rank, p in enumerate(procs):
-        code = p.poll()
-        if code is not None:
-            ended_at.setdefault(rank, now)
-        found.append(blame.Evidence(rank, boards[rank].read(), _read_error(folder, rank), code, ended_at.get(rank),
+def _evidence(keeper: Keeper, boards, folder: str) -> list[blame.Evidence]:
+    """What is known of every rank now; an end is dated by the keeper, when it happened."""
+    ended, found = keeper.exits(), []
+    for rank in range(keeper.world_size):
+        code, ended_at = ended.get(rank, (None, None))
+        found.append(blame.Evidence(rank, boards[rank].read(), _read_error(folder, rank), code, ended_at,
                                     os.path.exists(os.path.join(folder, f"result-{rank}.pkl"))))
     return found
 
@@ -201,24 +187,25 @@ def _went_wrong(e: blame.Evidence) -> bool:
             or e.board.state == status.FAILED)
 
 
-def _watch(procs, boards, folder: str, timeout_s: float, deadline_s: float | None) -> None:
+def _watch(keeper: Keeper, boards, folder: str, timeout_s: float, deadline_s: float | None) -> None:
     """Wait for every rank; on the first failure or hang, stop them all and raise, naming the cause."""
-    started, ended_at, trouble_since = time.time(), {}, None
+    started, trouble_since = time.time(), None
     while True:
-        evidence = _evidence(procs, boards, folder, ended_at)
+        evidence = _evidence(keeper, boards, folder)
         if all(e.code == 0 and e.returned for e in evidence):
             return
         if trouble_since is None and any(map(_went_wrong, evidence)):
             trouble_since = time.time()
             while time.time() - trouble_since < _SETTLE_S and any(e.code is None for e in evidence):
                 time.sleep(0.02)  # let what it causes land: peers in a collective with it fail at once
-                evidence = _evidence(procs, boards, folder, ended_at)
+                evidence = _evidence(keeper, boards, folder)
         verdict = blame.judge(evidence, time.time(), timeout_s)
         if verdict is not None and (verdict.found_cause or time.time() - trouble_since > _CAUSE_GRACE_S):
-            _kill_all(procs)
             raise RankError(verdict.message(), verdict.rank)
         if deadline_s is not None and time.time() - started > deadline_s:
             where = "\n".join(blame.where_every_rank_was(evidence, time.time()))
-            _kill_all(procs)
             raise RankError(f"the ranks ran past deadline_s={deadline_s}s and were stopped.\n{where}")
+        if keeper.lost() is not None:
+            raise RankError(f"the launch's keeper process (which starts and watches the ranks) ended with code "
+                            f"{keeper.lost()}: killed from outside? Every rank was stopped.")
         time.sleep(0.02)
