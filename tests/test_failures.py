@@ -216,6 +216,45 @@ def test_a_rank_that_dies_inside_a_collective_is_named_not_its_peers(how, story,
     assert seen < 5, f"the death surfaced {seen:.1f}s after it happened"  # 0.05-0.15 s here, under load
 
 
+def _killed_then_another_raises(folder):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    with open(os.path.join(folder, f"pid-{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    comm.barrier()
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 1:  # raise 50 ms after rank 2 is dead (a zombie, or reaped already)
+        pid = int(open(os.path.join(folder, "pid-2")).read())
+        while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.002)
+        time.sleep(0.05)
+        raise ValueError("rank one raises 50 ms after rank 2 died")
+    time.sleep(60)
+
+
+def test_blame_goes_by_when_things_happened_not_when_the_launcher_saw_them(tmp_path, monkeypatch,
+                                                                           no_leftover_ranks):
+    """A loaded machine delays the launcher's look at the ranks (3 of 3 runs at load ~5 blamed the raiser):
+    the look is delayed here on purpose, by a second each time. A death must still be dated when it
+    happened, so the SIGKILL 50 ms before the raise is the cause."""
+    launching = sys.modules["toolkit.runtime.launch"]
+
+    looked = launching._evidence
+
+    def late_look(*args, **kwargs):
+        time.sleep(1.0)
+        return looked(*args, **kwargs)
+
+    monkeypatch.setattr(launching, "_evidence", late_look)
+    with pytest.raises(RankError) as info:
+        toolkit.launch(_killed_then_another_raises, 3, args=(str(tmp_path),), timeout_s=60, quiet=True)
+    message = str(info.value)
+    assert info.value.rank == 2 and message.startswith("rank 2 died: killed by SIGKILL (9)"), message
+    assert "also on its own: rank 1 raised ValueError: rank one raises 50 ms after rank 2 died" in message
+
+
 def _skips_one(raw):
     import torch.distributed as dist
 
