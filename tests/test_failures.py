@@ -280,6 +280,33 @@ def test_a_skipped_collective_names_the_rank_that_skipped_it(raw, no_leftover_ra
     assert time.time() - start < 2 + 40  # ranks start in seconds; the launcher's check fires at timeout_s
 
 
+def _one_rank_computes_on():
+    import torch.distributed as dist
+
+    comm.all_reduce(torch.ones(3))
+    if dist.get_rank() == 1:
+        _crunch()  # never reaches the next all_reduce
+    comm.all_reduce(torch.ones(3))
+
+
+def _crunch():
+    x = torch.ones(64, 64)
+    while True:
+        x = torch.tanh(x @ x)  # the line rank 1 is stuck on
+
+
+def test_a_rank_stuck_in_compute_is_shown_where_it_is(no_leftover_ranks):
+    """The rank is named (it never entered all_reduce #2); its Python stack says what it does instead."""
+    with pytest.raises(RankError) as info:
+        toolkit.launch(_one_rank_computes_on, 3, timeout_s=2, quiet=True)
+    message = str(info.value)
+    assert info.value.rank == 1 and message.startswith("rank 1 did not enter all_reduce #2"), message
+    stack = message.split("where rank 1 was when it was stopped (its Python stack, most recent call last):\n")[1]
+    assert "in _one_rank_computes_on\n    _crunch()  # never reaches the next all_reduce" in stack, stack
+    assert stack.rstrip().endswith("in _crunch\n    x = torch.tanh(x @ x)  # the line rank 1 is stuck on"), stack
+    assert "where rank 0 was" not in message  # the waiting ranks are where the table says
+
+
 def _loads_a_cut_shard(folder):
     import torch.distributed as dist
     from functools import partial

@@ -69,6 +69,28 @@ def test_function_defined_in_a_notebook_cell_travels(no_leftover_ranks):
     assert [o.tolist() for o in out] == [[60.0, 60.0]] * 2
 
 
+def test_a_cells_traceback_shows_its_file_line_and_source(no_leftover_ranks):
+    """IPython names a cell's code `<ipython-input-N-...>` and keeps its source in linecache; cloudpickle renamed
+    every copied code object `<dynamic-code>`, so the rank's traceback had neither the name nor the source."""
+    import linecache
+
+    name = "<ipython-input-7-5f2c>"
+    source = textwrap.dedent("""
+        import torch.distributed as dist
+        def cell_function():
+            if dist.get_rank() == 1:
+                raise ValueError("from the cell")
+    """)
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    namespace = {"__name__": "__main__"}
+    exec(compile(source, name, "exec"), namespace)
+    with pytest.raises(RankError) as info:
+        toolkit.launch(namespace["cell_function"], 2, timeout_s=30, quiet=True)
+    message = str(info.value)
+    assert f'File "{name}", line 5, in cell_function\n    raise ValueError("from the cell")' in message, message
+    assert "<dynamic-code>" not in message
+
+
 def test_function_from_a_script_main_travels(tmp_path, no_leftover_ranks):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent("""
@@ -254,14 +276,23 @@ def test_bad_arguments_are_clear_errors():
             toolkit.launch(lambda: 0, 2, backend="nccl")
 
 
-def test_a_deadline_stops_ranks_that_never_reach_a_collective(no_leftover_ranks):
-    def spin():
+def test_a_deadline_stops_ranks_that_never_reach_a_collective(tmp_path, no_leftover_ranks):
+    def spin(folder):
+        import torch.distributed as dist
+
+        open(os.path.join(folder, str(dist.get_rank())), "w").close()
         while True:
             pass
     start = time.time()
-    with pytest.raises(RankError, match="deadline_s=3"):
-        toolkit.launch(spin, 2, deadline_s=3)
+    with pytest.raises(RankError, match="deadline_s=3") as info:
+        toolkit.launch(spin, 2, args=(str(tmp_path),), deadline_s=3)
     assert time.time() - start < 20
+    # A rank that was spinning is shown where it spins (on a starved machine a rank may not have started in
+    # 3 s: test_a_rank_stuck_in_compute_is_shown_where_it_is shows stacks whatever the load).
+    spinning = [int(name) for name in os.listdir(tmp_path)]
+    for rank in spinning:
+        assert f"where rank {rank} was when it was stopped" in str(info.value), str(info.value)
+    assert str(info.value).count(", in spin\n") == len(spinning), str(info.value)
 
 
 def test_not_implemented_reaches_the_caller_as_such(no_leftover_ranks):

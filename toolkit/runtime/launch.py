@@ -29,10 +29,9 @@ import tempfile
 import threading
 import time
 
-import cloudpickle
 import torch.distributed as dist
 
-from . import blame, status
+from . import blame, by_value, stacks, status
 from .env import resolve_backend
 from .keeper import Keeper
 
@@ -97,10 +96,10 @@ def launch(fn, world_size: int, *, args=(), backend: str = "auto", timeout_s: fl
     backend = resolve_backend(backend, world_size)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
 
-    payload = _by_value(fn, tuple(args))
+    payload, sources = by_value.dumps(fn, tuple(args))
     with tempfile.TemporaryDirectory(prefix="toolkit-launch-") as folder:
         with open(os.path.join(folder, "job.pkl"), "wb") as f:
-            pickle.dump({"payload": payload, "sys_path": list(sys.path), "backend": backend,
+            pickle.dump({"payload": payload, "sources": sources, "sys_path": list(sys.path), "backend": backend,
                          "timeout_s": timeout_s + BACKEND_GRACE_S, "threads": threads}, f)
         boards = [status.StatusBoard(status.board_path(folder, r), create=True) for r in range(world_size)]
         store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
@@ -143,48 +142,20 @@ def _evidence(keeper: Keeper, boards, folder: str) -> list[blame.Evidence]:
     return found
 
 
-def _by_value(fn, args: tuple) -> bytes:
-    """cloudpickle `fn` and `args`; if something cannot travel, say which thing and what to do."""
-    try:
-        return cloudpickle.dumps((fn, args))
-    except Exception as exc:  # noqa: BLE001 - pickling raises TypeError, PicklingError, AttributeError...
-        code = getattr(fn, "__code__", None)
-        carried = [(f"argument {i}", a) for i, a in enumerate(args)]
-        if code is not None:
-            cells = [c.cell_contents for c in (fn.__closure__ or ()) if _has_contents(c)]
-            carried += [(f"the variable `{n}` it closes over", v) for n, v in zip(code.co_freevars, cells)]
-            if getattr(fn, "__module__", None) == "__main__":  # cloudpickle copies __main__'s globals too
-                carried += [(f"the global `{n}`", fn.__globals__[n]) for n in code.co_names if n in fn.__globals__]
-        culprit = next((f"{what}, a {type(v).__name__}" for what, v in carried if not _picklable(v)), "something it uses")
-        raise TypeError(
-            f"launch sends the function and its args to every rank by value (cloudpickle), so all they carry must "
-            f"be picklable; {getattr(fn, '__name__', 'the function')} carries {culprit}, which is not "
-            f"({type(exc).__name__}: {exc}). Create such things (locks, open files, sockets, process groups, "
-            f"CUDA streams) inside the function, on each rank, or pass something that pickles (a path, numbers, "
-            f"tensors) instead.") from exc
-
-
-def _has_contents(cell) -> bool:
-    try:
-        cell.cell_contents
-        return True
-    except ValueError:  # an empty cell (a name assigned later)
-        return False
-
-
-def _picklable(value) -> bool:
-    try:
-        cloudpickle.dumps(value)
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
 def _went_wrong(e: blame.Evidence) -> bool:
     """This rank raised, ended without its result, or saw a collective fail (a peer's death shows there
     first: its sockets close a moment before the launcher can see that it exited)."""
     return (e.error is not None or e.code not in (None, 0) or (e.code == 0 and not e.returned)
             or e.board.state == status.FAILED)
+
+
+def _stacks(keeper: Keeper, folder: str, evidence, ranks) -> str:
+    """The Python stacks of those of `ranks` still running (they said nothing themselves), for the message."""
+    pids = dict(enumerate(keeper.pids()))
+    running = {r: pids[r] for r in ranks if r in pids and evidence[r].code is None and evidence[r].error is None}
+    found = stacks.ask(folder, running) if running else {}
+    return "".join(f"\n\nwhere rank {r} was when it was stopped (its Python stack, most recent call last):\n{text}"
+                   for r, text in sorted(found.items()))
 
 
 def _watch(keeper: Keeper, boards, folder: str, timeout_s: float, deadline_s: float | None) -> None:
@@ -201,10 +172,12 @@ def _watch(keeper: Keeper, boards, folder: str, timeout_s: float, deadline_s: fl
                 evidence = _evidence(keeper, boards, folder)
         verdict = blame.judge(evidence, time.time(), timeout_s)
         if verdict is not None and (verdict.found_cause or time.time() - trouble_since > _CAUSE_GRACE_S):
-            raise RankError(verdict.message(), verdict.rank)
+            named = [verdict.rank] if verdict.rank is not None and not verdict.traceback else []
+            raise RankError(verdict.message() + _stacks(keeper, folder, evidence, named), verdict.rank)
         if deadline_s is not None and time.time() - started > deadline_s:
             where = "\n".join(blame.where_every_rank_was(evidence, time.time()))
-            raise RankError(f"the ranks ran past deadline_s={deadline_s}s and were stopped.\n{where}")
+            raise RankError(f"the ranks ran past deadline_s={deadline_s}s and were stopped.\n{where}"
+                            + _stacks(keeper, folder, evidence, range(len(evidence))))
         if keeper.lost() is not None:
             raise RankError(f"the launch's keeper process (which starts and watches the ranks) ended with code "
                             f"{keeper.lost()}: killed from outside? Every rank was stopped.")
