@@ -371,6 +371,38 @@ def test_a_shard_file_of_another_rank_is_refused_naming_the_file_and_both_ranks(
     assert all((tmp_path / f"unchanged-{r}").read_text() == "True" for r in range(3))
 
 
+class _GoesNanOnRank1AtStep2(torch.nn.Module):
+    """A model whose loss is NaN on rank 1 at step 2 only: afterwards the all-reduced gradients carry it."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.inner, self.calls = toolkit.train.build_model(config), 0
+
+    def forward(self, x, y):
+        import torch.distributed as dist
+
+        loss = self.inner(x, y)
+        self.calls += 1
+        return loss * float("nan") if dist.get_rank() == 1 and self.calls == 3 else loss
+
+
+def test_a_nan_loss_names_the_rank_and_step_where_it_first_appeared(no_leftover_ranks):
+    """Every rank's loss is NaN from step 3 on; before, the run returned NaN losses and named nobody."""
+    from toolkit.train import TrainConfig, launch_train
+
+    config = TrainConfig(strategy="ddp", steps=5, global_batch_size=6, progress=False, sample_memory=False,
+                         model=dict(n_layer=1, d_model=16, n_head=2))
+    with pytest.raises(RankError) as info:
+        launch_train(config, 3, model_fn=_GoesNanOnRank1AtStep2, timeout_s=60, quiet=True)
+    message = str(info.value)
+    assert info.value.rank == 1, message
+    assert message.startswith("rank 1 raised NonFiniteLoss: the loss went non-finite first on rank 1 at step 2 "
+                              "(of steps 0-4), and the run ended non-finite; this rank's loss there was nan."), message
+    for other in (0, 2):
+        assert (f"  - rank {other}: the loss went non-finite first on rank 1 at step 2" in message
+                and "went non-finite at step 3 only because the gradient all-reduce spread it here" in message), message
+
+
 # --- under mpiexec -------------------------------------------------------------------------------------
 MPI_SCRIPT = textwrap.dedent("""
     import os, sys, time, torch, toolkit
