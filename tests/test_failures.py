@@ -435,3 +435,51 @@ def test_under_mpiexec_a_raising_rank_ends_the_job_with_its_traceback_once(tmp_p
     assert len(os.listdir(pids)) == 3
     assert gone([int(p) for p in os.listdir(pids)]), "a rank outlived its job"
 
+
+DIES_UNDER_MPIEXEC = textwrap.dedent("""
+    import os, signal, sys, time, torch, toolkit
+    place = toolkit.runtime.init()
+    open(os.path.join(sys.argv[1], str(os.getpid())), "w").close()
+    toolkit.comm.all_reduce(torch.ones(3))
+    if place.rank == 2:
+        time.sleep(0.5)  # ranks 0 and 1 are waiting in all_reduce #2 by now
+        if sys.argv[2] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if sys.argv[2] == "exit":
+            os._exit(3)
+        sys.exit(0)  # "return": the script ends, past the collective the others wait in
+    toolkit.comm.all_reduce(torch.ones(3))
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("how, story", [
+    ("kill", r"rank 2 \(pid \d+( on \S+)?\) died: killed by SIGKILL \(9\)"),
+    ("exit", r"rank 2 \(pid \d+( on \S+)?\) died with exit code 3 before returning"),
+    ("return", r"rank 2 finished its script \(it returned, or called sys.exit\) while this rank still waited for it "
+               r"in a collective: it returned early, past a collective the others entered"),
+])
+def test_under_mpiexec_a_rank_that_dies_without_raising_is_named_with_how(how, story, tmp_path):
+    """0 of 6 before: the survivors said "PeerFailed because another rank failed (its traceback is the one to
+    read)", with no such traceback; on a SIGKILL mpiexec killed them before even that, and named a pid only."""
+    import re
+
+    from test_launchers import _bin, _clean_env, gone
+
+    if _bin("mpiexec") is None:
+        pytest.skip("no mpiexec on this machine")
+    script, pids, scratch = tmp_path / "job.py", tmp_path / "pids", tmp_path / "tmp"
+    script.write_text(DIES_UNDER_MPIEXEC)
+    pids.mkdir(), scratch.mkdir()
+    out = subprocess.run([_bin("mpiexec"), "-n", "3", sys.executable, str(script), str(pids), how],
+                         capture_output=True, text=True, timeout=150, env=dict(_clean_env(), TMPDIR=str(scratch)),
+                         cwd=tmp_path)
+    assert out.returncode != 0
+    assert re.search(story, out.stderr), out.stderr
+    assert "its traceback is the one to read" not in out.stderr, out.stderr
+    assert len(os.listdir(pids)) == 3 and gone([int(p) for p in os.listdir(pids)]), "a rank outlived its job"
+    deadline = time.time() + 15  # the witness removes its folder once every rank of its machine has ended
+    while os.listdir(scratch) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not os.listdir(scratch), os.listdir(scratch)
+

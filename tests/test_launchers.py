@@ -75,6 +75,31 @@ def test_mpiexec(tmp_path):
     assert lines == [f"OK rank={r} world=3 local={r} launcher=mpich sum=6" for r in range(3)]
 
 
+RAISES_UNDER_TORCHRUN = textwrap.dedent("""
+    import torch, toolkit
+    place = toolkit.runtime.init()
+    toolkit.comm.all_reduce(torch.ones(3))
+    if place.rank == 2:
+        raise ValueError("rank two is unhappy")
+    toolkit.comm.all_reduce(torch.ones(3))  # ranks 0 and 1 lose their partner here: consequences
+""")
+
+
+def test_under_torchrun_the_root_cause_is_the_rank_that_raised(tmp_path):
+    """torchrun's summary names the failure with the earliest timestamp, in whole seconds, the lowest rank winning
+    a tie: the consequences (ranks 0 and 1) exit within the cause's second, so it named rank 0 (3 of 3 trials).
+    A monitor interval of 2 s plays a loaded machine, where every rank has ended before torchrun looks."""
+    script = tmp_path / "job.py"
+    script.write_text(RAISES_UNDER_TORCHRUN)
+    out = subprocess.run([_bin("torchrun"), "--standalone", "--nproc_per_node=3", "--monitor-interval=2",
+                          str(script)], capture_output=True, text=True, timeout=170, env=_clean_env(), cwd=tmp_path)
+    assert out.returncode != 0
+    summary = out.stderr.split("Root Cause (first observed failure):")[-1]  # the last thing torchrun prints
+    assert "  rank      : 2 (local_rank: 2)" in summary, out.stderr[-3000:]
+    assert "ValueError: rank two is unhappy" in summary, summary  # its traceback, from torchrun's error file
+    assert out.stderr.count("ValueError: rank two is unhappy\n") >= 1
+
+
 RAISES_ON_RANK_1 = ("import os, torch, torch.distributed as dist\n"
                     "if dist.get_rank() == 1: raise ValueError('rank one is unhappy')\n"
                     "toolkit.comm.all_reduce(torch.ones(3))  # ranks 0 and 2 wait here for rank 1\n")

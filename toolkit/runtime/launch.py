@@ -108,7 +108,7 @@ def launch(fn, world_size: int, *, args=(), backend: str = "auto", timeout_s: fl
                    TOOLKIT_STORE_PORT=str(store.port), TOOLKIT_LAUNCH_DIR=folder,
                    OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
         for var in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
-                    "SLURM_PROCID"):
+                    "SLURM_PROCID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"):
             env.pop(var, None)  # we are the launcher now, whoever launched us
         keeper, pumps = Keeper.start(folder, world_size, env), []
         try:
