@@ -131,7 +131,8 @@ def test_ipyparallel_engines_run_cells_survive_a_failed_one_and_name_a_dead_engi
         with pytest.raises(ipp.error.CompositeError) as died:
             view.execute("if dist.get_rank() == 1: os._exit(9)\n" + SUMS, silent=False, block=True)
         note = toolkit.runtime.explain_cluster_error(rc, died.value)
-        assert note.startswith("toolkit: engine 1 (rank 1) died"), note
+        assert note.startswith("toolkit: engine 1 (rank 1) died with exit code 9"), note
+        assert "Engines 0, 2 are alive, but the process group lost a member" in note, note  # an exit: they live
         assert "rc = toolkit.runtime.restart_cluster(rc)" in note
     finally:
         toolkit.runtime.stop_cluster(rc)
@@ -155,6 +156,62 @@ def test_bad_cluster_arguments_are_refused_before_any_engine_starts(monkeypatch)
         toolkit.runtime.cluster(0)
     with pytest.raises(ValueError, match="backend='mpi' is not known"):
         toolkit.runtime.cluster(2, backend="mpi")
+
+
+# Functions a notebook cell defines: sent by value (a function of this test module would be sent by name, and
+# the engines cannot import the tests).
+APPLIED = textwrap.dedent("""
+    def raises_on_rank_1_while_the_others_reduce():
+        import torch, toolkit, torch.distributed as dist
+        if dist.get_rank() == 1:
+            raise ValueError("rank one is unhappy")
+        toolkit.comm.all_reduce(torch.ones(3))  # ranks 0 and 2 wait here for rank 1
+
+    def sum_of_ranks(scale=1.0):
+        import torch, toolkit, torch.distributed as dist
+        x = torch.ones(2) * (dist.get_rank() + 1) * scale
+        toolkit.comm.all_reduce(x)
+        return x.tolist()
+""")
+
+
+def test_ipyparallel_apply_recovers_and_a_killed_engine_is_named_as_the_one_that_took_the_job_down():
+    """Only %%px cells rebuilt the process group: after a failed view.apply, apply_sync and map_sync failed with
+    gloo's "Connection closed by peer". A SIGKILLed engine takes the MPI job down (MPICH's mpiexec ends the
+    others): the toolkit said all three had died "while the other engines are alive"."""
+    import signal
+
+    import ipyparallel as ipp
+
+    import toolkit
+
+    cell = {"__name__": "__main__"}
+    exec(APPLIED, cell)
+    rc = toolkit.runtime.cluster(3, activate=False, timeout_s=20)
+    pids = rc.toolkit_cluster["pids"]
+    view = rc[:]
+    try:
+        start = time.time()
+        with pytest.raises(ipp.error.CompositeError) as failed:
+            view.apply_sync(cell["raises_on_rank_1_while_the_others_reduce"])
+        assert time.time() - start < 15, "the waiting engines should fail at once, not at timeout_s=20"
+        note = toolkit.runtime.explain_cluster_error(rc, failed.value)
+        assert note.startswith("toolkit: rank 1 (engine 1) raised ValueError: rank one is unhappy"), note
+        assert view.apply_sync(cell["sum_of_ranks"]) == [[6.0, 6.0]] * 3  # the next call just works
+        # one element per engine: engine r reduces (r + 1) * scale_r, so every engine gets 1*1 + 2*2 + 3*3
+        assert view.map_sync(cell["sum_of_ranks"], [1.0, 2.0, 3.0]) == [[14.0, 14.0]] * 3
+
+        os.kill(pids[1], signal.SIGKILL)  # the out-of-memory killer, say
+        assert gone(pids), "MPICH's mpiexec ends every engine when one is killed by a signal"
+        with pytest.raises(ipp.error.KernelError) as died:
+            view.apply_sync(cell["sum_of_ranks"])
+        note = toolkit.runtime.explain_cluster_error(rc, died.value)
+        assert note.startswith("toolkit: engine 1 (rank 1) died: killed by SIGKILL (9)"), note
+        assert "It took the MPI job with it: mpiexec then ended every other engine" in note, note
+        assert "rc = toolkit.runtime.restart_cluster(rc)" in note, note
+    finally:
+        toolkit.runtime.stop_cluster(rc)
+    assert gone(pids), "an engine outlived stop_cluster"
 
 
 @pytest.mark.parametrize("environ, expected", [
