@@ -436,6 +436,38 @@ def test_under_mpiexec_a_raising_rank_ends_the_job_with_its_traceback_once(tmp_p
     assert gone([int(p) for p in os.listdir(pids)]), "a rank outlived its job"
 
 
+@pytest.mark.parametrize("raised_first", [False, True])
+def test_the_witness_names_the_first_silent_death_only(tmp_path, raised_first):
+    """Three stand-in ranks on this machine: rank 2 is SIGKILLed, then the launcher kills rank 0. Only rank 2 is
+    named, with its signal; and nobody is, when a rank had raised first (the kills are then the job ending)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    ranks = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    witness = os.path.join(os.path.dirname(toolkit.runtime.__file__), "witness.py")
+    try:
+        seen = subprocess.Popen([sys.executable, witness, str(marks), "host-a"] +
+                                [f"{r}:{p.pid}" for r, p in enumerate(ranks)], stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 30
+        while not (marks / "watching").exists() and time.time() < deadline:
+            time.sleep(0.01)
+        if raised_first:
+            (marks / "raised-1").touch()
+        ranks[2].kill(), ranks[2].wait()
+        time.sleep(0.3)
+        for p in (ranks[0], ranks[1]):
+            p.kill(), p.wait()
+        told = seen.communicate(timeout=30)[1]
+    finally:
+        for p in ranks:
+            p.kill(), p.wait()
+    assert seen.returncode == 0 and not marks.exists()  # it tidies up after itself
+    if raised_first:
+        assert told == ""
+    else:
+        assert told.startswith(f"[rank2]: toolkit: rank 2 (pid {ranks[2].pid} on host-a) died: killed by SIGKILL (9)")
+        assert "It is the cause" in told and "rank 0" not in told and "rank 1" not in told, told
+
+
 DIES_UNDER_MPIEXEC = textwrap.dedent("""
     import os, signal, sys, time, torch, toolkit
     place = toolkit.runtime.init()

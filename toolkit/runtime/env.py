@@ -151,9 +151,10 @@ def init(backend: str = "auto", *, timeout_s: float = 300.0) -> Placement:
         init_method=None if store is not None else "env://",
     )
     atexit.register(_shutdown)  # a script that never tears down must not abort at exit (gloo's threads)
-    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else place.launcher
-    if launcher in ("openmpi", "mpich", "slurm", "torchrun") and place.world_size > 1:
-        known = peers.exchange(dist.distributed_c10d._get_default_store(), place.rank, local_world, launcher)
+    outside = place.launcher in ("openmpi", "mpich", "slurm") or "TORCHELASTIC_RUN_ID" in os.environ  # not launch
+    if outside and place.world_size > 1:
+        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else place.launcher
+        known = peers.exchange(dist.distributed_c10d._get_default_store(), place.rank, place.world_size, launcher)
         abort.install(place.rank, launcher, known)  # the cause is what one reads (after torch's hook)
     return place
 

@@ -70,16 +70,21 @@ class Peers:
         return "; ".join(told)
 
 
-def exchange(store, rank: int, local_size: int, launcher: str) -> Peers | None:
-    """Meet the other ranks of this machine through `store`; under mpiexec/srun start this machine's witness."""
-    if local_size < 2 or not hasattr(os, "pidfd_open"):
+def exchange(store, rank: int, world_size: int, launcher: str) -> Peers | None:
+    """Meet the other ranks of this machine through `store`; under mpiexec/srun start this machine's witness.
+    Each rank posts its pid under its machine's name, then counts itself in; the last rank in opens the gate.
+    (No launcher variable needed for how many ranks share a machine: srun sets one only when asked to.)"""
+    if world_size < 2 or not hasattr(os, "pidfd_open"):
         return None
     host = socket.gethostname()
     key = f"{_PREFIX}/{host}"
     index = store.add(f"{key}/n", 1)  # 1 for the first rank of this machine to get here
     store.set(f"{key}/{index}", f"{rank} {os.getpid()}")
-    store.wait([f"{key}/{i}" for i in range(1, local_size + 1)])
-    local = dict(tuple(map(int, store.get(f"{key}/{i}").decode().split())) for i in range(1, local_size + 1))
+    if store.add(f"{_PREFIX}/in", 1) == world_size:
+        store.set(f"{_PREFIX}/all-in", "1")
+    store.wait([f"{_PREFIX}/all-in"])
+    here = store.add(f"{key}/n", 0)
+    local = dict(tuple(map(int, store.get(f"{key}/{i}").decode().split())) for i in range(1, here + 1))
     marks = None
     if launcher == "torchrun" and "TORCHELASTIC_ERROR_FILE" in os.environ:  # inside torchrun's own run folder
         marks = os.path.join(os.path.dirname(os.path.dirname(os.environ["TORCHELASTIC_ERROR_FILE"])), "toolkit")
