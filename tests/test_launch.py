@@ -259,6 +259,30 @@ def test_keyboard_interrupt_stops_all_ranks(tmp_path):
     _assert_dead(pid_dir)
 
 
+def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
+    """A notebook kernel restarted (SIGKILL): its keeper learns it from the kernel and kills every rank."""
+    from test_launchers import gone
+
+    script = tmp_path / "killed.py"
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    script.write_text(textwrap.dedent(f"""
+        import os, time, toolkit
+        def sleepy():
+            open(os.path.join({str(pid_dir)!r}, str(os.getpid())), "w").close()
+            time.sleep(120)
+        toolkit.launch(sleepy, 2, timeout_s=300)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)])
+    deadline = time.time() + 90
+    while len(os.listdir(pid_dir)) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    pids = [int(p) for p in os.listdir(pid_dir)]
+    assert len(pids) == 2 and gone(pids, patience_s=30), "a rank outlived its launcher"
+
+
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="world_size must be a positive integer"):
         toolkit.launch(lambda: 0, 0)

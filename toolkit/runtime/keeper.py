@@ -11,6 +11,8 @@ Why a process of its own, not the launcher (a notebook kernel) itself:
 2. **A death is dated when it happens, not when it is seen.** The keeper blocks in `waitpid` and writes
    `exit-<rank>` (the exit code, negative for a signal, and the time) the moment a rank ends. The launcher
    may look seconds later on a loaded machine; blame still orders a SIGKILL before a raise 50 ms later.
+   (The keeper itself may wait for a CPU after the death wakes it; the kernel counts that wait, and the
+   keeper takes it off the time it writes.)
 
 It imports nothing but the standard library (it is run by path, not as `toolkit.runtime.keeper`, so
 torch is never imported: it starts in tens of milliseconds). Without prctl (not Linux) it still starts,
@@ -26,10 +28,10 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PDEATHSIG = 1
 _KILL_PATIENCE_S = 10.0
 
 
@@ -69,6 +71,15 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
+def _run_delay_s() -> float:
+    """Seconds this process has spent ready to run but waiting for a CPU (the kernel's schedstat), or 0."""
+    try:
+        with open("/proc/self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _write(folder: str, name: str, text: str) -> None:
     path = os.path.join(folder, name)
     with open(path + ".tmp", "w") as f:
@@ -91,23 +102,26 @@ class _Ranks:
             self.by_pid[p.pid] = (rank, p)
         _write(folder, "pids.json", json.dumps([p.pid for _, p in sorted(self.by_pid.values(), key=lambda v: v[0])]))
 
-    def reaped(self, pid: int, status: int) -> None:
+    def reaped(self, pid: int, status: int, when: float) -> None:
         """Note a reaped child: a rank's end is written with its time; an orphan's is just collected."""
         if pid in self.by_pid:
             rank, p = self.by_pid.pop(pid)
             p.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-            _write(self.folder, f"exit-{rank}", json.dumps({"code": p.returncode, "time": time.time()}))
+            _write(self.folder, f"exit-{rank}", json.dumps({"code": p.returncode, "time": when}))
 
     def reap_all(self, block: bool) -> bool:
         """Collect ended children; False once there is no child at all."""
         while True:
+            waited = _run_delay_s()
             try:
                 pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
             except ChildProcessError:
                 return False
             if pid == 0:
                 return True
-            self.reaped(pid, status)
+            # Woken by the death, the keeper may wait for a CPU before it runs again (tens of milliseconds on a
+            # loaded machine): that wait, which the kernel counts, is taken off the time it reads.
+            self.reaped(pid, status, time.time() - (_run_delay_s() - waited))
             block = False
 
 
@@ -126,11 +140,16 @@ def _kill_everything(ranks: _Ranks) -> None:
         time.sleep(0.005)
 
 
-def _watch_parent(parent: int) -> None:
-    """If the launcher dies (a kernel restarted), take everything down with it."""
-    while os.getppid() == parent:
-        time.sleep(0.2)
-    os.kill(os.getpid(), signal.SIGTERM)
+def _die_with_parent(parent: int) -> None:
+    """If the launcher dies (a kernel restarted), take everything down with it: the kernel sends SIGTERM. (No
+    thread polls for it: a second thread holding the GIL when a death wakes the keeper would delay its stamp.)"""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # it died before the request above
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(folder: str, world_size: int, fds: list[int]) -> None:
@@ -142,7 +161,7 @@ def main(folder: str, world_size: int, fds: list[int]) -> None:
     try:
         subreaper = _become_subreaper()
         _write(folder, "keeper.json", json.dumps({"subreaper": subreaper}))
-        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+        _die_with_parent(int(os.environ.get("TOOLKIT_LAUNCHER_PID", os.getppid())))
         ranks.spawn(world_size, fds)
         while True:  # date each death as it happens; collect orphans
             if not ranks.reap_all(block=True):
@@ -168,7 +187,8 @@ class Keeper:
         try:
             process = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), folder, str(world_size), *map(str, writers)],
-                env=env, pass_fds=writers, start_new_session=True, stdin=subprocess.DEVNULL)
+                env=dict(env, TOOLKIT_LAUNCHER_PID=str(os.getpid())), pass_fds=writers, start_new_session=True,
+                stdin=subprocess.DEVNULL)
         finally:
             for w in writers:
                 os.close(w)
