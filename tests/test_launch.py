@@ -241,7 +241,8 @@ def _launcher_of_sleepy_ranks(tmp_path, **popen):
     script.write_text(textwrap.dedent(f"""
         import os, time, toolkit
         def sleepy():
-            open(os.path.join({str(pid_dir)!r}, str(os.getpid())), "w").close()
+            with open(os.path.join({str(pid_dir)!r}, str(os.getpid())), "w") as f:
+                f.write(os.environ["TOOLKIT_LAUNCH_DIR"])
             time.sleep(120)
         try:
             toolkit.launch(sleepy, 2, timeout_s=300)
@@ -273,6 +274,11 @@ def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
     proc.wait()
     pids = [int(p) for p in os.listdir(pid_dir)]
     assert len(pids) == 2 and gone(pids, patience_s=30), "a rank outlived its launcher"
+    folder = (pid_dir / str(pids[0])).read_text()
+    deadline = time.time() + 15  # the keeper removes the launch's folder, as the launcher would have
+    while os.path.exists(folder) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(folder), folder
 
 
 def test_bad_arguments_are_clear_errors():

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,11 +158,11 @@ def main(folder: str, world_size: int, fds: list[int]) -> None:
         raise _Stop
 
     signal.signal(signal.SIGTERM, stop)
-    ranks = _Ranks(folder)
+    ranks, launcher = _Ranks(folder), int(os.environ.get("TOOLKIT_LAUNCHER_PID", os.getppid()))
     try:
         subreaper = _become_subreaper()
         _write(folder, "keeper.json", json.dumps({"subreaper": subreaper}))
-        _die_with_parent(int(os.environ.get("TOOLKIT_LAUNCHER_PID", os.getppid())))
+        _die_with_parent(launcher)
         ranks.spawn(world_size, fds)
         while True:  # date each death as it happens; collect orphans
             if not ranks.reap_all(block=True):
@@ -169,6 +170,8 @@ def main(folder: str, world_size: int, fds: list[int]) -> None:
     except _Stop:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _kill_everything(ranks)
+        if os.getppid() != launcher:  # the launcher died: nobody else will remove its folder
+            shutil.rmtree(folder, ignore_errors=True)
     os._exit(0)
 
 
