@@ -9,9 +9,14 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+os.environ["TOOLKIT_TEST_PID"] = str(os.getpid())  # inherited by every process a test starts, however deep
+
+
 def _children() -> set[int]:
-    """PIDs of live processes started from this test process (launched ranks live in their own sessions)."""
+    """PIDs of live processes started from this test process: a launch's keeper, ranks and what they started
+    (in their own sessions, possibly orphaned), known by the environment they inherit."""
     me, found = os.getpid(), set()
+    mine = f"TOOLKIT_TEST_PID={me}".encode()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -22,7 +27,7 @@ def _children() -> set[int]:
                 env = f.read()
         except OSError:
             continue
-        if fields[0] != "Z" and b"TOOLKIT_LAUNCH_DIR=" in env and int(fields[1]) == me:
+        if fields[0] != "Z" and b"TOOLKIT_LAUNCH_DIR=" in env and (int(fields[1]) == me or mine in env.split(b"\0")):
             found.add(int(pid))
     return found
 

@@ -69,6 +69,28 @@ def test_function_defined_in_a_notebook_cell_travels(no_leftover_ranks):
     assert [o.tolist() for o in out] == [[60.0, 60.0]] * 2
 
 
+def test_a_cells_traceback_shows_its_file_line_and_source(no_leftover_ranks):
+    """IPython names a cell's code `<ipython-input-N-...>` and keeps its source in linecache; cloudpickle renamed
+    every copied code object `<dynamic-code>`, so the rank's traceback had neither the name nor the source."""
+    import linecache
+
+    name = "<ipython-input-7-5f2c>"
+    source = textwrap.dedent("""
+        import torch.distributed as dist
+        def cell_function():
+            if dist.get_rank() == 1:
+                raise ValueError("from the cell")
+    """)
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    namespace = {"__name__": "__main__"}
+    exec(compile(source, name, "exec"), namespace)
+    with pytest.raises(RankError) as info:
+        toolkit.launch(namespace["cell_function"], 2, timeout_s=30, quiet=True)
+    message = str(info.value)
+    assert f'File "{name}", line 5, in cell_function\n    raise ValueError("from the cell")' in message, message
+    assert "<dynamic-code>" not in message
+
+
 def test_function_from_a_script_main_travels(tmp_path, no_leftover_ranks):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent("""
@@ -113,10 +135,10 @@ def _assert_dead(pid_dir):
 
 
 def test_a_raising_rank_stops_everything_promptly(tmp_path, no_leftover_ranks):
-    start = time.time()
     with pytest.raises(RankError) as info:
         toolkit.launch(_raise_on_rank_1, 3, args=(str(tmp_path),), timeout_s=60)
-    assert time.time() - start < 20, "the failure should surface within seconds, not after the timeout"
+    raised = max(os.path.getmtime(tmp_path / name) for name in os.listdir(tmp_path))  # rank 1 raises then
+    assert time.time() - raised < 20, "the failure should surface within seconds, not after the timeout"
     message = str(info.value)
     assert info.value.rank == 1
     assert message.startswith("rank 1 raised ValueError: rank one is unhappy")
@@ -162,24 +184,80 @@ def test_parallel_launches_never_collide(no_leftover_ranks):
     assert {r["tag"] for r in results["a"]} == {"a"} and {r["tag"] for r in results["b"]} == {"b"}
 
 
-def test_keyboard_interrupt_stops_all_ranks(tmp_path):
-    script = tmp_path / "interrupted.py"
-    pid_dir = tmp_path / "pids"
+_SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+_ORPHAN_MAKER = [sys.executable, "-c", "import subprocess as s, sys; print(s.Popen(sys.argv[1:], start_new_session=True, "
+                 "stdout=s.DEVNULL, stderr=s.DEVNULL).pid)"] + _SLEEPER
+
+
+def _leaves_processes_behind(folder, then):
+    """A child in a new session (beyond its rank's process group), and an orphan in another session (its
+    parent exited at once, so it is nobody's child), both meant to sleep for two minutes."""
+    import torch.distributed as dist
+
+    child = subprocess.Popen(_SLEEPER, start_new_session=True)
+    orphan = int(subprocess.run(_ORPHAN_MAKER, capture_output=True, text=True, timeout=60).stdout)
+    with open(os.path.join(folder, f"pids-{dist.get_rank()}"), "w") as f:
+        f.write(f"{child.pid} {orphan}")
+    comm.barrier()  # every rank has started its processes
+    if then == "raises" and dist.get_rank() == 1:
+        raise ValueError("rank one fails after starting its helpers")
+    if then == "raises":
+        time.sleep(60)
+    return "done"
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("then", ["returns", "raises"])
+def test_nothing_a_rank_started_outlives_the_launch(then, tmp_path, no_leftover_ranks):
+    """Killing each rank's process group missed both: the session child and the orphan slept on."""
+    try:
+        if then == "returns":
+            assert toolkit.launch(_leaves_processes_behind, 2, args=(str(tmp_path), then), timeout_s=60) == ["done"] * 2
+        else:
+            with pytest.raises(RankError, match="rank 1 raised ValueError: rank one fails after starting"):
+                toolkit.launch(_leaves_processes_behind, 2, args=(str(tmp_path), then), timeout_s=60)
+        pids = [int(p) for name in os.listdir(tmp_path) for p in (tmp_path / name).read_text().split()]
+        assert len(pids) == 4
+        survivors = [pid for pid in pids if _alive(pid)]
+        assert not survivors, f"still running after launch returned: {survivors}"
+    finally:
+        for name in os.listdir(tmp_path):
+            for pid in (tmp_path / name).read_text().split():
+                if _alive(int(pid)):
+                    os.kill(int(pid), signal.SIGKILL)
+
+
+def _launcher_of_sleepy_ranks(tmp_path, **popen):
+    """A script whose two ranks sleep for two minutes, started once both ranks are up; (process, their pid folder)."""
+    script, pid_dir = tmp_path / "launcher.py", tmp_path / "pids"
     pid_dir.mkdir()
     script.write_text(textwrap.dedent(f"""
         import os, time, toolkit
         def sleepy():
-            open(os.path.join({str(pid_dir)!r}, str(os.getpid())), "w").close()
+            with open(os.path.join({str(pid_dir)!r}, str(os.getpid())), "w") as f:
+                f.write(os.environ["TOOLKIT_LAUNCH_DIR"])
             time.sleep(120)
         try:
             toolkit.launch(sleepy, 2, timeout_s=300)
         except KeyboardInterrupt:
             print("INTERRUPTED")
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
+    proc = subprocess.Popen([sys.executable, str(script)], **popen)
+    deadline = time.time() + 90
     while len(os.listdir(pid_dir)) < 2 and time.time() < deadline:
         time.sleep(0.1)
+    return proc, pid_dir
+
+
+def test_keyboard_interrupt_stops_all_ranks(tmp_path):
+    proc, pid_dir = _launcher_of_sleepy_ranks(tmp_path, stdout=subprocess.PIPE, text=True)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     assert "INTERRUPTED" in out
@@ -187,13 +265,32 @@ def test_keyboard_interrupt_stops_all_ranks(tmp_path):
     _assert_dead(pid_dir)
 
 
+def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
+    """A notebook kernel restarted (SIGKILL): its keeper learns it from the kernel and kills every rank."""
+    from test_launchers import gone
+
+    proc, pid_dir = _launcher_of_sleepy_ranks(tmp_path)
+    proc.kill()
+    proc.wait()
+    pids = [int(p) for p in os.listdir(pid_dir)]
+    assert len(pids) == 2 and gone(pids, patience_s=30), "a rank outlived its launcher"
+    folder = (pid_dir / str(pids[0])).read_text()
+    deadline = time.time() + 15  # the keeper removes the launch's folder, as the launcher would have
+    while os.path.exists(folder) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(folder), folder
+
+
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="world_size must be a positive integer"):
         toolkit.launch(lambda: 0, 0)
     with pytest.raises(TypeError, match="needs a function"):
         toolkit.launch(42, 2)
-    with pytest.raises(ValueError, match="timeout_s must be positive"):
-        toolkit.launch(lambda: 0, 2, timeout_s=0)
+    for bad in (0, -1, float("nan"), float("inf"), "10"):  # NaN used to fail later: "cannot convert float NaN"
+        with pytest.raises(ValueError, match=r"timeout_s must be a finite number of seconds greater than 0, got"):
+            toolkit.launch(lambda: 0, 2, timeout_s=bad)
+    with pytest.raises(ValueError, match=r"deadline_s must be a finite number of seconds greater than 0, got nan"):
+        toolkit.launch(lambda: 0, 2, deadline_s=float("nan"))
     with pytest.raises(ValueError, match="backend='mpi' is not known"):
         toolkit.launch(lambda: 0, 2, backend="mpi")
     if not torch.cuda.is_available():
@@ -201,14 +298,23 @@ def test_bad_arguments_are_clear_errors():
             toolkit.launch(lambda: 0, 2, backend="nccl")
 
 
-def test_a_deadline_stops_ranks_that_never_reach_a_collective(no_leftover_ranks):
-    def spin():
+def test_a_deadline_stops_ranks_that_never_reach_a_collective(tmp_path, no_leftover_ranks):
+    def spin(folder):
+        import torch.distributed as dist
+
+        open(os.path.join(folder, str(dist.get_rank())), "w").close()
         while True:
             pass
     start = time.time()
-    with pytest.raises(RankError, match="deadline_s=3"):
-        toolkit.launch(spin, 2, deadline_s=3)
+    with pytest.raises(RankError, match="deadline_s=3") as info:
+        toolkit.launch(spin, 2, args=(str(tmp_path),), deadline_s=3)
     assert time.time() - start < 20
+    # A rank that was spinning is shown where it spins (on a starved machine a rank may not have started in
+    # 3 s: test_a_rank_stuck_in_compute_is_shown_where_it_is shows stacks whatever the load).
+    spinning = [int(name) for name in os.listdir(tmp_path)]
+    for rank in spinning:
+        assert f"where rank {rank} was when it was stopped" in str(info.value), str(info.value)
+    assert str(info.value).count(", in spin\n") == len(spinning), str(info.value)
 
 
 def test_not_implemented_reaches_the_caller_as_such(no_leftover_ranks):

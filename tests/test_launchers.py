@@ -75,6 +75,31 @@ def test_mpiexec(tmp_path):
     assert lines == [f"OK rank={r} world=3 local={r} launcher=mpich sum=6" for r in range(3)]
 
 
+RAISES_UNDER_TORCHRUN = textwrap.dedent("""
+    import torch, toolkit
+    place = toolkit.runtime.init()
+    toolkit.comm.all_reduce(torch.ones(3))
+    if place.rank == 2:
+        raise ValueError("rank two is unhappy")
+    toolkit.comm.all_reduce(torch.ones(3))  # ranks 0 and 1 lose their partner here: consequences
+""")
+
+
+def test_under_torchrun_the_root_cause_is_the_rank_that_raised(tmp_path):
+    """torchrun's summary names the failure with the earliest timestamp, in whole seconds, the lowest rank winning
+    a tie: the consequences (ranks 0 and 1) exit within the cause's second, so it named rank 0 (3 of 3 trials).
+    A monitor interval of 2 s plays a loaded machine, where every rank has ended before torchrun looks."""
+    script = tmp_path / "job.py"
+    script.write_text(RAISES_UNDER_TORCHRUN)
+    out = subprocess.run([_bin("torchrun"), "--standalone", "--nproc_per_node=3", "--monitor-interval=2",
+                          str(script)], capture_output=True, text=True, timeout=170, env=_clean_env(), cwd=tmp_path)
+    assert out.returncode != 0
+    summary = out.stderr.split("Root Cause (first observed failure):")[-1]  # the last thing torchrun prints
+    assert "  rank      : 2 (local_rank: 2)" in summary, out.stderr[-3000:]
+    assert "ValueError: rank two is unhappy" in summary, summary  # its traceback, from torchrun's error file
+    assert out.stderr.count("ValueError: rank two is unhappy\n") >= 1
+
+
 RAISES_ON_RANK_1 = ("import os, torch, torch.distributed as dist\n"
                     "if dist.get_rank() == 1: raise ValueError('rank one is unhappy')\n"
                     "toolkit.comm.all_reduce(torch.ones(3))  # ranks 0 and 2 wait here for rank 1\n")
@@ -106,8 +131,84 @@ def test_ipyparallel_engines_run_cells_survive_a_failed_one_and_name_a_dead_engi
         with pytest.raises(ipp.error.CompositeError) as died:
             view.execute("if dist.get_rank() == 1: os._exit(9)\n" + SUMS, silent=False, block=True)
         note = toolkit.runtime.explain_cluster_error(rc, died.value)
-        assert note.startswith("toolkit: engine 1 (rank 1) died"), note
+        assert note.startswith("toolkit: engine 1 (rank 1) died with exit code 9"), note
+        assert "Engines 0, 2 are alive, but the process group lost a member" in note, note  # an exit: they live
         assert "rc = toolkit.runtime.restart_cluster(rc)" in note
+    finally:
+        toolkit.runtime.stop_cluster(rc)
+    assert gone(pids), "an engine outlived stop_cluster"
+
+
+def test_bad_cluster_arguments_are_refused_before_any_engine_starts(monkeypatch):
+    """`cluster(timeout_s=-1)` used to start the controller and engines first and fail only in their setup."""
+    import ipyparallel as ipp
+
+    import toolkit
+
+    def no_start(*args, **kwargs):
+        raise AssertionError("an engine was started for arguments that were already known to be wrong")
+
+    monkeypatch.setattr(ipp, "Cluster", no_start)
+    for bad in (-1, 0, float("nan")):
+        with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds greater than 0"):
+            toolkit.runtime.cluster(2, timeout_s=bad)
+    with pytest.raises(ValueError, match="positive number of engines"):
+        toolkit.runtime.cluster(0)
+    with pytest.raises(ValueError, match="backend='mpi' is not known"):
+        toolkit.runtime.cluster(2, backend="mpi")
+
+
+# Functions a notebook cell defines: sent by value (a function of this test module would be sent by name, and
+# the engines cannot import the tests).
+APPLIED = textwrap.dedent("""
+    def raises_on_rank_1_while_the_others_reduce():
+        import torch, toolkit, torch.distributed as dist
+        if dist.get_rank() == 1:
+            raise ValueError("rank one is unhappy")
+        toolkit.comm.all_reduce(torch.ones(3))  # ranks 0 and 2 wait here for rank 1
+
+    def sum_of_ranks(scale=1.0):
+        import torch, toolkit, torch.distributed as dist
+        x = torch.ones(2) * (dist.get_rank() + 1) * scale
+        toolkit.comm.all_reduce(x)
+        return x.tolist()
+""")
+
+
+def test_ipyparallel_apply_recovers_and_a_killed_engine_is_named_as_the_one_that_took_the_job_down():
+    """Only %%px cells rebuilt the process group: after a failed view.apply, apply_sync and map_sync failed with
+    gloo's "Connection closed by peer". A SIGKILLed engine takes the MPI job down (MPICH's mpiexec ends the
+    others): the toolkit said all three had died "while the other engines are alive"."""
+    import signal
+
+    import ipyparallel as ipp
+
+    import toolkit
+
+    cell = {"__name__": "__main__"}
+    exec(APPLIED, cell)
+    rc = toolkit.runtime.cluster(3, activate=False, timeout_s=20)
+    pids = rc.toolkit_cluster["pids"]
+    view = rc[:]
+    try:
+        start = time.time()
+        with pytest.raises(ipp.error.CompositeError) as failed:
+            view.apply_sync(cell["raises_on_rank_1_while_the_others_reduce"])
+        assert time.time() - start < 15, "the waiting engines should fail at once, not at timeout_s=20"
+        note = toolkit.runtime.explain_cluster_error(rc, failed.value)
+        assert note.startswith("toolkit: rank 1 (engine 1) raised ValueError: rank one is unhappy"), note
+        assert view.apply_sync(cell["sum_of_ranks"]) == [[6.0, 6.0]] * 3  # the next call just works
+        # one element per engine: engine r reduces (r + 1) * scale_r, so every engine gets 1*1 + 2*2 + 3*3
+        assert view.map_sync(cell["sum_of_ranks"], [1.0, 2.0, 3.0]) == [[14.0, 14.0]] * 3
+
+        os.kill(pids[1], signal.SIGKILL)  # the out-of-memory killer, say
+        assert gone(pids), "MPICH's mpiexec ends every engine when one is killed by a signal"
+        with pytest.raises(ipp.error.KernelError) as died:
+            view.apply_sync(cell["sum_of_ranks"])
+        note = toolkit.runtime.explain_cluster_error(rc, died.value)
+        assert note.startswith("toolkit: engine 1 (rank 1) died: killed by SIGKILL (9)"), note
+        assert "It took the MPI job with it: mpiexec then ended every other engine" in note, note
+        assert "rc = toolkit.runtime.restart_cluster(rc)" in note, note
     finally:
         toolkit.runtime.stop_cluster(rc)
     assert gone(pids), "an engine outlived stop_cluster"

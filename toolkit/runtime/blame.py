@@ -8,9 +8,10 @@ cause first, the consequences below it as such, then where every rank was.
 """
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass
 
+from .exits import signal_name
+from .exits import story as exit_story
 from .status import FAILED, INSIDE, Snapshot
 
 
@@ -38,26 +39,6 @@ def is_consequence(exc: BaseException) -> bool:
 def reads_as_consequence(type_name: str, message: str) -> bool:
     """The same test on an error known only by its type's name and its text (a remote engine's)."""
     return type_name in ("PeerFailed", "AnotherRankCouldNotLoad") or any(s in message.lower() for s in PEER_SIGNS)
-
-
-def exit_story(code: int) -> str:
-    """What an exit code says, for a rank that ended without raising."""
-    if code < 0:
-        name = _signal_name(-code)
-        why = {"SIGKILL": "the kernel's out-of-memory killer does this when memory runs out; so does `kill -9`",
-               "SIGSEGV": "a crash in native code (segmentation fault)",
-               "SIGABRT": "a failed check in native code aborted the process",
-               "SIGTERM": "something asked it to stop"}.get(name, "")
-        return f"died: killed by {name} ({-code}){': ' + why if why else ''}"
-    return (f"died with exit code {code} before returning (os._exit, or a crash in native code); "
-            "it raised no Python error")
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 @dataclass
@@ -195,5 +176,5 @@ def _where(e: Evidence, now: float) -> str:
             return f"{doing}; failed because another rank did ({e.error['type']})"
         return f"{doing}; raised {e.error['type']}"
     if e.code not in (None, 0):
-        return f"{doing}; dead ({_signal_name(-e.code) if e.code < 0 else f'exit code {e.code}'})"
+        return f"{doing}; dead ({signal_name(-e.code) if e.code < 0 else f'exit code {e.code}'})"
     return doing

@@ -17,9 +17,10 @@ When a cell fails: the engine that raised aborts its process group, so the other
 collective with it, fail within a second instead of waiting out `timeout_s`; the next cell re-creates
 the process group on every engine by itself (`cluster_engine.py`). `timeout_s` (30 s by default, short
 enough for an interactive cell, long enough for one engine to build a lesson's model while the others
-wait) bounds a cell in which a rank skipped a collective. If an engine dies, the others live on but
-cannot run a collective again: the toolkit says which engine died and how to restart the cluster
-(`restart_cluster`). In IPython that explanation is printed under the cell's error; elsewhere,
+wait) bounds a cell in which a rank skipped a collective; `view.apply` / `apply_sync` / `map_sync`
+recover the same way. If an engine exits (`os._exit`), the others live on but cannot run a collective
+again; if one is killed by a signal, MPICH's mpiexec ends them all. Either way the toolkit says which
+engine died first, how, and how to restart the cluster (`restart_cluster`). In IPython that explanation is printed under the cell's error; elsewhere,
 `explain(rc, error)` returns it.
 """
 from __future__ import annotations
@@ -28,6 +29,11 @@ import os
 import shutil
 import sys
 import time
+
+from . import exits
+from .cluster_ends import EngineEnds
+from .env import resolve_backend
+from .launch import check_seconds
 
 _SETUP = ("import toolkit, torch; from toolkit.runtime import cluster_engine as _toolkit_engine; "
           "_toolkit_place = _toolkit_engine.setup({backend!r}, {timeout_s!r})")
@@ -50,10 +56,12 @@ def cluster(n: int, *, backend: str = "auto", timeout_s: float = 30.0, activate:
     timeout_s: how long a rank waits inside one collective before its cell fails.
     With `activate=True` the `%px`/`%%px` magics target all engines. Stop with `stop_cluster(rc)`.
     """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"cluster needs a positive number of engines, got {n!r}.")
+    check_seconds("timeout_s", timeout_s)  # before any engine starts: a bad value must not cost a start-up
+    resolve_backend(backend, 1)
     import ipyparallel as ipp
 
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"cluster needs a positive number of engines, got {n!r}.")
     c = ipp.Cluster(engines="mpi", n=n)
     c.config.MPILauncher.mpi_cmd = [_mpiexec()]
     c.config.MPILauncher.mpi_args = ["-disable-auto-cleanup"]  # one dead engine must not take the others down
@@ -65,6 +73,8 @@ def cluster(n: int, *, backend: str = "auto", timeout_s: float = 30.0, activate:
     rc.toolkit_cluster = {"n": n, "backend": backend, "timeout_s": timeout_s, "activate": activate,
                           "ranks": {e: p.rank for e, p in zip(view.targets, places)},
                           "pids": view.apply_sync(os.getpid)}
+    rc.toolkit_cluster["ends"] = EngineEnds(dict(zip(view.targets, rc.toolkit_cluster["pids"])))
+    _guard_targets(rc)
     if _in_ipython():
         _explain_under_errors(rc)
     return rc
@@ -88,6 +98,8 @@ def stop(rc) -> None:
     deadline = time.time() + 5
     while any(_alive(pid) for pid in pids) and time.time() < deadline:
         time.sleep(0.05)
+    if hasattr(rc, "toolkit_cluster") and "ends" in rc.toolkit_cluster:
+        rc.toolkit_cluster["ends"].stop()
     rc.cluster.stop_cluster_sync()
 
 
@@ -118,6 +130,8 @@ def explain(rc, error) -> str | None:
 
     ranks = rc.toolkit_cluster["ranks"]
     error = getattr(error, "original_error", error)  # the magic's "already displayed" wrapper
+    if isinstance(error, rc.toolkit_cluster.get("gone_error", ())):
+        return str(error)  # raised by the toolkit: it says it all
     gone = sorted(set(ranks) - set(rc.ids))
     if isinstance(error, ipp_error.CompositeError):
         failures = [(ei.get("engine_id"), en, str(ev)) for en, ev, _, ei in error.elist]
@@ -129,11 +143,7 @@ def explain(rc, error) -> str | None:
         return None
     gone += sorted({e for e, name, _ in failures if name == "EngineError" and e in ranks} - set(gone))
     if gone or isinstance(error, ipp_error.NoEnginesRegistered):
-        who = ", ".join(f"engine {e} (rank {ranks[e]})" for e in gone) or "every engine"
-        return (f"toolkit: {who} died: its process ended (os._exit, a crash in native code, or it was killed, "
-                f"e.g. by the out-of-memory killer). The other engines are alive, but their process group lost a "
-                f"member, so no collective can work again. Restart the cluster (fresh engines: variables on them "
-                f"are lost):\n    {_RESTART}")
+        return _engines_died(rc, gone)
     causes = [(e, name, text) for e, name, text in failures if not reads_as_consequence(name, text)]
     echoes = [e for e, *_ in failures if e not in {c[0] for c in causes}]
     fresh = "The next cell re-creates the process group on every engine by itself: nothing to restart."
@@ -148,6 +158,47 @@ def explain(rc, error) -> str | None:
         lines.append(f"The errors on rank{'s' * (len(echoes) > 1)} {', '.join(str(ranks.get(e, '?')) for e in echoes)} "
                      "are consequences: they were waiting for it in a collective when its cell failed.")
     return "\n".join(lines + [fresh])
+
+
+def _guard_targets(rc) -> None:
+    """A call on a view of engines that are gone fails inside ipyparallel with `KeyError: 1`; say what it means."""
+    from ipyparallel import error as ipp_error
+
+    class EnginesGone(ipp_error.EngineError):
+        """The toolkit's explanation, raised where ipyparallel would raise a KeyError for a dead engine."""
+
+    real = rc._build_targets
+
+    def build_targets(targets):
+        try:
+            return real(targets)
+        except (KeyError, IndexError) as exc:
+            gone = sorted(set(rc.toolkit_cluster["ranks"]) - set(rc.ids))
+            raise EnginesGone(_engines_died(rc, gone)) from exc
+
+    rc._build_targets = build_targets
+    rc.toolkit_cluster["gone_error"] = EnginesGone
+
+
+def _engines_died(rc, gone: list[int]) -> str:
+    """Which engine died first and how; whether the others live (MPICH ends them all after a signal)."""
+    ranks, ends = rc.toolkit_cluster["ranks"], rc.toolkit_cluster.get("ends")
+    ended = ends.ended() if ends is not None else [(e, None) for e in gone]
+    alive = ends.alive() if ends is not None else sorted(set(ranks) - set(gone))
+    restart = f"Restart the cluster (fresh engines: variables on them are lost):\n    {_RESTART}"
+    if not ended:
+        return f"toolkit: every engine is gone (none answers). {restart}"
+    first, code = ended[0]
+    how = exits.story(code) if code is not None else (
+        "died: its process ended (os._exit, a crash in native code, or it was killed, e.g. by the out-of-memory "
+        "killer)")
+    told = f"toolkit: engine {first} (rank {ranks[first]}) {how}."
+    if not alive:
+        return (f"{told} It took the MPI job with it: mpiexec then ended every other engine (MPICH's process "
+                f"manager stops all processes of an MPI job when one is killed by a signal), so no engine is "
+                f"left. {restart}")
+    return (f"{told} Engine{'s' * (len(alive) > 1)} {', '.join(map(str, alive))} {'are' if len(alive) > 1 else 'is'} "
+            f"alive, but the process group lost a member, so no collective can work again. {restart}")
 
 
 def _who_skipped(rc, failures) -> str | None:
@@ -181,7 +232,8 @@ def _explain_under_errors(rc) -> None:
 
     def show(shell, kind, value, tb, tb_offset=None):
         shell.showtraceback((kind, value, tb), tb_offset=tb_offset)
-        note = explain(_current["rc"], value)
+        rc = _current["rc"]
+        note = None if isinstance(value, rc.toolkit_cluster["gone_error"]) else explain(rc, value)
         if note:
             print(note, file=sys.stderr)
 

@@ -14,8 +14,9 @@ collective the others entered. So each engine:
    first. Every engine reads the same count, so all of them build the same new group together, engines
    whose cell succeeded included; a cell that runs no collective (on one engine, say) builds nothing.
 
-Groups made with `dist.new_group` in earlier cells die with their generation: make them again. Functions
-sent with `view.apply` run outside cells: the hooks do not run for them.
+Functions sent with `view.apply` / `apply_sync` / `map_sync` run outside cells; the same two steps wrap
+them (`_wrap_apply`), so they recover as cells do. Groups made with `dist.new_group` in earlier cells die
+with their generation: make them again.
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def setup(backend: str, timeout_s: float) -> Placement:
     if shell is not None:
         shell.events.register("pre_execute", _before_cell)
         shell.events.register("post_execute", _after_cell)
+        if hasattr(shell, "kernel"):
+            _wrap_apply(shell.kernel)
     return place
 
 
@@ -95,7 +98,24 @@ def _before_cell() -> None:
 def _after_cell() -> None:
     from IPython import get_ipython
 
-    if get_ipython().last_execution_succeeded:
+    _after(get_ipython().last_execution_succeeded)
+
+
+def _wrap_apply(kernel) -> None:
+    """`view.apply` / `apply_sync` / `map_sync` run a function outside any cell: give them the cells' hooks."""
+    real = kernel.do_apply
+
+    def do_apply(content, bufs, msg_id, reply_metadata):
+        _before_cell()
+        reply, result = real(content, bufs, msg_id, reply_metadata)
+        _after(reply.get("status") == "ok")
+        return reply, result
+
+    kernel.do_apply = do_apply
+
+
+def _after(succeeded: bool) -> None:
+    if succeeded:
         return
     failed = _state["store"].add(_FAILED_CELLS, 1)
     status.before_next_collective(None)

@@ -3,8 +3,8 @@
 torchrun, mpirun (OpenMPI or MPICH/PMI), SLURM's srun, ipyparallel MPI engines and `toolkit.launch`
 each describe rank, world size and local rank with their own environment variables. `init()` reads
 whichever is present, picks the backend and device, and initializes the default process group, so
-the same script runs under all of them. Under mpirun/srun it also makes a raising rank end the whole
-job (`abort.py`).
+the same script runs under all of them. Under mpirun/srun/torchrun it also makes the rank that caused a
+failure the one a person reads about (`abort.py`, `peers.py`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import abort
+from . import abort, peers
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -156,11 +156,15 @@ def init(backend: str = "auto", *, timeout_s: float = 300.0) -> Placement:
         init_method=None if store is not None else "env://",
     )
     atexit.register(_shutdown)  # a script that never tears down must not abort at exit (gloo's threads)
-    if place.launcher in ("openmpi", "mpich", "slurm") and place.world_size > 1:
-        abort.install(place.rank, place.launcher)  # a rank that raises ends the job (after torch's hook)
+    outside = place.launcher in ("openmpi", "mpich", "slurm") or "TORCHELASTIC_RUN_ID" in os.environ  # not launch
+    if outside and place.world_size > 1:
+        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else place.launcher
+        known = peers.exchange(dist.distributed_c10d._get_default_store(), place.rank, place.world_size, launcher)
+        abort.install(place.rank, launcher, known)  # the cause is what one reads (after torch's hook)
     return place
 
 
 def _shutdown() -> None:
+    peers.mark(peers.known, dist.get_rank() if dist.is_initialized() else 0, "ended")  # before its sockets close
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -5,32 +5,35 @@ How it works, in the order it happens:
    cell or in a script's `__main__` travels (plain multiprocessing spawn cannot pickle those, and
    forking a parent that already ran torch can deadlock the children's thread pools).
 2. The parent hosts the rendezvous store on a port the OS picks, so launches never collide.
-3. Each rank is a fresh `python -m toolkit.runtime.worker` process in its own process group;
-   it initializes torch.distributed, runs `fn(*args)` and writes its result (or its traceback) to a
-   private temporary folder.
+3. A small keeper process (`keeper.py`) starts each rank as a fresh `python -m toolkit.runtime.worker`
+   process in its own process group, and dates each rank's end as it happens. The rank initializes
+   torch.distributed, runs `fn(*args)` and writes its result (or its traceback) to a private
+   temporary folder.
 4. The parent watches every rank's exit code, error file and status board (`status.py`). When one
    fails, it stops every rank at once and raises, naming the rank that *caused* it (`blame.py`): the
    one that raised on its own, died, or never entered a collective its peers waited in for `timeout_s`;
-   the others' errors (a lost connection, a timeout) are listed below as consequences. Ctrl-C (a
-   notebook's stop button) stops them too. No process outlives the call.
+   the others' errors (a lost connection, a timeout) are listed below as consequences. Causes are
+   ordered by when they happened (a raise by its rank's clock, a death by the keeper's), not by when
+   the launcher saw them. Ctrl-C (a notebook's stop button) stops them too.
+5. No process outlives the call: the keeper is the ranks' subreaper, so whatever they started (an
+   orphan, a child in a new session) is still below it at the end, and it kills all of it.
 """
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import pickle
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 
-import cloudpickle
 import torch.distributed as dist
 
-from . import blame, status
+from . import blame, by_value, stacks, status
 from .env import resolve_backend
+from .keeper import Keeper
 
 # The backend's own timeout fires this long after the launcher's hang check, so the check (which can
 # still see who never entered the collective) speaks first; the backend's timeout is the backstop.
@@ -47,23 +50,19 @@ class RankError(RuntimeError):
         self.rank = rank
 
 
+def check_seconds(name: str, value) -> None:
+    """A time limit must be a finite positive number of seconds (NaN compares false with everything, so
+    `nan <= 0` would let it through to fail later, deep inside torch, as "cannot convert float NaN")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds greater than 0, got {value!r}.")
+
+
 def _forward(stream, rank: int, sink) -> None:
     """Copy a rank's output to ours, each line prefixed with its rank."""
     for line in iter(stream.readline, b""):
         sink.write(f"[rank {rank}] {line.decode(errors='replace')}")
         sink.flush()
     stream.close()
-
-
-def _kill_all(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        p.wait()
 
 
 def _read_error(folder: str, rank: int):
@@ -91,15 +90,16 @@ def launch(fn, world_size: int, *, args=(), backend: str = "auto", timeout_s: fl
         raise TypeError(f"launch needs a function to run on every rank, got {type(fn).__name__}.")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}.")
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}.")
+    check_seconds("timeout_s", timeout_s)
+    if deadline_s is not None:
+        check_seconds("deadline_s", deadline_s)
     backend = resolve_backend(backend, world_size)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
 
-    payload = _by_value(fn, tuple(args))
+    payload, sources = by_value.dumps(fn, tuple(args))
     with tempfile.TemporaryDirectory(prefix="toolkit-launch-") as folder:
         with open(os.path.join(folder, "job.pkl"), "wb") as f:
-            pickle.dump({"payload": payload, "sys_path": list(sys.path), "backend": backend,
+            pickle.dump({"payload": payload, "sources": sources, "sys_path": list(sys.path), "backend": backend,
                          "timeout_s": timeout_s + BACKEND_GRACE_S, "threads": threads}, f)
         boards = [status.StatusBoard(status.board_path(folder, r), create=True) for r in range(world_size)]
         store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
@@ -107,82 +107,39 @@ def launch(fn, world_size: int, *, args=(), backend: str = "auto", timeout_s: fl
         env = dict(os.environ, WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                    TOOLKIT_STORE_PORT=str(store.port), TOOLKIT_LAUNCH_DIR=folder,
                    OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-        for var in ("MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        for var in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                    "SLURM_PROCID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"):
             env.pop(var, None)  # we are the launcher now, whoever launched us
-        procs, pumps = [], []
+        keeper, pumps = Keeper.start(folder, world_size, env), []
         try:
-            for rank in range(world_size):
-                env_r = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-                p = subprocess.Popen([sys.executable, "-m", "toolkit.runtime.worker", folder],
-                                     env=env_r, start_new_session=True, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-                procs.append(p)
+            for rank, stream in enumerate(keeper.streams):
                 sink = open(os.devnull, "w") if quiet else sys.stdout
-                t = threading.Thread(target=_forward, args=(p.stdout, rank, sink), daemon=True)
+                t = threading.Thread(target=_forward, args=(stream, rank, sink), daemon=True)
                 t.start()
                 pumps.append(t)
-            _watch(procs, boards, folder, timeout_s, deadline_s)
-            for t in pumps:
-                t.join(timeout=5)
+            _watch(keeper, boards, folder, timeout_s, deadline_s)
             results = []
             for rank in range(world_size):
                 with open(os.path.join(folder, f"result-{rank}.pkl"), "rb") as f:
                     results.append(pickle.load(f))
             return results
         finally:
-            _kill_all(procs)
+            keeper.stop()  # every rank and whatever it started, in a new session or orphaned
+            for t in pumps:
+                t.join(timeout=5)  # the ranks' last lines
             for b in boards:
                 b.close()
             del store
 
 
-def _evidence(procs, boards, folder: str, ended_at: dict) -> list[blame.Evidence]:
-    now = time.time()
-    found = []
-    for rank, p in enumerate(procs):
-        code = p.poll()
-        if code is not None:
-            ended_at.setdefault(rank, now)
-        found.append(blame.Evidence(rank, boards[rank].read(), _read_error(folder, rank), code, ended_at.get(rank),
+def _evidence(keeper: Keeper, boards, folder: str) -> list[blame.Evidence]:
+    """What is known of every rank now; an end is dated by the keeper, when it happened."""
+    ended, found = keeper.exits(), []
+    for rank in range(keeper.world_size):
+        code, ended_at = ended.get(rank, (None, None))
+        found.append(blame.Evidence(rank, boards[rank].read(), _read_error(folder, rank), code, ended_at,
                                     os.path.exists(os.path.join(folder, f"result-{rank}.pkl"))))
     return found
-
-
-def _by_value(fn, args: tuple) -> bytes:
-    """cloudpickle `fn` and `args`; if something cannot travel, say which thing and what to do."""
-    try:
-        return cloudpickle.dumps((fn, args))
-    except Exception as exc:  # noqa: BLE001 - pickling raises TypeError, PicklingError, AttributeError...
-        code = getattr(fn, "__code__", None)
-        carried = [(f"argument {i}", a) for i, a in enumerate(args)]
-        if code is not None:
-            cells = [c.cell_contents for c in (fn.__closure__ or ()) if _has_contents(c)]
-            carried += [(f"the variable `{n}` it closes over", v) for n, v in zip(code.co_freevars, cells)]
-            if getattr(fn, "__module__", None) == "__main__":  # cloudpickle copies __main__'s globals too
-                carried += [(f"the global `{n}`", fn.__globals__[n]) for n in code.co_names if n in fn.__globals__]
-        culprit = next((f"{what}, a {type(v).__name__}" for what, v in carried if not _picklable(v)), "something it uses")
-        raise TypeError(
-            f"launch sends the function and its args to every rank by value (cloudpickle), so all they carry must "
-            f"be picklable; {getattr(fn, '__name__', 'the function')} carries {culprit}, which is not "
-            f"({type(exc).__name__}: {exc}). Create such things (locks, open files, sockets, process groups, "
-            f"CUDA streams) inside the function, on each rank, or pass something that pickles (a path, numbers, "
-            f"tensors) instead.") from exc
-
-
-def _has_contents(cell) -> bool:
-    try:
-        cell.cell_contents
-        return True
-    except ValueError:  # an empty cell (a name assigned later)
-        return False
-
-
-def _picklable(value) -> bool:
-    try:
-        cloudpickle.dumps(value)
-        return True
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def _went_wrong(e: blame.Evidence) -> bool:
@@ -192,24 +149,36 @@ def _went_wrong(e: blame.Evidence) -> bool:
             or e.board.state == status.FAILED)
 
 
-def _watch(procs, boards, folder: str, timeout_s: float, deadline_s: float | None) -> None:
+def _stacks(keeper: Keeper, folder: str, evidence, ranks) -> str:
+    """The Python stacks of those of `ranks` still running (they said nothing themselves), for the message."""
+    pids = dict(enumerate(keeper.pids()))
+    running = {r: pids[r] for r in ranks if r in pids and evidence[r].code is None and evidence[r].error is None}
+    found = stacks.ask(folder, running) if running else {}
+    return "".join(f"\n\nwhere rank {r} was when it was stopped (its Python stack, most recent call last):\n{text}"
+                   for r, text in sorted(found.items()))
+
+
+def _watch(keeper: Keeper, boards, folder: str, timeout_s: float, deadline_s: float | None) -> None:
     """Wait for every rank; on the first failure or hang, stop them all and raise, naming the cause."""
-    started, ended_at, trouble_since = time.time(), {}, None
+    started, trouble_since = time.time(), None
     while True:
-        evidence = _evidence(procs, boards, folder, ended_at)
+        evidence = _evidence(keeper, boards, folder)
         if all(e.code == 0 and e.returned for e in evidence):
             return
         if trouble_since is None and any(map(_went_wrong, evidence)):
             trouble_since = time.time()
             while time.time() - trouble_since < _SETTLE_S and any(e.code is None for e in evidence):
                 time.sleep(0.02)  # let what it causes land: peers in a collective with it fail at once
-                evidence = _evidence(procs, boards, folder, ended_at)
+                evidence = _evidence(keeper, boards, folder)
         verdict = blame.judge(evidence, time.time(), timeout_s)
         if verdict is not None and (verdict.found_cause or time.time() - trouble_since > _CAUSE_GRACE_S):
-            _kill_all(procs)
-            raise RankError(verdict.message(), verdict.rank)
+            named = [verdict.rank] if verdict.rank is not None and not verdict.traceback else []
+            raise RankError(verdict.message() + _stacks(keeper, folder, evidence, named), verdict.rank)
         if deadline_s is not None and time.time() - started > deadline_s:
             where = "\n".join(blame.where_every_rank_was(evidence, time.time()))
-            _kill_all(procs)
-            raise RankError(f"the ranks ran past deadline_s={deadline_s}s and were stopped.\n{where}")
+            raise RankError(f"the ranks ran past deadline_s={deadline_s}s and were stopped.\n{where}"
+                            + _stacks(keeper, folder, evidence, range(len(evidence))))
+        if keeper.lost() is not None:
+            raise RankError(f"the launch's keeper process (which starts and watches the ranks) ended with code "
+                            f"{keeper.lost()}: killed from outside? Every rank was stopped.")
         time.sleep(0.02)

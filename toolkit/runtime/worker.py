@@ -60,9 +60,11 @@ def main(folder: str) -> None:
         import torch
         import torch.distributed as dist
 
-        from toolkit.runtime import blame, env, raw, status
+        from toolkit.runtime import blame, by_value, env, raw, stacks, status
 
         is_consequence = blame.is_consequence
+        stacks.arm(folder, rank)  # the launcher can ask where this rank's Python code is
+        by_value.register(job.get("sources", {}))  # tracebacks show the caller's file, line and source
         torch.set_num_threads(job["threads"])
         status.attach(status.board_path(folder, rank))
         env.init(job["backend"], timeout_s=job["timeout_s"])

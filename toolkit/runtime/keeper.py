@@ -1,0 +1,243 @@
+"""The process between `launch` and its ranks: it starts them, timestamps their deaths, and leaves nothing behind.
+
+Why a process of its own, not the launcher (a notebook kernel) itself:
+
+1. **Nothing outlives a launch.** A rank may fork a helper, and the helper may start a new session
+   (`setsid`, a daemon's double fork) or outlive the rank. Killing each rank's process group misses both:
+   an orphan is re-parented to init and its session is its own. The keeper declares itself a *child
+   subreaper* (`prctl(PR_SET_CHILD_SUBREAPER)`, Linux): every orphan below it is re-parented to it instead
+   of init, so at teardown every descendant is still in its tree, found by walking `/proc`, and killed.
+   A kernel that became a subreaper itself would collect every orphan of everything it ever runs.
+2. **A death is dated when it happens, not when it is seen.** The keeper blocks in `waitpid` and writes
+   `exit-<rank>` (the exit code, negative for a signal, and the time) the moment a rank ends. The launcher
+   may look seconds later on a loaded machine; blame still orders a SIGKILL before a raise 50 ms later.
+   (The keeper itself may wait for a CPU after the death wakes it; the kernel counts that wait, and the
+   keeper takes it off the time it writes.)
+
+It imports nothing but the standard library (it is run by path, not as `toolkit.runtime.keeper`, so
+torch is never imported: it starts in tens of milliseconds). Without prctl (not Linux) it still starts,
+dates and kills the ranks; an orphan that left its rank's process group may then escape.
+
+Launcher side: `Keeper.start(...)`, `keeper.exits()`, `keeper.pids()`, `keeper.stop()`.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PDEATHSIG = 1
+_KILL_PATIENCE_S = 10.0
+
+
+# --- the keeper process ------------------------------------------------------------------------------------
+class _Stop(Exception):
+    """Raised in the keeper's main thread by SIGTERM: the launcher wants everything gone."""
+
+
+def _become_subreaper() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process below `root`, parents before children (from each process's parent in /proc)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != b"Z":
+            children.setdefault(int(fields[1]), []).append(int(name))
+    found, todo = [], [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            found.append(pid)
+            todo.append(pid)
+    return found
+
+
+def _run_delay_s() -> float:
+    """Seconds this process has spent ready to run but waiting for a CPU (the kernel's schedstat), or 0."""
+    try:
+        with open("/proc/self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _write(folder: str, name: str, text: str) -> None:
+    path = os.path.join(folder, name)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)  # the launcher never reads half a file
+
+
+class _Ranks:
+    def __init__(self, folder: str):
+        self.folder, self.by_pid = folder, {}
+
+    def spawn(self, world_size: int, fds: list[int]) -> None:
+        folder = self.folder
+        for rank in range(world_size):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank))
+            p = subprocess.Popen([sys.executable, "-m", "toolkit.runtime.worker", folder], env=env,
+                                 start_new_session=True, stdin=subprocess.DEVNULL, stdout=fds[rank],
+                                 stderr=subprocess.STDOUT)
+            os.close(fds[rank])  # the rank holds its end now; the launcher reads the other
+            self.by_pid[p.pid] = (rank, p)
+        _write(folder, "pids.json", json.dumps([p.pid for _, p in sorted(self.by_pid.values(), key=lambda v: v[0])]))
+
+    def reaped(self, pid: int, status: int, when: float) -> None:
+        """Note a reaped child: a rank's end is written with its time; an orphan's is just collected."""
+        if pid in self.by_pid:
+            rank, p = self.by_pid.pop(pid)
+            p.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+            _write(self.folder, f"exit-{rank}", json.dumps({"code": p.returncode, "time": when}))
+
+    def reap_all(self, block: bool) -> bool:
+        """Collect ended children; False once there is no child at all."""
+        while True:
+            waited = _run_delay_s()
+            try:
+                pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+            except ChildProcessError:
+                return False
+            if pid == 0:
+                return True
+            # Woken by the death, the keeper may wait for a CPU before it runs again (tens of milliseconds on a
+            # loaded machine): that wait, which the kernel counts, is taken off the time it reads.
+            self.reaped(pid, status, time.time() - (_run_delay_s() - waited))
+            block = False
+
+
+def _kill_everything(ranks: _Ranks) -> None:
+    """SIGKILL every descendant, reap them, and again for whatever was re-parented here meanwhile."""
+    give_up = time.monotonic() + _KILL_PATIENCE_S
+    while time.monotonic() < give_up:
+        below = _descendants(os.getpid())
+        for pid in below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not ranks.reap_all(block=False) and not below:
+            return
+        time.sleep(0.005)
+
+
+def _die_with_parent(parent: int) -> None:
+    """If the launcher dies (a kernel restarted), take everything down with it: the kernel sends SIGTERM. (No
+    thread polls for it: a second thread holding the GIL when a death wakes the keeper would delay its stamp.)"""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # it died before the request above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(folder: str, world_size: int, fds: list[int]) -> None:
+    def stop(signum, frame):
+        raise _Stop
+
+    signal.signal(signal.SIGTERM, stop)
+    ranks, launcher = _Ranks(folder), int(os.environ.get("TOOLKIT_LAUNCHER_PID", os.getppid()))
+    try:
+        subreaper = _become_subreaper()
+        _write(folder, "keeper.json", json.dumps({"subreaper": subreaper}))
+        _die_with_parent(launcher)
+        ranks.spawn(world_size, fds)
+        while True:  # date each death as it happens; collect orphans
+            if not ranks.reap_all(block=True):
+                time.sleep(0.02)  # no child right now (an orphan may still be re-parented here later)
+    except _Stop:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _kill_everything(ranks)
+        if os.getppid() != launcher:  # the launcher died: nobody else will remove its folder
+            shutil.rmtree(folder, ignore_errors=True)
+    os._exit(0)
+
+
+# --- the launcher's side --------------------------------------------------------------------------------------
+class Keeper:
+    """The launcher's handle on a running keeper and its ranks."""
+
+    def __init__(self, folder: str, world_size: int, process: subprocess.Popen, streams: list):
+        self.folder, self.world_size, self.process, self.streams = folder, world_size, process, streams
+
+    @classmethod
+    def start(cls, folder: str, world_size: int, env: dict) -> "Keeper":
+        """Start the keeper, which starts the ranks; `streams[r]` reads rank r's output (stdout and stderr)."""
+        pipes = [os.pipe() for _ in range(world_size)]
+        writers = [w for _, w in pipes]
+        try:
+            process = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), folder, str(world_size), *map(str, writers)],
+                env=dict(env, TOOLKIT_LAUNCHER_PID=str(os.getpid())), pass_fds=writers, start_new_session=True,
+                stdin=subprocess.DEVNULL)
+        finally:
+            for w in writers:
+                os.close(w)
+        return cls(folder, world_size, process, [os.fdopen(r, "rb") for r, _ in pipes])
+
+    def exits(self) -> dict[int, tuple[int, float]]:
+        """{rank: (exit code, when it ended)} for the ranks that have ended, as the keeper saw them end."""
+        found = {}
+        for rank in range(self.world_size):
+            try:
+                with open(os.path.join(self.folder, f"exit-{rank}")) as f:
+                    record = json.load(f)
+            except (OSError, ValueError):
+                continue
+            found[rank] = (record["code"], record["time"])
+        return found
+
+    def pids(self) -> list[int]:
+        try:
+            with open(os.path.join(self.folder, "pids.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return []
+
+    def lost(self) -> int | None:
+        """The keeper's own exit code if it ended before being told to (None while it runs)."""
+        return self.process.poll()
+
+    def stop(self) -> None:
+        """Kill every rank and everything they started, then wait for the keeper to finish doing so."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=_KILL_PATIENCE_S + 5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.returncode != 0:  # the keeper was killed from outside: its ranks' groups at least
+            ended = self.exits()
+            for rank, pid in enumerate(self.pids()):
+                if rank not in ended:  # (an ended rank's pid may belong to another process by now)
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), [int(fd) for fd in sys.argv[3:]])
