@@ -47,10 +47,16 @@ def test_notebook_matches_its_source(path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
-def test_notebook_runs_top_to_bottom(path):
+def test_notebook_runs_top_to_bottom(path, tmp_path):
+    from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+    # The kernel talks over Unix sockets, not TCP: a TCP kernel picks five free ports and binds them later, and a
+    # rendezvous or engine started meanwhile by another test can take one (CI saw the heartbeat's port taken, and
+    # the client then waited forever on its heartbeat thread).
+    # the kernel runs in the notebook's folder: the sockets' path must be absolute
+    kernel = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp_path / "kernel"))
+    client = NotebookClient(nb, km=kernel, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": os.path.dirname(path)}})
     client.execute()  # raises CellExecutionError with the failing cell and its traceback

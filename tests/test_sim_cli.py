@@ -43,7 +43,7 @@ def test_a_job_that_fits_gets_its_time_report_and_trace_and_one_that_does_not_ge
     assert cli.main(["--model", "tiny", "--strategy", "hsdp", "--world-size", "16", "--activation-checkpointing",
                      "--forward-prefetch", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "fits in the A100 SXM 80GB's" in out and "TFLOP/s per GPU" in out and "0.000" not in out
+    assert "fits in the A100 SXM 80GB's" in out and "FLOP/s per GPU" in out and "0.000" not in out
     report = (tmp_path / "sim-tiny-hsdp-16-report.html").read_text()
     assert "Memory at the peak" in report and "fits in the" in report and "modelled: rank 0 of 16" in report
     assert (tmp_path / "sim-tiny-hsdp-16-dgx-a100-trace.json").exists()
