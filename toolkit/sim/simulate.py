@@ -10,8 +10,8 @@ What happens, in order:
 3. `toolkit.parallel.wrap(model, strategy, **options)` wraps it exactly as on a real rank: the flat
    buffers, shards, buckets and gathered copies it makes are meta tensors of their real sizes;
 4. whole training steps run (forward, backward, optimizer step) in the same phases and spans as
-   `toolkit.train`, while three counters watch every operation: MemTracker (memory by category,
-   `memory.py`), FlopCounterMode and an op counter (`record.py`); the collectives door reports every
+   `toolkit.train`, while two counters watch every operation: MemTracker (memory by category,
+   `memory.py`) and an op counter (FLOPs, bytes and kernels, `record.py`); the collectives door reports every
    call and every wait, which cuts the step into a program (`program.py`);
 5. the group is destroyed; what was recorded becomes a `Simulation` (`simulation.py`).
 
@@ -24,7 +24,6 @@ import contextlib
 import sys
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from .. import comm, parallel
 from ..memory.ledger import ledger
@@ -34,7 +33,6 @@ from ..moe.layer import MoE
 from ..run import Run
 from ..trace.events import phase, recorder, span
 from . import cluster as _cluster
-from .attention import FLOPS
 from .cost import pricer
 from .memory import StepMemory
 from .record import OpCounter, Programmer
@@ -135,8 +133,8 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
     Works on any process group: on the simulated cluster (meta tensors, `meta=True` so the ledger counts
     them) or on a real one. Returns the fields of a `Simulation` that a step produces.
     """
-    memory, flops, ops = StepMemory(), FlopCounterMode(display=False, custom_mapping=FLOPS), OpCounter()
-    programmer = Programmer(flops, ops)
+    memory, ops = StepMemory(), OpCounter()
+    programmer = Programmer(ops, memory.module)
 
     def door(kind, event, tensor):
         programmer(kind, event)
@@ -148,7 +146,7 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
     programs, samples, states = [], [], {}
     memory.classify(model, opt)
     with contextlib.ExitStack() as stack:
-        for context in (memory, flops, ops, comm.listening(door), recorder.listening(programmer.span)):
+        for context in (memory, ops, comm.listening(door), recorder.listening(programmer.span)):
             stack.enter_context(context)
         for step in range(first, first + steps):
             memory.reset_mod_stats()  # MemTracker counts one iteration at a time
