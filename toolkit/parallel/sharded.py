@@ -126,9 +126,12 @@ def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, group=None)
 class ShardedOptimizer(torch.optim.Optimizer):
     """Steps this rank's slices; the strategy (`engine`) brings the results back into the model.
 
-    step():  1. give each fp32 master its gradient (the reduced slice, cast to fp32 if it is 16-bit)
-                fp16: unscale it, and if any rank found an inf or NaN, skip 2 and 4 (`scaler.py`)
-             2. run the user's optimizer on the masters (this rank's slices only)
+    step():  0. fp16: if any rank's reduced slices hold an inf or NaN, skip 1-4 (`scaler.py`)
+             then for each sub-group of shards (`engine.step_groups()`: all of them at once, or ZeRO-3's
+             sub-groups, so that only one sub-group's fp32 gradients exist at a time):
+             1. give each fp32 master its gradient (the reduced slice, cast to fp32 if it is 16-bit;
+                fp16: unscaled)
+             2. run the user's optimizer on those masters (this rank's slices only)
              3. drop those fp32 gradients (a transient copy, not model state)
              4. engine.after_step(): 16-bit copies of the masters; the all-gather of ZeRO-1/2
     zero_grad(): the engine clears its gradients.
@@ -147,19 +150,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("sharded optimizers take no closure: call loss.backward() before step().")
         self.engine.before_step()
-        shards = self.engine.shards()
-        for s in shards:
-            s.master.grad = None if s.grad is None else s.grad.to(torch.float32)  # fp32: no copy
         scaler = self.engine.scaler
-        found_inf = scaler is not None and scaler.unscale_and_check([s.master.grad for s in shards])
+        found_inf = scaler is not None and scaler.found_inf([s.grad for s in self.engine.shards()])
         if not found_inf:  # every rank agreed (an all-reduce of the flag), so all step or all skip
-            self.inner.step()
-        for s in shards:
-            s.master.grad = None
+            groups = [g["params"] for g in self.inner.param_groups]
+            where = {id(p): i for i, members in enumerate(groups) for p in members}
+            try:
+                for shards in self.engine.step_groups():
+                    self._step(shards, scaler, where)
+            finally:
+                for group, members in zip(self.inner.param_groups, groups):
+                    group["params"] = members
         if scaler is not None:
             scaler.update(found_inf)
         if not found_inf:
             self.engine.after_step()
+
+    def _step(self, shards: list, scaler, where: dict) -> None:
+        """Steps 1-3 for one sub-group of shards: its fp32 gradients exist only while it steps."""
+        for s in shards:
+            s.master.grad = None if s.grad is None else s.grad.to(torch.float32)  # fp32: no copy
+        if scaler is not None:
+            scaler.unscale_([s.master.grad for s in shards])
+        if len(shards) < len(where):
+            # the optimizer sees only this sub-group's masters, as DeepSpeed's ZeRO-3 steps its sub-groups;
+            # an elementwise update of some parameters is what they get in a step of all of them
+            for i, group in enumerate(self.inner.param_groups):
+                group["params"] = [s.master for s in shards if where[id(s.master)] == i]
+        self.inner.step()
+        for s in shards:
+            s.master.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)
@@ -248,6 +268,10 @@ class ShardedEngine:
 
     def shards(self) -> list[Shard]:
         return [piece.mine for piece in self.pieces]
+
+    def step_groups(self) -> list[list[Shard]]:
+        """The shards the optimizer steps together, one sub-group after another (here: all at once)."""
+        return [self.shards()]
 
     def flatten(self, params: list) -> tuple[FlatBuffer, nn.Parameter]:
         """Lay `params` out flat in the compute dtype; make the fp32 master of this rank's slice.
