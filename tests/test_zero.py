@@ -229,6 +229,7 @@ def run_rank(n):
         out[f"{strategy}_accumulate"] = train(rank, n, strategy, micro=2)
     buckets = dict(prefetch_bucket_size=BUCKET, reduce_bucket_size=BUCKET)
     out["zero3_buckets_mixed"] = train(rank, n, "zero3", mixed_precision=True, **buckets)
+    out["zero3_mixed_one_step_group"] = train(rank, n, "zero3", mixed_precision=True, sub_group_size=PSI)
     out["zero3_buckets_accumulate"] = train(rank, n, "zero3", micro=2, **buckets)
     out["torch_zero"] = peer_zero_redundancy(rank, n)
     out["torch_fsdp2"] = peer_fsdp2(rank, n)
@@ -384,6 +385,16 @@ def test_zero3_buckets_in_mixed_precision_and_with_accumulation():
 
 
 @pytest.mark.timeout(150)
+def test_zero3_sub_groups_change_the_step_not_the_training():
+    """The optimizer steps one module's slice at a time (sub_group_size=0) or all at once: an elementwise
+    update is the same either way, bit for bit (the memory it saves: tests/test_sim_memory.py)."""
+    got = results(2)
+    one, modules = got["zero3_mixed_one_step_group"], got["zero3_mixed"]
+    assert one["losses"] == modules["losses"] and max_diff(one["params"], modules["params"]) == 0
+    assert one["sent"] == modules["sent"] and one["all_memory"] == modules["all_memory"]
+
+
+@pytest.mark.timeout(150)
 def test_mixed_precision_halves_the_bytes():
     got = results(2)
     for strategy in STAGES:
@@ -451,6 +462,10 @@ def test_bad_stage_options():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="number of elements"):
             wrap(build(), "zero3", optimizer=OPT, reduce_bucket_size=bad)
+        with pytest.raises(ValueError, match="sub_group_size is a number of elements"):
+            wrap(build(), "zero3", optimizer=OPT, sub_group_size=bad)
+    with pytest.raises(ValueError, match="valid options"):
+        wrap(build(), "zero2", optimizer=OPT, sub_group_size=10)
     with pytest.raises(ValueError, match="could not build"):
         wrap(build(), "zero2", optimizer=lambda params: None.step)
 

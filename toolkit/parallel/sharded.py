@@ -13,8 +13,8 @@ This file holds the parts that do not depend on the stage:
 - `ShardedModel`: the wrapper the user holds (forward as the original's, plus `full_state_dict`,
   `memory_groups`, `clip_grad_norm_`, `no_sync`).
 - `ShardedEngine`: the base of a stage's machinery (who am I in the group, flattening with fp32
-  masters, the end-of-backward callback, gathering the full fp32 parameters).
-- the elementwise allow-list and the global-norm clipping.
+  masters, the end-of-backward callback, gathering the full fp32 parameters); the elementwise
+  allow-list. (Clipping by the global norm of slices: `sharded_clipping.py`.)
 
 Why only some optimizers: a slice boundary may cut a weight matrix anywhere, and a padded slice holds
 a few fake zeros. That is harmless exactly when the update of every element depends only on that
@@ -27,7 +27,6 @@ below is an explicit allow-list, not a guess.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
@@ -39,6 +38,7 @@ from .local import compute_dtype as local_compute_dtype
 from ..runtime import env
 from .flat import FlatBuffer
 from .scaler import scaler_for
+from .sharded_clipping import clip_grad_norm_, global_grad_norm  # noqa: F401 - re-exported
 
 # Optimizers whose update is elementwise: one element's new value depends on its own gradient and
 # state, plus scalars (learning rate, step count). Adding one here is a claim about its math.
@@ -86,58 +86,18 @@ class Shard:
         self.master, self.grad = master, grad
 
 
-# --- clipping by the global norm ---------------------------------------------------------------------
-def global_grad_norm(shards, norm_type: float, group=None) -> torch.Tensor:
-    """The norm of the whole averaged gradient, from slices held on different ranks.
-
-    Each rank holds a disjoint slice, so the squares add up: norm = sqrt(all_reduce(sum of squares)).
-    (One shard's norm alone would be too small by about sqrt(N).) The inf-norm takes a max instead.
-    Padding contributes nothing: its gradient is zero.
-    """
-    grads = [s.grad.detach().float() for s in shards if s.grad is not None]
-    device = shards[0].master.device if shards else env.device()
-    if norm_type == math.inf:
-        total = torch.stack([g.abs().max() for g in grads]).max().reshape(1) if grads else \
-            torch.zeros(1, device=device)
-        comm.all_reduce(total, op="max", group=group)
-        return total[0]
-    total = sum((g.pow(2).sum() for g in grads), torch.zeros((), device=device)).reshape(1)
-    comm.all_reduce(total, op="sum", group=group)
-    return total[0].sqrt()
-
-
-@torch.no_grad()
-def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, group=None) -> torch.Tensor:
-    """Scale every rank's gradient slices so the *global* norm is at most `max_norm`; return that norm.
-
-    Same rule as `torch.nn.utils.clip_grad_norm_`: multiply by min(1, max_norm / (norm + 1e-6)).
-    """
-    if norm_type not in (2, math.inf):
-        raise ValueError(f"norm_type={norm_type!r}: sharded clipping supports 2.0 and math.inf.")
-    total = global_grad_norm(shards, float(norm_type), group)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for s in shards:
-        if s.grad is not None:
-            s.grad.mul_(coef.to(s.grad.dtype))
-    return total
-
-
 # --- the optimizer the user holds --------------------------------------------------------------------
 class ShardedOptimizer(torch.optim.Optimizer):
     """Steps this rank's slices; the strategy (`engine`) brings the results back into the model.
 
-    step():  0. fp16: if any rank's reduced slices hold an inf or NaN, skip 1-4 (`scaler.py`)
-             then for each sub-group of shards (`engine.step_groups()`: all of them at once, or ZeRO-3's
-             sub-groups, so that only one sub-group's fp32 gradients exist at a time):
-             1. give each fp32 master its gradient (the reduced slice, cast to fp32 if it is 16-bit;
-                fp16: unscaled)
+    step():  0. fp16: if any rank's reduced slices hold an inf or NaN, skip 1-4 (`scaler.py`); then for
+             each sub-group of shards (`engine.step_groups()`: all at once, or ZeRO-3's sub-groups):
+             1. give each fp32 master its gradient (the reduced slice, cast to fp32 if 16-bit; unscaled)
              2. run the user's optimizer on those masters (this rank's slices only)
              3. drop those fp32 gradients (a transient copy, not model state)
              4. engine.after_step(): 16-bit copies of the masters; the all-gather of ZeRO-1/2
-    zero_grad(): the engine clears its gradients.
-
-    `param_groups` and `state` are the inner optimizer's own, so LR schedulers and `state_dict()` act
-    on what is really stepped.
+    zero_grad(): the engine clears its gradients. `param_groups` and `state` are the inner optimizer's own,
+    so LR schedulers and `state_dict()` act on what is really stepped.
     """
 
     def __init__(self, inner: torch.optim.Optimizer, engine: "ShardedEngine"):
@@ -172,9 +132,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             s.master.grad = None if s.grad is None else s.grad.to(torch.float32)  # fp32: no copy
         if scaler is not None:
             scaler.unscale_([s.master.grad for s in shards])
-        if len(shards) < len(where):
-            # the optimizer sees only this sub-group's masters, as DeepSpeed's ZeRO-3 steps its sub-groups;
-            # an elementwise update of some parameters is what they get in a step of all of them
+        if len(shards) < len(where):  # it sees only this sub-group's masters (DeepSpeed's ZeRO-3 does so):
             for i, group in enumerate(self.inner.param_groups):
                 group["params"] = [s.master for s in shards if where[id(s.master)] == i]
         self.inner.step()
