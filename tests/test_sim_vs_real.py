@@ -32,6 +32,9 @@ CASES = {  # every strategy in fp32 at 2 ranks; in mixed precision, and hybrid s
 }
 
 
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
 def allocator_peak(strategy, options, world, rank) -> int:
     """The CPU allocator's own account of a steady step's peak: the model states when the step starts, plus
     the most bytes allocated during the step and not yet freed (torch.profiler's memory events)."""
@@ -52,8 +55,18 @@ def allocator_peak(strategy, options, world, rank) -> int:
     # gloo stages a reduce-scatter or all-gather through a copy of the message, inside the c10d call (NCCL
     # writes in place): that copy is gloo's, not the strategy's, and the simulated cluster has none
     gloo = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("name", "").startswith("c10d::")]
-    events = [e["args"] for e in trace if e.get("name") == "[memory]"
-              and not any(a <= e["ts"] <= b for a, b in gloo)]
+    events = [e for e in trace if e.get("name") == "[memory]" and not any(a <= e["ts"] <= b for a, b in gloo)]
+    # a CPU GEMM may pack its inputs into a scratch buffer of its own, freed before it returns (oneDNN's bf16
+    # path does, for transposed inputs, on some CPUs): the kernel's, as cuBLAS's workspace is, not the strategy's
+    gemms = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("ph") == "X" and e.get("name") in GEMMS]
+    allocated = {}
+    for e in events:
+        if e["args"]["Bytes"] > 0:
+            allocated[e["args"]["Addr"]] = e
+        elif (start_event := allocated.pop(e["args"]["Addr"], None)) is not None and any(
+                a <= start_event["ts"] and e["ts"] <= b for a, b in gemms):
+            start_event["scratch"] = e["scratch"] = True
+    events = [e["args"] for e in events if not e.get("scratch")]
     live, running, highest = {}, 0, 0  # blocks allocated during the step, by address
     for e in events:
         if e["Bytes"] > 0:

@@ -230,6 +230,8 @@ def run_rank(n):
     buckets = dict(prefetch_bucket_size=BUCKET, reduce_bucket_size=BUCKET)
     out["zero3_buckets_mixed"] = train(rank, n, "zero3", mixed_precision=True, **buckets)
     out["zero3_mixed_one_step_group"] = train(rank, n, "zero3", mixed_precision=True, sub_group_size=PSI)
+    out["zero1_checkpointed"] = train(rank, n, "zero1", activation_checkpointing=True)
+    out["zero2_checkpointed"] = train(rank, n, "zero2", activation_checkpointing=True)
     out["zero3_buckets_accumulate"] = train(rank, n, "zero3", micro=2, **buckets)
     out["torch_zero"] = peer_zero_redundancy(rank, n)
     out["torch_fsdp2"] = peer_fsdp2(rank, n)
@@ -392,6 +394,17 @@ def test_zero3_sub_groups_change_the_step_not_the_training():
     one, modules = got["zero3_mixed_one_step_group"], got["zero3_mixed"]
     assert one["losses"] == modules["losses"] and max_diff(one["params"], modules["params"]) == 0
     assert one["sent"] == modules["sent"] and one["all_memory"] == modules["all_memory"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_activation_checkpointing_trains_as_one_process(strategy):
+    """activation_checkpointing=True is an option of every strategy (zero3 x tp: test_tensor_parallel.py):
+    the blocks recompute their forward in backward, and the training is one process's."""
+    losses, _, params = oracle()
+    got = results(2)[f"{strategy}_checkpointed"]
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < ATOL
+    assert max_diff(got["params"], params) < ATOL
 
 
 @pytest.mark.timeout(150)

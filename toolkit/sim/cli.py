@@ -20,7 +20,7 @@ from ..models.presets import PRESETS
 from ..parallel import STRATEGIES
 
 HSDP = "hsdp"  # fsdp with hybrid sharding: shard inside groups of --sharding-group-size, replicate across them
-FSDP_ONLY = ("activation_checkpointing", "forward_prefetch", "no_backward_prefetch", "sharding_group_size")
+FSDP_ONLY = ("forward_prefetch", "no_backward_prefetch", "sharding_group_size")
 
 
 class _Defaults(argparse.HelpFormatter):
@@ -51,7 +51,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sharding-group-size", type=int, default=None,
                    help="fsdp/hsdp: shard over groups of this many ranks (hsdp's default: --ranks-per-node)")
     p.add_argument("--activation-checkpointing", action="store_true",
-                   help="fsdp/hsdp: keep each unit's input only and recompute its activations in backward")
+                   help="keep each block's input only and recompute its activations in backward (every "
+                        "strategy)")
     p.add_argument("--forward-prefetch", action="store_true",
                    help="fsdp/hsdp: issue the next unit's all-gather before this unit's forward runs")
     p.add_argument("--no-backward-prefetch", action="store_true",

@@ -10,8 +10,9 @@ What would make it fit is read from what the peak is made of:
 
 - model states (params + grads + optimizer, 16 bytes per parameter with mixed-precision Adam): shard
   them (ZeRO-3 / FSDP keep (2+2+12)Ψ/N per GPU), over a larger group, or on more GPUs;
-- activations and temporaries: activation checkpointing (FSDP's `activation_checkpointing=True` keeps
-  each block's input and recomputes the rest in backward), a smaller batch per GPU, shorter sequences;
+- activations and temporaries: activation checkpointing (`activation_checkpointing=True`, under every
+  strategy, keeps each block's input and recomputes the rest in backward), a smaller batch per GPU,
+  shorter sequences;
 - gathered units (ZeRO-3, FSDP): smaller units, or no prefetch (one unit fewer in flight).
 """
 from __future__ import annotations
@@ -104,11 +105,9 @@ def advice(sim, room: float) -> list[str]:
                                  f"{bytes_text(STATE_BYTES * dense)}) take half of the memory at about {need} GPUs"))
     if transient:
         what = f"activations and temporaries take {bytes_text(transient)} of the peak"
-        if sim.strategy == "fsdp" and not options.get("activation_checkpointing"):
+        if not options.get("activation_checkpointing"):
             tips.append((transient, f"activation checkpointing (activation_checkpointing=True): {what}; it keeps "
                                     f"each block's input and recomputes the rest in backward"))
-        elif sim.strategy != "fsdp":
-            tips.append((transient, f"fsdp with activation_checkpointing=True ({what}; here only fsdp checkpoints)"))
         if sim.batch_per_rank > 1:
             tips.append((transient, f"a smaller batch per GPU (batch_per_rank={sim.batch_per_rank}; activations "
                                     f"scale with it)"))
