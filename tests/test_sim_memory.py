@@ -44,9 +44,12 @@ def _checkpointing(strategy: str, world: int) -> tuple:
 @pytest.mark.parametrize("strategy,world", [("ddp", 2), ("zero2", 2), ("zero3", 2), ("fsdp", 2)])
 def test_checkpointing_leaves_nothing_behind_after_backward(strategy, world):
     """Every strategy checkpoints: at the end of forward it holds the bytes one process saves by checkpointing
-    fewer; at the end of backward no more than without checkpointing (nothing recomputed is left alive)."""
+    fewer; at the end of backward no more than without checkpointing (nothing recomputed is left alive). The
+    activations themselves are one process's: data parallelism moves gradients, not activations (DDP's buckets,
+    rebuilt in the measured step's forward, are gradients)."""
     plain, checkpointed = _checkpointing(strategy, world)
     alone = _checkpointing("local", 1)
+    assert [s["activations"] for s in plain.samples] == [s["activations"] for s in alone[0].samples]
     saved = alone[0].samples[0]["activations"] - alone[1].samples[0]["activations"]
     assert saved > alone[1].samples[0]["activations"]  # most of the activations are recomputed
     assert plain.samples[0]["activations"] - checkpointed.samples[0]["activations"] == saved

@@ -180,7 +180,8 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
 
             def boundary(label=None):  # the end of a phase: cut the program, sample memory
                 programmer.cut(label)
-                samples.append(_sample(memory, step))
+                memory.classify(model, opt)  # what the phase made that the strategy keeps (DDP's rebuilt
+                samples.append(_sample(memory, step))  # buckets in forward, ZeRO's reduced slices) is its own
 
             def update():  # the model states, as the formulas count them: all of them alive
                 states.update(ledger(model, opt, meta=meta))
