@@ -8,6 +8,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from cpu_times import pytest_runtest_protocol, pytest_sessionfinish  # noqa: E402,F401 - TOOLKIT_TEST_TIMES
+
 
 os.environ["TOOLKIT_TEST_PID"] = str(os.getpid())  # inherited by every process a test starts, however deep
 
