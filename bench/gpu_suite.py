@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import statistics
 import sys
@@ -52,7 +53,7 @@ def _model_parallel_layouts(world: int) -> list[tuple[str, dict]]:
     rows = []
     if world >= 2 and "tp" in compose.MODEL_PARALLEL:
         rows.append(("local", {"tp": world}))
-    if world >= 2 and "pp" in compose.MODEL_PARALLEL:
+    if world >= 2 and "pp" in compose.MODEL_PARALLEL and importlib.util.find_spec("toolkit.parallel.pipeline"):
         rows.append(("local", {"pp": world, "microbatches": 2 * world}))
     return rows
 
