@@ -61,10 +61,17 @@ def run(command: str, where: Path, timeout: int = 600) -> subprocess.CompletedPr
 @pytest.mark.timeout(1500)
 def test_the_readme_commands_run_as_written(clone):
     found = [c for c in commands() if "|" not in c and "--class" not in c]  # alternatives written a|b, a class folder
-    ran = []
+    ran, seen = [], set()
     for command in found:
         args = command[len(PREFIX):].strip()
-        whole = any(args.startswith(w) for w in WHOLE)
+        whole = next((w for w in WHOLE if args.startswith(w)), None)
+        # `--help` reads no argument past the subcommand: `grade labs/02 --help` runs what `grade labs/01 --help`
+        # did (a torch import, 3 s of CPU each); and a whole command is run whole once (its variants as --help)
+        key = whole if whole and whole not in seen else args.split()[0] + " --help"
+        if key in seen:
+            continue
+        seen.add(key)
+        whole = key == whole
         done = run(command if whole else f"{command} --help", clone)
         out = done.stdout + done.stderr
         assert "No module named" not in out and "Traceback" not in out, (command, out[-3000:])
