@@ -9,7 +9,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from ..memory import model_states_breakdown
-from ..units import byte_unit, bytes_text
+from ..units import byte_unit, bytes_text, memory_text
 from . import style
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
@@ -85,7 +85,7 @@ def peak_bars(peaks: dict, *, capacity: float | None = None, device: str = "devi
                                  hovertemplate="%{x}<br>formula params+grads+optimizer: %{customdata}<extra></extra>"))
     if capacity:
         fig.add_hline(y=capacity / unit, line_dash="dash", line_color=style.ALERT,
-                      annotation_text=f"{device}: {bytes_text(capacity)}", annotation_position="top left")
+                      annotation_text=f"{device}: {memory_text(capacity)}", annotation_position="top left")
     top = max(totals + [capacity or 0]) / unit
     fig.update_yaxes(range=[0, 1.15 * top if top > 0 else 1], title_text=f"{name_of_unit} per rank")
     style.place_title(fig, title or "Memory at the peak, by category", subtitle if subtitle is not None else
