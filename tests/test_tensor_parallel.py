@@ -91,8 +91,12 @@ def gpt2_steps(tp: int):
 
 
 def layouts(cases, with_gpt2, directory):
-    found = {"checkpoints": checkpoints_across_layouts(directory)} if dist.get_world_size() == 4 else \
-        {"fp16 vote": overflow_on_one_rank()}
+    if dist.get_world_size() == 4:
+        found = {"checkpoints": checkpoints_across_layouts(directory), "mesh": wrapped_mesh(),
+                 "fp16 vote, zero2 x tp": overflow_on_one_rank("zero2"),
+                 "norm of ones": {name: norm_of_ones(*case) for name, case in NORM_CASES.items()}}
+    else:
+        found = {"fp16 vote": overflow_on_one_rank()}
     for name, fields, kind, _ in cases:
         torch.manual_seed(0)
         run, state = train(TrainConfig(**{**BASE, **fields}), model_fn=model_fn(kind), return_state=True)
@@ -102,18 +106,66 @@ def layouts(cases, with_gpt2, directory):
     return found if dist.get_rank() == 0 else None
 
 
-def overflow_on_one_rank():
-    """fp16 under tp: an inf in one tensor-parallel rank's piece of a gradient skips the step on every rank."""
+def overflow_on_one_rank(strategy="local"):
+    """fp16 under tp: an inf in the last rank's piece of a gradient skips the step on every rank. At world 4
+    (zero2 over dp 2 x tp 2) the inf lands, after the reduce-scatter over its dp group, in one rank's slice
+    only: the ranks of the other dp group saw nothing, and skip because the vote is taken over the world.
+    Every rank's (skipped, nothing moved, scale)."""
     torch.manual_seed(0)
-    model, opt = toolkit.parallel.wrap(toolkit.models.tiny_gpt(), "local", optimizer=SGD, tp=2,
+    model, opt = toolkit.parallel.wrap(toolkit.models.tiny_gpt(), strategy, optimizer=SGD, tp=2,
                                        mixed_precision=torch.float16)
-    model(*SyntheticCorpus().batch(0, 8)).backward()
-    if dist.get_rank() == 1:  # only this rank's half of the first MLP's weight overflows
-        dict(model.module.named_parameters())["blocks.0.mlp.fc.weight"].grad[0, 0] = float("inf")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x, y = SyntheticCorpus().batch(0, 8, rank=rank // 2, world_size=world // 2)
+    if rank == world - 1:  # only this rank's half of the first MLP's weight overflows
+        weight = dict(model.module.named_parameters())["blocks.0.mlp.fc.weight"]
+        weight.register_hook(lambda g: g.index_put((torch.tensor(0), torch.tensor(0)), torch.tensor(float("inf"),
+                                                                                                   dtype=g.dtype)))
     before = toolkit.parallel.full_state_dict(model)
+    model(x, y).backward()
     opt.step()
     after = toolkit.parallel.full_state_dict(model)
-    return model.scaler.last_skipped, all(torch.equal(before[k], after[k]) for k in before), model.scaler.scale
+    mine = (model.scaler.last_skipped, all(torch.equal(before[k], after[k]) for k in before), model.scaler.scale)
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def wrapped_mesh():
+    """The layout on the wrapped model is torch's DeviceMesh, named as FSDP2/DTensor/torchtitan name it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    model, _ = toolkit.parallel.wrap(toolkit.models.tiny_gpt(), "ddp", tp=2)
+    return isinstance(model.mesh, DeviceMesh), model.mesh.mesh_dim_names, tuple(model.mesh.shape)
+
+
+# Clipping under dp x tp: with every gradient element set to 1 wherever it lies, a norm that counts each element
+# once is exactly sqrt(Ψ) (an fp32 sum of Ψ < 2^24 ones is exact); a replicated parameter counted on both tp
+# ranks, or a dp replica's copy counted again, or a slice left out, moves it by whole elements.
+NORM_CASES = {"ddp x tp": ("ddp", {"tp": 2}, None), "zero1 x tp+sp": ("zero1", {"tp": 2, "sequence_parallel": True}, None),
+              "fsdp x tp": ("fsdp", {"tp": 2}, None), "zero3 x tp": ("zero3", {"tp": 2}, None),
+              "ddp x tp moe": ("ddp", {"tp": 2}, "moe")}
+
+
+def norm_of_ones(strategy, options, kind):
+    """(the norm clip_grad_norm_ returns with every gradient element 1, Ψ of the whole model, every gradient
+    element after clipping to a norm of 1: the same 1/sqrt(Ψ) everywhere)."""
+    build = model_fn(kind)
+    torch.manual_seed(0)
+    model, _ = toolkit.parallel.wrap(build(TrainConfig(**BASE)) if build else toolkit.models.tiny_gpt(), strategy,
+                                     optimizer=SGD, **options)
+    psi = sum(v.numel() for v in toolkit.parallel.full_state_dict(model).values())  # every expert, tp pieces joined
+    rank = dist.get_rank()
+    model(*SyntheticCorpus().batch(0, 8, rank=rank // 2, world_size=2)).backward()
+    engine = getattr(model, "engine", None)
+    grads = [piece.mine.grad for piece in engine.pieces] if hasattr(engine, "pieces") else \
+        [p.grad for p in model.module.parameters()]
+    for g in grads:
+        if g is not None:
+            g.fill_(1.0)
+    norm = model.clip_grad_norm_(1e9).item()
+    model.clip_grad_norm_(1.0)
+    after = {round(v, 6) for g in grads if g is not None for v in g.unique().tolist()}
+    return norm, psi, after
 
 
 def compare(name, got, expected):
@@ -151,8 +203,15 @@ def test_tensor_parallel_layouts_train_as_one_process(world, directory, no_lefto
     if with_gpt2:
         torch.manual_seed(0)
         compare("gpt2 tp_plan", got["gpt2 tp_plan"], gpt2_steps(1))
-    if world == 2:  # both ranks skipped (rank 0 saw no inf), nothing moved, the scale halved from 2^16
-        assert got["fp16 vote"] == (True, True, 2.0 ** 15)
+    # every rank skipped (only the last saw an inf), nothing moved, the scale halved from 2^16
+    for vote in ("fp16 vote",) if world == 2 else ("fp16 vote, zero2 x tp",):
+        assert got[vote] == [(True, True, 2.0 ** 15)] * world, (vote, got[vote])
+    if world == 4:
+        assert got["mesh"] == (True, ("dp", "pp", "tp"), (2, 1, 2))
+        for name, (norm, psi, after) in got["norm of ones"].items():
+            # exact but for the fp32 square root's rounding (2^-24 relative); one element more or less: 1/(2Ψ)
+            assert abs(norm - psi ** 0.5) <= 2 ** -23 * psi ** 0.5 < psi ** 0.5 / (2 * psi), (name, norm, psi)
+            assert after == {round(1 / (psi ** 0.5 + 1e-6), 6)}, (name, after)
 
 
 # --- checkpoints across (dp, tp) layouts ------------------------------------------------------------------
@@ -237,3 +296,18 @@ def test_activation_checkpointing_is_an_option_of_every_strategy():
     assert all(torch.equal(a, b) for a, b in zip(plain["grads"], checkpointed["grads"]))
     with pytest.raises(ValueError, match="activation_checkpointing must be True or False"):
         toolkit.parallel.wrap(toolkit.models.tiny_gpt(), "local", activation_checkpointing="yes")
+
+
+@pytest.mark.timeout(300)
+def test_launch_train_takes_tensor_parallel_options_and_the_global_batch_stays_global(no_leftover_ranks):
+    """`launch_train(TrainConfig(options={"tp": 2}), 2)`: the two ranks are one replica holding the whole global
+    batch of 8 rows, so the run is one process's on those rows, and both ranks record the same losses."""
+    from toolkit.train import launch_train
+
+    config = TrainConfig(**{**BASE, "strategy": "local", "options": {"tp": 2}})
+    run, state = launch_train(config, 2, return_state=True, quiet=True, timeout_s=240)
+    ref_run, ref_state = reference({}, None)
+    per_rank = [[m["value"] for m in run.metrics if m["name"] == "loss" and m["rank"] == r] for r in (0, 1)]
+    assert per_rank[0] == per_rank[1]
+    compare("launch_train tp", (per_rank[0], state), ([m["value"] for m in ref_run.metrics if m["name"] == "loss"],
+                                                      ref_state))
