@@ -147,8 +147,8 @@ for name, (s, whole) in gpt3.items():
 # at one moment: the gathered units (FSDP: the unit computing, the next one prefetched, and the root unit with
 # the embeddings, needed first and last in backward), the activations of a 2048-token sequence in every layer,
 # and the gradients on their way to a reduce-scatter. Without activation checkpointing the activations of 96
-# layers alone take nearly all of a GPU's memory (printed below): zero3 and fsdp do not fit; the FSDP paper's configuration
-# (checkpointing: each block keeps only its input, and recomputes the rest in backward) does. Hybrid sharding
+# layers alone take nearly all of a GPU's memory (printed below): zero3 and fsdp do not fit; the FSDP paper's
+# configuration (checkpointing: each block keeps only its input, and recomputes the rest in backward) does. Hybrid sharding
 # keeps its gathers inside the node, so far fewer bytes cross the network, for 64 times the model states per GPU
 # (1/8 of the model instead of 1/512): for GPT-3, more than a GPU holds.
 # `sim.fit` says what would make a case fit:
@@ -275,7 +275,8 @@ print(h100.summary())
 PAPER = (173, 186)  # TFLOP/s per GPU, the FSDP paper's GPT-175B on 128-512 A100
 print(f"96 layers: {whole['tflops_per_gpu']:.0f} TFLOP/s per GPU (the paper: {PAPER[0]}-{PAPER[1]}), exposed "
       f"communication {seconds_text(whole['breakdown']['exposed_comm'])} of a {seconds_text(whole['step_time'])} step")
-faster = {"step": gpt3_sim.step_time / h100.step_time, "compute": gpt3_sim.breakdown["compute"] / h100.breakdown["compute"]}
+faster = {"step": gpt3_sim.step_time / h100.step_time,
+          "compute": gpt3_sim.breakdown["compute"] / h100.breakdown["compute"]}
 print(f"the H100 cluster's step is {faster['step']:.1f}x shorter, its compute {faster['compute']:.1f}x; compute is "
       f"{h100.breakdown['compute'] / h100.step_time:.0%} of its step")
 assert whole["breakdown"]["exposed_comm"] < 0.1 * whole["step_time"]      # "almost all hidden", below
