@@ -54,6 +54,7 @@ def wrap(model, mesh, build, optimizer, options: dict, *, microbatches=None, sch
     programs = lowering.lower(actions, pp, tied=tie is not None)
     split_backward = schedules.splits_backward(actions)
     lowering.replay(programs, lowering.unit_cost(split_backward))  # a schedule that would deadlock stops here
+    names = [n for n, _ in model.named_parameters()]  # the whole model's, as a one-process checkpoint has them
     mine = [me + k * pp for k in range(v)]
     wrapped, optimizers = {}, []
     for s in mine:
@@ -66,7 +67,7 @@ def wrap(model, mesh, build, optimizer, options: dict, *, microbatches=None, sch
                     device=env.device())
     info = {"pp": pp, "microbatches": m, "schedule": schedule if isinstance(schedule, str) else schedule.__name__,
             "virtual_stages": v, "stages": mine, "split": split, "actions": actions, "programs": programs,
-            "dp_rank": dp_rank, "rank": me, "tied": tie.name if tie is not None else None}
+            "dp_rank": dp_rank, "rank": me, "tied": tie.name if tie is not None else None, "names": names}
     return PipelineModel(wrapped, driver, info, getattr(model, "tensor_parallel", None)), ChainedOptimizer(optimizers)
 
 

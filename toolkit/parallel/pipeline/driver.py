@@ -25,9 +25,7 @@ from ...trace.events import phase, span
 from . import backward as bw
 from .lowering import Recv, Send
 from .p2p import Mailbox
-from .schedules import Action
-
-NAMES = {"F": "forward", "B": "backward", "W": "weight gradients"}
+from .schedules import KINDS, Action
 
 
 class Driver:
@@ -44,9 +42,13 @@ class Driver:
         self.reduces = {s: next(a for a in reversed(program) if isinstance(a, Action) and a.kind == weight_kind
                                 and a.stage == s) for s in stages}  # the action in which each stage reduces
         self.observers: list = []  # fn(action) after every action (a memory sample, a probe)
+        self.calls = 0  # steps run so far: the step its spans are labelled with
 
     def run(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        xs, ys = x.chunk(self.m), y.chunk(self.m)
+        self.calls += 1
+        # each micro-batch its own tensors, as a data loader gives them (views of one batch would share a storage
+        # that autograd keeps for every micro-batch at once: the token ids the embedding and the loss save)
+        xs, ys = [c.clone() for c in x.chunk(self.m)], [c.clone() for c in y.chunk(self.m)]
         micro_shape = tuple(xs[0].shape)
         shapes = {"activation": self.hidden_shape(micro_shape), "gradient": self.hidden_shape(micro_shape)}
         if self.tie is not None:
@@ -63,7 +65,7 @@ class Driver:
                 mailbox.send(op.message, op.peer, self._outgoing(op.message))
             else:
                 with phase("forward" if op.kind == "F" else "backward"):
-                    with span(NAMES[op.kind], micro=op.micro, stage=op.stage, action=op.kind, rank=self.me):
+                    with span(KINDS[op.kind], step=self.calls - 1, micro=op.micro, stage=op.stage, action=op.kind):
                         if op.kind == "F":
                             total += self._forward(op, xs, ys)
                         else:
@@ -117,9 +119,12 @@ class Driver:
             del self.kept[(op.micro, op.stage)]
 
     def _sync(self, op: Action):
-        """Inside the stage strategy's no_sync() unless this is the stage's last weight-gradient action."""
-        wrapped = self.stages[op.stage]
-        if op == self.reduces[op.stage] or not hasattr(wrapped, "no_sync") or op.kind == "B" and self.split:
+        """Inside the stage strategy's no_sync() unless this is the stage's last weight-gradient action (DDP
+        decides at forward time, which a schedule cannot: it is told at backward time instead)."""
+        wrapped, reduce = self.stages[op.stage], op == self.reduces[op.stage]
+        if hasattr(wrapped, "sync_backward"):
+            return wrapped.sync_backward(reduce)
+        if reduce or not hasattr(wrapped, "no_sync"):
             return contextlib.nullcontext()
         return wrapped.no_sync()
 

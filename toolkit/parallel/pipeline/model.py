@@ -101,10 +101,14 @@ class PipelineModel(nn.Module):
         return norm
 
 
-def exchange(state: dict, group) -> dict:
-    """Every pipeline rank's entries, on every pipeline rank (bookkeeping: a raw object all-gather)."""
+def exchange(state: dict, group, tensors: bool = True):
+    """Every pipeline rank's entries, on every pipeline rank: merged (tensors=True, a dict of tensors) or as
+    the list of each rank's object. Bookkeeping, as a checkpoint's: a raw object all-gather, unrecorded."""
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, {n: t.detach().cpu() for n, t in state.items()}, group=group)
+    mine = {n: t.detach().cpu() for n, t in state.items()} if tensors else state
+    dist.all_gather_object(everyone, mine, group=group)
+    if not tensors:
+        return everyone
     merged: dict = {}
     for part in everyone:
         merged.update(part)
