@@ -10,7 +10,9 @@ costing F and a backward B (+ W, its weight part, when split):
 Activations: the micro-batches whose forward has run and whose backward has not yet freed them:
 
     GPipe          m on every stage
-    1F1B, ZB-H1    min(m, p - r) on stage r: p on the first, 1 on the last (ZB-H1: counting until W)
+    1F1B           min(m, p - r) on stage r: p on the first, 1 on the last
+    ZB-H1          as 1F1B until B; counting until W, p on every stage (what W still needs is a part of a
+                   micro-batch's activations, so no stage holds more bytes than 1F1B's first)
     interleaved    Megatron-LM's warm-up + 1 forwards, in stages of 1/v the layers each
 
 `in_flight(actions)` counts it from any schedule's list, `formula_bubble` and `formula_in_flight` give the
@@ -38,12 +40,15 @@ def formula_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: in
 
 
 def formula_in_flight(schedule: str, pp: int, microbatches: int, rank: int, virtual_stages: int = 1) -> int:
-    """Micro-batches (interleaved: stages' worth of micro-batches) whose activations rank `rank` holds at once."""
+    """Micro-batches (interleaved: stages' worth of micro-batches) whose activations rank `rank` holds at once
+    (ZB-H1: counting a micro-batch until its W)."""
     p, m, v = pp, microbatches, virtual_stages
     if schedule == "gpipe":
         return m
-    if schedule in ("1f1b", "zb-h1"):
+    if schedule == "1f1b":
         return min(m, p - rank)
+    if schedule == "zb-h1":
+        return min(m, p)
     if schedule == "interleaved":
         return min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)
     raise ValueError(f"no formula for schedule {schedule!r}; schedules: gpipe, 1f1b, interleaved, zb-h1.")

@@ -59,7 +59,7 @@ def load_full(model, optimizer, path: str) -> None:
     if error is None:
         names = model.pipeline["names"]
         saved = set(checkpoint.get("model", {})) if isinstance(checkpoint, dict) else set()
-        if checkpoint.get("format") == FULL and saved != set(names):
+        if isinstance(checkpoint, dict) and checkpoint.get("format") == FULL and saved != set(names):
             error = (f"the checkpoint is from another model: missing parameters {sorted(set(names) - saved)[:5]}, "
                      f"unexpected {sorted(saved - set(names))[:5]}; nothing was loaded.")
     if error is not None:  # every rank read the same file, so every rank raises here
