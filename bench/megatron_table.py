@@ -108,7 +108,10 @@ def predict(r: dict, cluster="dgx-a100") -> dict:
                      **layout(r)) for n in BASE]
     out = extrapolate(*sims, r["layers"] // r["pp"])
     if not out["fits"]:  # the paper ran it: the simulator's memory count disagrees, a defect to see
-        return dict(r, skipped=f"does not fit in the simulator: {out['fit'].text().splitlines()[0]}")
+        from toolkit.units import bytes_text, memory_text
+
+        return dict(r, skipped=f"does not fit in the simulator: peak {bytes_text(out['peak'])} on a GPU of "
+                               f"{memory_text(out['fit'].capacity)} (the paper ran it: the simulated memory disagrees)")
     predicted = paper_flops(r) / out["step_time"] / r["gpus"] / 1e12
     return dict(r, step_time=out["step_time"], predicted=predicted, error=predicted / r["paper"] - 1,
                 mfu=out["mfu"], hfu=out["hfu"], breakdown=out["breakdown"], cpu_s=time.process_time() - start,
