@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import foreign_models as fm
+from tp_rank_checks import SGD, norm_of_ones, overflow_on_one_rank, wrapped_mesh
 import toolkit
 from toolkit.models import SyntheticCorpus, moe_model_fn
 from toolkit.train import TrainConfig, train
@@ -42,7 +43,6 @@ ENCODER_PLAN = {"encoder.layers.*.linear1": "colwise", "encoder.layers.*.linear2
                 "embed": "vocab", "head": "vocab"}
 GPT2_PLAN = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise",
              "transformer.wte": "vocab", "lm_head": "vocab"}
-SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 
 # (name, TrainConfig fields, model_fn, the reference's fields): world 2 = tp 2; world 4 = dp 2 x tp 2
 CASES = {
@@ -106,67 +106,12 @@ def layouts(cases, with_gpt2, directory):
     return found if dist.get_rank() == 0 else None
 
 
-def overflow_on_one_rank(strategy="local"):
-    """fp16 under tp: an inf in the last rank's piece of a gradient skips the step on every rank. At world 4
-    (zero2 over dp 2 x tp 2) the inf lands, after the reduce-scatter over its dp group, in one rank's slice
-    only: the ranks of the other dp group saw nothing, and skip because the vote is taken over the world.
-    Every rank's (skipped, nothing moved, scale)."""
-    torch.manual_seed(0)
-    model, opt = toolkit.parallel.wrap(toolkit.models.tiny_gpt(), strategy, optimizer=SGD, tp=2,
-                                       mixed_precision=torch.float16)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    x, y = SyntheticCorpus().batch(0, 8, rank=rank // 2, world_size=world // 2)
-    if rank == world - 1:  # only this rank's half of the first MLP's weight overflows
-        weight = dict(model.module.named_parameters())["blocks.0.mlp.fc.weight"]
-        weight.register_hook(lambda g: g.index_put((torch.tensor(0), torch.tensor(0)), torch.tensor(float("inf"),
-                                                                                                   dtype=g.dtype)))
-    before = toolkit.parallel.full_state_dict(model)
-    model(x, y).backward()
-    opt.step()
-    after = toolkit.parallel.full_state_dict(model)
-    mine = (model.scaler.last_skipped, all(torch.equal(before[k], after[k]) for k in before), model.scaler.scale)
-    every = [None] * world
-    dist.all_gather_object(every, mine)
-    return every
-
-
-def wrapped_mesh():
-    """The layout on the wrapped model is torch's DeviceMesh, named as FSDP2/DTensor/torchtitan name it."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    model, _ = toolkit.parallel.wrap(toolkit.models.tiny_gpt(), "ddp", tp=2)
-    return isinstance(model.mesh, DeviceMesh), model.mesh.mesh_dim_names, tuple(model.mesh.shape)
-
-
 # Clipping under dp x tp: with every gradient element set to 1 wherever it lies, a norm that counts each element
 # once is exactly sqrt(Ψ) (an fp32 sum of Ψ < 2^24 ones is exact); a replicated parameter counted on both tp
 # ranks, or a dp replica's copy counted again, or a slice left out, moves it by whole elements.
 NORM_CASES = {"ddp x tp": ("ddp", {"tp": 2}, None), "zero1 x tp+sp": ("zero1", {"tp": 2, "sequence_parallel": True}, None),
               "fsdp x tp": ("fsdp", {"tp": 2}, None), "zero3 x tp": ("zero3", {"tp": 2}, None),
-              "ddp x tp moe": ("ddp", {"tp": 2}, "moe")}
-
-
-def norm_of_ones(strategy, options, kind):
-    """(the norm clip_grad_norm_ returns with every gradient element 1, Ψ of the whole model, every gradient
-    element after clipping to a norm of 1: the same 1/sqrt(Ψ) everywhere)."""
-    build = model_fn(kind)
-    torch.manual_seed(0)
-    model, _ = toolkit.parallel.wrap(build(TrainConfig(**BASE)) if build else toolkit.models.tiny_gpt(), strategy,
-                                     optimizer=SGD, **options)
-    psi = sum(v.numel() for v in toolkit.parallel.full_state_dict(model).values())  # every expert, tp pieces joined
-    rank = dist.get_rank()
-    model(*SyntheticCorpus().batch(0, 8, rank=rank // 2, world_size=2)).backward()
-    engine = getattr(model, "engine", None)
-    grads = [piece.mine.grad for piece in engine.pieces] if hasattr(engine, "pieces") else \
-        [p.grad for p in model.module.parameters()]
-    for g in grads:
-        if g is not None:
-            g.fill_(1.0)
-    norm = model.clip_grad_norm_(1e9).item()
-    model.clip_grad_norm_(1.0)
-    after = {round(v, 6) for g in grads if g is not None for v in g.unique().tolist()}
-    return norm, psi, after
-
+              "ddp x tp moe": ("ddp", {"tp": 2}, functools.partial(model_fn("moe"), TrainConfig(**BASE)))}
 
 def compare(name, got, expected):
     (losses, state), (ref_losses, ref_state) = got, expected
