@@ -94,7 +94,7 @@ class Lab:
             path = folder / "settings" / f"{name}.jupyterlab-settings"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(values))
-        for attempt in range(_PORT_TRIES):
+        for _ in range(_PORT_TRIES):
             self._start()
             if self._wait_until_up():
                 return
