@@ -77,6 +77,8 @@ def layouts(world, directory):
         run, state = train(TrainConfig(**{**BASE, **fields}), model_fn=moe_model_fn(**MOE) if moe else None,
                            return_state=True)
         found[name] = (losses_of(run), state)
+        if name == "zb-h1":
+            found["zb-h1 run"] = run
         if name == "ddp x pp":
             found["ddp bytes"] = dp_bytes(run)
     if world == 2:
@@ -241,3 +243,21 @@ def test_checkpoints_move_between_pipeline_layouts_bit_for_bit(directory, no_lef
     for strategy, (equal, same_names, again) in found.items():
         assert equal and same_names, strategy
         assert _same(torch.load(again, weights_only=True), original), strategy  # and saved again, the same file
+
+
+@pytest.mark.timeout(600)
+def test_the_timeline_figure_draws_a_real_run(directory, no_leftover_ranks):
+    """ZB-H1 at pp 2, m 4: every rank's F, B and W of every micro-batch is a block labelled like the schedule
+    prints it, coloured by micro-batch; an arrow for each activation and gradient that crossed."""
+    from toolkit.viz import pipeline_timeline, style
+
+    run = launched(2, directory)["zb-h1 run"]
+    fig = pipeline_timeline(run, formula=bubble.formula_bubble("zb-h1", 2, 4))
+    bars = {t.name: t for t in fig.data}
+    assert sorted(bars) == ["backward", "forward", "weight gradients"]
+    for name, kind in (("forward", "F"), ("backward", "B"), ("weight gradients", "W")):
+        assert sorted(bars[name].text) == sorted(f"{kind}{i}" for i in range(4) for _ in range(2))
+        colours = {t: c for t, c in zip(bars[name].text, bars[name].marker.color)}
+        assert colours[f"{kind}0"] == style.shade(style.SEQUENCE[0], {"F": 0, "B": 2, "W": 1}[kind])
+    assert len(fig.layout.annotations) == 2 * 4  # 4 activations forward, 4 gradients back
+    assert "the schedule's formula: 7%" in fig.layout.title.subtitle.text  # (p-1)(F+B-W)/(3m+(p-1)) = 1/13
