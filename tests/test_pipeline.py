@@ -53,6 +53,8 @@ CASES = {
          dict(model=FOUR)),
         ("zero3 x pp, gpipe", dict(strategy="zero3", model=FOUR, options={"pp": 2, "microbatches": 2,
                                                                            "schedule": "gpipe"}), False, dict(model=FOUR)),
+        ("zero1 x pp, zb-h1", dict(strategy="zero1", model=FOUR, options={"pp": 2, "microbatches": 2,
+                                                                          "schedule": "zb-h1"}), False, dict(model=FOUR)),
         ("tp+sp x pp", dict(clip=0.05, model=FOUR, options={"pp": 2, "tp": 2, "sequence_parallel": True,
                                                              "microbatches": 4}), False, dict(model=FOUR, clip=0.05))],
     8: [("zero1 x pp x tp", dict(strategy="zero1", clip=0.05, model=FOUR, options={"pp": 2, "tp": 2,
@@ -77,8 +79,10 @@ def layouts(world, directory):
         run, state = train(TrainConfig(**{**BASE, **fields}), model_fn=moe_model_fn(**MOE) if moe else None,
                            return_state=True)
         found[name] = (losses_of(run), state)
-        if name == "zb-h1":
-            found["zb-h1 run"] = run
+        if name == "zb-h1":  # both ranks' records, for the figure
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, run)
+            found["zb-h1 run"] = toolkit.Run.merge(everyone)
         if name == "ddp x pp":
             found["ddp bytes"] = dp_bytes(run)
     if world == 2:
@@ -260,4 +264,4 @@ def test_the_timeline_figure_draws_a_real_run(directory, no_leftover_ranks):
         colours = {t: c for t, c in zip(bars[name].text, bars[name].marker.color)}
         assert colours[f"{kind}0"] == style.shade(style.SEQUENCE[0], {"F": 0, "B": 2, "W": 1}[kind])
     assert len(fig.layout.annotations) == 2 * 4  # 4 activations forward, 4 gradients back
-    assert "the schedule's formula: 7%" in fig.layout.title.subtitle.text  # (p-1)(F+B-W)/(3m+(p-1)) = 1/13
+    assert "the schedule's formula: 8%" in fig.layout.title.subtitle.text  # (p-1)(F+B-W)/(3m+(p-1)) = 1/13
