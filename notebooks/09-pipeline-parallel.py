@@ -281,4 +281,6 @@ for name, expected in (("zero1", 2), ("zero2", M + 1), ("zero3", 3 * M), ("fsdp"
 # bit (`toolkit.parallel.checkpoint.save_full / load_full`). Bad input is said before training starts: a
 # model whose blocks do not split into pp stages (with the split that would work), fewer micro-batches than
 # stages for 1F1B, a batch that does not split into micro-batches, an unknown schedule, `pp_split` naming no
-# block. Then do `labs/12-pipeline`: write 1F1B's action list, graded at pp = 2, 3, 4.
+# block. Where the toolkit's pipeline departs from Megatron-LM's and torch's (the tied embedding, shapes known
+# ahead, the loss on every rank): `docs/differences.md`. Then do `labs/12-pipeline`: write 1F1B's action list,
+# graded at pp = 2, 3, 4.

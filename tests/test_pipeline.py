@@ -28,7 +28,7 @@ import torch.distributed as dist
 import toolkit
 from toolkit.memory.ledger import ActivationMeter
 from toolkit.models import SyntheticCorpus, moe_model_fn, tiny_gpt
-from toolkit.parallel.pipeline import bubble
+from toolkit.parallel.pipeline import bubble, lowering, schedules
 from toolkit.train import TrainConfig, train
 
 LOSS_ATOL, PARAM_ATOL = 1e-4, 1e-5
@@ -265,3 +265,26 @@ def test_the_timeline_figure_draws_a_real_run(directory, no_leftover_ranks):
         assert colours[f"{kind}0"] == style.shade(style.SEQUENCE[0], {"F": 0, "B": 2, "W": 1}[kind])
     assert len(fig.layout.annotations) == 2 * 4  # 4 activations forward, 4 gradients back
     assert "the schedule's formula: 8%" in fig.layout.title.subtitle.text  # (p-1)(F+B-W)/(3m+(p-1)) = 1/13
+
+
+@pytest.mark.timeout(600)
+def test_a_real_run_follows_its_schedule_and_its_bubble_is_the_formulas_with_these_costs(directory,
+                                                                                       no_leftover_ranks):
+    """A real step's actions, on each rank in the schedule's order; replayed at the textbook's costs they give the
+    formula exactly, and replayed at their own measured durations, with free communication, they never take
+    longer than the real step (a lower bound: a real rank starts no action earlier than the replay does;
+    the ranks' clocks agree within a millisecond). Timing-free: nothing here depends on how fast the machine is."""
+    run = launched(2, directory)["zb-h1 run"]
+    spans = [e for e in run.events if e["cat"] == "compute" and "action" in e["args"] and e["args"]["step"] == 1]
+    actions = schedules.build("zb-h1", 2, 4)
+    for rank, mine in enumerate(actions):
+        ran = [(e["args"]["action"], e["args"]["micro"], e["args"]["stage"])
+               for e in sorted(spans, key=lambda e: e["start"]) if e["rank"] == rank]
+        assert ran == [tuple(a) for a in mine], rank
+    programs = lowering.lower(actions, 2, tied=True)
+    busy, span = lowering.busy_and_span(lowering.replay(programs, lowering.unit_cost(True)))
+    assert 1 - busy[0] / span == pytest.approx(bubble.formula_bubble("zb-h1", 2, 4), abs=1e-12)
+    took = {(e["args"]["action"], e["args"]["micro"], e["args"]["stage"]): e["end"] - e["start"] for e in spans}
+    replayed = lowering.busy_and_span(lowering.replay(programs, lambda a: took[tuple(a)]))[1]
+    real = max(e["end"] for e in spans) - min(e["start"] for e in spans)
+    assert real >= replayed - 1e-3
