@@ -30,6 +30,7 @@ from toolkit.memory.ledger import ActivationMeter
 from toolkit.models import SyntheticCorpus, moe_model_fn, tiny_gpt
 from toolkit.parallel.pipeline import bubble, lowering, schedules
 from toolkit.train import TrainConfig, train
+from test_tensor_parallel import _same  # nested checkpoints compared value by value
 
 LOSS_ATOL, PARAM_ATOL = 1e-4, 1e-5
 MP_LOSS_ATOL, MP_PARAM_ATOL = 3 / 32, 5e-4
@@ -228,16 +229,6 @@ def checkpoints_across_layouts(directory):
         state = toolkit.parallel.full_state_dict(other)
         found[strategy] = (all(torch.equal(state[k], saved[k]) for k in saved), set(state) == set(saved), again)
     return first, found
-
-
-def _same(a, b) -> bool:
-    if torch.is_tensor(a):
-        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 @pytest.mark.timeout(600)
