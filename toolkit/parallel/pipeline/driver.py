@@ -105,20 +105,22 @@ class Driver:
     def _backward(self, op: Action) -> None:
         entry = self.kept[(op.micro, op.stage)]
         inputs, roots = entry[0], entry[1]
-        if op.kind == "B":
-            last = (op.micro, op.stage, "gradient") not in self.kept
-            grads = [None] if last else [self.kept.pop((op.micro, op.stage, "gradient"))] + [None] * (len(roots) - 1)
-            entry[2] = grads
+        if op.kind == "B":  # the loss's gradient is 1 (None); a stage's output's came from the next stage
+            entry[2] = [None] if op.stage == self.last_stage else \
+                [self.kept.pop((op.micro, op.stage, "gradient"))] + [None] * (len(roots) - 1)
         with self._sync(op):
             if not self.split:
                 bw.backward(roots, entry[2])
-            elif op.kind == "B" and op.stage > 0:  # input gradients now, weights' later
-                leaves = [inputs] + ([self.tie.borrowed] if self.tie is not None and self.tie.borrowed is not None
-                                     and op.stage == self.last_stage else [])
+            elif op.kind == "B" and op.stage > 0:  # input gradients now, weights' later (the borrowed tied
+                leaves = [inputs]                   # weight's with the input's: it is sent back after the last B)
+                if op.stage == self.last_stage and self.tie is not None and self.tie.borrowed is not None:
+                    leaves.append(self.tie.borrowed)
                 weights = [p for p in self.stages[op.stage].parameters() if p.requires_grad]
                 entry[3] = bw.backward_input(roots, entry[2], leaves, weights)
+            elif op.kind == "W" and op.stage == 0:  # token ids have no gradient: B did nothing, W does it all
+                bw.backward(roots, entry[2])
             elif op.kind == "W":
-                bw.backward(roots, entry[2]) if op.stage == 0 else bw.backward_weight(entry[3])
+                bw.backward_weight(entry[3])
         if op.kind == "B" and op.stage > 0:
             self.kept[(op.micro, op.stage, "input gradient")] = inputs.grad
         if op.kind == ("W" if self.split else "B"):
