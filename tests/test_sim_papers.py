@@ -145,6 +145,7 @@ def test_megatron_weak_scaling_table_within_15_percent_per_row(i):
     if why:
         pytest.skip(why)
     got = MEGATRON.predict(r)
+    assert "skipped" not in got, f"row {i}: {got.get('skipped')}"
     assert abs(got["error"]) <= MEGATRON.TOLERANCE, (f"row {i} ({r['params']}B): predicted {got['predicted']:.0f} "
                                                      f"TFLOP/s per GPU, paper {r['paper']}")
 

@@ -55,7 +55,8 @@ def allocator_peak(strategy, options, world, rank) -> int:
     # gloo stages a reduce-scatter or all-gather through a copy of the message, inside the c10d call (NCCL
     # writes in place): that copy is gloo's, not the strategy's, and the simulated cluster has none
     gloo = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("name", "").startswith("c10d::")]
-    events = [e for e in trace if e.get("name") == "[memory]" and not any(a <= e["ts"] <= b for a, b in gloo)]
+    events = [e for e in sorted(trace, key=lambda e: e.get("ts", 0)) if e.get("name") == "[memory]"
+              and not any(a <= e["ts"] <= b for a, b in gloo)]  # in time order: the trace lists thread by thread
     # a CPU GEMM may pack its inputs into a scratch buffer of its own, freed before it returns (oneDNN's bf16
     # path does, for transposed inputs, on some CPUs): the kernel's, as cuBLAS's workspace is, not the strategy's
     gemms = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("ph") == "X" and e.get("name") in GEMMS]

@@ -48,6 +48,11 @@ class TensorParallelGPT(GPT):
             h = scatter_to_tp(h, self.tp, SEQUENCE_DIM)
         return h
 
+    def hidden_shape(self, x_shape) -> tuple:
+        """The hidden state between blocks: (batch, time, d_model), time split t ways under sequence parallelism."""
+        T = x_shape[1] // self.tp.size if self.sequence_parallel else x_shape[1]
+        return (x_shape[0], T, self.config.d_model)
+
     def head_loss(self, h: torch.Tensor, y: Optional[torch.Tensor]) -> torch.Tensor:
         """The final norm, the vocabulary-parallel head and its loss (full logits only when y is None)."""
         logits = self.head(self.ln_f(h))  # (B, T, V/t): this rank's words
@@ -57,16 +62,7 @@ class TensorParallelGPT(GPT):
 
     def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
         self.check_input(x, y)
-        h = self.embed(x)
-        aux_losses = []
-        for block in self.blocks:
-            h, aux = block(h)
-            if aux is not None:
-                aux_losses.append(aux)
-        loss = self.head_loss(h, y)
-        if y is None or not aux_losses:
-            return loss
-        return loss + self.config.aux_loss_weight * sum(aux_losses)
+        return super().forward(x, y)  # the GPT's: embed, the blocks, head_loss (this class's embed and head_loss)
 
     def check_input(self, x, y) -> None:
         if x.dim() != 2:
