@@ -1,28 +1,25 @@
 """What every sharded strategy shares: a rank's slice of the training state, and the optimizer that steps it.
 
-Under ZeRO (and FSDP) no rank runs the optimizer on the whole model. Parameters are laid out in flat
-buffers (see `flat.py`); rank r owns slice r of every buffer and updates only that slice:
+Under ZeRO (and FSDP) no rank runs the optimizer on the whole model. Parameters are laid out in flat buffers (see
+`flat.py`); rank r owns slice r of every buffer and updates only that slice:
 
     reduced gradient slice  ->  fp32 master slice  --optimizer-->  updated master  ->  model's slice
 
-This file holds the parts that do not depend on the stage:
+This file holds the parts that do not depend on the stage (clipping slices by the global norm: `sharded_clipping.py`):
 
-- `ShardedOptimizer`: that loop around an ordinary torch optimizer built on the rank's fp32 slices.
-  It is what `wrap` returns as the optimizer, so `opt.step(); opt.zero_grad()` works, and it is a
-  real `torch.optim.Optimizer` (learning-rate schedulers see its `param_groups`).
-- `ShardedModel`: the wrapper the user holds (forward as the original's, plus `full_state_dict`,
-  `memory_groups`, `clip_grad_norm_`, `no_sync`).
-- `ShardedEngine`: the base of a stage's machinery (who am I in the group, flattening with fp32
-  masters, the end-of-backward callback, gathering the full fp32 parameters); the elementwise
-  allow-list. (Clipping by the global norm of slices: `sharded_clipping.py`.)
+- `ShardedOptimizer`: that loop around an ordinary torch optimizer on the rank's fp32 slices, what `wrap` returns
+  as the optimizer: a real `torch.optim.Optimizer` (learning-rate schedulers see its `param_groups`).
+- `ShardedModel`: the wrapper the user holds (forward as the original's, plus `full_state_dict`, `memory_groups`,
+  `clip_grad_norm_`, `no_sync`).
+- `ShardedEngine`: the base of a stage's machinery (who am I in the group, flattening with fp32 masters, the
+  end-of-backward callback, gathering the full fp32 parameters); the elementwise allow-list.
 
-Why only some optimizers: a slice boundary may cut a weight matrix anywhere, and a padded slice holds
-a few fake zeros. That is harmless exactly when the update of every element depends only on that
-element's own gradient and state (SGD, Adam, AdamW, ...): each rank then computes precisely what one
-process would have computed for those elements. An optimizer that looks at a whole tensor at once
-(LAMB's and LARS's per-layer trust ratio, Adafactor's row and column statistics, L-BFGS's line search
-over all parameters, Shampoo's preconditioners) would see a meaningless piece of a tensor. So the list
-below is an explicit allow-list, not a guess.
+Why only some optimizers: a slice boundary may cut a weight matrix anywhere, and a padded slice holds a few fake
+zeros. That is harmless exactly when the update of every element depends only on that element's own gradient and
+state (SGD, Adam, AdamW, ...): each rank then computes precisely what one process would have computed for those
+elements. An optimizer that looks at a whole tensor at once (LAMB's and LARS's per-layer trust ratio, Adafactor's
+row and column statistics, L-BFGS's line search over all parameters, Shampoo's preconditioners) would see a
+meaningless piece of a tensor. So the list below is an explicit allow-list, not a guess.
 """
 from __future__ import annotations
 
@@ -91,11 +88,10 @@ class Shard:
 class ShardedOptimizer(torch.optim.Optimizer):
     """Steps this rank's slices; the strategy (`engine`) brings the results back into the model.
 
-    step():  0. fp16: if any rank's reduced slices hold an inf or NaN, skip 1-4 (`scaler.py`); then for
-             each sub-group of shards (`engine.step_groups()`: all at once, or ZeRO-3's sub-groups):
-             1. give each fp32 master its gradient (the reduced slice, cast to fp32 if 16-bit; unscaled)
-             2. run the user's optimizer on those masters (this rank's slices only)
-             3. drop those fp32 gradients (a transient copy, not model state)
+    step():  0. fp16: if any rank's reduced slices hold an inf or NaN, skip 1-4 (`scaler.py`)
+             1-3, per sub-group of shards (`engine.step_groups()`: all at once, or ZeRO-3's): give each fp32
+             master its gradient (the slice, cast to fp32 if 16-bit, unscaled), run the user's optimizer on
+             those masters, drop those fp32 gradients (a transient copy, not model state)
              4. engine.after_step(): 16-bit copies of the masters; the all-gather of ZeRO-1/2
     zero_grad(): the engine clears its gradients. `param_groups` and `state` are the inner optimizer's own,
     so LR schedulers and `state_dict()` act on what is really stepped.
@@ -116,7 +112,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not found_inf:  # every rank agreed (an all-reduce of the flag), so all step or all skip
             groups = [g["params"] for g in self.inner.param_groups]
             where = {id(p): i for i, members in enumerate(groups) for p in members}
-            try:
+            try:  # (the optimizer sees one sub-group's masters at a time: its groups are put back)
                 for shards in self.engine.step_groups():
                     self._step(shards, scaler, where)
             finally:
@@ -232,8 +228,7 @@ class ShardedEngine:
     def shards(self) -> list[Shard]:
         return [piece.mine for piece in self.pieces]
 
-    def step_groups(self) -> list[list[Shard]]:
-        """The shards the optimizer steps together, one sub-group after another (here: all at once)."""
+    def step_groups(self) -> list[list[Shard]]:  # what the optimizer steps together, group after group
         return [self.shards()]
 
     def flatten(self, params: list) -> tuple[FlatBuffer, nn.Parameter]:

@@ -6,7 +6,8 @@ a memory-bound kernel would read and write), and the operation as a `Kernel` (a 
 shape), which the cost model prices one by one. It holds no tensor and hooks no module: `FlopCounterMode`'s
 module tracker registers gradient hooks on every module's outputs, and under activation checkpointing the
 recomputed outputs' graph then references itself through them (node -> hook -> node), so every recomputed
-activation stayed alive until the garbage collector ran (GPT-3 fsdp x512: 59.4 GB instead of FSDP2's 26.2 GB).
+activation stayed alive until the garbage collector ran (GPT-3 fsdp x512, checkpointed: 59.7 GB where FSDP2 +
+FSDPMemTracker read 26.2 GB; 26.2 GB without it, `bench/memory_fsdp2.py --gpt3`).
 The running module's name comes from the memory tracker's own `ModTracker` instead. The door tells `Programmer`
 when a collective is issued and when the rank waits on one (`toolkit.comm.listening`); each time, the
 work since the last cut becomes a `Compute`, then the call becomes a `Collective` or a `Wait`.
