@@ -13,37 +13,55 @@ failed (see `report.py`). With --class: 0 when every submission was graded (what
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
 from pathlib import Path
 
 from . import isolation, report
-from .grader import Limits, grade
+from .grader import grade
+from .session import Limits
 
 
 def grade_command(lab_path, solution=None, *, check_timeout_s: float = 20.0, quiet: bool = False,
                   fmt: str = "text", output=None, limits: Limits | None = None) -> int:
-    """Grade one solution; print (or write to `output`) the report in `fmt`; return the exit code."""
+    """Grade one solution; print (or write to `output`) the report in `fmt`; return the exit code.
+    With `output`, a report is written whatever happens: a score, or a score of 0 saying why there is none."""
     started = time.monotonic()
     try:
         score = grade(lab_path, solution, check_timeout_s=check_timeout_s, quiet=quiet, limits=limits)
     except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return report.USAGE_ERROR
-    except Exception:  # noqa: BLE001 - the grader's own failure, not the student's: say so, distinctly
-        print("error: the grader itself failed (not a problem of the solution graded):\n"
-              + traceback.format_exc(), file=sys.stderr)
-        return report.GRADER_ERROR
+        return _nothing_graded(f"error: {exc}", fmt, output, report.USAGE_ERROR)
+    except BaseException:  # noqa: BLE001 - the grader's own failure, not the student's: say so, distinctly
+        return _nothing_graded("error: the grader itself failed (not a problem of the solution graded):\n"
+                               + traceback.format_exc(), fmt, output, report.GRADER_ERROR)
     text = report.render(score, fmt, time.monotonic() - started)
     if output:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(text + "\n")
-        if fmt != "text":
-            print(report.render(score, "text"), file=sys.stderr if quiet else sys.stdout)
+        _write(output, text)
+        if not quiet:
+            print(report.render(score, "text"))
     else:
         print(text)
     return report.exit_code(score)
+
+
+def _write(path, text: str) -> None:
+    """Whole or not at all: a reader never sees half a report, and a planted link is replaced, not followed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text + "\n")
+    os.replace(partial, path)
+
+
+def _nothing_graded(message: str, fmt: str, output, code: int) -> int:
+    print(message, file=sys.stderr)
+    if output:
+        _write(output, report.nothing_graded(message.splitlines()[0] if code == report.USAGE_ERROR else
+                                             "The autograder could not grade this submission (the grader failed, "
+                                             "not your code). Please tell the course staff.", fmt))
+    return code
 
 
 def class_command(lab, class_dir, csv_path, *, out_dir=None, filename=None, student_timeout_s=600.0,

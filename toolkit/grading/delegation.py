@@ -1,0 +1,163 @@
+"""A submission that hands the lab's work to the toolkit's own implementation scores zero for it, and is told.
+
+A lab's `checks.py` names its answers: `ANSWERS = {"toolkit.comm.ring": "the toolkit's ring collectives"}`.
+An answer is a module (every function and method defined in it), `module:name` (one function or class)
+or `module:Class.method` (one method: the lab's skeleton may subclass `Class` and use its other methods).
+Two looks, because each misses what the other sees:
+
+- `scan(source, answers)`, in the grader, before anything runs: the file names an answer (an import, a
+  dotted name, a string such as `importlib.import_module("toolkit.comm.ring")`). Every check scores 0.
+- `watch(answers)`, on the rank, before the submission is imported: every answer function is replaced by
+  one that notes its call. A check during which an answer ran scores 0 (an answer reached another way).
+
+Both can be beaten by a student set on cheating (code that rebuilds the function from its bytecode, say);
+what they guarantee is that an import-and-call of the toolkit's answer, the easy way to a full score,
+scores zero and says why. Where the answers are not installed at all (the student distribution built by
+`python -m toolkit release --wheel`), there is nothing to call.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import sys
+import types
+
+CALLED: set[str] = set()  # answers called since the last `take()`, on this rank
+
+
+def _parts(spec: str) -> tuple[str, str]:
+    module, _, name = spec.partition(":")
+    return module, name
+
+
+def _dotted(node) -> str | None:
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id] + names[::-1])
+    return None
+
+
+def references(source: str) -> tuple[set[str], set[str]]:
+    """(every dotted name the source imports or uses, aliases resolved; every short string it spells)."""
+    tree = ast.parse(source)
+    aliases, found, strings = {}, set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                found.add(a.name)
+                aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            for a in node.names:
+                found.add(f"{node.module}.{a.name}")
+                aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Attribute, ast.Name)):
+            name = _dotted(node)
+            if name:
+                head, _, rest = name.partition(".")
+                found.add(".".join(filter(None, [aliases.get(head, head), rest])))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) < 200:
+            strings.add(node.value.strip())
+    return found, strings
+
+
+def _names(reference: str, spec: str) -> bool:
+    module, name = _parts(spec)
+    target = f"{module}.{name}" if name else module
+    if reference == target or reference.startswith(target + "."):
+        return True
+    # a re-export (`toolkit.memory.alpha_beta_time`) or the bare name in a string: the same function
+    return bool(name) and "." not in name and reference.startswith("toolkit.") and reference.split(".")[-1] == name
+
+
+def scan(source: str, answers: dict) -> list[str]:
+    """The answers this source names, as messages ("uses toolkit.comm.ring (the toolkit's ring)")."""
+    try:
+        found, strings = references(source)
+    except (SyntaxError, ValueError):
+        return []
+    return [f"{spec.replace(':', '.')} ({why})" for spec, why in answers.items()
+            if any(_names(ref, spec) for ref in found | strings)
+            or _parts(spec)[1] and "." not in _parts(spec)[1] and _parts(spec)[1] in strings]
+
+
+def delegation_message(uses: list[str]) -> str:
+    return ("this check scores 0: your code uses " + "; ".join(uses) + ", which is the toolkit's own "
+            "implementation of what this lab asks you to write. Write it yourself (the lab's README says what "
+            "it must do), and grade again.")
+
+
+# --- on the rank -------------------------------------------------------------------------------------------
+def _noting(fn, name: str):
+    def watched(*args, **kwargs):
+        CALLED.add(name)
+        return fn(*args, **kwargs)
+
+    functools.update_wrapper(watched, fn, updated=())  # the name and docstring, no __wrapped__
+    del watched.__wrapped__
+    return watched
+
+
+def _functions(module, name: str):
+    """(owner, attribute, function, full name) for every function the spec covers."""
+    if not name:
+        for attr, value in list(vars(module).items()):
+            if getattr(value, "__module__", None) != module.__name__:
+                continue
+            if isinstance(value, types.FunctionType):
+                yield module, attr, value, f"{module.__name__}.{attr}"
+            elif isinstance(value, type):
+                yield from _methods(value, None, f"{module.__name__}.{attr}")
+        return
+    owner_name, _, method = name.partition(".")
+    value = getattr(module, owner_name)
+    if isinstance(value, type):
+        yield from _methods(value, method or None, f"{module.__name__}.{owner_name}")
+    elif isinstance(value, types.FunctionType):
+        yield module, owner_name, value, f"{module.__name__}.{owner_name}"
+
+
+def _methods(cls, only, prefix):
+    for attr, value in list(vars(cls).items()):
+        if only is not None and attr != only:
+            continue
+        if isinstance(value, (staticmethod, classmethod)):
+            yield cls, attr, value, f"{prefix}.{attr}"
+        elif isinstance(value, types.FunctionType):
+            yield cls, attr, value, f"{prefix}.{attr}"
+
+
+def watch(answers) -> None:
+    """Replace every answer function by one that notes its call (in its module, its class, and every loaded
+    module that imported it by name). Call before the submission is imported."""
+    for spec in answers:
+        module_name, name = _parts(spec)
+        try:
+            module = importlib.import_module(module_name)
+            targets = list(_functions(module, name))
+        except (ImportError, AttributeError):
+            continue  # not installed here (the student distribution): nothing to call
+        for owner, attr, value, full in targets:
+            if isinstance(value, (staticmethod, classmethod)):
+                replacement = type(value)(_noting(value.__func__, full))
+            else:
+                replacement = _noting(value, full)
+            setattr(owner, attr, replacement)
+            if isinstance(owner, types.ModuleType):
+                for other in list(sys.modules.values()):
+                    holder = getattr(other, "__dict__", {})
+                    for key, held in list(holder.items()):
+                        if held is value:
+                            holder[key] = replacement
+
+
+def take() -> list[str]:
+    """The answers called since the last take (and forget them)."""
+    called = sorted(CALLED)
+    CALLED.clear()
+    return called

@@ -1,0 +1,43 @@
+"""`python -m toolkit.grading.launcher SPEC`: the process that starts one grading's ranks.
+
+The grader (`session.py`) starts it in a session of its own, inside the grading's folder. It becomes
+`nobody` when started as root, confines itself and everything it starts to that folder (`sandbox.py`),
+then launches the ranks (`toolkit.launch`, each running `runner.rank_main`). It runs no student code, but
+it reads what the ranks leave for `launch` (their errors), so it is inside the sandbox too. What it
+writes (launch.json: how the launch ended) is read by the grader as untrusted text.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from .runner import _write, rank_main
+
+
+def main(argv=None) -> int:
+    """Start the ranks of one grading (see the module docstring); how it ended goes to launch.json."""
+    from ..runtime.launch import RankError, launch
+    from . import sandbox
+
+    with open((argv or sys.argv[1:])[0]) as f:
+        spec = json.load(f)
+    sandbox.become(tuple(spec["user"]) if spec["user"] else None)
+    sandbox.confine(readable=[spec["code"], spec["inputs"]],
+                    writable=[spec["out"], spec["work"], spec["tmp"], spec["inputs"]])
+    limits, error = spec["limits"], None
+    try:
+        launch(rank_main, spec["world_size"], args=(spec,), backend=spec["backend"],
+               timeout_s=limits["check_timeout_s"] + 5,
+               deadline_s=(len(spec["indices"]) + 1) * (limits["time_limit_s"] + 5) + 60)
+    except RankError as exc:
+        error = {"message": str(exc), "rank": exc.rank}
+    except Exception as exc:  # noqa: BLE001 - say what ended the launch; the grader decides what it means
+        error = {"message": f"{type(exc).__name__}: {exc}", "rank": None}
+    _write(os.path.join(spec["out"], "launch.json"), json.dumps({"error": error}).encode())
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
