@@ -65,12 +65,13 @@ def _nothing_graded(message: str, fmt: str, output, code: int) -> int:
 
 
 def class_command(lab, class_dir, csv_path, *, out_dir=None, filename=None, student_timeout_s=600.0,
-                  jobs=1, options=()) -> int:
+                  jobs=1, options=(), allow_unsandboxed=False) -> int:
     from .classroom import grade_class
 
     try:
         rows = grade_class(lab, class_dir, csv_path, out_dir=out_dir, filename=filename,
-                           student_timeout_s=student_timeout_s, jobs=jobs, options=options)
+                           student_timeout_s=student_timeout_s, jobs=jobs, options=options,
+                           allow_unsandboxed=allow_unsandboxed)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return report.USAGE_ERROR
@@ -97,6 +98,8 @@ def main(argv=None) -> int:
     parser.add_argument("--student-timeout", type=float, default=600.0,
                         help="with --class: seconds one submission may take in all")
     parser.add_argument("--jobs", type=int, default=1, help="with --class: submissions graded at once")
+    parser.add_argument("--allow-unsandboxed", action="store_true",
+                        help="with --class: grade even where no filesystem sandbox is available")
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds one rank may wait on a message")
     parser.add_argument("--stall", type=float, default=Limits.stall_s,
                         help="seconds every rank may be blocked before it is called a deadlock")
@@ -112,7 +115,8 @@ def main(argv=None) -> int:
         options = ["--timeout", str(args.timeout), "--stall", str(args.stall), "--time-limit", str(args.time_limit),
                    "--memory-limit", str(args.memory_limit or 0)]
         return class_command(args.lab, args.class_dir, args.csv, out_dir=args.out, filename=args.file,
-                             student_timeout_s=args.student_timeout, jobs=args.jobs, options=options)
+                             student_timeout_s=args.student_timeout, jobs=args.jobs, options=options,
+                             allow_unsandboxed=args.allow_unsandboxed)
     whole_process = _is_the_command_line()
     if whole_process:  # whatever the solution orphans is re-parented here, and killed below
         isolation.become_subreaper()

@@ -102,7 +102,7 @@ def _verdict(check: Check, n: int, given: list, results: dict, found: Launch) ->
     prefix = "" if check.pure else f"world size {n}, "
     failure = _first_failure(results)
     if failure:
-        return prefix + failure[1]
+        return prefix + (failure[1].removeprefix("rank 0: ") if check.pure else failure[1])
     if len(results) < n:
         return f"{prefix.rstrip(', ')}: {_crash_story(found)}" if prefix else _crash_story(found)
     used = sorted({u for v in results.values() for u in v.get("delegated", []) if isinstance(u, str)})
