@@ -8,7 +8,7 @@ A check has two halves that never share a process:
   rank (`given[r]`) and what each rank returned (`got[r]`), computes the expected values itself and raises
   `CheckFailed` with a message a student can act on ("rank 1 got [...] expected [...]").
 
-`inputs(n, generator)` makes the task's inputs at world size n: a list with one dict per rank (rank r
+`inputs(n, generator)` (or a constant dict) makes the task's inputs at world size n: a list with one dict per rank (rank r
 receives only its own), or one dict for every rank. The generator is seeded afresh for every grading,
 so a submission cannot compute another rank's inputs, or the answers, without the messages.
 
@@ -47,7 +47,7 @@ class Check:
     feedback: str = ""     # for a hidden check, what a student reads when it fails (nothing else is shown)
 
     def make_inputs(self, n: int, generator: torch.Generator) -> list[dict]:
-        made = self.inputs(n, generator) if self.inputs is not None else {}
+        made = self.inputs(n, generator) if callable(self.inputs) else (self.inputs or {})
         return [dict(made) for _ in range(n)] if isinstance(made, dict) else list(made)
 
     @property
