@@ -71,8 +71,9 @@ def _names(reference: str, spec: str) -> bool:
     target = f"{module}.{name}" if name else module
     if reference == target or reference.startswith(target + "."):
         return True
-    # a re-export (`toolkit.memory.alpha_beta_time`) or the bare name in a string: the same function
-    return bool(name) and "." not in name and reference.startswith("toolkit.") and reference.split(".")[-1] == name
+    # a re-export by a package above the module (`toolkit.memory.alpha_beta_time`): the same function
+    parent, _, last = reference.rpartition(".")
+    return bool(name) and "." not in name and last == name and (module + ".").startswith(parent + ".")
 
 
 def scan(source: str, answers: dict) -> list[str]:
@@ -82,8 +83,7 @@ def scan(source: str, answers: dict) -> list[str]:
     except (SyntaxError, ValueError):
         return []
     return [f"{spec.replace(':', '.')} ({why})" for spec, why in answers.items()
-            if any(_names(ref, spec) for ref in found | strings)
-            or _parts(spec)[1] and "." not in _parts(spec)[1] and _parts(spec)[1] in strings]
+            if any(_names(ref, spec) for ref in found | strings)]
 
 
 def delegation_message(uses: list[str]) -> str:
