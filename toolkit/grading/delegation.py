@@ -7,8 +7,10 @@ Two looks, because each misses what the other sees:
 
 - `scan(source, answers)`, in the grader, before anything runs: the file names an answer (an import, a
   dotted name, a string such as `importlib.import_module("toolkit.comm.ring")`). Every check scores 0.
-- `watch(answers)`, on the rank, before the submission is imported: every answer function is replaced by
-  one that notes its call. A check during which an answer ran scores 0 (an answer reached another way).
+- `watch(answers, file)`, on the rank, before the submission is imported: every answer function is replaced
+  by one that notes a call made from the submission's file (the toolkit calling its own code, as FSDP
+  calls a unit's methods, is not the student's). A check during which the submission called an answer
+  scores 0 (an answer reached another way: a computed name, a getattr).
 
 Both can be beaten by a student set on cheating (code that rebuilds the function from its bytecode, say);
 what they guarantee is that an import-and-call of the toolkit's answer, the easy way to a full score,
@@ -21,9 +23,12 @@ import ast
 import functools
 import importlib
 import sys
+import sysconfig
 import types
 
-CALLED: set[str] = set()  # answers called since the last `take()`, on this rank
+CALLED: set[str] = set()  # answers the submission called since the last `take()`, on this rank
+SUBMISSION = [""]  # the submission's file, as its code objects name it (set by `watch`)
+_STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 def _parts(spec: str) -> tuple[str, str]:
@@ -93,9 +98,24 @@ def delegation_message(uses: list[str]) -> str:
 
 
 # --- on the rank -------------------------------------------------------------------------------------------
+def _called_by_the_submission() -> bool:
+    """The nearest caller outside the standard library is the submission's file (not the toolkit calling
+    its own code, as FSDP calls its units' methods or MoE(shadow=[...]) its predictor)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name == SUBMISSION[0]:
+            return True
+        if not name.startswith(_STDLIB) or "-packages" in name:
+            return False
+        frame = frame.f_back
+    return False
+
+
 def _noting(fn, name: str):
     def watched(*args, **kwargs):
-        CALLED.add(name)
+        if _called_by_the_submission():
+            CALLED.add(name)
         return fn(*args, **kwargs)
 
     functools.update_wrapper(watched, fn, updated=())  # the name and docstring, no __wrapped__
@@ -132,9 +152,11 @@ def _methods(cls, only, prefix):
             yield cls, attr, value, f"{prefix}.{attr}"
 
 
-def watch(answers) -> None:
-    """Replace every answer function by one that notes its call (in its module, its class, and every loaded
-    module that imported it by name). Call before the submission is imported."""
+def watch(answers, submission: str) -> None:
+    """Replace every answer function by one that notes when the submission (the file `submission`) calls it
+    (in its module, its class, and every loaded module that imported it by name). Call before the
+    submission is imported."""
+    SUBMISSION[0] = submission
     for spec in answers:
         module_name, name = _parts(spec)
         try:

@@ -122,7 +122,7 @@ def rank_main(spec: dict) -> None:
     limits, out, solution = spec["limits"], spec["out"], spec["student"]
     watchdog = Watchdog(out, rank, world_size, solution, lambda i, r: result_path(out, i, r),
                         limits["stall_s"], limits["time_limit_s"])
-    delegation.watch(spec["answers"])
+    delegation.watch(spec["answers"], solution)
     tasks = load_module(spec["tasks"], "lab_tasks")
     sandbox.limit(limits["memory_limit_mb"], limits["max_processes"])
     _write(ready_path(out, rank), b"")
