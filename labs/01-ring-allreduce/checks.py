@@ -22,7 +22,8 @@ SUM = "SUM"
 def draw(g, numel, dtype=torch.float32, op=SUM):
     """One rank's input; products use small values so nothing overflows."""
     if op == "PRODUCT":
-        return (torch.randint(1, 3, (numel,), generator=g) * (2 * torch.randint(0, 2, (numel,), generator=g) - 1)).to(dtype)
+        signs = 2 * torch.randint(0, 2, (numel,), generator=g) - 1
+        return (torch.randint(1, 3, (numel,), generator=g) * signs).to(dtype)
     if dtype.is_floating_point:
         return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
     return torch.randint(-100, 100, (numel,), generator=g).to(dtype)

@@ -111,7 +111,8 @@ def buckets_of_the_model(ctx, given, got):
                  f"last, its gradient is ready first), got {first!r}")
     for k, (indices, numel) in enumerate(zip(buckets, mine["buffers"])):
         if numel != sum(mine["numels"][i] for i in indices):
-            ctx.fail(f"bucket {k}'s buffer has {numel} elements, its parameters {sum(mine['numels'][i] for i in indices)}")
+            ctx.fail(f"bucket {k}'s buffer has {numel} elements, its parameters "
+                     f"{sum(mine['numels'][i] for i in indices)}")
 
 
 @check("after one backward every rank holds the gradient of the whole batch (the average over ranks)",

@@ -28,6 +28,11 @@ def _values(unit) -> dict:
     return {name: p.detach().clone() for name, p in zip(unit.param_names, unit.params)}
 
 
+def _gathers(rank, start) -> list:
+    """Each all-gather recorded since `start`: was it asynchronous?"""
+    return [e["args"].get("async_op") for e in rank.comm_events(start) if e["name"] == "all_gather"]
+
+
 def unshard_gathers(student, rank, given):
     fsdp, _ = _wrapped(student, given)
     units = []
@@ -36,13 +41,13 @@ def unshard_gathers(student, rank, given):
         unit.unshard()
         units.append({"name": unit.name, "state": unit.state, "held": _held(unit), "full": _full(unit),
                       "padded": unit.flat.padded_numel, "element": unit.flat.data.element_size(),
-                      "gathers": [e["args"].get("async_op") for e in rank.comm_events(start) if e["name"] == "all_gather"],
+                      "gathers": _gathers(rank, start),
                       "values": _values(unit)})
         unit.reshard()
     unit = fsdp.units[-1]  # asynchronous: in flight until wait_unshard
     start = rank.events_now()
     unit.unshard(async_op=True)
-    later = {"gathers": [e["args"].get("async_op") for e in rank.comm_events(start) if e["name"] == "all_gather"],
+    later = {"gathers": _gathers(rank, start),
              "state_before_wait": unit.state}
     unit.wait_unshard()
     later.update(state=unit.state, values=_values(unit), name=unit.name)

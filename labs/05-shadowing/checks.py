@@ -63,8 +63,8 @@ def calls(*entries):
 
 
 # --- the pure functions --------------------------------------------------------------------------------
-@check("worker_loads: B'_w, each expert's rows computed by its owner unless shadowed", points=1, world_sizes=(1,),
-       task="pure", inputs=calls(*[e for counts, owners, _, shadowed, *_ in CASES.values()
+@check("worker_loads: B'_w, each expert's rows computed by its owner unless shadowed", points=1,
+       world_sizes=(2,), pure=True, task="pure", inputs=calls(*[e for counts, owners, _, shadowed, *_ in CASES.values()
                                    for e in (("worker_loads", (counts, owners), {}),
                                              ("worker_loads", (counts, owners, shadowed), {}))]))
 def loads(ctx, given, got):
@@ -79,7 +79,8 @@ def loads(ctx, given, got):
                                            "(a shadowed expert's rows stay with the worker that routed them)"))
 
 
-@check("the latency model: Lat_imbl and Lat_shadow on hand-computed cases", points=2, world_sizes=(1,), task="pure",
+@check("the latency model: Lat_imbl and Lat_shadow on hand-computed cases", points=2, world_sizes=(2,),
+       pure=True, task="pure",
        inputs=calls(*[e for counts, owners, units, shadowed, *_ in CASES.values()
                       for e in (("latency_imbalanced", (counts, owners), units),
                                 ("latency_shadowed", (counts, owners, shadowed), units))],
@@ -102,7 +103,7 @@ def model(ctx, given, got):
 
 
 @check("choose_shadows: Algorithm 1 picks the expected experts, in order, on hand-computed cases", points=3,
-       world_sizes=(1,), task="pure",
+       world_sizes=(2,), pure=True, task="pure",
        inputs=calls(*[("choose_shadows", (counts, owners), units) for counts, owners, units, *_ in CASES.values()]))
 def algorithm(ctx, given, got):
     for (name, (counts, owners, *_rest, want)), value in zip(CASES.items(), got[0]["results"]):

@@ -8,8 +8,8 @@ A check has two halves that never share a process:
   rank (`given[r]`) and what each rank returned (`got[r]`), computes the expected values itself and raises
   `CheckFailed` with a message a student can act on ("rank 1 got [...] expected [...]").
 
-`inputs(n, generator)` (or a constant dict) makes the task's inputs at world size n: a list with one dict per rank (rank r
-receives only its own), or one dict for every rank. The generator is seeded afresh for every grading,
+`inputs(n, generator)` (or a constant dict) makes the task's inputs at world size n: a list with one dict
+per rank (rank r receives only its own), or one dict for every rank. The generator is seeded afresh for every grading,
 so a submission cannot compute another rank's inputs, or the answers, without the messages.
 
     def _inputs(n, g):
@@ -45,6 +45,7 @@ class Check:
     inputs: object = None
     hidden: bool = False   # defined in the lab's hidden_checks.py: graded, not shipped to students
     feedback: str = ""     # for a hidden check, what a student reads when it fails (nothing else is shown)
+    numbers_only: bool = False  # pure functions (numbers in, numbers out): no process group in the message
 
     def make_inputs(self, n: int, generator: torch.Generator) -> list[dict]:
         made = self.inputs(n, generator) if callable(self.inputs) else (self.inputs or {})
@@ -52,19 +53,21 @@ class Check:
 
     @property
     def pure(self) -> bool:
-        """Runs on one rank, no process group: its messages need no world size."""
-        return self.world_sizes == (1,)
+        """Tests pure functions (or runs on one rank): its messages name no world size and no rank."""
+        return self.numbers_only or self.world_sizes == (1,)
 
 
 def check(name: str, points: int = 1, world_sizes=(2, 3, 4), *, task: str | None = None, inputs=None,
-          feedback: str = ""):
-    """Decorator that makes a judge `fn(ctx, given, got)` a graded check of a lab (see the module docstring)."""
+          feedback: str = "", pure: bool = False):
+    """Decorator that makes a judge `fn(ctx, given, got)` a graded check of a lab (see the module docstring).
+    pure=True: the task calls pure functions (run beside the lab's other checks, at their world size), so the
+    messages name no world size."""
     if points < 0 or not world_sizes or min(world_sizes) < 1:
         raise ValueError(f"check {name!r}: points must be >= 0 and world sizes positive.")
 
     def make(fn) -> Check:
         return Check(name, points, tuple(sorted(set(world_sizes))), fn, task or fn.__name__, inputs,
-                     feedback=feedback)
+                     feedback=feedback, numbers_only=pure)
 
     return make
 

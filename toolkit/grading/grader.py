@@ -190,9 +190,9 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, 
         ast.parse(source, filename=solution.name)
     except (SyntaxError, ValueError) as exc:
         where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+        what = exc.msg if isinstance(exc, SyntaxError) else exc
         return replace(zero(score.lab, score.solution, checks,
-                            f"your file does not import: {type(exc).__name__}: {exc.msg if hasattr(exc, 'msg') else exc}"
-                            f"{where}"), sandbox=score.sandbox)
+                            f"your file does not import: {type(exc).__name__}: {what}{where}"), sandbox=score.sandbox)
     uses = delegation.scan(source.decode(errors="replace"), answers)
     seed = secrets.randbits(62) if seed is None else seed
     verdicts, stopped = {}, None

@@ -66,8 +66,8 @@ def as_gradescope(score, elapsed_s: float | None = None) -> dict:
     if hidden:
         summary = summary.replace("\nScore: ", "\nScore of the checks shown here: ") + (
             f"\n(and {hidden} point{'s' * (hidden != 1)} in checks shown once grades are published)")
-    result = {"score": float(score.total), "max_score": float(score.maximum), "output": summary, "visibility": "visible",
-              "stdout_visibility": "hidden", "tests": tests}
+    result = {"score": float(score.total), "max_score": float(score.maximum), "output": summary,
+              "visibility": "visible", "stdout_visibility": "hidden", "tests": tests}
     if elapsed_s is not None:
         result["execution_time"] = round(elapsed_s, 2)
     return result
