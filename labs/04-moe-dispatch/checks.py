@@ -7,7 +7,7 @@ over the ranks).
 """
 import torch
 
-from toolkit.grading import check
+from toolkit.grading import check, sibling
 from toolkit.moe import MoE, reference_moe
 from toolkit.moe.experts import WEIGHTS, Experts
 
@@ -19,19 +19,7 @@ D, FF, SEED, INIT = 8, 16, 7, 0.3
 ROLES = ["counts", "dispatch", "combine", "combine backward", "dispatch backward"]
 
 
-def _load_tasks():
-    """The rank side's helpers (the gate a case builds, the order combine receives) are plain functions of
-    the inputs: the judges use the same ones (tasks.py beside this file; it runs no student code here)."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("_lab04_tasks", Path(__file__).with_name("tasks.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-TASKS = _load_tasks()
+TASKS = sibling(__file__)  # the gate a case builds, the order combine receives: plain functions of the inputs
 
 
 def tokens(n, g, skew=False):

@@ -12,11 +12,12 @@ judges it; `delegation` spots a submission that calls the toolkit's own answer; 
 into JSON or Gradescope's results.json; `classroom` grades a folder of submissions; `release` makes the
 students' copy of labs/ and `student_wheel` the toolkit without the labs' answers.
 """
-from .checks import Check, CheckFailed, Judge, check, number, seconds, show
+from .checks import Check, CheckFailed, Judge, check, number, seconds, show, sibling
 from .cli import class_command, grade_command, main
 from .grader import grade, lab_checks
 from .score import CheckResult, Score, format_score
 from .session import Limits
 
 __all__ = ["Check", "CheckFailed", "CheckResult", "Judge", "Limits", "Score", "check", "class_command",
-           "format_score", "grade", "grade_command", "lab_checks", "main", "number", "seconds", "show"]
+           "format_score", "grade", "grade_command", "lab_checks", "main", "number", "seconds", "show",
+           "sibling"]

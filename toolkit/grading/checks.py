@@ -76,6 +76,19 @@ class CheckFailed(AssertionError):
     """The student's answer is wrong; the message says what differs, on which rank."""
 
 
+def sibling(checks_file: str, name: str = "tasks.py"):
+    """A file beside a lab's checks.py, imported (its tasks.py, say, when a judge rebuilds what a task built
+    from its inputs: the same gate, the same order). Lab code, trusted; never the student's file."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(checks_file).with_name(name)
+    spec = importlib.util.spec_from_file_location(f"_lab_{path.parent.name}_{path.stem}".replace("-", "_"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def show(t, limit: int = 6) -> str:
     """A short, readable rendering of a tensor's (or a list's) values."""
     values = t.detach().flatten().tolist() if isinstance(t, torch.Tensor) else list(t)
