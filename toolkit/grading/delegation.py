@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import pkgutil
 import sys
 import sysconfig
 import types
@@ -152,6 +153,17 @@ def _methods(cls, only, prefix):
             yield cls, attr, value, f"{prefix}.{attr}"
 
 
+def _with_submodules(module) -> list:
+    """A module, or a package and every module in it (`toolkit.parallel.tensor` is a folder of files)."""
+    found = [module]
+    for info in pkgutil.walk_packages(getattr(module, "__path__", []), module.__name__ + "."):
+        try:
+            found.append(importlib.import_module(info.name))
+        except ImportError:
+            pass
+    return found
+
+
 def watch(answers, submission: str) -> None:
     """Replace every answer function by one that notes when the submission (the file `submission`) calls it
     (in its module, its class, and every loaded module that imported it by name). Call before the
@@ -160,8 +172,9 @@ def watch(answers, submission: str) -> None:
     for spec in answers:
         module_name, name = _parts(spec)
         try:
-            module = importlib.import_module(module_name)
-            targets = list(_functions(module, name))
+            modules = _with_submodules(importlib.import_module(module_name)) if not name else \
+                [importlib.import_module(module_name)]
+            targets = [t for module in modules for t in _functions(module, name)]
         except (ImportError, AttributeError):
             continue  # not installed here (the student distribution): nothing to call
         for owner, attr, value, full in targets:

@@ -194,6 +194,9 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, 
         return replace(zero(score.lab, score.solution, checks,
                             f"your file does not import: {type(exc).__name__}: {what}{where}"), sandbox=score.sandbox)
     uses = delegation.scan(source.decode(errors="replace"), answers)
+    if uses:  # every check would score 0: nothing to run
+        return replace(zero(score.lab, score.solution, checks, delegation.delegation_message(uses)),
+                       sandbox=score.sandbox)
     seed = secrets.randbits(62) if seed is None else seed
     verdicts, stopped = {}, None
     with Sandbox() as marked, Box(lab_dir, source, solution.name) as box:
@@ -210,8 +213,6 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, 
         elif stopped is not None and i not in verdicts:
             message = (f"not run: grading stopped at check '{checks[stopped].name}', which could not finish "
                        "(see its message); fix that first.")
-        if uses:
-            message = delegation.delegation_message(uses)
         shown = (c.feedback or HIDDEN_FAILED) if c.hidden and message else message
         score.results.append(CheckResult(c.name, c.points, 0 if message else c.points, shown, c.hidden,
                                          message if c.hidden else ""))
