@@ -39,3 +39,8 @@ MISTAKES = [
 @pytest.mark.parametrize("name, change, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
 def test_a_mistake_loses_exactly_its_checks(name, change, failing, tmp_path, no_leftover_ranks):
     LAB.assert_mistake_loses_exactly(name, change, failing, tmp_path)
+
+
+def test_the_toolkits_own_unit_scores_zero(tmp_path):
+    LAB.assert_delegation_scores_zero("MyUnit.unshard = FSDPUnit.unshard  # the toolkit's own, not yours",
+                                      "toolkit.parallel.fsdp_unit:FSDPUnit.unshard", tmp_path)

@@ -43,3 +43,8 @@ def test_reference_solution_scores_full_marks(no_leftover_ranks):
 def test_the_classic_mistakes_are_named(mistake, tmp_path, no_leftover_ranks):
     change, failing = MISTAKES[mistake]
     lab().assert_mistake_loses_exactly(mistake, change, failing, tmp_path)
+
+
+def test_the_toolkits_own_tensor_parallelism_scores_zero(tmp_path):
+    lab().assert_delegation_scores_zero("from toolkit.parallel.tensor import operators  # noqa: F401",
+                                        "toolkit.parallel.tensor", tmp_path)

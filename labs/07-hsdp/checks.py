@@ -76,8 +76,11 @@ def layout(ctx, given, got):
         except (TypeError, IndexError, KeyError):
             pass
         if value != expected:
+            swapped = value == (expected[1], expected[0])
             ctx.fail(f"hsdp_layout({world}, {f}) returned {value!r:.120}, expected {expected} (shard groups, "
-                     "replica groups)")
+                     "replica groups)" + (": the two are swapped. A shard group is one node, F consecutive ranks "
+                                          "that split the units over the fast links; a replica group is the "
+                                          "ranks holding the same slice, one per node" if swapped else ""))
 
 
 @check("make_groups: this rank's shard group is its node, its replica group the same slot in every node",

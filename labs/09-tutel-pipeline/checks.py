@@ -50,7 +50,11 @@ def split(ctx, given, got):
         chunks = got[0]["chunks"][str(degree)]
         shapes = [c.shape[1] if isinstance(c, torch.Tensor) and c.dim() == 3 else None for c in chunks]
         if shapes != sizes:
-            ctx.fail(f"split_capacity(x of capacity 5, degree {degree}) made chunks of {shapes} slots, expected {sizes}")
+            hint = (f": {len(shapes)} chunks for a degree of {degree}. Cutting chunks of capacity // degree slots "
+                    "leaves a remainder chunk; cut the capacity into `degree` chunks (at most one per slot) whose "
+                    "sizes differ by at most one" if len(shapes) > min(degree, 5) else "")
+            ctx.fail(f"split_capacity(x of capacity 5, degree {degree}) made chunks of {shapes} slots, expected "
+                     f"{sizes}{hint}")
         ctx.expect(torch.cat(chunks, dim=1), x, f"the chunks of degree {degree} put back together")
     if got[0]["zero"] != "ValueError":
         ctx.fail("split_capacity(x, 0) must raise ValueError: a degree is at least 1")

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from toolkit.grading import check, number, seconds, sibling
+from toolkit.units import bytes_text
 
 ANSWERS = {"toolkit.memory.formulas:alpha_beta_time": "the toolkit's own alpha-beta model",
            "toolkit.sim.timeline:schedule": "the toolkit's own overlap rule",
@@ -51,11 +52,9 @@ def close(a, b) -> bool:
 
 
 def named(got, mistakes: dict, texts: dict) -> str:
-    """" (you ...)" for the classic mistake `got` equals, if any."""
-    for key, text in texts.items():
-        if key in mistakes and close(got, mistakes[key]):
-            return f" (you {text})"
-    return ""
+    """" (you ...)" for the classic mistakes `got` equals, if any (on some cases two give the same number)."""
+    matches = [text for key, text in texts.items() if key in mistakes and close(got, mistakes[key])]
+    return f" (you {'; or you '.join(matches)})" if matches else ""
 
 
 # --- the ring's collectives ------------------------------------------------------------------------------------
@@ -65,8 +64,8 @@ def judge_ring(ctx, got, ops):
         for (size, n, alpha, beta), want in zip(RING_CASES, DATA["ring"][op]):
             value = next(values)
             if not close(value, want["expected"]):
-                ctx.fail(f"{op} of {size} bytes over {n} ranks, alpha = {seconds(alpha)}, beta = {beta:.3g} s/B "
-                         f"({1 / beta / 1e9:.3g} GB/s): got {seconds(value)}, expected {seconds(want['expected'])}"
+                ctx.fail(f"{op} of {bytes_text(size)} over {n} ranks, alpha = {seconds(alpha)}, links of "
+                         f"{bytes_text(1 / beta)}/s: got {seconds(value)}, expected {seconds(want['expected'])}"
                          + named(value, want["mistakes"], RING_MISTAKES))
 
 
@@ -156,4 +155,4 @@ def whole_model(ctx, given, got):
         value = mine.get("step") if isinstance(mine, dict) else mine
         if not close(value, want):
             ctx.fail(f"the recorded {step['name']} step: your model predicts {seconds(value)}, the reference "
-                     f"{seconds(want)} (NVLink: alpha {seconds(alpha)}, {1 / beta / 1e9:.3g} GB/s)")
+                     f"{seconds(want)} (NVLink: alpha {seconds(alpha)}, {bytes_text(1 / beta)}/s)")

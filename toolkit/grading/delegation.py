@@ -73,13 +73,16 @@ def references(source: str) -> tuple[set[str], set[str]]:
 
 
 def _names(reference: str, spec: str) -> bool:
+    """The dotted `reference` names the answer `spec`, or something inside it: by its module's path or by a
+    package above it that re-exports it (`toolkit.memory.alpha_beta_time`, `toolkit.moe.MoE.forward`)."""
     module, name = _parts(spec)
-    target = f"{module}.{name}" if name else module
-    if reference == target or reference.startswith(target + "."):
-        return True
-    # a re-export by a package above the module (`toolkit.memory.alpha_beta_time`): the same function
-    parent, _, last = reference.rpartition(".")
-    return bool(name) and "." not in name and last == name and (module + ".").startswith(parent + ".")
+    parts = module.split(".")
+    homes = [module] + ([".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1)] if name else [])
+    for home in homes:
+        target = f"{home}.{name}" if name else home
+        if reference == target or reference.startswith(target + "."):
+            return True
+    return False
 
 
 def scan(source: str, answers: dict) -> list[str]:
