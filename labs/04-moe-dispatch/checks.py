@@ -11,10 +11,13 @@ from toolkit.grading import check, sibling
 from toolkit.moe import MoE, reference_moe
 from toolkit.moe.experts import WEIGHTS, Experts
 
-ANSWERS = {f"toolkit.moe.layer:MoE.{m}": "the toolkit's own MoE layer" for m in
-           ("forward", "exchange_counts", "sort_by_destination", "dispatch_compute_combine", "compute_experts",
-            "weighted_sum")}
-ANSWERS["toolkit.moe.layer:all_to_all"] = "the toolkit's own differentiable all-to-all"
+ANSWERS = {"toolkit.moe.layer:MoE.forward": "the toolkit's own MoE layer",
+           "toolkit.moe.layer:MoE.exchange_counts": "the toolkit's own count exchange",
+           "toolkit.moe.layer:MoE.sort_by_destination": "the toolkit's own dispatch order",
+           "toolkit.moe.layer:MoE.dispatch_compute_combine": "the toolkit's own dispatch and combine",
+           "toolkit.moe.layer:MoE.compute_experts": "the toolkit's own local experts",
+           "toolkit.moe.layer:MoE.weighted_sum": "the toolkit's own combine",
+           "toolkit.moe.layer:all_to_all": "the toolkit's own differentiable all-to-all"}
 D, FF, SEED, INIT = 8, 16, 7, 0.3
 ROLES = ["counts", "dispatch", "combine", "combine backward", "dispatch backward"]
 

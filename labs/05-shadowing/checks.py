@@ -14,8 +14,19 @@ from toolkit.grading import check, number
 from toolkit.moe import MoE, reference_moe
 from toolkit.moe.experts import WEIGHTS
 
-ANSWERS = {f"toolkit.moe.shadow:{name}": "the toolkit's own shadowing rule" for name in
-           ("worker_loads", "latency_imbalanced", "latency_shadowed", "choose_shadows", "predict")}
+ANSWERS = {"toolkit.moe.shadow:worker_loads": "the toolkit's own loads",
+           "toolkit.moe.shadow:latency_imbalanced": "the toolkit's own latency model",
+           "toolkit.moe.shadow:latency_shadowed": "the toolkit's own latency model",
+           "toolkit.moe.shadow:choose_shadows": "the toolkit's own Algorithm 1",
+           "toolkit.moe.shadow:predict": "the toolkit's own predictor"}
+BUILDS_ON = ["toolkit.moe.layer:MoE.forward", "toolkit.moe.layer:MoE.exchange_counts",  # the MoE layer (lab 04)
+             "toolkit.moe.layer:MoE.sort_by_destination", "toolkit.moe.layer:MoE.dispatch_compute_combine",
+             "toolkit.moe.layer:MoE.compute_experts", "toolkit.moe.layer:MoE.weighted_sum",
+             "toolkit.moe.layer:all_to_all",
+             # MoE(shadow=[...]) records what the predictor says of the forced choice (toolkit.moe.shadow's
+             # Shadowing.decide), and the emulated link prices messages with the alpha-beta model (lab 10's)
+             "toolkit.moe.shadow:predict", "toolkit.moe.shadow:worker_loads", "toolkit.moe.shadow:latency_imbalanced",
+             "toolkit.moe.shadow:latency_shadowed", "toolkit.memory.formulas:alpha_beta_time"]
 # Unit choices for the hand cases: H = 1, s = 1 byte, P = 12 FLOP/s, W_net = 4 B/s. Per row: compute
 # 3*4*alpha/12 = alpha s, wire 4/4 = 1 s; per shadowed expert 2 * 2*alpha/4 = alpha s (both transfers).
 UNITS = dict(H=1, P=12, W_net=4, element_bytes=1)

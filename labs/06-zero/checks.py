@@ -11,7 +11,7 @@ from toolkit.grading import check
 from toolkit.models import SyntheticCorpus, tiny_gpt
 from toolkit.parallel.flat import FlatBuffer
 
-ANSWERS = {"toolkit.parallel.zero": "the toolkit's own ZeRO", "toolkit.parallel.sharded": "the toolkit's ZeRO engine",
+ANSWERS = {"toolkit.parallel.zero": "the toolkit's own ZeRO",
            "toolkit.parallel.optimizer_sharding": "the toolkit's own sharded optimizer",
            "torch.distributed.optim:ZeroRedundancyOptimizer": "PyTorch's sharded optimizer"}
 CONFIG = dict(d_model=27, n_head=3, n_layer=1)  # Ψ = 11,745: odd, so 2 ranks pad one element

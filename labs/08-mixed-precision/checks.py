@@ -12,8 +12,11 @@ from toolkit.grading import check
 from toolkit.models import SyntheticCorpus, tiny_gpt
 from toolkit.parallel.flat import FlatBuffer
 
-ANSWERS = {f"toolkit.parallel.fsdp_unit:FSDPUnit.{m}": "the toolkit's own mixed-precision unit"
-           for m in ("unshard", "add_grad", "reduce_grad", "advance_reduce", "finish_reduce")}
+ANSWERS = {"toolkit.parallel.fsdp_unit:FSDPUnit.unshard": "the toolkit's own unshard",
+           "toolkit.parallel.fsdp_unit:FSDPUnit.add_grad": "the toolkit's own gradient buffer",
+           "toolkit.parallel.fsdp_unit:FSDPUnit.reduce_grad": "the toolkit's own gradient reduction",
+           "toolkit.parallel.fsdp_unit:FSDPUnit.finish_reduce": "the toolkit's own gradient reduction"}
+BUILDS_ON = ["toolkit.parallel.fsdp_unit:FSDPUnit.wait_unshard", "toolkit.parallel.fsdp_unit:FSDPUnit.reshard"]
 BF16, FP32 = torch.bfloat16, torch.float32
 GLOBAL_BATCH, STEPS, LR = 8, 4, 1e-3
 OPTIMIZER = dict(lr=LR)

@@ -70,9 +70,10 @@ def _rights(abi: int) -> int:
     return _ALL_V1 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0) | (1 << 15 if abi >= 5 else 0)
 
 
-def restrict(read: list, write: list, abi: int | None = None) -> bool:
-    """From now on this process and its children may only read `read` and read-write `write` (landlock).
-    Returns False (and changes nothing) where the kernel has no landlock."""
+def restrict(read: list, write: list, listable: list = (), abi: int | None = None) -> bool:
+    """From now on this process and its children may only read `read`, read-write `write`, and list the
+    folders `listable` (their names, not their files' content) (landlock). Returns False (and changes
+    nothing) where the kernel has no landlock."""
     abi = landlock_abi() if abi is None else abi
     if abi < 1:
         return False
@@ -83,7 +84,7 @@ def restrict(read: list, write: list, abi: int | None = None) -> bool:
     if fd < 0:
         return False
     try:
-        for paths, allowed in ((read, READ), (write, handled)):
+        for paths, allowed in ((listable, READ_DIR), (read, READ), (write, handled)):
             for path in paths:
                 _allow(libc, fd, path, allowed & handled)
         if libc.prctl(_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
@@ -128,8 +129,12 @@ def python_paths() -> list[str]:
 def confine(readable: list, writable: list) -> bool:
     """The sandbox for a submission's processes: the system, Python, toolkit and `readable` to read,
     `writable` and a few devices to write. False where landlock is unavailable."""
+    import toolkit
+
     return restrict(list(SYSTEM_READ) + python_paths() + [str(p) for p in readable],
-                    [str(p) for p in writable] + [d for d in DEVICES_RW if os.path.exists(d)])
+                    [str(p) for p in writable] + [d for d in DEVICES_RW if os.path.exists(d)],
+                    # the folder above the toolkit is on sys.path: Python must list it to find the package there
+                    listable=[str(Path(toolkit.__file__).resolve().parent.parent)])
 
 
 # --- another user ----------------------------------------------------------------------------------------
