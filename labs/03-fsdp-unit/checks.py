@@ -16,7 +16,8 @@ ANSWERS = {"toolkit.parallel.fsdp_unit:FSDPUnit.unshard": "the toolkit's own uns
            "toolkit.parallel.fsdp_unit:FSDPUnit.wait_unshard": "the toolkit's own wait_unshard",
            "toolkit.parallel.fsdp_unit:FSDPUnit.reshard": "the toolkit's own reshard",
            "toolkit.parallel.fsdp_unit:FSDPUnit.reduce_grad": "the toolkit's own reduce_grad"}
-BUILDS_ON = ["toolkit.parallel.fsdp_unit:FSDPUnit.add_grad", "toolkit.parallel.fsdp_unit:FSDPUnit.finish_reduce"]
+BUILDS_ON = ["toolkit.parallel.fsdp_unit:FSDPUnit.add_grad", "toolkit.parallel.fsdp_unit:FSDPUnit.finish_reduce",
+             "toolkit.parallel.fsdp_unit:sharding_groups"]  # FSDP's groups (lab 07's), hybrid or not
 GLOBAL_BATCH = 12     # rows per step over all ranks: splits evenly over 2 and 3 ranks
 STEPS, LR = 3, 0.1
 # SGD with momentum, not Adam: Adam divides each gradient by its own running size, so it would hide a

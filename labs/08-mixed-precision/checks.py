@@ -16,7 +16,8 @@ ANSWERS = {"toolkit.parallel.fsdp_unit:FSDPUnit.unshard": "the toolkit's own uns
            "toolkit.parallel.fsdp_unit:FSDPUnit.add_grad": "the toolkit's own gradient buffer",
            "toolkit.parallel.fsdp_unit:FSDPUnit.reduce_grad": "the toolkit's own gradient reduction",
            "toolkit.parallel.fsdp_unit:FSDPUnit.finish_reduce": "the toolkit's own gradient reduction"}
-BUILDS_ON = ["toolkit.parallel.fsdp_unit:FSDPUnit.wait_unshard", "toolkit.parallel.fsdp_unit:FSDPUnit.reshard"]
+BUILDS_ON = ["toolkit.parallel.fsdp_unit:FSDPUnit.wait_unshard", "toolkit.parallel.fsdp_unit:FSDPUnit.reshard",
+             "toolkit.parallel.fsdp_unit:sharding_groups"]  # FSDP's groups (lab 07's), hybrid or not
 BF16, FP32 = torch.bfloat16, torch.float32
 GLOBAL_BATCH, STEPS, LR = 8, 4, 1e-3
 OPTIMIZER = dict(lr=LR)

@@ -33,7 +33,7 @@ from . import delegation
 INSTRUCTOR_ONLY = ("solution*.py", "hidden_checks.py", "__pycache__", "*.pyc")
 INSTRUCTOR_FOLDERS = ("autograder",)
 IMPORTS_A_SOLUTION = re.compile(r"(^|\W)(import|from)\s+[\w.]*solution\b|solution\.py|['\"]solution['\"]")
-INSTRUCTOR_TEXT = re.compile(r"<!-- instructor -->.*?<!-- /instructor -->\n?", re.S)
+INSTRUCTOR_TEXT = re.compile(r"^<!-- instructor -->$.*?^<!-- /instructor -->$\n?", re.S | re.M)  # lines of their own
 LINK = re.compile(r"\]\(([^)#\s]+)(#[^)]*)?\)")
 MIN_LINE = 24  # shorter lines (`return out`, `for step in range(n - 1):`) are common to any code
 
@@ -44,7 +44,11 @@ def labs_in(root: Path) -> list[Path]:
 
 def declared(lab: Path, name: str, default):
     """A constant of the lab's checks.py (ANSWERS, INSTRUCTOR_ONLY), read without running the file."""
-    for node in ast.parse((lab / "checks.py").read_text()).body:
+    try:
+        tree = ast.parse((lab / "checks.py").read_text())
+    except SyntaxError:
+        return default
+    for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
             try:
                 return ast.literal_eval(node.value)
@@ -175,6 +179,10 @@ def release(labs_root, out, names=None) -> list[Path]:
     plan = plan_of(labs_root, labs, out)
     texts = {dest: INSTRUCTOR_TEXT.sub("", src.read_text()) if src.suffix == ".md" else src.read_text()
              for src, dest in plan.items()}
+    later = [lab.name for lab in labs_in(labs_root) if lab not in labs]
+    if later and out / "README.md" in texts:  # the syllabus names the labs still to come, without a link
+        texts[out / "README.md"] = re.sub(r"\[([^\]]+)\]\((%s)/[^)]*\)" % "|".join(map(re.escape, later)),
+                                          r"\1 (released later)", texts[out / "README.md"])
     problems = [why for lab in labs if (why := solved(lab))]
     for lab in labs:  # a lab's files against its own solution (another lab's may share a line honestly)
         problems += leaks({dest: texts[dest] for src, dest in plan.items() if lab in src.parents},
