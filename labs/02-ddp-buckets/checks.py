@@ -8,8 +8,7 @@ index once, last-registered first, closed once they reach the cap), not against 
 """
 import torch
 
-from toolkit.grading import check
-from toolkit.models import SyntheticCorpus, tiny_gpt
+from toolkit.grading import check, model_labs
 
 ANSWERS = {"toolkit.parallel.ddp": "the toolkit's own DDP and its buckets",
            "torch.nn.parallel:DistributedDataParallel": "PyTorch's DDP"}
@@ -23,28 +22,12 @@ OPTIMIZER = dict(lr=LR, momentum=0.9)
 
 
 def training(steps):
-    """Inputs: the model's seed, this rank's rows of each step's global batch, the optimizer."""
-    def make(n, g):
-        seed = int(torch.randint(0, 2**31, (), generator=g))
-        corpus = SyntheticCorpus()
-        return [{"seed": seed, "optimizer": OPTIMIZER,
-                 "batches": [corpus.batch(s, GLOBAL_BATCH, rank=r, world_size=n) for s in range(steps)]}
-                for r in range(n)]
-    return make
+    return model_labs.training(steps, GLOBAL_BATCH, OPTIMIZER)
 
 
 def local(seed, steps):
-    """The reference: one process, the whole batch; (model after `steps` SGD steps or, with 0, one backward)."""
-    torch.manual_seed(seed)
-    model = tiny_gpt()
-    opt = torch.optim.SGD(model.parameters(), **OPTIMIZER)
-    for step in range(max(steps, 1)):
-        x, y = SyntheticCorpus().batch(step, GLOBAL_BATCH, rank=0, world_size=1)
-        model(x, y).backward()
-        if steps:
-            opt.step()
-            opt.zero_grad()
-    return model
+    """The reference: one process, the whole batch; after `steps` SGD steps (0: one backward)."""
+    return model_labs.local(seed, steps, GLOBAL_BATCH, torch.optim.SGD, OPTIMIZER)
 
 
 def explain_buckets(buckets, sizes, cap) -> str:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from toolkit.grading import check, number
+from toolkit.grading import check, number, sibling
 from toolkit.moe import MoE, reference_moe
 from toolkit.moe.experts import WEIGHTS
 
@@ -132,15 +132,7 @@ CONFIGS = {  # the rates the rule is given: slow compute and a fast link, so sha
 }
 
 
-def skew_router(layer):
-    """Every token ranks the experts alike (feature 0 is set to 1): expert 0 first, then 1, both on rank 0."""
-    E = layer.num_experts
-    with torch.no_grad():
-        scores = -0.1 * torch.arange(1, E + 1, dtype=torch.float32)
-        scores[0], scores[1] = 2.0, 1.0
-        layer.gate.router.weight.zero_()
-        layer.gate.router.weight[:, 0] = scores
-    return layer
+skew_router = sibling(__file__).skew_router  # every token ranks experts 0 and 1 first, both on rank 0
 
 
 def table_of(layer, xs) -> list:

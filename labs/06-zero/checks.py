@@ -7,8 +7,7 @@ with plain AdamW: the reference ZeRO must reproduce.
 """
 import torch
 
-from toolkit.grading import check
-from toolkit.models import SyntheticCorpus, tiny_gpt
+from toolkit.grading import check, model_labs
 from toolkit.parallel.flat import FlatBuffer
 
 ANSWERS = {"toolkit.parallel.zero": "the toolkit's own ZeRO",
@@ -25,26 +24,12 @@ TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # fp32; only the order of the sums diffe
 
 
 def training(steps):
-    """Inputs: the model's seed and shape, this rank's rows of each step's global batch, the optimizer."""
-    def make(n, g):
-        seed = int(torch.randint(0, 2**31, (), generator=g))
-        return [{"seed": seed, "config": CONFIG, "optimizer": OPTIMIZER,
-                 "batches": [SyntheticCorpus().batch(s, GLOBAL_BATCH, rank=r, world_size=n) for s in range(steps)]}
-                for r in range(n)]
-    return make
+    return model_labs.training(steps, GLOBAL_BATCH, OPTIMIZER, config=CONFIG)
 
 
 def local(seed, steps):
     """The reference: plain AdamW in one process on the whole batch (0 steps: after one backward)."""
-    torch.manual_seed(seed)
-    model = tiny_gpt(**CONFIG)
-    opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
-    for step in range(max(steps, 1)):
-        model(*SyntheticCorpus().batch(step, GLOBAL_BATCH, rank=0, world_size=1)).backward()
-        if steps:
-            opt.step()
-            opt.zero_grad()
-    return model
+    return model_labs.local(seed, steps, GLOBAL_BATCH, torch.optim.AdamW, OPTIMIZER, CONFIG)
 
 
 def flat_of(tensors, world) -> torch.Tensor:

@@ -7,8 +7,8 @@ the tied embedding, and one per block), built from a seed drawn for this grading
 """
 import torch
 
-from toolkit.grading import check
-from toolkit.models import SyntheticCorpus, tiny_gpt
+from toolkit.grading import check, model_labs
+from toolkit.models import SyntheticCorpus
 from toolkit.parallel.flat import FlatBuffer
 
 ANSWERS = {"toolkit.parallel.fsdp_unit:sharding_groups": "the toolkit's own hybrid sharding groups",
@@ -28,25 +28,12 @@ def batch(rank, world, step=0):
 
 
 def training(steps):
-    """Inputs: the model's seed, this rank's rows of each step's global batch, the optimizer."""
-    def make(n, g):
-        seed = int(torch.randint(0, 2**31, (), generator=g))
-        return [{"seed": seed, "optimizer": OPTIMIZER, "batches": [batch(r, n, s) for s in range(steps)]}
-                for r in range(n)]
-    return make
+    return model_labs.training(steps, GLOBAL_BATCH, OPTIMIZER)
 
 
 def local(seed, steps, rows=None):
     """The reference: one process on the whole batch (or on `rows`); after `steps` SGD steps, or one backward."""
-    torch.manual_seed(seed)
-    model = tiny_gpt()
-    opt = torch.optim.SGD(model.parameters(), **OPTIMIZER)
-    for step in range(max(steps, 1)):
-        model(*(rows or batch(0, 1, step))).backward()
-        if steps:
-            opt.step()
-            opt.zero_grad()
-    return model
+    return model_labs.local(seed, steps, GLOBAL_BATCH, torch.optim.SGD, OPTIMIZER, rows=rows)
 
 
 def node_batch(node, world, step=0):

@@ -65,18 +65,19 @@ def _nothing_graded(message: str, fmt: str, output, code: int) -> int:
 
 
 def class_command(lab, class_dir, csv_path, *, out_dir=None, filename=None, student_timeout_s=600.0,
-                  jobs=1, options=(), allow_unsandboxed=False) -> int:
+                  jobs=1, options=(), allow_unsandboxed=False, quiet=False) -> int:
     from .classroom import grade_class
 
     try:
         rows = grade_class(lab, class_dir, csv_path, out_dir=out_dir, filename=filename,
                            student_timeout_s=student_timeout_s, jobs=jobs, options=options,
-                           allow_unsandboxed=allow_unsandboxed)
+                           allow_unsandboxed=allow_unsandboxed, progress=not quiet)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return report.USAGE_ERROR
     statuses = [r.status for r in rows]
-    print(f"graded {statuses.count('graded')} of {len(rows)} submissions; scores in {csv_path}")
+    if not quiet:
+        print(f"graded {statuses.count('graded')} of {len(rows)} submissions; scores in {csv_path}")
     if "grader error" in statuses:
         return report.GRADER_ERROR
     return 0 if all(s == "graded" for s in statuses) else 1
@@ -106,7 +107,8 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=Limits.time_limit_s, help="seconds one check may run")
     parser.add_argument("--memory-limit", type=float, default=Limits.memory_limit_mb,
                         help="MiB a rank may allocate beyond what it starts with (0: no limit)")
-    parser.add_argument("--quiet", action="store_true", help="hide what the ranks print")
+    parser.add_argument("--quiet", action="store_true",
+                        help="print nothing but the report (none with --output): not what the ranks print, no progress")
     args = parser.parse_args(argv)
     limits = Limits(args.timeout, args.stall, args.time_limit, args.memory_limit or None)
     if args.class_dir:
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
                    "--memory-limit", str(args.memory_limit or 0)]
         return class_command(args.lab, args.class_dir, args.csv, out_dir=args.out, filename=args.file,
                              student_timeout_s=args.student_timeout, jobs=args.jobs, options=options,
-                             allow_unsandboxed=args.allow_unsandboxed)
+                             allow_unsandboxed=args.allow_unsandboxed, quiet=args.quiet)
     whole_process = _is_the_command_line()
     if whole_process:  # whatever the solution orphans is re-parented here, and killed below
         isolation.become_subreaper()
