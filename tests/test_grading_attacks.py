@@ -3,7 +3,9 @@ lab. Each one scored marks (or hung, or leaked) when the student's code ran insi
 each must now score zero or fail closed with a clear message, and leave no process behind.
 
 The attacks are written as a worst-case student would: knowing the paths of the grader's files (the test
-puts them in the submission's source)."""
+puts them in the submission's source). Each costs a grading (seconds): three run in the suite (an exit at
+import on the Gradescope path, the secrets, a class run where one submission attacks another); the rest carry
+the `grading_scale` marker (`make test-grading`)."""
 import json
 import os
 import subprocess
@@ -14,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from toolkit.grading import Limits, format_score, grade, main
+
+AT_SCALE = pytest.mark.grading_scale
 
 TASKS = '''
 import torch.distributed as dist
@@ -115,6 +119,7 @@ def _gradescope(lab, solution, tmp_path, **limits) -> tuple[int, dict]:
     return code, json.loads(results.read_text())
 
 
+@AT_SCALE
 def test_the_reference_scores_full_and_the_skeleton_zero(lab, no_leftover_ranks):
     assert grade(lab, lab / "solution.py").total == 3
     score = grade(lab)
@@ -151,7 +156,8 @@ os._exit(0)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("attack", list(FORGERIES), ids=lambda a: a.split(" at ")[0].replace(" ", "-")[:40])
+@pytest.mark.parametrize("attack", [a if a.startswith("exits with sys.exit") else pytest.param(a, marks=AT_SCALE)
+                                    for a in FORGERIES], ids=lambda a: a.split(" at ")[0].replace(" ", "-")[:40])
 def test_a_forged_score_scores_zero_and_results_json_is_written(attack, lab, tmp_path, no_leftover_ranks):
     code, results = _gradescope(lab, _submission(tmp_path, FORGERIES[attack]), tmp_path)
     assert code == 1 and results["score"] == 0 and results["max_score"] == 3, results
@@ -162,6 +168,7 @@ def test_a_forged_score_scores_zero_and_results_json_is_written(attack, lab, tmp
         assert ("sys.exit(0)" if "sys.exit" in attack else "exited with code 0") in message, message
 
 
+@AT_SCALE
 @pytest.mark.timeout(120)
 def test_an_atexit_hook_and_a_daemon_cannot_rewrite_results_json(lab, tmp_path, no_leftover_ranks):
     results = tmp_path / "results" / "results.json"
@@ -212,6 +219,7 @@ raise RuntimeError("here it is: " + text)
     assert hidden["visibility"] == "after_published" and hidden["output"] == "a longer list went wrong"
 
 
+@AT_SCALE
 @pytest.mark.timeout(120)
 def test_the_callers_frames_hold_no_other_ranks_inputs_and_no_expected_value(lab, tmp_path, no_leftover_ranks):
     (lab / "checks.py").write_text(CHECKS + SUMMED)
@@ -234,6 +242,7 @@ def summed(x, group):   # no message sent: add up every tensor of x's shape this
     assert summed.earned == 0 and "the sum: rank 0 got" in summed.message, format_score(score)
 
 
+@AT_SCALE
 # --- containment -----------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_an_endless_loop_at_import_is_stopped(lab, tmp_path, no_leftover_ranks):
@@ -245,6 +254,7 @@ def test_an_endless_loop_at_import_is_stopped(lab, tmp_path, no_leftover_ranks):
     assert "still importing your file after 3 s" in message and "`while True:`" in message, message
 
 
+@AT_SCALE
 @pytest.mark.timeout(120)
 def test_memory_at_import_is_limited(lab, tmp_path, no_leftover_ranks):
     attack = "import torch\nHOG = torch.ones(2 ** 28)  # 1 GiB at import\n"
@@ -254,6 +264,7 @@ def test_memory_at_import_is_limited(lab, tmp_path, no_leftover_ranks):
     assert message.startswith("your file does not import: ran out of memory"), message
 
 
+@AT_SCALE
 @pytest.mark.timeout(120)
 def test_grade_from_python_leaves_no_process_behind(lab, tmp_path, no_leftover_ranks):
     attack = '''
@@ -288,6 +299,7 @@ def summed(x, group):
 }
 
 
+@AT_SCALE
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", list(DELEGATIONS))
 def test_a_delegation_to_the_toolkit_scores_zero_and_says_so(how, lab, tmp_path, no_leftover_ranks):
@@ -320,6 +332,7 @@ for path in glob.glob({str(submissions)!r} + "/*.py") + glob.glob("/tmp/toolkit-
     assert (submissions / "bob.py").read_text() == SOLUTION
 
 
+@AT_SCALE
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("crash", ["raise ImportError('no such thing')\n", "import sys\nsys.exit(0)\n"])
 def test_run_autograder_writes_results_json_whatever_the_submission_does(crash, lab, tmp_path, no_leftover_ranks):

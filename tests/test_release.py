@@ -151,3 +151,22 @@ def test_gradescope_run_autograder_writes_results_json(tmp_path, no_leftover_ran
     assert results["score"] == 0 and results["max_score"] == 10
     assert len(results["tests"]) == 6 and all(t["status"] == "failed" for t in results["tests"])
     assert all("not implemented yet" in t["output"] for t in results["tests"])
+
+
+@pytest.mark.grading_scale  # every lab graded once against the students' wheel: minutes (`make test-grading`)
+@pytest.mark.timeout(1800)
+def test_every_labs_reference_scores_full_marks_with_the_students_wheel(tmp_path, no_leftover_ranks):
+    """What the wheel keeps is enough: an answer another lab runs on (BUILDS_ON) stays, and with the students'
+    toolkit each lab's reference, graded from the released copy, scores full marks (the public checks)."""
+    out = tmp_path / "student-labs"
+    assert release_main([str(LABS), "--out", str(out), "--wheel"]) == 0
+    installed = tmp_path / "installed"
+    with zipfile.ZipFile(next((out / "wheel").glob("*.whl"))) as z:
+        z.extractall(installed)
+    for lab in sorted(p.name for p in out.iterdir() if (p / "checks.py").exists()):
+        done = subprocess.run([sys.executable, "-m", "toolkit", "grade", str(out / lab), "--solution",
+                               str(LABS / lab / "solution.py"), "--format", "json", "--quiet"],
+                              env=dict(os.environ, PYTHONPATH=str(installed)), cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600)
+        report = json.loads(done.stdout)
+        assert report["score"] == report["max_score"], (lab, [c for c in report["checks"] if not c["passed"]])
