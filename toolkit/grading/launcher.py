@@ -4,15 +4,27 @@ The grader (`session.py`) starts it in a session of its own, inside the grading'
 `nobody` when started as root, confines itself and everything it starts to that folder (`sandbox.py`),
 then launches the ranks (`toolkit.launch`, each running `runner.rank_main`). It runs no student code, but
 it reads what the ranks leave for `launch` (their errors), so it is inside the sandbox too. What it
-writes (launch.json: how the launch ended) is read by the grader as untrusted text.
+writes (launch.json: how the launch ended) is read by the grader as untrusted text. It ends with the grader:
+a grader killed from outside leaves nothing running.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import sys
 
 from .runner import _write, rank_main
+
+
+def _die_with_the_grader() -> None:
+    """If the grader is killed, this process goes too (and with it, through the keeper, every rank)."""
+    if sys.platform.startswith("linux"):
+        parent = os.getppid()
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before the line above
+            os._exit(1)
 
 
 def main(argv=None) -> int:
@@ -20,6 +32,7 @@ def main(argv=None) -> int:
     from ..runtime.launch import RankError, launch
     from . import sandbox
 
+    _die_with_the_grader()
     with open((argv or sys.argv[1:])[0]) as f:
         spec = json.load(f)
     sandbox.become(tuple(spec["user"]) if spec["user"] else None)
