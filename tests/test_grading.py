@@ -204,3 +204,26 @@ def _cmdline(pid: str) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def test_the_channel_from_the_ranks_carries_values_and_refuses_anything_else():
+    """What a submission's rank sends is read as data: plain values and tensors come through exactly; a
+    malformed tensor, a pickle, deep nesting or a huge file is a WireError (a failed check), never code run
+    in the grader's process."""
+    import pickle
+
+    import torch
+
+    from toolkit.grading import wire
+
+    value = {"x": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.tensor([1.5], dtype=torch.bfloat16),
+             "n": [1, 2.5, None, True, "s", float("nan")], "pairs": {(0, 1): 3}, "e": torch.empty(0, 4)}
+    back = wire.decode(wire.encode(value))
+    assert torch.equal(back["x"], value["x"]) and back["b"].dtype == torch.bfloat16 and back["e"].shape == (0, 4)
+    assert back["n"][:5] == [1, 2.5, None, True, "s"] and back["n"][5] != back["n"][5] and back["pairs"] == {(0, 1): 3}
+    assert isinstance(wire.decode(wire.encode(object())), wire.Opaque)  # a student's object: its type, not itself
+    for garbage in (pickle.dumps({"ok": 1}), b"\xff\xfe", b'{"__tensor__": "float32", "shape": [2], "data": "AAAA"}',
+                    b'{"__tensor__": "object", "shape": [1], "data": ""}', b'{"__exec__": "print(1)"}',
+                    b"[" * 100 + b"]" * 100, b"[" + b"1," * (wire.MAX_BYTES // 2) + b"1]"):
+        with pytest.raises(wire.WireError):
+            wire.decode(garbage)

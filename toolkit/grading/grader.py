@@ -105,7 +105,8 @@ def _verdict(check: Check, n: int, given: list, results: dict, found: Launch) ->
         return prefix + (failure[1].removeprefix("rank 0: ") if check.pure else failure[1])
     if len(results) < n:
         return f"{prefix.rstrip(', ')}: {_crash_story(found)}" if prefix else _crash_story(found)
-    used = sorted({u for v in results.values() for u in v.get("delegated", []) if isinstance(u, str)})
+    used = sorted({u for v in results.values() if isinstance(v.get("delegated"), list) for u in v["delegated"]
+                   if isinstance(u, str)})
     if used:
         return prefix + delegation.delegation_message([f"{u} (called while this check ran)" for u in used])
     try:
