@@ -56,19 +56,19 @@ def lab(name: str) -> LabGrading:
     return LabGrading(name, maximum, checks)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(LABS))
 def test_untouched_skeleton_scores_zero(name, no_leftover_ranks):
     lab(name).assert_skeleton_scores_zero()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(LABS))
 def test_reference_solution_scores_full_marks(name, no_leftover_ranks):
     lab(name).assert_reference_scores_full()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(LABS))
 def test_the_classic_mistake_is_named(name, tmp_path, no_leftover_ranks):
     mistake, change, failing = LABS[name][2]

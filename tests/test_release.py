@@ -35,7 +35,7 @@ def solution_only(lab: Path) -> set[str]:
             and line.strip() not in given}
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_release_has_no_answer_and_its_skeleton_still_grades(tmp_path, no_leftover_ranks):
     out = tmp_path / "student-labs"
     assert release_main([str(LABS), "--out", str(out)]) == 0
@@ -134,7 +134,7 @@ def test_the_students_wheel_holds_no_answer(tmp_path):
     assert "is not in the students' toolkit: it is the answer to a lab" in done.stdout, done.stderr
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_gradescope_run_autograder_writes_results_json(tmp_path, no_leftover_ranks):
     root = tmp_path / "autograder"
     (root / "source" / "labs").mkdir(parents=True)
