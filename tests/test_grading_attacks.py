@@ -266,6 +266,21 @@ def test_memory_at_import_is_limited(lab, tmp_path, no_leftover_ranks):
 
 @AT_SCALE
 @pytest.mark.timeout(300)
+def test_too_many_processes_are_stopped(lab, tmp_path, no_leftover_ranks):
+    attack = """
+import os, time
+for _ in range(40):        # a (gentle) fork bomb: 40 processes that would sleep for a minute
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+time.sleep(60)
+"""
+    score = grade(lab, _submission(tmp_path, attack), limits=Limits(max_processes=20))
+    assert score.total == 0 and "started more than 20 processes" in score.results[0].message, format_score(score)
+
+
+@AT_SCALE
+@pytest.mark.timeout(300)
 def test_grade_from_python_leaves_no_process_behind(lab, tmp_path, no_leftover_ranks):
     attack = '''
 import os

@@ -14,6 +14,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 
 from .runner import _write, rank_main
 
@@ -25,6 +27,22 @@ def _die_with_the_grader() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:  # it died before the line above
             os._exit(1)
+
+
+def _count_processes(limit: int, out: str) -> None:
+    """A thread: the grading's processes (every one carries its id) may not outnumber `limit`; past it, the
+    launch ends (a fork bomb stops here even as root, whom RLIMIT_NPROC does not limit)."""
+    from . import isolation
+
+    grading_id = os.environ.get(isolation.MARKER)
+    while grading_id:
+        time.sleep(0.2)
+        if len(isolation.marked(grading_id)) > limit:
+            _write(os.path.join(out, "launch.json"), json.dumps({"error": {"message": (
+                f"the submission started more than {limit} processes (the grader's process limit): they were "
+                "all stopped"), "rank": None}}).encode())
+            isolation.stop(grading_id)
+            os._exit(0)
 
 
 def main(argv=None) -> int:
@@ -39,6 +57,7 @@ def main(argv=None) -> int:
     sandbox.confine(readable=[spec["code"], spec["inputs"]],
                     writable=[spec["out"], spec["work"], spec["tmp"], spec["inputs"]])
     limits, error = spec["limits"], None
+    threading.Thread(target=_count_processes, args=(limits["max_processes"], spec["out"]), daemon=True).start()
     try:
         launch(rank_main, spec["world_size"], args=(spec,), backend=spec["backend"],
                timeout_s=limits["check_timeout_s"] + 5,

@@ -37,7 +37,8 @@ class Limits:
     """What grading one solution may cost. check_timeout_s: how long one rank waits for one message;
     stall_s: every rank blocked (or done) this long is a deadlock; time_limit_s: one check's wall time (and
     the import's); memory_limit_mb: the data a rank may allocate beyond what it had when the submission was
-    imported (None: no limit); max_processes: threads and processes a submission may add (as `nobody`)."""
+    imported (None: no limit); max_processes: processes the grading may hold at once (the launcher stops it
+    past that, root or not), and, as `nobody`, threads and processes it may add (RLIMIT_NPROC)."""
 
     check_timeout_s: float = 20.0
     stall_s: float = 5.0
