@@ -75,7 +75,8 @@ def judge_ring(ctx, got, ops):
 def all_reduce(ctx, given, got):
     judge_ring(ctx, got, ["all_reduce"])
     if got[0]["values"][-1] != 0:
-        ctx.fail(f"all_reduce over 1 rank: a group of one moves nothing, expected 0 s, got {seconds(got[0]['values'][-1])}")
+        ctx.fail("all_reduce over 1 rank: a group of one moves nothing, expected 0 s, got "
+                 f"{seconds(got[0]['values'][-1])}")
 
 
 @check("reduce_scatter_time and all_gather_time: N-1 steps of one chunk", points=2, world_sizes=(1,),

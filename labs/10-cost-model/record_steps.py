@@ -47,7 +47,8 @@ def _checks():
 
 
 def as_json(instruction) -> dict:
-    kind = "compute" if isinstance(instruction, Compute) else "collective" if isinstance(instruction, Collective) else "wait"
+    kind = ("compute" if isinstance(instruction, Compute) else
+            "collective" if isinstance(instruction, Collective) else "wait")
     fields = {k: v for k, v in asdict(instruction).items() if k not in ("spans", "kernels")}
     if kind == "collective":
         fields["group"] = list(fields["group"])

@@ -8,7 +8,8 @@ grader's side decides and writes a result.
 A lab's `checks.py` is written with `check`, `Judge` and `CheckFailed` (`grading.checks`), its `tasks.py`
 with `on_rank.Rank`. `grade` (`grading.grader`) runs the tasks next to the student's code in a sandbox
 (`session`, `runner`, `sandbox`, `watchdog`, `isolation`), reads back what they observed (`wire`) and
-judges it; `delegation` spots a submission that calls the toolkit's own answer; `report` turns a score
+judges it (`model_labs`: the tiny-GPT labs' inputs and reference); `delegation` spots a submission that calls the
+toolkit's own answer; `report` turns a score
 into JSON or Gradescope's results.json; `classroom` grades a folder of submissions; `release` makes the
 students' copy of labs/ and `student_wheel` the toolkit without the labs' answers.
 """
