@@ -44,7 +44,8 @@ demo: $(STAMP)
 test: $(STAMP) browser
 	$(PY) -m pytest -q
 
-# Beyond the suite's time budget: grading at scale (misbehaving solutions, a class folder), about 25 s.
+# Beyond the suite's time budget: grading at scale (misbehaving solutions, a class folder, every attack on the grader,
+# every lab against the students' wheel): a grading or more per test, up to a minute each on 2 loaded cores.
 test-grading: $(STAMP)
 	$(PY) -m pytest -q -m grading_scale
 
