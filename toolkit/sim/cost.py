@@ -27,7 +27,7 @@ from .hardware import MEASURED, THIS_MACHINE, Cluster, check_mfu, cluster_of, me
 from .kernel_time import device_seconds, segment_seconds
 from .modelled_run import modelled_run
 from .program import Compute, check, total_flops
-from .stage_timeline import StagesTimeline, schedule_stages
+from .stage_timeline import StagesTimeline, pair_transfers, schedule_stages
 from .timeline import schedule
 
 
@@ -199,17 +199,19 @@ def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mf
     return cost
 
 
-def estimate_stages(programs: dict, dependencies, cluster="dgx-a100", *, ranks: dict, world_size: int,
+def estimate_stages(programs: dict, dependencies=None, cluster="dgx-a100", *, ranks: dict, world_size: int,
                     dtype: str = "bf16") -> StagesTimeline:
     """One step of a pipeline priced on `cluster`: programs {stage: that stage's rank's program}, ranks {stage:
-    its global rank} (which link a transfer or a collective takes), dependencies: `P2P` pairs. The step time is
-    the critical path across the stages (`toolkit.sim.stage_timeline`); each stage's compute is priced
-    operation by operation as on one rank."""
+    its global rank} (which link a transfer or a collective takes), dependencies: `P2P` pairs (None: each send
+    matched with its receive in order, `pair_transfers`). The step time is the critical path across the stages
+    (`toolkit.sim.stage_timeline`); each stage's compute is priced operation by operation as on one rank."""
     found = cluster if isinstance(cluster, Cluster) else cluster_of(cluster)
     found.check_world(world_size)
     cache: dict = {}
     for program in programs.values():
         check(program)
+    if dependencies is None:
+        dependencies = pair_transfers(programs, ranks)
     return schedule_stages(
         programs, dependencies, lambda stage, c: compute_time(c, found.gpu, dtype, None, cache),
         lambda stage, c: collective_time(found, c.op, c.size_bytes, c.group, ranks[stage], c.args),
