@@ -15,7 +15,8 @@ columns differ only by the step time (the simulated step executes exactly those 
 extrapolated to their depth (`toolkit.sim.sweep.extrapolate`); pipelined rows need every stage, and
 wait for `toolkit.parallel.wrap(..., pp=)`: until it accepts them they say so and are skipped.
 
-The artifact's data parallelism: rows 1-4 ran torch's DDP (`--DDP-impl torch`: 25 MB buckets all-reduced
+The optimizer is one fused AdamW kernel (`toolkit.sim.fused_adam`), as apex's FusedAdam that Megatron-LM
+stepped with. The artifact's data parallelism: rows 1-4 ran torch's DDP (`--DDP-impl torch`: 25 MB buckets all-reduced
 during backward, which the toolkit's "ddp" is), rows 5-10 Megatron's own ("local": one all-reduce of all
 gradients once the pipeline's backward is over, nothing hidden: "ddp" with a single bucket). Row 4
 accumulates 4 micro-batches of 8; the simulator runs the replica's 32 sequences as one pass (the same
@@ -53,12 +54,23 @@ TOLERANCE = 0.15
 
 def row(i: int) -> dict:
     """Row i (1-based) of the table as a dict, with the artifact's micro-batch size, DDP and interleaving."""
-    r = dict(zip(FIELDS, TABLE[i - 1]), row=i)
-    r["micro_batch"], r["ddp"], per_virtual = ARTIFACT[i - 1]
+    return configuration(dict(zip(FIELDS, TABLE[i - 1]), row=i), *ARTIFACT[i - 1])
+
+
+def configuration(r: dict, micro_batch: int, ddp: str, per_virtual: int | None = None) -> dict:
+    """A run as the artifact's scripts set it up: dp, micro-batches per replica, virtual stages per rank."""
+    r = dict(r, micro_batch=micro_batch, ddp=ddp)
     r["dp"] = r["gpus"] // (r["tp"] * r["pp"])
-    r["microbatches"] = r["batch"] // r["dp"] // r["micro_batch"]
+    r["microbatches"] = r["batch"] // r["dp"] // micro_batch
     r["virtual_stages"] = r["layers"] // r["pp"] // per_virtual if per_virtual else 1
     return r
+
+
+def figure_15(tp: int, batch: int = 32) -> dict:
+    """Figure 15's runs (examples/sc21/run_figure_15.sh): a 5.9B GPT (hidden 3840, 32 heads, 32 layers) on 64
+    GPUs as tp x dp, micro-batches of 1, Megatron's local DDP. The paper: the per-GPU rate falls as tp grows."""
+    return configuration(dict(params=5.9, heads=32, hidden=3840, layers=32, tp=tp, pp=1, gpus=64, batch=batch,
+                              paper=None, row=f"fig15 tp={tp}"), 1, "local")
 
 
 def paper_flops(r: dict, recomputed: bool = True) -> float:
@@ -119,17 +131,18 @@ def predict(r: dict, cluster="dgx-a100") -> dict:
     """The row's steady step on `cluster` (three and four layers, extrapolated), the paper's metric, the memory
     verdict. The step is priced whether or not the peak fits (`fit`): the paper ran every row."""
     from toolkit.sim import simulate
+    from toolkit.sim.fused_adam import FusedAdamW
     from toolkit.sim.sweep import BASE, extrapolate
 
     start = time.process_time()
-    sims = [simulate(functools.partial(model, n, r["heads"], r["hidden"]), "ddp", r["gpus"],
+    sims = [simulate(functools.partial(model, n, r["heads"], r["hidden"]), "ddp", r["gpus"], optimizer=FusedAdamW,
                      batch_per_rank=r["batch"] // r["dp"], mixed_precision=True, progress=False, cluster=cluster,
                      **layout(r)) for n in BASE]
     out = extrapolate(*sims, r["layers"])
     b = out["breakdown"]
     predicted = paper_flops(r) / b["step"] / r["gpus"] / 1e12
     peak = sims[0].cost.cluster.gpu.flops_per_s("bf16") * r["gpus"] * b["step"]
-    return dict(r, step_time=b["step"], predicted=predicted, error=predicted / r["paper"] - 1,
+    return dict(r, step_time=b["step"], predicted=predicted, error=predicted / r["paper"] - 1 if r["paper"] else None,
                 hfu=paper_flops(r) / peak, mfu=paper_flops(r, recomputed=False) / peak, breakdown=b, fit=out["fit"],
                 cpu_s=time.process_time() - start, top=[(o["name"], o["seconds"]) for o in sims[-1].cost.per_op()[:4]])
 
