@@ -5,7 +5,7 @@ stages' nodes, and what the step's time is made of on each stage."""
 import pytest
 
 from toolkit.sim import Collective, Compute, Wait
-from toolkit.sim.cost import estimate_stages
+from toolkit.sim.pipelined import estimate_stages
 from toolkit.sim.stage_timeline import P2P, pair_transfers, schedule_stages
 
 F, B = 1.0, 2.0  # seconds of one micro-batch's forward and backward through one rank's layers

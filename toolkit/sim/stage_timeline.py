@@ -15,8 +15,10 @@ The rules, on top of the overlap rule (every stage has its own compute stream an
    lasts what `collective_cost` gives the send (its link: NVLink between stages of one node, the
    network between nodes). Both collectives complete at its end. Which send feeds which receive:
    `P2P` pairs, or `pair_transfers`, which matches them in order, as NCCL does between two ranks.
-2. A `Wait` on either half stalls that stage's compute stream until the transfer has completed; a
-   stage's later instructions wait with it (a stage runs its program in order).
+2. A `Wait` on a receive stalls that stage's compute stream until the transfer has completed; a
+   stage's later instructions wait with it (a stage runs its program in order). A `Wait` on a send does
+   not: a sender hands its data over and goes on (the runtime lets go of sends that have completed and
+   waits for the rest only at the step's end, whose time includes every transfer anyway).
 3. Point-to-point transfers use a channel per direction between two stages (`("p2p", sender, receiver)`):
    activations going down and gradients coming back do not wait for each other (the links are full
    duplex), two transfers the same way take turns, and none waits behind the stage's data-parallel or
@@ -68,7 +70,8 @@ class StagesTimeline:
         """Seconds of the step on `stage`'s compute stream: compute; "bubble", waiting for another stage to
         issue the other half of a transfer (its compute, on the critical path) or done before the step's end;
         "p2p", waiting while a transfer it needs is on the wire; "exposed_comm", waiting for its own
-        collectives (tensor- and data-parallel); and the step. They add up to the step."""
+        collectives (tensor- and data-parallel); and the step. They add up to the step (its compute stream's time,
+        from the step's start to the step's end)."""
         timeline, out = self.stages[stage], {"compute": self.stages[stage].compute, "bubble": 0.0, "p2p": 0.0,
                                              "exposed_comm": 0.0}
         transfers = {s.instruction.id: s for s in timeline.spans if s.kind == "comm" and s.paired}
@@ -84,7 +87,8 @@ class StagesTimeline:
             on_wire = max(s.start, transfer.start)
             out["bubble"] += max(on_wire - s.start, 0.0)
             out["p2p"] += s.end - on_wire
-        out["bubble"] += self.end - timeline.end  # done early: idle until the last stage finishes
+        stream = max((s.end for s in timeline.spans if s.kind != "comm"), default=self.start)
+        out["bubble"] += self.end - stream  # its compute stream done early: idle until the step ends
         out["step"] = self.step_time
         return out
 
@@ -171,11 +175,12 @@ def schedule_stages(programs: dict, dependencies, compute_time, collective_cost,
             elif isinstance(instruction, Wait):
                 if instruction.id not in st.done:
                     raise ValueError(f"stage {key!r}: waits on collective {instruction.id} before it was issued")
-                if st.done[instruction.id] is None:
-                    return moved  # the other half of this transfer has not been issued yet
-                if st.done[instruction.id] > st.clock:
-                    st.spans.append(Span("wait", st.clock, st.done[instruction.id], instruction))
-                    st.clock = st.done[instruction.id]
+                if (key, instruction.id) not in sends:  # rule 2: a sender does not wait for its data to be taken
+                    if st.done[instruction.id] is None:
+                        return moved  # the other half of this transfer has not been issued yet
+                    if st.done[instruction.id] > st.clock:
+                        st.spans.append(Span("wait", st.clock, st.done[instruction.id], instruction))
+                        st.clock = st.done[instruction.id]
             else:
                 raise TypeError(f"stage {key!r}: instruction {st.next} is a {type(instruction).__name__}")
             st.next += 1

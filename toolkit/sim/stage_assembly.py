@@ -1,0 +1,208 @@
+"""A pipeline at scale: one rank of each kind of stage simulated, every rank's program put back together.
+
+At scale (pp = 64, 512 micro-batches) simulating every micro-batch of every stage would take an hour, and
+most of it repeats: stages that hold the same blocks (all but the first and the last) run the same
+actions in another order, and every micro-batch but the first and the last runs the same work. So by
+default (`every_stage=False`) one rank of each kind of stage is simulated (`stage_classes`: the first, a
+middle and the last, or as many as the blocks' split makes), with the fewest micro-batches its schedule
+needs to reach its peak memory (`reduced_microbatches`); its program is cut into each action's work
+(`chunks`: the compute and the tensor- and data-parallel collectives between two point-to-point
+transfers), and every rank's program for the real number of micro-batches is put back together in the
+order of the pipeline's own schedule and its sends and receives (`assemble`, through
+`toolkit.parallel.pipeline`'s lowering, its mailbox's receive order included). Tests hold the result to
+simulating every micro-batch of every stage (`every_stage=True`), to the instruction.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .pipelined import pipeline_of
+from .program import Collective, Compute, Wait
+
+P2P_OPS = ("send", "recv")
+
+
+def simulate_pipeline(simulate_rank, price, *, world_size: int, rank: int, batch_per_rank: int, steps: int,
+                      every_stage: bool, options: dict):
+    """Rank `rank` of a pipelined job, simulated and priced with its whole pipeline: simulate_rank(rank=,
+    batch_per_rank=, steps=, **options) simulates one rank of the job (unpriced); price(sim, stage_sims) prices
+    them together (`cost.pricer`). The Simulation returned has its own memory and, for every micro-batch, its
+    program. With fewer micro-batches a rank may not run a forward after its first backward within the warm-up
+    step, where a strategy still settles (DDP rebuilds its buckets then): the representatives run one step more,
+    and the first measured one is left out."""
+    pp, m = options["pp"], options.get("microbatches") or options["pp"]
+    schedule = options.get("schedule", "1f1b")
+    ranks = pipeline_of(world_size, rank, options)
+    fewer = m if every_stage else reduced_microbatches(schedule, pp, m)
+    if batch_per_rank % m:  # the pipeline's own error, said before any simulation
+        simulate_rank(rank=rank, batch_per_rank=batch_per_rank, steps=steps, **options)
+    extra = int(fewer < m)
+    smaller = dict(options, microbatches=fewer)
+    sim = simulate_rank(rank=rank, batch_per_rank=batch_per_rank // m * fewer, steps=steps + extra, **smaller)
+    info = sim.pipeline_info
+    if fewer == m:  # every rank simulated with every micro-batch
+        sim.stage_sims = {r: sim if r == rank else simulate_rank(rank=r, batch_per_rank=batch_per_rank, steps=steps,
+                                                                 **options) for r in ranks}
+        sim.stage_peaks = {r: s.peak for r, s in sim.stage_sims.items()}
+        price(sim, sim.stage_sims)
+        return sim
+    from ..parallel.pipeline import lowering, schedules
+
+    classes = stage_classes(info["split"], pp)
+    me = ranks.index(rank)
+    simulated = {p: sim if p == me else simulate_rank(rank=ranks[p], batch_per_rank=batch_per_rank // m * fewer,
+                                                      steps=steps + extra, **smaller)
+                 for p in sorted(set(classes.values()) | {me})}
+    pieces = {}
+    lowered = lowering.lower(schedules.build(info["schedule"], pp, m, info["virtual_stages"]), pp,
+                             tied=info["tied"] is not None)
+    order = lowering.send_order(lowered)
+    assembled = []
+    for k in range(extra, steps + extra):
+        for p in set(classes.values()):
+            pieces[p] = chunks(simulated[p].programs[k])
+        assembled.append(assemble(lowered, pp, m, fewer, ranks, classes, pieces, order))
+    sim.programs = [programs[rank] for programs in assembled]
+    sim.batch_per_rank, sim.options = batch_per_rank, dict(sim.options, microbatches=m)
+    sim.stage_sims = {r: sim if r == rank else dataclasses.replace(
+        simulated[classes[p]], rank=r, programs=[programs[r] for programs in assembled]) for p, r in enumerate(ranks)}
+    sim.stage_peaks = {ranks[p]: s.peak for p, s in simulated.items()}
+    sim.simulated_microbatches = fewer
+    price(sim, sim.stage_sims)
+    return sim
+
+
+# --- at scale: one rank per kind of stage, its work per action, every rank's program put back together ------------
+def reduced_microbatches(schedule, pp: int, microbatches: int) -> int:
+    """Micro-batches enough for a representative rank: a first, a middle and a last one, and its steady state,
+    where as many are in flight as the schedule ever keeps while gradients have accumulated (1F1B and ZB-H1:
+    pp + 1; interleaved: 2 pp, a multiple of pp); GPipe keeps every micro-batch in flight: all of them."""
+    if schedule == "gpipe" or not isinstance(schedule, str):
+        return microbatches
+    return min(microbatches, 2 * pp if schedule == "interleaved" else max(pp + 1, 3))
+
+
+def stage_classes(split, pp: int) -> dict:
+    """{pipeline rank: the representative rank whose stages hold as many blocks and the same ends (the
+    embedding, the head)}: ranks of one class run the same work per action."""
+    stages = len(split.stages)
+    kinds: dict = {}
+    out = {}
+    for p in range(pp):
+        kind = tuple((len(split.stages[s]), s == 0, s == stages - 1) for s in range(p, stages, pp))
+        out[p] = kinds.setdefault(kind, p)
+    return out
+
+
+def _action(c: Compute):
+    for _, _, _, args in reversed(c.spans):
+        if "action" in args:
+            return args["action"], args["micro"], args["stage"]
+    return None
+
+
+def chunks(program) -> tuple[list, dict, list, dict]:
+    """(prologue, {(kind, micro, stage): instructions}, epilogue, {(op, message kind): transfer}) of a pipeline
+    rank's recorded program. An action's work is its compute and the collectives among it; what lies between two
+    actions goes with the one before when a transfer follows it (its trailing waits, a last bucket's all-reduce),
+    else with the one after (an FSDP unit's gather before its first operation). A transfer is its send or receive
+    with the operations outside every action just before it (a receive's buffer), keyed by (op, message kind,
+    micro-batch, stage of the message)."""
+    p2p = {c.id for c in program if isinstance(c, Collective) and c.op in P2P_OPS}
+    prologue, found, pending, current, transfers, started = [], {}, [], None, {}, False
+    for ins in program:
+        if isinstance(ins, Wait) and ins.id in p2p:
+            continue
+        if isinstance(ins, Collective) and ins.id in p2p:
+            cut = len(pending)
+            while cut and isinstance(pending[cut - 1], Compute):
+                cut -= 1
+            a = ins.args
+            transfers[(ins.op, a.get("message"), a.get("micro"), a.get("stage"))] = (pending[cut:], ins)
+            pending = pending[:cut]
+            if not started:
+                prologue, pending = pending, []
+            elif current is not None:
+                found[current] += pending
+                pending = []
+            started = True
+            continue
+        action = _action(ins) if isinstance(ins, Compute) else None
+        if action is None:
+            pending.append(ins)
+            continue
+        started = True
+        found.setdefault(action, []).extend(pending + [ins])
+        pending, current = [], action
+    return prologue, found, pending, transfers
+
+
+def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list, rank_of_class: dict,
+             pieces: dict, order: dict) -> dict:
+    """Every pipeline rank's program for `microbatches` micro-batches: lowered[p] (the pipeline's lowering of
+    its schedule) with each action replaced by its representative's work for that micro-batch's kind (the first,
+    a middle one, the last of `represented`) and each transfer by the representative's transfer of that kind,
+    receives in the mailbox's order (`order`: the messages each rank sends each other, in sending order), sends
+    waited for after the next action, as the mailbox reaps them (`p2p.Mailbox.reap`: on the simulated cluster
+    every send is complete by then). ranks: pipeline rank -> global rank; pieces: {representative: `chunks` of its
+    program}. Collective ids are renumbered per program."""
+    from ..parallel.pipeline.lowering import Recv, Send
+
+    def micro_of(i: int) -> int:
+        return 0 if i == 0 else represented - 1 if i == microbatches - 1 else min(1, represented - 1)
+
+    programs = {}
+    for p, ops in enumerate(lowered):
+        me, rep = ranks[p], rank_of_class[p]
+        prologue, found, epilogue, transfers = pieces[rep]
+        out, sends, ids = [], [], iter(range(1 << 62))
+        expected = {src: list(messages) for (src, dst), messages in order.items() if dst == p}
+        early: set = set()
+
+        def copy(instructions):
+            new: dict = {}
+            for ins in instructions:
+                if isinstance(ins, Collective):
+                    new[ins.id] = next(ids)
+                    out.append(dataclasses.replace(ins, id=new[ins.id]))
+                elif isinstance(ins, Wait):
+                    out.append(Wait(new[ins.id], ins.phase) if ins.id in new else ins)
+                else:
+                    out.append(ins)
+
+        def transfer(op: str, message, peer: int):
+            micro = micro_of(message.micro) if message.micro >= 0 else message.micro
+            prelude, c = transfers[(op, message.kind, micro, message.stage - p + rep)]
+            out.extend(prelude)
+            c = dataclasses.replace(c, id=next(ids), group=tuple(ranks), args=dict(
+                c.args, peer=ranks[peer], message=message.kind, micro=message.micro, stage=message.stage))
+            out.append(c)
+            if op == "recv":
+                out.append(Wait(c.id, c.phase))
+            else:
+                sends.append(c)
+
+        copy(prologue)
+        for op in ops:
+            if isinstance(op, Send):
+                transfer("send", op.message, op.peer)
+            elif isinstance(op, Recv):
+                if op.message in early:
+                    early.discard(op.message)
+                    continue
+                queue = expected[op.peer]
+                while queue:  # the mailbox takes a peer's messages in the order they were sent
+                    message = queue.pop(0)
+                    transfer("recv", message, op.peer)
+                    if message == op.message:
+                        break
+                    early.add(message)
+            else:
+                local = op.stage - p + rep  # the representative's stage at the same place
+                copy(found[(op.kind, micro_of(op.micro), local)])
+                out += [Wait(c.id, c.phase) for c in sends]  # the mailbox reaps the sends
+                sends = []
+        out += [Wait(c.id, c.phase) for c in sends]
+        copy(epilogue)
+        programs[me] = out
+    return programs
