@@ -437,7 +437,7 @@ def test_dynamic_capacity_follows_the_load_up_to_its_bound():
 
 def test_tutel_options_bad_input():
     from toolkit.moe import MoE
-    from toolkit.moe.layer import _check_sliceable
+    from toolkit.moe.options import check_sliceable as _check_sliceable
     from toolkit.moe.sharded import Slicing
 
     with pytest.raises(ValueError, match="d_ff=15 must be a multiple of 2"):

@@ -7,7 +7,9 @@ The loop is the plain PyTorch one, `loss = model(x, y); loss.backward(); opt.ste
 so what differs between strategies is only what `toolkit.parallel.wrap` put inside the model and the
 optimizer. Around it the loop labels phases (forward, backward, optimizer) so every collective in the
 trace says when it happened, times each phase as a "compute" span, and samples memory at the phase
-boundaries.
+boundaries. Under pipeline parallelism (options pp > 1) a step's forward and backward are one call,
+`loss = model.forward_backward(x, y)`: the schedule runs the micro-batches (options microbatches), each of
+its actions a span labelled with its micro-batch and stage, memory sampled after each.
 
 Data: step s uses the corpus's global batch s (`global_batch_size` rows); data-parallel replica r of N
 takes its contiguous slice (every rank of a replica's tensor/pipeline-parallel group reads the same rows), and with `accumulation` = M it splits that slice into M micro-batches, calling
@@ -94,13 +96,19 @@ class TrainConfig:
 
     def check_world(self, world_size: int) -> None:
         """Each data-parallel replica's micro-batch must be whole rows: global_batch_size % (dp * accumulation)
-        == 0, where dp = world_size / (tp x pp) (the ranks of one tensor/pipeline-parallel group share rows)."""
+        == 0, where dp = world_size / (tp x pp) (the ranks of one tensor/pipeline-parallel group share rows);
+        under pp the schedule's `microbatches` (default pp) take the place of accumulation."""
         dp, _ = self.data_parallel(world_size)
-        per = dp * self.accumulation
+        pp = self.options.get("pp", 1)
+        if pp > 1 and self.accumulation != 1:
+            raise ValueError(f"under pp={pp} the pipeline's schedule splits each replica's batch into micro-batches "
+                             f"(options['microbatches']): leave accumulation at 1 (got {self.accumulation}).")
+        per = dp * (self.options.get("microbatches") or pp if pp > 1 else self.accumulation)
         if self.global_batch_size % per:
             ranks = f"world_size={world_size}" if dp == world_size else f"dp={dp} replicas (world {world_size})"
+            split = f"microbatches={per // dp}" if pp > 1 else f"accumulation={self.accumulation}"
             raise ValueError(f"global_batch_size={self.global_batch_size} does not divide over {ranks} x "
-                             f"accumulation={self.accumulation} = {per} micro-batches; use a "
+                             f"{split} = {per} micro-batches; use a "
                              f"multiple of {per}, e.g. {per * max(1, self.global_batch_size // per)}.")
 
     def data_parallel(self, world_size: int, rank: int = 0) -> tuple[int, int]:
@@ -161,13 +169,20 @@ def train(config, *, model_fn=None, return_state: bool = False):
         if config.sample_memory:
             record_memory(model, opt, step=step, meter=meter)
 
+    pipelined = hasattr(model, "pipeline")
+    if pipelined and config.sample_memory:  # memory after every action of the schedule, activations rising and falling
+        model.driver.observers.append(lambda action: sample(model.driver.calls - 1))
     losses, norms = [], []
     steps = _progress(range(config.steps), config, rank, world)
     for step in steps:
         t0 = time.perf_counter()
         x, y = corpus.batch(step, config.global_batch_size, rank=dp_rank, world_size=dp, device=device)
         step_loss = torch.zeros((), device=device)
-        for micro, (xm, ym) in enumerate(zip(x.chunk(M), y.chunk(M))):
+        if pipelined:  # pp > 1: one call runs the schedule (every micro-batch; each action is a span of its own)
+            sample(step)
+            with meter:
+                step_loss += model.forward_backward(x, y)
+        for micro, (xm, ym) in enumerate(zip(x.chunk(M), y.chunk(M)) if not pipelined else ()):
             # Gradients are synchronized once per step: skip it on all but the last micro-batch.
             quiet = micro < M - 1 and hasattr(model, "no_sync")
             with model.no_sync() if quiet else contextlib.nullcontext():

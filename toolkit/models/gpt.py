@@ -160,6 +160,21 @@ class GPT(nn.Module):
             init_weights_(self.head)
 
     def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.embed(x)
+        aux_losses = []
+        for block in self.blocks:
+            h, aux = block(h)
+            if aux is not None:
+                aux_losses.append(aux)
+        if y is None:
+            return self.head_loss(h, None)
+        loss = self.head_loss(h, y)
+        return loss + self.aux_loss(aux_losses) if aux_losses else loss
+
+    # The three parts of forward, which pipeline parallelism runs on different ranks (toolkit.parallel.pipeline):
+    # embed on the first stage, blocks spread over the stages, head_loss on the last.
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Token + position embeddings of token ids x (batch, time): the hidden state (batch, time, d_model)."""
         if x.dim() != 2:
             raise ValueError(f"GPT expects token ids of shape (batch, time), got shape {tuple(x.shape)}")
         T = x.shape[1]
@@ -168,24 +183,27 @@ class GPT(nn.Module):
                 f"sequence length {T} is longer than the model's seq_len={self.config.seq_len}; "
                 "shorten the input or build the model with a larger GPTConfig.seq_len"
             )
-        h = self.tok_emb(x) + self.pos_emb(torch.arange(T, device=x.device))
-        aux_losses = []
-        for block in self.blocks:
-            h, aux = block(h)
-            if aux is not None:
-                aux_losses.append(aux)
+        return self.tok_emb(x) + self.pos_emb(torch.arange(T, device=x.device))
+
+    def hidden_shape(self, x_shape) -> tuple:
+        """The shape of the hidden state between blocks for token ids of shape x_shape (what embed returns)."""
+        return (x_shape[0], x_shape[1], self.config.d_model)
+
+    def head_loss(self, h: torch.Tensor, y: Optional[torch.Tensor]) -> torch.Tensor:
+        """The final norm and the head: logits when y is None, else the mean cross-entropy against y."""
         logits = self.head(self.ln_f(h))
         if y is None:
             return logits
-        if y.shape != x.shape:
-            raise ValueError(f"targets y must have the shape of x {tuple(x.shape)}, got {tuple(y.shape)}")
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        if aux_losses:
-            aux = sum(aux_losses)
-            if aux.dim() != 0:
-                raise ValueError(f"an mlp's aux_loss must be a scalar tensor, got shape {tuple(aux.shape)}")
-            loss = loss + self.config.aux_loss_weight * aux
-        return loss
+        if y.shape != logits.shape[:-1]:
+            raise ValueError(f"targets y must have the shape of x {tuple(logits.shape[:-1])}, got {tuple(y.shape)}")
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def aux_loss(self, aux_losses: list) -> torch.Tensor:
+        """The blocks' auxiliary losses (MoE load balancing), weighted as they enter the loss."""
+        aux = sum(aux_losses)
+        if aux.dim() != 0:
+            raise ValueError(f"an mlp's aux_loss must be a scalar tensor, got shape {tuple(aux.shape)}")
+        return self.config.aux_loss_weight * aux
 
     def num_params(self) -> int:
         """Number of distinct parameters (a tied head is counted once)."""

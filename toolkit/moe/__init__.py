@@ -12,7 +12,8 @@ from .gates import (
 )
 from .topology import TopologyGate, topology_limit
 from .experts import Experts, gather_experts, is_expert
-from .layer import MoE, all_to_all
+from .exchange import all_to_all
+from .layer import MoE
 from .plan import Plan
 from .load import merge_load
 from .reference import reference_moe

@@ -28,7 +28,7 @@ Only kept rows travel (uneven splits), so ranks with different numbers of tokens
 capacities, still agree on every all-to-all; a padded (E, C, d) layout, as Tutel's pipelining splits
 along C, needs one capacity for all: the all-reduce MAX that dropless mode already does.
 
-Backward flows through both all-to-alls: ``all_to_all`` below is an autograd function whose
+Backward flows through both all-to-alls: ``all_to_all`` (exchange.py) is an autograd function whose
 backward is the same all-to-all with the splits swapped (gradients return to where rows came from).
 Every collective goes through ``toolkit.comm``, so the trace shows count exchange, dispatch and
 combine, forward and backward.
@@ -40,109 +40,18 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from ..comm import hierarchical
 from ..trace.events import recorder, span
+from .exchange import all_to_all, exchange
 from .experts import Experts, expert_generator
 from .gates import Routing, TopKGate, capacity, load_stats
 from .load import enclosing_step
 from .topology import TopologyGate
 from . import machine
+from .options import check_sliceable, check_systems_options
 from .placement import Placement, ffn
 from .plan import Plan
 from .shadow import Shadowing
 from .sharded import Slicing
-
-
-# ---------------------------------------------------------------------------------------------
-# The differentiable all-to-all
-# ---------------------------------------------------------------------------------------------
-
-def _exchange(x, out_splits, in_splits, group, label, node_size=None):
-    """The door's all-to-all into a fresh tensor (Tutel's 2DH one when ``node_size`` is given,
-    comm/hierarchical.py); one process alone (no process group) keeps its rows."""
-    if not dist.is_initialized():
-        return x.clone()
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    first = len(recorder.events)
-    if node_size is None:
-        comm.all_to_all(out, x.contiguous(), out_splits, in_splits, group=group)
-    else:
-        hierarchical.all_to_all(out, x.contiguous(), out_splits, in_splits, group=group, node_size=node_size)
-    for event in recorder.events[first:] if recorder.enabled else ():  # name them on the timeline
-        if event["name"] == "all_to_all":
-            event["args"]["moe"] = label
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, label, node_size):
-        ctx.out_splits, ctx.in_splits, ctx.group, ctx.label = out_splits, in_splits, group, label
-        ctx.node_size = node_size
-        return _exchange(x, out_splits, in_splits, group, label, node_size)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # Rows came from rank j (out_splits[j] of them): their gradients go back to rank j.
-        back = _exchange(grad, ctx.in_splits, ctx.out_splits, ctx.group, ctx.label + " backward", ctx.node_size)
-        return back, None, None, None, None, None
-
-
-def all_to_all(x: torch.Tensor, out_splits, in_splits, group=None, label="all_to_all", node_size=None) -> torch.Tensor:
-    """Differentiable all-to-all of rows: send ``in_splits[j]`` rows to rank j, get ``out_splits[j]``
-    (``node_size``: Tutel's 2DH all-to-all over nodes of that many ranks, the same result)."""
-    return _AllToAll.apply(x, [int(s) for s in out_splits], [int(s) for s in in_splits], group, label, node_size)
-
-
-# ---------------------------------------------------------------------------------------------
-# The layer
-# ---------------------------------------------------------------------------------------------
-
-def _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_parallel="ep", node_size=None,
-                           local_bandwidth=None, smart_group_size=1, all_to_all_algorithm="flat") -> None:
-    """The systems options (FasterMoE, Tutel): unknown names and combinations that cannot work are ValueErrors."""
-    if not (isinstance(shadow, (list, tuple)) or shadow in ("auto", "off")):
-        raise ValueError(f"shadow={shadow!r}: choose 'off', 'auto' or a list of expert ids.")
-    Placement(expert_parallel)  # validates the name
-    if shadow != "off" and expert_parallel != "ep":
-        raise ValueError(f"shadow={shadow!r} needs expert_parallel='ep': with {expert_parallel!r} every rank may "
-                         f"already use every expert (data parallelism is shadowing them all).")
-    if all_to_all_algorithm not in ("flat", "2dh", "auto"):
-        raise ValueError(f"all_to_all_algorithm={all_to_all_algorithm!r}: choose 'flat' (one all-to-all over the group), "
-                         f"'2dh' (Tutel's two-level one: inside each node, then across nodes) or 'auto' (the faster "
-                         f"per forward, comm/hierarchical.py's choose).")
-    if all_to_all_algorithm != "flat" and (shadow != "off" or schedule != "plain" or pipeline_degree != 1):
-        raise ValueError(f"all_to_all_algorithm={all_to_all_algorithm!r} replaces the plain layer's dispatch and "
-                         "combine; it does not combine with shadow=, schedule='smart' or pipeline_degree= here: "
-                         "choose one.")
-    if gate != "topology" and local_bandwidth is not None:
-        raise ValueError("local_bandwidth= describes the nodes for gate='topology'; pass it with it.")
-    if gate != "topology" and all_to_all_algorithm == "flat" and node_size is not None:
-        raise ValueError("node_size= describes the nodes for gate='topology' or all_to_all_algorithm='2dh'; pass it "
-                         "with one of them.")
-    if pipeline_degree != "auto" and (isinstance(pipeline_degree, bool) or not isinstance(pipeline_degree, int)
-                                      or pipeline_degree < 1):
-        raise ValueError(f"pipeline_degree={pipeline_degree!r}: choose a positive int (1 = no pipelining) or 'auto'.")
-    if schedule not in ("plain", "smart"):
-        raise ValueError(f"schedule={schedule!r}: choose 'plain' or 'smart'.")
-    if schedule == "smart" and pipeline_degree != 1:  # moe/schedule.py and moe/pipeline.py: one at a time
-        raise ValueError(f"schedule='smart' and pipeline_degree={pipeline_degree!r} are two ways to overlap the "
-                         f"all-to-alls with the experts: choose one (pipeline_degree=1, or schedule='plain').")
-    if gate not in ("topk", "topology"):
-        raise ValueError(f"gate={gate!r}: choose 'topk' or 'topology'.")
-    if isinstance(smart_group_size, bool) or not isinstance(smart_group_size, int) or smart_group_size < 1:
-        raise ValueError(f"smart_group_size={smart_group_size!r}: choose a positive int (ranks per group of the smart "
-                         f"schedule; 1 = one rank per step).")
-    if smart_group_size != 1 and schedule != "smart":
-        raise ValueError(f"smart_group_size={smart_group_size} groups the ranks of schedule='smart'; pass it with it.")
-
-
-def _check_sliceable(shadow, schedule, pipeline_degree, gate) -> None:
-    """More ranks than experts (moe/sharded.py) runs the plain steps 2-6 (flat or 2DH all-to-all)."""
-    if shadow != "off" or schedule != "plain" or pipeline_degree != 1 or gate != "topk":
-        raise ValueError("MoE: with more ranks than experts each expert is sliced over several ranks (Tutel's "
-                         "EP+DP+MP); shadow=, schedule='smart', pipeline_degree= and gate='topology' assume whole "
-                         "experts on their owners. Use at least as many experts as ranks for them.")
 
 
 class MoE(nn.Module):
@@ -186,7 +95,7 @@ class MoE(nn.Module):
                  bandwidth=None, local_bandwidth=None, smart_group_size: int = 1, expert_slices=None,
                  all_to_all_algorithm: str = "flat", dynamic_capacity: bool = False):
         super().__init__()
-        _check_systems_options(shadow, pipeline_degree, schedule, gate, expert_parallel, node_size, local_bandwidth,
+        check_systems_options(shadow, pipeline_degree, schedule, gate, expert_parallel, node_size, local_bandwidth,
                                smart_group_size, all_to_all_algorithm)
         for key, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -206,7 +115,7 @@ class MoE(nn.Module):
                              f"them, Tutel's EP+DP+MP), or a group whose size divides {num_experts} (one of {fits}).")
         self.slicing = None  # W > E: moe/sharded.py
         if self.world > num_experts:
-            _check_sliceable(shadow, schedule, pipeline_degree, gate)
+            check_sliceable(shadow, schedule, pipeline_degree, gate)
             self.slicing = Slicing(self.world, num_experts, d_ff, expert_slices)
         elif expert_slices is not None:
             raise ValueError(f"expert_slices={expert_slices!r} slices experts over more ranks than experts; here "
@@ -296,7 +205,7 @@ class MoE(nn.Module):
         send = (self.slicing.send_counts(routing.kept_counts) if self.slicing else
                 routing.kept_counts.reshape(self.world, self.num_local))
         split = [self.num_local] * self.world
-        recv = _exchange(send.reshape(-1), split, split, self.group, "counts")
+        recv = exchange(send.reshape(-1), split, split, self.group, "counts")
         return Plan(send, recv.reshape(self.world, self.num_local))
 
     def sort_by_destination(self, tokens: torch.Tensor, routing: Routing):

@@ -88,6 +88,9 @@ def _gather(shard: torch.Tensor, shapes, engine) -> list[torch.Tensor]:
 
 def save_full(model, optimizer, path: str) -> None:
     """Gather the full checkpoint and write it from rank 0 (every rank must call this)."""
+    if hasattr(model, "pipeline"):  # pp > 1: every stage's part, brought together (pipeline/checkpoint.py)
+        from .pipeline import checkpoint as pipeline
+        return pipeline.save_full(model, optimizer, path)
     if getattr(model, "tensor_parallel", None) is not None:  # tensor-parallel pieces joined (tensor/checkpoint.py)
         from .tensor import checkpoint as tensor_parallel
         checkpoint = tensor_parallel.join(model, full_checkpoint(model, optimizer, rank0_only=False))
@@ -102,6 +105,9 @@ def save_full(model, optimizer, path: str) -> None:
 
 def load_full(model, optimizer, path: str) -> None:
     """Read a full checkpoint (every rank reads the file: it must be visible to all) and load it."""
+    if hasattr(model, "pipeline"):  # pp > 1: each stage loads its own part
+        from .pipeline import checkpoint as pipeline
+        return pipeline.load_full(model, optimizer, path)
     checkpoint, error = read(path)
     if getattr(model, "tensor_parallel", None) is not None:  # this rank's tensor-parallel pieces of it
         from .tensor import checkpoint as tensor_parallel

@@ -49,16 +49,16 @@ def wrap(model, strategy: str, build, optimizer, options: dict):
         from .tensor import parallelize
 
         model = parallelize(model, mesh, plan=mp["tp_plan"], sequence_parallel=mp["sequence_parallel"])
-    if layout.pp > 1:
+    if strategy != "local":
+        options = dict(options, group=mesh_.group(mesh, "dp"))
+    if layout.pp > 1:  # the pipeline wraps each stage with `build`, and joins its tp pieces itself
         from .pipeline import wrap as wrap_pipeline
 
         wrapped, opt = wrap_pipeline(model, mesh, build, optimizer, options, **_pipeline_options(mp))
     else:
-        if strategy != "local":
-            options = dict(options, group=mesh_.group(mesh, "dp"))
         wrapped, opt = build(model, optimizer, **options)
     wrapped.mesh = mesh
-    if hasattr(model, "tensor_parallel"):
+    if hasattr(model, "tensor_parallel") and layout.pp == 1:
         join_tensor_parallel(wrapped, model.tensor_parallel, mesh)
     return wrapped, opt
 

@@ -90,6 +90,18 @@ class DataParallel(Wrapped):
         finally:
             self.require_sync = before
 
+    @contextlib.contextmanager
+    def sync_backward(self, sync: bool):
+        """Backwards inside reduce (sync=True) or only accumulate, whatever their forward decided. For a
+        pipeline's schedule (`toolkit.parallel.pipeline`), where the forwards and backwards of micro-batches
+        interleave, so no forward knows whether its backward is the step's last (torch's pipelining reaches
+        into its DDP's reducer for the same reason)."""
+        before, self._sync = self._sync, sync
+        try:
+            yield
+        finally:
+            self._sync = before
+
     def forward(self, *args, **kwargs):
         self._sync, self._in_backward = self.require_sync, False
         return super().forward(*args, **kwargs)

@@ -144,14 +144,8 @@ class Wrapped(nn.Module):
         return output if self.scaler is None else self.scaler.scale_outputs(output)
 
     def forward_backward(self, *inputs, **kwargs) -> torch.Tensor:
-        """One batch's forward and backward; returns the loss, detached.
-
-        For a data-parallel strategy this is `loss = model(x, y); loss.backward()`. Under pipeline
-        parallelism (`pp` > 1) the model splits the batch into micro-batches and runs the whole schedule
-        here instead, so `train.py` and the simulator call this for every strategy."""
-        loss = self(*inputs, **kwargs)
-        loss.backward()
-        return loss.detach()
+        """One batch's forward and backward; returns the loss, detached (`forward_backward` below)."""
+        return forward_backward(self, *inputs, **kwargs)
 
     def _prepare(self, value):
         """Inputs go to the parameters' device; floating inputs to the compute dtype (ids stay ints)."""
@@ -206,6 +200,22 @@ class Wrapped(nn.Module):
         if self.scaler is not None:  # the gradients still carry the loss scale
             return self.scaler.clip_norm(lambda limit: clip_grad_norm_(replicated, limit, own, reduce), max_norm)
         return clip_grad_norm_(replicated, max_norm, own, reduce)
+
+
+def forward_backward(model: nn.Module, *inputs, **kwargs) -> torch.Tensor:
+    """One batch's forward and backward on a wrapped model; the loss, detached.
+
+    For a data-parallel strategy this is `loss = model(x, y); loss.backward()`. Under pipeline parallelism
+    (`pp` > 1) the wrapped model splits the batch into micro-batches and runs the whole schedule instead
+    (`toolkit.parallel.pipeline`), so `train.py` and the simulator can call `model.forward_backward(x, y)`
+    whatever the strategy."""
+    from ..trace.events import phase
+
+    with phase("forward"):
+        loss = model(*inputs, **kwargs)
+    with phase("backward"):
+        loss.backward()
+    return loss.detach()
 
 
 def wrap(model: nn.Module, optimizer, **options):

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_map
 
 from .. import comm
 from .local import compute_dtype as local_compute_dtype
+from .local import forward_backward as forward_then_backward
 from ..runtime import env
 from .flat import FlatBuffer
 from .scaler import scaler_for
@@ -204,6 +205,10 @@ class ShardedModel(nn.Module):
             return value
         dtype = self.engine.dtype if value.is_floating_point() else value.dtype
         return value.to(device=env.device(), dtype=dtype)
+
+    def forward_backward(self, *inputs, **kwargs) -> torch.Tensor:
+        """One batch's forward and backward; the loss, detached (`local.forward_backward`)."""
+        return forward_then_backward(self, *inputs, **kwargs)
 
     def full_state_dict(self) -> dict:
         return self.engine.full_state_dict()

@@ -48,6 +48,11 @@ class TensorParallelGPT(GPT):
             h = scatter_to_tp(h, self.tp, SEQUENCE_DIM)
         return h
 
+    def hidden_shape(self, x_shape) -> tuple:
+        """The hidden state between blocks: (batch, time, d_model), time split t ways under sequence parallelism."""
+        T = x_shape[1] // self.tp.size if self.sequence_parallel else x_shape[1]
+        return (x_shape[0], T, self.config.d_model)
+
     def head_loss(self, h: torch.Tensor, y: Optional[torch.Tensor]) -> torch.Tensor:
         """The final norm, the vocabulary-parallel head and its loss (full logits only when y is None)."""
         logits = self.head(self.ln_f(h))  # (B, T, V/t): this rank's words

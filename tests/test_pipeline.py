@@ -1,0 +1,243 @@
+"""Pipeline parallelism trains exactly what one process trains: every schedule, composed with dp and tp.
+
+Every layout runs the toolkit's own training loop (`toolkit.train.train`, which calls `forward_backward` under
+pp) inside one launch per world size; the one-process references run here, in the test's process. The MoE
+GPT's reference accumulates the same micro-batches (its gate's capacity and load-balancing loss are per
+micro-batch), the dense ones take the whole batch at once.
+
+Tolerances, fp32 (unit roundoff u = 2^-24 = 6e-8), as tests/test_tensor_parallel.py derives them. A pipeline
+changes only the order of sums: the batch's mean loss is the mean of m micro-batches' means, and each
+gradient element the sum of m micro-batches' sums over the b·s = 256 tokens of a step.
+- Loss (about 4.2): a mean of 256 per-token losses of about 4.2 taken in another order moves by at most
+  256 · u · 4.2 = 6.4e-5 -> LOSS_ATOL = 1e-4.
+- Parameters: |Δg| <= 256 · u = 1.5e-5 (the gradient's elements add up to less than 1 here); two SGD steps at
+  lr 0.1 with momentum 0.9 move a parameter by at most 0.1 · (1 + 1.9) · Δg = 4.4e-6 -> PARAM_ATOL = 1e-5. A
+  micro-batch left out, or a tied gradient not summed, moves a parameter by lr·|g|, 1e-3 and more.
+- Mixed precision (bf16 compute, fp32 masters), against "local" with the same recipe: MP_LOSS_ATOL = 3/32 and
+  MP_PARAM_ATOL = 5e-4, derived in tests/test_tensor_parallel.py (bf16 rounding of the loss and gradients).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import toolkit
+from toolkit.memory.ledger import ActivationMeter
+from toolkit.models import SyntheticCorpus, moe_model_fn, tiny_gpt
+from toolkit.parallel.pipeline import bubble
+from toolkit.train import TrainConfig, train
+
+LOSS_ATOL, PARAM_ATOL = 1e-4, 1e-5
+MP_LOSS_ATOL, MP_PARAM_ATOL = 3 / 32, 5e-4
+BASE = dict(steps=2, global_batch_size=8, optimizer="sgd", lr=0.1, progress=False, sample_memory=False)
+FOUR = {"n_layer": 4}
+MOE = dict(num_experts=4, top_k=2, capacity_factor=2.0)
+
+# (name, TrainConfig fields, MoE?, the reference's fields): world 2 = pp 2; world 4 = dp 2 x pp 2 or tp 2 x pp 2
+CASES = {
+    2: [("gpipe", dict(model=FOUR, options={"pp": 2, "microbatches": 4, "schedule": "gpipe"}), False, dict(model=FOUR)),
+        ("1f1b", dict(model=FOUR, options={"pp": 2, "microbatches": 4}), False, dict(model=FOUR)),
+        ("interleaved", dict(model=FOUR, options={"pp": 2, "microbatches": 4, "schedule": "interleaved",
+                                                  "virtual_stages": 2}), False, dict(model=FOUR)),
+        ("zb-h1", dict(model=FOUR, options={"pp": 2, "microbatches": 4, "schedule": "zb-h1"}), False, dict(model=FOUR)),
+        ("moe pp", dict(options={"pp": 2, "microbatches": 2}), True, dict(accumulation=2)),
+        ("pp bf16", dict(model=FOUR, options={"pp": 2, "microbatches": 2, "mixed_precision": True}), False,
+         dict(model=FOUR, options={"mixed_precision": True}))],
+    4: [("ddp x pp", dict(strategy="ddp", clip=0.05, model=FOUR, options={"pp": 2, "microbatches": 2}), False,
+         dict(model=FOUR, clip=0.05)),
+        ("fsdp x pp, 1f1b", dict(strategy="fsdp", model=FOUR, options={"pp": 2, "microbatches": 2}), False,
+         dict(model=FOUR)),
+        ("zero3 x pp, gpipe", dict(strategy="zero3", model=FOUR, options={"pp": 2, "microbatches": 2,
+                                                                           "schedule": "gpipe"}), False, dict(model=FOUR)),
+        ("tp+sp x pp", dict(clip=0.05, model=FOUR, options={"pp": 2, "tp": 2, "sequence_parallel": True,
+                                                             "microbatches": 4}), False, dict(model=FOUR, clip=0.05))],
+    8: [("zero1 x pp x tp", dict(strategy="zero1", clip=0.05, model=FOUR, options={"pp": 2, "tp": 2,
+                                                                                    "microbatches": 2}), False,
+         dict(model=FOUR, clip=0.05))],
+}
+
+
+def losses_of(run) -> list:
+    return [m["value"] for m in run.metrics if m["name"] == "loss"]
+
+
+def reference(fields, moe):
+    return train(TrainConfig(**{**BASE, "strategy": "local", **fields}), model_fn=moe_model_fn(**MOE) if moe else None,
+                 return_state=True)
+
+
+def layouts(world, directory):
+    found = {}
+    for name, fields, moe, _ in CASES[world]:
+        torch.manual_seed(0)
+        run, state = train(TrainConfig(**{**BASE, **fields}), model_fn=moe_model_fn(**MOE) if moe else None,
+                           return_state=True)
+        found[name] = (losses_of(run), state)
+        if name == "ddp x pp":
+            found["ddp bytes"] = dp_bytes(run)
+    if world == 2:
+        found["memory"] = activations()
+        found["p2p"] = p2p_bytes()
+    if world == 4:
+        found["checkpoints"] = checkpoints_across_layouts(directory)
+    return found if dist.get_rank() == 0 else None
+
+
+@functools.lru_cache(maxsize=None)
+def launched(world: int, directory: str):
+    return toolkit.launch(layouts, world, args=(world, directory), timeout_s=420, quiet=True)[0]
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("pp-checkpoints"))
+
+
+def compare(name, got, expected):
+    (losses, state), (ref_losses, ref_state) = got, expected
+    loss_atol, param_atol = (MP_LOSS_ATOL, MP_PARAM_ATOL) if "bf16" in name else (LOSS_ATOL, PARAM_ATOL)
+    assert set(state) == set(ref_state), (name, set(state) ^ set(ref_state))
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= loss_atol, (name, losses, ref_losses)
+    worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+    assert worst <= param_atol, (name, worst)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_pipeline_layouts_train_as_one_process(world, directory, no_leftover_ranks):
+    got = launched(world, directory)
+    for name, _, moe, ref_fields in CASES[world]:
+        run, state = reference(ref_fields, moe)
+        compare(name, got[name], (losses_of(run), state))
+
+
+# --- what moves, what is kept ---------------------------------------------------------------------------------
+def dp_bytes(run) -> tuple:
+    """(bytes rank 0 sent in the dp group's all-reduces per step, its stage's gradient bytes, dp size)."""
+    group = [0, 2]  # world 4, dp 2 x pp 2: rank 0's replicas hold stage 0 on ranks 0 and 2
+    sent = sum(e["args"]["bytes_sent"] for e in run.comm_events(0, "all_reduce") if e["args"]["group"] == group
+               and e["phase"] != "optimizer")
+    return sent / BASE["steps"], 4 * sum(p.numel() for p in stage_params(0)), 2
+
+
+def stage_params(stage):
+    torch.manual_seed(0)
+    model = tiny_gpt(**FOUR)
+    keep = ["tok_emb", "pos_emb", "blocks.0.", "blocks.1."] if stage == 0 else ["blocks.2.", "blocks.3.", "ln_f"]
+    return [p for n, p in model.named_parameters() if any(n.startswith(k) for k in keep)]
+
+
+@pytest.mark.timeout(600)
+def test_ddp_under_pp_reduces_each_stage_once_per_step(directory, no_leftover_ranks):
+    """m micro-batches, one all-reduce of the stage's gradients: ring 2(N-1)/N of its bytes, not m times that."""
+    sent, grad_bytes, n = launched(4, directory)["ddp bytes"]
+    assert sent == 2 * (n - 1) * grad_bytes // n
+
+
+def p2p_bytes() -> dict:
+    """One step at pp 2 (world 2), m = 4: what each rank sent, by message kind."""
+    torch.manual_seed(0)
+    model, opt = toolkit.parallel.wrap(tiny_gpt(**FOUR), "local", pp=2, microbatches=4)
+    x, y = SyntheticCorpus().batch(0, 8)
+    toolkit.trace.events.recorder.reset()
+    model.forward_backward(x, y)
+    sends: dict = {}
+    for e in toolkit.trace.events.recorder.events:
+        if e["name"] == "send":
+            key = e["args"]["message"]
+            sends[key] = sends.get(key, 0) + e["args"]["bytes_sent"]
+    everyone = [None, None]
+    dist.all_gather_object(everyone, sends)
+    return everyone
+
+
+@pytest.mark.timeout(600)
+def test_stages_send_exactly_the_activations_their_gradients_and_the_tied_weight(directory, no_leftover_ranks):
+    """Stage 0 sends m activations of (b/m, s, d) fp32 and the tied embedding (V, d); stage 1 sends their m
+    gradients and the head's gradient for the tied weight. Nothing else crosses between stages."""
+    b, m, s, d, V = 8, 4, 32, 32, 64
+    first, last = launched(2, directory)["p2p"]
+    assert first == {"activation": m * (b // m) * s * d * 4, "tied weight": V * d * 4}
+    assert last == {"gradient": m * (b // m) * s * d * 4, "tied gradient": V * d * 4}
+
+
+def activations() -> dict:
+    """Bytes autograd keeps, per rank: after the first forward (one micro-batch) and at the step's peak."""
+    out = {}
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        torch.manual_seed(0)
+        model, _ = toolkit.parallel.wrap(tiny_gpt(**FOUR), "local", pp=2, microbatches=4, schedule=schedule)
+        meter = ActivationMeter(model)
+        after = []
+        model.driver.observers.append(lambda action: after.append(meter.live))
+        with meter:
+            model.forward_backward(*SyntheticCorpus().batch(0, 8))
+        out[schedule] = (after[0], meter.peak, meter.live)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_activation_memory_per_stage_is_the_formula(directory, no_leftover_ranks):
+    """GPipe keeps all m micro-batches' activations on every stage; 1F1B at most p - r on stage r (2 on the
+    first, 1 on the last); ZB-H1 keeps no more than 1F1B's first stage. Measured bytes = one micro-batch's x
+    the count, exactly (every micro-batch of a stage saves the same tensors), and nothing is left after."""
+    memory = launched(2, directory)["memory"]  # rank 0: the first stage
+    for schedule, (one, peak, left) in memory.items():
+        assert left == 0, schedule
+        if schedule == "zb-h1":
+            assert peak <= 2 * one, (peak, one)
+        else:
+            assert peak == bubble.formula_in_flight(schedule, 2, 4, 0) * one, (schedule, peak, one)
+
+
+# --- checkpoints across (dp, pp, tp) layouts -------------------------------------------------------------------
+ADAM = functools.partial(torch.optim.AdamW, lr=1e-2)
+LOADERS = [("ddp", {}), ("local", {"tp": 2, "pp": 2, "microbatches": 2}), ("zero2", {"pp": 2, "microbatches": 2})]
+
+
+def checkpoints_across_layouts(directory):
+    """Train zero1 at dp 2 x pp 2 and save; load at pp 1 (ddp over 4), at tp 2 x pp 2 and back at dp 2 x pp 2."""
+    from toolkit.parallel.checkpoint import load_full, save_full
+
+    torch.manual_seed(0)
+    model, opt = toolkit.parallel.wrap(tiny_gpt(**FOUR, n_head=4), "zero1", optimizer=ADAM, pp=2, microbatches=2)
+    for step in range(2):
+        model.forward_backward(*SyntheticCorpus().batch(step, 8, rank=dist.get_rank() // 2, world_size=2))
+        opt.step()
+        opt.zero_grad()
+    first = os.path.join(directory, "dp2-pp2.pt")
+    save_full(model, opt, first)
+    saved = toolkit.parallel.full_state_dict(model)
+    found = {}
+    for strategy, options in LOADERS:
+        torch.manual_seed(1)  # other initial values: only the checkpoint can make them equal
+        other, other_opt = toolkit.parallel.wrap(tiny_gpt(**FOUR, n_head=4), strategy, optimizer=ADAM, **options)
+        load_full(other, other_opt, first)
+        again = os.path.join(directory, f"{strategy}-{sorted(options.items())}.pt")
+        save_full(other, other_opt, again)
+        state = toolkit.parallel.full_state_dict(other)
+        found[strategy] = (all(torch.equal(state[k], saved[k]) for k in saved), set(state) == set(saved), again)
+    return first, found
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.timeout(600)
+def test_checkpoints_move_between_pipeline_layouts_bit_for_bit(directory, no_leftover_ranks):
+    first, found = launched(4, directory)["checkpoints"]
+    original = torch.load(first, weights_only=True)
+    for strategy, (equal, same_names, again) in found.items():
+        assert equal and same_names, strategy
+        assert _same(torch.load(again, weights_only=True), original), strategy  # and saved again, the same file
