@@ -239,7 +239,6 @@ def _priced(sim, found: Cluster, mfu, dtype, stage_sims: dict | None = None) -> 
     fits = {r: check_fit(s, found) for r, s in stage_sims.items()}
     cost.useful_flops = useful_flops(stage_sims)
     cost.fit = fits[sim.rank] if all(f.fits for f in fits.values()) else next(f for f in fits.values() if not f.fits)
-    sim.stage_peaks = {r: s.peak for r, s in stage_sims.items()}
     return cost
 
 

@@ -46,8 +46,8 @@ def _span_events(timeline: Timeline, step: int) -> list[dict]:
         if s.kind != "compute":
             continue
         for key, name, cat, args in s.instruction.spans:
-            if name == s.instruction.phase:  # the loop's own "forward"/"backward"/"optimizer": above
-                continue
+            if name == s.instruction.phase and "action" not in args:  # the loop's own phases: above (a pipeline's
+                continue                                                # actions are spans of their own)
             if key in spans:
                 spans[key]["end"] = s.end
                 spans[key]["args"]["flops"] += s.instruction.flops

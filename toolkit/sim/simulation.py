@@ -29,7 +29,6 @@ import torch
 from ..memory import formulas
 from ..run import Run
 from ..units import bytes_text, count_text
-from ..trace.analysis import bytes_per_step as _bytes_per_phase
 from .program import Collective, Compute, collectives, total_flops
 
 
@@ -99,8 +98,14 @@ class Simulation:
 
     @property
     def bytes_per_phase(self) -> dict:
-        """The last step's bytes sent by phase: `toolkit.trace.analysis.bytes_per_step` of this Run."""
-        return _bytes_per_phase(self.run, self.rank)[-1]
+        """The last step's bytes sent by phase, {"forward": b, ..., "total": b}, from its program (what
+        `toolkit.trace.analysis.bytes_per_step` reads from a real Run; a pipeline's program may be put together
+        for more micro-batches than its Run simulated: `toolkit.sim.stage_assembly`)."""
+        out = {"total": 0}
+        for c in self.collectives():
+            out[c.phase] = out.get(c.phase, 0) + c.bytes_sent
+            out["total"] += c.bytes_sent
+        return out
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node

@@ -159,7 +159,7 @@ def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list,
         expected = {src: list(messages) for (src, dst), messages in order.items() if dst == p}
         early: set = set()
 
-        def copy(instructions):
+        def copy(instructions, action=None):
             new: dict = {}
             for ins in instructions:
                 if isinstance(ins, Collective):
@@ -167,6 +167,11 @@ def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list,
                     out.append(dataclasses.replace(ins, id=new[ins.id]))
                 elif isinstance(ins, Wait):
                     out.append(Wait(new[ins.id], ins.phase) if ins.id in new else ins)
+                elif action is not None and _action(ins) is not None:  # the action's span says which it is
+                    out.append(dataclasses.replace(ins, spans=tuple(
+                        (("action", me) + tuple(action), name, cat, dict(args, micro=action.micro, stage=action.stage,
+                                                                         rank=p))
+                        if "action" in args else (key, name, cat, args) for key, name, cat, args in ins.spans)))
                 else:
                     out.append(ins)
 
@@ -199,7 +204,7 @@ def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list,
                     early.add(message)
             else:
                 local = op.stage - p + rep  # the representative's stage at the same place
-                copy(found[(op.kind, micro_of(op.micro), local)])
+                copy(found[(op.kind, micro_of(op.micro), local)], op)
                 out += [Wait(c.id, c.phase) for c in sends]  # the mailbox reaps the sends
                 sends = []
         out += [Wait(c.id, c.phase) for c in sends]
