@@ -120,27 +120,41 @@ CASES = {2: [("local", dict(pp=2, microbatches=4))],
 
 
 def real_runs(cases):
-    """On every real rank: two steps of each case through `toolkit.train`; what the Run says of the second."""
+    """On every real rank: three steps of each case through `toolkit.train` (a steady last step: DDP rebuilds
+    its buckets in the second); what the Run says of the last. And the model states as the simulator counts
+    them, every one alive (after the update, before zero_grad), from its own step on these real ranks."""
+    from toolkit.models import SyntheticCorpus
+    from toolkit.sim.simulate import measure_steps, train_step
+    from toolkit.trace.analysis import bytes_per_step
     from toolkit.train import TrainConfig, train
 
     rank, world = dist.get_rank(), dist.get_world_size()
     found = []
     for strategy, options in cases:
         dp = world // options["pp"]
-        run = train(TrainConfig(strategy=strategy, steps=2, global_batch_size=BATCH * dp, model=SMALL,
+        run = train(TrainConfig(strategy=strategy, steps=3, global_batch_size=BATCH * dp, model=SMALL,
                                 options=dict(options), progress=False))
-        last = [s for s in run.samples if s["step"] == 1]
-        found.append({"bytes": toolkit.trace.analysis.bytes_per_step(run, rank)[-1],
-                      "states": {k: max(s[k] for s in last) for k in ("params", "grads", "optimizer")},
+        model, opt = toolkit.parallel.wrap(tiny_gpt(**SMALL), strategy, **options)
+        x, y = SyntheticCorpus().batch(0, BATCH * dp, rank=rank // (world // dp), world_size=dp)
+        train_step(model, opt, x, y, step=0)
+        states = measure_steps(model, opt, x, y, 1, first=1)["memory"]
+        found.append({"bytes": bytes_per_step(run, rank)[-1], "states": {k: states[k] for k in STATES},
                       **structure(run, rank)})
     return found
 
 
+STATES = ("params", "grads", "optimizer")
+
+
 def structure(run, rank, last_step=None) -> dict:
-    """The last step's collectives (op, message) in issue order and its pipeline actions in start order."""
-    start, end = toolkit.trace.analysis.step_windows(run, rank)[-1]
+    """The last step's collectives (op, message) in issue order and its pipeline actions in start order (a modelled
+    transfer starts when both sides are there: it was issued `queued_s` before, `issue_order`-th)."""
+    from toolkit.trace.analysis import step_windows
+
+    start, end = step_windows(run, rank)[-1]
     events = sorted((e for e in run.events if e["rank"] == rank and start <= e["start"] < end
-                     and (last_step is None or e["args"].get("step") == last_step)), key=lambda e: e["start"])
+                     and (last_step is None or e["args"].get("step") == last_step)),
+                    key=lambda e: (e["start"] - e["args"].get("queued_s", 0.0), e["args"].get("issue_order", 0)))
     return {"collectives": [(e["name"], e["args"].get("message")) for e in events if e["cat"] == "comm"],
             "actions": [(e["args"]["action"], e["args"]["micro"], e["args"]["stage"]) for e in events
                         if e["cat"] == "compute" and "action" in e["args"]]}
@@ -160,6 +174,6 @@ def test_simulated_pipeline_rank_equals_a_real_gloo_run(world, no_leftover_ranks
     for (strategy, options), sim, measured in zip(CASES[world], sims, real[rank]):
         case = f"{strategy} {options} rank {rank}/{world}"
         assert sim.bytes_per_phase == measured["bytes"], case
-        assert {k: sim.memory[k] for k in measured["states"]} == measured["states"], case
+        assert {k: sim.memory[k] for k in STATES} == measured["states"], case
         assert structure(sim.modelled_run, rank, last_step=len(sim.programs) - 1) == \
             {k: measured[k] for k in ("collectives", "actions")}, case
