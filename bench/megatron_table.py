@@ -128,17 +128,22 @@ def unsupported(r: dict) -> str | None:
 
 
 def predict(r: dict, cluster="dgx-a100") -> dict:
-    """The row's steady step on `cluster` (three and four layers, extrapolated), the paper's metric, the memory
-    verdict. The step is priced whether or not the peak fits (`fit`): the paper ran every row."""
+    """The row's steady step on `cluster`, the paper's metric, the memory verdict of the first stage (rank 0:
+    the embedding, and under 1F1B the most micro-batches in flight). Without pipelining: three and four layers,
+    extrapolated; with it, one and two blocks per (virtual) stage, or the whole model where a stage holds no
+    more. The step is priced whether or not the peak fits (`fit`): the paper ran every row."""
     from toolkit.sim import simulate
     from toolkit.sim.fused_adam import FusedAdamW
-    from toolkit.sim.sweep import BASE, extrapolate
+    from toolkit.sim.sweep import BASE, PIPELINE_BASE, extrapolate
 
     start = time.process_time()
-    sims = [simulate(functools.partial(model, n, r["heads"], r["hidden"]), "ddp", r["gpus"], optimizer=FusedAdamW,
-                     batch_per_rank=r["batch"] // r["dp"], mixed_precision=True, progress=False, cluster=cluster,
-                     **layout(r)) for n in BASE]
-    out = extrapolate(*sims, r["layers"])
+    stages = r["pp"] * r["virtual_stages"]
+    per_stage = r["layers"] // stages
+    at = BASE if stages == 1 else PIPELINE_BASE if per_stage > PIPELINE_BASE[-1] else (per_stage,)
+    sims = [simulate(functools.partial(model, n * stages, r["heads"], r["hidden"]), "ddp", r["gpus"],
+                     optimizer=FusedAdamW, batch_per_rank=r["batch"] // r["dp"], mixed_precision=True, progress=False,
+                     cluster=cluster, **layout(r)) for n in at]
+    out = extrapolate(*sims, per_stage, at) if len(sims) == 2 else extrapolate(sims[0], sims[0], per_stage, (0, 1))
     b = out["breakdown"]
     predicted = paper_flops(r) / b["step"] / r["gpus"] / 1e12
     peak = sims[0].cost.cluster.gpu.flops_per_s("bf16") * r["gpus"] * b["step"]

@@ -111,6 +111,26 @@ def test_a_rank_of_4096_in_a_dp_x_pp_x_tp_layout():
     assert sorted(sends) == sorted([activation] * 16 + [tied])
 
 
+@pytest.mark.timeout(900)
+def test_one_and_two_blocks_per_stage_extrapolate_to_four_exactly():
+    """A pipeline's blocks are alike: every action's work, the transfers, the bubble and the peak grow by the same
+    amount with each block per stage, so `sweep.extrapolate` from one and two blocks per stage (`PIPELINE_BASE`)
+    gives the four-block simulation's step, its parts and its peak (while the slowest stage stays the slowest:
+    here the last, with the head and the loss)."""
+    from toolkit.sim.sweep import PIPELINE_BASE, extrapolate
+
+    def at(blocks):
+        return simulate(lambda: tiny_gpt(n_layer=4 * blocks, d_model=256, n_head=4, seq_len=256, vocab_size=512),
+                        "ddp", 8, pp=4, microbatches=8, batch_per_rank=8, progress=False, mixed_precision=True,
+                        cluster="dgx-a100")
+
+    one, two, four = at(1), at(2), at(4)
+    out = extrapolate(one, two, 4, PIPELINE_BASE)
+    for part, seconds in four.breakdown.items():
+        assert out["breakdown"][part] == pytest.approx(seconds, rel=1e-9, abs=1e-15), part
+    assert out["peak"] == pytest.approx(four.peak, rel=1e-12)
+
+
 # --- against real runs ------------------------------------------------------------------------------------------
 SMALL = dict(n_layer=4, d_model=32, n_head=2)
 BATCH = 4  # rows per replica: the micro-batches

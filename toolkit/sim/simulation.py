@@ -28,6 +28,7 @@ import torch
 
 from ..memory import formulas
 from ..run import Run
+from ..trace import analysis  # noqa: F401 (toolkit.trace.analysis comes with the simulator, as lessons and tests use it)
 from ..units import bytes_text, count_text
 from .program import Collective, Compute, collectives, total_flops
 

@@ -27,18 +27,15 @@ def simulate_pipeline(simulate_rank, price, *, world_size: int, rank: int, batch
     """Rank `rank` of a pipelined job, simulated and priced with its whole pipeline: simulate_rank(rank=,
     batch_per_rank=, steps=, **options) simulates one rank of the job (unpriced); price(sim, stage_sims) prices
     them together (`cost.pricer`). The Simulation returned has its own memory and, for every micro-batch, its
-    program. With fewer micro-batches a rank may not run a forward after its first backward within the warm-up
-    step, where a strategy still settles (DDP rebuilds its buckets then): the representatives run one step more,
-    and the first measured one is left out."""
+    program."""
     pp, m = options["pp"], options.get("microbatches") or options["pp"]
     schedule = options.get("schedule", "1f1b")
     ranks = pipeline_of(world_size, rank, options)
     fewer = m if every_stage else reduced_microbatches(schedule, pp, m)
     if batch_per_rank % m:  # the pipeline's own error, said before any simulation
         simulate_rank(rank=rank, batch_per_rank=batch_per_rank, steps=steps, **options)
-    extra = int(fewer < m)
     smaller = dict(options, microbatches=fewer)
-    sim = simulate_rank(rank=rank, batch_per_rank=batch_per_rank // m * fewer, steps=steps + extra, **smaller)
+    sim = simulate_rank(rank=rank, batch_per_rank=batch_per_rank // m * fewer, steps=steps, **smaller)
     info = sim.pipeline_info
     if fewer == m:  # every rank simulated with every micro-batch
         sim.stage_sims = {r: sim if r == rank else simulate_rank(rank=r, batch_per_rank=batch_per_rank, steps=steps,
@@ -51,14 +48,14 @@ def simulate_pipeline(simulate_rank, price, *, world_size: int, rank: int, batch
     classes = stage_classes(info["split"], pp)
     me = ranks.index(rank)
     simulated = {p: sim if p == me else simulate_rank(rank=ranks[p], batch_per_rank=batch_per_rank // m * fewer,
-                                                      steps=steps + extra, **smaller)
+                                                      steps=steps, **smaller)
                  for p in sorted(set(classes.values()) | {me})}
     pieces = {}
     lowered = lowering.lower(schedules.build(info["schedule"], pp, m, info["virtual_stages"]), pp,
                              tied=info["tied"] is not None)
     order = lowering.send_order(lowered)
     assembled = []
-    for k in range(extra, steps + extra):
+    for k in range(steps):
         for p in set(classes.values()):
             pieces[p] = chunks(simulated[p].programs[k])
         assembled.append(assemble(lowered, pp, m, fewer, ranks, classes, pieces, order))
@@ -76,7 +73,9 @@ def simulate_pipeline(simulate_rank, price, *, world_size: int, rank: int, batch
 def reduced_microbatches(schedule, pp: int, microbatches: int) -> int:
     """Micro-batches enough for a representative rank: a first, a middle and a last one, and its steady state,
     where as many are in flight as the schedule ever keeps while gradients have accumulated (1F1B and ZB-H1:
-    pp + 1; interleaved: 2 pp, a multiple of pp); GPipe keeps every micro-batch in flight: all of them."""
+    pp + 1; interleaved: 2 pp, a multiple of pp); GPipe keeps every micro-batch in flight: all of them. With
+    these, every rank also runs a forward after its first backward within the warm-up step, where a strategy
+    settles what it learns from a backward (DDP rebuilds its buckets), so the step measured is a steady one."""
     if schedule == "gpipe" or not isinstance(schedule, str):
         return microbatches
     return min(microbatches, 2 * pp if schedule == "interleaved" else max(pp + 1, 3))
