@@ -89,6 +89,14 @@ def model(n_layer: int, heads: int, hidden: int):
                                            d_model=hidden), "megatron"))
 
 
+def figure_13(pp: int, batch: int = 128) -> dict:
+    """Figure 13's runs (examples/sc21/run_figure_13.sh): a 162.2B GPT (hidden 20480, 128 heads, 32 layers) on
+    64 GPUs as pp x tp (tp = 64 / pp), micro-batches of 1, local DDP. The paper: the best is tp = 8, pp = 8 (tp
+    as wide as a node, the pipeline across nodes), at batch 32 and 128."""
+    return configuration(dict(params=162.2, heads=128, hidden=20480, layers=32, tp=64 // pp, pp=pp, gpus=64,
+                              batch=batch, paper=None, row=f"fig13 pp={pp}"), 1, "local")
+
+
 def layout(r: dict) -> dict:
     """The options `toolkit.parallel.wrap` gets: the row's tensor and pipeline parallelism (none for row 1),
     its schedule, and its data parallelism: torch's DDP (25 MB buckets, the toolkit's default) or Megatron's

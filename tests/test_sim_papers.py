@@ -173,6 +173,20 @@ def test_megatron_figure_15_tensor_parallelism_loses_to_data_parallelism_and_fal
         assert exposed == sorted(exposed), (batch, exposed)
 
 
+@pytest.mark.papers  # several minutes on 2 cores: five layouts of a 162B model, pipelines up to 32 stages
+@pytest.mark.timeout(3600)
+def test_megatron_figure_13_tensor_as_wide_as_a_node_and_the_pipeline_across_nodes_is_best():
+    """Narayanan et al.'s Figure 13 (`examples/sc21/run_figure_13.sh`): a 162.2B GPT on 64 A100s as pp x tp,
+    128 sequences in micro-batches of one. The paper's ranking: tp 8 x pp 8 is the fastest. The simulator,
+    running the pipeline's own schedule on every layout, ranks the same way, for the paper's reasons: wider tp
+    leaves the node (its all-reduces cross the network), deeper pipelines wait longer ((p-1)/(m+p-1))."""
+    runs = {pp: MEGATRON.predict(MEGATRON.figure_13(pp)) for pp in (2, 4, 8, 16, 32)}
+    rates = {pp: r["predicted"] for pp, r in runs.items()}
+    assert max(rates, key=rates.get) == 8, rates
+    assert runs[4]["breakdown"]["exposed_comm"] > runs[8]["breakdown"]["exposed_comm"]  # tp 16: across nodes
+    assert runs[32]["breakdown"]["bubble"] > runs[16]["breakdown"]["bubble"] > runs[8]["breakdown"]["bubble"]
+
+
 def test_the_fused_adamw_stand_in_is_torchs_adamw_and_is_recorded_as_one_kernel():
     """`toolkit.sim.fused_adam.FusedAdamW` (the papers' fused optimizer, which torch refuses on meta tensors)
     takes the steps torch's AdamW takes, within fp32 rounding over ten steps (two updates of a value that is
