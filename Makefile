@@ -17,7 +17,7 @@ export CHROMIUM
 # JupyterLab refuses to start as root (containers, course VMs) unless told it may.
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup demo compare test test-browser test-papers test-grading test-stress test-gpu lab notebooks browser clean
+.PHONY: setup demo compare test test-times test-browser test-papers test-grading test-stress test-gpu lab notebooks browser clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,11 @@ demo: $(STAMP)
 
 test: $(STAMP) browser
 	$(PY) -m pytest -q
+
+# Where the suite's time goes: make test, with each test's wall and CPU seconds (its own and its processes') in
+# runs/test-times.tsv, most CPU first (CPU is what a test costs; wall says how busy the machine was).
+test-times: $(STAMP) browser
+	TOOLKIT_TEST_TIMES=runs/test-times.tsv $(PY) -m pytest -q --durations=30
 
 # Beyond the suite's time budget: grading at scale (misbehaving solutions, a class folder), about 25 s.
 test-grading: $(STAMP)

@@ -57,6 +57,9 @@ def sync_playwright():
     return start()
 
 
+_PORT_TRIES = 5
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -82,7 +85,7 @@ class Lab:
     """JupyterLab serving a copy of notebooks/ (and jupytext.toml) from `folder`."""
 
     def __init__(self, folder: Path):
-        self.folder, self.port, self.token = folder, _free_port(), secrets.token_hex(16)
+        self.folder, self.token = folder, secrets.token_hex(16)
         self.marker = f"TOOLKIT_BROWSER_LAB={self.token}"
         shutil.copytree(ROOT / "notebooks", folder / "notebooks",
                         ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
@@ -91,17 +94,29 @@ class Lab:
             path = folder / "settings" / f"{name}.jupyterlab-settings"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(values))
-        env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(folder / "settings"),
-                   JUPYTERLAB_WORKSPACES_DIR=str(folder / "workspaces"), TOOLKIT_BROWSER_LAB=self.token)
+        for _ in range(_PORT_TRIES):
+            self._start()
+            if self._wait_until_up():
+                return
+        raise RuntimeError(f"JupyterLab found its port taken {_PORT_TRIES} times:\n{self.server_log()}")
+
+    def _start(self) -> None:
+        """The server on a port that was free a moment ago, its kernels on Unix sockets (no port to lose).
+
+        A port found free can be taken before the server binds it (by any process binding port 0 meanwhile);
+        the server then exits saying so, and `_wait_until_up` tells, so that the caller tries another port."""
+        self.port = _free_port()
+        env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(self.folder / "settings"),
+                   JUPYTERLAB_WORKSPACES_DIR=str(self.folder / "workspaces"), TOOLKIT_BROWSER_LAB=self.token)
         command = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={self.port}",
                    "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={self.token}",
-                   f"--ServerApp.root_dir={folder}", "--ServerApp.port_retries=0"]
+                   f"--ServerApp.root_dir={self.folder}", "--ServerApp.port_retries=0",
+                   "--KernelManager.transport=ipc"]
         if os.geteuid() == 0:
             command.append("--allow-root")  # what `make lab` adds as root
-        self.log = open(folder / "server.log", "w")
-        self.process = subprocess.Popen(command, cwd=folder, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        self._wait_until_up()
+        self.log = open(self.folder / "server.log", "w")
+        self.process = subprocess.Popen(command, cwd=self.folder, env=env, stdout=self.log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
 
     def api(self, path: str, method: str = "GET"):
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/api/{path}", method=method,
@@ -110,14 +125,18 @@ class Lab:
             body = response.read()
         return json.loads(body) if body else None
 
-    def _wait_until_up(self, timeout_s: float = 90.0) -> None:
+    def _wait_until_up(self, timeout_s: float = 90.0) -> bool:
+        """True once the server answers; False when it exited because its port was taken."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self.log.close()
+                if "is already in use" in self.server_log():
+                    return False
                 raise RuntimeError(f"JupyterLab exited with {self.process.returncode}:\n{self.server_log()}")
             try:
                 self.api("status")
-                return
+                return True
             except OSError:
                 time.sleep(0.5)
         raise RuntimeError(f"JupyterLab did not answer within {timeout_s:.0f} s:\n{self.server_log()}")

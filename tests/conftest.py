@@ -1,6 +1,9 @@
 """Shared test settings: every multi-process test is bounded in time, and leaves no process behind."""
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -8,8 +11,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from cpu_times import pytest_runtest_protocol, pytest_sessionfinish  # noqa: E402,F401 - TOOLKIT_TEST_TIMES
+
 
 os.environ["TOOLKIT_TEST_PID"] = str(os.getpid())  # inherited by every process a test starts, however deep
+
+# ipyparallel's controller picks its ~20 ports by binding port 0, releases them, and binds them later: any process
+# given a port by the OS meanwhile (a rendezvous store, a rank's connection) can take one, and the cluster never
+# starts. The tests' controllers (those of every process they start: the profile is found through IPYTHONDIR) take
+# their ports from below the OS's ephemeral range instead, where the OS hands out none.
+_CONTROLLER_PORTS = """
+import random, socket
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+def _free(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+        return True
+get_config().IPController.ports = [p for p in random.sample(range(low // 2, low), 400) if _free(p)][:64]
+"""
+_IPYTHON_DIR = tempfile.mkdtemp(prefix="toolkit-tests-ipython-")
+os.makedirs(os.path.join(_IPYTHON_DIR, "profile_default"))
+with open(os.path.join(_IPYTHON_DIR, "profile_default", "ipcontroller_config.py"), "w") as _f:
+    _f.write(_CONTROLLER_PORTS)
+os.environ["IPYTHONDIR"] = _IPYTHON_DIR
+atexit.register(shutil.rmtree, _IPYTHON_DIR, ignore_errors=True)
 
 
 def _children() -> set[int]:

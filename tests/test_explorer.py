@@ -169,20 +169,22 @@ def test_the_scale_explorer_redraws_its_figure_and_verdict_on_every_click():
 
 
 def test_the_scale_explorer_offers_only_what_applies():
-    from toolkit.viz.scale_explorer import ScaleExplorer, scale_case
+    from toolkit.viz.scale_explorer import ScaleExplorer, case_text, scale_case
 
     explorer = ScaleExplorer(run=False)
-    assert explorer.checkpointing.disabled is False  # fsdp checkpoints
-    explorer.strategy.value = "zero2"
-    assert explorer.checkpointing.disabled is True and explorer.checkpointing.value is False
+    explorer.checkpointing.value = True
+    for strategy in explorer.strategy.options:  # activation checkpointing is every strategy's option
+        explorer.strategy.value = strategy
+        assert explorer.checkpointing.disabled is False and explorer.checkpointing.value is True
     explorer.model.value = "MoE-GPT-S (16 experts)"  # experts are expert-parallel: ddp trains the dense part
     assert list(explorer.strategy.options) == ["ddp"] and explorer.strategy.value == "ddp"
     explorer.model.value = "GPT-3 175B"
     assert "hsdp" in explorer.strategy.options and "hybrid" not in str(explorer.widget.children)
     with pytest.raises(ValueError, match="does not apply"):
         scale_case("MoE-GPT-S (16 experts)", "zero3", 64)
-    with pytest.raises(ValueError, match="activation checkpointing"):
-        scale_case("GPT-2 XL", "ddp", 8, activation_checkpointing=True)
+    plain, checkpointed = (scale_case("GPT-2 XL", "ddp", 8, activation_checkpointing=c) for c in (False, True))
+    assert checkpointed["flops"] > 1.2 * plain["flops"]  # backward recomputes each block's forward
+    assert "ddp with activation checkpointing" in case_text(checkpointed)
 
 
 def test_the_scale_explorer_simulates_moe_with_more_ranks_than_experts():

@@ -22,7 +22,7 @@ MPI_SCRIPT = textwrap.dedent("""
     toolkit.comm.all_reduce(torch.ones(3))
     if place.rank == 1:
         raise ValueError("rank one is unhappy")
-    time.sleep(60)  # the others compute on: only an abort ends them early
+    time.sleep(600)  # the others compute on: only an abort ends them early
 """)
 
 
@@ -32,12 +32,10 @@ def test_under_mpiexec_a_raising_rank_ends_the_job_with_its_traceback_once(tmp_p
     script, pids = tmp_path / "job.py", tmp_path / "pids"
     script.write_text(MPI_SCRIPT)
     pids.mkdir()
-    start = time.time()
+    # the others sleep 600 s after rank 1 raised: only the abort can end the job inside the timeout
     out = subprocess.run([_bin("mpiexec"), "-n", "3", sys.executable, str(script), str(pids)], capture_output=True,
-                         text=True, timeout=90, env=_clean_env(), cwd=tmp_path)
-    elapsed = time.time() - start
+                         text=True, timeout=150, env=_clean_env(), cwd=tmp_path)
     assert out.returncode != 0
-    assert elapsed < 45, f"the job ran on for {elapsed:.0f}s after rank 1 raised"  # ~6 s here, under load
     err = out.stderr
     assert err.count("ValueError: rank one is unhappy") == 1, err
     assert "[rank1]: toolkit: rank 1 raised ValueError; ending the whole job (MPI_Abort)" in err
@@ -56,16 +54,18 @@ def test_the_witness_names_the_first_silent_death_only(tmp_path, raised_first):
     try:
         seen = subprocess.Popen([sys.executable, witness, str(marks), "host-a"] +
                                 [f"{r}:{p.pid}" for r, p in enumerate(ranks)], stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 30
+        deadline = time.time() + 120
         while not (marks / "watching").exists() and time.time() < deadline:
             time.sleep(0.01)
         if raised_first:
             (marks / "raised-1").touch()
         ranks[2].kill(), ranks[2].wait()
-        time.sleep(0.3)
+        # the others die once the witness has seen rank 2 end alone (it tells at once; a raise made it silent,
+        # whatever it sees together): a pause instead let a starved witness see all three end at once
+        first = "" if raised_first else seen.stderr.readline()
         for p in (ranks[0], ranks[1]):
             p.kill(), p.wait()
-        told = seen.communicate(timeout=30)[1]
+        told = first + seen.communicate(timeout=30)[1]
     finally:
         for p in ranks:
             p.kill(), p.wait()
@@ -115,7 +115,7 @@ def test_under_mpiexec_a_rank_that_dies_without_raising_is_named_with_how(how, s
     assert re.search(story, out.stderr), out.stderr
     assert "its traceback is the one to read" not in out.stderr, out.stderr
     assert len(os.listdir(pids)) == 3 and gone([int(p) for p in os.listdir(pids)]), "a rank outlived its job"
-    deadline = time.time() + 15  # the witness removes its folder once every rank of its machine has ended
+    deadline = time.time() + 60  # the witness removes its folder once every rank of its machine has ended
     while os.listdir(scratch) and time.time() < deadline:
         time.sleep(0.1)
     assert not os.listdir(scratch), os.listdir(scratch)

@@ -136,9 +136,8 @@ def _assert_dead(pid_dir):
 
 def test_a_raising_rank_stops_everything_promptly(tmp_path, no_leftover_ranks):
     with pytest.raises(RankError) as info:
-        toolkit.launch(_raise_on_rank_1, 3, args=(str(tmp_path),), timeout_s=60)
-    raised = max(os.path.getmtime(tmp_path / name) for name in os.listdir(tmp_path))  # rank 1 raises then
-    assert time.time() - raised < 20, "the failure should surface within seconds, not after the timeout"
+        # promptly: a launch that waited for rank 0's collective to time out would outlast this test's own limit
+        toolkit.launch(_raise_on_rank_1, 3, args=(str(tmp_path),), timeout_s=3600)
     message = str(info.value)
     assert info.value.rank == 1
     assert message.startswith("rank 1 raised ValueError: rank one is unhappy")
@@ -305,10 +304,8 @@ def test_a_deadline_stops_ranks_that_never_reach_a_collective(tmp_path, no_lefto
         open(os.path.join(folder, str(dist.get_rank())), "w").close()
         while True:
             pass
-    start = time.time()
-    with pytest.raises(RankError, match="deadline_s=3") as info:
+    with pytest.raises(RankError, match="deadline_s=3") as info:  # the deadline, not the test's limit, ended it
         toolkit.launch(spin, 2, args=(str(tmp_path),), deadline_s=3)
-    assert time.time() - start < 20
     # A rank that was spinning is shown where it spins (on a starved machine a rank may not have started in
     # 3 s: test_a_rank_stuck_in_compute_is_shown_where_it_is shows stacks whatever the load).
     spinning = [int(name) for name in os.listdir(tmp_path)]

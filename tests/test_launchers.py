@@ -28,7 +28,7 @@ def _bin(name):
     return path if os.path.exists(path) else shutil.which(name)
 
 
-def gone(pids, patience_s=15.0) -> bool:
+def gone(pids, patience_s=60.0) -> bool:
     """True once every pid has exited (the MPI launcher reaps its ranks a moment after it returns)."""
     deadline = time.time() + patience_s
     while time.time() < deadline:
@@ -106,6 +106,14 @@ RAISES_ON_RANK_1 = ("import os, torch, torch.distributed as dist\n"
 SUMS = "x = torch.ones(2) * (dist.get_rank() + 1)\ntoolkit.comm.all_reduce(x)\nresult = (dist.get_rank(), x.tolist())"
 
 
+def assert_told_at_once(error):
+    """Rank 1 raised; the engines waiting for it in the all-reduce failed because it went away, not at timeout_s
+    (PeerFailed either way, "it timed out" then): what happened, not when, so load cannot change it."""
+    told = sorted((name, "another rank of the group went away" in str(value)) for name, value, _, _ in error.elist)
+    assert told == [("PeerFailed", True), ("PeerFailed", True), ("ValueError", False)], \
+        [(n, str(v)[:200]) for n, v, _, _ in error.elist]
+
+
 def test_ipyparallel_engines_run_cells_survive_a_failed_one_and_name_a_dead_engine():
     import ipyparallel as ipp
 
@@ -118,10 +126,9 @@ def test_ipyparallel_engines_run_cells_survive_a_failed_one_and_name_a_dead_engi
     try:  # what `%%px` cells do: the same code on every engine
         view.execute("import torch, torch.distributed as dist\n" + SUMS, block=True)
         assert sorted(view.pull("result", block=True)) == expected
-        start = time.time()
         with pytest.raises(ipp.error.CompositeError) as failed:
             view.execute(RAISES_ON_RANK_1, silent=False, block=True)
-        assert time.time() - start < 15, "rank 1's failure should end the cell at once, not at timeout_s=20"
+        assert_told_at_once(failed.value)
         note = toolkit.runtime.explain_cluster_error(rc, failed.value)
         assert note.startswith("toolkit: rank 1 (engine 1) raised ValueError: rank one is unhappy"), note
         assert "ranks 0, 2 are consequences" in note and "nothing to restart" in note
@@ -191,10 +198,9 @@ def test_ipyparallel_apply_recovers_and_a_killed_engine_is_named_as_the_one_that
     pids = rc.toolkit_cluster["pids"]
     view = rc[:]
     try:
-        start = time.time()
         with pytest.raises(ipp.error.CompositeError) as failed:
             view.apply_sync(cell["raises_on_rank_1_while_the_others_reduce"])
-        assert time.time() - start < 15, "the waiting engines should fail at once, not at timeout_s=20"
+        assert_told_at_once(failed.value)
         note = toolkit.runtime.explain_cluster_error(rc, failed.value)
         assert note.startswith("toolkit: rank 1 (engine 1) raised ValueError: rank one is unhappy"), note
         assert view.apply_sync(cell["sum_of_ranks"]) == [[6.0, 6.0]] * 3  # the next call just works

@@ -271,10 +271,12 @@ def test_an_emulated_collective_takes_at_least_the_modelled_time(world):
     model = alpha_beta_time("all_reduce", NBYTES, world, LATENCY, 1 / BANDWIDTH)
     for res in results(world):
         em = res["emulation"]
-        assert model <= em["elapsed"] < model + 0.5, (em["elapsed"], model)
+        assert em["elapsed"] >= model, (em["elapsed"], model)
         event = em["event"]
         assert event["emulated_s"] == pytest.approx(model) and event["link"] == "inter-node"
-        assert event["seconds"] >= model and event["emulated_sleep_s"] > 0
+        # it sleeps what the real transfer left of the model, never more; nothing when a loaded machine took longer
+        # than the model by itself (how much longer is the machine's, not the emulator's: no bound on it)
+        assert event["seconds"] >= model and 0 <= event["emulated_sleep_s"] <= model
         total, slept = em["async"]  # computing for `model` seconds hid the emulated transfer: no sleep left
         assert not em["completed_at_once"] and total >= model and slept == 0
         latency = alpha_beta_time("all_reduce", NBYTES, world, LATENCY, 0.0)

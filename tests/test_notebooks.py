@@ -5,6 +5,7 @@ would. The .py (jupytext py:percent) is the source of truth; `make notebooks` re
 """
 import glob
 import os
+import re
 
 import nbformat
 import pytest
@@ -60,3 +61,37 @@ def test_notebook_runs_top_to_bottom(path, tmp_path):
     client = NotebookClient(nb, km=kernel, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": os.path.dirname(path)}})
     client.execute()  # raises CellExecutionError with the failing cell and its traceback
+    if os.path.basename(path).startswith(PRINTS_THE_SIMULATOR):
+        noise = printed_noise(nb)
+        assert not noise, f"{_id(path)} prints numbers no one should read: {noise}"
+
+
+# Lessons that print the simulator's numbers: what they print is read by the magnitude (toolkit/units.py).
+PRINTS_THE_SIMULATOR = ("07-", "08-")
+NOISE = {
+    "a negative duration": r"(?<![\w.])-\d+(?:\.\d+)?\s?(?:s|ms|µs|us|ns)\b",
+    "a duration in scientific notation (residue below a microsecond)": r"\d(?:\.\d+)?e-\d+\s?(?:s|ms|µs|us)\b",
+    "a zero in too large a unit": r"(?<![\d.])0\.0+\s?(?:TB|GB|MB|kB|s|ms|TFLOP/s|GB/s)\b",
+    "a count in too large a unit": r"(?<![\d.])0\.\d+[KMBT] parameters",
+}
+
+
+def printed_noise(nb) -> list[str]:
+    """What the executed notebook printed (streams and text results) that matches a NOISE pattern."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        for output in cell.get("outputs", []):
+            text = output.get("text", "") or output.get("data", {}).get("text/plain", "")
+            for what, pattern in NOISE.items():
+                found += [f"cell {i}: {what}: {m.group(0)!r}" for m in re.finditer(pattern, text)]
+    return found
+
+
+def test_the_noise_check_catches_what_the_trial_saw():
+    printed = ["add ddp: -12 ms exposed", "3.47e-15 ms hidden", "0.000 GB", "0.000106B parameters",
+               "exposed 1.2 ms, hidden 4.7 µs, 2.79 TB, 106K parameters, loss -0.25, step 12 ms"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(outputs=[
+        nbformat.v4.new_output("stream", name="stdout", text=t)]) for t in printed])
+    assert [f.split(":")[1].strip() for f in printed_noise(nb)] == [
+        "a negative duration", "a duration in scientific notation (residue below a microsecond)", "a zero in too large a unit",
+        "a count in too large a unit"]

@@ -28,8 +28,9 @@ import torch.distributed as dist
 import toolkit
 from toolkit.memory.ledger import ActivationMeter
 from toolkit.models import SyntheticCorpus, moe_model_fn, tiny_gpt
-from toolkit.parallel.pipeline import bubble
+from toolkit.parallel.pipeline import bubble, lowering, schedules
 from toolkit.train import TrainConfig, train
+from test_tensor_parallel import _same  # nested checkpoints compared value by value
 
 LOSS_ATOL, PARAM_ATOL = 1e-4, 1e-5
 MP_LOSS_ATOL, MP_PARAM_ATOL = 3 / 32, 5e-4
@@ -53,6 +54,8 @@ CASES = {
          dict(model=FOUR)),
         ("zero3 x pp, gpipe", dict(strategy="zero3", model=FOUR, options={"pp": 2, "microbatches": 2,
                                                                            "schedule": "gpipe"}), False, dict(model=FOUR)),
+        ("zero1 x pp, zb-h1", dict(strategy="zero1", model=FOUR, options={"pp": 2, "microbatches": 2,
+                                                                          "schedule": "zb-h1"}), False, dict(model=FOUR)),
         ("tp+sp x pp", dict(clip=0.05, model=FOUR, options={"pp": 2, "tp": 2, "sequence_parallel": True,
                                                              "microbatches": 4}), False, dict(model=FOUR, clip=0.05))],
     8: [("zero1 x pp x tp", dict(strategy="zero1", clip=0.05, model=FOUR, options={"pp": 2, "tp": 2,
@@ -77,6 +80,10 @@ def layouts(world, directory):
         run, state = train(TrainConfig(**{**BASE, **fields}), model_fn=moe_model_fn(**MOE) if moe else None,
                            return_state=True)
         found[name] = (losses_of(run), state)
+        if name == "zb-h1":  # both ranks' records, for the figure
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, run)
+            found["zb-h1 run"] = toolkit.Run.merge(everyone)
         if name == "ddp x pp":
             found["ddp bytes"] = dp_bytes(run)
     if world == 2:
@@ -224,16 +231,6 @@ def checkpoints_across_layouts(directory):
     return first, found
 
 
-def _same(a, b) -> bool:
-    if torch.is_tensor(a):
-        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 @pytest.mark.timeout(600)
 def test_checkpoints_move_between_pipeline_layouts_bit_for_bit(directory, no_leftover_ranks):
     first, found = launched(4, directory)["checkpoints"]
@@ -241,3 +238,44 @@ def test_checkpoints_move_between_pipeline_layouts_bit_for_bit(directory, no_lef
     for strategy, (equal, same_names, again) in found.items():
         assert equal and same_names, strategy
         assert _same(torch.load(again, weights_only=True), original), strategy  # and saved again, the same file
+
+
+@pytest.mark.timeout(600)
+def test_the_timeline_figure_draws_a_real_run(directory, no_leftover_ranks):
+    """ZB-H1 at pp 2, m 4: every rank's F, B and W of every micro-batch is a block labelled like the schedule
+    prints it, coloured by micro-batch; an arrow for each activation and gradient that crossed."""
+    from toolkit.viz import pipeline_timeline, style
+
+    run = launched(2, directory)["zb-h1 run"]
+    fig = pipeline_timeline(run, formula=bubble.formula_bubble("zb-h1", 2, 4))
+    bars = {t.name: t for t in fig.data}
+    assert sorted(bars) == ["backward", "forward", "weight gradients"]
+    for name, kind in (("forward", "F"), ("backward", "B"), ("weight gradients", "W")):
+        assert sorted(bars[name].text) == sorted(f"{kind}{i}" for i in range(4) for _ in range(2))
+        colours = {t: c for t, c in zip(bars[name].text, bars[name].marker.color)}
+        assert colours[f"{kind}0"] == style.shade(style.SEQUENCE[0], {"F": 0, "B": 2, "W": 1}[kind])
+    assert len(fig.layout.annotations) == 2 * 4  # 4 activations forward, 4 gradients back
+    assert "the schedule's formula: 8%" in fig.layout.title.subtitle.text  # (p-1)(F+B-W)/(3m+(p-1)) = 1/13
+
+
+@pytest.mark.timeout(600)
+def test_a_real_run_follows_its_schedule_and_its_bubble_is_the_formulas_with_these_costs(directory,
+                                                                                       no_leftover_ranks):
+    """A real step's actions, on each rank in the schedule's order; replayed at the textbook's costs they give the
+    formula exactly, and replayed at their own measured durations, with free communication, they never take
+    longer than the real step (a lower bound: a real rank starts no action earlier than the replay does;
+    the ranks' clocks agree within a millisecond). Timing-free: nothing here depends on how fast the machine is."""
+    run = launched(2, directory)["zb-h1 run"]
+    spans = [e for e in run.events if e["cat"] == "compute" and "action" in e["args"] and e["args"]["step"] == 1]
+    actions = schedules.build("zb-h1", 2, 4)
+    for rank, mine in enumerate(actions):
+        ran = [(e["args"]["action"], e["args"]["micro"], e["args"]["stage"])
+               for e in sorted(spans, key=lambda e: e["start"]) if e["rank"] == rank]
+        assert ran == [tuple(a) for a in mine], rank
+    programs = lowering.lower(actions, 2, tied=True)
+    busy, span = lowering.busy_and_span(lowering.replay(programs, lowering.unit_cost(True)))
+    assert 1 - busy[0] / span == pytest.approx(bubble.formula_bubble("zb-h1", 2, 4), abs=1e-12)
+    took = {(e["args"]["action"], e["args"]["micro"], e["args"]["stage"]): e["end"] - e["start"] for e in spans}
+    replayed = lowering.busy_and_span(lowering.replay(programs, lambda a: took[tuple(a)]))[1]
+    real = max(e["end"] for e in spans) - min(e["start"] for e in spans)
+    assert real >= replayed - 1e-3

@@ -34,6 +34,7 @@ CASES = {  # name -> (model, strategy, wrap options)
     "no stage protocol": (lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), "local", dict(pp=2)),
     "experts over the world": (lambda: moe_gpt(4, 2), "local", dict(pp=2)),
     "a schedule that deadlocks": (lambda: tiny_gpt(), "local", dict(pp=2, microbatches=2, schedule=wrong_order)),
+    "zero-bubble under fsdp": (lambda: tiny_gpt(), "fsdp", dict(pp=2, schedule="zb-h1")),
 }
 
 
@@ -76,6 +77,7 @@ EXPECTED = {
     "experts over the world": ["ranks [0, 1]", "stage_group(pp=2"],
     "a schedule that deadlocks": ["PipelineDeadlock", "rank 0 waits at 0B0 (after 0F0)",
                                   "rank 1 waits at 1F1 (after 1F0) to receive the activation of micro-batch 1"],
+    "zero-bubble under fsdp": ["schedule='zb-h1' splits each backward in two", "schedule='1f1b' with fsdp"],
     "model(x, y)": ["model.forward_backward(x, y)", "pp = 2"],
     "batch does not split": ["a batch of 6 rows does not split into microbatches=4", "multiple of 4 (e.g. 8)"],
 }

@@ -14,7 +14,8 @@ SINGLE = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
 
 def dry_run(name, p, m, v=1, tied=True):
     actions = schedules.build(name, p, m, v)
-    timeline = lowering.replay(lowering.lower(actions, p, tied=tied), lowering.unit_cost(schedules.splits_backward(actions)))
+    timeline = lowering.replay(lowering.lower(actions, p, tied=tied),
+                               lowering.unit_cost(schedules.splits_backward(actions), v))
     return actions, timeline
 
 
@@ -29,11 +30,13 @@ def test_dry_run_bubble_is_the_formula(name, v, p, m):
         assert idle == pytest.approx(bubble.formula_bubble(name, p, m, v), abs=1e-12)
 
 
-def test_zero_bubble_has_a_third_of_1f1b_bubble_time():
-    """Qi et al.'s claim at F = B = W: ZB-H1 idles (p-1) units where 1F1B idles 3(p-1)."""
+def test_interleaving_halves_and_zero_bubble_thirds_1f1b_idle_time():
+    """1F1B idles 3(p-1) units per step (a stage's forward is 1); interleaved at v stages per rank (each 1/v of
+    the layers) 3(p-1)/v (Narayanan et al.); ZB-H1 at F = B = W (p-1) (Qi et al.)."""
     for p, m in GRID:
-        spans = [lowering.busy_and_span(dry_run(n, p, m)[1])[1] - 3 * m for n in ("1f1b", "zb-h1")]
-        assert spans == [3 * (p - 1), p - 1]
+        idle = [lowering.busy_and_span(dry_run(n, p, m, v)[1])[1] - 3 * m for n, v in
+                (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))]
+        assert idle == [3 * (p - 1), 1.5 * (p - 1), p - 1]
 
 
 @pytest.mark.parametrize("name, v", SINGLE + [("interleaved", 2)])

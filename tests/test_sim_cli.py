@@ -14,8 +14,9 @@ def test_the_top_level_help_lists_every_command_and_simulate_says_its_options_an
     for command in ("demo", "compare", "simulate", "grade", "release"):
         assert f"\n  {command} " in top, top
     text = cli.parser().format_help()
-    for flag in ("--activation-checkpointing", "--forward-prefetch", "--no-backward-prefetch", "hsdp",
-                 "(default: 512)", "(default: dgx-a100)", "(default: gpt3-175b)"):
+    for flag in ("--activation-checkpointing", "--forward-prefetch", "--no-backward-prefetch", "hsdp", "--tp",
+                 "--sequence-parallel", "(default: 512)", "(default: dgx-a100)", "(default: gpt3-175b)",
+                 "simulates (default: 0)"):
         assert flag in text, flag
     documented = [a for a in cli.parser()._actions if a.dest != "help"]
     assert all(a.help for a in documented), [a.dest for a in documented if not a.help]
@@ -33,9 +34,13 @@ def test_the_fsdp_papers_configuration_is_the_readmes():
     args = parse.parse_args("--strategy hsdp --ranks-per-node 4 --no-backward-prefetch --fp32".split())
     assert cli.options_of(args, parse) == ("fsdp", dict(sharding_group_size=4, backward_prefetch=False))
     with pytest.raises(SystemExit) as stop:
-        bad = parse.parse_args("--strategy ddp --activation-checkpointing".split())
+        bad = parse.parse_args("--strategy ddp --forward-prefetch".split())
         cli.options_of(bad, parse)
     assert stop.value.code == 2
+    # activation checkpointing is every strategy's option; --tp makes the strategy the method over dp = world / tp
+    args = parse.parse_args("--strategy zero1 --activation-checkpointing --tp 8 --sequence-parallel".split())
+    assert cli.options_of(args, parse) == ("zero1", dict(mixed_precision=True, activation_checkpointing=True, tp=8,
+                                                         sequence_parallel=True))
 
 
 def test_a_job_that_fits_gets_its_time_report_and_trace_and_one_that_does_not_gets_what_would_make_it_fit(
@@ -53,3 +58,18 @@ def test_a_job_that_fits_gets_its_time_report_and_trace_and_one_that_does_not_ge
     assert "DOES NOT FIT" in out and "shard the model states" in out and "TFLOP/s" not in out
     assert not (tmp_path / "sim-gpt3-175b-ddp-512-dgx-a100-trace.json").exists()
     assert "DOES NOT FIT" in (tmp_path / "sim-gpt3-175b-ddp-512-report.html").read_text()
+
+
+def test_moe_with_more_gpus_than_experts_and_a_tensor_parallel_layout_simulate_from_the_command_line(tmp_path, capsys):
+    """The trial: the CLI crashed for MoE-GPT-S (16 experts) at 32 GPUs and more (index_add on meta). And
+    `--tp` gives simulate's tp option: the strategy is the data-parallel method over world / tp replicas."""
+    assert cli.main(["--model", "moe-gpt-s", "--layers", "1", "--strategy", "ddp", "--world-size", "32",
+                     "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "ddp on 32 simulated ranks" in out and "all_to_all" in out and "fits in the" in out
+    assert cli.main(["--model", "tiny", "--strategy", "zero1", "--world-size", "8", "--tp", "2", "--sequence-parallel",
+                     "--activation-checkpointing", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "zero1 over dp=4 x tp=2 with sequence parallelism on 8 simulated ranks" in out
+    assert cli.main(["--model", "tiny", "--sequence-parallel", "--out", str(tmp_path)]) == 2
+    assert "needs tp > 1" in capsys.readouterr().out

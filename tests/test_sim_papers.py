@@ -139,15 +139,16 @@ def test_megatron_weak_scaling_table_within_15_percent_per_row(i):
     """Each row's per-GPU TFLOP/s (the paper's FLOP count over the predicted step time), in the paper's own
     configuration (`bench/megatron_table.py`: its artifact's micro-batches, DDP and schedule), priced from
     datasheets and a GEMM microbenchmark only. Always: an upper bound on what the paper measured (the model
-    prices the kernels and leaves out only costs). The target, within 15%: the rows in MEGATRON_MISSES miss
-    it, and say by how much; a row that comes within it fails until it is taken off that list. Rows that need
-    pipeline parallelism are skipped, with the reason, until the simulator runs them."""
+    prices the kernels and leaves out only costs), and a peak that fits in the GPU (the paper ran every row).
+    The target, within 15%: the rows in MEGATRON_MISSES miss it, and say by how much; a row that comes within
+    it fails until it is taken off that list."""
     r = MEGATRON.row(i)
     why = MEGATRON.unsupported(r)
     if why:
         pytest.skip(why)
     got = MEGATRON.predict(r)
     said = f"row {i} ({r['params']}B): predicted {got['predicted']:.0f} TFLOP/s per GPU, paper {r['paper']}"
+    assert got["fit"].fits, f"row {i}: {got['fit'].text()} (the paper ran it: the simulated memory disagrees)"
     assert got["error"] > 0, said + ": below what the paper measured, which a kernels-only model cannot be"
     within = abs(got["error"]) <= MEGATRON.TOLERANCE
     if i in MEGATRON_MISSES:

@@ -103,3 +103,22 @@ def test_simulated_tensor_parallel_rank_equals_a_real_gloo_run_and_the_formulas(
             terms = tp_activation_terms(s, BATCH, h, a, t, sequence_parallel=sp, bytes_per_value=4, dropout=False,
                                         fused_attention=True, small_terms=True)
             assert measured["activations"] == [sum(terms.values())] * L, (case, terms)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_activation_checkpointing_repeats_the_collectives_of_the_forward_it_runs_again(sp):
+    """Backward re-runs each block's forward as far as torch's checkpoint needs: one more all-reduce per block
+    (the attention's g), or under sequence parallelism two all-gathers and a reduce-scatter. The simulated rank
+    (the same code as a real one) sends what `tp_bytes_per_step(recompute=True)` says, its summary no more than
+    its theory."""
+    for layers in (2, 3):
+        sims = {c: simulate(lambda: tiny_gpt(**dict(SMALL, n_layer=layers)), "local", 2, batch_per_rank=BATCH,
+                            tp=2, sequence_parallel=sp, activation_checkpointing=c, progress=False) for c in (False, True)}
+        for recompute, sim in sims.items():
+            formula = tp_bytes_per_step(BATCH, 32, SMALL["d_model"], layers, 2, sequence_parallel=sp,
+                                        recompute=recompute)
+            assert {op: b for op, b in sim.bytes_per_step.items()} == {op: b for op, b in formula.items() if b}
+            assert sim.theory()["bytes_per_step"] == sim.bytes_per_step["total"]
+        extra = tp_bytes_per_step(BATCH, 32, SMALL["d_model"], layers, 2, sequence_parallel=sp, recompute=True)["total"] \
+            - tp_bytes_per_step(BATCH, 32, SMALL["d_model"], layers, 2, sequence_parallel=sp)["total"]
+        assert extra == layers * (3 if sp else 2) * (2 - 1) / 2 * BATCH * 32 * SMALL["d_model"] * 4

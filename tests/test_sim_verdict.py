@@ -45,6 +45,11 @@ def test_the_advice_to_checkpoint_activations_is_what_makes_it_fit():
     checkpointed = simulate(long_sequences, "fsdp", 8, batch_per_rank=4, cluster=SMALL,
                             activation_checkpointing=True, **MIXED)
     assert checkpointed.fits and checkpointed.step_time > 0
+    # not only FSDP's: activation checkpointing is every strategy's option, and the advice says so
+    zero2 = simulate(long_sequences, "zero2", 8, batch_per_rank=4, cluster=SMALL, **MIXED)
+    assert not zero2.fits and zero2.fit.advice[0].startswith("activation checkpointing (activation_checkpointing=True)")
+    assert simulate(long_sequences, "zero2", 8, batch_per_rank=4, cluster=SMALL, activation_checkpointing=True,
+                    **MIXED).fits
 
 
 def test_without_a_cluster_the_summary_says_how_to_know_and_this_machine_shares_its_ram():

@@ -52,8 +52,8 @@ def allocator_peak(strategy, options, world, rank) -> int:
     # gloo stages a reduce-scatter or all-gather through a copy of the message, inside the c10d call (NCCL
     # writes in place): that copy is gloo's, not the strategy's, and the simulated cluster has none
     gloo = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("name", "").startswith("c10d::")]
-    events = [e["args"] for e in trace if e.get("name") == "[memory]"
-              and not any(a <= e["ts"] <= b for a, b in gloo)]
+    events = [e["args"] for e in sorted(trace, key=lambda e: e.get("ts", 0)) if e.get("name") == "[memory]"
+              and not any(a <= e["ts"] <= b for a, b in gloo)]  # in time order: the trace lists thread by thread
     live, running, highest = {}, 0, 0  # blocks allocated during the step, by address
     for e in events:
         if e["Bytes"] > 0:

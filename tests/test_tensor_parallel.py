@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import foreign_models as fm
+from tp_rank_checks import SGD, norm_of_ones, overflow_on_one_rank, wrapped_mesh
 import toolkit
 from toolkit.models import SyntheticCorpus, moe_model_fn
 from toolkit.train import TrainConfig, train
@@ -42,7 +43,6 @@ ENCODER_PLAN = {"encoder.layers.*.linear1": "colwise", "encoder.layers.*.linear2
                 "embed": "vocab", "head": "vocab"}
 GPT2_PLAN = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise",
              "transformer.wte": "vocab", "lm_head": "vocab"}
-SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 
 # (name, TrainConfig fields, model_fn, the reference's fields): world 2 = tp 2; world 4 = dp 2 x tp 2
 CASES = {
@@ -91,8 +91,12 @@ def gpt2_steps(tp: int):
 
 
 def layouts(cases, with_gpt2, directory):
-    found = {"checkpoints": checkpoints_across_layouts(directory)} if dist.get_world_size() == 4 else \
-        {"fp16 vote": overflow_on_one_rank()}
+    if dist.get_world_size() == 4:
+        found = {"checkpoints": checkpoints_across_layouts(directory), "mesh": wrapped_mesh(),
+                 "fp16 vote, zero2 x tp": overflow_on_one_rank("zero2"),
+                 "norm of ones": {name: norm_of_ones(*case) for name, case in NORM_CASES.items()}}
+    else:
+        found = {"fp16 vote": overflow_on_one_rank()}
     for name, fields, kind, _ in cases:
         torch.manual_seed(0)
         run, state = train(TrainConfig(**{**BASE, **fields}), model_fn=model_fn(kind), return_state=True)
@@ -102,19 +106,12 @@ def layouts(cases, with_gpt2, directory):
     return found if dist.get_rank() == 0 else None
 
 
-def overflow_on_one_rank():
-    """fp16 under tp: an inf in one tensor-parallel rank's piece of a gradient skips the step on every rank."""
-    torch.manual_seed(0)
-    model, opt = toolkit.parallel.wrap(toolkit.models.tiny_gpt(), "local", optimizer=SGD, tp=2,
-                                       mixed_precision=torch.float16)
-    model(*SyntheticCorpus().batch(0, 8)).backward()
-    if dist.get_rank() == 1:  # only this rank's half of the first MLP's weight overflows
-        dict(model.module.named_parameters())["blocks.0.mlp.fc.weight"].grad[0, 0] = float("inf")
-    before = toolkit.parallel.full_state_dict(model)
-    opt.step()
-    after = toolkit.parallel.full_state_dict(model)
-    return model.scaler.last_skipped, all(torch.equal(before[k], after[k]) for k in before), model.scaler.scale
-
+# Clipping under dp x tp: with every gradient element set to 1 wherever it lies, a norm that counts each element
+# once is exactly sqrt(Ψ) (an fp32 sum of Ψ < 2^24 ones is exact); a replicated parameter counted on both tp
+# ranks, or a dp replica's copy counted again, or a slice left out, moves it by whole elements.
+NORM_CASES = {"ddp x tp": ("ddp", {"tp": 2}, None), "zero1 x tp+sp": ("zero1", {"tp": 2, "sequence_parallel": True}, None),
+              "fsdp x tp": ("fsdp", {"tp": 2}, None), "zero3 x tp": ("zero3", {"tp": 2}, None),
+              "ddp x tp moe": ("ddp", {"tp": 2}, functools.partial(model_fn("moe"), TrainConfig(**BASE)))}
 
 def compare(name, got, expected):
     (losses, state), (ref_losses, ref_state) = got, expected
@@ -144,15 +141,27 @@ def directory(tmp_path_factory):
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_layouts_train_as_one_process(world, directory, no_leftover_ranks):
     got = launched(world, directory)
-    with_gpt2 = "gpt2 tp_plan" in got
     for name, _, kind, ref_fields in CASES[world]:
         run, state = reference(ref_fields, kind)
         compare(name, got[name], ([m["value"] for m in run.metrics if m["name"] == "loss"], state))
-    if with_gpt2:
-        torch.manual_seed(0)
-        compare("gpt2 tp_plan", got["gpt2 tp_plan"], gpt2_steps(1))
-    if world == 2:  # both ranks skipped (rank 0 saw no inf), nothing moved, the scale halved from 2^16
-        assert got["fp16 vote"] == (True, True, 2.0 ** 15)
+    # every rank skipped (only the last saw an inf), nothing moved, the scale halved from 2^16
+    for vote in ("fp16 vote",) if world == 2 else ("fp16 vote, zero2 x tp",):
+        assert got[vote] == [(True, True, 2.0 ** 15)] * world, (vote, got[vote])
+    if world == 4:
+        assert got["mesh"] == (True, ("dp", "pp", "tp"), (2, 1, 2))
+        for name, (norm, psi, after) in got["norm of ones"].items():
+            # exact but for the fp32 square root's rounding (2^-24 relative); one element more or less: 1/(2Ψ)
+            assert abs(norm - psi ** 0.5) <= 2 ** -23 * psi ** 0.5 < psi ** 0.5 / (2 * psi), (name, norm, psi)
+            assert after == {round(1 / (psi ** 0.5 + 1e-6), 6)}, (name, after)
+
+
+@pytest.mark.timeout(400)
+def test_hugging_face_gpt2_with_a_tp_plan_trains_as_one_process(directory, no_leftover_ranks):
+    """GPT-2's Conv1D stores its weight (in, out): "colwise" splits its second dimension (run in the world-2 launch)."""
+    pytest.importorskip("transformers", reason="Hugging Face transformers is not installed: pip install -e '.[hf]'")
+    got = launched(2, directory)["gpt2 tp_plan"]
+    torch.manual_seed(0)
+    compare("gpt2 tp_plan", got, gpt2_steps(1))
 
 
 # --- checkpoints across (dp, tp) layouts ------------------------------------------------------------------
@@ -237,3 +246,18 @@ def test_activation_checkpointing_is_an_option_of_every_strategy():
     assert all(torch.equal(a, b) for a, b in zip(plain["grads"], checkpointed["grads"]))
     with pytest.raises(ValueError, match="activation_checkpointing must be True or False"):
         toolkit.parallel.wrap(toolkit.models.tiny_gpt(), "local", activation_checkpointing="yes")
+
+
+@pytest.mark.timeout(300)
+def test_launch_train_takes_tensor_parallel_options_and_the_global_batch_stays_global(no_leftover_ranks):
+    """`launch_train(TrainConfig(options={"tp": 2}), 2)`: the two ranks are one replica holding the whole global
+    batch of 8 rows, so the run is one process's on those rows, and both ranks record the same losses."""
+    from toolkit.train import launch_train
+
+    config = TrainConfig(**{**BASE, "strategy": "local", "options": {"tp": 2}})
+    run, state = launch_train(config, 2, return_state=True, quiet=True, timeout_s=240)
+    ref_run, ref_state = reference({}, None)
+    per_rank = [[m["value"] for m in run.metrics if m["name"] == "loss" and m["rank"] == r] for r in (0, 1)]
+    assert per_rank[0] == per_rank[1]
+    compare("launch_train tp", (per_rank[0], state), ([m["value"] for m in ref_run.metrics if m["name"] == "loss"],
+                                                      ref_state))

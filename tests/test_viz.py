@@ -248,6 +248,9 @@ def test_peak_bars_draw_every_category_of_the_peak_in_the_unit_its_size_calls_fo
     bars = viz.memory_bars({"x": Run(config={}, samples=[{"rank": 0, "params": 2e9, "grads": 2e9, "optimizer": 12e9,
                                                            "activations": 1e9, "time": 0}], meta={"ranks": [0]})})
     assert bars.layout.yaxis.title.text == "GB per rank" and bars.data[0].y[0] == pytest.approx(2)
+    assert fig.layout.annotations[0].text == "A100: 85.9 GB (80 GiB)"  # and the GiB it is sold by
+    theory = viz.model_states_bars(1e5, 4)  # the theory's bars: a tiny model in kB and MB, not "0.0 GB"
+    assert theory.layout.yaxis.title.text == "MB per rank" and theory.data[-1].text[0] == "1.6 MB"
 
 
 def test_a_sweep_figure_draws_what_does_not_fit_hollow_and_says_so_only_then():

@@ -6,6 +6,7 @@
     flops_text(2.15e8)     -> "215 MFLOP/s"      flops_text(1.61e14)  -> "161 TFLOP/s"
     percent_text(0.00012)  -> "0.012%"           percent_text(0.437)  -> "43.7%"
     byte_unit(8.5e9)       -> (1e9, "GB")        an axis's unit for values up to 8.5e9 bytes
+    memory_text(80 * 2**30) -> "85.9 GB (80 GiB)" a device's memory: sold by the GiB ("A100 80GB")
 
 Decimal units (1 GB = 1e9 bytes), as the papers and `toolkit.memory.formulas` count.
 """
@@ -29,6 +30,12 @@ def bytes_text(n: float, digits: int = 3) -> str:
     """`n` bytes with `digits` significant digits in the unit its magnitude calls for."""
     scale, name = byte_unit(n)
     return f"{n / scale:.{digits}g} {name}"
+
+
+def memory_text(n: float) -> str:
+    """A device's memory: bytes_text, and the GiB it is sold as when it is a whole number of them."""
+    gib = n / 2**30
+    return bytes_text(n) + (f" ({gib:.0f} GiB)" if gib >= 1 and gib == round(gib) else "")
 
 
 def count_text(n: float, digits: int = 3) -> str:

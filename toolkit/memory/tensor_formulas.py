@@ -63,29 +63,37 @@ def tp_model_states(split: float, replicated: float, tp: int, dp: int = 1, stage
 
 # --- bytes per step ------------------------------------------------------------------------------------
 def tp_collectives(batch: int, seq_len: int, hidden: int, layers: int, tp: int, *, sequence_parallel: bool = False,
-                   bytes_per_value: float = 4) -> Dict[str, list]:
+                   bytes_per_value: float = 4, recompute: bool = False) -> Dict[str, list]:
     """The tensor-parallel collectives of one training step of the toolkit GPT: {op: [message bytes, ...]}.
 
-    A message's bytes are the collective's full tensor (an all-gather's output, a reduce-scatter's input)."""
+    A message's bytes are the collective's full tensor (an all-gather's output, a reduce-scatter's input).
+    recompute (activation checkpointing): backward runs each block's forward again, as far as the last tensor
+    it needs (torch's non-reentrant checkpoint stops there): the attention's g once more (its output feeds
+    ln_2, whose input backward needs) but not the MLP's (its output is only added to the residual); under
+    sequence parallelism the attention's all-gather and reduce-scatter and the MLP's all-gather (fc's output
+    feeds GELU)."""
     for name, value in (("batch", batch), ("seq_len", seq_len), ("hidden", hidden), ("tp", tp)):
         _check_world(name, value)
     _check_count("layers", layers)
     act = batch * seq_len * hidden * bytes_per_value  # one (b, s, h) activation
     loss = [batch * seq_len * 4] * 3                  # max, target logit, sum of exps: fp32
+    again = layers if recompute else 0                # blocks whose forward backward runs again
     if not sequence_parallel:
-        return {"all_reduce": [act] * (4 * layers + 2) + loss, "all_gather": [], "reduce_scatter": []}
+        return {"all_reduce": [act] * (4 * layers + 2 + again) + loss, "all_gather": [], "reduce_scatter": []}
     params = [hidden * bytes_per_value] * (6 * layers + 2)  # sequence-parallel gradients, one message each
     return {"all_reduce": [act] + loss + params,          # the embedding's g; loss; parameters' gradients
-            "all_gather": [act] * (6 * layers + 2 + 1),   # per block 2 forward, 2 backward, 2 again; head 2; scatter 1
-            "reduce_scatter": [act] * (4 * layers + 1)}   # per block 2 forward, 2 backward; head 1
+            "all_gather": [act] * (6 * layers + 2 + 1 + 2 * again),  # per block 2 forward, 2 backward, 2 again;
+            "reduce_scatter": [act] * (4 * layers + 1 + again)}      # head 2; scatter 1 / per block 2 + 2; head 1
 
 
 def tp_bytes_per_step(batch: int, seq_len: int, hidden: int, layers: int, tp: int, *,
-                      sequence_parallel: bool = False, bytes_per_value: float = 4) -> Dict[str, float]:
+                      sequence_parallel: bool = False, bytes_per_value: float = 4,
+                      recompute: bool = False) -> Dict[str, float]:
     """Bytes each tensor-parallel rank sends per step for tensor parallelism, by op and "total" (ring
-    accounting: an all-reduce sends 2(t-1)/t of its message, an all-gather or reduce-scatter (t-1)/t)."""
+    accounting: an all-reduce sends 2(t-1)/t of its message, an all-gather or reduce-scatter (t-1)/t);
+    recompute: under activation checkpointing (`tp_collectives`)."""
     calls = tp_collectives(batch, seq_len, hidden, layers, tp, sequence_parallel=sequence_parallel,
-                           bytes_per_value=bytes_per_value)
+                           bytes_per_value=bytes_per_value, recompute=recompute)
     factor = {"all_reduce": 2 * (tp - 1) / tp, "all_gather": (tp - 1) / tp, "reduce_scatter": (tp - 1) / tp}
     out = {op: factor[op] * sum(sizes) for op, sizes in calls.items()}
     out["total"] = sum(out.values())

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
 from . import raw, status
-from .env import Placement, detect, resolve_backend
+from .env import Placement, detect, mpi_store, resolve_backend
 
 _FAILED_CELLS = "toolkit/failed-cells"
 _state: dict = {}
@@ -46,10 +45,8 @@ def setup(backend: str, timeout_s: float) -> Placement:
     backend = resolve_backend(backend, local)
     if backend == "nccl":
         torch.cuda.set_device(place.local_rank)
-    address = _host_and_port() if place.rank == 0 else None
-    address = comm.bcast(address, root=0)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address[0], address[1], place.world_size, is_master=place.rank == 0, timeout=timeout)
+    store = mpi_store(place.world_size, timeout)
     _state.update(store=store, backend=backend, place=place, timeout=timeout, generation=-1)
     _build(0)
     raw.watch()
@@ -62,12 +59,6 @@ def setup(backend: str, timeout_s: float) -> Placement:
         if hasattr(shell, "kernel"):
             _wrap_apply(shell.kernel)
     return place
-
-
-def _host_and_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return socket.gethostname(), s.getsockname()[1]
 
 
 def _build(generation: int) -> None:

@@ -112,22 +112,18 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _mpi_rendezvous(environ) -> None:
-    """Under mpirun nobody sets MASTER_ADDR/PORT: rank 0 picks them and MPI broadcasts them."""
-    if "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
-        return
+def mpi_store(world_size: int, timeout) -> dist.TCPStore:
+    """The rendezvous store under MPI (mpirun, srun, ipyparallel's MPI engines), where nobody sets MASTER_ADDR
+    and MASTER_PORT: rank 0 hosts it on a port the OS gives it (bound from that moment, so no other process
+    can take it, as it could a port picked, released and bound later), and MPI tells the others where it is."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    addr = (socket.gethostname(), _free_port()) if comm.Get_rank() == 0 else None
-    addr = comm.bcast(addr, root=0)
-    environ["MASTER_ADDR"], environ["MASTER_PORT"] = addr[0], str(addr[1])
+    rank = comm.Get_rank()
+    store = dist.TCPStore(socket.gethostname(), 0, world_size, is_master=True, timeout=timeout,
+                          wait_for_workers=False) if rank == 0 else None
+    host, port = comm.bcast((socket.gethostname(), store.port) if rank == 0 else None, root=0)
+    return store if rank == 0 else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
 
 
 def init(backend: str = "auto", *, timeout_s: float = 300.0) -> Placement:
@@ -146,8 +142,10 @@ def init(backend: str = "auto", *, timeout_s: float = 300.0) -> Placement:
             "127.0.0.1", int(os.environ["TOOLKIT_STORE_PORT"]), place.world_size,
             is_master=False, timeout=timeout,
         )
-    elif place.launcher in ("openmpi", "mpich", "slurm"):
-        _mpi_rendezvous(os.environ)
+    elif place.launcher in ("openmpi", "mpich", "slurm") and not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+        store = mpi_store(place.world_size, timeout)
+    elif place.world_size == 1 and "MASTER_PORT" not in os.environ:
+        store = dist.HashStore()  # a lone process meets nobody: no port to take (29500 may be someone's)
     if store is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")

@@ -4,6 +4,8 @@
     .venv/bin/python -m toolkit simulate --model gpt3-175b --strategy fsdp --world-size 512 \\
         --activation-checkpointing --forward-prefetch          # the FSDP paper's configuration
     .venv/bin/python -m toolkit simulate --model zero-7.5b --strategy zero2 --world-size 64 --layers 4
+    .venv/bin/python -m toolkit simulate --model gpt3-175b --strategy fsdp --world-size 512 --tp 8 \\
+        --activation-checkpointing --batch-per-rank 8   # torchtitan's 2D: tp inside each node, fsdp over dp = 64
 
 Prints per-rank memory (model states, the peak and when it happens) and bytes per step next to
 `toolkit.memory.formulas`, whether the peak fits in the cluster's GPU memory (and, if not, what would make
@@ -20,7 +22,7 @@ from ..models.presets import PRESETS
 from ..parallel import STRATEGIES
 
 HSDP = "hsdp"  # fsdp with hybrid sharding: shard inside groups of --sharding-group-size, replicate across them
-FSDP_ONLY = ("activation_checkpointing", "forward_prefetch", "no_backward_prefetch", "sharding_group_size")
+FSDP_ONLY = ("forward_prefetch", "no_backward_prefetch", "sharding_group_size")
 
 
 class _Defaults(argparse.HelpFormatter):
@@ -28,7 +30,8 @@ class _Defaults(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+        if action.default is not None and action.default is not False and action.default != argparse.SUPPRESS \
+                and "default" not in text:
             text += " (default: %(default)s)"
         return text
 
@@ -44,14 +47,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=512, help="ranks (GPUs) in the simulated cluster, up to 4096")
     p.add_argument("--rank", type=int, default=0, help="the rank this process simulates")
     p.add_argument("--ranks-per-node", type=int, default=8, help="GPUs per node (NVLink inside, network between)")
-    p.add_argument("--batch-per-rank", type=int, default=1, help="sequences per rank per step")
+    p.add_argument("--batch-per-rank", type=int, default=1,
+                   help="sequences per data-parallel replica per step (a replica: one rank, or --tp ranks)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
     p.add_argument("--steps", type=int, default=1, help="measured steps, after one warm-up step")
     p.add_argument("--fp32", action="store_true", help="plain fp32 training (default: mixed precision, bf16)")
     p.add_argument("--sharding-group-size", type=int, default=None,
                    help="fsdp/hsdp: shard over groups of this many ranks (hsdp's default: --ranks-per-node)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per model replica (consecutive ranks: inside a node when it divides "
+                        "--ranks-per-node); --strategy is then the data-parallel method over world/tp replicas")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: split layer norms and residuals along the sequence (Korthikanti et al.)")
     p.add_argument("--activation-checkpointing", action="store_true",
-                   help="fsdp/hsdp: keep each unit's input only and recompute its activations in backward")
+                   help="keep each block's input only and recompute its activations in backward")
     p.add_argument("--forward-prefetch", action="store_true",
                    help="fsdp/hsdp: issue the next unit's all-gather before this unit's forward runs")
     p.add_argument("--no-backward-prefetch", action="store_true",
@@ -77,6 +86,10 @@ def options_of(args, parse) -> tuple[str, dict]:
         options["sharding_group_size"] = group
     if args.activation_checkpointing:
         options["activation_checkpointing"] = True
+    if args.tp != 1 or args.sequence_parallel:
+        options["tp"] = args.tp
+    if args.sequence_parallel:
+        options["sequence_parallel"] = True
     if args.forward_prefetch:
         options["forward_prefetch"] = True
     if args.no_backward_prefetch:

@@ -10,8 +10,9 @@ What would make it fit is read from what the peak is made of:
 
 - model states (params + grads + optimizer, 16 bytes per parameter with mixed-precision Adam): shard
   them (ZeRO-3 / FSDP keep (2+2+12)Ψ/N per GPU), over a larger group, or on more GPUs;
-- activations and temporaries: activation checkpointing (FSDP's `activation_checkpointing=True` keeps
-  each block's input and recomputes the rest in backward), a smaller batch per GPU, shorter sequences;
+- activations and temporaries: activation checkpointing (`activation_checkpointing=True`, an option of every
+  strategy: each block keeps its input and recomputes the rest in backward), a smaller batch per GPU,
+  shorter sequences;
 - gathered units (ZeRO-3, FSDP): smaller units, or no prefetch (one unit fewer in flight).
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..memory import model_states
-from ..units import bytes_text
+from ..units import bytes_text, memory_text
 
 STATE_BYTES = 16  # per parameter: 2 + 2 + 12 (mixed precision) = 4 + 4 + 8 (fp32 Adam) = FSDP's fp32 shards
 TIGHT = 0.1       # a fit with less than this fraction of the memory to spare
@@ -49,7 +50,7 @@ class Fit:
 
     def text(self) -> str:
         """One line (and, when it does not fit, what would make it fit)."""
-        where = f"{self.device}'s {bytes_text(self.capacity)}"
+        where = f"{self.device}'s {memory_text(self.capacity)}"
         if self.fits:
             spare = f"{bytes_text(self.headroom)} to spare"
             if self.tight:
@@ -104,11 +105,9 @@ def advice(sim, room: float) -> list[str]:
                                  f"{bytes_text(STATE_BYTES * dense)}) take half of the memory at about {need} GPUs"))
     if transient:
         what = f"activations and temporaries take {bytes_text(transient)} of the peak"
-        if sim.strategy == "fsdp" and not options.get("activation_checkpointing"):
+        if not options.get("activation_checkpointing"):
             tips.append((transient, f"activation checkpointing (activation_checkpointing=True): {what}; it keeps "
                                     f"each block's input and recomputes the rest in backward"))
-        elif sim.strategy != "fsdp":
-            tips.append((transient, f"fsdp with activation_checkpointing=True ({what}; here only fsdp checkpoints)"))
         if sim.batch_per_rank > 1:
             tips.append((transient, f"a smaller batch per GPU (batch_per_rank={sim.batch_per_rank}; activations "
                                     f"scale with it)"))

@@ -190,8 +190,12 @@ class Simulation:
         theory, FLOPs. Units follow the magnitude (a tiny model reads in kB, GPT-3 in GB)."""
         t = self.theory()
         b = lambda n: f"{bytes_text(n):>10}"  # noqa: E731
-        lines = [f"{self.strategy} on {self.world_size} simulated ranks (rank {self.rank}, {self.ranks_per_node} "
-                 f"per node): {count_text(self.num_params)} parameters, batch {self.batch_per_rank} x {self.seq_len}",
+        tp = getattr(self, "tensor_parallel", None)
+        layout = "" if not tp else (f" over dp={tp['dp']} x tp={tp['tp']}"
+                                    + (" with sequence parallelism" if tp["sequence_parallel"] else ""))
+        lines = [f"{self.strategy}{layout} on {self.world_size} simulated ranks (rank {self.rank}, {self.ranks_per_node} "
+                 f"per node): {count_text(self.num_params)} parameters, batch {self.batch_per_rank} x {self.seq_len}"
+                 + (" per data-parallel replica" if tp else ""),
                  f"  model states per rank  {b(self.memory['total'])}   formula {b(t['model_states_total'])}"]
         for k in ("params", "grads", "optimizer"):
             lines.append(f"    {k:<20} {b(self.memory[k])}   formula {b(t['model_states'][k])}")

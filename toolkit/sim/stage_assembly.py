@@ -140,9 +140,10 @@ def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list,
              pieces: dict, order: dict) -> dict:
     """Every pipeline rank's program for `microbatches` micro-batches: lowered[p] (the pipeline's lowering of
     its schedule) with each action replaced by its representative's work for that micro-batch's kind (the first,
-    a middle one, the last of `represented`) and each transfer by the representative's transfer of that kind,
-    receives in the mailbox's order (`order`: the messages each rank sends each other, in sending order), sends
-    waited for after the next action, as the mailbox reaps them (`p2p.Mailbox.reap`: on the simulated cluster
+    a middle one, the last of `represented`) and each transfer by the representative's transfer of that kind, as
+    the mailbox issues them (`p2p.Mailbox`): the receive of each peer's next message posted ahead, in the order
+    that peer sends them (`order`), and waited for where it is needed; sends waited for after the next action,
+    as the mailbox reaps them (`p2p.Mailbox.reap`: on the simulated cluster
     every send is complete by then). ranks: pipeline rank -> global rank; pieces: {representative: `chunks` of its
     program}. Collective ids are renumbered per program."""
     from ..parallel.pipeline.lowering import Recv, Send
@@ -154,18 +155,18 @@ def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list,
     for p, ops in enumerate(lowered):
         me, rep = ranks[p], rank_of_class[p]
         prologue, found, epilogue, transfers = pieces[rep]
-        out, sends, ids = [], [], iter(range(1 << 62))
+        out, sends, ids, renamed = [], [], iter(range(1 << 62)), {}
         expected = {src: list(messages) for (src, dst), messages in order.items() if dst == p}
+        posted: dict = {}  # peer -> (message, receive's id) posted ahead
         early: set = set()
 
         def copy(instructions, action=None):
-            new: dict = {}
             for ins in instructions:
                 if isinstance(ins, Collective):
-                    new[ins.id] = next(ids)
-                    out.append(dataclasses.replace(ins, id=new[ins.id]))
+                    renamed[ins.id] = next(ids)  # (a wait may come in a later piece: the loss's all-reduce)
+                    out.append(dataclasses.replace(ins, id=renamed[ins.id]))
                 elif isinstance(ins, Wait):
-                    out.append(Wait(new[ins.id], ins.phase) if ins.id in new else ins)
+                    out.append(Wait(renamed[ins.id], ins.phase))
                 elif action is not None and _action(ins) is not None:  # the action's span says which it is
                     out.append(dataclasses.replace(ins, spans=tuple(
                         (("action", me) + tuple(action), name, cat, dict(args, micro=action.micro, stage=action.stage,
@@ -174,30 +175,34 @@ def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list,
                 else:
                     out.append(ins)
 
-        def transfer(op: str, message, peer: int):
+        def transfer(op: str, message, peer: int) -> Collective:
             micro = micro_of(message.micro) if message.micro >= 0 else message.micro
             prelude, c = transfers[(op, message.kind, micro, message.stage - p + rep)]
             out.extend(prelude)
             c = dataclasses.replace(c, id=next(ids), group=tuple(ranks), args=dict(
                 c.args, peer=ranks[peer], message=message.kind, micro=message.micro, stage=message.stage))
             out.append(c)
-            if op == "recv":
-                out.append(Wait(c.id, c.phase))
-            else:
-                sends.append(c)
+            return c
+
+        def post(peer: int) -> None:  # the mailbox posts the receive of a peer's next message ahead
+            if expected[peer]:
+                message = expected[peer].pop(0)
+                posted[peer] = (message, transfer("recv", message, peer))
 
         copy(prologue)
+        for peer in expected:
+            post(peer)
         for op in ops:
             if isinstance(op, Send):
-                transfer("send", op.message, op.peer)
+                sends.append(transfer("send", op.message, op.peer))
             elif isinstance(op, Recv):
                 if op.message in early:
                     early.discard(op.message)
                     continue
-                queue = expected[op.peer]
-                while queue:  # the mailbox takes a peer's messages in the order they were sent
-                    message = queue.pop(0)
-                    transfer("recv", message, op.peer)
+                while op.peer in posted:  # wait for what was posted, post the next, until it is the one needed
+                    message, c = posted.pop(op.peer)
+                    out.append(Wait(c.id, c.phase))
+                    post(op.peer)
                     if message == op.message:
                         break
                     early.add(message)

@@ -33,7 +33,8 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int, ra
     if isinstance(module, TensorParallelGPT) and all(isinstance(b.mlp, MLP) for b in module.blocks):  # dense GPT
         value = 2 if options.get("mixed_precision") else 4
         tp_bytes = tensor_formulas.tp_bytes_per_step(batch, seq_len, module.config.d_model, module.config.n_layer, t,
-                                                     sequence_parallel=info.sequence_parallel, bytes_per_value=value)
+                                                     sequence_parallel=info.sequence_parallel, bytes_per_value=value,
+                                                     recompute=bool(options.get("activation_checkpointing")))
     if t > ranks_per_node:
         warnings.warn(f"tp={t} is wider than a node of {ranks_per_node} ranks: the tensor-parallel group spans "
                       f"{-(-t // ranks_per_node)} nodes, so its all-reduces (two per block forward, two backward, "

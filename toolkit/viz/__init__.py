@@ -15,6 +15,8 @@
   `peak_bars(peaks, capacity=...)`: a simulated rank's memory at its peak, every category, against the device.
 - `memory_explorer()` (ZeRO stages, Figure 1) and `wrap_policy_explorer()` (FSDP units): widgets on the theory.
 - `expert_load(run)`: experts x iterations heatmap, dropped tokens, imbalance; `roofline(runs)`: the DDL-roofline.
+- `pipeline_timeline(run)`: a pipeline's step, ranks x time, one block per action coloured by micro-batch,
+  arrows for the activations and gradients between stages, the bubble measured (and the formula).
 - `scaling(rows)`: a simulated sweep's TFLOP/s per GPU over the number of GPUs, hollow where it does not fit
   (`scale_explorer.scale_explorer()`, lesson 07's panel, imports the simulator: not loaded here).
 
@@ -27,6 +29,7 @@ from .explorer import MemoryExplorer, explorer_numbers, memory_explorer
 from .fsdp_explorer import WrapPolicyExplorer, policy_numbers, wrap_policy_explorer
 from .memory import comm_bars, memory_bars, memory_over_time, model_states_bars, peak_bars
 from .panels import CollectivePanel, collective_panel
+from .pipeline import pipeline_timeline
 from .report import bullets, heading, note, preformatted, report_html, table, write_report
 from .ring import ring_schedule, ring_steps
 from .roofline import roofline, roofline_point
@@ -35,6 +38,7 @@ from .timeline import timeline
 
 __all__ = ["style", "CollectivePanel", "MemoryExplorer", "WrapPolicyExplorer", "bandwidth", "bullets", "collective_panel",
            "collective_times", "comm_bars", "expert_load", "explorer_numbers", "fit_alpha_beta", "heading",
-           "memory_bars", "memory_explorer", "memory_over_time", "model_states_bars", "note", "peak_bars", "policy_numbers",
+           "memory_bars", "memory_explorer", "memory_over_time", "model_states_bars", "note", "peak_bars", "pipeline_timeline",
+           "policy_numbers",
            "preformatted", "report_html", "ring_schedule", "ring_steps", "roofline", "roofline_point", "scaling", "table",
            "timeline", "wrap_policy_explorer", "write_report"]

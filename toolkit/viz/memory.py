@@ -9,7 +9,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from ..memory import model_states_breakdown
-from ..units import byte_unit, bytes_text
+from ..units import byte_unit, bytes_text, memory_text
 from . import style
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
@@ -85,7 +85,7 @@ def peak_bars(peaks: dict, *, capacity: float | None = None, device: str = "devi
                                  hovertemplate="%{x}<br>formula params+grads+optimizer: %{customdata}<extra></extra>"))
     if capacity:
         fig.add_hline(y=capacity / unit, line_dash="dash", line_color=style.ALERT,
-                      annotation_text=f"{device}: {bytes_text(capacity)}", annotation_position="top left")
+                      annotation_text=f"{device}: {memory_text(capacity)}", annotation_position="top left")
     top = max(totals + [capacity or 0]) / unit
     fig.update_yaxes(range=[0, 1.15 * top if top > 0 else 1], title_text=f"{name_of_unit} per rank")
     style.place_title(fig, title or "Memory at the peak, by category", subtitle if subtitle is not None else
@@ -118,20 +118,22 @@ def comm_bars(rows: list[dict], *, unit: float | None = None, title=None) -> go.
 
 
 def model_states_bars(num_params: float, world_size: int, *, optimizer_multiplier: float = 12,
-                      param_bytes: float = 2, grad_bytes: float = 2, unit: float = 1e9) -> go.Figure:
-    """The theory alone: params / grads / optimizer per rank for data parallelism and ZeRO 1, 2, 3."""
+                      param_bytes: float = 2, grad_bytes: float = 2, unit: float | None = None) -> go.Figure:
+    """The theory alone: params / grads / optimizer per rank for data parallelism and ZeRO 1, 2, 3 (unit: bytes
+    per plotted unit; None: by the magnitude of the largest stage)."""
     stages = ["DP (stage 0)", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
     parts = [model_states_breakdown(num_params, world_size, s, param_bytes=param_bytes, grad_bytes=grad_bytes,
                                     optimizer_multiplier=optimizer_multiplier) for s in range(4)]
+    unit, name_of_unit = _unit(unit, max(sum(p.values()) for p in parts))
     fig = go.Figure([go.Bar(x=stages, y=[p[c] / unit for p in parts], name=c, marker_color=COLOURS[c],
-                            hovertemplate="%{x}<br>" + c + ": %{y:.2f} GB<extra></extra>")
+                            hovertemplate="%{x}<br>" + c + ": %{y:.3g} " + name_of_unit + "<extra></extra>")
                      for c in ("params", "grads", "optimizer")])
     totals = [sum(p.values()) / unit for p in parts]
-    fig.add_trace(go.Scatter(x=stages, y=totals, mode="text", text=[f"{t:.1f} GB" for t in totals],
+    fig.add_trace(go.Scatter(x=stages, y=totals, mode="text", text=[f"{t:.3g} {name_of_unit}" for t in totals],
                              textposition="top center", showlegend=False, hoverinfo="skip"))
     style.place_title(fig, "Model states per rank under DP and ZeRO 1, 2, 3",
                       f"Ψ = {num_params:,.0f} parameters, N = {world_size} ranks, K = {optimizer_multiplier}")
-    fig.update_layout(barmode="stack", height=440, yaxis_title="GB per rank")
+    fig.update_layout(barmode="stack", height=440, yaxis_title=f"{name_of_unit} per rank")
     return fig
 
 

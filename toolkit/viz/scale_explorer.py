@@ -14,7 +14,7 @@ Two layers, so that the numbers can be tested without a screen:
   its function returns, so a figure returned from it is never redrawn.)
 
 Choices that do not apply are not offered: MoE models train their dense part with ddp (their experts are
-expert-parallel); activation checkpointing is FSDP's option here (fsdp, hsdp).
+expert-parallel). Activation checkpointing is an option of every strategy.
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ MODELS = {"GPT-3 175B": "gpt3-175b", "ZeRO's 7.5B": "zero-7.5b", "GPT-2 XL": "gp
           "MoE-GPT-S (16 experts)": "moe-gpt-s"}
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 MOE_STRATEGIES = ("ddp",)      # the dense part; experts are expert-parallel whatever the strategy
-CHECKPOINTING = ("fsdp", "hsdp")
 WORLDS = (8, 64, 128, 256, 512, 1024)
 CLUSTERS = ("dgx-a100", "dgx-h100")
 NODE = 8  # GPUs per node on both presets: hsdp shards inside a node
@@ -56,8 +55,6 @@ def scale_case(model: str = "GPT-3 175B", strategy: str = "fsdp", world_size: in
     if strategy not in valid:
         raise ValueError(f"{model}: strategy {strategy!r} does not apply; choose one of {list(valid)}"
                          + (" (its experts are expert-parallel; ddp trains its dense part)" if moe else "") + ".")
-    if activation_checkpointing and strategy not in CHECKPOINTING:
-        raise ValueError(f"activation checkpointing is an option of {list(CHECKPOINTING)} here, not of {strategy}.")
     options = {"activation_checkpointing": True} if activation_checkpointing else {}
     spec = ("fsdp", dict(options, sharding_group_size=min(NODE, world_size))) if strategy == "hsdp" else (strategy, options)
     (row,) = sweep(PRESETS[key], layers=_config(key)["n_layer"], strategies={strategy: spec}, worlds=(world_size,),
@@ -109,7 +106,6 @@ class ScaleExplorer:
         self.output = widgets.Output()
         self.row, self.figure, self.text, self.redraws = None, None, "", 0
         self.model.observe(self._offer, names="value")
-        self.strategy.observe(self._offer, names="value")
         self.button.on_click(self.redraw)
         self.widget = widgets.VBox([
             widgets.HBox([widgets.VBox([self.model, self.strategy, self.world_size]),
@@ -120,16 +116,13 @@ class ScaleExplorer:
             self.redraw()
 
     def _offer(self, _change=None) -> None:
-        """Offer only what applies: ddp for an MoE model; checkpointing with fsdp and hsdp."""
+        """Offer only what applies: ddp for an MoE model."""
         moe = MODELS[self.model.value].startswith("moe")
         valid = list(MOE_STRATEGIES if moe else STRATEGIES)
         if list(self.strategy.options) != valid:
             keep = self.strategy.value if self.strategy.value in valid else valid[0]
             self.strategy.options = valid
             self.strategy.value = keep
-        self.checkpointing.disabled = self.strategy.value not in CHECKPOINTING
-        if self.checkpointing.disabled:
-            self.checkpointing.value = False
 
     def settings(self) -> dict:
         """scale_case's arguments for the current choices."""

@@ -62,6 +62,11 @@ def wrap(model, mesh, build, optimizer, options: dict, *, microbatches=None, sch
         _check_experts(part, mesh)
         wrapped[s], opt = build(part, optimizer, **options)
         optimizers.append(opt)
+        if split_backward and getattr(getattr(wrapped[s], "engine", None), "name", None) == "fsdp":
+            raise ValueError(f"schedule={schedule!r} splits each backward in two (B, then W later), but FSDP frees a "
+                             f"unit's gathered parameters at the end of every backward, so W would read freed "
+                             f"memory. Use schedule='1f1b' with fsdp, or zero-bubble with local, dp, ddp or zero1-3 "
+                             f"(ZeRO-3 keeps a module gathered until its gradients are complete).")
     driver = Driver(wrapped, programs[me], lowering.send_order(programs), mesh_.group(mesh, "pp"), me, m,
                     stages_total, split=split_backward, tie=tie, hidden_shape=part.hidden_shape, dtype=dtype,
                     device=env.device())

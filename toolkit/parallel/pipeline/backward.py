@@ -32,23 +32,26 @@ def backward_input(roots: list, grads: list, inputs: list, weights: list) -> lis
 
 
 def backward_weight(groups: list) -> None:
-    """W: each weight's gradient from the gradients B kept where its path met the input's."""
+    """W: each weight's gradient from the gradients B kept where its path met the input's. One autograd call
+    for every weight of the stage, so a strategy that acts at the end of a backward (DDP's last bucket, ZeRO's
+    reduction) sees one backward, as it would without the split."""
+    edges, grads, weights, nodes = [], [], [], []
     for group in groups:
-        edges, grads = [], []
         for kept, node in zip(group["grads"] or [], group["intermediates"]):
+            nodes.append((kept, node))
             for i, g in enumerate(kept):
                 if g is not None:
                     edges.append(GradientEdge(node, i))
                     grads.append(g)
-        handles = []
-        if len(group["intermediates"]) > 1:  # an intermediate below another: it gets only what B gave it
-            handles = [node.register_prehook(lambda _, kept=kept: kept)
-                       for kept, node in zip(group["grads"], group["intermediates"])]
-        try:
-            if edges:
-                weights = [GradientEdge(node, 0) for node in group["params"]]
-                torch.autograd.backward(edges, grads, inputs=weights)
-        finally:
-            for h in handles:
-                h.remove()
-        group.clear()  # drop the kept gradients and the graph nodes
+        weights += [GradientEdge(node, 0) for node in group["params"]]
+    handles = []
+    if len(nodes) > 1:  # an intermediate below another gets only what B gave it, not that again from above
+        handles = [node.register_prehook(lambda _, kept=kept: kept) for kept, node in nodes]
+    try:
+        if edges:
+            torch.autograd.backward(edges, grads, inputs=weights)
+    finally:
+        for h in handles:
+            h.remove()
+        for group in groups:
+            group.clear()  # drop the kept gradients and the graph nodes

@@ -12,7 +12,8 @@ enters backward divided by m. The data-parallel strategy of each stage reduces o
 weight-gradient action (the others run inside its `no_sync()`, where it has one: DDP, ZeRO-1 and FSDP
 accumulate locally; ZeRO-2/3 reduce-scatter every micro-batch, since they keep only a slice).
 The returned loss is the batch's mean on every rank of the pipeline: the last stage's losses plus every
-stage's auxiliary losses (MoE), summed over the pipeline group by one small all-reduce.
+stage's auxiliary losses (MoE), summed over the pipeline group by one small all-reduce, issued after the
+rank's last forward so that it runs behind the backwards still to do.
 """
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ class Driver:
         weight_kind = "W" if split else "B"
         self.reduces = {s: next(a for a in reversed(program) if isinstance(a, Action) and a.kind == weight_kind
                                 and a.stage == s) for s in stages}  # the action in which each stage reduces
+        # this rank's share of the loss is complete after its last forward: its sum over the pipeline starts
+        # then and runs behind the backwards still to do
+        self.last_forward = max(i for i, op in enumerate(program) if isinstance(op, Action) and op.kind == "F")
         self.observers: list = []  # fn(action) after every action (a memory sample, a probe)
         self.calls = 0  # steps run so far: the step its spans are labelled with
 
@@ -58,7 +62,7 @@ class Driver:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.tie is not None and 0 in self.stages:
             self.tie.capture = True
-        for op in self.program:
+        for index, op in enumerate(self.program):
             if isinstance(op, Recv):
                 self._received(op.message, mailbox.receive(op.message, op.peer))
             elif isinstance(op, Send):
@@ -70,6 +74,9 @@ class Driver:
                             total += self._forward(op, xs, ys)
                         else:
                             self._backward(op)
+                if index == self.last_forward:
+                    with phase("pipeline loss"):  # the last stage's losses + every stage's aux losses
+                        summed = comm.all_reduce(total, group=self.group, async_op=True)
                 mailbox.reap()
                 for observe in self.observers:
                     observe(op)
@@ -78,8 +85,7 @@ class Driver:
             self.tie.outgoing = None
             if self.tie.borrowed is not None:
                 self.tie.borrowed.grad = None
-        with phase("pipeline loss"):
-            comm.all_reduce(total, group=self.group)  # the last stage's losses + every stage's aux losses
+        summed.wait()
         return total / self.m
 
     # --- the actions -----------------------------------------------------------------------------------
@@ -99,20 +105,22 @@ class Driver:
     def _backward(self, op: Action) -> None:
         entry = self.kept[(op.micro, op.stage)]
         inputs, roots = entry[0], entry[1]
-        if op.kind == "B":
-            last = (op.micro, op.stage, "gradient") not in self.kept
-            grads = [None] if last else [self.kept.pop((op.micro, op.stage, "gradient"))] + [None] * (len(roots) - 1)
-            entry[2] = grads
+        if op.kind == "B":  # the loss's gradient is 1 (None); a stage's output's came from the next stage
+            entry[2] = [None] if op.stage == self.last_stage else \
+                [self.kept.pop((op.micro, op.stage, "gradient"))] + [None] * (len(roots) - 1)
         with self._sync(op):
             if not self.split:
                 bw.backward(roots, entry[2])
-            elif op.kind == "B" and op.stage > 0:  # input gradients now, weights' later
-                leaves = [inputs] + ([self.tie.borrowed] if self.tie is not None and self.tie.borrowed is not None
-                                     and op.stage == self.last_stage else [])
+            elif op.kind == "B" and op.stage > 0:  # input gradients now, weights' later (the borrowed tied
+                leaves = [inputs]                   # weight's with the input's: it is sent back after the last B)
+                if op.stage == self.last_stage and self.tie is not None and self.tie.borrowed is not None:
+                    leaves.append(self.tie.borrowed)
                 weights = [p for p in self.stages[op.stage].parameters() if p.requires_grad]
                 entry[3] = bw.backward_input(roots, entry[2], leaves, weights)
+            elif op.kind == "W" and op.stage == 0:  # token ids have no gradient: B did nothing, W does it all
+                bw.backward(roots, entry[2])
             elif op.kind == "W":
-                bw.backward(roots, entry[2]) if op.stage == 0 else bw.backward_weight(entry[3])
+                bw.backward_weight(entry[3])
         if op.kind == "B" and op.stage > 0:
             self.kept[(op.micro, op.stage, "input gradient")] = inputs.grad
         if op.kind == ("W" if self.split else "B"):

@@ -103,10 +103,11 @@ def send_order(programs: list[list]) -> dict:
     return order
 
 
-def unit_cost(split: bool):
-    """The textbook's durations: a forward 1, a backward 2 (split: B 1 and W 1, Qi et al.'s T_B = T_W)."""
+def unit_cost(split: bool, virtual_stages: int = 1):
+    """The textbook's durations: a stage's forward 1, its backward 2 (split: B 1 and W 1, Qi et al.'s T_B = T_W);
+    with v stages per rank each holds 1/v of a rank's layers, so its actions cost 1/v."""
     costs = {"F": 1.0, "B": 1.0 if split else 2.0, "W": 1.0}
-    return lambda action: costs[action.kind]
+    return lambda action: costs[action.kind] / virtual_stages
 
 
 def replay(programs: list[list], cost) -> list[list[tuple]]:

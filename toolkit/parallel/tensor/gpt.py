@@ -62,16 +62,7 @@ class TensorParallelGPT(GPT):
 
     def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
         self.check_input(x, y)
-        h = self.embed(x)
-        aux_losses = []
-        for block in self.blocks:
-            h, aux = block(h)
-            if aux is not None:
-                aux_losses.append(aux)
-        loss = self.head_loss(h, y)
-        if y is None or not aux_losses:
-            return loss
-        return loss + self.config.aux_loss_weight * sum(aux_losses)
+        return super().forward(x, y)  # the GPT's: embed, the blocks, head_loss (this class's embed and head_loss)
 
     def check_input(self, x, y) -> None:
         if x.dim() != 2:
