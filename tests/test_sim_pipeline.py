@@ -140,9 +140,9 @@ CASES = {2: [("local", dict(pp=2, microbatches=4))],
 
 
 def real_runs(cases):
-    """On every real rank: three steps of each case through `toolkit.train` (a steady last step: DDP rebuilds
-    its buckets in the second); what the Run says of the last. And the model states as the simulator counts
-    them, every one alive (after the update, before zero_grad), from its own step on these real ranks."""
+    """On every real rank: two steps of each case through `toolkit.train`, what the Run says of the second (the
+    simulator's is a second step too: DDP rebuilds its buckets in it); and the model states as the simulator
+    counts them, every one alive (after the update, before zero_grad), from its own step on these real ranks."""
     from toolkit.models import SyntheticCorpus
     from toolkit.sim.simulate import measure_steps, train_step
     from toolkit.trace.analysis import bytes_per_step
@@ -152,7 +152,7 @@ def real_runs(cases):
     found = []
     for strategy, options in cases:
         dp = world // options["pp"]
-        run = train(TrainConfig(strategy=strategy, steps=3, global_batch_size=BATCH * dp, model=SMALL,
+        run = train(TrainConfig(strategy=strategy, steps=2, global_batch_size=BATCH * dp, model=SMALL,
                                 options=dict(options), progress=False))
         model, opt = toolkit.parallel.wrap(tiny_gpt(**SMALL), strategy, **options)
         x, y = SyntheticCorpus().batch(0, BATCH * dp, rank=rank // (world // dp), world_size=dp)

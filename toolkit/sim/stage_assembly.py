@@ -100,17 +100,27 @@ def _action(c: Compute):
     return None
 
 
-def chunks(program) -> tuple[list, dict, list, dict]:
-    """(prologue, {(kind, micro, stage): instructions}, epilogue, {(op, message kind): transfer}) of a pipeline
-    rank's recorded program. An action's work is its compute and the collectives among it; what lies between two
-    actions goes with the one before when a transfer follows it (its trailing waits, a last bucket's all-reduce),
-    else with the one after (an FSDP unit's gather before its first operation). A transfer is its send or receive
-    with the operations outside every action just before it (a receive's buffer), keyed by (op, message kind,
-    micro-batch, stage of the message)."""
+def chunks(program) -> tuple[list, list, dict, list, dict]:
+    """(prologue, setup, {(kind, micro, stage): instructions}, epilogue, {(op, message kind, micro, stage):
+    transfer}) of a pipeline rank's recorded program. The prologue comes before the mailbox posts its first
+    receives, the setup between those and the schedule's first step. An action's work is its compute and the
+    collectives among it; what lies between two actions goes with the one before when a transfer follows it
+    (its trailing waits, a last bucket's all-reduce), else with the one after (an FSDP unit's gather before its
+    first operation). A transfer is its send or receive with the operations outside every action just before
+    it (a receive's buffer)."""
     p2p = {c.id for c in program if isinstance(c, Collective) and c.op in P2P_OPS}
-    prologue, found, pending, current, transfers, started = [], {}, [], None, {}, False
+    prologue, setup, found, pending, current, transfers = [], [], {}, [], None, {}
+    posting, looping = True, False  # the mailbox posts its first receives, then the schedule's loop runs
     for ins in program:
-        if isinstance(ins, Wait) and ins.id in p2p:
+        waits_on_p2p = isinstance(ins, Wait) and ins.id in p2p
+        action = _action(ins) if isinstance(ins, Compute) else None
+        sends = isinstance(ins, Collective) and ins.id in p2p and ins.op == "send"
+        if not looping and (waits_on_p2p or sends or action is not None):
+            looping, setup, pending = True, pending, []
+        if waits_on_p2p:
+            if current is not None:
+                found[current] += pending
+                pending = []
             continue
         if isinstance(ins, Collective) and ins.id in p2p:
             cut = len(pending)
@@ -119,21 +129,19 @@ def chunks(program) -> tuple[list, dict, list, dict]:
             a = ins.args
             transfers[(ins.op, a.get("message"), a.get("micro"), a.get("stage"))] = (pending[cut:], ins)
             pending = pending[:cut]
-            if not started:
-                prologue, pending = pending, []
+            if posting:
+                prologue, pending, posting = prologue + pending, [], not looping
             elif current is not None:
                 found[current] += pending
                 pending = []
-            started = True
             continue
-        action = _action(ins) if isinstance(ins, Compute) else None
         if action is None:
             pending.append(ins)
             continue
-        started = True
+        posting = False
         found.setdefault(action, []).extend(pending + [ins])
         pending, current = [], action
-    return prologue, found, pending, transfers
+    return prologue, setup, found, pending, transfers
 
 
 def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list, rank_of_class: dict,
@@ -154,7 +162,7 @@ def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list,
     programs = {}
     for p, ops in enumerate(lowered):
         me, rep = ranks[p], rank_of_class[p]
-        prologue, found, epilogue, transfers = pieces[rep]
+        prologue, setup, found, epilogue, transfers = pieces[rep]
         out, sends, ids, renamed = [], [], iter(range(1 << 62)), {}
         expected = {src: list(messages) for (src, dst), messages in order.items() if dst == p}
         posted: dict = {}  # peer -> (message, receive's id) posted ahead
@@ -192,6 +200,7 @@ def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list,
         copy(prologue)
         for peer in expected:
             post(peer)
+        copy(setup)
         for op in ops:
             if isinstance(op, Send):
                 sends.append(transfer("send", op.message, op.peer))
