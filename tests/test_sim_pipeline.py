@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import toolkit
 from toolkit.models import tiny_gpt
-from toolkit.sim import Collective, Compute, cluster_of, simulate
+from toolkit.sim import cluster_of, simulate
 
 TINY = dict(n_layer=8, d_model=32, n_head=2)
 FREE = dict(name="free links", gpu="a100-80gb", gpus_per_node=8, intra=("1e9 GB/s", "0 us"),

@@ -38,9 +38,9 @@ from . import cluster as _cluster
 from .attention import FLOPS
 from .cost import pricer
 from .memory import StepMemory
+from .pipelined import is_pipelined
 from .record import OpCounter, Programmer
 from .simulation import Simulation, count_params
-from .pipelined import is_pipelined
 from .stage_assembly import simulate_pipeline
 from .tensor_parallel import describe as describe_tp
 
