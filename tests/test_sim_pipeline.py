@@ -109,6 +109,29 @@ def test_a_rank_of_4096_in_a_dp_x_pp_x_tp_layout():
     sends = [c.size_bytes for c in sim.collectives() if c.op == "send"]
     activation, tied = 1 * config["seq_len"] * config["d_model"] * 2, config["vocab_size"] // 8 * config["d_model"] * 2
     assert sorted(sends) == sorted([activation] * 16 + [tied])
+    inside = simulate(lambda: tiny_gpt(**config), "zero1", 4096, rank=2049, tp=8, pp=8, microbatches=16,
+                      batch_per_rank=16, progress=False, mixed_precision=True)  # no cluster: this rank alone
+    tp_group = set(range(2048, 2056))  # inside one node; dp, the pipeline's loss and every send cross nodes
+    assert sum(c.bytes_sent for c in inside.collectives() if c.op == "send") == sum(sends)
+    assert inside.cross_node_bytes == sum(c.bytes_sent for c in inside.collectives() if set(c.group) != tp_group)
+
+
+def test_a_send_crosses_the_network_only_to_a_peer_on_another_node():
+    """tp 2 x pp 8 on nodes of 8: a pipeline (ranks 0, 2, ..., 14) spans two nodes, but stage 0's activations go to
+    rank 2, on its own node, and do not cross the network (its tied embedding for the last stage, rank 14, does);
+    stage 3 (rank 6) sends its activations to rank 8, on the next node."""
+    def rank(r):
+        return simulate(lambda: tiny_gpt(n_layer=8, d_model=32, n_head=2), "local", 16, rank=r, tp=2, pp=8,
+                        microbatches=8, batch_per_rank=8, progress=False)
+
+    first, fourth = rank(0), rank(6)
+    sent = {r: sum(c.bytes_sent for c in s.collectives() if c.op == "send") for r, s in ((0, first), (6, fourth))}
+    assert sent[0] > 0 and sent[6] > 0
+    tied = [c.bytes_sent for c in first.collectives() if c.op == "send" and c.args["peer"] == 14]
+    assert len(tied) == 1 and first.cross_node_bytes == tied[0] + sum(
+        c.bytes_sent for c in first.collectives() if c.op != "send" and len({r // 8 for r in c.group}) > 1)
+    activations = sum(c.bytes_sent for c in fourth.collectives() if c.op == "send" and c.args["peer"] == 8)
+    assert activations > 0 and fourth.cross_node_bytes >= activations
 
 
 @pytest.mark.timeout(900)

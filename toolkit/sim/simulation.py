@@ -116,8 +116,12 @@ class Simulation:
         """Bytes sent in the last step by collectives whose group spans more than one node.
 
         As the FSDP paper counts per-GPU cross-host traffic: a ring over ranks on several nodes is charged
-        in full (how the hops map onto NICs is the cost model's business)."""
-        return sum(c.bytes_sent for c in self.collectives() if len({self.node_of(r) for r in c.group}) > 1)
+        in full (how the hops map onto NICs is the cost model's business). A pipeline's send crosses the network
+        when its peer is on another node (its group is the whole pipeline's)."""
+        def ends(c):
+            return (self.rank, c.args["peer"]) if c.op in ("send", "recv") and "peer" in c.args else c.group
+
+        return sum(c.bytes_sent for c in self.collectives() if len({self.node_of(r) for r in ends(c)}) > 1)
 
     @property
     def flops(self) -> float:
