@@ -73,9 +73,7 @@ def simulate_pipeline(simulate_rank, price, *, world_size: int, rank: int, batch
 def reduced_microbatches(schedule, pp: int, microbatches: int) -> int:
     """Micro-batches enough for a representative rank: a first, a middle and a last one, and its steady state,
     where as many are in flight as the schedule ever keeps while gradients have accumulated (1F1B and ZB-H1:
-    pp + 1; interleaved: 2 pp, a multiple of pp); GPipe keeps every micro-batch in flight: all of them. With
-    these, every rank also runs a forward after its first backward within the warm-up step, where a strategy
-    settles what it learns from a backward (DDP rebuilds its buckets), so the step measured is a steady one."""
+    pp + 1; interleaved: 2 pp, a multiple of pp); GPipe keeps every micro-batch in flight: all of them."""
     if schedule == "gpipe" or not isinstance(schedule, str):
         return microbatches
     return min(microbatches, 2 * pp if schedule == "interleaved" else max(pp + 1, 3))
