@@ -406,7 +406,7 @@ print(f"shadowing: a {faster:.1f}x shorter step, {plain.tflops_per_gpu:.3g} -> {
 # the order of the schedule's action lists, and replays them on one clock: the step is the critical path
 # across the stages, the idle time of a stage its bubble, each transfer on the link between the two nodes
 # (`toolkit.sim.pipelined`). One and two blocks per stage are simulated and extrapolated to twelve, as the
-# sweep above extrapolates layers (about 15 s in all).
+# sweep above extrapolates layers.
 
 # %%
 import functools  # noqa: E402
@@ -468,8 +468,8 @@ layout_figure(list(gpt3_layouts.values()))
 # computes, so its step is its compute, and with one sequence per GPU nothing else is left to wait for. The 3D
 # layout computes the same FLOPs per GPU but waits: for other stages (the bubble: more than the formula's
 # (p-1)/(m+p-1) = 7/71 = 10% of the step, because the last stage also computes the head and the loss, and
-# every other stage waits for it), and for its tensor-parallel all-reduces, two per block in every forward
-# (the recomputed one too) and backward, on the critical path by construction, more than its transfers
+# every other stage waits for it), and for its tensor-parallel all-reduces, in every block's forward (the
+# recomputed one too) and backward, on the critical path by construction: more than for its transfers
 # between stages. What 3D buys is memory: its peak is under two thirds of FSDP's, which gathers a whole layer of
 # GPT-3 at a time and keeps a sequence's checkpoints for all 96 layers. HSDP pays for its replicas in memory
 # (8 times FSDP's model states) and matches FSDP's step here: its all-reduce across the replicas hides
@@ -505,7 +505,7 @@ print(f"bubble {bubble_share:.0%} of the 3D step (formula {formula:.0%}); each s
 #
 # Pick tensor- and pipeline-parallel sizes, the data-parallel strategy over what is left, the micro-batches and
 # the schedule, then "simulate": the panel adds that layout, on the same 1,024 A100s and 1,024 sequences, to the
-# figure (a few seconds for a layout without pp, 10-30 s with it). Things to try: pp 16 with 64 micro-batches
+# figure (seconds for a layout without pp; longer with it, whose kinds of stage are simulated one by one). Things to try: pp 16 with 64 micro-batches
 # (a longer pipeline, a bigger bubble), the interleaved schedule (2 virtual stages: the bubble halves, twice the
 # transfers), tp 16 (a tensor-parallel group across two nodes: the cliff of lesson 08), fsdp with tp 8 (2D).
 
