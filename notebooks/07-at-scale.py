@@ -432,14 +432,16 @@ def layout_row(label, strategy, options, per_replica, world=1024):
 
 
 gpt3_layouts = {label: layout_row(label, *spec) for label, spec in LAYOUTS.items()}
+WORDS = {"compute": "compute", "exposed_comm": "exposed communication", "bubble": "bubble", "p2p": "point-to-point"}
 for label, r in gpt3_layouts.items():
     b = r["breakdown"]
-    waits = {k: b.get(k, 0.0) for k in ("exposed_comm", "bubble", "p2p")}
+    parts = {WORDS[k]: b[k] for k in WORDS if b.get(k, 0.0) > 0}
+    waiting = {k: v for k, v in parts.items() if k != "compute"}
     print(f"{label:<22} peak {bytes_text(r['peak']):>8} per GPU (model states {bytes_text(r['states']):>8}): "
-          f"{'fits' if r['fits'] else 'DOES NOT FIT'}; step {b['step']:5.2f} s = compute {b['compute']:5.2f} + "
-          f"exposed communication {b['exposed_comm']:4.2f} + bubble {b.get('bubble', 0):4.2f} + point-to-point "
-          f"{b.get('p2p', 0):4.2f}; {r['tflops_per_gpu']:4.0f} TFLOP/s per GPU, MFU {r['mfu']:.0%}; "
-          f"besides compute, {max(waits, key=waits.get)} dominates")
+          f"{'fits' if r['fits'] else 'DOES NOT FIT'}; step {seconds_text(b['step'])} = "
+          + " + ".join(f"{k} {seconds_text(v)}" for k, v in parts.items())
+          + f"; {r['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {r['mfu']:.0%}; besides compute, "
+          f"{max(waiting, key=waiting.get)} dominates")
 
 # %%
 import plotly.graph_objects as go  # noqa: E402
