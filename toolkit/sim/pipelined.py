@@ -39,17 +39,17 @@ def is_pipelined(options: dict) -> bool:
     return options.get("pp", 1) > 1
 
 
-def stage_timelines(stage_sims: dict, compute_time, collective_cost, *, overlap: float = 1.0, beside: float = 1.0):
+def stage_timelines(stage_sims: dict, seconds, cost, *, overlap: float = 1.0, beside: float = 1.0):
     """Each step of the pipeline, its stages' programs replayed together, steps back to back: [StagesTimeline].
-    stage_sims: {global rank: its Simulation}; compute_time(rank, Compute), collective_cost(rank, Collective)."""
+    stage_sims: {global rank: its Simulation}; seconds(rank, Compute); cost(rank, Collective) (`schedule_stages`)."""
     steps = {len(s.programs) for s in stage_sims.values()}
     if len(steps) != 1:
         raise ValueError(f"the pipeline's ranks simulated different numbers of steps: {sorted(steps)}")
     out, clock = [], 0.0
     for k in range(steps.pop()):
         programs = {r: s.programs[k] for r, s in stage_sims.items()}
-        timeline = schedule_stages(programs, pair_transfers(programs), compute_time, collective_cost, start=clock,
-                                   overlap=overlap, beside=beside)
+        timeline = schedule_stages(programs, pair_transfers(programs), seconds, cost, start=clock, overlap=overlap,
+                                   beside=beside)
         out.append(timeline)
         clock = timeline.end
     return out
