@@ -192,8 +192,12 @@ scale_explorer(activation_checkpointing=True)  # the FSDP paper's configuration,
 # order the rank issued it (compute, collective, wait). The cost model (`toolkit.sim.cost`) turns that
 # into time on a cluster with three rules:
 #
-# - **compute**: a segment's FLOPs at an *achievable* fraction of the accelerator's peak (Megatron-LM
-#   measured 52% on A100, 163 of 312 TFLOP/s), or its bytes at the memory's bandwidth when that is slower;
+# - **compute**: every operation priced on its own, from the accelerator's datasheet and the operation's shape
+#   (`toolkit/sim/kernel_time.py`): a GEMM as cuBLAS runs it, its output cut into tiles that run in waves on
+#   the SMs at the best rate a GEMM microbenchmark reaches (a partial tile or wave costs a whole one, so small
+#   or odd shapes run slower); a fused attention likewise, plus its softmax on the ordinary FP32 units;
+#   anything else (layer norms, adds, the optimizer) at the memory's bandwidth; and a launch cost per
+#   operation, hidden where the GPU is busier than the host. Nothing is fitted to a paper's table;
 # - **communication**: the alpha-beta model of the links a collective crosses: NVLink inside a node,
 #   one network card per GPU between nodes (a ring across nodes uses all 8 cards of a node at once; a
 #   group with one GPU per node, like HSDP's replicas, gets one card);
