@@ -476,8 +476,9 @@ layout_figure(list(gpt3_layouts.values()))
 # (p-1)/(m+p-1) = 7/71 = 10% of the step, because the last stage also computes the head and the loss, and
 # every other stage waits for it), and for its tensor-parallel all-reduces, in every block's forward (the
 # recomputed one too) and backward, on the critical path by construction: more than for its transfers
-# between stages. What 3D buys is memory: its peak is under two thirds of FSDP's, which gathers a whole layer of
-# GPT-3 at a time and keeps a sequence's checkpoints for all 96 layers. HSDP pays for its replicas in memory
+# between stages. What 3D buys is memory: its peak is about four fifths of FSDP's, which gathers a whole layer
+# of GPT-3 at a time and keeps a sequence's checkpoints for all 96 layers (a 3D rank keeps twelve layers'
+# checkpoints, of up to eight micro-batches in flight, and its sharded layers never gather). HSDP pays for its replicas in memory
 # (8 times FSDP's model states) and matches FSDP's step here: its all-reduce across the replicas hides
 # behind backward as well.
 #
@@ -499,7 +500,7 @@ stages = three_d["sim"].cost.stages[-1]
 computed = {r: t.compute for r, t in stages.stages.items()}
 assert max(computed, key=computed.get) == max(computed)                                   # the last stage computes most
 assert three_d["breakdown"]["exposed_comm"] > three_d["breakdown"]["p2p"]                 # tp all-reduces, not transfers
-assert three_d["peak"] < 2 / 3 * fsdp["peak"]                                             # "under two thirds of FSDP's"
+assert 0.75 < three_d["peak"] / fsdp["peak"] < 0.85                                     # "about four fifths of FSDP's"
 assert abs(hsdp["states"] / fsdp["states"] - 8) < 0.1                                     # "8 times the model states"
 assert abs(hsdp["breakdown"]["step"] / fsdp["breakdown"]["step"] - 1) < 0.05             # "matches FSDP's step"
 assert fsdp["tflops_per_gpu"] > hsdp["tflops_per_gpu"] * 0.99 and fsdp["tflops_per_gpu"] > three_d["tflops_per_gpu"]
