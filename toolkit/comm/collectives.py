@@ -15,17 +15,17 @@ the data moves for real, then the call completes no sooner than the link's alpha
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
 
 from ..runtime import status
-from ..runtime.blame import Consequence, is_consequence
 from ..trace.events import recorder
 from . import backend as _backend_impl
 from . import emulate as _emulation
 from .average import divide_around_sum
+from .handle import Handle, explained
+from .listeners import tell
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
               "product": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.SUM}
@@ -34,7 +34,6 @@ OPERATIONS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to
 _impl: dict = dict(_backend_impl.IMPLEMENTATION)
 _impl_name = "backend"
 _ranks_cache: dict = {}
-_listeners: list = []  # fn(kind, event, tensor): see `listening`
 
 
 # --- choosing the implementation ------------------------------------------------------------------
@@ -66,32 +65,6 @@ def use(implementation="backend") -> str:
 
 def implementation() -> str:
     return _impl_name
-
-
-class listening:
-    """`with comm.listening(fn): ...` calls `fn(kind, event, tensor)` at every collective inside the block.
-
-    kind is "issue" right after a call has started (`event` is its trace record, `tensor` the message
-    the door sized it by) and "wait" (tensor None) when this rank blocks until it is complete: a
-    synchronous call is an "issue" then a "wait" at once; an asynchronous one waits where its
-    `Handle.wait()` is called. That order is what a timeline needs (toolkit.sim records a step's program
-    from it); a collective's own timing, as the backend reports it, stays in `event`.
-    """
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __enter__(self):
-        _listeners.append(self.fn)
-        return self
-
-    def __exit__(self, *exc):
-        _listeners.remove(self.fn)
-
-
-def _tell(kind: str, event: dict, tensor=None) -> None:
-    for fn in _listeners:
-        fn(kind, event, tensor)
 
 
 class using:
@@ -126,105 +99,9 @@ def _reduce_op(op):
     return op
 
 
-_side_stream = None
-
-
-def _marker_stream():
-    """One side stream per process on which the ends of asynchronous collectives are marked."""
-    global _side_stream
-    if _side_stream is None:
-        _side_stream = torch.cuda.Stream()
-    return _side_stream
-
-
-class Handle:
-    """What an asynchronous collective returns: `wait()` blocks until the result is in place.
-
-    Under an emulated link (`toolkit.comm.emulate`) the result is in place only at the call's modelled
-    completion (`deadline`): `wait()` sleeps what remains of it, `is_completed()` is False before it.
-    """
-
-    def __init__(self, work, event, after=None, deadline=None, entry=None):
-        self._work, self._event, self._after, self._deadline = work, event, after, deadline
-        self._waited = False
-        self._entry = entry  # this call on the status board (numbered when issued)
-        if work is None:  # ran synchronously (hand-written implementations)
-            event["end"] = recorder.mark()
-        elif recorder._on_gpu():
-            side = _marker_stream()  # marks the end on the device without blocking the host
-            with torch.cuda.stream(side):
-                work.wait()
-            event["end"] = recorder.mark(side)
-        else:  # gloo completes on its own thread; note the moment it does
-            try:
-                work.get_future().then(lambda _: event.__setitem__(
-                    "end", recorder.mark() if deadline is None else _emulation.emulated_end(recorder.mark(), deadline)))
-            except RuntimeError:  # some gloo ops (reduce-scatter) have no future: the end is marked at
-                pass              # wait(), an upper bound on when it finished
-
-    def wait(self):
-        if not self._waited:
-            self._waited = True
-            _tell("wait", self._event)
-        if self._work is not None:
-            status.resume(self._entry)
-            # time spent blocked here is idle compute: the trace shows it as a "wait" span
-            blocked = None if self._work.is_completed() else recorder.add(
-                "wait", "wait", recorder.mark(), op=self._event["name"])
-            try:
-                self._work.wait()
-            except BaseException as exc:
-                status.fail(self._entry)
-                if isinstance(exc, RuntimeError):
-                    raise _explained(exc, self._entry) from exc
-                raise
-            status.end(self._entry)
-            if blocked is not None:
-                blocked["end"] = recorder.mark()
-            if self._event["end"] is None:
-                self._event["end"] = recorder.mark()
-        if self._deadline is not None:  # the emulated link: not before the model says so
-            _emulation.hold(self._event, self._deadline)
-            self._deadline = None
-        if self._after is not None:
-            self._after()
-            self._after = None
-        return None
-
-    def is_completed(self) -> bool:
-        done = self._work is None or self._work.is_completed()
-        if done and self._deadline is not None and time.perf_counter() < _emulation.when(self._deadline):
-            return False
-        return done
-
-    @property
-    def event(self) -> dict:
-        """This call's trace record; callers may annotate its args (an MoE layer names its chunks)."""
-        return self._event
-
-
 def _detail(event) -> str:
     a = event["args"]
     return f"phase '{event['phase']}', {a['numel']} x {a['dtype']}"
-
-
-class PeerFailed(Consequence, RuntimeError):
-    """A collective failed on this rank because another rank of its group went away or never came."""
-
-
-def _explained(exc: Exception, entry: status.Entry) -> RuntimeError:
-    """Say which call failed, and whether this rank is its cause or a casualty of another rank."""
-    text = str(exc)
-    where = f"{entry.describe()} failed on rank {dist.get_rank()}"
-    if "timed out" in text.lower() or "timeout" in text.lower():
-        return PeerFailed(f"{where}: it timed out waiting for the other ranks of the group.\n"
-                          f"{type(exc).__name__}: {text}\nA collective completes only when every rank of its group "
-                          "calls it, with matching shapes: look for a rank that raised or died first, skipped "
-                          "this call, called another one, or is still computing.")
-    if is_consequence(exc):
-        return PeerFailed(f"{where}: another rank of the group went away (it raised, died or was stopped); "
-                          f"look for that rank's own error.\n{type(exc).__name__}: {text}")
-    return RuntimeError(f"{where}.\n{type(exc).__name__}: {text}")
 
 
 def _run(name, group, tensor, size_bytes, sent, received, call, async_op, after=None, link=None, **extra):
@@ -246,10 +123,10 @@ def _run(name, group, tensor, size_bytes, sent, received, call, async_op, after=
     except BaseException as exc:
         status.fail(entry)
         if isinstance(exc, RuntimeError) and not isinstance(exc, NotImplementedError):
-            raise _explained(exc, entry) from exc
+            raise explained(exc, entry) from exc
         raise  # a student's own error (an unfinished implementation, say): exactly as raised
     status.end(entry)
-    _tell("issue", event, tensor)
+    tell("issue", event, tensor)
     handle = Handle(work if async_op and native else None, event, after, booked and booked[0], entry)
     if async_op:
         return handle
