@@ -192,6 +192,8 @@ def main(folder: str, world_size: int, fds: list[int], parent: int | None = None
                 time.sleep(0.02)  # no child right now (an orphan may still be re-parented here later)
     except _Stop:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if os.getppid() != parent:  # not asked: said first, so that the ranks' deaths read as what they are
+            _write(folder, "orphaned", str(parent))
         _kill_everything(ranks)
         launcher_died = os.getppid() != launcher if parent == launcher else _gone(launcher)
         if launcher_died:  # nobody else will remove its folder
@@ -241,6 +243,14 @@ class Keeper:
                 return json.load(f)
         except (OSError, ValueError):
             return []
+
+    def orphaned(self) -> int | None:
+        """The pid of the process whose death made the keeper stop everything on its own (None: it did not)."""
+        try:
+            with open(os.path.join(self.folder, "orphaned")) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return None
 
     def lost(self) -> int | None:
         """The keeper's own exit code if it ended before being told to (None while it runs)."""

@@ -158,6 +158,13 @@ def _stacks(keeper: Keeper, folder: str, evidence, ranks) -> str:
                    for r, text in sorted(found.items()))
 
 
+def _orphaned(keeper: Keeper) -> None:
+    parent = keeper.orphaned()
+    if parent is not None:
+        raise RankError(f"the zygote that forked this launch's keeper (pid {parent}) ended, killed from outside?, and "
+                        "the keeper stopped every rank (no rank failed). The next launch starts a new zygote.")
+
+
 def _watch(keeper: Keeper, boards, folder: str, timeout_s: float, deadline_s: float | None) -> None:
     """Wait for every rank; on the first failure or hang, stop them all and raise, naming the cause."""
     started, trouble_since = time.time(), None
@@ -172,12 +179,14 @@ def _watch(keeper: Keeper, boards, folder: str, timeout_s: float, deadline_s: fl
                 evidence = _evidence(keeper, boards, folder)
         verdict = blame.judge(evidence, time.time(), timeout_s)
         if verdict is not None and (verdict.found_cause or time.time() - trouble_since > _CAUSE_GRACE_S):
+            _orphaned(keeper)  # the ranks' deaths are then the keeper's doing, not their own
             named = [verdict.rank] if verdict.rank is not None and not verdict.traceback else []
             raise RankError(verdict.message() + _stacks(keeper, folder, evidence, named), verdict.rank)
         if deadline_s is not None and time.time() - started > deadline_s:
             where = "\n".join(blame.where_every_rank_was(evidence, time.time()))
             raise RankError(f"the ranks ran past deadline_s={deadline_s}s and were stopped.\n{where}"
                             + _stacks(keeper, folder, evidence, range(len(evidence))))
+        _orphaned(keeper)
         if keeper.lost() is not None:
             raise RankError(f"the launch's keeper process (which starts and watches the ranks) ended with code "
                             f"{keeper.lost()}: killed from outside? Every rank was stopped.")
