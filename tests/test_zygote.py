@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -38,7 +39,9 @@ def _facts():
             "own_session": os.getsid(0) == os.getpid() == os.getpgid(0), "parent": os.getppid(),
             "threads": (torch.get_num_threads(), torch.__config__.parallel_info()),
             "umask": [line for line in open("/proc/self/status") if line.startswith("Umask")],
-            "main": sys.modules["__main__"].__spec__.name, "random": random.random()}
+            "main": sys.modules["__main__"].__spec__.name, "random": random.random(),
+            "main_thread": (threading.main_thread().native_id == threading.get_native_id(),
+                            threading.main_thread() is threading.current_thread())}
 
 
 def _ranks_differ_where_they_must(facts):

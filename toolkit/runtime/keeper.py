@@ -14,9 +14,13 @@ Why a process of its own, not the launcher (a notebook kernel) itself:
    (The keeper itself may wait for a CPU after the death wakes it; the kernel counts that wait, and the
    keeper takes it off the time it writes.)
 
-It imports nothing but the standard library (it is run by path, not as `toolkit.runtime.keeper`, so
-torch is never imported: it starts in tens of milliseconds). Without prctl (not Linux) it still starts,
-dates and kills the ranks; an orphan that left its rank's process group may then escape.
+It imports nothing but the standard library: run by path (not as `toolkit.runtime.keeper`, so torch is
+never imported: it starts in tens of milliseconds), it starts each rank as a fresh interpreter; forked by
+the zygote (`zygote.py`, which loads this file by path too), it forks each rank and `start` makes the rank
+a fresh interpreter's equal. Either way it is the ranks' parent and subreaper, and it dies with the
+launcher (PR_SET_PDEATHSIG on its parent: the launcher, or the zygote, which ends with the launcher).
+Without prctl (not Linux) it still starts, dates and kills the ranks; an orphan that left its rank's
+process group may then escape.
 
 Launcher side: `Keeper.start(...)`, `keeper.exits()`, `keeper.pids()`, `keeper.stop()`.
 """

@@ -5,10 +5,12 @@ How it works, in the order it happens:
    cell or in a script's `__main__` travels (plain multiprocessing spawn cannot pickle those, and
    forking a parent that already ran torch can deadlock the children's thread pools).
 2. The parent hosts the rendezvous store on a port the OS picks, so launches never collide.
-3. A small keeper process (`keeper.py`) starts each rank as a fresh `python -m toolkit.runtime.worker`
-   process in its own process group, and dates each rank's end as it happens. The rank initializes
-   torch.distributed, runs `fn(*args)` and writes its result (or its traceback) to a private
-   temporary folder.
+3. A small keeper process (`keeper.py`) starts each rank as `python -m toolkit.runtime.worker` would
+   start, in its own session, and dates each rank's end as it happens. Keeper and ranks are forked by
+   this process's zygote, which imported torch once (`zygote.py`; each rank is made what a fresh
+   interpreter would be), or started as fresh interpreters where no zygote can serve (`zygotes.py`). The
+   rank initializes torch.distributed, runs `fn(*args)` and writes its result (or its traceback) to a
+   private temporary folder.
 4. The parent watches every rank's exit code, error file and status board (`status.py`). When one
    fails, it stops every rank at once and raises, naming the rank that *caused* it (`blame.py`): the
    one that raised on its own, died, or never entered a collective its peers waited in for `timeout_s`;

@@ -34,6 +34,7 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import traceback
 
 HEADER = struct.Struct("!I")
@@ -102,6 +103,9 @@ def become(env: dict, cwd: str | None = None) -> None:
     import importlib
 
     _fresh_signals()
+    main = threading.main_thread()  # fork made this thread the main one, but kept the zygote's thread id as its
+    if hasattr(main, "_set_native_id"):  # native_id (CPython gh-132542, fixed in 3.13): /proc/self/task/<it> is gone
+        main._set_native_id()
     os.environ.clear()
     os.environ.update(env)
     if cwd is not None:
