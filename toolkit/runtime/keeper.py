@@ -115,7 +115,8 @@ class _Ranks:
             p = start(self.folder, rank, fds[rank], dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank)))
             os.close(fds[rank])  # the rank holds its end now; the launcher reads the other
             self.by_pid[p.pid] = (rank, p)
-        _write(self.folder, "pids.json", json.dumps([p.pid for _, p in sorted(self.by_pid.values(), key=lambda v: v[0])]))
+        pids = [p.pid for _, p in sorted(self.by_pid.values(), key=lambda v: v[0])]
+        _write(self.folder, "pids.json", json.dumps(pids))
 
     def reaped(self, pid: int, status: int, when: float) -> None:
         """Note a reaped child: a rank's end is written with its time; an orphan's is just collected."""
@@ -168,7 +169,7 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _gone(pid: int) -> bool:
-    """True once `pid` has ended (a zombie counts: it ended, nobody has collected it yet)."""
+    """True once `pid` has ended (a zombie counts: it ended, nobody has collected it yet; without /proc, True)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
@@ -196,11 +197,11 @@ def main(folder: str, world_size: int, fds: list[int], parent: int | None = None
                 time.sleep(0.02)  # no child right now (an orphan may still be re-parented here later)
     except _Stop:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if os.getppid() != parent:  # not asked: said first, so that the ranks' deaths read as what they are
+        orphaned = os.getppid() != parent
+        if orphaned:  # not asked: said first, so that the ranks' deaths read as what they are
             _write(folder, "orphaned", str(parent))
         _kill_everything(ranks)
-        launcher_died = os.getppid() != launcher if parent == launcher else _gone(launcher)
-        if launcher_died:  # nobody else will remove its folder
+        if orphaned and _gone(launcher):  # the launcher died: nobody else will remove its folder
             shutil.rmtree(folder, ignore_errors=True)
     os._exit(0)
 
@@ -216,7 +217,7 @@ class Keeper:
     @classmethod
     def start(cls, folder: str, world_size: int, env: dict) -> "Keeper":
         """Start the keeper, which starts the ranks; `streams[r]` reads rank r's output (stdout and stderr)."""
-        from .zygotes import fork_keeper
+        from .zygotes import fork_keeper  # here: run by path, this file imports nothing of the package
 
         pipes = [os.pipe() for _ in range(world_size)]
         writers, env = [w for _, w in pipes], dict(env, TOOLKIT_LAUNCHER_PID=str(os.getpid()))
