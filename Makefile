@@ -49,7 +49,8 @@ test: $(STAMP) browser
 test-times: $(STAMP) browser
 	TOOLKIT_TEST_TIMES=runs/test-times.tsv $(PY) -m pytest -q --durations=30
 
-# Beyond the suite's time budget: grading at scale (misbehaving solutions, a class folder), about 25 s.
+# Beyond the suite's time budget: grading at scale (misbehaving solutions, a class folder, every attack on the grader,
+# every lab against the students' wheel): a grading or more per test, up to a minute each on 2 loaded cores.
 test-grading: $(STAMP)
 	$(PY) -m pytest -q -m grading_scale
 

@@ -3,7 +3,7 @@
 Target (issue 10): GPT-3 175B under zero3 at 512 ranks, one step, in <= 60 s and <= 4 GB of RAM on
 2 cores. Each case runs in a fresh child process, so its peak resident memory (ru_maxrss) is its own.
 `--profile` runs the target once more under cProfile and prints the time inside each tracker's dispatch
-(MemTracker, FlopCounterMode, the op counter): where the time goes.
+(MemTracker, the op counter): where the time goes.
 
     python bench/sim_speed.py            # the 175B target, then ZeRO Figure 1 and GPT-3 at full depth
     python bench/sim_speed.py --quick    # the target case only
@@ -24,8 +24,8 @@ GB = 1e9
 NOTES = """The simulation runs on one core. Its CPU seconds (time.process_time of the child) hardly move with
 the machine's load; wall-clock seconds do (other sessions share these 2 cores: the same step has taken
 12 to 85 s of wall time at load averages of 5 to 10). Peak RSS is the child process's own. cProfile (`--profile`) puts most of the time in per-operation Python: torch's meta
-kernels (prims and refs), and the three dispatch modes that watch every operation (FlopCounterMode,
-MemTracker, the op counter); the toolkit's strategies themselves are a small share. ZeRO-3's step is the
+kernels (prims and refs), and the two dispatch modes that watch every operation (MemTracker, the
+op counter, which also counts FLOPs); the toolkit's strategies themselves are a small share. ZeRO-3's step is the
 slowest because every module is a unit (about six all-gathers, waits and frees per layer and pass).
 Model states and bytes equal the formulas on the model's own parameter count (padding below 0.01 GB);
 the peak adds what one moment of the step holds: gathered units, activations of the sequence, gradients
@@ -51,8 +51,7 @@ def _case(queue, model, strategy, world, options, profile):
     if profiler:
         stats = pstats.Stats(profiler).stats
         for (path, _, name), (_, _, _, cumulative, _) in stats.items():
-            for key, where in (("MemTracker", "mem_tracker.py"), ("FlopCounterMode", "flop_counter.py"),
-                               ("op counter", "sim/record.py")):
+            for key, where in (("MemTracker", "mem_tracker.py"), ("op counter", "sim/record.py")):
                 if path.endswith(where) and name == "__torch_dispatch__":
                     split[key] = split.get(key, 0.0) + cumulative
     queue.put({"seconds": seconds, "cpu": cpu, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

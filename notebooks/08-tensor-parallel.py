@@ -315,38 +315,74 @@ assert tp_bytes_per_layer(1, GPT3_S, GPT3_H, 8, sequence_parallel=True) == 1.25 
 
 # %%
 from toolkit.sim.sweep import sweep  # noqa: E402
+from toolkit.units import bytes_text  # noqa: E402
 
 GPT3_FULL = functools.partial(presets.gpt3_175b, vocab_size=51200)
 rows = []
 for batch, world in ((512, 512), (512, 1024)):
     for label, tp in (("FSDP", 1), ("FSDP + TP(8)", 8)):
         per_replica = batch * tp // world  # sequences per data-parallel replica
-        if per_replica < 1:
-            rows.append(dict(batch=batch, world=world, label=label, step_time=None))
+        if per_replica < 1:  # nothing to simulate: some GPUs would have no sequence at all
+            rows.append(dict(batch=batch, world=world, label=label, per_replica=0, fits=None, step_time=None))
             continue
         options = dict(forward_prefetch=True, **({"tp": tp} if tp > 1 else {}))
         row = sweep(GPT3_FULL, layers=96, strategies={label: ("fsdp", options)}, worlds=(world,), mixed_precision=True,
                     activation_checkpointing=True, batch_per_rank=per_replica, seq_len=GPT3_S)[0]
-        rows.append(dict(row, batch=batch, world=world))
+        rows.append(dict(row, batch=batch, world=world, per_replica=per_replica))
 for r in rows:
-    what = "cannot: fewer sequences than GPUs" if r["step_time"] is None else (
-        f"{r['step_time']:6.2f} s per step, {r['tflops_per_gpu']:4.0f} TFLOP/s per GPU, exposed communication "
-        f"{r['breakdown']['exposed_comm']:4.2f} s")
+    if r["fits"] is None:
+        what = "cannot: fewer sequences than GPUs"
+    elif not r["fits"]:
+        what = f"does not fit: peak {bytes_text(r['peak'])} per GPU, {bytes_text(r['fit'].capacity)} on an A100"
+    else:
+        what = (f"{r['step_time']:6.2f} s per step, {r['tflops_per_gpu']:4.0f} TFLOP/s per GPU, exposed communication "
+                f"{r['breakdown']['exposed_comm']:4.2f} s; peak {bytes_text(r['peak'])} per GPU (activations "
+                f"{bytes_text(r['peak_memory']['activations'])}, comm {bytes_text(r['peak_memory']['comm'])})")
     print(f"batch {r['batch']:>5}, {r['world']:>5} GPUs, {r['label']:<13} {what}")
-by = {(r["batch"], r["world"], r["label"]): r["step_time"] for r in rows}
-assert by[(512, 512, "FSDP")] < by[(512, 512, "FSDP + TP(8)")]
-assert by[(512, 1024, "FSDP")] is None and by[(512, 1024, "FSDP + TP(8)")] < by[(512, 512, "FSDP")]
+by = {(r["batch"], r["world"], r["label"]): r for r in rows}
+assert all(r["fits"] is not False for r in rows)  # every case with a sequence per GPU fits in 80 GB
+assert by[(512, 512, "FSDP")]["step_time"] < by[(512, 512, "FSDP + TP(8)")]["step_time"]
+assert by[(512, 1024, "FSDP")]["fits"] is None
+assert by[(512, 1024, "FSDP + TP(8)")]["step_time"] < by[(512, 512, "FSDP")]["step_time"]
+# what FSDP + TP(8) keeps: every layer's checkpointed input, the replica's 8 whole sequences (b s h in bf16:
+# without sequence parallelism a tp rank holds the full hidden width between blocks), plus one block recomputing
+two_d, fsdp_alone = by[(512, 512, "FSDP + TP(8)")], by[(512, 512, "FSDP")]
+kept_inputs = 96 * 8 * GPT3_S * GPT3_H * 2
+assert kept_inputs < two_d["peak_memory"]["activations"] < 1.05 * kept_inputs
+assert two_d["peak_memory"]["comm"] < 1e9 and two_d["peak_memory"]["activations"] > 0.8 * two_d["peak"]
+assert two_d["peak"] > fsdp_alone["peak"]
+assert two_d["peak_memory"]["activations"] > 8 * fsdp_alone["peak_memory"]["activations"]
 
 # %% [markdown]
 # With at least one sequence per GPU, FSDP alone is the faster of the two in this cost model: its gathers
 # hide behind compute, while TP's all-reduces, even on NVLink, are exposed and its per-rank matmuls are
-# 1/8 as large (add `(1024, 1024)` to the loop: one sequence per GPU again). 2D wins where FSDP cannot go: **when the cluster outgrows the global batch**. A batch of 512
-# sequences gives FSDP at most 512 GPUs (one sequence each); with TP(8) inside the nodes, the same batch
-# spreads over 1,024 GPUs (4 sequences per 8-GPU replica) and the step is faster than FSDP's best. That, and
-# memory (per-rank activations and a model too large to gather one layer of), is why GPT-3-class models
-# train in 2D or 3D (pipeline parallelism is the next lesson). The cost model will improve (per-operation
-# GEMM efficiency); the reasoning stays.
+# 1/8 as large (add `(1024, 1024)` to the loop: one sequence per GPU again). 2D wins where FSDP cannot go:
+# **when the cluster outgrows the global batch**. A batch of 512 sequences gives FSDP at most 512 GPUs (one
+# sequence each: "cannot" above means there is no sequence for some GPUs, not that memory ran out); with
+# TP(8) inside the nodes, the same batch spreads over 1,024 GPUs (4 sequences per 8-GPU replica) and the
+# step is faster than FSDP's best. That, and a model too large to gather one layer of, is why GPT-3-class
+# models train in 2D or 3D (pipeline parallelism is the next lesson). The cost model will improve
+# (per-operation GEMM efficiency); the reasoning stays.
 #
+# **Memory is the price.** Every case fits in an A100's 80 GB, but FSDP + TP(8) at 512 GPUs peaks higher
+# than FSDP alone, and almost all of it is activations, more than 8 times FSDP's: every GPU of a tp group
+# computes on its replica's 8 sequences, and between blocks (outside the split layers) each holds the full
+# hidden width. Under activation checkpointing what stays is each layer's input, 96 x 8 sequences x 2,048
+# tokens x 12,288 x 2 bytes = 38.7 GB, plus one block being recomputed. Are those inputs activations or
+# communication? Each is the output of the previous block's residual add, a new tensor made *after* the
+# tensor-parallel all-reduce, so the simulator counts it as an activation; "comm" is only what a collective
+# holds at that moment (well under a gigabyte). Sequence parallelism (section 4) splits exactly these kept
+# inputs along the sequence, by 8:
+
+# %%
+sp = sweep(GPT3_FULL, layers=96, strategies={"FSDP + TP(8) + SP": ("fsdp", dict(forward_prefetch=True, tp=8,
+                                                                                 sequence_parallel=True))},
+           worlds=(512,), mixed_precision=True, activation_checkpointing=True, batch_per_rank=8, seq_len=GPT3_S)[0]
+print(f"batch   512,   512 GPUs, FSDP + TP(8) + SP: peak {bytes_text(sp['peak'])} per GPU (activations "
+      f"{bytes_text(sp['peak_memory']['activations'])}), {sp['step_time']:.2f} s per step")
+assert kept_inputs / 8 < sp["peak_memory"]["activations"] < 1.1 * kept_inputs / 8
+
+# %% [markdown]
 # **The cliff.** A tensor-parallel group should stay inside a node. At tp = 16 on 8-GPU nodes each
 # all-reduce crosses the network (the simulator allows it, and warns). How steep the drop is depends on the
 # network: a DGX A100 has one 200 Gb/s card per GPU, so a 16-wide ring runs 8 rings at once over 8 cards;

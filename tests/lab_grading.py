@@ -1,9 +1,10 @@
-"""What every lab's grader test proves, written once: the untouched skeleton scores 0, the reference
-scores full marks, and a classic mistake loses exactly the checks that describe it (so the checks can
-fail, and fail for the right reason)."""
+"""What every lab's grader test proves, written once: the untouched skeleton scores 0, the reference scores
+full marks, a submission that hands the work to the toolkit's own implementation scores 0 and is told so,
+and a classic mistake loses exactly the checks that describe it (so the checks can fail, and fail for the
+right reason)."""
 from pathlib import Path
 
-from toolkit.grading import format_score, grade
+from toolkit.grading import format_score, grade, lab_checks
 
 LABS = Path(__file__).resolve().parent.parent / "labs"
 
@@ -27,11 +28,23 @@ class LabGrading:
         score = grade(self.lab)
         assert score.maximum == self.maximum and score.total == 0, format_score(score)
         for result in score.results:
-            assert "not implemented yet" in result.message, result
+            assert "not implemented yet" in (result.detail or result.message), result
 
     def assert_reference_scores_full(self) -> None:
         score = grade(self.lab, self.lab / "solution.py")
         assert score.total == score.maximum == self.maximum, format_score(score)
+
+    def assert_delegation_scores_zero(self, added: str, answer: str, tmp_path) -> None:
+        """The reference with `added` (code that hands the work to the toolkit's `answer`, an entry of the lab's
+        ANSWERS) scores 0, and every check says which answer it used."""
+        assert answer in lab_checks(self.lab)[1], f"{answer} is not among the lab's ANSWERS"
+        delegating = tmp_path / "delegating.py"
+        delegating.write_text((self.lab / "solution.py").read_text() + "\n" + added + "\n")
+        score = grade(self.lab, delegating)
+        assert score.total == 0 and score.maximum == self.maximum, format_score(score)
+        for result in score.results:
+            said = result.detail or result.message
+            assert answer.replace(":", ".") in said and "the toolkit's own implementation" in said, result
 
     def assert_mistake_loses_exactly(self, name: str, change: tuple, failing: dict, tmp_path) -> None:
         """Apply `change` (old, new) to the reference once; `failing` maps check keys to a phrase of their message."""

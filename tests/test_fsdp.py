@@ -596,7 +596,10 @@ def test_memory_within_the_paper_bound():
     for key, extra in (("fsdp", 0), ("prefetch_all", 0), ("ac", recomputed)):
         r = got[key]
         assert r["tracked_peak"] <= bound(units, 2, 2) + r["activations_peak"] + extra + 64 * 1024, key
-        assert r["tracked_peak"] >= r["states_peak"] + r["activations_peak"]
+        # at the end of forward every shard, the gathered root and every activation are alive at once (the
+        # model states peak later, in backward, when some activations are gone)
+        sharded = sum(u["padded_numel"] for u in units) // 2 * 16
+        assert r["tracked_peak"] >= max(r["states_peak"], sharded + ROOT * 4 + r["activations_peak"]), key
 
 
 @pytest.mark.timeout(150)

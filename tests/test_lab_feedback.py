@@ -1,16 +1,16 @@
 """What the labs tell a student: lab 01 names the commonest ring mistakes instead of printing floats, and
 the labs' READMEs say what really happens (which world sizes each check runs at, where the lesson is).
 
-No ranks are launched: the checks are called in this process with a stand-in student whose results
-are those of a mistaken ring, computed from the same inputs the check builds."""
+No ranks are launched: a check's judge runs in the grader's process on what the ranks would have sent, so
+it is called here with the results of a mistaken ring, computed from the inputs the check draws."""
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from toolkit.grading.grader import lab_checks, load_module
-from toolkit.grading.checks import CheckFailed, Context
+from toolkit.grading import CheckFailed, Judge, lab_checks
+from toolkit.grading.runner import load_module
 
 LABS = Path(__file__).resolve().parent.parent / "labs"
 RING = LABS / "01-ring-allreduce"
@@ -22,50 +22,51 @@ def ring_checks():
 
 
 def _by_name(prefix):
-    (found,) = [c for c in lab_checks(RING) if c.name.startswith(prefix)]
+    (found,) = [c for c in lab_checks(RING)[0] if c.name.startswith(prefix)]
     return found
 
 
-def _fails(check, student, rank=0, n=3) -> str:
+def _fails(check, n, got_of) -> str:
+    """The judge's message when rank r sent got_of(r, given) at world size n."""
+    given = check.make_inputs(n, torch.Generator().manual_seed(0))
     with pytest.raises(CheckFailed) as failure:
-        check.fn(student, Context(rank=rank, world_size=n, group=None))
+        check.judge(Judge(n), given, [got_of(r, given) for r in range(n)])
     return str(failure.value)
 
 
-class LectureRing:
-    """A reduce-scatter that leaves rank r with the finished chunk r+1 (the lecture's convention)."""
-
-    def __init__(self, checks, n, rank, shift=1):
-        self.checks, self.n, self.rank, self.shift = checks, n, rank, shift
-
-    def reduce_scatter(self, output, input, op, group, async_op):
-        xs = self.checks.inputs(self.n, input.numel(), seed=2)  # the check's own inputs
-        output.copy_(torch.stack(xs).sum(0).tensor_split(self.n)[(self.rank + self.shift) % self.n])
-
-    def all_gather(self, output, input, group, async_op):
-        xs = self.checks.inputs(self.n, input.numel(), seed=1)
-        blocks = [x.view_as(input) for x in xs]
-        output.copy_(torch.cat([blocks[(k + self.shift) % self.n] for k in range(self.n)]))
+def lecture_scatter(n, shift=1):
+    """A reduce-scatter that leaves rank r with the finished chunk r+shift (the lecture's convention)."""
+    def got(r, given):
+        outputs = [torch.stack([g["xs"][k] for g in given]).sum(0).tensor_split(n)[(r + shift) % n] for k in range(2)]
+        return {"outputs": outputs, "inputs_after": given[r]["xs"]}
+    return got
 
 
-def test_a_shifted_reduce_scatter_is_named_with_the_lectures_convention(ring_checks):
-    message = _fails(_by_name("reduce-scatter"), LectureRing(ring_checks, 3, rank=0))
+def lecture_gather(n, shift=1):
+    def got(r, given):
+        return {"outputs": [torch.cat([given[(b + shift) % n]["xs"][k] for b in range(n)]) for k in range(2)]}
+    return got
+
+
+def test_a_shifted_reduce_scatter_is_named_with_the_lectures_convention():
+    message = _fails(_by_name("reduce-scatter"), 3, lecture_scatter(3))
     assert "rank 0: chunk 0 holds the finished chunk 1" in message and "the lecture's convention" in message
     assert "got [" not in message  # no random-looking floats
-    other = _fails(_by_name("reduce-scatter"), LectureRing(ring_checks, 4, rank=2, shift=2), rank=2, n=4)
-    assert "chunk 2 holds the finished chunk 0" in other and "off by [2]" in other
+    other = _fails(_by_name("reduce-scatter"), 4, lecture_scatter(4, shift=2))
+    assert "chunk 0 holds the finished chunk 2" in other and "off by [2]" in other
 
 
-def test_a_shifted_all_gather_names_the_blocks(ring_checks):
-    message = _fails(_by_name("all-gather"), LectureRing(ring_checks, 3, rank=1), rank=1)
-    assert "block 0 holds rank 1's input" in message and "shifted by 1" in message
+def test_a_shifted_all_gather_names_the_blocks():
+    message = _fails(_by_name("all-gather"), 3, lecture_gather(3))
+    assert "rank 0: block 0 holds rank 1's input" in message and "shifted by 1" in message
 
 
 def test_an_all_reduce_whose_chunks_were_never_finished(ring_checks):
     """A reduce-scatter a step short (or on the lecture's indices) feeds the all-gather unfinished chunks:
     each chunk k then holds rank k's own input only."""
     n, numel = 3, 12
-    xs = ring_checks.inputs(n, numel)
+    g = torch.Generator().manual_seed(0)
+    xs = [ring_checks.draw(g, numel) for _ in range(n)]
     unfinished = torch.cat([xs[k].tensor_split(n)[k] for k in range(n)])
     positions = dict(enumerate(unfinished.tensor_split(n)))
     said = ring_checks.explain_chunks(xs, ring_checks.SUM, False, positions, me=0)
@@ -78,10 +79,22 @@ def test_an_all_reduce_whose_chunks_were_never_finished(ring_checks):
     assert ring_checks.explain_chunks(xs, ring_checks.SUM, False, noise, me=0) is None
 
 
+def test_traffic_off_the_ring_is_named():
+    check = _by_name("a real ring")
+
+    def star(r, given):  # every rank sends its whole tensor to rank 0: the sum arrives, not through a ring
+        total = sum(g["cases"][0]["x"] for g in given)
+        return {"outputs": [total], "messages": [["send", 0, total.numel()]] if r else
+                [["recv", s, total.numel()] for s in range(1, 3)]}
+
+    message = _fails(check, 3, star)
+    assert "rank 0 (left neighbour 2, right neighbour 1) also posted a recv with rank 1" in message, message
+
+
 def test_lab01_readme_lists_each_checks_points_and_world_sizes():
     readme = (RING / "README.md").read_text()
     rows = re.findall(r"^\| (\d+) \| ([\d, ]+) \| (.+) \|$", readme, re.M)
-    checks = lab_checks(RING)
+    checks = lab_checks(RING)[0]
     assert len(rows) == len(checks), rows
     for (points, sizes, text), check in zip(rows, checks):
         assert int(points) == check.points, (text, check.name)

@@ -14,12 +14,12 @@ CHECKS = {  # a short key -> the start of the check's name in checks.py
 LAB = LabGrading("03-fsdp-unit", 11, CHECKS)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)
 def test_untouched_skeleton_scores_zero(no_leftover_ranks):
     LAB.assert_skeleton_scores_zero()
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)
 def test_reference_solution_scores_full_marks(no_leftover_ranks):
     LAB.assert_reference_scores_full()
 
@@ -35,7 +35,12 @@ MISTAKES = [
 ]
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("name, change, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
 def test_a_mistake_loses_exactly_its_checks(name, change, failing, tmp_path, no_leftover_ranks):
     LAB.assert_mistake_loses_exactly(name, change, failing, tmp_path)
+
+
+def test_the_toolkits_own_unit_scores_zero(tmp_path):
+    LAB.assert_delegation_scores_zero("MyUnit.unshard = FSDPUnit.unshard  # the toolkit's own, not yours",
+                                      "toolkit.parallel.fsdp_unit:FSDPUnit.unshard", tmp_path)

@@ -1,5 +1,6 @@
 """Lab 05 (expert shadowing) through the grader: the untouched skeleton scores 0, the reference full marks,
-and two classic mistakes in Algorithm 1 lose the checks that describe them (and keep the others)."""
+two classic mistakes in Algorithm 1 lose the checks that describe them (and keep the others), and the
+toolkit's own rule scores 0."""
 import pytest
 from lab_grading import LabGrading
 
@@ -7,19 +8,20 @@ CHECKS = {  # a short key -> the start of the check's name in checks.py
     "loads": "worker_loads",
     "model": "the latency model",
     "algorithm": "choose_shadows",
-    "real": "on a real layer's counts",
+    "real": "on a real layer's counts: a valid choice",
+    "hidden": "on a real layer's counts (skewed",
     "equal": "the layer that shadows your choice",
     "gain": "a measured gain",
 }
-LAB = LabGrading("05-shadowing", 11, CHECKS)
+LAB = LabGrading("05-shadowing", 12, CHECKS)  # 11 public points, 1 hidden
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_untouched_skeleton_scores_zero(no_leftover_ranks):
     LAB.assert_skeleton_scores_zero()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_reference_solution_scores_full_marks(no_leftover_ranks):
     LAB.assert_reference_scores_full()
 
@@ -29,15 +31,20 @@ MISTAKES = [
     # the lightest experts first: on the strongly skewed layer it shadows an idle expert and nothing gets faster
     ("tries the experts lightest first",
      ("key=lambda e: (-load[e], e)", "key=lambda e: (load[e], e)"),
-     {"algorithm": "expected", "real": "Algorithm 1 chooses", "gain": "below 0.8 expected"}),
+     {"algorithm": "expected", "hidden": "chose differently from Algorithm 1", "gain": "below 0.8 expected"}),
     # every expert is compared with the plain layer instead of the best set so far: it never stops in time
     ("compares with Lat_imbl, not with the best so far",
      ("        best = latency\n", ""),
-     {"algorithm": "Algorithm 1 on this case", "real": "Algorithm 1 chooses"}),
+     {"algorithm": "stop at the first that does not", "hidden": "chose differently from Algorithm 1"}),
 ]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("name, change, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
 def test_a_mistake_loses_exactly_its_checks(name, change, failing, tmp_path, no_leftover_ranks):
     LAB.assert_mistake_loses_exactly(name, change, failing, tmp_path)
+
+
+def test_the_toolkits_own_rule_scores_zero(tmp_path):
+    LAB.assert_delegation_scores_zero("from toolkit.moe.shadow import choose_shadows  # noqa: F811",
+                                      "toolkit.moe.shadow:choose_shadows", tmp_path)

@@ -28,18 +28,23 @@ def lab() -> LabGrading:
     return LabGrading("11-tensor-parallel", 8, CHECKS)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_untouched_skeleton_scores_zero(no_leftover_ranks):
     lab().assert_skeleton_scores_zero()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_reference_solution_scores_full_marks(no_leftover_ranks):
     lab().assert_reference_scores_full()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mistake", list(MISTAKES))
 def test_the_classic_mistakes_are_named(mistake, tmp_path, no_leftover_ranks):
     change, failing = MISTAKES[mistake]
     lab().assert_mistake_loses_exactly(mistake, change, failing, tmp_path)
+
+
+def test_the_toolkits_own_tensor_parallelism_scores_zero(tmp_path):
+    lab().assert_delegation_scores_zero("from toolkit.parallel.tensor import operators  # noqa: F401",
+                                        "toolkit.parallel.tensor", tmp_path)

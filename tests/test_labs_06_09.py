@@ -8,6 +8,7 @@ the mistake (so the checks can fail, and fail for the right reason). One grading
     09-tutel-pipeline   posting chunk k+1 only after computing chunk k (right numbers, nothing overlapped)
 """
 import pytest
+import torch
 from lab_grading import LabGrading
 
 FP32_GATHER = """            full = torch.empty(self.flat.padded_numel, dtype=torch.float32)
@@ -55,20 +56,83 @@ def lab(name: str) -> LabGrading:
     return LabGrading(name, maximum, checks)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(LABS))
 def test_untouched_skeleton_scores_zero(name, no_leftover_ranks):
     lab(name).assert_skeleton_scores_zero()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(LABS))
 def test_reference_solution_scores_full_marks(name, no_leftover_ranks):
     lab(name).assert_reference_scores_full()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(LABS))
 def test_the_classic_mistake_is_named(name, tmp_path, no_leftover_ranks):
     mistake, change, failing = LABS[name][2]
     lab(name).assert_mistake_loses_exactly(mistake, change, failing, tmp_path)
+
+
+ANSWERS = {  # lab -> (code that hands the work to the toolkit, the answer it uses)
+    "06-zero": ("from toolkit.parallel.zero import wrap_zero2  # noqa: F401", "toolkit.parallel.zero"),
+    "07-hsdp": ("from toolkit.parallel.fsdp_unit import sharding_groups  # noqa: F401",
+                "toolkit.parallel.fsdp_unit:sharding_groups"),
+    "08-mixed-precision": ("MixedUnit.add_grad = FSDPUnit.add_grad  # the toolkit's own, not yours",
+                           "toolkit.parallel.fsdp_unit:FSDPUnit.add_grad"),
+    "09-tutel-pipeline": ("from toolkit.moe.pipeline import chunking  # noqa: F401", "toolkit.moe.pipeline"),
+}
+
+
+@pytest.mark.parametrize("name", list(LABS))
+def test_the_toolkits_own_implementation_scores_zero(name, tmp_path):
+    lab(name).assert_delegation_scores_zero(*ANSWERS[name], tmp_path)
+
+
+# A second classic mistake per lab, judged without a launch: the judge runs in the grader's process on what
+# the ranks would have sent, built here from the check's own inputs and the lab's reference.
+def _judge(lab_name: str, prefix: str, n: int, got_of) -> str:
+    from toolkit.grading import CheckFailed, Judge, lab_checks
+
+    (check,) = [c for c in lab_checks(lab(lab_name).lab)[0] if c.name.startswith(prefix)]
+    given = check.make_inputs(n, torch.Generator().manual_seed(0))
+    with pytest.raises(CheckFailed) as failure:
+        check.judge(Judge(n), given, [got_of(r, given) for r in range(n)])
+    return str(failure.value)
+
+
+def test_06_summed_gradient_slices_are_named():
+    from toolkit.grading import sibling
+
+    checks = sibling(str(lab("06-zero").lab / "checks.py"), "checks.py")
+
+    def summed(r, given):
+        grads = [p.grad for p in checks.local(given[0]["seed"], 0).parameters()]
+        full = checks.flat_of(grads, 2)
+        shard = full.numel() // 2
+        return {"full_left": [], "grad": 2 * full[r * shard:(r + 1) * shard], "shard_numel": shard}
+
+    assert "the ranks' gradients were summed, not averaged" in _judge("06-zero", "after one backward", 2, summed)
+
+
+def test_07_swapped_groups_are_named():
+    from toolkit.grading import sibling
+
+    layouts = sibling(str(lab("07-hsdp").lab / "checks.py"), "checks.py").LAYOUTS
+    swapped = {"results": [(replicas, shards) for shards, replicas in layouts.values()]}
+    assert "the two are swapped" in _judge("07-hsdp", "hsdp_layout", 4, lambda r, given: swapped)
+
+
+def test_08_a_reduce_dtype_ignored_is_named():
+    message = _judge("08-mixed-precision", "gradients are reduced", 2,
+                     lambda r, given: {"dtypes": [["bfloat16"], ["bfloat16"]]})
+    assert "reduce_dtype=float32" in message and "make the flat gradient buffer in reduce_dtype" in message
+
+
+def test_09_chunks_of_capacity_over_degree_are_named():
+    x = torch.arange(2 * 5 * 3.0).view(2, 5, 3)
+    floor_split = {"chunks": {str(d): list(x.split(max(1, 5 // d), dim=1)) for d in (1, 2, 3, 5, 8)},
+                   "zero": "ValueError"}
+    message = _judge("09-tutel-pipeline", "split_capacity", 2, lambda r, given: floor_split)
+    assert "3 chunks for a degree of 2" in message and "leaves a remainder chunk" in message

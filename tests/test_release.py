@@ -1,14 +1,18 @@
-"""The students' copy of the labs (`python -m toolkit release`) and the Gradescope set-up.
+"""The students' copy of the labs (`python -m toolkit release`), the students' toolkit (`--wheel`) and the
+Gradescope set-up.
 
-The release must hold every lab's README, skeleton and public checks, and nothing of a solution: no
-solution file, no hidden checks, no import of a solution, no line of code only a solution has. And it
-must still work: grading the released skeleton gives 0 with the released checks."""
+The release must hold every lab's README, skeleton, tasks and public checks, and nothing of an answer: no
+solution file, no hidden checks, no instructors' text, no import of a solution, no line of code only a
+solution has, no use of the toolkit's own implementation of what a lab teaches; it refuses a tree whose
+skeletons were solved in place. And it must still work: grading the released skeleton gives 0 with the
+released checks."""
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -31,18 +35,22 @@ def solution_only(lab: Path) -> set[str]:
             and line.strip() not in given}
 
 
-@pytest.mark.timeout(90)
-def test_release_has_no_solution_and_its_skeleton_still_grades(tmp_path, no_leftover_ranks):
+@pytest.mark.timeout(300)
+def test_release_has_no_answer_and_its_skeleton_still_grades(tmp_path, no_leftover_ranks):
     out = tmp_path / "student-labs"
     assert release_main([str(LABS), "--out", str(out)]) == 0
     labs = sorted(p.name for p in LABS.iterdir() if (p / "checks.py").exists())
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == labs  # autograder/ stays home
     files = [p for p in out.rglob("*") if p.is_file()]
-    assert (out / "README.md").exists()
     for lab in labs:
         names = {p.name for p in (out / lab).rglob("*")}
-        assert {"README.md", "skeleton.py", "checks.py"} <= names
+        assert {"README.md", "skeleton.py", "tasks.py", "checks.py"} <= names
         assert not [n for n in names if n.startswith("solution") or n == "hidden_checks.py"], names
+    assert not (out / "10-cost-model" / "record_steps.py").exists()  # it computes the answers
+    syllabus = (out / "README.md").read_text()
+    assert "## For instructors" not in syllabus and "autograder/" not in syllabus
+    assert "<!-- instructor -->" not in syllabus.splitlines()  # the markers go with what they mark
+    assert "For lab authors" in syllabus
     secrets = {lab: solution_only(LABS / lab) for lab in labs}
     assert all(secrets.values()), "every solution has lines of its own (else this test proves nothing)"
     for path in files:
@@ -51,6 +59,10 @@ def test_release_has_no_solution_and_its_skeleton_still_grades(tmp_path, no_left
         lab = path.relative_to(out).parts[0]
         leaked = [line for line in text.splitlines() if line.strip() in secrets.get(lab, ())]
         assert not leaked, f"{path} gives away the solution: {leaked[:3]}"
+    released = (out / "10-cost-model" / "checks.py").read_text()  # it names its answers (ANSWERS), never uses them
+    for use in ("from toolkit.memory.formulas import", "from toolkit.sim.timeline import", "alpha_beta_time(",
+                "schedule("):
+        assert use not in released, use
     score = grade(out / "06-zero")  # the released skeleton, graded with the released checks
     assert score.total == 0 and score.maximum == 8
     assert all("not implemented yet" in r.message for r in score.results)
@@ -69,22 +81,95 @@ def test_release_refuses_to_give_a_solution_away(tmp_path):
                                    "    return sum(range(10)) * 42 // 45 + 0\n")
     with pytest.raises(ValueError, match="is a line of the solution"):
         release(tmp_path / "labs", tmp_path / "out")
+    (lab / "checks.py").write_text('ANSWERS = {"toolkit.comm.ring": "the ring"}\n'
+                                   "from toolkit.comm.ring import all_reduce as reference\n")
+    with pytest.raises(ValueError, match="names toolkit.comm.ring"):
+        release(tmp_path / "labs", tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing written
 
 
-@pytest.mark.timeout(120)
+def _git(folder: Path, *args):
+    subprocess.run(["git", *args], cwd=folder, check=True, capture_output=True,
+                   env=dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+                            GIT_COMMITTER_EMAIL="t@t"))
+
+
+def test_release_refuses_a_skeleton_solved_in_place(tmp_path):
+    labs = tmp_path / "labs"
+    shutil.copytree(LABS / "10-cost-model", labs / "10-cost-model")
+    _git(labs, "init", "-q")
+    _git(labs, "add", "-A")
+    _git(labs, "commit", "-qm", "the labs")
+    skeleton = labs / "10-cost-model" / "skeleton.py"
+    skeleton.write_text((labs / "10-cost-model" / "solution.py").read_text())  # filled in where it stands
+    with pytest.raises(ValueError, match="skeleton.py differs from the committed one"):
+        release(labs, tmp_path / "out")
+    shutil.rmtree(labs / ".git")  # outside git: a skeleton that leaves nothing to write is refused too
+    with pytest.raises(ValueError, match="leaves nothing to write"):
+        release(labs, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(300)
+def test_the_students_wheel_holds_no_answer(tmp_path):
+    out = tmp_path / "student-labs"
+    assert release_main([str(LABS), "--out", str(out), "--labs", "01-ring-allreduce", "10-cost-model",
+                         "--wheel"]) == 0
+    (wheel,) = (out / "wheel").glob("toolkit-*+student-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        ring = z.read("toolkit/comm/ring.py").decode()
+        timeline = z.read("toolkit/sim/timeline.py").decode()
+        names = z.namelist()
+    assert "batch_isend_irecv" not in ring and ring.count("raise NotImplementedError") >= 5
+    assert "free.get(link" not in timeline and "toolkit.sim.timeline.schedule is not in the students' toolkit" \
+        in timeline
+    assert not [n for n in names if n.startswith("labs/") or "solution" in n]
+    left = (out / "wheel" / "LEFT-OUT.txt").read_text()
+    assert "toolkit.comm.ring.all_reduce" in left and "toolkit.memory.formulas.alpha_beta_time" in left
+    assert not [n for n in (out).iterdir() if n.name == "03-fsdp-unit"]  # only the labs asked for
+    installed = tmp_path / "installed"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(installed)
+    done = subprocess.run([sys.executable, "-c", "import toolkit, toolkit.comm.ring as r, toolkit.parallel\n"
+                           "try:\n    r.all_reduce(None, None)\nexcept NotImplementedError as e:\n    print(e)"],
+                          env=dict(os.environ, PYTHONPATH=str(installed)), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert "is not in the students' toolkit: it is the answer to a lab" in done.stdout, done.stderr
+
+
+@pytest.mark.timeout(300)
 def test_gradescope_run_autograder_writes_results_json(tmp_path, no_leftover_ranks):
     root = tmp_path / "autograder"
-    (root / "source").mkdir(parents=True)
+    (root / "source" / "labs").mkdir(parents=True)
     (root / "submission").mkdir()
-    (root / "source" / "labs").symlink_to(LABS)
+    (root / "source" / "labs" / "02-ddp-buckets").symlink_to(LABS / "02-ddp-buckets")
     (root / "source" / "LAB").write_text("02-ddp-buckets\n")
     shutil.copy(LABS / "02-ddp-buckets" / "skeleton.py", root / "submission" / "my_buckets.py")
     env = dict(os.environ, AUTOGRADER_ROOT=str(root), PYTHON=sys.executable)
     done = subprocess.run([str(LABS / "autograder" / "run_autograder")], env=env, capture_output=True, text=True,
-                          timeout=110)
+                          timeout=170)
     assert done.returncode == 0, done.stderr
+    assert done.stdout == "", done.stdout  # --quiet is quiet
     results = json.loads((root / "results" / "results.json").read_text())
     assert results["score"] == 0 and results["max_score"] == 10
     assert len(results["tests"]) == 6 and all(t["status"] == "failed" for t in results["tests"])
     assert all("not implemented yet" in t["output"] for t in results["tests"])
+
+
+@pytest.mark.grading_scale  # every lab graded once against the students' wheel: minutes (`make test-grading`)
+@pytest.mark.timeout(1800)
+def test_every_labs_reference_scores_full_marks_with_the_students_wheel(tmp_path, no_leftover_ranks):
+    """What the wheel keeps is enough: an answer another lab runs on (BUILDS_ON) stays, and with the students'
+    toolkit each lab's reference, graded from the released copy, scores full marks (the public checks)."""
+    out = tmp_path / "student-labs"
+    assert release_main([str(LABS), "--out", str(out), "--wheel"]) == 0
+    installed = tmp_path / "installed"
+    with zipfile.ZipFile(next((out / "wheel").glob("*.whl"))) as z:
+        z.extractall(installed)
+    for lab in sorted(p.name for p in out.iterdir() if (p / "checks.py").exists()):
+        done = subprocess.run([sys.executable, "-m", "toolkit", "grade", str(out / lab), "--solution",
+                               str(LABS / lab / "solution.py"), "--format", "json", "--quiet"],
+                              env=dict(os.environ, PYTHONPATH=str(installed)), cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600)
+        report = json.loads(done.stdout)
+        assert report["score"] == report["max_score"], (lab, [c for c in report["checks"] if not c["passed"]])

@@ -5,6 +5,8 @@ papers; the fake process group itself: tests/test_sim_fake.py.)
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -83,6 +85,37 @@ def test_bad_input_is_a_clear_error(call, message):
     with pytest.raises(ValueError, match=message):
         simulate(small, progress=False, **call)
     assert not dist.is_initialized()
+
+
+def test_a_model_instead_of_the_function_that_builds_it_is_named():
+    with pytest.raises(ValueError, match=r"not a model already built \(got a GPT\).*lambda: tiny_gpt"):
+        simulate(small(), "ddp", 2, progress=False)
+    assert not dist.is_initialized()
+
+
+def test_mfu_without_a_cluster_is_an_error_and_a_bad_one_says_its_range():
+    with pytest.raises(ValueError, match="mfu=0.5 is the fraction .* no cluster was given: pass cluster="):
+        simulate(small, "ddp", 2, mfu=0.5, progress=False)
+    for where in ({}, {"cluster": "dgx-a100"}):
+        with pytest.raises(ValueError, match=r"mfu=7: the achievable fraction of peak must be in \(0, 1\]"):
+            simulate(small, "ddp", 2, mfu=7, progress=False, **where)
+    assert not dist.is_initialized()
+
+
+def test_ranks_per_node_that_changes_a_presets_nodes_is_said():
+    """A DGX node has 8 GPUs: asking for 2 per node is a what-if the warning names; the cluster's own nodes
+    (the default) and a cluster of 2-GPU nodes are priced without a word."""
+    from toolkit.sim import cluster_of
+
+    with pytest.warns(UserWarning, match=r"ranks_per_node=2: 'dgx-a100' has nodes of 8 GPUs; priced as 'dgx-a100' "
+                                         r"with nodes of 2.*cluster_of\(cluster, gpus_per_node=2\)"):
+        asked = simulate(small, "ddp", 4, ranks_per_node=2, cluster="dgx-a100", progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        default = simulate(small, "ddp", 4, cluster="dgx-a100", progress=False)
+        said = simulate(small, "ddp", 4, cluster=cluster_of("dgx-a100", gpus_per_node=2), progress=False)
+    assert default.ranks_per_node == 4 and asked.ranks_per_node == said.ranks_per_node == 2  # nodes of the world
+    assert asked.step_time == said.step_time != default.step_time  # two nodes: the all-reduce crosses the network
 
 
 def test_a_model_that_cannot_be_built_on_meta_is_named():

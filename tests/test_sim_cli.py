@@ -33,6 +33,8 @@ def test_the_fsdp_papers_configuration_is_the_readmes():
     assert args.cluster == "dgx-a100"
     args = parse.parse_args("--strategy hsdp --ranks-per-node 4 --no-backward-prefetch --fp32".split())
     assert cli.options_of(args, parse) == ("fsdp", dict(sharding_group_size=4, backward_prefetch=False))
+    args = parse.parse_args("--strategy zero2 --activation-checkpointing".split())  # every strategy checkpoints
+    assert cli.options_of(args, parse) == ("zero2", dict(mixed_precision=True, activation_checkpointing=True))
     with pytest.raises(SystemExit) as stop:
         bad = parse.parse_args("--strategy ddp --forward-prefetch".split())
         cli.options_of(bad, parse)

@@ -85,7 +85,7 @@ def megatron_gpt(n_layer=2, recompute=True, **shape):
 def test_executed_flops_are_megatrons_formula_and_hfu_counts_the_recomputation_that_mfu_leaves_out():
     """Narayanan et al. count 96 B s l h^2 (1 + s/6h + V/16lh) FLOPs per step with full recomputation. The
     simulated step of the same model (Megatron's attention kernels, every block recomputed) executes exactly
-    that many (counted by FlopCounterMode, and again operation by operation), and MFU counts 3 x the forward
+    that many (counted operation by operation with torch's flop registry), and MFU counts 3 x the forward
     pass: without recomputation the two agree; with it, HFU - MFU is the recomputed forward of the blocks."""
     B, s, h, L, V = 4, 256, 256, 2, 512
     common = dict(batch_per_rank=B, warmup=False, progress=False, mixed_precision=True, cluster="dgx-a100")

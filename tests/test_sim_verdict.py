@@ -52,6 +52,19 @@ def test_the_advice_to_checkpoint_activations_is_what_makes_it_fit():
                     **MIXED).fits
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_every_strategy_is_told_to_checkpoint_its_own_activations(strategy):
+    """Not "switch to fsdp": every strategy checkpoints (activation_checkpointing=True), and once it does,
+    the advice is not given again."""
+    sim = simulate(long_sequences, strategy, 8, batch_per_rank=4, cluster=SMALL, **MIXED)
+    tips = [a for a in sim.fit.advice if "activation_checkpointing=True" in a]
+    assert not sim.fits and tips and tips[0].startswith("activation checkpointing") and "fsdp" not in tips[0]
+    checkpointed = simulate(long_sequences, strategy, 8, batch_per_rank=4, cluster=SMALL,
+                            activation_checkpointing=True, **MIXED)
+    assert checkpointed.peak < sim.peak
+    assert not any("activation_checkpointing" in a for a in checkpointed.fit.advice)
+
+
 def test_without_a_cluster_the_summary_says_how_to_know_and_this_machine_shares_its_ram():
     sim = simulate(long_sequences, "ddp", 2, **MIXED)
     assert sim.fits is None and "price it on a cluster" in sim.summary()

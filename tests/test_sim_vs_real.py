@@ -8,6 +8,7 @@ the CPU allocator reports it (torch.profiler's memory events, the allocator's ow
 """
 from __future__ import annotations
 
+import collections
 import gc
 import json
 import os
@@ -32,6 +33,9 @@ CASES = {  # every strategy in fp32 at 2 ranks; in mixed precision, and hybrid s
 }
 
 
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
 def allocator_peak(strategy, options, world, rank) -> int:
     """The CPU allocator's own account of a steady step's peak: the model states when the step starts, plus
     the most bytes allocated during the step and not yet freed (torch.profiler's memory events)."""
@@ -49,11 +53,26 @@ def allocator_peak(strategy, options, world, rank) -> int:
         prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
         with open(os.path.join(tmp, "trace.json")) as f:
             trace = json.load(f)["traceEvents"]
-    # gloo stages a reduce-scatter or all-gather through a copy of the message, inside the c10d call (NCCL
-    # writes in place): that copy is gloo's, not the strategy's, and the simulated cluster has none
+    # gloo stages a reduce-scatter or all-gather through a copy of the message, inside the c10d call, or for an
+    # asynchronous one on gloo's own thread whenever it runs (NCCL writes in place): that copy is gloo's, not
+    # the strategy's, and the simulated cluster has none. The step's own allocations are its thread's.
     gloo = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("name", "").startswith("c10d::")]
-    events = [e["args"] for e in sorted(trace, key=lambda e: e.get("ts", 0)) if e.get("name") == "[memory]"
-              and not any(a <= e["ts"] <= b for a, b in gloo)]  # in time order: the trace lists thread by thread
+    threads = collections.Counter(e.get("tid") for e in trace if e.get("name", "").startswith("aten::"))
+    step_thread = threads.most_common(1)[0][0]
+    events = [e for e in sorted(trace, key=lambda e: e.get("ts", 0)) if e.get("name") == "[memory]"
+              and not any(a <= e["ts"] <= b for a, b in gloo)  # in time order: the trace lists thread by thread
+              and (e["args"]["Bytes"] < 0 or e.get("tid") == step_thread)]  # (a free may happen on any thread)
+    # a CPU GEMM may pack its inputs into a scratch buffer of its own, freed before it returns (oneDNN's bf16
+    # path does, for transposed inputs, on some CPUs): the kernel's, as cuBLAS's workspace is, not the strategy's
+    gemms = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("ph") == "X" and e.get("name") in GEMMS]
+    allocated = {}
+    for e in events:
+        if e["args"]["Bytes"] > 0:
+            allocated[e["args"]["Addr"]] = e
+        elif (start_event := allocated.pop(e["args"]["Addr"], None)) is not None and any(
+                a <= start_event["ts"] and e["ts"] <= b for a, b in gemms):
+            start_event["scratch"] = e["scratch"] = True
+    events = [e["args"] for e in events if not e.get("scratch")]
     live, running, highest = {}, 0, 0  # blocks allocated during the step, by address
     for e in events:
         if e["Bytes"] > 0:

@@ -64,7 +64,7 @@ def test_tensor_parallelism_across_nodes_is_simulated_with_its_cost_explained():
         wide = sim(lambda: tiny_gpt(n_head=4), "local", 4, tp=4, ranks_per_node=2, cluster="dgx-a100")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        narrow = sim(lambda: tiny_gpt(n_head=4), "local", 4, tp=4, ranks_per_node=4, cluster="dgx-a100")
+        narrow = sim(lambda: tiny_gpt(n_head=4), "local", 4, tp=4, cluster="dgx-a100")  # one node of 8
     assert wide.bytes_per_step == narrow.bytes_per_step  # the same collectives...
     assert wide.cross_node_bytes == wide.bytes_per_step["total"] and narrow.cross_node_bytes == 0
     assert wide.step_time > narrow.step_time  # ...on slower links, on the critical path

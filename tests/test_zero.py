@@ -229,6 +229,9 @@ def run_rank(n):
         out[f"{strategy}_accumulate"] = train(rank, n, strategy, micro=2)
     buckets = dict(prefetch_bucket_size=BUCKET, reduce_bucket_size=BUCKET)
     out["zero3_buckets_mixed"] = train(rank, n, "zero3", mixed_precision=True, **buckets)
+    out["zero3_mixed_one_step_group"] = train(rank, n, "zero3", mixed_precision=True, sub_group_size=PSI)
+    out["zero1_checkpointed"] = train(rank, n, "zero1", activation_checkpointing=True)
+    out["zero2_checkpointed"] = train(rank, n, "zero2", activation_checkpointing=True)
     out["zero3_buckets_accumulate"] = train(rank, n, "zero3", micro=2, **buckets)
     out["torch_zero"] = peer_zero_redundancy(rank, n)
     out["torch_fsdp2"] = peer_fsdp2(rank, n)
@@ -384,6 +387,27 @@ def test_zero3_buckets_in_mixed_precision_and_with_accumulation():
 
 
 @pytest.mark.timeout(150)
+def test_zero3_sub_groups_change_the_step_not_the_training():
+    """The optimizer steps one module's slice at a time (sub_group_size=0) or all at once: an elementwise
+    update is the same either way, bit for bit (the memory it saves: tests/test_sim_memory.py)."""
+    got = results(2)
+    one, modules = got["zero3_mixed_one_step_group"], got["zero3_mixed"]
+    assert one["losses"] == modules["losses"] and max_diff(one["params"], modules["params"]) == 0
+    assert one["sent"] == modules["sent"] and one["all_memory"] == modules["all_memory"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_activation_checkpointing_trains_as_one_process(strategy):
+    """activation_checkpointing=True is an option of every strategy (zero3 x tp: test_tensor_parallel.py):
+    the blocks recompute their forward in backward, and the training is one process's."""
+    losses, _, params = oracle()
+    got = results(2)[f"{strategy}_checkpointed"]
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < ATOL
+    assert max_diff(got["params"], params) < ATOL
+
+
+@pytest.mark.timeout(150)
 def test_mixed_precision_halves_the_bytes():
     got = results(2)
     for strategy in STAGES:
@@ -451,6 +475,10 @@ def test_bad_stage_options():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="number of elements"):
             wrap(build(), "zero3", optimizer=OPT, reduce_bucket_size=bad)
+        with pytest.raises(ValueError, match="sub_group_size is a number of elements"):
+            wrap(build(), "zero3", optimizer=OPT, sub_group_size=bad)
+    with pytest.raises(ValueError, match="valid options"):
+        wrap(build(), "zero2", optimizer=OPT, sub_group_size=10)
     with pytest.raises(ValueError, match="could not build"):
         wrap(build(), "zero2", optimizer=lambda params: None.step)
 

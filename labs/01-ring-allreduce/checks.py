@@ -1,35 +1,32 @@
-"""The graded checks of lab 01 (ring all-reduce). Each runs on every rank of a real job.
+"""The graded checks of lab 01 (ring all-reduce), judged in the grader's process.
 
-Every rank builds every rank's input from the same seed, so each can compute the right answer on its
-own and say exactly what differs ("all_reduce SUM of 7 float32 elements: rank 1 got [...] expected [...]").
-When the numbers are a recognisable mistake, it says which instead of showing floats: a chunk that
-holds another chunk's finished reduction (the ring's indices shifted; the lecture's convention, where
-rank r ends with chunk r+1, is the commonest), a chunk reduced over only some ranks (a step missing,
-or a received chunk not combined), or an all-gather block that holds another rank's input.
+The grader draws every rank's input, sends rank r only its own (tasks.py runs your functions on it), and
+computes the right answer from all of them here. When the numbers are a recognisable mistake, it says
+which instead of showing floats: a chunk that holds another chunk's finished reduction (the ring's indices
+shifted; the lecture's convention, where rank r ends with chunk r+1, is the commonest), a chunk reduced
+over only some ranks (a step missing, or a received chunk not combined), or an all-gather block that
+holds another rank's input.
 """
 import itertools
 
 import torch
-import torch.distributed as dist
 
-import toolkit
 from toolkit.grading import check
 
-SUM, MAX, MIN, PRODUCT = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT
-REDUCE = {SUM: lambda xs: torch.stack(xs).sum(0), PRODUCT: lambda xs: torch.stack(xs).prod(0),
-          MAX: lambda xs: torch.stack(xs).amax(0), MIN: lambda xs: torch.stack(xs).amin(0)}
-NAMES = {SUM: "SUM", PRODUCT: "PRODUCT", MAX: "MAX", MIN: "MIN"}
+ANSWERS = {"toolkit.comm.ring": "the toolkit's own ring collectives"}
+REDUCE = {"SUM": lambda xs: torch.stack(xs).sum(0), "PRODUCT": lambda xs: torch.stack(xs).prod(0),
+          "MAX": lambda xs: torch.stack(xs).amax(0), "MIN": lambda xs: torch.stack(xs).amin(0)}
+SUM = "SUM"
 
 
-def inputs(n, numel, dtype=torch.float32, op=SUM, seed=0):
-    """Every rank's input (rank r's is inputs[r]); products use small values so nothing overflows."""
-    g = torch.Generator().manual_seed(seed * 1000 + numel)
-    if op == PRODUCT:
-        return [(torch.randint(1, 3, (numel,), generator=g) * (2 * torch.randint(0, 2, (numel,), generator=g) - 1))
-                .to(dtype) for _ in range(n)]
+def draw(g, numel, dtype=torch.float32, op=SUM):
+    """One rank's input; products use small values so nothing overflows."""
+    if op == "PRODUCT":
+        signs = 2 * torch.randint(0, 2, (numel,), generator=g) - 1
+        return (torch.randint(1, 3, (numel,), generator=g) * signs).to(dtype)
     if dtype.is_floating_point:
-        return [torch.randn(numel, generator=g, dtype=torch.float64).to(dtype) for _ in range(n)]
-    return [torch.randint(-100, 100, (numel,), generator=g).to(dtype) for _ in range(n)]
+        return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randint(-100, 100, (numel,), generator=g).to(dtype)
 
 
 # --- recognising a mistake -----------------------------------------------------------------------------
@@ -86,126 +83,159 @@ def explain_chunks(xs, op, exact, positions, me) -> str | None:
     return "; ".join(said) + ". Likely: " + cause + "."
 
 
-def expect_reduced(ctx, xs, op, exact, what, positions, me) -> None:
+def expect_reduced(ctx, xs, op, exact, what, positions, me, rank) -> None:
     """Before ctx.expect: a recognisable mistake is named rather than shown as numbers."""
     n = len(xs)
     if not all(_same(part, REDUCE[op]([x.tensor_split(n)[k] for x in xs]), exact) for k, part in positions.items()):
         explained = explain_chunks(xs, op, exact, positions, me)
         if explained:
-            ctx.fail(f"{what}: rank {ctx.rank}: {explained}")
+            ctx.fail(f"{what}: rank {rank}: {explained}")
 
 
-def check_all_reduce(student, ctx, numel, dtype=torch.float32, op=SUM, group=None, seed=0):
-    group = group if group is not None else ctx.group
-    members = dist.get_process_group_ranks(group)
-    xs = inputs(len(members), numel, dtype, op, seed)
-    mine = xs[members.index(ctx.rank)].clone()
-    student.all_reduce(mine, op, group, False)
-    exact = op in (MAX, MIN) or not dtype.is_floating_point
-    what = f"all_reduce {NAMES[op]} of {numel} {str(dtype)[6:]} elements (ring of global ranks {members})"
-    if mine.shape == xs[0].shape and len(members) > 1:
-        expect_reduced(ctx, xs, op, exact, what, dict(enumerate(mine.tensor_split(len(members)))),
-                       members.index(ctx.rank))
-    ctx.expect(mine, REDUCE[op](xs), what, exact=exact)
+def judge_all_reduce(ctx, xs, got, op, rank, members):
+    """Rank `rank`'s all-reduce result `got` of the inputs `xs` of the ring `members` (global ranks)."""
+    exact = op in ("MAX", "MIN") or not xs[0].dtype.is_floating_point
+    what = f"all_reduce {op} of {xs[0].numel()} {str(xs[0].dtype)[6:]} elements (ring of global ranks {members})"
+    got = ctx.tensor(got, what, rank)
+    if got.shape == xs[0].shape and got.dtype == xs[0].dtype and len(members) > 1:
+        expect_reduced(ctx, xs, op, exact, what, dict(enumerate(got.tensor_split(len(members)))),
+                       members.index(rank), rank)
+    ctx.expect(got, REDUCE[op](xs), what, rank=rank, exact=exact)
 
 
-@check("all-gather: every rank ends with every rank's chunk, in rank order", points=2, world_sizes=(3, 4))
-def all_gather(student, ctx):
+def judge_all_reduce_cases(ctx, given, got):
+    for k, case in enumerate(given[0]["cases"]):
+        xs = [given[r]["cases"][k]["x"] for r in range(ctx.world_size)]
+        for r in range(ctx.world_size):
+            judge_all_reduce(ctx, xs, got[r]["outputs"][k], case["op"], r, list(range(ctx.world_size)))
+
+
+def cases(*specs):
+    """Inputs for all-reduce cases: (numel or a function of n, dtype, op) each."""
+    def make(n, g):
+        drawn = [[draw(g, numel(n) if callable(numel) else numel, dtype, op) for _ in range(n)]
+                 for numel, dtype, op in specs]
+        return [{"cases": [{"x": xs[r], "op": op} for xs, (_, _, op) in zip(drawn, specs)]} for r in range(n)]
+    return make
+
+
+# --- the checks ----------------------------------------------------------------------------------------
+def _gather_inputs(n, g):
+    drawn = [[draw(g, rows * 3).view(rows, 3) for _ in range(n)] for rows in (1, 5)]
+    return [{"xs": [xs[r] for xs in drawn]} for r in range(n)]
+
+
+@check("all-gather: every rank ends with every rank's chunk, in rank order", points=2, world_sizes=(3, 4),
+       inputs=_gather_inputs)
+def all_gather(ctx, given, got):
     n = ctx.world_size
-    for rows in (1, 5):
-        xs = [x.view(rows, 3) for x in inputs(n, rows * 3, seed=1)]
-        output = torch.full((n * rows, 3), float("nan"))
-        student.all_gather(output, xs[ctx.rank], ctx.group, False)
-        blocks = output.split(rows)
-        misplaced = [(k, j) for k, block in enumerate(blocks) for j, x in enumerate(xs)
-                     if j != k and _same(block, x, True)]
-        unwritten = [k for k, block in enumerate(blocks) if bool(block.isnan().all())]
-        if misplaced or unwritten:
-            shifts = {(j - k) % n for k, j in misplaced}
-            ctx.fail(f"all_gather of {rows}x3 float32 inputs: rank {ctx.rank}: " + "; ".join(
-                [f"block {k} holds rank {j}'s input" for k, j in misplaced]
-                + ([f"blocks {unwritten} were never written (still the NaN the grader filled in)"] if unwritten else []))
-                + ". Block k must hold rank k's input: at step 0 each rank sends its own block (chunk r), then "
-                "forwards the one it just received" + (f" (the blocks are shifted by {shifts.pop()})" if len(shifts) == 1
-                                                         else ""))
-        ctx.expect(output, torch.cat(xs), f"all_gather of {rows}x3 float32 inputs")
+    for k in range(2):
+        xs = [given[r]["xs"][k] for r in range(n)]
+        rows = xs[0].shape[0]
+        for r in range(n):
+            output = ctx.tensor(got[r]["outputs"][k], f"all_gather of {rows}x3 float32 inputs", r)
+            blocks = output.split(rows) if output.shape == (n * rows, 3) else []
+            misplaced = [(b, j) for b, block in enumerate(blocks) for j, x in enumerate(xs)
+                         if j != b and _same(block, x, True)]
+            unwritten = [b for b, block in enumerate(blocks) if bool(block.isnan().all())]
+            if misplaced or unwritten:
+                shifts = {(j - b) % n for b, j in misplaced}
+                ctx.fail(f"all_gather of {rows}x3 float32 inputs: rank {r}: " + "; ".join(
+                    [f"block {b} holds rank {j}'s input" for b, j in misplaced]
+                    + ([f"blocks {unwritten} were never written (still the NaN the grader filled in)"] if unwritten
+                       else []))
+                    + ". Block k must hold rank k's input: at step 0 each rank sends its own block (chunk r), then "
+                    "forwards the one it just received" + (f" (the blocks are shifted by {shifts.pop()})"
+                                                           if len(shifts) == 1 else ""))
+            ctx.expect(output, torch.cat(xs), f"all_gather of {rows}x3 float32 inputs", rank=r)
 
 
-@check("reduce-scatter, SUM: rank r ends with the sum of everyone's chunk r", points=2, world_sizes=(3, 4))
-def reduce_scatter(student, ctx):
+def _scatter_inputs(n, g):
+    drawn = [[draw(g, n * chunk) for _ in range(n)] for chunk in (1, 6)]
+    return [{"xs": [xs[r] for xs in drawn]} for r in range(n)]
+
+
+@check("reduce-scatter, SUM: rank r ends with the sum of everyone's chunk r", points=2, world_sizes=(3, 4),
+       inputs=_scatter_inputs)
+def reduce_scatter(ctx, given, got):
     n = ctx.world_size
-    for chunk in (1, 6):
-        xs = inputs(n, n * chunk, seed=2)
-        mine, before = xs[ctx.rank].clone(), xs[ctx.rank].clone()
-        output = torch.full((chunk,), float("nan"))
-        student.reduce_scatter(output, mine, SUM, ctx.group, False)
-        expected = torch.stack(xs).sum(0).tensor_split(n)[ctx.rank]
-        what = f"reduce_scatter SUM of {n}x{chunk} float32 elements"
-        expect_reduced(ctx, xs, SUM, False, what, {ctx.rank: output}, ctx.rank)
-        ctx.expect(output, expected, what, exact=False)
-        ctx.expect(mine, before, "reduce_scatter must leave its input unchanged; input after the call")
+    for k in range(2):
+        xs = [given[r]["xs"][k] for r in range(n)]
+        what = f"reduce_scatter SUM of {n}x{xs[0].numel() // n} float32 elements"
+        for r in range(n):
+            output = ctx.tensor(got[r]["outputs"][k], what, r)
+            expect_reduced(ctx, xs, SUM, False, what, {r: output}, r, r)
+            ctx.expect(output, torch.stack(xs).sum(0).tensor_split(n)[r], what, rank=r, exact=False)
+            ctx.expect(got[r]["inputs_after"][k], xs[r], "reduce_scatter must leave its input unchanged; input "
+                       "after the call", rank=r)
 
 
-@check("all-reduce, SUM, float32, size divisible by N", points=2, world_sizes=(3, 4))
-def all_reduce_sum(student, ctx):
-    check_all_reduce(student, ctx, 12 * ctx.world_size)
+@check("all-reduce, SUM, float32, size divisible by N", points=2, world_sizes=(3, 4), task="all_reduce_cases",
+       inputs=cases((lambda n: 12 * n, torch.float32, SUM)))
+def all_reduce_sum(ctx, given, got):
+    judge_all_reduce_cases(ctx, given, got)
 
 
-@check("all-reduce, sizes not divisible by N (1, 5, 7, 129 elements)", points=2, world_sizes=(3, 4))
-def all_reduce_uneven(student, ctx):
-    for numel in (1, 5, 7, 129):
-        check_all_reduce(student, ctx, numel, seed=3)
+@check("all-reduce, sizes not divisible by N (1, 5, 7, 129 elements)", points=2, world_sizes=(3, 4),
+       task="all_reduce_cases", inputs=cases(*[(numel, torch.float32, SUM) for numel in (1, 5, 7, 129)]))
+def all_reduce_uneven(ctx, given, got):
+    judge_all_reduce_cases(ctx, given, got)
 
 
-@check("all-reduce with MAX, MIN and PRODUCT, in float64 and int64", points=1, world_sizes=(3,))
-def all_reduce_ops_and_dtypes(student, ctx):
-    for dtype in (torch.float64, torch.int64):
-        for op in (MAX, MIN, PRODUCT, SUM):
-            check_all_reduce(student, ctx, 10, dtype, op, seed=4)
+@check("all-reduce with MAX, MIN and PRODUCT, in float64 and int64", points=1, world_sizes=(3,),
+       task="all_reduce_cases", inputs=cases(*[(10, dtype, op) for dtype in (torch.float64, torch.int64)
+                                               for op in ("MAX", "MIN", "PRODUCT", SUM)]))
+def all_reduce_ops_and_dtypes(ctx, given, got):
+    judge_all_reduce_cases(ctx, given, got)
 
 
 @check("a real ring: only neighbours talk, each rank sends 2(N-1)/N of the tensor, no built-in collective",
-       points=2, world_sizes=(3, 4))
-def ring_traffic(student, ctx):
-    n, numel = ctx.world_size, 25 * ctx.world_size
-    with ctx.messages() as messages:
-        check_all_reduce(student, ctx, numel, seed=5)
-    right, left = (ctx.rank + 1) % n, (ctx.rank - 1) % n
-    sent = sum(m.numel for m in messages if m.kind == "send")
-    wrong_way = sorted({(m.kind, m.peer) for m in messages
-                        if (m.kind, m.peer) not in (("send", right), ("recv", left))})
-    if wrong_way:
-        ctx.fail(f"rank {ctx.rank} (left neighbour {left}, right neighbour {right}) also posted "
-                 f"{', '.join(f'a {k} with rank {p}' for k, p in wrong_way)}: in a ring a rank sends only "
-                 "to its right neighbour and receives only from its left one")
-    if sent != 2 * (n - 1) * numel // n:
-        ctx.fail(f"all_reduce of {numel} elements: rank {ctx.rank} sent {sent} elements; a ring sends "
-                 f"2(N-1)/N x {numel} = {2 * (n - 1) * numel // n} (N-1 chunks of {numel // n} in the "
-                 "reduce-scatter, N-1 in the all-gather)")
+       points=2, world_sizes=(3, 4), inputs=cases((lambda n: 25 * n, torch.float32, SUM)))
+def ring_traffic(ctx, given, got):
+    judge_all_reduce_cases(ctx, given, got)
+    n, numel = ctx.world_size, given[0]["cases"][0]["x"].numel()
+    for r in range(n):
+        messages = [tuple(m) for m in got[r]["messages"]]
+        right, left = (r + 1) % n, (r - 1) % n
+        sent = sum(m[2] for m in messages if m[0] == "send")
+        wrong_way = sorted({(kind, peer) for kind, peer, _ in messages if (kind, peer) not in (("send", right),
+                                                                                               ("recv", left))})
+        if wrong_way:
+            ctx.fail(f"rank {r} (left neighbour {left}, right neighbour {right}) also posted "
+                     f"{', '.join(f'a {k} with rank {p}' for k, p in wrong_way)}: in a ring a rank sends only "
+                     "to its right neighbour and receives only from its left one")
+        if sent != 2 * (n - 1) * numel // n:
+            ctx.fail(f"all_reduce of {numel} elements: rank {r} sent {sent} elements; a ring sends "
+                     f"2(N-1)/N x {numel} = {2 * (n - 1) * numel // n} (N-1 chunks of {numel // n} in the "
+                     "reduce-scatter, N-1 in the all-gather)")
 
 
-@check("rings on subgroups: global ranks {0, 2} and {1, 3}, and a ring of one", points=1, world_sizes=(4,))
-def subgroups(student, ctx):
-    pair, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
-    alone, _ = dist.new_subgroups_by_enumeration([[r] for r in range(ctx.world_size)])
-    check_all_reduce(student, ctx, 7, group=pair, seed=6)
-    check_all_reduce(student, ctx, 7, group=alone, seed=7)
+PAIRS = [[0, 2], [1, 3]]
+
+
+def _subgroup_inputs(n, g):
+    pair = [draw(g, 7) for _ in range(n)]
+    alone = [draw(g, 7) for _ in range(n)]
+    return [{"pairs": PAIRS, "pair": {"x": pair[r], "op": SUM}, "alone": {"x": alone[r], "op": SUM}} for r in range(n)]
+
+
+@check("rings on subgroups: global ranks {0, 2} and {1, 3}, and a ring of one", points=1, world_sizes=(4,),
+       inputs=_subgroup_inputs)
+def subgroups(ctx, given, got):
+    for members in PAIRS:
+        xs = [given[m]["pair"]["x"] for m in members]
+        for r in members:
+            judge_all_reduce(ctx, xs, got[r]["pair"], SUM, r, members)
+    for r in range(ctx.world_size):
+        judge_all_reduce(ctx, [given[r]["alone"]["x"]], got[r]["alone"], SUM, r, [r])
 
 
 @check("plugs into toolkit.comm: comm.use({...}) routes the toolkit's collectives to your functions",
-       points=1, world_sizes=(3,))
-def through_the_door(student, ctx):
-    from toolkit.trace.events import recorder
-
-    n = ctx.world_size
-    xs = inputs(n, 9, seed=8)
-    mine = xs[ctx.rank].clone()
-    toolkit.comm.use({"all_reduce": student.all_reduce, "reduce_scatter": student.reduce_scatter,
-                      "all_gather": student.all_gather})
-    try:
-        toolkit.comm.all_reduce(mine, op="avg", group=ctx.group)
-    finally:
-        toolkit.comm.use("backend")
-    ctx.expect(mine, torch.stack(xs).mean(0), "toolkit.comm.all_reduce(op='avg') of 9 float32 elements", exact=False)
-    if recorder.events[-1]["args"]["impl"] != "custom":
-        ctx.fail(f"the trace says impl={recorder.events[-1]['args']['impl']!r}, expected 'custom'")
+       points=1, world_sizes=(3,), inputs=lambda n, g: [{"x": draw(g, 9)} for _ in range(n)])
+def through_the_door(ctx, given, got):
+    xs = [given[r]["x"] for r in range(ctx.world_size)]
+    for r in range(ctx.world_size):
+        ctx.expect(got[r]["x"], torch.stack(xs).mean(0), "toolkit.comm.all_reduce(op='avg') of 9 float32 elements",
+                   rank=r, exact=False)
+        if got[r]["impl"] != "custom":
+            ctx.fail(f"rank {r}: the trace says impl={got[r]['impl']!r}, expected 'custom'")

@@ -51,41 +51,33 @@ def pass_along(send: torch.Tensor, receive: torch.Tensor, left: int, right: int,
 
 # --- yours ---------------------------------------------------------------------------------------------
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op, group=None, async_op=False):
-    """Rank r ends with chunk r of the reduction (op over all ranks) of everyone's `input`.
+    """Rank r ends with chunk r of the reduction (`op` over all ranks) of everyone's `input`, in `output`.
 
-    input has N x output.numel() elements; cut its flat view into N equal chunks. Do not change `input`
-    (reduce a copy). N-1 steps: at each, send one chunk to the right, receive one from the left and
-    combine it into your copy of that chunk. Return None (`async_op` is ignored: run synchronously).
+    Shapes: `input` has N x output.numel() elements; its flat view cut into N equal chunks, chunk j belongs to rank
+    j. `input` is left unchanged. Return None (`async_op` is ignored: run synchronously).
 
-    Hints:
-    - `input.reshape(-1).clone().tensor_split(n)` gives N chunks that are views into one copy.
-    - Follow one chunk around the ring. It must *end* at its owner: chunk r's last hop is from rank r-1
-      to rank r, at step N-2. So at step s, rank r sends chunk (r - s - 1) mod N. Which one arrives?
-    - Receive into a fresh buffer (`torch.empty_like`) and combine: `COMBINE[op](mine, received, out=mine)`.
-    - `output.view(-1).copy_(...)` puts the result in place.
+    The ring (README, "The ring"): N-1 steps; at each, every rank sends one chunk to its right neighbour and
+    receives one from its left, and combines what arrives into its own copy of that chunk, so that each chunk picks
+    up one rank's contribution per hop and its last hop lands on its owner. Every rank sends (N-1)/N of the tensor.
+    `COMBINE[op]` combines two partial results; `pass_along` is one step.
     """
-    raise NotImplementedError("reduce_scatter: write the N-1 steps of the ring reduce-scatter")
+    raise NotImplementedError("reduce_scatter: not written yet")
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op=False):
-    """Every rank ends with everyone's `input`, concatenated in rank order, in `output`.
-
-    output has N x input.numel() elements. Put your own input in chunk r of output, then N-1 steps:
-    send one chunk to the right, receive one from the left, straight into its place in `output`.
-
-    Hints:
-    - `output.view(-1).tensor_split(n)` gives views, so receiving into a chunk fills `output`.
-    - At step 0 you can only send what you have: chunk r. At step s you send what arrived at step s-1.
+    """Every rank ends with everyone's `input`, concatenated in rank order, in `output` (N x input.numel() elements:
+    block j is rank j's input). N-1 ring steps: each forwards one block to the right neighbour and receives one from
+    the left, straight into its place; every rank sends (N-1)/N of the output.
     """
-    raise NotImplementedError("all_gather: write the N-1 steps of the ring all-gather")
+    raise NotImplementedError("all_gather: not written yet")
 
 
 def all_reduce(tensor: torch.Tensor, op, group=None, async_op=False):
-    """Every rank ends with the reduction of everyone's `tensor`, in place: reduce-scatter, then all-gather.
+    """Every rank ends with the reduction of everyone's `tensor`, in place: a reduce-scatter, then an all-gather of the
+    finished chunks (2(N-1) steps, 2(N-1)/N of the tensor sent per rank: the grader counts).
 
-    The size need not divide by N: cut `tensor.view(-1)` with `tensor_split(n)` (chunk sizes then differ
-    by at most one, and every rank cuts the same way). Work on those chunks in place; you may factor
-    the steps of the two functions above into helpers that take a list of chunks.
-    Each rank sends 2(N-1)/N of the tensor in all: the grader counts.
+    The size need not divide by N: every rank must cut the tensor the same way, into N chunks whose sizes differ by
+    at most one (`tensor_split`), and a ring of one rank (N = 1) moves nothing. It must work on a subgroup too:
+    positions count inside the group, messages go to global ranks (`ring_of`).
     """
-    raise NotImplementedError("all_reduce: a reduce-scatter followed by an all-gather, on the same chunks")
+    raise NotImplementedError("all_reduce: not written yet")

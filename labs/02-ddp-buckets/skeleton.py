@@ -22,22 +22,18 @@ from toolkit import comm
 
 # --- yours: which gradients travel together -----------------------------------------------------------
 def assign_buckets(params: list[torch.Tensor], cap_bytes: float) -> list[list[int]]:
-    """Group parameter indices into buckets of about `cap_bytes`, last-registered parameter first.
+    """Group parameter indices into buckets of about `cap_bytes`, last-registered parameter first. Returns a list of
+    buckets, each a list of indices into `params`.
 
-    Returns a list of buckets, each a list of indices into `params`. Walk the parameters from the last
-    (index len(params) - 1) to the first (index 0), adding each to the current bucket; as soon as the
-    current bucket holds at least `cap_bytes` bytes, close it (the next parameter opens a new one). So a
-    parameter larger than the cap gets a bucket of its own, and only the last bucket may stay under the
-    cap. Read in order, the buckets list every index once: len(params) - 1, ..., 1, 0.
+    What must hold: read in order, the buckets list every index once, from len(params) - 1 down to 0; a bucket is
+    closed as soon as it holds at least `cap_bytes` bytes (a parameter's bytes: numel x element size), so a
+    parameter larger than the cap gets a bucket of its own and only the last bucket may stay under the cap. Example:
+    parameters of 100, 100 and 100 bytes with a cap of 150 bytes: [[2, 1], [0]].
 
-    Why backwards: backward produces gradients roughly in reverse registration order (the output layer
-    first, the embedding last), so the first bucket fills first and its all-reduce can start early.
-
-    Hints:
-    - a parameter's bytes: `p.numel() * p.element_size()`
-    - parameters of 100, 100 and 100 bytes with a cap of 150 bytes: [[2, 1], [0]]
+    Why backwards: backward produces gradients roughly in reverse registration order (the output layer first, the
+    embedding last), so the first bucket fills first and its all-reduce can start while backward goes on.
     """
-    raise NotImplementedError("assign_buckets: walk the parameters last to first, closing a bucket at the cap")
+    raise NotImplementedError("assign_buckets: not written yet")
 
 
 # --- given: a bucket is a flat buffer with a view per parameter ---------------------------------------
@@ -105,34 +101,23 @@ class BucketedDDP(nn.Module):
 
     # --- yours ------------------------------------------------------------------------------------------
     def grad_ready(self, index: int) -> None:
-        """Parameter `index`'s gradient is final: copy it into its bucket, and launch every complete bucket.
+        """Parameter `index`'s gradient is final (autograd calls this through `_hook`, once per parameter per backward,
+        while backward goes on computing earlier layers' gradients).
 
-        Autograd calls this (through `_hook`) once per parameter per backward, while backward goes on
-        computing the gradients of earlier layers.
-
-        1. Find the bucket (`self.bucket_of[index]` is its position in `self.buckets`), copy the gradient
-           into its slice, `bucket.views[index].copy_(self.params[index].grad.reshape(-1))`, and mark it
-           ready (`bucket.ready`).
-        2. Launch buckets in order: while the bucket at `self.next_bucket` is complete, start its
-           all-reduce and move `next_bucket` on. Every rank must issue the same collectives in the same
-           order; launching in bucket order guarantees it.
-        3. Launching is `comm.all_reduce(bucket.buffer, op="avg", group=self.group, async_op=True)`: it
-           returns at once with a handle (keep it in `bucket.handle`) while the bytes travel. op="avg"
-           divides the sum by the number of ranks (when the handle is waited for), which turns the ranks'
-           gradients into the gradient of the whole batch. Do not wait here: backward would stall at
-           every bucket, and nothing would overlap.
+        What must hold: the gradient is in its bucket's slice (`self.bucket_of[index]`, `bucket.views`) and marked
+        ready; every bucket that is complete is travelling: its all-reduce through `toolkit.comm`, asynchronous (the
+        handle kept on the bucket), averaging over the ranks (the whole batch's gradient is the mean of the ranks').
+        Every rank must issue the same collectives in the same order, whatever order its gradients arrive in: launch
+        buckets in bucket order (`self.next_bucket`). Nothing waits here: a wait would stall backward at every
+        bucket, and nothing would overlap (the grader watches both).
         """
-        raise NotImplementedError("grad_ready: copy the gradient into its bucket, launch complete buckets in order")
+        raise NotImplementedError("grad_ready: not written yet")
 
     def finish_backward(self) -> None:
-        """Backward is over: wait for every bucket's all-reduce and put the averages back into `.grad`.
-
-        Autograd calls this (through `_end_of_backward`) once, after the last gradient of the backward.
-
-        1. Every bucket should have been launched by now (`self.next_bucket == len(self.buckets)`); if not,
-           some parameter got no gradient in this backward: raise an error that says which.
-        2. For each bucket: `bucket.handle.wait()` (the averaged gradients are then in `bucket.buffer`), and
-           copy each parameter's slice back into its gradient: `p.grad.copy_(view.view_as(p))`.
-        3. Reset for the next backward: empty every `bucket.ready`, clear the handles, `next_bucket = 0`.
+        """Backward is over (autograd calls this once, after the last gradient). Afterwards every parameter's `.grad`
+        holds the average over the ranks, and the buckets are ready for the next backward (nothing marked ready, no
+        handle, `next_bucket` back at 0): a bucket left looking launched is never launched again, and the next step
+        silently reuses stale gradients. If a bucket was never launched, a parameter got no gradient in this
+        backward: raise an error that says which.
         """
-        raise NotImplementedError("finish_backward: wait for every bucket, copy the averages back into .grad")
+        raise NotImplementedError("finish_backward: not written yet")

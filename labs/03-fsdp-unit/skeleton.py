@@ -42,59 +42,42 @@ class MyUnit(FSDPUnit):
 
     # --- yours: 1. gather the whole unit ---------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
-        """Make the full parameters appear in `self.flat.data`: give its storage its bytes back and
-        all-gather every rank's slice into it. With `async_op`, return while the bytes travel.
+        """Make the full parameters appear in `self.flat.data`: every rank's slice (`self.master`) at its place,
+        gathered over the unit's shard group through `toolkit.comm`. With `async_op`, return while the bytes travel
+        (the unit is then GATHERING, and `wait_unshard` finishes it); without, return once the unit is GATHERED.
 
-        Steps 1 to 4 only when the unit is SHARDED (it may be gathered already, or prefetched: GATHERING).
-        1. Give the flat parameter its memory back. It is `self.flat.data`, a 1-D tensor whose storage was
-           resized to 0 bytes; resize it to `self.flat.padded_numel * self.flat.data.element_size()` bytes
-           with `.untyped_storage().resize_(...)`. The values are garbage until the all-gather fills them.
-        2. The input is this rank's slice: `self.master.detach().to(self.flat.data.dtype)` (in fp32 that is
-           the master itself). Issue `comm.all_gather(output, input, group=self.sharding.shard_group,
-           async_op=True)`: it returns a handle at once, and rank r's slice lands in elements
-           [r * shard_numel, (r + 1) * shard_numel) of the output.
-        3. Keep the handle (and the input: it must live until the all-gather is done) on `self`.
-        4. Set `self.state = GATHERING`.
-        Then, whatever the state was, unless `async_op`: `self.wait_unshard()`. A prefetched unit's
-        all-gather may still be in flight when FSDP asks for the unit: it must be finished before the
-        unit computes, or the unit computes with half-written parameters.
+        What to get right: a unit already GATHERED, or GATHERING (prefetched), is not gathered again; but a
+        prefetched unit's all-gather may still be in flight when FSDP asks for the unit, and it must be finished
+        before the unit computes. While the unit is SHARDED its flat parameter's storage holds 0 bytes: it needs its
+        bytes back (`self.flat.padded_numel` elements) before anything can land in it. Whatever an asynchronous
+        collective reads or writes must stay alive until it is waited for.
         """
-        raise NotImplementedError("unshard: resize the flat parameter's storage back, all-gather the slices into it")
+        raise NotImplementedError("unshard: not written yet")
 
     def wait_unshard(self) -> None:
-        """If an all-gather is in flight (state GATHERING), wait for its handle, drop what you kept for it,
-        and set the state to GATHERED. In any other state, do nothing."""
-        raise NotImplementedError("wait_unshard: wait for the all-gather's handle, then the unit is GATHERED")
+        """If an all-gather is in flight (GATHERING), wait for it: the unit is then GATHERED, and nothing of the
+        all-gather is kept. In any other state, do nothing.
+        """
+        raise NotImplementedError("wait_unshard: not written yet")
 
     # --- yours: 2. free it again -----------------------------------------------------------------------
     def reshard(self) -> None:
-        """Drop the full parameters: resize the flat parameter's storage to 0 bytes. Never free memory
-        an all-gather is still writing into. The master slice stays as it is.
-
-        1. If the unit is GATHERING, `self.wait_unshard()` first.
-        2. `self.flat.data.untyped_storage().resize_(0)`: the memory goes, the tensor stays. The module's
-           parameters (views of it) and the tensors autograd saved for backward keep pointing at this
-           storage, so the next unshard refills them in place: nothing needs to be re-attached.
-        3. `self.state = SHARDED`.
+        """Drop the full parameters: afterwards the flat parameter's storage holds 0 bytes and the unit is SHARDED; the
+        master slice stays as it is. The tensor itself must stay (the module's parameters and the tensors autograd
+        saved for backward are views of it: the next unshard refills them in place), and memory an all-gather is
+        still writing into is never freed.
         """
-        raise NotImplementedError("reshard: resize the flat parameter's storage to 0 bytes")
+        raise NotImplementedError("reshard: not written yet")
 
     # --- yours: 3. reduce-scatter the gradient -----------------------------------------------------------
     def reduce_grad(self) -> None:
-        """Start averaging the unit's full gradient over the group, rank r receiving slice r only.
-
-        FSDP calls this once the unit's backward is done: `self.grads.data` holds the unit's whole flat
-        gradient on this rank (padded like the flat parameter), computed from this rank's rows only.
-        1. An output for this rank's slice: `torch.empty(self.grads.shard_numel, dtype=self.grads.data.dtype,
-           device=self.master.device)`.
-        2. `comm.reduce_scatter(output, self.grads.data, op="avg", group=self.sharding.shard_group,
-           async_op=True)`: every rank ends with the *average* over the ranks of slice r of everyone's
-           gradient (op="avg": the batch is split over the ranks, so its gradient is the mean of theirs).
-        3. Leave `(handle, output, self.grads)` in `self.reduction` (`finish_reduce`, given, waits for the
-           handle and adds the output into the shard's fp32 gradient; keeping the input there keeps it
-           alive while the bytes travel), then set `self.grads = None` (the next backward starts anew).
+        """Start averaging the unit's full flat gradient (`self.grads.data`: this rank's gradient of its own rows,
+        padded like the flat parameter) over the shard group, asynchronously: rank r receives only slice r, the
+        average over the ranks (the whole batch's gradient is the mean of theirs). Leave (handle, output, input) in
+        `self.reduction` for `finish_reduce` (given: it waits and adds the slice into the shard's fp32 gradient; the
+        input must live until the bytes have travelled), and let the next backward start without `self.grads`.
         """
-        raise NotImplementedError("reduce_grad: reduce-scatter the full flat gradient with op='avg'")
+        raise NotImplementedError("reduce_grad: not written yet")
 
 
 # --- given: FSDP with your unit ------------------------------------------------------------------------

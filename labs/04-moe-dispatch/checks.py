@@ -1,238 +1,258 @@
-"""The graded checks of lab 04 (MoE dispatch and combine). Each runs on every rank of a real job.
+"""The graded checks of lab 04 (MoE dispatch and combine), judged in the grader's process.
 
-Every rank can rebuild every rank's inputs from seeds, so it can compute the right answer on its own:
-the pieces are checked one by one against small hand-computable cases, and the whole layer against
-`toolkit.moe.reference_moe`, the one-process brute force that holds every expert (built here on a
-group of one rank: same seed, hence the same weights as the experts spread over the ranks).
+The grader draws every rank's tokens, sends each rank its own, and computes the right answer here: the
+pieces against small hand-computable cases, the whole layer against `toolkit.moe.reference_moe`, the
+one-process brute force that holds every expert (same seed, hence the same weights as the experts spread
+over the ranks).
 """
-import zlib
-
 import torch
-import torch.distributed as dist
 
-from toolkit.grading import check
-from toolkit.moe import MoE, TopKGate, reference_moe
+from toolkit.grading import check, sibling
+from toolkit.moe import MoE, reference_moe
 from toolkit.moe.experts import WEIGHTS, Experts
-from toolkit.trace.events import recorder
 
+ANSWERS = {"toolkit.moe.layer:MoE.forward": "the toolkit's own MoE layer",
+           "toolkit.moe.layer:MoE.exchange_counts": "the toolkit's own count exchange",
+           "toolkit.moe.layer:MoE.sort_by_destination": "the toolkit's own dispatch order",
+           "toolkit.moe.layer:MoE.dispatch_compute_combine": "the toolkit's own dispatch and combine",
+           "toolkit.moe.layer:MoE.compute_experts": "the toolkit's own local experts",
+           "toolkit.moe.layer:MoE.weighted_sum": "the toolkit's own combine",
+           "toolkit.moe.layer:all_to_all": "the toolkit's own differentiable all-to-all"}
 D, FF, SEED, INIT = 8, 16, 7, 0.3
 ROLES = ["counts", "dispatch", "combine", "combine backward", "dispatch backward"]
 
 
-def generator(*keys) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32("/".join(map(str, keys)).encode()))
+TASKS = sibling(__file__)  # the gate a case builds, the order combine receives: plain functions of the inputs
 
 
-def tokens_of(tag, world, rank):
+def tokens(n, g, skew=False):
     """Rank r's tokens, (2, 3 + 2r, D): every rank routes a different number; and a probe for the loss."""
-    g = generator(tag, world, rank)
-    x = torch.randn(2, 3 + 2 * rank, D, generator=g)
-    return x, torch.randn(x.shape, generator=g)
-
-
-def alone(ctx):
-    """A process group holding only this rank: an MoE built on it holds every expert (the reference)."""
-    mine, _ = dist.new_subgroups_by_enumeration([[r] for r in range(ctx.world_size)])
-    return mine
-
-
-def skewed(layer):
-    """Every token's scores put the last expert first and expert 0 second (feature 0 is set to 1)."""
-    with torch.no_grad():
-        E = layer.num_experts
-        scores = -0.1 * torch.arange(1, E + 1, dtype=torch.float32)
-        scores[E - 1], scores[0] = 2.0, 1.0
-        layer.gate.router.weight.zero_()
-        layer.gate.router.weight[:, 0] = scores
-    return layer
-
-
-def layer_against_reference(student, ctx, name, options, skew=False, group_of_one=None):
-    """The student's layer on this rank's tokens vs the brute force on every rank's: outputs, gradients."""
-    n, r = ctx.world_size, ctx.rank
-    what = (f"{name} ({options['num_experts']} experts over {n} ranks, top-{options['top_k']}, capacity factor "
-            f"{options['capacity_factor']})")
-    layer = student.LabMoE(D, FF, group=ctx.group, seed=SEED, init_std=INIT, name="lab", **options)
-    reference = MoE(D, FF, group=group_of_one, seed=SEED, init_std=INIT, name="reference", **options)
-    if skew:
-        skewed(layer), skewed(reference)
-    inputs = [tokens_of(name, n, rank) for rank in range(n)]
-    if skew:
-        for x, _ in inputs:
+    found = []
+    for r in range(n):
+        x = torch.randn(2, 3 + 2 * r, D, generator=g)
+        if skew:
             x[..., 0] = 1.0
-    xs = [x.clone().requires_grad_(True) for x, _ in inputs]
-    outs, auxes = reference_moe(reference, xs)
-    sum((o * p).sum() + a for o, (_, p), a in zip(outs, inputs, auxes)).backward()
-
-    x, probe = inputs[r][0].clone().requires_grad_(True), inputs[r][1]
-    out, aux = layer(x)
-    if not isinstance(out, torch.Tensor) or out.shape != x.shape:
-        ctx.fail(f"{what}: the layer returned {type(out).__name__} of shape {getattr(out, 'shape', '?')}, "
-                 f"expected the input's shape {tuple(x.shape)}")
-    ctx.expect(out.detach(), outs[r].detach(), f"{what}: layer output", exact=False)
-    ((out * probe).sum() + aux).backward()
-    if x.grad is None:
-        ctx.fail(f"{what}: no gradient reached the layer's input: is every step differentiable "
-                 f"(the all-to-all's backward, the weighted sum)?")
-    ctx.expect(x.grad, xs[r].grad, f"{what}: gradient of the layer's input", exact=False)
-    first, local = layer.experts.first, layer.num_local
-    for w in WEIGHTS:
-        got = getattr(layer.experts, w).grad
-        if got is None:
-            ctx.fail(f"{what}: expert weight {w} of this rank's experts got no gradient: do the rows reach "
-                     f"the experts through your all-to-all, and do the answers come back through it?")
-        want = getattr(reference.experts, w).grad[first:first + local]
-        ctx.expect(got, want, f"{what}: gradient of {w} of experts {first}..{first + local - 1}", exact=False)
-    return layer, recorder.metrics[-1]["value"] if recorder.metrics else None
+        found.append((x, torch.randn(x.shape, generator=g)))
+    return found
 
 
 # --- the pieces ----------------------------------------------------------------------------------------
+def _counts_inputs(n, g):
+    kept = {per_rank: [torch.randint(0, 9, (per_rank * n,), generator=g) for _ in range(n)] for per_rank in (1, 2)}
+    return [{"cases": [{"kept": kept[p][r], "per_rank": p} for p in (1, 2)]} for r in range(n)]
+
+
 @check("exchange_counts: every rank learns how many rows it gets from each rank for each of its experts",
-       points=2, world_sizes=(2, 4))
-def counts(student, ctx):
+       points=2, world_sizes=(2, 4), inputs=_counts_inputs)
+def counts(ctx, given, got):
     n = ctx.world_size
-    for per_rank in (1, 2):
-        E = per_rank * n
-        everyone = [torch.randint(0, 9, (E,), generator=generator("counts", n, per_rank, r)) for r in range(n)]
-        send, recv = student.exchange_counts(everyone[ctx.rank].clone(), n, per_rank, ctx.group)
-        what = f"exchange_counts with {E} experts over {n} ranks (this rank's kept counts {everyone[ctx.rank].tolist()})"
-        ctx.expect(send, everyone[ctx.rank].reshape(n, per_rank), f"{what}: send")
-        expected = torch.stack([everyone[j].reshape(n, per_rank)[ctx.rank] for j in range(n)])
-        ctx.expect(recv, expected, f"{what}: recv (row j: what rank j sends to this rank's experts)")
+    for k, per_rank in enumerate((1, 2)):
+        everyone = [given[r]["cases"][k]["kept"] for r in range(n)]
+        for r in range(n):
+            what = f"exchange_counts with {per_rank * n} experts over {n} ranks (rank {r}'s kept counts " \
+                   f"{everyone[r].tolist()})"
+            ctx.expect(got[r]["cases"][k]["send"], everyone[r].reshape(n, per_rank), f"{what}: send", rank=r)
+            expected = torch.stack([everyone[j].reshape(n, per_rank)[r] for j in range(n)])
+            ctx.expect(got[r]["cases"][k]["recv"], expected, f"{what}: recv (row j: what rank j sends to this "
+                       "rank's experts)", rank=r)
+
+
+SORT_CASES = ((4, 2, 0.75), (6, 1, 0.5), (4, 2, 4.0))
+
+
+def _sort_inputs(n, g):
+    return [{"cases": [{"E": E, "k": k, "factor": f, "gate_seed": int(torch.randint(0, 2**31, (), generator=g)),
+                        "tokens": torch.randn(13, D, generator=g)} for E, k, f in SORT_CASES]} for _ in range(n)]
 
 
 @check("sort_by_destination: every kept choice once, dropped ones left out, grouped by expert, rows = its token",
-       points=2, world_sizes=(2,))
-def sort(student, ctx):
-    for E, k, factor in ((4, 2, 0.75), (6, 1, 0.5), (4, 2, 4.0)):
-        torch.manual_seed(ctx.rank)
-        gate = TopKGate(D, E, k, factor)
-        tokens = torch.randn(13, D, generator=generator("sort", E, k, ctx.rank))
-        routing = gate(tokens)
-        what = f"sort_by_destination ({E} experts, top-{k}, capacity {routing.capacity}, {routing.dropped} dropped)"
-        order, rows = student.sort_by_destination(tokens, routing)
-        if not isinstance(order, torch.Tensor) or order.dtype != torch.long or order.dim() != 1:
-            ctx.fail(f"{what}: order must be a 1-D long tensor of flat choice indices, got {order!r}")
-        kept = routing.kept.reshape(-1).nonzero().squeeze(1)
-        if sorted(order.tolist()) != kept.tolist():
-            extra = sorted(set(order.tolist()) - set(kept.tolist()))
-            missing = sorted(set(kept.tolist()) - set(order.tolist()))
-            ctx.fail(f"{what}: order must list each kept choice (flat index t*k + j) exactly once; "
-                     f"{len(order)} entries, kept {len(kept)}; not kept or repeated {extra}, missing {missing}")
-        experts = routing.expert_index.reshape(-1)[order]
-        if bool((experts[1:] < experts[:-1]).any()):
-            ctx.fail(f"{what}: rows must be grouped by expert in increasing order (so by destination rank); "
-                     f"the experts of your order are {experts.tolist()}")
-        ctx.expect(rows, tokens[order // k], f"{what}: rows (row i must be the token of choice order[i])")
+       points=2, world_sizes=(2,), inputs=_sort_inputs)
+def sort(ctx, given, got):
+    for r in range(ctx.world_size):
+        for case, found in zip(given[r]["cases"], got[r]["cases"]):
+            routing, k = TASKS.gate_of(case)(case["tokens"]), case["k"]
+            what = (f"sort_by_destination ({case['E']} experts, top-{k}, capacity {routing.capacity}, "
+                    f"{routing.dropped} dropped)")
+            order = found["order"]
+            if not isinstance(order, torch.Tensor) or order.dtype != torch.long or order.dim() != 1:
+                ctx.fail(f"{what}: order must be a 1-D long tensor of flat choice indices, got {order!r:.100}")
+            kept = routing.kept.reshape(-1).nonzero().squeeze(1)
+            if sorted(order.tolist()) != kept.tolist():
+                extra = sorted(set(order.tolist()) - set(kept.tolist()))
+                missing = sorted(set(kept.tolist()) - set(order.tolist()))
+                ctx.fail(f"{what}: order must list each kept choice (flat index t*k + j) exactly once; "
+                         f"{len(order)} entries, kept {len(kept)}; not kept or repeated {extra}, missing {missing}")
+            experts = routing.expert_index.reshape(-1)[order]
+            if bool((experts[1:] < experts[:-1]).any()):
+                ctx.fail(f"{what}: rows must be grouped by expert in increasing order (so by destination rank); "
+                         f"the experts of your order are {experts.tolist()}")
+            ctx.expect(found["rows"], case["tokens"][order // k], f"{what}: rows (row i must be the token of choice "
+                       "order[i])", rank=r)
 
 
-@check("all_to_all: uneven splits forward, and in backward every row's gradient returns to its sender",
-       points=2, world_sizes=(2, 4))
-def all_to_all(student, ctx):
-    n, r = ctx.world_size, ctx.rank
+def _splits(n):
     S = [[(3 * i + 5 * j + 1) % 4 + (i == j) for j in range(n)] for i in range(n)]  # rows rank i sends to j
     S[n - 1][0] = 0                                 # a zero split, and S is not symmetric (S[0][1] = 2)
+    return S
+
+
+def _exchange_inputs(n, g):
+    S = _splits(n)
 
     def rows(i):  # rank i's rows: the value says (sender, destination, position)
         return torch.cat([torch.tensor([[100.0 * i + 10 * j + p, 0.5] for p in range(S[i][j])]).reshape(-1, 2)
                           for j in range(n)])
+    return [{"rows": rows(r), "out_splits": S[r], "in_splits": [S[i][r] for i in range(n)],
+             "probe": torch.randn(sum(S[i][r] for i in range(n)), 2, generator=g)} for r in range(n)]
 
-    def probe(j):
-        return torch.randn(sum(S[i][j] for i in range(n)), 2, generator=generator("probe", n, j))
 
-    x = rows(r).requires_grad_(True)
-    out = student.all_to_all(x, [S[i][r] for i in range(n)], S[r], ctx.group, "lab")
-    what = f"all_to_all on {n} ranks, rank {r} sending {S[r]} rows and receiving {[S[i][r] for i in range(n)]}"
-    ctx.expect(out.detach(), torch.cat([rows(i)[sum(S[i][:r]):sum(S[i][:r + 1])] for i in range(n)]),
-               f"{what}: received rows (value 100*sender + 10*receiver + position)")
-    (out * probe(r)).sum().backward()
-    if x.grad is None:
-        ctx.fail(f"{what}: no gradient came back to the rows sent (is AllToAll.backward sending?)")
-    expected = torch.cat([probe(j)[sum(S[i][j] for i in range(r)):][:S[r][j]] for j in range(n)])
-    ctx.expect(x.grad, expected, f"{what}: gradient of the rows sent (each should come back from the rank they "
-                                 f"went to)", exact=False)
+@check("all_to_all: uneven splits forward, and in backward every row's gradient returns to its sender",
+       points=2, world_sizes=(2, 4), inputs=_exchange_inputs)
+def all_to_all(ctx, given, got):
+    n, S = ctx.world_size, _splits(ctx.world_size)
+    for r in range(n):
+        what = f"all_to_all on {n} ranks, rank {r} sending {S[r]} rows and receiving {[S[i][r] for i in range(n)]}"
+        expected = torch.cat([given[i]["rows"][sum(S[i][:r]):sum(S[i][:r + 1])] for i in range(n)])
+        ctx.expect(got[r]["out"], expected, f"{what}: received rows (value 100*sender + 10*receiver + position)",
+                   rank=r)
+        if got[r]["grad"] is None:
+            ctx.fail(f"{what}: no gradient came back to the rows sent (is AllToAll.backward sending?)")
+        grad = torch.cat([given[j]["probe"][sum(S[i][j] for i in range(r)):][:S[r][j]] for j in range(n)])
+        ctx.expect(got[r]["grad"], grad, f"{what}: gradient of the rows sent (each should come back from the rank "
+                   "they went to)", rank=r, exact=False)
+
+
+def _experts_inputs(n, g):
+    found = []
+    for _ in range(n):
+        recv = torch.randint(0, 4, (n, 3), generator=g)
+        recv[0, 1] = 0
+        found.append({"recv": recv, "received": torch.randn(int(recv.sum()), D, generator=g)})
+    return found
 
 
 @check("compute_experts: rows regrouped by local expert, run through it, returned in arrival order",
-       points=1, world_sizes=(2,))
-def local_experts(student, ctx):
+       points=1, world_sizes=(2,), inputs=_experts_inputs)
+def local_experts(ctx, given, got):
     n = ctx.world_size
-    experts = Experts(D, FF, 3 * n, 3 * ctx.rank, 3, seed=SEED, init_std=INIT)
-    recv = torch.randint(0, 4, (n, 3), generator=generator("experts", ctx.rank))
-    recv[0, 1] = 0
-    received = torch.randn(int(recv.sum()), D, generator=generator("rows", ctx.rank))
-    expert_of_row = [e for j in range(n) for e in range(3) for _ in range(int(recv[j, e]))]
-    with torch.no_grad():
-        expected = torch.stack([experts.expert(e, row[None])[0] for e, row in zip(expert_of_row, received)])
-        got = student.compute_experts(experts, received, recv)
-    ctx.expect(got, expected, f"compute_experts with recv_counts {recv.tolist()} (row j = sender, column = local "
-                              f"expert): row i must be its expert's output", exact=False)
+    for r in range(n):
+        experts = Experts(D, FF, 3 * n, 3 * r, 3, seed=SEED, init_std=INIT)
+        recv, received = given[r]["recv"], given[r]["received"]
+        expert_of_row = [e for j in range(n) for e in range(3) for _ in range(int(recv[j, e]))]
+        with torch.no_grad():
+            expected = torch.stack([experts.expert(e, row[None])[0] for e, row in zip(expert_of_row, received)])
+        ctx.expect(got[r]["out"], expected, f"compute_experts with recv_counts {recv.tolist()} (row j = sender, "
+                   "column = local expert): row i must be its expert's output", rank=r, exact=False)
+
+
+def _combine_inputs(n, g):
+    return [{"E": 4, "k": 2, "factor": 0.75, "gate_seed": int(torch.randint(0, 2**31, (), generator=g)),
+             "tokens": torch.randn(11, D, generator=g), "answers": torch.randn(22, D, generator=g),
+             "probe": torch.randn(11, D, generator=g)} for _ in range(n)]
 
 
 @check("combine: each token adds its kept experts' answers times the gate weights, differentiably",
-       points=1, world_sizes=(2,))
-def weighted_sum(student, ctx):
-    E, k = 4, 2
-    torch.manual_seed(10 + ctx.rank)
-    gate = TopKGate(D, E, k, 0.75)
-    tokens = torch.randn(11, D, generator=generator("combine", ctx.rank))
-    routing = gate(tokens)
-    choices = [(int(routing.expert_index.reshape(-1)[c]), c) for c in range(routing.kept.numel())
-               if bool(routing.kept.reshape(-1)[c])]
-    order = torch.tensor([c for _, c in sorted(choices)], dtype=torch.long)
-    answers = torch.randn(len(order), D, generator=generator("answers", ctx.rank)).requires_grad_(True)
-    weights = routing.gate_weight.detach().reshape(-1)
-    expected = torch.zeros(tokens.shape[0], D)
-    for i, c in enumerate(order.tolist()):
-        expected[c // k] += weights[c] * answers.detach()[i]
-    out = student.combine(answers, routing, order, tokens.shape[0])
-    what = f"combine of {len(order)} kept choices ({routing.dropped} dropped) for 11 tokens, top-{k}"
-    ctx.expect(out.detach(), expected, f"{what}: output", exact=False)
-    probe = torch.randn(out.shape, generator=generator("probe", ctx.rank))
-    (out * probe).sum().backward()
-    if answers.grad is None or gate.router.weight.grad is None:
-        ctx.fail(f"{what}: the output must be differentiable with respect to the answers and the gate weights")
-    ctx.expect(answers.grad, weights[order, None] * probe[order // k], f"{what}: gradient of the answers",
-               exact=False)
+       points=1, world_sizes=(2,), task="weighted_sum", inputs=_combine_inputs)
+def weighted_sum(ctx, given, got):
+    for r in range(ctx.world_size):
+        case, k = given[r], given[r]["k"]
+        routing = TASKS.gate_of(case)(case["tokens"])
+        order = TASKS.kept_order(routing, k)
+        answers = case["answers"][:len(order)]
+        weights = routing.gate_weight.detach().reshape(-1)
+        expected = torch.zeros(case["tokens"].shape[0], D)
+        for i, c in enumerate(order.tolist()):
+            expected[c // k] += weights[c] * answers[i]
+        what = f"combine of {len(order)} kept choices ({routing.dropped} dropped) for 11 tokens, top-{k}"
+        ctx.expect(got[r]["out"], expected, f"{what}: output", rank=r, exact=False)
+        if got[r]["answers_grad"] is None or not got[r]["router_grad"]:
+            ctx.fail(f"{what}: the output must be differentiable with respect to the answers and the gate weights")
+        ctx.expect(got[r]["answers_grad"], weights[order, None] * case["probe"][order // k],
+                   f"{what}: gradient of the answers", rank=r, exact=False)
 
 
 # --- the whole layer -----------------------------------------------------------------------------------
+def judge_layer(ctx, given, got, name, k):
+    """Rank r's LabMoE against the brute force on every rank's tokens: outputs, gradients."""
+    n, case = ctx.world_size, given[0]["cases"][k]
+    options = case["options"]
+    what = (f"{name} ({options['num_experts']} experts over {n} ranks, top-{options['top_k']}, capacity factor "
+            f"{options['capacity_factor']})")
+    reference = MoE(D, FF, seed=SEED, init_std=INIT, name="reference", **options)
+    if case["skew"]:
+        TASKS.skewed(reference)
+    xs = [given[r]["cases"][k]["x"].clone().requires_grad_(True) for r in range(n)]
+    outs, auxes = reference_moe(reference, xs)
+    sum((o * given[r]["cases"][k]["probe"]).sum() + a for r, (o, a) in enumerate(zip(outs, auxes))).backward()
+    for r in range(n):
+        found = got[r]["cases"][k]
+        out = found["out"]
+        if not isinstance(out, torch.Tensor) or out.shape != xs[r].shape:
+            ctx.fail(f"{what}: rank {r}'s layer returned {type(out).__name__} of shape {getattr(out, 'shape', '?')}, "
+                     f"expected the input's shape {tuple(xs[r].shape)}")
+        ctx.expect(out, outs[r].detach(), f"{what}: layer output", rank=r, exact=False)
+        if found["x_grad"] is None:
+            ctx.fail(f"{what}: no gradient reached rank {r}'s layer input: is every step differentiable "
+                     f"(the all-to-all's backward, the weighted sum)?")
+        ctx.expect(found["x_grad"], xs[r].grad, f"{what}: gradient of the layer's input", rank=r, exact=False)
+        first, local = found["first"], found["local"]
+        for w in WEIGHTS:
+            if found["grads"][w] is None:
+                ctx.fail(f"{what}: expert weight {w} of rank {r}'s experts got no gradient: do the rows reach "
+                         f"the experts through your all-to-all, and do the answers come back through it?")
+            want = getattr(reference.experts, w).grad[first:first + local]
+            ctx.expect(found["grads"][w], want, f"{what}: gradient of {w} of experts {first}..{first + local - 1}",
+                       rank=r, exact=False)
+
+
+def configs(n):
+    return {"one expert per rank, top-1, dropping": dict(num_experts=n, top_k=1, capacity_factor=0.5),
+            "two experts per rank, top-2, dropping": dict(num_experts=2 * n, top_k=2, capacity_factor=0.5),
+            "two experts per rank, top-2, no drops": dict(num_experts=2 * n, top_k=2, capacity_factor=float(2 * n)),
+            "one expert per rank, top-2": dict(num_experts=n, top_k=2, capacity_factor=1.0)}
+
+
+def layer_inputs(named, skew=False):
+    def make(n, g):
+        options = named(n)
+        drawn = {name: tokens(n, g, skew) for name in options}
+        return [{"cases": [{"options": o, "skew": skew, "x": drawn[name][r][0], "probe": drawn[name][r][1]}
+                           for name, o in options.items()]} for r in range(n)]
+    return make
+
+
 @check("the layer equals the one-process reference: outputs, input and expert gradients, top-1/top-2, with drops",
-       points=3, world_sizes=(2, 4))
-def whole_layer(student, ctx):
-    n, group = ctx.world_size, alone(ctx)
-    configs = {"one expert per rank, top-1, dropping": dict(num_experts=n, top_k=1, capacity_factor=0.5),
-               "two experts per rank, top-2, dropping": dict(num_experts=2 * n, top_k=2, capacity_factor=0.5),
-               "two experts per rank, top-2, no drops": dict(num_experts=2 * n, top_k=2, capacity_factor=float(2 * n)),
-               "one expert per rank, top-2": dict(num_experts=n, top_k=2, capacity_factor=1.0)}
-    for name, options in configs.items():
-        layer_against_reference(student, ctx, name, options, group_of_one=group)
+       points=3, world_sizes=(2, 4), task="layer", inputs=layer_inputs(configs))
+def whole_layer(ctx, given, got):
+    for k, name in enumerate(configs(ctx.world_size)):
+        judge_layer(ctx, given, got, name, k)
+
+
+def skew_config(n):
+    return {"skew": dict(num_experts=max(4, 2 * n), top_k=2, capacity_factor=1.0)}
 
 
 @check("extreme skew: every token picks the same experts; exact, dropping only what capacity demands",
-       points=1, world_sizes=(2, 4))
-def extreme_skew(student, ctx):
-    n, group = ctx.world_size, alone(ctx)
-    options = dict(num_experts=max(4, 2 * n), top_k=2, capacity_factor=1.0)
-    layer, load = layer_against_reference(student, ctx, "skew", options, skew=True, group_of_one=group)
-    T = 2 * (3 + 2 * ctx.rank)
-    C = load["capacity"] if load else None
-    if load is None or load["dropped"] != 2 * (T - min(T, C)):
-        ctx.fail(f"extreme skew: {T} tokens all choose the same 2 experts with capacity {C}, so "
-                 f"{2 * (T - min(T, C or 0))} choices must be dropped; the layer's load record says "
-                 f"{load and load['dropped']}")
+       points=1, world_sizes=(2, 4), task="layer", inputs=layer_inputs(skew_config, skew=True))
+def extreme_skew(ctx, given, got):
+    judge_layer(ctx, given, got, "skew", 0)
+    for r in range(ctx.world_size):
+        load = got[r]["cases"][0]["load"]
+        T = 2 * (3 + 2 * r)
+        C = load["capacity"] if isinstance(load, dict) else None
+        if not isinstance(load, dict) or load["dropped"] != 2 * (T - min(T, C)):
+            ctx.fail(f"extreme skew: rank {r}'s {T} tokens all choose the same 2 experts with capacity {C}, so "
+                     f"{2 * (T - min(T, C or 0))} choices must be dropped; the layer's load record says "
+                     f"{load and load['dropped']}")
 
 
 @check("the trace: one layer's forward and backward are exactly counts, dispatch, combine, combine backward, "
-       "dispatch backward", points=1, world_sizes=(2,))
-def trace(student, ctx):
-    layer = student.LabMoE(D, FF, 2 * ctx.world_size, top_k=2, group=ctx.group, seed=SEED, init_std=INIT)
-    x, probe = tokens_of("trace", ctx.world_size, ctx.rank)
-    recorder.reset()
-    out, aux = layer(x.requires_grad_(True))
-    ((out * probe).sum() + aux).backward()
-    calls = [(e["name"], e["args"].get("moe")) for e in recorder.events if e["cat"] == "comm"]
-    if calls != [("all_to_all", role) for role in ROLES]:
-        ctx.fail(f"one forward and backward issued {calls}; expected five all-to-alls through send_rows, labelled "
-                 f"{ROLES} in that order (the count exchange, the two of the forward, then autograd's two in "
-                 f"reverse), and no other collective")
+       "dispatch backward", points=1, world_sizes=(2,),
+       inputs=lambda n, g: [{"x": x, "probe": p} for x, p in tokens(n, g)])
+def trace(ctx, given, got):
+    for r in range(ctx.world_size):
+        calls = [tuple(c) for c in got[r]["calls"]]
+        if calls != [("all_to_all", role) for role in ROLES]:
+            ctx.fail(f"rank {r}: one forward and backward issued {calls}; expected five all-to-alls through "
+                     f"send_rows, labelled {ROLES} in that order (the count exchange, the two of the forward, then "
+                     "autograd's two in reverse), and no other collective")

@@ -38,34 +38,28 @@ def send_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], grou
 
 # --- yours: 1. who sends how many rows to whom --------------------------------------------------------
 def exchange_counts(kept_counts: torch.Tensor, world: int, num_local: int, group):
-    """The count exchange. `kept_counts[e]`: rows this rank will send to global expert e (after capacity).
+    """The count exchange: before any row moves, every rank must know how many rows it will receive from each rank for
+    each of its experts (the all-to-all of rows needs both sides' split sizes to agree).
 
-    Expert e lives on rank e // num_local, as its local expert e % num_local. Returns two (world, num_local)
-    int64 tensors: send[j, e] = rows this rank sends to rank j's local expert e, and recv[j, e] = rows
-    this rank will receive from rank j for its own local expert e. One `send_rows` with label "counts".
-
-    Hints:
-    - `send` is just `kept_counts` viewed as (world, num_local): row j holds rank j's experts.
-    - every rank sends num_local numbers to every rank: `send_rows(flat, [num_local] * world,
-      [num_local] * world, group, "counts")`; what arrives from rank j is row j of `recv`.
+    `kept_counts[e]`: rows this rank will send to global expert e (after capacity). Expert e lives on rank e //
+    num_local, as its local expert e % num_local. Returns two (world, num_local) int64 tensors: send[j, e] = rows
+    this rank sends to rank j's local expert e; recv[j, e] = rows this rank receives from rank j for its own local
+    expert e. One `send_rows` labelled "counts" (the trace check counts it).
     """
-    raise NotImplementedError("exchange_counts: one all-to-all of the per-expert counts")
+    raise NotImplementedError("exchange_counts: not written yet")
 
 
 # --- yours: 2. line the rows up by destination ---------------------------------------------------------
 def sort_by_destination(tokens: torch.Tensor, routing: Routing):
-    """Kept (token, choice) pairs in order of expert (then slot), as rows ready to send.
+    """Line the kept (token, choice) pairs up as rows ready to send: grouped by expert in increasing order (experts are
+    contiguous per rank, so that is also destination-rank order), and within an expert in slot order. Dropped
+    choices are left out.
 
-    Returns (order, rows): `order` (long, one entry per kept choice) indexes the flat (T*k) choices,
-    so choice c is token c // k's (c % k)-th expert; `rows = tokens[order // k]`. Experts are contiguous
-    per rank, so expert order is also destination-rank order. Dropped choices are left out.
-
-    Hints:
-    - `routing.buffer_index()` (T, k): expert * capacity + slot for each kept choice, -1 where dropped.
-      Flattened, it is one number per choice whose order is exactly the order you want.
-    - keep the indices where it is >= 0, then `argsort` their buffer index.
+    Returns (order, rows): `order` is a 1-D long tensor with one entry per kept choice, each a flat index c into the
+    T*k choices (choice c is token c // k's (c % k)-th expert); `rows[i]` is the token of choice `order[i]`.
+    `routing.buffer_index()` says, per (token, choice), where the gate put it (expert * capacity + slot), or -1.
     """
-    raise NotImplementedError("sort_by_destination: kept choices in expert order, and their tokens")
+    raise NotImplementedError("sort_by_destination: not written yet")
 
 
 # --- yours: 3. an all-to-all that autograd can go back through -----------------------------------------
@@ -75,15 +69,18 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group, label):
-        """Save on `ctx` what backward needs, then move the rows with `send_rows`."""
-        raise NotImplementedError("AllToAll.forward: send the rows, remembering the splits for backward")
+        """Move the rows with `send_rows` (rows to rank j: in_splits[j]; from rank j: out_splits[j]), keeping on `ctx`
+        what backward will need to send the gradients home.
+        """
+        raise NotImplementedError("AllToAll.forward: not written yet")
 
     @staticmethod
     def backward(ctx, grad):
-        """`grad` has one row per row this rank *received*. Each must go back to the rank that sent that
-        row: which split sizes describe that? Label it ctx.label + " backward". Return one gradient per
-        input of forward (None for the splits, group and label)."""
-        raise NotImplementedError("AllToAll.backward: send each row's gradient back where the row came from")
+        """`grad` has one row per row this rank *received*: each row's gradient must go back to the rank that sent the
+        row, in the order that rank sent it. Label the exchange ctx.label + " backward". Return one gradient per
+        input of forward (None for the splits, the group and the label).
+        """
+        raise NotImplementedError("AllToAll.backward: not written yet")
 
 
 def all_to_all(x, out_splits, in_splits, group, label):
@@ -93,43 +90,33 @@ def all_to_all(x, out_splits, in_splits, group, label):
 
 # --- yours: 4. the local experts -----------------------------------------------------------------------
 def compute_experts(experts: Experts, received: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
-    """Run each local expert on its rows. `received` arrives grouped by sender rank, and within each
-    sender by local expert: recv_counts[j, e] rows from rank j for expert e. `experts(rows, counts)`
-    (given) wants rows grouped by expert (counts[e] rows for expert e, in order). Return one output row
-    per received row, in the order `received` came in.
-
-    Hints:
-    - label every received row with its local expert: `torch.arange(E_local).repeat(W)` lists the (sender,
-      expert) blocks in arrival order; `repeat_interleave` by `recv_counts.reshape(-1)` gives one label per row.
-    - a *stable* argsort of those labels groups the rows by expert; the argsort of that permutation
-      undoes it.
+    """Run each local expert on its rows. `received` arrives grouped by sender rank, and within each sender by local
+    expert: recv_counts[j, e] rows from rank j for local expert e. `experts(rows, counts)` (given) wants rows
+    grouped by expert (counts[e] rows for expert e, experts in order). Return one output row per received row, in
+    the order `received` came in: the combine sends them back in that order.
     """
-    raise NotImplementedError("compute_experts: group by local expert, run, restore the arrival order")
+    raise NotImplementedError("compute_experts: not written yet")
 
 
 # --- yours: 5. there and back again --------------------------------------------------------------------
 def dispatch_compute_combine(rows: torch.Tensor, send: torch.Tensor, recv: torch.Tensor, experts: Experts,
                              group) -> torch.Tensor:
-    """Dispatch `rows` (sorted by destination) to the experts' ranks, run the local experts on what arrived,
-    and return their outputs to where the rows came from, in the order of `rows`. Two `all_to_all`s,
-    labelled "dispatch" and "combine"; split sizes from the count exchange's `send` and `recv`.
-
-    Hints: how many rows go to rank j is the sum of row j of `send`; how many arrive from rank j, of
-    row j of `recv`. The combine is the dispatch in reverse.
+    """Dispatch `rows` (sorted by destination) to the experts' ranks, run the local experts on what arrived, and return
+    their outputs to where the rows came from, in the order of `rows`: two differentiable all-to-alls, labelled
+    "dispatch" and "combine", with the split sizes the count exchange gave (`send`, `recv`: rows per destination
+    rank and per local expert).
     """
-    raise NotImplementedError("dispatch_compute_combine: all-to-all there, local experts, all-to-all back")
+    raise NotImplementedError("dispatch_compute_combine: not written yet")
 
 
 # --- yours: 6. the weighted sum ------------------------------------------------------------------------
 def combine(answers: torch.Tensor, routing: Routing, order: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """out[t] = sum over token t's kept choices of gate weight x that expert's answer; (num_tokens, d).
-    `answers[i]` is the expert output for choice `order[i]`. Must stay differentiable (no in-place writes
-    into a tensor autograd needs).
-
-    Hints: `routing.gate_weight` is (T, k); flattened like the choices, `[order]` picks each answer's
-    weight. `Tensor.index_add` (not the in-place `index_add_`) adds rows into their tokens' places.
+    """out[t] = the sum over token t's kept choices of (its gate weight x that expert's answer); shape (num_tokens, d).
+    `answers[i]` is the expert output for choice `order[i]`; `routing.gate_weight` is (T, k). A dropped choice adds
+    nothing. The result must stay differentiable with respect to the answers *and* the gate weights (the router
+    learns through it): no in-place write into a tensor autograd needs.
     """
-    raise NotImplementedError("combine: the gate-weighted sum of each token's answers")
+    raise NotImplementedError("combine: not written yet")
 
 
 # --- given: the layer, calling your pieces in order ----------------------------------------------------

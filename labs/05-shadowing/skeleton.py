@@ -25,10 +25,8 @@ def worker_loads(counts, owners, shadowed=()) -> list:
 
     Example: counts [[6, 1], [6, 1]], owners [0, 1]: B = [12, 2]; shadowing expert 0 gives [6, 8]
     (worker 0 keeps its own 6 rows of expert 0; worker 1 computes its 6 plus expert 1's 2).
-
-    Hint: one list of W zeros; for every (w, e), add counts[w][e] to the worker that computes it.
     """
-    raise NotImplementedError("worker_loads: who computes each expert's rows")
+    raise NotImplementedError("worker_loads: not written yet")
 
 
 # --- yours: 2. the latency model ----------------------------------------------------------------------
@@ -38,7 +36,7 @@ def latency_imbalanced(counts, owners, *, H, alpha, P, W_net, element_bytes=4) -
     3 * 4 * alpha * H^2 FLOPs per row: two GEMMs of 2 * H * alpha*H FLOPs each, and backward costs
     twice forward; 4 * H * s bytes per row on the wire: dispatch and combine, forward and backward.
     """
-    raise NotImplementedError("latency_imbalanced: the plain layer waits for its busiest worker")
+    raise NotImplementedError("latency_imbalanced: not written yet")
 
 
 def latency_shadowed(counts, owners, shadowed, *, H, alpha, P, W_net, element_bytes=4) -> float:
@@ -49,7 +47,7 @@ def latency_shadowed(counts, owners, shadowed, *, H, alpha, P, W_net, element_by
     every worker, gradients back to the owner. As in the paper, the rows that still travel are not
     counted here.
     """
-    raise NotImplementedError("latency_shadowed: the remaining compute plus the weights' traffic")
+    raise NotImplementedError("latency_shadowed: not written yet")
 
 
 # --- yours: 3. Algorithm 1 --------------------------------------------------------------------------------
@@ -59,11 +57,7 @@ def choose_shadows(counts, owners, *, H, alpha, P, W_net, element_bytes=4) -> li
     Experts are tried heaviest first (load = rows routed to it by all workers; ties: lower id first).
     Start from Lat_imbl; tentatively add the next expert; keep it if Lat_shadow of the set so far plus
     it is below the best latency so far (which it then becomes); at the first that is not, stop.
-
-    Hints:
-    - `sorted(range(E), key=lambda e: (-load[e], e))` is the order to try.
-    - compare with the best so far, not with Lat_imbl: a second expert must improve on the first.
-    - Algorithm 1 is greedy: the first expert that does not pay ends the search, even if a later
-      (lighter) one would have.
+    Algorithm 1 is greedy: the first expert that does not pay ends the search, even if a later (lighter) one
+    would have. Every rank runs this on the same counts and must reach the same choice.
     """
-    raise NotImplementedError("choose_shadows: Algorithm 1, greedy on the latency model")
+    raise NotImplementedError("choose_shadows: not written yet")

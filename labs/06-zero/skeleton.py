@@ -23,12 +23,14 @@ from toolkit.parallel.flat import FlatBuffer
 # --- yours: 1. which slice is mine ----------------------------------------------------------------------
 def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
     """(start, end, padded): rank `rank`'s slice [start, end) of a flat buffer of `numel` elements, once the
-    buffer is padded with zeros to `padded`, the next multiple of `world_size` (every rank owns the same
-    number of elements, which is what a reduce-scatter and an all-gather need).
+    buffer is padded with zeros to `padded`.
 
-    shard_bounds(10, 4, 3) == (9, 12, 12): 10 elements padded to 12, slices of 3, rank 3 owns [9, 12).
+    Why padding: a reduce-scatter and an all-gather move equal pieces, one per rank, so the buffer must
+    split into world_size slices of the same size, and the zeros at the end change no sum. `padded` is the
+    smallest such size; slices are contiguous, in rank order, and together cover [0, padded).
+    Example: shard_bounds(10, 4, 3) == (9, 12, 12).
     """
-    raise NotImplementedError("shard_bounds: pad numel up to a multiple of world_size, then cut equal slices")
+    raise NotImplementedError("shard_bounds: not written yet")
 
 
 class Zero2:
@@ -75,33 +77,31 @@ class Zero2:
     # --- yours: 2. stage 2's reduce-scatter ----------------------------------------------------------------
     def reduce_gradients(self) -> None:
         """Called once backward is over: every `p.grad` holds this rank's gradient of its own rows.
-        Leave in `self.master.grad` the average over the ranks of *this rank's slice* only, and free
-        every full gradient: under stage 2 a rank keeps 1/N of the gradients.
 
-        1. Lay the gradients out like the parameters: `grads = FlatBuffer(self.flat.shapes, self.world)`
-           (zeros, so the padding and any parameter without a gradient contribute nothing), then copy
-           each `p.grad` into its view (`grads.views()`, in the order of `self.params`).
-        2. An output of one slice, `torch.empty(grads.shard_numel)`, and
-           `comm.reduce_scatter(output, grads.data, op="avg", group=self.group)`: rank r receives the
-           average of slice r of everyone's flat gradient.
-        3. `self.master.grad = output`, and `p.grad = None` for every parameter.
+        Afterwards: `self.master.grad` (shape of `self.master`) holds the *average over the ranks* of this
+        rank's slice of the flat gradient (laid out exactly like `self.flat`: same order, same padding, with
+        zeros where a parameter has no gradient), and no parameter holds a full gradient any more.
+
+        Why: the batch is split over the ranks, so the whole batch's gradient is the mean of theirs; stage 2
+        keeps only the slice this rank's optimizer updates, 1/N of the gradients (lesson 03's accounting).
+        One collective delivers exactly that slice, moving Ψ(N-1)/N bytes per rank; an all-reduce would move twice
+        that and hand every rank the whole gradient, which it would then throw away.
         """
-        raise NotImplementedError("reduce_gradients: reduce-scatter the flat gradient (op='avg') into master.grad")
+        raise NotImplementedError("reduce_gradients: not written yet")
 
     # --- yours: 3. the partitioned step ------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
-        """Update this rank's slice, then bring every rank's updated slice to every rank.
+        """One optimizer step: afterwards every rank's model holds the whole updated parameters, and no
+        gradient is left.
 
-        1. `self.optimizer.step()`: AdamW on `self.master` only (its fp32 slice and its averaged gradient).
-           The master is a view of the flat buffer, so this rank's slice of the model is now up to date;
-           the other N-1 slices still hold last step's values.
-        2. `comm.all_gather(self.flat.data, <this rank's slice>, group=self.group)`: every rank's slice
-           lands at its place in everyone's flat buffer. Pass a copy of the master as the input
-           (`self.master.detach().clone()`): the input must not overlap the output it is gathered into.
-        3. `self.master.grad = None`.
+        This rank's optimizer knows only its slice (`self.master`, a view of `self.flat.data`): stepping it
+        updates 1/N of the model, here. The other slices were updated on their owners, so each rank must then
+        receive every other rank's updated slice, at its place in the flat buffer (Ψ(N-1)/N bytes per rank:
+        with the reduce-scatter, 2Ψ per step, as much as plain data parallelism). A collective's input must not
+        be a view of the buffer it writes into.
         """
-        raise NotImplementedError("step: optimizer.step() on the slice, then all-gather the slices")
+        raise NotImplementedError("step: not written yet")
 
     def zero_grad(self) -> None:
         self.master.grad = None

@@ -27,23 +27,19 @@ from toolkit.parallel.fsdp_unit import FSDPUnit, Sharding
 def hsdp_layout(world_size: int, F: int) -> tuple[list[list[int]], list[list[int]]]:
     """(shard groups, replica groups) for `world_size` ranks sharded F ways, as lists of global ranks.
 
-    Ranks are numbered node by node, F per node: a *shard group* is one node, F consecutive ranks
-    (they split every unit F ways and talk over the fast links inside the node). A *replica group* is
-    the ranks holding the same slice in every node: the i-th rank of each node.
-    hsdp_layout(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]]).
+    Ranks are numbered node by node, F per node. A *shard group* is one node: F consecutive ranks that split every
+    unit F ways and talk over the fast links inside the node. A *replica group* is the ranks that hold the same
+    slice, one per node. Example: hsdp_layout(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]]).
     """
-    raise NotImplementedError("hsdp_layout: consecutive blocks of F ranks, and every F-th rank from i")
+    raise NotImplementedError("hsdp_layout: not written yet")
 
 
 def make_groups(F: int):
-    """(this rank's shard group, this rank's replica group), as process groups made with `dist.new_group`.
-
-    `dist.new_group(ranks)` must be called by *every* rank of the job, for *every* group, in the same
-    order, even for groups the rank is not in (the ranks agree on each group by counting calls). Make
-    all the shard groups, then all the replica groups (from your `hsdp_layout`), and return the two that
-    contain this rank (`dist.get_rank()`).
+    """(this rank's shard group, this rank's replica group), as process groups (your `hsdp_layout`).
+    `dist.new_group(ranks)` must be called by *every* rank of the job, for *every* group, in the same order, even
+    for groups the rank is not in: the ranks agree on each group by counting calls.
     """
-    raise NotImplementedError("make_groups: dist.new_group for every group on every rank, return mine")
+    raise NotImplementedError("make_groups: not written yet")
 
 
 _GROUPS: dict = {}
@@ -72,30 +68,22 @@ class HybridUnit(FSDPUnit):
 
     # --- yours: 2. level one, inside the node ---------------------------------------------------------------
     def reduce_grad(self) -> None:
-        """Start the reduce-scatter inside the node: average the flat gradient over the shard group, this
-        rank receiving its slice only.
-
-        1. `out = torch.empty(self.grads.shard_numel, dtype=self.grads.data.dtype, device=self.master.device)`
-        2. `handle = comm.reduce_scatter(out, self.grads.data, op="avg", group=self.sharding.shard_group,
-           async_op=True)`
-        3. `self.reduction = (handle, out, self.grads)` (keeps the input alive while it travels), then
-           `self.grads = None`.
+        """Level one, inside the node: start averaging the unit's flat gradient (`self.grads.data`, this rank's rows)
+        over the shard group, asynchronously, this rank receiving its slice only. Leave (handle, output, input) in
+        `self.reduction` for `finish_reduce` (the input must live until the bytes have travelled), and let the next
+        backward start without `self.grads`.
         """
-        raise NotImplementedError("reduce_grad: reduce-scatter (op='avg') over the shard group, asynchronously")
+        raise NotImplementedError("reduce_grad: not written yet")
 
     # --- yours: 3. level two, across the nodes ----------------------------------------------------------
     def finish_reduce(self) -> None:
-        """Finish what `reduce_grad` started, then average the slice across the nodes, and keep it.
-
-        1. `handle, out, _ = self.reduction`; `handle.wait()`; `self.reduction = None`. Now `out` is the
-           average of this slice over *this node's* rows of the batch.
-        2. Every node holds a different part of the batch: all-reduce `out` with op="avg" over
-           `self.sharding.replica_group` (one rank per node, all holding this same slice). Only these
-           bytes cross from node to node: Ψ/F per rank, not Ψ.
-        3. Add it, as fp32, into the slice's gradient: `self.mine.grad` (None after zero_grad: then it
-           becomes `out`; otherwise add into it, so micro-batches accumulate).
+        """Level two, across the nodes, then keep the result. After level one this rank's slice is the average over
+        *its node's* rows only; every node holds a different part of the batch, so the slice must then be averaged
+        over the ranks holding the same slice in every node (the replica group). Only these bytes cross from node to
+        node: Ψ/F per rank, not Ψ (the grader counts them). Afterwards `self.mine.grad` holds the slice in fp32,
+        accumulated over the backwards since the last zero_grad, and `self.reduction` is empty.
         """
-        raise NotImplementedError("finish_reduce: wait, all-reduce (op='avg') over the replica group, keep the slice")
+        raise NotImplementedError("finish_reduce: not written yet")
 
 
 # --- given: FSDP with your unit -------------------------------------------------------------------------

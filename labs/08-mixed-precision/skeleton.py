@@ -40,40 +40,52 @@ class MixedUnit(FSDPUnit):
 
     # --- yours: 1. fp32 masters -> bf16 parameters, on the wire already in bf16 ------------------------------
     def unshard(self, async_op: bool = False) -> None:
-        """If the unit is SHARDED: `self.flat.allocate()`, then all-gather every rank's master slice *cast
-        to param_dtype* into `self.flat.data` (already param_dtype):
-        `piece = self.master.detach().to(self.sharding.param_dtype)` and
-        `handle = comm.all_gather(self.flat.data, piece, group=self.sharding.shard_group, async_op=True)`;
-        keep `self._gather = (handle, piece)` and set `self.state = GATHERING`.
-        Then, unless `async_op`, `self.wait_unshard()`.
-        Casting *before* the gather is the point: 2 bytes per element travel instead of 4."""
-        raise NotImplementedError("unshard: cast the fp32 master to param_dtype, then all-gather it")
+        """Make the full parameters appear in `self.flat.data`, in param_dtype (bf16), from every rank's fp32 master
+        slice; with `async_op`, return while the bytes travel (state GATHERING, finished by `wait_unshard`, given),
+        else return once the unit is GATHERED. A unit already gathered or on its way is left as it is.
+
+        What to get right: the rounding to param_dtype must happen *before* the bytes leave this rank. Mixed
+        precision halves the all-gather only if 2 bytes per element travel; gathering the fp32 masters and rounding
+        afterwards gives the same parameters for twice the bytes (the grader reads the dtype on the wire). The
+        masters stay fp32. The flat parameter's storage is empty while the unit is sharded (`self.flat.allocate()`
+        gives it back), and whatever an asynchronous collective reads must stay alive until it is waited for
+        (`self._gather`, which `wait_unshard` uses, is (handle, input)).
+        """
+        raise NotImplementedError("unshard: not written yet")
 
     # --- yours: 2. bf16 gradients -> a flat buffer in reduce_dtype -----------------------------------------
     def add_grad(self, p) -> bool:
-        """`p.grad` (param_dtype: backward ran in bf16) is final for this backward. On the first gradient
-        make the flat buffer `self.grads = FlatBuffer(self.flat.shapes, self.sharding.size,
-        dtype=self.sharding.reduce_dtype, device=self.master.device)` (zeros); add `p.grad` into its view
-        `self.grads.view(self.index[p])` (the add casts bf16 up to reduce_dtype); `p.grad = None`;
-        `self.waiting -= 1`; return True when it was the unit's last gradient (`self.waiting == 0`)."""
-        raise NotImplementedError("add_grad: add p.grad into a flat buffer of dtype reduce_dtype")
+        """`p.grad` (in param_dtype: backward ran in bf16) is final for this backward: add it into the unit's flat
+        gradient buffer, `self.grads`, and drop it. Return True when it was the unit's last gradient of this
+        backward (`self.waiting` counts those still to come), which is when FSDP calls `reduce_grad`.
+
+        The buffer is laid out like the flat parameter (`self.flat.shapes`, padded for `self.sharding.size` ranks;
+        `self.index[p]` is p's place in it), in reduce_dtype, and starts at zero on the first gradient of a
+        backward: the padding, and any parameter without a gradient, add nothing. Its dtype decides the precision
+        and the bytes of the reduction that follows.
+        """
+        raise NotImplementedError("add_grad: not written yet")
 
     # --- yours: 3. the reduce-scatter, in reduce_dtype -----------------------------------------------------
     def reduce_grad(self) -> None:
-        """Average the flat gradient over the group in reduce_dtype, rank r receiving slice r: an output
-        `torch.empty(self.grads.shard_numel, dtype=self.grads.data.dtype, device=self.master.device)`,
-        `comm.reduce_scatter(output, self.grads.data, op="avg", group=self.sharding.shard_group,
-        async_op=True)`; `self.reduction = (handle, output, self.grads)`; `self.grads = None`.
-        reduce_dtype bf16 halves these bytes too; fp32 (MixedPrecision(bf16, reduce_dtype=torch.float32))
-        sums many ranks' gradients without bf16's rounding, for twice the bytes."""
-        raise NotImplementedError("reduce_grad: reduce-scatter (op='avg') in reduce_dtype")
+        """Start averaging the flat gradient over the shard group, asynchronously, in reduce_dtype: rank r ends with
+        the average over the ranks of slice r (the batch is split over the ranks, so the whole batch's gradient is
+        the mean of theirs). Leave (handle, output, input) in `self.reduction` for `finish_reduce` (the input must
+        live until the bytes have travelled) and start the next backward with no buffer.
+
+        reduce_dtype bf16 halves these bytes too; fp32 (MixedPrecision(bf16, reduce_dtype=torch.float32)) sums many
+        ranks' gradients without bf16's rounding, for twice the bytes.
+        """
+        raise NotImplementedError("reduce_grad: not written yet")
 
     # --- yours: 4. back to fp32 for the optimizer ------------------------------------------------------------
     def finish_reduce(self) -> None:
-        """`handle, out, _ = self.reduction`; wait; `self.reduction = None`. Cast `out` to fp32 and add it
-        into `self.mine.grad` (fp32: set it when None, else add in place), so that several micro-batches
-        accumulate in fp32 and the optimizer steps fp32 masters with fp32 gradients."""
-        raise NotImplementedError("finish_reduce: wait, cast to fp32, accumulate into self.mine.grad")
+        """Finish what `reduce_grad` started and hand the optimizer its gradient: afterwards `self.mine.grad` holds
+        this rank's slice in fp32, *accumulated* over the backwards since the last `zero_grad` (two micro-batches
+        before one step add up), and `self.reduction` is empty. The optimizer steps fp32 masters with fp32
+        gradients: an update smaller than bf16's spacing would otherwise be rounded away.
+        """
+        raise NotImplementedError("finish_reduce: not written yet")
 
 
 # --- given: FSDP with your unit ----------------------------------------------------------------------------

@@ -22,35 +22,30 @@ from toolkit.trace.events import recorder, span
 
 # --- yours: 1. chunks along the capacity ---------------------------------------------------------------------
 def split_capacity(x: torch.Tensor, degree: int) -> list[torch.Tensor]:
-    """Cut x, of shape (E, C, d), along the capacity C (dim 1) into `degree` chunks whose sizes differ by
-    at most one slot, the larger first (`torch.tensor_split` does exactly that); drop empty chunks (a degree
-    larger than C). Every rank has the same C, so every rank cuts at the same slots: a sender and a
-    receiver must agree on which rows form chunk k. Raise ValueError for a degree below 1.
-    split_capacity(x, 3) for C = 5: chunks of 2, 2 and 1 slots.
+    """Cut x (E, C, d) into `degree` chunks along the capacity (dim 1), in order: sizes differ by at most one (the
+    first ones larger), no chunk is empty (a degree above C gives C chunks of one slot), and put back together they
+    are x. A degree below 1 is an error (ValueError). Examples, capacity 5: degree 2 -> slots [3, 2]; degree 3 ->
+    [2, 2, 1]; degree 8 -> [1, 1, 1, 1, 1].
     """
-    raise NotImplementedError("split_capacity: tensor_split along dim 1, without empty chunks")
+    raise NotImplementedError("split_capacity: not written yet")
 
 
 # --- yours: 2. the pipeline ---------------------------------------------------------------------------------
 def run_pipeline(x: torch.Tensor, degree: int, compute, group, names) -> torch.Tensor:
-    """Dispatch, compute and combine x (E, C, d) in chunks along C, overlapping communication with compute.
+    """Dispatch, compute and combine x (E, C, d) in chunks along C (your `split_capacity`), so that communication
+    overlaps computation, and return the combined outputs, shape (E, C, d), chunks back in place.
 
-    names = (out, back): labels of the two exchanges ("dispatch", "combine" forward; backward runs this
-    same function on the gradients with "combine backward", "dispatch backward"). `compute(k, received)`
-    runs the local experts on chunk k's received rows and returns their outputs (same shape).
-    `exchange(chunk, group, name, k, count)` posts chunk k's all-to-all and returns at once; its `.wait()`
-    returns what arrived. The schedule, with count = len(chunks):
+    names = (out, back) label the two exchanges ("dispatch", "combine" in forward; backward runs this same function
+    on the gradients with "combine backward", "dispatch backward"). `compute(k, received)` runs the local experts on
+    chunk k's received rows. `exchange(chunk, group, name, k, count)` posts one chunk's all-to-all and returns at
+    once; its `.wait()` returns what arrived.
 
-        post the dispatch of chunk 0
-        for k in 0 .. count-1:
-            post the dispatch of chunk k+1 (if there is one)   <- travels while chunk k computes
-            wait for chunk k's dispatch, compute(k, ...)
-            post the combine of chunk k's outputs              <- travels while chunk k+1 computes
-        wait for every combine, in order; concatenate the results along dim 1: shape (E, C, d) again
-
-    Degree 1 is the plain layer: one dispatch, the experts, one combine, nothing overlapped.
+    The point (lesson 06, section 2): while chunk k computes, chunk k+1's dispatch must already be travelling, and
+    chunk k's combine must travel while chunk k+1 computes. So a chunk's exchange is posted before the computation
+    it should hide behind, and waited for only when its data is needed; the grader reads the order from the trace.
+    Degree 1 is the plain layer: nothing overlaps.
     """
-    raise NotImplementedError("run_pipeline: post chunk k+1's dispatch before computing chunk k")
+    raise NotImplementedError("run_pipeline: not written yet")
 
 
 # --- given: the experts, one exchange, and autograd through your pipeline ----------------------------------

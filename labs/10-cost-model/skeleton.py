@@ -19,45 +19,35 @@ from toolkit.sim.program import Collective, Compute, Wait  # noqa: F401 - the th
 
 # --- yours: 1. the ring's three collectives ------------------------------------------------------------
 def reduce_scatter_time(size_bytes: float, n: int, alpha: float, beta: float) -> float:
-    """Seconds for a ring reduce-scatter of `size_bytes` over `n` ranks.
-
-    The ring (lab 01): N-1 steps; at each, every rank sends one chunk (size_bytes / N) to its right
-    neighbour and receives one from its left, all at once. One step costs one message's latency plus
-    its bytes. A group of one rank moves nothing: 0 seconds.
+    """Seconds for a ring reduce-scatter of `size_bytes` (the whole input) over `n` ranks, in the alpha-beta model:
+    every message costs alpha plus its bytes times beta (README, "1. The ring's three collectives"; lab 01 is the
+    ring). A group of one rank moves nothing: 0 seconds.
     """
-    raise NotImplementedError("reduce_scatter_time: N-1 steps of one chunk")
+    raise NotImplementedError("reduce_scatter_time: not written yet")
 
 
 def all_gather_time(size_bytes: float, n: int, alpha: float, beta: float) -> float:
     """Seconds for a ring all-gather whose gathered output is `size_bytes`, over `n` ranks."""
-    raise NotImplementedError("all_gather_time: N-1 steps of one chunk")
+    raise NotImplementedError("all_gather_time: not written yet")
 
 
 def all_reduce_time(size_bytes: float, n: int, alpha: float, beta: float) -> float:
-    """Seconds for a ring all-reduce of a `size_bytes` tensor over `n` ranks.
-
-    Hint: what is an all-reduce made of (lab 01)? Count its steps and the bytes each rank sends.
-    """
-    raise NotImplementedError("all_reduce_time: a reduce-scatter, then an all-gather")
+    """Seconds for a ring all-reduce of a `size_bytes` tensor over `n` ranks."""
+    raise NotImplementedError("all_reduce_time: not written yet")
 
 
 # --- yours: 2. the overlap rule ----------------------------------------------------------------------------
 def step_time(program, compute_seconds, comm_seconds) -> dict:
     """Replay a step on two streams; return {"step", "compute", "exposed_comm", "overlapped_comm"} in seconds.
 
-    program: a list of `Compute`, `Collective` and `Wait`, in the order the strategy issued them.
-    compute_seconds(c) and comm_seconds(c) say how long one Compute or one Collective takes.
+    program: a list of `Compute`, `Collective` and `Wait`, in the order the strategy issued them. compute_seconds(c)
+    and comm_seconds(c) say how long one Compute or one Collective takes.
 
-    The rule:
-    - a Compute runs on the compute stream right after what ran there before;
-    - a Collective's data is ready when the compute issued before it is done; it runs on the one
-      communication stream from then, or from when the previous collective ends if that is later;
-    - a Wait (for collective `id`) stalls the compute stream until that collective has ended;
-    - the step ends when the compute stream is done and no collective is still running.
-    compute: the sum of the compute times; exposed_comm: step - compute (time spent waiting);
-    overlapped_comm: communication time that ran while the compute stream was busy.
-
-    Hint: keep three numbers as you walk the program: where the compute stream is, when the
-    communication stream is free, and when each collective ends (a dict by id).
+    The rule (README, "2. The overlap rule"): a Compute runs on the compute stream after what ran there before; a
+    Collective's data is ready when the compute issued before it is done, and it runs on the one communication
+    stream from then, or once the collective before it has ended; a Wait holds the compute stream until its
+    collective has ended; the step ends when both streams are done. compute is the sum of the compute times,
+    exposed_comm = step - compute (time the compute stream waited), overlapped_comm the communication time that ran
+    while the compute stream was busy.
     """
-    raise NotImplementedError("step_time: replay the program on a compute and a communication stream")
+    raise NotImplementedError("step_time: not written yet")

@@ -31,12 +31,11 @@ class CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("CopyToTP.forward: f is the identity in forward (remember the group for backward)")
+        raise NotImplementedError("CopyToTP.forward: not written yet")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("CopyToTP.backward: all-reduce the gradient over the group (a copy: never the "
-                                  "incoming tensor itself)")
+        raise NotImplementedError("CopyToTP.backward: not written yet")
 
 
 class ReduceFromTP(torch.autograd.Function):
@@ -44,11 +43,11 @@ class ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        raise NotImplementedError("ReduceFromTP.forward: the all-reduce (sum) of every rank's x, on a copy")
+        raise NotImplementedError("ReduceFromTP.forward: not written yet")
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("ReduceFromTP.backward: g is the identity in backward")
+        raise NotImplementedError("ReduceFromTP.backward: not written yet")
 
 
 # --- the layers: __init__ given, forward yours --------------------------------------------------------------

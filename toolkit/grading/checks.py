@@ -1,44 +1,73 @@
-"""What a lab's `checks.py` is written with: `@check`, the `Context` a check receives, `CheckFailed`.
+"""What a lab's `checks.py` is written with: `@check`, the `Judge` a check receives, `CheckFailed`.
 
-A check is a function `fn(student, ctx)` that runs on every rank of a real job: `student` is the
-student's module, loaded from their file, and `ctx` says who this rank is and offers the comparisons
-that turn a wrong answer into a message a student can act on ("rank 1 got [...] expected [...]").
-A check passes when it returns on every rank at every world size it asks for.
+A check has two halves that never share a process:
 
-    @check("ring all-reduce, SUM, float32", points=2, world_sizes=(3, 4))
-    def all_reduce_sum(student, ctx):
-        x = ...
-        student.all_reduce(x, dist.ReduceOp.SUM, ctx.group, False)
-        ctx.expect(x, expected, "all_reduce SUM of 7 float32 elements")
+- the **task**, a function of the lab's `tasks.py` (same name as the check unless `task=` says otherwise),
+  runs on every rank next to the student's code and returns what it observed (`on_rank.py`);
+- the **judge**, the function decorated here, runs in the grader's process: it receives what it sent each
+  rank (`given[r]`) and what each rank returned (`got[r]`), computes the expected values itself and raises
+  `CheckFailed` with a message a student can act on ("rank 1 got [...] expected [...]").
+
+`inputs(n, generator)` (or a constant dict) makes the task's inputs at world size n: a list with one dict
+per rank (rank r receives only its own), or one dict for every rank. The generator is seeded afresh for every grading,
+so a submission cannot compute another rank's inputs, or the answers, without the messages.
+
+    def _inputs(n, g):
+        return [{"x": torch.randn(7, generator=g)} for _ in range(n)]
+
+    @check("ring all-reduce, SUM, float32", points=2, world_sizes=(3, 4), inputs=_inputs)
+    def all_reduce_sum(ctx, given, got):
+        expected = sum(g["x"] for g in given)
+        for r in range(ctx.world_size):
+            ctx.expect(got[r]["x"], expected, "all_reduce SUM of 7 float32 elements", rank=r, exact=False)
+
+A check passes when its judge returns at every world size it asks for. Anything else (the judge
+raises, a rank raised, crashed, hung or sent something unreadable) is a failure with a message.
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from ..units import seconds_text
 
 
 @dataclass(frozen=True)
 class Check:
-    """One graded property: its name, what it is worth, the world sizes it runs at, and the test."""
+    """One graded property: its name, points, world sizes, the task the ranks run and the judge."""
 
     name: str
     points: int
     world_sizes: tuple[int, ...]
-    fn: object
-    hidden: bool = False  # defined in the lab's hidden_checks.py: graded, not shipped to students
+    judge: object
+    task: str
+    inputs: object = None
+    hidden: bool = False   # defined in the lab's hidden_checks.py: graded, not shipped to students
+    feedback: str = ""     # for a hidden check, what a student reads when it fails (nothing else is shown)
+    numbers_only: bool = False  # pure functions (numbers in, numbers out): no process group in the message
+
+    def make_inputs(self, n: int, generator: torch.Generator) -> list[dict]:
+        made = self.inputs(n, generator) if callable(self.inputs) else (self.inputs or {})
+        return [dict(made) for _ in range(n)] if isinstance(made, dict) else list(made)
+
+    @property
+    def pure(self) -> bool:
+        """Tests pure functions (or runs on one rank): its messages name no world size and no rank."""
+        return self.numbers_only or self.world_sizes == (1,)
 
 
-def check(name: str, points: int = 1, world_sizes=(2, 3, 4)):
-    """Decorator that makes a function `fn(student, ctx)` a graded check of a lab."""
+def check(name: str, points: int = 1, world_sizes=(2, 3, 4), *, task: str | None = None, inputs=None,
+          feedback: str = "", pure: bool = False):
+    """Decorator that makes a judge `fn(ctx, given, got)` a graded check of a lab (see the module docstring).
+    pure=True: the task calls pure functions (run beside the lab's other checks, at their world size), so the
+    messages name no world size."""
     if points < 0 or not world_sizes or min(world_sizes) < 1:
         raise ValueError(f"check {name!r}: points must be >= 0 and world sizes positive.")
 
     def make(fn) -> Check:
-        return Check(name, points, tuple(sorted(set(world_sizes))), fn)
+        return Check(name, points, tuple(sorted(set(world_sizes))), fn, task or fn.__name__, inputs,
+                     feedback=feedback, numbers_only=pure)
 
     return make
 
@@ -47,104 +76,72 @@ class CheckFailed(AssertionError):
     """The student's answer is wrong; the message says what differs, on which rank."""
 
 
-def show(t: torch.Tensor, limit: int = 6) -> str:
-    """A short, readable rendering of a tensor's values."""
-    values = t.detach().flatten().tolist()
+def sibling(checks_file: str, name: str = "tasks.py"):
+    """A file beside a lab's checks.py, imported (its tasks.py, say, when a judge rebuilds what a task built
+    from its inputs: the same gate, the same order). Lab code, trusted; never the student's file."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(checks_file).with_name(name)
+    spec = importlib.util.spec_from_file_location(f"_lab_{path.parent.name}_{path.stem}".replace("-", "_"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def show(t, limit: int = 6) -> str:
+    """A short, readable rendering of a tensor's (or a list's) values."""
+    values = t.detach().flatten().tolist() if isinstance(t, torch.Tensor) else list(t)
     text = ", ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in values[:limit])
     return f"[{text}{', ...' if len(values) > limit else ''}]"
 
 
+def number(x) -> str:
+    """A number as a person reads it (6 significant digits, no float repr); anything else as a short repr."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        text = repr(x)
+        return text if len(text) < 80 else text[:77] + "..."
+    return f"{x:.6g}" if isinstance(x, float) else str(x)
+
+
+def seconds(x) -> str:
+    """A duration with its unit by magnitude, precise enough to tell two close answers apart."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return number(x)
+    return seconds_text(float(x), digits=6)
+
+
 @dataclass
-class Message:
-    """One point-to-point message this rank posted: 'send' or 'recv', the peer's global rank, elements."""
+class Judge:
+    """What a judge receives: the world size, and the comparisons that explain a failure."""
 
-    kind: str
-    peer: int
-    numel: int
-
-
-_COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
-                "all_gather_object", "all_to_all", "all_to_all_single", "broadcast", "reduce", "gather", "scatter",
-                "reduce_scatter_single", "all_gather_single")
-
-
-@dataclass
-class Context:
-    """Who this rank is in a check, and the comparisons that explain a failure."""
-
-    rank: int          # global rank
     world_size: int
-    group: object      # a fresh group of all ranks: a failed check's stray messages cannot reach the next one
 
     def fail(self, message: str):
         raise CheckFailed(message)
 
-    def expect(self, got: torch.Tensor, expected: torch.Tensor, what: str, *, exact: bool = True,
+    def tensor(self, got, what: str, rank: int | None = None) -> torch.Tensor:
+        """`got` if it is a tensor, else a failure that says what it was."""
+        if not isinstance(got, torch.Tensor):
+            self.fail(f"{what}: {_on(rank)}got {number(got)}, expected a tensor")
+        return got
+
+    def expect(self, got, expected: torch.Tensor, what: str, *, rank: int | None = None, exact: bool = True,
                rtol: float = 1e-5, atol: float = 1e-5) -> None:
         """Raise CheckFailed unless `got` equals `expected` (exactly, or within tolerances)."""
-        if not isinstance(got, torch.Tensor):
-            self.fail(f"{what}: rank {self.rank} got a {type(got).__name__}, expected a tensor")
+        got = self.tensor(got, what, rank)
         if got.shape != expected.shape or got.dtype != expected.dtype:
-            self.fail(f"{what}: rank {self.rank} got shape {tuple(got.shape)} {got.dtype}, "
+            self.fail(f"{what}: {_on(rank)}got shape {tuple(got.shape)} {got.dtype}, "
                       f"expected shape {tuple(expected.shape)} {expected.dtype}")
         same = got == expected if exact else torch.isclose(got, expected, rtol=rtol, atol=atol)
         if bool(same.all()):
             return
         wrong = (~same).flatten().nonzero().flatten()
         first = int(wrong[0])
-        self.fail(f"{what}: rank {self.rank} got {show(got)} expected {show(expected)} "
+        self.fail(f"{what}: {_on(rank)}got {show(got)} expected {show(expected)} "
                   f"({len(wrong)} of {got.numel()} elements differ; first at element {first}: "
                   f"{got.flatten()[first].item():.6g} instead of {expected.flatten()[first].item():.6g})")
 
-    @contextlib.contextmanager
-    def messages(self):
-        """Record the point-to-point messages posted inside the block; built-in collectives raise there.
 
-        Yields a list of `Message`, filled as the block runs. Only calls made through the module
-        `torch.distributed` (as `dist.isend`, `dist.batch_isend_irecv`, ...) are seen.
-        """
-        log: list[Message] = []
-        real = {name: getattr(dist, name) for name in ("isend", "irecv", "send", "recv", "batch_isend_irecv", "P2POp")}
-
-        def global_peer(peer, group, group_peer) -> int:
-            return peer if peer is not None else dist.get_global_rank(group or dist.group.WORLD, group_peer)
-
-        def point_to_point(name):
-            signature = inspect.signature(real[name])
-
-            def call(*args, **kwargs):
-                a = signature.bind(*args, **kwargs).arguments
-                peer = global_peer(a.get("dst", a.get("src")), a.get("group"), a.get("group_dst", a.get("group_src")))
-                log.append(Message("send" if "send" in name else "recv", peer, a["tensor"].numel()))
-                return real[name](*args, **kwargs)
-
-            call.real = real[name]
-            return call
-
-        def p2p_op(op, *args, **kwargs):  # P2POp accepts only the real isend/irecv
-            return real["P2POp"](getattr(op, "real", op), *args, **kwargs)
-
-        def batch(ops):
-            for op in ops:
-                log.append(Message("send" if op.op is real["isend"] else "recv",
-                                   global_peer(op.peer, op.group, getattr(op, "group_peer", None)), op.tensor.numel()))
-            return real["batch_isend_irecv"](ops)
-
-        def forbidden(name):
-            def call(*args, **kwargs):
-                raise CheckFailed(f"rank {self.rank} called dist.{name}, which is not allowed here: this lab "
-                                  "builds collectives from point-to-point messages (dist.isend/dist.irecv or "
-                                  "dist.batch_isend_irecv)")
-            return call
-
-        patches = {name: point_to_point(name) for name in ("isend", "irecv", "send", "recv")}
-        patches.update(batch_isend_irecv=batch, P2POp=p2p_op)
-        patches.update({name: forbidden(name) for name in _COLLECTIVES if hasattr(dist, name)})
-        saved = {name: getattr(dist, name) for name in patches}
-        try:
-            for name, fn in patches.items():
-                setattr(dist, name, fn)
-            yield log
-        finally:
-            for name, fn in saved.items():
-                setattr(dist, name, fn)
+def _on(rank) -> str:
+    return "" if rank is None else f"rank {rank} "

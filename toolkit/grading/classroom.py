@@ -4,11 +4,14 @@
 
 `submissions/` holds one file per student (`alice.py`) or one folder per student (`alice/ring.py`, the
 layout of a Gradescope or LMS export; the folder's only .py file, or the one named by `--file`).
-Each submission is graded by its own `python -m toolkit grade ... --format json` process in a fresh
-session, with a wall-clock limit (`student_timeout_s`): whatever one submission does (hang, deadlock,
-fork, eat memory), it costs at most that limit, and every process it started is killed before the
-next one begins (`isolation.stop`). `jobs` > 1 grades that many students at once (a machine with
-more cores than one grading's ranks use).
+Every submission is read into memory before any is run, and each is graded from a private copy of those
+bytes by its own `python -m toolkit grade ... --format json` process in a fresh session, with a wall-clock
+limit (`student_timeout_s`): whatever one submission does (hang, deadlock, fork, eat memory, write to
+other students' files), it costs at most that limit, it changes no other student's grade, and every
+process it started is killed before the next one begins (`isolation.stop`). The class folder itself is
+out of the submissions' reach where the machine allows a sandbox (`sandbox.py`); `grade_class` refuses
+to run without one unless `allow_unsandboxed`. `jobs` > 1 grades that many students at once (a machine
+with more cores than one grading's ranks use).
 
 The CSV has one row per student: student, score, max_score, status ("graded", "timed out", "no
 file", "grader error"), seconds, file, then the points of every check. With `out_dir`, each student's
@@ -29,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import isolation
+from . import isolation, sandbox
 
 
 @dataclass
@@ -57,10 +60,12 @@ def submissions(class_dir, filename: str | None = None) -> list[tuple[str, Path 
     return found
 
 
-def grade_one(lab, student: str, file: Path | None, *, student_timeout_s: float, options: list[str]) -> Row:
-    """Grade one submission in its own process and session; nothing it starts survives."""
+def grade_one(lab, student: str, file: Path | None, source: bytes | None, *, student_timeout_s: float,
+              options: list[str]) -> Row:
+    """Grade one submission (`source`, the bytes read from `file` before any submission ran) in its own
+    process and session; nothing it starts survives."""
     row = Row(student, str(file or ""))
-    if file is None:
+    if file is None or source is None:
         row.status = "no file"
         return row
     grading_id = uuid.uuid4().hex
@@ -68,7 +73,10 @@ def grade_one(lab, student: str, file: Path | None, *, student_timeout_s: float,
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="toolkit-class-") as tmp:
         output, errors = os.path.join(tmp, "result.json"), os.path.join(tmp, "stderr.txt")
-        command = [sys.executable, "-m", "toolkit", "grade", str(Path(lab).resolve()), "--solution", str(file.resolve()),
+        copy = Path(tmp) / "submission" / file.name
+        copy.parent.mkdir()
+        copy.write_bytes(source)
+        command = [sys.executable, "-m", "toolkit", "grade", str(Path(lab).resolve()), "--solution", str(copy),
                    "--format", "json", "--output", output, "--quiet", *options]
         with open(errors, "wb") as err:  # a file, not a pipe: a process that escapes must not hold us up
             process = subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
@@ -88,6 +96,7 @@ def grade_one(lab, student: str, file: Path | None, *, student_timeout_s: float,
         report = _load(output)
         err = open(errors, "rb").read()
     if report is not None:
+        report["solution"] = str(file)
         row.report, row.score, row.max_score = report, report["score"], report["max_score"]
         row.checks = {c["name"]: c["score"] for c in report["checks"]}
     elif row.status == "graded":
@@ -106,11 +115,15 @@ def _load(path: str):
 
 def grade_class(lab, class_dir, csv_path, *, out_dir=None, filename: str | None = None,
                 student_timeout_s: float = 600.0, jobs: int = 1, options: list[str] = (),
-                progress: bool = True) -> list[Row]:
+                progress: bool = True, allow_unsandboxed: bool = False) -> list[Row]:
     """Grade every submission in `class_dir` against `lab`; write the CSV (and the reports); return rows."""
     from tqdm.auto import tqdm
 
-    work = submissions(class_dir, filename)
+    if not sandbox.isolated() and not allow_unsandboxed:
+        raise ValueError("this machine gives a submission no filesystem sandbox (no Linux landlock, and not "
+                         "root): one student's code could read or change the class folder. Grade on Linux 5.13+, "
+                         "or as root, or pass --allow-unsandboxed if you trust every submission.")
+    work = [(student, file, file.read_bytes() if file else None) for student, file in submissions(class_dir, filename)]
     if not work:
         raise FileNotFoundError(f"{class_dir} holds no submissions (.py files, or one folder per student).")
     rows: list[Row] = []
@@ -121,7 +134,7 @@ def grade_class(lab, class_dir, csv_path, *, out_dir=None, filename: str | None 
 
     from .grader import lab_checks
 
-    maximum = sum(c.points for c in lab_checks(lab))
+    maximum = sum(c.points for c in lab_checks(lab)[0])
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for row in pool.map(one, work):
             row.max_score = row.max_score or maximum

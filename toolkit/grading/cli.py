@@ -13,51 +13,71 @@ failed (see `report.py`). With --class: 0 when every submission was graded (what
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
 from pathlib import Path
 
 from . import isolation, report
-from .grader import Limits, grade
+from .grader import grade
+from .session import Limits
 
 
 def grade_command(lab_path, solution=None, *, check_timeout_s: float = 20.0, quiet: bool = False,
                   fmt: str = "text", output=None, limits: Limits | None = None) -> int:
-    """Grade one solution; print (or write to `output`) the report in `fmt`; return the exit code."""
+    """Grade one solution; print (or write to `output`) the report in `fmt`; return the exit code.
+    With `output`, a report is written whatever happens: a score, or a score of 0 saying why there is none."""
     started = time.monotonic()
     try:
         score = grade(lab_path, solution, check_timeout_s=check_timeout_s, quiet=quiet, limits=limits)
     except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return report.USAGE_ERROR
-    except Exception:  # noqa: BLE001 - the grader's own failure, not the student's: say so, distinctly
-        print("error: the grader itself failed (not a problem of the solution graded):\n"
-              + traceback.format_exc(), file=sys.stderr)
-        return report.GRADER_ERROR
+        return _nothing_graded(f"error: {exc}", fmt, output, report.USAGE_ERROR)
+    except BaseException:  # noqa: BLE001 - the grader's own failure, not the student's: say so, distinctly
+        return _nothing_graded("error: the grader itself failed (not a problem of the solution graded):\n"
+                               + traceback.format_exc(), fmt, output, report.GRADER_ERROR)
     text = report.render(score, fmt, time.monotonic() - started)
     if output:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(text + "\n")
-        if fmt != "text":
-            print(report.render(score, "text"), file=sys.stderr if quiet else sys.stdout)
+        _write(output, text)
+        if not quiet:
+            print(report.render(score, "text"))
     else:
         print(text)
     return report.exit_code(score)
 
 
+def _write(path, text: str) -> None:
+    """Whole or not at all: a reader never sees half a report, and a planted link is replaced, not followed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text + "\n")
+    os.replace(partial, path)
+
+
+def _nothing_graded(message: str, fmt: str, output, code: int) -> int:
+    print(message, file=sys.stderr)
+    if output:
+        _write(output, report.nothing_graded(message.splitlines()[0] if code == report.USAGE_ERROR else
+                                             "The autograder could not grade this submission (the grader failed, "
+                                             "not your code). Please tell the course staff.", fmt))
+    return code
+
+
 def class_command(lab, class_dir, csv_path, *, out_dir=None, filename=None, student_timeout_s=600.0,
-                  jobs=1, options=()) -> int:
+                  jobs=1, options=(), allow_unsandboxed=False, quiet=False) -> int:
     from .classroom import grade_class
 
     try:
         rows = grade_class(lab, class_dir, csv_path, out_dir=out_dir, filename=filename,
-                           student_timeout_s=student_timeout_s, jobs=jobs, options=options)
+                           student_timeout_s=student_timeout_s, jobs=jobs, options=options,
+                           allow_unsandboxed=allow_unsandboxed, progress=not quiet)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return report.USAGE_ERROR
     statuses = [r.status for r in rows]
-    print(f"graded {statuses.count('graded')} of {len(rows)} submissions; scores in {csv_path}")
+    if not quiet:
+        print(f"graded {statuses.count('graded')} of {len(rows)} submissions; scores in {csv_path}")
     if "grader error" in statuses:
         return report.GRADER_ERROR
     return 0 if all(s == "graded" for s in statuses) else 1
@@ -79,13 +99,16 @@ def main(argv=None) -> int:
     parser.add_argument("--student-timeout", type=float, default=600.0,
                         help="with --class: seconds one submission may take in all")
     parser.add_argument("--jobs", type=int, default=1, help="with --class: submissions graded at once")
+    parser.add_argument("--allow-unsandboxed", action="store_true",
+                        help="with --class: grade even where no filesystem sandbox is available")
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds one rank may wait on a message")
     parser.add_argument("--stall", type=float, default=Limits.stall_s,
                         help="seconds every rank may be blocked before it is called a deadlock")
     parser.add_argument("--time-limit", type=float, default=Limits.time_limit_s, help="seconds one check may run")
     parser.add_argument("--memory-limit", type=float, default=Limits.memory_limit_mb,
                         help="MiB a rank may allocate beyond what it starts with (0: no limit)")
-    parser.add_argument("--quiet", action="store_true", help="hide what the ranks print")
+    parser.add_argument("--quiet", action="store_true",
+                        help="print nothing but the report (none with --output): not what the ranks print, no progress")
     args = parser.parse_args(argv)
     limits = Limits(args.timeout, args.stall, args.time_limit, args.memory_limit or None)
     if args.class_dir:
@@ -94,7 +117,8 @@ def main(argv=None) -> int:
         options = ["--timeout", str(args.timeout), "--stall", str(args.stall), "--time-limit", str(args.time_limit),
                    "--memory-limit", str(args.memory_limit or 0)]
         return class_command(args.lab, args.class_dir, args.csv, out_dir=args.out, filename=args.file,
-                             student_timeout_s=args.student_timeout, jobs=args.jobs, options=options)
+                             student_timeout_s=args.student_timeout, jobs=args.jobs, options=options,
+                             allow_unsandboxed=args.allow_unsandboxed, quiet=args.quiet)
     whole_process = _is_the_command_line()
     if whole_process:  # whatever the solution orphans is re-parented here, and killed below
         isolation.become_subreaper()

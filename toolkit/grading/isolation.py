@@ -84,7 +84,7 @@ class Sandbox:
     """
 
     def __init__(self, all_children: bool = False):
-        self.id = uuid.uuid4().hex
+        self.id = os.environ.get(MARKER) or uuid.uuid4().hex  # inside a class run: the class's id for this student
         self.all_children = all_children
         self.killed: list[int] = []
 

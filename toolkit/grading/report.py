@@ -8,7 +8,8 @@ Gradescope's autograder reads `/autograder/results/results.json`:
 
 A check from the lab's `checks.py` is "visible" (the student ran it locally too); one from the
 instructor's `hidden_checks.py` is "after_published": its score and message appear once grades are
-published. The plain JSON form carries the same facts under the toolkit's own names.
+published. The plain JSON form carries the same facts under the toolkit's own names, plus, for a hidden check, the
+`detail` the instructor's reports may show (never Gradescope's: it would reach the student).
 
 Exit codes of `python -m toolkit grade` (a script can branch on them):
 
@@ -34,14 +35,26 @@ def as_json(score, elapsed_s: float | None = None) -> dict:
     return {
         "lab": score.lab, "solution": score.solution, "score": score.total, "max_score": score.maximum,
         "execution_time": None if elapsed_s is None else round(elapsed_s, 2),
+        "sandbox": score.sandbox,
         "checks": [{"name": r.name, "score": r.earned, "max_score": r.points, "passed": r.passed,
-                    "message": r.message, "hidden": r.hidden} for r in score.results],
+                    "message": r.message, "hidden": r.hidden, **({"detail": r.detail} if r.detail else {})}
+                   for r in score.results],
     }
+
+
+def nothing_graded(message: str, fmt: str) -> str:
+    """The report when no score could be produced (bad arguments, the grader's own failure): a platform
+    still gets a well-formed file that says so, with a score of 0."""
+    if fmt == "gradescope":
+        return json.dumps({"score": 0.0, "output": message, "visibility": "visible", "tests": []}, indent=2)
+    if fmt == "json":
+        return json.dumps({"score": 0, "max_score": None, "error": message, "checks": []}, indent=2)
+    return message
 
 
 def as_gradescope(score, elapsed_s: float | None = None) -> dict:
     """Gradescope's results.json schema (see the module docstring)."""
-    from .grader import format_score
+    from .score import format_score
 
     tests = []
     for number, r in enumerate(score.results, 1):
@@ -53,8 +66,8 @@ def as_gradescope(score, elapsed_s: float | None = None) -> dict:
     if hidden:
         summary = summary.replace("\nScore: ", "\nScore of the checks shown here: ") + (
             f"\n(and {hidden} point{'s' * (hidden != 1)} in checks shown once grades are published)")
-    result = {"score": float(score.total), "max_score": float(score.maximum), "output": summary, "visibility": "visible",
-              "stdout_visibility": "hidden", "tests": tests}
+    result = {"score": float(score.total), "max_score": float(score.maximum), "output": summary,
+              "visibility": "visible", "stdout_visibility": "hidden", "tests": tests}
     if elapsed_s is not None:
         result["execution_time"] = round(elapsed_s, 2)
     return result
@@ -69,7 +82,7 @@ def _visible_only(score):
 
 def render(score, fmt: str, elapsed_s: float | None = None) -> str:
     """The score as text (the report a student reads), json or gradescope."""
-    from .grader import format_score
+    from .score import format_score
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {FORMATS}.")

@@ -15,19 +15,19 @@ innermost Python frame is the same frame object at the same instruction as befor
 (the line of the student's file) to the shared folder; the first watchdog to see every rank blocked or
 finished writes the story to `deadlock.json`, and every rank then records it as its result and exits.
 
-The memory ceiling is a data-segment limit (RLIMIT_DATA, which since Linux 4.7 counts every private
-writable mapping: the heap and torch's tensors) set when the checks start: the rank may hold
-`memory_limit_mb` more than it already has. (Not RLIMIT_AS: gloo reserves ~150 MiB of address space
-per process group it creates, most of it never touched, so an address-space limit fails on threads.) An allocation beyond it fails inside the student's code
-(torch raises "can't allocate memory"), which fails the check with a message saying so, instead of
-the machine swapping for every student graded after.
+The memory ceiling is `sandbox.limit`'s (RLIMIT_DATA, which since Linux 4.7 counts every private writable
+mapping: the heap and torch's tensors; not RLIMIT_AS: gloo reserves ~150 MiB of address space per process
+group, most of it never touched). An allocation beyond it fails inside the student's code (torch raises
+"can't allocate memory"); `out_of_memory` recognises it, so the check fails with a message saying so.
+
+The watchdog runs from before the student's file is imported (index "import"): a loop or a deadlock at
+module level is stopped like one inside a check.
 """
 from __future__ import annotations
 
 import json
 import linecache
 import os
-import resource
 import sys
 import threading
 import time
@@ -43,25 +43,6 @@ _WATCHED = ("send", "recv", "batch_isend_irecv", "all_reduce", "reduce_scatter",
 
 
 # --- memory ------------------------------------------------------------------------------------------
-def _data_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmData:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def limit_memory(memory_limit_mb: float | None) -> None:
-    """From now on this process (and what it forks) may hold at most `memory_limit_mb` MiB more data."""
-    if not memory_limit_mb or not sys.platform.startswith("linux"):
-        return
-    ceiling = _data_bytes() + int(memory_limit_mb * 2**20)
-    _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    if hard != resource.RLIM_INFINITY:
-        ceiling = min(ceiling, hard)
-    resource.setrlimit(resource.RLIMIT_DATA, (ceiling, hard))
-
-
 def out_of_memory(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, MemoryError) or "can't allocate memory" in text or "std::bad_alloc" in text
@@ -211,15 +192,17 @@ class Watchdog:
         where = _where(frame, self.solution) if frame is not None else {"line": None, "text": "", "call": ""}
         del frame
         at = _at(where, self.solution)
-        _claim(os.path.join(self.folder, "deadlock.json"), {"index": index, "stop": False, "message": (
-            f"rank {self.rank} was still running this check after {self.time_limit_s:.0f} s (last seen{at or ' outside your file'}): an endless "
-            "loop, or far too much work for a check; the check was stopped.")})
+        what = "importing your file" if index == "import" else "this check"
+        _claim(os.path.join(self.folder, "deadlock.json"), {"index": index, "stop": index == "import", "message": (
+            f"rank {self.rank} was still {what if index == 'import' else 'running ' + what} after "
+            f"{self.time_limit_s:.0f} s (last seen{at or ' outside your file'}): an endless loop, or far too much "
+            "work; it was stopped.")})
 
     def _give_up(self, verdict: dict) -> None:
         """Another watchdog (or this one) saw that this check cannot finish: record it and leave."""
         index = verdict["index"]
         if not os.path.exists(self.result_path(index, self.rank)):
-            _write(self.result_path(index, self.rank), {"message": verdict["message"], "time": time.time()})
+            _write(self.result_path(index, self.rank), {"error": verdict["message"], "time": time.time()})
         sys.stdout.flush()
         os._exit(17)
 

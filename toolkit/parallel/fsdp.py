@@ -226,6 +226,8 @@ class FullyShardedDataParallel(ShardedEngine):
             for unit in self.units:
                 unit.reshard()
                 unit.grads, unit.waiting, unit.backward_started = None, len(unit.params), False
+                for p in unit.params:  # gradients that were waiting for the unit's end
+                    p.grad = None
             self.in_backward = False
         self._order, self._post_order = [], []
         try:
@@ -301,8 +303,11 @@ class FullyShardedDataParallel(ShardedEngine):
             for other in self.units:  # at most one reduce-scatter in flight (and one replicas' all-reduce)
                 if other.reduction is not None:
                     other.advance_reduce()
+            unit.flatten_grads()  # the previous unit's flat gradient is gone by now
             unit.reduce_grad()
             self._probe("reduce-scatter", unit)
+        else:  # no_sync(): the flat gradient keeps the sum of the micro-batches
+            unit.flatten_grads()
 
     def end_of_backward(self) -> None:
         for unit in self.units:

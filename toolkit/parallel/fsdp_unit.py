@@ -11,11 +11,12 @@ the buffer's memory comes and goes:
 
 and during backward, the gradients take the reverse road:
 
-    add_grad(p) for every parameter  ->  reduce_grad(): reduce-scatter the flat gradient, rank r
+    add_grad(p) for every parameter  ->  flatten_grads(): into one flat gradient  ->
+    reduce_grad(): reduce-scatter the flat gradient, rank r
     receiving the average of slice r  ->  finish_reduce(): wait; with hybrid sharding all-reduce that
     slice across the replicas; add it into the fp32 gradient of the shard
 
-Those five methods are the unit's whole job. *When* they are called (hooks, prefetching, the end
+Those six methods are the unit's whole job. *When* they are called (hooks, prefetching, the end
 of backward) is `fsdp.py`'s job: a lab can re-implement `unshard` and `reshard` alone and plug them in.
 
 Why one flat parameter per unit (FSDP1, and the FSDP paper) rather than FSDP2's per-parameter dim-0
@@ -208,15 +209,26 @@ class FSDPUnit:
 
     # --- 3. gradients: collect, reduce-scatter, keep the slice -------------------------------------------
     def add_grad(self, p: nn.Parameter) -> bool:
-        """`p.grad` is final for this backward: add it into the flat gradient and drop it.
-        Returns True when it was the unit's last one (then the unit's backward is done)."""
-        if self.grads is None:  # zeros: padding and parameters without a gradient contribute nothing
-            self.grads = FlatBuffer(self.flat.shapes, self.sharding.size, dtype=self.sharding.reduce_dtype,
-                                    device=self.master.device)
-        self.grads.view(self.index[p]).add_(p.grad)  # add: micro-batches under no_sync() accumulate here
-        p.grad = None
+        """`p.grad` is final for this backward: leave it where autograd put it (`flatten_grads` moves it once
+        the unit's backward is done). Returns True when it was the unit's last one.
+
+        Why wait: a flat buffer made at the first gradient would hold the whole unit's gradient for the
+        whole of the unit's backward (and the root's, whose layer norm is reached first and whose tied
+        embedding last, for the whole backward). FSDP2 keeps each gradient as autograd made it until the
+        unit is done, then copies them into the reduce-scatter's input; so does this unit."""
         self.waiting -= 1
         return self.waiting == 0
+
+    def flatten_grads(self) -> None:
+        """The unit's backward is done: move its parameters' gradients into the flat gradient buffer (made now,
+        zeros: padding and parameters without a gradient contribute nothing), each freed once copied."""
+        arrived = [p for p in self.params if p.grad is not None]
+        if arrived and self.grads is None:
+            self.grads = FlatBuffer(self.flat.shapes, self.sharding.size, dtype=self.sharding.reduce_dtype,
+                                    device=self.master.device)
+        for p in arrived:
+            self.grads.view(self.index[p]).add_(p.grad)  # add: micro-batches under no_sync() accumulate here
+            p.grad = None
 
     def reduce_grad(self) -> None:
         """Average the flat gradient over the shard group, rank r receiving slice r (asynchronously)."""

@@ -87,11 +87,27 @@ class LossScaler:
     def unscale_and_check(self, grads) -> bool:
         """Divide the fp32 gradients by S in place; return True when any rank found an inf or NaN.
         Call it once per step, before the optimizer: the caller skips the step on True, then `update`."""
+        self.unscale_(grads)
+        return self.found_inf(grads)
+
+    @torch.no_grad()
+    def unscale_(self, grads) -> None:
+        """Divide the fp32 gradients by S in place."""
+        for g in grads:
+            if g is not None:
+                g.mul_(1.0 / self.scale)
+
+    @torch.no_grad()
+    def found_inf(self, grads) -> bool:
+        """True when any rank's gradients hold an inf or NaN (a vote over `group` when across_ranks).
+
+        Scaled or unscaled alike: an fp16 gradient is finite exactly when it is finite divided by S in fp32
+        (65504 / S overflows fp32 only for S below 1e-34), so a sharded optimizer may vote on its 16-bit
+        slices before it makes any fp32 copy, as DeepSpeed's overflow check does."""
         grads = [g for g in grads if g is not None]
         device = grads[0].device if grads else env.device()  # a rank may hold no gradient: it still votes
         found = torch.zeros(1, device=device)
         for g in grads:
-            g.mul_(1.0 / self.scale)
             found += g.isfinite().logical_not().any()  # tensor arithmetic: no host sync per gradient
         if self.across_ranks:
             comm.all_reduce(found, op="max", group=self.group)

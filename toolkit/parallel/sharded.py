@@ -1,33 +1,29 @@
 """What every sharded strategy shares: a rank's slice of the training state, and the optimizer that steps it.
 
-Under ZeRO (and FSDP) no rank runs the optimizer on the whole model. Parameters are laid out in flat
-buffers (see `flat.py`); rank r owns slice r of every buffer and updates only that slice:
+Under ZeRO (and FSDP) no rank runs the optimizer on the whole model. Parameters are laid out in flat buffers (see
+`flat.py`); rank r owns slice r of every buffer and updates only that slice:
 
     reduced gradient slice  ->  fp32 master slice  --optimizer-->  updated master  ->  model's slice
 
-This file holds the parts that do not depend on the stage:
+This file holds the parts that do not depend on the stage (clipping slices by the global norm: `sharded_clipping.py`):
 
-- `ShardedOptimizer`: that loop around an ordinary torch optimizer built on the rank's fp32 slices.
-  It is what `wrap` returns as the optimizer, so `opt.step(); opt.zero_grad()` works, and it is a
-  real `torch.optim.Optimizer` (learning-rate schedulers see its `param_groups`).
-- `ShardedModel`: the wrapper the user holds (forward as the original's, plus `full_state_dict`,
-  `memory_groups`, `clip_grad_norm_`, `no_sync`).
-- `ShardedEngine`: the base of a stage's machinery (who am I in the group, flattening with fp32
-  masters, the end-of-backward callback, gathering the full fp32 parameters).
-- the elementwise allow-list and the global-norm clipping.
+- `ShardedOptimizer`: that loop around an ordinary torch optimizer on the rank's fp32 slices, what `wrap` returns
+  as the optimizer: a real `torch.optim.Optimizer` (learning-rate schedulers see its `param_groups`).
+- `ShardedModel`: the wrapper the user holds (forward as the original's, plus `full_state_dict`, `memory_groups`,
+  `clip_grad_norm_`, `no_sync`).
+- `ShardedEngine`: the base of a stage's machinery (who am I in the group, flattening with fp32 masters, the
+  end-of-backward callback, gathering the full fp32 parameters); the elementwise allow-list.
 
-Why only some optimizers: a slice boundary may cut a weight matrix anywhere, and a padded slice holds
-a few fake zeros. That is harmless exactly when the update of every element depends only on that
-element's own gradient and state (SGD, Adam, AdamW, ...): each rank then computes precisely what one
-process would have computed for those elements. An optimizer that looks at a whole tensor at once
-(LAMB's and LARS's per-layer trust ratio, Adafactor's row and column statistics, L-BFGS's line search
-over all parameters, Shampoo's preconditioners) would see a meaningless piece of a tensor. So the list
-below is an explicit allow-list, not a guess.
+Why only some optimizers: a slice boundary may cut a weight matrix anywhere, and a padded slice holds a few fake
+zeros. That is harmless exactly when the update of every element depends only on that element's own gradient and
+state (SGD, Adam, AdamW, ...): each rank then computes precisely what one process would have computed for those
+elements. An optimizer that looks at a whole tensor at once (LAMB's and LARS's per-layer trust ratio, Adafactor's
+row and column statistics, L-BFGS's line search over all parameters, Shampoo's preconditioners) would see a
+meaningless piece of a tensor. So the list below is an explicit allow-list, not a guess.
 """
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
@@ -40,6 +36,7 @@ from .local import forward_backward as forward_then_backward
 from ..runtime import env
 from .flat import FlatBuffer
 from .scaler import scaler_for
+from .sharded_clipping import clip_grad_norm_, global_grad_norm  # noqa: F401 - re-exported
 
 # Optimizers whose update is elementwise: one element's new value depends on its own gradient and
 # state, plus scalars (learning rate, step count). Adding one here is a claim about its math.
@@ -87,55 +84,17 @@ class Shard:
         self.master, self.grad = master, grad
 
 
-# --- clipping by the global norm ---------------------------------------------------------------------
-def global_grad_norm(shards, norm_type: float, group=None) -> torch.Tensor:
-    """The norm of the whole averaged gradient, from slices held on different ranks.
-
-    Each rank holds a disjoint slice, so the squares add up: norm = sqrt(all_reduce(sum of squares)).
-    (One shard's norm alone would be too small by about sqrt(N).) The inf-norm takes a max instead.
-    Padding contributes nothing: its gradient is zero.
-    """
-    grads = [s.grad.detach().float() for s in shards if s.grad is not None]
-    device = shards[0].master.device if shards else env.device()
-    if norm_type == math.inf:
-        total = torch.stack([g.abs().max() for g in grads]).max().reshape(1) if grads else \
-            torch.zeros(1, device=device)
-        comm.all_reduce(total, op="max", group=group)
-        return total[0]
-    total = sum((g.pow(2).sum() for g in grads), torch.zeros((), device=device)).reshape(1)
-    comm.all_reduce(total, op="sum", group=group)
-    return total[0].sqrt()
-
-
-@torch.no_grad()
-def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, group=None) -> torch.Tensor:
-    """Scale every rank's gradient slices so the *global* norm is at most `max_norm`; return that norm.
-
-    Same rule as `torch.nn.utils.clip_grad_norm_`: multiply by min(1, max_norm / (norm + 1e-6)).
-    """
-    if norm_type not in (2, math.inf):
-        raise ValueError(f"norm_type={norm_type!r}: sharded clipping supports 2.0 and math.inf.")
-    total = global_grad_norm(shards, float(norm_type), group)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for s in shards:
-        if s.grad is not None:
-            s.grad.mul_(coef.to(s.grad.dtype))
-    return total
-
-
 # --- the optimizer the user holds --------------------------------------------------------------------
 class ShardedOptimizer(torch.optim.Optimizer):
     """Steps this rank's slices; the strategy (`engine`) brings the results back into the model.
 
-    step():  1. give each fp32 master its gradient (the reduced slice, cast to fp32 if it is 16-bit)
-                fp16: unscale it, and if any rank found an inf or NaN, skip 2 and 4 (`scaler.py`)
-             2. run the user's optimizer on the masters (this rank's slices only)
-             3. drop those fp32 gradients (a transient copy, not model state)
+    step():  0. fp16: if any rank's reduced slices hold an inf or NaN, skip 1-4 (`scaler.py`)
+             1-3, per sub-group of shards (`engine.step_groups()`: all at once, or ZeRO-3's): give each fp32
+             master its gradient (the slice, cast to fp32 if 16-bit, unscaled), run the user's optimizer on
+             those masters, drop those fp32 gradients (a transient copy, not model state)
              4. engine.after_step(): 16-bit copies of the masters; the all-gather of ZeRO-1/2
-    zero_grad(): the engine clears its gradients.
-
-    `param_groups` and `state` are the inner optimizer's own, so LR schedulers and `state_dict()` act
-    on what is really stepped.
+    zero_grad(): the engine clears its gradients. `param_groups` and `state` are the inner optimizer's own,
+    so LR schedulers and `state_dict()` act on what is really stepped.
     """
 
     def __init__(self, inner: torch.optim.Optimizer, engine: "ShardedEngine"):
@@ -148,19 +107,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("sharded optimizers take no closure: call loss.backward() before step().")
         self.engine.before_step()
-        shards = self.engine.shards()
-        for s in shards:
-            s.master.grad = None if s.grad is None else s.grad.to(torch.float32)  # fp32: no copy
         scaler = self.engine.scaler
-        found_inf = scaler is not None and scaler.unscale_and_check([s.master.grad for s in shards])
+        found_inf = scaler is not None and scaler.found_inf([s.grad for s in self.engine.shards()])
         if not found_inf:  # every rank agreed (an all-reduce of the flag), so all step or all skip
-            self.inner.step()
-        for s in shards:
-            s.master.grad = None
+            groups = [g["params"] for g in self.inner.param_groups]
+            where = {id(p): i for i, members in enumerate(groups) for p in members}
+            try:  # (the optimizer sees one sub-group's masters at a time: its groups are put back)
+                for shards in self.engine.step_groups():
+                    self._step(shards, scaler, where)
+            finally:
+                for group, members in zip(self.inner.param_groups, groups):
+                    group["params"] = members
         if scaler is not None:
             scaler.update(found_inf)
         if not found_inf:
             self.engine.after_step()
+
+    def _step(self, shards: list, scaler, where: dict) -> None:
+        """Steps 1-3 for one sub-group of shards: its fp32 gradients exist only while it steps."""
+        for s in shards:
+            s.master.grad = None if s.grad is None else s.grad.to(torch.float32)  # fp32: no copy
+        if scaler is not None:
+            scaler.unscale_([s.master.grad for s in shards])
+        if len(shards) < len(where):  # it sees only this sub-group's masters (DeepSpeed's ZeRO-3 does so):
+            for i, group in enumerate(self.inner.param_groups):
+                group["params"] = [s.master for s in shards if where[id(s.master)] == i]
+        self.inner.step()
+        for s in shards:
+            s.master.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)
@@ -253,6 +227,9 @@ class ShardedEngine:
 
     def shards(self) -> list[Shard]:
         return [piece.mine for piece in self.pieces]
+
+    def step_groups(self) -> list[list[Shard]]:  # what the optimizer steps together, group after group
+        return [self.shards()]
 
     def flatten(self, params: list) -> tuple[FlatBuffer, nn.Parameter]:
         """Lay `params` out flat in the compute dtype; make the fp32 master of this rank's slice.

@@ -30,6 +30,8 @@ ZeRO-1 and ZeRO-2:
 ZeRO-3:
   prefetch_bucket_size, reduce_bucket_size   elements per all-gather / reduce-scatter (DeepSpeed's
                    names), 0 by default: one module at a time. See `zero3.py`.
+  sub_group_size   elements the optimizer steps at once (DeepSpeed's name), 0 by default: one module's
+                   slice at a time, so that only its gradient exists in fp32 (mixed precision). See `zero3.py`.
 ZeRO-1:
   reduce           "reduce_scatter" (default), or "all_reduce": every rank receives the whole averaged
                    gradient and uses only its slice. Same result, DDP's traffic plus the all-gather
@@ -63,7 +65,7 @@ from .zero3 import Zero3  # stage 3 is its own idea, in its own file
 OPTIONS = {
     1: ("mixed_precision", "group", "bucket_cap_mb", "reduce"),
     2: ("mixed_precision", "group", "bucket_cap_mb"),
-    3: ("mixed_precision", "group", "prefetch_bucket_size", "reduce_bucket_size"),
+    3: ("mixed_precision", "group", "prefetch_bucket_size", "reduce_bucket_size", "sub_group_size"),
 }
 REDUCE = ("reduce_scatter", "all_reduce")
 
@@ -95,7 +97,7 @@ def _wrap(stage: int, model: nn.Module, optimizer, options: dict):
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0:
         raise ValueError(f"{name}: bucket_cap_mb must be a positive number of MiB, got {cap!r}.")
     buckets = {}
-    for key in ("prefetch_bucket_size", "reduce_bucket_size"):  # stage 3 only (check_options said so)
+    for key in ("prefetch_bucket_size", "reduce_bucket_size", "sub_group_size"):  # stage 3 only (check_options)
         value = buckets[key] = options.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}: {key} is a number of elements (an int >= 0; 0 = one module at a time), "

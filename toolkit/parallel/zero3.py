@@ -36,6 +36,13 @@ all-gather. With `reduce_bucket_size=B`, finished units wait until B elements of
 then go in one reduce-scatter. The bytes moved and the model states stay the same. The peak grows by
 up to a bucket of gathered parameters, twice that while a bucket is copied out into its units.
 
+The step, in sub-groups (DeepSpeed's `sub_group_size`, in elements; 0, the default, is one module at a
+time). With mixed precision the reduced gradient slices are 16-bit, and the optimizer steps fp32 masters
+with fp32 gradients. Copying every slice to fp32 at once would hold 4Ψ/N bytes more than the model states
+at the step (1.2x FSDP2's peak when the states are most of it); stepping one sub-group after another, only
+that sub-group's fp32 gradients exist (DeepSpeed does the same). fp32 training steps everything at once:
+its gradients need no copy.
+
 Limits: a module's parameters must be used through that module's forward (reading
 `module.weight` from outside sees an empty tensor between uses), and every rank must run the same
 modules in the same order (collectives must match).
@@ -95,9 +102,11 @@ class Zero3(ShardedEngine):
 
     name = "zero3"
 
-    def __init__(self, module: nn.Module, dtype, group=None, prefetch_bucket_size=0, reduce_bucket_size=0):
+    def __init__(self, module: nn.Module, dtype, group=None, prefetch_bucket_size=0, reduce_bucket_size=0,
+                 sub_group_size=0):
         super().__init__(module, dtype, group)
         self.prefetch_bucket_size, self.reduce_bucket_size = prefetch_bucket_size, reduce_bucket_size
+        self.sub_group_size = sub_group_size
         self.order: list[Unit] = []  # units in the order the first forward gathered them
         self.ready: list[Unit] = []  # units whose gradients wait for a reduce bucket to fill
         self.unit_of, self.uses = {}, {}
@@ -251,6 +260,22 @@ class Zero3(ShardedEngine):
         self.in_flight = []
 
     # --- step ----------------------------------------------------------------------------------------
+    def step_groups(self) -> list:
+        """Consecutive modules' shards, up to `sub_group_size` elements (one module each at 0): the optimizer
+        steps one sub-group after another, so only one sub-group's gradients are copied to fp32 at a time."""
+        if self.dtype == torch.float32:
+            return [self.shards()]  # the gradients are fp32 already: no copy to spread out
+        groups, size = [], 0
+        for unit in self.pieces:
+            n = unit.mine.master.numel()
+            if groups and size + n <= self.sub_group_size:
+                groups[-1].append(unit.mine)
+                size += n
+            else:
+                groups.append([unit.mine])
+                size = n
+        return groups
+
     @torch.no_grad()
     def after_step(self) -> None:
         """Nothing to gather: the next forward gathers what it needs. Mixed precision: refresh the 16-bit slice."""

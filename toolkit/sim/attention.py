@@ -8,8 +8,8 @@ activations a real rank keeps, and a "does it fit?" answer far too pessimistic.
 
 `fused_attention()` sends such calls on meta tensors to the fused kernel's own op, which has meta
 shapes and an autograd formula; calls it cannot take (an explicit mask) stay as they were.
-`FLOPS` teaches `FlopCounterMode` that op's FLOPs: torch counts the GPU flash kernels, not the CPU
-one, and the count is the same formula.
+`FLOPS` teaches the op counter (`record.py`) that op's FLOPs: torch's flop registry counts the GPU flash
+kernels, not the CPU one, and the count is the same formula.
 """
 from __future__ import annotations
 

@@ -46,7 +46,8 @@ def parser() -> argparse.ArgumentParser:
                         "--sharding-group-size ranks (a node by default), replicated across the groups")
     p.add_argument("--world-size", type=int, default=512, help="ranks (GPUs) in the simulated cluster, up to 1024")
     p.add_argument("--rank", type=int, default=0, help="the rank this process simulates")
-    p.add_argument("--ranks-per-node", type=int, default=8, help="GPUs per node (NVLink inside, network between)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="GPUs per node (NVLink inside, network between; default: the cluster's, 8 without one)")
     p.add_argument("--batch-per-rank", type=int, default=1,
                    help="sequences per data-parallel replica per step (a replica: one rank, or --tp ranks)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
@@ -81,7 +82,7 @@ def options_of(args, parse) -> tuple[str, dict]:
     if strategy != "fsdp" and given:
         parse.error(f"--{given[0].replace('_', '-')} is an option of fsdp and hsdp, not of {args.strategy}")
     options = {} if args.fp32 else {"mixed_precision": True}
-    group = args.sharding_group_size or (args.ranks_per_node if args.strategy == HSDP else None)
+    group = args.sharding_group_size or ((args.ranks_per_node or 8) if args.strategy == HSDP else None)
     if group:
         options["sharding_group_size"] = group
     if args.activation_checkpointing:

@@ -5,7 +5,7 @@ once and no kernel runs, so the simulator cannot record *time*. What it records 
 strategy's own code asked for, and in which order:
 
 - `Compute`: the operations run between two calls to the collectives door (or two edges of the
-  strategy's own spans), with their FLOPs (counted by `torch.utils.flop_counter.FlopCounterMode`), the
+  strategy's own spans), with their FLOPs (torch's `flop_registry`, the counts `FlopCounterMode` makes), the
   bytes they read and wrote, the spans open around them, and each operation itself (`Kernel`: a GEMM's
   shape, an attention's, or an elementwise op's bytes), which the cost model prices one by one;
 - `Collective`: a call to the door (operation, bytes, the global ranks of its group, whether it was

@@ -1,9 +1,14 @@
 """Recording a simulated step as a program: compute segments cut at every call to the collectives door.
 
-Two counters watch every aten operation the rank runs: torch's `FlopCounterMode` (FLOPs, the same
-counts that make up `Simulation.flops`) and `OpCounter` below (operations, and bytes of their
-inputs and outputs: what a memory-bound kernel would read and write; and each operation as a
-`Kernel`, a GEMM's or an attention's shape, which the cost model prices one by one). The door tells `Programmer`
+`OpCounter` below watches every aten operation the rank runs: its FLOPs (from torch's `flop_registry`, the
+counts `FlopCounterMode` makes, which add up to `Simulation.flops`), the bytes of its inputs and outputs (what
+a memory-bound kernel would read and write), and the operation as a `Kernel` (a GEMM's or an attention's
+shape), which the cost model prices one by one. It holds no tensor and hooks no module: `FlopCounterMode`'s
+module tracker registers gradient hooks on every module's outputs, and under activation checkpointing the
+recomputed outputs' graph then references itself through them (node -> hook -> node), so every recomputed
+activation stayed alive until the garbage collector ran (GPT-3 fsdp x512, checkpointed: 59.7 GB where FSDP2 +
+FSDPMemTracker read 26.2 GB; 26.2 GB without it, `bench/memory_fsdp2.py --gpt3`).
+The running module's name comes from the memory tracker's own `ModTracker` instead. The door tells `Programmer`
 when a collective is issued and when the rank waits on one (`toolkit.comm.listening`); each time, the
 work since the last cut becomes a `Compute`, then the call becomes a `Collective` or a `Wait`.
 """
@@ -12,11 +17,10 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapper
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from ..trace.events import current_phase
 from .attention import FLOPS as ATTENTION_FLOPS
-from .memory import short_name
 from .program import DTYPES, Collective, Compute, Kernel, Wait
 
 _NOT_COMPUTE = {"c10d", "_c10d_functional", "c10d_functional"}  # a collective is not compute work
@@ -53,12 +57,13 @@ def kernel_of(func, args, kwargs, out, nbytes: int) -> Kernel:
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts aten operations and the bytes of their tensor inputs and outputs (views move nothing), and keeps
-    each operation's `Kernel` until `take_kernels()`."""
+    """Counts aten operations, their FLOPs and the bytes of their tensor inputs and outputs (views move
+    nothing), and keeps each operation's `Kernel` until `take_kernels()`."""
 
     def __init__(self):
         super().__init__()
         self.ops = 0
+        self.flops = 0.0
         self.bytes = 0
         self.kernels: dict = {}   # Kernel -> count, since the last take_kernels()
 
@@ -71,6 +76,7 @@ class OpCounter(TorchDispatchMode):
                          if isinstance(t, torch.Tensor))
             self.bytes += nbytes
             kernel = kernel_of(func, args, kwargs, out, nbytes)
+            self.flops += kernel.flops
             self.kernels[kernel] = self.kernels.get(kernel, 0) + 1
         return out
 
@@ -80,17 +86,11 @@ class OpCounter(TorchDispatchMode):
         return taken
 
 
-def _module(flops: FlopCounterMode) -> str:
-    """The innermost module running now, by its name in the user's model ("" outside every module)."""
-    names = [n for n in flops.mod_tracker.parents if n != "Global"]
-    return short_name(max(names, key=lambda n: n.count("."))) if names else ""
-
-
 class Programmer:
     """Listens to the door and cuts the rank's work into a program (one per step, see `program.py`)."""
 
-    def __init__(self, flops: FlopCounterMode, ops: OpCounter):
-        self.flops, self.ops = flops, ops
+    def __init__(self, ops: OpCounter, module):
+        self.ops, self.module = ops, module  # module(): the innermost module running now ("" outside them)
         self.program: list = []
         self._issued: dict = {}   # id(trace event) -> collective id, this step
         self._mark = (0, 0, 0)    # flops, ops, bytes at the last cut
@@ -103,14 +103,14 @@ class Programmer:
 
     def cut(self, label: str | None = None) -> None:
         """Close the compute segment running since the last cut (nothing when it ran no operation)."""
-        now = (self.flops.get_total_flops(), self.ops.ops, self.ops.bytes)
+        now = (self.ops.flops, self.ops.ops, self.ops.bytes)
         flops, ops, nbytes = (a - b for a, b in zip(now, self._mark))
         self._mark = now
         kernels = self.ops.take_kernels()
         if ops:
             spans = tuple((key, e["name"], e["cat"], dict(e["args"])) for key, e in self._open)
             self.program.append(Compute(flops=float(flops), bytes=float(nbytes), phase=current_phase(),
-                                        label=_module(self.flops) if label is None else label, ops=ops, spans=spans,
+                                        label=self.module() if label is None else label, ops=ops, spans=spans,
                                         kernels=kernels))
 
     def span(self, kind: str, event: dict) -> None:
@@ -129,7 +129,7 @@ class Programmer:
         self.cut()
         if kind == "issue":
             self._issued[id(event)] = len(self._issued)
-            self.program.append((event, _module(self.flops)))  # a Collective at the end of the step:
+            self.program.append((event, self.module()))  # a Collective at the end of the step:
             #                                                    callers annotate the event after the call
         elif id(event) in self._issued:  # (a wait on a collective of an earlier step is not this step's)
             self.program.append(Wait(self._issued[id(event)], phase=current_phase()))

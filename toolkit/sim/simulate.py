@@ -10,8 +10,8 @@ What happens, in order:
 3. `toolkit.parallel.wrap(model, strategy, **options)` wraps it exactly as on a real rank: the flat
    buffers, shards, buckets and gathered copies it makes are meta tensors of their real sizes;
 4. whole training steps run (forward, backward, optimizer step) in the same phases and spans as
-   `toolkit.train`, while three counters watch every operation: MemTracker (memory by category,
-   `memory.py`), FlopCounterMode and an op counter (`record.py`); the collectives door reports every
+   `toolkit.train`, while two counters watch every operation: MemTracker (memory by category,
+   `memory.py`) and an op counter (FLOPs, bytes and kernels, `record.py`); the collectives door reports every
    call and every wait, which cuts the step into a program (`program.py`);
 5. the group is destroyed; what was recorded becomes a `Simulation` (`simulation.py`).
 
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from .. import comm, parallel
 from ..memory.ledger import ledger
@@ -34,15 +34,15 @@ from ..moe.layer import MoE
 from ..run import Run
 from ..trace.events import phase, recorder, span
 from . import cluster as _cluster
-from .attention import FLOPS
-from .cost import pricer
+from .cost import pricer, resolve
+from .hardware import check_mfu
 from .memory import StepMemory
 from .record import OpCounter, Programmer
 from .simulation import Simulation, count_params
 from .tensor_parallel import describe as describe_tp
 
 
-def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_per_node: int = 8,
+def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_per_node: int | None = None,
              batch_per_rank: int = 1, seq_len: int | None = None, steps: int = 1, warmup: bool = True,
              optimizer=torch.optim.AdamW, routing=None, progress: bool = True, cluster=None,
              mfu: float | None = None, **options) -> Simulation:
@@ -62,15 +62,26 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     cluster: price the steps on a cluster (`toolkit.sim.presets()`: "dgx-a100", "dgx-h100", "this-machine",
     or a user-defined one) and fill sim.fit (the peak against its accelerator's memory: sim.fits), cost and
     modelled_run, and, when it fits, sim.step_time, tflops_per_gpu, mfu and breakdown (`cost.pricer`);
-    mfu overrides the preset's achievable fraction of peak.
+    mfu overrides the preset's achievable fraction of peak (pricing only: it needs a cluster).
+    ranks_per_node: the cluster's GPUs per node by default (8 without a cluster); another number prices the
+    cluster with nodes of that size, a what-if that a warning says.
     """
-    nodes = _cluster.check(world_size, rank, ranks_per_node)
-    price = None if cluster is None else pricer(cluster, world_size, mfu=mfu)  # a bad cluster fails before the work
+    found = None if cluster is None else resolve(cluster, world_size)  # a bad cluster fails before the work
+    nodes = _cluster.check(world_size, rank, _node_size(ranks_per_node, found))
+    if found is None and mfu is not None:
+        check_mfu(mfu)
+        raise ValueError(f"mfu={mfu} is the fraction of peak a cluster's GPUs reach when the step is priced, and no "
+                         f"cluster was given: pass cluster= with it (e.g. cluster='dgx-a100'), or leave mfu out.")
+    price = None if found is None else pricer(found, world_size, mfu=mfu)
     if strategy not in parallel.STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(parallel.STRATEGIES)}.")
     for name, value in (("batch_per_rank", batch_per_rank), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    if isinstance(model_fn, torch.nn.Module):
+        raise ValueError(f"model_fn must be the function that builds the model, not a model already built (got a "
+                         f"{type(model_fn).__name__}): the simulator builds it itself, on the meta device. Pass e.g. "
+                         f"`lambda: tiny_gpt(n_layer=2)` or `functools.partial(presets.gpt3_175b, n_layer=2)`.")
     if not callable(model_fn):
         raise ValueError(f"model_fn must be a function that builds the model, got {model_fn!r}.")
     with _cluster.cluster(world_size, rank), assume_routing(routing or balanced):
@@ -107,6 +118,19 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     return sim
 
 
+def _node_size(ranks_per_node, found) -> int:
+    """GPUs per node: the cluster's unless asked otherwise (then said: the preset's nodes change), else 8."""
+    if ranks_per_node is None:
+        return 8 if found is None else found.gpus_per_node
+    if found is not None and ranks_per_node != found.gpus_per_node and not isinstance(ranks_per_node, bool):
+        warnings.warn(f"ranks_per_node={ranks_per_node}: {found.name!r} has nodes of {found.gpus_per_node} GPUs; "
+                      f"priced as {found.name!r} with nodes of {ranks_per_node} (its links inside a node among "
+                      f"{ranks_per_node} GPUs, its network between them). Leave ranks_per_node out to keep the "
+                      f"cluster's nodes, or say it with a cluster of such nodes: "
+                      f"cluster=toolkit.sim.cluster_of(cluster, gpus_per_node={ranks_per_node}).", stacklevel=3)
+    return ranks_per_node
+
+
 def train_step(model, opt, x, y, *, step: int, bar=None, after=None, updated=None) -> None:
     """One training step in `toolkit.train`'s phases and spans; `after(label)` ends each phase, and
     `updated()` runs between the optimizer's update and `zero_grad` (every model state alive)."""
@@ -135,8 +159,8 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
     Works on any process group: on the simulated cluster (meta tensors, `meta=True` so the ledger counts
     them) or on a real one. Returns the fields of a `Simulation` that a step produces.
     """
-    memory, flops, ops = StepMemory(), FlopCounterMode(display=False, custom_mapping=FLOPS), OpCounter()
-    programmer = Programmer(flops, ops)
+    memory, ops = StepMemory(), OpCounter()
+    programmer = Programmer(ops, memory.module)
 
     def door(kind, event, tensor):
         programmer(kind, event)
@@ -148,7 +172,7 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
     programs, samples, states = [], [], {}
     memory.classify(model, opt)
     with contextlib.ExitStack() as stack:
-        for context in (memory, flops, ops, comm.listening(door), recorder.listening(programmer.span)):
+        for context in (memory, ops, comm.listening(door), recorder.listening(programmer.span)):
             stack.enter_context(context)
         for step in range(first, first + steps):
             memory.reset_mod_stats()  # MemTracker counts one iteration at a time
@@ -156,7 +180,8 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
 
             def boundary(label=None):  # the end of a phase: cut the program, sample memory
                 programmer.cut(label)
-                samples.append(_sample(memory, step))
+                memory.classify(model, opt)  # what the phase made that the strategy keeps (DDP's rebuilt
+                samples.append(_sample(memory, step))  # buckets in forward, ZeRO's reduced slices) is its own
 
             def update():  # the model states, as the formulas count them: all of them alive
                 states.update(ledger(model, opt, meta=meta))

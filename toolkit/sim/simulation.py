@@ -12,7 +12,7 @@ The contract lessons and tests build on (all for the simulated rank):
     num_params      the whole model's parameters (every rank's experts counted once); expert_params:
                     how many of them are MoE experts, split over `expert_parallel` ranks (this rank
                     holds local_expert_params of them)
-    flops           FLOPs of the last step (FlopCounterMode), programs: one per step, run: the Run
+    flops           FLOPs of the last step (torch's flop_registry, `record.py`), programs: one per step, run: the Run
     useful_flops    the average rank's FLOPs in the last step: all ranks' work / world size (differs
                     from `flops`, this rank's own, where ranks compute different numbers of MoE rows)
 

@@ -1,0 +1,106 @@
+"""What every rank runs for lab 03's checks, next to your code: the toolkit's tiny GPT (from the seed the
+grader sent) wrapped in FSDP with your MyUnit, driven through unshard, reshard, forward and backward on this
+rank's rows, and what was observed on the way (states, bytes held, the collectives recorded, parameter values,
+gradient slices). The grader's process judges it (checks.py)."""
+import functools
+
+import torch
+
+from toolkit.models import tiny_gpt
+
+
+def _wrapped(student, given, **options):
+    torch.manual_seed(given["seed"])
+    optimizer = functools.partial(torch.optim.SGD, **given["optimizer"])
+    return student.wrap(tiny_gpt(), optimizer=optimizer, **options)
+
+
+def _held(unit) -> int:
+    """Bytes the unit's gathered flat parameter holds right now (0 when freed)."""
+    return unit.flat.data.untyped_storage().nbytes()
+
+
+def _full(unit) -> int:
+    return unit.flat.padded_numel * unit.flat.data.element_size()
+
+
+def _values(unit) -> dict:
+    return {name: p.detach().clone() for name, p in zip(unit.param_names, unit.params)}
+
+
+def _gathers(rank, start) -> list:
+    """Each all-gather recorded since `start`: was it asynchronous?"""
+    return [e["args"].get("async_op") for e in rank.comm_events(start) if e["name"] == "all_gather"]
+
+
+def unshard_gathers(student, rank, given):
+    fsdp, _ = _wrapped(student, given)
+    units = []
+    for unit in fsdp.units:
+        start = rank.events_now()
+        unit.unshard()
+        units.append({"name": unit.name, "state": unit.state, "held": _held(unit), "full": _full(unit),
+                      "padded": unit.flat.padded_numel, "element": unit.flat.data.element_size(),
+                      "gathers": _gathers(rank, start),
+                      "values": _values(unit)})
+        unit.reshard()
+    unit = fsdp.units[-1]  # asynchronous: in flight until wait_unshard
+    start = rank.events_now()
+    unit.unshard(async_op=True)
+    later = {"gathers": _gathers(rank, start),
+             "state_before_wait": unit.state}
+    unit.wait_unshard()
+    later.update(state=unit.state, values=_values(unit), name=unit.name)
+    unit.reshard()
+    return {"units": units, "async": later}
+
+
+def memory_is_freed(student, rank, given):
+    fsdp, _ = _wrapped(student, given, forward_prefetch=True)
+    after_reshard = []
+    for unit in fsdp.units:
+        unit.unshard()
+        unit.reshard()
+        after_reshard.append({"name": unit.name, "held": _held(unit), "state": unit.state})
+    seen = {}
+
+    def note(unit, module, args):  # registered after FSDP's hooks: runs once the unit is gathered
+        seen.setdefault(unit.name, (unit.state, _held(unit)))
+
+    for unit in fsdp.units:
+        unit.module.register_forward_pre_hook(functools.partial(note, unit))
+    x, y = given["batches"][0]
+    loss = fsdp(x, y)
+    after_forward = {u.name: _held(u) for u in fsdp.units}
+    loss.backward()
+    return {"after_reshard": after_reshard, "full": {u.name: _full(u) for u in fsdp.units},
+            "while_running": {name: list(v) for name, v in seen.items()}, "after_forward": after_forward,
+            "after_backward": {u.name: _held(u) for u in fsdp.units}}
+
+
+def one_step(student, rank, given):
+    """One training step: the collectives it issued, and the units' padded sizes."""
+    fsdp, opt = _wrapped(student, given)
+    x, y = given["batches"][0]
+    start = rank.events_now()
+    fsdp(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    return {"comms": rank.comm_events(start), "units": [u.flat.padded_numel for u in fsdp.units]}
+
+
+def averaged_gradient_slices(student, rank, given):
+    fsdp, _ = _wrapped(student, given)
+    x, y = given["batches"][0]
+    fsdp(x, y).backward()
+    return {"units": [{"name": u.name, "param_names": list(u.param_names), "shapes": [list(s) for s in u.flat.shapes],
+                       "world": u.flat.world_size, "rank": u.sharding.rank, "grad": u.mine.grad} for u in fsdp.units]}
+
+
+def parity_with_local(student, rank, given):
+    fsdp, opt = _wrapped(student, given, forward_prefetch=True, backward_prefetch=True)
+    for x, y in given["batches"]:
+        fsdp(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": {name: p.detach().float() for name, p in fsdp.full_state_dict().items()}}

@@ -1,0 +1,100 @@
+"""What every rank runs for lab 04's checks, next to your code: your pieces (and your LabMoE) on the tokens
+the grader sent this rank, and what came out (counts, orders, rows, outputs, gradients, the recorded
+all-to-alls). The grader's process computes the right answers and judges (checks.py)."""
+import torch
+
+from toolkit.moe import TopKGate
+from toolkit.moe.experts import WEIGHTS, Experts
+from toolkit.trace.events import recorder
+
+D, FF, SEED, INIT = 8, 16, 7, 0.3
+
+
+def skewed(layer):
+    """Every token's scores put the last expert first and expert 0 second (feature 0 is set to 1)."""
+    with torch.no_grad():
+        E = layer.num_experts
+        scores = -0.1 * torch.arange(1, E + 1, dtype=torch.float32)
+        scores[E - 1], scores[0] = 2.0, 1.0
+        layer.gate.router.weight.zero_()
+        layer.gate.router.weight[:, 0] = scores
+    return layer
+
+
+def gate_of(case):
+    torch.manual_seed(case["gate_seed"])
+    return TopKGate(D, case["E"], case["k"], case["factor"])
+
+
+def kept_order(routing, k):
+    """The kept choices (flat index t*k + j) grouped by expert: what combine receives its answers in."""
+    choices = [(int(routing.expert_index.reshape(-1)[c]), c) for c in range(routing.kept.numel())
+               if bool(routing.kept.reshape(-1)[c])]
+    return torch.tensor([c for _, c in sorted(choices)], dtype=torch.long)
+
+
+def counts(student, rank, given):
+    out = []
+    for case in given["cases"]:
+        send, recv = student.exchange_counts(case["kept"].clone(), rank.world_size, case["per_rank"], rank.group)
+        out.append({"send": send, "recv": recv})
+    return {"cases": out}
+
+
+def sort(student, rank, given):
+    out = []
+    for case in given["cases"]:
+        routing = gate_of(case)(case["tokens"])
+        order, rows = student.sort_by_destination(case["tokens"], routing)
+        out.append({"order": order, "rows": rows})
+    return {"cases": out}
+
+
+def all_to_all(student, rank, given):
+    x = given["rows"].clone().requires_grad_(True)
+    out = student.all_to_all(x, given["in_splits"], given["out_splits"], rank.group, "lab")
+    (out * given["probe"]).sum().backward()
+    return {"out": out.detach(), "grad": x.grad}
+
+
+def local_experts(student, rank, given):
+    experts = Experts(D, FF, 3 * rank.world_size, 3 * rank.rank, 3, seed=SEED, init_std=INIT)
+    with torch.no_grad():
+        return {"out": student.compute_experts(experts, given["received"], given["recv"])}
+
+
+def weighted_sum(student, rank, given):
+    gate = gate_of(given)
+    routing = gate(given["tokens"])
+    order = kept_order(routing, given["k"])
+    answers = given["answers"][:len(order)].clone().requires_grad_(True)
+    out = student.combine(answers, routing, order, given["tokens"].shape[0])
+    (out * given["probe"]).sum().backward()
+    return {"out": out.detach(), "answers_grad": answers.grad, "router_grad": gate.router.weight.grad is not None}
+
+
+def layer(student, rank, given):
+    """Your LabMoE on this rank's tokens, for each configuration: output, gradients, the load recorded."""
+    results = []
+    for case in given["cases"]:
+        moe = student.LabMoE(D, FF, group=rank.group, seed=SEED, init_std=INIT, name="lab", **case["options"])
+        if case["skew"]:
+            skewed(moe)
+        x = case["x"].clone().requires_grad_(True)
+        out, aux = moe(x)
+        found = {"out": out.detach() if isinstance(out, torch.Tensor) else out}
+        if isinstance(out, torch.Tensor) and out.shape == x.shape:
+            ((out * case["probe"]).sum() + aux).backward()
+            found.update(x_grad=x.grad, first=moe.experts.first, local=moe.num_local,
+                         grads={w: getattr(moe.experts, w).grad for w in WEIGHTS},
+                         load=recorder.metrics[-1]["value"] if recorder.metrics else None)
+        results.append(found)
+    return {"cases": results}
+
+
+def trace(student, rank, given):
+    moe = student.LabMoE(D, FF, 2 * rank.world_size, top_k=2, group=rank.group, seed=SEED, init_std=INIT)
+    recorder.reset()
+    out, aux = moe(given["x"].clone().requires_grad_(True))
+    ((out * given["probe"]).sum() + aux).backward()
+    return {"calls": [[e["name"], e["args"].get("moe")] for e in rank.comm_events()]}

@@ -1,0 +1,75 @@
+"""What every rank runs for lab 08's checks, next to your code: the toolkit's tiny GPT (from the seed the grader
+sent) under FSDP with your MixedUnit, on this rank's rows, and what was observed (the gathered flat parameters,
+the dtypes that travelled, gradient slices, losses, parameters, bytes). The grader's process judges
+(checks.py)."""
+import functools
+
+import torch
+
+from toolkit.models import tiny_gpt
+from toolkit.parallel.fsdp_unit import MixedPrecision
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _wrapped(student, given, precision=("bfloat16", None)):
+    torch.manual_seed(given["seed"])
+    param, reduce = precision
+    mixed = MixedPrecision(DTYPES[param], DTYPES[reduce] if reduce else None)
+    return student.wrap(tiny_gpt(), mixed_precision=mixed,
+                        optimizer=functools.partial(torch.optim.AdamW, **given["optimizer"]))
+
+
+def _unit(u) -> dict:
+    return {"name": u.name, "param_names": list(u.param_names), "shapes": [list(s) for s in u.flat.shapes],
+            "world": u.flat.world_size, "rank": u.sharding.rank}
+
+
+def gathered_in_bf16(student, rank, given):
+    fsdp, _ = _wrapped(student, given)
+    units = []
+    for unit in fsdp.units:
+        start = rank.events_now()
+        unit.unshard()
+        units.append(dict(_unit(unit), gathered=[e["args"]["dtype"] for e in rank.comm_events(start)
+                                                 if e["name"] == "all_gather"],
+                          flat=unit.flat.data.detach().clone(), master=str(unit.master.dtype)))
+        unit.reshard()
+    return {"units": units}
+
+
+def reduced_in_reduce_dtype(student, rank, given):
+    found = []
+    for precision in given["precisions"]:
+        fsdp, _ = _wrapped(student, given, precision)
+        start = rank.events_now()
+        fsdp(*given["batches"][0]).backward()
+        found.append(sorted({e["args"]["dtype"] for e in rank.comm_events(start) if e["name"] == "reduce_scatter"}))
+    return {"dtypes": found}
+
+
+def fp32_for_the_optimizer(student, rank, given):
+    fsdp, _ = _wrapped(student, given, ("bfloat16", "float32"))
+    for x, y in given["batches"]:  # two micro-batches, one step
+        fsdp(x, y).backward()
+    return {"units": [dict(_unit(u), grad=u.mine.grad) for u in fsdp.units]}
+
+
+def close_to_fp32(student, rank, given):
+    fsdp, opt = _wrapped(student, given)
+    losses = []
+    for x, y in given["batches"]:
+        loss = fsdp(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.float().item())
+    return {"losses": losses, "params": dict(fsdp.full_state_dict())}
+
+
+def bytes_halved(student, rank, given):
+    fsdp, opt = _wrapped(student, given)
+    start = rank.events_now()
+    fsdp(*given["batches"][0]).backward()
+    opt.step()
+    return {"comms": rank.comm_events(start), "padded": [u.flat.padded_numel for u in fsdp.units]}

@@ -1,0 +1,75 @@
+"""`python -m toolkit.grading.launcher SPEC`: the process that starts one grading's ranks.
+
+The grader (`session.py`) starts it in a session of its own, inside the grading's folder. It becomes
+`nobody` when started as root, confines itself and everything it starts to that folder (`sandbox.py`),
+then launches the ranks (`toolkit.launch`, each running `runner.rank_main`). It runs no student code, but
+it reads what the ranks leave for `launch` (their errors), so it is inside the sandbox too. What it
+writes (launch.json: how the launch ended) is read by the grader as untrusted text. It ends with the grader:
+a grader killed from outside leaves nothing running.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+from .runner import _write, rank_main
+
+
+def _die_with_the_grader() -> None:
+    """If the grader is killed, this process goes too (and with it, through the keeper, every rank)."""
+    if sys.platform.startswith("linux"):
+        parent = os.getppid()
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before the line above
+            os._exit(1)
+
+
+def _count_processes(limit: int, out: str) -> None:
+    """A thread: the grading's processes (every one carries its id) may not outnumber `limit`; past it, the
+    launch ends (a fork bomb stops here even as root, whom RLIMIT_NPROC does not limit)."""
+    from . import isolation
+
+    grading_id = os.environ.get(isolation.MARKER)
+    while grading_id:
+        time.sleep(0.2)
+        if len(isolation.marked(grading_id)) > limit:
+            _write(os.path.join(out, "launch.json"), json.dumps({"error": {"message": (
+                f"the submission started more than {limit} processes (the grader's process limit): they were "
+                "all stopped"), "rank": None}}).encode())
+            isolation.stop(grading_id)
+            os._exit(0)
+
+
+def main(argv=None) -> int:
+    """Start the ranks of one grading (see the module docstring); how it ended goes to launch.json."""
+    from ..runtime.launch import RankError, launch
+    from . import sandbox
+
+    _die_with_the_grader()
+    with open((argv or sys.argv[1:])[0]) as f:
+        spec = json.load(f)
+    sandbox.become(tuple(spec["user"]) if spec["user"] else None)
+    sandbox.confine(readable=[spec["code"], spec["inputs"]],
+                    writable=[spec["out"], spec["work"], spec["tmp"], spec["inputs"]])
+    limits, error = spec["limits"], None
+    threading.Thread(target=_count_processes, args=(limits["max_processes"], spec["out"]), daemon=True).start()
+    try:
+        launch(rank_main, spec["world_size"], args=(spec,), backend=spec["backend"],
+               timeout_s=limits["check_timeout_s"] + 5,
+               deadline_s=(len(spec["indices"]) + 1) * (limits["time_limit_s"] + 5) + 60)
+    except RankError as exc:
+        error = {"message": str(exc), "rank": exc.rank}
+    except Exception as exc:  # noqa: BLE001 - say what ended the launch; the grader decides what it means
+        error = {"message": f"{type(exc).__name__}: {exc}", "rank": None}
+    _write(os.path.join(spec["out"], "launch.json"), json.dumps({"error": error}).encode())
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""A grade: one result per check, decided in the grader's process, and the report a student reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CheckResult:
+    name: str
+    points: int
+    earned: int
+    message: str = ""  # why it failed, as the student may read it (empty when it passed)
+    hidden: bool = False  # from the instructor's hidden_checks.py
+    detail: str = ""  # a hidden check's own message: for the instructor's reports only, never the student's
+
+    @property
+    def passed(self) -> bool:
+        return not self.message
+
+
+@dataclass
+class Score:
+    lab: str
+    solution: str
+    results: list[CheckResult] = field(default_factory=list)
+    sandbox: str = ""  # the protections the submission ran under (sandbox.describe())
+
+    @property
+    def total(self) -> int:
+        return sum(r.earned for r in self.results)
+
+    @property
+    def maximum(self) -> int:
+        return sum(r.points for r in self.results)
+
+    def __str__(self) -> str:
+        return format_score(self)
+
+
+def format_score(score: Score) -> str:
+    """A report a student reads top to bottom: each check, its points, and why it failed."""
+    lines = [f"Grading {score.solution}", f"  against {score.lab}/checks.py", ""]
+    for r in score.results:
+        mark = "PASS" if r.passed else "FAIL"
+        lines.append(f"  {mark} [{r.earned}/{r.points}] {r.name}")
+        lines += [f"         {line}" for line in r.message.splitlines()]
+    lines += ["", f"Score: {score.total}/{score.maximum}"]
+    return "\n".join(lines)
+
+
+def zero(score_lab: str, solution: str, checks, message: str) -> Score:
+    """Every check failed with the same message (nothing could be graded, or the file cannot run)."""
+    return Score(score_lab, solution, [CheckResult(c.name, c.points, 0, message if not c.hidden else
+                                                   (c.feedback or message), c.hidden, message) for c in checks])

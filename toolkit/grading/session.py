@@ -1,0 +1,199 @@
+"""The grader's side of one launch: a folder for the submission, its ranks started and stopped, and what they
+sent read back as untrusted data.
+
+`Box` is the grading's folder (one per submission): `code/` (a copy of the student's file and the lab's
+`tasks.py`, read-only), `work/` (the submission's working directory), `tmp/`, `inputs/` (one file per
+rank, removed by that rank before any student code runs) and `out/` (what the ranks write). The
+instructor's lab folder, the other students' files and the grader's results are never in it.
+
+`launch_ranks` writes each rank's inputs and a spec, starts `python -m toolkit.grading.runner` in a
+session of its own with the grading's id in its environment, waits (never longer than its deadline),
+then makes sure nothing it started is alive before reading a single file back. Every file is read with
+`wire.decode` or as capped text: a rank's output can fail a check, never pass one or crash the grader.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import isolation, sandbox, wire
+from .runner import IMPORT, inputs_path, ready_path, result_path
+
+KEEP_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+            "TOOLKIT_GRADING_USER")
+TEXT_LIMIT = 20_000
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What grading one solution may cost. check_timeout_s: how long one rank waits for one message;
+    stall_s: every rank blocked (or done) this long is a deadlock; time_limit_s: one check's wall time (and
+    the import's); memory_limit_mb: the data a rank may allocate beyond what it had when the submission was
+    imported (None: no limit); max_processes: processes the grading may hold at once (the launcher stops it
+    past that, root or not), and, as `nobody`, threads and processes it may add (RLIMIT_NPROC)."""
+
+    check_timeout_s: float = 20.0
+    stall_s: float = 5.0
+    time_limit_s: float = 120.0
+    memory_limit_mb: float | None = 4096
+    max_processes: int = 512
+
+
+class Box:
+    """The grading's folder. `with Box(lab_dir, source, filename) as box:`; removed on exit."""
+
+    def __init__(self, lab_dir: Path, source: bytes, filename: str):
+        self.root = Path(tempfile.mkdtemp(prefix="toolkit-grade-"))
+        self.code, self.work, self.tmp = self.root / "code", self.root / "work", self.root / "tmp"
+        self.inputs, self.out = self.root / "inputs", self.root / "out"
+        for folder in (self.code, self.work, self.tmp, self.inputs, self.out):
+            folder.mkdir()
+        self.student = self.code / (filename if filename.endswith(".py") else "submission.py")
+        self.student.write_bytes(source)
+        self.tasks = self.code / "tasks.py"
+        shutil.copyfile(lab_dir / "tasks.py", self.tasks)
+        self.root.chmod(0o755)
+        self.user = sandbox.other_user()
+        sandbox.hand_over([self.work, self.tmp, self.inputs, self.out], self.user)
+
+    def __enter__(self) -> "Box":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def fresh_out(self) -> None:
+        for folder in (self.out, self.inputs):
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+        sandbox.hand_over([self.out, self.inputs], self.user)
+
+
+@dataclass
+class Launch:
+    """What one launch left behind, read back: results[index][rank] (decoded, or a WireError's text under
+    "error"), the watchdogs' verdict, the launcher's story, the ranks' last printed lines."""
+
+    results: dict = field(default_factory=dict)
+    stuck: dict | None = None
+    abandoned: object = None
+    error: dict | None = None
+    lines: list = field(default_factory=list)
+    overran: bool = False
+    ready: bool = True  # every rank got as far as importing the student's file
+
+    def of_rank(self, rank: int, count: int = 3) -> list[str]:
+        prefix = f"[rank {rank}] "
+        return [line[len(prefix):] for line in self.lines if line.startswith(prefix)][-count:]
+
+
+def _env(box: Box, grading_id: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k in KEEP_ENV}
+    env.update({isolation.MARKER: grading_id, "HOME": str(box.work), "TMPDIR": str(box.tmp),
+                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
+    return env
+
+
+def _stop(process: subprocess.Popen, grading_id: str) -> None:
+    """The launcher first (its keeper then stops the ranks), then everything that carries the id."""
+    for sig, patience in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if process.poll() is not None:
+            break
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(timeout=patience)
+        except subprocess.TimeoutExpired:
+            pass
+    isolation.stop(grading_id)
+    process.wait()
+
+
+def _read(path: Path):
+    try:
+        return wire.decode(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, wire.WireError) as exc:
+        return {"error": f"sent something the grader cannot read ({exc})", "time": 0.0}
+
+
+def _text(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - TEXT_LIMIT))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def launch_ranks(box: Box, n: int, indices: list, tasks_of: dict, inputs: dict, answers: list, limits: Limits,
+                 *, backend: str, quiet: bool, grading_id: str) -> Launch:
+    """Run the tasks of checks `indices` on n ranks of the submission; read back what they left."""
+    box.fresh_out()
+    for rank in range(n):
+        Path(inputs_path(str(box.inputs), rank)).write_bytes(
+            wire.encode({str(i): inputs[i][rank] for i in indices}))
+    sandbox.hand_over([box.inputs], box.user)
+    spec = {"world_size": n, "indices": indices, "tasks_of": {str(i): tasks_of[i] for i in indices},
+            "code": str(box.code), "student": str(box.student), "tasks": str(box.tasks), "inputs": str(box.inputs),
+            "out": str(box.out), "work": str(box.work), "tmp": str(box.tmp), "answers": list(answers),
+            "limits": asdict(limits), "backend": backend, "user": list(box.user) if box.user else None}
+    spec_path = box.root / f"spec-{n}.json"
+    spec_path.write_text(json.dumps(spec))
+    log_path = box.root / f"log-{n}.txt"
+    deadline = (len(indices) + 1) * (limits.time_limit_s + 10) + 90
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "toolkit.grading.launcher", str(spec_path)],
+                                   cwd=box.work, env=_env(box, grading_id), start_new_session=True,
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        overran = _follow(process, log_path, deadline, None if quiet else sys.stdout)
+        _stop(process, grading_id)
+    found = Launch(overran=overran, lines=[line for line in _text(log_path).splitlines() if line.strip()][-400:])
+    for index in [IMPORT] + list(indices):
+        found.results[index] = {r: v for r in range(n) if (v := _read(Path(result_path(str(box.out), index, r))))
+                                is not None}
+    found.ready = all(os.path.exists(ready_path(str(box.out), r)) for r in range(n))
+    stuck = _read(box.out / "deadlock.json")
+    found.stuck = stuck if isinstance(stuck, dict) and "index" in stuck and isinstance(stuck.get("message"), str) \
+        else None
+    abandoned = _read(box.out / "abandoned.json")
+    found.abandoned = abandoned.get("index") if isinstance(abandoned, dict) else None
+    told = _read(box.out / "launch.json")
+    error = told.get("error") if isinstance(told, dict) else None
+    found.error = error if isinstance(error, dict) and isinstance(error.get("message"), str) else None
+    return found
+
+
+def _follow(process: subprocess.Popen, log_path: Path, deadline_s: float, echo) -> bool:
+    """Wait for the launcher, echoing what the ranks print; True if it ran past its deadline."""
+    started, shown = time.monotonic(), 0
+    while True:
+        done = process.poll() is not None
+        if echo is not None:
+            try:
+                size = os.path.getsize(log_path)
+            except OSError:
+                size = shown
+            if size > shown:
+                with open(log_path, "rb") as f:
+                    f.seek(shown)
+                    echo.write(f.read(size - shown).decode(errors="replace"))
+                    echo.flush()
+                shown = size
+        if done:
+            return False
+        if time.monotonic() - started > deadline_s:
+            return True
+        time.sleep(0.1)
+
