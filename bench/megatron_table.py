@@ -2,22 +2,27 @@
 
 For each row: the model the paper trained (vocabulary 51,200, sequence 2,048, tied embedding, the
 attention kernels its code ran: `toolkit.models.as_in_papers`, "megatron"), every block recomputed in
-backward, 16-bit mixed precision, data parallelism over what tensor and pipeline parallelism leave,
-simulated for one rank on the fake process group and priced on the DGX A100 preset, whose numbers are
-datasheets and a GEMM microbenchmark (`toolkit.sim.hardware`), none of them fitted to this table.
+backward, 16-bit mixed precision, the layout, micro-batch size, data-parallel implementation and
+pipeline schedule of the paper's own artifact (`examples/sc21/run_table_1.sh` in NVIDIA/Megatron-LM,
+commit de7dc40, August 2021: `ARTIFACT` below), simulated on the fake process group and priced on the
+DGX A100 preset, whose numbers are datasheets and a GEMM microbenchmark (`toolkit.sim.hardware`), none
+of them fitted to this table.
 
 The paper's per-GPU TFLOP/s counts the recomputed forward, by its formula 96·B·s·l·h²·(1 + s/6h + V/16lh)
 per step; the prediction divides that same count by the predicted step time and the GPUs, so the two
 columns differ only by the step time (the simulated step executes exactly those FLOPs:
-`tests/test_sim_kernels.py`). Layers are identical, so each row is simulated with two and three
-layers per pipeline stage and extrapolated to its depth (`toolkit.sim.sweep.extrapolate`, exact for a
-step's time up to its last bucket's overlap).
+`tests/test_sim_kernels.py`). Rows without pipelining are simulated with three and four layers and
+extrapolated to their depth (`toolkit.sim.sweep.extrapolate`); pipelined rows run the pipeline's own
+schedule on every kind of stage (`toolkit.sim.pipelined`) with one and two blocks per stage, extrapolated.
+A row whose simulated peak does not fit in the GPU's memory says so in its memory column: the paper ran
+every row, so the simulated memory disagrees (a defect to see); its step is priced all the same.
 
-Rows 2-4 run tensor parallelism (`toolkit.parallel.wrap(..., tp=)`); rows 5-10 need pipeline
-parallelism too (`pp=`): until wrap accepts it those rows say so and are skipped. A row whose simulated
-peak does not fit in the GPU's memory (the paper ran it) says so instead of a prediction. The table gives
-no micro-batch size: a row without pipelining runs its batch share in one pass, a pipelined one in
-micro-batches of one sequence (an assumption, listed with the results).
+The optimizer is one fused AdamW kernel (`toolkit.sim.fused_adam`), as apex's FusedAdam that Megatron-LM
+stepped with. The artifact's data parallelism: rows 1-4 ran torch's DDP (`--DDP-impl torch`: 25 MB buckets all-reduced
+during backward, which the toolkit's "ddp" is), rows 5-10 Megatron's own ("local": one all-reduce of all
+gradients once the pipeline's backward is over, nothing hidden: "ddp" with a single bucket). Row 4
+accumulates 4 micro-batches of 8; the simulator runs the replica's 32 sequences as one pass (the same
+GEMMs, four times as tall; stated with the results).
 
     python bench/megatron_table.py [--rows 1,2] [--write docs/benchmarks.md]
 """
@@ -41,19 +46,41 @@ TABLE = [
     (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
 FIELDS = ("params", "heads", "hidden", "layers", "tp", "pp", "gpus", "batch", "paper")
+# what the table leaves out, from the paper's artifact (examples/sc21/run_table_1.sh, NVIDIA/Megatron-LM de7dc40):
+# micro-batch size, --DDP-impl, --num-layers-per-virtual-pipeline-stage (None: plain 1F1B); every row
+# --activations-checkpoint-method uniform (each layer recomputed), --fp16, --clip-grad 1.0
+ARTIFACT = [(16, "torch", None), (16, "torch", None), (16, "torch", None), (8, "torch", None), (4, "local", None),
+            (2, "local", 5), (2, "local", 5), (1, "local", 3), (1, "local", 1), (1, "local", None)]
 TOLERANCE = 0.15
-MICRO_BATCH = 1  # sequences per micro-batch where pp > 1 (not in the table)
 
 
 def row(i: int) -> dict:
-    """Row i (1-based) of the table as a dict."""
-    return dict(zip(FIELDS, TABLE[i - 1]), row=i)
+    """Row i (1-based) of the table as a dict, with the artifact's micro-batch size, DDP and interleaving."""
+    return configuration(dict(zip(FIELDS, TABLE[i - 1]), row=i), *ARTIFACT[i - 1])
 
 
-def paper_flops(r: dict) -> float:
-    """The paper's FLOPs per step (recomputation counted): 96 B s l h^2 (1 + s/6h + V/16lh)."""
+def configuration(r: dict, micro_batch: int, ddp: str, per_virtual: int | None = None) -> dict:
+    """A run as the artifact's scripts set it up: dp, micro-batches per replica, virtual stages per rank."""
+    r = dict(r, micro_batch=micro_batch, ddp=ddp)
+    r["dp"] = r["gpus"] // (r["tp"] * r["pp"])
+    r["microbatches"] = r["batch"] // r["dp"] // micro_batch
+    r["virtual_stages"] = r["layers"] // r["pp"] // per_virtual if per_virtual else 1
+    return r
+
+
+def figure_15(tp: int, batch: int = 32) -> dict:
+    """Figure 15's runs (examples/sc21/run_figure_15.sh): a 5.9B GPT (hidden 3840, 32 heads, 32 layers) on 64
+    GPUs as tp x dp, micro-batches of 1, Megatron's local DDP. The paper: the per-GPU rate falls as tp grows."""
+    return configuration(dict(params=5.9, heads=32, hidden=3840, layers=32, tp=tp, pp=1, gpus=64, batch=batch,
+                              paper=None, row=f"fig15 tp={tp}"), 1, "local")
+
+
+def paper_flops(r: dict, recomputed: bool = True) -> float:
+    """The paper's FLOPs per step, recomputation counted: 96 B s l h^2 (1 + s/6h + V/16lh) (its equation 3);
+    without it (the model's FLOPs, for MFU): the layers' 72 B s l h^2 (1 + s/6h) and the head's 6 B s h V."""
     B, l, h = r["batch"], r["layers"], r["hidden"]
-    return 96 * B * SEQ * l * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * l * h))
+    layers = (96 if recomputed else 72) * B * SEQ * l * h * h * (1 + SEQ / (6 * h))
+    return layers + 6 * B * SEQ * h * VOCAB
 
 
 def model(n_layer: int, heads: int, hidden: int):
@@ -64,31 +91,46 @@ def model(n_layer: int, heads: int, hidden: int):
                                            d_model=hidden), "megatron"))
 
 
+def figure_13(pp: int, batch: int = 128) -> dict:
+    """Figure 13's runs (examples/sc21/run_figure_13.sh): a 162.2B GPT (hidden 20480, 128 heads, 32 layers) on
+    64 GPUs as pp x tp (tp = 64 / pp), micro-batches of 1, local DDP. The paper: the best is tp = 8, pp = 8 (tp
+    as wide as a node, the pipeline across nodes), at batch 32 and 128."""
+    return configuration(dict(params=162.2, heads=128, hidden=20480, layers=32, tp=64 // pp, pp=pp, gpus=64,
+                              batch=batch, paper=None, row=f"fig13 pp={pp}"), 1, "local")
+
+
 def layout(r: dict) -> dict:
-    """The options `toolkit.parallel.wrap` gets for the row's tensor and pipeline parallelism (none for row 1)."""
-    if r["tp"] == 1 and r["pp"] == 1:
-        return {}
-    options = dict(tp=r["tp"], pp=r["pp"])
+    """The options `toolkit.parallel.wrap` gets: the row's tensor and pipeline parallelism (none for row 1),
+    its schedule, and its data parallelism: torch's DDP (25 MB buckets, the toolkit's default) or Megatron's
+    local DDP (one all-reduce after backward: a bucket as large as the model)."""
+    options = {} if r["ddp"] == "torch" else dict(bucket_cap_mb=1e9)
+    if r["tp"] > 1:
+        options["tp"] = r["tp"]
     if r["pp"] > 1:
-        options.update(microbatches=r["batch"] // (r["gpus"] // (r["tp"] * r["pp"])) // MICRO_BATCH, schedule="1f1b")
+        options.update(pp=r["pp"], microbatches=r["microbatches"],
+                       schedule="interleaved" if r["virtual_stages"] > 1 else "1f1b")
+        if r["virtual_stages"] > 1:
+            options["virtual_stages"] = r["virtual_stages"]
     return options
 
 
 def unsupported(r: dict) -> str | None:
     """Why the simulator cannot run this row's layout yet (None if it can): tries the layout on a tiny model."""
     options = layout(r)
-    if not options:
+    if "tp" not in options and "pp" not in options:
         return None
     from toolkit.models import tiny_gpt
     from toolkit.sim import simulate
 
     world = r["tp"] * r["pp"]
     try:
-        simulate(functools.partial(tiny_gpt, n_layer=2 * r["pp"], n_head=r["tp"], d_model=8 * r["tp"]), "ddp",
-                 world, ranks_per_node=min(world, 8), warmup=False, progress=False, **options)
-    except (TypeError, ValueError, NotImplementedError) as exc:
+        tiny = dict(options, microbatches=r["pp"]) if r["pp"] > 1 else options
+        simulate(functools.partial(tiny_gpt, n_layer=2 * r["pp"] * r["virtual_stages"], n_head=r["tp"],
+                                   d_model=8 * r["tp"]), "ddp", world, ranks_per_node=min(world, 8), warmup=False,
+                 batch_per_rank=r["pp"], progress=False, **tiny)
+    except (TypeError, ValueError, NotImplementedError, ImportError) as exc:
         text = str(exc)
-        if not any(s in text for s in ("unknown option", "unexpected keyword", "not implemented")):
+        if not any(s in text for s in ("unknown option", "unexpected keyword", "not implemented", "No module")):
             raise  # the layout exists but fails: a defect to see, not a row to skip
         return (f"the simulator cannot run tp={r['tp']}, pp={r['pp']} yet (toolkit.parallel.wrap: "
                 f"{type(exc).__name__}: {text.splitlines()[0][:140]})")
@@ -96,40 +138,46 @@ def unsupported(r: dict) -> str | None:
 
 
 def predict(r: dict, cluster="dgx-a100") -> dict:
-    """The row's step time on `cluster` (two and three layers per stage, extrapolated), and the paper's metric."""
+    """The row's steady step on `cluster`, the paper's metric, the memory verdict of the first stage (rank 0:
+    the embedding, and under 1F1B the most micro-batches in flight). Without pipelining: three and four layers,
+    extrapolated; with it, one and two blocks per (virtual) stage, or the whole model where a stage holds no
+    more. The step is priced whether or not the peak fits (`fit`): the paper ran every row."""
     from toolkit.sim import simulate
-    from toolkit.sim.sweep import BASE, extrapolate
+    from toolkit.sim.fused_adam import FusedAdamW
+    from toolkit.sim.sweep import BASE, PIPELINE_BASE, extrapolate
 
-    dp = r["gpus"] // (r["tp"] * r["pp"])
-    per_rank = r["batch"] // dp
     start = time.process_time()
-    sims = [simulate(functools.partial(model, n * r["pp"], r["heads"], r["hidden"]), "ddp", r["gpus"],
-                     batch_per_rank=per_rank, mixed_precision=True, warmup=False, progress=False, cluster=cluster,
-                     **layout(r)) for n in BASE]
-    out = extrapolate(*sims, r["layers"] // r["pp"])
-    if not out["fits"]:  # the paper ran it: the simulator's memory count disagrees, a defect to see
-        from toolkit.units import bytes_text, memory_text
-
-        return dict(r, skipped=f"does not fit in the simulator: peak {bytes_text(out['peak'])} on a GPU of "
-                               f"{memory_text(out['fit'].capacity)} (the paper ran it: the simulated memory disagrees)")
-    predicted = paper_flops(r) / out["step_time"] / r["gpus"] / 1e12
-    return dict(r, step_time=out["step_time"], predicted=predicted, error=predicted / r["paper"] - 1,
-                mfu=out["mfu"], hfu=out["hfu"], breakdown=out["breakdown"], cpu_s=time.process_time() - start,
-                top=[(o["name"], o["seconds"]) for o in sims[-1].cost.per_op()[:4]])
+    stages = r["pp"] * r["virtual_stages"]
+    per_stage = r["layers"] // stages
+    at = BASE if stages == 1 else PIPELINE_BASE if per_stage > PIPELINE_BASE[-1] else (per_stage,)
+    sims = [simulate(functools.partial(model, n * stages, r["heads"], r["hidden"]), "ddp", r["gpus"],
+                     optimizer=FusedAdamW, batch_per_rank=r["batch"] // r["dp"], mixed_precision=True, progress=False,
+                     cluster=cluster, **layout(r)) for n in at]
+    out = extrapolate(*sims, per_stage, at) if len(sims) == 2 else extrapolate(sims[0], sims[0], per_stage, (0, 1))
+    b = out["breakdown"]
+    predicted = paper_flops(r) / b["step"] / r["gpus"] / 1e12
+    peak = sims[0].cost.cluster.gpu.flops_per_s("bf16") * r["gpus"] * b["step"]
+    return dict(r, step_time=b["step"], predicted=predicted, error=predicted / r["paper"] - 1 if r["paper"] else None,
+                hfu=paper_flops(r) / peak, mfu=paper_flops(r, recomputed=False) / peak, breakdown=b, fit=out["fit"],
+                cpu_s=time.process_time() - start, top=[(o["name"], o["seconds"]) for o in sims[-1].cost.per_op()[:4]])
 
 
 def table(results: list) -> str:
-    lines = ["| row | model | tp x pp x dp | batch | paper TFLOP/s | predicted | error | step (s) | exposed comm (s) | "
-             "MFU / HFU |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| row | model | tp x pp x dp | micro-batch x count | DDP, schedule | paper TFLOP/s | predicted | error | "
+             "step (s) | exposed comm (s) | MFU / HFU | peak memory |", "| --- " * 12 + "|"]
     for r in results:
-        dp = r["gpus"] // (r["tp"] * r["pp"])
+        schedule = "-" if r["pp"] == 1 else (f"interleaved v={r['virtual_stages']}" if r["virtual_stages"] > 1
+                                             else "1f1b")
+        cells = [r["row"], f"{r['params']}B", f"{r['tp']} x {r['pp']} x {r['dp']}",
+                 f"{r['micro_batch']} x {r['microbatches']}", f"{r['ddp']}, {schedule}", r["paper"]]
         if "skipped" in r:
-            lines.append(f"| {r['row']} | {r['params']}B | {r['tp']} x {r['pp']} x {dp} | {r['batch']} | "
-                         f"{r['paper']} | - | - | - | - | {r['skipped']} |")
-            continue
-        lines.append(f"| {r['row']} | {r['params']}B | {r['tp']} x {r['pp']} x {dp} | {r['batch']} | {r['paper']} | "
-                     f"{r['predicted']:.0f} | {r['error']:+.0%} | {r['step_time']:.2f} | "
-                     f"{max(r['breakdown']['exposed_comm'], 0.0):.3f} | {r['mfu']:.0%} / {r['hfu']:.0%} |")
+            cells += ["-"] * 5 + [r["skipped"]]
+        else:
+            fit = r["fit"]
+            cells += [f"{r['predicted']:.0f}", f"{r['error']:+.0%}", f"{r['step_time']:.2f}",
+                      f"{max(r['breakdown']['exposed_comm'], 0.0):.3f}", f"{r['mfu']:.0%} / {r['hfu']:.0%}",
+                      f"{fit.peak / 1e9:.0f} GB{'' if fit.fits else ' (over the 80 GB)'}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
@@ -152,8 +200,8 @@ def main(argv=None) -> int:
              + "; ".join(f"row {r['row']}: " + ", ".join(f"{n} {s:.2f} s" for n, s in r["top"]) for r in done) + "."
              "\n\nThe model is priced from datasheets and a GEMM microbenchmark only, so it predicts what the paper's "
              "kernels would take, not what its run paid besides; where it is above the paper, docs/differences.md "
-             "('The simulator's cost model') lists what it leaves out. The table gives no micro-batch size: "
-             f"a pipelined row is assumed to run micro-batches of {MICRO_BATCH} sequence(s).")
+             "('The simulator's cost model') lists what it leaves out. Row 4 accumulates 4 micro-batches of 8; "
+             "the simulator runs its 32 sequences per replica in one pass.")
     print(body)
     if args.write:
         benchlib.write_section(args.write, SECTION, f"python {' '.join(sys.argv)}", body)

@@ -52,7 +52,7 @@ def fsdp2_peak(model_fn, world_size: int, *, mixed_precision: bool = True, activ
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from toolkit.parallel.fsdp import _checkpoint_forward
+    from toolkit.parallel.checkpointing import checkpoint_forward as _checkpoint_forward
     from toolkit.sim.cluster import cluster
 
     with cluster(world_size, 0):  # the fake process group the simulator uses

@@ -6,6 +6,8 @@ every rank busy; nothing fitted to a step), then for each strategy
 
 - predict: `toolkit.sim.simulate` runs the strategy's own code for one rank on the fake process group
   (meta tensors) and the cost model prices its program on the calibrated preset;
+  Under tensor or pipeline parallelism (the "x tp 2" and "x pp 2" rows) a data-parallel replica spans 2
+  ranks and computes the 8 sequences a rank computes alone; a pipelined rank is priced with its pipeline.
 - measure: the same model and strategy train for real on gloo ranks; a step's time is the slowest
   rank's, and the reported time is the median over steps. The strategies take their steps in turn
   (ddp, zero1, ..., ddp, zero1, ...) so that the shared machine's slow moments hit all of them, and
@@ -48,6 +50,8 @@ CONFIGS = {  # name -> (strategy, options)
     "zero3 buckets": ("zero3", dict(prefetch_bucket_size=200_000, reduce_bucket_size=200_000)),
     "fsdp prefetch": ("fsdp", dict(forward_prefetch=True, backward_prefetch=True)),
     "fsdp no prefetch": ("fsdp", dict(forward_prefetch=False, backward_prefetch=False)),
+    "ddp x tp 2": ("ddp", dict(tp=2)),  # the replica's 8 sequences, each layer split over 2 ranks
+    "ddp x pp 2": ("ddp", dict(pp=2, microbatches=4)),  # the replica's 8 sequences, 1F1B over 2 stages
 }
 MOE = dict(d_model=128, d_ff=512, experts_per_rank=2, vocab=64, batch=8, seq_len=64, top_k=2,
            bandwidth="20 MB/s", latency="0.5 ms")
@@ -64,7 +68,10 @@ def _slowest(seconds: float) -> float:
 
 def _train_step(model, opt):
     def step(x, y):
-        model(x, y).backward()
+        if hasattr(model, "pipeline"):  # pp > 1: the schedule runs every micro-batch's forward and backward
+            model.forward_backward(x, y)
+        else:
+            model(x, y).backward()
         opt.step()
         opt.zero_grad()
     return step

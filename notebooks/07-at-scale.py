@@ -192,8 +192,12 @@ scale_explorer(activation_checkpointing=True)  # the FSDP paper's configuration,
 # order the rank issued it (compute, collective, wait). The cost model (`toolkit.sim.cost`) turns that
 # into time on a cluster with three rules:
 #
-# - **compute**: a segment's FLOPs at an *achievable* fraction of the accelerator's peak (Megatron-LM
-#   measured 52% on A100, 163 of 312 TFLOP/s), or its bytes at the memory's bandwidth when that is slower;
+# - **compute**: every operation priced on its own, from the accelerator's datasheet and the operation's shape
+#   (`toolkit/sim/kernel_time.py`): a GEMM as cuBLAS runs it, its output cut into tiles that run in waves on
+#   the SMs at the best rate a GEMM microbenchmark reaches (a partial tile or wave costs a whole one, so small
+#   or odd shapes run slower); a fused attention likewise, plus its softmax on the ordinary FP32 units;
+#   anything else (layer norms, adds, the optimizer) at the memory's bandwidth; and a launch cost per
+#   operation, hidden where the GPU is busier than the host. Nothing is fitted to a paper's table;
 # - **communication**: the alpha-beta model of the links a collective crosses: NVLink inside a node,
 #   one network card per GPU between nodes (a ring across nodes uses all 8 cards of a node at once; a
 #   group with one GPU per node, like HSDP's replicas, gets one card);
@@ -383,3 +387,175 @@ print(f"shadowing: a {faster:.1f}x shorter step, {plain.tflops_per_gpu:.3g} -> {
 # little expert compute per chunk to hide it behind (`tests/test_sim_papers.py` shows the degree that wins
 # growing as the network slows). The lab, `labs/10-cost-model`, has you write the two rules this part
 # rests on: the alpha-beta times of the ring's collectives and the overlap rule.
+
+# %% [markdown]
+# ## 3. FSDP or 3D? GPT-3 175B on 1,024 A100s
+#
+# The two papers answer the same question differently. The FSDP paper shards everything over every GPU and
+# hides the gathers behind compute (173-186 TFLOP/s per GPU on up to 512 A100s). Megatron-LM (Narayanan et
+# al., SC21) keeps tensor parallelism inside a node, pipelines the layers across nodes and runs data
+# parallelism over what is left: 140 TFLOP/s per GPU for GPT-3 175B on 1,024 A100s. Here are both, and a
+# hybrid, on one simulated cluster of 128 DGX A100 nodes, with the same work: a global batch of 1,024
+# sequences of 2,048 tokens (2M tokens, GPT-3's order of magnitude), bf16, every block recomputed in backward.
+#
+# - **FSDP**: fully sharded over all 1,024 GPUs, one sequence each, prefetching;
+# - **HSDP**: sharded over 16 nodes (128 GPUs), replicated 8 times (sharded over one node, part 1 showed,
+#   GPT-3's model states do not fit);
+# - **3D** as Megatron-LM lays it out: tp 8 inside each node, pp 8 stages across nodes, ZeRO-1 over the 16
+#   replicas (Megatron's distributed optimizer), 1F1B with 64 micro-batches of one sequence.
+#
+# A pipelined rank's step is no longer its own: stage s waits for stage s-1's activations and stage s+1's
+# gradients. So the simulator runs the pipeline's own code for a rank of each kind of stage (the first with
+# the embedding, a middle one, the last with the head and the loss), puts every stage's program together in
+# the order of the schedule's action lists, and replays them on one clock: the step is the critical path
+# across the stages, the idle time of a stage its bubble, each transfer on the link between the two nodes
+# (`toolkit.sim.pipelined`). One and two blocks per stage are simulated and extrapolated to twelve, as the
+# sweep above extrapolates layers.
+
+# %%
+import functools  # noqa: E402
+
+from toolkit.sim.sweep import PIPELINE_BASE  # noqa: E402
+
+GPT3_51K = functools.partial(presets.gpt3_175b, vocab_size=51200)  # Megatron-LM's padded vocabulary
+CHECKPOINTING = dict(mixed_precision=True, activation_checkpointing=True, cluster="dgx-a100", progress=False)
+LAYOUTS = {  # label -> (strategy over dp, its options, tp x pp): 1,024 sequences in each
+    "FSDP": ("fsdp", dict(forward_prefetch=True), 1),
+    "HSDP, shard 128": ("fsdp", dict(forward_prefetch=True, sharding_group_size=128), 1),
+    "3D: tp 8, pp 8, dp 16": ("zero1", dict(tp=8, pp=8, microbatches=64), 64),
+}
+
+
+def layout_row(label, strategy, options, per_replica, world=1024):
+    """Simulate a layout's blocks at two depths and extrapolate to GPT-3's 96 (per stage under pp)."""
+    stages = options.get("pp", 1) * options.get("virtual_stages", 1)
+    at = PIPELINE_BASE if stages > 1 else BASE
+    sims = [simulate(lambda n=n: GPT3_51K(n_layer=n * stages), strategy, world, batch_per_rank=per_replica,
+                     **options, **CHECKPOINTING) for n in at]
+    return dict(extrapolate(*sims, 96 // stages, at), label=label, sim=sims[-1])
+
+
+gpt3_layouts = {label: layout_row(label, *spec) for label, spec in LAYOUTS.items()}
+WORDS = {"compute": "compute", "exposed_comm": "exposed communication", "bubble": "bubble", "p2p": "point-to-point"}
+for label, r in gpt3_layouts.items():
+    b = r["breakdown"]
+    parts = {WORDS[k]: b[k] for k in WORDS if b.get(k, 0.0) > 0}
+    waiting = {k: v for k, v in parts.items() if k != "compute"}
+    print(f"{label:<22} peak {bytes_text(r['peak']):>8} per GPU (model states {bytes_text(r['states']):>8}): "
+          f"{'fits' if r['fits'] else 'DOES NOT FIT'}; step {seconds_text(b['step'])} = "
+          + " + ".join(f"{k} {seconds_text(v)}" for k, v in parts.items())
+          + f"; {r['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {r['mfu']:.0%}; besides compute, "
+          f"{max(waiting, key=waiting.get)} dominates")
+
+# %%
+import plotly.graph_objects as go  # noqa: E402
+
+from toolkit.viz import style  # noqa: E402
+
+PARTS = {"compute": style.COMPUTE["forward"], "exposed_comm": style.COMMUNICATION["all_reduce"],
+         "bubble": style.COMPUTE["wait"], "p2p": style.COMMUNICATION["send"]}
+
+
+def layout_figure(rows):
+    """The step of each layout, split into what its compute stream did: compute, waiting for its collectives,
+    for another stage (the bubble), for a transfer on the wire."""
+    fig = go.Figure([go.Bar(name=part, x=[r["label"] for r in rows], y=[r["breakdown"].get(part, 0.0) for r in rows],
+                            marker_color=colour) for part, colour in PARTS.items()])
+    style.place_title(fig, "GPT-3 175B, 1,024 sequences per step on 1,024 A100s",
+                      "one step of rank 0, by what its compute stream did (modelled)")
+    fig.update_layout(barmode="stack", yaxis_title="seconds per step", template="plotly_white", height=420)
+    return fig
+
+
+layout_figure(list(gpt3_layouts.values()))
+
+# %% [markdown]
+# Read the bars. FSDP's communication is almost all hidden: each unit's gather runs while the previous one
+# computes, so its step is its compute, and with one sequence per GPU nothing else is left to wait for. The 3D
+# layout computes the same FLOPs per GPU but waits: for other stages (the bubble: more than the formula's
+# (p-1)/(m+p-1) = 7/71 = 10% of the step, because the last stage also computes the head and the loss, and
+# every other stage waits for it), and for its tensor-parallel all-reduces, in every block's forward (the
+# recomputed one too) and backward, on the critical path by construction: more than for its transfers
+# between stages. What 3D buys is memory: its peak is about four fifths of FSDP's, which gathers a whole layer
+# of GPT-3 at a time and keeps a sequence's checkpoints for all 96 layers (a 3D rank keeps twelve layers'
+# checkpoints, of up to eight micro-batches in flight, and its sharded layers never gather). HSDP pays for its replicas in memory
+# (8 times FSDP's model states) and matches FSDP's step here: its all-reduce across the replicas hides
+# behind backward as well.
+#
+# So on these numbers FSDP is the fastest at 1,024 GPUs, by the cost model's reckoning (an upper bound for
+# every layout: `docs/differences.md`; Megatron-LM measured 140 TFLOP/s per GPU for GPT-3 on 1,024 A100s,
+# with its own batch and layout). Where 3D is the answer: when the batch is smaller than the cluster (FSDP needs a
+# sequence per GPU), when the network is slower (FSDP's gathers cross it every layer; 3D sends one
+# activation per micro-batch per stage), and when the model is larger (a layer of a 1T-parameter model does
+# not fit a GPU to gather). The cell below checks each sentence against the numbers above.
+
+# %%
+fsdp, hsdp, three_d = gpt3_layouts.values()
+assert all(r["fits"] for r in (fsdp, hsdp, three_d))
+assert fsdp["breakdown"]["exposed_comm"] < 0.05 * fsdp["breakdown"]["step"]               # "almost all hidden"
+assert abs(three_d["useful_flops"] / fsdp["useful_flops"] - 1) < 0.05                     # "the same FLOPs"
+bubble_share, formula = three_d["breakdown"]["bubble"] / three_d["breakdown"]["step"], 7 / 71
+assert bubble_share > formula and round(100 * formula) == 10                              # "more than 10%"
+stages = three_d["sim"].cost.stages[-1]
+computed = {r: t.compute for r, t in stages.stages.items()}
+assert max(computed, key=computed.get) == max(computed)                                   # the last stage computes most
+assert three_d["breakdown"]["exposed_comm"] > three_d["breakdown"]["p2p"]                 # tp all-reduces, not transfers
+assert 0.75 < three_d["peak"] / fsdp["peak"] < 0.85                                     # "about four fifths of FSDP's"
+assert abs(hsdp["states"] / fsdp["states"] - 8) < 0.1                                     # "8 times the model states"
+assert abs(hsdp["breakdown"]["step"] / fsdp["breakdown"]["step"] - 1) < 0.05             # "matches FSDP's step"
+assert fsdp["tflops_per_gpu"] > hsdp["tflops_per_gpu"] * 0.99 and fsdp["tflops_per_gpu"] > three_d["tflops_per_gpu"]
+print(f"bubble {bubble_share:.0%} of the 3D step (formula {formula:.0%}); each stage's compute with 2 blocks per "
+      f"stage (the simulation extrapolated from): " + ", ".join(seconds_text(c) for c in computed.values()))
+
+# %% [markdown]
+# ### Try it: move the layout
+#
+# Pick tensor- and pipeline-parallel sizes, the data-parallel strategy over what is left, the micro-batches and
+# the schedule, then "simulate": the panel adds that layout, on the same 1,024 A100s and 1,024 sequences, to the
+# figure (seconds for a layout without pp; longer with it, whose kinds of stage are simulated one by one). Things to try: pp 16 with 64 micro-batches
+# (a longer pipeline, a bigger bubble), the interleaved schedule (2 virtual stages: the bubble halves, twice the
+# transfers), tp 16 (a tensor-parallel group across two nodes: the cliff of lesson 08), fsdp with tp 8 (2D).
+
+# %%
+import ipywidgets as widgets  # noqa: E402
+from IPython.display import display  # noqa: E402
+
+controls = dict(tp=widgets.Dropdown(options=[1, 2, 4, 8, 16], value=8, description="tp"),
+                pp=widgets.Dropdown(options=[1, 2, 4, 8, 16], value=16, description="pp"),
+                strategy=widgets.Dropdown(options=["zero1", "ddp", "fsdp"], value="zero1", description="dp strategy"),
+                microbatches=widgets.Dropdown(options=[16, 32, 64, 128], value=64, description="micro-batches"),
+                schedule=widgets.Dropdown(options=["1f1b", "interleaved"], value="1f1b", description="schedule"))
+go_button, said, drawn = widgets.Button(description="simulate"), widgets.Output(), widgets.Output()
+tried: list = []  # the layouts simulated from the panel, drawn beside the three above
+with drawn:
+    display(layout_figure(list(gpt3_layouts.values())))
+
+
+def simulate_layout(_=None):
+    c = {k: w.value for k, w in controls.items()}
+    tp, pp = c["tp"], c["pp"]
+    options = dict(tp=tp) if tp > 1 else {}
+    if pp > 1:
+        options.update(pp=pp, microbatches=c["microbatches"], schedule=c["schedule"],
+                       **({"virtual_stages": 2} if c["schedule"] == "interleaved" else {}))
+    if c["strategy"] == "fsdp":
+        options["forward_prefetch"] = True
+    label = f"{c['strategy']}, tp {tp}, pp {pp}" + (f", {c['schedule']} m {c['microbatches']}" if pp > 1 else "")
+    with said:
+        said.clear_output()
+        try:
+            row = layout_row(label, c["strategy"], options, 1024 * tp * pp // 1024)
+        except ValueError as error:  # a layout that cannot be: say why, as the toolkit does
+            print(error)
+            return
+        print(f"{label}: peak {bytes_text(row['peak'])} per GPU ({'fits' if row['fits'] else 'does NOT fit'}), "
+              f"step {row['breakdown']['step']:.2f} s, {row['tflops_per_gpu']:.0f} TFLOP/s per GPU")
+    tried.append(row)
+    with drawn:
+        drawn.clear_output(wait=True)
+        display(layout_figure(list(gpt3_layouts.values()) + tried))
+
+
+go_button.on_click(simulate_layout)
+display(widgets.VBox([widgets.HBox(list(controls.values())[:3]), widgets.HBox(list(controls.values())[3:] + [go_button]),
+                      said, drawn]))

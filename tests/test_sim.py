@@ -77,7 +77,7 @@ def test_each_simulation_gives_back_the_excepthook_and_toolkit_sim_is_an_attribu
 
 @pytest.mark.parametrize("call, message", [
     (dict(strategy="zero4", world_size=8), "unknown strategy"),
-    (dict(strategy="ddp", world_size=2048), "1 to 1024"),
+    (dict(strategy="ddp", world_size=8192), "1 to 4096"),
     (dict(strategy="ddp", world_size=12, ranks_per_node=8), "whole number of nodes"),
     (dict(strategy="ddp", world_size=8, rank=8), "not a rank"),
 ])

@@ -2,6 +2,8 @@
 its DDL-roofline and Algorithm 1 on the cost model, Tutel's adaptive pipelining degree, and the FSDP
 paper's GPT-175B throughput and full-versus-hybrid trend, predicted by the simulator and the cost model.
 Each test states its tolerance and what the model cannot reproduce."""
+import functools
+
 import pytest
 import torch
 
@@ -120,34 +122,116 @@ def test_fsdp_paper_gpt_175b_whole_model_on_128_256_512_gpus():
 
 
 # --- Megatron-LM's weak-scaling table (Narayanan et al., SC21, Table 1) ----------------------------------------
-def megatron_rows():
+def megatron_table():
     from bench_module import load
 
-    table = load("megatron_table")
-    miss = ("row 1: the first-principles model predicts 175 TFLOP/s per GPU against the measured 137 (+28%); it "
-            "leaves out what the paper's run paid beyond its kernels (docs/differences.md, 'The simulator's cost model')")
-    return table, [pytest.param(i, marks=pytest.mark.xfail(strict=True, reason=miss)) if i == 1 else i
-                   for i in range(1, len(table.TABLE) + 1)]
+    return load("megatron_table")
 
 
-MEGATRON, MEGATRON_ROWS = megatron_rows()
+MEGATRON = megatron_table()
+MEGATRON_MISSES = {  # row -> what the first-principles model predicts (docs/differences.md says why)
+    1: "179 TFLOP/s per GPU against 137 (+31%)", 2: "172 against 138 (+24%)", 3: "171 against 142 (+21%)",
+    4: "170 against 135 (+26%)", 6: "162 against 140 (+15.4%)"}
+MEMORY = ("the simulated peak under full recomputation is over the GPU's 80 GB on every row (136-323 GB); the "
+          "paper ran them all: the simulator's count of what a recomputed block keeps is being fixed (helper simmem)")
 
 
-@pytest.mark.papers  # a few seconds per row on 2 cores (two and three layers per stage, extrapolated)
-@pytest.mark.timeout(1200)
-@pytest.mark.parametrize("i", MEGATRON_ROWS)
+@functools.lru_cache(maxsize=None)
+def megatron_prediction(i: int) -> dict:
+    return MEGATRON.predict(MEGATRON.row(i))
+
+
+@pytest.mark.papers  # 10 s to 3 min per row on 2 cores (the 1T row's pipeline has 64 stages, 512 micro-batches)
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("i", range(1, len(MEGATRON.TABLE) + 1))
 def test_megatron_weak_scaling_table_within_15_percent_per_row(i):
-    """Each row's per-GPU TFLOP/s (the paper's FLOP count over the predicted step time) within 15% of the paper's.
-    The model is priced from datasheets and a GEMM microbenchmark only (`bench/megatron_table.py` says how);
-    rows that need tensor or pipeline parallelism are skipped, with the reason, until the simulator runs them."""
+    """Each row's per-GPU TFLOP/s (the paper's FLOP count over the predicted step time), in the paper's own
+    configuration (`bench/megatron_table.py`: its artifact's micro-batches, DDP and schedule), priced from
+    datasheets and a GEMM microbenchmark only. Rows without pipelining: always above what the paper measured
+    (the model prices the kernels and leaves out only costs); pipelined rows also pay the transfers as the
+    toolkit's pipeline sends them (each tensor-parallel rank the whole activation, where Megatron-LM scatters
+    it), so they may land on either side. The target, within 15%: the rows in MEGATRON_MISSES miss it, and say
+    by how much; a row that comes within it fails until it is taken off that list."""
     r = MEGATRON.row(i)
-    why = MEGATRON.unsupported(r)
-    if why:
-        pytest.skip(why)
-    got = MEGATRON.predict(r)
-    assert "skipped" not in got, f"row {i}: {got.get('skipped')}"
-    assert abs(got["error"]) <= MEGATRON.TOLERANCE, (f"row {i} ({r['params']}B): predicted {got['predicted']:.0f} "
-                                                     f"TFLOP/s per GPU, paper {r['paper']}")
+    got = megatron_prediction(i)
+    said = f"row {i} ({r['params']}B): predicted {got['predicted']:.0f} TFLOP/s per GPU, paper {r['paper']}"
+    if r["pp"] == 1:
+        assert got["error"] > 0, said + ": below what the paper measured, which a kernels-only model cannot be"
+    within = abs(got["error"]) <= MEGATRON.TOLERANCE
+    if i in MEGATRON_MISSES:
+        assert not within, said + f": now within {MEGATRON.TOLERANCE:.0%}; take it off MEGATRON_MISSES"
+        pytest.xfail(f"{said} ({MEGATRON_MISSES[i]} when last measured): docs/differences.md")
+    assert within, said
+
+
+@pytest.mark.papers
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("i", [pytest.param(i, marks=pytest.mark.xfail(strict=True, reason=MEMORY))
+                               for i in range(1, len(MEGATRON.TABLE) + 1)])
+def test_megatron_weak_scaling_rows_fit_in_the_gpus_memory(i):
+    """The paper ran every row on 80 GB A100s: the simulated peak of the first stage (the embedding and, under
+    1F1B, the most micro-batches in flight) must fit too."""
+    fit = megatron_prediction(i)["fit"]
+    assert fit.fits, f"row {i}: {fit.text()}"
+
+
+@pytest.mark.papers  # about a minute on 2 cores
+@pytest.mark.timeout(1200)
+def test_megatron_figure_15_tensor_parallelism_loses_to_data_parallelism_and_falls_off_a_cliff_across_nodes():
+    """Narayanan et al.'s Figure 15 (`examples/sc21/run_figure_15.sh`): a 5.9B GPT on 64 A100s as tp x dp,
+    micro-batches of one sequence. The paper's finding: the per-GPU rate falls as tp grows, at every batch
+    size. The simulator keeps that ranking at batches of 128 and 512, and shows why: the tensor-parallel
+    all-reduces, on the critical path, grow with tp while the data-parallel one shrinks; past 8 (a node), they
+    cross the network, and the rate drops by more than a third at each doubling."""
+    for batch in (128, 512):
+        runs = {tp: MEGATRON.predict(MEGATRON.figure_15(tp, batch)) for tp in (2, 4, 8, 16, 32)}
+        rates = [runs[tp]["predicted"] for tp in sorted(runs)]
+        assert rates == sorted(rates, reverse=True), (batch, rates)
+        assert runs[16]["predicted"] < 0.7 * runs[8]["predicted"] and runs[32]["predicted"] < 0.7 * runs[16]["predicted"]
+        exposed = [runs[tp]["breakdown"]["exposed_comm"] for tp in sorted(runs)]
+        assert exposed == sorted(exposed), (batch, exposed)
+
+
+@pytest.mark.papers  # several minutes on 2 cores: five layouts of a 162B model, pipelines up to 32 stages
+@pytest.mark.timeout(3600)
+def test_megatron_figure_13_tensor_as_wide_as_a_node_and_the_pipeline_across_nodes_is_best():
+    """Narayanan et al.'s Figure 13 (`examples/sc21/run_figure_13.sh`): a 162.2B GPT on 64 A100s as pp x tp,
+    128 sequences in micro-batches of one. The paper's ranking: tp 8 x pp 8 is the fastest. The simulator,
+    running the pipeline's own schedule on every layout, ranks the same way, for the paper's reasons: wider tp
+    leaves the node (its all-reduces cross the network), deeper pipelines wait longer ((p-1)/(m+p-1))."""
+    runs = {pp: MEGATRON.predict(MEGATRON.figure_13(pp)) for pp in (2, 4, 8, 16, 32)}
+    rates = {pp: r["predicted"] for pp, r in runs.items()}
+    assert max(rates, key=rates.get) == 8, rates
+    assert runs[4]["breakdown"]["exposed_comm"] > runs[8]["breakdown"]["exposed_comm"]  # tp 16: across nodes
+    assert runs[32]["breakdown"]["bubble"] > runs[16]["breakdown"]["bubble"] > runs[8]["breakdown"]["bubble"]
+
+
+def test_the_fused_adamw_stand_in_is_torchs_adamw_and_is_recorded_as_one_kernel():
+    """`toolkit.sim.fused_adam.FusedAdamW` (the papers' fused optimizer, which torch refuses on meta tensors)
+    takes the steps torch's AdamW takes, within fp32 rounding over ten steps (two updates of a value that is
+    rounded differently differ by a few ulps: 1e-6 relative), and a simulated step records it as one operation."""
+    from toolkit.models import tiny_gpt
+    from toolkit.sim import simulate
+    from toolkit.sim.fused_adam import FusedAdamW
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(7, 15), torch.nn.Linear(7, 15)
+    b.load_state_dict(a.state_dict())
+    settings = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizers = torch.optim.AdamW(a.parameters(), **settings), FusedAdamW(b.parameters(), **settings)
+    for _ in range(10):
+        x = torch.randn(4, 7)
+        for model, opt in zip((a, b), optimizers):
+            opt.zero_grad()
+            model(x).pow(2).sum().backward()
+            opt.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
+    sim = simulate(lambda: tiny_gpt(n_layer=2, d_model=32, n_head=2), "ddp", 2, optimizer=FusedAdamW, progress=False)
+    names = [k.name for seg in sim.programs[-1] if getattr(seg, "phase", "") == "optimizer" for k, _ in seg.kernels]
+    assert names.count("_fused_adamw_") == 1 and "addcdiv_" not in names
+    with pytest.raises(ValueError, match="betas"):
+        FusedAdamW(a.parameters(), betas=(0.9, 1.5))
 
 
 # --- FasterMoE Algorithm 1 and Tutel's adaptive degree, on simulated 64-rank layers -------------------------

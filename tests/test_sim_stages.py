@@ -4,7 +4,7 @@ the critical path and on the right link, one stage equal to the one-rank rule, a
 import pytest
 
 from toolkit.sim import Collective, Compute, Wait, cluster_of
-from toolkit.sim.cost import estimate_stages
+from toolkit.sim.pipelined import estimate_stages
 from toolkit.sim.stage_timeline import P2P, schedule_stages
 from toolkit.sim.timeline import schedule
 

@@ -14,7 +14,7 @@ COMMANDS = {
     "demo": ("toolkit.demo", "main", "run every collective through the backend and the ring; table, report, trace"),
     "grade": ("toolkit.grading", "main", "grade a lab: python -m toolkit grade labs/01-ring-allreduce"),
     "compare": ("toolkit.compare", "main", "train the tiny GPT with every strategy; table, report, traces"),
-    "simulate": ("toolkit.sim.cli", "main", "one rank of a simulated cluster (up to 1024 GPUs): memory, bytes, "
+    "simulate": ("toolkit.sim.cli", "main", "one rank of a simulated cluster (up to 4096 GPUs): memory, bytes, "
                                             "whether it fits, step time"),
     "release": ("toolkit.grading.release", "main", "the students' copy of the labs, without solutions: release labs/ --out DIR"),
 }

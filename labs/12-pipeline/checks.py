@@ -1,71 +1,111 @@
-"""The graded checks of lab 12 (1F1B's action list). Each runs on every rank of a real job.
+"""The graded checks of lab 12 (1F1B's action list), judged in the grader's process.
 
-The first five read the student's lists for pp = 2, 3, 4 and m = pp and 2·pp + 1 without running a model:
-well-formed, 1F1B's warm-up, its memory bound, no deadlock and its bubble in a dry run (every rank's list
-stepped on a clock, a forward costing 1 and a backward 2, a receive waiting for its send:
-`toolkit.parallel.pipeline.lowering.replay`). The last runs the lists on real ranks at pp = 2, 3, 4: the
-toolkit's driver trains a tiny GPT with them, which must equal one process's training.
+The first five read your lists as data (tasks.py returns what `one_f_one_b` gave at pp = 2, 3, 4, with m = pp
+and an m drawn for this grading): well formed, 1F1B's warm-up, its memory bound, no deadlock and its bubble in a
+dry run. The dry run is the toolkit's own (`lowering.replay`: every rank's list stepped on a clock, a forward
+costing 1 and a backward 2, a receive waiting for its send), run here on your lists, never on your code. The
+last check has the toolkit's driver run your lists on 2, 3 and 4 real ranks, training a 12-block GPT from a
+seed drawn for this grading; here the same GPT trains in one process on the same batches, the reference the
+pipeline must match.
 """
 import torch
 
-import toolkit
-from toolkit.grading import check
+from toolkit.grading import check, number, sibling
 from toolkit.models import SyntheticCorpus, tiny_gpt
 from toolkit.parallel.pipeline import bubble, lowering, schedules
-from toolkit.trace.events import recorder
+from toolkit.parallel.pipeline.schedules import Action
 
-LAYOUTS = [(pp, m) for pp in (2, 3, 4) for m in (pp, 2 * pp + 1)]
-MODEL = dict(n_layer=12, d_model=16, n_head=2, seq_len=16)  # 12 blocks: 6, 4 or 3 per stage at pp = 2, 3, 4
-TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32: the micro-batches' sums in another order (tests/test_pipeline.py)
+ANSWERS = {"toolkit.parallel.pipeline.schedules:one_f_one_b": "the toolkit's own 1F1B schedule",
+           "toolkit.parallel.pipeline.schedules:zb_h1": "the toolkit's zero-bubble schedule, whose forwards and "
+                                                        "backwards run in 1F1B's order"}
+PIPELINES = (2, 3, 4)
+STEPS = 2
+OPTIMIZER = dict(lr=0.1, momentum=0.9)
+# fp32, as tests/test_pipeline.py derives them: a pipeline changes only the order of sums. At most 9 micro-batches
+# of one 32-token row: the loss (about 4.2), a mean of 288 per-token losses, moves by at most 288 · 2^-24 · 4.2 =
+# 7.2e-5; a gradient element by 288 · 2^-24 = 1.7e-5, and two SGD steps (lr 0.1, momentum 0.9) a parameter by
+# 0.1 · 2.9 · 1.7e-5 = 5e-6. A micro-batch left out moves a parameter by lr·|g|, 1e-3 and more.
+LOSS_ATOL, PARAM_ATOL = 1e-4, 1e-5
+# The dry run adds costs of 1 and 2: its times are exact in floats, and a bubble's fraction is off by a rounding
+# (1e-16) at most, while one time unit more in a step of 3(m + pp - 1) units moves it by more than 1e-2.
+BUBBLE_TOLERANCE = 1e-9
+MODEL = sibling(__file__).MODEL  # the GPT the ranks build (tasks.py)
 
 
-def lists(student, pp: int, m: int) -> list:
-    """Every rank's list, as Actions (a plain (kind, micro, stage) tuple is accepted too)."""
-    out = []
-    for rank in range(pp):
-        got = student.one_f_one_b(pp, m, rank)
-        if not isinstance(got, (list, tuple)):
-            raise TypeError(f"one_f_one_b({pp}, {m}, {rank}) returned a {type(got).__name__}; return a list of "
-                            f"Action(kind, micro, stage)")
-        out.append([schedules.Action(*a) for a in got])
-    return out
+def layouts(n, g):
+    """(pp, m) for pp = 2, 3, 4: m = pp (1F1B's warm-up fills the pipeline exactly) and an m drawn in pp+1 .. 3pp."""
+    drawn = [int(torch.randint(pp + 1, 3 * pp + 1, (), generator=g)) for pp in PIPELINES]
+    return {"layouts": [[pp, m] for pp, more in zip(PIPELINES, drawn) for m in (pp, more)]}
 
 
-def well_formed(student, ctx, pp: int, m: int) -> list:
+def as_actions(ctx, returned, pp: int, m: int, rank: int) -> list:
+    """What one_f_one_b(pp, m, rank) returned, as Actions, or a failure that says what it was."""
+    call = f"one_f_one_b({pp}, {m}, {rank})"
+    if not isinstance(returned, list):
+        ctx.fail(f"{call} returned {number(returned)}; return a list of Action(kind, micro, stage)")
+    for position, a in enumerate(returned):
+        if not (isinstance(a, list) and len(a) == 3 and isinstance(a[0], str)
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in a[1:])):
+            ctx.fail(f"{call}: action {position} is {number(a)}; each action is Action(kind, micro, stage), e.g. "
+                     f"Action('F', 0, {rank}) (a (kind, micro, stage) tuple is fine too)")
+    return [Action(*a) for a in returned]
+
+
+def well_formed(ctx, given, got) -> list:
+    """[(pp, m, every rank's Actions)] for every layout, checked: every F and B once, each B after its F."""
+    found = []
+    for (pp, m), returned in zip(given[0]["layouts"], got[0]["lists"]):
+        actions = [as_actions(ctx, mine, pp, m, r) for r, mine in enumerate(returned)]
+        try:
+            schedules.check(actions, pp, m)
+        except ValueError as exc:
+            ctx.fail(f"pp={pp}, microbatches={m}: {exc}")
+        found.append((pp, m, actions))
+    return found
+
+
+def shown(actions) -> str:
+    """A list of actions as the diagram prints them (1F3: stage 1, forward, micro-batch 3), else as it came."""
     try:
-        actions = lists(student, pp, m)
-        schedules.check(actions, pp, m)
-    except (TypeError, ValueError) as exc:
-        ctx.fail(f"pp={pp}, microbatches={m}: {exc}")
-    return actions
+        return " ".join(repr(Action(*a)) for a in actions)
+    except TypeError:
+        return number(actions)
 
 
-@check("every micro-batch's forward and backward, once each, the backward after the forward", points=1,
-       world_sizes=(2,))
-def complete(student, ctx):
-    for pp, m in LAYOUTS:
-        well_formed(student, ctx, pp, m)
+def dry_run(ctx, actions, pp: int, m: int, why: str = "") -> list:
+    """The replay of every rank's list (forward 1, backward 2), or a failure naming where each rank waits."""
+    try:
+        return lowering.replay(lowering.lower(actions, pp), lowering.unit_cost(False))
+    except lowering.PipelineDeadlock as exc:
+        ctx.fail(f"pp={pp}, microbatches={m}: {why}{exc}")
 
 
-@check("warm-up: rank r runs min(pp - r - 1, m) forwards before its first backward, then alternates", points=1,
-       world_sizes=(2,))
-def warm_up(student, ctx):
-    for pp, m in LAYOUTS:
-        for rank, mine in enumerate(well_formed(student, ctx, pp, m)):
+@check("every micro-batch's forward and backward on every rank, once each, the backward after the forward",
+       points=1, world_sizes=(2,), pure=True, task="lists", inputs=layouts)
+def complete(ctx, given, got):
+    well_formed(ctx, given, got)
+
+
+@check("warm-up: rank r runs min(pp - r - 1, m) forwards first, then forward/backward pairs, then backwards",
+       points=1, world_sizes=(2,), pure=True, task="lists", inputs=layouts)
+def warm_up(ctx, given, got):
+    for pp, m, actions in well_formed(ctx, given, got):
+        for rank, mine in enumerate(actions):
             kinds = "".join(a.kind for a in mine)
             warmup = min(pp - rank - 1, m)
             expected = "F" * warmup + "FB" * (m - warmup) + "B" * warmup
             if kinds != expected:
-                ctx.fail(f"pp={pp}, microbatches={m}, rank {rank} runs {kinds} ({schedules.show([mine])[8:]}); "
+                ctx.fail(f"pp={pp}, microbatches={m}, rank {rank} runs {kinds} ({shown(mine)}); "
                          f"1F1B's rank {rank} runs {warmup} warm-up forward(s) (pp - rank - 1: the stages after it "
                          f"must fill before its first gradient can come back), then forward/backward pairs, then "
                          f"the remaining backwards: {expected}")
 
 
-@check("memory: rank r never holds more than pp - r micro-batches' activations", points=1, world_sizes=(2,))
-def memory(student, ctx):
-    for pp, m in LAYOUTS:
-        for rank, mine in enumerate(well_formed(student, ctx, pp, m)):
+@check("memory: rank r never holds more than pp - r micro-batches' activations", points=1, world_sizes=(2,),
+       pure=True, task="lists", inputs=layouts)
+def memory(ctx, given, got):
+    for pp, m, actions in well_formed(ctx, given, got):
+        for rank, mine in enumerate(actions):
             held, bound = bubble.in_flight(mine), bubble.formula_in_flight("1f1b", pp, m, rank)
             if held > bound:
                 ctx.fail(f"pp={pp}, microbatches={m}: rank {rank} holds {held} micro-batches' activations at once "
@@ -73,71 +113,71 @@ def memory(student, ctx):
                          f"backward frees one before the next forward. All forwards first is GPipe: m on every rank")
 
 
-@check("no deadlock: a dry run of every rank's list completes", points=1, world_sizes=(2,))
-def no_deadlock(student, ctx):
-    for pp, m in LAYOUTS:
-        actions = well_formed(student, ctx, pp, m)
-        try:
-            lowering.replay(lowering.lower(actions, pp), lowering.unit_cost(False))
-        except lowering.PipelineDeadlock as exc:
-            ctx.fail(f"pp={pp}, microbatches={m}: {exc}")
+@check("no deadlock: a dry run of every rank's list completes", points=1, world_sizes=(2,), pure=True,
+       task="lists", inputs=layouts)
+def no_deadlock(ctx, given, got):
+    for pp, m, actions in well_formed(ctx, given, got):
+        dry_run(ctx, actions, pp, m)
 
 
-@check("the bubble: (pp - 1) / (m + pp - 1) of the step, in a dry run", points=1, world_sizes=(2,))
-def bubble_size(student, ctx):
-    for pp, m in LAYOUTS:
-        actions = well_formed(student, ctx, pp, m)
-        try:
-            timeline = lowering.replay(lowering.lower(actions, pp), lowering.unit_cost(False))
-        except lowering.PipelineDeadlock as exc:
-            ctx.fail(f"pp={pp}, microbatches={m}: the schedule deadlocks, so it has no bubble to measure: {exc}")
+@check("the bubble: every rank idles (pp - 1) / (m + pp - 1) of the step in a dry run", points=1,
+       world_sizes=(2,), pure=True, task="lists", inputs=layouts)
+def bubble_size(ctx, given, got):
+    for pp, m, actions in well_formed(ctx, given, got):
+        timeline = dry_run(ctx, actions, pp, m, "the schedule deadlocks, so it has no bubble to measure: ")
         busy, span = lowering.busy_and_span(timeline)
-        idle, formula = 1 - busy[0] / span, bubble.formula_bubble("1f1b", pp, m)
-        if abs(idle - formula) > 1e-9:
-            ctx.fail(f"pp={pp}, microbatches={m}: rank 0 idles {idle:.1%} of the step in a dry run (forward 1, "
-                     f"backward 2); 1F1B's bubble is (pp-1)/(m+pp-1) = {formula:.1%}. A rank that waits for a "
-                     f"gradient it could have had earlier, or runs a forward late, stretches the step")
+        formula = bubble.formula_bubble("1f1b", pp, m)
+        for rank, work in enumerate(busy):
+            idle = 1 - work / span
+            if abs(idle - formula) > BUBBLE_TOLERANCE:
+                ctx.fail(f"pp={pp}, microbatches={m}: rank {rank} idles {idle:.1%} of the step in a dry run "
+                         f"(forward 1, backward 2); 1F1B's bubble is (pp-1)/(m+pp-1) = {formula:.1%}. A rank that "
+                         f"waits for a gradient it could have had earlier, or runs a forward late, stretches the step")
 
 
-def train(model, opt, steps: int, rows: int, pp: bool) -> list:
+# --- on real ranks ---------------------------------------------------------------------------------------
+def training(n, g):
+    """The GPT's seed and an m drawn in pp .. 2pp + 1; m rows per step (one per micro-batch), the same on every rank."""
+    m = int(torch.randint(n, 2 * n + 2, (), generator=g))
+    corpus = SyntheticCorpus()
+    return {"seed": int(torch.randint(0, 2**31, (), generator=g)), "microbatches": m, "optimizer": OPTIMIZER,
+            "batches": [corpus.batch(step, m) for step in range(STEPS)]}
+
+
+def one_process(seed, batches):
+    """The reference: the same GPT trained alone on the whole batches; (its parameters, its losses)."""
+    torch.manual_seed(seed)
+    model = tiny_gpt(**MODEL)
+    opt = torch.optim.SGD(model.parameters(), **OPTIMIZER)
     losses = []
-    for step in range(steps):
-        x, y = SyntheticCorpus(seq_len=MODEL["seq_len"]).batch(step, rows)
-        if pp:
-            loss = model.forward_backward(x, y)
-        else:
-            loss = model(x, y)
-            loss.backward()
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-    return losses
+    return dict(model.named_parameters()), losses
 
 
-@check("on real ranks, pp = 2, 3, 4: your lists train a 12-block GPT as one process does", points=2,
-       world_sizes=(2, 3, 4))
-def real_ranks(student, ctx):
-    pp, m = ctx.world_size, 2 * ctx.world_size
-    torch.manual_seed(0)
-    reference = tiny_gpt(**MODEL)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    expected = train(reference, ref_opt, 2, m, pp=False)
-    torch.manual_seed(0)
-    sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
-    try:
-        model, opt = toolkit.parallel.wrap(tiny_gpt(**MODEL), "local", optimizer=sgd, pp=pp, microbatches=m,
-                                           schedule=student.one_f_one_b)
-    except lowering.PipelineDeadlock as exc:
-        ctx.fail(f"rank {ctx.rank}: the toolkit's driver refused to run your lists at pp={pp}: {exc}")
-    start = len(recorder.events)
-    got = train(model, opt, 2, m, pp=True)
-    ran = [f"{e['args']['stage']}{e['args']['action']}{e['args']['micro']}" for e in recorder.events[start:]
-           if e["cat"] == "compute" and "action" in e["args"] and e["args"]["step"] == 1]
-    mine = [repr(schedules.Action(*a)) for a in student.one_f_one_b(pp, m, ctx.rank)]
-    if ran != mine:
-        ctx.fail(f"rank {ctx.rank} ran {ran}, not its list {mine}")
-    for step, (loss, ref) in enumerate(zip(got, expected)):
-        ctx.expect(loss, ref, f"pp={pp}: the loss of step {step}", exact=False, **TOLERANCE)
-    state, ref_state = toolkit.parallel.full_state_dict(model), dict(reference.named_parameters())
-    for name, value in ref_state.items():
-        ctx.expect(state[name], value.detach(), f"pp={pp}: {name} after 2 steps", exact=False, **TOLERANCE)
+@check("on real ranks, pp = 2, 3, 4: the toolkit's driver runs your lists and a 12-block GPT trains as one "
+       "process does", points=2, world_sizes=PIPELINES, task="real_ranks", inputs=training)
+def real_ranks(ctx, given, got):
+    pp, m = ctx.world_size, given[0]["microbatches"]
+    for r in range(pp):
+        if "refused" in got[r]:
+            ctx.fail(f"rank {r}: the toolkit's driver refused to run your lists at pp={pp}: {got[r]['refused']}")
+    for r in range(pp):
+        if got[r]["ran"] != got[r]["listed"]:
+            ctx.fail(f"rank {r} ran {shown(got[r]['ran'])}, not its list {shown(got[r]['listed'])}: one_f_one_b "
+                     f"must return the same list every time it is called with the same arguments")
+    parameters, losses = one_process(given[0]["seed"], given[0]["batches"])
+    for r in range(pp):
+        for step, expected in enumerate(losses):
+            ctx.expect(got[r]["losses"][step], expected, f"pp={pp}, {m} micro-batches: the loss of step {step}",
+                       rank=r, exact=False, rtol=0, atol=LOSS_ATOL)
+    state = got[0]["state"]
+    for name, expected in parameters.items():
+        if name not in state:
+            ctx.fail(f"pp={pp}: the pipeline's weights have no {name}")
+        ctx.expect(state[name], expected.detach(), f"pp={pp}, {m} micro-batches: {name} after {STEPS} steps",
+                   exact=False, rtol=0, atol=PARAM_ATOL)

@@ -169,8 +169,8 @@ def _with_submodules(module) -> list:
 
 def watch(answers, submission: str) -> None:
     """Replace every answer function by one that notes when the submission (the file `submission`) calls it
-    (in its module, its class, and every loaded module that imported it by name). Call before the
-    submission is imported."""
+    (in its module, its class, every loaded module that imported it by name, and its module's tables of
+    functions). Call before the submission is imported."""
     SUBMISSION[0] = submission
     for spec in answers:
         module_name, name = _parts(spec)
@@ -192,6 +192,16 @@ def watch(answers, submission: str) -> None:
                     for key, held in list(holder.items()):
                         if held is value:
                             holder[key] = replacement
+                _in_tables(owner, value, replacement)
+
+
+def _in_tables(module, value, replacement) -> None:
+    """A module's own tables of its functions (`SCHEDULES = {"1f1b": one_f_one_b, ...}`) hand out the watched one."""
+    for name, table in list(vars(module).items()):
+        if isinstance(table, dict) and not name.startswith("__"):
+            for key, held in list(table.items()):
+                if held is value:
+                    table[key] = replacement
 
 
 def take() -> list[str]:

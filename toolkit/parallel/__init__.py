@@ -20,7 +20,7 @@ STRATEGIES = {
     "zero1": ("toolkit.parallel.zero", "wrap_zero1"),
     "zero2": ("toolkit.parallel.zero", "wrap_zero2"),
     "zero3": ("toolkit.parallel.zero", "wrap_zero3"),
-    "fsdp": ("toolkit.parallel.fsdp", "wrap"),
+    "fsdp": ("toolkit.parallel.fsdp_wrap", "wrap"),
 }
 
 

@@ -12,10 +12,26 @@ recomputation does the same).
 """
 from __future__ import annotations
 
+import functools
+
+import torch
 import torch.nn as nn
 
-from .fsdp import _checkpoint_forward
 from .fsdp_policy import default_units
+
+
+def checkpoint_forward(module: nn.Module) -> None:
+    """Run `module.forward` under activation checkpointing (non-reentrant). Under FSDP the unit's hooks stay
+    outside: in backward the unit is gathered (pre-backward hook) before autograd asks for the recomputation."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed
 
 
 def checkpoint_blocks(model: nn.Module) -> list[str]:
@@ -27,7 +43,7 @@ def checkpoint_blocks(model: nn.Module) -> list[str]:
                          f"class); leave the option off, or wrap parts of it in torch.utils.checkpoint yourself.")
     modules = dict(model.named_modules())
     for name in names:
-        _checkpoint_forward(modules[name])
+        checkpoint_forward(modules[name])
     return names
 
 

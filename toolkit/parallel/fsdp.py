@@ -29,7 +29,7 @@ Per step every unit moves its Ψ_i three times: 3Ψ(N-1)/N bytes per rank, 1.5x 
 `reshard_after_forward=False` keeps each unit gathered from its forward until its backward (no 2nd
 all-gather: 2Ψ, and ZeRO-2-like parameter memory).
 
-Options:
+Options (checked by `fsdp_wrap.wrap`, which builds the groups and the units):
   wrap_policy            which modules are units (see fsdp_policy.py); the root always is one.
   reshard_after_forward  True (default) or False, as above. (FSDP2 keeps the *root* gathered after
                          forward as a heuristic, backward needing it at once; here every unit obeys the
@@ -65,15 +65,9 @@ Limits: a unit's parameters must be used inside its module's forward, and gradie
 through that forward's outputs (reading `module.weight` between uses sees an empty tensor); every rank
 runs the same units in the same order.
 
-Absent: torch FSDP's rate limiter (`limit_all_gathers=True`, on by default there). On a GPU the CPU only
-*issues* kernels, so it can run ahead of the device, issuing the all-gathers of unit after unit before
-the device has computed (and freed) the earlier ones; the caching allocator cannot reuse memory a
-collective on another stream may still touch, so the gathered units pile up. The limiter makes the CPU
-wait on the free of the unit two back: at most two units in flight (the one computing, the one
-prefetched). On the CPU (gloo) a unit's forward has finished before the next unit's hook runs, so at most
-the root and two units are ever gathered, and notebook 04 measures exactly that; on GPUs this toolkit's
-FSDP has no limiter, and its peak memory can exceed that bound. (FSDP2 keeps the same bound with stream
-waits instead of a CPU sync.) Passing limit_all_gathers=True is an error that says so; False is accepted.
+Absent: torch FSDP's rate limiter (`limit_all_gathers=True`): on a GPU the host can issue unit after unit's
+all-gather before the device has freed the earlier ones; the limiter keeps two units in flight. On the CPU a
+unit's forward finishes before the next hook runs, so the bound holds without it (`fsdp_wrap.NO_RATE_LIMITER`).
 See docs/differences.md for every difference from torch FSDP.
 """
 from __future__ import annotations
@@ -82,100 +76,14 @@ import contextlib
 import functools
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from .. import comm
-from ..memory.ledger import record_memory
-from ..runtime import env
-from ..trace.events import phase, recorder
-from . import check_options, consistency
-from .fsdp_init import check_deferred, initialize, is_deferred, owners, seeded_init  # noqa: F401 - re-exported
-from .fsdp_policy import explain, plan
-from .fsdp_unit import SHARDED, FSDPUnit, MixedPrecision, Sharding, dtypes, sharding_groups  # noqa: F401
-from .sharded import ShardedEngine, ShardedModel, ShardedOptimizer, check_optimizer
-
-OPTIONS = ("wrap_policy", "reshard_after_forward", "forward_prefetch", "backward_prefetch",
-           "sharding_group_size", "mixed_precision", "activation_checkpointing", "param_init_fn", "unit_class",
-           "limit_all_gathers", "group")
-NO_RATE_LIMITER = (
-    "fsdp: limit_all_gathers=True asks for torch FSDP's rate limiter, which this FSDP does not have. It exists "
-    "for GPUs, where the CPU issues kernels ahead of the device and could all-gather unit after unit before "
-    "earlier ones are freed; the limiter keeps at most two units in flight. Here a unit's forward finishes on "
-    "the host before the next unit is gathered, so the bound holds without it on the CPU; on GPUs this FSDP "
-    "can use more memory than torch's. Leave the option out (or pass limit_all_gathers=False); "
-    "docs/differences.md lists what else differs from torch FSDP.")
-
-
-def _flag(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"fsdp: {name} must be True or False, got {value!r}.")
-    return value
-
-
-def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
-    """Wrap `model` for FSDP. Returns (wrapped model, sharded optimizer over the fp32 slices)."""
-    check_options("fsdp", options, OPTIONS)  # every mistake is reported before any collective
-    if _flag("limit_all_gathers", options.pop("limit_all_gathers", False)):
-        raise ValueError(NO_RATE_LIMITER)
-    check_optimizer("fsdp", optimizer)
-    param_dtype, reduce_dtype = dtypes(options.get("mixed_precision", False))
-    flags = {k: _flag(k, options.get(k, default)) for k, default in (
-        ("reshard_after_forward", True), ("forward_prefetch", False), ("backward_prefetch", True),
-        ("activation_checkpointing", False))}
-    unit_class = options.get("unit_class", FSDPUnit)
-    if not (isinstance(unit_class, type) and issubclass(unit_class, FSDPUnit)):
-        raise ValueError(f"fsdp: unit_class must be FSDPUnit or a subclass of it, got {unit_class!r}.")
-    plans = plan(model, options.get("wrap_policy"))
-    recorder.metric("fsdp/wrap_policy", explain(model, options.get("wrap_policy")))  # the Run says why these units
-    init_fn = options.get("param_init_fn")
-    deferred = is_deferred(model)
-    if deferred:
-        check_deferred(model, init_fn)
-    elif init_fn is not None:
-        raise ValueError("param_init_fn is for a model built on the meta device (deferred initialization); "
-                         "this model already has values. Build it under `with torch.device('meta'):`.")
-    if not dist.is_initialized():
-        raise RuntimeError("fsdp shards over ranks, so it needs torch.distributed initialized: run it inside "
-                           "toolkit.launch(fn, world_size) (world_size=1 works too), or call "
-                           "toolkit.runtime.init() under torchrun or mpirun.")
-    group = options.get("group")
-    world = len(comm.group_ranks(group))
-    F = options.get("sharding_group_size") or world
-    if isinstance(F, bool) or not isinstance(F, int) or F < 1 or world % F:
-        valid = [f for f in range(1, world + 1) if world % f == 0]
-        raise ValueError(f"fsdp: sharding_group_size={options.get('sharding_group_size')!r} must divide the "
-                         f"world size {world} (shard groups of F ranks, replicated {world}/F times); valid "
-                         f"values here: {valid}.")
-    consistency.check_same_model(model, group)  # a clear error now rather than a hang later
-    shard_group, replica_group = sharding_groups(F, group)
-    sharding = Sharding(shard_group, replica_group, param_dtype, reduce_dtype)
-    if not deferred:
-        model.to(env.device())
-    else:  # parameters stay on meta until their unit materializes them; buffers move now
-        for m in model.modules():
-            m._buffers.update({k: b.to(env.device()) for k, b in m._buffers.items() if b is not None})
-    with phase("setup"):  # every rank starts from rank 0's values (deferred: the seeded init agrees already)
-        consistency.broadcast_from_rank0([*([] if deferred else model.parameters()), *model.buffers()], group)
-    engine = FullyShardedDataParallel(model, plans, sharding, init_fn=init_fn if deferred else None,
-                                      unit_class=unit_class, **flags)
-    engine.optimizer = ShardedOptimizer(optimizer([u.master for u in engine.units]), engine)
-    return FSDPModel(model, engine), engine.optimizer
-
-
-def _checkpoint_forward(module: nn.Module) -> None:
-    """Run `module.forward` under activation checkpointing. The FSDP hooks stay outside: in backward the
-    unit is gathered (pre-backward hook) before autograd asks for the recomputation."""
-    forward = module.forward
-
-    @functools.wraps(forward)
-    def checkpointed(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = checkpointed
+from ..trace.events import recorder
+from .checkpointing import checkpoint_forward
+from .fsdp_init import initialize, owners, seeded_init  # noqa: F401 - re-exported
+from .fsdp_unit import SHARDED, FSDPUnit, MixedPrecision, Sharding  # noqa: F401 - re-exported
+from .sharded import ShardedEngine
 
 
 class FullyShardedDataParallel(ShardedEngine):
@@ -202,7 +110,7 @@ class FullyShardedDataParallel(ShardedEngine):
             unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
             if activation_checkpointing and unit.module is not module:
-                _checkpoint_forward(unit.module)
+                checkpoint_forward(unit.module)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.forward_order = list(self.units)  # a guess (model order) until a forward has run
@@ -354,33 +262,3 @@ class FullyShardedDataParallel(ShardedEngine):
         grads += [p.grad for p in self.params if p.grad is not None]
         optimizer = self.optimizer.state_tensors() if self.optimizer is not None else []
         return {"params": params, "grads": grads, "optimizer": optimizer}
-
-
-class FSDPModel(ShardedModel):
-    """The wrapped model: forward as the original's; `full_state_dict()`, `memory_groups()`,
-    `clip_grad_norm_()`, `no_sync()` as every sharded strategy; plus the units and a memory probe."""
-
-    @property
-    def units(self) -> list[FSDPUnit]:
-        return self.engine.units
-
-    def describe(self) -> list[dict]:
-        """One row per unit: name, parameter names, elements, padded elements, elements per shard."""
-        return [{"unit": u.name, "params": list(u.param_names), "numel": u.flat.numel,
-                 "padded_numel": u.flat.padded_numel, "shard_numel": u.flat.shard_numel,
-                 "moved_in": [name for name, _ in u.moved_in]} for u in self.units]
-
-    @contextlib.contextmanager
-    def watch_memory(self, meter=None, step=None, probe=None):
-        """Inside, record a memory sample into the trace at every gather, free and reduction (the event
-        and the unit are in the sample), so a step's memory over time shows each unit come and go.
-        `probe(event, unit)` replaces the recording with your own function."""
-        def record(event, unit):
-            record_memory(self, self.engine.optimizer, step=step, meter=meter, event=f"{event} {unit.name}")
-
-        fn = probe or record
-        self.engine.probes.append(fn)
-        try:
-            yield self
-        finally:
-            self.engine.probes.remove(fn)

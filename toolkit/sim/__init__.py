@@ -1,4 +1,4 @@
-"""A simulated cluster: the strategies' own code for one rank of up to 1024, and what a step would cost.
+"""A simulated cluster: the strategies' own code for one rank of up to 4096, and what a step would cost.
 
     sim = toolkit.sim.simulate(model_fn, "zero3", world_size=512, mixed_precision=True)
 
@@ -7,9 +7,11 @@
 operation in it, and collectives in issue order), which the cost model reads: `hardware.py` (presets
 with their sources), `kernel_time.py` (one operation's time: GEMM tiles in waves, fused attention,
 memory-bound kernels, launches), `collective_time.py` (alpha-beta on a two-level cluster),
-`timeline.py` (the overlap rule), `stage_timeline.py` (pipeline stages on one clock), `cost.py` (step
+`timeline.py` (the overlap rule), `stage_timeline.py` (pipeline stages on one clock), `pipelined.py` (a
+pipeline's ranks priced together) with `stage_assembly.py` (at scale: one rank per kind of stage), `cost.py` (step
 time, breakdown, TFLOP/s, MFU, HFU, per-operation breakdown), `modelled_run.py` (a priced step as a Run),
-`calibrate.py` with `calibrate_compute.py` and `calibrate_links.py` ("this-machine"); `fit.py` says
+`calibrate.py` with `calibrate_compute.py` and `calibrate_links.py` ("this-machine"), `fused_adam.py` (the
+papers' one-kernel AdamW, for simulating their runs); `fit.py` says
 whether the peak fits in the accelerator's memory and what would make it fit; `sweep.py` extrapolates a
 few layers to a whole model over world sizes; `cli.py` is `python -m toolkit simulate`.
 """

@@ -44,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="fsdp", choices=sorted(STRATEGIES) + [HSDP],
                    help="how the data-parallel ranks share the model; hsdp: fsdp sharded inside each group of "
                         "--sharding-group-size ranks (a node by default), replicated across the groups")
-    p.add_argument("--world-size", type=int, default=512, help="ranks (GPUs) in the simulated cluster, up to 1024")
+    p.add_argument("--world-size", type=int, default=512, help="ranks (GPUs) in the simulated cluster, up to 4096")
     p.add_argument("--rank", type=int, default=0, help="the rank this process simulates")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="GPUs per node (NVLink inside, network between; default: the cluster's, 8 without one)")

@@ -27,7 +27,6 @@ from .hardware import MEASURED, THIS_MACHINE, Cluster, check_mfu, cluster_of, me
 from .kernel_time import device_seconds, segment_seconds
 from .modelled_run import modelled_run
 from .program import Compute, check, total_flops
-from .stage_timeline import StagesTimeline, schedule_stages
 from .timeline import schedule
 
 
@@ -59,6 +58,8 @@ class StepCost:
     model_flops: list = field(default_factory=list)  # per step, this rank's: 3 x the forward pass's FLOPs
     useful_flops: list | None = None    # per step, the average rank's: all ranks' work / world (None: = flops)
     fit: object = None                  # the peak against the accelerator's memory (`fit.Fit`), when known
+    rank: int = 0
+    stages: list | None = None          # pp > 1: per step, the pipeline's stages replayed together (`pipelined`)
 
     @property
     def step_time(self) -> float:
@@ -70,8 +71,13 @@ class StepCost:
 
     @property
     def breakdown(self) -> dict:
-        """Seconds of the last step: compute, exposed_comm, overlapped_comm (and step, their compute + exposed)."""
-        return self.timelines[-1].breakdown()
+        """Seconds of the last step: compute, exposed_comm, overlapped_comm (and step, their compute + exposed).
+        A pipeline's rank also waits for other stages: "bubble" (their compute) and "p2p" (a transfer on the wire),
+        and step = compute + bubble + p2p + exposed_comm (`StagesTimeline.breakdown`)."""
+        mine = self.timelines[-1].breakdown()
+        if self.stages is None:
+            return mine
+        return dict(self.stages[-1].breakdown(self.rank), overlapped_comm=mine["overlapped_comm"])
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -155,9 +161,10 @@ class StepCost:
             return f"{self.cluster.name}: {self.fit.text()}"
         b, t = self.breakdown, seconds_text
         how = "per-operation model" if self.mfu_override is None else f"at {self.mfu_override:.0%} of peak"
+        pipeline = "" if "bubble" not in b else f"+ bubble {t(b['bubble'])} + point-to-point {t(b['p2p'])} "
         text = (f"{self.cluster.name}, {self.dtype}, {how}: step {t(self.step_time)} = compute {t(b['compute'])} "
-                f"+ exposed communication {t(max(b['exposed_comm'], 0.0))} ({t(b['overlapped_comm'])} more hidden "
-                f"behind compute); {flops_text(self.tflops_per_gpu * 1e12)} per GPU")
+                f"{pipeline}+ exposed communication {t(max(b['exposed_comm'], 0.0))} ({t(b['overlapped_comm'])} more "
+                f"hidden behind compute); {flops_text(self.tflops_per_gpu * 1e12)} per GPU")
         if abs(self.share - 1) > 1e-3:
             text += f" (all ranks' work / {self.run.meta['world_size']}; rank {self.run.ranks[0]}'s own: " \
                     f"{flops_text(self.rank_tflops * 1e12)})"
@@ -199,23 +206,6 @@ def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mf
     return cost
 
 
-def estimate_stages(programs: dict, dependencies, cluster="dgx-a100", *, ranks: dict, world_size: int,
-                    dtype: str = "bf16") -> StagesTimeline:
-    """One step of a pipeline priced on `cluster`: programs {stage: that stage's rank's program}, ranks {stage:
-    its global rank} (which link a transfer or a collective takes), dependencies: `P2P` pairs. The step time is
-    the critical path across the stages (`toolkit.sim.stage_timeline`); each stage's compute is priced
-    operation by operation as on one rank."""
-    found = cluster if isinstance(cluster, Cluster) else cluster_of(cluster)
-    found.check_world(world_size)
-    cache: dict = {}
-    for program in programs.values():
-        check(program)
-    return schedule_stages(
-        programs, dependencies, lambda stage, c: compute_time(c, found.gpu, dtype, None, cache),
-        lambda stage, c: collective_time(found, c.op, c.size_bytes, c.group, ranks[stage], c.args),
-        overlap=found.overlap, beside=found.beside_compute)
-
-
 # --- a simulation, priced ------------------------------------------------------------------------------
 def resolve(cluster, world_size: int) -> Cluster:
     """A Cluster from what a user passes; "this-machine" is calibrated for `world_size` ranks (cached)."""
@@ -231,28 +221,38 @@ def dtype_of(options: dict) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtypes(options.get("mixed_precision", False))[0], "fp32")
 
 
-def _priced(sim, found: Cluster, mfu, dtype) -> StepCost:
-    """The simulation's programs on `found`, whose nodes are taken to be the simulation's."""
+def _priced(sim, found: Cluster, mfu, dtype, stage_sims: dict | None = None) -> StepCost:
+    """The simulation's programs on `found`, whose nodes are taken to be the simulation's; under pp > 1 with every
+    stage of its pipeline (`stage_sims`), all of them together."""
     if found.gpus_per_node != sim.ranks_per_node:
         found = found.with_changes(gpus_per_node=sim.ranks_per_node)
-    cost = estimate(sim.programs, found, world_size=sim.world_size, rank=sim.rank, mfu=mfu,
-                    dtype=dtype or dtype_of(sim.options), config=sim.run.config)
+    common = dict(world_size=sim.world_size, mfu=mfu, dtype=dtype or dtype_of(sim.options), config=sim.run.config)
     from .fit import check_fit
 
-    cost.useful_flops, cost.fit = sim.useful_flops_per_step(), check_fit(sim, found)
+    if stage_sims is None:
+        cost = estimate(sim.programs, found, rank=sim.rank, **common)
+        cost.useful_flops, cost.fit = sim.useful_flops_per_step(), check_fit(sim, found)
+        return cost
+    from .pipelined import estimate_pipeline, useful_flops
+
+    cost = estimate_pipeline(stage_sims, found, rank=sim.rank, **common)
+    fits = {r: check_fit(s, found) for r, s in stage_sims.items()}
+    cost.useful_flops = useful_flops(stage_sims)
+    cost.fit = fits[sim.rank] if all(f.fits for f in fits.values()) else next(f for f in fits.values() if not f.fits)
     return cost
 
 
 def pricer(cluster, world_size: int, *, mfu: float | None = None, dtype: str | None = None):
-    """Check `cluster` and `mfu` now; return price(sim), which fills sim.cost, sim.fit, sim.modelled_run and, when
-    the peak fits in the accelerator's memory, sim.step_time, sim.tflops_per_gpu, sim.mfu, sim.hfu, sim.breakdown
-    (None when it does not: it would not run). What `simulate(..., cluster=...)` does."""
+    """Check `cluster` and `mfu` now; return price(sim, stage_sims=None), which fills sim.cost, sim.fit,
+    sim.modelled_run and, when the peak fits in the accelerator's memory, sim.step_time, sim.tflops_per_gpu,
+    sim.mfu, sim.hfu, sim.breakdown (None when it does not: it would not run). What `simulate(..., cluster=...)`
+    does; under pp > 1 it passes every stage of the pipeline, and every stage must fit."""
     found = resolve(cluster, world_size)
     if mfu is not None:
         check_mfu(mfu)
 
-    def price(sim) -> StepCost:
-        cost = _priced(sim, found, mfu, dtype)
+    def price(sim, stage_sims: dict | None = None) -> StepCost:
+        cost = _priced(sim, found, mfu, dtype, stage_sims)
         sim.cost, sim.modelled_run, sim.fit = cost, cost.run, cost.fit
         ran = cost.fit.fits
         sim.step_time, sim.tflops_per_gpu, sim.mfu, sim.hfu, sim.breakdown = (
@@ -263,5 +263,7 @@ def pricer(cluster, world_size: int, *, mfu: float | None = None, dtype: str | N
 
 
 def price(sim, cluster="dgx-a100", *, mfu: float | None = None, dtype: str | None = None) -> StepCost:
-    """What a Simulation's steps would cost on another cluster (or at another mfu): a StepCost; `sim` is unchanged."""
-    return _priced(sim, resolve(cluster, sim.world_size), None if mfu is None else check_mfu(mfu), dtype)
+    """What a Simulation's steps would cost on another cluster (or at another mfu): a StepCost; `sim` is unchanged
+    (a pipelined one is priced with the stages it was simulated with)."""
+    return _priced(sim, resolve(cluster, sim.world_size), None if mfu is None else check_mfu(mfu), dtype,
+                   getattr(sim, "stage_sims", None))

@@ -8,10 +8,21 @@ Checked with torch 2.13 (tests/test_sim_fake.py); if a release moves it, this is
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 BACKEND = "fake"
-MAX_WORLD_SIZE = 1024  # what the toolkit promises (and tests); the fake group itself has no limit
+MAX_WORLD_SIZE = 4096  # what the toolkit promises (and tests); the fake group itself has no limit
+
+
+def _completes_at_once() -> None:
+    """A fake collective is complete as soon as it is issued (its result, shapes only, is in place), but torch's
+    FakeWork answers `is_completed()` with False forever: code that lets go of finished work as it goes (the
+    pipeline's mailbox, of the activations it has sent) would hold all of it to the step's end, which no real
+    run does. Here it answers True."""
+    work = getattr(torch._C._distributed_c10d, "FakeWork", None)
+    if work is not None:
+        work.is_completed = lambda self: True
 
 
 def store():
@@ -23,6 +34,7 @@ def store():
 
 def init(world_size: int, rank: int) -> None:
     """Make this process rank `rank` of a fake default group of `world_size` ranks."""
+    _completes_at_once()
     dist.init_process_group(BACKEND, store=store(), rank=rank, world_size=world_size)
 
 

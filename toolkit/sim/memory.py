@@ -91,6 +91,14 @@ class StepMemory(MemTracker):
                                                        p.register_post_accumulate_grad_hook(self._accumulated))
         return 0, 0
 
+    def _pre_fw_hook(self, module, inputs) -> None:
+        """A pipeline stage's forward runs once per micro-batch: MemTracker takes a root module's second forward
+        in one iteration for the next iteration and refuses it; only the rank's peak is kept here, so allow it."""
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            if set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+                return
+        super()._pre_fw_hook(module, inputs)
+
     def _grad(self, grad) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 

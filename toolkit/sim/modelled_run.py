@@ -46,8 +46,8 @@ def _span_events(timeline: Timeline, step: int) -> list[dict]:
         if s.kind != "compute":
             continue
         for key, name, cat, args in s.instruction.spans:
-            if name == s.instruction.phase:  # the loop's own "forward"/"backward"/"optimizer": above
-                continue
+            if name == s.instruction.phase and "action" not in args:  # the loop's own phases: above (a pipeline's
+                continue                                                # actions are spans of their own)
             if key in spans:
                 spans[key]["end"] = s.end
                 spans[key]["args"]["flops"] += s.instruction.flops
@@ -61,7 +61,8 @@ def _comm_event(s, step: int) -> dict:
     c = s.instruction
     args = dict(c.args, group=list(c.group), size_bytes=c.size_bytes, bytes_sent=c.bytes_sent,
                 bytes_recv=c.bytes_recv, async_op=c.async_op, impl=c.args.get("impl", "backend"),
-                modelled=True, step=step, link=s.cost.link, modelled_s=s.end - s.start, queued_s=s.start - s.issued)
+                modelled=True, step=step, link=s.cost.link, modelled_s=s.end - s.start, queued_s=s.start - s.issued,
+                issue_order=c.id)
     if c.label:
         args["label"] = c.label  # the unit, MoE step or module that issued it (the door's own args stay as they were)
     return {"name": c.op, "cat": "comm", "phase": c.phase, "start": s.start, "end": s.end, "args": args}

@@ -21,6 +21,7 @@ hold the simulation to a real gloo run of the same code.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import warnings
 
@@ -37,15 +38,17 @@ from . import cluster as _cluster
 from .cost import pricer, resolve
 from .hardware import check_mfu
 from .memory import StepMemory
+from .pipelined import is_pipelined
 from .record import OpCounter, Programmer
 from .simulation import Simulation, count_params
+from .stage_assembly import simulate_pipeline
 from .tensor_parallel import describe as describe_tp
 
 
 def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_per_node: int | None = None,
              batch_per_rank: int = 1, seq_len: int | None = None, steps: int = 1, warmup: bool = True,
              optimizer=torch.optim.AdamW, routing=None, progress: bool = True, cluster=None,
-             mfu: float | None = None, **options) -> Simulation:
+             mfu: float | None = None, every_stage: bool = False, **options) -> Simulation:
     """Run `steps` training steps of `strategy` for rank `rank` of a simulated `world_size`-rank cluster.
 
     model_fn() builds the model (called under `torch.device("meta")`); it maps token ids (x, y) of shape
@@ -59,6 +62,13 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     Tensor parallelism: `tp=`, `sequence_parallel=`, `tp_plan=` as in `toolkit.parallel.wrap`; the world is then
     dp x tp and `batch_per_rank` is the sequences of one data-parallel replica (every rank of its tp group
     computes on them). A tp group wider than `ranks_per_node` is allowed, with a warning that says its cost.
+    Pipeline parallelism: `pp=`, `microbatches=`, `schedule=`, `virtual_stages=`, `pp_split=`; `batch_per_rank` is
+    still a replica's sequences (split into the micro-batches), and a step is the schedule (`forward_backward`).
+    Priced on a cluster, the step is the critical path of this rank's whole pipeline (`toolkit.sim.pipelined`):
+    one rank of each kind of stage is simulated with the fewest micro-batches that reach its peak, and every
+    rank's program for the real micro-batches is put together from theirs (`every_stage=True`: every rank, every
+    micro-batch, the same result slower); `sim.stage_sims` are the pipeline's ranks, `sim.stage_peaks` the peaks
+    of those simulated.
     cluster: price the steps on a cluster (`toolkit.sim.presets()`: "dgx-a100", "dgx-h100", "this-machine",
     or a user-defined one) and fill sim.fit (the peak against its accelerator's memory: sim.fits), cost and
     modelled_run, and, when it fits, sim.step_time, tflops_per_gpu, mfu and breakdown (`cost.pricer`);
@@ -73,6 +83,12 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
         raise ValueError(f"mfu={mfu} is the fraction of peak a cluster's GPUs reach when the step is priced, and no "
                          f"cluster was given: pass cluster= with it (e.g. cluster='dgx-a100'), or leave mfu out.")
     price = None if found is None else pricer(found, world_size, mfu=mfu)
+    if price is not None and is_pipelined(options):  # the step is the pipeline's: its other stages are needed
+        again = functools.partial(simulate, model_fn, strategy, world_size, ranks_per_node=ranks_per_node,
+                                  seq_len=seq_len, warmup=warmup, optimizer=optimizer, routing=routing,
+                                  progress=progress)
+        return simulate_pipeline(again, price, world_size=world_size, rank=rank, batch_per_rank=batch_per_rank,
+                                 steps=steps, every_stage=every_stage, options=options)
     if strategy not in parallel.STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(parallel.STRATEGIES)}.")
     for name, value in (("batch_per_rank", batch_per_rank), ("steps", steps)):
@@ -113,6 +129,7 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
                      expert_parallel=expert_parallel, local_expert_params=local_experts,
                      batch_per_rank=batch_per_rank, seq_len=seq, run=run, expert_row_flops=row_flops, **measured)
     sim.tensor_parallel = tensor_parallel  # None unless tp= (sim/tensor_parallel.py)
+    sim.pipeline_info = getattr(model, "pipeline", None)  # pp > 1: the schedule, its actions, the blocks' split
     if price is not None:
         price(sim)
     return sim
@@ -134,7 +151,14 @@ def _node_size(ranks_per_node, found) -> int:
 def train_step(model, opt, x, y, *, step: int, bar=None, after=None, updated=None) -> None:
     """One training step in `toolkit.train`'s phases and spans; `after(label)` ends each phase, and
     `updated()` runs between the optimizer's update and `zero_grad` (every model state alive)."""
-    for name in ("forward", "backward", "optimizer"):
+    names = ("forward", "backward", "optimizer")
+    if hasattr(model, "pipeline"):  # pp > 1: the schedule runs forward and backward of every micro-batch
+        with span("forward_backward", step=step):  # (its actions are spans of their own, in their phases)
+            model.forward_backward(x, y)
+        if after is not None:
+            after(None)
+        names = ("optimizer",)
+    for name in names:
         with phase(name):
             with span(name, step=step, **({} if name == "optimizer" else {"micro": 0})):
                 if name == "forward":

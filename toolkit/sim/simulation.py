@@ -28,8 +28,8 @@ import torch
 
 from ..memory import formulas
 from ..run import Run
+from ..trace import analysis  # noqa: F401 (toolkit.trace.analysis comes with the simulator, as lessons and tests use it)
 from ..units import bytes_text, count_text
-from ..trace.analysis import bytes_per_step as _bytes_per_phase
 from .program import Collective, Compute, collectives, total_flops
 
 
@@ -99,8 +99,14 @@ class Simulation:
 
     @property
     def bytes_per_phase(self) -> dict:
-        """The last step's bytes sent by phase: `toolkit.trace.analysis.bytes_per_step` of this Run."""
-        return _bytes_per_phase(self.run, self.rank)[-1]
+        """The last step's bytes sent by phase, {"forward": b, ..., "total": b}, from its program (what
+        `toolkit.trace.analysis.bytes_per_step` reads from a real Run; a pipeline's program may be put together
+        for more micro-batches than its Run simulated: `toolkit.sim.stage_assembly`)."""
+        out = {"total": 0}
+        for c in self.collectives():
+            out[c.phase] = out.get(c.phase, 0) + c.bytes_sent
+            out["total"] += c.bytes_sent
+        return out
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -110,8 +116,12 @@ class Simulation:
         """Bytes sent in the last step by collectives whose group spans more than one node.
 
         As the FSDP paper counts per-GPU cross-host traffic: a ring over ranks on several nodes is charged
-        in full (how the hops map onto NICs is the cost model's business)."""
-        return sum(c.bytes_sent for c in self.collectives() if len({self.node_of(r) for r in c.group}) > 1)
+        in full (how the hops map onto NICs is the cost model's business). A pipeline's send crosses the network
+        when its peer is on another node (its group is the whole pipeline's)."""
+        def ends(c):
+            return (self.rank, c.args["peer"]) if c.op in ("send", "recv") and "peer" in c.args else c.group
+
+        return sum(c.bytes_sent for c in self.collectives() if len({self.node_of(r) for r in ends(c)}) > 1)
 
     @property
     def flops(self) -> float:

@@ -13,6 +13,9 @@ and cannot go below zero; where its line would, the deeper model hides it all (s
     rows = sweep(presets.zero_7_5b, layers=36, strategies={"ddp": {}, "zero3": {}}, worlds=(8, 64, 512),
                  cluster="dgx-a100", mixed_precision=True)
 
+Under pipeline parallelism (a strategy's options with pp=) the stages' blocks are what repeats: one and two
+blocks per stage are simulated (`PIPELINE_BASE`), the rest extrapolated, the bubble and transfers with them.
+
 Each row says whether the whole model's peak fits in the cluster's GPU memory (`fits`, `fit`: the verdict,
 its headroom and what would make it fit); a case that does not fit has no step time, TFLOP/s or MFU (None).
 """
@@ -26,42 +29,44 @@ from .fit import check_fit
 from .simulate import simulate
 
 BASE = (3, 4)  # the depths simulated
+PIPELINE_BASE = (1, 2)  # under pp: blocks per stage simulated (every stage's blocks are alike; no prefetch between)
 
 
-def _affine(one: float, two: float, layers: int) -> float:
-    return one + (layers - BASE[0]) * (two - one)
+def extrapolate(one, two, layers: int, at: tuple = BASE) -> dict:
+    """The numbers of an L-layer model from priced simulations of its `at`-layer versions. Under pipeline
+    parallelism `layers` and `at` count blocks per stage (per virtual stage with interleaving), and the step is
+    also made of the bubble and the transfers, each affine in the blocks per stage while the slowest stage
+    stays the slowest (the first or last: the embedding, the head)."""
+    def _affine(x: float, y: float, n: float = layers) -> float:
+        return x + (n - at[0]) * (y - x) / (at[1] - at[0])
 
-
-def extrapolate(one, two, layers: int) -> dict:
-    """The numbers of an L-layer model from priced simulations of its BASE-layer versions."""
     a, b = one.cost, two.cost
-    compute = _affine(a.breakdown["compute"], b.breakdown["compute"], layers)
-    exposed = max(_affine(a.breakdown["exposed_comm"], b.breakdown["exposed_comm"], layers), 0.0)
-    step = compute + exposed
+    parts = [k for k in ("compute", "bubble", "p2p") if k in a.breakdown]
+    breakdown = {k: max(_affine(a.breakdown[k], b.breakdown[k]), 0.0) for k in parts}
+    exposed = max(_affine(a.breakdown["exposed_comm"], b.breakdown["exposed_comm"]), 0.0)
+    step = sum(breakdown.values()) + exposed
     comm = _affine(a.breakdown["exposed_comm"] + a.breakdown["overlapped_comm"],
-                   b.breakdown["exposed_comm"] + b.breakdown["overlapped_comm"], layers)
-    breakdown = {"compute": compute, "exposed_comm": exposed, "overlapped_comm": max(comm - exposed, 0.0),
-                 "step": step}
-    flops = _affine(one.flops, two.flops, layers)
-    useful = _affine(one.useful_flops, two.useful_flops, layers)
+                   b.breakdown["exposed_comm"] + b.breakdown["overlapped_comm"])
+    breakdown.update(exposed_comm=exposed, overlapped_comm=max(comm - exposed, 0.0), step=step)
+    flops = _affine(one.flops, two.flops)
+    useful = _affine(a.useful_flops[-1], b.useful_flops[-1])
     categories = set(one.peak_memory) | set(two.peak_memory)
-    peak_memory = {k: max(_affine(one.peak_memory.get(k, 0), two.peak_memory.get(k, 0), layers), 0.0)
-                   for k in categories}
+    peak_memory = {k: max(_affine(one.peak_memory.get(k, 0), two.peak_memory.get(k, 0)), 0.0) for k in categories}
     whole = SimpleNamespace(  # the L-layer model, as the verdict reads a Simulation
         peak=sum(peak_memory.values()), peak_memory=peak_memory, strategy=one.strategy, options=one.options,
         world_size=one.world_size, batch_per_rank=one.batch_per_rank, seq_len=one.seq_len,
-        num_params=_affine(one.num_params, two.num_params, layers),
-        expert_params=_affine(one.expert_params, two.expert_params, layers), expert_parallel=one.expert_parallel)
+        num_params=_affine(one.num_params, two.num_params),
+        expert_params=_affine(one.expert_params, two.expert_params), expert_parallel=one.expert_parallel)
     fit = check_fit(whole, a.cluster)
     peak_flops = a.cluster.gpu.flops_per_s(a.dtype)
     share = useful / flops if flops else 1.0  # the average rank's work over this rank's
-    model_flops = _affine(a.model_flops[-1], b.model_flops[-1], layers) * share
+    model_flops = _affine(a.model_flops[-1], b.model_flops[-1]) * share
     ran = fit.fits
     return {"step_time": step if ran else None, "flops": flops, "useful_flops": useful,
             "tflops_per_gpu": useful / step / 1e12 if ran else None,
             "mfu": model_flops / step / peak_flops if ran else None, "hfu": useful / step / peak_flops if ran else None,
             "peak": whole.peak, "peak_memory": peak_memory,
-            "states": _affine(one.memory["total"], two.memory["total"], layers), "num_params": whole.num_params,
+            "states": _affine(one.memory["total"], two.memory["total"]), "num_params": whole.num_params,
             "fits": ran, "fit": fit, "breakdown": breakdown, "layers": layers}
 
 
@@ -82,9 +87,15 @@ def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100"
             found = resolve(cluster, world)
             if progress is not None:
                 progress(f"{label} x{world}")
-            sims = [simulate(lambda n=n: model_fn(n_layer=n), strategy, world, warmup=warmup, progress=False,
-                             cluster=found, **{**common, **options}) for n in BASE]
-            rows.append(dict(extrapolate(*sims, layers), label=label, strategy=strategy, world_size=world))
+            both = {**common, **options}
+            stages = both.get("pp", 1) * both.get("virtual_stages", 1)  # under pp: blocks per stage
+            at = PIPELINE_BASE if stages > 1 else BASE
+            if layers % stages:
+                raise ValueError(f"{label}: {layers} layers do not split into pp x virtual_stages = {stages} stages.")
+            sims = [simulate(lambda n=n: model_fn(n_layer=n * stages), strategy, world, warmup=warmup, progress=False,
+                             cluster=found, **both) for n in at]
+            rows.append(dict(extrapolate(*sims, layers // stages, at), label=label, strategy=strategy,
+                             world_size=world))
     return rows
 
 

@@ -41,6 +41,7 @@ class Span:
     instruction: object  # the Compute, Collective or Wait it came from
     issued: float = 0.0  # comm: when the strategy issued it (start - issued = time queued for a link)
     cost: object = None  # comm: its CollectiveCost
+    paired: bool = False  # comm: one half of a point-to-point transfer between stages (`stage_timeline`)
 
 
 @dataclass
