@@ -42,8 +42,11 @@ atexit.register(shutil.rmtree, _IPYTHON_DIR, ignore_errors=True)
 
 def _children() -> set[int]:
     """PIDs of live processes started from this test process: a launch's keeper, ranks and what they started
-    (in their own sessions, possibly orphaned), known by the environment they inherit."""
-    me, found = os.getpid(), set()
+    (in their own sessions, possibly orphaned), known by the environment they inherit (a zygote's, for those
+    it forked; the zygotes themselves live as long as this process, by design)."""
+    from toolkit.runtime import zygotes
+
+    me, found, ours = os.getpid(), set(), set(zygotes.pids())
     mine = f"TOOLKIT_TEST_PID={me}".encode()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -55,7 +58,8 @@ def _children() -> set[int]:
                 env = f.read()
         except OSError:
             continue
-        if fields[0] != "Z" and b"TOOLKIT_LAUNCH_DIR=" in env and (int(fields[1]) == me or mine in env.split(b"\0")):
+        launched = b"TOOLKIT_LAUNCH_DIR=" in env or b"TOOLKIT_ZYGOTE=" in env
+        if fields[0] != "Z" and launched and int(pid) not in ours and (int(fields[1]) == me or mine in env.split(b"\0")):
             found.add(int(pid))
     return found
 

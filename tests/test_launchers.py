@@ -203,6 +203,14 @@ def test_ipyparallel_apply_recovers_and_a_killed_engine_is_named_as_the_one_that
         assert_told_at_once(failed.value)
         note = toolkit.runtime.explain_cluster_error(rc, failed.value)
         assert note.startswith("toolkit: rank 1 (engine 1) raised ValueError: rank one is unhappy"), note
+        # failures in a row: the next group is built at the first collective, and rank 1 never comes to it (it
+        # raised first); the others waited out timeout_s in its rendezvous ("wait timeout ... /toolkit/pg/3")
+        with pytest.raises(ipp.error.CompositeError) as again:
+            view.execute(RAISES_ON_RANK_1, silent=False, block=True)
+        assert_told_at_once(again.value)
+        with pytest.raises(ipp.error.CompositeError) as again:
+            view.apply_sync(cell["raises_on_rank_1_while_the_others_reduce"])
+        assert_told_at_once(again.value)
         assert view.apply_sync(cell["sum_of_ranks"]) == [[6.0, 6.0]] * 3  # the next call just works
         # one element per engine: engine r reduces (r + 1) * scale_r, so every engine gets 1*1 + 2*2 + 3*3
         assert view.map_sync(cell["sum_of_ranks"], [1.0, 2.0, 3.0]) == [[14.0, 14.0]] * 3

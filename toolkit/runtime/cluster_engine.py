@@ -13,6 +13,8 @@ collective the others entered. So each engine:
    group was built at. If they differ, the cell's first collective builds the group of that generation
    first. Every engine reads the same count, so all of them build the same new group together, engines
    whose cell succeeded included; a cell that runs no collective (on one engine, say) builds nothing.
+   The engines meet in the store before they build it (`_join`): one whose cell fails before its first
+   collective counts a failed cell and never comes, and the others, seeing the count move, fail at once.
 
 Functions sent with `view.apply` / `apply_sync` / `map_sync` run outside cells; the same two steps wrap
 them (`_wrap_apply`), so they recover as cells do. Groups made with `dist.new_group` in earlier cells die
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -63,6 +66,7 @@ def setup(backend: str, timeout_s: float) -> Placement:
 
 def _build(generation: int) -> None:
     """The default group of this generation; every engine must call this (it connects to all of them)."""
+    _join(generation)
     if dist.is_initialized():
         dist.destroy_process_group()
     _init(f"toolkit/pg/{generation}")
@@ -71,6 +75,28 @@ def _build(generation: int) -> None:
     from ..comm import collectives
 
     collectives._ranks_cache.clear()  # it held the old generation's group objects
+
+
+def _join(generation: int) -> None:
+    """Wait until every engine has come to build this generation's group. One whose call failed before its
+    first collective never comes: it counted a failed cell instead, and the others stop waiting at once (in
+    gloo's rendezvous they would wait out the whole timeout for it)."""
+    from ..comm.collectives import PeerFailed
+
+    store, place = _state["store"], _state["place"]
+    joined = f"toolkit/pg/{generation}/joined"
+    store.add(joined, 1)
+    give_up = time.monotonic() + _state["timeout"].total_seconds()
+    while store.add(joined, 0) < place.world_size:
+        if store.add(_FAILED_CELLS, 0) != generation:
+            raise PeerFailed(f"rank {place.rank} could not rebuild the process group after a failed cell: another "
+                             "rank of the group went away (it raised before its first collective of this call); "
+                             "look for that rank's own error.")
+        if time.monotonic() > give_up:
+            raise PeerFailed(f"rank {place.rank} could not rebuild the process group after a failed cell: it timed "
+                             "out waiting for the other ranks of the group (one finished this call without any "
+                             "collective, while this one entered one).")
+        time.sleep(0.01)
 
 
 def _init(prefix: str, lazy: bool = False) -> None:

@@ -14,9 +14,13 @@ Why a process of its own, not the launcher (a notebook kernel) itself:
    (The keeper itself may wait for a CPU after the death wakes it; the kernel counts that wait, and the
    keeper takes it off the time it writes.)
 
-It imports nothing but the standard library (it is run by path, not as `toolkit.runtime.keeper`, so
-torch is never imported: it starts in tens of milliseconds). Without prctl (not Linux) it still starts,
-dates and kills the ranks; an orphan that left its rank's process group may then escape.
+It imports nothing but the standard library: run by path (not as `toolkit.runtime.keeper`, so torch is
+never imported: it starts in tens of milliseconds), it starts each rank as a fresh interpreter; forked by
+the zygote (`zygote.py`, which loads this file by path too), it forks each rank and `start` makes the rank
+a fresh interpreter's equal. Either way it is the ranks' parent and subreaper, and it dies with the
+launcher (PR_SET_PDEATHSIG on its parent: the launcher, or the zygote, which ends with the launcher).
+Without prctl (not Linux) it still starts, dates and kills the ranks; an orphan that left its rank's
+process group may then escape.
 
 Launcher side: `Keeper.start(...)`, `keeper.exits()`, `keeper.pids()`, `keeper.stop()`.
 """
@@ -88,20 +92,31 @@ def _write(folder: str, name: str, text: str) -> None:
     os.replace(path + ".tmp", path)  # the launcher never reads half a file
 
 
+class Child:
+    """A rank forked in this process (by the zygote's keeper): what `_Ranks` needs of a Popen."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+
+def _exec_rank(folder: str, rank: int, fd: int, env: dict) -> subprocess.Popen:
+    """A rank as a fresh interpreter: `python -m toolkit.runtime.worker FOLDER`, in a session of its own."""
+    return subprocess.Popen([sys.executable, "-m", "toolkit.runtime.worker", folder], env=env,
+                            start_new_session=True, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT)
+
+
 class _Ranks:
     def __init__(self, folder: str):
         self.folder, self.by_pid = folder, {}
 
-    def spawn(self, world_size: int, fds: list[int]) -> None:
-        folder = self.folder
+    def spawn(self, world_size: int, fds: list[int], start) -> None:
+        """`start(folder, rank, fd, env)` starts rank `rank`, its output to `fd`; it returns the child (its .pid)."""
         for rank in range(world_size):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank))
-            p = subprocess.Popen([sys.executable, "-m", "toolkit.runtime.worker", folder], env=env,
-                                 start_new_session=True, stdin=subprocess.DEVNULL, stdout=fds[rank],
-                                 stderr=subprocess.STDOUT)
+            p = start(self.folder, rank, fds[rank], dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank)))
             os.close(fds[rank])  # the rank holds its end now; the launcher reads the other
             self.by_pid[p.pid] = (rank, p)
-        _write(folder, "pids.json", json.dumps([p.pid for _, p in sorted(self.by_pid.values(), key=lambda v: v[0])]))
+        pids = [p.pid for _, p in sorted(self.by_pid.values(), key=lambda v: v[0])]
+        _write(self.folder, "pids.json", json.dumps(pids))
 
     def reaped(self, pid: int, status: int, when: float) -> None:
         """Note a reaped child: a rank's end is written with its time; an orphan's is just collected."""
@@ -153,24 +168,40 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def main(folder: str, world_size: int, fds: list[int]) -> None:
+def _gone(pid: int) -> bool:
+    """True once `pid` has ended (a zombie counts: it ended, nobody has collected it yet; without /proc, True)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return True
+
+
+def main(folder: str, world_size: int, fds: list[int], parent: int | None = None, start=_exec_rank) -> None:
+    """Start the ranks (`start`: as fresh interpreters, or forked by the zygote's keeper), date their ends,
+    and on SIGTERM (the launcher's, or `parent`'s death) kill everything below. `parent`: the process whose
+    death means the launcher's (the launcher itself, or the zygote that forked this keeper)."""
     def stop(signum, frame):
         raise _Stop
 
     signal.signal(signal.SIGTERM, stop)
     ranks, launcher = _Ranks(folder), int(os.environ.get("TOOLKIT_LAUNCHER_PID", os.getppid()))
+    parent = launcher if parent is None else parent
     try:
         subreaper = _become_subreaper()
         _write(folder, "keeper.json", json.dumps({"subreaper": subreaper}))
-        _die_with_parent(launcher)
-        ranks.spawn(world_size, fds)
+        _die_with_parent(parent)
+        ranks.spawn(world_size, fds, start)
         while True:  # date each death as it happens; collect orphans
             if not ranks.reap_all(block=True):
                 time.sleep(0.02)  # no child right now (an orphan may still be re-parented here later)
     except _Stop:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        orphaned = os.getppid() != parent
+        if orphaned:  # not asked: said first, so that the ranks' deaths read as what they are
+            _write(folder, "orphaned", str(parent))
         _kill_everything(ranks)
-        if os.getppid() != launcher:  # the launcher died: nobody else will remove its folder
+        if orphaned and _gone(launcher):  # the launcher died: nobody else will remove its folder
             shutil.rmtree(folder, ignore_errors=True)
     os._exit(0)
 
@@ -179,19 +210,21 @@ def main(folder: str, world_size: int, fds: list[int]) -> None:
 class Keeper:
     """The launcher's handle on a running keeper and its ranks."""
 
-    def __init__(self, folder: str, world_size: int, process: subprocess.Popen, streams: list):
+    def __init__(self, folder: str, world_size: int, process, streams: list):
+        """`process`: the keeper, a Popen, or a `zygotes.Forked` (its handle when the zygote forked it)."""
         self.folder, self.world_size, self.process, self.streams = folder, world_size, process, streams
 
     @classmethod
     def start(cls, folder: str, world_size: int, env: dict) -> "Keeper":
         """Start the keeper, which starts the ranks; `streams[r]` reads rank r's output (stdout and stderr)."""
+        from .zygotes import fork_keeper  # here: run by path, this file imports nothing of the package
+
         pipes = [os.pipe() for _ in range(world_size)]
-        writers = [w for _, w in pipes]
+        writers, env = [w for _, w in pipes], dict(env, TOOLKIT_LAUNCHER_PID=str(os.getpid()))
         try:
-            process = subprocess.Popen(
+            process = fork_keeper(folder, world_size, env, writers) or subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), folder, str(world_size), *map(str, writers)],
-                env=dict(env, TOOLKIT_LAUNCHER_PID=str(os.getpid())), pass_fds=writers, start_new_session=True,
-                stdin=subprocess.DEVNULL)
+                env=env, pass_fds=writers, start_new_session=True, stdin=subprocess.DEVNULL)
         finally:
             for w in writers:
                 os.close(w)
@@ -215,6 +248,14 @@ class Keeper:
                 return json.load(f)
         except (OSError, ValueError):
             return []
+
+    def orphaned(self) -> int | None:
+        """The pid of the process whose death made the keeper stop everything on its own (None: it did not)."""
+        try:
+            with open(os.path.join(self.folder, "orphaned")) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return None
 
     def lost(self) -> int | None:
         """The keeper's own exit code if it ended before being told to (None while it runs)."""

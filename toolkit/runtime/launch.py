@@ -5,10 +5,12 @@ How it works, in the order it happens:
    cell or in a script's `__main__` travels (plain multiprocessing spawn cannot pickle those, and
    forking a parent that already ran torch can deadlock the children's thread pools).
 2. The parent hosts the rendezvous store on a port the OS picks, so launches never collide.
-3. A small keeper process (`keeper.py`) starts each rank as a fresh `python -m toolkit.runtime.worker`
-   process in its own process group, and dates each rank's end as it happens. The rank initializes
-   torch.distributed, runs `fn(*args)` and writes its result (or its traceback) to a private
-   temporary folder.
+3. A small keeper process (`keeper.py`) starts each rank as `python -m toolkit.runtime.worker` would
+   start, in its own session, and dates each rank's end as it happens. Keeper and ranks are forked by
+   this process's zygote, which imported torch once (`zygote.py`; each rank is made what a fresh
+   interpreter would be), or started as fresh interpreters where no zygote can serve (`zygotes.py`). The
+   rank initializes torch.distributed, runs `fn(*args)` and writes its result (or its traceback) to a
+   private temporary folder.
 4. The parent watches every rank's exit code, error file and status board (`status.py`). When one
    fails, it stops every rank at once and raises, naming the rank that *caused* it (`blame.py`): the
    one that raised on its own, died, or never entered a collective its peers waited in for `timeout_s`;
@@ -158,6 +160,13 @@ def _stacks(keeper: Keeper, folder: str, evidence, ranks) -> str:
                    for r, text in sorted(found.items()))
 
 
+def _orphaned(keeper: Keeper) -> None:
+    parent = keeper.orphaned()
+    if parent is not None:
+        raise RankError(f"the zygote that forked this launch's keeper (pid {parent}) ended, killed from outside?, and "
+                        "the keeper stopped every rank (no rank failed). The next launch starts a new zygote.")
+
+
 def _watch(keeper: Keeper, boards, folder: str, timeout_s: float, deadline_s: float | None) -> None:
     """Wait for every rank; on the first failure or hang, stop them all and raise, naming the cause."""
     started, trouble_since = time.time(), None
@@ -172,12 +181,14 @@ def _watch(keeper: Keeper, boards, folder: str, timeout_s: float, deadline_s: fl
                 evidence = _evidence(keeper, boards, folder)
         verdict = blame.judge(evidence, time.time(), timeout_s)
         if verdict is not None and (verdict.found_cause or time.time() - trouble_since > _CAUSE_GRACE_S):
+            _orphaned(keeper)  # the ranks' deaths are then the keeper's doing, not their own
             named = [verdict.rank] if verdict.rank is not None and not verdict.traceback else []
             raise RankError(verdict.message() + _stacks(keeper, folder, evidence, named), verdict.rank)
         if deadline_s is not None and time.time() - started > deadline_s:
             where = "\n".join(blame.where_every_rank_was(evidence, time.time()))
             raise RankError(f"the ranks ran past deadline_s={deadline_s}s and were stopped.\n{where}"
                             + _stacks(keeper, folder, evidence, range(len(evidence))))
+        _orphaned(keeper)
         if keeper.lost() is not None:
             raise RankError(f"the launch's keeper process (which starts and watches the ranks) ended with code "
                             f"{keeper.lost()}: killed from outside? Every rank was stopped.")
