@@ -248,3 +248,32 @@ def test_backend_choice():
         assert resolve_backend("auto", 2) == "gloo"
     with pytest.raises(ValueError, match="choose one of"):
         resolve_backend("ucc")
+
+
+def _engines_of_this_test_process() -> list[int]:
+    """PIDs of live ipyparallel engines started from this test process (they inherit TOOLKIT_TEST_PID)."""
+    mine, found = f"TOOLKIT_TEST_PID={os.getpid()}".encode(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"ipyparallel" in command and b"engine" in command and mine in env:
+            found.append(int(pid))
+    return found
+
+
+def test_a_cluster_whose_engines_fail_to_set_up_stops_every_engine_it_started(monkeypatch):
+    """Seen in the suite: an engine's set-up raised inside `cluster()`, which returned no client to stop, and its
+    engines ran until the test process exited (every later test then found them left running)."""
+    import toolkit
+
+    cluster_module = sys.modules["toolkit.runtime.cluster"]  # the package's `cluster` is the function
+    before = set(_engines_of_this_test_process())
+    monkeypatch.setattr(cluster_module, "_SETUP", "raise ValueError('set-up failed ({backend}, {timeout_s})')")
+    with pytest.raises(Exception, match="set-up failed"):
+        toolkit.runtime.cluster(2, activate=False, timeout_s=5)
+    assert gone(set(_engines_of_this_test_process()) - before, patience_s=30)

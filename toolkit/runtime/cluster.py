@@ -66,14 +66,18 @@ def cluster(n: int, *, backend: str = "auto", timeout_s: float = 30.0, activate:
     c.config.MPILauncher.mpi_cmd = [_mpiexec()]
     c.config.MPILauncher.mpi_args = ["-disable-auto-cleanup"]  # one dead engine must not take the others down
     rc = c.start_and_connect_sync(activate=activate and _in_ipython())
-    rc.wait_for_engines(n, timeout=_START_TIMEOUT_S)
-    view = rc[:]
-    view.execute(_SETUP.format(backend=backend, timeout_s=float(timeout_s)), block=True)
-    places = view.pull("_toolkit_place", block=True)
-    rc.toolkit_cluster = {"n": n, "backend": backend, "timeout_s": timeout_s, "activate": activate,
-                          "ranks": {e: p.rank for e, p in zip(view.targets, places)},
-                          "pids": view.apply_sync(os.getpid)}
-    rc.toolkit_cluster["ends"] = EngineEnds(dict(zip(view.targets, rc.toolkit_cluster["pids"])))
+    try:
+        rc.wait_for_engines(n, timeout=_START_TIMEOUT_S)
+        view = rc[:]
+        pids = view.apply_sync(os.getpid)
+        rc.toolkit_cluster = {"n": n, "backend": backend, "timeout_s": timeout_s, "activate": activate, "pids": pids}
+        view.execute(_SETUP.format(backend=backend, timeout_s=float(timeout_s)), block=True)
+        places = view.pull("_toolkit_place", block=True)
+    except BaseException:
+        stop(rc)  # a start that failed half-way (an engine's set-up raised, engines never came) leaves nothing
+        raise
+    rc.toolkit_cluster["ranks"] = {e: p.rank for e, p in zip(view.targets, places)}
+    rc.toolkit_cluster["ends"] = EngineEnds(dict(zip(view.targets, pids)))
     _guard_targets(rc)
     if _in_ipython():
         _explain_under_errors(rc)

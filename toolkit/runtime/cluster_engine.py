@@ -81,7 +81,7 @@ def _join(generation: int) -> None:
     """Wait until every engine has come to build this generation's group. One whose call failed before its
     first collective never comes: it counted a failed cell instead, and the others stop waiting at once (in
     gloo's rendezvous they would wait out the whole timeout for it)."""
-    from ..comm.collectives import PeerFailed
+    from ..comm.handle import PeerFailed
 
     store, place = _state["store"], _state["place"]
     joined = f"toolkit/pg/{generation}/joined"
