@@ -41,7 +41,9 @@ def pass_along(send: torch.Tensor, receive: torch.Tensor, left: int, right: int,
     """One ring step: give `send` to the right neighbour while filling `receive` from the left one.
 
     Both messages are posted before either is awaited: if every rank first did a blocking send, every
-    rank would wait for its neighbour to receive, and the ring would deadlock.
+    rank would wait for its neighbour to receive, and the ring would deadlock. Tensors of any size work,
+    empty ones (0 elements, as `tensor_split` makes when there are fewer elements than ranks) included, as
+    long as `send` here has the size of `receive` on the right neighbour.
     """
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right, group),
                                     dist.P2POp(dist.irecv, receive, left, group)])

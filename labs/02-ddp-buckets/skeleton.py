@@ -107,17 +107,16 @@ class BucketedDDP(nn.Module):
         What must hold: the gradient is in its bucket's slice (`self.bucket_of[index]`, `bucket.views`) and marked
         ready; every bucket that is complete is travelling: its all-reduce through `toolkit.comm`, asynchronous (the
         handle kept on the bucket), averaging over the ranks (the whole batch's gradient is the mean of the ranks').
-        Every rank must issue the same collectives in the same order, whatever order its gradients arrive in: launch
-        buckets in bucket order (`self.next_bucket`). Nothing waits here: a wait would stall backward at every
-        bucket, and nothing would overlap (the grader watches both).
+        Every rank must issue the same collectives in the same order, whatever order its own gradients arrive in
+        (`self.next_bucket`, the first bucket not launched yet, is there for that). Nothing waits here: a wait would
+        stall backward at every bucket, and nothing would overlap (the grader watches both).
         """
         raise NotImplementedError("grad_ready: not written yet")
 
     def finish_backward(self) -> None:
         """Backward is over (autograd calls this once, after the last gradient). Afterwards every parameter's `.grad`
-        holds the average over the ranks, and the buckets are ready for the next backward (nothing marked ready, no
-        handle, `next_bucket` back at 0): a bucket left looking launched is never launched again, and the next step
-        silently reuses stale gradients. If a bucket was never launched, a parameter got no gradient in this
-        backward: raise an error that says which.
+        holds the average over the ranks, and the next backward finds the buckets and the wrapper as `__init__` left
+        them (otherwise the next step can silently reuse this step's gradients). If a bucket was never launched, a
+        parameter got no gradient in this backward: raise an error that says which.
         """
         raise NotImplementedError("finish_backward: not written yet")

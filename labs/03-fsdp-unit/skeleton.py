@@ -38,6 +38,10 @@ class MyUnit(FSDPUnit):
     self.grads     during backward, a FlatBuffer holding the unit's full flat gradient (`self.grads.data`),
                    this rank's gradient of its own rows of the batch. FSDP fills it; you reduce it.
     self.reduction what `reduce_grad` leaves for `finish_reduce` (given): (handle, output, input).
+    self._gather   free for your `unshard` and `wait_unshard`: what an all-gather in flight needs kept.
+
+    A FlatBuffer also has `.allocate()` (gives a freed storage its bytes back, values undefined) and `.free()`
+    (storage to 0 bytes, the tensor and its views stay). README.md lists the collectives' signatures.
     """
 
     # --- yours: 1. gather the whole unit ---------------------------------------------------------------
@@ -75,7 +79,8 @@ class MyUnit(FSDPUnit):
         padded like the flat parameter) over the shard group, asynchronously: rank r receives only slice r, the
         average over the ranks (the whole batch's gradient is the mean of theirs). Leave (handle, output, input) in
         `self.reduction` for `finish_reduce` (given: it waits and adds the slice into the shard's fp32 gradient; the
-        input must live until the bytes have travelled), and let the next backward start without `self.grads`.
+        input must live until the bytes have travelled). Afterwards `self.grads` is None: FSDP makes a fresh buffer
+        for the next backward.
         """
         raise NotImplementedError("reduce_grad: not written yet")
 

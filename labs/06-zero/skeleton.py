@@ -28,7 +28,6 @@ def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int, int]
     Why padding: a reduce-scatter and an all-gather move equal pieces, one per rank, so the buffer must
     split into world_size slices of the same size, and the zeros at the end change no sum. `padded` is the
     smallest such size; slices are contiguous, in rank order, and together cover [0, padded).
-    Example: shard_bounds(10, 4, 3) == (9, 12, 12).
     """
     raise NotImplementedError("shard_bounds: not written yet")
 
@@ -92,8 +91,9 @@ class Zero2:
     # --- yours: 3. the partitioned step ------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
-        """One optimizer step: afterwards every rank's model holds the whole updated parameters, and no
-        gradient is left.
+        """One optimizer step: afterwards every rank's model holds the whole updated parameters, and the slice's
+        gradient, used, is dropped (`self.master.grad` is None: stage 2 keeps no gradient from one step to the next;
+        not graded, since the next `reduce_gradients` replaces it anyway).
 
         This rank's optimizer knows only its slice (`self.master`, a view of `self.flat.data`): stepping it
         updates 1/N of the model, here. The other slices were updated on their owners, so each rank must then

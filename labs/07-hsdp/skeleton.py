@@ -35,9 +35,8 @@ def hsdp_layout(world_size: int, F: int) -> tuple[list[list[int]], list[list[int
 
 
 def make_groups(F: int):
-    """(this rank's shard group, this rank's replica group), as process groups (your `hsdp_layout`).
-    `dist.new_group(ranks)` must be called by *every* rank of the job, for *every* group, in the same order, even
-    for groups the rank is not in: the ranks agree on each group by counting calls.
+    """(this rank's shard group, this rank's replica group), as process groups (your `hsdp_layout`), for the
+    world of all ranks; `dist.new_group`'s rule is in README.md.
     """
     raise NotImplementedError("make_groups: not written yet")
 
@@ -56,9 +55,16 @@ class HybridUnit(FSDPUnit):
     """One FSDP unit that shards over your shard group and averages over your replica group.
 
     Given: `__init__` builds the unit (flat parameter, this rank's fp32 master slice) over your groups:
-    self.sharding.shard_group, .replica_group, .size (F), .rank (the slice this rank owns).
+    self.sharding.shard_group, .replica_group, .size (F), .rank (the slice this rank owns), .reduce_dtype.
     During backward FSDP fills `self.grads` (a FlatBuffer: `self.grads.data` is the unit's full flat
-    gradient of this rank's rows), then calls `reduce_grad()`, and at the end of backward `finish_reduce()`.
+    gradient of this rank's rows, padded to a multiple of F, in `self.sharding.reduce_dtype`: fp32 in this lab;
+    `self.grads.shard_numel` is one slice's size), then calls `reduce_grad()`, and at the end of backward
+    `finish_reduce()`.
+    self.reduction what your `reduce_grad` leaves for your `finish_reduce`: (handle, output, input) while a
+                   reduce-scatter is in flight (FSDP looks at it: not None means "still to finish"), else None.
+    self.mine      the `Shard` the optimizer reads: `self.mine.grad` is this rank's fp32 gradient slice
+                   (`shard_numel` elements), None after `zero_grad`.
+    self.master    this rank's fp32 slice of the parameters (`self.master.device`: where tensors live).
     """
 
     def __init__(self, plan, sharding, **kwargs):

@@ -57,7 +57,9 @@ class MixedUnit(FSDPUnit):
     def add_grad(self, p) -> bool:
         """`p.grad` (in param_dtype: backward ran in bf16) is final for this backward: add it into the unit's flat
         gradient buffer, `self.grads`, and drop it. Return True when it was the unit's last gradient of this
-        backward (`self.waiting` counts those still to come), which is when FSDP calls `reduce_grad`.
+        backward, which is when FSDP calls `reduce_grad`. `self.waiting` counts the unit's gradients still to come:
+        `FSDPUnit.__init__` sets it to the number of parameters, your `add_grad` counts it down, and FSDP sets it back
+        to that number at the end of every backward (you never reset it).
 
         The buffer is laid out like the flat parameter (`self.flat.shapes`, padded for `self.sharding.size` ranks;
         `self.index[p]` is p's place in it), in reduce_dtype, and starts at zero on the first gradient of a
