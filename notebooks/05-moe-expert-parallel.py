@@ -219,7 +219,8 @@ for T_enc in (128, 256, 512):
 # ## 4. Expert parallelism: experts on different ranks, tokens travel
 #
 # With W ranks, rank r holds experts r·E/W .. (r+1)·E/W - 1; every rank routes *its own* tokens. One
-# forward of `toolkit.moe.MoE` (read `toolkit/moe/layer.py`: one method per step):
+# forward of `toolkit.moe.MoE` (lab 04 has you write these steps: do it before you read
+# `toolkit/moe/layer.py`, which holds its answers):
 #
 # 1. **route**: the gate above, on this rank's tokens;
 # 2. **exchange counts**: an all-to-all of E integers: rank r learns how many rows each rank will send

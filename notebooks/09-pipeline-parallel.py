@@ -62,8 +62,9 @@ def dry_run(name, pp, m, v=1):
 # `<stage><kind><micro-batch>`:
 #
 # - **GPipe** (Huang et al. 2019): every forward, then every backward.
-# - **1F1B** (PipeDream-Flush, Narayanan et al. 2021): p - r - 1 warm-up forwards on rank r, then one
-#   forward, one backward, ..., then the remaining backwards.
+# - **1F1B** (PipeDream-Flush, Narayanan et al. 2021): a warm-up of forwards (how many, on rank r, is lab
+#   12's question: read it from the lists below), then one forward, one backward, ..., then the remaining
+#   backwards.
 #
 # Everything else (what to send, when to receive) follows from the list: `lowering.py` puts in a receive
 # before each F (the previous stage's activation) and each B (the next stage's gradient), and a send after.
@@ -72,7 +73,7 @@ def dry_run(name, pp, m, v=1):
 print("GPipe, p = 4, m = 8\n" + schedules.show(schedules.build("gpipe", 4, 8)))
 print("\n1F1B, p = 4, m = 8\n" + schedules.show(schedules.build("1f1b", 4, 8)))
 one_f_one_b = schedules.build("1f1b", 4, 8)
-assert [a.kind for a in one_f_one_b[0][:5]] == ["F", "F", "F", "F", "B"]  # rank 0: p warm-up forwards (3 + 1)
+assert [a.kind for a in one_f_one_b[0][:5]] == ["F", "F", "F", "F", "B"]  # rank 0: warm-up Fs, then a steady-state F
 assert [a.kind for a in one_f_one_b[3][:4]] == ["F", "B", "F", "B"]  # the last stage: no warm-up at all
 
 # %% [markdown]

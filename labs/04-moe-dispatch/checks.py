@@ -102,7 +102,8 @@ def _exchange_inputs(n, g):
     def rows(i):  # rank i's rows: the value says (sender, destination, position)
         return torch.cat([torch.tensor([[100.0 * i + 10 * j + p, 0.5] for p in range(S[i][j])]).reshape(-1, 2)
                           for j in range(n)])
-    return [{"rows": rows(r), "out_splits": S[r], "in_splits": [S[i][r] for i in range(n)],
+    # torch's names (all_to_all_single): input_split_sizes = what this rank sends, output_ = what it receives
+    return [{"rows": rows(r), "in_splits": S[r], "out_splits": [S[i][r] for i in range(n)],
              "probe": torch.randn(sum(S[i][r] for i in range(n)), 2, generator=g)} for r in range(n)]
 
 

@@ -52,7 +52,7 @@ def sort(student, rank, given):
 
 def all_to_all(student, rank, given):
     x = given["rows"].clone().requires_grad_(True)
-    out = student.all_to_all(x, given["in_splits"], given["out_splits"], rank.group, "lab")
+    out = student.all_to_all(x, given["out_splits"], given["in_splits"], rank.group, "lab")
     (out * given["probe"]).sum().backward()
     return {"out": out.detach(), "grad": x.grad}
 

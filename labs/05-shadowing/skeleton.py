@@ -22,9 +22,6 @@ def worker_loads(counts, owners, shadowed=()) -> list:
 
     An unshadowed expert's rows, from every worker, are computed by its owner; a shadowed expert's rows
     stay with the worker that routed them. With nothing shadowed this is B_w.
-
-    Example: counts [[6, 1], [6, 1]], owners [0, 1]: B = [12, 2]; shadowing expert 0 gives [6, 8]
-    (worker 0 keeps its own 6 rows of expert 0; worker 1 computes its 6 plus expert 1's 2).
     """
     raise NotImplementedError("worker_loads: not written yet")
 
@@ -54,10 +51,8 @@ def latency_shadowed(counts, owners, shadowed, *, H, alpha, P, W_net, element_by
 def choose_shadows(counts, owners, *, H, alpha, P, W_net, element_bytes=4) -> list:
     """The experts to shadow, in the order they were accepted.
 
-    Experts are tried heaviest first (load = rows routed to it by all workers; ties: lower id first).
-    Start from Lat_imbl; tentatively add the next expert; keep it if Lat_shadow of the set so far plus
-    it is below the best latency so far (which it then becomes); at the first that is not, stop.
-    Algorithm 1 is greedy: the first expert that does not pay ends the search, even if a later (lighter) one
-    would have. Every rank runs this on the same counts and must reach the same choice.
+    Algorithm 1 as the README specifies it (heaviest first, ties by lower id; accept while the prediction
+    falls below the best so far; the first that does not ends the search). Every rank runs this on the
+    same counts and must reach the same choice.
     """
     raise NotImplementedError("choose_shadows: not written yet")

@@ -24,8 +24,7 @@ from toolkit.trace.events import recorder, span
 def split_capacity(x: torch.Tensor, degree: int) -> list[torch.Tensor]:
     """Cut x (E, C, d) into `degree` chunks along the capacity (dim 1), in order: sizes differ by at most one (the
     first ones larger), no chunk is empty (a degree above C gives C chunks of one slot), and put back together they
-    are x. A degree below 1 is an error (ValueError). Examples, capacity 5: degree 2 -> slots [3, 2]; degree 3 ->
-    [2, 2, 1]; degree 8 -> [1, 1, 1, 1, 1].
+    are x. A degree below 1 is an error (ValueError).
     """
     raise NotImplementedError("split_capacity: not written yet")
 
@@ -40,9 +39,9 @@ def run_pipeline(x: torch.Tensor, degree: int, compute, group, names) -> torch.T
     chunk k's received rows. `exchange(chunk, group, name, k, count)` posts one chunk's all-to-all and returns at
     once; its `.wait()` returns what arrived.
 
-    The point (lesson 06, section 2): while chunk k computes, chunk k+1's dispatch must already be travelling, and
-    chunk k's combine must travel while chunk k+1 computes. So a chunk's exchange is posted before the computation
-    it should hide behind, and waited for only when its data is needed; the grader reads the order from the trace.
+    The point (lesson 06, section 2): while chunk k computes, chunk k+1's dispatch is already travelling, and chunk
+    k's combine travels while chunk k+1 computes; the grader reads from the trace when each exchange was posted and
+    first waited for, against when each chunk's experts ran.
     Degree 1 is the plain layer: nothing overlaps.
     """
     raise NotImplementedError("run_pipeline: not written yet")

@@ -69,7 +69,7 @@ def judge_ring(ctx, got, ops):
                          + named(value, want["mistakes"], RING_MISTAKES))
 
 
-@check("all_reduce_time: the ring's 2(N-1) steps of one chunk, on five cases (2 to 512 ranks), and 0 for one rank",
+@check("all_reduce_time: the ring all-reduce in the alpha-beta model, on five cases (2 to 512 ranks), 0 for one rank",
        points=2, world_sizes=(1,), task="ring_times",
        inputs={"cases": [("all_reduce", *case) for case in RING_CASES] + [("all_reduce", 2**20, 1, 1e-5, 1e-9)]})
 def all_reduce(ctx, given, got):
@@ -79,7 +79,7 @@ def all_reduce(ctx, given, got):
                  f"{seconds(got[0]['values'][-1])}")
 
 
-@check("reduce_scatter_time and all_gather_time: N-1 steps of one chunk", points=2, world_sizes=(1,),
+@check("reduce_scatter_time and all_gather_time: the ring's two halves", points=2, world_sizes=(1,),
        task="ring_times", inputs={"cases": [(op, *case) for op in ("reduce_scatter", "all_gather")
                                             for case in RING_CASES]})
 def reduce_scatter_and_all_gather(ctx, given, got):

@@ -47,7 +47,7 @@ def step_time(program, compute_seconds, comm_seconds) -> dict:
     Collective's data is ready when the compute issued before it is done, and it runs on the one communication
     stream from then, or once the collective before it has ended; a Wait holds the compute stream until its
     collective has ended; the step ends when both streams are done. compute is the sum of the compute times,
-    exposed_comm = step - compute (time the compute stream waited), overlapped_comm the communication time that ran
-    while the compute stream was busy.
+    exposed_comm = step - compute, overlapped_comm = the total communication time minus exposed_comm (the
+    communication that hid behind computation).
     """
     raise NotImplementedError("step_time: not written yet")

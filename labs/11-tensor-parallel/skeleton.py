@@ -27,7 +27,8 @@ def _rank_and_size(group) -> tuple[int, int]:
 
 # --- yours: 1. the conjugate operators --------------------------------------------------------------------
 class CopyToTP(torch.autograd.Function):
-    """f: identity in forward; in backward, the gradient of X is the sum of every rank's (all-reduce)."""
+    """f, entering the tensor-parallel region: every rank goes on with the whole X, and X's gradient is the whole
+    MLP's on every rank."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -39,7 +40,8 @@ class CopyToTP(torch.autograd.Function):
 
 
 class ReduceFromTP(torch.autograd.Function):
-    """g: in forward, the sum of every rank's partial result (all-reduce); identity in backward."""
+    """g, leaving the tensor-parallel region: every rank goes on with the whole Y (the sum of the ranks' partial
+    results), and each rank's partial result gets its right gradient."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -66,11 +68,11 @@ class ColumnParallelLinear(nn.Module):
 
     # --- yours: 2 ------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("ColumnParallelLinear.forward: f, then this rank's slice of the linear layer")
+        raise NotImplementedError("ColumnParallelLinear.forward: not written yet")
 
 
 class RowParallelLinear(nn.Module):
-    """Y = g(X_r A_r^T) + b: the partial sums of this rank's input slice added up, then the bias, once.
+    """Y = sum over ranks r of X_r A_r^T, plus b: the whole output, from this rank's slice X_r of the input features.
 
     Given: `self.weight` (out, in/t) holds columns r·in/t .. (r+1)·in/t - 1 of the whole weight (its input
     features), `self.bias` the whole bias (every rank holds it); `self.group` the tensor-parallel group."""
@@ -84,7 +86,7 @@ class RowParallelLinear(nn.Module):
 
     # --- yours: 3 ------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("RowParallelLinear.forward: the partial product, g, then the bias once")
+        raise NotImplementedError("RowParallelLinear.forward: not written yet")
 
 
 class ParallelMLP(nn.Module):

@@ -86,7 +86,7 @@ def complete(ctx, given, got):
     well_formed(ctx, given, got)
 
 
-@check("warm-up: rank r runs min(pp - r - 1, m) forwards first, then forward/backward pairs, then backwards",
+@check("warm-up: each rank runs as many forwards before its first backward as 1F1B allows, then pairs, then backwards",
        points=1, world_sizes=(2,), pure=True, task="lists", inputs=layouts)
 def warm_up(ctx, given, got):
     for pp, m, actions in well_formed(ctx, given, got):

@@ -28,7 +28,7 @@ def one_f_one_b(pp: int, microbatches: int, rank: int, virtual_stages: int = 1) 
     - no deadlock: with every rank running its own list, each receive is eventually matched by a send;
     - no avoidable wait: a rank starts a backward as soon as its gradient can have arrived, so that with a
       forward costing 1 and a backward 2 every rank idles only GPipe's bubble, (pp - 1) / (m + pp - 1) of the step.
-    The README's "1F1B" section says how many forwards rank r can run before its first gradient comes back, and why.
+    How many forwards rank r runs before its first backward is yours to work out (README, "1F1B").
     `virtual_stages` is always 1 here (the driver passes it to every schedule; the interleaved one uses it).
     """
     raise NotImplementedError("one_f_one_b: not written yet")
