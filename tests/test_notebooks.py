@@ -60,7 +60,10 @@ def test_notebook_runs_top_to_bottom(path, tmp_path):
     kernel = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp_path / "kernel"))
     client = NotebookClient(nb, km=kernel, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": os.path.dirname(path)}})
-    client.execute()  # raises CellExecutionError with the failing cell and its traceback
+    try:
+        client.execute()  # raises CellExecutionError with the failing cell and its traceback
+    finally:  # nbclient stops only a kernel it made itself: this one (and the zygote its launches started)
+        kernel.shutdown_kernel(now=True)  # would otherwise outlive the test, to the end of the session
     if os.path.basename(path).startswith(PRINTS_THE_SIMULATOR):
         noise = printed_noise(nb)
         assert not noise, f"{_id(path)} prints numbers no one should read: {noise}"
