@@ -45,7 +45,7 @@ from IPython.display import HTML, display
 
 import toolkit
 from toolkit import viz
-from toolkit.compare import MODEL, predicted_model_states
+from toolkit.compare_theory import MODEL, predicted_model_states
 from toolkit.memory import communication_per_step, model_states, model_states_breakdown
 from toolkit.models import tiny_gpt
 from toolkit.run import Run

@@ -1,7 +1,7 @@
 """`python -m toolkit compare` has an "hsdp" row: FSDP sharded within pairs of ranks, replicated across them."""
 import pytest
 
-from toolkit import compare
+from toolkit import compare, compare_theory
 
 
 def test_hsdp_is_offered_beside_fsdp():
@@ -11,10 +11,10 @@ def test_hsdp_is_offered_beside_fsdp():
 
 def test_hsdp_theory():
     psi = 1000
-    t = compare.hsdp_theory(psi, 4, mixed_precision=False)  # F = 2 shards, R = 2 replicas
+    t = compare_theory.hsdp_theory(psi, 4, mixed_precision=False)  # F = 2 shards, R = 2 replicas
     assert t["states"] == pytest.approx(16 * psi / 2)
     assert t["sent"] == pytest.approx((3 * psi / 2 + 2 * (psi / 2) / 2) * 4)
-    t8 = compare.hsdp_theory(psi, 8, mixed_precision=True)  # F = 2, R = 4, 16-bit on the wire
+    t8 = compare_theory.hsdp_theory(psi, 8, mixed_precision=True)  # F = 2, R = 4, 16-bit on the wire
     assert t8["sent"] == pytest.approx((3 * psi / 2 + 2 * (psi / 2) * 3 / 4) * 2)
 
 

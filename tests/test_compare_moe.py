@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from toolkit import compare
+from toolkit import compare, compare_theory
 
 
 def test_moe_ep_is_offered_without_changing_the_strategies():
@@ -13,10 +13,10 @@ def test_moe_ep_is_offered_without_changing_the_strategies():
 
 
 def test_moe_theory_counts_dense_all_reduce_and_all_to_alls():
-    config = compare.TrainConfig(strategy="ddp", global_batch_size=8, model=dict(compare.MODEL))
-    t = compare.moe_theory(2, config, mixed_precision=False)
+    config = compare.TrainConfig(strategy="ddp", global_batch_size=8, model=dict(compare_theory.MODEL))
+    t = compare_theory.moe_theory(2, config, mixed_precision=False)
     assert t["dense"] + t["experts"] == t["num_params"] and t["experts_per_rank"] * 2 == t["experts"]
-    d, layers, tokens = compare.MODEL["d_model"], compare.MODEL["n_layer"], 4 * config.seq_len
+    d, layers, tokens = compare_theory.MODEL["d_model"], compare_theory.MODEL["n_layer"], 4 * config.seq_len
     all_to_all = 4 * layers * tokens * 2 * (1 / 2) * d * 4 + layers * 4 * (1 / 2) * 8
     assert t["sent"] == pytest.approx(2 * t["dense"] * (1 / 2) * 4 + all_to_all)
     assert t["states"] == pytest.approx(16 * (t["dense"] + t["experts_per_rank"]))

@@ -25,8 +25,10 @@ import sys
 import time
 
 from . import parallel
+from .compare_theory import (HSDP_GROUP, MODEL, MOE, ZERO_STAGE, hsdp_theory, moe_theory,
+                             predicted_model_states)
 from .interpret import collectives_per_step, notes
-from .memory import communication_per_step, model_states
+from .memory import communication_per_step
 from .models import moe_model_fn, tiny_gpt
 from .runtime.env import default_world_size
 from .trace.analysis import bytes_per_step, overlap_fraction
@@ -34,14 +36,11 @@ from .trace.chrome import save_chrome
 from .train import TrainConfig, launch_train
 
 MOE_LABEL = "moe-ep"
-HSDP_LABEL, HSDP_GROUP = "hsdp", 2  # "hsdp": strategy fsdp with sharding_group_size=2
+HSDP_LABEL = "hsdp"  # strategy fsdp with sharding_group_size=HSDP_GROUP
 DEFAULT_STRATEGIES = ("local", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", HSDP_LABEL, MOE_LABEL)
-ZERO_STAGE = {"local": 0, "dp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
-MODEL = dict(n_layer=2, d_model=64, n_head=4)
 # Strategy options for a model this small: DDP's default 25 MB bucket would hold the whole model,
 # leaving nothing to overlap; a quarter of the gradient bytes gives four buckets.
 STRATEGY_OPTIONS = {"ddp": lambda grad_bytes: {"bucket_cap_mb": grad_bytes / 4 / 2**20}}
-MOE = dict(strategy="ddp", experts_per_rank=2, top_k=2)  # how "moe-ep" trains the MoE-GPT
 NOT_APPLICABLE = "n/a"  # "local": one rank, nothing sent or overlapped; "moe-ep": another model than local's
 
 
@@ -64,50 +63,6 @@ def available_strategies(wanted=DEFAULT_STRATEGIES) -> list[str]:
             continue
         out.append(name)
     return out
-
-
-def predicted_model_states(num_params: int, world: int, strategy: str, mixed_precision: bool) -> float:
-    """The formula's bytes per rank for params + grads + optimizer under this strategy.
-
-    fp32 AdamW: 4 + 4 + 8 bytes per parameter (no separate master copy); mixed precision: 2 + 2 + 12.
-    """
-    if mixed_precision:
-        return model_states(num_params, world, ZERO_STAGE[strategy])
-    return model_states(num_params, world, ZERO_STAGE[strategy], param_bytes=4, grad_bytes=4, optimizer_multiplier=8)
-
-
-def moe_theory(world: int, config: TrainConfig, mixed_precision: bool) -> dict:
-    """What "moe-ep" should cost per rank: model states of the dense parameters plus this rank's experts,
-    and bytes sent per step: DDP's all-reduce of the dense gradients plus, per MoE layer, the count
-    exchange and four all-to-alls of token rows (dispatch, combine, and both again in backward),
-    each sending the (W-1)/W of a rank's T*k rows that belong to other ranks' experts (balanced
-    routing, nothing dropped)."""
-    from .models import moe_gpt
-    from .moe import is_expert
-
-    E, k = MOE["experts_per_rank"] * world, MOE["top_k"]
-    model = moe_gpt(E, k, **MODEL)
-    experts = sum(p.numel() for p in model.parameters() if is_expert(p))
-    dense = model.num_params() - experts
-    layers = MODEL["n_layer"]
-    tokens = config.global_batch_size // world * config.seq_len
-    element = 2 if mixed_precision else 4
-    rows = 4 * layers * tokens * k * (world - 1) / world * MODEL["d_model"] * element
-    counts = layers * E * (world - 1) / world * 8
-    return {"num_params": dense + experts, "dense": dense, "experts": experts, "experts_per_rank": experts // world,
-            "states": predicted_model_states(dense + experts // world, world, "ddp", mixed_precision),
-            "sent": communication_per_step(dense, world, "ddp") * element + rows + counts,
-            "rows": rows, "row_bytes": MODEL["d_model"] * element, "experts_per_rank_per_layer": MOE["experts_per_rank"]}
-
-
-def hsdp_theory(num_params: int, world: int, mixed_precision: bool) -> dict:
-    """What "hsdp" should cost per rank: ZeRO-3's model states over the F ranks of a shard group, and bytes
-    sent per step: 3Ψ(F-1)/F within the group (two all-gathers, one reduce-scatter) plus the all-reduce of
-    the Ψ/F gradient slice across the R = W/F replicas, 2(Ψ/F)(R-1)/R."""
-    F, R = HSDP_GROUP, world // HSDP_GROUP
-    element = 2 if mixed_precision else 4
-    sent = communication_per_step(num_params, F, "fsdp") + 2 * (num_params / F) * (R - 1) / R
-    return {"states": predicted_model_states(num_params, F, "fsdp", mixed_precision), "sent": sent * element}
 
 
 def summarize(label: str, run, world: int, num_params: int, mixed_precision: bool, local_loss=None, *,
