@@ -364,3 +364,32 @@ def test_run_autograder_writes_results_json_whatever_the_submission_does(crash, 
     results = json.loads((root / "results" / "results.json").read_text())
     assert results["score"] == 0 and results["max_score"] == 3, results
     assert results["tests"][0]["output"].startswith("your file does not import"), results
+
+
+# --- the processes above a submission --------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(__import__("toolkit.grading.sandbox").grading.sandbox.landlock_abi() < 6,
+                    reason="signals out of the sandbox are refused by landlock ABI 6+ (Linux 6.12)")
+def test_a_submission_reaches_none_of_the_processes_above_it(lab, tmp_path, no_leftover_ranks):
+    """Its keeper, the sandbox zygote that forked that, and the grading's fork server (which forks every launch
+    of the grading and holds no secret, but must serve the next launch): each one a SIGKILL away if the sandbox
+    let it (forked, they all show the server's command line). Both launches (world sizes 1 and 2) must still
+    run, to full marks. (Without landlock the same climb, taken up to init, killed the shell running pytest.)"""
+    (lab / "checks.py").write_text(CHECKS + SUMMED)
+    attack = '''
+import os, signal
+pid, tried = os.getppid(), []
+while b"forkserver.py" in open(f"/proc/{pid}/cmdline", "rb").read():  # up to the fork server, not the grader
+    try:
+        os.kill(pid, signal.SIGKILL)
+        tried.append((pid, "killed"))
+    except OSError as exc:
+        tried.append((pid, type(exc).__name__))
+    with open(f"/proc/{pid}/stat") as f:
+        pid = int(f.read().rsplit(")", 1)[1].split()[1])
+assert len(tried) >= 3 and all(how != "killed" for _, how in tried), tried  # keeper, sandbox zygote, server
+'''
+    path = tmp_path / "climber.py"
+    path.write_text(SOLUTION + attack)
+    score = grade(lab, path)
+    assert score.total == score.maximum == 4 and not score.results[0].message, format_score(score)

@@ -34,28 +34,32 @@ def _count_processes(limit: int, out: str) -> None:
     launch ends (a fork bomb stops here even as root, whom RLIMIT_NPROC does not limit)."""
     from . import isolation
 
-    grading_id = os.environ.get(isolation.MARKER)
+    grading_id, above = os.environ.get(isolation.MARKER), isolation.ancestors()  # the fork server carries the id
     while grading_id:
         time.sleep(0.2)
-        if len(isolation.marked(grading_id)) > limit:
+        if len(set(isolation.marked(grading_id)) - above) > limit:
             _write(os.path.join(out, "launch.json"), json.dumps({"error": {"message": (
                 f"the submission started more than {limit} processes (the grader's process limit): they were "
                 "all stopped"), "rank": None}}).encode())
-            isolation.stop(grading_id)
+            isolation.stop(grading_id, spare=above)
             os._exit(0)
 
 
-def main(argv=None) -> int:
-    """Start the ranks of one grading (see the module docstring); how it ended goes to launch.json."""
+def main(argv=None, spec=None, zygote=None) -> int:
+    """Start the ranks of one grading (see the module docstring); how it ended goes to launch.json.
+    Forked by a grading's sandbox zygote (`forkserver.py`): `spec` as it read it before entering the sandbox,
+    `zygote` its (control socket, pid), to fork the ranks. Else a fresh interpreter: the spec's path in argv."""
+    from ..runtime import zygotes
     from ..runtime.launch import RankError, launch
     from . import sandbox
 
     _die_with_the_grader()
-    with open((argv or sys.argv[1:])[0]) as f:
-        spec = json.load(f)
-    sandbox.become(tuple(spec["user"]) if spec["user"] else None)
-    sandbox.confine(readable=[spec["code"], spec["inputs"]],
-                    writable=[spec["out"], spec["work"], spec["tmp"], spec["inputs"]])
+    if zygote is None:
+        with open((argv or sys.argv[1:])[0]) as f:
+            spec = json.load(f)
+        sandbox.enter(spec)
+    else:
+        zygotes.adopt(*zygote)
     limits, error = spec["limits"], None
     threading.Thread(target=_count_processes, args=(limits["max_processes"], spec["out"]), daemon=True).start()
     try:

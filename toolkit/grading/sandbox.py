@@ -38,6 +38,7 @@ _FILE_ONLY = EXECUTE | WRITE_FILE | READ_FILE | (1 << 14) | (1 << 15)  # + trunc
 _SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1, 2
 READ = EXECUTE | READ_FILE | READ_DIR
 SYSTEM_READ = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/opt", "/proc", "/sys", "/dev")
+PACKAGE = Path(__file__).resolve().parent.parent  # the toolkit's package folder (this file may be loaded by path)
 DEVICES_RW = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/dev/shm", "/dev/tty")
 
 
@@ -115,9 +116,7 @@ def _allow(libc, ruleset_fd: int, path, allowed: int) -> None:
 def python_paths() -> list[str]:
     """What running Python and the toolkit needs to read: the interpreter, its libraries, site-packages, and
     the toolkit's own package folder (not the folder above it: in a checkout that holds labs/)."""
-    import toolkit
-
-    found = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(toolkit.__file__).resolve().parent),
+    found = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(PACKAGE),
              str(Path(sys.executable).resolve().parent)}
     found.update(site.getsitepackages())
     for entry in sys.path:  # an installed package's folder, never a folder that holds a checkout
@@ -129,12 +128,17 @@ def python_paths() -> list[str]:
 def confine(readable: list, writable: list) -> bool:
     """The sandbox for a submission's processes: the system, Python, toolkit and `readable` to read,
     `writable` and a few devices to write. False where landlock is unavailable."""
-    import toolkit
-
     return restrict(list(SYSTEM_READ) + python_paths() + [str(p) for p in readable],
                     [str(p) for p in writable] + [d for d in DEVICES_RW if os.path.exists(d)],
                     # the folder above the toolkit is on sys.path: Python must list it to find the package there
-                    listable=[str(Path(toolkit.__file__).resolve().parent.parent)])
+                    listable=[str(PACKAGE.parent)])
+
+
+def enter(spec: dict) -> None:
+    """The sandbox of one launch (its `spec`, from `session.launch_ranks`): become its user, then see only its
+    folders. What starts a grading's ranks does this first, and everything it starts inherits it."""
+    become(tuple(spec["user"]) if spec["user"] else None)
+    confine(readable=[spec["code"], spec["inputs"]], writable=[spec["out"], spec["work"], spec["tmp"], spec["inputs"]])
 
 
 # --- another user ----------------------------------------------------------------------------------------

@@ -24,8 +24,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..runtime import zygotes
+from ..runtime.zygote_link import Zygote, ZygoteError
 from . import isolation, sandbox, wire
 from .runner import IMPORT, inputs_path, ready_path, result_path
+
+FORKSERVER = str(Path(__file__).resolve().with_name("forkserver.py"))
 
 KEEP_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
             "TOOLKIT_GRADING_USER")
@@ -63,12 +67,28 @@ class Box:
         self.root.chmod(0o755)
         self.user = sandbox.other_user()
         sandbox.hand_over([self.work, self.tmp, self.inputs, self.out], self.user)
+        self.server: Zygote | None = None  # the grading's fork server (forkserver.py), from the first launch
+        self.serverless = ""  # why launches start fresh interpreters instead
 
     def __enter__(self) -> "Box":
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.server is not None:
+            self.server.close()
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def fork_server(self, env: dict) -> Zygote | None:
+        """The grading's fork server, started on first use; None where none can serve (self.serverless: why)."""
+        if self.server is None and not self.serverless:
+            why = zygotes._cannot(1)
+            if why is None:
+                try:
+                    self.server = Zygote(env, script=FORKSERVER)
+                except (ZygoteError, OSError) as exc:
+                    why = f"the grading's fork server could not start ({exc})"
+            self.serverless = why or ""
+        return self.server
 
     def fresh_out(self) -> None:
         for folder in (self.out, self.inputs):
@@ -102,8 +122,9 @@ def _env(box: Box, grading_id: str) -> dict:
     return env
 
 
-def _stop(process: subprocess.Popen, grading_id: str) -> None:
-    """The launcher first (its keeper then stops the ranks), then everything that carries the id."""
+def _stop(process, grading_id: str, spare=()) -> None:
+    """The launcher first (its keeper then stops the ranks), then everything that carries the id (but the fork
+    server, which does for its children's sake). `process`: a Popen, or the server's handle on what it forked."""
     for sig, patience in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         if process.poll() is not None:
             break
@@ -115,7 +136,7 @@ def _stop(process: subprocess.Popen, grading_id: str) -> None:
             process.wait(timeout=patience)
         except subprocess.TimeoutExpired:
             pass
-    isolation.stop(grading_id)
+    isolation.stop(grading_id, spare=spare)
     process.wait()
 
 
@@ -153,12 +174,11 @@ def launch_ranks(box: Box, n: int, indices: list, tasks_of: dict, inputs: dict, 
     spec_path.write_text(json.dumps(spec))
     log_path = box.root / f"log-{n}.txt"
     deadline = (len(indices) + 1) * (limits.time_limit_s + 10) + 90
+    env = _env(box, grading_id)
     with open(log_path, "wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "toolkit.grading.launcher", str(spec_path)],
-                                   cwd=box.work, env=_env(box, grading_id), start_new_session=True,
-                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        process, server = _start_launcher(box, env, spec_path, log, quiet)
         overran = _follow(process, log_path, deadline, None if quiet else sys.stdout)
-        _stop(process, grading_id)
+        _stop(process, grading_id, spare={server.process.pid} if server else ())
     found = Launch(overran=overran, lines=[line for line in _text(log_path).splitlines() if line.strip()][-400:])
     for index in [IMPORT] + list(indices):
         found.results[index] = {r: v for r in range(n) if (v := _read(Path(result_path(str(box.out), index, r))))
@@ -173,6 +193,23 @@ def launch_ranks(box: Box, n: int, indices: list, tasks_of: dict, inputs: dict, 
     error = told.get("error") if isinstance(told, dict) else None
     found.error = error if isinstance(error, dict) and isinstance(error.get("message"), str) else None
     return found
+
+
+def _start_launcher(box: Box, env: dict, spec_path: Path, log, quiet: bool):
+    """The launch's launcher, forked inside its sandbox by the grading's fork server (no interpreter to start,
+    no torch to import), or else a fresh `python -m toolkit.grading.launcher`: (its handle, the server or None)."""
+    server = box.fork_server(env)
+    if server is not None:
+        try:
+            return server.fork({"spec": str(spec_path), "env": env, "cwd": str(box.work)}, [log.fileno()]), server
+        except ZygoteError as exc:
+            box.server, box.serverless = None, f"the grading's fork server failed ({exc})"
+            server.close()
+    if box.serverless and not quiet:
+        print(f"grading: {box.serverless}: each launch starts its launcher as a fresh interpreter", file=sys.stderr)
+    return subprocess.Popen([sys.executable, "-m", "toolkit.grading.launcher", str(spec_path)], cwd=box.work, env=env,
+                            start_new_session=True, stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT), None
 
 
 def _follow(process: subprocess.Popen, log_path: Path, deadline_s: float, echo) -> bool:

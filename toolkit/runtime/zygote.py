@@ -193,8 +193,14 @@ def _keeper(request: dict, writers: list[int], outputs: list[int], zygote: int) 
         os._exit(code)
 
 
-def serve(control: socket.socket) -> None:
-    """Fork a keeper per request; report each one's pid (with a pidfd) and, once reaped, its exit code."""
+def _fork_keeper(request: dict, fds: list[int]) -> None:
+    """What `serve` forks by default: a launch's keeper (fds: its stdout and stderr, then the ranks' pipes)."""
+    _keeper(request, fds[2:], fds[:2], os.getppid())
+
+
+def serve(control: socket.socket, child=_fork_keeper) -> None:
+    """Fork a `child(request, descriptors)` per request (a keeper, unless told otherwise); report each one's pid
+    (with a pidfd) and, once reaped, its exit code."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wake-up descriptor is written
@@ -222,7 +228,7 @@ def serve(control: socket.socket) -> None:
             request, fds = receive(control, max_fds=256)
             if request is None:  # the launcher is gone (or let us go): its keepers follow (PDEATHSIG)
                 return
-            status, outputs, writers = socket.socket(fileno=fds[0]), fds[1:3], fds[3:]
+            status = socket.socket(fileno=fds[0])
             pid = os.fork()
             if pid == 0:
                 control.close()
@@ -231,7 +237,8 @@ def serve(control: socket.socket) -> None:
                     sock.close()
                 os.close(wake_r)
                 os.close(wake_w)
-                _keeper(request, writers, outputs, os.getppid())
+                child(request, fds[1:])
+                os._exit(1)  # a child never returns here
             for fd in fds[1:]:
                 os.close(fd)
             pidfd = os.pidfd_open(pid)  # not reaped yet (only this loop reaps): the pid is still this keeper's

@@ -77,12 +77,22 @@ class Forked:
 
 
 class Zygote:
-    def __init__(self, env: dict):
+    adopted = False  # True: a zygote this process was forked by (`adopt`), not one it started
+
+    @classmethod
+    def adopt(cls, control: socket.socket, pid: int) -> "Zygote":
+        """The zygote (pid) that forked this process and serves it on `control`: a grading's sandboxed one."""
+        zygote = cls.__new__(cls)
+        zygote.process = Forked(pid, os.pidfd_open(pid), None)
+        zygote.control, zygote.lock, zygote.keepers, zygote.adopted = control, threading.Lock(), [], True
+        return zygote
+
+    def __init__(self, env: dict, script: str = ZYGOTE):
         ours, theirs = socket.socketpair()
         env = {k: v for k, v in env.items() if k not in LAUNCH_SETS}
         try:
             self.process = subprocess.Popen(
-                [sys.executable, ZYGOTE, str(theirs.fileno())], pass_fds=[theirs.fileno()], start_new_session=True,
+                [sys.executable, script, str(theirs.fileno())], pass_fds=[theirs.fileno()], start_new_session=True,
                 env=dict(env, OMP_NUM_THREADS="1", TOOLKIT_ZYGOTE="1"), stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL)
         finally:
@@ -120,11 +130,15 @@ class Zygote:
             cwd = os.getcwd()
         except OSError as exc:
             raise ZygoteError(f"the working directory is gone ({exc})") from exc
+        # the keeper's stdout and stderr are ours
+        return self.fork({"folder": folder, "world_size": world_size, "env": env, "cwd": cwd}, [1, 2, *writers])
+
+    def fork(self, request: dict, fds: list[int]) -> Forked:
+        """Ask the zygote to fork a child for `request`, handing it the descriptors `fds`: a handle on it."""
         status, theirs = socket.socketpair()
         try:
             with self.lock:
-                send(self.control, {"folder": folder, "world_size": world_size, "env": env, "cwd": cwd},
-                     [theirs.fileno(), 1, 2, *writers])  # the keeper's stdout and stderr are ours
+                send(self.control, request, [theirs.fileno(), *fds])
             theirs.close()
             reply, fds = receive(status, max_fds=1)
         except OSError as exc:
@@ -134,7 +148,7 @@ class Zygote:
             theirs.close()
         if reply is None:
             status.close()
-            raise ZygoteError(f"it ended before forking the keeper ({self._how()})")
+            raise ZygoteError(f"it ended before forking ({self._how()})")
         keeper = Forked(reply["pid"], fds[0], status)
         self.keepers = [k for k in self.keepers if k.returncode is None] + [keeper]
         return keeper
@@ -143,8 +157,10 @@ class Zygote:
         return all(k.poll() is not None for k in self.keepers)
 
     def close(self) -> None:
-        """Let it go (the end of its socket ends it) and collect it."""
+        """Let it go (the end of its socket ends it) and collect it (one we were forked by collects us)."""
         self.control.close()
+        if self.adopted:
+            return
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:

@@ -36,6 +36,7 @@ _MAX_FDS = 253  # SCM_MAX_FD: descriptors one message can carry (the ranks' pipe
 
 
 _pool: dict[str, Zygote] = {}  # by key; the most recently used last
+_adopted: Zygote | None = None  # the zygote this process was forked by, serving every launch (`adopt`)
 _broken: dict[str, str] = {}   # key -> why its zygote could not start (not tried again)
 _said: set[str] = set()
 _lock = threading.Lock()
@@ -126,11 +127,23 @@ def _ended(zygote: Zygote) -> bool:
         return False
 
 
+def adopt(control: socket.socket, pid: int) -> None:
+    """From now on every launch of this process asks the zygote `pid` that forked it (on `control`), whatever
+    the environment: a grading's launcher, forked inside the sandbox by `toolkit/grading/forkserver.py`."""
+    global _adopted
+    _adopted = Zygote.adopt(control, pid)
+
+
 def fork_keeper(folder: str, world_size: int, env: dict, writers: list[int]) -> Forked | None:
     """The launch's keeper, forked by the zygote for `env` (started first if need be), or None: start it as a
     fresh interpreter (the reason is said on stderr, once)."""
     why = _cannot(world_size)
-    if why is None:
+    if why is None and _adopted is not None:
+        try:
+            return _adopted.fork_keeper(folder, world_size, env, writers)
+        except ZygoteError as exc:
+            why = f"ranks start as fresh interpreters (the zygote that forked this launcher failed: {exc})"
+    elif why is None:
         k = key(env)
         for attempt in range(2):  # a zygote killed since it last served: once more, with a new one
             try:
@@ -151,6 +164,10 @@ def pids() -> list[int]:
 
 
 def close_all() -> None:
+    global _adopted
+    if _adopted is not None:
+        _adopted.close()
+        _adopted = None
     with _lock:
         while _pool:
             _pool.popitem()[1].close()
@@ -158,8 +175,11 @@ def close_all() -> None:
 
 def _forget_after_fork() -> None:
     """In a child forked from the launcher: its zygotes are the parent's, not this process's to use or close."""
-    global _lock
+    global _lock, _adopted
     _lock = threading.Lock()
+    if _adopted is not None:
+        _adopted.control.close()
+        _adopted = None
     for zygote in _pool.values():
         zygote.control.close()
         zygote.process.returncode = 0  # not ours to wait for

@@ -1,0 +1,128 @@
+"""A grading's fork server: one process per grading that imported torch once, and forks each launch's sandbox.
+
+Without it every launch of a grading (a lab has one per world size, and one more after each deadlock)
+started two fresh interpreters, each importing torch (about 2 s of CPU apiece): the launcher and the zygote
+that forks its ranks. The fork server pays that once per grading. It is the runtime's zygote
+(`toolkit/runtime/zygote.py`) serving another child:
+
+1. Start: the grader runs it by path (`python forkserver.py FD`, so `toolkit` is never imported here), with
+   the grading's environment (its marker among it, which /proc shows for every process forked below) in the
+   grading's working folder. It imports torch, says it is ready, and waits for launches. It holds nothing
+   of the grader's: no check, no expected value, no solution. It runs as the grader's user, outside the
+   sandbox, and nothing in the sandbox can reach it (another domain, and `nobody` where grading as root).
+2. Each launch (the spec's path and the log's descriptor): fork the launch's *sandbox zygote*. It takes the
+   log as stdout and stderr, a session of its own, dies with the server, and enters the launch's sandbox
+   (`sandbox.enter`: `nobody` where root, landlock to the grading's folders), all before anything else.
+3. The sandbox zygote forks the launcher (`launcher.main`, told to ask its parent for ranks), then serves
+   it as the runtime's zygote does: a keeper per launch, and the keeper forks the ranks. Ranks thus start
+   from a process that has torch but never imported `toolkit` (the delegation watcher must see every
+   toolkit module a submission imports), already sandboxed. The launcher's end ends it.
+
+The grader stops a launch as before (the sandbox zygote's session, then everything that carries the
+grading's marker, but this server), and closes the server when the grading ends.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import os
+import signal
+import socket
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _by_path(name: str, path: str):
+    """A standard-library-only module of the toolkit, loaded from its file (the package stays unimported)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+zygote = _by_path("_toolkit_zygote", os.path.join(_HERE, "..", "runtime", "zygote.py"))
+sandbox = _by_path("_toolkit_sandbox", os.path.join(_HERE, "sandbox.py"))
+
+
+def _sandbox_zygote(request: dict, fds: list[int]) -> None:
+    """In the forked child: the launch's log, its sandbox, then fork the launcher and serve it. Never returns."""
+    code = 1
+    try:
+        server = os.getppid()
+        os.setsid()
+        os.dup2(fds[0], 1)
+        os.dup2(fds[0], 2)
+        os.close(fds[0])
+        sys.stdout = sys.__stdout__ = zygote._stdio(1, "<stdout>")
+        sys.stderr = sys.__stderr__ = zygote._stdio(2, "<stderr>")
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: dies with the server
+        if os.getppid() != server:
+            os._exit(1)
+        zygote.become(request["env"], request["cwd"])
+        with open(request["spec"]) as f:
+            spec = json.load(f)  # out of the sandbox's reach once in it
+        sandbox.enter(spec)
+        ours, theirs = socket.socketpair()
+        launcher = os.fork()
+        if launcher == 0:
+            ours.close()
+            _launcher(spec, theirs, os.getppid())
+        theirs.close()
+        zygote.serve(ours)  # until the launcher is done (its end of the socket closes)
+        try:
+            code = os.waitstatus_to_exitcode(os.waitpid(launcher, 0)[1])
+        except ChildProcessError:  # serve reaped it already, among its keepers
+            code = 0
+    except BaseException:  # noqa: BLE001 - said in the launch's log, which the grader shows
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code if isinstance(code, int) and code >= 0 else 1)
+
+
+def _launcher(spec: dict, control: socket.socket, parent: int) -> None:
+    """In the launcher forked by the sandbox zygote: `launcher.main`, with its parent as the ranks' zygote."""
+    code = 1
+    try:
+        from toolkit.grading import launcher
+
+        code = launcher.main(spec=spec, zygote=(control, parent))
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 1
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            from toolkit.runtime import zygotes
+
+            zygotes.close_all()  # atexit would, but os._exit skips it: the sandbox zygote waits for this
+        except BaseException:  # noqa: BLE001
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main(fd: int) -> None:
+    control = socket.socket(fileno=fd)
+    os.set_inheritable(fd, False)
+    try:
+        import torch
+    except BaseException as exc:  # noqa: BLE001 - the grader says why and starts launchers the slow way
+        zygote.send(control, {"error": f"import torch failed: {type(exc).__name__}: {exc}"})
+        os._exit(1)
+    zygote._START.update(cwd=os.getcwd(), path=list(sys.path))
+    zygote.send(control, {"ready": True, "torch": os.path.abspath(torch.__file__),
+                          "threads": len(os.listdir("/proc/self/task"))})
+    zygote.serve(control, child=_sandbox_zygote)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
