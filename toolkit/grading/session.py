@@ -6,8 +6,9 @@ sent read back as untrusted data.
 rank, removed by that rank before any student code runs) and `out/` (what the ranks write). The
 instructor's lab folder, the other students' files and the grader's results are never in it.
 
-`launch_ranks` writes each rank's inputs and a spec, starts `python -m toolkit.grading.runner` in a
-session of its own with the grading's id in its environment, waits (never longer than its deadline),
+`launch_ranks` writes each rank's inputs and a spec, has the grading's fork server (`forkserver.py`, one
+per Box, with the grading's id in its environment) fork the launch's sandbox and launcher (or starts
+`python -m toolkit.grading.launcher` where none can serve), waits (never longer than its deadline),
 then makes sure nothing it started is alive before reading a single file back. Every file is read with
 `wire.decode` or as capped text: a rank's output can fail a check, never pass one or crash the grader.
 """
