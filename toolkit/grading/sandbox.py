@@ -18,6 +18,7 @@ can read what the user running the grader can: `describe()` says so, and `--clas
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import platform
 import pwd
@@ -38,7 +39,6 @@ _FILE_ONLY = EXECUTE | WRITE_FILE | READ_FILE | (1 << 14) | (1 << 15)  # + trunc
 _SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1, 2
 READ = EXECUTE | READ_FILE | READ_DIR
 SYSTEM_READ = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/opt", "/proc", "/sys", "/dev")
-PACKAGE = Path(__file__).resolve().parent.parent  # the toolkit's package folder (this file may be loaded by path)
 DEVICES_RW = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/dev/shm", "/dev/tty")
 
 
@@ -113,11 +113,23 @@ def _allow(libc, ruleset_fd: int, path, allowed: int) -> None:
         os.close(target)
 
 
+def packages() -> set[str]:
+    """The toolkit's package folders: this file's (it may be loaded by path), and the one `import toolkit` finds
+    from here (another, where a grader runs from a checkout beside the installed toolkit)."""
+    found = {str(Path(__file__).resolve().parent.parent)}
+    try:
+        spec = importlib.util.find_spec("toolkit")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin:
+        found.add(str(Path(spec.origin).resolve().parent))
+    return found
+
+
 def python_paths() -> list[str]:
     """What running Python and the toolkit needs to read: the interpreter, its libraries, site-packages, and
     the toolkit's own package folder (not the folder above it: in a checkout that holds labs/)."""
-    found = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(PACKAGE),
-             str(Path(sys.executable).resolve().parent)}
+    found = {sys.prefix, sys.base_prefix, sys.exec_prefix, *packages(), str(Path(sys.executable).resolve().parent)}
     found.update(site.getsitepackages())
     for entry in sys.path:  # an installed package's folder, never a folder that holds a checkout
         if entry and ("site-packages" in entry or "dist-packages" in entry):
@@ -131,7 +143,7 @@ def confine(readable: list, writable: list) -> bool:
     return restrict(list(SYSTEM_READ) + python_paths() + [str(p) for p in readable],
                     [str(p) for p in writable] + [d for d in DEVICES_RW if os.path.exists(d)],
                     # the folder above the toolkit is on sys.path: Python must list it to find the package there
-                    listable=[str(PACKAGE.parent)])
+                    listable=[str(Path(p).parent) for p in packages()])
 
 
 def enter(spec: dict) -> None:

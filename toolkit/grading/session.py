@@ -82,7 +82,7 @@ class Box:
     def fork_server(self, env: dict) -> Zygote | None:
         """The grading's fork server, started on first use; None where none can serve (self.serverless: why)."""
         if self.server is None and not self.serverless:
-            why = zygotes._cannot(1)
+            why = zygotes.why_not(1)
             if why is None:
                 try:
                     self.server = Zygote(env, script=FORKSERVER)

@@ -48,7 +48,7 @@ def _say(why: str, once: bool = True) -> None:
         print(f"toolkit.launch: {why}", file=sys.stderr, flush=True)
 
 
-def _cannot(world_size: int) -> str | None:
+def why_not(world_size: int) -> str | None:
     """Why no zygote can serve this launch ("" to say nothing), or None."""
     if os.environ.get("TOOLKIT_LAUNCH_EXEC") == "1":
         return ""
@@ -137,7 +137,7 @@ def adopt(control: socket.socket, pid: int) -> None:
 def fork_keeper(folder: str, world_size: int, env: dict, writers: list[int]) -> Forked | None:
     """The launch's keeper, forked by the zygote for `env` (started first if need be), or None: start it as a
     fresh interpreter (the reason is said on stderr, once)."""
-    why = _cannot(world_size)
+    why = why_not(world_size)
     if why is None and _adopted is not None:
         try:
             return _adopted.fork_keeper(folder, world_size, env, writers)
