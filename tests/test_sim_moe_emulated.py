@@ -21,7 +21,7 @@ from toolkit.sim.simulate import train_step
 WORLD = 2
 
 
-def real_bytes(build, routing, variants, link):
+def real_bytes(build, routing, variants, link, moe):
     """On every real rank, under the emulated link: two steps of each variant; the bytes of the second."""
     from toolkit.moe.gates import assume_routing
 
@@ -33,7 +33,8 @@ def real_bytes(build, routing, variants, link):
             torch.manual_seed(0)
             model = build(world, **options)
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-            x = torch.randint(0, 64, (8, 64), generator=torch.Generator().manual_seed(rank))
+            tokens = torch.Generator().manual_seed(rank)
+            x = torch.randint(0, moe["vocab"], (moe["batch"], moe["seq_len"]), generator=tokens)
             for step in (0, 1):
                 train_step(model, opt, x, x, step=step)
             run = toolkit.Run.capture({}, align=False)
@@ -58,7 +59,7 @@ def test_moe_rows_simulate_under_the_emulated_link_and_send_what_a_real_run_send
         comm = [e for e in sim.run.events if e["cat"] == "comm"]
         assert any(e["name"] == "all_to_all" for e in comm), name
         assert not any("emulated_s" in e["args"] for e in comm), name  # nothing was booked on the fake group
-    real = toolkit.launch(real_bytes, WORLD, args=(bench.moe_block, bench.skewed, variants, link), timeout_s=90,
-                          quiet=True)
+    real = toolkit.launch(real_bytes, WORLD, args=(bench.moe_block, bench.skewed, variants, link, bench.MOE),
+                          timeout_s=90, quiet=True)
     for name, sim in sims.items():  # rank 0 holds the hot expert (the skewed routing's expert 0)
         assert sim.bytes_per_phase == real[0][name], name

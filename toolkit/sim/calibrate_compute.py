@@ -103,8 +103,8 @@ def gemm_rates(dtype, overhead: float, rounds: int = GEMM_ROUNDS) -> list[tuple[
     round starting at the next shape), and each one's median taken: a shared machine's load changes between two
     moments, and timed one shape after the other, a quiet moment made one point of the curve several times the
     others (62 against 11-15 GFLOP/s at 4 ranks, docs/benchmarks.md 2026-11-28), which priced a pipeline's small
-    micro-batch GEMMs several times dearer per FLOP than a whole batch's. Every timing is GEMM_WORK FLOPs, several
-    of the scheduler's slices even when ranks outnumber cores (one 0.5 GFLOP product was shorter than a slice)."""
+    micro-batch GEMMs at a half to a third of the rate of a whole batch's larger ones. Every timing is about
+    GEMM_WORK FLOPs (tens of ms on a loaded core: many of the scheduler's slices, whatever the shape)."""
     import torch
 
     operands = [(torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)) for m, n, k in GEMM_SHAPES]
