@@ -76,6 +76,7 @@ On a GPU (NCCL) the hold happens on the host after the collective: the emulation
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -104,6 +105,7 @@ _current: Settings | None = _from_env()
 _lock = threading.Lock()
 _own = Ledger()  # when this rank's links (and, one rank per node, its card) are free again (perf_counter)
 _calls: dict = {}  # all-to-alls issued per group: the number that names a call's notes in the store
+_links = [True]  # False on a simulated rank (``no_links``): the setting is in force, nothing is booked
 
 
 def _set(settings: Settings | None) -> None:
@@ -149,6 +151,19 @@ class emulate:
         return f"emulate({self.settings.describe() if self.settings else 'off'})"
 
 
+@contextlib.contextmanager
+def no_links():
+    """The emulated link stays in force as a setting (whatever a strategy decides by it, it decides as on a
+    real rank), but no call books it or waits for it: on a simulated rank (``toolkit.sim``'s cluster) the
+    collectives are fake, move nothing and have no peers to queue with or to hear from (an all-to-all would
+    wait for its senders' notes forever); the simulator prices them on its cluster's links instead."""
+    before, _links[0] = _links[0], False
+    try:
+        yield
+    finally:
+        _links[0] = before
+
+
 def emulated_link() -> Settings | None:
     """The emulated interconnect in force (Settings: inter, intra, ranks_per_node, node_of), or None."""
     return _current
@@ -186,7 +201,7 @@ def book(op: str, ranks, me: int, size_bytes: float, extra: dict):
     once it has moved; ``when`` reads it). Transfers on the same link take turns; across nodes, the
     node's card is shared by its ranks; an all-to-all's chunks queue on their receiver (``comm/cost.py``)."""
     settings = _current
-    if settings is None:
+    if settings is None or not _links[0]:
         return None
     d = demand(settings, op, ranks, me, size_bytes, extra)
     args = {"emulated_s": d.alone, "link": d.label}

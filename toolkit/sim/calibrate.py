@@ -42,7 +42,7 @@ from .cost import compute_time
 from .hardware import MEASURED, THIS_MACHINE, Accelerator, Cluster
 from .program import Compute
 
-VERSION = 4
+VERSION = 5  # 5: the GEMM shapes timed in turns (calibrate_compute.gemm_rates)
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
 

@@ -5,7 +5,8 @@ rules: no SMs, the host runs each operation itself):
 
 - GEMM FLOP/s at a few shapes (fp32 and bf16), from a small product to the largest a lesson's model
   runs: a CPU's GEMM rate depends on the shape too (cache blocking, the library's packing per call),
-  and the measurement is the rate itself, with no peak to take a fraction of;
+  and the measurement is the rate itself, with no peak to take a fraction of; the shapes are timed in
+  turns, so that the machine's load changes under all of them alike;
 - the host cost of one operation: a tiny training step timed and divided by the aten operations it
   dispatches;
 - memory bandwidth: a copy between two preallocated 8 MiB buffers;
@@ -23,6 +24,7 @@ import time
 
 REFERENCE = dict(model=dict(n_layer=2, d_model=128, n_head=4, vocab_size=256, seq_len=64), batch=8)
 GEMM_SHAPES = ((128, 128, 128), (512, 128, 128), (512, 256, 512), (1024, 512, 512))  # (m, n, k), 4 MFLOP to 0.5 GFLOP
+GEMM_WORK, GEMM_ROUNDS = 5e8, 7  # FLOPs per timing (tens of ms on a loaded core); rounds of every shape in turn
 REFERENCE_REPEATS = 9
 
 
@@ -96,6 +98,30 @@ def reference_step(reference=REFERENCE):
     return step
 
 
+def gemm_rates(dtype, overhead: float, rounds: int = GEMM_ROUNDS) -> list[tuple[float, float]]:
+    """(FLOPs, FLOP/s) of one GEMM at each of GEMM_SHAPES. The shapes are timed in turns, round after round (each
+    round starting at the next shape), and each one's median taken: a shared machine's load changes between two
+    moments, and timed one shape after the other, a quiet moment made one point of the curve several times the
+    others (62 against 11-15 GFLOP/s at 4 ranks, docs/benchmarks.md 2026-11-28), which priced a pipeline's small
+    micro-batch GEMMs at a half to a third of the rate of a whole batch's larger ones. Every timing is about
+    GEMM_WORK FLOPs (tens of ms on a loaded core: many of the scheduler's slices, whatever the shape)."""
+    import torch
+
+    operands = [(torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)) for m, n, k in GEMM_SHAPES]
+    flops = [2 * m * n * k for m, n, k in GEMM_SHAPES]
+    blocks = [max(1, round(GEMM_WORK / f)) for f in flops]
+    seconds = [[] for _ in GEMM_SHAPES]
+    for round_ in range(rounds + 1):  # round 0 warms up
+        for i in [(round_ + j) % len(GEMM_SHAPES) for j in range(len(GEMM_SHAPES))]:
+            a, b = operands[i]
+            start = time.perf_counter()
+            for _ in range(blocks[i]):
+                a @ b
+            if round_:
+                seconds[i].append((time.perf_counter() - start) / blocks[i])
+    return [(f, f / max(t - overhead, t / 10)) for f, t in zip(flops, map(statistics.median, seconds))]
+
+
 def measure_compute(reference=REFERENCE) -> dict:
     """On every rank, all ranks at once (the caller launched them): rates, overhead, bandwidth, reference step."""
     import torch
@@ -109,16 +135,8 @@ def measure_compute(reference=REFERENCE) -> dict:
     step()
     op_count = count_ops(step)
     overhead = statistics.median(together(step, 15)) / op_count
-    curves = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        points = []
-        for m, n, k in GEMM_SHAPES:
-            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-            flops = 2 * m * n * k
-            block = max(1, round(2e8 / flops))  # every timing the same work: the same share of a loaded machine
-            seconds = statistics.median(together(lambda: a @ b, 7, block=block))
-            points.append((flops, flops / max(seconds - overhead, seconds / 10)))
-        curves[name] = points
+    dist.barrier()
+    curves = {name: gemm_rates(dtype, overhead) for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     src, dst = torch.randn(2 * 2 ** 20), torch.empty(2 * 2 ** 20)  # 8 MiB each, allocated once
     bandwidth = 2 * src.numel() * 4 / statistics.median(together(lambda: dst.copy_(src), 10, block=8))
     reference_times = together(reference_step(reference), REFERENCE_REPEATS)

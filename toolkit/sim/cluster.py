@@ -6,7 +6,10 @@
 Inside, the default process group is torch's fake one (`fake.py`) and `toolkit.runtime.env.device()`
 is the meta device, so the strategies build their flat buffers, shards and gathered copies as meta
 tensors: every size is real, nothing is allocated. Attention takes the fused kernel a real device
-would (`attention.py`). On the way out, even after an error, the group is
+would (`attention.py`). An emulated link (`toolkit.comm.emulate`) stays in force as a setting, so an
+MoE layer decides by it as on a real rank, but no fake collective books it or waits for it: the cost
+model prices them on the cluster's links (`calibrate.from_measurements(..., link)` for the emulated one).
+On the way out, even after an error, the group is
 destroyed and every per-process cache that remembers groups or the backend is cleared, so a later
 simulation, or a real `toolkit.launch`, starts clean. This process's trace recorder is set aside and
 given back, so a simulation leaves no spans in it, and so is `sys.excepthook` (torch's process group
@@ -19,6 +22,7 @@ import sys
 
 import torch.distributed as dist
 
+from ..comm.emulate import no_links
 from ..runtime import env
 from ..trace.events import recorder
 from . import fake
@@ -74,8 +78,8 @@ def cluster(world_size: int, rank: int = 0):
     try:
         fake.init(world_size, rank)  # torch chains a "[rank0]:" excepthook onto sys.excepthook here
         recorder.reset()
-        with env.computing_on("meta"), fused_attention():  # attention as a real rank runs it (attention.py)
-            yield
+        with env.computing_on("meta"), fused_attention(), no_links():  # attention as a real rank runs it
+            yield  # (attention.py); an emulated link is a setting here, never booked (comm/emulate.py)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
