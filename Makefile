@@ -43,9 +43,9 @@ demo: $(STAMP)
 
 # Two workers (pytest-xdist), each test file whole on one: a test mostly waits for the ranks it starts, their
 # messages and its subprocesses, so one worker leaves the cores half idle (on 2 cores: 12.4 min against 20.2).
-# A bare `pytest` runs the suite in one process.
+# The 25 slowest tests are listed at the end (where the time goes). A bare `pytest` runs the suite in one process.
 test: $(STAMP) browser
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 # Where the suite's time goes: make test, with each test's wall and CPU seconds (its own and its processes') in
 # runs/test-times.tsv, most CPU first (CPU is what a test costs; wall says how busy the machine was).
