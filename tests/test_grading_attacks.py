@@ -3,8 +3,9 @@ lab. Each one scored marks (or hung, or leaked) when the student's code ran insi
 each must now score zero or fail closed with a clear message, and leave no process behind.
 
 The attacks are written as a worst-case student would: knowing the paths of the grader's files (the test
-puts them in the submission's source). Each costs a grading (seconds): three run in the suite (an exit at
-import on the Gradescope path, the secrets, a class run where one submission attacks another); the rest carry
+puts them in the submission's source). Each costs a grading (seconds): five run in the suite (an exit at
+import on the Gradescope path, the secrets, a class run where one submission attacks another, a submission
+that goes after the processes above it, the launchers started without the fork server); the rest carry
 the `grading_scale` marker (`make test-grading`)."""
 import json
 import os
@@ -393,3 +394,23 @@ assert len(tried) >= 3 and all(how != "killed" for _, how in tried), tried  # ke
     path.write_text(SOLUTION + attack)
     score = grade(lab, path)
     assert score.total == score.maximum == 4 and not score.results[0].message, format_score(score)
+
+
+@pytest.mark.timeout(300)
+def test_without_a_fork_server_each_launcher_is_a_fresh_interpreter_in_the_sandbox(lab, tmp_path, monkeypatch,
+                                                                                  no_leftover_ranks):
+    """Where no fork server can serve (no fork or pidfds; TOOLKIT_LAUNCH_EXEC=1 asks for it), the grader starts
+    `python -m toolkit.grading.launcher` for each launch, which enters the sandbox itself: still full marks."""
+    monkeypatch.setenv("TOOLKIT_LAUNCH_EXEC", "1")
+    (lab / "checks.py").write_text(CHECKS + SUMMED)
+    path = tmp_path / "plain.py"
+    path.write_text(SOLUTION + '''
+import os
+chain, pid = [], os.getppid()
+while pid > 1:
+    chain.append(open(f"/proc/{pid}/cmdline", "rb").read())
+    pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+assert not any(b"forkserver.py" in c for c in chain) and any(b"toolkit.grading.launcher" in c for c in chain), chain
+''')
+    score = grade(lab, path)
+    assert score.total == score.maximum == 4, format_score(score)
