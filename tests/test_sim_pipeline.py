@@ -220,3 +220,19 @@ def test_simulated_pipeline_rank_equals_a_real_gloo_run(world, no_leftover_ranks
         assert {k: sim.memory[k] for k in STATES} == measured["states"], case
         assert structure(sim.modelled_run, rank, last_step=len(sim.programs) - 1) == \
             {k: measured[k] for k in ("collectives", "actions")}, case
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2)])
+def test_what_a_stage_keeps_to_the_steps_end_is_its_micro_batches_token_ids_not_activations(schedule, v):
+    """Every received activation and gradient is let go by the action that uses it; what grows with the
+    micro-batches to the step's end is the driver's copy of each one's token ids (8 bytes a token), which the
+    simulated memory counts. An activation kept per micro-batch would add 2 x 32 x 64 x 4 B = 16 KiB each."""
+    for rank in (0, 1):  # the first stage and the last
+        ends = []
+        for m in (4, 8):
+            sim = simulate(lambda: tiny_gpt(n_layer=4, d_model=64, n_head=4), "ddp", 4, rank=rank, pp=2,
+                           microbatches=m, schedule=schedule, virtual_stages=v, batch_per_rank=2 * m, progress=False,
+                           steps=1, warmup=False)
+            ends.append(sim.end_memory["activations"])
+        token_ids = 2 * sim.seq_len * 8  # one micro-batch: 2 sequences of seq_len int64 token ids
+        assert ends == [4 * token_ids, 8 * token_ids], (rank, ends)
