@@ -97,3 +97,25 @@ def test_checkpointing_keeps_only_each_blocks_input_and_recomputes_its_forward()
         # and the arithmetic is the same: recomputation gives back the very tensors stashing kept
         assert ckpt["loss"] == stash["loss"]
         assert all(torch.equal(ckpt["state"][k], stash["state"][k]) for k in stash["state"])
+
+
+def test_checkpointing_gathers_zero3s_modules_again_in_backward_and_fsdps_units_not():
+    """The recomputation runs each checkpointed block's forward again inside backward. ZeRO-3 (a unit per module,
+    freed after each use) gathers those modules a third time, but those still gathered when their backward comes;
+    FSDP keeps a unit gathered through its whole backward, recomputation included. The reduce-scatters do not
+    change. (Simulated rank of two: the bytes equal a real gloo run's, tests/test_sim_vs_real.py.)"""
+    from toolkit.parallel.fsdp_policy import default_units
+    from toolkit.sim import simulate
+
+    make = functools.partial(tiny_gpt, n_layer=2, d_model=64, n_head=4)
+    model = make()
+    names, _ = default_units(model)
+    modules = dict(model.named_modules())
+    blocks = sum(p.numel() for name in names for p in modules[name].parameters())
+    sent = {(strategy, ac): simulate(make, strategy, 2, progress=False, steps=1, warmup=False,
+                                     activation_checkpointing=ac).bytes_per_step
+            for strategy in ("zero3", "fsdp") for ac in (False, True)}
+    again = sent["zero3", True]["all_gather"] - sent["zero3", False]["all_gather"]
+    assert 0 < again < blocks * 4 / 2, (again, blocks)  # some of the blocks' parameters, once more, half sent
+    assert sent["zero3", True]["reduce_scatter"] == sent["zero3", False]["reduce_scatter"]
+    assert sent["fsdp", True] == sent["fsdp", False]
