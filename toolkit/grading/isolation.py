@@ -53,19 +53,20 @@ def marked(grading_id: str) -> list[int]:
     return found
 
 
+def _parent(pid: int) -> int | None:
+    """The parent of process `pid` (from /proc), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _children() -> list[int]:
     """Our own child processes (after PR_SET_CHILD_SUBREAPER: also the orphans re-parented to us)."""
-    me, found = os.getpid(), []
-    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me:
-                found.append(int(name))
-    return found
+    me = os.getpid()
+    return [int(name) for name in (os.listdir("/proc") if os.path.isdir("/proc") else [])
+            if name.isdigit() and _parent(int(name)) == me]
 
 
 def _reap(pids) -> None:
@@ -107,13 +108,9 @@ class Sandbox:
 def ancestors() -> set[int]:
     """This process's parent, its parent's parent, and so on (Linux; empty elsewhere)."""
     found, pid = set(), os.getppid()
-    while pid > 1 and pid not in found:
+    while pid is not None and pid > 1 and pid not in found:
         found.add(pid)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
+        pid = _parent(pid)
     return found
 
 

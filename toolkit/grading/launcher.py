@@ -31,6 +31,9 @@ def _die_with_the_grader() -> None:
             os._exit(1)
 
 
+_TOLD = threading.Lock()  # taken to write how the launch ended; once the process counter takes it, it keeps it
+
+
 def _count_processes(limit: int, out: str) -> None:
     """A thread: the grading's processes (every one carries its id) may not outnumber `limit`; past it, the
     launch ends (a fork bomb stops here even as root, whom RLIMIT_NPROC does not limit)."""
@@ -40,6 +43,7 @@ def _count_processes(limit: int, out: str) -> None:
     while grading_id:
         time.sleep(0.2)
         if len(set(isolation.marked(grading_id)) - above) > limit:
+            _TOLD.acquire()  # this is how the launch ended, not the keeper's death that the stop below causes
             _write(os.path.join(out, "launch.json"), json.dumps({"error": {"message": (
                 f"the submission started more than {limit} processes (the grader's process limit): they were "
                 "all stopped"), "rank": None}}).encode())
@@ -72,7 +76,8 @@ def main(argv=None, spec=None, zygote=None) -> int:
         error = {"message": str(exc), "rank": exc.rank}
     except Exception as exc:  # noqa: BLE001 - say what ended the launch; the grader decides what it means
         error = {"message": f"{type(exc).__name__}: {exc}", "rank": None}
-    _write(os.path.join(spec["out"], "launch.json"), json.dumps({"error": error}).encode())
+    with _TOLD:  # blocks for good if the process counter stopped the launch: it said so, and exits
+        _write(os.path.join(spec["out"], "launch.json"), json.dumps({"error": error}).encode())
     sys.stdout.flush()
     return 0
 

@@ -250,7 +250,9 @@ def serve(control: socket.socket, child=_fork_keeper) -> None:
             running[pid] = status
 
 
-def main(fd: int) -> None:
+def main(fd: int, child=_fork_keeper) -> None:
+    """Import torch, say so on the control socket `fd`, then `serve` it (forking `child`s: keepers, unless a
+    grading's fork server asks for its own). Never returns."""
     control = socket.socket(fileno=fd)
     os.set_inheritable(fd, False)
     try:
@@ -260,7 +262,7 @@ def main(fd: int) -> None:
         os._exit(1)
     _START.update(cwd=os.getcwd(), path=list(sys.path))
     send(control, {"ready": True, "torch": os.path.abspath(torch.__file__), "threads": len(os.listdir("/proc/self/task"))})
-    serve(control)
+    serve(control, child)
     os._exit(0)
 
 
