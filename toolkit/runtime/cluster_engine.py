@@ -16,6 +16,9 @@ collective the others entered. So each engine:
    The engines meet in the store before they build it (`_join`): one whose cell fails before its first
    collective counts a failed cell and never comes, and the others, seeing the count move, fail at once.
 
+ipykernel's habit of aborting the requests queued behind a failed cell is switched off: it aborts only what
+has reached each engine, so the engines would no longer run the same cells.
+
 Functions sent with `view.apply` / `apply_sync` / `map_sync` run outside cells; the same two steps wrap
 them (`_wrap_apply`), so they recover as cells do. Groups made with `dist.new_group` in earlier cells die
 with their generation: make them again.
@@ -60,6 +63,7 @@ def setup(backend: str, timeout_s: float) -> Placement:
         shell.events.register("pre_execute", _before_cell)
         shell.events.register("post_execute", _after_cell)
         if hasattr(shell, "kernel"):
+            _run_every_cell(shell.kernel)
             _wrap_apply(shell.kernel)
     return place
 
@@ -116,6 +120,19 @@ def _after_cell() -> None:
     from IPython import get_ipython
 
     _after(get_ipython().last_execution_succeeded)
+
+
+def _run_every_cell(kernel) -> None:
+    """After a cell raises, ipykernel aborts the requests that reach the engine before its event loop turns
+    again. That window is per engine: under load, the next cell can land in it on one engine and not on the
+    others, which then wait for it to rebuild the group (CI saw it). Every engine runs every cell it is sent."""
+    real = kernel.shell_handlers["execute_request"]
+
+    async def execute_request(stream, ident, parent):
+        parent["content"]["stop_on_error"] = False
+        return await real(stream, ident, parent)
+
+    kernel.shell_handlers["execute_request"] = execute_request
 
 
 def _wrap_apply(kernel) -> None:
