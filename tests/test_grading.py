@@ -225,3 +225,30 @@ def test_the_channel_from_the_ranks_carries_values_and_refuses_anything_else():
                     b"[" * 100 + b"]" * 100, b"[" + b"1," * (wire.MAX_BYTES // 2) + b"1]"):
         with pytest.raises(wire.WireError):
             wire.decode(garbage)
+
+
+@pytest.mark.timeout(180)
+def test_each_grading_forks_its_server_from_one_the_process_started_once():
+    """A process that grades many submissions (a notebook checking a lab again and again, this suite) imports
+    torch for the graders' fork server once. Each grading's server is forked from it and carries the grading's
+    id where /proc shows its environment: how the grader finds every process of a grading, daemons included,
+    and stops them all but that server. The shared one carries no grading's id, and outlives the gradings."""
+    from uuid import uuid4
+
+    from toolkit.grading import isolation
+    from toolkit.grading.session import ID_ROOM, Box, _env
+    from toolkit.runtime import zygotes
+
+    servers = []
+    for grading_id in (uuid4().hex, uuid4().hex):
+        with Box(LABS / "01-ring-allreduce", b"", "mine.py") as box:
+            server = box.fork_server(_env(box, grading_id))
+            assert server is not None, box.serverless
+            assert isolation.marked(grading_id) == [server.process.pid]
+            shared = isolation._parent(server.process.pid)
+            with open(f"/proc/{shared}/environ", "rb") as f:
+                assert f"{isolation.MARKER}={'-' * ID_ROOM}".encode() in f.read().split(b"\0")
+            servers.append((server.process.pid, shared))
+        assert not isolation.marked(grading_id), "a grading's server outlived its grading"
+    (first, shared), (second, again) = servers
+    assert first != second and shared == again and shared in zygotes.pids()

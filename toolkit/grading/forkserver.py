@@ -1,25 +1,32 @@
-"""A grading's fork server: one process per grading that imported torch once, and forks each launch's sandbox.
+"""The graders' fork server: a process that imported torch once and forks each grading's server, which forks
+each launch's sandbox.
 
 Without it every launch of a grading (a lab has one per world size, and one more after each deadlock)
 started two fresh interpreters, each importing torch (about 2 s of CPU apiece): the launcher and the zygote
-that forks its ranks. The fork server pays that once per grading. It is the runtime's zygote
-(`toolkit/runtime/zygote.py`) serving another child:
+that forks its ranks. A process that grades many submissions (a notebook checking a lab again and again, the
+test suite) would pay it once more per grading for the grading's own server. This file is the runtime's
+zygote (`toolkit/runtime/zygote.py`) serving other children, at two levels:
 
-1. Start: the grader runs it by path (`python forkserver.py FD`, so `toolkit` is never imported here), with
-   the grading's environment (its marker among it, which /proc shows for every process forked below) in the
-   grading's working folder. It imports torch, says it is ready, and waits for launches. It holds nothing
-   of the grader's: no check, no expected value, no solution. It runs as the grader's user, outside the
-   sandbox, and nothing in the sandbox can reach it (another domain, and `nobody` where grading as root).
-2. Each launch (the spec's path and the log's descriptor): fork the launch's *sandbox zygote*. It takes the
-   log as stdout and stderr, a session of its own, dies with the server, and enters the launch's sandbox
-   (`sandbox.enter`: `nobody` where root, landlock to the grading's folders), all before anything else.
-3. The sandbox zygote forks the launcher (`launcher.main`, told to ask its parent for ranks), then serves
+1. Start: the grader runs it by path (`python forkserver.py FD`, so `toolkit` is never imported here), once per
+   environment (`zygotes.server`, pooled as the ranks' zygotes are), with the gradings' common environment
+   and a blank grading id. It imports torch, says it is ready, and waits. It holds nothing of the grader's:
+   no check, no expected value, no solution.
+2. Each grading (its environment and a control socket): fork the grading's server. It writes the grading's
+   id over the blank where /proc shows its environment (`_carry`: every process forked below shows it, and
+   the grader finds a grading's processes by it), takes the grading's environment, says it is ready and
+   serves the grading's launches. It runs as the grader's user, outside the sandbox, and nothing in the
+   sandbox can reach it (another domain, and `nobody` where grading as root).
+3. Each launch (the spec's path and the log's descriptor): the grading's server forks the launch's *sandbox
+   zygote*. It takes the log as stdout and stderr, a session of its own, dies with the server, and enters the
+   launch's sandbox (`sandbox.enter`: `nobody` where root, landlock to the grading's folders), all before
+   anything else.
+4. The sandbox zygote forks the launcher (`launcher.main`, told to ask its parent for ranks), then serves
    it as the runtime's zygote does: a keeper per launch, and the keeper forks the ranks. Ranks thus start
    from a process that has torch but never imported `toolkit` (the delegation watcher must see every
    toolkit module a submission imports), already sandboxed. The launcher's end ends it.
 
 The grader stops a launch as before (the sandbox zygote's session, then everything that carries the
-grading's marker, but this server), and closes the server when the grading ends.
+grading's id, but the grading's server), and closes the grading's server when the grading ends.
 """
 from __future__ import annotations
 
@@ -84,6 +91,52 @@ def _sandbox_zygote(request: dict, fds: list[int]) -> None:
         os._exit(code if isinstance(code, int) and code >= 0 else 1)
 
 
+def _carry(name: str, value: str) -> None:
+    """Write `name=value` over this process's `name=` entry in the environment block it started with, which is
+    what /proc/<pid>/environ shows for it and for every process it forks (setproctitle does this for argv).
+    The entry must have room for the value; what is left of it becomes an entry of padding."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    start, end = int(fields[47]), int(fields[48])  # env_start, env_end: fields 50 and 51 of proc(5)
+    entry, at = name.encode() + b"=", 0
+    for item in ctypes.string_at(start, end - start).split(b"\0"):
+        if item.startswith(entry):
+            break
+        at += len(item) + 1
+    else:
+        raise RuntimeError(f"{name} is not in the environment this process started with")
+    room, new = len(item) - len(entry), value.encode()
+    if len(new) > room:
+        raise RuntimeError(f"{name}: {len(new)} bytes do not fit in the {room} this process started with")
+    padding = b"\0" + b"_" * (room - len(new) - 1) if len(new) < room else b""
+    ctypes.memmove(start + at + len(entry), new + padding, room)
+    with open("/proc/self/environ", "rb") as f:
+        if name.encode() + b"=" + new not in f.read().split(b"\0"):
+            raise RuntimeError(f"/proc/self/environ does not show the new {name}")
+
+
+def _grading_server(request: dict, fds: list[int]) -> None:
+    """In a child of the graders' server: one grading's server (its id carried, its environment), serving the
+    grading's launches until the grader lets it go. Never returns."""
+    code = 1
+    control = socket.socket(fileno=fds[0])
+    try:
+        os.setsid()
+        _carry(request["marker"], request["env"][request["marker"]])
+        zygote.become(request["env"], request["cwd"])
+        zygote.send(control, {"ready": True, "torch": os.path.abspath(sys.modules["torch"].__file__),
+                              "threads": len(os.listdir("/proc/self/task"))})
+        zygote.serve(control, _sandbox_zygote)
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - the grader reads it as the reason it grades without a server
+        try:
+            zygote.send(control, {"error": f"the grading's server could not start: {type(exc).__name__}: {exc}"})
+        except OSError:
+            pass
+    finally:
+        os._exit(code)
+
+
 def _launcher(spec: dict, control: socket.socket, parent: int) -> None:
     """In the launcher forked by the sandbox zygote: `launcher.main`, with its parent as the ranks' zygote."""
     code = 1
@@ -110,4 +163,4 @@ def _launcher(spec: dict, control: socket.socket, parent: int) -> None:
 
 
 if __name__ == "__main__":
-    zygote.main(int(sys.argv[1]), child=_sandbox_zygote)
+    zygote.main(int(sys.argv[1]), child=_grading_server)

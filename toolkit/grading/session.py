@@ -6,9 +6,9 @@ sent read back as untrusted data.
 rank, removed by that rank before any student code runs) and `out/` (what the ranks write). The
 instructor's lab folder, the other students' files and the grader's results are never in it.
 
-`launch_ranks` writes each rank's inputs and a spec, has the grading's fork server (`forkserver.py`, one
-per Box, with the grading's id in its environment) fork the launch's sandbox and launcher (or starts
-`python -m toolkit.grading.launcher` where none can serve), waits (never longer than its deadline),
+`launch_ranks` writes each rank's inputs and a spec, has the grading's fork server (one per Box, forked by
+the graders' server `forkserver.py`, with the grading's id in its environment) fork the launch's sandbox
+and launcher (or starts `python -m toolkit.grading.launcher` where none can serve), waits (never longer than its deadline),
 then makes sure nothing it started is alive before reading a single file back. Every file is read with
 `wire.decode` or as capped text: a rank's output can fail a check, never pass one or crash the grader.
 """
@@ -35,6 +35,7 @@ FORKSERVER = str(Path(__file__).resolve().with_name("forkserver.py"))
 KEEP_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
             "TOOLKIT_GRADING_USER")
 TEXT_LIMIT = 20_000
+ID_ROOM = 64  # the longest grading id a grading's server can carry (uuid4().hex: 32)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Box:
         self.root.chmod(0o755)
         self.user = sandbox.other_user()
         sandbox.hand_over([self.work, self.tmp, self.inputs, self.out], self.user)
-        self.server: Zygote | None = None  # the grading's fork server (forkserver.py), from the first launch
+        self.server: Zygote | None = None  # the grading's fork server, from the first launch
         self.serverless = ""  # why launches start fresh interpreters instead
 
     def __enter__(self) -> "Box":
@@ -85,7 +86,7 @@ class Box:
             why = zygotes.why_not(1)
             if why is None:
                 try:
-                    self.server = Zygote(env, script=FORKSERVER)
+                    self.server = _grading_server(env, str(self.work))
                 except (ZygoteError, OSError) as exc:
                     why = f"the grading's fork server could not start ({exc})"
             self.serverless = why or ""
@@ -114,6 +115,14 @@ class Launch:
     def of_rank(self, rank: int, count: int = 3) -> list[str]:
         prefix = f"[rank {rank}] "
         return [line[len(prefix):] for line in self.lines if line.startswith(prefix)][-count:]
+
+
+def _grading_server(env: dict, cwd: str) -> Zygote:
+    """The grading's fork server, forked by the graders' server of this process (`forkserver.py`, started once
+    per environment with a blank id that the grading's server overwrites with its own)."""
+    common = {k: v for k, v in env.items() if k not in ("HOME", "TMPDIR")}
+    common[isolation.MARKER] = "-" * ID_ROOM
+    return Zygote.forked_by(zygotes.server(common, FORKSERVER), {"env": env, "cwd": cwd, "marker": isolation.MARKER})
 
 
 def _env(box: Box, grading_id: str) -> dict:

@@ -98,10 +98,31 @@ class Zygote:
         finally:
             theirs.close()
         self.control, self.lock, self.keepers = ours, threading.Lock(), []
+        self._greeted()
+
+    @classmethod
+    def forked_by(cls, parent: "Zygote", request: dict) -> "Zygote":
+        """A zygote that `parent` forks for `request` rather than a new interpreter (a grading's fork server,
+        forked by the server every grading of this process shares): it has torch already."""
+        ours, theirs = socket.socketpair()
+        try:
+            process = parent.fork(request, [theirs.fileno()])
+        except ZygoteError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        zygote = cls.__new__(cls)
+        zygote.process, zygote.control, zygote.lock, zygote.keepers = process, ours, threading.Lock(), []
+        zygote._greeted()
+        return zygote
+
+    def _greeted(self) -> None:
+        """Wait for its hello; close it and raise ZygoteError if it cannot serve."""
         give_up = time.monotonic() + START_PATIENCE_S
-        while not select.select([ours], [], [], 0.1)[0] and time.monotonic() < give_up:
+        while not select.select([self.control], [], [], 0.1)[0] and time.monotonic() < give_up:
             pass
-        why = self._refusal(receive(ours)[0] if select.select([ours], [], [], 0)[0] else None)
+        why = self._refusal(receive(self.control)[0] if select.select([self.control], [], [], 0)[0] else None)
         if why:
             self.close()
             raise ZygoteError(why)

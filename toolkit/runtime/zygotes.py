@@ -95,7 +95,7 @@ def key(env: dict) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
-def _zygote_for(k: str, env: dict) -> Zygote:
+def _zygote_for(k: str, env: dict, script: str = ZYGOTE) -> Zygote:
     with _lock:
         zygote = _pool.pop(k, None)
         if zygote is not None and zygote.process.poll() is not None:
@@ -110,12 +110,18 @@ def _zygote_for(k: str, env: dict) -> Zygote:
             for kk in idle[:len(_pool) + 1 - MAX_ZYGOTES]:  # the least recently used first
                 _pool.pop(kk).close()
             try:
-                zygote = Zygote(env)
+                zygote = Zygote(env, script=script)
             except (ZygoteError, OSError) as exc:
                 _broken[k] = str(exc)
                 raise ZygoteError(str(exc)) from exc
         _pool[k] = zygote
         return zygote
+
+
+def server(env: dict, script: str) -> Zygote:
+    """A zygote running `script` (a grading's `forkserver.py`) for `env`, pooled as the ranks' zygotes are:
+    started on first use, shared by every later caller with the same environment and state."""
+    return _zygote_for(key(env) + script, env, script)
 
 
 def _ended(zygote: Zygote) -> bool:
