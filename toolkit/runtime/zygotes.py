@@ -7,6 +7,9 @@ namespaces, the same torch and .pth files, the same zygote.py. Anything else sta
 finds processes by their environment (/proc/<pid>/environ shows a zygote's, the grader's marker among it)
 still finds them.
 
+The graders' fork server (`toolkit/grading/forkserver.py`, `server`) is pooled the same way: one per
+environment, serving every grading of this process.
+
 Where a zygote cannot serve, `fork_keeper` returns None and the launch starts its keeper and ranks as fresh
 interpreters, as before; it says why on stderr, once per reason: not Linux, no fork or pidfd, a zygote that
 could not start, more ranks than one message can carry descriptors for. TOOLKIT_LAUNCH_EXEC=1 asks for
