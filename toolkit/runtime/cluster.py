@@ -187,7 +187,7 @@ def _guard_targets(rc) -> None:
 def _engines_died(rc, gone: list[int]) -> str:
     """Which engine died first and how; whether the others live (MPICH ends them all after a signal)."""
     ranks, ends = rc.toolkit_cluster["ranks"], rc.toolkit_cluster.get("ends")
-    ended = ends.ended() if ends is not None else [(e, None) for e in gone]
+    ended = ends.first() if ends is not None else [(e, None) for e in gone[:1]]
     alive = ends.alive() if ends is not None else sorted(set(ranks) - set(gone))
     restart = f"Restart the cluster (fresh engines: variables on them are lost):\n    {_RESTART}"
     if not ended:
@@ -197,6 +197,12 @@ def _engines_died(rc, gone: list[int]) -> str:
         "died: its process ended (os._exit, a crash in native code, or it was killed, e.g. by the out-of-memory "
         "killer)")
     told = f"toolkit: engine {first} (rank {ranks[first]}) {how}."
+    if len(ended) > 1:  # one of them first, and the others ended by mpiexec at once: nothing tells which
+        hows = {exits.story(c) if c is not None else "died" for _, c in ended}
+        told = (f"toolkit: engines {', '.join(str(e) for e, _ in ended)} (ranks "
+                f"{', '.join(str(ranks[e]) for e, _ in ended)}) ended too close together to tell which was first "
+                f"(the machine was too busy to see them end one at a time): {'; '.join(sorted(hows))}. One of them "
+                "ended first.")
     if not alive:
         return (f"{told} It took the MPI job with it: mpiexec then ended every other engine (MPICH's process "
                 f"manager stops all processes of an MPI job when one is killed by a signal), so no engine is "
