@@ -9,8 +9,9 @@ instructor's lab folder, the other students' files and the grader's results are 
 `launch_ranks` writes each rank's inputs and a spec, has the grading's fork server (one per Box, forked by
 the graders' server `forkserver.py`, with the grading's id in its environment) fork the launch's sandbox
 and launcher (or starts `python -m toolkit.grading.launcher` where none can serve), waits (never longer
-than its deadline), then makes sure nothing it started is alive before reading a single file back. Every file is read with
-`wire.decode` or as capped text: a rank's output can fail a check, never pass one or crash the grader.
+than its deadline), then makes sure nothing it started is alive before reading a single file back. Every
+file is read with `wire.decode` or as capped text: a rank's output can fail a check, never pass one or
+crash the grader.
 """
 from __future__ import annotations
 
