@@ -124,8 +124,7 @@ def _grading_server(request: dict, fds: list[int]) -> None:
         os.setsid()
         _carry(request["marker"], request["env"][request["marker"]])
         zygote.become(request["env"], request["cwd"])
-        zygote.send(control, {"ready": True, "torch": os.path.abspath(sys.modules["torch"].__file__),
-                              "threads": len(os.listdir("/proc/self/task"))})
+        zygote.say_ready(control)
         zygote.serve(control, _sandbox_zygote)
         code = 0
     except BaseException as exc:  # noqa: BLE001 - the grader reads it as the reason it grades without a server

@@ -192,17 +192,19 @@ def _engines_died(rc, gone: list[int]) -> str:
     restart = f"Restart the cluster (fresh engines: variables on them are lost):\n    {_RESTART}"
     if not ended:
         return f"toolkit: every engine is gone (none answers). {restart}"
-    first, code = ended[0]
-    how = exits.story(code) if code is not None else (
-        "died: its process ended (os._exit, a crash in native code, or it was killed, e.g. by the out-of-memory "
-        "killer)")
-    told = f"toolkit: engine {first} (rank {ranks[first]}) {how}."
-    if len(ended) > 1:  # one of them first, and the others ended by mpiexec at once: nothing tells which
-        hows = {exits.story(c) if c is not None else "died" for _, c in ended}
+    def how(code):
+        return exits.story(code) if code is not None else (
+            "died: its process ended (os._exit, a crash in native code, or it was killed, e.g. by the out-of-memory "
+            "killer)")
+
+    if len(ended) == 1:
+        first, code = ended[0]
+        told = f"toolkit: engine {first} (rank {ranks[first]}) {how(code)}."
+    else:  # one of them first, and the others ended by mpiexec at once: nothing tells which
         told = (f"toolkit: engines {', '.join(str(e) for e, _ in ended)} (ranks "
                 f"{', '.join(str(ranks[e]) for e, _ in ended)}) ended too close together to tell which was first "
-                f"(the machine was too busy to see them end one at a time): {'; '.join(sorted(hows))}. One of them "
-                "ended first.")
+                f"(the machine was too busy to see them end one at a time): "
+                f"{'; '.join(sorted({how(c) for _, c in ended}))}. One of them ended first.")
     if not alive:
         return (f"{told} It took the MPI job with it: mpiexec then ended every other engine (MPICH's process "
                 f"manager stops all processes of an MPI job when one is killed by a signal), so no engine is "

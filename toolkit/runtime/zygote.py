@@ -250,18 +250,24 @@ def serve(control: socket.socket, child=_fork_keeper) -> None:
             running[pid] = status
 
 
+def say_ready(control: socket.socket) -> None:
+    """The hello a launcher checks before it trusts a zygote to fork (`zygote_link.Zygote._refusal`)."""
+    send(control, {"ready": True, "torch": os.path.abspath(sys.modules["torch"].__file__),
+                   "threads": len(os.listdir("/proc/self/task"))})
+
+
 def main(fd: int, child=_fork_keeper) -> None:
     """Import torch, say so on the control socket `fd`, then `serve` it (forking `child`s: keepers, unless a
     grading's fork server asks for its own). Never returns."""
     control = socket.socket(fileno=fd)
     os.set_inheritable(fd, False)
     try:
-        import torch
+        import torch  # noqa: F401 - imported once here, for every process forked below
     except BaseException as exc:  # noqa: BLE001 - the launcher says why and starts ranks the slow way
         send(control, {"error": f"import torch failed: {type(exc).__name__}: {exc}"})
         os._exit(1)
     _START.update(cwd=os.getcwd(), path=list(sys.path))
-    send(control, {"ready": True, "torch": os.path.abspath(torch.__file__), "threads": len(os.listdir("/proc/self/task"))})
+    say_ready(control)
     serve(control, child)
     os._exit(0)
 
