@@ -20,7 +20,10 @@ MISTAKES = {
     "row bias before the reduction": (
         (ROW_FORWARD, "        return ReduceFromTP.apply(F.linear(x, self.weight, self.bias), self.group)\n"),
         {"row": "the output holds the bias 2 times", "mlp": "the output of the split MLP",
-         "training": "the loss of step 1"}),  # the GPT's biases start at zero: step 0 cannot tell
+         # The GPT's biases start at zero, so step 0 cannot tell. Step 1's loss moves by about 1e-3 either way
+         # with the grading's random seed, so for a few seeds in a hundred it lands within the fp32 tolerance
+         # and the weights after 2 steps are the first thing that differs (seen in a suite run).
+         "training": ("the loss of step 1", "blocks.0.mlp.fc.weight after 2 steps")}),
 }
 
 
