@@ -21,12 +21,14 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from ..trace.events import current_phase
 from .attention import FLOPS as ATTENTION_FLOPS
+from .known_shapes import Memo, shape_key
 from .program import DTYPES, Collective, Compute, Kernel, Wait
 
 _NOT_COMPUTE = {"c10d", "_c10d_functional", "c10d_functional"}  # a collective is not compute work
 _FLOPS = {**flop_registry, **{k: shape_wrapper(v) for k, v in ATTENTION_FLOPS.items()}}  # as FlopCounterMode's
 aten = torch.ops.aten
 _GEMMS = {aten.mm: 0, aten.addmm: 1, aten.bmm: 0, aten.baddbmm: 1}  # op -> index of its first factor
+_KERNELS = Memo()
 _NO_DEVICE_WORK = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
                    "lift_fresh", "_unsafe_view", "_record_function_enter_new", "_record_function_exit"}  # metadata only
 
@@ -60,8 +62,9 @@ class OpCounter(TorchDispatchMode):
     """Counts aten operations, their FLOPs and the bytes of their tensor inputs and outputs (views move
     nothing), and keeps each operation's `Kernel` until `take_kernels()`."""
 
-    def __init__(self):
+    def __init__(self, meta: bool = False):
         super().__init__()
+        self.known = _KERNELS if meta else None  # on meta tensors: shape_key -> (bytes, Kernel)
         self.ops = 0
         self.flops = 0.0
         self.bytes = 0
@@ -72,10 +75,15 @@ class OpCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.namespace not in _NOT_COMPUTE and not func.is_view:
             self.ops += 1
-            nbytes = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
-                         if isinstance(t, torch.Tensor))
+            key = shape_key(func, args, kwargs) if self.known is not None else None
+            nbytes, kernel = self.known.get(key, (0, None)) if key is not None else (0, None)
+            if kernel is None:  # a new operation or shape: its bytes and Kernel depend on nothing else
+                nbytes = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
+                             if isinstance(t, torch.Tensor))
+                kernel = kernel_of(func, args, kwargs, out, nbytes)
+                if key is not None:
+                    self.known[key] = (nbytes, kernel)
             self.bytes += nbytes
-            kernel = kernel_of(func, args, kwargs, out, nbytes)
             self.flops += kernel.flops
             self.kernels[kernel] = self.kernels.get(kernel, 0) + 1
         return out

@@ -39,6 +39,7 @@ from .cost import pricer, resolve
 from .hardware import check_mfu
 from .memory import StepMemory
 from .pipelined import is_pipelined
+from .known_shapes import KnownShapes
 from .record import OpCounter, Programmer
 from .simulation import Simulation, count_params
 from .stage_assembly import simulate_pipeline
@@ -183,7 +184,7 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
     Works on any process group: on the simulated cluster (meta tensors, `meta=True` so the ledger counts
     them) or on a real one. Returns the fields of a `Simulation` that a step produces.
     """
-    memory, ops = StepMemory(), OpCounter()
+    memory, ops = StepMemory(), OpCounter(meta=meta)
     programmer = Programmer(ops, memory.module)
 
     def door(kind, event, tensor):
@@ -196,7 +197,8 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
     programs, samples, states = [], [], {}
     memory.classify(model, opt)
     with contextlib.ExitStack() as stack:
-        for context in (memory, ops, comm.listening(door), recorder.listening(programmer.span)):
+        below = (KnownShapes(),) if meta else ()  # first in, so the memory tracker and the counter see all
+        for context in (*below, memory, ops, comm.listening(door), recorder.listening(programmer.span)):
             stack.enter_context(context)
         for step in range(first, first + steps):
             memory.reset_mod_stats()  # MemTracker counts one iteration at a time
