@@ -16,6 +16,16 @@ from cpu_times import pytest_runtest_protocol, pytest_sessionfinish  # noqa: E40
 
 os.environ["TOOLKIT_TEST_PID"] = str(os.getpid())  # inherited by every process a test starts, however deep
 
+# Under pytest-xdist the workers share the cores out evenly, as `launch` shares them among its ranks: a worker's
+# own torch work (references, simulations) and what it starts (notebook kernels, commands) use its share. More
+# threads than that only spin against the other worker (5% of a multi-process file's time, measured).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # ipyparallel's controller picks its ~20 ports by binding port 0, releases them, and binds them later: any process
 # given a port by the OS meanwhile (a rendezvous store, a rank's connection) can take one, and the cluster never
 # starts. The tests' controllers (those of every process they start: the profile is found through IPYTHONDIR) take

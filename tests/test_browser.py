@@ -273,9 +273,11 @@ INTERACTIONS = {"01-collectives": launch_and_draw, "03-zero": explore_memory, "0
                 "07-at-scale": explore_scale}
 
 
+@pytest.mark.skipif(not ALL, reason="a second lesson's widget in JupyterLab (19 CPU s): make test-browser")
 @pytest.mark.timeout(300)
 def test_lesson_03_explorer_in_jupyterlab(page, lab):
-    """The set-up cell, then the memory explorer out of order; its slider; then save."""
+    """The set-up cell, then the memory explorer out of order; its slider; then save. (`make test` clicks
+    lesson 07's explorer in JupyterLab; `make test-browser` this one too, and every lesson top to bottom.)"""
     open_lesson(page, lab, "03-zero.ipynb")
     run_cell(page, page.locator(".jp-Notebook .jp-CodeCell").first)
     run_cell(page, code_cell(page, "memory_explorer("))
