@@ -3,7 +3,9 @@
 Target (issue 10): GPT-3 175B under zero3 at 512 ranks, one step, in <= 60 s and <= 4 GB of RAM on
 2 cores. Each case runs in a fresh child process, so its peak resident memory (ru_maxrss) is its own.
 `--profile` runs the target once more under cProfile and prints the time inside each tracker's dispatch
-(MemTracker, the op counter): where the time goes.
+(MemTracker, the op counter): where the time goes. The target also runs without known shapes
+(`toolkit.sim.known_shapes`: every meta operation's outputs computed by torch, as before they were
+memoized), side by side, so the table holds what memoizing saves as a ratio.
 
     python bench/sim_speed.py            # the 175B target, then ZeRO Figure 1 and GPT-3 at full depth
     python bench/sim_speed.py --quick    # the target case only
@@ -23,21 +25,30 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9
 NOTES = """The simulation runs on one core. Its CPU seconds (time.process_time of the child) hardly move with
 the machine's load; wall-clock seconds do (other sessions share these 2 cores: the same step has taken
-12 to 85 s of wall time at load averages of 5 to 10). Peak RSS is the child process's own. cProfile (`--profile`) puts most of the time in per-operation Python: torch's meta
-kernels (prims and refs), and the two dispatch modes that watch every operation (MemTracker, the
-op counter, which also counts FLOPs); the toolkit's strategies themselves are a small share. ZeRO-3's step is the
+12 to 85 s of wall time at load averages of 5 to 10). Peak RSS is the child process's own. cProfile (`--profile`) put most of the time in per-operation Python:
+torch's meta kernels (prims and refs: a layer norm's backward about 3 ms on meta), and the two dispatch modes
+that watch every operation (MemTracker, the op counter, which also counts FLOPs); the toolkit's strategies
+themselves are a small share. Known shapes (`toolkit.sim.known_shapes`) now answer a meta operation already
+run on the same shapes with fresh tensors, and the op counter reuses its kernel records by the same key:
+the second row is the same simulation with both turned off, side by side (the same peak, bytes and FLOPs). ZeRO-3's step is the
 slowest because every module is a unit (about six all-gathers, waits and frees per layer and pass).
 Model states and bytes equal the formulas on the model's own parameter count (padding below 0.01 GB);
 the peak adds what one moment of the step holds: gathered units, activations of the sequence, gradients
 on their way to a reduce-scatter (one reduction's input at a time: ZeRO-2/3 and FSDP finish each before starting the next)."""
 
 
-def _case(queue, model, strategy, world, options, profile):
+def _case(queue, model, strategy, world, options, profile, known_shapes=True):
     import cProfile
     import pstats
 
     from toolkit.models import presets
     from toolkit.sim import simulate
+
+    if not known_shapes:  # torch computes every meta operation's outputs; the op counter every kernel record
+        from toolkit.sim import known_shapes as memo, record
+
+        memo.KnownShapes.__torch_dispatch__ = lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {}))
+        record.shape_key = lambda func, args, kwargs: None
 
     profiler = cProfile.Profile() if profile else None
     start, cpu = time.perf_counter(), time.process_time()
@@ -60,10 +71,10 @@ def _case(queue, model, strategy, world, options, profile):
                "theory": sim.theory(), "moment": sim.peak_moment})
 
 
-def run_case(model, strategy, world, options, profile=False) -> dict:
+def run_case(model, strategy, world, options, profile=False, known_shapes=True) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    child = ctx.Process(target=_case, args=(queue, model, strategy, world, options, profile))
+    child = ctx.Process(target=_case, args=(queue, model, strategy, world, options, profile, known_shapes))
     child.start()
     result = queue.get()
     child.join()
@@ -78,9 +89,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     mixed = {"mixed_precision": True}
     target = run_case("gpt3_175b", "zero3", 512, mixed)
+    computed = run_case("gpt3_175b", "zero3", 512, mixed, known_shapes=False)
+    assert (computed["peak"], computed["bytes"], computed["flops"]) == (target["peak"], target["bytes"], target["flops"])
     lines = ["| case | CPU seconds | wall seconds | peak RSS (GB) | vs target |", "| --- | --- | --- | --- | --- |",
              f"| GPT-3 175B, zero3, 512 ranks, 1 step (+ warm-up) | {target['cpu']:.1f} | {target['seconds']:.1f} | "
-             f"{target['rss'] / GB:.2f} | CPU time {target['cpu'] / 60:.2f} x 60 s, RAM {target['rss'] / 4e9:.2f} x 4 GB |"]
+             f"{target['rss'] / GB:.2f} | CPU time {target['cpu'] / 60:.2f} x 60 s, RAM {target['rss'] / 4e9:.2f} x 4 GB |",
+             f"| the same without known shapes (the same peak, bytes and FLOPs) | {computed['cpu']:.1f} | "
+             f"{computed['seconds']:.1f} | {computed['rss'] / GB:.2f} | known shapes take {target['cpu'] / computed['cpu']:.2f}x "
+             f"its CPU time |"]
     if args.profile:  # where the time goes (cProfile slows the run several times: read shares, not seconds)
         split = run_case("gpt3_175b", "zero3", 512, mixed, profile=True)["split"]
         print("cProfile, cumulative seconds inside each tracker's dispatch (nested: they overlap):", split)
