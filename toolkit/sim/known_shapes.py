@@ -42,8 +42,8 @@ def shape_key(func, args, kwargs) -> tuple | None:
 def _key_of(value, into: list) -> bool:
     """Append what the outputs' shapes can depend on; False where memoizing is not safe."""
     if isinstance(value, torch.Tensor):
-        if type(value) not in _PLAIN or not value.is_meta:
-            return False
+        if type(value) not in _PLAIN or not value.is_meta or value.layout is not torch.strided:
+            return False  # a real tensor, a subclass, a sparse one (no strides): run it
         into.append((tuple(value.shape), value.stride(), value.dtype))
         return True
     if isinstance(value, (tuple, list)):
@@ -70,7 +70,7 @@ def _spec(out, inputs: set):
     for o in outs:
         if o is None:
             continue
-        if (type(o) is not torch.Tensor or not o.is_meta or o.storage_offset() != 0
+        if (type(o) is not torch.Tensor or not o.is_meta or o.layout is not torch.strided or o.storage_offset() != 0
                 or o.untyped_storage()._cdata in seen
                 or o.untyped_storage().nbytes() != _fresh(o).untyped_storage().nbytes()):
             return None
