@@ -37,11 +37,15 @@ def run(layout):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_simulation_reports_the_same_with_and_without_known_shapes(layout, monkeypatch):
-    with_them = reported(run(layout))  # its second step's operations are all known from its first (the warm-up)
-    monkeypatch.setattr(KnownShapes, "__torch_dispatch__",
-                        lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {})))
-    monkeypatch.setattr(record, "shape_key", lambda func, args, kwargs: None)
+    outputs, kernels = known_shapes.Memo(), known_shapes.Memo()
+    monkeypatch.setattr(known_shapes, "_OUTPUTS", outputs)
+    monkeypatch.setattr(record, "_KERNELS", kernels)
+    monkeypatch.setattr(known_shapes, "ENABLED", False)
     without = reported(run(layout))
+    assert not outputs and not kernels  # switched off: nothing memoized, every operation computed by torch
+    monkeypatch.setattr(known_shapes, "ENABLED", True)
+    with_them = reported(run(layout))  # its second step's operations are all known from its first (the warm-up)
+    assert outputs and kernels
     assert with_them == without
 
 

@@ -37,9 +37,9 @@ from ..trace.events import phase, recorder, span
 from . import cluster as _cluster
 from .cost import pricer, resolve
 from .hardware import check_mfu
+from .known_shapes import KnownShapes
 from .memory import StepMemory
 from .pipelined import is_pipelined
-from .known_shapes import KnownShapes
 from .record import OpCounter, Programmer
 from .simulation import Simulation, count_params
 from .stage_assembly import simulate_pipeline
