@@ -2,6 +2,7 @@
 named with its exit code or signal (by the survivors, or by this machine's witness when mpiexec kills them first)."""
 import os
 import re
+import select
 import subprocess
 import sys
 import textwrap
@@ -76,6 +77,27 @@ def test_under_mpiexec_the_abort_waits_until_the_launcher_has_read_the_traceback
     assert not lost, f"(job, exit status, characters of stderr) where the traceback was lost: {lost}"
 
 
+def test_the_abort_ends_the_job_only_once_the_launcher_has_read_the_output(tmp_path):
+    """The twin of the test above that does not need the race to happen: the rank's stderr is a pipe nobody
+    reads for a second; the rank must still be there (not ended the job), and end once it has been read."""
+    script = tmp_path / "job.py"
+    script.write_text(ABORTS_AFTER_WRITING.replace("from mpi4py import MPI", "sys.modules['mpi4py'] = None")
+                      .replace("MPI.COMM_WORLD.Get_rank()", "1"))  # no MPI: the abort is a bare os._exit(1)
+    rank = subprocess.Popen([sys.executable, str(script), os.path.dirname(toolkit.__file__)], stderr=subprocess.PIPE,
+                            env=_clean_env(), cwd=tmp_path)
+    try:
+        deadline = time.time() + 60
+        while not select.select([rank.stderr], [], [], 0.1)[0] and time.time() < deadline:
+            pass  # until it has written (and so is in its abort)
+        time.sleep(1.0)
+        assert rank.poll() is None, "it ended the job before the launcher had read its traceback"
+        told = rank.stderr.read().decode()
+        assert rank.wait(timeout=30) == 1
+    finally:
+        rank.kill()
+    assert told.count("ValueError: rank one is unhappy") == 1
+
+
 @pytest.mark.parametrize("raised_first", [False, True])
 def test_the_witness_names_the_first_silent_death_only(tmp_path, raised_first):
     """Three stand-in ranks on this machine: rank 2 is SIGKILLed, then the launcher kills rank 0. Only rank 2 is
@@ -146,7 +168,8 @@ def test_under_mpiexec_a_rank_that_dies_without_raising_is_named_with_how(how, s
                          cwd=tmp_path)
     assert out.returncode != 0
     # under load a survivor's MPI_Abort (exit status 1) can come before mpiexec's cleanup (9); it then ended the
-    # job with nothing printed, until the abort waited for the launcher to read the output (the test above)
+    # job with nothing printed, until the abort waited for the launcher to read the output
+    # (test_under_mpiexec_the_abort_waits_until_the_launcher_has_read_the_traceback)
     assert re.search(story, out.stderr), (out.returncode, out.stdout[-2000:], out.stderr)
     assert "its traceback is the one to read" not in out.stderr, out.stderr
     assert len(os.listdir(pids)) == 3 and gone([int(p) for p in os.listdir(pids)]), "a rank outlived its job"

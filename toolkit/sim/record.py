@@ -76,13 +76,14 @@ class OpCounter(TorchDispatchMode):
         if func.namespace not in _NOT_COMPUTE and not func.is_view:
             self.ops += 1
             key = shape_key(func, args, kwargs) if self.known is not None else None
-            nbytes, kernel = self.known.get(key, (0, None)) if key is not None else (0, None)
-            if kernel is None:  # a new operation or shape: its bytes and Kernel depend on nothing else
+            seen = self.known.get(key) if key is not None else None
+            if seen is None:  # a new operation or shape: its bytes and Kernel depend on nothing else
                 nbytes = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
                              if isinstance(t, torch.Tensor))
-                kernel = kernel_of(func, args, kwargs, out, nbytes)
+                seen = (nbytes, kernel_of(func, args, kwargs, out, nbytes))
                 if key is not None:
-                    self.known[key] = (nbytes, kernel)
+                    self.known[key] = seen
+            nbytes, kernel = seen
             self.bytes += nbytes
             self.flops += kernel.flops
             self.kernels[kernel] = self.kernels.get(kernel, 0) + 1
