@@ -106,12 +106,12 @@ RAISES_ON_RANK_1 = ("import os, torch, torch.distributed as dist\n"
 SUMS = "x = torch.ones(2) * (dist.get_rank() + 1)\ntoolkit.comm.all_reduce(x)\nresult = (dist.get_rank(), x.tolist())"
 
 
-def assert_told_at_once(error):
+def assert_told_at_once(error, when=""):
     """Rank 1 raised; the engines waiting for it in the all-reduce failed because it went away, not at timeout_s
     (PeerFailed either way, "it timed out" then): what happened, not when, so load cannot change it."""
     told = sorted((name, "another rank of the group went away" in str(value)) for name, value, _, _ in error.elist)
     assert told == [("PeerFailed", True), ("PeerFailed", True), ("ValueError", False)], \
-        [(n, str(v)[:200]) for n, v, _, _ in error.elist]
+        (when, [(n, str(v)[:200]) for n, v, _, _ in error.elist])
 
 
 def test_ipyparallel_engines_run_cells_survive_a_failed_one_and_name_a_dead_engine():
@@ -144,6 +144,32 @@ def test_ipyparallel_engines_run_cells_survive_a_failed_one_and_name_a_dead_engi
         assert note.startswith("toolkit: engine 1 (rank 1) died with exit code 9"), note
         assert "Engines 0, 2 are alive, but the process group lost a member" in note, note  # an exit: they live
         assert "rc = toolkit.runtime.restart_cluster(rc)" in note
+    finally:
+        toolkit.runtime.stop_cluster(rc)
+    assert gone(pids), "an engine outlived stop_cluster"
+
+
+def test_a_slow_engine_is_told_at_once_when_a_fast_one_already_failed_the_call():
+    """CI (2 cores, loaded): rank 1 ran a whole failing call before ranks 0 and 2 began theirs. They read the count
+    of failed cells after rank 1 had moved it, so they built a group rank 1 would only come to in its next call:
+    they waited out timeout_s ("it timed out waiting for the other ranks"), and a next call sent without waiting
+    would have paired their collectives with that one's. Here the late start is made sure of: engines 0 and 2 are
+    kept busy for 2 s by a call sent to them alone, without waiting, just before the one that fails on rank 1."""
+    import ipyparallel as ipp
+
+    import toolkit
+
+    rc = toolkit.runtime.cluster(3, activate=False, timeout_s=20)
+    pids = rc.toolkit_cluster["pids"]
+    view, late = rc[:], rc[[0, 2]]
+    try:
+        for state in ("a healthy group", "a group to rebuild after the failure before"):
+            late.execute("import time; time.sleep(2)", block=False)
+            with pytest.raises(ipp.error.CompositeError) as failed:
+                view.execute(RAISES_ON_RANK_1, silent=False, block=True)
+            assert_told_at_once(failed.value, when=state)
+        view.execute("import torch, torch.distributed as dist\n" + SUMS, block=True)  # the next call just works
+        assert sorted(view.pull("result", block=True)) == sorted((r, [6.0, 6.0]) for r in range(3))
     finally:
         toolkit.runtime.stop_cluster(rc)
     assert gone(pids), "an engine outlived stop_cluster"

@@ -66,6 +66,7 @@ def cluster(n: int, *, backend: str = "auto", timeout_s: float = 30.0, activate:
     c.config.MPILauncher.mpi_cmd = [_mpiexec()]
     c.config.MPILauncher.mpi_args = ["-disable-auto-cleanup"]  # one dead engine must not take the others down
     rc = c.start_and_connect_sync(activate=activate and _in_ipython())
+    _stamp_calls(rc)
     try:
         rc.wait_for_engines(n, timeout=_START_TIMEOUT_S)
         view = rc[:]
@@ -82,6 +83,29 @@ def cluster(n: int, *, backend: str = "auto", timeout_s: float = 30.0, activate:
     if _in_ipython():
         _explain_under_errors(rc)
     return rc
+
+
+def _stamp_calls(rc) -> None:
+    """Give every call one id, the same on each engine it is sent to, later calls larger: the engines tell by it
+    which failures came before a call (`cluster_engine`). A view sends a call as one message per engine, all with
+    one metadata dict: the id goes into that dict, once."""
+    from .cluster_engine import CALL_ID
+
+    last = 0
+
+    def stamped(send):
+        def send_stamped(*args, **kwargs):
+            nonlocal last
+            if kwargs.get("metadata") is None:
+                kwargs["metadata"] = {}
+            if CALL_ID not in kwargs["metadata"]:
+                last = max(last + 1, time.time_ns())  # increasing, and comparable with another client's
+                kwargs["metadata"][CALL_ID] = last
+            return send(*args, **kwargs)
+        return send_stamped
+
+    rc.send_execute_request = stamped(rc.send_execute_request)
+    rc.send_apply_request = stamped(rc.send_apply_request)
 
 
 def _in_ipython() -> bool:

@@ -6,15 +6,26 @@ collective the others entered. So each engine:
 
 1. meets the others once over MPI, on a TCPStore that rank 0 hosts for the cluster's whole life;
 2. initializes the default process group under a prefix of that store (generation 0);
-3. after a cell that raised (IPython's `post_execute`), counts one failed cell in the store and destroys
-   its process group: its connections close, so peers blocked in a collective with it fail at once
-   instead of at the timeout. A stand-in group that never connects keeps `dist.get_rank()` working;
-4. before every cell (`pre_execute`), compares the store's count of failed cells with the count its
-   group was built at. If they differ, the cell's first collective builds the group of that generation
-   first. Every engine reads the same count, so all of them build the same new group together, engines
-   whose cell succeeded included; a cell that runs no collective (on one engine, say) builds nothing.
+3. after a cell that raised (IPython's `post_execute`), logs the call's id among the failed calls in the
+   store and destroys its process group: its connections close, so peers blocked in a collective with it
+   fail at once instead of at the timeout. A stand-in group that never connects keeps `dist.get_rank()`
+   working;
+4. before every cell (`pre_execute`), finds the group this call must run in: the one built after the last
+   failed call *before* it. If that is not the group it has, the cell's first collective builds it first.
+   Every engine of a call sees the same earlier failures, so all of them build the same new group together,
+   engines whose cell succeeded included; a cell that runs no collective (on one engine, say) builds nothing.
    The engines meet in the store before they build it (`_join`): one whose cell fails before its first
-   collective counts a failed cell and never comes, and the others, seeing the count move, fail at once.
+   collective logs a failed call and never comes, and the others, seeing a failure of this call or a later
+   one, fail at once.
+
+A call's id is stamped by the notebook's client (`cluster._stamp_calls`), the same on every engine the call
+is sent to, in the order the calls were sent. It cannot be a count each engine keeps: a call sent to one
+engine moves only that one's. Nor the moment an engine reads the store: on a loaded machine one engine can
+run a whole failing call before another begins it, and the slow one would count that failure as one before
+the call and build a group the fast one comes to only in its next call (CI saw them wait out `timeout_s`).
+A call with no id (a client the toolkit did not make) is dated when it reaches the engine, which has that
+weakness. `map` sends each engine a call of its own, ids a moment apart; a join also fails at once when a
+failure is logged while it waits, which covers that.
 
 ipykernel's habit of aborting the requests queued behind a failed cell is switched off: it aborts only what
 has reached each engine, so the engines would no longer run the same cells.
@@ -35,7 +46,8 @@ import torch.distributed as dist
 from . import raw, status
 from .env import Placement, detect, mpi_store, resolve_backend
 
-_FAILED_CELLS = "toolkit/failed-cells"
+_FAILED_CALLS = "toolkit/failed-calls"  # "id," for each call that failed on an engine
+CALL_ID = "toolkit_call"  # the key of a call's id in its request's metadata
 _state: dict = {}
 
 
@@ -53,7 +65,8 @@ def setup(backend: str, timeout_s: float) -> Placement:
         torch.cuda.set_device(place.local_rank)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = mpi_store(place.world_size, timeout)
-    _state.update(store=store, backend=backend, place=place, timeout=timeout, generation=-1)
+    store.append(_FAILED_CALLS, "")
+    _state.update(store=store, backend=backend, place=place, timeout=timeout, generation=-1, call=0, seen=0)
     _build(0)
     raw.watch()
     from IPython import get_ipython
@@ -83,7 +96,7 @@ def _build(generation: int) -> None:
 
 def _join(generation: int) -> None:
     """Wait until every engine has come to build this generation's group. One whose call failed before its
-    first collective never comes: it counted a failed cell instead, and the others stop waiting at once (in
+    first collective never comes: it logged a failed call instead, and the others stop waiting at once (in
     gloo's rendezvous they would wait out the whole timeout for it)."""
     from ..comm.handle import PeerFailed
 
@@ -92,7 +105,8 @@ def _join(generation: int) -> None:
     store.add(joined, 1)
     give_up = time.monotonic() + _state["timeout"].total_seconds()
     while store.add(joined, 0) < place.world_size:
-        if store.add(_FAILED_CELLS, 0) != generation:
+        failed = _failed_calls()
+        if len(failed) > _state["seen"] or max(failed, default=0) > generation:
             raise PeerFailed(f"rank {place.rank} could not rebuild the process group after a failed cell: another "
                              "rank of the group went away (it raised before its first collective of this call); "
                              "look for that rank's own error.")
@@ -103,6 +117,10 @@ def _join(generation: int) -> None:
         time.sleep(0.01)
 
 
+def _failed_calls() -> list[int]:
+    return [int(call) for call in _state["store"].get(_FAILED_CALLS).decode().split(",") if call]
+
+
 def _init(prefix: str, lazy: bool = False) -> None:
     place = _state["place"]
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1" if lazy else "0"  # lazy: connect on first use, never wait now
@@ -111,9 +129,16 @@ def _init(prefix: str, lazy: bool = False) -> None:
 
 
 def _before_cell() -> None:
-    failed = _state["store"].add(_FAILED_CELLS, 0)
-    if failed != _state["generation"]:
-        status.before_next_collective(lambda: _build(failed))
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    parent = shell.kernel.get_parent("shell") if hasattr(shell, "kernel") else {}
+    _state["call"] = call = (parent.get("metadata") or {}).get(CALL_ID) or time.time_ns()
+    failed = _failed_calls()
+    _state["seen"] = len(failed)
+    generation = max((f for f in failed if f < call), default=0)  # not this call's own failures: see above
+    if generation != _state["generation"]:
+        status.before_next_collective(lambda: _build(generation))
 
 
 def _after_cell() -> None:
@@ -151,11 +176,12 @@ def _wrap_apply(kernel) -> None:
 def _after(succeeded: bool) -> None:
     if succeeded:
         return
-    failed = _state["store"].add(_FAILED_CELLS, 1)
+    call = _state["call"]
+    _state["store"].append(_FAILED_CALLS, f"{call},")
     status.before_next_collective(None)
     if dist.is_initialized():
         dist.destroy_process_group()  # closes its connections: peers waiting on this engine fail now
-    _init(f"toolkit/stand-in/{failed}/{_state['place'].rank}", lazy=True)
+    _init(f"toolkit/stand-in/{call}/{_state['place'].rank}", lazy=True)
     _state["generation"] = -1
 
 
