@@ -219,7 +219,8 @@ def test_ipyparallel_apply_recovers_and_a_killed_engine_is_named_as_the_one_that
         note = toolkit.runtime.explain_cluster_error(rc, failed.value)
         assert note.startswith("toolkit: rank 1 (engine 1) raised ValueError: rank one is unhappy"), note
         # failures in a row: the next group is built at the first collective, and rank 1 never comes to it (it
-        # raised first); the others waited out timeout_s in its rendezvous ("wait timeout ... /toolkit/pg/3")
+        # raised first); the others once waited out timeout_s in gloo's rendezvous ("wait timeout ... /toolkit/pg/3"),
+        # and now meet in the store first (`cluster_engine._join`), where its logged failure stops them at once
         with pytest.raises(ipp.error.CompositeError) as again:
             view.execute(RAISES_ON_RANK_1, silent=False, block=True)
         assert_told_at_once(again.value)
