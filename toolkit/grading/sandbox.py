@@ -187,7 +187,7 @@ def hand_over(paths, user) -> None:
     for path in paths:
         for root, dirs, files in os.walk(path):
             for name in [root] + [os.path.join(root, n) for n in dirs + files]:
-                os.chown(name, *user)
+                os.chown(name, *user, follow_symlinks=False)
 
 
 def become(user) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..runtime import zygotes
 from ..runtime.zygote_link import Zygote, ZygoteError
-from . import isolation, sandbox, wire
+from . import isolation, sandbox, untrusted, wire
 from .runner import IMPORT, inputs_path, ready_path, result_path
 
 FORKSERVER = str(Path(__file__).resolve().with_name("forkserver.py"))
@@ -152,8 +152,9 @@ def _stop(process, grading_id: str, spare=()) -> None:
 
 
 def _read(path: Path):
+    """What a rank left at `path`, decoded (never through a link, never more than one answer's bytes)."""
     try:
-        return wire.decode(path.read_bytes())
+        return wire.decode(untrusted.read(path, wire.MAX_BYTES, what="a result"))
     except FileNotFoundError:
         return None
     except (OSError, wire.WireError) as exc:
@@ -161,12 +162,7 @@ def _read(path: Path):
 
 
 def _text(path: Path) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - TEXT_LIMIT))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
+    return untrusted.tail(path, TEXT_LIMIT).decode(errors="replace")
 
 
 def launch_ranks(box: Box, n: int, indices: list, tasks_of: dict, inputs: dict, answers: list, limits: Limits,
@@ -194,7 +190,7 @@ def launch_ranks(box: Box, n: int, indices: list, tasks_of: dict, inputs: dict, 
     for index in [IMPORT] + list(indices):
         found.results[index] = {r: v for r in range(n) if (v := _read(Path(result_path(str(box.out), index, r))))
                                 is not None}
-    found.ready = all(os.path.exists(ready_path(str(box.out), r)) for r in range(n))
+    found.ready = all(untrusted.is_file(ready_path(str(box.out), r)) for r in range(n))
     stuck = _read(box.out / "deadlock.json")
     found.stuck = stuck if isinstance(stuck, dict) and "index" in stuck and isinstance(stuck.get("message"), str) \
         else None
