@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from . import delegation, sandbox, untrusted
+from . import delegation, namespaces, sandbox, students_build, untrusted
 from .checks import Check, CheckFailed, Judge
 from .isolation import Sandbox
 from .runner import IMPORT, load_module
@@ -206,7 +206,9 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, 
         raise ValueError(str(exc)) from None
     solution = solution.parent.resolve() / solution.name
     checks, answers = lab_checks(lab_dir)
-    score = Score(lab=str(lab_dir), solution=str(solution), sandbox=sandbox.describe())
+    user, made = sandbox.other_user(), namespaces.probe()
+    sandbox.preflight(user, sandbox.python_paths(), made)  # never run a submission as root: refused, said why
+    score = Score(lab=str(lab_dir), solution=str(solution), sandbox=sandbox.describe(made))
     try:
         ast.parse(source, filename=solution.name)
     except (SyntaxError, ValueError) as exc:
@@ -220,7 +222,8 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, 
                        sandbox=score.sandbox)
     seed = secrets.randbits(62) if seed is None else seed
     verdicts, stopped = {}, None
-    with Sandbox() as marked, Box(lab_dir, source, solution.name) as box:
+    build = students_build.for_lab(lab_dir)  # the toolkit the ranks import: this lab's answers taken out
+    with Sandbox() as marked, Box(lab_dir, source, solution.name, build, user, bool(made)) as box:
         for n in sorted({n for c in checks for n in c.world_sizes}):
             indices = [i for i, c in enumerate(checks) if n in c.world_sizes and not verdicts.get(i)]
             if indices and stopped is None:
