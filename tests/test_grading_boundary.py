@@ -316,3 +316,127 @@ def test_as_root_the_command_line_refuses_rather_than_run_a_submission_as_root(l
     said = capsys.readouterr().err
     assert "rather than run the submission as root" in said and "Nothing was run" in said, said
     assert json.loads(results.read_text())["score"] == 0
+
+
+# --- what a rank can touch: a point-to-point lab's messages -----------------------------------------------------
+MESSAGES_TASK = '''
+
+def exchanged(student, rank, given):
+    with rank.messages() as messages:
+        x = given["x"].clone()
+        student.summed(x, rank.group)
+    return {"x": x, "messages": messages}
+'''
+
+MESSAGES_CHECK = '''
+MESSAGES_ONLY = True
+
+@check("the sum over two ranks, one message each way", points=1, world_sizes=(2,), task="exchanged",
+       inputs=lambda n, g: [{"x": torch.randn(4, generator=g)} for _ in range(n)])
+def exchanged(ctx, given, got):
+    for r in range(2):
+        ctx.expect(got[r]["x"], given[0]["x"] + given[1]["x"], "the sum", rank=r, exact=False)
+        if sorted(map(tuple, got[r]["messages"])) != [("recv", 1 - r, 4), ("send", 1 - r, 4)]:
+            ctx.fail(f"rank {r} posted {got[r]['messages']}: one send and one receive of 4 elements")
+'''
+
+BY_MESSAGES = '''
+import torch, torch.distributed as dist
+
+def summed(x, group):
+    peer = 1 - dist.get_rank()
+    other = torch.empty_like(x)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer, group), dist.P2POp(dist.irecv, other, peer, group)]):
+        work.wait()
+    x.add_(other)
+'''
+
+CAPTURED = '''
+import torch, torch.distributed as dist
+ALL_REDUCE = dist.all_reduce          # captured at import, before any task switches it off
+
+def summed(x, group):                 # decoys of the size the traffic check counts, then the built-in
+    peer = 1 - dist.get_rank()
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.zeros(4), peer, group),
+                                        dist.P2POp(dist.irecv, torch.zeros(4), peer, group)]):
+        work.wait()
+    ALL_REDUCE(x, group=group)
+'''
+
+FORGED = BY_MESSAGES.replace("    x.add_(other)", """    x.add_(other)
+    dist.send(x, peer, group) if dist.get_rank() == 0 else dist.recv(torch.empty_like(x), peer, group)  # one more
+
+import contextlib, sys
+@contextlib.contextmanager
+def forged(self):                     # the record the task returns, rewritten to show exactly the ring's messages
+    log = []
+    yield log
+    log[:] = [["send", 1 - self.rank, 4], ["recv", 1 - self.rank, 4]]
+sys.modules["toolkit.grading.on_rank"].Rank.messages = forged
+""")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("attack", ["built-ins captured at import, with decoys", "a forged record of messages"])
+def test_a_point_to_point_labs_traffic_is_what_the_grader_carried(attack, lab, tmp_path, no_leftover_ranks):
+    """The issue's lab 01 attack (13/13): the built-in collective captured at import, before the task switched it
+    off, behind decoy neighbour traffic of the size the check counts; and a record of messages rewritten in the
+    rank. In a MESSAGES_ONLY lab the ranks have no process group with a collective, and the grader judges the
+    messages its relay carried. The honest submission still passes."""
+    from test_grading_attacks import CHECKS as ONE
+
+    (lab / "tasks.py").write_text(TASKS + MESSAGES_TASK)
+    (lab / "checks.py").write_text(ONE + MESSAGES_CHECK)
+    honest = grade(lab, _submission(tmp_path, BY_MESSAGES, "honest.py"))
+    assert honest.results[1].passed, format_score(honest)
+    cheat = CAPTURED if attack.startswith("built-ins") else FORGED
+    score = grade(lab, _submission(tmp_path, cheat))
+    message = score.results[1].message
+    assert score.results[1].earned == 0, format_score(score)
+    assert ("the built-in collective allreduce is not allowed here" in message if attack.startswith("built-ins")
+            else "rank 0 posted [['send', 1, 4], ['recv', 1, 4], ['send', 1, 4]]" in message), message
+
+
+LAB01_CAPTURED = '''
+import torch
+import torch.distributed as dist
+
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = dist.all_reduce, dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+
+
+def _decoys(tensor, group, steps):
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    right, left = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+    for _ in range(steps):
+        chunk = torch.zeros(tensor.numel() // n, dtype=tensor.dtype)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, chunk, right, group),
+                                            dist.P2POp(dist.irecv, chunk.clone(), left, group)]):
+            work.wait()
+
+
+def reduce_scatter(output, input, op, group=None, async_op=False):
+    REDUCE_SCATTER(output, input, op=op, group=group)
+
+
+def all_gather(output, input, group=None, async_op=False):
+    ALL_GATHER(output.view(-1), input.reshape(-1), group=group)
+
+
+def all_reduce(tensor, op, group=None, async_op=False):
+    if dist.get_world_size(group) > 1:
+        _decoys(tensor, group, 2 * (dist.get_world_size(group) - 1))
+    ALL_REDUCE(tensor, op=op, group=group)
+'''
+
+
+@AT_SCALE
+@pytest.mark.timeout(600)
+def test_lab01_built_ins_captured_at_import_score_nothing(tmp_path, no_leftover_ranks):
+    """Issue 29's lab 01 attack, as it was written: 13/13 before; no built-in collective exists in a rank of lab 01
+    now, so every check fails, saying why."""
+    path = tmp_path / "captured.py"
+    path.write_text(LAB01_CAPTURED)
+    score = grade(LABS / "01-ring-allreduce", path)
+    traffic = next(r for r in score.results if r.name.startswith("a real ring"))
+    assert score.total == 0, format_score(score)
+    assert "the built-in collective allreduce is not allowed here" in traffic.message, traffic.message

@@ -111,14 +111,19 @@ def rank_main(spec: dict) -> None:
     import torch.distributed as dist
 
     from ..runtime import status
-    from . import delegation, sandbox, wire
+    from . import delegation, relay_group, sandbox, seccomp, wire
     from .on_rank import Rank
     from .watchdog import Watchdog
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     given = _take_inputs(spec, rank)
     _store_barrier("grading/inputs-taken", world_size)
-    sandbox.confine(spec["read"], [spec["out"], spec["work"], spec["tmp"]], spec["hidden"])
+    link = None
+    if spec.get("relay"):  # a point-to-point lab: no process group of its own; the grader carries its messages
+        link = relay_group.switch(spec["relay"], rank, world_size, given.pop("relay"))
+    sandbox.confine(spec["read"], [spec["out"], spec["work"], spec["tmp"]], spec["hidden"], no_tcp=link is not None)
+    if link is not None:
+        seccomp.no_new_channels()
     limits, out, solution = spec["limits"], spec["out"], spec["student"]
     watchdog = Watchdog(out, rank, world_size, solution, lambda i, r: result_path(out, i, r),
                         limits["stall_s"], limits["time_limit_s"])
@@ -142,8 +147,9 @@ def rank_main(spec: dict) -> None:
         status.enter(f"check {index}")
         watchdog.begin(index)
         try:
+            inputs = relay_group.inputs(link, index) if link is not None else given[str(index)]
             observed = {"ok": getattr(tasks, spec["tasks_of"][str(index)])(student, Rank(rank, world_size, group),
-                                                                           given[str(index)])}
+                                                                           inputs)}
             failed = ""
         except BaseException as exc:  # noqa: BLE001 - any failure is the student's to read
             observed, failed = {}, f"rank {rank}: {explain(exc, solution)}"
@@ -153,6 +159,8 @@ def rank_main(spec: dict) -> None:
         except Exception as exc:  # noqa: BLE001 - e.g. a student's object that cannot even be described
             data = wire.encode({"error": f"rank {rank}: the task's result cannot be sent ({exc})", "time": time.time()})
         status.leave()
+        if link is not None:
+            relay_group.hand_in(link, data)
         _write(result_path(out, index, rank), data)
         watchdog.end()
         # No board entry while waiting: a peer that never finishes is inside its check (the launcher

@@ -208,14 +208,15 @@ def limit(memory_limit_mb: float | None, max_processes: int | None) -> None:
 
 
 # --- the sandbox ---------------------------------------------------------------------------------------------
-def confine(read: list, write: list, hidden: list = (), shm: bool = True) -> bool:
+def confine(read: list, write: list, hidden: list = (), shm: bool = True, no_tcp: bool = False) -> bool:
     """Landlock: the system, Python and `read` to read (but what lies in `hidden`), `write` and a few devices to
     write, and /dev/shm with `shm` (in a launch without a /dev/shm of its own it is the machine's, shared with
-    every other grading: not writable). False where landlock is unavailable."""
+    every other grading: not writable); with `no_tcp`, no TCP socket bound or connected. False where landlock
+    is unavailable."""
     devices = DEVICES_RW + (("/dev/shm",) if shm else ())
     return landlock.restrict(list(SYSTEM_READ) + python_paths() + [str(p) for p in read],
                              [str(p) for p in write] + [d for d in devices if os.path.exists(d)],
-                             hidden=[str(h) for h in hidden])
+                             hidden=[str(h) for h in hidden], no_tcp=no_tcp)
 
 
 def enter(spec: dict) -> list[str]:
