@@ -376,8 +376,27 @@ sys.modules["toolkit.grading.on_rank"].Rank.messages = forged
 """)
 
 
+NEW_CHANNELS = BY_MESSAGES.replace("    x.add_(other)", """    x.add_(other)
+    import os, socket
+    tried = {}
+    for name, make in (("udp", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM)),
+                       ("unix pair", socket.socketpair),
+                       ("the launch's store", lambda: dist.TCPStore("127.0.0.1", int(os.environ["TOOLKIT_STORE_PORT"]),
+                                                                    2, False, timeout=__import__("datetime").timedelta(seconds=2))),
+                       ("a gloo group", lambda: dist.new_group([0, 1], backend="gloo"))):
+        try:
+            make()
+            tried[name] = "opened"
+        except Exception as exc:
+            tried[name] = type(exc).__name__
+    if "opened" in tried.values():
+        raise RuntimeError(f"a channel: {tried}")
+""")
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("attack", ["built-ins captured at import, with decoys", "a forged record of messages"])
+@pytest.mark.parametrize("attack", ["built-ins captured at import, with decoys", "a forged record of messages",
+                                    pytest.param("a channel of its own", marks=AT_SCALE)])
 def test_a_point_to_point_labs_traffic_is_what_the_grader_carried(attack, lab, tmp_path, no_leftover_ranks):
     """The issue's lab 01 attack (13/13): the built-in collective captured at import, before the task switched it
     off, behind decoy neighbour traffic of the size the check counts; and a record of messages rewritten in the
@@ -389,6 +408,10 @@ def test_a_point_to_point_labs_traffic_is_what_the_grader_carried(attack, lab, t
     (lab / "checks.py").write_text(ONE + MESSAGES_CHECK)
     honest = grade(lab, _submission(tmp_path, BY_MESSAGES, "honest.py"))
     assert honest.results[1].passed, format_score(honest)
+    if attack == "a channel of its own":  # every attempt refused: the honest exchange still scores
+        score = grade(lab, _submission(tmp_path, NEW_CHANNELS))
+        assert score.results[1].passed, format_score(score)
+        return
     cheat = CAPTURED if attack.startswith("built-ins") else FORGED
     score = grade(lab, _submission(tmp_path, cheat))
     message = score.results[1].message
