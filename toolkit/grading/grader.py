@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import delegation, sandbox
-from .checks import Check, CheckFailed, Judge
+from .checks import Check, CheckFailed
 from .isolation import Sandbox
 from .runner import IMPORT, load_module
 from .score import CheckResult, Score, format_score, zero
@@ -110,7 +110,7 @@ def _verdict(check: Check, n: int, given: list, results: dict, found: Launch) ->
     if used:
         return prefix + delegation.delegation_message([f"{u} (called while this check ran)" for u in used])
     try:
-        check.judge(Judge(n), given, [results[r].get("ok") for r in range(n)])
+        check.verdict(n, given, [results[r].get("ok") for r in range(n)])  # the contract, then the judge per case
     except CheckFailed as exc:
         return prefix + str(exc)
     except Exception as exc:  # noqa: BLE001 - what the ranks sent is not what a right answer looks like
