@@ -4,9 +4,30 @@ and a classic mistake loses exactly the checks that describe it (so the checks c
 right reason)."""
 from pathlib import Path
 
-from toolkit.grading import format_score, grade, lab_checks
+import torch
+
+from toolkit.grading import CheckFailed, format_score, grade, lab_checks
 
 LABS = Path(__file__).resolve().parent.parent / "labs"
+
+
+def check_named(lab, prefix: str):
+    """The one check of `lab` (a folder) whose name starts with `prefix` (hidden checks included)."""
+    (found,) = [c for c in lab_checks(lab)[0] if c.name.startswith(prefix)]
+    return found
+
+
+def verdict(check, n: int, answer, seed: int = 0) -> str:
+    """What the grader says of `check` at world size n when rank r answers case c with `answer(r, c, given)` (given:
+    the grader's copy of case c, one entry per rank): "" when it passes. No ranks run: the contract and the judge run
+    here, on the cases the check draws with `seed`."""
+    drawn = check.make_inputs(n, torch.Generator().manual_seed(seed))
+    sent = [[[case, answer(r, case, drawn.given(case))] for case in drawn.ids] for r in range(n)]
+    try:
+        check.verdict(n, drawn, sent)
+    except CheckFailed as failure:
+        return str(failure)
+    return ""
 
 
 class LabGrading:
@@ -60,7 +81,8 @@ class LabGrading:
             if key in failing:
                 assert result.earned == 0, f"{name}: check {key!r} should fail\n{format_score(score)}"
                 phrases = failing[key] if isinstance(failing[key], tuple) else (failing[key],)
-                assert any(p in result.message for p in phrases), f"{name}: {key!r} says {result.message!r}"
+                said = result.detail or result.message  # a hidden check: its own message, not the feedback
+                assert any(p in said for p in phrases), f"{name}: {key!r} says {said!r}"
             else:
                 assert result.passed, f"{name}: check {key!r} should still pass\n{format_score(score)}"
         assert score.total == self.maximum - sum(results[k].points for k in failing)

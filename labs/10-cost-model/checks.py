@@ -214,6 +214,8 @@ EXTREMES = {  # name -> (how the program is rearranged, its only possible step t
         lambda pairs: _kind(pairs, "collective") + _kind(pairs, "compute") + _kind(pairs, "wait"), max),
     "the compute, then collectives nobody waits for": (
         lambda pairs: _kind(pairs, "compute") + _kind(pairs, "collective"), lambda compute, comm: compute + comm),
+    "its collectives alone, issued together, then waited for": (
+        lambda pairs: _kind(pairs, "collective") + _kind(pairs, "wait"), lambda compute, comm: comm),
 }
 WHY = {
     "its compute alone": "with no communication the step is its computation",
@@ -225,6 +227,9 @@ WHY = {
         "of the two streams (did collectives run at once, or block the compute?)"),
     "the compute, then collectives nobody waits for": (
         "a collective nobody waits for still ends the step: the step ends when both streams are done"),
+    "its collectives alone, issued together, then waited for": (
+        "there is one communication stream: collectives take turns, so together they last their sum (did "
+        "collectives run at once?)"),
 }
 
 
@@ -236,8 +241,8 @@ def extreme_cases(n, g):
     return found
 
 
-@check("step_time where the rule has one answer: compute alone, every collective waited for at once, everything "
-       "issued first, collectives nobody waits for", points=3, world_sizes=(1,), task="step_times",
+@check("step_time where the rule has one answer: compute alone, collectives alone, every collective waited for at "
+       "once, everything issued first, collectives nobody waits for", points=3, world_sizes=(1,), task="step_times",
        cases=extreme_cases, returns={"breakdown": BREAKDOWN})
 def extremes(ctx, given, got):
     compute, comm = totals(given[0])
