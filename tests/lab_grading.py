@@ -10,6 +10,25 @@ from toolkit.grading import CheckFailed, format_score, grade, lab_checks
 
 LABS = Path(__file__).resolve().parent.parent / "labs"
 
+# A submission's attack on its own copy of the inputs, at import: it finds the `given` dict in a calling frame (the
+# rank's inputs for every check) and empties it. Before the contract, judges zipped the cases they drew with the
+# answers, so an emptied list of cases judged nothing and passed.
+EMPTY_THE_INPUTS = """
+
+import sys as _sys
+
+_frame = _sys._getframe(0)
+while _frame is not None and not isinstance(_frame.f_locals.get("given"), dict):
+    _frame = _frame.f_back
+for _inputs in (_frame.f_locals["given"].values() if _frame is not None else ()):
+    if isinstance(_inputs, list):            # [[case id, inputs], ...]
+        _inputs.clear()
+    elif isinstance(_inputs, dict):          # one dict of inputs per check (before the contract)
+        for _value in _inputs.values():
+            if isinstance(_value, (list, dict)):
+                _value.clear()
+"""
+
 
 def check_named(lab, prefix: str):
     """The one check of `lab` (a folder) whose name starts with `prefix` (hidden checks included)."""
@@ -67,15 +86,23 @@ class LabGrading:
             said = result.detail or result.message
             assert answer.replace(":", ".") in said and "the toolkit's own implementation" in said, result
 
-    def assert_mistake_loses_exactly(self, name: str, change: tuple, failing: dict, tmp_path) -> None:
+    def assert_attack_scores(self, attack: str, expected: int, tmp_path, whole: bool = False) -> None:
+        """The skeleton with `attack` appended (or `attack` alone: whole=True) scores `expected` points."""
+        attacking = tmp_path / "attacking.py"
+        attacking.write_text(attack if whole else (self.lab / "skeleton.py").read_text() + attack)
+        score = grade(self.lab, attacking)
+        assert score.maximum == self.maximum and score.total == expected, format_score(score)
+
+    def assert_mistake_loses_exactly(self, name: str, change: tuple, failing: dict, tmp_path, seed=None) -> None:
         """Apply `change` (old, new) to the reference once; `failing` maps check keys to a phrase of their message
-        (or a tuple of phrases, any of which may appear, where the grading's random inputs decide which comes first)."""
+        (or a tuple of phrases, any of which may appear, where the grading's random inputs decide which comes first).
+        seed: the grading's inputs (default: drawn afresh, as for a student)."""
         reference = (self.lab / "solution.py").read_text()
         old, new = change
         assert reference.count(old) == 1, f"{name}: the reference no longer contains {old!r}: update this test"
         broken = tmp_path / "broken.py"
         broken.write_text(reference.replace(old, new))
-        score = grade(self.lab, broken)
+        score = grade(self.lab, broken, seed=seed)
         results = self.by_key(score)
         for key, result in results.items():
             if key in failing:

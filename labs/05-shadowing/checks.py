@@ -166,6 +166,11 @@ def algorithm(ctx, given, got):
     if chosen != order[:len(chosen)]:
         ctx.fail(f"choose_shadows(counts {counts}, owners {owners}) = {chosen}: candidates are tried heaviest first "
                  f"(loads {load}; ties: lower id first), so a choice is a start of {order}")
+    if not chosen and mine["shadowed, the 1 heaviest"] < mine["imbalanced"]:
+        ctx.fail(f"choose_shadows(counts {counts}, owners {owners}) = []: yet your own model says shadowing the "
+                 f"heaviest expert, {order[0]}, lowers the latency from {number(mine['imbalanced'])} to "
+                 f"{number(mine['shadowed, the 1 heaviest'])}: the first candidate tried is the heaviest, and it is "
+                 "accepted when it pays")
     latencies = [mine["imbalanced"]] + [mine[f"shadowed, the {k} heaviest"] for k in range(1, min(len(chosen), 3) + 1)]
     if any(not later < earlier for earlier, later in zip(latencies, latencies[1:])):
         ctx.fail(f"choose_shadows(counts {counts}, owners {owners}) = {chosen}, but your own model's latencies along it "

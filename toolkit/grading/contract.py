@@ -314,7 +314,7 @@ def _first(problems):
 # --- the grader's side: observations checked against the cases drawn -----------------------------------------
 def _where(rank: int, case: str, pure: bool) -> str:
     parts = ([] if pure else [f"rank {rank}"]) + ([f"case {case!r}"] if case else [])
-    return ", ".join(parts) or "the result"
+    return ", ".join(parts)
 
 
 def observations(drawn: Drawn, sent: list, returns, pure: bool = False) -> dict:
@@ -349,7 +349,8 @@ def observations(drawn: Drawn, sent: list, returns, pure: bool = False) -> dict:
                 else returns
             problem = _spec(spec).problem(value, "") if spec is not None else _opaque(value)
             if problem:
-                raise ContractBroken(f"{_where(r, case, pure)}: {problem}")
+                where = _where(r, case, pure)
+                raise ContractBroken(f"{where}: {problem}" if where else problem)
             found[case][r] = value
     return found
 
