@@ -118,7 +118,7 @@ def rank_main(spec: dict) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     given = _take_inputs(spec, rank)
     _store_barrier("grading/inputs-taken", world_size)
-    sandbox.confine(readable=[spec["code"]], writable=[spec["out"], spec["work"], spec["tmp"]])
+    sandbox.confine(spec["read"], [spec["out"], spec["work"], spec["tmp"]], spec["hidden"])
     limits, out, solution = spec["limits"], spec["out"], spec["student"]
     watchdog = Watchdog(out, rank, world_size, solution, lambda i, r: result_path(out, i, r),
                         limits["stall_s"], limits["time_limit_s"])
