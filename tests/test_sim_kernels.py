@@ -125,9 +125,10 @@ def test_an_h100_is_faster_by_its_gemm_rate_not_by_a_constant():
 
 
 def test_pricing_a_simulation_never_imports_the_calibration():
-    """cost.py -> calibrate.py -> simulate.py -> cost.py was a cycle; "this-machine" is now found through a
-    registry, so pricing on a GPU preset loads no measuring code."""
-    code = ("import sys, toolkit.sim.cost, toolkit.sim.simulate; "
+    """The pricing of a simulation (`priced.py`) sits above the calibration it asks for "this-machine", which
+    records its reference step from the pieces below both (no cycle); it imports it only when asked, so pricing
+    on a GPU preset loads no measuring code."""
+    code = ("import sys, toolkit.sim.cost, toolkit.sim.simulate, toolkit.sim.priced; "
             "assert 'toolkit.sim.calibrate' not in sys.modules, sorted(m for m in sys.modules if 'calib' in m)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

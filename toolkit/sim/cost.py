@@ -18,12 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from ..run import Run
 from ..units import flops_text, percent_text, seconds_text
 from .collective_time import collective_time
-from .hardware import MEASURED, THIS_MACHINE, Cluster, check_mfu, cluster_of, measured
+from .hardware import Cluster, check_mfu, cluster_of
 from .kernel_time import device_seconds, segment_seconds
 from .modelled_run import modelled_run
 from .program import Compute, check, total_flops
@@ -204,66 +202,3 @@ def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mf
     cost.run = modelled_run(cost.timelines, found, rank=rank, world_size=world_size,
                             config=dict(config or {}, cluster=found.name, dtype=dtype, mfu=override))
     return cost
-
-
-# --- a simulation, priced ------------------------------------------------------------------------------
-def resolve(cluster, world_size: int) -> Cluster:
-    """A Cluster from what a user passes; "this-machine" is calibrated for `world_size` ranks (cached)."""
-    if isinstance(cluster, str) and (cluster.lower() == THIS_MACHINE or cluster.lower() in MEASURED):
-        return measured(cluster.lower(), world_size)
-    return cluster if isinstance(cluster, Cluster) else cluster_of(cluster)
-
-
-def dtype_of(options: dict) -> str:
-    """The dtype a strategy computes in: its mixed-precision option's 16-bit type, else fp32."""
-    from ..parallel.fsdp_unit import dtypes
-
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtypes(options.get("mixed_precision", False))[0], "fp32")
-
-
-def _priced(sim, found: Cluster, mfu, dtype, stage_sims: dict | None = None) -> StepCost:
-    """The simulation's programs on `found`, whose nodes are taken to be the simulation's; under pp > 1 with every
-    stage of its pipeline (`stage_sims`), all of them together."""
-    if found.gpus_per_node != sim.ranks_per_node:
-        found = found.with_changes(gpus_per_node=sim.ranks_per_node)
-    common = dict(world_size=sim.world_size, mfu=mfu, dtype=dtype or dtype_of(sim.options), config=sim.run.config)
-    from .fit import check_fit
-
-    if stage_sims is None:
-        cost = estimate(sim.programs, found, rank=sim.rank, **common)
-        cost.useful_flops, cost.fit = sim.useful_flops_per_step(), check_fit(sim, found)
-        return cost
-    from .pipelined import estimate_pipeline, useful_flops
-
-    cost = estimate_pipeline(stage_sims, found, rank=sim.rank, **common)
-    fits = {r: check_fit(s, found) for r, s in stage_sims.items()}
-    cost.useful_flops = useful_flops(stage_sims)
-    cost.fit = fits[sim.rank] if all(f.fits for f in fits.values()) else next(f for f in fits.values() if not f.fits)
-    return cost
-
-
-def pricer(cluster, world_size: int, *, mfu: float | None = None, dtype: str | None = None):
-    """Check `cluster` and `mfu` now; return price(sim, stage_sims=None), which fills sim.cost, sim.fit,
-    sim.modelled_run and, when the peak fits in the accelerator's memory, sim.step_time, sim.tflops_per_gpu,
-    sim.mfu, sim.hfu, sim.breakdown (None when it does not: it would not run). What `simulate(..., cluster=...)`
-    does; under pp > 1 it passes every stage of the pipeline, and every stage must fit."""
-    found = resolve(cluster, world_size)
-    if mfu is not None:
-        check_mfu(mfu)
-
-    def price(sim, stage_sims: dict | None = None) -> StepCost:
-        cost = _priced(sim, found, mfu, dtype, stage_sims)
-        sim.cost, sim.modelled_run, sim.fit = cost, cost.run, cost.fit
-        ran = cost.fit.fits
-        sim.step_time, sim.tflops_per_gpu, sim.mfu, sim.hfu, sim.breakdown = (
-            (cost.step_time, cost.tflops_per_gpu, cost.mfu, cost.hfu, cost.breakdown) if ran else (None,) * 5)
-        return cost
-
-    return price
-
-
-def price(sim, cluster="dgx-a100", *, mfu: float | None = None, dtype: str | None = None) -> StepCost:
-    """What a Simulation's steps would cost on another cluster (or at another mfu): a StepCost; `sim` is unchanged
-    (a pipelined one is priced with the stages it was simulated with)."""
-    return _priced(sim, resolve(cluster, sim.world_size), None if mfu is None else check_mfu(mfu), dtype,
-                   getattr(sim, "stage_sims", None))

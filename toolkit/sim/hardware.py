@@ -131,19 +131,6 @@ CLUSTERS = {
                                + _NCCL),
 }
 THIS_MACHINE = "this-machine"
-MEASURED: dict = {}  # preset name -> fn(world_size) -> Cluster, registered by the module that measures it
-#                      (`toolkit.sim.calibrate` registers "this-machine"), so pricing never imports a measurement
-
-
-def measured(name: str, world_size: int) -> Cluster:
-    """The cluster a measured preset describes for `world_size` ranks (measured once, then cached)."""
-    if name not in MEASURED:
-        from importlib import import_module  # the measuring module registers itself when imported
-
-        import_module(".calibrate", __package__)
-    return MEASURED[name](world_size)
-
-
 def presets() -> dict:
     """The named clusters `simulate(..., cluster=...)` accepts, each with a one-line description."""
     out = {name: c.describe() for name, c in CLUSTERS.items()}

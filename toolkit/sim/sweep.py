@@ -24,7 +24,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ..units import bytes_text, seconds_text
-from .cost import resolve
+from .priced import resolve
 from .fit import check_fit
 from .simulate import simulate
 
