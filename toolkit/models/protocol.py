@@ -252,3 +252,13 @@ def _task_of(model) -> str | None:
         if type(model).__name__.endswith(suffixes):
             return kind
     return None
+
+
+def sequence_length(model, convention: Convention):
+    """Tokens per example the model computes on: its context for a language model, its patches (and the class
+    token) for a vision transformer; None when the model does not say."""
+    config = getattr(model, "config", None)
+    if convention.name == "image-classification":
+        size, patch = getattr(config, "image_size", None), getattr(config, "patch_size", None)
+        return (size // patch) ** 2 + 1 if isinstance(size, int) and isinstance(patch, int) else 1
+    return max_positions(model)
