@@ -142,7 +142,8 @@ def _reference_program() -> tuple:
     from .. import parallel
     from ..models import tiny_gpt
     from .cluster import cluster
-    from .watched_step import build_on_meta, measure_steps, train_step
+    from .build import build_on_meta
+    from .watched_step import measure_steps, train_step
 
     with cluster(1, 0):
         model = build_on_meta(functools.partial(tiny_gpt, **REFERENCE["model"]))

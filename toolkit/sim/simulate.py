@@ -32,24 +32,28 @@ from ..moe.layer import MoE
 from ..run import Run
 from ..trace.events import phase
 from . import cluster as _cluster
+from .build import build, build_on_meta, example_batch, no_values, seq_len_of  # noqa: F401 - build_on_meta: the tests'
 from .hardware import check_mfu
 from .pipelined import is_pipelined
 from .priced import pricer, resolve
 from .simulation import Simulation, count_params
 from .stage_assembly import simulate_pipeline
 from .tensor_parallel import describe as describe_tp
-from .watched_step import build_on_meta, measure_steps, train_step  # noqa: F401 (measure_steps, train_step: the tests')
+from .watched_step import measure_steps, train_step  # noqa: F401 (measure_steps, train_step: the tests')
 
 
 def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_per_node: int | None = None,
              batch_per_rank: int = 1, seq_len: int | None = None, steps: int = 1, warmup: bool = True,
              optimizer=torch.optim.AdamW, routing=None, progress: bool = True, cluster=None,
-             mfu: float | None = None, every_stage: bool = False, **options) -> Simulation:
+             mfu: float | None = None, every_stage: bool = False, loss_fn=None, batch_fn=None,
+             **options) -> Simulation:
     """Run `steps` training steps of `strategy` for rank `rank` of a simulated `world_size`-rank cluster.
 
-    model_fn() builds the model (called under `torch.device("meta")`); it maps token ids (x, y) of shape
-    (batch_per_rank, seq_len) to a scalar loss, as `toolkit.models` do. seq_len defaults to the model's
-    `config.seq_len`. options go to `toolkit.parallel.wrap` (mixed_precision, sharding_group_size, ...).
+    model_fn() builds the model (called under `torch.device("meta")`, `build.py`): the toolkit GPT, or any model,
+    a Hugging Face one as it comes; it is fed and called as `toolkit.train` would (`toolkit.models.protocol`,
+    or `loss_fn` / `batch_fn` as there), a batch of `batch_per_rank` examples of seq_len tokens. seq_len
+    defaults to the model's (its `config.seq_len`, max_position_embeddings, or an image's patches). options go
+    to `toolkit.parallel.wrap` (mixed_precision, sharding_group_size, ...).
     warmup: first run one step unwatched, so that what is measured is a steady step (an optimizer such as
     Adam creates its states during its first step; ZeRO-3 and FSDP learn the module order in their first
     forward). The Run holds the warm-up step too; programs and memory are of the `steps` after it.
@@ -82,7 +86,7 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     if price is not None and is_pipelined(options):  # the step is the pipeline's: its other stages are needed
         again = functools.partial(simulate, model_fn, strategy, world_size, ranks_per_node=ranks_per_node,
                                   seq_len=seq_len, warmup=warmup, optimizer=optimizer, routing=routing,
-                                  progress=progress)
+                                  progress=progress, loss_fn=loss_fn, batch_fn=batch_fn)
         return simulate_pipeline(again, price, world_size=world_size, rank=rank, batch_per_rank=batch_per_rank,
                                  steps=steps, every_stage=every_stage, options=options)
     if strategy not in parallel.STRATEGIES:
@@ -97,23 +101,25 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     if not callable(model_fn):
         raise ValueError(f"model_fn must be a function that builds the model, got {model_fn!r}.")
     with _cluster.cluster(world_size, rank), assume_routing(routing or balanced):
-        model = build_on_meta(model_fn)
+        model, convention = build(model_fn, loss_fn=loss_fn, batch_fn=batch_fn)
         num_params, expert_params = count_params(model)
         expert_parallel = max([m.world for m in model.modules() if isinstance(m, MoE)], default=1)
-        row_flops = {m.name: 4 * m.d_model * m.d_ff for m in model.modules() if isinstance(m, MoE)}  # two GEMMs
+        row_flops = {m.name: getattr(m, "row_flops", 4 * m.d_model * m.d_ff)  # two GEMMs (a SwiGLU's: three)
+                     for m in model.modules() if isinstance(m, MoE)}
         local_experts = sum(p.numel() for p in model.parameters() if is_expert(p))
-        seq = _seq_len(model, seq_len)
+        seq = seq_len_of(model, convention, seq_len)
+        x, y = example_batch(model, convention, batch_per_rank, seq)  # the model as built, before it is wrapped
         if strategy == "fsdp" and "param_init_fn" not in options:
             options["param_init_fn"] = no_values  # FSDP's deferred initialization, with nothing to fill
         with phase("setup"):
             model, opt = parallel.wrap(model, strategy, optimizer=optimizer, **options)
         tensor_parallel = describe_tp(model, options, batch_per_rank, seq, world_size, nodes)
-        x = torch.empty((batch_per_rank, seq), dtype=torch.long, device="meta")
         bar = _progress(progress, strategy, world_size, steps + warmup)
         try:
             if warmup:  # the optimizer makes its states in its first step (Adam does): measure a steady one
-                train_step(model, opt, x, x, step=0, bar=bar)
-            measured = measure_steps(model, opt, x, x, steps, bar=bar, meta=True, first=int(warmup))
+                train_step(model, opt, x, y, step=0, bar=bar, loss_fn=convention.loss)
+            measured = measure_steps(model, opt, x, y, steps, bar=bar, meta=True, first=int(warmup),
+                                     loss_fn=convention.loss)
         finally:
             if bar is not None:
                 bar.close()
@@ -148,21 +154,6 @@ def balanced(num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
     """An MoE routing in which every expert gets the same share: choice j of token t is expert (t*k + j) mod E."""
     index = torch.arange(num_tokens * top_k, device="cpu").reshape(num_tokens, top_k)
     return index % num_experts
-
-
-def no_values(name, module) -> None:
-    """FSDP's `param_init_fn` on the simulated cluster: meta parameters have no values to fill."""
-
-
-def _seq_len(model, seq_len):
-    if seq_len is not None:
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}.")
-        return seq_len
-    config = getattr(model, "config", None)
-    if getattr(config, "seq_len", None) is None:
-        raise ValueError("seq_len=None needs a model with config.seq_len (as toolkit.models have); pass seq_len=.")
-    return config.seq_len
 
 
 def _progress(progress: bool, strategy: str, world_size: int, steps: int):

@@ -4,12 +4,12 @@
 (MemTracker's memory by category, `memory.py`; the op counter's FLOPs, bytes and kernels, `record.py`) while the
 collectives door cuts the work into a program (`program.py`). It works on any process group: on the simulated
 cluster with meta tensors (`simulate`, and the calibration's reference step) or on a real one (the tests hold the
-simulation to a real gloo run this way). `build_on_meta` builds a model on the meta device with a clear error.
+simulation to a real gloo run this way). `loss_fn(model, x, y)` says how the model is called
+(`toolkit.models.protocol`; default `model(x, y)`).
 """
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 
@@ -21,7 +21,7 @@ from .memory import StepMemory
 from .record import OpCounter, Programmer
 
 
-def train_step(model, opt, x, y, *, step: int, bar=None, after=None, updated=None) -> None:
+def train_step(model, opt, x, y, *, step: int, bar=None, after=None, updated=None, loss_fn=None) -> None:
     """One training step in `toolkit.train`'s phases and spans; `after(label)` ends each phase, and
     `updated()` runs between the optimizer's update and `zero_grad` (every model state alive)."""
     names = ("forward", "backward", "optimizer")
@@ -35,7 +35,7 @@ def train_step(model, opt, x, y, *, step: int, bar=None, after=None, updated=Non
         with phase(name):
             with span(name, step=step, **({} if name == "optimizer" else {"micro": 0})):
                 if name == "forward":
-                    loss = model(x, y)
+                    loss = model(x, y) if loss_fn is None else loss_fn(model, x, y)
                 elif name == "backward":
                     loss.backward()
                     del loss
@@ -50,7 +50,8 @@ def train_step(model, opt, x, y, *, step: int, bar=None, after=None, updated=Non
             bar.update()
 
 
-def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False, first: int = 0) -> dict:
+def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False, first: int = 0,
+                  loss_fn=None) -> dict:
     """Train `steps` steps on (x, y) as `toolkit.train` does, watched: programs, memory, FLOPs.
 
     Works on any process group: on the simulated cluster (meta tensors, `meta=True` so the ledger counts
@@ -84,7 +85,7 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
             def update():  # the model states, as the formulas count them: all of them alive
                 states.update(ledger(model, opt, meta=meta))
 
-            train_step(model, opt, x, y, step=step, bar=bar, after=boundary, updated=update)
+            train_step(model, opt, x, y, step=step, bar=bar, after=boundary, updated=update, loss_fn=loss_fn)
             memory.classify(model, opt)  # what the strategy's tensors are after the step
             programs.append(programmer.end_step())
     return {"programs": programs, "memory": states, "peak": memory.peak_total,
@@ -99,35 +100,3 @@ def _sample(memory: StepMemory, step: int) -> dict:
               "activations": now["activations"], **{f"sim_{k}": v for k, v in now.items()}}
     recorder.sample(step=step, **sample)
     return dict(now, phase=recorder.samples[-1]["phase"] if recorder.samples else "", step=step)
-
-
-def build_on_meta(model_fn) -> torch.nn.Module:
-    """`model_fn()` under `torch.device("meta")`; a clear error when it cannot be built there."""
-    try:
-        with torch.device("meta"):
-            model = model_fn()
-    except Exception as exc:  # noqa: BLE001 - say which module failed, and why
-        where = _failing_module(sys.exc_info()[2])
-        raise ValueError(
-            f"model_fn() could not build the model on the meta device (shapes only, no values): {where}raised "
-            f"{type(exc).__name__}: {exc}. Build every tensor without an explicit device= (the simulator builds "
-            f"under `with torch.device('meta')`) and do not read tensor values (.item(), .tolist(), printing) "
-            f"while building.") from exc
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model_fn() must return an nn.Module, got {type(model).__name__}.")
-    real = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta]
-    if real:
-        raise ValueError(f"model_fn() built tensors on a real device, not on meta: {real[:4]}. Create them without "
-                         f"an explicit device= so that the simulator can build them on the meta device.")
-    return model
-
-
-def _failing_module(tb) -> str:
-    """'Module (class X) ' for the innermost nn.Module whose code was running when building failed."""
-    found = ""
-    while tb is not None:
-        this = tb.tb_frame.f_locals.get("self")
-        if isinstance(this, torch.nn.Module):
-            found = f"{type(this).__name__} (in {tb.tb_frame.f_code.co_name}) "
-        tb = tb.tb_next
-    return found

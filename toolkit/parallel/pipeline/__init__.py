@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...models import hf_pipeline
 from ...moe.layer import MoE
 from ...runtime import env
 from .. import mesh as mesh_
@@ -48,7 +49,9 @@ def wrap(model, mesh, build, optimizer, options: dict, *, microbatches=None, sch
     check_schedule(schedule, pp, m, v)
     dtype = _compute_dtype(options)
     stages_total = pp * v
+    model = hf_pipeline.pipelined(model) if hf_pipeline.is_hf(model) else model  # as it came: its three parts
     split = split_model(model, stages_total, pp, pp_split)
+    hf_pipeline.announce(model, split)
     tie = find_tie(model, split, dtype, env.device())
     actions = schedules.build(schedule, pp, m, v)
     programs = lowering.lower(actions, pp, tied=tie is not None)
@@ -109,7 +112,7 @@ def _check_experts(part, mesh) -> None:
     layout = mesh_.layout_of(mesh)
     me = mesh.get_coordinate()[1]
     for name, module in part.named_modules():
-        if isinstance(module, MoE):
+        if isinstance(module, MoE) and module.world > 1:  # (a layer of one rank holds every expert itself)
             from ... import comm
             ranks = comm.group_ranks(module.group)
             others = [r for r in ranks if layout.coordinate(r)[1] != me]
