@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ...moe.layer import MoE
 from ...runtime import env
 from .. import mesh as mesh_
+from ..tensor import rng
 from . import lowering, schedules
 from .driver import Driver
 from .lowering import PipelineDeadlock
@@ -41,8 +42,8 @@ __all__ = ["wrap", "Action", "SCHEDULES", "PipelineDeadlock", "PipelineModel", "
 def wrap(model, mesh, build, optimizer, options: dict, *, microbatches=None, schedule="1f1b", virtual_stages=1,
          pp_split=None):
     """(PipelineModel, ChainedOptimizer) of this rank's stages, each wrapped by `build` (the dp strategy)."""
-    layout = mesh_.layout_of(mesh)
-    pp, (dp_rank, me, _) = layout.pp, mesh.get_coordinate()
+    pp, dp_rank, me = mesh_.layout_of(mesh).pp, mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    rng.offset_stage(me, env.device())  # stages draw dropout masks of their own
     v = _positive("virtual_stages", virtual_stages)
     m = pp if microbatches is None else _positive("microbatches", microbatches)
     check_schedule(schedule, pp, m, v)
@@ -107,12 +108,12 @@ def stage_group(*, pp: int, tp: int = 1):
 def _check_experts(part, mesh) -> None:
     """An MoE layer's experts must be split over ranks of this stage only (the others run other layers)."""
     layout = mesh_.layout_of(mesh)
-    me = mesh.get_coordinate()[1]
+    stage = set(mesh.mesh.select(mesh.mesh_dim_names.index("pp"), mesh.get_local_rank("pp")).flatten().tolist())
     for name, module in part.named_modules():
         if isinstance(module, MoE):
             from ... import comm
             ranks = comm.group_ranks(module.group)
-            others = [r for r in ranks if layout.coordinate(r)[1] != me]
+            others = [r for r in ranks if r not in stage]
             if others:
                 raise ValueError(f"pipeline parallelism: the MoE layer {name!r} splits its experts over ranks {ranks}, "
                                  f"but ranks {others} hold other pipeline stages. Build the model with "
