@@ -87,9 +87,6 @@ def check_schedule(schedule, pp: int, microbatches: int, virtual_stages: int) ->
                          f"{microbatches}, the stages idle (the bubble, (pp-1)/(m+pp-1) = {bubble:.0%} of the step) and "
                          f"1F1B never reaches its one-forward-one-backward rhythm. Use microbatches >= {pp} (more is "
                          f"better: 4 x pp gives a bubble of {(pp - 1) / (5 * pp - 1):.0%}).")
-    if schedule == "interleaved" and microbatches % pp:
-        raise ValueError(f"the interleaved schedule sends micro-batches through a rank's stages pp={pp} at a time: "
-                         f"microbatches={microbatches} must be a multiple of {pp} (e.g. {pp * -(-microbatches // pp)}).")
 
 
 def stage_group(*, pp: int, tp: int = 1):
