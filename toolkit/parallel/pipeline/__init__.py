@@ -68,9 +68,11 @@ def wrap(model, mesh, build, optimizer, options: dict, *, microbatches=None, sch
                              f"unit's gathered parameters at the end of every backward, so W would read freed "
                              f"memory. Use schedule='1f1b' with fsdp, or zero-bubble with local, dp, ddp or zero1-3 "
                              f"(ZeRO-3 keeps a module gathered until its gradients are complete).")
+    info_tp = getattr(model, "tensor_parallel", None)  # tp ranks holding the same activations send 1/t each
+    scatter = info_tp.tp if info_tp is not None and not info_tp.sequence_parallel else None
     driver = Driver(wrapped, programs[me], lowering.send_order(programs), mesh_.group(mesh, "pp"), me, m,
                     stages_total, split=split_backward, tie=tie, hidden_shape=part.hidden_shape, dtype=dtype,
-                    device=env.device())
+                    device=env.device(), scatter=scatter)
     info = {"pp": pp, "microbatches": m, "schedule": schedule if isinstance(schedule, str) else schedule.__name__,
             "virtual_stages": v, "stages": mine, "split": split, "actions": actions, "programs": programs,
             "dp_rank": dp_rank, "rank": me, "tied": tie.name if tie is not None else None, "names": names}
