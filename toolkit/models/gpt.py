@@ -78,8 +78,13 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(D, dim=-1)
         # (B, T, D) -> (B, heads, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attend(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention itself, on (B, heads, T, head_dim) tensors: the one place context parallelism
+        (toolkit.parallel.context) replaces, with the ranks' tokens passed around a ring."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):
