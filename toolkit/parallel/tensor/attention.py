@@ -11,7 +11,6 @@ costs what the MLP costs: f before the projection (one all-reduce backward), g a
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...models.gpt import CausalSelfAttention
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -29,7 +28,7 @@ class TensorParallelAttention(CausalSelfAttention):
         B, T, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
         q, k, v = (t.view(B, T, self.local_heads, width // self.local_heads).transpose(1, 2)
                    for t in qkv.split(width, dim=-1))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attend(q, k, v)                # the GPT's causal attention (context parallelism replaces it)
         return self.proj(y.transpose(1, 2).reshape(B, T, width))
 
 
