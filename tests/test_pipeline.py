@@ -125,7 +125,7 @@ def test_pipeline_layouts_train_as_one_process(world, directory, no_leftover_ran
 # --- what moves, what is kept ---------------------------------------------------------------------------------
 def dp_bytes(run) -> tuple:
     """(bytes rank 0 sent in the dp group's all-reduces per step, its stage's gradient bytes, dp size)."""
-    group = [0, 2]  # world 4, dp 2 x pp 2: rank 0's replicas hold stage 0 on ranks 0 and 2
+    group = toolkit.parallel.mesh.layout(4, pp=2).group_of(0, "dp")  # world 4, dp 2 x pp 2: stage 0's replicas
     sent = sum(e["args"]["bytes_sent"] for e in run.comm_events(0, "all_reduce") if e["args"]["group"] == group
                and e["phase"] != "optimizer")
     return sent / BASE["steps"], 4 * sum(p.numel() for p in stage_params(0)), 2
