@@ -14,7 +14,10 @@ Backward is the same two all-to-alls in reverse. Compared with the ring:
 - its bytes: each rank sends (cp-1)/cp of its q, k, v and of the output (4 tensors of b·a·(s/cp)·d) per layer
   forward, a volume per link that stays the same when s and cp grow together; the ring sends (cp-1) blocks of k
   and v (2 tensors) that it can hide behind compute, which the all-to-alls, on the critical path, cannot;
-- no load balancing is needed: every rank attends whole sequences, so a contiguous split is balanced.
+- no load balancing is needed: every rank attends whole sequences, so a contiguous split is balanced;
+- one more activation per layer: the attention kernel keeps its output in the head split for its backward, and
+  the projection after it keeps the same values in the sequence split (s·b·h/cp each); the ring's output is
+  both at once.
 """
 from __future__ import annotations
 
@@ -76,7 +79,6 @@ def ulysses_attention(q, k, v, cp: CPGroup, causal: bool = True, scale: float | 
     """Attention of this rank's tokens (q, k, v of shape (batch, heads, s/cp, head_dim), a contiguous split) over
     the whole sequence, by Ulysses' two all-to-alls; q, k and v cross in one message."""
     check_heads(q.shape[1], cp.size)
-    qkv = _SequenceToHeads.apply(torch.stack([q, k, v], dim=1), cp)  # (b, 3, a/cp, s, d)
-    y = torch.nn.functional.scaled_dot_product_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], is_causal=causal,
-                                                         scale=scale)
+    qkv = _SequenceToHeads.apply(torch.stack([q, k, v]), cp)  # (3, b, a/cp, s, d)
+    y = torch.nn.functional.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=causal, scale=scale)
     return _HeadsToSequence.apply(y, cp)
