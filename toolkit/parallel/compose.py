@@ -46,6 +46,10 @@ def wrap(model, strategy: str, build, optimizer, options: dict):
     mp, options = split_options(options)
     check_tensor_options(mp)
     check_context_options(mp, strategy)
+    if mp["cp"] > 1:
+        from .context.model import check
+
+        check(model, mp["cp_attention"], mp["cp"], mp["tp"])
     mesh = mesh_.build(tp=mp["tp"], pp=mp["pp"], cp=mp["cp"], order=mp["order"])
     layout = mesh_.layout_of(mesh)
     if strategy == "local" and layout.dp > 1:

@@ -25,17 +25,33 @@ aten = torch.ops.aten
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None):
     """(out, lse) of queries q over keys k and values v, each (batch, heads, tokens, head_dim); causal: query i
     sees keys 0..i (the two blocks hold the same positions)."""
-    if q.device.type in ("cpu", "meta"):
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    p, lse = _probabilities(q, k, causal, scale)
-    return (p @ v.to(p.dtype)).to(q.dtype), lse
+    return (fused_attend if q.device.type in FUSED else plain_attend)(q, k, v, causal, scale)
 
 
 def attend_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float | None = None):
     """(dq, dk, dv) of this block, given the gradient of the final output, and the final output and lse."""
-    if q.device.type in ("cpu", "meta"):
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal,
-                                                                        scale=scale)
+    backward = fused_attend_backward if q.device.type in FUSED else plain_attend_backward
+    return backward(grad_out, q, k, v, out, lse, causal, scale)
+
+
+FUSED = ("cpu", "meta")  # devices whose fused kernel is called here (the simulator's meta tensors take the CPU's)
+
+
+def fused_attend(q, k, v, causal, scale):
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def fused_attend_backward(grad_out, q, k, v, out, lse, causal, scale):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal,
+                                                                    scale=scale)
+
+
+def plain_attend(q, k, v, causal, scale):
+    p, lse = _probabilities(q, k, causal, scale)
+    return (p @ v.to(p.dtype)).to(q.dtype), lse
+
+
+def plain_attend_backward(grad_out, q, k, v, out, lse, causal, scale):
     p, _ = _probabilities(q, k, causal, scale, lse)
     g, o = grad_out.to(p.dtype), out.to(p.dtype)
     dv = p.transpose(-1, -2) @ g

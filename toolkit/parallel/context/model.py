@@ -83,7 +83,7 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def parallelize(model: nn.Module, group, attention: str = "ring") -> nn.Module:
     """Make `model` context-parallel over `group`, in place, and return it (`model.context` says how)."""
-    check(model, attention, size=len(comm.group_ranks(group)))
+    check(model, attention, len(comm.group_ranks(group)))
     context = ContextParallel(group, attention)
     for _, module in attention_modules(model):
         module.attend = context.attend()
@@ -96,8 +96,9 @@ def parallelize(model: nn.Module, group, attention: str = "ring") -> nn.Module:
     return model
 
 
-def check(model: nn.Module, attention: str, size: int) -> None:
-    """What makes context parallelism impossible for this model, said before any step runs."""
+def check(model: nn.Module, attention: str, size: int, tp: int = 1) -> None:
+    """What makes context parallelism over `size` ranks impossible for this model, said before any group is made
+    (tp: the tensor-parallel ranks that will share each attention's heads)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"cp_attention={attention!r} is not one of {ATTENTIONS}: 'ring' (keys and values passed "
                          f"around the ranks, the sequence zigzag-split so causal work is balanced), 'ring-unbalanced' "
@@ -114,6 +115,7 @@ def check(model: nn.Module, attention: str, size: int) -> None:
                          f"embed/hidden_shape/head_loss methods, as toolkit.models.gpt.GPT has.")
     if attention == "ulysses":
         for name, module in found:
-            heads = getattr(module, "local_heads", getattr(module, "n_head", None))
-            if heads is not None:
-                check_heads(heads, size, f"{name!r}")
+            heads = getattr(module, "local_heads", None) or getattr(module, "n_head", tp) / tp
+            if heads == int(heads):  # (heads that do not split over tp are tensor parallelism's error to say)
+                check_heads(int(heads), size, f"{name!r}" + (f" (its share on each of tp={tp} ranks)" if tp > 1
+                                                             else ""))
