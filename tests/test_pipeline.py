@@ -213,7 +213,8 @@ def checkpoints_across_layouts(directory):
     torch.manual_seed(0)
     model, opt = toolkit.parallel.wrap(tiny_gpt(**FOUR, n_head=4), "zero1", optimizer=ADAM, pp=2, microbatches=2)
     for step in range(2):
-        model.forward_backward(*SyntheticCorpus().batch(step, 8, rank=dist.get_rank() // 2, world_size=2))
+        dp_rank = toolkit.parallel.mesh.layout(4, pp=2).coordinate(dist.get_rank()).dp  # a pipeline's rows
+        model.forward_backward(*SyntheticCorpus().batch(step, 8, rank=dp_rank, world_size=2))
         opt.step()
         opt.zero_grad()
     first = os.path.join(directory, "dp2-pp2.pt")
