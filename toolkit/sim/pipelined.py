@@ -29,10 +29,10 @@ from .timeline import Timeline
 
 
 def pipeline_of(world_size: int, rank: int, options: dict) -> list[int]:
-    """The global ranks of `rank`'s pipeline, in stage order: same dp and tp index, every pp index."""
-    layout = mesh_.layout(world_size, tp=options.get("tp", 1), pp=options.get("pp", 1))
-    dp, _, tp = layout.coordinate(rank)
-    return [layout.rank(dp, p, tp) for p in range(layout.pp)]
+    """The global ranks of `rank`'s pipeline, in stage order: same dp, cp and tp index, every pp index."""
+    layout = mesh_.layout(world_size, tp=options.get("tp", 1), pp=options.get("pp", 1), cp=options.get("cp", 1),
+                          order=options.get("order", mesh_.ORDER))
+    return layout.group_of(rank, "pp")
 
 
 def is_pipelined(options: dict) -> bool:
