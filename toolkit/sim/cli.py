@@ -25,6 +25,7 @@ import os
 import re
 import sys
 
+from ..cli_args import positive_int
 from ..models.presets import PRESETS
 from ..parallel import STRATEGIES
 from ..parallel.pipeline.schedules import SCHEDULES
@@ -44,16 +45,6 @@ class _Defaults(argparse.HelpFormatter):
         return text
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of 1 or more, got {text!r}")
-    return value
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m toolkit simulate", description=__doc__.splitlines()[0],
                                 formatter_class=_Defaults)
@@ -62,32 +53,32 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="fsdp", choices=sorted(STRATEGIES) + [HSDP],
                    help="how the data-parallel ranks share the model; hsdp: fsdp sharded inside each group of "
                         "--sharding-group-size ranks (a node by default), replicated across the groups")
-    p.add_argument("--world-size", type=_positive, default=512,
+    p.add_argument("--world-size", type=positive_int, default=512,
                    help="ranks (GPUs) in the simulated cluster, up to 4096")
     p.add_argument("--rank", type=int, default=0, help="the rank this process simulates")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="GPUs per node (NVLink inside, network between; default: the cluster's, 8 without one)")
-    p.add_argument("--batch-per-rank", type=_positive, default=1,
+    p.add_argument("--batch-per-rank", type=positive_int, default=1,
                    help="sequences per data-parallel replica per step (a replica: one rank, or --tp ranks)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
-    p.add_argument("--steps", type=_positive, default=1, help="measured steps, after one warm-up step")
+    p.add_argument("--steps", type=positive_int, default=1, help="measured steps, after one warm-up step")
     p.add_argument("--fp32", action="store_true", help="plain fp32 training (default: mixed precision, bf16)")
     p.add_argument("--sharding-group-size", type=int, default=None,
                    help="fsdp/hsdp: shard over groups of this many ranks (hsdp's default: --ranks-per-node)")
-    p.add_argument("--tp", type=_positive, default=1,
+    p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks per model replica (consecutive ranks: inside a node when it divides "
                         "--ranks-per-node); --strategy is then the data-parallel method over world/tp replicas")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: split layer norms and residuals along the sequence (Korthikanti et al.)")
-    p.add_argument("--pp", type=_positive, default=1,
+    p.add_argument("--pp", type=positive_int, default=1,
                    help="pipeline stages per model replica: the model's blocks cut into --pp stages (an embedding with "
                         "the first, the head with the last); the step is --schedule over --microbatches")
-    p.add_argument("--microbatches", type=_positive, default=None,
+    p.add_argument("--microbatches", type=positive_int, default=None,
                    help="with --pp: micro-batches a replica's batch is cut into (it must divide --batch-per-rank; "
                         "default: --pp)")
     p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES),
                    help="with --pp: the pipeline's schedule (interleaved needs --virtual-stages 2 or more)")
-    p.add_argument("--virtual-stages", type=_positive, default=1,
+    p.add_argument("--virtual-stages", type=positive_int, default=1,
                    help="with --schedule interleaved: stages per rank (the blocks cut into --pp x this many stages)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="keep each block's input only and recompute its activations in backward")
