@@ -1,4 +1,4 @@
-"""Every command a Markdown file of the repository shows, with the file and line it is on (tests/test_readme_commands.py).
+"""Every command a Markdown file of the repository shows, with its file and line (tests/test_readme_commands.py).
 
 What counts as a command, so that a new document is covered with nothing to register:
 - every line of a ```bash / ```sh / ```shell / ```console block (a `\\` continues it on the next line, `$ ` and a

@@ -36,7 +36,8 @@ PYTHON = ".venv/bin/python"
 # run whole, once each (the first command that is exactly one of these, or starts with it and a space)
 WHOLE = (".venv/bin/python -m toolkit --help", ".venv/bin/python -m toolkit demo --quick",
          ".venv/bin/python -m toolkit simulate --model gpt3-175b --strategy fsdp --world-size 512",
-         ".venv/bin/python -m toolkit grade labs/01-ring-allreduce", ".venv/bin/python -m toolkit release labs/ --out DIR")
+         ".venv/bin/python -m toolkit grade labs/01-ring-allreduce",
+         ".venv/bin/python -m toolkit release labs/ --out DIR")
 PLACEHOLDERS = {"DIR": "released"}  # words of prose a reader replaces
 
 
