@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from . import delegation, namespaces, sandbox, students_build, untrusted
-from .checks import Check, CheckFailed, Judge
+from .checks import Check, CheckFailed
 from .isolation import Sandbox
 from .release import declared
 from .runner import IMPORT, load_module
@@ -127,7 +127,7 @@ def _verdict(check: Check, n: int, given: list, results: dict, found: Launch) ->
     if len(results) < n:
         return f"{prefix.rstrip(', ')}: {_crash_story(found)}" if prefix else _crash_story(found)
     try:
-        check.judge(Judge(n), given, [results[r].get("ok") for r in range(n)])
+        check.verdict(n, given, [results[r].get("ok") for r in range(n)])  # the contract, then the judge per case
     except CheckFailed as exc:
         return prefix + str(exc)
     except Exception as exc:  # noqa: BLE001 - what the ranks sent is not what a right answer looks like

@@ -111,7 +111,7 @@ def rank_main(spec: dict) -> None:
     import torch.distributed as dist
 
     from ..runtime import status
-    from . import delegation, relay_group, sandbox, seccomp, wire
+    from . import contract, delegation, relay_group, sandbox, seccomp, wire
     from .on_rank import Rank
     from .watchdog import Watchdog
 
@@ -146,13 +146,14 @@ def rank_main(spec: dict) -> None:
         torch.manual_seed(1000 + rank)
         status.enter(f"check {index}")
         watchdog.begin(index)
-        try:
+        try:  # the task once per case, each answer under its case's id (contract.py)
             inputs = relay_group.inputs(link, index) if link is not None else given[str(index)]
-            observed = {"ok": getattr(tasks, spec["tasks_of"][str(index)])(student, Rank(rank, world_size, group),
-                                                                           inputs)}
-            failed = ""
-        except BaseException as exc:  # noqa: BLE001 - any failure is the student's to read
-            observed, failed = {}, f"rank {rank}: {explain(exc, solution)}"
+            done, case, exc = contract.run_cases(getattr(tasks, spec["tasks_of"][str(index)]), student,
+                                                 Rank(rank, world_size, group), inputs)
+        except BaseException as error:  # noqa: BLE001 - inputs tampered with: no case to name
+            done, case, exc = [], None, error
+        observed = {"ok": done}
+        failed = f"rank {rank}{contract.in_case(case)}: {explain(exc, solution)}" if exc is not None else ""
         observed.update(error=failed, delegated=delegation.take(), time=time.time())
         try:
             data = wire.encode(observed)

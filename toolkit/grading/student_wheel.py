@@ -4,7 +4,7 @@ Each lab's `checks.py` names its answers (`ANSWERS`: `toolkit.comm.ring` for lab
 schedule` for lab 10, ...). `build` copies the toolkit's source, replaces the body of every answer function
 and method by `raise NotImplementedError(<why, and what to do>)` (its signature and docstring stay, so
 `import toolkit` and the rest of the package work), checks that no answer's code is left, and builds a
-wheel with pip (`toolkit-<version>+student`). What stops working is exactly what the labs ask students to
+wheel with pip (`distributed_training_toolkit-<version>+student`). What stops working is exactly what the labs ask students to
 write: a lesson cell that runs the toolkit's ring, say, says so when run. labs/README.md tells a course
 which lessons lean on which answers.
 """
@@ -142,7 +142,7 @@ def build(answers, builds_on, out: Path) -> Path:
                                "-w", str(out), str(source)], capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"pip could not build the students' wheel:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    wheels = sorted(out.glob("toolkit-*+student-*.whl"))
+    wheels = sorted(out.glob("distributed_training_toolkit-*+student-*.whl"))
     if not wheels:
         raise RuntimeError(f"pip built no wheel in {out}")
     (out / "LEFT-OUT.txt").write_text(
