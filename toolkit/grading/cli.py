@@ -124,20 +124,23 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=Limits.time_limit_s, help="seconds one check may run")
     parser.add_argument("--memory-limit", type=float, default=Limits.memory_limit_mb,
                         help="MiB a rank may allocate beyond what it starts with (0: no limit)")
+    parser.add_argument("--output-limit", type=float, default=Limits.output_limit_mb,
+                        help="MiB the ranks of one launch may print (the launch is stopped past it)")
     parser.add_argument("--prepare", action="store_true",
                         help="build the students' toolkit for this lab (what the ranks import: the lab's answers "
                              "taken out), kept in a cache for every grading after, and exit")
     parser.add_argument("--quiet", action="store_true",
                         help="print nothing but the report (none with --output): not what the ranks print, no progress")
     args = parser.parse_args(argv)
-    limits = Limits(args.timeout, args.stall, args.time_limit, args.memory_limit or None)
+    limits = Limits(args.timeout, args.stall, args.time_limit, args.memory_limit or None,
+                    output_limit_mb=args.output_limit)
     if args.prepare:
         return prepare_command(args.lab)
     if args.class_dir:
         if args.solution:
             parser.error("give --solution or --class, not both")
         options = ["--timeout", str(args.timeout), "--stall", str(args.stall), "--time-limit", str(args.time_limit),
-                   "--memory-limit", str(args.memory_limit or 0)]
+                   "--memory-limit", str(args.memory_limit or 0), "--output-limit", str(args.output_limit)]
         return class_command(args.lab, args.class_dir, args.csv, out_dir=args.out, filename=args.file,
                              student_timeout_s=args.student_timeout, jobs=args.jobs, options=options,
                              allow_unsandboxed=args.allow_unsandboxed, quiet=args.quiet)

@@ -2,12 +2,14 @@
 
 The launcher (`launcher.py`) starts the ranks with `rank_main`, in the grading's folder. In order:
 1. each rank reads the inputs the grader wrote for it alone,
-   removes them, and waits for its peers to have done the same; then it confines itself further (its
-   peers' inputs and the grader's files are out of reach), takes its limits, notes any call to the
-   lab's answers (`delegation.py`), says it is ready, and only then imports the student's file, with
-   the watchdog running;
-2. for each check, every rank runs the lab's task on its inputs and writes what it observed through the
-   narrow channel (`wire.py`), one file per check and rank; a task that raises writes the error instead.
+   removes them, and waits for its peers to have done the same; in a lab of point-to-point messages it then
+   trades its process group for the grader's relay (`relay_group.py`: no collective left in the process);
+   it confines itself further (its peers' inputs and the grader's files are out of reach; in that lab, no
+   new socket either: `seccomp.py`), takes its limits, notes any call to the lab's answers
+   (`delegation.py`), says it is ready, and only then imports the student's file, with the watchdog running;
+2. for each check, every rank runs the lab's task on its inputs (in that lab, taken from the relay when the
+   previous result is in) and writes what it observed through the narrow channel (`wire.py`), one file per
+   check and rank (and to the relay); a task that raises writes the error instead.
 What this process writes is read by the grader as untrusted: observations to judge, text to quote.
 """
 from __future__ import annotations
@@ -129,7 +131,7 @@ def rank_main(spec: dict) -> None:
                         limits["stall_s"], limits["time_limit_s"])
     delegation.watch(spec["answers"], solution)
     tasks = load_module(spec["tasks"], "lab_tasks")
-    sandbox.limit(limits["memory_limit_mb"], limits["max_processes"])
+    sandbox.limit(limits["memory_limit_mb"])
     _write(ready_path(out, rank), b"")
     watchdog.begin(IMPORT)
     try:
@@ -154,6 +156,7 @@ def rank_main(spec: dict) -> None:
             done, case, exc = [], None, error
         observed = {"ok": done}
         failed = f"rank {rank}{contract.in_case(case)}: {explain(exc, solution)}" if exc is not None else ""
+        exc = None  # its traceback holds the task's frames, and what they hold (a check that ate the memory)
         observed.update(error=failed, delegated=delegation.take(), time=time.time())
         try:
             data = wire.encode(observed)

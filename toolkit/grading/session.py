@@ -45,7 +45,7 @@ class Limits:
     stall_s: every rank blocked (or done) this long is a deadlock; time_limit_s: one check's wall time (and
     the import's); memory_limit_mb: the data a rank may allocate beyond what it had when the submission was
     imported (None: no limit); max_processes: processes the grading may hold at once (the grader stops it
-    past that, root or not), and, as `nobody`, threads and processes it may add (RLIMIT_NPROC); output_limit_mb:
+    past that, root or not); output_limit_mb:
     what the ranks of a launch may print (the grader stops the launch past it). The grader enforces them from
     outside the submission's processes (`overseer.py`, `sandbox.enter`)."""
 
