@@ -45,9 +45,8 @@ class Limits:
     stall_s: every rank blocked (or done) this long is a deadlock; time_limit_s: one check's wall time (and
     the import's); memory_limit_mb: the data a rank may allocate beyond what it had when the submission was
     imported (None: no limit); max_processes: processes the grading may hold at once (the grader stops it
-    past that, root or not); output_limit_mb:
-    what the ranks of a launch may print (the grader stops the launch past it). The grader enforces them from
-    outside the submission's processes (`overseer.py`, `sandbox.enter`)."""
+    past that, root or not); output_limit_mb: what the ranks of a launch may print (the grader stops the
+    launch past it). None of them is enforced inside the submission's processes (`overseer.py`, `sandbox`)."""
 
     check_timeout_s: float = 20.0
     stall_s: float = 5.0
