@@ -86,6 +86,8 @@ class Box:
         if self.server is not None:
             self.server.close()
         shutil.rmtree(self.root, ignore_errors=True)
+        if not self.namespaces:  # no /tmp and /dev/shm of its own: what the sandbox's user left there goes now
+            sandbox.sweep(self.user)
 
     def fork_server(self, env: dict) -> Zygote | None:
         """The grading's fork server, started on first use; None where none can serve (self.serverless: why)."""
