@@ -3,7 +3,8 @@ issue's trial that broke the grader, and failed before the construction it tests
 
 What a submission's side can hand the grader is material, never an instruction: no file is read through a link
 or past a cap, no text can change how a report looks, and the command line says what it was given wrong. The
-cheap ones (no rank started, or one grading) run in the suite; the rest carry `grading_scale`."""
+cheap ones (no rank started, or a grading or two) run in the suite (about 30 s on 2 cores); the rest carry
+`grading_scale` (`make test-grading`)."""
 import json
 import os
 import threading
@@ -169,8 +170,8 @@ def summed(x, group):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("door", [d if d.startswith("toolkit.comm.use") else pytest.param(d, marks=AT_SCALE)
-                                  for d in DOORS], ids=["comm.use", "closure"])
+@AT_SCALE  # the students' build is in every grading of the suite; the captured built-ins' test runs on it
+@pytest.mark.parametrize("door", list(DOORS), ids=["comm.use", "closure"])
 def test_no_door_of_the_toolkit_leads_to_the_answer(door, lab, tmp_path, no_leftover_ranks):
     """The ranks import the toolkit with the lab's answers taken out: both scored full marks on lab 01 (the ring
     reached through toolkit.comm's door, or out of the watcher's closure); now there is no ring to reach."""
