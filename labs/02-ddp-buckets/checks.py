@@ -11,6 +11,8 @@ import torch
 from toolkit.grading import Fields, Items, List, Maybe, check, like, model_labs
 
 ANSWERS = {"toolkit.parallel.ddp": "the toolkit's own DDP and its buckets",
+           "toolkit.parallel.zero:Zero12._bucket_params": "ZeRO-2's buckets, assign_buckets under another name",
+           "toolkit.parallel.zero:Zero12._gradient_ready": "ZeRO-2's hook that launches a bucket once it is complete",
            "torch.nn.parallel:DistributedDataParallel": "PyTorch's DDP"}
 CAP_BYTES = 0.01 * 2**20  # tasks.CAP_MB
 GLOBAL_BATCH = 12     # rows per step over all ranks: splits evenly over 2 and 3 ranks

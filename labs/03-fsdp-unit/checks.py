@@ -17,7 +17,9 @@ from toolkit.parallel.flat import FlatBuffer
 ANSWERS = {"toolkit.parallel.fsdp_unit:FSDPUnit.unshard": "the toolkit's own unshard",
            "toolkit.parallel.fsdp_unit:FSDPUnit.wait_unshard": "the toolkit's own wait_unshard",
            "toolkit.parallel.fsdp_unit:FSDPUnit.reshard": "the toolkit's own reshard",
-           "toolkit.parallel.fsdp_unit:FSDPUnit.reduce_grad": "the toolkit's own reduce_grad"}
+           "toolkit.parallel.fsdp_unit:FSDPUnit.reduce_grad": "the toolkit's own reduce_grad",
+           "toolkit.parallel.zero3:Zero3._gather": "ZeRO-3's gather, unshard under another name",
+           "toolkit.parallel.zero3:Zero3._reduce_scatter": "ZeRO-3's gradient reduce-scatter, reduce_grad's"}
 BUILDS_ON = ["toolkit.parallel.fsdp_unit:FSDPUnit.add_grad", "toolkit.parallel.fsdp_unit:FSDPUnit.finish_reduce",
              "toolkit.parallel.fsdp_unit:sharding_groups"]  # FSDP's groups (lab 07's), hybrid or not
 GLOBAL_BATCH = 12     # rows per step over all ranks: splits evenly over 2 and 3 ranks

@@ -14,6 +14,7 @@ from toolkit.parallel.flat import FlatBuffer
 
 ANSWERS = {"toolkit.parallel.zero": "the toolkit's own ZeRO",
            "toolkit.parallel.optimizer_sharding": "the toolkit's own sharded optimizer",
+           "toolkit.parallel.zero3": "the toolkit's own ZeRO stage 3",
            "torch.distributed.optim:ZeroRedundancyOptimizer": "PyTorch's sharded optimizer"}
 CONFIG = dict(d_model=27, n_head=3, n_layer=1)  # Ψ = 11,745: odd, so 2 ranks pad one element
 GLOBAL_BATCH, STEPS, LR = 8, 3, 1e-2

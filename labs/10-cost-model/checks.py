@@ -18,6 +18,11 @@ from toolkit.grading import Fields, check, number, seconds, sibling
 from toolkit.units import bytes_text
 
 ANSWERS = {"toolkit.memory.formulas:alpha_beta_time": "the toolkit's own alpha-beta model",
+           "toolkit.memory.formulas:_steps_and_bytes": "the ring's steps and bytes, the alpha-beta model's counts",
+           "toolkit.memory.formulas:bytes_on_wire": "the ring's bytes per rank",
+           "toolkit.memory.formulas:ring_reduce_scatter_bytes": "the ring's bytes per rank",
+           "toolkit.memory.formulas:ring_all_gather_bytes": "the ring's bytes per rank",
+           "toolkit.memory.formulas:ring_all_reduce_bytes": "the ring's bytes per rank",
            "toolkit.sim.timeline:schedule": "the toolkit's own overlap rule",
            "toolkit.sim.collective_time": "the toolkit's own collective times",
            "toolkit.sim.cost": "the toolkit's own cost model"}
