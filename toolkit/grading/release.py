@@ -34,7 +34,7 @@ from . import delegation
 from .checks import PLATFORM_CHECKS
 from .grader import lab_checks
 
-INSTRUCTOR_ONLY = ("solution*.py", "hidden_checks.py", "__pycache__", "*.pyc")
+INSTRUCTOR_ONLY = ("solution*.py", "hidden_checks.py", "equivalent_mutants.md", "__pycache__", "*.pyc")
 INSTRUCTOR_FOLDERS = ("autograder",)
 IMPORTS_A_SOLUTION = re.compile(r"(^|\W)(import|from)\s+[\w.]*solution\b|solution\.py|['\"]solution['\"]")
 INSTRUCTOR_TEXT = re.compile(r"^<!-- instructor -->$.*?^<!-- /instructor -->$\n?", re.S | re.M)  # lines of their own
