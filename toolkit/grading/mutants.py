@@ -135,6 +135,8 @@ def run_lab(lab: Path, chosen=None, *, seed: int = 0, quiet: bool = True) -> Lab
             alive = list(range(len(pool)))
             for check in _ordered(checks):
                 for n in check.world_sizes:
+                    if alive == [0]:  # every mutant killed: nothing left to tell from the reference
+                        break
                     verdicts = _run(box, check, n, alive, seed, marked.id)
                     if verdicts.get(0):
                         raise RuntimeError(f"{lab.name}: the reference fails '{check.name}' at world size {n} with the "
@@ -205,6 +207,7 @@ def main(argv=None) -> int:
     parser.add_argument("--labs", dest="names", nargs="+", metavar="LAB", help="only these labs (folder names)")
     parser.add_argument("--limit", type=int, help="only the first LIMIT mutants of each lab (a quick look)")
     parser.add_argument("--write", action="store_true", help="write the table into the labs folder's README.md")
+    parser.add_argument("--readme", help="with --write: this README instead (it holds a <!-- mutants --> block)")
     parser.add_argument("--check", action="store_true",
                         help=f"exit 1 when a lab scores under {TARGET:.0%} or a survivor is not explained")
     args = parser.parse_args(argv)
@@ -227,7 +230,7 @@ def main(argv=None) -> int:
             print(f"  survived: {survivor}", flush=True)
     print(table(results))
     if args.write:
-        write_table(root / "README.md", table(results))
+        write_table(Path(args.readme) if args.readme else root / "README.md", table(results))
     failing = [r.lab for r in results if r.score < TARGET or r.survivors]
     if args.check and failing:
         print(f"under {TARGET:.0%} or with unexplained survivors: {failing}", file=sys.stderr)
