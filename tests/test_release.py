@@ -192,8 +192,8 @@ def test_gradescope_run_autograder_writes_results_json(tmp_path, no_leftover_ran
     assert done.returncode == 0, done.stderr
     assert done.stdout == "", done.stdout  # --quiet is quiet
     results = json.loads((root / "results" / "results.json").read_text())
-    assert results["score"] == 0 and results["max_score"] == 10
-    assert len(results["tests"]) == 6 and all(t["status"] == "failed" for t in results["tests"])
+    assert results["score"] == 0 and results["max_score"] == 11
+    assert len(results["tests"]) == 7 and all(t["status"] == "failed" for t in results["tests"])
     assert all("not implemented yet" in t["output"] for t in results["tests"])
 
 
