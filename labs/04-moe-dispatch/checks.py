@@ -7,7 +7,7 @@ over the ranks).
 """
 import torch
 
-from toolkit.grading import Either, Items, List, Maybe, Tensor, check, like, sibling
+from toolkit.grading import Either, Items, Maybe, Tensor, check, like, sibling
 from toolkit.moe import MoE, reference_moe
 from toolkit.moe.capacity import capacity
 from toolkit.moe.experts import WEIGHTS, Experts

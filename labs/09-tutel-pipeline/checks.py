@@ -8,7 +8,7 @@ expert computes the right outputs and gradients (the reference), so the messages
 """
 import torch
 
-from toolkit.grading import Either, Fields, List, Maybe, Tensor, check, like
+from toolkit.grading import Fields, List, Maybe, Tensor, check, like
 
 ANSWERS = {"toolkit.moe.pipeline": "the toolkit's own pipelined all-to-all",
            "toolkit.moe.units:run_units": "the toolkit's own chunk k+1 posted before chunk k computes"}
