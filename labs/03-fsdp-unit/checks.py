@@ -105,7 +105,9 @@ def unshard_gathers(ctx, given, got):
 
 
 def freed(case, r, n):
-    return {"after_reshard": per_unit(n, {"held": int, "state": str}), "after_forward": per_unit(n, int),
+    return {"after_reshard": per_unit(n, {"held": int, "state": str}), "in_flight": {"waits": int, "held": int,
+                                                                                       "state": str},
+            "after_forward": per_unit(n, int),
             "while_running": per_unit(n, Items(Maybe(str), int)), "after_backward": per_unit(n, int)}
 
 
@@ -122,6 +124,14 @@ def memory_is_freed(ctx, given, got):
                          "stay valid, only the memory goes)")
             if after["state"] != "sharded":
                 ctx.fail(f"rank {r}: after reshard(), unit {name!r} is in state {after['state']!r}, expected 'sharded'")
+        flight = mine["in_flight"]
+        if flight["waits"] < 1:
+            ctx.fail(f"rank {r}: reshard() of a unit whose all-gather was still in flight (unshard(async_op=True) just "
+                     "before) freed its memory without waiting for the all-gather, which would go on writing into "
+                     "freed memory: when the unit is GATHERING, wait for it first (wait_unshard)")
+        if flight["held"] != 0 or flight["state"] != "sharded":
+            ctx.fail(f"rank {r}: reshard() of a unit whose all-gather was in flight left it {flight['state']!r} with "
+                     f"{flight['held']} bytes; expected 'sharded' and 0 bytes")
         for unit in units(ctx.world_size):
             name, full = unit["name"], unit["padded"] * 4
             state, held = mine["while_running"][name]
