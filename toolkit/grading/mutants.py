@@ -36,7 +36,7 @@ from .isolation import Sandbox
 from .runner import IMPORT
 from .session import Box, Limits, launch_ranks
 
-LIMITS = Limits(check_timeout_s=10.0, stall_s=3.0, time_limit_s=60.0)  # a mutant that hangs is stopped soon
+LIMITS = Limits(check_timeout_s=30.0, stall_s=5.0, time_limit_s=120.0)  # the grading's, with room for a loaded machine
 EQUIVALENT = "equivalent_mutants.md"  # in a lab: "- `<mutant id>`: why it computes what the reference does"
 TARGET = 0.9
 TABLE = re.compile(r"(<!-- mutants -->\n).*?(<!-- /mutants -->)", re.S)
@@ -138,6 +138,8 @@ def run_lab(lab: Path, chosen=None, *, seed: int = 0, quiet: bool = True) -> Lab
                     if alive == [0]:  # every mutant killed: nothing left to tell from the reference
                         break
                     verdicts = _run(box, check, n, alive, seed, marked.id)
+                    if verdicts.get(0):  # once more, in case the machine was too busy for the reference's deadline
+                        verdicts = _run(box, check, n, alive, seed, marked.id)
                     if verdicts.get(0):
                         raise RuntimeError(f"{lab.name}: the reference fails '{check.name}' at world size {n} with the "
                                            f"mutation run's inputs: {verdicts[0][:500]}")
