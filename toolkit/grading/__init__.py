@@ -15,7 +15,8 @@ into JSON or Gradescope's results.json; `classroom` grades a folder of submissio
 students' copy of labs/ and `student_wheel` the toolkit without the labs' answers.
 """
 from .checks import Check, CheckFailed, Judge, check, number, seconds, show, sibling
-from .contract import ContractBroken, Either, Fields, Items, Keys, List, Maybe, Tensor, like
+from .contract import ContractBroken
+from .specs import Either, Fields, Items, Keys, List, Maybe, Tensor, like
 from .cli import class_command, grade_command, main
 from .grader import grade, lab_checks
 from .score import CheckResult, Score, format_score

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from . import delegation, namespaces, sandbox, students_build, untrusted
-from .checks import Check, CheckFailed
+from .checks import PLATFORM_CHECKS, PLATFORM_ONLY, Check, CheckFailed, platform_only
 from .isolation import Sandbox
 from .runner import IMPORT, load_module
 from .score import CheckResult, Score, format_score, zero
@@ -61,6 +61,8 @@ def lab_checks(lab_dir) -> tuple[list[Check], dict]:
             else:
                 sys.modules["checks"] = before
         checks += [replace(v, hidden=True) for v in vars(hidden).values() if isinstance(v, Check) and v not in checks]
+    elif (lab_dir / PLATFORM_CHECKS).exists():  # a students' copy: the hidden checks are named, not run
+        checks += platform_only(lab_dir / PLATFORM_CHECKS)
     return checks, dict(getattr(module, "ANSWERS", {}))
 
 
@@ -224,13 +226,17 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, 
     verdicts, stopped = {}, None
     build = students_build.for_lab(lab_dir)  # the toolkit the ranks import: this lab's answers taken out
     with Sandbox() as marked, Box(lab_dir, source, solution.name, build, user, bool(made)) as box:
-        for n in sorted({n for c in checks for n in c.world_sizes}):
-            indices = [i for i, c in enumerate(checks) if n in c.world_sizes and not verdicts.get(i)]
+        for n in sorted({n for c in checks if not c.platform_only for n in c.world_sizes}):
+            indices = [i for i, c in enumerate(checks) if n in c.world_sizes and not verdicts.get(i)
+                       and not c.platform_only]
             if indices and stopped is None:
                 found, stopped = _run_world_size(box, checks, indices, n, answers, limits, seed, quiet, backend,
                                                  marked.id)
                 verdicts.update(found)
     for i, c in enumerate(checks):
+        if c.platform_only:
+            score.results.append(CheckResult(c.name, c.points, 0, PLATFORM_ONLY, True, platform_only=True))
+            continue
         message = verdicts.get(i, "")
         if stopped == IMPORT and i not in verdicts:
             message = next(m for m in verdicts.values() if m)
