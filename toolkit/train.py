@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from . import parallel
 from .memory.ledger import ActivationMeter, record_memory
-from .models import GPTConfig, tiny_gpt
+from .models import GPTConfig, moe_gpt, tiny_gpt
 from .models.protocol import recognise
 from .run import Run
 from .run_metrics import NonFiniteElsewhere, NonFiniteLoss, record_losses  # noqa: F401 - the errors: toolkit.train's
@@ -129,6 +129,25 @@ class TrainConfig:
 def build_model(config: TrainConfig) -> torch.nn.Module:
     """The tiny GPT this config describes (seed first: weights depend on torch's RNG)."""
     return tiny_gpt(vocab_size=config.vocab_size, seq_len=config.seq_len, **config.model)
+
+
+def moe_model_fn(num_experts: int = 4, top_k: int = 2, **moe_gpt_kwargs):
+    """A ``model_fn`` for `train`: ``moe_gpt`` sized by the TrainConfig (vocab, seq_len, ``config.model``), experts
+    seeded by ``config.seed`` unless ``seed=`` is given, and split over the ranks of a pipeline stage under
+    ``options["pp"]`` (the layout is the training's, which is why this lives here and not in `toolkit.models`).
+
+        train(TrainConfig(strategy="ddp"), model_fn=moe_model_fn(4, 2))
+    """
+    def build(config):
+        kwargs = dict(seed=config.seed, vocab_size=config.vocab_size, seq_len=config.seq_len, **config.model)
+        pp = config.options.get("pp", 1)
+        if pp > 1:  # a pipeline stage's experts are split over the ranks of that stage, not the world
+            from .parallel.pipeline import stage_group
+            kwargs["group"] = stage_group(pp=pp, tp=config.options.get("tp", 1))
+        kwargs.update(moe_gpt_kwargs)
+        return moe_gpt(num_experts, top_k, **kwargs)
+
+    return build
 
 
 def train(config, *, model_fn=None, loss_fn=None, batch_fn=None, return_state: bool = False):
