@@ -31,29 +31,31 @@ def tp(name: str, **more) -> dict:
 
 
 def layouts(name: str, world: int) -> list:
-    """(label, strategy, options, expert_parallel) for one model at one world size."""
+    """(label, strategy, options, expert_parallel: None or its options) for one model at one world size."""
     moe = name in ("mixtral", "qwen2_moe")
     if world == 2:
-        rows = [(s, s, {}, False) for s in STRATEGIES]
-        rows += [("tp", "local", tp(name), False), ("pp", "local", dict(pp=2, microbatches=2), False)]
-        rows += [("ep (ddp)", "ddp", {}, True)] if moe else []
+        rows = [(s, s, {}, None) for s in STRATEGIES]
+        rows += [("tp", "local", tp(name), None), ("pp", "local", dict(pp=2, microbatches=2), None)]
+        if moe:  # the experts split over the two ranks, plainly, shadowed (FasterMoE) and pipelined (Tutel)
+            rows += [("ep (ddp)", "ddp", {}, {}), ("ep + shadowing", "ddp", {}, dict(shadow=[0, 3])),
+                     ("ep + pipelined all-to-all", "dp", {}, dict(pipeline_degree=2))]
         return rows
     if world == 4:
-        return [("hsdp", "fsdp", dict(sharding_group_size=2), False),
-                ("dp x pp", "ddp", dict(pp=2, microbatches=2), False),
-                ("tp x pp", "local", tp(name, pp=2, microbatches=2), False),
-                ("fsdp x tp", "fsdp", tp(name), False)]
+        return [("hsdp", "fsdp", dict(sharding_group_size=2), None),
+                ("dp x pp", "ddp", dict(pp=2, microbatches=2), None),
+                ("tp x pp", "local", tp(name, pp=2, microbatches=2), None),
+                ("fsdp x tp", "fsdp", tp(name), None)]
     if world == 8:
-        return [("3D", "ddp", tp(name, pp=2, microbatches=2), False)]
+        return [("3D", "ddp", tp(name, pp=2, microbatches=2), None)]
     raise ValueError(world)
 
 
-def build(name: str, expert_parallel: bool, config=None):
+def build(name: str, expert_parallel: dict | None, config=None):
     model = fm.hf_model(name)
-    if expert_parallel:
+    if expert_parallel is not None:
         from toolkit.moe.hf import expert_parallel as ep
 
-        ep(model)
+        ep(model, **expert_parallel)
     return model
 
 
@@ -101,6 +103,7 @@ def train_rows(name: str, rows: list) -> dict:
             continue
         out[label] = max((state[n].float() - v).abs().max().item() for n, v in expected.items())
         out[label + " convention"] = run.meta["model"]["convention"]
+        out[label + " moe"] = sorted({m["name"].rsplit("/", 1)[1] for m in run.metrics if m["name"].startswith("moe/")})
     return out
 
 
