@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..models.presets import PRESETS
+from ..models.presets import PRESETS, model_fn_for
 from ..parallel import STRATEGIES
 
 HSDP = "hsdp"  # fsdp with hybrid sharding: shard inside groups of --sharding-group-size, replicate across them
@@ -39,8 +39,10 @@ class _Defaults(argparse.HelpFormatter):
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m toolkit simulate", description=__doc__.splitlines()[0],
                                 formatter_class=_Defaults)
-    p.add_argument("--model", default="gpt3-175b", choices=sorted(PRESETS), help="a preset (toolkit.models.presets)")
-    p.add_argument("--layers", type=int, default=None, help="number of layers (default: the preset's own depth)")
+    p.add_argument("--model", default="gpt3-175b",
+                   help=f"a preset ({', '.join(sorted(PRESETS))}: toolkit.models.presets), or a Hugging Face "
+                        f"config.json (or its folder): the model transformers builds from it, nothing downloaded")
+    p.add_argument("--layers", type=int, default=None, help="number of layers (default: the model's own depth)")
     p.add_argument("--strategy", default="fsdp", choices=sorted(STRATEGIES) + [HSDP],
                    help="how the data-parallel ranks share the model; hsdp: fsdp sharded inside each group of "
                         "--sharding-group-size ranks (a node by default), replicated across the groups")
@@ -105,9 +107,8 @@ def main(argv=None) -> int:
     cluster = None if args.cluster.lower() == "none" else args.cluster
     from . import simulate
 
-    build = PRESETS[args.model]
-    model_fn = (lambda: build(n_layer=args.layers)) if args.layers else build
     try:
+        model_fn = model_fn_for(args.model, args.layers)
         sim = simulate(model_fn, strategy, args.world_size, rank=args.rank, ranks_per_node=args.ranks_per_node,
                        batch_per_rank=args.batch_per_rank, seq_len=args.seq_len, steps=args.steps,
                        cluster=cluster, mfu=args.mfu, **options)
@@ -118,9 +119,10 @@ def main(argv=None) -> int:
     if cluster:
         print(sim.cost.summary())
     os.makedirs(args.out, exist_ok=True)
-    name = f"sim-{args.model}-{args.strategy}-{args.world_size}"
+    model = args.model if args.model in PRESETS else os.path.basename(os.path.normpath(args.model)).removesuffix(".json")
+    name = f"sim-{model}-{args.strategy}-{args.world_size}"
     sim.run.save(os.path.join(args.out, f"{name}-run.json"))
-    report = write_report(sim, os.path.join(args.out, f"{name}-report.html"), title=f"{args.model}, {args.strategy}")
+    report = write_report(sim, os.path.join(args.out, f"{name}-report.html"), title=f"{model}, {args.strategy}")
     print(f"run: {os.path.join(args.out, name + '-run.json')}\nreport: {report}")
     if cluster and sim.fits:  # the cost model's timeline, for Perfetto (none for a job that would not run)
         from ..trace.chrome import save_chrome
