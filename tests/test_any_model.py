@@ -203,3 +203,18 @@ def test_a_hugging_face_moe_made_expert_parallel_computes_what_the_model_does_an
     counts = [row["counts"] for row in viz.expert_load.__globals__["load_rows"](run, "model.layers.0.mlp.experts")]
     assert len(counts) == 2 and all(sum(c) == 8 * fm.SEQ * 2 for c in counts)  # every (token, choice), top-2
     assert figure.data[0].z is not None
+
+
+@hf
+def test_the_command_line_simulates_a_hugging_face_config(tmp_path, capsys):
+    from toolkit.sim.cli import main
+
+    fm.hf_config("llama", architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path / "llama")
+    assert main(["--model", str(tmp_path / "llama"), "--strategy", "zero3", "--world-size", "64", "--cluster", "none",
+                 "--seq-len", "32", "--out", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    params = sum(p.numel() for p in fm.hf_model("llama").parameters())  # 22,688: "22.7K"
+    assert f"{params / 1e3:.1f}K parameters, batch 1 x 32" in out, out
+    assert (tmp_path / "runs" / "sim-llama-zero3-64-run.json").exists()
+    assert main(["--model", "no-such-model", "--cluster", "none", "--out", str(tmp_path)]) == 2
+    assert "neither a preset" in capsys.readouterr().out
