@@ -157,7 +157,7 @@ def test_a_hugging_face_llama_trains_as_plain_torch_and_inits_deferred(no_leftov
 
 
 @hf
-def test_hugging_face_models_simulate_at_512_ranks_with_buffers_and_routing():
+def test_hugging_face_models_simulate_at_512_ranks_with_buffers_and_routing(capsys):
     from toolkit.sim import simulate
 
     for name, strategy, options in (("llama", "fsdp", {}), ("mixtral", "ddp", {}), ("bert", "zero3", dict(pp=2)),
@@ -166,6 +166,12 @@ def test_hugging_face_models_simulate_at_512_ranks_with_buffers_and_routing():
         sim = simulate(lambda: fm.hf_model(name), strategy, 512, batch_per_rank=2, progress=False, steps=1, **options)
         assert sim.num_params == sum(p.numel() for p in fm.hf_model(name).parameters()), name
     assert sim.seq_len == (16 // 4) ** 2 + 1  # a ViT's tokens: its patches and the class token
+    assert ("pipeline split of BertForMaskedLM (bert-like, 2 layers over 2 stages): stage 0: embedding + "
+            "bert.encoder.layer.0 | stage 1: bert.encoder.layer.1 + final norm, head and loss") in capsys.readouterr().out
+    with pytest.raises(ValueError, match="a loss_fn cannot be used"):
+        from toolkit.train import TrainConfig, train
+
+        train(TrainConfig(options={"pp": 2}), loss_fn=lambda m, x, y: m(x, y))
 
 
 @hf

@@ -167,6 +167,10 @@ def train(config, *, model_fn=None, loss_fn=None, batch_fn=None, return_state: b
     final full parameters, for comparing runs without the tensors).
     """
     config = TrainConfig.of(config)
+    if loss_fn is not None and config.options.get("pp", 1) > 1:
+        raise ValueError("under pipeline parallelism (pp > 1) the last stage computes the loss with the model's own "
+                         "head_loss(h, y), so a loss_fn cannot be used: give the model embed, head_loss and "
+                         "hidden_shape (toolkit/models/hf_pipeline.py shows how), or train without pp.")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     config.check_world(world)
