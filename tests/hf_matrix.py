@@ -59,8 +59,9 @@ def build(name: str, expert_parallel: dict | None, config=None):
     return model
 
 
-def reference(name: str) -> dict:
-    """Plain torch: the model as it comes, its own forward and loss on each whole batch, SGD, one process."""
+def reference(name: str, losses: list | None = None) -> dict:
+    """Plain torch: the model as it comes, its own forward and loss on each whole batch, SGD, one process; the
+    final parameters (and each step's loss appended to `losses`)."""
     from toolkit.models.protocol import recognise
 
     model = fm.hf_model(name)
@@ -77,11 +78,14 @@ def reference(name: str) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if losses is not None:
+            losses.append(loss.item())
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def train_layouts(name: str, world: int) -> dict:
-    """On every rank: each layout trained STEPS steps; {label: max |difference| from plain torch} on rank 0."""
+    """On every rank: each layout trained STEPS steps; {label: the largest difference from plain torch, of the final
+    weights and of each step's loss} on rank 0."""
     import torch.distributed as dist
 
     out = train_rows(name, layouts(name, world))
@@ -91,7 +95,8 @@ def train_layouts(name: str, world: int) -> dict:
 def train_rows(name: str, rows: list) -> dict:
     from toolkit.train import TrainConfig, train
 
-    expected = reference(name)
+    losses = []
+    expected = reference(name, losses)
     out = {}
     for label, strategy, options, ep in rows:
         config = TrainConfig(strategy=strategy, options=options, steps=STEPS, global_batch_size=BATCH, lr=LR,
@@ -101,7 +106,9 @@ def train_rows(name: str, rows: list) -> dict:
         if set(state) != set(expected):
             out[label] = f"keys differ: {sorted(set(state) ^ set(expected))[:4]}"
             continue
-        out[label] = max((state[n].float() - v).abs().max().item() for n, v in expected.items())
+        weights = max((state[n].float() - v).abs().max().item() for n, v in expected.items())
+        loss = max(abs(got - want) for (_, got), want in zip(run.metric("loss"), losses))  # each step's
+        out[label] = max(weights, loss)
         out[label + " convention"] = run.meta["model"]["convention"]
         out[label + " moe"] = sorted({m["name"].rsplit("/", 1)[1] for m in run.metrics if m["name"].startswith("moe/")})
     return out
