@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 import toolkit
 from toolkit.memory.ledger import ActivationMeter
-from toolkit.models import SyntheticCorpus, moe_model_fn, tiny_gpt
+from toolkit.models import SyntheticCorpus, tiny_gpt
+from toolkit.train import moe_model_fn
 from toolkit.parallel.pipeline import bubble, lowering, schedules
 from toolkit.train import TrainConfig, train
 from test_tensor_parallel import _same  # nested checkpoints compared value by value
