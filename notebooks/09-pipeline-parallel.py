@@ -293,8 +293,9 @@ for rank, found in enumerate(PEAKS):
 # ## 5. 3D: data parallelism over pipeline replicas
 #
 # With tensor and pipeline parallelism a world is laid out as **dp x pp x tp** (a torch `DeviceMesh` named
-# ("dp", "pp", "tp"), tp fastest so a tensor-parallel group sits inside a node, as Megatron-LM and torchtitan
-# order it). `strategy` is the data-parallel method over the dp group, per stage: each stage's replicas
+# ("dp", "pp", "cp", "tp"), in Megatron-LM's rank order: tp fastest so a tensor-parallel group sits inside a
+# node, pp slowest so a pipeline's stages are the ranks farthest apart; `order=` picks another). `strategy` is
+# the data-parallel method over the dp group, per stage: each stage's replicas
 # average their gradients. ZeRO-1 over dp is Megatron-LM's *distributed optimizer*; FSDP over dp is
 # torchtitan's FSDP + PP. What changes with micro-batches is **when** a strategy talks:
 #

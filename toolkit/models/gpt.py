@@ -87,12 +87,17 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(D, dim=-1)
         # (B, T, D) -> (B, heads, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout_p())
+        y = self.attend(q, k, v)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, D)))
 
     def dropout_p(self) -> float:
         """The attention weights' dropout now (none when evaluating)."""
         return self.attention_dropout if self.training else 0.0
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention itself, on (B, heads, T, head_dim) tensors: the one place context parallelism
+        (toolkit.parallel.context) replaces, with the ranks' tokens passed around a ring."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout_p())
 
 
 class MLP(nn.Module):

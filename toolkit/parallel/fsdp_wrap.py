@@ -15,7 +15,7 @@ from ..runtime import env
 from ..trace.events import phase, recorder
 from . import check_options, consistency
 from .fsdp import FullyShardedDataParallel
-from .fsdp_init import check_deferred, is_deferred
+from .fsdp_init import check_deferred, is_deferred, materialize_buffers
 from .fsdp_policy import explain, plan
 from .fsdp_unit import FSDPUnit, Sharding, dtypes, sharding_groups
 from .sharded import ShardedModel, ShardedOptimizer, check_optimizer
@@ -77,9 +77,8 @@ def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
     sharding = Sharding(shard_group, replica_group, param_dtype, reduce_dtype)
     if not deferred:
         model.to(env.device())
-    else:  # parameters stay on meta until their unit materializes them; buffers move now
-        for m in model.modules():
-            m._buffers.update({k: b.to(env.device()) for k, b in m._buffers.items() if b is not None})
+    else:  # parameters stay on meta until their unit materializes them; buffers are made now (fsdp_init.py)
+        materialize_buffers(model, env.device(), init_fn)
     with phase("setup"):  # every rank starts from rank 0's values (deferred: the seeded init agrees already)
         consistency.broadcast_from_rank0([*([] if deferred else model.parameters()), *model.buffers()], group)
     engine = FullyShardedDataParallel(model, plans, sharding, init_fn=init_fn if deferred else None,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...models import hf_pipeline
 from ...moe.layer import MoE
 from ...runtime import env
 from .. import mesh as mesh_
@@ -42,14 +43,17 @@ __all__ = ["wrap", "Action", "SCHEDULES", "PipelineDeadlock", "PipelineModel", "
 def wrap(model, mesh, build, optimizer, options: dict, *, microbatches=None, schedule="1f1b", virtual_stages=1,
          pp_split=None):
     """(PipelineModel, ChainedOptimizer) of this rank's stages, each wrapped by `build` (the dp strategy)."""
-    pp, dp_rank, me = mesh_.layout_of(mesh).pp, mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    layout = mesh_.layout_of(mesh)
+    pp, me, dp_rank = layout.pp, mesh_.coordinate(mesh).pp, mesh_.data_parallel_rank(mesh)
     rng.offset_stage(me, env.device())  # stages draw dropout masks of their own
     v = _positive("virtual_stages", virtual_stages)
     m = pp if microbatches is None else _positive("microbatches", microbatches)
     check_schedule(schedule, pp, m, v)
     dtype = _compute_dtype(options)
     stages_total = pp * v
+    model = hf_pipeline.pipelined(model) if hf_pipeline.is_hf(model) else model  # as it came: its three parts
     split = split_model(model, stages_total, pp, pp_split)
+    hf_pipeline.announce(model, split)
     tie = find_tie(model, split, dtype, env.device())
     actions = schedules.build(schedule, pp, m, v)
     programs = lowering.lower(actions, pp, tied=tie is not None)
@@ -91,13 +95,13 @@ def check_schedule(schedule, pp: int, microbatches: int, virtual_stages: int) ->
                          f"better: 4 x pp gives a bubble of {(pp - 1) / (5 * pp - 1):.0%}).")
 
 
-def stage_group(*, pp: int, tp: int = 1):
-    """The ranks of this rank's pipeline stage (its dp x tp ranks): the group an MoE layer's experts are split
+def stage_group(*, pp: int, tp: int = 1, cp: int = 1, order: str = mesh_.ORDER):
+    """The ranks of this rank's pipeline stage (its dp x cp x tp ranks): the group an MoE layer's experts are split
     over under pp (build the MoE GPT with `moe_gpt(group=stage_group(pp=2))` before wrapping it)."""
-    layout = mesh_.layout(dist.get_world_size(), tp=tp, pp=pp)
+    layout = mesh_.layout(dist.get_world_size(), tp=tp, pp=pp, cp=cp, order=order)
     mine = None
     for stage in range(pp):  # every rank makes every group, in the same order (torch's rule)
-        ranks = [layout.rank(d, stage, t) for d in range(layout.dp) for t in range(layout.tp)]
+        ranks = [r for r in range(layout.world_size) if layout.coordinate(r).pp == stage]
         group = dist.new_group(ranks)
         if dist.get_rank() in ranks:
             mine = group
@@ -107,16 +111,17 @@ def stage_group(*, pp: int, tp: int = 1):
 def _check_experts(part, mesh) -> None:
     """An MoE layer's experts must be split over ranks of this stage only (the others run other layers)."""
     layout = mesh_.layout_of(mesh)
-    stage = set(mesh.mesh.select(mesh.mesh_dim_names.index("pp"), mesh.get_local_rank("pp")).flatten().tolist())
+    me = mesh_.coordinate(mesh).pp
     for name, module in part.named_modules():
-        if isinstance(module, MoE):
+        if isinstance(module, MoE) and module.world > 1:  # (a layer of one rank holds every expert itself)
             from ... import comm
             ranks = comm.group_ranks(module.group)
-            others = [r for r in ranks if r not in stage]
+            others = [r for r in ranks if layout.coordinate(r).pp != me]
             if others:
                 raise ValueError(f"pipeline parallelism: the MoE layer {name!r} splits its experts over ranks {ranks}, "
                                  f"but ranks {others} hold other pipeline stages. Build the model with "
-                                 f"moe_gpt(group=toolkit.parallel.pipeline.stage_group(pp={layout.pp}, tp={layout.tp})) "
+                                 f"moe_gpt(group=toolkit.parallel.pipeline.stage_group(pp={layout.pp}, tp={layout.tp}, "
+                                 f"cp={layout.cp}, order={layout.order!r})) "
                                  f"(TrainConfig's moe_model_fn does this for you).")
 
 

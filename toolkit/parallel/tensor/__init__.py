@@ -37,10 +37,14 @@ from .state import TensorParallel
 def parallelize(model: nn.Module, mesh, *, plan=None, sequence_parallel: bool = False) -> nn.Module:
     """Split `model` over the mesh's "tp" group, in place, and return it (with `model.tensor_parallel`).
 
-    plan None: the toolkit GPT's default plan (`gpt.py`); any other model needs `plan`, a tp_plan dict
-    (`plan.py`). sequence_parallel comes with the GPT's plan."""
+    plan None: the toolkit GPT's default plan (`gpt.py`), or a Hugging Face model's own (`hf.py`); any other
+    model needs `plan`, a tp_plan dict (`plan.py`). sequence_parallel comes with the GPT's plan."""
     tp = TPGroup.of(mesh_.group(mesh, "tp"))
     rng.seed_tensor_parallel(tp.rank, mesh.get_local_rank("pp"), env.device())  # split regions' dropout stream
+    if plan is None and not isinstance(model, GPT):
+        from .hf import own_plan
+
+        plan = own_plan(model)
     if plan is None:
         if not isinstance(model, GPT):
             raise ValueError(f"tensor parallelism has a default plan for the toolkit's GPT only; for a "

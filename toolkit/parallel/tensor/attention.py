@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from ...models.gpt import CausalSelfAttention
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -34,9 +33,9 @@ class TensorParallelAttention(CausalSelfAttention):
         B, T, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
         q, k, v = (t.view(B, T, self.local_heads, width // self.local_heads).transpose(1, 2)
                    for t in qkv.split(width, dim=-1))
-        p = self.dropout_p()
-        with tracker.fork() if p else contextlib.nullcontext():  # this rank's heads: dropout masks of their own
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        # the GPT's causal attention (context parallelism replaces it); this rank's heads: dropout masks of their own
+        with tracker.fork() if self.dropout_p() else contextlib.nullcontext():
+            y = self.attend(q, k, v)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, width)))
 
 
