@@ -208,13 +208,12 @@ for name, run in PP_RUNS.items():
         print(f"{name:6s} rank {rank}: {formula:8.0%} {replayed[rank]:13.0%} {real[rank]:6.0%} = "
               f"{part['waiting']:8.0%} + {part['between']:8.0%}")
         assert abs(real[rank] - (part["waiting"] + part["between"])) < 1e-9  # every idle moment is one or the other
+        # the same busy time over the replay's step and the real one: the real step is never shorter than its
+        # replay (a real rank cannot start an action earlier than the replay does; the clocks agree to 1 ms)
+        spans = [e for e in run.events if e["cat"] == "compute" and "action" in e["args"] and e["args"]["step"] == 2]
+        step = max(e["end"] for e in spans) - min(e["start"] for e in spans)
+        assert (1 - real[rank]) * step / (1 - replayed[rank]) <= step + 1e-3
     assert any(abs(replayed[r] - formula) > 1e-6 for r in range(P))  # these stages are not the textbook's
-    spans = [e for e in run.events if e["cat"] == "compute" and "action" in e["args"] and e["args"]["step"] == 2]
-    real_span = max(e["end"] for e in spans) - min(e["start"] for e in spans)
-    replayed_span = lowering.busy_and_span(lowering.replay(programs, lambda a: next(
-        e["end"] - e["start"] for e in spans if (e["args"]["action"], e["args"]["micro"], e["args"]["stage"]) ==
-        (a.kind, a.micro, a.stage))))[1]
-    assert real_span >= replayed_span - 1e-3  # the real step is never shorter than its replay (clocks agree to 1 ms)
 
 # %% [markdown]
 # Read the table from the left. The replay's column differs from the formula's because these stages are not
@@ -328,17 +327,18 @@ def dp_bytes(strategies):
         run = train(TrainConfig(strategy=name.split(",")[0], steps=2, global_batch_size=16, model=MODEL,
                                 progress=False, sample_memory=False, options={"pp": 2, "microbatches": 4, **options}))
         first_step_end = next(e["end"] for e in run.events if e["name"] == "optimizer" and e["args"]["step"] == 0)
-        out[name] = sum(e["args"]["bytes_sent"] for e in run.events if e["cat"] == "comm" and e["start"] > first_step_end
-                        and e["args"]["group"] == dp_group)
+        out[name] = sum(e["args"]["bytes_sent"] for e in run.events if e["cat"] == "comm"
+                        and e["start"] > first_step_end and e["args"]["group"] == dp_group)
     for keep in (False, True):
         torch.manual_seed(0)
         model, opt = toolkit.parallel.wrap(tiny_gpt(**MODEL), "fsdp", pp=2, microbatches=4,
                                            reshard_after_forward=not keep)
         batch = SyntheticCorpus().batch(0, 16, rank=model.mesh.get_local_rank("dp"), world_size=2)
-        params = []
+        params: list = []
         for step in range(2):
             if step == 1:
-                model.driver.observers.append(lambda action: params.append(ledger(model, opt)["params"]))
+                model.driver.observers.append(lambda action, model=model, opt=opt, params=params: params.append(
+                    ledger(model, opt)["params"]))
             model.forward_backward(*batch)
             opt.step()
             opt.zero_grad()
@@ -347,10 +347,12 @@ def dp_bytes(strategies):
     return out if dist.get_rank() == 0 else None
 
 
-STRATEGIES = {"zero1": {}, "zero2": {}, "zero3": {}, "fsdp": {}, "fsdp, kept gathered": {"reshard_after_forward": False}}
+STRATEGIES = {"zero1": {}, "zero2": {}, "zero3": {}, "fsdp": {},
+              "fsdp, kept gathered": {"reshard_after_forward": False}}
 DP_BYTES = toolkit.launch(dp_bytes, 4, args=(STRATEGIES,))[0]
 M = 4
-for name, expected in (("zero1", 2), ("zero2", M + 1), ("zero3", 3 * M), ("fsdp", 2 * M + 1), ("fsdp, kept gathered", 2)):
+FORMULA = {"zero1": 2, "zero2": M + 1, "zero3": 3 * M, "fsdp": 2 * M + 1, "fsdp, kept gathered": 2}
+for name, expected in FORMULA.items():
     ratio = DP_BYTES[name] / DP_BYTES["zero1"] * 2
     print(f"{name:20s}: {DP_BYTES[name] / 1e3:8.1f} kB per step = {ratio:5.2f} x Ψ(N-1)/N  (formula {expected})")
     assert abs(ratio - expected) / expected < 0.01  # flat buffers pad each slice to a multiple of N: < 1%

@@ -78,7 +78,8 @@ def rng_streams() -> tuple:
         inside = torch.rand(4)
     unchanged = torch.equal(before, torch.get_rng_state())
     outside = torch.rand(4)
-    return (model.mesh.get_local_rank("dp"), model.mesh.get_local_rank("tp")), inside.tolist(), outside.tolist(), unchanged
+    coordinate = (model.mesh.get_local_rank("dp"), model.mesh.get_local_rank("tp"))
+    return coordinate, inside.tolist(), outside.tolist(), unchanged
 
 
 def dropout_masks() -> dict:
@@ -88,8 +89,8 @@ def dropout_masks() -> dict:
         torch.manual_seed(0)
         model, _ = toolkit.parallel.wrap(tiny_gpt(n_head=4, dropout=0.5, attention_dropout=0.5), "local",
                                          tp=dist.get_world_size(), sequence_parallel=sp)
-        masks = []
-        model.module.blocks[0].attn.resid_drop.register_forward_hook(lambda m, i, o: masks.append(o != 0))
+        masks: list = []
+        model.module.blocks[0].attn.resid_drop.register_forward_hook(lambda m, i, o, masks=masks: masks.append(o != 0))
         model(*SyntheticCorpus().batch(0, 8))
         out[sp] = masks[0]
     return out
@@ -131,7 +132,7 @@ def padded_vocabulary(directory: str) -> dict:
 
 
 def pipeline_sends() -> dict:
-    """One step at pp 2 x tp 2 (m = 4): (pp rank, {message: bytes this rank sent}, bytes of its pipeline all-gathers)."""
+    """One step at pp 2 x tp 2 (m = 4): (pp rank, {message: bytes this rank sent}, its pipeline all-gathers' bytes)."""
     torch.manual_seed(0)
     model, _ = toolkit.parallel.wrap(tiny_gpt(n_layer=4), "local", pp=2, tp=2, microbatches=4)
     recorder.reset()
@@ -159,7 +160,8 @@ def fsdp_kept_gathered() -> dict:
         for step in range(2):
             if step == 1:
                 recorder.reset()
-                model.driver.observers.append(lambda action: params.append(ledger(model, opt)["params"]))
+                model.driver.observers.append(lambda action, model=model, opt=opt, params=params: params.append(
+                    ledger(model, opt)["params"]))
             model.forward_backward(x, y)
             opt.step()
             opt.zero_grad()

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import functools
 
+import model_parallel_checks as checks
 import pytest
 import torch
 import torch.distributed as dist
-
-import model_parallel_checks as checks
-import toolkit
 from test_tensor_parallel import _same
+
+import toolkit
 from toolkit.train import TrainConfig, train
 
 LOSS_ATOL, PARAM_ATOL = 1e-4, 1e-5
@@ -79,7 +79,7 @@ def layouts(directory):
     return found if dist.get_rank() == 0 else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def launched(directory: str):
     return toolkit.launch(layouts, 4, args=(directory,), timeout_s=500, quiet=True)[0]
 
