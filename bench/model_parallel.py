@@ -2,7 +2,10 @@
 
 The measurements are tests/test_model_parallel.py's own (`tests/model_parallel_checks.py`, one launch of 4
 ranks), so this table and the test that asserts it cannot drift apart. Each row: the quantity, what the toolkit
-did before the change (from the formula of the old way, or measured on it where said), what it does now.
+did before the change, and what it does now. "Before" is measured where the old way is still there to measure
+(the embedding's forward: sequence parallelism all-reduced as plain tensor parallelism still does; FSDP's
+default, which still gathers per micro-batch), else the old way's formula (its backward's all-gather of the
+activation's gradient; the loss's two (N, V/t) fp32 buffers; each tp rank sending the whole activation).
 
     .venv/bin/python bench/model_parallel.py
 """
@@ -30,7 +33,7 @@ def measure(directory: str) -> dict | None:
 
 def rows(found: dict) -> list[tuple]:
     t, m = 4, 4
-    (plain_fw, _), (split_fw, split_bw) = found["embedding"][False], found["embedding"][True]
+    (plain_fw, _), (split_fw, split_bw) = found["embedding"][False], found["embedding"][True]  # before: SP all-reduced
     allocated, buffer = found["loss"]
     _, sends, gathers = found["sends"]
     per_micro, kept = found["fsdp"][False], found["fsdp"][True]
@@ -39,7 +42,8 @@ def rows(found: dict) -> list[tuple]:
     return [
         (f"embedding forward under sequence parallelism, tp {t} (b 8, s 32, h 32, fp32): bytes sent per rank",
          plain_fw, split_fw),
-        ("  and its backward (the activation's gradient and the positions' all-gathered)", 0, split_bw),
+        ("  and its backward (the activation's gradient all-gathered; now also the positions')",
+         (t - 1) / t * 8 * 32 * 32 * 4, split_bw),
         ("vocabulary-parallel loss backward, (256, 512) fp32 logits: bytes allocated at its peak (MemTracker)",
          2 * buffer, allocated),
         ("pipeline send bytes per tp rank, pp 2 x tp 2, m 4, one step (activations)", 2 * sends["activation"],
