@@ -20,7 +20,7 @@ import torch
 
 import toolkit
 from cp_rank_checks import BASE, BATCH, SMALL, activations_per_block, attention_errors, ring_traffic, trained
-from toolkit.memory import activation_terms
+from toolkit.memory import activation_terms, ring_bytes_per_layer, ulysses_bytes_per_layer
 from toolkit.models import tiny_gpt
 from toolkit.parallel.context import SequenceSplit, merge
 from toolkit.parallel.context import block
@@ -136,6 +136,22 @@ def test_the_simulated_ring_overlaps_each_pass_with_a_blocks_attention():
         assert any(kernel.kind == "attention" for c in between for kernel, _ in c.kernels), n
     peers = {i.args["peer"] for i in forward if isinstance(i, Collective) and i.op in ("send", "recv")}
     assert peers == {4, 6}  # cp group [4, 5, 6, 7] (tp 1: cp varies fastest in Megatron's order): neighbours only
+
+
+def test_the_simulated_ring_and_ulysses_send_what_the_formulas_say():
+    """Per layer and rank: the ring (cp-1)/cp of K and V forward and twice that backward (K and V again, and their
+    gradient); Ulysses (cp-1)/cp of its q, k, v and output each way. At tp 2 the K and V are a tp rank's heads."""
+    b, s, h, L = 2, 32, SMALL["d_model"], SMALL["n_layer"]
+    for cp, tp, attention in ((4, 1, "ring"), (2, 2, "ring"), (4, 1, "ulysses"), (2, 2, "ulysses")):
+        sim = simulate(lambda: tiny_gpt(**SMALL), "ddp", 8, rank=7, cp=cp, tp=tp, cp_attention=attention,
+                       batch_per_rank=b, progress=False)
+        sent = {}
+        for c in sim.collectives():
+            if c.args.get("cp") in ("kv", "dkv", "ulysses"):
+                sent[c.phase] = sent.get(c.phase, 0) + c.bytes_sent
+        formula = (ring_bytes_per_layer if attention == "ring" else ulysses_bytes_per_layer)(
+            b, s, h, cp, tp=tp, bytes_per_value=4)
+        assert sent == {"forward": L * formula["forward"], "backward": L * formula["backward"]}, (cp, tp, attention)
 
 
 # --- real ranks: one launch per world size --------------------------------------------------------------------------
