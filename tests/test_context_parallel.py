@@ -152,6 +152,7 @@ def test_the_simulated_ring_and_ulysses_send_what_the_formulas_say():
         formula = (ring_bytes_per_layer if attention == "ring" else ulysses_bytes_per_layer)(
             b, s, h, cp, tp=tp, bytes_per_value=4)
         assert sent == {"forward": L * formula["forward"], "backward": L * formula["backward"]}, (cp, tp, attention)
+        assert sim.bytes_per_step["total"] == sim.theory()["bytes_per_step"], (cp, tp, attention)  # and the rest
 
 
 # --- real ranks: one launch per world size --------------------------------------------------------------------------

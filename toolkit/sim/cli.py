@@ -60,6 +60,10 @@ def parser() -> argparse.ArgumentParser:
                         "--ranks-per-node); --strategy is then the data-parallel method over world/tp replicas")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: split layer norms and residuals along the sequence (Korthikanti et al.)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel ranks per model replica: each holds --seq-len/cp tokens of every sequence, "
+                        "attention by ring attention (zigzag-balanced); the data-parallel method then reduces over "
+                        "dp x cp")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="keep each block's input only and recompute its activations in backward")
     p.add_argument("--forward-prefetch", action="store_true",
@@ -91,6 +95,8 @@ def options_of(args, parse) -> tuple[str, dict]:
         options["tp"] = args.tp
     if args.sequence_parallel:
         options["sequence_parallel"] = True
+    if args.cp != 1:
+        options["cp"] = args.cp
     if args.forward_prefetch:
         options["forward_prefetch"] = True
     if args.no_backward_prefetch:
