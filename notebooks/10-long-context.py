@@ -338,5 +338,5 @@ assert S // 16 == 8192 and round(8 * 16 * S / 1e6) == 17  # "16M" in the paper: 
 # TFLOP/s per GPU.
 #
 # **Try it**: `toolkit.parallel.wrap(model, "fsdp", cp=2, cp_attention="ulysses")` trains any toolkit GPT with
-# Ulysses; `.venv/bin/python -m toolkit simulate --model gpt3-175b --strategy fsdp --world-size 512 --tp 8
-# --sequence-parallel --cp 4 --seq-len 32768` prices a long-context layout.
+# Ulysses; `.venv/bin/python -m toolkit simulate --model zero-7.5b --strategy fsdp --world-size 64 --cp 8` prices
+# ZeRO's 7.5B model at its 8,192-token context with cp = 8 on DGX A100 (fsdp over dp 8 x cp 8).

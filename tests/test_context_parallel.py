@@ -153,6 +153,9 @@ def test_the_simulated_ring_and_ulysses_send_what_the_formulas_say():
             b, s, h, cp, tp=tp, bytes_per_value=4)
         assert sent == {"forward": L * formula["forward"], "backward": L * formula["backward"]}, (cp, tp, attention)
         assert sim.bytes_per_step["total"] == sim.theory()["bytes_per_step"], (cp, tp, attention)  # and the rest
+    for options in (dict(cp=8, mixed_precision=True), dict(cp=2, activation_checkpointing=True)):  # bf16; recompute
+        sim = simulate(lambda: tiny_gpt(**SMALL), "fsdp", 8, rank=7, batch_per_rank=b, progress=False, **options)
+        assert sim.bytes_per_step["total"] == sim.theory()["bytes_per_step"], options
 
 
 # --- real ranks: one launch per world size --------------------------------------------------------------------------

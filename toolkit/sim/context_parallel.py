@@ -26,6 +26,7 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int) ->
                      if context.attention != "ulysses" else
                      ulysses_bytes_per_layer(batch, seq_len, config.d_model, cp, tp=tp, bytes_per_value=value))
         again = per_layer["forward"] if options.get("activation_checkpointing") else 0  # the recomputed forward
-        loss = 2 * (cp - 1) * 4 // cp  # the loss's fp32 all-reduce over the cp group
+        loss_value = 4 if tp > 1 else value  # the vocabulary-parallel loss is fp32; else in the compute dtype
+        loss = 2 * (cp - 1) * loss_value // cp  # the loss's all-reduce over the cp group
         found["bytes"] = config.n_layer * (per_layer["total"] + again) + loss
     return found
