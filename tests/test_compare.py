@@ -94,6 +94,31 @@ def test_command_line_writes_the_report(tmp_path):
     assert bad.returncode == 2 and "unknown strategies ['zero4']" in bad.stderr
 
 
+@pytest.mark.parametrize("flags, said", [("--world-size -2", "argument --world-size: must be a whole number of 1 or "
+                                                             "more, got '-2'"),
+                                          ("--steps 0", "argument --steps: must be a whole number"),
+                                          ("--world-size two", "argument --world-size: must be a whole number")])
+def test_a_bad_number_is_the_flags_error_not_a_traceback(flags, said, capsys):
+    """The trial: `compare --world-size -2` ended in a traceback about global_batch_size."""
+    from toolkit.compare import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(flags.split())
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and said in err and "Traceback" not in err, err
+
+
+def test_every_option_of_compare_says_what_it_does(capsys):
+    from toolkit.compare import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option, words in (("--steps STEPS", "training steps per strategy"), ("--out OUT", "folder for the report"),
+                          ("--strategies STRATEGIES", "comma-separated"), ("--world-size WORLD_SIZE", "ranks per")):
+        assert f"{option} {words}" in text, (option, text)
+
+
 def test_each_timeline_says_how_its_overlap_relates_to_the_tables(section):
     """The trial: the demo report's table gave one overlap and the timeline under it another, without a word: the
     table pools every rank over the whole run, the timeline shows the last step. The timeline now says both."""

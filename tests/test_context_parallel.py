@@ -115,6 +115,8 @@ def test_bad_input_is_refused_before_training():
     with pytest.raises(ValueError, match=r"its share on each of tp=2 ranks\) has 2 heads.*over 4 ranks"):
         check(tiny_gpt(n_head=4), "ulysses", 4, tp=2)
     check(tiny_gpt(n_head=4), "ring", 8)  # the ring has no limit on heads
+    with pytest.raises(ValueError, match=r"'blocks.0.attn' has attention_dropout=0.1.*attention_dropout=0"):
+        check(tiny_gpt(attention_dropout=0.1), "ring", 2)
     with pytest.raises(ValueError, match=r"cannot find it: no module with an attend\(q, k, v\) method"):
         toolkit.parallel.wrap(torch.nn.Sequential(torch.nn.Embedding(8, 4)), "ddp", cp=2)
     with pytest.raises(ValueError, match=r"strategy 'local' averages nothing"):

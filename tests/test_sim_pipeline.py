@@ -94,8 +94,8 @@ def test_a_rank_of_4096_in_a_dp_x_pp_x_tp_layout():
     """dp 64 x pp 8 x tp 8 on DGX A100 nodes: tp fills a node, so every stage of a pipeline is on a node of its
     own and every transfer crosses the network; three kinds of stage simulated (first, middle, last), the
     step the pipeline's; the rank's memory is its own, and the last stage (one micro-batch in flight under 1F1B)
-    holds less than a middle one (seven); its sends are its 16 activations and, once, its tp piece of the
-    tied embedding for the last stage's head."""
+    holds less than a middle one (seven); its sends are its 1/8 of each of its 16 activations (the tp group's
+    scatter/gather) and, once, its tp piece of the tied embedding for the last stage's head."""
     config = dict(n_layer=8, d_model=64, n_head=8, vocab_size=64, seq_len=32)
     sim = simulate(lambda: tiny_gpt(**config), "zero1", 4096, rank=257, tp=8, pp=8, microbatches=16,
                    batch_per_rank=16, progress=False, mixed_precision=True, cluster="dgx-a100")
@@ -108,7 +108,7 @@ def test_a_rank_of_4096_in_a_dp_x_pp_x_tp_layout():
     assert sim.stage_peaks[3841] < sim.stage_peaks[769]
     sends = [c.size_bytes for c in sim.collectives() if c.op == "send"]
     activation, tied = 1 * config["seq_len"] * config["d_model"] * 2, config["vocab_size"] // 8 * config["d_model"] * 2
-    assert sorted(sends) == sorted([activation] * 16 + [tied])
+    assert sorted(sends) == sorted([activation // 8] * 16 + [tied])  # each tp rank sends 1/t (scatter/gather)
     inside = simulate(lambda: tiny_gpt(**config), "zero1", 4096, rank=257, tp=8, pp=8, microbatches=16,
                       batch_per_rank=16, progress=False, mixed_precision=True)  # no cluster: this rank alone
     tp_group = set(range(256, 264))  # inside one node; dp, the pipeline's loss and every send cross nodes

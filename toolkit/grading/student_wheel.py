@@ -4,7 +4,7 @@ Each lab's `checks.py` names its answers (`ANSWERS`: `toolkit.comm.ring` for lab
 schedule` for lab 10, ...). `build` copies the toolkit's source, replaces the body of every answer function
 and method by `raise NotImplementedError(<why, and what to do>)` (its signature and docstring stay, so
 `import toolkit` and the rest of the package work), checks that no answer's code is left, and builds a
-wheel with pip (`toolkit-<version>+student`). What stops working is exactly what the labs ask students to
+wheel with pip (`distributed_training_toolkit-<version>+student`). What stops working is exactly what the labs ask students to
 write: a lesson cell that runs the toolkit's ring, say, says so when run. labs/README.md tells a course
 which lessons lean on which answers.
 """
@@ -105,6 +105,17 @@ def _left(source: Path, taken: list[str]) -> list[str]:
     return problems
 
 
+def strip(source: Path, answers, builds_on) -> tuple[list[str], list[str]]:
+    """Take `answers` but `builds_on` out of the toolkit copied at `source` (a folder holding toolkit/), checked:
+    what `build` packs, and what a grading's ranks import (`students_build.py`). Returns (taken, kept)."""
+    kept = sorted(set(answers) & set(builds_on))
+    taken = take_out(source, set(answers) - set(builds_on))
+    left = _left(source, taken)
+    if left:
+        raise RuntimeError(f"these answers could not be taken out: {left}")
+    return taken, kept
+
+
 def build(answers, builds_on, out: Path) -> Path:
     """Build the students' wheel into `out` from the toolkit's source, without `answers` but for those another
     released lab runs on (`builds_on`: lab 07's units inherit lab 03's unshard); return the wheel's path."""
@@ -122,11 +133,7 @@ def build(answers, builds_on, out: Path) -> Path:
         for name in PROJECT_FOLDERS:
             if (project / name).exists():
                 shutil.copytree(project / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        kept = sorted(set(answers) & set(builds_on))
-        taken = take_out(source, set(answers) - set(builds_on))
-        left = _left(source, taken)
-        if left:
-            raise RuntimeError(f"these answers could not be taken out: {left}")
+        taken, kept = strip(source, answers, builds_on)
         pyproject = source / "pyproject.toml"
         pyproject.write_text(re.sub(r'^version = "([^"+]+)"', r'version = "\1+student"', pyproject.read_text(),
                                     count=1, flags=re.M))
@@ -135,7 +142,7 @@ def build(answers, builds_on, out: Path) -> Path:
                                "-w", str(out), str(source)], capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"pip could not build the students' wheel:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    wheels = sorted(out.glob("toolkit-*+student-*.whl"))
+    wheels = sorted(out.glob("distributed_training_toolkit-*+student-*.whl"))
     if not wheels:
         raise RuntimeError(f"pip built no wheel in {out}")
     (out / "LEFT-OUT.txt").write_text(

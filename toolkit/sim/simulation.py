@@ -222,7 +222,7 @@ class Simulation:
         lines.append("  " + (self.fit.text().replace("\n", "\n  ") if self.fit is not None else
                              "does it fit? price it on a cluster (cluster='dgx-a100') to check the peak against "
                              "its accelerator's memory"))
-        lines.append(f"  bytes sent per step    {b(self.bytes_per_step['total'])}   theory {b(t['bytes_per_step'])}")
+        lines.append(f"  sent per rank per step {b(self.bytes_per_step['total'])}   theory {b(t['bytes_per_step'])}")
         for op, n in self.bytes_per_step.items():
             if op != "total":
                 lines.append(f"    {op:<20} {b(n)}   (messages {bytes_text(self.message_bytes[op])})")

@@ -179,7 +179,8 @@ def timeline(run, *, ranks=None, phase=None, where=None, include_compute: bool =
                                              note) if t))
     legend_px = 20 * (len(groups) + 2)  # one line per name and per group title: the lanes make room for it
     fig.update_layout(
-        barmode="overlay", bargap=0.25, uniformtext=dict(minsize=8, mode="hide"),  # a unit's name where it fits height=fig.layout.margin.t + 80 + max(34 * len(order), legend_px),
+        barmode="overlay", bargap=0.25, uniformtext=dict(minsize=8, mode="hide"),  # a unit's name where it fits
+        height=fig.layout.margin.t + 80 + max(34 * len(order), legend_px),
         template="plotly_white",
         xaxis_title="time since the first span (ms)", legend=dict(groupclick="toggleitem"),
         yaxis=dict(categoryorder="array", categoryarray=order, autorange="reversed", title=None),

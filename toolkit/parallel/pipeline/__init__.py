@@ -24,9 +24,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...models import hf_pipeline
 from ...moe.layer import MoE
 from ...runtime import env
 from .. import mesh as mesh_
+from ..tensor import rng
 from . import lowering, schedules
 from .driver import Driver
 from .lowering import PipelineDeadlock
@@ -43,12 +45,15 @@ def wrap(model, mesh, build, optimizer, options: dict, *, microbatches=None, sch
     """(PipelineModel, ChainedOptimizer) of this rank's stages, each wrapped by `build` (the dp strategy)."""
     layout = mesh_.layout_of(mesh)
     pp, me, dp_rank = layout.pp, mesh_.coordinate(mesh).pp, mesh_.data_parallel_rank(mesh)
+    rng.offset_stage(me, env.device())  # stages draw dropout masks of their own
     v = _positive("virtual_stages", virtual_stages)
     m = pp if microbatches is None else _positive("microbatches", microbatches)
     check_schedule(schedule, pp, m, v)
     dtype = _compute_dtype(options)
     stages_total = pp * v
+    model = hf_pipeline.pipelined(model) if hf_pipeline.is_hf(model) else model  # as it came: its three parts
     split = split_model(model, stages_total, pp, pp_split)
+    hf_pipeline.announce(model, split)
     tie = find_tie(model, split, dtype, env.device())
     actions = schedules.build(schedule, pp, m, v)
     programs = lowering.lower(actions, pp, tied=tie is not None)
@@ -67,9 +72,11 @@ def wrap(model, mesh, build, optimizer, options: dict, *, microbatches=None, sch
                              f"unit's gathered parameters at the end of every backward, so W would read freed "
                              f"memory. Use schedule='1f1b' with fsdp, or zero-bubble with local, dp, ddp or zero1-3 "
                              f"(ZeRO-3 keeps a module gathered until its gradients are complete).")
+    info_tp = getattr(model, "tensor_parallel", None)  # tp ranks holding the same activations send 1/t each
+    scatter = info_tp.tp if info_tp is not None and not info_tp.sequence_parallel else None
     driver = Driver(wrapped, programs[me], lowering.send_order(programs), mesh_.group(mesh, "pp"), me, m,
                     stages_total, split=split_backward, tie=tie, hidden_shape=part.hidden_shape, dtype=dtype,
-                    device=env.device())
+                    device=env.device(), scatter=scatter)
     info = {"pp": pp, "microbatches": m, "schedule": schedule if isinstance(schedule, str) else schedule.__name__,
             "virtual_stages": v, "stages": mine, "split": split, "actions": actions, "programs": programs,
             "dp_rank": dp_rank, "rank": me, "tied": tie.name if tie is not None else None, "names": names}
@@ -86,9 +93,6 @@ def check_schedule(schedule, pp: int, microbatches: int, virtual_stages: int) ->
                          f"{microbatches}, the stages idle (the bubble, (pp-1)/(m+pp-1) = {bubble:.0%} of the step) and "
                          f"1F1B never reaches its one-forward-one-backward rhythm. Use microbatches >= {pp} (more is "
                          f"better: 4 x pp gives a bubble of {(pp - 1) / (5 * pp - 1):.0%}).")
-    if schedule == "interleaved" and microbatches % pp:
-        raise ValueError(f"the interleaved schedule sends micro-batches through a rank's stages pp={pp} at a time: "
-                         f"microbatches={microbatches} must be a multiple of {pp} (e.g. {pp * -(-microbatches // pp)}).")
 
 
 def stage_group(*, pp: int, tp: int = 1, cp: int = 1, order: str = mesh_.ORDER):
@@ -109,7 +113,7 @@ def _check_experts(part, mesh) -> None:
     layout = mesh_.layout_of(mesh)
     me = mesh_.coordinate(mesh).pp
     for name, module in part.named_modules():
-        if isinstance(module, MoE):
+        if isinstance(module, MoE) and module.world > 1:  # (a layer of one rank holds every expert itself)
             from ... import comm
             ranks = comm.group_ranks(module.group)
             others = [r for r in ranks if layout.coordinate(r).pp != me]
