@@ -72,6 +72,10 @@ def parser() -> argparse.ArgumentParser:
                         "--ranks-per-node); --strategy is then the data-parallel method over world/tp replicas")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: split layer norms and residuals along the sequence (Korthikanti et al.)")
+    p.add_argument("--cp", type=positive_int, default=1,
+                   help="context-parallel ranks per model replica: each holds --seq-len/cp tokens of every sequence, "
+                        "attention by ring attention (zigzag-balanced); the data-parallel method then reduces over "
+                        "dp x cp")
     p.add_argument("--pp", type=positive_int, default=1,
                    help="pipeline stages per model replica: the model's blocks cut into --pp stages (an embedding with "
                         "the first, the head with the last); the step is --schedule over --microbatches")
@@ -116,6 +120,8 @@ def options_of(args, parse) -> tuple[str, dict]:
         options["tp"] = args.tp
     if args.sequence_parallel:
         options["sequence_parallel"] = True
+    if args.cp != 1:
+        options["cp"] = args.cp
     pipeline = [f for f in ("microbatches", "virtual_stages") if getattr(args, f) not in (None, 1)]
     if args.pp == 1 and (pipeline or args.schedule != "1f1b"):
         parse.error(f"--{(pipeline or ['schedule'])[0].replace('_', '-')} is an option of a pipeline: add --pp 2 "
