@@ -177,7 +177,8 @@ def check_numbers_read(page) -> None:
         if (!label || !bar || !label.textContent) return [];
         const t = label.getBoundingClientRect(), b = bar.getBoundingClientRect();
         if (t.width === 0 || getComputedStyle(label).opacity === '0') return [];
-        return (t.left < b.left - 1 || t.right > b.right + 1) ? [label.textContent] : []; })""")
+        return (t.left < b.left - 1 || t.right > b.right + 1 || t.top < b.top - 2 || t.bottom > b.bottom + 2)
+            ? [label.textContent] : []; })""")
     assert not clipped, f"bar labels wider than their bars: {clipped[:5]}"
 
 
