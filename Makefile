@@ -17,7 +17,7 @@ export CHROMIUM
 # JupyterLab refuses to start as root (containers, course VMs) unless told it may.
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup demo compare lint test test-times test-browser test-papers test-grading test-stress test-gpu lab notebooks browser clean
+.PHONY: setup demo compare lint test test-times test-browser test-papers test-grading test-models test-large-world test-stress test-gpu lab notebooks browser clean
 
 setup: $(STAMP)
 
@@ -66,6 +66,15 @@ test-grading: $(STAMP)
 
 test-papers: $(STAMP)
 	$(PY) -m pytest -q -m papers
+
+# Hugging Face models as they come (GPT-2, Llama, Mixtral, Qwen2-MoE, BERT, ViT) through every strategy, tp, pp, ep,
+# their compositions and 3D against plain torch, and simulated at 512 ranks: about 6 minutes on 2 cores.
+test-models: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m models tests/test_hf_models.py
+
+# Layouts of 8 ranks (dp x pp x cp x tp, both rank orders, checkpoints between them): 8 processes on 2 cores.
+test-large-world: $(STAMP)
+	$(PY) -m pytest -q -m large_world
 
 # The whole browser set: every lesson run in JupyterLab, its widgets exercised (make test runs a smaller set).
 test-browser: $(STAMP) browser

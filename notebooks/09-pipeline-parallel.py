@@ -230,8 +230,9 @@ for rank, found in enumerate(PEAKS):
 # ## 5. 3D: data parallelism over pipeline replicas
 #
 # With tensor and pipeline parallelism a world is laid out as **dp x pp x tp** (a torch `DeviceMesh` named
-# ("dp", "pp", "tp"), tp fastest so a tensor-parallel group sits inside a node, as Megatron-LM and torchtitan
-# order it). `strategy` is the data-parallel method over the dp group, per stage: each stage's replicas
+# ("dp", "pp", "cp", "tp"), in Megatron-LM's rank order: tp fastest so a tensor-parallel group sits inside a
+# node, pp slowest so a pipeline's stages are the ranks farthest apart; `order=` picks another). `strategy` is
+# the data-parallel method over the dp group, per stage: each stage's replicas
 # average their gradients. ZeRO-1 over dp is Megatron-LM's *distributed optimizer*; FSDP over dp is
 # torchtitan's FSDP + PP. What changes with micro-batches is **when** a strategy talks:
 #
@@ -258,10 +259,11 @@ def dp_bytes(strategies):
                                 sample_memory=False, options={"pp": 2, "microbatches": 4}))
         first_step_end = next(e["end"] for e in run.events if e["name"] == "optimizer" and e["args"]["step"] == 0)
         out[name] = sum(e["args"]["bytes_sent"] for e in run.events if e["cat"] == "comm" and e["start"] > first_step_end
-                        and e["args"]["group"] == [0, 2])  # rank 0's stage lives on ranks 0 and 2
+                        and e["args"]["group"] == DP_GROUP)  # the ranks that hold rank 0's stage
     return out if dist.get_rank() == 0 else None
 
 
+DP_GROUP = toolkit.parallel.mesh.layout(4, pp=2).group_of(0, "dp")  # [0, 1]: stage 0 on ranks 0 and 1
 DP_BYTES = toolkit.launch(dp_bytes, 4, args=(("zero1", "zero2", "zero3", "fsdp"),))[0]
 M = 4
 for name, expected in (("zero1", 2), ("zero2", M + 1), ("zero3", 3 * M), ("fsdp", 2 * M + 1)):

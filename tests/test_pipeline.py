@@ -125,7 +125,7 @@ def test_pipeline_layouts_train_as_one_process(world, directory, no_leftover_ran
 # --- what moves, what is kept ---------------------------------------------------------------------------------
 def dp_bytes(run) -> tuple:
     """(bytes rank 0 sent in the dp group's all-reduces per step, its stage's gradient bytes, dp size)."""
-    group = [0, 2]  # world 4, dp 2 x pp 2: rank 0's replicas hold stage 0 on ranks 0 and 2
+    group = toolkit.parallel.mesh.layout(4, pp=2).group_of(0, "dp")  # world 4, dp 2 x pp 2: stage 0's replicas
     sent = sum(e["args"]["bytes_sent"] for e in run.comm_events(0, "all_reduce") if e["args"]["group"] == group
                and e["phase"] != "optimizer")
     return sent / BASE["steps"], 4 * sum(p.numel() for p in stage_params(0)), 2
@@ -213,7 +213,8 @@ def checkpoints_across_layouts(directory):
     torch.manual_seed(0)
     model, opt = toolkit.parallel.wrap(tiny_gpt(**FOUR, n_head=4), "zero1", optimizer=ADAM, pp=2, microbatches=2)
     for step in range(2):
-        model.forward_backward(*SyntheticCorpus().batch(step, 8, rank=dist.get_rank() // 2, world_size=2))
+        dp_rank = toolkit.parallel.mesh.layout(4, pp=2).coordinate(dist.get_rank()).dp  # a pipeline's rows
+        model.forward_backward(*SyntheticCorpus().batch(step, 8, rank=dp_rank, world_size=2))
         opt.step()
         opt.zero_grad()
     first = os.path.join(directory, "dp2-pp2.pt")

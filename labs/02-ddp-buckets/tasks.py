@@ -27,16 +27,12 @@ def _all_reduces() -> int:
 
 
 def bucket_assignment(student, rank, given):
-    return {"buckets": [student.assign_buckets([torch.zeros(e) for e in elements], cap)
-                        for elements, cap in given["cases"]]}
+    return {"buckets": student.assign_buckets([torch.zeros(e) for e in given["elements"]], given["cap"])}
 
 
 def buckets_of_the_model(student, rank, given):
-    model = _model(given)
-    ddp = student.BucketedDDP(model, bucket_cap_mb=CAP_MB, group=rank.group)
-    return {"buckets": [list(b.indices) for b in ddp.buckets], "buffers": [b.buffer.numel() for b in ddp.buckets],
-            "names": [name for name, _ in model.named_parameters()], "numels": [p.numel() for p in ddp.params],
-            "bytes": [p.numel() * p.element_size() for p in ddp.params]}
+    ddp = student.BucketedDDP(_model(given), bucket_cap_mb=CAP_MB, group=rank.group)
+    return {"buckets": [list(b.indices) for b in ddp.buckets], "buffers": [b.buffer.numel() for b in ddp.buckets]}
 
 
 def averaged_gradients(student, rank, given):
@@ -88,5 +84,4 @@ def bytes_on_the_wire(student, rank, given):
     ddp = student.BucketedDDP(model, bucket_cap_mb=CAP_MB, group=rank.group)
     recorder.reset()
     _step(ddp, given["batches"][0])
-    return {"comms": rank.comm_events(), "numel": sum(p.numel() for p in ddp.params),
-            "bytes": sum(p.numel() * p.element_size() for p in ddp.params)}
+    return {"comms": rank.comm_events()}

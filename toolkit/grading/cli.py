@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 
 from . import isolation, report
+from .untrusted import clean
 from .grader import grade
 from .session import Limits
 
@@ -37,10 +38,10 @@ def grade_command(lab_path, solution=None, *, check_timeout_s: float = 20.0, qui
         return _nothing_graded("error: the grader itself failed (not a problem of the solution graded):\n"
                                + traceback.format_exc(), fmt, output, report.GRADER_ERROR)
     text = report.render(score, fmt, time.monotonic() - started)
-    if output:
+    if output:  # the report goes there instead of to stdout; a person running it is told where, on stderr
         _write(output, text)
         if not quiet:
-            print(report.render(score, "text"))
+            print(f"grading: the report ({fmt}) is in {output}: {score.total}/{score.maximum}", file=sys.stderr)
     else:
         print(text)
     return report.exit_code(score)
@@ -56,7 +57,7 @@ def _write(path, text: str) -> None:
 
 
 def _nothing_graded(message: str, fmt: str, output, code: int) -> int:
-    print(message, file=sys.stderr)
+    print(clean(message), file=sys.stderr)
     if output:
         _write(output, report.nothing_graded(message.splitlines()[0] if code == report.USAGE_ERROR else
                                              "The autograder could not grade this submission (the grader failed, "

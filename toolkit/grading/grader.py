@@ -21,6 +21,7 @@ A check that failed at a smaller world size is not run again at larger ones.
 from __future__ import annotations
 
 import ast
+import difflib
 import secrets
 import sys
 import zlib
@@ -29,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from . import delegation, sandbox
-from .checks import Check, CheckFailed, Judge
+from . import delegation, namespaces, sandbox, students_build, untrusted
+from .checks import Check, CheckFailed
 from .isolation import Sandbox
 from .runner import IMPORT, load_module
 from .score import CheckResult, Score, format_score, zero
@@ -61,6 +62,21 @@ def lab_checks(lab_dir) -> tuple[list[Check], dict]:
                 sys.modules["checks"] = before
         checks += [replace(v, hidden=True) for v in vars(hidden).values() if isinstance(v, Check) and v not in checks]
     return checks, dict(getattr(module, "ANSWERS", {}))
+
+
+def not_a_lab(folder: Path, missing: str) -> str:
+    """Why `folder` is not a lab, and which labs are beside it (the one its name starts, first)."""
+    what = "no such folder" if not folder.exists() else f"it has no {missing}"
+    parent = folder.parent
+    labs = sorted(p.name for p in parent.iterdir() if (p / "checks.py").is_file()) if parent.is_dir() else []
+    message = f"{folder} is not a lab folder ({what})."
+    matches = [name for name in labs if name.startswith(folder.name)] or \
+        difflib.get_close_matches(folder.name, labs, n=1, cutoff=0.5)
+    if len(matches) == 1:
+        message += f" Did you mean {parent / matches[0]}?"
+    if labs:
+        message += f" The labs in {parent}: {', '.join(labs)}."
+    return message
 
 
 def _crash_story(found: Launch) -> str:
@@ -100,17 +116,17 @@ def _first_failure(results: dict) -> tuple[int, str] | None:
 def _verdict(check: Check, n: int, given: list, results: dict, found: Launch) -> str:
     """One check at world size n: "" if the judge accepts what every rank observed, else why not."""
     prefix = "" if check.pure else f"world size {n}, "
+    used = sorted({u for v in results.values() if isinstance(v, dict) and isinstance(v.get("delegated"), list)
+                   for u in v["delegated"] if isinstance(u, str)})
+    if used:  # first: in the students' toolkit the answer only raises, and that failure would hide why
+        return prefix + delegation.delegation_message([f"{u} (called while this check ran)" for u in used])
     failure = _first_failure(results)
     if failure:
         return prefix + (failure[1].removeprefix("rank 0: ") if check.pure else failure[1])
     if len(results) < n:
         return f"{prefix.rstrip(', ')}: {_crash_story(found)}" if prefix else _crash_story(found)
-    used = sorted({u for v in results.values() if isinstance(v.get("delegated"), list) for u in v["delegated"]
-                   if isinstance(u, str)})
-    if used:
-        return prefix + delegation.delegation_message([f"{u} (called while this check ran)" for u in used])
     try:
-        check.judge(Judge(n), given, [results[r].get("ok") for r in range(n)])
+        check.verdict(n, given, [results[r].get("ok") for r in range(n)])  # the contract, then the judge per case
     except CheckFailed as exc:
         return prefix + str(exc)
     except Exception as exc:  # noqa: BLE001 - what the ranks sent is not what a right answer looks like
@@ -177,16 +193,22 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, 
     limits = limits or Limits()
     if check_timeout_s is not None:
         limits = replace(limits, check_timeout_s=check_timeout_s)
-    lab_dir = Path(lab_dir).resolve()
-    solution = Path(solution_file).resolve() if solution_file else lab_dir / "skeleton.py"
+    given, lab_dir = Path(lab_dir), Path(lab_dir).resolve()
     for needed in ("checks.py", "tasks.py"):
         if not (lab_dir / needed).exists():
-            raise FileNotFoundError(f"{lab_dir} is not a lab folder: it has no {needed}.")
-    if not solution.is_file():
+            raise FileNotFoundError(not_a_lab(given, needed))
+    solution = Path(solution_file).absolute() if solution_file else lab_dir / "skeleton.py"
+    if not solution.exists() and not solution.is_symlink():
         raise FileNotFoundError(f"no solution file at {solution}.")
+    try:  # the file itself, never what a link points to (a link to the lab's solution.py would score full marks)
+        source = untrusted.read(solution, what="the solution file")
+    except untrusted.Refused as exc:
+        raise ValueError(str(exc)) from None
+    solution = solution.parent.resolve() / solution.name
     checks, answers = lab_checks(lab_dir)
-    source = solution.read_bytes()
-    score = Score(lab=str(lab_dir), solution=str(solution), sandbox=sandbox.describe())
+    user, made = sandbox.other_user(), namespaces.probe()
+    sandbox.preflight(user, sandbox.python_paths(), made)  # never run a submission as root: refused, said why
+    score = Score(lab=str(lab_dir), solution=str(solution), sandbox=sandbox.describe(made))
     try:
         ast.parse(source, filename=solution.name)
     except (SyntaxError, ValueError) as exc:
@@ -200,7 +222,8 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, 
                        sandbox=score.sandbox)
     seed = secrets.randbits(62) if seed is None else seed
     verdicts, stopped = {}, None
-    with Sandbox() as marked, Box(lab_dir, source, solution.name) as box:
+    build = students_build.for_lab(lab_dir)  # the toolkit the ranks import: this lab's answers taken out
+    with Sandbox() as marked, Box(lab_dir, source, solution.name, build, user, bool(made)) as box:
         for n in sorted({n for c in checks for n in c.world_sizes}):
             indices = [i for i, c in enumerate(checks) if n in c.world_sizes and not verdicts.get(i)]
             if indices and stopped is None:

@@ -111,14 +111,14 @@ def rank_main(spec: dict) -> None:
     import torch.distributed as dist
 
     from ..runtime import status
-    from . import delegation, sandbox, wire
+    from . import contract, delegation, sandbox, wire
     from .on_rank import Rank
     from .watchdog import Watchdog
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     given = _take_inputs(spec, rank)
     _store_barrier("grading/inputs-taken", world_size)
-    sandbox.confine(readable=[spec["code"]], writable=[spec["out"], spec["work"], spec["tmp"]])
+    sandbox.confine(spec["read"], [spec["out"], spec["work"], spec["tmp"]], spec["hidden"])
     limits, out, solution = spec["limits"], spec["out"], spec["student"]
     watchdog = Watchdog(out, rank, world_size, solution, lambda i, r: result_path(out, i, r),
                         limits["stall_s"], limits["time_limit_s"])
@@ -141,12 +141,13 @@ def rank_main(spec: dict) -> None:
         torch.manual_seed(1000 + rank)
         status.enter(f"check {index}")
         watchdog.begin(index)
-        try:
-            observed = {"ok": getattr(tasks, spec["tasks_of"][str(index)])(student, Rank(rank, world_size, group),
-                                                                           given[str(index)])}
-            failed = ""
-        except BaseException as exc:  # noqa: BLE001 - any failure is the student's to read
-            observed, failed = {}, f"rank {rank}: {explain(exc, solution)}"
+        try:  # the task once per case, each answer under its case's id (contract.py)
+            done, case, exc = contract.run_cases(getattr(tasks, spec["tasks_of"][str(index)]), student,
+                                                 Rank(rank, world_size, group), given[str(index)])
+        except BaseException as error:  # noqa: BLE001 - inputs tampered with: no case to name
+            done, case, exc = [], None, error
+        observed = {"ok": done}
+        failed = f"rank {rank}{contract.in_case(case)}: {explain(exc, solution)}" if exc is not None else ""
         observed.update(error=failed, delegated=delegation.take(), time=time.time())
         try:
             data = wire.encode(observed)

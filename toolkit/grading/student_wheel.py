@@ -105,6 +105,17 @@ def _left(source: Path, taken: list[str]) -> list[str]:
     return problems
 
 
+def strip(source: Path, answers, builds_on) -> tuple[list[str], list[str]]:
+    """Take `answers` but `builds_on` out of the toolkit copied at `source` (a folder holding toolkit/), checked:
+    what `build` packs, and what a grading's ranks import (`students_build.py`). Returns (taken, kept)."""
+    kept = sorted(set(answers) & set(builds_on))
+    taken = take_out(source, set(answers) - set(builds_on))
+    left = _left(source, taken)
+    if left:
+        raise RuntimeError(f"these answers could not be taken out: {left}")
+    return taken, kept
+
+
 def build(answers, builds_on, out: Path) -> Path:
     """Build the students' wheel into `out` from the toolkit's source, without `answers` but for those another
     released lab runs on (`builds_on`: lab 07's units inherit lab 03's unshard); return the wheel's path."""
@@ -122,11 +133,7 @@ def build(answers, builds_on, out: Path) -> Path:
         for name in PROJECT_FOLDERS:
             if (project / name).exists():
                 shutil.copytree(project / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        kept = sorted(set(answers) & set(builds_on))
-        taken = take_out(source, set(answers) - set(builds_on))
-        left = _left(source, taken)
-        if left:
-            raise RuntimeError(f"these answers could not be taken out: {left}")
+        taken, kept = strip(source, answers, builds_on)
         pyproject = source / "pyproject.toml"
         pyproject.write_text(re.sub(r'^version = "([^"+]+)"', r'version = "\1+student"', pyproject.read_text(),
                                     count=1, flags=re.M))

@@ -53,7 +53,8 @@ def moe_model_fn(num_experts: int = 4, top_k: int = 2, **moe_gpt_kwargs):
         pp = config.options.get("pp", 1)
         if pp > 1:  # a pipeline stage's experts are split over the ranks of that stage, not the world
             from ..parallel.pipeline import stage_group
-            kwargs["group"] = stage_group(pp=pp, tp=config.options.get("tp", 1))
+            kwargs["group"] = stage_group(pp=pp, **{k: config.options[k] for k in ("tp", "cp", "order")
+                                                    if k in config.options})
         kwargs.update(moe_gpt_kwargs)
         return moe_gpt(num_experts, top_k, **kwargs)
 

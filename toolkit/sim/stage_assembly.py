@@ -73,8 +73,9 @@ def simulate_pipeline(simulate_rank, price, *, world_size: int, rank: int, batch
 def reduced_microbatches(schedule, pp: int, microbatches: int) -> int:
     """Micro-batches enough for a representative rank: a first, a middle and a last one, and its steady state,
     where as many are in flight as the schedule ever keeps while gradients have accumulated (1F1B and ZB-H1:
-    pp + 1; interleaved: 2 pp, a multiple of pp); GPipe keeps every micro-batch in flight: all of them."""
-    if schedule == "gpipe" or not isinstance(schedule, str):
+    pp + 1; interleaved: 2 pp, a multiple of pp); GPipe keeps every micro-batch in flight: all of them, and so
+    does an interleaved schedule whose m is no multiple of pp (its groups, hence its warm-up, depend on m itself)."""
+    if schedule == "gpipe" or not isinstance(schedule, str) or (schedule == "interleaved" and microbatches % pp):
         return microbatches
     return min(microbatches, 2 * pp if schedule == "interleaved" else max(pp + 1, 3))
 

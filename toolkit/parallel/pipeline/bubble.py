@@ -13,7 +13,8 @@ Activations: the micro-batches whose forward has run and whose backward has not 
     1F1B           min(m, p - r) on stage r: p on the first, 1 on the last
     ZB-H1          as 1F1B until B; counting until W, p on every stage (what W still needs is a part of a
                    micro-batch's activations, so no stage holds more bytes than 1F1B's first)
-    interleaved    Megatron-LM's warm-up + 1 forwards, in stages of 1/v the layers each
+    interleaved    Megatron-LM's warm-up + 1 forwards, in stages of 1/v the layers each: (p - r - 1)·2 + (v - 1)·g + 1,
+                   g the micro-batches a group sends through a rank's stages together (p when p divides m)
 
 `in_flight(actions)` counts it from any schedule's list, `formula_bubble` and `formula_in_flight` give the
 closed forms; `measured_bubble(run)` reads a real (or simulated) Run's action spans, and `ideal_run`
@@ -21,7 +22,7 @@ turns a dry run (`lowering.replay`) into a Run, so the same figure draws the tex
 """
 from __future__ import annotations
 
-from .schedules import KINDS, Action
+from .schedules import KINDS, Action, group_size
 
 
 def formula_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1,
@@ -50,7 +51,7 @@ def formula_in_flight(schedule: str, pp: int, microbatches: int, rank: int, virt
     if schedule == "zb-h1":
         return min(m, p)
     if schedule == "interleaved":
-        return min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)
+        return min(m * v, (p - rank - 1) * 2 + (v - 1) * group_size(p, m) + 1)
     raise ValueError(f"no formula for schedule {schedule!r}; schedules: gpipe, 1f1b, interleaved, zb-h1.")
 
 
