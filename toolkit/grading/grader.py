@@ -35,7 +35,7 @@ import torch
 from . import delegation, namespaces, sandbox, students_build, untrusted
 from .checks import PLATFORM_CHECKS, PLATFORM_ONLY, Check, CheckFailed, platform_only
 from .isolation import Sandbox
-from .release import declared
+from .declared import declared
 from .runner import IMPORT, load_module
 from .score import CheckResult, Score, format_score, zero
 from .session import Box, Launch, Limits, launch_ranks

@@ -199,7 +199,7 @@ def students_toolkit(answers, builds_on=()) -> Path:
 def for_lab(lab_dir) -> Path:
     """The students' toolkit a grading of `lab_dir` imports on its ranks: the lab's answers taken out, the other
     labs' answers it runs on (its BUILDS_ON) kept."""
-    from .release import declared
+    from .declared import declared
 
     lab_dir = Path(lab_dir)
     return students_toolkit(set(declared(lab_dir, "ANSWERS", {})), set(declared(lab_dir, "BUILDS_ON", [])))
