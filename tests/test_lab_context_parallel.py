@@ -164,8 +164,8 @@ def test_reference_solution_scores_full_marks(no_leftover_ranks):
 def test_the_toolkits_own_ring_attention_and_merge_score_zero(tmp_path):
     lab().assert_delegation_scores_zero("from toolkit.parallel.context import merge  # noqa: F811",
                                         "toolkit.parallel.context.merge:merge", tmp_path)
-    lab().assert_delegation_scores_zero("from toolkit.parallel.context import Ring", "toolkit.parallel.context.ring:Ring",
-                                        tmp_path)
+    lab().assert_delegation_scores_zero("from toolkit.parallel.context import Ring",
+                                        "toolkit.parallel.context.ring:Ring", tmp_path)
 
 
 @pytest.mark.grading_scale
