@@ -395,7 +395,8 @@ NEW_CHANNELS = BY_MESSAGES.replace("    x.add_(other)", """    x.add_(other)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("attack", ["built-ins captured at import, with decoys", "a forged record of messages",
+@pytest.mark.parametrize("attack", ["built-ins captured at import, with decoys",
+                                    pytest.param("a forged record of messages", marks=AT_SCALE),
                                     pytest.param("a channel of its own", marks=AT_SCALE)])
 def test_a_point_to_point_labs_traffic_is_what_the_grader_carried(attack, lab, tmp_path, no_leftover_ranks):
     """The issue's lab 01 attack (13/13): the built-in collective captured at import, before the task switched it
@@ -406,8 +407,9 @@ def test_a_point_to_point_labs_traffic_is_what_the_grader_carried(attack, lab, t
 
     (lab / "tasks.py").write_text(TASKS + MESSAGES_TASK)
     (lab / "checks.py").write_text(ONE + MESSAGES_CHECK)
-    honest = grade(lab, _submission(tmp_path, BY_MESSAGES, "honest.py"))
-    assert honest.results[1].passed, format_score(honest)
+    if attack.startswith("built-ins"):
+        honest = grade(lab, _submission(tmp_path, BY_MESSAGES, "honest.py"))
+        assert honest.results[1].passed, format_score(honest)
     if attack == "a channel of its own":  # every attempt refused: the honest exchange still scores
         score = grade(lab, _submission(tmp_path, NEW_CHANNELS))
         assert score.results[1].passed, format_score(score)

@@ -167,8 +167,9 @@ def launch_limits(cpu_s: float) -> None:
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
     cpu = int(cpu_s) + 1
-    if hard == resource.RLIM_INFINITY or cpu + 5 <= hard:
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
+    if hard != resource.RLIM_INFINITY:
+        cpu = min(cpu, max(hard - 5, 1))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5 if hard == resource.RLIM_INFINITY else min(cpu + 5, hard)))
     _set(resource.RLIMIT_FSIZE, FILE_SIZE_LIMIT)
     _set(resource.RLIMIT_CORE, 0)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..runtime import zygotes
 from ..runtime.zygote_link import Zygote, ZygoteError
-from . import isolation, sandbox, students_build, untrusted, wire
+from . import isolation, namespaces, sandbox, students_build, untrusted, wire
 from .overseer import GRACE_S, STARTUP_S, Overseer
 from .relay import Relay
 from .runner import IMPORT, inputs_path, ready_path, result_path
@@ -58,12 +58,11 @@ class Limits:
 
 
 class Box:
-    """The grading's folder. `with Box(lab_dir, source, filename, build, user, namespaces) as box:`; removed on
-    exit. build: the students' toolkit to copy in (`students_build`: lib/, what the ranks import); user: who the
-    submission runs as (None: as the grader); namespaces: whether this machine gives a launch its own."""
+    """The grading's folder. `with Box(lab_dir, source, filename) as box:`; removed on exit. It holds the students'
+    build of the toolkit for the lab (`students_build`: lib/, what the ranks import), and knows who the submission
+    runs as (`user`: None, as the grader) and whether this machine gives a launch namespaces of its own."""
 
-    def __init__(self, lab_dir: Path, source: bytes, filename: str, build: Path | None = None,
-                 user=None, namespaces: bool = False):
+    def __init__(self, lab_dir: Path, source: bytes, filename: str):
         self.root = Path(tempfile.mkdtemp(prefix="toolkit-grade-"))
         self.code, self.work, self.tmp = self.root / "code", self.root / "work", self.root / "tmp"
         self.inputs, self.out = self.root / "inputs", self.root / "out"
@@ -74,9 +73,9 @@ class Box:
         self.student.write_bytes(source)
         self.tasks = self.code / "tasks.py"
         shutil.copyfile(lab_dir / "tasks.py", self.tasks)
-        self.lib = students_build.copy_into(build, self.root / "lib") if build is not None else None
+        self.lib = students_build.copy_into(students_build.for_lab(lab_dir), self.root / "lib")
         self.root.chmod(0o755)
-        self.user, self.namespaces = user, namespaces
+        self.user, self.namespaces = sandbox.other_user(), bool(namespaces.probe())
         sandbox.hand_over([self.work, self.tmp, self.inputs, self.out], self.user)
         self.server: Zygote | None = None  # the grading's fork server, from the first launch
         self.serverless = ""  # why launches start fresh interpreters instead
@@ -141,8 +140,7 @@ def _env(box: Box, grading_id: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k in KEEP_ENV}
     env.update({isolation.MARKER: grading_id, "HOME": str(box.work), "TMPDIR": str(box.tmp),
                 "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
-    if box.lib is not None:
-        env["PYTHONPATH"] = str(box.lib)
+    env["PYTHONPATH"] = str(box.lib)
     return env
 
 
@@ -217,8 +215,8 @@ def _launch(box: Box, n: int, indices: list, tasks_of: dict, answers: list, limi
             "code": str(box.code), "student": str(box.student), "tasks": str(box.tasks), "inputs": str(box.inputs),
             "out": str(box.out), "work": str(box.work), "tmp": str(box.tmp), "answers": list(answers),
             "limits": asdict(limits), "backend": backend, "user": list(box.user) if box.user else None,
-            "box": str(box.root), "lib": str(box.lib) if box.lib else None, "namespaces": box.namespaces,
-            "read": [str(box.code)] + ([str(box.lib)] if box.lib else []), "reach": sandbox.python_paths(),
+            "box": str(box.root), "lib": str(box.lib), "namespaces": box.namespaces,
+            "read": [str(box.code), str(box.lib)], "reach": sandbox.python_paths(),
             "hidden": hidden_from(box), "cpu_s": deadline * max(1, (os.cpu_count() or 1) // n),
             "relay": relay.path if relay is not None else None}
     spec_path = box.root / f"spec-{n}.json"
