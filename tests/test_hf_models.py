@@ -63,3 +63,29 @@ def test_every_layout_simulates_at_512_ranks(name):
         sim = sims[label]
         for key, value in sim.theory()["model_states"].items():
             assert sim.memory[key] == pytest.approx(value, rel=0.01), (label, key, sim.memory[key], value)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_expert_parallel_hugging_face_moe_simulates_with_its_experts_split(name):
+    """8 experts over 8 simulated ranks: every rank keeps one, the states are the formula's (dense parts replicated,
+    one expert's whole), the tokens travel by all-to-all; shadowing adds the broadcast of its expert's weights."""
+    from toolkit.moe.hf import expert_parallel
+    from toolkit.sim import simulate
+
+    experts = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts"}[name]
+    whole = sum(p.numel() for p in fm.hf_model(name, **{experts: 8}).parameters())
+    sims = {label: simulate(lambda: expert_parallel(fm.hf_model(name, **{experts: 8}), shadow=shadow), "ddp", 8,
+                            batch_per_rank=2, progress=False)
+            for label, shadow in (("plain", "off"), ("shadowed", [0]))}
+    for sim in sims.values():
+        assert sim.num_params == whole and sim.expert_parallel == 8
+        theory = dict(sim.theory()["model_states"])
+        theory["optimizer"] += 4 * sum(1 for _ in fm.hf_model(name).parameters())  # Adam's step counters
+        assert {k: sim.memory[k] for k in theory} == theory
+        assert sim.bytes_per_step["all_to_all"] > 0
+    layers = fm.hf_config(name).num_hidden_layers
+    one_expert = 4 * sum(p[0].numel() for n, p in fm.hf_model(name).named_parameters()
+                         if n.startswith("model.layers.0.mlp.experts."))  # fp32 bytes of expert 0 of one layer
+    shadowed = sims["shadowed"].bytes_per_step["broadcast"] - sims["plain"].bytes_per_step["broadcast"]
+    assert shadowed == layers * one_expert  # each layer's expert 0 broadcast once, from its owner (this rank)
+    assert sims["shadowed"].bytes_per_step["all_to_all"] < sims["plain"].bytes_per_step["all_to_all"]  # rows stay home
