@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from lab_grading import check_named, verdict
 
-from toolkit.grading import CheckFailed, Judge, lab_checks
+from toolkit.grading import lab_checks
 from toolkit.grading.runner import load_module
 
 LABS = Path(__file__).resolve().parent.parent / "labs"
@@ -22,29 +23,27 @@ def ring_checks():
 
 
 def _by_name(prefix):
-    (found,) = [c for c in lab_checks(RING)[0] if c.name.startswith(prefix)]
-    return found
+    return check_named(RING, prefix)
 
 
 def _fails(check, n, got_of) -> str:
-    """The judge's message when rank r sent got_of(r, given) at world size n."""
-    given = check.make_inputs(n, torch.Generator().manual_seed(0))
-    with pytest.raises(CheckFailed) as failure:
-        check.judge(Judge(n), given, [got_of(r, given) for r in range(n)])
-    return str(failure.value)
+    """The grader's message when rank r answers each case with got_of(r, given) at world size n."""
+    message = verdict(check, n, lambda r, case, given: got_of(r, given))
+    assert message, "the check passed"
+    return message
 
 
 def lecture_scatter(n, shift=1):
     """A reduce-scatter that leaves rank r with the finished chunk r+shift (the lecture's convention)."""
     def got(r, given):
-        outputs = [torch.stack([g["xs"][k] for g in given]).sum(0).tensor_split(n)[(r + shift) % n] for k in range(2)]
-        return {"outputs": outputs, "inputs_after": given[r]["xs"]}
+        return {"output": torch.stack([g["x"] for g in given]).sum(0).tensor_split(n)[(r + shift) % n],
+                "input_after": given[r]["x"]}
     return got
 
 
 def lecture_gather(n, shift=1):
     def got(r, given):
-        return {"outputs": [torch.cat([given[(b + shift) % n]["xs"][k] for b in range(n)]) for k in range(2)]}
+        return {"output": torch.cat([given[(b + shift) % n]["x"] for b in range(n)])}
     return got
 
 
@@ -83,8 +82,8 @@ def test_traffic_off_the_ring_is_named():
     check = _by_name("a real ring")
 
     def star(r, given):  # every rank sends its whole tensor to rank 0: the sum arrives, not through a ring
-        total = sum(g["cases"][0]["x"] for g in given)
-        return {"outputs": [total], "messages": [["send", 0, total.numel()]] if r else
+        total = sum(g["x"] for g in given)
+        return {"x": total, "messages": [["send", 0, total.numel()]] if r else
                 [["recv", s, total.numel()] for s in range(1, 3)]}
 
     message = _fails(check, 3, star)

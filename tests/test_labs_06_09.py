@@ -9,7 +9,7 @@ the mistake (so the checks can fail, and fail for the right reason). One grading
 """
 import pytest
 import torch
-from lab_grading import LabGrading
+from lab_grading import LabGrading, check_named, verdict
 
 FP32_GATHER = """            full = torch.empty(self.flat.padded_numel, dtype=torch.float32)
             handle = comm.all_gather(full, self.master.detach(), group=self.sharding.shard_group, async_op=True)
@@ -90,16 +90,12 @@ def test_the_toolkits_own_implementation_scores_zero(name, tmp_path):
     lab(name).assert_delegation_scores_zero(*ANSWERS[name], tmp_path)
 
 
-# A second classic mistake per lab, judged without a launch: the judge runs in the grader's process on what
-# the ranks would have sent, built here from the check's own inputs and the lab's reference.
-def _judge(lab_name: str, prefix: str, n: int, got_of) -> str:
-    from toolkit.grading import CheckFailed, Judge, lab_checks
-
-    (check,) = [c for c in lab_checks(lab(lab_name).lab)[0] if c.name.startswith(prefix)]
-    given = check.make_inputs(n, torch.Generator().manual_seed(0))
-    with pytest.raises(CheckFailed) as failure:
-        check.judge(Judge(n), given, [got_of(r, given) for r in range(n)])
-    return str(failure.value)
+# A second classic mistake per lab, judged without a launch: the contract and the judge run in the grader's process
+# on what the ranks would have sent, built here from the check's own inputs and the lab's reference.
+def _judge(lab_name: str, prefix: str, n: int, answer) -> str:
+    message = verdict(check_named(lab(lab_name).lab, prefix), n, answer)
+    assert message, "the check passed"
+    return message
 
 
 def test_06_summed_gradient_slices_are_named():
@@ -107,32 +103,36 @@ def test_06_summed_gradient_slices_are_named():
 
     checks = sibling(str(lab("06-zero").lab / "checks.py"), "checks.py")
 
-    def summed(r, given):
+    def summed(r, case, given):
         grads = [p.grad for p in checks.local(given[0]["seed"], 0).parameters()]
         full = checks.flat_of(grads, 2)
         shard = full.numel() // 2
-        return {"full_left": [], "grad": 2 * full[r * shard:(r + 1) * shard], "shard_numel": shard}
+        return {"full_left": [], "grad": 2 * full[r * shard:(r + 1) * shard]}
 
     assert "the ranks' gradients were summed, not averaged" in _judge("06-zero", "after one backward", 2, summed)
 
 
 def test_07_swapped_groups_are_named():
-    from toolkit.grading import sibling
+    def swapped(r, case, given):
+        world, f = given[0]["world_size"], given[0]["F"]
+        shards = [list(range(node * f, (node + 1) * f)) for node in range(world // f)]
+        replicas = [list(range(place, world, f)) for place in range(f)]
+        return {"layout": [replicas, shards]}
 
-    layouts = sibling(str(lab("07-hsdp").lab / "checks.py"), "checks.py").LAYOUTS
-    swapped = {"results": [(replicas, shards) for shards, replicas in layouts.values()]}
-    assert "the two are swapped" in _judge("07-hsdp", "hsdp_layout", 4, lambda r, given: swapped)
+    assert "the two are swapped" in _judge("07-hsdp", "hsdp_layout", 4, swapped)
 
 
 def test_08_a_reduce_dtype_ignored_is_named():
-    message = _judge("08-mixed-precision", "gradients are reduced", 2,
-                     lambda r, given: {"dtypes": [["bfloat16"], ["bfloat16"]]})
+    message = _judge("08-mixed-precision", "gradients are reduced", 2, lambda r, case, given: {"dtypes": ["bfloat16"]})
     assert "reduce_dtype=float32" in message and "make the flat gradient buffer in reduce_dtype" in message
 
 
 def test_09_chunks_of_capacity_over_degree_are_named():
     x = torch.arange(2 * 5 * 3.0).view(2, 5, 3)
-    floor_split = {"chunks": {str(d): list(x.split(max(1, 5 // d), dim=1)) for d in (1, 2, 3, 5, 8)},
-                   "zero": "ValueError"}
-    message = _judge("09-tutel-pipeline", "split_capacity", 2, lambda r, given: floor_split)
+
+    def floor_split(r, case, given):
+        degree = given[0]["degree"]
+        return {"raised": "ValueError"} if degree == 0 else {"chunks": list(x.split(max(1, 5 // degree), dim=1))}
+
+    message = _judge("09-tutel-pipeline", "split_capacity", 2, floor_split)
     assert "3 chunks for a degree of 2" in message and "leaves a remainder chunk" in message

@@ -12,7 +12,7 @@ boundaries. Under pipeline parallelism (options pp > 1) a step's forward and bac
 its actions a span labelled with its micro-batch and stage, memory sampled after each.
 
 Data: step s uses the corpus's global batch s (`global_batch_size` rows); data-parallel replica r of N
-takes its contiguous slice (every rank of a replica's tensor/pipeline-parallel group reads the same rows), and with `accumulation` = M it splits that slice into M micro-batches, calling
+takes its contiguous slice (every rank of a replica's tensor/pipeline/context-parallel group reads the same rows), and with `accumulation` = M it splits that slice into M micro-batches, calling
 backward on loss/M each. So the rows of a step are the same whatever N and M are, and every strategy,
 world size and accumulation can be checked against "local" with accumulation 1.
 """
@@ -97,9 +97,16 @@ class TrainConfig:
 
     def check_world(self, world_size: int) -> None:
         """Each data-parallel replica's micro-batch must be whole rows: global_batch_size % (dp * accumulation)
-        == 0, where dp = world_size / (tp x pp) (the ranks of one tensor/pipeline-parallel group share rows);
-        under pp the schedule's `microbatches` (default pp) take the place of accumulation."""
+        == 0, where dp = world_size / (tp x pp x cp) (the ranks of one tensor/pipeline/context-parallel group share
+        rows); under pp the schedule's `microbatches` (default pp) take the place of accumulation. Under cp the
+        sequence must split into the cp ranks' chunks."""
         dp, _ = self.data_parallel(world_size)
+        if self.options.get("cp", 1) > 1:
+            from .parallel.context import SequenceSplit
+
+            attention = self.options.get("cp_attention", "ring")
+            SequenceSplit(self.options["cp"], 0, zigzag=attention == "ring").check(self.seq_len,
+                                                                                  "TrainConfig.seq_len")
         pp = self.options.get("pp", 1)
         if pp > 1 and self.accumulation != 1:
             raise ValueError(f"under pp={pp} the pipeline's schedule splits each replica's batch into micro-batches "
@@ -113,12 +120,15 @@ class TrainConfig:
                              f"multiple of {per}, e.g. {per * max(1, self.global_batch_size // per)}.")
 
     def data_parallel(self, world_size: int, rank: int = 0) -> tuple[int, int]:
-        """(dp, this rank's dp index): the world is dp x pp x tp (`options` tp=, pp=), and a rank reads the
-        rows of its data-parallel replica, the same rows as every rank of its tp and pp groups."""
+        """(dp, this rank's dp index): the world is dp x pp x cp x tp (`options` tp=, pp=, cp=, order=), and a rank
+        reads the rows of its data-parallel replica, the same rows as every rank of its tp, pp and cp groups (a cp
+        rank keeps its own tokens of them)."""
         from .parallel import mesh
 
-        layout = mesh.layout(world_size, tp=self.options.get("tp", 1), pp=self.options.get("pp", 1))
-        return layout.dp, layout.coordinate(rank)[0]
+        o = self.options
+        layout = mesh.layout(world_size, tp=o.get("tp", 1), pp=o.get("pp", 1), cp=o.get("cp", 1),
+                             order=o.get("order", mesh.ORDER))
+        return layout.dp, layout.coordinate(rank).dp
 
     @classmethod
     def of(cls, config) -> "TrainConfig":
@@ -143,7 +153,8 @@ def moe_model_fn(num_experts: int = 4, top_k: int = 2, **moe_gpt_kwargs):
         pp = config.options.get("pp", 1)
         if pp > 1:  # a pipeline stage's experts are split over the ranks of that stage, not the world
             from .parallel.pipeline import stage_group
-            kwargs["group"] = stage_group(pp=pp, tp=config.options.get("tp", 1))
+            kwargs["group"] = stage_group(pp=pp, **{k: config.options[k] for k in ("tp", "cp", "order")
+                                                    if k in config.options})
         kwargs.update(moe_gpt_kwargs)
         return moe_gpt(num_experts, top_k, **kwargs)
 

@@ -11,9 +11,10 @@ import itertools
 
 import torch
 
-from toolkit.grading import check
+from toolkit.grading import Either, Items, List, Tensor, check, like
 
 ANSWERS = {"toolkit.comm.ring": "the toolkit's own ring collectives"}
+MESSAGES_ONLY = True  # the ranks have no built-in collective: the grader's relay carries (and records) every message
 REDUCE = {"SUM": lambda xs: torch.stack(xs).sum(0), "PRODUCT": lambda xs: torch.stack(xs).prod(0),
           "MAX": lambda xs: torch.stack(xs).amax(0), "MIN": lambda xs: torch.stack(xs).amin(0)}
 SUM = "SUM"
@@ -103,97 +104,104 @@ def judge_all_reduce(ctx, xs, got, op, rank, members):
     ctx.expect(got, REDUCE[op](xs), what, rank=rank, exact=exact)
 
 
-def judge_all_reduce_cases(ctx, given, got):
-    for k, case in enumerate(given[0]["cases"]):
-        xs = [given[r]["cases"][k]["x"] for r in range(ctx.world_size)]
-        for r in range(ctx.world_size):
-            judge_all_reduce(ctx, xs, got[r]["outputs"][k], case["op"], r, list(range(ctx.world_size)))
+def judge_all_reduce_case(ctx, given, got):
+    xs = [given[r]["x"] for r in range(ctx.world_size)]
+    for r in range(ctx.world_size):
+        judge_all_reduce(ctx, xs, got[r]["x"], given[0]["op"], r, list(range(ctx.world_size)))
 
 
 def cases(*specs):
-    """Inputs for all-reduce cases: (numel or a function of n, dtype, op) each."""
+    """All-reduce cases: (numel or a function of n, dtype, op) each; every rank draws its own input."""
     def make(n, g):
-        drawn = [[draw(g, numel(n) if callable(numel) else numel, dtype, op) for _ in range(n)]
-                 for numel, dtype, op in specs]
-        return [{"cases": [{"x": xs[r], "op": op} for xs, (_, _, op) in zip(drawn, specs)]} for r in range(n)]
+        found = {}
+        for numel, dtype, op in specs:
+            size = numel(n) if callable(numel) else numel
+            found[f"{op}, {size} {str(dtype)[6:]} elements"] = [{"x": draw(g, size, dtype, op), "op": op}
+                                                                 for _ in range(n)]
+        return found
     return make
+
+
+def same_as_input(case, r, n):
+    return {"x": like(case["x"])}
 
 
 # --- the checks ----------------------------------------------------------------------------------------
 def _gather_inputs(n, g):
-    drawn = [[draw(g, rows * 3).view(rows, 3) for _ in range(n)] for rows in (1, 5)]
-    return [{"xs": [xs[r] for xs in drawn]} for r in range(n)]
+    return {f"{rows}x3 per rank": [{"x": draw(g, rows * 3).view(rows, 3)} for _ in range(n)] for rows in (1, 5)}
 
 
 @check("all-gather: every rank ends with every rank's chunk, in rank order", points=2, world_sizes=(3, 4),
-       inputs=_gather_inputs)
+       cases=_gather_inputs, returns=lambda case, r, n: {"output": Tensor((n * case["x"].shape[0], 3), torch.float32)})
 def all_gather(ctx, given, got):
     n = ctx.world_size
-    for k in range(2):
-        xs = [given[r]["xs"][k] for r in range(n)]
-        rows = xs[0].shape[0]
-        for r in range(n):
-            output = ctx.tensor(got[r]["outputs"][k], f"all_gather of {rows}x3 float32 inputs", r)
-            blocks = output.split(rows) if output.shape == (n * rows, 3) else []
-            misplaced = [(b, j) for b, block in enumerate(blocks) for j, x in enumerate(xs)
-                         if j != b and _same(block, x, True)]
-            unwritten = [b for b, block in enumerate(blocks) if bool(block.isnan().all())]
-            if misplaced or unwritten:
-                shifts = {(j - b) % n for b, j in misplaced}
-                ctx.fail(f"all_gather of {rows}x3 float32 inputs: rank {r}: " + "; ".join(
-                    [f"block {b} holds rank {j}'s input" for b, j in misplaced]
-                    + ([f"blocks {unwritten} were never written (still the NaN the grader filled in)"] if unwritten
-                       else []))
-                    + ". Block k must hold rank k's input: at step 0 each rank sends its own block (chunk r), then "
-                    "forwards the one it just received" + (f" (the blocks are shifted by {shifts.pop()})"
-                                                           if len(shifts) == 1 else ""))
-            ctx.expect(output, torch.cat(xs), f"all_gather of {rows}x3 float32 inputs", rank=r)
+    xs = [given[r]["x"] for r in range(n)]
+    rows = xs[0].shape[0]
+    for r in range(n):
+        output = got[r]["output"]
+        blocks = output.split(rows)
+        misplaced = [(b, j) for b, block in enumerate(blocks) for j, x in enumerate(xs) if j != b and _same(block, x, True)]
+        unwritten = [b for b, block in enumerate(blocks) if bool(block.isnan().all())]
+        if misplaced or unwritten:
+            shifts = {(j - b) % n for b, j in misplaced}
+            ctx.fail(f"all_gather of {rows}x3 float32 inputs: rank {r}: " + "; ".join(
+                [f"block {b} holds rank {j}'s input" for b, j in misplaced]
+                + ([f"blocks {unwritten} were never written (still the NaN the grader filled in)"] if unwritten
+                   else []))
+                + ". Block k must hold rank k's input: at step 0 each rank sends its own block (chunk r), then "
+                "forwards the one it just received" + (f" (the blocks are shifted by {shifts.pop()})"
+                                                       if len(shifts) == 1 else ""))
+        ctx.expect(output, torch.cat(xs), f"all_gather of {rows}x3 float32 inputs", rank=r)
 
 
 def _scatter_inputs(n, g):
-    drawn = [[draw(g, n * chunk) for _ in range(n)] for chunk in (1, 6)]
-    return [{"xs": [xs[r] for xs in drawn]} for r in range(n)]
+    return {f"{n}x{chunk} elements": [{"x": draw(g, n * chunk)} for _ in range(n)] for chunk in (1, 6)}
 
 
 @check("reduce-scatter, SUM: rank r ends with the sum of everyone's chunk r", points=2, world_sizes=(3, 4),
-       inputs=_scatter_inputs)
+       cases=_scatter_inputs, returns=lambda case, r, n: {"output": Tensor((case["x"].numel() // n,), torch.float32),
+                                                          "input_after": like(case["x"])})
 def reduce_scatter(ctx, given, got):
     n = ctx.world_size
-    for k in range(2):
-        xs = [given[r]["xs"][k] for r in range(n)]
-        what = f"reduce_scatter SUM of {n}x{xs[0].numel() // n} float32 elements"
-        for r in range(n):
-            output = ctx.tensor(got[r]["outputs"][k], what, r)
-            expect_reduced(ctx, xs, SUM, False, what, {r: output}, r, r)
-            ctx.expect(output, torch.stack(xs).sum(0).tensor_split(n)[r], what, rank=r, exact=False)
-            ctx.expect(got[r]["inputs_after"][k], xs[r], "reduce_scatter must leave its input unchanged; input "
-                       "after the call", rank=r)
+    xs = [given[r]["x"] for r in range(n)]
+    what = f"reduce_scatter SUM of {n}x{xs[0].numel() // n} float32 elements"
+    for r in range(n):
+        output = got[r]["output"]
+        expect_reduced(ctx, xs, SUM, False, what, {r: output}, r, r)
+        ctx.expect(output, torch.stack(xs).sum(0).tensor_split(n)[r], what, rank=r, exact=False)
+        ctx.expect(got[r]["input_after"], xs[r], "reduce_scatter must leave its input unchanged; input after the call",
+                   rank=r)
 
 
-@check("all-reduce, SUM, float32, size divisible by N", points=2, world_sizes=(3, 4), task="all_reduce_cases",
-       inputs=cases((lambda n: 12 * n, torch.float32, SUM)))
+@check("all-reduce, SUM, float32, size divisible by N", points=2, world_sizes=(3, 4), task="all_reduce",
+       cases=cases((lambda n: 12 * n, torch.float32, SUM)), returns=same_as_input)
 def all_reduce_sum(ctx, given, got):
-    judge_all_reduce_cases(ctx, given, got)
+    judge_all_reduce_case(ctx, given, got)
 
 
 @check("all-reduce, sizes not divisible by N (1, 5, 7, 129 elements)", points=2, world_sizes=(3, 4),
-       task="all_reduce_cases", inputs=cases(*[(numel, torch.float32, SUM) for numel in (1, 5, 7, 129)]))
+       task="all_reduce", cases=cases(*[(numel, torch.float32, SUM) for numel in (1, 5, 7, 129)]),
+       returns=same_as_input)
 def all_reduce_uneven(ctx, given, got):
-    judge_all_reduce_cases(ctx, given, got)
+    judge_all_reduce_case(ctx, given, got)
 
 
 @check("all-reduce with MAX, MIN and PRODUCT, in float64 and int64", points=1, world_sizes=(3,),
-       task="all_reduce_cases", inputs=cases(*[(10, dtype, op) for dtype in (torch.float64, torch.int64)
-                                               for op in ("MAX", "MIN", "PRODUCT", SUM)]))
+       task="all_reduce", cases=cases(*[(10, dtype, op) for dtype in (torch.float64, torch.int64)
+                                        for op in ("MAX", "MIN", "PRODUCT", SUM)]), returns=same_as_input)
 def all_reduce_ops_and_dtypes(ctx, given, got):
-    judge_all_reduce_cases(ctx, given, got)
+    judge_all_reduce_case(ctx, given, got)
+
+
+MESSAGE = Items(str, Either(int, str), int)  # ("send" | "recv", peer, elements), or ("collective", its name, 0)
 
 
 @check("a real ring: only neighbours talk, each rank sends 2(N-1)/N of the tensor, no built-in collective",
-       points=2, world_sizes=(3, 4), inputs=cases((lambda n: 25 * n, torch.float32, SUM)))
+       points=2, world_sizes=(3, 4), inputs=lambda n, g: [{"x": draw(g, 25 * n), "op": SUM} for _ in range(n)],
+       returns=lambda case, r, n: {"x": like(case["x"]), "messages": List(MESSAGE)})
 def ring_traffic(ctx, given, got):
-    judge_all_reduce_cases(ctx, given, got)
-    n, numel = ctx.world_size, given[0]["cases"][0]["x"].numel()
+    judge_all_reduce_case(ctx, given, got)
+    n, numel = ctx.world_size, given[0]["x"].numel()
     for r in range(n):
         messages = [tuple(m) for m in got[r]["messages"]]
         right, left = (r + 1) % n, (r - 1) % n
@@ -220,7 +228,8 @@ def _subgroup_inputs(n, g):
 
 
 @check("rings on subgroups: global ranks {0, 2} and {1, 3}, and a ring of one", points=1, world_sizes=(4,),
-       inputs=_subgroup_inputs)
+       inputs=_subgroup_inputs, returns=lambda case, r, n: {"pair": like(case["pair"]["x"]),
+                                                            "alone": like(case["alone"]["x"])})
 def subgroups(ctx, given, got):
     for members in PAIRS:
         xs = [given[m]["pair"]["x"] for m in members]
@@ -231,7 +240,8 @@ def subgroups(ctx, given, got):
 
 
 @check("plugs into toolkit.comm: comm.use({...}) routes the toolkit's collectives to your functions",
-       points=1, world_sizes=(3,), inputs=lambda n, g: [{"x": draw(g, 9)} for _ in range(n)])
+       points=1, world_sizes=(3,), inputs=lambda n, g: [{"x": draw(g, 9)} for _ in range(n)],
+       returns=lambda case, r, n: {"x": like(case["x"]), "impl": str})
 def through_the_door(ctx, given, got):
     xs = [given[r]["x"] for r in range(ctx.world_size)]
     for r in range(ctx.world_size):

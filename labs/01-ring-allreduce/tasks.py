@@ -10,47 +10,40 @@ OPS = {"SUM": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX, "MIN": dist.ReduceOp.
        "PRODUCT": dist.ReduceOp.PRODUCT}
 
 
-def _all_reduce(student, rank, case, group):
+def _all_reduce(student, case, group):
     x = case["x"].clone()
     student.all_reduce(x, OPS[case["op"]], group, False)
     return x
 
 
 def all_gather(student, rank, given):
-    outputs = []
-    for x in given["xs"]:
-        output = torch.full((rank.world_size * x.shape[0], x.shape[1]), float("nan"))
-        student.all_gather(output, x, rank.group, False)
-        outputs.append(output)
-    return {"outputs": outputs}
+    x = given["x"]
+    output = torch.full((rank.world_size * x.shape[0], x.shape[1]), float("nan"))
+    student.all_gather(output, x, rank.group, False)
+    return {"output": output}
 
 
 def reduce_scatter(student, rank, given):
-    outputs, inputs_after = [], []
-    for x in given["xs"]:
-        mine = x.clone()
-        output = torch.full((x.numel() // rank.world_size,), float("nan"))
-        student.reduce_scatter(output, mine, OPS["SUM"], rank.group, False)
-        outputs.append(output)
-        inputs_after.append(mine)
-    return {"outputs": outputs, "inputs_after": inputs_after}
+    mine = given["x"].clone()
+    output = torch.full((mine.numel() // rank.world_size,), float("nan"))
+    student.reduce_scatter(output, mine, OPS["SUM"], rank.group, False)
+    return {"output": output, "input_after": mine}
 
 
-def all_reduce_cases(student, rank, given):
-    return {"outputs": [_all_reduce(student, rank, case, rank.group) for case in given["cases"]]}
+def all_reduce(student, rank, given):
+    return {"x": _all_reduce(student, given, rank.group)}
 
 
 def ring_traffic(student, rank, given):
     with rank.messages() as messages:
-        outputs = [_all_reduce(student, rank, case, rank.group) for case in given["cases"]]
-    return {"outputs": outputs, "messages": messages}
+        x = _all_reduce(student, given, rank.group)
+    return {"x": x, "messages": messages}
 
 
 def subgroups(student, rank, given):
     pair, _ = dist.new_subgroups_by_enumeration(given["pairs"])
     alone, _ = dist.new_subgroups_by_enumeration([[r] for r in range(rank.world_size)])
-    return {"pair": _all_reduce(student, rank, given["pair"], pair),
-            "alone": _all_reduce(student, rank, given["alone"], alone)}
+    return {"pair": _all_reduce(student, given["pair"], pair), "alone": _all_reduce(student, given["alone"], alone)}
 
 
 def through_the_door(student, rank, given):

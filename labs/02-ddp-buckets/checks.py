@@ -6,11 +6,15 @@ for this grading, wraps it in your BucketedDDP with a cap of 0.01 MiB and trains
 so the messages can say which parameter differs and by how much. Buckets are judged by their rules (every
 index once, last-registered first, closed once they reach the cap), not against an answer key.
 """
+import re
+
 import torch
 
-from toolkit.grading import check, model_labs
+from toolkit.grading import Fields, Items, List, Maybe, check, like, model_labs
 
 ANSWERS = {"toolkit.parallel.ddp": "the toolkit's own DDP and its buckets",
+           "toolkit.parallel.zero:Zero12._bucket_params": "ZeRO-2's buckets, assign_buckets under another name",
+           "toolkit.parallel.zero:Zero12._gradient_ready": "ZeRO-2's hook that launches a bucket once it is complete",
            "torch.nn.parallel:DistributedDataParallel": "PyTorch's DDP"}
 CAP_BYTES = 0.01 * 2**20  # tasks.CAP_MB
 GLOBAL_BATCH = 12     # rows per step over all ranks: splits evenly over 2 and 3 ranks
@@ -30,12 +34,16 @@ def local(seed, steps):
     return model_labs.local(seed, steps, GLOBAL_BATCH, torch.optim.SGD, OPTIMIZER)
 
 
+PARAMETERS = model_labs.parameters()  # the tiny GPT's, in registration order: BucketedDDP.params (given code)
+NAMES = list(PARAMETERS)
+SIZES = [p.numel() * p.element_size() for p in PARAMETERS.values()]  # bytes
+BUCKETS = List(List(int), why="a list of buckets, each a list of parameter indices")
+COMM = Fields({"name": str, "args": Fields({"numel": int, "bytes_sent": int}, extra=True)}, extra=True)
+
+
 def explain_buckets(buckets, sizes, cap) -> str:
     """Why `buckets` is not a valid bucketing of parameters of `sizes` bytes under `cap` ("" if it is)."""
     n = len(sizes)
-    if not isinstance(buckets, list) or not all(isinstance(b, list) and all(isinstance(i, int) for i in b)
-                                                for b in buckets):
-        return f"expected a list of lists of parameter indices, got {buckets!r:.80}"
     flat = [i for b in buckets for i in b]
     if sorted(flat) != list(range(n)):
         missing = sorted(set(range(n)) - set(flat))
@@ -65,25 +73,31 @@ CASES = [  # (parameter sizes in float32 elements, cap in bytes)
     ([10, 300, 5, 40, 40, 200, 7, 1], 1),        # tiny cap: one parameter per bucket
     ([10, 300, 5, 40, 40, 200, 7, 1], 10**9),    # huge cap: one bucket
     ([64, 64, 64, 64, 64], 512),                 # closes exactly at the cap
+    ([1, 99], 397),                              # one byte short of the cap: stays open
+    ([1, 99, 100], 397),                         # the second bucket one byte short of the cap
     ([3], 100),
 ]
 
 
 @check("assign_buckets: every parameter once, last-registered first, each bucket closed once it reaches the cap",
-       points=2, world_sizes=(2,), inputs={"cases": CASES})
+       points=2, world_sizes=(2,), cases={f"{len(e)} parameters, cap {cap} bytes": {"elements": e, "cap": cap}
+                                         for e, cap in CASES}, returns={"buckets": BUCKETS})
 def bucket_assignment(ctx, given, got):
-    for (elements, cap), buckets in zip(CASES, got[0]["buckets"]):
-        sizes = [4 * e for e in elements]
+    sizes, cap = [4 * e for e in given[0]["elements"]], given[0]["cap"]
+    for r in range(ctx.world_size):
+        buckets = got[r]["buckets"]
         why = explain_buckets(buckets, sizes, cap)
         if why:
             ctx.fail(f"assign_buckets(parameters of {sizes} bytes, cap_bytes={cap}) returned {buckets!r:.200}: {why}")
 
 
 @check("a small cap on the tiny GPT: several buckets, bucket 0 holding the last-registered parameters",
-       points=1, world_sizes=(2,), inputs=training(0))
+       points=1, world_sizes=(2,), inputs=training(0), returns={"buckets": BUCKETS, "buffers": [int]})
 def buckets_of_the_model(ctx, given, got):
     mine = got[0]
-    buckets, sizes, names = mine["buckets"], mine["bytes"], mine["names"]
+    buckets, sizes, names = mine["buckets"], SIZES, NAMES
+    if len(buckets) != len(mine["buffers"]):
+        ctx.fail(f"{len(buckets)} buckets but {len(mine['buffers'])} buffers")
     if len(buckets) < 2:
         ctx.fail(f"bucket_cap_mb=0.01 (about {CAP_BYTES:.0f} bytes) made {len(buckets)} bucket(s) for {sum(sizes)} "
                  "bytes of gradients; expected several")
@@ -92,23 +106,23 @@ def buckets_of_the_model(ctx, given, got):
         first = names[buckets[0][0]] if buckets and buckets[0] and 0 <= buckets[0][0] < len(names) else "nothing"
         ctx.fail(f"the buckets {buckets} of the tiny GPT: {why}; bucket 0 should start with {names[-1]!r} (registered "
                  f"last, its gradient is ready first), got {first!r}")
-    for k, (indices, numel) in enumerate(zip(buckets, mine["buffers"])):
-        if numel != sum(mine["numels"][i] for i in indices):
-            ctx.fail(f"bucket {k}'s buffer has {numel} elements, its parameters "
-                     f"{sum(mine['numels'][i] for i in indices)}")
+    for k, indices in enumerate(buckets):
+        numel = sum(PARAMETERS[NAMES[i]].numel() for i in indices)
+        if mine["buffers"][k] != numel:
+            ctx.fail(f"bucket {k}'s buffer has {mine['buffers'][k]} elements, its parameters {numel}")
 
 
 @check("after one backward every rank holds the gradient of the whole batch (the average over ranks)",
-       points=2, world_sizes=(2, 3), inputs=training(1))
+       points=2, world_sizes=(2, 3), inputs=training(1),
+       returns={"grads": {name: Maybe(like(p)) for name, p in PARAMETERS.items()}})
 def averaged_gradients(ctx, given, got):
     reference = dict(local(given[0]["seed"], 0).named_parameters())
     for r in range(ctx.world_size):
         for name, q in reference.items():
-            g = got[r]["grads"].get(name)
+            g = got[r]["grads"][name]
             if g is None:
                 ctx.fail(f"rank {r}: {name}.grad is None after backward")
-            g = ctx.tensor(g, f"gradient of {name!r}", r)
-            if g.shape == q.grad.shape and not torch.allclose(g, q.grad, rtol=1e-4, atol=1e-6):
+            if not torch.allclose(g, q.grad, rtol=1e-4, atol=1e-6):
                 ratio = (g.double().norm() / q.grad.double().norm().clamp_min(1e-30)).item()
                 hint = ""
                 if abs(ratio - ctx.world_size) < 0.05 * ctx.world_size:
@@ -122,17 +136,19 @@ def averaged_gradients(ctx, given, got):
 
 
 @check("parity with 'local': 3 SGD steps give the parameters one process gets on the whole batch",
-       points=2, world_sizes=(2, 3), inputs=training(STEPS))
+       points=2, world_sizes=(2, 3), inputs=training(STEPS),
+       returns={"params": {name: like(p) for name, p in PARAMETERS.items()}})
 def parity_with_local(ctx, given, got):
     reference = local(given[0]["seed"], STEPS)
     for r in range(ctx.world_size):
         for name, q in reference.named_parameters():
-            ctx.expect(got[r]["params"].get(name), q.detach(), f"{name!r} after {STEPS} SGD steps (lr={LR}, momentum "
+            ctx.expect(got[r]["params"][name], q.detach(), f"{name!r} after {STEPS} SGD steps (lr={LR}, momentum "
                        "0.9)", rank=r, exact=False, rtol=1e-4, atol=1e-5)
 
 
 @check("overlap: buckets all-reduced asynchronously as they fill, waited for only once backward is over",
-       points=2, world_sizes=(2,), inputs=training(1))
+       points=2, world_sizes=(2,), inputs=training(1),
+       returns={"log": List(Items(str, int)), "async": [bool], "buckets": int, "overlap": float})
 def overlap(ctx, given, got):
     for r in range(ctx.world_size):
         log, flags, buckets = [tuple(e) for e in got[r]["log"]], got[r]["async"], got[r]["buckets"]
@@ -161,12 +177,29 @@ def overlap(ctx, given, got):
                      f"{got[r]['overlap']:.2f})")
 
 
+@check("a parameter without a gradient: finish_backward raises an error that names it", points=1, world_sizes=(2,),
+       inputs=lambda n, g: {"cap_mb": 1.0, "x": torch.randn(3, 4, generator=g)}, returns={"raised": str, "message": str})
+def unused_parameter(ctx, given, got):
+    unused = {2, 3}  # the second layer's weight and bias (tasks.py): never used, so their bucket never completes
+    for r in range(ctx.world_size):
+        if not got[r]["raised"]:
+            ctx.fail(f"rank {r}: a model whose second layer is never used (parameters 2 and 3 get no gradient) went "
+                     "through backward without an error: its bucket never completed and never travelled, so its "
+                     "gradients are silently missing; finish_backward must raise an error that names them")
+        named = {int(k) for k in re.findall(r"\d+", got[r]["message"])}
+        if not unused <= named:
+            ctx.fail(f"rank {r}: finish_backward raised {got[r]['raised']}: {got[r]['message']!r}, which does not name "
+                     f"the parameters without a gradient, {sorted(unused)} (those of the buckets never launched that "
+                     "are not ready)")
+
+
 @check("bytes on the wire: every gradient reduced once, 2(N-1)/N x the gradient bytes per rank",
-       points=1, world_sizes=(2, 3), inputs=training(1))
+       points=1, world_sizes=(2, 3), inputs=training(1), returns={"comms": [COMM]})
 def bytes_on_the_wire(ctx, given, got):
     n = ctx.world_size
+    grad_elements, grad_bytes = sum(p.numel() for p in PARAMETERS.values()), sum(SIZES)
     for r in range(n):
-        comms, grad_elements, grad_bytes = got[r]["comms"], got[r]["numel"], got[r]["bytes"]
+        comms = got[r]["comms"]
         others = sorted({e["name"] for e in comms} - {"all_reduce"})
         if others:
             ctx.fail(f"rank {r}: backward issued {others} besides all_reduce; DDP needs only all-reduces")

@@ -1,11 +1,12 @@
 """What every rank runs for lab 03's checks, next to your code: the toolkit's tiny GPT (from the seed the
 grader sent) wrapped in FSDP with your MyUnit, driven through unshard, reshard, forward and backward on this
 rank's rows, and what was observed on the way (states, bytes held, the collectives recorded, parameter values,
-gradient slices). The grader's process judges it (checks.py)."""
+gradient slices), unit by unit under the unit's name. The grader's process judges it (checks.py)."""
 import functools
 
 import torch
 
+from toolkit.comm import collectives
 from toolkit.models import tiny_gpt
 
 
@@ -20,48 +21,60 @@ def _held(unit) -> int:
     return unit.flat.data.untyped_storage().nbytes()
 
 
-def _full(unit) -> int:
-    return unit.flat.padded_numel * unit.flat.data.element_size()
-
-
 def _values(unit) -> dict:
     return {name: p.detach().clone() for name, p in zip(unit.param_names, unit.params)}
 
 
 def _gathers(rank, start) -> list:
     """Each all-gather recorded since `start`: was it asynchronous?"""
-    return [e["args"].get("async_op") for e in rank.comm_events(start) if e["name"] == "all_gather"]
+    return [bool(e["args"].get("async_op")) for e in rank.comm_events(start) if e["name"] == "all_gather"]
 
 
 def unshard_gathers(student, rank, given):
     fsdp, _ = _wrapped(student, given)
-    units = []
+    units = {}
     for unit in fsdp.units:
         start = rank.events_now()
         unit.unshard()
-        units.append({"name": unit.name, "state": unit.state, "held": _held(unit), "full": _full(unit),
-                      "padded": unit.flat.padded_numel, "element": unit.flat.data.element_size(),
-                      "gathers": _gathers(rank, start),
-                      "values": _values(unit)})
+        units[unit.name] = {"state": unit.state, "held": _held(unit), "gathers": _gathers(rank, start),
+                            "values": _values(unit)}
         unit.reshard()
     unit = fsdp.units[-1]  # asynchronous: in flight until wait_unshard
     start = rank.events_now()
     unit.unshard(async_op=True)
-    later = {"gathers": _gathers(rank, start),
-             "state_before_wait": unit.state}
+    later = {"gathers": _gathers(rank, start), "state_before_wait": unit.state}
     unit.wait_unshard()
-    later.update(state=unit.state, values=_values(unit), name=unit.name)
+    later.update(state=unit.state, values=_values(unit))
     unit.reshard()
     return {"units": units, "async": later}
 
 
+def _waits_during(fn) -> int:
+    """How many handles `fn()` waited for (the door's Handle.wait, counted)."""
+    real, count = collectives.Handle.wait, [0]
+
+    def counted(handle):
+        count[0] += 1
+        return real(handle)
+
+    collectives.Handle.wait = counted
+    try:
+        fn()
+    finally:
+        collectives.Handle.wait = real
+    return count[0]
+
+
 def memory_is_freed(student, rank, given):
     fsdp, _ = _wrapped(student, given, forward_prefetch=True)
-    after_reshard = []
+    after_reshard = {}
     for unit in fsdp.units:
         unit.unshard()
         unit.reshard()
-        after_reshard.append({"name": unit.name, "held": _held(unit), "state": unit.state})
+        after_reshard[unit.name] = {"held": _held(unit), "state": unit.state}
+    unit = fsdp.units[0]  # an all-gather in flight when reshard comes
+    unit.unshard(async_op=True)
+    in_flight = {"waits": _waits_during(unit.reshard), "held": _held(unit), "state": unit.state}
     seen = {}
 
     def note(unit, module, args):  # registered after FSDP's hooks: runs once the unit is gathered
@@ -73,28 +86,27 @@ def memory_is_freed(student, rank, given):
     loss = fsdp(x, y)
     after_forward = {u.name: _held(u) for u in fsdp.units}
     loss.backward()
-    return {"after_reshard": after_reshard, "full": {u.name: _full(u) for u in fsdp.units},
-            "while_running": {name: list(v) for name, v in seen.items()}, "after_forward": after_forward,
+    return {"after_reshard": after_reshard, "in_flight": in_flight, "after_forward": after_forward,
+            "while_running": {u.name: list(seen.get(u.name, (None, 0))) for u in fsdp.units},
             "after_backward": {u.name: _held(u) for u in fsdp.units}}
 
 
 def one_step(student, rank, given):
-    """One training step: the collectives it issued, and the units' padded sizes."""
+    """One training step: the collectives it issued."""
     fsdp, opt = _wrapped(student, given)
     x, y = given["batches"][0]
     start = rank.events_now()
     fsdp(x, y).backward()
     opt.step()
     opt.zero_grad()
-    return {"comms": rank.comm_events(start), "units": [u.flat.padded_numel for u in fsdp.units]}
+    return {"comms": rank.comm_events(start)}
 
 
 def averaged_gradient_slices(student, rank, given):
     fsdp, _ = _wrapped(student, given)
     x, y = given["batches"][0]
     fsdp(x, y).backward()
-    return {"units": [{"name": u.name, "param_names": list(u.param_names), "shapes": [list(s) for s in u.flat.shapes],
-                       "world": u.flat.world_size, "rank": u.sharding.rank, "grad": u.mine.grad} for u in fsdp.units]}
+    return {"grads": {u.name: u.mine.grad for u in fsdp.units}}
 
 
 def parity_with_local(student, rank, given):

@@ -7,8 +7,9 @@ over the ranks).
 """
 import torch
 
-from toolkit.grading import check, sibling
+from toolkit.grading import Either, Items, Maybe, Tensor, check, like, sibling
 from toolkit.moe import MoE, reference_moe
+from toolkit.moe.capacity import capacity
 from toolkit.moe.experts import WEIGHTS, Experts
 
 ANSWERS = {"toolkit.moe.layer:MoE.forward": "the toolkit's own MoE layer",
@@ -17,7 +18,8 @@ ANSWERS = {"toolkit.moe.layer:MoE.forward": "the toolkit's own MoE layer",
            "toolkit.moe.layer:MoE.dispatch_compute_combine": "the toolkit's own dispatch and combine",
            "toolkit.moe.layer:MoE.compute_experts": "the toolkit's own local experts",
            "toolkit.moe.layer:MoE.weighted_sum": "the toolkit's own combine",
-           "toolkit.moe.layer:all_to_all": "the toolkit's own differentiable all-to-all"}
+           "toolkit.moe.layer:all_to_all": "the toolkit's own differentiable all-to-all",
+           "toolkit.moe.exchange:_AllToAll": "the toolkit's own differentiable all-to-all (its autograd function)"}
 D, FF, SEED, INIT = 8, 16, 7, 0.3
 ROLES = ["counts", "dispatch", "combine", "combine backward", "dispatch backward"]
 
@@ -38,56 +40,60 @@ def tokens(n, g, skew=False):
 
 # --- the pieces ----------------------------------------------------------------------------------------
 def _counts_inputs(n, g):
-    kept = {per_rank: [torch.randint(0, 9, (per_rank * n,), generator=g) for _ in range(n)] for per_rank in (1, 2)}
-    return [{"cases": [{"kept": kept[p][r], "per_rank": p} for p in (1, 2)]} for r in range(n)]
+    return {f"{p} expert(s) per rank": [{"kept": torch.randint(0, 9, (p * n,), generator=g), "per_rank": p}
+                                        for _ in range(n)] for p in (1, 2)}
+
+
+def _counts_returned(case, r, n):
+    table = Tensor((n, case["per_rank"]), torch.int64)
+    return {"send": table, "recv": table}
 
 
 @check("exchange_counts: every rank learns how many rows it gets from each rank for each of its experts",
-       points=2, world_sizes=(2, 4), inputs=_counts_inputs)
+       points=2, world_sizes=(2, 4), cases=_counts_inputs, returns=_counts_returned)
 def counts(ctx, given, got):
-    n = ctx.world_size
-    for k, per_rank in enumerate((1, 2)):
-        everyone = [given[r]["cases"][k]["kept"] for r in range(n)]
-        for r in range(n):
-            what = f"exchange_counts with {per_rank * n} experts over {n} ranks (rank {r}'s kept counts " \
-                   f"{everyone[r].tolist()})"
-            ctx.expect(got[r]["cases"][k]["send"], everyone[r].reshape(n, per_rank), f"{what}: send", rank=r)
-            expected = torch.stack([everyone[j].reshape(n, per_rank)[r] for j in range(n)])
-            ctx.expect(got[r]["cases"][k]["recv"], expected, f"{what}: recv (row j: what rank j sends to this "
-                       "rank's experts)", rank=r)
+    n, per_rank = ctx.world_size, given[0]["per_rank"]
+    everyone = [given[r]["kept"] for r in range(n)]
+    for r in range(n):
+        what = f"exchange_counts with {per_rank * n} experts over {n} ranks (rank {r}'s kept counts " \
+               f"{everyone[r].tolist()})"
+        ctx.expect(got[r]["send"], everyone[r].reshape(n, per_rank), f"{what}: send", rank=r)
+        expected = torch.stack([everyone[j].reshape(n, per_rank)[r] for j in range(n)])
+        ctx.expect(got[r]["recv"], expected, f"{what}: recv (row j: what rank j sends to this rank's experts)", rank=r)
 
 
 SORT_CASES = ((4, 2, 0.75), (6, 1, 0.5), (4, 2, 4.0))
 
 
 def _sort_inputs(n, g):
-    return [{"cases": [{"E": E, "k": k, "factor": f, "gate_seed": int(torch.randint(0, 2**31, (), generator=g)),
-                        "tokens": torch.randn(13, D, generator=g)} for E, k, f in SORT_CASES]} for _ in range(n)]
+    return {f"{E} experts, top-{k}, capacity factor {f}": [
+        {"E": E, "k": k, "factor": f, "gate_seed": int(torch.randint(0, 2**31, (), generator=g)),
+         "tokens": torch.randn(13, D, generator=g)} for _ in range(n)] for E, k, f in SORT_CASES}
 
 
 @check("sort_by_destination: every kept choice once, dropped ones left out, grouped by expert, rows = its token",
-       points=2, world_sizes=(2,), inputs=_sort_inputs)
+       points=2, world_sizes=(2,), cases=_sort_inputs,
+       returns={"order": Tensor((None,), torch.long, why="order is a 1-D long tensor of flat choice indices"),
+                "rows": Tensor((None, D), torch.float32)})
 def sort(ctx, given, got):
     for r in range(ctx.world_size):
-        for case, found in zip(given[r]["cases"], got[r]["cases"]):
-            routing, k = TASKS.gate_of(case)(case["tokens"]), case["k"]
-            what = (f"sort_by_destination ({case['E']} experts, top-{k}, capacity {routing.capacity}, "
-                    f"{routing.dropped} dropped)")
-            order = found["order"]
-            if not isinstance(order, torch.Tensor) or order.dtype != torch.long or order.dim() != 1:
-                ctx.fail(f"{what}: order must be a 1-D long tensor of flat choice indices, got {order!r:.100}")
-            kept = routing.kept.reshape(-1).nonzero().squeeze(1)
-            if sorted(order.tolist()) != kept.tolist():
-                extra = sorted(set(order.tolist()) - set(kept.tolist()))
-                missing = sorted(set(kept.tolist()) - set(order.tolist()))
-                ctx.fail(f"{what}: order must list each kept choice (flat index t*k + j) exactly once; "
-                         f"{len(order)} entries, kept {len(kept)}; not kept or repeated {extra}, missing {missing}")
-            experts = routing.expert_index.reshape(-1)[order]
-            if bool((experts[1:] < experts[:-1]).any()):
-                ctx.fail(f"{what}: rows must be grouped by expert in increasing order (so by destination rank); "
-                         f"the experts of your order are {experts.tolist()}")
-            ctx.expect(found["rows"], case["tokens"][order // k], f"{what}: rows (row i must be the token of choice "
-                       "order[i])", rank=r)
+        case, found = given[r], got[r]
+        routing, k = TASKS.gate_of(case)(case["tokens"]), case["k"]
+        what = (f"sort_by_destination ({case['E']} experts, top-{k}, capacity {routing.capacity}, "
+                f"{routing.dropped} dropped)")
+        order = found["order"]
+        kept = routing.kept.reshape(-1).nonzero().squeeze(1)
+        if sorted(order.tolist()) != kept.tolist():
+            extra = sorted(set(order.tolist()) - set(kept.tolist()))
+            missing = sorted(set(kept.tolist()) - set(order.tolist()))
+            ctx.fail(f"{what}: order must list each kept choice (flat index t*k + j) exactly once; "
+                     f"{len(order)} entries, kept {len(kept)}; not kept or repeated {extra}, missing {missing}")
+        experts = routing.expert_index.reshape(-1)[order]
+        if bool((experts[1:] < experts[:-1]).any()):
+            ctx.fail(f"{what}: rows must be grouped by expert in increasing order (so by destination rank); "
+                     f"the experts of your order are {experts.tolist()}")
+        ctx.expect(found["rows"], case["tokens"][order // k], f"{what}: rows (row i must be the token of choice "
+                   "order[i])", rank=r)
 
 
 def _splits(n):
@@ -108,7 +114,8 @@ def _exchange_inputs(n, g):
 
 
 @check("all_to_all: uneven splits forward, and in backward every row's gradient returns to its sender",
-       points=2, world_sizes=(2, 4), inputs=_exchange_inputs)
+       points=2, world_sizes=(2, 4), inputs=_exchange_inputs,
+       returns=lambda case, r, n: {"out": like(case["probe"]), "grad": Maybe(like(case["rows"]))})
 def all_to_all(ctx, given, got):
     n, S = ctx.world_size, _splits(ctx.world_size)
     for r in range(n):
@@ -133,7 +140,7 @@ def _experts_inputs(n, g):
 
 
 @check("compute_experts: rows regrouped by local expert, run through it, returned in arrival order",
-       points=1, world_sizes=(2,), inputs=_experts_inputs)
+       points=1, world_sizes=(2,), inputs=_experts_inputs, returns=lambda case, r, n: {"out": like(case["received"])})
 def local_experts(ctx, given, got):
     n = ctx.world_size
     for r in range(n):
@@ -153,7 +160,9 @@ def _combine_inputs(n, g):
 
 
 @check("combine: each token adds its kept experts' answers times the gate weights, differentiably",
-       points=1, world_sizes=(2,), task="weighted_sum", inputs=_combine_inputs)
+       points=1, world_sizes=(2,), task="weighted_sum", inputs=_combine_inputs,
+       returns=lambda case, r, n: {"out": like(case["tokens"]), "answers_grad": Maybe(Tensor((None, D), torch.float32)),
+                                   "router_grad": bool})
 def weighted_sum(ctx, given, got):
     for r in range(ctx.world_size):
         case, k = given[r], given[r]["k"]
@@ -173,30 +182,30 @@ def weighted_sum(ctx, given, got):
 
 
 # --- the whole layer -----------------------------------------------------------------------------------
-def judge_layer(ctx, given, got, name, k):
+def judge_layer(ctx, given, got):
     """Rank r's LabMoE against the brute force on every rank's tokens: outputs, gradients."""
-    n, case = ctx.world_size, given[0]["cases"][k]
-    options = case["options"]
-    what = (f"{name} ({options['num_experts']} experts over {n} ranks, top-{options['top_k']}, capacity factor "
+    n, options = ctx.world_size, given[0]["options"]
+    what = (f"{ctx.case} ({options['num_experts']} experts over {n} ranks, top-{options['top_k']}, capacity factor "
             f"{options['capacity_factor']})")
     reference = MoE(D, FF, seed=SEED, init_std=INIT, name="reference", **options)
-    if case["skew"]:
+    if given[0]["skew"]:
         TASKS.skewed(reference)
-    xs = [given[r]["cases"][k]["x"].clone().requires_grad_(True) for r in range(n)]
+    xs = [given[r]["x"].clone().requires_grad_(True) for r in range(n)]
     outs, auxes = reference_moe(reference, xs)
-    sum((o * given[r]["cases"][k]["probe"]).sum() + a for r, (o, a) in enumerate(zip(outs, auxes))).backward()
+    sum((o * given[r]["probe"]).sum() + a for r, (o, a) in enumerate(zip(outs, auxes))).backward()
+    local = max(1, options["num_experts"] // n)  # the layer's experts per rank (given code), rank r's from r·local
     for r in range(n):
-        found = got[r]["cases"][k]
-        out = found["out"]
-        if not isinstance(out, torch.Tensor) or out.shape != xs[r].shape:
+        found = got[r]
+        if "x_grad" not in found:
+            out = found["out"]
             ctx.fail(f"{what}: rank {r}'s layer returned {type(out).__name__} of shape {getattr(out, 'shape', '?')}, "
                      f"expected the input's shape {tuple(xs[r].shape)}")
-        ctx.expect(out, outs[r].detach(), f"{what}: layer output", rank=r, exact=False)
+        ctx.expect(found["out"], outs[r].detach(), f"{what}: layer output", rank=r, exact=False)
         if found["x_grad"] is None:
             ctx.fail(f"{what}: no gradient reached rank {r}'s layer input: is every step differentiable "
                      f"(the all-to-all's backward, the weighted sum)?")
         ctx.expect(found["x_grad"], xs[r].grad, f"{what}: gradient of the layer's input", rank=r, exact=False)
-        first, local = found["first"], found["local"]
+        first = r * local
         for w in WEIGHTS:
             if found["grads"][w] is None:
                 ctx.fail(f"{what}: expert weight {w} of rank {r}'s experts got no gradient: do the rows reach "
@@ -204,6 +213,17 @@ def judge_layer(ctx, given, got, name, k):
             want = getattr(reference.experts, w).grad[first:first + local]
             ctx.expect(found["grads"][w], want, f"{what}: gradient of {w} of experts {first}..{first + local - 1}",
                        rank=r, exact=False)
+
+
+def layer_returned(case, r, n):
+    """The layer's output, the gradients of its input and of this rank's experts, the choices it dropped; or, when
+    the output does not have the input's shape, the output alone."""
+    local = max(1, case["options"]["num_experts"] // n)
+    with torch.device("meta"):
+        weights = Experts(D, FF, local, 0, local, seed=SEED, init_std=INIT)
+    return Either({"out": like(case["x"]), "x_grad": Maybe(like(case["x"])), "dropped": Maybe(int),
+                   "grads": {w: Maybe(like(getattr(weights, w))) for w in WEIGHTS}},
+                  {"out": Either(Tensor(), None, float)})
 
 
 def configs(n):
@@ -215,41 +235,39 @@ def configs(n):
 
 def layer_inputs(named, skew=False):
     def make(n, g):
-        options = named(n)
-        drawn = {name: tokens(n, g, skew) for name in options}
-        return [{"cases": [{"options": o, "skew": skew, "x": drawn[name][r][0], "probe": drawn[name][r][1]}
-                           for name, o in options.items()]} for r in range(n)]
+        found = {}
+        for name, options in named(n).items():
+            found[name] = [{"options": options, "skew": skew, "x": x, "probe": probe} for x, probe in tokens(n, g, skew)]
+        return found
     return make
 
 
 @check("the layer equals the one-process reference: outputs, input and expert gradients, top-1/top-2, with drops",
-       points=3, world_sizes=(2, 4), task="layer", inputs=layer_inputs(configs))
+       points=3, world_sizes=(2, 4), task="layer", cases=layer_inputs(configs), returns=layer_returned)
 def whole_layer(ctx, given, got):
-    for k, name in enumerate(configs(ctx.world_size)):
-        judge_layer(ctx, given, got, name, k)
+    judge_layer(ctx, given, got)
 
 
 def skew_config(n):
-    return {"skew": dict(num_experts=max(4, 2 * n), top_k=2, capacity_factor=1.0)}
+    return {"extreme skew": dict(num_experts=max(4, 2 * n), top_k=2, capacity_factor=1.0)}
 
 
 @check("extreme skew: every token picks the same experts; exact, dropping only what capacity demands",
-       points=1, world_sizes=(2, 4), task="layer", inputs=layer_inputs(skew_config, skew=True))
+       points=1, world_sizes=(2, 4), task="layer", cases=layer_inputs(skew_config, skew=True), returns=layer_returned)
 def extreme_skew(ctx, given, got):
-    judge_layer(ctx, given, got, "skew", 0)
+    judge_layer(ctx, given, got)
     for r in range(ctx.world_size):
-        load = got[r]["cases"][0]["load"]
-        T = 2 * (3 + 2 * r)
-        C = load["capacity"] if isinstance(load, dict) else None
-        if not isinstance(load, dict) or load["dropped"] != 2 * (T - min(T, C)):
+        options = given[r]["options"]
+        T = given[r]["x"].shape[0] * given[r]["x"].shape[1]
+        C = capacity(T, options["num_experts"], options["top_k"], options["capacity_factor"])
+        if got[r]["dropped"] != 2 * (T - min(T, C)):
             ctx.fail(f"extreme skew: rank {r}'s {T} tokens all choose the same 2 experts with capacity {C}, so "
-                     f"{2 * (T - min(T, C or 0))} choices must be dropped; the layer's load record says "
-                     f"{load and load['dropped']}")
+                     f"{2 * (T - min(T, C))} choices must be dropped; the layer's load record says {got[r]['dropped']}")
 
 
 @check("the trace: one layer's forward and backward are exactly counts, dispatch, combine, combine backward, "
        "dispatch backward", points=1, world_sizes=(2,),
-       inputs=lambda n, g: [{"x": x, "probe": p} for x, p in tokens(n, g)])
+       inputs=lambda n, g: [{"x": x, "probe": p} for x, p in tokens(n, g)], returns={"calls": [Items(str, Maybe(str))]})
 def trace(ctx, given, got):
     for r in range(ctx.world_size):
         calls = [tuple(c) for c in got[r]["calls"]]

@@ -34,20 +34,14 @@ def kept_order(routing, k):
 
 
 def counts(student, rank, given):
-    out = []
-    for case in given["cases"]:
-        send, recv = student.exchange_counts(case["kept"].clone(), rank.world_size, case["per_rank"], rank.group)
-        out.append({"send": send, "recv": recv})
-    return {"cases": out}
+    send, recv = student.exchange_counts(given["kept"].clone(), rank.world_size, given["per_rank"], rank.group)
+    return {"send": send, "recv": recv}
 
 
 def sort(student, rank, given):
-    out = []
-    for case in given["cases"]:
-        routing = gate_of(case)(case["tokens"])
-        order, rows = student.sort_by_destination(case["tokens"], routing)
-        out.append({"order": order, "rows": rows})
-    return {"cases": out}
+    routing = gate_of(given)(given["tokens"])
+    order, rows = student.sort_by_destination(given["tokens"], routing)
+    return {"order": order, "rows": rows}
 
 
 def all_to_all(student, rank, given):
@@ -74,22 +68,18 @@ def weighted_sum(student, rank, given):
 
 
 def layer(student, rank, given):
-    """Your LabMoE on this rank's tokens, for each configuration: output, gradients, the load recorded."""
-    results = []
-    for case in given["cases"]:
-        moe = student.LabMoE(D, FF, group=rank.group, seed=SEED, init_std=INIT, name="lab", **case["options"])
-        if case["skew"]:
-            skewed(moe)
-        x = case["x"].clone().requires_grad_(True)
-        out, aux = moe(x)
-        found = {"out": out.detach() if isinstance(out, torch.Tensor) else out}
-        if isinstance(out, torch.Tensor) and out.shape == x.shape:
-            ((out * case["probe"]).sum() + aux).backward()
-            found.update(x_grad=x.grad, first=moe.experts.first, local=moe.num_local,
-                         grads={w: getattr(moe.experts, w).grad for w in WEIGHTS},
-                         load=recorder.metrics[-1]["value"] if recorder.metrics else None)
-        results.append(found)
-    return {"cases": results}
+    """Your LabMoE on this rank's tokens, in one configuration: output, gradients, the choices dropped."""
+    moe = student.LabMoE(D, FF, group=rank.group, seed=SEED, init_std=INIT, name="lab", **given["options"])
+    if given["skew"]:
+        skewed(moe)
+    x = given["x"].clone().requires_grad_(True)
+    out, aux = moe(x)
+    found = {"out": out.detach() if isinstance(out, torch.Tensor) else out}
+    if isinstance(out, torch.Tensor) and out.shape == x.shape:
+        ((out * given["probe"]).sum() + aux).backward()
+        found.update(x_grad=x.grad, grads={w: getattr(moe.experts, w).grad for w in WEIGHTS},
+                     dropped=recorder.metrics[-1]["value"]["dropped"] if recorder.metrics else None)
+    return found
 
 
 def trace(student, rank, given):

@@ -1,16 +1,20 @@
 """The graded checks of lab 05 (expert shadowing), judged in the grader's process.
 
-The pure functions are checked on hand-computed cases (numbers worked out in README.md's units); then the
-rule meets real ranks: its choice on the counts of a real MoE layer must be the same on every rank, the
-layer that shadows what it chose must compute exactly what the plain layer computes, and on an emulated
-slow link it must be faster. (Whether a real layer's choice is Algorithm 1's is a check graded on the
-course platform.)
+The latency model and Algorithm 1 are the lab's answer, so nothing here computes them: the pure functions are
+judged by what any right answer satisfies, on cases drawn for each grading (every row computed once, a shadowed
+expert's rows kept where they were routed; latencies that grow with the rows and shrink with the rates, a
+shadowed expert counted once, the rows' traffic left out of Lat_shadow; distinct experts, heaviest first, each
+accepted one lowering your own model's latency). Then the rule meets real ranks: its choice on the counts of a
+real MoE layer must be the same on every rank, the layer that shadows what it chose must compute exactly what
+the plain layer computes, and on an emulated slow link it must be faster. The exact values, and whether a choice
+is Algorithm 1's, are checks graded on the course platform (`hidden_checks.py`).
 """
 import math
+import random
 
 import torch
 
-from toolkit.grading import check, number, sibling
+from toolkit.grading import Either, List, Maybe, Tensor, check, like, number, sibling
 from toolkit.moe import MoE, reference_moe
 from toolkit.moe.experts import WEIGHTS
 
@@ -22,106 +26,169 @@ ANSWERS = {"toolkit.moe.shadow:worker_loads": "the toolkit's own loads",
 BUILDS_ON = ["toolkit.moe.layer:MoE.forward", "toolkit.moe.layer:MoE.exchange_counts",  # the MoE layer (lab 04)
              "toolkit.moe.layer:MoE.sort_by_destination", "toolkit.moe.layer:MoE.dispatch_compute_combine",
              "toolkit.moe.layer:MoE.compute_experts", "toolkit.moe.layer:MoE.weighted_sum",
-             "toolkit.moe.layer:all_to_all",
+             "toolkit.moe.layer:all_to_all", "toolkit.moe.exchange:_AllToAll",
+             "toolkit.moe.units:run_units",  # shadowing's rows kept home run beside the exchange as units (lab 09's)
              # MoE(shadow=[...]) records what the predictor says of the forced choice (toolkit.moe.shadow's
              # Shadowing.decide), and the emulated link prices messages with the alpha-beta model (lab 10's)
              "toolkit.moe.shadow:predict", "toolkit.moe.shadow:worker_loads", "toolkit.moe.shadow:latency_imbalanced",
-             "toolkit.moe.shadow:latency_shadowed", "toolkit.memory.formulas:alpha_beta_time"]
-# Unit choices for the hand cases: H = 1, s = 1 byte, P = 12 FLOP/s, W_net = 4 B/s. Per row: compute
-# 3*4*alpha/12 = alpha s, wire 4/4 = 1 s; per shadowed expert 2 * 2*alpha/4 = alpha s (both transfers).
-UNITS = dict(H=1, P=12, W_net=4, element_bytes=1)
-REALISTIC = dict(H=1024, alpha=4, P=1e13, W_net=1e10, element_bytes=4)
-
-# name -> (counts, owners, model, shadowed set to check, expected loads, Lat_imbl, Lat_shadow, expected choice)
-CASES = {
-    "2 workers, one hot expert (alpha 1)":
-        ([[6, 1], [6, 1]], [0, 1], dict(UNITS, alpha=1), [0], [6, 8], 24, 9, [0]),
-    "2 workers, balanced, big experts (alpha 2)":
-        ([[3, 3], [3, 3]], [0, 1], dict(UNITS, alpha=2), [0], [3, 9], 18, 20, []),
-    "4 workers, two hot experts (alpha 1)":
-        ([[8, 4, 1, 1]] * 4, [0, 1, 2, 3], dict(UNITS, alpha=1), [0, 1], [12, 12, 16, 16], 64, 18, [0, 1]),
-    "2 workers, 2 experts each (alpha 1)":
-        ([[5, 5, 1, 0], [5, 5, 0, 1]], [0, 0, 1, 1], dict(UNITS, alpha=1), [0, 1], [10, 12], 40, 14, [0, 1]),
-    "fast link, symmetric skew: the greedy stops at once (alpha 1)":
-        ([[6, 6], [6, 6]], [0, 1], dict(UNITS, alpha=1, W_net=400), [0, 1], [12, 12], 12.12, 12.02, []),
-    "H = 1024, fp32, 10 TFLOP/s, 10 GB/s":
-        ([[4000, 1000], [4000, 1000]], [0, 1], REALISTIC, [0], [4000, 6000], 0.053373, 0.036910, [0]),
-    "the same on a link 100x slower, 10x fewer rows: moving weights costs more than the layer":
-        ([[400, 100], [400, 100]], [0, 1], dict(REALISTIC, W_net=1e8), [0], [400, 600], 0.13510, 0.67411, []),
-}
+             "toolkit.moe.shadow:latency_shadowed", "toolkit.memory.formulas:alpha_beta_time",
+             "toolkit.memory.formulas:_steps_and_bytes", "toolkit.memory.formulas:bytes_on_wire",
+             "toolkit.memory.formulas:ring_reduce_scatter_bytes", "toolkit.memory.formulas:ring_all_gather_bytes",
+             "toolkit.memory.formulas:ring_all_reduce_bytes"]
 D, FF, SEED, INIT = 8, 16, 7, 0.3
 GAIN_BELOW = 0.8
+CHOICE = List(int, why="choose_shadows returns a list of expert ids (ints)")
 
 
 def close(got, want) -> bool:
     try:
-        return math.isclose(float(got), float(want), rel_tol=1e-4, abs_tol=1e-9)
+        return math.isclose(float(got), float(want), rel_tol=1e-9, abs_tol=1e-12)
     except (TypeError, ValueError):
         return False
 
 
 def as_ids(ctx, choice, what, num_experts) -> list:
-    """The student's choice as a list of expert ids, or a clear failure."""
-    if not isinstance(choice, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in choice):
-        ctx.fail(f"{what}: choose_shadows must return a list of expert ids (ints), got {number(choice)}")
+    """The student's choice (a list of ints, the contract saw to that), or a failure if an id is out of range or
+    repeated."""
     if any(not 0 <= e < num_experts for e in choice) or len(set(choice)) != len(choice):
         ctx.fail(f"{what}: choose_shadows returned {list(choice)}: each expert at most once, ids 0..{num_experts - 1}")
     return list(choice)
 
 
-def calls(*entries):
-    return {"calls": [{"fn": fn, "args": list(args), "kwargs": kwargs} for fn, args, kwargs in entries]}
+# --- the pure functions, on cases drawn for each grading ---------------------------------------------------------
+def draw_case(r: random.Random) -> dict:
+    """W workers, E experts (some worker may own none), rows routed with one or two hot experts, a realistic model."""
+    workers, experts = r.randint(2, 4), r.randint(2, 6)
+    owners = [r.randrange(workers) for _ in range(experts)]
+    hot = r.sample(range(experts), r.randint(1, 2))
+    counts = [[r.randint(0, 50) + (r.randint(100, 400) if e in hot else 0) for e in range(experts)]
+              for _ in range(workers)]
+    model = dict(H=r.choice([256, 1024, 4096]), alpha=r.choice([2, 4]), P=10 ** r.uniform(11, 14),
+                 W_net=10 ** r.uniform(8, 11), element_bytes=r.choice([2, 4]))
+    return {"counts": counts, "owners": owners, "model": model}
 
 
-# --- the pure functions --------------------------------------------------------------------------------
-@check("worker_loads: B'_w, each expert's rows computed by its owner unless shadowed", points=1,
-       world_sizes=(2,), pure=True, task="pure", inputs=calls(*[e for counts, owners, _, shadowed, *_ in CASES.values()
-                                   for e in (("worker_loads", (counts, owners), {}),
-                                             ("worker_loads", (counts, owners, shadowed), {}))]))
+def calls_of(case) -> dict:
+    """The calls the pure checks read, by name: the case, the rows doubled, the rates doubled, a set listed twice."""
+    counts, owners, model = case["counts"], case["owners"], case["model"]
+    experts = len(owners)
+    some = sorted({0, experts - 1})
+    doubled = [[2 * c for c in row] for row in counts]
+    faster = dict(model, P=2 * model["P"], W_net=2 * model["W_net"])
+    found = {"loads": ("worker_loads", [counts, owners], {}), "loads, all shadowed": ("worker_loads", [
+        counts, owners, list(range(experts))], {}), "loads, some shadowed": ("worker_loads", [counts, owners, some], {}),
+        "imbalanced": ("latency_imbalanced", [counts, owners], model),
+        "imbalanced, rows doubled": ("latency_imbalanced", [doubled, owners], model),
+        "imbalanced, rates doubled": ("latency_imbalanced", [counts, owners], faster),
+        "shadowed, none": ("latency_shadowed", [counts, owners, []], model),
+        "shadowed, none, rows free": ("latency_shadowed", [counts, owners, []], dict(model, W_net=1e30)),
+        "shadowed, some": ("latency_shadowed", [counts, owners, some], model),
+        "shadowed, some twice": ("latency_shadowed", [counts, owners, some + some], model),
+        "choice": ("choose_shadows", [counts, owners], model)}
+    load = [sum(row[e] for row in counts) for e in range(experts)]
+    for k, e in enumerate(sorted(range(experts), key=lambda e: (-load[e], e))[:3]):
+        order = sorted(range(experts), key=lambda e: (-load[e], e))
+        found[f"shadowed, the {k + 1} heaviest"] = ("latency_shadowed", [counts, owners, order[:k + 1]], model)
+    return {name: {"fn": fn, "args": args, "kwargs": kwargs} for name, (fn, args, kwargs) in found.items()}
+
+
+# A tie: once experts 0 and 1 are shadowed, shadowing the idle expert 2 leaves every load as it is, and on a free
+# link its weights cost nothing, so the latency stays exactly the best so far: not lower, so the search stops.
+TIE = {"counts": [[10, 10, 0], [10, 10, 0]], "owners": [0, 0, 1],
+       "model": dict(H=1, alpha=1, P=12, W_net=1e300, element_bytes=1)}
+
+
+def pure_cases(n, g):
+    """Five cases drawn for this grading, and the tie."""
+    r = random.Random(int(g.initial_seed()))
+    cases = {}
+    for k in range(5):
+        case = draw_case(r)
+        cases[f"{len(case['counts'])} workers, {len(case['owners'])} experts owned by {case['owners']} (drawn case "
+              f"{k + 1})"] = dict(case, calls=calls_of(case))
+    cases["a tie: an idle expert on a free link"] = dict(TIE, calls=calls_of(TIE))
+    return cases
+
+
+def pure_returned(case, r, n):
+    workers = len(case["counts"])
+    return {name: List(float, workers, why="worker_loads returns one number per worker") if call["fn"] ==
+            "worker_loads" else CHOICE if call["fn"] == "choose_shadows" else float
+            for name, call in case["calls"].items()}
+
+
+@check("worker_loads: every row computed exactly once, an expert's rows by its owner, a shadowed expert's rows by "
+       "the worker that routed them", points=1, world_sizes=(2,), pure=True, task="pure", cases=pure_cases,
+       returns=pure_returned)
 def loads(ctx, given, got):
-    results = iter(got[0]["results"])
-    for counts, owners, _, shadowed, want, *_rest in CASES.values():
-        plain = [sum(c for row in counts for e, c in enumerate(row) if owners[e] == w) for w in range(len(counts))]
-        for value, expected, with_what in ((next(results), plain, "with nothing shadowed"),
-                                           (next(results), want, f"shadowed {shadowed}")):
-            if not isinstance(value, list) or len(value) != len(counts) or not all(map(close, value, expected)):
-                ctx.fail(f"worker_loads({counts}, owners {owners}) {with_what}: got {number(value)}, expected "
-                         f"{expected} " + ("(every expert's rows go to its owner)" if expected is not want else
-                                           "(a shadowed expert's rows stay with the worker that routed them)"))
+    counts, owners, mine = given[0]["counts"], given[0]["owners"], got[0]
+    total, workers = sum(map(sum, counts)), len(counts)
+    said = f"worker_loads(counts {counts}, owners {owners}"
+    for name in ("loads", "loads, some shadowed", "loads, all shadowed"):
+        if not close(sum(mine[name]), total):
+            shadowed = given[0]["calls"][name]["args"][2:]
+            ctx.fail(f"{said}{', shadowed ' + str(shadowed[0]) if shadowed else ''}) = {number(mine[name])}: "
+                     f"{number(sum(mine[name]))} rows in all, but {total} were routed: every row is computed once, "
+                     "by one worker")
+    idle = [w for w in range(workers) if w not in owners]
+    if any(mine["loads"][w] != 0 for w in idle):
+        ctx.fail(f"{said}) = {number(mine['loads'])}: worker(s) {idle} own no expert, so with nothing shadowed they "
+                 "compute nothing (every expert's rows, from every worker, go to its owner)")
+    own = [float(sum(row)) for row in counts]
+    if not all(map(close, mine["loads, all shadowed"], own)):
+        ctx.fail(f"{said}, every expert shadowed) = {number(mine['loads, all shadowed'])}, expected {own}: a shadowed "
+                 "expert's rows stay with the worker that routed them, so with every expert shadowed each worker "
+                 "computes exactly what it routed")
 
 
-@check("the latency model: Lat_imbl and Lat_shadow on hand-computed cases", points=2, world_sizes=(2,),
-       pure=True, task="pure",
-       inputs=calls(*[e for counts, owners, units, shadowed, *_ in CASES.values()
-                      for e in (("latency_imbalanced", (counts, owners), units),
-                                ("latency_shadowed", (counts, owners, shadowed), units))],
-                    ("latency_shadowed", ([[6, 1], [6, 1]], [0, 1], [0, 0]), dict(UNITS, alpha=1))))
+@check("the latency model: proportional to the rows, inversely to the rates; a shadowed expert counted once; "
+       "the rows' traffic left out of Lat_shadow", points=1, world_sizes=(2,), pure=True, task="pure",
+       cases=pure_cases, returns=pure_returned)
 def model(ctx, given, got):
-    results = iter(got[0]["results"])
-    for name, (counts, owners, units, shadowed, _, imbl, shadow, _) in CASES.items():
-        value = next(results)
-        if not close(value, imbl):
-            ctx.fail(f"{name}: latency_imbalanced({counts}, owners {owners}, {units}) = {number(value)}, expected "
-                     f"{imbl} (max over workers of B_w * (3*4*alpha*H^2/P + 4*H*s/W_net))")
-        value = next(results)
-        if not close(value, shadow):
-            ctx.fail(f"{name}: latency_shadowed(..., shadowed {shadowed}) = {number(value)}, expected {shadow} "
-                     f"(max over workers of B'_w * 3*4*alpha*H^2/P, plus 2r * 2*alpha*H^2*s/W_net)")
-    value = next(results)
-    if not close(value, 9):
-        ctx.fail(f"latency_shadowed with shadowed [0, 0] = {number(value)}, expected 9, as for [0]: r counts "
-                 "distinct experts (one expert's weights travel once)")
+    counts, owners, mine = given[0]["counts"], given[0]["owners"], got[0]
+    said = f"counts {counts}, owners {owners}"
+    if not close(mine["imbalanced, rows doubled"], 2 * mine["imbalanced"]):
+        ctx.fail(f"{said}: latency_imbalanced is {number(mine['imbalanced'])}, and {number(mine['imbalanced, rows doubled'])}"
+                 " with every count doubled: each row costs the same compute and bytes, so twice the rows take twice "
+                 "the time")
+    if not close(mine["imbalanced, rates doubled"], mine["imbalanced"] / 2):
+        ctx.fail(f"{said}: latency_imbalanced is {number(mine['imbalanced'])}, and "
+                 f"{number(mine['imbalanced, rates doubled'])} with P and W_net doubled: FLOPs / P plus bytes / W_net "
+                 "halves when both rates double")
+    if not close(mine["shadowed, some twice"], mine["shadowed, some"]):
+        ctx.fail(f"{said}: latency_shadowed with an expert listed twice is {number(mine['shadowed, some twice'])}, "
+                 f"once {number(mine['shadowed, some'])}: r counts distinct experts (one expert's weights travel once)")
+    if not close(mine["shadowed, none"], mine["shadowed, none, rows free"]):
+        ctx.fail(f"{said}: latency_shadowed with nothing shadowed depends on W_net ({number(mine['shadowed, none'])}, "
+                 f"{number(mine['shadowed, none, rows free'])} on a free link): as in the paper it counts the "
+                 "computation and the weights' traffic, not the rows that still travel")
+    finite_link = given[0]["model"]["W_net"] < 1e100  # on a free link the rows' traffic rounds away
+    if finite_link and not mine["shadowed, none"] < mine["imbalanced"]:
+        ctx.fail(f"{said}: latency_shadowed with nothing shadowed is {number(mine['shadowed, none'])}, not below "
+                 f"latency_imbalanced {number(mine['imbalanced'])}: the plain layer also pays for the rows' traffic")
 
 
-@check("choose_shadows: Algorithm 1 picks the expected experts, in order, on hand-computed cases", points=3,
-       world_sizes=(2,), pure=True, task="pure",
-       inputs=calls(*[("choose_shadows", (counts, owners), units) for counts, owners, units, *_ in CASES.values()]))
+@check("choose_shadows: distinct experts, tried heaviest first, each accepted one lowering your model's latency",
+       points=1, world_sizes=(2,), pure=True, task="pure", cases=pure_cases, returns=pure_returned)
 def algorithm(ctx, given, got):
-    for (name, (counts, owners, *_rest, want)), value in zip(CASES.items(), got[0]["results"]):
-        if value != want:
-            ctx.fail(f"{name}: choose_shadows({counts}, owners {owners}) = {number(value)}, expected {want} "
-                     "(README, 'Algorithm 1': heaviest expert first; accept while the latency drops below the best "
-                     "so far, stop at the first that does not)")
+    counts, owners, mine = given[0]["counts"], given[0]["owners"], got[0]
+    experts = len(owners)
+    chosen = as_ids(ctx, mine["choice"], f"counts {counts}, owners {owners}", experts)
+    load = [sum(row[e] for row in counts) for e in range(experts)]
+    order = sorted(range(experts), key=lambda e: (-load[e], e))
+    if chosen != order[:len(chosen)]:
+        ctx.fail(f"choose_shadows(counts {counts}, owners {owners}) = {chosen}: candidates are tried heaviest first "
+                 f"(loads {load}; ties: lower id first), so a choice is a start of {order}")
+    if not chosen and mine["shadowed, the 1 heaviest"] < mine["imbalanced"]:
+        ctx.fail(f"choose_shadows(counts {counts}, owners {owners}) = []: yet your own model says shadowing the "
+                 f"heaviest expert, {order[0]}, lowers the latency from {number(mine['imbalanced'])} to "
+                 f"{number(mine['shadowed, the 1 heaviest'])}: the first candidate tried is the heaviest, and it is "
+                 "accepted when it pays")
+    latencies = [mine["imbalanced"]] + [mine[f"shadowed, the {k} heaviest"] for k in range(1, min(len(chosen), 3) + 1)]
+    if any(not later < earlier for earlier, later in zip(latencies, latencies[1:])):
+        ctx.fail(f"choose_shadows(counts {counts}, owners {owners}) = {chosen}, but your own model's latencies along it "
+                 f"are {[number(x) for x in latencies]}: an expert is accepted only when it lowers the latency below "
+                 "the best so far")
 
 
 # --- on real ranks -------------------------------------------------------------------------------------
@@ -144,7 +211,7 @@ def table_of(layer, xs) -> list:
 def real_inputs(n, g, with_tokens=False):
     E, owners, options = 2 * n, [e // 2 for e in range(2 * n)], dict(top_k=2, capacity_factor=1.0, seed=SEED,
                                                                       init_std=INIT)
-    per_rank = [{"cases": []} for _ in range(n)]
+    cases = {}
     for name, cfg in CONFIGS.items():
         xs = [torch.randn(12 + 4 * r, D, generator=g) for r in range(n)]
         probes = [torch.randn(x.shape, generator=g) for x in xs]
@@ -155,48 +222,54 @@ def real_inputs(n, g, with_tokens=False):
         if cfg["skew"]:
             skew_router(layer)
         table = table_of(layer, xs)
-        for r in range(n):
-            case = {"name": name, "table": table, "owners": owners, "E": E, "options": options, "skew": cfg["skew"],
-                    "model": dict(H=D, alpha=FF / D, element_bytes=4, **cfg["rates"])}
-            if with_tokens:
-                case.update(x=xs[r], probe=probes[r])
-            per_rank[r]["cases"].append(case)
-    return per_rank
+        case = {"table": table, "owners": owners, "E": E, "options": options, "skew": cfg["skew"],
+                "model": dict(H=D, alpha=FF / D, element_bytes=4, **cfg["rates"])}
+        cases[name] = [dict(case, x=xs[r], probe=probes[r]) if with_tokens else dict(case) for r in range(n)]
+    return cases
 
 
 @check("on a real layer's counts: a valid choice, the same on every rank", points=1, world_sizes=(2,),
-       inputs=real_inputs)
+       cases=real_inputs, returns={"choice": CHOICE})
 def real_counts(ctx, given, got):
-    for k, case in enumerate(given[0]["cases"]):
-        everyone = [as_ids(ctx, got[r]["choices"][k], f"{case['name']}, rank {r}", case["E"])
-                    for r in range(ctx.world_size)]
-        if any(choice != everyone[0] for choice in everyone):
-            ctx.fail(f"{case['name']}: the ranks chose differently ({everyone}) from the same counts: the rule must be "
-                     f"a pure function of its inputs, or the ranks' collectives stop matching and the job hangs")
+    case = given[0]
+    everyone = [as_ids(ctx, got[r]["choice"], f"{ctx.case}, rank {r}", case["E"]) for r in range(ctx.world_size)]
+    if any(choice != everyone[0] for choice in everyone):
+        ctx.fail(f"{ctx.case}: the ranks chose differently ({everyone}) from the same counts: the rule must be "
+                 f"a pure function of its inputs, or the ranks' collectives stop matching and the job hangs")
+
+
+def shadowed_layer(case, r, n):
+    """The choice, and (when it is a list of ints) the shadowed layer's output and gradients on this rank."""
+    with torch.device("meta"):
+        experts = MoE(D, FF, case["E"], **case["options"]).experts  # one rank's share: E / n experts of E
+    local = case["E"] // n
+    return Either({"chosen": CHOICE, "out": like(case["x"]), "x_grad": Maybe(like(case["x"])),
+                   "grads": {w: Maybe(Tensor((local, *getattr(experts, w).shape[1:]), torch.float32))
+                             for w in WEIGHTS}}, {"chosen": CHOICE})
 
 
 @check("the layer that shadows your choice computes what the plain layer computes (outputs and gradients)",
-       points=2, world_sizes=(2,), inputs=lambda n, g: real_inputs(n, g, with_tokens=True))
+       points=2, world_sizes=(2,), cases=lambda n, g: real_inputs(n, g, with_tokens=True), returns=shadowed_layer)
 def equal_outputs(ctx, given, got):
-    n = ctx.world_size
-    for k, case in enumerate(given[0]["cases"]):
-        reference = MoE(D, FF, case["E"], **case["options"])
-        if case["skew"]:
-            skew_router(reference)
-        xs = [given[r]["cases"][k]["x"].clone().requires_grad_(True) for r in range(n)]
-        outs, auxes = reference_moe(reference, xs)
-        sum((o * given[r]["cases"][k]["probe"]).sum() + a for r, (o, a) in enumerate(zip(outs, auxes))).backward()
-        for r in range(n):
-            found = got[r]["cases"][k]
-            chosen = as_ids(ctx, found["chosen"], f"{case['name']}, rank {r}", case["E"])
-            what = f"{case['name']}, shadowing your choice {chosen}"
-            ctx.expect(found["out"], outs[r].detach(), f"{what}: layer output", rank=r, exact=False)
-            ctx.expect(found["x_grad"], xs[r].grad, f"{what}: gradient of the layer's input", rank=r, exact=False)
-            first, local = found["first"], found["local"]
-            for w in WEIGHTS:
-                want = getattr(reference.experts, w).grad[first:first + local]
-                ctx.expect(found["grads"][w], want, f"{what}: gradient of expert weight {w} on its owner", rank=r,
-                           exact=False)
+    n, case = ctx.world_size, given[0]
+    reference = MoE(D, FF, case["E"], **case["options"])
+    if case["skew"]:
+        skew_router(reference)
+    xs = [given[r]["x"].clone().requires_grad_(True) for r in range(n)]
+    outs, auxes = reference_moe(reference, xs)
+    sum((o * given[r]["probe"]).sum() + a for r, (o, a) in enumerate(zip(outs, auxes))).backward()
+    for r in range(n):
+        found = got[r]
+        chosen = as_ids(ctx, found["chosen"], f"{ctx.case}, rank {r}", case["E"])
+        what = f"{ctx.case}, shadowing your choice {chosen}"
+        ctx.expect(found["out"], outs[r].detach(), f"{what}: layer output", rank=r, exact=False)
+        ctx.expect(found["x_grad"], xs[r].grad, f"{what}: gradient of the layer's input", rank=r, exact=False)
+        local = case["E"] // n  # the layer's experts per rank (given code): rank r's are r·local ...
+        first = r * local
+        for w in WEIGHTS:
+            want = getattr(reference.experts, w).grad[first:first + local]
+            ctx.expect(found["grads"][w], want, f"{what}: gradient of expert weight {w} on its owner", rank=r,
+                       exact=False)
 
 
 def gain_inputs(n, g):
@@ -211,10 +284,13 @@ def gain_inputs(n, g):
 
 
 @check("a measured gain: on an emulated 1 MB/s link, under strong skew, shadowing your choice is faster than the "
-       "plain layer (time ratio below 0.8)", points=2, world_sizes=(2,), inputs=gain_inputs)
+       "plain layer (time ratio below 0.8)", points=2, world_sizes=(2,), inputs=gain_inputs,
+       returns=Either({"chosen": CHOICE, "plain_s": float, "shadowed_s": float}, {"chosen": CHOICE}))
 def measured_gain(ctx, given, got):
     mine = got[0]
     chosen = as_ids(ctx, mine["chosen"], "gain", given[0]["E"])
+    if "plain_s" not in mine:
+        ctx.fail(f"choose_shadows returned {chosen}, and the layers were not timed")
     ratio = mine["shadowed_s"] / mine["plain_s"]
     if not ratio < GAIN_BELOW:
         ctx.fail(f"shadowing {chosen} took {ratio:.2f} of the plain layer's time (median of 3: "

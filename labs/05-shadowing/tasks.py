@@ -27,34 +27,26 @@ def skew_router(layer):
 
 
 def pure(student, rank, given):
-    """Every hand case through the function the check names."""
-    results = []
-    for call in given["calls"]:
-        fn = getattr(student, call["fn"])
-        results.append(fn(*call["args"], **call["kwargs"]))
-    return {"results": results}
+    """Every call the case names, through the function it names: {its name: what it returned}."""
+    return {name: getattr(student, call["fn"])(*call["args"], **call["kwargs"]) for name, call in given["calls"].items()}
 
 
 def real_counts(student, rank, given):
-    return {"choices": [student.choose_shadows(c["table"], c["owners"], **c["model"]) for c in given["cases"]]}
+    return {"choice": student.choose_shadows(given["table"], given["owners"], **given["model"])}
 
 
 def equal_outputs(student, rank, given):
-    found = []
-    for case in given["cases"]:
-        chosen = student.choose_shadows(case["table"], case["owners"], **case["model"])
-        entry = {"chosen": chosen}
-        if isinstance(chosen, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in chosen):
-            layer = MoE(D, FF, case["E"], group=rank.group, shadow=chosen, **case["options"])
-            if case["skew"]:
-                skew_router(layer)
-            x = case["x"].clone().requires_grad_(True)
-            out, aux = layer(x)
-            ((out * case["probe"]).sum() + aux).backward()
-            entry.update(out=out.detach(), x_grad=x.grad, first=layer.experts.first, local=layer.num_local,
-                         grads={w: getattr(layer.experts, w).grad for w in WEIGHTS})
-        found.append(entry)
-    return {"cases": found}
+    chosen = student.choose_shadows(given["table"], given["owners"], **given["model"])
+    found = {"chosen": chosen}
+    if isinstance(chosen, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in chosen):
+        layer = MoE(D, FF, given["E"], group=rank.group, shadow=chosen, **given["options"])
+        if given["skew"]:
+            skew_router(layer)
+        x = given["x"].clone().requires_grad_(True)
+        out, aux = layer(x)
+        ((out * given["probe"]).sum() + aux).backward()
+        found.update(out=out.detach(), x_grad=x.grad, grads={w: getattr(layer.experts, w).grad for w in WEIGHTS})
+    return found
 
 
 def _timed(layer, x) -> float:

@@ -7,13 +7,14 @@ the tied embedding, and one per block), built from a seed drawn for this grading
 """
 import torch
 
-from toolkit.grading import check, model_labs
+from toolkit.grading import Fields, Items, List, Maybe, Tensor, check, like, model_labs
 from toolkit.models import SyntheticCorpus
 from toolkit.parallel.flat import FlatBuffer
 
 ANSWERS = {"toolkit.parallel.fsdp_unit:sharding_groups": "the toolkit's own hybrid sharding groups",
            "toolkit.parallel.fsdp_unit:FSDPUnit.reduce_grad": "the toolkit's own gradient reduction",
-           "toolkit.parallel.fsdp_unit:FSDPUnit.finish_reduce": "the toolkit's own gradient reduction"}
+           "toolkit.parallel.fsdp_unit:FSDPUnit.finish_reduce": "the toolkit's own gradient reduction",
+           "toolkit.comm.hierarchical:node_groups": "the 2D all-to-all's node and cross-node groups, make_groups's"}
 BUILDS_ON = ["toolkit.parallel.fsdp_unit:FSDPUnit.unshard", "toolkit.parallel.fsdp_unit:FSDPUnit.wait_unshard",
              "toolkit.parallel.fsdp_unit:FSDPUnit.reshard", "toolkit.parallel.fsdp_unit:FSDPUnit.add_grad"]
 F = 2  # ranks per node = the sharding factor
@@ -42,37 +43,66 @@ def node_batch(node, world, step=0):
     return torch.cat([x for x, _ in rows]), torch.cat([y for _, y in rows])
 
 
-def expected_slice(unit, grads: dict):
-    flat = FlatBuffer(unit["shapes"], unit["world"])
+PARAMETERS = model_labs.parameters()
+UNITS = model_labs.fsdp_units(F)  # FSDP's units, each sharded over a node's F ranks
+COMM = Fields({"name": str, "args": Fields({"group": [int], "bytes_sent": int}, extra=True)}, extra=True)
+
+
+def expected_slice(unit, grads: dict, r: int):
+    """Rank r's slice of the unit's flat gradient: slice r % F, the rank's place in its node."""
+    flat = FlatBuffer(unit["shapes"], F)
     flat.copy_from([grads[name] for name in unit["param_names"]])
-    return flat.shard(unit["rank"])
+    return flat.shard(r % F)
 
 
-LAYOUTS = {(4, 2): ([[0, 1], [2, 3]], [[0, 2], [1, 3]]),
-           (8, 4): ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]]),
-           (6, 3): ([[0, 1, 2], [3, 4, 5]], [[0, 3], [1, 4], [2, 5]]),
-           (4, 4): ([[0, 1, 2, 3]], [[0], [1], [2], [3]]),   # full sharding: every replica group alone
-           (4, 1): ([[0], [1], [2], [3]], [[0, 1, 2, 3]])}   # no sharding: plain data parallelism
+def _layouts(n, g):
+    """(world size, F) with F dividing the world size: the edge cases (full sharding, none) and some drawn."""
+    cases = [(4, 2), (4, 4), (4, 1)]
+    for _ in range(3):
+        f, nodes = int(torch.randint(1, 5, (), generator=g)), int(torch.randint(1, 5, (), generator=g))
+        cases.append((f * nodes, f))
+    return {f"hsdp_layout({world}, {f})": {"world_size": world, "F": f} for world, f in dict.fromkeys(cases)}
+
+
+def what_is_wrong(world: int, f: int, shards, replicas) -> str:
+    """Why (shards, replicas) is not the layout of `world` ranks in nodes of f ("" when it is), by the rules."""
+    nodes = world // f
+    if len(shards) != nodes or len(replicas) != f:
+        swapped = len(shards) == f and len(replicas) == nodes and nodes != f
+        return (f"{len(shards)} shard groups and {len(replicas)} replica groups; {world} ranks in nodes of {f} make "
+                f"{nodes} shard groups (one per node) and {f} replica groups (one per place in a node)"
+                + (": the two are swapped" if swapped else ""))
+    for node, group in enumerate(shards):
+        if group != list(range(node * f, (node + 1) * f)):
+            swapped = group == list(range(node, world, nodes))
+            return (f"shard group {node} is {group}: a shard group is one node, its {f} consecutive ranks, "
+                    "listed node by node" + (": the two are swapped. A shard group is one node, F consecutive "
+                                             "ranks that split the units over the fast links; a replica group is the "
+                                             "ranks holding the same slice, one per node" if swapped else ""))
+    for place, group in enumerate(replicas):
+        if group != [node * f + place for node in range(nodes)]:
+            return (f"replica group {place} is {group}: a replica group is the ranks at place {place} of every "
+                    "node (the ranks holding the same slice), in increasing order, listed by place")
+    return ""
 
 
 @check("hsdp_layout: shard groups are nodes of F consecutive ranks, replica groups every F-th rank",
-       points=1, world_sizes=(4,), pure=True, inputs={"cases": list(LAYOUTS)})
+       points=1, world_sizes=(4,), pure=True, cases=_layouts,
+       returns={"layout": Items(List(List(int)), List(List(int)),
+                                why="hsdp_layout returns (shard groups, replica groups), each a list of lists of ranks")})
 def layout(ctx, given, got):
-    for ((world, f), expected), value in zip(LAYOUTS.items(), got[0]["results"]):
-        try:
-            value = ([list(g) for g in value[0]], [list(g) for g in value[1]])
-        except (TypeError, IndexError, KeyError):
-            pass
-        if value != expected:
-            swapped = value == (expected[1], expected[0])
-            ctx.fail(f"hsdp_layout({world}, {f}) returned {value!r:.120}, expected {expected} (shard groups, "
-                     "replica groups)" + (": the two are swapped. A shard group is one node, F consecutive ranks "
-                                          "that split the units over the fast links; a replica group is the "
-                                          "ranks holding the same slice, one per node" if swapped else ""))
+    world, f = given[0]["world_size"], given[0]["F"]
+    shards, replicas = got[0]["layout"]
+    why = what_is_wrong(world, f, shards, replicas)
+    if why:
+        ctx.fail(f"hsdp_layout({world}, {f}) returned ({shards}, {replicas}): {why}")
+
+
+GROUP = {"members": [int], "sum": Tensor((1,), torch.float32)}
 
 
 @check("make_groups: this rank's shard group is its node, its replica group the same slot in every node",
-       points=1, world_sizes=(4,))
+       points=1, world_sizes=(4,), returns={"shard group": GROUP, "replica group": GROUP})
 def groups(ctx, given, got):
     for r in range(ctx.world_size):
         node, slot = r // F, r % F
@@ -86,21 +116,22 @@ def groups(ctx, given, got):
 
 
 @check("after one backward each rank holds its slice of the WHOLE batch's gradient: averaged inside the "
-       "node, then across the nodes", points=2, world_sizes=(4,), inputs=training(1))
+       "node, then across the nodes", points=2, world_sizes=(4,), inputs=training(1),
+       returns={"grads": {u["name"]: Maybe(Tensor((u["shard"],), torch.float32)) for u in UNITS}})
 def gradient_slices(ctx, given, got):
     seed, n = given[0]["seed"], ctx.world_size
     grads = {name: p.grad for name, p in local(seed, 0).named_parameters()}
     by_node = {node: {name: p.grad for name, p in local(seed, 0, node_batch(node, n)).named_parameters()}
                for node in range(n // F)}
     for r in range(n):
-        for unit in got[r]["units"]:
-            if unit["grad"] is None:
+        for unit in UNITS:
+            mine = got[r]["grads"][unit["name"]]
+            if mine is None:
                 ctx.fail(f"rank {r}: unit {unit['name']!r} has no gradient after backward: finish_reduce must "
                          "leave the reduced slice in self.mine.grad")
-            mine = ctx.tensor(unit["grad"], f"rank {r}'s gradient slice of unit {unit['name']!r}", r)
-            expected = expected_slice(unit, grads)
-            if mine.shape == expected.shape and not torch.allclose(mine, expected, **TOLERANCE):
-                if torch.allclose(mine, expected_slice(unit, by_node[r // F]), **TOLERANCE):
+            expected = expected_slice(unit, grads, r)
+            if not torch.allclose(mine, expected, **TOLERANCE):
+                if torch.allclose(mine, expected_slice(unit, by_node[r // F], r), **TOLERANCE):
                     ctx.fail(f"rank {r}: unit {unit['name']!r}'s gradient is the average over node {r // F}'s rows "
                              "only: the replicas were never averaged, so each node would train its own model. "
                              "All-reduce the slice (op='avg') over the replica group")
@@ -115,25 +146,25 @@ def gradient_slices(ctx, given, got):
 
 
 @check(f"parity with one process: {STEPS} SGD steps give every rank the same parameters", points=2,
-       world_sizes=(4,), inputs=training(STEPS))
+       world_sizes=(4,), inputs=training(STEPS), returns={"params": {name: like(p) for name, p in PARAMETERS.items()}})
 def parity(ctx, given, got):
     reference = local(given[0]["seed"], STEPS)
     for r in range(ctx.world_size):
         for name, p in reference.named_parameters():
-            ctx.expect(got[r]["params"].get(name), p.detach(), f"{name!r} after {STEPS} SGD steps", rank=r,
+            ctx.expect(got[r]["params"][name], p.detach(), f"{name!r} after {STEPS} SGD steps", rank=r,
                        exact=False, rtol=1e-4, atol=1e-5)
 
 
 @check("bytes across nodes: only the slices' all-reduce crosses, 2(R-1)/R x Ψ/F per rank per step; inside "
-       "the node 3Ψ(F-1)/F", points=2, world_sizes=(4,), inputs=training(1))
+       "the node 3Ψ(F-1)/F", points=2, world_sizes=(4,), inputs=training(1), returns={"comms": [COMM]})
 def bytes_across_nodes(ctx, given, got):
     replicas = ctx.world_size // F
     for r in range(ctx.world_size):
         events = got[r]["comms"]
         across = [e for e in events if len({m // F for m in e["args"]["group"]}) > 1]
         inside = [e for e in events if len({m // F for m in e["args"]["group"]}) == 1]
-        psi = sum(got[r]["padded"])
-        theory_across = sum(2 * (replicas - 1) * (shard * 4) // replicas for shard in got[r]["shards"])
+        psi = sum(u["padded"] for u in UNITS)
+        theory_across = sum(2 * (replicas - 1) * (u["shard"] * 4) // replicas for u in UNITS)
         theory_inside = 3 * psi * 4 * (F - 1) / F
         sent_across = sum(e["args"]["bytes_sent"] for e in across)
         sent_inside = sum(e["args"]["bytes_sent"] for e in inside)

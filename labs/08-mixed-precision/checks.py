@@ -8,7 +8,7 @@ precision must stay close to, within the tolerance stated below.
 """
 import torch
 
-from toolkit.grading import check, model_labs
+from toolkit.grading import Fields, List, Maybe, Tensor, check, model_labs
 from toolkit.models import SyntheticCorpus, tiny_gpt
 from toolkit.parallel.flat import FlatBuffer
 
@@ -43,59 +43,76 @@ def fp32_model(seed):
     return tiny_gpt()
 
 
+WORLD = 2
+PARAMETERS = model_labs.parameters()
+UNITS = model_labs.fsdp_units(WORLD)
+COMM = Fields({"name": str, "args": Fields({"bytes_sent": int}, extra=True)}, extra=True)
+
+
 def flat_of(unit, tensors: dict, dtype=FP32):
-    flat = FlatBuffer(unit["shapes"], unit["world"], dtype=dtype)
+    flat = FlatBuffer(unit["shapes"], WORLD, dtype=dtype)
     flat.copy_from([tensors[name].to(dtype) for name in unit["param_names"]])
     return flat
 
 
 @check("unshard: the gathered unit is the bf16 rounding of the fp32 masters, and it travelled in bf16",
-       points=2, world_sizes=(2,), inputs=training(0))
+       points=2, world_sizes=(WORLD,), inputs=training(0),
+       returns={"units": {u["name"]: {"gathered": [str], "flat": Tensor((u["padded"],), BF16), "master": str}
+                          for u in UNITS}})
 def gathered_in_bf16(ctx, given, got):
     values = {name: p.detach() for name, p in fp32_model(given[0]["seed"]).named_parameters()}
     for r in range(ctx.world_size):
-        for unit in got[r]["units"]:
+        for spec in UNITS:
+            name, unit = spec["name"], got[r]["units"][spec["name"]]
             if unit["gathered"] != ["bfloat16"]:
-                ctx.fail(f"rank {r}: unshard() of unit {unit['name']!r} all-gathered {unit['gathered'] or 'nothing'}, "
+                ctx.fail(f"rank {r}: unshard() of unit {name!r} all-gathered {unit['gathered'] or 'nothing'}, "
                          "expected one all-gather in bfloat16: cast the fp32 master slice to param_dtype *before* "
                          "the all-gather, which is where mixed precision halves the bytes (an fp32 gather moves 4 "
                          "bytes per element, then rounds)")
-            ctx.expect(unit["flat"], flat_of(unit, values, BF16).data, f"unit {unit['name']!r}'s gathered flat "
-                       "parameter", rank=r)
+            ctx.expect(unit["flat"], flat_of(spec, values, BF16).data, f"unit {name!r}'s gathered flat parameter",
+                       rank=r)
             if unit["master"] != "torch.float32":
-                ctx.fail(f"rank {r}: unit {unit['name']!r}'s master slice is {unit['master']}: it must stay fp32")
+                ctx.fail(f"rank {r}: unit {name!r}'s master slice is {unit['master']}: it must stay fp32")
 
 
 PRECISIONS = [("bfloat16", None), ("bfloat16", "float32")]
 
 
+def _precisions(n, g):
+    made = training(1)(n, g)
+    return {f"MixedPrecision({param}, reduce_dtype={reduce})": [dict(mine, precision=(param, reduce)) for mine in made]
+            for param, reduce in PRECISIONS}
+
+
 @check("gradients are reduced in reduce_dtype: bf16 by default, fp32 with MixedPrecision(reduce_dtype=fp32)",
-       points=2, world_sizes=(2,), inputs=training(1, precisions=PRECISIONS))
+       points=2, world_sizes=(WORLD,), cases=_precisions, returns={"dtypes": [str]})
 def reduced_in_reduce_dtype(ctx, given, got):
+    param, reduce = given[0]["precision"]
+    expected = reduce or param
     for r in range(ctx.world_size):
-        for (param, reduce), dtypes in zip(PRECISIONS, got[r]["dtypes"]):
-            expected = reduce or param
-            if dtypes != [expected]:
-                ctx.fail(f"rank {r}: with MixedPrecision({param}, reduce_dtype={reduce}) the gradients' "
-                         f"reduce-scatters ran in {dtypes or 'nothing'}, expected {expected}: make the flat gradient "
-                         "buffer in reduce_dtype (add_grad), and reduce-scatter that buffer")
+        dtypes = got[r]["dtypes"]
+        if dtypes != [expected]:
+            ctx.fail(f"rank {r}: with MixedPrecision({param}, reduce_dtype={reduce}) the gradients' "
+                     f"reduce-scatters ran in {dtypes or 'nothing'}, expected {expected}: make the flat gradient "
+                     "buffer in reduce_dtype (add_grad), and reduce-scatter that buffer")
 
 
 @check("the optimizer sees fp32: masters and gradient slices fp32, micro-batches accumulated in fp32",
-       points=1, world_sizes=(2,), inputs=training(2))
+       points=1, world_sizes=(WORLD,), inputs=training(2),
+       returns={"grads": {u["name"]: Maybe(Tensor((u["shard"],))) for u in UNITS}})
 def fp32_for_the_optimizer(ctx, given, got):
     reference = fp32_model(given[0]["seed"])
     for step in range(2):  # two micro-batches, one step
         reference(*batch(0, 1, step)).backward()
     grads = {name: p.grad for name, p in reference.named_parameters()}
     for r in range(ctx.world_size):
-        for unit in got[r]["units"]:
-            mine = unit["grad"]
-            if not isinstance(mine, torch.Tensor) or mine.dtype != FP32:
+        for unit in UNITS:
+            mine = got[r]["grads"][unit["name"]]
+            if mine is None or mine.dtype != FP32:
                 ctx.fail(f"rank {r}: unit {unit['name']!r}'s gradient slice is "
                          f"{'missing' if mine is None else getattr(mine, 'dtype', type(mine).__name__)}; finish_reduce "
                          "must leave an fp32 slice in self.mine.grad (the optimizer steps fp32 masters)")
-            expected = flat_of(unit, grads).shard(unit["rank"])
+            expected = flat_of(unit, grads).shard(r)
             scale = expected.abs().max().item()
             worst = (mine - expected).abs().max().item()
             if worst > 0.05 * scale:  # bf16 compute: about 1% per gradient; a lost micro-batch is about 50%
@@ -105,7 +122,8 @@ def fp32_for_the_optimizer(ctx, given, got):
 
 
 @check(f"{STEPS} AdamW steps stay within the stated tolerance of the fp32 run (losses and parameters)",
-       points=2, world_sizes=(2,), inputs=training(STEPS))
+       points=2, world_sizes=(WORLD,), inputs=training(STEPS),
+       returns={"losses": List(float, STEPS), "params": {name: Tensor(tuple(p.shape)) for name, p in PARAMETERS.items()}})
 def close_to_fp32(ctx, given, got):
     reference = fp32_model(given[0]["seed"])
     opt = torch.optim.AdamW(reference.parameters(), **OPTIMIZER)
@@ -117,13 +135,13 @@ def close_to_fp32(ctx, given, got):
         opt.zero_grad()
         fp32_losses.append(loss.item())
     for r in range(ctx.world_size):
-        for step, (mine, fp32) in enumerate(zip(got[r]["losses"], fp32_losses)):
+        for step, fp32 in enumerate(fp32_losses):
+            mine = got[r]["losses"][step]
             if abs(mine - fp32) > LOSS_ATOL:
                 ctx.fail(f"rank {r}: step {step}'s loss is {mine:.4f} against the fp32 run's {fp32:.4f}; bf16 "
                          f"allows {LOSS_ATOL:.3f} (3 of bf16's spacings near 4)")
         params = got[r]["params"]
-        if any(not isinstance(params.get(n), torch.Tensor) or params[n].dtype != FP32 for n, _ in
-               reference.named_parameters()):
+        if any(params[n].dtype != FP32 for n, _ in reference.named_parameters()):
             ctx.fail(f"rank {r}: the trained parameters are not fp32: the masters must stay fp32")
         diffs = torch.cat([(params[n] - p.detach()).abs().flatten() for n, p in reference.named_parameters()])
         if diffs.max() > PARAM_MAX or diffs.mean() > PARAM_MEAN:
@@ -133,11 +151,12 @@ def close_to_fp32(ctx, given, got):
 
 
 @check("bytes halved: a bf16 step moves half the bytes of the fp32 step, 3Ψ(N-1)/N x 2", points=1,
-       world_sizes=(2,), inputs=training(1))
+       world_sizes=(WORLD,), inputs=training(1), returns={"comms": [COMM]})
 def bytes_halved(ctx, given, got):
     n = ctx.world_size
+    psi = sum(u["padded"] for u in UNITS)
     for r in range(n):
-        events, psi = got[r]["comms"], sum(got[r]["padded"])
+        events = got[r]["comms"]
         sent = sum(e["args"]["bytes_sent"] for e in events)
         fp32 = 3 * psi * 4 * (n - 1) // n
         if abs(sent - fp32 / 2) > len(events):

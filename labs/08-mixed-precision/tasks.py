@@ -20,39 +20,30 @@ def _wrapped(student, given, precision=("bfloat16", None)):
                         optimizer=functools.partial(torch.optim.AdamW, **given["optimizer"]))
 
 
-def _unit(u) -> dict:
-    return {"name": u.name, "param_names": list(u.param_names), "shapes": [list(s) for s in u.flat.shapes],
-            "world": u.flat.world_size, "rank": u.sharding.rank}
-
-
 def gathered_in_bf16(student, rank, given):
     fsdp, _ = _wrapped(student, given)
-    units = []
+    units = {}
     for unit in fsdp.units:
         start = rank.events_now()
         unit.unshard()
-        units.append(dict(_unit(unit), gathered=[e["args"]["dtype"] for e in rank.comm_events(start)
-                                                 if e["name"] == "all_gather"],
-                          flat=unit.flat.data.detach().clone(), master=str(unit.master.dtype)))
+        units[unit.name] = {"gathered": [e["args"]["dtype"] for e in rank.comm_events(start) if e["name"] == "all_gather"],
+                            "flat": unit.flat.data.detach().clone(), "master": str(unit.master.dtype)}
         unit.reshard()
     return {"units": units}
 
 
 def reduced_in_reduce_dtype(student, rank, given):
-    found = []
-    for precision in given["precisions"]:
-        fsdp, _ = _wrapped(student, given, precision)
-        start = rank.events_now()
-        fsdp(*given["batches"][0]).backward()
-        found.append(sorted({e["args"]["dtype"] for e in rank.comm_events(start) if e["name"] == "reduce_scatter"}))
-    return {"dtypes": found}
+    fsdp, _ = _wrapped(student, given, given["precision"])
+    start = rank.events_now()
+    fsdp(*given["batches"][0]).backward()
+    return {"dtypes": sorted({e["args"]["dtype"] for e in rank.comm_events(start) if e["name"] == "reduce_scatter"})}
 
 
 def fp32_for_the_optimizer(student, rank, given):
     fsdp, _ = _wrapped(student, given, ("bfloat16", "float32"))
     for x, y in given["batches"]:  # two micro-batches, one step
         fsdp(x, y).backward()
-    return {"units": [dict(_unit(u), grad=u.mine.grad) for u in fsdp.units]}
+    return {"grads": {u.name: u.mine.grad for u in fsdp.units}}
 
 
 def close_to_fp32(student, rank, given):
@@ -72,4 +63,4 @@ def bytes_halved(student, rank, given):
     start = rank.events_now()
     fsdp(*given["batches"][0]).backward()
     opt.step()
-    return {"comms": rank.comm_events(start), "padded": [u.flat.padded_numel for u in fsdp.units]}
+    return {"comms": rank.comm_events(start)}

@@ -27,20 +27,23 @@ def run(student, rank, given, degree, backward=False) -> dict:
 
 def split(student, rank, given):
     x = torch.arange(2 * 5 * 3.0).view(2, 5, 3)
-    found = {"chunks": {}}
-    for degree in given["degrees"]:
-        found["chunks"][str(degree)] = list(student.split_capacity(x, degree))
-    try:
-        student.split_capacity(x, 0)
-        found["zero"] = "returned"
-    except ValueError:
-        found["zero"] = "ValueError"
-    return found
+    if given["degree"] == 0:
+        try:
+            student.split_capacity(x, 0)
+        except ValueError:
+            return {"raised": "ValueError"}
+        return {"raised": "nothing"}
+    return {"chunks": list(student.split_capacity(x, given["degree"]))}
 
 
 def outputs(student, rank, given):
-    return {"runs": [run(student, rank, given, degree) for degree in given["degrees"]]}
+    return run(student, rank, given, given["degree"])
 
 
 def gradients(student, rank, given):
-    return {"runs": [run(student, rank, given, degree, backward=True) for degree in given["degrees"]]}
+    return run(student, rank, given, given["degree"], backward=True)
+
+
+def traffic(student, rank, given):
+    """The same tokens through your pipeline at each degree: one forward each."""
+    return {f"degree {degree}": run(student, rank, given, degree) for degree in given["degrees"]}

@@ -1,15 +1,13 @@
-"""Instructor only (`python -m toolkit release` leaves it out: it computes the answers). Writes steps.json:
+"""Instructor only (`python -m toolkit release` leaves it out: it runs the toolkit's own simulator and pricing).
+Writes steps.json, the inputs lab 10 grades on: one training step of a small GPT per strategy, recorded from the
+toolkit's own code on 8 simulated ranks (`toolkit.sim.simulate`), with every instruction's duration on one DGX
+A100 node and the node's alpha and beta. It holds no expected value: the released checks judge properties, and
+the hidden checks compute the exact values from the toolkit's cost model at grading time.
 
-- the steps lab 10 grades on: one training step of a small GPT per strategy, from the toolkit's own code on
-  8 simulated ranks (`toolkit.sim.simulate`), with every instruction's duration on one DGX A100 node;
-- every expected value the released checks compare with, from the toolkit's own cost model
-  (`toolkit.memory.formulas.alpha_beta_time`, `toolkit.sim.timeline.schedule`), and what each classic
-  mistake would give instead, so that the released checks hold numbers, never the answer's code.
+    python labs/10-cost-model/record_steps.py              # record the steps again, then their durations
+    python labs/10-cost-model/record_steps.py --durations  # only the durations, for the stored programs
 
-    python labs/10-cost-model/record_steps.py              # record the steps again, then the expected values
-    python labs/10-cost-model/record_steps.py --expected   # only the expected values, for the stored steps
-
-Run it again when a strategy changes the order of its collectives, or when a case in checks.py changes.
+Run it again when a strategy changes the order of its collectives.
 """
 import functools
 import importlib.util
@@ -20,11 +18,9 @@ from pathlib import Path
 
 import torch
 
-from toolkit.memory.formulas import alpha_beta_time
 from toolkit.models import tiny_gpt
 from toolkit.sim import Collective, Compute, Wait, cluster_of, compute_time, simulate
 from toolkit.sim.collective_time import collective_time
-from toolkit.sim.timeline import schedule
 
 HERE = Path(__file__).resolve().parent
 MODEL = dict(n_layer=4, d_model=256, n_head=4, vocab_size=512, seq_len=128)
@@ -68,76 +64,26 @@ def record() -> list:
     return steps
 
 
-# --- the answers, and the classic mistakes ----------------------------------------------------------------
-class _Cost:
-    def __init__(self, seconds, resources=("link",)):
-        self.seconds, self.resources = seconds, resources  # one communication stream, as in the lab
-
-
-def replay(program, compute, comm, *, waits=True, tail=True, queue=True, blocking=False) -> dict:
-    """The reference breakdown (the toolkit's schedule), or a classic mistake's step time."""
-    if waits and tail and queue and not blocking:
-        return schedule(program, compute, lambda c: _Cost(comm(c))).breakdown()
-    if blocking:
-        return {"step": sum(compute(i) for i in program if isinstance(i, Compute))
-                + sum(comm(i) for i in program if isinstance(i, Collective))}
-    kept = [i for i in program if waits or not isinstance(i, Wait)]
-    timeline = schedule(kept, compute, lambda c: _Cost(comm(c), ("link",) if queue else ()))
-    if tail:
-        return {"step": timeline.step_time}
-    return {"step": max([s.end for s in timeline.spans if s.kind == "compute"], default=0.0)}
-
-
-MISTAKE_RULES = {"blocking": dict(blocking=True), "never_stalled": dict(waits=False),
-                 "unwaited": dict(tail=False), "never_stalled_nor_waited_out": dict(waits=False, tail=False),
-                 "no_queue": dict(queue=False)}
-
-
-def step_values(program, compute, comm) -> dict:
-    right = replay(program, compute, comm)
-    wrong = {key: replay(program, compute, comm, **rule)["step"] for key, rule in MISTAKE_RULES.items()}
-    both = "never_stalled_nor_waited_out"  # named only where neither mistake alone explains the number
-    if any(abs(wrong[both] - wrong[one]) <= 1e-12 for one in ("never_stalled", "unwaited")):
-        del wrong[both]
-    return {"expected": right, "mistakes": {k: v for k, v in wrong.items() if abs(v - right["step"]) > 1e-12}}
-
-
-def ring_values(op, size, n, alpha, beta) -> dict:
-    chunk = size / n
-    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
-    wrong = {"half": (n - 1) * (alpha + chunk * beta), "latency_once": alpha + steps * chunk * beta,
-             "whole_buffer": steps * (alpha + size * beta), "n_steps": (steps + (2 if op == "all_reduce" else 1))
-             * (alpha + chunk * beta), "all_reduce": 2 * (n - 1) * (alpha + chunk * beta)}
-    right = alpha_beta_time(op, size, n, alpha, beta)
-    return {"expected": right, "mistakes": {k: v for k, v in wrong.items() if abs(v - right) > 1e-15 * max(right, 1)}}
-
-
-def expected(data: dict) -> dict:
+def durations_of(data: dict) -> dict:
+    """Every recorded instruction's duration on one DGX A100 node (the A100 at its achievable rate, NVLink), and
+    the node's alpha and beta: the inputs of the checks. No expected value: those are the hidden checks' to compute."""
     checks = _checks()
     node = cluster_of("dgx-a100")
-    alpha, beta = node.intra.latency, 1 / node.intra.bandwidth
+    data = {"model": data["model"], "steps": [{k: step[k] for k in ("name", "strategy", "options", "world_size",
+                                                                       "program")} for step in data["steps"]]}
     for step in data["steps"]:
         program = checks.decode(step["program"])
         step["compute_s"] = [compute_time(i, node.gpu, "bf16") if isinstance(i, Compute) else None for i in program]
         step["comm_s"] = {str(i.id): collective_time(node, i.op, i.size_bytes, i.group, 0, i.args).seconds
                           for i in program if isinstance(i, Collective)}
-        compute = checks.durations(program, step["compute_s"], step["comm_s"])
-        step.update(step_values(program, *compute))
-        step["alpha_beta"] = {"alpha": alpha, "beta": beta, **replay(program, compute[0], lambda c: alpha_beta_time(
-            c.op, c.size_bytes, len(c.group), alpha, beta))}
-    data["hand"] = {}
-    for name, case in checks.HAND.items():
-        program = checks.decode(case["program"])
-        data["hand"][name] = step_values(program, *checks.durations(program, case["compute_s"], case["comm_s"]))
-    data["ring"] = {op: [ring_values(op, *case) for case in checks.RING_CASES]
-                    for op in ("all_reduce", "reduce_scatter", "all_gather")}
+        step["alpha_beta"] = {"alpha": node.intra.latency, "beta": 1 / node.intra.bandwidth}
     return data
 
 
 def main() -> None:
     path = HERE / "steps.json"
-    data = json.loads(path.read_text()) if "--expected" in sys.argv else {"model": MODEL, "steps": record()}
-    path.write_text(json.dumps(expected(data), indent=None) + "\n")
+    data = json.loads(path.read_text()) if "--durations" in sys.argv else {"model": MODEL, "steps": record()}
+    path.write_text(json.dumps(durations_of(data), indent=None) + "\n")
     print(f"wrote {path}")
 
 

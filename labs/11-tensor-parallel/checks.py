@@ -8,7 +8,7 @@ compute on one process (computed here), in forward and backward, talking only wh
 import torch
 import torch.nn.functional as F
 
-from toolkit.grading import check
+from toolkit.grading import Fields, List, Maybe, Tensor, check, like
 from toolkit.models import SyntheticCorpus, tiny_gpt
 from toolkit.models.gpt import MLP, GPTConfig
 
@@ -31,8 +31,23 @@ def piece(t: torch.Tensor, r: int, n: int, dim: int) -> torch.Tensor:
     return t.chunk(n, dim=dim)[r]
 
 
+F32 = torch.float32
+COMM = Fields({"name": str, "args": Fields({"numel": int}, extra=True)}, extra=True)
+
+
+def operator(case, r, n):
+    return {"y": like(case["x"]), "grad": Maybe(like(case["x"]))}
+
+
+def split_mlp(case, r, n):
+    h = 4 * D // n  # this rank's share of the hidden features
+    return {"out": like(case["x"]), "x_grad": Maybe(like(case["x"])),
+            "grads": {"fc.weight": Maybe(Tensor((h, D), F32)), "fc.bias": Maybe(Tensor((h,), F32)),
+                      "proj.weight": Maybe(Tensor((D, h), F32)), "proj.bias": Maybe(Tensor((D,), F32))}}
+
+
 @check("f: identity forward, the gradients of every rank summed in backward", points=1, world_sizes=(2,),
-       inputs=mlp_and_input)
+       inputs=mlp_and_input, returns=operator)
 def f_operator(ctx, given, got):
     x, n = given[0]["x"], ctx.world_size
     for r in range(n):
@@ -45,7 +60,7 @@ def f_operator(ctx, given, got):
 
 
 @check("g: every rank's partial result summed in forward, identity in backward", points=1, world_sizes=(2,),
-       inputs=mlp_and_input)
+       inputs=mlp_and_input, returns=lambda case, r, n: dict(operator(case, r, n), input_after=like(case["x"])))
 def g_operator(ctx, given, got):
     x, n = given[0]["x"], ctx.world_size
     for r in range(n):
@@ -61,7 +76,7 @@ def g_operator(ctx, given, got):
 
 
 @check("column-parallel forward: this rank's output features, no talk", points=1, world_sizes=(2,),
-       inputs=mlp_and_input)
+       inputs=mlp_and_input, returns=lambda case, r, n: {"y": Tensor((B, T, 4 * D // n), F32), "talked": [str]})
 def column(ctx, given, got):
     mlp, x = whole_mlp(given[0]["seed"]), given[0]["x"]
     for r in range(ctx.world_size):
@@ -75,21 +90,21 @@ def column(ctx, given, got):
 
 
 @check("row-parallel forward: the whole output, the bias added once", points=1, world_sizes=(2,),
-       inputs=mlp_and_input)
+       inputs=mlp_and_input, returns=lambda case, r, n: {"y": like(case["x"])})
 def row(ctx, given, got):
     mlp, x, n = whole_mlp(given[0]["seed"]), given[0]["x"], ctx.world_size
     expected = mlp.proj(F.gelu(mlp.fc(x))).detach()
     extra = (n - 1) * mlp.proj.bias.detach()
     for r in range(n):
-        y = ctx.tensor(got[r]["y"], "the row-parallel layer's output", r)
-        if y.shape == expected.shape and torch.allclose(y, expected + extra, **TOLERANCE):
+        y = got[r]["y"]
+        if torch.allclose(y, expected + extra, **TOLERANCE):
             ctx.fail(f"rank {r}: the output holds the bias {n} times: every rank added it before the all-reduce "
                      "summed their partial results. Add the bias once, after g")
         ctx.expect(y, expected, "the row-parallel layer's output", rank=r, exact=False, **TOLERANCE)
 
 
 @check("the split MLP: its output and every gradient equal the whole MLP's", points=2, world_sizes=(2,),
-       inputs=mlp_and_input)
+       inputs=mlp_and_input, returns=split_mlp)
 def mlp_parity(ctx, given, got):
     mlp, n = whole_mlp(given[0]["seed"]), ctx.world_size
     x = given[0]["x"].clone().requires_grad_(True)
@@ -110,7 +125,7 @@ def mlp_parity(ctx, given, got):
 
 
 @check("talk: one all-reduce of b·s·h forward and one backward per MLP, nothing else", points=1, world_sizes=(2,),
-       inputs=mlp_and_input)
+       inputs=mlp_and_input, returns={"forward": [COMM], "backward": [COMM]})
 def talk(ctx, given, got):
     for r in range(ctx.world_size):
         for when in ("forward", "backward"):
@@ -127,7 +142,9 @@ def gpt_inputs(n, g):
 
 
 @check("training: a GPT whose MLPs are split trains as one process does", points=1, world_sizes=(2,),
-       inputs=gpt_inputs)
+       inputs=gpt_inputs, returns=lambda case, r, n: {"losses": List(Tensor((), F32), 2),
+                                                      "fc": List(Tensor((4 * D // n, D), F32), 2),
+                                                      "qkv": List(Tensor((3 * D, D), F32), 2)})
 def training(ctx, given, got):
     torch.manual_seed(given[0]["seed"])
     reference = tiny_gpt(n_layer=2, d_model=D, n_head=2)
@@ -140,7 +157,8 @@ def training(ctx, given, got):
         opt.zero_grad()
         losses.append(loss.detach())
     for r in range(ctx.world_size):
-        for step, (mine, expected) in enumerate(zip(got[r]["losses"], losses)):
+        for step, expected in enumerate(losses):
+            mine = got[r]["losses"][step]
             ctx.expect(mine, expected, f"the loss of step {step}", rank=r, exact=False, **TOLERANCE)
         for i, ref in enumerate(reference.blocks):
             ctx.expect(got[r]["fc"][i], piece(ref.mlp.fc.weight.detach(), r, ctx.world_size, 0),

@@ -8,14 +8,18 @@ last check has the toolkit's driver run your lists on 2, 3 and 4 real ranks, tra
 seed drawn for this grading; here the same GPT trains in one process on the same batches, the reference the
 pipeline must match.
 """
+import functools
+
 import torch
 
-from toolkit.grading import check, number, sibling
+from toolkit.grading import Either, Items, Keys, List, Tensor, check, like, sibling
 from toolkit.models import SyntheticCorpus, tiny_gpt
 from toolkit.parallel.pipeline import bubble, lowering, schedules
 from toolkit.parallel.pipeline.schedules import Action
 
 ANSWERS = {"toolkit.parallel.pipeline.schedules:one_f_one_b": "the toolkit's own 1F1B schedule",
+           "toolkit.parallel.pipeline.schedules:interleaved": "the toolkit's interleaved 1F1B (1F1B with another "
+                                                              "warm-up; one virtual stage is 1F1B)",
            "toolkit.parallel.pipeline.schedules:zb_h1": "the toolkit's zero-bubble schedule, whose forwards and "
                                                         "backwards run in 1F1B's order"}
 PIPELINES = (2, 3, 4)
@@ -29,47 +33,41 @@ LOSS_ATOL, PARAM_ATOL = 1e-4, 1e-5
 # The dry run adds costs of 1 and 2: its times are exact in floats, and a bubble's fraction is off by a rounding
 # (1e-16) at most, while one time unit more in a step of 3(m + pp - 1) units moves it by more than 1e-2.
 BUBBLE_TOLERANCE = 1e-9
-MODEL = sibling(__file__).MODEL  # the GPT the ranks build (tasks.py)
+TASKS = sibling(__file__)
+MODEL = TASKS.MODEL  # the GPT the ranks build (tasks.py)
 
 
 def layouts(n, g):
     """(pp, m) for pp = 2, 3, 4: m = pp (1F1B's warm-up fills the pipeline exactly) and an m drawn in pp+1 .. 3pp."""
     drawn = [int(torch.randint(pp + 1, 3 * pp + 1, (), generator=g)) for pp in PIPELINES]
-    return {"layouts": [[pp, m] for pp, more in zip(PIPELINES, drawn) for m in (pp, more)]}
+    return {f"pp={pp}, microbatches={m}": {"pp": pp, "microbatches": m}
+            for pp, more in zip(PIPELINES, drawn) for m in (pp, more)}
 
 
-def as_actions(ctx, returned, pp: int, m: int, rank: int) -> list:
-    """What one_f_one_b(pp, m, rank) returned, as Actions, or a failure that says what it was."""
-    call = f"one_f_one_b({pp}, {m}, {rank})"
-    if not isinstance(returned, list):
-        ctx.fail(f"{call} returned {number(returned)}; return a list of Action(kind, micro, stage)")
-    for position, a in enumerate(returned):
-        if not (isinstance(a, list) and len(a) == 3 and isinstance(a[0], str)
-                and all(isinstance(i, int) and not isinstance(i, bool) for i in a[1:])):
-            ctx.fail(f"{call}: action {position} is {number(a)}; each action is Action(kind, micro, stage), e.g. "
-                     f"Action('F', 0, {rank}) (a (kind, micro, stage) tuple is fine too)")
-    return [Action(*a) for a in returned]
+ACTION = Items(str, int, int, why="each action is Action(kind, micro, stage), e.g. Action('F', 0, rank) (a (kind, "
+                                  "micro, stage) tuple is fine too)")
 
 
-def well_formed(ctx, given, got) -> list:
-    """[(pp, m, every rank's Actions)] for every layout, checked: every F and B once, each B after its F."""
-    found = []
-    for (pp, m), returned in zip(given[0]["layouts"], got[0]["lists"]):
-        actions = [as_actions(ctx, mine, pp, m, r) for r, mine in enumerate(returned)]
-        try:
-            schedules.check(actions, pp, m)
-        except ValueError as exc:
-            ctx.fail(f"pp={pp}, microbatches={m}: {exc}")
-        found.append((pp, m, actions))
-    return found
+def lists_returned(case, r, n):
+    """What the task returns for one layout: every rank's list, under the call that made it."""
+    return Keys([TASKS.call(case["pp"], case["microbatches"], rank) for rank in range(case["pp"])],
+                List(ACTION, why="one_f_one_b returns a list of Action(kind, micro, stage)"))
+
+
+def well_formed(ctx, given, got) -> tuple:
+    """(pp, m, every rank's Actions) of this layout, checked: every F and B once, each B after its F."""
+    pp, m = given[0]["pp"], given[0]["microbatches"]
+    actions = [[Action(*a) for a in got[0][TASKS.call(pp, m, r)]] for r in range(pp)]
+    try:
+        schedules.check(actions, pp, m)
+    except ValueError as exc:
+        ctx.fail(f"pp={pp}, microbatches={m}: {exc}")
+    return pp, m, actions
 
 
 def shown(actions) -> str:
-    """A list of actions as the diagram prints them (1F3: stage 1, forward, micro-batch 3), else as it came."""
-    try:
-        return " ".join(repr(Action(*a)) for a in actions)
-    except TypeError:
-        return number(actions)
+    """A list of actions as the diagram prints them (1F3: stage 1, forward, micro-batch 3)."""
+    return " ".join(repr(Action(*a)) for a in actions)
 
 
 def dry_run(ctx, actions, pp: int, m: int, why: str = "") -> list:
@@ -81,58 +79,43 @@ def dry_run(ctx, actions, pp: int, m: int, why: str = "") -> list:
 
 
 @check("every micro-batch's forward and backward on every rank, once each, the backward after the forward",
-       points=1, world_sizes=(2,), pure=True, task="lists", inputs=layouts)
+       points=1, world_sizes=(2,), pure=True, task="lists", cases=layouts, returns=lists_returned)
 def complete(ctx, given, got):
     well_formed(ctx, given, got)
 
 
-@check("warm-up: each rank runs as many forwards before its first backward as 1F1B allows, then pairs, then backwards",
-       points=1, world_sizes=(2,), pure=True, task="lists", inputs=layouts)
-def warm_up(ctx, given, got):
-    for pp, m, actions in well_formed(ctx, given, got):
-        for rank, mine in enumerate(actions):
-            kinds = "".join(a.kind for a in mine)
-            warmup = min(pp - rank - 1, m)
-            expected = "F" * warmup + "FB" * (m - warmup) + "B" * warmup
-            if kinds != expected:
-                ctx.fail(f"pp={pp}, microbatches={m}, rank {rank} runs {kinds} ({shown(mine)}); "
-                         f"1F1B's rank {rank} runs {warmup} warm-up forward(s) (pp - rank - 1: the stages after it "
-                         f"must fill before its first gradient can come back), then forward/backward pairs, then "
-                         f"the remaining backwards: {expected}")
-
-
 @check("memory: rank r never holds more than pp - r micro-batches' activations", points=1, world_sizes=(2,),
-       pure=True, task="lists", inputs=layouts)
+       pure=True, task="lists", cases=layouts, returns=lists_returned)
 def memory(ctx, given, got):
-    for pp, m, actions in well_formed(ctx, given, got):
-        for rank, mine in enumerate(actions):
-            held, bound = bubble.in_flight(mine), bubble.formula_in_flight("1f1b", pp, m, rank)
-            if held > bound:
-                ctx.fail(f"pp={pp}, microbatches={m}: rank {rank} holds {held} micro-batches' activations at once "
-                         f"(forwards run whose backward has not); 1F1B holds at most pp - rank = {bound}: each "
-                         f"backward frees one before the next forward. All forwards first is GPipe: m on every rank")
+    pp, m, actions = well_formed(ctx, given, got)
+    for rank, mine in enumerate(actions):
+        held, bound = bubble.in_flight(mine), bubble.formula_in_flight("1f1b", pp, m, rank)
+        if held > bound:
+            ctx.fail(f"pp={pp}, microbatches={m}: rank {rank} holds {held} micro-batches' activations at once "
+                     f"(forwards run whose backward has not); 1F1B holds at most pp - rank = {bound}: each "
+                     f"backward frees one before the next forward. All forwards first is GPipe: m on every rank")
 
 
 @check("no deadlock: a dry run of every rank's list completes", points=1, world_sizes=(2,), pure=True,
-       task="lists", inputs=layouts)
+       task="lists", cases=layouts, returns=lists_returned)
 def no_deadlock(ctx, given, got):
-    for pp, m, actions in well_formed(ctx, given, got):
-        dry_run(ctx, actions, pp, m)
+    pp, m, actions = well_formed(ctx, given, got)
+    dry_run(ctx, actions, pp, m)
 
 
 @check("the bubble: every rank idles (pp - 1) / (m + pp - 1) of the step in a dry run", points=1,
-       world_sizes=(2,), pure=True, task="lists", inputs=layouts)
+       world_sizes=(2,), pure=True, task="lists", cases=layouts, returns=lists_returned)
 def bubble_size(ctx, given, got):
-    for pp, m, actions in well_formed(ctx, given, got):
-        timeline = dry_run(ctx, actions, pp, m, "the schedule deadlocks, so it has no bubble to measure: ")
-        busy, span = lowering.busy_and_span(timeline)
-        formula = bubble.formula_bubble("1f1b", pp, m)
-        for rank, work in enumerate(busy):
-            idle = 1 - work / span
-            if abs(idle - formula) > BUBBLE_TOLERANCE:
-                ctx.fail(f"pp={pp}, microbatches={m}: rank {rank} idles {idle:.1%} of the step in a dry run "
-                         f"(forward 1, backward 2); 1F1B's bubble is (pp-1)/(m+pp-1) = {formula:.1%}. A rank that "
-                         f"waits for a gradient it could have had earlier, or runs a forward late, stretches the step")
+    pp, m, actions = well_formed(ctx, given, got)
+    timeline = dry_run(ctx, actions, pp, m, "the schedule deadlocks, so it has no bubble to measure: ")
+    busy, span = lowering.busy_and_span(timeline)
+    formula = bubble.formula_bubble("1f1b", pp, m)
+    for rank, work in enumerate(busy):
+        idle = 1 - work / span
+        if abs(idle - formula) > BUBBLE_TOLERANCE:
+            ctx.fail(f"pp={pp}, microbatches={m}: rank {rank} idles {idle:.1%} of the step in a dry run "
+                     f"(forward 1, backward 2); 1F1B's bubble is (pp-1)/(m+pp-1) = {formula:.1%}. A rank that "
+                     f"waits for a gradient it could have had earlier, or runs a forward late, stretches the step")
 
 
 # --- on real ranks ---------------------------------------------------------------------------------------
@@ -159,8 +142,21 @@ def one_process(seed, batches):
     return dict(model.named_parameters()), losses
 
 
+@functools.cache
+def parameters_of_the_gpt() -> dict:
+    with torch.device("meta"):
+        return {name: like(p) for name, p in tiny_gpt(**MODEL).named_parameters()}
+
+
+def trained(case, r, n):
+    """What a rank returns: the driver's refusal, or its losses, what it ran, its list (and rank 0 the weights)."""
+    actions = List(ACTION, why="one_f_one_b returns a list of Action(kind, micro, stage)")
+    return Either({"refused": str}, {"losses": List(Tensor((), torch.float32), STEPS), "ran": List(ACTION),
+                                     "listed": actions, "state": parameters_of_the_gpt() if r == 0 else None})
+
+
 @check("on real ranks, pp = 2, 3, 4: the toolkit's driver runs your lists and a 12-block GPT trains as one "
-       "process does", points=2, world_sizes=PIPELINES, task="real_ranks", inputs=training)
+       "process does", points=2, world_sizes=PIPELINES, task="real_ranks", inputs=training, returns=trained)
 def real_ranks(ctx, given, got):
     pp, m = ctx.world_size, given[0]["microbatches"]
     for r in range(pp):
@@ -177,7 +173,5 @@ def real_ranks(ctx, given, got):
                        rank=r, exact=False, rtol=0, atol=LOSS_ATOL)
     state = got[0]["state"]
     for name, expected in parameters.items():
-        if name not in state:
-            ctx.fail(f"pp={pp}: the pipeline's weights have no {name}")
         ctx.expect(state[name], expected.detach(), f"pp={pp}, {m} micro-batches: {name} after {STEPS} steps",
                    exact=False, rtol=0, atol=PARAM_ATOL)

@@ -3,26 +3,33 @@
 A check has two halves that never share a process:
 
 - the **task**, a function of the lab's `tasks.py` (same name as the check unless `task=` says otherwise),
-  runs on every rank next to the student's code and returns what it observed (`on_rank.py`);
-- the **judge**, the function decorated here, runs in the grader's process: it receives what it sent each
-  rank (`given[r]`) and what each rank returned (`got[r]`), computes the expected values itself and raises
-  `CheckFailed` with a message a student can act on ("rank 1 got [...] expected [...]").
+  runs on every rank next to the student's code, once per case, and returns what it observed (`on_rank.py`);
+- the **judge**, the function decorated here, runs in the grader's process, once per case: it receives what
+  it sent each rank for that case (`given[r]`, the grader's own copy) and what each rank observed (`got[r]`),
+  computes the expected values itself and raises `CheckFailed` with a message a student can act on
+  ("rank 1 got [...] expected [...]").
 
-`inputs(n, generator)` (or a constant dict) makes the task's inputs at world size n: a list with one dict
-per rank (rank r receives only its own), or one dict for every rank. The generator is seeded afresh for every grading,
-so a submission cannot compute another rank's inputs, or the answers, without the messages.
+`inputs=` is the check's one case: a dict for every rank, a list with one dict per rank, or a function
+`(n, generator)` giving either. `cases=` is several: a function `(n, generator)` giving {case id: inputs}.
+The generator is seeded afresh for every grading, so a submission cannot compute another rank's inputs, or
+the answers, without the messages. `returns=` declares what the task returns for a case (`contract.py`):
+before any judge runs, the framework checks that every case drawn came back exactly once, from every rank,
+of that type and shape.
 
     def _inputs(n, g):
-        return [{"x": torch.randn(7, generator=g)} for _ in range(n)]
+        return {f"{numel} elements": [{"x": torch.randn(numel, generator=g)} for _ in range(n)]
+                for numel in (1, 7)}
 
-    @check("ring all-reduce, SUM, float32", points=2, world_sizes=(3, 4), inputs=_inputs)
+    @check("ring all-reduce, SUM, float32", points=2, world_sizes=(3, 4), cases=_inputs,
+           returns=lambda case, r, n: {"x": like(case["x"])})
     def all_reduce_sum(ctx, given, got):
         expected = sum(g["x"] for g in given)
         for r in range(ctx.world_size):
-            ctx.expect(got[r]["x"], expected, "all_reduce SUM of 7 float32 elements", rank=r, exact=False)
+            ctx.expect(got[r]["x"], expected, "all_reduce SUM", rank=r, exact=False)
 
-A check passes when its judge returns at every world size it asks for. Anything else (the judge
-raises, a rank raised, crashed, hung or sent something unreadable) is a failure with a message.
+A check passes when its judge returns on every case at every world size it asks for. Anything else (an
+observation missing or malformed, the judge raises, a rank raised, crashed, hung or sent something
+unreadable) is a failure with a message.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..units import seconds_text
+from .contract import SINGLE, CheckFailed, Drawn, draw, observations
 
 
 @dataclass(frozen=True)
@@ -44,12 +52,22 @@ class Check:
     task: str
     inputs: object = None
     hidden: bool = False   # defined in the lab's hidden_checks.py: graded, not shipped to students
+    platform_only: bool = False  # a hidden check named in a students' copy (platform_checks.json): not run there
     feedback: str = ""     # for a hidden check, what a student reads when it fails (nothing else is shown)
     numbers_only: bool = False  # pure functions (numbers in, numbers out): no process group in the message
+    cases: object = None   # several cases: (n, generator) -> {case id: inputs}
+    returns: object = None  # what the task returns for one case (a spec of contract.py, or a function of the case)
 
-    def make_inputs(self, n: int, generator: torch.Generator) -> list[dict]:
-        made = self.inputs(n, generator) if callable(self.inputs) else (self.inputs or {})
-        return [dict(made) for _ in range(n)] if isinstance(made, dict) else list(made)
+    def make_inputs(self, n: int, generator: torch.Generator) -> Drawn:
+        """The cases at world size n: `drawn[r]` is what rank r is sent, `drawn.given(case)` the grader's copy."""
+        return draw(self.inputs, self.cases, n, generator)
+
+    def verdict(self, n: int, drawn: Drawn, sent: list) -> None:
+        """Judge what the ranks sent (sent[r]: rank r's [[case id, observation], ...]): the contract first, then
+        the judge on every case; raises CheckFailed saying what is wrong."""
+        got = observations(drawn, sent, self.returns, self.pure)
+        for case in drawn.ids:
+            self.judge(Judge(n, case), drawn.given(case), got[case])
 
     @property
     def pure(self) -> bool:
@@ -58,22 +76,33 @@ class Check:
 
 
 def check(name: str, points: int = 1, world_sizes=(2, 3, 4), *, task: str | None = None, inputs=None,
-          feedback: str = "", pure: bool = False):
+          cases=None, returns=None, feedback: str = "", pure: bool = False):
     """Decorator that makes a judge `fn(ctx, given, got)` a graded check of a lab (see the module docstring).
     pure=True: the task calls pure functions (run beside the lab's other checks, at their world size), so the
     messages name no world size."""
     if points < 0 or not world_sizes or min(world_sizes) < 1:
         raise ValueError(f"check {name!r}: points must be >= 0 and world sizes positive.")
+    if inputs is not None and cases is not None:
+        raise ValueError(f"check {name!r}: give inputs= (one case) or cases= (several), not both.")
 
     def make(fn) -> Check:
         return Check(name, points, tuple(sorted(set(world_sizes))), fn, task or fn.__name__, inputs,
-                     feedback=feedback, numbers_only=pure)
+                     feedback=feedback, numbers_only=pure, cases=cases, returns=returns)
 
     return make
 
 
-class CheckFailed(AssertionError):
-    """The student's answer is wrong; the message says what differs, on which rank."""
+PLATFORM_CHECKS = "platform_checks.json"  # in a students' copy: the hidden checks' names and points (release.py)
+PLATFORM_ONLY = "graded on the course platform only: its check is not in your copy of the lab"
+
+
+def platform_only(path) -> list[Check]:
+    """The hidden checks a students' copy names (`platform_checks.json`, written by the release): shown, never run."""
+    import json
+
+    listed = json.loads(path.read_text())
+    return [Check(str(c["name"]), int(c["points"]), tuple(c["world_sizes"]), None, "", hidden=True, platform_only=True)
+            for c in listed]
 
 
 def sibling(checks_file: str, name: str = "tasks.py"):
@@ -116,6 +145,7 @@ class Judge:
     """What a judge receives: the world size, and the comparisons that explain a failure."""
 
     world_size: int
+    case: str = SINGLE  # the id of the case being judged ("" for a check of one case)
 
     def fail(self, message: str):
         raise CheckFailed(message)

@@ -4,7 +4,8 @@ The instructor's tree holds, per lab, `README.md`, `skeleton.py`, `tasks.py`, `c
 optionally `hidden_checks.py`, and whatever the lab's `checks.py` names in `INSTRUCTOR_ONLY` (lab 10's
 `record_steps.py`, which computes the answers). Students get the README, the skeleton, the tasks and the
 checks (so that `python -m toolkit grade` works on their machine, with the same messages the course's grader
-gives), the lab's data, and `labs/README.md`. What stays with the instructor: every `solution*.py`, every
+gives), the lab's data, `platform_checks.json` naming the hidden checks (their names and points: the local
+grading lists them as run on the course platform only), and `labs/README.md`. What stays with the instructor: every `solution*.py`, every
 `hidden_checks.py` (graded on the course platform only), the `INSTRUCTOR_ONLY` files, `labs/autograder/`, and
 every README passage between `<!-- instructor -->` and `<!-- /instructor -->`.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import re
 import shutil
 import subprocess
@@ -29,8 +31,10 @@ import sys
 from pathlib import Path
 
 from . import delegation
+from .checks import PLATFORM_CHECKS
+from .grader import lab_checks
 
-INSTRUCTOR_ONLY = ("solution*.py", "hidden_checks.py", "__pycache__", "*.pyc")
+INSTRUCTOR_ONLY = ("solution*.py", "hidden_checks.py", "equivalent_mutants.md", "__pycache__", "*.pyc")
 INSTRUCTOR_FOLDERS = ("autograder",)
 IMPORTS_A_SOLUTION = re.compile(r"(^|\W)(import|from)\s+[\w.]*solution\b|solution\.py|['\"]solution['\"]")
 INSTRUCTOR_TEXT = re.compile(r"^<!-- instructor -->$.*?^<!-- /instructor -->$\n?", re.S | re.M)  # lines of their own
@@ -188,6 +192,11 @@ def release(labs_root, out, names=None) -> list[Path]:
         problems += leaks({dest: texts[dest] for src, dest in plan.items() if lab in src.parents},
                           solution_only_lines(lab), declared(lab, "ANSWERS", {}))
     problems += leaks({dest: texts[dest] for src, dest in plan.items() if src.parent == labs_root}, set())
+    for lab in labs:  # the hidden checks, named (the local grading says they run on the platform only)
+        hidden = [c for c in lab_checks(lab)[0] if c.hidden] if (lab / "hidden_checks.py").exists() else []
+        if hidden:
+            texts[out / lab.name / PLATFORM_CHECKS] = json.dumps(
+                [{"name": c.name, "points": c.points, "world_sizes": list(c.world_sizes)} for c in hidden], indent=1)
     problems += dead_links({d: t for d, t in texts.items() if d.suffix == ".md"},
                            {d.resolve() for d in plan.values()} | {(out / lab.name).resolve() for lab in labs})
     if problems:
@@ -199,7 +208,10 @@ def release(labs_root, out, names=None) -> list[Path]:
             dest.write_text(texts[dest])
         else:
             shutil.copy2(source, dest)
-    return sorted(plan.values())
+    written = {dest for dest in texts if dest.name == PLATFORM_CHECKS}
+    for dest in written:
+        dest.write_text(texts[dest] + "\n")
+    return sorted(set(plan.values()) | written)
 
 
 def main(argv=None) -> int:

@@ -39,4 +39,3 @@ def moe_gpt(num_experts: int = 4, top_k: int = 2, *, every: int = 1, capacity_fa
                    group=group, seed=seed + layer, name=f"layer{layer}", **(moe_options or {}))
 
     return GPT(config, mlp_factory=mlp)
-

@@ -102,6 +102,23 @@ class FSDPModel(ShardedModel):
                  "moved_in": [name for name, _ in u.moved_in]} for u in self.units]
 
     @contextlib.contextmanager
+    def sync_backward(self, reduce: bool):
+        """A pipeline's backward of one micro-batch (`pipeline/driver.py`): the stage's last one reduces, the
+        others run under no_sync(). With reshard_after_forward=False the units are not freed after those others
+        either, so each unit is gathered in the step's first forward and freed after its last backward: one
+        all-gather per step instead of one per micro-batch (torchtitan's default under pp, where torch's
+        PipelineStage sets FSDP2's reshard_after_backward to False for all but the last backward), for the
+        stage's parameters held whole through the step."""
+        engine = self.engine
+        before = engine.sync, engine.reshard_after_backward
+        engine.sync = reduce
+        engine.reshard_after_backward = reduce or engine.reshard_after_forward
+        try:
+            yield
+        finally:
+            engine.sync, engine.reshard_after_backward = before
+
+    @contextlib.contextmanager
     def watch_memory(self, meter=None, step=None, probe=None):
         """Inside, record a memory sample into the trace at every gather, free and reduction (the event
         and the unit are in the sample), so a step's memory over time shows each unit come and go.

@@ -15,35 +15,32 @@ What happens, in order:
    call and every wait, which cuts the step into a program (`program.py`);
 5. the group is destroyed; what was recorded becomes a `Simulation` (`simulation.py`).
 
-`measure_steps` (4) is the same on a real process group with real tensors: that is how the tests
+`measure_steps` (4, `watched_step.py`) is the same on a real process group with real tensors: that is how the tests
 hold the simulation to a real gloo run of the same code.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 
 import torch
 
-from .. import comm, parallel
-from ..memory.ledger import ledger
+from .. import parallel
 from ..moe.gates import assume_routing
 from ..moe.experts import is_expert
 from ..moe.layer import MoE
 from ..run import Run
-from ..trace.events import phase, recorder, span
+from ..trace.events import phase
 from . import cluster as _cluster
 from .build import build, build_on_meta, example_batch, no_values, seq_len_of  # noqa: F401 - build_on_meta: the tests'
-from .cost import pricer, resolve
+from .context_parallel import describe as describe_cp
 from .hardware import check_mfu
-from .known_shapes import KnownShapes
-from .memory import StepMemory
 from .pipelined import is_pipelined
-from .record import OpCounter, Programmer
+from .priced import pricer, resolve
 from .simulation import Simulation, count_params
 from .stage_assembly import simulate_pipeline
 from .tensor_parallel import describe as describe_tp
+from .watched_step import measure_steps, train_step  # noqa: F401 (measure_steps, train_step: the tests')
 
 
 def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_per_node: int | None = None,
@@ -66,6 +63,9 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     Tensor parallelism: `tp=`, `sequence_parallel=`, `tp_plan=` as in `toolkit.parallel.wrap`; the world is then
     dp x tp and `batch_per_rank` is the sequences of one data-parallel replica (every rank of its tp group
     computes on them). A tp group wider than `ranks_per_node` is allowed, with a warning that says its cost.
+    Context parallelism: `cp=`, `cp_attention=` ("ring", "ring-unbalanced", "ulysses"); each rank of a cp group
+    computes on its seq_len/cp tokens of the replica's sequences (`sim.context_parallel`). `order=` lays the ranks
+    out (Megatron's "tp-cp-ep-dp-pp" by default), which decides which groups cross nodes.
     Pipeline parallelism: `pp=`, `microbatches=`, `schedule=`, `virtual_stages=`, `pp_split=`; `batch_per_rank` is
     still a replica's sequences (split into the micro-batches), and a step is the schedule (`forward_backward`).
     Priced on a cluster, the step is the critical path of this rank's whole pipeline (`toolkit.sim.pipelined`):
@@ -118,6 +118,7 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
         with phase("setup"):
             model, opt = parallel.wrap(model, strategy, optimizer=optimizer, **options)
         tensor_parallel = describe_tp(model, options, batch_per_rank, seq, world_size, nodes)
+        context_parallel = describe_cp(model, options, batch_per_rank, seq, world_size)
         bar = _progress(progress, strategy, world_size, steps + warmup)
         try:
             if warmup:  # the optimizer makes its states in its first step (Adam does): measure a steady one
@@ -135,6 +136,7 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
                      expert_parallel=expert_parallel, local_expert_params=local_experts,
                      batch_per_rank=batch_per_rank, seq_len=seq, run=run, expert_row_flops=row_flops, **measured)
     sim.tensor_parallel = tensor_parallel  # None unless tp= (sim/tensor_parallel.py)
+    sim.context_parallel = context_parallel  # None unless cp= (sim/context_parallel.py)
     sim.pipeline_info = getattr(model, "pipeline", None)  # pp > 1: the schedule, its actions, the blocks' split
     if price is not None:
         price(sim)
@@ -152,88 +154,6 @@ def _node_size(ranks_per_node, found) -> int:
                       f"cluster's nodes, or say it with a cluster of such nodes: "
                       f"cluster=toolkit.sim.cluster_of(cluster, gpus_per_node={ranks_per_node}).", stacklevel=3)
     return ranks_per_node
-
-
-def train_step(model, opt, x, y, *, step: int, bar=None, after=None, updated=None, loss_fn=None) -> None:
-    """One training step in `toolkit.train`'s phases and spans; `after(label)` ends each phase, and
-    `updated()` runs between the optimizer's update and `zero_grad` (every model state alive). `loss_fn(model,
-    x, y)`: how the model is called (`toolkit.models.protocol`; default `model(x, y)`)."""
-    names = ("forward", "backward", "optimizer")
-    if hasattr(model, "pipeline"):  # pp > 1: the schedule runs forward and backward of every micro-batch
-        with span("forward_backward", step=step):  # (its actions are spans of their own, in their phases)
-            model.forward_backward(x, y)
-        if after is not None:
-            after(None)
-        names = ("optimizer",)
-    for name in names:
-        with phase(name):
-            with span(name, step=step, **({} if name == "optimizer" else {"micro": 0})):
-                if name == "forward":
-                    loss = model(x, y) if loss_fn is None else loss_fn(model, x, y)
-                elif name == "backward":
-                    loss.backward()
-                    del loss
-                else:
-                    opt.step()
-                    if updated is not None:
-                        updated()
-                    opt.zero_grad()
-            if after is not None:
-                after("optimizer" if name == "optimizer" else None)
-        if bar is not None:
-            bar.update()
-
-
-def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False, first: int = 0,
-                  loss_fn=None) -> dict:
-    """Train `steps` steps on (x, y) as `toolkit.train` does, watched: programs, memory, FLOPs.
-
-    Works on any process group: on the simulated cluster (meta tensors, `meta=True` so the ledger counts
-    them) or on a real one. Returns the fields of a `Simulation` that a step produces.
-    """
-    memory, ops = StepMemory(), OpCounter(meta=meta)
-    programmer = Programmer(ops, memory.module)
-
-    def door(kind, event, tensor):
-        programmer(kind, event)
-        if tensor is not None:
-            memory.communicated(tensor)
-        if bar is not None:
-            bar.set_postfix_str(f"{event['phase']}: {event['name']} {event['args'].get('unit', '')}", refresh=False)
-
-    programs, samples, states = [], [], {}
-    memory.classify(model, opt)
-    with contextlib.ExitStack() as stack:
-        below = (KnownShapes(),) if meta else ()  # first in, so the memory tracker and the counter see all
-        for context in (*below, memory, ops, comm.listening(door), recorder.listening(programmer.span)):
-            stack.enter_context(context)
-        for step in range(first, first + steps):
-            memory.reset_mod_stats()  # MemTracker counts one iteration at a time
-            programmer.start_step()
-
-            def boundary(label=None):  # the end of a phase: cut the program, sample memory
-                programmer.cut(label)
-                memory.classify(model, opt)  # what the phase made that the strategy keeps (DDP's rebuilt
-                samples.append(_sample(memory, step))  # buckets in forward, ZeRO's reduced slices) is its own
-
-            def update():  # the model states, as the formulas count them: all of them alive
-                states.update(ledger(model, opt, meta=meta))
-
-            train_step(model, opt, x, y, step=step, bar=bar, after=boundary, updated=update, loss_fn=loss_fn)
-            memory.classify(model, opt)  # what the strategy's tensors are after the step
-            programs.append(programmer.end_step())
-    return {"programs": programs, "memory": states, "peak": memory.peak_total,
-            "peak_memory": memory.peak_categories, "peak_moment": memory.peak_moment,
-            "end_memory": memory.current(), "samples": samples}
-
-
-def _sample(memory: StepMemory, step: int) -> dict:
-    """One memory sample into the trace (as `record_memory` does on real runs), with the viz's keys."""
-    now = memory.current()
-    sample = {"params": now["params"] + now["gathered"], "grads": now["grads"], "optimizer": now["optimizer"],
-              "activations": now["activations"], **{f"sim_{k}": v for k, v in now.items()}}
-    recorder.sample(step=step, **sample)
-    return dict(now, phase=recorder.samples[-1]["phase"] if recorder.samples else "", step=step)
 
 
 def balanced(num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:

@@ -120,7 +120,7 @@ def apply_plan(model: nn.Module, plan, tp: TPGroup) -> nn.Module:
         elif style == "rowwise":
             new = RowParallelLinear(module, tp, done, name)
         else:
-            new = ColumnParallelLinear(module, tp, done, name, gather_output=style == "vocab")
+            new = ColumnParallelLinear(module, tp, done, name, gather_output=style == "vocab", vocab=style == "vocab")
         parent, _, attr = name.rpartition(".")
         setattr(modules[parent] if parent else model, attr, new)
     return model
