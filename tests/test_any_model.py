@@ -129,9 +129,9 @@ def test_each_hugging_face_model_is_recognised_by_its_calling_convention():
 def hf_layouts_and_deferred_init():
     """Llama through ddp, fsdp, tp (its own plan) and pp (split automatically), held to plain torch; then built on
     meta and wrapped by fsdp with the model's own init: parameters and buffers as the model's own init gives them."""
+    import hf_matrix
     import torch.distributed as dist
 
-    import hf_matrix
     from toolkit.parallel import full_state_dict, wrap
     from toolkit.parallel.fsdp_init import initialize, own_init
 
@@ -163,11 +163,13 @@ def test_hugging_face_models_simulate_at_512_ranks_with_buffers_and_routing(caps
     for name, strategy, options in (("llama", "fsdp", {}), ("mixtral", "ddp", {}), ("bert", "zero3", dict(pp=2)),
                                     ("vit", "ddp", dict(tp=2, tp_plan={"vit.layers.*.mlp.fc1": "colwise",
                                                                        "vit.layers.*.mlp.fc2": "rowwise"}))):
-        sim = simulate(lambda: fm.hf_model(name), strategy, 512, batch_per_rank=2, progress=False, steps=1, **options)
+        sim = simulate(functools.partial(fm.hf_model, name), strategy, 512, batch_per_rank=2, progress=False,
+                       steps=1, **options)
         assert sim.num_params == sum(p.numel() for p in fm.hf_model(name).parameters()), name
     assert sim.seq_len == (16 // 4) ** 2 + 1  # a ViT's tokens: its patches and the class token
-    assert ("pipeline split of BertForMaskedLM (bert-like, 2 layers over 2 stages): stage 0: embedding + "
-            "bert.encoder.layer.0 | stage 1: bert.encoder.layer.1 + final norm, head and loss") in capsys.readouterr().out
+    split = ("pipeline split of BertForMaskedLM (bert-like, 2 layers over 2 stages): stage 0: embedding + "
+             "bert.encoder.layer.0 | stage 1: bert.encoder.layer.1 + final norm, head and loss")
+    assert split in capsys.readouterr().out
     with pytest.raises(ValueError, match="a loss_fn cannot be used"):
         from toolkit.train import TrainConfig, train
 

@@ -5,16 +5,18 @@ configs with random weights, nothing downloaded, no adapter written:
 
 - trained 2 SGD steps by every data-parallel strategy, tensor parallelism (their own plan, or one given where
   transformers declares none), pipeline parallelism (split automatically), expert parallelism (the MoE ones:
-  plain, shadowed, with Tutel's pipelined all-to-all), hsdp, dp x pp, tp x pp, fsdp x tp and 3D, each held to plain torch (the model's own forward and loss, one
-  process) on its full parameters;
+  plain, shadowed, with Tutel's pipelined all-to-all), hsdp, dp x pp, tp x pp, fsdp x tp and 3D, each held to
+  plain torch (the model's own forward and loss, one process) on its full parameters and each step's loss;
 - simulated at 512 ranks under each of those layouts: the model states equal the ZeRO formulas (exactly for
-  ddp, within one unit's padding sharded), the parameter count is the model's own.
+  ddp, within the flat tensors' padding sharded), the parameter count is the model's own.
 """
-import pytest
-import torch
+import functools
 
 import foreign_models as fm
 import hf_matrix
+import pytest
+import torch
+
 import toolkit
 
 pytest.importorskip("transformers", reason="Hugging Face transformers is not installed: pip install -e '.[dev]'")
@@ -59,7 +61,7 @@ def test_every_layout_simulates_at_512_ranks(name):
     ddp, theory = sims["ddp"], dict(sims["ddp"].theory()["model_states"])
     theory["optimizer"] += 4 * tensors  # Adam's step counter, a float per tensor
     assert {k: ddp.memory[k] for k in theory} == theory
-    for label in ("zero1", "zero2", "zero3", "fsdp", "hsdp"):  # the ZeRO stages' formulas, up to the flat tensors' padding
+    for label in ("zero1", "zero2", "zero3", "fsdp", "hsdp"):  # the ZeRO stages' formulas, up to the padding
         sim = sims[label]
         for key, value in sim.theory()["model_states"].items():
             assert sim.memory[key] == pytest.approx(value, rel=0.01), (label, key, sim.memory[key], value)
@@ -74,8 +76,11 @@ def test_expert_parallel_hugging_face_moe_simulates_with_its_experts_split(name)
 
     experts = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts"}[name]
     whole = sum(p.numel() for p in fm.hf_model(name, **{experts: 8}).parameters())
-    sims = {label: simulate(lambda: expert_parallel(fm.hf_model(name, **{experts: 8}), shadow=shadow), "ddp", 8,
-                            batch_per_rank=2, progress=False)
+
+    def build(shadow):
+        return expert_parallel(fm.hf_model(name, **{experts: 8}), shadow=shadow)
+
+    sims = {label: simulate(functools.partial(build, shadow), "ddp", 8, batch_per_rank=2, progress=False)
             for label, shadow in (("plain", "off"), ("shadowed", [0]))}
     for sim in sims.values():
         assert sim.num_params == whole and sim.expert_parallel == 8
