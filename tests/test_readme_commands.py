@@ -17,6 +17,7 @@ a cluster and Conda are not on this machine (`doc_commands.ELSEWHERE`, each with
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shlex
@@ -29,6 +30,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_commands import BARE, ELSEWHERE, Command, every_command  # noqa: E402
+
+from toolkit.units import bytes_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -165,3 +168,20 @@ def test_the_readme_commands_run_as_written(clone, documented):
             assert done.returncode == 0, f"{command}\n{out[-3000:]}"
     assert (clone / "runs" / "sim-gpt3-175b-fsdp-512-report.html").exists()
     assert (clone / "released").is_dir()
+
+
+@pytest.mark.timeout(300)
+def test_the_readmes_strategies_snippet_shows_what_its_comment_says(clone):
+    """The trial: the snippet read the ledger after zero_grad() and showed "grads: 0" in a ZeRO-2 example. Run as
+    written, in the fresh clone: every rank holds the whole parameters and a quarter of the gradients and
+    optimizer states, the numbers its comment gives."""
+    block = README.split("## Strategies", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    done = run([PYTHON, "-c", block], clone, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    held = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert len(held) == 4 and all(h == held[0] for h in held)
+    assert held[0]["grads"] * 4 == held[0]["params"]  # fp32: a quarter of the gradients
+    assert abs(held[0]["optimizer"] * 2 - held[0]["params"]) <= 64  # two fp32 moments of a quarter (+ padding)
+    said = block.split("# each rank:")[1]
+    for key in ("params", "grads", "optimizer"):
+        assert f"{key} {bytes_text(held[0][key])}" in said, (key, held[0][key], said)
