@@ -208,3 +208,16 @@ def test_the_readmes_strategies_snippet_shows_what_its_comment_says(clone):
     said = block.split("# each rank:")[1]
     for key in ("params", "grads", "optimizer"):
         assert f"{key} {bytes_text(held[0][key])}" in said, (key, held[0][key], said)
+
+
+def test_a_bench_run_without_the_projects_interpreter_says_why_it_failed():
+    """The trial: `python bench/launch.py` on a fresh clone ended in "RuntimeError: fresh at world 2 with 0
+    launches ended with 1", the measured process's "No module named ..." nowhere. Its stderr is now in the error."""
+    python = shutil.which("python3", path=_env()["PATH"])
+    if python is None or subprocess.run([python, "-c", "import toolkit"], capture_output=True, env=_env(),
+                                        cwd="/").returncode == 0:
+        pytest.skip("no system python3 without the toolkit to run the bench with")
+    done = run([python, "bench/launch.py", "--worlds", "1", "--next", "1", "--repeats", "1"], ROOT, timeout=120)
+    assert done.returncode != 0 and "launches ended with 1:" in done.stderr, done.stderr[-2000:]
+    cause = done.stderr.split("launches ended with 1:", 1)[1]
+    assert "No module named" in cause, done.stderr[-2000:]
