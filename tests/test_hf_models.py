@@ -4,8 +4,8 @@ GPT-2, Llama, Mixtral, Qwen2-MoE (causal LMs), BERT (masked LM) and ViT (image c
 configs with random weights, nothing downloaded, no adapter written:
 
 - trained 2 SGD steps by every data-parallel strategy, tensor parallelism (their own plan, or one given where
-  transformers declares none), pipeline parallelism (split automatically), expert parallelism (the MoE ones),
-  hsdp, dp x pp, tp x pp, fsdp x tp and 3D, each held to plain torch (the model's own forward and loss, one
+  transformers declares none), pipeline parallelism (split automatically), expert parallelism (the MoE ones:
+  plain, shadowed, with Tutel's pipelined all-to-all), hsdp, dp x pp, tp x pp, fsdp x tp and 3D, each held to plain torch (the model's own forward and loss, one
   process) on its full parameters;
 - simulated at 512 ranks under each of those layouts: the model states equal the ZeRO formulas (exactly for
   ddp, within one unit's padding sharded), the parameter count is the model's own.
@@ -27,11 +27,15 @@ pytestmark = pytest.mark.models
 def test_every_layout_trains_as_plain_torch_does(name, world, no_leftover_ranks):
     diffs = toolkit.launch(hf_matrix.train_layouts, world, args=(name, world), timeout_s=540)[0]
     expected = {label for label, *_ in hf_matrix.layouts(name, world)}
-    errors = {k: v for k, v in diffs.items() if not k.endswith("convention")}
+    errors = {k: v for k, v in diffs.items() if not k.endswith(("convention", "moe"))}
     assert set(errors) == expected, errors
     assert all(isinstance(v, float) and v < hf_matrix.TOLERANCE for v in errors.values()), errors
     kind = {"bert": "masked-lm", "vit": "image-classification"}.get(name, "causal-lm")
     assert {diffs[f"{label} convention"] for label in expected} == {kind}
+    records = {label: diffs[f"{label} moe"] for label in expected if label.startswith("ep")}
+    if records:  # the expert-parallel layer ran, shadowed and pipelined: each says so in the Run
+        assert records == {"ep (ddp)": ["load"], "ep + shadowing": ["load", "shadow"],
+                           "ep + pipelined all-to-all": ["load", "pipeline"]}
 
 
 @pytest.mark.parametrize("name", fm.HF_MODELS)

@@ -9,7 +9,6 @@ lab 10's lookup table) is replayed on the labs themselves; the gradings of whole
 (make test-grading) but lab 12's, which takes one launch.
 """
 import ast
-from pathlib import Path
 
 import pytest
 import torch

@@ -29,11 +29,11 @@ from .cli_args import positive_int
 from .compare_theory import HSDP_GROUP, MODEL, MOE, ZERO_STAGE, hsdp_theory, moe_theory, predicted_model_states
 from .interpret import collectives_per_step, notes
 from .memory import communication_per_step
-from .models import moe_model_fn, tiny_gpt
+from .models import tiny_gpt
 from .runtime.env import default_world_size
 from .trace.analysis import bytes_per_step, overlap_fraction
 from .trace.chrome import save_chrome
-from .train import TrainConfig, launch_train
+from .train import TrainConfig, launch_train, moe_model_fn
 
 MOE_LABEL = "moe-ep"
 HSDP_LABEL = "hsdp"  # strategy fsdp with sharding_group_size=HSDP_GROUP

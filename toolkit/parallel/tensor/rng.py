@@ -62,6 +62,7 @@ class RNGStatesTracker:
     def add(self, name: str, seed: int, device) -> None:
         device = torch.device(device)
         if device.type == "meta":  # the simulated cluster draws no random numbers: nothing to keep
+            self.states.pop(name, None)
             return
         self.states[name] = (device, _seeded(device, seed))
 
