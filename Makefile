@@ -17,13 +17,14 @@ export CHROMIUM
 # JupyterLab refuses to start as root (containers, course VMs) unless told it may.
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup demo compare test test-times test-browser test-papers test-grading test-mutants test-stress test-gpu lab notebooks browser clean
+.PHONY: setup demo compare lint test test-times test-browser test-papers test-grading test-mutants test-models test-large-world test-stress test-gpu lab notebooks browser clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile jupyter-config/jupyter_server_config.d/toolkit-lessons.json
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	@$(PY) -m pip uninstall -q -y toolkit 2>/dev/null || true  # this project's distribution before it was renamed
 	$(PY) -m pip install -q -e ".[dev,hf]"
 	install -D -m 644 jupyter-config/jupyter_server_config.d/toolkit-lessons.json $(VENV)/$(LESSONS_HOOK)
 	@$(MAKE) --no-print-directory browser
@@ -40,6 +41,12 @@ browser:
 
 demo: $(STAMP)
 	$(PY) -m toolkit demo
+
+# ruff (pinned in the dev extras; rules and line length in pyproject.toml): the lint, then the formatter as a check
+# (nothing is rewritten: `.venv/bin/ruff check --fix` and `.venv/bin/ruff format` do that).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Two workers (pytest-xdist), each test file whole on one: a test mostly waits for the ranks it starts, their
 # messages and its subprocesses, so one worker leaves the cores half idle (on 2 cores: 12.4 min against 20.2).
@@ -65,6 +72,15 @@ test-mutants: $(STAMP)
 
 test-papers: $(STAMP)
 	$(PY) -m pytest -q -m papers
+
+# Hugging Face models as they come (GPT-2, Llama, Mixtral, Qwen2-MoE, BERT, ViT) through every strategy, tp, pp, ep,
+# their compositions and 3D against plain torch, and simulated at 512 ranks: about 6 minutes on 2 cores.
+test-models: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m models tests/test_hf_models.py
+
+# Layouts of 8 ranks (dp x pp x cp x tp, both rank orders, checkpoints between them): 8 processes on 2 cores.
+test-large-world: $(STAMP)
+	$(PY) -m pytest -q -m large_world
 
 # The whole browser set: every lesson run in JupyterLab, its widgets exercised (make test runs a smaller set).
 test-browser: $(STAMP) browser

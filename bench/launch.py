@@ -12,7 +12,7 @@ mode and world size, run in turns, give what a launch costs:
 and the wall time of each launch, timed inside. On a shared machine CPU time is the measure; wall time
 says how busy the neighbours were.
 
-    python bench/launch.py [--worlds 2 4] [--next 4] [--repeats 3] [--write docs/benchmarks.md]
+    .venv/bin/python bench/launch.py [--worlds 2 4] [--next 4] [--repeats 3] [--write docs/benchmarks.md]
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,13 +47,17 @@ def _measure(mode: str, world_size: int, launches: int) -> tuple[float, list[flo
     env = dict(os.environ, **MODES[mode])
     if mode != "fresh":
         env.pop("TOOLKIT_LAUNCH_EXEC", None)
-    proc = subprocess.Popen([sys.executable, __file__, "--child", str(world_size), str(launches)], env=env,
-                            stdout=subprocess.PIPE, cwd=ROOT)
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} at world {world_size} with {launches} launches ended with {proc.returncode}")
+    with tempfile.TemporaryFile() as err:  # its stderr, said if it fails (a file: wait4 must reap it, not a reader)
+        proc = subprocess.Popen([sys.executable, __file__, "--child", str(world_size), str(launches)], env=env,
+                                stdout=subprocess.PIPE, stderr=err, cwd=ROOT)
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            err.seek(0)
+            why = err.read().decode(errors="replace").strip()[-4000:] or "(it printed nothing on stderr)"
+            raise RuntimeError(f"{mode} at world {world_size} with {launches} launches ended with {proc.returncode}:"
+                               f"\n{why}")
     return usage.ru_utime + usage.ru_stime, json.loads(out)
 
 

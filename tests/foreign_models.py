@@ -74,3 +74,45 @@ def gpt2_lm():
 
 def gpt2_loss(model, x, y):
     return model(input_ids=x, labels=y).loss  # keyword arguments in, an output object out
+
+
+# --- Hugging Face models as they come, tiny and random (nothing downloaded) ------------------------------------
+# One per family the toolkit knows how to pipeline; dropout off so every layout can be held to one process.
+def _hf_configs():
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=2 * D_MODEL, num_hidden_layers=2,
+                  max_position_embeddings=SEQ)
+    decoder = dict(common, num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.0)
+    return {
+        "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel,
+                 dict(vocab_size=VOCAB, n_positions=SEQ, n_embd=D_MODEL, n_layer=2, n_head=2, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, decoder),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(decoder, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
+                      dict(decoder, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=D_MODEL,
+                           shared_expert_intermediate_size=2 * D_MODEL)),
+        "bert": (tf.BertConfig, tf.BertForMaskedLM,
+                 dict(common, num_attention_heads=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+        "vit": (tf.ViTConfig, tf.ViTForImageClassification,
+                dict(image_size=16, patch_size=4, num_channels=3, hidden_size=D_MODEL, intermediate_size=2 * D_MODEL,
+                     num_hidden_layers=2, num_attention_heads=2, num_labels=5, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)),
+    }
+
+
+HF_MODELS = ("gpt2", "llama", "mixtral", "qwen2_moe", "bert", "vit")
+
+
+def hf_config(name: str, **overrides):
+    config_class, _, fields = _hf_configs()[name]
+    return config_class(**{**fields, **overrides})
+
+
+def hf_model(name: str, seed: int = 0, **overrides):
+    """Hugging Face model `name` (HF_MODELS) from its tiny config, random weights seeded by `seed`."""
+    _, model_class, _ = _hf_configs()[name]
+    config = hf_config(name, **overrides)
+    torch.manual_seed(seed)
+    return model_class(config)

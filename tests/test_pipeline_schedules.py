@@ -47,6 +47,30 @@ def test_micro_batches_in_flight_are_the_formula(name, v, p, m):
     assert [bubble.in_flight(a) for a in actions] == [bubble.formula_in_flight(name, p, m, r, v) for r in range(p)]
 
 
+@pytest.mark.parametrize("p, v", [(2, 2), (3, 2), (4, 2), (4, 3)])
+def test_interleaving_takes_any_number_of_micro_batches_from_pp_on(p, v):
+    """Megatron-core's groups: m not a multiple of p runs too, its dry run the formula (p-1)/(vm+p-1) exactly on
+    every rank, its activations Megatron's warm-up + 1 with the group's size; at multiples of p, groups of p."""
+    for m in range(p, 3 * p + 2):
+        actions, timeline = dry_run("interleaved", p, m, v)
+        busy, span = lowering.busy_and_span(timeline)
+        assert [1 - b / span for b in busy] == [pytest.approx(bubble.formula_bubble("interleaved", p, m, v),
+                                                               abs=1e-12)] * p, m
+        assert [bubble.in_flight(a) for a in actions] == [bubble.formula_in_flight("interleaved", p, m, r, v)
+                                                          for r in range(p)], m
+        assert schedules.group_size(p, m) == (p if m % p == 0 else min(
+            g for g in range(p + 1, m + 1) if m % g == 0 or m % g >= p))
+
+
+def test_interleaved_order_is_megatron_cores_table():
+    """Megatron-core's own example (schedules.py, `get_schedule_table`): pp 2, 5 micro-batches in groups of 3, two
+    chunks: micro-batches 0 1 2 0 1 2 3 4 3 4 on chunks 0 0 0 1 1 1 0 0 1 1, read off rank 0's forwards."""
+    assert schedules.group_size(2, 5) == 3
+    forwards = [a for a in schedules.interleaved(2, 5, 0, 2) if a.kind == "F"]
+    assert [a.micro for a in forwards] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+    assert [a.stage // 2 for a in forwards] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+
+
 def test_1f1b_reads_as_warm_up_steady_state_cool_down():
     assert schedules.show(schedules.build("1f1b", 3, 4)) == (
         "rank 0: 0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3\n"

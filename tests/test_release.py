@@ -116,7 +116,7 @@ def test_the_students_wheel_holds_no_answer(tmp_path):
     out = tmp_path / "student-labs"
     assert release_main([str(LABS), "--out", str(out), "--labs", "01-ring-allreduce", "10-cost-model",
                          "--wheel"]) == 0
-    (wheel,) = (out / "wheel").glob("toolkit-*+student-*.whl")
+    (wheel,) = (out / "wheel").glob("distributed_training_toolkit-*+student-*.whl")
     with zipfile.ZipFile(wheel) as z:
         ring = z.read("toolkit/comm/ring.py").decode()
         timeline = z.read("toolkit/sim/timeline.py").decode()

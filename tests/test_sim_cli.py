@@ -1,12 +1,15 @@
 """`python -m toolkit simulate`: help with defaults, hsdp, checkpointing and prefetching, the verdict, the report."""
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 
 import pytest
 
 from toolkit.sim import cli
+from toolkit.units import seconds_text
 
 
 def test_the_top_level_help_lists_every_command_and_simulate_says_its_options_and_defaults():
@@ -51,15 +54,15 @@ def test_a_job_that_fits_gets_its_time_report_and_trace_and_one_that_does_not_ge
                      "--forward-prefetch", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "fits in the A100 SXM 80GB's" in out and "FLOP/s per GPU" in out and "0.000" not in out
-    report = (tmp_path / "sim-tiny-hsdp-16-report.html").read_text()
+    report = (tmp_path / "sim-tiny-hsdp-16-activation-checkpointing-forward-prefetch-report.html").read_text()
     assert "Memory at the peak" in report and "fits in the" in report and "modelled: rank 0 of 16" in report
-    assert (tmp_path / "sim-tiny-hsdp-16-dgx-a100-trace.json").exists()
+    assert (tmp_path / "sim-tiny-hsdp-16-activation-checkpointing-forward-prefetch-trace.json").exists()
 
     assert cli.main(["--model", "gpt3-175b", "--layers", "2", "--strategy", "ddp", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "shard the model states" in out and "TFLOP/s" not in out
-    assert not (tmp_path / "sim-gpt3-175b-ddp-512-dgx-a100-trace.json").exists()
-    assert "DOES NOT FIT" in (tmp_path / "sim-gpt3-175b-ddp-512-report.html").read_text()
+    assert not list(tmp_path.glob("sim-gpt3-175b-ddp-512-*trace.json"))
+    assert "DOES NOT FIT" in (tmp_path / "sim-gpt3-175b-ddp-512-layers2-report.html").read_text()
 
 
 def test_moe_with_more_gpus_than_experts_and_a_tensor_parallel_layout_simulate_from_the_command_line(tmp_path, capsys):
@@ -74,4 +77,120 @@ def test_moe_with_more_gpus_than_experts_and_a_tensor_parallel_layout_simulate_f
     out = capsys.readouterr().out
     assert "zero1 over dp=4 x tp=2 with sequence parallelism on 8 simulated ranks" in out
     assert cli.main(["--model", "tiny", "--sequence-parallel", "--out", str(tmp_path)]) == 2
-    assert "needs tp > 1" in capsys.readouterr().out
+    err = capsys.readouterr().err  # said in flags: the error came from Python's keywords
+    assert "--sequence-parallel splits" in err and "(e.g. --tp 2)" in err and "=" not in err, err
+
+
+def _summary_numbers(sim) -> tuple:
+    return (sim.memory, sim.peak, sim.peak_memory, sim.bytes_per_step, sim.cross_node_bytes, sim.flops,
+            round(sim.step_time, 12))
+
+
+def test_simulate_with_a_pipeline_on_the_command_line_is_the_python_call(tmp_path, capsys, monkeypatch):
+    """`simulate --pp 2 --microbatches 4 --schedule interleaved --virtual-stages 2` gives exactly what
+    simulate(..., pp=2, microbatches=4, schedule="interleaved", virtual_stages=2) does."""
+    from toolkit.models import presets
+    from toolkit.sim import simulate
+
+    calls = []
+    real = simulate
+
+    def recorded(*a, **k):
+        calls.append(real(*a, **k))
+        return calls[-1]
+
+    monkeypatch.setattr("toolkit.sim.simulate", recorded)
+    argv = ["--model", "tiny", "--layers", "4", "--strategy", "zero1", "--world-size", "16", "--tp", "2",
+            "--pp", "2", "--microbatches", "4", "--batch-per-rank", "4", "--schedule", "interleaved",
+            "--virtual-stages", "2", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    python = real(lambda: presets.tiny_gpt(n_layer=4), "zero1", 16, batch_per_rank=4, cluster="dgx-a100",
+                  mixed_precision=True, tp=2, pp=2, microbatches=4, schedule="interleaved", virtual_stages=2,
+                  progress=False)
+    assert _summary_numbers(calls[0]) == _summary_numbers(python)
+    assert "bubble" in out and "sent per rank per step" in out
+    name = "sim-tiny-zero1-16-layers4-batch-per-rank4-tp2-pp2-microbatches4-schedule-interleaved-virtual-stages2"
+    assert (tmp_path / f"{name}-report.html").exists() and (tmp_path / f"{name}-trace.json").exists()
+
+
+@pytest.mark.parametrize("flags, wrong", [("--model tiny --world-size 12 --tp 3", "--tp 3"),
+                                          ("--model tiny --world-size 12 --tp 4", "--tp 4"),
+                                          ("--model tiny --world-size 12 --tp 2 --pp 3", "--pp 3"),
+                                          ("--model gpt3-175b --layers 4 --world-size 512 --tp 64", "--tp 64"),
+                                          ("--model gpt3-175b --layers 4 --world-size 512 --tp 7", "--tp 7")])
+def test_a_layout_that_does_not_fit_is_answered_with_values_that_fit_every_constraint_at_once(flags, wrong, capsys):
+    """The trial: --tp 7 suggested divisors of the world that then failed the head count, and --tp 64's error
+    listed divisors of the heads that ignored the world. Every value suggested passes every check (the
+    tensor-parallel code's own, the world's, the pipeline's), and every value left out fails one."""
+    argv = [*flags.split(), "--batch-per-rank", "6"]
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {wrong} does not fit" in err and "Choose a tp" not in err and "tp=" not in err, err
+    values = [int(v) for v in err.split("Values that fit every constraint: [")[1].split("]")[0].split(", ")]
+    flag, world = wrong.split()[0], int(flags.split("--world-size ")[1].split()[0])
+    assert values and int(wrong.split()[1]) not in values
+    parse = cli.parser()
+
+    def fits(value) -> bool:
+        args = parse.parse_args([*argv, flag, str(value)])
+        build = cli.PRESETS[args.model]
+        try:
+            cli.check_layout(args, lambda: build(n_layer=args.layers) if args.layers else build(), parse)
+        except SystemExit:
+            return False
+        return True
+
+    assert [v for v in range(1 + (flag == "--pp"), world + 1) if world % v == 0 and fits(v)] == values
+    capsys.readouterr()
+
+
+SMALL = {"name": "small", "gpu": {"name": "small-gpu", "peak_flops": {"bf16": 1e14, "fp32": 2e13},
+                                  "memory_bytes": 150_000, "memory_bandwidth": 1e12},
+         "gpus_per_node": 4, "intra": ["100 GB/s", "2 us"], "inter": ["100 Gb/s", "8 us"]}
+
+
+def test_advice_is_said_in_flags_with_a_real_value_and_the_verdict_once(tmp_path, capsys):
+    """Not "activation checkpointing (activation_checkpointing=True)" nor "shorter sequences (seq_len=2048" (the
+    current length, as if it were the suggestion): the flag, and a value that would help. The tiny GPT on a
+    cluster of your own (a JSON file) whose GPUs hold 150 kB."""
+    (tmp_path / "small.json").write_text(json.dumps(SMALL))
+    common = ["--model", "tiny", "--strategy", "zero3", "--world-size", "4", "--cluster", str(tmp_path / "small.json"),
+              "--out", str(tmp_path)]
+    assert cli.main(common) == 0
+    out = capsys.readouterr().out
+    assert out.count("DOES NOT FIT") == 1 and "fits in" not in out, out
+    assert "--activation-checkpointing" in out and "activation_checkpointing" not in out, out
+    shorter = out.split("shorter sequences (--seq-len ")[1]
+    suggested = int(shorter.split(" or less")[0])
+    assert suggested < 32 and suggested & (suggested - 1) == 0 and "now 32;" in shorter, out
+    assert cli.main([*common, "--batch-per-rank", "4", "--activation-checkpointing"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("DOES NOT FIT") == 1 and "_" not in out.split("To fit:")[1].split("sent per rank")[0], out
+    smaller = re.search(r"\(--batch-per-rank (\d+)[^()]*, now 4;", out)
+    assert smaller and int(smaller.group(1)) < 4, out
+    # two configurations, two sets of files: the second did not overwrite the first
+    assert len(list(tmp_path.glob("sim-tiny-zero3-4-*-report.html"))) == 2
+
+
+def test_a_cluster_of_your_own_from_a_json_file_prices_as_the_python_dict(tmp_path, capsys):
+    from toolkit.sim import simulate
+
+    mine = dict(SMALL, gpu=dict(SMALL["gpu"], memory_bytes=80e9))
+    (tmp_path / "mine.json").write_text(json.dumps(mine))
+    assert cli.main(["--model", "tiny", "--strategy", "fsdp", "--world-size", "8", "--cluster",
+                     str(tmp_path / "mine.json"), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    python = simulate(cli.PRESETS["tiny"], "fsdp", 8, mixed_precision=True, progress=False,
+                      cluster=dict(mine, intra=tuple(mine["intra"]), inter=tuple(mine["inter"])))
+    assert f"small, bf16, per-operation model: step {seconds_text(python.step_time)}" in out, out
+    assert out.count("fits in the small-gpu's") == 1
+    assert (tmp_path / "sim-tiny-fsdp-8-cluster-mine-report.html").exists()
+    (tmp_path / "bad.json").write_text('{"name": "x"}')
+    assert cli.main(["--model", "tiny", "--cluster", str(tmp_path / "bad.json"), "--out", str(tmp_path)]) == 2
+    assert "is missing" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--model", "tiny", "--cluster", str(tmp_path / "none.json")])
+    assert "could not read a cluster" in capsys.readouterr().err

@@ -13,6 +13,9 @@ from toolkit.trace import analysis
 from toolkit.trace.chrome import to_chrome
 
 DGX = cluster_of("dgx-a100")
+# a DGX A100's links as a user would write them: no published measurements, so the alpha-beta model of its links
+AB = cluster_of(dict(name="dgx-like", gpu="a100-80gb", gpus_per_node=8, intra=("300 GB/s", "3.4 us"),
+                     inter=("200 Gb/s", "9.6 us"), call_latency="8.4 us"))
 MB = 1e6
 
 
@@ -22,20 +25,22 @@ def comm(i, op, size, group, async_op=True, phase="backward", **args):
 
 # --- collective times ----------------------------------------------------------------------------------
 def test_inside_one_node_the_ring_is_the_lessons_alpha_beta_plus_nccls_call_latency():
+    """A cluster without published measurements (a user's) is priced at the alpha-beta model of its links (the
+    presets' measured rates: tests/test_sim_published.py)."""
     for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
-        got = collective_time(DGX, op, 64 * MB, range(8)).seconds
-        ring = alpha_beta_time(op, 64 * MB, 8, DGX.intra.latency, 1 / DGX.intra.bandwidth)
-        assert got == pytest.approx(DGX.call_latency + ring, rel=1e-12), op
+        got = collective_time(AB, op, 64 * MB, range(8)).seconds
+        ring = alpha_beta_time(op, 64 * MB, 8, AB.intra.latency, 1 / AB.intra.bandwidth)
+        assert got == pytest.approx(AB.call_latency + ring, rel=1e-12), op
 
 
 def test_across_nodes_the_nics_of_a_node_add_up_and_latency_crosses_the_network_only_between_nodes():
     # 4 nodes x 8 GPUs: 8 rings at once, one per card: min(NVLink 300, 8 x 25) = 200 GB/s
-    full = collective_time(DGX, "all_gather", 1e9, range(32))
+    full = collective_time(AB, "all_gather", 1e9, range(32))
     assert full.bandwidth == 200e9 and full.resources == ("intra", "inter")
     assert full.latency == pytest.approx(8.4e-6 + (31 - 3) * 3.4e-6 + 3 * 9.6e-6)
     assert full.seconds == pytest.approx(full.latency + 31 / 32 * 1e9 / 200e9)
     # one GPU per node (HSDP's replicate group): a single card
-    replicate = collective_time(DGX, "all_reduce", 1e9, range(0, 32, 8))
+    replicate = collective_time(AB, "all_reduce", 1e9, range(0, 32, 8))
     assert replicate.bandwidth == 25e9 and replicate.link == "inter-node" and replicate.resources == ("inter",)
     assert replicate.seconds == pytest.approx(8.4e-6 + 6 * 9.6e-6 + 2 * 3 / 4 * 1e9 / 25e9)
 
@@ -45,10 +50,10 @@ def test_hybrid_sharding_crosses_the_network_with_the_fsdp_papers_volumes():
     hybrid sharding one all-reduce of M/G over one card: the times follow the paper's 3M(W-1)/W vs
     2M(W-1)/(GW) once each is divided by its bandwidth."""
     M, W, G = 3.6e9, 512, 8
-    full = sum(collective_time(DGX, op, M, range(W)).seconds - collective_time(DGX, op, M, range(W)).latency
+    full = sum(collective_time(AB, op, M, range(W)).seconds - collective_time(AB, op, M, range(W)).latency
                for op in ("all_gather", "all_gather", "reduce_scatter"))
-    hybrid = (collective_time(DGX, "all_reduce", M / G, range(0, W, G)).seconds
-              - collective_time(DGX, "all_reduce", M / G, range(0, W, G)).latency)
+    hybrid = (collective_time(AB, "all_reduce", M / G, range(0, W, G)).seconds
+              - collective_time(AB, "all_reduce", M / G, range(0, W, G)).latency)
     assert full == pytest.approx(fsdp_cross_host_traffic(M, G, W, "full_shard") / (G * 25e9), rel=1e-9)
     # the replicate ring has W/G members: (W/G-1)/(W/G) against the paper's (W-1)/W, 1.4% apart at W=512
     assert hybrid == pytest.approx(fsdp_cross_host_traffic(M, G, W, "hybrid") / 25e9, rel=2e-2)
@@ -57,11 +62,11 @@ def test_hybrid_sharding_crosses_the_network_with_the_fsdp_papers_volumes():
 
 def test_all_to_all_sends_each_peer_over_its_own_kind_of_link():
     rows = [10] * 16  # 16 ranks on 2 nodes, 10 rows of 1 kB to every rank
-    cost = collective_time(DGX, "all_to_all", 160e3, range(16), me=3,
+    cost = collective_time(AB, "all_to_all", 160e3, range(16), me=3,
                            args=dict(input_splits=rows, output_splits=rows))
     intra, inter = 7 * 10e3 / 300e9, 8 * 10e3 / 25e9
     assert cost.seconds == pytest.approx(8.4e-6 + 7 * 3.4e-6 + 8 * 9.6e-6 + max(intra, inter))
-    assert collective_time(DGX, "all_reduce", 1e6, [5]).seconds == 0.0  # a group of one moves nothing
+    assert collective_time(AB, "all_reduce", 1e6, [5]).seconds == 0.0  # a group of one moves nothing
 
 
 # --- the overlap rule ----------------------------------------------------------------------------------
@@ -113,7 +118,7 @@ def test_where_latency_is_delay_in_flight_the_next_message_leaves_while_the_last
 
     link = Link(20e6, 0.5e-3)
     emulated = cluster_of("dgx-a100", gpus_per_node=1, inter=link, intra=link, call_latency=0.0,
-                          latency_holds_link=False)
+                          latency_holds_link=False, published=None)
     program = [comm(i, "all_to_all", 256e3, [0, 1]) for i in range(4)] + [Wait(i) for i in range(4)]
     one = collective_time(emulated, "all_to_all", 256e3, [0, 1], me=0)
     assert one.occupancy == pytest.approx(one.seconds - 0.5e-3)
@@ -144,10 +149,10 @@ def test_buckets_beat_one_all_reduce_after_backward_and_the_model_says_by_how_mu
     for i in range(4):
         buckets += [layer, comm(i, "all_reduce", grads / 4, range(8))]
     buckets += [Wait(i, "backward") for i in range(4)]
-    naive, ddp = estimate([one], DGX, world_size=8), estimate([buckets], DGX, world_size=8)
+    naive, ddp = estimate([one], AB, world_size=8), estimate([buckets], AB, world_size=8)
     layer_s = 1e12 / 312e12  # no operations recorded (a hand-written segment): one roofline at the datasheet peak
-    bucket_s = collective_time(DGX, "all_reduce", grads / 4, range(8)).seconds
-    assert naive.step_time == pytest.approx(4 * layer_s + collective_time(DGX, "all_reduce", grads, range(8)).seconds)
+    bucket_s = collective_time(AB, "all_reduce", grads / 4, range(8)).seconds
+    assert naive.step_time == pytest.approx(4 * layer_s + collective_time(AB, "all_reduce", grads, range(8)).seconds)
     assert ddp.step_time == pytest.approx(4 * layer_s + bucket_s)  # only the last bucket is exposed
     assert ddp.breakdown["overlapped_comm"] == pytest.approx(3 * bucket_s)
     assert ddp.tflops_per_gpu == pytest.approx(4e12 / ddp.step_time / 1e12)

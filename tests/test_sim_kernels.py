@@ -11,55 +11,33 @@ import pytest
 from toolkit.models import tiny_gpt
 from toolkit.models.as_in_papers import as_in, recompute_blocks
 from toolkit.sim import Compute, GPUS, Kernel, cluster_of, estimate, simulate
-from toolkit.sim.kernel_time import device_seconds, gemm_efficiency, gemm_seconds, segment_seconds
+from toolkit.sim.kernel_time import (device_seconds, gemm_efficiency, gemm_seconds, hbm_bandwidth, segment_seconds,
+                                     sm_rate)
 
 A100 = GPUS["a100-80gb"]
-RATE = 312e12 * 267.9 / 312  # the best measured GEMM rate (MAMF)
 
 
 # --- GEMMs -------------------------------------------------------------------------------------------------
-def test_the_best_measured_shape_reaches_the_measured_rate_and_one_tile_more_costs_a_wave():
-    """6912 x 16384 x 2048, the shape the MAMF microbenchmark found best on A100, is 3456 tiles of 256 x 128:
-    exactly 32 waves on 108 SMs, so it runs at the measured rate. One SM's worth of 256 x 128 tiles (108 of
-    them, one wave) against one column more: that needs a second wave of 256 x 128 tiles, so the fastest
-    tile is then 128 x 64 (2 x 217 tiles: 5 waves of a quarter-size tile)."""
-    assert gemm_efficiency(A100, 1, 6912, 16384, 2048) == pytest.approx(267.9 / 312, rel=1e-12)
-    k, n = 4096, 128 * 108
-    one_wave = gemm_seconds(A100, 1, 256, n, k, "bf16")
-    assert one_wave == pytest.approx(2 * 256 * n * k / RATE, rel=1e-12)
-    more = gemm_seconds(A100, 1, 256, n + 1, k, "bf16")
-    assert more == pytest.approx(5 * 2 * 128 * 64 * k / (RATE / 108), rel=1e-12)
-    assert more / one_wave == pytest.approx(1.25 * 256 * 128 * 108 / (256 * n), rel=1e-12)
+def test_a_gemm_is_tiles_in_waves_each_a_pipeline_of_k_blocks_then_its_epilogue():
+    """2048 x 13824 is 864 tiles of 256 x 128: 8 whole waves on 108 SMs. A tile runs k / 64 k-blocks after the
+    pipeline's other 2 stages filled (CUTLASS's 3), at the SM rate that reproduces cuBLASLt's 16384^3 (256.5
+    TFLOP/s), then writes its 256 x 128 outputs at its SM's share of STREAM's bandwidth."""
+    assert gemm_efficiency(A100, *A100.published.gemm_shape) == pytest.approx(256.5 / 312, rel=1e-12)
+    per_sm, k = sm_rate(A100, "bf16"), 8192
+    tile = 2 * 256 * 128 * 64 / per_sm * (k / 64 + 3 - 1) + 256 * 128 * 2 / (hbm_bandwidth(A100) / 108)
+    assert gemm_seconds(A100, 1, 2048, 13824, k, "bf16") == pytest.approx(8 * tile, rel=1e-12)
+    assert 0.8 < per_sm * 108 / 312e12 < 0.9  # the SMs' own rate: above the GEMM's, below the datasheet's
 
 
-def test_small_tiles_are_bound_by_l2_and_skinny_gemms_by_memory():
-    """A 64 x 64 tile reads 128 operands per 8,192 FLOPs: at A100's L2 bandwidth (5120 B/clk at 1.41 GHz) that
-    is 231 TFLOP/s, below the GEMM rate, so a GEMM that only 64 x 64 tiles fill well runs at that; a GEMM with
-    a tiny k (a matrix-vector-like product) moves more bytes than it computes: device time is its bytes at
-    HBM bandwidth."""
-    l2_bound = 5120 * 1.41e9 * 2 * 64 * 64 / (128 * 2)
-    assert l2_bound < RATE
-    # 64 x 108 rows of 64: one wave of 64 x 64 tiles, 1.5 waves of anything wider
-    t = gemm_seconds(A100, 1, 64 * 108, 64, 4096, "bf16")
-    assert t == pytest.approx(min(2 * 64 * 108 * 64 * 4096 / l2_bound,
-                                  2 * 2 * 128 * 64 * 4096 / (RATE / 108)), rel=1e-12)
+def test_a_gemm_with_one_k_block_fills_one_and_is_never_faster_than_its_bytes():
+    """k = 8 is a single k-block (the pipeline has nothing more to fill) and a 256 x 128 tile of outputs to write:
+    2048 tiles in 19 waves; its bytes at STREAM's bandwidth are a floor it stays above (a pipeline model: the
+    writes of one tile and the loads of the next do not overlap)."""
     skinny = Kernel("mm", "gemm", 2.0 * 8192 * 8192 * 8, (8192 * 8 + 8 * 8192 + 8192 * 8192) * 2.0, "bf16",
                     (1, 8192, 8192, 8))
-    assert device_seconds(A100, skinny) == pytest.approx(skinny.bytes / A100.memory_bandwidth, rel=1e-12)
-
-
-def test_fused_attention_skips_the_masked_blocks_and_pays_its_softmax_at_the_fp32_rate():
-    b, h, s, d = 4, 32, 2048, 128
-    flops = 4.0 * b * h * s * s * d
-    full = Kernel("flash", "attention", flops, 0.0, "bf16", (b, h, s, s, d, False, False))
-    causal = Kernel("flash", "attention", flops, 0.0, "bf16", (b, h, s, s, d, True, False))
-    ctas = b * h * (s // 128)  # 2048 blocks of 128 queries: 19 waves, the last one 104 of 108
-    rate = RATE * ctas / (math.ceil(ctas / 108) * 108)
-    expected = flops / rate + 8 * b * h * s * s / 19.5e12
-    assert device_seconds(A100, full) == pytest.approx(expected, rel=1e-12)
-    assert device_seconds(A100, causal) == pytest.approx(expected * (16 + 1) / 32, rel=1e-12)
-    # FlashAttention-2 reports about 70% of peak forward at head dim 128 (Dao 2023): the model's 4d/(4d/0.86+8/19.5*312)
-    assert 0.6 < flops / device_seconds(A100, full) / 312e12 < 0.8
+    tile = 2 * 2 * 256 * 128 * 64 / sm_rate(A100, "bf16") + 256 * 128 * 2 / (hbm_bandwidth(A100) / 108)
+    assert device_seconds(A100, skinny) == pytest.approx(19 * tile, rel=1e-12)
+    assert skinny.bytes / hbm_bandwidth(A100) < device_seconds(A100, skinny) < 2 * skinny.bytes / hbm_bandwidth(A100)
 
 
 # --- the host ------------------------------------------------------------------------------------------------
@@ -103,31 +81,36 @@ def test_executed_flops_are_megatrons_formula_and_hfu_counts_the_recomputation_t
 
 def test_the_per_operation_breakdown_adds_up_to_the_steps_compute():
     """At a 7B model's width the launches hide behind the kernels, so the step's compute is the sum of its
-    operations' device times; at 8 sequences of 2048 the GEMMs dominate (the optimizer's elementwise update of
-    two layers' fp32 states, memory-bound, comes next) and run at the shape's tile/wave efficiency."""
+    operations' device times, and its parts (GEMM, memory-bound, optimizer, beside the exposed communication) add
+    up to the step; at 8 sequences of 2048 the GEMMs dominate and run at their shape's efficiency, below the
+    published cuBLASLt rate; MFU below HFU below it."""
     sim = simulate(functools.partial(megatron_gpt, 2, d_model=4096, n_head=32, seq_len=2048), "ddp", 8,
                    batch_per_rank=8, warmup=False, progress=False, mixed_precision=True, cluster="dgx-a100")
-    rows = sim.cost.per_op()
-    assert sum(r["seconds"] for r in rows) == pytest.approx(sim.breakdown["compute"], rel=1e-9)
-    gemm = sum(r["seconds"] for r in rows if r["kind"] == "gemm")
-    assert 0.5 < gemm / sim.breakdown["compute"] < 1
+    rows, b = sim.cost.per_op(), sim.breakdown
+    devices = sum(b[k] for k in ("gemm", "attention", "memory_bound", "optimizer"))
+    assert sum(r["seconds"] for r in rows) == pytest.approx(devices, rel=1e-9)
+    assert b["overhead"] == pytest.approx(0.0, abs=1e-9)  # the launches hide behind the kernels
+    assert b["compute"] + b["exposed_comm"] == pytest.approx(b["step"], rel=1e-12) == sim.step_time
+    assert b["compute"] == pytest.approx(devices + b["contention"], rel=1e-9) and b["contention"] > 0
+    assert 0.5 < b["gemm"] / b["compute"] < 1
     addmm = next(r for r in rows if r["name"] == "addmm")
-    assert 0.5 < addmm["fraction_of_peak"] <= 267.9 / 312 + 1e-12
-    assert 0 < sim.mfu < sim.hfu < 267.9 / 312
+    assert 0.5 < addmm["fraction_of_peak"] <= 256.5 / 312 + 1e-12
+    assert 0 < sim.mfu < sim.hfu < 256.5 / 312
 
 
 def test_an_h100_is_faster_by_its_gemm_rate_not_by_a_constant():
     sim = simulate(functools.partial(megatron_gpt, 2, d_model=4096, n_head=32, seq_len=2048), "ddp", 8,
                    batch_per_rank=1, warmup=False, progress=False, mixed_precision=True)
     a100, h100 = (estimate(sim.programs, name, world_size=8).breakdown["compute"] for name in ("dgx-a100", "dgx-h100"))
-    # between the GEMM rates' ratio and the HBM bandwidths' ratio (the memory-bound kernels)
-    assert 3350 / 2039 < a100 / h100 < 792.1 / 267.9
+    # between the published GEMM rates' ratio and the HBM bandwidths' ratio (the memory-bound kernels)
+    assert 2.935 / 1.655 < a100 / h100 < 783.3 / 256.5
 
 
 def test_pricing_a_simulation_never_imports_the_calibration():
-    """cost.py -> calibrate.py -> simulate.py -> cost.py was a cycle; "this-machine" is now found through a
-    registry, so pricing on a GPU preset loads no measuring code."""
-    code = ("import sys, toolkit.sim.cost, toolkit.sim.simulate; "
+    """The pricing of a simulation (`priced.py`) sits above the calibration it asks for "this-machine", which
+    records its reference step from the pieces below both (no cycle); it imports it only when asked, so pricing
+    on a GPU preset loads no measuring code."""
+    code = ("import sys, toolkit.sim.cost, toolkit.sim.simulate, toolkit.sim.priced; "
             "assert 'toolkit.sim.calibrate' not in sys.modules, sorted(m for m in sys.modules if 'calib' in m)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

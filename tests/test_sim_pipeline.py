@@ -94,24 +94,24 @@ def test_a_rank_of_4096_in_a_dp_x_pp_x_tp_layout():
     """dp 64 x pp 8 x tp 8 on DGX A100 nodes: tp fills a node, so every stage of a pipeline is on a node of its
     own and every transfer crosses the network; three kinds of stage simulated (first, middle, last), the
     step the pipeline's; the rank's memory is its own, and the last stage (one micro-batch in flight under 1F1B)
-    holds less than a middle one (seven); its sends are its 16 activations and, once, its tp piece of the
-    tied embedding for the last stage's head."""
+    holds less than a middle one (seven); its sends are its 1/8 of each of its 16 activations (the tp group's
+    scatter/gather) and, once, its tp piece of the tied embedding for the last stage's head."""
     config = dict(n_layer=8, d_model=64, n_head=8, vocab_size=64, seq_len=32)
-    sim = simulate(lambda: tiny_gpt(**config), "zero1", 4096, rank=2049, tp=8, pp=8, microbatches=16,
+    sim = simulate(lambda: tiny_gpt(**config), "zero1", 4096, rank=257, tp=8, pp=8, microbatches=16,
                    batch_per_rank=16, progress=False, mixed_precision=True, cluster="dgx-a100")
-    ranks = [2049 + 8 * p for p in range(8)]  # dp 32, every pp index, tp 1
-    assert sorted(sim.stage_sims) == ranks and sorted(sim.stage_peaks) == [2049, 2057, 2105]
+    ranks = [257 + 512 * p for p in range(8)]  # dp 32, every pp index, tp 1 (Megatron's order: pp outermost)
+    assert sorted(sim.stage_sims) == ranks and sorted(sim.stage_peaks) == [257, 769, 3841]
     transfers = [s for t in sim.cost.stages[-1].stages.values() for s in t.spans
                  if s.kind == "comm" and s.instruction.op in ("send", "recv")]
     assert transfers and {s.cost.link for s in transfers} == {"inter-node"}
     assert sim.step_time == sim.cost.stages[-1].step_time > 0 and sim.breakdown["bubble"] > 0
-    assert sim.stage_peaks[2105] < sim.stage_peaks[2057]
+    assert sim.stage_peaks[3841] < sim.stage_peaks[769]
     sends = [c.size_bytes for c in sim.collectives() if c.op == "send"]
     activation, tied = 1 * config["seq_len"] * config["d_model"] * 2, config["vocab_size"] // 8 * config["d_model"] * 2
-    assert sorted(sends) == sorted([activation] * 16 + [tied])
-    inside = simulate(lambda: tiny_gpt(**config), "zero1", 4096, rank=2049, tp=8, pp=8, microbatches=16,
+    assert sorted(sends) == sorted([activation // 8] * 16 + [tied])  # each tp rank sends 1/t (scatter/gather)
+    inside = simulate(lambda: tiny_gpt(**config), "zero1", 4096, rank=257, tp=8, pp=8, microbatches=16,
                       batch_per_rank=16, progress=False, mixed_precision=True)  # no cluster: this rank alone
-    tp_group = set(range(2048, 2056))  # inside one node; dp, the pipeline's loss and every send cross nodes
+    tp_group = set(range(256, 264))  # inside one node; dp, the pipeline's loss and every send cross nodes
     assert sum(c.bytes_sent for c in inside.collectives() if c.op == "send") == sum(sends)
     assert inside.cross_node_bytes == sum(c.bytes_sent for c in inside.collectives() if set(c.group) != tp_group)
 

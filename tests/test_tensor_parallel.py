@@ -32,7 +32,8 @@ import torch.distributed as dist
 import foreign_models as fm
 from tp_rank_checks import SGD, norm_of_ones, overflow_on_one_rank, wrapped_mesh
 import toolkit
-from toolkit.models import SyntheticCorpus, moe_model_fn
+from toolkit.models import SyntheticCorpus
+from toolkit.train import moe_model_fn
 from toolkit.train import TrainConfig, train
 
 LOSS_ATOL, PARAM_ATOL = 2e-5, 1e-5
@@ -148,7 +149,7 @@ def test_tensor_parallel_layouts_train_as_one_process(world, directory, no_lefto
     for vote in ("fp16 vote",) if world == 2 else ("fp16 vote, zero2 x tp",):
         assert got[vote] == [(True, True, 2.0 ** 15)] * world, (vote, got[vote])
     if world == 4:
-        assert got["mesh"] == (True, ("dp", "pp", "tp"), (2, 1, 2))
+        assert got["mesh"] == (True, ("dp", "pp", "cp", "tp"), (2, 1, 1, 2))
         for name, (norm, psi, after) in got["norm of ones"].items():
             # exact but for the fp32 square root's rounding (2^-24 relative); one element more or less: 1/(2Ψ)
             assert abs(norm - psi ** 0.5) <= 2 ** -23 * psi ** 0.5 < psi ** 0.5 / (2 * psi), (name, norm, psi)

@@ -74,6 +74,32 @@ def test_a_forked_rank_sees_the_launchers_environment_and_directory_as_a_fresh_i
     assert toolkit.launch(_variable, 1, args=("TOOLKIT_TEST_LATE",)) == ["set after the zygote started"]
 
 
+def test_a_forked_rank_starts_with_the_launchers_signals_not_the_zygotes_as_under_nohup(
+        monkeypatch, no_leftover_ranks):
+    """`nohup` ignores SIGHUP in the launcher, and exec keeps a signal ignored (and the blocked mask): a fresh
+    rank of a nohup'd run survives its terminal closing. A forked rank must too, even where the zygote was
+    started before (or by another launcher than) the one that asks."""
+    toolkit.launch(int, 1)  # the zygote starts with SIGHUP at its default and nothing blocked
+    hup, usr2 = int(signal.SIGHUP), int(signal.SIGUSR2)
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does before it execs
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+    try:
+        forked = _ranks_differ_where_they_must(toolkit.launch(_facts, 2))
+        monkeypatch.setenv("TOOLKIT_LAUNCH_EXEC", "1")
+        fresh = _ranks_differ_where_they_must(toolkit.launch(_facts, 2))
+    finally:
+        signal.signal(signal.SIGHUP, before)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR2])
+    for rank in range(2):
+        assert fresh[rank]["signals"][hup] == forked[rank]["signals"][hup] == repr(signal.SIG_IGN)
+        assert usr2 in fresh[rank]["blocked"] and usr2 in forked[rank]["blocked"]
+        assert (fresh[rank]["signals"], fresh[rank]["blocked"]) == (forked[rank]["signals"], forked[rank]["blocked"])
+    monkeypatch.delenv("TOOLKIT_LAUNCH_EXEC")
+    again = toolkit.launch(_facts, 1)[0]  # and the launcher's later launches get its dispositions as they are
+    assert again["signals"][hup] == repr(signal.SIG_IGN if before == signal.SIG_IGN else signal.SIG_DFL)
+    assert usr2 not in again["blocked"]
+
+
 def _variable(name):
     return os.environ.get(name)
 

@@ -25,15 +25,15 @@ import sys
 import time
 
 from . import parallel
-from .compare_theory import (HSDP_GROUP, MODEL, MOE, ZERO_STAGE, hsdp_theory, moe_theory,
-                             predicted_model_states)
+from .cli_args import positive_int
+from .compare_theory import HSDP_GROUP, MODEL, MOE, ZERO_STAGE, hsdp_theory, moe_theory, predicted_model_states
 from .interpret import collectives_per_step, notes
 from .memory import communication_per_step
-from .models import moe_model_fn, tiny_gpt
+from .models import tiny_gpt
 from .runtime.env import default_world_size
 from .trace.analysis import bytes_per_step, overlap_fraction
 from .trace.chrome import save_chrome
-from .train import TrainConfig, launch_train
+from .train import TrainConfig, launch_train, moe_model_fn
 
 MOE_LABEL = "moe-ep"
 HSDP_LABEL = "hsdp"  # strategy fsdp with sharding_group_size=HSDP_GROUP
@@ -183,9 +183,9 @@ def training_blocks(runs, rows, predicted, *, world_size: int, steps: int, mixed
            if mixed_precision else "fp32: theory 4 + 4 + 8 bytes per parameter (AdamW's two moments)."),
         viz.table([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]),
         viz.bullets(explained),
-        memory_bars(runs, predicted),
+        memory_bars(runs, predicted, unit=1e6),  # in the table's unit (its columns are MB)
         comm_bars([{"strategy": r["strategy"], "measured": r["sent MB/step"] * 1e6,
-                    "theory": r["theory sent MB/step"] * 1e6} for r in rows if r["ranks"] > 1]),
+                    "theory": r["theory sent MB/step"] * 1e6} for r in rows if r["ranks"] > 1], unit=1e6),
     ]
     overlaps = {r["strategy"]: r["overlap"] for r in rows}
     for name, run in runs.items():
@@ -229,11 +229,17 @@ def main(argv=None) -> int:
     from . import viz
 
     parser = argparse.ArgumentParser(prog="python -m toolkit compare", description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=None, help="ranks per strategy (default: GPUs, else 4)")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES))
+    parser.add_argument("--world-size", type=positive_int, default=None,
+                        help="ranks per strategy, real processes on this machine (default: the GPUs, else 4)")
+    parser.add_argument("--steps", type=positive_int, default=8,
+                        help="training steps per strategy; the step time is their median (default: 8)")
+    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                        help="comma-separated, in this order (default: %(default)s); hsdp needs an even world of 4 "
+                             f"or more, {MOE_LABEL} is the expert-parallel MoE-GPT")
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 compute with fp32 master weights")
-    parser.add_argument("--out", default="runs")
+    parser.add_argument("--out", default="runs",
+                        help="folder for the report (compare-report.html) and each strategy's trace and Run "
+                             "(default: runs)")
     args = parser.parse_args(argv)
     wanted = [s for s in args.strategies.split(",") if s]
     unknown = set(wanted) - set(parallel.STRATEGIES) - {MOE_LABEL, HSDP_LABEL}

@@ -12,7 +12,7 @@ boundaries. Under pipeline parallelism (options pp > 1) a step's forward and bac
 its actions a span labelled with its micro-batch and stage, memory sampled after each.
 
 Data: step s uses the corpus's global batch s (`global_batch_size` rows); data-parallel replica r of N
-takes its contiguous slice (every rank of a replica's tensor/pipeline-parallel group reads the same rows), and with `accumulation` = M it splits that slice into M micro-batches, calling
+takes its contiguous slice (every rank of a replica's tensor/pipeline/context-parallel group reads the same rows), and with `accumulation` = M it splits that slice into M micro-batches, calling
 backward on loss/M each. So the rows of a step are the same whatever N and M are, and every strategy,
 world size and accumulation can be checked against "local" with accumulation 1.
 """
@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from . import parallel
 from .memory.ledger import ActivationMeter, record_memory
-from .models import GPTConfig, SyntheticCorpus, tiny_gpt
+from .models import GPTConfig, moe_gpt, tiny_gpt
+from .models.protocol import recognise
 from .run import Run
 from .run_metrics import NonFiniteElsewhere, NonFiniteLoss, record_losses  # noqa: F401 - the errors: toolkit.train's
 from .runtime import env
@@ -96,9 +97,16 @@ class TrainConfig:
 
     def check_world(self, world_size: int) -> None:
         """Each data-parallel replica's micro-batch must be whole rows: global_batch_size % (dp * accumulation)
-        == 0, where dp = world_size / (tp x pp) (the ranks of one tensor/pipeline-parallel group share rows);
-        under pp the schedule's `microbatches` (default pp) take the place of accumulation."""
+        == 0, where dp = world_size / (tp x pp x cp) (the ranks of one tensor/pipeline/context-parallel group share
+        rows); under pp the schedule's `microbatches` (default pp) take the place of accumulation. Under cp the
+        sequence must split into the cp ranks' chunks."""
         dp, _ = self.data_parallel(world_size)
+        if self.options.get("cp", 1) > 1:
+            from .parallel.context import SequenceSplit
+
+            attention = self.options.get("cp_attention", "ring")
+            SequenceSplit(self.options["cp"], 0, zigzag=attention == "ring").check(self.seq_len,
+                                                                                  "TrainConfig.seq_len")
         pp = self.options.get("pp", 1)
         if pp > 1 and self.accumulation != 1:
             raise ValueError(f"under pp={pp} the pipeline's schedule splits each replica's batch into micro-batches "
@@ -112,12 +120,15 @@ class TrainConfig:
                              f"multiple of {per}, e.g. {per * max(1, self.global_batch_size // per)}.")
 
     def data_parallel(self, world_size: int, rank: int = 0) -> tuple[int, int]:
-        """(dp, this rank's dp index): the world is dp x pp x tp (`options` tp=, pp=), and a rank reads the
-        rows of its data-parallel replica, the same rows as every rank of its tp and pp groups."""
+        """(dp, this rank's dp index): the world is dp x pp x cp x tp (`options` tp=, pp=, cp=, order=), and a rank
+        reads the rows of its data-parallel replica, the same rows as every rank of its tp, pp and cp groups (a cp
+        rank keeps its own tokens of them)."""
         from .parallel import mesh
 
-        layout = mesh.layout(world_size, tp=self.options.get("tp", 1), pp=self.options.get("pp", 1))
-        return layout.dp, layout.coordinate(rank)[0]
+        o = self.options
+        layout = mesh.layout(world_size, tp=o.get("tp", 1), pp=o.get("pp", 1), cp=o.get("cp", 1),
+                             order=o.get("order", mesh.ORDER))
+        return layout.dp, layout.coordinate(rank).dp
 
     @classmethod
     def of(cls, config) -> "TrainConfig":
@@ -130,12 +141,35 @@ def build_model(config: TrainConfig) -> torch.nn.Module:
     return tiny_gpt(vocab_size=config.vocab_size, seq_len=config.seq_len, **config.model)
 
 
-def train(config, *, model_fn=None, return_state: bool = False):
+def moe_model_fn(num_experts: int = 4, top_k: int = 2, **moe_gpt_kwargs):
+    """A ``model_fn`` for `train`: ``moe_gpt`` sized by the TrainConfig (vocab, seq_len, ``config.model``), experts
+    seeded by ``config.seed`` unless ``seed=`` is given, and split over the ranks of a pipeline stage under
+    ``options["pp"]`` (the layout is the training's, which is why this lives here and not in `toolkit.models`).
+
+        train(TrainConfig(strategy="ddp"), model_fn=moe_model_fn(4, 2))
+    """
+    def build(config):
+        kwargs = dict(seed=config.seed, vocab_size=config.vocab_size, seq_len=config.seq_len, **config.model)
+        pp = config.options.get("pp", 1)
+        if pp > 1:  # a pipeline stage's experts are split over the ranks of that stage, not the world
+            from .parallel.pipeline import stage_group
+            kwargs["group"] = stage_group(pp=pp, **{k: config.options[k] for k in ("tp", "cp", "order")
+                                                    if k in config.options})
+        kwargs.update(moe_gpt_kwargs)
+        return moe_gpt(num_experts, top_k, **kwargs)
+
+    return build
+
+
+def train(config, *, model_fn=None, loss_fn=None, batch_fn=None, return_state: bool = False):
     """Train on this rank (inside `launch`, or alone as world size 1); return this rank's Run.
 
-    model_fn(config) -> nn.Module builds another model (it must map (x, y) to a scalar loss), for
-    example a GPT with MoE layers; by default `build_model`. With `return_state`, returns
-    (run, full_state_dict) where the state is the final unsharded parameters on the CPU.
+    model_fn(config) -> nn.Module builds another model, for example a GPT with MoE layers or a Hugging Face
+    model as it comes (`LlamaForCausalLM(config)`, a masked LM, an image classifier); by default `build_model`.
+    How it is fed and called is recognised from it (`toolkit.models.protocol`); for anything else pass
+    loss_fn(model, inputs, targets) -> scalar loss and/or batch_fn(step, global_batch_size, *, rank,
+    world_size, device) -> (inputs, targets). With `return_state`, returns (run, full_state_dict) where the
+    state is the final unsharded parameters on the CPU.
 
     The Run holds this call's work only (the trace recorder is reset first). Its metrics per step:
     "loss" (mean over all ranks and micro-batches: the loss of the whole global batch), "local_loss"
@@ -144,6 +178,10 @@ def train(config, *, model_fn=None, return_state: bool = False):
     final full parameters, for comparing runs without the tensors).
     """
     config = TrainConfig.of(config)
+    if loss_fn is not None and config.options.get("pp", 1) > 1:
+        raise ValueError("under pipeline parallelism (pp > 1) the last stage computes the loss with the model's own "
+                         "head_loss(h, y), so a loss_fn cannot be used: give the model embed, head_loss and "
+                         "hidden_shape (toolkit/models/hf_pipeline.py shows how), or train without pp.")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     config.check_world(world)
@@ -156,7 +194,8 @@ def train(config, *, model_fn=None, return_state: bool = False):
 
     torch.manual_seed(config.seed)  # the same model on every rank; strategies also broadcast rank 0's
     model = (model_fn or build_model)(config).to(device)
-    corpus = SyntheticCorpus(config.vocab_size, config.seq_len, config.data_seed)
+    convention = recognise(model, loss_fn=loss_fn, batch_fn=batch_fn)  # before wrapping: the model as it came
+    data = convention.data(model, vocab_size=config.vocab_size, seq_len=config.seq_len, seed=config.data_seed)
     make_optimizer = functools.partial(OPTIMIZERS[config.optimizer], lr=config.lr)
     with phase("setup"):
         model, opt = parallel.wrap(model, config.strategy, optimizer=make_optimizer, **config.options)
@@ -176,7 +215,7 @@ def train(config, *, model_fn=None, return_state: bool = False):
     steps = _progress(range(config.steps), config, rank, world)
     for step in steps:
         t0 = time.perf_counter()
-        x, y = corpus.batch(step, config.global_batch_size, rank=dp_rank, world_size=dp, device=device)
+        x, y = data.batch(step, config.global_batch_size, rank=dp_rank, world_size=dp, device=device)
         step_loss = torch.zeros((), device=device)
         if pipelined:  # pp > 1: one call runs the schedule (every micro-batch; each action is a span of its own)
             sample(step)
@@ -189,7 +228,7 @@ def train(config, *, model_fn=None, return_state: bool = False):
                 with phase("forward"):
                     sample(step)
                     with span("forward", step=step, micro=micro), meter:
-                        loss = model(xm, ym)
+                        loss = convention.loss(model, xm, ym)
                     sample(step)
                 with phase("backward"):
                     with span("backward", step=step, micro=micro):
@@ -217,6 +256,8 @@ def train(config, *, model_fn=None, return_state: bool = False):
     state = _final_state(model)
     recorder.metric("param_norm", math.sqrt(sum(float(v.double().pow(2).sum()) for v in state.values())))
     run = Run.capture(dataclasses.asdict(config))
+    run.meta["model"] = {"class": type(model.module if hasattr(model, "module") else model).__name__,
+                         "convention": convention.name, "why": convention.why}
     return (run, state) if return_state else run
 
 
@@ -247,21 +288,23 @@ def _final_state(model) -> dict:
     return {name: t.detach().cpu() for name, t in state.items()}
 
 
-def _rank_main(config, model_fn, return_state):
-    run, state = train(config, model_fn=model_fn, return_state=True)
+def _rank_main(config, model_fn, return_state, loss_fn=None, batch_fn=None):
+    run, state = train(config, model_fn=model_fn, loss_fn=loss_fn, batch_fn=batch_fn, return_state=True)
     rank = dist.get_rank() if dist.is_initialized() else 0
     return (run, state if rank == 0 else None) if return_state else run
 
 
-def launch_train(config, world_size: int, *, model_fn=None, return_state: bool = False, **launch_kwargs):
-    """Start `world_size` ranks that each run `train(config)`; return the merged Run.
+def launch_train(config, world_size: int, *, model_fn=None, loss_fn=None, batch_fn=None, return_state: bool = False,
+                 **launch_kwargs):
+    """Start `world_size` ranks that each run `train(config)` (`model_fn`, `loss_fn`, `batch_fn` as there); return
+    the merged Run.
 
     With `return_state`, returns (run, rank 0's final full parameters). `launch_kwargs` go to
     `toolkit.launch` (backend, timeout_s, quiet, ...).
     """
     config = TrainConfig.of(config)
     config.check_world(world_size)  # fail here, before starting processes
-    results = launch(_rank_main, world_size, args=(config, model_fn, return_state), **launch_kwargs)
+    results = launch(_rank_main, world_size, args=(config, model_fn, return_state, loss_fn, batch_fn), **launch_kwargs)
     if return_state:
         return Run.merge(r for r, _ in results), results[0][1]
     return Run.merge(results)

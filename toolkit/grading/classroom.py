@@ -14,7 +14,8 @@ to run without one unless `allow_unsandboxed`. `jobs` > 1 grades that many stude
 with more cores than one grading's ranks use).
 
 The CSV has one row per student: student, score, max_score, status ("graded", "timed out", "no
-file", "grader error"), seconds, file, then the points of every check. With `out_dir`, each student's
+file", "refused: ..." (a link, a FIFO, a file too big: never followed or read), "grader error"), seconds, file,
+then the points of every check. With `out_dir`, each student's
 full report (every check's message) is written there as `<student>.json`.
 """
 from __future__ import annotations
@@ -32,7 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import isolation, sandbox
+from . import isolation, sandbox, untrusted
+from .untrusted import clean
 
 
 @dataclass
@@ -48,25 +50,38 @@ class Row:
 
 
 def submissions(class_dir, filename: str | None = None) -> list[tuple[str, Path | None]]:
-    """(student, file) for every submission in `class_dir`, sorted by student; file None if not found."""
+    """(student, file) for every submission in `class_dir`, sorted by student; file None if not found. A link
+    (a student's file or folder, or a file in it) is listed as it is, never followed: `read` refuses it."""
     found = []
     for entry in sorted(Path(class_dir).iterdir()):
-        if entry.is_file() and entry.suffix == ".py":
+        if entry.suffix == ".py" and (entry.is_symlink() or entry.is_file()):
             found.append((entry.stem, entry))
+        elif entry.is_symlink() and not entry.name.startswith("."):
+            found.append((entry.name, entry))  # a student's folder that is a link: refused, by name
         elif entry.is_dir() and not entry.name.startswith("."):
             files = [entry / filename] if filename else sorted(entry.glob("*.py"))
-            files = [f for f in files if f.is_file()]
+            files = [f for f in files if f.is_symlink() or f.is_file()]
             found.append((entry.name, files[0] if len(files) == 1 else None))
     return found
 
 
-def grade_one(lab, student: str, file: Path | None, source: bytes | None, *, student_timeout_s: float,
-              options: list[str]) -> Row:
+def read(file: Path | None) -> tuple[bytes | None, str]:
+    """(the submission's bytes, "") or (None, why it is refused): only a regular file, never through a link."""
+    if file is None:
+        return None, ""
+    try:
+        return untrusted.read(file, what="the submission"), ""
+    except OSError as exc:
+        return None, f"refused: {exc}" if isinstance(exc, untrusted.Refused) else f"refused: cannot read it ({exc})"
+
+
+def grade_one(lab, student: str, file: Path | None, source: bytes | None, refused: str = "", *,
+              student_timeout_s: float, options: list[str]) -> Row:
     """Grade one submission (`source`, the bytes read from `file` before any submission ran) in its own
     process and session; nothing it starts survives."""
     row = Row(student, str(file or ""))
     if file is None or source is None:
-        row.status = "no file"
+        row.status = refused or "no file"
         return row
     grading_id = uuid.uuid4().hex
     env = dict(os.environ, **{isolation.MARKER: grading_id})
@@ -94,7 +109,7 @@ def grade_one(lab, student: str, file: Path | None, source: bytes | None, *, stu
                 isolation.stop(grading_id)  # and whatever left the group, by the id in its environment
         row.seconds = round(time.monotonic() - started, 1)
         report = _load(output)
-        err = open(errors, "rb").read()
+        err = untrusted.tail(errors, 2000)
     if report is not None:
         report["solution"] = str(file)
         row.report, row.score, row.max_score = report, report["score"], report["max_score"]
@@ -107,8 +122,7 @@ def grade_one(lab, student: str, file: Path | None, source: bytes | None, *, stu
 
 def _load(path: str):
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(untrusted.read(path, what="a report"))
     except (OSError, ValueError):
         return None
 
@@ -123,7 +137,7 @@ def grade_class(lab, class_dir, csv_path, *, out_dir=None, filename: str | None 
         raise ValueError("this machine gives a submission no filesystem sandbox (no Linux landlock, and not "
                          "root): one student's code could read or change the class folder. Grade on Linux 5.13+, "
                          "or as root, or pass --allow-unsandboxed if you trust every submission.")
-    work = [(student, file, file.read_bytes() if file else None) for student, file in submissions(class_dir, filename)]
+    work = [(student, file, *read(file)) for student, file in submissions(class_dir, filename)]
     if not work:
         raise FileNotFoundError(f"{class_dir} holds no submissions (.py files, or one folder per student).")
     rows: list[Row] = []
@@ -158,6 +172,6 @@ def write_csv(rows: list[Row], path) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["student", "score", "max_score", "status", "seconds", "file", *names])
-        for r in rows:
-            writer.writerow([r.student, r.score, r.max_score, r.status, r.seconds, r.file,
+        for r in rows:  # names and statuses come from the class folder: shown, never able to change the table's look
+            writer.writerow([clean(r.student), r.score, r.max_score, clean(r.status), r.seconds, clean(r.file),
                              *[r.checks.get(n, 0) for n in names]])

@@ -16,10 +16,11 @@ zygote (`toolkit/runtime/zygote.py`) serving other children, at two levels:
    the grader finds a grading's processes by it), takes the grading's environment, says it is ready and
    serves the grading's launches. It runs as the grader's user, outside the sandbox, and nothing in the
    sandbox can reach it (another domain, and `nobody` where grading as root).
-3. Each launch (the spec's path and the log's descriptor): the grading's server forks the launch's *sandbox
-   zygote*. It takes the log as stdout and stderr, a session of its own, dies with the server, and enters the
-   launch's sandbox (`sandbox.enter`: `nobody` where root, landlock to the grading's folders), all before
-   anything else.
+3. Each launch (the spec's path and the writing end of the grader's pipe for its output): the grading's server
+   forks the launch's *sandbox zygote*. It takes the pipe as stdout and stderr, a session of its own, dies with
+   the server, and enters the launch's sandbox (`sandbox.enter`: namespaces, where it forks the namespaces'
+   first process and waits for it; limits; `nobody` where root; landlock to the grading's folders), all before
+   anything else. The students' toolkit (`students_build.py`, in the grading's folder) goes first on its path.
 4. The sandbox zygote forks the launcher (`launcher.main`, told to ask its parent for ranks), then serves
    it as the runtime's zygote does: a keeper per launch, and the keeper forks the ranks. Ranks thus start
    from a process that has torch but never imported `toolkit` (the delegation watcher must see every
@@ -71,7 +72,10 @@ def _sandbox_zygote(request: dict, fds: list[int]) -> None:
         zygote.become(request["env"], request["cwd"])
         with open(request["spec"]) as f:
             spec = json.load(f)  # out of the sandbox's reach once in it
-        sandbox.enter(spec)
+        sandbox.enter(spec)  # may fork: this is then the launch's PID namespace's first process
+        sys.path.insert(0, spec["lib"])  # the students' toolkit first, for the launcher, every keeper and rank
+        zygote._START["path"][1:1] = [spec["lib"]]  # what a forked process recomputes its sys.path from
+        zygote._KEEPER = os.path.join(spec["lib"], "toolkit", "runtime", "keeper.py")  # loaded by path
         ours, theirs = socket.socketpair()
         launcher = os.fork()
         if launcher == 0:

@@ -2,12 +2,13 @@
 
 Forked by the grading's fork server (`forkserver.py`), inside the launch's sandbox already, which forks
 its ranks too; or, where no fork server can serve, started by the grader (`session.py`) in a session of its
-own, inside the grading's folder: it then becomes `nobody` when started as root and confines itself and
-everything it starts to that folder (`sandbox.enter`). Either way it launches the ranks (`toolkit.launch`,
-each running `runner.rank_main`). It runs no student code, but
-it reads what the ranks leave for `launch` (their errors), so it is inside the sandbox too. What it
-writes (launch.json: how the launch ended) is read by the grader as untrusted text. It ends with the grader:
-a grader killed from outside leaves nothing running.
+own, inside the grading's folder: it then enters the sandbox itself (`sandbox.enter`: namespaces, limits,
+`nobody` when started as root, landlock), before anything else. Either way it launches the ranks
+(`toolkit.launch`, each running `runner.rank_main`). It runs no student code, but it reads what the ranks leave
+for `launch` (their errors), so it is inside the sandbox too, and nothing it could be made to do decides a
+limit (the grader's overseer watches time, output and processes). What it writes (launch.json: how the launch
+ended) is read by the grader as untrusted text. It ends with the grader: a grader killed from outside leaves
+nothing running.
 """
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ import json
 import os
 import signal
 import sys
-import threading
-import time
 
 from .runner import _write, rank_main
 
@@ -29,26 +28,6 @@ def _die_with_the_grader() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:  # it died before the line above
             os._exit(1)
-
-
-_TOLD = threading.Lock()  # taken to write how the launch ended; once the process counter takes it, it keeps it
-
-
-def _count_processes(limit: int, out: str) -> None:
-    """A thread: the grading's processes (every one carries its id) may not outnumber `limit`; past it, the
-    launch ends (a fork bomb stops here even as root, whom RLIMIT_NPROC does not limit)."""
-    from . import isolation
-
-    grading_id, above = os.environ.get(isolation.MARKER), isolation.ancestors()  # the fork server carries the id
-    while grading_id:
-        time.sleep(0.2)
-        if len(set(isolation.marked(grading_id)) - above) > limit:
-            _TOLD.acquire()  # this is how the launch ended, not the keeper's death that the stop below causes
-            _write(os.path.join(out, "launch.json"), json.dumps({"error": {"message": (
-                f"the submission started more than {limit} processes (the grader's process limit): they were "
-                "all stopped"), "rank": None}}).encode())
-            isolation.stop(grading_id, spare=above)
-            os._exit(0)
 
 
 def main(argv=None, spec=None, zygote=None) -> int:
@@ -63,11 +42,10 @@ def main(argv=None, spec=None, zygote=None) -> int:
     if zygote is None:
         with open((argv or sys.argv[1:])[0]) as f:
             spec = json.load(f)
-        sandbox.enter(spec)
+        sandbox.enter(spec)  # may fork: this is then the launch's PID namespace's first process
     else:
         zygotes.adopt(*zygote)
     limits, error = spec["limits"], None
-    threading.Thread(target=_count_processes, args=(limits["max_processes"], spec["out"]), daemon=True).start()
     try:
         launch(rank_main, spec["world_size"], args=(spec,), backend=spec["backend"],
                timeout_s=limits["check_timeout_s"] + 5,
@@ -76,8 +54,7 @@ def main(argv=None, spec=None, zygote=None) -> int:
         error = {"message": str(exc), "rank": exc.rank}
     except Exception as exc:  # noqa: BLE001 - say what ended the launch; the grader decides what it means
         error = {"message": f"{type(exc).__name__}: {exc}", "rank": None}
-    with _TOLD:  # blocks for good if the process counter stopped the launch: it said so, and exits
-        _write(os.path.join(spec["out"], "launch.json"), json.dumps({"error": error}).encode())
+    _write(os.path.join(spec["out"], "launch.json"), json.dumps({"error": error}).encode())
     sys.stdout.flush()
     return 0
 

@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     parser.add_argument("--write", action="store_true", help="write the table into the labs folder's README.md")
     parser.add_argument("--readme", help="with --write: this README instead (it holds a <!-- mutants --> block)")
     parser.add_argument("--check", action="store_true",
-                        help=f"exit 1 when a lab scores under {TARGET:.0%} or a survivor is not explained")
+                        help=f"exit 1 when a lab scores under {TARGET:.0%}% or a survivor is not explained")
     args = parser.parse_args(argv)
     root = Path(args.labs)
     labs = sorted(p for p in root.iterdir() if (p / "solution.py").exists() and (p / "checks.py").exists())

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from . import delegation
 from .checks import PLATFORM_CHECKS
+from .declared import declared
 from .grader import lab_checks
 
 INSTRUCTOR_ONLY = ("solution*.py", "hidden_checks.py", "equivalent_mutants.md", "__pycache__", "*.pyc")
@@ -44,22 +45,6 @@ MIN_LINE = 24  # shorter lines (`return out`, `for step in range(n - 1):`) are c
 
 def labs_in(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and (p / "checks.py").exists())
-
-
-def declared(lab: Path, name: str, default):
-    """A constant of the lab's checks.py (ANSWERS, INSTRUCTOR_ONLY), read without running the file."""
-    try:
-        tree = ast.parse((lab / "checks.py").read_text())
-    except SyntaxError:
-        return default
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            try:
-                return ast.literal_eval(node.value)
-            except ValueError:
-                raise ValueError(f"{lab.name}/checks.py: {name} must be written out as a literal (a dict or list of "
-                                 "strings), so a release can read it without running the file") from None
-    return default
 
 
 def committed(path: Path) -> str | None:

@@ -32,6 +32,9 @@ def exit_code(score) -> int:
 
 def as_json(score, elapsed_s: float | None = None) -> dict:
     """The plain form: lab, solution, score, max_score, and every check with its points and message."""
+    from .score import shown
+
+    score = shown(score)
     return {
         "lab": score.lab, "solution": score.solution, "score": score.total, "max_score": score.maximum,
         "execution_time": None if elapsed_s is None else round(elapsed_s, 2),
@@ -46,6 +49,9 @@ def as_json(score, elapsed_s: float | None = None) -> dict:
 def nothing_graded(message: str, fmt: str) -> str:
     """The report when no score could be produced (bad arguments, the grader's own failure): a platform
     still gets a well-formed file that says so, with a score of 0."""
+    from .untrusted import clean
+
+    message = clean(message)
     if fmt == "gradescope":
         return json.dumps({"score": 0.0, "output": message, "visibility": "visible", "tests": []}, indent=2)
     if fmt == "json":
@@ -55,8 +61,9 @@ def nothing_graded(message: str, fmt: str) -> str:
 
 def as_gradescope(score, elapsed_s: float | None = None) -> dict:
     """Gradescope's results.json schema (see the module docstring)."""
-    from .score import format_score
+    from .score import format_score, shown
 
+    score = shown(score)
     tests = []
     for number, r in enumerate(score.results, 1):
         tests.append({"name": r.name, "number": str(number), "score": float(r.earned),

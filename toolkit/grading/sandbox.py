@@ -1,118 +1,66 @@
-"""Where a submission runs: a folder of its own, limits from the moment it is imported, and (on Linux)
-a filesystem it cannot see past.
+"""Where a submission runs: processes that see nothing of the grader, a filesystem of a few folders, limits set
+before any of its code runs, and the toolkit without the lab's answers.
 
-Three layers, each used where the machine allows it, and named in the report (`describe()`):
+The grader describes a launch's sandbox in its spec (`session.launch_ranks`); the first process of the launch
+enters it (`enter`) before it runs anything else, and everything it starts inherits it. Layers, each used where
+the machine allows it, and named in the report (`describe`):
 
-- **landlock** (Linux 5.13+, no privileges needed): the process and everything it starts may read only
-  the system, Python and the toolkit's package, and write only inside the grading's own folder. The
-  instructor's labs (solutions, hidden checks), other students' files and the grader's results are out of
-  reach; so are ptrace and (ABI 6+) signals to any process outside the sandbox.
-- **another user** (when grading as root, as Gradescope does): the submission runs as `nobody`, so
-  files only root may read stay unread, and it cannot signal or trace the grader.
-- **resource limits** (everywhere): memory (RLIMIT_DATA: the data a rank may allocate beyond what it
-  holds when the submission is imported), processes (RLIMIT_NPROC, as `nobody`), file size, no core files.
+- **namespaces** (`namespaces.py`): a PID namespace whose /proc shows only the launch's processes, a mount
+  namespace with a private /tmp and /dev/shm, an IPC namespace;
+- **landlock** (`landlock.py`, Linux 5.13+): read only the system, Python, the students' build of the toolkit
+  (`students_build.py`) and the grading's code; write only the grading's folder. Never readable, wherever it
+  lies (even under a readable tree such as /opt or a site-packages): a full toolkit, with the answers, and the
+  lab folder (solutions, hidden checks);
+- **another user** (when grading as root, as Gradescope does): the submission runs as `nobody`. Where that
+  user cannot reach the interpreter (a Python under /root), the mount namespace makes it reachable; where no
+  namespace can, the grading is refused with a message saying what to change (`preflight`), never run as root;
+- **limits** set by the launch's first process before any code of the launch runs, hard (no process below can
+  raise them): CPU seconds (RLIMIT_CPU), the size of a file, no core files; each rank's memory (RLIMIT_DATA)
+  before the submission is imported (`limit`). The
+  grader watches what no limit of the kernel covers: wall-clock time, the volume printed, the number of
+  processes (`session.py`).
 
-Without landlock and without root, a submission still runs in processes of its own with the limits, but
-can read what the user running the grader can: `describe()` says so, and `--class` refuses unless told.
+Standard library only: the graders' fork server loads it (and its two siblings) by path.
 """
 from __future__ import annotations
 
-import ctypes
+import glob
 import importlib.util
 import os
-import platform
 import pwd
 import resource
 import site
-import stat
 import sys
 from pathlib import Path
 
+try:
+    from . import landlock, namespaces
+except ImportError:  # loaded by path, by the graders' fork server, which imports nothing of the toolkit
+    def _sibling(name: str):
+        spec = importlib.util.spec_from_file_location(f"_toolkit_{name}", os.path.join(os.path.dirname(__file__),
+                                                                                        f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    landlock, namespaces = _sibling("landlock"), _sibling("namespaces")
+
 NOBODY = "nobody"
 FILE_SIZE_LIMIT = 256 * 2**20  # no file a submission writes needs more
-# landlock: syscall numbers (the same on every architecture), rights, rule type
-_CREATE, _ADD_RULE, _RESTRICT = 444, 445, 446
-_PATH_BENEATH, _NO_NEW_PRIVS = 1, 38
-EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
-_ALL_V1 = (1 << 13) - 1  # execute .. make_sym
-_FILE_ONLY = EXECUTE | WRITE_FILE | READ_FILE | (1 << 14) | (1 << 15)  # + truncate, ioctl_dev
-_SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1, 2
-READ = EXECUTE | READ_FILE | READ_DIR
 SYSTEM_READ = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/opt", "/proc", "/sys", "/dev")
-DEVICES_RW = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/dev/shm", "/dev/tty")
+DEVICES_RW = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/dev/tty")
+PRIVATE_TMP = "private /tmp and /dev/shm"  # what namespaces.enter says when the launch has its own /dev/shm
 
 
-class _Ruleset(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
-                ("scoped", ctypes.c_uint64)]
-
-
-class _PathBeneath(ctypes.Structure):
-    _pack_ = 1
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
-
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
+class Unsafe(RuntimeError):
+    """This machine cannot give a submission the sandbox the grader promises: nothing is run."""
 
 
 def landlock_abi() -> int:
-    """The kernel's landlock ABI version, 0 where there is none (not Linux, too old, or disabled)."""
-    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64", "riscv64"):
-        return 0
-    try:
-        version = _libc().syscall(_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
-    except (OSError, AttributeError):
-        return 0
-    return max(0, int(version))
+    return landlock.abi()
 
 
-def _rights(abi: int) -> int:
-    return _ALL_V1 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0) | (1 << 15 if abi >= 5 else 0)
-
-
-def restrict(read: list, write: list, listable: list = (), abi: int | None = None) -> bool:
-    """From now on this process and its children may only read `read`, read-write `write`, and list the
-    folders `listable` (their names, not their files' content) (landlock). Returns False (and changes
-    nothing) where the kernel has no landlock."""
-    abi = landlock_abi() if abi is None else abi
-    if abi < 1:
-        return False
-    libc, handled = _libc(), _rights(abi)
-    size = 8 if abi < 4 else 16 if abi < 6 else 24
-    ruleset = _Ruleset(handled, 0, (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if abi >= 6 else 0)
-    fd = libc.syscall(_CREATE, ctypes.byref(ruleset), ctypes.c_size_t(size), ctypes.c_uint32(0))
-    if fd < 0:
-        return False
-    try:
-        for paths, allowed in ((listable, READ_DIR), (read, READ), (write, handled)):
-            for path in paths:
-                _allow(libc, fd, path, allowed & handled)
-        if libc.prctl(_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
-        if libc.syscall(_RESTRICT, fd, ctypes.c_uint32(0)) != 0:
-            raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
-    finally:
-        os.close(fd)
-    return True
-
-
-def _allow(libc, ruleset_fd: int, path, allowed: int) -> None:
-    try:
-        target = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    except OSError:
-        return  # not on this machine: nothing to allow
-    try:
-        if not os.path.isdir(path):
-            allowed &= _FILE_ONLY
-        rule = _PathBeneath(allowed, target)
-        if libc.syscall(_ADD_RULE, ruleset_fd, ctypes.c_int(_PATH_BENEATH), ctypes.byref(rule),
-                        ctypes.c_uint32(0)) != 0:
-            raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
-    finally:
-        os.close(target)
-
-
+# --- paths ---------------------------------------------------------------------------------------------------
 def packages() -> set[str]:
     """The toolkit's package folders: this file's (it may be loaded by path), and the one `import toolkit` finds
     from here (another, where a grader runs from a checkout beside the installed toolkit)."""
@@ -127,9 +75,9 @@ def packages() -> set[str]:
 
 
 def python_paths() -> list[str]:
-    """What running Python and the toolkit needs to read: the interpreter, its libraries, site-packages, and
-    the toolkit's own package folder (not the folder above it: in a checkout that holds labs/)."""
-    found = {sys.prefix, sys.base_prefix, sys.exec_prefix, *packages(), str(Path(sys.executable).resolve().parent)}
+    """What running Python needs to read: the interpreter, its libraries, site-packages (a toolkit installed
+    there stays hidden: `toolkits`)."""
+    found = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(sys.executable).resolve().parent)}
     found.update(site.getsitepackages())
     for entry in sys.path:  # an installed package's folder, never a folder that holds a checkout
         if entry and ("site-packages" in entry or "dist-packages" in entry):
@@ -137,57 +85,60 @@ def python_paths() -> list[str]:
     return sorted(p for p in found if p and os.path.exists(p))
 
 
-def confine(readable: list, writable: list) -> bool:
-    """The sandbox for a submission's processes: the system, Python, toolkit and `readable` to read,
-    `writable` and a few devices to write. False where landlock is unavailable."""
-    return restrict(list(SYSTEM_READ) + python_paths() + [str(p) for p in readable],
-                    [str(p) for p in writable] + [d for d in DEVICES_RW if os.path.exists(d)],
-                    # the folder above the toolkit is on sys.path: Python must list it to find the package there
-                    listable=[str(Path(p).parent) for p in packages()])
+def toolkits() -> list[str]:
+    """Every toolkit package (with the labs' answers) a sandbox might otherwise read: the one the grader runs,
+    and any installed in a site-packages of this interpreter or of the system."""
+    found = set(packages())
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, "/usr", "/usr/local", *python_paths()}
+    for root in roots:
+        for pattern in ("toolkit", "lib/python3*/*-packages/toolkit", "lib/python3/dist-packages/toolkit",
+                        "local/lib/python3*/*-packages/toolkit"):
+            found.update(p for p in glob.glob(os.path.join(root, pattern)) if os.path.isfile(f"{p}/grading/grader.py"))
+    return sorted(os.path.realpath(p) for p in found)
 
 
-def enter(spec: dict) -> None:
-    """The sandbox of one launch (its `spec`, from `session.launch_ranks`): become its user, then see only its
-    folders. What starts a grading's ranks does this first, and everything it starts inherits it."""
-    become(tuple(spec["user"]) if spec["user"] else None)
-    confine(readable=[spec["code"], spec["inputs"]], writable=[spec["out"], spec["work"], spec["tmp"], spec["inputs"]])
-
-
-# --- another user ----------------------------------------------------------------------------------------
-def _open_to_others(path: str) -> bool:
-    """Anyone may read `path` (every folder above it may be entered, and it may be read)."""
-    p = Path(path).resolve()
-    try:
-        if not p.stat().st_mode & stat.S_IROTH:
-            return False
-        return all(a.stat().st_mode & stat.S_IXOTH for a in [p, *p.parents] if a.is_dir())
-    except OSError:
-        return False
-
-
+# --- another user --------------------------------------------------------------------------------------------
 def other_user() -> tuple[int, int] | None:
-    """(uid, gid) the submission runs as when we are root (`nobody`), else None. None too where that user
-    could not even run Python (an interpreter under /root, say): landlock then does the confining."""
+    """(uid, gid) the submission runs as when we are root (`nobody`, or TOOLKIT_GRADING_USER), else None."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return None
     name = os.environ.get("TOOLKIT_GRADING_USER", NOBODY)
     try:
         entry = pwd.getpwnam(name)
     except KeyError:
-        return None
-    if not all(map(_open_to_others, [sys.executable, *python_paths()])):
-        return None
+        raise Unsafe(f"grading as root, a submission runs as the user {name!r}, and this machine has no such user: "
+                     "create it (useradd --system --no-create-home nobody), or name another unprivileged user in "
+                     "TOOLKIT_GRADING_USER. Nothing was run.") from None
+    if entry.pw_uid == 0:
+        raise Unsafe(f"TOOLKIT_GRADING_USER={name} is root: a submission must run as an unprivileged user.")
     return entry.pw_uid, entry.pw_gid
 
 
+def preflight(user, reach: list[str], made: list[str]) -> None:
+    """Refuse (Unsafe) to grade as root where the submission's user cannot reach what it must run (`reach`:
+    the interpreter, its libraries) and no mount namespace can make it reachable (`made`: what `namespaces.probe`
+    found this machine allows)."""
+    walls = namespaces.blocked(reach, user)
+    if not walls or "its own PID namespace" in made:
+        return
+    name = os.environ.get("TOOLKIT_GRADING_USER", NOBODY)
+    where = "; ".join(f"{folder} (it holds {', '.join(paths)})" for folder, paths in walls.items())
+    raise Unsafe(
+        f"grading as root, a submission runs as {name!r}, who cannot enter {where}, and this machine allows no "
+        "mount namespace that would make the interpreter reachable (no CAP_SYS_ADMIN here?). The grading stops "
+        f"rather than run the submission as root. Install Python where every user can read it (/usr, /opt, or a "
+        f"virtual environment made from such a Python), or let others enter the folder (chmod o+x "
+        f"{' '.join(walls)}), or name in TOOLKIT_GRADING_USER a user who can run {sys.executable}. Nothing was run.")
+
+
 def hand_over(paths, user) -> None:
-    """Give the folders the submission writes to its user (root only)."""
+    """Give the folders the submission writes to its user (root only); a link in them is never followed."""
     if user is None:
         return
     for path in paths:
         for root, dirs, files in os.walk(path):
             for name in [root] + [os.path.join(root, n) for n in dirs + files]:
-                os.chown(name, *user)
+                os.chown(name, *user, follow_symlinks=False)
 
 
 def become(user) -> None:
@@ -201,6 +152,28 @@ def become(user) -> None:
 
 
 # --- limits ------------------------------------------------------------------------------------------------
+def _set(kind, value: int) -> None:
+    """Soft and hard limit `value` (or lower, where the hard limit is): no process below can raise it again."""
+    soft, hard = resource.getrlimit(kind)
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard)
+    resource.setrlimit(kind, (value, value))
+
+
+def launch_limits(cpu_s: float) -> None:
+    """For this process and every one it starts, hard: `cpu_s` CPU seconds each (SIGXCPU, then SIGKILL 5 s later),
+    no file over FILE_SIZE_LIMIT, no core file."""
+    if not sys.platform.startswith("linux"):
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    cpu = int(cpu_s) + 1
+    if hard != resource.RLIM_INFINITY:
+        cpu = min(cpu, max(hard - 5, 1))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5 if hard == resource.RLIM_INFINITY else min(cpu + 5, hard)))
+    _set(resource.RLIMIT_FSIZE, FILE_SIZE_LIMIT)
+    _set(resource.RLIMIT_CORE, 0)
+
+
 def _data_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -209,49 +182,59 @@ def _data_bytes() -> int:
     return 0
 
 
-def _own_tasks() -> int:
-    """Threads and processes of this real user now (what RLIMIT_NPROC counts)."""
-    uid, count = os.getuid(), 0
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if os.stat(f"/proc/{name}").st_uid == uid:
-                    count += len(os.listdir(f"/proc/{name}/task"))
-            except OSError:
-                pass
-    return count
+def limit(memory_limit_mb: float | None) -> None:
+    """On a rank, before the submission is imported, hard: at most `memory_limit_mb` MiB more data (RLIMIT_DATA:
+    the heap and torch's tensors, every thread's stack). Processes are counted by the grader (`overseer.py`), not
+    by RLIMIT_NPROC: that counts every process of the user on the machine, and `nobody` runs every grading's ranks
+    (a class graded with --jobs, other courses' graders): another grading's ranks would use up this one's."""
+    if sys.platform.startswith("linux") and memory_limit_mb:
+        _set(resource.RLIMIT_DATA, _data_bytes() + int(memory_limit_mb * 2**20))
 
 
-def _lower(kind, value: int) -> None:
-    soft, hard = resource.getrlimit(kind)
-    if hard != resource.RLIM_INFINITY:
-        value = min(value, hard)
-    resource.setrlimit(kind, (value, hard))
+# --- the sandbox ---------------------------------------------------------------------------------------------
+def confine(read: list, write: list, hidden: list = (), shm: bool = True, no_tcp: bool = False) -> bool:
+    """Landlock: the system, Python and `read` to read (but what lies in `hidden`), `write` and a few devices to
+    write, and /dev/shm with `shm` (in a launch without a /dev/shm of its own it is the machine's, shared with
+    every other grading: not writable); with `no_tcp`, no TCP socket bound or connected. False where landlock
+    is unavailable."""
+    devices = DEVICES_RW + (("/dev/shm",) if shm else ())
+    return landlock.restrict(list(SYSTEM_READ) + python_paths() + [str(p) for p in read],
+                             [str(p) for p in write] + [d for d in devices if os.path.exists(d)],
+                             hidden=[str(h) for h in hidden], no_tcp=no_tcp)
 
 
-def limit(memory_limit_mb: float | None, max_processes: int | None) -> None:
-    """From now on: at most `memory_limit_mb` MiB more data, `max_processes` more threads and processes of
-    this user (only effective for a user other than root), no file over FILE_SIZE_LIMIT, no core files."""
-    if not sys.platform.startswith("linux"):
-        return
-    if memory_limit_mb:
-        _lower(resource.RLIMIT_DATA, _data_bytes() + int(memory_limit_mb * 2**20))
-    if max_processes and os.getuid() != 0:
-        _lower(resource.RLIMIT_NPROC, _own_tasks() + max_processes)
-    _lower(resource.RLIMIT_FSIZE, FILE_SIZE_LIMIT)
-    _lower(resource.RLIMIT_CORE, 0)
+def enter(spec: dict) -> list[str]:
+    """Enter the sandbox `spec` describes (from `session.launch_ranks`): namespaces (this process may fork: it
+    then returns in the child, the namespaces' first process), the launch's limits, its user, and landlock.
+    What starts a launch does this first, single-threaded; everything it starts inherits it. Returns what the
+    namespaces made (see `namespaces.enter`)."""
+    user = tuple(spec["user"]) if spec["user"] else None
+    made = namespaces.enter(spec["box"], user, spec["reach"]) if spec["namespaces"] else []
+    launch_limits(spec["cpu_s"])
+    become(user)
+    if made and os.getuid() != 0:
+        namespaces.drop_capabilities()  # a user namespace's, which a submission must not have
+    unreachable = [p for p in spec["reach"] if os.path.exists(p) and not os.access(p, os.R_OK)]
+    if unreachable:
+        raise Unsafe(f"the sandbox's user cannot read {', '.join(unreachable)}: nothing was run")
+    confine(spec["read"], [spec["out"], spec["work"], spec["tmp"], spec["inputs"]], spec["hidden"],
+            shm=PRIVATE_TMP in made)
+    return made
 
 
-def describe() -> str:
+def describe(made: list[str] | None = None) -> str:
     """The protections this machine gives a submission, in a few words (the report prints them)."""
-    parts = ["own processes", "time, memory and process limits"]
-    if landlock_abi() >= 1:
-        parts.append(f"filesystem sandbox (landlock ABI {landlock_abi()})")
-    if other_user() is not None:
+    made = namespaces.probe() if made is None else made
+    parts = ["own processes", "time, memory, process and output limits"]
+    if made:
+        parts.append("namespaces (" + ", ".join(m for m in made if "covered" not in m) + ")")
+    if landlock.abi() >= 1:
+        parts.append(f"filesystem sandbox (landlock ABI {landlock.abi()})")
+    if os.geteuid() == 0:
         parts.append(f"runs as {os.environ.get('TOOLKIT_GRADING_USER', NOBODY)}")
     return ", ".join(parts)
 
 
 def isolated() -> bool:
     """True when a submission cannot read the instructor's files (landlock, or another user)."""
-    return landlock_abi() >= 1 or other_user() is not None
+    return landlock.abi() >= 1 or (hasattr(os, "geteuid") and os.geteuid() == 0)

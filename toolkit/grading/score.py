@@ -1,7 +1,9 @@
 """A grade: one result per check, decided in the grader's process, and the report a student reads."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from .untrusted import clean
 
 
 @dataclass
@@ -38,8 +40,17 @@ class Score:
         return format_score(self)
 
 
+def shown(score: Score) -> Score:
+    """The score with every text a submission could have written (a message, its file's name) made unable to
+    change the report's look (`untrusted.clean`): what every format of the report is made from."""
+    return replace(score, lab=clean(score.lab), solution=clean(score.solution), sandbox=clean(score.sandbox),
+                   results=[replace(r, name=clean(r.name), message=clean(r.message), detail=clean(r.detail))
+                            for r in score.results])
+
+
 def format_score(score: Score) -> str:
     """A report a student reads top to bottom: each check, its points, and why it failed."""
+    score = shown(score)
     lines = [f"Grading {score.solution}", f"  against {score.lab}/checks.py", ""]
     for r in score.results:
         if r.platform_only:

@@ -22,19 +22,19 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..runtime import zygotes
 from ..runtime.zygote_link import Zygote, ZygoteError
-from . import isolation, sandbox, wire
+from . import isolation, namespaces, sandbox, students_build, untrusted, wire
+from .overseer import GRACE_S, STARTUP_S, Overseer
+from .relay import Relay
 from .runner import IMPORT, inputs_path, ready_path, result_path
 
 FORKSERVER = str(Path(__file__).resolve().with_name("forkserver.py"))
 
-KEEP_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-            "TOOLKIT_GRADING_USER")
+KEEP_ENV = ("PATH", "LANG", "LC_ALL", "VIRTUAL_ENV", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 TEXT_LIMIT = 20_000
 ID_ROOM = 64  # the longest grading id a grading's server can carry (uuid4().hex: 32)
 
@@ -44,18 +44,23 @@ class Limits:
     """What grading one solution may cost. check_timeout_s: how long one rank waits for one message;
     stall_s: every rank blocked (or done) this long is a deadlock; time_limit_s: one check's wall time (and
     the import's); memory_limit_mb: the data a rank may allocate beyond what it had when the submission was
-    imported (None: no limit); max_processes: processes the grading may hold at once (the launcher stops it
-    past that, root or not), and, as `nobody`, threads and processes it may add (RLIMIT_NPROC)."""
+    imported (None: no limit); max_processes: processes the grading may hold at once (the grader stops it
+    past that, root or not); output_limit_mb:
+    what the ranks of a launch may print (the grader stops the launch past it). The grader enforces them from
+    outside the submission's processes (`overseer.py`, `sandbox.enter`)."""
 
     check_timeout_s: float = 20.0
     stall_s: float = 5.0
     time_limit_s: float = 120.0
     memory_limit_mb: float | None = 4096
     max_processes: int = 512
+    output_limit_mb: float = 8.0
 
 
 class Box:
-    """The grading's folder. `with Box(lab_dir, source, filename) as box:`; removed on exit."""
+    """The grading's folder. `with Box(lab_dir, source, filename) as box:`; removed on exit. It holds the students'
+    build of the toolkit for the lab (`students_build`: lib/, what the ranks import), and knows who the submission
+    runs as (`user`: None, as the grader) and whether this machine gives a launch namespaces of its own."""
 
     def __init__(self, lab_dir: Path, source: bytes, filename: str):
         self.root = Path(tempfile.mkdtemp(prefix="toolkit-grade-"))
@@ -63,12 +68,14 @@ class Box:
         self.inputs, self.out = self.root / "inputs", self.root / "out"
         for folder in (self.code, self.work, self.tmp, self.inputs, self.out):
             folder.mkdir()
+        self.lab_dir = Path(lab_dir)
         self.student = self.code / (filename if filename.endswith(".py") else "submission.py")
         self.student.write_bytes(source)
         self.tasks = self.code / "tasks.py"
         shutil.copyfile(lab_dir / "tasks.py", self.tasks)
+        self.lib = students_build.copy_into(students_build.for_lab(lab_dir), self.root / "lib")
         self.root.chmod(0o755)
-        self.user = sandbox.other_user()
+        self.user, self.namespaces = sandbox.other_user(), bool(namespaces.probe())
         sandbox.hand_over([self.work, self.tmp, self.inputs, self.out], self.user)
         self.server: Zygote | None = None  # the grading's fork server, from the first launch
         self.serverless = ""  # why launches start fresh interpreters instead
@@ -112,6 +119,7 @@ class Launch:
     lines: list = field(default_factory=list)
     overran: bool = False
     ready: bool = True  # every rank got as far as importing the student's file
+    relayed: dict | None = None  # messages-only: relayed[index][rank], the messages the grader's relay carried
 
     def of_rank(self, rank: int, count: int = 3) -> list[str]:
         prefix = f"[rank {rank}] "
@@ -121,15 +129,18 @@ class Launch:
 def _grading_server(env: dict, cwd: str) -> Zygote:
     """The grading's fork server, forked by the graders' server of this process (`forkserver.py`, started once
     per environment with a blank id that the grading's server overwrites with its own)."""
-    common = {k: v for k, v in env.items() if k not in ("HOME", "TMPDIR")}
+    common = {k: v for k, v in env.items() if k not in ("HOME", "TMPDIR", "PYTHONPATH")}
     common[isolation.MARKER] = "-" * ID_ROOM
     return Zygote.forked_by(zygotes.server(common, FORKSERVER), {"env": env, "cwd": cwd, "marker": isolation.MARKER})
 
 
 def _env(box: Box, grading_id: str) -> dict:
+    """The launch's whole environment: a few of the grader's variables (never its secrets), the grading's id and
+    folders, and the students' toolkit first on the path."""
     env = {k: v for k, v in os.environ.items() if k in KEEP_ENV}
     env.update({isolation.MARKER: grading_id, "HOME": str(box.work), "TMPDIR": str(box.tmp),
                 "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
+    env["PYTHONPATH"] = str(box.lib)
     return env
 
 
@@ -152,52 +163,87 @@ def _stop(process, grading_id: str, spare=()) -> None:
 
 
 def _read(path: Path):
+    """What a rank left at `path`, decoded (never through a link, never more than one answer's bytes)."""
     try:
-        return wire.decode(path.read_bytes())
+        return _decoded(untrusted.read(path, wire.MAX_BYTES, what="a result"))
     except FileNotFoundError:
         return None
-    except (OSError, wire.WireError) as exc:
+    except OSError as exc:
+        return {"error": f"sent something the grader cannot read ({exc})", "time": 0.0}
+
+
+def _decoded(data: bytes):
+    try:
+        return wire.decode(data)
+    except wire.WireError as exc:
         return {"error": f"sent something the grader cannot read ({exc})", "time": 0.0}
 
 
 def _text(path: Path) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - TEXT_LIMIT))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
+    return untrusted.tail(path, TEXT_LIMIT).decode(errors="replace")
 
 
 def launch_ranks(box: Box, n: int, indices: list, tasks_of: dict, inputs: dict, answers: list, limits: Limits,
-                 *, backend: str, quiet: bool, grading_id: str) -> Launch:
-    """Run the tasks of checks `indices` on n ranks of the submission; read back what they left."""
+                 *, backend: str, quiet: bool, grading_id: str, messages_only: bool = False) -> Launch:
+    """Run the tasks of checks `indices` on n ranks of the submission; read back what they left. messages_only:
+    the ranks talk through the grader's relay (`relay.py`), which also hands them the checks' inputs."""
     box.fresh_out()
+    relay = Relay(str(box.root), n, indices, {str(i): [wire.encode(inputs[i][r]) for r in range(n)]
+                                                for i in indices}) if messages_only else None
     for rank in range(n):
-        Path(inputs_path(str(box.inputs), rank)).write_bytes(
-            wire.encode({str(i): inputs[i][rank] for i in indices}))
+        Path(inputs_path(str(box.inputs), rank)).write_bytes(wire.encode(
+            {"relay": relay.tokens[rank]} if relay else {str(i): inputs[i][rank] for i in indices}))
     sandbox.hand_over([box.inputs], box.user)
+    try:
+        found = _launch(box, n, indices, tasks_of, answers, limits, backend, quiet, grading_id, relay)
+    finally:
+        if relay is not None:
+            relay.close()
+    if relay is not None:  # what the relay carried, and the results as the ranks first handed them in
+        found.relayed = {index: {r: relay.record[r].get(str(index), []) for r in range(n)} for index in indices}
+        for index in indices:
+            for r, data in relay.results.get(str(index), {}).items():
+                found.results[index][r] = _decoded(data)
+    return found
+
+
+def _launch(box: Box, n: int, indices: list, tasks_of: dict, answers: list, limits: Limits, backend: str,
+            quiet: bool, grading_id: str, relay) -> Launch:
+    order = [IMPORT] + list(indices)
+    deadline = len(order) * (limits.time_limit_s + GRACE_S) + STARTUP_S
     spec = {"world_size": n, "indices": indices, "tasks_of": {str(i): tasks_of[i] for i in indices},
             "code": str(box.code), "student": str(box.student), "tasks": str(box.tasks), "inputs": str(box.inputs),
             "out": str(box.out), "work": str(box.work), "tmp": str(box.tmp), "answers": list(answers),
-            "limits": asdict(limits), "backend": backend, "user": list(box.user) if box.user else None}
+            "limits": asdict(limits), "backend": backend, "user": list(box.user) if box.user else None,
+            "box": str(box.root), "lib": str(box.lib), "namespaces": box.namespaces,
+            "read": [str(box.code), str(box.lib)], "reach": sandbox.python_paths(),
+            "hidden": hidden_from(box), "cpu_s": deadline * max(1, (os.cpu_count() or 1) // n),
+            "relay": relay.path if relay is not None else None}
     spec_path = box.root / f"spec-{n}.json"
     spec_path.write_text(json.dumps(spec))
     log_path = box.root / f"log-{n}.txt"
-    deadline = (len(indices) + 1) * (limits.time_limit_s + 10) + 90
     env = _env(box, grading_id)
-    with open(log_path, "wb") as log:
-        process, server = _start_launcher(box, env, spec_path, log, quiet)
-        overran = _follow(process, log_path, deadline, None if quiet else sys.stdout)
-        _stop(process, grading_id, spare={server.process.pid} if server else ())
-    found = Launch(overran=overran, lines=[line for line in _text(log_path).splitlines() if line.strip()][-400:])
-    for index in [IMPORT] + list(indices):
+    output, ranks_output = os.pipe()  # what the launch prints comes to this process alone (the overseer)
+    try:
+        with open(log_path, "wb") as log:
+            process, server = _start_launcher(box, env, spec_path, ranks_output, quiet)
+            os.close(ranks_output)
+            spare = {server.process.pid} if server else set()
+            verdict = Overseer(process, output, log, str(box.out), n, order, limits, grading_id, spare,
+                               None if quiet else sys.stdout).run()
+            _stop(process, grading_id, spare=spare)
+    finally:
+        os.close(output)
+    found = Launch(overran=verdict is not None and verdict["index"] is None,
+                   lines=[line for line in _text(log_path).splitlines() if line.strip()][-400:])
+    for index in order:
         found.results[index] = {r: v for r in range(n) if (v := _read(Path(result_path(str(box.out), index, r))))
                                 is not None}
-    found.ready = all(os.path.exists(ready_path(str(box.out), r)) for r in range(n))
-    stuck = _read(box.out / "deadlock.json")
-    found.stuck = stuck if isinstance(stuck, dict) and "index" in stuck and isinstance(stuck.get("message"), str) \
-        else None
+    found.ready = all(untrusted.is_file(ready_path(str(box.out), r)) for r in range(n))
+    stuck = _read(box.out / "deadlock.json")  # the ranks' watchdog, with the line each was on; else the overseer's
+    stuck = stuck if isinstance(stuck, dict) and "index" in stuck and isinstance(stuck.get("message"), str) \
+        else verdict if verdict is not None and verdict["index"] is not None else None
+    found.stuck = stuck
     abandoned = _read(box.out / "abandoned.json")
     found.abandoned = abandoned.get("index") if isinstance(abandoned, dict) else None
     told = _read(box.out / "launch.json")
@@ -206,42 +252,29 @@ def launch_ranks(box: Box, n: int, indices: list, tasks_of: dict, inputs: dict, 
     return found
 
 
-def _start_launcher(box: Box, env: dict, spec_path: Path, log, quiet: bool):
+def hidden_from(box: Box) -> list[str]:
+    """What the sandbox must never read, wherever it lies (a readable tree may hold it): every toolkit with the
+    labs' answers, and the lab's folder with those beside it (solutions, hidden checks)."""
+    lab = box.lab_dir.resolve()
+    labs = {str(lab)} | ({str(lab.parent)} if any((p / "checks.py").is_file() for p in lab.parent.iterdir()
+                                                  if p != lab and p.is_dir()) else set())
+    root = str(box.root.resolve())
+    return sorted(p for p in set(sandbox.toolkits()) | labs if not (root + "/").startswith(p.rstrip("/") + "/"))
+
+
+def _start_launcher(box: Box, env: dict, spec_path: Path, output: int, quiet: bool):
     """The launch's launcher, forked inside its sandbox by the grading's fork server (no interpreter to start,
-    no torch to import), or else a fresh `python -m toolkit.grading.launcher`: (its handle, the server or None)."""
+    no torch to import), or else a fresh `python -m toolkit.grading.launcher`: (its handle, the server or None).
+    Its stdout and stderr are `output` (the writing end of the overseer's pipe)."""
     server = box.fork_server(env)
     if server is not None:
         try:
-            return server.fork({"spec": str(spec_path), "env": env, "cwd": str(box.work)}, [log.fileno()]), server
+            return server.fork({"spec": str(spec_path), "env": env, "cwd": str(box.work)}, [output]), server
         except ZygoteError as exc:
             box.server, box.serverless = None, f"the grading's fork server failed ({exc})"
             server.close()
     if box.serverless and not quiet:
         print(f"grading: {box.serverless}: each launch starts its launcher as a fresh interpreter", file=sys.stderr)
     return subprocess.Popen([sys.executable, "-m", "toolkit.grading.launcher", str(spec_path)], cwd=box.work, env=env,
-                            start_new_session=True, stdin=subprocess.DEVNULL, stdout=log,
+                            start_new_session=True, stdin=subprocess.DEVNULL, stdout=output,
                             stderr=subprocess.STDOUT), None
-
-
-def _follow(process: subprocess.Popen, log_path: Path, deadline_s: float, echo) -> bool:
-    """Wait for the launcher, echoing what the ranks print; True if it ran past its deadline."""
-    started, shown = time.monotonic(), 0
-    while True:
-        done = process.poll() is not None
-        if echo is not None:
-            try:
-                size = os.path.getsize(log_path)
-            except OSError:
-                size = shown
-            if size > shown:
-                with open(log_path, "rb") as f:
-                    f.seek(shown)
-                    echo.write(f.read(size - shown).decode(errors="replace"))
-                    echo.flush()
-                shown = size
-        if done:
-            return False
-        if time.monotonic() - started > deadline_s:
-            return True
-        time.sleep(0.1)
-

@@ -8,13 +8,15 @@ included, by `raise NotImplementedError(<why, and what to do>)` (its signature s
 the rest of the package work; a module that is an answer as a whole loses its docstring too), follows a name a
 module only re-exports to the module that defines it, and checks that no answer's code or docstring is left.
 The tree is cached by content (the toolkit's files, the answers, this file), so a grading that imports it on
-its ranks (`for_lab`) builds it once. `build` makes a wheel of it with pip (`toolkit-<version>+student`). What
+its ranks (`for_lab`) builds it once. `build` makes a wheel of it with pip
+(`distributed_training_toolkit-<version>+student`). What
 stops working is exactly what the labs ask students to write: a lesson cell that runs the toolkit's ring, say,
 says so when run. labs/README.md tells a course which lessons lean on which answers.
 """
 from __future__ import annotations
 
 import ast
+import compileall
 import hashlib
 import os
 import re
@@ -179,6 +181,7 @@ def students_toolkit(answers, builds_on=()) -> Path:
             "Taken out of this toolkit (the labs' answers):\n" + "\n".join(taken) + "\n\nKept, though a lab's answer, "
             "because another released lab runs on it (release that lab later to take it out too):\n"
             + ("\n".join(kept) or "(none)") + "\n")
+        compileall.compile_dir(building / "toolkit", quiet=2, workers=1)  # ranks that cannot write import fast
         for folder, _, files in os.walk(building):
             os.chmod(folder, 0o755)
             for name in files:
@@ -196,7 +199,7 @@ def students_toolkit(answers, builds_on=()) -> Path:
 def for_lab(lab_dir) -> Path:
     """The students' toolkit a grading of `lab_dir` imports on its ranks: the lab's answers taken out, the other
     labs' answers it runs on (its BUILDS_ON) kept."""
-    from .release import declared
+    from .declared import declared
 
     lab_dir = Path(lab_dir)
     return students_toolkit(set(declared(lab_dir, "ANSWERS", {})), set(declared(lab_dir, "BUILDS_ON", [])))
@@ -224,7 +227,7 @@ def build(answers, builds_on, out: Path) -> Path:
                                "-w", str(out), str(source)], capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"pip could not build the students' wheel:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    wheels = sorted(out.glob("toolkit-*+student-*.whl"))
+    wheels = sorted(out.glob("distributed_training_toolkit-*+student-*.whl"))
     if not wheels:
         raise RuntimeError(f"pip built no wheel in {out}")
     shutil.copy(tree / "LEFT-OUT.txt", out / "LEFT-OUT.txt")

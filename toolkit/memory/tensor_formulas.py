@@ -14,6 +14,9 @@ vocabulary-parallel loss three all-reduces of b·s fp32 numbers. Sequence parall
 reduce-scatter and an all-gather (the same bytes: a ring all-reduce is the two), and adds one all-gather per
 column-parallel layer in backward (its input is gathered again rather than stored), plus the all-reduces of
 the sequence-parallel parameters' gradients (layer norms, row-parallel biases: 6h per block, 2h for ln_f).
+The embedding's g becomes a reduce-scatter alone (each rank keeps its s/t positions: half the bytes), and
+its backward all-gathers the activation's gradient and the position table's (s·h: each rank added its own
+positions).
 
 Activations per layer (Korthikanti et al. 2022, 16-bit, with dropout, scores stored):
     no tensor parallelism     s·b·h·(34 + 5·a·s/h)
@@ -81,9 +84,11 @@ def tp_collectives(batch: int, seq_len: int, hidden: int, layers: int, tp: int, 
     if not sequence_parallel:
         return {"all_reduce": [act] * (4 * layers + 2 + again) + loss, "all_gather": [], "reduce_scatter": []}
     params = [hidden * bytes_per_value] * (6 * layers + 2)  # sequence-parallel gradients, one message each
-    return {"all_reduce": [act] + loss + params,          # the embedding's g; loss; parameters' gradients
-            "all_gather": [act] * (6 * layers + 2 + 1 + 2 * again),  # per block 2 forward, 2 backward, 2 again;
-            "reduce_scatter": [act] * (4 * layers + 1 + again)}      # head 2; scatter 1 / per block 2 + 2; head 1
+    positions = [seq_len * hidden * bytes_per_value]         # the position table's T/t-row gradients, gathered
+    return {"all_reduce": loss + params,                     # loss; parameters' gradients
+            "all_gather": [act] * (6 * layers + 2 + 1 + 2 * again) + positions,  # per block 2 forward, 2 backward,
+            "reduce_scatter": [act] * (4 * layers + 2 + again)}  # 2 again; head 2; embedding 1 / embedding 1,
+                                                                 # per block 2 + 2; head 1
 
 
 def tp_bytes_per_step(batch: int, seq_len: int, hidden: int, layers: int, tp: int, *,

@@ -4,8 +4,9 @@ Small enough to train on a laptop CPU in seconds, real enough to show where the
 bytes go: embeddings, attention, an MLP per block and a (tied) output head.
 Two things make it a good test subject for distributed training:
 
-* it is deterministic: no dropout, and the weights depend only on
-  ``torch.manual_seed``, so a sharded run can be checked against one process;
+* it is deterministic: no dropout unless asked for (``GPTConfig.dropout``,
+  ``attention_dropout``), and the weights depend only on ``torch.manual_seed``,
+  so a sharded run can be checked against one process;
 * the MLP of each block is pluggable, so a Mixture-of-Experts layer
   (``toolkit.moe.MoE``) drops in without touching this file.
 """
@@ -24,7 +25,7 @@ INIT_STD = 0.02
 
 @dataclass
 class GPTConfig:
-    """Shape of the model. Dropout is fixed at 0 so that runs are reproducible."""
+    """Shape of the model. Dropout is off by default, so that runs are reproducible across layouts."""
 
     vocab_size: int = 64
     seq_len: int = 32  # the longest sequence the position embedding covers
@@ -34,10 +35,16 @@ class GPTConfig:
     d_ff: Optional[int] = None  # hidden width of the MLP; None means 4 * d_model
     tied_head: bool = True  # the output head reuses the token embedding matrix
     aux_loss_weight: float = 0.01  # weight of the blocks' auxiliary losses (MoE load balancing)
+    dropout: float = 0.0  # GPT-2's hidden dropout: after the embeddings and on each residual branch
+    attention_dropout: float = 0.0  # dropout of the attention weights
 
     def __post_init__(self):
         if self.d_ff is None:
             self.d_ff = 4 * self.d_model
+        for name in ("dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"GPTConfig.{name} is a probability in [0, 1), got {value!r}")
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -72,14 +79,25 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)  # q, k, v in one matmul
         self.proj = nn.Linear(config.d_model, config.d_model)
+        self.attention_dropout = config.attention_dropout
+        self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         q, k, v = self.qkv(x).split(D, dim=-1)
         # (B, T, D) -> (B, heads, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+        y = self.attend(q, k, v)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, D)))
+
+    def dropout_p(self) -> float:
+        """The attention weights' dropout now (none when evaluating)."""
+        return self.attention_dropout if self.training else 0.0
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention itself, on (B, heads, T, head_dim) tensors: the one place context parallelism
+        (toolkit.parallel.context) replaces, with the ranks' tokens passed around a ring."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout_p())
 
 
 class MLP(nn.Module):
@@ -89,9 +107,10 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(config.d_model, config.d_ff)
         self.proj = nn.Linear(config.d_ff, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        return self.drop(self.proj(F.gelu(self.fc(x))))
 
 
 class Block(nn.Module):
@@ -146,6 +165,7 @@ class GPT(nn.Module):
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
         init_weights_(self.tok_emb)
         init_weights_(self.pos_emb)
         self.blocks = nn.ModuleList(
@@ -183,7 +203,7 @@ class GPT(nn.Module):
                 f"sequence length {T} is longer than the model's seq_len={self.config.seq_len}; "
                 "shorten the input or build the model with a larger GPTConfig.seq_len"
             )
-        return self.tok_emb(x) + self.pos_emb(torch.arange(T, device=x.device))
+        return self.drop(self.tok_emb(x) + self.pos_emb(torch.arange(T, device=x.device)))
 
     def hidden_shape(self, x_shape) -> tuple:
         """The shape of the hidden state between blocks for token ids of shape x_shape (what embed returns)."""

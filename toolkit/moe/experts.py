@@ -112,6 +112,9 @@ def gather_experts(model: nn.Module, state: dict) -> dict:
     """
     out = dict(state)
     for path, m in model.named_modules():
+        if hasattr(m, "gather_state"):  # another layout of experts (moe/hf.py: a Hugging Face model's fused ones)
+            m.gather_state(path, out)
+            continue
         if not isinstance(m, Experts):
             continue
         prefix = next((p for p in (path, path.removeprefix("module.")) if f"{p}.w1" in out), None)

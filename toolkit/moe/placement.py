@@ -50,12 +50,12 @@ def ffn(x: torch.Tensor, w1, b1, w2, b2) -> torch.Tensor:
     return F.gelu(x @ w1 + b1) @ w2 + b2
 
 
-def run_experts(rows: torch.Tensor, counts, weights, experts) -> torch.Tensor:
+def run_experts(rows: torch.Tensor, counts, weights, experts, fn=ffn) -> torch.Tensor:
     """Rows grouped by expert (``counts[i]`` rows for expert ``experts[i]``, in order) through those
-    experts, with ``weights = (w1, b1, w2, b2)`` indexed by ``experts``' ids; outputs in the same order."""
+    experts, with ``weights = (w1, b1, w2, b2)`` indexed by ``experts``' ids; outputs in the same order.
+    ``fn(x, *one expert's weights)`` is the expert (another layer's experts, e.g. ``moe/hf.py``'s, bring theirs)."""
     chunks = rows.split([int(c) for c in counts])
-    w1, b1, w2, b2 = weights
-    outs = [ffn(chunk, w1[e], b1[e], w2[e], b2[e]) for chunk, e in zip(chunks, experts)]
+    outs = [fn(chunk, *(w[e] for w in weights)) for chunk, e in zip(chunks, experts)]
     return torch.cat(outs) if outs else rows.new_zeros((0,) + tuple(rows.shape[1:]))
 
 

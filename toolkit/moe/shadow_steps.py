@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .. import comm
 from ..trace.events import span
 from .experts import predivide
-from .placement import run_experts
+from .placement import ffn, run_experts
 from .units import Units, label
 
 
@@ -52,7 +52,7 @@ class ShadowUnits(Units):
         self.inner, self.count, self.layer = inner, inner.count, layer
         self.home_index, self.away_index = home.nonzero().squeeze(1), (~home).nonzero().squeeze(1)
         self.shadowed, self.home_counts = list(shadowed), list(home_counts)
-        self.named = list(layer.experts.named_parameters())            # w1, b1, w2, b2: (E_local, ...)
+        self.named = list(layer.experts.named_parameters())            # w1, b1, w2, b2 (E_local, ...), or theirs
         self.distributed = dist.is_initialized() and layer.world > 1
         self.differentiable = torch.is_grad_enabled()
         self.copies, self.broadcasts, self.result, self.saved, self.reduction = {}, [], None, None, None
@@ -124,7 +124,8 @@ class ShadowUnits(Units):
                         experts=self.shadowed):
             rows = x[self.home_index].detach().requires_grad_(self.differentiable)
             flats = [self.copies.pop(e).requires_grad_(self.differentiable) for e in self.shadowed]
-            y = run_experts(rows, self.home_counts, self._weights(flats), self.shadowed)
+            y = run_experts(rows, self.home_counts, self._weights(flats), self.shadowed,
+                            getattr(self.layer, "expert_function", ffn))
         if self.differentiable:
             self.saved = (rows, flats, y)
         self.result = y.detach()

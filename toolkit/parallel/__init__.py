@@ -28,8 +28,9 @@ def wrap(model: torch.nn.Module, strategy: str, *, optimizer=torch.optim.AdamW, 
     """Wrap `model` for `strategy`; `optimizer` is any callable taking parameters and returning an optimizer.
 
     Model-parallel options (tp=, sequence_parallel=, tp_plan=, pp=, microbatches=, schedule=,
-    virtual_stages=, pp_split=) lay the world out as dp x pp x tp (`compose.py`, `model.mesh`); `strategy`
-    is then the data-parallel method over the dp group ("local": dp = 1)."""
+    virtual_stages=, pp_split=, cp=, cp_attention=, order=) lay the world out as dp x pp x cp x tp (`compose.py`,
+    `model.mesh`, ranks in Megatron's order unless `order=` says otherwise); `strategy` is then the data-parallel
+    method over the dp x cp group ("local": dp = 1, cp = 1)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}.")
     if not callable(optimizer):
@@ -43,7 +44,7 @@ def wrap(model: torch.nn.Module, strategy: str, *, optimizer=torch.optim.AdamW, 
     from . import checkpointing, compose
 
     options = checkpointing.apply_option(model, strategy, options)  # every strategy, not only fsdp
-    if compose.wants(options):  # tp= / pp= ...: a dp x pp x tp layout, `strategy` over its dp group
+    if compose.wants(options):  # tp= / pp= / cp= ...: a dp x pp x cp x tp layout, `strategy` over dp x cp
         return compose.wrap(model, strategy, build, optimizer, options)
     return build(model, optimizer, **options)
 

@@ -88,9 +88,8 @@ def _gather(shard: torch.Tensor, shapes, engine) -> list[torch.Tensor]:
 
 def save_full(model, optimizer, path: str) -> None:
     """Gather the full checkpoint and write it from rank 0 (every rank must call this)."""
-    if hasattr(model, "pipeline"):  # pp > 1: every stage's part, brought together (pipeline/checkpoint.py)
-        from .pipeline import checkpoint as pipeline
-        return pipeline.save_full(model, optimizer, path)
+    if hasattr(model, "save_full"):  # a model laid out in parts saves itself (pp > 1: pipeline/checkpoint.py)
+        return model.save_full(optimizer, path)
     if getattr(model, "tensor_parallel", None) is not None:  # tensor-parallel pieces joined (tensor/checkpoint.py)
         from .tensor import checkpoint as tensor_parallel
         checkpoint = tensor_parallel.join(model, full_checkpoint(model, optimizer, rank0_only=False))
@@ -105,9 +104,8 @@ def save_full(model, optimizer, path: str) -> None:
 
 def load_full(model, optimizer, path: str) -> None:
     """Read a full checkpoint (every rank reads the file: it must be visible to all) and load it."""
-    if hasattr(model, "pipeline"):  # pp > 1: each stage loads its own part
-        from .pipeline import checkpoint as pipeline
-        return pipeline.load_full(model, optimizer, path)
+    if hasattr(model, "load_full"):  # a model laid out in parts loads itself (pp > 1: each stage its own part)
+        return model.load_full(optimizer, path)
     checkpoint, error = read(path)
     if getattr(model, "tensor_parallel", None) is not None:  # this rank's tensor-parallel pieces of it
         from .tensor import checkpoint as tensor_parallel

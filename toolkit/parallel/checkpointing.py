@@ -8,7 +8,8 @@ more forward of compute for most of the activation memory. The blocks are the on
 (`fsdp_policy.default_units`: every toolkit Block, else the model's repeated layers). FSDP applies it per
 unit itself, inside its gather/free hooks; every other strategy gets it here, before it wraps the model.
 Under tensor parallelism the recomputed forward issues its g all-reduces again (Megatron's full
-recomputation does the same).
+recomputation does the same), and draws the dropout masks of split regions from the tensor-parallel stream as
+it was in the forward (`rng.py`; torch's checkpoint replays the default stream itself).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from .fsdp_policy import default_units
+from . import rng
 
 
 def checkpoint_forward(module: nn.Module) -> None:
@@ -29,7 +31,8 @@ def checkpoint_forward(module: nn.Module) -> None:
     def checkpointed(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False,
+                                                 context_fn=rng.checkpoint_contexts, **kwargs)
 
     module.forward = checkpointed
 

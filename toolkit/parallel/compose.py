@@ -1,19 +1,24 @@
-"""Model parallelism composed with data parallelism: a model wrapped for a dp x pp x tp layout.
+"""Model parallelism composed with data parallelism: a model wrapped for a dp x pp x cp x tp layout.
 
     model, opt = toolkit.parallel.wrap(model, "fsdp", tp=2, pp=2, microbatches=4)   # world 8: dp 2
+    model, opt = toolkit.parallel.wrap(model, "ddp", cp=2, tp=2)                    # world 8: dp 2 x cp 2 x tp 2
 
 The steps, in the order they are taken (each one a room of its own, each told only the group it needs):
 
-1. the layout: a ("dp", "pp", "tp") DeviceMesh over the world (`mesh.py`);
+1. the layout: a ("dp", "pp", "cp", "tp") DeviceMesh over the world, its ranks in `order` (Megatron's
+   "tp-cp-ep-dp-pp" by default: pp outermost; `mesh.py`);
 2. tensor parallelism (`tensor/`): the model's Linear/Embedding layers named by a plan are replaced, in
    place, by their split forms over the "tp" group (Megatron's column/row-parallel layers);
-3. pipeline parallelism (`pipeline/`): the model is cut into stages and this rank keeps its own over the
+3. context parallelism (`context/`): the model's attention is replaced by ring attention or Ulysses over the
+   "cp" group, and its ends keep this rank's tokens of each sequence;
+4. pipeline parallelism (`pipeline/`): the model is cut into stages and this rank keeps its own over the
    "pp" group;
-4. data parallelism: `strategy` (local, dp, ddp, zero1-3, fsdp) wraps what this rank holds and reduces,
-   or shards, over the "dp" group only;
-5. under pp > 1 the pipeline's schedule drives the step: `model.forward_backward(x, y)`.
+5. data parallelism: `strategy` (local, dp, ddp, zero1-3, fsdp) wraps what this rank holds and reduces,
+   or shards, over the "dp" x "cp" group (the cp ranks hold the same parameters and see other tokens:
+   torchtitan's FSDP shards over dp x cp the same way);
+6. under pp > 1 the pipeline's schedule drives the step: `model.forward_backward(x, y)`.
 
-The data-parallel strategies never learn about the other two dimensions: they are given a smaller group.
+The data-parallel strategies never learn about the other dimensions: they are given a smaller group.
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ from . import mesh as mesh_
 
 # option -> default. Present in a wrap call, they send it here.
 MODEL_PARALLEL = {"tp": 1, "sequence_parallel": False, "tp_plan": None,
-                  "pp": 1, "microbatches": None, "schedule": "1f1b", "virtual_stages": 1, "pp_split": None}
+                  "pp": 1, "microbatches": None, "schedule": "1f1b", "virtual_stages": 1, "pp_split": None,
+                  "cp": 1, "cp_attention": "ring", "order": mesh_.ORDER}
 
 
 def wants(options: dict) -> bool:
@@ -39,18 +45,28 @@ def wrap(model, strategy: str, build, optimizer, options: dict):
     """`build(model, optimizer, **options)` (the strategy's wrap) under the layout the options ask for."""
     mp, options = split_options(options)
     check_tensor_options(mp)
-    mesh = mesh_.build(tp=mp["tp"], pp=mp["pp"])
+    check_context_options(mp, strategy)
+    if mp["cp"] > 1:
+        from .context.model import check
+
+        check(model, mp["cp_attention"], mp["cp"], mp["tp"])
+    mesh = mesh_.build(tp=mp["tp"], pp=mp["pp"], cp=mp["cp"], order=mp["order"])
     layout = mesh_.layout_of(mesh)
     if strategy == "local" and layout.dp > 1:
         raise ValueError(f"strategy 'local' means no data parallelism (dp = 1), but the world of {layout.world_size} "
-                         f"ranks with tp={layout.tp}, pp={layout.pp} leaves dp = {layout.dp}: name a data-parallel "
-                         f"strategy (dp, ddp, zero1-3, fsdp), or launch tp x pp = {layout.tp * layout.pp} ranks.")
+                         f"ranks with tp={layout.tp}, pp={layout.pp}, cp={layout.cp} leaves dp = {layout.dp}: name a "
+                         f"data-parallel strategy (dp, ddp, zero1-3, fsdp), or launch tp x pp x cp = "
+                         f"{layout.tp * layout.pp * layout.cp} ranks.")
     if mp["tp"] > 1 or mp["sequence_parallel"] or mp["tp_plan"] is not None:
         from .tensor import parallelize
 
         model = parallelize(model, mesh, plan=mp["tp_plan"], sequence_parallel=mp["sequence_parallel"])
+    if layout.cp > 1:
+        from .context import parallelize as parallelize_context
+
+        model = parallelize_context(model, mesh_.group(mesh, "cp"), mp["cp_attention"])
     if strategy != "local":
-        options = dict(options, group=mesh_.group(mesh, "dp"))
+        options = dict(options, group=mesh_.group(mesh, "dp", "cp"))
     if layout.pp > 1:  # the pipeline wraps each stage with `build`, and joins its tp pieces itself
         from .pipeline import wrap as wrap_pipeline
 
@@ -58,9 +74,26 @@ def wrap(model, strategy: str, build, optimizer, options: dict):
     else:
         wrapped, opt = build(model, optimizer, **options)
     wrapped.mesh = mesh
+    if hasattr(model, "context"):
+        wrapped.context = model.context
     if hasattr(model, "tensor_parallel") and layout.pp == 1:
         join_tensor_parallel(wrapped, model.tensor_parallel, mesh)
     return wrapped, opt
+
+
+def check_context_options(mp: dict, strategy: str) -> None:
+    """Context-parallel options that make no sense are refused before any group exists."""
+    from .context import ATTENTIONS
+
+    if mp["cp_attention"] not in ATTENTIONS:
+        raise ValueError(f"cp_attention={mp['cp_attention']!r} is not one of {ATTENTIONS}: 'ring' (zigzag-balanced "
+                         f"ring attention), 'ring-unbalanced' (contiguous split, for comparison), 'ulysses' "
+                         f"(all-to-all to a head split).")
+    if mp["cp"] > 1 and strategy == "local":
+        raise ValueError(f"cp={mp['cp']} gives each rank other tokens of the same sequences with the same parameters, "
+                         f"so their gradients must be averaged over the cp ranks, and strategy 'local' averages "
+                         f"nothing: name a data-parallel strategy (dp, ddp, zero1-3, fsdp), which reduces over "
+                         f"dp x cp (with dp = 1 too).")
 
 
 def check_tensor_options(mp: dict) -> None:
@@ -85,7 +118,7 @@ def join_tensor_parallel(wrapped, info, mesh) -> None:
     from .tensor.clip import clip_grad_norm_
 
     wrapped.tensor_parallel = info
-    wrapped.clip_grad_norm_ = functools.partial(clip_grad_norm_, wrapped, info, mesh.get_coordinate()[0])
+    wrapped.clip_grad_norm_ = functools.partial(clip_grad_norm_, wrapped, info, mesh_.data_parallel_rank(mesh))
     scaler = getattr(wrapped, "scaler", None)
     if scaler is not None:
         scaler.group, scaler.across_ranks = None, True

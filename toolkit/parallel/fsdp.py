@@ -58,6 +58,9 @@ Options (checked by `fsdp_wrap.wrap`, which builds the groups and the units):
 Gradient accumulation: call backward on every micro-batch; each one reduce-scatters and adds into the
 slices. Or run all but the last inside `model.no_sync()`: those keep the unit's *full* gradient and skip
 the reduce-scatter, and the last backward reduces the sum once (less communication, Ψ more memory).
+Under a pipeline (`FSDPModel.sync_backward`) with reshard_after_forward=False the units also stay gathered
+after all but the last backward (FSDP2's `set_reshard_after_backward(False)`, which torch's pipeline stages
+set): a unit is gathered once per step whatever the number of micro-batches (torchtitan's FSDP + PP).
 `model.clip_grad_norm_(max)` clips by the norm of the whole averaged gradient (every rank's slices).
 Checkpoints: `toolkit.parallel.checkpoint`.
 
@@ -116,6 +119,7 @@ class FullyShardedDataParallel(ShardedEngine):
         self.forward_order = list(self.units)  # a guess (model order) until a forward has run
         self._order, self._post_order, self.backward_order = [], [], []
         self.in_backward, self.sync = False, True
+        self.reshard_after_backward = True  # False: units stay gathered after backward (`FSDPModel.sync_backward`)
         self.probes: list = []  # fn(event, unit) called at every gather, free and reduction
 
     def _probe(self, event: str, unit: FSDPUnit) -> None:
@@ -205,8 +209,9 @@ class FullyShardedDataParallel(ShardedEngine):
         if getattr(unit, "span", None) is not None and unit.span["end"] is None:
             recorder.close(unit.span)
         self._probe("backward done", unit)
-        unit.reshard()
-        self._probe("freed", unit)
+        if self.reshard_after_backward:
+            unit.reshard()
+            self._probe("freed", unit)
         if self.sync:
             for other in self.units:  # at most one reduce-scatter in flight (and one replicas' all-reduce)
                 if other.reduction is not None:
@@ -223,7 +228,8 @@ class FullyShardedDataParallel(ShardedEngine):
                 self._post_backward(unit)
             elif self.sync and unit.grads is not None:  # accumulated under no_sync(), unused this time
                 unit.reduce_grad()
-            unit.reshard()
+            if self.reshard_after_backward:
+                unit.reshard()
             unit.waiting, unit.backward_started = len(unit.params), False
         for unit in self.units:
             if unit.reduction is not None:

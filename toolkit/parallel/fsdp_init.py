@@ -17,9 +17,16 @@ parameters. Applied to a normally built model (`initialize(model, init)`) it giv
 the deferred construction gives, on any number of ranks, which is how the tests check it.
 
 `param_init_fn(name, module)` may be any function of that shape: it must fill every parameter the
-module holds directly (`module.parameters(recurse=False)`), in place, and depend only on its arguments.
-A tied weight is initialized by each of its users in model order, the last one winning, as
-`initialize` does too.
+module holds directly (`module.parameters(recurse=False)`), and every buffer it holds that was built on
+meta, in place, and depend only on its arguments. A tied weight is initialized by each of its users in
+model order, the last one winning, as `initialize` does too.
+
+Buffers. A model built on meta has its buffers there too (Llama's rotary `inv_freq`, BERT's `position_ids`):
+values computed from the configuration, not drawn, that only the model knows how to compute. They are made
+on the device when the model is wrapped and given their values by `param_init_fn` on the module holding
+them: `own_init(model)` is the model's own per-module init (Hugging Face's `model._init_weights(module)`,
+which computes those buffers; torch modules' `reset_parameters()`), as torchtitan's `init_weights` and
+torch's meta-init recipe (`to_empty`, then each module's reset) do.
 """
 from __future__ import annotations
 
@@ -41,6 +48,11 @@ def seeded_init(seed: int = 0, std: float = 0.02):
     def init(name: str, module: nn.Module) -> None:
         own = list(module.parameters(recurse=False))
         if not own:
+            if next(module.buffers(recurse=False), None) is not None:
+                raise ValueError(f"seeded_init draws parameters (the GPT's recipe); {name!r} ({type(module).__name__}) "
+                                 f"holds buffers built on meta whose values only the model knows how to compute. "
+                                 f"Pass param_init_fn=toolkit.parallel.fsdp_init.own_init(model) (the model's own "
+                                 f"init, e.g. Hugging Face's), or your own fn(name, module).")
             return
         generator = torch.Generator(device=own[0].device)
         generator.manual_seed(_derived_seed(seed, name))
@@ -61,6 +73,42 @@ def seeded_init(seed: int = 0, std: float = 0.02):
     return init
 
 
+def own_init(model: nn.Module, seed: int = 0):
+    """`init(name, module)`: the model's own init of one module, parameters and buffers, drawn from torch's RNG
+    seeded by (seed, name): Hugging Face's `model._init_weights(module)` when the model has one, else the
+    module's `reset_parameters()`. (A parent's init that rewrites its children's weights, as GPT-2's attention
+    scales its projection's, is not replayed: each module is initialized by its own rule.)"""
+    model_init = getattr(model, "_init_weights", None)
+
+    @torch.no_grad()
+    def init(name: str, module: nn.Module) -> None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_derived_seed(seed, name))
+            if model_init is not None:
+                model_init(module)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            elif list(module.parameters(recurse=False)) or list(module.buffers(recurse=False)):
+                raise ValueError(f"own_init: {type(model).__name__} has no per-module init (_init_weights) and "
+                                 f"{name!r} ({type(module).__name__}) no reset_parameters(); pass your own "
+                                 f"param_init_fn(name, module).")
+
+    init.__name__ = f"own_init({type(model).__name__}, seed={seed})"
+    return init
+
+
+@torch.no_grad()
+def materialize_buffers(model: nn.Module, device, param_init_fn) -> None:
+    """Every buffer onto `device`; one built on meta is made there empty and given its value by
+    `param_init_fn(name, module)` (a module that also holds meta parameters gets it with them, in its unit)."""
+    for name, module in model.named_modules():
+        built_on_meta = any(b is not None and b.is_meta for b in module._buffers.values())
+        module._buffers.update({k: torch.empty_like(b, device=device) if b.is_meta else b.to(device)
+                                for k, b in module._buffers.items() if b is not None})
+        if built_on_meta and not any(p.is_meta for p in module.parameters(recurse=False)):
+            param_init_fn(name, module)
+
+
 @torch.no_grad()
 def initialize(model: nn.Module, init) -> nn.Module:
     """Apply `init(name, module)` to every module that holds parameters directly: the reference values."""
@@ -75,7 +123,8 @@ def is_deferred(model: nn.Module) -> bool:
 
 
 def check_deferred(model: nn.Module, param_init_fn) -> None:
-    """A model on the meta device needs an init function, and only its trainable parameters may be meta."""
+    """A model on the meta device needs an init function, and only its trainable parameters and its buffers may
+    be meta (buffers are made when wrapped: `materialize_buffers`)."""
     if param_init_fn is None:
         raise ValueError("the model has parameters on the meta device (no values yet): pass "
                          "param_init_fn=toolkit.parallel.fsdp.seeded_init(seed) (or your own fn(name, module)) "
@@ -83,10 +132,10 @@ def check_deferred(model: nn.Module, param_init_fn) -> None:
     if not callable(param_init_fn):
         raise ValueError(f"param_init_fn must be a function fn(name, module), got {param_init_fn!r}.")
     frozen = [n for n, p in model.named_parameters() if p.is_meta and not p.requires_grad]
-    buffers = [n for n, b in model.named_buffers() if b.is_meta]
-    if frozen or buffers:
-        raise ValueError(f"deferred initialization handles trainable parameters only; these are on the meta "
-                         f"device too: {(frozen + buffers)[:4]}. Build them on a real device.")
+    if frozen:
+        raise ValueError(f"deferred initialization handles trainable parameters and buffers; these frozen "
+                         f"parameters are on the meta device too: {frozen[:4]}. Build them on a real device, or "
+                         f"make them trainable while the model is wrapped.")
 
 
 def owners(model: nn.Module) -> dict:

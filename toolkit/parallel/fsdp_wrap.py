@@ -15,7 +15,7 @@ from ..runtime import env
 from ..trace.events import phase, recorder
 from . import check_options, consistency
 from .fsdp import FullyShardedDataParallel
-from .fsdp_init import check_deferred, is_deferred
+from .fsdp_init import check_deferred, is_deferred, materialize_buffers
 from .fsdp_policy import explain, plan
 from .fsdp_unit import FSDPUnit, Sharding, dtypes, sharding_groups
 from .sharded import ShardedModel, ShardedOptimizer, check_optimizer
@@ -77,9 +77,8 @@ def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
     sharding = Sharding(shard_group, replica_group, param_dtype, reduce_dtype)
     if not deferred:
         model.to(env.device())
-    else:  # parameters stay on meta until their unit materializes them; buffers move now
-        for m in model.modules():
-            m._buffers.update({k: b.to(env.device()) for k, b in m._buffers.items() if b is not None})
+    else:  # parameters stay on meta until their unit materializes them; buffers are made now (fsdp_init.py)
+        materialize_buffers(model, env.device(), init_fn)
     with phase("setup"):  # every rank starts from rank 0's values (deferred: the seeded init agrees already)
         consistency.broadcast_from_rank0([*([] if deferred else model.parameters()), *model.buffers()], group)
     engine = FullyShardedDataParallel(model, plans, sharding, init_fn=init_fn if deferred else None,
@@ -101,6 +100,23 @@ class FSDPModel(ShardedModel):
         return [{"unit": u.name, "params": list(u.param_names), "numel": u.flat.numel,
                  "padded_numel": u.flat.padded_numel, "shard_numel": u.flat.shard_numel,
                  "moved_in": [name for name, _ in u.moved_in]} for u in self.units]
+
+    @contextlib.contextmanager
+    def sync_backward(self, reduce: bool):
+        """A pipeline's backward of one micro-batch (`pipeline/driver.py`): the stage's last one reduces, the
+        others run under no_sync(). With reshard_after_forward=False the units are not freed after those others
+        either, so each unit is gathered in the step's first forward and freed after its last backward: one
+        all-gather per step instead of one per micro-batch (torchtitan's default under pp, where torch's
+        PipelineStage sets FSDP2's reshard_after_backward to False for all but the last backward), for the
+        stage's parameters held whole through the step."""
+        engine = self.engine
+        before = engine.sync, engine.reshard_after_backward
+        engine.sync = reduce
+        engine.reshard_after_backward = reduce or engine.reshard_after_forward
+        try:
+            yield
+        finally:
+            engine.sync, engine.reshard_after_backward = before
 
     @contextlib.contextmanager
     def watch_memory(self, meter=None, step=None, probe=None):

@@ -1,87 +1,197 @@
-"""The layout of a world as dp x pp x tp: a torch `DeviceMesh` with the dimension names ("dp", "pp", "tp").
+"""The layout of a world as dp x pp x cp x tp: a torch `DeviceMesh` with the dimension names ("dp", "pp", "cp", "tp").
 
-    mesh = toolkit.parallel.mesh.build(tp=2, pp=2)      # world 8 -> dp 2 x pp 2 x tp 2
-    mesh["tp"].get_group(), mesh.get_coordinate()       # this rank's tensor-parallel group, (dp, pp, tp) index
+    mesh = toolkit.parallel.mesh.build(tp=2, pp=2)      # world 8 -> dp 2 x pp 2 x tp 2, Megatron's rank order
+    mesh["tp"].get_group(), coordinate(mesh)           # this rank's tensor-parallel group, its (dp, pp, cp, tp) index
+    layout(8, tp=2, pp=2).groups("dp")                 # [[0, 2], [1, 3], [4, 6], [5, 7]]: which global ranks
 
-Why this order: the last dimension varies fastest, so the ranks of one tensor-parallel group are consecutive
-global ranks (0-1, 2-3, ...). Tensor parallelism talks twice per layer on the critical path, so its group must
-sit inside one node, on NVLink; pipeline stages talk once per micro-batch (point to point); data parallelism
-talks once per step and hides behind backward, so it may span nodes. Megatron-LM, torchtitan and picotron
-order their grids the same way.
+Two things are separate here: the *names* of the dimensions, always ("dp", "pp", "cp", "tp") in that order (so
+code reads a group or a coordinate by name and never depends on the rank order), and the *rank order*: which
+global ranks each group holds. The order says how the dimensions nest, innermost first, in Megatron-LM's own
+spelling (`parallel_state.initialize_model_parallel(order=...)`):
 
-Sizes of 1 are allowed (a dimension of one rank is a group of one), so every wrapped model can carry the
-same three-name mesh, and `group(mesh, "dp")` is what a data-parallel strategy reduces over. The mesh is
-torch's own, so FSDP2/DTensor/torchtitan's conventions carry over; the collectives still go through
-`toolkit.comm` with these groups, so every one is recorded with its group.
+    "tp-cp-ep-dp-pp"  (the default, Megatron-core's): tp varies fastest, then cp, then dp; pp is outermost
+    "tp-cp-pp-dp"     this toolkit's order before: dp outermost
+
+Why Megatron's default: the last dimension to vary is the one that talks least. Tensor parallelism talks twice
+per layer on the critical path, so its ranks are consecutive (0-1, 2-3, ...: one node, NVLink); context
+parallelism passes keys and values every layer, next; data parallelism talks once per step, hidden behind
+backward; pipeline stages exchange one activation per micro-batch, point to point, the least, so a pipeline's
+stages are the ranks farthest apart (different nodes, or pods). torchtitan's mesh is ("pp", "dp_replicate",
+"dp_shard", "cp", "tp"), outermost first: the same nesting. Llama 3's 4D layout is [tp, cp, pp, dp] from
+innermost (dp outermost: "tp-cp-pp-dp" here); picotron's grid is (dp, pp, cp, tp), dp outermost, too.
+("ep" is accepted where Megatron writes it and takes no ranks of its own here: an MoE layer's experts are split
+over the group it is given, `toolkit.moe.MoE(group=...)`.)
+
+Sizes of 1 are allowed (a dimension of one rank is a group of one), so every wrapped model carries the same
+four-name mesh, and `group(mesh, "dp", "cp")` is what a data-parallel strategy reduces over (the cp ranks hold
+the same parameters and see different tokens, as dp ranks do: torchtitan's FSDP shards over dp x cp). The mesh
+is torch's own, so FSDP2/DTensor/torchtitan's conventions carry over; the collectives still go through
+`toolkit.comm` with these groups, so every one is recorded with its global ranks.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 
-DIMS = ("dp", "pp", "tp")
+DIMS = ("dp", "pp", "cp", "tp")  # the names, in the order coordinates are given (not the rank order)
+ORDER = "tp-cp-ep-dp-pp"         # Megatron-core's default rank order, innermost first
+DP_OUTERMOST = "tp-cp-pp-dp"     # dp outermost: Llama 3's and picotron's nesting, and this toolkit's before
+
+
+class Coordinate(NamedTuple):
+    """A rank's index along each dimension."""
+    dp: int
+    pp: int
+    cp: int
+    tp: int
+
+
+def nesting(order: str = ORDER) -> tuple[str, ...]:
+    """The four dimensions from innermost (varies fastest) to outermost, from Megatron's spelling of an order."""
+    if not isinstance(order, str):
+        raise ValueError(f"order must be a string of dimension names from innermost to outermost, as Megatron-LM "
+                         f"writes it (e.g. {ORDER!r}), got {order!r}.")
+    names = [n for n in order.split("-") if n != "ep"]
+    if sorted(names) != sorted(DIMS):
+        raise ValueError(f"order={order!r} must name each of {DIMS} once, innermost first, joined by '-' (Megatron's "
+                         f"spelling; 'ep' may appear and takes no ranks): e.g. {ORDER!r} (Megatron's default, pp "
+                         f"outermost) or {DP_OUTERMOST!r} (dp outermost).")
+    return tuple(names)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The sizes of the three dimensions; dp * pp * tp is the world size."""
+    """The sizes of the four dimensions and the order they nest in; dp * pp * cp * tp is the world size."""
 
     dp: int = 1
     pp: int = 1
+    cp: int = 1
     tp: int = 1
+    order: str = ORDER
+
+    def __post_init__(self):
+        nesting(self.order)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
-    def coordinate(self, rank: int) -> tuple[int, int, int]:
-        """(dp, pp, tp) index of a global rank: tp varies fastest, dp slowest."""
-        return rank // (self.pp * self.tp), rank // self.tp % self.pp, rank % self.tp
+    def size(self, dim: str) -> int:
+        return getattr(self, _known(dim))
 
-    def rank(self, dp: int, pp: int, tp: int) -> int:
-        """The global rank at a (dp, pp, tp) index."""
-        return (dp * self.pp + pp) * self.tp + tp
+    def coordinate(self, rank: int) -> Coordinate:
+        """The (dp, pp, cp, tp) index of a global rank: the innermost dimension of the order varies fastest."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in a world of {self.world_size} ranks ({self}).")
+        index = {}
+        for dim in nesting(self.order):
+            rank, index[dim] = divmod(rank, self.size(dim))
+        return Coordinate(**index)
+
+    def rank(self, *, dp: int = 0, pp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        """The global rank at a (dp, pp, cp, tp) index."""
+        index, rank = dict(dp=dp, pp=pp, cp=cp, tp=tp), 0
+        for dim in reversed(nesting(self.order)):
+            rank = rank * self.size(dim) + index[dim]
+        return rank
+
+    def grid(self) -> torch.Tensor:
+        """The global ranks as a (dp, pp, cp, tp) tensor: entry [d, p, c, t] is the rank at that index."""
+        inner_first = nesting(self.order)
+        outer_first = inner_first[::-1]
+        ranks = torch.arange(self.world_size).reshape([self.size(d) for d in outer_first])
+        return ranks.permute([outer_first.index(d) for d in DIMS])
+
+    def groups(self, *dims: str) -> list[list[int]]:
+        """Every group along `dims` (one name, or several flattened: `groups("dp", "cp")`), each a list of global
+        ranks in the order of their index along `dims` (the first name slowest); groups ordered by the lowest rank."""
+        if not dims:
+            raise ValueError(f"groups() needs at least one dimension name, from {DIMS}.")
+        keep = [DIMS.index(_known(d)) for d in dims]
+        rest = [i for i in range(len(DIMS)) if i not in keep]
+        moved = self.grid().permute(rest + keep).reshape(-1, math.prod(self.size(d) for d in dims))
+        return sorted(moved.tolist(), key=min)
+
+    def group_of(self, rank: int, *dims: str) -> list[int]:
+        """The global ranks of `rank`'s group along `dims`."""
+        return next(g for g in self.groups(*dims) if rank in g)
 
     def __str__(self) -> str:
-        return f"dp {self.dp} x pp {self.pp} x tp {self.tp}"
+        sizes = " x ".join(f"{d} {self.size(d)}" for d in DIMS if d != "cp" or self.cp > 1)
+        return sizes if self.order == ORDER else f"{sizes} (order {self.order})"
 
 
-def layout(world_size: int, *, tp: int = 1, pp: int = 1) -> Layout:
-    """The layout of `world_size` ranks with `tp` and `pp` given; dp is what is left. Checks every size."""
-    for name, value in (("tp", tp), ("pp", pp), ("world size", world_size)):
+def layout(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, order: str = ORDER) -> Layout:
+    """The layout of `world_size` ranks with `tp`, `pp` and `cp` given; dp is what is left. Checks every size."""
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("world size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
-    if world_size % (tp * pp):
-        fits = [t for t in range(1, world_size + 1) if world_size % (t * pp) == 0]
-        raise ValueError(f"a world of {world_size} ranks does not split into pp={pp} x tp={tp} = {tp * pp} ranks "
-                         f"per data-parallel replica; the world must be a multiple of pp x tp (with pp={pp}, "
-                         f"tp can be one of {fits}), or launch a world of {tp * pp * max(1, world_size // (tp * pp))}.")
-    return Layout(dp=world_size // (tp * pp), pp=pp, tp=tp)
+    nesting(order)
+    per_replica = tp * pp * cp
+    if world_size % per_replica:
+        others = f"pp={pp}" + (f", cp={cp}" if cp > 1 else "")
+        fits = [t for t in range(1, world_size + 1) if world_size % (t * pp * cp) == 0]
+        named = f"pp={pp} x " + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp}"
+        choice = (f"with {others}, tp can be one of {fits}" if fits else
+                  f"with {others} no tp can: {others.replace(', ', ' x ')} does not divide {world_size}")
+        raise ValueError(f"a world of {world_size} ranks does not split into {named} = {per_replica} ranks "
+                         f"per data-parallel replica; the world must be a multiple of that ({choice}), or launch "
+                         f"a world of {per_replica * max(1, world_size // per_replica)}.")
+    return Layout(dp=world_size // per_replica, pp=pp, cp=cp, tp=tp, order=order)
 
 
-def build(*, tp: int = 1, pp: int = 1):
-    """The ("dp", "pp", "tp") `DeviceMesh` over every rank of the default process group."""
-    from torch.distributed.device_mesh import init_device_mesh
+def build(*, tp: int = 1, pp: int = 1, cp: int = 1, order: str = ORDER):
+    """The ("dp", "pp", "cp", "tp") `DeviceMesh` over every rank of the default process group, its ranks laid out
+    in `order`."""
+    from torch.distributed.device_mesh import DeviceMesh
 
     from ..runtime import env
 
     if not dist.is_initialized():
-        raise RuntimeError("a dp x pp x tp layout spans ranks, so it needs torch.distributed initialized: run it "
-                           "inside toolkit.launch(fn, world_size), or in toolkit.sim.simulate.")
-    shape = layout(dist.get_world_size(), tp=tp, pp=pp)
+        raise RuntimeError("a dp x pp x cp x tp layout spans ranks, so it needs torch.distributed initialized: run "
+                           "it inside toolkit.launch(fn, world_size), or in toolkit.sim.simulate.")
+    shape = layout(dist.get_world_size(), tp=tp, pp=pp, cp=cp, order=order)
     device_type = env.device().type
     device_type = "cpu" if device_type == "meta" else device_type  # the simulator computes on meta
-    return init_device_mesh(device_type, (shape.dp, shape.pp, shape.tp), mesh_dim_names=DIMS)
+    mesh = DeviceMesh(device_type, shape.grid(), mesh_dim_names=DIMS)
+    mesh.order = order
+    return mesh
 
 
-def group(mesh, dim: str):
-    """The process group of this rank along `dim` ("dp", "pp" or "tp")."""
-    if dim not in DIMS:
-        raise ValueError(f"unknown mesh dimension {dim!r}; choose one of {DIMS}.")
-    return mesh[dim].get_group()
+def group(mesh, *dims: str):
+    """The process group of this rank along `dims`: one ("dp", "pp", "cp" or "tp"), or several flattened into one
+    group (`group(mesh, "dp", "cp")`: every rank that holds the same parameters, which a data-parallel strategy
+    reduces over). A flattened group whose other dimensions are all of size 1 is that dimension's own group."""
+    for dim in dims:
+        _known(dim)
+    wide = [d for d in dims if mesh.size(DIMS.index(d)) > 1]
+    if len(dims) == 1 or len(wide) <= 1:
+        return mesh[wide[0] if wide else dims[0]].get_group()
+    name = "_".join(dims)
+    return mesh[tuple(dims)]._flatten(name).get_group()
+
+
+def coordinate(mesh) -> Coordinate:
+    """This rank's (dp, pp, cp, tp) index on `mesh`."""
+    return Coordinate(*mesh.get_coordinate())
+
+
+def data_parallel_rank(mesh) -> int:
+    """This rank's index in the group a data-parallel strategy reduces over (`group(mesh, "dp", "cp")`)."""
+    c, cp = coordinate(mesh), mesh.size(DIMS.index("cp"))
+    return c.dp * cp + c.cp
 
 
 def layout_of(mesh) -> Layout:
-    """The sizes of a ("dp", "pp", "tp") mesh."""
-    return Layout(*(mesh.size(mesh.mesh_dim_names.index(d)) for d in DIMS))
+    """The sizes and the rank order of a ("dp", "pp", "cp", "tp") mesh."""
+    return Layout(*(mesh.size(DIMS.index(d)) for d in DIMS), order=getattr(mesh, "order", ORDER))
+
+
+def _known(dim: str) -> str:
+    if dim not in DIMS:
+        raise ValueError(f"unknown mesh dimension {dim!r}; choose one of {DIMS}.")
+    return dim

@@ -17,10 +17,12 @@ subreaper); each rank turns itself back into what a fresh interpreter would be a
    exit, and every keeper learns it (PR_SET_PDEATHSIG) and stops its ranks.
 3. In a forked keeper and then in each forked rank, `become` what a fresh interpreter would be: the
    launcher's environment replaces ours wholesale, its working directory, sys.path recomputed from them,
-   default signal dispositions, stdout and stderr made for the new descriptors, a session of its own,
-   fresh import caches. What fork cannot redo: the string hash seed is the zygote's (it is chosen once per
-   interpreter), and /proc/<pid>/environ and cmdline show the zygote's start (`zygotes.py` starts a new
-   zygote whenever the launcher's environment differs from the one it started in).
+   the signal dispositions and mask the launcher had when it asked (exec keeps what is ignored and blocked:
+   a rank of a `nohup`'d launcher ignores SIGHUP, whichever process started the zygote), stdout and stderr
+   made for the new descriptors, a session of its own, fresh import caches. What fork cannot redo: the
+   string hash seed is the zygote's (it is chosen once per interpreter), and /proc/<pid>/environ and cmdline
+   show the zygote's start (`zygotes.py` starts a new zygote whenever the launcher's environment differs from
+   the one it started in).
 
 Standard library only, besides torch.
 """
@@ -39,7 +41,7 @@ import traceback
 
 HEADER = struct.Struct("!I")
 _KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "keeper.py")
-_START = {}  # where this process started (cwd, sys.path): what a rank's sys.path is recomputed from
+_START = {}  # where this process started (cwd, sys.path, signals): what a rank's sys.path is recomputed from
 
 
 # --- messages: a length, then JSON; descriptors ride with the first bytes --------------------------------
@@ -73,16 +75,29 @@ def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict | None, list[in
 
 
 # --- a forked child becomes a fresh interpreter ------------------------------------------------------------
-def _fresh_signals() -> None:
-    """Dispositions as a new interpreter has them: the default everywhere, but Python's own three."""
+def launcher_signals() -> dict:
+    """What a fresh interpreter started from this thread now would inherit of its signals (exec resets handlers
+    to the default, keeps what is ignored and the blocked mask): asked for by the launcher, sent with a launch."""
+    return {"ignored": [int(n) for n in signal.valid_signals() if signal.getsignal(n) == signal.SIG_IGN],
+            "blocked": sorted(int(n) for n in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
+
+
+def _fresh_signals(inherited: dict) -> None:
+    """Dispositions as a new interpreter started by the launcher has them: what the launcher ignored stays
+    ignored, the default everywhere else, then Python's own three (SIGINT's handler only where SIGINT is not
+    ignored, as CPython's start-up does); the launcher's blocked mask."""
     signal.set_wakeup_fd(-1)
+    ignored = set(inherited["ignored"])
     for number in signal.valid_signals():
-        if signal.getsignal(number) not in (signal.SIG_DFL, None):
-            signal.signal(number, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+        want, now = (signal.SIG_IGN if number in ignored else signal.SIG_DFL), signal.getsignal(number)
+        if now != want and (now is not None or number in ignored):  # None: not Python's to change (glibc's own)
+            signal.signal(number, want)
+    if signal.SIGINT not in ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     for name in ("SIGPIPE", "SIGXFSZ"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, inherited["blocked"])
 
 
 def _stdio(fd: int, name: str):
@@ -98,11 +113,12 @@ def _stdio(fd: int, name: str):
     return stream
 
 
-def become(env: dict, cwd: str | None = None) -> None:
-    """This forked process takes on `env` (wholesale) and `cwd`, and forgets what the zygote had set up."""
+def become(env: dict, cwd: str | None = None, signals: dict | None = None) -> None:
+    """This forked process takes on `env` (wholesale), `cwd` and the launcher's `signals` (`launcher_signals`;
+    by default those this zygote started with), and forgets what the zygote had set up."""
     import importlib
 
-    _fresh_signals()
+    _fresh_signals(signals or _START["signals"])
     main = threading.main_thread()  # fork made this thread the main one, but kept the zygote's thread id as its
     if hasattr(main, "_set_native_id"):  # native_id (CPython gh-132542, fixed in 3.13): /proc/self/task/<it> is gone
         main._set_native_id()
@@ -172,7 +188,7 @@ def _keeper(request: dict, writers: list[int], outputs: list[int], zygote: int) 
         os.dup2(outputs[1], 2)
         for fd in outputs:
             os.close(fd)
-        become(request["env"], request["cwd"])
+        become(request["env"], request["cwd"], request["signals"])
         spec = importlib.util.spec_from_file_location("_toolkit_keeper", _KEEPER)
         keeper = importlib.util.module_from_spec(spec)
         sys.modules["_toolkit_keeper"] = keeper
@@ -181,7 +197,7 @@ def _keeper(request: dict, writers: list[int], outputs: list[int], zygote: int) 
         def start_rank(folder: str, rank: int, fd: int, env: dict):
             pid = os.fork()
             if pid == 0:
-                become(env)
+                become(env, signals=request["signals"])
                 run_worker(folder, fd, writers[rank:])  # the keeper closed those of the ranks before
             return keeper.Child(pid)
 
@@ -266,7 +282,7 @@ def main(fd: int, child=_fork_keeper) -> None:
     except BaseException as exc:  # noqa: BLE001 - the launcher says why and starts ranks the slow way
         send(control, {"error": f"import torch failed: {type(exc).__name__}: {exc}"})
         os._exit(1)
-    _START.update(cwd=os.getcwd(), path=list(sys.path))
+    _START.update(cwd=os.getcwd(), path=list(sys.path), signals=launcher_signals())
     say_ready(control)
     serve(control, child)
     os._exit(0)

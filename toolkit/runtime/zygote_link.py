@@ -17,7 +17,7 @@ import threading
 import time
 
 from . import exits
-from .zygote import receive, send
+from .zygote import launcher_signals, receive, send
 
 ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
 START_PATIENCE_S = 180.0  # a zygote imports torch: slow on a loaded machine, never minutes
@@ -151,8 +151,9 @@ class Zygote:
             cwd = os.getcwd()
         except OSError as exc:
             raise ZygoteError(f"the working directory is gone ({exc})") from exc
-        # the keeper's stdout and stderr are ours
-        return self.fork({"folder": folder, "world_size": world_size, "env": env, "cwd": cwd}, [1, 2, *writers])
+        # the keeper's stdout and stderr are ours; its signals, as a process we started now would have them
+        return self.fork({"folder": folder, "world_size": world_size, "env": env, "cwd": cwd,
+                          "signals": launcher_signals()}, [1, 2, *writers])
 
     def fork(self, request: dict, fds: list[int]) -> Forked:
         """Ask the zygote to fork a child for `request`, handing it the descriptors `fds`: a handle on it."""

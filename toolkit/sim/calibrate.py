@@ -39,7 +39,7 @@ from ..comm.emulate import Link, Settings
 from .calibrate_compute import REFERENCE, measure_compute, reference_step  # noqa: F401 - reference_step: benches
 from .calibrate_links import SIZES, measure_links
 from .cost import compute_time
-from .hardware import MEASURED, THIS_MACHINE, Accelerator, Cluster
+from .hardware import THIS_MACHINE, Accelerator, Cluster
 from .program import Compute
 
 VERSION = 5  # 5: the GEMM shapes timed in turns (calibrate_compute.gemm_rates)
@@ -134,13 +134,24 @@ def _accelerator(m: dict, speed: float) -> Accelerator:
 
 @functools.lru_cache(maxsize=1)
 def _reference_program() -> tuple:
-    """The reference step's compute segments, recorded by the simulator once per process."""
-    from ..models import tiny_gpt
-    from .simulate import simulate  # here, not at the top: simulate prices through cost, which finds this module
+    """The reference step's compute segments, recorded once per process on a one-rank simulated cluster (as
+    `simulate(tiny_gpt, "local", 1)` records them, from the pieces below it: this module sits under the pricing
+    that asks it for "this-machine")."""
+    import torch
 
-    sim = simulate(functools.partial(tiny_gpt, **REFERENCE["model"]), "local", 1, batch_per_rank=REFERENCE["batch"],
-                   progress=False)
-    return tuple(c for c in sim.programs[-1] if isinstance(c, Compute))
+    from .. import parallel
+    from ..models import tiny_gpt
+    from .cluster import cluster
+    from .build import build_on_meta
+    from .watched_step import measure_steps, train_step
+
+    with cluster(1, 0):
+        model = build_on_meta(functools.partial(tiny_gpt, **REFERENCE["model"]))
+        model, opt = parallel.wrap(model, "local", optimizer=torch.optim.AdamW)
+        x = torch.empty((REFERENCE["batch"], REFERENCE["model"]["seq_len"]), dtype=torch.long, device="meta")
+        train_step(model, opt, x, x, step=0)  # Adam makes its states in its first step: measure a steady one
+        program = measure_steps(model, opt, x, x, 1, meta=True, first=1)["programs"][-1]
+    return tuple(c for c in program if isinstance(c, Compute))
 
 
 def reference_seconds(gpu: Accelerator) -> float:
@@ -204,5 +215,3 @@ def this_machine(world_size: int = 2, *, refresh: bool = False, link: Settings |
         path.write_text(json.dumps(m, default=str))
     return from_measurements(m, link)
 
-
-MEASURED[THIS_MACHINE] = this_machine

@@ -1,4 +1,17 @@
-"""How long one collective takes on a two-level cluster: the alpha-beta model of the links it crosses.
+"""How long one collective takes on a two-level cluster: measured bus bandwidth, or the alpha-beta model of its links.
+
+On the presets (a cluster with `published` network measurements, `toolkit.sim.published`):
+
+- inside a node, a ring collective moves its wire bytes at the bus bandwidth nccl-tests measure for that message
+  size on that machine (`all_reduce` with NVLink SHARP on H100, the ring's measured share of it for the others);
+  the measurement's latency is in it (small messages reach a small fraction of the link);
+- across nodes, the ring is bounded by the slower of that and the network: NCCL's latency (below) plus the wire
+  bytes at the network cards' achievable rate in NCCL, g cards at once for g members per node;
+- a send between two GPUs runs at the measured point-to-point bandwidth of NVLink, or one card's across nodes;
+- every rate is the measured fraction of the datasheet link it was measured on, times this cluster's link, so a
+  what-if with faster links scales.
+
+Elsewhere (a user-defined cluster, this machine), the alpha-beta model of the links:
 
     time = call_latency + (steps - inter_steps) x alpha_intra + inter_steps x alpha_inter + wire / bandwidth
 
@@ -20,6 +33,8 @@ use different links (an intra-node all-gather beside an inter-node all-reduce), 
 they share one; for how long (`occupancy`): the whole time on NCCL's presets, only the bytes where the
 cluster says latency is delay in flight (`Cluster.latency_holds_link=False`, the emulated link's physics:
 `toolkit.comm.cost`), so the next message may start while the last one's latency runs.
+Which ranks a collective joins is what its group says: the global ranks of the group the strategy's code issued it
+on, whichever order the mesh lays them out in; `node_of` decides which of them share a node.
 """
 from __future__ import annotations
 
@@ -27,6 +42,7 @@ import math
 from dataclasses import dataclass, replace
 
 from .hardware import Cluster
+from .kernel_time import interpolate
 
 RING_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
@@ -97,10 +113,11 @@ def _time_on_links(cluster, op, size_bytes, group, me, args) -> CollectiveCost:
         peer = args.get("peer")
         inside = peer is None or me is None or cluster.node_of(peer) == cluster.node_of(me)
         link = cluster.intra if inside else cluster.inter
+        bandwidth = link.bandwidth * _fraction(cluster, "p2p" if inside else "nic")
         latency = cluster.call_latency + link.latency
-        return CollectiveCost(latency + size_bytes / link.bandwidth, latency,
+        return CollectiveCost(latency + size_bytes / bandwidth, latency,
                               "intra-node" if inside else "inter-node", ("intra",) if inside else ("inter",),
-                              link.bandwidth)
+                              bandwidth)
     if n <= 1:
         return CollectiveCost(0.0, 0.0, "none", ())
     nodes, g = _placement(cluster, group)
@@ -115,10 +132,42 @@ def _time_on_links(cluster, op, size_bytes, group, me, args) -> CollectiveCost:
         raise ValueError(f"no time model for collective {op!r}; known: {list(RING_OPS)} + "
                          f"['all_to_all', 'send', 'recv', 'barrier'].")
     steps, inter_steps = ring_steps(op, n, nodes)
+    wire = wire_bytes(op, size_bytes, n)
+    if cluster.published is not None:
+        return _measured_ring(cluster, op, size_bytes, wire, nodes, g, inter_steps, label, resources)
     intra = cluster.op_links.get(op, cluster.intra)  # a calibrated machine may measure each op apart
     latency = cluster.call_latency + (steps - inter_steps) * intra.latency + inter_steps * cluster.inter.latency
     bandwidth = intra.bandwidth if nodes == 1 else min(intra.bandwidth, g * cluster.inter.bandwidth)
-    return CollectiveCost(latency + wire_bytes(op, size_bytes, n) / bandwidth, latency, label, resources, bandwidth)
+    return CollectiveCost(latency + wire / bandwidth, latency, label, resources, bandwidth)
+
+
+def _fraction(cluster, what: str) -> float:
+    """The measured fraction of the datasheet link a kind of transfer reaches: "p2p" (NVLink), "nic" (network)."""
+    measured = cluster.published
+    return 1.0 if measured is None else getattr(measured, what).value
+
+
+def bus_bandwidth(cluster, op: str, size_bytes: float) -> float:
+    """Bytes/s of bus bandwidth a ring collective of `size_bytes` reaches inside a node: nccl-tests' all_reduce at
+    that message size (log-log between the sizes measured), the ring's share of it for the others, as a fraction
+    of the NVLink it was measured on, times this cluster's."""
+    measured = cluster.published
+    curve = [(size, busbw * 1e9 / measured.nvlink) for size, busbw in measured.all_reduce_busbw]
+    share = 1.0 if op == "all_reduce" else measured.ring_over_all_reduce.value
+    return interpolate(curve, max(size_bytes, 1.0)) * share * cluster.intra.bandwidth
+
+
+def _measured_ring(cluster, op, size_bytes, wire, nodes, g, inter_steps, label, resources) -> CollectiveCost:
+    """A ring collective priced on the measurements: inside a node its wire bytes at the measured bus bandwidth for
+    its size; across nodes the slower of that and NCCL's latency plus the bytes at g cards' achievable rate."""
+    inside = bus_bandwidth(cluster, op, size_bytes)
+    seconds, latency, bandwidth = wire / inside, 0.0, inside
+    if nodes > 1:
+        network = g * cluster.inter.bandwidth * _fraction(cluster, "nic")
+        alpha = cluster.call_latency + inter_steps * cluster.inter.latency
+        if alpha + wire / network > seconds:
+            seconds, latency, bandwidth = alpha + wire / network, alpha, network
+    return CollectiveCost(seconds, latency, label, resources, bandwidth)
 
 
 def _all_to_all(cluster, size_bytes, group, me, args, label, resources) -> CollectiveCost:
@@ -137,5 +186,5 @@ def _all_to_all(cluster, size_bytes, group, me, args, label, resources) -> Colle
             continue
         latency += len(peers) * link.latency
         moved = max(sum(ins[p] for p in peers), sum(outs[p] for p in peers)) * row
-        seconds = max(seconds, moved / link.bandwidth)
+        seconds = max(seconds, moved / (link.bandwidth * _fraction(cluster, "p2p" if kind == "intra" else "nic")))
     return CollectiveCost(latency + seconds, latency, label, resources)

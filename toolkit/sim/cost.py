@@ -4,10 +4,14 @@
     cost.step_time, cost.breakdown, cost.tflops_per_gpu, cost.mfu, cost.hfu, cost.per_op(), cost.run
 
 - Compute: every operation the step recorded, priced on its own (`kernel_time`: a GEMM's tiles in waves
-  on the SMs at the best measured GEMM rate, a fused attention's blocks, anything else its bytes at the
-  memory's bandwidth; the host's launches behind them). A segment with no operations recorded (a
-  hand-written program) is one roofline: its FLOPs at the datasheet peak, or its bytes if slower.
-  `mfu=` instead charges every FLOP at that fraction of peak (a what-if, not a prediction).
+  on the SMs at the rate a published cuBLAS measurement gives them, a fused attention at FlashAttention-2's
+  published rate, anything else its bytes at the HBM bandwidth a streaming kernel reaches; the host's launches
+  behind them). A segment with no operations recorded (a hand-written program) is one roofline: its FLOPs at the
+  datasheet peak, or its bytes if slower. `mfu=` instead charges every FLOP at that fraction of peak (a what-if,
+  not a prediction).
+- Where the time goes (`breakdown`: GEMM, attention, memory-bound, optimizer, launch overhead, compute slowed
+  beside collectives, exposed communication, bubble, point-to-point; they add up to the step) and how far the
+  published sources' spread moves it (`band`: the step priced with every measurement at its worst and best end).
 - MFU and HFU, as the papers report them: hfu = the FLOPs the step executed (recomputation included)
   over step time x peak; mfu = the model's FLOPs, 3 x its forward pass (PaLM's definition: backward
   is twice the forward; a recomputed forward is not counted), over the same.
@@ -18,13 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from ..run import Run
 from ..units import flops_text, percent_text, seconds_text
 from .collective_time import collective_time
-from .hardware import MEASURED, THIS_MACHINE, Cluster, check_mfu, cluster_of, measured
-from .kernel_time import device_seconds, segment_seconds
+from . import breakdown as parts
+from .hardware import Cluster, check_mfu, cluster_of
+from .kernel_time import device_seconds, hbm_bandwidth, segment_seconds
+from .published import at
 from .modelled_run import modelled_run
 from .program import Compute, check, total_flops
 from .timeline import schedule
@@ -37,7 +41,7 @@ def compute_time(segment: Compute, gpu, dtype: str = "bf16", mfu: float | None =
     if segment.kernels and mfu is None:
         return segment_seconds(segment, gpu, cache)[0]
     rate = gpu.flops_per_s(dtype) * (1.0 if mfu is None else mfu)
-    memory = segment.bytes / gpu.memory_bandwidth if segment.bytes else 0.0
+    memory = segment.bytes / hbm_bandwidth(gpu) if segment.bytes else 0.0
     return max(segment.flops / rate, memory) + segment.ops * gpu.op_overhead
 
 
@@ -60,6 +64,9 @@ class StepCost:
     fit: object = None                  # the peak against the accelerator's memory (`fit.Fit`), when known
     rank: int = 0
     stages: list | None = None          # pp > 1: per step, the pipeline's stages replayed together (`pipelined`)
+    reprice: object = field(default=None, repr=False)  # fn(Cluster) -> StepCost: the same steps on another cluster
+    cache: dict = field(default_factory=dict, repr=False)  # Kernel -> device seconds on this cluster's GPU
+    _band: dict | None = field(default=None, repr=False)
 
     @property
     def step_time(self) -> float:
@@ -71,13 +78,25 @@ class StepCost:
 
     @property
     def breakdown(self) -> dict:
-        """Seconds of the last step: compute, exposed_comm, overlapped_comm (and step, their compute + exposed).
-        A pipeline's rank also waits for other stages: "bubble" (their compute) and "p2p" (a transfer on the wire),
-        and step = compute + bubble + p2p + exposed_comm (`StagesTimeline.breakdown`)."""
+        """Seconds of the last step by part (`toolkit.sim.breakdown`): gemm, attention, memory_bound, optimizer,
+        overhead, contention (together "compute"), exposed_comm, and under pp > 1 bubble and p2p (another stage's
+        compute, a transfer on the wire: `StagesTimeline.breakdown`); they add up to "step". overlapped_comm:
+        collectives hidden behind compute, said beside."""
         mine = self.timelines[-1].breakdown()
-        if self.stages is None:
-            return mine
-        return dict(self.stages[-1].breakdown(self.rank), overlapped_comm=mine["overlapped_comm"])
+        waits = mine if self.stages is None else self.stages[-1].breakdown(self.rank)
+        return parts.step_breakdown(self.timelines[-1].spans, waits, mine["overlapped_comm"], self.cluster.gpu,
+                                    self.mfu_override is not None, self.cache)
+
+    @property
+    def band(self) -> dict:
+        """The last step's seconds with every published measurement at the worst and at the best end of its
+        sources' spread (`toolkit.sim.published`): {"worst": s, "best": s}; both the step itself where the
+        cluster has no measurements (a user-defined or calibrated one)."""
+        if self._band is None:
+            measured = self.cluster.published is not None or self.cluster.gpu.published is not None
+            self._band = {end: (self.reprice(at(self.cluster, end)).step_time if measured and self.reprice
+                                else self.step_time) for end in ("worst", "best")}
+        return self._band
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -161,10 +180,12 @@ class StepCost:
             return f"{self.cluster.name}: {self.fit.text()}"
         b, t = self.breakdown, seconds_text
         how = "per-operation model" if self.mfu_override is None else f"at {self.mfu_override:.0%} of peak"
-        pipeline = "" if "bubble" not in b else f"+ bubble {t(b['bubble'])} + point-to-point {t(b['p2p'])} "
-        text = (f"{self.cluster.name}, {self.dtype}, {how}: step {t(self.step_time)} = compute {t(b['compute'])} "
-                f"{pipeline}+ exposed communication {t(max(b['exposed_comm'], 0.0))} ({t(b['overlapped_comm'])} more "
-                f"hidden behind compute); {flops_text(self.tflops_per_gpu * 1e12)} per GPU")
+        band = self.band
+        spread = ("" if band["worst"] == band["best"] else
+                  f" (band {t(band['best'])} to {t(band['worst'])} from the spread of its sources)")
+        text = (f"{self.cluster.name}, {self.dtype}, {how}: {parts.text(b)}{spread}; "
+                f"{t(b['overlapped_comm'])} of communication hidden behind compute; "
+                f"{flops_text(self.tflops_per_gpu * 1e12)} per GPU")
         if abs(self.share - 1) > 1e-3:
             text += f" (all ranks' work / {self.run.meta['world_size']}; rank {self.run.ranks[0]}'s own: " \
                     f"{flops_text(self.rank_tflops * 1e12)})"
@@ -172,6 +193,12 @@ class StepCost:
         if self.fit is not None:
             text += f"; {self.fit.text()}"
         return text + (f"\n  trust: {self.trust}" if self.trust else "")
+
+
+def slowdown(cluster: Cluster) -> float:
+    """How much longer compute runs beside collectives on `cluster` (the overlap rule's rule 6): measured on the
+    presets (`published.OVERLAP_SLOWDOWN`), none elsewhere."""
+    return cluster.published.overlap_slowdown.value if cluster.published is not None else 0.0
 
 
 def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mfu: float | None = None,
@@ -184,19 +211,21 @@ def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mf
     programs = list(programs)
     if not programs:
         raise ValueError("estimate needs at least one step's program (sim.programs is empty).")
-    cache: dict = {}  # Kernel -> device seconds: a model's layers repeat the same operations
+    cost = StepCost(found, dtype, override)  # its cache: Kernel -> device seconds (a model's layers repeat them)
+    cost.reprice = lambda other: estimate(programs, other, world_size=world_size, rank=rank, mfu=mfu, dtype=dtype,
+                                          config=config)
 
     def seconds(segment):
-        return compute_time(segment, found.gpu, dtype, override, cache)
+        return compute_time(segment, found.gpu, dtype, override, cost.cache)
 
     def comm(c):
         return collective_time(found, c.op, c.size_bytes, c.group, rank, c.args)
 
-    cost = StepCost(found, dtype, override)
     clock = 0.0
     for program in programs:
         check(program)
-        timeline = schedule(program, seconds, comm, start=clock, overlap=found.overlap, beside=found.beside_compute)
+        timeline = schedule(program, seconds, comm, start=clock, overlap=found.overlap, beside=found.beside_compute,
+                            slowdown=slowdown(found))
         cost.timelines.append(timeline)
         cost.flops.append(total_flops(program))
         cost.model_flops.append(model_flops(program))
@@ -204,66 +233,3 @@ def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mf
     cost.run = modelled_run(cost.timelines, found, rank=rank, world_size=world_size,
                             config=dict(config or {}, cluster=found.name, dtype=dtype, mfu=override))
     return cost
-
-
-# --- a simulation, priced ------------------------------------------------------------------------------
-def resolve(cluster, world_size: int) -> Cluster:
-    """A Cluster from what a user passes; "this-machine" is calibrated for `world_size` ranks (cached)."""
-    if isinstance(cluster, str) and (cluster.lower() == THIS_MACHINE or cluster.lower() in MEASURED):
-        return measured(cluster.lower(), world_size)
-    return cluster if isinstance(cluster, Cluster) else cluster_of(cluster)
-
-
-def dtype_of(options: dict) -> str:
-    """The dtype a strategy computes in: its mixed-precision option's 16-bit type, else fp32."""
-    from ..parallel.fsdp_unit import dtypes
-
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtypes(options.get("mixed_precision", False))[0], "fp32")
-
-
-def _priced(sim, found: Cluster, mfu, dtype, stage_sims: dict | None = None) -> StepCost:
-    """The simulation's programs on `found`, whose nodes are taken to be the simulation's; under pp > 1 with every
-    stage of its pipeline (`stage_sims`), all of them together."""
-    if found.gpus_per_node != sim.ranks_per_node:
-        found = found.with_changes(gpus_per_node=sim.ranks_per_node)
-    common = dict(world_size=sim.world_size, mfu=mfu, dtype=dtype or dtype_of(sim.options), config=sim.run.config)
-    from .fit import check_fit
-
-    if stage_sims is None:
-        cost = estimate(sim.programs, found, rank=sim.rank, **common)
-        cost.useful_flops, cost.fit = sim.useful_flops_per_step(), check_fit(sim, found)
-        return cost
-    from .pipelined import estimate_pipeline, useful_flops
-
-    cost = estimate_pipeline(stage_sims, found, rank=sim.rank, **common)
-    fits = {r: check_fit(s, found) for r, s in stage_sims.items()}
-    cost.useful_flops = useful_flops(stage_sims)
-    cost.fit = fits[sim.rank] if all(f.fits for f in fits.values()) else next(f for f in fits.values() if not f.fits)
-    return cost
-
-
-def pricer(cluster, world_size: int, *, mfu: float | None = None, dtype: str | None = None):
-    """Check `cluster` and `mfu` now; return price(sim, stage_sims=None), which fills sim.cost, sim.fit,
-    sim.modelled_run and, when the peak fits in the accelerator's memory, sim.step_time, sim.tflops_per_gpu,
-    sim.mfu, sim.hfu, sim.breakdown (None when it does not: it would not run). What `simulate(..., cluster=...)`
-    does; under pp > 1 it passes every stage of the pipeline, and every stage must fit."""
-    found = resolve(cluster, world_size)
-    if mfu is not None:
-        check_mfu(mfu)
-
-    def price(sim, stage_sims: dict | None = None) -> StepCost:
-        cost = _priced(sim, found, mfu, dtype, stage_sims)
-        sim.cost, sim.modelled_run, sim.fit = cost, cost.run, cost.fit
-        ran = cost.fit.fits
-        sim.step_time, sim.tflops_per_gpu, sim.mfu, sim.hfu, sim.breakdown = (
-            (cost.step_time, cost.tflops_per_gpu, cost.mfu, cost.hfu, cost.breakdown) if ran else (None,) * 5)
-        return cost
-
-    return price
-
-
-def price(sim, cluster="dgx-a100", *, mfu: float | None = None, dtype: str | None = None) -> StepCost:
-    """What a Simulation's steps would cost on another cluster (or at another mfu): a StepCost; `sim` is unchanged
-    (a pipelined one is priced with the stages it was simulated with)."""
-    return _priced(sim, resolve(cluster, sim.world_size), None if mfu is None else check_mfu(mfu), dtype,
-                   getattr(sim, "stage_sims", None))

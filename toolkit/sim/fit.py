@@ -79,6 +79,16 @@ def check_fit(sim, cluster) -> Fit:
     return Fit(found.peak, room, found.device, tuple(advice(sim, room)))
 
 
+def _smaller(now: int, transient: float, excess: float, power_of_two: bool = False) -> str:
+    """The largest value of a size that activations grow with (at least linearly) that takes `excess` bytes off
+    `transient` (a power of two: sequence lengths), said as a suggestion; where even 1 would not, 1 and that it is
+    not enough alone."""
+    value = int(now * (1 - excess / transient)) if transient > 0 else 0
+    if power_of_two and value >= 1:
+        value = 2 ** (value.bit_length() - 1)
+    return f"{value} or less" if value > 1 else "1" if value == 1 else "1, not enough alone"
+
+
 def advice(sim, room: float) -> list[str]:
     """What would bring `sim`'s peak under `room` bytes, the largest part of the peak first."""
     parts = sim.peak_memory
@@ -108,12 +118,15 @@ def advice(sim, room: float) -> list[str]:
         if not options.get("activation_checkpointing"):
             tips.append((transient, f"activation checkpointing (activation_checkpointing=True): {what}; it keeps "
                                     f"each block's input and recomputes the rest in backward"))
+        excess = sim.peak - room
         if sim.batch_per_rank > 1:
-            tips.append((transient, f"a smaller batch per GPU (batch_per_rank={sim.batch_per_rank}; activations "
-                                    f"scale with it)"))
+            smaller = _smaller(sim.batch_per_rank, transient, excess)
+            tips.append((transient, f"a smaller batch per GPU (batch_per_rank={smaller}, now {sim.batch_per_rank}; "
+                                    f"activations scale with it)"))
         else:
-            tips.append((transient / 2, f"shorter sequences (seq_len={sim.seq_len}; activations grow with it, "
-                                        f"attention's scores with its square where they are kept)"))
+            shorter = _smaller(sim.seq_len, transient, excess, power_of_two=True)
+            tips.append((transient / 2, f"shorter sequences (seq_len={shorter}, now {sim.seq_len}; activations grow "
+                                        f"with it, attention's scores with its square where they are kept)"))
     if gathered:
         tips.append((gathered, f"smaller units (gathered parameters take {bytes_text(gathered)} at the peak)"
                                + (", or no forward_prefetch (one unit fewer in flight)"

@@ -14,20 +14,20 @@ Sources (dense math, no sparsity); nothing here is fitted to a training run:
 - A100 SXM: 312 TFLOP/s bf16/fp16, 19.5 TFLOP/s fp32; 40 GB HBM2 at 1,555 GB/s or 80 GB HBM2e at
   2,039 GB/s; 108 SMs (NVIDIA A100 datasheet and whitepaper). H100 SXM: 989 TFLOP/s bf16, 67 TFLOP/s
   fp32, 80 GB HBM3 at 3.35 TB/s, 132 SMs (NVIDIA H100 datasheet).
-- The best GEMM's fraction of peak (`matmul_efficiency`): the maximum achievable matmul FLOP/s measured
-  by a microbenchmark that searches GEMM shapes (S. Bekman, "Machine Learning Engineering",
-  compute/accelerator: MAMF, bf16, 267.9 of 312 TFLOP/s on A100 SXM, 792.1 of 989 on H100 SXM). A
-  kernel's ceiling (clocks under load, the GEMM's own loop), not a training step's.
-- L2 bandwidth (bounds small GEMM tiles, `toolkit.sim.kernel_time`): A100 5,120 bytes per clock at
-  1.41 GHz (A100 whitepaper); H100's whitepaper gives no figure: A100's bytes per clock at H100 SXM's
-  1.98 GHz boost is assumed (it changes only 64 x 64 tiles).
+- How fast their kernels and collectives run beyond the datasheet: published measurements, each with its source
+  and spread (`toolkit.sim.published`): GEMMs by shape (cuBLASLt / XLA's sweeps, the best shape of a search),
+  FlashAttention-2's rates, STREAM-like HBM bandwidth, nccl-tests' bus bandwidth by message size, the network
+  cards' achievable rate in NCCL, and how much compute slows beside NCCL's kernels.
 - Host work per operation (`op_overhead`, dispatch and launch): 5 us on the GPU presets, what the
   calibration measures for PyTorch's eager dispatch of a tiny operation on a CPU (4.8-5.8 us,
   docs/benchmarks.md); it hides behind any kernel longer than that (the host runs ahead of a GPU).
 - NVLink: A100 600 GB/s, H100 900 GB/s per GPU, both directions added (half each way); DGX A100 has
   8 x 200 Gb/s InfiniBand HDR per node (one per GPU), DGX H100 8 x 400 Gb/s NDR.
 - Latencies: NCCL's own tuning model (src/graph/tuning.cc, ring with the Simple protocol): 8.4 us per
-  call, 3.4 us per step over NVLink, 9.6 us per step across the network.
+  call, 3.4 us per step over NVLink, 9.6 us per step across the network (between nodes; inside a node the
+  measured bus bandwidth by message size carries its own latency).
+A user-defined accelerator or cluster (a dict) has no measurements: it is priced at its datasheet numbers
+(`matmul_efficiency` x peak for GEMMs, the full HBM and link bandwidths, the alpha-beta model of its links).
 A step's compute time is then each recorded operation priced on these (`toolkit.sim.kernel_time`):
 what an end-to-end measurement such as Megatron-LM's 163 of 312 TFLOP/s reaches is an outcome of the
 model, which `tests/test_sim_papers.py` holds against the papers, not an input.
@@ -38,6 +38,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..comm.emulate import Link, parse_bandwidth, parse_latency
+from . import published as measured
+from .published import GpuMeasurements, NetworkMeasurements
 
 GB, GiB = 1e9, 2 ** 30
 
@@ -51,11 +53,11 @@ class Accelerator:
     memory_bandwidth: float         # bytes/s to its own memory (memory-bound work)
     sms: int = 0                    # streaming multiprocessors: GEMMs run in waves of tiles over them (0: no tiles)
     matmul_efficiency: float = 1.0  # the fastest GEMM's fraction of peak (a microbenchmark's; 1 for measured rates)
-    l2_bandwidth: float = 0.0       # bytes/s from L2 to the SMs (bounds small tiles; 0: no bound)
     op_overhead: float = 0.0        # host seconds per operation (dispatch, launch)
     asynchronous: bool = True       # the host runs ahead of the device (a GPU); False: it runs each op (a CPU)
     gemm_rates: dict = field(default_factory=dict)  # measured: dtype -> ((FLOPs of one GEMM, FLOP/s), ...), by size
     source: str = ""
+    published: GpuMeasurements | None = field(default=None, compare=False)  # its kernels, measured (`published`)
 
     def flops_per_s(self, dtype: str = "bf16") -> float:
         key = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(dtype, dtype)
@@ -83,6 +85,7 @@ class Cluster:
     #                                 communicator's collectives one after the other); False where latency
     #                                 is delay in flight and the next message may go meanwhile (the emulator)
     op_links: dict = field(default_factory=dict, compare=False)  # op -> Link measured for it inside a node
+    published: NetworkMeasurements | None = field(default=None, compare=False)  # its collectives, measured
     notes: dict = field(default_factory=dict, compare=False)  # e.g. calibration details
 
     def node_of(self, rank: int) -> int:
@@ -108,42 +111,30 @@ class Cluster:
 
 
 # --- presets -------------------------------------------------------------------------------------------
-_A100 = dict(peak_flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, sms=108, matmul_efficiency=267.9 / 312,
-             l2_bandwidth=5120 * 1.41e9, op_overhead=5e-6)
-_H100 = dict(peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, sms=132, matmul_efficiency=792.1 / 989,
-             l2_bandwidth=5120 * 1.98e9, op_overhead=5e-6)
-_MAMF = "best GEMM: Bekman, ML Engineering, MAMF table"
+_A100 = dict(peak_flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, sms=108, op_overhead=5e-6,
+             matmul_efficiency=measured.A100_GEMM.value, published=measured.A100)
+_H100 = dict(peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, sms=132, op_overhead=5e-6,
+             matmul_efficiency=measured.H100_GEMM.value, published=measured.H100)
+_SOURCES = "; kernels: toolkit.sim.published"
 GPUS = {
     "a100-40gb": Accelerator("A100 SXM 40GB", memory_bytes=40 * GiB, memory_bandwidth=1555 * GB, **_A100,
-                             source=f"NVIDIA A100 datasheet and whitepaper; {_MAMF} (267.9 TFLOP/s)"),
+                             source="NVIDIA A100 datasheet and whitepaper" + _SOURCES + " (measured on the 80GB; "
+                                    "its HBM at the same fraction of the datasheet)"),
     "a100-80gb": Accelerator("A100 SXM 80GB", memory_bytes=80 * GiB, memory_bandwidth=2039 * GB, **_A100,
-                             source=f"NVIDIA A100 datasheet and whitepaper; {_MAMF} (267.9 TFLOP/s)"),
+                             source="NVIDIA A100 datasheet and whitepaper" + _SOURCES),
     "h100-sxm": Accelerator("H100 SXM 80GB", memory_bytes=80 * GiB, memory_bandwidth=3350 * GB, **_H100,
-                            source=f"NVIDIA H100 datasheet; {_MAMF} (792.1 TFLOP/s); L2 assumed A100's per clock"),
+                            source="NVIDIA H100 datasheet" + _SOURCES),
 }
 _NCCL = "latencies: NCCL src/graph/tuning.cc (ring, Simple): 8.4 us/call, 3.4 us/NVLink step, 9.6 us/network step"
 CLUSTERS = {
     "dgx-a100": Cluster("dgx-a100", GPUS["a100-80gb"], 8, Link(300 * GB, 3.4e-6), Link(25 * GB, 9.6e-6), 8.4e-6,
                         source="DGX A100: NVLink3 600 GB/s per GPU (300 each way), 8 x 200 Gb/s HDR InfiniBand; "
-                               + _NCCL),
+                               + _NCCL + "; collectives: toolkit.sim.published", published=measured.DGX_A100),
     "dgx-h100": Cluster("dgx-h100", GPUS["h100-sxm"], 8, Link(450 * GB, 3.4e-6), Link(50 * GB, 9.6e-6), 8.4e-6,
                         source="DGX H100: NVLink4 900 GB/s per GPU (450 each way), 8 x 400 Gb/s NDR InfiniBand; "
-                               + _NCCL),
+                               + _NCCL + "; collectives: toolkit.sim.published", published=measured.DGX_H100),
 }
 THIS_MACHINE = "this-machine"
-MEASURED: dict = {}  # preset name -> fn(world_size) -> Cluster, registered by the module that measures it
-#                      (`toolkit.sim.calibrate` registers "this-machine"), so pricing never imports a measurement
-
-
-def measured(name: str, world_size: int) -> Cluster:
-    """The cluster a measured preset describes for `world_size` ranks (measured once, then cached)."""
-    if name not in MEASURED:
-        from importlib import import_module  # the measuring module registers itself when imported
-
-        import_module(".calibrate", __package__)
-    return MEASURED[name](world_size)
-
-
 def presets() -> dict:
     """The named clusters `simulate(..., cluster=...)` accepts, each with a one-line description."""
     out = {name: c.describe() for name, c in CLUSTERS.items()}

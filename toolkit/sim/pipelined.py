@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ..parallel import mesh as mesh_
 from .collective_time import collective_time
-from .cost import StepCost, compute_time, model_flops
+from .cost import StepCost, compute_time, model_flops, slowdown
 from .hardware import Cluster, check_mfu, cluster_of
 from .modelled_run import modelled_run
 from .program import check, total_flops
@@ -29,17 +29,18 @@ from .timeline import Timeline
 
 
 def pipeline_of(world_size: int, rank: int, options: dict) -> list[int]:
-    """The global ranks of `rank`'s pipeline, in stage order: same dp and tp index, every pp index."""
-    layout = mesh_.layout(world_size, tp=options.get("tp", 1), pp=options.get("pp", 1))
-    dp, _, tp = layout.coordinate(rank)
-    return [layout.rank(dp, p, tp) for p in range(layout.pp)]
+    """The global ranks of `rank`'s pipeline, in stage order: same dp, cp and tp index, every pp index."""
+    layout = mesh_.layout(world_size, tp=options.get("tp", 1), pp=options.get("pp", 1), cp=options.get("cp", 1),
+                          order=options.get("order", mesh_.ORDER))
+    return layout.group_of(rank, "pp")
 
 
 def is_pipelined(options: dict) -> bool:
     return options.get("pp", 1) > 1
 
 
-def stage_timelines(stage_sims: dict, seconds, cost, *, overlap: float = 1.0, beside: float = 1.0):
+def stage_timelines(stage_sims: dict, seconds, cost, *, overlap: float = 1.0, beside: float = 1.0,
+                    slowdown: float = 0.0):
     """Each step of the pipeline, its stages' programs replayed together, steps back to back: [StagesTimeline].
     stage_sims: {global rank: its Simulation}; seconds(rank, Compute); cost(rank, Collective) (`schedule_stages`)."""
     steps = {len(s.programs) for s in stage_sims.values()}
@@ -49,7 +50,7 @@ def stage_timelines(stage_sims: dict, seconds, cost, *, overlap: float = 1.0, be
     for k in range(steps.pop()):
         programs = {r: s.programs[k] for r, s in stage_sims.items()}
         timeline = schedule_stages(programs, pair_transfers(programs), seconds, cost, start=clock, overlap=overlap,
-                                   beside=beside)
+                                   beside=beside, slowdown=slowdown)
         out.append(timeline)
         clock = timeline.end
     return out
@@ -75,14 +76,16 @@ def estimate_pipeline(stage_sims: dict, cluster, *, rank: int, world_size: int, 
     found = cluster if isinstance(cluster, Cluster) else cluster_of(cluster)
     found.check_world(world_size)
     override = None if mfu is None else check_mfu(mfu)
-    cache: dict = {}
     for sim in stage_sims.values():
         for program in sim.programs:
             check(program)
-    stages = stage_timelines(stage_sims, lambda r, c: compute_time(c, found.gpu, dtype, override, cache),
-                             lambda r, c: collective_time(found, c.op, c.size_bytes, c.group, r, c.args),
-                             overlap=found.overlap, beside=found.beside_compute)
-    cost = StepCost(found, dtype, override, rank=rank, stages=stages)
+    cost = StepCost(found, dtype, override, rank=rank)
+    cost.reprice = lambda other: estimate_pipeline(stage_sims, other, rank=rank, world_size=world_size, mfu=mfu,
+                                                   dtype=dtype, config=config)
+    cost.stages = stage_timelines(stage_sims, lambda r, c: compute_time(c, found.gpu, dtype, override, cost.cache),
+                                  lambda r, c: collective_time(found, c.op, c.size_bytes, c.group, r, c.args),
+                                  overlap=found.overlap, beside=found.beside_compute, slowdown=slowdown(found))
+    stages = cost.stages
     for k, timeline in enumerate(stages):
         program = stage_sims[rank].programs[k]
         cost.timelines.append(as_rank_timeline(timeline, rank))
@@ -109,4 +112,4 @@ def estimate_stages(programs: dict, dependencies=None, cluster="dgx-a100", *, ra
     return schedule_stages(
         programs, dependencies, lambda stage, c: compute_time(c, found.gpu, dtype, None, cache),
         lambda stage, c: collective_time(found, c.op, c.size_bytes, c.group, ranks[stage], c.args),
-        overlap=found.overlap, beside=found.beside_compute)
+        overlap=found.overlap, beside=found.beside_compute, slowdown=slowdown(found))

@@ -15,46 +15,46 @@ What happens, in order:
    call and every wait, which cuts the step into a program (`program.py`);
 5. the group is destroyed; what was recorded becomes a `Simulation` (`simulation.py`).
 
-`measure_steps` (4) is the same on a real process group with real tensors: that is how the tests
+`measure_steps` (4, `watched_step.py`) is the same on a real process group with real tensors: that is how the tests
 hold the simulation to a real gloo run of the same code.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import sys
 import warnings
 
 import torch
 
-from .. import comm, parallel
-from ..memory.ledger import ledger
+from .. import parallel
 from ..moe.gates import assume_routing
 from ..moe.experts import is_expert
 from ..moe.layer import MoE
 from ..run import Run
-from ..trace.events import phase, recorder, span
+from ..trace.events import phase
 from . import cluster as _cluster
-from .cost import pricer, resolve
+from .build import build, build_on_meta, example_batch, no_values, seq_len_of  # noqa: F401 - build_on_meta: the tests'
+from .context_parallel import describe as describe_cp
 from .hardware import check_mfu
-from .known_shapes import KnownShapes
-from .memory import StepMemory
 from .pipelined import is_pipelined
-from .record import OpCounter, Programmer
+from .priced import pricer, resolve
 from .simulation import Simulation, count_params
 from .stage_assembly import simulate_pipeline
 from .tensor_parallel import describe as describe_tp
+from .watched_step import measure_steps, train_step  # noqa: F401 (measure_steps, train_step: the tests')
 
 
 def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_per_node: int | None = None,
              batch_per_rank: int = 1, seq_len: int | None = None, steps: int = 1, warmup: bool = True,
              optimizer=torch.optim.AdamW, routing=None, progress: bool = True, cluster=None,
-             mfu: float | None = None, every_stage: bool = False, **options) -> Simulation:
+             mfu: float | None = None, every_stage: bool = False, loss_fn=None, batch_fn=None,
+             **options) -> Simulation:
     """Run `steps` training steps of `strategy` for rank `rank` of a simulated `world_size`-rank cluster.
 
-    model_fn() builds the model (called under `torch.device("meta")`); it maps token ids (x, y) of shape
-    (batch_per_rank, seq_len) to a scalar loss, as `toolkit.models` do. seq_len defaults to the model's
-    `config.seq_len`. options go to `toolkit.parallel.wrap` (mixed_precision, sharding_group_size, ...).
+    model_fn() builds the model (called under `torch.device("meta")`, `build.py`): the toolkit GPT, or any model,
+    a Hugging Face one as it comes; it is fed and called as `toolkit.train` would (`toolkit.models.protocol`,
+    or `loss_fn` / `batch_fn` as there), a batch of `batch_per_rank` examples of seq_len tokens. seq_len
+    defaults to the model's (its `config.seq_len`, max_position_embeddings, or an image's patches). options go
+    to `toolkit.parallel.wrap` (mixed_precision, sharding_group_size, ...).
     warmup: first run one step unwatched, so that what is measured is a steady step (an optimizer such as
     Adam creates its states during its first step; ZeRO-3 and FSDP learn the module order in their first
     forward). The Run holds the warm-up step too; programs and memory are of the `steps` after it.
@@ -63,6 +63,9 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     Tensor parallelism: `tp=`, `sequence_parallel=`, `tp_plan=` as in `toolkit.parallel.wrap`; the world is then
     dp x tp and `batch_per_rank` is the sequences of one data-parallel replica (every rank of its tp group
     computes on them). A tp group wider than `ranks_per_node` is allowed, with a warning that says its cost.
+    Context parallelism: `cp=`, `cp_attention=` ("ring", "ring-unbalanced", "ulysses"); each rank of a cp group
+    computes on its seq_len/cp tokens of the replica's sequences (`sim.context_parallel`). `order=` lays the ranks
+    out (Megatron's "tp-cp-ep-dp-pp" by default), which decides which groups cross nodes.
     Pipeline parallelism: `pp=`, `microbatches=`, `schedule=`, `virtual_stages=`, `pp_split=`; `batch_per_rank` is
     still a replica's sequences (split into the micro-batches), and a step is the schedule (`forward_backward`).
     Priced on a cluster, the step is the critical path of this rank's whole pipeline (`toolkit.sim.pipelined`):
@@ -87,7 +90,7 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     if price is not None and is_pipelined(options):  # the step is the pipeline's: its other stages are needed
         again = functools.partial(simulate, model_fn, strategy, world_size, ranks_per_node=ranks_per_node,
                                   seq_len=seq_len, warmup=warmup, optimizer=optimizer, routing=routing,
-                                  progress=progress)
+                                  progress=progress, loss_fn=loss_fn, batch_fn=batch_fn)
         return simulate_pipeline(again, price, world_size=world_size, rank=rank, batch_per_rank=batch_per_rank,
                                  steps=steps, every_stage=every_stage, options=options)
     if strategy not in parallel.STRATEGIES:
@@ -102,23 +105,26 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     if not callable(model_fn):
         raise ValueError(f"model_fn must be a function that builds the model, got {model_fn!r}.")
     with _cluster.cluster(world_size, rank), assume_routing(routing or balanced):
-        model = build_on_meta(model_fn)
+        model, convention = build(model_fn, loss_fn=loss_fn, batch_fn=batch_fn)
         num_params, expert_params = count_params(model)
         expert_parallel = max([m.world for m in model.modules() if isinstance(m, MoE)], default=1)
-        row_flops = {m.name: 4 * m.d_model * m.d_ff for m in model.modules() if isinstance(m, MoE)}  # two GEMMs
+        row_flops = {m.name: getattr(m, "row_flops", 4 * m.d_model * m.d_ff)  # two GEMMs (a SwiGLU's: three)
+                     for m in model.modules() if isinstance(m, MoE)}
         local_experts = sum(p.numel() for p in model.parameters() if is_expert(p))
-        seq = _seq_len(model, seq_len)
+        seq = seq_len_of(model, convention, seq_len)
+        x, y = example_batch(model, convention, batch_per_rank, seq)  # the model as built, before it is wrapped
         if strategy == "fsdp" and "param_init_fn" not in options:
             options["param_init_fn"] = no_values  # FSDP's deferred initialization, with nothing to fill
         with phase("setup"):
             model, opt = parallel.wrap(model, strategy, optimizer=optimizer, **options)
         tensor_parallel = describe_tp(model, options, batch_per_rank, seq, world_size, nodes)
-        x = torch.empty((batch_per_rank, seq), dtype=torch.long, device="meta")
+        context_parallel = describe_cp(model, options, batch_per_rank, seq, world_size)
         bar = _progress(progress, strategy, world_size, steps + warmup)
         try:
             if warmup:  # the optimizer makes its states in its first step (Adam does): measure a steady one
-                train_step(model, opt, x, x, step=0, bar=bar)
-            measured = measure_steps(model, opt, x, x, steps, bar=bar, meta=True, first=int(warmup))
+                train_step(model, opt, x, y, step=0, bar=bar, loss_fn=convention.loss)
+            measured = measure_steps(model, opt, x, y, steps, bar=bar, meta=True, first=int(warmup),
+                                     loss_fn=convention.loss)
         finally:
             if bar is not None:
                 bar.close()
@@ -130,6 +136,7 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
                      expert_parallel=expert_parallel, local_expert_params=local_experts,
                      batch_per_rank=batch_per_rank, seq_len=seq, run=run, expert_row_flops=row_flops, **measured)
     sim.tensor_parallel = tensor_parallel  # None unless tp= (sim/tensor_parallel.py)
+    sim.context_parallel = context_parallel  # None unless cp= (sim/context_parallel.py)
     sim.pipeline_info = getattr(model, "pipeline", None)  # pp > 1: the schedule, its actions, the blocks' split
     if price is not None:
         price(sim)
@@ -149,137 +156,10 @@ def _node_size(ranks_per_node, found) -> int:
     return ranks_per_node
 
 
-def train_step(model, opt, x, y, *, step: int, bar=None, after=None, updated=None) -> None:
-    """One training step in `toolkit.train`'s phases and spans; `after(label)` ends each phase, and
-    `updated()` runs between the optimizer's update and `zero_grad` (every model state alive)."""
-    names = ("forward", "backward", "optimizer")
-    if hasattr(model, "pipeline"):  # pp > 1: the schedule runs forward and backward of every micro-batch
-        with span("forward_backward", step=step):  # (its actions are spans of their own, in their phases)
-            model.forward_backward(x, y)
-        if after is not None:
-            after(None)
-        names = ("optimizer",)
-    for name in names:
-        with phase(name):
-            with span(name, step=step, **({} if name == "optimizer" else {"micro": 0})):
-                if name == "forward":
-                    loss = model(x, y)
-                elif name == "backward":
-                    loss.backward()
-                    del loss
-                else:
-                    opt.step()
-                    if updated is not None:
-                        updated()
-                    opt.zero_grad()
-            if after is not None:
-                after("optimizer" if name == "optimizer" else None)
-        if bar is not None:
-            bar.update()
-
-
-def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False, first: int = 0) -> dict:
-    """Train `steps` steps on (x, y) as `toolkit.train` does, watched: programs, memory, FLOPs.
-
-    Works on any process group: on the simulated cluster (meta tensors, `meta=True` so the ledger counts
-    them) or on a real one. Returns the fields of a `Simulation` that a step produces.
-    """
-    memory, ops = StepMemory(), OpCounter(meta=meta)
-    programmer = Programmer(ops, memory.module)
-
-    def door(kind, event, tensor):
-        programmer(kind, event)
-        if tensor is not None:
-            memory.communicated(tensor)
-        if bar is not None:
-            bar.set_postfix_str(f"{event['phase']}: {event['name']} {event['args'].get('unit', '')}", refresh=False)
-
-    programs, samples, states = [], [], {}
-    memory.classify(model, opt)
-    with contextlib.ExitStack() as stack:
-        below = (KnownShapes(),) if meta else ()  # first in, so the memory tracker and the counter see all
-        for context in (*below, memory, ops, comm.listening(door), recorder.listening(programmer.span)):
-            stack.enter_context(context)
-        for step in range(first, first + steps):
-            memory.reset_mod_stats()  # MemTracker counts one iteration at a time
-            programmer.start_step()
-
-            def boundary(label=None):  # the end of a phase: cut the program, sample memory
-                programmer.cut(label)
-                memory.classify(model, opt)  # what the phase made that the strategy keeps (DDP's rebuilt
-                samples.append(_sample(memory, step))  # buckets in forward, ZeRO's reduced slices) is its own
-
-            def update():  # the model states, as the formulas count them: all of them alive
-                states.update(ledger(model, opt, meta=meta))
-
-            train_step(model, opt, x, y, step=step, bar=bar, after=boundary, updated=update)
-            memory.classify(model, opt)  # what the strategy's tensors are after the step
-            programs.append(programmer.end_step())
-    return {"programs": programs, "memory": states, "peak": memory.peak_total,
-            "peak_memory": memory.peak_categories, "peak_moment": memory.peak_moment,
-            "end_memory": memory.current(), "samples": samples}
-
-
-def _sample(memory: StepMemory, step: int) -> dict:
-    """One memory sample into the trace (as `record_memory` does on real runs), with the viz's keys."""
-    now = memory.current()
-    sample = {"params": now["params"] + now["gathered"], "grads": now["grads"], "optimizer": now["optimizer"],
-              "activations": now["activations"], **{f"sim_{k}": v for k, v in now.items()}}
-    recorder.sample(step=step, **sample)
-    return dict(now, phase=recorder.samples[-1]["phase"] if recorder.samples else "", step=step)
-
-
 def balanced(num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
     """An MoE routing in which every expert gets the same share: choice j of token t is expert (t*k + j) mod E."""
     index = torch.arange(num_tokens * top_k, device="cpu").reshape(num_tokens, top_k)
     return index % num_experts
-
-
-def no_values(name, module) -> None:
-    """FSDP's `param_init_fn` on the simulated cluster: meta parameters have no values to fill."""
-
-
-def build_on_meta(model_fn) -> torch.nn.Module:
-    """`model_fn()` under `torch.device("meta")`; a clear error when it cannot be built there."""
-    try:
-        with torch.device("meta"):
-            model = model_fn()
-    except Exception as exc:  # noqa: BLE001 - say which module failed, and why
-        where = _failing_module(sys.exc_info()[2])
-        raise ValueError(
-            f"model_fn() could not build the model on the meta device (shapes only, no values): {where}raised "
-            f"{type(exc).__name__}: {exc}. Build every tensor without an explicit device= (the simulator builds "
-            f"under `with torch.device('meta')`) and do not read tensor values (.item(), .tolist(), printing) "
-            f"while building.") from exc
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model_fn() must return an nn.Module, got {type(model).__name__}.")
-    real = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta]
-    if real:
-        raise ValueError(f"model_fn() built tensors on a real device, not on meta: {real[:4]}. Create them without "
-                         f"an explicit device= so that the simulator can build them on the meta device.")
-    return model
-
-
-def _failing_module(tb) -> str:
-    """'Module (class X) ' for the innermost nn.Module whose code was running when building failed."""
-    found = ""
-    while tb is not None:
-        this = tb.tb_frame.f_locals.get("self")
-        if isinstance(this, torch.nn.Module):
-            found = f"{type(this).__name__} (in {tb.tb_frame.f_code.co_name}) "
-        tb = tb.tb_next
-    return found
-
-
-def _seq_len(model, seq_len):
-    if seq_len is not None:
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}.")
-        return seq_len
-    config = getattr(model, "config", None)
-    if getattr(config, "seq_len", None) is None:
-        raise ValueError("seq_len=None needs a model with config.seq_len (as toolkit.models have); pass seq_len=.")
-    return config.seq_len
 
 
 def _progress(progress: bool, strategy: str, world_size: int, steps: int):

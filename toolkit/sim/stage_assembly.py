@@ -18,8 +18,7 @@ import dataclasses
 
 from .pipelined import pipeline_of
 from .program import Collective, Compute, Wait
-
-P2P_OPS = ("send", "recv")
+from .stage_timeline import is_transfer
 
 
 def simulate_pipeline(simulate_rank, price, *, world_size: int, rank: int, batch_per_rank: int, steps: int,
@@ -73,8 +72,9 @@ def simulate_pipeline(simulate_rank, price, *, world_size: int, rank: int, batch
 def reduced_microbatches(schedule, pp: int, microbatches: int) -> int:
     """Micro-batches enough for a representative rank: a first, a middle and a last one, and its steady state,
     where as many are in flight as the schedule ever keeps while gradients have accumulated (1F1B and ZB-H1:
-    pp + 1; interleaved: 2 pp, a multiple of pp); GPipe keeps every micro-batch in flight: all of them."""
-    if schedule == "gpipe" or not isinstance(schedule, str):
+    pp + 1; interleaved: 2 pp, a multiple of pp); GPipe keeps every micro-batch in flight: all of them, and so
+    does an interleaved schedule whose m is no multiple of pp (its groups, hence its warm-up, depend on m itself)."""
+    if schedule == "gpipe" or not isinstance(schedule, str) or (schedule == "interleaved" and microbatches % pp):
         return microbatches
     return min(microbatches, 2 * pp if schedule == "interleaved" else max(pp + 1, 3))
 
@@ -106,7 +106,7 @@ def chunks(program) -> tuple[list, list, dict, list, dict]:
     (its trailing waits, a last bucket's all-reduce), else with the one after (an FSDP unit's gather before its
     first operation). A transfer is its send or receive with the operations outside every action just before
     it (a receive's buffer)."""
-    p2p = {c.id for c in program if isinstance(c, Collective) and c.op in P2P_OPS}
+    p2p = {c.id for c in program if is_transfer(c)}
     prologue, setup, found, pending, current, transfers = [], [], {}, [], None, {}
     posting, looping = True, False  # the mailbox posts its first receives, then the schedule's loop runs
     for ins in program:

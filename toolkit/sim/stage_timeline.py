@@ -24,7 +24,9 @@ The rules, on top of the overlap rule (every stage has its own compute stream an
    duplex), two transfers the same way take turns, and none waits behind the stage's data-parallel or
    tensor-parallel collectives (NCCL runs them on other streams; what it leaves out: a transfer and a
    collective that cross the same network card share it at full speed each). The stage's other
-   collectives follow rules 2-5 of the overlap rule as on one rank.
+   collectives follow rules 2-6 of the overlap rule as on one rank; a transfer slows the compute of both its
+   stages while in flight (rule 6), but not compute a stage had already scheduled before its other half was
+   issued.
 4. Stages advance as far as their dependencies allow; if none can and work remains, the programs
    deadlock (a receive whose send is never issued, or two stages each waiting to receive first): an
    error names every stage's blocked instruction.
@@ -38,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .program import Collective, Compute, Wait
-from .timeline import Span, Timeline
+from .timeline import Span, Timeline, slowed
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,12 @@ class StagesTimeline:
         return out
 
 
+def is_transfer(c) -> bool:
+    """A send or receive between the pipeline's stages. A context-parallel ring's pass (labelled `args["cp"]`)
+    goes to a rank of another pipeline: it is priced on its link, as one rank's collectives are."""
+    return isinstance(c, Collective) and c.op in ("send", "recv") and "cp" not in c.args
+
+
 def pair_transfers(programs: dict, ranks: dict | None = None) -> list:
     """Every send matched with the receive that takes it: between two ranks, the k-th send from a to b feeds
     the k-th receive on b from a (NCCL matches point-to-point calls in order). programs: {stage: program};
@@ -103,7 +111,7 @@ def pair_transfers(programs: dict, ranks: dict | None = None) -> list:
     for stage, program in programs.items():
         me = ranks[stage]
         for c in program:
-            if not (isinstance(c, Collective) and c.op in ("send", "recv")):
+            if not is_transfer(c):
                 continue
             peer = c.args.get("peer")
             if peer not in stage_of:
@@ -131,10 +139,11 @@ class _Stage:
         self.spans: list = []
         self.done: dict = {}       # collective id -> when it completes (None: a transfer not yet matched)
         self.free: dict = {}       # link -> when its last collective ends (a stage's own links)
+        self.busy: list = []       # (begin, end) of its collectives in flight (the overlap rule's rule 6)
 
 
 def schedule_stages(programs: dict, dependencies, compute_time, collective_cost, *, start: float = 0.0,
-                    overlap: float = 1.0, beside: float = 1.0) -> StagesTimeline:
+                    overlap: float = 1.0, beside: float = 1.0, slowdown: float = 0.0) -> StagesTimeline:
     """Replay every stage's program together. compute_time(stage, Compute) -> seconds; collective_cost(stage,
     Collective) -> an object with `.seconds`, `.resources` (and optionally `.occupancy`), as for one rank
     (`toolkit.sim.timeline.schedule`); dependencies: `P2P` pairs (anything else is refused; `pair_transfers`
@@ -160,8 +169,9 @@ def schedule_stages(programs: dict, dependencies, compute_time, collective_cost,
         while st.next < len(st.program):
             instruction = st.program[st.next]
             if isinstance(instruction, Compute):
-                end = st.clock + compute_time(key, instruction)
-                st.spans.append(Span("compute", st.clock, end, instruction))
+                seconds = compute_time(key, instruction)
+                end = slowed(st.clock, seconds, st.busy, slowdown)
+                st.spans.append(Span("compute", st.clock, end, instruction, contention=end - st.clock - seconds))
                 st.clock = end
             elif isinstance(instruction, Collective):
                 if instruction.id in st.done:
@@ -192,6 +202,7 @@ def schedule_stages(programs: dict, dependencies, compute_time, collective_cost,
         stretch = beside if c.async_op else 1.0
         begin = max([st.clock] + [st.free.get(link, start) for link in cost.resources])
         st.done[c.id] = begin + cost.seconds * stretch
+        st.busy.append((begin, st.done[c.id]))
         for link in cost.resources:
             st.free[link] = begin + getattr(cost, "occupancy", cost.seconds) * stretch
         st.spans.append(Span("comm", begin, st.done[c.id], c, issued=st.clock, cost=cost))
@@ -214,6 +225,7 @@ def schedule_stages(programs: dict, dependencies, compute_time, collective_cost,
         channels[channel] = begin + getattr(cost, "occupancy", cost.seconds)
         for (stage, i), c, t in ((send, send_c, t_send), (recv, recv_c, t_recv)):
             stages[stage].done[i] = end
+            stages[stage].busy.append((begin, end))
             stages[stage].spans.append(Span("comm", begin, end, c, issued=t, cost=cost, paired=True))
 
     while any(st.next < len(st.program) for st in stages.values()):

@@ -24,8 +24,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ..units import bytes_text, seconds_text
-from .cost import resolve
+from .breakdown import WAITING
 from .fit import check_fit
+from .priced import resolve
 from .simulate import simulate
 
 BASE = (3, 4)  # the depths simulated
@@ -41,13 +42,15 @@ def extrapolate(one, two, layers: int, at: tuple = BASE) -> dict:
         return x + (n - at[0]) * (y - x) / (at[1] - at[0])
 
     a, b = one.cost, two.cost
-    parts = [k for k in ("compute", "bubble", "p2p") if k in a.breakdown]
-    breakdown = {k: max(_affine(a.breakdown[k], b.breakdown[k]), 0.0) for k in parts}
-    exposed = max(_affine(a.breakdown["exposed_comm"], b.breakdown["exposed_comm"]), 0.0)
+    first, second = a.breakdown, b.breakdown
+    busy = [k for k in first if k not in ("exposed_comm", "overlapped_comm", "compute", "step")]
+    breakdown = {k: max(_affine(first[k], second.get(k, 0.0)), 0.0) for k in busy}
+    exposed = max(_affine(first["exposed_comm"], second["exposed_comm"]), 0.0)
     step = sum(breakdown.values()) + exposed
-    comm = _affine(a.breakdown["exposed_comm"] + a.breakdown["overlapped_comm"],
-                   b.breakdown["exposed_comm"] + b.breakdown["overlapped_comm"])
-    breakdown.update(exposed_comm=exposed, overlapped_comm=max(comm - exposed, 0.0), step=step)
+    comm = _affine(first["exposed_comm"] + first["overlapped_comm"], second["exposed_comm"] + second["overlapped_comm"])
+    breakdown.update(exposed_comm=exposed, compute=sum(v for k, v in breakdown.items() if k not in WAITING),
+                     overlapped_comm=max(comm - exposed, 0.0), step=step)
+    band = {end: max(_affine(a.band[end], b.band[end]), 0.0) for end in ("worst", "best")}
     flops = _affine(one.flops, two.flops)
     useful = _affine(a.useful_flops[-1], b.useful_flops[-1])
     categories = set(one.peak_memory) | set(two.peak_memory)
@@ -67,7 +70,7 @@ def extrapolate(one, two, layers: int, at: tuple = BASE) -> dict:
             "mfu": model_flops / step / peak_flops if ran else None, "hfu": useful / step / peak_flops if ran else None,
             "peak": whole.peak, "peak_memory": peak_memory,
             "states": _affine(one.memory["total"], two.memory["total"]), "num_params": whole.num_params,
-            "fits": ran, "fit": fit, "breakdown": breakdown, "layers": layers}
+            "fits": ran, "fit": fit, "breakdown": breakdown, "band": band, "layers": layers}
 
 
 def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100", progress=None, warmup: bool = True,

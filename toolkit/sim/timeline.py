@@ -20,6 +20,10 @@ The rule, in the order the strategy issued its work (`toolkit.sim.program`):
    its own time in flight, as where the cores that run it are also computing; what queues behind it
    on its link waits that much longer. A synchronous collective has nothing beside it. 1 on every
    preset: the calibration measures it on a CPU but does not charge it (too unsteady: docs/benchmarks.md).
+6. Where collectives share the SMs with compute (a GPU: NCCL's kernels take some of the SMs and the memory
+   bandwidth), compute runs `slowdown` longer while one of this rank's collectives is in flight
+   (`published.OVERLAP_SLOWDOWN`, measured; 0 on a CPU and on user-defined clusters). The extra time is the
+   compute span's `contention`.
 
 The step ends when the compute stream is done and no collective is still in flight. So the time of a
 step splits three ways: compute; exposed communication (the compute stream waiting); and overlapped
@@ -42,6 +46,7 @@ class Span:
     issued: float = 0.0  # comm: when the strategy issued it (start - issued = time queued for a link)
     cost: object = None  # comm: its CollectiveCost
     paired: bool = False  # comm: one half of a point-to-point transfer between stages (`stage_timeline`)
+    contention: float = 0.0  # compute: the seconds it ran longer beside collectives in flight (rule 6)
 
 
 @dataclass
@@ -90,19 +95,49 @@ def _union_length(intervals) -> float:
     return total
 
 
+def slowed(start: float, seconds: float, busy: list, slowdown: float) -> float:
+    """When `seconds` of compute begun at `start` ends, running (1 + slowdown) times longer wherever one of the
+    `busy` intervals (begin, end) covers it (rule 6). `busy` is pruned of intervals over before `start`."""
+    busy[:] = [(b, e) for b, e in busy if e > start]
+    if slowdown <= 0 or seconds <= 0 or not busy:
+        return start + seconds
+    t, left = start, seconds
+    merged: list = []
+    for b, e in sorted(busy):
+        if merged and b <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((b, e))
+    for b, e in merged:
+        if b > t:
+            if b - t >= left:
+                return t + left
+            left -= b - t
+            t = b
+        done = (e - t) / (1 + slowdown)  # the work that fits in the rest of this busy stretch
+        if done >= left:
+            return t + left * (1 + slowdown)
+        left -= done
+        t = e
+    return t + left
+
+
 def schedule(program, compute_time, collective_cost, start: float = 0.0, overlap: float = 1.0,
-             beside: float = 1.0) -> Timeline:
+             beside: float = 1.0, slowdown: float = 0.0) -> Timeline:
     """Replay `program` from time `start`: compute_time(Compute) -> seconds, collective_cost(Collective) ->
     an object with `.seconds`, `.resources` (the links it occupies) and optionally `.occupancy` (how long it
-    holds them, `.seconds` if absent: `toolkit.sim.collective_time`); overlap: rule 4; beside: rule 5."""
+    holds them, `.seconds` if absent: `toolkit.sim.collective_time`); overlap: rule 4; beside: rule 5;
+    slowdown: rule 6."""
     clock = start                  # where the compute stream is
     free: dict[str, float] = {}    # link -> when its last collective ends
     done: dict[int, float] = {}    # collective id -> when it ends
+    busy: list = []                # (begin, end) of collectives in flight, for rule 6
     spans = []
     for n, instruction in enumerate(program):
         if isinstance(instruction, Compute):
-            end = clock + compute_time(instruction)
-            spans.append(Span("compute", clock, end, instruction))
+            seconds = compute_time(instruction)
+            end = slowed(clock, seconds, busy, slowdown)
+            spans.append(Span("compute", clock, end, instruction, contention=end - clock - seconds))
             clock = end
         elif isinstance(instruction, Collective):
             if instruction.id in done:
@@ -114,6 +149,7 @@ def schedule(program, compute_time, collective_cost, start: float = 0.0, overlap
             for link in cost.resources:
                 free[link] = begin + getattr(cost, "occupancy", cost.seconds) * stretch
             done[instruction.id] = end
+            busy.append((begin, end))
             spans.append(Span("comm", begin, end, instruction, issued=clock, cost=cost))
             if overlap < 1 and cost.seconds > 0:
                 held = clock + (1 - overlap) * cost.seconds

@@ -24,9 +24,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...models import hf_pipeline
 from ...moe.layer import MoE
 from ...runtime import env
 from .. import mesh as mesh_
+from .. import rng
 from . import lowering, schedules
 from .driver import Driver
 from .lowering import PipelineDeadlock
@@ -42,13 +44,16 @@ def wrap(model, mesh, build, optimizer, options: dict, *, microbatches=None, sch
          pp_split=None):
     """(PipelineModel, ChainedOptimizer) of this rank's stages, each wrapped by `build` (the dp strategy)."""
     layout = mesh_.layout_of(mesh)
-    pp, (dp_rank, me, _) = layout.pp, mesh.get_coordinate()
+    pp, me, dp_rank = layout.pp, mesh_.coordinate(mesh).pp, mesh_.data_parallel_rank(mesh)
+    rng.offset_stage(me, env.device())  # stages draw dropout masks of their own
     v = _positive("virtual_stages", virtual_stages)
     m = pp if microbatches is None else _positive("microbatches", microbatches)
     check_schedule(schedule, pp, m, v)
     dtype = _compute_dtype(options)
     stages_total = pp * v
+    model = hf_pipeline.pipelined(model) if hf_pipeline.is_hf(model) else model  # as it came: its three parts
     split = split_model(model, stages_total, pp, pp_split)
+    hf_pipeline.announce(model, split)
     tie = find_tie(model, split, dtype, env.device())
     actions = schedules.build(schedule, pp, m, v)
     programs = lowering.lower(actions, pp, tied=tie is not None)
@@ -67,9 +72,11 @@ def wrap(model, mesh, build, optimizer, options: dict, *, microbatches=None, sch
                              f"unit's gathered parameters at the end of every backward, so W would read freed "
                              f"memory. Use schedule='1f1b' with fsdp, or zero-bubble with local, dp, ddp or zero1-3 "
                              f"(ZeRO-3 keeps a module gathered until its gradients are complete).")
+    info_tp = getattr(model, "tensor_parallel", None)  # tp ranks holding the same activations send 1/t each
+    scatter = info_tp.tp if info_tp is not None and not info_tp.sequence_parallel else None
     driver = Driver(wrapped, programs[me], lowering.send_order(programs), mesh_.group(mesh, "pp"), me, m,
                     stages_total, split=split_backward, tie=tie, hidden_shape=part.hidden_shape, dtype=dtype,
-                    device=env.device())
+                    device=env.device(), scatter=scatter)
     info = {"pp": pp, "microbatches": m, "schedule": schedule if isinstance(schedule, str) else schedule.__name__,
             "virtual_stages": v, "stages": mine, "split": split, "actions": actions, "programs": programs,
             "dp_rank": dp_rank, "rank": me, "tied": tie.name if tie is not None else None, "names": names}
@@ -86,18 +93,15 @@ def check_schedule(schedule, pp: int, microbatches: int, virtual_stages: int) ->
                          f"{microbatches}, the stages idle (the bubble, (pp-1)/(m+pp-1) = {bubble:.0%} of the step) and "
                          f"1F1B never reaches its one-forward-one-backward rhythm. Use microbatches >= {pp} (more is "
                          f"better: 4 x pp gives a bubble of {(pp - 1) / (5 * pp - 1):.0%}).")
-    if schedule == "interleaved" and microbatches % pp:
-        raise ValueError(f"the interleaved schedule sends micro-batches through a rank's stages pp={pp} at a time: "
-                         f"microbatches={microbatches} must be a multiple of {pp} (e.g. {pp * -(-microbatches // pp)}).")
 
 
-def stage_group(*, pp: int, tp: int = 1):
-    """The ranks of this rank's pipeline stage (its dp x tp ranks): the group an MoE layer's experts are split
+def stage_group(*, pp: int, tp: int = 1, cp: int = 1, order: str = mesh_.ORDER):
+    """The ranks of this rank's pipeline stage (its dp x cp x tp ranks): the group an MoE layer's experts are split
     over under pp (build the MoE GPT with `moe_gpt(group=stage_group(pp=2))` before wrapping it)."""
-    layout = mesh_.layout(dist.get_world_size(), tp=tp, pp=pp)
+    layout = mesh_.layout(dist.get_world_size(), tp=tp, pp=pp, cp=cp, order=order)
     mine = None
     for stage in range(pp):  # every rank makes every group, in the same order (torch's rule)
-        ranks = [layout.rank(d, stage, t) for d in range(layout.dp) for t in range(layout.tp)]
+        ranks = [r for r in range(layout.world_size) if layout.coordinate(r).pp == stage]
         group = dist.new_group(ranks)
         if dist.get_rank() in ranks:
             mine = group
@@ -107,16 +111,17 @@ def stage_group(*, pp: int, tp: int = 1):
 def _check_experts(part, mesh) -> None:
     """An MoE layer's experts must be split over ranks of this stage only (the others run other layers)."""
     layout = mesh_.layout_of(mesh)
-    me = mesh.get_coordinate()[1]
+    me = mesh_.coordinate(mesh).pp
     for name, module in part.named_modules():
-        if isinstance(module, MoE):
+        if isinstance(module, MoE) and module.world > 1:  # (a layer of one rank holds every expert itself)
             from ... import comm
             ranks = comm.group_ranks(module.group)
-            others = [r for r in ranks if layout.coordinate(r)[1] != me]
+            others = [r for r in ranks if layout.coordinate(r).pp != me]
             if others:
                 raise ValueError(f"pipeline parallelism: the MoE layer {name!r} splits its experts over ranks {ranks}, "
                                  f"but ranks {others} hold other pipeline stages. Build the model with "
-                                 f"moe_gpt(group=toolkit.parallel.pipeline.stage_group(pp={layout.pp}, tp={layout.tp})) "
+                                 f"moe_gpt(group=toolkit.parallel.pipeline.stage_group(pp={layout.pp}, tp={layout.tp}, "
+                                 f"cp={layout.cp}, order={layout.order!r})) "
                                  f"(TrainConfig's moe_model_fn does this for you).")
 
 

@@ -24,7 +24,6 @@ from ... import comm
 from .. import checkpoint as full
 from ..checkpoint_checks import FULL, read
 from ..tensor import checkpoint as tensor_parallel
-from .model import exchange
 
 
 def full_checkpoint(model, optimizer) -> dict:
@@ -72,3 +71,17 @@ def load_full(model, optimizer, path: str) -> None:
         if model.tp_info is not None:
             part = tensor_parallel.cut(SimpleNamespace(tensor_parallel=model.tp_info, module=wrapped.module), part)
         full.load_full_checkpoint(wrapped, opt, part)
+
+
+def exchange(state: dict, group, tensors: bool = True):
+    """Every pipeline rank's entries, on every pipeline rank: merged (tensors=True, a dict of tensors) or as
+    the list of each rank's object. Bookkeeping, as a checkpoint's: a raw object all-gather, unrecorded."""
+    everyone = [None] * dist.get_world_size(group)
+    mine = {n: t.detach().cpu() for n, t in state.items()} if tensors else state
+    dist.all_gather_object(everyone, mine, group=group)
+    if not tensors:
+        return everyone
+    merged: dict = {}
+    for part in everyone:
+        merged.update(part)
+    return merged

@@ -34,8 +34,9 @@ class Driver:
     the message order, the pipeline group, and the shapes of what it receives."""
 
     def __init__(self, stages: dict, program: list, order: dict, group, me: int, microbatches: int,
-                 stages_total: int, *, split: bool, tie, hidden_shape, dtype, device):
+                 stages_total: int, *, split: bool, tie, hidden_shape, dtype, device, scatter=None):
         self.stages, self.program, self.order = stages, program, order
+        self.scatter = scatter  # the TPGroup whose ranks send 1/t of each activation (`p2p.py`), or None
         self.group, self.me, self.m, self.split = group, me, microbatches, split
         self.last_stage = stages_total - 1
         self.tie, self.hidden_shape, self.dtype, self.device = tie, hidden_shape, dtype, device
@@ -57,7 +58,8 @@ class Driver:
         shapes = {"activation": self.hidden_shape(micro_shape), "gradient": self.hidden_shape(micro_shape)}
         if self.tie is not None:
             shapes["tied weight"] = shapes["tied gradient"] = self.tie.shape
-        mailbox = Mailbox(self.group, self.me, self.order, lambda msg: (shapes[msg.kind], self.dtype), self.device)
+        self.mailbox = mailbox = Mailbox(self.group, self.me, self.order, lambda msg: (shapes[msg.kind], self.dtype),
+                                         self.device, split=self.scatter)
         self.kept: dict = {}  # (micro, stage) -> [input, roots, gradients of the roots, W's groups]
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.tie is not None and 0 in self.stages:
@@ -81,6 +83,7 @@ class Driver:
                 for observe in self.observers:
                     observe(op)
         mailbox.finish()
+        self.mailbox = None
         if self.tie is not None:
             self.tie.outgoing = None
             if self.tie.borrowed is not None:
@@ -91,7 +94,7 @@ class Driver:
     # --- the actions -----------------------------------------------------------------------------------
     def _forward(self, op: Action, xs, ys) -> torch.Tensor:
         first, last = op.stage == 0, op.stage == self.last_stage
-        inputs = xs[op.micro] if first else self.kept.pop((op.micro, op.stage, "input"))
+        inputs = xs[op.micro] if first else self._arrived((op.micro, op.stage, "input")).requires_grad_()
         out = self.stages[op.stage](inputs, ys[op.micro] if last else None)
         if last:
             roots, extra = [out / self.m], out
@@ -107,7 +110,7 @@ class Driver:
         inputs, roots = entry[0], entry[1]
         if op.kind == "B":  # the loss's gradient is 1 (None); a stage's output's came from the next stage
             entry[2] = [None] if op.stage == self.last_stage else \
-                [self.kept.pop((op.micro, op.stage, "gradient"))] + [None] * (len(roots) - 1)
+                [self._arrived((op.micro, op.stage, "gradient"))] + [None] * (len(roots) - 1)
         with self._sync(op):
             if not self.split:
                 bw.backward(roots, entry[2])
@@ -139,14 +142,19 @@ class Driver:
     # --- messages --------------------------------------------------------------------------------------
     def _received(self, message, tensor: torch.Tensor) -> None:
         if message.kind == "activation":
-            self.kept[(message.micro, message.stage + 1, "input")] = tensor.requires_grad_()
+            self.kept[(message.micro, message.stage + 1, "input")] = (message, tensor)
         elif message.kind == "gradient":
-            self.kept[(message.micro, message.stage - 1, "gradient")] = tensor
+            self.kept[(message.micro, message.stage - 1, "gradient")] = (message, tensor)
         elif message.kind == "tied weight":
             with torch.no_grad():
                 self.tie.borrowed.copy_(tensor)
         else:
             self.tie.incoming = tensor
+
+    def _arrived(self, key) -> torch.Tensor:
+        """An activation or gradient received for this action, made whole (under tp: its pieces all-gathered)."""
+        message, tensor = self.kept.pop(key)
+        return self.mailbox.whole(message, tensor)
 
     def _outgoing(self, message) -> torch.Tensor:
         if message.kind == "activation":

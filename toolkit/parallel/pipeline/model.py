@@ -12,11 +12,12 @@ batch is no separate thing, it is interleaved with the backward in the schedule.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ... import comm
 from ...moe.experts import gather_experts
+from . import checkpoint
+from .checkpoint import exchange
 
 FORWARD_UNDER_PP = ("under pipeline parallelism (pp = {pp}) a step is a schedule of micro-batches, each stage's "
                     "forward interleaved with backwards on other ranks, so there is no separate forward of the "
@@ -62,6 +63,14 @@ class PipelineModel(nn.Module):
             state = self.tp_info.gather(state)
         return {n: t.to(self.driver.device) for n, t in exchange(state, self.driver.group).items()}
 
+    def save_full(self, optimizer, path: str) -> None:
+        """A full checkpoint of every stage, written by rank 0 (`toolkit.parallel.checkpoint.save_full` calls it)."""
+        checkpoint.save_full(self, optimizer, path)
+
+    def load_full(self, optimizer, path: str) -> None:
+        """Each stage takes its part of a full checkpoint (`toolkit.parallel.checkpoint.load_full` calls it)."""
+        checkpoint.load_full(self, optimizer, path)
+
     def memory_groups(self) -> dict:
         groups = {"params": [], "grads": [], "optimizer": []}
         for wrapped in self.stages.values():
@@ -99,20 +108,6 @@ class PipelineModel(nn.Module):
         for g in grads:
             g.mul_(coef.to(g.dtype))
         return norm
-
-
-def exchange(state: dict, group, tensors: bool = True):
-    """Every pipeline rank's entries, on every pipeline rank: merged (tensors=True, a dict of tensors) or as
-    the list of each rank's object. Bookkeeping, as a checkpoint's: a raw object all-gather, unrecorded."""
-    everyone = [None] * dist.get_world_size(group)
-    mine = {n: t.detach().cpu() for n, t in state.items()} if tensors else state
-    dist.all_gather_object(everyone, mine, group=group)
-    if not tensors:
-        return everyone
-    merged: dict = {}
-    for part in everyone:
-        merged.update(part)
-    return merged
 
 
 class ChainedOptimizer(torch.optim.Optimizer):

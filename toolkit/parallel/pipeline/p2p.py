@@ -12,14 +12,25 @@ When a rank needs a later message first (the interleaved schedule at pp = 2, whe
 gradients share a pair of ranks), it receives the earlier ones into its mailbox on the way.
 Every span says what it carried: args message ("activation", "gradient", "tied weight", "tied gradient"),
 micro, stage (the stage that produced it), so a timeline can draw the arrow and a simulator pair the two ends.
+
+Under tensor parallelism every rank of a stage's tp group holds the same activation (and the same gradient of
+it), so sending it whole from each of them would move the same bytes t times over the link between stages.
+Each tp rank sends 1/t of it instead, to its peer of the same tp rank, and the receiving ranks all-gather the
+pieces inside their tp group, on the node's fast links (Narayanan et al. 2021, §4.1, the scatter/gather
+optimisation; Megatron-LM had it on by default). Under sequence parallelism the activation between stages is
+already split (each rank's s/t positions, all that its peer needs), so it is sent as it is, which is why
+Megatron-core has since dropped the switch. Messages whose size does not divide by t go whole. `receive`
+hands over what arrived; the action that uses it makes it `whole`.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
 
 from ... import comm
+from ..tensor.operators import labelled
 from .lowering import Message
 
 
@@ -30,8 +41,9 @@ class Mailbox:
     can move as soon as the peer sends it, while this rank still computes (as torch's and Megatron's
     schedules post their receives early); `receive` waits for it and posts the one after."""
 
-    def __init__(self, group, me: int, order: dict, shape_of, device):
+    def __init__(self, group, me: int, order: dict, shape_of, device, split=None):
         self.group, self.me, self.device, self.shape_of = group, me, device, shape_of
+        self.split = split if split is not None and split.size > 1 else None  # the TPGroup whose ranks share 1/t each
         self.ranks = comm.group_ranks(group)  # pipeline rank -> global rank
         self.expected = {src: deque(messages) for (src, dst), messages in order.items() if dst == me}
         self.early: dict = {}  # messages received before they were needed
@@ -42,6 +54,8 @@ class Mailbox:
 
     def send(self, message: Message, peer: int, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
+        if self._scattered(message, tensor.shape):  # this tp rank's 1/t of it (a contiguous view of the flat tensor)
+            tensor = tensor.view(-1).chunk(self.split.size)[self.split.rank]
         handle = _labelled(lambda: comm.isend(tensor, self.ranks[peer], group=self.group), message)
         self.pending.append((handle, tensor))  # the tensor must live until its send has completed
 
@@ -50,6 +64,8 @@ class Mailbox:
         if queue:
             message = queue.popleft()
             shape, dtype = self.shape_of(message)
+            if self._scattered(message, shape):
+                shape = (math.prod(shape) // self.split.size,)
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
             handle = _labelled(lambda: comm.irecv(buffer, self.ranks[peer], group=self.group), message)
             self.posted[peer] = (message, buffer, handle)
@@ -67,6 +83,21 @@ class Mailbox:
             self.early[arrived] = buffer
         raise RuntimeError(f"pipeline: rank {self.me} waits for the {message!r} from rank {peer}, which never sends it "
                            f"(a schedule lowered without it: a bug in toolkit.parallel.pipeline).")
+
+    def _scattered(self, message: Message, shape) -> bool:
+        """Whether `message` crosses in 1/t pieces: an activation or its gradient, the same on every tp rank."""
+        return (self.split is not None and message.kind in ("activation", "gradient")
+                and math.prod(shape) % self.split.size == 0)
+
+    def whole(self, message: Message, buffer: torch.Tensor) -> torch.Tensor:
+        """The message as its receiver uses it: a piece all-gathered with the tp group's other pieces, reshaped
+        (called by the action that uses it, so the gather is that action's work on every rank alike)."""
+        shape, _ = self.shape_of(message)
+        if not self._scattered(message, shape):
+            return buffer
+        pieces = buffer.new_empty((self.split.size,) + tuple(buffer.shape))
+        labelled(lambda: comm.all_gather(pieces, buffer, group=self.split.group), f"pipeline {message.kind} all-gather")
+        return pieces.view(shape)
 
     def reap(self) -> None:
         """Let go of the sends that have completed (so a sent activation is not kept to the step's end)."""

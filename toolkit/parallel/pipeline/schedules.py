@@ -15,7 +15,8 @@ student can print them, draw them, or write one (labs/12-pipeline):
     gpipe        all forwards, then all backwards (Huang et al. 2019): m micro-batches' activations live
     1f1b         PipeDream-Flush (Narayanan et al. 2021): warm-up forwards, then one forward one backward,
                  then the cool-down backwards; at most pp - rank micro-batches' activations live
-    interleaved  1F1B over v stages per rank (Megatron-LM's interleaved schedule): the bubble shrinks v-fold
+    interleaved  1F1B over v stages per rank (Megatron-LM's interleaved schedule): the bubble shrinks v-fold;
+                 any m >= pp micro-batches, sent through a rank's stages in groups (Megatron-core's)
     zb-h1        1F1B with backward split into B (input gradient) and W (weight gradient), W's postponed
                  into the cool-down's idle time (Qi et al. 2024's ZB-H1): a third of 1F1B's bubble
 """
@@ -56,24 +57,34 @@ def one_f_one_b(pp: int, microbatches: int, rank: int, virtual_stages: int = 1) 
     return actions
 
 
+def group_size(pp: int, microbatches: int) -> int:
+    """How many micro-batches the interleaved schedule sends through a rank's stages together: pp when m is a
+    multiple of pp, else the least g > pp whose last group (m mod g micro-batches) is empty or holds at least pp
+    (Megatron-core's `microbatch_group_size_per_vp_stage`; a last group of fewer than pp would leave stages idle
+    waiting on one another, which Megatron refuses). g = m always qualifies, so any m >= pp has one."""
+    return next(g for g in range(pp, max(pp, microbatches) + 1) if microbatches % g == 0 or microbatches % g >= pp)
+
+
 def interleaved(pp: int, microbatches: int, rank: int, virtual_stages: int = 2) -> list[Action]:
-    """Megatron-LM's interleaved 1F1B: v stages per rank, micro-batches taken pp at a time.
+    """Megatron-LM's interleaved 1F1B: v stages per rank, micro-batches taken a group of g at a time.
 
-    Forward k (k = 0 .. v·m - 1) on this rank runs the stage of chunk (k // pp) % v, micro-batch
-    (k // (pp·v))·pp + k % pp: a group of pp micro-batches goes through this rank's first stage, then its
-    second, ...; backward k runs the chunks in reverse. Warm-up is (pp - rank - 1)·2 + (v - 1)·pp forwards."""
-    v, total = virtual_stages, microbatches * virtual_stages
-
-    def micro(k: int) -> int:
-        return (k // (pp * v)) * pp + k % pp
+    The micro-batches are cut into groups of g (`group_size`: pp, when pp divides m); a group goes through this
+    rank's first stage, then its second, ... (Megatron-core's schedule table). Forward k (k = 0 .. v·m - 1) runs
+    the k-th (micro-batch, stage) of that table; backward k the same micro-batch on the stages in reverse.
+    Warm-up is (pp - rank - 1)·2 + (v - 1)·g forwards."""
+    v, total, g = virtual_stages, microbatches * virtual_stages, group_size(pp, microbatches)
+    groups = [range(first, min(first + g, microbatches)) for first in range(0, microbatches, g)]
+    table = [(i, chunk) for group in groups for chunk in range(v) for i in group]  # (micro-batch, chunk), in order
 
     def forward(k: int) -> Action:
-        return Action("F", micro(k), ((k // pp) % v) * pp + rank)
+        micro, chunk = table[k]
+        return Action("F", micro, chunk * pp + rank)
 
     def backward(k: int) -> Action:
-        return Action("B", micro(k), (v - 1 - (k // pp) % v) * pp + rank)
+        micro, chunk = table[k]
+        return Action("B", micro, (v - 1 - chunk) * pp + rank)
 
-    warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    warmup = min((pp - rank - 1) * 2 + (v - 1) * g, total)
     actions = [forward(k) for k in range(warmup)]
     for k in range(total - warmup):
         actions += [forward(warmup + k), backward(k)]

@@ -13,6 +13,7 @@ Read in this order:
     embedding.py      the vocabulary split: embedding table and head
     cross_entropy.py  the loss on logits split by vocabulary
     sequence.py       sequence parallelism: layer norms on s/t positions, gradients summed
+    ../rng.py         random numbers: dropout alike on replicated activations, its own on each rank's piece
     moe.py            Mixture-of-Experts under tensor parallelism (tokens shared out, experts over the world)
     gpt.py            the toolkit GPT's default plan;  plan.py: a `tp_plan` for any model
     state.py, clip.py full state and checkpoints across layouts; clipping by the global norm
@@ -25,7 +26,9 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ...models.gpt import GPT
+from ...runtime import env
 from .. import mesh as mesh_
+from .. import rng
 from .operators import TPGroup
 from .shards import split_of
 from .state import TensorParallel
@@ -34,9 +37,14 @@ from .state import TensorParallel
 def parallelize(model: nn.Module, mesh, *, plan=None, sequence_parallel: bool = False) -> nn.Module:
     """Split `model` over the mesh's "tp" group, in place, and return it (with `model.tensor_parallel`).
 
-    plan None: the toolkit GPT's default plan (`gpt.py`); any other model needs `plan`, a tp_plan dict
-    (`plan.py`). sequence_parallel comes with the GPT's plan."""
+    plan None: the toolkit GPT's default plan (`gpt.py`), or a Hugging Face model's own (`hf.py`); any other
+    model needs `plan`, a tp_plan dict (`plan.py`). sequence_parallel comes with the GPT's plan."""
     tp = TPGroup.of(mesh_.group(mesh, "tp"))
+    rng.seed_tensor_parallel(tp.rank, mesh.get_local_rank("pp"), env.device())  # split regions' dropout stream
+    if plan is None and not isinstance(model, GPT):
+        from .hf import own_plan
+
+        plan = own_plan(model)
     if plan is None:
         if not isinstance(model, GPT):
             raise ValueError(f"tensor parallelism has a default plan for the toolkit's GPT only; for a "

@@ -5,17 +5,21 @@ of the same heads r·a/t .. (r+1)·a/t - 1 (`shards.QKV_ROWS`: each of the three
 rank then runs ordinary causal attention on its heads, with no talk, and the output projection is
 row-parallel: its input features are exactly the concatenated outputs of this rank's heads. So attention
 costs what the MLP costs: f before the projection (one all-reduce backward), g after (one forward).
+Dropout of the attention weights draws from the tensor-parallel stream (`../rng.py`): each rank's heads get
+masks of their own.
 
     X --f--> [Q_r | K_r | V_r] = X W_qkv,r --> softmax(Q_r K_r^T / sqrt(d)) V_r --> Y_r W_o,r --g--> + b_o
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
-import torch.nn.functional as F
 
 from ...models.gpt import CausalSelfAttention
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .operators import TPGroup
+from ..rng import tracker
 from .shards import QKV_ROWS
 
 
@@ -29,8 +33,10 @@ class TensorParallelAttention(CausalSelfAttention):
         B, T, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
         q, k, v = (t.view(B, T, self.local_heads, width // self.local_heads).transpose(1, 2)
                    for t in qkv.split(width, dim=-1))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, width))
+        # the GPT's causal attention (context parallelism replaces it); this rank's heads: dropout masks of their own
+        with tracker.fork() if self.dropout_p() else contextlib.nullcontext():
+            y = self.attend(q, k, v)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, width)))
 
 
 def split_attention(attn: CausalSelfAttention, tp: TPGroup, done: dict, name: str, sequence_parallel: bool):

@@ -54,7 +54,7 @@ def _fits(full, piece_shape, split, tp: int) -> bool:
     if not torch.is_tensor(full) or full.dim() != len(piece_shape):
         return False
     want = list(piece_shape)
-    want[split.dim] *= tp
+    want[split.dim] = split.full_size(want[split.dim], tp)  # a padded vocabulary's file holds its real words only
     return list(full.shape) == want
 
 

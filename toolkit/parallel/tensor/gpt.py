@@ -1,6 +1,7 @@
 """The toolkit GPT's default tensor-parallel plan: Megatron-LM's layout, with sequence parallelism on request.
 
-    tok_emb              vocabulary-parallel embedding (rows by vocabulary; g after the lookup)
+    tok_emb              vocabulary-parallel embedding (rows by vocabulary; g after the lookup, or under sequence
+                         parallelism a reduce-scatter along the sequence)
     pos_emb              replicated
     blocks.*.ln_1, ln_2  replicated (sequence parallelism: on s/t positions, gradients summed)
     blocks.*.attn        split by heads: qkv column-parallel (q, k, v of this rank's heads), proj row-parallel
@@ -8,6 +9,11 @@
     ln_f                 as ln_1
     head                 column-parallel over the vocabulary, tied to tok_emb: the same rows of one Parameter
     loss                 vocabulary-parallel cross-entropy: no rank holds the full logits
+
+Dropout (`GPTConfig.dropout`, `attention_dropout`): the attention weights' on this rank's heads draws from
+the tensor-parallel stream; the embeddings' and the residual branches' act on replicated activations and draw
+from the default stream, the same masks on every rank, or under sequence parallelism on this rank's positions,
+from the tensor-parallel stream (`toolkit/parallel/rng.py`).
 
 One block costs two all-reduces of b·s·h forward (g after attention, g after the MLP) and two backward
 (f before each), or under sequence parallelism their reduce-scatter/all-gather halves. The model's
@@ -19,6 +25,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn as nn
 
 from ...models.gpt import GPT, MLP
 from ...moe.layer import MoE
@@ -28,7 +35,8 @@ from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import split_moe
 from .operators import TPGroup, gather_from_tp, scatter_to_tp
-from .sequence import SEQUENCE_DIM, sum_gradients_over_tp
+from ..rng import SplitDropout
+from .sequence import sum_gradients_over_tp
 
 
 class TensorParallelGPT(GPT):
@@ -40,13 +48,16 @@ class TensorParallelGPT(GPT):
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Token + position embeddings; under sequence parallelism, this rank's s/t positions of them."""
         T = x.shape[1]
-        h = self.tok_emb(x) + self.pos_emb(torch.arange(T, device=x.device))
-        if self.sequence_parallel:
-            if T % self.tp.size:
-                raise ValueError(f"sequence_parallel splits the sequence over tp={self.tp.size} ranks: a sequence of "
-                                 f"{T} tokens does not split; use a length that is a multiple of {self.tp.size}.")
-            h = scatter_to_tp(h, self.tp, SEQUENCE_DIM)
-        return h
+        positions = self.pos_emb(torch.arange(T, device=x.device))
+        if not self.sequence_parallel:
+            return self.drop(self.tok_emb(x) + positions)
+        if T % self.tp.size:
+            raise ValueError(f"sequence_parallel splits the sequence over tp={self.tp.size} ranks: a sequence of "
+                             f"{T} tokens does not split; use a length that is a multiple of {self.tp.size}.")
+        # the token lookups come reduce-scattered (this rank's T/t positions, `embedding.py`); add those positions'
+        # embeddings: the position table is replicated, so backward all-gathers its T/t-row gradients (T·h values,
+        # not b·T·h) and every rank holds its whole gradient
+        return self.drop(self.tok_emb(x) + scatter_to_tp(positions, self.tp, 0))  # a SplitDropout: this rank's masks
 
     def hidden_shape(self, x_shape) -> tuple:
         """The hidden state between blocks: (batch, time, d_model), time split t ways under sequence parallelism."""
@@ -55,10 +66,11 @@ class TensorParallelGPT(GPT):
 
     def head_loss(self, h: torch.Tensor, y: Optional[torch.Tensor]) -> torch.Tensor:
         """The final norm, the vocabulary-parallel head and its loss (full logits only when y is None)."""
-        logits = self.head(self.ln_f(h))  # (B, T, V/t): this rank's words
+        logits = self.head(self.ln_f(h))  # (B, T, V/t): this rank's words (a padded vocabulary: V'/t)
+        V = self.config.vocab_size
         if y is None:
-            return gather_from_tp(logits, self.tp, -1)
-        return vocab_parallel_cross_entropy(logits, y, self.tp)
+            return gather_from_tp(logits, self.tp, -1)[..., :V]
+        return vocab_parallel_cross_entropy(logits, y, self.tp, vocab=V)
 
     def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
         self.check_input(x, y)
@@ -94,7 +106,7 @@ def parallelize_gpt(model: GPT, tp: TPGroup, sequence_parallel: bool) -> GPT:
     if c.n_head % tp.size:  # the first error a student meets: say it before anything is cut
         split_attention(model.blocks[0].attn, tp, {}, "blocks.0.attn", False)
     done: dict = {}
-    model.tok_emb = VocabParallelEmbedding(model.tok_emb, tp, done, "tok_emb")
+    model.tok_emb = VocabParallelEmbedding(model.tok_emb, tp, done, "tok_emb", sequence_parallel=sequence_parallel)
     for i, block in enumerate(model.blocks):
         split_attention(block.attn, tp, done, f"blocks.{i}.attn", sequence_parallel)
         if isinstance(block.mlp, MoE):
@@ -107,9 +119,13 @@ def parallelize_gpt(model: GPT, tp: TPGroup, sequence_parallel: bool) -> GPT:
         if sequence_parallel:
             sum_gradients_over_tp(block.ln_1, tp)
             sum_gradients_over_tp(block.ln_2, tp)
+            for dropout in (block.attn.resid_drop, getattr(block.mlp, "drop", None)):
+                if isinstance(dropout, nn.Dropout):  # on this rank's positions: masks of their own
+                    dropout.__class__ = SplitDropout
     if sequence_parallel:
         sum_gradients_over_tp(model.ln_f, tp)
-    model.head = ColumnParallelLinear(model.head, tp, done, "head", sequence_parallel=sequence_parallel)
+        model.drop.__class__ = SplitDropout
+    model.head = ColumnParallelLinear(model.head, tp, done, "head", sequence_parallel=sequence_parallel, vocab=True)
     model.__class__ = TensorParallelGPT
     model.tp, model.sequence_parallel = tp, sequence_parallel
     return model

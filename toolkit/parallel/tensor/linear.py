@@ -92,13 +92,16 @@ class ParallelLinear(nn.Module):
 
 class ColumnParallelLinear(ParallelLinear):
     """Y_r = f(X) A_r + b_r: this rank's output features. `gather_output` joins them (all-gather) for a
-    consumer that needs every feature (a vocabulary-parallel head feeding a model's own loss)."""
+    consumer that needs every feature (a vocabulary-parallel head feeding a model's own loss). `vocab`: the
+    output features are a vocabulary, padded to a multiple of t when they do not divide (`shards.py`); the
+    gathered logits are cut back to the vocabulary."""
 
     def __init__(self, module, tp: TPGroup, done: dict, name: str = "", *, gather_output: bool = False,
-                 sequence_parallel: bool = False, weight_split: Split | None = None):
+                 sequence_parallel: bool = False, weight_split: Split | None = None, vocab: bool = False):
         out_dim = 1 if is_conv1d(module) else 0
-        split = weight_split or Split(out_dim)
-        super().__init__(module, tp, split, Split(0, split.parts), done, name, sequence_parallel)
+        words = module.weight.shape[out_dim] if vocab else None
+        split = weight_split or Split(out_dim, size=words)
+        super().__init__(module, tp, split, Split(0, split.parts, size=words), done, name, sequence_parallel)
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +111,10 @@ class ColumnParallelLinear(ParallelLinear):
             y = gathered_linear(x, self, self.tp)
         else:
             y = self.matmul(copy_to_tp(x, self.tp), self.bias)
-        return gather_from_tp(y, self.tp, -1) if self.gather_output else y
+        if not self.gather_output:
+            return y
+        y = gather_from_tp(y, self.tp, -1)
+        return y if y.shape[-1] == self.full_out_features else y[..., :self.full_out_features]  # padding cut
 
 
 class RowParallelLinear(ParallelLinear):

@@ -51,15 +51,51 @@ def resolve(model: nn.Module, plan) -> dict[str, str]:
             module = modules[name]
             if style != "replicate" and not _splittable(module):
                 raise ValueError(f"tp_plan[{pattern!r}] = {style!r} matches {name!r}, a {type(module).__name__}; only "
-                                 f"nn.Linear, Hugging Face's Conv1D and nn.Embedding can be split. Name its Linear "
-                                 f"layers instead (e.g. {[c for c in candidates if c.startswith(name + '.')][:3]}), or "
-                                 f"plan it 'replicate'.")
+                                 f"nn.Linear, Hugging Face's Conv1D and nn.Embedding can be split. "
+                                 f"{_instead(name, module, candidates)}, or plan it 'replicate'.")
+            if style == "colwise" and _fused_qkv(name, module):
+                raise ValueError(FUSED_QKV.format(pattern=pattern, name=name, cls=type(module).__name__))
             if isinstance(module, nn.Embedding) and style in ("colwise", "rowwise"):
                 raise ValueError(f"tp_plan: {name!r} is an embedding; split it by vocabulary with 'vocab'.")
             if chosen.get(name, style) != style:
                 raise ValueError(f"tp_plan gives {name!r} two styles, {chosen[name]!r} and {style!r}; give it one.")
             chosen[name] = style
     return chosen
+
+
+FUSED_QKV = ("tp_plan[{pattern!r}] = 'colwise' splits {name!r}, a fused q/k/v projection ({cls} with 3 x its input "
+             "features out): its output is [q | k | v], and a rank's contiguous slice of it would hold q of some heads "
+             "and k of others, not q, k and v of the same heads; the model then cuts that slice in three and its "
+             "attention breaks. Split attention by heads instead: give the model separate q, k and v projections (as "
+             "Llama's q_proj, k_proj, v_proj, which split 'colwise' as they are) or cut each of q, k and v t ways so a "
+             "rank keeps its heads' three (the toolkit GPT's own plan, shards.QKV_ROWS), with the output projection "
+             "'rowwise'; or leave the attention 'replicate' and split the MLP only (its first layer 'colwise', its "
+             "second 'rowwise').")
+QKV_NAMES = ("qkv", "c_attn", "query_key_value", "wqkv", "in_proj")
+
+
+def _fused_qkv(name: str, module: nn.Module) -> bool:
+    """A projection to q, k and v at once: named so (GPT-2's c_attn, qkv, query_key_value), or an attention's
+    layer 3 x wider out than in."""
+    if isinstance(module, nn.Embedding):
+        return False
+    weight = module.weight
+    out, inp = (weight.shape[1], weight.shape[0]) if is_conv1d(module) else (weight.shape[0], weight.shape[1])
+    leaf = name.rpartition(".")[2].lower()
+    return any(key in leaf for key in QKV_NAMES) or (out == 3 * inp and "att" in name.lower())
+
+
+def _instead(name: str, module: nn.Module, candidates: list) -> str:
+    """What to name instead of a module that cannot be split: its Linear layers, or the model's (and experts')."""
+    inside = [c for c in candidates if c.startswith(name + ".")]
+    if inside:
+        return f"Name its Linear layers instead (e.g. {inside[:3]})"
+    experts = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+    hint = (f" Its {experts} are the experts of a mixture of experts, one 3-D tensor each: split them over ranks "
+            f"with expert parallelism (toolkit.moe.hf.expert_parallel(model)) rather than tensor parallelism."
+            if experts else "")
+    return (f"It holds no Linear layer to split.{hint} The model's splittable layers are named like "
+            f"{candidates[:6]}")
 
 
 def apply_plan(model: nn.Module, plan, tp: TPGroup) -> nn.Module:
@@ -84,7 +120,7 @@ def apply_plan(model: nn.Module, plan, tp: TPGroup) -> nn.Module:
         elif style == "rowwise":
             new = RowParallelLinear(module, tp, done, name)
         else:
-            new = ColumnParallelLinear(module, tp, done, name, gather_output=style == "vocab")
+            new = ColumnParallelLinear(module, tp, done, name, gather_output=style == "vocab", vocab=style == "vocab")
         parent, _, attr = name.rpartition(".")
         setattr(modules[parent] if parent else model, attr, new)
     return model

@@ -9,10 +9,20 @@ A split layer keeps its parameters under their original names, with one dimensio
                             projection); each block is cut t ways and rank r keeps piece r of each,
                             so its q, k and v belong to the same heads
 
+    Split(dim=0, size=V)    a vocabulary of V words, padded with zero rows up to a multiple of t when it
+                            does not divide (Megatron-LM's `make_vocab_size_divisible_by`): rank r keeps
+                            rows r*V'/t .. of the padded V'; the padding is cut away again on joining
+
 The same object cuts a full tensor (when a model is parallelized, and when a full checkpoint is loaded)
 and joins the t pieces (`full_state_dict`, saving a full checkpoint), so the two are exact inverses and a
-checkpoint moves between layouts bit for bit. A parameter that is not split (a layer norm, a bias added
-after a reduction) is replicated: every rank holds it whole.
+checkpoint moves between layouts bit for bit, padded or not. A parameter that is not split (a layer norm,
+a bias added after a reduction) is replicated: every rank holds it whole.
+
+Padding. Megatron pads the vocabulary to a multiple of 128·t (its default `make_vocab_size_divisible_by`
+128, for the GEMMs' tiles) and lets the padding rows train like any others, so its loss counts V' - V words
+no text contains. The toolkit pads to the least multiple of t (nothing to gain from tiles on a CPU), and its
+vocabulary-parallel loss leaves the padding out (`cross_entropy.py`): the padding rows get no gradient,
+stay zero, and a padded run computes exactly what one unpadded process computes.
 """
 from __future__ import annotations
 
@@ -25,10 +35,11 @@ import torch
 class Split:
     dim: int
     parts: int = 1
+    size: int | None = None  # a vocabulary's length: padded up to a multiple of t (None: it must divide)
 
     def check(self, size: int, tp: int, what: str) -> None:
         """A clear error when a dimension of `size` does not cut into t equal pieces (per block)."""
-        if size % (self.parts * tp) == 0:
+        if size % (self.parts * tp) == 0 or self.size is not None:
             return
         block = size // self.parts
         fits = [t for t in range(1, block + 1) if block % t == 0]
@@ -37,19 +48,29 @@ class Split:
                          f"split over tp={tp} ranks. Choose a tp that divides it (one of {fits}), or pad it to a "
                          f"multiple of {tp} (e.g. {pad}).")
 
+    def padded(self, tp: int) -> int:
+        """The vocabulary's length once padded for t ranks: the least multiple of t that holds it."""
+        return -(-self.size // tp) * tp
+
+    def full_size(self, piece_size: int, tp: int) -> int:
+        """The length of the split dimension in the full tensor, from one piece's."""
+        return piece_size * tp if self.size is None else self.size
+
     def shard(self, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
         """This rank's piece of `full` (a new tensor)."""
+        if self.size is not None and full.shape[self.dim] != self.padded(tp):  # zero rows after the last word
+            shape = list(full.shape)
+            shape[self.dim] = self.padded(tp) - full.shape[self.dim]
+            full = torch.cat([full, full.new_zeros(shape)], dim=self.dim)
         blocks = full.chunk(self.parts, dim=self.dim)
         return torch.cat([b.chunk(tp, dim=self.dim)[rank] for b in blocks], dim=self.dim).clone()
 
     def join(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """The full tensor from every rank's piece, in tensor-parallel rank order."""
+        """The full tensor from every rank's piece, in tensor-parallel rank order (a vocabulary's padding cut)."""
         per_rank = [p.chunk(self.parts, dim=self.dim) for p in pieces]
-        return torch.cat([torch.cat([mine[b] for mine in per_rank], dim=self.dim) for b in range(self.parts)],
+        full = torch.cat([torch.cat([mine[b] for mine in per_rank], dim=self.dim) for b in range(self.parts)],
                          dim=self.dim)
-
-    def local_size(self, size: int, tp: int) -> int:
-        return size // tp
+        return full if self.size is None else full.narrow(self.dim, 0, self.size)
 
 
 ROWS, COLUMNS, QKV_ROWS = Split(0), Split(1), Split(0, parts=3)

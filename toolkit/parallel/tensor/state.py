@@ -59,7 +59,8 @@ class TensorParallel:
     def describe(self) -> list[dict]:
         """One row per parameter: name, how it is split (or 'replicated')."""
         return [{"param": n, "split": "replicated" if s is None else f"dim {s.dim}" + (f" ({s.parts} blocks)"
-                 if s.parts > 1 else "")} for n, s in self.splits.items()]
+                 if s.parts > 1 else "") + (f" (padded to {s.padded(self.tp.size)})" if s.size is not None and
+                                            s.padded(self.tp.size) != s.size else "")} for n, s in self.splits.items()]
 
 
 def _shaped(t) -> bool:

@@ -1,0 +1,102 @@
+"""One training step, watched: what a rank ran (its program), what it held (memory) and what it computed.
+
+`train_step` runs a step in `toolkit.train`'s phases and spans; `measure_steps` runs steps under two counters
+(MemTracker's memory by category, `memory.py`; the op counter's FLOPs, bytes and kernels, `record.py`) while the
+collectives door cuts the work into a program (`program.py`). It works on any process group: on the simulated
+cluster with meta tensors (`simulate`, and the calibration's reference step) or on a real one (the tests hold the
+simulation to a real gloo run this way). `loss_fn(model, x, y)` says how the model is called
+(`toolkit.models.protocol`; default `model(x, y)`).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .. import comm
+from ..memory.ledger import ledger
+from ..trace.events import phase, recorder, span
+from .known_shapes import KnownShapes
+from .memory import StepMemory
+from .record import OpCounter, Programmer
+
+
+def train_step(model, opt, x, y, *, step: int, bar=None, after=None, updated=None, loss_fn=None) -> None:
+    """One training step in `toolkit.train`'s phases and spans; `after(label)` ends each phase, and
+    `updated()` runs between the optimizer's update and `zero_grad` (every model state alive)."""
+    names = ("forward", "backward", "optimizer")
+    if hasattr(model, "pipeline"):  # pp > 1: the schedule runs forward and backward of every micro-batch
+        with span("forward_backward", step=step):  # (its actions are spans of their own, in their phases)
+            model.forward_backward(x, y)
+        if after is not None:
+            after(None)
+        names = ("optimizer",)
+    for name in names:
+        with phase(name):
+            with span(name, step=step, **({} if name == "optimizer" else {"micro": 0})):
+                if name == "forward":
+                    loss = model(x, y) if loss_fn is None else loss_fn(model, x, y)
+                elif name == "backward":
+                    loss.backward()
+                    del loss
+                else:
+                    opt.step()
+                    if updated is not None:
+                        updated()
+                    opt.zero_grad()
+            if after is not None:
+                after("optimizer" if name == "optimizer" else None)
+        if bar is not None:
+            bar.update()
+
+
+def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False, first: int = 0,
+                  loss_fn=None) -> dict:
+    """Train `steps` steps on (x, y) as `toolkit.train` does, watched: programs, memory, FLOPs.
+
+    Works on any process group: on the simulated cluster (meta tensors, `meta=True` so the ledger counts
+    them) or on a real one. Returns the fields of a `Simulation` that a step produces.
+    """
+    memory, ops = StepMemory(), OpCounter(meta=meta)
+    programmer = Programmer(ops, memory.module)
+
+    def door(kind, event, tensor):
+        programmer(kind, event)
+        if tensor is not None:
+            memory.communicated(tensor)
+        if bar is not None:
+            bar.set_postfix_str(f"{event['phase']}: {event['name']} {event['args'].get('unit', '')}", refresh=False)
+
+    programs, samples, states = [], [], {}
+    memory.classify(model, opt)
+    with contextlib.ExitStack() as stack:
+        below = (KnownShapes(),) if meta else ()  # first in, so the memory tracker and the counter see all
+        for context in (*below, memory, ops, comm.listening(door), recorder.listening(programmer.span)):
+            stack.enter_context(context)
+        for step in range(first, first + steps):
+            memory.reset_mod_stats()  # MemTracker counts one iteration at a time
+            programmer.start_step()
+
+            def boundary(label=None):  # the end of a phase: cut the program, sample memory
+                programmer.cut(label)
+                memory.classify(model, opt)  # what the phase made that the strategy keeps (DDP's rebuilt
+                samples.append(_sample(memory, step))  # buckets in forward, ZeRO's reduced slices) is its own
+
+            def update():  # the model states, as the formulas count them: all of them alive
+                states.update(ledger(model, opt, meta=meta))
+
+            train_step(model, opt, x, y, step=step, bar=bar, after=boundary, updated=update, loss_fn=loss_fn)
+            memory.classify(model, opt)  # what the strategy's tensors are after the step
+            programs.append(programmer.end_step())
+    return {"programs": programs, "memory": states, "peak": memory.peak_total,
+            "peak_memory": memory.peak_categories, "peak_moment": memory.peak_moment,
+            "end_memory": memory.current(), "samples": samples}
+
+
+def _sample(memory: StepMemory, step: int) -> dict:
+    """One memory sample into the trace (as `record_memory` does on real runs), with the viz's keys."""
+    now = memory.current()
+    sample = {"params": now["params"] + now["gathered"], "grads": now["grads"], "optimizer": now["optimizer"],
+              "activations": now["activations"], **{f"sim_{k}": v for k, v in now.items()}}
+    recorder.sample(step=step, **sample)
+    return dict(now, phase=recorder.samples[-1]["phase"] if recorder.samples else "", step=step)
