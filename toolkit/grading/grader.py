@@ -211,7 +211,9 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, 
     quiet=False shows what the ranks print (a student's debugging output) while grading.
     backend: gloo by default, since the labs' tasks build CPU tensors, even on a machine with GPUs.
     seed: the inputs' seed (default: drawn afresh, so no submission can know the inputs in advance).
-    Whatever the solution started is stopped before this returns.
+    Whatever the solution started is stopped before this returns. Raises `sandbox.Unsafe` (nothing run) where
+    this machine cannot give the submission its sandbox: as root, with the interpreter out of the sandbox user's
+    reach and no namespace to make it reachable.
     """
     limits = limits or Limits()
     if check_timeout_s is not None:

@@ -6,7 +6,8 @@ enters it (`enter`) before it runs anything else, and everything it starts inher
 the machine allows it, and named in the report (`describe`):
 
 - **namespaces** (`namespaces.py`): a PID namespace whose /proc shows only the launch's processes, a mount
-  namespace with a private /tmp and /dev/shm, an IPC namespace;
+  namespace with a private /tmp and /dev/shm, an IPC namespace (where the kernel refuses them, /dev/shm is not
+  writable under landlock, and what the sandbox's user left in the shared folders is removed after: `sweep`);
 - **landlock** (`landlock.py`, Linux 5.13+): read only the system, Python, the students' build of the toolkit
   (`students_build.py`) and the grading's code; write only the grading's folder. Never readable, wherever it
   lies (even under a readable tree such as /opt or a site-packages): a full toolkit, with the answers, and the
@@ -29,6 +30,7 @@ import importlib.util
 import os
 import pwd
 import resource
+import shutil
 import site
 import sys
 from pathlib import Path
@@ -139,6 +141,31 @@ def hand_over(paths, user) -> None:
         for root, dirs, files in os.walk(path):
             for name in [root] + [os.path.join(root, n) for n in dirs + files]:
                 os.chown(name, *user, follow_symlinks=False)
+
+
+def sweep(user, folders=("/dev/shm", "/tmp", "/var/tmp")) -> list[str]:
+    """Remove what `user` left in the machine's shared folders (a launch without namespaces of its own wrote
+    there as the sandbox's user: a channel to the next grading). Returns what it removed."""
+    removed = []
+    if user is None:
+        return removed
+    for folder in folders:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != user[0]:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+                removed.append(entry.path)
+            except OSError:
+                pass
+    return removed
 
 
 def become(user) -> None:

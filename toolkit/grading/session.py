@@ -45,9 +45,8 @@ class Limits:
     stall_s: every rank blocked (or done) this long is a deadlock; time_limit_s: one check's wall time (and
     the import's); memory_limit_mb: the data a rank may allocate beyond what it had when the submission was
     imported (None: no limit); max_processes: processes the grading may hold at once (the grader stops it
-    past that, root or not); output_limit_mb:
-    what the ranks of a launch may print (the grader stops the launch past it). The grader enforces them from
-    outside the submission's processes (`overseer.py`, `sandbox.enter`)."""
+    past that, root or not); output_limit_mb: what the ranks of a launch may print (the grader stops the
+    launch past it). None of them is enforced inside the submission's processes (`overseer.py`, `sandbox`)."""
 
     check_timeout_s: float = 20.0
     stall_s: float = 5.0
@@ -87,6 +86,8 @@ class Box:
         if self.server is not None:
             self.server.close()
         shutil.rmtree(self.root, ignore_errors=True)
+        if not self.namespaces:  # no /tmp and /dev/shm of its own: what the sandbox's user left there goes now
+            sandbox.sweep(self.user)
 
     def fork_server(self, env: dict) -> Zygote | None:
         """The grading's fork server, started on first use; None where none can serve (self.serverless: why)."""
