@@ -17,7 +17,7 @@ export CHROMIUM
 # JupyterLab refuses to start as root (containers, course VMs) unless told it may.
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup demo compare lint test test-times test-browser test-papers test-grading test-models test-large-world test-stress test-gpu lab notebooks browser clean
+.PHONY: setup demo compare lint test test-times test-browser test-papers test-grading test-mutants test-models test-large-world test-stress test-gpu lab notebooks browser clean
 
 setup: $(STAMP)
 
@@ -63,6 +63,12 @@ test-times: $(STAMP) browser
 # every lab against the students' wheel): a grading or more per test, up to a minute each on 2 loaded cores.
 test-grading: $(STAMP)
 	$(PY) -m pytest -q -m grading_scale
+
+# Every lab's reference mutated (off-by-one indices, wrong reduce ops, missing waits, ...) and graded by its visible and
+# hidden checks: fails when a lab kills under 90% of its mutants or a survivor is not explained (labs/README.md).
+# Hours of CPU on 2 cores; it writes the table into labs/README.md.
+test-mutants: $(STAMP)
+	$(PY) -m toolkit.grading.mutants labs/ --write --check
 
 test-papers: $(STAMP)
 	$(PY) -m pytest -q -m papers

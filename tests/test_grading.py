@@ -160,7 +160,7 @@ HANGS_AT_IMPORT = """
 import os, time
 if os.fork() == 0:              # a child that would outlive its parent, in a session of its own
     os.setsid()
-    os.execv("/bin/sleep", ["/bin/sleep", "3019"])
+    os.execv("/bin/sleep", ["/bin/sleep", "SLEEP"])
 time.sleep(600)
 """
 
@@ -188,11 +188,12 @@ def test_a_class_folder_grades_to_a_csv_and_one_hang_costs_only_its_timeout(tmp_
     assert not [r for r in rows if r.status == "grader error"]
     # A submission that hangs and leaves a child behind: it costs its timeout, scores 0, nothing of it survives.
     (tmp_path / "hangs").mkdir()
-    (tmp_path / "hangs" / "bob.py").write_text(HANGS_AT_IMPORT)
+    sleep = str(3019_000_000 + os.getpid())  # this test's own: another run of it may be going on beside it
+    (tmp_path / "hangs" / "bob.py").write_text(HANGS_AT_IMPORT.replace("SLEEP", sleep))
     rows = grade_class(lab, tmp_path / "hangs", tmp_path / "bob.csv", student_timeout_s=8, progress=False)
     assert (rows[0].status, rows[0].score, rows[0].max_score) == ("timed out after 8 s", 0, 2)
-    leftovers = [pid for pid in os.listdir("/proc") if pid.isdigit() and ("bob.py" in _cmdline(pid)
-                                                                          or "3019" in _cmdline(pid))]
+    leftovers = [pid for pid in os.listdir("/proc") if pid.isdigit() and (str(tmp_path) in _cmdline(pid)
+                                                                          or sleep in _cmdline(pid))]
     assert not leftovers, "bob's processes survived the class grading"
 
 

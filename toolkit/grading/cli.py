@@ -22,6 +22,7 @@ from pathlib import Path
 from . import isolation, report
 from .untrusted import clean
 from .grader import grade
+from .sandbox import Unsafe
 from .session import Limits
 
 
@@ -34,6 +35,8 @@ def grade_command(lab_path, solution=None, *, check_timeout_s: float = 20.0, qui
         score = grade(lab_path, solution, check_timeout_s=check_timeout_s, quiet=quiet, limits=limits)
     except (FileNotFoundError, ValueError) as exc:
         return _nothing_graded(f"error: {exc}", fmt, output, report.USAGE_ERROR)
+    except Unsafe as exc:  # the machine, not the solution: nothing was run, and the instructor is told what to change
+        return _nothing_graded(f"error: {exc}", fmt, output, report.GRADER_ERROR)
     except BaseException:  # noqa: BLE001 - the grader's own failure, not the student's: say so, distinctly
         return _nothing_graded("error: the grader itself failed (not a problem of the solution graded):\n"
                                + traceback.format_exc(), fmt, output, report.GRADER_ERROR)
@@ -63,6 +66,19 @@ def _nothing_graded(message: str, fmt: str, output, code: int) -> int:
                                              "The autograder could not grade this submission (the grader failed, "
                                              "not your code). Please tell the course staff.", fmt))
     return code
+
+
+def prepare_command(lab) -> int:
+    """Build (or find in the cache) the students' toolkit for `lab`, before any grading needs it."""
+    from .grader import not_a_lab
+    from .students_build import for_lab
+
+    folder = Path(lab)
+    if not (folder / "checks.py").is_file():
+        print(f"error: {not_a_lab(folder, 'checks.py')}", file=sys.stderr)
+        return report.USAGE_ERROR
+    print(f"the students' toolkit for {lab} (what its ranks import): {for_lab(folder)}")
+    return 0
 
 
 def class_command(lab, class_dir, csv_path, *, out_dir=None, filename=None, student_timeout_s=600.0,
@@ -108,15 +124,23 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=Limits.time_limit_s, help="seconds one check may run")
     parser.add_argument("--memory-limit", type=float, default=Limits.memory_limit_mb,
                         help="MiB a rank may allocate beyond what it starts with (0: no limit)")
+    parser.add_argument("--output-limit", type=float, default=Limits.output_limit_mb,
+                        help="MiB the ranks of one launch may print (the launch is stopped past it)")
+    parser.add_argument("--prepare", action="store_true",
+                        help="build the students' toolkit for this lab (what the ranks import: the lab's answers "
+                             "taken out), kept in a cache for every grading after, and exit")
     parser.add_argument("--quiet", action="store_true",
                         help="print nothing but the report (none with --output): not what the ranks print, no progress")
     args = parser.parse_args(argv)
-    limits = Limits(args.timeout, args.stall, args.time_limit, args.memory_limit or None)
+    limits = Limits(args.timeout, args.stall, args.time_limit, args.memory_limit or None,
+                    output_limit_mb=args.output_limit)
+    if args.prepare:
+        return prepare_command(args.lab)
     if args.class_dir:
         if args.solution:
             parser.error("give --solution or --class, not both")
         options = ["--timeout", str(args.timeout), "--stall", str(args.stall), "--time-limit", str(args.time_limit),
-                   "--memory-limit", str(args.memory_limit or 0)]
+                   "--memory-limit", str(args.memory_limit or 0), "--output-limit", str(args.output_limit)]
         return class_command(args.lab, args.class_dir, args.csv, out_dir=args.out, filename=args.file,
                              student_timeout_s=args.student_timeout, jobs=args.jobs, options=options,
                              allow_unsandboxed=args.allow_unsandboxed, quiet=args.quiet)

@@ -3,10 +3,12 @@
 A lab folder holds `checks.py` (the judges, written with `toolkit.grading.check`; with `hidden_checks.py`
 on the instructor's side), `tasks.py` (what the ranks run next to the student's code) and the student's
 file (`skeleton.py` unless told otherwise). In this process, nothing of the student's runs: the file is
-read as bytes, parsed (not run) to find a syntax error or a use of the lab's answers (`delegation.py`),
-and copied into a folder of its own (`session.Box`). For each world size the checks ask for, the ranks
-start there (`session.launch_ranks`), run every check's task on inputs made here with a seed drawn for
-this grading, and send back what they observed; the judges here compare it with what they compute.
+read as bytes (never through a link), parsed (not run) to find a syntax error or a use of the lab's answers
+(`delegation.py`), and copied into a folder of its own (`session.Box`) with the students' build of the toolkit
+(`students_build.py`); a machine that cannot give it the sandbox promised refuses first (`sandbox.preflight`).
+For each world size the checks ask for, the ranks start there (`session.launch_ranks`), run every check's task
+on inputs made here with a seed drawn for this grading, and send back what they observed; the judges here
+compare it with what they compute (in a lab of point-to-point messages, with what the grader's relay carried).
 
 How one failure is kept from spoiling the others:
 - a check whose task raises, or whose judge finds a wrong answer, scores 0 with the message of the rank
@@ -30,9 +32,10 @@ from pathlib import Path
 
 import torch
 
-from . import delegation, namespaces, sandbox, students_build, untrusted
-from .checks import Check, CheckFailed
+from . import delegation, namespaces, sandbox, untrusted
+from .checks import PLATFORM_CHECKS, PLATFORM_ONLY, Check, CheckFailed, platform_only
 from .isolation import Sandbox
+from .declared import declared
 from .runner import IMPORT, load_module
 from .score import CheckResult, Score, format_score, zero
 from .session import Box, Launch, Limits, launch_ranks
@@ -61,6 +64,8 @@ def lab_checks(lab_dir) -> tuple[list[Check], dict]:
             else:
                 sys.modules["checks"] = before
         checks += [replace(v, hidden=True) for v in vars(hidden).values() if isinstance(v, Check) and v not in checks]
+    elif (lab_dir / PLATFORM_CHECKS).exists():  # a students' copy: the hidden checks are named, not run
+        checks += platform_only(lab_dir / PLATFORM_CHECKS)
     return checks, dict(getattr(module, "ANSWERS", {}))
 
 
@@ -134,12 +139,30 @@ def _verdict(check: Check, n: int, given: list, results: dict, found: Launch) ->
     return ""
 
 
+def _relayed(results: dict, relayed: dict | None, index) -> dict:
+    """In a messages-only lab, what a rank reports under `messages` is replaced by what the grader's relay carried
+    for it during that check (`relay.py`): the record a traffic check judges is never the rank's word."""
+    if relayed is None:
+        return results
+
+    def put(value, record):
+        if isinstance(value, dict):
+            return {k: record if k == "messages" else put(v, record) for k, v in value.items()}
+        if isinstance(value, list):
+            return [put(v, record) for v in value]
+        return value
+
+    return {r: {**v, "ok": put(v["ok"], relayed.get(index, {}).get(r, []))} if isinstance(v, dict) and "ok" in v
+            else v for r, v in results.items()}
+
+
 def _generator(seed: int, check: Check, n: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed ^ zlib.crc32(f"{check.name}/{n}".encode())) % 2**63)
 
 
 def _run_world_size(box: Box, checks: list[Check], indices: list[int], n: int, answers: dict, limits: Limits,
-                    seed: int, quiet: bool, backend: str, grading_id: str) -> tuple[dict, object]:
+                    seed: int, quiet: bool, backend: str, grading_id: str,
+                    messages_only: bool = False) -> tuple[dict, object]:
     """Run checks `indices` on n ranks: ({index: failure message, or ""}, what stopped the grading or None:
     the index of a check that deadlocked, or IMPORT when the file cannot be imported)."""
     inputs = {i: checks[i].make_inputs(n, _generator(seed, checks[i], n)) for i in indices}
@@ -149,7 +172,7 @@ def _run_world_size(box: Box, checks: list[Check], indices: list[int], n: int, a
         if not quiet:
             print(f"grading: {len(todo)} check(s) on {n} ranks ...", file=sys.stderr, flush=True)
         found = launch_ranks(box, n, todo, {i: checks[i].task for i in todo}, inputs, list(answers), limits,
-                             backend=backend, quiet=quiet, grading_id=grading_id)
+                             backend=backend, quiet=quiet, grading_id=grading_id, messages_only=messages_only)
         stuck = found.stuck
         imported = found.results[IMPORT]
         if not found.ready and not imported:  # no student code ran: the machine or the grader failed
@@ -165,7 +188,7 @@ def _run_world_size(box: Box, checks: list[Check], indices: list[int], n: int, a
             verdicts[stuck["index"]] = f"world size {n}, {stuck['message'][:4000]}"
             return verdicts, stuck["index"]
         for position, index in enumerate(todo):
-            results = found.results.get(index, {})
+            results = _relayed(found.results.get(index, {}), found.relayed, index)
             verdicts[index] = _verdict(checks[index], n, inputs[index], results, found)
             if stuck is not None and stuck["index"] == index:  # stopped in this check: carry on after it
                 verdicts[index] = f"world size {n}, {stuck['message'][:4000]}"
@@ -222,15 +245,19 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, 
                        sandbox=score.sandbox)
     seed = secrets.randbits(62) if seed is None else seed
     verdicts, stopped = {}, None
-    build = students_build.for_lab(lab_dir)  # the toolkit the ranks import: this lab's answers taken out
-    with Sandbox() as marked, Box(lab_dir, source, solution.name, build, user, bool(made)) as box:
-        for n in sorted({n for c in checks for n in c.world_sizes}):
-            indices = [i for i, c in enumerate(checks) if n in c.world_sizes and not verdicts.get(i)]
+    messages_only = bool(declared(lab_dir, "MESSAGES_ONLY", False))  # its ranks talk through the grader's relay
+    with Sandbox() as marked, Box(lab_dir, source, solution.name) as box:
+        for n in sorted({n for c in checks if not c.platform_only for n in c.world_sizes}):
+            indices = [i for i, c in enumerate(checks) if n in c.world_sizes and not verdicts.get(i)
+                       and not c.platform_only]
             if indices and stopped is None:
                 found, stopped = _run_world_size(box, checks, indices, n, answers, limits, seed, quiet, backend,
-                                                 marked.id)
+                                                 marked.id, messages_only)
                 verdicts.update(found)
     for i, c in enumerate(checks):
+        if c.platform_only:
+            score.results.append(CheckResult(c.name, c.points, 0, PLATFORM_ONLY, True, platform_only=True))
+            continue
         message = verdicts.get(i, "")
         if stopped == IMPORT and i not in verdicts:
             message = next(m for m in verdicts.values() if m)

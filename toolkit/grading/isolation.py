@@ -105,6 +105,28 @@ class Sandbox:
         self.killed += stop(self.id, self.all_children)
 
 
+def _namespace(pid) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def namespace_below(pid: int) -> str | None:
+    """The PID namespace a child of `pid` lives in, where it is not this process's (a launch's own), else None."""
+    ours = _namespace("self")
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if name.isdigit() and _parent(int(name)) == pid and _namespace(name) not in (None, ours):
+            return _namespace(name)
+    return None
+
+
+def in_namespace(namespace: str) -> list[int]:
+    """The live processes of PID namespace `namespace` (as this process numbers them)."""
+    return [int(name) for name in (os.listdir("/proc") if os.path.isdir("/proc") else [])
+            if name.isdigit() and _namespace(name) == namespace]
+
+
 def ancestors() -> set[int]:
     """This process's parent, its parent's parent, and so on (Linux; empty elsewhere)."""
     found, pid = set(), os.getppid()

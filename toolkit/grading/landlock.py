@@ -21,6 +21,7 @@ EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 _ALL_V1 = (1 << 13) - 1  # execute .. make_sym
 _FILE_ONLY = EXECUTE | WRITE_FILE | READ_FILE | (1 << 14) | (1 << 15)  # + truncate, ioctl_dev
 _SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1, 2
+_BIND_TCP, _CONNECT_TCP = 1, 2
 READ = EXECUTE | READ_FILE | READ_DIR
 
 
@@ -54,16 +55,18 @@ def _rights(version: int) -> int:
         (1 << 15 if version >= 5 else 0)
 
 
-def restrict(read: list, write: list, listable: list = (), hidden: list = (), version: int | None = None) -> bool:
+def restrict(read: list, write: list, listable: list = (), hidden: list = (), version: int | None = None,
+             no_tcp: bool = False) -> bool:
     """From now on this process and its children may only read `read` (but what lies in `hidden`), read-write
-    `write`, and list the folders `listable` (their names, not their files' content). Returns False (and changes
-    nothing) where the kernel has no landlock."""
+    `write`, and list the folders `listable` (their names, not their files' content); with `no_tcp` (ABI 4+),
+    neither bind nor connect a TCP socket. Returns False (and changes nothing) where the kernel has no landlock."""
     version = abi() if version is None else version
     if version < 1:
         return False
     libc, handled = _libc(), _rights(version)
     size = 8 if version < 4 else 16 if version < 6 else 24
-    ruleset = _Ruleset(handled, 0, (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if version >= 6 else 0)
+    ruleset = _Ruleset(handled, _BIND_TCP | _CONNECT_TCP if no_tcp and version >= 4 else 0,
+                       (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if version >= 6 else 0)
     fd = libc.syscall(_CREATE, ctypes.byref(ruleset), ctypes.c_size_t(size), ctypes.c_uint32(0))
     if fd < 0:
         return False

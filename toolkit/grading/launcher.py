@@ -2,12 +2,13 @@
 
 Forked by the grading's fork server (`forkserver.py`), inside the launch's sandbox already, which forks
 its ranks too; or, where no fork server can serve, started by the grader (`session.py`) in a session of its
-own, inside the grading's folder: it then becomes `nobody` when started as root and confines itself and
-everything it starts to that folder (`sandbox.enter`). Either way it launches the ranks (`toolkit.launch`,
-each running `runner.rank_main`). It runs no student code, but
-it reads what the ranks leave for `launch` (their errors), so it is inside the sandbox too. What it
-writes (launch.json: how the launch ended) is read by the grader as untrusted text. It ends with the grader:
-a grader killed from outside leaves nothing running.
+own, inside the grading's folder: it then enters the sandbox itself (`sandbox.enter`: namespaces, limits,
+`nobody` when started as root, landlock), before anything else. Either way it launches the ranks
+(`toolkit.launch`, each running `runner.rank_main`). It runs no student code, but it reads what the ranks leave
+for `launch` (their errors), so it is inside the sandbox too, and nothing it could be made to do decides a
+limit (the grader's overseer watches time, output and processes). What it writes (launch.json: how the launch
+ended) is read by the grader as untrusted text. It ends with the grader: a grader killed from outside leaves
+nothing running.
 """
 from __future__ import annotations
 

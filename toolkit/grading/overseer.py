@@ -14,8 +14,9 @@ outside (`session._stop`) when:
 - **output**: the ranks print more than the output limit. What they print comes to the grader through a pipe
   that it alone reads: it keeps the first `output_limit_mb` of it in the launch's log, echoes it (made harmless,
   `untrusted.clean`) when asked, and stops the launch past it;
-- **processes**: the grading holds more processes than `max_processes` (found by the grading's id: `isolation`),
-  root or not (RLIMIT_NPROC does not limit root, and counts a user's processes, not a grading's).
+- **processes**: the grading holds more processes than `max_processes` (found by the grading's id, and where the
+  launch has a PID namespace, every process in it: `isolation`), root or not (RLIMIT_NPROC does not limit root,
+  and counts a user's processes on the whole machine, not a grading's).
 
 Its verdict has the watchdog's form ({"index", "message", "stop"}): the check that was running scores 0 with the
 message, and a stop at the import stops the grading (index None: the ranks never got ready).
@@ -43,7 +44,7 @@ class Overseer:
         self.process, self.output_fd, self.log, self.folder = process, output_fd, log, folder
         self.world_size, self.order, self.limits = world_size, order, limits
         self.grading_id, self.spare, self.echo = grading_id, set(spare), echo
-        self.printed, self.seen, self.ready = 0, 0, False
+        self.printed, self.seen, self.ready, self.namespace = 0, 0, False, None
         self.cap = int(limits.output_limit_mb * 2**20)
         self.deadline_s = len(order) * (limits.time_limit_s + GRACE_S) + STARTUP_S
         self._decode = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -71,7 +72,11 @@ class Overseer:
                 return self._over_time()
             if now - counted > 0.5:
                 counted = now
-                held = len(set(isolation.marked(self.grading_id)) - self.spare)
+                if self.namespace is None:  # the launch's own PID namespace, once its first process is there
+                    self.namespace = isolation.namespace_below(self.process.pid)
+                held = set(isolation.marked(self.grading_id))  # those that kept the grading's id, and (where the
+                held |= set(isolation.in_namespace(self.namespace)) if self.namespace else set()  # launch has one)
+                held = len(held - self.spare)  # every process in its PID namespace, whatever its environment
                 if held > self.limits.max_processes:
                     return self._verdict(f"the submission started more than {self.limits.max_processes} processes "
                                          "(the grader's process limit): they were all stopped", stop=True)

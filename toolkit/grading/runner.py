@@ -2,12 +2,14 @@
 
 The launcher (`launcher.py`) starts the ranks with `rank_main`, in the grading's folder. In order:
 1. each rank reads the inputs the grader wrote for it alone,
-   removes them, and waits for its peers to have done the same; then it confines itself further (its
-   peers' inputs and the grader's files are out of reach), takes its limits, notes any call to the
-   lab's answers (`delegation.py`), says it is ready, and only then imports the student's file, with
-   the watchdog running;
-2. for each check, every rank runs the lab's task on its inputs and writes what it observed through the
-   narrow channel (`wire.py`), one file per check and rank; a task that raises writes the error instead.
+   removes them, and waits for its peers to have done the same; in a lab of point-to-point messages it then
+   trades its process group for the grader's relay (`relay_group.py`: no collective left in the process);
+   it confines itself further (its peers' inputs and the grader's files are out of reach; in that lab, no
+   new socket either: `seccomp.py`), takes its limits, notes any call to the lab's answers
+   (`delegation.py`), says it is ready, and only then imports the student's file, with the watchdog running;
+2. for each check, every rank runs the lab's task on its inputs (in that lab, taken from the relay when the
+   previous result is in) and writes what it observed through the narrow channel (`wire.py`), one file per
+   check and rank (and to the relay); a task that raises writes the error instead.
 What this process writes is read by the grader as untrusted: observations to judge, text to quote.
 """
 from __future__ import annotations
@@ -111,20 +113,25 @@ def rank_main(spec: dict) -> None:
     import torch.distributed as dist
 
     from ..runtime import status
-    from . import contract, delegation, sandbox, wire
+    from . import contract, delegation, relay_group, sandbox, seccomp, wire
     from .on_rank import Rank
     from .watchdog import Watchdog
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     given = _take_inputs(spec, rank)
     _store_barrier("grading/inputs-taken", world_size)
-    sandbox.confine(spec["read"], [spec["out"], spec["work"], spec["tmp"]], spec["hidden"])
+    link = None
+    if spec.get("relay"):  # a point-to-point lab: no process group of its own; the grader carries its messages
+        link = relay_group.switch(spec["relay"], rank, world_size, given.pop("relay"))
+    sandbox.confine(spec["read"], [spec["out"], spec["work"], spec["tmp"]], spec["hidden"], no_tcp=link is not None)
+    if link is not None:
+        seccomp.no_new_channels()
     limits, out, solution = spec["limits"], spec["out"], spec["student"]
     watchdog = Watchdog(out, rank, world_size, solution, lambda i, r: result_path(out, i, r),
                         limits["stall_s"], limits["time_limit_s"])
     delegation.watch(spec["answers"], solution)
     tasks = load_module(spec["tasks"], "lab_tasks")
-    sandbox.limit(limits["memory_limit_mb"], limits["max_processes"])
+    sandbox.limit(limits["memory_limit_mb"])
     _write(ready_path(out, rank), b"")
     watchdog.begin(IMPORT)
     try:
@@ -142,18 +149,22 @@ def rank_main(spec: dict) -> None:
         status.enter(f"check {index}")
         watchdog.begin(index)
         try:  # the task once per case, each answer under its case's id (contract.py)
+            inputs = relay_group.inputs(link, index) if link is not None else given[str(index)]
             done, case, exc = contract.run_cases(getattr(tasks, spec["tasks_of"][str(index)]), student,
-                                                 Rank(rank, world_size, group), given[str(index)])
+                                                 Rank(rank, world_size, group), inputs)
         except BaseException as error:  # noqa: BLE001 - inputs tampered with: no case to name
             done, case, exc = [], None, error
         observed = {"ok": done}
         failed = f"rank {rank}{contract.in_case(case)}: {explain(exc, solution)}" if exc is not None else ""
+        exc = None  # its traceback holds the task's frames, and what they hold (a check that ate the memory)
         observed.update(error=failed, delegated=delegation.take(), time=time.time())
         try:
             data = wire.encode(observed)
         except Exception as exc:  # noqa: BLE001 - e.g. a student's object that cannot even be described
             data = wire.encode({"error": f"rank {rank}: the task's result cannot be sent ({exc})", "time": time.time()})
         status.leave()
+        if link is not None:
+            relay_group.hand_in(link, data)
         _write(result_path(out, index, rank), data)
         watchdog.end()
         # No board entry while waiting: a peer that never finishes is inside its check (the launcher

@@ -16,7 +16,7 @@ the machine allows it, and named in the report (`describe`):
   namespace can, the grading is refused with a message saying what to change (`preflight`), never run as root;
 - **limits** set by the launch's first process before any code of the launch runs, hard (no process below can
   raise them): CPU seconds (RLIMIT_CPU), the size of a file, no core files; each rank's memory (RLIMIT_DATA)
-  and, for a user other than root, processes (RLIMIT_NPROC) before the submission is imported (`limit`). The
+  before the submission is imported (`limit`). The
   grader watches what no limit of the kernel covers: wall-clock time, the volume printed, the number of
   processes (`session.py`).
 
@@ -160,19 +160,6 @@ def _set(kind, value: int) -> None:
     resource.setrlimit(kind, (value, value))
 
 
-def _tasks_of(uid: int) -> int:
-    """Threads and processes of user `uid` now (what RLIMIT_NPROC counts)."""
-    count = 0
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if os.stat(f"/proc/{name}").st_uid == uid:
-                    count += len(os.listdir(f"/proc/{name}/task"))
-            except OSError:
-                pass
-    return count
-
-
 def launch_limits(cpu_s: float) -> None:
     """For this process and every one it starts, hard: `cpu_s` CPU seconds each (SIGXCPU, then SIGKILL 5 s later),
     no file over FILE_SIZE_LIMIT, no core file."""
@@ -180,8 +167,9 @@ def launch_limits(cpu_s: float) -> None:
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
     cpu = int(cpu_s) + 1
-    if hard == resource.RLIM_INFINITY or cpu + 5 <= hard:
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
+    if hard != resource.RLIM_INFINITY:
+        cpu = min(cpu, max(hard - 5, 1))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5 if hard == resource.RLIM_INFINITY else min(cpu + 5, hard)))
     _set(resource.RLIMIT_FSIZE, FILE_SIZE_LIMIT)
     _set(resource.RLIMIT_CORE, 0)
 
@@ -194,28 +182,25 @@ def _data_bytes() -> int:
     return 0
 
 
-def limit(memory_limit_mb: float | None, max_processes: int | None) -> None:
+def limit(memory_limit_mb: float | None) -> None:
     """On a rank, before the submission is imported, hard: at most `memory_limit_mb` MiB more data (RLIMIT_DATA:
-    the heap and torch's tensors); for a user other than root, twice `max_processes` more threads and processes
-    of this user (RLIMIT_NPROC, which counts threads too: the kernel's backstop behind the grader's count of
-    processes, `overseer.py`)."""
-    if not sys.platform.startswith("linux"):
-        return
-    if memory_limit_mb:
+    the heap and torch's tensors, every thread's stack). Processes are counted by the grader (`overseer.py`), not
+    by RLIMIT_NPROC: that counts every process of the user on the machine, and `nobody` runs every grading's ranks
+    (a class graded with --jobs, other courses' graders): another grading's ranks would use up this one's."""
+    if sys.platform.startswith("linux") and memory_limit_mb:
         _set(resource.RLIMIT_DATA, _data_bytes() + int(memory_limit_mb * 2**20))
-    if max_processes and os.getuid() != 0:
-        _set(resource.RLIMIT_NPROC, _tasks_of(os.getuid()) + 2 * max_processes)
 
 
 # --- the sandbox ---------------------------------------------------------------------------------------------
-def confine(read: list, write: list, hidden: list = (), shm: bool = True) -> bool:
+def confine(read: list, write: list, hidden: list = (), shm: bool = True, no_tcp: bool = False) -> bool:
     """Landlock: the system, Python and `read` to read (but what lies in `hidden`), `write` and a few devices to
     write, and /dev/shm with `shm` (in a launch without a /dev/shm of its own it is the machine's, shared with
-    every other grading: not writable). False where landlock is unavailable."""
+    every other grading: not writable); with `no_tcp`, no TCP socket bound or connected. False where landlock
+    is unavailable."""
     devices = DEVICES_RW + (("/dev/shm",) if shm else ())
     return landlock.restrict(list(SYSTEM_READ) + python_paths() + [str(p) for p in read],
                              [str(p) for p in write] + [d for d in devices if os.path.exists(d)],
-                             hidden=[str(h) for h in hidden])
+                             hidden=[str(h) for h in hidden], no_tcp=no_tcp)
 
 
 def enter(spec: dict) -> list[str]:

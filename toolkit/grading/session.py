@@ -27,8 +27,9 @@ from pathlib import Path
 
 from ..runtime import zygotes
 from ..runtime.zygote_link import Zygote, ZygoteError
-from . import isolation, sandbox, students_build, untrusted, wire
+from . import isolation, namespaces, sandbox, students_build, untrusted, wire
 from .overseer import GRACE_S, STARTUP_S, Overseer
+from .relay import Relay
 from .runner import IMPORT, inputs_path, ready_path, result_path
 
 FORKSERVER = str(Path(__file__).resolve().with_name("forkserver.py"))
@@ -44,7 +45,7 @@ class Limits:
     stall_s: every rank blocked (or done) this long is a deadlock; time_limit_s: one check's wall time (and
     the import's); memory_limit_mb: the data a rank may allocate beyond what it had when the submission was
     imported (None: no limit); max_processes: processes the grading may hold at once (the grader stops it
-    past that, root or not), and, as `nobody`, threads and processes it may add (RLIMIT_NPROC); output_limit_mb:
+    past that, root or not); output_limit_mb:
     what the ranks of a launch may print (the grader stops the launch past it). The grader enforces them from
     outside the submission's processes (`overseer.py`, `sandbox.enter`)."""
 
@@ -57,12 +58,11 @@ class Limits:
 
 
 class Box:
-    """The grading's folder. `with Box(lab_dir, source, filename, build, user, namespaces) as box:`; removed on
-    exit. build: the students' toolkit to copy in (`students_build`: lib/, what the ranks import); user: who the
-    submission runs as (None: as the grader); namespaces: whether this machine gives a launch its own."""
+    """The grading's folder. `with Box(lab_dir, source, filename) as box:`; removed on exit. It holds the students'
+    build of the toolkit for the lab (`students_build`: lib/, what the ranks import), and knows who the submission
+    runs as (`user`: None, as the grader) and whether this machine gives a launch namespaces of its own."""
 
-    def __init__(self, lab_dir: Path, source: bytes, filename: str, build: Path | None = None,
-                 user=None, namespaces: bool = False):
+    def __init__(self, lab_dir: Path, source: bytes, filename: str):
         self.root = Path(tempfile.mkdtemp(prefix="toolkit-grade-"))
         self.code, self.work, self.tmp = self.root / "code", self.root / "work", self.root / "tmp"
         self.inputs, self.out = self.root / "inputs", self.root / "out"
@@ -73,9 +73,9 @@ class Box:
         self.student.write_bytes(source)
         self.tasks = self.code / "tasks.py"
         shutil.copyfile(lab_dir / "tasks.py", self.tasks)
-        self.lib = students_build.copy_into(build, self.root / "lib") if build is not None else None
+        self.lib = students_build.copy_into(students_build.for_lab(lab_dir), self.root / "lib")
         self.root.chmod(0o755)
-        self.user, self.namespaces = user, namespaces
+        self.user, self.namespaces = sandbox.other_user(), bool(namespaces.probe())
         sandbox.hand_over([self.work, self.tmp, self.inputs, self.out], self.user)
         self.server: Zygote | None = None  # the grading's fork server, from the first launch
         self.serverless = ""  # why launches start fresh interpreters instead
@@ -119,6 +119,7 @@ class Launch:
     lines: list = field(default_factory=list)
     overran: bool = False
     ready: bool = True  # every rank got as far as importing the student's file
+    relayed: dict | None = None  # messages-only: relayed[index][rank], the messages the grader's relay carried
 
     def of_rank(self, rank: int, count: int = 3) -> list[str]:
         prefix = f"[rank {rank}] "
@@ -139,8 +140,7 @@ def _env(box: Box, grading_id: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k in KEEP_ENV}
     env.update({isolation.MARKER: grading_id, "HOME": str(box.work), "TMPDIR": str(box.tmp),
                 "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
-    if box.lib is not None:
-        env["PYTHONPATH"] = str(box.lib)
+    env["PYTHONPATH"] = str(box.lib)
     return env
 
 
@@ -165,10 +165,17 @@ def _stop(process, grading_id: str, spare=()) -> None:
 def _read(path: Path):
     """What a rank left at `path`, decoded (never through a link, never more than one answer's bytes)."""
     try:
-        return wire.decode(untrusted.read(path, wire.MAX_BYTES, what="a result"))
+        return _decoded(untrusted.read(path, wire.MAX_BYTES, what="a result"))
     except FileNotFoundError:
         return None
-    except (OSError, wire.WireError) as exc:
+    except OSError as exc:
+        return {"error": f"sent something the grader cannot read ({exc})", "time": 0.0}
+
+
+def _decoded(data: bytes):
+    try:
+        return wire.decode(data)
+    except wire.WireError as exc:
         return {"error": f"sent something the grader cannot read ({exc})", "time": 0.0}
 
 
@@ -177,22 +184,41 @@ def _text(path: Path) -> str:
 
 
 def launch_ranks(box: Box, n: int, indices: list, tasks_of: dict, inputs: dict, answers: list, limits: Limits,
-                 *, backend: str, quiet: bool, grading_id: str) -> Launch:
-    """Run the tasks of checks `indices` on n ranks of the submission; read back what they left."""
+                 *, backend: str, quiet: bool, grading_id: str, messages_only: bool = False) -> Launch:
+    """Run the tasks of checks `indices` on n ranks of the submission; read back what they left. messages_only:
+    the ranks talk through the grader's relay (`relay.py`), which also hands them the checks' inputs."""
     box.fresh_out()
+    relay = Relay(str(box.root), n, indices, {str(i): [wire.encode(inputs[i][r]) for r in range(n)]
+                                                for i in indices}) if messages_only else None
     for rank in range(n):
-        Path(inputs_path(str(box.inputs), rank)).write_bytes(
-            wire.encode({str(i): inputs[i][rank] for i in indices}))
+        Path(inputs_path(str(box.inputs), rank)).write_bytes(wire.encode(
+            {"relay": relay.tokens[rank]} if relay else {str(i): inputs[i][rank] for i in indices}))
     sandbox.hand_over([box.inputs], box.user)
+    try:
+        found = _launch(box, n, indices, tasks_of, answers, limits, backend, quiet, grading_id, relay)
+    finally:
+        if relay is not None:
+            relay.close()
+    if relay is not None:  # what the relay carried, and the results as the ranks first handed them in
+        found.relayed = {index: {r: relay.record[r].get(str(index), []) for r in range(n)} for index in indices}
+        for index in indices:
+            for r, data in relay.results.get(str(index), {}).items():
+                found.results[index][r] = _decoded(data)
+    return found
+
+
+def _launch(box: Box, n: int, indices: list, tasks_of: dict, answers: list, limits: Limits, backend: str,
+            quiet: bool, grading_id: str, relay) -> Launch:
     order = [IMPORT] + list(indices)
     deadline = len(order) * (limits.time_limit_s + GRACE_S) + STARTUP_S
     spec = {"world_size": n, "indices": indices, "tasks_of": {str(i): tasks_of[i] for i in indices},
             "code": str(box.code), "student": str(box.student), "tasks": str(box.tasks), "inputs": str(box.inputs),
             "out": str(box.out), "work": str(box.work), "tmp": str(box.tmp), "answers": list(answers),
             "limits": asdict(limits), "backend": backend, "user": list(box.user) if box.user else None,
-            "box": str(box.root), "lib": str(box.lib) if box.lib else None, "namespaces": box.namespaces,
-            "read": [str(box.code)] + ([str(box.lib)] if box.lib else []), "reach": sandbox.python_paths(),
-            "hidden": hidden_from(box), "cpu_s": deadline * max(1, (os.cpu_count() or 1) // n)}
+            "box": str(box.root), "lib": str(box.lib), "namespaces": box.namespaces,
+            "read": [str(box.code), str(box.lib)], "reach": sandbox.python_paths(),
+            "hidden": hidden_from(box), "cpu_s": deadline * max(1, (os.cpu_count() or 1) // n),
+            "relay": relay.path if relay is not None else None}
     spec_path = box.root / f"spec-{n}.json"
     spec_path.write_text(json.dumps(spec))
     log_path = box.root / f"log-{n}.txt"

@@ -110,7 +110,8 @@ class ExpertParallelExperts(MoE):
         if self.world > 1:  # keep this rank's experts only
             for attr in ("gate_up_proj", "down_proj"):
                 full = getattr(self, attr)
-                mine = nn.Parameter(full[self.first:self.first + self.num_local].clone(), requires_grad=full.requires_grad)
+                mine = nn.Parameter(full[self.first:self.first + self.num_local].clone(),
+                                    requires_grad=full.requires_grad)
                 mine._toolkit_expert = True
                 setattr(self, attr, mine)
 
@@ -148,7 +149,8 @@ class ExpertParallelExperts(MoE):
             comm.all_reduce(agreed, op="max", group=self.group)
             cap = int(agreed.item())
         return Routing(expert_index=top_k_index, gate_weight=top_k_weights, slot=slot, kept=slot < cap, counts=counts,
-                       kept_counts=counts.clamp(max=cap), capacity=cap, aux_loss=counts.new_zeros((), dtype=torch.float))
+                       kept_counts=counts.clamp(max=cap), capacity=cap,
+                       aux_loss=counts.new_zeros((), dtype=torch.float))
 
     def exchange_counts(self, routing: Routing) -> Plan:
         if self.world == 1:  # every expert here: nothing to tell anyone

@@ -26,7 +26,7 @@ import re
 import sys
 
 from ..cli_args import positive_int
-from ..models.presets import PRESETS
+from ..models.presets import PRESETS, model_fn_for
 from ..parallel import STRATEGIES
 from ..parallel.pipeline.schedules import SCHEDULES
 
@@ -48,8 +48,10 @@ class _Defaults(argparse.HelpFormatter):
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m toolkit simulate", description=__doc__.splitlines()[0],
                                 formatter_class=_Defaults)
-    p.add_argument("--model", default="gpt3-175b", choices=sorted(PRESETS), help="a preset (toolkit.models.presets)")
-    p.add_argument("--layers", type=int, default=None, help="number of layers (default: the preset's own depth)")
+    p.add_argument("--model", default="gpt3-175b",
+                   help=f"a preset ({', '.join(sorted(PRESETS))}: toolkit.models.presets), or a Hugging Face "
+                        f"config.json (or its folder): the model transformers builds from it, nothing downloaded")
+    p.add_argument("--layers", type=int, default=None, help="number of layers (default: the model's own depth)")
     p.add_argument("--strategy", default="fsdp", choices=sorted(STRATEGIES) + [HSDP],
                    help="how the data-parallel ranks share the model; hsdp: fsdp sharded inside each group of "
                         "--sharding-group-size ranks (a node by default), replicated across the groups")
@@ -70,6 +72,10 @@ def parser() -> argparse.ArgumentParser:
                         "--ranks-per-node); --strategy is then the data-parallel method over world/tp replicas")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: split layer norms and residuals along the sequence (Korthikanti et al.)")
+    p.add_argument("--cp", type=positive_int, default=1,
+                   help="context-parallel ranks per model replica: each holds --seq-len/cp tokens of every sequence, "
+                        "attention by ring attention (zigzag-balanced); the data-parallel method then reduces over "
+                        "dp x cp")
     p.add_argument("--pp", type=positive_int, default=1,
                    help="pipeline stages per model replica: the model's blocks cut into --pp stages (an embedding with "
                         "the first, the head with the last); the step is --schedule over --microbatches")
@@ -114,6 +120,8 @@ def options_of(args, parse) -> tuple[str, dict]:
         options["tp"] = args.tp
     if args.sequence_parallel:
         options["sequence_parallel"] = True
+    if args.cp != 1:
+        options["cp"] = args.cp
     pipeline = [f for f in ("microbatches", "virtual_stages") if getattr(args, f) not in (None, 1)]
     if args.pp == 1 and (pipeline or args.schedule != "1f1b"):
         parse.error(f"--{(pipeline or ['schedule'])[0].replace('_', '-')} is an option of a pipeline: add --pp 2 "
@@ -254,9 +262,14 @@ def cluster_of_flag(value: str, parse):
     return value
 
 
+def model_name(model: str) -> str:
+    """--model as a name: the preset's, or a Hugging Face config's file or folder name."""
+    return model if model in PRESETS else os.path.basename(os.path.normpath(model)).removesuffix(".json")
+
+
 def file_name(args, parse) -> str:
     """sim-<model>-<strategy>-<world>, then each flag not at its default (another configuration, other files)."""
-    parts = [f"sim-{args.model}-{args.strategy}-{args.world_size}"]
+    parts = [f"sim-{model_name(args.model)}-{args.strategy}-{args.world_size}"]
     for action in parse._actions:
         if action.dest in ("help", "model", "strategy", "world_size", "out") or not action.option_strings:
             continue
@@ -278,9 +291,11 @@ def main(argv=None) -> int:
     args = parse.parse_args(argv)
     strategy, options = options_of(args, parse)
     cluster = cluster_of_flag(args.cluster, parse)
-    build = PRESETS[args.model]
-    model_fn = (lambda: build(n_layer=args.layers)) if args.layers else build
-    check_layout(args, model_fn, parse, one_block=lambda: build(n_layer=1))
+    try:
+        model_fn = model_fn_for(args.model, args.layers)
+    except ValueError as exc:
+        parse.error(str(exc))
+    check_layout(args, model_fn, parse, one_block=model_fn_for(args.model, 1))
     from . import simulate
 
     try:
@@ -296,7 +311,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     name = os.path.join(args.out, file_name(args, parse))
     sim.run.save(f"{name}-run.json")
-    report = write_report(sim, f"{name}-report.html", title=f"{args.model}, {args.strategy}", parse=parse)
+    report = write_report(sim, f"{name}-report.html", title=f"{model_name(args.model)}, {args.strategy}", parse=parse)
     print(f"run: {name}-run.json\nreport: {report}")
     if cluster and sim.fits:  # the cost model's timeline, for Perfetto (none for a job that would not run)
         from ..trace.chrome import save_chrome
