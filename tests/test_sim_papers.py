@@ -155,6 +155,33 @@ def test_megatron_weak_scaling_table_within_15_percent_per_row(i):
     assert low <= got["predicted"] <= high and low * (1 - MEGATRON.TOLERANCE) <= r["paper"], said
 
 
+PLAIN_MISSES = {  # row -> the plain configuration's prediction when last measured (docs/differences.md says why)
+    1: "228 TFLOP/s per GPU against 137 (+67%)", 2: "202 against 138 (+46%)", 3: "179 against 142 (+26%)",
+    4: "174 against 135 (+29%)", 5: "165 against 138 (+20%)", 6: "163 against 140 (+16%)"}
+PLAIN_WHY = ("the plain configuration runs FlashAttention-2 (2023) without dropout where the paper's runs ran "
+             "Megatron-LM's 2021 attention (baddbmm, fused softmax, dropout, bmm): at s = 2,048 FlashAttention-2's "
+             "own figure puts it 2-5x above the standard path (A100: 140-187 against 17-76 TFLOP/s), and attention is "
+             "s/6h of a layer's FLOPs, 15% in row 1 falling to 1.3% in row 10, so the plain rows sit above the paper "
+             "by about that share; priced with the paper's own kernels (the test above) every row is within 15%")
+
+
+@pytest.mark.papers
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("i", range(1, len(MEGATRON.TABLE) + 1))
+def test_megatron_table_in_the_configuration_a_student_writes(i):
+    """The plain configuration (`bench/megatron_table.py --plain`: the toolkit's GPT as it comes, activation
+    checkpointing, torch's AdamW, 1F1B): rows 7-10 within 15% (+9 / +2 / -3 / -1%); rows 1-6 above by more, and
+    say why (PLAIN_WHY); one that comes within fails until it is taken off PLAIN_MISSES."""
+    r = MEGATRON.row(i)
+    got = megatron_prediction(i, plain=True)
+    said = f"row {i} plain: predicted {got['predicted']:.0f} TFLOP/s per GPU, paper {r['paper']}"
+    within = abs(got["error"]) <= MEGATRON.TOLERANCE
+    if i in PLAIN_MISSES:
+        assert not within and got["error"] > 0, said + ": now within 15% (or below); take it off PLAIN_MISSES"
+        pytest.xfail(f"{said} ({PLAIN_MISSES[i]}): {PLAIN_WHY}")
+    assert within, said
+
+
 MEGATRON_TREND = ("the paper's rate rises with model size (rows 7-10 over rows 1-4: 1.14); the prediction's stays "
                   "flat (0.97 when last measured): rows 1-4 within +1..+6% of the paper, rows 7-10 -7..-14%. In "
                   "rows 7-10 the pipeline's bubble and transfers are 17-27% of the step where the schedule's own "
