@@ -74,7 +74,7 @@ test-papers: $(STAMP)
 	$(PY) -m pytest -q -m papers
 
 # Hugging Face models as they come (GPT-2, Llama, Mixtral, Qwen2-MoE, BERT, ViT) through every strategy, tp, pp, ep,
-# their compositions and 3D against plain torch, and simulated at 512 ranks: about 6 minutes on 2 cores.
+# their compositions and 3D against plain torch, and simulated at 512 ranks: 8 CPU-minutes (14 min on 2 loaded cores).
 test-models: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m models tests/test_hf_models.py
 

@@ -125,16 +125,8 @@ class ExpertParallelExperts(MoE):
         return self.num_experts * 3 * self.d_model * self.d_ff
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        routing = self.route_given(hidden_states, top_k_index, top_k_weights)  # 1, the model's gate chose
-        if self.shadowing is not None:                                          # 2-6, shadowed experts at home
-            plan, order, answers = self.shadowing.forward(self, hidden_states, routing)
-        else:
-            plan = self.exchange_counts(routing)                                # 2
-            order, rows = self.sort_by_destination(hidden_states, routing)     # 3
-            answers = self.dispatch_compute_combine(rows, plan)                 # 4, 5, 6
-        out = self.weighted_sum(answers, routing, order, hidden_states)         # 7
-        self.record_load(routing, plan)
-        return out.to(hidden_states.dtype)
+        routing = self.route_given(hidden_states, top_k_index, top_k_weights)  # 1: the model's gate chose
+        return self.routed(hidden_states, routing).to(hidden_states.dtype)    # 2-7: the layer's own steps
 
     def route_given(self, tokens, top_k_index, top_k_weights) -> Routing:
         """The gate's decision as a Routing, dropless: the capacity is the fullest expert's load over the group."""
