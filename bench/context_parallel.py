@@ -143,16 +143,16 @@ def compare(length: int, repeats: int) -> dict:
     return out
 
 
-def run_all(repeats: int) -> dict:
+def run_all(repeats: int, lengths=LENGTHS) -> dict:
     return {"torch context_parallel": check_torch_context_parallel(),
-            **{length: compare(length, repeats) for length in LENGTHS}}
+            **{length: compare(length, repeats) for length in lengths}}
 
 
-def table(results: dict) -> str:
+def table(results: dict, lengths=LENGTHS) -> str:
     rows = ["| sequence | toolkit fwd+bwd (ms) | torch allgather (ms) | torch alltoall (ms) | ratio toolkit/allgather | "
             "ratio toolkit/alltoall | toolkit bytes/rank | torch allgather bytes/rank | torch alltoall bytes/rank | "
             "largest difference |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for length in LENGTHS:
+    for length in lengths:
         r = results[length]
         ms = {name: r[name]["seconds"] * 1e3 for name in r}
         worst = max(r[name]["difference"] for name in r)
@@ -172,7 +172,7 @@ def main(argv=None) -> None:
     text = table(results)
     print(f"torch's context_parallel on this machine: {results['torch context_parallel']}\n\n{text}")
     if args.write:
-        command = "python bench/context_parallel.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
+        command = ".venv/bin/python bench/context_parallel.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
         body = (f"World size 2 (cp 2), gloo on CPU ({platform.machine()}, shared machine), torch {torch.__version__}, "
                 f"one thread per rank; attention alone, causal, fp32, batch {BATCH}, {HEADS} heads of {HEAD_DIM}, "
                 f"zigzag shards on both sides; one forward + backward, median of {args.repeats - 1} interleaved "

@@ -11,6 +11,7 @@ activation's gradient; the loss's two (N, V/t) fp32 buffers; each tp rank sendin
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -56,7 +57,8 @@ def rows(found: dict) -> list[tuple]:
     ]
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)  # --help; it takes no options
     with tempfile.TemporaryDirectory() as directory:
         found = toolkit.launch(measure, 4, args=(directory,), timeout_s=400, quiet=True)[0]
     print("| quantity | before | now |\n| --- | --- | --- |")

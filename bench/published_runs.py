@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 
@@ -28,8 +28,7 @@ TORCHTITAN = "pytorch/torchtitan docs/performance.md, Llama 2 performance number
 MCORE = "NVIDIA/Megatron-LM README, images/model_table.png (Megatron-Core r0.8.0 on H100, 2024-07)"
 
 
-@dataclass(frozen=True)
-class PublishedRun:
+class PublishedRun(NamedTuple):
     name: str
     source: str
     cluster: str
@@ -39,7 +38,7 @@ class PublishedRun:
     batch: int                  # sequences per data-parallel replica in one pass
     measured: float
     metric: str                 # "tokens/s/GPU" or "TFLOP/s/GPU" (Megatron's count, no recomputation)
-    options: dict = field(default_factory=dict)
+    options: dict = {}
 
 
 def gpt(d, layers, heads, vocab, seq):

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 import foreign_models as fm
+import torch
 
 STEPS, BATCH, LR = 2, 8, 0.05
 TOLERANCE = 2e-5  # fp32: only the order of sums differs (tensor-parallel partial sums, micro-batch accumulation)
@@ -122,8 +121,8 @@ SIM_SIZES = {
                  max_position_embeddings=256),
     "vit": dict(image_size=224, patch_size=16, hidden_size=1024, intermediate_size=4096, num_attention_heads=16),
 }
-DECODER = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_attention_heads=16, num_key_value_heads=8,
-               max_position_embeddings=256)
+DECODER = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_attention_heads=16,
+               num_key_value_heads=8, max_position_embeddings=256)
 
 
 def sim_model(name: str):

@@ -69,7 +69,7 @@ def _total(snapshot: dict) -> int:
 def rng_streams() -> tuple:
     """At dp 2 x tp 2: ((dp, tp) coordinate, 4 numbers drawn inside the tensor-parallel stream, 4 drawn outside it
     right after, whether the default stream's state came out of the fork as it went in)."""
-    from toolkit.parallel.tensor.rng import tracker
+    from toolkit.parallel.rng import tracker
 
     torch.manual_seed(0)
     model, _ = toolkit.parallel.wrap(tiny_gpt(), "ddp", tp=2)

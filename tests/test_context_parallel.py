@@ -5,8 +5,9 @@
 - The ring's traffic: forward, each rank sends its keys and values cp-1 times, (cp-1)/cp of the whole sequence's
   K and V; backward, the keys and values again and their gradient (fp32, as accumulated): 2(cp-1)/cp of them;
   only to the next rank, only from the previous one.
-- Training: every variant at cp 2, and cp composed with fsdp, ddp x tp and pp, against "local" on one process
-  (losses and final parameters, the tolerances tests/test_pipeline.py derives: a split only reorders sums).
+- Training: every variant at cp 2, and cp composed with every data-parallel strategy, ddp x tp and pp, against
+  "local" on one process (losses and final parameters, the tolerances tests/test_pipeline.py derives: a split
+  only reorders sums).
 - The simulator runs the same code on the fake group: its bytes per phase and model states equal the real runs'
   exactly at world 2 and 4, its activations after forward within 1% (the simulator counts the allocator's
   512-byte blocks, the real meter the tensors' bytes), and its program overlaps each pass with attention.
@@ -40,7 +41,9 @@ CASES = {  # (name, TrainConfig fields): world 2 is cp 2; world 4 is dp 2 x cp 2
         ("fsdp x cp", dict(strategy="fsdp", global_batch_size=2 * BATCH, options={"cp": 2})),
         ("ddp x cp x tp", dict(strategy="ddp", clip=0.05, global_batch_size=BATCH, options={"cp": 2, "tp": 2})),
         ("pp x cp", dict(strategy="ddp", model=FOUR, global_batch_size=BATCH,
-                         options={"cp": 2, "pp": 2, "microbatches": 2}))],
+                         options={"cp": 2, "pp": 2, "microbatches": 2})),
+        *((f"{s} x cp", dict(strategy=s, global_batch_size=2 * BATCH, options={"cp": 2}))  # the rest compose too
+          for s in ("dp", "zero1", "zero2", "zero3"))],
 }
 SIMULATED = {"ring", "ulysses", "fsdp x cp", "ddp x cp x tp"}  # pp's step is the pipeline's: tests/test_sim_pipeline
 
@@ -145,7 +148,7 @@ def test_the_simulated_ring_and_ulysses_send_what_the_formulas_say():
     gradient); Ulysses (cp-1)/cp of its q, k, v and output each way. At tp 2 the K and V are a tp rank's heads."""
     b, s, h, L = 2, 32, SMALL["d_model"], SMALL["n_layer"]
     for cp, tp, attention in ((4, 1, "ring"), (2, 2, "ring"), (4, 1, "ulysses"), (2, 2, "ulysses")):
-        sim = simulate(lambda: tiny_gpt(**SMALL), "ddp", 8, rank=7, cp=cp, tp=tp, cp_attention=attention,
+        sim = simulate(lambda: tiny_gpt(**SMALL), "ddp", 4, rank=3, cp=cp, tp=tp, cp_attention=attention,
                        batch_per_rank=b, progress=False)
         sent = {}
         for c in sim.collectives():
@@ -155,8 +158,8 @@ def test_the_simulated_ring_and_ulysses_send_what_the_formulas_say():
             b, s, h, cp, tp=tp, bytes_per_value=4)
         assert sent == {"forward": L * formula["forward"], "backward": L * formula["backward"]}, (cp, tp, attention)
         assert sim.bytes_per_step["total"] == sim.theory()["bytes_per_step"], (cp, tp, attention)  # and the rest
-    for options in (dict(cp=8, mixed_precision=True), dict(cp=2, activation_checkpointing=True)):  # bf16; recompute
-        sim = simulate(lambda: tiny_gpt(**SMALL), "fsdp", 8, rank=7, batch_per_rank=b, progress=False, **options)
+    for options in (dict(cp=4, mixed_precision=True), dict(cp=2, activation_checkpointing=True)):  # bf16; recompute
+        sim = simulate(lambda: tiny_gpt(**SMALL), "fsdp", 4, rank=3, batch_per_rank=b, progress=False, **options)
         assert sim.bytes_per_step["total"] == sim.theory()["bytes_per_step"], options
 
 

@@ -395,7 +395,8 @@ NEW_CHANNELS = BY_MESSAGES.replace("    x.add_(other)", """    x.add_(other)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("attack", ["built-ins captured at import, with decoys", "a forged record of messages",
+@pytest.mark.parametrize("attack", ["built-ins captured at import, with decoys",
+                                    pytest.param("a forged record of messages", marks=AT_SCALE),
                                     pytest.param("a channel of its own", marks=AT_SCALE)])
 def test_a_point_to_point_labs_traffic_is_what_the_grader_carried(attack, lab, tmp_path, no_leftover_ranks):
     """The issue's lab 01 attack (13/13): the built-in collective captured at import, before the task switched it
@@ -406,8 +407,9 @@ def test_a_point_to_point_labs_traffic_is_what_the_grader_carried(attack, lab, t
 
     (lab / "tasks.py").write_text(TASKS + MESSAGES_TASK)
     (lab / "checks.py").write_text(ONE + MESSAGES_CHECK)
-    honest = grade(lab, _submission(tmp_path, BY_MESSAGES, "honest.py"))
-    assert honest.results[1].passed, format_score(honest)
+    if attack.startswith("built-ins"):
+        honest = grade(lab, _submission(tmp_path, BY_MESSAGES, "honest.py"))
+        assert honest.results[1].passed, format_score(honest)
     if attack == "a channel of its own":  # every attempt refused: the honest exchange still scores
         score = grade(lab, _submission(tmp_path, NEW_CHANNELS))
         assert score.results[1].passed, format_score(score)
@@ -463,3 +465,20 @@ def test_lab01_built_ins_captured_at_import_score_nothing(tmp_path, no_leftover_
     traffic = next(r for r in score.results if r.name.startswith("a real ring"))
     assert score.total == 0, format_score(score)
     assert "the built-in collective allreduce is not allowed here" in traffic.message, traffic.message
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox runs as another user only when grading as root")
+def test_without_namespaces_what_the_sandbox_user_left_in_shared_folders_is_removed(tmp_path):
+    """Where a launch has no /tmp and /dev/shm of its own, a file left there by the sandbox's user is a channel to
+    the next grading: it is removed after the grading (and only what that user owns)."""
+    from toolkit.grading import sandbox
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / "left").write_text("for the next grading")
+    (shm / "kept").write_text("the machine's own")
+    (shm / "folder").mkdir()
+    for name in ("left", "folder"):
+        os.chown(shm / name, 65534, 65534)
+    assert sorted(Path(p).name for p in sandbox.sweep((65534, 65534), [str(shm)])) == ["folder", "left"]
+    assert [p.name for p in shm.iterdir()] == ["kept"]

@@ -1,7 +1,7 @@
 """The mutation run of the labs' references (toolkit/grading/mutation.py, mutants.py): which mutants the mutator
 makes (only in what a student writes, one change each, every one a different program), and a few of lab 12's graded
 through the runner, many to a launch, with the table written as `make test-mutants` writes it. The whole run, every
-lab, is `make test-mutants` (hours of CPU)."""
+lab, is `make test-mutants` (about half an hour on 2 loaded cores)."""
 import ast
 import re
 

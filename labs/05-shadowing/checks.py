@@ -26,7 +26,7 @@ ANSWERS = {"toolkit.moe.shadow:worker_loads": "the toolkit's own loads",
 BUILDS_ON = ["toolkit.moe.layer:MoE.forward", "toolkit.moe.layer:MoE.exchange_counts",  # the MoE layer (lab 04)
              "toolkit.moe.layer:MoE.sort_by_destination", "toolkit.moe.layer:MoE.dispatch_compute_combine",
              "toolkit.moe.layer:MoE.compute_experts", "toolkit.moe.layer:MoE.weighted_sum",
-             "toolkit.moe.layer:all_to_all", "toolkit.moe.exchange:_AllToAll",
+             "toolkit.moe.exchange:all_to_all", "toolkit.moe.exchange:_AllToAll",
              "toolkit.moe.units:run_units",  # shadowing's rows kept home run beside the exchange as units (lab 09's)
              # MoE(shadow=[...]) records what the predictor says of the forced choice (toolkit.moe.shadow's
              # Shadowing.decide), and the emulated link prices messages with the alpha-beta model (lab 10's)

@@ -15,7 +15,8 @@ ANSWERS = {"toolkit.parallel.fsdp_unit:sharding_groups": "the toolkit's own hybr
            "toolkit.parallel.fsdp_unit:FSDPUnit.reduce_grad": "the toolkit's own gradient reduction",
            "toolkit.parallel.fsdp_unit:FSDPUnit.finish_reduce": "the toolkit's own gradient reduction",
            "toolkit.comm.hierarchical:node_groups": "the 2D all-to-all's node and cross-node groups, make_groups's"}
-BUILDS_ON = ["toolkit.parallel.fsdp_unit:FSDPUnit.unshard", "toolkit.parallel.fsdp_unit:FSDPUnit.wait_unshard",
+BUILDS_ON = ["toolkit.parallel.fsdp_unit:sharding_groups",  # toolkit.parallel.wrap(sharding_group_size=) calls it
+             "toolkit.parallel.fsdp_unit:FSDPUnit.unshard", "toolkit.parallel.fsdp_unit:FSDPUnit.wait_unshard",
              "toolkit.parallel.fsdp_unit:FSDPUnit.reshard", "toolkit.parallel.fsdp_unit:FSDPUnit.add_grad"]
 F = 2  # ranks per node = the sharding factor
 GLOBAL_BATCH, STEPS, LR = 8, 3, 0.1

@@ -14,8 +14,9 @@ Two looks, because each misses what the other sees:
 
 Both can be beaten by a student set on cheating (code that rebuilds the function from its bytecode, say);
 what they guarantee is that an import-and-call of the toolkit's answer, the easy way to a full score,
-scores zero and says why. Where the answers are not installed at all (the student distribution built by
-`python -m toolkit release --wheel`), there is nothing to call.
+scores zero and says why. The ranks import the students' build of the toolkit (`students_build.py`, what
+`python -m toolkit release --wheel` builds), where an answer only raises: the watcher is the second line, which
+says why a check scored 0.
 """
 from __future__ import annotations
 
@@ -159,10 +160,11 @@ def _methods(cls, only, prefix):
 def _with_submodules(module) -> list:
     """A module, or a package and every module in it (`toolkit.parallel.tensor` is a folder of files)."""
     found = [module]
-    for info in pkgutil.walk_packages(getattr(module, "__path__", []), module.__name__ + "."):
+    for info in pkgutil.walk_packages(getattr(module, "__path__", []), module.__name__ + ".",
+                                      onerror=lambda name: None):
         try:
             found.append(importlib.import_module(info.name))
-        except ImportError:
+        except Exception:  # noqa: BLE001 - in the students' build a module may raise at import (an answer it runs)
             pass
     return found
 
@@ -178,8 +180,8 @@ def watch(answers, submission: str) -> None:
             modules = _with_submodules(importlib.import_module(module_name)) if not name else \
                 [importlib.import_module(module_name)]
             targets = [t for module in modules for t in _functions(module, name)]
-        except (ImportError, AttributeError):
-            continue  # not installed here (the student distribution): nothing to call
+        except Exception:  # noqa: BLE001 - not there, or not importable in the students' build: nothing to call
+            continue
         for owner, attr, value, full in targets:
             if isinstance(value, (staticmethod, classmethod)):
                 replacement = type(value)(_noting(value.__func__, full))

@@ -73,10 +73,9 @@ def _sandbox_zygote(request: dict, fds: list[int]) -> None:
         with open(request["spec"]) as f:
             spec = json.load(f)  # out of the sandbox's reach once in it
         sandbox.enter(spec)  # may fork: this is then the launch's PID namespace's first process
-        if spec["lib"]:  # the students' toolkit first, for the launcher and for every keeper and rank forked here
-            sys.path.insert(0, spec["lib"])
-            zygote._START["path"][1:1] = [spec["lib"]]  # what a forked process recomputes its sys.path from
-            zygote._KEEPER = os.path.join(spec["lib"], "toolkit", "runtime", "keeper.py")  # loaded by path
+        sys.path.insert(0, spec["lib"])  # the students' toolkit first, for the launcher, every keeper and rank
+        zygote._START["path"][1:1] = [spec["lib"]]  # what a forked process recomputes its sys.path from
+        zygote._KEEPER = os.path.join(spec["lib"], "toolkit", "runtime", "keeper.py")  # loaded by path
         ours, theirs = socket.socketpair()
         launcher = os.fork()
         if launcher == 0:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from . import delegation, namespaces, sandbox, students_build, untrusted
+from . import delegation, namespaces, sandbox, untrusted
 from .checks import PLATFORM_CHECKS, PLATFORM_ONLY, Check, CheckFailed, platform_only
 from .isolation import Sandbox
 from .declared import declared
@@ -211,7 +211,9 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, 
     quiet=False shows what the ranks print (a student's debugging output) while grading.
     backend: gloo by default, since the labs' tasks build CPU tensors, even on a machine with GPUs.
     seed: the inputs' seed (default: drawn afresh, so no submission can know the inputs in advance).
-    Whatever the solution started is stopped before this returns.
+    Whatever the solution started is stopped before this returns. Raises `sandbox.Unsafe` (nothing run) where
+    this machine cannot give the submission its sandbox: as root, with the interpreter out of the sandbox user's
+    reach and no namespace to make it reachable.
     """
     limits = limits or Limits()
     if check_timeout_s is not None:
@@ -245,9 +247,8 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, 
                        sandbox=score.sandbox)
     seed = secrets.randbits(62) if seed is None else seed
     verdicts, stopped = {}, None
-    build = students_build.for_lab(lab_dir)  # the toolkit the ranks import: this lab's answers taken out
     messages_only = bool(declared(lab_dir, "MESSAGES_ONLY", False))  # its ranks talk through the grader's relay
-    with Sandbox() as marked, Box(lab_dir, source, solution.name, build, user, bool(made)) as box:
+    with Sandbox() as marked, Box(lab_dir, source, solution.name) as box:
         for n in sorted({n for c in checks if not c.platform_only for n in c.world_sizes}):
             indices = [i for i, c in enumerate(checks) if n in c.world_sizes and not verdicts.get(i)
                        and not c.platform_only]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -127,6 +128,7 @@ def run_lab(lab: Path, chosen=None, *, seed: int = 0, quiet: bool = True) -> Lab
     reference = mutation.Mutant("(the reference)", 0, "unchanged", (lab / "solution.py").read_text())
     pool = [reference] + mutants  # the reference first: a check it fails would make every kill meaningless
     with tempfile.TemporaryDirectory(prefix="toolkit-mutants-") as tmp:
+        shutil.copy(lab / "checks.py", Path(tmp) / "checks.py")  # its ANSWERS: the students' build the ranks import
         (Path(tmp) / "tasks.py").write_text(WRAPPER.format(
             tasks=(lab / "tasks.py").read_text(), tasks_file=str(lab / "tasks.py"),
             mutants={k: m.source for k, m in enumerate(pool)}))
@@ -211,7 +213,7 @@ def main(argv=None) -> int:
     parser.add_argument("--write", action="store_true", help="write the table into the labs folder's README.md")
     parser.add_argument("--readme", help="with --write: this README instead (it holds a <!-- mutants --> block)")
     parser.add_argument("--check", action="store_true",
-                        help=f"exit 1 when a lab scores under {TARGET:.0%} or a survivor is not explained")
+                        help=f"exit 1 when a lab scores under {TARGET:.0%}% or a survivor is not explained")
     args = parser.parse_args(argv)
     root = Path(args.labs)
     labs = sorted(p for p in root.iterdir() if (p / "solution.py").exists() and (p / "checks.py").exists())

@@ -6,7 +6,8 @@ enters it (`enter`) before it runs anything else, and everything it starts inher
 the machine allows it, and named in the report (`describe`):
 
 - **namespaces** (`namespaces.py`): a PID namespace whose /proc shows only the launch's processes, a mount
-  namespace with a private /tmp and /dev/shm, an IPC namespace;
+  namespace with a private /tmp and /dev/shm, an IPC namespace (where the kernel refuses them, /dev/shm is not
+  writable under landlock, and what the sandbox's user left in the shared folders is removed after: `sweep`);
 - **landlock** (`landlock.py`, Linux 5.13+): read only the system, Python, the students' build of the toolkit
   (`students_build.py`) and the grading's code; write only the grading's folder. Never readable, wherever it
   lies (even under a readable tree such as /opt or a site-packages): a full toolkit, with the answers, and the
@@ -29,6 +30,7 @@ import importlib.util
 import os
 import pwd
 import resource
+import shutil
 import site
 import sys
 from pathlib import Path
@@ -141,6 +143,31 @@ def hand_over(paths, user) -> None:
                 os.chown(name, *user, follow_symlinks=False)
 
 
+def sweep(user, folders=("/dev/shm", "/tmp", "/var/tmp")) -> list[str]:
+    """Remove what `user` left in the machine's shared folders (a launch without namespaces of its own wrote
+    there as the sandbox's user: a channel to the next grading). Returns what it removed."""
+    removed = []
+    if user is None:
+        return removed
+    for folder in folders:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != user[0]:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+                removed.append(entry.path)
+            except OSError:
+                pass
+    return removed
+
+
 def become(user) -> None:
     """Drop root for good: this process and its children are `user` from now on."""
     if user is None:
@@ -167,8 +194,9 @@ def launch_limits(cpu_s: float) -> None:
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
     cpu = int(cpu_s) + 1
-    if hard == resource.RLIM_INFINITY or cpu + 5 <= hard:
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
+    if hard != resource.RLIM_INFINITY:
+        cpu = min(cpu, max(hard - 5, 1))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5 if hard == resource.RLIM_INFINITY else min(cpu + 5, hard)))
     _set(resource.RLIMIT_FSIZE, FILE_SIZE_LIMIT)
     _set(resource.RLIMIT_CORE, 0)
 

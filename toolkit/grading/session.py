@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..runtime import zygotes
 from ..runtime.zygote_link import Zygote, ZygoteError
-from . import isolation, sandbox, students_build, untrusted, wire
+from . import isolation, namespaces, sandbox, students_build, untrusted, wire
 from .overseer import GRACE_S, STARTUP_S, Overseer
 from .relay import Relay
 from .runner import IMPORT, inputs_path, ready_path, result_path
@@ -45,9 +45,8 @@ class Limits:
     stall_s: every rank blocked (or done) this long is a deadlock; time_limit_s: one check's wall time (and
     the import's); memory_limit_mb: the data a rank may allocate beyond what it had when the submission was
     imported (None: no limit); max_processes: processes the grading may hold at once (the grader stops it
-    past that, root or not); output_limit_mb:
-    what the ranks of a launch may print (the grader stops the launch past it). The grader enforces them from
-    outside the submission's processes (`overseer.py`, `sandbox.enter`)."""
+    past that, root or not); output_limit_mb: what the ranks of a launch may print (the grader stops the
+    launch past it). None of them is enforced inside the submission's processes (`overseer.py`, `sandbox`)."""
 
     check_timeout_s: float = 20.0
     stall_s: float = 5.0
@@ -58,12 +57,11 @@ class Limits:
 
 
 class Box:
-    """The grading's folder. `with Box(lab_dir, source, filename, build, user, namespaces) as box:`; removed on
-    exit. build: the students' toolkit to copy in (`students_build`: lib/, what the ranks import); user: who the
-    submission runs as (None: as the grader); namespaces: whether this machine gives a launch its own."""
+    """The grading's folder. `with Box(lab_dir, source, filename) as box:`; removed on exit. It holds the students'
+    build of the toolkit for the lab (`students_build`: lib/, what the ranks import), and knows who the submission
+    runs as (`user`: None, as the grader) and whether this machine gives a launch namespaces of its own."""
 
-    def __init__(self, lab_dir: Path, source: bytes, filename: str, build: Path | None = None,
-                 user=None, namespaces: bool = False):
+    def __init__(self, lab_dir: Path, source: bytes, filename: str):
         self.root = Path(tempfile.mkdtemp(prefix="toolkit-grade-"))
         self.code, self.work, self.tmp = self.root / "code", self.root / "work", self.root / "tmp"
         self.inputs, self.out = self.root / "inputs", self.root / "out"
@@ -74,9 +72,9 @@ class Box:
         self.student.write_bytes(source)
         self.tasks = self.code / "tasks.py"
         shutil.copyfile(lab_dir / "tasks.py", self.tasks)
-        self.lib = students_build.copy_into(build, self.root / "lib") if build is not None else None
+        self.lib = students_build.copy_into(students_build.for_lab(lab_dir), self.root / "lib")
         self.root.chmod(0o755)
-        self.user, self.namespaces = user, namespaces
+        self.user, self.namespaces = sandbox.other_user(), bool(namespaces.probe())
         sandbox.hand_over([self.work, self.tmp, self.inputs, self.out], self.user)
         self.server: Zygote | None = None  # the grading's fork server, from the first launch
         self.serverless = ""  # why launches start fresh interpreters instead
@@ -88,6 +86,8 @@ class Box:
         if self.server is not None:
             self.server.close()
         shutil.rmtree(self.root, ignore_errors=True)
+        if not self.namespaces:  # no /tmp and /dev/shm of its own: what the sandbox's user left there goes now
+            sandbox.sweep(self.user)
 
     def fork_server(self, env: dict) -> Zygote | None:
         """The grading's fork server, started on first use; None where none can serve (self.serverless: why)."""
@@ -141,8 +141,7 @@ def _env(box: Box, grading_id: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k in KEEP_ENV}
     env.update({isolation.MARKER: grading_id, "HOME": str(box.work), "TMPDIR": str(box.tmp),
                 "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
-    if box.lib is not None:
-        env["PYTHONPATH"] = str(box.lib)
+    env["PYTHONPATH"] = str(box.lib)
     return env
 
 
@@ -217,8 +216,8 @@ def _launch(box: Box, n: int, indices: list, tasks_of: dict, answers: list, limi
             "code": str(box.code), "student": str(box.student), "tasks": str(box.tasks), "inputs": str(box.inputs),
             "out": str(box.out), "work": str(box.work), "tmp": str(box.tmp), "answers": list(answers),
             "limits": asdict(limits), "backend": backend, "user": list(box.user) if box.user else None,
-            "box": str(box.root), "lib": str(box.lib) if box.lib else None, "namespaces": box.namespaces,
-            "read": [str(box.code)] + ([str(box.lib)] if box.lib else []), "reach": sandbox.python_paths(),
+            "box": str(box.root), "lib": str(box.lib), "namespaces": box.namespaces,
+            "read": [str(box.code), str(box.lib)], "reach": sandbox.python_paths(),
             "hidden": hidden_from(box), "cpu_s": deadline * max(1, (os.cpu_count() or 1) // n),
             "relay": relay.path if relay is not None else None}
     spec_path = box.root / f"spec-{n}.json"

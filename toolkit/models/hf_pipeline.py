@@ -31,8 +31,8 @@ Anything else: give the model the three parts yourself, a short adapter (toolkit
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -108,8 +108,9 @@ def family_of(model: nn.Module) -> Family:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(f"pipeline parallelism splits Hugging Face models of the families {sorted(FAMILIES)}; this "
-                         f"{type(model).__name__} is {model_type!r}. Give it embed, head_loss and hidden_shape (a short "
-                         f"adapter: toolkit/models/hf_pipeline.py shows one), or use tp= or a data-parallel strategy.")
+                         f"{type(model).__name__} is {model_type!r}. Give it embed, head_loss and hidden_shape (a "
+                         f"short adapter: toolkit/models/hf_pipeline.py shows one), or use tp= or a data-parallel "
+                         f"strategy.")
     return FAMILIES[model_type]
 
 
@@ -197,7 +198,8 @@ class PipelineParts:
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
         if kind == "image-classification":
             return self.loss_function(y, logits, self.config)
-        raise ValueError(f"pipeline parallelism: no loss for a {type(self).__name__} called by the {kind!r} convention.")
+        raise ValueError(f"pipeline parallelism: no loss for a {type(self).__name__} called by the {kind!r} "
+                         f"convention.")
 
     def hidden_shape(self, x_shape) -> tuple:
         c = self.config

@@ -189,29 +189,52 @@ def tp_refusal(model_fn, tp: int, sequence_parallel: bool, seq_len: int) -> str 
     return None
 
 
+def _seq_len(args, model_fn) -> int:
+    """--seq-len, else the model's context (a toolkit GPT's seq_len, a Hugging Face config's positions)."""
+    if args.seq_len:
+        return args.seq_len
+    import torch
+
+    with torch.device("meta"):
+        config = getattr(model_fn(), "config", None)
+    return getattr(config, "seq_len", None) or getattr(config, "max_position_embeddings", None) or 1
+
+
 def check_layout(args, model_fn, parse, one_block=None) -> None:
-    """--tp, --pp, --virtual-stages and --microbatches against every constraint at once, before anything is
-    simulated: a replica's pp x tp ranks divide the world, the tensor-parallel code splits the model over tp
+    """--tp, --cp, --pp, --virtual-stages and --microbatches against every constraint at once, before anything is
+    simulated: a replica's pp x cp x tp ranks divide the world, the sequence splits into 2 x cp chunks (ring
+    attention's zigzag), the tensor-parallel code splits the model over tp
     (`tp_refusal`), the blocks cut evenly into pp x virtual-stages stages, the micro-batches divide a replica's
     batch. A value that breaks one is answered with the values that keep all of them. `one_block`: the model
     with one block, for the tensor-parallel check (default: the whole model)."""
-    tp, pp, v, world = args.tp, args.pp, args.virtual_stages, args.world_size
+    tp, pp, cp, v, world = args.tp, args.pp, args.cp, args.virtual_stages, args.world_size
     if tp > 1:
-        import torch
-
-        with torch.device("meta"):
-            seq_len = args.seq_len or getattr(getattr(model_fn(), "config", None), "seq_len", 1)
+        seq_len = _seq_len(args, model_fn)
 
         def tp_fits(t: int, p: int = pp) -> str | None:
-            if world % (t * p):
-                return f"a replica's --pp {p} x --tp {t} ranks do not divide the {world} ranks"
+            if world % (t * p * cp):
+                return (f"a replica's --pp {p} x --cp {cp} x --tp {t} ranks do not divide the {world} ranks" if cp > 1
+                        else f"a replica's --pp {p} x --tp {t} ranks do not divide the {world} ranks")
             return tp_refusal(one_block or model_fn, t, args.sequence_parallel, seq_len) if t > 1 else None
 
         why = tp_fits(tp)
         if why:
-            fits = [t for t in _divisors(world // pp if world % pp == 0 else world) if not tp_fits(t)]
+            fits = [t for t in _divisors(world // (pp * cp) if world % (pp * cp) == 0 else world) if not tp_fits(t)]
             why = in_flags(why, parse).split(". ")[0].rstrip(".")  # its own suggestions knew one constraint only
             parse.error(f"--tp {tp} does not fit: {why}. Values that fit every constraint: {fits}.")
+    if cp > 1:
+        seq_len = _seq_len(args, model_fn)
+
+        def cp_fits(c: int) -> bool:
+            return world % (tp * pp * c) == 0 and seq_len % (2 * c) == 0
+
+        if not cp_fits(cp):
+            fits = [c for c in _divisors(world) if c > 1 and cp_fits(c)]
+            parse.error(f"--cp {cp} does not fit: a replica's --pp {pp} x --cp x --tp {tp} ranks must divide the "
+                        f"{world} ranks, and the sequence of {seq_len} tokens must cut into 2 x --cp chunks (ring "
+                        f"attention's zigzag: rank i holds chunks i and 2cp-1-i). "
+                        + (f"Values that fit every constraint: {fits}." if fits else
+                           f"No value does with --tp {tp} and --pp {pp}: change those, or --seq-len."))
     if pp > 1:
         import torch
 
@@ -221,11 +244,12 @@ def check_layout(args, model_fn, parse, one_block=None) -> None:
             blocks = len(find_blocks(model_fn())[1])
 
         def pp_fits(p: int) -> bool:
-            return world % (tp * p) == 0 and blocks % (p * v) == 0
+            return world % (tp * cp * p) == 0 and blocks % (p * v) == 0
 
         if not pp_fits(pp):
             fits = [p for p in _divisors(world) if p > 1 and pp_fits(p)]
-            parse.error(f"--pp {pp} does not fit: a replica's --pp x --tp {tp} ranks must divide the {world} ranks, "
+            parse.error(f"--pp {pp} does not fit: a replica's --pp x --cp {cp} x --tp {tp} ranks must divide the "
+                        f"{world} ranks, "
                         f"and the model's {blocks} blocks must cut evenly into --pp x --virtual-stages {v} stages. "
                         + (f"Values that fit every constraint: {fits}." if fits else f"No value does with --tp {tp} "
                            f"and --virtual-stages {v}: change those, or --layers."))

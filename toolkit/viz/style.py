@@ -18,7 +18,6 @@ puts the title below the toolbar's strip, with an optional smaller second line, 
 from __future__ import annotations
 
 import math
-
 import re
 import textwrap
 import zlib

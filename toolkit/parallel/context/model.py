@@ -106,7 +106,7 @@ def check(model: nn.Module, attention: str, size: int, tp: int = 1) -> None:
     found = attention_modules(model)
     missing = [end for end in ENDS if not callable(getattr(model, end, None))]
     if not found or missing:
-        why = (f"no module with an attend(q, k, v) method (the toolkit GPT's attention has one)" if not found else
+        why = ("no module with an attend(q, k, v) method (the toolkit GPT's attention has one)" if not found else
                f"the model has no {missing} (the methods the toolkit's GPT and pipeline use to see its ends)")
         raise ValueError(f"context parallelism (cp={size}) splits the sequence and replaces the model's attention, "
                          f"but in {type(model).__name__} the toolkit cannot find it: {why}. Use a toolkit GPT "
