@@ -14,6 +14,7 @@ relay carrying every message), but all of them in one launch per world size (`gr
 lab's checks in this process; the whole gradings of a mistake (the deadlock replayed under the relay, the skeleton)
 are under `grading_scale` (make test-grading).
 """
+import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 import torch
 from lab_grading import LABS, LabGrading
 
-from toolkit.grading import lab_checks, students_build
+from toolkit.grading import lab_checks
 from toolkit.grading.grader import _generator, _relayed, _verdict
 from toolkit.grading.isolation import Sandbox
 from toolkit.grading.mutants import LIMITS, WRAPPER
@@ -103,10 +104,11 @@ def grade_many(students: dict, seed: int = 0) -> dict:
     names = list(students)
     found = {name: {check.name: "" for check in checks} for name in names}
     with tempfile.TemporaryDirectory(prefix="lab13-") as tmp:
+        shutil.copy(LAB / "checks.py", Path(tmp) / "checks.py")  # its ANSWERS: the students' build the ranks import
         (Path(tmp) / "tasks.py").write_text(WRAPPER.format(
             tasks=(LAB / "tasks.py").read_text(), tasks_file=str(LAB / "tasks.py"),
             mutants={k: students[name] for k, name in enumerate(names)}))
-        with Sandbox() as marked, Box(Path(tmp), b"", "solution.py", students_build.for_lab(LAB)) as box:
+        with Sandbox() as marked, Box(Path(tmp), b"", "solution.py") as box:
             for n in sorted({n for check in checks for n in check.world_sizes}):
                 judged = [i for i, check in enumerate(checks) if n in check.world_sizes]
                 drawn = {i: checks[i].make_inputs(n, _generator(seed, checks[i], n)) for i in judged}
@@ -164,8 +166,8 @@ def test_reference_solution_scores_full_marks(no_leftover_ranks):
 def test_the_toolkits_own_ring_attention_and_merge_score_zero(tmp_path):
     lab().assert_delegation_scores_zero("from toolkit.parallel.context import merge  # noqa: F811",
                                         "toolkit.parallel.context.merge:merge", tmp_path)
-    lab().assert_delegation_scores_zero("from toolkit.parallel.context import Ring", "toolkit.parallel.context.ring:Ring",
-                                        tmp_path)
+    lab().assert_delegation_scores_zero("from toolkit.parallel.context import Ring",
+                                        "toolkit.parallel.context.ring:Ring", tmp_path)
 
 
 @pytest.mark.grading_scale

@@ -183,9 +183,9 @@ def _shares(whole: dict) -> dict:
     """{(r, j, treatment): (dq, dk, dv)}: position r's queries' share of the gradients through block j."""
     n, length = len(whole["ring"]), whole["length"]
     rows = [slice(p * length, (p + 1) * length) for p in range(n)]
-    return {(r, j, t): kernel.plain_attend_backward(
-                whole["grad"][:, :, rows[r]], whole["q"][:, :, rows[r]], whole["k"][:, :, rows[j]],
-                whole["v"][:, :, rows[j]], whole["out"][:, :, rows[r]], whole["lse"][:, :, rows[r]], t == "causal", None)
+    part = {name: [whole[name][:, :, s] for s in rows] for name in ("grad", "q", "k", "v", "out", "lse")}
+    return {(r, j, t): kernel.plain_attend_backward(part["grad"][r], part["q"][r], part["k"][j], part["v"][j],
+                                                    part["out"][r], part["lse"][r], t == "causal", None)
             for r in range(n) for j in range(n) for t in ("all", "causal")}
 
 

@@ -10,7 +10,6 @@ its neighbour has not posted yet. Such a call raises at once with a message sayi
 """
 import inspect
 
-import torch
 import torch.distributed as dist
 
 
