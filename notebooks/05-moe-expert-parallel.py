@@ -45,10 +45,10 @@ import torch
 import toolkit
 from toolkit import viz
 from toolkit.memory import communication_per_step
-from toolkit.models import moe_gpt, moe_model_fn, tiny_gpt
+from toolkit.models import moe_gpt, tiny_gpt
 from toolkit.moe import TopKGate, capacity, is_expert, merge_load
 from toolkit.run import Run
-from toolkit.train import TrainConfig, launch_train
+from toolkit.train import TrainConfig, launch_train, moe_model_fn
 
 WORLD = 2                                   # ranks
 E, K, FACTOR = 8, 2, 1.25                   # experts per MoE layer, experts per token, capacity factor
@@ -320,8 +320,7 @@ viz.timeline(labelled(layer_run), where=lambda e: e["start"] >= start - 1e-4 and
 
 # %%
 def two_trainings(steps):
-    from toolkit.models import moe_model_fn
-    from toolkit.train import TrainConfig, train
+    from toolkit.train import TrainConfig, moe_model_fn, train
 
     runs = {}
     for label, weight in (("no balancing loss", 0.0), ("balancing loss 0.1", 0.1)):

@@ -296,14 +296,15 @@ toolkit.viz.timeline(gpt3_sim.modelled_run, title="GPT-3 175B (4 of 96 layers), 
 # timeline, a pass's units are one colour, each bar named). The H100 cluster's step is shorter by about its
 # faster compute, which is most of its step.
 #
-# The prediction is *above* what the paper measured. The cost model prices a step's kernels, each at the
-# speed its shape allows on the GPU, and nothing else; a real run also pays what is not a kernel's arithmetic
-# (NCCL's kernels taking SMs and memory bandwidth while they overlap compute, clocks below boost under hours
-# of load, allocator retries, stragglers). And this GPT calls one fused attention kernel (FlashAttention on a
-# GPU), where the paper's minGPT wrote its attention out: the (heads, s, s) scores in memory, read and written
-# several times. `tests/test_sim_papers.py` prices minGPT's own kernels on the paper's cluster, which brings
-# the prediction close to the paper's band; `docs/differences.md` says what the model leaves out. So read a
-# simulated rate as an upper bound, and compare strategies with it (as below), not absolute numbers.
+# The prediction is *above* what the paper measured. The cost model prices each kernel at the rate published
+# measurements of the A100 give its shape (cuBLAS's GEMMs, FlashAttention-2, STREAM's bandwidth), the collectives
+# at nccl-tests' bus bandwidth and the network cards' measured rate, and compute slowed while NCCL's kernels
+# share the SMs; each with the spread of its sources (the band printed with the step). But this GPT calls one
+# fused attention kernel (FlashAttention), where the paper's minGPT wrote its attention out: the (heads, s, s)
+# scores in memory, read and written several times. `tests/test_sim_papers.py` prices minGPT's own kernels on the
+# paper's cluster, which brings the prediction into the paper's band; `docs/differences.md` says what the model
+# leaves out. So a simulated rate is what *this* code would reach on that hardware; compare strategies with it
+# (as below), and compare it with a paper only with the paper's own kernels.
 #
 # Open the timeline in Perfetto:
 # `toolkit.trace.chrome.save_chrome(gpt3_sim.modelled_run, "gpt3.json")`, then ui.perfetto.dev.
@@ -330,24 +331,26 @@ toolkit.viz.scaling(scaling_rows, title="ZeRO's 7.5B model on DGX A100 nodes")
 # %% [markdown]
 # Plain data parallelism never fits: its 120 GB of model states per GPU do not shrink as GPUs are added (lesson
 # 03). ZeRO-3, one module at a time, waits for every all-gather: it pays the network on every layer and loses
-# most of its rate as the rings grow. FSDP prefetches: at 8 GPUs its gathers hide behind compute, but across
-# 128 nodes a unit's gather takes longer than the unit computes, so it loses rate too, far less than ZeRO-3.
-# HSDP keeps the gathers inside a node; only its all-reduce over the replicas crosses the network, behind the
-# next units' backward (as torch's FSDP runs it), and it keeps more of its rate than FSDP. What it pays instead
-# is memory and compute: a replica holds and updates 1/8 of the model where a fully sharded rank holds 1/1024. On
-# a slower network than the DGX's the balance tips further toward HSDP, the FSDP paper's finding (try `cluster=`
-# with a custom preset; `tests/test_sim_papers.py` checks it at a tenth of the paper's network). The cell below
-# checks each sentence of this paragraph about the numbers above against them.
+# most of its rate as the rings grow. FSDP prefetches: at 8 GPUs its gathers hide behind compute, and across 128
+# nodes (eight network cards per node, each at its measured rate in NCCL) they still mostly do: it keeps its
+# rate. HSDP keeps the gathers inside a node; only its all-reduce over the replicas crosses the network, behind
+# the next units' backward (as torch's FSDP runs it). What it pays instead is memory and compute: a replica holds
+# and updates 1/8 of the model where a fully sharded rank holds 1/1024, so its optimizer step is over a hundred
+# times FSDP's, and on the DGX's network it keeps less of its rate than FSDP does. On a slower network the
+# balance tips toward HSDP, the FSDP paper's finding (try `cluster=` with a custom preset; `tests/test_sim_papers.py`
+# checks it at a tenth of the paper's network). The cell below checks each sentence of this paragraph about the
+# numbers above against them.
 
 # %%
 at = {(r["label"], r["world_size"]): r for r in scaling_rows}
 change = {k: at[k, WORLDS[-1]]["tflops_per_gpu"] / at[k, WORLDS[0]]["tflops_per_gpu"] - 1 for k in STRATEGIES if k != "ddp"}
 assert not any(at["ddp", w]["fits"] for w in WORLDS) and at["ddp", WORLDS[0]]["states"] > 100 * GB
-assert change["zero3"] < -0.5 and change["zero3"] < change["fsdp"] < -0.1
+assert change["zero3"] < -0.5 and change["zero3"] < change["fsdp"] and abs(change["fsdp"]) < 0.1
 assert at["fsdp", 8]["breakdown"]["exposed_comm"] < 0.1 * at["fsdp", 8]["step_time"]
-assert change["hsdp"] > change["fsdp"] and at["hsdp", 1024]["tflops_per_gpu"] > at["fsdp", 1024]["tflops_per_gpu"]
+assert at["fsdp", 1024]["breakdown"]["exposed_comm"] < 0.2 * at["fsdp", 1024]["step_time"]
+assert change["hsdp"] < change["fsdp"] and at["hsdp", 1024]["tflops_per_gpu"] < at["fsdp", 1024]["tflops_per_gpu"]
 assert at["hsdp", 1024]["states"] > at["fsdp", 1024]["states"]
-assert at["hsdp", 1024]["breakdown"]["compute"] > at["fsdp", 1024]["breakdown"]["compute"]
+assert at["hsdp", 1024]["breakdown"]["optimizer"] > 100 * at["fsdp", 1024]["breakdown"]["optimizer"]
 print({k: f"{v:+.0%}" for k, v in change.items()})
 
 # %% [markdown]

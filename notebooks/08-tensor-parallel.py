@@ -361,8 +361,7 @@ assert two_d["peak_memory"]["activations"] > 8 * fsdp_alone["peak_memory"]["acti
 # sequence each: "cannot" above means there is no sequence for some GPUs, not that memory ran out); with
 # TP(8) inside the nodes, the same batch spreads over 1,024 GPUs (4 sequences per 8-GPU replica) and the
 # step is faster than FSDP's best. That, and a model too large to gather one layer of, is why GPT-3-class
-# models train in 2D or 3D (pipeline parallelism is the next lesson). The cost model will improve
-# (per-operation GEMM efficiency); the reasoning stays.
+# models train in 2D or 3D (pipeline parallelism is the next lesson).
 #
 # **Memory is the price.** Every case fits in an A100's 80 GB, but FSDP + TP(8) at 512 GPUs peaks higher
 # than FSDP alone, and almost all of it is activations, more than 8 times FSDP's: every GPU of a tp group
@@ -383,24 +382,27 @@ print(f"batch   512,   512 GPUs, FSDP + TP(8) + SP: peak {bytes_text(sp['peak'])
 assert kept_inputs / 8 < sp["peak_memory"]["activations"] < 1.1 * kept_inputs / 8
 
 # %% [markdown]
-# **The cliff.** A tensor-parallel group should stay inside a node. At tp = 16 on 8-GPU nodes each
-# all-reduce crosses the network (the simulator allows it, and warns). How steep the drop is depends on the
-# network: a DGX A100 has one 200 Gb/s card per GPU, so a 16-wide ring runs 8 rings at once over 8 cards;
-# a node with a single card shares it among its 8 GPUs (a custom cluster, same GPUs and NVLink):
+# **The cliff.** A tensor-parallel group should stay inside a node. To see where the step falls off, take one
+# tensor-parallel group alone (no data parallelism, so nothing else crosses the network), GPT-3's width, 8
+# sequences, and widen it from 4 to 32 GPUs. On DGX A100 nodes the collectives run at the bus bandwidth
+# nccl-tests measure inside a node, and between nodes at eight 200 Gb/s cards' rate in NCCL (one per GPU, 24 GB/s
+# each, `toolkit.sim.published`); the same nodes with a single card for their 8 GPUs are the other case:
 
 # %%
 import warnings  # noqa: E402
 
-ONE_CARD = dict(name="one card per node", gpu="a100-80gb", gpus_per_node=8, intra=("300 GB/s", "3.4 us"),
-                inter=("25 Gb/s", "9.6 us"))  # 200 Gb/s per node = 25 Gb/s per GPU
+from toolkit.comm.emulate import Link  # noqa: E402
+from toolkit.sim import cluster_of  # noqa: E402
+
+DGX = cluster_of("dgx-a100")
+ONE_CARD = DGX.with_changes(name="one card per node", inter=Link(25e9 / 8, 9.6e-6))  # 200 Gb/s shared by 8 GPUs
 cliff = {}
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    for network in ("dgx-a100", ONE_CARD):
-        for tp in (8, 16):
-            cliff[(str(network.get("name") if isinstance(network, dict) else network), tp)] = simulate(
-                GPT3, "fsdp", 1024, batch_per_rank=tp // 2, tp=tp, forward_prefetch=True,
-                **dict(common, cluster=network))
+    for network in (DGX, ONE_CARD):
+        for tp in (4, 8, 16, 32):
+            cliff[(network.name, tp)] = simulate(GPT3, "ddp", tp, batch_per_rank=8, tp=tp,
+                                                 **dict(common, cluster=network))
 print(caught[0].message if caught else "no warning")
 
 
@@ -410,20 +412,25 @@ def tp_collectives_of(sim, tp):
     return sum(e["end"] - e["start"] for e in mine), sum(e["args"]["bytes_sent"] for e in mine)
 
 
-speed = {}
+speed, rate, exposed = {}, {}, {}
 for (network, tp), sim in cliff.items():
     seconds, sent = tp_collectives_of(sim, tp)
-    speed[(network, tp)] = sent / seconds
-    print(f"{network:<18} tp={tp:<3} tp collectives {seconds * 1e3:6.1f} ms for {sent / 1e9:5.2f} GB sent: "
-          f"{sent / seconds / 1e9:6.1f} GB/s; the 2-layer step {sim.step_time * 1e3:5.0f} ms")
-assert speed[("dgx-a100", 16)] < speed[("dgx-a100", 8)]
-assert speed[("one card per node", 16)] < speed[("one card per node", 8)] / 5
+    speed[(network, tp)], rate[(network, tp)] = sent / seconds, sim.tflops_per_gpu
+    exposed[(network, tp)] = sim.breakdown["exposed_comm"] / sim.step_time
+    print(f"{network:<18} tp={tp:<3} {sim.tflops_per_gpu:4.0f} TFLOP/s per GPU; tp collectives at "
+          f"{sent / seconds / 1e9:5.1f} GB/s, {exposed[(network, tp)]:4.0%} of the step exposed")
+dgx, one = DGX.name, ONE_CARD.name
+assert rate[(dgx, 8)] < rate[(dgx, 4)] and rate[(dgx, 16)] < 0.85 * rate[(dgx, 8)]  # the drop doubles past the node
+assert rate[(dgx, 4)] - rate[(dgx, 8)] < rate[(dgx, 8)] - rate[(dgx, 16)]
+assert exposed[(dgx, 16)] > 1.5 * exposed[(dgx, 8)] and speed[(dgx, 16)] < speed[(dgx, 8)]
+assert rate[(one, 16)] < rate[(one, 8)] / 2.5 and speed[(one, 16)] < speed[(one, 8)] / 5
 
 # %% [markdown]
-# Crossing nodes, the tensor-parallel bytes that stayed on NVLink at tp = 8 go over the network, on the
-# critical path. On the DGX's eight cards the rings still run eight at once and the rate drops modestly;
-# with one card per node it drops several-fold (the GB/s above). (The whole step need not slow by as much:
-# at tp = 16 the FSDP traffic over the replicas halves.) Megatron keeps tp <= GPUs per node and puts
+# Inside a node each doubling of tp halves a GPU's share of the matmuls while the bytes each all-reduce moves
+# stay the same (a replica's activations), so the exposed share grows and the per-GPU rate eases down. Past the
+# node it falls off: on the DGX the all-reduces now cross the network at eight cards' rate, below NVLink's,
+# and the rate drops by a fifth or more at each doubling; with one card per node the collectives run an order
+# of magnitude slower and the rate collapses to a third or less. Megatron keeps tp <= GPUs per node and puts
 # pipeline or data parallelism across nodes. Where the toolkit's tensor parallelism differs from Megatron-LM's
 # and torch's: `docs/differences.md`. Next: `labs/11-tensor-parallel`, then lesson 09, pipeline parallelism,
 # the other form of model parallelism.

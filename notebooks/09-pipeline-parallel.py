@@ -50,7 +50,7 @@ def dry_run(name, pp, m, v=1):
     actions = schedules.build(name, pp, m, v)
     split = schedules.splits_backward(actions)
     return bubble.ideal_run(lowering.replay(lowering.lower(actions, pp, tied=True), lowering.unit_cost(split, v)),
-                            {"schedule": name, "pp": pp, "microbatches": m})
+                            {"schedule": name, "pp": pp, "microbatches": m, "virtual_stages": v})
 
 
 # %% [markdown]
@@ -128,6 +128,20 @@ idle = {name: span - busy[0] for name, (busy, span) in idle.items()}
 assert idle == {"1f1b": 9.0, "interleaved": 4.5, "zb-h1": 3.0}  # 3(p-1) units; halved at v = 2; a third for ZB-H1
 
 # %% [markdown]
+# Interleaving once needed m to be a multiple of p (the micro-batches went through a rank's stages p at a time).
+# Megatron-core lifts that: they go in groups of g, g = p when p divides m, else the least g whose last group is
+# empty or holds at least p (a smaller last group would leave stages waiting on one another). At p = 4, m = 6 that
+# is one group of 6, and the dry run still gives the formula:
+
+# %%
+odd = dry_run("interleaved", 4, 6, 2)
+toolkit.viz.pipeline_timeline(odd, formula=bubble.formula_bubble("interleaved", 4, 6, 2)).show()
+print(f"interleaved, p = 4, m = 6, v = 2: groups of {schedules.group_size(4, 6)}; dry run "
+      f"{bubble.measured_bubble(odd)[0]:.1%}, formula {bubble.formula_bubble('interleaved', 4, 6, 2):.1%}")
+assert schedules.group_size(4, 6) == 6 and schedules.group_size(4, 8) == 4
+assert abs(bubble.measured_bubble(odd)[0] - bubble.formula_bubble("interleaved", 4, 6, 2)) < 1e-12
+
+# %% [markdown]
 # The table's lesson: **the bubble falls as 1/m**, from 43% with m = p = 4 to 9% with m = 32, so pipelines
 # want many micro-batches. Per step, 1F1B idles 3(p - 1) units (a forward is 1); interleaving at v = 2 halves
 # that, ZB-H1 divides it by three.
@@ -153,32 +167,80 @@ PP_RUNS = {name: launch_train(TrainConfig(strategy="local", steps=3, global_batc
 toolkit.viz.pipeline_timeline(PP_RUNS["1f1b"], formula=bubble.formula_bubble("1f1b", 2, 4)).show()
 
 # %% [markdown]
-# On a real machine the stages are not equal (the first holds the embedding, the last the head and the
-# loss), actions do not take what the textbook says, and sends and receives take time of their own. So
-# the measured bubble differs from the formula. To see which part is the schedule's, replay the run's own
-# actions with their **measured** durations and free communication: that is the bubble this schedule
-# cannot avoid with these stages; what the real step adds on top of it is the time of the sends, the
-# receives and the Python between actions. (The replay is a lower bound: a real rank cannot start an
-# action earlier than the replay does.)
+# And the interleaved schedule for real, with a number of micro-batches that pp does not divide: 2 ranks, 2 stages
+# each (one block per stage), 3 micro-batches in one group. Each rank runs its actions in the schedule's order:
 
 # %%
-def replayed_span(run, pp, name):
-    """The last step replayed with each action's measured duration and free communication (ms)."""
-    spans = [e for e in run.events if e["cat"] == "compute" and "action" in e["args"]
-             and e["args"]["step"] == run.config["steps"] - 1]
-    took = {(e["args"]["action"], e["args"]["micro"], e["args"]["stage"]): e["end"] - e["start"] for e in spans}
-    actions = schedules.build(name, pp, 4)
-    timeline = lowering.replay(lowering.lower(actions, pp, tied=True), lambda a: took[(a.kind, a.micro, a.stage)])
-    real = max(e["end"] for e in spans) - min(e["start"] for e in spans)
-    return lowering.busy_and_span(timeline)[1] * 1e3, real * 1e3
+ODD = launch_train(TrainConfig(strategy="local", steps=2, global_batch_size=6, model=MODEL, progress=False,
+                               options={"pp": 2, "microbatches": 3, "schedule": "interleaved", "virtual_stages": 2}), 2)
+toolkit.viz.pipeline_timeline(ODD, formula=bubble.formula_bubble("interleaved", 2, 3, 2)).show()
+for rank, mine in enumerate(schedules.build("interleaved", 2, 3, 2)):
+    ran = sorted((e for e in ODD.events if e["rank"] == rank and "action" in e["args"] and e["args"]["step"] == 1),
+                 key=lambda e: e["start"])
+    assert [(e["args"]["action"], e["args"]["micro"], e["args"]["stage"]) for e in ran] == [tuple(a) for a in mine]
 
+# %% [markdown]
+# The measured bubble is far above the formula's. The formula assumes three things a real step does not
+# give it: every stage's forward costs the same (F = 1) and its backward twice that (B = 2); sending a message
+# costs nothing; a rank does nothing but its actions. Take them away one at a time, measured on the run above:
+#
+# - **these stages**: replay the step's own programs with each action's *measured* duration and free messages
+#   (`bubble.replayed_bubble`). That is the bubble the schedule itself leaves with these stages: the first one
+#   also runs the embedding, the last the head and the loss, and a backward is not exactly two forwards.
+# - **the real step**: every moment a rank is not in an action is its bubble, and the trace says where it went
+#   (`bubble.step_breakdown`): *waiting* for a message (the mailbox's blocked receives), or *between* actions
+#   (sending and posting messages, the loss's all-reduce, Python). The two add up to the measured bubble.
+#
+# Below, side by side, as fractions of the step (the last of the 3):
 
+# %%
+import os  # noqa: E402
+import statistics  # noqa: E402
+
+M, P = 4, 2
+print(f"{'':14s} {'formula':>8s} {'these stages':>13s} {'real':>6s} = {'waiting':>8s} + {'between':>8s}")
 for name, run in PP_RUNS.items():
-    replayed, real = replayed_span(run, 2, name)
-    idle = bubble.measured_bubble(run)
-    print(f"{name}: step {real:.1f} ms, replayed with its own action times {replayed:.1f} ms; measured bubble "
-          f"{', '.join(f'rank {r} {b:.0%}' for r, b in idle.items())}; formula {bubble.formula_bubble(name, 2, 4):.0%}")
-    assert real >= replayed - 1.0  # a real step is never shorter than its replay (clocks agree within 1 ms)
+    programs = lowering.lower(schedules.build(name, P, M), P, tied=True)
+    formula, replayed = bubble.formula_bubble(name, P, M), bubble.replayed_bubble(run, programs)
+    real, parts = bubble.measured_bubble(run), bubble.step_breakdown(run)
+    for rank in range(P):
+        part = parts[rank]
+        print(f"{name:6s} rank {rank}: {formula:8.0%} {replayed[rank]:13.0%} {real[rank]:6.0%} = "
+              f"{part['waiting']:8.0%} + {part['between']:8.0%}")
+        assert abs(real[rank] - (part["waiting"] + part["between"])) < 1e-9  # every idle moment is one or the other
+        # the same busy time over the replay's step and the real one: the real step is never shorter than its
+        # replay (a real rank cannot start an action earlier than the replay does; the clocks agree to 1 ms)
+        spans = [e for e in run.events if e["cat"] == "compute" and "action" in e["args"] and e["args"]["step"] == 2]
+        step = max(e["end"] for e in spans) - min(e["start"] for e in spans)
+        assert (1 - real[rank]) * step / (1 - replayed[rank]) <= step + 1e-3
+    assert any(abs(replayed[r] - formula) > 1e-6 for r in range(P))  # these stages are not the textbook's
+
+# %% [markdown]
+# Read the table from the left. The replay's column differs from the formula's because these stages are not
+# the textbook's. The real step is never shorter than its replay (a real rank cannot start an action earlier
+# than the replay does), and its bubble is exactly the two right columns: time spent waiting for messages and
+# time between actions. How long a message takes next to an action is measured below, from the same step (each
+# message's time from its send to the end of the wait of a receiver that was already waiting for it).
+
+# %%
+for name, run in PP_RUNS.items():
+    spans = [e for e in run.events if e["cat"] == "compute" and "action" in e["args"] and e["args"]["step"] == 2]
+    action = statistics.median(e["end"] - e["start"] for e in spans)
+    latency = bubble.message_latency(run)
+    print(f"{name}: an action takes {action * 1e3:.2f} ms (median of {len(spans)}), a message "
+          f"{statistics.median(latency) * 1e3:.2f} ms ({len(latency)} measured) and the step sends "
+          f"{2 * M * (P - 1) + 2}")
+    assert len(spans) == (3 if name == "zb-h1" else 2) * M * P and latency and min(latency) > 0
+print(f"this machine: {os.cpu_count()} cores for the 2 ranks and their communication threads; load average "
+      f"{os.getloadavg()[0]:.1f} while it ran")
+
+# %% [markdown]
+# So the formula is the bubble of the *schedule*, and a real pipeline adds to it what its stages, its messages and
+# its machine cost. Here the two ranks share this machine's cores with gloo's communication threads and with
+# whatever else runs (the load average above), so the actions are timed under that sharing, and every message and
+# every Python line between actions is paid by a rank that could have computed. The larger a micro-batch's work
+# next to a message, the closer the real bubble comes to the replay's; what then remains is the stages' imbalance,
+# which Megatron-LM treats by giving the first and the last stage fewer layers.
 
 # %% [markdown]
 # ## 4. Activation memory per stage
@@ -242,43 +304,87 @@ for rank, found in enumerate(PEAKS):
 # | ZeRO-2 (keeps only a slice: reduce-scatters every micro-batch) | m + 1 |
 # | ZeRO-3 (gathers each module for every micro-batch's forward and backward) | **3m** |
 # | FSDP (no_sync: full gradients kept, reduced once; units gathered per micro-batch) | 2m + 1 |
+# | FSDP, `reshard_after_forward=False` (units kept gathered from the first forward to the last backward) | **2** |
 #
-# Below, one step of each at dp 2 x pp 2 (4 ranks), m = 4: bytes rank 0 sent to its dp peer, measured, over
+# Below, one step of each at dp 2 x pp 2 (4 ranks), m = 4: bytes rank 0 sent to its dp peers, measured, over
 # ZeRO-1's.
 
 # %%
 def dp_bytes(strategies):
-    """Bytes rank 0 sent in its data-parallel group during the second of two steps, per strategy."""
+    """Bytes rank 0 sent in its data-parallel group during the second of two steps, per strategy; and, for FSDP with
+    its units kept gathered or not, the ledger's parameter bytes after each action of that step and the units."""
     import torch.distributed as dist
 
+    from toolkit.comm import group_ranks
+    from toolkit.memory import ledger
+    from toolkit.models import SyntheticCorpus, tiny_gpt
+    from toolkit.parallel import mesh
     from toolkit.train import train
 
+    dp_group = group_ranks(mesh.group(mesh.build(pp=2), "dp"))  # this rank's stage's replicas
     out = {}
-    for name in strategies:
-        run = train(TrainConfig(strategy=name, steps=2, global_batch_size=16, model=MODEL, progress=False,
-                                sample_memory=False, options={"pp": 2, "microbatches": 4}))
+    for name, options in strategies.items():
+        run = train(TrainConfig(strategy=name.split(",")[0], steps=2, global_batch_size=16, model=MODEL,
+                                progress=False, sample_memory=False, options={"pp": 2, "microbatches": 4, **options}))
         first_step_end = next(e["end"] for e in run.events if e["name"] == "optimizer" and e["args"]["step"] == 0)
-        out[name] = sum(e["args"]["bytes_sent"] for e in run.events if e["cat"] == "comm" and e["start"] > first_step_end
-                        and e["args"]["group"] == DP_GROUP)  # the ranks that hold rank 0's stage
+        out[name] = sum(e["args"]["bytes_sent"] for e in run.events if e["cat"] == "comm"
+                        and e["start"] > first_step_end and e["args"]["group"] == dp_group)
+    for keep in (False, True):
+        torch.manual_seed(0)
+        model, opt = toolkit.parallel.wrap(tiny_gpt(**MODEL), "fsdp", pp=2, microbatches=4,
+                                           reshard_after_forward=not keep)
+        batch = SyntheticCorpus().batch(0, 16, rank=model.mesh.get_local_rank("dp"), world_size=2)
+        params: list = []
+        for step in range(2):
+            if step == 1:
+                model.driver.observers.append(lambda action, model=model, opt=opt, params=params: params.append(
+                    ledger(model, opt)["params"]))
+            model.forward_backward(*batch)
+            opt.step()
+            opt.zero_grad()
+        units = [u for stage in model.stages.values() for u in stage.describe()]
+        out[("memory", keep)] = (params, sum(u["shard_numel"] for u in units), sum(u["padded_numel"] for u in units))
     return out if dist.get_rank() == 0 else None
 
 
-DP_GROUP = toolkit.parallel.mesh.layout(4, pp=2).group_of(0, "dp")  # [0, 1]: stage 0 on ranks 0 and 1
-DP_BYTES = toolkit.launch(dp_bytes, 4, args=(("zero1", "zero2", "zero3", "fsdp"),))[0]
-M = 4
-for name, expected in (("zero1", 2), ("zero2", M + 1), ("zero3", 3 * M), ("fsdp", 2 * M + 1)):
+STRATEGIES = {"zero1": {}, "zero2": {}, "zero3": {}, "fsdp": {},
+              "fsdp, kept gathered": {"reshard_after_forward": False}}
+DP_BYTES = toolkit.launch(dp_bytes, 4, args=(STRATEGIES,))[0]
+MICRO = 4  # dp_bytes's micro-batches
+FORMULA = {"zero1": 2, "zero2": MICRO + 1, "zero3": 3 * MICRO, "fsdp": 2 * MICRO + 1, "fsdp, kept gathered": 2}
+for name, expected in FORMULA.items():
     ratio = DP_BYTES[name] / DP_BYTES["zero1"] * 2
-    print(f"{name}: {DP_BYTES[name] / 1e3:8.1f} kB per step = {ratio:5.2f} x Ψ(N-1)/N  (formula {expected})")
+    print(f"{name:20s}: {DP_BYTES[name] / 1e3:8.1f} kB per step = {ratio:5.2f} x Ψ(N-1)/N  (formula {expected})")
     assert abs(ratio - expected) / expected < 0.01  # flat buffers pad each slice to a multiple of N: < 1%
 
 # %% [markdown]
 # The lesson of the table: **under a pipeline, sharding the gradients and the parameters costs m times
 # over**. ZeRO-1 talks once per step whatever m is, which is why Megatron-LM pairs pipelines with its
 # distributed optimizer (ZeRO-1). ZeRO-3 gathers every module for every micro-batch: with m = 4 it moves
-# 6 times ZeRO-1's bytes. torchtitan's FSDP + PP keeps the reduce-scatter to one per step (it runs the
-# micro-batches' backwards under `no_sync`, paying the full gradients' memory) but still gathers per
-# micro-batch. The same holds with tensor parallelism inside each stage: `wrap(model, "zero1", tp=2, pp=2)`
-# on 8 ranks (tests/test_pipeline.py trains it against one process).
+# 6 times ZeRO-1's bytes. FSDP keeps the reduce-scatter to one per step (it runs the micro-batches' backwards
+# under `no_sync`, paying the full gradients' memory) but by default still gathers twice per micro-batch.
+# torchtitan's default under pp is the last row: `reshard_after_forward=False`, and torch's pipeline stage tells
+# FSDP2 not to free the units after any backward but the last, so each unit is gathered once per step and FSDP
+# moves what ZeRO-1 moves. The price is memory: the stage's parameters are held whole for the whole step. The
+# ledger, sampled after every action of rank 0's step, against that formula (the fp32 shards, plus every unit's
+# whole fp32 buffer while it is kept):
+
+# %%
+for keep in (False, True):
+    params, shard_numel, padded_numel = DP_BYTES[("memory", keep)]
+    formula = 4 * shard_numel + (4 * padded_numel if keep else 0)
+    print(f"fsdp{', kept gathered' if keep else '':15s}: parameter bytes after each action "
+          f"{sorted(set(params))} (formula between actions {formula:,}: shards {4 * shard_numel:,}"
+          f"{f' + whole units {4 * padded_numel:,}' if keep else ''})")
+    assert params[:-1] == [formula] * (len(params) - 1)  # every action but the last: exactly the formula
+    assert params[-1] == 4 * shard_numel  # the last backward frees the units either way
+
+# %% [markdown]
+# Rank 0's stage holds the embedding and the first two blocks: kept gathered, its parameters take the whole
+# stage's bytes on top of the shards from the first forward to the last backward, where by default they take
+# the shards alone between actions. Which to choose is the classic trade: one all-gather of the stage per step and
+# ZeRO-2-like parameter memory, or 2m all-gathers and ZeRO-3's. The same holds with tensor parallelism inside each
+# stage: `wrap(model, "zero1", tp=2, pp=2)` on 8 ranks (tests/test_pipeline.py trains it against one process).
 #
 # **Further.** Checkpoints are layout-free: save at dp 2 x pp 2, load at pp 1 or at tp 2 x pp 2, bit for
 # bit (`toolkit.parallel.checkpoint.save_full / load_full`). Bad input is said before training starts: a

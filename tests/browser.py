@@ -179,10 +179,16 @@ class Lab:
 
 # --- a lesson in the page ------------------------------------------------------------------------------
 def open_lesson(page, lab: Lab, notebook: str) -> None:
+    """Open a lesson and wait for its kernel; it must open as stored: no dialog (a "Select Kernel" one), and the
+    tab not marked modified before anything ran (toolkit_lessons.open_as_saved)."""
     page.goto(lab.url(notebook))
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
     page.wait_for_function("() => { const bar = document.querySelector('.jp-StatusBar-Left'); "
                            "return bar && bar.innerText.includes('Idle'); }", timeout=120_000)
+    dialogs = page.locator(".jp-Dialog").all_inner_texts()
+    assert not dialogs, f"JupyterLab opened {notebook} with a dialog: {dialogs}"
+    page.wait_for_timeout(1000)  # the kernel's info has reached the notebook by now: the moment it marked it
+    assert not page.locator(".jp-mod-current.jp-mod-dirty").count(), f"{notebook} is marked modified on opening"
 
 
 def _prompts(page) -> list[str]:

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 import foreign_models as fm
+import torch
 
 STEPS, BATCH, LR = 2, 8, 0.05
 TOLERANCE = 2e-5  # fp32: only the order of sums differs (tensor-parallel partial sums, micro-batch accumulation)
@@ -31,34 +30,37 @@ def tp(name: str, **more) -> dict:
 
 
 def layouts(name: str, world: int) -> list:
-    """(label, strategy, options, expert_parallel) for one model at one world size."""
+    """(label, strategy, options, expert_parallel: None or its options) for one model at one world size."""
     moe = name in ("mixtral", "qwen2_moe")
     if world == 2:
-        rows = [(s, s, {}, False) for s in STRATEGIES]
-        rows += [("tp", "local", tp(name), False), ("pp", "local", dict(pp=2, microbatches=2), False)]
-        rows += [("ep (ddp)", "ddp", {}, True)] if moe else []
+        rows = [(s, s, {}, None) for s in STRATEGIES]
+        rows += [("tp", "local", tp(name), None), ("pp", "local", dict(pp=2, microbatches=2), None)]
+        if moe:  # the experts split over the two ranks, plainly, shadowed (FasterMoE) and pipelined (Tutel)
+            rows += [("ep (ddp)", "ddp", {}, {}), ("ep + shadowing", "ddp", {}, dict(shadow=[0, 3])),
+                     ("ep + pipelined all-to-all", "dp", {}, dict(pipeline_degree=2))]
         return rows
     if world == 4:
-        return [("hsdp", "fsdp", dict(sharding_group_size=2), False),
-                ("dp x pp", "ddp", dict(pp=2, microbatches=2), False),
-                ("tp x pp", "local", tp(name, pp=2, microbatches=2), False),
-                ("fsdp x tp", "fsdp", tp(name), False)]
+        return [("hsdp", "fsdp", dict(sharding_group_size=2), None),
+                ("dp x pp", "ddp", dict(pp=2, microbatches=2), None),
+                ("tp x pp", "local", tp(name, pp=2, microbatches=2), None),
+                ("fsdp x tp", "fsdp", tp(name), None)]
     if world == 8:
-        return [("3D", "ddp", tp(name, pp=2, microbatches=2), False)]
+        return [("3D", "ddp", tp(name, pp=2, microbatches=2), None)]
     raise ValueError(world)
 
 
-def build(name: str, expert_parallel: bool, config=None):
+def build(name: str, expert_parallel: dict | None, config=None):
     model = fm.hf_model(name)
-    if expert_parallel:
+    if expert_parallel is not None:
         from toolkit.moe.hf import expert_parallel as ep
 
-        ep(model)
+        ep(model, **expert_parallel)
     return model
 
 
-def reference(name: str) -> dict:
-    """Plain torch: the model as it comes, its own forward and loss on each whole batch, SGD, one process."""
+def reference(name: str, losses: list | None = None) -> dict:
+    """Plain torch: the model as it comes, its own forward and loss on each whole batch, SGD, one process; the
+    final parameters (and each step's loss appended to `losses`)."""
     from toolkit.models.protocol import recognise
 
     model = fm.hf_model(name)
@@ -75,11 +77,14 @@ def reference(name: str) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if losses is not None:
+            losses.append(loss.item())
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def train_layouts(name: str, world: int) -> dict:
-    """On every rank: each layout trained STEPS steps; {label: max |difference| from plain torch} on rank 0."""
+    """On every rank: each layout trained STEPS steps; {label: the largest difference from plain torch, of the final
+    weights and of each step's loss} on rank 0."""
     import torch.distributed as dist
 
     out = train_rows(name, layouts(name, world))
@@ -89,7 +94,8 @@ def train_layouts(name: str, world: int) -> dict:
 def train_rows(name: str, rows: list) -> dict:
     from toolkit.train import TrainConfig, train
 
-    expected = reference(name)
+    losses = []
+    expected = reference(name, losses)
     out = {}
     for label, strategy, options, ep in rows:
         config = TrainConfig(strategy=strategy, options=options, steps=STEPS, global_batch_size=BATCH, lr=LR,
@@ -99,8 +105,11 @@ def train_rows(name: str, rows: list) -> dict:
         if set(state) != set(expected):
             out[label] = f"keys differ: {sorted(set(state) ^ set(expected))[:4]}"
             continue
-        out[label] = max((state[n].float() - v).abs().max().item() for n, v in expected.items())
+        weights = max((state[n].float() - v).abs().max().item() for n, v in expected.items())
+        loss = max(abs(got - want) for (_, got), want in zip(run.metric("loss"), losses))  # each step's
+        out[label] = max(weights, loss)
         out[label + " convention"] = run.meta["model"]["convention"]
+        out[label + " moe"] = sorted({m["name"].rsplit("/", 1)[1] for m in run.metrics if m["name"].startswith("moe/")})
     return out
 
 
@@ -112,8 +121,8 @@ SIM_SIZES = {
                  max_position_embeddings=256),
     "vit": dict(image_size=224, patch_size=16, hidden_size=1024, intermediate_size=4096, num_attention_heads=16),
 }
-DECODER = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_attention_heads=16, num_key_value_heads=8,
-               max_position_embeddings=256)
+DECODER = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_attention_heads=16,
+               num_key_value_heads=8, max_position_embeddings=256)
 
 
 def sim_model(name: str):

@@ -129,14 +129,14 @@ def test_each_hugging_face_model_is_recognised_by_its_calling_convention():
 def hf_layouts_and_deferred_init():
     """Llama through ddp, fsdp, tp (its own plan) and pp (split automatically), held to plain torch; then built on
     meta and wrapped by fsdp with the model's own init: parameters and buffers as the model's own init gives them."""
+    import hf_matrix
     import torch.distributed as dist
 
-    import hf_matrix
     from toolkit.parallel import full_state_dict, wrap
     from toolkit.parallel.fsdp_init import initialize, own_init
 
     rows = [r for r in hf_matrix.layouts("llama", 2) if r[0] in ("ddp", "fsdp", "tp", "pp")]
-    diffs = {k: v for k, v in hf_matrix.train_rows("llama", rows).items() if not k.endswith("convention")}
+    diffs = {k: v for k, v in hf_matrix.train_rows("llama", rows).items() if not k.endswith(("convention", "moe"))}
     with torch.device("meta"):
         deferred = fm.hf_model("llama")
     model, _ = wrap(deferred, "fsdp", optimizer=OPTIMIZER, param_init_fn=own_init(deferred, seed=3))
@@ -157,15 +157,23 @@ def test_a_hugging_face_llama_trains_as_plain_torch_and_inits_deferred(no_leftov
 
 
 @hf
-def test_hugging_face_models_simulate_at_512_ranks_with_buffers_and_routing():
+def test_hugging_face_models_simulate_at_512_ranks_with_buffers_and_routing(capsys):
     from toolkit.sim import simulate
 
     for name, strategy, options in (("llama", "fsdp", {}), ("mixtral", "ddp", {}), ("bert", "zero3", dict(pp=2)),
                                     ("vit", "ddp", dict(tp=2, tp_plan={"vit.layers.*.mlp.fc1": "colwise",
                                                                        "vit.layers.*.mlp.fc2": "rowwise"}))):
-        sim = simulate(lambda: fm.hf_model(name), strategy, 512, batch_per_rank=2, progress=False, steps=1, **options)
+        sim = simulate(functools.partial(fm.hf_model, name), strategy, 512, batch_per_rank=2, progress=False,
+                       steps=1, **options)
         assert sim.num_params == sum(p.numel() for p in fm.hf_model(name).parameters()), name
     assert sim.seq_len == (16 // 4) ** 2 + 1  # a ViT's tokens: its patches and the class token
+    split = ("pipeline split of BertForMaskedLM (bert-like, 2 layers over 2 stages): stage 0: embedding + "
+             "bert.encoder.layer.0 | stage 1: bert.encoder.layer.1 + final norm, head and loss")
+    assert split in capsys.readouterr().out
+    with pytest.raises(ValueError, match="a loss_fn cannot be used"):
+        from toolkit.train import TrainConfig, train
+
+        train(TrainConfig(options={"pp": 2}), loss_fn=lambda m, x, y: m(x, y))
 
 
 @hf
@@ -188,6 +196,7 @@ def test_a_hugging_face_moe_made_expert_parallel_computes_what_the_model_does_an
     from toolkit import viz
     from toolkit.moe.hf import expert_parallel
     from toolkit.train import TrainConfig, train
+    from toolkit.viz.expert_load import load_rows
 
     for name in ("mixtral", "qwen2_moe"):
         plain, ep = fm.hf_model(name), expert_parallel(fm.hf_model(name))
@@ -200,6 +209,45 @@ def test_a_hugging_face_moe_made_expert_parallel_computes_what_the_model_does_an
         assert max((p.grad - q.grad).abs().max().item() for p, q in zip(plain.parameters(), ep.parameters())) < 1e-6
     run = train(TrainConfig(steps=2, progress=False), model_fn=lambda config: expert_parallel(fm.hf_model("mixtral")))
     figure = viz.expert_load(run, "model.layers.0.mlp.experts")
-    counts = [row["counts"] for row in viz.expert_load.__globals__["load_rows"](run, "model.layers.0.mlp.experts")]
+    counts = [row["counts"] for row in load_rows(run, "model.layers.0.mlp.experts")]
     assert len(counts) == 2 and all(sum(c) == 8 * fm.SEQ * 2 for c in counts)  # every (token, choice), top-2
     assert figure.data[0].z is not None
+
+
+@hf
+def test_the_command_line_simulates_a_hugging_face_config(tmp_path, capsys):
+    from toolkit.sim.cli import main
+
+    fm.hf_config("llama", architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path / "llama")
+    assert main(["--model", str(tmp_path / "llama"), "--strategy", "zero3", "--world-size", "64", "--cluster", "none",
+                 "--seq-len", "32", "--out", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    params = sum(p.numel() for p in fm.hf_model("llama").parameters())  # 22,688: "22.7K"
+    assert f"{params / 1e3:.1f}K parameters, batch 1 x 32" in out, out
+    assert list((tmp_path / "runs").glob("sim-llama-zero3-64*-run.json"))  # named by the config's folder
+    with pytest.raises(SystemExit, match="2"):
+        main(["--model", "no-such-model", "--cluster", "none", "--out", str(tmp_path)])
+    assert "neither a preset" in capsys.readouterr().err
+
+
+@hf
+def test_a_pipelines_three_parts_compute_what_the_hugging_face_model_computes():
+    """embed, each layer called as layer(h) (its mask, positions and rotary added from h), head_loss: the model's
+    own logits and loss, for every family. Weights drawn wide (std 0.5) so positions and masks matter."""
+    from toolkit.models.hf_pipeline import pipelined
+    from toolkit.models.protocol import recognise
+
+    for name in fm.HF_MODELS:
+        model = fm.hf_model(name, initializer_range=0.5)
+        convention = recognise(model)
+        x, y = convention.data(model, vocab_size=fm.VOCAB, seq_len=fm.SEQ).batch(0, 2)
+        want = convention.loss(model, x, y)
+        logits = model(**({"pixel_values": x} if name == "vit" else {"input_ids": x})).logits
+        pipelined(model)
+        h = model.embed(x)
+        assert h.shape == model.hidden_shape(x.shape)
+        for layer in model.get_submodule(model._pipeline_family.layers(model)):
+            out = layer(h)
+            h = out[0] if isinstance(out, tuple) else out
+        assert torch.allclose(model.head_loss(h, None), logits, atol=1e-5), name
+        assert torch.allclose(model.head_loss(h, y), want, atol=1e-6), name

@@ -137,6 +137,9 @@ def check_report(page, path, name: str) -> None:
         if trace in palette:
             assert colour == {palette[trace]}, (trace, colour)
     assert {"forward", "backward", "optimizer", "all_reduce", "all_gather", "reduce_scatter"} <= set(seen)
+    greys = {style.shade(style.COMPUTE["wait"], k) for k in range(7)}  # a grey says "wait", in every figure
+    assert all(name.startswith("wait") for name, used in seen.items() if used & greys), seen
+    check_numbers_read(page)
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.set_viewport_size({"width": 1280, "height": 900})
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
@@ -147,6 +150,36 @@ def check_report(page, path, name: str) -> None:
                          <feColorMatrix type="matrix" values="${m}"/></filter>`;
         document.body.appendChild(svg); document.body.style.filter = 'url(#cvd)'; }""", matrix)
     page.screenshot(path=str(SHOTS / f"{name}-deuteranopia.png"), full_page=True)
+
+
+def check_numbers_read(page) -> None:
+    """What the trial found hard to read, each checked where it was: no "0.000 GB/s" cell (a small message's
+    rate in kB/s), at most six labels on a log axis (plotly's own put 2 ... 9 in every decade), the bytes chart
+    in the table's unit, and every label inside a bar within its bar (not clipped)."""
+    text = page.inner_text("body")
+    assert not re.search(r"(?<![\d.])0\.0\d* [kMGT]?B/s", text), re.findall(r".{40}0\.0\d* [kMGT]?B/s", text)[:3]
+    axes = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')].flatMap(gd =>
+        [...gd.querySelectorAll('.cartesianlayer .subplot')].flatMap(sp => {
+            const id = [...sp.classList].find(c => /^x\\d*y\\d*$/.test(c));
+            return id.match(/[xy]\\d*/g).map(a => {
+                const axis = gd._fullLayout[a[0] + 'axis' + a.slice(1)];
+                const ticks = gd.querySelectorAll(`.${a[0]}axislayer-above .${a[0]}tick`);
+                return [gd.querySelector('.gtitle') && gd.querySelector('.gtitle').textContent, a,
+                        axis && axis.type, [...ticks].filter(t => t.getAttribute('transform')).length]; }); }))""")
+    crowded = [a for a in axes if a[2] == "log" and a[3] > 6]
+    assert any(a[2] == "log" for a in axes) and not crowded, crowded
+    units = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')].filter(gd =>
+        (gd.layout.title.text || '').startsWith('Bytes each rank sends')).map(gd => gd.layout.yaxis.title.text)""")
+    headers = page.eval_on_selector_all("th", "els => els.map(e => e.innerText)")
+    assert units and all(u.split()[0] in " ".join(headers) for u in units), (units, headers)
+    clipped = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot .barlayer .point')].flatMap(p => {
+        const label = p.querySelector('text'), bar = p.querySelector('path');
+        if (!label || !bar || !label.textContent) return [];
+        const t = label.getBoundingClientRect(), b = bar.getBoundingClientRect();
+        if (t.width === 0 || getComputedStyle(label).opacity === '0') return [];
+        return (t.left < b.left - 1 || t.right > b.right + 1 || t.top < b.top - 2 || t.bottom > b.bottom + 2)
+            ? [label.textContent] : []; })""")
+    assert not clipped, f"bar labels wider than their bars: {clipped[:5]}"
 
 
 @pytest.mark.timeout(300)

@@ -5,8 +5,9 @@
 - The ring's traffic: forward, each rank sends its keys and values cp-1 times, (cp-1)/cp of the whole sequence's
   K and V; backward, the keys and values again and their gradient (fp32, as accumulated): 2(cp-1)/cp of them;
   only to the next rank, only from the previous one.
-- Training: every variant at cp 2, and cp composed with fsdp, ddp x tp and pp, against "local" on one process
-  (losses and final parameters, the tolerances tests/test_pipeline.py derives: a split only reorders sums).
+- Training: every variant at cp 2, and cp composed with every data-parallel strategy, ddp x tp and pp, against
+  "local" on one process (losses and final parameters, the tolerances tests/test_pipeline.py derives: a split
+  only reorders sums).
 - The simulator runs the same code on the fake group: its bytes per phase and model states equal the real runs'
   exactly at world 2 and 4, its activations after forward within 1% (the simulator counts the allocator's
   512-byte blocks, the real meter the tensors' bytes), and its program overlaps each pass with attention.
@@ -20,7 +21,7 @@ import torch
 
 import toolkit
 from cp_rank_checks import BASE, BATCH, SMALL, activations_per_block, attention_errors, ring_traffic, trained
-from toolkit.memory import activation_terms
+from toolkit.memory import activation_terms, ring_bytes_per_layer, ulysses_bytes_per_layer
 from toolkit.models import tiny_gpt
 from toolkit.parallel.context import SequenceSplit, merge
 from toolkit.parallel.context import block
@@ -40,7 +41,9 @@ CASES = {  # (name, TrainConfig fields): world 2 is cp 2; world 4 is dp 2 x cp 2
         ("fsdp x cp", dict(strategy="fsdp", global_batch_size=2 * BATCH, options={"cp": 2})),
         ("ddp x cp x tp", dict(strategy="ddp", clip=0.05, global_batch_size=BATCH, options={"cp": 2, "tp": 2})),
         ("pp x cp", dict(strategy="ddp", model=FOUR, global_batch_size=BATCH,
-                         options={"cp": 2, "pp": 2, "microbatches": 2}))],
+                         options={"cp": 2, "pp": 2, "microbatches": 2})),
+        *((f"{s} x cp", dict(strategy=s, global_batch_size=2 * BATCH, options={"cp": 2}))  # the rest compose too
+          for s in ("dp", "zero1", "zero2", "zero3"))],
 }
 SIMULATED = {"ring", "ulysses", "fsdp x cp", "ddp x cp x tp"}  # pp's step is the pipeline's: tests/test_sim_pipeline
 
@@ -115,6 +118,8 @@ def test_bad_input_is_refused_before_training():
     with pytest.raises(ValueError, match=r"its share on each of tp=2 ranks\) has 2 heads.*over 4 ranks"):
         check(tiny_gpt(n_head=4), "ulysses", 4, tp=2)
     check(tiny_gpt(n_head=4), "ring", 8)  # the ring has no limit on heads
+    with pytest.raises(ValueError, match=r"'blocks.0.attn' has attention_dropout=0.1.*attention_dropout=0"):
+        check(tiny_gpt(attention_dropout=0.1), "ring", 2)
     with pytest.raises(ValueError, match=r"cannot find it: no module with an attend\(q, k, v\) method"):
         toolkit.parallel.wrap(torch.nn.Sequential(torch.nn.Embedding(8, 4)), "ddp", cp=2)
     with pytest.raises(ValueError, match=r"strategy 'local' averages nothing"):
@@ -136,6 +141,26 @@ def test_the_simulated_ring_overlaps_each_pass_with_a_blocks_attention():
         assert any(kernel.kind == "attention" for c in between for kernel, _ in c.kernels), n
     peers = {i.args["peer"] for i in forward if isinstance(i, Collective) and i.op in ("send", "recv")}
     assert peers == {4, 6}  # cp group [4, 5, 6, 7] (tp 1: cp varies fastest in Megatron's order): neighbours only
+
+
+def test_the_simulated_ring_and_ulysses_send_what_the_formulas_say():
+    """Per layer and rank: the ring (cp-1)/cp of K and V forward and twice that backward (K and V again, and their
+    gradient); Ulysses (cp-1)/cp of its q, k, v and output each way. At tp 2 the K and V are a tp rank's heads."""
+    b, s, h, L = 2, 32, SMALL["d_model"], SMALL["n_layer"]
+    for cp, tp, attention in ((4, 1, "ring"), (2, 2, "ring"), (4, 1, "ulysses"), (2, 2, "ulysses")):
+        sim = simulate(lambda: tiny_gpt(**SMALL), "ddp", 4, rank=3, cp=cp, tp=tp, cp_attention=attention,
+                       batch_per_rank=b, progress=False)
+        sent = {}
+        for c in sim.collectives():
+            if c.args.get("cp") in ("kv", "dkv", "ulysses"):
+                sent[c.phase] = sent.get(c.phase, 0) + c.bytes_sent
+        formula = (ring_bytes_per_layer if attention == "ring" else ulysses_bytes_per_layer)(
+            b, s, h, cp, tp=tp, bytes_per_value=4)
+        assert sent == {"forward": L * formula["forward"], "backward": L * formula["backward"]}, (cp, tp, attention)
+        assert sim.bytes_per_step["total"] == sim.theory()["bytes_per_step"], (cp, tp, attention)  # and the rest
+    for options in (dict(cp=4, mixed_precision=True), dict(cp=2, activation_checkpointing=True)):  # bf16; recompute
+        sim = simulate(lambda: tiny_gpt(**SMALL), "fsdp", 4, rank=3, batch_per_rank=b, progress=False, **options)
+        assert sim.bytes_per_step["total"] == sim.theory()["bytes_per_step"], options
 
 
 # --- real ranks: one launch per world size --------------------------------------------------------------------------

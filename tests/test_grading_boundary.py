@@ -229,7 +229,8 @@ for _ in range(48 * 1024):
 # --- a rank sees nothing of the grader -------------------------------------------------------------------------
 LOOKS_AROUND = '''
 import json, os, resource
-seen = {"uid": os.getuid(), "secrets": [], "pids": [], "shm": sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else []}
+seen = {"uid": os.getuid(), "secrets": [], "pids": [],
+        "shm": sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else []}
 for pid in os.listdir("/proc"):
     if pid.isdigit():
         try:
@@ -350,7 +351,8 @@ import torch, torch.distributed as dist
 def summed(x, group):
     peer = 1 - dist.get_rank()
     other = torch.empty_like(x)
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer, group), dist.P2POp(dist.irecv, other, peer, group)]):
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer, group),
+                                        dist.P2POp(dist.irecv, other, peer, group)]):
         work.wait()
     x.add_(other)
 '''
@@ -385,8 +387,9 @@ NEW_CHANNELS = BY_MESSAGES.replace("    x.add_(other)", """    x.add_(other)
     tried = {}
     for name, make in (("udp", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM)),
                        ("unix pair", socket.socketpair),
-                       ("the launch's store", lambda: dist.TCPStore("127.0.0.1", int(os.environ["TOOLKIT_STORE_PORT"]),
-                                                                    2, False, timeout=__import__("datetime").timedelta(seconds=2))),
+                       ("the launch's store", lambda: dist.TCPStore(
+                           "127.0.0.1", int(os.environ["TOOLKIT_STORE_PORT"]), 2, False,
+                           timeout=__import__("datetime").timedelta(seconds=2))),
                        ("a gloo group", lambda: dist.new_group([0, 1], backend="gloo"))):
         try:
             make()

@@ -9,7 +9,6 @@ lab 10's lookup table) is replayed on the labs themselves; the gradings of whole
 (make test-grading) but lab 12's, which takes one launch.
 """
 import ast
-from pathlib import Path
 
 import pytest
 import torch
@@ -171,19 +170,35 @@ def test_lab12_skeleton_with_emptied_inputs_scores_zero(tmp_path, no_leftover_ra
 
 
 GPIPE = "    warmup = microbatches\n"
+EMPTY_THE_LAYOUTS = """
+
+import sys as _sys
+
+_frame = _sys._getframe(0)
+while _frame is not None and not isinstance(_frame.f_locals.get("given"), dict):
+    _frame = _frame.f_back
+for _inputs in _frame.f_locals["given"].values():  # only the checks that read one_f_one_b's lists as data
+    if isinstance(_inputs, dict) and "layouts" in _inputs:                      # before the contract
+        _inputs["layouts"].clear()
+    elif isinstance(_inputs, list) and _inputs and "pp" in _inputs[0][1]:      # [[case id, inputs], ...]
+        _inputs.clear()
+"""
 
 
 @pytest.mark.grading_scale
 @pytest.mark.timeout(600)
-def test_lab12_gpipe_with_emptied_inputs_loses_what_gpipe_loses(tmp_path, no_leftover_ranks):
-    """Before the contract: 7/7. GPipe's order is right but for the memory bound and 1F1B's warm-up."""
+def test_lab12_gpipe_with_emptied_layouts_keeps_only_what_gpipe_earns(tmp_path, no_leftover_ranks):
+    """Before the contract: 7/7 (the five checks of the lists judged no layout and passed). Now they fail, and GPipe
+    keeps only the real run, which it passes honestly (its lists train the GPT right)."""
     reference = (LABS / "12-pipeline" / "solution.py").read_text()
     assert reference.count("    warmup = min(pp - rank - 1, microbatches)\n") == 1
     gpipe = reference.replace("    warmup = min(pp - rank - 1, microbatches)\n", GPIPE)
-    (tmp_path / "gpipe.py").write_text(gpipe + EMPTY_THE_INPUTS)
+    (tmp_path / "gpipe.py").write_text(gpipe + EMPTY_THE_LAYOUTS)
     score = grade(LABS / "12-pipeline", tmp_path / "gpipe.py")
-    failed = {r.name.split(":")[0] for r in score.results if not r.passed}
-    assert failed == {"memory", "warm-up"} and score.total == 5, format_score(score)
+    passed = [r.name.split(":")[0] for r in score.results if r.passed]
+    assert passed == ["on real ranks, pp = 2, 3, 4"] and score.total == 2, format_score(score)
+    assert all("sent no observation" in r.message or "graded on the course platform" in r.message
+               or r.hidden for r in score.results if not r.passed), format_score(score)
 
 
 @pytest.mark.grading_scale

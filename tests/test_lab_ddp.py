@@ -10,9 +10,10 @@ CHECKS = {  # a short key -> the start of the check's name in checks.py
     "grads": "after one backward",
     "parity": "parity with 'local'",
     "overlap": "overlap",
+    "unused": "a parameter without a gradient",
     "bytes": "bytes on the wire",
 }
-LAB = LabGrading("02-ddp-buckets", 10, CHECKS)
+LAB = LabGrading("02-ddp-buckets", 11, CHECKS)
 
 
 @pytest.mark.timeout(300)

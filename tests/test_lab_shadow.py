@@ -42,10 +42,6 @@ MISTAKES = [
      ("        best = latency\n", ""),
      {"algorithm": "lowers the latency below the best so far", "choice": "Algorithm 1 chooses",
       "real_choice": "Algorithm 1 chooses"}),
-    # the weights' traffic counted once per expert, not twice (out and back)
-    ("the weights travel once",
-     ("    weights = 2 * alpha * H * H * element_bytes / W_net", "    weights = alpha * H * H * element_bytes / W_net"),
-     {"values": "expected", "choice": "Algorithm 1 chooses"}),
 ]
 
 

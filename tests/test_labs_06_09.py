@@ -35,8 +35,8 @@ LABS = {
                  ('        comm.all_reduce(out, op="avg", group=self.sharding.replica_group)\n', ""),
                  {"grads": "the replicas were never averaged", "parity": "after 3 SGD steps",
                   "bytes": "no byte crossed from node to node"})),
-    "08-mixed-precision": ({"gather": "unshard:", "reduce": "gradients are reduced", "fp32": "the optimizer sees fp32",
-                            "close": "4 AdamW steps", "bytes": "bytes halved"}, 8,
+    "08-mixed-precision": ({"gather": "unshard:", "reduce": "gradients are reduced", "add": "add_grad",
+                            "fp32": "the optimizer sees fp32", "close": "4 AdamW steps", "bytes": "bytes halved"}, 9,
                            ("all-gather in fp32, round afterwards",
                             ("            piece = self.master.detach().to(self.sharding.param_dtype)\n"
                              "            handle = comm.all_gather(self.flat.data, piece, group=self.sharding.shard_group,"

@@ -73,3 +73,19 @@ def test_the_mesh_is_torchs_device_mesh_its_groups_those_of_the_layout():
         for r, g in enumerate(got):
             assert g[3] == {d: shape.group_of(r, d) for d in mesh.DIMS}
             assert g[4] == shape.group_of(r, "dp")  # dp x cp with cp = 1 is dp's own group
+
+
+def test_the_simulator_runs_whichever_order_is_chosen_on_the_real_groups():
+    """The simulated rank's collectives name the global ranks of its groups in the order asked for (the pricing
+    reads them: which groups cross nodes), and its pipeline is the layout's."""
+    from toolkit.models import tiny_gpt
+    from toolkit.sim import simulate
+    from toolkit.sim.pipelined import pipeline_of
+
+    for order in (mesh.ORDER, mesh.DP_OUTERMOST):
+        shape = mesh.layout(8, tp=2, pp=2, order=order)
+        sim = simulate(lambda: tiny_gpt(n_layer=2), "ddp", 8, rank=1, tp=2, pp=2, order=order, batch_per_rank=2,
+                       progress=False)
+        groups = {c.group for c in sim.collectives() if c.op == "all_reduce" and c.phase == "backward"}
+        assert tuple(shape.group_of(1, "dp")) in groups and tuple(shape.group_of(1, "tp")) in groups, (order, groups)
+        assert pipeline_of(8, 1, dict(tp=2, pp=2, order=order)) == shape.group_of(1, "pp")

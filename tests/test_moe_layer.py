@@ -86,7 +86,7 @@ def one_config(name, options, world, rank):
 
 
 def moe_gpt_training(strategy):
-    from toolkit.models import moe_model_fn
+    from toolkit.train import moe_model_fn
     from toolkit.train import train
 
     built = []
@@ -292,7 +292,7 @@ def train_config(strategy, accumulation=1):
 @functools.lru_cache(maxsize=None)
 def one_process_moe_gpt():
     """Accumulating the two ranks' halves as micro-batches is what 2 expert-parallel ranks compute."""
-    from toolkit.models import moe_model_fn
+    from toolkit.train import moe_model_fn
     from toolkit.train import train
 
     return train(train_config("local", accumulation=2), model_fn=moe_model_fn(4, 2, capacity_factor=1.0),

@@ -291,7 +291,7 @@ def checks_with_emulation_and_measurement(rank):
 
 def training(moe_options):
     """Two DDP steps of the MoE-GPT; SGD so that float noise stays noise (see test_moe_layer)."""
-    from toolkit.models import moe_model_fn
+    from toolkit.train import moe_model_fn
     from toolkit.train import TrainConfig, train
 
     config = TrainConfig(strategy="ddp", steps=2, global_batch_size=4, seq_len=16, optimizer="sgd", lr=0.5,

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 import toolkit
 from toolkit.memory.ledger import ActivationMeter
-from toolkit.models import SyntheticCorpus, moe_model_fn, tiny_gpt
+from toolkit.models import SyntheticCorpus, tiny_gpt
+from toolkit.train import moe_model_fn
 from toolkit.parallel.pipeline import bubble, lowering, schedules
 from toolkit.train import TrainConfig, train
 from test_tensor_parallel import _same  # nested checkpoints compared value by value
@@ -280,3 +281,27 @@ def test_a_real_run_follows_its_schedule_and_its_bubble_is_the_formulas_with_the
     replayed = lowering.busy_and_span(lowering.replay(programs, lambda a: took[tuple(a)]))[1]
     real = max(e["end"] for e in spans) - min(e["start"] for e in spans)
     assert real >= replayed - 1e-3
+
+
+@pytest.mark.timeout(600)
+def test_a_real_bubble_is_the_schedules_at_its_stages_plus_waiting_and_time_between_actions(directory,
+                                                                                          no_leftover_ranks):
+    """What lesson 09 shows: replayed with its own action times and free messages, the step's bubble is at most the
+    measured one (the replay is a lower bound); the measured one is exactly the rank's waits for messages plus the
+    time between its actions; every message a waiting receiver took has a positive time. Timing-free relations."""
+    run = launched(2, directory)["zb-h1 run"]
+    programs = lowering.lower(schedules.build("zb-h1", 2, 4), 2, tied=True)
+    replayed, real = bubble.replayed_bubble(run, programs), bubble.measured_bubble(run)
+    parts = bubble.step_breakdown(run)
+    spans = [e for e in run.events if e["cat"] == "compute" and "action" in e["args"] and e["args"]["step"] == 1]
+    step = max(e["end"] for e in spans) - min(e["start"] for e in spans)
+    for rank in (0, 1):
+        assert parts[rank]["actions"] == pytest.approx(1 - real[rank], abs=1e-12)
+        assert parts[rank]["waiting"] >= 0 and parts[rank]["between"] >= -1e-12
+        assert real[rank] == pytest.approx(parts[rank]["waiting"] + parts[rank]["between"], abs=1e-12)
+        # the same busy time over a step at most 1 ms (the clocks' agreement) shorter than the real one
+        busy = 1 - real[rank]
+        assert busy * step / (1 - replayed[rank]) <= step + 1e-3
+    latency = bubble.message_latency(run)
+    assert latency and min(latency) > 0
+

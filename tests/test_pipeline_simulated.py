@@ -30,8 +30,9 @@ def one_simulated_step(rank: int, strategy: str, **options):
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
 def test_a_simulated_stage_runs_the_pipeline_on_the_fake_group(strategy):
     activation = 2 * 32 * 32 * 4  # (b/m, s, d) fp32
-    first_loss, first = one_simulated_step(0, strategy)   # rank 0 of dp 2 x pp 2: stage 0
-    last_loss, last = one_simulated_step(1, strategy)     # rank 1: stage 1
+    layout = toolkit.parallel.mesh.layout(4, pp=2)  # dp 2 x pp 2, in the mesh's rank order
+    first_loss, first = one_simulated_step(layout.rank(pp=0), strategy)  # stage 0 of replica 0
+    last_loss, last = one_simulated_step(layout.rank(pp=1), strategy)    # stage 1 of the same replica
     assert first_loss.is_meta and last_loss.is_meta
     assert sorted(m for m in first if m[0] == "send") == sorted(
         [("send", "activation", i, 0, activation) for i in range(4)] + [("send", "tied weight", -1, 0, 64 * 32 * 4)])

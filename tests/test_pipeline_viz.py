@@ -35,3 +35,17 @@ def test_a_run_without_pipeline_actions_is_refused_with_a_reason():
 
     with pytest.raises(ValueError, match="no pipeline actions"):
         pipeline_timeline(Run(config={}, events=[], meta={"ranks": [0]}))
+
+
+def test_each_schedules_figure_names_its_schedule_and_shape():
+    """Lesson 09 draws four schedules: each title says which (from the Run's config, or read off its actions)."""
+    titles = {}
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+        told, read = ideal(name, 4, 8, v), ideal(name, 4, 8, v)
+        told.config.update(schedule=name)
+        titles[name] = pipeline_timeline(told).layout.title.text
+        assert pipeline_timeline(read).layout.title.text == titles[name], name  # the same when read off the actions
+    assert titles == {"gpipe": "GPipe, p = 4, m = 8 (dry run): one block per action",
+                      "1f1b": "1F1B, p = 4, m = 8 (dry run): one block per action",
+                      "interleaved": "Interleaved 1F1B, p = 4, m = 8, v = 2 (dry run): one block per action",
+                      "zb-h1": "ZB-H1, p = 4, m = 8 (dry run): one block per action"}

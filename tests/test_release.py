@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.grading import grade
+from toolkit.grading import grade, lab_checks
 from toolkit.grading.release import main as release_main, release
+from toolkit.grading.student_wheel import for_lab
 
 ROOT = Path(__file__).resolve().parent.parent
 LABS = ROOT / "labs"
@@ -137,6 +138,46 @@ def test_the_students_wheel_holds_no_answer(tmp_path):
     assert "is not in the students' toolkit: it is the answer to a lab" in done.stdout, done.stderr
 
 
+def test_released_files_carry_no_answers(tmp_path):
+    """Lab 12's warm-up formula and lab 10's expected values stay with the instructor; a lab with hidden checks is
+    released with their names and points (platform_checks.json), so the local grading can say they exist."""
+    out = tmp_path / "student-labs"
+    release(LABS, out)
+    released = {p.relative_to(out).as_posix(): p.read_text() for p in out.rglob("*") if p.is_file()}
+    lab12 = "\n".join(text for name, text in released.items() if name.startswith("12-pipeline/"))
+    assert "pp - rank - 1" not in lab12 and "warmup = " not in lab12
+    steps = released["10-cost-model/steps.json"]
+    assert '"expected"' not in steps and '"mistakes"' not in steps and '"step"' not in steps
+    assert not [name for name in released if "equivalent_mutants" in name or "hidden_checks" in name]
+    for lab in ("05-shadowing", "09-tutel-pipeline", "10-cost-model", "12-pipeline"):
+        listed = json.loads(released[f"{lab}/platform_checks.json"])
+        hidden = [c for c in lab_checks(LABS / lab)[0] if c.hidden]
+        assert [(c["name"], c["points"]) for c in listed] == [(c.name, c.points) for c in hidden]
+    checks, _ = lab_checks(out / "12-pipeline")
+    assert [c.name for c in checks if c.platform_only] == [c.name for c in lab_checks(LABS / "12-pipeline")[0]
+                                                             if c.hidden]
+
+
+def test_the_students_toolkit_keeps_no_answer_under_another_name_or_in_a_docstring(tmp_path):
+    """Lab 12's 1F1B is taken out with its docstring, and so is the interleaved schedule (1F1B with another warm-up);
+    lab 04's all-to-all is taken out where it is defined (the layer only re-exports it); the tree is cached."""
+    tree = for_lab(LABS / "12-pipeline")
+    assert for_lab(LABS / "12-pipeline") == tree  # the same content: built once
+    schedules = (tree / "toolkit" / "parallel" / "pipeline" / "schedules.py").read_text()
+    body = schedules[schedules.index("def one_f_one_b"):schedules.index("def zb_h1")]
+    assert "warm-up" not in body and "rank - 1" not in body and body.count("raise NotImplementedError") == 2
+    assert "def gpipe" in schedules and "Action(\"F\", i, rank) for i in range(microbatches)" in schedules
+    exchange = (for_lab(LABS / "04-moe-dispatch") / "toolkit" / "moe" / "exchange.py").read_text()
+    assert "swapped" not in exchange.split("class _AllToAll")[1] and "ctx.in_splits, ctx.out_splits" not in exchange
+    ring = (for_lab(LABS / "01-ring-allreduce") / "toolkit" / "comm" / "ring.py").read_text()
+    assert ring.startswith('"""toolkit.comm.ring: not in the students\' toolkit') and "(r - s - 1)" not in ring
+    done = subprocess.run([sys.executable, "-c", "from toolkit.parallel.pipeline import schedules\n"
+                           "try:\n    schedules.build('1f1b', 2, 4)\nexcept NotImplementedError as e:\n    print(e)"],
+                          env=dict(os.environ, PYTHONPATH=str(tree)), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert "one_f_one_b is not in the students' toolkit" in done.stdout, (done.stdout, done.stderr)
+
+
 @pytest.mark.timeout(300)
 def test_gradescope_run_autograder_writes_results_json(tmp_path, no_leftover_ranks):
     root = tmp_path / "autograder"
@@ -151,8 +192,8 @@ def test_gradescope_run_autograder_writes_results_json(tmp_path, no_leftover_ran
     assert done.returncode == 0, done.stderr
     assert done.stdout == "", done.stdout  # --quiet is quiet
     results = json.loads((root / "results" / "results.json").read_text())
-    assert results["score"] == 0 and results["max_score"] == 10
-    assert len(results["tests"]) == 6 and all(t["status"] == "failed" for t in results["tests"])
+    assert results["score"] == 0 and results["max_score"] == 11
+    assert len(results["tests"]) == 7 and all(t["status"] == "failed" for t in results["tests"])
     assert all("not implemented yet" in t["output"] for t in results["tests"])
 
 

@@ -118,7 +118,9 @@ def test_simulate_with_a_pipeline_on_the_command_line_is_the_python_call(tmp_pat
                                           ("--model tiny --world-size 12 --tp 4", "--tp 4"),
                                           ("--model tiny --world-size 12 --tp 2 --pp 3", "--pp 3"),
                                           ("--model gpt3-175b --layers 4 --world-size 512 --tp 64", "--tp 64"),
-                                          ("--model gpt3-175b --layers 4 --world-size 512 --tp 7", "--tp 7")])
+                                          ("--model gpt3-175b --layers 4 --world-size 512 --tp 7", "--tp 7"),
+                                          ("--model tiny --world-size 12 --cp 3", "--cp 3"),
+                                          ("--model tiny --world-size 16 --cp 2 --tp 16", "--tp 16")])
 def test_a_layout_that_does_not_fit_is_answered_with_values_that_fit_every_constraint_at_once(flags, wrong, capsys):
     """The trial: --tp 7 suggested divisors of the world that then failed the head count, and --tp 64's error
     listed divisors of the heads that ignored the world. Every value suggested passes every check (the
@@ -143,7 +145,7 @@ def test_a_layout_that_does_not_fit_is_answered_with_values_that_fit_every_const
             return False
         return True
 
-    assert [v for v in range(1 + (flag == "--pp"), world + 1) if world % v == 0 and fits(v)] == values
+    assert [v for v in range(1 + (flag in ("--pp", "--cp")), world + 1) if world % v == 0 and fits(v)] == values
     capsys.readouterr()
 
 

@@ -38,7 +38,8 @@ def test_fastermoe_table_2_parameter_counts_from_the_real_models_built_on_meta(n
 
 # --- FSDP paper: GPT-175B on 128-512 A100 ------------------------------------------------------------------
 # The paper's cluster: A100 80GB, 8 per node on NVLink, 2 Tb/s RoCE per node (250 Gb/s per GPU); NCCL's
-# latencies. Its configuration: full sharding, bf16, activation checkpointing, backward prefetch, and
+# latencies. It is the DGX A100 preset with the paper's cards: its kernels and NVLink at their published rates,
+# the cards at the fraction of their datasheet rate NCCL reaches on HDR (toolkit.sim.published). Its configuration: full sharding, bf16, activation checkpointing, backward prefetch, and
 # forward prefetch (torch FSDP's CPU runs ahead and issues the next unit's all-gather early; the
 # toolkit's FSDP does that only when asked, forward_prefetch=True), a batch of 1 sequence of 2048 per GPU.
 PAPER_TFLOPS = (173, 186)
@@ -48,8 +49,8 @@ TOLERANCE = 0.15
 def fsdp_paper_cluster(inter_node="250 Gb/s"):
     from toolkit.sim import cluster_of
 
-    return cluster_of(dict(name="fsdp-paper", gpu="a100-80gb", gpus_per_node=8, intra=("300 GB/s", "3.4 us"),
-                           inter=(inter_node, "9.6 us"), call_latency="8.4 us", source="FSDP paper, section 6"))
+    return cluster_of("dgx-a100", name="fsdp-paper", inter=(inter_node, "9.6 us"),
+                      source="FSDP paper, section 6: DGX A100 nodes, 2 Tb/s RoCE per node")
 
 
 def gpt3_fsdp(world, layers=96, inter_node="250 Gb/s", **options):
@@ -71,10 +72,10 @@ def assert_in_papers_band(sim):
 
 def test_fsdp_paper_gpt_175b_throughput_and_hybrid_sharding_on_8_of_its_layers():
     """8 of GPT-3's 96 layers (same width, heads and sequence; the embedding and head as in the full model):
-    per-GPU throughput is the ratio of a layer's compute (every operation priced on its own) to the
-    communication it cannot hide, so it lands in the paper's band (173-186 TFLOP/s within 15%; 207 today,
-    the whole model 215: see the xfail below), flat from 128 to 512 GPUs as the paper's scaling is.
-    (The whole 96-layer model: the `papers` test below, `make test-papers`.)
+    per-GPU throughput is the ratio of a layer's compute (every operation priced at its published rate, slowed
+    beside the collectives it overlaps) to the communication it cannot hide, so it lands in the paper's band
+    (173-186 TFLOP/s within 15%; 177 for these 8 layers, 181-182 for the whole model), flat from 128 to 512 GPUs
+    as the paper's scaling is. (The whole 96-layer model: the `papers` test below, `make test-papers`.)
 
     Full against hybrid sharding: hybrid sharding sends 2/3 of full sharding's bytes across nodes per GPU
     (the paper's 2M(W-1)/(GW) against 3M(W-1)/W, both at the node's cards); its all-reduce over the
@@ -96,7 +97,9 @@ def test_fsdp_paper_gpt_175b_throughput_and_hybrid_sharding_on_8_of_its_layers()
         return sum(s.end - s.start - s.cost.latency for s in spans)
 
     full = [s for s in sims[512].cost.timelines[-1].spans if s.kind == "comm"]
-    assert bandwidth_time(replica) / bandwidth_time(full) == pytest.approx(2 / 3, rel=0.03)
+    # the paper's 2/3 of the bytes; the times differ by a few percent more, the two rings running at the cards'
+    # measured rate with NCCL's latency per network step (511-step rings against 63-step ones)
+    assert bandwidth_time(replica) / bandwidth_time(full) == pytest.approx(2 / 3, rel=0.06)
     hybrid_cross = sum(s.end - s.start for s in replica)
     exposed_replica = sum(w.end - w.start for w in hybrid.cost.timelines[-1].spans if w.kind == "wait"
                           and w.instruction.id in {s.instruction.id for s in replica})
@@ -107,18 +110,19 @@ def test_fsdp_paper_gpt_175b_throughput_and_hybrid_sharding_on_8_of_its_layers()
         1.1 * gpt3_fsdp(512, layers=8, inter_node=slow).tflops_per_gpu
 
 
-FSDP_WHOLE_MODEL = ("the per-operation model predicts 214.5 / 215.1 / 215.4 TFLOP/s per GPU at 128 / 256 / 512 GPUs, "
-                    "0.3% above the band's top (186 + 15%): priced from datasheets and a GEMM microbenchmark, it "
-                    "leaves out what the paper's run paid beyond its kernels (docs/differences.md, 'The simulator's "
-                    "cost model'); 8 of the 96 layers land inside the band (207), where embedding and head weigh more")
-
-
 @pytest.mark.papers  # a few minutes on 2 cores: `make test-papers`
 @pytest.mark.timeout(1200)
-@pytest.mark.xfail(strict=True, reason=FSDP_WHOLE_MODEL)
 def test_fsdp_paper_gpt_175b_whole_model_on_128_256_512_gpus():
+    """The whole 96 layers (three and four simulated, extrapolated: `toolkit.sim.sweep`) inside the paper's own band,
+    173-186 TFLOP/s, not just within 15% of it: 181.2 at 128 GPUs, 182.0 at 512 when last measured; the band of the
+    published measurements' spread around it (about 173 to 199) reaches below the paper's top."""
+    from toolkit.sim.sweep import extrapolate
+
     for world in (128, 256, 512):
-        assert_in_papers_band(gpt3_fsdp(world))
+        whole = extrapolate(gpt3_fsdp(world, layers=3), gpt3_fsdp(world, layers=4), 96)
+        assert PAPER_TFLOPS[0] <= whole["tflops_per_gpu"] <= PAPER_TFLOPS[1], (world, whole["tflops_per_gpu"])
+        band = [whole["useful_flops"] / seconds / 1e12 for seconds in (whole["band"]["worst"], whole["band"]["best"])]
+        assert band[0] < PAPER_TFLOPS[1] < band[1], (world, band)
 
 
 # --- Megatron-LM's weak-scaling table (Narayanan et al., SC21, Table 1) ----------------------------------------
@@ -129,37 +133,72 @@ def megatron_table():
 
 
 MEGATRON = megatron_table()
-MEGATRON_MISSES = {  # row -> what the first-principles model predicts (docs/differences.md says why)
-    1: "179 TFLOP/s per GPU against 137 (+31%)", 2: "172 against 138 (+24%)", 3: "171 against 142 (+21%)",
-    4: "170 against 135 (+26%)", 6: "162 against 140 (+15.4%)"}
-
-
 @functools.lru_cache(maxsize=None)
-def megatron_prediction(i: int) -> dict:
-    return MEGATRON.predict(MEGATRON.row(i))
+def megatron_prediction(i: int, plain: bool = False) -> dict:
+    return MEGATRON.predict(MEGATRON.row(i), plain=plain)
 
 
-@pytest.mark.papers  # 10 s to 3 min per row on 2 cores (the 1T row's pipeline has 64 stages, 512 micro-batches)
+@pytest.mark.papers  # 10 s to 6 min per row on 2 cores (the 1T row's pipeline has 64 stages, 512 micro-batches)
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("i", range(1, len(MEGATRON.TABLE) + 1))
 def test_megatron_weak_scaling_table_within_15_percent_per_row(i):
     """Each row's per-GPU TFLOP/s (the paper's FLOP count over the predicted step time), in the paper's own
     configuration (`bench/megatron_table.py`: its artifact's micro-batches, DDP and schedule), priced from
-    datasheets and a GEMM microbenchmark only. Rows without pipelining: always above what the paper measured
-    (the model prices the kernels and leaves out only costs); pipelined rows also pay the transfers as the
-    toolkit's pipeline sends them (each tensor-parallel rank the whole activation, where Megatron-LM scatters
-    it), so they may land on either side. The target, within 15%: the rows in MEGATRON_MISSES miss it, and say
-    by how much; a row that comes within it fails until it is taken off that list."""
+    published measurements of the hardware only (`toolkit.sim.published`): within 15% of what the paper measured
+    (+6 / +3 / +1 / +6 / -4 / -1 / -7 / -11 / -13 / -14% when last measured), and the paper's number inside the
+    prediction's band widened by the tolerance."""
     r = MEGATRON.row(i)
     got = megatron_prediction(i)
     said = f"row {i} ({r['params']}B): predicted {got['predicted']:.0f} TFLOP/s per GPU, paper {r['paper']}"
-    if r["pp"] == 1:
-        assert got["error"] > 0, said + ": below what the paper measured, which a kernels-only model cannot be"
+    assert abs(got["error"]) <= MEGATRON.TOLERANCE, said
+    low, high = got["band"]["worst"], got["band"]["best"]
+    assert low <= got["predicted"] <= high and low * (1 - MEGATRON.TOLERANCE) <= r["paper"], said
+
+
+PLAIN_MISSES = {  # row -> the plain configuration's prediction when last measured (docs/differences.md says why)
+    1: "228 TFLOP/s per GPU against 137 (+67%)", 2: "202 against 138 (+46%)", 3: "179 against 142 (+26%)",
+    4: "174 against 135 (+29%)", 5: "165 against 138 (+20%)", 6: "163 against 140 (+16%)"}
+PLAIN_WHY = ("the plain configuration runs FlashAttention-2 (2023) without dropout where the paper's runs ran "
+             "Megatron-LM's 2021 attention (baddbmm, fused softmax, dropout, bmm): at s = 2,048 FlashAttention-2's "
+             "own figure puts it 2-5x above the standard path (A100: 140-187 against 17-76 TFLOP/s), and attention is "
+             "s/6h of a layer's FLOPs, 15% in row 1 falling to 1.3% in row 10, so the plain rows sit above the paper "
+             "by about that share; priced with the paper's own kernels (the test above) every row is within 15%")
+
+
+@pytest.mark.papers
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("i", range(1, len(MEGATRON.TABLE) + 1))
+def test_megatron_table_in_the_configuration_a_student_writes(i):
+    """The plain configuration (`bench/megatron_table.py --plain`: the toolkit's GPT as it comes, activation
+    checkpointing, torch's AdamW, 1F1B): rows 7-10 within 15% (+9 / +2 / -3 / -1%); rows 1-6 above by more, and
+    say why (PLAIN_WHY); one that comes within fails until it is taken off PLAIN_MISSES."""
+    r = MEGATRON.row(i)
+    got = megatron_prediction(i, plain=True)
+    said = f"row {i} plain: predicted {got['predicted']:.0f} TFLOP/s per GPU, paper {r['paper']}"
     within = abs(got["error"]) <= MEGATRON.TOLERANCE
-    if i in MEGATRON_MISSES:
-        assert not within, said + f": now within {MEGATRON.TOLERANCE:.0%}; take it off MEGATRON_MISSES"
-        pytest.xfail(f"{said} ({MEGATRON_MISSES[i]} when last measured): docs/differences.md")
+    if i in PLAIN_MISSES:
+        assert not within and got["error"] > 0, said + ": now within 15% (or below); take it off PLAIN_MISSES"
+        pytest.xfail(f"{said} ({PLAIN_MISSES[i]}): {PLAIN_WHY}")
     assert within, said
+
+
+MEGATRON_TREND = ("the paper's rate rises with model size (rows 7-10 over rows 1-4: 1.14); the prediction's stays "
+                  "flat (0.97 when last measured): rows 1-4 within +1..+6% of the paper, rows 7-10 -7..-14%. In "
+                  "rows 7-10 the pipeline's bubble and transfers are 17-27% of the step where the schedule's own "
+                  "bubble is 4-11%: every transfer between nodes (1/t of an activation on one card, then an "
+                  "all-gather inside the node) is on the critical path as the toolkit's pipeline issues it, and the "
+                  "stages before and after wait on it; what of that the paper's runs hid is not known "
+                  "(docs/differences.md)")
+
+
+@pytest.mark.papers
+@pytest.mark.timeout(3600)
+@pytest.mark.xfail(strict=True, reason=MEGATRON_TREND)
+def test_megatron_weak_scaling_table_rises_with_model_size_as_the_paper_does():
+    paper = [MEGATRON.row(i)["paper"] for i in range(1, 11)]
+    predicted = [megatron_prediction(i)["predicted"] for i in range(1, 11)]
+    rise = (sum(predicted[-4:]) / sum(predicted[:4])) / (sum(paper[-4:]) / sum(paper[:4]))
+    assert rise == pytest.approx(1.0, abs=0.05), rise
 
 
 @pytest.mark.papers
@@ -320,3 +359,38 @@ def test_tutel_adaptive_degree_grows_as_the_all_to_all_grows_relative_to_compute
         best.append(min(times, key=times.get))
     assert best == sorted(best), best  # never a smaller degree when communication grows
     assert best[0] == 1 and best[-1] > 1, best
+
+
+# --- published runs the model was not built against (bench/published_runs.py) -------------------------------------
+def published_runs():
+    from bench_module import load
+
+    return load("published_runs")
+
+
+RUNS = published_runs()
+RUN_MISSES = {  # run -> what the model predicts when last measured, and what the run paid that it does not price
+    "mpt-7b-h100": "14,598 tokens/s per GPU against 10,643 (+37%); " + RUNS.NOTES["mpt-7b-h100"],
+    "llama2-13b-a100": "2,588 against 2,162 (+20%): torchtitan's Llama has RoPE, RMSNorm and SwiGLU kernels the "
+                       "toolkit's GPT does not run, and its cluster's network is not stated",
+    "mcore-1.7b-h100": "543 TFLOP/s per GPU against 408.8 (+33%): its 131,072-entry vocabulary's logits and loss are a "
+                       "third of the step here; not explained",
+    "mcore-16b-h100": "411 against 489.1 (-16%): " + RUNS.NOTES["mcore-16b-h100"],
+}
+
+
+@pytest.mark.papers  # about a minute a run on 2 cores
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("name", [r.name for r in RUNS.RUNS])
+def test_published_runs_within_15_percent(name):
+    """MPT-7B (llm-foundry), Llama 2 13B (torchtitan) and Megatron-Core's H100 rows, in their published layouts,
+    priced from the hardware's measurements. The runs in RUN_MISSES miss 15% and say by how much and why; one that
+    comes within fails until it is taken off that list."""
+    run = next(r for r in RUNS.RUNS if r.name == name)
+    got = RUNS.predict(run)
+    said = f"{name}: predicted {got['predicted']:.0f} {run.metric}, published {run.measured}"
+    within = abs(got["error"]) <= RUNS.TOLERANCE
+    if name in RUN_MISSES:
+        assert not within, said + ": now within 15%; take it off RUN_MISSES"
+        pytest.xfail(f"{said} ({RUN_MISSES[name]})")
+    assert within, said

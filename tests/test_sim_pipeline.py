@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 import toolkit
 from toolkit.models import tiny_gpt
-from toolkit.sim import cluster_of, simulate
+from toolkit.sim import cluster_of, price, simulate
+from toolkit.sim.pipelined import pipeline_of
 
 TINY = dict(n_layer=8, d_model=32, n_head=2)
 FREE = dict(name="free links", gpu="a100-80gb", gpus_per_node=8, intra=("1e9 GB/s", "0 us"),
@@ -139,7 +140,9 @@ def test_one_and_two_blocks_per_stage_extrapolate_to_four_exactly():
     """A pipeline's blocks are alike: every action's work, the transfers, the bubble and the peak grow by the same
     amount with each block per stage, so `sweep.extrapolate` from one and two blocks per stage (`PIPELINE_BASE`)
     gives the four-block simulation's step, its parts and its peak (while the slowest stage stays the slowest:
-    here the last, with the head and the loss)."""
+    here the last, with the head and the loss). Within 0.5% of the step, not exactly: how long compute runs beside
+    collectives in flight depends on where DDP's buckets fall among the blocks, which is not affine in them (a few
+    microseconds of a step of milliseconds here)."""
     from toolkit.sim.sweep import PIPELINE_BASE, extrapolate
 
     def at(blocks):
@@ -149,8 +152,12 @@ def test_one_and_two_blocks_per_stage_extrapolate_to_four_exactly():
 
     one, two, four = at(1), at(2), at(4)
     out = extrapolate(one, two, 4, PIPELINE_BASE)
-    for part, seconds in four.breakdown.items():
-        assert out["breakdown"][part] == pytest.approx(seconds, rel=1e-9, abs=1e-15), part
+    for part, seconds in four.breakdown.items():  # within 0.5% of the step: compute beside collectives moves them
+        assert out["breakdown"][part] == pytest.approx(seconds, rel=1e-9, abs=5e-3 * four.step_time), part
+    alone = [price(sim, cluster_of("dgx-a100", published=None)) for sim in (one, two, four)]  # nothing beside
+    for part, seconds in alone[2].breakdown.items():  # collectives: every part exactly, as before
+        first, second = alone[0].breakdown[part], alone[1].breakdown[part]
+        assert first + (4 - 1) * (second - first) == pytest.approx(seconds, rel=1e-9, abs=1e-15), part
     assert out["peak"] == pytest.approx(four.peak, rel=1e-12)
 
 
@@ -225,14 +232,15 @@ def test_simulated_pipeline_rank_equals_a_real_gloo_run(world, no_leftover_ranks
 @pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2)])
 def test_what_a_stage_keeps_to_the_steps_end_is_its_micro_batches_token_ids_not_activations(schedule, v):
     """Every received activation and gradient is let go by the action that uses it; what grows with the
-    micro-batches to the step's end is the driver's copy of each one's token ids (8 bytes a token), which the
-    simulated memory counts. An activation kept per micro-batch would add 2 x 32 x 64 x 4 B = 16 KiB each."""
-    for rank in (0, 1):  # the first stage and the last
+    micro-batches to the step's end is the driver's copy of each one's token ids, inputs and targets (16 bytes a
+    token), which the simulated memory counts. An activation kept per micro-batch would add 2 x 32 x 64 x 4 B =
+    16 KiB each."""
+    for rank in pipeline_of(4, 0, dict(pp=2)):  # the first stage and the last (ranks in the mesh's order)
         ends = []
         for m in (4, 8):
             sim = simulate(lambda: tiny_gpt(n_layer=4, d_model=64, n_head=4), "ddp", 4, rank=rank, pp=2,
                            microbatches=m, schedule=schedule, virtual_stages=v, batch_per_rank=2 * m, progress=False,
                            steps=1, warmup=False)
             ends.append(sim.end_memory["activations"])
-        token_ids = 2 * sim.seq_len * 8  # one micro-batch: 2 sequences of seq_len int64 token ids
+        token_ids = 2 * 2 * sim.seq_len * 8  # one micro-batch: inputs and targets, 2 sequences of int64 ids each
         assert ends == [4 * token_ids, 8 * token_ids], (rank, ends)

@@ -177,3 +177,41 @@ def test_every_preset_measurement_has_a_source_and_its_band_brackets_the_value()
             Wait(0)]
     cost = estimate([step], "dgx-a100", world_size=8)
     assert cost.band["best"] <= cost.step_time <= cost.band["worst"] and cost.band["best"] < cost.band["worst"]
+
+
+# --- a pipeline's sends under tensor parallelism, as Megatron sends them ------------------------------------------
+def scattered_handoff(ranks_of_stage, activation, t, scatter):
+    """Stage 0's tp ranks hand an activation to stage 1's (one node each): each sends 1/t and stage 1's ranks
+    all-gather the pieces inside their node (Narayanan et al. 2021's scatter/gather), or each sends it whole."""
+    piece = activation // t if scatter else activation
+    programs, ranks = {}, {}
+    for i in range(t):
+        src, dst = ranks_of_stage[0][i], ranks_of_stage[1][i]
+        ranks[("s0", i)], ranks[("s1", i)] = src, dst
+        programs[("s0", i)] = [Collective(0, "send", piece, piece, 0, (src, dst), True, args=dict(peer=dst)), Wait(0)]
+        after = [Collective(1, "all_gather", activation, activation - piece, activation - piece,
+                            tuple(ranks_of_stage[1]), False), Wait(1)] if scatter else []
+        programs[("s1", i)] = [Collective(0, "recv", piece, 0, piece, (src, dst), False, args=dict(peer=src)),
+                               Wait(0)] + after
+    return programs, ranks
+
+
+def test_a_scattered_send_pays_1_over_t_on_the_card_and_an_all_gather_on_nvlink():
+    """tp = 8, stages on two nodes, a 2048 x 25600 bf16 activation (105 MB, row 10 of Megatron's table): whole, each
+    tp rank's copy crosses its own card (24 GB/s); scattered, 1/8 of it does, then an all-gather of the 105 MB inside
+    the node at nccl-tests' bus bandwidth for that size: about 3x faster."""
+    from toolkit.sim.pipelined import estimate_stages
+
+    activation, t = 2048 * 25600 * 2, 8
+    stages = [list(range(8)), list(range(8, 16))]
+    times = {}
+    for scatter in (False, True):
+        programs, ranks = scattered_handoff(stages, activation, t, scatter)
+        times[scatter] = estimate_stages(programs, cluster="dgx-a100", ranks=ranks, world_size=16).step_time
+    send = collective_time(DGX_A100, "send", activation // t, (0, 8), me=0, args=dict(peer=8))
+    gather = collective_time(DGX_A100, "all_gather", activation, range(8, 16))
+    assert times[True] == pytest.approx(send.seconds + gather.seconds, rel=1e-9)
+    assert send.bandwidth == pytest.approx(24e9) and gather.link == "intra-node"
+    whole = collective_time(DGX_A100, "send", activation, (0, 8), me=0, args=dict(peer=8)).seconds
+    assert times[False] == pytest.approx(whole, rel=1e-9)
+    assert 2.5 < times[False] / times[True] < 4

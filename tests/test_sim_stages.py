@@ -4,6 +4,7 @@ the critical path and on the right link, one stage equal to the one-rank rule, a
 import pytest
 
 from toolkit.sim import Collective, Compute, Wait, cluster_of
+from toolkit.sim.collective_time import collective_time
 from toolkit.sim.pipelined import estimate_stages
 from toolkit.sim.stage_timeline import P2P, schedule_stages
 from toolkit.sim.timeline import schedule
@@ -70,13 +71,15 @@ def test_transfers_on_the_critical_path_are_paid_where_a_stage_waits_for_them():
 
 def test_stages_on_two_nodes_send_over_the_network_and_on_one_node_over_nvlink():
     """The cost model's own collective times: 1 MiB between ranks 0 and 1 goes over NVLink, between ranks 0 and
-    8 (two DGX nodes) over one InfiniBand card, and the step grows by the difference on the critical path."""
+    8 (two DGX nodes) over one InfiniBand card (each at its measured rate), and the step grows by the difference
+    on the critical path."""
     one_node = estimate_stages(*gpipe_two_stages(2, (0, 1)), "dgx-a100", ranks={0: 0, 1: 1}, world_size=16)
     two_nodes = estimate_stages(*gpipe_two_stages(2, (0, 8)), "dgx-a100", ranks={0: 0, 1: 8}, world_size=16)
     links = {s.cost.link for s in two_nodes.stages[0].spans if s.kind == "comm"}
     assert links == {"inter-node"} and {s.cost.link for s in one_node.stages[0].spans if s.kind == "comm"} == {"intra-node"}
     dgx = cluster_of("dgx-a100")
-    per_transfer = (dgx.inter.latency - dgx.intra.latency) + (1 << 20) / dgx.inter.bandwidth - (1 << 20) / dgx.intra.bandwidth
+    per_transfer = (collective_time(dgx, "send", 1 << 20, (0, 8), 0, dict(peer=8)).seconds
+                    - collective_time(dgx, "send", 1 << 20, (0, 1), 0, dict(peer=1)).seconds)
     assert two_nodes.step_time - one_node.step_time == pytest.approx(4 * per_transfer, rel=1e-9)
 
 

@@ -32,7 +32,8 @@ import torch.distributed as dist
 import foreign_models as fm
 from tp_rank_checks import SGD, norm_of_ones, overflow_on_one_rank, wrapped_mesh
 import toolkit
-from toolkit.models import SyntheticCorpus, moe_model_fn
+from toolkit.models import SyntheticCorpus
+from toolkit.train import moe_model_fn
 from toolkit.train import TrainConfig, train
 
 LOSS_ATOL, PARAM_ATOL = 2e-5, 1e-5

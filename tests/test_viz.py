@@ -81,8 +81,8 @@ def test_timeline_hover_shows_bytes_duration_and_bandwidth(run):
     hover = {t.name: t for t in viz.timeline(run).data}["all_reduce"].hovertext[0]
     assert "size 4 KiB" in hover and "sent 4 KiB" in hover and "received 4 KiB" in hover
     assert "duration 1.000 ms" in hover
-    assert "algbw 0.004 GB/s" in hover                     # 4096 B / 1 ms
-    assert "busbw 0.004 GB/s" in hover                     # all-reduce on 2 ranks: factor 2(2-1)/2 = 1
+    assert "algbw 4.1 MB/s" in hover and "0.0" not in hover  # 4096 B / 1 ms, in the unit it calls for
+    assert "busbw 4.1 MB/s" in hover                     # all-reduce on 2 ranks: factor 2(2-1)/2 = 1
 
 
 def test_timeline_filters(run):

@@ -76,8 +76,8 @@ def test_compute_categories_and_shades():
     family = [style.compute_colour(n) for n in ("forward", "forward (root)", "forward blocks.0", "forward blocks.1")]
     assert family[0] == style.COMPUTE["forward"] and len(set(family)) == 4
     assert style.compute_colour("optimizer") == style.COMPUTE["optimizer"]
-    assert style.compute_colour("blocked in all_reduce") == style.shade(style.COMPUTE["wait"],
-                                                                      style.variant("blocked in all_reduce", "wait"))
+    assert style.compute_colour(style.BLOCKED + "all_reduce") == style.shade(
+        style.COMPUTE["wait"], style.variant(style.BLOCKED + "all_reduce", "wait"))
     assert style.comm_colour("all_to_all · dispatch") != style.comm_colour("all_to_all") == style.COMMUNICATION["all_to_all"]
     assert style.shade("#808080", 1) > "#808080" > style.shade("#808080", 2)  # lighter, then darker
 
@@ -97,12 +97,15 @@ def test_the_timeline_shows_blocking_collectives_as_waiting():
                    _span(rank, "optimizer", "compute", 0.050, 0.055)]
     fig = viz.timeline(Run(config={}, events=events, meta={"ranks": [0, 1], "world_size": 2}))
     traces = {t.name: t for t in fig.data}
-    blocked = traces["blocked in all_reduce"]
+    blocked = traces["wait in all_reduce"]
     assert list(blocked.y) == ["rank 0 · compute"] * 2 + ["rank 1 · compute"] * 2
     assert list(blocked.x) == pytest.approx([10.0, 8.0, 10.0, 8.0])  # ms, the collectives' own lengths
-    assert [t.name for t in fig.data][-1] == "blocked in all_reduce"  # drawn over the backward span
+    assert [t.name for t in fig.data][-1] == "wait in all_reduce"  # drawn over the backward span
     assert blocked.marker.color in {style.shade(style.COMPUTE["wait"], k) for k in range(3)}  # waiting's colours
     assert traces["backward"].marker.color == style.COMPUTE["backward"]
+    greys = {name for name, t in traces.items() if t.marker.color in {style.shade(style.COMPUTE["wait"], k)
+                                                                     for k in range(12)}}
+    assert greys and all(name.startswith("wait") for name in greys), greys  # grey says "wait" in every figure
     assert "overlapped with computation: 0%" in fig.layout.title.subtitle.text and "blocked" in fig.layout.title.subtitle.text
 
 

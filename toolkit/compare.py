@@ -29,11 +29,11 @@ from .cli_args import positive_int
 from .compare_theory import HSDP_GROUP, MODEL, MOE, ZERO_STAGE, hsdp_theory, moe_theory, predicted_model_states
 from .interpret import collectives_per_step, notes
 from .memory import communication_per_step
-from .models import moe_model_fn, tiny_gpt
+from .models import tiny_gpt
 from .runtime.env import default_world_size
 from .trace.analysis import bytes_per_step, overlap_fraction
 from .trace.chrome import save_chrome
-from .train import TrainConfig, launch_train
+from .train import TrainConfig, launch_train, moe_model_fn
 
 MOE_LABEL = "moe-ep"
 HSDP_LABEL = "hsdp"  # strategy fsdp with sharding_group_size=HSDP_GROUP
@@ -183,9 +183,9 @@ def training_blocks(runs, rows, predicted, *, world_size: int, steps: int, mixed
            if mixed_precision else "fp32: theory 4 + 4 + 8 bytes per parameter (AdamW's two moments)."),
         viz.table([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]),
         viz.bullets(explained),
-        memory_bars(runs, predicted),
+        memory_bars(runs, predicted, unit=1e6),  # in the table's unit (its columns are MB)
         comm_bars([{"strategy": r["strategy"], "measured": r["sent MB/step"] * 1e6,
-                    "theory": r["theory sent MB/step"] * 1e6} for r in rows if r["ranks"] > 1]),
+                    "theory": r["theory sent MB/step"] * 1e6} for r in rows if r["ranks"] > 1], unit=1e6),
     ]
     overlaps = {r["strategy"]: r["overlap"] for r in rows}
     for name, run in runs.items():

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from . import parallel
 from .memory.ledger import ActivationMeter, record_memory
-from .models import GPTConfig, tiny_gpt
+from .models import GPTConfig, moe_gpt, tiny_gpt
 from .models.protocol import recognise
 from .run import Run
 from .run_metrics import NonFiniteElsewhere, NonFiniteLoss, record_losses  # noqa: F401 - the errors: toolkit.train's
@@ -141,6 +141,26 @@ def build_model(config: TrainConfig) -> torch.nn.Module:
     return tiny_gpt(vocab_size=config.vocab_size, seq_len=config.seq_len, **config.model)
 
 
+def moe_model_fn(num_experts: int = 4, top_k: int = 2, **moe_gpt_kwargs):
+    """A ``model_fn`` for `train`: ``moe_gpt`` sized by the TrainConfig (vocab, seq_len, ``config.model``), experts
+    seeded by ``config.seed`` unless ``seed=`` is given, and split over the ranks of a pipeline stage under
+    ``options["pp"]`` (the layout is the training's, which is why this lives here and not in `toolkit.models`).
+
+        train(TrainConfig(strategy="ddp"), model_fn=moe_model_fn(4, 2))
+    """
+    def build(config):
+        kwargs = dict(seed=config.seed, vocab_size=config.vocab_size, seq_len=config.seq_len, **config.model)
+        pp = config.options.get("pp", 1)
+        if pp > 1:  # a pipeline stage's experts are split over the ranks of that stage, not the world
+            from .parallel.pipeline import stage_group
+            kwargs["group"] = stage_group(pp=pp, **{k: config.options[k] for k in ("tp", "cp", "order")
+                                                    if k in config.options})
+        kwargs.update(moe_gpt_kwargs)
+        return moe_gpt(num_experts, top_k, **kwargs)
+
+    return build
+
+
 def train(config, *, model_fn=None, loss_fn=None, batch_fn=None, return_state: bool = False):
     """Train on this rank (inside `launch`, or alone as world size 1); return this rank's Run.
 
@@ -158,6 +178,10 @@ def train(config, *, model_fn=None, loss_fn=None, batch_fn=None, return_state: b
     final full parameters, for comparing runs without the tensors).
     """
     config = TrainConfig.of(config)
+    if loss_fn is not None and config.options.get("pp", 1) > 1:
+        raise ValueError("under pipeline parallelism (pp > 1) the last stage computes the loss with the model's own "
+                         "head_loss(h, y), so a loss_fn cannot be used: give the model embed, head_loss and "
+                         "hidden_shape (toolkit/models/hf_pipeline.py shows how), or train without pp.")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     config.check_world(world)

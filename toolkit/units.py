@@ -5,6 +5,7 @@
     seconds_text(0.0309)   -> "30.9 ms"          seconds_text(3e-18)  -> "0 µs"  (below a microsecond: noise)
     flops_text(2.15e8)     -> "215 MFLOP/s"      flops_text(1.61e14)  -> "161 TFLOP/s"
     percent_text(0.00012)  -> "0.012%"           percent_text(0.437)  -> "43.7%"
+    bandwidth_text(4.2e5)  -> "420 kB/s"         bandwidth_text(1.3e10) -> "13 GB/s"  (never "0.000 GB/s")
     byte_unit(8.5e9)       -> (1e9, "GB")        an axis's unit for values up to 8.5e9 bytes
     memory_text(80 * 2**30) -> "85.9 GB (80 GiB)" a device's memory: sold by the GiB ("A100 80GB")
 
@@ -30,6 +31,11 @@ def bytes_text(n: float, digits: int = 3) -> str:
     """`n` bytes with `digits` significant digits in the unit its magnitude calls for."""
     scale, name = byte_unit(n)
     return f"{n / scale:.{digits}g} {name}"
+
+
+def bandwidth_text(rate: float, digits: int = 3) -> str:
+    """Bytes per second in the unit its magnitude calls for: a small message's rate is kB/s, not "0.000 GB/s"."""
+    return bytes_text(rate, digits) + "/s"
 
 
 def memory_text(n: float) -> str:

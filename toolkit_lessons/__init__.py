@@ -13,6 +13,11 @@ It is switched on for every Jupyter server started from the project's environmen
 (which `make setup` puts in .venv), and on loading it registers the hook with the server's contents
 manager. Notebooks that are not paired with a text file keep their outputs. It lives beside `toolkit`,
 not in it, so that the server does not import torch to load it.
+
+It also opens a lesson as JupyterLab would find one it had just saved (`open_as_saved`), so that the tab is not
+marked modified before anything runs: the kernel's `language_info`, which JupyterLab writes into the notebook as
+soon as the kernel answers (a change: the tab was marked modified), is there already. (The stored form leaves it
+out: it names this machine's Python version.)
 """
 from __future__ import annotations
 
@@ -47,6 +52,35 @@ def keep_stored_form(model: dict, **_) -> None:
         stored_form(model["content"])
 
 
+def kernel_language_info(kernel_name: str) -> dict | None:
+    """What the kernel `kernel_name` will report as its language_info, where the server knows it: "python3" is
+    ipykernel on this server's own Python (the environment the lessons run in)."""
+    if kernel_name != "python3":
+        return None
+    try:
+        from ipykernel.ipkernel import IPythonKernel
+    except ImportError:
+        return None
+    return dict(IPythonKernel.language_info)
+
+
+def open_as_saved(manager) -> None:
+    """Wrap `manager.mark_trusted_cells` (the server calls it on every notebook it loads): a paired notebook (a
+    lesson) is loaded with the language_info its kernel will report; any other is left as it is."""
+    server_verdict = manager.mark_trusted_cells
+
+    def mark_trusted_cells(nb, path=""):
+        server_verdict(nb, path)
+        if not is_paired(nb):
+            return
+        metadata = nb.setdefault("metadata", {})
+        language = kernel_language_info(metadata.get("kernelspec", {}).get("name", ""))
+        if language and "language_info" not in metadata:
+            metadata["language_info"] = language
+
+    manager.mark_trusted_cells = mark_trusted_cells
+
+
 # --- the Jupyter server extension that installs the hook -------------------------------------------------
 def _jupyter_server_extension_points():
     return [{"module": "toolkit_lessons"}]
@@ -54,4 +88,6 @@ def _jupyter_server_extension_points():
 
 def _load_jupyter_server_extension(server_app) -> None:
     server_app.contents_manager.register_pre_save_hook(keep_stored_form)
-    server_app.log.info("toolkit_lessons: paired notebooks (the lessons) are saved without outputs")
+    open_as_saved(server_app.contents_manager)
+    server_app.log.info("toolkit_lessons: paired notebooks (the lessons) are saved without outputs and open as "
+                        "saved")

@@ -6,11 +6,15 @@ for this grading, wraps it in your BucketedDDP with a cap of 0.01 MiB and trains
 so the messages can say which parameter differs and by how much. Buckets are judged by their rules (every
 index once, last-registered first, closed once they reach the cap), not against an answer key.
 """
+import re
+
 import torch
 
 from toolkit.grading import Fields, Items, List, Maybe, check, like, model_labs
 
 ANSWERS = {"toolkit.parallel.ddp": "the toolkit's own DDP and its buckets",
+           "toolkit.parallel.zero:Zero12._bucket_params": "ZeRO-2's buckets, assign_buckets under another name",
+           "toolkit.parallel.zero:Zero12._gradient_ready": "ZeRO-2's hook that launches a bucket once it is complete",
            "torch.nn.parallel:DistributedDataParallel": "PyTorch's DDP"}
 CAP_BYTES = 0.01 * 2**20  # tasks.CAP_MB
 GLOBAL_BATCH = 12     # rows per step over all ranks: splits evenly over 2 and 3 ranks
@@ -69,6 +73,8 @@ CASES = [  # (parameter sizes in float32 elements, cap in bytes)
     ([10, 300, 5, 40, 40, 200, 7, 1], 1),        # tiny cap: one parameter per bucket
     ([10, 300, 5, 40, 40, 200, 7, 1], 10**9),    # huge cap: one bucket
     ([64, 64, 64, 64, 64], 512),                 # closes exactly at the cap
+    ([1, 99], 397),                              # one byte short of the cap: stays open
+    ([1, 99, 100], 397),                         # the second bucket one byte short of the cap
     ([3], 100),
 ]
 
@@ -169,6 +175,22 @@ def overlap(ctx, given, got):
         if not got[r]["overlap"] > 0:
             ctx.fail(f"rank {r}: the trace shows no communication during compute (overlap fraction "
                      f"{got[r]['overlap']:.2f})")
+
+
+@check("a parameter without a gradient: finish_backward raises an error that names it", points=1, world_sizes=(2,),
+       inputs=lambda n, g: {"cap_mb": 1.0, "x": torch.randn(3, 4, generator=g)}, returns={"raised": str, "message": str})
+def unused_parameter(ctx, given, got):
+    unused = {2, 3}  # the second layer's weight and bias (tasks.py): never used, so their bucket never completes
+    for r in range(ctx.world_size):
+        if not got[r]["raised"]:
+            ctx.fail(f"rank {r}: a model whose second layer is never used (parameters 2 and 3 get no gradient) went "
+                     "through backward without an error: its bucket never completed and never travelled, so its "
+                     "gradients are silently missing; finish_backward must raise an error that names them")
+        named = {int(k) for k in re.findall(r"\d+", got[r]["message"])}
+        if not unused <= named:
+            ctx.fail(f"rank {r}: finish_backward raised {got[r]['raised']}: {got[r]['message']!r}, which does not name "
+                     f"the parameters without a gradient, {sorted(unused)} (those of the buckets never launched that "
+                     "are not ready)")
 
 
 @check("bytes on the wire: every gradient reduced once, 2(N-1)/N x the gradient bytes per rank",

@@ -79,6 +79,27 @@ def overlap(student, rank, given):
             "overlap": overlap_fraction(Run.capture(align=False), rank.rank) if calls else 0.0}
 
 
+class _OneLayerUnused(torch.nn.Module):
+    """Two linear layers, the second never used: its parameters (indices 2 and 3) get no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x).square().mean()
+
+
+def unused_parameter(student, rank, given):
+    torch.manual_seed(0)
+    ddp = student.BucketedDDP(_OneLayerUnused(), bucket_cap_mb=given["cap_mb"], group=rank.group)
+    try:
+        ddp(given["x"]).backward()
+    except Exception as exc:  # noqa: BLE001 - what the student raised, and what it says
+        return {"raised": type(exc).__name__, "message": str(exc)[:500]}
+    return {"raised": "", "message": ""}
+
+
 def bytes_on_the_wire(student, rank, given):
     model = _model(given)
     ddp = student.BucketedDDP(model, bucket_cap_mb=CAP_MB, group=rank.group)

@@ -17,7 +17,9 @@ from toolkit.parallel.flat import FlatBuffer
 ANSWERS = {"toolkit.parallel.fsdp_unit:FSDPUnit.unshard": "the toolkit's own unshard",
            "toolkit.parallel.fsdp_unit:FSDPUnit.wait_unshard": "the toolkit's own wait_unshard",
            "toolkit.parallel.fsdp_unit:FSDPUnit.reshard": "the toolkit's own reshard",
-           "toolkit.parallel.fsdp_unit:FSDPUnit.reduce_grad": "the toolkit's own reduce_grad"}
+           "toolkit.parallel.fsdp_unit:FSDPUnit.reduce_grad": "the toolkit's own reduce_grad",
+           "toolkit.parallel.zero3:Zero3._gather": "ZeRO-3's gather, unshard under another name",
+           "toolkit.parallel.zero3:Zero3._reduce_scatter": "ZeRO-3's gradient reduce-scatter, reduce_grad's"}
 BUILDS_ON = ["toolkit.parallel.fsdp_unit:FSDPUnit.add_grad", "toolkit.parallel.fsdp_unit:FSDPUnit.finish_reduce",
              "toolkit.parallel.fsdp_unit:sharding_groups"]  # FSDP's groups (lab 07's), hybrid or not
 GLOBAL_BATCH = 12     # rows per step over all ranks: splits evenly over 2 and 3 ranks
@@ -103,7 +105,9 @@ def unshard_gathers(ctx, given, got):
 
 
 def freed(case, r, n):
-    return {"after_reshard": per_unit(n, {"held": int, "state": str}), "after_forward": per_unit(n, int),
+    return {"after_reshard": per_unit(n, {"held": int, "state": str}), "in_flight": {"waits": int, "held": int,
+                                                                                       "state": str},
+            "after_forward": per_unit(n, int),
             "while_running": per_unit(n, Items(Maybe(str), int)), "after_backward": per_unit(n, int)}
 
 
@@ -120,6 +124,14 @@ def memory_is_freed(ctx, given, got):
                          "stay valid, only the memory goes)")
             if after["state"] != "sharded":
                 ctx.fail(f"rank {r}: after reshard(), unit {name!r} is in state {after['state']!r}, expected 'sharded'")
+        flight = mine["in_flight"]
+        if flight["waits"] < 1:
+            ctx.fail(f"rank {r}: reshard() of a unit whose all-gather was still in flight (unshard(async_op=True) just "
+                     "before) freed its memory without waiting for the all-gather, which would go on writing into "
+                     "freed memory: when the unit is GATHERING, wait for it first (wait_unshard)")
+        if flight["held"] != 0 or flight["state"] != "sharded":
+            ctx.fail(f"rank {r}: reshard() of a unit whose all-gather was in flight left it {flight['state']!r} with "
+                     f"{flight['held']} bytes; expected 'sharded' and 0 bytes")
         for unit in units(ctx.world_size):
             name, full = unit["name"], unit["padded"] * 4
             state, held = mine["while_running"][name]

@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from toolkit.comm import collectives
 from toolkit.models import tiny_gpt
 
 
@@ -48,6 +49,22 @@ def unshard_gathers(student, rank, given):
     return {"units": units, "async": later}
 
 
+def _waits_during(fn) -> int:
+    """How many handles `fn()` waited for (the door's Handle.wait, counted)."""
+    real, count = collectives.Handle.wait, [0]
+
+    def counted(handle):
+        count[0] += 1
+        return real(handle)
+
+    collectives.Handle.wait = counted
+    try:
+        fn()
+    finally:
+        collectives.Handle.wait = real
+    return count[0]
+
+
 def memory_is_freed(student, rank, given):
     fsdp, _ = _wrapped(student, given, forward_prefetch=True)
     after_reshard = {}
@@ -55,6 +72,9 @@ def memory_is_freed(student, rank, given):
         unit.unshard()
         unit.reshard()
         after_reshard[unit.name] = {"held": _held(unit), "state": unit.state}
+    unit = fsdp.units[0]  # an all-gather in flight when reshard comes
+    unit.unshard(async_op=True)
+    in_flight = {"waits": _waits_during(unit.reshard), "held": _held(unit), "state": unit.state}
     seen = {}
 
     def note(unit, module, args):  # registered after FSDP's hooks: runs once the unit is gathered
@@ -66,7 +86,7 @@ def memory_is_freed(student, rank, given):
     loss = fsdp(x, y)
     after_forward = {u.name: _held(u) for u in fsdp.units}
     loss.backward()
-    return {"after_reshard": after_reshard, "after_forward": after_forward,
+    return {"after_reshard": after_reshard, "in_flight": in_flight, "after_forward": after_forward,
             "while_running": {u.name: list(seen.get(u.name, (None, 0))) for u in fsdp.units},
             "after_backward": {u.name: _held(u) for u in fsdp.units}}
 

@@ -7,7 +7,7 @@ over the ranks).
 """
 import torch
 
-from toolkit.grading import Either, Items, List, Maybe, Tensor, check, like, sibling
+from toolkit.grading import Either, Items, Maybe, Tensor, check, like, sibling
 from toolkit.moe import MoE, reference_moe
 from toolkit.moe.capacity import capacity
 from toolkit.moe.experts import WEIGHTS, Experts
@@ -18,7 +18,8 @@ ANSWERS = {"toolkit.moe.layer:MoE.forward": "the toolkit's own MoE layer",
            "toolkit.moe.layer:MoE.dispatch_compute_combine": "the toolkit's own dispatch and combine",
            "toolkit.moe.layer:MoE.compute_experts": "the toolkit's own local experts",
            "toolkit.moe.layer:MoE.weighted_sum": "the toolkit's own combine",
-           "toolkit.moe.exchange:all_to_all": "the toolkit's own differentiable all-to-all"}
+           "toolkit.moe.exchange:all_to_all": "the toolkit's own differentiable all-to-all",
+           "toolkit.moe.exchange:_AllToAll": "the toolkit's own differentiable all-to-all (its autograd function)"}
 D, FF, SEED, INIT = 8, 16, 7, 0.3
 ROLES = ["counts", "dispatch", "combine", "combine backward", "dispatch backward"]
 

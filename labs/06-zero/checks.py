@@ -14,6 +14,7 @@ from toolkit.parallel.flat import FlatBuffer
 
 ANSWERS = {"toolkit.parallel.zero": "the toolkit's own ZeRO",
            "toolkit.parallel.optimizer_sharding": "the toolkit's own sharded optimizer",
+           "toolkit.parallel.zero3": "the toolkit's own ZeRO stage 3",
            "torch.distributed.optim:ZeroRedundancyOptimizer": "PyTorch's sharded optimizer"}
 CONFIG = dict(d_model=27, n_head=3, n_layer=1)  # Ψ = 11,745: odd, so 2 ranks pad one element
 GLOBAL_BATCH, STEPS, LR = 8, 3, 1e-2
@@ -101,8 +102,9 @@ def gradient_slices(ctx, given, got):
         ctx.expect(grad, expected, f"rank {r}'s slice of the averaged gradient", rank=r, exact=False, **TOLERANCE)
 
 
-@check("the optimizer holds states for this rank's slice only: 8 bytes x Ψ/N (+ the step count)",
-       points=1, world_sizes=(2,), inputs=training(1), returns={"held": int})
+@check("the optimizer holds states for this rank's slice only: 8 bytes x Ψ/N (+ the step count), and no gradient "
+       "after its step",
+       points=1, world_sizes=(2,), inputs=training(1), returns={"held": int, "gradient_kept": bool})
 def states_are_sharded(ctx, given, got):
     for r in range(ctx.world_size):
         held, psi = got[r]["held"], padded(ctx.world_size)
@@ -111,6 +113,9 @@ def states_are_sharded(ctx, given, got):
             ctx.fail(f"rank {r}: after one step the optimizer holds {held} bytes of states; for a slice of "
                      f"{psi // ctx.world_size} of the {psi} padded elements AdamW keeps {expected}. Did the step run "
                      "on the master slice alone?")
+        if got[r]["gradient_kept"]:
+            ctx.fail(f"rank {r}: after step(), master.grad still holds the slice's gradient: used, it is dropped "
+                     "(self.master.grad = None), so stage 2 keeps no gradient from one step to the next")
 
 
 def trained(case, r, n):

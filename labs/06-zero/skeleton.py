@@ -92,8 +92,8 @@ class Zero2:
     @torch.no_grad()
     def step(self) -> None:
         """One optimizer step: afterwards every rank's model holds the whole updated parameters, and the slice's
-        gradient, used, is dropped (`self.master.grad` is None: stage 2 keeps no gradient from one step to the next;
-        not graded, since the next `reduce_gradients` replaces it anyway).
+        gradient, used, is dropped (`self.master.grad` is None: stage 2 keeps no gradient from one step to the next,
+        and the grader looks).
 
         This rank's optimizer knows only its slice (`self.master`, a view of `self.flat.data`): stepping it
         updates 1/N of the model, here. The other slices were updated on their owners, so each rank must then

@@ -39,7 +39,7 @@ def states_are_sharded(student, rank, given):
     z.step()
     held = sum(t.numel() * t.element_size() for s in z.optimizer.state.values() for t in s.values()
                if torch.is_tensor(t))
-    return {"held": held}
+    return {"held": held, "gradient_kept": z.master.grad is not None}
 
 
 def parity(student, rank, given):

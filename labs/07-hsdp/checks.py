@@ -13,7 +13,8 @@ from toolkit.parallel.flat import FlatBuffer
 
 ANSWERS = {"toolkit.parallel.fsdp_unit:sharding_groups": "the toolkit's own hybrid sharding groups",
            "toolkit.parallel.fsdp_unit:FSDPUnit.reduce_grad": "the toolkit's own gradient reduction",
-           "toolkit.parallel.fsdp_unit:FSDPUnit.finish_reduce": "the toolkit's own gradient reduction"}
+           "toolkit.parallel.fsdp_unit:FSDPUnit.finish_reduce": "the toolkit's own gradient reduction",
+           "toolkit.comm.hierarchical:node_groups": "the 2D all-to-all's node and cross-node groups, make_groups's"}
 BUILDS_ON = ["toolkit.parallel.fsdp_unit:sharding_groups",  # toolkit.parallel.wrap(sharding_group_size=) calls it
              "toolkit.parallel.fsdp_unit:FSDPUnit.unshard", "toolkit.parallel.fsdp_unit:FSDPUnit.wait_unshard",
              "toolkit.parallel.fsdp_unit:FSDPUnit.reshard", "toolkit.parallel.fsdp_unit:FSDPUnit.add_grad"]

@@ -97,8 +97,31 @@ def reduced_in_reduce_dtype(ctx, given, got):
                      "buffer in reduce_dtype (add_grad), and reduce-scatter that buffer")
 
 
+@check("add_grad: the unit's gradients gathered in a reduce_dtype buffer, complete exactly at its last parameter's",
+       points=1, world_sizes=(WORLD,), inputs=training(0),
+       returns={"complete": List(bool, len(UNITS[1]["param_names"])), "buffer": str})
+def add_grad_completes(ctx, given, got):
+    count = len(UNITS[1]["param_names"])
+    expected = [False] * (count - 1) + [True]
+    for r in range(ctx.world_size):
+        if got[r]["complete"] != expected:
+            ctx.fail(f"rank {r}: add_grad on unit {UNITS[1]['name']!r}'s {count} parameters, one after the other, "
+                     f"answered {got[r]['complete']}; expected False until the last, then True: FSDP reduce-scatters a "
+                     "unit as soon as its last gradient has arrived (count them down from self.waiting), or the "
+                     "reduction waits for the end of backward and nothing overlaps")
+        if got[r]["buffer"] != "bfloat16":
+            ctx.fail(f"rank {r}: add_grad gathered the gradients in a {got[r]['buffer']} buffer; with "
+                     "MixedPrecision(bfloat16) the reduce dtype is bfloat16: make the buffer in reduce_dtype")
+
+
+def _accumulating(n, g):
+    made = training(2)(n, g)
+    return {f"reduce_dtype={reduce}": [dict(mine, precision=("bfloat16", reduce)) for mine in made]
+            for reduce in ("float32", None)}
+
+
 @check("the optimizer sees fp32: masters and gradient slices fp32, micro-batches accumulated in fp32",
-       points=1, world_sizes=(WORLD,), inputs=training(2),
+       points=1, world_sizes=(WORLD,), cases=_accumulating,
        returns={"grads": {u["name"]: Maybe(Tensor((u["shard"],))) for u in UNITS}})
 def fp32_for_the_optimizer(ctx, given, got):
     reference = fp32_model(given[0]["seed"])
@@ -115,7 +138,7 @@ def fp32_for_the_optimizer(ctx, given, got):
             expected = flat_of(unit, grads).shard(r)
             scale = expected.abs().max().item()
             worst = (mine - expected).abs().max().item()
-            if worst > 0.05 * scale:  # bf16 compute: about 1% per gradient; a lost micro-batch is about 50%
+            if worst > 0.05 * scale:  # bf16 compute (and reduction): about 1% per gradient; a lost micro-batch ~50%
                 ctx.fail(f"rank {r}: after two backwards unit {unit['name']!r}'s gradient slice differs from the fp32 "
                          f"sum of both micro-batches' gradients by up to {worst:.3g} (largest gradient {scale:.3g}): "
                          "add each backward's reduced slice into self.mine.grad instead of replacing it")

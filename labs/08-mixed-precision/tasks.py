@@ -39,8 +39,20 @@ def reduced_in_reduce_dtype(student, rank, given):
     return {"dtypes": sorted({e["args"]["dtype"] for e in rank.comm_events(start) if e["name"] == "reduce_scatter"})}
 
 
+def add_grad_completes(student, rank, given):
+    """A block's parameters' gradients handed to add_grad one by one: what it answered each time, its buffer's dtype."""
+    fsdp, _ = _wrapped(student, given)
+    unit = fsdp.units[1]
+    said = []
+    for p in unit.params:
+        p.grad = torch.ones(p.shape, dtype=p.dtype)
+        said.append(bool(unit.add_grad(p)))
+    return {"complete": said, "buffer": str(unit.grads.data.dtype).removeprefix("torch.") if unit.grads is not None
+            else "none"}
+
+
 def fp32_for_the_optimizer(student, rank, given):
-    fsdp, _ = _wrapped(student, given, ("bfloat16", "float32"))
+    fsdp, _ = _wrapped(student, given, given["precision"])
     for x, y in given["batches"]:  # two micro-batches, one step
         fsdp(x, y).backward()
     return {"grads": {u.name: u.mine.grad for u in fsdp.units}}

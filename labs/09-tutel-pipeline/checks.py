@@ -8,9 +8,10 @@ expert computes the right outputs and gradients (the reference), so the messages
 """
 import torch
 
-from toolkit.grading import Either, Fields, List, Maybe, Tensor, check, like
+from toolkit.grading import Fields, List, Maybe, Tensor, check, like
 
-ANSWERS = {"toolkit.moe.pipeline": "the toolkit's own pipelined all-to-all"}
+ANSWERS = {"toolkit.moe.pipeline": "the toolkit's own pipelined all-to-all",
+           "toolkit.moe.units:run_units": "the toolkit's own chunk k+1 posted before chunk k computes"}
 E_LOCAL, CAPACITY, D_MODEL, HIDDEN = 2, 5, 8, 16
 
 
@@ -120,6 +121,8 @@ def gradients(ctx, given, got):
 def _order(ctx, r, events, backward: bool):
     """Check, forward or backward, that chunk k+1 travels while chunk k computes."""
     out_name, back_name = ("combine backward", "dispatch backward") if backward else ("dispatch", "combine")
+    labels = [e["args"].get("moe") for e in events if e["cat"] == "comm" and
+              str(e["args"].get("moe", "")).startswith((out_name + " chunk", back_name + " chunk"))]
     comm = {e["args"].get("moe"): e for e in events if e["cat"] == "comm"}
     experts = {e["args"]["chunk"]: e for e in events if str(e["name"]).startswith("experts chunk")
                and bool(e["args"].get("backward")) == backward}
@@ -127,6 +130,10 @@ def _order(ctx, r, events, backward: bool):
     where = "backward" if backward else "forward"
     if count != 3:
         ctx.fail(f"rank {r}: at degree 3 the {where} computed {count} chunks, expected 3")
+    expected = sorted(f"{name} chunk {k + 1}/{count}" for name in (out_name, back_name) for k in range(count))
+    if sorted(labels) != expected:
+        ctx.fail(f"rank {r} ({where}): the trace's exchanges are labelled {sorted(labels)}; expected each chunk's "
+                 f"{out_name} and {back_name} once, {expected}: exchange chunk k with k and its own name")
     for k in range(count - 1):
         nxt = comm.get(f"{out_name} chunk {k + 2}/{count}")
         done = comm.get(f"{back_name} chunk {k + 1}/{count}")

@@ -18,6 +18,11 @@ from toolkit.grading import Fields, check, number, seconds, sibling
 from toolkit.units import bytes_text
 
 ANSWERS = {"toolkit.memory.formulas:alpha_beta_time": "the toolkit's own alpha-beta model",
+           "toolkit.memory.formulas:_steps_and_bytes": "the ring's steps and bytes, the alpha-beta model's counts",
+           "toolkit.memory.formulas:bytes_on_wire": "the ring's bytes per rank",
+           "toolkit.memory.formulas:ring_reduce_scatter_bytes": "the ring's bytes per rank",
+           "toolkit.memory.formulas:ring_all_gather_bytes": "the ring's bytes per rank",
+           "toolkit.memory.formulas:ring_all_reduce_bytes": "the ring's bytes per rank",
            "toolkit.sim.timeline:schedule": "the toolkit's own overlap rule",
            "toolkit.sim.collective_time": "the toolkit's own collective times",
            "toolkit.sim.cost": "the toolkit's own cost model"}
@@ -128,36 +133,36 @@ def _wait(i):
     return {"kind": "wait", "id": i}
 
 
-HAND = {  # name -> a program (README, "2. The overlap rule"; the hidden checks give each its durations)
-    "compute only": [_c("a"), _c("b")],
-    "a synchronous all-reduce between two computes": [_c("a"), _comm(0, False), _wait(0), _c("b")],
-    "an asynchronous all-reduce, partly hidden by the compute issued after it": [_c("a"), _comm(0), _c("b"), _wait(0),
-                                                                                 _c("c")],
-    "two asynchronous collectives issued together, then compute": [_comm(0), _comm(1), _c("a"), _wait(0), _wait(1)],
-    "a collective nobody waits for still ends the step": [_c("a"), _comm(0)],
-    "a wait for a collective already done costs nothing": [_comm(0), _c("a"), _wait(0)],
+HAND = {  # name -> a program (README, "2. The overlap rule"), each compute's seconds by label, each collective's by id
+    "compute only": ([_c("a"), _c("b")], {"a": 1.0, "b": 2.0}, {}),
+    "a synchronous all-reduce between two computes": ([_c("a"), _comm(0, False), _wait(0), _c("b")],
+                                                      {"a": 1.0, "b": 1.0}, {0: 0.5}),
+    "an asynchronous all-reduce, partly hidden by the compute issued after it": (
+        [_c("a"), _comm(0), _c("b"), _wait(0), _c("c")], {"a": 1.0, "b": 0.4, "c": 1.0}, {0: 1.0}),
+    "two asynchronous collectives issued together, then compute": (
+        [_comm(0), _comm(1), _c("a"), _wait(0), _wait(1)], {"a": 0.5}, {0: 1.0, 1: 1.0}),
+    "a collective nobody waits for still ends the step": ([_c("a"), _comm(0)], {"a": 1.0}, {0: 2.0}),
+    "a wait for a collective already done costs nothing": ([_comm(0), _c("a"), _wait(0)], {"a": 1.0}, {0: 0.2}),
 }
 
 
-def drawn_durations(program, r: random.Random, recorded=None) -> dict:
-    """A case of step_time: the program, and each instruction's duration drawn for this grading (recorded ones
-    scaled by 0.1x to 10x, hand-written ones 0.1 to 2 s)."""
-    compute_s, comm_s = [], {}
-    for k, i in enumerate(program):
-        known = recorded["compute_s"][k] if recorded else None
-        compute_s.append(None if i["kind"] != "compute" else (known or 1.0) * 10 ** r.uniform(-1, 1) if recorded
-                         else r.uniform(0.1, 2.0))
-        if i["kind"] == "collective":
-            comm_s[str(i["id"])] = (recorded["comm_s"][str(i["id"])] * 10 ** r.uniform(-1, 1) if recorded
-                                    else r.uniform(0.1, 2.0))
+def drawn_durations(program, compute: dict, comm: dict, r: random.Random, spread: float) -> dict:
+    """A case of step_time: the program, and each instruction's duration drawn for this grading, its given one
+    (compute by label or position, a collective by id) times a factor between 1 / spread and spread."""
+    compute_s = [None if i["kind"] != "compute" else compute[i.get("label") if i.get("label") in compute else k] *
+                 spread ** r.uniform(-1, 1) for k, i in enumerate(program)]
+    comm_s = {str(i["id"]): comm[i["id"] if i["id"] in comm else str(i["id"])] * spread ** r.uniform(-1, 1)
+              for i in program if i["kind"] == "collective"}
     return {"program": program, "compute_s": compute_s, "comm_s": comm_s}
 
 
 def step_cases(n, g):
-    """Every hand program and every recorded step, with durations drawn for this grading."""
+    """Every hand program (durations within 20% of the README's, so each keeps its story: a hidden collective stays
+    hidden) and every recorded step (durations 0.1x to 10x the recorded ones), drawn for this grading."""
     r = rng(g)
-    cases = {name: drawn_durations(program, r) for name, program in HAND.items()}
-    cases.update({f"the recorded {s['name']} step": drawn_durations(s["program"], r, s) for s in DATA["steps"]})
+    cases = {name: drawn_durations(program, compute, comm, r, 1.25) for name, (program, compute, comm) in HAND.items()}
+    cases.update({f"the recorded {s['name']} step": drawn_durations(s["program"], dict(enumerate(s["compute_s"])),
+                                                                    s["comm_s"], r, 10.0) for s in DATA["steps"]})
     return cases
 
 

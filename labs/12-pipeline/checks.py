@@ -18,6 +18,8 @@ from toolkit.parallel.pipeline import bubble, lowering, schedules
 from toolkit.parallel.pipeline.schedules import Action
 
 ANSWERS = {"toolkit.parallel.pipeline.schedules:one_f_one_b": "the toolkit's own 1F1B schedule",
+           "toolkit.parallel.pipeline.schedules:interleaved": "the toolkit's interleaved 1F1B (1F1B with another "
+                                                              "warm-up; one virtual stage is 1F1B)",
            "toolkit.parallel.pipeline.schedules:zb_h1": "the toolkit's zero-bubble schedule, whose forwards and "
                                                         "backwards run in 1F1B's order"}
 PIPELINES = (2, 3, 4)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..trace import events as _events
+from ..units import bandwidth_text
 from . import collectives as _door
 
 KiB, MiB = 1024, 1024 * 1024
@@ -275,7 +276,7 @@ def table_rows(records) -> list[dict]:
     """Records as rows of printable strings: operation, implementation, size, time, algbw, busbw, agreement."""
     return [{"operation": r["op"], "implementation": implementation_label(r["impl"], r["algorithm"]),
              "size": size_label(r["size_bytes"]), "time": _time_label(r["seconds"]),
-             "algbw": f"{r['algbw'] / 1e9:.3f} GB/s", "busbw": f"{r['busbw'] / 1e9:.3f} GB/s",
+             "algbw": bandwidth_text(r["algbw"]), "busbw": bandwidth_text(r["busbw"]),
              "agreement": _agreement(r)} for r in records]
 
 

@@ -52,6 +52,7 @@ class Check:
     task: str
     inputs: object = None
     hidden: bool = False   # defined in the lab's hidden_checks.py: graded, not shipped to students
+    platform_only: bool = False  # a hidden check named in a students' copy (platform_checks.json): not run there
     feedback: str = ""     # for a hidden check, what a student reads when it fails (nothing else is shown)
     numbers_only: bool = False  # pure functions (numbers in, numbers out): no process group in the message
     cases: object = None   # several cases: (n, generator) -> {case id: inputs}
@@ -89,6 +90,19 @@ def check(name: str, points: int = 1, world_sizes=(2, 3, 4), *, task: str | None
                      feedback=feedback, numbers_only=pure, cases=cases, returns=returns)
 
     return make
+
+
+PLATFORM_CHECKS = "platform_checks.json"  # in a students' copy: the hidden checks' names and points (release.py)
+PLATFORM_ONLY = "graded on the course platform only: its check is not in your copy of the lab"
+
+
+def platform_only(path) -> list[Check]:
+    """The hidden checks a students' copy names (`platform_checks.json`, written by the release): shown, never run."""
+    import json
+
+    listed = json.loads(path.read_text())
+    return [Check(str(c["name"]), int(c["points"]), tuple(c["world_sizes"]), None, "", hidden=True, platform_only=True)
+            for c in listed]
 
 
 def sibling(checks_file: str, name: str = "tasks.py"):

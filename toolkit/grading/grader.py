@@ -5,7 +5,7 @@ on the instructor's side), `tasks.py` (what the ranks run next to the student's 
 file (`skeleton.py` unless told otherwise). In this process, nothing of the student's runs: the file is
 read as bytes (never through a link), parsed (not run) to find a syntax error or a use of the lab's answers
 (`delegation.py`), and copied into a folder of its own (`session.Box`) with the students' build of the toolkit
-(`students_build.py`); a machine that cannot give it the sandbox promised refuses first (`sandbox.preflight`).
+(`student_wheel.for_lab`); a machine that cannot give it the sandbox promised refuses first (`sandbox.preflight`).
 For each world size the checks ask for, the ranks start there (`session.launch_ranks`), run every check's task
 on inputs made here with a seed drawn for this grading, and send back what they observed; the judges here
 compare it with what they compute (in a lab of point-to-point messages, with what the grader's relay carried).
@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from . import delegation, namespaces, sandbox, untrusted
-from .checks import Check, CheckFailed
+from .checks import PLATFORM_CHECKS, PLATFORM_ONLY, Check, CheckFailed, platform_only
 from .isolation import Sandbox
-from .release import declared
+from .declared import declared
 from .runner import IMPORT, load_module
 from .score import CheckResult, Score, format_score, zero
 from .session import Box, Launch, Limits, launch_ranks
@@ -64,6 +64,8 @@ def lab_checks(lab_dir) -> tuple[list[Check], dict]:
             else:
                 sys.modules["checks"] = before
         checks += [replace(v, hidden=True) for v in vars(hidden).values() if isinstance(v, Check) and v not in checks]
+    elif (lab_dir / PLATFORM_CHECKS).exists():  # a students' copy: the hidden checks are named, not run
+        checks += platform_only(lab_dir / PLATFORM_CHECKS)
     return checks, dict(getattr(module, "ANSWERS", {}))
 
 
@@ -247,13 +249,17 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, 
     verdicts, stopped = {}, None
     messages_only = bool(declared(lab_dir, "MESSAGES_ONLY", False))  # its ranks talk through the grader's relay
     with Sandbox() as marked, Box(lab_dir, source, solution.name) as box:
-        for n in sorted({n for c in checks for n in c.world_sizes}):
-            indices = [i for i, c in enumerate(checks) if n in c.world_sizes and not verdicts.get(i)]
+        for n in sorted({n for c in checks if not c.platform_only for n in c.world_sizes}):
+            indices = [i for i, c in enumerate(checks) if n in c.world_sizes and not verdicts.get(i)
+                       and not c.platform_only]
             if indices and stopped is None:
                 found, stopped = _run_world_size(box, checks, indices, n, answers, limits, seed, quiet, backend,
                                                  marked.id, messages_only)
                 verdicts.update(found)
     for i, c in enumerate(checks):
+        if c.platform_only:
+            score.results.append(CheckResult(c.name, c.points, 0, PLATFORM_ONLY, True, platform_only=True))
+            continue
         message = verdicts.get(i, "")
         if stopped == IMPORT and i not in verdicts:
             message = next(m for m in verdicts.values() if m)

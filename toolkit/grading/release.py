@@ -4,7 +4,8 @@ The instructor's tree holds, per lab, `README.md`, `skeleton.py`, `tasks.py`, `c
 optionally `hidden_checks.py`, and whatever the lab's `checks.py` names in `INSTRUCTOR_ONLY` (lab 10's
 `record_steps.py`, which computes the answers). Students get the README, the skeleton, the tasks and the
 checks (so that `python -m toolkit grade` works on their machine, with the same messages the course's grader
-gives), the lab's data, and `labs/README.md`. What stays with the instructor: every `solution*.py`, every
+gives), the lab's data, `platform_checks.json` naming the hidden checks (their names and points: the local
+grading lists them as run on the course platform only), and `labs/README.md`. What stays with the instructor: every `solution*.py`, every
 `hidden_checks.py` (graded on the course platform only), the `INSTRUCTOR_ONLY` files, `labs/autograder/`, and
 every README passage between `<!-- instructor -->` and `<!-- /instructor -->`.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import re
 import shutil
 import subprocess
@@ -29,8 +31,11 @@ import sys
 from pathlib import Path
 
 from . import delegation
+from .checks import PLATFORM_CHECKS
+from .declared import declared
+from .grader import lab_checks
 
-INSTRUCTOR_ONLY = ("solution*.py", "hidden_checks.py", "__pycache__", "*.pyc")
+INSTRUCTOR_ONLY = ("solution*.py", "hidden_checks.py", "equivalent_mutants.md", "__pycache__", "*.pyc")
 INSTRUCTOR_FOLDERS = ("autograder",)
 IMPORTS_A_SOLUTION = re.compile(r"(^|\W)(import|from)\s+[\w.]*solution\b|solution\.py|['\"]solution['\"]")
 INSTRUCTOR_TEXT = re.compile(r"^<!-- instructor -->$.*?^<!-- /instructor -->$\n?", re.S | re.M)  # lines of their own
@@ -40,22 +45,6 @@ MIN_LINE = 24  # shorter lines (`return out`, `for step in range(n - 1):`) are c
 
 def labs_in(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and (p / "checks.py").exists())
-
-
-def declared(lab: Path, name: str, default):
-    """A constant of the lab's checks.py (ANSWERS, INSTRUCTOR_ONLY), read without running the file."""
-    try:
-        tree = ast.parse((lab / "checks.py").read_text())
-    except SyntaxError:
-        return default
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            try:
-                return ast.literal_eval(node.value)
-            except ValueError:
-                raise ValueError(f"{lab.name}/checks.py: {name} must be written out as a literal (a dict or list of "
-                                 "strings), so a release can read it without running the file") from None
-    return default
 
 
 def committed(path: Path) -> str | None:
@@ -188,6 +177,11 @@ def release(labs_root, out, names=None) -> list[Path]:
         problems += leaks({dest: texts[dest] for src, dest in plan.items() if lab in src.parents},
                           solution_only_lines(lab), declared(lab, "ANSWERS", {}))
     problems += leaks({dest: texts[dest] for src, dest in plan.items() if src.parent == labs_root}, set())
+    for lab in labs:  # the hidden checks, named (the local grading says they run on the platform only)
+        hidden = [c for c in lab_checks(lab)[0] if c.hidden] if (lab / "hidden_checks.py").exists() else []
+        if hidden:
+            texts[out / lab.name / PLATFORM_CHECKS] = json.dumps(
+                [{"name": c.name, "points": c.points, "world_sizes": list(c.world_sizes)} for c in hidden], indent=1)
     problems += dead_links({d: t for d, t in texts.items() if d.suffix == ".md"},
                            {d.resolve() for d in plan.values()} | {(out / lab.name).resolve() for lab in labs})
     if problems:
@@ -199,7 +193,10 @@ def release(labs_root, out, names=None) -> list[Path]:
             dest.write_text(texts[dest])
         else:
             shutil.copy2(source, dest)
-    return sorted(plan.values())
+    written = {dest for dest in texts if dest.name == PLATFORM_CHECKS}
+    for dest in written:
+        dest.write_text(texts[dest] + "\n")
+    return sorted(set(plan.values()) | written)
 
 
 def main(argv=None) -> int:

@@ -40,7 +40,8 @@ def as_json(score, elapsed_s: float | None = None) -> dict:
         "execution_time": None if elapsed_s is None else round(elapsed_s, 2),
         "sandbox": score.sandbox,
         "checks": [{"name": r.name, "score": r.earned, "max_score": r.points, "passed": r.passed,
-                    "message": r.message, "hidden": r.hidden, **({"detail": r.detail} if r.detail else {})}
+                    "message": r.message, "hidden": r.hidden, **({"detail": r.detail} if r.detail else {}),
+                    **({"platform_only": True} if r.platform_only else {})}
                    for r in score.results],
     }
 

@@ -14,6 +14,7 @@ class CheckResult:
     message: str = ""  # why it failed, as the student may read it (empty when it passed)
     hidden: bool = False  # from the instructor's hidden_checks.py
     detail: str = ""  # a hidden check's own message: for the instructor's reports only, never the student's
+    platform_only: bool = False  # a hidden check a students' copy names but cannot run: in no total
 
     @property
     def passed(self) -> bool:
@@ -29,11 +30,11 @@ class Score:
 
     @property
     def total(self) -> int:
-        return sum(r.earned for r in self.results)
+        return sum(r.earned for r in self.results if not r.platform_only)
 
     @property
     def maximum(self) -> int:
-        return sum(r.points for r in self.results)
+        return sum(r.points for r in self.results if not r.platform_only)
 
     def __str__(self) -> str:
         return format_score(self)
@@ -52,6 +53,9 @@ def format_score(score: Score) -> str:
     score = shown(score)
     lines = [f"Grading {score.solution}", f"  against {score.lab}/checks.py", ""]
     for r in score.results:
+        if r.platform_only:
+            lines += [f"  ---- [{r.points} on the platform] {r.name}", f"         {r.message}"]
+            continue
         mark = "PASS" if r.passed else "FAIL"
         lines.append(f"  {mark} [{r.earned}/{r.points}] {r.name}")
         lines += [f"         {line}" for line in r.message.splitlines()]
@@ -62,4 +66,5 @@ def format_score(score: Score) -> str:
 def zero(score_lab: str, solution: str, checks, message: str) -> Score:
     """Every check failed with the same message (nothing could be graded, or the file cannot run)."""
     return Score(score_lab, solution, [CheckResult(c.name, c.points, 0, message if not c.hidden else
-                                                   (c.feedback or message), c.hidden, message) for c in checks])
+                                                   (c.feedback or message), c.hidden, message,
+                                                   platform_only=getattr(c, "platform_only", False)) for c in checks])

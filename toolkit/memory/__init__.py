@@ -24,4 +24,5 @@ from .formulas import (
 from .activations import activations_by_module, pass_costs
 from .tensor_formulas import (gpt_parameter_split, tp_activation_bytes, tp_activation_terms, tp_bytes_per_layer,
                               tp_bytes_per_step, tp_collectives, tp_model_states)
+from .context_formulas import cp_activation_terms, ring_bytes_per_layer, ulysses_bytes_per_layer
 from .ledger import ActivationMeter, ledger, memory_groups, record_memory

@@ -31,8 +31,8 @@ Anything else: give the model the three parts yourself, a short adapter (toolkit
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -108,8 +108,9 @@ def family_of(model: nn.Module) -> Family:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(f"pipeline parallelism splits Hugging Face models of the families {sorted(FAMILIES)}; this "
-                         f"{type(model).__name__} is {model_type!r}. Give it embed, head_loss and hidden_shape (a short "
-                         f"adapter: toolkit/models/hf_pipeline.py shows one), or use tp= or a data-parallel strategy.")
+                         f"{type(model).__name__} is {model_type!r}. Give it embed, head_loss and hidden_shape (a "
+                         f"short adapter: toolkit/models/hf_pipeline.py shows one), or use tp= or a data-parallel "
+                         f"strategy.")
     return FAMILIES[model_type]
 
 
@@ -138,24 +139,27 @@ def pipelined(model: nn.Module) -> nn.Module:
     return model
 
 
-_announced: set = set()
+_announced = [None]  # the split printed last (a simulation wraps each kind of stage: said once)
 
 
 def announce(model: nn.Module, split) -> None:
-    """Print, once per process and split, where a Hugging Face model's parts go (before anything runs)."""
+    """Print where a Hugging Face model's parts go (before anything runs), unless it was the split printed last."""
     if not isinstance(model, PipelineParts):
         return
     import torch.distributed as dist
 
-    stages = [f"stage {s}: " + ", ".join(([model._pipeline_family.name + " embed"] if s == 0 else [])
-                                         + [f"{split.container}.{k[0]}..{k[-1]}" if len(k) > 1 else
-                                            f"{split.container}.{k[0]}" for k in [keys]]
-                                         + (["head + loss"] if s == len(split.stages) - 1 else []))
+    def layers(keys):
+        return f"{split.container}.{keys[0]}" + (f"..{keys[-1]}" if len(keys) > 1 else "")
+
+    last = len(split.stages) - 1
+    stages = [f"stage {s}: " + " + ".join((["embedding"] if s == 0 else []) + [layers(keys)]
+                                          + (["final norm, head and loss"] if s == last else []))
               for s, keys in enumerate(split.stages)]
     key = (model._pipeline_of, tuple(split.stages))
-    if key not in _announced and (not dist.is_initialized() or dist.get_rank() == 0):
-        _announced.add(key)
-        print(f"pipeline split of {model._pipeline_of} ({model._pipeline_family.name}): " + "; ".join(stages))
+    if key != _announced[0] and (not dist.is_initialized() or dist.get_rank() == 0):
+        _announced[0] = key
+        print(f"pipeline split of {model._pipeline_of} ({model._pipeline_family.name}, "
+              f"{sum(map(len, split.stages))} layers over {len(split.stages)} stages): " + " | ".join(stages))
 
 
 class _LayerInputs:
@@ -194,7 +198,8 @@ class PipelineParts:
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
         if kind == "image-classification":
             return self.loss_function(y, logits, self.config)
-        raise ValueError(f"pipeline parallelism: no loss for a {type(self).__name__} called by the {kind!r} convention.")
+        raise ValueError(f"pipeline parallelism: no loss for a {type(self).__name__} called by the {kind!r} "
+                         f"convention.")
 
     def hidden_shape(self, x_shape) -> tuple:
         c = self.config

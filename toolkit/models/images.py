@@ -9,7 +9,6 @@ r of N takes the r-th contiguous slice of the global batch, so N ranks together 
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
 
 import torch
 
@@ -28,7 +27,7 @@ class SyntheticImages:
         self.prototypes = torch.randn(shape, generator=_generator("prototypes", seed))
 
     def batch(self, step: int, global_batch_size: int, *, rank: int = 0, world_size: int = 1,
-              device: Optional[torch.device] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+              device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch of ``step`` (rows [rank*b, (rank+1)*b) of it with ``world_size`` > 1, b = B / world_size)."""
         _check_positive_int("global_batch_size", global_batch_size)
         _check_rank(rank, world_size, global_batch_size)

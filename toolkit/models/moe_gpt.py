@@ -39,23 +39,3 @@ def moe_gpt(num_experts: int = 4, top_k: int = 2, *, every: int = 1, capacity_fa
                    group=group, seed=seed + layer, name=f"layer{layer}", **(moe_options or {}))
 
     return GPT(config, mlp_factory=mlp)
-
-
-def moe_model_fn(num_experts: int = 4, top_k: int = 2, **moe_gpt_kwargs):
-    """A ``model_fn`` for ``toolkit.train.train``: ``moe_gpt`` sized by the TrainConfig (vocab,
-    seq_len, ``config.model``), experts seeded by ``config.seed`` unless ``seed=`` is given, and split over
-    the ranks of a pipeline stage under ``options["pp"]``.
-
-        train(TrainConfig(strategy="ddp"), model_fn=moe_model_fn(4, 2))
-    """
-    def build(config):
-        kwargs = dict(seed=config.seed, vocab_size=config.vocab_size, seq_len=config.seq_len, **config.model)
-        pp = config.options.get("pp", 1)
-        if pp > 1:  # a pipeline stage's experts are split over the ranks of that stage, not the world
-            from ..parallel.pipeline import stage_group
-            kwargs["group"] = stage_group(pp=pp, **{k: config.options[k] for k in ("tp", "cp", "order")
-                                                    if k in config.options})
-        kwargs.update(moe_gpt_kwargs)
-        return moe_gpt(num_experts, top_k, **kwargs)
-
-    return build

@@ -13,10 +13,15 @@ arguments needed) so it can be passed as a `model_fn`; `PRESETS` names them for 
     moe_gpt_s    FasterMoE's MoE-GPT-S: 12 layers, d_model H = 1024, 16 experts of d_ff 2H, top-2: the
                  paper's L(2αE + 4)H² = 0.86B, plus embeddings and biases
     moe_gpt_64   the same with 64 experts, one per rank of a 64-rank expert-parallel cluster
+
+`model_fn_for(name)` is what the command line builds: a preset by its name, or a Hugging Face model from a
+configuration file (a `config.json`, or a folder holding one, as a model's page on the Hub has it): the model
+transformers builds from it (the class its `architectures` names), random weights, nothing downloaded.
 """
 from __future__ import annotations
 
 import functools
+import os
 
 from . import tiny_gpt
 from .moe_gpt import moe_gpt
@@ -51,3 +56,27 @@ moe_gpt_64.__doc__ = "MoE-GPT-S with 64 experts (one per rank at 64 ranks)."
 
 PRESETS = {"gpt3-175b": gpt3_175b, "zero-7.5b": zero_7_5b, "gpt2-xl": gpt2_xl, "moe-gpt-s": moe_gpt_s,
            "moe-gpt-64": moe_gpt_64, "tiny": tiny_gpt}
+
+
+def model_fn_for(name: str, layers: int | None = None):
+    """A function that builds preset `name`, or the Hugging Face model configured by the file or folder `name`,
+    with `layers` layers if given."""
+    if name in PRESETS:
+        build = PRESETS[name]
+        return functools.partial(build, n_layer=layers) if layers else build
+    if not os.path.exists(name):
+        raise ValueError(f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a Hugging Face "
+                         f"config file or folder (a config.json, as a model's page on the Hub has it).")
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ValueError(f"--model {name!r} is a Hugging Face config; building it needs transformers: "
+                         f"pip install -e '.[hf]'.") from exc
+    config = transformers.AutoConfig.from_pretrained(name)
+    if layers:
+        config.num_hidden_layers = layers
+    names = getattr(config, "architectures", None) or []
+    model_class = getattr(transformers, names[0], None) if names else None
+    if model_class is None:
+        return functools.partial(transformers.AutoModelForCausalLM.from_config, config)
+    return functools.partial(model_class, config)

@@ -30,8 +30,8 @@ Anything else: pass `loss_fn(model, inputs, targets) -> scalar loss` and/or `bat
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -110,7 +110,8 @@ class ExpertParallelExperts(MoE):
         if self.world > 1:  # keep this rank's experts only
             for attr in ("gate_up_proj", "down_proj"):
                 full = getattr(self, attr)
-                mine = nn.Parameter(full[self.first:self.first + self.num_local].clone(), requires_grad=full.requires_grad)
+                mine = nn.Parameter(full[self.first:self.first + self.num_local].clone(),
+                                    requires_grad=full.requires_grad)
                 mine._toolkit_expert = True
                 setattr(self, attr, mine)
 
@@ -124,16 +125,8 @@ class ExpertParallelExperts(MoE):
         return self.num_experts * 3 * self.d_model * self.d_ff
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        routing = self.route_given(hidden_states, top_k_index, top_k_weights)  # 1, the model's gate chose
-        if self.shadowing is not None:                                          # 2-6, shadowed experts at home
-            plan, order, answers = self.shadowing.forward(self, hidden_states, routing)
-        else:
-            plan = self.exchange_counts(routing)                                # 2
-            order, rows = self.sort_by_destination(hidden_states, routing)     # 3
-            answers = self.dispatch_compute_combine(rows, plan)                 # 4, 5, 6
-        out = self.weighted_sum(answers, routing, order, hidden_states)         # 7
-        self.record_load(routing, plan)
-        return out.to(hidden_states.dtype)
+        routing = self.route_given(hidden_states, top_k_index, top_k_weights)  # 1: the model's gate chose
+        return self.routed(hidden_states, routing).to(hidden_states.dtype)    # 2-7: the layer's own steps
 
     def route_given(self, tokens, top_k_index, top_k_weights) -> Routing:
         """The gate's decision as a Routing, dropless: the capacity is the fullest expert's load over the group."""
@@ -148,7 +141,8 @@ class ExpertParallelExperts(MoE):
             comm.all_reduce(agreed, op="max", group=self.group)
             cap = int(agreed.item())
         return Routing(expert_index=top_k_index, gate_weight=top_k_weights, slot=slot, kept=slot < cap, counts=counts,
-                       kept_counts=counts.clamp(max=cap), capacity=cap, aux_loss=counts.new_zeros((), dtype=torch.float))
+                       kept_counts=counts.clamp(max=cap), capacity=cap,
+                       aux_loss=counts.new_zeros((), dtype=torch.float))
 
     def exchange_counts(self, routing: Routing) -> Plan:
         if self.world == 1:  # every expert here: nothing to tell anyone

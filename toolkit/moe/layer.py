@@ -173,6 +173,11 @@ class MoE(nn.Module):
             raise TypeError(f"MoE {self.name!r} expects {weights} tokens, like its weights, got {x.dtype}: {hint}.")
         tokens = x.reshape(-1, self.d_model)
         routing = self.route(tokens)                                  # 1
+        return self.routed(tokens, routing).reshape(x.shape), routing.loss
+
+    def routed(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Steps 2-7 for the gate's decision: every token through its experts and back, weighted. (A layer that
+        takes another gate's decision, a Hugging Face model's in moe/hf.py, starts here.)"""
         if self.placement.replicate(self, routing):                   # 2-6 data-parallel (moe/placement.py)
             plan, order, answers = self.placement.forward(self, tokens, routing)
         elif self.shadowing is not None:                              # 2-6, shadowed experts at home (moe/shadow.py)
@@ -183,7 +188,7 @@ class MoE(nn.Module):
             answers = self.dispatch_compute_combine(rows, plan)       # 4, 5, 6
         out = self.weighted_sum(answers, routing, order, tokens)      # 7
         self.record_load(routing, plan)
-        return out.reshape(x.shape), routing.loss
+        return out
 
     def route(self, tokens: torch.Tensor) -> Routing:
         """Step 1: the gate's decision; in dropless mode, the capacity every rank agrees on. Dynamic

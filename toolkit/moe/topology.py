@@ -14,6 +14,7 @@ import math
 import torch
 
 from .gates import TopKGate, _is_int, _is_real
+from .routing import Routing
 
 __all__ = ["TopologyGate", "topology_limit"]
 
@@ -85,7 +86,7 @@ class TopologyGate(TopKGate):
         self.world, self.node_size, self.cross_fraction = int(world), int(node_size), float(cross_fraction)
         self.rank = rank  # settable: a one-process reference gates each rank's chunk with that rank
         self.experts_per_node = per_node
-        self.last: Optional[dict] = None
+        self.last: dict | None = None
 
     @property
     def rank(self) -> int:

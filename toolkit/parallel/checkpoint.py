@@ -167,8 +167,3 @@ def _slice(tensors, piece, engine) -> torch.Tensor:
     full = FlatBuffer(piece.flat.shapes, engine.world, dtype=torch.float32, device=piece.mine.master.device)
     full.copy_from([t.to(full.data.device) for t in tensors])
     return full.shard(engine.rank).clone()
-
-
-def apply_groups(optimizer, groups: list[dict]) -> None:
-    for group, saved in zip(optimizer.param_groups, groups):
-        group.update(saved)

@@ -9,7 +9,7 @@ more forward of compute for most of the activation memory. The blocks are the on
 unit itself, inside its gather/free hooks; every other strategy gets it here, before it wraps the model.
 Under tensor parallelism the recomputed forward issues its g all-reduces again (Megatron's full
 recomputation does the same), and draws the dropout masks of split regions from the tensor-parallel stream as
-it was in the forward (`tensor/rng.py`; torch's checkpoint replays the default stream itself).
+it was in the forward (`rng.py`; torch's checkpoint replays the default stream itself).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from .fsdp_policy import default_units
-from .tensor import rng
+from . import rng
 
 
 def checkpoint_forward(module: nn.Module) -> None:

@@ -88,7 +88,7 @@ def own_init(model: nn.Module, seed: int = 0):
                 model_init(module)
             elif hasattr(module, "reset_parameters"):
                 module.reset_parameters()
-            elif next(module.parameters(recurse=False), None) is not None or next(module.buffers(False), None) is not None:
+            elif list(module.parameters(recurse=False)) or list(module.buffers(recurse=False)):
                 raise ValueError(f"own_init: {type(model).__name__} has no per-module init (_init_weights) and "
                                  f"{name!r} ({type(module).__name__}) no reset_parameters(); pass your own "
                                  f"param_init_fn(name, module).")

@@ -136,10 +136,11 @@ def layout(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, order: str
         others = f"pp={pp}" + (f", cp={cp}" if cp > 1 else "")
         fits = [t for t in range(1, world_size + 1) if world_size % (t * pp * cp) == 0]
         named = f"pp={pp} x " + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp}"
+        choice = (f"with {others}, tp can be one of {fits}" if fits else
+                  f"with {others} no tp can: {others.replace(', ', ' x ')} does not divide {world_size}")
         raise ValueError(f"a world of {world_size} ranks does not split into {named} = {per_replica} ranks "
-                         f"per data-parallel replica; the world must be a multiple of that (with {others}, "
-                         f"tp can be one of {fits}), or launch a world of "
-                         f"{per_replica * max(1, world_size // per_replica)}.")
+                         f"per data-parallel replica; the world must be a multiple of that ({choice}), or launch "
+                         f"a world of {per_replica * max(1, world_size // per_replica)}.")
     return Layout(dp=world_size // per_replica, pp=pp, cp=cp, tp=tp, order=order)
 
 

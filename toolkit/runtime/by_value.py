@@ -71,7 +71,7 @@ def dumps(fn, args: tuple) -> tuple[bytes, dict]:
 
 def _has_contents(cell) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
         return True
     except ValueError:  # an empty cell (a name assigned later)
         return False

@@ -18,10 +18,11 @@ subreaper); each rank turns itself back into what a fresh interpreter would be a
 3. In a forked keeper and then in each forked rank, `become` what a fresh interpreter would be: the
    launcher's environment replaces ours wholesale, its working directory, sys.path recomputed from them,
    the signal dispositions and mask the launcher had when it asked (exec keeps what is ignored and blocked:
-   a rank of a `nohup`'d launcher ignores SIGHUP, whichever process started the zygote), stdout and stderr made for the new descriptors, a session of its own,
-   fresh import caches. What fork cannot redo: the string hash seed is the zygote's (it is chosen once per
-   interpreter), and /proc/<pid>/environ and cmdline show the zygote's start (`zygotes.py` starts a new
-   zygote whenever the launcher's environment differs from the one it started in).
+   a rank of a `nohup`'d launcher ignores SIGHUP, whichever process started the zygote), stdout and stderr
+   made for the new descriptors, a session of its own, fresh import caches. What fork cannot redo: the
+   string hash seed is the zygote's (it is chosen once per interpreter), and /proc/<pid>/environ and cmdline
+   show the zygote's start (`zygotes.py` starts a new zygote whenever the launcher's environment differs from
+   the one it started in).
 
 Standard library only, besides torch.
 """

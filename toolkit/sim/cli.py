@@ -26,7 +26,7 @@ import re
 import sys
 
 from ..cli_args import positive_int
-from ..models.presets import PRESETS
+from ..models.presets import PRESETS, model_fn_for
 from ..parallel import STRATEGIES
 from ..parallel.pipeline.schedules import SCHEDULES
 
@@ -48,8 +48,10 @@ class _Defaults(argparse.HelpFormatter):
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m toolkit simulate", description=__doc__.splitlines()[0],
                                 formatter_class=_Defaults)
-    p.add_argument("--model", default="gpt3-175b", choices=sorted(PRESETS), help="a preset (toolkit.models.presets)")
-    p.add_argument("--layers", type=int, default=None, help="number of layers (default: the preset's own depth)")
+    p.add_argument("--model", default="gpt3-175b",
+                   help=f"a preset ({', '.join(sorted(PRESETS))}: toolkit.models.presets), or a Hugging Face "
+                        f"config.json (or its folder): the model transformers builds from it, nothing downloaded")
+    p.add_argument("--layers", type=int, default=None, help="number of layers (default: the model's own depth)")
     p.add_argument("--strategy", default="fsdp", choices=sorted(STRATEGIES) + [HSDP],
                    help="how the data-parallel ranks share the model; hsdp: fsdp sharded inside each group of "
                         "--sharding-group-size ranks (a node by default), replicated across the groups")
@@ -70,6 +72,10 @@ def parser() -> argparse.ArgumentParser:
                         "--ranks-per-node); --strategy is then the data-parallel method over world/tp replicas")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: split layer norms and residuals along the sequence (Korthikanti et al.)")
+    p.add_argument("--cp", type=positive_int, default=1,
+                   help="context-parallel ranks per model replica: each holds --seq-len/cp tokens of every sequence, "
+                        "attention by ring attention (zigzag-balanced); the data-parallel method then reduces over "
+                        "dp x cp")
     p.add_argument("--pp", type=positive_int, default=1,
                    help="pipeline stages per model replica: the model's blocks cut into --pp stages (an embedding with "
                         "the first, the head with the last); the step is --schedule over --microbatches")
@@ -114,6 +120,8 @@ def options_of(args, parse) -> tuple[str, dict]:
         options["tp"] = args.tp
     if args.sequence_parallel:
         options["sequence_parallel"] = True
+    if args.cp != 1:
+        options["cp"] = args.cp
     pipeline = [f for f in ("microbatches", "virtual_stages") if getattr(args, f) not in (None, 1)]
     if args.pp == 1 and (pipeline or args.schedule != "1f1b"):
         parse.error(f"--{(pipeline or ['schedule'])[0].replace('_', '-')} is an option of a pipeline: add --pp 2 "
@@ -181,29 +189,52 @@ def tp_refusal(model_fn, tp: int, sequence_parallel: bool, seq_len: int) -> str 
     return None
 
 
+def _seq_len(args, model_fn) -> int:
+    """--seq-len, else the model's context (a toolkit GPT's seq_len, a Hugging Face config's positions)."""
+    if args.seq_len:
+        return args.seq_len
+    import torch
+
+    with torch.device("meta"):
+        config = getattr(model_fn(), "config", None)
+    return getattr(config, "seq_len", None) or getattr(config, "max_position_embeddings", None) or 1
+
+
 def check_layout(args, model_fn, parse, one_block=None) -> None:
-    """--tp, --pp, --virtual-stages and --microbatches against every constraint at once, before anything is
-    simulated: a replica's pp x tp ranks divide the world, the tensor-parallel code splits the model over tp
+    """--tp, --cp, --pp, --virtual-stages and --microbatches against every constraint at once, before anything is
+    simulated: a replica's pp x cp x tp ranks divide the world, the sequence splits into 2 x cp chunks (ring
+    attention's zigzag), the tensor-parallel code splits the model over tp
     (`tp_refusal`), the blocks cut evenly into pp x virtual-stages stages, the micro-batches divide a replica's
     batch. A value that breaks one is answered with the values that keep all of them. `one_block`: the model
     with one block, for the tensor-parallel check (default: the whole model)."""
-    tp, pp, v, world = args.tp, args.pp, args.virtual_stages, args.world_size
+    tp, pp, cp, v, world = args.tp, args.pp, args.cp, args.virtual_stages, args.world_size
     if tp > 1:
-        import torch
-
-        with torch.device("meta"):
-            seq_len = args.seq_len or getattr(getattr(model_fn(), "config", None), "seq_len", 1)
+        seq_len = _seq_len(args, model_fn)
 
         def tp_fits(t: int, p: int = pp) -> str | None:
-            if world % (t * p):
-                return f"a replica's --pp {p} x --tp {t} ranks do not divide the {world} ranks"
+            if world % (t * p * cp):
+                return (f"a replica's --pp {p} x --cp {cp} x --tp {t} ranks do not divide the {world} ranks" if cp > 1
+                        else f"a replica's --pp {p} x --tp {t} ranks do not divide the {world} ranks")
             return tp_refusal(one_block or model_fn, t, args.sequence_parallel, seq_len) if t > 1 else None
 
         why = tp_fits(tp)
         if why:
-            fits = [t for t in _divisors(world // pp if world % pp == 0 else world) if not tp_fits(t)]
+            fits = [t for t in _divisors(world // (pp * cp) if world % (pp * cp) == 0 else world) if not tp_fits(t)]
             why = in_flags(why, parse).split(". ")[0].rstrip(".")  # its own suggestions knew one constraint only
             parse.error(f"--tp {tp} does not fit: {why}. Values that fit every constraint: {fits}.")
+    if cp > 1:
+        seq_len = _seq_len(args, model_fn)
+
+        def cp_fits(c: int) -> bool:
+            return world % (tp * pp * c) == 0 and seq_len % (2 * c) == 0
+
+        if not cp_fits(cp):
+            fits = [c for c in _divisors(world) if c > 1 and cp_fits(c)]
+            parse.error(f"--cp {cp} does not fit: a replica's --pp {pp} x --cp x --tp {tp} ranks must divide the "
+                        f"{world} ranks, and the sequence of {seq_len} tokens must cut into 2 x --cp chunks (ring "
+                        f"attention's zigzag: rank i holds chunks i and 2cp-1-i). "
+                        + (f"Values that fit every constraint: {fits}." if fits else
+                           f"No value does with --tp {tp} and --pp {pp}: change those, or --seq-len."))
     if pp > 1:
         import torch
 
@@ -213,11 +244,12 @@ def check_layout(args, model_fn, parse, one_block=None) -> None:
             blocks = len(find_blocks(model_fn())[1])
 
         def pp_fits(p: int) -> bool:
-            return world % (tp * p) == 0 and blocks % (p * v) == 0
+            return world % (tp * cp * p) == 0 and blocks % (p * v) == 0
 
         if not pp_fits(pp):
             fits = [p for p in _divisors(world) if p > 1 and pp_fits(p)]
-            parse.error(f"--pp {pp} does not fit: a replica's --pp x --tp {tp} ranks must divide the {world} ranks, "
+            parse.error(f"--pp {pp} does not fit: a replica's --pp x --cp {cp} x --tp {tp} ranks must divide the "
+                        f"{world} ranks, "
                         f"and the model's {blocks} blocks must cut evenly into --pp x --virtual-stages {v} stages. "
                         + (f"Values that fit every constraint: {fits}." if fits else f"No value does with --tp {tp} "
                            f"and --virtual-stages {v}: change those, or --layers."))
@@ -254,9 +286,14 @@ def cluster_of_flag(value: str, parse):
     return value
 
 
+def model_name(model: str) -> str:
+    """--model as a name: the preset's, or a Hugging Face config's file or folder name."""
+    return model if model in PRESETS else os.path.basename(os.path.normpath(model)).removesuffix(".json")
+
+
 def file_name(args, parse) -> str:
     """sim-<model>-<strategy>-<world>, then each flag not at its default (another configuration, other files)."""
-    parts = [f"sim-{args.model}-{args.strategy}-{args.world_size}"]
+    parts = [f"sim-{model_name(args.model)}-{args.strategy}-{args.world_size}"]
     for action in parse._actions:
         if action.dest in ("help", "model", "strategy", "world_size", "out") or not action.option_strings:
             continue
@@ -278,9 +315,11 @@ def main(argv=None) -> int:
     args = parse.parse_args(argv)
     strategy, options = options_of(args, parse)
     cluster = cluster_of_flag(args.cluster, parse)
-    build = PRESETS[args.model]
-    model_fn = (lambda: build(n_layer=args.layers)) if args.layers else build
-    check_layout(args, model_fn, parse, one_block=lambda: build(n_layer=1))
+    try:
+        model_fn = model_fn_for(args.model, args.layers)
+    except ValueError as exc:
+        parse.error(str(exc))
+    check_layout(args, model_fn, parse, one_block=model_fn_for(args.model, 1))
     from . import simulate
 
     try:
@@ -296,7 +335,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     name = os.path.join(args.out, file_name(args, parse))
     sim.run.save(f"{name}-run.json")
-    report = write_report(sim, f"{name}-report.html", title=f"{args.model}, {args.strategy}", parse=parse)
+    report = write_report(sim, f"{name}-report.html", title=f"{model_name(args.model)}, {args.strategy}", parse=parse)
     print(f"run: {name}-run.json\nreport: {report}")
     if cluster and sim.fits:  # the cost model's timeline, for Perfetto (none for a job that would not run)
         from ..trace.chrome import save_chrome

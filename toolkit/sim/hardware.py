@@ -176,7 +176,7 @@ def accelerator(spec) -> Accelerator:
         missing = [f for f in _GPU_FIELDS if f not in spec]
         if missing:
             raise ValueError(f"accelerator {spec.get('name', '(unnamed)')!r} is missing {missing}; an accelerator "
-                             f"needs {list(_GPU_FIELDS)} (sms, matmul_efficiency, l2_bandwidth, op_overhead, "
+                             f"needs {list(_GPU_FIELDS)} (sms, matmul_efficiency, op_overhead, "
                              f"asynchronous, source optional).")
         unknown = set(spec) - {f.name for f in dataclasses.fields(Accelerator)}
         if unknown:

@@ -77,9 +77,11 @@ _AZURE = "Azure/AI-benchmarking-guide, Azure_Results/ND_{}_results.md"
 A100_GEMM = Measured(256.5 / 312, 253.7 / 312, 271.2 / 312,
                      _AZURE.format("A100_v4") + ": cuBLASLt FP16 16384^3 256.5 TFLOP/s (8192^3: 253.7; 10,000 "
                      "warm-up iterations, random data, CUDA 12.5); best: MAMF 271.2 (1024x10240x5120, " + _MAMF + ")")
-H100_GEMM = Measured(783.3 / 989, 783.3 / 989, 794.5 / 989,
+H100_GEMM = Measured(783.3 / 989, 738.6 / 989, 794.5 / 989,
                      "openxla/xla, xla/service/gpu/model/matmul_interpolator_data.h (kDefaultMatmulPTable, sm_90, "
-                     "bf16xbf16->bf16): 4096^3 783.3 TFLOP/s; best: MAMF 794.5 (2048x2048x13312, " + _MAMF + ")")
+                     "bf16xbf16->bf16): 4096^3 783.3 TFLOP/s; best: MAMF 794.5 (2048x2048x13312, torch 2.7 + CUDA "
+                     "12.6, " + _MAMF + "); worst: the same table's H100 entry with CUDA 12.1, 738.6 (2816x15616x4096, "
+                     "stas00/ml-engineering 68fdb6c, 2024-08)")
 CUTLASS_SM80_STAGES = 3  # cutlass/gemm/device/default_gemm_configuration.h, Sm80 tensor op: 128x256x64 tiles, kStages 3
 CUTLASS_SM90_STAGES = 4  # CUTLASS's sm90 collective builder, StageCountAuto: 227 KB of shared memory over 48 KB per
 #                          stage of a 128x256x64 bf16 tile, less the epilogue's share

@@ -33,6 +33,7 @@ from ..run import Run
 from ..trace.events import phase
 from . import cluster as _cluster
 from .build import build, build_on_meta, example_batch, no_values, seq_len_of  # noqa: F401 - build_on_meta: the tests'
+from .context_parallel import describe as describe_cp
 from .hardware import check_mfu
 from .pipelined import is_pipelined
 from .priced import pricer, resolve
@@ -62,6 +63,9 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     Tensor parallelism: `tp=`, `sequence_parallel=`, `tp_plan=` as in `toolkit.parallel.wrap`; the world is then
     dp x tp and `batch_per_rank` is the sequences of one data-parallel replica (every rank of its tp group
     computes on them). A tp group wider than `ranks_per_node` is allowed, with a warning that says its cost.
+    Context parallelism: `cp=`, `cp_attention=` ("ring", "ring-unbalanced", "ulysses"); each rank of a cp group
+    computes on its seq_len/cp tokens of the replica's sequences (`sim.context_parallel`). `order=` lays the ranks
+    out (Megatron's "tp-cp-ep-dp-pp" by default), which decides which groups cross nodes.
     Pipeline parallelism: `pp=`, `microbatches=`, `schedule=`, `virtual_stages=`, `pp_split=`; `batch_per_rank` is
     still a replica's sequences (split into the micro-batches), and a step is the schedule (`forward_backward`).
     Priced on a cluster, the step is the critical path of this rank's whole pipeline (`toolkit.sim.pipelined`):
@@ -114,6 +118,7 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
         with phase("setup"):
             model, opt = parallel.wrap(model, strategy, optimizer=optimizer, **options)
         tensor_parallel = describe_tp(model, options, batch_per_rank, seq, world_size, nodes)
+        context_parallel = describe_cp(model, options, batch_per_rank, seq, world_size)
         bar = _progress(progress, strategy, world_size, steps + warmup)
         try:
             if warmup:  # the optimizer makes its states in its first step (Adam does): measure a steady one
@@ -131,6 +136,7 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
                      expert_parallel=expert_parallel, local_expert_params=local_experts,
                      batch_per_rank=batch_per_rank, seq_len=seq, run=run, expert_row_flops=row_flops, **measured)
     sim.tensor_parallel = tensor_parallel  # None unless tp= (sim/tensor_parallel.py)
+    sim.context_parallel = context_parallel  # None unless cp= (sim/context_parallel.py)
     sim.pipeline_info = getattr(model, "pipeline", None)  # pp > 1: the schedule, its actions, the blocks' split
     if price is not None:
         price(sim)

@@ -37,13 +37,16 @@ def count_params(model: torch.nn.Module) -> tuple[int, int]:
     """(parameters of the whole model, of which in MoE experts): a rank holds E_local of E experts, or
     with more ranks than experts one slice of one, so every expert is counted from its shape (d_model ->
     d_ff -> d_model, with biases), once."""
-    from ..moe.experts import Experts
+    from ..moe.experts import Experts, is_expert
 
     mine, experts = set(), 0
     for m in model.modules():
         if isinstance(m, Experts):
             mine.update(id(p) for p in m.parameters(recurse=False))
             experts += m.num_experts * (2 * m.d_model * m.d_ff + m.d_ff + m.d_model)
+        elif any(is_expert(p) for p in m.parameters(recurse=False)):  # another layout's experts (moe/hf.py)
+            mine.update(id(p) for p in m.parameters(recurse=False))
+            experts += m.all_expert_params
     return sum(p.numel() for p in model.parameters() if id(p) not in mine) + experts, experts
 
 
@@ -165,8 +168,17 @@ class Simulation:
         in fp32; fsdp as stage 3 over its sharding group, its fp32 shards counted 4 + 4 + 8;
         bytes_per_step: passes x Ψ x bytes x (N-1)/N over the sharding group (hybrid sharding adds its replica all-reduce). MoE experts
         are kept whole by their owners and travel as tokens (all-to-all), not in these bytes.
-        Tensor parallelism: `sim/tensor_parallel.theory`.
+        Tensor parallelism: `sim/tensor_parallel.theory`. Context parallelism adds the ring's (or Ulysses') bytes
+        and divides the tokens of a rank by cp (`sim/context_parallel.py`).
         """
+        found = self._theory()
+        cp = getattr(self, "context_parallel", None)
+        if cp:
+            found["flops_6PT"] /= cp["cp"]
+            found["bytes_per_step"] += cp["bytes"] or 0
+        return found
+
+    def _theory(self) -> dict:
         if getattr(self, "tensor_parallel", None):
             from .tensor_parallel import theory
 
@@ -194,12 +206,15 @@ class Simulation:
         theory, FLOPs. Units follow the magnitude (a tiny model reads in kB, GPT-3 in GB)."""
         t = self.theory()
         b = lambda n: f"{bytes_text(n):>10}"  # noqa: E731
-        tp = getattr(self, "tensor_parallel", None)
+        tp, cp = getattr(self, "tensor_parallel", None), getattr(self, "context_parallel", None)
         layout = "" if not tp else (f" over dp={tp['dp']} x tp={tp['tp']}"
                                     + (" with sequence parallelism" if tp["sequence_parallel"] else ""))
+        if cp:
+            layout += (f" x cp={cp['cp']} ({cp['attention']})" if tp else
+                       f" over dp={cp['dp']} x cp={cp['cp']} ({cp['attention']})")
         lines = [f"{self.strategy}{layout} on {self.world_size} simulated ranks (rank {self.rank}, {self.ranks_per_node} "
                  f"per node): {count_text(self.num_params)} parameters, batch {self.batch_per_rank} x {self.seq_len}"
-                 + (" per data-parallel replica" if tp else ""),
+                 + (" per data-parallel replica" if tp or cp else ""),
                  f"  model states per rank  {b(self.memory['total'])}   formula {b(t['model_states_total'])}"]
         for k in ("params", "grads", "optimizer"):
             lines.append(f"    {k:<20} {b(self.memory[k])}   formula {b(t['model_states'][k])}")

@@ -18,8 +18,7 @@ import dataclasses
 
 from .pipelined import pipeline_of
 from .program import Collective, Compute, Wait
-
-P2P_OPS = ("send", "recv")
+from .stage_timeline import is_transfer
 
 
 def simulate_pipeline(simulate_rank, price, *, world_size: int, rank: int, batch_per_rank: int, steps: int,
@@ -107,7 +106,7 @@ def chunks(program) -> tuple[list, list, dict, list, dict]:
     (its trailing waits, a last bucket's all-reduce), else with the one after (an FSDP unit's gather before its
     first operation). A transfer is its send or receive with the operations outside every action just before
     it (a receive's buffer)."""
-    p2p = {c.id for c in program if isinstance(c, Collective) and c.op in P2P_OPS}
+    p2p = {c.id for c in program if is_transfer(c)}
     prologue, setup, found, pending, current, transfers = [], [], {}, [], None, {}
     posting, looping = True, False  # the mailbox posts its first receives, then the schedule's loop runs
     for ins in program:

@@ -95,6 +95,12 @@ class StagesTimeline:
         return out
 
 
+def is_transfer(c) -> bool:
+    """A send or receive between the pipeline's stages. A context-parallel ring's pass (labelled `args["cp"]`)
+    goes to a rank of another pipeline: it is priced on its link, as one rank's collectives are."""
+    return isinstance(c, Collective) and c.op in ("send", "recv") and "cp" not in c.args
+
+
 def pair_transfers(programs: dict, ranks: dict | None = None) -> list:
     """Every send matched with the receive that takes it: between two ranks, the k-th send from a to b feeds
     the k-th receive on b from a (NCCL matches point-to-point calls in order). programs: {stage: program};
@@ -105,7 +111,7 @@ def pair_transfers(programs: dict, ranks: dict | None = None) -> list:
     for stage, program in programs.items():
         me = ranks[stage]
         for c in program:
-            if not (isinstance(c, Collective) and c.op in ("send", "recv")):
+            if not is_transfer(c):
                 continue
             peer = c.args.get("peer")
             if peer not in stage_of:

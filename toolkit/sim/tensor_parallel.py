@@ -32,7 +32,8 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int, ra
 
     if isinstance(module, TensorParallelGPT) and all(isinstance(b.mlp, MLP) for b in module.blocks):  # dense GPT
         value = 2 if options.get("mixed_precision") else 4
-        tp_bytes = tensor_formulas.tp_bytes_per_step(batch, seq_len, module.config.d_model, module.config.n_layer, t,
+        tokens = seq_len // options.get("cp", 1)  # a cp rank's share of each sequence
+        tp_bytes = tensor_formulas.tp_bytes_per_step(batch, tokens, module.config.d_model, module.config.n_layer, t,
                                                      sequence_parallel=info.sequence_parallel, bytes_per_value=value,
                                                      recompute=bool(options.get("activation_checkpointing")))
     if t > ranks_per_node:
@@ -40,8 +41,8 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int, ra
                       f"{-(-t // ranks_per_node)} nodes, so its all-reduces (two per block forward, two backward, "
                       f"nothing to hide them behind) cross the network at a node's card bandwidth instead of "
                       f"NVLink's. Simulated as asked; Megatron keeps tp <= GPUs per node.", stacklevel=3)
-    pp = options.get("pp", 1)
-    return {"tp": t, "dp": world_size // (t * pp), "split": split, "replicated": replicated,
+    pp, cp = options.get("pp", 1), options.get("cp", 1)
+    return {"tp": t, "dp": world_size // (t * pp * cp), "split": split, "replicated": replicated,
             "sequence_parallel": info.sequence_parallel, "tp_bytes": tp_bytes}
 
 
@@ -52,14 +53,15 @@ def theory(sim) -> dict:
     mixed = bool(sim.options.get("mixed_precision"))
     value = 2 if mixed else 4
     stage = {"local": 0, "dp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[sim.strategy]
-    F = (sim.options.get("sharding_group_size") or d["dp"]) if sim.strategy == "fsdp" else d["dp"]
+    group = d["dp"] * sim.options.get("cp", 1)  # the data-parallel strategy reduces over dp x cp
+    F = (sim.options.get("sharding_group_size") or group) if sim.strategy == "fsdp" else group
     kept = (4, 4, 8) if sim.strategy == "fsdp" else (value, value, 12 if mixed else 8)
     states = tensor_formulas.tp_model_states(d["split"], d["replicated"], d["tp"], F, stage, param_bytes=kept[0],
                                              grad_bytes=kept[1], optimizer_multiplier=kept[2])
     local = d["split"] / d["tp"] + d["replicated"]
     wire = formulas.communication_per_step(local, F, sim.strategy) * value if sim.strategy != "local" else 0.0
-    if sim.strategy == "fsdp" and F < d["dp"]:
-        wire += formulas.ring_all_reduce_bytes(local / F * value, d["dp"] // F)
+    if sim.strategy == "fsdp" and F < group:
+        wire += formulas.ring_all_reduce_bytes(local / F * value, group // F)
     if d["tp_bytes"] is not None:
         wire += d["tp_bytes"]["total"]
     return {"model_states": states, "model_states_total": sum(states.values()), "bytes_per_step": wire,

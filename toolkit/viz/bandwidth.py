@@ -18,6 +18,7 @@ from plotly.subplots import make_subplots
 
 from ..comm.measure import bus_factor, implementation_label, records_from_run, size_label
 from ..memory.formulas import alpha_beta_time
+from ..units import bandwidth_text, byte_unit, bytes_text
 from . import style
 
 METRIC_DASH = {"algbw": "solid", "busbw": "dash"}
@@ -92,7 +93,7 @@ def _model_params(model, records):
 
 
 def model_label(alpha: float, beta: float) -> str:
-    bandwidth = f"{1 / beta / 1e9:.2f} GB/s" if beta > 0 else "∞"
+    bandwidth = bandwidth_text(1 / beta) if beta > 0 else "∞"
     return f"alpha-beta model (α = {alpha * 1e6:.0f} µs, 1/β = {bandwidth})"
 
 
@@ -104,7 +105,7 @@ def _hover(r) -> str:
         f"<b>{r['op']}</b> · {implementation_label(r['impl'], r.get('algorithm', r['impl']))} · "
         f"{r['world_size']} ranks",
         f"size {size_label(r['size_bytes'])}", f"time {r['seconds'] * 1e3:.3f} ms (median of {r.get('repeats', '?')}, "
-        f"slowest rank)", f"algbw {r['algbw'] / 1e9:.3f} GB/s · busbw {r['busbw'] / 1e9:.3f} GB/s", agree])
+        f"slowest rank)", f"algbw {bandwidth_text(r['algbw'])} · busbw {bandwidth_text(r['busbw'])}", agree])
 
 
 # --- the figures -------------------------------------------------------------------------------------
@@ -132,6 +133,7 @@ def bandwidth(data, *, ops=None, metrics=("algbw", "busbw"), model=None, title: 
     rows, cols = _grid(len(ops))
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=_panel_titles(records, ops), horizontal_spacing=0.07, vertical_spacing=0.14)
     params = _model_params(model, records)
+    scale, unit = byte_unit(max(r[m] for r in records for m in metrics))  # kB/s for small messages, not 0.000 GB/s
     shown = set()
     for i, op in enumerate(ops):
         row, col = i // cols + 1, i % cols + 1
@@ -140,7 +142,7 @@ def bandwidth(data, *, ops=None, metrics=("algbw", "busbw"), model=None, title: 
             for metric in metrics:
                 name = f"{_impl_name(impl)} {metric}"
                 fig.add_trace(go.Scatter(
-                    x=[r["size_bytes"] for r in points], y=[r[metric] / 1e9 for r in points],
+                    x=[r["size_bytes"] for r in points], y=[r[metric] / scale for r in points],
                     mode="lines+markers", name=name, legendgroup=name, showlegend=name not in shown,
                     line=dict(color=style.IMPLEMENTATIONS.get(impl, style.IMPLEMENTATIONS["custom"]), dash=METRIC_DASH[metric]),
                     hovertext=[_hover(r) for r in points], hoverinfo="text"), row=row, col=col)
@@ -149,14 +151,15 @@ def bandwidth(data, *, ops=None, metrics=("algbw", "busbw"), model=None, title: 
             sizes, n = _size_grid(records, op), _world(records, op)
             metric = "busbw" if "busbw" in metrics else "algbw"
             factor = bus_factor(op, n) if metric == "busbw" else 1.0
-            modelled = [s / alpha_beta_time(op, s, n, *params) * factor / 1e9 for s in sizes]
+            modelled = [s / alpha_beta_time(op, s, n, *params) * factor / scale for s in sizes]
             name = model_label(*params) + f" ({metric})"
             fig.add_trace(go.Scatter(x=sizes, y=modelled, mode="lines", name=name, legendgroup="model",
                                      showlegend="model" not in shown, hoverinfo="skip",
                                      line=dict(color=MODEL_COLOUR, dash="dot")), row=row, col=col)
             shown.add("model")
-    fig.update_xaxes(type="log", title_text="message size (bytes)")
-    fig.update_yaxes(title_text="GB/s", rangemode="tozero")
+    fig.update_xaxes(type="log", title_text="message size")
+    fig.update_yaxes(title_text=f"{unit}/s", rangemode="tozero")
+    style.readable_log_axes(fig, {"x": bytes_text})
     world = sorted({r["world_size"] for r in records})
     style.place_title(fig, title or f"Achieved bandwidth on {', '.join(map(str, world))} ranks",
                       "solid: algbw = size / time · dashed: busbw, comparable with one link's speed",
@@ -196,8 +199,9 @@ def collective_times(data, *, ops=None, model=None, title: str | None = None) ->
                                      showlegend="model" not in shown, hoverinfo="skip",
                                      line=dict(color=MODEL_COLOUR, dash="dot")), row=row, col=col)
             shown.add("model")
-    fig.update_xaxes(type="log", title_text="message size (bytes)")
+    fig.update_xaxes(type="log", title_text="message size")
     fig.update_yaxes(type="log", title_text="ms")
+    style.readable_log_axes(fig, {"x": bytes_text, "y": lambda v: f"{v:g}"})
     style.place_title(fig, title or "Time per collective", "median of the repetitions; error bars: the fastest "
                       "and the slowest", above_plot_px=30)
     fig.update_layout(template="plotly_white", height=320 * rows + 110, margin=dict(l=10, r=10, b=40))

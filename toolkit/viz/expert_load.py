@@ -150,7 +150,7 @@ def expert_load(run, layer: str | None = None, *, title: str | None = None) -> g
     layers = moe_layers(run)
     if not layers:
         raise ValueError("this Run has no expert-load records (metrics 'moe/<layer>/load'): train a model with "
-                         "toolkit.moe.MoE layers (e.g. toolkit.models.moe_model_fn) with the recorder enabled.")
+                         "toolkit.moe.MoE layers (e.g. toolkit.train.moe_model_fn) with the recorder enabled.")
     if layer is not None and layer not in layers:
         raise ValueError(f"no MoE layer named {layer!r} recorded its load in this Run; choose one of {layers}.")
     shown = [layer] if layer is not None else layers

@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 from . import style
 
 SHADES = {"F": 0, "B": 2, "W": 1}  # forward: the micro-batch's colour; backward darker; weight gradients lighter
+NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B", "zb-h1": "ZB-H1"}
 
 
 def actions_of(run, step: int | None = None) -> tuple[list[dict], int]:
@@ -27,6 +28,26 @@ def actions_of(run, step: int | None = None) -> tuple[list[dict], int]:
                          "or a schedule's dry run (toolkit.parallel.pipeline.bubble.ideal_run).")
     step = max(e["args"].get("step", 0) for e in spans) if step is None else step
     return [e for e in spans if e["args"].get("step", 0) == step], step
+
+
+def schedule_of(run, spans: list[dict]) -> str:
+    """The schedule as a title names it, with its shape: "Interleaved 1F1B, p = 4, m = 8, v = 2". The name is the
+    Run's (its config's "schedule", or its options'), else read off the actions: W's (zero bubble), several stages
+    on a rank (interleaved), every forward before any backward (GPipe), else 1F1B."""
+    options = run.config.get("options") or {}
+    name = run.config.get("schedule", options.get("schedule"))
+    ranks = sorted({e["rank"] for e in spans})
+    stages = {r: {e["args"]["stage"] for e in spans if e["rank"] == r} for r in ranks}
+    v = max(len(s) for s in stages.values())
+    if name is None:
+        first_backward = {r: min((e["start"] for e in spans if e["rank"] == r and e["args"]["action"] != "F"),
+                                 default=float("inf")) for r in ranks}
+        name = ("zb-h1" if any(e["args"]["action"] == "W" for e in spans) else "interleaved" if v > 1 else
+                "gpipe" if all(e["start"] < first_backward[e["rank"]] for e in spans if e["args"]["action"] == "F")
+                else "1f1b")
+    label = NAMES.get(name, name) if isinstance(name, str) else getattr(name, "__name__", "a custom schedule")
+    m = len({e["args"]["micro"] for e in spans})
+    return f"{label}, p = {len(ranks)}, m = {m}" + (f", v = {v}" if v > 1 else "")
 
 
 def arrows_of(spans: list[dict]) -> list[tuple[dict, dict]]:
@@ -84,5 +105,5 @@ def pipeline_timeline(run, step: int | None = None, *, formula: float | None = N
     fig.update_layout(barmode="overlay", bargap=0.25, height=160 + 50 * len(ranks), showlegend=False,
                       xaxis_title=f"time since the step's first action ({unit})",
                       yaxis=dict(categoryorder="array", categoryarray=[row[r] for r in reversed(ranks)]))
-    return style.place_title(fig, title or f"Pipeline schedule, step {step}: one block per action, one colour per "
-                             f"micro-batch", subtitle)
+    when = "dry run" if run.config.get("ideal") else f"step {step}"
+    return style.place_title(fig, title or f"{schedule_of(run, spans)} ({when}): one block per action", subtitle)

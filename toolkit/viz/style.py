@@ -17,6 +17,7 @@ puts the title below the toolbar's strip, with an optional smaller second line, 
 """
 from __future__ import annotations
 
+import math
 import re
 import textwrap
 import zlib
@@ -53,7 +54,8 @@ MARK = "#000000"         # a point singled out on a figure (the busiest expert)
 SEPARATOR = "#FFFFFF"    # the thin line between two spans of one colour
 ALERT = "#CC3311"        # a limit crossed, tokens dropped, memory freed
 LABELS = {"emulated": "wait (emulated link)"}  # a category's name on the legend, where it is not its key
-BLOCKED = "blocked in "  # "blocked in all_reduce": a synchronous collective that kept a compute span waiting
+BLOCKED = "wait in "  # "wait in all_reduce": a synchronous collective that kept a compute span waiting (grey,
+# as every wait: one colour, one word)
 HANDWRITTEN_PATTERN = "/"  # a collective run by a hand-written implementation (ring, pairwise) is hatched
 
 # Machado, Oliveira and Fernandes (2009), severity 1: linear-RGB matrices that show a colour as a reader
@@ -122,6 +124,43 @@ def shade(colour: str, k: int) -> str:
     toward, amount = (255, 0.28 * ((k + 1) // 2)) if k % 2 else (0, 0.22 * (k // 2))
     rgb = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
     return "#" + "".join(f"{round(c + (toward - c) * amount):02X}" for c in rgb)
+
+
+# --- log axes --------------------------------------------------------------------------------------------
+def log_ticks(low: float, high: float, most: int = 6) -> list[float]:
+    """At most `most` round values (1-2-5, then 1-3, then powers of ten, then every other one) from `low` to
+    `high`: plotly's own log ticks label 2, 3, ... 9 in every decade, crowded on a narrow panel."""
+    if not (0 < low <= high):
+        return []
+    decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+    for mantissas in ((1, 2, 3, 4, 5, 6, 7, 8, 9), (1, 2, 5), (1, 3), (1,)):
+        values = [m * 10.0 ** e for e in decades for m in mantissas if low <= m * 10.0 ** e * (1 + 1e-9)
+                  and m * 10.0 ** e <= high * (1 + 1e-9)]
+        if len(values) <= most and (len(values) >= 2 or mantissas != (1, 2, 3, 4, 5, 6, 7, 8, 9)):
+            return values
+    return values[::math.ceil(len(values) / most)]
+
+
+def readable_log_axes(fig, text: dict, most: int = 6):
+    """Give every log axis of `fig` (every subplot's) `log_ticks` over the data it shows, labelled by
+    `text["x"]` / `text["y"]` (a value -> its label, e.g. `units.bytes_text`)."""
+    spans: dict[str, list[float]] = {}
+    for trace in fig.data:
+        for letter in ("x", "y"):
+            shown = getattr(trace, letter)
+            values = [] if shown is None else [v for v in shown if isinstance(v, (int, float)) and v > 0]
+            error = getattr(trace, f"error_{letter}", None)
+            if error is not None and error.array is not None and values:
+                values += [v + e for v, e in zip(values, error.array)]
+                values += [v - e for v, e in zip(values, error.arrayminus or error.array) if v - e > 0]
+            name = letter + "axis" + (getattr(trace, f"{letter}axis") or letter)[1:]
+            spans.setdefault(name, []).extend(values)
+    for name, values in spans.items():
+        axis = fig.layout[name]
+        ticks = log_ticks(min(values), max(values), most) if axis.type == "log" and values else []
+        if len(ticks) >= 2:  # else (one point, a narrow range) plotly's own ticks are few anyway
+            axis.update(tickvals=ticks, ticktext=[text[name[0]](v) for v in ticks])
+    return fig
 
 
 # --- titles ----------------------------------------------------------------------------------------------

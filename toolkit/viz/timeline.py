@@ -21,6 +21,7 @@ import plotly.graph_objects as go
 
 from ..comm.measure import bus_factor, size_label
 from ..trace.analysis import _intersection, _union, overlap_fraction
+from ..units import bandwidth_text
 from . import style
 
 LANES = ("comm", "compute")
@@ -74,7 +75,7 @@ def _selected(run, ranks, phase, where):
 
 
 def _bandwidth(nbytes: float, seconds: float) -> str:
-    return f"{nbytes / seconds / 1e9:.3f} GB/s" if seconds > 0 else "n/a"
+    return bandwidth_text(nbytes / seconds) if seconds > 0 else "n/a"
 
 
 def _duration(seconds: float) -> str:
@@ -93,7 +94,7 @@ def comm_hover(event) -> str:
         bw = f"algbw {_bandwidth(size, seconds)}"
         group = a.get("group") or []
         try:
-            bw += f" · busbw {size * bus_factor(event['name'], len(group)) / seconds / 1e9:.3f} GB/s"
+            bw += f" · busbw {_bandwidth(size * bus_factor(event['name'], len(group)), seconds)}"
         except ValueError:  # send, recv, barrier: no bus factor
             pass
         lines.append(bw)

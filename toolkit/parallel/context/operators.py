@@ -35,19 +35,23 @@ class CPGroup:
         return cls(group, len(ranks), ranks.index(dist.get_rank()))
 
 
-def _labelled(call) -> None:
-    issued = []
+def labelled(calls, label: str) -> list:
+    """Issue `calls` (each one call to `toolkit.comm`) and name on their spans what they carry (`args["cp"]`: "kv",
+    "dkv", "ulysses", "loss", "logits"): the trace, a test or the simulator tells cp's traffic from the rest."""
+    issued, results = [], []
     with comm.listening(lambda kind, event, tensor: issued.append(event) if kind == "issue" else None):
-        call()
+        for call in calls:
+            results.append(call())
     for event in issued:
-        event["args"]["cp"] = "loss" if event["name"] == "all_reduce" else "logits"
+        event["args"]["cp"] = label
+    return results
 
 
 class _MeanOverCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loss, cp: CPGroup):
         total = loss.detach().clone().contiguous()
-        _labelled(lambda: comm.all_reduce(total, op="avg", group=cp.group))
+        labelled([lambda: comm.all_reduce(total, op="avg", group=cp.group)], "loss")
         return total
 
     @staticmethod
@@ -66,7 +70,7 @@ class _GatherSequence(torch.autograd.Function):
         ctx.split = split
         x = x.contiguous()
         out = x.new_empty((cp.size,) + tuple(x.shape))
-        _labelled(lambda: comm.all_gather(out, x, group=cp.group))
+        labelled([lambda: comm.all_gather(out, x, group=cp.group)], "logits")
         return split.whole(list(out.unbind(0)))
 
     @staticmethod

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ... import comm
+from .operators import labelled
 
 
 class Ring:
@@ -42,7 +43,7 @@ class Ring:
         send = lambda: comm.isend(block, self.next, group=self.group)  # noqa: E731
         receive = lambda: comm.irecv(incoming, self.previous, group=self.group)  # noqa: E731
         calls = (send, receive) if self.rank % 2 == 0 else (receive, send)
-        handles = _labelled(calls, label)
+        handles = labelled(calls, label)
         return Pass(handles, block, incoming)
 
 
@@ -57,14 +58,3 @@ class Pass:
             handle.wait()
         self.sent = None
         return self.incoming
-
-
-def _labelled(calls, label: str) -> list:
-    """Issue the calls through the door, naming on their spans what they carry (`args["cp"]`)."""
-    issued, handles = [], []
-    with comm.listening(lambda kind, event, tensor: issued.append(event) if kind == "issue" else None):
-        for call in calls:
-            handles.append(call())
-    for event in issued:
-        event["args"]["cp"] = label
-    return handles

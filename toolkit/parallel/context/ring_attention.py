@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...trace.events import recorder
 from .block import accumulator, attend, attend_backward
 from .merge import merge_into
 from .ring import Ring
@@ -72,12 +73,13 @@ class RingAttention(torch.autograd.Function):
             passing = ring.pass_on(kv) if step < ring.size - 1 else None  # the next block moves while we compute
             work = part(ring.rank, ring.source(step), length, causal, zigzag)
             if work is not None:
-                block_out, block_lse = attend(q[:, :, work.queries], kv[0][:, :, work.keys], kv[1][:, :, work.keys],
-                                              work.causal, scale)
-                if out is None:            # step 0: the own block, every query
-                    out, lse = block_out.to(accumulator(q.dtype)), block_lse.to(accumulator(q.dtype))
-                else:
-                    merge_into(out, lse, work.queries, block_out, block_lse)
+                with recorder.span("ring attention", step=step, owner=ring.source(step)):
+                    block_out, block_lse = attend(q[:, :, work.queries], kv[0][:, :, work.keys],
+                                                  kv[1][:, :, work.keys], work.causal, scale)
+                    if out is None:        # step 0: the own block, every query
+                        out, lse = block_out.to(accumulator(q.dtype)), block_lse.to(accumulator(q.dtype))
+                    else:
+                        merge_into(out, lse, work.queries, block_out, block_lse)
             if passing is not None:
                 kv = passing.wait()
         out = out.to(q.dtype)
@@ -99,12 +101,13 @@ class RingAttention(torch.autograd.Function):
             work = part(ring.rank, ring.source(step), length, ctx.causal, ctx.zigzag)
             if work is not None:
                 rows, keys = work.queries, work.keys
-                dq_, dk_, dv_ = attend_backward(grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
-                                                kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows], work.causal,
-                                                ctx.scale)
-                dq[:, :, rows] += dq_
-                block[0][:, :, keys] += dk_
-                block[1][:, :, keys] += dv_
+                with recorder.span("ring attention backward", step=step, owner=ring.source(step)):
+                    dq_, dk_, dv_ = attend_backward(grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
+                                                    kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows], work.causal,
+                                                    ctx.scale)
+                    dq[:, :, rows] += dq_
+                    block[0][:, :, keys] += dk_
+                    block[1][:, :, keys] += dv_
             if step == 0:
                 own = block                # kept here until the block comes home
             else:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ... import comm
-from .operators import CPGroup
+from .operators import CPGroup, labelled
 
 
 def check_heads(heads: int, cp: int, where: str = "the model") -> None:
@@ -41,11 +41,7 @@ def _all_to_all(x: torch.Tensor, cp: CPGroup, scatter: int, gather: int) -> torc
     dimension `gather` (in rank order)."""
     parts = torch.stack(x.chunk(cp.size, dim=scatter)).contiguous()  # (cp, ...): row j goes to rank j
     received = torch.empty_like(parts)
-    issued = []
-    with comm.listening(lambda kind, event, tensor: issued.append(event) if kind == "issue" else None):
-        comm.all_to_all(received, parts, group=cp.group)
-    for event in issued:
-        event["args"]["cp"] = "ulysses"
+    labelled([lambda: comm.all_to_all(received, parts, group=cp.group)], "ulysses")
     return torch.cat(received.unbind(0), dim=gather)
 
 

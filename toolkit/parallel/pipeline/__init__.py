@@ -28,7 +28,7 @@ from ...models import hf_pipeline
 from ...moe.layer import MoE
 from ...runtime import env
 from .. import mesh as mesh_
-from ..tensor import rng
+from .. import rng
 from . import lowering, schedules
 from .driver import Driver
 from .lowering import PipelineDeadlock

@@ -19,6 +19,11 @@ Activations: the micro-batches whose forward has run and whose backward has not 
 `in_flight(actions)` counts it from any schedule's list, `formula_bubble` and `formula_in_flight` give the
 closed forms; `measured_bubble(run)` reads a real (or simulated) Run's action spans, and `ideal_run`
 turns a dry run (`lowering.replay`) into a Run, so the same figure draws the textbook diagram.
+
+Why a real bubble is not the formula's, measured: `replayed_bubble(run, programs)` replays the step's own
+programs with its actions' measured durations and free messages (the schedule's bubble with these stages, whose
+actions do not cost F = 1, B = 2), and `step_breakdown(run)` splits each rank's real step into its actions, its
+waits for messages, and the rest (sending and posting them, the loss's all-reduce, Python between actions).
 """
 from __future__ import annotations
 
@@ -66,20 +71,72 @@ def in_flight(actions: list[Action]) -> int:
     return peak
 
 
-def measured_bubble(run, step: int | None = None) -> dict:
-    """{rank: idle fraction} of one step of a Run (default: its last), from the pipeline's action spans
-    (forward, backward, weight gradients: args "action"). The step runs from the first action's start on any
-    rank to the last one's end; a rank's busy time is the sum of its actions' spans."""
+def _actions(run, step: int | None) -> list[dict]:
     spans = [e for e in run.events if e["cat"] == "compute" and "action" in e["args"]]
     if not spans:
         raise ValueError("this Run has no pipeline actions (spans with args 'action'): was it trained with pp > 1?")
     step = max(e["args"].get("step", 0) for e in spans) if step is None else step
-    spans = [e for e in spans if e["args"].get("step", 0) == step]
-    start, end = min(e["start"] for e in spans), max(e["end"] for e in spans)
+    return [e for e in spans if e["args"].get("step", 0) == step]
+
+
+def _busy(spans) -> dict:
     busy: dict = {}
     for e in spans:
         busy[e["rank"]] = busy.get(e["rank"], 0.0) + e["end"] - e["start"]
-    return {rank: 1.0 - b / (end - start) for rank, b in sorted(busy.items())}
+    return dict(sorted(busy.items()))
+
+
+def measured_bubble(run, step: int | None = None) -> dict:
+    """{rank: idle fraction} of one step of a Run (default: its last), from the pipeline's action spans
+    (forward, backward, weight gradients: args "action"). The step runs from the first action's start on any
+    rank to the last one's end; a rank's busy time is the sum of its actions' spans."""
+    spans = _actions(run, step)
+    start, end = min(e["start"] for e in spans), max(e["end"] for e in spans)
+    return {rank: 1.0 - b / (end - start) for rank, b in _busy(spans).items()}
+
+
+def replayed_bubble(run, programs: list[list], step: int | None = None) -> dict:
+    """{rank: idle fraction} of the step replayed (`lowering.replay`) with each action's measured duration and free
+    messages: the bubble the schedule itself leaves with these stages, a lower bound of the measured one."""
+    from .lowering import busy_and_span, replay
+
+    took = {(e["args"]["action"], e["args"]["micro"], e["args"]["stage"]): e["end"] - e["start"]
+            for e in _actions(run, step)}
+    busy, span = busy_and_span(replay(programs, lambda a: took[(a.kind, a.micro, a.stage)]))
+    return {rank: 1.0 - b / span for rank, b in enumerate(busy)}
+
+
+def step_breakdown(run, step: int | None = None) -> dict:
+    """{rank: {"actions", "waiting", "between"}}: each rank's share of the step (the span `measured_bubble` uses) in
+    its actions, blocked waiting for a message (the mailbox's "wait" spans), and the rest: sending and posting
+    messages, the loss's all-reduce, Python between actions. The three add up to 1; "actions" is 1 - the bubble."""
+    spans = _actions(run, step)
+    start, end = min(e["start"] for e in spans), max(e["end"] for e in spans)
+    waits: dict = {}
+    for e in run.events:  # point-to-point waits only (a collective's, inside an action, is the action's time)
+        if e["cat"] == "wait" and e["args"].get("op") in ("send", "recv") and e["end"] > start and e["start"] < end:
+            waits[e["rank"]] = waits.get(e["rank"], 0.0) + min(e["end"], end) - max(e["start"], start)
+    out = {}
+    for rank, busy in _busy(spans).items():
+        actions, waiting = busy / (end - start), waits.get(rank, 0.0) / (end - start)
+        out[rank] = {"actions": actions, "waiting": waiting, "between": 1.0 - actions - waiting}
+    return out
+
+
+def message_latency(run, step: int | None = None) -> list[float]:
+    """Seconds each message of the step took from its send to the end of its receiver's wait, for the messages
+    whose receiver was already waiting when it was sent (so the wait ended when the data arrived)."""
+    spans = _actions(run, step)
+    start, end = min(e["start"] for e in spans), max(e["end"] for e in spans)
+    sends = [e for e in run.events if e["name"] == "send" and start <= e["start"] <= end]
+    waits = [e for e in run.events if e["cat"] == "wait" and e["args"].get("op") == "recv" and start <= e["end"] <= end]
+    out = []
+    for send in sends:
+        peer = send["args"]["peer"]
+        waited = [w for w in waits if w["rank"] == peer and w["start"] <= send["start"] < w["end"]]
+        if waited:
+            out.append(waited[0]["end"] - send["start"])
+    return out
 
 
 def ideal_run(timeline: list[list[tuple]], config: dict | None = None):

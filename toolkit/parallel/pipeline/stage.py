@@ -152,7 +152,6 @@ class TiedWeight:
 
 def find_tie(model: nn.Module, split: Split, dtype: torch.dtype, device) -> TiedWeight | None:
     """The weight shared by the first and the last stage, if any; any other sharing across stages is refused."""
-    stage_of: dict = {}
     before, after = sides(model, split.container)
     blocks = model.get_submodule(split.container)
     owners = [(stage, f"{split.container}.{key}", blocks._modules[key])

@@ -13,7 +13,7 @@ Read in this order:
     embedding.py      the vocabulary split: embedding table and head
     cross_entropy.py  the loss on logits split by vocabulary
     sequence.py       sequence parallelism: layer norms on s/t positions, gradients summed
-    rng.py            random numbers: dropout alike on replicated activations, its own on each rank's piece
+    ../rng.py         random numbers: dropout alike on replicated activations, its own on each rank's piece
     moe.py            Mixture-of-Experts under tensor parallelism (tokens shared out, experts over the world)
     gpt.py            the toolkit GPT's default plan;  plan.py: a `tp_plan` for any model
     state.py, clip.py full state and checkpoints across layouts; clipping by the global norm
@@ -28,7 +28,7 @@ import torch.nn as nn
 from ...models.gpt import GPT
 from ...runtime import env
 from .. import mesh as mesh_
-from . import rng
+from .. import rng
 from .operators import TPGroup
 from .shards import split_of
 from .state import TensorParallel

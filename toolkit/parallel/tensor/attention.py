@@ -5,7 +5,7 @@ of the same heads r·a/t .. (r+1)·a/t - 1 (`shards.QKV_ROWS`: each of the three
 rank then runs ordinary causal attention on its heads, with no talk, and the output projection is
 row-parallel: its input features are exactly the concatenated outputs of this rank's heads. So attention
 costs what the MLP costs: f before the projection (one all-reduce backward), g after (one forward).
-Dropout of the attention weights draws from the tensor-parallel stream (`rng.py`): each rank's heads get
+Dropout of the attention weights draws from the tensor-parallel stream (`../rng.py`): each rank's heads get
 masks of their own.
 
     X --f--> [Q_r | K_r | V_r] = X W_qkv,r --> softmax(Q_r K_r^T / sqrt(d)) V_r --> Y_r W_o,r --g--> + b_o
@@ -19,7 +19,7 @@ import torch
 from ...models.gpt import CausalSelfAttention
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .operators import TPGroup
-from .rng import tracker
+from ..rng import tracker
 from .shards import QKV_ROWS
 
 

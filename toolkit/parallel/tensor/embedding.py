@@ -14,9 +14,10 @@ and adds each rank's own positions after the reduce-scatter (`gpt.py`).
 
 Head: a column-parallel layer over the vocabulary (`linear.py`), so rank r computes the logits of its
 V/t words only, and the loss is computed on them where they lie (`cross_entropy.py`): no rank ever
-holds the full (b, s, V) logits. A vocabulary that does not divide by t is padded with zero rows to the
-next multiple (`shards.py`); no token id reaches them, and the loss leaves their logits out. With a tied head the embedding and the head share one Parameter, and
-because both are cut by vocabulary rows, they share this rank's piece too.
+holds the full (b, s, V) logits. With a tied head the embedding and the head share one Parameter, and
+because both are cut by vocabulary rows, they share this rank's piece too. A vocabulary that does not
+divide by t is padded with zero rows to the next multiple (`shards.py`); no token id reaches them, and the
+loss leaves their logits out.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@
 Dropout (`GPTConfig.dropout`, `attention_dropout`): the attention weights' on this rank's heads draws from
 the tensor-parallel stream; the embeddings' and the residual branches' act on replicated activations and draw
 from the default stream, the same masks on every rank, or under sequence parallelism on this rank's positions,
-from the tensor-parallel stream (`rng.py`).
+from the tensor-parallel stream (`toolkit/parallel/rng.py`).
 
 One block costs two all-reduces of b·s·h forward (g after attention, g after the MLP) and two backward
 (f before each), or under sequence parallelism their reduce-scatter/all-gather halves. The model's
@@ -35,7 +35,7 @@ from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import split_moe
 from .operators import TPGroup, gather_from_tp, scatter_to_tp
-from .rng import SplitDropout
+from ..rng import SplitDropout
 from .sequence import sum_gradients_over_tp
 
 

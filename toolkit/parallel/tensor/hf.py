@@ -29,7 +29,8 @@ def own_plan(model: nn.Module) -> dict | None:
     unknown = {k: v for k, v in declared.items() if v not in STYLES}
     if unknown:
         raise ValueError(f"{type(model).__name__}'s own tensor-parallel plan (transformers' _tp_plan) uses styles the "
-                         f"toolkit has no layer for: {unknown}. Pass tp_plan= with the styles {sorted(set(STYLES.values()))} "
+                         f"toolkit has no layer for: {unknown}. Pass tp_plan= with the styles "
+                         f"{sorted(set(STYLES.values()))} "
                          f"(its other entries translate as {STYLES}).")
     names = [n for n, _ in model.named_modules() if n]
     return {k: STYLES[v] for k, v in declared.items() if any(fnmatchcase(n, k) for n in names)}

@@ -86,7 +86,7 @@ def _fused_qkv(name: str, module: nn.Module) -> bool:
 
 
 def _instead(name: str, module: nn.Module, candidates: list) -> str:
-    """What to name instead of a module that cannot be split: its Linear layers, or the model's, or a word on experts."""
+    """What to name instead of a module that cannot be split: its Linear layers, or the model's (and experts')."""
     inside = [c for c in candidates if c.startswith(name + ".")]
     if inside:
         return f"Name its Linear layers instead (e.g. {inside[:3]})"

@@ -21,6 +21,8 @@ the streams' states when it recomputes (`checkpoint_contexts`), as torch's check
 
 The seed is `torch.initial_seed()`: the last `torch.manual_seed`. Seed every rank alike before wrapping, as
 Megatron asks (an unseeded process gets a random seed of its own, and its replicated dropout disagrees).
+(Megatron keeps it in tensor_parallel/random.py; here it serves activation checkpointing and pipelines too, so
+it lives beside them, and tensor parallelism seeds its stream when it splits a model.)
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ class RNGStatesTracker:
     def add(self, name: str, seed: int, device) -> None:
         device = torch.device(device)
         if device.type == "meta":  # the simulated cluster draws no random numbers: nothing to keep
+            self.states.pop(name, None)
             return
         self.states[name] = (device, _seeded(device, seed))
 
