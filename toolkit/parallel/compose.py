@@ -63,6 +63,7 @@ def wrap(model, strategy: str, build, optimizer, options: dict):
         check(model, mp["cp_attention"], mp["cp"], mp["tp"])
     mesh = mesh_.build(tp=mp["tp"], pp=mp["pp"], cp=mp["cp"], order=mp["order"])
     layout = mesh_.layout_of(mesh)
+    check_experts(model, layout)
     if strategy == "local" and layout.dp > 1:
         raise ValueError(
             f"strategy 'local' means no data parallelism (dp = 1), but the world of {layout.world_size} "
@@ -92,6 +93,51 @@ def wrap(model, strategy: str, build, optimizer, options: dict):
     if hasattr(model, "tensor_parallel") and layout.pp == 1:
         join_tensor_parallel(wrapped, model.tensor_parallel, mesh)
     return wrapped, opt
+
+
+def check_experts(model, layout: mesh_.Layout) -> None:
+    """Expert parallelism on the one mesh: an MoE layer's experts are split over every rank of its pipeline stage.
+
+    Megatron-core carves the expert-parallel group out of the ranks that hold the same dense parameters and see
+    different tokens, dp x cp (with cp, tokens of every cp rank are routed on their own: routing is per token),
+    and under the toolkit's tensor parallelism the tp ranks too, which share out their tokens
+    (`tensor/moe.py`): ep = dp x cp x tp of a stage, one copy of each expert (Megatron's expert-data-parallel
+    size 1). Then every token of the stage reaches its expert through the all-to-all, whose backward brings
+    each expert its whole gradient, and the data-parallel strategy divides it by dp x cp as it averages the
+    dense gradients (over dp x cp: `group(mesh, "dp", "cp")`). An MoE layer over fewer ranks would hold
+    copies of its experts that no strategy reduces: refused here, before any step. (An MoE layer over ranks of
+    another stage is the pipeline's to refuse: `pipeline._check_experts`.)"""
+    import torch.distributed as dist
+
+    from .. import comm
+    from ..moe.experts import is_expert
+    from ..moe.layer import MoE
+
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE) and any(map(is_expert, m.parameters()))]
+    if not layers:
+        return
+    me = layout.coordinate(dist.get_rank())
+    stage = [r for r in range(layout.world_size) if layout.coordinate(r).pp == me.pp]
+    for name, module in layers:
+        ranks = comm.group_ranks(module.group)
+        missing = [r for r in stage if r not in ranks]
+        if not missing:
+            continue
+        sizes = ", ".join(f"{d}={layout.size(d)}" for d in ("tp", "pp", "cp") if layout.size(d) > 1) or "no tp/pp/cp"
+        build = (
+            f"group=toolkit.parallel.pipeline.stage_group(pp={layout.pp}, tp={layout.tp}, cp={layout.cp}, "
+            f"order={layout.order!r})"
+            if layout.pp > 1
+            else "group=None (the whole world)"
+        )
+        raise ValueError(
+            f"with {sizes} ({layout}), the MoE layer {name or type(module).__name__!r} splits its experts over "
+            f"ranks {ranks}, but ranks {missing} also route tokens through it (dp x cp x tp = {stage}): "
+            f"their tokens would never reach these experts, and the copies of the experts they hold would "
+            f"never be averaged. Expert parallelism takes every rank of dp x cp x tp of a pipeline stage, "
+            f"as Megatron-core carves it from dp x cp with one copy of each expert (expert-data-parallel size "
+            f"1): build the model with {build}, as TrainConfig's moe_model_fn does."
+        )
 
 
 def check_context_options(mp: dict, strategy: str) -> None:
