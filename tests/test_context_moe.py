@@ -1,17 +1,20 @@
 """Expert parallelism under context parallelism, on the one mesh: an MoE GPT trains at cp 2 as one process trains it.
 
-- The layout (Megatron-core's): the experts are split over every rank of dp x cp (x tp), one copy of each; every cp
-  rank routes its own tokens; the dense gradients are averaged over dp x cp, the experts' arrive whole through the
-  all-to-all's backward. A layer over fewer ranks is refused before any step, in the words of cp=.
+- The layout (Megatron-core's carving, `toolkit/parallel/expert_layout.py`): the experts are split over ep ranks
+  carved from a stage's dp x cp x tp (runs of ep, innermost dimension first) and copied over the rest (the
+  expert-data-parallel ranks); every cp rank routes its own tokens; dense gradients are averaged over dp x cp,
+  an expert's arrive summed through the all-to-all's backward, its copies' sums are added up, and the total is
+  divided by dp x cp. Any other split is refused before a step, in the words of the keywords given.
 - The load-balancing loss counts each expert's first choices over the whole sequence (Megatron's
   sequence_partition_group): each rank's loss is E·Σ f·P_c, their mean the sequence's. Without that the final
   parameters differ from one process's by ~2e-4 (GShard's loss is a product of two means, not a mean).
-- Parity at world 4 (losses and final parameters, fp32): dp 2 x cp 2 with ep 4 against one process accumulating the
-  two replicas' rows (each replica balances its own rows, as each of one process's micro-batches does), and
-  cp 2 x tp 2 with ep 4 against one process accumulating the two tp shares (tensor/moe.py's rule). Dropless:
-  capacity is per rank's tokens (GShard's groups, Megatron's too), so a capacity that drops would drop other
-  tokens at s/cp than at s.
-- The simulator runs the same layout on the fake group, its model states equal the real rank's.
+- Parity at world 4 (losses and final parameters, fp32) against one process accumulating what each rank's
+  routing balances as one micro-batch (a dp replica's rows; under tp a tp share, `tensor/moe.py`): dp 2 x cp 2
+  with ep 4 (one copy of each expert) and ep 2 (experts over each cp pair, copied over dp: without the copies'
+  all-reduce the parameters are off by 0.03), and cp 2 x tp 2 with ep 2, clipped (copies over cp: a norm that
+  counts both copies is off by 1e-3 in the loss). Dropless: capacity is per rank's tokens (GShard's groups,
+  Megatron's too), so a capacity that drops would drop other tokens at s/cp than at s.
+- The simulator runs the same layout on the fake group; its model states equal the real rank's.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from cp_rank_checks import groups_of
 
 import toolkit
 from toolkit.moe.losses import gshard_aux_loss, switch_aux_loss
+from toolkit.parallel import mesh
 from toolkit.train import TrainConfig, moe_model_fn, train
 
 LOSS_ATOL, PARAM_ATOL = 1e-5, 1e-5  # fp32: the split only reorders sums (tests/test_pipeline.py derives these)
@@ -32,8 +35,24 @@ SMALL = dict(n_layer=2, d_model=16, n_head=2)
 BASE = dict(steps=3, seq_len=16, optimizer="sgd", lr=0.5, progress=False, model=SMALL)
 MOE = dict(num_experts=4, top_k=2, moe_options=dict(dropless=True, z_loss_weight=1e-3))
 CASES = {  # name: (TrainConfig fields at world 4, the reference's accumulation: what one process's micro-batch is)
-    "dp 2 x cp 2, ep 4": (dict(strategy="ddp", global_batch_size=4, options={"cp": 2}), 2),
-    "cp 2 x tp 2, ep 4": (dict(strategy="ddp", global_batch_size=2, options={"cp": 2, "tp": 2}), 2),
+    "dp 2 x cp 2, ep 4: one copy of each expert": (
+        dict(strategy="ddp", global_batch_size=4, options={"cp": 2}),
+        2,
+    ),
+    "dp 2 x cp 2, ep 2: experts over cp, copied over dp": (
+        dict(strategy="ddp", global_batch_size=4, options={"cp": 2, "ep": 2}),
+        2,
+    ),
+    "cp 2 x tp 2, ep 2: experts over tp, copied over cp, clipped": (
+        dict(strategy="ddp", global_batch_size=2, clip=0.05, options={"cp": 2, "tp": 2, "ep": 2}),
+        2,
+    ),
+}
+BAD = {  # name: (how the MoE GPT's experts are split, wrap's keywords)
+    "experts over dp, not carved": (lambda: mesh.mine([[0, 2], [1, 3]]), dict(cp=2)),
+    "ep does not divide dp x cp": (lambda: None, dict(cp=2, ep=3)),
+    "ep says 2, the model the world": (lambda: None, dict(cp=2, ep=2)),
+    "copies under local": (lambda: mesh.expert_group(2, tp=2), dict(tp=2)),
 }
 
 
@@ -63,13 +82,14 @@ def on_ranks() -> dict:
             "state": state if dist.get_rank() == 0 else None,
             "states": {k: last[0][k] for k in ("params", "grads", "optimizer")} if last else None,
         }
-    cp_group = groups_of(2)  # ranks [0, 1] and [2, 3]: the cp groups of dp 2 x cp 2 in Megatron's order
-    try:
-        model = toolkit.models.moe_gpt(4, 2, group=cp_group, seq_len=16, **SMALL)
-        toolkit.parallel.wrap(model, "ddp", cp=2)
-        found["experts over cp only"] = None
-    except ValueError as exc:
-        found["experts over cp only"] = str(exc)
+    for name, (group, keywords) in BAD.items():
+        model = toolkit.models.moe_gpt(4, 2, group=group(), seq_len=16, **SMALL)
+        strategy = "local" if name == "copies under local" else "ddp"
+        try:
+            toolkit.parallel.wrap(model, strategy, **keywords)
+            found[name] = None
+        except ValueError as exc:
+            found[name] = str(exc)
     return found
 
 
@@ -98,19 +118,34 @@ def test_an_moe_gpt_under_cp_trains_as_one_process(name, no_leftover_ranks):
     assert worst <= PARAM_ATOL, (name, worst)
 
 
+EXPECTED = {  # name: what every rank's message says (rank 0's groups)
+    "experts over dp, not carved": [
+        "cp=2 (dp 2 x pp 1 x cp 2 x tp 1)",
+        "over ranks [0, 2]",
+        "expert-parallel group of 2 is [0, 1]",
+        "[[0, 1], [2, 3]]",
+        "group=toolkit.parallel.mesh.expert_group(2, cp=2)",
+        "moe_model_fn",
+    ],
+    "ep does not divide dp x cp": ["ep=3", "dp x cp x tp = 4 ranks", "one of [1, 2, 4]"],
+    "ep says 2, the model the world": ["and ep=2", "over ranks [0, 1, 2, 3]", "expert_group(2, cp=2)"],
+    "copies under local": ["ep=2", "strategy 'local' averages nothing", "'dp' or 'ddp'"],
+}
+
+
 @pytest.mark.timeout(300)
-def test_experts_over_fewer_ranks_than_dp_x_cp_are_refused_on_every_rank(no_leftover_ranks):
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_experts_split_other_than_megatrons_carving_are_refused_on_every_rank(name, no_leftover_ranks):
     for rank, found in enumerate(launched()):
-        message = found["experts over cp only"]
-        assert message is not None, f"rank {rank}: no error"
-        mine = [0, 1] if rank < 2 else [2, 3]
-        for part in ("cp=2", f"ranks {mine}", "dp x cp x tp = [0, 1, 2, 3]", "group=None", "moe_model_fn"):
-            assert part in message, (rank, part, message)
+        message = found[name]
+        assert message is not None, f"{name}: no error on rank {rank}"
+        for part in EXPECTED[name] if rank == 0 else EXPECTED[name][:1]:
+            assert part in message, (name, rank, part, message)
 
 
 @pytest.mark.timeout(300)
 def test_the_simulator_runs_the_same_layout(no_leftover_ranks):
-    name = "dp 2 x cp 2, ep 4"
+    name = next(iter(CASES))
     fields, _ = CASES[name]
     sim = toolkit.sim.simulate(
         lambda: toolkit.models.moe_gpt(4, 2, seq_len=16, **SMALL, moe_options=MOE["moe_options"]),

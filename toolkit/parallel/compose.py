@@ -15,7 +15,9 @@ The steps, in the order they are taken (each one a room of its own, each told on
    "pp" group;
 5. data parallelism: `strategy` (local, dp, ddp, zero1-3, fsdp) wraps what this rank holds and reduces,
    or shards, over the "dp" x "cp" group (the cp ranks hold the same parameters and see other tokens:
-   torchtitan's FSDP shards over dp x cp the same way);
+   torchtitan's FSDP shards over dp x cp the same way); an MoE layer's experts are split over ep ranks
+   carved from dp x cp x tp, Megatron's way, and their copies averaged over the rest (`expert_layout.py`,
+   checked before step 2);
 6. under pp > 1 the pipeline's schedule drives the step: `model.forward_backward(x, y)`.
 
 The data-parallel strategies never learn about the other dimensions: they are given a smaller group.
@@ -23,6 +25,7 @@ The data-parallel strategies never learn about the other dimensions: they are gi
 
 from __future__ import annotations
 
+from . import expert_layout
 from . import mesh as mesh_
 
 # option -> default. Present in a wrap call, they send it here.
@@ -37,6 +40,7 @@ MODEL_PARALLEL = {
     "pp_split": None,
     "cp": 1,
     "cp_attention": "ring",
+    "ep": None,  # expert parallelism's size, carved from dp x cp x tp (expert_layout.py); None: the model's own
     "order": mesh_.ORDER,
 }
 
@@ -63,7 +67,7 @@ def wrap(model, strategy: str, build, optimizer, options: dict):
         check(model, mp["cp_attention"], mp["cp"], mp["tp"])
     mesh = mesh_.build(tp=mp["tp"], pp=mp["pp"], cp=mp["cp"], order=mp["order"])
     layout = mesh_.layout_of(mesh)
-    check_experts(model, layout)
+    experts_copied = expert_layout.check(model, layout, strategy, mp["ep"])  # ep: carved from dp x cp x tp
     if strategy == "local" and layout.dp > 1:
         raise ValueError(
             f"strategy 'local' means no data parallelism (dp = 1), but the world of {layout.world_size} "
@@ -81,6 +85,8 @@ def wrap(model, strategy: str, build, optimizer, options: dict):
         model = parallelize_context(model, mesh_.group(mesh, "cp"), mp["cp_attention"])
     if strategy != "local":
         options = dict(options, group=mesh_.group(mesh, "dp", "cp"))
+    if experts_copied is not None:  # ep < dp x cp x tp: the experts' copies are averaged too
+        options = dict(options, expert_group=experts_copied)
     if layout.pp > 1:  # the pipeline wraps each stage with `build`, and joins its tp pieces itself
         from .pipeline import wrap as wrap_pipeline
 
@@ -93,51 +99,6 @@ def wrap(model, strategy: str, build, optimizer, options: dict):
     if hasattr(model, "tensor_parallel") and layout.pp == 1:
         join_tensor_parallel(wrapped, model.tensor_parallel, mesh)
     return wrapped, opt
-
-
-def check_experts(model, layout: mesh_.Layout) -> None:
-    """Expert parallelism on the one mesh: an MoE layer's experts are split over every rank of its pipeline stage.
-
-    Megatron-core carves the expert-parallel group out of the ranks that hold the same dense parameters and see
-    different tokens, dp x cp (with cp, tokens of every cp rank are routed on their own: routing is per token),
-    and under the toolkit's tensor parallelism the tp ranks too, which share out their tokens
-    (`tensor/moe.py`): ep = dp x cp x tp of a stage, one copy of each expert (Megatron's expert-data-parallel
-    size 1). Then every token of the stage reaches its expert through the all-to-all, whose backward brings
-    each expert its whole gradient, and the data-parallel strategy divides it by dp x cp as it averages the
-    dense gradients (over dp x cp: `group(mesh, "dp", "cp")`). An MoE layer over fewer ranks would hold
-    copies of its experts that no strategy reduces: refused here, before any step. (An MoE layer over ranks of
-    another stage is the pipeline's to refuse: `pipeline._check_experts`.)"""
-    import torch.distributed as dist
-
-    from .. import comm
-    from ..moe.experts import is_expert
-    from ..moe.layer import MoE
-
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE) and any(map(is_expert, m.parameters()))]
-    if not layers:
-        return
-    me = layout.coordinate(dist.get_rank())
-    stage = [r for r in range(layout.world_size) if layout.coordinate(r).pp == me.pp]
-    for name, module in layers:
-        ranks = comm.group_ranks(module.group)
-        missing = [r for r in stage if r not in ranks]
-        if not missing:
-            continue
-        sizes = ", ".join(f"{d}={layout.size(d)}" for d in ("tp", "pp", "cp") if layout.size(d) > 1) or "no tp/pp/cp"
-        build = (
-            f"group=toolkit.parallel.pipeline.stage_group(pp={layout.pp}, tp={layout.tp}, cp={layout.cp}, "
-            f"order={layout.order!r})"
-            if layout.pp > 1
-            else "group=None (the whole world)"
-        )
-        raise ValueError(
-            f"with {sizes} ({layout}), the MoE layer {name or type(module).__name__!r} splits its experts over "
-            f"ranks {ranks}, but ranks {missing} also route tokens through it (dp x cp x tp = {stage}): "
-            f"their tokens would never reach these experts, and the copies of the experts they hold would "
-            f"never be averaged. Expert parallelism takes every rank of dp x cp x tp of a pipeline stage, "
-            f"as Megatron-core carves it from dp x cp with one copy of each expert (expert-data-parallel size "
-            f"1): build the model with {build}, as TrainConfig's moe_model_fn does."
-        )
 
 
 def check_context_options(mp: dict, strategy: str) -> None:
