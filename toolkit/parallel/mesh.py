@@ -115,10 +115,11 @@ class Layout:
         return rank
 
     def grid(self) -> torch.Tensor:
-        """The global ranks as a (dp, pp, cp, tp) tensor: entry [d, p, c, t] is the rank at that index."""
+        """The global ranks as a (dp, pp, cp, tp) tensor: entry [d, p, c, t] is the rank at that index (on the CPU,
+        also where the simulator builds a model on meta)."""
         inner_first = nesting(self.order)
         outer_first = inner_first[::-1]
-        ranks = torch.arange(self.world_size).reshape([self.size(d) for d in outer_first])
+        ranks = torch.arange(self.world_size, device="cpu").reshape([self.size(d) for d in outer_first])
         return ranks.permute([outer_first.index(d) for d in DIMS])
 
     def groups(self, *dims: str) -> list[list[int]]:
