@@ -12,7 +12,8 @@
   routing balances as one micro-batch (a dp replica's rows; under tp a tp share, `tensor/moe.py`): dp 2 x cp 2
   with ep 4 (one copy of each expert) and ep 2 (experts over each cp pair, copied over dp: without the copies'
   all-reduce the parameters are off by 0.03), and cp 2 x tp 2 with ep 2, clipped (copies over cp: a norm that
-  counts both copies is off by 1e-3 in the loss). Dropless: capacity is per rank's tokens (GShard's groups,
+  counts both copies is off by 1e-3 in the loss), and pp 2 x cp 2 with ep 1 (every expert on each rank, copied
+  over cp; the pipeline's micro-batches, clipped). Dropless: capacity is per rank's tokens (GShard's groups,
   Megatron's too), so a capacity that drops would drop other tokens at s/cp than at s.
 - The simulator runs the same layout on the fake group; its model states equal the real rank's.
 """
@@ -46,6 +47,16 @@ CASES = {  # name: (TrainConfig fields at world 4, the reference's accumulation:
     "cp 2 x tp 2, ep 2: experts over tp, copied over cp, clipped": (
         dict(strategy="ddp", global_batch_size=2, clip=0.05, options={"cp": 2, "tp": 2, "ep": 2}),
         2,
+    ),
+    "pp 2 x cp 2, ep 1: all experts on each rank, copied over cp, clipped": (
+        dict(
+            strategy="ddp",
+            global_batch_size=2,
+            clip=0.05,
+            model=dict(SMALL, n_layer=4),
+            options={"cp": 2, "pp": 2, "microbatches": 2, "ep": 1},
+        ),
+        2,  # the pipeline's micro-batches
     ),
 }
 BAD = {  # name: (how the MoE GPT's experts are split, wrap's keywords)
