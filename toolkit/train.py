@@ -12,9 +12,10 @@ boundaries. Under pipeline parallelism (options pp > 1) a step's forward and bac
 its actions a span labelled with its micro-batch and stage, memory sampled after each.
 
 Data: step s uses the corpus's global batch s (`global_batch_size` rows); data-parallel replica r of N
-takes its contiguous slice (every rank of a replica's tensor/pipeline/context-parallel group reads the same rows), and with `accumulation` = M it splits that slice into M micro-batches, calling
-backward on loss/M each. So the rows of a step are the same whatever N and M are, and every strategy,
-world size and accumulation can be checked against "local" with accumulation 1.
+takes its contiguous slice (every rank of a replica's tensor/pipeline/context-parallel group reads the
+same rows), and with `accumulation` = M it splits that slice into M micro-batches, calling backward on
+loss/M each. So the rows of a step are the same whatever N and M are, and every strategy, world size and
+accumulation can be checked against "local" with accumulation 1.
 """
 
 from __future__ import annotations
