@@ -60,7 +60,7 @@ CASES = {  # name: (TrainConfig fields at world 4, the reference's accumulation:
     ),
 }
 BAD = {  # name: (how the MoE GPT's experts are split, wrap's keywords)
-    "experts over dp, not carved": (lambda: mesh.mine([[0, 2], [1, 3]]), dict(cp=2)),
+    "experts over dp, not carved": (lambda: mesh.own_group([[0, 2], [1, 3]]), dict(cp=2)),
     "ep does not divide dp x cp": (lambda: None, dict(cp=2, ep=3)),
     "ep says 2, the model the world": (lambda: None, dict(cp=2, ep=2)),
     "copies under local": (lambda: mesh.expert_group(2, tp=2), dict(tp=2)),

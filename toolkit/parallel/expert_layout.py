@@ -66,19 +66,19 @@ def check(model, layout: mesh_.Layout, strategy: str, ep=None):
     for name, ranks in found.items():
         if sorted(ranks) in carving:
             continue
-        mine = next((g for g in carving if dist.get_rank() in g), None)
+        own = next((g for g in carving if dist.get_rank() in g), None)
         why = (
-            f"this rank's expert-parallel group of {size} is {mine}: Megatron-core's carving of the stage's "
+            f"this rank's expert-parallel group of {size} is {own}: Megatron-core's carving of the stage's "
             f"dp x cp x tp = {stage} ranks into runs of {size}, innermost dimension first ({carving}; "
             f"`toolkit.parallel.mesh.layout(...).expert_groups({size})`)"
-            if mine
+            if own
             else f"{size} ranks do not divide the stage's dp x cp x tp = {stage} ranks into groups"
         )
         raise ValueError(
             f"with {_keywords(layout)}{f' and ep={ep}' if ep is not None else ''}, the MoE layer {name!r} "
             f"splits its experts over ranks {ranks}, but {why}. Any other group leaves ranks of the stage whose "
             f"tokens never reach these experts, or copies of them that are never averaged. Build the model with "
-            f"group={_builder(layout, size if mine else len(stage), len(stage))}, as TrainConfig's moe_model_fn "
+            f"group={_builder(layout, size if own else len(stage), len(stage))}, as TrainConfig's moe_model_fn "
             f"does (from its options ep=, tp=, pp=, cp=)."
         )
     if size == len(stage):
@@ -91,7 +91,7 @@ def check(model, layout: mesh_.Layout, strategy: str, ep=None):
         )
     if strategy not in REDUCES_EXPERT_COPIES:
         return None  # the strategy refuses expert parameters itself (consistency.reject_experts)
-    return mesh_.mine(layout.expert_groups(size)[1])
+    return mesh_.own_group(layout.expert_groups(size)[1])
 
 
 def _keywords(layout: mesh_.Layout) -> str:

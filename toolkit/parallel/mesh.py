@@ -224,7 +224,7 @@ def data_parallel_rank(mesh) -> int:
     return c.dp * cp + c.cp
 
 
-def mine(groups: list[list[int]]):
+def own_group(groups: list[list[int]]):
     """A process group for each of `groups` (every rank makes every one, in the same order: torch's rule); this
     rank's (None if it is in none)."""
     found = None
@@ -240,7 +240,7 @@ def expert_group(ep: int, *, tp: int = 1, pp: int = 1, cp: int = 1, order: str =
     what an MoE model is built over before it is wrapped with the same tp, pp, cp and ep
     (`moe_gpt(group=expert_group(2, cp=2))`; TrainConfig's moe_model_fn does it from `options["ep"]`)."""
     shape = layout(dist.get_world_size(), tp=tp, pp=pp, cp=cp, order=order)
-    return mine(shape.expert_groups(ep)[0])
+    return own_group(shape.expert_groups(ep)[0])
 
 
 def layout_of(mesh) -> Layout:

@@ -13,7 +13,7 @@ Three things change, each found through a small protocol (the model is not rewri
    the cp ranks (`operators.mean_over_cp`), or, with no labels, the whole sequence's logits.
 
 4. MoE layers (`toolkit.moe`): routing is per token, so each rank routes its own tokens and the layer runs as it
-   is, over its expert-parallel group (every rank of dp x cp x tp: `compose.check_experts`). Only the gate's
+   is, over its expert-parallel group (ep ranks carved from dp x cp x tp: `parallel/expert_layout.py`). Only the gate's
    load-balancing loss is not per token: its counts are taken over the whole sequence (`gate.balance_over`,
    `operators.counts_over_cp`), and the model's auxiliary loss, like its loss, is the mean over the cp ranks.
 
