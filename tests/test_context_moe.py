@@ -168,3 +168,32 @@ def test_the_simulator_runs_the_same_layout(name, no_leftover_ranks):
     sim = toolkit.sim.simulate(model, "ddp", 4, rank=3, batch_per_rank=1, optimizer=sgd, progress=False, **options)
     measured = launched()[3][name]["states"]
     assert {k: sim.memory[k] for k in measured} == measured
+
+
+# --- world 8 (make test-large-world) --------------------------------------------------------------------------------
+AT_8 = dict(  # dp 2 x pp 2 x cp 2: each stage's 4 ranks, experts over each cp pair, copied over dp
+    strategy="ddp",
+    global_batch_size=4,
+    clip=0.05,
+    model=dict(SMALL, n_layer=4),
+    options={"cp": 2, "pp": 2, "microbatches": 2, "ep": 2},
+)
+
+
+def at_8() -> tuple:
+    torch.manual_seed(0)
+    run, state = train(TrainConfig(**{**BASE, **AT_8}), model_fn=moe_model_fn(**MOE), return_state=True)
+    return [m["value"] for m in run.metrics if m["name"] == "loss"], state
+
+
+@pytest.mark.large_world
+@pytest.mark.timeout(900)
+def test_dp_x_pp_x_cp_with_experts_copied_over_dp_trains_as_one_process(no_leftover_ranks):
+    losses, state = toolkit.launch(at_8, 8, timeout_s=800, quiet=True)[0]
+    torch.manual_seed(0)  # one process: each replica's micro-batch (a row) balances its own tokens
+    config = TrainConfig(**{**BASE, **AT_8, "strategy": "local", "options": {}, "accumulation": 4})
+    run, want = train(config, model_fn=moe_model_fn(**MOE), return_state=True)
+    assert (
+        max(abs(a - m["value"]) for a, m in zip(losses, [m for m in run.metrics if m["name"] == "loss"])) <= LOSS_ATOL
+    )
+    assert max((state[k] - want[k]).abs().max().item() for k in want) <= PARAM_ATOL
