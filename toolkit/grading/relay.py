@@ -6,7 +6,8 @@ The ranks of such a lab have no process group of their own (`relay_group.py`): e
 relay, a UNIX socket in the grading's folder, opened with a token only it was sent. A send is held until its
 receiver posts the matching receive (same group, tag, source and destination), then delivered; the sender's
 work completes then, as gloo's does. What the relay records is what it carried, not what a rank says it sent:
-for every rank, each send and receive it posted (kind, peer, elements), with the check it belongs to. A check
+for every rank, each send and receive it posted (kind, peer, elements), with the check it belongs to; a send whose
+bytes are not exactly its elements' (a rank writing frames of its own) is refused, never carried. A check
 belongs to the span between the rank taking the check's inputs (`{"op": "inputs"}`: the relay gives them only
 once the rank has handed in the previous check's result) and handing in its result (`{"op": "result"}`: the
 first one counts). So every message a result could depend on is in its check's record: a submission cannot
@@ -26,7 +27,9 @@ import threading
 import time
 from collections import defaultdict, deque
 
-from .relay_group import read_frame, send_frame
+import torch
+
+from .relay_group import DTYPES, read_frame, send_frame
 
 MAX_MESSAGE = 64 * 2**20  # one message's bytes (a result's too: wire.MAX_BYTES)
 MAX_HELD = 256 * 2**20  # bytes of sends held for their receivers, all ranks together
@@ -147,9 +150,24 @@ class Relay:
             raise ValueError(op)
 
     def _post(self, rank: int, sock, message: dict, payload: bytes) -> None:
-        peer, numel = message["peer"], message["numel"]
-        if not (isinstance(peer, int) and 0 <= peer < self.world_size and isinstance(numel, int) and numel >= 0):
+        peer, numel, dtype = message["peer"], message["numel"], message["dtype"]
+        if not (
+            isinstance(peer, int)
+            and 0 <= peer < self.world_size
+            and isinstance(numel, int)
+            and numel >= 0
+            and dtype in DTYPES
+        ):
             raise ValueError("a malformed message")
+        carried = numel * torch.empty((), dtype=DTYPES[dtype]).element_size() if message["op"] == "send" else 0
+        if len(payload) != carried:  # the record says what was carried: a send holds exactly what it declares
+            self._answer(
+                sock,
+                message,
+                error=f"the grader's relay refused a {message['op']} of {numel} {dtype} elements that carried "
+                f"{len(payload)} bytes (a message's bytes are its elements', nothing more or less)",
+            )
+            return
         src, dst = (rank, peer) if message["op"] == "send" else (peer, rank)
         key = (src, dst, str(message["group"]), int(message["tag"]))
         with self._lock:

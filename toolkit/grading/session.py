@@ -8,7 +8,7 @@ instructor's lab folder, the other students' files and the grader's results are 
 
 `launch_ranks` writes each rank's inputs and a spec, has the grading's fork server (one per Box, forked by
 the graders' server `forkserver.py`, with the grading's id in its environment) fork the launch's sandbox
-and launcher (or starts `python -m toolkit.grading.launcher` where none can serve), waits (never longer
+and launcher (or starts the launcher as an isolated interpreter where none can serve), waits (never longer
 than its deadline), then makes sure nothing it started is alive before reading a single file back. Every
 file is read with `wire.decode` or as capped text: a rank's output can fail a check, never pass one or
 crash the grader.
@@ -34,6 +34,10 @@ from .relay import Relay
 from .runner import IMPORT, inputs_path, ready_path, result_path
 
 FORKSERVER = str(Path(__file__).resolve().with_name("forkserver.py"))
+# The launcher as a fresh interpreter starts as the grader's user, outside the sandbox it then enters: isolated
+# (-I: no current folder, no user site-packages and no PYTHON* variable decide what it imports, since the
+# submission writes its working folder and HOME), with the students' toolkit alone put first on its path.
+LAUNCHER = "import sys; sys.path.insert(0, sys.argv.pop(1)); import toolkit.grading.launcher as m; sys.exit(m.main())"
 
 KEEP_ENV = ("PATH", "LANG", "LC_ALL", "VIRTUAL_ENV", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 TEXT_LIMIT = 20_000
@@ -147,6 +151,7 @@ def _env(box: Box, grading_id: str) -> dict:
             "HOME": str(box.work),
             "TMPDIR": str(box.tmp),
             "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONSAFEPATH": "1",  # never the working folder on a path: the submission writes there
             "PYTHONUNBUFFERED": "1",
             "CUDA_VISIBLE_DEVICES": "",
         }
@@ -327,9 +332,15 @@ def hidden_from(box: Box) -> list[str]:
     return sorted(p for p in set(sandbox.toolkits()) | labs if not (root + "/").startswith(p.rstrip("/") + "/"))
 
 
+def launcher_command(lib, spec_path) -> list[str]:
+    """The launcher as a fresh interpreter: isolated (`LAUNCHER`), importing the students' toolkit at `lib`."""
+    return [sys.executable, "-I", "-c", LAUNCHER, str(lib), str(spec_path)]
+
+
 def _start_launcher(box: Box, env: dict, spec_path: Path, output: int, quiet: bool):
     """The launch's launcher, forked inside its sandbox by the grading's fork server (no interpreter to start,
-    no torch to import), or else a fresh `python -m toolkit.grading.launcher`: (its handle, the server or None).
+    no torch to import), or else a fresh interpreter running `toolkit.grading.launcher` (`LAUNCHER`): (its handle,
+    the server or None).
     Its stdout and stderr are `output` (the writing end of the overseer's pipe)."""
     server = box.fork_server(env)
     if server is not None:
@@ -341,7 +352,7 @@ def _start_launcher(box: Box, env: dict, spec_path: Path, output: int, quiet: bo
     if box.serverless and not quiet:
         print(f"grading: {box.serverless}: each launch starts its launcher as a fresh interpreter", file=sys.stderr)
     return subprocess.Popen(
-        [sys.executable, "-m", "toolkit.grading.launcher", str(spec_path)],
+        launcher_command(box.lib, spec_path),
         cwd=box.work,
         env=env,
         start_new_session=True,

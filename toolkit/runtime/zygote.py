@@ -136,15 +136,15 @@ def become(env: dict, cwd: str | None = None, signals: dict | None = None) -> No
     if cwd is not None:
         os.chdir(cwd)
     here = os.getcwd()
-    # sys.path as `python -m` computes it: the working directory first, then PYTHONPATH (relative entries
-    # resolved against the working directory), then the interpreter's own (unchanged: same interpreter)
+    # sys.path as `python -m` computes it: the working directory first (not with PYTHONSAFEPATH, as python -P),
+    # then PYTHONPATH (relative entries resolved against the working directory), then the interpreter's own
     start_cwd, start_path = _START["cwd"], _START["path"]
     moved = {
         os.path.abspath(os.path.join(start_cwd, p)): os.path.abspath(os.path.join(here, p))
         for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
         if p and not os.path.isabs(p)
     }
-    sys.path[:] = [here] + [moved.get(p, p) for p in start_path[1:]]
+    sys.path[:] = ([] if os.environ.get("PYTHONSAFEPATH") else [here]) + [moved.get(p, p) for p in start_path[1:]]
     sys.path_importer_cache.clear()
     importlib.invalidate_caches()
 

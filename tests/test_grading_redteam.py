@@ -1,0 +1,180 @@
+"""A determined student against the rebuilt grader (issue 29, third trial): each test replays an attack on the
+construction itself (the relay's record, the launch's import path, the ranks' toolkit and its PyTorch peers, the
+channel, the reports), and guards what it found: failing before the fix where the attack broke the grade, and
+kept where it held.
+
+The cheap ones (no rank started, or one tiny grading) run in the suite; the rest carry `grading_scale`
+(`make test-grading`)."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import test_grading_attacks as tiny
+
+from toolkit.grading import delegation, format_score, grade
+from toolkit.grading.grader import lab_checks
+from toolkit.grading.relay import Relay
+from toolkit.grading.relay_group import read_frame, send_frame
+from toolkit.grading.session import launcher_command
+
+LABS = Path(__file__).resolve().parent.parent / "labs"
+ROOT = LABS.parent
+AT_SCALE = pytest.mark.grading_scale
+
+
+@pytest.fixture
+def tiny_lab(tmp_path):
+    """test_grading_attacks' lab of two checks (a total on one rank, a sum over two)."""
+    folder = tmp_path / "lab"
+    folder.mkdir()
+    for name, text in (("tasks", tiny.TASKS), ("checks", tiny.CHECKS + tiny.SUMMED), ("skeleton", tiny.SKELETON)):
+        (folder / f"{name}.py").write_text(text)
+    return folder
+
+
+# --- the relay's record is what it carried ----------------------------------------------------------------------
+def _rank(relay: Relay, rank: int) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(relay.path)
+    send_frame(sock, {"op": "hello", "rank": rank, "token": relay.tokens[rank]})
+    return sock
+
+
+def _post(sock, op: str, peer: int, numel: int, payload: bytes = b"", id: int = 1) -> None:
+    message = {"op": op, "peer": peer, "group": "", "tag": 0, "dtype": "float32", "numel": numel, "id": id}
+    send_frame(sock, message, payload)
+
+
+def test_the_relay_refuses_a_send_that_carries_more_than_it_declares(tmp_path):
+    """Lab 01 scored the ring's traffic check (8/13 in all) with every rank passing its whole tensor around the
+    ring, N - 1 times: frames written on the rank's own link to the relay declared a chunk's elements and carried
+    the whole tensor, and the record said a chunk. A send's bytes must be exactly its elements'."""
+    with Relay(str(tmp_path), 2, [0], {"0": [b"{}", b"{}"]}) as relay:
+        zero, one = _rank(relay, 0), _rank(relay, 1)
+        _post(zero, "send", 1, 1, b"\0" * 400)  # declares 1 float32 element, carries 100
+        answer, _ = read_frame(zero, 1 << 20)
+        assert "carried 400 bytes" in answer.get("error", ""), answer
+        _post(one, "recv", 0, 1, id=2)
+        _post(zero, "send", 1, 1, b"\1\0\0\0", id=3)  # declares one, carries one: delivered
+        assert read_frame(one, 1 << 20) == ({"id": 2}, b"\1\0\0\0")
+        assert read_frame(zero, 1 << 20) == ({"id": 3}, b"")
+        record = {r: dict(relay.record[r]) for r in (0, 1)}
+    assert record == {0: {"import": [["send", 1, 1]]}, 1: {"import": [["recv", 0, 1]]}}, record
+
+
+# --- nothing the submission writes is imported by the launch ----------------------------------------------------
+PLANTED = "import os\nopen(os.environ['PLANTED_MARK'], 'w').write('planted code ran as uid %d' % os.getuid())\n"
+
+
+def test_a_fresh_launcher_imports_nothing_from_its_working_folder_or_home(tmp_path):
+    """Where no fork server serves, each launch's launcher was `python -m toolkit.grading.launcher`, started as the
+    grader (root on Gradescope) in the submission's working folder, before it entered the sandbox: a `toolkit/`
+    package the submission wrote there at its first launch ran as root, outside any sandbox, at the next. The
+    launcher is now an isolated interpreter (no working folder, no user site-packages, no PYTHON* variable on its
+    path) importing the students' toolkit alone."""
+    work = tmp_path / "work"
+    (work / "toolkit").mkdir(parents=True)
+    (work / "toolkit" / "__init__.py").write_text(PLANTED)
+    site = work / ".local" / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "planted.pth").write_text(PLANTED.replace("\n", "; ").replace("import os; ", "import os; "))
+    mark = tmp_path / "mark"
+    env = {"PATH": os.environ["PATH"], "HOME": str(work), "PYTHONPATH": str(work), "PLANTED_MARK": str(mark)}
+    done = subprocess.run(
+        launcher_command(ROOT, tmp_path / "no-spec.json"), cwd=work, env=env, capture_output=True, timeout=120
+    )
+    assert not mark.exists(), mark.read_text()
+    assert b"no-spec.json" in done.stderr, done.stderr[-2000:]  # the real launcher ran, and found no spec
+
+
+def test_a_forked_rank_puts_no_working_folder_on_its_path(tmp_path):
+    """Forked ranks recompute sys.path as `python -m` would: the working folder first. In a grading that folder is
+    the submission's: a `toolkit/` written there at import replaced, from the next launch on, the rank's whole
+    side of the grading (its sandbox's second layer, its memory limit, the relay, the watcher) before the
+    submission was imported. The grading's environment says PYTHONSAFEPATH, and the runtime honours it."""
+    code = (
+        "import sys, os; sys.path.insert(0, sys.argv[1]); from toolkit.runtime import zygote\n"
+        "zygote._START.update(cwd=os.getcwd(), path=[os.getcwd()] + [p for p in sys.path if p], signals={})\n"
+        "zygote._fresh_signals = lambda s: None\n"
+        "zygote.become({'PYTHONSAFEPATH': '1', 'PYTHONPATH': sys.argv[1]}, sys.argv[2])\n"
+        "assert sys.argv[2] not in sys.path and '' not in sys.path, sys.path\n"
+        "zygote.become({'PYTHONPATH': sys.argv[1]}, sys.argv[2])\n"
+        "assert sys.path[0] == sys.argv[2], sys.path  # toolkit.launch outside a grading: as python -m\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT), str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+PLANT_AT_IMPORT = """
+import os
+os.makedirs("toolkit", exist_ok=True)  # the working folder, which the next launch's ranks started in
+with open("toolkit/__init__.py", "w") as f:
+    f.write("raise RuntimeError('PLANTED: the rank imported the submission's toolkit before the submission')")
+
+def total(xs):
+    return xs.sum()
+
+def summed(x, group):
+    import torch.distributed as dist
+    dist.all_reduce(x, group=group)
+"""
+
+
+@AT_SCALE
+@pytest.mark.timeout(300)
+def test_a_toolkit_planted_in_the_working_folder_is_never_imported(tiny_lab, tmp_path, no_leftover_ranks):
+    """The attack above as a grading: before, the second launch's ranks (world size 2) imported the planted
+    package and failed with its message."""
+    path = tmp_path / "plant.py"
+    path.write_text(PLANT_AT_IMPORT)
+    score = grade(tiny_lab, path)
+    assert score.total == score.maximum == 3, format_score(score)
+
+
+# --- PyTorch's own implementation of a lab's function -----------------------------------------------------------
+PEERS = {
+    "12-pipeline": (  # 7/7 before: PyTorch's 1F1B, given the warm-up
+        "from toolkit.parallel.pipeline.schedules import Action\n"
+        "from torch.distributed.pipelining.schedules import _get_1f1b_rank_ops, _ComputationType\n\n"
+        "def one_f_one_b(pp, microbatches, rank, virtual_stages=1):\n"
+        "    w = min(pp - 1 - rank, microbatches)\n"
+        "    ops = _get_1f1b_rank_ops(1, pp, w, microbatches - w, w, rank, lambda s: rank, lambda s: rank)\n"
+        "    forward = _ComputationType.FORWARD\n"
+        "    return [Action('F' if o.computation_type == forward else 'B', o.microbatch_index, rank)\n"
+        "            for o in ops if o is not None]\n"
+    ),
+    "04-moe-dispatch": (  # all_to_all's 2 points before: PyTorch's differentiable all-to-all
+        "import torch.distributed.nn.functional as peers\n\n"
+        "def all_to_all(x, out_splits, in_splits, group, label):\n"
+        "    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))\n"
+        "    return peers.all_to_all_single(out, x, list(out_splits), list(in_splits), group)\n"
+    ),
+    "13-context-parallel": (  # PyTorch's merge (0/2: it gives nan where a block saw no key; two lines mend that)
+        "from torch.distributed.tensor.experimental._context_parallel._attention import _SDPAMerger\n\n"
+        "def merge(out1, lse1, out2, lse2):\n"
+        "    m = _SDPAMerger(False, 2)\n"
+        "    m._merge_one(out1, lse1, False)\n"
+        "    m._merge_one(out2, lse2, False)\n"
+        "    return m._out.to(out1.dtype), m._lse.squeeze(-1).to(lse1.dtype)\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PEERS))
+def test_pytorchs_own_implementation_of_a_labs_function_scores_zero(name, tmp_path):
+    """The students' toolkit has no answer left in it, but PyTorch ships some: lab 12 scored 7/7 from
+    `torch.distributed.pipelining`'s 1F1B, lab 04's all-to-all check from `torch.distributed.nn.functional`'s.
+    Each lab names them among its ANSWERS: the file is refused before any rank starts, saying why."""
+    folder = LABS / name
+    path = tmp_path / "skeleton.py"
+    path.write_text((folder / "skeleton.py").read_text() + "\n" + PEERS[name])
+    assert delegation.scan(path.read_text(), lab_checks(folder)[1]), f"{name}'s ANSWERS name no PyTorch peer"
+    score = grade(folder, path)
+    assert score.total == 0 and "PyTorch's" in score.results[0].message, format_score(score)
