@@ -6,6 +6,7 @@ kept where it held.
 The cheap ones (no rank started, or one tiny grading) run in the suite; the rest carry `grading_scale`
 (`make test-grading`)."""
 
+import json
 import os
 import socket
 import subprocess
@@ -113,6 +114,7 @@ def test_a_forked_rank_puts_no_working_folder_on_its_path(tmp_path):
 
 
 PLANT_AT_IMPORT = """
+import json
 import os
 os.makedirs("toolkit", exist_ok=True)  # the working folder, which the next launch's ranks started in
 with open("toolkit/__init__.py", "w") as f:
@@ -178,3 +180,76 @@ def test_pytorchs_own_implementation_of_a_labs_function_scores_zero(name, tmp_pa
     assert delegation.scan(path.read_text(), lab_checks(folder)[1]), f"{name}'s ANSWERS name no PyTorch peer"
     score = grade(folder, path)
     assert score.total == 0 and "PyTorch's" in score.results[0].message, format_score(score)
+
+
+# --- what the grader itself reads: the source, the channel ------------------------------------------------------
+@pytest.mark.parametrize(
+    "source",
+    ["x = a" + ".b" * 200_000 + "\n", "x = " + "+".join(["1"] * 300_000) + "\n", "x = " + "-" * 200_000 + "1\n"],
+    ids=["attributes", "a sum", "signs"],
+)
+def test_a_file_too_deep_for_the_parser_fails_to_import_not_the_grader(source, tiny_lab, tmp_path):
+    """Python's parser, in the grader's process, raised RecursionError or MemoryError on an expression nested a few
+    hundred thousand deep: the grading crashed (exit 3, on Gradescope "tell the course staff") instead of scoring
+    the file. Now it is the file's failure, said as such, and no rank starts."""
+    path = tmp_path / "deep.py"
+    path.write_text(source)
+    score = grade(tiny_lab, path)
+    assert score.total == 0 and "nested too deeply" in score.results[0].message, format_score(score)
+
+
+CRAFTED = {
+    "a tensor of 10^30 rows of nothing": {"__tensor__": "float32", "shape": [0, 10**30], "data": ""},
+    "a tensor of 2^62 x 4 rows of nothing": {"__tensor__": "float32", "shape": [0, 2**62, 4], "data": ""},
+    "a dict keyed by a dict": {"__pairs__": [[{"a": 1}, 1]]},
+}
+
+
+@pytest.mark.parametrize("name", list(CRAFTED))
+def test_a_crafted_result_is_refused_as_one_never_raised_in_the_grader(name, tmp_path):
+    """A result file a rank wrote with a tensor of shape [0, 10^30] passed every check of its form (no element, no
+    byte) and raised TypeError in torch.empty, out of `wire.decode`: the grader crashed reading it. `decode` raises
+    WireError and nothing else, and the launch's reader turns that into the check's failure."""
+    from toolkit.grading import wire
+    from toolkit.grading.session import _read
+
+    raw = json.dumps(CRAFTED[name]).encode()
+    with pytest.raises(wire.WireError):
+        wire.decode(raw)
+    (tmp_path / "result.json").write_bytes(raw)
+    assert "cannot read" in _read(tmp_path / "result.json")["error"]
+
+
+# --- what a person reads: Gradescope's page, the class's table --------------------------------------------------
+def test_every_gradescope_output_is_declared_plain_text():
+    """Gradescope renders an output in `simple_format` unless told otherwise, which lets some HTML through: an
+    exception's text such as `<a href="https://evil.example">your full score</a>` became a link on the student's
+    (and the TA's) page. Every output of results.json, the no-score one included, is declared text."""
+    from toolkit.grading import CheckResult, Score
+    from toolkit.grading.report import nothing_graded, render
+
+    link = '<a href="https://evil.example">see your full score</a>'
+    score = Score(
+        lab="lab", solution="s.py", results=[CheckResult("c", 1, 0, link), CheckResult("h", 1, 0, link, True)]
+    )
+    written = json.loads(render(score, "gradescope"))
+    assert written["output_format"] == written["test_output_format"] == "text"
+    assert [t["output_format"] for t in written["tests"]] == ["text", "text"]
+    assert json.loads(nothing_graded(link, "gradescope"))["output_format"] == "text"
+    script = (ROOT / "labs" / "autograder" / "run_autograder").read_text()
+    assert '"output_format": "text"' in script  # its own no-score file too
+
+
+def test_a_class_tables_cells_are_never_formulas(tmp_path):
+    """A student's file named `=HYPERLINK("https://evil.example","regrade")`.py became, in scores.csv, a formula a
+    spreadsheet evaluates (a link, or worse, on the instructor's machine). A cell that starts like a formula is
+    quoted; the name stays readable."""
+    import csv
+
+    from toolkit.grading.classroom import Row, write_csv
+
+    name = '=HYPERLINK("https://evil.example","regrade")'
+    path = tmp_path / "scores.csv"
+    write_csv([Row(student=name, file=f"{name}.py", status="@SUM(1+1)", score=1, max_score=2)], path)
+    row = list(csv.DictReader(path.open()))[0]
+    assert row["student"] == "'" + name and row["file"] == f"'{name}.py" and row["status"] == "'@SUM(1+1)", row

@@ -91,7 +91,7 @@ def scan(source: str, answers: dict) -> list[str]:
     """The answers this source names, as messages ("uses toolkit.comm.ring (the toolkit's ring)")."""
     try:
         found, strings = references(source)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return []
     return [
         f"{spec.replace(':', '.')} ({why})"

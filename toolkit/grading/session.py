@@ -152,6 +152,7 @@ def _env(box: Box, grading_id: str) -> dict:
             "TMPDIR": str(box.tmp),
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONSAFEPATH": "1",  # never the working folder on a path: the submission writes there
+            "PYTHONNOUSERSITE": "1",  # nor HOME's site-packages (HOME is that folder): no .pth of its own runs
             "PYTHONUNBUFFERED": "1",
             "CUDA_VISIBLE_DEVICES": "",
         }

@@ -157,4 +157,9 @@ def decode(raw: bytes):
         value = json.loads(raw.decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise WireError(f"not JSON ({str(exc)[:80]})") from None
-    return _decode(value, 0)
+    try:
+        return _decode(value, 0)
+    except WireError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever torch or Python makes of a crafted value, it is no answer
+        raise WireError(f"a value that cannot be built ({type(exc).__name__}: {str(exc)[:80]})") from None
