@@ -253,3 +253,37 @@ def test_a_class_tables_cells_are_never_formulas(tmp_path):
     write_csv([Row(student=name, file=f"{name}.py", status="@SUM(1+1)", score=1, max_score=2)], path)
     row = list(csv.DictReader(path.open()))[0]
     assert row["student"] == "'" + name and row["file"] == f"'{name}.py" and row["status"] == "'@SUM(1+1)", row
+
+
+# --- guards of what held ----------------------------------------------------------------------------------------
+def test_nan_and_inf_never_pass_a_tolerance():
+    """Held: a result of nan (every comparison false) or inf against `expect`, exact or within tolerances."""
+    import torch
+
+    from toolkit.grading.checks import CheckFailed, Judge
+
+    expected = torch.tensor([1.0, 2.0])
+    for got in (torch.tensor([float("nan"), 2.0]), torch.tensor([1.0, float("inf")])):
+        for exact in (True, False):
+            with pytest.raises(CheckFailed):
+                Judge(2).expect(got, expected, "x", exact=exact)
+
+
+def test_a_tensor_that_lies_about_comparisons_arrives_as_a_plain_tensor():
+    """Held: a Tensor subclass whose __torch_function__ answers every comparison True (and whose __eq__ does) is
+    encoded on the rank as dtype, shape and bytes; the grader gets a plain tensor that compares honestly."""
+    import torch
+
+    from toolkit.grading import wire
+
+    class Liar(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.__eq__, torch.isclose, torch.allclose, torch.equal):
+                return True
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    liar = torch.zeros(3).as_subclass(Liar)
+    assert liar == torch.ones(3)  # on the rank, it lies
+    got = wire.decode(wire.encode({"x": liar}))["x"]
+    assert type(got) is torch.Tensor and not bool((got == torch.ones(3)).all())
