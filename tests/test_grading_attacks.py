@@ -85,6 +85,10 @@ def summed(x, group):
 
 @pytest.fixture
 def lab(tmp_path):
+    return make_lab(tmp_path)
+
+
+def make_lab(tmp_path):
     folder = tmp_path / "lab"
     folder.mkdir()
     (folder / "tasks.py").write_text(TASKS)

@@ -131,9 +131,14 @@ def summed(x, group):
 
 @AT_SCALE
 @pytest.mark.timeout(300)
-def test_a_toolkit_planted_in_the_working_folder_is_never_imported(tiny_lab, tmp_path, no_leftover_ranks):
+@pytest.mark.parametrize("fresh", [False, True], ids=["forked ranks", "fresh interpreters"])
+def test_a_toolkit_planted_in_the_working_folder_is_never_imported(
+    fresh, tiny_lab, tmp_path, monkeypatch, no_leftover_ranks
+):
     """The attack above as a grading: before, the second launch's ranks (world size 2) imported the planted
-    package and failed with its message."""
+    package and failed with its message; where no fork server serves, the launcher did too, as the grader."""
+    if fresh:
+        monkeypatch.setenv("TOOLKIT_LAUNCH_EXEC", "1")
     path = tmp_path / "plant.py"
     path.write_text(PLANT_AT_IMPORT)
     score = grade(tiny_lab, path)
@@ -287,3 +292,31 @@ def test_a_tensor_that_lies_about_comparisons_arrives_as_a_plain_tensor():
     assert liar == torch.ones(3)  # on the rank, it lies
     got = wire.decode(wire.encode({"x": liar}))["x"]
     assert type(got) is torch.Tensor and not bool((got == torch.ones(3)).all())
+
+
+def test_an_answer_of_millions_of_tiny_values_is_refused_before_it_is_built():
+    """20 million empty lists fit in the 64 MiB an answer may hold and took about 1 GiB of the grader's memory once
+    decoded, per rank and check of a launch, in the one process no limit covers. The channel counts values first."""
+    from toolkit.grading import wire
+
+    with pytest.raises(wire.WireError, match="values"):
+        wire.decode(b"[" + b"[]," * 2_000_000 + b"[]]")
+    assert wire.decode(wire.encode({"x": list(range(1000)), "t": __import__("torch").zeros(10**6)}))["x"][-1] == 999
+
+
+@AT_SCALE
+@pytest.mark.timeout(300)
+def test_a_class_submission_named_like_the_toolkit_is_graded_not_run_by_the_grader(tiny_lab, tmp_path, monkeypatch):
+    """Held: each student of a class is graded by `python -m toolkit grade`, whose first path entry is its working
+    folder; a student's file named toolkit.py (or json.py) there would be imported by the grader itself, outside
+    every sandbox. The copy lies one folder below: the file is graded as a submission."""
+    from toolkit.grading.classroom import grade_class
+
+    mark = tmp_path / "mark"
+    monkeypatch.setenv("PLANTED_MARK", str(mark))
+    (tmp_path / "class" / "alice").mkdir(parents=True)
+    planted = PLANTED.replace("open(", "'PLANTED_MARK' in os.environ and open(")  # the ranks' environment lacks it
+    (tmp_path / "class" / "alice" / "toolkit.py").write_text(planted + tiny.SOLUTION)
+    rows = grade_class(tiny_lab, tmp_path / "class", tmp_path / "scores.csv", progress=False)
+    assert not mark.exists(), mark.read_text()
+    assert [(r.student, r.status, r.score) for r in rows] == [("alice", "graded", 3)], rows

@@ -144,7 +144,8 @@ def become(env: dict, cwd: str | None = None, signals: dict | None = None) -> No
         for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
         if p and not os.path.isabs(p)
     }
-    sys.path[:] = ([] if os.environ.get("PYTHONSAFEPATH") else [here]) + [moved.get(p, p) for p in start_path[1:]]
+    start = start_path if getattr(sys.flags, "safe_path", False) else start_path[1:]  # [0]: where it started, if put
+    sys.path[:] = ([] if os.environ.get("PYTHONSAFEPATH") else [here]) + [moved.get(p, p) for p in start]
     sys.path_importer_cache.clear()
     importlib.invalidate_caches()
 
