@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import test_grading_attacks as tiny
 
-from toolkit.grading import delegation, format_score, grade
+from toolkit.grading import Limits, delegation, format_score, grade
 from toolkit.grading.grader import lab_checks
 from toolkit.grading.relay import Relay
 from toolkit.grading.relay_group import read_frame, send_frame
@@ -320,3 +320,46 @@ def test_a_class_submission_named_like_the_toolkit_is_graded_not_run_by_the_grad
     rows = grade_class(tiny_lab, tmp_path / "class", tmp_path / "scores.csv", progress=False)
     assert not mark.exists(), mark.read_text()
     assert [(r.student, r.status, r.score) for r in rows] == [("alice", "graded", 3)], rows
+
+
+# --- the time limit, timed by the grader ------------------------------------------------------------------------
+def test_the_relays_record_of_phases_moves_only_with_what_it_handed_out_and_took_in(tmp_path):
+    """The grader's clock of a launch (`Relay.progress`, which the overseer times): a rank's import is over once it
+    took the first check's inputs, a check once it handed in its result, and the next inputs come only then."""
+    with Relay(str(tmp_path), 2, [0, 1], {"0": [b"{}", b"{}"], "1": [b"{}", b"{}"]}) as relay:
+        zero = _rank(relay, 0)
+        assert relay.progress() == [0, 0]
+        send_frame(zero, {"op": "inputs", "id": 1})
+        assert read_frame(zero, 1 << 20) == ({"id": 1}, b"{}")
+        send_frame(zero, {"op": "inputs", "id": 2})  # the next check's, before this one's result: refused
+        assert "refused" in read_frame(zero, 1 << 20)[0]["error"]
+        send_frame(zero, {"op": "result", "id": 3}, b"{}")
+        read_frame(zero, 1 << 20)
+        assert relay.progress() == [2, 0]
+
+
+FAKED_PROGRESS = """
+import os, sys, time
+watchdog = sys.modules["toolkit.grading.watchdog"]  # the rank's own watchdog, switched off
+watchdog.Watchdog._over_time = lambda self, index: None
+watchdog.Watchdog._check_everyone = lambda self, index: None
+out = os.path.join(os.path.dirname(os.getcwd()), "out")
+for phase in ["import", 0, 1, 2]:  # a result file for each phase ahead, every few seconds: "progress"
+    time.sleep(2)
+    for rank in (0, 1):
+        open(os.path.join(out, f"check-{phase}-rank-{rank}.json"), "w").write('{"error": "", "time": 0}')
+time.sleep(40)
+"""
+
+
+@AT_SCALE
+@pytest.mark.timeout(300)
+def test_result_files_written_ahead_buy_no_time(tiny_lab, tmp_path, no_leftover_ranks):
+    """The overseer timed each phase by the ranks' result files: files written ahead, one per phase every few
+    seconds, stretched the import under --time-limit 3 to the launch's whole deadline (the first check then
+    judged a forged file). It now times the phases by what the grader's relay handed out and took in."""
+    path = tmp_path / "ahead.py"
+    path.write_text(FAKED_PROGRESS + tiny.SOLUTION)
+    score = grade(tiny_lab, path, limits=Limits(time_limit_s=3, stall_s=2))
+    message = score.results[0].message
+    assert score.total == 0 and "still importing your file after more than 3 s" in message, format_score(score)

@@ -154,30 +154,38 @@ TAMPERING = """
 import sys
 import torch
 
+TAMPERED = set()
+
 
 def double(x):
+    frame = sys._getframe(1)
+    while frame is not None and "cases" not in frame.f_locals:
+        frame = frame.f_back
+    cases = frame.f_locals["cases"]  # [[case id, inputs], ...]: this rank's copy of the check's cases, being run
+    index = int(frame.f_back.f_locals["index"])  # the check (the grader hands a rank its inputs one check at a time)
+    if index not in TAMPERED:
+        TAMPERED.add(index)
+        if index == 0:
+            del cases[1:]                                          # emptied (but the case running)
+        elif index == 1:
+            del cases[-1]                                          # shortened
+        elif index == 2:
+            cases[1], cases[2] = cases[2], cases[1]                # reordered
+        elif index == 3:
+            cases.append(list(cases[0]))                           # repeated
+        elif index == 4:
+            cases.append(["7 elements", {"x": torch.zeros(7)}])    # lengthened
+        elif index == 5:
+            cases[1][1]["x"] = torch.zeros(9)                      # misshapen: its answer follows the inputs it got
     return 2 * x
-
-
-frame = sys._getframe(0)
-while frame is not None and not isinstance(frame.f_locals.get("given"), dict):
-    frame = frame.f_back
-given = frame.f_locals["given"]  # {check index: [[case id, inputs], ...]}: this rank's copy of the inputs
-cases = [given[str(k)] for k in range(7)]
-cases[0].clear()                                             # emptied
-del cases[1][-1]                                             # shortened
-cases[2].reverse()                                           # reordered
-cases[3].append(list(cases[3][0]))                           # repeated
-cases[4].append(["7 elements", {"x": torch.zeros(7)}])       # lengthened
-cases[5][0][1]["x"] = torch.zeros(9)                         # misshapen: its answer follows the inputs it was given
 """
 TAMPERED = {
-    "emptied": "sent no observation for cases '1 elements', '3 elements', '5 elements'",
+    "emptied": "sent no observation for cases '3 elements', '5 elements'",
     "shortened": "sent no observation for case '5 elements'",
     "reordered": "sent the cases in another order",
     "repeated": "sent case '1 elements' more than once",
     "lengthened": "sent observations for case '7 elements' that the grader never drew",
-    "misshapen": "case '1 elements': y is a tensor of shape (9,) float32, expected a tensor of shape (1,)",
+    "misshapen": "case '3 elements': y is a tensor of shape (9,) float32, expected a tensor of shape (3,)",
 }
 
 

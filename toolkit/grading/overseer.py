@@ -7,10 +7,11 @@ overseer runs in the grader, reads only what the kernel and the filesystem say, 
 outside (`session._stop`) when:
 
 - **time**: no rank makes progress for longer than the time limit (plus `GRACE_S` for what runs between two
-  checks): progress is a rank's result file for the phase that is running (the import first, then each check in
-  order), seen appearing; before every rank has said it is ready (no submission code has run yet) the launch has
-  `STARTUP_S`. A rank that fakes progress by writing results ahead gains nothing: the whole launch has at
-  most one time limit per phase;
+  checks): progress is what the grader's relay handed out and took in (`Relay.progress`: a check's inputs taken,
+  its result handed in, one check after another), never a file a rank writes (written ahead, such files once
+  stretched the import to the launch's whole deadline); before every rank has said it is ready (no submission
+  code has run yet) the launch has `STARTUP_S`. A rank that hands in a result early to move the clock forfeits
+  that check (the first result counts);
 - **output**: the ranks print more than the output limit. What they print comes to the grader through a pipe
   that it alone reads: it keeps the first `output_limit_mb` of it in the launch's log, echoes it (made harmless,
   `untrusted.clean`) when asked, and stops the launch past it;
@@ -52,10 +53,12 @@ class Overseer:
         grading_id: str,
         spare=(),
         echo=None,
+        progress=None,
     ):
         self.process, self.output_fd, self.log, self.folder = process, output_fd, log, folder
         self.world_size, self.order, self.limits = world_size, order, limits
         self.grading_id, self.spare, self.echo = grading_id, set(spare), echo
+        self.relayed = progress  # the grader's relay's phases finished per rank: no file a rank writes moves them
         self.printed, self.seen, self.ready, self.namespace = 0, 0, False, None
         self.cap = int(limits.output_limit_mb * 2**20)
         self.deadline_s = len(order) * (limits.time_limit_s + GRACE_S) + STARTUP_S
@@ -127,6 +130,8 @@ class Overseer:
             self.ready = all(untrusted.is_file(ready_path(self.folder, r)) for r in range(self.world_size))
             if not self.ready:
                 return 0
+        if self.relayed is not None:  # the grader's own record: no file a rank writes moves it
+            return sum(self.relayed()) + 1
         for index in self.order:
             done = sum(untrusted.is_file(result_path(self.folder, index, r)) for r in range(self.world_size))
             found += done
@@ -134,8 +139,19 @@ class Overseer:
                 break
         return found + 1
 
+    def _late(self) -> tuple:
+        """(the phase the launch is in, the ranks that have not finished it), by the relay's record if any."""
+        if self.relayed is not None:
+            done = self.relayed()
+            phase = min(min(done), len(self.order) - 1)
+            return self.order[phase], [r for r in range(self.world_size) if done[r] <= phase]
+        index = self.running()
+        return index, [r for r in range(self.world_size) if not untrusted.is_file(result_path(self.folder, index, r))]
+
     def running(self):
         """The phase the launch is in: the first (the import, then each check) not every rank has finished."""
+        if self.relayed is not None:
+            return self._late()[0]
         for index in self.order:
             if not all(untrusted.is_file(result_path(self.folder, index, r)) for r in range(self.world_size)):
                 return index
@@ -146,8 +162,7 @@ class Overseer:
         return {"index": index, "message": message, "stop": index == IMPORT if stop is None else stop}
 
     def _over_time(self) -> dict:
-        index = self.running()
-        late = [r for r in range(self.world_size) if not untrusted.is_file(result_path(self.folder, index, r))]
+        index, late = self._late()
         who = f"rank{'s' * (len(late) > 1)} {', '.join(map(str, late))}"
         what = "importing your file" if index == IMPORT else "running this check"
         return self._verdict(

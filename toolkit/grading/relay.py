@@ -1,6 +1,7 @@
-"""The grader's relay, for a lab whose ranks may talk only in point-to-point messages (checks.py: `MESSAGES_ONLY =
-True`): it carries every message between the submission's ranks, keeps the record the traffic checks read, and
-hands each check its inputs and takes its results.
+"""The grader's relay: it hands every lab's ranks each check's inputs and takes their results (so the grader
+times the checks by what it handed out and took in, never by a file a rank wrote: `progress`), and, for a lab
+whose ranks may talk only in point-to-point messages (checks.py: `MESSAGES_ONLY = True`), it carries every
+message between the submission's ranks and keeps the record the traffic checks read.
 
 The ranks of such a lab have no process group of their own (`relay_group.py`): each holds one connection to this
 relay, a UNIX socket in the grading's folder, opened with a token only it was sent. A send is held until its
@@ -111,8 +112,12 @@ class Relay:
             try:
                 frame = read_frame(sock, MAX_MESSAGE)
             except (OSError, ValueError):
-                return
-            if frame is None:
+                frame = None
+            if frame is None:  # the end, or a frame past the cap: the rank's link ends (it waits on nothing)
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
                 return
             message, payload = frame
             try:
@@ -193,6 +198,16 @@ class Relay:
             return
         self._answer(receiver, wanted, data)
         self._answer(sender, sent)
+
+    def progress(self) -> list[int]:
+        """How far each rank has come, by what this relay handed out and took in: the phases it finished (the
+        import, once it took the first check's inputs; then each check whose result it handed in). Only the
+        relay moves it, one check at a time."""
+        with self._lock:
+            return [
+                min(self._at[r], 1) + sum(r in self.results.get(check, {}) for check in self.order)
+                for r in range(self.world_size)
+            ]
 
     def wait_closed(self, seconds: float = 1.0) -> None:
         """Give the ranks' last frames a moment to land (the launch has ended)."""

@@ -3,13 +3,15 @@ sent read back as untrusted data.
 
 `Box` is the grading's folder (one per submission): `code/` (a copy of the student's file and the lab's
 `tasks.py`, read-only), `work/` (the submission's working directory), `tmp/`, `inputs/` (one file per
-rank, removed by that rank before any student code runs) and `out/` (what the ranks write). The
-instructor's lab folder, the other students' files and the grader's results are never in it.
+rank: its token for the grader's relay, removed by that rank before any student code runs) and `out/` (what
+the ranks write). The instructor's lab folder, the other students' files and the grader's results are never
+in it.
 
-`launch_ranks` writes each rank's inputs and a spec, has the grading's fork server (one per Box, forked by
-the graders' server `forkserver.py`, with the grading's id in its environment) fork the launch's sandbox
-and launcher (or starts the launcher as an isolated interpreter where none can serve), waits (never longer
-than its deadline), then makes sure nothing it started is alive before reading a single file back. Every
+`launch_ranks` starts the grader's relay (`relay.py`: it hands the ranks each check's inputs, takes their
+results, and is the overseer's clock), writes each rank's token and a spec, has the grading's fork server (one
+per Box, forked by the graders' server `forkserver.py`, with the grading's id in its environment) fork the
+launch's sandbox and launcher (or starts the launcher as an isolated interpreter where none can serve), waits
+(never longer than its deadline), then makes sure nothing it started is alive before reading a single file back. Every
 file is read with `wire.decode` or as capped text: a rank's output can fail a check, never pass one or
 crash the grader.
 """
@@ -214,29 +216,23 @@ def launch_ranks(
     grading_id: str,
     messages_only: bool = False,
 ) -> Launch:
-    """Run the tasks of checks `indices` on n ranks of the submission; read back what they left. messages_only:
-    the ranks talk through the grader's relay (`relay.py`), which also hands them the checks' inputs."""
+    """Run the tasks of checks `indices` on n ranks of the submission; read back what they left. The grader's relay
+    (`relay.py`) hands them each check's inputs and takes their results; with messages_only, the ranks also talk
+    through it (and it records what it carried)."""
     box.fresh_out()
-    relay = (
-        Relay(str(box.root), n, indices, {str(i): [wire.encode(inputs[i][r]) for r in range(n)] for i in indices})
-        if messages_only
-        else None
-    )
+    relay = Relay(str(box.root), n, indices, {str(i): [wire.encode(inputs[i][r]) for r in range(n)] for i in indices})
     for rank in range(n):
-        Path(inputs_path(str(box.inputs), rank)).write_bytes(
-            wire.encode({"relay": relay.tokens[rank]} if relay else {str(i): inputs[i][rank] for i in indices})
-        )
+        Path(inputs_path(str(box.inputs), rank)).write_bytes(wire.encode({"relay": relay.tokens[rank]}))
     sandbox.hand_over([box.inputs], box.user)
     try:
-        found = _launch(box, n, indices, tasks_of, answers, limits, backend, quiet, grading_id, relay)
+        found = _launch(box, n, indices, tasks_of, answers, limits, backend, quiet, grading_id, relay, messages_only)
     finally:
-        if relay is not None:
-            relay.close()
-    if relay is not None:  # what the relay carried, and the results as the ranks first handed them in
+        relay.close()
+    if messages_only:  # what the relay carried
         found.relayed = {index: {r: relay.record[r].get(str(index), []) for r in range(n)} for index in indices}
-        for index in indices:
-            for r, data in relay.results.get(str(index), {}).items():
-                found.results[index][r] = _decoded(data)
+    for index in indices:  # the results as the ranks first handed them in
+        for r, data in relay.results.get(str(index), {}).items():
+            found.results[index][r] = _decoded(data)
     return found
 
 
@@ -250,7 +246,8 @@ def _launch(
     backend: str,
     quiet: bool,
     grading_id: str,
-    relay,
+    relay: Relay,
+    messages_only: bool,
 ) -> Launch:
     order = [IMPORT] + list(indices)
     deadline = len(order) * (limits.time_limit_s + GRACE_S) + STARTUP_S
@@ -276,7 +273,8 @@ def _launch(
         "reach": sandbox.python_paths(),
         "hidden": hidden_from(box),
         "cpu_s": deadline * max(1, (os.cpu_count() or 1) // n),
-        "relay": relay.path if relay is not None else None,
+        "relay": relay.path,
+        "messages_only": messages_only,
     }
     spec_path = box.root / f"spec-{n}.json"
     spec_path.write_text(json.dumps(spec))
@@ -289,7 +287,17 @@ def _launch(
             os.close(ranks_output)
             spare = {server.process.pid} if server else set()
             verdict = Overseer(
-                process, output, log, str(box.out), n, order, limits, grading_id, spare, None if quiet else sys.stdout
+                process,
+                output,
+                log,
+                str(box.out),
+                n,
+                order,
+                limits,
+                grading_id,
+                spare,
+                None if quiet else sys.stdout,
+                progress=relay.progress,
             ).run()
             _stop(process, grading_id, spare=spare)
     finally:
