@@ -363,3 +363,34 @@ def test_result_files_written_ahead_buy_no_time(tiny_lab, tmp_path, no_leftover_
     score = grade(tiny_lab, path, limits=Limits(time_limit_s=3, stall_s=2))
     message = score.results[0].message
     assert score.total == 0 and "still importing your file after more than 3 s" in message, format_score(score)
+
+
+FD_PROBE = """
+import os, socket, struct
+outside = []
+for fd in map(int, os.listdir("/proc/self/fd")):
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        continue
+    try:
+        if s.family == socket.AF_UNIX:  # who is at the other end (pid 0: outside the launch's PID namespace)
+            pid, uid, gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if (pid == 0 or uid != os.getuid()) and not str(s.getpeername()).endswith("relay.sock"):
+                outside.append((fd, pid, uid, s.getpeername(), os.readlink(f"/proc/self/fd/{fd}")))
+    finally:
+        s.close()
+assert not outside, outside
+"""
+
+
+@AT_SCALE
+@pytest.mark.timeout(300)
+def test_a_rank_holds_no_channel_to_the_grader_but_the_relay(tiny_lab, tmp_path, no_leftover_ranks):
+    """Held: of every descriptor a rank inherits, the only one whose other end is outside the launch (another user,
+    or a process its PID namespace does not show) is its link to the grader's relay, a channel of checked frames;
+    none reaches the graders' fork server, the grading's server or the grader's files."""
+    path = tmp_path / "fds.py"
+    path.write_text(FD_PROBE + tiny.SOLUTION)
+    score = grade(tiny_lab, path)
+    assert score.total == score.maximum, format_score(score)
