@@ -394,3 +394,19 @@ def test_a_rank_holds_no_channel_to_the_grader_but_the_relay(tiny_lab, tmp_path,
     path.write_text(FD_PROBE + tiny.SOLUTION)
     score = grade(tiny_lab, path)
     assert score.total == score.maximum, format_score(score)
+
+
+def test_the_relay_keeps_no_more_than_a_launchs_worth_of_messages(tmp_path, monkeypatch):
+    """Every message a rank posts is kept in the grader's record (and a receive never matched, in its queue): a
+    rank posting receives in a loop for a check's whole time limit grew the grader's memory by a gigabyte or more.
+    Past MAX_POSTS a rank's posts are refused."""
+    from toolkit.grading import relay as relay_module
+
+    monkeypatch.setattr(relay_module, "MAX_POSTS", 5)
+    with Relay(str(tmp_path), 2, [0], {"0": [b"{}", b"{}"]}) as relay:
+        zero = _rank(relay, 0)
+        for k in range(6):
+            _post(zero, "recv", 1, 1, id=k)
+        answer, _ = read_frame(zero, 1 << 20)
+        assert "more than 5 messages" in answer.get("error", ""), answer
+        assert sum(map(len, relay.record[0].values())) == 5
