@@ -410,3 +410,22 @@ def test_the_relay_keeps_no_more_than_a_launchs_worth_of_messages(tmp_path, monk
         answer, _ = read_frame(zero, 1 << 20)
         assert "more than 5 messages" in answer.get("error", ""), answer
         assert sum(map(len, relay.record[0].values())) == 5
+
+
+UNREADY = """
+import glob, os
+for path in glob.glob(os.path.join(os.path.dirname(os.getcwd()), "out", "ready-rank-*")):
+    os.remove(path)  # the files that said the ranks got as far as the submission
+os._exit(1)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_submission_cannot_pass_its_failure_off_as_the_graders(tiny_lab, tmp_path, no_leftover_ranks):
+    """A submission that removed the ranks' ready files and ended at import made the grading raise "the ranks could
+    not be started", and Gradescope's results.json told the student "the grader failed, not your code. Please tell
+    the course staff." A rank says it is ready to the grader's relay, which alone keeps it: the file fails."""
+    path = tmp_path / "unready.py"
+    path.write_text(UNREADY)
+    score = grade(tiny_lab, path)
+    assert score.total == 0 and "your file does not import" in score.results[0].message, format_score(score)

@@ -31,7 +31,7 @@ import select
 import time
 
 from . import isolation, untrusted
-from .runner import IMPORT, ready_path, result_path
+from .runner import IMPORT
 
 GRACE_S = 10.0  # beyond the time limit: a check's group, the wait for its peers, the result written
 STARTUP_S = 120.0  # until every rank is ready, before any submission code runs (ranks forked, torch set up)
@@ -46,19 +46,17 @@ class Overseer:
         process,
         output_fd: int,
         log,
-        folder: str,
+        relay,
         world_size: int,
         order: list,
         limits,
         grading_id: str,
         spare=(),
         echo=None,
-        progress=None,
     ):
-        self.process, self.output_fd, self.log, self.folder = process, output_fd, log, folder
+        self.process, self.output_fd, self.log, self.relay = process, output_fd, log, relay  # relay: the clock
         self.world_size, self.order, self.limits = world_size, order, limits
         self.grading_id, self.spare, self.echo = grading_id, set(spare), echo
-        self.relayed = progress  # the grader's relay's phases finished per rank: no file a rank writes moves them
         self.printed, self.seen, self.ready, self.namespace = 0, 0, False, None
         self.cap = int(limits.output_limit_mb * 2**20)
         self.deadline_s = len(order) * (limits.time_limit_s + GRACE_S) + STARTUP_S
@@ -124,38 +122,23 @@ class Overseer:
                 return "flooded"
 
     def _progress(self) -> int:
-        """How many of the launch's milestones exist: every rank ready, then every rank's result of each phase."""
-        found = 0
+        """How far the launch has come, by the grader's relay (no file a rank writes moves it): 0 until every rank
+        said it is ready (just before it imports the submission), then one more per phase a rank finished."""
         if not self.ready:
-            self.ready = all(untrusted.is_file(ready_path(self.folder, r)) for r in range(self.world_size))
+            self.ready = self.relay.all_ready()
             if not self.ready:
                 return 0
-        if self.relayed is not None:  # the grader's own record: no file a rank writes moves it
-            return sum(self.relayed()) + 1
-        for index in self.order:
-            done = sum(untrusted.is_file(result_path(self.folder, index, r)) for r in range(self.world_size))
-            found += done
-            if done < self.world_size:
-                break
-        return found + 1
+        return sum(self.relay.progress()) + 1
 
     def _late(self) -> tuple:
-        """(the phase the launch is in, the ranks that have not finished it), by the relay's record if any."""
-        if self.relayed is not None:
-            done = self.relayed()
-            phase = min(min(done), len(self.order) - 1)
-            return self.order[phase], [r for r in range(self.world_size) if done[r] <= phase]
-        index = self.running()
-        return index, [r for r in range(self.world_size) if not untrusted.is_file(result_path(self.folder, index, r))]
+        """(the phase the launch is in: the first not every rank has finished, the ranks that have not)."""
+        done = self.relay.progress()
+        phase = min(min(done), len(self.order) - 1)
+        return self.order[phase], [r for r in range(self.world_size) if done[r] <= phase]
 
     def running(self):
         """The phase the launch is in: the first (the import, then each check) not every rank has finished."""
-        if self.relayed is not None:
-            return self._late()[0]
-        for index in self.order:
-            if not all(untrusted.is_file(result_path(self.folder, index, r)) for r in range(self.world_size)):
-                return index
-        return self.order[-1]
+        return self._late()[0]
 
     def _verdict(self, message: str, stop: bool | None = None) -> dict:
         index = self.running()

@@ -52,6 +52,7 @@ class Relay:
         self._lock = threading.Lock()
         self._held = 0
         self._posts = [0] * world_size
+        self._ready = [False] * world_size
         self._sends, self._recvs = defaultdict(deque), defaultdict(deque)  # (src, dst, group, tag) -> posts
         self._ranks: dict[int, socket.socket] = {}
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -148,6 +149,10 @@ class Relay:
                     raise ValueError("inputs asked for out of order")
                 self._at[rank] = at + 1
             self._answer(sock, message, self.inputs[self.order[at]][rank])
+        elif op == "ready":  # just before the rank imports the submission: no student code has run before
+            with self._lock:
+                self._ready[rank] = True
+            self._answer(sock, message)
         elif op == "result":
             with self._lock:
                 check = self._check(rank)
@@ -205,6 +210,11 @@ class Relay:
             return
         self._answer(receiver, wanted, data)
         self._answer(sender, sent)
+
+    def all_ready(self) -> bool:
+        """Every rank said it is ready (got as far as importing the submission): what ran before is the grader's."""
+        with self._lock:
+            return all(self._ready)
 
     def progress(self) -> list[int]:
         """How far each rank has come, by what this relay handed out and took in: the phases it finished (the

@@ -7,7 +7,8 @@ The launcher (`launcher.py`) starts the ranks with `rank_main`, in the grading's
    relay (`relay_group.py`: no collective left in the process);
    it confines itself further (its peers' inputs and the grader's files are out of reach; in that lab, no
    new socket either: `seccomp.py`), takes its limits, notes any call to the lab's answers
-   (`delegation.py`), says it is ready, and only then imports the student's file, with the watchdog running;
+   (`delegation.py`), says it is ready (to the relay), and only then imports the student's file, with the
+   watchdog running;
 2. for each check, every rank runs the lab's task on its inputs (taken from the relay once the previous result is
    in) and hands what it observed to the relay through the narrow channel (`wire.py`), and writes it, one file
    per check and rank; a task that raises hands in the error instead. The relay's record of who took and handed
@@ -31,10 +32,6 @@ IMPORT = "import"  # the result "check" every rank writes once the student's fil
 
 def result_path(folder: str, index, rank: int) -> str:
     return os.path.join(folder, f"check-{index}-rank-{rank}.json")
-
-
-def ready_path(folder: str, rank: int) -> str:
-    return os.path.join(folder, f"ready-rank-{rank}")
 
 
 def inputs_path(folder: str, rank: int) -> str:
@@ -139,7 +136,7 @@ def rank_main(spec: dict) -> None:
     delegation.watch(spec["answers"], solution)
     tasks = load_module(spec["tasks"], "lab_tasks")
     sandbox.limit(limits["memory_limit_mb"])
-    _write(ready_path(out, rank), b"")
+    relay_group.ready(link)  # to the grader, which alone keeps it: no file a submission could remove
     watchdog.begin(IMPORT)
     try:
         student = load_module(solution, "submission")

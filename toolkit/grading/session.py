@@ -33,7 +33,7 @@ from ..runtime.zygote_link import Zygote, ZygoteError
 from . import isolation, namespaces, sandbox, student_wheel, untrusted, wire
 from .overseer import GRACE_S, STARTUP_S, Overseer
 from .relay import Relay
-from .runner import IMPORT, inputs_path, ready_path, result_path
+from .runner import IMPORT, inputs_path, result_path
 
 FORKSERVER = str(Path(__file__).resolve().with_name("forkserver.py"))
 # The launcher as a fresh interpreter starts as the grader's user, outside the sandbox it then enters: isolated
@@ -290,14 +290,13 @@ def _launch(
                 process,
                 output,
                 log,
-                str(box.out),
+                relay,
                 n,
                 order,
                 limits,
                 grading_id,
                 spare,
                 None if quiet else sys.stdout,
-                progress=relay.progress,
             ).run()
             _stop(process, grading_id, spare=spare)
     finally:
@@ -310,7 +309,7 @@ def _launch(
         found.results[index] = {
             r: v for r in range(n) if (v := _read(Path(result_path(str(box.out), index, r)))) is not None
         }
-    found.ready = all(untrusted.is_file(ready_path(str(box.out), r)) for r in range(n))
+    found.ready = relay.all_ready()  # said by each rank just before it imported the submission, to the relay
     stuck = _read(box.out / "deadlock.json")  # the ranks' watchdog, with the line each was on; else the overseer's
     stuck = (
         stuck
