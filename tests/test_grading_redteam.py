@@ -429,3 +429,32 @@ def test_a_submission_cannot_pass_its_failure_off_as_the_graders(tiny_lab, tmp_p
     path.write_text(UNREADY)
     score = grade(tiny_lab, path)
     assert score.total == 0 and "your file does not import" in score.results[0].message, format_score(score)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_reaches_no_network_but_its_launchs_loopback(tiny_lab, tmp_path, no_leftover_ranks):
+    """A rank connected to a port the grader's machine listened on (127.0.0.1): another grading's rendezvous store
+    in a class graded with --jobs, a course's local service, the internet. Where the kernel allows it, the launch
+    has a network of its own, a loopback only, over which its ranks still talk (gloo, their store)."""
+    import threading
+
+    from toolkit.grading import namespaces
+
+    if namespaces.LOOPBACK_ONLY not in namespaces.probe():
+        pytest.skip("this machine gives a launch no network namespace")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    server.settimeout(60)
+    reached = []
+    threading.Thread(target=lambda: reached.append(server.accept()), daemon=True).start()
+    path = tmp_path / "reach.py"
+    path.write_text(
+        "import socket\ntry:\n"
+        f"    socket.create_connection(('127.0.0.1', {server.getsockname()[1]}), timeout=3).sendall(b'hello')\n"
+        "except OSError:\n    pass\n" + tiny.SOLUTION
+    )
+    score = grade(tiny_lab, path)
+    server.close()
+    assert not reached, "a rank connected to the grader's machine"
+    assert score.total == score.maximum, format_score(score)  # the two ranks' gloo group works on its own loopback
