@@ -230,20 +230,22 @@ for _inputs in _frame.f_locals["given"].values():  # only the checks that read o
 @pytest.mark.grading_scale
 @pytest.mark.timeout(600)
 def test_lab12_gpipe_with_emptied_layouts_keeps_only_what_gpipe_earns(tmp_path, no_leftover_ranks):
-    """Before the contract: 7/7 (the five checks of the lists judged no layout and passed). Now they fail, and GPipe
-    keeps only the real run, which it passes honestly (its lists train the GPT right)."""
+    """Before the contract: 7/7 (the five checks of the lists judged no layout and passed). Since the grader's relay
+    hands a rank each check's inputs only when the check starts, the import finds none to empty: GPipe keeps
+    exactly what GPipe earns (the checks its lists honestly pass: every micro-batch once, no deadlock, the same
+    bubble, the real run), check for check."""
     reference = (LABS / "12-pipeline" / "solution.py").read_text()
     assert reference.count("    warmup = min(pp - rank - 1, microbatches)\n") == 1
     gpipe = reference.replace("    warmup = min(pp - rank - 1, microbatches)\n", GPIPE)
     (tmp_path / "gpipe.py").write_text(gpipe + EMPTY_THE_LAYOUTS)
+    (tmp_path / "honest").mkdir()
+    (tmp_path / "honest" / "gpipe.py").write_text(gpipe)
     score = grade(LABS / "12-pipeline", tmp_path / "gpipe.py")
-    passed = [r.name.split(":")[0] for r in score.results if r.passed]
-    assert passed == ["on real ranks, pp = 2, 3, 4"] and score.total == 2, format_score(score)
-    assert all(
-        "sent no observation" in r.message or "graded on the course platform" in r.message or r.hidden
-        for r in score.results
-        if not r.passed
-    ), format_score(score)
+    honest = grade(LABS / "12-pipeline", tmp_path / "honest" / "gpipe.py")
+    assert [(r.name, r.earned) for r in score.results] == [(r.name, r.earned) for r in honest.results], format_score(
+        score
+    ) + format_score(honest)
+    assert score.total < score.maximum and not any(r.passed for r in score.results if r.name.startswith("memory"))
 
 
 @pytest.mark.grading_scale
