@@ -458,3 +458,17 @@ def test_a_rank_reaches_no_network_but_its_launchs_loopback(tiny_lab, tmp_path, 
     server.close()
     assert not reached, "a rank connected to the grader's machine"
     assert score.total == score.maximum, format_score(score)  # the two ranks' gloo group works on its own loopback
+
+
+def test_the_students_toolkits_built_for_other_labs_are_hidden_from_a_grading(tiny_lab, tmp_path, monkeypatch):
+    """Every lab's students' toolkit keeps the other labs' answers (lab 01's keeps lab 12's 1F1B), and all are
+    cached in one folder: where that folder lies under a tree the sandbox reads (TOOLKIT_STUDENT_CACHE=/opt/...),
+    a rank read another lab's build for the answer. The whole cache is hidden; the ranks read their own copy."""
+    from toolkit.grading import session, student_wheel
+
+    cache = tmp_path / "opt" / "students"
+    cache.mkdir(parents=True)
+    monkeypatch.setattr(student_wheel, "CACHE", cache)
+    with session.Box(tiny_lab, b"", "skeleton.py") as box:
+        assert str(cache.resolve()) in session.hidden_from(box)
+        assert not any(str(box.lib).startswith(h + "/") for h in session.hidden_from(box))

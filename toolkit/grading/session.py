@@ -329,15 +329,18 @@ def _launch(
 
 def hidden_from(box: Box) -> list[str]:
     """What the sandbox must never read, wherever it lies (a readable tree may hold it): every toolkit with the
-    labs' answers, and the lab's folder with those beside it (solutions, hidden checks)."""
+    labs' answers, the students' toolkits built for the other labs (each keeps this lab's answers: the ranks read
+    the copy in the grading's folder), and the lab's folder with those beside it (solutions, hidden checks)."""
     lab = box.lab_dir.resolve()
     labs = {str(lab)} | (
         {str(lab.parent)}
         if any((p / "checks.py").is_file() for p in lab.parent.iterdir() if p != lab and p.is_dir())
         else set()
     )
+    builds = {str(student_wheel.CACHE.resolve())} if student_wheel.CACHE.is_dir() else set()
     root = str(box.root.resolve())
-    return sorted(p for p in set(sandbox.toolkits()) | labs if not (root + "/").startswith(p.rstrip("/") + "/"))
+    found = set(sandbox.toolkits()) | labs | builds
+    return sorted(p for p in found if not (root + "/").startswith(p.rstrip("/") + "/"))
 
 
 def launcher_command(lib, spec_path) -> list[str]:
