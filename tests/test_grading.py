@@ -149,6 +149,7 @@ def test_reports_a_platform_reads_and_exit_codes():
         "max_score": 1.0,
         "status": "failed",
         "output": "rank 1 sent 9",
+        "output_format": "text",
         "visibility": "visible",
     }
     assert "a degree went wrong" not in scope["output"] and "3 points in checks shown once" in scope["output"]

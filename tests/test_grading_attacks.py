@@ -85,6 +85,10 @@ def summed(x, group):
 
 @pytest.fixture
 def lab(tmp_path):
+    return make_lab(tmp_path)
+
+
+def make_lab(tmp_path):
     folder = tmp_path / "lab"
     folder.mkdir()
     (folder / "tasks.py").write_text(TASKS)
@@ -412,7 +416,7 @@ def test_without_a_fork_server_each_launcher_is_a_fresh_interpreter_in_the_sandb
     lab, tmp_path, monkeypatch, no_leftover_ranks
 ):
     """Where no fork server can serve (no fork or pidfds; TOOLKIT_LAUNCH_EXEC=1 asks for it), the grader starts
-    `python -m toolkit.grading.launcher` for each launch, which enters the sandbox itself: still full marks."""
+    the launcher as an isolated interpreter for each launch, which enters the sandbox itself: still full marks."""
     monkeypatch.setenv("TOOLKIT_LAUNCH_EXEC", "1")
     (lab / "checks.py").write_text(CHECKS + SUMMED)
     path = tmp_path / "plain.py"

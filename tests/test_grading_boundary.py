@@ -13,13 +13,19 @@ import time
 from pathlib import Path
 
 import pytest
-from test_grading_attacks import CHECKS, SKELETON, SOLUTION, TASKS, _gradescope, _submission, lab  # noqa: F401
+from test_grading_attacks import TASKS, _submission, make_lab
 
 from toolkit.grading import CheckResult, Limits, Score, format_score, grade, main
 from toolkit.grading.report import render
 
 LABS = Path(__file__).resolve().parent.parent / "labs"
 AT_SCALE = pytest.mark.grading_scale
+
+
+@pytest.fixture
+def lab(tmp_path):
+    return make_lab(tmp_path)
+
 
 # An exception's text as a student would write it to fake a full score: conceal what follows (ESC[8m), move to the
 # line's start, draw a green score, and separators that some viewers break lines at.

@@ -154,30 +154,38 @@ TAMPERING = """
 import sys
 import torch
 
+TAMPERED = set()
+
 
 def double(x):
+    frame = sys._getframe(1)
+    while frame is not None and "cases" not in frame.f_locals:
+        frame = frame.f_back
+    cases = frame.f_locals["cases"]  # [[case id, inputs], ...]: this rank's copy of the check's cases, being run
+    index = int(frame.f_back.f_locals["index"])  # the check (the grader hands a rank its inputs one check at a time)
+    if index not in TAMPERED:
+        TAMPERED.add(index)
+        if index == 0:
+            del cases[1:]                                          # emptied (but the case running)
+        elif index == 1:
+            del cases[-1]                                          # shortened
+        elif index == 2:
+            cases[1], cases[2] = cases[2], cases[1]                # reordered
+        elif index == 3:
+            cases.append(list(cases[0]))                           # repeated
+        elif index == 4:
+            cases.append(["7 elements", {"x": torch.zeros(7)}])    # lengthened
+        elif index == 5:
+            cases[1][1]["x"] = torch.zeros(9)                      # misshapen: its answer follows the inputs it got
     return 2 * x
-
-
-frame = sys._getframe(0)
-while frame is not None and not isinstance(frame.f_locals.get("given"), dict):
-    frame = frame.f_back
-given = frame.f_locals["given"]  # {check index: [[case id, inputs], ...]}: this rank's copy of the inputs
-cases = [given[str(k)] for k in range(7)]
-cases[0].clear()                                             # emptied
-del cases[1][-1]                                             # shortened
-cases[2].reverse()                                           # reordered
-cases[3].append(list(cases[3][0]))                           # repeated
-cases[4].append(["7 elements", {"x": torch.zeros(7)}])       # lengthened
-cases[5][0][1]["x"] = torch.zeros(9)                         # misshapen: its answer follows the inputs it was given
 """
 TAMPERED = {
-    "emptied": "sent no observation for cases '1 elements', '3 elements', '5 elements'",
+    "emptied": "sent no observation for cases '3 elements', '5 elements'",
     "shortened": "sent no observation for case '5 elements'",
     "reordered": "sent the cases in another order",
     "repeated": "sent case '1 elements' more than once",
     "lengthened": "sent observations for case '7 elements' that the grader never drew",
-    "misshapen": "case '1 elements': y is a tensor of shape (9,) float32, expected a tensor of shape (1,)",
+    "misshapen": "case '3 elements': y is a tensor of shape (9,) float32, expected a tensor of shape (3,)",
 }
 
 
@@ -222,20 +230,22 @@ for _inputs in _frame.f_locals["given"].values():  # only the checks that read o
 @pytest.mark.grading_scale
 @pytest.mark.timeout(600)
 def test_lab12_gpipe_with_emptied_layouts_keeps_only_what_gpipe_earns(tmp_path, no_leftover_ranks):
-    """Before the contract: 7/7 (the five checks of the lists judged no layout and passed). Now they fail, and GPipe
-    keeps only the real run, which it passes honestly (its lists train the GPT right)."""
+    """Before the contract: 7/7 (the five checks of the lists judged no layout and passed). Since the grader's relay
+    hands a rank each check's inputs only when the check starts, the import finds none to empty: GPipe keeps
+    exactly what GPipe earns (the checks its lists honestly pass: every micro-batch once, no deadlock, the same
+    bubble, the real run), check for check."""
     reference = (LABS / "12-pipeline" / "solution.py").read_text()
     assert reference.count("    warmup = min(pp - rank - 1, microbatches)\n") == 1
     gpipe = reference.replace("    warmup = min(pp - rank - 1, microbatches)\n", GPIPE)
     (tmp_path / "gpipe.py").write_text(gpipe + EMPTY_THE_LAYOUTS)
+    (tmp_path / "honest").mkdir()
+    (tmp_path / "honest" / "gpipe.py").write_text(gpipe)
     score = grade(LABS / "12-pipeline", tmp_path / "gpipe.py")
-    passed = [r.name.split(":")[0] for r in score.results if r.passed]
-    assert passed == ["on real ranks, pp = 2, 3, 4"] and score.total == 2, format_score(score)
-    assert all(
-        "sent no observation" in r.message or "graded on the course platform" in r.message or r.hidden
-        for r in score.results
-        if not r.passed
-    ), format_score(score)
+    honest = grade(LABS / "12-pipeline", tmp_path / "honest" / "gpipe.py")
+    assert [(r.name, r.earned) for r in score.results] == [(r.name, r.earned) for r in honest.results], format_score(
+        score
+    ) + format_score(honest)
+    assert score.total < score.maximum and not any(r.passed for r in score.results if r.name.startswith("memory"))
 
 
 @pytest.mark.grading_scale

@@ -22,6 +22,8 @@ ANSWERS = {
     "toolkit.moe.layer:MoE.weighted_sum": "the toolkit's own combine",
     "toolkit.moe.exchange:all_to_all": "the toolkit's own differentiable all-to-all",
     "toolkit.moe.exchange:_AllToAll": "the toolkit's own differentiable all-to-all (its autograd function)",
+    "torch.distributed.nn.functional": "PyTorch's differentiable collectives (an all-to-all among them)",
+    "torch.distributed._functional_collectives:all_to_all_single_autograd": "PyTorch's differentiable all-to-all",
 }
 D, FF, SEED, INIT = 8, 16, 7, 0.3
 ROLES = ["counts", "dispatch", "combine", "combine backward", "dispatch backward"]

@@ -24,6 +24,7 @@ ANSWERS = {
     "warm-up; one virtual stage is 1F1B)",
     "toolkit.parallel.pipeline.schedules:zb_h1": "the toolkit's zero-bubble schedule, whose forwards and "
     "backwards run in 1F1B's order",
+    "torch.distributed.pipelining": "PyTorch's pipeline schedules (its 1F1B's action list among them)",
 }
 PIPELINES = (2, 3, 4)
 STEPS = 2

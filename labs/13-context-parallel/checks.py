@@ -20,6 +20,9 @@ ANSWERS = {
     "toolkit.parallel.context.ring_attention:RingAttention": "the toolkit's ring attention, forward and backward",
     "toolkit.parallel.context.ring_attention:ring_attention": "the toolkit's ring attention",
     "toolkit.parallel.context.ring_attention:part": "which part of a block a rank attends (the causal mask per block)",
+    "torch.distributed.tensor.experimental._context_parallel": "PyTorch's context parallelism (its ring attention "
+    "and its online-softmax merge)",
+    "torch.distributed.tensor.experimental._attention": "PyTorch's context parallelism, by its older name",
 }
 MESSAGES_ONLY = True  # the ranks have no built-in collective: the grader's relay carries (and records) every message
 DIAGNOSE = sibling(__file__, "diagnose.py")

@@ -207,6 +207,13 @@ def grade_class(
     return rows
 
 
+def _cell(text) -> str:
+    """A name or status as a CSV cell: shown as it is, never a formula a spreadsheet would evaluate (a student's
+    file named `=HYPERLINK(...).py`): a cell that starts like one starts with a quote."""
+    text = clean(text)
+    return "'" + text if text[:1] in ("=", "+", "-", "@") else text
+
+
 def write_csv(rows: list[Row], path) -> None:
     names = []
     for row in rows:
@@ -217,12 +224,12 @@ def write_csv(rows: list[Row], path) -> None:
         for r in rows:  # names and statuses come from the class folder: shown, never able to change the table's look
             writer.writerow(
                 [
-                    clean(r.student),
+                    _cell(r.student),
                     r.score,
                     r.max_score,
-                    clean(r.status),
+                    _cell(r.status),
                     r.seconds,
-                    clean(r.file),
+                    _cell(r.file),
                     *[r.checks.get(n, 0) for n in names],
                 ]
             )

@@ -91,7 +91,7 @@ def scan(source: str, answers: dict) -> list[str]:
     """The answers this source names, as messages ("uses toolkit.comm.ring (the toolkit's ring)")."""
     try:
         found, strings = references(source)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return []
     return [
         f"{spec.replace(':', '.')} ({why})"
@@ -181,6 +181,7 @@ def watch(answers, submission: str) -> None:
     (in its module, its class, every loaded module that imported it by name, and its module's tables of
     functions). Call before the submission is imported."""
     SUBMISSION[0] = submission
+    targets = []
     for spec in answers:
         module_name, name = _parts(spec)
         try:
@@ -189,22 +190,32 @@ def watch(answers, submission: str) -> None:
                 if not name
                 else [importlib.import_module(module_name)]
             )
-            targets = [t for module in modules for t in _functions(module, name)]
+            targets += [t for module in modules for t in _functions(module, name)]
         except Exception:  # noqa: BLE001 - not there, or not importable in the students' build: nothing to call
             continue
-        for owner, attr, value, full in targets:
-            if isinstance(value, (staticmethod, classmethod)):
-                replacement = type(value)(_noting(value.__func__, full))
-            else:
-                replacement = _noting(value, full)
-            setattr(owner, attr, replacement)
-            if isinstance(owner, types.ModuleType):
-                for other in list(sys.modules.values()):
-                    holder = getattr(other, "__dict__", {})
-                    for key, held in list(holder.items()):
-                        if held is value:
-                            holder[key] = replacement
-                _in_tables(owner, value, replacement)
+    held = _holders({id(value) for owner, _, value, _ in targets if isinstance(owner, types.ModuleType)})
+    for owner, attr, value, full in targets:
+        if isinstance(value, (staticmethod, classmethod)):
+            replacement = type(value)(_noting(value.__func__, full))
+        else:
+            replacement = _noting(value, full)
+        setattr(owner, attr, replacement)
+        if isinstance(owner, types.ModuleType):
+            for holder, key in held.get(id(value), ()):
+                holder[key] = replacement
+            _in_tables(owner, value, replacement)
+
+
+def _holders(ids: set) -> dict:
+    """{id of a function: [(a loaded module's namespace, the name it holds it under), ...]}, in one pass over
+    every loaded module (an answer that is a whole package has hundreds of functions)."""
+    found: dict = {}
+    for other in list(sys.modules.values()):
+        holder = getattr(other, "__dict__", {})
+        for key, held in list(holder.items()):
+            if id(held) in ids:
+                found.setdefault(id(held), []).append((holder, key))
+    return found
 
 
 def _in_tables(module, value, replacement) -> None:

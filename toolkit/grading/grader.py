@@ -283,11 +283,17 @@ def grade(
     user, made = sandbox.other_user(), namespaces.probe()
     sandbox.preflight(user, sandbox.python_paths(), made)  # never run a submission as root: refused, said why
     score = Score(lab=str(lab_dir), solution=str(solution), sandbox=sandbox.describe(made))
-    try:
+    try:  # the parser's own limits are the file's failure, not the grader's (an expression nested 100,000 deep)
         ast.parse(source, filename=solution.name)
-    except (SyntaxError, ValueError) as exc:
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
-        what = exc.msg if isinstance(exc, SyntaxError) else exc
+        what = (
+            exc.msg
+            if isinstance(exc, SyntaxError)
+            else "Python's parser gave up on it (an expression nested too deeply)"
+            if isinstance(exc, (RecursionError, MemoryError))
+            else exc
+        )
         return replace(
             zero(score.lab, score.solution, checks, f"your file does not import: {type(exc).__name__}: {what}{where}"),
             sandbox=score.sandbox,

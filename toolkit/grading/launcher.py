@@ -1,4 +1,4 @@
-"""`python -m toolkit.grading.launcher SPEC`: the process that starts one grading's ranks.
+"""The process that starts one grading's ranks (`session.LAUNCHER`, a fresh interpreter, where no fork server serves).
 
 Forked by the grading's fork server (`forkserver.py`), inside the launch's sandbox already, which forks
 its ranks too; or, where no fork server can serve, started by the grader (`session.py`) in a session of its

@@ -10,7 +10,9 @@ Before anything of a launch runs, the process that will become its sandbox (`san
 2. A **mount namespace** (CLONE_NEWNS, every mount private): a fresh /proc; a fresh, small tmpfs on /dev/shm,
    /tmp and /var/tmp (the launch's own: nothing written there reaches another grading, and it is gone with the
    launch; the grading's folder stays reachable where it lies inside /tmp); an IPC namespace too (System V
-   shared memory and semaphores, the other channel between gradings).
+   shared memory and semaphores, the other channel between gradings); and a **network namespace** with only a
+   loopback (the ranks talk over it; the machine's own, where another grading's store or any local service
+   listens, and the internet, are out of reach).
 3. **Reachable by the sandbox's user** (`nobody` when grading as root): where a folder the submission must read
    (the interpreter, its libraries) lies below one that user may not enter (a Python under /root), that
    folder is covered with an empty tmpfs that holds only the paths needed, bound from where they are: the
@@ -33,6 +35,8 @@ import subprocess
 import sys
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x08000000, 0x10000000, 0x20000000
+CLONE_NEWNET, SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x40000000, 0x8913, 0x8914, 0x1
+LOOPBACK_ONLY = "its own network (a loopback only)"
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 4096, 16384, 1 << 18
 SHARED_TMP = ("/dev/shm", "/tmp", "/var/tmp")
 TMPFS_SIZE = "size=64m"  # what a launch may keep in its /tmp and /dev/shm (its folder, where it writes, is apart)
@@ -190,10 +194,30 @@ def enter(box: str, user, reach: list[str]) -> list[str]:
         if os.path.isdir(folder) and not os.path.islink(folder):
             _cover(folder, [box] if box.startswith(folder + "/") else [], 0o1777)
     made.append("private /tmp and /dev/shm")
+    try:
+        _own_network()
+        made.append(LOOPBACK_ONLY)
+    except OSError:
+        pass  # the machine's network stays reachable (the launch's ranks still talk over its loopback)
     for barrier, paths in blocked(reach, user).items():
         _cover(barrier, paths)
         made.append(f"{barrier} covered but for {', '.join(paths)}")
     return made
+
+
+def _own_network() -> None:
+    """A network namespace of the launch's own with its loopback up: the ranks reach each other (gloo, their store,
+    on 127.0.0.1), and nothing of the machine's (another grading's store, a local service, the internet)."""
+    import fcntl
+    import socket
+    import struct
+
+    _call(_libc().unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        request = struct.pack("16sH22x", b"lo", 0)  # struct ifreq: the name, then its flags
+        flags = struct.unpack("16sH22x", fcntl.ioctl(s, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's device: the only interface there is
 
 
 def drop_capabilities() -> None:

@@ -7,10 +7,11 @@ overseer runs in the grader, reads only what the kernel and the filesystem say, 
 outside (`session._stop`) when:
 
 - **time**: no rank makes progress for longer than the time limit (plus `GRACE_S` for what runs between two
-  checks): progress is a rank's result file for the phase that is running (the import first, then each check in
-  order), seen appearing; before every rank has said it is ready (no submission code has run yet) the launch has
-  `STARTUP_S`. A rank that fakes progress by writing results ahead gains nothing: the whole launch has at
-  most one time limit per phase;
+  checks): progress is what the grader's relay handed out and took in (`Relay.progress`: a check's inputs taken,
+  its result handed in, one check after another), never a file a rank writes (written ahead, such files once
+  stretched the import to the launch's whole deadline); before every rank has said it is ready (no submission
+  code has run yet) the launch has `STARTUP_S`. A rank that hands in a result early to move the clock forfeits
+  that check (the first result counts);
 - **output**: the ranks print more than the output limit. What they print comes to the grader through a pipe
   that it alone reads: it keeps the first `output_limit_mb` of it in the launch's log, echoes it (made harmless,
   `untrusted.clean`) when asked, and stops the launch past it;
@@ -30,7 +31,7 @@ import select
 import time
 
 from . import isolation, untrusted
-from .runner import IMPORT, ready_path, result_path
+from .runner import IMPORT
 
 GRACE_S = 10.0  # beyond the time limit: a check's group, the wait for its peers, the result written
 STARTUP_S = 120.0  # until every rank is ready, before any submission code runs (ranks forked, torch set up)
@@ -45,7 +46,7 @@ class Overseer:
         process,
         output_fd: int,
         log,
-        folder: str,
+        relay,
         world_size: int,
         order: list,
         limits,
@@ -53,7 +54,7 @@ class Overseer:
         spare=(),
         echo=None,
     ):
-        self.process, self.output_fd, self.log, self.folder = process, output_fd, log, folder
+        self.process, self.output_fd, self.log, self.relay = process, output_fd, log, relay  # relay: the clock
         self.world_size, self.order, self.limits = world_size, order, limits
         self.grading_id, self.spare, self.echo = grading_id, set(spare), echo
         self.printed, self.seen, self.ready, self.namespace = 0, 0, False, None
@@ -121,33 +122,30 @@ class Overseer:
                 return "flooded"
 
     def _progress(self) -> int:
-        """How many of the launch's milestones exist: every rank ready, then every rank's result of each phase."""
-        found = 0
+        """How far the launch has come, by the grader's relay (no file a rank writes moves it): 0 until every rank
+        said it is ready (just before it imports the submission), then one more per phase a rank finished."""
         if not self.ready:
-            self.ready = all(untrusted.is_file(ready_path(self.folder, r)) for r in range(self.world_size))
+            self.ready = self.relay.all_ready()
             if not self.ready:
                 return 0
-        for index in self.order:
-            done = sum(untrusted.is_file(result_path(self.folder, index, r)) for r in range(self.world_size))
-            found += done
-            if done < self.world_size:
-                break
-        return found + 1
+        return sum(self.relay.progress()) + 1
+
+    def _late(self) -> tuple:
+        """(the phase the launch is in: the first not every rank has finished, the ranks that have not)."""
+        done = self.relay.progress()
+        phase = min(min(done), len(self.order) - 1)
+        return self.order[phase], [r for r in range(self.world_size) if done[r] <= phase]
 
     def running(self):
         """The phase the launch is in: the first (the import, then each check) not every rank has finished."""
-        for index in self.order:
-            if not all(untrusted.is_file(result_path(self.folder, index, r)) for r in range(self.world_size)):
-                return index
-        return self.order[-1]
+        return self._late()[0]
 
     def _verdict(self, message: str, stop: bool | None = None) -> dict:
         index = self.running()
         return {"index": index, "message": message, "stop": index == IMPORT if stop is None else stop}
 
     def _over_time(self) -> dict:
-        index = self.running()
-        late = [r for r in range(self.world_size) if not untrusted.is_file(result_path(self.folder, index, r))]
+        index, late = self._late()
         who = f"rank{'s' * (len(late) > 1)} {', '.join(map(str, late))}"
         what = "importing your file" if index == IMPORT else "running this check"
         return self._verdict(

@@ -1,12 +1,14 @@
-"""The grader's relay, for a lab whose ranks may talk only in point-to-point messages (checks.py: `MESSAGES_ONLY =
-True`): it carries every message between the submission's ranks, keeps the record the traffic checks read, and
-hands each check its inputs and takes its results.
+"""The grader's relay: it hands every lab's ranks each check's inputs and takes their results (so the grader
+times the checks by what it handed out and took in, never by a file a rank wrote: `progress`), and, for a lab
+whose ranks may talk only in point-to-point messages (checks.py: `MESSAGES_ONLY = True`), it carries every
+message between the submission's ranks and keeps the record the traffic checks read.
 
 The ranks of such a lab have no process group of their own (`relay_group.py`): each holds one connection to this
 relay, a UNIX socket in the grading's folder, opened with a token only it was sent. A send is held until its
 receiver posts the matching receive (same group, tag, source and destination), then delivered; the sender's
 work completes then, as gloo's does. What the relay records is what it carried, not what a rank says it sent:
-for every rank, each send and receive it posted (kind, peer, elements), with the check it belongs to. A check
+for every rank, each send and receive it posted (kind, peer, elements), with the check it belongs to; a send whose
+bytes are not exactly its elements' (a rank writing frames of its own) is refused, never carried. A check
 belongs to the span between the rank taking the check's inputs (`{"op": "inputs"}`: the relay gives them only
 once the rank has handed in the previous check's result) and handing in its result (`{"op": "result"}`: the
 first one counts). So every message a result could depend on is in its check's record: a submission cannot
@@ -26,10 +28,14 @@ import threading
 import time
 from collections import defaultdict, deque
 
-from .relay_group import read_frame, send_frame
+import torch
+
+from .relay_group import DTYPES, read_frame, send_frame
 
 MAX_MESSAGE = 64 * 2**20  # one message's bytes (a result's too: wire.MAX_BYTES)
 MAX_HELD = 256 * 2**20  # bytes of sends held for their receivers, all ranks together
+MAX_POSTS = 200_000  # messages one rank may post in a launch (the record of each is kept in the grader's memory;
+# lab 13's ring posts a few hundred)
 
 
 class Relay:
@@ -45,6 +51,8 @@ class Relay:
         self._at = [0] * world_size  # the position in `order` of the check each rank is in (0: importing)
         self._lock = threading.Lock()
         self._held = 0
+        self._posts = [0] * world_size
+        self._ready = [False] * world_size
         self._sends, self._recvs = defaultdict(deque), defaultdict(deque)  # (src, dst, group, tag) -> posts
         self._ranks: dict[int, socket.socket] = {}
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -108,14 +116,19 @@ class Relay:
             try:
                 frame = read_frame(sock, MAX_MESSAGE)
             except (OSError, ValueError):
-                return
-            if frame is None:
+                frame = None
+            if frame is None:  # the end, or a frame past the cap: the rank's link ends (it waits on nothing)
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
                 return
             message, payload = frame
             try:
                 self._handle(rank, sock, message, payload)
             except (OSError, KeyError, TypeError, ValueError) as exc:
-                self._answer(sock, message, error=f"the grader's relay refused a request ({type(exc).__name__})")
+                said = f": {str(exc)[:200]}" if isinstance(exc, ValueError) else ""
+                self._answer(sock, message, error=f"the grader's relay refused a request ({type(exc).__name__}{said})")
 
     def _answer(self, sock, message: dict, payload: bytes = b"", error: str = "") -> None:
         try:
@@ -136,6 +149,10 @@ class Relay:
                     raise ValueError("inputs asked for out of order")
                 self._at[rank] = at + 1
             self._answer(sock, message, self.inputs[self.order[at]][rank])
+        elif op == "ready":  # just before the rank imports the submission: no student code has run before
+            with self._lock:
+                self._ready[rank] = True
+            self._answer(sock, message)
         elif op == "result":
             with self._lock:
                 check = self._check(rank)
@@ -147,12 +164,30 @@ class Relay:
             raise ValueError(op)
 
     def _post(self, rank: int, sock, message: dict, payload: bytes) -> None:
-        peer, numel = message["peer"], message["numel"]
-        if not (isinstance(peer, int) and 0 <= peer < self.world_size and isinstance(numel, int) and numel >= 0):
+        peer, numel, dtype = message["peer"], message["numel"], message["dtype"]
+        if not (
+            isinstance(peer, int)
+            and 0 <= peer < self.world_size
+            and isinstance(numel, int)
+            and numel >= 0
+            and dtype in DTYPES
+        ):
             raise ValueError("a malformed message")
+        carried = numel * torch.empty((), dtype=DTYPES[dtype]).element_size() if message["op"] == "send" else 0
+        if len(payload) != carried:  # the record says what was carried: a send holds exactly what it declares
+            self._answer(
+                sock,
+                message,
+                error=f"the grader's relay refused a {message['op']} of {numel} {dtype} elements that carried "
+                f"{len(payload)} bytes (a message's bytes are its elements', nothing more or less)",
+            )
+            return
         src, dst = (rank, peer) if message["op"] == "send" else (peer, rank)
         key = (src, dst, str(message["group"]), int(message["tag"]))
         with self._lock:
+            if self._posts[rank] >= MAX_POSTS:
+                raise ValueError(f"more than {MAX_POSTS} messages posted by one rank in a launch")
+            self._posts[rank] += 1
             self.record[rank][self._check(rank)].append([message["op"], peer, numel])
             if message["op"] == "send":
                 if self._held + len(payload) > MAX_HELD:
@@ -175,6 +210,21 @@ class Relay:
             return
         self._answer(receiver, wanted, data)
         self._answer(sender, sent)
+
+    def all_ready(self) -> bool:
+        """Every rank said it is ready (got as far as importing the submission): what ran before is the grader's."""
+        with self._lock:
+            return all(self._ready)
+
+    def progress(self) -> list[int]:
+        """How far each rank has come, by what this relay handed out and took in: the phases it finished (the
+        import, once it took the first check's inputs; then each check whose result it handed in). Only the
+        relay moves it, one check at a time."""
+        with self._lock:
+            return [
+                min(self._at[r], 1) + sum(r in self.results.get(check, {}) for check in self.order)
+                for r in range(self.world_size)
+            ]
 
     def wait_closed(self, seconds: float = 1.0) -> None:
         """Give the ranks' last frames a moment to land (the launch has ended)."""

@@ -251,14 +251,18 @@ class _Agreeing(dist.Store):
 _KEPT: list = []
 
 
-def switch(path: str, rank: int, world_size: int, token: str) -> _Link:
-    """Tear down this rank's gloo group and store, connect to the grader's relay at `path` (as `rank`, with the
-    `token` only the grader and this rank know), and make a RelayGroup the default group."""
+def connect(path: str, rank: int, token: str) -> _Link:
+    """This rank's link to the grader's relay at `path` (as `rank`, with the `token` only the grader and this rank
+    know): every lab's ranks take their checks' inputs and hand in their results through it."""
     link_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     link_socket.connect(path)
     send_frame(link_socket, {"op": "hello", "rank": rank, "token": token})
+    return _Link(link_socket)
+
+
+def switch(link: _Link, rank: int, world_size: int) -> _Link:
+    """Tear down this rank's gloo group and store, and make a RelayGroup on `link` the default group."""
     dist.destroy_process_group()  # gloo's sockets closed; the rendezvous store let go with it
-    link = _Link(link_socket)
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(
             BACKEND,
@@ -277,6 +281,11 @@ def inputs(link: _Link, index) -> dict:
     work = link.request({"op": "inputs", "index": str(index)})
     work.wait()
     return wire.decode(work.payload)
+
+
+def ready(link: _Link) -> None:
+    """Tell the grader this rank is about to import the submission (nothing of it has run yet)."""
+    link.request({"op": "ready"}).wait()
 
 
 def hand_in(link: _Link, data: bytes) -> None:

@@ -5,9 +5,9 @@ optionally `hidden_checks.py`, and whatever the lab's `checks.py` names in `INST
 `record_steps.py`, which computes the answers). Students get the README, the skeleton, the tasks and the
 checks (so that `python -m toolkit grade` works on their machine, with the same messages the course's grader
 gives), the lab's data, `platform_checks.json` naming the hidden checks (their names and points: the local
-grading lists them as run on the course platform only), and `labs/README.md`. What stays with the instructor: every `solution*.py`, every
-`hidden_checks.py` (graded on the course platform only), the `INSTRUCTOR_ONLY` files, `labs/autograder/`, and
-every README passage between `<!-- instructor -->` and `<!-- /instructor -->`.
+grading lists them as run on the course platform only), and `labs/README.md`. What stays with the instructor:
+every `solution*.py`, every `hidden_checks.py` (graded on the course platform only), the `INSTRUCTOR_ONLY` files,
+`labs/autograder/`, and every README passage between `<!-- instructor -->` and `<!-- /instructor -->`.
 
 Nothing is written unless every check passes:
 - no skeleton is solved: where the labs are in git, each skeleton.py is the committed one; and each still
@@ -187,7 +187,7 @@ def release(labs_root, out, names=None) -> list[Path]:
     later = [lab.name for lab in labs_in(labs_root) if lab not in labs]
     if later and out / "README.md" in texts:  # the syllabus names the labs still to come, without a link
         texts[out / "README.md"] = re.sub(
-            r"\[([^\]]+)\]\((%s)/[^)]*\)" % "|".join(map(re.escape, later)),
+            r"\[([^\]]+)\]\(({})/[^)]*\)".format("|".join(map(re.escape, later))),
             r"\1 (released later)",
             texts[out / "README.md"],
         )

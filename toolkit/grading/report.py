@@ -2,9 +2,12 @@
 
 Gradescope's autograder reads `/autograder/results/results.json`:
 
-    {"score": 9.0, "max_score": 13.0, "output": "...", "execution_time": 41.2,
+    {"score": 9.0, "max_score": 13.0, "output": "...", "output_format": "text", "execution_time": 41.2,
      "tests": [{"name": "...", "number": "1", "score": 2.0, "max_score": 2.0, "status": "passed",
-                "output": "...", "visibility": "visible"}, ...]}
+                "output": "...", "output_format": "text", "visibility": "visible"}, ...]}
+
+Every output is declared plain text: Gradescope's default (`simple_format`) passes some HTML through, and a
+message quotes what a submission raised (a link made to look like the course's).
 
 A check from the lab's `checks.py` is "visible" (the student ran it locally too); one from the
 instructor's `hidden_checks.py` is "after_published": its score and message appear once grades are
@@ -66,7 +69,9 @@ def nothing_graded(message: str, fmt: str) -> str:
 
     message = clean(message)
     if fmt == "gradescope":
-        return json.dumps({"score": 0.0, "output": message, "visibility": "visible", "tests": []}, indent=2)
+        return json.dumps(
+            {"score": 0.0, "output": message, "output_format": "text", "visibility": "visible", "tests": []}, indent=2
+        )
     if fmt == "json":
         return json.dumps({"score": 0, "max_score": None, "error": message, "checks": []}, indent=2)
     return message
@@ -87,6 +92,7 @@ def as_gradescope(score, elapsed_s: float | None = None) -> dict:
                 "max_score": float(r.points),
                 "status": "passed" if r.passed else "failed",
                 "output": r.message or "passed",
+                "output_format": "text",  # never Gradescope's default simple_format: a message is no markup
                 "visibility": "after_published" if r.hidden else "visible",
             }
         )
@@ -100,6 +106,8 @@ def as_gradescope(score, elapsed_s: float | None = None) -> dict:
         "score": float(score.total),
         "max_score": float(score.maximum),
         "output": summary,
+        "output_format": "text",
+        "test_output_format": "text",
         "visibility": "visible",
         "stdout_visibility": "hidden",
         "tests": tests,

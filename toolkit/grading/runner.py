@@ -1,15 +1,18 @@
 """The submission's side of a grading: the ranks that run a student's code, and nothing that judges it.
 
 The launcher (`launcher.py`) starts the ranks with `rank_main`, in the grading's folder. In order:
-1. each rank reads the inputs the grader wrote for it alone,
-   removes them, and waits for its peers to have done the same; in a lab of point-to-point messages it then
-   trades its process group for the grader's relay (`relay_group.py`: no collective left in the process);
+1. each rank reads what the grader wrote for it alone (its token for the grader's relay), removes it, and waits
+   for its peers to have done the same; it connects to the relay (`relay.py`), which hands it each check's
+   inputs and takes each result; in a lab of point-to-point messages it also trades its process group for the
+   relay (`relay_group.py`: no collective left in the process);
    it confines itself further (its peers' inputs and the grader's files are out of reach; in that lab, no
    new socket either: `seccomp.py`), takes its limits, notes any call to the lab's answers
-   (`delegation.py`), says it is ready, and only then imports the student's file, with the watchdog running;
-2. for each check, every rank runs the lab's task on its inputs (in that lab, taken from the relay when the
-   previous result is in) and writes what it observed through the narrow channel (`wire.py`), one file per
-   check and rank (and to the relay); a task that raises writes the error instead.
+   (`delegation.py`), says it is ready (to the relay), and only then imports the student's file, with the
+   watchdog running;
+2. for each check, every rank runs the lab's task on its inputs (taken from the relay once the previous result is
+   in) and hands what it observed to the relay through the narrow channel (`wire.py`), and writes it, one file
+   per check and rank; a task that raises hands in the error instead. The relay's record of who took and handed
+   in what is the grader's own clock of the checks (`overseer.py`): no file a rank writes moves it.
 What this process writes is read by the grader as untrusted: observations to judge, text to quote.
 """
 
@@ -29,10 +32,6 @@ IMPORT = "import"  # the result "check" every rank writes once the student's fil
 
 def result_path(folder: str, index, rank: int) -> str:
     return os.path.join(folder, f"check-{index}-rank-{rank}.json")
-
-
-def ready_path(folder: str, rank: int) -> str:
-    return os.path.join(folder, f"ready-rank-{rank}")
 
 
 def inputs_path(folder: str, rank: int) -> str:
@@ -123,11 +122,12 @@ def rank_main(spec: dict) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     given = _take_inputs(spec, rank)
     _store_barrier("grading/inputs-taken", world_size)
-    link = None
-    if spec.get("relay"):  # a point-to-point lab: no process group of its own; the grader carries its messages
-        link = relay_group.switch(spec["relay"], rank, world_size, given.pop("relay"))
-    sandbox.confine(spec["read"], [spec["out"], spec["work"], spec["tmp"]], spec["hidden"], no_tcp=link is not None)
-    if link is not None:
+    link = relay_group.connect(spec["relay"], rank, given.pop("relay"))  # each check's inputs, and its result
+    messages_only = bool(spec.get("messages_only"))
+    if messages_only:  # a point-to-point lab: no process group of its own; the grader carries its messages
+        relay_group.switch(link, rank, world_size)
+    sandbox.confine(spec["read"], [spec["out"], spec["work"], spec["tmp"]], spec["hidden"], no_tcp=messages_only)
+    if messages_only:
         seccomp.no_new_channels()
     limits, out, solution = spec["limits"], spec["out"], spec["student"]
     watchdog = Watchdog(
@@ -136,7 +136,7 @@ def rank_main(spec: dict) -> None:
     delegation.watch(spec["answers"], solution)
     tasks = load_module(spec["tasks"], "lab_tasks")
     sandbox.limit(limits["memory_limit_mb"])
-    _write(ready_path(out, rank), b"")
+    relay_group.ready(link)  # to the grader, which alone keeps it: no file a submission could remove
     watchdog.begin(IMPORT)
     try:
         student = load_module(solution, "submission")
@@ -153,7 +153,7 @@ def rank_main(spec: dict) -> None:
         status.enter(f"check {index}")
         watchdog.begin(index)
         try:  # the task once per case, each answer under its case's id (contract.py)
-            inputs = relay_group.inputs(link, index) if link is not None else given[str(index)]
+            inputs = relay_group.inputs(link, index)
             done, case, exc = contract.run_cases(
                 getattr(tasks, spec["tasks_of"][str(index)]), student, Rank(rank, world_size, group), inputs
             )
@@ -167,9 +167,16 @@ def rank_main(spec: dict) -> None:
             data = wire.encode(observed)
         except Exception as exc:  # noqa: BLE001 - e.g. a student's object that cannot even be described
             data = wire.encode({"error": f"rank {rank}: the task's result cannot be sent ({exc})", "time": time.time()})
+        if len(data) > wire.MAX_BYTES:
+            data = wire.encode(
+                {
+                    "error": f"rank {rank}: the task's result is {len(data)} bytes, more than the {wire.MAX_BYTES} "
+                    "one answer may hold",
+                    "time": time.time(),
+                }
+            )
         status.leave()
-        if link is not None:
-            relay_group.hand_in(link, data)
+        relay_group.hand_in(link, data)
         _write(result_path(out, index, rank), data)
         watchdog.end()
         # No board entry while waiting: a peer that never finishes is inside its check (the launcher

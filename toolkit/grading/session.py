@@ -3,13 +3,15 @@ sent read back as untrusted data.
 
 `Box` is the grading's folder (one per submission): `code/` (a copy of the student's file and the lab's
 `tasks.py`, read-only), `work/` (the submission's working directory), `tmp/`, `inputs/` (one file per
-rank, removed by that rank before any student code runs) and `out/` (what the ranks write). The
-instructor's lab folder, the other students' files and the grader's results are never in it.
+rank: its token for the grader's relay, removed by that rank before any student code runs) and `out/` (what
+the ranks write). The instructor's lab folder, the other students' files and the grader's results are never
+in it.
 
-`launch_ranks` writes each rank's inputs and a spec, has the grading's fork server (one per Box, forked by
-the graders' server `forkserver.py`, with the grading's id in its environment) fork the launch's sandbox
-and launcher (or starts `python -m toolkit.grading.launcher` where none can serve), waits (never longer
-than its deadline), then makes sure nothing it started is alive before reading a single file back. Every
+`launch_ranks` starts the grader's relay (`relay.py`: it hands the ranks each check's inputs, takes their
+results, and is the overseer's clock), writes each rank's token and a spec, has the grading's fork server (one
+per Box, forked by the graders' server `forkserver.py`, with the grading's id in its environment) fork the
+launch's sandbox and launcher (or starts the launcher as an isolated interpreter where none can serve), waits
+(never longer than its deadline), then makes sure nothing it started is alive before reading a single file back. Every
 file is read with `wire.decode` or as capped text: a rank's output can fail a check, never pass one or
 crash the grader.
 """
@@ -31,9 +33,13 @@ from ..runtime.zygote_link import Zygote, ZygoteError
 from . import isolation, namespaces, sandbox, student_wheel, untrusted, wire
 from .overseer import GRACE_S, STARTUP_S, Overseer
 from .relay import Relay
-from .runner import IMPORT, inputs_path, ready_path, result_path
+from .runner import IMPORT, inputs_path, result_path
 
 FORKSERVER = str(Path(__file__).resolve().with_name("forkserver.py"))
+# The launcher as a fresh interpreter starts as the grader's user, outside the sandbox it then enters: isolated
+# (-I: no current folder, no user site-packages and no PYTHON* variable decide what it imports, since the
+# submission writes its working folder and HOME), with the students' toolkit alone put first on its path.
+LAUNCHER = "import sys; sys.path.insert(0, sys.argv.pop(1)); import toolkit.grading.launcher as m; sys.exit(m.main())"
 
 KEEP_ENV = ("PATH", "LANG", "LC_ALL", "VIRTUAL_ENV", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 TEXT_LIMIT = 20_000
@@ -147,6 +153,8 @@ def _env(box: Box, grading_id: str) -> dict:
             "HOME": str(box.work),
             "TMPDIR": str(box.tmp),
             "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONSAFEPATH": "1",  # never the working folder on a path: the submission writes there
+            "PYTHONNOUSERSITE": "1",  # nor HOME's site-packages (HOME is that folder): no .pth of its own runs
             "PYTHONUNBUFFERED": "1",
             "CUDA_VISIBLE_DEVICES": "",
         }
@@ -208,29 +216,23 @@ def launch_ranks(
     grading_id: str,
     messages_only: bool = False,
 ) -> Launch:
-    """Run the tasks of checks `indices` on n ranks of the submission; read back what they left. messages_only:
-    the ranks talk through the grader's relay (`relay.py`), which also hands them the checks' inputs."""
+    """Run the tasks of checks `indices` on n ranks of the submission; read back what they left. The grader's relay
+    (`relay.py`) hands them each check's inputs and takes their results; with messages_only, the ranks also talk
+    through it (and it records what it carried)."""
     box.fresh_out()
-    relay = (
-        Relay(str(box.root), n, indices, {str(i): [wire.encode(inputs[i][r]) for r in range(n)] for i in indices})
-        if messages_only
-        else None
-    )
+    relay = Relay(str(box.root), n, indices, {str(i): [wire.encode(inputs[i][r]) for r in range(n)] for i in indices})
     for rank in range(n):
-        Path(inputs_path(str(box.inputs), rank)).write_bytes(
-            wire.encode({"relay": relay.tokens[rank]} if relay else {str(i): inputs[i][rank] for i in indices})
-        )
+        Path(inputs_path(str(box.inputs), rank)).write_bytes(wire.encode({"relay": relay.tokens[rank]}))
     sandbox.hand_over([box.inputs], box.user)
     try:
-        found = _launch(box, n, indices, tasks_of, answers, limits, backend, quiet, grading_id, relay)
+        found = _launch(box, n, indices, tasks_of, answers, limits, backend, quiet, grading_id, relay, messages_only)
     finally:
-        if relay is not None:
-            relay.close()
-    if relay is not None:  # what the relay carried, and the results as the ranks first handed them in
+        relay.close()
+    if messages_only:  # what the relay carried
         found.relayed = {index: {r: relay.record[r].get(str(index), []) for r in range(n)} for index in indices}
-        for index in indices:
-            for r, data in relay.results.get(str(index), {}).items():
-                found.results[index][r] = _decoded(data)
+    for index in indices:  # the results as the ranks first handed them in
+        for r, data in relay.results.get(str(index), {}).items():
+            found.results[index][r] = _decoded(data)
     return found
 
 
@@ -244,7 +246,8 @@ def _launch(
     backend: str,
     quiet: bool,
     grading_id: str,
-    relay,
+    relay: Relay,
+    messages_only: bool,
 ) -> Launch:
     order = [IMPORT] + list(indices)
     deadline = len(order) * (limits.time_limit_s + GRACE_S) + STARTUP_S
@@ -270,7 +273,8 @@ def _launch(
         "reach": sandbox.python_paths(),
         "hidden": hidden_from(box),
         "cpu_s": deadline * max(1, (os.cpu_count() or 1) // n),
-        "relay": relay.path if relay is not None else None,
+        "relay": relay.path,
+        "messages_only": messages_only,
     }
     spec_path = box.root / f"spec-{n}.json"
     spec_path.write_text(json.dumps(spec))
@@ -283,7 +287,16 @@ def _launch(
             os.close(ranks_output)
             spare = {server.process.pid} if server else set()
             verdict = Overseer(
-                process, output, log, str(box.out), n, order, limits, grading_id, spare, None if quiet else sys.stdout
+                process,
+                output,
+                log,
+                relay,
+                n,
+                order,
+                limits,
+                grading_id,
+                spare,
+                None if quiet else sys.stdout,
             ).run()
             _stop(process, grading_id, spare=spare)
     finally:
@@ -296,7 +309,7 @@ def _launch(
         found.results[index] = {
             r: v for r in range(n) if (v := _read(Path(result_path(str(box.out), index, r)))) is not None
         }
-    found.ready = all(untrusted.is_file(ready_path(str(box.out), r)) for r in range(n))
+    found.ready = relay.all_ready()  # said by each rank just before it imported the submission, to the relay
     stuck = _read(box.out / "deadlock.json")  # the ranks' watchdog, with the line each was on; else the overseer's
     stuck = (
         stuck
@@ -316,20 +329,29 @@ def _launch(
 
 def hidden_from(box: Box) -> list[str]:
     """What the sandbox must never read, wherever it lies (a readable tree may hold it): every toolkit with the
-    labs' answers, and the lab's folder with those beside it (solutions, hidden checks)."""
+    labs' answers, the students' toolkits built for the other labs (each keeps this lab's answers: the ranks read
+    the copy in the grading's folder), and the lab's folder with those beside it (solutions, hidden checks)."""
     lab = box.lab_dir.resolve()
     labs = {str(lab)} | (
         {str(lab.parent)}
         if any((p / "checks.py").is_file() for p in lab.parent.iterdir() if p != lab and p.is_dir())
         else set()
     )
+    builds = {str(student_wheel.CACHE.resolve())} if student_wheel.CACHE.is_dir() else set()
     root = str(box.root.resolve())
-    return sorted(p for p in set(sandbox.toolkits()) | labs if not (root + "/").startswith(p.rstrip("/") + "/"))
+    found = set(sandbox.toolkits()) | labs | builds
+    return sorted(p for p in found if not (root + "/").startswith(p.rstrip("/") + "/"))
+
+
+def launcher_command(lib, spec_path) -> list[str]:
+    """The launcher as a fresh interpreter: isolated (`LAUNCHER`), importing the students' toolkit at `lib`."""
+    return [sys.executable, "-I", "-c", LAUNCHER, str(lib), str(spec_path)]
 
 
 def _start_launcher(box: Box, env: dict, spec_path: Path, output: int, quiet: bool):
     """The launch's launcher, forked inside its sandbox by the grading's fork server (no interpreter to start,
-    no torch to import), or else a fresh `python -m toolkit.grading.launcher`: (its handle, the server or None).
+    no torch to import), or else a fresh interpreter running `toolkit.grading.launcher` (`LAUNCHER`): (its handle,
+    the server or None).
     Its stdout and stderr are `output` (the writing end of the overseer's pipe)."""
     server = box.fork_server(env)
     if server is not None:
@@ -341,7 +363,7 @@ def _start_launcher(box: Box, env: dict, spec_path: Path, output: int, quiet: bo
     if box.serverless and not quiet:
         print(f"grading: {box.serverless}: each launch starts its launcher as a fresh interpreter", file=sys.stderr)
     return subprocess.Popen(
-        [sys.executable, "-m", "toolkit.grading.launcher", str(spec_path)],
+        launcher_command(box.lib, spec_path),
         cwd=box.work,
         env=env,
         start_new_session=True,

@@ -225,8 +225,8 @@ class Watchdog:
                 "stop": index == "import",
                 "message": (
                     f"rank {self.rank} was still {what if index == 'import' else 'running ' + what} after "
-                    f"{self.time_limit_s:.0f} s (last seen{at or ' outside your file'}): an endless loop, or far too much "
-                    "work; it was stopped."
+                    f"{self.time_limit_s:.0f} s (last seen{at or ' outside your file'}): an endless loop, or far too "
+                    "much work; it was stopped."
                 ),
             },
         )

@@ -19,6 +19,10 @@ import torch
 
 MAX_BYTES = 64 * 2**20  # one rank's answer to one check
 MAX_DEPTH = 32
+# Values (lists, dicts, scalars) in one answer: JSON's small values cost the grader's memory tens of times their
+# bytes (20 million empty lists fit in 64 MiB and take 1 GiB once decoded, per rank and check, in a process no
+# limit covers). A tensor is one value however large; an honest answer holds a few thousand.
+MAX_VALUES = 1_000_000
 DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (
@@ -153,8 +157,16 @@ def decode(raw: bytes):
     """What a rank sent, checked (runs in the grader); raises WireError when it cannot be an answer."""
     if len(raw) > MAX_BYTES:
         raise WireError(f"{len(raw)} bytes, more than the {MAX_BYTES} one answer may hold")
+    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")  # counted before a single one is built
+    if values > MAX_VALUES:
+        raise WireError(f"about {values} values, more than the {MAX_VALUES} one answer may hold")
     try:
         value = json.loads(raw.decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise WireError(f"not JSON ({str(exc)[:80]})") from None
-    return _decode(value, 0)
+    try:
+        return _decode(value, 0)
+    except WireError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever torch or Python makes of a crafted value, it is no answer
+        raise WireError(f"a value that cannot be built ({type(exc).__name__}: {str(exc)[:80]})") from None

@@ -136,15 +136,16 @@ def become(env: dict, cwd: str | None = None, signals: dict | None = None) -> No
     if cwd is not None:
         os.chdir(cwd)
     here = os.getcwd()
-    # sys.path as `python -m` computes it: the working directory first, then PYTHONPATH (relative entries
-    # resolved against the working directory), then the interpreter's own (unchanged: same interpreter)
+    # sys.path as `python -m` computes it: the working directory first (not with PYTHONSAFEPATH, as python -P),
+    # then PYTHONPATH (relative entries resolved against the working directory), then the interpreter's own
     start_cwd, start_path = _START["cwd"], _START["path"]
     moved = {
         os.path.abspath(os.path.join(start_cwd, p)): os.path.abspath(os.path.join(here, p))
         for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
         if p and not os.path.isabs(p)
     }
-    sys.path[:] = [here] + [moved.get(p, p) for p in start_path[1:]]
+    start = start_path if getattr(sys.flags, "safe_path", False) else start_path[1:]  # [0]: where it started, if put
+    sys.path[:] = ([] if os.environ.get("PYTHONSAFEPATH") else [here]) + [moved.get(p, p) for p in start]
     sys.path_importer_cache.clear()
     importlib.invalidate_caches()
 
