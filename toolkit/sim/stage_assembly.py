@@ -91,6 +91,13 @@ def stage_classes(split, pp: int) -> dict:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class SentWithin:
+    """Where, among its action's work, a send issued from inside that action goes (a backward's input gradient,
+    sent before the data-parallel strategy's end of backward: `toolkit.parallel.pipeline.driver`)."""
+    message: str
+
+
 def _action(c: Compute):
     for _, _, _, args in reversed(c.spans):
         if "action" in args:
@@ -98,15 +105,20 @@ def _action(c: Compute):
     return None
 
 
+def _key(c: Collective) -> tuple:
+    return c.op, c.args.get("message"), c.args.get("micro"), c.args.get("stage")
+
+
 def chunks(program) -> tuple[list, list, dict, list, dict]:
     """(prologue, setup, {(kind, micro, stage): instructions}, epilogue, {(op, message kind, micro, stage):
-    transfer}) of a pipeline rank's recorded program. The prologue comes before the mailbox posts its first
+    (the transfer's prelude, the transfer, the phase it is waited for in)}) of a pipeline rank's recorded program. The prologue comes before the mailbox posts its first
     receives, the setup between those and the schedule's first step. An action's work is its compute and the
     collectives among it; what lies between two actions goes with the one before when a transfer follows it
     (its trailing waits, a last bucket's all-reduce), else with the one after (an FSDP unit's gather before its
     first operation). A transfer is its send or receive with the operations outside every action just before
-    it (a receive's buffer)."""
-    p2p = {c.id for c in program if is_transfer(c)}
+    it (a receive's buffer). A send issued from inside an action (args "within") leaves a `SentWithin` at its place
+    in that action's work."""
+    p2p = {c.id: c for c in program if is_transfer(c)}
     prologue, setup, found, pending, current, transfers = [], [], {}, [], None, {}
     posting, looping = True, False  # the mailbox posts its first receives, then the schedule's loop runs
     for ins in program:
@@ -116,6 +128,8 @@ def chunks(program) -> tuple[list, list, dict, list, dict]:
         if not looping and (waits_on_p2p or sends or action is not None):
             looping, setup, pending = True, pending, []
         if waits_on_p2p:
+            key = _key(p2p[ins.id])
+            transfers[key] = transfers[key][:2] + (ins.phase,)  # the phase its wait is in (a send's: the reap's)
             if current is not None:
                 found[current] += pending
                 pending = []
@@ -125,9 +139,12 @@ def chunks(program) -> tuple[list, list, dict, list, dict]:
             while cut and isinstance(pending[cut - 1], Compute):
                 cut -= 1
             a = ins.args
-            transfers[(ins.op, a.get("message"), a.get("micro"), a.get("stage"))] = (pending[cut:], ins)
+            transfers[_key(ins)] = (pending[cut:], ins, ins.phase)
             pending = pending[:cut]
-            if posting:
+            if a.get("within"):
+                found[current] += pending + [SentWithin(a.get("message"))]
+                pending = []
+            elif posting:
                 prologue, pending, posting = prologue + pending, [], not looping
             elif current is not None:
                 found[current] += pending
@@ -164,11 +181,14 @@ def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list,
         out, sends, ids, renamed = [], [], iter(range(1 << 62)), {}
         expected = {src: list(messages) for (src, dst), messages in order.items() if dst == p}
         posted: dict = {}  # peer -> (message, receive's id) posted ahead
+        waited_in: dict = {}  # a transfer's id -> the phase its wait is in
         early: set = set()
 
-        def copy(instructions, action=None):
+        def copy(instructions, action=None, within=None):
             for ins in instructions:
-                if isinstance(ins, Collective):
+                if isinstance(ins, SentWithin):
+                    sends.append(transfer("send", within.message, within.peer))
+                elif isinstance(ins, Collective):
                     renamed[ins.id] = next(ids)  # (a wait may come in a later piece: the loss's all-reduce)
                     out.append(dataclasses.replace(ins, id=renamed[ins.id]))
                 elif isinstance(ins, Wait):
@@ -183,11 +203,12 @@ def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list,
 
         def transfer(op: str, message, peer: int) -> Collective:
             micro = micro_of(message.micro) if message.micro >= 0 else message.micro
-            prelude, c = transfers[(op, message.kind, micro, message.stage - p + rep)]
+            prelude, c, phase = transfers[(op, message.kind, micro, message.stage - p + rep)]
             out.extend(prelude)
             c = dataclasses.replace(c, id=next(ids), group=tuple(ranks), args=dict(
                 c.args, peer=ranks[peer], message=message.kind, micro=message.micro, stage=message.stage))
             out.append(c)
+            waited_in[c.id] = phase
             return c
 
         def post(peer: int) -> None:  # the mailbox posts the receive of a peer's next message ahead
@@ -199,7 +220,10 @@ def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list,
         for peer in expected:
             post(peer)
         copy(setup)
-        for op in ops:
+        skip = None  # a Send already issued inside its action
+        for k, op in enumerate(ops):
+            if op is skip:
+                continue
             if isinstance(op, Send):
                 sends.append(transfer("send", op.message, op.peer))
             elif isinstance(op, Recv):
@@ -208,17 +232,19 @@ def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list,
                     continue
                 while op.peer in posted:  # wait for what was posted, post the next, until it is the one needed
                     message, c = posted.pop(op.peer)
-                    out.append(Wait(c.id, c.phase))
+                    out.append(Wait(c.id, waited_in[c.id]))
                     post(op.peer)
                     if message == op.message:
                         break
                     early.add(message)
             else:
                 local = op.stage - p + rep  # the representative's stage at the same place
-                copy(found[(op.kind, micro_of(op.micro), local)], op)
-                out += [Wait(c.id, c.phase) for c in sends]  # the mailbox reaps the sends
+                work = found[(op.kind, micro_of(op.micro), local)]
+                skip = next((ins for ins in work if isinstance(ins, SentWithin)), None) and ops[k + 1]
+                copy(work, op, skip)
+                out += [Wait(c.id, waited_in[c.id]) for c in sends]  # the mailbox reaps the sends
                 sends = []
-        out += [Wait(c.id, c.phase) for c in sends]
+        out += [Wait(c.id, waited_in[c.id]) for c in sends]
         copy(epilogue)
         programs[me] = out
     return programs
