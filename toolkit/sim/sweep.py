@@ -53,8 +53,7 @@ def extrapolate(one, two, layers: int, at: tuple = BASE) -> dict:
     band = {end: max(_affine(a.band[end], b.band[end]), 0.0) for end in ("worst", "best")}
     flops = _affine(one.flops, two.flops)
     useful = _affine(a.useful_flops[-1], b.useful_flops[-1])
-    categories = set(one.peak_memory) | set(two.peak_memory)
-    peak_memory = {k: max(_affine(one.peak_memory.get(k, 0), two.peak_memory.get(k, 0)), 0.0) for k in categories}
+    peak_memory = deepest_peak(one, two, _affine)
     whole = SimpleNamespace(  # the L-layer model, as the verdict reads a Simulation
         peak=sum(peak_memory.values()), peak_memory=peak_memory, strategy=one.strategy, options=one.options,
         world_size=one.world_size, batch_per_rank=one.batch_per_rank, seq_len=one.seq_len,
@@ -71,6 +70,42 @@ def extrapolate(one, two, layers: int, at: tuple = BASE) -> dict:
             "peak": whole.peak, "peak_memory": peak_memory,
             "states": _affine(one.memory["total"], two.memory["total"]), "num_params": whole.num_params,
             "fits": ran, "fit": fit, "breakdown": breakdown, "band": band, "layers": layers}
+
+
+def deepest_peak(one, two, affine) -> dict:
+    """The deeper model's peak, by category: at every moment of the step that both simulations have (a pass, a
+    phase and a module, a block named by its place: the first, a middle one, the last), the bytes of each category
+    extrapolated, and the moment whose total is the highest. Two depths need not peak at the same moment (a short
+    model at a large embedding's gradient, a deep one at the end of forward, where every layer's activations are
+    held), so extrapolating each one's peak would mix moments; each moment on its own is affine in the layers."""
+    a, b = _by_place(one.moments), _by_place(two.moments)
+    both = a.keys() & b.keys()
+    if both:
+        moment = max(both, key=lambda m: affine(sum(a[m].values()), sum(b[m].values())))
+        return {k: max(affine(a[moment].get(k, 0), b[moment].get(k, 0)), 0.0) for k in set(a[moment]) | set(b[moment])}
+    categories = set(one.peak_memory) | set(two.peak_memory)  # no moment recorded (a Simulation made by hand)
+    return {k: max(affine(one.peak_memory.get(k, 0), two.peak_memory.get(k, 0)), 0.0) for k in categories}
+
+
+def _by_place(moments: dict) -> dict:
+    """{(pass, phase, module with its block's index replaced by "first", "middle" or "last"): categories}, the
+    middle blocks' highest kept (the index: the first number in the module's name, "blocks.3.mlp" -> 3)."""
+    def split(module: str):
+        parts = module.split(".")
+        at = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        return (None, module) if at is None else (int(parts[at]), ".".join(parts[:at] + ["{}"] + parts[at + 1:]))
+
+    indices = [split(m)[0] for _, _, m in moments if split(m)[0] is not None]
+    out: dict = {}
+    for (pass_, phase, module), categories in moments.items():
+        index, name = split(module)
+        if index is not None:
+            place = "first" if index == min(indices) else "last" if index == max(indices) else "middle"
+            name = name.format(place)
+        key = (pass_, phase, name)
+        if key not in out or sum(categories.values()) > sum(out[key].values()):
+            out[key] = categories
+    return out
 
 
 def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100", progress=None, warmup: bool = True,

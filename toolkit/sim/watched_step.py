@@ -89,7 +89,7 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
             memory.classify(model, opt)  # what the strategy's tensors are after the step
             programs.append(programmer.end_step())
     return {"programs": programs, "memory": states, "peak": memory.peak_total,
-            "peak_memory": memory.peak_categories, "peak_moment": memory.peak_moment,
+            "peak_memory": memory.peak_categories, "peak_moment": memory.peak_moment, "moments": memory.moments,
             "end_memory": memory.current(), "samples": samples}
 
 
