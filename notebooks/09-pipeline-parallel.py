@@ -350,8 +350,8 @@ def dp_bytes(strategies):
 STRATEGIES = {"zero1": {}, "zero2": {}, "zero3": {}, "fsdp": {},
               "fsdp, kept gathered": {"reshard_after_forward": False}}
 DP_BYTES = toolkit.launch(dp_bytes, 4, args=(STRATEGIES,))[0]
-M = 4
-FORMULA = {"zero1": 2, "zero2": M + 1, "zero3": 3 * M, "fsdp": 2 * M + 1, "fsdp, kept gathered": 2}
+MICRO = 4  # dp_bytes's micro-batches
+FORMULA = {"zero1": 2, "zero2": MICRO + 1, "zero3": 3 * MICRO, "fsdp": 2 * MICRO + 1, "fsdp, kept gathered": 2}
 for name, expected in FORMULA.items():
     ratio = DP_BYTES[name] / DP_BYTES["zero1"] * 2
     print(f"{name:20s}: {DP_BYTES[name] / 1e3:8.1f} kB per step = {ratio:5.2f} x Ψ(N-1)/N  (formula {expected})")

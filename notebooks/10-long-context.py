@@ -29,7 +29,9 @@
 # 4. **ring against Ulysses**: bytes, the head limit, what can hide;
 # 5. **at scale**: what a 128k context needs on 1,024 GPUs, and what Llama 3's 4D layout buys.
 #
-# It runs top to bottom in about a minute on a 2-core laptop.
+# It runs top to bottom in about a minute on a 2-core laptop. Then do `labs/13-context-parallel`: you write the
+# merge and ring attention's two rings, forward and backward, graded against full attention, on their traffic and on
+# the order of their events.
 
 # %%
 import math

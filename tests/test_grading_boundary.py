@@ -3,7 +3,8 @@ issue's trial that broke the grader, and failed before the construction it tests
 
 What a submission's side can hand the grader is material, never an instruction: no file is read through a link
 or past a cap, no text can change how a report looks, and the command line says what it was given wrong. The
-cheap ones (no rank started, or one grading) run in the suite; the rest carry `grading_scale`."""
+cheap ones (no rank started, or a grading or two) run in the suite (about 30 s on 2 cores); the rest carry
+`grading_scale` (`make test-grading`)."""
 import json
 import os
 import threading
@@ -169,8 +170,8 @@ def summed(x, group):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("door", [d if d.startswith("toolkit.comm.use") else pytest.param(d, marks=AT_SCALE)
-                                  for d in DOORS], ids=["comm.use", "closure"])
+@AT_SCALE  # the students' build is in every grading of the suite; the captured built-ins' test runs on it
+@pytest.mark.parametrize("door", list(DOORS), ids=["comm.use", "closure"])
 def test_no_door_of_the_toolkit_leads_to_the_answer(door, lab, tmp_path, no_leftover_ranks):
     """The ranks import the toolkit with the lab's answers taken out: both scored full marks on lab 01 (the ring
     reached through toolkit.comm's door, or out of the watcher's closure); now there is no ring to reach."""
@@ -228,10 +229,14 @@ for _ in range(48 * 1024):
 # --- a rank sees nothing of the grader -------------------------------------------------------------------------
 LOOKS_AROUND = '''
 import json, os, resource
-seen = {"uid": os.getuid(), "secrets": [], "pids": [], "shm": sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else []}
+seen = {"uid": os.getuid(), "secrets": [], "pids": [],
+        "shm": sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else []}
 for pid in os.listdir("/proc"):
     if pid.isdigit():
-        seen["pids"].append(int(pid))
+        try:
+            seen["pids"].append(open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\\0", b" ").decode()[:300])
+        except OSError:
+            pass
         for what in ("environ", "cmdline"):
             try:
                 if b"SECRET-7e1" in open(f"/proc/{pid}/{what}", "rb").read():
@@ -276,8 +281,8 @@ def test_a_rank_sees_nothing_of_the_grader(lab, tmp_path):
         assert all(isinstance(looked[k], int) for k in ("RLIMIT_CPU", "RLIMIT_FSIZE")), looked  # hard: not raised
         if os.geteuid() == 0:
             assert looked["uid"] != 0, looked
-    if "its own PID namespace" in report["sandbox"]:
-        assert max(seen[0]["pids"]) < 64, seen[0]  # the launch's processes only, numbered from 1
+    if "its own PID namespace" in report["sandbox"]:  # the launch's processes only: not the grader, not pytest
+        assert not [c for c in seen[0]["pids"] + seen[1]["pids"] if "pytest" in c or "toolkit grade" in c], seen
 
 
 # --- never silently as root --------------------------------------------------------------------------------------
@@ -346,7 +351,8 @@ import torch, torch.distributed as dist
 def summed(x, group):
     peer = 1 - dist.get_rank()
     other = torch.empty_like(x)
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer, group), dist.P2POp(dist.irecv, other, peer, group)]):
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer, group),
+                                        dist.P2POp(dist.irecv, other, peer, group)]):
         work.wait()
     x.add_(other)
 '''
@@ -381,8 +387,9 @@ NEW_CHANNELS = BY_MESSAGES.replace("    x.add_(other)", """    x.add_(other)
     tried = {}
     for name, make in (("udp", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM)),
                        ("unix pair", socket.socketpair),
-                       ("the launch's store", lambda: dist.TCPStore("127.0.0.1", int(os.environ["TOOLKIT_STORE_PORT"]),
-                                                                    2, False, timeout=__import__("datetime").timedelta(seconds=2))),
+                       ("the launch's store", lambda: dist.TCPStore(
+                           "127.0.0.1", int(os.environ["TOOLKIT_STORE_PORT"]), 2, False,
+                           timeout=__import__("datetime").timedelta(seconds=2))),
                        ("a gloo group", lambda: dist.new_group([0, 1], backend="gloo"))):
         try:
             make()

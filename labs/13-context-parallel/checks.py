@@ -9,7 +9,7 @@ make, the message names the mistake instead of showing floats (`diagnose.py`).
 """
 import torch
 
-from toolkit.grading import Either, Items, List, Tensor, check, like, sibling
+from toolkit.grading import Either, Items, List, check, like, sibling
 
 ANSWERS = {"toolkit.parallel.context.merge:merge": "the toolkit's own online-softmax merge",
            "toolkit.parallel.context.merge:merge_into": "the toolkit's merge of a block into some rows",
@@ -50,7 +50,8 @@ def merge_cases(n, g):
             f"float64, scores near {huge:.0f} (e^{huge:.0f} overflows)": _merge_case(g, torch.float64, huge),
             "float32, scores near 100 (e^100 overflows)": _merge_case(g, torch.float32, 100.0),
             "float64, the second block 40 below the first": _merge_case(g, torch.float64, apart=-40.0),
-            "float64, the second block saw no key (lse2 = -inf)": _merge_case(g, torch.float64, unseen=(1, slice(None))),
+            "float64, the second block saw no key (lse2 = -inf)": _merge_case(g, torch.float64,
+                                                                               unseen=(1, slice(None))),
             "float64, the first block saw no key for queries 1 and 3": _merge_case(g, torch.float64,
                                                                                     unseen=(0, [1, 3]))}
 
@@ -97,8 +98,8 @@ def ring_members(given, ring: list) -> dict:
     """The grader's copy of one ring's case, put back together: the whole sequence and its attention."""
     whole = {name: torch.cat([given[r][name] for r in ring], dim=2) for name in ("q", "k", "v", "grad")}
     causal = given[ring[0]]["causal"]
-    return {**whole, **DIAGNOSE.whole_attention(whole["q"], whole["k"], whole["v"], whole["grad"], causal), "causal": causal,
-            "ring": ring, "length": given[ring[0]]["q"].shape[2]}
+    return {**whole, **DIAGNOSE.whole_attention(whole["q"], whole["k"], whole["v"], whole["grad"], causal),
+            "causal": causal, "ring": ring, "length": given[ring[0]]["q"].shape[2]}
 
 
 def forwarded(case, r, n):
@@ -125,7 +126,8 @@ def judge_backward(ctx, given, got, ring: list) -> None:
         if not torch.allclose(got[r]["dq"], whole["dq"][:, :, rows[p]], rtol=RTOL, atol=ATOL):
             ctx.fail(DIAGNOSE.dq_mistake(whole, p, got[r]["dq"], f"{ctx.case}, rank {r}", ATOL))
     for p, r in enumerate(ring):
-        if not all(torch.allclose(got[r][name], whole[name][:, :, rows[p]], rtol=RTOL, atol=ATOL) for name in ("dk", "dv")):
+        if not all(torch.allclose(got[r][name], whole[name][:, :, rows[p]], rtol=RTOL, atol=ATOL)
+                   for name in ("dk", "dv")):
             ctx.fail(DIAGNOSE.dkv_mistake(whole, p, got[r]["dk"], got[r]["dv"], f"{ctx.case}, rank {r}", ATOL))
 
 

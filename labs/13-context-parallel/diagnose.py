@@ -81,7 +81,8 @@ def merge_mistake(case: dict, got: dict, out, lse, tolerance: dict) -> str | Non
         basis = torch.stack([out1, out2], dim=-1)[rows]  # (rows, head_dim, 2): got = a·out1 + b·out2
         a, b = torch.linalg.lstsq(basis, got_out[rows].unsqueeze(-1)).solution.squeeze(-1).unbind(-1)
         if _close(torch.stack([a, b]), torch.stack([share2[rows], share1[rows]]), LOOSE["atol"]):
-            return "out1 is weighted by the second block's share of the normaliser and out2 by the first's"
+            return ("out1 is weighted by the second block's share of the normaliser and out2 by the first's: the "
+                    "weights swapped, or the exponents' sign reversed (e^(m - lse_i), renormalised, is exactly that)")
         if _close(a, 1 / share1[rows], LOOSE["atol"]):
             return ("the exponents' sign is reversed: out1's weight is e^(lse - lse1), at least 1; a block's weight "
                     "is its share of the whole normaliser, e^(lse1 - lse), at most 1")
@@ -183,9 +184,9 @@ def _shares(whole: dict) -> dict:
     """{(r, j, treatment): (dq, dk, dv)}: position r's queries' share of the gradients through block j."""
     n, length = len(whole["ring"]), whole["length"]
     rows = [slice(p * length, (p + 1) * length) for p in range(n)]
-    return {(r, j, t): kernel.plain_attend_backward(
-                whole["grad"][:, :, rows[r]], whole["q"][:, :, rows[r]], whole["k"][:, :, rows[j]],
-                whole["v"][:, :, rows[j]], whole["out"][:, :, rows[r]], whole["lse"][:, :, rows[r]], t == "causal", None)
+    part = {name: [whole[name][:, :, s] for s in rows] for name in ("grad", "q", "k", "v", "out", "lse")}
+    return {(r, j, t): kernel.plain_attend_backward(part["grad"][r], part["q"][r], part["k"][j], part["v"][j],
+                                                    part["out"][r], part["lse"][r], t == "causal", None)
             for r in range(n) for j in range(n) for t in ("all", "causal")}
 
 

@@ -91,9 +91,9 @@ def ring_forward(q, k, v, causal: bool, group=None):
     cp steps. At each, this rank attends its queries to the block of keys and values it holds (`attend`, with the
     mask that block needs under `causal`, or not at all) and merges the result into what it has (`merge`); between
     two steps it sends the block it holds to the next rank and receives the previous rank's: cp - 1 passes, so
-    that every block visits every rank. Which rank's block is in hand after s passes is yours to work out (it
-    decides the mask). The pass that brings the next block is posted (dist.isend and dist.irecv) before this
-    block's attention and waited for after it: the transfer hides behind the compute (README, "Overlap").
+    that every block visits every rank. Whose block is in hand after s passes decides its mask (README, "The
+    ring"). The pass that brings the next block is posted (dist.isend and dist.irecv) before this block's
+    attention and waited for after it: the transfer hides behind the compute (README, "Overlap").
     Return out and lse in q's dtype.
     """
     raise NotImplementedError("ring_forward: not written yet")

@@ -119,12 +119,13 @@ def ring_backward(grad_out, q, k, v, out, lse, causal: bool, group=None):
     for step in range(n):
         if step < n - 1:
             incoming, works = pass_on(kv, previous, following, group)
-        share = torch.zeros_like(kv)
         mask = block_mask(me, source(me, step, n), causal)
-        if mask is not None:
+        if mask is None:                     # nothing of this block seen: no share of its gradient
+            share = torch.zeros_like(kv)
+        else:
             dq_block, dk_block, dv_block = attend_backward(grad_out, q, kv[0], kv[1], out, lse, mask)
             dq += dq_block
-            share += torch.stack([dk_block, dv_block])
+            share = torch.stack([dk_block, dv_block])
         if step == 0:
             home = share
         else:

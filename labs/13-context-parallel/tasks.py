@@ -3,14 +3,14 @@ rings on this rank's queries, keys and values, with a record of what happened in
 waited for, every block attended). Nothing here knows the right answer: the grader's process judges what these
 return (checks.py), and what it counts of your traffic is what its relay carried, not this record.
 
-One thing is decided here, because it must be decided before anything hangs: a wait that can only deadlock. A
-blocking `dist.send` or `dist.recv`, or a wait while this rank has posted more of a pass's receive than of its send
-(or the other way round), is what every rank of a ring does at the same moment, so each would wait for a message
-its neighbour has not posted yet. Such a call raises at once with a message saying so.
+One thing is decided here, because it must be decided before anything hangs: a wait that can only deadlock. Every
+rank of a ring runs the same code, so when this rank waits for its k-th value to arrive before it has posted k
+values to send, its previous rank, at the same point, has not sent them either: each waits for a message no rank
+has posted (and the same for a send waited for before as much is posted to receive). Such a wait, and a blocking
+`dist.send` or `dist.recv`, raise at once with a message saying so.
 """
 import inspect
 
-import torch
 import torch.distributed as dist
 
 
@@ -73,6 +73,7 @@ class Recorded:
     def __init__(self, student):
         self.student, self.events = student, []
         self.posted = {"send": 0, "recv": 0}  # elements
+        self.through = {}  # a message's event -> the elements of its kind posted up to it, itself included
 
     def messages(self) -> list:
         return [e for e in self.events if e[0] in ("send", "recv")]
@@ -101,6 +102,7 @@ class Recorded:
     def _post(self, kind: str, peer: int, tensor) -> int:
         self.events.append([kind, int(peer), int(tensor.numel())])
         self.posted[kind] += tensor.numel()
+        self.through[len(self.events) - 1] = self.posted[kind]
         return len(self.events) - 1
 
     def _posting(self, name, real):
@@ -136,14 +138,17 @@ class Recorded:
 
     def waiting(self, index: int) -> None:
         kind, peer, _ = self.events[index]
-        if self.posted["send"] != self.posted["recv"]:
-            more, fewer = ("receive", "send") if self.posted["recv"] > self.posted["send"] else ("send", "receive")
+        other = "recv" if kind == "send" else "send"
+        if self.posted[other] < self.through[index]:
+            what = (f"until {self.through[index]} values have come from rank {peer}, before it has posted as many to "
+                    f"send ({self.posted['send']} so far)" if kind == "recv" else
+                    f"until the {self.through[index]} values it sent to rank {peer} are taken, before it has posted as "
+                    f"many to receive ({self.posted['recv']} so far)")
             raise RuntimeError(
-                f"this rank waits for its {'send to' if kind == 'send' else 'receive from'} rank {peer} while it has "
-                f"posted more to {more} ({self.posted['recv' if more == 'receive' else 'send']} values) than to "
-                f"{fewer} ({self.posted['send' if more == 'receive' else 'recv']}). Every rank of the ring runs the "
-                f"same code: each would wait for a message its neighbour has not posted yet, a deadlock (named here "
-                f"before it happens). Post each pass's dist.isend and dist.irecv together, then attend, then wait.")
+                f"this rank waits {what}. Every rank of the ring runs the same code, so its neighbour, at the same "
+                "point, has not posted the other half either: each waits for a message no rank has posted, a "
+                "deadlock (named here before it happens). Post each pass's dist.isend and dist.irecv together, then "
+                "attend, then wait.")
         self.events.append(["wait", index, 0])
 
     def _attending(self, fn, direction: str):

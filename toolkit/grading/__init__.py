@@ -6,16 +6,17 @@ grader's side decides and writes a result.
     python -m toolkit release labs/ --out student-labs/ [--wheel]
 
 A lab's `checks.py` is written with `check`, `Judge` and `CheckFailed` (`grading.checks`) and declares what its
-tasks return with `like`, `Tensor`, `List`, ... (`grading.contract`, which holds every case to one well-formed
-answer before any judge runs); its `tasks.py` is written with `on_rank.Rank`. `grade` (`grading.grader`) runs
-the tasks next to the student's code in a sandbox (`session`, `runner`, `sandbox` with `namespaces`, `landlock`
-and `seccomp`, `watchdog`, `isolation`), the ranks importing the students' build of the toolkit
-(`students_build`), watched from outside (`overseer`: time, output, processes); a lab of point-to-point messages
-talks through the grader's `relay` (`relay_group` on the ranks). It reads back what they observed (`wire`, and
+tasks return with `like`, `Tensor`, `List`, ... (`grading.specs`; `grading.contract` holds every case to one
+well-formed answer before any judge runs); its `tasks.py` is written with `on_rank.Rank`. `grade`
+(`grading.grader`) runs the tasks next to the student's code in a sandbox (`session`, `runner`, `sandbox` with
+`namespaces`, `landlock` and `seccomp`, `watchdog`, `isolation`), the ranks importing the students' toolkit
+(`student_wheel.for_lab`), watched from outside (`overseer`: time, output, processes); a lab of point-to-point
+messages talks through the grader's `relay` (`relay_group` on the ranks). It reads back what they observed (`wire`, and
 every file through `untrusted`) and judges it (`model_labs`: the tiny-GPT labs' inputs and reference);
 `delegation` spots a submission that calls the toolkit's own answer; `report` turns a score into text, JSON or
 Gradescope's results.json (every text made harmless first); `classroom` grades a folder of submissions; `release`
-makes the students' copy of labs/ and `student_wheel` the toolkit without the labs' answers.
+makes the students' copy of labs/ and `student_wheel` the toolkit without the labs' answers; `mutation` and
+`mutants` grade each lab's reference mutants with its checks (make test-mutants).
 """
 from .checks import Check, CheckFailed, Judge, check, number, seconds, show, sibling
 from .contract import ContractBroken

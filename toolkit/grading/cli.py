@@ -71,7 +71,7 @@ def _nothing_graded(message: str, fmt: str, output, code: int) -> int:
 def prepare_command(lab) -> int:
     """Build (or find in the cache) the students' toolkit for `lab`, before any grading needs it."""
     from .grader import not_a_lab
-    from .students_build import for_lab
+    from .student_wheel import for_lab
 
     folder = Path(lab)
     if not (folder / "checks.py").is_file():

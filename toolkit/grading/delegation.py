@@ -14,9 +14,9 @@ Two looks, because each misses what the other sees:
 
 Both can be beaten by a student set on cheating (code that rebuilds the function from its bytecode, say);
 what they guarantee is that an import-and-call of the toolkit's answer, the easy way to a full score,
-scores zero and says why. The ranks import the students' build of the toolkit (`students_build.py`, what
-`python -m toolkit release --wheel` builds), where an answer only raises: the watcher is the second line, which
-says why a check scored 0.
+scores zero and says why. The ranks import the students' toolkit (`student_wheel.for_lab`, what `python -m
+toolkit release --wheel` packs), where an answer only raises: the watcher is the second line, which says why a
+check scored 0.
 """
 from __future__ import annotations
 

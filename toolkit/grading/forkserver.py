@@ -20,7 +20,7 @@ zygote (`toolkit/runtime/zygote.py`) serving other children, at two levels:
    forks the launch's *sandbox zygote*. It takes the pipe as stdout and stderr, a session of its own, dies with
    the server, and enters the launch's sandbox (`sandbox.enter`: namespaces, where it forks the namespaces'
    first process and waits for it; limits; `nobody` where root; landlock to the grading's folders), all before
-   anything else. The students' toolkit (`students_build.py`, in the grading's folder) goes first on its path.
+   anything else. The students' toolkit (`student_wheel.for_lab`, in the grading's folder) goes first on its path.
 4. The sandbox zygote forks the launcher (`launcher.main`, told to ask its parent for ranks), then serves
    it as the runtime's zygote does: a keeper per launch, and the keeper forks the ranks. Ranks thus start
    from a process that has torch but never imported `toolkit` (the delegation watcher must see every

@@ -5,7 +5,7 @@ on the instructor's side), `tasks.py` (what the ranks run next to the student's 
 file (`skeleton.py` unless told otherwise). In this process, nothing of the student's runs: the file is
 read as bytes (never through a link), parsed (not run) to find a syntax error or a use of the lab's answers
 (`delegation.py`), and copied into a folder of its own (`session.Box`) with the students' build of the toolkit
-(`students_build.py`); a machine that cannot give it the sandbox promised refuses first (`sandbox.preflight`).
+(`student_wheel.for_lab`); a machine that cannot give it the sandbox promised refuses first (`sandbox.preflight`).
 For each world size the checks ask for, the ranks start there (`session.launch_ranks`), run every check's task
 on inputs made here with a seed drawn for this grading, and send back what they observed; the judges here
 compare it with what they compute (in a lab of point-to-point messages, with what the grader's relay carried).

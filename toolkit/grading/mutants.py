@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import mutation, students_build
+from . import mutation
 from .grader import _first_failure, _verdict, lab_checks
 from .isolation import Sandbox
 from .runner import IMPORT
@@ -133,7 +133,7 @@ def run_lab(lab: Path, chosen=None, *, seed: int = 0, quiet: bool = True) -> Lab
             tasks=(lab / "tasks.py").read_text(), tasks_file=str(lab / "tasks.py"),
             mutants={k: m.source for k, m in enumerate(pool)}))
         source = (lab / "solution.py").read_bytes()
-        with Sandbox() as marked, Box(Path(tmp), source, "solution.py", students_build.for_lab(lab)) as box:
+        with Sandbox() as marked, Box(Path(tmp), source, "solution.py") as box:
             alive = list(range(len(pool)))
             for check in _ordered(checks):
                 for n in check.world_sizes:

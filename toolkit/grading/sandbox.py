@@ -9,7 +9,7 @@ the machine allows it, and named in the report (`describe`):
   namespace with a private /tmp and /dev/shm, an IPC namespace (where the kernel refuses them, /dev/shm is not
   writable under landlock, and what the sandbox's user left in the shared folders is removed after: `sweep`);
 - **landlock** (`landlock.py`, Linux 5.13+): read only the system, Python, the students' build of the toolkit
-  (`students_build.py`) and the grading's code; write only the grading's folder. Never readable, wherever it
+  (`student_wheel.for_lab`) and the grading's code; write only the grading's folder. Never readable, wherever it
   lies (even under a readable tree such as /opt or a site-packages): a full toolkit, with the answers, and the
   lab folder (solutions, hidden checks);
 - **another user** (when grading as root, as Gradescope does): the submission runs as `nobody`. Where that

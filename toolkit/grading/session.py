@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..runtime import zygotes
 from ..runtime.zygote_link import Zygote, ZygoteError
-from . import isolation, namespaces, sandbox, students_build, untrusted, wire
+from . import isolation, namespaces, sandbox, student_wheel, untrusted, wire
 from .overseer import GRACE_S, STARTUP_S, Overseer
 from .relay import Relay
 from .runner import IMPORT, inputs_path, ready_path, result_path
@@ -58,7 +58,7 @@ class Limits:
 
 class Box:
     """The grading's folder. `with Box(lab_dir, source, filename) as box:`; removed on exit. It holds the students'
-    build of the toolkit for the lab (`students_build`: lib/, what the ranks import), and knows who the submission
+    toolkit for the lab (`student_wheel.for_lab`: lib/, what the ranks import), and knows who the submission
     runs as (`user`: None, as the grader) and whether this machine gives a launch namespaces of its own."""
 
     def __init__(self, lab_dir: Path, source: bytes, filename: str):
@@ -72,7 +72,8 @@ class Box:
         self.student.write_bytes(source)
         self.tasks = self.code / "tasks.py"
         shutil.copyfile(lab_dir / "tasks.py", self.tasks)
-        self.lib = students_build.copy_into(students_build.for_lab(lab_dir), self.root / "lib")
+        self.lib = self.root / "lib"  # the students' toolkit (cached once per toolkit and lab), copied
+        shutil.copytree(student_wheel.for_lab(lab_dir) / "toolkit", self.lib / "toolkit")
         self.root.chmod(0o755)
         self.user, self.namespaces = sandbox.other_user(), bool(namespaces.probe())
         sandbox.hand_over([self.work, self.tmp, self.inputs, self.out], self.user)

@@ -159,12 +159,20 @@ def _project() -> Path:
     return project
 
 
+def _package_root() -> Path:
+    """The folder holding the toolkit package that runs here: a checkout, or where it is installed (a student
+    grading with the students' wheel installed, a course's image)."""
+    import toolkit
+
+    return Path(toolkit.__file__).resolve().parent.parent
+
+
 def students_toolkit(answers, builds_on=()) -> Path:
     """A folder holding `toolkit/` with `answers` taken out but for those another lab runs on (`builds_on`): put it
     first on a process's path (PYTHONPATH) and `import toolkit` is the students' toolkit. Built once per content
     (cached under TOOLKIT_STUDENT_CACHE, default ~/.cache/toolkit/students), readable by every user; `LEFT-OUT.txt`
     beside it says what was taken out and what kept."""
-    project = _project()
+    project = _package_root()
     root = CACHE / _fingerprint(project, answers, builds_on)
     if (root / "LEFT-OUT.txt").exists():
         return root
