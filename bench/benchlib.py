@@ -3,6 +3,7 @@
 (The helpers a rank runs, such as the slowest rank's time, stay in each bench: ``toolkit.launch`` ships
 a rank's function by value, and a module imported from bench/ is not importable on the ranks.)
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ def write_section(path: str, title: str, command: str, body: str) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     else:
         end = text.find("\n## ", start + len(title))
-        text = text[:start] + section + ("\n" + text[end + 1:] if end >= 0 else "")
+        text = text[:start] + section + ("\n" + text[end + 1 :] if end >= 0 else "")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write(text)

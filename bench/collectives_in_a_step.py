@@ -9,6 +9,7 @@ call's span runs from its issue to its completion, so it overlaps compute.
 
     python bench/collectives_in_a_step.py --strategy zero3 --world-size 2 --steps 6
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,7 +75,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     a = parser.parse_args(argv)
     steps = toolkit.launch(traced_steps, a.world_size, args=(a.strategy, a.steps), timeout_s=300, quiet=True)[0]
-    print(f"{a.strategy} x{a.world_size}, rank 0: median step {statistics.median(s['step'] for s in steps) * 1e3:.1f} ms")
+    print(
+        f"{a.strategy} x{a.world_size}, rank 0: median step {statistics.median(s['step'] for s in steps) * 1e3:.1f} ms"
+    )
     print("| call | per step | mean ms per call (median over steps) | ms per step |")
     print("| --- | --- | --- | --- |")
     for kind in steps[0]["calls"]:

@@ -17,6 +17,7 @@ with the same ring accounting) and the largest difference between the two sides'
 
     python bench/context_parallel.py [--repeats 7] [--write docs/benchmarks.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,10 +26,10 @@ import statistics
 import sys
 import time
 
+import benchlib  # bench/benchlib.py
 import torch
 import torch.distributed as dist
 
-import benchlib  # bench/benchlib.py
 import toolkit
 
 HEADS, HEAD_DIM, BATCH = 8, 64, 1
@@ -95,8 +96,9 @@ def _torch_ring(q, k, v, method: str):
         @staticmethod
         def backward(ctx, grad):
             query, key, value, out, lse = ctx.saved_tensors
-            return cp._templated_ring_attention_backward(group, 2, backward, grad.contiguous(), "grad_out", query,
-                                                          key, value, out, lse, is_causal=True)[:3]
+            return cp._templated_ring_attention_backward(
+                group, 2, backward, grad.contiguous(), "grad_out", query, key, value, out, lse, is_causal=True
+            )[:3]
 
     cp._cp_options.enable_load_balance = True
     cp._cp_options.rotate_method = cp._RotateMethod.ALL_GATHER if method == "allgather" else cp._RotateMethod.ALL_TO_ALL
@@ -117,17 +119,24 @@ def compare(length: int, repeats: int) -> dict:
     torch.manual_seed(0)
     whole = [torch.randn(BATCH, HEADS, length, HEAD_DIM) for _ in range(4)]
     q, k, v, grad = (split.local(t, dim=2).contiguous() for t in whole)
-    sides = {"toolkit": lambda a, b, c: ring_attention(a, b, c, ring, split),
-             "torch allgather": lambda a, b, c: _torch_ring(a, b, c, "allgather"),
-             "torch alltoall": lambda a, b, c: _torch_ring(a, b, c, "alltoall")}
+    sides = {
+        "toolkit": lambda a, b, c: ring_attention(a, b, c, ring, split),
+        "torch allgather": lambda a, b, c: _torch_ring(a, b, c, "allgather"),
+        "torch alltoall": lambda a, b, c: _torch_ring(a, b, c, "alltoall"),
+    }
     times = {name: [] for name in sides}
     sent, results = {}, {}
     for _ in range(repeats):
         for name, attend in sides.items():  # interleaved: machine noise hits every side alike
             inputs = [t.clone().requires_grad_() for t in (q, k, v)]
             counted = []
-            counter = _FunctionalBytes() if name != "toolkit" else toolkit.comm.listening(
-                lambda kind, event, tensor: counted.append(event["args"]["bytes_sent"]) if kind == "issue" else None)
+            counter = (
+                _FunctionalBytes()
+                if name != "toolkit"
+                else toolkit.comm.listening(
+                    lambda kind, event, tensor: counted.append(event["args"]["bytes_sent"]) if kind == "issue" else None
+                )
+            )
             dist.barrier()
             t0 = time.perf_counter()
             with counter:
@@ -144,22 +153,29 @@ def compare(length: int, repeats: int) -> dict:
 
 
 def run_all(repeats: int, lengths=LENGTHS) -> dict:
-    return {"torch context_parallel": check_torch_context_parallel(),
-            **{length: compare(length, repeats) for length in lengths}}
+    return {
+        "torch context_parallel": check_torch_context_parallel(),
+        **{length: compare(length, repeats) for length in lengths},
+    }
 
 
 def table(results: dict, lengths=LENGTHS) -> str:
-    rows = ["| sequence | toolkit fwd+bwd (ms) | torch allgather (ms) | torch alltoall (ms) | ratio toolkit/allgather | "
-            "ratio toolkit/alltoall | toolkit bytes/rank | torch allgather bytes/rank | torch alltoall bytes/rank | "
-            "largest difference |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| sequence | toolkit fwd+bwd (ms) | torch allgather (ms) | torch alltoall (ms) | ratio toolkit/allgather | "
+        "ratio toolkit/alltoall | toolkit bytes/rank | torch allgather bytes/rank | torch alltoall bytes/rank | "
+        "largest difference |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for length in lengths:
         r = results[length]
         ms = {name: r[name]["seconds"] * 1e3 for name in r}
         worst = max(r[name]["difference"] for name in r)
-        rows.append(f"| {length} | {ms['toolkit']:.1f} | {ms['torch allgather']:.1f} | {ms['torch alltoall']:.1f} | "
-                    f"{ms['toolkit'] / ms['torch allgather']:.2f} | {ms['toolkit'] / ms['torch alltoall']:.2f} | "
-                    f"{r['toolkit']['bytes']:,} | {r['torch allgather']['bytes']:,} | {r['torch alltoall']['bytes']:,} "
-                    f"| {worst:.1e} |")
+        rows.append(
+            f"| {length} | {ms['toolkit']:.1f} | {ms['torch allgather']:.1f} | {ms['torch alltoall']:.1f} | "
+            f"{ms['toolkit'] / ms['torch allgather']:.2f} | {ms['toolkit'] / ms['torch alltoall']:.2f} | "
+            f"{r['toolkit']['bytes']:,} | {r['torch allgather']['bytes']:,} | {r['torch alltoall']['bytes']:,} "
+            f"| {worst:.1e} |"
+        )
     return "\n".join(rows)
 
 
@@ -173,14 +189,17 @@ def main(argv=None) -> None:
     print(f"torch's context_parallel on this machine: {results['torch context_parallel']}\n\n{text}")
     if args.write:
         command = ".venv/bin/python bench/context_parallel.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
-        body = (f"World size 2 (cp 2), gloo on CPU ({platform.machine()}, shared machine), torch {torch.__version__}, "
-                f"one thread per rank; attention alone, causal, fp32, batch {BATCH}, {HEADS} heads of {HEAD_DIM}, "
-                f"zigzag shards on both sides; one forward + backward, median of {args.repeats - 1} interleaved "
-                f"repeats, the slowest rank's. torch's `context_parallel` itself: "
-                f"{results['torch context_parallel']} (its ring handles the CUDA kernels only), so torch's side is its "
-                f"ring templates with the CPU kernel.\n\n{text}")
-        benchlib.write_section(args.write, "## Context parallelism against torch's ring (bench/context_parallel.py)",
-                               command, body)
+        body = (
+            f"World size 2 (cp 2), gloo on CPU ({platform.machine()}, shared machine), torch {torch.__version__}, "
+            f"one thread per rank; attention alone, causal, fp32, batch {BATCH}, {HEADS} heads of {HEAD_DIM}, "
+            f"zigzag shards on both sides; one forward + backward, median of {args.repeats - 1} interleaved "
+            f"repeats, the slowest rank's. torch's `context_parallel` itself: "
+            f"{results['torch context_parallel']} (its ring handles the CUDA kernels only), so torch's side is its "
+            f"ring templates with the CPU kernel.\n\n{text}"
+        )
+        benchlib.write_section(
+            args.write, "## Context parallelism against torch's ring (bench/context_parallel.py)", command, body
+        )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ both alike. Small messages make the fixed per-call cost visible; a large one sho
 
     python bench/door_overhead.py [--world-size 2] [--calls 2000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,9 @@ def main(argv=None):
     print(f"all_reduce, world size {args.world_size}, gloo on {torch.get_num_threads()}-thread CPU ranks")
     print(f"{'elements':>10} {'direct us':>10} {'door us':>10} {'ratio':>7} {'extra us':>9}")
     for numel, (direct, door) in result.items():
-        print(f"{numel:>10} {direct * 1e6:>10.1f} {door * 1e6:>10.1f} {door / direct:>7.3f} "
-              f"{(door - direct) * 1e6:>9.1f}")
+        print(
+            f"{numel:>10} {direct * 1e6:>10.1f} {door * 1e6:>10.1f} {door / direct:>7.3f} {(door - direct) * 1e6:>9.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ gathered units, activations, temporaries), and the largest loss difference (the 
 
     python bench/fsdp.py [--world-size 2] [--steps 10] [--configs default,no-prefetch,prefetch,hsdp] [--write docs/benchmarks.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,10 +26,10 @@ import statistics
 import sys
 import time
 
+import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import torch
 import torch.distributed as dist
 
-import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import toolkit
 from toolkit import parallel
 from toolkit.models import SyntheticCorpus, tiny_gpt
@@ -37,8 +38,12 @@ from toolkit.runtime import env
 MODEL = dict(n_layer=4, d_model=128, n_head=4, vocab_size=256, seq_len=64)
 PER_RANK_BATCH = 8
 LR = 1e-3
-CONFIGS = {"default": {}, "no-prefetch": {"backward_prefetch": False},
-           "prefetch": {"forward_prefetch": True}, "hsdp": {"sharding_group_size": 2}}
+CONFIGS = {
+    "default": {},
+    "no-prefetch": {"backward_prefetch": False},
+    "prefetch": {"forward_prefetch": True},
+    "hsdp": {"sharding_group_size": 2},
+}
 
 
 def _model():
@@ -114,27 +119,37 @@ def bench(names, steps: int, warmup: int = 2):
                     times[side].append(_slowest(seconds))
         x, y = corpus.batch(0, PER_RANK_BATCH * world, rank=rank, world_size=world, device=env.device())
         peaks = {side: _peak(model, opt, x, y) for side, (model, opt) in sides.items()}
-        rows.append({"config": name, "toolkit_s": statistics.median(times["toolkit"]),
-                     "fsdp2_s": statistics.median(times["fsdp2"]), "toolkit_peak": peaks["toolkit"],
-                     "fsdp2_peak": peaks["fsdp2"],
-                     "loss_diff": max(abs(a - b) for a, b in zip(losses["toolkit"], losses["fsdp2"])),
-                     "num_params": _model().num_params()})
+        rows.append(
+            {
+                "config": name,
+                "toolkit_s": statistics.median(times["toolkit"]),
+                "fsdp2_s": statistics.median(times["fsdp2"]),
+                "toolkit_peak": peaks["toolkit"],
+                "fsdp2_peak": peaks["fsdp2"],
+                "loss_diff": max(abs(a - b) for a, b in zip(losses["toolkit"], losses["fsdp2"])),
+                "num_params": _model().num_params(),
+            }
+        )
     return rows
 
 
 def table(rows, world: int) -> str:
-    lines = [f"FSDP vs FSDP2, world size {world}, {'NCCL on GPU' if torch.cuda.is_available() else 'gloo on CPU'} "
-             f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores), torch {torch.__version__}; "
-             f"tiny GPT {MODEL}, {rows[0]['num_params']:,} parameters, {PER_RANK_BATCH} sequences per rank, AdamW, "
-             f"fp32; units: each block, then the root.",
-             "",
-             "| config | toolkit step (ms) | FSDP2 step (ms) | ratio toolkit/FSDP2 | toolkit peak / rank (MB) | "
-             "FSDP2 peak / rank (MB) | max loss difference |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"FSDP vs FSDP2, world size {world}, {'NCCL on GPU' if torch.cuda.is_available() else 'gloo on CPU'} "
+        f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores), torch {torch.__version__}; "
+        f"tiny GPT {MODEL}, {rows[0]['num_params']:,} parameters, {PER_RANK_BATCH} sequences per rank, AdamW, "
+        f"fp32; units: each block, then the root.",
+        "",
+        "| config | toolkit step (ms) | FSDP2 step (ms) | ratio toolkit/FSDP2 | toolkit peak / rank (MB) | "
+        "FSDP2 peak / rank (MB) | max loss difference |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['toolkit_s'] * 1e3:.1f} | {r['fsdp2_s'] * 1e3:.1f} | "
-                     f"{r['toolkit_s'] / r['fsdp2_s']:.2f} | {r['toolkit_peak'] / 1e6:.2f} | "
-                     f"{r['fsdp2_peak'] / 1e6:.2f} | {r['loss_diff']:.1e} |")
+        lines.append(
+            f"| {r['config']} | {r['toolkit_s'] * 1e3:.1f} | {r['fsdp2_s'] * 1e3:.1f} | "
+            f"{r['toolkit_s'] / r['fsdp2_s']:.2f} | {r['toolkit_peak'] / 1e6:.2f} | "
+            f"{r['fsdp2_peak'] / 1e6:.2f} | {r['loss_diff']:.1e} |"
+        )
     return "\n".join(lines)
 
 
@@ -142,8 +157,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--configs", default=None, help=f"comma-separated, from {list(CONFIGS)} "
-                                                        "(default: all; hsdp needs a world size of 4 or more)")
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help=f"comma-separated, from {list(CONFIGS)} (default: all; hsdp needs a world size of 4 or more)",
+    )
     parser.add_argument("--write", help="append the table to this markdown file")
     args = parser.parse_args(argv)
     names = [c for c in (args.configs or ",".join(CONFIGS)).split(",") if c]

@@ -19,6 +19,7 @@ One run prints one short markdown table per part, ready for docs/benchmarks.md (
 
 Nothing here is a test assertion on time: the table is what to read; parity is the one thing checked.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,18 +30,21 @@ import statistics
 import sys
 import time
 
+import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import torch
 
-import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
-
-SKIP = ("make test-gpu: no CUDA device here (torch {torch}, torch.cuda.is_available() is False): the GPU suite "
-        "was skipped. Run it on a machine with an NVIDIA GPU, with a CUDA build of torch installed into .venv "
-        "first (README, 'On a GPU cluster'); `.venv/bin/python bench/gpu_suite.py --cpu-dry-run` runs the same "
-        "code on the CPU.")
+SKIP = (
+    "make test-gpu: no CUDA device here (torch {torch}, torch.cuda.is_available() is False): the GPU suite "
+    "was skipped. Run it on a machine with an NVIDIA GPU, with a CUDA build of torch installed into .venv "
+    "first (README, 'On a GPU cluster'); `.venv/bin/python bench/gpu_suite.py --cpu-dry-run` runs the same "
+    "code on the CPU."
+)
 STRATEGIES = ("dp", "ddp", "zero1", "zero2", "zero3", "fsdp")
 # Small enough for any GPU, large enough that kernels, not launches, dominate a step.
-SIZES = {"gpu": dict(model=dict(n_layer=4, d_model=512, n_head=8), vocab_size=1024, seq_len=256, batch=8),
-         "cpu": dict(model=dict(n_layer=2, d_model=32, n_head=2), vocab_size=64, seq_len=16, batch=2)}
+SIZES = {
+    "gpu": dict(model=dict(n_layer=4, d_model=512, n_head=8), vocab_size=1024, seq_len=256, batch=8),
+    "cpu": dict(model=dict(n_layer=2, d_model=32, n_head=2), vocab_size=64, seq_len=16, batch=2),
+}
 # The simulator's check: one GPT-2-medium-like step in bf16 (the regime the cost model is for).
 SIM_MODEL = dict(n_layer=8, d_model=1024, n_head=16, vocab_size=32768, seq_len=1024)
 PRESETS = {"H100": "dgx-h100", "A100": "dgx-a100", "H200": "dgx-h100 with H200 memory"}
@@ -71,21 +75,39 @@ def _train_rank(config):
     run, state = train(config, return_state=True)
     times = [v for _, v in run.metric("step_time")]
     sample = [s for s in run.samples if s.get("phase") == "optimizer"][-1]
-    measured = {"ledger": sum(sample.get(k, 0) for k in ("params", "grads", "optimizer")),
-                "allocated": torch.cuda.memory_allocated() if on_cuda else 0,
-                "peak": torch.cuda.max_memory_allocated() if on_cuda else 0}
-    comm = [(e["name"], e["args"].get("size_bytes", 0), e["end"] - e["start"]) for e in run.events
-            if e["cat"] == "comm" and e.get("end") is not None]
-    return {"rank": dist.get_rank(), "times": times, "memory": measured, "comm": comm,
-            "state": state if dist.get_rank() == 0 else None}
+    measured = {
+        "ledger": sum(sample.get(k, 0) for k in ("params", "grads", "optimizer")),
+        "allocated": torch.cuda.memory_allocated() if on_cuda else 0,
+        "peak": torch.cuda.max_memory_allocated() if on_cuda else 0,
+    }
+    comm = [
+        (e["name"], e["args"].get("size_bytes", 0), e["end"] - e["start"])
+        for e in run.events
+        if e["cat"] == "comm" and e.get("end") is not None
+    ]
+    return {
+        "rank": dist.get_rank(),
+        "times": times,
+        "memory": measured,
+        "comm": comm,
+        "state": state if dist.get_rank() == 0 else None,
+    }
 
 
 def _config(strategy, options, world, size, steps, mixed):
     from toolkit.train import TrainConfig
 
     options = dict(options, **({"mixed_precision": True} if mixed else {}))
-    return TrainConfig(strategy=strategy, steps=steps, global_batch_size=size["batch"] * world, model=size["model"],
-                       vocab_size=size["vocab_size"], seq_len=size["seq_len"], options=options, progress=False)
+    return TrainConfig(
+        strategy=strategy,
+        steps=steps,
+        global_batch_size=size["batch"] * world,
+        model=size["model"],
+        vocab_size=size["vocab_size"],
+        seq_len=size["seq_len"],
+        options=options,
+        progress=False,
+    )
 
 
 def _max_diff(a, b) -> float:
@@ -97,25 +119,31 @@ def strategies(world, backend, size, steps, mixed):
     import toolkit
 
     launch = functools.partial(toolkit.launch, backend=backend, timeout_s=600)
-    reference = launch(_train_rank, 1, args=(_config("local", {}, 1, dict(size, batch=size["batch"] * world),
-                                                       steps, mixed),))[0]
+    reference = launch(
+        _train_rank, 1, args=(_config("local", {}, 1, dict(size, batch=size["batch"] * world), steps, mixed),)
+    )[0]
     rows, comm = [], []
     for strategy, options in [(s, {}) for s in STRATEGIES] + _model_parallel_layouts(world):
         label = strategy + "".join(f" {k}={v}" for k, v in options.items() if k != "microbatches")
         try:
             ranks = launch(_train_rank, world, args=(_config(strategy, options, world, size, steps, mixed),))
         except Exception as exc:  # noqa: BLE001 - a failing strategy is a row, not the end of the suite
-            rows.append(f"| {label} | {world} | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]} |"
-                        " | | | |")
+            rows.append(
+                f"| {label} | {world} | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]} | | | | |"
+            )
             continue
         diff = _max_diff(ranks[0]["state"], reference["state"])
         step = statistics.median(t for r in ranks for t in r["times"][1:]) * 1e3
         mem = ranks[0]["memory"]
-        rows.append(f"| {label} | {world} | {diff:.2e} | {step:.1f} | {mem['ledger'] / 2**20:.1f} | "
-                    f"{mem['allocated'] / 2**20:.1f} | {mem['peak'] / 2**20:.1f} |")
+        rows.append(
+            f"| {label} | {world} | {diff:.2e} | {step:.1f} | {mem['ledger'] / 2**20:.1f} | "
+            f"{mem['allocated'] / 2**20:.1f} | {mem['peak'] / 2**20:.1f} |"
+        )
         comm += [c for r in ranks for c in r["comm"]]
-    header = ("| strategy | world | max abs param diff vs local | median step (ms) | ledger MiB | "
-              "cuda allocated MiB | cuda peak MiB |\n|---|---|---|---|---|---|---|")
+    header = (
+        "| strategy | world | max abs param diff vs local | median step (ms) | ledger MiB | "
+        "cuda allocated MiB | cuda peak MiB |\n|---|---|---|---|---|---|---|"
+    )
     return header + "\n" + "\n".join(rows), comm
 
 
@@ -169,8 +197,13 @@ def _h200():
 
     from toolkit.sim.hardware import GPUS, cluster_of
 
-    gpu = dataclasses.replace(GPUS["h100-sxm"], name="H200 SXM 141GB", memory_bytes=141e9, memory_bandwidth=4.8e12,
-                              source=GPUS["h100-sxm"].source + "; memory: NVIDIA H200 datasheet")
+    gpu = dataclasses.replace(
+        GPUS["h100-sxm"],
+        name="H200 SXM 141GB",
+        memory_bytes=141e9,
+        memory_bandwidth=4.8e12,
+        source=GPUS["h100-sxm"].source + "; memory: NVIDIA H200 datasheet",
+    )
     return cluster_of("dgx-h100", gpu=gpu)
 
 
@@ -187,12 +220,21 @@ def simulator(backend, steps, dry_run) -> str:
     kwargs = dict(SIM_MODEL, n_layer=2, d_model=64, n_head=2, vocab_size=256, seq_len=64) if dry_run else SIM_MODEL
     batch = 2 if dry_run else 8
     measured = toolkit.launch(_measured_step, 1, args=(kwargs, batch, steps), backend=backend, timeout_s=600)[0]
-    sim = simulate(functools.partial(tiny_gpt, **kwargs), "ddp", world_size=1, batch_per_rank=batch,
-                               mixed_precision=True, cluster=cluster, progress=False)
+    sim = simulate(
+        functools.partial(tiny_gpt, **kwargs),
+        "ddp",
+        world_size=1,
+        batch_per_rank=batch,
+        mixed_precision=True,
+        cluster=cluster,
+        progress=False,
+    )
     error = (sim.step_time - measured) / measured
-    return ("| model | batch | preset | predicted step (ms) | measured step (ms) | error |\n|---|---|---|---|---|---|\n"
-            f"| GPT {kwargs['n_layer']}x{kwargs['d_model']}, seq {kwargs['seq_len']} | {batch} | {preset} | "
-            f"{sim.step_time * 1e3:.1f} | {measured * 1e3:.1f} | {error:+.0%} |")
+    return (
+        "| model | batch | preset | predicted step (ms) | measured step (ms) | error |\n|---|---|---|---|---|---|\n"
+        f"| GPT {kwargs['n_layer']}x{kwargs['d_model']}, seq {kwargs['seq_len']} | {batch} | {preset} | "
+        f"{sim.step_time * 1e3:.1f} | {measured * 1e3:.1f} | {error:+.0%} |"
+    )
 
 
 # --- 4. beside torch ----------------------------------------------------------------------------------
@@ -240,8 +282,10 @@ def peers(world, backend, size, steps) -> str:
     lines = ["| toolkit | torch | world | toolkit step (ms) | torch step (ms) | ratio |", "|---|---|---|---|---|---|"]
     for pair, peer in (("ddp", "DDP"), ("fsdp", "FSDP2")):
         got = toolkit.launch(_side_by_side, world, args=(pair, size, steps), backend=backend, timeout_s=600)[0]
-        lines.append(f"| {pair} | {peer} | {world} | {got['toolkit'] * 1e3:.1f} | {got['torch'] * 1e3:.1f} | "
-                     f"{got['toolkit'] / got['torch']:.2f} |")
+        lines.append(
+            f"| {pair} | {peer} | {world} | {got['toolkit'] * 1e3:.1f} | {got['torch'] * 1e3:.1f} | "
+            f"{got['toolkit'] / got['torch']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -258,8 +302,11 @@ def main(argv=None) -> int:
     world = 2 if dry else torch.cuda.device_count()
     backend = "gloo" if dry else "nccl"
     size = SIZES["cpu" if dry else "gpu"]
-    where = "CPU dry run (gloo), not a measurement" if dry else (
-        f"{torch.cuda.get_device_name()} x{world}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    where = (
+        "CPU dry run (gloo), not a measurement"
+        if dry
+        else (f"{torch.cuda.get_device_name()} x{world}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    )
     parts = [f"Device: {where}."]
     table, comm = strategies(world, backend, size, args.steps, mixed=not dry)
     parts += ["Strategies (bf16 mixed precision on the GPU):", table]

@@ -14,6 +14,7 @@ says how busy the neighbours were.
 
     .venv/bin/python bench/launch.py [--worlds 2 4] [--next 4] [--repeats 3] [--write docs/benchmarks.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,16 +49,22 @@ def _measure(mode: str, world_size: int, launches: int) -> tuple[float, list[flo
     if mode != "fresh":
         env.pop("TOOLKIT_LAUNCH_EXEC", None)
     with tempfile.TemporaryFile() as err:  # its stderr, said if it fails (a file: wait4 must reap it, not a reader)
-        proc = subprocess.Popen([sys.executable, __file__, "--child", str(world_size), str(launches)], env=env,
-                                stdout=subprocess.PIPE, stderr=err, cwd=ROOT)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", str(world_size), str(launches)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            cwd=ROOT,
+        )
         out = proc.stdout.read()
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode != 0:
             err.seek(0)
             why = err.read().decode(errors="replace").strip()[-4000:] or "(it printed nothing on stderr)"
-            raise RuntimeError(f"{mode} at world {world_size} with {launches} launches ended with {proc.returncode}:"
-                               f"\n{why}")
+            raise RuntimeError(
+                f"{mode} at world {world_size} with {launches} launches ended with {proc.returncode}:\n{why}"
+            )
     return usage.ru_utime + usage.ru_stime, json.loads(out)
 
 
@@ -76,8 +83,11 @@ def bench(worlds, next_launches: int, repeats: int) -> dict:
                 row["next_cpu"].append((many - one) / next_launches)
                 row["first_wall"].append(statistics.mean([walls_one[0], walls[0]]))
                 row["next_wall"].append(statistics.median(walls[1:]))
-                print(f"repeat {repeat} {mode:>6} world {w}: first {one - none:.2f} CPU s, next "
-                      f"{row['next_cpu'][-1]:.2f} CPU s / {row['next_wall'][-1]:.2f} s wall", file=sys.stderr)
+                print(
+                    f"repeat {repeat} {mode:>6} world {w}: first {one - none:.2f} CPU s, next "
+                    f"{row['next_cpu'][-1]:.2f} CPU s / {row['next_wall'][-1]:.2f} s wall",
+                    file=sys.stderr,
+                )
     return rows
 
 
@@ -85,14 +95,19 @@ def table(rows: dict, worlds) -> str:
     def cell(values):
         return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
-    lines = ["| world | ranks start as | first launch: CPU s | its wall s | next launches: CPU s each | wall s each "
-             "| next: CPU ratio zygote / fresh |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| world | ranks start as | first launch: CPU s | its wall s | next launches: CPU s each | wall s each "
+        "| next: CPU ratio zygote / fresh |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for w in worlds:
         for mode in MODES:
             r = rows[(mode, w)]
             ratio = statistics.median(r["next_cpu"]) / statistics.median(rows[("fresh", w)]["next_cpu"])
-            lines.append(f"| {w} | {mode} | {cell(r['first_cpu'])} | {cell(r['first_wall'])} | {cell(r['next_cpu'])} "
-                         f"| {cell(r['next_wall'])} | {ratio:.2f} |")
+            lines.append(
+                f"| {w} | {mode} | {cell(r['first_cpu'])} | {cell(r['first_wall'])} | {cell(r['next_cpu'])} "
+                f"| {cell(r['next_wall'])} | {ratio:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -109,15 +124,21 @@ def main(argv=None) -> None:
         return
     load = os.getloadavg()[0]
     text = table(bench(args.worlds, args.next, args.repeats), args.worlds)
-    text += (f"\n\nMedian (min-max) over {args.repeats} repeats; load average {load:.1f} at the start, "
-             f"{os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores.")
+    text += (
+        f"\n\nMedian (min-max) over {args.repeats} repeats; load average {load:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores."
+    )
     print(text)
     if args.write:
         sys.path.insert(0, HERE)
         from benchlib import write_section
 
-        write_section(args.write, "## Starting ranks: fresh interpreters against the zygote (bench/launch.py)",
-                      "python bench/launch.py " + " ".join(argv if argv is not None else sys.argv[1:]), text)
+        write_section(
+            args.write,
+            "## Starting ranks: fresh interpreters against the zygote (bench/launch.py)",
+            "python bench/launch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            text,
+        )
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ there is no pipeline.
 
     .venv/bin/python bench/megatron_table.py [--rows 1,2] [--plain] [--write docs/benchmarks.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,18 +47,33 @@ SECTION = "## Megatron-LM's weak-scaling table, predicted (bench/megatron_table.
 VOCAB, SEQ = 51200, 2048
 # params (B), heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU (Narayanan et al., SC21, Table 1)
 TABLE = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
 FIELDS = ("params", "heads", "hidden", "layers", "tp", "pp", "gpus", "batch", "paper")
 # what the table leaves out, from the paper's artifact (examples/sc21/run_table_1.sh, NVIDIA/Megatron-LM de7dc40):
 # micro-batch size, --DDP-impl, --num-layers-per-virtual-pipeline-stage (None: plain 1F1B); every row
 # --activations-checkpoint-method uniform (each layer recomputed), --fp16, --clip-grad 1.0
-ARTIFACT = [(16, "torch", None), (16, "torch", None), (16, "torch", None), (8, "torch", None), (4, "local", None),
-            (2, "local", 5), (2, "local", 5), (1, "local", 3), (1, "local", 1), (1, "local", None)]
+ARTIFACT = [
+    (16, "torch", None),
+    (16, "torch", None),
+    (16, "torch", None),
+    (8, "torch", None),
+    (4, "local", None),
+    (2, "local", 5),
+    (2, "local", 5),
+    (1, "local", 3),
+    (1, "local", 1),
+    (1, "local", None),
+]
 TOLERANCE = 0.15
 
 
@@ -78,8 +94,22 @@ def configuration(r: dict, micro_batch: int, ddp: str, per_virtual: int | None =
 def figure_15(tp: int, batch: int = 32) -> dict:
     """Figure 15's runs (examples/sc21/run_figure_15.sh): a 5.9B GPT (hidden 3840, 32 heads, 32 layers) on 64
     GPUs as tp x dp, micro-batches of 1, Megatron's local DDP. The paper: the per-GPU rate falls as tp grows."""
-    return configuration(dict(params=5.9, heads=32, hidden=3840, layers=32, tp=tp, pp=1, gpus=64, batch=batch,
-                              paper=None, row=f"fig15 tp={tp}"), 1, "local")
+    return configuration(
+        dict(
+            params=5.9,
+            heads=32,
+            hidden=3840,
+            layers=32,
+            tp=tp,
+            pp=1,
+            gpus=64,
+            batch=batch,
+            paper=None,
+            row=f"fig15 tp={tp}",
+        ),
+        1,
+        "local",
+    )
 
 
 def paper_flops(r: dict, recomputed: bool = True) -> float:
@@ -104,8 +134,22 @@ def figure_13(pp: int, batch: int = 128) -> dict:
     """Figure 13's runs (examples/sc21/run_figure_13.sh): a 162.2B GPT (hidden 20480, 128 heads, 32 layers) on
     64 GPUs as pp x tp (tp = 64 / pp), micro-batches of 1, local DDP. The paper: the best is tp = 8, pp = 8 (tp
     as wide as a node, the pipeline across nodes), at batch 32 and 128."""
-    return configuration(dict(params=162.2, heads=128, hidden=20480, layers=32, tp=64 // pp, pp=pp, gpus=64,
-                              batch=batch, paper=None, row=f"fig13 pp={pp}"), 1, "local")
+    return configuration(
+        dict(
+            params=162.2,
+            heads=128,
+            hidden=20480,
+            layers=32,
+            tp=64 // pp,
+            pp=pp,
+            gpus=64,
+            batch=batch,
+            paper=None,
+            row=f"fig13 pp={pp}",
+        ),
+        1,
+        "local",
+    )
 
 
 def layout(r: dict, plain: bool = False) -> dict:
@@ -138,15 +182,24 @@ def unsupported(r: dict) -> str | None:
     world = r["tp"] * r["pp"]
     try:
         tiny = dict(options, microbatches=r["pp"]) if r["pp"] > 1 else options
-        simulate(functools.partial(tiny_gpt, n_layer=2 * r["pp"] * r["virtual_stages"], n_head=r["tp"],
-                                   d_model=8 * r["tp"]), "ddp", world, ranks_per_node=min(world, 8), warmup=False,
-                 batch_per_rank=r["pp"], progress=False, **tiny)
+        simulate(
+            functools.partial(tiny_gpt, n_layer=2 * r["pp"] * r["virtual_stages"], n_head=r["tp"], d_model=8 * r["tp"]),
+            "ddp",
+            world,
+            ranks_per_node=min(world, 8),
+            warmup=False,
+            batch_per_rank=r["pp"],
+            progress=False,
+            **tiny,
+        )
     except (TypeError, ValueError, NotImplementedError, ImportError) as exc:
         text = str(exc)
         if not any(s in text for s in ("unknown option", "unexpected keyword", "not implemented", "No module")):
             raise  # the layout exists but fails: a defect to see, not a row to skip
-        return (f"the simulator cannot run tp={r['tp']}, pp={r['pp']} yet (toolkit.parallel.wrap: "
-                f"{type(exc).__name__}: {text.splitlines()[0][:140]})")
+        return (
+            f"the simulator cannot run tp={r['tp']}, pp={r['pp']} yet (toolkit.parallel.wrap: "
+            f"{type(exc).__name__}: {text.splitlines()[0][:140]})"
+        )
     return None
 
 
@@ -167,40 +220,79 @@ def predict(r: dict, cluster="dgx-a100", plain: bool = False) -> dict:
     stages = r["pp"] * options.get("virtual_stages", 1)
     per_stage = r["layers"] // stages
     at = BASE if stages == 1 else PIPELINE_BASE if per_stage > PIPELINE_BASE[-1] else (per_stage,)
-    sims = [simulate(functools.partial(model, n * stages, r["heads"], r["hidden"], plain), "ddp", r["gpus"],
-                     optimizer=torch.optim.AdamW if plain else FusedAdamW, batch_per_rank=r["batch"] // r["dp"],
-                     mixed_precision=True, progress=False, cluster=cluster, **options) for n in at]
+    sims = [
+        simulate(
+            functools.partial(model, n * stages, r["heads"], r["hidden"], plain),
+            "ddp",
+            r["gpus"],
+            optimizer=torch.optim.AdamW if plain else FusedAdamW,
+            batch_per_rank=r["batch"] // r["dp"],
+            mixed_precision=True,
+            progress=False,
+            cluster=cluster,
+            **options,
+        )
+        for n in at
+    ]
     out = extrapolate(*sims, per_stage, at) if len(sims) == 2 else extrapolate(sims[0], sims[0], per_stage, (0, 1))
     b = out["breakdown"]
     predicted = paper_flops(r) / b["step"] / r["gpus"] / 1e12
     band = {end: paper_flops(r) / seconds / r["gpus"] / 1e12 for end, seconds in out["band"].items()}
     peak = sims[0].cost.cluster.gpu.flops_per_s("bf16") * r["gpus"] * b["step"]
-    return dict(r, step_time=b["step"], predicted=predicted, error=predicted / r["paper"] - 1 if r["paper"] else None,
-                band=band, hfu=paper_flops(r) / peak, mfu=paper_flops(r, recomputed=False) / peak, breakdown=b,
-                fit=out["fit"], cpu_s=time.process_time() - start, plain=plain,
-                top=[(o["name"], o["seconds"]) for o in sims[-1].cost.per_op()[:4]])
+    return dict(
+        r,
+        step_time=b["step"],
+        predicted=predicted,
+        error=predicted / r["paper"] - 1 if r["paper"] else None,
+        band=band,
+        hfu=paper_flops(r) / peak,
+        mfu=paper_flops(r, recomputed=False) / peak,
+        breakdown=b,
+        fit=out["fit"],
+        cpu_s=time.process_time() - start,
+        plain=plain,
+        top=[(o["name"], o["seconds"]) for o in sims[-1].cost.per_op()[:4]],
+    )
 
 
 def table(results: list) -> str:
-    lines = ["| row | model | tp x pp x dp | micro-batch x count | DDP, schedule | paper TFLOP/s | predicted (band) | "
-             "error | step (s) | GEMM | attention + memory-bound | exposed comm | bubble + p2p | MFU / HFU | "
-             "peak memory |", "| --- " * 15 + "|"]
+    lines = [
+        "| row | model | tp x pp x dp | micro-batch x count | DDP, schedule | paper TFLOP/s | predicted (band) | "
+        "error | step (s) | GEMM | attention + memory-bound | exposed comm | bubble + p2p | MFU / HFU | "
+        "peak memory |",
+        "| --- " * 15 + "|",
+    ]
     for r in results:
         options = layout(r, r.get("plain", False))
-        schedule = "-" if r["pp"] == 1 else (f"interleaved v={options['virtual_stages']}" if "virtual_stages" in options
-                                             else "1f1b")
-        cells = [r["row"], f"{r['params']}B", f"{r['tp']} x {r['pp']} x {r['dp']}",
-                 f"{r['micro_batch']} x {r['microbatches']}", f"{r['ddp']}, {schedule}", r["paper"]]
+        schedule = (
+            "-"
+            if r["pp"] == 1
+            else (f"interleaved v={options['virtual_stages']}" if "virtual_stages" in options else "1f1b")
+        )
+        cells = [
+            r["row"],
+            f"{r['params']}B",
+            f"{r['tp']} x {r['pp']} x {r['dp']}",
+            f"{r['micro_batch']} x {r['microbatches']}",
+            f"{r['ddp']}, {schedule}",
+            r["paper"],
+        ]
         if "skipped" in r:
             cells += ["-"] * 8 + [r["skipped"]]
         else:
             fit, b, band = r["fit"], r["breakdown"], r["band"]
             share = {k: v / b["step"] for k, v in b.items()}
-            cells += [f"{r['predicted']:.0f} ({band['worst']:.0f}-{band['best']:.0f})", f"{r['error']:+.0%}",
-                      f"{r['step_time']:.2f}", f"{share['gemm']:.0%}",
-                      f"{share['attention'] + share['memory_bound']:.0%}", f"{share['exposed_comm']:.0%}",
-                      f"{share.get('bubble', 0) + share.get('p2p', 0):.0%}", f"{r['mfu']:.0%} / {r['hfu']:.0%}",
-                      f"{fit.peak / 1e9:.0f} GB{'' if fit.fits else ' (over the 80 GB)'}"]
+            cells += [
+                f"{r['predicted']:.0f} ({band['worst']:.0f}-{band['best']:.0f})",
+                f"{r['error']:+.0%}",
+                f"{r['step_time']:.2f}",
+                f"{share['gemm']:.0%}",
+                f"{share['attention'] + share['memory_bound']:.0%}",
+                f"{share['exposed_comm']:.0%}",
+                f"{share.get('bubble', 0) + share.get('p2p', 0):.0%}",
+                f"{r['mfu']:.0%} / {r['hfu']:.0%}",
+                f"{fit.peak / 1e9:.0f} GB{'' if fit.fits else ' (over the 80 GB)'}",
+            ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -231,12 +323,15 @@ def main(argv=None) -> int:
     done = [r for r in results if "skipped" not in r]
     within = sum(abs(r["error"]) <= TOLERANCE for r in done)
     paper, predicted = trend(results)
-    body += (f"\n\n{within} of {len(done)} rows predicted within {TOLERANCE:.0%} "
-             f"({len(results) - len(done)} not predicted: the reason is in the row)"
-             + ("" if paper != paper else f"; rows 7-10 over rows 1-4: paper {paper:.2f}, predicted {predicted:.2f}")
-             + ". The band: every published measurement at the worst and at the best end of its sources' spread "
-             "(toolkit.sim.published). The slowest operations in each predicted row's deeper simulation: "
-             + "; ".join(f"row {r['row']}: " + ", ".join(f"{n} {s:.2f} s" for n, s in r["top"]) for r in done) + ".")
+    body += (
+        f"\n\n{within} of {len(done)} rows predicted within {TOLERANCE:.0%} "
+        f"({len(results) - len(done)} not predicted: the reason is in the row)"
+        + ("" if paper != paper else f"; rows 7-10 over rows 1-4: paper {paper:.2f}, predicted {predicted:.2f}")
+        + ". The band: every published measurement at the worst and at the best end of its sources' spread "
+        "(toolkit.sim.published). The slowest operations in each predicted row's deeper simulation: "
+        + "; ".join(f"row {r['row']}: " + ", ".join(f"{n} {s:.2f} s" for n, s in r["top"]) for r in done)
+        + "."
+    )
     print(body)
     if args.write:
         title = SECTION if not args.plain else SECTION.replace("predicted", "predicted, plain configuration")

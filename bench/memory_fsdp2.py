@@ -16,6 +16,7 @@ Mixed precision is FSDP2's `MixedPrecisionPolicy(param_dtype=bfloat16)` (reduced
 toolkit's `mixed_precision=True`; activation checkpointing wraps the same blocks' forward in
 `torch.utils.checkpoint` (non-reentrant) on both sides.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,13 +40,22 @@ CASES = [  # (label, model, strategy, world, mixed precision, activation checkpo
 ]
 GPT3 = ("GPT-3 175B, checkpointing", dict(GPT3_WIDTH, n_layer=96), "fsdp", 512, True, True)  # issue 21's case
 TARGET = 1.05  # the toolkit's peak at most 5% above FSDP2's
-BEFORE = ("Before issue 21's fixes (main at 3040d05, this bench): 1.132, 0.751, 1.249, 1.035 and 1.006 (zero3's peak "
-          "then its optimizer step), in the order above, and GPT-3 175B 59.69 GB (2.28x; main at 77670e7); "
-          "tests/test_sim_memory.py holds three small cases that read 1.205, 1.095 and 1.148 then.")
+BEFORE = (
+    "Before issue 21's fixes (main at 3040d05, this bench): 1.132, 0.751, 1.249, 1.035 and 1.006 (zero3's peak "
+    "then its optimizer step), in the order above, and GPT-3 175B 59.69 GB (2.28x; main at 77670e7); "
+    "tests/test_sim_memory.py holds three small cases that read 1.205, 1.095 and 1.148 then."
+)
 
 
-def fsdp2_peak(model_fn, world_size: int, *, mixed_precision: bool = True, activation_checkpointing: bool = False,
-               batch_per_rank: int = 1, steps: int = 2) -> dict:
+def fsdp2_peak(
+    model_fn,
+    world_size: int,
+    *,
+    mixed_precision: bool = True,
+    activation_checkpointing: bool = False,
+    batch_per_rank: int = 1,
+    steps: int = 2,
+) -> dict:
     """FSDPMemTracker's snapshot at the peak of the last of `steps` steps: {category: bytes, "Total": bytes}."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -80,14 +90,28 @@ def fsdp2_peak(model_fn, world_size: int, *, mixed_precision: bool = True, activ
     return {str(k).replace("_FSDPRefType.", ""): v for k, v in snapshot.items()}
 
 
-def toolkit_peak(model_fn, strategy: str, world_size: int, *, mixed_precision: bool = True,
-                 activation_checkpointing: bool = False, batch_per_rank: int = 1):
+def toolkit_peak(
+    model_fn,
+    strategy: str,
+    world_size: int,
+    *,
+    mixed_precision: bool = True,
+    activation_checkpointing: bool = False,
+    batch_per_rank: int = 1,
+):
     """The simulated rank 0 of the toolkit's `strategy` (a Simulation: .peak, .peak_memory, .peak_moment)."""
     from toolkit.sim import simulate
 
     options = {"activation_checkpointing": True} if activation_checkpointing else {}
-    return simulate(model_fn, strategy, world_size, mixed_precision=mixed_precision, batch_per_rank=batch_per_rank,
-                    progress=False, **options)
+    return simulate(
+        model_fn,
+        strategy,
+        world_size,
+        mixed_precision=mixed_precision,
+        batch_per_rank=batch_per_rank,
+        progress=False,
+        **options,
+    )
 
 
 def run(cases=CASES) -> list[dict]:
@@ -99,22 +123,35 @@ def run(cases=CASES) -> list[dict]:
         start = time.perf_counter()
         reference = fsdp2_peak(model_fn, world, mixed_precision=mixed, activation_checkpointing=checkpointing)
         sim = toolkit_peak(model_fn, strategy, world, mixed_precision=mixed, activation_checkpointing=checkpointing)
-        rows.append(dict(label=label, strategy=strategy, world=world, checkpointing=checkpointing,
-                         fsdp2=reference["Total"], toolkit=sim.peak, ratio=sim.peak / reference["Total"],
-                         moment=f"{sim.peak_moment.get('pass', '')} {sim.peak_moment.get('module', '')}".strip(),
-                         seconds=time.perf_counter() - start))
+        rows.append(
+            dict(
+                label=label,
+                strategy=strategy,
+                world=world,
+                checkpointing=checkpointing,
+                fsdp2=reference["Total"],
+                toolkit=sim.peak,
+                ratio=sim.peak / reference["Total"],
+                moment=f"{sim.peak_moment.get('pass', '')} {sim.peak_moment.get('module', '')}".strip(),
+                seconds=time.perf_counter() - start,
+            )
+        )
         print(_line(rows[-1]), flush=True)
     return rows
 
 
 def _line(r: dict) -> str:
-    return (f"| {r['label']} | {r['strategy']} | {r['world']} | {r['fsdp2'] / 1e9:.3f} GB | {r['toolkit'] / 1e9:.3f} GB "
-            f"| {r['ratio']:.3f} | {r['moment']} |")
+    return (
+        f"| {r['label']} | {r['strategy']} | {r['world']} | {r['fsdp2'] / 1e9:.3f} GB | {r['toolkit'] / 1e9:.3f} GB "
+        f"| {r['ratio']:.3f} | {r['moment']} |"
+    )
 
 
 def table(rows) -> str:
-    head = ("| model | toolkit | ranks | FSDP2 + FSDPMemTracker | toolkit (simulated) | toolkit / FSDP2 | toolkit's peak |\n"
-            "|---|---|---:|---:|---:|---:|---|")
+    head = (
+        "| model | toolkit | ranks | FSDP2 + FSDPMemTracker | toolkit (simulated) | toolkit / FSDP2 | toolkit's peak |\n"
+        "|---|---|---:|---:|---:|---:|---|"
+    )
     return "\n".join([head, *map(_line, rows)])
 
 
@@ -131,12 +168,17 @@ def main(argv=None) -> int:
     if args.write:
         import benchlib
 
-        notes = (f"\n\nbf16 mixed precision, AdamW, one sequence per rank; FSDP2 shards every block, then the root; "
-                 f"the toolkit's zero3 makes a unit of every module that owns parameters (smaller units: less "
-                 f"gathered at once). Highest ratio {worst:.3f} (target <= {TARGET}). {BEFORE}")
-        benchlib.write_section(args.write, "## Peak memory against FSDP2 (bench/memory_fsdp2.py)",
-                               f"python bench/memory_fsdp2.py{' --gpt3' * args.gpt3} --write docs/benchmarks.md",
-                               text + notes)
+        notes = (
+            f"\n\nbf16 mixed precision, AdamW, one sequence per rank; FSDP2 shards every block, then the root; "
+            f"the toolkit's zero3 makes a unit of every module that owns parameters (smaller units: less "
+            f"gathered at once). Highest ratio {worst:.3f} (target <= {TARGET}). {BEFORE}"
+        )
+        benchlib.write_section(
+            args.write,
+            "## Peak memory against FSDP2 (bench/memory_fsdp2.py)",
+            f"python bench/memory_fsdp2.py{' --gpt3' * args.gpt3} --write docs/benchmarks.md",
+            text + notes,
+        )
     return 0 if worst <= TARGET else 1
 
 

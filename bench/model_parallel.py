@@ -9,6 +9,7 @@ activation's gradient; the loss's two (N, V/t) fp32 buffers; each tp rank sendin
 
     .venv/bin/python bench/model_parallel.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ import toolkit  # noqa: E402
 def measure(directory: str) -> dict | None:
     import torch.distributed as dist
 
-    found = {"embedding": checks.embedding_bytes(), "loss": checks.cross_entropy_backward_memory(),
-             "sends": checks.pipeline_sends(), "fsdp": checks.fsdp_kept_gathered()}
+    found = {
+        "embedding": checks.embedding_bytes(),
+        "loss": checks.cross_entropy_backward_memory(),
+        "sends": checks.pipeline_sends(),
+        "fsdp": checks.fsdp_kept_gathered(),
+    }
     return found if dist.get_rank() == 0 else None
 
 
@@ -41,17 +46,32 @@ def rows(found: dict) -> list[tuple]:
     units = kept[3]
     whole = sum(4 * padded for padded, _ in units)
     return [
-        (f"embedding forward under sequence parallelism, tp {t} (b 8, s 32, h 32, fp32): bytes sent per rank",
-         plain_fw, split_fw),
-        ("  and its backward (the activation's gradient all-gathered; now also the positions')",
-         (t - 1) / t * 8 * 32 * 32 * 4, split_bw),
-        ("vocabulary-parallel loss backward, (256, 512) fp32 logits: bytes allocated at its peak (MemTracker)",
-         2 * buffer, allocated),
-        ("pipeline send bytes per tp rank, pp 2 x tp 2, m 4, one step (activations)", 2 * sends["activation"],
-         sends["activation"]),
+        (
+            f"embedding forward under sequence parallelism, tp {t} (b 8, s 32, h 32, fp32): bytes sent per rank",
+            plain_fw,
+            split_fw,
+        ),
+        (
+            "  and its backward (the activation's gradient all-gathered; now also the positions')",
+            (t - 1) / t * 8 * 32 * 32 * 4,
+            split_bw,
+        ),
+        (
+            "vocabulary-parallel loss backward, (256, 512) fp32 logits: bytes allocated at its peak (MemTracker)",
+            2 * buffer,
+            allocated,
+        ),
+        (
+            "pipeline send bytes per tp rank, pp 2 x tp 2, m 4, one step (activations)",
+            2 * sends["activation"],
+            sends["activation"],
+        ),
         ("  and the receiving stage's all-gather inside its tp group", 0, gathers),
-        (f"fsdp x pp 2, m {m}: all-gather bytes per rank and step (reshard_after_forward=False keeps units)",
-         per_micro[0], kept[0]),
+        (
+            f"fsdp x pp 2, m {m}: all-gather bytes per rank and step (reshard_after_forward=False keeps units)",
+            per_micro[0],
+            kept[0],
+        ),
         ("  parameter bytes between a step's actions on this rank (the ledger)", per_micro[2][0], kept[2][0]),
         ("  of which the stage's units held whole", 0, whole),
     ]

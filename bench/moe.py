@@ -18,6 +18,7 @@ the toolkit's layer.
 
     python bench/moe.py [--world-size 2] [--repeats 15] [--write docs/benchmarks.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,10 +29,10 @@ import sys
 import time
 import traceback
 
+import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import torch
 import torch.distributed as dist
 
-import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import toolkit
 
 CONFIGS = {  # name -> d_model, d_ff, experts per rank, tokens per rank; top-2, capacity factor 1.25
@@ -45,7 +46,7 @@ SECTION = "## MoE layer: toolkit vs DeepSpeed (bench/moe.py)"
 
 # --- DeepSpeed, if it is there -------------------------------------------------------------------------
 def deepspeed_status() -> str:
-    """"" when deepspeed imports, else why not (checked in the launcher, before any rank starts)."""
+    """ "" when deepspeed imports, else why not (checked in the launcher, before any rank starts)."""
     try:
         import deepspeed  # noqa: F401
         from deepspeed.moe.layer import MoE  # noqa: F401
@@ -63,9 +64,18 @@ def _deepspeed_layer(mine, world: int):
         dscomm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
     d, ff = mine.d_model, mine.d_ff
     expert = torch.nn.Sequential(torch.nn.Linear(d, ff), torch.nn.GELU(), torch.nn.Linear(ff, d))
-    layer = DeepSpeedMoE(d, expert, num_experts=mine.num_experts, ep_size=world, k=mine.top_k,
-                         capacity_factor=mine.gate.capacity_factor, eval_capacity_factor=mine.gate.capacity_factor,
-                         min_capacity=1, use_rts=False, top2_2nd_expert_sampling=False)
+    layer = DeepSpeedMoE(
+        d,
+        expert,
+        num_experts=mine.num_experts,
+        ep_size=world,
+        k=mine.top_k,
+        capacity_factor=mine.gate.capacity_factor,
+        eval_capacity_factor=mine.gate.capacity_factor,
+        min_capacity=1,
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
+    )
     layer.set_deepspeed_parallelism()
     with torch.no_grad():
         layer.deepspeed_moe.gate.wg.weight.copy_(mine.gate.router.weight)
@@ -124,8 +134,11 @@ def _share(events, rank):
     """Per timed pass on this rank: (share of its time inside all-to-alls, seconds by role)."""
     shares, roles = [], {}
     for span in (e for e in events if e["name"] == "bench/toolkit"):
-        inside = [e for e in events if e["cat"] == "comm" and e["name"] == "all_to_all"
-                  and span["start"] <= e["start"] <= span["end"]]
+        inside = [
+            e
+            for e in events
+            if e["cat"] == "comm" and e["name"] == "all_to_all" and span["start"] <= e["start"] <= span["end"]
+        ]
         total = span["end"] - span["start"]
         shares.append(sum(e["end"] - e["start"] for e in inside) / total)
         for e in inside:
@@ -154,7 +167,8 @@ def bench(configs, repeats: int, warmup: int, deepspeed_reason: str):
                 row["deepspeed"] = deepspeed_reason = (
                     f"DeepSpeed's MoE layer failed on CPU/gloo: {type(exc).__name__}: {exc} "
                     f"(at {traceback.extract_tb(exc.__traceback__)[-1].filename.split('site-packages/')[-1]}:"
-                    f"{traceback.extract_tb(exc.__traceback__)[-1].lineno})")
+                    f"{traceback.extract_tb(exc.__traceback__)[-1].lineno})"
+                )
         x = torch.randn(cfg["tokens"], cfg["d"], generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
         sides = {"toolkit": mine, "deepspeed": theirs} if theirs is not None else {"toolkit": mine}
         times = {side: [] for side in sides}
@@ -174,9 +188,13 @@ def bench(configs, repeats: int, warmup: int, deepspeed_reason: str):
         share, roles = _share(run.events, rank)
         dispatch = [e for e in run.events if e["args"].get("moe") == "dispatch"]
         C = capacity(cfg["tokens"], E, TOP_K, FACTOR)  # DeepSpeed's is the same: ceil(k * f * T / E)
-        row.update(toolkit_s=statistics.median(times["toolkit"]), share=share, roles=roles,
-                   toolkit_dispatch_bytes=statistics.median(e["args"]["bytes_sent"] for e in dispatch),
-                   deepspeed_dispatch_bytes=(world - 1) / world * E * C * cfg["d"] * 4)
+        row.update(
+            toolkit_s=statistics.median(times["toolkit"]),
+            share=share,
+            roles=roles,
+            toolkit_dispatch_bytes=statistics.median(e["args"]["bytes_sent"] for e in dispatch),
+            deepspeed_dispatch_bytes=(world - 1) / world * E * C * cfg["d"] * 4,
+        )
         if theirs is not None:
             row["deepspeed_s"] = statistics.median(times["deepspeed"])
         shares = [None] * world
@@ -200,18 +218,24 @@ def table(rows) -> str:
     reason = next((r["deepspeed"] for r in rows if r["deepspeed"]), "")
     try:
         import deepspeed
+
         version = f"DeepSpeed {deepspeed.__version__}"
     except Exception:  # noqa: BLE001
         version = "DeepSpeed not installed"
-    lines = [f"World size {world}, gloo on CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-             f"shared), torch {torch.__version__}, {version}. Top-{TOP_K}, capacity factor {FACTOR}, fp32, "
-             f"E/W experts per rank; forward + backward of one layer, the slowest rank's time, median.", ""]
+    lines = [
+        f"World size {world}, gloo on CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"shared), torch {torch.__version__}, {version}. Top-{TOP_K}, capacity factor {FACTOR}, fp32, "
+        f"E/W experts per rank; forward + backward of one layer, the slowest rank's time, median.",
+        "",
+    ]
     if reason:
         lines += [f"**DeepSpeed not measured:** {reason}", ""]
-    lines += ["| config | d_model | d_ff | experts | tokens/rank | toolkit (ms) | DeepSpeed (ms) | toolkit/DeepSpeed "
-              "| all-to-all share of toolkit layer (rank 0 / rank 1) | dispatch bytes sent: toolkit / DeepSpeed | "
-              "max diff, no drops (out / grad) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "| config | d_model | d_ff | experts | tokens/rank | toolkit (ms) | DeepSpeed (ms) | toolkit/DeepSpeed "
+        "| all-to-all share of toolkit layer (rank 0 / rank 1) | dispatch bytes sent: toolkit / DeepSpeed | "
+        "max diff, no drops (out / grad) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         ds, agree = r.get("deepspeed_s"), r.get("agreement")
         shares = " / ".join(f"{s:.0%}" for s, _ in r["share_by_rank"][:2])
@@ -221,19 +245,27 @@ def table(rows) -> str:
         lines.append(
             f"| {r['config']} | {r['d']} | {r['ff']} | {r['experts']} | {r['tokens']} | {r['toolkit_s'] * 1e3:.1f} | "
             f"{ds_ms} | {ratio} | {shares} | {r['toolkit_dispatch_bytes'] / 1e3:.0f} KB / "
-            f"{r['deepspeed_dispatch_bytes'] / 1e3:.0f} KB | {diff} |")
+            f"{r['deepspeed_dispatch_bytes'] / 1e3:.0f} KB | {diff} |"
+        )
     roles = rows[-1]["share_by_rank"][0][1]
-    lines += ["", "All-to-all share by role on rank 0 (" + rows[-1]["config"] + "): "
-              + ", ".join(f"{k} {v:.1%}" for k, v in roles.items()) + ".", "",
-              "How to read it: the all-to-all share is the time a rank spent inside its all-to-all calls, "
-              "waiting for the other rank included (its experts still computing, or more tokens routed to it), "
-              "so on shared cores it measures skew as much as bytes; small layers are latency-bound (five "
-              "collective rounds per pass), large ones compute-bound. DeepSpeed pads every expert's buffer to "
-              "the capacity C and sends all E·C rows; the toolkit exchanges counts first and sends only the kept "
-              "rows. The max diff column runs both layers with the same weights and room for every choice: "
-              "they compute the same function (with drops they differ by design: DeepSpeed renormalises the "
-              "two gate weights after dropping, the toolkit before). Times on this shared 2-core machine move "
-              "by tens of percent from run to run; compare the ratio, measured side by side, not the ms."]
+    lines += [
+        "",
+        "All-to-all share by role on rank 0 ("
+        + rows[-1]["config"]
+        + "): "
+        + ", ".join(f"{k} {v:.1%}" for k, v in roles.items())
+        + ".",
+        "",
+        "How to read it: the all-to-all share is the time a rank spent inside its all-to-all calls, "
+        "waiting for the other rank included (its experts still computing, or more tokens routed to it), "
+        "so on shared cores it measures skew as much as bytes; small layers are latency-bound (five "
+        "collective rounds per pass), large ones compute-bound. DeepSpeed pads every expert's buffer to "
+        "the capacity C and sends all E·C rows; the toolkit exchanges counts first and sends only the kept "
+        "rows. The max diff column runs both layers with the same weights and room for every choice: "
+        "they compute the same function (with drops they differ by design: DeepSpeed renormalises the "
+        "two gate weights after dropping, the toolkit before). Times on this shared 2-core machine move "
+        "by tens of percent from run to run; compare the ratio, measured side by side, not the ms.",
+    ]
     return "\n".join(lines)
 
 
@@ -257,8 +289,9 @@ def main(argv=None) -> int:
     reason = deepspeed_status()
     if reason:
         print(f"note: {reason}; measuring the toolkit's layer alone.", file=sys.stderr)
-    rows = toolkit.launch(bench, args.world_size, args=(configs, args.repeats, args.warmup, reason),
-                          timeout_s=300, quiet=True)[0]
+    rows = toolkit.launch(
+        bench, args.world_size, args=(configs, args.repeats, args.warmup, reason), timeout_s=300, quiet=True
+    )[0]
     text = table(rows)
     print(text)
     if args.write:

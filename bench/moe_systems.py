@@ -37,6 +37,7 @@ Predicted ideal speedups:
     python bench/moe_systems.py [--world-sizes 2,4] [--links loopback,comparable,slow] [--repeats 9]
                                 [--rounds 3] [--write docs/benchmarks.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,10 +48,10 @@ import statistics
 import sys
 import time
 
+import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import torch
 import torch.distributed as dist
 
-import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import toolkit
 
 CONFIG = dict(d=128, ff=512, per_rank=2, tokens=1024, top_k=2, zipf=1.5)
@@ -120,8 +121,14 @@ def time_expert_backward(layer) -> None:
         if which == "start":
             state["start"] = recorder.mark()
         elif "start" in state and recorder.enabled:
-            recorder.add(f"moe/{layer.name}/experts", "compute", state.pop("start"), recorder.mark(),
-                         backward=True, rows=state.get("rows", 0))
+            recorder.add(
+                f"moe/{layer.name}/experts",
+                "compute",
+                state.pop("start"),
+                recorder.mark(),
+                backward=True,
+                rows=state.get("rows", 0),
+            )
 
     def compute_experts(received, plan):
         state["rows"] = int(received.shape[0])
@@ -139,7 +146,9 @@ def _slowest(seconds: float) -> float:
 
 
 def _traffic(events) -> list:
-    return [e for e in events if e["cat"] == "comm" and str(e["args"].get("moe", "")).startswith(("dispatch", "combine"))]
+    return [
+        e for e in events if e["cat"] == "comm" and str(e["args"].get("moe", "")).startswith(("dispatch", "combine"))
+    ]
 
 
 def _pass_numbers(events, name: str) -> dict:
@@ -171,8 +180,10 @@ def calibrate(passes_by_rank, r_cc: float, latency: float) -> float:
     messages = max(p[0]["messages"] for p in passes_by_rank)
     budget = comp / r_cc - messages * latency
     if budget <= 0:
-        raise ValueError(f"cannot calibrate a link for R_CC = {r_cc}: {messages} messages of {latency * 1e3:g} ms "
-                         f"latency already take longer than {comp / r_cc * 1e3:.1f} ms; lower LATENCY_S.")
+        raise ValueError(
+            f"cannot calibrate a link for R_CC = {r_cc}: {messages} messages of {latency * 1e3:g} ms "
+            f"latency already take longer than {comp / r_cc * 1e3:.1f} ms; lower LATENCY_S."
+        )
     return wire / budget
 
 
@@ -185,8 +196,9 @@ def run_link(cfg, variants, repeats, warmup, emulation) -> dict:
     E = cfg["per_rank"] * world
     layers = {}
     for name, options in variants.items():
-        layer = MoE(cfg["d"], cfg["ff"], E, top_k=cfg["top_k"], dropless=True, seed=0, init_std=0.05,
-                    name="bench", **options)
+        layer = MoE(
+            cfg["d"], cfg["ff"], E, top_k=cfg["top_k"], dropless=True, seed=0, init_std=0.05, name="bench", **options
+        )
         zipf_router(layer, cfg["zipf"])
         if name == "plain":
             time_expert_backward(layer)
@@ -198,7 +210,7 @@ def run_link(cfg, variants, repeats, warmup, emulation) -> dict:
     names = list(variants)
     with emulation:
         for i in range(warmup + repeats):
-            order = names[i % len(names):] + names[:i % len(names)]
+            order = names[i % len(names) :] + names[: i % len(names)]
             for name in order:
                 layer = layers[name]
                 layer.zero_grad(set_to_none=True)
@@ -242,8 +254,13 @@ def bench(cfg, link_names, variants, repeats, warmup) -> dict:
         if measured is None:
             measured = [p["plain"] for p, _ in everyone]
         if link_name != "calibration":
-            out["links"][link_name] = {"params": params, "r_cc_target": LINKS[link_name], "times": result["times"],
-                                       "passes": [p for p, _ in everyone], "records": [r for _, r in everyone]}
+            out["links"][link_name] = {
+                "params": params,
+                "r_cc_target": LINKS[link_name],
+                "times": result["times"],
+                "passes": [p for p, _ in everyone],
+                "records": [r for _, r in everyone],
+            }
     return out
 
 
@@ -253,25 +270,34 @@ def summarize(link: dict, cfg) -> dict:
     times = {name: statistics.median(t) for name, t in link["times"].items()}
     n_pass = len(link["times"]["plain"])
     # paired: each repetition ran every variant back to back, so a slow moment of the machine hits all alike
-    speedup = {name: statistics.median(p / v for p, v in zip(link["times"]["plain"], t))
-               for name, t in link["times"].items()}
+    speedup = {
+        name: statistics.median(p / v for p, v in zip(link["times"]["plain"], t)) for name, t in link["times"].items()
+    }
     ranks = range(len(link["passes"]))
 
     def slowest(variant, key):  # per pass, the slowest rank's number; median over passes
         return statistics.median(max(link["passes"][r][variant][i][key] for r in ranks) for i in range(n_pass))
 
     comm, comp = slowest("plain", "comm"), slowest("plain", "comp")
-    row = {"times": times, "speedup": speedup, "comm": comm, "comp": comp,
-           "r_cc": comp / comm if comm > 0 else float("inf"),
-           "ideal_overlap": (comm + comp) / max(comm, comp) if max(comm, comp) > 0 else 1.0}
+    row = {
+        "times": times,
+        "speedup": speedup,
+        "comm": comm,
+        "comp": comp,
+        "r_cc": comp / comm if comm > 0 else float("inf"),
+        "ideal_overlap": (comm + comp) / max(comm, comp) if max(comm, comp) > 0 else 1.0,
+    }
     records0 = link["records"][0]
     if "shadow auto" in records0:
         shadows = [rec["shadow"] for rec in records0["shadow auto"] if "shadow" in rec]
         if shadows:
             row["shadowed"] = statistics.mode(tuple(s["shadowed"]) for s in shadows)
             row["ideal_shadow"] = statistics.median(s["plain_s"] / s["predicted_s"] for s in shadows)
-            row["shadow_rates"] = {"P": shadows[0]["compute_flops"], "W_net": shadows[0]["bandwidth"],
-                                   "source": shadows[0]["source"]}
+            row["shadow_rates"] = {
+                "P": shadows[0]["compute_flops"],
+                "W_net": shadows[0]["bandwidth"],
+                "source": shadows[0]["source"],
+            }
     load = [link["records"][r]["plain"][0]["load"] for r in ranks]
     counts = [sum(c) for c in zip(*(rec["counts"] for rec in load))]
     per_rank = [sum(rec["received"]) for rec in load]
@@ -286,8 +312,9 @@ def combined(results: list, cfg) -> dict:
     out = {}
     for res in results:
         for link_name, link in res["links"].items():
-            out.setdefault((res["world"], link_name), []).append(dict(summarize(link, cfg), params=link["params"],
-                                                                     r_cc_target=link["r_cc_target"]))
+            out.setdefault((res["world"], link_name), []).append(
+                dict(summarize(link, cfg), params=link["params"], r_cc_target=link["r_cc_target"])
+            )
     return out
 
 
@@ -312,21 +339,26 @@ def table(results: list, cfg) -> str:
     variants = list(first["times"])
     rounds = max(len(g) for g in groups.values())
     repeats = len(results[0]["links"][next(iter(results[0]["links"]))]["times"]["plain"])
-    lines = [f"gloo on CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other "
-             f"work), torch {torch.__version__}. One MoE layer: d_model {cfg['d']}, d_ff {cfg['ff']}, "
-             f"{cfg['per_rank']} experts per rank, top-{cfg['top_k']}, dropless, {cfg['tokens']} tokens per rank, "
-             f"Zipf-skewed routing (logit prior -{cfg['zipf']}·ln(e+1), the hottest experts on rank 0), fp32. "
-             f"Forward + backward of the layer, the slowest rank's time. {rounds} round(s) (separate launches, "
-             f"each calibrating its own links) of {repeats} repetitions; each cell: median ms, then plain / this "
-             f"(the median over repetitions, paired: every repetition runs all variants back to back, in rotating "
-             f"order)" + (", as the median over rounds with the range over rounds" if rounds > 1 else "") + ".", ""]
+    lines = [
+        f"gloo on CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other "
+        f"work), torch {torch.__version__}. One MoE layer: d_model {cfg['d']}, d_ff {cfg['ff']}, "
+        f"{cfg['per_rank']} experts per rank, top-{cfg['top_k']}, dropless, {cfg['tokens']} tokens per rank, "
+        f"Zipf-skewed routing (logit prior -{cfg['zipf']}·ln(e+1), the hottest experts on rank 0), fp32. "
+        f"Forward + backward of the layer, the slowest rank's time. {rounds} round(s) (separate launches, "
+        f"each calibrating its own links) of {repeats} repetitions; each cell: median ms, then plain / this "
+        f"(the median over repetitions, paired: every repetition runs all variants back to back, in rotating "
+        f"order)" + (", as the median over rounds with the range over rounds" if rounds > 1 else "") + ".",
+        "",
+    ]
     head = ["W", "link", "R_CC", *variants, "ideal overlap", "shadow: model", "shadowed"]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for (world, link_name), rs in groups.items():
         cells = [str(world), _fmt_link(link_name, rs), _spread([r["r_cc"] for r in rs], lambda v: f"{v:.2f}")]
         for v in variants:
             ms = f"{statistics.median(r['times'][v] for r in rs) * 1e3:.0f}"
-            cells.append(ms if v == "plain" else f"{ms}, {_spread([r['speedup'][v] for r in rs], lambda x: f'{x:.2f}x')}")
+            cells.append(
+                ms if v == "plain" else f"{ms}, {_spread([r['speedup'][v] for r in rs], lambda x: f'{x:.2f}x')}"
+            )
         cells.append(_spread([r["ideal_overlap"] for r in rs], lambda x: f"{x:.2f}x"))
         shadow = [r["ideal_shadow"] for r in rs if "ideal_shadow" in r]
         cells.append(_spread(shadow, lambda x: f"{x:.2f}x") if shadow else "-")
@@ -339,9 +371,12 @@ def table(results: list, cfg) -> str:
         if world in seen:
             continue
         seen.add(world)
-        lines += ["", f"Load at world size {world}: (token, choice) pairs per expert {s['counts']} "
-                      f"(max/mean {s['expert_max_over_mean']:.2f}); rows each rank's experts compute "
-                      f"{s['rank_rows']} (max/mean {s['rank_max_over_mean']:.2f})."]
+        lines += [
+            "",
+            f"Load at world size {world}: (token, choice) pairs per expert {s['counts']} "
+            f"(max/mean {s['expert_max_over_mean']:.2f}); rows each rank's experts compute "
+            f"{s['rank_rows']} (max/mean {s['rank_max_over_mean']:.2f}).",
+        ]
     lines += ["", *targets(results, cfg), "", NOTES]
     return "\n".join(lines)
 
@@ -363,17 +398,24 @@ def targets(results: list, cfg) -> list:
             if rs[0]["r_cc_target"] == 1.0:  # the target is set where communication and compute are comparable
                 verdict = f"target 1.3x: {'met' if x >= 1.3 else 'missed'}"
             else:
-                verdict = (f"ideal {statistics.median(r['ideal_overlap'] for r in rs):.2f}x; the 1.3x target is for "
-                           f"the comparable link")
+                verdict = (
+                    f"ideal {statistics.median(r['ideal_overlap'] for r in rs):.2f}x; the 1.3x target is for "
+                    f"the comparable link"
+                )
             lines.append(f"- {where}: best overlap {shown} ({best}), {verdict}.")
         if "shadow auto" in rs[0]["speedup"]:
             x = statistics.median(r["speedup"]["shadow auto"] for r in rs)
             shown = _spread([r["speedup"]["shadow auto"] for r in rs], lambda v: f"{v:.2f}x")
-            verdict = (f"target 1.5x: {'met' if x >= 1.5 else 'missed'}" if rs[0]["r_cc_target"] == 1.0
-                       else "the 1.5x target is for the comparable link")
-            lines.append(f"- {where}: shadowing {shown}, {verdict} (expert load "
-                         f"max/mean {rs[0]['expert_max_over_mean']:.2f}, rank load max/mean "
-                         f"{rs[0]['rank_max_over_mean']:.2f}).")
+            verdict = (
+                f"target 1.5x: {'met' if x >= 1.5 else 'missed'}"
+                if rs[0]["r_cc_target"] == 1.0
+                else "the 1.5x target is for the comparable link"
+            )
+            lines.append(
+                f"- {where}: shadowing {shown}, {verdict} (expert load "
+                f"max/mean {rs[0]['expert_max_over_mean']:.2f}, rank load max/mean "
+                f"{rs[0]['rank_max_over_mean']:.2f})."
+            )
     return lines
 
 
@@ -447,8 +489,11 @@ def main(argv=None) -> int:
     for world in (int(w) for w in args.world_sizes.split(",")):
         for r in range(args.rounds):
             start = time.time()
-            results.append(toolkit.launch(bench, world, args=(cfg, links, variants, args.repeats, args.warmup),
-                                          timeout_s=300, quiet=True)[0])
+            results.append(
+                toolkit.launch(
+                    bench, world, args=(cfg, links, variants, args.repeats, args.warmup), timeout_s=300, quiet=True
+                )[0]
+            )
             print(f"world size {world}, round {r + 1}/{args.rounds}: {time.time() - start:.0f} s", file=sys.stderr)
     text = table(results, cfg)
     print(text)

@@ -11,6 +11,7 @@ largest loss difference.
 
     python bench/pipeline.py [--steps 12] [--microbatches 4] [--write docs/benchmarks.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,12 +21,12 @@ import statistics
 import sys
 import time
 
+import benchlib  # bench/benchlib.py
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import benchlib  # bench/benchlib.py
 import toolkit
 from toolkit.models import SyntheticCorpus, tiny_gpt
 
@@ -44,7 +45,7 @@ class _First(nn.Module):
     def __init__(self, gpt):
         super().__init__()
         self.tok_emb, self.pos_emb = gpt.tok_emb, gpt.pos_emb
-        self.blocks = nn.ModuleList(gpt.blocks[:len(gpt.blocks) // 2])
+        self.blocks = nn.ModuleList(gpt.blocks[: len(gpt.blocks) // 2])
 
     def forward(self, x):
         h = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1]))
@@ -58,7 +59,7 @@ class _Last(nn.Module):
 
     def __init__(self, gpt):
         super().__init__()
-        self.blocks = nn.ModuleList(gpt.blocks[len(gpt.blocks) // 2:])
+        self.blocks = nn.ModuleList(gpt.blocks[len(gpt.blocks) // 2 :])
         self.ln_f, self.head = gpt.ln_f, gpt.head
 
     def forward(self, h):
@@ -107,8 +108,11 @@ def _torch_pipeline(schedule: str, microbatches: int):
     module = _First(gpt) if rank == 0 else _Last(gpt)
     stage = PipelineStage(module, rank, 2, torch.device("cpu"))
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    return kind(stage, microbatches, loss_fn=_loss), module, torch.optim.AdamW(module.parameters(), lr=LR,
-                                                                               foreach=False)
+    return (
+        kind(stage, microbatches, loss_fn=_loss),
+        module,
+        torch.optim.AdamW(module.parameters(), lr=LR, foreach=False),
+    )
 
 
 def _slowest(seconds: float) -> float:
@@ -122,11 +126,18 @@ def compare(schedule: str, steps: int, microbatches: int) -> dict:
 
     rank = dist.get_rank()
     corpus = SyntheticCorpus(MODEL["vocab_size"], MODEL["seq_len"])
-    ours, ours_opt = toolkit.parallel.wrap(_model(), "local", optimizer=lambda p: torch.optim.AdamW(p, lr=LR,
-                                           foreach=False), pp=2, microbatches=microbatches, schedule=schedule)
+    ours, ours_opt = toolkit.parallel.wrap(
+        _model(),
+        "local",
+        optimizer=lambda p: torch.optim.AdamW(p, lr=LR, foreach=False),
+        pp=2,
+        microbatches=microbatches,
+        schedule=schedule,
+    )
     theirs, module, theirs_opt = _torch_pipeline(schedule, microbatches)
     timer = _Timer(module)
     times, bubbles, losses = {"toolkit": [], "torch": []}, {"toolkit": [], "torch": []}, {"toolkit": [], "torch": []}
+
     def ours_step(x, y):
         recorder.reset()
         dist.barrier()
@@ -135,8 +146,11 @@ def compare(schedule: str, steps: int, microbatches: int) -> dict:
         ours_opt.step()
         ours_opt.zero_grad()
         took = time.perf_counter() - t0
-        busy = sum(recorder._seconds(e["end"]) - recorder._seconds(e["start"]) for e in recorder.events
-                   if e["cat"] == "compute" and "action" in e["args"])
+        busy = sum(
+            recorder._seconds(e["end"]) - recorder._seconds(e["start"])
+            for e in recorder.events
+            if e["cat"] == "compute" and "action" in e["args"]
+        )
         times["toolkit"].append(_slowest(took))
         bubbles["toolkit"].append(_slowest(1 - busy / took))
         losses["toolkit"].append(loss.item())
@@ -161,13 +175,16 @@ def compare(schedule: str, steps: int, microbatches: int) -> dict:
 
     for step in range(steps):  # interleaved, and which side goes first alternates: noise hits both alike
         x, y = corpus.batch(step, BATCH)
-        for run_step in ((ours_step, theirs_step) if step % 2 == 0 else (theirs_step, ours_step)):
+        for run_step in (ours_step, theirs_step) if step % 2 == 0 else (theirs_step, ours_step):
             run_step(x, y)
     keep = slice(2, None)  # the first steps warm up (allocator, optimizer states, torch's shape inference)
-    return {"toolkit": statistics.median(times["toolkit"][keep]), "torch": statistics.median(times["torch"][keep]),
-            "toolkit_bubble": statistics.median(bubbles["toolkit"][keep]),
-            "torch_bubble": statistics.median(bubbles["torch"][keep]),
-            "loss_diff": max(abs(a - b) for a, b in zip(losses["toolkit"], losses["torch"]))}
+    return {
+        "toolkit": statistics.median(times["toolkit"][keep]),
+        "torch": statistics.median(times["torch"][keep]),
+        "toolkit_bubble": statistics.median(bubbles["toolkit"][keep]),
+        "torch_bubble": statistics.median(bubbles["torch"][keep]),
+        "loss_diff": max(abs(a - b) for a, b in zip(losses["toolkit"], losses["torch"])),
+    }
 
 
 def run_all(steps: int, microbatches: int) -> dict:
@@ -177,11 +194,16 @@ def run_all(steps: int, microbatches: int) -> dict:
 
 def table(results: dict, microbatches: int) -> str:
     formula = (2 - 1) / (microbatches + 2 - 1)
-    rows = ["| schedule | toolkit step (ms) | torch step (ms) | ratio toolkit/torch | toolkit bubble | torch bubble | "
-            "formula (p-1)/(m+p-1) | largest loss difference |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| schedule | toolkit step (ms) | torch step (ms) | ratio toolkit/torch | toolkit bubble | torch bubble | "
+        "formula (p-1)/(m+p-1) | largest loss difference |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, r in results.items():
-        rows.append(f"| {name} | {r['toolkit'] * 1e3:.1f} | {r['torch'] * 1e3:.1f} | {r['toolkit'] / r['torch']:.2f} | "
-                    f"{r['toolkit_bubble']:.0%} | {r['torch_bubble']:.0%} | {formula:.0%} | {r['loss_diff']:.1e} |")
+        rows.append(
+            f"| {name} | {r['toolkit'] * 1e3:.1f} | {r['torch'] * 1e3:.1f} | {r['toolkit'] / r['torch']:.2f} | "
+            f"{r['toolkit_bubble']:.0%} | {r['torch_bubble']:.0%} | {formula:.0%} | {r['loss_diff']:.1e} |"
+        )
     return "\n".join(rows)
 
 
@@ -196,21 +218,27 @@ def main(argv=None) -> None:
     print(text)
     if args.write:
         command = "python bench/pipeline.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
-        body = (f"World size 2 (pp 2: blocks 0-1 and the embeddings on rank 0, blocks 2-3 and the head on rank 1), "
-                f"gloo on CPU ({platform.machine()}, shared machine: other work ran beside it), torch "
-                f"{torch.__version__}, one thread per rank; tiny GPT {MODEL}, {BATCH} sequences per step in "
-                f"{args.microbatches} micro-batches, AdamW, fp32; median of the last {args.steps - 2} interleaved "
-                f"steps, the slowest rank's.\n\n{text}\n\nBoth sides compute the same losses, bit for bit (the same "
-                f"micro-batches summed in the same order). The bubble is measured the same way on both sides: 1 - a "
-                f"rank's forward and backward time / the step's time; it is about twice the formula's on both, because "
-                f"the formula counts computation only, and here the sends and receives, the optimizer step and a "
-                f"machine shared with other work (load average 11-16 on 2 cores during these runs) add idle time "
-                f"that no schedule removes. The ratio moves between runs by more than the difference it measures: "
-                f"over six runs of this bench (20-40 steps each) GPipe's ratio was 0.94-1.03 and 1F1B's 0.995-1.22; "
-                f"profiled alone (cProfile, 10 steps each), the toolkit's 1F1B step spent 2.7 s against torch's "
-                f"3.1 s, the same autograd work on both sides.")
-        benchlib.write_section(args.write, "## Pipeline parallelism against torch.distributed.pipelining "
-                                           "(bench/pipeline.py)", command, body)
+        body = (
+            f"World size 2 (pp 2: blocks 0-1 and the embeddings on rank 0, blocks 2-3 and the head on rank 1), "
+            f"gloo on CPU ({platform.machine()}, shared machine: other work ran beside it), torch "
+            f"{torch.__version__}, one thread per rank; tiny GPT {MODEL}, {BATCH} sequences per step in "
+            f"{args.microbatches} micro-batches, AdamW, fp32; median of the last {args.steps - 2} interleaved "
+            f"steps, the slowest rank's.\n\n{text}\n\nBoth sides compute the same losses, bit for bit (the same "
+            f"micro-batches summed in the same order). The bubble is measured the same way on both sides: 1 - a "
+            f"rank's forward and backward time / the step's time; it is about twice the formula's on both, because "
+            f"the formula counts computation only, and here the sends and receives, the optimizer step and a "
+            f"machine shared with other work (load average 11-16 on 2 cores during these runs) add idle time "
+            f"that no schedule removes. The ratio moves between runs by more than the difference it measures: "
+            f"over six runs of this bench (20-40 steps each) GPipe's ratio was 0.94-1.03 and 1F1B's 0.995-1.22; "
+            f"profiled alone (cProfile, 10 steps each), the toolkit's 1F1B step spent 2.7 s against torch's "
+            f"3.1 s, the same autograd work on both sides."
+        )
+        benchlib.write_section(
+            args.write,
+            "## Pipeline parallelism against torch.distributed.pipelining (bench/pipeline.py)",
+            command,
+            body,
+        )
 
 
 if __name__ == "__main__":

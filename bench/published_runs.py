@@ -12,6 +12,7 @@ What each row leaves out is in `NOTES` and docs/differences.md ("Pricing from pu
 
     .venv/bin/python bench/published_runs.py [--runs mpt-7b-a100,...] [--write docs/benchmarks.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,11 +34,11 @@ class PublishedRun(NamedTuple):
     source: str
     cluster: str
     world: int
-    shape: dict                 # tiny_gpt's: d_model, n_layer, n_head, vocab_size, seq_len
+    shape: dict  # tiny_gpt's: d_model, n_layer, n_head, vocab_size, seq_len
     strategy: str
-    batch: int                  # sequences per data-parallel replica in one pass
+    batch: int  # sequences per data-parallel replica in one pass
     measured: float
-    metric: str                 # "tokens/s/GPU" or "TFLOP/s/GPU" (Megatron's count, no recomputation)
+    metric: str  # "tokens/s/GPU" or "TFLOP/s/GPU" (Megatron's count, no recomputation)
     options: dict = {}
 
 
@@ -46,28 +47,82 @@ def gpt(d, layers, heads, vocab, seq):
 
 
 RUNS = [
-    PublishedRun("mpt-7b-a100", LLM_FOUNDRY + ": 7b, 2048, 8 x a100_80gb, micro-batch 6, FULL_SHARD, no activation "
-                 "checkpointing", "dgx-a100", 8, gpt(4096, 32, 32, 50368, 2048), "fsdp", 6, 4641, "tokens/s/GPU"),
-    PublishedRun("mpt-7b-h100", LLM_FOUNDRY + ": 7b, 2048, 8 x h100_80gb, micro-batch 6, FULL_SHARD, no activation "
-                 "checkpointing", "dgx-h100", 8, gpt(4096, 32, 32, 50368, 2048), "fsdp", 6, 10643, "tokens/s/GPU"),
-    PublishedRun("llama2-13b-a100", TORCHTITAN + ": 13B, batch 2, no activation checkpointing, 2162 WPS",
-                 "dgx-a100", 64, gpt(5120, 40, 40, 32000, 4096), "fsdp", 2, 2162, "tokens/s/GPU"),
-    PublishedRun("mcore-1.7b-h100", MCORE + ": 1.7B, tp 1, dp 48, batch 192", "dgx-h100", 48,
-                 gpt(2048, 24, 16, 131072, 4096), "zero1", 4, 408.8, "TFLOP/s/GPU"),
-    PublishedRun("mcore-7.1b-h100", MCORE + ": 7.1B, tp 2, dp 48, batch 192", "dgx-h100", 96,
-                 gpt(4096, 30, 32, 131072, 4096), "zero1", 4, 465.9, "TFLOP/s/GPU",
-                 dict(tp=2, sequence_parallel=True)),
-    PublishedRun("mcore-16b-h100", MCORE + ": 16B, tp 4, dp 48, batch 192", "dgx-h100", 192,
-                 gpt(6144, 32, 48, 131072, 4096), "zero1", 4, 489.1, "TFLOP/s/GPU",
-                 dict(tp=4, sequence_parallel=True)),
+    PublishedRun(
+        "mpt-7b-a100",
+        LLM_FOUNDRY + ": 7b, 2048, 8 x a100_80gb, micro-batch 6, FULL_SHARD, no activation checkpointing",
+        "dgx-a100",
+        8,
+        gpt(4096, 32, 32, 50368, 2048),
+        "fsdp",
+        6,
+        4641,
+        "tokens/s/GPU",
+    ),
+    PublishedRun(
+        "mpt-7b-h100",
+        LLM_FOUNDRY + ": 7b, 2048, 8 x h100_80gb, micro-batch 6, FULL_SHARD, no activation checkpointing",
+        "dgx-h100",
+        8,
+        gpt(4096, 32, 32, 50368, 2048),
+        "fsdp",
+        6,
+        10643,
+        "tokens/s/GPU",
+    ),
+    PublishedRun(
+        "llama2-13b-a100",
+        TORCHTITAN + ": 13B, batch 2, no activation checkpointing, 2162 WPS",
+        "dgx-a100",
+        64,
+        gpt(5120, 40, 40, 32000, 4096),
+        "fsdp",
+        2,
+        2162,
+        "tokens/s/GPU",
+    ),
+    PublishedRun(
+        "mcore-1.7b-h100",
+        MCORE + ": 1.7B, tp 1, dp 48, batch 192",
+        "dgx-h100",
+        48,
+        gpt(2048, 24, 16, 131072, 4096),
+        "zero1",
+        4,
+        408.8,
+        "TFLOP/s/GPU",
+    ),
+    PublishedRun(
+        "mcore-7.1b-h100",
+        MCORE + ": 7.1B, tp 2, dp 48, batch 192",
+        "dgx-h100",
+        96,
+        gpt(4096, 30, 32, 131072, 4096),
+        "zero1",
+        4,
+        465.9,
+        "TFLOP/s/GPU",
+        dict(tp=2, sequence_parallel=True),
+    ),
+    PublishedRun(
+        "mcore-16b-h100",
+        MCORE + ": 16B, tp 4, dp 48, batch 192",
+        "dgx-h100",
+        192,
+        gpt(6144, 32, 48, 131072, 4096),
+        "zero1",
+        4,
+        489.1,
+        "TFLOP/s/GPU",
+        dict(tp=4, sequence_parallel=True),
+    ),
 ]
 NOTES = {
     "mpt-7b-h100": "the H100's GEMMs ran on CUDA 12.1's cuBLAS (the run's image): the best GEMM measured with it is "
-                   "738.6 TFLOP/s (MAMF, ml-engineering at 68fdb6c), the model's 783.3 is a 2025 sweep's (the band's "
-                   "worst end is 738.6); the same stack's A100 row is met, its H100 MFU is 0.72x the A100's across "
-                   "llm-foundry's table",
+    "738.6 TFLOP/s (MAMF, ml-engineering at 68fdb6c), the model's 783.3 is a 2025 sweep's (the band's "
+    "worst end is 738.6); the same stack's A100 row is met, its H100 MFU is 0.72x the A100's across "
+    "llm-foundry's table",
     "mcore-7.1b-h100": "Megatron-Core overlaps its tensor-parallel communication with GEMMs (--tp-comm-overlap), "
-                       "which the toolkit's tensor parallelism does not: its all-gathers and reduce-scatters are exposed",
+    "which the toolkit's tensor parallelism does not: its all-gathers and reduce-scatters are exposed",
     "mcore-16b-h100": "as 7.1B: the tensor-parallel communication Megatron-Core overlaps is exposed here",
 }
 
@@ -84,9 +139,19 @@ def predict(run: PublishedRun) -> dict:
     from toolkit.sim import simulate
     from toolkit.sim.sweep import BASE, extrapolate
 
-    sims = [simulate(functools.partial(tiny_gpt, **dict(run.shape, n_layer=n)), run.strategy, run.world,
-                     batch_per_rank=run.batch, mixed_precision=True, progress=False, cluster=run.cluster,
-                     **run.options) for n in BASE]
+    sims = [
+        simulate(
+            functools.partial(tiny_gpt, **dict(run.shape, n_layer=n)),
+            run.strategy,
+            run.world,
+            batch_per_rank=run.batch,
+            mixed_precision=True,
+            progress=False,
+            cluster=run.cluster,
+            **run.options,
+        )
+        for n in BASE
+    ]
     out = extrapolate(*sims, run.shape["n_layer"], BASE)
 
     def rate(seconds):
@@ -95,20 +160,31 @@ def predict(run: PublishedRun) -> dict:
         return flops_per_step(run) / run.world / seconds / 1e12
 
     predicted = rate(out["breakdown"]["step"])
-    return dict(run=run, predicted=predicted, error=predicted / run.measured - 1, breakdown=out["breakdown"],
-                band={end: rate(seconds) for end, seconds in out["band"].items()}, fit=out["fit"])
+    return dict(
+        run=run,
+        predicted=predicted,
+        error=predicted / run.measured - 1,
+        breakdown=out["breakdown"],
+        band={end: rate(seconds) for end, seconds in out["band"].items()},
+        fit=out["fit"],
+    )
 
 
 def table(results) -> str:
-    lines = ["| run | GPUs | layout | measured | predicted (band) | error | GEMM | attention + memory-bound | "
-             "exposed comm | peak memory | source |", "| --- " * 11 + "|"]
+    lines = [
+        "| run | GPUs | layout | measured | predicted (band) | error | GEMM | attention + memory-bound | "
+        "exposed comm | peak memory | source |",
+        "| --- " * 11 + "|",
+    ]
     for r in results:
         run, b = r["run"], r["breakdown"]
         layout = run.strategy + "".join(f", {k}={v}" for k, v in run.options.items() if k != "sequence_parallel")
-        lines.append(f"| {run.name} | {run.world} | {layout} | {run.measured:g} {run.metric} | {r['predicted']:.0f} "
-                     f"({r['band']['worst']:.0f}-{r['band']['best']:.0f}) | {r['error']:+.0%} | "
-                     f"{b['gemm'] / b['step']:.0%} | {(b['attention'] + b['memory_bound']) / b['step']:.0%} | "
-                     f"{b['exposed_comm'] / b['step']:.0%} | {r['fit'].peak / 1e9:.0f} GB{'' if r['fit'].fits else ' (over)'} | {run.source} |")
+        lines.append(
+            f"| {run.name} | {run.world} | {layout} | {run.measured:g} {run.metric} | {r['predicted']:.0f} "
+            f"({r['band']['worst']:.0f}-{r['band']['best']:.0f}) | {r['error']:+.0%} | "
+            f"{b['gemm'] / b['step']:.0%} | {(b['attention'] + b['memory_bound']) / b['step']:.0%} | "
+            f"{b['exposed_comm'] / b['step']:.0%} | {r['fit'].peak / 1e9:.0f} GB{'' if r['fit'].fits else ' (over)'} | {run.source} |"
+        )
     return "\n".join(lines)
 
 
@@ -121,8 +197,9 @@ def main(argv=None) -> int:
     results = [predict(run) for run in chosen]
     body = table(results)
     within = sum(abs(r["error"]) <= TOLERANCE for r in results)
-    body += (f"\n\n{within} of {len(results)} runs predicted within {TOLERANCE:.0%}. "
-             + " ".join(f"{name}: {note}." for name, note in NOTES.items() if name in {r.name for r in chosen}))
+    body += f"\n\n{within} of {len(results)} runs predicted within {TOLERANCE:.0%}. " + " ".join(
+        f"{name}: {note}." for name, note in NOTES.items() if name in {r.name for r in chosen}
+    )
     print(body)
     if args.write:
         benchlib.write_section(args.write, SECTION, f".venv/bin/python {' '.join(sys.argv)}", body)

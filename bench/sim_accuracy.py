@@ -24,6 +24,7 @@ SGD, no gradient synchronisation: what is measured is the layer's all-to-alls an
 
     python bench/sim_accuracy.py [--world-sizes 2,4] [--steps 8] [--cached] [--write docs/benchmarks.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,12 +35,12 @@ import statistics
 import sys
 import time
 
+import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import torch
 import torch.distributed as dist
-
-import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
-import toolkit
 from sim_accuracy_report import ranking, table
+
+import toolkit
 
 MODEL = dict(n_layer=4, d_model=128, n_head=4, vocab_size=256, seq_len=64)
 PER_RANK_BATCH = 8
@@ -54,8 +55,17 @@ CONFIGS = {  # name -> (strategy, options)
     "ddp x tp 2": ("ddp", dict(tp=2)),  # the replica's 8 sequences, each layer split over 2 ranks
     "ddp x pp 2": ("ddp", dict(pp=2, microbatches=4)),  # the replica's 8 sequences, 1F1B over 2 stages
 }
-MOE = dict(d_model=128, d_ff=512, experts_per_rank=2, vocab=64, batch=8, seq_len=64, top_k=2,
-           bandwidth="20 MB/s", latency="0.5 ms")
+MOE = dict(
+    d_model=128,
+    d_ff=512,
+    experts_per_rank=2,
+    vocab=64,
+    batch=8,
+    seq_len=64,
+    top_k=2,
+    bandwidth="20 MB/s",
+    latency="0.5 ms",
+)
 MOE_VARIANTS = {"moe plain": {}, "moe pipeline 4": dict(pipeline_degree=4), "moe shadow": dict(shadow=[0])}
 SECTION = "## Simulator accuracy on this machine (bench/sim_accuracy.py)"
 
@@ -75,6 +85,7 @@ def _train_step(model, opt):
             model(x, y).backward()
         opt.step()
         opt.zero_grad()
+
     return step
 
 
@@ -108,16 +119,26 @@ def measure_strategies(configs, steps: int, warmup: int = 2) -> dict:
     for name, (strategy, options) in configs.items():
         torch.manual_seed(0)
         steps_by_name[name] = _train_step(*parallel.wrap(tiny_gpt(**MODEL), strategy, **options))
-    return _in_turns(steps_by_name, lambda i: corpus.batch(i, PER_RANK_BATCH * world, rank=rank, world_size=world),
-                     steps, warmup)
+    return _in_turns(
+        steps_by_name, lambda i: corpus.batch(i, PER_RANK_BATCH * world, rank=rank, world_size=world), steps, warmup
+    )
 
 
 def moe_block(world: int, **options):
     """The MoE case: a one-block GPT whose MLP is the MoE layer, experts over all ranks (`toolkit.models.moe_gpt`)."""
     from toolkit.models.moe_gpt import moe_gpt
 
-    return moe_gpt(MOE["experts_per_rank"] * world, MOE["top_k"], n_layer=1, d_model=MOE["d_model"], n_head=4,
-                   d_ff=MOE["d_ff"], vocab_size=MOE["vocab"], seq_len=MOE["seq_len"], moe_options=options)
+    return moe_gpt(
+        MOE["experts_per_rank"] * world,
+        MOE["top_k"],
+        n_layer=1,
+        d_model=MOE["d_model"],
+        n_head=4,
+        d_ff=MOE["d_ff"],
+        vocab_size=MOE["vocab"],
+        seq_len=MOE["seq_len"],
+        moe_options=options,
+    )
 
 
 def skewed(num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
@@ -157,8 +178,16 @@ def predict_strategies(configs, world: int, machine) -> dict:
 
     out = {}
     for name, (strategy, options) in configs.items():
-        sim = simulate(functools.partial(tiny_gpt, **MODEL), strategy, world, ranks_per_node=world,
-                       batch_per_rank=PER_RANK_BATCH, cluster=machine, progress=False, **options)
+        sim = simulate(
+            functools.partial(tiny_gpt, **MODEL),
+            strategy,
+            world,
+            ranks_per_node=world,
+            batch_per_rank=PER_RANK_BATCH,
+            cluster=machine,
+            progress=False,
+            **options,
+        )
         out[name] = sim
     return out
 
@@ -171,9 +200,17 @@ def predict_moe(variants, world: int, machine) -> dict:
     out = {}
     for name, options in variants.items():
         try:
-            out[name] = simulate(functools.partial(moe_block, world, **options), "local", world, ranks_per_node=1,
-                                 batch_per_rank=MOE["batch"], optimizer=torch.optim.SGD, routing=skewed,
-                                 cluster=machine, progress=False)
+            out[name] = simulate(
+                functools.partial(moe_block, world, **options),
+                "local",
+                world,
+                ranks_per_node=1,
+                batch_per_rank=MOE["batch"],
+                optimizer=torch.optim.SGD,
+                routing=skewed,
+                cluster=machine,
+                progress=False,
+            )
         except (RuntimeError, ValueError, NotImplementedError) as exc:
             out[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     return out
@@ -185,17 +222,27 @@ def run_world(world: int, steps: int, cached: bool, with_moe: bool, calibrations
     from toolkit.sim import price
     from toolkit.sim.calibrate import from_measurements, this_machine
 
-    found = [this_machine(world, refresh=not cached or i > 0, quiet=False).notes["measurements"]
-             for i in range(calibrations)]
+    found = [
+        this_machine(world, refresh=not cached or i > 0, quiet=False).notes["measurements"] for i in range(calibrations)
+    ]
     measured = toolkit.launch(measure_strategies, world, args=(CONFIGS, steps), timeout_s=600, quiet=True)[0]
     reference = measured.pop("reference")
     machines = [from_measurements(m, reference_step_s=reference) for m in found]
     machine = machines[0]
     sims = predict_strategies(CONFIGS, world, machine)
-    rows = [{"name": f"{name} x{world}", "predicted": sims[name].step_time, "measured": measured[name],
-             "breakdown": sims[name].breakdown, "each": [price(sims[name], mc).step_time for mc in machines],
-             "flat": price(sims[name], machine.with_changes(beside_compute=found[0]["beside_compute"]["stretch"])).step_time}
-            for name in CONFIGS]
+    rows = [
+        {
+            "name": f"{name} x{world}",
+            "predicted": sims[name].step_time,
+            "measured": measured[name],
+            "breakdown": sims[name].breakdown,
+            "each": [price(sims[name], mc).step_time for mc in machines],
+            "flat": price(
+                sims[name], machine.with_changes(beside_compute=found[0]["beside_compute"]["stretch"])
+            ).step_time,
+        }
+        for name in CONFIGS
+    ]
     text = table(world, machine, rows)
     text += "\n\nRanking by step time: " + ranking({n: sims[n].step_time for n in CONFIGS}, measured) + "."
     if with_moe:
@@ -206,19 +253,31 @@ def run_world(world: int, steps: int, cached: bool, with_moe: bool, calibrations
             moe_measured = toolkit.launch(measure_moe, world, args=(MOE_VARIANTS, steps), timeout_s=600, quiet=True)[0]
         finally:
             link.__exit__()
-        moe_rows = [{"name": f"{name} x{world}", "predicted": predicted[name].step_time,
-                     "measured": moe_measured[name], "breakdown": predicted[name].breakdown}
-                    for name in MOE_VARIANTS if not isinstance(predicted[name], str)]
+        moe_rows = [
+            {
+                "name": f"{name} x{world}",
+                "predicted": predicted[name].step_time,
+                "measured": moe_measured[name],
+                "breakdown": predicted[name].breakdown,
+            }
+            for name in MOE_VARIANTS
+            if not isinstance(predicted[name], str)
+        ]
         missing = {name: why for name, why in predicted.items() if isinstance(why, str)}
         rows += moe_rows
-        text += (f"\n\nMoE layer ({MOE['experts_per_rank']} experts per rank, {MOE['batch'] * MOE['seq_len']} tokens per rank, "
-                 f"d_model {MOE['d_model']}, d_ff {MOE['d_ff']}, top-{MOE['top_k']}) on an emulated link of "
-                 f"{MOE['bandwidth']}, {MOE['latency']} per message, forward + backward:\n\n"
-                 + table(world, machine, moe_rows).split("\n", 2)[2]
-                 + "".join(f"\n| {name} x{world} | not simulated | {moe_measured[name] * 1e3:.1f} | - | {why} |"
-                           for name, why in missing.items())
-                 + "\n\nRanking: " + ranking({r["name"]: r["predicted"] for r in moe_rows},
-                                             {r["name"]: r["measured"] for r in moe_rows}) + ".")
+        text += (
+            f"\n\nMoE layer ({MOE['experts_per_rank']} experts per rank, {MOE['batch'] * MOE['seq_len']} tokens per rank, "
+            f"d_model {MOE['d_model']}, d_ff {MOE['d_ff']}, top-{MOE['top_k']}) on an emulated link of "
+            f"{MOE['bandwidth']}, {MOE['latency']} per message, forward + backward:\n\n"
+            + table(world, machine, moe_rows).split("\n", 2)[2]
+            + "".join(
+                f"\n| {name} x{world} | not simulated | {moe_measured[name] * 1e3:.1f} | - | {why} |"
+                for name, why in missing.items()
+            )
+            + "\n\nRanking: "
+            + ranking({r["name"]: r["predicted"] for r in moe_rows}, {r["name"]: r["measured"] for r in moe_rows})
+            + "."
+        )
     return text, rows
 
 
@@ -231,9 +290,11 @@ def main(argv=None) -> int:
     parser.add_argument("--calibrations", type=int, default=2, help="calibrate this many times: their spread")
     parser.add_argument("--write", help="put the section into this markdown file")
     args = parser.parse_args(argv)
-    header = (f"gloo on CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), torch "
-              f"{torch.__version__}; tiny GPT {MODEL}, {PER_RANK_BATCH} sequences per rank, AdamW, fp32. "
-              f"Target: every error within 20%, ranking preserved.")
+    header = (
+        f"gloo on CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), torch "
+        f"{torch.__version__}; tiny GPT {MODEL}, {PER_RANK_BATCH} sequences per rank, AdamW, fp32. "
+        f"Target: every error within 20%, ranking preserved."
+    )
     parts, rows = [header], []
     for world in (int(w) for w in args.world_sizes.split(",") if w):
         text, got = run_world(world, args.steps, args.cached, not args.no_moe, args.calibrations)
@@ -241,8 +302,10 @@ def main(argv=None) -> int:
         rows += got
     worst = max(rows, key=lambda r: abs(r["predicted"] / r["measured"] - 1))
     within = sum(abs(r["predicted"] / r["measured"] - 1) <= 0.2 for r in rows)
-    parts.append(f"{within} of {len(rows)} predictions within 20%; the worst is {worst['name']} "
-                 f"({worst['predicted'] / worst['measured'] - 1:+.0%}).")
+    parts.append(
+        f"{within} of {len(rows)} predictions within 20%; the worst is {worst['name']} "
+        f"({worst['predicted'] / worst['measured'] - 1:+.0%})."
+    )
     body = "\n\n".join(parts)
     print(body)
     if args.write:

@@ -1,4 +1,5 @@
 """bench/sim_accuracy.py's report: a table of predicted against measured step times, and whether the ranking holds."""
+
 from __future__ import annotations
 
 NOISE = 0.10  # two measured steps closer than this are a tie on a shared machine
@@ -9,13 +10,16 @@ def ranking(predicted: dict, measured: dict) -> str:
     differ by less than NOISE are ties, listed apart."""
     by_p = sorted(predicted, key=predicted.get)
     by_m = sorted(measured, key=measured.get)
-    swapped = [(a, b) for i, a in enumerate(by_m) for b in by_m[i + 1:] if by_p.index(a) > by_p.index(b)]
+    swapped = [(a, b) for i, a in enumerate(by_m) for b in by_m[i + 1 :] if by_p.index(a) > by_p.index(b)]
     real = [(a, b) for a, b in swapped if measured[b] > (1 + NOISE) * measured[a]]
     text = f"measured {' < '.join(by_m)}; predicted {' < '.join(by_p)}: "
     if not swapped:
         return text + "the same order"
-    text += (f"{len(real)} pair(s) swapped beyond the {NOISE:.0%} noise" + (": " if real else "")
-             + ", ".join(f"{a} / {b} ({measured[a] * 1e3:.1f} vs {measured[b] * 1e3:.1f} ms measured)" for a, b in real))
+    text += (
+        f"{len(real)} pair(s) swapped beyond the {NOISE:.0%} noise"
+        + (": " if real else "")
+        + ", ".join(f"{a} / {b} ({measured[a] * 1e3:.1f} vs {measured[b] * 1e3:.1f} ms measured)" for a, b in real)
+    )
     ties = len(swapped) - len(real)
     return text + (f"; {ties} more within it" if ties else "")
 
@@ -25,30 +29,34 @@ def table(world: int, machine, rows: list) -> str:
     trust = machine.notes["trust"]
     curve = ", ".join(f"{r / 1e9:.0f}" for _, r in m["gemm_rates"]["fp32"])
     beside = m["beside_compute"]
-    lines = [f"World size {world}: calibrated GEMM rates {curve} GFLOP/s fp32 per rank (4 MFLOP to 0.5 GFLOP "
-             f"products), {m['op_overhead'] * 1e6:.1f} µs per operation, {m['memory_bandwidth'] / 1e9:.1f} GB/s; "
-             f"reference step {m['reference_step_s'] * 1e3:.1f} ms (spread ±{trust['spread'] / 2:.0%}) at load "
-             f"{trust['load_then']:.1f} per core, {trust['model']:.2f}x what the per-operation model gives it at "
-             f"those rates; timed again beside the strategies, the machine ran {trust['speed']:.2f}x as fast "
-             f"(load {trust['load_now']:.1f} per core): rates scaled so the model reproduces it then; loopback "
-             f"all-reduce α = {machine.op_links['all_reduce'].latency * 1e6:.0f} µs, "
-             f"1/β = {machine.op_links['all_reduce'].bandwidth / 1e9:.2f} GB/s (collectives timed with compute "
-             f"between calls), overlap {machine.overlap:.2f} (the fraction of a collective that hides behind "
-             f"compute; the emulated link's sleep hides whole); a reduce-scatter of "
-             f"{beside['size_bytes'] / 2**20:.1f} MiB in flight beside compute takes "
-             f"{beside['reduce_scatter_in_flight_s'] * 1e3:.2f} ms against {beside['reduce_scatter_alone_s'] * 1e3:.2f} "
-             f"ms alone ({beside['stretch']:.2f}x; the column 'with the in-flight stretch' charges it to every "
-             f"asynchronous collective), and an all-gather called behind it "
-             f"{beside['all_gather_behind_s'] * 1e3:.2f} ms.",
-             "",
-             "| case | predicted step (ms) | measured step (ms) | error | with each calibration (ms) | "
-             "with the in-flight stretch | predicted split: compute / exposed / hidden comm (ms) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"World size {world}: calibrated GEMM rates {curve} GFLOP/s fp32 per rank (4 MFLOP to 0.5 GFLOP "
+        f"products), {m['op_overhead'] * 1e6:.1f} µs per operation, {m['memory_bandwidth'] / 1e9:.1f} GB/s; "
+        f"reference step {m['reference_step_s'] * 1e3:.1f} ms (spread ±{trust['spread'] / 2:.0%}) at load "
+        f"{trust['load_then']:.1f} per core, {trust['model']:.2f}x what the per-operation model gives it at "
+        f"those rates; timed again beside the strategies, the machine ran {trust['speed']:.2f}x as fast "
+        f"(load {trust['load_now']:.1f} per core): rates scaled so the model reproduces it then; loopback "
+        f"all-reduce α = {machine.op_links['all_reduce'].latency * 1e6:.0f} µs, "
+        f"1/β = {machine.op_links['all_reduce'].bandwidth / 1e9:.2f} GB/s (collectives timed with compute "
+        f"between calls), overlap {machine.overlap:.2f} (the fraction of a collective that hides behind "
+        f"compute; the emulated link's sleep hides whole); a reduce-scatter of "
+        f"{beside['size_bytes'] / 2**20:.1f} MiB in flight beside compute takes "
+        f"{beside['reduce_scatter_in_flight_s'] * 1e3:.2f} ms against {beside['reduce_scatter_alone_s'] * 1e3:.2f} "
+        f"ms alone ({beside['stretch']:.2f}x; the column 'with the in-flight stretch' charges it to every "
+        f"asynchronous collective), and an all-gather called behind it "
+        f"{beside['all_gather_behind_s'] * 1e3:.2f} ms.",
+        "",
+        "| case | predicted step (ms) | measured step (ms) | error | with each calibration (ms) | "
+        "with the in-flight stretch | predicted split: compute / exposed / hidden comm (ms) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         b = r["breakdown"]
         each = " / ".join(f"{t * 1e3:.1f}" for t in r.get("each", [r["predicted"]]))
         flat = f"{r['flat'] / r['measured'] - 1:+.0%}" if "flat" in r else "-"
-        lines.append(f"| {r['name']} | {r['predicted'] * 1e3:.1f} | {r['measured'] * 1e3:.1f} | "
-                     f"{r['predicted'] / r['measured'] - 1:+.0%} | {each} | {flat} | {b['compute'] * 1e3:.1f} / "
-                     f"{b['exposed_comm'] * 1e3:.1f} / {b['overlapped_comm'] * 1e3:.1f} |")
+        lines.append(
+            f"| {r['name']} | {r['predicted'] * 1e3:.1f} | {r['measured'] * 1e3:.1f} | "
+            f"{r['predicted'] / r['measured'] - 1:+.0%} | {each} | {flat} | {b['compute'] * 1e3:.1f} / "
+            f"{b['exposed_comm'] * 1e3:.1f} / {b['overlapped_comm'] * 1e3:.1f} |"
+        )
     return "\n".join(lines)

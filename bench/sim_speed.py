@@ -11,6 +11,7 @@ memoized), side by side, so the table holds what memoizing saves as a ratio.
     python bench/sim_speed.py --quick    # the target case only
     python bench/sim_speed.py --write docs/benchmarks.md   # and put the tables there
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,10 +65,22 @@ def _case(queue, model, strategy, world, options, profile, known_shapes=True):
             for key, where in (("MemTracker", "mem_tracker.py"), ("op counter", "sim/record.py")):
                 if path.endswith(where) and name == "__torch_dispatch__":
                     split[key] = split.get(key, 0.0) + cumulative
-    queue.put({"seconds": seconds, "cpu": cpu, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-               "split": split, "num_params": sim.num_params, "memory": sim.memory["total"], "peak": sim.peak,
-               "bytes": sim.bytes_per_step["total"], "cross": sim.cross_node_bytes, "flops": sim.flops,
-               "theory": sim.theory(), "moment": sim.peak_moment})
+    queue.put(
+        {
+            "seconds": seconds,
+            "cpu": cpu,
+            "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "split": split,
+            "num_params": sim.num_params,
+            "memory": sim.memory["total"],
+            "peak": sim.peak,
+            "bytes": sim.bytes_per_step["total"],
+            "cross": sim.cross_node_bytes,
+            "flops": sim.flops,
+            "theory": sim.theory(),
+            "moment": sim.peak_moment,
+        }
+    )
 
 
 def run_case(model, strategy, world, options, profile=False, known_shapes=True) -> dict:
@@ -89,20 +102,30 @@ def main(argv=None):
     mixed = {"mixed_precision": True}
     target = run_case("gpt3_175b", "zero3", 512, mixed)
     computed = run_case("gpt3_175b", "zero3", 512, mixed, known_shapes=False)
-    assert (computed["peak"], computed["bytes"], computed["flops"]) == (target["peak"], target["bytes"], target["flops"])
-    lines = ["| case | CPU seconds | wall seconds | peak RSS (GB) | vs target |", "| --- | --- | --- | --- | --- |",
-             f"| GPT-3 175B, zero3, 512 ranks, 1 step (+ warm-up) | {target['cpu']:.1f} | {target['seconds']:.1f} | "
-             f"{target['rss'] / GB:.2f} | CPU time {target['cpu'] / 60:.2f} x 60 s, RAM {target['rss'] / 4e9:.2f} x 4 GB |",
-             f"| the same without known shapes (the same peak, bytes and FLOPs) | {computed['cpu']:.1f} | "
-             f"{computed['seconds']:.1f} | {computed['rss'] / GB:.2f} | known shapes take {target['cpu'] / computed['cpu']:.2f}x "
-             f"its CPU time |"]
+    assert (computed["peak"], computed["bytes"], computed["flops"]) == (
+        target["peak"],
+        target["bytes"],
+        target["flops"],
+    )
+    lines = [
+        "| case | CPU seconds | wall seconds | peak RSS (GB) | vs target |",
+        "| --- | --- | --- | --- | --- |",
+        f"| GPT-3 175B, zero3, 512 ranks, 1 step (+ warm-up) | {target['cpu']:.1f} | {target['seconds']:.1f} | "
+        f"{target['rss'] / GB:.2f} | CPU time {target['cpu'] / 60:.2f} x 60 s, RAM {target['rss'] / 4e9:.2f} x 4 GB |",
+        f"| the same without known shapes (the same peak, bytes and FLOPs) | {computed['cpu']:.1f} | "
+        f"{computed['seconds']:.1f} | {computed['rss'] / GB:.2f} | known shapes take {target['cpu'] / computed['cpu']:.2f}x "
+        f"its CPU time |",
+    ]
     if args.profile:  # where the time goes (cProfile slows the run several times: read shares, not seconds)
         split = run_case("gpt3_175b", "zero3", 512, mixed, profile=True)["split"]
         print("cProfile, cumulative seconds inside each tracker's dispatch (nested: they overlap):", split)
     if not args.quick:
-        lines += ["", "| model, strategy, ranks | params | model states / rank (GB) | formula (GB) | peak (GB) "
-                  "| sent per step (GB) | theory (GB) | across nodes (GB) | CPU seconds |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "| model, strategy, ranks | params | model states / rank (GB) | formula (GB) | peak (GB) "
+            "| sent per step (GB) | theory (GB) | across nodes (GB) | CPU seconds |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         cases = [("zero_7_5b", s, 64, dict(mixed, seq_len=2048)) for s in ("ddp", "zero1", "zero2", "zero3")]
         cases += [("gpt3_175b", "fsdp", 512, mixed), ("gpt3_175b", "fsdp", 512, dict(mixed, sharding_group_size=8))]
         for model, strategy, world, options in cases:
@@ -110,9 +133,11 @@ def main(argv=None):
             t = r["theory"]
             label = strategy + (" (HSDP, 8 per node)" if "sharding_group_size" in options else "")
             label += f", seq {options['seq_len']}" if "seq_len" in options else ""
-            lines.append(f"| {model}, {label}, {world} | {r['num_params'] / 1e9:.2f}B | {r['memory'] / GB:.2f} | "
-                         f"{t['model_states_total'] / GB:.2f} | {r['peak'] / GB:.1f} | {r['bytes'] / GB:.1f} | "
-                         f"{t['bytes_per_step'] / GB:.1f} | {r['cross'] / GB:.1f} | {r['cpu']:.1f} |")
+            lines.append(
+                f"| {model}, {label}, {world} | {r['num_params'] / 1e9:.2f}B | {r['memory'] / GB:.2f} | "
+                f"{t['model_states_total'] / GB:.2f} | {r['peak'] / GB:.1f} | {r['bytes'] / GB:.1f} | "
+                f"{t['bytes_per_step'] / GB:.1f} | {r['cross'] / GB:.1f} | {r['cpu']:.1f} |"
+            )
     table = "\n".join(lines) + "\n\n" + NOTES
     print(table)
     if args.write:

@@ -9,6 +9,7 @@ model-state bytes per rank as counted from the live tensors after a step.
 
     python bench/strategies.py [--world-size 2] [--steps 12] [--pairs ddp,zero1,zero3,zero3-buckets,fsdp] [--write docs/benchmarks.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,10 @@ import statistics
 import sys
 import time
 
+import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import torch
 import torch.distributed as dist
 
-import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import toolkit
 from toolkit import parallel
 from toolkit.memory import ledger
@@ -43,12 +44,15 @@ def _peer(name: str):
     model, adamw = _model(), functools.partial(torch.optim.AdamW, lr=LR)
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
+
         return DistributedDataParallel(model), adamw(model.parameters())
     if name == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
+
         return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
     if name in ("zero3", "fsdp"):
         from torch.distributed.fsdp import fully_shard
+
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
@@ -56,8 +60,13 @@ def _peer(name: str):
     raise ValueError(f"no peer for {name!r}")
 
 
-PEERS = {"ddp": "torch DDP", "zero1": "ZeroRedundancyOptimizer", "zero3": "FSDP2", "zero3-buckets": "FSDP2",
-         "fsdp": "FSDP2"}
+PEERS = {
+    "ddp": "torch DDP",
+    "zero1": "ZeroRedundancyOptimizer",
+    "zero3": "FSDP2",
+    "zero3-buckets": "FSDP2",
+    "fsdp": "FSDP2",
+}
 
 
 def _mine(name: str):
@@ -76,8 +85,9 @@ def _local(t):
 
 
 def _peer_memory(model, optimizer) -> int:
-    tensors = [_local(p) for p in model.parameters()] + [_local(p.grad) for p in model.parameters()
-                                                         if p.grad is not None]
+    tensors = [_local(p) for p in model.parameters()] + [
+        _local(p.grad) for p in model.parameters() if p.grad is not None
+    ]
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's state inside
     tensors += [_local(t) for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     seen, total = set(), 0
@@ -125,24 +135,34 @@ def bench(pairs, steps: int, warmup: int = 2):
             model(x, y).backward()
             opt.step()
         mem_mine = ledger(*mine)
-        rows.append({"strategy": name, "peer": PEERS[name],
-                     "toolkit_s": statistics.median(times["toolkit"]), "peer_s": statistics.median(times["peer"]),
-                     "toolkit_bytes": mem_mine["params"] + mem_mine["grads"] + mem_mine["optimizer"],
-                     "peer_bytes": _peer_memory(*peer),
-                     "num_params": sum(p.numel() for p in _model().parameters())})
+        rows.append(
+            {
+                "strategy": name,
+                "peer": PEERS[name],
+                "toolkit_s": statistics.median(times["toolkit"]),
+                "peer_s": statistics.median(times["peer"]),
+                "toolkit_bytes": mem_mine["params"] + mem_mine["grads"] + mem_mine["optimizer"],
+                "peer_bytes": _peer_memory(*peer),
+                "num_params": sum(p.numel() for p in _model().parameters()),
+            }
+        )
     return rows
 
 
 def table(rows, world: int) -> str:
-    lines = [f"World size {world}, gloo on CPU ({platform.processor() or platform.machine()}, "
-             f"{os.cpu_count()} cores), torch {torch.__version__}; tiny GPT {MODEL}, "
-             f"{rows[0]['num_params']:,} parameters, {PER_RANK_BATCH} sequences per rank, AdamW, fp32.",
-             "",
-             "| strategy | peer | toolkit step (ms) | peer step (ms) | ratio toolkit/peer | toolkit model states / rank (MB) | peer model states / rank (MB) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"World size {world}, gloo on CPU ({platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores), torch {torch.__version__}; tiny GPT {MODEL}, "
+        f"{rows[0]['num_params']:,} parameters, {PER_RANK_BATCH} sequences per rank, AdamW, fp32.",
+        "",
+        "| strategy | peer | toolkit step (ms) | peer step (ms) | ratio toolkit/peer | toolkit model states / rank (MB) | peer model states / rank (MB) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
-        lines.append(f"| {r['strategy']} | {r['peer']} | {r['toolkit_s'] * 1e3:.1f} | {r['peer_s'] * 1e3:.1f} | "
-                     f"{r['toolkit_s'] / r['peer_s']:.2f} | {r['toolkit_bytes'] / 1e6:.2f} | {r['peer_bytes'] / 1e6:.2f} |")
+        lines.append(
+            f"| {r['strategy']} | {r['peer']} | {r['toolkit_s'] * 1e3:.1f} | {r['peer_s'] * 1e3:.1f} | "
+            f"{r['toolkit_s'] / r['peer_s']:.2f} | {r['toolkit_bytes'] / 1e6:.2f} | {r['peer_bytes'] / 1e6:.2f} |"
+        )
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ from its functional collectives, with the same ring accounting), and the largest
 
     python bench/tensor_parallel.py [--steps 10] [--write docs/benchmarks.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,17 +26,19 @@ import statistics
 import sys
 import time
 
+import benchlib  # bench/benchlib.py
 import torch
 import torch.distributed as dist
 
-import benchlib  # bench/benchlib.py
 import toolkit
 from toolkit.models import SyntheticCorpus, tiny_gpt
 
 MODEL = dict(n_layer=4, d_model=128, n_head=4, vocab_size=256, seq_len=64, tied_head=False)
 BATCH, LR = 8, 1e-3
-PLANS = {"mlp": {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"},
-         "vocab": {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise", "tok_emb": "vocab", "head": "vocab"}}
+PLANS = {
+    "mlp": {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"},
+    "vocab": {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise", "tok_emb": "vocab", "head": "vocab"},
+}
 
 
 def _model():
@@ -71,8 +74,11 @@ class _FunctionalBytes(torch.utils._python_dispatch.TorchDispatchMode):
         if name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
             n = dist.get_world_size()
             size = args[0].numel() * args[0].element_size()
-            self.sent += {"all_reduce": 2 * (n - 1) * size // n, "all_gather_into_tensor": (n - 1) * size,
-                          "reduce_scatter_tensor": (n - 1) * size // n}[name]
+            self.sent += {
+                "all_reduce": 2 * (n - 1) * size // n,
+                "all_gather_into_tensor": (n - 1) * size,
+                "reduce_scatter_tensor": (n - 1) * size // n,
+            }[name]
         return func(*args, **(kwargs or {}))
 
 
@@ -119,8 +125,11 @@ def compare(plan_name: str, steps: int) -> dict:
     keep = slice(2, None)  # the first steps warm up (allocator, optimizer states)
     out = {"toolkit": statistics.median(times["toolkit"][keep]), "toolkit_bytes": ours_bytes}
     if theirs is not None:
-        out.update(torch=statistics.median(times["torch"][keep]), torch_bytes=torch_bytes,
-                   loss_diff=max(abs(a - b) for a, b in zip(losses["toolkit"], losses["torch"])))
+        out.update(
+            torch=statistics.median(times["torch"][keep]),
+            torch_bytes=torch_bytes,
+            loss_diff=max(abs(a - b) for a, b in zip(losses["toolkit"], losses["torch"])),
+        )
     return out
 
 
@@ -139,15 +148,22 @@ def run_all(steps: int) -> dict:
 
 
 def table(results: dict) -> str:
-    rows = ["| plan | toolkit step (ms) | torch step (ms) | ratio toolkit/torch | toolkit bytes/step/rank | torch "
-            "bytes/step/rank | largest loss difference |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| plan | toolkit step (ms) | torch step (ms) | ratio toolkit/torch | toolkit bytes/step/rank | torch "
+        "bytes/step/rank | largest loss difference |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, r in results.items():
         if "torch" in r:
-            rows.append(f"| {name} | {r['toolkit'] * 1e3:.1f} | {r['torch'] * 1e3:.1f} | {r['toolkit'] / r['torch']:.2f} "
-                        f"| {r['toolkit_bytes']:,} | {r['torch_bytes']:,} | {r['loss_diff']:.1e} |")
+            rows.append(
+                f"| {name} | {r['toolkit'] * 1e3:.1f} | {r['torch'] * 1e3:.1f} | {r['toolkit'] / r['torch']:.2f} "
+                f"| {r['toolkit_bytes']:,} | {r['torch_bytes']:,} | {r['loss_diff']:.1e} |"
+            )
         else:
-            rows.append(f"| {name} (heads, vocabulary-parallel loss) | {r['toolkit'] * 1e3:.1f} | - | - | "
-                        f"{r['toolkit_bytes']:,} | - | - |")
+            rows.append(
+                f"| {name} (heads, vocabulary-parallel loss) | {r['toolkit'] * 1e3:.1f} | - | - | "
+                f"{r['toolkit_bytes']:,} | - | - |"
+            )
     return "\n".join(rows)
 
 
@@ -161,11 +177,14 @@ def main(argv=None) -> None:
     print(text)
     if args.write:
         command = "python bench/tensor_parallel.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
-        body = (f"World size 2 (dp 1 x tp 2), gloo on CPU ({platform.machine()}, shared machine), torch "
-                f"{torch.__version__}; tiny GPT {MODEL}, {BATCH} sequences per step, AdamW, fp32; median of the "
-                f"last {args.steps - 2} interleaved steps, the slowest rank's.\n\n{text}")
-        benchlib.write_section(args.write, "## Tensor parallelism against torch's (bench/tensor_parallel.py)", command,
-                               body)
+        body = (
+            f"World size 2 (dp 1 x tp 2), gloo on CPU ({platform.machine()}, shared machine), torch "
+            f"{torch.__version__}; tiny GPT {MODEL}, {BATCH} sequences per step, AdamW, fp32; median of the "
+            f"last {args.steps - 2} interleaved steps, the slowest rank's.\n\n{text}"
+        )
+        benchlib.write_section(
+            args.write, "## Tensor parallelism against torch's (bench/tensor_parallel.py)", command, body
+        )
 
 
 if __name__ == "__main__":

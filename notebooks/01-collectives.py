@@ -35,10 +35,9 @@
 # It runs top to bottom in about a minute on a 2-core laptop.
 
 # %%
-import torch
 
 import toolkit
-from toolkit import comm, viz
+from toolkit import viz
 from toolkit.comm import measure
 from toolkit.memory import alpha_beta_time, ring_all_reduce_bytes
 
@@ -64,6 +63,7 @@ WORLD = 4  # ranks per launch; on a 2-core laptop they share the cores, which is
 # | broadcast | a copy of one rank's tensor | making every replica start from the same weights |
 # | all-to-all | block j of every rank's tensor, on rank j (a transpose of blocks) | sending tokens to their experts (MoE) |
 
+
 # %%
 def tiny_collectives():
     """Run each collective once on small, readable tensors; return what this rank held before and after."""
@@ -73,14 +73,14 @@ def tiny_collectives():
     from toolkit import comm
 
     r, n = dist.get_rank(), dist.get_world_size()
-    mine = torch.arange(float(n)) + 10 * r   # with 4 ranks, rank 2 holds [20, 21, 22, 23]
+    mine = torch.arange(float(n)) + 10 * r  # with 4 ranks, rank 2 holds [20, 21, 22, 23]
     seen = {}
 
     x = mine.clone()
     comm.all_reduce(x)
     seen["all_reduce"] = (mine, x)
 
-    slice_of_sum = torch.empty(1)            # n elements in, one out: element r of the sum
+    slice_of_sum = torch.empty(1)  # n elements in, one out: element r of the sum
     comm.reduce_scatter(slice_of_sum, mine)
     seen["reduce_scatter"] = (mine, slice_of_sum)
 
@@ -93,7 +93,7 @@ def tiny_collectives():
     comm.broadcast(x, src=2)
     seen["broadcast (from rank 2)"] = (mine, x)
 
-    received = torch.empty(n)                # element j of `mine` is meant for rank j
+    received = torch.empty(n)  # element j of `mine` is meant for rank j
     comm.all_to_all(received, mine)
     seen["all_to_all"] = (mine, received)
     return seen
@@ -136,6 +136,7 @@ for title in results[0]:
 # `toolkit.comm.ring` (switched on with `comm.using("ring")`). The door also recorded the bytes each
 # call sent, which we compare with the formulas.
 
+
 # %%
 def three_ways(numel):
     import torch
@@ -151,7 +152,7 @@ def three_ways(numel):
     comm.all_reduce(direct)
 
     my_slice = torch.empty(numel // n)
-    comm.reduce_scatter(my_slice, x)          # rank r: slice r of the sum
+    comm.reduce_scatter(my_slice, x)  # rank r: slice r of the sum
     in_two_halves = torch.empty(numel)
     comm.all_gather(in_two_halves, my_slice)  # everyone: every slice
 
@@ -199,6 +200,7 @@ for name, impl, size, nbytes in sent:
 # `toolkit/comm/ring.py`: at reduce-scatter step s rank r sends chunk (r-s-1) mod N; at all-gather
 # step s it forwards chunk (r-s) mod N.
 
+
 # %%
 def show_holdings(holdings, label):
     n = len(holdings)
@@ -210,14 +212,14 @@ def show_holdings(holdings, label):
 
 def simulate_ring_all_reduce(n):
     """Track which ranks' contributions every chunk on every rank holds, step by step."""
-    holdings = [[{r} for _ in range(n)] for r in range(n)]   # at first, each rank has only its own data
+    holdings = [[{r} for _ in range(n)] for r in range(n)]  # at first, each rank has only its own data
     show_holdings(holdings, "start")
-    for s in range(n - 1):                                    # reduce-scatter: receive and add
+    for s in range(n - 1):  # reduce-scatter: receive and add
         messages = [((r + 1) % n, (r - s - 1) % n, set(holdings[r][(r - s - 1) % n])) for r in range(n)]
-        for receiver, chunk, contents in messages:           # all messages of a step travel at once
+        for receiver, chunk, contents in messages:  # all messages of a step travel at once
             holdings[receiver][chunk] |= contents
         show_holdings(holdings, f"reduce-scatter step {s + 1}")
-    for s in range(n - 1):                                    # all-gather: receive and keep
+    for s in range(n - 1):  # all-gather: receive and keep
         messages = [((r + 1) % n, (r - s) % n, set(holdings[r][(r - s) % n])) for r in range(n)]
         for receiver, chunk, contents in messages:
             holdings[receiver][chunk] = contents
@@ -303,8 +305,11 @@ print(measure.format_table(records))
 
 # %%
 alpha_fit, beta_fit = viz.fit_alpha_beta(records)
-print(f"fitted alpha = {alpha_fit * 1e6:.0f} µs per step, 1/beta = {1 / beta_fit / 1e9:.2f} GB/s"
-      if beta_fit > 0 else f"fitted alpha = {alpha_fit * 1e6:.0f} µs per step, beta = 0")
+print(
+    f"fitted alpha = {alpha_fit * 1e6:.0f} µs per step, 1/beta = {1 / beta_fit / 1e9:.2f} GB/s"
+    if beta_fit > 0
+    else f"fitted alpha = {alpha_fit * 1e6:.0f} µs per step, beta = 0"
+)
 viz.bandwidth(records, model=(alpha_fit, beta_fit))
 
 # %%

@@ -57,8 +57,10 @@ SMALL_BUCKETS_MB = 0.05  # about 52 KB: the model's 825 KB of gradients go in 13
 model = build_model(TrainConfig(**BASE))
 params = [p for p in model.parameters() if p.requires_grad]
 PSI = sum(p.numel() for p in params)
-print(f"tiny GPT: {len(params)} parameter tensors, Ψ = {PSI:,} parameters, "
-      f"{4 * PSI / 1e3:.0f} KB of fp32 gradients per rank per step")
+print(
+    f"tiny GPT: {len(params)} parameter tensors, Ψ = {PSI:,} parameters, "
+    f"{4 * PSI / 1e3:.0f} KB of fp32 gradients per rank per step"
+)
 
 # %% [markdown]
 # ## 1. Naive data parallelism
@@ -122,8 +124,9 @@ sizes = [p.numel() * 4 for p in params]
 
 def modelled_time(cap_bytes):
     buckets = ddp.assign_buckets(params, cap_bytes)
-    return len(buckets), sum(alpha_beta_time("all_reduce", sum(sizes[i] for i in b), N_MODEL, ALPHA, BETA)
-                             for b in buckets)
+    return len(buckets), sum(
+        alpha_beta_time("all_reduce", sum(sizes[i] for i in b), N_MODEL, ALPHA, BETA) for b in buckets
+    )
 
 
 print(f"{'bucket cap':>12} {'messages':>9} {'modelled time':>14}")
@@ -151,8 +154,10 @@ for cap in (1, 16e3, 64e3, 256e3, 1e9):
 # %%
 for k, bucket in enumerate(ddp.assign_buckets(params, SMALL_BUCKETS_MB * 2**20)):
     names = [name for i, (name, _) in enumerate(model.named_parameters()) if i in bucket]
-    print(f"bucket {k:>2}: {sum(sizes[i] for i in bucket) / 1e3:5.1f} KB, params {bucket[0]:>2}..{bucket[-1]:<2} "
-          f"({names[-1]} ... {names[0]})")
+    print(
+        f"bucket {k:>2}: {sum(sizes[i] for i in bucket) / 1e3:5.1f} KB, params {bucket[0]:>2}..{bucket[-1]:<2} "
+        f"({names[-1]} ... {names[0]})"
+    )
 
 # %% [markdown]
 # (The tied token embedding, also the output head, is parameter 0: its gradient is final last, since the
@@ -170,8 +175,9 @@ for k, bucket in enumerate(ddp.assign_buckets(params, SMALL_BUCKETS_MB * 2**20))
 # The same training, now with the `"ddp"` strategy and the bucket cap above.
 
 # %%
-ddp_run = launch_train(TrainConfig(strategy="ddp", options={"bucket_cap_mb": SMALL_BUCKETS_MB}, **BASE),
-                       world_size=WORLD)
+ddp_run = launch_train(
+    TrainConfig(strategy="ddp", options={"bucket_cap_mb": SMALL_BUCKETS_MB}, **BASE), world_size=WORLD
+)
 calls, sent = per_step(ddp_run)
 print(f"ddp: {calls:.0f} all-reduces per step (one per bucket), {sent / 1e3:.0f} KB sent per step by rank 0")
 same = max(abs(a - b) for (_, a), (_, b) in zip(dp_run.metric("loss"), ddp_run.metric("loss")))
@@ -211,6 +217,7 @@ viz.timeline(dp_run, where=one_step(dp_run), title=f"dp, {WORLD} ranks, step {ST
 # **Bytes per step** come from the same trace; the theory is one ring all-reduce of all the gradients,
 # 2Ψ(N-1)/N elements of 4 bytes, whether they travel one tensor at a time or in buckets.
 
+
 # %%
 def step_overlap(run):
     """Median over steps (after the first) of each step's overlap fraction, ranks pooled."""
@@ -228,8 +235,10 @@ def step_time(run):
 theory = communication_per_step(PSI, WORLD, "ddp") * 4
 print(f"{'':>4} {'overlap':>8} {'bytes/step (rank 0)':>20} {'theory 2Ψ(N-1)/N x 4 B':>23} {'step time':>10}")
 for name, run in (("dp", dp_run), ("ddp", ddp_run)):
-    print(f"{name:>4} {step_overlap(run):>8.0%} {per_step(run)[1]:>20,.0f} {theory:>23,.0f} "
-          f"{step_time(run) * 1e3:>7.1f} ms")
+    print(
+        f"{name:>4} {step_overlap(run):>8.0%} {per_step(run)[1]:>20,.0f} {theory:>23,.0f} "
+        f"{step_time(run) * 1e3:>7.1f} ms"
+    )
 
 # %% [markdown]
 # The bytes agree exactly with the theory for both: bucketing changes *how many* messages and *when*,
@@ -274,8 +283,9 @@ for cap, calls, seconds, overlap, sent in rows:  # not `step_time`: that would r
 fig = make_subplots(rows=1, cols=3, subplot_titles=("all-reduces per step", "median step time (ms)", "overlap"))
 labels = [f"{cap} MiB" for cap in CAPS_MB]
 for col, values in enumerate(([r[1] for r in rows], [r[2] * 1e3 for r in rows], [r[3] for r in rows]), start=1):
-    fig.add_trace(go.Bar(x=labels, y=values, showlegend=False, marker_color=viz.style.COMMUNICATION["all_reduce"]),
-                  row=1, col=col)
+    fig.add_trace(
+        go.Bar(x=labels, y=values, showlegend=False, marker_color=viz.style.COMMUNICATION["all_reduce"]), row=1, col=col
+    )
 fig.update_xaxes(title_text="bucket cap")
 fig.update_yaxes(tickformat=".0%", row=1, col=3)
 fig.update_layout(height=330, template="plotly_white", margin=dict(t=50, b=40))
@@ -348,8 +358,9 @@ def accumulate(mode, steps=6, micro_batches=4):
     distributed = dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     torch.manual_seed(0)
-    model, opt = wrap(tiny_gpt(), "ddp" if distributed else "local",
-                      optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3))
+    model, opt = wrap(
+        tiny_gpt(), "ddp" if distributed else "local", optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3)
+    )
     corpus, history = SyntheticCorpus(), []
     quiet = model.no_sync if distributed else contextlib.nullcontext
     for step in range(steps):
@@ -377,10 +388,11 @@ def run_all_modes():
 
 
 accumulation = toolkit.launch(run_all_modes, WORLD)  # [rank 0's results, rank 1's results]
-reference = accumulate("right")                       # no ranks: "local" on the whole batch
+reference = accumulate("right")  # no ranks: "local" on the whole batch
 
-print(f"{'':<36} {'all-reduces/step':>16} {'ranks apart after step 1':>25} {'after step 6':>13} "
-      f"{'rank 0 vs local':>16}")
+print(
+    f"{'':<36} {'all-reduces/step':>16} {'ranks apart after step 1':>25} {'after step 6':>13} {'rank 0 vs local':>16}"
+)
 drift = {}
 for label in MODES:
     rank0, rank1 = accumulation[0][label], accumulation[1][label]
@@ -391,9 +403,13 @@ for label in MODES:
 fig = go.Figure()
 for label, values in drift.items():
     fig.add_trace(go.Scatter(x=list(range(1, len(values) + 1)), y=values, mode="lines+markers", name=label))
-fig.update_layout(title="How far apart the two ranks' parameters are after each step",
-                  xaxis_title="optimizer step", yaxis_title="max |θ rank 0 - θ rank 1|",
-                  height=380, template="plotly_white")
+fig.update_layout(
+    title="How far apart the two ranks' parameters are after each step",
+    xaxis_title="optimizer step",
+    yaxis_title="max |θ rank 0 - θ rank 1|",
+    height=380,
+    template="plotly_white",
+)
 fig
 
 # %% [markdown]

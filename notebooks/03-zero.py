@@ -53,14 +53,15 @@ from toolkit.trace.analysis import bytes_per_step, step_windows
 from toolkit.train import TrainConfig
 from toolkit.viz.memory import comm_bars, memory_bars, model_states_bars, peak_by_category
 
-WORLD = 2   # ranks per strategy; 2 processes share a 2-core laptop comfortably
-STEPS = 3   # enough for a steady step to look at; the losses are checked, not the convergence
+WORLD = 2  # ranks per strategy; 2 processes share a 2-core laptop comfortably
+STEPS = 3  # enough for a steady step to look at; the losses are checked, not the convergence
 GB, MB, KB = 1e9, 1e6, 1e3
 
 
 def show_table(rows):
     """A list of dicts as an HTML table under the cell."""
     display(HTML(viz.table(rows)))
+
 
 # %% [markdown]
 # ## 1. What lives in memory during training
@@ -95,8 +96,12 @@ def show_table(rows):
 # under plain data parallelism:
 
 # %%
-examples = [("1B parameters, K = 12", 1e9, 12), ("1B parameters, K = 16", 1e9, 16),
-            ("7.5B (the ZeRO paper's example), K = 12", 7.5e9, 12), ("175B (GPT-3 size), K = 12", 175e9, 12)]
+examples = [
+    ("1B parameters, K = 12", 1e9, 12),
+    ("1B parameters, K = 16", 1e9, 16),
+    ("7.5B (the ZeRO paper's example), K = 12", 7.5e9, 12),
+    ("175B (GPT-3 size), K = 12", 175e9, 12),
+]
 for label, psi, k in examples:
     print(f"{label:<42} {model_states(psi, optimizer_multiplier=k) / GB:>8,.0f} GB per GPU")
 print(f"\nlargest model whose model states fit in an 80 GB GPU, K = 12: {80 * GB / 16 / 1e9:.0f}B parameters")
@@ -123,8 +128,10 @@ print(f"\nlargest model whose model states fit in an 80 GB GPU, K = 12: {80 * GB
 # %%
 figure1 = viz.explorer_numbers(7.5e9, 64, 12)
 for s in figure1["stages"]:
-    print(f"{s['name']:<14} {s['formula']:<16} {s['total_gb']:6.1f} GB per GPU "
-          f"({figure1['stages'][0]['total'] / s['total']:4.1f}x less than data parallelism)")
+    print(
+        f"{s['name']:<14} {s['formula']:<16} {s['total_gb']:6.1f} GB per GPU "
+        f"({figure1['stages'][0]['total'] / s['total']:4.1f}x less than data parallelism)"
+    )
 assert [round(t, 1) for t in figure1["totals_gb"]] == [120.0, 31.4, 16.6, 1.9]
 model_states_bars(7.5e9, 64)
 
@@ -158,8 +165,9 @@ def config(strategy, mixed_precision=False, **options):
         options["bucket_cap_mb"] = PSI * (2 if mixed_precision else 4) / 4 / 2**20
     if mixed_precision:
         options["mixed_precision"] = True
-    return TrainConfig(strategy=strategy, steps=STEPS, global_batch_size=4 * WORLD, model=dict(MODEL),
-                       options=options, progress=False)
+    return TrainConfig(
+        strategy=strategy, steps=STEPS, global_batch_size=4 * WORLD, model=dict(MODEL), options=options, progress=False
+    )
 
 
 configs = {name: config(name) for name in STRATEGIES}
@@ -179,8 +187,9 @@ per_rank = toolkit.launch(train_each, WORLD, args=(list(configs.values()),), qui
 runs = {label: Run.merge(rank_runs[i] for rank_runs in per_rank) for i, label in enumerate(configs)}
 
 print(f"tiny GPT {MODEL}: Ψ = {PSI:,} parameters, {WORLD} ranks, {STEPS} steps each")
-show_table([{"run": label, **{f"loss, step {s}": round(v, 5) for s, v in run.metric("loss")}}
-            for label, run in runs.items()])
+show_table(
+    [{"run": label, **{f"loss, step {s}": round(v, 5) for s, v in run.metric("loss")}} for label, run in runs.items()]
+)
 
 # %% [markdown]
 # Every fp32 strategy produces the same losses, and so does every bf16 one: ZeRO changes *where* the
@@ -195,6 +204,7 @@ show_table([{"run": label, **{f"loss, step {s}": round(v, 5) for s, v in run.met
 # timeline of the last step on both ranks (communication lane above compute lane; hover a span for
 # its details) and a table of that step's collectives on rank 0.
 
+
 # %%
 def in_last_step(run):
     """A predicate: did this event start inside its own rank's last training step?"""
@@ -207,8 +217,10 @@ def collectives_of_one_step(run, rank=0):
     keep, rows = in_last_step(run), {}
     for e in run.comm_events(rank):
         if keep(e):
-            row = rows.setdefault((e["phase"], e["name"]), {"phase": e["phase"], "collective": e["name"],
-                                                            "calls": 0, "tensor bytes": 0, "bytes sent": 0})
+            row = rows.setdefault(
+                (e["phase"], e["name"]),
+                {"phase": e["phase"], "collective": e["name"], "calls": 0, "tensor bytes": 0, "bytes sent": 0},
+            )
             row["calls"] += 1
             row["tensor bytes"] += e["args"]["size_bytes"]
             row["bytes sent"] += e["args"]["bytes_sent"]
@@ -220,6 +232,7 @@ def show_step(label):
     rows = collectives_of_one_step(run)
     show_table(rows + [{"phase": "total", "bytes sent": sum(r["bytes sent"] for r in rows)}])
     return viz.timeline(run, where=in_last_step(run), title=f"{label}: one training step on every rank")
+
 
 # %% [markdown]
 # ### Data parallelism (DDP), the baseline
@@ -323,8 +336,7 @@ def memory_rows(runs_by_name, mixed_precision):
     rows = []
     for name, run in runs_by_name.items():
         measured = peak_by_category(run, 0)
-        theory = model_states_breakdown(PSI, WORLD, stage[name], param_bytes=p, grad_bytes=g,
-                                        optimizer_multiplier=k)
+        theory = model_states_breakdown(PSI, WORLD, stage[name], param_bytes=p, grad_bytes=g, optimizer_multiplier=k)
         row = {"strategy": name}
         for c in ("params", "grads", "optimizer"):
             row[f"{c} KB (theory)"] = f"{measured[c] / KB:.1f} ({theory[c] / KB:.1f})"
@@ -337,8 +349,12 @@ def memory_rows(runs_by_name, mixed_precision):
 
 predicted_fp32 = {name: predicted_model_states(PSI, WORLD, name, False) for name in STRATEGIES}
 show_table(memory_rows(fp32_runs, mixed_precision=False))
-memory_bars(fp32_runs, predicted_fp32, unit=MB,
-            title=f"fp32: measured peak per rank (bars) and (4 + 4 + 8)Ψ under each stage (diamonds), Ψ = {PSI:,}")
+memory_bars(
+    fp32_runs,
+    predicted_fp32,
+    unit=MB,
+    title=f"fp32: measured peak per rank (bars) and (4 + 4 + 8)Ψ under each stage (diamonds), Ψ = {PSI:,}",
+)
 
 # %% [markdown]
 # And in mixed precision, where the optimizer category holds the fp32 master slice as well as Adam's
@@ -347,8 +363,12 @@ memory_bars(fp32_runs, predicted_fp32, unit=MB,
 # %%
 predicted_bf16 = {name: predicted_model_states(PSI, WORLD, name, True) for name in STRATEGIES}
 show_table(memory_rows(bf16_runs, mixed_precision=True))
-memory_bars(bf16_runs, predicted_bf16, unit=MB,
-            title="mixed precision: measured peak per rank (bars) and (2 + 2 + 12)Ψ under each stage (diamonds)")
+memory_bars(
+    bf16_runs,
+    predicted_bf16,
+    unit=MB,
+    title="mixed precision: measured peak per rank (bars) and (2 + 2 + 12)Ψ under each stage (diamonds)",
+)
 
 # %% [markdown]
 # What the numbers say:
@@ -383,6 +403,7 @@ memory_bars(bf16_runs, predicted_bf16, unit=MB,
 # size. gloo, the CPU backend, actually implements reduce-scatter with an all-reduce, so timings on
 # this laptop flatter DDP; the bytes are the algorithmic volume you would get from NCCL.)
 
+
 # %%
 def sent_per_step(run, rank=0):
     """Median over steps of what `rank` sent, in total and per phase."""
@@ -397,13 +418,20 @@ for label, run in runs.items():
     name, element = label.split()[0], (2 if "bf16" in label else 4)
     theory = communication_per_step(PSI, WORLD, name) * element
     sent = sent_per_step(run)
-    comm_rows.append({"run": label, **{f"{p} KB": round(sent.get(p, 0) / KB, 1) for p in PHASES},
-                      "sent KB/step": round(sent["total"] / KB, 1), "theory KB": round(theory / KB, 1),
-                      "sent / theory": round(sent["total"] / theory, 3)})
+    comm_rows.append(
+        {
+            "run": label,
+            **{f"{p} KB": round(sent.get(p, 0) / KB, 1) for p in PHASES},
+            "sent KB/step": round(sent["total"] / KB, 1),
+            "theory KB": round(theory / KB, 1),
+            "sent / theory": round(sent["total"] / theory, 3),
+        }
+    )
 show_table(comm_rows)
-comm_bars([{"strategy": r["run"], "measured": r["sent KB/step"] * KB, "theory": r["theory KB"] * KB}
-               for r in comm_rows],
-              title="Bytes each rank sends per step: measured (bars), 2Ψ(N-1)/N or 3Ψ(N-1)/N (diamonds)")
+comm_bars(
+    [{"strategy": r["run"], "measured": r["sent KB/step"] * KB, "theory": r["theory KB"] * KB} for r in comm_rows],
+    title="Bytes each rank sends per step: measured (bars), 2Ψ(N-1)/N or 3Ψ(N-1)/N (diamonds)",
+)
 
 # %% [markdown]
 # DDP, ZeRO-1 and ZeRO-2 send exactly the same bytes: ZeRO-1/2 only cut DDP's all-reduce into a
@@ -427,11 +455,17 @@ ways = {"reduce-scatter (default)": runs["zero1"], 'reduce="all_reduce"': runs["
 rows = []
 for label, run in ways.items():
     sent = sent_per_step(run)
-    rows.append({"ZeRO-1 with": label, "backward KB": round(sent.get("backward", 0) / KB, 1),
-                 "optimizer KB": round(sent.get("optimizer", 0) / KB, 1), "total KB": round(sent["total"] / KB, 1),
-                 "x Ψ(N-1)/N": round(sent["total"] / (4 * PSI * (WORLD - 1) / WORLD), 2),
-                 "final loss": round(run.metric("loss")[-1][1], 5),
-                 "grads KB": round(peak_by_category(run, 0)["grads"] / KB, 1)})
+    rows.append(
+        {
+            "ZeRO-1 with": label,
+            "backward KB": round(sent.get("backward", 0) / KB, 1),
+            "optimizer KB": round(sent.get("optimizer", 0) / KB, 1),
+            "total KB": round(sent["total"] / KB, 1),
+            "x Ψ(N-1)/N": round(sent["total"] / (4 * PSI * (WORLD - 1) / WORLD), 2),
+            "final loss": round(run.metric("loss")[-1][1], 5),
+            "grads KB": round(peak_by_category(run, 0)["grads"] / KB, 1),
+        }
+    )
 show_table(rows)
 
 # %% [markdown]
@@ -449,6 +483,7 @@ show_table(rows)
 # broadcasts it to every rank. Same updates as plain AdamW, bit for bit (the first weight agrees on every
 # row); on 2 ranks each holds about half the optimizer bytes:
 
+
 # %%
 def plain_or_sharded():
     import functools
@@ -461,17 +496,23 @@ def plain_or_sharded():
     from toolkit.parallel import shard_optimizer, wrap
 
     rows = []
-    for label, opt in (("DDP + AdamW", torch.optim.AdamW),
-                       ("DDP + shard_optimizer(AdamW)",
-                        functools.partial(shard_optimizer, optimizer_class=torch.optim.AdamW))):
+    for label, opt in (
+        ("DDP + AdamW", torch.optim.AdamW),
+        ("DDP + shard_optimizer(AdamW)", functools.partial(shard_optimizer, optimizer_class=torch.optim.AdamW)),
+    ):
         torch.manual_seed(0)
         model, optimizer = wrap(tiny_gpt(), "ddp", optimizer=opt)
         x, y = SyntheticCorpus().batch(0, 8, rank=dist.get_rank(), world_size=dist.get_world_size())
         model(x, y).backward()
         optimizer.step()
-        rows.append({"rank": dist.get_rank(), "optimizer": label,
-                     "optimizer states KB": round(ledger(model, optimizer)["optimizer"] / KB, 1),
-                     "first weight": round(model.module.tok_emb.weight[0, 0].item(), 6)})
+        rows.append(
+            {
+                "rank": dist.get_rank(),
+                "optimizer": label,
+                "optimizer states KB": round(ledger(model, optimizer)["optimizer"] / KB, 1),
+                "first weight": round(model.module.tok_emb.weight[0, 0].item(), 6),
+            }
+        )
     return rows
 
 
@@ -526,14 +567,29 @@ x, y = SyntheticCorpus().batch(0, B)
 per_block, saved_in_all = activations_by_module(model, model.blocks, x, y)
 paper = activation_terms(S, B, H, A)
 ours = activation_terms(S, B, H, A, bytes_per_value=4, dropout=False, fused_attention=True, small_terms=True)
-show_table([{"what one layer keeps": term, "paper: 16-bit, dropout, scores stored (B)": paper.get(term, "-"),
-             "tiny GPT: fp32, no dropout, fused attention (B)": ours[term]} for term in ours]
-           + [{"what one layer keeps": "total", "paper: 16-bit, dropout, scores stored (B)": sum(paper.values()),
-               "tiny GPT: fp32, no dropout, fused attention (B)": sum(ours.values())}])
+show_table(
+    [
+        {
+            "what one layer keeps": term,
+            "paper: 16-bit, dropout, scores stored (B)": paper.get(term, "-"),
+            "tiny GPT: fp32, no dropout, fused attention (B)": ours[term],
+        }
+        for term in ours
+    ]
+    + [
+        {
+            "what one layer keeps": "total",
+            "paper: 16-bit, dropout, scores stored (B)": sum(paper.values()),
+            "tiny GPT: fp32, no dropout, fused attention (B)": sum(ours.values()),
+        }
+    ]
+)
 predicted = sum(ours.values())
-print(f"measured per block: {per_block} bytes; predicted {predicted:,.0f}; "
-      f"the paper's s·b·h·(34 + 5·a·s/h) = {activation_bytes(S, B, H, A):,.0f} "
-      f"({activation_bytes(S, B, H, A) / per_block[0] - 1:+.0%} against the measurement)")
+print(
+    f"measured per block: {per_block} bytes; predicted {predicted:,.0f}; "
+    f"the paper's s·b·h·(34 + 5·a·s/h) = {activation_bytes(S, B, H, A):,.0f} "
+    f"({activation_bytes(S, B, H, A) / per_block[0] - 1:+.0%} against the measurement)"
+)
 print(f"outside the blocks (embeddings, final LayerNorm, the logits): {saved_in_all - sum(per_block):,} bytes")
 
 # %% [markdown]
@@ -553,12 +609,24 @@ for seq in (16, 32, 64, 128):
     fused = activations_by_module(net, net.blocks[:1], xs, ys)[0][0]
     with sdpa_kernel(SDPBackend.MATH):
         stored = activations_by_module(net, net.blocks[:1], xs, ys)[0][0]
-    terms = {kernel: sum(activation_terms(seq, B, H, A, bytes_per_value=4, dropout=False, small_terms=True,
-                                          fused_attention=kernel == "fused").values()) for kernel in ("fused", "math")}
-    rows.append({"s": seq, "fused, measured KB": round(fused / KB, 1), "fused, terms KB": round(terms["fused"] / KB, 1),
-                 "scores stored, measured KB": round(stored / KB, 1),
-                 "scores stored, terms KB": round(terms["math"] / KB, 1),
-                 "paper (16-bit, dropout) KB": round(activation_bytes(seq, B, H, A) / KB, 1)})
+    terms = {
+        kernel: sum(
+            activation_terms(
+                seq, B, H, A, bytes_per_value=4, dropout=False, small_terms=True, fused_attention=kernel == "fused"
+            ).values()
+        )
+        for kernel in ("fused", "math")
+    }
+    rows.append(
+        {
+            "s": seq,
+            "fused, measured KB": round(fused / KB, 1),
+            "fused, terms KB": round(terms["fused"] / KB, 1),
+            "scores stored, measured KB": round(stored / KB, 1),
+            "scores stored, terms KB": round(terms["math"] / KB, 1),
+            "paper (16-bit, dropout) KB": round(activation_bytes(seq, B, H, A) / KB, 1),
+        }
+    )
 show_table(rows)
 
 # %% [markdown]
@@ -571,8 +639,7 @@ show_table(rows)
 gpt3 = activation_bytes(2048, 1, 12288, 96, layers=96)
 print(f"activations, paper's formula:  {gpt3 / GB:6.0f} GB per GPU per row of 2048 tokens")
 print(f"model states, ZeRO-3 over 64:  {model_states(175e9, 64, 3) / GB:6.0f} GB per GPU")
-print(f"activations, keeping only each layer's input (2·sbh, full recomputation): "
-      f"{96 * 2 * 2048 * 12288 / GB:.1f} GB")
+print(f"activations, keeping only each layer's input (2·sbh, full recomputation): {96 * 2 * 2048 * 12288 / GB:.1f} GB")
 
 # %% [markdown]
 # ZeRO divides the model states by N; nothing here divides the activations. The usual cure is

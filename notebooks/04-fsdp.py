@@ -58,9 +58,9 @@ from toolkit.train import TrainConfig
 from toolkit.viz.fsdp_explorer import gpt_models, policy_numbers, wrap_policy_explorer
 from toolkit.viz.memory import memory_over_time
 
-WORLD = 2                                  # ranks for sections 2-5
+WORLD = 2  # ranks for sections 2-5
 MODEL = dict(n_layer=4, d_model=64, n_head=4)  # vocab 64, sequence 32: the synthetic corpus's
-BATCH = 64                                 # rows per step over all ranks (2 ranks: 32 each)
+BATCH = 64  # rows per step over all ranks (2 ranks: 32 each)
 LINK = dict(bandwidth="25 MB/s", latency="50 us")  # the emulated link of sections 2-5
 KB, MB, GB = 1e3, 1e6, 1e9
 
@@ -112,10 +112,22 @@ model = tiny_gpt(**MODEL)
 PSI = model.num_params()
 plan_numbers = policy_numbers(model, None, WORLD)
 print(f"tiny GPT {MODEL}: Ψ = {PSI:,} parameters, sharded over N = {WORLD} ranks")
-show_table([{"unit": u["unit"], "tensors": u["tensors"], "elements": u["numel"], "padding": u["padding"],
-             "elements per rank (shard)": u["shard_numel"]} for u in plan_numbers["units"]])
-print(f"model states per rank, 16 bytes per parameter: data parallelism {model_states(PSI) / KB:,.0f} KB, "
-      f"fully sharded {model_states(PSI, WORLD, 3) / KB:,.0f} KB + the unit(s) in flight")
+show_table(
+    [
+        {
+            "unit": u["unit"],
+            "tensors": u["tensors"],
+            "elements": u["numel"],
+            "padding": u["padding"],
+            "elements per rank (shard)": u["shard_numel"],
+        }
+        for u in plan_numbers["units"]
+    ]
+)
+print(
+    f"model states per rank, 16 bytes per parameter: data parallelism {model_states(PSI) / KB:,.0f} KB, "
+    f"fully sharded {model_states(PSI, WORLD, 3) / KB:,.0f} KB + the unit(s) in flight"
+)
 
 # %% [markdown]
 # The token embedding is also the output head (tied weights). A unit is gathered only while its own
@@ -206,9 +218,17 @@ def on_each_rank(configs, rounds):
     return [train(c) for c in configs] + [fsdp_rounds(rounds)]
 
 
-baselines = {name: TrainConfig(strategy=name, steps=3, global_batch_size=BATCH, model=dict(MODEL), progress=False,
-                               options={"bucket_cap_mb": PSI * 4 / 4 / 2**20} if name == "ddp" else {})
-             for name in ("ddp", "zero3")}
+baselines = {
+    name: TrainConfig(
+        strategy=name,
+        steps=3,
+        global_batch_size=BATCH,
+        model=dict(MODEL),
+        progress=False,
+        options={"bucket_cap_mb": PSI * 4 / 4 / 2**20} if name == "ddp" else {},
+    )
+    for name in ("ddp", "zero3")
+}
 with toolkit.comm.emulate(**LINK):
     per_rank = toolkit.launch(on_each_rank, WORLD, args=(list(baselines.values()), ROUNDS), quiet=True)
 labels = list(baselines) + ["fsdp"]
@@ -223,8 +243,12 @@ def losses(run, steps=3):
     return [statistics.fmean(rank[s] for rank in per_rank) for s in range(steps)]
 
 
-show_table([{"run": label, **{f"loss, step {s}": round(v, 6) for s, v in enumerate(losses(run))}}
-            for label, run in runs.items()])
+show_table(
+    [
+        {"run": label, **{f"loss, step {s}": round(v, 6) for s, v in enumerate(losses(run))}}
+        for label, run in runs.items()
+    ]
+)
 
 # %% [markdown]
 # The three strategies compute the same losses: they change where the bytes live and which collectives
@@ -234,6 +258,7 @@ show_table([{"run": label, **{f"loss, step {s}": round(v, 6) for s, v in enumera
 #
 # What one step costs in collectives, from the traces (rank 0, the last step of each strategy; FSDP: a
 # step with the default setting):
+
 
 # %%
 def window_of(run, step):
@@ -256,9 +281,14 @@ for label, run in runs.items():
     for e in calls:
         count[e["name"]] = count.get(e["name"], 0) + 1
     theory = communication_per_step(PSI, WORLD, label) * 4
-    rows.append({"strategy": label, "collectives per step": ", ".join(f"{n} x {c}" for c, n in count.items()),
-                 "KB sent by rank 0": round(sum(e["args"]["bytes_sent"] for e in calls) / KB, 1),
-                 "theory KB": round(theory / KB, 1)})
+    rows.append(
+        {
+            "strategy": label,
+            "collectives per step": ", ".join(f"{n} x {c}" for c, n in count.items()),
+            "KB sent by rank 0": round(sum(e["args"]["bytes_sent"] for e in calls) / KB, 1),
+            "theory KB": round(theory / KB, 1),
+        }
+    )
 show_table(rows)
 
 # %% [markdown]
@@ -286,6 +316,7 @@ show_table(rows)
 #   backward reaches next is issued, before this unit's reduce-scatter.
 # - **Optimizer**: AdamW steps the fp32 slices only; nothing is gathered until the next forward.
 
+
 # %%
 def no_outer_spans(where):
     """Keep the units' spans; drop the loop's own 'forward'/'backward' spans that enclose them."""
@@ -293,8 +324,11 @@ def no_outer_spans(where):
 
 
 step = LAST_ROUND[DEFAULT]
-viz.timeline(fsdp, where=no_outer_spans(window_of(fsdp, step)),
-             title=f"FSDP, one step on {WORLD} ranks (backward prefetch), emulated {LINK['bandwidth']} link")
+viz.timeline(
+    fsdp,
+    where=no_outer_spans(window_of(fsdp, step)),
+    title=f"FSDP, one step on {WORLD} ranks (backward prefetch), emulated {LINK['bandwidth']} link",
+)
 
 # %% [markdown]
 # The order of events on rank 0 in that step, as FSDP's memory probe saw them (the next section plots
@@ -333,6 +367,7 @@ for fig in figures:
 # turns), and the time a rank spent in "wait" spans, held back by the emulated link after its compute
 # was done (the median over the setting's steps on rank 0):
 
+
 # %%
 def link_wait(run, step, rank=0):
     inside = window_of(run, step)
@@ -345,10 +380,15 @@ for label in SETTINGS:
     times = [v for r in fsdp.ranks for s, v in fsdp.metric("step_time", r) if s in steps]
     medians[label] = statistics.median(times)
     waits = [link_wait(fsdp, s) for s in steps]
-    rows.append({"setting": label, "median step ms": round(medians[label] * 1e3, 1),
-                 "fastest ms": round(min(times) * 1e3, 1),
-                 "waiting for the link, ms (median)": round(statistics.median(waits) * 1e3, 1),
-                 "vs no prefetch": f"{medians['no prefetch'] / medians[label]:.2f}x"})
+    rows.append(
+        {
+            "setting": label,
+            "median step ms": round(medians[label] * 1e3, 1),
+            "fastest ms": round(min(times) * 1e3, 1),
+            "waiting for the link, ms (median)": round(statistics.median(waits) * 1e3, 1),
+            "vs no prefetch": f"{medians['no prefetch'] / medians[label]:.2f}x",
+        }
+    )
 show_table(rows)
 
 # %% [markdown]
@@ -378,11 +418,17 @@ show_table(rows)
 # filling, one being reduce-scattered). The wrap-policy explorer of section 8 computes it from the units.
 
 # %%
-bounds = {label: policy_numbers(model, None, WORLD, prefetch=label != "no prefetch")["memory"]["peak"]
-          for label in SETTINGS}
-memory_over_time(fsdp, step=step, categories=("params", "grads", "optimizer", "activations", "states"),
-                 bound=bounds[DEFAULT], bound_label="bound on model states",
-                 title=f"Memory through one FSDP step (backward prefetch), per rank, Ψ = {PSI:,}")
+bounds = {
+    label: policy_numbers(model, None, WORLD, prefetch=label != "no prefetch")["memory"]["peak"] for label in SETTINGS
+}
+memory_over_time(
+    fsdp,
+    step=step,
+    categories=("params", "grads", "optimizer", "activations", "states"),
+    bound=bounds[DEFAULT],
+    bound_label="bound on model states",
+    title=f"Memory through one FSDP step (backward prefetch), per rank, Ψ = {PSI:,}",
+)
 
 # %% [markdown]
 # Read it left to right: the parameters rise by a block (200 KB) at each ▲ and fall back at each ▼, one
@@ -409,10 +455,18 @@ for label in SETTINGS:
         mine = [x for x in in_step if x["rank"] == rank]
         params = max(x["params"] for x in mine)
         states = max(x["params"] + x["grads"] + x["optimizer"] for x in mine)
-        rows.append({"setting": label, "rank": rank, "k": k, "peak params KB": round(params / KB, 1),
-                     "4(Σψ/N + ψ_root + k·ψ_block) KB": round(params_bound / KB, 1),
-                     "peak model states KB": round(states / KB, 1), "bound KB": round(bounds[label] / KB, 1),
-                     "states / bound": round(states / bounds[label], 3)})
+        rows.append(
+            {
+                "setting": label,
+                "rank": rank,
+                "k": k,
+                "peak params KB": round(params / KB, 1),
+                "4(Σψ/N + ψ_root + k·ψ_block) KB": round(params_bound / KB, 1),
+                "peak model states KB": round(states / KB, 1),
+                "bound KB": round(bounds[label] / KB, 1),
+                "states / bound": round(states / bounds[label], 3),
+            }
+        )
 show_table(rows)
 ddp_states = model_states(PSI, 1, 0, param_bytes=4, grad_bytes=4, optimizer_multiplier=8)
 print(f"data parallelism would hold {ddp_states / KB:,.0f} KB of model states on every rank (16 bytes x Ψ)")
@@ -429,9 +483,15 @@ print(f"data parallelism would hold {ddp_states / KB:,.0f} KB of model states on
 
 # %%
 k1 = 4 * (shards + root + block)
-memory_over_time(fsdp, rank=0, step=LAST_ROUND["no prefetch"], categories=("params",), bound=k1,
-                 bound_label="4(Σψ/N + ψ_root + ψ_block)",
-                 title="Parameters through one step without prefetch, rank 0")
+memory_over_time(
+    fsdp,
+    rank=0,
+    step=LAST_ROUND["no prefetch"],
+    categories=("params",),
+    bound=k1,
+    bound_label="4(Σψ/N + ψ_root + ψ_block)",
+    title="Parameters through one step without prefetch, rank 0",
+)
 
 # %% [markdown]
 # On a GPU this bound needs help that the CPU does not. There the CPU only *issues* kernels and runs ahead
@@ -472,9 +532,11 @@ memory_over_time(fsdp, rank=0, step=LAST_ROUND["no prefetch"], categories=("para
 
 # %%
 W4, G = 4, 2
-configs4 = {"DDP (full replication)": ("ddp", {"bucket_cap_mb": PSI * 4 / 4 / 2**20}),
-            "FSDP, full sharding": ("fsdp", {}),
-            "FSDP, hybrid 2 x 2": ("fsdp", {"sharding_group_size": 2})}
+configs4 = {
+    "DDP (full replication)": ("ddp", {"bucket_cap_mb": PSI * 4 / 4 / 2**20}),
+    "FSDP, full sharding": ("fsdp", {}),
+    "FSDP, hybrid 2 x 2": ("fsdp", {"sharding_group_size": 2}),
+}
 
 
 def train_each(configs):
@@ -483,16 +545,20 @@ def train_each(configs):
     return [train(c) for c in configs]
 
 
-configs = [TrainConfig(strategy=s, steps=3, global_batch_size=32, model=dict(MODEL), options=o, progress=False)
-           for s, o in configs4.values()]
+configs = [
+    TrainConfig(strategy=s, steps=3, global_batch_size=32, model=dict(MODEL), options=o, progress=False)
+    for s, o in configs4.values()
+]
 with toolkit.comm.emulate(bandwidth="10 MB/s", latency="100 us", intra_node=("1 GB/s", "10 us"), ranks_per_node=G):
     per_rank = toolkit.launch(train_each, W4, args=(configs,), quiet=True)
 runs4 = {label: Run.merge(ranks[i] for ranks in per_rank) for i, label in enumerate(configs4)}
 
 M = PSI * 4  # the model's bytes in fp32
-formula = {"DDP (full replication)": fsdp_cross_host_traffic(M, G, W4, "full_replication"),
-           "FSDP, full sharding": fsdp_cross_host_traffic(M, G, W4, "full_shard"),
-           "FSDP, hybrid 2 x 2": fsdp_cross_host_traffic(M, G, W4, "hybrid")}
+formula = {
+    "DDP (full replication)": fsdp_cross_host_traffic(M, G, W4, "full_replication"),
+    "FSDP, full sharding": fsdp_cross_host_traffic(M, G, W4, "full_shard"),
+    "FSDP, hybrid 2 x 2": fsdp_cross_host_traffic(M, G, W4, "hybrid"),
+}
 rows = []
 for label, run in runs4.items():
     last = window_of(run, len(step_windows(run, 0)) - 1)
@@ -504,16 +570,24 @@ for label, run in runs4.items():
             else:
                 across += e["args"]["bytes_sent"]
     groups = sorted({(e["name"], tuple(e["args"]["group"])) for e in run.comm_events(0) if last(e)})
-    rows.append({"run": label, "collectives (group)": ", ".join(f"{n} {list(g)}" for n, g in groups),
-                 "KB within a host": round(inside / KB, 1), "KB across hosts": round(across / KB, 1),
-                 "paper's formula KB": round(formula[label] / KB, 1),
-                 "median step ms": round(statistics.median(v for _, v in run.metric("step_time")) * 1e3, 1),
-                 "final loss": round(run.metric("loss")[-1][1], 6)})
+    rows.append(
+        {
+            "run": label,
+            "collectives (group)": ", ".join(f"{n} {list(g)}" for n, g in groups),
+            "KB within a host": round(inside / KB, 1),
+            "KB across hosts": round(across / KB, 1),
+            "paper's formula KB": round(formula[label] / KB, 1),
+            "median step ms": round(statistics.median(v for _, v in run.metric("step_time")) * 1e3, 1),
+            "final loss": round(run.metric("loss")[-1][1], 6),
+        }
+    )
 show_table(rows)
 print(f"exact hybrid count 2M(W-G)/(GW) = {2 * M * (W4 - G) / (G * W4) / KB:.1f} KB")
 step_ms = {r["run"]: r["median step ms"] for r in rows}
-print(f"hybrid: {step_ms['FSDP, full sharding'] / step_ms['FSDP, hybrid 2 x 2']:.2f}x the speed of full sharding, "
-      f"{step_ms['DDP (full replication)'] / step_ms['FSDP, hybrid 2 x 2']:.2f}x the speed of DDP")
+print(
+    f"hybrid: {step_ms['FSDP, full sharding'] / step_ms['FSDP, hybrid 2 x 2']:.2f}x the speed of full sharding, "
+    f"{step_ms['DDP (full replication)'] / step_ms['FSDP, hybrid 2 x 2']:.2f}x the speed of DDP"
+)
 
 # %% [markdown]
 # Same loss three ways, and the bytes across hosts are the formulas' (hybrid: the exact count). Full
@@ -533,14 +607,20 @@ rows = []
 for name, psi in (("1.3B", 1.3e9), ("7B", 7e9), ("13B", 13e9), ("70B", 70e9), ("175B", 175e9)):
     M_bf16 = 2 * psi
     row = {"model": name}
-    for label, sharding, F in (("DDP", "full_replication", 1), ("full shard", "full_shard", W512),
-                               ("hybrid", "hybrid", G8)):
+    for label, sharding, F in (
+        ("DDP", "full_replication", 1),
+        ("full shard", "full_shard", W512),
+        ("hybrid", "hybrid", G8),
+    ):
         states = model_states(psi, F, 3 if F > 1 else 0) / GB
         seconds = fsdp_cross_host_traffic(M_bf16, G8, W512, sharding) / NET
         row[f"{label}: GB per GPU"] = round(states, 1)
         row[f"{label}: s per step across hosts"] = round(seconds, 2)
-    fits = [label for label, F in (("hybrid", G8), ("full shard", W512), ("DDP", 1))
-            if model_states(psi, F, 3 if F > 1 else 0) <= 0.6 * 80 * GB]  # leave 40% for activations
+    fits = [
+        label
+        for label, F in (("hybrid", G8), ("full shard", W512), ("DDP", 1))
+        if model_states(psi, F, 3 if F > 1 else 0) <= 0.6 * 80 * GB
+    ]  # leave 40% for activations
     row["verdict"] = fits[0] if fits else "needs more than data parallelism (tensor/pipeline parallel)"
     rows.append(row)
 show_table(rows)
@@ -595,9 +675,11 @@ show_table(rows)
 predicted = policy_numbers(model, None, WORLD, prefetch=True)
 measured = max(x["params"] + x["grads"] + x["optimizer"] for x in fsdp.samples if x["step"] == step)
 calls = sum(1 for e in fsdp.comm_events(0) if window_of(fsdp, step)(e))
-print(f"tiny GPT on {WORLD} ranks, one unit per block, prefetch: predicted peak "
-      f"{predicted['memory']['peak'] / KB:.1f} KB, measured {measured / KB:.1f} KB; "
-      f"{predicted['collectives']['total']} collectives per step predicted, {calls} measured")
+print(
+    f"tiny GPT on {WORLD} ranks, one unit per block, prefetch: predicted peak "
+    f"{predicted['memory']['peak'] / KB:.1f} KB, measured {measured / KB:.1f} KB; "
+    f"{predicted['collectives']['total']} collectives per step predicted, {calls} measured"
+)
 
 # %% [markdown]
 # Things to try:
@@ -632,6 +714,7 @@ explorer
 # counts the matmuls; the fused attention kernel is not in its table on the CPU). The same launch trains
 # a few fp16 steps, for what follows (on 4 rows per rank: the CPU has no fast fp16 matmul).
 
+
 # %%
 def stash_or_recompute(steps=5):
     """On every rank: FSDP with and without activation checkpointing, then fp16; return what was counted."""
@@ -651,8 +734,12 @@ def stash_or_recompute(steps=5):
     corpus, out = SyntheticCorpus(64, 32, 0), {}
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        model, opt = wrap(tiny_gpt(**MODEL), "fsdp", optimizer=functools.partial(torch.optim.AdamW, lr=3e-3),
-                          activation_checkpointing=checkpointing)
+        model, opt = wrap(
+            tiny_gpt(**MODEL),
+            "fsdp",
+            optimizer=functools.partial(torch.optim.AdamW, lr=3e-3),
+            activation_checkpointing=checkpointing,
+        )
         times = []
         for step in range(steps):
             x, y = corpus.batch(step, BATCH, rank=rank, world_size=world)
@@ -666,25 +753,57 @@ def stash_or_recompute(steps=5):
             opt.zero_grad()
             times.append(time.perf_counter() - t0)
         out[checkpointing] = {**cost, "step": statistics.median(times[1:-1])}
-    out["fp16"] = train(TrainConfig(strategy="fsdp", steps=4, global_batch_size=8, model=dict(MODEL),  # fp16
-                                    options={"mixed_precision": "fp16"}, progress=False, sample_memory=False))
+    out["fp16"] = train(
+        TrainConfig(
+            strategy="fsdp",
+            steps=4,
+            global_batch_size=8,
+            model=dict(MODEL),  # fp16
+            options={"mixed_precision": "fp16"},
+            progress=False,
+            sample_memory=False,
+        )
+    )
     return out
 
 
 ckpt_ranks = toolkit.launch(stash_or_recompute, WORLD, quiet=True)
 stash, recompute = ckpt_ranks[0][False], ckpt_ranks[0][True]
 S, B = 32, BATCH // WORLD
-per_block = sum(activation_terms(S, B, MODEL["d_model"], MODEL["n_head"], bytes_per_value=4, dropout=False,
-                                 fused_attention=True, small_terms=True).values())
+per_block = sum(
+    activation_terms(
+        S,
+        B,
+        MODEL["d_model"],
+        MODEL["n_head"],
+        bytes_per_value=4,
+        dropout=False,
+        fused_attention=True,
+        small_terms=True,
+    ).values()
+)
 saving = MODEL["n_layer"] * (per_block - 4 * S * B * MODEL["d_model"])  # each block keeps its input, 4·sbh
-show_table([{"activations": label, "kept from forward to backward, KB": round(r["kept"] / KB, 1),
-             "forward MFLOP": round(r["forward"] / 1e6, 1), "backward MFLOP": round(r["backward"] / 1e6, 1),
-             "median step ms": round(r["step"] * 1e3, 1), "loss, last step": round(r["loss"], 6)}
-            for label, r in (("stashed (default)", stash), ("checkpointed", recompute))])
-print(f"one block saves {per_block / KB:,.0f} KB for backward; its input is {4 * S * B * MODEL['d_model'] / KB:,.0f} KB")
-print(f"saved: {(stash['kept'] - recompute['kept']) / KB:,.1f} KB measured, {saving / KB:,.1f} KB predicted "
-      f"(L x (one block's terms - its input)); backward paid {recompute['backward'] / stash['backward'] - 1:+.0%} "
-      f"FLOPs, the step {recompute['step'] / stash['step'] - 1:+.0%} time")
+show_table(
+    [
+        {
+            "activations": label,
+            "kept from forward to backward, KB": round(r["kept"] / KB, 1),
+            "forward MFLOP": round(r["forward"] / 1e6, 1),
+            "backward MFLOP": round(r["backward"] / 1e6, 1),
+            "median step ms": round(r["step"] * 1e3, 1),
+            "loss, last step": round(r["loss"], 6),
+        }
+        for label, r in (("stashed (default)", stash), ("checkpointed", recompute))
+    ]
+)
+print(
+    f"one block saves {per_block / KB:,.0f} KB for backward; its input is {4 * S * B * MODEL['d_model'] / KB:,.0f} KB"
+)
+print(
+    f"saved: {(stash['kept'] - recompute['kept']) / KB:,.1f} KB measured, {saving / KB:,.1f} KB predicted "
+    f"(L x (one block's terms - its input)); backward paid {recompute['backward'] / stash['backward'] - 1:+.0%} "
+    f"FLOPs, the step {recompute['step'] / stash['step'] - 1:+.0%} time"
+)
 
 # %% [markdown]
 # The saving is the prediction to the byte: each block keeps only its input instead of everything its
@@ -713,9 +832,14 @@ print(f"saved: {(stash['kept'] - recompute['kept']) / KB:,.1f} KB measured, {sav
 
 # %%
 fp16 = Run.merge(rank["fp16"] for rank in ckpt_ranks)
-show_table([{"step": step, "loss scale": scale, "skipped": bool(skipped), "loss": round(loss, 4)}
-            for (step, scale), (_, skipped), (_, loss) in zip(fp16.metric("loss_scale", 0),
-                                                              fp16.metric("skipped_step", 0), fp16.metric("loss", 0))])
+show_table(
+    [
+        {"step": step, "loss scale": scale, "skipped": bool(skipped), "loss": round(loss, 4)}
+        for (step, scale), (_, skipped), (_, loss) in zip(
+            fp16.metric("loss_scale", 0), fp16.metric("skipped_step", 0), fp16.metric("loss", 0)
+        )
+    ]
+)
 
 # %% [markdown]
 # The first step is skipped: the model's loss is itself fp16, and its own gradient, S = 2^16 = 65536, is

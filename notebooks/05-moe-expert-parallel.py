@@ -38,7 +38,6 @@
 # differs from FastMoE, Tutel and DeepSpeed-MoE, and what you would notice: `docs/differences.md`.
 
 # %%
-import math
 
 import torch
 
@@ -48,10 +47,9 @@ from toolkit.memory import communication_per_step
 from toolkit.models import moe_gpt, tiny_gpt
 from toolkit.moe import TopKGate, capacity, is_expert, merge_load
 from toolkit.run import Run
-from toolkit.train import TrainConfig, launch_train, moe_model_fn
 
-WORLD = 2                                   # ranks
-E, K, FACTOR = 8, 2, 1.25                   # experts per MoE layer, experts per token, capacity factor
+WORLD = 2  # ranks
+E, K, FACTOR = 8, 2, 1.25  # experts per MoE layer, experts per token, capacity factor
 SHAPE = dict(n_layer=2, d_model=32, n_head=2)  # the tiny GPT of the other notebooks; d_ff = 4 * d_model
 D, FF = SHAPE["d_model"], 4 * SHAPE["d_model"]
 
@@ -63,6 +61,7 @@ D, FF = SHAPE["d_model"], 4 * SHAPE["d_model"]
 # and an add per weight). An MoE layer with E experts holds E times those weights, but a token visits
 # only k experts, plus the router (d·E weights, one score per expert). With k = 1 (Switch) a token costs
 # what it cost in the dense model; with k = 2 (GShard) twice that, *whatever E is*.
+
 
 # %%
 def mlp_numbers(experts, k):
@@ -91,8 +90,10 @@ for experts in (1, 2, 4, 8, 16, 64):
 
 # %%
 L_, H_, E_, alpha = 12, 1024, 16, 2
-print(f"L·(2αE+4)·H² = {L_ * (2 * alpha * E_ + 4) * H_**2 / 1e9:.2f} B parameters, "
-      f"where a dense model of the same shape has {L_ * (2 * alpha + 4) * H_**2 / 1e9:.2f} B")
+print(
+    f"L·(2αE+4)·H² = {L_ * (2 * alpha * E_ + 4) * H_**2 / 1e9:.2f} B parameters, "
+    f"where a dense model of the same shape has {L_ * (2 * alpha + 4) * H_**2 / 1e9:.2f} B"
+)
 
 # %% [markdown]
 # ## 2. The gate
@@ -108,7 +109,7 @@ T_small, E_small, d_small = 12, 4, 8
 gate = TopKGate(d_small, E_small, top_k=2, capacity_factor=1.0)
 with torch.no_grad():
     gate.router.weight.normal_(0, 1.0)
-    gate.router.weight[0, 0] = 3.0                 # expert 0 scores high for tokens with a large feature 0
+    gate.router.weight[0, 0] = 3.0  # expert 0 scores high for tokens with a large feature 0
 tokens = torch.randn(T_small, d_small)
 tokens[:, 0] = tokens[:, 0].abs()
 routing = gate(tokens)
@@ -155,7 +156,9 @@ for f in (0.5, 1.0, 1.25, 2.0):
 # m_e its mean probability):
 
 # %%
-print(f"this batch: GShard auxiliary loss {routing.aux_loss.item():.3f} (1.0 = balanced, {E_small} = all on one expert)")
+print(
+    f"this batch: GShard auxiliary loss {routing.aux_loss.item():.3f} (1.0 = balanced, {E_small} = all on one expert)"
+)
 
 # %% [markdown]
 # ### Getting tokens into their slots: one-hot einsum, or Tutel's fast encode and decode
@@ -205,9 +208,11 @@ for T_enc in (128, 256, 512):
         r_enc = gate_enc(x_enc)
         slow, slow_peak, slow_s = cost(lambda: decode_einsum(r_enc, encode_einsum(r_enc, x_enc)))
         fast, fast_peak, fast_s = cost(lambda: decode_index(r_enc, encode_index(r_enc, x_enc)))
-    assert torch.allclose(slow, fast, atol=1e-5)      # the same numbers either way
-    print(f"{T_enc:>5}{r_enc.capacity:>5}{slow_peak / 1e6:>13.2f} MB{slow_s * 1e3:>8.1f}ms{fast_peak / 1e6:>12.3f} MB"
-          f"{fast_s * 1e3:>8.2f}ms   {slow_peak / fast_peak:>4.0f}x memory, {slow_s / fast_s:>4.0f}x time")
+    assert torch.allclose(slow, fast, atol=1e-5)  # the same numbers either way
+    print(
+        f"{T_enc:>5}{r_enc.capacity:>5}{slow_peak / 1e6:>13.2f} MB{slow_s * 1e3:>8.1f}ms{fast_peak / 1e6:>12.3f} MB"
+        f"{fast_s * 1e3:>8.2f}ms   {slow_peak / fast_peak:>4.0f}x memory, {slow_s / fast_s:>4.0f}x time"
+    )
 
 # %% [markdown]
 # Doubling the tokens doubles the index form's memory and roughly quadruples the einsum's: the masks
@@ -237,6 +242,7 @@ for T_enc in (128, 256, 512):
 # the timeline shows. The same launch also all-reduces a tensor as large as *all* the layer's expert
 # gradients, which is what data parallelism would have to send if every rank kept every expert (section 6).
 
+
 # %%
 def one_layer(tokens_per_rank):
     import torch
@@ -251,7 +257,7 @@ def one_layer(tokens_per_rank):
     layer = MoE(32, 128, 8, top_k=2, capacity_factor=1.25, seed=0, name="demo")
     x = torch.randn(tokens_per_rank[rank], 32, generator=torch.Generator().manual_seed(rank), requires_grad=True)
     recorder.reset()
-    for _ in range(2):                  # the second pass is the one to look at (the first warms up)
+    for _ in range(2):  # the second pass is the one to look at (the first warms up)
         with phase("moe forward"), span("forward"):
             out, aux = layer(x)
         with phase("moe backward"), span("backward"):
@@ -268,8 +274,10 @@ def one_layer(tokens_per_rank):
 results = toolkit.launch(one_layer, WORLD, args=([96, 64],))
 layer_run = Run.merge(r for r, _ in results)
 for rank, (_, load) in enumerate(results):
-    print(f"rank {rank}: {sum(load['counts'])} choices routed, per expert {load['counts']}, capacity {load['capacity']}, "
-          f"dropped {load['dropped']}; its experts {load['first']}..{load['first'] + 3} received {load['received']}")
+    print(
+        f"rank {rank}: {sum(load['counts'])} choices routed, per expert {load['counts']}, capacity {load['capacity']}, "
+        f"dropped {load['dropped']}; its experts {load['first']}..{load['first'] + 3} received {load['received']}"
+    )
 
 # %% [markdown]
 # The rows each all-to-all moved, as rank 0 recorded them (`input_splits[j]` rows went to rank j; the
@@ -277,7 +285,7 @@ for rank, (_, load) in enumerate(results):
 
 # %%
 calls = [e for e in layer_run.comm_events(0, "all_to_all")]
-second = calls[len(calls) // 2:]
+second = calls[len(calls) // 2 :]
 print(f"{'all-to-all':<20}{'rows sent to rank 0, 1':>24}{'rows received':>16}{'bytes sent':>12}")
 for e in second:
     a = e["args"]
@@ -289,6 +297,7 @@ for e in second:
 # backward pair repeats them in reverse. On the timeline (second pass, both ranks), each labelled
 # all-to-all has its own colour; the experts' compute sits between dispatch and combine:
 
+
 # %%
 def labelled(run):
     """A copy of the Run whose all-to-alls are named after their role (counts, dispatch, combine, ...)."""
@@ -296,10 +305,15 @@ def labelled(run):
     return Run(run.config, events, run.samples, run.metrics, run.meta)
 
 
-start = min(sorted(e["start"] for e in layer_run.events if e["name"] == "forward" and e["rank"] == r)[1]
-            for r in layer_run.ranks)  # the second pass
-viz.timeline(labelled(layer_run), where=lambda e: e["start"] >= start - 1e-4 and e["phase"].startswith("moe"),
-             title="One MoE layer, forward then backward, on 2 ranks: count exchange, dispatch, experts, combine")
+start = min(
+    sorted(e["start"] for e in layer_run.events if e["name"] == "forward" and e["rank"] == r)[1]
+    for r in layer_run.ranks
+)  # the second pass
+viz.timeline(
+    labelled(layer_run),
+    where=lambda e: e["start"] >= start - 1e-4 and e["phase"].startswith("moe"),
+    title="One MoE layer, forward then backward, on 2 ranks: count exchange, dispatch, experts, combine",
+)
 
 # %% [markdown]
 # Things to see: the count exchange is tiny but still a full collective round (latency); dispatch and
@@ -318,16 +332,22 @@ viz.timeline(labelled(layer_run), where=lambda e: e["start"] >= start - 1e-4 and
 # router starting with confident scores), expert parallel on 2 ranks with DDP for the dense parameters:
 # one **without** the load-balancing loss, one with it weighted 0.1.
 
+
 # %%
 def two_trainings(steps):
     from toolkit.train import TrainConfig, moe_model_fn, train
 
     runs = {}
     for label, weight in (("no balancing loss", 0.0), ("balancing loss 0.1", 0.1)):
-        config = TrainConfig(strategy="ddp", steps=steps, global_batch_size=8,
-                             model=dict(SHAPE, aux_loss_weight=weight), progress=False, sample_memory=False)
-        runs[label] = train(config, model_fn=moe_model_fn(E, K, capacity_factor=FACTOR,
-                                                          moe_options=dict(init_std=0.1)))
+        config = TrainConfig(
+            strategy="ddp",
+            steps=steps,
+            global_batch_size=8,
+            model=dict(SHAPE, aux_loss_weight=weight),
+            progress=False,
+            sample_memory=False,
+        )
+        runs[label] = train(config, model_fn=moe_model_fn(E, K, capacity_factor=FACTOR, moe_options=dict(init_std=0.1)))
     return runs
 
 
@@ -336,8 +356,10 @@ trainings = {label: Run.merge(r[label] for r in per_rank) for label in per_rank[
 for label, run in trainings.items():
     rows = merge_load(run.metrics, "layer0")
     dropped = sum(r["dropped"] for r in rows) / sum(sum(r["counts"]) for r in rows)
-    print(f"{label:<20} final loss {run.metric('loss')[-1][1]:.3f} · layer0: mean max/mean "
-          f"{sum(r['max_over_mean'] for r in rows) / len(rows):.2f}, {dropped:.1%} of choices dropped")
+    print(
+        f"{label:<20} final loss {run.metric('loss')[-1][1]:.3f} · layer0: mean max/mean "
+        f"{sum(r['max_over_mean'] for r in rows) / len(rows):.2f}, {dropped:.1%} of choices dropped"
+    )
 
 # %%
 viz.expert_load(trainings["no balancing loss"])
@@ -377,8 +399,8 @@ torch.manual_seed(0)
 model = moe_gpt(E, K, **SHAPE)
 P = sum(p.numel() for p in model.parameters() if is_expert(p))
 layers = SHAPE["n_layer"]
-T = 8 // WORLD * 32                                   # tokens per rank per step: 4 rows of 32 tokens
-C_g = E * capacity(T, E, K, FACTOR)                   # rows one rank's dispatch buffer can carry
+T = 8 // WORLD * 32  # tokens per rank per step: 4 rows of 32 tokens
+C_g = E * capacity(T, E, K, FACTOR)  # rows one rank's dispatch buffer can carry
 dp_bytes = communication_per_step(P, WORLD, "ddp") * 4
 ep_balanced = layers * 4 * (WORLD - 1) / WORLD * T * K * D * 4
 ep_capacity = layers * 4 * (WORLD - 1) / WORLD * C_g * D * 4
@@ -405,12 +427,16 @@ for e in run.comm_events(0, "all_to_all"):
 a2a_bytes = sum(moved.values())
 a2a_time = sum(e["end"] - e["start"] for e in run.comm_events(0, "all_to_all")) / steps
 reduces = [e for e in layer_run.comm_events(0, "all_reduce") if e["phase"] == "dp of experts"]
-ar_bytes, ar_time = reduces[-1]["args"]["bytes_sent"] * layers, statistics.median(
-    e["end"] - e["start"] for e in reduces) * layers
+ar_bytes, ar_time = (
+    reduces[-1]["args"]["bytes_sent"] * layers,
+    statistics.median(e["end"] - e["start"] for e in reduces) * layers,
+)
 print("rank 0, bytes sent per step by role:", {k: f"{v / 1e3:.1f} KB" for k, v in moved.items()})
 print(f"EP measured: all-to-alls  {a2a_bytes / 1e3:8.1f} KB per step, {a2a_time * 1e3:6.1f} ms")
-print(f"DP measured: all-reduce   {ar_bytes / 1e3:8.1f} KB per step, {ar_time * 1e3:6.1f} ms  "
-      f"(theory {dp_bytes / 1e3:.1f} KB)")
+print(
+    f"DP measured: all-reduce   {ar_bytes / 1e3:8.1f} KB per step, {ar_time * 1e3:6.1f} ms  "
+    f"(theory {dp_bytes / 1e3:.1f} KB)"
+)
 
 # %% [markdown]
 # The measured all-to-all bytes sit near the balanced estimate (dropped choices do not travel; the

@@ -55,11 +55,11 @@ from toolkit.moe import choose_shadows
 from toolkit.run import Run
 
 WORLD = 2
-D, FF, PER_RANK, K = 128, 256, 2, 2       # d_model, d_ff (alpha = 2, as FasterMoE's models), experts per rank, top-k
-TOKENS = 1024                             # tokens per rank per iteration
-ZIPF = 1.5                                # skew: expert e's logit prior is -ZIPF * ln(rank of e + 1)
-ITERATIONS = 8                            # per configuration; the first warms up
-LATENCY_S = 0.5e-3                        # per message on the emulated link
+D, FF, PER_RANK, K = 128, 256, 2, 2  # d_model, d_ff (alpha = 2, as FasterMoE's models), experts per rank, top-k
+TOKENS = 1024  # tokens per rank per iteration
+ZIPF = 1.5  # skew: expert e's logit prior is -ZIPF * ln(rank of e + 1)
+ITERATIONS = 8  # per configuration; the first warms up
+LATENCY_S = 0.5e-3  # per message on the emulated link
 
 
 # %% [markdown]
@@ -73,6 +73,7 @@ LATENCY_S = 0.5e-3                        # per message on the emulated link
 #
 # Everything for 2 ranks happens in one launch: calibrate the link on loopback, then every
 # configuration, each for 8 iterations (forward + backward), each with its own trace.
+
 
 # %%
 def popularity(iteration, experts):
@@ -122,8 +123,18 @@ def run_config(label, options, iterations, tokens=TOKENS, per_rank=PER_RANK, zip
     options = dict(options)
     capacity_factor = options.pop("capacity_factor", 1.25)
     dropless = options.pop("dropless", True)
-    layer = MoE(D, FF, int(per_rank * world), top_k=K, capacity_factor=capacity_factor, dropless=dropless, seed=0,
-                init_std=0.05, name="moe", **options)
+    layer = MoE(
+        D,
+        FF,
+        int(per_rank * world),
+        top_k=K,
+        capacity_factor=capacity_factor,
+        dropless=dropless,
+        seed=0,
+        init_std=0.05,
+        name="moe",
+        **options,
+    )
     recorder.reset()
     times = []
     for i in range(iterations):
@@ -150,7 +161,7 @@ def run_config(label, options, iterations, tokens=TOKENS, per_rank=PER_RANK, zip
 # R_CC = 1 asks for bandwidth = 2B / (3 comp - 4 latency).
 
 # %%
-CONFIGS = {                                   # label -> MoE options
+CONFIGS = {  # label -> MoE options
     "plain": {},
     "shadow auto": dict(shadow="auto"),
     "smart schedule": dict(schedule="smart"),
@@ -169,8 +180,11 @@ def calibrate(run):
         forward = [e for e in run.events if e["name"] == "forward" and e["args"].get("step") == i][0]
         inside = [e for e in run.events if forward["start"] <= e["start"] <= forward["end"]]
         comp = sum(e["end"] - e["start"] for e in inside if e["name"] == "moe/moe/experts")
-        wire = sum(max(e["args"]["bytes_sent"], e["args"]["bytes_recv"]) for e in inside
-                   if e["args"].get("moe") in ("dispatch", "combine"))
+        wire = sum(
+            max(e["args"]["bytes_sent"], e["args"]["bytes_recv"])
+            for e in inside
+            if e["args"].get("moe") in ("dispatch", "combine")
+        )
         per_pass.append((comp, wire))
     return [statistics.median(c for c, _ in per_pass), statistics.median(w for _, w in per_pass)]
 
@@ -181,16 +195,16 @@ def everything_on_two_ranks():
 
     import toolkit
 
-    run_config("warm-up", {}, 2)                                  # first touches: not measured
+    run_config("warm-up", {}, 2)  # first touches: not measured
     results = {"plain, loopback": run_config("plain, loopback", {}, ITERATIONS)}
     mine = torch.tensor(calibrate(results["plain, loopback"][0]), dtype=torch.float64)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)                  # the slowest rank's compute and bytes
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's compute and bytes
     comp, wire = mine.tolist()
     bandwidth = 2 * wire / (3 * comp - 4 * LATENCY_S)
     with toolkit.comm.emulate(bandwidth=bandwidth, latency=LATENCY_S):
         for label, options in CONFIGS.items():
             results[label] = run_config(label, options, ITERATIONS)
-        for f in SWEEP_FACTORS:                                  # Tutel: degree against capacity factor
+        for f in SWEEP_FACTORS:  # Tutel: degree against capacity factor
             for d in SWEEP_DEGREES:
                 options = dict(pipeline_degree=d, capacity_factor=f, dropless=False)
                 results[f"f={f:g} d={d}"] = run_config(f"f={f:g}, d={d}", options, 3, zipf=0.5)
@@ -201,8 +215,10 @@ per_rank = toolkit.launch(everything_on_two_ranks, WORLD)
 runs = {label: Run.merge(r[0][label][0] for r in per_rank) for label in per_rank[0][0]}
 times = {label: per_rank[0][0][label][1] for label in per_rank[0][0]}
 link = per_rank[0][1]
-print(f"loopback, plain layer: the slowest rank's experts compute {link['comp_s'] * 1e3:.1f} ms per forward; "
-      f"its dispatch + combine move {link['wire_bytes'] / 1e3:.0f} kB")
+print(
+    f"loopback, plain layer: the slowest rank's experts compute {link['comp_s'] * 1e3:.1f} ms per forward; "
+    f"its dispatch + combine move {link['wire_bytes'] / 1e3:.0f} kB"
+)
 print(f"emulated link for R_CC = 1: {link['bandwidth'] / 1e6:.1f} MB/s, {LATENCY_S * 1e3:g} ms per message")
 print(f"(same trace, as recorded: {runs['plain'].meta['emulated_link']['description']})")
 
@@ -216,12 +232,14 @@ def step_ms(label):
 def labelled(run):
     """A copy of the Run whose collectives are named after their role (dispatch, combine, shadow ...);
     chunk and step numbers are folded together so a pipeline's chunks share one colour."""
+
     def name(e):
         role = e["args"].get("moe")
         if not role or e["cat"] != "comm":
             return e["name"]
         role = re.sub(r" (chunk|step) [0-9]+/[0-9]+", r" \1s", re.sub(r"expert [0-9]+", "expert", role))
         return f"{e['name']} · {role}"
+
     return Run(run.config, [dict(e, name=name(e)) for e in run.events], run.samples, run.metrics, run.meta)
 
 
@@ -229,8 +247,13 @@ def for_roofline(run):
     """The roofline counts expert work from the "moe/<layer>/experts" spans; shadowed experts computed at
     home have their own span ("moe/<layer>/shadowed experts"), counted here as expert work too."""
     rename = {"moe/moe/shadowed experts": "moe/moe/experts"}
-    return Run(run.config, [dict(e, name=rename.get(e["name"], e["name"])) for e in run.events], run.samples,
-               run.metrics, run.meta)
+    return Run(
+        run.config,
+        [dict(e, name=rename.get(e["name"], e["name"])) for e in run.events],
+        run.samples,
+        run.metrics,
+        run.meta,
+    )
 
 
 def iteration(run, label, i=None):
@@ -238,10 +261,12 @@ def iteration(run, label, i=None):
     starts = sorted(e["start"] for e in run.events if e["name"] == "forward" and e["rank"] == 0)
     i = len(starts) - 1 if i is None else i
     begin, end = starts[i] - 2e-3, starts[i + 1] - 2e-3 if i + 1 < len(starts) else float("inf")
-    return viz.timeline(labelled(run), where=lambda e: begin <= e["start"] < end and e["name"] not in
-                        ("forward", "backward"),
-                        title=f"{label}: iteration {i}, forward then backward ({times[label][i] * 1e3:.0f} ms; "
-                              f"median step {step_ms(label):.0f} ms)")
+    return viz.timeline(
+        labelled(run),
+        where=lambda e: begin <= e["start"] < end and e["name"] not in ("forward", "backward"),
+        title=f"{label}: iteration {i}, forward then backward ({times[label][i] * 1e3:.0f} ms; "
+        f"median step {step_ms(label):.0f} ms)",
+    )
 
 
 SHOW = 1  # the iteration the timelines of section 1 show: experts 0 and 1, the hottest, both on rank 0
@@ -284,16 +309,26 @@ viz.expert_load(runs["plain"], title="plain layer: expert load per iteration (dr
 # %%
 shadow_records = [v for _, v in runs["shadow auto"].metric("moe/moe/shadow", rank=0)]
 last = shadow_records[SHOW]
-table = [v["kept"] for _, v in sorted(((m["rank"], m["value"]) for m in runs["shadow auto"].metrics
-                                       if m["name"] == "moe/moe/load" and m["value"]["call"] == SHOW + 1))]
+table = [
+    v["kept"]
+    for _, v in sorted(
+        (m["rank"], m["value"])
+        for m in runs["shadow auto"].metrics
+        if m["name"] == "moe/moe/load" and m["value"]["call"] == SHOW + 1
+    )
+]
 owners = [e // PER_RANK for e in range(PER_RANK * WORLD)]
 choice = choose_shadows(table, owners, H=D, alpha=FF / D, P=last["compute_flops"], W_net=last["bandwidth"])
-print(f"counts (rows per rank per expert): {table};  P = {last['compute_flops'] / 1e9:.1f} GFLOP/s "
-      f"({last['source']['compute_flops']}), W_net = {last['bandwidth'] / 1e6:.1f} MB/s ({last['source']['bandwidth']})\n")
+print(
+    f"counts (rows per rank per expert): {table};  P = {last['compute_flops'] / 1e9:.1f} GFLOP/s "
+    f"({last['source']['compute_flops']}), W_net = {last['bandwidth'] / 1e6:.1f} MB/s ({last['source']['bandwidth']})\n"
+)
 print(choice.explain())
 print(f"\nthe layer shadowed {last['shadowed']}; per iteration: {[r['shadowed'] for r in shadow_records]}")
-print(f"predicted {last['predicted_s'] * 1e3:.0f} ms (plain {last['plain_s'] * 1e3:.0f} ms), "
-      f"measured {last['measured_s'] * 1e3:.0f} ms for steps 2-6 of this forward and backward")
+print(
+    f"predicted {last['predicted_s'] * 1e3:.0f} ms (plain {last['plain_s'] * 1e3:.0f} ms), "
+    f"measured {last['measured_s'] * 1e3:.0f} ms for steps 2-6 of this forward and backward"
+)
 
 # %% [markdown]
 # The model is deliberately simple: a row costs 3·4·α·H² FLOPs and 4·H elements on the wire, a
@@ -350,8 +385,13 @@ print(f"shadowing: {step_ms('plain') / step_ms('shadow auto'):.2f}x over plain o
 # travel) and up (the busiest rank computes less). Hover over a point for its latencies.
 
 # %%
-viz.roofline({label: for_roofline(runs[label]) for label in ("plain", "shadow auto", "plain, loopback")},
-             d_model=D, d_ff=FF, skip=1, title="DDL-roofline: the plain layer and shadowing (forward passes)")
+viz.roofline(
+    {label: for_roofline(runs[label]) for label in ("plain", "shadow auto", "plain, loopback")},
+    d_model=D,
+    d_ff=FF,
+    skip=1,
+    title="DDL-roofline: the plain layer and shadowing (forward passes)",
+)
 
 # %% [markdown]
 # On loopback the layer sits far right (communication is nearly free), which is why the comparisons
@@ -396,14 +436,18 @@ iteration(runs["pipeline 4"], "pipeline 4")
 # %%
 plain_point = viz.roofline_point(runs["plain"], D, FF, skip=1)
 ideal = (plain_point["lat_comm"] + plain_point["lat_comp"]) / max(plain_point["lat_comm"], plain_point["lat_comp"])
-print(f"plain layer: Lat_comp {plain_point['lat_comp'] * 1e3:.1f} ms, Lat_comm {plain_point['lat_comm'] * 1e3:.1f} ms "
-      f"per forward (R_CC {plain_point['r_cc']:.2f}): ideal speedup of overlapping {ideal:.2f}x\n")
+print(
+    f"plain layer: Lat_comp {plain_point['lat_comp'] * 1e3:.1f} ms, Lat_comm {plain_point['lat_comm'] * 1e3:.1f} ms "
+    f"per forward (R_CC {plain_point['r_cc']:.2f}): ideal speedup of overlapping {ideal:.2f}x\n"
+)
 print("steps 4-6 per forward, the slowest rank, median over iterations (from each configuration's trace), in ms:")
 print(f"{'configuration':<16}{'Lat_comm':>10}{'Lat_comp':>10}{'Lat_e2e':>9}{'step':>8}{'vs plain':>10}")
 for label in CONFIGS:
     p = viz.roofline_point(for_roofline(runs[label]), D, FF, skip=1)
-    print(f"{label:<16}{p['lat_comm'] * 1e3:>10.1f}{p['lat_comp'] * 1e3:>10.1f}{p['lat_e2e'] * 1e3:>9.1f}"
-          f"{step_ms(label):>8.0f}{step_ms('plain') / step_ms(label):>9.2f}x")
+    print(
+        f"{label:<16}{p['lat_comm'] * 1e3:>10.1f}{p['lat_comp'] * 1e3:>10.1f}{p['lat_e2e'] * 1e3:>9.1f}"
+        f"{step_ms(label):>8.0f}{step_ms('plain') / step_ms(label):>9.2f}x"
+    )
 
 # %% [markdown]
 # Read the gap between the ideal and what was measured. Three reasons, all visible on the timelines:
@@ -425,8 +469,13 @@ for label in CONFIGS:
 # R_CC; shadowing moves it right.
 
 # %%
-viz.roofline({label: for_roofline(runs[label]) for label in CONFIGS}, d_model=D, d_ff=FF, skip=1,
-             title="DDL-roofline: every configuration of the 2-rank layer (emulated link)")
+viz.roofline(
+    {label: for_roofline(runs[label]) for label in CONFIGS},
+    d_model=D,
+    d_ff=FF,
+    skip=1,
+    title="DDL-roofline: every configuration of the 2-rank layer (emulated link)",
+)
 
 # %% [markdown]
 # ### Pipelining degree against capacity factor
@@ -445,10 +494,15 @@ print("step time (ms), median of the 2 iterations after a warm-up; rows: capacit
 print(f"{'f':>5}" + "".join(f"{'d=' + str(d):>9}" for d in SWEEP_DEGREES) + f"{'best':>8}{'rows kept':>11}")
 for f in SWEEP_FACTORS:
     row = {d: statistics.median(times[f"f={f:g} d={d}"][1:]) * 1e3 for d in SWEEP_DEGREES}
-    kept = sum(sum(m["value"]["kept"]) for m in runs[f"f={f:g} d=1"].metrics
-               if m["name"] == "moe/moe/load" and m["value"]["call"] == 3)
-    print(f"{f:>5g}" + "".join(f"{row[d]:>9.0f}" for d in SWEEP_DEGREES) + f"{'d=' + str(min(row, key=row.get)):>8}"
-          f"{kept:>11}")
+    kept = sum(
+        sum(m["value"]["kept"])
+        for m in runs[f"f={f:g} d=1"].metrics
+        if m["name"] == "moe/moe/load" and m["value"]["call"] == 3
+    )
+    print(
+        f"{f:>5g}" + "".join(f"{row[d]:>9.0f}" for d in SWEEP_DEGREES) + f"{'d=' + str(min(row, key=row.get)):>8}"
+        f"{kept:>11}"
+    )
 
 # %% [markdown]
 # On a shared 2-core machine these numbers move by tens of percent between runs; read the shape, not
@@ -480,8 +534,8 @@ FOUR = {  # label -> (MoE options, experts per rank, the node's card shared, ite
     "topology gate": (dict(gate="topology"), PER_RANK, True, 4),
     "top-k gate, own cards": ({}, PER_RANK, False, 4),
     "topology gate, own cards": (dict(gate="topology"), PER_RANK, False, 4),
-    "2DH all-to-all": (dict(all_to_all_algorithm="2dh"), PER_RANK, True, 3),            # section 4
-    "EP+MP, r=2": ({}, 0.5, True, 3),                                                   # 2 experts on 4 ranks
+    "2DH all-to-all": (dict(all_to_all_algorithm="2dh"), PER_RANK, True, 3),  # section 4
+    "EP+MP, r=2": ({}, 0.5, True, 3),  # 2 experts on 4 ranks
     "EP+DP, r=1": (dict(expert_slices=1), 0.5, True, 3),
     "DP": (dict(expert_parallel="dp"), 0.5, True, 3),
     "static f=1": (dict(capacity_factor=1.0, dropless=False, zipf=0.5), PER_RANK, True, 3),
@@ -497,8 +551,13 @@ def everything_on_four_ranks(bandwidth):
     for label, (options, per_rank, shared, iterations) in FOUR.items():
         options = dict(options)
         zipf = options.pop("zipf", ZIPF)
-        with toolkit.comm.emulate(bandwidth=bandwidth / 4, latency=LATENCY_S, intra_node=dict(bandwidth=bandwidth),
-                                  ranks_per_node=2, shared_card=shared):
+        with toolkit.comm.emulate(
+            bandwidth=bandwidth / 4,
+            latency=LATENCY_S,
+            intra_node=dict(bandwidth=bandwidth),
+            ranks_per_node=2,
+            shared_card=shared,
+        ):
             out[label] = run_config(label, options, iterations, tokens=256, per_rank=per_rank, zipf=zipf)
     return out
 
@@ -516,6 +575,7 @@ print(runs["topology gate"].meta["emulated_link"]["description"])
 # node, the limit L, rows sent, rows re-routed inside. And, for both gates, the rows that actually
 # crossed between nodes (from the load records: rows routed to experts on the other node).
 
+
 # %%
 def crossing(run, rank, iteration):
     """Rows this rank sent to experts on the other node in this iteration (from its load record)."""
@@ -526,14 +586,20 @@ def crossing(run, rank, iteration):
 
 last_it = 3
 print(f"iteration {last_it}:")
-print(f"{'rank':>4}{'node':>5}{'wanted out':>12}{'limit L':>9}{'sent':>6}{'re-routed':>11}"
-      f"{'crossed, top-k':>16}{'crossed, topology':>19}")
+print(
+    f"{'rank':>4}{'node':>5}{'wanted out':>12}{'limit L':>9}{'sent':>6}{'re-routed':>11}"
+    f"{'crossed, top-k':>16}{'crossed, topology':>19}"
+)
 for rank in range(4):
     rec = [v for _, v in runs["topology gate"].metric("moe/moe/topology", rank=rank)][last_it]
-    print(f"{rank:>4}{rec['node']:>5}{rec['wanted']:>12}{rec['limit']:>9}{rec['sent']:>6}{rec['redirected']:>11}"
-          f"{crossing(runs['top-k gate'], rank, last_it):>16}{crossing(runs['topology gate'], rank, last_it):>19}")
-print(f"\nstep time: top-k {step_ms('top-k gate'):.0f} ms, topology-aware {step_ms('topology gate'):.0f} ms "
-      f"({step_ms('top-k gate') / step_ms('topology gate'):.2f}x)")
+    print(
+        f"{rank:>4}{rec['node']:>5}{rec['wanted']:>12}{rec['limit']:>9}{rec['sent']:>6}{rec['redirected']:>11}"
+        f"{crossing(runs['top-k gate'], rank, last_it):>16}{crossing(runs['topology gate'], rank, last_it):>19}"
+    )
+print(
+    f"\nstep time: top-k {step_ms('top-k gate'):.0f} ms, topology-aware {step_ms('topology gate'):.0f} ms "
+    f"({step_ms('top-k gate') / step_ms('topology gate'):.2f}x)"
+)
 
 # %% [markdown]
 # The load, gate by gate: with the topology-aware gate the experts of node 1 (4-7) get the rows that
@@ -549,8 +615,13 @@ viz.expert_load(runs["topology gate"], title="4 ranks, topology-aware gate: the 
 iteration(runs["topology gate"], "topology gate")
 
 # %%
-viz.roofline({"top-k gate": runs["top-k gate"], "topology gate": runs["topology gate"]}, d_model=D, d_ff=FF, skip=1,
-             title="DDL-roofline, 4 ranks in 2 nodes: top-k against topology-aware gate")
+viz.roofline(
+    {"top-k gate": runs["top-k gate"], "topology gate": runs["topology gate"]},
+    d_model=D,
+    d_ff=FF,
+    skip=1,
+    title="DDL-roofline, 4 ranks in 2 nodes: top-k against topology-aware gate",
+)
 
 # %% [markdown]
 # Node 1's ranks wanted to send most of their rows to node 0's popular experts; the gate let L of them
@@ -568,6 +639,7 @@ viz.roofline({"top-k gate": runs["top-k gate"], "topology gate": runs["topology 
 # time queued behind the node's other rank, `args.emulated_queue_s`, summed per iteration on the
 # busiest rank; exact, not noisy), and the measured step.
 
+
 # %%
 def link_ms(run):
     """Median over iterations (after the first) of the busiest rank's modelled all-to-all time, queueing
@@ -575,8 +647,14 @@ def link_ms(run):
     per = {}
     for e in run.events:
         if e["name"] == "all_to_all" and "emulated_s" in e["args"]:
-            step = sum(1 for f in run.events if f["name"] == "forward" and f["rank"] == e["rank"]
-                       and f["start"] <= e["start"]) - 1
+            step = (
+                sum(
+                    1
+                    for f in run.events
+                    if f["name"] == "forward" and f["rank"] == e["rank"] and f["start"] <= e["start"]
+                )
+                - 1
+            )
             key = (step, e["rank"])
             per[key] = per.get(key, 0.0) + e["args"]["emulated_s"] + e["args"]["emulated_queue_s"]
     steps = sorted({s for s, _ in per if s >= 1})
@@ -586,8 +664,10 @@ def link_ms(run):
 print(f"{'card':<22}{'top-k: link':>12}{'topology: link':>16}{'gain':>7}{'top-k: step':>13}{'topology: step':>16}")
 for card, suffix in (("shared (congestion)", ""), ("one per rank", ", own cards")):
     a, b = link_ms(runs["top-k gate" + suffix]), link_ms(runs["topology gate" + suffix])
-    print(f"{card:<22}{a:>10.1f}ms{b:>14.1f}ms{a / b:>6.2f}x{step_ms('top-k gate' + suffix):>11.0f}ms"
-          f"{step_ms('topology gate' + suffix):>14.0f}ms")
+    print(
+        f"{card:<22}{a:>10.1f}ms{b:>14.1f}ms{a / b:>6.2f}x{step_ms('top-k gate' + suffix):>11.0f}ms"
+        f"{step_ms('topology gate' + suffix):>14.0f}ms"
+    )
 
 # %% [markdown]
 # With the card shared, every row that crosses waits for its node neighbour's rows as well, so the
@@ -610,22 +690,27 @@ for card, suffix in (("shared (congestion)", ""), ("one per rank", ", own cards"
 # trace shows them (uneven splits need a small count exchange first; Tutel pads to a fixed capacity
 # instead):
 
+
 # %%
 def dispatch_calls(run):
     """Rank 0's all-to-alls of the first dispatch: (2DH step, group, rows sent per peer, bytes sent)."""
     calls = [e for e in run.comm_events(0, "all_to_all") if e["args"].get("moe") == "dispatch"]
     first = [e for e in calls if abs(e["start"] - calls[0]["start"]) < 1.0][:3]
-    return [(e["args"].get("2dh", "flat"), e["args"]["group"], e["args"]["input_splits"], e["args"]["bytes_sent"])
-            for e in (first if first[0]["args"].get("2dh") else first[:1])]
+    return [
+        (e["args"].get("2dh", "flat"), e["args"]["group"], e["args"]["input_splits"], e["args"]["bytes_sent"])
+        for e in (first if first[0]["args"].get("2dh") else first[:1])
+    ]
 
 
 for label in ("top-k gate", "2DH all-to-all"):
     print(label)
     for step, group, rows, sent in dispatch_calls(runs[label]):
         print(f"   {step:<12} group {group!s:<14} rows to each {rows!s:<22} {sent:>8,} bytes sent")
-print(f"\nlink time per iteration (model): flat {link_ms(runs['top-k gate']):.1f} ms, "
-      f"2DH {link_ms(runs['2DH all-to-all']):.1f} ms;  step: flat {step_ms('top-k gate'):.0f} ms, "
-      f"2DH {step_ms('2DH all-to-all'):.0f} ms")
+print(
+    f"\nlink time per iteration (model): flat {link_ms(runs['top-k gate']):.1f} ms, "
+    f"2DH {link_ms(runs['2DH all-to-all']):.1f} ms;  step: flat {step_ms('top-k gate'):.0f} ms, "
+    f"2DH {step_ms('2DH all-to-all'):.0f} ms"
+)
 
 # %% [markdown]
 # On 2 nodes of 2, 2DH saves nothing: a flat all-to-all sends 2 messages across per rank, 2DH 1, but
@@ -641,17 +726,24 @@ import plotly.graph_objects as go
 from toolkit.comm.emulate import make_settings
 from toolkit.comm.hierarchical import predicted_times
 
-lesson_link = make_settings(link["bandwidth"] / 4, LATENCY_S, intra_node=(link["bandwidth"], LATENCY_S),
-                            ranks_per_node=2)
-per_rank_bytes = 256 * K * D * 4                        # one rank's dispatch: T*k rows of d_model fp32
+lesson_link = make_settings(
+    link["bandwidth"] / 4, LATENCY_S, intra_node=(link["bandwidth"], LATENCY_S), ranks_per_node=2
+)
+per_rank_bytes = 256 * K * D * 4  # one rank's dispatch: T*k rows of d_model fp32
 nodes = [1, 2, 4, 8, 16, 32, 64, 128]
 model = {n: predicted_times(lesson_link, n, 2, per_rank_bytes) for n in nodes}
 crossover = next((n for n in nodes if model[n]["2dh"] < model[n]["flat"]), None)
-figure = go.Figure([go.Scatter(x=nodes, y=[model[n][kind] * 1e3 for n in nodes], name=kind, mode="lines+markers")
-                    for kind in ("flat", "2dh")])
-figure.update_layout(title=f"One dispatch all-to-all, nodes of 2 ranks, this lesson's link: 2DH wins from "
-                           f"{crossover} nodes", xaxis=dict(title="nodes", type="log"),
-                     yaxis=dict(title="modelled time (ms)", type="log"))
+figure = go.Figure(
+    [
+        go.Scatter(x=nodes, y=[model[n][kind] * 1e3 for n in nodes], name=kind, mode="lines+markers")
+        for kind in ("flat", "2dh")
+    ]
+)
+figure.update_layout(
+    title=f"One dispatch all-to-all, nodes of 2 ranks, this lesson's link: 2DH wins from {crossover} nodes",
+    xaxis=dict(title="nodes", type="log"),
+    yaxis=dict(title="modelled time (ms)", type="log"),
+)
 figure
 
 # %%
@@ -680,26 +772,38 @@ for n in (2, 4, 8, 16, 32, 64, 256):
 # ranks, r = 2 or 1, and DP, next to Tutel's table; bytes per rank per iteration, forward and backward,
 # measured from the traces (mean over ranks):
 
+
 # %%
 def bytes_by_kind(run):
     """Mean over ranks of bytes sent per iteration: rows (all-to-all) and weights (gathers, reduce-scatters)."""
     n = len([e for e in run.events if e["name"] == "forward" and e["rank"] == 0])
     rows = sum(e["args"]["bytes_sent"] for e in run.events if e["name"] == "all_to_all") / 4 / n
-    weights = sum(e["args"]["bytes_sent"] for e in run.events
-                  if e["name"] in ("all_gather", "reduce_scatter") and e["args"].get("moe")) / 4 / n
+    weights = (
+        sum(
+            e["args"]["bytes_sent"]
+            for e in run.events
+            if e["name"] in ("all_gather", "reduce_scatter") and e["args"].get("moe")
+        )
+        / 4
+        / n
+    )
     return rows, weights
 
 
-P = 2 * (2 * D * FF + FF + D)                           # the 2 experts' parameters
-C_g = 256 * K                                           # rows one rank dispatches (dropless: T*k)
+P = 2 * (2 * D * FF + FF + D)  # the 2 experts' parameters
+C_g = 256 * K  # rows one rank dispatches (dropless: T*k)
 print(f"P = {P:,} expert parameters, C_g = {C_g} rows of d_model {D} per rank, W/E = 2")
 print(f"{'placement':<12}{'Tutel':>18}{'rows (kB)':>11}{'weights (kB)':>14}{'total (kB)':>12}{'step (ms)':>11}")
 for label, order in (("EP+MP, r=2", "O(C_g·W/E)"), ("EP+DP, r=1", "O(C_g + P/E)"), ("DP", "O(P)")):
     rows, weights = bytes_by_kind(runs[label])
-    print(f"{label:<12}{order:>18}{rows / 1e3:>11.0f}{weights / 1e3:>14.0f}{(rows + weights) / 1e3:>12.0f}"
-          f"{step_ms(label):>11.0f}")
-print(f"\nfor scale: 4 all-to-alls of C_g rows = {4 * C_g * D * 4 / 1e3:.0f} kB; P/E x 4 B = {P / 2 * 4 / 1e3:.0f} kB; "
-      f"DP's all-gather + reduce-scatter 2 x 3/4 x P x 4 B = {1.5 * P * 4 / 1e3:.0f} kB")
+    print(
+        f"{label:<12}{order:>18}{rows / 1e3:>11.0f}{weights / 1e3:>14.0f}{(rows + weights) / 1e3:>12.0f}"
+        f"{step_ms(label):>11.0f}"
+    )
+print(
+    f"\nfor scale: 4 all-to-alls of C_g rows = {4 * C_g * D * 4 / 1e3:.0f} kB; P/E x 4 B = {P / 2 * 4 / 1e3:.0f} kB; "
+    f"DP's all-gather + reduce-scatter 2 x 3/4 x P x 4 B = {1.5 * P * 4 / 1e3:.0f} kB"
+)
 
 # %% [markdown]
 # Read the columns against Tutel's table: EP+MP moves only rows, about twice as many as EP+DP (each
@@ -719,13 +823,15 @@ print(f"\nfor scale: 4 all-to-alls of C_g rows = {4 * C_g * D * 4 / 1e3:.0f} kB;
 # load), f = 4, and dynamic up to 4:
 
 # %%
-print(f"{'capacity':<14}{'C per iteration (rank 0)':>26}{'dropped':>9}{'padded rows':>13}{'kept rows':>11}"
-      f"{'step (ms)':>11}")
+print(
+    f"{'capacity':<14}{'C per iteration (rank 0)':>26}{'dropped':>9}{'padded rows':>13}{'kept rows':>11}"
+    f"{'step (ms)':>11}"
+)
 for label in ("static f=1", "static f=4", "dynamic f<=4"):
     loads = [m["value"] for m in runs[label].metrics if m["name"] == "moe/moe/load"]
     capacities = [v["capacity"] for v in loads if v["first"] == 0]
     dropped = sum(v["dropped"] for v in loads) / sum(sum(v["counts"]) for v in loads)
-    padded = sum(v["capacity"] * len(v["counts"]) for v in loads) // len(capacities)   # E*C per rank, summed
+    padded = sum(v["capacity"] * len(v["counts"]) for v in loads) // len(capacities)  # E*C per rank, summed
     kept = sum(sum(v["kept"]) for v in loads) // len(capacities)
     print(f"{label:<14}{capacities!s:>26}{dropped:>9.1%}{padded:>13}{kept:>11}{step_ms(label):>11.0f}")
 

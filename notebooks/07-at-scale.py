@@ -40,7 +40,7 @@ import torch
 import toolkit
 from toolkit.memory import formulas, model_states
 from toolkit.models import presets, tiny_gpt
-from toolkit.sim import Collective, Compute, Wait, simulate
+from toolkit.sim import Collective, Compute, simulate
 from toolkit.units import bytes_text, count_text, seconds_text
 
 GB = 1e9
@@ -61,8 +61,10 @@ for instruction in sim.programs[-1][:9]:
     if isinstance(instruction, Compute):
         print(f"  compute     {instruction.flops:>12,.0f} FLOPs  {instruction.phase:<9} {instruction.label}")
     elif isinstance(instruction, Collective):
-        print(f"  collective  {instruction.op:<15} {instruction.size_bytes:>8,} B  {instruction.phase:<9} "
-              f"for {instruction.label}")
+        print(
+            f"  collective  {instruction.op:<15} {instruction.size_bytes:>8,} B  {instruction.phase:<9} "
+            f"for {instruction.label}"
+        )
     else:
         print(f"  wait        for collective {instruction.id}")
 
@@ -82,12 +84,18 @@ for instruction in sim.programs[-1][:9]:
 # %%
 figure1 = []
 for strategy, stage in (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3)):
-    s = simulate(presets.zero_7_5b, strategy, 64, seq_len=128, warmup=False, progress=False,
-                 mixed_precision=True)
+    s = simulate(presets.zero_7_5b, strategy, 64, seq_len=128, warmup=False, progress=False, mixed_precision=True)
     formula = model_states(s.num_params, 64, stage)
-    figure1.append({"strategy": strategy, "simulated GB per rank": round(s.memory["total"] / GB, 3),
-                    "formula GB": round(formula / GB, 3), "paper GB": {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}[stage],
-                    "simulated - formula": bytes_text(s.memory["total"] - formula), "_extra": s.memory["total"] - formula})
+    figure1.append(
+        {
+            "strategy": strategy,
+            "simulated GB per rank": round(s.memory["total"] / GB, 3),
+            "formula GB": round(formula / GB, 3),
+            "paper GB": {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}[stage],
+            "simulated - formula": bytes_text(s.memory["total"] - formula),
+            "_extra": s.memory["total"] - formula,
+        }
+    )
 print(f"{count_text(s.num_params)} parameters")
 for row in figure1:
     print({k: v for k, v in row.items() if not k.startswith("_")})
@@ -123,25 +131,44 @@ from toolkit.sim.sweep import BASE, extrapolate  # noqa: E402
 
 with torch.device("meta"):
     PSI = sum(p.numel() for p in presets.gpt3_175b().parameters())
-print(f"GPT-3: {count_text(PSI)} parameters; (2+2+12)Ψ/512 = {16 * PSI / 512 / GB:.2f} GB of model "
-      f"states per rank; 3·2Ψ·511/512 = {3 * 2 * PSI * 511 / 512 / 1e12:.2f} TB sent per rank and step "
-      f"(hybrid, across nodes: {formulas.fsdp_cross_host_traffic(2 * PSI, 8, 512, 'hybrid') / GB:.0f} GB)")
-CASES = {"ddp": ("ddp", {}), "zero3": ("zero3", {}), "fsdp": ("fsdp", {}),
-         "hsdp": ("fsdp", {"sharding_group_size": 8}), "fsdp + checkpointing": ("fsdp", {"activation_checkpointing": True})}
+print(
+    f"GPT-3: {count_text(PSI)} parameters; (2+2+12)Ψ/512 = {16 * PSI / 512 / GB:.2f} GB of model "
+    f"states per rank; 3·2Ψ·511/512 = {3 * 2 * PSI * 511 / 512 / 1e12:.2f} TB sent per rank and step "
+    f"(hybrid, across nodes: {formulas.fsdp_cross_host_traffic(2 * PSI, 8, 512, 'hybrid') / GB:.0f} GB)"
+)
+CASES = {
+    "ddp": ("ddp", {}),
+    "zero3": ("zero3", {}),
+    "fsdp": ("fsdp", {}),
+    "hsdp": ("fsdp", {"sharding_group_size": 8}),
+    "fsdp + checkpointing": ("fsdp", {"activation_checkpointing": True}),
+}
 gpt3 = {}
 for name, (strategy, options) in CASES.items():
-    sims = [simulate(lambda n=n: presets.gpt3_175b(n_layer=n), strategy, 512, progress=False, mixed_precision=True,
-                     cluster="dgx-a100", **options) for n in BASE]  # a steady step: Adam's states alive throughout
+    sims = [
+        simulate(
+            lambda n=n: presets.gpt3_175b(n_layer=n),
+            strategy,
+            512,
+            progress=False,
+            mixed_precision=True,
+            cluster="dgx-a100",
+            **options,
+        )
+        for n in BASE
+    ]  # a steady step: Adam's states alive throughout
     gpt3[name] = (sims[-1], extrapolate(*sims, 96))
 for name, (s, whole) in gpt3.items():
     F = s.options.get("sharding_group_size", 512)
     sharding = "full_replication" if s.strategy == "ddp" else "hybrid" if F < 512 else "full_shard"
     cross = formulas.fsdp_cross_host_traffic(2 * s.num_params, 8, 512, sharding)
     assert abs(s.cross_node_bytes / cross - 1) < 0.02, name  # hybrid: the paper's 2M(W-1)/(GW) for 2M(W-G)/(GW)
-    print(f"{name:<21} {BASE[-1]} layers: sent {bytes_text(s.bytes_per_step['total']):>8}, across nodes "
-          f"{bytes_text(s.cross_node_bytes):>8} (paper's formula {bytes_text(cross):>8})"
-          f" | 96 layers: states {bytes_text(whole['states']):>8}, peak "
-          f"{bytes_text(whole['peak']):>8}: {'fits' if whole['fits'] else 'DOES NOT FIT'}")
+    print(
+        f"{name:<21} {BASE[-1]} layers: sent {bytes_text(s.bytes_per_step['total']):>8}, across nodes "
+        f"{bytes_text(s.cross_node_bytes):>8} (paper's formula {bytes_text(cross):>8})"
+        f" | 96 layers: states {bytes_text(whole['states']):>8}, peak "
+        f"{bytes_text(whole['peak']):>8}: {'fits' if whole['fits'] else 'DOES NOT FIT'}"
+    )
 
 # %% [markdown]
 # Read the peaks. Plain data parallelism keeps 2.8 TB of model states on every GPU: it never fits. Sharded,
@@ -158,15 +185,17 @@ for name, (s, whole) in gpt3.items():
 # %%
 for name, (s, whole) in gpt3.items():
     assert whole["peak"] > 2 * whole["states"] or name in ("ddp", "hsdp"), name  # "the peak is many times that"
-    assert whole["fits"] == (name == "fsdp + checkpointing"), name      # which fit, as the text says
+    assert whole["fits"] == (name == "fsdp + checkpointing"), name  # which fit, as the text says
 assert gpt3["hsdp"][0].cross_node_bytes < gpt3["fsdp"][0].cross_node_bytes / 2
 assert gpt3["ddp"][1]["states"] > 2.7e12 and gpt3["hsdp"][1]["states"] > 80 * GB
 assert abs(gpt3["hsdp"][1]["states"] / gpt3["fsdp"][1]["states"] - 64) < 1
 assert all(1e9 < whole["states"] < 1e10 for name, (_, whole) in gpt3.items() if name in ("zero3", "fsdp"))
 for name in ("zero3", "fsdp"):  # "the activations of 96 layers alone take nearly all of a GPU's memory"
     whole = gpt3[name][1]
-    print(f"{name}: activations {bytes_text(whole['peak_memory']['activations'])} of its "
-          f"{bytes_text(whole['peak'])} peak, on a GPU of {bytes_text(whole['fit'].capacity)}")
+    print(
+        f"{name}: activations {bytes_text(whole['peak_memory']['activations'])} of its "
+        f"{bytes_text(whole['peak'])} peak, on a GPU of {bytes_text(whole['fit'].capacity)}"
+    )
     assert 0.8 * whole["fit"].capacity < whole["peak_memory"]["activations"] < whole["peak"]
 print(gpt3["zero3"][1]["fit"].text())
 
@@ -230,17 +259,31 @@ for name, description in toolkit.sim.presets().items():
 # %%
 MODEL = dict(n_layer=3, d_model=96, n_head=4)
 machine = this_machine(2, refresh=True)  # measured now, next to the run below: the machine's load changes
-predicted = simulate(lambda: tiny_gpt(vocab_size=128, seq_len=64, **MODEL), "fsdp", 2, batch_per_rank=8,
-                     progress=False, cluster=machine)
-real = launch_train(TrainConfig(strategy="fsdp", steps=5, global_batch_size=16, model=MODEL, vocab_size=128,
-                                seq_len=64, progress=False, sample_memory=False), world_size=2)
+predicted = simulate(
+    lambda: tiny_gpt(vocab_size=128, seq_len=64, **MODEL), "fsdp", 2, batch_per_rank=8, progress=False, cluster=machine
+)
+real = launch_train(
+    TrainConfig(
+        strategy="fsdp",
+        steps=5,
+        global_batch_size=16,
+        model=MODEL,
+        vocab_size=128,
+        seq_len=64,
+        progress=False,
+        sample_memory=False,
+    ),
+    world_size=2,
+)
 slowest = {}  # step -> the slowest rank's time: a step is done when its last rank is
 for r in real.ranks:
     for step, seconds in real.metric("step_time", rank=r):
         slowest[step] = max(slowest.get(step, 0.0), seconds)
 measured = sorted(slowest[step] for step in range(1, 5))[2]
-print(f"predicted {seconds_text(predicted.step_time)}, measured {seconds_text(measured)} (slowest rank, median of "
-      f"the last 4 steps): error {predicted.step_time / measured - 1:+.0%}")
+print(
+    f"predicted {seconds_text(predicted.step_time)}, measured {seconds_text(measured)} (slowest rank, median of "
+    f"the last 4 steps): error {predicted.step_time / measured - 1:+.0%}"
+)
 print(predicted.cost.summary())
 print(f"machine.overlap = {machine.overlap:.2f} of a collective can hide behind compute here")
 
@@ -256,8 +299,9 @@ print(f"machine.overlap = {machine.overlap:.2f} of a collective can hide behind 
 
 # %%
 start, end = toolkit.trace.analysis.step_windows(real, 0)[3]
-toolkit.viz.timeline(real, ranks=[0], where=lambda e: start <= e["start"] < end,
-                     title="measured: rank 0, step 3").show()
+toolkit.viz.timeline(
+    real, ranks=[0], where=lambda e: start <= e["start"] < end, title="measured: rank 0, step 3"
+).show()
 modelled = toolkit.viz.timeline(predicted.modelled_run, title="modelled: rank 0 of 2, one step")
 b = predicted.breakdown  # the timeline's overlap is the cost model's: hidden / (hidden + exposed) communication
 shown = int(modelled.layout.title.subtitle.text.split("computation: ")[1].split("%")[0])
@@ -273,21 +317,38 @@ modelled
 # model.
 
 # %%
-paper = [simulate(lambda n=n: presets.gpt3_175b(n_layer=n), "fsdp", 512, progress=False, mixed_precision=True,
-                  activation_checkpointing=True, forward_prefetch=True, cluster="dgx-a100") for n in BASE]
+paper = [
+    simulate(
+        lambda n=n: presets.gpt3_175b(n_layer=n),
+        "fsdp",
+        512,
+        progress=False,
+        mixed_precision=True,
+        activation_checkpointing=True,
+        forward_prefetch=True,
+        cluster="dgx-a100",
+    )
+    for n in BASE
+]
 gpt3_sim, whole = paper[-1], extrapolate(*paper, 96)
 h100 = price(gpt3_sim, "dgx-h100")
 print(gpt3_sim.cost.summary())
 print(h100.summary())
 PAPER = (173, 186)  # TFLOP/s per GPU, the FSDP paper's GPT-175B on 128-512 A100
-print(f"96 layers: {whole['tflops_per_gpu']:.0f} TFLOP/s per GPU (the paper: {PAPER[0]}-{PAPER[1]}), exposed "
-      f"communication {seconds_text(whole['breakdown']['exposed_comm'])} of a {seconds_text(whole['step_time'])} step")
-faster = {"step": gpt3_sim.step_time / h100.step_time,
-          "compute": gpt3_sim.breakdown["compute"] / h100.breakdown["compute"]}
-print(f"the H100 cluster's step is {faster['step']:.1f}x shorter, its compute {faster['compute']:.1f}x; compute is "
-      f"{h100.breakdown['compute'] / h100.step_time:.0%} of its step")
-assert whole["breakdown"]["exposed_comm"] < 0.1 * whole["step_time"]      # "almost all hidden", below
-assert whole["tflops_per_gpu"] > PAPER[1]                                 # "above the paper's measurement"
+print(
+    f"96 layers: {whole['tflops_per_gpu']:.0f} TFLOP/s per GPU (the paper: {PAPER[0]}-{PAPER[1]}), exposed "
+    f"communication {seconds_text(whole['breakdown']['exposed_comm'])} of a {seconds_text(whole['step_time'])} step"
+)
+faster = {
+    "step": gpt3_sim.step_time / h100.step_time,
+    "compute": gpt3_sim.breakdown["compute"] / h100.breakdown["compute"],
+}
+print(
+    f"the H100 cluster's step is {faster['step']:.1f}x shorter, its compute {faster['compute']:.1f}x; compute is "
+    f"{h100.breakdown['compute'] / h100.step_time:.0%} of its step"
+)
+assert whole["breakdown"]["exposed_comm"] < 0.1 * whole["step_time"]  # "almost all hidden", below
+assert whole["tflops_per_gpu"] > PAPER[1]  # "above the paper's measurement"
 assert abs(faster["step"] / faster["compute"] - 1) < 0.15 and h100.breakdown["compute"] > 0.75 * h100.step_time
 toolkit.viz.timeline(gpt3_sim.modelled_run, title="GPT-3 175B (4 of 96 layers), FSDP, rank 0 of 512, DGX A100")
 
@@ -320,10 +381,21 @@ toolkit.viz.timeline(gpt3_sim.modelled_run, title="GPT-3 175B (4 of 96 layers), 
 from toolkit.sim.sweep import describe, sweep  # noqa: E402
 
 WORLDS = (8, 1024)
-STRATEGIES = {"ddp": {}, "zero3": {}, "fsdp": dict(forward_prefetch=True),
-              "hsdp": ("fsdp", dict(sharding_group_size=8, forward_prefetch=True))}
-scaling_rows = sweep(presets.zero_7_5b, layers=36, strategies=STRATEGIES, worlds=WORLDS, cluster="dgx-a100",
-             mixed_precision=True, seq_len=1024)
+STRATEGIES = {
+    "ddp": {},
+    "zero3": {},
+    "fsdp": dict(forward_prefetch=True),
+    "hsdp": ("fsdp", dict(sharding_group_size=8, forward_prefetch=True)),
+}
+scaling_rows = sweep(
+    presets.zero_7_5b,
+    layers=36,
+    strategies=STRATEGIES,
+    worlds=WORLDS,
+    cluster="dgx-a100",
+    mixed_precision=True,
+    seq_len=1024,
+)
 for line in describe(scaling_rows):
     print(line)
 toolkit.viz.scaling(scaling_rows, title="ZeRO's 7.5B model on DGX A100 nodes")
@@ -343,7 +415,9 @@ toolkit.viz.scaling(scaling_rows, title="ZeRO's 7.5B model on DGX A100 nodes")
 
 # %%
 at = {(r["label"], r["world_size"]): r for r in scaling_rows}
-change = {k: at[k, WORLDS[-1]]["tflops_per_gpu"] / at[k, WORLDS[0]]["tflops_per_gpu"] - 1 for k in STRATEGIES if k != "ddp"}
+change = {
+    k: at[k, WORLDS[-1]]["tflops_per_gpu"] / at[k, WORLDS[0]]["tflops_per_gpu"] - 1 for k in STRATEGIES if k != "ddp"
+}
 assert not any(at["ddp", w]["fits"] for w in WORLDS) and at["ddp", WORLDS[0]]["states"] > 100 * GB
 assert change["zero3"] < -0.5 and change["zero3"] < change["fsdp"] and abs(change["fsdp"]) < 0.1
 assert at["fsdp", 8]["breakdown"]["exposed_comm"] < 0.1 * at["fsdp", 8]["step_time"]
@@ -361,6 +435,7 @@ print({k: f"{v:+.0%}" for k, v in change.items()})
 # expert 0 to every rank (a broadcast of its weights, and an all-reduce of their gradients) so each
 # computes its own rows.
 
+
 # %%
 def hot_expert(num_tokens, num_experts, top_k):
     t = torch.arange(num_tokens)
@@ -370,17 +445,32 @@ def hot_expert(num_tokens, num_experts, top_k):
 
 RATES = dict(compute_flops=312e12 * 0.52, bandwidth=25e9)  # the shadowing predictor's P and W_net: the cluster's
 experts = {}
-for label, moe_options in (("plain", {}), ("shadow expert 0", dict(shadow=[0], **RATES)), ("pipeline 4", {"pipeline_degree": 4})):
-    experts[label] = simulate(lambda o=moe_options: presets.moe_gpt_64(n_layer=1, moe_options=dict(o, dropless=True)),
-                              "ddp", 64, routing=hot_expert, progress=False, mixed_precision=True,
-                              cluster="dgx-a100")
+for label, moe_options in (
+    ("plain", {}),
+    ("shadow expert 0", dict(shadow=[0], **RATES)),
+    ("pipeline 4", {"pipeline_degree": 4}),
+):
+    experts[label] = simulate(
+        lambda o=moe_options: presets.moe_gpt_64(n_layer=1, moe_options=dict(o, dropless=True)),
+        "ddp",
+        64,
+        routing=hot_expert,
+        progress=False,
+        mixed_precision=True,
+        cluster="dgx-a100",
+    )
     print(f"{label:<16} {experts[label].cost.summary()}\n")
 plain, shadow, pipelined = experts.values()
 assert shadow.step_time < plain.step_time <= pipelined.step_time  # the sentences below
 faster = plain.step_time / shadow.step_time  # the cluster's useful rate rises by as much; rank 0's own falls
-assert abs(shadow.tflops_per_gpu / plain.tflops_per_gpu / faster - 1) < 1e-6 and shadow.cost.rank_tflops < plain.cost.rank_tflops
-print(f"shadowing: a {faster:.1f}x shorter step, {plain.tflops_per_gpu:.3g} -> {shadow.tflops_per_gpu:.3g} TFLOP/s per GPU "
-      f"(rank 0's own: {plain.cost.rank_tflops:.3g} -> {shadow.cost.rank_tflops:.3g})")
+assert (
+    abs(shadow.tflops_per_gpu / plain.tflops_per_gpu / faster - 1) < 1e-6
+    and shadow.cost.rank_tflops < plain.cost.rank_tflops
+)
+print(
+    f"shadowing: a {faster:.1f}x shorter step, {plain.tflops_per_gpu:.3g} -> {shadow.tflops_per_gpu:.3g} TFLOP/s per GPU "
+    f"(rank 0's own: {plain.cost.rank_tflops:.3g} -> {shadow.cost.rank_tflops:.3g})"
+)
 
 # %% [markdown]
 # Shadowing pays here: the hot rank's compute is spread, for one expert's weights on the network, and the
@@ -433,8 +523,17 @@ def layout_row(label, strategy, options, per_replica, world=1024):
     """Simulate a layout's blocks at two depths and extrapolate to GPT-3's 96 (per stage under pp)."""
     stages = options.get("pp", 1) * options.get("virtual_stages", 1)
     at = PIPELINE_BASE if stages > 1 else BASE
-    sims = [simulate(lambda n=n: GPT3_51K(n_layer=n * stages), strategy, world, batch_per_rank=per_replica,
-                     **options, **CHECKPOINTING) for n in at]
+    sims = [
+        simulate(
+            lambda n=n: GPT3_51K(n_layer=n * stages),
+            strategy,
+            world,
+            batch_per_rank=per_replica,
+            **options,
+            **CHECKPOINTING,
+        )
+        for n in at
+    ]
     return dict(extrapolate(*sims, 96 // stages, at), label=label, sim=sims[-1])
 
 
@@ -444,28 +543,46 @@ for label, r in gpt3_layouts.items():
     b = r["breakdown"]
     parts = {WORDS[k]: b[k] for k in WORDS if b.get(k, 0.0) > 0}
     waiting = {k: v for k, v in parts.items() if k != "compute"}
-    print(f"{label:<22} peak {bytes_text(r['peak']):>8} per GPU (model states {bytes_text(r['states']):>8}): "
-          f"{'fits' if r['fits'] else 'DOES NOT FIT'}; step {seconds_text(b['step'])} = "
-          + " + ".join(f"{k} {seconds_text(v)}" for k, v in parts.items())
-          + f"; {r['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {r['mfu']:.0%}; besides compute, "
-          f"{max(waiting, key=waiting.get)} dominates")
+    print(
+        f"{label:<22} peak {bytes_text(r['peak']):>8} per GPU (model states {bytes_text(r['states']):>8}): "
+        f"{'fits' if r['fits'] else 'DOES NOT FIT'}; step {seconds_text(b['step'])} = "
+        + " + ".join(f"{k} {seconds_text(v)}" for k, v in parts.items())
+        + f"; {r['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {r['mfu']:.0%}; besides compute, "
+        f"{max(waiting, key=waiting.get)} dominates"
+    )
 
 # %%
 import plotly.graph_objects as go  # noqa: E402
 
 from toolkit.viz import style  # noqa: E402
 
-PARTS = {"compute": style.COMPUTE["forward"], "exposed_comm": style.COMMUNICATION["all_reduce"],
-         "bubble": style.COMPUTE["wait"], "p2p": style.COMMUNICATION["send"]}
+PARTS = {
+    "compute": style.COMPUTE["forward"],
+    "exposed_comm": style.COMMUNICATION["all_reduce"],
+    "bubble": style.COMPUTE["wait"],
+    "p2p": style.COMMUNICATION["send"],
+}
 
 
 def layout_figure(rows):
     """The step of each layout, split into what its compute stream did: compute, waiting for its collectives,
     for another stage (the bubble), for a transfer on the wire."""
-    fig = go.Figure([go.Bar(name=part, x=[r["label"] for r in rows], y=[r["breakdown"].get(part, 0.0) for r in rows],
-                            marker_color=colour) for part, colour in PARTS.items()])
-    style.place_title(fig, "GPT-3 175B, 1,024 sequences per step on 1,024 A100s",
-                      "one step of rank 0, by what its compute stream did (modelled)")
+    fig = go.Figure(
+        [
+            go.Bar(
+                name=part,
+                x=[r["label"] for r in rows],
+                y=[r["breakdown"].get(part, 0.0) for r in rows],
+                marker_color=colour,
+            )
+            for part, colour in PARTS.items()
+        ]
+    )
+    style.place_title(
+        fig,
+        "GPT-3 175B, 1,024 sequences per step on 1,024 A100s",
+        "one step of rank 0, by what its compute stream did (modelled)",
+    )
     fig.update_layout(barmode="stack", yaxis_title="seconds per step", template="plotly_white", height=420)
     return fig
 
@@ -495,20 +612,22 @@ layout_figure(list(gpt3_layouts.values()))
 # %%
 fsdp, hsdp, three_d = gpt3_layouts.values()
 assert all(r["fits"] for r in (fsdp, hsdp, three_d))
-assert fsdp["breakdown"]["exposed_comm"] < 0.05 * fsdp["breakdown"]["step"]               # "almost all hidden"
-assert abs(three_d["useful_flops"] / fsdp["useful_flops"] - 1) < 0.05                     # "the same FLOPs"
+assert fsdp["breakdown"]["exposed_comm"] < 0.05 * fsdp["breakdown"]["step"]  # "almost all hidden"
+assert abs(three_d["useful_flops"] / fsdp["useful_flops"] - 1) < 0.05  # "the same FLOPs"
 bubble_share, formula = three_d["breakdown"]["bubble"] / three_d["breakdown"]["step"], 7 / 71
-assert bubble_share > formula and round(100 * formula) == 10                              # "more than 10%"
+assert bubble_share > formula and round(100 * formula) == 10  # "more than 10%"
 stages = three_d["sim"].cost.stages[-1]
 computed = {r: t.compute for r, t in stages.stages.items()}
-assert max(computed, key=computed.get) == max(computed)                                   # the last stage computes most
-assert three_d["breakdown"]["exposed_comm"] > three_d["breakdown"]["p2p"]                 # tp all-reduces, not transfers
-assert 0.75 < three_d["peak"] / fsdp["peak"] < 0.85                                     # "about four fifths of FSDP's"
-assert abs(hsdp["states"] / fsdp["states"] - 8) < 0.1                                     # "8 times the model states"
-assert abs(hsdp["breakdown"]["step"] / fsdp["breakdown"]["step"] - 1) < 0.05             # "matches FSDP's step"
+assert max(computed, key=computed.get) == max(computed)  # the last stage computes most
+assert three_d["breakdown"]["exposed_comm"] > three_d["breakdown"]["p2p"]  # tp all-reduces, not transfers
+assert 0.75 < three_d["peak"] / fsdp["peak"] < 0.85  # "about four fifths of FSDP's"
+assert abs(hsdp["states"] / fsdp["states"] - 8) < 0.1  # "8 times the model states"
+assert abs(hsdp["breakdown"]["step"] / fsdp["breakdown"]["step"] - 1) < 0.05  # "matches FSDP's step"
 assert fsdp["tflops_per_gpu"] > hsdp["tflops_per_gpu"] * 0.99 and fsdp["tflops_per_gpu"] > three_d["tflops_per_gpu"]
-print(f"bubble {bubble_share:.0%} of the 3D step (formula {formula:.0%}); each stage's compute with 2 blocks per "
-      f"stage (the simulation extrapolated from): " + ", ".join(seconds_text(c) for c in computed.values()))
+print(
+    f"bubble {bubble_share:.0%} of the 3D step (formula {formula:.0%}); each stage's compute with 2 blocks per "
+    f"stage (the simulation extrapolated from): " + ", ".join(seconds_text(c) for c in computed.values())
+)
 
 # %% [markdown]
 # ### Try it: move the layout
@@ -523,11 +642,13 @@ print(f"bubble {bubble_share:.0%} of the 3D step (formula {formula:.0%}); each s
 import ipywidgets as widgets  # noqa: E402
 from IPython.display import display  # noqa: E402
 
-controls = dict(tp=widgets.Dropdown(options=[1, 2, 4, 8, 16], value=8, description="tp"),
-                pp=widgets.Dropdown(options=[1, 2, 4, 8, 16], value=16, description="pp"),
-                strategy=widgets.Dropdown(options=["zero1", "ddp", "fsdp"], value="zero1", description="dp strategy"),
-                microbatches=widgets.Dropdown(options=[16, 32, 64, 128], value=64, description="micro-batches"),
-                schedule=widgets.Dropdown(options=["1f1b", "interleaved"], value="1f1b", description="schedule"))
+controls = dict(
+    tp=widgets.Dropdown(options=[1, 2, 4, 8, 16], value=8, description="tp"),
+    pp=widgets.Dropdown(options=[1, 2, 4, 8, 16], value=16, description="pp"),
+    strategy=widgets.Dropdown(options=["zero1", "ddp", "fsdp"], value="zero1", description="dp strategy"),
+    microbatches=widgets.Dropdown(options=[16, 32, 64, 128], value=64, description="micro-batches"),
+    schedule=widgets.Dropdown(options=["1f1b", "interleaved"], value="1f1b", description="schedule"),
+)
 go_button, said, drawn = widgets.Button(description="simulate"), widgets.Output(), widgets.Output()
 tried: list = []  # the layouts simulated from the panel, drawn beside the three above
 with drawn:
@@ -539,8 +660,12 @@ def simulate_layout(_=None):
     tp, pp = c["tp"], c["pp"]
     options = dict(tp=tp) if tp > 1 else {}
     if pp > 1:
-        options.update(pp=pp, microbatches=c["microbatches"], schedule=c["schedule"],
-                       **({"virtual_stages": 2} if c["schedule"] == "interleaved" else {}))
+        options.update(
+            pp=pp,
+            microbatches=c["microbatches"],
+            schedule=c["schedule"],
+            **({"virtual_stages": 2} if c["schedule"] == "interleaved" else {}),
+        )
     if c["strategy"] == "fsdp":
         options["forward_prefetch"] = True
     label = f"{c['strategy']}, tp {tp}, pp {pp}" + (f", {c['schedule']} m {c['microbatches']}" if pp > 1 else "")
@@ -551,8 +676,10 @@ def simulate_layout(_=None):
         except ValueError as error:  # a layout that cannot be: say why, as the toolkit does
             print(error)
             return
-        print(f"{label}: peak {bytes_text(row['peak'])} per GPU ({'fits' if row['fits'] else 'does NOT fit'}), "
-              f"step {row['breakdown']['step']:.2f} s, {row['tflops_per_gpu']:.0f} TFLOP/s per GPU")
+        print(
+            f"{label}: peak {bytes_text(row['peak'])} per GPU ({'fits' if row['fits'] else 'does NOT fit'}), "
+            f"step {row['breakdown']['step']:.2f} s, {row['tflops_per_gpu']:.0f} TFLOP/s per GPU"
+        )
     tried.append(row)
     with drawn:
         drawn.clear_output(wait=True)
@@ -560,5 +687,13 @@ def simulate_layout(_=None):
 
 
 go_button.on_click(simulate_layout)
-display(widgets.VBox([widgets.HBox(list(controls.values())[:3]), widgets.HBox(list(controls.values())[3:] + [go_button]),
-                      said, drawn]))
+display(
+    widgets.VBox(
+        [
+            widgets.HBox(list(controls.values())[:3]),
+            widgets.HBox(list(controls.values())[3:] + [go_button]),
+            said,
+            drawn,
+        ]
+    )
+)

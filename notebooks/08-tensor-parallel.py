@@ -43,9 +43,17 @@ import functools
 import torch
 
 import toolkit
-from toolkit.memory import (activation_terms, activations_by_module, communication_per_step, gpt_parameter_split,
-                            model_states_breakdown, tp_activation_terms, tp_bytes_per_layer, tp_bytes_per_step,
-                            tp_model_states)
+from toolkit.memory import (
+    activation_terms,
+    activations_by_module,
+    communication_per_step,
+    gpt_parameter_split,
+    model_states_breakdown,
+    tp_activation_terms,
+    tp_bytes_per_layer,
+    tp_bytes_per_step,
+    tp_model_states,
+)
 from toolkit.models import SyntheticCorpus, presets, tiny_gpt
 from toolkit.run import Run
 from toolkit.sim import simulate
@@ -90,24 +98,41 @@ def split_mlp_check():
     whole(x).sum().backward()
     expected, expected_dx = whole(x).detach(), x.grad.clone()
     tp, done = TPGroup.of(dist.group.WORLD), {}
-    split = torch.nn.Sequential(ColumnParallelLinear(whole.fc, tp, done, "fc"), torch.nn.GELU(),
-                                RowParallelLinear(whole.proj, tp, done, "proj"))
+    split = torch.nn.Sequential(
+        ColumnParallelLinear(whole.fc, tp, done, "fc"), torch.nn.GELU(), RowParallelLinear(whole.proj, tp, done, "proj")
+    )
     x.grad = None
     recorder.reset()
     y = split(x)
     y.sum().backward()
-    calls = [(e["phase"] if e["phase"] != "idle" else "", e["name"], e["args"].get("tp")) for e in recorder.events
-             if e["cat"] == "comm"]
-    return {"out": (y - expected).abs().max().item(), "dx": (x.grad - expected_dx).abs().max().item(),
-            "calls": calls, "fc": tuple(split[0].weight.shape), "proj": tuple(split[2].weight.shape)}
+    calls = [
+        (e["phase"] if e["phase"] != "idle" else "", e["name"], e["args"].get("tp"))
+        for e in recorder.events
+        if e["cat"] == "comm"
+    ]
+    return {
+        "out": (y - expected).abs().max().item(),
+        "dx": (x.grad - expected_dx).abs().max().item(),
+        "calls": calls,
+        "fc": tuple(split[0].weight.shape),
+        "proj": tuple(split[2].weight.shape),
+    }
 
 
 CONFIGS = {  # one global batch of ROWS sequences, on 2 ranks each way
     "fsdp": TrainConfig(strategy="fsdp", steps=3, global_batch_size=ROWS, seq_len=SEQ, model=MODEL, progress=False),
-    "tp": TrainConfig(strategy="local", steps=3, global_batch_size=ROWS, seq_len=SEQ, model=MODEL, progress=False,
-                      options={"tp": 2}),
-    "tp+sp": TrainConfig(strategy="local", steps=3, global_batch_size=ROWS, seq_len=SEQ, model=MODEL, progress=False,
-                         options={"tp": 2, "sequence_parallel": True}),
+    "tp": TrainConfig(
+        strategy="local", steps=3, global_batch_size=ROWS, seq_len=SEQ, model=MODEL, progress=False, options={"tp": 2}
+    ),
+    "tp+sp": TrainConfig(
+        strategy="local",
+        steps=3,
+        global_batch_size=ROWS,
+        seq_len=SEQ,
+        model=MODEL,
+        progress=False,
+        options={"tp": 2, "sequence_parallel": True},
+    ),
 }
 
 
@@ -123,8 +148,11 @@ def per_block_activations(config):
 
 
 def lesson():
-    return {"mlp": split_mlp_check(), "runs": {k: train(c) for k, c in CONFIGS.items()},
-            "activations": {k: per_block_activations(c) for k, c in CONFIGS.items()}}
+    return {
+        "mlp": split_mlp_check(),
+        "runs": {k: train(c) for k, c in CONFIGS.items()},
+        "activations": {k: per_block_activations(c) for k, c in CONFIGS.items()},
+    }
 
 
 ranks = toolkit.launch(lesson, 2, timeout_s=300)
@@ -155,15 +183,20 @@ assert [c[2] for c in mlp["calls"]] == ["g forward", "f backward"] and mlp["out"
 # %%
 counts = gpt_parameter_split(64, SEQ, MODEL["n_layer"], MODEL["d_model"])
 psi = counts["split"] + counts["replicated"]
-formula = {"fsdp": model_states_breakdown(psi, 2, 3, param_bytes=4, grad_bytes=4, optimizer_multiplier=8),
-           "tp": tp_model_states(counts["split"], counts["replicated"], 2, 1, 0, param_bytes=4, grad_bytes=4,
-                                 optimizer_multiplier=8)}
+formula = {
+    "fsdp": model_states_breakdown(psi, 2, 3, param_bytes=4, grad_bytes=4, optimizer_multiplier=8),
+    "tp": tp_model_states(
+        counts["split"], counts["replicated"], 2, 1, 0, param_bytes=4, grad_bytes=4, optimizer_multiplier=8
+    ),
+}
 formula["tp+sp"] = formula["tp"]
 s, b, h, a, L = SEQ, ROWS, MODEL["d_model"], MODEL["n_head"], MODEL["n_layer"]
 switches = dict(bytes_per_value=4, dropout=False, fused_attention=True, small_terms=True)  # this GPT in fp32
-formula_acts = {"fsdp": sum(activation_terms(s, b // 2, h, a, **switches).values()),
-                "tp": sum(tp_activation_terms(s, b, h, a, 2, **switches).values()),
-                "tp+sp": sum(tp_activation_terms(s, b, h, a, 2, sequence_parallel=True, **switches).values())}
+formula_acts = {
+    "fsdp": sum(activation_terms(s, b // 2, h, a, **switches).values()),
+    "tp": sum(tp_activation_terms(s, b, h, a, 2, **switches).values()),
+    "tp+sp": sum(tp_activation_terms(s, b, h, a, 2, sequence_parallel=True, **switches).values()),
+}
 print(f"Ψ = {psi:,} parameters: {counts['split']:,} split by tensor parallelism, {counts['replicated']:,} replicated")
 print(f"{'per rank (KB)':<14}{'params':>16}{'grads':>16}{'optimizer':>16}{'activations/block':>22}")
 measured = {}
@@ -177,7 +210,9 @@ for name, run in runs.items():
     assert all(abs(measured[name][k] - formula[name][k]) <= 4 * 28 + 16 for k in formula[name])  # step counters
 print("(formula in parentheses; the optimizer adds a 4-byte step counter per tensor)")
 assert sum(measured["fsdp"].values()) < sum(measured["tp"].values()) == sum(measured["tp+sp"].values())  # below
-assert formula_acts["tp+sp"] == sum(activation_terms(s, b, h, a, **switches).values()) / 2 < formula_acts["tp"]  # every term /t
+assert (
+    formula_acts["tp+sp"] == sum(activation_terms(s, b, h, a, **switches).values()) / 2 < formula_acts["tp"]
+)  # every term /t
 
 # %% [markdown]
 # Read the table row by row. **Model states**: FSDP's are the smaller, 1/N of everything, because FSDP
@@ -197,15 +232,21 @@ assert formula_acts["tp+sp"] == sum(activation_terms(s, b, h, a, **switches).val
 from toolkit.trace.analysis import bytes_per_step, overlap_fraction  # noqa: E402
 
 wire = {name: bytes_per_step(run, 0)[-1]["total"] for name, run in runs.items()}
-theory = {"fsdp": communication_per_step(psi, 2, "fsdp") * 4,
-          "tp": tp_bytes_per_step(b, s, h, L, 2)["total"],
-          "tp+sp": tp_bytes_per_step(b, s, h, L, 2, sequence_parallel=True)["total"]}
-per_layer = {"fsdp": communication_per_step(12 * h * h + 13 * h, 2, "fsdp") * 4,
-             "tp": tp_bytes_per_layer(b, s, h, 2, bytes_per_value=4),
-             "tp+sp": tp_bytes_per_layer(b, s, h, 2, sequence_parallel=True, bytes_per_value=4)}
+theory = {
+    "fsdp": communication_per_step(psi, 2, "fsdp") * 4,
+    "tp": tp_bytes_per_step(b, s, h, L, 2)["total"],
+    "tp+sp": tp_bytes_per_step(b, s, h, L, 2, sequence_parallel=True)["total"],
+}
+per_layer = {
+    "fsdp": communication_per_step(12 * h * h + 13 * h, 2, "fsdp") * 4,
+    "tp": tp_bytes_per_layer(b, s, h, 2, bytes_per_value=4),
+    "tp+sp": tp_bytes_per_layer(b, s, h, 2, sequence_parallel=True, bytes_per_value=4),
+}
 for name in runs:
-    print(f"{name:<6} sent {wire[name] / KB:6.1f} KB per step (formula {theory[name] / KB:6.1f}); "
-          f"per layer {per_layer[name] / KB:5.1f} KB; hidden behind compute: {overlap_fraction(runs[name], 0):.0%}")
+    print(
+        f"{name:<6} sent {wire[name] / KB:6.1f} KB per step (formula {theory[name] / KB:6.1f}); "
+        f"per layer {per_layer[name] / KB:5.1f} KB; hidden behind compute: {overlap_fraction(runs[name], 0):.0%}"
+    )
 assert overlap_fraction(runs["tp"], 0) == overlap_fraction(runs["tp+sp"], 0) == 0.0
 assert wire["tp"] == theory["tp"] and wire["tp+sp"] == theory["tp+sp"] and abs(wire["fsdp"] - theory["fsdp"]) < 64
 
@@ -219,9 +260,11 @@ assert wire["tp"] == theory["tp"] and wire["tp+sp"] == theory["tp+sp"] and abs(w
 # %%
 GPT3_H, GPT3_S = 12288, 2048
 tp8 = tp_bytes_per_layer(1, GPT3_S, GPT3_H, 8)
-fsdp8 = communication_per_step(12 * GPT3_H ** 2, 8, "fsdp") * 2
-print(f"GPT-3 layer, bf16, one sequence per replica: tp=8 sends {tp8 / 1e6:.0f} MB per rank, FSDP over 8 ranks "
-      f"{fsdp8 / 1e6:.0f} MB (with 8 sequences over the 8 ranks)")
+fsdp8 = communication_per_step(12 * GPT3_H**2, 8, "fsdp") * 2
+print(
+    f"GPT-3 layer, bf16, one sequence per replica: tp=8 sends {tp8 / 1e6:.0f} MB per rank, FSDP over 8 ranks "
+    f"{fsdp8 / 1e6:.0f} MB (with 8 sequences over the 8 ranks)"
+)
 assert fsdp8 > 10 * tp8
 
 # %% [markdown]
@@ -240,8 +283,12 @@ assert fsdp8 > 10 * tp8
 figures = {}
 for name in ("fsdp", "tp"):
     start, end = toolkit.trace.analysis.step_windows(runs[name], 0)[-1]
-    figures[name] = toolkit.viz.timeline(runs[name], ranks=[0], where=lambda e, s=start, t=end: s <= e["start"] < t,
-                                         title=f"{name}: rank 0, last step (2 ranks, {ROWS} sequences)")
+    figures[name] = toolkit.viz.timeline(
+        runs[name],
+        ranks=[0],
+        where=lambda e, s=start, t=end: s <= e["start"] < t,
+        title=f"{name}: rank 0, last step (2 ranks, {ROWS} sequences)",
+    )
 longest = max(max((d.base[i] + d.x[i]) for d in f.data for i in range(len(d.x))) for f in figures.values())
 for fig in figures.values():
     fig.update_xaxes(range=[0, longest * 1.02])
@@ -256,15 +303,25 @@ figures["tp"]
 
 # %%
 GPT3 = functools.partial(presets.gpt3_175b, n_layer=2, vocab_size=51200)  # 51,200: Megatron's padded vocabulary
-common = dict(mixed_precision=True, activation_checkpointing=True, warmup=False, progress=False, cluster="dgx-a100",
-              seq_len=GPT3_S)
-node = {"fsdp x8": simulate(GPT3, "fsdp", 8, batch_per_rank=1, forward_prefetch=True, **common),
-        "tp=8": simulate(GPT3, "local", 8, batch_per_rank=8, tp=8, **common)}
+common = dict(
+    mixed_precision=True,
+    activation_checkpointing=True,
+    warmup=False,
+    progress=False,
+    cluster="dgx-a100",
+    seq_len=GPT3_S,
+)
+node = {
+    "fsdp x8": simulate(GPT3, "fsdp", 8, batch_per_rank=1, forward_prefetch=True, **common),
+    "tp=8": simulate(GPT3, "local", 8, batch_per_rank=8, tp=8, **common),
+}
 for name, sim in node.items():
     br = sim.breakdown
-    print(f"{name:<8} step {br['step'] * 1e3:6.0f} ms: compute {br['compute'] * 1e3:5.0f}, communication exposed "
-          f"{br['exposed_comm'] * 1e3:5.0f}, hidden {br['overlapped_comm'] * 1e3:5.0f} ms; sent "
-          f"{sim.bytes_per_step['total'] / 1e9:5.2f} GB")
+    print(
+        f"{name:<8} step {br['step'] * 1e3:6.0f} ms: compute {br['compute'] * 1e3:5.0f}, communication exposed "
+        f"{br['exposed_comm'] * 1e3:5.0f}, hidden {br['overlapped_comm'] * 1e3:5.0f} ms; sent "
+        f"{sim.bytes_per_step['total'] / 1e9:5.2f} GB"
+    )
 assert node["tp=8"].breakdown["overlapped_comm"] < 0.05 * node["tp=8"].breakdown["exposed_comm"]  # nothing hides TP's
 assert node["fsdp x8"].breakdown["overlapped_comm"] > node["fsdp x8"].breakdown["exposed_comm"]  # FSDP hides most
 assert node["fsdp x8"].bytes_per_step["total"] > 2 * node["tp=8"].bytes_per_step["total"]  # for more bytes
@@ -297,13 +354,16 @@ toolkit.viz.timeline(node["tp=8"].modelled_run, title="modelled: tp=8 in one nod
 
 # %%
 for sp in (False, True):
-    calls = {op: len(sizes) for op, sizes in
-             toolkit.memory.tp_collectives(b, s, h, L, 2, sequence_parallel=sp).items()}
+    calls = {op: len(sizes) for op, sizes in toolkit.memory.tp_collectives(b, s, h, L, 2, sequence_parallel=sp).items()}
     print(f"sequence_parallel={sp!s:<5}: per step {calls}")
-print(f"per layer: {tp_bytes_per_layer(1, GPT3_S, GPT3_H, 8) / 1e6:.0f} MB without, "
-      f"{tp_bytes_per_layer(1, GPT3_S, GPT3_H, 8, sequence_parallel=True) / 1e6:.0f} MB with sequence parallelism "
-      f"(GPT-3, tp=8, one sequence)")
-assert tp_bytes_per_layer(1, GPT3_S, GPT3_H, 8, sequence_parallel=True) == 1.25 * tp_bytes_per_layer(1, GPT3_S, GPT3_H, 8)
+print(
+    f"per layer: {tp_bytes_per_layer(1, GPT3_S, GPT3_H, 8) / 1e6:.0f} MB without, "
+    f"{tp_bytes_per_layer(1, GPT3_S, GPT3_H, 8, sequence_parallel=True) / 1e6:.0f} MB with sequence parallelism "
+    f"(GPT-3, tp=8, one sequence)"
+)
+assert tp_bytes_per_layer(1, GPT3_S, GPT3_H, 8, sequence_parallel=True) == 1.25 * tp_bytes_per_layer(
+    1, GPT3_S, GPT3_H, 8
+)
 
 # %% [markdown]
 # ## 5. At 512 to 1,024 GPUs: when does 2D FSDP + TP beat FSDP alone?
@@ -326,8 +386,16 @@ for batch, world in ((512, 512), (512, 1024)):
             rows.append(dict(batch=batch, world=world, label=label, per_replica=0, fits=None, step_time=None))
             continue
         options = dict(forward_prefetch=True, **({"tp": tp} if tp > 1 else {}))
-        row = sweep(GPT3_FULL, layers=96, strategies={label: ("fsdp", options)}, worlds=(world,), mixed_precision=True,
-                    activation_checkpointing=True, batch_per_rank=per_replica, seq_len=GPT3_S)[0]
+        row = sweep(
+            GPT3_FULL,
+            layers=96,
+            strategies={label: ("fsdp", options)},
+            worlds=(world,),
+            mixed_precision=True,
+            activation_checkpointing=True,
+            batch_per_rank=per_replica,
+            seq_len=GPT3_S,
+        )[0]
         rows.append(dict(row, batch=batch, world=world, per_replica=per_replica))
 for r in rows:
     if r["fits"] is None:
@@ -335,9 +403,11 @@ for r in rows:
     elif not r["fits"]:
         what = f"does not fit: peak {bytes_text(r['peak'])} per GPU, {bytes_text(r['fit'].capacity)} on an A100"
     else:
-        what = (f"{r['step_time']:6.2f} s per step, {r['tflops_per_gpu']:4.0f} TFLOP/s per GPU, exposed communication "
-                f"{r['breakdown']['exposed_comm']:4.2f} s; peak {bytes_text(r['peak'])} per GPU (activations "
-                f"{bytes_text(r['peak_memory']['activations'])}, comm {bytes_text(r['peak_memory']['comm'])})")
+        what = (
+            f"{r['step_time']:6.2f} s per step, {r['tflops_per_gpu']:4.0f} TFLOP/s per GPU, exposed communication "
+            f"{r['breakdown']['exposed_comm']:4.2f} s; peak {bytes_text(r['peak'])} per GPU (activations "
+            f"{bytes_text(r['peak_memory']['activations'])}, comm {bytes_text(r['peak_memory']['comm'])})"
+        )
     print(f"batch {r['batch']:>5}, {r['world']:>5} GPUs, {r['label']:<13} {what}")
 by = {(r["batch"], r["world"], r["label"]): r for r in rows}
 assert all(r["fits"] is not False for r in rows)  # every case with a sequence per GPU fits in 80 GB
@@ -374,11 +444,20 @@ assert two_d["peak_memory"]["activations"] > 8 * fsdp_alone["peak_memory"]["acti
 # inputs along the sequence, by 8:
 
 # %%
-sp = sweep(GPT3_FULL, layers=96, strategies={"FSDP + TP(8) + SP": ("fsdp", dict(forward_prefetch=True, tp=8,
-                                                                                 sequence_parallel=True))},
-           worlds=(512,), mixed_precision=True, activation_checkpointing=True, batch_per_rank=8, seq_len=GPT3_S)[0]
-print(f"batch   512,   512 GPUs, FSDP + TP(8) + SP: peak {bytes_text(sp['peak'])} per GPU (activations "
-      f"{bytes_text(sp['peak_memory']['activations'])}), {sp['step_time']:.2f} s per step")
+sp = sweep(
+    GPT3_FULL,
+    layers=96,
+    strategies={"FSDP + TP(8) + SP": ("fsdp", dict(forward_prefetch=True, tp=8, sequence_parallel=True))},
+    worlds=(512,),
+    mixed_precision=True,
+    activation_checkpointing=True,
+    batch_per_rank=8,
+    seq_len=GPT3_S,
+)[0]
+print(
+    f"batch   512,   512 GPUs, FSDP + TP(8) + SP: peak {bytes_text(sp['peak'])} per GPU (activations "
+    f"{bytes_text(sp['peak_memory']['activations'])}), {sp['step_time']:.2f} s per step"
+)
 assert kept_inputs / 8 < sp["peak_memory"]["activations"] < 1.1 * kept_inputs / 8
 
 # %% [markdown]
@@ -401,8 +480,9 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     for network in (DGX, ONE_CARD):
         for tp in (4, 8, 16, 32):
-            cliff[(network.name, tp)] = simulate(GPT3, "ddp", tp, batch_per_rank=8, tp=tp,
-                                                 **dict(common, cluster=network))
+            cliff[(network.name, tp)] = simulate(
+                GPT3, "ddp", tp, batch_per_rank=8, tp=tp, **dict(common, cluster=network)
+            )
 print(caught[0].message if caught else "no warning")
 
 
@@ -417,8 +497,10 @@ for (network, tp), sim in cliff.items():
     seconds, sent = tp_collectives_of(sim, tp)
     speed[(network, tp)], rate[(network, tp)] = sent / seconds, sim.tflops_per_gpu
     exposed[(network, tp)] = sim.breakdown["exposed_comm"] / sim.step_time
-    print(f"{network:<18} tp={tp:<3} {sim.tflops_per_gpu:4.0f} TFLOP/s per GPU; tp collectives at "
-          f"{sent / seconds / 1e9:5.1f} GB/s, {exposed[(network, tp)]:4.0%} of the step exposed")
+    print(
+        f"{network:<18} tp={tp:<3} {sim.tflops_per_gpu:4.0f} TFLOP/s per GPU; tp collectives at "
+        f"{sent / seconds / 1e9:5.1f} GB/s, {exposed[(network, tp)]:4.0%} of the step exposed"
+    )
 dgx, one = DGX.name, ONE_CARD.name
 assert rate[(dgx, 8)] < rate[(dgx, 4)] and rate[(dgx, 16)] < 0.85 * rate[(dgx, 8)]  # the drop doubles past the node
 assert rate[(dgx, 4)] - rate[(dgx, 8)] < rate[(dgx, 8)] - rate[(dgx, 16)]

@@ -49,8 +49,10 @@ def dry_run(name, pp, m, v=1):
     per rank, each 1/v of that), as a Run."""
     actions = schedules.build(name, pp, m, v)
     split = schedules.splits_backward(actions)
-    return bubble.ideal_run(lowering.replay(lowering.lower(actions, pp, tied=True), lowering.unit_cost(split, v)),
-                            {"schedule": name, "pp": pp, "microbatches": m, "virtual_stages": v})
+    return bubble.ideal_run(
+        lowering.replay(lowering.lower(actions, pp, tied=True), lowering.unit_cost(split, v)),
+        {"schedule": name, "pp": pp, "microbatches": m, "virtual_stages": v},
+    )
 
 
 # %% [markdown]
@@ -102,10 +104,16 @@ toolkit.viz.pipeline_timeline(ideal_1f1b, formula=bubble.formula_bubble("1f1b", 
 
 # %%
 for name, v in (("gpipe", 1), ("interleaved", 2), ("zb-h1", 1)):
-    toolkit.viz.pipeline_timeline(dry_run(name, 4, 8, v), formula=bubble.formula_bubble(name, 4, 8, v),
-                                  arrows=name != "interleaved").show()
-sends = {name: sum(e["name"] == "send" and e["args"]["message"] in ("activation", "gradient")
-                   for e in dry_run(name, 4, 8, v).events) for name, v in (("1f1b", 1), ("interleaved", 2))}
+    toolkit.viz.pipeline_timeline(
+        dry_run(name, 4, 8, v), formula=bubble.formula_bubble(name, 4, 8, v), arrows=name != "interleaved"
+    ).show()
+sends = {
+    name: sum(
+        e["name"] == "send" and e["args"]["message"] in ("activation", "gradient")
+        for e in dry_run(name, 4, 8, v).events
+    )
+    for name, v in (("1f1b", 1), ("interleaved", 2))
+}
 assert sends == {"1f1b": 2 * 8 * (4 - 1), "interleaved": 2 * 8 * (4 * 2 - 1)}  # m micro-batches x cuts, both ways
 
 # %%
@@ -121,9 +129,12 @@ print("bubble at p = 4 (dry run = formula)")
 for row in rows:
     print(row)
 assert rows[0]["1f1b"] == "43%" and rows[-1]["1f1b"] == "9%"  # m = p ... 8p: the bubble falls as 1/m
-idle = {name: lowering.busy_and_span(lowering.replay(lowering.lower(schedules.build(name, 4, 8, v), 4),
-                                                     lowering.unit_cost(name == "zb-h1", v)))
-        for name, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))}
+idle = {
+    name: lowering.busy_and_span(
+        lowering.replay(lowering.lower(schedules.build(name, 4, 8, v), 4), lowering.unit_cost(name == "zb-h1", v))
+    )
+    for name, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+}
 idle = {name: span - busy[0] for name, (busy, span) in idle.items()}
 assert idle == {"1f1b": 9.0, "interleaved": 4.5, "zb-h1": 3.0}  # 3(p-1) units; halved at v = 2; a third for ZB-H1
 
@@ -136,8 +147,10 @@ assert idle == {"1f1b": 9.0, "interleaved": 4.5, "zb-h1": 3.0}  # 3(p-1) units; 
 # %%
 odd = dry_run("interleaved", 4, 6, 2)
 toolkit.viz.pipeline_timeline(odd, formula=bubble.formula_bubble("interleaved", 4, 6, 2)).show()
-print(f"interleaved, p = 4, m = 6, v = 2: groups of {schedules.group_size(4, 6)}; dry run "
-      f"{bubble.measured_bubble(odd)[0]:.1%}, formula {bubble.formula_bubble('interleaved', 4, 6, 2):.1%}")
+print(
+    f"interleaved, p = 4, m = 6, v = 2: groups of {schedules.group_size(4, 6)}; dry run "
+    f"{bubble.measured_bubble(odd)[0]:.1%}, formula {bubble.formula_bubble('interleaved', 4, 6, 2):.1%}"
+)
 assert schedules.group_size(4, 6) == 6 and schedules.group_size(4, 8) == 4
 assert abs(bubble.measured_bubble(odd)[0] - bubble.formula_bubble("interleaved", 4, 6, 2)) < 1e-12
 
@@ -161,9 +174,20 @@ assert abs(bubble.measured_bubble(odd)[0] - bubble.formula_bubble("interleaved",
 # Below: 3 steps of 1F1B and of ZB-H1 on 2 ranks, trained by `toolkit.train`, then the last step's timeline.
 
 # %%
-PP_RUNS = {name: launch_train(TrainConfig(strategy="local", steps=3, global_batch_size=8, model=MODEL,
-                                          options={"pp": 2, "microbatches": 4, "schedule": name}, progress=False), 2)
-           for name in ("1f1b", "zb-h1")}
+PP_RUNS = {
+    name: launch_train(
+        TrainConfig(
+            strategy="local",
+            steps=3,
+            global_batch_size=8,
+            model=MODEL,
+            options={"pp": 2, "microbatches": 4, "schedule": name},
+            progress=False,
+        ),
+        2,
+    )
+    for name in ("1f1b", "zb-h1")
+}
 toolkit.viz.pipeline_timeline(PP_RUNS["1f1b"], formula=bubble.formula_bubble("1f1b", 2, 4)).show()
 
 # %% [markdown]
@@ -171,12 +195,23 @@ toolkit.viz.pipeline_timeline(PP_RUNS["1f1b"], formula=bubble.formula_bubble("1f
 # each (one block per stage), 3 micro-batches in one group. Each rank runs its actions in the schedule's order:
 
 # %%
-ODD = launch_train(TrainConfig(strategy="local", steps=2, global_batch_size=6, model=MODEL, progress=False,
-                               options={"pp": 2, "microbatches": 3, "schedule": "interleaved", "virtual_stages": 2}), 2)
+ODD = launch_train(
+    TrainConfig(
+        strategy="local",
+        steps=2,
+        global_batch_size=6,
+        model=MODEL,
+        progress=False,
+        options={"pp": 2, "microbatches": 3, "schedule": "interleaved", "virtual_stages": 2},
+    ),
+    2,
+)
 toolkit.viz.pipeline_timeline(ODD, formula=bubble.formula_bubble("interleaved", 2, 3, 2)).show()
 for rank, mine in enumerate(schedules.build("interleaved", 2, 3, 2)):
-    ran = sorted((e for e in ODD.events if e["rank"] == rank and "action" in e["args"] and e["args"]["step"] == 1),
-                 key=lambda e: e["start"])
+    ran = sorted(
+        (e for e in ODD.events if e["rank"] == rank and "action" in e["args"] and e["args"]["step"] == 1),
+        key=lambda e: e["start"],
+    )
     assert [(e["args"]["action"], e["args"]["micro"], e["args"]["stage"]) for e in ran] == [tuple(a) for a in mine]
 
 # %% [markdown]
@@ -205,8 +240,10 @@ for name, run in PP_RUNS.items():
     real, parts = bubble.measured_bubble(run), bubble.step_breakdown(run)
     for rank in range(P):
         part = parts[rank]
-        print(f"{name:6s} rank {rank}: {formula:8.0%} {replayed[rank]:13.0%} {real[rank]:6.0%} = "
-              f"{part['waiting']:8.0%} + {part['between']:8.0%}")
+        print(
+            f"{name:6s} rank {rank}: {formula:8.0%} {replayed[rank]:13.0%} {real[rank]:6.0%} = "
+            f"{part['waiting']:8.0%} + {part['between']:8.0%}"
+        )
         assert abs(real[rank] - (part["waiting"] + part["between"])) < 1e-9  # every idle moment is one or the other
         # the same busy time over the replay's step and the real one: the real step is never shorter than its
         # replay (a real rank cannot start an action earlier than the replay does; the clocks agree to 1 ms)
@@ -227,12 +264,16 @@ for name, run in PP_RUNS.items():
     spans = [e for e in run.events if e["cat"] == "compute" and "action" in e["args"] and e["args"]["step"] == 2]
     action = statistics.median(e["end"] - e["start"] for e in spans)
     latency = bubble.message_latency(run)
-    print(f"{name}: an action takes {action * 1e3:.2f} ms (median of {len(spans)}), a message "
-          f"{statistics.median(latency) * 1e3:.2f} ms ({len(latency)} measured) and the step sends "
-          f"{2 * M * (P - 1) + 2}")
+    print(
+        f"{name}: an action takes {action * 1e3:.2f} ms (median of {len(spans)}), a message "
+        f"{statistics.median(latency) * 1e3:.2f} ms ({len(latency)} measured) and the step sends "
+        f"{2 * M * (P - 1) + 2}"
+    )
     assert len(spans) == (3 if name == "zb-h1" else 2) * M * P and latency and min(latency) > 0
-print(f"this machine: {os.cpu_count()} cores for the 2 ranks and their communication threads; load average "
-      f"{os.getloadavg()[0]:.1f} while it ran")
+print(
+    f"this machine: {os.cpu_count()} cores for the 2 ranks and their communication threads; load average "
+    f"{os.getloadavg()[0]:.1f} while it ran"
+)
 
 # %% [markdown]
 # So the formula is the bubble of the *schedule*, and a real pipeline adds to it what its stages, its messages and
@@ -250,6 +291,7 @@ print(f"this machine: {os.cpu_count()} cores for the 2 ranks and their communica
 # rank r holds at most **p - r**, so p on the first stage and 1 on the last, whatever m. (ZB-H1 keeps 1F1B's
 # count until B; what W still needs is a part of it.) `ActivationMeter` counts the bytes autograd keeps,
 # exactly; below, its peak over one step next to one micro-batch's bytes times the formula.
+
 
 # %%
 def activation_peaks():
@@ -275,8 +317,10 @@ PEAKS = toolkit.launch(activation_peaks, 2)
 for rank, found in enumerate(PEAKS):
     for name, (_, one, peak, left) in found.items():
         formula = bubble.formula_in_flight(name, 2, 4, rank)
-        print(f"rank {rank} {name:6s}: one micro-batch {one / 1e3:6.1f} kB, peak {peak / 1e3:7.1f} kB = "
-              f"{peak / one:.2f} micro-batches (formula {formula}{', counted until W' if name == 'zb-h1' else ''})")
+        print(
+            f"rank {rank} {name:6s}: one micro-batch {one / 1e3:6.1f} kB, peak {peak / 1e3:7.1f} kB = "
+            f"{peak / one:.2f} micro-batches (formula {formula}{', counted until W' if name == 'zb-h1' else ''})"
+        )
         assert left == 0
         if name != "zb-h1":
             assert peak == formula * one  # exactly: every micro-batch of a stage keeps the same tensors
@@ -309,6 +353,7 @@ for rank, found in enumerate(PEAKS):
 # Below, one step of each at dp 2 x pp 2 (4 ranks), m = 4: bytes rank 0 sent to its dp peers, measured, over
 # ZeRO-1's.
 
+
 # %%
 def dp_bytes(strategies):
     """Bytes rank 0 sent in its data-parallel group during the second of two steps, per strategy; and, for FSDP with
@@ -324,21 +369,35 @@ def dp_bytes(strategies):
     dp_group = group_ranks(mesh.group(mesh.build(pp=2), "dp"))  # this rank's stage's replicas
     out = {}
     for name, options in strategies.items():
-        run = train(TrainConfig(strategy=name.split(",")[0], steps=2, global_batch_size=16, model=MODEL,
-                                progress=False, sample_memory=False, options={"pp": 2, "microbatches": 4, **options}))
+        run = train(
+            TrainConfig(
+                strategy=name.split(",")[0],
+                steps=2,
+                global_batch_size=16,
+                model=MODEL,
+                progress=False,
+                sample_memory=False,
+                options={"pp": 2, "microbatches": 4, **options},
+            )
+        )
         first_step_end = next(e["end"] for e in run.events if e["name"] == "optimizer" and e["args"]["step"] == 0)
-        out[name] = sum(e["args"]["bytes_sent"] for e in run.events if e["cat"] == "comm"
-                        and e["start"] > first_step_end and e["args"]["group"] == dp_group)
+        out[name] = sum(
+            e["args"]["bytes_sent"]
+            for e in run.events
+            if e["cat"] == "comm" and e["start"] > first_step_end and e["args"]["group"] == dp_group
+        )
     for keep in (False, True):
         torch.manual_seed(0)
-        model, opt = toolkit.parallel.wrap(tiny_gpt(**MODEL), "fsdp", pp=2, microbatches=4,
-                                           reshard_after_forward=not keep)
+        model, opt = toolkit.parallel.wrap(
+            tiny_gpt(**MODEL), "fsdp", pp=2, microbatches=4, reshard_after_forward=not keep
+        )
         batch = SyntheticCorpus().batch(0, 16, rank=model.mesh.get_local_rank("dp"), world_size=2)
         params: list = []
         for step in range(2):
             if step == 1:
-                model.driver.observers.append(lambda action, model=model, opt=opt, params=params: params.append(
-                    ledger(model, opt)["params"]))
+                model.driver.observers.append(
+                    lambda action, model=model, opt=opt, params=params: params.append(ledger(model, opt)["params"])
+                )
             model.forward_backward(*batch)
             opt.step()
             opt.zero_grad()
@@ -347,8 +406,13 @@ def dp_bytes(strategies):
     return out if dist.get_rank() == 0 else None
 
 
-STRATEGIES = {"zero1": {}, "zero2": {}, "zero3": {}, "fsdp": {},
-              "fsdp, kept gathered": {"reshard_after_forward": False}}
+STRATEGIES = {
+    "zero1": {},
+    "zero2": {},
+    "zero3": {},
+    "fsdp": {},
+    "fsdp, kept gathered": {"reshard_after_forward": False},
+}
 DP_BYTES = toolkit.launch(dp_bytes, 4, args=(STRATEGIES,))[0]
 MICRO = 4  # dp_bytes's micro-batches
 FORMULA = {"zero1": 2, "zero2": MICRO + 1, "zero3": 3 * MICRO, "fsdp": 2 * MICRO + 1, "fsdp, kept gathered": 2}
@@ -373,9 +437,11 @@ for name, expected in FORMULA.items():
 for keep in (False, True):
     params, shard_numel, padded_numel = DP_BYTES[("memory", keep)]
     formula = 4 * shard_numel + (4 * padded_numel if keep else 0)
-    print(f"fsdp{', kept gathered' if keep else '':15s}: parameter bytes after each action "
-          f"{sorted(set(params))} (formula between actions {formula:,}: shards {4 * shard_numel:,}"
-          f"{f' + whole units {4 * padded_numel:,}' if keep else ''})")
+    print(
+        f"fsdp{', kept gathered' if keep else '':15s}: parameter bytes after each action "
+        f"{sorted(set(params))} (formula between actions {formula:,}: shards {4 * shard_numel:,}"
+        f"{f' + whole units {4 * padded_numel:,}' if keep else ''})"
+    )
     assert params[:-1] == [formula] * (len(params) - 1)  # every action but the last: exactly the formula
     assert params[-1] == 4 * shard_numel  # the last backward frees the units either way
 

@@ -65,22 +65,34 @@ GB = 1e9
 
 # %%
 H, HEADS = 12288, 96
-lengths = [2 ** k for k in range(11, 18)]  # 2k .. 128k tokens
+lengths = [2**k for k in range(11, 18)]  # 2k .. 128k tokens
 weights = 12 * H * H * 2  # bytes of one layer's bf16 weights
 stored = [sum(activation_terms(s, 1, H, HEADS).values()) for s in lengths]  # scores stored
 fused = [sum(activation_terms(s, 1, H, HEADS, fused_attention=True).values()) for s in lengths]
 for s, a_, f_ in zip(lengths, stored, fused):
-    print(f"s = {s:>7,}: scores stored {a_ / GB:9.1f} GB, fused attention {f_ / GB:6.1f} GB per layer"
-          f"   (weights {weights / GB:.1f} GB)")
+    print(
+        f"s = {s:>7,}: scores stored {a_ / GB:9.1f} GB, fused attention {f_ / GB:6.1f} GB per layer"
+        f"   (weights {weights / GB:.1f} GB)"
+    )
 assert stored[0] == 2048 * H * (34 + 5 * HEADS * 2048 / H)  # Korthikanti's closed form, to the byte
 assert round(fused[0] / GB, 1) == 0.9 < round(weights / GB, 1) == 3.6 and round(fused[-1] / GB) == 55
 assert fused[-1] / weights > 15  # at 128k, one sequence's activations are 15x the layer's weights
 assert stored[-1] / fused[-1] > 150  # and the scores would have been 150 times that again
-fig = go.Figure([go.Scatter(x=lengths, y=[v / GB for v in stored], name="activations, scores stored", mode="lines+markers"),
-                 go.Scatter(x=lengths, y=[v / GB for v in fused], name="activations, fused attention", mode="lines+markers"),
-                 go.Scatter(x=lengths, y=[weights / GB] * len(lengths), name="the layer's bf16 weights", mode="lines")])
-fig.update_layout(title="One GPT-3 layer, one sequence: what it keeps for backward", xaxis_type="log",
-                  yaxis_type="log", xaxis_title="tokens per sequence", yaxis_title="GB", template="plotly_white")
+fig = go.Figure(
+    [
+        go.Scatter(x=lengths, y=[v / GB for v in stored], name="activations, scores stored", mode="lines+markers"),
+        go.Scatter(x=lengths, y=[v / GB for v in fused], name="activations, fused attention", mode="lines+markers"),
+        go.Scatter(x=lengths, y=[weights / GB] * len(lengths), name="the layer's bf16 weights", mode="lines"),
+    ]
+)
+fig.update_layout(
+    title="One GPT-3 layer, one sequence: what it keeps for backward",
+    xaxis_type="log",
+    yaxis_type="log",
+    xaxis_title="tokens per sequence",
+    yaxis_title="GB",
+    template="plotly_white",
+)
 fig
 
 # %% [markdown]
@@ -111,7 +123,7 @@ assert abs(out.item() - 38 / 6) < 1e-6 and abs(lse.exp().item() - 6) < 1e-5
 torch.manual_seed(0)  # any split of the keys, merged in any order, is attention over all of them
 q, k, v = (torch.randn(1, 4, 64, 16, dtype=torch.float64) for _ in range(3))
 whole = F.scaled_dot_product_attention(q, k, v)
-blocks = [attend(q, k[:, :, i:i + 16], v[:, :, i:i + 16], False) for i in (48, 0, 32, 16)]
+blocks = [attend(q, k[:, :, i : i + 16], v[:, :, i : i + 16], False) for i in (48, 0, 32, 16)]
 out, lse = blocks[0]
 for block_out, block_lse in blocks[1:]:
     out, lse = merge(out, lse, block_out, block_lse)
@@ -136,8 +148,10 @@ assert (out - whole).abs().max() < 1e-13
 # %%
 for r in range(4):
     zig, flat = SequenceSplit(4, r), SequenceSplit(4, r, zigzag=False)
-    print(f"rank {r}: zigzag chunks {zig.chunks()}, positions {zig.positions(16).tolist()};"
-          f"  contiguous {flat.positions(16).tolist()}")
+    print(
+        f"rank {r}: zigzag chunks {zig.chunks()}, positions {zig.positions(16).tolist()};"
+        f"  contiguous {flat.positions(16).tolist()}"
+    )
 assert SequenceSplit(4, 0).positions(16).tolist() == [0, 1, 14, 15]
 
 # %% [markdown]
@@ -188,8 +202,10 @@ def attention_spans(run, rank, phase="forward"):
 for name, run in runs.items():
     blocks = [len(attention_spans(run, r)) for r in range(4)]
     seconds = [sum(e["end"] - e["start"] for e in attention_spans(run, r)) for r in range(4)]
-    print(f"{name:>10}: blocks attended per rank {blocks}, attention time per rank (ms) "
-          f"{[round(t * 1e3) for t in seconds]}")
+    print(
+        f"{name:>10}: blocks attended per rank {blocks}, attention time per rank (ms) "
+        f"{[round(t * 1e3) for t in seconds]}"
+    )
 assert [len(attention_spans(runs["zigzag"], r)) for r in range(4)] == [4, 4, 4, 4]
 assert [len(attention_spans(runs["contiguous"], r)) for r in range(4)] == [1, 2, 3, 4]
 toolkit.viz.timeline(runs["zigzag"], phase="forward", title="ring attention, zigzag: one layer's forward, 4 ranks")
@@ -201,10 +217,13 @@ toolkit.viz.timeline(runs["zigzag"], phase="forward", title="ring attention, zig
 # block the rank already holds, and that attention runs while the next block travels. Below, counted from the
 # trace: every pass but the last was issued before the block attention it overlaps ended.
 
+
 # %%
 def overlapped(run, rank):
-    sends = sorted((e for e in run.events if e["rank"] == rank and e["name"] == "send" and e["phase"] == "forward"),
-                   key=lambda e: e["start"])
+    sends = sorted(
+        (e for e in run.events if e["rank"] == rank and e["name"] == "send" and e["phase"] == "forward"),
+        key=lambda e: e["start"],
+    )
     spans = sorted(attention_spans(run, rank), key=lambda e: e["start"])
     return [send["start"] < span["end"] for send, span in zip(sends, spans)]
 
@@ -255,7 +274,9 @@ except ValueError as exc:
 # %%
 h100 = cluster_of("dgx-h100")
 rate = h100.gpu.peak_flops["bf16"] * h100.gpu.matmul_efficiency
-hides = {name: 2 * rate / link.bandwidth for name, link in (("inside a node", h100.intra), ("across nodes", h100.inter))}
+hides = {
+    name: 2 * rate / link.bandwidth for name, link in (("inside a node", h100.intra), ("across nodes", h100.inter))
+}
 for name, tokens in hides.items():
     print(f"{name:>14}: a pass hides once each rank holds more than {tokens:,.0f} tokens")
 assert 3000 < hides["inside a node"] < 4000 and 30000 < hides["across nodes"] < 35000
@@ -289,8 +310,16 @@ def at_end_of_forward(**options):
     layer) on 1,024 H100."""
     held = []
     for n in (1, 2):
-        sim = toolkit.sim.simulate(lambda n=n: tiny_gpt(n_layer=n, **LLAMA70), "fsdp", 1024, seq_len=S,
-                                   mixed_precision=True, sequence_parallel=True, progress=False, **options)
+        sim = toolkit.sim.simulate(
+            lambda n=n: tiny_gpt(n_layer=n, **LLAMA70),
+            "fsdp",
+            1024,
+            seq_len=S,
+            mixed_precision=True,
+            sequence_parallel=True,
+            progress=False,
+            **options,
+        )
         held.append((next(x["activations"] for x in sim.samples if x["phase"] == "forward"), sim.memory["total"]))
     (acts1, states1), (acts2, states2) = held
     states = states1 + (LAYERS - 1) * (states2 - states1)
@@ -300,11 +329,25 @@ def at_end_of_forward(**options):
 layouts = {"tp 8, cp 1, dp 128": dict(tp=8), "tp 8, cp 16, dp 8": dict(tp=8, cp=16)}
 found = {label: at_end_of_forward(**options) for label, options in layouts.items()}
 for label, (total, states, per_layer) in found.items():
-    formula = sum(cp_activation_terms(S, 1, 8192, 64, layouts[label].get("cp", 1), tp=8, sequence_parallel=True,
-                                      fused_attention=True, dropout=False, small_terms=True,
-                                      ffn_hidden=LLAMA70["d_ff"]).values())
-    print(f"{label:>20}: activations per layer {per_layer / GB:5.2f} GB (formula {formula / GB:5.2f}); "
-          f"80 layers and the model states at the end of forward: {total / GB:6.1f} GB of 80")
+    formula = sum(
+        cp_activation_terms(
+            S,
+            1,
+            8192,
+            64,
+            layouts[label].get("cp", 1),
+            tp=8,
+            sequence_parallel=True,
+            fused_attention=True,
+            dropout=False,
+            small_terms=True,
+            ffn_hidden=LLAMA70["d_ff"],
+        ).values()
+    )
+    print(
+        f"{label:>20}: activations per layer {per_layer / GB:5.2f} GB (formula {formula / GB:5.2f}); "
+        f"80 layers and the model states at the end of forward: {total / GB:6.1f} GB of 80"
+    )
     assert abs(per_layer - formula) < 1e-4 * formula  # the allocator's 512-byte blocks
 without, llama_like = found["tp 8, cp 1, dp 128"], found["tp 8, cp 16, dp 8"]
 assert round(without[0] / (80 * GB)) == 5 and 1.3 * GB < without[1] < 1.5 * GB and llama_like[0] < 40 * GB
@@ -327,8 +370,10 @@ for dim in ("tp", "cp", "pp", "dp"):
     print(f"rank 0's {dim} group: {len(group):>3} ranks {group[:4]}..., on {len({node(r) for r in group})} node(s)")
 assert llama3.world_size == 16384 and {node(r) for r in llama3.group_of(0, "tp")} == {0}
 assert len({node(r) for r in llama3.group_of(0, "cp")}) == 16  # every cp pass crosses the network
-print(f"tokens per rank at 128k over cp = 16: {S // 16:,}; per batch: dp 8 x 16 sequences x 128k = "
-      f"{8 * 16 * S / 1e6:.1f}M")
+print(
+    f"tokens per rank at 128k over cp = 16: {S // 16:,}; per batch: dp 8 x 16 sequences x 128k = "
+    f"{8 * 16 * S / 1e6:.1f}M"
+)
 assert S // 16 == 8192 and round(8 * 16 * S / 1e6) == 17  # "16M" in the paper: 16 x 2^20
 
 # %% [markdown]

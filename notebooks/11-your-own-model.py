@@ -41,8 +41,15 @@ from toolkit.parallel.pipeline import bubble
 from toolkit.run import Run
 from toolkit.sim import simulate
 
-CONFIG = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+CONFIG = LlamaConfig(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
 
 
 def llama(config=None):
@@ -64,8 +71,10 @@ def llama(config=None):
 model = llama()
 convention = recognise(model)
 PARAMS = sum(p.numel() for p in model.parameters())
-print(f"{type(model).__name__}: {PARAMS:,} parameters; called by the {convention.name!r} convention "
-      f"({convention.why}); buffers: {[n for n, _ in model.named_buffers()]}")
+print(
+    f"{type(model).__name__}: {PARAMS:,} parameters; called by the {convention.name!r} convention "
+    f"({convention.why}); buffers: {[n for n, _ in model.named_buffers()]}"
+)
 assert convention.name == "causal-lm" and PARAMS == 156_224
 
 # %% [markdown]
@@ -105,15 +114,17 @@ def train_layouts():
     return out
 
 
-reference_run, reference = toolkit.train.train(toolkit.train.TrainConfig(**TRAINING), model_fn=llama,
-                                               return_state=True)
+reference_run, reference = toolkit.train.train(toolkit.train.TrainConfig(**TRAINING), model_fn=llama, return_state=True)
 per_rank = toolkit.launch(train_layouts, 2)
 RUNS = {label: Run.merge(ranks[label][0] for ranks in per_rank) for label in LAYOUTS}
-DIFFS = {label: max((per_rank[0][label][1][n] - v).abs().max().item() for n, v in reference.items())
-         for label in LAYOUTS}
+DIFFS = {
+    label: max((per_rank[0][label][1][n] - v).abs().max().item() for n, v in reference.items()) for label in LAYOUTS
+}
 for label, diff in DIFFS.items():
-    print(f"{label:4s}: final loss {RUNS[label].metric('loss')[-1][1]:.4f} (one process: "
-          f"{reference_run.metric('loss')[-1][1]:.4f}), largest weight difference {diff:.1e}")
+    print(
+        f"{label:4s}: final loss {RUNS[label].metric('loss')[-1][1]:.4f} (one process: "
+        f"{reference_run.metric('loss')[-1][1]:.4f}), largest weight difference {diff:.1e}"
+    )
 assert max(DIFFS.values()) < 1e-5
 
 # %% [markdown]
@@ -136,8 +147,10 @@ last_step = [x for x in RUNS["fsdp"].samples if x["rank"] == 0 and x["step"] == 
 kept = {k: min(x[k] for x in last_step) for k in ("params",)} | {"grads": max(x["grads"] for x in last_step)}
 formula = toolkit.memory.model_states_breakdown(PARAMS, 2, 3, param_bytes=4, grad_bytes=4, optimizer_multiplier=0)
 for k, v in kept.items():
-    print(f"{k}: {v / 1e3:.1f} kB per rank measured, {formula[k] / 1e3:.1f} kB by the formula (one process: "
-          f"{4 * PARAMS / 1e3:.1f} kB)")
+    print(
+        f"{k}: {v / 1e3:.1f} kB per rank measured, {formula[k] / 1e3:.1f} kB by the formula (one process: "
+        f"{4 * PARAMS / 1e3:.1f} kB)"
+    )
     assert abs(v - formula[k]) / formula[k] < 0.01  # flat buffers pad each unit to a multiple of 2
 toolkit.viz.memory_over_time(RUNS["fsdp"], rank=0, step=STEPS - 1).show()
 
@@ -150,8 +163,11 @@ toolkit.viz.memory_over_time(RUNS["fsdp"], rank=0, step=STEPS - 1).show()
 
 # %%
 tp_run = RUNS["tp"]
-forward = next(e for e in tp_run.events if e["rank"] == 0 and e["name"] == "forward" and e["cat"] == "compute"
-               and e["args"]["step"] == STEPS - 1)
+forward = next(
+    e
+    for e in tp_run.events
+    if e["rank"] == 0 and e["name"] == "forward" and e["cat"] == "compute" and e["args"]["step"] == STEPS - 1
+)
 last = [e for e in tp_run.comm_events(0, "all_reduce") if forward["start"] <= e["start"] <= forward["end"]]
 print(f"all-reduces in one forward on rank 0: {len(last)}")
 assert len(last) == 2 * CONFIG.num_hidden_layers + 1  # g after o_proj and down_proj per layer, + the vocabulary's
@@ -172,11 +188,15 @@ toolkit.viz.timeline(tp_run, where=lambda e: e["start"] >= forward["start"]).sho
 
 # %%
 pp_run = RUNS["pp"]
-stages = {r: sorted({e["args"]["stage"] for e in pp_run.events if e["rank"] == r and "action" in e["args"]})
-          for r in pp_run.ranks}
-print(f"stages each rank ran: {stages}; bubble measured: "
-      f"{', '.join(f'rank {r} {b:.0%}' for r, b in bubble.measured_bubble(pp_run).items())}; "
-      f"the formula's {bubble.formula_bubble('1f1b', 2, 4):.0%}")
+stages = {
+    r: sorted({e["args"]["stage"] for e in pp_run.events if e["rank"] == r and "action" in e["args"]})
+    for r in pp_run.ranks
+}
+print(
+    f"stages each rank ran: {stages}; bubble measured: "
+    f"{', '.join(f'rank {r} {b:.0%}' for r, b in bubble.measured_bubble(pp_run).items())}; "
+    f"the formula's {bubble.formula_bubble('1f1b', 2, 4):.0%}"
+)
 assert stages == {0: [0], 1: [1]} and bubble.formula_bubble("1f1b", 2, 4) == 0.2
 toolkit.viz.pipeline_timeline(pp_run, formula=bubble.formula_bubble("1f1b", 2, 4)).show()
 
@@ -190,21 +210,41 @@ toolkit.viz.pipeline_timeline(pp_run, formula=bubble.formula_bubble("1f1b", 2, 4
 # FSDP over 512 A100s, bf16 mixed precision, one sequence per GPU.
 
 # %%
-LLAMA_2_7B = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
-SIM = simulate(lambda: LlamaForCausalLM(LLAMA_2_7B), "fsdp", 512, batch_per_rank=1, cluster="dgx-a100",
-               mixed_precision=True, progress=False)
+LLAMA_2_7B = LlamaConfig(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    max_position_embeddings=4096,
+)
+SIM = simulate(
+    lambda: LlamaForCausalLM(LLAMA_2_7B),
+    "fsdp",
+    512,
+    batch_per_rank=1,
+    cluster="dgx-a100",
+    mixed_precision=True,
+    progress=False,
+)
 print(SIM.summary())
 acts = SIM.peak_memory["activations"]
 states = SIM.theory()["model_states_total"]
-print(f"{SIM.num_params / 1e9:.2f}B parameters; model states {states / 1e6:.0f} MB per GPU by the formula; peak "
-      f"{SIM.peak / 1e9:.1f} GB, of which activations {acts / 1e9:.1f} GB")
+print(
+    f"{SIM.num_params / 1e9:.2f}B parameters; model states {states / 1e6:.0f} MB per GPU by the formula; peak "
+    f"{SIM.peak / 1e9:.1f} GB, of which activations {acts / 1e9:.1f} GB"
+)
 assert SIM.num_params == 6_738_415_616 and SIM.fits and SIM.step_time > 0
 kept = sum(SIM.memory[k] for k in ("params", "grads", "optimizer"))
 assert abs(kept - states) / states < 0.01 and round(states / 1e6) == 211
 assert 25e9 < SIM.peak < 30e9 and acts / SIM.peak > 0.9
-toolkit.viz.peak_bars({"fsdp, 512 x A100": SIM.peak_memory}, capacity=SIM.fit.capacity, device="A100 80GB",
-                      predicted={"fsdp, 512 x A100": states}).show()
+toolkit.viz.peak_bars(
+    {"fsdp, 512 x A100": SIM.peak_memory},
+    capacity=SIM.fit.capacity,
+    device="A100 80GB",
+    predicted={"fsdp, 512 x A100": states},
+).show()
 
 # %% [markdown]
 # 6.74B parameters, Hugging Face's count for Llama 2 7B. Sharded 512 ways, its model states are about 211 MB per

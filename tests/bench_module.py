@@ -1,5 +1,6 @@
 """A bench script (bench/<name>.py) loaded as a module, for its tests; bench/ goes on sys.path first,
 as it is when the script runs (the benches import bench/benchlib.py)."""
+
 import importlib.util
 import os
 import sys

@@ -9,6 +9,7 @@ token, on a free port, with its own settings (every cell attached to the page, n
 at the end shuts down every kernel and the server, and checks that no process it started is left.
 The helpers below it open a lesson, run cells, read what went wrong, and save.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "runs" / "browser"  # screenshots for people to look at
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 SETTINGS = {  # JupyterLab settings for a test: every cell in the DOM, nothing fetched from the network
     "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
     "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
@@ -38,10 +47,13 @@ SETTINGS = {  # JupyterLab settings for a test: every cell in the DOM, nothing f
 def chromium_path() -> str:
     """The Chromium to drive: $CHROMIUM, else chromium / chromium-browser / google-chrome on the PATH."""
     found = os.environ.get("CHROMIUM") or next(
-        (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+        (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
+    )
     if not found:
-        pytest.fail("no Chromium to drive: `make setup` installs Debian's chromium when it runs as root with "
-                    "apt-get; otherwise install chromium (or Chrome) and/or set CHROMIUM=/path/to/it.")
+        pytest.fail(
+            "no Chromium to drive: `make setup` installs Debian's chromium when it runs as root with "
+            "apt-get; otherwise install chromium (or Chrome) and/or set CHROMIUM=/path/to/it."
+        )
     return found
 
 
@@ -87,8 +99,9 @@ class Lab:
     def __init__(self, folder: Path):
         self.folder, self.token = folder, secrets.token_hex(16)
         self.marker = f"TOOLKIT_BROWSER_LAB={self.token}"
-        shutil.copytree(ROOT / "notebooks", folder / "notebooks",
-                        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+        shutil.copytree(
+            ROOT / "notebooks", folder / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__")
+        )
         shutil.copy(ROOT / "jupytext.toml", folder / "jupytext.toml")
         for name, values in SETTINGS.items():
             path = folder / "settings" / f"{name}.jupyterlab-settings"
@@ -106,21 +119,35 @@ class Lab:
         A port found free can be taken before the server binds it (by any process binding port 0 meanwhile);
         the server then exits saying so, and `_wait_until_up` tells, so that the caller tries another port."""
         self.port = _free_port()
-        env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(self.folder / "settings"),
-                   JUPYTERLAB_WORKSPACES_DIR=str(self.folder / "workspaces"), TOOLKIT_BROWSER_LAB=self.token)
-        command = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={self.port}",
-                   "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={self.token}",
-                   f"--ServerApp.root_dir={self.folder}", "--ServerApp.port_retries=0",
-                   "--KernelManager.transport=ipc"]
+        env = dict(
+            os.environ,
+            JUPYTERLAB_SETTINGS_DIR=str(self.folder / "settings"),
+            JUPYTERLAB_WORKSPACES_DIR=str(self.folder / "workspaces"),
+            TOOLKIT_BROWSER_LAB=self.token,
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            f"--port={self.port}",
+            "--ServerApp.ip=127.0.0.1",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={self.folder}",
+            "--ServerApp.port_retries=0",
+            "--KernelManager.transport=ipc",
+        ]
         if os.geteuid() == 0:
             command.append("--allow-root")  # what `make lab` adds as root
         self.log = open(self.folder / "server.log", "w")
-        self.process = subprocess.Popen(command, cwd=self.folder, env=env, stdout=self.log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            command, cwd=self.folder, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def api(self, path: str, method: str = "GET"):
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/api/{path}", method=method,
-                                         headers={"Authorization": f"token {self.token}"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/api/{path}", method=method, headers={"Authorization": f"token {self.token}"}
+        )
         with urllib.request.urlopen(request, timeout=10) as response:
             body = response.read()
         return json.loads(body) if body else None
@@ -147,8 +174,10 @@ class Lab:
     def url(self, notebook: str) -> str:
         """The lesson alone in a fresh workspace of its own (no tab restored from an earlier test)."""
         workspace = re.sub(r"\W", "-", notebook)
-        return (f"http://127.0.0.1:{self.port}/lab/workspaces/{workspace}/tree/notebooks/{notebook}"
-                f"?reset&token={self.token}")
+        return (
+            f"http://127.0.0.1:{self.port}/lab/workspaces/{workspace}/tree/notebooks/{notebook}"
+            f"?reset&token={self.token}"
+        )
 
     def stop_kernels(self) -> None:
         for session in self.api("sessions"):
@@ -183,8 +212,11 @@ def open_lesson(page, lab: Lab, notebook: str) -> None:
     tab not marked modified before anything ran (toolkit_lessons.open_as_saved)."""
     page.goto(lab.url(notebook))
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-    page.wait_for_function("() => { const bar = document.querySelector('.jp-StatusBar-Left'); "
-                           "return bar && bar.innerText.includes('Idle'); }", timeout=120_000)
+    page.wait_for_function(
+        "() => { const bar = document.querySelector('.jp-StatusBar-Left'); "
+        "return bar && bar.innerText.includes('Idle'); }",
+        timeout=120_000,
+    )
     dialogs = page.locator(".jp-Dialog").all_inner_texts()
     assert not dialogs, f"JupyterLab opened {notebook} with a dialog: {dialogs}"
     page.wait_for_timeout(1000)  # the kernel's info has reached the notebook by now: the moment it marked it
@@ -192,14 +224,16 @@ def open_lesson(page, lab: Lab, notebook: str) -> None:
 
 
 def _prompts(page) -> list[str]:
-    return page.eval_on_selector_all(".jp-Notebook .jp-CodeCell .jp-InputPrompt",
-                                     "els => els.map(e => e.innerText.trim())")
+    return page.eval_on_selector_all(
+        ".jp-Notebook .jp-CodeCell .jp-InputPrompt", "els => els.map(e => e.innerText.trim())"
+    )
 
 
 def code_cell(page, containing: str):
     """The code cell whose source contains `containing`."""
-    return page.locator(".jp-Notebook .jp-CodeCell", has=page.locator(".jp-InputArea-editor",
-                                                                       has_text=containing)).first
+    return page.locator(
+        ".jp-Notebook .jp-CodeCell", has=page.locator(".jp-InputArea-editor", has_text=containing)
+    ).first
 
 
 def run_cell(page, cell, timeout_s: float = 120) -> None:
@@ -225,15 +259,18 @@ def run_all(page, timeout_s: float) -> float:
         if prompts and all(re.fullmatch(r"\[\d+\]:", p) for p in prompts):
             return time.monotonic() - started
         if errors_shown(page) or time.monotonic() - started > timeout_s:  # an error stops the run
-            raise AssertionError(f"Run All did not finish within {timeout_s:.0f} s (prompts {prompts});\n"
-                                 + "\n".join(errors_shown(page)))
+            raise AssertionError(
+                f"Run All did not finish within {timeout_s:.0f} s (prompts {prompts});\n"
+                + "\n".join(errors_shown(page))
+            )
         time.sleep(1)
 
 
 def errors_shown(page) -> list[str]:
     """Every traceback under a cell, and every widget that failed to display."""
     tracebacks = page.eval_on_selector_all(
-        ".jp-OutputArea-output", "els => els.map(e => e.innerText).filter(t => t.includes('Traceback'))")
+        ".jp-OutputArea-output", "els => els.map(e => e.innerText).filter(t => t.includes('Traceback'))"
+    )
     widgets = page.locator("text=Error displaying widget").count()
     return [t[-1500:] for t in tracebacks] + ([f"{widgets} x 'Error displaying widget'"] if widgets else [])
 

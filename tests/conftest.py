@@ -1,4 +1,5 @@
 """Shared test settings: every multi-process test is bounded in time, and leaves no process behind."""
+
 import atexit
 import os
 import shutil
@@ -12,7 +13,6 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from cpu_times import pytest_runtest_protocol, pytest_sessionfinish  # noqa: E402,F401 - TOOLKIT_TEST_TIMES
-
 
 os.environ["TOOLKIT_TEST_PID"] = str(os.getpid())  # inherited by every process a test starts, however deep
 
@@ -69,7 +69,12 @@ def _children() -> set[int]:
         except OSError:
             continue
         launched = b"TOOLKIT_LAUNCH_DIR=" in env or b"TOOLKIT_ZYGOTE=" in env
-        if fields[0] != "Z" and launched and int(pid) not in ours and (int(fields[1]) == me or mine in env.split(b"\0")):
+        if (
+            fields[0] != "Z"
+            and launched
+            and int(pid) not in ours
+            and (int(fields[1]) == me or mine in env.split(b"\0"))
+        ):
             found.add(int(pid))
     return found
 

@@ -1,6 +1,7 @@
 """What the context-parallel tests run on real ranks: attention against full attention, the ring's traffic, and
 training runs of every composition (their losses, final parameters and records, for the test to hold against
 one process and against the simulator)."""
+
 from __future__ import annotations
 
 import torch
@@ -74,8 +75,13 @@ def ring_traffic(size: int) -> dict:
         key = ("forward" if n < forward else "backward", event["args"]["cp"])
         sent[key] = sent.get(key, 0) + event["args"]["bytes_sent"]
         peers.add((event["name"], event["args"]["peer"]))
-    return {"sent": sent, "peers": peers, "next": ring.next, "previous": ring.previous,
-            "kv_bytes": 2 * q.numel() * q.element_size()}
+    return {
+        "sent": sent,
+        "peers": peers,
+        "next": ring.next,
+        "previous": ring.previous,
+        "kv_bytes": 2 * q.numel() * q.element_size(),
+    }
 
 
 def trained(cases) -> dict:
@@ -92,7 +98,8 @@ def trained(cases) -> dict:
             "state": state if rank == 0 else None,
             "bytes": toolkit.trace.analysis.bytes_per_step(run, rank)[-1],
             "states": after_backward and {k: after_backward[k] for k in ("params", "grads", "optimizer")},
-            "activations": max((s["activations"] for s in last), default=None)}
+            "activations": max((s["activations"] for s in last), default=None),
+        }
     return found
 
 

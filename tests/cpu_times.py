@@ -9,6 +9,7 @@ nobody waits for is not counted). The file is sorted by CPU, a total line first;
 
     TOOLKIT_TEST_TIMES=runs/times.tsv .venv/bin/python -m pytest -q
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,14 @@ def pytest_runtest_protocol(item, nextitem):
         return
     wall, me, children = time.perf_counter(), _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
     yield
-    _rows.append((item.nodeid, time.perf_counter() - wall, _cpu(resource.RUSAGE_SELF) - me,
-                  _cpu(resource.RUSAGE_CHILDREN) - children))
+    _rows.append(
+        (
+            item.nodeid,
+            time.perf_counter() - wall,
+            _cpu(resource.RUSAGE_SELF) - me,
+            _cpu(resource.RUSAGE_CHILDREN) - children,
+        )
+    )
 
 
 def pytest_sessionfinish(session):
@@ -45,7 +52,9 @@ def pytest_sessionfinish(session):
     totals = [sum(r[i] for r in rows) for i in (1, 2, 3)]
     with open(path, "w") as f:
         f.write("test\twall_s\tcpu_pytest_s\tcpu_children_s\tcpu_s\n")
-        f.write(f"TOTAL ({len(rows)} tests)\t{totals[0]:.2f}\t{totals[1]:.2f}\t{totals[2]:.2f}\t"
-                f"{totals[1] + totals[2]:.2f}\n")
+        f.write(
+            f"TOTAL ({len(rows)} tests)\t{totals[0]:.2f}\t{totals[1]:.2f}\t{totals[2]:.2f}\t"
+            f"{totals[1] + totals[2]:.2f}\n"
+        )
         for name, wall, me, children in rows:
             f.write(f"{name}\t{wall:.2f}\t{me:.2f}\t{children:.2f}\t{me + children:.2f}\n")

@@ -10,6 +10,7 @@ Programs: the project's own (`.venv/bin/...`), `make`, and those a reader would 
 (`python`, `pip`, `jupyter`, ...: they need an activated environment), and the launchers of a cluster or of
 Conda, which are not on the course's machine (`ELSEWHERE`).
 """
+
 from __future__ import annotations
 
 import re

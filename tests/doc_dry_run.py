@@ -9,6 +9,7 @@ One interpreter for every command: torch is imported once, not once per command.
 
 stdin: a JSON list of argvs (without `.venv/bin/python`); stdout: a JSON list of [ok, what was said].
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ _parse_args = argparse.ArgumentParser.parse_args
 def _parse_and_stop(self, args=None, namespace=None):
     result = _parse_args(self, args, namespace)
     given, rest = list(sys.argv[1:] if args is None else args), sys.argv[1:]
-    if given == rest[len(rest) - len(given):]:  # it read the command's last arguments: the program's own parser
+    if given == rest[len(rest) - len(given) :]:  # it read the command's last arguments: the program's own parser
         raise Parsed
     return result
 

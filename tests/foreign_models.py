@@ -3,6 +3,7 @@ causal language model, and (when transformers is installed) Hugging Face's GPT2L
 
 Each comes with `loss(model, x, y)`: how the plain training loop calls it (HF's forward takes keyword
 arguments and returns an output object whose `.loss` is the loss)."""
+
 from __future__ import annotations
 
 import torch
@@ -67,8 +68,18 @@ def gpt2_lm():
     except ImportError:
         return None
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=D_MODEL, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=D_MODEL,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -81,24 +92,65 @@ def gpt2_loss(model, x, y):
 def _hf_configs():
     import transformers as tf
 
-    common = dict(vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=2 * D_MODEL, num_hidden_layers=2,
-                  max_position_embeddings=SEQ)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=D_MODEL,
+        intermediate_size=2 * D_MODEL,
+        num_hidden_layers=2,
+        max_position_embeddings=SEQ,
+    )
     decoder = dict(common, num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.0)
     return {
-        "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel,
-                 dict(vocab_size=VOCAB, n_positions=SEQ, n_embd=D_MODEL, n_layer=2, n_head=2, resid_pdrop=0.0,
-                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
+        "gpt2": (
+            tf.GPT2Config,
+            tf.GPT2LMHeadModel,
+            dict(
+                vocab_size=VOCAB,
+                n_positions=SEQ,
+                n_embd=D_MODEL,
+                n_layer=2,
+                n_head=2,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+        ),
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, decoder),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(decoder, num_local_experts=4, num_experts_per_tok=2)),
-        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
-                      dict(decoder, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=D_MODEL,
-                           shared_expert_intermediate_size=2 * D_MODEL)),
-        "bert": (tf.BertConfig, tf.BertForMaskedLM,
-                 dict(common, num_attention_heads=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
-        "vit": (tf.ViTConfig, tf.ViTForImageClassification,
-                dict(image_size=16, patch_size=4, num_channels=3, hidden_size=D_MODEL, intermediate_size=2 * D_MODEL,
-                     num_hidden_layers=2, num_attention_heads=2, num_labels=5, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0)),
+        "qwen2_moe": (
+            tf.Qwen2MoeConfig,
+            tf.Qwen2MoeForCausalLM,
+            dict(
+                decoder,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=D_MODEL,
+                shared_expert_intermediate_size=2 * D_MODEL,
+            ),
+        ),
+        "bert": (
+            tf.BertConfig,
+            tf.BertForMaskedLM,
+            dict(common, num_attention_heads=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+        ),
+        "vit": (
+            tf.ViTConfig,
+            tf.ViTForImageClassification,
+            dict(
+                image_size=16,
+                patch_size=4,
+                num_channels=3,
+                hidden_size=D_MODEL,
+                intermediate_size=2 * D_MODEL,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_labels=5,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            ),
+        ),
     }
 
 

@@ -3,6 +3,7 @@ and held to plain torch (the model's own forward and loss, one process, SGD), an
 
 A layout is (label, world size, strategy, options, model change): `toolkit.train.train` runs it on every rank of a
 `toolkit.launch` of that world size, with the model built from its tiny config by `foreign_models.hf_model`."""
+
 from __future__ import annotations
 
 import functools
@@ -17,10 +18,17 @@ TOLERANCE = 2e-5  # fp32: only the order of sums differs (tensor-parallel partia
 # Mixtral and Qwen2-MoE are split by their own. GPT-2's attention is one fused c_attn (refused colwise): its MLP.
 TP_PLANS = {
     "gpt2": {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"},
-    "bert": {"bert.encoder.layer.*.attention.self.[qkv]*": "colwise", "bert.encoder.layer.*.output.dense": "rowwise",
-             "bert.encoder.layer.*.intermediate.dense": "colwise"},
-    "vit": {"vit.layers.*.attention.[qkv]_proj": "colwise", "vit.layers.*.attention.o_proj": "rowwise",
-            "vit.layers.*.mlp.fc1": "colwise", "vit.layers.*.mlp.fc2": "rowwise"},
+    "bert": {
+        "bert.encoder.layer.*.attention.self.[qkv]*": "colwise",
+        "bert.encoder.layer.*.output.dense": "rowwise",
+        "bert.encoder.layer.*.intermediate.dense": "colwise",
+    },
+    "vit": {
+        "vit.layers.*.attention.[qkv]_proj": "colwise",
+        "vit.layers.*.attention.o_proj": "rowwise",
+        "vit.layers.*.mlp.fc1": "colwise",
+        "vit.layers.*.mlp.fc2": "rowwise",
+    },
 }
 STRATEGIES = ("dp", "ddp", "zero1", "zero2", "zero3", "fsdp")
 
@@ -36,14 +44,19 @@ def layouts(name: str, world: int) -> list:
         rows = [(s, s, {}, None) for s in STRATEGIES]
         rows += [("tp", "local", tp(name), None), ("pp", "local", dict(pp=2, microbatches=2), None)]
         if moe:  # the experts split over the two ranks, plainly, shadowed (FasterMoE) and pipelined (Tutel)
-            rows += [("ep (ddp)", "ddp", {}, {}), ("ep + shadowing", "ddp", {}, dict(shadow=[0, 3])),
-                     ("ep + pipelined all-to-all", "dp", {}, dict(pipeline_degree=2))]
+            rows += [
+                ("ep (ddp)", "ddp", {}, {}),
+                ("ep + shadowing", "ddp", {}, dict(shadow=[0, 3])),
+                ("ep + pipelined all-to-all", "dp", {}, dict(pipeline_degree=2)),
+            ]
         return rows
     if world == 4:
-        return [("hsdp", "fsdp", dict(sharding_group_size=2), None),
-                ("dp x pp", "ddp", dict(pp=2, microbatches=2), None),
-                ("tp x pp", "local", tp(name, pp=2, microbatches=2), None),
-                ("fsdp x tp", "fsdp", tp(name), None)]
+        return [
+            ("hsdp", "fsdp", dict(sharding_group_size=2), None),
+            ("dp x pp", "ddp", dict(pp=2, microbatches=2), None),
+            ("tp x pp", "local", tp(name, pp=2, microbatches=2), None),
+            ("fsdp x tp", "fsdp", tp(name), None),
+        ]
     if world == 8:
         return [("3D", "ddp", tp(name, pp=2, microbatches=2), None)]
     raise ValueError(world)
@@ -98,9 +111,18 @@ def train_rows(name: str, rows: list) -> dict:
     expected = reference(name, losses)
     out = {}
     for label, strategy, options, ep in rows:
-        config = TrainConfig(strategy=strategy, options=options, steps=STEPS, global_batch_size=BATCH, lr=LR,
-                             optimizer="sgd", vocab_size=fm.VOCAB, seq_len=fm.SEQ, progress=False,
-                             sample_memory=False)
+        config = TrainConfig(
+            strategy=strategy,
+            options=options,
+            steps=STEPS,
+            global_batch_size=BATCH,
+            lr=LR,
+            optimizer="sgd",
+            vocab_size=fm.VOCAB,
+            seq_len=fm.SEQ,
+            progress=False,
+            sample_memory=False,
+        )
         run, state = train(config, model_fn=functools.partial(build, name, ep), return_state=True)
         if set(state) != set(expected):
             out[label] = f"keys differ: {sorted(set(state) ^ set(expected))[:4]}"
@@ -117,12 +139,19 @@ def train_rows(name: str, rows: list) -> dict:
 # flat tensor and rank) is lost in the states, so they can be held to the formulas: about 30-60M parameters.
 SIM_SIZES = {
     "gpt2": dict(vocab_size=32000, n_embd=1024, n_head=16, n_positions=256),
-    "bert": dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_attention_heads=16,
-                 max_position_embeddings=256),
+    "bert": dict(
+        vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_attention_heads=16, max_position_embeddings=256
+    ),
     "vit": dict(image_size=224, patch_size=16, hidden_size=1024, intermediate_size=4096, num_attention_heads=16),
 }
-DECODER = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_attention_heads=16,
-               num_key_value_heads=8, max_position_embeddings=256)
+DECODER = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    max_position_embeddings=256,
+)
 
 
 def sim_model(name: str):
@@ -133,12 +162,23 @@ def simulate_layouts(name: str) -> dict:
     """Every layout at 512 ranks on the simulated cluster: {label: Simulation}."""
     from toolkit.sim import simulate
 
-    rows = [(s, s, {}) for s in STRATEGIES] + [("hsdp", "fsdp", dict(sharding_group_size=8)),
-                                                ("tp", "ddp", tp(name)), ("pp", "ddp", dict(pp=2, microbatches=2)),
-                                                ("3D", "ddp", tp(name, pp=2, microbatches=2))]
+    rows = [(s, s, {}) for s in STRATEGIES] + [
+        ("hsdp", "fsdp", dict(sharding_group_size=8)),
+        ("tp", "ddp", tp(name)),
+        ("pp", "ddp", dict(pp=2, microbatches=2)),
+        ("3D", "ddp", tp(name, pp=2, microbatches=2)),
+    ]
     out = {}
     for label, strategy, options in rows:
-        sim = simulate(functools.partial(sim_model, name), strategy, 512, batch_per_rank=2, progress=False,
-                       steps=1, seq_len=None if name == "vit" else 128, **options)
+        sim = simulate(
+            functools.partial(sim_model, name),
+            strategy,
+            512,
+            batch_per_rank=2,
+            progress=False,
+            steps=1,
+            seq_len=None if name == "vit" else 128,
+            **options,
+        )
         out[label] = sim
     return out

@@ -2,6 +2,7 @@
 full marks, a submission that hands the work to the toolkit's own implementation scores 0 and is told so,
 and a classic mistake loses exactly the checks that describe it (so the checks can fail, and fail for the
 right reason)."""
+
 from pathlib import Path
 
 import torch

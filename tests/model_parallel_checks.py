@@ -1,5 +1,6 @@
 """What the world-4 launch of tests/test_model_parallel.py checks on every rank besides training, one function per
 behaviour, each returning plain values that the test asserts (the launch runs them all, once)."""
+
 from __future__ import annotations
 
 import functools
@@ -87,8 +88,12 @@ def dropout_masks() -> dict:
     out = {}
     for sp in (False, True):
         torch.manual_seed(0)
-        model, _ = toolkit.parallel.wrap(tiny_gpt(n_head=4, dropout=0.5, attention_dropout=0.5), "local",
-                                         tp=dist.get_world_size(), sequence_parallel=sp)
+        model, _ = toolkit.parallel.wrap(
+            tiny_gpt(n_head=4, dropout=0.5, attention_dropout=0.5),
+            "local",
+            tp=dist.get_world_size(),
+            sequence_parallel=sp,
+        )
         masks: list = []
         model.module.blocks[0].attn.resid_drop.register_forward_hook(lambda m, i, o, masks=masks: masks.append(o != 0))
         model(*SyntheticCorpus().batch(0, 8))
@@ -111,10 +116,13 @@ def padded_vocabulary(directory: str) -> dict:
         opt.step()
         opt.zero_grad()
     piece = model.module.tok_emb.weight
-    padding = piece[V - 3 * piece.shape[0]:] if rank == 3 else piece[:0]
+    padding = piece[V - 3 * piece.shape[0] :] if rank == 3 else piece[:0]
     moments = [s for s in opt.state[piece].values() if torch.is_tensor(s) and s.dim()] if rank == 3 else []
-    found = {"piece rows": piece.shape[0], "padding zero": bool((padding == 0).all()) and padding.shape[0] == 2,
-             "moments zero": all(bool((m[V - 3 * piece.shape[0]:] == 0).all()) for m in moments) and len(moments) == 2}
+    found = {
+        "piece rows": piece.shape[0],
+        "padding zero": bool((padding == 0).all()) and padding.shape[0] == 2,
+        "moments zero": all(bool((m[V - 3 * piece.shape[0] :] == 0).all()) for m in moments) and len(moments) == 2,
+    }
     first = os.path.join(directory, "tp4-vocab66.pt")
     save_full(model, opt, first)
     saved = toolkit.parallel.full_state_dict(model)
@@ -141,8 +149,11 @@ def pipeline_sends() -> dict:
     for e in recorder.events:
         if e["name"] == "send":
             sends[e["args"]["message"]] = sends.get(e["args"]["message"], 0) + e["args"]["bytes_sent"]
-    gathers = sum(e["args"]["bytes_sent"] for e in recorder.events if e["name"] == "all_gather"
-                  and e["args"].get("tp", "").startswith("pipeline"))
+    gathers = sum(
+        e["args"]["bytes_sent"]
+        for e in recorder.events
+        if e["name"] == "all_gather" and e["args"].get("tp", "").startswith("pipeline")
+    )
     return model.mesh.get_local_rank("pp"), sends, gathers
 
 
@@ -153,15 +164,17 @@ def fsdp_kept_gathered() -> dict:
     out = {}
     for keep in (False, True):
         torch.manual_seed(0)
-        model, opt = toolkit.parallel.wrap(tiny_gpt(n_layer=4), "fsdp", pp=2, microbatches=4,
-                                           reshard_after_forward=not keep)
+        model, opt = toolkit.parallel.wrap(
+            tiny_gpt(n_layer=4), "fsdp", pp=2, microbatches=4, reshard_after_forward=not keep
+        )
         x, y = SyntheticCorpus().batch(0, 16, rank=model.mesh.get_local_rank("dp"), world_size=2)
         params: list = []
         for step in range(2):
             if step == 1:
                 recorder.reset()
-                model.driver.observers.append(lambda action, model=model, opt=opt, params=params: params.append(
-                    ledger(model, opt)["params"]))
+                model.driver.observers.append(
+                    lambda action, model=model, opt=opt, params=params: params.append(ledger(model, opt)["params"])
+                )
             model.forward_backward(x, y)
             opt.step()
             opt.zero_grad()

@@ -1,4 +1,5 @@
 """Skewed routing for the MoE tests: a router that ranks the experts alike for every token."""
+
 import torch
 
 

@@ -1,4 +1,5 @@
 """The one-process oracle that sharded strategies' parity tests compare against: a plain torch loop."""
+
 import torch
 import torch.nn as nn
 

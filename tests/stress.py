@@ -12,6 +12,7 @@ that start ranks, `--rounds` times; it stops at the first red round and says so.
 Not part of `make test` (it takes several times the suite's time by design). Exit status: 0 when every
 round passed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # A test file that starts ranks (or engines, or a simulated cluster beside a real one) names one of these.
-STARTS_RANKS = re.compile(r"\b(launch|launch_train|compare|cluster|run_lab|grade|mpiexec|torchrun|subprocess\.\w+)\s*\(|lab_grading|nbclient")
+STARTS_RANKS = re.compile(
+    r"\b(launch|launch_train|compare|cluster|run_lab|grade|mpiexec|torchrun|subprocess\.\w+)\s*\(|lab_grading|nbclient"
+)
 
 
 def _burn() -> None:
@@ -51,21 +54,27 @@ def main(argv=None) -> int:
     parser.add_argument("--all", action="store_true", help="the whole suite, not only the multi-process tests")
     args, pytest_args = parser.parse_known_args(argv)
     cores = os.cpu_count() or 1
-    burners = [multiprocessing.Process(target=_burn, daemon=True)
-               for _ in range(max(1, round(args.burners_per_core * cores)))]
+    burners = [
+        multiprocessing.Process(target=_burn, daemon=True) for _ in range(max(1, round(args.burners_per_core * cores)))
+    ]
     files = [] if args.all else multi_process_files()
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, *pytest_args]
-    print(f"stress: {len(burners)} burners on {cores} cores; {len(files) or 'all'} test files; "
-          f"{args.rounds} rounds", flush=True)
+    print(
+        f"stress: {len(burners)} burners on {cores} cores; {len(files) or 'all'} test files; {args.rounds} rounds",
+        flush=True,
+    )
     for p in burners:
         p.start()
     try:
         for round_ in range(1, args.rounds + 1):
             start, load = time.time(), os.getloadavg()[0]
             code = subprocess.call(command, cwd=ROOT)
-            print(f"stress: round {round_}/{args.rounds}: {'green' if code == 0 else f'RED (pytest exit {code})'} "
-                  f"in {time.time() - start:.0f} s, load average {load:.1f} at its start, "
-                  f"{os.getloadavg()[0]:.1f} at its end", flush=True)
+            print(
+                f"stress: round {round_}/{args.rounds}: {'green' if code == 0 else f'RED (pytest exit {code})'} "
+                f"in {time.time() - start:.0f} s, load average {load:.1f} at its start, "
+                f"{os.getloadavg()[0]:.1f} at its end",
+                flush=True,
+            )
             if code != 0:
                 return code
     finally:

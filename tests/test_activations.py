@@ -2,6 +2,7 @@
 saves in the tiny GPT; and activation checkpointing (FSDP's `activation_checkpointing=True`): the bytes
 it saves and the computation it pays, both counted exactly.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,8 +24,9 @@ CKPT_BATCH = 8  # rows over both ranks (4 each), sequence 32
 
 def tiny_gpt_terms(s, b, h, a, dtype) -> dict:
     """The tiny GPT: no dropout, torch's fused attention, every small term counted too."""
-    return activation_terms(s, b, h, a, bytes_per_value=torch.finfo(dtype).bits // 8, dropout=False,
-                            fused_attention=True, small_terms=True)
+    return activation_terms(
+        s, b, h, a, bytes_per_value=torch.finfo(dtype).bits // 8, dropout=False, fused_attention=True, small_terms=True
+    )
 
 
 def test_the_terms_add_up_to_the_papers_formula():
@@ -62,8 +64,12 @@ def stash_or_recompute(checkpointing: bool) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model, opt = wrap(tiny_gpt(**CKPT), "fsdp", optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
-                      activation_checkpointing=checkpointing)
+    model, opt = wrap(
+        tiny_gpt(**CKPT),
+        "fsdp",
+        optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+        activation_checkpointing=checkpointing,
+    )
     x, y = SyntheticCorpus().batch(0, CKPT_BATCH, rank=rank, world_size=world)
     cost = pass_costs(model, x, y)
     opt.step()
@@ -75,7 +81,7 @@ def both():
     return {c: stash_or_recompute(c) for c in (False, True)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def checkpointing_runs():
     return toolkit.launch(both, 2, timeout_s=60)
 
@@ -112,9 +118,13 @@ def test_checkpointing_gathers_zero3s_modules_again_in_backward_and_fsdps_units_
     names, _ = default_units(model)
     modules = dict(model.named_modules())
     blocks = sum(p.numel() for name in names for p in modules[name].parameters())
-    sent = {(strategy, ac): simulate(make, strategy, 2, progress=False, steps=1, warmup=False,
-                                     activation_checkpointing=ac).bytes_per_step
-            for strategy in ("zero3", "fsdp") for ac in (False, True)}
+    sent = {
+        (strategy, ac): simulate(
+            make, strategy, 2, progress=False, steps=1, warmup=False, activation_checkpointing=ac
+        ).bytes_per_step
+        for strategy in ("zero3", "fsdp")
+        for ac in (False, True)
+    }
     again = sent["zero3", True]["all_gather"] - sent["zero3", False]["all_gather"]
     assert 0 < again < blocks * 4 / 2, (again, blocks)  # some of the blocks' parameters, once more, half sent
     assert sent["zero3", True]["reduce_scatter"] == sent["zero3", False]["reduce_scatter"]

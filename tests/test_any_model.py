@@ -10,13 +10,14 @@ one-process run does.
 One launch of 2 ranks per model runs the one-process reference and every strategy (2 SGD steps each)
 and compares the full parameters. FSDP's default wrap policy must choose the models' repeated layers
 and say so in the Run."""
+
 import functools
 
+import foreign_models as fm
 import pytest
 import torch
 import torch.nn as nn
 
-import foreign_models as fm
 import toolkit
 from toolkit.parallel import STRATEGIES
 from toolkit.parallel.fsdp_policy import default_units, select
@@ -69,19 +70,26 @@ def test_torch_transformer_encoder_lm_trains_the_same_under_every_strategy(no_le
     diffs, policy, refused = toolkit.launch(every_strategy, 2, args=("encoder",))[0]
     assert set(diffs) == set(STRATEGIES)
     assert max(diffs.values()) < 1e-5, diffs  # fp32: only the order of the sums differs
-    assert policy == ["wrap_policy=None (the default): the model's repeated layers, one unit each: "
-                      "encoder.layers (2 x TransformerEncoderLayer), plus the root for the rest"]
+    assert policy == [
+        "wrap_policy=None (the default): the model's repeated layers, one unit each: "
+        "encoder.layers (2 x TransformerEncoderLayer), plus the root for the rest"
+    ]
     assert refused is not None and "read a parameter at another time" in refused and "Use fsdp" in refused
 
 
 @pytest.mark.timeout(180)
 def test_hugging_face_gpt2_trains_the_same_under_every_strategy(no_leftover_ranks):
-    pytest.importorskip("transformers", reason="Hugging Face transformers is not installed: pip install -e '.[hf]' "
-                                               "(make setup installs it) to run the GPT-2 any-model test")
+    pytest.importorskip(
+        "transformers",
+        reason="Hugging Face transformers is not installed: pip install -e '.[hf]' "
+        "(make setup installs it) to run the GPT-2 any-model test",
+    )
     diffs, policy, _ = toolkit.launch(every_strategy, 2, args=("gpt2",))[0]
     assert max(diffs.values()) < 1e-5, diffs
-    assert policy == ["wrap_policy=None (the default): the model's repeated layers, one unit each: "
-                      "transformer.h (2 x GPT2Block), plus the root for the rest"]
+    assert policy == [
+        "wrap_policy=None (the default): the model's repeated layers, one unit each: "
+        "transformer.h (2 x GPT2Block), plus the root for the rest"
+    ]
 
 
 def test_default_wrap_policy_fits_any_model_and_a_policy_that_matches_nothing_is_refused():
@@ -99,8 +107,10 @@ def test_default_wrap_policy_fits_any_model_and_a_policy_that_matches_nothing_is
 
 
 # --- Hugging Face models as they come: the slice of tests/test_hf_models.py that make test runs --------------------
-hf = pytest.mark.skipif(fm.gpt2_lm() is None, reason="Hugging Face transformers is not installed: pip install -e "
-                                                     "'.[dev]' (make setup installs it)")
+hf = pytest.mark.skipif(
+    fm.gpt2_lm() is None,
+    reason="Hugging Face transformers is not installed: pip install -e '.[dev]' (make setup installs it)",
+)
 
 
 @hf
@@ -108,8 +118,14 @@ def test_each_hugging_face_model_is_recognised_by_its_calling_convention():
     from toolkit.models.protocol import recognise
 
     kinds = {name: recognise(fm.hf_model(name)).name for name in fm.HF_MODELS}
-    assert kinds == {"gpt2": "causal-lm", "llama": "causal-lm", "mixtral": "causal-lm", "qwen2_moe": "causal-lm",
-                     "bert": "masked-lm", "vit": "image-classification"}
+    assert kinds == {
+        "gpt2": "causal-lm",
+        "llama": "causal-lm",
+        "mixtral": "causal-lm",
+        "qwen2_moe": "causal-lm",
+        "bert": "masked-lm",
+        "vit": "image-classification",
+    }
     assert recognise(fm.encoder_lm()).name == "toolkit"  # forward(x, y) -> loss
     model = fm.hf_model("bert")
     data = recognise(model).data(model, vocab_size=fm.VOCAB, seq_len=fm.SEQ)
@@ -160,15 +176,21 @@ def test_a_hugging_face_llama_trains_as_plain_torch_and_inits_deferred(no_leftov
 def test_hugging_face_models_simulate_at_512_ranks_with_buffers_and_routing(capsys):
     from toolkit.sim import simulate
 
-    for name, strategy, options in (("llama", "fsdp", {}), ("mixtral", "ddp", {}), ("bert", "zero3", dict(pp=2)),
-                                    ("vit", "ddp", dict(tp=2, tp_plan={"vit.layers.*.mlp.fc1": "colwise",
-                                                                       "vit.layers.*.mlp.fc2": "rowwise"}))):
-        sim = simulate(functools.partial(fm.hf_model, name), strategy, 512, batch_per_rank=2, progress=False,
-                       steps=1, **options)
+    for name, strategy, options in (
+        ("llama", "fsdp", {}),
+        ("mixtral", "ddp", {}),
+        ("bert", "zero3", dict(pp=2)),
+        ("vit", "ddp", dict(tp=2, tp_plan={"vit.layers.*.mlp.fc1": "colwise", "vit.layers.*.mlp.fc2": "rowwise"})),
+    ):
+        sim = simulate(
+            functools.partial(fm.hf_model, name), strategy, 512, batch_per_rank=2, progress=False, steps=1, **options
+        )
         assert sim.num_params == sum(p.numel() for p in fm.hf_model(name).parameters()), name
     assert sim.seq_len == (16 // 4) ** 2 + 1  # a ViT's tokens: its patches and the class token
-    split = ("pipeline split of BertForMaskedLM (bert-like, 2 layers over 2 stages): stage 0: embedding + "
-             "bert.encoder.layer.0 | stage 1: bert.encoder.layer.1 + final norm, head and loss")
+    split = (
+        "pipeline split of BertForMaskedLM (bert-like, 2 layers over 2 stages): stage 0: embedding + "
+        "bert.encoder.layer.0 | stage 1: bert.encoder.layer.1 + final norm, head and loss"
+    )
     assert split in capsys.readouterr().out
     with pytest.raises(ValueError, match="a loss_fn cannot be used"):
         from toolkit.train import TrainConfig, train
@@ -183,11 +205,17 @@ def test_tensor_parallel_plans_for_hugging_face_models_say_what_to_do():
     def sim(name, plan):
         simulate(lambda: fm.hf_model(name), "local", 2, tp=2, tp_plan=plan, progress=False, steps=1, warmup=False)
 
-    with pytest.raises(ValueError, match=r"'transformer.h.0.attn.c_attn', a fused q/k/v projection .*separate q, k and "
-                                         r"v projections.*split the MLP only"):
+    with pytest.raises(
+        ValueError,
+        match=r"'transformer.h.0.attn.c_attn', a fused q/k/v projection .*separate q, k and "
+        r"v projections.*split the MLP only",
+    ):
         sim("gpt2", {"transformer.h.*.attn.c_attn": "colwise"})
-    with pytest.raises(ValueError, match=r"It holds no Linear layer to split. Its \['gate_up_proj', 'down_proj'\] are "
-                                         r"the experts.*expert_parallel.*named like \['model.embed_tokens'"):
+    with pytest.raises(
+        ValueError,
+        match=r"It holds no Linear layer to split. Its \['gate_up_proj', 'down_proj'\] are "
+        r"the experts.*expert_parallel.*named like \['model.embed_tokens'",
+    ):
         sim("mixtral", {"model.layers.*.mlp.experts": "colwise"})
 
 
@@ -219,8 +247,25 @@ def test_the_command_line_simulates_a_hugging_face_config(tmp_path, capsys):
     from toolkit.sim.cli import main
 
     fm.hf_config("llama", architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path / "llama")
-    assert main(["--model", str(tmp_path / "llama"), "--strategy", "zero3", "--world-size", "64", "--cluster", "none",
-                 "--seq-len", "32", "--out", str(tmp_path / "runs")]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(tmp_path / "llama"),
+                "--strategy",
+                "zero3",
+                "--world-size",
+                "64",
+                "--cluster",
+                "none",
+                "--seq-len",
+                "32",
+                "--out",
+                str(tmp_path / "runs"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     params = sum(p.numel() for p in fm.hf_model("llama").parameters())  # 22,688: "22.7K"
     assert f"{params / 1e3:.1f}K parameters, batch 1 x 32" in out, out

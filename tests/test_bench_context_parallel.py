@@ -2,10 +2,11 @@
 raises; when torch adds one, this test says the docs must change), and beside torch's ring templates on the same
 kernel and shards the toolkit's ring gives the same output and gradients and sends 3(cp-1)/cp of the sequence's K
 and V where torch sends 2(cp-1)/cp + 1. The time ratio is the bench's to measure (docs/benchmarks.md)."""
+
 import pytest
+from bench_module import load
 
 import toolkit
-from bench_module import load
 
 
 @pytest.mark.timeout(300)
@@ -14,8 +15,9 @@ def test_beside_torchs_ring_the_same_attention_and_fewer_bytes(no_leftover_ranks
     got = toolkit.launch(bench.run_all, 2, args=(2, (256,)), timeout_s=240, quiet=True)
     whole_kv = 2 * bench.BATCH * bench.HEADS * 256 * bench.HEAD_DIM * 4  # fp32 K and V of the whole sequence
     for rank in got:
-        assert rank["torch context_parallel"].startswith("NotImplementedError: Operator "
-                                                         "aten._scaled_dot_product_flash_attention_for_cpu")
+        assert rank["torch context_parallel"].startswith(
+            "NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu"
+        )
         r = rank[256]
         assert max(side["difference"] for side in r.values()) < 1e-5, r
         assert r["toolkit"]["bytes"] == 3 * whole_kv // 2

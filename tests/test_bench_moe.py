@@ -1,9 +1,10 @@
 """bench/moe.py: its section in docs/benchmarks.md leaves other sections alone, and without DeepSpeed it
 still measures the toolkit's layer (time, all-to-all share) and says why DeepSpeed is missing."""
+
 import pytest
+from bench_module import load
 
 import toolkit
-from bench_module import load
 
 
 def _bench():

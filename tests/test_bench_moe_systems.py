@@ -1,9 +1,10 @@
 """bench/moe_systems.py: a tiny run measures every variant on a calibrated emulated link, and its section in
 docs/benchmarks.md replaces only itself (the other benches' sections stay)."""
+
 import pytest
+from bench_module import load
 
 import toolkit
-from bench_module import load
 
 
 def _bench():
@@ -28,7 +29,7 @@ def test_calibration_solves_the_link_model():
     # two ranks' passes: the slowest rank computes 100 ms and moves 1 MB in 4 messages
     passes = [[{"comp": 0.1, "wire_bytes": 1e6, "messages": 4}], [{"comp": 0.05, "wire_bytes": 0.5e6, "messages": 4}]]
     bandwidth = bench.calibrate(passes, 1.0, 1e-3)
-    assert 4 * 1e-3 + 1e6 / bandwidth == pytest.approx(0.1)          # R_CC = 1: link time = compute
+    assert 4 * 1e-3 + 1e6 / bandwidth == pytest.approx(0.1)  # R_CC = 1: link time = compute
     assert bench.calibrate(passes, 0.1, 1e-3) == pytest.approx(1e6 / (1.0 - 4e-3))
     with pytest.raises(ValueError, match="lower LATENCY_S"):
         bench.calibrate(passes, 1.0, 0.03)
@@ -47,10 +48,10 @@ def test_a_tiny_run_measures_every_variant_on_a_calibrated_link(no_leftover_rank
     assert set(summary["times"]) == set(variants) and all(t > 0 for t in summary["times"].values())
     assert summary["comm"] > 0 and summary["comp"] > 0 and summary["ideal_overlap"] >= 1.0
     assert summary["ideal_shadow"] > 0 and isinstance(summary["shadowed"], tuple)
-    assert sum(summary["rank_rows"]) == sum(summary["counts"])         # dropless: every choice computed once
-    assert summary["expert_max_over_mean"] > 1.3                        # Zipf: the load is skewed
+    assert sum(summary["rank_rows"]) == sum(summary["counts"])  # dropless: every choice computed once
+    assert summary["expert_max_over_mean"] > 1.3  # Zipf: the load is skewed
     text = bench.table([res], cfg)
     assert "emulated comparable" in text and "| 2 |" in text and "Load at world size 2" in text
     assert "1 round(s)" in text and "Targets (issue 6)" in text and "target 1.3x" in text
-    twice = bench.table([res, res], cfg)                                 # two rounds: median and range
+    twice = bench.table([res, res], cfg)  # two rounds: median and range
     assert "2 round(s)" in twice and twice.count("| 2 |") == 1 and "x (" in twice

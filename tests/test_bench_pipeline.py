@@ -1,9 +1,10 @@
 """bench/pipeline.py runs both pipelines on the same model and batches: the toolkit's and torch's
 (torch.distributed.pipelining) compute the same losses, and the table says what was measured."""
+
 import pytest
+from bench_module import load
 
 import toolkit
-from bench_module import load
 
 
 @pytest.mark.timeout(180)

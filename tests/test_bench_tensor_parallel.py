@@ -4,10 +4,11 @@ the same bytes per step to the byte and computes the same losses; the step-time 
 
 Loss tolerance, fp32 (u = 2^-24): the two sides add the same terms in other orders; the loss (about 5.5 here, V
 = 256) is a log-sum-exp over 256 terms: |Δ| <= 256 · u · 5.5 = 8.4e-5 -> 1e-4."""
+
 import pytest
+from bench_module import load
 
 import toolkit
-from bench_module import load
 
 LOSS_ATOL = 1e-4
 

@@ -8,15 +8,26 @@ memory explorer out of order; the K slider redraws it; saving leaves the lesson 
 bottom, with lesson 01's "Launch and draw" button, lesson 03's slider and lesson 04's wrap-policy
 explorer. Screenshots land in runs/browser/, one of them as a reader with deuteranopia sees the report.
 """
+
 from __future__ import annotations
 
 import os
 import re
 
 import pytest
+from browser import (
+    SHOTS,
+    Lab,
+    code_cell,
+    errors_shown,
+    launch_chromium,
+    open_lesson,
+    run_all,
+    run_cell,
+    save,
+    sync_playwright,
+)
 
-from browser import SHOTS, Lab, code_cell, errors_shown, launch_chromium, open_lesson, run_all, run_cell, save, \
-    sync_playwright
 from toolkit.viz import style
 
 pytestmark = pytest.mark.browser
@@ -84,15 +95,23 @@ def small_report(out) -> str:
         moe = theory or moe
     explained = interpret.notes(rows, runs, moe=moe)
     blocks = demo.collectives_blocks(records, collectives, 2) + compare.training_blocks(
-        runs, rows, predicted, world_size=2, steps=2, moe=moe, explained=explained)
-    paths = {kind: str(out / f"demo-{kind}.{ext}") for kind, ext in (("report", "html"), ("trace", "json"),
-                                                                      ("run", "json"))}
+        runs, rows, predicted, world_size=2, steps=2, moe=moe, explained=explained
+    )
+    paths = {
+        kind: str(out / f"demo-{kind}.{ext}") for kind, ext in (("report", "html"), ("trace", "json"), ("run", "json"))
+    }
     return demo.write_demo_report(paths, collectives, blocks, list(runs), out, seconds=0.0)
 
 
 def _overlap(a, b) -> bool:
-    return bool(a and b and a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"]
-                and a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"])
+    return bool(
+        a
+        and b
+        and a["x"] < b["x"] + b["width"]
+        and b["x"] < a["x"] + a["width"]
+        and a["y"] < b["y"] + b["height"]
+        and b["y"] < a["y"] + a["height"]
+    )
 
 
 def check_report(page, path, name: str) -> None:
@@ -100,15 +119,15 @@ def check_report(page, path, name: str) -> None:
     toolbar and dropdowns, one colour per meaning; screenshots, one through deuteranopia's eyes."""
     page.goto(f"file://{path}")
     figures = page.locator(".figure").count()
-    page.wait_for_function(f"() => document.querySelectorAll('.figure .main-svg').length >= {figures}",
-                           timeout=60_000)
+    page.wait_for_function(f"() => document.querySelectorAll('.figure .main-svg').length >= {figures}", timeout=60_000)
     assert figures >= 10 and not page.problems, page.problems
     assert not re.search(r"<script[^>]*src=[\"']?https?:", open(path, encoding="utf-8").read())
     for width in (1280, 900):
         page.set_viewport_size({"width": width, "height": 900})
         try:  # plotly redraws responsive figures a moment after the window changes
-            page.wait_for_function("() => document.documentElement.scrollWidth <= "
-                                   "document.documentElement.clientWidth", timeout=15_000)
+            page.wait_for_function(
+                "() => document.documentElement.scrollWidth <= document.documentElement.clientWidth", timeout=15_000
+            )
         except Exception:  # noqa: BLE001 - say what sticks out
             wide = page.evaluate("""() => [...document.body.querySelectorAll('*')].filter(e =>
                 e.getBoundingClientRect().right > document.documentElement.clientWidth + 1).slice(0, 5)
@@ -144,11 +163,14 @@ def check_report(page, path, name: str) -> None:
     page.set_viewport_size({"width": 1280, "height": 900})
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
     matrix = " ".join(" ".join(map(str, row)) + " 0 0" for row in style.CVD_MATRICES["deuteranopia"]) + " 0 0 0 1 0"
-    page.evaluate("""m => { const svg = document.createElementNS('http://www.w3.org/2000/svg', 'svg');
+    page.evaluate(
+        """m => { const svg = document.createElementNS('http://www.w3.org/2000/svg', 'svg');
         svg.setAttribute('style', 'position:absolute;width:0;height:0');
         svg.innerHTML = `<filter id="cvd" color-interpolation-filters="linearRGB">
                          <feColorMatrix type="matrix" values="${m}"/></filter>`;
-        document.body.appendChild(svg); document.body.style.filter = 'url(#cvd)'; }""", matrix)
+        document.body.appendChild(svg); document.body.style.filter = 'url(#cvd)'; }""",
+        matrix,
+    )
     page.screenshot(path=str(SHOTS / f"{name}-deuteranopia.png"), full_page=True)
 
 
@@ -192,8 +214,9 @@ def test_the_report_reads_offline_in_chromium(page, tmp_path, no_leftover_ranks)
 def test_the_full_demo_report(page, tmp_path, no_leftover_ranks):
     from toolkit import demo
 
-    paths = demo.run_demo(world_size=4, out_dir=str(tmp_path), sizes=(4096, 1 << 20), repeats=2, train_steps=2,
-                          say=lambda *_: None)
+    paths = demo.run_demo(
+        world_size=4, out_dir=str(tmp_path), sizes=(4096, 1 << 20), repeats=2, train_steps=2, say=lambda *_: None
+    )
     check_report(page, paths["report"], "demo-report")
 
 
@@ -212,8 +235,9 @@ def test_make_lab_starts_jupyterlab_as_root_too():
 
     from browser import ROOT
 
-    dry = subprocess.run(["make", "-n", "lab"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60).stdout.splitlines()
+    dry = subprocess.run(
+        ["make", "-n", "lab"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    ).stdout.splitlines()
     (command,) = [line for line in dry if "jupyter lab" in line]
     assert ("--allow-root" in command) == (os.geteuid() == 0), command
 
@@ -224,8 +248,9 @@ def assert_saved_as_stored(lab, lesson: str) -> None:
 
     for suffix in (".ipynb", ".py"):
         saved = (lab.folder / "notebooks" / (lesson + suffix)).read_bytes()
-        assert saved == (ROOT / "notebooks" / (lesson + suffix)).read_bytes(), \
+        assert saved == (ROOT / "notebooks" / (lesson + suffix)).read_bytes(), (
             f"saving {lesson} in JupyterLab changed its {suffix}: outputs or header fields were written"
+        )
 
 
 def explore_memory(page) -> None:
@@ -234,13 +259,17 @@ def explore_memory(page) -> None:
     before = output.inner_text()
     assert "K = 12" in before
     readout = page.locator(".widget-slider", has=page.locator(".widget-label", has_text="K bytes/param")).locator(
-        ".widget-readout")
+        ".widget-readout"
+    )
     readout.click()
     page.keyboard.press("Control+A")
     page.keyboard.type("16")
     page.keyboard.press("Enter")
-    page.wait_for_function("b => { const o = document.querySelectorAll('.widget-output'); "
-                           "return o[o.length - 1].innerText !== b; }", arg=before, timeout=30_000)
+    page.wait_for_function(
+        "b => { const o = document.querySelectorAll('.widget-output'); return o[o.length - 1].innerText !== b; }",
+        arg=before,
+        timeout=30_000,
+    )
     assert "K = 16" in output.inner_text() and output.locator(".js-plotly-plot .main-svg").count() >= 1
     assert "K = 16" in output.locator(".gtitle-subtitle").text_content()
 
@@ -251,8 +280,10 @@ def launch_and_draw(page) -> None:
     assert panel.locator(".js-plotly-plot").count() == 0
     panel.locator(".widget-dropdown select").nth(1).select_option("backend")  # quicker than both
     panel.get_by_role("button", name="Launch and draw").click()
-    page.wait_for_function("() => [...document.querySelectorAll('.widget-html')].some("
-                           "e => e.innerText.startsWith('done'))", timeout=180_000)
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.widget-html')].some(e => e.innerText.startsWith('done'))",
+        timeout=180_000,
+    )
     figure = panel.locator(".js-plotly-plot")
     assert figure.count() == 1 and "ranks" in figure.locator(".gtitle").text_content()
 
@@ -263,8 +294,11 @@ def explore_wrap_policy(page) -> None:
     before = output.inner_text()
     policy = page.locator(".widget-dropdown", has=page.locator("label", has_text="wrap policy")).locator("select")
     policy.select_option("each Linear layer")
-    page.wait_for_function("b => { const o = document.querySelectorAll('.widget-output'); "
-                           "return o[o.length - 1].innerText !== b; }", arg=before, timeout=30_000)
+    page.wait_for_function(
+        "b => { const o = document.querySelectorAll('.widget-output'); return o[o.length - 1].innerText !== b; }",
+        arg=before,
+        timeout=30_000,
+    )
     assert "each Linear layer" in output.locator(".gtitle").text_content()
 
 
@@ -276,20 +310,28 @@ def explore_scale(page) -> None:
     output = panel.locator(".widget-output")
 
     def choose(label, value):
-        panel.locator(".widget-dropdown", has=page.locator("label", has_text=label)).locator("select").select_option(value)
+        panel.locator(".widget-dropdown", has=page.locator("label", has_text=label)).locator("select").select_option(
+            value
+        )
 
     seen = []
-    for model, strategy, gpus, cluster in (("GPT-2 XL", "zero3", "8", "dgx-a100"), ("GPT-3 175B", "ddp", "64", "dgx-a100"),
-                                           ("GPT-2 XL", "hsdp", "64", "dgx-h100")):
+    for model, strategy, gpus, cluster in (
+        ("GPT-2 XL", "zero3", "8", "dgx-a100"),
+        ("GPT-3 175B", "ddp", "64", "dgx-a100"),
+        ("GPT-2 XL", "hsdp", "64", "dgx-h100"),
+    ):
         before = output.inner_text()
         choose("model", model)
         choose("strategy", strategy)
         choose("GPUs", gpus)
         choose("cluster", cluster)
         panel.get_by_role("button", name="simulate").click()
-        page.wait_for_function("([b, w]) => { const o = [...document.querySelectorAll('.widget-output')].pop(); "
-                               "return o.innerText !== b && o.innerText.includes(w); }",
-                               arg=[before, f"rank 0 of {gpus} on {cluster}"], timeout=240_000)
+        page.wait_for_function(
+            "([b, w]) => { const o = [...document.querySelectorAll('.widget-output')].pop(); "
+            "return o.innerText !== b && o.innerText.includes(w); }",
+            arg=[before, f"rank 0 of {gpus} on {cluster}"],
+            timeout=240_000,
+        )
         title = output.locator(".js-plotly-plot .gtitle").text_content()
         verdict = output.inner_text()
         assert output.locator(".js-plotly-plot").count() == 1
@@ -302,8 +344,12 @@ def explore_scale(page) -> None:
     assert "DOES NOT FIT" in seen[1][1] and "shard the model states" in seen[1][1]  # GPT-3 under ddp, and what would
 
 
-INTERACTIONS = {"01-collectives": launch_and_draw, "03-zero": explore_memory, "04-fsdp": explore_wrap_policy,
-                "07-at-scale": explore_scale}
+INTERACTIONS = {
+    "01-collectives": launch_and_draw,
+    "03-zero": explore_memory,
+    "04-fsdp": explore_wrap_policy,
+    "07-at-scale": explore_scale,
+}
 
 
 @pytest.mark.skipif(not ALL, reason="a second lesson's widget in JupyterLab (19 CPU s): make test-browser")

@@ -1,4 +1,5 @@
 """The collectives door: results equal the math, and every call is recorded with the right bytes."""
+
 import pytest
 import torch
 
@@ -61,7 +62,7 @@ def test_the_door_computes_and_records(n, no_leftover_ranks):
         torch.testing.assert_close(out["sum"], torch.full((7,), n * (n + 1) / 2))
         torch.testing.assert_close(out["avg"], torch.full((7,), (n + 1) / 2))
         assert out["max"].item() == n - 1
-        torch.testing.assert_close(out["rs_avg"], torch.arange(2.0 * n, dtype=torch.float64)[2 * r: 2 * r + 2])
+        torch.testing.assert_close(out["rs_avg"], torch.arange(2.0 * n, dtype=torch.float64)[2 * r : 2 * r + 2])
         assert out["ag"].tolist() == [[float(j)] * 3 for j in range(n)]
         expected = torch.cat([torch.tensor([[j, r]] * (r + 1), dtype=torch.float32) for j in range(n)])
         assert torch.equal(out["a2a"], expected)
@@ -96,12 +97,14 @@ def _bad_shapes():
 
     n = dist.get_world_size()
     errors = []
-    for call in (lambda: comm.reduce_scatter(torch.empty(3), torch.empty(3 * n + 1)),
-                 lambda: comm.all_gather(torch.empty(2 * n + 1), torch.empty(2)),
-                 lambda: comm.all_to_all(torch.empty(4), torch.empty(4), [1] * (n + 1), [1] * (n + 1)),
-                 lambda: comm.all_to_all(torch.empty(4), torch.empty(4), [1] * n, [3] * n),
-                 lambda: comm.all_reduce(torch.empty(2), op="mean"),
-                 lambda: comm.use("tree")):
+    for call in (
+        lambda: comm.reduce_scatter(torch.empty(3), torch.empty(3 * n + 1)),
+        lambda: comm.all_gather(torch.empty(2 * n + 1), torch.empty(2)),
+        lambda: comm.all_to_all(torch.empty(4), torch.empty(4), [1] * (n + 1), [1] * (n + 1)),
+        lambda: comm.all_to_all(torch.empty(4), torch.empty(4), [1] * n, [3] * n),
+        lambda: comm.all_reduce(torch.empty(2), op="mean"),
+        lambda: comm.use("tree"),
+    ):
         try:
             call()
         except ValueError as exc:
@@ -135,8 +138,13 @@ def _custom_implementation():
         h.wait()
         impl_inside = comm.implementation()
     comm.all_reduce(torch.ones(2))
-    return calls, x.tolist(), impl_inside, comm.implementation(), \
-        [e["args"]["impl"] for e in toolkit.trace.recorder.events[-2:]]
+    return (
+        calls,
+        x.tolist(),
+        impl_inside,
+        comm.implementation(),
+        [e["args"]["impl"] for e in toolkit.trace.recorder.events[-2:]],
+    )
 
 
 def test_a_custom_implementation_is_used_and_recorded(no_leftover_ranks):

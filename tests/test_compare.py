@@ -1,4 +1,5 @@
 """`python -m toolkit compare`: every strategy side by side, and the numbers agree with the theory."""
+
 import os
 import subprocess
 import sys
@@ -57,9 +58,13 @@ def test_ddp_issues_its_buckets_while_backward_still_computes_and_naive_dp_after
                 p.register_post_accumulate_grad_hook(lambda p: ready.append(p))
             issued = []  # (async?, how many gradients were still to come) for each all-reduce of the step
             x = torch.empty((8, 32), dtype=torch.long, device="meta")
-            with comm.listening(lambda kind, event, tensor: issued.append(
-                    (bool(event["args"].get("async_op")), len(params) - len(ready))) if kind == "issue" and
-                    event["name"] == "all_reduce" else None):
+            with comm.listening(
+                lambda kind, event, tensor: (
+                    issued.append((bool(event["args"].get("async_op")), len(params) - len(ready)))
+                    if kind == "issue" and event["name"] == "all_reduce"
+                    else None
+                )
+            ):
                 model.forward_backward(x, x)
             seen[strategy] = issued
     assert seen["dp"] and all(not asynchronous and to_come == 0 for asynchronous, to_come in seen["dp"]), seen
@@ -82,22 +87,47 @@ def test_report_blocks_and_progress_lines(section):
 
 
 def test_command_line_writes_the_report(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "toolkit", "compare", "--world-size", "2", "--steps", "2",
-                          "--strategies", "zero1", "--out", str(tmp_path)], capture_output=True, text=True,
-                         timeout=240, cwd=tmp_path)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "toolkit",
+            "compare",
+            "--world-size",
+            "2",
+            "--steps",
+            "2",
+            "--strategies",
+            "zero1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     assert "zero1 on 2 rank(s)" in out.stdout
     for name in ("compare-report.html", "compare-zero1-trace.json", "compare-zero1-run.json"):
         assert os.path.getsize(tmp_path / name) > 0
-    bad = subprocess.run([sys.executable, "-m", "toolkit", "compare", "--strategies", "zero4"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "toolkit", "compare", "--strategies", "zero4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "unknown strategies ['zero4']" in bad.stderr
 
 
-@pytest.mark.parametrize("flags, said", [("--world-size -2", "argument --world-size: must be a whole number of 1 or "
-                                                             "more, got '-2'"),
-                                          ("--steps 0", "argument --steps: must be a whole number"),
-                                          ("--world-size two", "argument --world-size: must be a whole number")])
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        ("--world-size -2", "argument --world-size: must be a whole number of 1 or more, got '-2'"),
+        ("--steps 0", "argument --steps: must be a whole number"),
+        ("--world-size two", "argument --world-size: must be a whole number"),
+    ],
+)
 def test_a_bad_number_is_the_flags_error_not_a_traceback(flags, said, capsys):
     """The trial: `compare --world-size -2` ended in a traceback about global_batch_size."""
     from toolkit.compare import main
@@ -114,8 +144,12 @@ def test_every_option_of_compare_says_what_it_does(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for option, words in (("--steps STEPS", "training steps per strategy"), ("--out OUT", "folder for the report"),
-                          ("--strategies STRATEGIES", "comma-separated"), ("--world-size WORLD_SIZE", "ranks per")):
+    for option, words in (
+        ("--steps STEPS", "training steps per strategy"),
+        ("--out OUT", "folder for the report"),
+        ("--strategies STRATEGIES", "comma-separated"),
+        ("--world-size WORLD_SIZE", "ranks per"),
+    ):
         assert f"{option} {words}" in text, (option, text)
 
 

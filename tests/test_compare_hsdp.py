@@ -1,4 +1,5 @@
 """`python -m toolkit compare` has an "hsdp" row: FSDP sharded within pairs of ranks, replicated across them."""
+
 import pytest
 
 from toolkit import compare, compare_theory

@@ -1,4 +1,5 @@
 """`python -m toolkit compare` trains the MoE-GPT with expert parallelism ("moe-ep") beside the dense strategies."""
+
 import re
 
 import pytest

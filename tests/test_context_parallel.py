@@ -12,19 +12,19 @@
   exactly at world 2 and 4, its activations after forward within 1% (the simulator counts the allocator's
   512-byte blocks, the real meter the tensors' bytes), and its program overlaps each pass with attention.
 """
+
 from __future__ import annotations
 
 import functools
 
 import pytest
 import torch
+from cp_rank_checks import BASE, BATCH, SMALL, activations_per_block, attention_errors, ring_traffic, trained
 
 import toolkit
-from cp_rank_checks import BASE, BATCH, SMALL, activations_per_block, attention_errors, ring_traffic, trained
 from toolkit.memory import activation_terms, ring_bytes_per_layer, ulysses_bytes_per_layer
 from toolkit.models import tiny_gpt
-from toolkit.parallel.context import SequenceSplit, merge
-from toolkit.parallel.context import block
+from toolkit.parallel.context import SequenceSplit, block, merge
 from toolkit.parallel.context.model import check
 from toolkit.parallel.context.ring_attention import part
 from toolkit.sim import simulate
@@ -34,16 +34,26 @@ from toolkit.train import TrainConfig, train
 LOSS_ATOL, PARAM_ATOL = 1e-4, 1e-5  # derived in tests/test_pipeline.py: a split changes only the order of sums
 FOUR = dict(SMALL, n_layer=4)
 CASES = {  # (name, TrainConfig fields): world 2 is cp 2; world 4 is dp 2 x cp 2 or cp 2 x (tp 2 or pp 2)
-    2: [("ring", dict(strategy="ddp", global_batch_size=BATCH, options={"cp": 2})),
-        ("ulysses", dict(strategy="ddp", global_batch_size=BATCH, options={"cp": 2, "cp_attention": "ulysses"}))],
-    4: [("ring-unbalanced", dict(strategy="ddp", global_batch_size=2 * BATCH,
-                                 options={"cp": 2, "cp_attention": "ring-unbalanced"})),
+    2: [
+        ("ring", dict(strategy="ddp", global_batch_size=BATCH, options={"cp": 2})),
+        ("ulysses", dict(strategy="ddp", global_batch_size=BATCH, options={"cp": 2, "cp_attention": "ulysses"})),
+    ],
+    4: [
+        (
+            "ring-unbalanced",
+            dict(strategy="ddp", global_batch_size=2 * BATCH, options={"cp": 2, "cp_attention": "ring-unbalanced"}),
+        ),
         ("fsdp x cp", dict(strategy="fsdp", global_batch_size=2 * BATCH, options={"cp": 2})),
         ("ddp x cp x tp", dict(strategy="ddp", clip=0.05, global_batch_size=BATCH, options={"cp": 2, "tp": 2})),
-        ("pp x cp", dict(strategy="ddp", model=FOUR, global_batch_size=BATCH,
-                         options={"cp": 2, "pp": 2, "microbatches": 2})),
-        *((f"{s} x cp", dict(strategy=s, global_batch_size=2 * BATCH, options={"cp": 2}))  # the rest compose too
-          for s in ("dp", "zero1", "zero2", "zero3"))],
+        (
+            "pp x cp",
+            dict(strategy="ddp", model=FOUR, global_batch_size=BATCH, options={"cp": 2, "pp": 2, "microbatches": 2}),
+        ),
+        *(
+            (f"{s} x cp", dict(strategy=s, global_batch_size=2 * BATCH, options={"cp": 2}))  # the rest compose too
+            for s in ("dp", "zero1", "zero2", "zero3")
+        ),
+    ],
 }
 SIMULATED = {"ring", "ulysses", "fsdp x cp", "ddp x cp x tp"}  # pp's step is the pipeline's: tests/test_sim_pipeline
 
@@ -91,8 +101,9 @@ def test_zigzag_balances_causal_work_and_a_contiguous_split_does_not():
                     pairs += rows // 2 if p.causal else rows
             total.append(pairs)
         return total
-    assert work(4, zigzag=True) == [4 * 32] * 4           # every rank: the same
-    assert work(4, zigzag=False) == [32, 96, 160, 224]     # rank r: 2r + 1 halves of a block
+
+    assert work(4, zigzag=True) == [4 * 32] * 4  # every rank: the same
+    assert work(4, zigzag=False) == [32, 96, 160, 224]  # rank r: 2r + 1 halves of a block
     assert part(1, 0, 8, False, True).queries == slice(None)  # no mask: everything, every step
 
 
@@ -104,8 +115,10 @@ def test_a_block_without_the_fused_kernel_is_the_same_attention():
         out, lse = block.fused_attend(q, k, v, causal, None)
         plain, plain_lse = block.plain_attend(q, k, v, causal, None)
         assert torch.allclose(out, plain, atol=1e-12) and torch.allclose(lse, plain_lse, atol=1e-12)
-        for a, b in zip(block.fused_attend_backward(g, q, k, v, out, lse, causal, None),
-                        block.plain_attend_backward(g, q, k, v, out, lse, causal, None)):
+        for a, b in zip(
+            block.fused_attend_backward(g, q, k, v, out, lse, causal, None),
+            block.plain_attend_backward(g, q, k, v, out, lse, causal, None),
+        ):
             assert torch.allclose(a, b, atol=1e-12)
 
 
@@ -136,7 +149,9 @@ def test_the_simulated_ring_overlaps_each_pass_with_a_blocks_attention():
     sends = [n for n, i in enumerate(forward) if isinstance(i, Collective) and i.op == "send"]
     assert len(sends) == SMALL["n_layer"] * 3 and all(forward[n].async_op for n in sends)  # cp - 1 per layer
     for n in sends:
-        wait = next(m for m in range(n, len(forward)) if isinstance(forward[m], Wait) and forward[m].id == forward[n].id)
+        wait = next(
+            m for m in range(n, len(forward)) if isinstance(forward[m], Wait) and forward[m].id == forward[n].id
+        )
         between = [i for i in forward[n:wait] if isinstance(i, Compute)]
         assert any(kernel.kind == "attention" for c in between for kernel, _ in c.kernels), n
     peers = {i.args["peer"] for i in forward if isinstance(i, Collective) and i.op in ("send", "recv")}
@@ -148,14 +163,24 @@ def test_the_simulated_ring_and_ulysses_send_what_the_formulas_say():
     gradient); Ulysses (cp-1)/cp of its q, k, v and output each way. At tp 2 the K and V are a tp rank's heads."""
     b, s, h, L = 2, 32, SMALL["d_model"], SMALL["n_layer"]
     for cp, tp, attention in ((4, 1, "ring"), (2, 2, "ring"), (4, 1, "ulysses"), (2, 2, "ulysses")):
-        sim = simulate(lambda: tiny_gpt(**SMALL), "ddp", 4, rank=3, cp=cp, tp=tp, cp_attention=attention,
-                       batch_per_rank=b, progress=False)
+        sim = simulate(
+            lambda: tiny_gpt(**SMALL),
+            "ddp",
+            4,
+            rank=3,
+            cp=cp,
+            tp=tp,
+            cp_attention=attention,
+            batch_per_rank=b,
+            progress=False,
+        )
         sent = {}
         for c in sim.collectives():
             if c.args.get("cp") in ("kv", "dkv", "ulysses"):
                 sent[c.phase] = sent.get(c.phase, 0) + c.bytes_sent
         formula = (ring_bytes_per_layer if attention == "ring" else ulysses_bytes_per_layer)(
-            b, s, h, cp, tp=tp, bytes_per_value=4)
+            b, s, h, cp, tp=tp, bytes_per_value=4
+        )
         assert sent == {"forward": L * formula["forward"], "backward": L * formula["backward"]}, (cp, tp, attention)
         assert sim.bytes_per_step["total"] == sim.theory()["bytes_per_step"], (cp, tp, attention)  # and the rest
     for options in (dict(cp=4, mixed_precision=True), dict(cp=2, activation_checkpointing=True)):  # bf16; recompute
@@ -174,15 +199,17 @@ def on_ranks(world: int) -> dict:
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def launched(world: int):
     return toolkit.launch(on_ranks, world, args=(world,), timeout_s=300, quiet=True)
 
 
 def reference(fields):
     torch.manual_seed(0)
-    run, state = train(TrainConfig(**{**BASE, **{k: v for k, v in fields.items() if k != "options"},
-                                      "strategy": "local"}), return_state=True)
+    run, state = train(
+        TrainConfig(**{**BASE, **{k: v for k, v in fields.items() if k != "options"}, "strategy": "local"}),
+        return_state=True,
+    )
     return [m["value"] for m in run.metrics if m["name"] == "loss"], state
 
 
@@ -194,8 +221,11 @@ def test_ring_and_ulysses_equal_full_attention_and_the_ring_talks_only_to_neighb
     for r, found in enumerate(got):
         traffic = found["traffic"]
         kv, cp = traffic["kv_bytes"], 4  # this rank's K and V: 1/cp of the whole sequence's
-        assert traffic["sent"] == {("forward", "kv"): (cp - 1) * kv, ("backward", "kv"): (cp - 1) * kv,
-                                   ("backward", "dkv"): (cp - 1) * kv}, r
+        assert traffic["sent"] == {
+            ("forward", "kv"): (cp - 1) * kv,
+            ("backward", "kv"): (cp - 1) * kv,
+            ("backward", "dkv"): (cp - 1) * kv,
+        }, r
         assert traffic["peers"] == {("send", traffic["next"]), ("recv", traffic["previous"])}, r
 
 
@@ -214,8 +244,16 @@ def test_every_variant_and_composition_trains_as_one_process_and_the_simulator_a
             continue
         rank = world - 1
         measured = got[rank]["trained"][name]
-        sim = simulate(lambda: tiny_gpt(**SMALL), fields["strategy"], world, rank=rank, batch_per_rank=BATCH,
-                       optimizer=functools.partial(torch.optim.SGD, lr=0.1), progress=False, **fields["options"])
+        sim = simulate(
+            lambda: tiny_gpt(**SMALL),
+            fields["strategy"],
+            world,
+            rank=rank,
+            batch_per_rank=BATCH,
+            optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            progress=False,
+            **fields["options"],
+        )
         real = dict(measured["bytes"])
         if "clip" in fields:  # the real run clips (one fp32 all-reduce over the world); the simulated step does not
             assert real.pop("optimizer") == 2 * (world - 1) * 4 // world, name
@@ -223,8 +261,11 @@ def test_every_variant_and_composition_trains_as_one_process_and_the_simulator_a
         assert sim.bytes_per_phase == real, name
         assert {k: sim.memory[k] for k in measured["states"]} == measured["states"], name
         after_forward = next(s["activations"] for s in sim.samples if s["phase"] == "forward")
-        assert abs(after_forward - measured["activations"]) <= 0.01 * measured["activations"], \
-            (name, after_forward, measured["activations"])
+        assert abs(after_forward - measured["activations"]) <= 0.01 * measured["activations"], (
+            name,
+            after_forward,
+            measured["activations"],
+        )
 
 
 @pytest.mark.timeout(400)
@@ -232,8 +273,9 @@ def test_activations_per_rank_are_korthikantis_terms_at_s_over_cp(no_leftover_ra
     """Each block on a cp rank keeps what one process keeps for a sequence cp times shorter (this GPT's terms:
     fp32, no dropout, a fused attention's output and log-sum-exp)."""
     s, h = 32 // 2, SMALL["d_model"]
-    terms = activation_terms(s, BATCH, h, SMALL["n_head"], bytes_per_value=4, dropout=False, fused_attention=True,
-                             small_terms=True)
+    terms = activation_terms(
+        s, BATCH, h, SMALL["n_head"], bytes_per_value=4, dropout=False, fused_attention=True, small_terms=True
+    )
     for found in launched(2):
         found = found["activations"]
         assert found["ring"] == found["ring-unbalanced"] == [sum(terms.values())] * SMALL["n_layer"]

@@ -5,6 +5,7 @@ the step one process takes on the whole batch. Each world size is one launch (`r
 that runs every check for that size; the tests below only compare numbers, so a launch's 2-4 s of
 start-up is paid once per world size.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,7 +23,7 @@ from toolkit.parallel.ddp import assign_buckets
 STEPS, GLOBAL_BATCH, LR, CLIP = 3, 12, 1e-3, 1.0  # 12 splits evenly over 1, 2, 3 and 4 ranks
 OPT = functools.partial(torch.optim.AdamW, lr=LR)
 SMALL = 0.01  # MiB: about 10 KB, so the 114 KB tiny GPT spreads over many buckets
-ATOL = 1e-5   # fp32: different summation orders only
+ATOL = 1e-5  # fp32: different summation orders only
 PARITY = {"dp": ("dp", {}), "ddp": ("ddp", {}), "ddp_small": ("ddp", {"bucket_cap_mb": SMALL})}
 
 
@@ -50,7 +51,7 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def oracle(mixed_precision=False):
     model, opt = wrap(build(), "local", optimizer=OPT, mixed_precision=mixed_precision)
     losses, norms = train(model, opt)
@@ -88,20 +89,28 @@ def bucket_step(rank, n):
     with phase("backward"):
         model(x, y).backward()
     comms = [e for e in recorder.events if e["cat"] == "comm"]
-    return {"order": [i for b in model.buckets for i in b.indices], "num_params": len(model.params),
-            "bucket_bytes": [b.buffer.numel() * b.buffer.element_size() for b in model.buckets],
-            "bucket_numel": sum(b.buffer.numel() for b in model.buckets),
-            "names": [e["name"] for e in comms], "phases": {e["phase"] for e in comms},
-            "async": all(e["args"]["async_op"] for e in comms),
-            "sent": [e["args"]["bytes_sent"] for e in comms], "started_before_last_grad": seen["started"]}
+    return {
+        "order": [i for b in model.buckets for i in b.indices],
+        "num_params": len(model.params),
+        "bucket_bytes": [b.buffer.numel() * b.buffer.element_size() for b in model.buckets],
+        "bucket_numel": sum(b.buffer.numel() for b in model.buckets),
+        "names": [e["name"] for e in comms],
+        "phases": {e["phase"] for e in comms},
+        "async": all(e["args"]["async_op"] for e in comms),
+        "sent": [e["args"]["bytes_sent"] for e in comms],
+        "started_before_last_grad": seen["started"],
+    }
 
 
 def no_sync_step(rank, n, strategy):
     """Two micro-batches under no_sync, then one synchronised: the same as one step on all rows."""
     from toolkit.trace import recorder
 
-    model, opt = wrap(build(), strategy, optimizer=OPT, bucket_cap_mb=SMALL) if strategy == "ddp" \
+    model, opt = (
+        wrap(build(), strategy, optimizer=OPT, bucket_cap_mb=SMALL)
+        if strategy == "ddp"
         else wrap(build(), strategy, optimizer=OPT)
+    )
     x, y = SyntheticCorpus().batch(0, 2 * GLOBAL_BATCH, rank=rank, world_size=n)
     half = x.shape[0] // 2
     recorder.reset()
@@ -117,8 +126,11 @@ def unused_step(rank, strategy):
     """Rank 0 uses the second layer, rank 1 does not: its gradient is rank 0's divided by 2."""
     torch.manual_seed(0)
     toy = Toy()
-    model, _ = wrap(toy, strategy, optimizer=OPT) if strategy == "dp" \
-        else wrap(toy, strategy, optimizer=OPT, bucket_cap_mb=1e-5)  # one bucket per tensor
+    model, _ = (
+        wrap(toy, strategy, optimizer=OPT)
+        if strategy == "dp"
+        else wrap(toy, strategy, optimizer=OPT, bucket_cap_mb=1e-5)
+    )  # one bucket per tensor
     torch.manual_seed(1)
     x = torch.randn(3, 4)
     model(x, use_second=rank == 0).backward()
@@ -144,7 +156,8 @@ def rebuild_steps(rank, n, steps=3):
 
     toy, started = Swapped(), []
     toy.early.weight.register_post_accumulate_grad_hook(  # before wrap: runs before DDP's own hook
-        lambda p: started.append(sum(e["name"] == "all_reduce" for e in recorder.events)))
+        lambda p: started.append(sum(e["name"] == "all_reduce" for e in recorder.events))
+    )
     model, opt = wrap(toy, "ddp", optimizer=functools.partial(torch.optim.SGD, lr=0.1), bucket_cap_mb=64 / 2**20)
     buckets, broadcasts = [], []
     torch.manual_seed(1)
@@ -157,8 +170,7 @@ def rebuild_steps(rank, n, steps=3):
         opt.step()
         opt.zero_grad()
         broadcasts.append(sum(e["name"] == "broadcast" for e in recorder.events))
-    return {"buckets": buckets, "started": started, "broadcasts": broadcasts, "state": full_state_dict(model),
-            "xs": xs}
+    return {"buckets": buckets, "started": started, "broadcasts": broadcasts, "state": full_state_dict(model), "xs": xs}
 
 
 def first_bucket(rank):
@@ -215,12 +227,14 @@ def everything(n):
             options = dict(PARITY["ddp_small"][1]) if strategy == "ddp" else {}
             model, opt = wrap(build(), strategy, optimizer=OPT, mixed_precision=True, **options)
             out[f"mp_{strategy}"] = train(model, opt, rank, n) + (full_state_dict(model),)
-            out[f"mp_{strategy}_dtypes"] = ({str(p.dtype) for p in model.module.parameters()},
-                                            {str(t.dtype) for t in model.memory_groups()["grads"]})
+            out[f"mp_{strategy}_dtypes"] = (
+                {str(p.dtype) for p in model.module.parameters()},
+                {str(t.dtype) for t in model.memory_groups()["grads"]},
+            )
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results(n):
     return toolkit.launch(everything, n, args=(n,), timeout_s=60)
 
@@ -260,8 +274,12 @@ def test_local_is_the_plain_loop():
     model(x, y).backward()
     plain(x, y).backward()
     assert abs(model.clip_grad_norm_(0.1).item() - _Plain(plain).clip_grad_norm_(0.1).item()) < 1e-6
-    assert max_diff({n: p.grad for n, p in model.module.named_parameters()},
-                    {n: p.grad for n, p in plain.named_parameters()}) < 1e-7
+    assert (
+        max_diff(
+            {n: p.grad for n, p in model.module.named_parameters()}, {n: p.grad for n, p in plain.named_parameters()}
+        )
+        < 1e-7
+    )
 
 
 class _Plain(nn.Module):
@@ -291,7 +309,7 @@ def test_local_mixed_precision_keeps_fp32_masters():
     assert {p.dtype for p in model.module.parameters()} == {torch.bfloat16}
     assert {p.dtype for g in opt.param_groups for p in g["params"]} == {torch.float32}
     assert nbytes["params"] == 2 * psi and nbytes["grads"] == 2 * psi  # the "2 + 2" of 2 + 2 + K
-    assert nbytes["optimizer"] == 12 * psi + 4 * steps                  # K = 12: master, momentum, variance
+    assert nbytes["optimizer"] == 12 * psi + 4 * steps  # K = 12: master, momentum, variance
     assert all(v.dtype == torch.float32 for v in full_state_dict(model).values())
     opt.step()
     opt.zero_grad()
@@ -333,7 +351,7 @@ def test_default_cap_has_a_1_mib_first_bucket_as_torch():
     for r in results(2):
         default, explicit = r["first_bucket"]
         assert default == [[2, 1], [0]]  # 512 KiB + 512 KiB reach 1 MiB: the first bucket closes
-        assert explicit == [[2, 1, 0]]   # bucket_cap_mb=25 given: one 25 MiB cap for every bucket
+        assert explicit == [[2, 1, 0]]  # bucket_cap_mb=25 given: one 25 MiB cap for every bucket
 
 
 @pytest.mark.timeout(120)

@@ -1,4 +1,5 @@
 """`python -m toolkit demo`, quickly: a table on stdout, and a report, a Chrome trace and a Run on disk."""
+
 import json
 import re
 import subprocess
@@ -58,6 +59,7 @@ def test_demo_refuses_a_world_of_one(capsys):
 
 @pytest.mark.timeout(60)
 def test_demo_is_reachable_from_the_command_line():
-    result = subprocess.run([sys.executable, "-m", "toolkit", "demo", "--help"], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "toolkit", "demo", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0 and "--world-size" in result.stdout and "--quick" in result.stdout

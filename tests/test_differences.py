@@ -1,5 +1,6 @@
 """docs/differences.md is the one list of where the toolkit departs from torch and DeepSpeed: it covers
 every dense strategy, and the lessons that teach them link to it."""
+
 import os
 import re
 
@@ -14,8 +15,17 @@ def headings() -> list[str]:
 
 def test_every_dense_strategy_and_shared_piece_has_a_section():
     found = " | ".join(headings())
-    for name in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP", "Mixed precision", "Training loop", "Checkpoints",
-                 "Activations"):
+    for name in (
+        "DDP",
+        "ZeRO-1",
+        "ZeRO-2",
+        "ZeRO-3",
+        "FSDP",
+        "Mixed precision",
+        "Training loop",
+        "Checkpoints",
+        "Activations",
+    ):
         assert name in found, f"docs/differences.md has no section for {name}: {found}"
 
 
@@ -47,9 +57,12 @@ def test_the_numbers_the_page_states_are_the_codes():
 
     text = page()
     T, E, k, f, ours, tutels = re.search(
-        r"T = (\d+), E = (\d+), k = (\d+), f = ([\d.]+): C = (\d+) here, (\d+) in Tutel", text).groups()
+        r"T = (\d+), E = (\d+), k = (\d+), f = ([\d.]+): C = (\d+) here, (\d+) in Tutel", text
+    ).groups()
     assert (capacity(int(T), int(E), int(k), float(f)), tutel_capacity(int(T), int(E), int(k), float(f))) == (
-        int(ours), int(tutels))
+        int(ours),
+        int(tutels),
+    )
     pre = re.search(r"2 at N = 2 and 4, 4 at 8 and 16", text)
     assert pre and [predivide_factor(n) for n in (2, 4, 8, 16)] == [2, 2, 4, 4]
 
@@ -59,7 +72,18 @@ def test_the_remaining_differences_with_tutel_torch_and_deepspeed_are_listed():
     negative factor, who chooses r and the all-to-all algorithm, torch's first bucket before its rebuild, fp16
     division, DeepSpeed's hysteresis, the emulator's backpressure)."""
     text = page()
-    for needle in ("k·int(f·ceil(T/E))", "bounds it after", "points to `dynamic_capacity=True`", "`adaptive_r`",
-                   "chooses r", "rule of scale", "only after its rebuild", "pre-factor", "hysteresis of 2",
-                   "backpressure", "empty block is no message", "side by side"):
+    for needle in (
+        "k·int(f·ceil(T/E))",
+        "bounds it after",
+        "points to `dynamic_capacity=True`",
+        "`adaptive_r`",
+        "chooses r",
+        "rule of scale",
+        "only after its rebuild",
+        "pre-factor",
+        "hysteresis of 2",
+        "backpressure",
+        "empty block is no message",
+        "side by side",
+    ):
         assert needle in text, f"docs/differences.md does not say {needle!r}"

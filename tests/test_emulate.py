@@ -4,6 +4,7 @@ rank's links inside and across nodes working side by side, and no message for an
 Each is checked on the emulator's own ledger (its bookings, in one process, where the arithmetic is exact)
 and the backpressure once more on launched ranks, through the door, as a lesson sees it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -12,7 +13,7 @@ import pytest
 
 import toolkit
 
-MB_S, ALPHA = 1e6, 1e-3            # 1 MB/s: 10 kB take 10 ms; 1 ms per message
+MB_S, ALPHA = 1e6, 1e-3  # 1 MB/s: 10 kB take 10 ms; 1 ms per message
 RANKS = [0, 1, 2, 3]
 
 
@@ -35,8 +36,10 @@ def booked(settings, calls) -> dict:
     for me, extra in calls:
         own = Ledger()
         done[me] = (schedule_all_to_all(shared, own, settings, RANKS, me, 0.0, 0.0, extra, "call"), extra)
-    return {me: all_to_all_finish(shared, *parts, received_kinds(settings, RANKS, me, 0.0, extra), "call", me)
-            for me, (parts, extra) in done.items()}
+    return {
+        me: all_to_all_finish(shared, *parts, received_kinds(settings, RANKS, me, 0.0, extra), "call", me)
+        for me, (parts, extra) in done.items()
+    }
 
 
 def test_senders_to_a_congested_receiver_finish_when_it_has_their_bytes():
@@ -57,8 +60,10 @@ def test_a_ranks_links_inside_and_across_nodes_work_side_by_side():
 
     nodes = make_settings(MB_S, ALPHA, intra_node=(MB_S, ALPHA), ranks_per_node=2)
     out = dict(input_splits=[0, 10, 10, 0], output_splits=[0, 0, 0, 0], row_bytes=(1000, 1000))
-    inward = {1: dict(input_splits=[0] * 4, output_splits=[10, 0, 0, 0], row_bytes=(1000, 1000)),
-              2: dict(input_splits=[0] * 4, output_splits=[10, 0, 0, 0], row_bytes=(1000, 1000))}
+    inward = {
+        1: dict(input_splits=[0] * 4, output_splits=[10, 0, 0, 0], row_bytes=(1000, 1000)),
+        2: dict(input_splits=[0] * 4, output_splits=[10, 0, 0, 0], row_bytes=(1000, 1000)),
+    }
     finish = booked(nodes, [(0, out), (1, inward[1]), (2, inward[2])])
     assert finish[0] == pytest.approx(0.010 + ALPHA)
     seconds, label = model_time(nodes, "all_to_all", RANKS, 0, 0.0, out)
@@ -88,17 +93,23 @@ def skewed_exchange(rows: int) -> dict:
 
     me = dist.get_rank()
     extra = into_rank_0(me, rows)
-    out = torch.empty(sum(extra["output_splits"]), 250)    # rows of 250 fp32: 1,000 bytes
+    out = torch.empty(sum(extra["output_splits"]), 250)  # rows of 250 fp32: 1,000 bytes
     toolkit.comm.barrier()
     start = time.perf_counter()
-    toolkit.comm.all_to_all(out, torch.ones(sum(extra["input_splits"]), 250), extra["output_splits"],
-                            extra["input_splits"])
+    toolkit.comm.all_to_all(
+        out, torch.ones(sum(extra["input_splits"]), 250), extra["output_splits"], extra["input_splits"]
+    )
     end = time.perf_counter()
     event = [e for e in recorder.events if e["name"] == "all_to_all"][-1]
-    return {"start": start, "end": end, "queue": event["args"]["emulated_queue_s"], "alone": event["args"]["emulated_s"]}
+    return {
+        "start": start,
+        "end": end,
+        "queue": event["args"]["emulated_queue_s"],
+        "alone": event["args"]["emulated_s"],
+    }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def launched():
     with toolkit.comm.emulate(MB_S, "100 us"):
         return toolkit.launch(skewed_exchange, 4, args=(100,), timeout_s=120)  # 100 kB per sender: 100 ms

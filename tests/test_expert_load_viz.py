@@ -3,6 +3,7 @@
 The numbers are chosen so every panel can be checked by hand: rank 0 holds experts 0-1, rank 1
 experts 2-3; layer "a" is skewed and drifts (expert 0, then 3, then 3 is busiest), layer "b" is flat.
 """
+
 import pytest
 
 from toolkit import viz
@@ -11,9 +12,11 @@ from toolkit.viz.expert_load import load_rows, moe_layers
 
 # per layer, per forward, per rank: (counts, kept, capacity)
 LOADS = {
-    "a": [[([6, 1, 1, 0], [3, 1, 1, 0], 3), ([4, 0, 0, 0], [3, 0, 0, 0], 3)],    # global [10, 1, 1, 0]
-          [([1, 1, 1, 5], [1, 1, 1, 3], 3), ([0, 0, 1, 3], [0, 0, 1, 3], 3)],    # global [1, 1, 2, 8]
-          [([2, 2, 2, 2], [2, 2, 2, 2], 3), ([0, 0, 0, 4], [0, 0, 0, 3], 3)]],   # global [2, 2, 2, 6]
+    "a": [
+        [([6, 1, 1, 0], [3, 1, 1, 0], 3), ([4, 0, 0, 0], [3, 0, 0, 0], 3)],  # global [10, 1, 1, 0]
+        [([1, 1, 1, 5], [1, 1, 1, 3], 3), ([0, 0, 1, 3], [0, 0, 1, 3], 3)],  # global [1, 1, 2, 8]
+        [([2, 2, 2, 2], [2, 2, 2, 2], 3), ([0, 0, 0, 4], [0, 0, 0, 3], 3)],
+    ],  # global [2, 2, 2, 6]
     "b": [[([2, 2, 2, 2], [2, 2, 2, 2], 3), ([1, 1, 1, 1], [1, 1, 1, 1], 3)]] * 3,
 }
 
@@ -21,10 +24,22 @@ LOADS = {
 def _record(layer, rank, step, counts, kept, capacity):
     dropped = sum(counts) - sum(kept)
     mean = sum(counts) / len(counts)
-    return {"name": f"moe/{layer}/load", "rank": rank, "step": step,
-            "value": {"counts": counts, "kept": kept, "dropped": dropped, "capacity": capacity,
-                      "received": [0, 0], "first": 2 * rank, "max_over_mean": max(counts) / mean, "cv": 0.0,
-                      "call": step + 1}}
+    return {
+        "name": f"moe/{layer}/load",
+        "rank": rank,
+        "step": step,
+        "value": {
+            "counts": counts,
+            "kept": kept,
+            "dropped": dropped,
+            "capacity": capacity,
+            "received": [0, 0],
+            "first": 2 * rank,
+            "max_over_mean": max(counts) / mean,
+            "cv": 0.0,
+            "call": step + 1,
+        },
+    }
 
 
 @pytest.fixture
@@ -54,7 +69,7 @@ def test_heatmap_dropped_and_imbalance_panels(run):
     # colour = load relative to balance: expert 0 took 10 of 12 choices over 4 experts at iteration 0
     assert heat.z[0][0] == pytest.approx(10 / 3) and heat.z[3][1] == pytest.approx(8 / 3) and heat.z[3][0] == 0
     assert heat.zmin == 0 and heat.zmax == pytest.approx(10 / 3)
-    assert list(dots.y) == [0, 3, 3]                     # the busiest expert drifts from 0 to 3
+    assert list(dots.y) == [0, 3, 3]  # the busiest expert drifts from 0 to 3
     assert list(dropped.y) == [4, 2, 1]
     assert list(imbalance.y) == pytest.approx([10 / 3, 8 / 3, 2.0])
     # the panels are stacked: heatmap and dots on top, drops in the middle, imbalance at the bottom
@@ -75,7 +90,9 @@ def test_dropdown_switches_layers(run):
     (menu,) = fig.layout.updatemenus
     assert [b.label for b in menu.buttons] == ["a", "b"]
     assert menu.buttons[1].args[0]["visible"] == [False] * 4 + [True] * 4
-    assert "'b'" in menu.buttons[1].args[1]["title.text"] and "experts" in menu.buttons[1].args[1]["title.subtitle.text"]
+    assert (
+        "'b'" in menu.buttons[1].args[1]["title.text"] and "experts" in menu.buttons[1].args[1]["title.subtitle.text"]
+    )
     flat = fig.data[4]  # layer b: perfectly balanced, nothing dropped
     assert all(v == pytest.approx(1.0) for row in flat.z for v in row)
     assert list(fig.data[6].y) == [0, 0, 0] and list(fig.data[7].y) == pytest.approx([1.0] * 3)

@@ -1,5 +1,6 @@
 """The memory explorer: its numbers (the ZeRO paper's Figure 1, the lectures' examples) and its widget,
 built headless and redrawn by setting control values the way a slider would."""
+
 import math
 
 import plotly.graph_objects as go
@@ -50,12 +51,15 @@ def test_device_memory_says_what_fits_and_the_largest_model_that_would():
     assert "fits" not in explorer_numbers()["stages"][0]
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(precision="fp8"), "precision"),
-    (dict(world_size=0), "world_size"),
-    (dict(num_params=-1), "num_params"),
-    (dict(device_gb=-5), "device_gb"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(precision="fp8"), "precision"),
+        (dict(world_size=0), "world_size"),
+        (dict(num_params=-1), "num_params"),
+        (dict(device_gb=-5), "device_gb"),
+    ],
+)
 def test_bad_input_is_a_clear_value_error(kwargs, words):
     with pytest.raises(ValueError, match=words):
         explorer_numbers(**kwargs)
@@ -160,8 +164,9 @@ def test_the_scale_explorer_redraws_its_figure_and_verdict_on_every_click():
         assert row["layers"] == 48 and f"rank 0 of {world} on {cluster}" in text
         assert f"{row['label']} x{world}" in explorer.figure.data[0].x  # the figure is this click's
         capacity = [s.y0 for s in explorer.figure.layout.shapes]
-        assert len(capacity) == 1 and capacity[0] * (1e9 if "GB" in explorer.figure.layout.yaxis.title.text else
-                                                     1e6) == pytest.approx(row["fit"].capacity, rel=1e-3)
+        assert len(capacity) == 1 and capacity[0] * (
+            1e9 if "GB" in explorer.figure.layout.yaxis.title.text else 1e6
+        ) == pytest.approx(row["fit"].capacity, rel=1e-3)
         assert ("fits in the" in text) == row["fits"] and ("TFLOP/s" in text) == row["fits"]
         seen.append((explorer.figure.layout.title.text, text))
     assert explorer.redraws == 3 and len(set(seen)) == 3

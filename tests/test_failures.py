@@ -4,6 +4,7 @@ The judging itself (`toolkit.runtime.blame`) is tested on hand-made evidence, wi
 case the issue lists is then run once for real, at world 3. Failures in training state (checkpoints, a
 NaN loss): test_failures_training.py; under mpiexec: test_failures_outside.py.
 """
+
 import os
 import signal
 import sys
@@ -35,8 +36,13 @@ def _board(tmp_path, rank, state, entry=None, counts=None, since=0.0):
 
 
 def _error(message, consequence, at=100.0, kind="RuntimeError"):
-    return {"type": kind, "message": message, "time": at, "traceback": f"Traceback: {kind}: {message}",
-            "consequence": consequence}
+    return {
+        "type": kind,
+        "message": message,
+        "time": at,
+        "traceback": f"Traceback: {kind}: {message}",
+        "consequence": consequence,
+    }
 
 
 def test_the_board_reads_back_what_a_rank_posted(tmp_path):
@@ -80,8 +86,12 @@ def test_a_death_is_named_before_the_errors_it_caused(tmp_path):
     evidence = [
         blame.Evidence(0, _board(tmp_path, 0, FAILED, failed, {WORLD: 2}), _error("lost a partner", True, 100.0)),
         blame.Evidence(1, _board(tmp_path, 1, FAILED, failed, {WORLD: 2})),  # its error not written yet
-        blame.Evidence(2, _board(tmp_path, 2, IDLE, Entry("all_reduce", WORLD, 1), {WORLD: 1}),
-                       code=-signal.SIGKILL, ended_at=100.5),
+        blame.Evidence(
+            2,
+            _board(tmp_path, 2, IDLE, Entry("all_reduce", WORLD, 1), {WORLD: 1}),
+            code=-signal.SIGKILL,
+            ended_at=100.5,
+        ),
     ]
     verdict = blame.judge(evidence, now=101.0, timeout_s=30)
     assert verdict.found_cause and verdict.rank == 2
@@ -96,9 +106,11 @@ def test_a_skipped_collective_blames_the_rank_that_never_entered_it(tmp_path, gl
     waited = Entry("all_reduce", WORLD, 4, "phase 'idle', 3 x float32")
     state = FAILED if gloo_timed_out_first else INSIDE  # the launcher's check or the backend's timeout came first
     error = _error("timed out", True) if gloo_timed_out_first else None
-    evidence = [blame.Evidence(0, _board(tmp_path, 0, state, waited, {WORLD: 4}, since=90.0), error),
-                blame.Evidence(1, _board(tmp_path, 1, IDLE, Entry("all_reduce", WORLD, 3), {WORLD: 3})),
-                blame.Evidence(2, _board(tmp_path, 2, state, waited, {WORLD: 4}, since=99.5), error)]  # came late
+    evidence = [
+        blame.Evidence(0, _board(tmp_path, 0, state, waited, {WORLD: 4}, since=90.0), error),
+        blame.Evidence(1, _board(tmp_path, 1, IDLE, Entry("all_reduce", WORLD, 3), {WORLD: 3})),
+        blame.Evidence(2, _board(tmp_path, 2, state, waited, {WORLD: 4}, since=99.5), error),
+    ]  # came late
     verdict = blame.judge(evidence, now=101.0, timeout_s=10)
     assert verdict.rank == 1
     assert verdict.headline.startswith("rank 1 did not enter all_reduce #4 (group [0, 1, 2]): ranks 0, 2 waited")
@@ -109,14 +121,20 @@ def test_a_skipped_collective_blames_the_rank_that_never_entered_it(tmp_path, gl
 
 def test_one_extra_call_or_a_mismatched_one_blames_the_odd_rank(tmp_path):
     extra = Entry("all_reduce", WORLD, 5)
-    evidence = [blame.Evidence(0, _board(tmp_path, 0, IDLE, Entry("all_reduce", WORLD, 4), {WORLD: 4})),
-                blame.Evidence(1, _board(tmp_path, 1, INSIDE, extra, {WORLD: 5}, since=0.0)),
-                blame.Evidence(2, _board(tmp_path, 2, IDLE, Entry("all_reduce", WORLD, 4), {WORLD: 4}))]
+    evidence = [
+        blame.Evidence(0, _board(tmp_path, 0, IDLE, Entry("all_reduce", WORLD, 4), {WORLD: 4})),
+        blame.Evidence(1, _board(tmp_path, 1, INSIDE, extra, {WORLD: 5}, since=0.0)),
+        blame.Evidence(2, _board(tmp_path, 2, IDLE, Entry("all_reduce", WORLD, 4), {WORLD: 4})),
+    ]
     verdict = blame.judge(evidence, now=100.0, timeout_s=10)
-    assert verdict.rank == 1 and "rank 1 entered all_reduce #5 (group [0, 1, 2]) but ranks [0, 2] never did" \
-        in verdict.headline
-    mismatch = [blame.Evidence(r, _board(tmp_path, r, INSIDE, Entry(op, WORLD, 4), {WORLD: 4}, since=0.0))
-                for r, op in enumerate(("all_reduce", "broadcast", "all_reduce"))]
+    assert (
+        verdict.rank == 1
+        and "rank 1 entered all_reduce #5 (group [0, 1, 2]) but ranks [0, 2] never did" in verdict.headline
+    )
+    mismatch = [
+        blame.Evidence(r, _board(tmp_path, r, INSIDE, Entry(op, WORLD, 4), {WORLD: 4}, since=0.0))
+        for r, op in enumerate(("all_reduce", "broadcast", "all_reduce"))
+    ]
     verdict = blame.judge(mismatch, now=100.0, timeout_s=10)
     assert verdict.rank == 1 and verdict.headline.startswith("rank 1 called broadcast #4 (group [0, 1, 2]) where")
 
@@ -148,8 +166,11 @@ def test_consequences_are_recognised_through_the_chain():
 # --- messages that say what was wrong and what to do -----------------------------------------------------
 def test_moe_names_a_wrong_input_dtype():
     layer = toolkit.moe.MoE(8, 16, 4)
-    with pytest.raises(TypeError, match=r"expects torch.float32 tokens.*got torch.int64: token ids go through an "
-                                        r"embedding first"):
+    with pytest.raises(
+        TypeError,
+        match=r"expects torch.float32 tokens.*got torch.int64: token ids go through an "
+        r"embedding first",
+    ):
         layer(torch.arange(16).reshape(2, 8))
     with pytest.raises(TypeError, match=r"got torch.float64: convert one to the other: x.to\(torch.float32\)"):
         layer(torch.randn(2, 8, dtype=torch.float64))
@@ -161,6 +182,7 @@ def test_an_unpicklable_function_says_what_cannot_travel_and_what_to_do():
     def uses_lock():
         with lock:
             return 1
+
     with pytest.raises(TypeError) as info:
         toolkit.launch(uses_lock, 2, timeout_s=10)
     message = str(info.value)
@@ -182,8 +204,9 @@ def _dies_inside_a_collective(how, folder):
     time.sleep(60)
 
 
-@pytest.mark.parametrize("how, story", [("kill", "rank 2 died: killed by SIGKILL (9)"),
-                                        ("exit", "rank 2 died with exit code 3")])
+@pytest.mark.parametrize(
+    "how, story", [("kill", "rank 2 died: killed by SIGKILL (9)"), ("exit", "rank 2 died with exit code 3")]
+)
 def test_a_rank_that_dies_inside_a_collective_is_named_not_its_peers(how, story, tmp_path, no_leftover_ranks):
     with pytest.raises(RankError) as info:
         # surfaced at once: a launch that waited for the peers' collective to time out would outlast the test
@@ -224,8 +247,7 @@ def _killed_then_another_raises(folder):
     time.sleep(60)
 
 
-def test_blame_goes_by_when_things_happened_not_when_the_launcher_saw_them(tmp_path, monkeypatch,
-                                                                           no_leftover_ranks):
+def test_blame_goes_by_when_things_happened_not_when_the_launcher_saw_them(tmp_path, monkeypatch, no_leftover_ranks):
     """A loaded machine delays the launcher's look at the ranks (3 of 3 runs at load ~5 blamed the raiser):
     the look is delayed here on purpose, by a second each time. A death must still be dated when it
     happened, so the SIGKILL 50 ms before the raise is the cause."""

@@ -1,5 +1,6 @@
 """Under mpiexec: a rank that raises ends the job with its traceback once; a rank that dies without raising is
 named with its exit code or signal (by the survivors, or by this machine's witness when mpiexec kills them first)."""
+
 import os
 import re
 import select
@@ -9,9 +10,9 @@ import textwrap
 import time
 
 import pytest
+from test_launchers import _bin, _clean_env, gone
 
 import toolkit
-from test_launchers import _bin, _clean_env, gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,8 +35,14 @@ def test_under_mpiexec_a_raising_rank_ends_the_job_with_its_traceback_once(tmp_p
     script.write_text(MPI_SCRIPT)
     pids.mkdir()
     # the others sleep 600 s after rank 1 raised: only the abort can end the job inside the timeout
-    out = subprocess.run([_bin("mpiexec"), "-n", "3", sys.executable, str(script), str(pids)], capture_output=True,
-                         text=True, timeout=150, env=_clean_env(), cwd=tmp_path)
+    out = subprocess.run(
+        [_bin("mpiexec"), "-n", "3", sys.executable, str(script), str(pids)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=_clean_env(),
+        cwd=tmp_path,
+    )
     assert out.returncode != 0
     err = out.stderr
     assert err.count("ValueError: rank one is unhappy") == 1, err
@@ -68,9 +75,14 @@ def test_under_mpiexec_the_abort_waits_until_the_launcher_has_read_the_traceback
     script.write_text(ABORTS_AFTER_WRITING)
     lost = []
     for job in range(20):
-        out = subprocess.run([_bin("mpiexec"), "-n", "2", sys.executable, str(script),
-                              os.path.dirname(toolkit.__file__)], capture_output=True, text=True, timeout=60,
-                             env=_clean_env(), cwd=tmp_path)
+        out = subprocess.run(
+            [_bin("mpiexec"), "-n", "2", sys.executable, str(script), os.path.dirname(toolkit.__file__)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=_clean_env(),
+            cwd=tmp_path,
+        )
         assert out.returncode != 0
         if out.stderr.count("ValueError: rank one is unhappy") != 1 or out.stderr.count("x" * 60000) != 1:
             lost.append((job, out.returncode, len(out.stderr)))
@@ -81,10 +93,17 @@ def test_the_abort_ends_the_job_only_once_the_launcher_has_read_the_output(tmp_p
     """The twin of the test above that does not need the race to happen: the rank's stderr is a pipe nobody
     reads for a second; the rank must still be there (not ended the job), and end once it has been read."""
     script = tmp_path / "job.py"
-    script.write_text(ABORTS_AFTER_WRITING.replace("from mpi4py import MPI", "sys.modules['mpi4py'] = None")
-                      .replace("MPI.COMM_WORLD.Get_rank()", "1"))  # no MPI: the abort is a bare os._exit(1)
-    rank = subprocess.Popen([sys.executable, str(script), os.path.dirname(toolkit.__file__)], stderr=subprocess.PIPE,
-                            env=_clean_env(), cwd=tmp_path)
+    script.write_text(
+        ABORTS_AFTER_WRITING.replace("from mpi4py import MPI", "sys.modules['mpi4py'] = None").replace(
+            "MPI.COMM_WORLD.Get_rank()", "1"
+        )
+    )  # no MPI: the abort is a bare os._exit(1)
+    rank = subprocess.Popen(
+        [sys.executable, str(script), os.path.dirname(toolkit.__file__)],
+        stderr=subprocess.PIPE,
+        env=_clean_env(),
+        cwd=tmp_path,
+    )
     try:
         deadline = time.time() + 60
         while not select.select([rank.stderr], [], [], 0.1)[0] and time.time() < deadline:
@@ -107,8 +126,11 @@ def test_the_witness_names_the_first_silent_death_only(tmp_path, raised_first):
     ranks = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
     witness = os.path.join(os.path.dirname(toolkit.runtime.__file__), "witness.py")
     try:
-        seen = subprocess.Popen([sys.executable, witness, str(marks), "host-a"] +
-                                [f"{r}:{p.pid}" for r, p in enumerate(ranks)], stderr=subprocess.PIPE, text=True)
+        seen = subprocess.Popen(
+            [sys.executable, witness, str(marks), "host-a"] + [f"{r}:{p.pid}" for r, p in enumerate(ranks)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.time() + 120
         while not (marks / "watching").exists() and time.time() < deadline:
             time.sleep(0.01)
@@ -149,12 +171,18 @@ DIES_UNDER_MPIEXEC = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("how, story", [
-    ("kill", r"rank 2 \(pid \d+( on \S+)?\) died: killed by SIGKILL \(9\)"),
-    ("exit", r"rank 2 \(pid \d+( on \S+)?\) died with exit code 3 before returning"),
-    ("return", r"rank 2 finished its script \(it returned, or called sys.exit\) while this rank still waited for it "
-               r"in a collective: it returned early, past a collective the others entered"),
-])
+@pytest.mark.parametrize(
+    "how, story",
+    [
+        ("kill", r"rank 2 \(pid \d+( on \S+)?\) died: killed by SIGKILL \(9\)"),
+        ("exit", r"rank 2 \(pid \d+( on \S+)?\) died with exit code 3 before returning"),
+        (
+            "return",
+            r"rank 2 finished its script \(it returned, or called sys.exit\) while this rank still waited for it "
+            r"in a collective: it returned early, past a collective the others entered",
+        ),
+    ],
+)
 def test_under_mpiexec_a_rank_that_dies_without_raising_is_named_with_how(how, story, tmp_path):
     """0 of 6 before: the survivors said "PeerFailed because another rank failed (its traceback is the one to
     read)", with no such traceback; on a SIGKILL mpiexec killed them before even that, and named a pid only."""
@@ -163,9 +191,14 @@ def test_under_mpiexec_a_rank_that_dies_without_raising_is_named_with_how(how, s
     script, pids, scratch = tmp_path / "job.py", tmp_path / "pids", tmp_path / "tmp"
     script.write_text(DIES_UNDER_MPIEXEC)
     pids.mkdir(), scratch.mkdir()
-    out = subprocess.run([_bin("mpiexec"), "-n", "3", sys.executable, str(script), str(pids), how],
-                         capture_output=True, text=True, timeout=150, env=dict(_clean_env(), TMPDIR=str(scratch)),
-                         cwd=tmp_path)
+    out = subprocess.run(
+        [_bin("mpiexec"), "-n", "3", sys.executable, str(script), str(pids), how],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=dict(_clean_env(), TMPDIR=str(scratch)),
+        cwd=tmp_path,
+    )
     assert out.returncode != 0
     # under load a survivor's MPI_Abort (exit status 1) can come before mpiexec's cleanup (9); it then ended the
     # job with nothing printed, until the abort waited for the launcher to read the output

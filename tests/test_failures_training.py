@@ -1,4 +1,5 @@
 """Failures in what training holds: a checkpoint a rank cannot use, a loss that went NaN. Each names its rank."""
+
 import os
 
 import pytest
@@ -17,6 +18,7 @@ def test_a_refused_checkpoint_pickle_is_explained_whole(tmp_path):
     class Runs:
         def __reduce__(self):
             return (os.system, ("true",))
+
     path = str(tmp_path / "foreign.pt")
     torch.save({"x": Runs()}, path)
     _, why = checkpoint._read(path)
@@ -27,14 +29,16 @@ def test_a_refused_checkpoint_pickle_is_explained_whole(tmp_path):
 
 
 def _loads_a_cut_shard(folder):
-    import torch.distributed as dist
     from functools import partial
+
+    import torch.distributed as dist
 
     from toolkit.parallel import checkpoint
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    model, opt = toolkit.parallel.wrap(model, "fsdp", wrap_policy=torch.nn.Linear,
-                                       optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    model, opt = toolkit.parallel.wrap(
+        model, "fsdp", wrap_policy=torch.nn.Linear, optimizer=partial(torch.optim.AdamW, lr=1e-3)
+    )
     path = checkpoint.save_sharded(model, opt, folder)
     if dist.get_rank() == 1:
         data = open(path, "rb").read()
@@ -62,8 +66,9 @@ def _loads_a_swapped_shard(folder):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    model, opt = toolkit.parallel.wrap(model, "fsdp", wrap_policy=torch.nn.Linear,
-                                       optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    model, opt = toolkit.parallel.wrap(
+        model, "fsdp", wrap_policy=torch.nn.Linear, optimizer=partial(torch.optim.AdamW, lr=1e-3)
+    )
     path = checkpoint.save_sharded(model, opt, folder)
     comm.barrier()
     if dist.get_rank() == 2:  # rank 0's file copied over rank 2's: same shapes, same layout, wrong slices
@@ -109,14 +114,24 @@ def test_a_nan_loss_names_the_rank_and_step_where_it_first_appeared(no_leftover_
     """Every rank's loss is NaN from step 3 on; before, the run returned NaN losses and named nobody."""
     from toolkit.train import TrainConfig, launch_train
 
-    config = TrainConfig(strategy="ddp", steps=5, global_batch_size=6, progress=False, sample_memory=False,
-                         model=dict(n_layer=1, d_model=16, n_head=2))
+    config = TrainConfig(
+        strategy="ddp",
+        steps=5,
+        global_batch_size=6,
+        progress=False,
+        sample_memory=False,
+        model=dict(n_layer=1, d_model=16, n_head=2),
+    )
     with pytest.raises(RankError) as info:
         launch_train(config, 3, model_fn=_GoesNanOnRank1AtStep2, timeout_s=60, quiet=True)
     message = str(info.value)
     assert info.value.rank == 1, message
-    assert message.startswith("rank 1 raised NonFiniteLoss: the loss went non-finite first on rank 1 at step 2 "
-                              "(of steps 0-4), and the run ended non-finite; this rank's loss there was nan."), message
+    assert message.startswith(
+        "rank 1 raised NonFiniteLoss: the loss went non-finite first on rank 1 at step 2 "
+        "(of steps 0-4), and the run ended non-finite; this rank's loss there was nan."
+    ), message
     for other in (0, 2):
-        assert (f"  - rank {other}: the loss went non-finite first on rank 1 at step 2" in message
-                and "went non-finite at step 3 only because the gradient all-reduce spread it here" in message), message
+        assert (
+            f"  - rank {other}: the loss went non-finite first on rank 1 at step 2" in message
+            and "went non-finite at step 3 only because the gradient all-reduce spread it here" in message
+        ), message

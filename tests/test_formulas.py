@@ -166,7 +166,14 @@ def test_errors_name_the_valid_values(call, words):
 
 
 def test_package_reexports():
-    for name in ("model_states", "model_states_breakdown", "communication_per_step", "alpha_beta_time",
-                 "fsdp_peak_params", "fsdp_cross_host_traffic", "activation_bytes"):
+    for name in (
+        "model_states",
+        "model_states_breakdown",
+        "communication_per_step",
+        "alpha_beta_time",
+        "fsdp_peak_params",
+        "fsdp_cross_host_traffic",
+        "activation_bytes",
+    ):
         assert callable(getattr(memory, name))
     assert math.isclose(memory.model_states(7.5e9, 64, 3) / GB, 1.875)

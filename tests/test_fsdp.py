@@ -10,6 +10,7 @@ world 2 wrote (a different world size).
 The model is test_zero's tiny GPT (Ψ = 19,006, tied head): units (root 2,106 = embeddings + final
 norm; two blocks of 8,450) pad at world sizes 3 and 4.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -21,9 +22,9 @@ import tempfile
 import pytest
 import torch
 import torch.nn as nn
+from oracle import plain_training
 
 import toolkit
-from oracle import plain_training
 from toolkit.memory import communication_per_step
 from toolkit.models import SyntheticCorpus, tiny_gpt
 from toolkit.parallel import checkpoint as ckpt
@@ -62,19 +63,23 @@ def ckpt_diff(a: dict, b: dict) -> float:
     assert a["model"].keys() == b["model"].keys() and a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
     diffs = [max_diff(a["model"], b["model"])]
     for name, state in a["optimizer"]["state"].items():
-        diffs.append(max_diff({k: torch.as_tensor(v) for k, v in state.items()},
-                              {k: torch.as_tensor(v) for k, v in b["optimizer"]["state"][name].items()}))
+        diffs.append(
+            max_diff(
+                {k: torch.as_tensor(v) for k, v in state.items()},
+                {k: torch.as_tensor(v) for k, v in b["optimizer"]["state"][name].items()},
+            )
+        )
     return max(diffs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def oracle(clip=None, mixed=False, model=None):
     """Losses, clip norms and final parameters of one process on the whole batch, torch only."""
     net = build() if model is None else initialize(tiny_gpt(**dict(model)), seeded_init(0))
     return plain_training(net, batches(), OPT, clip=clip, mixed=mixed)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def accumulated_oracle(n, model):
     """One process doing the ranks' arithmetic in their order: each rank's rows' mean loss, divided by n, backward
     (a sum of two gradients is the same in either order, and halving is exact), then AdamW; one thread, as each
@@ -89,7 +94,7 @@ def accumulated_oracle(n, model):
         for step in range(STEPS):
             parts = []
             for rank in range(n):
-                (x, y), = batches(rank, n, steps=1, first=step)
+                ((x, y),) = batches(rank, n, steps=1, first=step)
                 loss = net(x, y)
                 (loss / n).backward()
                 parts.append(loss.item())
@@ -113,6 +118,7 @@ def train(rank, n, *, clip=None, micro=1, no_sync=False, track=False, model=None
     tracker = contextlib.nullcontext()
     if track:
         from torch.distributed._tools.mem_tracker import MemTracker
+
         tracker = MemTracker()
     with tracker:
         model, opt = wrap(build() if model is None else model, "fsdp", optimizer=OPT, **options)
@@ -135,7 +141,7 @@ def train(rank, n, *, clip=None, micro=1, no_sync=False, track=False, model=None
                     quiet = no_sync and i < micro - 1
                     with model.no_sync() if quiet else contextlib.nullcontext():
                         with phase("forward"), meter:
-                            part = model(x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows]) / micro
+                            part = model(x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows]) / micro
                         with phase("backward"):
                             part.backward()
                     loss = loss + part.detach()
@@ -150,11 +156,19 @@ def train(rank, n, *, clip=None, micro=1, no_sync=False, track=False, model=None
             losses.append(loss.float().item())
     with torch.no_grad():
         logits = model(batches(0, 1, steps=1)[0][0]).float()
-    out = {"losses": losses, "norms": norms, "params": model.full_state_dict(), "trace": trace, "sent": sent,
-           "units": model.describe(), "states_peak": max(s[0] for s in samples),
-           "forward_peak": max(s[0] for s in samples if s[2] == "forward"),
-           "activations_peak": meter.peak, "logits": logits, "shard_bytes": sum(
-               t.untyped_storage().nbytes() for t in model.memory_groups()["optimizer"])}
+    out = {
+        "losses": losses,
+        "norms": norms,
+        "params": model.full_state_dict(),
+        "trace": trace,
+        "sent": sent,
+        "units": model.describe(),
+        "states_peak": max(s[0] for s in samples),
+        "forward_peak": max(s[0] for s in samples if s[2] == "forward"),
+        "activations_peak": meter.peak,
+        "logits": logits,
+        "shard_bytes": sum(t.untyped_storage().nbytes() for t in model.memory_groups()["optimizer"]),
+    }
     if track:
         out["tracked_peak"] = tracker.get_tracker_snapshot("peak")[env.device()]["Total"]
     return out
@@ -178,7 +192,10 @@ def peer_fsdp2(rank, n):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "params": {k: v.full_tensor().cpu().detach().clone() for k, v in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "params": {k: v.full_tensor().cpu().detach().clone() for k, v in model.named_parameters()},
+    }
 
 
 def steps(model, opt, rank, n, first, count=2):
@@ -237,8 +254,12 @@ def errors(rank, n, tmp):
         with open(path, "rb") as f, open(f"{tmp}/corrupt.pt", "wb") as g:
             g.write(f.read()[:2000])
     torch.distributed.barrier()
-    for key, overrides, file in [("shapes", dict(d_model=28), path), ("another_model", dict(n_layer=3), path),
-                                 ("corrupt", {}, f"{tmp}/corrupt.pt"), ("missing", {}, f"{tmp}/nothing.pt")]:
+    for key, overrides, file in [
+        ("shapes", dict(d_model=28), path),
+        ("another_model", dict(n_layer=3), path),
+        ("corrupt", {}, f"{tmp}/corrupt.pt"),
+        ("missing", {}, f"{tmp}/nothing.pt"),
+    ]:
         model, opt = wrap(build(seed=5, **overrides), "fsdp", optimizer=OPT)
         before = model.full_state_dict()
         catch(key, lambda: ckpt.load_full(model, opt, file))
@@ -246,7 +267,7 @@ def errors(rank, n, tmp):
     model, opt = wrap(build(), "fsdp", optimizer=functools.partial(torch.optim.SGD, lr=LR))
     catch("optimizer_kind", lambda: ckpt.load_full(model, opt, path))
     model, opt = wrap(build(), "fsdp", optimizer=OPT)
-    (x, y), = batches(rank, n, steps=1)
+    ((x, y),) = batches(rank, n, steps=1)
 
     def only_no_sync():
         with model.no_sync():
@@ -268,8 +289,13 @@ def deferred(rank, n):
         model, opt = wrap(model, "fsdp", optimizer=OPT, param_init_fn=seeded_init(0))
         peak = tracker.get_tracker_snapshot("peak")[env.device()]["Total"]
     initial = model.full_state_dict()
-    return {"peak": peak, "initial": initial, "losses": steps(model, opt, rank, n, 0, STEPS),
-            "params": model.full_state_dict(), "units": model.describe()}
+    return {
+        "peak": peak,
+        "initial": initial,
+        "losses": steps(model, opt, rank, n, 0, STEPS),
+        "params": model.full_state_dict(),
+        "units": model.describe(),
+    }
 
 
 class PlainUnit(FSDPUnit):
@@ -293,7 +319,7 @@ def watched(rank, n):
     from toolkit.trace import recorder
 
     model, opt = wrap(build(), "fsdp", optimizer=OPT)
-    (x, y), = batches(rank, n, steps=1)
+    ((x, y),) = batches(rank, n, steps=1)
     start = len(recorder.samples)
     with model.watch_memory(step=0):
         model(x, y).backward()
@@ -363,7 +389,7 @@ def run_rank(n, tmp):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results(n):
     """Every rank's results for world size n (one launch); losses averaged over ranks."""
     if n == 4:
@@ -380,7 +406,7 @@ def results(n):
     return merged
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tmp_dir() -> str:
     """One folder for the whole session, made here and handed to the ranks (each imports this file anew)."""
     path = tempfile.mkdtemp(prefix="toolkit-fsdp-")
@@ -388,7 +414,7 @@ def tmp_dir() -> str:
     return path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def local_checkpoint():
     """In this process, no ranks: world 2's FSDP checkpoint into "local", compared, saved again."""
     results(2)
@@ -510,7 +536,9 @@ def test_policies():
     assert tied[0].moved_in == [("tok_emb.weight", ["", "tok_emb"])]
     assert [u.name for u in plan(model, 3000)] == ["", "blocks.0.mlp", "blocks.1.mlp"]  # not the ModuleList
     assert [u.name for u in plan(model, lambda name, m: name == "blocks.1")] == ["", "blocks.1"]
-    assert [u.name for u in plan(model, nn.LayerNorm)][1:] == [f"blocks.{i}.ln_{j}" for i in (0, 1) for j in (1, 2)] + ["ln_f"]
+    assert [u.name for u in plan(model, nn.LayerNorm)][1:] == [f"blocks.{i}.ln_{j}" for i in (0, 1) for j in (1, 2)] + [
+        "ln_f"
+    ]
     nested = plan(model, ["blocks.0", "blocks.0.mlp"])
     assert [sum(p.numel() for p in u.params) for u in nested] == [ROOT + BLOCK, BLOCK - 5538, 5538]
 
@@ -553,6 +581,7 @@ def test_traffic_of_the_variants():
 def test_prefetch_shows_in_the_trace():
     """forward_prefetch: block 1's all-gather is issued before block 0 computes; backward_prefetch:
     block 0's all-gather is issued before block 1's reduce-scatter. Without them, after."""
+
     def position(trace, name, unit, phase):
         return next(i for i, (n, u, p) in enumerate(trace) if (n, u, p) == (name, unit, phase))
 

@@ -1,4 +1,5 @@
 """viz.memory.memory_over_time on hand-made Runs: a line per category, unit events marked, bounds drawn."""
+
 import plotly.graph_objects as go
 import pytest
 
@@ -9,8 +10,16 @@ UNIT = 1000  # bytes of a gathered unit in the made-up step
 
 
 def _sample(rank, time, params, event=None, step=0, phase="forward", grads=0, activations=0):
-    s = {"rank": rank, "time": time, "phase": phase, "step": step, "params": params, "grads": grads,
-         "optimizer": 800, "activations": activations}
+    s = {
+        "rank": rank,
+        "time": time,
+        "phase": phase,
+        "step": step,
+        "params": params,
+        "grads": grads,
+        "optimizer": 800,
+        "activations": activations,
+    }
     if event:
         s["event"] = event
     return s
@@ -82,8 +91,9 @@ def test_step_filter_bound_and_categories(run):
 
 
 def test_samples_without_events_and_bad_input():
-    plain = Run(config={}, events=[], samples=[_sample(0, 1.0, 10), _sample(0, 2.0, 20)], metrics=[],
-                meta={"ranks": [0]})
+    plain = Run(
+        config={}, events=[], samples=[_sample(0, 1.0, 10), _sample(0, 2.0, 20)], metrics=[], meta={"ranks": [0]}
+    )
     fig = memory_over_time(plain)
     assert {t.name for t in fig.data} == {"params", "grads", "optimizer", "activations", "total"}  # the default
     with pytest.raises(ValueError, match="no memory samples"):

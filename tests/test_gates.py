@@ -15,7 +15,7 @@ from toolkit.moe.gates import (
     switch_aux_loss,
 )
 
-GOLDEN_PROBS = [[.5, .4, .1], [.3, .3, .4], [.1, .2, .7], [.8, .2, 0.]]
+GOLDEN_PROBS = [[0.5, 0.4, 0.1], [0.3, 0.3, 0.4], [0.1, 0.2, 0.7], [0.8, 0.2, 0.0]]
 
 
 def fixed_gate(num_experts, top_k, capacity_factor=1.0, **kw):
@@ -27,6 +27,7 @@ def fixed_gate(num_experts, top_k, capacity_factor=1.0, **kw):
 
 
 # --- losses ----------------------------------------------------------------------------------
+
 
 def test_gshard_aux_loss_golden_value():
     probs = torch.tensor(GOLDEN_PROBS, dtype=torch.float64)
@@ -55,7 +56,7 @@ def test_switch_aux_loss_hand_computed():
 
 
 def test_router_z_loss_hand_computed():
-    logits = torch.tensor([[0., 0.], [2., 2.]], dtype=torch.float64)
+    logits = torch.tensor([[0.0, 0.0], [2.0, 2.0]], dtype=torch.float64)
     expected = (math.log(2) ** 2 + (2 + math.log(2)) ** 2) / 2
     assert router_z_loss(logits).item() == pytest.approx(expected, abs=1e-12)
 
@@ -70,33 +71,40 @@ def test_empty_batch_losses_are_zero_not_nan():
 
 # --- capacity --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("T,E,k,f,minc,expected", [
-    (8, 4, 2, 1.25, 1, 5),     # 2*1.25*8/4 = 5 exactly
-    (10, 4, 1, 1.0, 1, 3),     # 2.5 rounds up
-    (10, 4, 2, 1.0, 1, 5),
-    (9, 4, 1, 1.0, 1, 3),      # 2.25 rounds up
-    (10, 11, 1, 1.1, 1, 1),    # 1.0000000000000002 in floats must still be 1
-    (100, 8, 2, 1.0, 1, 25),
-    (0, 4, 2, 1.0, 1, 1),      # min_capacity
-    (4, 8, 1, 1.0, 4, 4),      # ceil(0.5) = 1, raised to min_capacity 4
-    (4, 8, 1, 1.0, 0, 1),
-])
+
+@pytest.mark.parametrize(
+    "T,E,k,f,minc,expected",
+    [
+        (8, 4, 2, 1.25, 1, 5),  # 2*1.25*8/4 = 5 exactly
+        (10, 4, 1, 1.0, 1, 3),  # 2.5 rounds up
+        (10, 4, 2, 1.0, 1, 5),
+        (9, 4, 1, 1.0, 1, 3),  # 2.25 rounds up
+        (10, 11, 1, 1.1, 1, 1),  # 1.0000000000000002 in floats must still be 1
+        (100, 8, 2, 1.0, 1, 25),
+        (0, 4, 2, 1.0, 1, 1),  # min_capacity
+        (4, 8, 1, 1.0, 4, 4),  # ceil(0.5) = 1, raised to min_capacity 4
+        (4, 8, 1, 1.0, 0, 1),
+    ],
+)
 def test_capacity_formula(T, E, k, f, minc, expected):
     assert capacity(T, E, k, f, minc) == expected
 
 
-@pytest.mark.parametrize("args,match", [
-    ((8, 4, 2, 0.0), r"capacity_factor=0.0: .*Tutel's spelling of dynamic capacity.*dropless=True"),
-    ((8, 4, 2, -1.0), r"capacity_factor=-1.0: .*dynamic_capacity=True, capacity_factor=1.0"),
-    ((8, 4, 2, float("nan")), "capacity_factor"),
-    ((8, 4, 2, float("inf")), "capacity_factor"),
-    ((8, 4, 5, 1.0), r"top_k=5 is larger than num_experts=4.*top_k <= 4"),
-    ((8, 4, 0, 1.0), "top_k must be an int >= 1"),
-    ((8, 0, 1, 1.0), "num_experts must be an int >= 1"),
-    ((-1, 4, 1, 1.0), "num_tokens must be an int >= 0"),
-    ((8.0, 4, 1, 1.0), "num_tokens must be an int"),
-    ((8, 4, 1, 1.0, -1), "min_capacity must be an int >= 0"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((8, 4, 2, 0.0), r"capacity_factor=0.0: .*Tutel's spelling of dynamic capacity.*dropless=True"),
+        ((8, 4, 2, -1.0), r"capacity_factor=-1.0: .*dynamic_capacity=True, capacity_factor=1.0"),
+        ((8, 4, 2, float("nan")), "capacity_factor"),
+        ((8, 4, 2, float("inf")), "capacity_factor"),
+        ((8, 4, 5, 1.0), r"top_k=5 is larger than num_experts=4.*top_k <= 4"),
+        ((8, 4, 0, 1.0), "top_k must be an int >= 1"),
+        ((8, 0, 1, 1.0), "num_experts must be an int >= 1"),
+        ((-1, 4, 1, 1.0), "num_tokens must be an int >= 0"),
+        ((8.0, 4, 1, 1.0), "num_tokens must be an int"),
+        ((8, 4, 1, 1.0, -1), "min_capacity must be an int >= 0"),
+    ],
+)
 def test_capacity_errors_explain(args, match):
     with pytest.raises(ValueError, match=match):
         capacity(*args)
@@ -104,9 +112,10 @@ def test_capacity_errors_explain(args, match):
 
 # --- slots, capacity and dropping ------------------------------------------------------------
 
+
 def test_overflow_keeps_the_first_tokens_in_token_order():
-    gate = fixed_gate(3, top_k=1, capacity_factor=1.0)      # C = ceil(6/3) = 2
-    x = torch.tensor([[5., 0., 0.]] * 6)                     # all six tokens want expert 0
+    gate = fixed_gate(3, top_k=1, capacity_factor=1.0)  # C = ceil(6/3) = 2
+    x = torch.tensor([[5.0, 0.0, 0.0]] * 6)  # all six tokens want expert 0
     r = gate(x)
     assert r.capacity == 2
     assert r.expert_index.squeeze(1).tolist() == [0] * 6
@@ -118,20 +127,24 @@ def test_overflow_keeps_the_first_tokens_in_token_order():
 
 
 def test_top2_all_first_choices_get_slots_before_second_choices():
-    gate = fixed_gate(2, top_k=2, capacity_factor=1.0)      # C = ceil(2*3/2) = 3
-    x = torch.tensor([[2., 1.],   # token 0: first e0, second e1
-                      [1., 2.],   # token 1: first e1, second e0
-                      [2., 1.]])  # token 2: first e0, second e1
+    gate = fixed_gate(2, top_k=2, capacity_factor=1.0)  # C = ceil(2*3/2) = 3
+    x = torch.tensor(
+        [
+            [2.0, 1.0],  # token 0: first e0, second e1
+            [1.0, 2.0],  # token 1: first e1, second e0
+            [2.0, 1.0],
+        ]
+    )  # token 2: first e0, second e1
     r = gate(x)
     assert r.expert_index.tolist() == [[0, 1], [1, 0], [0, 1]]
     # choice 0: t0->e0 slot 0, t1->e1 slot 0, t2->e0 slot 1; then choice 1: t0->e1 slot 1, t1->e0 slot 2, t2->e1 slot 2
     assert r.slot.tolist() == [[0, 1], [0, 2], [1, 2]]
     assert r.kept.all()
-    r2 = r.with_capacity(2)   # token 0's second choice loses to token 2's first choice
+    r2 = r.with_capacity(2)  # token 0's second choice loses to token 2's first choice
     assert r2.kept.tolist() == [[True, True], [True, False], [True, False]]
     assert r2.kept_counts.tolist() == [2, 2]
     assert r2.dropped == 2
-    assert r.capacity == 3 and r.dropped == 0     # with_capacity returns a new record
+    assert r.capacity == 3 and r.dropped == 0  # with_capacity returns a new record
 
 
 @pytest.mark.parametrize("k,f", [(1, 1.0), (2, 1.25), (2, 0.5), (3, 2.0)])
@@ -145,7 +158,7 @@ def test_kept_counts_and_slot_invariants(k, f):
     per_expert_kept = torch.bincount(r.expert_index[r.kept], minlength=E)
     assert torch.equal(per_expert_kept, r.kept_counts)
     assert r.dropped == T * k - r.kept_counts.sum().item()
-    for e in range(E):   # slots of expert e are exactly 0..counts[e]-1, each once
+    for e in range(E):  # slots of expert e are exactly 0..counts[e]-1, each once
         assert sorted(r.slot[r.expert_index == e].tolist()) == list(range(r.counts[e].item()))
     # each token picks distinct experts
     assert all(len(set(row)) == k for row in r.expert_index.tolist())
@@ -159,7 +172,7 @@ def test_extreme_skew():
     r = gate(x)
     assert r.counts.tolist() == [0, 0, T, 0]
     assert r.capacity == 8 and r.kept_counts.tolist() == [0, 0, 8, 0] and r.dropped == T - 8
-    assert r.aux_loss.item() == pytest.approx(E, rel=1e-3)     # GShard loss -> E at collapse
+    assert r.aux_loss.item() == pytest.approx(E, rel=1e-3)  # GShard loss -> E at collapse
     s = load_stats(r.counts)
     assert s["max_over_mean"] == pytest.approx(E)
     assert s["cv"] == pytest.approx(math.sqrt(E - 1))
@@ -183,6 +196,7 @@ def test_dropless_keeps_everything_and_with_capacity_syncs():
 
 # --- weights and gradients -------------------------------------------------------------------
 
+
 def test_topk_weight_normalisation():
     torch.manual_seed(1)
     x = torch.randn(10, 8)
@@ -192,7 +206,7 @@ def test_topk_weight_normalisation():
     probs = torch.softmax(x @ g2.router.weight.t(), -1)
     g2.normalize_topk = False
     assert torch.allclose(g2(x).gate_weight, probs.gather(1, r2.expert_index))
-    g1 = TopKGate(8, 4, top_k=1)       # Switch: raw probability even with normalize_topk=True
+    g1 = TopKGate(8, 4, top_k=1)  # Switch: raw probability even with normalize_topk=True
     r1 = g1(x)
     probs1 = torch.softmax(x @ g1.router.weight.t(), -1)
     assert torch.allclose(r1.gate_weight.squeeze(1), probs1.max(-1).values)
@@ -203,7 +217,7 @@ def test_gradients_reach_the_router(k, aux):
     torch.manual_seed(2)
     gate = TopKGate(8, 4, top_k=k, aux_loss=aux, z_loss_weight=1e-3)
     r = gate(torch.randn(12, 8))
-    coeff = torch.randn_like(r.gate_weight)   # not a plain sum: normalised top-2 weights sum to 1
+    coeff = torch.randn_like(r.gate_weight)  # not a plain sum: normalised top-2 weights sum to 1
     for term in [(r.gate_weight * coeff).sum(), r.aux_loss, r.z_loss, r.loss]:
         gate.zero_grad()
         term.backward(retain_graph=True)
@@ -221,7 +235,7 @@ def test_dense_forms_match_the_routing():
     C = r.capacity
     assert cw.shape == dm.shape == (T, E, C)
     assert dm.sum().item() == r.kept.sum().item()
-    assert dm.sum(0).max().item() <= 1                       # one token per slot
+    assert dm.sum(0).max().item() <= 1  # one token per slot
     assert torch.equal(cw != 0, dm)
     assert torch.allclose(cw.sum((1, 2)), (r.gate_weight * r.kept).sum(1))
     # dense dispatch equals the index form
@@ -238,6 +252,7 @@ def test_dense_forms_match_the_routing():
 
 # --- determinism, noise, precision ------------------------------------------------------------
 
+
 def test_determinism_and_noise():
     def build():
         torch.manual_seed(4)
@@ -249,8 +264,8 @@ def test_determinism_and_noise():
     rb = b(x, generator=torch.Generator().manual_seed(7))
     assert torch.equal(ra.expert_index, rb.expert_index) and torch.equal(ra.gate_weight, rb.gate_weight)
     rc = a(x, generator=torch.Generator().manual_seed(8))
-    assert not torch.equal(ra.expert_index, rc.expert_index)       # noise changes the choices
-    a.eval()                                                       # eval: no noise at all
+    assert not torch.equal(ra.expert_index, rc.expert_index)  # noise changes the choices
+    a.eval()  # eval: no noise at all
     clean = TopKGate(8, 6, top_k=2)
     clean.load_state_dict(a.state_dict())
     assert torch.equal(a(x).expert_index, clean(x).expert_index)
@@ -273,6 +288,7 @@ def test_empty_batch():
 
 # --- load statistics -------------------------------------------------------------------------
 
+
 def test_load_stats():
     s = load_stats([5, 5, 5, 5])
     assert s["max_over_mean"] == 1.0 and s["cv"] == 0.0 and s["idle"] == 0 and s["total"] == 20
@@ -284,15 +300,19 @@ def test_load_stats():
 
 # --- every error speaks to a student ---------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(aux_loss="foo"), r"aux_loss='foo' is not known; choose one of \['gshard', 'switch'\]"),
-    (dict(top_k=5), "top_k=5 is larger than num_experts=4"),
-    (dict(capacity_factor=0), "capacity_factor=0: a factor <= 0 is Tutel's spelling"),
-    (dict(noise_std=-1.0), "noise_std must be a finite number >= 0"),
-    (dict(z_loss_weight=-0.1), "z_loss_weight must be a finite number >= 0"),
-    (dict(d_model=0), "d_model must be an int >= 1"),
-    (dict(num_experts=0), "num_experts must be an int >= 1"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(aux_loss="foo"), r"aux_loss='foo' is not known; choose one of \['gshard', 'switch'\]"),
+        (dict(top_k=5), "top_k=5 is larger than num_experts=4"),
+        (dict(capacity_factor=0), "capacity_factor=0: a factor <= 0 is Tutel's spelling"),
+        (dict(noise_std=-1.0), "noise_std must be a finite number >= 0"),
+        (dict(z_loss_weight=-0.1), "z_loss_weight must be a finite number >= 0"),
+        (dict(d_model=0), "d_model must be an int >= 1"),
+        (dict(num_experts=0), "num_experts must be an int >= 1"),
+    ],
+)
 def test_gate_constructor_errors(kwargs, match):
     args = dict(d_model=8, num_experts=4)
     args.update(kwargs)
@@ -331,11 +351,14 @@ def test_routing_is_public_dataclass():
 
 
 # --- where the capacity arithmetic departs from Tutel's (moe/capacity.py) -----------------------------
-@pytest.mark.parametrize("T, E, k, f, ours, tutels", [
-    (10, 4, 2, 1.25, 7, 6),    # ceil(6.25) = 7; Tutel: 2 * int(1.25 * ceil(10/4) = 3.75) = 6
-    (12, 8, 1, 1.5, 3, 3),     # ceil(2.25) = 3; Tutel: int(1.5 * 2) = 3
-    (100, 8, 2, 1.0, 25, 26),  # ceil(25) = 25; Tutel: 2 * int(13) = 26 (T/E rounded up first)
-])
+@pytest.mark.parametrize(
+    "T, E, k, f, ours, tutels",
+    [
+        (10, 4, 2, 1.25, 7, 6),  # ceil(6.25) = 7; Tutel: 2 * int(1.25 * ceil(10/4) = 3.75) = 6
+        (12, 8, 1, 1.5, 3, 3),  # ceil(2.25) = 3; Tutel: int(1.5 * 2) = 3
+        (100, 8, 2, 1.0, 25, 26),  # ceil(25) = 25; Tutel: 2 * int(13) = 26 (T/E rounded up first)
+    ],
+)
 def test_capacity_rounds_as_gshard_where_tutel_rounds_t_over_e_up_first(T, E, k, f, ours, tutels):
     from toolkit.moe.capacity import tutel_capacity
 
@@ -346,8 +369,11 @@ def test_capacity_rounds_as_gshard_where_tutel_rounds_t_over_e_up_first(T, E, k,
 def test_tutels_negative_capacity_factor_points_to_dynamic_capacity():
     from toolkit.moe import MoE
 
-    with pytest.raises(ValueError, match=r"capacity_factor=-4.0: a factor <= 0 is Tutel's spelling of dynamic "
-                                         r"capacity .*Here write dynamic_capacity=True, capacity_factor=4.0"):
+    with pytest.raises(
+        ValueError,
+        match=r"capacity_factor=-4.0: a factor <= 0 is Tutel's spelling of dynamic "
+        r"capacity .*Here write dynamic_capacity=True, capacity_factor=4.0",
+    ):
         MoE(8, 16, 4, capacity_factor=-4.0)
     layer = MoE(8, 16, 4, capacity_factor=4.0, dynamic_capacity=True)  # what the message says works
     assert layer.dynamic_capacity and layer.gate.capacity_factor == 4.0

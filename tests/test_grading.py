@@ -1,6 +1,7 @@
 """The grader at scale: what a misbehaving solution costs (it is stopped, scored and leaves nothing
 running), the lab-01 deadlock found in seconds with the line of each rank, and the forms a course
 platform reads (Gradescope's results.json, plain JSON, exit codes, a class folder to a CSV)."""
+
 import csv
 import json
 import os
@@ -14,7 +15,7 @@ from toolkit.grading.report import as_gradescope, render
 
 LABS = Path(__file__).resolve().parent.parent / "labs"
 
-MISBEHAVING_TASKS = '''
+MISBEHAVING_TASKS = """
 def forks(student, rank, given):
     student.start_children()
 
@@ -26,9 +27,9 @@ def one_sided(student, rank, given):
 
 def endless(student, rank, given):
     student.spin()
-'''
+"""
 
-MISBEHAVING_CHECKS = '''
+MISBEHAVING_CHECKS = """
 from toolkit.grading import check
 
 def accept(ctx, given, got):
@@ -38,9 +39,9 @@ forks = check("starts processes that outlive the rank", points=1, world_sizes=(2
 eats = check("eats memory", points=1, world_sizes=(2,), task="eats")(accept)
 one_sided = check("waits for a message nobody sends", points=1, world_sizes=(2,), task="one_sided")(accept)
 endless = check("never ends", points=2, world_sizes=(2,), task="endless")(accept)
-'''
+"""
 
-MISBEHAVING_SOLUTION = '''
+MISBEHAVING_SOLUTION = """
 import os, subprocess, time
 import torch
 import torch.distributed as dist
@@ -64,7 +65,7 @@ def wait_for_rank0(group):
 def spin():
     while True:
         pass
-'''
+"""
 
 
 @pytest.mark.grading_scale  # beyond the suite's budget: `make test-grading` (about 15 s on 2 cores)
@@ -76,13 +77,17 @@ def test_a_misbehaving_solution_is_stopped_scored_and_leaves_nothing_running(tmp
     score = grade(tmp_path, limits=Limits(check_timeout_s=30, stall_s=2, time_limit_s=3, memory_limit_mb=512))
     results = {r.name: r for r in score.results}
     assert results["starts processes that outlive the rank"].passed
-    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and "3017" in _cmdline(pid)], \
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and "3017" in _cmdline(pid)], (
         "a solution's process survived grading"
+    )
     memory = results["eats memory"].message
     assert "ran out of memory" in memory and "line" in memory, memory
     one_sided = results["waits for a message nobody sends"].message
-    assert "rank 1 waited more than 2 s for messages that no rank will send: rank 0 already finished" \
-        in one_sided and "line" in one_sided and "dist.recv" in one_sided, one_sided
+    assert (
+        "rank 1 waited more than 2 s for messages that no rank will send: rank 0 already finished" in one_sided
+        and "line" in one_sided
+        and "dist.recv" in one_sided
+    ), one_sided
     endless = results["never ends"].message
     assert "still running this check after 3 s" in endless and "`while True:`" in endless, endless
     assert score.total == 1 and score.maximum == 5
@@ -91,22 +96,30 @@ def test_a_misbehaving_solution_is_stopped_scored_and_leaves_nothing_running(tmp
 @pytest.mark.timeout(300)
 def test_lab01_deadlock_is_found_once_with_each_ranks_line(tmp_path, no_leftover_ranks):
     reference = (LABS / "01-ring-allreduce" / "solution.py").read_text()
-    old = ("    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right, group),\n"
-           "                                    dist.P2POp(dist.irecv, receive, left, group)])\n"
-           "    for work in works:\n        work.wait()\n")
+    old = (
+        "    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right, group),\n"
+        "                                    dist.P2POp(dist.irecv, receive, left, group)])\n"
+        "    for work in works:\n        work.wait()\n"
+    )
     assert reference.count(old) == 1, "the reference's pass_along changed: update this test"
-    (tmp_path / "blocking.py").write_text(reference.replace(
-        old, "    dist.send(send, right, group)\n    dist.recv(receive, left, group)\n"))
-    line = reference.replace(old, "    dist.send(send, right, group)\n").splitlines().index(
-        "    dist.send(send, right, group)") + 1
+    (tmp_path / "blocking.py").write_text(
+        reference.replace(old, "    dist.send(send, right, group)\n    dist.recv(receive, left, group)\n")
+    )
+    line = (
+        reference.replace(old, "    dist.send(send, right, group)\n")
+        .splitlines()
+        .index("    dist.send(send, right, group)")
+        + 1
+    )
     started = time.monotonic()
     score = grade(LABS / "01-ring-allreduce", tmp_path / "blocking.py")
     elapsed = time.monotonic() - started
     first, *rest = score.results
     assert score.total == 0 and first.message.startswith("world size 3, deadlock: every rank"), first.message
     for rank in range(3):
-        assert f"rank {rank} is blocked at blocking.py line {line} (`dist.send(send, right, group)`)" \
-            in first.message, first.message
+        assert (
+            f"rank {rank} is blocked at blocking.py line {line} (`dist.send(send, right, group)`)" in first.message
+        ), first.message
     assert "blocking send" in first.message  # the hint names the cause
     assert all(r.message.startswith("not run: grading stopped at check 'all-gather") for r in rest)
     print(f"deadlock graded in {elapsed:.1f} s")  # ~10 s on 2 loaded cores (3 minutes before the watchdog)
@@ -116,14 +129,27 @@ def test_reports_a_platform_reads_and_exit_codes():
     from toolkit.grading import CheckResult, Score
     from toolkit.grading.report import as_json, exit_code
 
-    score = Score("labs/x", "alice.py", [CheckResult("ring", 2, 2), CheckResult("bytes", 1, 0, "rank 1 sent 9"),
-                                         CheckResult("secret", 3, 0, "a degree went wrong", hidden=True,
-                                                     detail="wrong at degree 4: expected 17")])
+    score = Score(
+        "labs/x",
+        "alice.py",
+        [
+            CheckResult("ring", 2, 2),
+            CheckResult("bytes", 1, 0, "rank 1 sent 9"),
+            CheckResult("secret", 3, 0, "a degree went wrong", hidden=True, detail="wrong at degree 4: expected 17"),
+        ],
+    )
     scope = as_gradescope(score, elapsed_s=4.2)
     assert (scope["score"], scope["max_score"], scope["execution_time"]) == (2.0, 6.0, 4.2)
     assert [t["visibility"] for t in scope["tests"]] == ["visible", "visible", "after_published"]
-    assert scope["tests"][1] == {"name": "bytes", "number": "2", "score": 0.0, "max_score": 1.0,
-                                 "status": "failed", "output": "rank 1 sent 9", "visibility": "visible"}
+    assert scope["tests"][1] == {
+        "name": "bytes",
+        "number": "2",
+        "score": 0.0,
+        "max_score": 1.0,
+        "status": "failed",
+        "output": "rank 1 sent 9",
+        "visibility": "visible",
+    }
     assert "a degree went wrong" not in scope["output"] and "3 points in checks shown once" in scope["output"]
     assert "expected 17" not in json.dumps(scope)  # a hidden check's own message never reaches Gradescope
     assert scope["tests"][2]["output"] == "a degree went wrong"
@@ -192,8 +218,11 @@ def test_a_class_folder_grades_to_a_csv_and_one_hang_costs_only_its_timeout(tmp_
     (tmp_path / "hangs" / "bob.py").write_text(HANGS_AT_IMPORT.replace("SLEEP", sleep))
     rows = grade_class(lab, tmp_path / "hangs", tmp_path / "bob.csv", student_timeout_s=8, progress=False)
     assert (rows[0].status, rows[0].score, rows[0].max_score) == ("timed out after 8 s", 0, 2)
-    leftovers = [pid for pid in os.listdir("/proc") if pid.isdigit() and (str(tmp_path) in _cmdline(pid)
-                                                                          or sleep in _cmdline(pid))]
+    leftovers = [
+        pid
+        for pid in os.listdir("/proc")
+        if pid.isdigit() and (str(tmp_path) in _cmdline(pid) or sleep in _cmdline(pid))
+    ]
     assert not leftovers, "bob's processes survived the class grading"
 
 
@@ -215,15 +244,26 @@ def test_the_channel_from_the_ranks_carries_values_and_refuses_anything_else():
 
     from toolkit.grading import wire
 
-    value = {"x": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.tensor([1.5], dtype=torch.bfloat16),
-             "n": [1, 2.5, None, True, "s", float("nan")], "pairs": {(0, 1): 3}, "e": torch.empty(0, 4)}
+    value = {
+        "x": torch.arange(6, dtype=torch.float32).view(2, 3),
+        "b": torch.tensor([1.5], dtype=torch.bfloat16),
+        "n": [1, 2.5, None, True, "s", float("nan")],
+        "pairs": {(0, 1): 3},
+        "e": torch.empty(0, 4),
+    }
     back = wire.decode(wire.encode(value))
     assert torch.equal(back["x"], value["x"]) and back["b"].dtype == torch.bfloat16 and back["e"].shape == (0, 4)
     assert back["n"][:5] == [1, 2.5, None, True, "s"] and back["n"][5] != back["n"][5] and back["pairs"] == {(0, 1): 3}
     assert isinstance(wire.decode(wire.encode(object())), wire.Opaque)  # a student's object: its type, not itself
-    for garbage in (pickle.dumps({"ok": 1}), b"\xff\xfe", b'{"__tensor__": "float32", "shape": [2], "data": "AAAA"}',
-                    b'{"__tensor__": "object", "shape": [1], "data": ""}', b'{"__exec__": "print(1)"}',
-                    b"[" * 100 + b"]" * 100, b"[" + b"1," * (wire.MAX_BYTES // 2) + b"1]"):
+    for garbage in (
+        pickle.dumps({"ok": 1}),
+        b"\xff\xfe",
+        b'{"__tensor__": "float32", "shape": [2], "data": "AAAA"}',
+        b'{"__tensor__": "object", "shape": [1], "data": ""}',
+        b'{"__exec__": "print(1)"}',
+        b"[" * 100 + b"]" * 100,
+        b"[" + b"1," * (wire.MAX_BYTES // 2) + b"1]",
+    ):
         with pytest.raises(wire.WireError):
             wire.decode(garbage)
 

@@ -7,6 +7,7 @@ puts them in the submission's source). Each costs a grading (seconds): five run 
 import on the Gradescope path, the secrets, a class run where one submission attacks another, a submission
 that goes after the processes above it, the launchers started without the fork server); the rest carry
 the `grading_scale` marker (`make test-grading`)."""
+
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ from toolkit.grading import Limits, format_score, grade, main
 
 AT_SCALE = pytest.mark.grading_scale
 
-TASKS = '''
+TASKS = """
 import torch.distributed as dist
 
 def total(student, rank, given):
@@ -30,9 +31,9 @@ def summed(student, rank, given):
     x = given["x"].clone()
     student.summed(x, rank.group)
     return {"x": x}
-'''
+"""
 
-CHECKS = '''
+CHECKS = """
 import torch
 from toolkit.grading import check
 
@@ -42,17 +43,17 @@ ANSWERS = {"toolkit.comm.ring": "the toolkit's own ring collectives"}
        inputs=lambda n, g: {"xs": torch.randn(5, generator=g, dtype=torch.float64)})
 def total(ctx, given, got):
     ctx.expect(got[0]["value"], given[0]["xs"].sum(), "the total", exact=False)
-'''
+"""
 
-SUMMED = '''
+SUMMED = """
 @check("the sum over two ranks", points=1, world_sizes=(2,),
        inputs=lambda n, g: [{"x": torch.randn(4, generator=g)} for _ in range(n)])
 def summed(ctx, given, got):
     for r in range(2):
         ctx.expect(got[r]["x"], given[0]["x"] + given[1]["x"], "the sum", rank=r, exact=False)
-'''
+"""
 
-HIDDEN = '''
+HIDDEN = """
 import torch
 from toolkit.grading import check
 SECRET = "SECRET-HIDDEN-7f3a: the expected total is computed here"
@@ -61,17 +62,17 @@ SECRET = "SECRET-HIDDEN-7f3a: the expected total is computed here"
        inputs=lambda n, g: {"xs": torch.randn(9, generator=g, dtype=torch.float64)})
 def hidden_total(ctx, given, got):
     ctx.expect(got[0]["value"], given[0]["xs"].sum(), SECRET, exact=False)
-'''
+"""
 
-SKELETON = '''
+SKELETON = """
 def total(xs):
     raise NotImplementedError("total: add them up")
 
 def summed(x, group):
     raise NotImplementedError("summed: an all-reduce")
-'''
+"""
 
-SOLUTION = '''
+SOLUTION = """
 import torch.distributed as dist
 
 def total(xs):
@@ -79,7 +80,7 @@ def total(xs):
 
 def summed(x, group):
     dist.all_reduce(x, group=group)
-'''
+"""
 
 
 @pytest.fixture
@@ -115,8 +116,9 @@ def _survivors(tag: str) -> list[str]:
 def _gradescope(lab, solution, tmp_path, **limits) -> tuple[int, dict]:
     results = tmp_path / "results" / "results.json"
     options = [f"--{k.replace('_', '-')}={v}" for k, v in limits.items()]
-    code = main([str(lab), "--solution", str(solution), "--format", "gradescope", "--output", str(results),
-                 "--quiet", *options])
+    code = main(
+        [str(lab), "--solution", str(solution), "--format", "gradescope", "--output", str(results), "--quiet", *options]
+    )
     return code, json.loads(results.read_text())
 
 
@@ -131,34 +133,37 @@ def test_the_reference_scores_full_and_the_skeleton_zero(lab, no_leftover_ranks)
 
 # --- forged scores ---------------------------------------------------------------------------------------
 FORGERIES = {
-    "patches the report and the grader's functions at import": '''
+    "patches the report and the grader's functions at import": """
 import toolkit.grading.report as report, toolkit.grading.score as score, toolkit.grading.grader as grader
 report.render = lambda *a, **k: '{"score": 99, "max_score": 3, "tests": []}'
 report.exit_code = lambda score: 0
 score.format_score = lambda s: "Score: 3/3"
 grader._verdict = lambda *a, **k: ""
-''',
-    "replaces every task with a no-op": '''
+""",
+    "replaces every task with a no-op": """
 import sys
 for name in ("total", "summed"):
     setattr(sys.modules["lab_tasks"], name, lambda *a, **k: None)
-''',
-    "writes 'passed' results for every check, then os._exit(0)": '''
+""",
+    "writes 'passed' results for every check, then os._exit(0)": """
 import gc, json, os
 spec = next(o for o in gc.get_objects() if isinstance(o, dict) and "out" in o and "indices" in o)
 for index in ["import", *spec["indices"], 0, 1, 2]:
     with open(os.path.join(spec["out"], f"check-{index}-rank-0.json"), "w") as f:
         json.dump({"ok": {"value": 0.0}, "error": "", "delegated": [], "time": 0}, f)
 os._exit(0)
-''',
+""",
     "exits with sys.exit(0) at import": "import sys\nsys.exit(0)\n",
     "exits with os._exit(0) at import": "import os\nos._exit(0)\n",
 }
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("attack", [a if a.startswith("exits with sys.exit") else pytest.param(a, marks=AT_SCALE)
-                                    for a in FORGERIES], ids=lambda a: a.split(" at ")[0].replace(" ", "-")[:40])
+@pytest.mark.parametrize(
+    "attack",
+    [a if a.startswith("exits with sys.exit") else pytest.param(a, marks=AT_SCALE) for a in FORGERIES],
+    ids=lambda a: a.split(" at ")[0].replace(" ", "-")[:40],
+)
 def test_a_forged_score_scores_zero_and_results_json_is_written(attack, lab, tmp_path, no_leftover_ranks):
     code, results = _gradescope(lab, _submission(tmp_path, FORGERIES[attack]), tmp_path)
     assert code == 1 and results["score"] == 0 and results["max_score"] == 3, results
@@ -174,7 +179,7 @@ def test_a_forged_score_scores_zero_and_results_json_is_written(attack, lab, tmp
 def test_an_atexit_hook_and_a_daemon_cannot_rewrite_results_json(lab, tmp_path, no_leftover_ranks):
     results = tmp_path / "results" / "results.json"
     forged = json.dumps({"score": 3, "max_score": 3, "tests": []})
-    attack = f'''
+    attack = f"""
 import atexit, os, time
 def forge():
     try:
@@ -188,7 +193,7 @@ if os.fork() == 0:
         forge()
         time.sleep(0.1)
     os._exit(0)
-'''
+"""
     code, first = _gradescope(lab, _submission(tmp_path, attack), tmp_path)
     time.sleep(2)
     assert code == 1 and json.loads(results.read_text()) == first and first["score"] == 0, first
@@ -198,7 +203,7 @@ if os.fork() == 0:
 # --- secrets ---------------------------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_the_hidden_checks_and_the_solution_cannot_be_read(lab, tmp_path, no_leftover_ranks):
-    attack = f'''
+    attack = f"""
 import sys
 for path in ({str(lab / "hidden_checks.py")!r}, {str(lab / "checks.py")!r}):
     try:
@@ -211,7 +216,7 @@ try:
 except OSError:
     pass
 raise RuntimeError("here it is: " + text)
-'''
+"""
     code, results = _gradescope(lab, _submission(tmp_path, attack), tmp_path)
     text = json.dumps(results)
     assert results["score"] == 0 and "SECRET" not in text and "ctx.expect" not in text, text
@@ -225,7 +230,7 @@ raise RuntimeError("here it is: " + text)
 @pytest.mark.timeout(300)
 def test_the_callers_frames_hold_no_other_ranks_inputs_and_no_expected_value(lab, tmp_path, no_leftover_ranks):
     (lab / "checks.py").write_text(CHECKS + SUMMED)
-    attack = '''
+    attack = """
 import gc, sys, torch
 
 def summed(x, group):   # no message sent: add up every tensor of x's shape this process can find
@@ -238,7 +243,7 @@ def summed(x, group):   # no message sent: add up every tensor of x's shape this
         frame = frame.f_back
     others = [t for i, t in found.items() if i != id(x) and not torch.equal(t, x)]
     x.add_(sum(others[:1], torch.zeros_like(x)))
-'''
+"""
     score = grade(lab, _submission(tmp_path, attack))
     summed = next(r for r in score.results if r.name == "the sum over two ranks")
     assert summed.earned == 0 and "the sum: rank 0 got" in summed.message, format_score(score)
@@ -284,14 +289,14 @@ time.sleep(60)
 @AT_SCALE
 @pytest.mark.timeout(300)
 def test_grade_from_python_leaves_no_process_behind(lab, tmp_path, no_leftover_ranks):
-    attack = '''
+    attack = """
 import os
 if os.fork() == 0:            # a daemon in a session of its own, with an empty environment
     os.setsid()
     if os.fork() == 0:
         os.execve("/bin/sleep", ["/bin/sleep", "6017"], {})
     os._exit(0)
-'''
+"""
     grade(lab, _submission(tmp_path, attack))
     time.sleep(0.5)
     assert not [pid for pid in _survivors("6017") if "sleep" in Path(f"/proc/{pid}/cmdline").read_text()]
@@ -299,20 +304,20 @@ if os.fork() == 0:            # a daemon in a session of its own, with an empty 
 
 # --- the answers ship with the toolkit -------------------------------------------------------------------------
 DELEGATIONS = {
-    "imports the toolkit's ring": '''
+    "imports the toolkit's ring": """
 import torch.distributed as dist
 from toolkit.comm.ring import all_reduce
 
 def summed(x, group):
     all_reduce(x, dist.ReduceOp.SUM, group)
-''',
-    "reaches it by a computed name": '''
+""",
+    "reaches it by a computed name": """
 import importlib
 import torch.distributed as dist
 
 def summed(x, group):
     getattr(importlib.import_module("toolkit.comm." + "ri" + "ng"), "all_" + "reduce")(x, dist.ReduceOp.SUM, group)
-''',
+""",
 }
 
 
@@ -334,14 +339,14 @@ def test_in_a_class_run_one_submission_cannot_touch_anothers(lab, tmp_path, no_l
 
     submissions = tmp_path / "submissions"
     submissions.mkdir()
-    attack = f'''
+    attack = f"""
 import glob, os
 for path in glob.glob({str(submissions)!r} + "/*.py") + glob.glob("/tmp/toolkit-*/**/*.py", recursive=True):
     try:
         open(path, "w").write("def total(xs):\\n    return 0\\n")
     except OSError:
         pass
-'''
+"""
     (submissions / "alice.py").write_text(SKELETON + attack)
     (submissions / "bob.py").write_text(SOLUTION)
     rows = {r.student: r for r in grade_class(lab, submissions, tmp_path / "scores.csv", progress=False)}
@@ -370,8 +375,10 @@ def test_run_autograder_writes_results_json_whatever_the_submission_does(crash, 
 
 # --- the processes above a submission --------------------------------------------------------------------------
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(__import__("toolkit.grading.sandbox").grading.sandbox.landlock_abi() < 6,
-                    reason="signals out of the sandbox are refused by landlock ABI 6+ (Linux 6.12)")
+@pytest.mark.skipif(
+    __import__("toolkit.grading.sandbox").grading.sandbox.landlock_abi() < 6,
+    reason="signals out of the sandbox are refused by landlock ABI 6+ (Linux 6.12)",
+)
 def test_a_submission_reaches_none_of_the_processes_above_it(lab, tmp_path, no_leftover_ranks):
     """Its keeper, the sandbox zygote that forked that, and the grading's fork server (which forks every launch
     of the grading and holds no secret, but must serve the next launch): each one a SIGKILL away if the sandbox
@@ -380,7 +387,7 @@ def test_a_submission_reaches_none_of_the_processes_above_it(lab, tmp_path, no_l
     In a PID namespace of the launch's own, the climb ends at the namespace's first process: the grading's
     server is not even there to find."""
     (lab / "checks.py").write_text(CHECKS + SUMMED)
-    attack = '''
+    attack = """
 import os, signal
 pid, tried = os.getppid(), []
 while pid > 0 and b"forkserver.py" in open(f"/proc/{pid}/cmdline", "rb").read():  # up to the server, not the grader
@@ -393,7 +400,7 @@ while pid > 0 and b"forkserver.py" in open(f"/proc/{pid}/cmdline", "rb").read():
         pid = int(f.read().rsplit(")", 1)[1].split()[1])
 in_a_namespace = pid == 0  # the climb ended at the top of a PID namespace
 assert len(tried) >= (2 if in_a_namespace else 3) and all(how != "killed" for _, how in tried), tried
-'''
+"""
     path = tmp_path / "climber.py"
     path.write_text(SOLUTION + attack)
     score = grade(lab, path)
@@ -401,20 +408,24 @@ assert len(tried) >= (2 if in_a_namespace else 3) and all(how != "killed" for _,
 
 
 @pytest.mark.timeout(300)
-def test_without_a_fork_server_each_launcher_is_a_fresh_interpreter_in_the_sandbox(lab, tmp_path, monkeypatch,
-                                                                                  no_leftover_ranks):
+def test_without_a_fork_server_each_launcher_is_a_fresh_interpreter_in_the_sandbox(
+    lab, tmp_path, monkeypatch, no_leftover_ranks
+):
     """Where no fork server can serve (no fork or pidfds; TOOLKIT_LAUNCH_EXEC=1 asks for it), the grader starts
     `python -m toolkit.grading.launcher` for each launch, which enters the sandbox itself: still full marks."""
     monkeypatch.setenv("TOOLKIT_LAUNCH_EXEC", "1")
     (lab / "checks.py").write_text(CHECKS + SUMMED)
     path = tmp_path / "plain.py"
-    path.write_text(SOLUTION + '''
+    path.write_text(
+        SOLUTION
+        + """
 import os
 chain, pid = [], os.getppid()
 while pid > 0:  # pid 1: init, or the launch's PID namespace's first process (the launcher, here)
     chain.append(open(f"/proc/{pid}/cmdline", "rb").read())
     pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
 assert not any(b"forkserver.py" in c for c in chain) and any(b"toolkit.grading.launcher" in c for c in chain), chain
-''')
+"""
+    )
     score = grade(lab, path)
     assert score.total == score.maximum == 4, format_score(score)

@@ -5,6 +5,7 @@ What a submission's side can hand the grader is material, never an instruction: 
 or past a cap, no text can change how a report looks, and the command line says what it was given wrong. The
 cheap ones (no rank started, or a grading or two) run in the suite (about 30 s on 2 cores); the rest carry
 `grading_scale` (`make test-grading`)."""
+
 import json
 import os
 import threading
@@ -22,8 +23,10 @@ AT_SCALE = pytest.mark.grading_scale
 
 # An exception's text as a student would write it to fake a full score: conceal what follows (ESC[8m), move to the
 # line's start, draw a green score, and separators that some viewers break lines at.
-FAKE = ("\x1b[8m hidden \x1b[0m\r\x1b[2K\x1b[32mScore: 13/13\x1b[0m\u2028Score: 13/13\u2029\u202eScore: 13/13"
-        "\x1b]0;title\x07\x00\x7f\u200b")
+FAKE = (
+    "\x1b[8m hidden \x1b[0m\r\x1b[2K\x1b[32mScore: 13/13\x1b[0m\u2028Score: 13/13\u2029\u202eScore: 13/13"
+    "\x1b]0;title\x07\x00\x7f\u200b"
+)
 UNSAFE = ("\x1b", "\r", "\u2028", "\u2029", "\u202e", "\x00", "\x7f", "\u200b", "\x07")
 
 
@@ -39,8 +42,14 @@ def _strings(value):
 
 
 def test_feedback_cannot_fake_a_score_line_in_any_format():
-    score = Score("labs/x", f"mine{FAKE}.py", [CheckResult("ring", 2, 0, f"ValueError: {FAKE}\nsecond line"),
-                                                CheckResult("secret", 1, 0, "a sentence", hidden=True, detail=FAKE)])
+    score = Score(
+        "labs/x",
+        f"mine{FAKE}.py",
+        [
+            CheckResult("ring", 2, 0, f"ValueError: {FAKE}\nsecond line"),
+            CheckResult("secret", 1, 0, "a sentence", hidden=True, detail=FAKE),
+        ],
+    )
     text = format_score(score)
     assert not any(c in text for c in UNSAFE), repr(text)
     assert [line for line in text.splitlines() if line.startswith("Score")] == ["Score: 0/3"], text
@@ -88,12 +97,15 @@ def test_a_class_folders_links_are_refused_not_followed(lab, tmp_path):
 
     submissions = tmp_path / "submissions"
     (submissions / "bob").mkdir(parents=True)
-    (submissions / "alice.py").symlink_to(lab / "solution.py")            # a file that is a link
-    (submissions / "bob" / "ring.py").symlink_to(lab / "solution.py")     # a link inside a student's folder
-    (submissions / "carol").symlink_to(lab)                               # a student's folder that is a link
+    (submissions / "alice.py").symlink_to(lab / "solution.py")  # a file that is a link
+    (submissions / "bob" / "ring.py").symlink_to(lab / "solution.py")  # a link inside a student's folder
+    (submissions / "carol").symlink_to(lab)  # a student's folder that is a link
     rows = {r.student: r for r in grade_class(lab, submissions, tmp_path / "scores.csv", progress=False)}
-    assert {s: (r.score, r.status.split(":")[0]) for s, r in rows.items()} == \
-        {"alice": (0, "refused"), "bob": (0, "refused"), "carol": (0, "refused")}, rows
+    assert {s: (r.score, r.status.split(":")[0]) for s, r in rows.items()} == {
+        "alice": (0, "refused"),
+        "bob": (0, "refused"),
+        "carol": (0, "refused"),
+    }, rows
     assert "is a link" in rows["alice"].status and "is a link" in rows["bob"].status
 
 
@@ -138,8 +150,9 @@ def test_run_autograder_refuses_a_submission_that_is_a_link(lab, tmp_path):
     (root / "source" / "LAB").write_text("lab\n")
     (root / "submission" / "skeleton.py").symlink_to(lab / "solution.py")
     env = dict(os.environ, AUTOGRADER_ROOT=str(root), PYTHON=sys.executable)
-    done = subprocess.run([str(LABS / "autograder" / "run_autograder")], env=env, capture_output=True, text=True,
-                          timeout=240)
+    done = subprocess.run(
+        [str(LABS / "autograder" / "run_autograder")], env=env, capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stderr
     results = json.loads((root / "results" / "results.json").read_text())
     assert results["score"] == 0 and "is a link" in results["output"], results
@@ -147,7 +160,7 @@ def test_run_autograder_refuses_a_submission_that_is_a_link(lab, tmp_path):
 
 # --- the students' build -----------------------------------------------------------------------------------------
 DOORS = {
-    "toolkit.comm.use('ring'), then the toolkit's collective": '''
+    "toolkit.comm.use('ring'), then the toolkit's collective": """
 import toolkit
 
 def summed(x, group):
@@ -156,8 +169,8 @@ def summed(x, group):
         toolkit.comm.all_reduce(x, group=group)
     finally:
         toolkit.comm.use("backend")
-''',
-    "the original function taken out of the delegation watcher's closure": '''
+""",
+    "the original function taken out of the delegation watcher's closure": """
 import importlib
 import torch.distributed as dist
 
@@ -165,7 +178,7 @@ def summed(x, group):
     watched = getattr(importlib.import_module("toolkit.comm." + "ri" + "ng"), "all_" + "reduce")
     original = next(c.cell_contents for c in watched.__closure__ if callable(c.cell_contents))
     original(x, dist.ReduceOp.SUM, group)
-''',
+""",
 }
 
 
@@ -175,7 +188,8 @@ def summed(x, group):
 def test_no_door_of_the_toolkit_leads_to_the_answer(door, lab, tmp_path, no_leftover_ranks):
     """The ranks import the toolkit with the lab's answers taken out: both scored full marks on lab 01 (the ring
     reached through toolkit.comm's door, or out of the watcher's closure); now there is no ring to reach."""
-    from test_grading_attacks import CHECKS as ONE, SUMMED
+    from test_grading_attacks import CHECKS as ONE
+    from test_grading_attacks import SUMMED
 
     (lab / "checks.py").write_text(ONE + SUMMED)
     score = grade(lab, _submission(tmp_path, "def total(xs):\n    return xs.sum()\n" + DOORS[door]))
@@ -191,13 +205,13 @@ def test_no_door_of_the_toolkit_leads_to_the_answer(door, lab, tmp_path, no_left
 def test_a_patched_watchdog_does_not_buy_time(lab, tmp_path, no_leftover_ranks):
     """The rank's watchdog lives in the submission's process: patched, a 40 s sleep at import ran 40 s under
     --time-limit 3. The grader's overseer stops it from outside."""
-    attack = '''
+    attack = """
 import sys, time
 watchdog = sys.modules["toolkit.grading.watchdog"]
 watchdog.Watchdog._over_time = lambda self, index: None
 watchdog.Watchdog._check_everyone = lambda self, index: None
 time.sleep(40)
-'''
+"""
     started = time.monotonic()
     score = grade(lab, _submission(tmp_path, attack), limits=Limits(time_limit_s=3, stall_s=2))
     elapsed = time.monotonic() - started
@@ -212,22 +226,23 @@ time.sleep(40)
 def test_what_the_ranks_print_is_capped(lab, tmp_path, no_leftover_ranks):
     """48 MiB printed per rank made a 101 MB launch log; the grader reads the ranks' output through a pipe only it
     holds and stops the launch past the output limit."""
-    from test_grading_attacks import CHECKS as ONE, SUMMED
+    from test_grading_attacks import CHECKS as ONE
+    from test_grading_attacks import SUMMED
 
     (lab / "checks.py").write_text(ONE + SUMMED)
-    attack = '''
+    attack = """
 import sys
 line = "x" * 1023 + "\\n"
 for _ in range(48 * 1024):
     sys.stdout.write(line)
-'''
+"""
     score = grade(lab, _submission(tmp_path, attack))
     message = score.results[0].message
     assert score.total == 0 and "printed more than 8 MiB (the grader's limit on output)" in message, message
 
 
 # --- a rank sees nothing of the grader -------------------------------------------------------------------------
-LOOKS_AROUND = '''
+LOOKS_AROUND = """
 import json, os, resource
 seen = {"uid": os.getuid(), "secrets": [], "pids": [],
         "shm": sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else []}
@@ -255,7 +270,7 @@ for kind in ("RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_DATA"):
     except (ValueError, OSError):
         seen[kind] = hard
 raise RuntimeError("SEEN " + json.dumps(seen))
-'''
+"""
 
 
 @pytest.mark.timeout(300)
@@ -267,10 +282,24 @@ def test_a_rank_sees_nothing_of_the_grader(lab, tmp_path):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "toolkit", "grade", str(lab), "--solution",
-                           str(_submission(tmp_path, LOOKS_AROUND)), "--format", "json", "--quiet"],
-                          env=dict(os.environ, INSTRUCTOR_TOKEN="SECRET-7e1"), capture_output=True, text=True,
-                          timeout=240)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "toolkit",
+            "grade",
+            str(lab),
+            "--solution",
+            str(_submission(tmp_path, LOOKS_AROUND)),
+            "--format",
+            "json",
+            "--quiet",
+        ],
+        env=dict(os.environ, INSTRUCTOR_TOKEN="SECRET-7e1"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     report = json.loads(done.stdout)
     messages = [report["checks"][0]["message"], grade(lab, _submission(tmp_path, LOOKS_AROUND)).results[0].message]
     assert all("SEEN " in m for m in messages), messages
@@ -324,16 +353,16 @@ def test_as_root_the_command_line_refuses_rather_than_run_a_submission_as_root(l
 
 
 # --- what a rank can touch: a point-to-point lab's messages -----------------------------------------------------
-MESSAGES_TASK = '''
+MESSAGES_TASK = """
 
 def exchanged(student, rank, given):
     with rank.messages() as messages:
         x = given["x"].clone()
         student.summed(x, rank.group)
     return {"x": x, "messages": messages}
-'''
+"""
 
-MESSAGES_CHECK = '''
+MESSAGES_CHECK = """
 MESSAGES_ONLY = True
 
 @check("the sum over two ranks, one message each way", points=1, world_sizes=(2,), task="exchanged",
@@ -343,9 +372,9 @@ def exchanged(ctx, given, got):
         ctx.expect(got[r]["x"], given[0]["x"] + given[1]["x"], "the sum", rank=r, exact=False)
         if sorted(map(tuple, got[r]["messages"])) != [("recv", 1 - r, 4), ("send", 1 - r, 4)]:
             ctx.fail(f"rank {r} posted {got[r]['messages']}: one send and one receive of 4 elements")
-'''
+"""
 
-BY_MESSAGES = '''
+BY_MESSAGES = """
 import torch, torch.distributed as dist
 
 def summed(x, group):
@@ -355,9 +384,9 @@ def summed(x, group):
                                         dist.P2POp(dist.irecv, other, peer, group)]):
         work.wait()
     x.add_(other)
-'''
+"""
 
-CAPTURED = '''
+CAPTURED = """
 import torch, torch.distributed as dist
 ALL_REDUCE = dist.all_reduce          # captured at import, before any task switches it off
 
@@ -367,9 +396,11 @@ def summed(x, group):                 # decoys of the size the traffic check cou
                                         dist.P2POp(dist.irecv, torch.zeros(4), peer, group)]):
         work.wait()
     ALL_REDUCE(x, group=group)
-'''
+"""
 
-FORGED = BY_MESSAGES.replace("    x.add_(other)", """    x.add_(other)
+FORGED = BY_MESSAGES.replace(
+    "    x.add_(other)",
+    """    x.add_(other)
     dist.send(x, peer, group) if dist.get_rank() == 0 else dist.recv(torch.empty_like(x), peer, group)  # one more
 
 import contextlib, sys
@@ -379,10 +410,13 @@ def forged(self):                     # the record the task returns, rewritten t
     yield log
     log[:] = [["send", 1 - self.rank, 4], ["recv", 1 - self.rank, 4]]
 sys.modules["toolkit.grading.on_rank"].Rank.messages = forged
-""")
+""",
+)
 
 
-NEW_CHANNELS = BY_MESSAGES.replace("    x.add_(other)", """    x.add_(other)
+NEW_CHANNELS = BY_MESSAGES.replace(
+    "    x.add_(other)",
+    """    x.add_(other)
     import os, socket
     tried = {}
     for name, make in (("udp", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM)),
@@ -398,13 +432,19 @@ NEW_CHANNELS = BY_MESSAGES.replace("    x.add_(other)", """    x.add_(other)
             tried[name] = type(exc).__name__
     if "opened" in tried.values():
         raise RuntimeError(f"a channel: {tried}")
-""")
+""",
+)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("attack", ["built-ins captured at import, with decoys",
-                                    pytest.param("a forged record of messages", marks=AT_SCALE),
-                                    pytest.param("a channel of its own", marks=AT_SCALE)])
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "built-ins captured at import, with decoys",
+        pytest.param("a forged record of messages", marks=AT_SCALE),
+        pytest.param("a channel of its own", marks=AT_SCALE),
+    ],
+)
 def test_a_point_to_point_labs_traffic_is_what_the_grader_carried(attack, lab, tmp_path, no_leftover_ranks):
     """The issue's lab 01 attack (13/13): the built-in collective captured at import, before the task switched it
     off, behind decoy neighbour traffic of the size the check counts; and a record of messages rewritten in the
@@ -425,11 +465,14 @@ def test_a_point_to_point_labs_traffic_is_what_the_grader_carried(attack, lab, t
     score = grade(lab, _submission(tmp_path, cheat))
     message = score.results[1].message
     assert score.results[1].earned == 0, format_score(score)
-    assert ("the built-in collective allreduce is not allowed here" in message if attack.startswith("built-ins")
-            else "rank 0 posted [['send', 1, 4], ['recv', 1, 4], ['send', 1, 4]]" in message), message
+    assert (
+        "the built-in collective allreduce is not allowed here" in message
+        if attack.startswith("built-ins")
+        else "rank 0 posted [['send', 1, 4], ['recv', 1, 4], ['send', 1, 4]]" in message
+    ), message
 
 
-LAB01_CAPTURED = '''
+LAB01_CAPTURED = """
 import torch
 import torch.distributed as dist
 
@@ -458,7 +501,7 @@ def all_reduce(tensor, op, group=None, async_op=False):
     if dist.get_world_size(group) > 1:
         _decoys(tensor, group, 2 * (dist.get_world_size(group) - 1))
     ALL_REDUCE(tensor, op=op, group=group)
-'''
+"""
 
 
 @AT_SCALE

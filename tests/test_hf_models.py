@@ -10,6 +10,7 @@ configs with random weights, nothing downloaded, no adapter written:
 - simulated at 512 ranks under each of those layouts: the model states equal the ZeRO formulas (exactly for
   ddp, within the flat tensors' padding sharded), the parameter count is the model's own.
 """
+
 import functools
 
 import foreign_models as fm
@@ -36,8 +37,11 @@ def test_every_layout_trains_as_plain_torch_does(name, world, no_leftover_ranks)
     assert {diffs[f"{label} convention"] for label in expected} == {kind}
     records = {label: diffs[f"{label} moe"] for label in expected if label.startswith("ep")}
     if records:  # the expert-parallel layer ran, shadowed and pipelined: each says so in the Run
-        assert records == {"ep (ddp)": ["load"], "ep + shadowing": ["load", "shadow"],
-                           "ep + pipelined all-to-all": ["load", "pipeline"]}
+        assert records == {
+            "ep (ddp)": ["load"],
+            "ep + shadowing": ["load", "shadow"],
+            "ep + pipelined all-to-all": ["load", "pipeline"],
+        }
 
 
 @pytest.mark.parametrize("name", fm.HF_MODELS)
@@ -80,8 +84,10 @@ def test_expert_parallel_hugging_face_moe_simulates_with_its_experts_split(name)
     def build(shadow):
         return expert_parallel(fm.hf_model(name, **{experts: 8}), shadow=shadow)
 
-    sims = {label: simulate(functools.partial(build, shadow), "ddp", 8, batch_per_rank=2, progress=False)
-            for label, shadow in (("plain", "off"), ("shadowed", [0]))}
+    sims = {
+        label: simulate(functools.partial(build, shadow), "ddp", 8, batch_per_rank=2, progress=False)
+        for label, shadow in (("plain", "off"), ("shadowed", [0]))
+    }
     for sim in sims.values():
         assert sim.num_params == whole and sim.expert_parallel == 8
         theory = dict(sim.theory()["model_states"])
@@ -89,8 +95,9 @@ def test_expert_parallel_hugging_face_moe_simulates_with_its_experts_split(name)
         assert {k: sim.memory[k] for k in theory} == theory
         assert sim.bytes_per_step["all_to_all"] > 0
     layers = fm.hf_config(name).num_hidden_layers
-    one_expert = 4 * sum(p[0].numel() for n, p in fm.hf_model(name).named_parameters()
-                         if n.startswith("model.layers.0.mlp.experts."))  # fp32 bytes of expert 0 of one layer
+    one_expert = 4 * sum(
+        p[0].numel() for n, p in fm.hf_model(name).named_parameters() if n.startswith("model.layers.0.mlp.experts.")
+    )  # fp32 bytes of expert 0 of one layer
     shadowed = sims["shadowed"].bytes_per_step["broadcast"] - sims["plain"].bytes_per_step["broadcast"]
     assert shadowed == layers * one_expert  # each layer's expert 0 broadcast once, from its owner (this rank)
     assert sims["shadowed"].bytes_per_step["all_to_all"] < sims["plain"].bytes_per_step["all_to_all"]  # rows stay home

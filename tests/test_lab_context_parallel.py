@@ -14,6 +14,7 @@ The mistakes are graded as a grading grades them (the sandbox, the students' bui
 relay carrying every message), but all of them in one launch per world size (`grade_many`), and judged by the
 lab's checks in this process; the skeleton's whole grading is under `grading_scale` (make test-grading).
 """
+
 import shutil
 import tempfile
 from dataclasses import replace
@@ -30,73 +31,128 @@ from toolkit.grading.mutants import LIMITS, WRAPPER
 from toolkit.grading.session import Box, launch_ranks
 
 LAB = LABS / "13-context-parallel"
-CHECKS = {"merge": "merge", "forward": "forward", "backward": "backward", "traffic forward": "traffic, forward",
-          "traffic backward": "traffic, backward", "overlap": "overlap", "subgroups": "rings on subgroups"}
+CHECKS = {
+    "merge": "merge",
+    "forward": "forward",
+    "backward": "backward",
+    "traffic forward": "traffic, forward",
+    "traffic backward": "traffic, backward",
+    "overlap": "overlap",
+    "subgroups": "rings on subgroups",
+}
 RINGS = ("forward", "backward", "traffic forward", "traffic backward", "overlap", "subgroups")
 PASS_ON = "[dist.isend(block, following, group), dist.irecv(incoming, previous, group)]"
-FORWARD_PASS = ("# the next block travels while this one is attended\n"
-                "            incoming, works = pass_on(kv, previous, following, group)\n")
-RECEIVE_FIRST = ("    receive = dist.irecv(incoming, previous, group)\n    receive.wait()\n"
-                 "    return incoming, [dist.isend(block, following, group), receive]")
+FORWARD_PASS = (
+    "# the next block travels while this one is attended\n"
+    "            incoming, works = pass_on(kv, previous, following, group)\n"
+)
+RECEIVE_FIRST = (
+    "    receive = dist.irecv(incoming, previous, group)\n    receive.wait()\n"
+    "    return incoming, [dist.isend(block, following, group), receive]"
+)
 MISTAKES = {  # name: ((old, new) in the reference, {check: a phrase of its message})
     "no max subtracted": (
         ("    top = torch.maximum(lse1, lse2)", "    top = torch.zeros_like(lse1)"),
-        {"merge": "nan or inf at scores this large"}),
+        {"merge": "nan or inf at scores this large"},
+    ),
     "the exponent's sign reversed": (
         ("torch.exp(lse1 - top), torch.exp(lse2 - top)", "torch.exp(top - lse1), torch.exp(top - lse2)"),
-        {"merge": "out1 is weighted by the second block's share", "forward": "is the merge right",
-         "subgroups": "is the merge right"}),
+        {
+            "merge": "out1 is weighted by the second block's share",
+            "forward": "is the merge right",
+            "subgroups": "is the merge right",
+        },
+    ),
     "not renormalised": (
-        ("out = (w1 / total).unsqueeze(-1) * out1 + (w2 / total).unsqueeze(-1) * out2",
-         "out = w1.unsqueeze(-1) * out1 + w2.unsqueeze(-1) * out2"),
-        {"merge": "(not renormalised?)", "forward": "is the merge right", "subgroups": "is the merge right"}),
+        (
+            "out = (w1 / total).unsqueeze(-1) * out1 + (w2 / total).unsqueeze(-1) * out2",
+            "out = w1.unsqueeze(-1) * out1 + w2.unsqueeze(-1) * out2",
+        ),
+        {"merge": "(not renormalised?)", "forward": "is the merge right", "subgroups": "is the merge right"},
+    ),
     "the diagonal block unmasked": (
         ('return "causal" if owner == me else None', 'return "all" if owner == me else None'),
-        {"forward": "its own block (the diagonal) without the causal mask. Likely: the diagonal block needs the "
-                    "causal mask",
-         "backward": "dq is the gradient through its own block (the diagonal) without the causal mask",
-         "subgroups": "without the causal mask"}),
+        {
+            "forward": "its own block (the diagonal) without the causal mask. Likely: the diagonal block needs the "
+            "causal mask",
+            "backward": "dq is the gradient through its own block (the diagonal) without the causal mask",
+            "subgroups": "without the causal mask",
+        },
+    ),
     "an earlier block masked": (
-        ('    if not causal or owner < me:\n        return "all"\n    return "causal" if owner == me else None',
-         '    if not causal:\n        return "all"\n    return "causal" if owner <= me else None'),
-        {"forward": "rank 0's block with the causal mask. Likely: the causal mask is for the diagonal block only",
-         "backward": "rank 0's block with the causal mask", "subgroups": "rank 0's block with the causal mask"}),
+        (
+            '    if not causal or owner < me:\n        return "all"\n    return "causal" if owner == me else None',
+            '    if not causal:\n        return "all"\n    return "causal" if owner <= me else None',
+        ),
+        {
+            "forward": "rank 0's block with the causal mask. Likely: the causal mask is for the diagonal block only",
+            "backward": "rank 0's block with the causal mask",
+            "subgroups": "rank 0's block with the causal mask",
+        },
+    ),
     "the block in hand off by one": (
         ("return (me - step) % n", "return (me - step - 1) % n"),
-        {"forward": ("the owner of the block in hand is off by", "Likely: the owner"),
-         "backward": "the owner of the block in hand is off by", "subgroups": "the owner of the block in hand"}),
+        {
+            "forward": ("the owner of the block in hand is off by", "Likely: the owner"),
+            "backward": "the owner of the block in hand is off by",
+            "subgroups": "the owner of the block in hand",
+        },
+    ),
     "sent to the previous rank": (
         (PASS_ON, "[dist.isend(block, previous, group), dist.irecv(incoming, following, group)]"),
-        {"forward": "the blocks go round the wrong way", "backward": "the blocks go round the wrong way",
-         "traffic forward": "rank 0 sends to rank 2 and receives from rank 1: the blocks go round the wrong way",
-         "traffic backward": "the blocks go round the wrong way", "subgroups": "the blocks go round the wrong way"}),
+        {
+            "forward": "the blocks go round the wrong way",
+            "backward": "the blocks go round the wrong way",
+            "traffic forward": "rank 0 sends to rank 2 and receives from rank 1: the blocks go round the wrong way",
+            "traffic backward": "the blocks go round the wrong way",
+            "subgroups": "the blocks go round the wrong way",
+        },
+    ),
     "the last step missing": (
         ("    out = lse = None\n    for step in range(n):", "    out = lse = None\n    for step in range(n - 1):"),
-        {"forward": "Likely: the last step is missing", "subgroups": ("the last step is missing", "out is None")}),
+        {"forward": "Likely: the last step is missing", "subgroups": ("the last step is missing", "out is None")},
+    ),
     "a blocking send": (
         (PASS_ON, "[dist.send(block, following, group), dist.irecv(incoming, previous, group)]"),
-        {check: "dist.send to rank 1 blocks until that rank has posted the matching receive" for check in RINGS}),
+        {check: "dist.send to rank 1 blocks until that rank has posted the matching receive" for check in RINGS},
+    ),
     "the receive waited for first": (
         ("    return incoming, " + PASS_ON, RECEIVE_FIRST),
-        {check: "values have come from rank " for check in RINGS}),
+        {check: "values have come from rank " for check in RINGS},
+    ),
     "the send waited for first": (
-        ("    return incoming, " + PASS_ON, "    send = dist.isend(block, following, group)\n    send.wait()\n"
-                                           "    return incoming, [send, dist.irecv(incoming, previous, group)]"),
-        {check: "values it sent to rank " for check in RINGS}),
+        (
+            "    return incoming, " + PASS_ON,
+            "    send = dist.isend(block, following, group)\n    send.wait()\n"
+            "    return incoming, [send, dist.irecv(incoming, previous, group)]",
+        ),
+        {check: "values it sent to rank " for check in RINGS},
+    ),
     "waited before the attention": (
         (FORWARD_PASS, FORWARD_PASS + "            wait(works)\n"),
-        {"overlap": "rank 0, forward: its send to rank 1, posted after 0 block(s) had been attended, was waited for "
-                    "before the next block's attention began"}),
+        {
+            "overlap": "rank 0, forward: its send to rank 1, posted after 0 block(s) had been attended, was waited for "
+            "before the next block's attention began"
+        },
+    ),
     "the own share sent round too": (
-        ("        if step == 0:\n            home = share\n",
-         "        if step == 0:\n            home = torch.zeros_like(share)\n"
-         "            travelling = pass_on(share, previous, following, group)\n"),
-        {"traffic backward": "one block too many. A rank's share of its own block stays at home"}),
+        (
+            "        if step == 0:\n            home = share\n",
+            "        if step == 0:\n            home = torch.zeros_like(share)\n"
+            "            travelling = pass_on(share, previous, following, group)\n",
+        ),
+        {"traffic backward": "one block too many. A rank's share of its own block stays at home"},
+    ),
     "the gradient never comes home": (
-        ("        wait(travelling[1])\n        home += travelling[0]\n    return", "        wait(travelling[1])\n"
-                                                                                    "    return"),
-        {"backward": "dk and dv hold the shares of the queries of ranks [0] only; those of ranks [1] are missing",
-         "subgroups": "dk and dv hold the shares"}),
+        (
+            "        wait(travelling[1])\n        home += travelling[0]\n    return",
+            "        wait(travelling[1])\n    return",
+        ),
+        {
+            "backward": "dk and dv hold the shares of the queries of ranks [0] only; those of ranks [1] are missing",
+            "subgroups": "dk and dv hold the shares",
+        },
+    ),
 }
 
 
@@ -113,18 +169,35 @@ def grade_many(students: dict, seed: int = 0) -> dict:
     found = {name: {check.name: "" for check in checks} for name in names}
     with tempfile.TemporaryDirectory(prefix="lab13-") as tmp:
         shutil.copy(LAB / "checks.py", Path(tmp) / "checks.py")  # its ANSWERS: the students' build the ranks import
-        (Path(tmp) / "tasks.py").write_text(WRAPPER.format(
-            tasks=(LAB / "tasks.py").read_text(), tasks_file=str(LAB / "tasks.py"),
-            mutants={k: students[name] for k, name in enumerate(names)}))
+        (Path(tmp) / "tasks.py").write_text(
+            WRAPPER.format(
+                tasks=(LAB / "tasks.py").read_text(),
+                tasks_file=str(LAB / "tasks.py"),
+                mutants={k: students[name] for k, name in enumerate(names)},
+            )
+        )
         with Sandbox() as marked, Box(Path(tmp), b"", "solution.py") as box:
             for n in sorted({n for check in checks for n in check.world_sizes}):
                 judged = [i for i, check in enumerate(checks) if n in check.world_sizes]
                 drawn = {i: checks[i].make_inputs(n, _generator(seed, checks[i], n)) for i in judged}
-                virtual = {k * len(checks) + i: replace(checks[i], task=f"m{k}__{checks[i].task}")
-                           for k in range(len(names)) for i in judged}
-                launch = launch_ranks(box, n, list(virtual), {v: c.task for v, c in virtual.items()},
-                                      {v: drawn[v % len(checks)] for v in virtual}, [], LIMITS, backend="gloo",
-                                      quiet=True, grading_id=marked.id, messages_only=True)
+                virtual = {
+                    k * len(checks) + i: replace(checks[i], task=f"m{k}__{checks[i].task}")
+                    for k in range(len(names))
+                    for i in judged
+                }
+                launch = launch_ranks(
+                    box,
+                    n,
+                    list(virtual),
+                    {v: c.task for v, c in virtual.items()},
+                    {v: drawn[v % len(checks)] for v in virtual},
+                    [],
+                    LIMITS,
+                    backend="gloo",
+                    quiet=True,
+                    grading_id=marked.id,
+                    messages_only=True,
+                )
                 assert launch.stuck is None, launch.stuck  # every mistake here fails without hanging
                 for v, check in virtual.items():
                     results = _relayed(launch.results.get(v, {}), launch.relayed, v)
@@ -172,10 +245,12 @@ def test_reference_solution_scores_full_marks(no_leftover_ranks):
 
 
 def test_the_toolkits_own_ring_attention_and_merge_score_zero(tmp_path):
-    lab().assert_delegation_scores_zero("from toolkit.parallel.context import merge  # noqa: F811",
-                                        "toolkit.parallel.context.merge:merge", tmp_path)
-    lab().assert_delegation_scores_zero("from toolkit.parallel.context import Ring",
-                                        "toolkit.parallel.context.ring:Ring", tmp_path)
+    lab().assert_delegation_scores_zero(
+        "from toolkit.parallel.context import merge  # noqa: F811", "toolkit.parallel.context.merge:merge", tmp_path
+    )
+    lab().assert_delegation_scores_zero(
+        "from toolkit.parallel.context import Ring", "toolkit.parallel.context.ring:Ring", tmp_path
+    )
 
 
 @pytest.mark.grading_scale

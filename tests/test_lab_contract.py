@@ -8,21 +8,37 @@ the inputs from the frame that holds them. Then the attack that broke labs 04, 0
 lab 10's lookup table) is replayed on the labs themselves; the gradings of whole labs are under `grading_scale`
 (make test-grading) but lab 12's, which takes one launch.
 """
+
 import ast
 
 import pytest
 import torch
 from lab_grading import EMPTY_THE_INPUTS, LABS, LabGrading
 
-from toolkit.grading import (CheckFailed, ContractBroken, Either, Items, List, Maybe, Tensor, check, format_score,
-                             grade, lab_checks, like)
+from toolkit.grading import (
+    CheckFailed,
+    ContractBroken,
+    Either,
+    Items,
+    List,
+    Maybe,
+    Tensor,
+    check,
+    format_score,
+    grade,
+    lab_checks,
+    like,
+)
 from toolkit.grading.contract import draw, observations
 
 # --- the contract, in-process, on a check it was not written for ---------------------------------------------------
-TOY = check("the toy: a doubled vector and its length", points=1, world_sizes=(2,),
-            cases=lambda n, g: {f"{k} elements": [{"x": torch.randn(k, generator=g)} for _ in range(n)]
-                                for k in (1, 3, 5)},
-            returns=lambda case, r, n: {"y": like(case["x"]), "length": int})(lambda ctx, given, got: None)
+TOY = check(
+    "the toy: a doubled vector and its length",
+    points=1,
+    world_sizes=(2,),
+    cases=lambda n, g: {f"{k} elements": [{"x": torch.randn(k, generator=g)} for _ in range(n)] for k in (1, 3, 5)},
+    returns=lambda case, r, n: {"y": like(case["x"]), "length": int},
+)(lambda ctx, given, got: None)
 
 
 def _drawn():
@@ -42,7 +58,8 @@ def _refused(drawn, sent) -> str:
 def test_the_right_answers_pass_and_reach_the_judge_keyed_by_case():
     drawn, seen = _drawn(), []
     judged = check("the toy", world_sizes=(2,), cases=TOY.cases, returns=TOY.returns)(
-        lambda ctx, given, got: seen.append((ctx.case, given, got)))
+        lambda ctx, given, got: seen.append((ctx.case, given, got))
+    )
     judged.verdict(2, drawn, _right(drawn))
     assert [case for case, _, _ in seen] == ["1 elements", "3 elements", "5 elements"]
     for case, given, got in seen:
@@ -50,29 +67,37 @@ def test_the_right_answers_pass_and_reach_the_judge_keyed_by_case():
         assert torch.equal(got[1]["y"], 2 * given[1]["x"])
 
 
-@pytest.mark.parametrize("tamper, phrase", [
-    (lambda sent: sent[1][:2], "rank 1 sent no observation for case '5 elements' of the 3 the grader drew"),
-    (lambda sent: [], "rank 1 sent no observation for cases '1 elements', '3 elements', '5 elements'"),
-    (lambda sent: sent[1] + [["7 elements", {"y": torch.zeros(7), "length": 7}]],
-     "rank 1 sent observations for case '7 elements' that the grader never drew"),
-    (lambda sent: sent[1] + [sent[1][0]], "rank 1 sent case '1 elements' more than once"),
-    (lambda sent: sent[1][::-1], "rank 1 sent the cases in another order"),
-    (lambda sent: [[c, dict(o, y=torch.zeros(4))] for c, o in sent[1]],
-     "rank 1, case '1 elements': y is a tensor of shape (4,) float32, expected a tensor of shape (1,) float32"),
-    (lambda sent: [[c, dict(o, y=o["y"].double())] for c, o in sent[1]], "y is a tensor of shape (1,) float64"),
-    (lambda sent: [[c, dict(o, length=True)] for c, o in sent[1]], "length is a bool (True), expected an int"),
-    (lambda sent: [[c, {"y": o["y"]}] for c, o in sent[1]], "lacks ['length']"),
-    (lambda sent: [[c, dict(o, extra=1)] for c, o in sent[1]], "has keys nobody asked for ['extra']"),
-    (lambda sent: [["1 elements"]], "instead of one [case id, observation] per case"),
-    (lambda sent: {"1 elements": sent[1][0][1]}, "instead of one [case id, observation] per case"),
-])
+@pytest.mark.parametrize(
+    "tamper, phrase",
+    [
+        (lambda sent: sent[1][:2], "rank 1 sent no observation for case '5 elements' of the 3 the grader drew"),
+        (lambda sent: [], "rank 1 sent no observation for cases '1 elements', '3 elements', '5 elements'"),
+        (
+            lambda sent: sent[1] + [["7 elements", {"y": torch.zeros(7), "length": 7}]],
+            "rank 1 sent observations for case '7 elements' that the grader never drew",
+        ),
+        (lambda sent: sent[1] + [sent[1][0]], "rank 1 sent case '1 elements' more than once"),
+        (lambda sent: sent[1][::-1], "rank 1 sent the cases in another order"),
+        (
+            lambda sent: [[c, dict(o, y=torch.zeros(4))] for c, o in sent[1]],
+            "rank 1, case '1 elements': y is a tensor of shape (4,) float32, expected a tensor of shape (1,) float32",
+        ),
+        (lambda sent: [[c, dict(o, y=o["y"].double())] for c, o in sent[1]], "y is a tensor of shape (1,) float64"),
+        (lambda sent: [[c, dict(o, length=True)] for c, o in sent[1]], "length is a bool (True), expected an int"),
+        (lambda sent: [[c, {"y": o["y"]}] for c, o in sent[1]], "lacks ['length']"),
+        (lambda sent: [[c, dict(o, extra=1)] for c, o in sent[1]], "has keys nobody asked for ['extra']"),
+        (lambda sent: [["1 elements"]], "instead of one [case id, observation] per case"),
+        (lambda sent: {"1 elements": sent[1][0][1]}, "instead of one [case id, observation] per case"),
+    ],
+)
 def test_a_short_long_reordered_repeated_or_misshapen_answer_is_refused_before_any_judge(tamper, phrase):
     drawn = _drawn()
     sent = _right(drawn)
     sent[1] = tamper(sent)
     called = []
     judged = check("the toy", world_sizes=(2,), cases=TOY.cases, returns=TOY.returns)(
-        lambda ctx, given, got: called.append(ctx.case))
+        lambda ctx, given, got: called.append(ctx.case)
+    )
     with pytest.raises(CheckFailed) as failure:
         judged.verdict(2, drawn, sent)
     assert phrase in str(failure.value), str(failure.value)
@@ -85,10 +110,14 @@ def test_specs_say_what_is_wrong_in_a_students_words():
     said = _refused_with(drawn, [[["", {"lists": [["F", 0, 0], ["B", "0", 0]]}]]], spec)
     assert said == "lists[1][1] is a str ('0'), expected an int", said
     said = _refused_with(drawn, [[["", {"lists": [["F", 0]]}]]], spec)
-    assert said.endswith("lists[0] is a list of 2 items, expected a list of 3: (a str, an int, an int): each action "
-                         "is Action(kind, micro, stage)"), said
-    assert _refused_with(drawn, [[["", 5]]], Either({"a": int}, None)) == \
-        "the observation is an int (5), expected a dict with keys 'a' or None"
+    assert said.endswith(
+        "lists[0] is a list of 2 items, expected a list of 3: (a str, an int, an int): each action "
+        "is Action(kind, micro, stage)"
+    ), said
+    assert (
+        _refused_with(drawn, [[["", 5]]], Either({"a": int}, None))
+        == "the observation is an int (5), expected a dict with keys 'a' or None"
+    )
     assert observations(drawn, [[["", None]]], Maybe(Tensor((2,)))) == {"": [None]}
 
 
@@ -99,11 +128,11 @@ def _refused_with(drawn, sent, spec) -> str:
 
 
 # --- the same through a real grading, the submission tampering with its own inputs -------------------------------
-TOY_TASKS = '''
+TOY_TASKS = """
 def doubled(student, rank, given):
     return {"y": student.double(given["x"]), "length": len(given["x"])}
-'''
-TOY_CHECKS = '''
+"""
+TOY_CHECKS = """
 import torch
 from toolkit.grading import check, like
 
@@ -120,8 +149,8 @@ def judge(ctx, given, got):
 for _name in ("emptied", "shortened", "reordered", "repeated", "lengthened", "misshapen", "untouched"):
     globals()[_name] = check(_name, points=1, world_sizes=(2,), task="doubled", cases=_cases,
                              returns=lambda case, r, n: {"y": like(case["x"]), "length": int})(judge)
-'''
-TAMPERING = '''
+"""
+TAMPERING = """
 import sys
 import torch
 
@@ -141,12 +170,15 @@ cases[2].reverse()                                           # reordered
 cases[3].append(list(cases[3][0]))                           # repeated
 cases[4].append(["7 elements", {"x": torch.zeros(7)}])       # lengthened
 cases[5][0][1]["x"] = torch.zeros(9)                         # misshapen: its answer follows the inputs it was given
-'''
-TAMPERED = {"emptied": "sent no observation for cases '1 elements', '3 elements', '5 elements'",
-            "shortened": "sent no observation for case '5 elements'", "reordered": "sent the cases in another order",
-            "repeated": "sent case '1 elements' more than once",
-            "lengthened": "sent observations for case '7 elements' that the grader never drew",
-            "misshapen": "case '1 elements': y is a tensor of shape (9,) float32, expected a tensor of shape (1,)"}
+"""
+TAMPERED = {
+    "emptied": "sent no observation for cases '1 elements', '3 elements', '5 elements'",
+    "shortened": "sent no observation for case '5 elements'",
+    "reordered": "sent the cases in another order",
+    "repeated": "sent case '1 elements' more than once",
+    "lengthened": "sent observations for case '7 elements' that the grader never drew",
+    "misshapen": "case '1 elements': y is a tensor of shape (9,) float32, expected a tensor of shape (1,)",
+}
 
 
 @pytest.mark.timeout(300)
@@ -158,8 +190,10 @@ def test_a_submission_that_tampers_with_its_inputs_scores_nothing_for_it(tmp_pat
     results = {r.name: r for r in score.results}
     assert score.total == 1 and results["untouched"].passed, format_score(score)
     for name, phrase in TAMPERED.items():
-        assert phrase in results[name].message and results[name].message.startswith("world size 2, rank "), \
-            (name, results[name].message)
+        assert phrase in results[name].message and results[name].message.startswith("world size 2, rank "), (
+            name,
+            results[name].message,
+        )
 
 
 # --- the attacks that broke the labs, replayed ------------------------------------------------------------------
@@ -197,8 +231,11 @@ def test_lab12_gpipe_with_emptied_layouts_keeps_only_what_gpipe_earns(tmp_path, 
     score = grade(LABS / "12-pipeline", tmp_path / "gpipe.py")
     passed = [r.name.split(":")[0] for r in score.results if r.passed]
     assert passed == ["on real ranks, pp = 2, 3, 4"] and score.total == 2, format_score(score)
-    assert all("sent no observation" in r.message or "graded on the course platform" in r.message
-               or r.hidden for r in score.results if not r.passed), format_score(score)
+    assert all(
+        "sent no observation" in r.message or "graded on the course platform" in r.message or r.hidden
+        for r in score.results
+        if not r.passed
+    ), format_score(score)
 
 
 @pytest.mark.grading_scale
@@ -209,7 +246,7 @@ def test_skeleton_with_emptied_inputs_scores_zero(lab, maximum, tmp_path, no_lef
     LabGrading(lab, maximum, {}).assert_attack_scores(EMPTY_THE_INPUTS, 0, tmp_path)
 
 
-LOOKUP_TABLE = '''
+LOOKUP_TABLE = """
 # lab 10 answered from a table of the values the released steps.json used to hold, with no formula at all
 _COPIED = {  # (op, size, n, alpha, beta) -> seconds, as steps.json held them
     (op, size, n, alpha, beta): (2 * (n - 1) if op == "all_reduce" else n - 1) * (alpha + size / n * beta)
@@ -227,7 +264,7 @@ all_reduce_time, reduce_scatter_time, all_gather_time = map(_lookup, ("all_reduc
 
 def step_time(program, compute_seconds, comm_seconds):
     return {"step": 0.0, "compute": 0.0, "exposed_comm": 0.0, "overlapped_comm": 0.0}
-'''
+"""
 
 
 @pytest.mark.grading_scale

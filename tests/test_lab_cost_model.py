@@ -3,6 +3,7 @@ toolkit's own cost model scores 0, and classic mistakes lose the checks that des
 hold no answer (steps.json holds inputs only, and the released judges test properties), so a model that is right
 in structure but wrong in its counts passes them and fails the hidden checks, whose instructor's message names
 the mistake, in units."""
+
 import json
 import math
 
@@ -37,24 +38,38 @@ def test_reference_solution_scores_full_marks(no_leftover_ranks):
 
 
 def test_the_toolkits_own_cost_model_scores_zero(tmp_path):
-    LAB.assert_delegation_scores_zero("from toolkit.memory.formulas import alpha_beta_time  # noqa: F401",
-                                      "toolkit.memory.formulas:alpha_beta_time", tmp_path)
+    LAB.assert_delegation_scores_zero(
+        "from toolkit.memory.formulas import alpha_beta_time  # noqa: F401",
+        "toolkit.memory.formulas:alpha_beta_time",
+        tmp_path,
+    )
 
 
 @pytest.mark.timeout(300)
 def test_collectives_that_run_at_once_lose_the_overlap_checks_and_are_named(tmp_path, no_leftover_ranks):
     """A collective that starts when issued, even while the previous one still holds the link."""
-    LAB.assert_mistake_loses_exactly("collectives run at once", ("start = max(clock, link_free)", "start = clock"),
-                                     {"extremes": "did collectives run at once", "hand": "you let collectives run at once",
-                                      "recorded": "you let collectives run at once", "whole": "your model predicts"},
-                                     tmp_path)
+    LAB.assert_mistake_loses_exactly(
+        "collectives run at once",
+        ("start = max(clock, link_free)", "start = clock"),
+        {
+            "extremes": "did collectives run at once",
+            "hand": "you let collectives run at once",
+            "recorded": "you let collectives run at once",
+            "whole": "your model predicts",
+        },
+        tmp_path,
+    )
 
 
 def _ring_answer(formulas: dict):
     """The ring's times, `formulas[op]` for the ops it names and the toolkit's own for the others."""
+
     def answer(r, case, given):
-        return {call: formulas.get(op, lambda *a: alpha_beta_time(op, *a))(size, n, alpha, beta)
-                for call, (op, size, n, alpha, beta) in given[0]["calls"].items()}
+        return {
+            call: formulas.get(op, lambda *a: alpha_beta_time(op, *a))(size, n, alpha, beta)
+            for call, (op, size, n, alpha, beta) in given[0]["calls"].items()
+        }
+
     return answer
 
 
@@ -93,12 +108,18 @@ def test_reduce_scatter_and_all_gather_mistakes_are_named_by_the_hidden_check(ph
 
 VISIBLE = {  # a mistake -> (what it computes, the phrase of the released check that catches it by a property)
     "one half for the all-reduce": (ONE_HALF, "did you count one half"),
-    "the whole buffer at every step": ({op: WRONG_HALVES["you sent the whole buffer at every step"]
-                                        for op in ("reduce_scatter", "all_gather")}, "less than the buffer"),
-    "one step too many": ({op: WRONG_HALVES["you counted one step too many"]
-                           for op in ("reduce_scatter", "all_gather")}, "one step too many"),
-    "the latency as bytes": ({"reduce_scatter": lambda s, n, a, b: (n - 1) * (a * s / n + s / n * b)},
-                             "the latency term counts messages, not bytes"),
+    "the whole buffer at every step": (
+        {op: WRONG_HALVES["you sent the whole buffer at every step"] for op in ("reduce_scatter", "all_gather")},
+        "less than the buffer",
+    ),
+    "one step too many": (
+        {op: WRONG_HALVES["you counted one step too many"] for op in ("reduce_scatter", "all_gather")},
+        "one step too many",
+    ),
+    "the latency as bytes": (
+        {"reduce_scatter": lambda s, n, a, b: (n - 1) * (a * s / n + s / n * b)},
+        "the latency term counts messages, not bytes",
+    ),
     "a group of one pays": ({"all_gather": lambda s, n, a, b: (n - 1 or 1) * (a + s / n * b)}, "moves nothing"),
 }
 
@@ -113,6 +134,7 @@ def test_the_released_check_catches_a_wrong_ring_by_its_structure(mistake):
 
 def test_latency_paid_once_passes_the_released_checks_and_fails_the_hidden_one():
     """What the properties cannot tell (how many alphas a ring pays) only the hidden check can."""
+
     def half(s, n, a, b):
         return 0.0 if n == 1 else WRONG_HALVES["you paid the latency once"](s, n, a, b)
 
@@ -139,22 +161,32 @@ def _step_answer(*, queue=True, unwaited_ends=True, only=None):
         found = timeline.breakdown()
         if not unwaited_ends and wrong:  # the step ends with the compute stream
             step = max([s.end for s in timeline.spans if s.kind == "compute"], default=0.0)
-            found = dict(found, step=step, exposed_comm=step - found["compute"],
-                         overlapped_comm=found["overlapped_comm"] + found["exposed_comm"] - (step - found["compute"]))
+            found = dict(
+                found,
+                step=step,
+                exposed_comm=step - found["compute"],
+                overlapped_comm=found["overlapped_comm"] + found["exposed_comm"] - (step - found["compute"]),
+            )
         return {"breakdown": found}
+
     return answer
 
 
 def test_the_overlap_rule_passes_the_released_checks():
-    for prefix in ("step_time's breakdown", "step_time where the rule", "step_time on the six hand",
-                   "step_time on the recorded"):
+    for prefix in (
+        "step_time's breakdown",
+        "step_time where the rule",
+        "step_time on the six hand",
+        "step_time on the recorded",
+    ):
         assert verdict(check_named(LAB.lab, prefix), 1, _step_answer()) == "", prefix
 
 
 def test_a_missing_final_wait_is_named_as_such_not_as_never_stalling():
     unwaited = "a collective nobody waits for still ends the step"
-    message = verdict(check_named(LAB.lab, "step_time on the six hand"), 1, _step_answer(unwaited_ends=False,
-                                                                                          only=unwaited))
+    message = verdict(
+        check_named(LAB.lab, "step_time on the six hand"), 1, _step_answer(unwaited_ends=False, only=unwaited)
+    )
     assert message.startswith("a collective nobody waits for still ends the step: step = "), message
     assert "a collective still running (one nobody waits for) holds the step open" in message
     assert "never stalled" not in message

@@ -1,6 +1,7 @@
 """Lab 02 (DDP gradient buckets) through the grader: the untouched skeleton scores 0, the reference full
 marks, and each classic mistake loses exactly the points of the checks that describe it, so the
 checks can fail, and fail for the right reason."""
+
 import pytest
 from lab_grading import LabGrading
 
@@ -28,16 +29,28 @@ def test_reference_solution_scores_full_marks(no_leftover_ranks):
 
 # (name, what to change in the reference, checks that must fail, a phrase their message must contain)
 MISTAKES = [
-    ("buckets in forward order",
-     ("for index in reversed(range(len(params))):", "for index in range(len(params)):"),
-     {"assign": "reverse registration order", "model_buckets": "should start with 'ln_f.bias'",
-      "overlap": "should already be travelling"}),
-    ("waiting for each bucket inside the hook",
-     ("            self.next_bucket += 1\n", "            launch.handle.wait()\n            self.next_bucket += 1\n"),
-     {"overlap": "was waited for while backward was still running"}),
-    ("summing instead of averaging",
-     ('op="avg", group=self.group, async_op=True', 'op="sum", group=self.group, async_op=True'),
-     {"grads": "the ranks' gradients were summed, not averaged", "parity": "SGD steps"}),
+    (
+        "buckets in forward order",
+        ("for index in reversed(range(len(params))):", "for index in range(len(params)):"),
+        {
+            "assign": "reverse registration order",
+            "model_buckets": "should start with 'ln_f.bias'",
+            "overlap": "should already be travelling",
+        },
+    ),
+    (
+        "waiting for each bucket inside the hook",
+        (
+            "            self.next_bucket += 1\n",
+            "            launch.handle.wait()\n            self.next_bucket += 1\n",
+        ),
+        {"overlap": "was waited for while backward was still running"},
+    ),
+    (
+        "summing instead of averaging",
+        ('op="avg", group=self.group, async_op=True', 'op="sum", group=self.group, async_op=True'),
+        {"grads": "the ranks' gradients were summed, not averaged", "parity": "SGD steps"},
+    ),
 ]
 
 
@@ -48,5 +61,6 @@ def test_a_mistake_loses_exactly_its_checks(name, change, failing, tmp_path, no_
 
 
 def test_the_toolkits_own_ddp_scores_zero(tmp_path):
-    LAB.assert_delegation_scores_zero("from toolkit.parallel.ddp import assign_buckets  # noqa: F811",
-                                      "toolkit.parallel.ddp", tmp_path)
+    LAB.assert_delegation_scores_zero(
+        "from toolkit.parallel.ddp import assign_buckets  # noqa: F811", "toolkit.parallel.ddp", tmp_path
+    )

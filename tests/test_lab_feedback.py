@@ -3,6 +3,7 @@ the labs' READMEs say what really happens (which world sizes each check runs at,
 
 No ranks are launched: a check's judge runs in the grader's process on what the ranks would have sent, so
 it is called here with the results of a mistaken ring, computed from the inputs the check draws."""
+
 import re
 from pathlib import Path
 
@@ -35,15 +36,20 @@ def _fails(check, n, got_of) -> str:
 
 def lecture_scatter(n, shift=1):
     """A reduce-scatter that leaves rank r with the finished chunk r+shift (the lecture's convention)."""
+
     def got(r, given):
-        return {"output": torch.stack([g["x"] for g in given]).sum(0).tensor_split(n)[(r + shift) % n],
-                "input_after": given[r]["x"]}
+        return {
+            "output": torch.stack([g["x"] for g in given]).sum(0).tensor_split(n)[(r + shift) % n],
+            "input_after": given[r]["x"],
+        }
+
     return got
 
 
 def lecture_gather(n, shift=1):
     def got(r, given):
         return {"output": torch.cat([given[(b + shift) % n]["x"] for b in range(n)])}
+
     return got
 
 
@@ -83,8 +89,10 @@ def test_traffic_off_the_ring_is_named():
 
     def star(r, given):  # every rank sends its whole tensor to rank 0: the sum arrives, not through a ring
         total = sum(g["x"] for g in given)
-        return {"x": total, "messages": [["send", 0, total.numel()]] if r else
-                [["recv", s, total.numel()] for s in range(1, 3)]}
+        return {
+            "x": total,
+            "messages": [["send", 0, total.numel()]] if r else [["recv", s, total.numel()] for s in range(1, 3)],
+        }
 
     message = _fails(check, 3, star)
     assert "rank 0 (left neighbour 2, right neighbour 1) also posted a recv with rank 1" in message, message

@@ -1,5 +1,6 @@
 """Lab 03 (one FSDP unit) through the grader: the untouched skeleton scores 0, the reference full marks,
 and each classic mistake loses exactly the points of the checks that describe it."""
+
 import pytest
 from lab_grading import LabGrading
 
@@ -26,12 +27,16 @@ def test_reference_solution_scores_full_marks(no_leftover_ranks):
 
 # (name, what to change in the reference, checks that must fail, a phrase their message must contain)
 MISTAKES = [
-    ("reshard never frees the memory",
-     ("        self.flat.data.untyped_storage().resize_(0)\n", ""),
-     {"freed": "still holds"}),
-    ("reduce-scatter sums instead of averaging",
-     ('op="avg", group=self.sharding.shard_group', 'op="sum", group=self.sharding.shard_group'),
-     {"grads": "the ranks' gradients were summed, not averaged", "parity": "SGD steps"}),
+    (
+        "reshard never frees the memory",
+        ("        self.flat.data.untyped_storage().resize_(0)\n", ""),
+        {"freed": "still holds"},
+    ),
+    (
+        "reduce-scatter sums instead of averaging",
+        ('op="avg", group=self.sharding.shard_group', 'op="sum", group=self.sharding.shard_group'),
+        {"grads": "the ranks' gradients were summed, not averaged", "parity": "SGD steps"},
+    ),
 ]
 
 
@@ -42,5 +47,8 @@ def test_a_mistake_loses_exactly_its_checks(name, change, failing, tmp_path, no_
 
 
 def test_the_toolkits_own_unit_scores_zero(tmp_path):
-    LAB.assert_delegation_scores_zero("MyUnit.unshard = FSDPUnit.unshard  # the toolkit's own, not yours",
-                                      "toolkit.parallel.fsdp_unit:FSDPUnit.unshard", tmp_path)
+    LAB.assert_delegation_scores_zero(
+        "MyUnit.unshard = FSDPUnit.unshard  # the toolkit's own, not yours",
+        "toolkit.parallel.fsdp_unit:FSDPUnit.unshard",
+        tmp_path,
+    )

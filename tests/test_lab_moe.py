@@ -1,5 +1,6 @@
 """Lab 04 (MoE dispatch and combine) through the grader: the untouched skeleton scores 0, the reference full
 marks, and two classic mistakes lose exactly the points of the checks that describe them."""
+
 import pytest
 from lab_grading import LabGrading
 
@@ -28,13 +29,24 @@ def test_reference_solution_scores_full_marks(no_leftover_ranks):
 
 # (name, what to change in the reference, {check that must fail: a phrase its message must contain})
 MISTAKES = [
-    ("splits not swapped in the all-to-all's backward",
-     ("back = send_rows(grad, ctx.in_splits, ctx.out_splits,", "back = send_rows(grad, ctx.out_splits, ctx.in_splits,"),
-     {"all_to_all": "split sizes must add up", "layer": "split sizes must add up", "skew": "split sizes",
-      "trace": "split sizes"}),
-    ("each answer weighted with the wrong choice's gate weight",
-     ("routing.gate_weight.reshape(-1)[order]", "routing.gate_weight.reshape(-1)[order // routing.top_k]"),
-     {"combine": "output: rank 0 got", "layer": "layer output", "skew": "layer output"}),
+    (
+        "splits not swapped in the all-to-all's backward",
+        (
+            "back = send_rows(grad, ctx.in_splits, ctx.out_splits,",
+            "back = send_rows(grad, ctx.out_splits, ctx.in_splits,",
+        ),
+        {
+            "all_to_all": "split sizes must add up",
+            "layer": "split sizes must add up",
+            "skew": "split sizes",
+            "trace": "split sizes",
+        },
+    ),
+    (
+        "each answer weighted with the wrong choice's gate weight",
+        ("routing.gate_weight.reshape(-1)[order]", "routing.gate_weight.reshape(-1)[order // routing.top_k]"),
+        {"combine": "output: rank 0 got", "layer": "layer output", "skew": "layer output"},
+    ),
 ]
 
 
@@ -45,5 +57,6 @@ def test_a_mistake_loses_exactly_its_checks(name, change, failing, tmp_path, no_
 
 
 def test_the_toolkits_own_layer_scores_zero(tmp_path):
-    LAB.assert_delegation_scores_zero("LabMoE.forward = MoE.forward  # the toolkit's own, not yours",
-                                      "toolkit.moe.layer:MoE.forward", tmp_path)
+    LAB.assert_delegation_scores_zero(
+        "LabMoE.forward = MoE.forward  # the toolkit's own, not yours", "toolkit.moe.layer:MoE.forward", tmp_path
+    )

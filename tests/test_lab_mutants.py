@@ -2,6 +2,7 @@
 makes (only in what a student writes, one change each, every one a different program), and a few of lab 12's graded
 through the runner, many to a launch, with the table written as `make test-mutants` writes it. The whole run, every
 lab, is `make test-mutants` (about half an hour on 2 loaded cores)."""
+
 import ast
 import re
 
@@ -41,9 +42,16 @@ def test_only_what_a_student_writes_is_mutated_one_change_at_a_time():
     assert students_functions(ast.parse(SOLUTION), ast.parse(SKELETON)) == {"helper", "yours"}
     found = mutants(SOLUTION, SKELETON)
     whats = {m.what for m in found}
-    for expected in ("`'avg'` -> `'sum'`", "`True` -> `False`", "`handle.wait()` left out", "`-` -> `+` in `n - 1`",
-                     "`x[helper(4)] / 2` -> `x[helper(4)]`", "`4` -> `5`", "`>` -> `>=` in `x.numel() > 1`",
-                     "`%` -> `//` in `(n - 1) % n`"):
+    for expected in (
+        "`'avg'` -> `'sum'`",
+        "`True` -> `False`",
+        "`handle.wait()` left out",
+        "`-` -> `+` in `n - 1`",
+        "`x[helper(4)] / 2` -> `x[helper(4)]`",
+        "`4` -> `5`",
+        "`>` -> `>=` in `x.numel() > 1`",
+        "`%` -> `//` in `(n - 1) % n`",
+    ):
         assert expected in whats, (expected, sorted(whats))
     assert {m.function for m in found} == {"helper", "yours"}  # `given` is the lab's, not the student's
     sources = [m.source for m in found]
@@ -63,8 +71,11 @@ def test_every_lab_has_mutants_with_distinct_ids():
             assert why in {m.id for m in found}, f"{lab.name}/equivalent_mutants.md names no mutant: {why}"
 
 
-QUICK = ("`actions.append(Action('F', warmup + i, rank))` left out", "`actions.append(Action('B', i, rank))` left out",
-         "`'F'` and `i` swapped in `Action('F', i, rank)`")  # three the first check kills: one launch
+QUICK = (
+    "`actions.append(Action('F', warmup + i, rank))` left out",
+    "`actions.append(Action('B', i, rank))` left out",
+    "`'F'` and `i` swapped in `Action('F', i, rank)`",
+)  # three the first check kills: one launch
 
 
 @pytest.mark.timeout(600)

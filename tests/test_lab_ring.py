@@ -2,6 +2,7 @@
 reference, 0 to a submission that hands the work to the toolkit's own ring, partial marks with a message
 naming the rank to a subtly wrong solution, and it survives checks that raise on one rank only or kill a
 rank."""
+
 from pathlib import Path
 
 import pytest
@@ -32,15 +33,18 @@ def test_reference_solution_scores_full_marks(no_leftover_ranks):
 
 
 def test_the_toolkits_own_ring_scores_zero(tmp_path):
-    RING.assert_delegation_scores_zero("from toolkit.comm.ring import all_reduce  # noqa: F811", "toolkit.comm.ring",
-                                       tmp_path)
+    RING.assert_delegation_scores_zero(
+        "from toolkit.comm.ring import all_reduce  # noqa: F811", "toolkit.comm.ring", tmp_path
+    )
 
 
 @pytest.mark.timeout(300)
 def test_off_by_one_chunk_in_all_gather_scores_partial_and_names_the_rank(tmp_path, no_leftover_ranks):
     reference = (LAB / "solution.py").read_text()
-    wrong = reference.replace("pass_along(chunks[(me - step) % n], chunks[(me - step - 1) % n]",
-                              "pass_along(chunks[(me - step + 1) % n], chunks[(me - step) % n]")
+    wrong = reference.replace(
+        "pass_along(chunks[(me - step) % n], chunks[(me - step - 1) % n]",
+        "pass_along(chunks[(me - step + 1) % n], chunks[(me - step) % n]",
+    )
     assert wrong != reference
     (tmp_path / "off_by_one.py").write_text(wrong)
     score = grade(LAB, tmp_path / "off_by_one.py")
@@ -49,11 +53,12 @@ def test_off_by_one_chunk_in_all_gather_scores_partial_and_names_the_rank(tmp_pa
     assert by_name["reduce-scatter, SUM"].passed  # the reduce-scatter half is right
     gather = by_name["all-gather"]
     assert not gather.passed and gather.earned == 0
-    assert gather.message.startswith("world size 3, all_gather of 1x3 float32 inputs: rank 0: blocks [0, 1, 2] "
-                                     "were never written"), gather.message  # the mistake named, not floats
+    assert gather.message.startswith(
+        "world size 3, all_gather of 1x3 float32 inputs: rank 0: blocks [0, 1, 2] were never written"
+    ), gather.message  # the mistake named, not floats
 
 
-SYNTHETIC_TASKS = '''
+SYNTHETIC_TASKS = """
 import os
 import torch
 import torch.distributed as dist
@@ -76,9 +81,9 @@ def dies(student, rank, given):
 
 def last(student, rank, given):
     return {"answer": student.answer()}
-'''
+"""
 
-SYNTHETIC_CHECKS = '''
+SYNTHETIC_CHECKS = """
 import torch
 from toolkit.grading import check
 
@@ -92,7 +97,7 @@ one_sided = check("raises on rank 1 while rank 0 waits for it", points=1, world_
     the_answer)
 dies = check("rank 0 dies", points=1, world_sizes=(2,), task="dies")(the_answer)
 last = check("passes at the end", points=2, world_sizes=(2,), task="last")(the_answer)
-'''
+"""
 
 
 @pytest.mark.timeout(300)

@@ -2,6 +2,7 @@
 two classic mistakes in Algorithm 1 lose the checks that describe them (and keep the others), and the
 toolkit's own rule scores 0. The released checks judge the latency model and the greedy by properties; the
 hidden checks compare them with the toolkit's own on cases drawn for the grading."""
+
 import pytest
 from lab_grading import LabGrading
 
@@ -33,15 +34,26 @@ def test_reference_solution_scores_full_marks(no_leftover_ranks):
 # inputs are drawn from a fixed seed, so the cases each mistake meets are the same every run
 MISTAKES = [
     # the lightest experts first: on the strongly skewed layer it shadows an idle expert and nothing gets faster
-    ("tries the experts lightest first",
-     ("key=lambda e: (-load[e], e)", "key=lambda e: (load[e], e)"),
-     {"algorithm": "the first candidate tried is the heaviest", "choice": "Algorithm 1 chooses",
-      "real_choice": "Algorithm 1 chooses", "gain": "below 0.8 expected"}),
+    (
+        "tries the experts lightest first",
+        ("key=lambda e: (-load[e], e)", "key=lambda e: (load[e], e)"),
+        {
+            "algorithm": "the first candidate tried is the heaviest",
+            "choice": "Algorithm 1 chooses",
+            "real_choice": "Algorithm 1 chooses",
+            "gain": "below 0.8 expected",
+        },
+    ),
     # every expert is compared with the plain layer instead of the best set so far: it never stops in time
-    ("compares with Lat_imbl, not with the best so far",
-     ("        best = latency\n", ""),
-     {"algorithm": "lowers the latency below the best so far", "choice": "Algorithm 1 chooses",
-      "real_choice": "Algorithm 1 chooses"}),
+    (
+        "compares with Lat_imbl, not with the best so far",
+        ("        best = latency\n", ""),
+        {
+            "algorithm": "lowers the latency below the best so far",
+            "choice": "Algorithm 1 chooses",
+            "real_choice": "Algorithm 1 chooses",
+        },
+    ),
 ]
 
 
@@ -52,5 +64,6 @@ def test_a_mistake_loses_exactly_its_checks(name, change, failing, tmp_path, no_
 
 
 def test_the_toolkits_own_rule_scores_zero(tmp_path):
-    LAB.assert_delegation_scores_zero("from toolkit.moe.shadow import choose_shadows  # noqa: F811",
-                                      "toolkit.moe.shadow:choose_shadows", tmp_path)
+    LAB.assert_delegation_scores_zero(
+        "from toolkit.moe.shadow import choose_shadows  # noqa: F811", "toolkit.moe.shadow:choose_shadows", tmp_path
+    )

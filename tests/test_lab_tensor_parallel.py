@@ -4,26 +4,44 @@ and each classic mistake loses exactly the checks that describe it, with feedbac
     an all-reduce in the column-parallel forward (where f's backward belongs)
     the row-parallel bias added before the reduction (so the output holds it t times)
 """
+
 import pytest
 from lab_grading import LabGrading
 
-CHECKS = {"f": "f:", "g": "g:", "column": "column-parallel forward", "row": "row-parallel forward",
-          "mlp": "the split MLP", "talk": "talk", "training": "training"}
+CHECKS = {
+    "f": "f:",
+    "g": "g:",
+    "column": "column-parallel forward",
+    "row": "row-parallel forward",
+    "mlp": "the split MLP",
+    "talk": "talk",
+    "training": "training",
+}
 COLUMN_FORWARD = "        return F.linear(CopyToTP.apply(x, self.group), self.weight, self.bias)\n"
-ROW_FORWARD = ("        partial = F.linear(x, self.weight)\n"
-               "        return ReduceFromTP.apply(partial, self.group) + self.bias\n")
+ROW_FORWARD = (
+    "        partial = F.linear(x, self.weight)\n        return ReduceFromTP.apply(partial, self.group) + self.bias\n"
+)
 MISTAKES = {
     "all-reduce in the column forward": (
         (COLUMN_FORWARD, "        return ReduceFromTP.apply(F.linear(x, self.weight, self.bias), self.group)\n"),
-        {"column": "the column-parallel forward issued ['all_reduce']", "mlp": "the output of the split MLP",
-         "talk": "the MLP's forward issued", "training": "the loss of step 0"}),
+        {
+            "column": "the column-parallel forward issued ['all_reduce']",
+            "mlp": "the output of the split MLP",
+            "talk": "the MLP's forward issued",
+            "training": "the loss of step 0",
+        },
+    ),
     "row bias before the reduction": (
         (ROW_FORWARD, "        return ReduceFromTP.apply(F.linear(x, self.weight, self.bias), self.group)\n"),
-        {"row": "the output holds the bias 2 times", "mlp": "the output of the split MLP",
-         # The GPT's biases start at zero, so step 0 cannot tell. Step 1's loss moves by about 1e-3 either way
-         # with the grading's random seed, so for a few seeds in a hundred it lands within the fp32 tolerance
-         # and the weights after 2 steps are the first thing that differs (seen in a suite run).
-         "training": ("the loss of step 1", "blocks.0.mlp.fc.weight after 2 steps")}),
+        {
+            "row": "the output holds the bias 2 times",
+            "mlp": "the output of the split MLP",
+            # The GPT's biases start at zero, so step 0 cannot tell. Step 1's loss moves by about 1e-3 either way
+            # with the grading's random seed, so for a few seeds in a hundred it lands within the fp32 tolerance
+            # and the weights after 2 steps are the first thing that differs (seen in a suite run).
+            "training": ("the loss of step 1", "blocks.0.mlp.fc.weight after 2 steps"),
+        },
+    ),
 }
 
 
@@ -49,5 +67,6 @@ def test_the_classic_mistakes_are_named(mistake, tmp_path, no_leftover_ranks):
 
 
 def test_the_toolkits_own_tensor_parallelism_scores_zero(tmp_path):
-    lab().assert_delegation_scores_zero("from toolkit.parallel.tensor import operators  # noqa: F401",
-                                        "toolkit.parallel.tensor", tmp_path)
+    lab().assert_delegation_scores_zero(
+        "from toolkit.parallel.tensor import operators  # noqa: F401", "toolkit.parallel.tensor", tmp_path
+    )

@@ -7,6 +7,7 @@ the mistake (so the checks can fail, and fail for the right reason). One grading
     08-mixed-precision  all-gathering the fp32 masters and rounding afterwards (twice the bytes)
     09-tutel-pipeline   posting chunk k+1 only after computing chunk k (right numbers, nothing overlapped)
 """
+
 import pytest
 import torch
 from lab_grading import LabGrading, check_named, verdict
@@ -23,31 +24,80 @@ COMPUTE = "        y = compute(k, pending.wait())\n"
 # lab -> (its checks: a short key -> the start of the check's name, maximum, the mistake:
 #         (name, (old, new) in the reference, {check that must fail: a phrase its message must contain}))
 LABS = {
-    "06-zero": ({"bounds": "shard_bounds", "grads": "after one backward", "states": "the optimizer holds states",
-                 "parity": "parity", "bytes": "bytes per step"}, 8,
-                ("no all-gather after the step",
-                 ("        comm.all_gather(self.flat.data, self.master.detach().clone(), group=self.group)\n", ""),
-                 {"parity": "only its own slice of the parameters changed",
-                  "bytes": "without the all-gather after the step"})),
-    "07-hsdp": ({"layout": "hsdp_layout", "groups": "make_groups", "grads": "after one backward", "parity": "parity",
-                 "bytes": "bytes across nodes"}, 8,
-                ("no all-reduce across the replica group",
-                 ('        comm.all_reduce(out, op="avg", group=self.sharding.replica_group)\n', ""),
-                 {"grads": "the replicas were never averaged", "parity": "after 3 SGD steps",
-                  "bytes": "no byte crossed from node to node"})),
-    "08-mixed-precision": ({"gather": "unshard:", "reduce": "gradients are reduced", "add": "add_grad",
-                            "fp32": "the optimizer sees fp32", "close": "4 AdamW steps", "bytes": "bytes halved"}, 9,
-                           ("all-gather in fp32, round afterwards",
-                            ("            piece = self.master.detach().to(self.sharding.param_dtype)\n"
-                             "            handle = comm.all_gather(self.flat.data, piece, group=self.sharding.shard_group,"
-                             " async_op=True)\n", FP32_GATHER),
-                            {"gather": "cast the fp32 master slice to param_dtype *before* the all-gather",
-                             "bytes": "should send"})),
-    "09-tutel-pipeline": ({"split": "split_capacity", "outputs": "outputs", "grads": "gradients",
-                           "overlap": "overlap on the trace", "traffic": "traffic",
-                           "hidden": "degree 4 on a capacity of 5"}, 9,  # 8 public points, 1 hidden
-                          ("post chunk k+1 after computing chunk k", (POST_NEXT + COMPUTE, COMPUTE + POST_NEXT),
-                           {"overlap": "was posted after chunk 1's experts had started"})),
+    "06-zero": (
+        {
+            "bounds": "shard_bounds",
+            "grads": "after one backward",
+            "states": "the optimizer holds states",
+            "parity": "parity",
+            "bytes": "bytes per step",
+        },
+        8,
+        (
+            "no all-gather after the step",
+            ("        comm.all_gather(self.flat.data, self.master.detach().clone(), group=self.group)\n", ""),
+            {
+                "parity": "only its own slice of the parameters changed",
+                "bytes": "without the all-gather after the step",
+            },
+        ),
+    ),
+    "07-hsdp": (
+        {
+            "layout": "hsdp_layout",
+            "groups": "make_groups",
+            "grads": "after one backward",
+            "parity": "parity",
+            "bytes": "bytes across nodes",
+        },
+        8,
+        (
+            "no all-reduce across the replica group",
+            ('        comm.all_reduce(out, op="avg", group=self.sharding.replica_group)\n', ""),
+            {
+                "grads": "the replicas were never averaged",
+                "parity": "after 3 SGD steps",
+                "bytes": "no byte crossed from node to node",
+            },
+        ),
+    ),
+    "08-mixed-precision": (
+        {
+            "gather": "unshard:",
+            "reduce": "gradients are reduced",
+            "add": "add_grad",
+            "fp32": "the optimizer sees fp32",
+            "close": "4 AdamW steps",
+            "bytes": "bytes halved",
+        },
+        9,
+        (
+            "all-gather in fp32, round afterwards",
+            (
+                "            piece = self.master.detach().to(self.sharding.param_dtype)\n"
+                "            handle = comm.all_gather(self.flat.data, piece, group=self.sharding.shard_group,"
+                " async_op=True)\n",
+                FP32_GATHER,
+            ),
+            {"gather": "cast the fp32 master slice to param_dtype *before* the all-gather", "bytes": "should send"},
+        ),
+    ),
+    "09-tutel-pipeline": (
+        {
+            "split": "split_capacity",
+            "outputs": "outputs",
+            "grads": "gradients",
+            "overlap": "overlap on the trace",
+            "traffic": "traffic",
+            "hidden": "degree 4 on a capacity of 5",
+        },
+        9,  # 8 public points, 1 hidden
+        (
+            "post chunk k+1 after computing chunk k",
+            (POST_NEXT + COMPUTE, COMPUTE + POST_NEXT),
+            {"overlap": "was posted after chunk 1's experts had started"},
+        ),
+    ),
 }
 
 
@@ -77,10 +127,14 @@ def test_the_classic_mistake_is_named(name, tmp_path, no_leftover_ranks):
 
 ANSWERS = {  # lab -> (code that hands the work to the toolkit, the answer it uses)
     "06-zero": ("from toolkit.parallel.zero import wrap_zero2  # noqa: F401", "toolkit.parallel.zero"),
-    "07-hsdp": ("from toolkit.parallel.fsdp_unit import sharding_groups  # noqa: F401",
-                "toolkit.parallel.fsdp_unit:sharding_groups"),
-    "08-mixed-precision": ("MixedUnit.add_grad = FSDPUnit.add_grad  # the toolkit's own, not yours",
-                           "toolkit.parallel.fsdp_unit:FSDPUnit.add_grad"),
+    "07-hsdp": (
+        "from toolkit.parallel.fsdp_unit import sharding_groups  # noqa: F401",
+        "toolkit.parallel.fsdp_unit:sharding_groups",
+    ),
+    "08-mixed-precision": (
+        "MixedUnit.add_grad = FSDPUnit.add_grad  # the toolkit's own, not yours",
+        "toolkit.parallel.fsdp_unit:FSDPUnit.add_grad",
+    ),
     "09-tutel-pipeline": ("from toolkit.moe.pipeline import chunking  # noqa: F401", "toolkit.moe.pipeline"),
 }
 
@@ -107,7 +161,7 @@ def test_06_summed_gradient_slices_are_named():
         grads = [p.grad for p in checks.local(given[0]["seed"], 0).parameters()]
         full = checks.flat_of(grads, 2)
         shard = full.numel() // 2
-        return {"full_left": [], "grad": 2 * full[r * shard:(r + 1) * shard]}
+        return {"full_left": [], "grad": 2 * full[r * shard : (r + 1) * shard]}
 
     assert "the ranks' gradients were summed, not averaged" in _judge("06-zero", "after one backward", 2, summed)
 

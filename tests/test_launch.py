@@ -1,4 +1,5 @@
 """toolkit.launch: results in rank order, functions from notebooks and __main__, and every failure path."""
+
 import os
 import signal
 import subprocess
@@ -30,8 +31,17 @@ def _everything(tag):
     comm.reduce_scatter(mine, torch.arange(3.0 * n) * (r + 1))
     b = torch.full((4,), float(r))
     comm.broadcast(b, src=n - 1)
-    return {"tag": tag, "rank": r, "world": n, "pid": os.getpid(), "sum": x, "gathered": gathered,
-            "scattered": mine, "broadcast": b, "threads": torch.get_num_threads()}
+    return {
+        "tag": tag,
+        "rank": r,
+        "world": n,
+        "pid": os.getpid(),
+        "sum": x,
+        "gathered": gathered,
+        "scattered": mine,
+        "broadcast": b,
+        "threads": torch.get_num_threads(),
+    }
 
 
 @pytest.mark.parametrize("world_size", [1, 3, 4])  # 2 ranks: test_parallel_launches_never_collide
@@ -45,7 +55,7 @@ def test_results_arrive_in_rank_order_with_tensors_intact(world_size, no_leftove
         assert r["tag"] == "hi" and r["world"] == n
         torch.testing.assert_close(r["sum"], torch.arange(5.0) * n + total)
         torch.testing.assert_close(r["gathered"], torch.arange(n).repeat_interleave(2).float())
-        expected = torch.arange(3.0 * n)[3 * r["rank"]: 3 * r["rank"] + 3] * (n * (n + 1) / 2)
+        expected = torch.arange(3.0 * n)[3 * r["rank"] : 3 * r["rank"] + 3] * (n * (n + 1) / 2)
         torch.testing.assert_close(r["scattered"], expected)
         torch.testing.assert_close(r["broadcast"], torch.full((4,), float(n - 1)))
         assert r["threads"] == max(1, (os.cpu_count() or 1) // n)
@@ -54,7 +64,8 @@ def test_results_arrive_in_rank_order_with_tensors_intact(world_size, no_leftove
 def test_function_defined_in_a_notebook_cell_travels(no_leftover_ranks):
     """A notebook cell's function lives in `__main__` with no file behind it: exec one the same way."""
     namespace = {"__name__": "__main__"}
-    exec(textwrap.dedent("""
+    exec(
+        textwrap.dedent("""
         import torch
         import torch.distributed as dist
         from toolkit import comm
@@ -63,7 +74,9 @@ def test_function_defined_in_a_notebook_cell_travels(no_leftover_ranks):
             x = torch.ones(2) * (dist.get_rank() + 1) * SCALE * k
             comm.all_reduce(x)
             return x
-    """), namespace)
+    """),
+        namespace,
+    )
     torch.ones(64, 64) @ torch.ones(64, 64)  # a parent that already ran torch, as a notebook has
     out = toolkit.launch(namespace["cell_function"], 2, args=(2,), timeout_s=30)
     assert [o.tolist() for o in out] == [[60.0, 60.0]] * 2
@@ -93,14 +106,16 @@ def test_a_cells_traceback_shows_its_file_line_and_source(no_leftover_ranks):
 
 def test_function_from_a_script_main_travels(tmp_path, no_leftover_ranks):
     script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import torch, toolkit
         torch.ones(8) @ torch.ones(8)
         def square_rank():
             import torch.distributed as dist
             return dist.get_rank() ** 2
         print("RESULT", toolkit.launch(square_rank, 3, timeout_s=30))
-    """))
+    """)
+    )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr
     assert "RESULT [0, 1, 4]" in out.stdout
@@ -109,7 +124,9 @@ def test_function_from_a_script_main_travels(tmp_path, no_leftover_ranks):
 def test_rank_output_is_forwarded_with_its_rank(capfd, no_leftover_ranks):
     def speak():
         import torch.distributed as dist
+
         print("hello from", dist.get_rank())
+
     toolkit.launch(speak, 2, timeout_s=30)
     time.sleep(0.1)
     text = capfd.readouterr().out
@@ -184,8 +201,12 @@ def test_parallel_launches_never_collide(no_leftover_ranks):
 
 
 _SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
-_ORPHAN_MAKER = [sys.executable, "-c", "import subprocess as s, sys; print(s.Popen(sys.argv[1:], start_new_session=True, "
-                 "stdout=s.DEVNULL, stderr=s.DEVNULL).pid)"] + _SLEEPER
+_ORPHAN_MAKER = [
+    sys.executable,
+    "-c",
+    "import subprocess as s, sys; print(s.Popen(sys.argv[1:], start_new_session=True, "
+    "stdout=s.DEVNULL, stderr=s.DEVNULL).pid)",
+] + _SLEEPER
 
 
 def _leaves_processes_behind(folder, then):
@@ -237,7 +258,8 @@ def _launcher_of_sleepy_ranks(tmp_path, **popen):
     """A script whose two ranks sleep for two minutes, started once both ranks are up; (process, their pid folder)."""
     script, pid_dir = tmp_path / "launcher.py", tmp_path / "pids"
     pid_dir.mkdir()
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, time, toolkit
         def sleepy():
             with open(os.path.join({str(pid_dir)!r}, str(os.getpid())), "w") as f:
@@ -247,7 +269,8 @@ def _launcher_of_sleepy_ranks(tmp_path, **popen):
             toolkit.launch(sleepy, 2, timeout_s=300)
         except KeyboardInterrupt:
             print("INTERRUPTED")
-    """))
+    """)
+    )
     proc = subprocess.Popen([sys.executable, str(script)], **popen)
     deadline = time.time() + 90
     while len(os.listdir(pid_dir)) < 2 and time.time() < deadline:
@@ -304,6 +327,7 @@ def test_a_deadline_stops_ranks_that_never_reach_a_collective(tmp_path, no_lefto
         open(os.path.join(folder, str(dist.get_rank())), "w").close()
         while True:
             pass
+
     with pytest.raises(RankError, match="deadline_s=3") as info:  # the deadline, not the test's limit, ended it
         toolkit.launch(spin, 2, args=(str(tmp_path),), deadline_s=3)
     # A rank that was spinning is shown where it spins (on a starved machine a rank may not have started in
@@ -321,5 +345,6 @@ def test_not_implemented_reaches_the_caller_as_such(no_leftover_ranks):
     def work():
         with comm.using({"all_reduce": unfinished}):
             comm.all_reduce(torch.ones(2))
+
     with pytest.raises(RankError, match="raised NotImplementedError: write the ring all-reduce"):
         toolkit.launch(work, 2, timeout_s=30)

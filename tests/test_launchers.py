@@ -1,4 +1,5 @@
 """The same toolkit script under torchrun, mpiexec and ipyparallel MPI engines."""
+
 import os
 import shutil
 import subprocess
@@ -50,7 +51,12 @@ def _clean_env():
     env = dict(os.environ)
     for var in list(env):
         if var.startswith(("OMPI_", "PMI_", "SLURM_", "TOOLKIT_")) or var in (
-                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ):
             env.pop(var)
     return env
 
@@ -58,8 +64,9 @@ def _clean_env():
 def _run(cmd, tmp_path):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    out = subprocess.run(cmd + [str(script)], capture_output=True, text=True, timeout=150,
-                         env=_clean_env(), cwd=tmp_path)
+    out = subprocess.run(
+        cmd + [str(script)], capture_output=True, text=True, timeout=150, env=_clean_env(), cwd=tmp_path
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return sorted(line for line in out.stdout.splitlines() if line.startswith("OK"))
 
@@ -91,8 +98,14 @@ def test_under_torchrun_the_root_cause_is_the_rank_that_raised(tmp_path):
     A monitor interval of 2 s plays a loaded machine, where every rank has ended before torchrun looks."""
     script = tmp_path / "job.py"
     script.write_text(RAISES_UNDER_TORCHRUN)
-    out = subprocess.run([_bin("torchrun"), "--standalone", "--nproc_per_node=3", "--monitor-interval=2",
-                          str(script)], capture_output=True, text=True, timeout=170, env=_clean_env(), cwd=tmp_path)
+    out = subprocess.run(
+        [_bin("torchrun"), "--standalone", "--nproc_per_node=3", "--monitor-interval=2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env=_clean_env(),
+        cwd=tmp_path,
+    )
     assert out.returncode != 0
     summary = out.stderr.split("Root Cause (first observed failure):")[-1]  # the last thing torchrun prints
     assert "  rank      : 2 (local_rank: 2)" in summary, out.stderr[-3000:]
@@ -100,9 +113,11 @@ def test_under_torchrun_the_root_cause_is_the_rank_that_raised(tmp_path):
     assert out.stderr.count("ValueError: rank two is unhappy\n") >= 1
 
 
-RAISES_ON_RANK_1 = ("import os, torch, torch.distributed as dist\n"
-                    "if dist.get_rank() == 1: raise ValueError('rank one is unhappy')\n"
-                    "toolkit.comm.all_reduce(torch.ones(3))  # ranks 0 and 2 wait here for rank 1\n")
+RAISES_ON_RANK_1 = (
+    "import os, torch, torch.distributed as dist\n"
+    "if dist.get_rank() == 1: raise ValueError('rank one is unhappy')\n"
+    "toolkit.comm.all_reduce(torch.ones(3))  # ranks 0 and 2 wait here for rank 1\n"
+)
 SUMS = "x = torch.ones(2) * (dist.get_rank() + 1)\ntoolkit.comm.all_reduce(x)\nresult = (dist.get_rank(), x.tolist())"
 
 
@@ -110,8 +125,10 @@ def assert_told_at_once(error, when=""):
     """Rank 1 raised; the engines waiting for it in the all-reduce failed because it went away, not at timeout_s
     (PeerFailed either way, "it timed out" then): what happened, not when, so load cannot change it."""
     told = sorted((name, "another rank of the group went away" in str(value)) for name, value, _, _ in error.elist)
-    assert told == [("PeerFailed", True), ("PeerFailed", True), ("ValueError", False)], \
-        (when, [(n, str(v)[:200]) for n, v, _, _ in error.elist])
+    assert told == [("PeerFailed", True), ("PeerFailed", True), ("ValueError", False)], (
+        when,
+        [(n, str(v)[:200]) for n, v, _, _ in error.elist],
+    )
 
 
 def test_ipyparallel_engines_run_cells_survive_a_failed_one_and_name_a_dead_engine():
@@ -239,7 +256,8 @@ def test_ipyparallel_apply_recovers_and_a_killed_engine_is_named_as_the_one_that
         # engine 1, or (on a loaded machine: mpiexec ends the others before the watcher runs) every engine "too
         # close together to tell", never another engine named as the first (test_engine_ends_... below)
         assert note.startswith("toolkit: engine 1 (rank 1) died: killed by SIGKILL (9)") or note.startswith(
-            "toolkit: engines 0, 1, 2 (ranks 0, 1, 2) ended too close together to tell which was first"), note
+            "toolkit: engines 0, 1, 2 (ranks 0, 1, 2) ended too close together to tell which was first"
+        ), note
         assert "It took the MPI job with it: mpiexec then ended every other engine" in note, note
         assert "rc = toolkit.runtime.restart_cluster(rc)" in note, note
     finally:
@@ -283,14 +301,19 @@ def _within(seconds: float, condition) -> bool:
     return True
 
 
-@pytest.mark.parametrize("environ, expected", [
-    ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}, (3, 8, 1, "torchrun")),
-    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
-     (5, 6, 1, "openmpi")),
-    ({"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0"}, (2, 4, 0, "mpich")),
-    ({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1"}, (9, 16, 1, "slurm")),
-    ({}, (0, 1, 0, "single")),
-])
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}, (3, 8, 1, "torchrun")),
+        (
+            {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
+            (5, 6, 1, "openmpi"),
+        ),
+        ({"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0"}, (2, 4, 0, "mpich")),
+        ({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1"}, (9, 16, 1, "slurm")),
+        ({}, (0, 1, 0, "single")),
+    ],
+)
 def test_placement_is_read_from_every_launcher(environ, expected):
     p = detect(environ)
     assert (p.rank, p.world_size, p.local_rank, p.launcher) == expected
@@ -298,6 +321,7 @@ def test_placement_is_read_from_every_launcher(environ, expected):
 
 def test_backend_choice():
     import torch
+
     assert resolve_backend("gloo") == "gloo"
     if not torch.cuda.is_available():
         assert resolve_backend("auto", 2) == "gloo"

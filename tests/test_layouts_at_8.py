@@ -8,6 +8,7 @@
 
 Eight processes on two cores: a minute or more, so `make test-large-world`, not `make test`.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,13 +26,16 @@ pytestmark = pytest.mark.large_world
 
 LOSS_ATOL, PARAM_ATOL = 1e-4, 1e-5  # derived in tests/test_pipeline.py: a split changes only the order of sums
 MODEL = dict(n_layer=4, d_model=64, n_head=4)
-BASE = dict(steps=2, global_batch_size=4, optimizer="sgd", lr=0.1, progress=False, sample_memory=False,
-            model=MODEL)
+BASE = dict(steps=2, global_batch_size=4, optimizer="sgd", lr=0.1, progress=False, sample_memory=False, model=MODEL)
 CASES = [
-    ("zero1 dp2 x pp2 x tp2, Megatron's order", dict(strategy="zero1", clip=0.05,
-                                                     options={"pp": 2, "tp": 2, "microbatches": 2})),
-    ("zero1 dp2 x pp2 x tp2, dp outermost", dict(strategy="zero1", clip=0.05, options={
-        "pp": 2, "tp": 2, "microbatches": 2, "order": mesh.DP_OUTERMOST})),
+    (
+        "zero1 dp2 x pp2 x tp2, Megatron's order",
+        dict(strategy="zero1", clip=0.05, options={"pp": 2, "tp": 2, "microbatches": 2}),
+    ),
+    (
+        "zero1 dp2 x pp2 x tp2, dp outermost",
+        dict(strategy="zero1", clip=0.05, options={"pp": 2, "tp": 2, "microbatches": 2, "order": mesh.DP_OUTERMOST}),
+    ),
     ("ddp dp2 x pp2 x cp2", dict(strategy="ddp", options={"pp": 2, "cp": 2, "microbatches": 2})),
     ("fsdp dp2 x cp2 x tp2", dict(strategy="fsdp", clip=0.05, options={"cp": 2, "tp": 2})),
 ]
@@ -57,8 +61,10 @@ def checkpoints(directory: str) -> dict:
     save_full(model, opt, path)
     saved = toolkit.parallel.full_state_dict(model)
     found = {}
-    for name, strategy, options in (("Megatron's order", "zero1", dict(pp=2, tp=2, microbatches=2)),
-                                    ("dp2 x cp2 x tp2", "zero2", dict(cp=2, tp=2))):
+    for name, strategy, options in (
+        ("Megatron's order", "zero1", dict(pp=2, tp=2, microbatches=2)),
+        ("dp2 x cp2 x tp2", "zero2", dict(cp=2, tp=2)),
+    ):
         torch.manual_seed(1)  # other initial values: only the checkpoint can make them equal
         other, other_opt = toolkit.parallel.wrap(tiny_gpt(**MODEL), strategy, optimizer=adam, **options)
         load_full(other, other_opt, path)

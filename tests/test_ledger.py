@@ -1,4 +1,5 @@
 """The memory ledger counts real storage exactly; the activation meter sees what autograd saves."""
+
 import pytest
 import torch
 import torch.nn as nn
@@ -57,8 +58,11 @@ class FlatModel(nn.Module):
         self.extra = list(extra)
 
     def memory_groups(self):
-        groups = {"params": list(self.views), "grads": [self.grad_flat[:5], self.grad_flat[5:]],
-                  "optimizer": [self.views[0]]}  # a storage already counted as params is not counted again
+        groups = {
+            "params": list(self.views),
+            "grads": [self.grad_flat[:5], self.grad_flat[5:]],
+            "optimizer": [self.views[0]],
+        }  # a storage already counted as params is not counted again
         if self.extra:
             groups["buckets"] = self.extra
         return groups

@@ -1,5 +1,6 @@
 """The dp x pp x cp x tp layout: the rank order an option (Megatron's by default), groups by global rank, sizes
 checked before any group is made."""
+
 import pytest
 import torch.distributed as dist
 
@@ -10,8 +11,16 @@ from toolkit.parallel import mesh
 def test_megatrons_order_is_the_default_pp_outermost_tp_consecutive():
     shape = mesh.Layout(dp=2, pp=2, tp=2)
     assert shape.order == "tp-cp-ep-dp-pp" == mesh.ORDER
-    assert [tuple(shape.coordinate(r)) for r in range(8)] == [   # (dp, pp, cp, tp)
-        (0, 0, 0, 0), (0, 0, 0, 1), (1, 0, 0, 0), (1, 0, 0, 1), (0, 1, 0, 0), (0, 1, 0, 1), (1, 1, 0, 0), (1, 1, 0, 1)]
+    assert [tuple(shape.coordinate(r)) for r in range(8)] == [  # (dp, pp, cp, tp)
+        (0, 0, 0, 0),
+        (0, 0, 0, 1),
+        (1, 0, 0, 0),
+        (1, 0, 0, 1),
+        (0, 1, 0, 0),
+        (0, 1, 0, 1),
+        (1, 1, 0, 0),
+        (1, 1, 0, 1),
+    ]
     assert all(shape.rank(**shape.coordinate(r)._asdict()) == r for r in range(8))
     assert shape.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert shape.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -21,7 +30,9 @@ def test_megatrons_order_is_the_default_pp_outermost_tp_consecutive():
 def test_dp_outermost_is_the_order_this_toolkit_had():
     shape = mesh.Layout(dp=2, pp=2, tp=2, order=mesh.DP_OUTERMOST)
     coordinates = [shape.coordinate(r) for r in range(8)]
-    assert [(c.dp, c.pp, c.tp) for c in coordinates] == [(d, p, t) for d in range(2) for p in range(2) for t in range(2)]
+    assert [(c.dp, c.pp, c.tp) for c in coordinates] == [
+        (d, p, t) for d in range(2) for p in range(2) for t in range(2)
+    ]
     assert shape.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert shape.groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert shape.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -58,8 +69,13 @@ def test_a_world_that_does_not_split_is_refused_with_the_sizes_that_would():
 def _groups(order):
     m = mesh.build(tp=2, pp=2, order=order)
     ranks = dist.get_process_group_ranks
-    return (mesh.layout_of(m), tuple(mesh.coordinate(m)), m.mesh_dim_names,
-            {d: ranks(mesh.group(m, d)) for d in mesh.DIMS}, ranks(mesh.group(m, "dp", "cp")))
+    return (
+        mesh.layout_of(m),
+        tuple(mesh.coordinate(m)),
+        m.mesh_dim_names,
+        {d: ranks(mesh.group(m, d)) for d in mesh.DIMS},
+        ranks(mesh.group(m, "dp", "cp")),
+    )
 
 
 @pytest.mark.timeout(120)
@@ -84,8 +100,9 @@ def test_the_simulator_runs_whichever_order_is_chosen_on_the_real_groups():
 
     for order in (mesh.ORDER, mesh.DP_OUTERMOST):
         shape = mesh.layout(8, tp=2, pp=2, order=order)
-        sim = simulate(lambda: tiny_gpt(n_layer=2), "ddp", 8, rank=1, tp=2, pp=2, order=order, batch_per_rank=2,
-                       progress=False)
+        sim = simulate(
+            lambda: tiny_gpt(n_layer=2), "ddp", 8, rank=1, tp=2, pp=2, order=order, batch_per_rank=2, progress=False
+        )
         groups = {c.group for c in sim.collectives() if c.op == "all_reduce" and c.phase == "backward"}
         assert tuple(shape.group_of(1, "dp")) in groups and tuple(shape.group_of(1, "tp")) in groups, (order, groups)
         assert pipeline_of(8, 1, dict(tp=2, pp=2, order=order)) == shape.group_of(1, "pp")

@@ -13,6 +13,7 @@ changes only the order of sums, so the loss moves by at most 1e-4 and a paramete
   micro-batch. Memory: the loss's backward allocates no (N, V/t) buffer (MemTracker); FSDP's kept units are in the
   ledger exactly. Random numbers: the tensor-parallel stream differs across tp ranks and agrees across dp ones.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,20 +33,42 @@ HEADS4 = {"n_head": 4}
 
 # (name, TrainConfig fields of the layout, the one-process reference's fields)
 CASES = [
-    ("tp 4, vocabulary 66 padded to 68", dict(vocab_size=66, model=HEADS4, options={"tp": 4}),
-     dict(vocab_size=66, model=HEADS4)),
+    (
+        "tp 4, vocabulary 66 padded to 68",
+        dict(vocab_size=66, model=HEADS4, options={"tp": 4}),
+        dict(vocab_size=66, model=HEADS4),
+    ),
     ("tp 4 + sp", dict(model=HEADS4, options={"tp": 4, "sequence_parallel": True}), dict(model=HEADS4)),
-    ("tp 4, hidden dropout", dict(model=dict(HEADS4, dropout=0.1), options={"tp": 4}),
-     dict(model=dict(HEADS4, dropout=0.1))),
+    (
+        "tp 4, hidden dropout",
+        dict(model=dict(HEADS4, dropout=0.1), options={"tp": 4}),
+        dict(model=dict(HEADS4, dropout=0.1)),
+    ),
     ("pp 4, 1f1b", dict(model={"n_layer": 4}, options={"pp": 4, "microbatches": 4}), dict(model={"n_layer": 4})),
-    ("pp 4, interleaved, m = 6", dict(model={"n_layer": 8}, global_batch_size=12,
-                                      options={"pp": 4, "microbatches": 6, "schedule": "interleaved",
-                                               "virtual_stages": 2}), dict(model={"n_layer": 8}, global_batch_size=12)),
-    ("pp 2 x tp 2, sends scattered", dict(model=dict(HEADS4, n_layer=4), options={"pp": 2, "tp": 2, "microbatches": 4}),
-     dict(model=dict(HEADS4, n_layer=4))),
-    ("fsdp x pp 2, units kept gathered", dict(strategy="fsdp", model={"n_layer": 4}, global_batch_size=16,
-                                              options={"pp": 2, "microbatches": 4, "reshard_after_forward": False}),
-     dict(model={"n_layer": 4}, global_batch_size=16)),
+    (
+        "pp 4, interleaved, m = 6",
+        dict(
+            model={"n_layer": 8},
+            global_batch_size=12,
+            options={"pp": 4, "microbatches": 6, "schedule": "interleaved", "virtual_stages": 2},
+        ),
+        dict(model={"n_layer": 8}, global_batch_size=12),
+    ),
+    (
+        "pp 2 x tp 2, sends scattered",
+        dict(model=dict(HEADS4, n_layer=4), options={"pp": 2, "tp": 2, "microbatches": 4}),
+        dict(model=dict(HEADS4, n_layer=4)),
+    ),
+    (
+        "fsdp x pp 2, units kept gathered",
+        dict(
+            strategy="fsdp",
+            model={"n_layer": 4},
+            global_batch_size=16,
+            options={"pp": 2, "microbatches": 4, "reshard_after_forward": False},
+        ),
+        dict(model={"n_layer": 4}, global_batch_size=16),
+    ),
 ]
 # dropout under activation checkpointing, at dp 2 x tp 2 + sp: the recomputation must draw the forward's masks
 DROPOUT = dict(HEADS4, dropout=0.1, attention_dropout=0.1)
@@ -57,10 +80,15 @@ def losses_of(run) -> list:
 
 
 def layouts(directory):
-    found = {"embedding bytes": checks.embedding_bytes(), "loss backward": checks.cross_entropy_backward_memory(),
-             "rng": checks.rng_streams(), "dropout masks": checks.dropout_masks(),
-             "padded vocabulary": checks.padded_vocabulary(directory), "pipeline sends": checks.pipeline_sends(),
-             "fsdp kept": checks.fsdp_kept_gathered()}
+    found = {
+        "embedding bytes": checks.embedding_bytes(),
+        "loss backward": checks.cross_entropy_backward_memory(),
+        "rng": checks.rng_streams(),
+        "dropout masks": checks.dropout_masks(),
+        "padded vocabulary": checks.padded_vocabulary(directory),
+        "pipeline sends": checks.pipeline_sends(),
+        "fsdp kept": checks.fsdp_kept_gathered(),
+    }
     for name, fields, _ in CASES:
         torch.manual_seed(0)
         run, state = train(TrainConfig(**{**BASE, **fields}), return_state=True)
@@ -71,8 +99,9 @@ def layouts(directory):
         run, state = train(TrainConfig(**{**BASE, **CHECKPOINTED, "options": options}), return_state=True)
         found[f"dropout, checkpointing {checkpointing}"] = (losses_of(run), state)
     everyone = [None] * dist.get_world_size()
-    mine = {k: found[k] for k in ("embedding bytes", "loss backward", "rng", "dropout masks", "pipeline sends",
-                                  "fsdp kept")}
+    mine = {
+        k: found[k] for k in ("embedding bytes", "loss backward", "rng", "dropout masks", "pipeline sends", "fsdp kept")
+    }
     mine["padding"] = (found["padded vocabulary"]["padding zero"], found["padded vocabulary"]["moments zero"])
     dist.all_gather_object(everyone, mine)
     found["every rank"] = everyone
@@ -139,8 +168,10 @@ def test_the_loss_backward_turns_the_saved_softmax_into_the_gradient(got, no_lef
 
 @pytest.mark.timeout(600)
 def test_the_tensor_parallel_stream_differs_across_tp_ranks_and_agrees_across_dp(got, no_leftover_ranks):
-    draws = {coordinate: (inside, outside, unchanged) for coordinate, inside, outside, unchanged in
-             (rank["rng"] for rank in got["every rank"])}
+    draws = {
+        coordinate: (inside, outside, unchanged)
+        for coordinate, inside, outside, unchanged in (rank["rng"] for rank in got["every rank"])
+    }
     assert sorted(draws) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for (dp, tp), (inside, outside, unchanged) in draws.items():
         assert unchanged  # a draw inside the fork leaves the default stream where it was

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from toolkit.models import GPT, Block, GPTConfig, SyntheticCorpus, tiny_gpt
+from toolkit.models import Block, GPTConfig, SyntheticCorpus, tiny_gpt
 
 
 @pytest.fixture
@@ -176,7 +176,7 @@ def test_forward_errors():
     with pytest.raises(ValueError, match="shape"):
         model(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="nn.Module"):
-        tiny_gpt(mlp_factory=lambda i: (lambda x: x))
+        tiny_gpt(mlp_factory=lambda i: lambda x: x)
 
 
 # --- the corpus --------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ weight gradients (gathered under global names) must agree to fp32 precision at w
 with one and two experts per rank, top-1 and top-2, with and without dropping, dropless, and under
 extreme skew. One launch per world size runs every check (`results(n)`, cached); the tests compare.
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,9 +16,9 @@ import zlib
 
 import pytest
 import torch
+from moe_routing import prefer
 
 import toolkit
-from moe_routing import prefer
 from toolkit.moe import MoE, gather_experts, is_expert, merge_load, reference_moe
 from toolkit.moe.experts import WEIGHTS
 
@@ -79,15 +80,21 @@ def one_config(name, options, world, rank):
     out, aux = layer(x)
     ((out * probe).sum() + aux).backward()
     comms = [(e["name"], e["args"].get("moe", e["args"].get("op"))) for e in recorder.events if e["cat"] == "comm"]
-    return {"out": out.detach(), "aux": aux.detach(), "x_grad": x.grad, "router_grad": layer.gate.router.weight.grad,
-            "expert_grads": expert_grads(layer), "weights": expert_weights(layer),
-            "load": recorder.metrics[-1]["value"], "comms": comms,
-            "tagged": sorted(n for n, p in layer.named_parameters() if is_expert(p))}
+    return {
+        "out": out.detach(),
+        "aux": aux.detach(),
+        "x_grad": x.grad,
+        "router_grad": layer.gate.router.weight.grad,
+        "expert_grads": expert_grads(layer),
+        "weights": expert_weights(layer),
+        "load": recorder.metrics[-1]["value"],
+        "comms": comms,
+        "tagged": sorted(n for n, p in layer.named_parameters() if is_expert(p)),
+    }
 
 
 def moe_gpt_training(strategy):
-    from toolkit.train import moe_model_fn
-    from toolkit.train import train
+    from toolkit.train import moe_model_fn, train
 
     built = []
 
@@ -119,13 +126,13 @@ def everything(world):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results(world):
     return toolkit.launch(everything, world, args=(world,), timeout_s=60)
 
 
 # --- the reference, in this process ------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(name, world):
     options = configs(world)[name]
     layer = build(options)
@@ -134,9 +141,14 @@ def reference(name, world):
         x.requires_grad_(True)
     outs, auxes = reference_moe(layer, xs)
     sum((o * p).sum() + a for o, p, a in zip(outs, probes, auxes)).backward()
-    return {"out": [o.detach() for o in outs], "aux": [a.detach() for a in auxes], "x_grad": [x.grad for x in xs],
-            "router_grad": layer.gate.router.weight.grad, "expert_grads": expert_grads(layer),
-            "weights": expert_weights(layer)}
+    return {
+        "out": [o.detach() for o in outs],
+        "aux": [a.detach() for a in auxes],
+        "x_grad": [x.grad for x in xs],
+        "router_grad": layer.gate.router.weight.grad,
+        "expert_grads": expert_grads(layer),
+        "weights": expert_weights(layer),
+    }
 
 
 def close(a, b, what):
@@ -169,8 +181,13 @@ def test_expert_parallel_equals_reference(world, no_leftover_ranks):
 @pytest.mark.parametrize("world", WORLDS)
 def test_counts_dispatch_combine_and_backward_are_all_to_alls(world):
     comms = results(world)[0]["e2_top2_drop"]["comms"]
-    assert comms == [("all_to_all", "counts"), ("all_to_all", "dispatch"), ("all_to_all", "combine"),
-                     ("all_to_all", "combine backward"), ("all_to_all", "dispatch backward")]
+    assert comms == [
+        ("all_to_all", "counts"),
+        ("all_to_all", "dispatch"),
+        ("all_to_all", "combine"),
+        ("all_to_all", "combine backward"),
+        ("all_to_all", "dispatch backward"),
+    ]
     # dropless: one all-reduce MAX of the capacity first, so every rank's buffers agree
     assert results(world)[0]["dropless"]["comms"][0] == ("all_reduce", "max")
     loads = [res["dropless"]["load"] for res in results(world)]
@@ -193,9 +210,10 @@ def test_extreme_skew_drops_exactly_what_capacity_demands(world):
         assert load["kept"] == [min(T, C) if e in targets else 0 for e in range(E)]
         assert load["dropped"] == k * (T - min(T, C)) > 0
         assert load["max_over_mean"] == pytest.approx(E / k)
-        received[load["first"]:load["first"] + len(load["received"])] += torch.tensor(load["received"])
-    kept = sum(min(2 * (5 + 2 * r), math.ceil(k * options["capacity_factor"] * 2 * (5 + 2 * r) / E))
-               for r in range(world))
+        received[load["first"] : load["first"] + len(load["received"])] += torch.tensor(load["received"])
+    kept = sum(
+        min(2 * (5 + 2 * r), math.ceil(k * options["capacity_factor"] * 2 * (5 + 2 * r) / E)) for r in range(world)
+    )
     assert received.tolist() == [kept if e in [E - 1, 0][:k] else 0 for e in range(E)]
 
 
@@ -271,8 +289,10 @@ def test_load_record_on_a_hand_made_routing():
     assert value["dropped"] == 3 and value["capacity"] == 2 and value["first"] == 0
     assert value["max_over_mean"] == pytest.approx(2.5) and value["cv"] == pytest.approx(math.sqrt(3.5) / 2)
     assert (out[[3, 6, 7]] == 0).all() and (out[[0, 1, 2, 4, 5]] != 0).any(dim=1).all()  # dropped add nothing
-    two_ranks = [dict(record, rank=0), dict(record, rank=1, value=dict(value, counts=[0, 0, 1, 1], kept=[0, 0, 1, 1],
-                                                                       dropped=0))]
+    two_ranks = [
+        dict(record, rank=0),
+        dict(record, rank=1, value=dict(value, counts=[0, 0, 1, 1], kept=[0, 0, 1, 1], dropped=0)),
+    ]
     (merged,) = merge_load(two_ranks, "hand")
     assert merged["counts"] == [5, 2, 2, 1] and merged["kept"] == [2, 2, 2, 1] and merged["dropped"] == 3
     assert merged["max_over_mean"] == pytest.approx(2.0)
@@ -284,19 +304,28 @@ def train_config(strategy, accumulation=1):
     (float noise, different on every layout) would become an lr-sized step; SGD keeps noise noise."""
     from toolkit.train import TrainConfig
 
-    return TrainConfig(strategy=strategy, steps=3, global_batch_size=4, accumulation=accumulation, seq_len=16,
-                       model=dict(n_layer=2, d_model=16, n_head=2), optimizer="sgd", lr=0.5, progress=False,
-                       sample_memory=False)
+    return TrainConfig(
+        strategy=strategy,
+        steps=3,
+        global_batch_size=4,
+        accumulation=accumulation,
+        seq_len=16,
+        model=dict(n_layer=2, d_model=16, n_head=2),
+        optimizer="sgd",
+        lr=0.5,
+        progress=False,
+        sample_memory=False,
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def one_process_moe_gpt():
     """Accumulating the two ranks' halves as micro-batches is what 2 expert-parallel ranks compute."""
-    from toolkit.train import moe_model_fn
-    from toolkit.train import train
+    from toolkit.train import moe_model_fn, train
 
-    return train(train_config("local", accumulation=2), model_fn=moe_model_fn(4, 2, capacity_factor=1.0),
-                 return_state=True)
+    return train(
+        train_config("local", accumulation=2), model_fn=moe_model_fn(4, 2, capacity_factor=1.0), return_state=True
+    )
 
 
 @pytest.mark.timeout(150)
@@ -341,6 +370,7 @@ def _clip_and_zero_with_experts():
     model = moe_gpt(4, 2, seed=0, seq_len=16, n_layer=1, d_model=16, n_head=2)
     wrapped, _ = toolkit.parallel.wrap(model, "ddp", optimizer=functools.partial(torch.optim.SGD, lr=0.1))
     import torch.distributed as dist
+
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
     wrapped(x, x).backward()
     own = sum(float(p.grad.pow(2).sum()) for p in wrapped.module.parameters() if is_expert(p))
@@ -359,6 +389,6 @@ def test_clipping_counts_every_ranks_experts_and_zero_refuses_them(no_leftover_r
     results = toolkit.launch(_clip_and_zero_with_experts, 2, timeout_s=60)
     (n0, own0, dense0, refused), (n1, own1, dense1, _) = results
     assert dense0 == pytest.approx(dense1, rel=1e-6)  # dense gradients are averaged: the same everywhere
-    assert own0 != pytest.approx(own1)                # each rank's experts are its own
+    assert own0 != pytest.approx(own1)  # each rank's experts are its own
     assert n0 == pytest.approx(n1, rel=1e-6) == pytest.approx(math.sqrt(dense0 + own0 + own1), rel=1e-5)
     assert "does not handle expert-parallel parameters" in refused and "'zero2'" in refused

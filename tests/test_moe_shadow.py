@@ -12,6 +12,7 @@
 3. Bad input: a forced shadow naming experts that do not exist, a node size that does not divide the
    world, unknown placement names, shadowing with data-parallel placement.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,15 +21,14 @@ import zlib
 
 import pytest
 import torch
+from moe_routing import prefer
 
 import toolkit
-from moe_routing import prefer
 from toolkit.moe import MoE, gather_experts, reference_moe
 from toolkit.moe.experts import WEIGHTS
-from toolkit.moe.topology import TopologyGate, topology_limit
 from toolkit.moe.placement import choose_parallel, parallel_costs
-from toolkit.moe.shadow import (choose_shadows, latency_imbalanced, latency_shadowed, predict,
-                                worker_loads)
+from toolkit.moe.shadow import choose_shadows, latency_imbalanced, latency_shadowed, predict, worker_loads
+from toolkit.moe.topology import TopologyGate, topology_limit
 
 D, FF, SEED, INIT = 8, 16, 7, 0.3
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -74,7 +74,7 @@ def test_balanced_load_with_big_experts_shadowing_does_not_pay():
 
 def test_four_workers_two_hot_experts_are_shadowed_in_load_order():
     # alpha = 1 (1 s/row compute, 1 s/row wire, 1 s per shadowed expert); expert e on worker e.
-    counts = [[8, 4, 1, 1]] * 4         # loads: e0 32, e1 16, e2 4, e3 4
+    counts = [[8, 4, 1, 1]] * 4  # loads: e0 32, e1 16, e2 4, e3 4
     owners = [0, 1, 2, 3]
     # B = [32, 16, 4, 4]: Lat_imbl = 32 * 2 = 64
     # + e0: B' = [8, 16+8, 4+8, 4+8] -> 24 + 1 = 25 < 64 accept
@@ -140,7 +140,7 @@ def test_forced_sets_are_predicted_and_the_model_rejects_bad_tables():
     assert forced.shadowed == [0, 1] and forced.predicted_s == pytest.approx(9)
     assert predict([[6, 1], [6, 1]], [0, 1], [], alpha=1, **UNITS).predicted_s == pytest.approx(24)
     with pytest.raises(ValueError, match="owners"):
-        choose_shadows([[1, 2]], [0, 1], alpha=1, **UNITS)          # one worker cannot own expert 1
+        choose_shadows([[1, 2]], [0, 1], alpha=1, **UNITS)  # one worker cannot own expert 1
     with pytest.raises(ValueError, match="workers, experts"):
         choose_shadows([[1, 2], [3]], [0, 1], alpha=1, **UNITS)
     with pytest.raises(ValueError, match="W_net"):
@@ -161,8 +161,9 @@ def test_topology_limit_and_placement_model_by_hand():
     fewer = parallel_costs([[4 * t // 5 for t in row] for row in ring], expert_params=1000, d_model=8)
     choice, reason = choose_parallel(fewer, num_experts=4, expert_params=1000)
     assert choice == "ep" and "O(C_g)" in reason and "5.0 KiB" in reason
-    inference = parallel_costs([[4 * t // 5 for t in row] for row in ring], expert_params=1000, d_model=8,
-                               training=False)
+    inference = parallel_costs(
+        [[4 * t // 5 for t in row] for row in ring], expert_params=1000, d_model=8, training=False
+    )
     assert (inference["dp_s"], inference["ep_s"]) == (3000.0, 2560.0)  # all-gather only, dispatch + combine only
 
 
@@ -173,18 +174,18 @@ def test_topology_gate_keeps_most_rows_in_the_node():
     gate = TopologyGate(E, E, k, 4.0, world=4, rank=1, node_size=2, cross_fraction=0.25)
     x = torch.zeros(T, E)
     for t in range(T):
-        x[t, 7 - t % 2] = 5.0 + 0.1 * t       # later tokens are more confident: they win the few slots
+        x[t, 7 - t % 2] = 5.0 + 0.1 * t  # later tokens are more confident: they win the few slots
         x[t, t % 4] = 4.0
     with torch.no_grad():
         gate.router.weight.copy_(torch.eye(E))
     routing = gate(x)
-    L = math.floor(0.25 * T * k)               # 2 of the 10 rows may leave node 0
+    L = math.floor(0.25 * T * k)  # 2 of the 10 rows may leave node 0
     assert gate.limit(T) == L == 2
     assert routing.expert_index[:, 0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 7, 6]  # tokens 8, 9 keep node 1
     assert gate.last == {"node": 0, "wanted": 10, "limit": 2, "sent": 2, "redirected": 8, "per_node": [8, 2]}
     probs = x.softmax(-1)
     torch.testing.assert_close(routing.gate_weight[:, 0], probs.gather(1, routing.expert_index)[:, 0])
-    gate.rank = 3                                # node 1: everything it wants is local
+    gate.rank = 3  # node 1: everything it wants is local
     routing = gate(x)
     assert routing.expert_index[:, 0].tolist() == [7 - t % 2 for t in range(T)] and gate.last["sent"] == 0
 
@@ -209,8 +210,9 @@ def configs(world):
         out[f"{routing}/auto_parallel_many_tokens"] = dict(b, expert_parallel="auto", batch=32)
         # W_net / (M * W_local) = 1/8: at most 1/8 of each rank's rows leave its node
         out[f"{routing}/topology"] = dict(b, gate="topology", node_size=M, bandwidth=1.0, local_bandwidth=8.0 / M)
-    out["skewed/shadow_auto_dropless_top1"] = dict(base, top_k=1, dropless=True, skew=True, shadow="auto",
-                                                   compute_flops=1e6, bandwidth=1e12)
+    out["skewed/shadow_auto_dropless_top1"] = dict(
+        base, top_k=1, dropless=True, skew=True, shadow="auto", compute_flops=1e6, bandwidth=1e12
+    )
     return out
 
 
@@ -252,8 +254,15 @@ def one_config(name, options, world, rank):
     ((out * probe).sum() + aux).backward()
     metrics = {m["name"].split("/")[-1]: m["value"] for m in recorder.metrics}
     comms = [(e["name"], e["args"].get("moe", e["args"].get("op"))) for e in recorder.events if e["cat"] == "comm"]
-    res = {"out": out.detach(), "aux": aux.detach(), "x_grad": x.grad, "router_grad": layer.gate.router.weight.grad,
-           "expert_grads": expert_grads(layer), "metrics": metrics, "comms": comms}
+    res = {
+        "out": out.detach(),
+        "aux": aux.detach(),
+        "x_grad": x.grad,
+        "router_grad": layer.gate.router.weight.grad,
+        "expert_grads": expert_grads(layer),
+        "metrics": metrics,
+        "comms": comms,
+    }
     if isinstance(layer.gate, TopologyGate):  # the constraint, counted from the routing itself
         with torch.no_grad():
             routing = layer.gate(x.reshape(-1, D))
@@ -274,8 +283,9 @@ def checks_with_emulation_and_measurement(rank):
     layer(torch.randn(6, D))[0].sum().backward()
     out["measured"] = recorder.metrics[0]["value"]
     out["measured_comms"] = [e["args"].get("moe") for e in recorder.events if e["cat"] == "comm"]
-    with toolkit.comm.emulate(bandwidth="200 MB/s", latency="1 us", intra_node=dict(bandwidth="800 MB/s"),
-                              ranks_per_node=1):
+    with toolkit.comm.emulate(
+        bandwidth="200 MB/s", latency="1 us", intra_node=dict(bandwidth="800 MB/s"), ranks_per_node=1
+    ):
         recorder.reset()
         layer = MoE(D, FF, 4, init_std=INIT, seed=SEED, name="e", shadow="auto", compute_flops=1e9)
         layer(torch.randn(6, D))[0].sum().backward()
@@ -291,13 +301,22 @@ def checks_with_emulation_and_measurement(rank):
 
 def training(moe_options):
     """Two DDP steps of the MoE-GPT; SGD so that float noise stays noise (see test_moe_layer)."""
-    from toolkit.train import moe_model_fn
-    from toolkit.train import TrainConfig, train
+    from toolkit.train import TrainConfig, moe_model_fn, train
 
-    config = TrainConfig(strategy="ddp", steps=2, global_batch_size=4, seq_len=16, optimizer="sgd", lr=0.5,
-                         model=dict(n_layer=1, d_model=16, n_head=2), progress=False, sample_memory=False)
-    run, state = train(config, model_fn=moe_model_fn(4, 2, capacity_factor=1.0, moe_options=moe_options),
-                       return_state=True)
+    config = TrainConfig(
+        strategy="ddp",
+        steps=2,
+        global_batch_size=4,
+        seq_len=16,
+        optimizer="sgd",
+        lr=0.5,
+        model=dict(n_layer=1, d_model=16, n_head=2),
+        progress=False,
+        sample_memory=False,
+    )
+    run, state = train(
+        config, model_fn=moe_model_fn(4, 2, capacity_factor=1.0, moe_options=moe_options), return_state=True
+    )
     return run, state
 
 
@@ -308,18 +327,23 @@ def everything(world):
     out = {name: one_config(name, options, world, rank) for name, options in configs(world).items()}
     if world == 2:
         out["where"] = checks_with_emulation_and_measurement(rank)
-        out["train"] = {key: training(options) for key, options in (
-            ("plain", {}), ("shadow", dict(shadow="auto", compute_flops=1e6, bandwidth=1e12)),
-            ("dp", dict(expert_parallel="dp")))}
+        out["train"] = {
+            key: training(options)
+            for key, options in (
+                ("plain", {}),
+                ("shadow", dict(shadow="auto", compute_flops=1e6, bandwidth=1e12)),
+                ("dp", dict(expert_parallel="dp")),
+            )
+        }
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results(world):
     return toolkit.launch(everything, world, args=(world,), timeout_s=60)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(name, world):
     """One process holding every expert; the topology gate's routing for each chunk's own rank."""
     options = configs(world)[name]
@@ -330,9 +354,16 @@ def reference(name, world):
     for x in xs:
         x.requires_grad_(True)
     if options.get("gate") == "topology":
-        topo = TopologyGate(D, layer.num_experts, layer.top_k, options["capacity_factor"], world=world, rank=0,
-                            node_size=options["node_size"],
-                            cross_fraction=options["bandwidth"] / (options["node_size"] * options["local_bandwidth"]))
+        topo = TopologyGate(
+            D,
+            layer.num_experts,
+            layer.top_k,
+            options["capacity_factor"],
+            world=world,
+            rank=0,
+            node_size=options["node_size"],
+            cross_fraction=options["bandwidth"] / (options["node_size"] * options["local_bandwidth"]),
+        )
         topo.router = layer.gate.router  # the same router: only the decision differs
         outs, auxes = [], []
         for r, x in enumerate(xs):
@@ -344,8 +375,13 @@ def reference(name, world):
     else:
         outs, auxes = reference_moe(layer, xs)
     sum((o * p).sum() + a for o, p, a in zip(outs, probes, auxes)).backward()
-    return {"out": [o.detach() for o in outs], "aux": [a.detach() for a in auxes], "x_grad": [x.grad for x in xs],
-            "router_grad": layer.gate.router.weight.grad, "expert_grads": expert_grads(layer)}
+    return {
+        "out": [o.detach() for o in outs],
+        "aux": [a.detach() for a in auxes],
+        "x_grad": [x.grad for x in xs],
+        "router_grad": layer.gate.router.weight.grad,
+        "expert_grads": expert_grads(layer),
+    }
 
 
 def close(a, b, what):
@@ -395,8 +431,10 @@ def test_shadowed_experts_stay_home_and_their_weights_travel(world):
                         assert load["received"][e - load["first"]] == 0
                 shadow = got["metrics"]["shadow"]
                 assert shadow["measured_forward_s"] > 0 and shadow["measured_s"] >= shadow["measured_forward_s"]
-                assert shadow["predicted_s"] > 0 and shadow["source"] == {"compute_flops": "given",
-                                                                          "bandwidth": "given"}
+                assert shadow["predicted_s"] > 0 and shadow["source"] == {
+                    "compute_flops": "given",
+                    "bandwidth": "given",
+                }
 
 
 @pytest.mark.timeout(180)
@@ -404,24 +442,36 @@ def test_shadowed_experts_stay_home_and_their_weights_travel(world):
 def test_auto_shadowing_is_algorithm_1_on_everyones_counts(world):
     E = 2 * world
     owners = [e // 2 for e in range(E)]
-    for name in ("balanced/shadow_auto", "skewed/shadow_auto", "balanced/shadow_auto_no_gain",
-                 "skewed/shadow_auto_no_gain", "skewed/shadow_auto_dropless_top1"):
+    for name in (
+        "balanced/shadow_auto",
+        "skewed/shadow_auto",
+        "balanced/shadow_auto_no_gain",
+        "skewed/shadow_auto_no_gain",
+        "skewed/shadow_auto_dropless_top1",
+    ):
         ranks = results(world)
-        table = [res[name]["metrics"]["load"]["kept"] for res in ranks]      # rows each rank dispatches
+        table = [res[name]["metrics"]["load"]["kept"] for res in ranks]  # rows each rank dispatches
         options = configs(world)[name]
-        expect = choose_shadows(table, owners, H=D, alpha=options.get("d_ff", FF) / D, P=options["compute_flops"],
-                                W_net=options["bandwidth"], element_bytes=4)
+        expect = choose_shadows(
+            table,
+            owners,
+            H=D,
+            alpha=options.get("d_ff", FF) / D,
+            P=options["compute_flops"],
+            W_net=options["bandwidth"],
+            element_bytes=4,
+        )
         records = [res[name]["metrics"]["shadow"] for res in ranks]
-        assert all(rec["shadowed"] == sorted(expect.shadowed) for rec in records), name   # all ranks agree
+        assert all(rec["shadowed"] == sorted(expect.shadowed) for rec in records), name  # all ranks agree
         assert records[0]["predicted_s"] == pytest.approx(expect.predicted_s)
         assert records[0]["plain_s"] == pytest.approx(expect.plain_s)
         broadcasts = [c for c in ranks[0][name]["comms"] if c[0] == "broadcast"]
         assert len(broadcasts) == len(expect.shadowed)
         if "no_gain" in name:
-            assert expect.shadowed == [] and not broadcasts, name    # nothing pays: plain path, nothing moved
+            assert expect.shadowed == [] and not broadcasts, name  # nothing pays: plain path, nothing moved
         if name.startswith("skewed/shadow_auto") and "no_gain" not in name:  # the hot experts, heaviest first
-            hot = [0, 1] if options["top_k"] == 2 else [0]                  # (equal loads: lower id first)
-            assert expect.shadowed[:len(hot)] == hot, (name, expect.trail)
+            hot = [0, 1] if options["top_k"] == 2 else [0]  # (equal loads: lower id first)
+            assert expect.shadowed[: len(hot)] == hot, (name, expect.trail)
 
 
 @pytest.mark.timeout(180)
@@ -432,9 +482,9 @@ def test_topology_gate_respects_its_limit_and_records_it(world):
         for r, res in enumerate(results(world)):
             got, rec = res[name], res[name]["metrics"]["topology"]
             T = 2 * (5 + 2 * r)
-            L = math.floor(T * 2 / 8 + 1e-9)                       # 1/8 of its T*k rows
+            L = math.floor(T * 2 / 8 + 1e-9)  # 1/8 of its T*k rows
             assert got["limit"] == rec["limit"] == L
-            assert got["left_node"] == rec["sent"] <= L              # counted from the routing itself
+            assert got["left_node"] == rec["sent"] <= L  # counted from the routing itself
             assert rec["kept_sent"] <= rec["sent"] and rec["wanted"] >= rec["sent"]
             assert rec["redirected"] == rec["wanted"] - rec["sent"]
             assert sum(rec["per_node"]) == 2 * T and rec["node"] == r // max(1, world // 2)
@@ -449,7 +499,7 @@ def test_dp_placement_moves_weights_not_tokens_and_auto_explains_itself(world):
     for routing in ("balanced", "skewed"):
         for res in results(world):
             dp = res[f"{routing}/dp"]
-            assert [c[0] for c in dp["comms"]] == ["all_gather", "reduce_scatter"]   # no all-to-all at all
+            assert [c[0] for c in dp["comms"]] == ["all_gather", "reduce_scatter"]  # no all-to-all at all
             assert dp["metrics"]["parallel"]["choice"] == "dp"
             few = res[f"{routing}/auto_parallel_few_tokens"]["metrics"]["parallel"]
             many = res[f"{routing}/auto_parallel_many_tokens"]["metrics"]["parallel"]
@@ -459,8 +509,10 @@ def test_dp_placement_moves_weights_not_tokens_and_auto_explains_itself(world):
             assert ("all_to_all", "dispatch") in res[f"{routing}/auto_parallel_few_tokens"]["comms"]
             assert not any(c[0] == "all_to_all" for c in res[f"{routing}/auto_parallel_many_tokens"]["comms"])
         # every rank made the same choice from the same (all-gathered) numbers
-        assert len({res[f"{routing}/auto_parallel_many_tokens"]["metrics"]["parallel"]["ep_s"]
-                    for res in results(world)}) == 1
+        assert (
+            len({res[f"{routing}/auto_parallel_many_tokens"]["metrics"]["parallel"]["ep_s"] for res in results(world)})
+            == 1
+        )
 
 
 @pytest.mark.timeout(180)
@@ -492,7 +544,7 @@ def test_training_with_shadowing_or_dp_placement_is_training_without(no_leftover
                 close(state[key], want, f"{option}: {key} after training")
     run = toolkit.Run.merge(res["train"]["shadow"][0] for res in ranks)
     records = run.metric("moe/layer0/shadow")
-    assert [step for step, _ in records] == [0, 1]                         # one record per step, per layer
+    assert [step for step, _ in records] == [0, 1]  # one record per step, per layer
     assert all(value["mode"] == "auto" and value["measured_s"] for _, value in records)
     rows = load_rows(run, "layer0")
     assert [row["shadowed"] for row in rows] == [value["shadowed"] for _, value in records]
@@ -525,7 +577,7 @@ def test_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match=r"node_size=3 does not divide the world size 4.*\[1, 2, 4\]"):
         TopologyGate(D, 8, 2, world=4, rank=0, node_size=3, cross_fraction=0.5)
     with pytest.raises(ValueError, match="missing"):
-        MoE(D, FF, 4, gate="topology")                  # no nodes, no links, no emulation
+        MoE(D, FF, 4, gate="topology")  # no nodes, no links, no emulation
     with pytest.raises(ValueError, match="fewer than top_k=2"):
         TopologyGate(D, 4, 2, world=4, rank=0, node_size=1, cross_fraction=0.5)
     with pytest.raises(ValueError, match="node_size= describes the nodes for gate=.topology. or all_to_all_algorithm"):
@@ -536,7 +588,11 @@ def test_one_process_options_equal_the_plain_layer():
     """With no process group every option runs locally (nothing to broadcast or gather) and changes nothing."""
     x = torch.randn(3, 7, D)
     want, _ = build(dict(num_experts=4)).forward(x)
-    for options in (dict(shadow=[1, 2]), dict(shadow="auto", compute_flops=1e6, bandwidth=1e12),
-                    dict(expert_parallel="dp"), dict(expert_parallel="auto")):
+    for options in (
+        dict(shadow=[1, 2]),
+        dict(shadow="auto", compute_flops=1e6, bandwidth=1e12),
+        dict(expert_parallel="dp"),
+        dict(expert_parallel="auto"),
+    ):
         got, _ = build(dict(num_experts=4, **options)).forward(x)
         close(got, want, f"one process, {options}")

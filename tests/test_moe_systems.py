@@ -10,6 +10,7 @@
 - The DDL-roofline from hand-made points and a hand-made Run.
 One launch per world size runs every multi-rank check (`results(world)`, cached).
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,9 +22,9 @@ import zlib
 
 import pytest
 import torch
+from moe_routing import prefer
 
 import toolkit
-from moe_routing import prefer
 from toolkit.comm import emulate, emulation_description
 from toolkit.memory.formulas import alpha_beta_time
 from toolkit.moe import MoE
@@ -32,15 +33,26 @@ from toolkit.moe.pipeline import DEGREES, chunking
 
 D, FF, SEED, INIT = 8, 16, 11, 0.3
 TOL = dict(rtol=1e-5, atol=1e-5)
-OPTIONS = {"smart": dict(schedule="smart"), "smart g2": dict(schedule="smart", smart_group_size=2),
-           "p1": dict(pipeline_degree=1), "p2": dict(pipeline_degree=2),
-           "p3": dict(pipeline_degree=3), "p4": dict(pipeline_degree=4), "p8": dict(pipeline_degree=8),
-           "auto": dict(pipeline_degree="auto")}
-COMBINED = {"shadow+smart": dict(shadow=[0], schedule="smart"),  # shadowing hands the rows that travel
-            "shadow+p4": dict(shadow=[0], pipeline_degree=4),     # to dispatch_compute_combine: ours too
-            "shadow+smart g2": dict(shadow=[0], schedule="smart", smart_group_size=2)}
-ROUTINGS = {"balanced": dict(capacity_factor=1.25), "skewed": dict(capacity_factor=1.0),
-            "dropless": dict(capacity_factor=0.5, dropless=True)}
+OPTIONS = {
+    "smart": dict(schedule="smart"),
+    "smart g2": dict(schedule="smart", smart_group_size=2),
+    "p1": dict(pipeline_degree=1),
+    "p2": dict(pipeline_degree=2),
+    "p3": dict(pipeline_degree=3),
+    "p4": dict(pipeline_degree=4),
+    "p8": dict(pipeline_degree=8),
+    "auto": dict(pipeline_degree="auto"),
+}
+COMBINED = {
+    "shadow+smart": dict(shadow=[0], schedule="smart"),  # shadowing hands the rows that travel
+    "shadow+p4": dict(shadow=[0], pipeline_degree=4),  # to dispatch_compute_combine: ours too
+    "shadow+smart g2": dict(shadow=[0], schedule="smart", smart_group_size=2),
+}
+ROUTINGS = {
+    "balanced": dict(capacity_factor=1.25),
+    "skewed": dict(capacity_factor=1.0),
+    "dropless": dict(capacity_factor=0.5, dropless=True),
+}
 AUTO_FORWARDS = len(DEGREES) + 2  # one trial per degree, then the choice twice
 BANDWIDTH, LATENCY, NBYTES = 10e6, 1e-3, 100_000  # 10 MB/s, 1 ms; 100 kB all-reduce: 12 ms at 2 ranks
 
@@ -70,11 +82,15 @@ def step(layer, x, probe):
     recorder.reset()
     out, aux = layer(x)
     ((out * probe).sum() + aux).backward()
-    return {"out": out.detach(), "x_grad": x.grad, "router_grad": layer.gate.router.weight.grad.clone(),
-            **{f"expert.{n}": getattr(layer.experts, n).grad.clone() for n in WEIGHTS},
-            "comms": [(e["name"], e["args"].get("moe")) for e in recorder.events if e["cat"] == "comm"],
-            "pipeline": [m["value"] for m in recorder.metrics if m["name"] == "moe/sys/pipeline"],
-            "expert_spans": [e["args"] for e in recorder.events if e["name"] == "moe/sys/experts"]}
+    return {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "router_grad": layer.gate.router.weight.grad.clone(),
+        **{f"expert.{n}": getattr(layer.experts, n).grad.clone() for n in WEIGHTS},
+        "comms": [(e["name"], e["args"].get("moe")) for e in recorder.events if e["cat"] == "comm"],
+        "pipeline": [m["value"] for m in recorder.metrics if m["name"] == "moe/sys/pipeline"],
+        "expert_spans": [e["args"] for e in recorder.events if e["name"] == "moe/sys/experts"],
+    }
 
 
 # --- what every rank runs -----------------------------------------------------------------------------
@@ -127,8 +143,7 @@ def emulated_link(world, rank):
     with emulate("1 GB/s", "20 us"):
         x_, probe = tokens("balanced", world, rank)
         out["smart_emulated"] = step(build("balanced", world, schedule="smart"), x_, probe)
-        out["smart_emulated"]["emulated"] = [e["args"].get("emulated_s") for e in recorder.events
-                                             if e["cat"] == "comm"]
+        out["smart_emulated"]["emulated"] = [e["args"].get("emulated_s") for e in recorder.events if e["cat"] == "comm"]
     if world == 4:  # nodes of two ranks, nothing slowed inside a node: 0 -> 1 is free, 0 -> 2 is not
         with emulate(BANDWIDTH, LATENCY, ranks_per_node=2):
             buf = torch.ones(NBYTES // 4)
@@ -141,8 +156,11 @@ def emulated_link(world, rank):
                 elif rank == peer:
                     comm.recv(buf, 0)
                 out[f"p2p_{peer}"] = time.perf_counter() - start
-            out["p2p_events"] = [(e["name"], e["args"]["link"], e["args"]["emulated_s"]) for e in recorder.events
-                                 if e["name"] in ("send", "recv")]
+            out["p2p_events"] = [
+                (e["name"], e["args"]["link"], e["args"]["emulated_s"])
+                for e in recorder.events
+                if e["name"] in ("send", "recv")
+            ]
     out["after"] = toolkit.Run.capture(align=False).meta["emulated_link"]
     dist.barrier()
     return out
@@ -155,7 +173,7 @@ def everything(world):
     return {"schedules": schedules(world, rank), "emulation": emulated_link(world, rank)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results(world):
     return toolkit.launch(everything, world, args=(world,), timeout_s=60)
 
@@ -194,36 +212,60 @@ def test_the_traffic_is_cut_as_each_schedule_says(world):
     assert smart[0] == ("all_to_all", "counts")
     forward = [c for c in smart if "backward" not in c[1]][1:]
     backward = [c for c in smart if "backward" in c[1]]
-    assert sorted(forward) == sorted([(op, f"{what} step {j}/{n - 1}") for j in range(1, n)
-                                      for what in ("dispatch", "combine") for op in ("send", "recv")])
+    assert sorted(forward) == sorted(
+        [
+            (op, f"{what} step {j}/{n - 1}")
+            for j in range(1, n)
+            for what in ("dispatch", "combine")
+            for op in ("send", "recv")
+        ]
+    )
     assert len(backward) == len(forward)
     second = "dispatch step 2" if n > 2 else "combine step 1"  # step 2's rows travel while step 1 computes
-    assert forward[:4] == [("recv", f"dispatch step 1/{n - 1}"), ("send", f"dispatch step 1/{n - 1}"),
-                           ("recv", f"{second}/{n - 1}"), ("send", f"{second}/{n - 1}")]
+    assert forward[:4] == [
+        ("recv", f"dispatch step 1/{n - 1}"),
+        ("send", f"dispatch step 1/{n - 1}"),
+        ("recv", f"{second}/{n - 1}"),
+        ("send", f"{second}/{n - 1}"),
+    ]
     # one expert span per step (block) in forward and in backward
     spans = res[("balanced", "smart")][0]["expert_spans"]
     assert sum(not s.get("backward") for s in spans) == n and sum(bool(s.get("backward")) for s in spans) == n
     # groups of 2 ranks: W/2 steps; step 0 exchanges inside the group, step j with every rank of one group
     grouped = [c for c in res[("balanced", "smart g2")][0]["comms"] if "backward" not in c[1]][1:]
     steps = n // 2
-    assert sorted(grouped) == sorted([(op, f"{what} step {j}/{steps - 1}") for j in range(steps)
-                                      for _ in range(1 if j == 0 else 2)
-                                      for what in ("dispatch", "combine") for op in ("send", "recv")])
+    assert sorted(grouped) == sorted(
+        [
+            (op, f"{what} step {j}/{steps - 1}")
+            for j in range(steps)
+            for _ in range(1 if j == 0 else 2)
+            for what in ("dispatch", "combine")
+            for op in ("send", "recv")
+        ]
+    )
     plain = res[("balanced", "plain")][0]["comms"]
-    assert plain == [("all_to_all", "counts"), ("all_to_all", "dispatch"), ("all_to_all", "combine"),
-                     ("all_to_all", "combine backward"), ("all_to_all", "dispatch backward")]
+    assert plain == [
+        ("all_to_all", "counts"),
+        ("all_to_all", "dispatch"),
+        ("all_to_all", "combine"),
+        ("all_to_all", "combine backward"),
+        ("all_to_all", "dispatch backward"),
+    ]
     for name in ("p2", "p4", "p8"):
         got = res[("balanced", name)][0]
         (record,) = got["pipeline"]
         d = record["degree"]
-        assert record == dict(chunking(record["capacity"], d), degree=d, capacity=record["capacity"], bucket=0,
-                              auto=False)
+        assert record == dict(
+            chunking(record["capacity"], d), degree=d, capacity=record["capacity"], bucket=0, auto=False
+        )
         chunks = [c for c in got["comms"] if "chunk" in str(c[1])]
         k = record["chunks"]
         assert got["comms"][:2] == [("all_to_all", "counts"), ("all_reduce", "pipeline capacity")]
         assert [c[1] for c in chunks if "backward" not in c[1]][:3] == (
-            [f"dispatch chunk 1/{d}", f"dispatch chunk 2/{d}", f"combine chunk 1/{d}"] if k > 1 else
-            [f"dispatch chunk 1/{d}", f"combine chunk 1/{d}"])  # chunk 2 travels while chunk 1 computes
+            [f"dispatch chunk 1/{d}", f"dispatch chunk 2/{d}", f"combine chunk 1/{d}"]
+            if k > 1
+            else [f"dispatch chunk 1/{d}", f"combine chunk 1/{d}"]
+        )  # chunk 2 travels while chunk 1 computes
         assert len(chunks) == 4 * k
     # pipeline_degree=1 is the plain path itself
     assert res[("balanced", "p1")][0]["comms"] == plain and res[("balanced", "p1")][0]["pipeline"] == []
@@ -235,12 +277,12 @@ def test_auto_tries_every_degree_then_keeps_the_fastest_on_every_rank(world):
     per_rank = [res["schedules"][("skewed", "auto")] for res in results(world)]
     for runs in per_rank:
         records = [r["pipeline"][0] for r in runs]
-        assert [r["degree"] for r in records[:len(DEGREES)]] == list(DEGREES)
-        assert all(r["trial"] and r["auto"] and r["seconds"] > 0 for r in records[:len(DEGREES)])
+        assert [r["degree"] for r in records[: len(DEGREES)]] == list(DEGREES)
+        assert all(r["trial"] and r["auto"] and r["seconds"] > 0 for r in records[: len(DEGREES)])
         decided = records[len(DEGREES) - 1]
         times = decided["times"]
         assert sorted(times) == list(DEGREES) and decided["best"] == min(DEGREES, key=lambda d: (times[d], d))
-        assert all(r["degree"] == decided["best"] and "trial" not in r for r in records[len(DEGREES):])
+        assert all(r["degree"] == decided["best"] and "trial" not in r for r in records[len(DEGREES) :])
         assert runs[-1]["choices"] == {decided["bucket"]: {"times": times, "best": decided["best"]}}
         assert decided["bucket"] == decided["capacity"] // 128
     # the slowest rank's times, so every rank made the same choice
@@ -313,22 +355,28 @@ def test_the_model_of_each_collective():
     one = make_settings(BANDWIDTH, LATENCY)
     for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
         assert model_time(one, op, [0, 1, 2, 3], 0, 4e5)[0] == pytest.approx(
-            alpha_beta_time(op, 4e5, 4, LATENCY, 1 / BANDWIDTH))
+            alpha_beta_time(op, 4e5, 4, LATENCY, 1 / BANDWIDTH)
+        )
     even = dict(input_splits=[10] * 4, output_splits=[10] * 4)  # 40 rows of 100 bytes
     assert model_time(one, "all_to_all", [0, 1, 2, 3], 1, 4000, even)[0] == pytest.approx(
-        alpha_beta_time("all_to_all", 4000, 4, LATENCY, 1 / BANDWIDTH))
+        alpha_beta_time("all_to_all", 4000, 4, LATENCY, 1 / BANDWIDTH)
+    )
     uneven = dict(input_splits=[1, 2, 3, 4], output_splits=[30, 2, 0, 0])  # rank 1 sends 8 rows, receives 30
     assert model_time(one, "all_to_all", [0, 1, 2, 3], 1, 1000, uneven)[0] == pytest.approx(
-        3 * LATENCY + 30 * 100 / BANDWIDTH)
+        3 * LATENCY + 30 * 100 / BANDWIDTH
+    )
     nodes = make_settings(BANDWIDTH, LATENCY, intra_node=dict(bandwidth=1e9, latency=1e-6), ranks_per_node=2)
     seconds, link = model_time(nodes, "all_to_all", [0, 1, 2, 3], 1, 4000, even)
     assert link == "intra+inter-node"
     # its own link and the node's card side by side: the slower of the two parts
     assert seconds == pytest.approx(max(1e-6 + 1000 / 1e9, 2 * LATENCY + 2000 / BANDWIDTH))
     assert model_time(nodes, "all_reduce", [2, 3], 2, 1e6) == (
-        pytest.approx(alpha_beta_time("all_reduce", 1e6, 2, 1e-6, 1e-9)), "intra-node")
+        pytest.approx(alpha_beta_time("all_reduce", 1e6, 2, 1e-6, 1e-9)),
+        "intra-node",
+    )
     assert model_time(nodes, "all_reduce", [0, 1, 2, 3], 2, 1e6)[0] == pytest.approx(
-        alpha_beta_time("all_reduce", 1e6, 4, LATENCY, 1 / BANDWIDTH))  # the slow hop sets the ring's pace
+        alpha_beta_time("all_reduce", 1e6, 4, LATENCY, 1 / BANDWIDTH)
+    )  # the slow hop sets the ring's pace
     assert model_time(nodes, "send", [0, 1, 2, 3], 0, 500, dict(peer=3)) == (LATENCY + 500 / BANDWIDTH, "inter-node")
     assert model_time(nodes, "barrier", [0, 1, 2, 3], 0, 0)[0] == pytest.approx(2 * LATENCY)
     assert model_time(one, "all_reduce", [3], 3, 1e6)[0] == 0.0
@@ -358,11 +406,19 @@ def test_emulation_settings_units_switching_and_the_run_meta():
 
 
 def test_emulation_parameters_must_be_positive():
-    bad = [dict(bandwidth=0), dict(bandwidth=-1e9), dict(bandwidth=1e9, latency=0), dict(bandwidth=1e9, latency=-1),
-           dict(bandwidth="0 Gb/s"), dict(bandwidth=float("nan")), dict(bandwidth=True),
-           dict(bandwidth=1e9, ranks_per_node=0), dict(bandwidth=1e9, ranks_per_node=-2),
-           dict(bandwidth=1e9, intra_node=dict(bandwidth=0, latency=1e-6), ranks_per_node=2),
-           dict(bandwidth=1e9, intra_node=(1e9, -1e-6), ranks_per_node=2)]
+    bad = [
+        dict(bandwidth=0),
+        dict(bandwidth=-1e9),
+        dict(bandwidth=1e9, latency=0),
+        dict(bandwidth=1e9, latency=-1),
+        dict(bandwidth="0 Gb/s"),
+        dict(bandwidth=float("nan")),
+        dict(bandwidth=True),
+        dict(bandwidth=1e9, ranks_per_node=0),
+        dict(bandwidth=1e9, ranks_per_node=-2),
+        dict(bandwidth=1e9, intra_node=dict(bandwidth=0, latency=1e-6), ranks_per_node=2),
+        dict(bandwidth=1e9, intra_node=(1e9, -1e-6), ranks_per_node=2),
+    ]
     for kwargs in bad:
         with pytest.raises(ValueError, match="positive"):
             emulate(**kwargs)
@@ -377,8 +433,15 @@ def test_emulation_parameters_must_be_positive():
 
 # --- the layer's options ----------------------------------------------------------------------------------
 def test_schedule_options_bad_input_and_one_process():
-    for option in (dict(schedule="fast"), dict(schedule=None), dict(pipeline_degree=0), dict(pipeline_degree=-2),
-                   dict(pipeline_degree=2.0), dict(pipeline_degree=True), dict(pipeline_degree="fastest")):
+    for option in (
+        dict(schedule="fast"),
+        dict(schedule=None),
+        dict(pipeline_degree=0),
+        dict(pipeline_degree=-2),
+        dict(pipeline_degree=2.0),
+        dict(pipeline_degree=True),
+        dict(pipeline_degree="fastest"),
+    ):
         with pytest.raises(ValueError, match="choose"):
             MoE(D, FF, 4, **option)
     with pytest.raises(ValueError, match="choose one"):
@@ -416,19 +479,24 @@ def hand_made_run(overlap: bool):
             t = 100.0 * f
             events.append(_span(rank, "all_to_all", "comm", t, t + 0.1, moe="counts"))
             if overlap:  # chunks: dispatch 1 at [1, 2], compute [1.5, 3.5] (two chunk spans), combine [2, 3.5]
-                events += [_span(rank, "all_to_all", "comm", t + 1, t + 2, moe="dispatch chunk 1/2"),
-                           _span(rank, "moe/l/experts", "compute", t + 1.5, t + 2.5, rows=5),
-                           _span(rank, "moe/l/experts", "compute", t + 2.5, t + 3.5, rows=5),
-                           _span(rank, "all_to_all", "comm", t + 2, t + 3, moe="combine chunk 1/2"),
-                           _span(rank, "all_to_all", "comm", t + 2.5, t + 3.5, moe="combine chunk 2/2")]
+                events += [
+                    _span(rank, "all_to_all", "comm", t + 1, t + 2, moe="dispatch chunk 1/2"),
+                    _span(rank, "moe/l/experts", "compute", t + 1.5, t + 2.5, rows=5),
+                    _span(rank, "moe/l/experts", "compute", t + 2.5, t + 3.5, rows=5),
+                    _span(rank, "all_to_all", "comm", t + 2, t + 3, moe="combine chunk 1/2"),
+                    _span(rank, "all_to_all", "comm", t + 2.5, t + 3.5, moe="combine chunk 2/2"),
+                ]
             else:
-                events += [_span(rank, "all_to_all", "comm", t + 1, t + 2, moe="dispatch"),
-                           _span(rank, "moe/l/experts", "compute", t + 2, t + 4, rows=10),
-                           _span(rank, "all_to_all", "comm", t + 4, t + 5, moe="combine")]
-            events += [_span(rank, "all_to_all", "comm", t + 6, t + 7, moe="combine backward"),
-                       _span(rank, "moe/l/experts", "compute", t + 7, t + 9, rows=10, backward=True)]
-    return toolkit.Run(config={"label": "overlapped" if overlap else "plain"}, events=events,
-                       meta={"ranks": [0, 1]})
+                events += [
+                    _span(rank, "all_to_all", "comm", t + 1, t + 2, moe="dispatch"),
+                    _span(rank, "moe/l/experts", "compute", t + 2, t + 4, rows=10),
+                    _span(rank, "all_to_all", "comm", t + 4, t + 5, moe="combine"),
+                ]
+            events += [
+                _span(rank, "all_to_all", "comm", t + 6, t + 7, moe="combine backward"),
+                _span(rank, "moe/l/experts", "compute", t + 7, t + 9, rows=10, backward=True),
+            ]
+    return toolkit.Run(config={"label": "overlapped" if overlap else "plain"}, events=events, meta={"ranks": [0, 1]})
 
 
 def test_roofline_points_from_a_hand_made_run():
@@ -467,8 +535,11 @@ def test_roofline_figure_has_both_lines_and_a_labelled_point_per_configuration()
     from toolkit.viz import roofline
     from toolkit.viz.roofline import ideal, semi_ideal
 
-    points = [{"label": "plain", "r_cc": 1.0, "throughput": 5e9}, {"label": "smart", "r_cc": 1.0, "throughput": 8e9},
-              {"label": "pipeline 4", "r_cc": 0.5, "throughput": 3e9, "peak": 1e10}]
+    points = [
+        {"label": "plain", "r_cc": 1.0, "throughput": 5e9},
+        {"label": "smart", "r_cc": 1.0, "throughput": 8e9},
+        {"label": "pipeline 4", "r_cc": 0.5, "throughput": 3e9, "peak": 1e10},
+    ]
     fig = roofline(points)
     names = [t.name for t in fig.data]
     assert names == ["ideal: P·min(1, R)", "semi-ideal: P·R/(R+1)", "plain", "smart", "pipeline 4"]

@@ -2,6 +2,7 @@
 
 - Layering: no file of toolkit/moe imports the layer back (the layer sits on top of its parts).
 """
+
 from __future__ import annotations
 
 import ast
@@ -24,13 +25,15 @@ BANDWIDTH, LATENCY = 10e6, 1e-3
 def test_no_part_of_the_moe_package_imports_the_layer_back():
     for path in sorted(MOE.glob("*.py")):
         if path.name in ("__init__.py", "layer.py", "hf.py"):  # hf.py is built on the layer (a Hugging Face
-            continue                                              # model's experts made into one), not a part of it
+            continue  # model's experts made into one), not a part of it
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 assert node.module not in ("layer", "toolkit.moe.layer") and not (
-                    node.level == 1 and node.module == "layer"), (
+                    node.level == 1 and node.module == "layer"
+                ), (
                     f"{path.name} imports from the layer (line {node.lineno}): the layer is built on its parts, "
-                    f"so what they need from it belongs in a lower file (moe/plan.py, moe/load.py).")
+                    f"so what they need from it belongs in a lower file (moe/plan.py, moe/load.py)."
+                )
 
 
 # --- the link's physics: what a rank sends AND receives, the node's shared card ------------------------
@@ -39,11 +42,12 @@ def test_an_all_to_all_is_timed_by_what_a_rank_receives_too():
 
     one = make_settings(BANDWIDTH, LATENCY)
     nothing_out = dict(input_splits=[0, 0, 0, 0], output_splits=[10, 10, 0, 10], row_bytes=(100, 100))
-    seconds, _ = model_time(one, "all_to_all", [0, 1, 2, 3], 2, 0, nothing_out)   # sends nothing at all
+    seconds, _ = model_time(one, "all_to_all", [0, 1, 2, 3], 2, 0, nothing_out)  # sends nothing at all
     assert seconds == pytest.approx(3 * LATENCY + 3000 / BANDWIDTH)
     rows_differ = dict(input_splits=[1, 1, 1, 1], output_splits=[1, 1, 1, 1], row_bytes=(100, 400))
     assert model_time(one, "all_to_all", [0, 1, 2, 3], 0, 400, rows_differ)[0] == pytest.approx(
-        3 * LATENCY + 1200 / BANDWIDTH)
+        3 * LATENCY + 1200 / BANDWIDTH
+    )
 
 
 def test_the_ranks_of_a_node_share_its_card():
@@ -52,14 +56,23 @@ def test_the_ranks_of_a_node_share_its_card():
     from toolkit.comm.emulate import book, make_settings
 
     nodes = make_settings(100e6, "1 us", ranks_per_node=2)
-    push = {0: demand(nodes, "send", [0, 2], 0, 1e6, dict(peer=2)), 1: demand(nodes, "send", [1, 3], 1, 1e6, dict(peer=3))}
+    push = {
+        0: demand(nodes, "send", [0, 2], 0, 1e6, dict(peer=2)),
+        1: demand(nodes, "send", [1, 3], 1, 1e6, dict(peer=3)),
+    }
     assert push[0].alone == pytest.approx(0.01 + 1e-6) and together(nodes, push) == pytest.approx(0.02 + 1e-6)
     free = make_settings(100e6, "1 us", ranks_per_node=2, shared_card=False)  # same nodes, a card per rank
-    assert together(free, {r: demand(free, "send", [r, r + 2], r, 1e6, dict(peer=r + 2)) for r in (0, 1)}) == \
-        pytest.approx(0.01 + 1e-6)
+    assert together(
+        free, {r: demand(free, "send", [r, r + 2], r, 1e6, dict(peer=r + 2)) for r in (0, 1)}
+    ) == pytest.approx(0.01 + 1e-6)
     apart = make_settings(100e6, "1 us")  # one rank per node: every rank has its own card
-    assert together(apart, {0: demand(apart, "send", [0, 2], 0, 1e6, dict(peer=2)),
-                            1: demand(apart, "send", [1, 3], 1, 1e6, dict(peer=3))}) == pytest.approx(0.01 + 1e-6)
+    assert together(
+        apart,
+        {
+            0: demand(apart, "send", [0, 2], 0, 1e6, dict(peer=2)),
+            1: demand(apart, "send", [1, 3], 1, 1e6, dict(peer=3)),
+        },
+    ) == pytest.approx(0.01 + 1e-6)
     # a ring crosses each node boundary once: one all-reduce over 2 nodes does not congest a card;
     # two in parallel groups ({0, 2} and {1, 3}, HSDP's replicas) do
     ring = {r: demand(nodes, "all_reduce", [0, 1, 2, 3], r, 1e6) for r in range(4)}
@@ -135,8 +148,17 @@ def layer_of(options):
     from toolkit.moe import MoE
 
     options = dict(options)
-    return MoE(D, FF, options.pop("num_experts"), top_k=options.pop("top_k", 2), capacity_factor=1.0,
-               init_std=INIT, seed=SEED, name="t", **options)
+    return MoE(
+        D,
+        FF,
+        options.pop("num_experts"),
+        top_k=options.pop("top_k", 2),
+        capacity_factor=1.0,
+        init_std=INIT,
+        seed=SEED,
+        name="t",
+        **options,
+    )
 
 
 def tokens(name, rank):
@@ -163,11 +185,19 @@ def layouts(rank):
         recorder.reset()
         y, aux = layer(x)
         ((y * probe).sum() + aux).backward()
-        out[name] = {"out": y.detach(), "x_grad": x.grad, "router_grad": layer.gate.router.weight.grad,
-                     "expert_grads": grads_of(layer), "shard": layer.experts.shard,
-                     "kept": [m["value"]["kept"] for m in recorder.metrics if m["name"] == "moe/t/load"][0],
-                     "comms": [(e["name"], e["args"].get("moe"), e["args"].get("2dh"), e["args"]["bytes_sent"])
-                               for e in recorder.events if e["cat"] == "comm"]}
+        out[name] = {
+            "out": y.detach(),
+            "x_grad": x.grad,
+            "router_grad": layer.gate.router.weight.grad,
+            "expert_grads": grads_of(layer),
+            "shard": layer.experts.shard,
+            "kept": [m["value"]["kept"] for m in recorder.metrics if m["name"] == "moe/t/load"][0],
+            "comms": [
+                (e["name"], e["args"].get("moe"), e["args"].get("2dh"), e["args"]["bytes_sent"])
+                for e in recorder.events
+                if e["cat"] == "comm"
+            ],
+        }
     return out
 
 
@@ -185,8 +215,12 @@ def two_dh(rank, world):
     recorder.reset()
     comm.all_to_all(flat, x, outs, ins)
     hierarchical.all_to_all(hier, x, outs, ins, node_size=2)
-    return {"flat": flat, "2dh": hier, "splits": splits,
-            "events": [dict(e["args"], name=e["name"]) for e in recorder.events if e["cat"] == "comm"]}
+    return {
+        "flat": flat,
+        "2dh": hier,
+        "splits": splits,
+        "events": [dict(e["args"], name=e["name"]) for e in recorder.events if e["cat"] == "comm"],
+    }
 
 
 def physics(rank):
@@ -219,6 +253,7 @@ def physics(rank):
 def skewed_auto_and_dynamic(rank):
     """Auto placement under the skew [90, 4, 3, 3] per rank; dynamic capacity under the prefer() skew."""
     from moe_routing import prefer
+
     from toolkit.moe import MoE
     from toolkit.trace import recorder
 
@@ -256,16 +291,23 @@ def slice_weights_priced_and_charged(rank):
             recorder.reset()
             y, aux = layer(x)
             ((y * probe).sum() + aux).backward()
-            out[mode] = {"charged": sum(e["args"]["emulated_s"] for e in recorder.events if e["cat"] == "comm" and
-                                        str(e["args"].get("moe", "")).startswith(("slice weights", "output bias"))),
-                         "parallel": [m["value"] for m in recorder.metrics if m["name"] == "moe/t/parallel"]}
+            out[mode] = {
+                "charged": sum(
+                    e["args"]["emulated_s"]
+                    for e in recorder.events
+                    if e["cat"] == "comm" and str(e["args"].get("moe", "")).startswith(("slice weights", "output bias"))
+                ),
+                "parallel": [m["value"] for m in recorder.metrics if m["name"] == "moe/t/parallel"],
+            }
     for name, latency in (("latency-bound", "20 ms"), ("bandwidth-bound", "1 us")):  # flat or 2DH, per forward
         with emulate("10 MB/s", latency, intra_node=("1 GB/s", "1 us"), ranks_per_node=2):
             layer = layer_of(dict(num_experts=8, all_to_all_algorithm="auto"))
             recorder.reset()
             layer(tokens("slices", rank)[0] * (1 if name == "latency-bound" else 0) + 1)
-            out[name] = {"choice": [m["value"] for m in recorder.metrics if m["name"] == "moe/t/all_to_all"],
-                         "steps": [e["args"].get("2dh") for e in recorder.events if e["name"] == "all_to_all"]}
+            out[name] = {
+                "choice": [m["value"] for m in recorder.metrics if m["name"] == "moe/t/all_to_all"],
+                "steps": [e["args"].get("2dh") for e in recorder.events if e["name"] == "all_to_all"],
+            }
     return out
 
 
@@ -273,22 +315,26 @@ def everything():
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    return {"layouts": layouts(rank), "2dh": two_dh(rank, world), "physics": physics(rank),
-            "skew": skewed_auto_and_dynamic(rank), "slices": slice_weights_priced_and_charged(rank)}
+    return {
+        "layouts": layouts(rank),
+        "2dh": two_dh(rank, world),
+        "physics": physics(rank),
+        "skew": skewed_auto_and_dynamic(rank),
+        "slices": slice_weights_priced_and_charged(rank),
+    }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results():
     return toolkit.launch(everything, 4, timeout_s=90)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(name):
     """The one-rank layer (all experts whole) on every rank's tokens: the oracle."""
     from toolkit.moe import reference_moe
 
-    options = dict(LAYOUTS[name], expert_parallel="ep", all_to_all_algorithm="flat", node_size=None,
-                   expert_slices=None)
+    options = dict(LAYOUTS[name], expert_parallel="ep", all_to_all_algorithm="flat", node_size=None, expert_slices=None)
     options = {k: v for k, v in options.items() if v is not None}
     layer = layer_of(options)
     xs, probes = zip(*(tokens(name, r) for r in range(4)))
@@ -296,8 +342,12 @@ def reference(name):
         x.requires_grad_(True)
     outs, auxes = reference_moe(layer, xs)
     sum((o * p).sum() + a for o, p, a in zip(outs, probes, auxes)).backward()
-    return {"out": outs, "x_grad": [x.grad for x in xs], "router_grad": layer.gate.router.weight.grad,
-            "expert_grads": grads_of(layer)}
+    return {
+        "out": outs,
+        "x_grad": [x.grad for x in xs],
+        "router_grad": layer.gate.router.weight.grad,
+        "expert_grads": grads_of(layer),
+    }
 
 
 def close(a, b, what):
@@ -323,8 +373,10 @@ def test_more_ranks_than_experts_and_2dh_equal_the_one_rank_layer(no_leftover_ra
     assert ("all_gather", "slice weights", None) in comms["E=2, r=1 (EP+DP)"]
     assert ("reduce_scatter", "slice weights backward", None) in comms["E=2, r=1 (EP+DP)"]
     assert [c for c in comms["E=2, r=2, 2DH"] if c[1] == "dispatch"] == [
-        ("all_to_all", "dispatch", "counts"), ("all_to_all", "dispatch", "intra-node"),
-        ("all_to_all", "dispatch", "inter-node")]
+        ("all_to_all", "dispatch", "counts"),
+        ("all_to_all", "dispatch", "intra-node"),
+        ("all_to_all", "dispatch", "inter-node"),
+    ]
 
 
 @pytest.mark.timeout(150)
@@ -338,12 +390,12 @@ def test_ep_dp_mp_bytes_follow_tutels_table():
         for name, r, slices in (("E=2, r=2 (EP+MP)", 2, 2), ("E=2, r=1 (EP+DP)", 1, 1)):
             got = res["layouts"][name]
             to = row_destinations(got["kept"], 4, 2, slices)
-            assert sum(to) == r * sum(got["kept"])                      # every kept row, r copies
+            assert sum(to) == r * sum(got["kept"])  # every kept row, r copies
             sent = sum(c[3] for c in got["comms"] if c[1] == "dispatch")
             assert sent == (sum(to) - to[rank]) * row, name
         gathered = [c for c in res["layouts"]["E=2, r=1 (EP+DP)"]["comms"] if c[1] == "slice weights"]
-        slice_params = D * FF // 2 + FF // 2 + FF // 2 * D                # w1, b1, w2 of one slice
-        assert [c[3] for c in gathered] == [slice_params * 4]             # the other slice of my expert
+        slice_params = D * FF // 2 + FF // 2 + FF // 2 * D  # w1, b1, w2 of one slice
+        assert [c[3] for c in gathered] == [slice_params * 4]  # the other slice of my expert
 
 
 @pytest.mark.timeout(150)
@@ -362,8 +414,9 @@ def test_2dh_equals_the_flat_all_to_all_with_its_messages_on_the_trace():
         # (m, my local index) from both ranks of my node: the rows sent are the rank's and its neighbour's
         row = 3 * 4
         assert intra["input_splits"] == [int(splits[rank, j] + splits[rank, 2 + j]) for j in range(2)]
-        assert inter["input_splits"] == [int(splits[2 * node, 2 * m + local] + splits[2 * node + 1, 2 * m + local])
-                                         for m in range(2)]
+        assert inter["input_splits"] == [
+            int(splits[2 * node, 2 * m + local] + splits[2 * node + 1, 2 * m + local]) for m in range(2)
+        ]
         assert inter["bytes_sent"] == inter["input_splits"][1 - node] * row
         assert flat["bytes_sent"] == int(splits[rank].sum() - splits[rank, rank]) * row
 
@@ -416,19 +469,23 @@ def test_fast_encode_and_decode_equal_the_one_hot_einsums():
 
 def test_dynamic_capacity_follows_the_load_up_to_its_bound():
     from moe_routing import prefer
+
     from toolkit.moe import MoE
 
     x = torch.randn(12, D)
     x[:, 0] = 1.0
     seen = {}
-    for name, options in {"static 1.0": dict(capacity_factor=1.0), "static 4.0": dict(capacity_factor=4.0),
-                          "dynamic <= 4.0": dict(capacity_factor=4.0, dynamic_capacity=True),
-                          "dynamic <= 1.0": dict(capacity_factor=1.0, dynamic_capacity=True)}.items():
+    for name, options in {
+        "static 1.0": dict(capacity_factor=1.0),
+        "static 4.0": dict(capacity_factor=4.0),
+        "dynamic <= 4.0": dict(capacity_factor=4.0, dynamic_capacity=True),
+        "dynamic <= 1.0": dict(capacity_factor=1.0, dynamic_capacity=True),
+    }.items():
         layer = MoE(D, FF, 4, top_k=2, seed=0, name="dyn", **options)
         prefer(layer.gate.router.weight, 3, 0)  # every token: expert 3, then expert 0 -> 12 rows each
         seen[name] = layer.route(x.reshape(-1, D))
     assert (seen["static 1.0"].capacity, seen["static 1.0"].dropped) == (6, 12)
-    assert (seen["static 4.0"].capacity, seen["static 4.0"].dropped) == (24, 0)   # 24 slots, 12 used
+    assert (seen["static 4.0"].capacity, seen["static 4.0"].dropped) == (24, 0)  # 24 slots, 12 used
     assert (seen["dynamic <= 4.0"].capacity, seen["dynamic <= 4.0"].dropped) == (12, 0)  # what the load needs
     assert (seen["dynamic <= 1.0"].capacity, seen["dynamic <= 1.0"].dropped) == (6, 12)  # held to its bound
     with pytest.raises(ValueError, match="Choose one"):
@@ -468,12 +525,20 @@ def sliced_layer(expert_slices=None):
 
     from toolkit.moe.sharded import Slicing
 
-    return SimpleNamespace(d_model=32, d_ff=1024, num_experts=2, world=4, slicing=Slicing(4, 2, 1024, expert_slices),
-                           experts=SimpleNamespace(w1=torch.zeros(1)))
+    return SimpleNamespace(
+        d_model=32,
+        d_ff=1024,
+        num_experts=2,
+        world=4,
+        slicing=Slicing(4, 2, 1024, expert_slices),
+        experts=SimpleNamespace(w1=torch.zeros(1)),
+    )
 
 
-@pytest.mark.parametrize("rows, expert_slices, want", [
-    (100, None, ("ep", 2)), (400, None, ("ep", 1)), (800, None, ("dp", 1)), (800, 1, ("dp", 1)), (400, 1, ("ep", 1))])
+@pytest.mark.parametrize(
+    "rows, expert_slices, want",
+    [(100, None, ("ep", 2)), (400, None, ("ep", 1)), (800, None, ("dp", 1)), (800, 1, ("dp", 1)), (400, 1, ("ep", 1))],
+)
 def test_auto_prices_the_slice_weights_and_chooses_r(rows, expert_slices, want):
     """Every rank keeps n rows for each expert; fp32, training, a unit link (seconds = bytes). Per step:
     DP: all-gather + reduce-scatter of P = 2 x (2 x 32 x 1024 + 1024 + 32) parameters over 4 ranks,
@@ -509,7 +574,11 @@ def test_the_adaptive_all_to_all_takes_2dh_where_the_model_or_tutels_rule_says()
     link = make_settings("100 Gb/s", "5 us", intra_node=("150 GB/s", "2 us"), ranks_per_node=8)
     assert [choose(link, n * 8, 8, 64e6)[0] for n in (2, 12, 13, 32)] == ["flat", "flat", "2dh", "2dh"]
     assert [choose(None, n * g, g, 64e6)[0] for n, g in ((64, 8), (32, 8), (64, 4), (128, 16))] == [
-        "2dh", "flat", "flat", "2dh"]
+        "2dh",
+        "flat",
+        "flat",
+        "2dh",
+    ]
     assert "Tutel's rule of scale" in choose(None, 512, 8, 1.0)[1] and choose(link, 8, 8, 1.0)[0] == "flat"
 
 

@@ -12,6 +12,7 @@ by exactly one cell of the lesson, and a cell must not grow an input in place (`
 doing it once.) Names a cell binds before reading
 them (scratch such as `fig`, a loop variable) are its own and may be reused by any cell.
 """
+
 import ast
 import glob
 import os
@@ -44,8 +45,11 @@ def _stores(node) -> set:
 def _loads(node) -> set:
     """Names an expression (or a def's body, read when called) takes from the module, less its own locals."""
     loaded = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    scoped = [n for n in ast.walk(node) if isinstance(n, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef,
-                                                          ast.comprehension))]
+    scoped = [
+        n
+        for n in ast.walk(node)
+        if isinstance(n, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.comprehension))
+    ]
     local = set()
     for n in scoped:
         local |= _stores(n.target if isinstance(n, ast.comprehension) else n.args)
@@ -79,8 +83,13 @@ class Cell:
         outside = _loads(node) - self.binds
         self.inputs |= outside
         for n in ast.walk(node):  # x.append(...) on a name from another cell
-            if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MUTATORS
-                    and isinstance(n.func.value, ast.Name) and n.func.value.id in outside):
+            if (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr in MUTATORS
+                and isinstance(n.func.value, ast.Name)
+                and n.func.value.id in outside
+            ):
                 self.edits.add(n.func.value.id)
 
     def _bind(self, target):
@@ -159,26 +168,33 @@ def rerun_hazards(path) -> list[str]:
     for i, cell in cells:
         for name in sorted(cell.inputs):
             if len(binders.get(name, ())) > 1:
-                problems.append(f"cell {i} reads {name!r}, which cells {binders[name]} all bind: whichever ran "
-                                "last decides what it gets")
+                problems.append(
+                    f"cell {i} reads {name!r}, which cells {binders[name]} all bind: whichever ran "
+                    "last decides what it gets"
+                )
         for name in sorted(cell.edits & set(binders)):
-            problems.append(f"cell {i} changes {name!r} from cell {binders[name][0]} in place: a second run "
-                            "changes it again")
+            problems.append(
+                f"cell {i} changes {name!r} from cell {binders[name][0]} in place: a second run changes it again"
+            )
     return problems
 
 
 def test_the_checker_catches_the_bucket_sweep_bug(tmp_path):
     lesson = tmp_path / "lesson.py"
-    lesson.write_text("# %%\ndef step_time(run):\n    return run\n\n"
-                      "# %%\nprint(step_time(1))\n\n"
-                      "# %%\nrows = [(1, 2.0)]\nfor cap, step_time in rows:\n    print(step_time)\n\n"
-                      "# %%\ntotal = 0\n\n# %%\ntotal += 1\nseen = []\n\n# %%\nseen.append(1)\n")
+    lesson.write_text(
+        "# %%\ndef step_time(run):\n    return run\n\n"
+        "# %%\nprint(step_time(1))\n\n"
+        "# %%\nrows = [(1, 2.0)]\nfor cap, step_time in rows:\n    print(step_time)\n\n"
+        "# %%\ntotal = 0\n\n# %%\ntotal += 1\nseen = []\n\n# %%\nseen.append(1)\n"
+    )
     problems = rerun_hazards(lesson)
     assert any("cell 1 reads 'step_time'" in p for p in problems), problems
     assert any("'total'" in p and "in place" in p for p in problems), problems
     assert any("'seen'" in p and "in place" in p for p in problems), problems
-    lesson.write_text("# %%\ndef step_time(run):\n    return run\n\n# %%\nprint(step_time(1))\n\n"
-                      "# %%\nfor cap, seconds in [(1, 2.0)]:\n    fig = seconds\nfig\n\n# %%\nfig = 3\nfig\n")
+    lesson.write_text(
+        "# %%\ndef step_time(run):\n    return run\n\n# %%\nprint(step_time(1))\n\n"
+        "# %%\nfor cap, seconds in [(1, 2.0)]:\n    fig = seconds\nfig\n\n# %%\nfig = 3\nfig\n"
+    )
     assert rerun_hazards(lesson) == []
 
 

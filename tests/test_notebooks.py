@@ -3,6 +3,7 @@
 Notebooks run in a fresh kernel with the notebook's folder as working directory, as a student's
 would. The .py (jupytext py:percent) is the source of truth; `make notebooks` regenerates the pair.
 """
+
 import glob
 import os
 import re
@@ -41,8 +42,9 @@ def test_notebook_matches_its_source(path):
     source = path[: -len(".ipynb")] + ".py"
     from_py = jupytext.read(source)
     stored = nbformat.read(path, as_version=4)
-    assert [(c.cell_type, c.source) for c in from_py.cells] == [(c.cell_type, c.source) for c in stored.cells], \
+    assert [(c.cell_type, c.source) for c in from_py.cells] == [(c.cell_type, c.source) for c in stored.cells], (
         f"{_id(path)} differs from {os.path.basename(source)}: run `make notebooks` (jupytext --sync)"
+    )
 
 
 @pytest.mark.slow
@@ -58,8 +60,13 @@ def test_notebook_runs_top_to_bottom(path, tmp_path):
     # the client then waited forever on its heartbeat thread).
     # the kernel runs in the notebook's folder: the sockets' path must be absolute
     kernel = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp_path / "kernel"))
-    client = NotebookClient(nb, km=kernel, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                            resources={"metadata": {"path": os.path.dirname(path)}})
+    client = NotebookClient(
+        nb,
+        km=kernel,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name="python3",
+        resources={"metadata": {"path": os.path.dirname(path)}},
+    )
     try:
         client.execute()  # raises CellExecutionError with the failing cell and its traceback
     finally:  # nbclient stops only a kernel it made itself: this one (and the zygote its launches started)
@@ -91,10 +98,22 @@ def printed_noise(nb) -> list[str]:
 
 
 def test_the_noise_check_catches_what_the_trial_saw():
-    printed = ["add ddp: -12 ms exposed", "3.47e-15 ms hidden", "0.000 GB", "0.000106B parameters",
-               "exposed 1.2 ms, hidden 4.7 µs, 2.79 TB, 106K parameters, loss -0.25, step 12 ms"]
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(outputs=[
-        nbformat.v4.new_output("stream", name="stdout", text=t)]) for t in printed])
+    printed = [
+        "add ddp: -12 ms exposed",
+        "3.47e-15 ms hidden",
+        "0.000 GB",
+        "0.000106B parameters",
+        "exposed 1.2 ms, hidden 4.7 µs, 2.79 TB, 106K parameters, loss -0.25, step 12 ms",
+    ]
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell(outputs=[nbformat.v4.new_output("stream", name="stdout", text=t)])
+            for t in printed
+        ]
+    )
     assert [f.split(":")[1].strip() for f in printed_noise(nb)] == [
-        "a negative duration", "a duration in scientific notation (residue below a microsecond)", "a zero in too large a unit",
-        "a count in too large a unit"]
+        "a negative duration",
+        "a duration in scientific notation (residue below a microsecond)",
+        "a zero in too large a unit",
+        "a count in too large a unit",
+    ]

@@ -16,6 +16,7 @@ gradient element the sum of m micro-batches' sums over the b·s = 256 tokens of 
 - Mixed precision (bf16 compute, fp32 masters), against "local" with the same recipe: MP_LOSS_ATOL = 3/32 and
   MP_PARAM_ATOL = 5e-4, derived in tests/test_tensor_parallel.py (bf16 rounding of the loss and gradients).
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,14 +25,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from test_tensor_parallel import _same  # nested checkpoints compared value by value
 
 import toolkit
 from toolkit.memory.ledger import ActivationMeter
 from toolkit.models import SyntheticCorpus, tiny_gpt
-from toolkit.train import moe_model_fn
 from toolkit.parallel.pipeline import bubble, lowering, schedules
-from toolkit.train import TrainConfig, train
-from test_tensor_parallel import _same  # nested checkpoints compared value by value
+from toolkit.train import TrainConfig, moe_model_fn, train
 
 LOSS_ATOL, PARAM_ATOL = 1e-4, 1e-5
 MP_LOSS_ATOL, MP_PARAM_ATOL = 3 / 32, 5e-4
@@ -41,27 +41,64 @@ MOE = dict(num_experts=4, top_k=2, capacity_factor=2.0)
 
 # (name, TrainConfig fields, MoE?, the reference's fields): world 2 = pp 2; world 4 = dp 2 x pp 2 or tp 2 x pp 2
 CASES = {
-    2: [("gpipe", dict(model=FOUR, options={"pp": 2, "microbatches": 4, "schedule": "gpipe"}), False, dict(model=FOUR)),
+    2: [
+        ("gpipe", dict(model=FOUR, options={"pp": 2, "microbatches": 4, "schedule": "gpipe"}), False, dict(model=FOUR)),
         ("1f1b", dict(model=FOUR, options={"pp": 2, "microbatches": 4}), False, dict(model=FOUR)),
-        ("interleaved", dict(model=FOUR, options={"pp": 2, "microbatches": 4, "schedule": "interleaved",
-                                                  "virtual_stages": 2}), False, dict(model=FOUR)),
+        (
+            "interleaved",
+            dict(model=FOUR, options={"pp": 2, "microbatches": 4, "schedule": "interleaved", "virtual_stages": 2}),
+            False,
+            dict(model=FOUR),
+        ),
         ("zb-h1", dict(model=FOUR, options={"pp": 2, "microbatches": 4, "schedule": "zb-h1"}), False, dict(model=FOUR)),
         ("moe pp", dict(options={"pp": 2, "microbatches": 2}), True, dict(accumulation=2)),
-        ("pp bf16", dict(model=FOUR, options={"pp": 2, "microbatches": 2, "mixed_precision": True}), False,
-         dict(model=FOUR, options={"mixed_precision": True}))],
-    4: [("ddp x pp", dict(strategy="ddp", clip=0.05, model=FOUR, options={"pp": 2, "microbatches": 2}), False,
-         dict(model=FOUR, clip=0.05)),
-        ("fsdp x pp, 1f1b", dict(strategy="fsdp", model=FOUR, options={"pp": 2, "microbatches": 2}), False,
-         dict(model=FOUR)),
-        ("zero3 x pp, gpipe", dict(strategy="zero3", model=FOUR, options={"pp": 2, "microbatches": 2,
-                                                                           "schedule": "gpipe"}), False, dict(model=FOUR)),
-        ("zero1 x pp, zb-h1", dict(strategy="zero1", model=FOUR, options={"pp": 2, "microbatches": 2,
-                                                                          "schedule": "zb-h1"}), False, dict(model=FOUR)),
-        ("tp+sp x pp", dict(clip=0.05, model=FOUR, options={"pp": 2, "tp": 2, "sequence_parallel": True,
-                                                             "microbatches": 4}), False, dict(model=FOUR, clip=0.05))],
-    8: [("zero1 x pp x tp", dict(strategy="zero1", clip=0.05, model=FOUR, options={"pp": 2, "tp": 2,
-                                                                                    "microbatches": 2}), False,
-         dict(model=FOUR, clip=0.05))],
+        (
+            "pp bf16",
+            dict(model=FOUR, options={"pp": 2, "microbatches": 2, "mixed_precision": True}),
+            False,
+            dict(model=FOUR, options={"mixed_precision": True}),
+        ),
+    ],
+    4: [
+        (
+            "ddp x pp",
+            dict(strategy="ddp", clip=0.05, model=FOUR, options={"pp": 2, "microbatches": 2}),
+            False,
+            dict(model=FOUR, clip=0.05),
+        ),
+        (
+            "fsdp x pp, 1f1b",
+            dict(strategy="fsdp", model=FOUR, options={"pp": 2, "microbatches": 2}),
+            False,
+            dict(model=FOUR),
+        ),
+        (
+            "zero3 x pp, gpipe",
+            dict(strategy="zero3", model=FOUR, options={"pp": 2, "microbatches": 2, "schedule": "gpipe"}),
+            False,
+            dict(model=FOUR),
+        ),
+        (
+            "zero1 x pp, zb-h1",
+            dict(strategy="zero1", model=FOUR, options={"pp": 2, "microbatches": 2, "schedule": "zb-h1"}),
+            False,
+            dict(model=FOUR),
+        ),
+        (
+            "tp+sp x pp",
+            dict(clip=0.05, model=FOUR, options={"pp": 2, "tp": 2, "sequence_parallel": True, "microbatches": 4}),
+            False,
+            dict(model=FOUR, clip=0.05),
+        ),
+    ],
+    8: [
+        (
+            "zero1 x pp x tp",
+            dict(strategy="zero1", clip=0.05, model=FOUR, options={"pp": 2, "tp": 2, "microbatches": 2}),
+            False,
+            dict(model=FOUR, clip=0.05),
+        )
+    ],
 }
 
 
@@ -70,16 +107,20 @@ def losses_of(run) -> list:
 
 
 def reference(fields, moe):
-    return train(TrainConfig(**{**BASE, "strategy": "local", **fields}), model_fn=moe_model_fn(**MOE) if moe else None,
-                 return_state=True)
+    return train(
+        TrainConfig(**{**BASE, "strategy": "local", **fields}),
+        model_fn=moe_model_fn(**MOE) if moe else None,
+        return_state=True,
+    )
 
 
 def layouts(world, directory):
     found = {}
     for name, fields, moe, _ in CASES[world]:
         torch.manual_seed(0)
-        run, state = train(TrainConfig(**{**BASE, **fields}), model_fn=moe_model_fn(**MOE) if moe else None,
-                           return_state=True)
+        run, state = train(
+            TrainConfig(**{**BASE, **fields}), model_fn=moe_model_fn(**MOE) if moe else None, return_state=True
+        )
         found[name] = (losses_of(run), state)
         if name == "zb-h1":  # both ranks' records, for the figure
             everyone = [None] * dist.get_world_size()
@@ -95,7 +136,7 @@ def layouts(world, directory):
     return found if dist.get_rank() == 0 else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def launched(world: int, directory: str):
     return toolkit.launch(layouts, world, args=(world, directory), timeout_s=420, quiet=True)[0]
 
@@ -127,8 +168,11 @@ def test_pipeline_layouts_train_as_one_process(world, directory, no_leftover_ran
 def dp_bytes(run) -> tuple:
     """(bytes rank 0 sent in the dp group's all-reduces per step, its stage's gradient bytes, dp size)."""
     group = toolkit.parallel.mesh.layout(4, pp=2).group_of(0, "dp")  # world 4, dp 2 x pp 2: stage 0's replicas
-    sent = sum(e["args"]["bytes_sent"] for e in run.comm_events(0, "all_reduce") if e["args"]["group"] == group
-               and e["phase"] != "optimizer")
+    sent = sum(
+        e["args"]["bytes_sent"]
+        for e in run.comm_events(0, "all_reduce")
+        if e["args"]["group"] == group and e["phase"] != "optimizer"
+    )
     return sent / BASE["steps"], 4 * sum(p.numel() for p in stage_params(0)), 2
 
 
@@ -261,8 +305,7 @@ def test_the_timeline_figure_draws_a_real_run(directory, no_leftover_ranks):
 
 
 @pytest.mark.timeout(600)
-def test_a_real_run_follows_its_schedule_and_its_bubble_is_the_formulas_with_these_costs(directory,
-                                                                                       no_leftover_ranks):
+def test_a_real_run_follows_its_schedule_and_its_bubble_is_the_formulas_with_these_costs(directory, no_leftover_ranks):
     """A real step's actions, on each rank in the schedule's order; replayed at the textbook's costs they give the
     formula exactly, and replayed at their own measured durations, with free communication, they never take
     longer than the real step (a lower bound: a real rank starts no action earlier than the replay does;
@@ -271,8 +314,11 @@ def test_a_real_run_follows_its_schedule_and_its_bubble_is_the_formulas_with_the
     spans = [e for e in run.events if e["cat"] == "compute" and "action" in e["args"] and e["args"]["step"] == 1]
     actions = schedules.build("zb-h1", 2, 4)
     for rank, mine in enumerate(actions):
-        ran = [(e["args"]["action"], e["args"]["micro"], e["args"]["stage"])
-               for e in sorted(spans, key=lambda e: e["start"]) if e["rank"] == rank]
+        ran = [
+            (e["args"]["action"], e["args"]["micro"], e["args"]["stage"])
+            for e in sorted(spans, key=lambda e: e["start"])
+            if e["rank"] == rank
+        ]
         assert ran == [tuple(a) for a in mine], rank
     programs = lowering.lower(actions, 2, tied=True)
     busy, span = lowering.busy_and_span(lowering.replay(programs, lowering.unit_cost(True)))
@@ -284,8 +330,9 @@ def test_a_real_run_follows_its_schedule_and_its_bubble_is_the_formulas_with_the
 
 
 @pytest.mark.timeout(600)
-def test_a_real_bubble_is_the_schedules_at_its_stages_plus_waiting_and_time_between_actions(directory,
-                                                                                          no_leftover_ranks):
+def test_a_real_bubble_is_the_schedules_at_its_stages_plus_waiting_and_time_between_actions(
+    directory, no_leftover_ranks
+):
     """What lesson 09 shows: replayed with its own action times and free messages, the step's bubble is at most the
     measured one (the replay is a lower bound); the measured one is exactly the rank's waits for messages plus the
     time between its actions; every message a waiting receiver took has a positive time. Timing-free relations."""
@@ -304,4 +351,3 @@ def test_a_real_bubble_is_the_schedules_at_its_stages_plus_waiting_and_time_betw
         assert busy * step / (1 - replayed[rank]) <= step + 1e-3
     latency = bubble.message_latency(run)
     assert latency and min(latency) > 0
-

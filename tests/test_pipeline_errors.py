@@ -1,5 +1,6 @@
 """Bad input to pipeline parallelism: each a clear error, raised alike on every rank before training starts
 (so nothing hangs), that says what was wrong and what would work."""
+
 from __future__ import annotations
 
 import functools
@@ -47,7 +48,10 @@ def every_error():
             found[name] = f"{type(exc).__name__}: {exc}"
     model, _ = toolkit.parallel.wrap(tiny_gpt(), "local", pp=2, microbatches=4)
     x, y = SyntheticCorpus().batch(0, 6)
-    for name, call in (("model(x, y)", lambda: model(x, y)), ("batch does not split", lambda: model.forward_backward(x, y))):
+    for name, call in (
+        ("model(x, y)", lambda: model(x, y)),
+        ("batch does not split", lambda: model.forward_backward(x, y)),
+    ):
         try:
             call()
             found[name] = None
@@ -56,14 +60,16 @@ def every_error():
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def errors():
     return toolkit.launch(every_error, 2, timeout_s=180, quiet=True)
 
 
 EXPECTED = {
-    "blocks do not split": ["3 blocks (blocks.0..blocks.2) do not split evenly into pp=2 stages",
-                            "pp_split=['blocks.2']"],
+    "blocks do not split": [
+        "3 blocks (blocks.0..blocks.2) do not split evenly into pp=2 stages",
+        "pp_split=['blocks.2']",
+    ],
     "too few micro-batches": ["microbatches=1 < pp=2", "bubble", "microbatches >= 2"],
     "unknown schedule": ["unknown pipeline schedule 'pipedream'", "'1f1b'", "'gpipe'", "'interleaved'", "'zb-h1'"],
     "pp_split names no module": ["'blocks.9', which is no module", "blocks.0 .. blocks.3"],
@@ -72,8 +78,11 @@ EXPECTED = {
     "fp16": ["bfloat16"],
     "no stage protocol": ["embed(x)", "head_loss(h, y)", "has no ['embed', 'head_loss', 'hidden_shape']"],
     "experts over the world": ["ranks [0, 1]", "stage_group(pp=2"],
-    "a schedule that deadlocks": ["PipelineDeadlock", "rank 0 waits at 0B0 (after 0F0)",
-                                  "rank 1 waits at 1F1 (after 1F0) to receive the activation of micro-batch 1"],
+    "a schedule that deadlocks": [
+        "PipelineDeadlock",
+        "rank 0 waits at 0B0 (after 0F0)",
+        "rank 1 waits at 1F1 (after 1F0) to receive the activation of micro-batch 1",
+    ],
     "zero-bubble under fsdp": ["schedule='zb-h1' splits each backward in two", "schedule='1f1b' with fsdp"],
     "model(x, y)": ["model.forward_backward(x, y)", "pp = 2"],
     "batch does not split": ["a batch of 6 rows does not split into microbatches=4", "multiple of 4 (e.g. 8)"],

@@ -1,6 +1,7 @@
 """The schedules as data: their dry runs give the textbook bubbles and memory, and a wrong order is a deadlock
 named before anything runs. No processes: `toolkit.parallel.pipeline.lowering.replay` steps every rank's
 program on a clock (F = 1, B = 2; split: F = B = W = 1)."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,9 @@ SINGLE = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
 
 def dry_run(name, p, m, v=1, tied=True):
     actions = schedules.build(name, p, m, v)
-    timeline = lowering.replay(lowering.lower(actions, p, tied=tied),
-                               lowering.unit_cost(schedules.splits_backward(actions), v))
+    timeline = lowering.replay(
+        lowering.lower(actions, p, tied=tied), lowering.unit_cost(schedules.splits_backward(actions), v)
+    )
     return actions, timeline
 
 
@@ -34,8 +36,10 @@ def test_interleaving_halves_and_zero_bubble_thirds_1f1b_idle_time():
     """1F1B idles 3(p-1) units per step (a stage's forward is 1); interleaved at v stages per rank (each 1/v of
     the layers) 3(p-1)/v (Narayanan et al.); ZB-H1 at F = B = W (p-1) (Qi et al.)."""
     for p, m in GRID:
-        idle = [lowering.busy_and_span(dry_run(n, p, m, v)[1])[1] - 3 * m for n, v in
-                (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))]
+        idle = [
+            lowering.busy_and_span(dry_run(n, p, m, v)[1])[1] - 3 * m
+            for n, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+        ]
         assert idle == [3 * (p - 1), 1.5 * (p - 1), p - 1]
 
 
@@ -54,12 +58,15 @@ def test_interleaving_takes_any_number_of_micro_batches_from_pp_on(p, v):
     for m in range(p, 3 * p + 2):
         actions, timeline = dry_run("interleaved", p, m, v)
         busy, span = lowering.busy_and_span(timeline)
-        assert [1 - b / span for b in busy] == [pytest.approx(bubble.formula_bubble("interleaved", p, m, v),
-                                                               abs=1e-12)] * p, m
-        assert [bubble.in_flight(a) for a in actions] == [bubble.formula_in_flight("interleaved", p, m, r, v)
-                                                          for r in range(p)], m
-        assert schedules.group_size(p, m) == (p if m % p == 0 else min(
-            g for g in range(p + 1, m + 1) if m % g == 0 or m % g >= p))
+        assert [1 - b / span for b in busy] == [
+            pytest.approx(bubble.formula_bubble("interleaved", p, m, v), abs=1e-12)
+        ] * p, m
+        assert [bubble.in_flight(a) for a in actions] == [
+            bubble.formula_in_flight("interleaved", p, m, r, v) for r in range(p)
+        ], m
+        assert schedules.group_size(p, m) == (
+            p if m % p == 0 else min(g for g in range(p + 1, m + 1) if m % g == 0 or m % g >= p)
+        )
 
 
 def test_interleaved_order_is_megatron_cores_table():
@@ -75,7 +82,8 @@ def test_1f1b_reads_as_warm_up_steady_state_cool_down():
     assert schedules.show(schedules.build("1f1b", 3, 4)) == (
         "rank 0: 0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3\n"
         "rank 1: 1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3\n"
-        "rank 2: 2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3")
+        "rank 2: 2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3"
+    )
 
 
 def test_a_wrong_order_is_a_deadlock_that_names_where_each_rank_waits():
@@ -93,12 +101,15 @@ def test_a_wrong_order_is_a_deadlock_that_names_where_each_rank_waits():
     assert "rank 1 waits at 1F1 (after 1F0) to receive the activation of micro-batch 1 from stage 0 (rank 0)" in text
 
 
-@pytest.mark.parametrize("bad, message", [
-    ([[Action("F", 0, 0)], schedules.gpipe(2, 1, 1)], "never runs"),
-    ([[Action("F", 0, 0), Action("F", 0, 0), Action("B", 0, 0)], schedules.gpipe(2, 1, 1)], "appears twice"),
-    ([[Action("F", 0, 1), Action("B", 0, 1)], schedules.gpipe(2, 1, 1)], "holds stage"),
-    ([[Action("X", 0, 0)], schedules.gpipe(2, 1, 1)], "kind must be one of"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ([[Action("F", 0, 0)], schedules.gpipe(2, 1, 1)], "never runs"),
+        ([[Action("F", 0, 0), Action("F", 0, 0), Action("B", 0, 0)], schedules.gpipe(2, 1, 1)], "appears twice"),
+        ([[Action("F", 0, 1), Action("B", 0, 1)], schedules.gpipe(2, 1, 1)], "holds stage"),
+        ([[Action("X", 0, 0)], schedules.gpipe(2, 1, 1)], "kind must be one of"),
+    ],
+)
 def test_a_malformed_schedule_is_refused_with_the_rank_and_action(bad, message):
     with pytest.raises(ValueError, match=message):
         schedules.check(bad, 2, 1)

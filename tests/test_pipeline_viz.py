@@ -1,4 +1,5 @@
 """The pipeline's timeline figure drawn from a schedule's dry run: the textbook diagram, the formula's bubble."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,7 +46,9 @@ def test_each_schedules_figure_names_its_schedule_and_shape():
         told.config.update(schedule=name)
         titles[name] = pipeline_timeline(told).layout.title.text
         assert pipeline_timeline(read).layout.title.text == titles[name], name  # the same when read off the actions
-    assert titles == {"gpipe": "GPipe, p = 4, m = 8 (dry run): one block per action",
-                      "1f1b": "1F1B, p = 4, m = 8 (dry run): one block per action",
-                      "interleaved": "Interleaved 1F1B, p = 4, m = 8, v = 2 (dry run): one block per action",
-                      "zb-h1": "ZB-H1, p = 4, m = 8 (dry run): one block per action"}
+    assert titles == {
+        "gpipe": "GPipe, p = 4, m = 8 (dry run): one block per action",
+        "1f1b": "1F1B, p = 4, m = 8 (dry run): one block per action",
+        "interleaved": "Interleaved 1F1B, p = 4, m = 8, v = 2 (dry run): one block per action",
+        "zb-h1": "ZB-H1, p = 4, m = 8 (dry run): one block per action",
+    }

@@ -5,6 +5,7 @@ gradients below 6e-8 round to zero; with it they are lifted by the scale S befor
 divided by S in fp32 before the step. A step whose gradients overflow is skipped on every rank and S
 halves. One launch (`results()`, cached) runs every multi-rank check; the tests compare its numbers.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,10 +18,11 @@ import toolkit
 from toolkit.parallel import full_state_dict, wrap
 from toolkit.train import TrainConfig
 
-TINY = 1e-8   # gradients this small are below fp16's smallest subnormal (5.96e-8): they underflow to 0
+TINY = 1e-8  # gradients this small are below fp16's smallest subnormal (5.96e-8): they underflow to 0
 STRATEGIES = ("local", "ddp", "zero1", "zero2", "zero3", "fsdp")
-FP16_RUN = dict(steps=3, global_batch_size=8, model=dict(n_layer=1, d_model=32, n_head=2), seq_len=16,
-                progress=False, clip=1.0)
+FP16_RUN = dict(
+    steps=3, global_batch_size=8, model=dict(n_layer=1, d_model=32, n_head=2), seq_len=16, progress=False, clip=1.0
+)
 
 
 class Tiny(nn.Module):
@@ -73,21 +75,28 @@ def overflow_on_one_rank(strategy: str) -> dict:
         x[7] = 6e4
     model(x).backward()
     opt.step()
-    return {"changed": bool((weight(model) != before).any()), "scale": model.scaler.scale,
-            "skipped": model.scaler.skipped}
+    return {
+        "changed": bool((weight(model) != before).any()),
+        "scale": model.scaler.scale,
+        "skipped": model.scaler.skipped,
+    }
 
 
 def everything():
     from toolkit.train import train
 
-    out = {"runs": {s: train(TrainConfig(strategy=s, options={"mixed_precision": "fp16"}, **FP16_RUN))
-                    for s in ("ddp", "zero2", "fsdp")}}
+    out = {
+        "runs": {
+            s: train(TrainConfig(strategy=s, options={"mixed_precision": "fp16"}, **FP16_RUN))
+            for s in ("ddp", "zero2", "fsdp")
+        }
+    }
     out["updates"] = {s: tiny_update(s) for s in STRATEGIES[1:]}
     out["overflow"] = {s: overflow_on_one_rank(s) for s in STRATEGIES[1:]}
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results():
     return toolkit.launch(everything, 2, timeout_s=60)
 
@@ -162,8 +171,15 @@ def test_the_run_records_the_loss_scale_and_the_skipped_steps():
 # the sum, so the case there is 20,000 per rank: 80,000 summed first, 40,000 after dividing by 2. Hybrid
 # sharding (2 shard groups of 2) divides at each of its two reductions: 39,321 fits again.
 LARGE = {2: 39_321.0, 4: 20_000.0}
-AVERAGED = {"dp": {}, "ddp": {}, "zero1": {}, "zero1 all-reduce": {"reduce": "all_reduce"}, "zero2": {},
-            "zero3": {}, "fsdp": {"wrap_policy": nn.Linear}}
+AVERAGED = {
+    "dp": {},
+    "ddp": {},
+    "zero1": {},
+    "zero1 all-reduce": {"reduce": "all_reduce"},
+    "zero2": {},
+    "zero3": {},
+    "fsdp": {"wrap_policy": nn.Linear},
+}
 HYBRID = {"fsdp hybrid": {"wrap_policy": nn.Linear, "sharding_group_size": 2}}  # at N = 4: 2 x 2, so 39,321
 
 
@@ -193,8 +209,11 @@ def torch_fsdp2_gradient(value: float) -> torch.Tensor:
 
     lin = nn.Linear(8, 1, bias=False)
     nn.init.zeros_(lin.weight)
-    fully_shard(lin, mesh=init_device_mesh("cpu", (torch.distributed.get_world_size(),)),
-                mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16))
+    fully_shard(
+        lin,
+        mesh=init_device_mesh("cpu", (torch.distributed.get_world_size(),)),
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16),
+    )
     lin(torch.full((8,), value)).sum().backward()
     return lin.weight.grad.full_tensor().float()
 
@@ -242,23 +261,30 @@ def moe_expert_gradients(experts: int, placement: dict) -> dict:
 
 
 def large_gradients(value: float, strategies: dict) -> dict:
-    out = {name: step_on_large_gradients(name, LARGE[2] if name in HYBRID else value, options)
-           for name, options in strategies.items()}
+    out = {
+        name: step_on_large_gradients(name, LARGE[2] if name in HYBRID else value, options)
+        for name, options in strategies.items()
+    }
     out.update({f"{s} experts": step_on_large_expert_gradients(s, value) for s in ("dp", "ddp")})
     out["torch"] = {"ddp": torch_ddp_gradient(value), "fsdp2": torch_fsdp2_gradient(value)}
     return out
 
 
 MOE_PLACEMENTS = {  # (experts, options); on 2 ranks one expert is sliced in two (Tutel's EP+DP+MP)
-    "ep": (2, {}), "dp": (2, {"expert_parallel": "dp"}), "shadowed": (2, {"shadow": [0, 1]}),
-    "slices r=2": (1, {}), "slices r=1": (1, {"expert_slices": 1}), "slices dp": (1, {"expert_parallel": "dp"})}
+    "ep": (2, {}),
+    "dp": (2, {"expert_parallel": "dp"}),
+    "shadowed": (2, {"shadow": [0, 1]}),
+    "slices r=2": (1, {}),
+    "slices r=1": (1, {"expert_slices": 1}),
+    "slices dp": (1, {"expert_parallel": "dp"}),
+}
 
 
 def moe_placements() -> dict:
     return {name: moe_expert_gradients(*how) for name, how in MOE_PLACEMENTS.items()}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def averages(world: int):
     strategies = dict(AVERAGED, **(HYBRID if world == 4 else {}))
     return toolkit.launch(large_gradients, world, args=(LARGE[world], strategies), timeout_s=120)
@@ -295,4 +321,8 @@ def test_the_moe_placements_average_fp16_expert_gradients_alike():
             for weight_name, grad in got[name].items():
                 want = got[like][weight_name]
                 assert torch.allclose(grad, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()), (
-                    rank, name, weight_name, (grad - want).abs().max())
+                    rank,
+                    name,
+                    weight_name,
+                    (grad - want).abs().max(),
+                )

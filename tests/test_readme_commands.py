@@ -15,6 +15,7 @@ other `.venv/bin/python` command runs as written up to the moment its own parser
 `make -n X` (the target exists, its recipe expands); other programs of .venv with `--help` added. The launchers of
 a cluster and Conda are not on this machine (`doc_commands.ELSEWHERE`, each with its reason).
 """
+
 from __future__ import annotations
 
 import ast
@@ -38,18 +39,30 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 PYTHON = ".venv/bin/python"
 # run whole, once each (the first command that is exactly one of these, or starts with it and a space)
-WHOLE = (".venv/bin/python -m toolkit --help", ".venv/bin/python -m toolkit demo --quick",
-         ".venv/bin/python -m toolkit simulate --model gpt3-175b --strategy fsdp --world-size 512",
-         ".venv/bin/python -m toolkit grade labs/01-ring-allreduce",
-         ".venv/bin/python -m toolkit release labs/ --out DIR")
+WHOLE = (
+    ".venv/bin/python -m toolkit --help",
+    ".venv/bin/python -m toolkit demo --quick",
+    ".venv/bin/python -m toolkit simulate --model gpt3-175b --strategy fsdp --world-size 512",
+    ".venv/bin/python -m toolkit grade labs/01-ring-allreduce",
+    ".venv/bin/python -m toolkit release labs/ --out DIR",
+)
 PLACEHOLDERS = {"DIR": "released"}  # words of prose a reader replaces
 
 
 def fresh_clone(where: Path) -> Path:
     """The files a clone of this tree would have (`git ls-files`: tracked and new-but-not-ignored, as the next
     commit holds them), copied into `where`, and a `.venv` with the project's packages (`project_venv`)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True, timeout=60).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+            timeout=60,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         if (ROOT / name).is_file():  # a file deleted but not yet staged is listed too
             (where / name).parent.mkdir(parents=True, exist_ok=True)
@@ -66,9 +79,12 @@ def project_venv(venv: Path) -> None:
     home = Path(os.path.realpath(ROOT / ".venv" / "bin" / "python"))
     subprocess.run([str(home), "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     where = "import site; print(site.getsitepackages()[0])"
-    ours, theirs = (subprocess.run([str(python), "-c", where], capture_output=True, text=True, check=True,
-                                   timeout=60).stdout.strip()
-                    for python in (ROOT / ".venv/bin/python", venv / "bin/python"))
+    ours, theirs = (
+        subprocess.run(
+            [str(python), "-c", where], capture_output=True, text=True, check=True, timeout=60
+        ).stdout.strip()
+        for python in (ROOT / ".venv/bin/python", venv / "bin/python")
+    )
     (Path(theirs) / "project-venv.pth").write_text(ours + "\n")
     for tool in (ROOT / ".venv" / "bin").iterdir():
         if not (venv / "bin" / tool.name).exists():
@@ -115,24 +131,41 @@ def test_the_documents_commands_are_found_where_they_are(documented):
     """The finder sees the commands of every kind of document (a README's bash block, a lab's block without a
     language, inline code over a line break in docs/) and only commands (not a diagram, not a file's name)."""
     files = {c.file for c in documented}
-    assert {"README.md", "labs/README.md", "labs/autograder/README.md", "docs/benchmarks.md",
-            "labs/01-ring-allreduce/README.md"} <= files, files
+    assert {
+        "README.md",
+        "labs/README.md",
+        "labs/autograder/README.md",
+        "docs/benchmarks.md",
+        "labs/01-ring-allreduce/README.md",
+    } <= files, files
     assert len(documented) >= 80, len(documented)
     by_text = {c.text: c for c in documented}
     assert ".venv/bin/python -m toolkit simulate --model gpt3-175b --strategy fsdp --world-size 512" in by_text
-    assert by_text[".venv/bin/python -m toolkit grade labs/12-pipeline --solution mine.py"].file == \
-        "labs/12-pipeline/README.md"
-    assert all(c.program.startswith(".venv/bin/") or c.program in ("make", *ELSEWHERE) or c.program in BARE
-               for c in documented), [str(c) for c in documented]
+    assert (
+        by_text[".venv/bin/python -m toolkit grade labs/12-pipeline --solution mine.py"].file
+        == "labs/12-pipeline/README.md"
+    )
+    assert all(
+        c.program.startswith(".venv/bin/") or c.program in ("make", *ELSEWHERE) or c.program in BARE for c in documented
+    ), [str(c) for c in documented]
 
 
 def test_every_documented_command_is_written_to_work_with_nothing_activated(clone, documented):
-    wrong = [f"{c}  <- {c.program} is not on the PATH of a fresh shell: write .venv/bin/{c.program.split('/')[-1]}"
-             for c in documented if c.program in BARE]
-    missing = [f"{c}  <- {c.program} does not exist in a fresh clone after make setup" for c in documented
-               if c.program.startswith(".venv/bin/") and not (clone / c.program).exists()]
-    scripts = [f"{c}  <- no file {c.argv[1]} in the repository" for c in documented
-               if c.program == PYTHON and not c.argv[1].startswith("-") and not (clone / c.argv[1]).is_file()]
+    wrong = [
+        f"{c}  <- {c.program} is not on the PATH of a fresh shell: write .venv/bin/{c.program.split('/')[-1]}"
+        for c in documented
+        if c.program in BARE
+    ]
+    missing = [
+        f"{c}  <- {c.program} does not exist in a fresh clone after make setup"
+        for c in documented
+        if c.program.startswith(".venv/bin/") and not (clone / c.program).exists()
+    ]
+    scripts = [
+        f"{c}  <- no file {c.argv[1]} in the repository"
+        for c in documented
+        if c.program == PYTHON and not c.argv[1].startswith("-") and not (clone / c.argv[1]).is_file()
+    ]
     problems = wrong + missing + scripts
     assert not problems, "\n".join(problems)
     assert "source .venv/bin/activate" in README  # and the README says how plain `python` works too
@@ -154,8 +187,9 @@ def test_every_documented_command_accepts_its_arguments_as_written(clone, docume
     failed = []
     pythons = {}  # one dry run per distinct argv: the same command in several files is tried once
     for c in tried:
-        if c.program == PYTHON and ((c.argv[1] == "-m" and c.argv[2].split(".")[0] == "toolkit")
-                                    or not c.argv[1].startswith("-")):
+        if c.program == PYTHON and (
+            (c.argv[1] == "-m" and c.argv[2].split(".")[0] == "toolkit") or not c.argv[1].startswith("-")
+        ):
             pythons.setdefault(tuple(_argv(c)[1:]), []).append(c)
     if pythons:
         done = run([PYTHON, str(Path(__file__).parent / "doc_dry_run.py")], clone, stdin=json.dumps(list(pythons)))
@@ -171,8 +205,10 @@ def test_every_documented_command_accepts_its_arguments_as_written(clone, docume
     for argv, where in others.items():
         done = run(list(argv), clone, timeout=120)
         if done.returncode != 0:
-            failed += [f"{c}\n({shlex.join(argv)}: exit code {done.returncode})\n{(done.stdout + done.stderr)[-1500:]}"
-                       for c in where]
+            failed += [
+                f"{c}\n({shlex.join(argv)}: exit code {done.returncode})\n{(done.stdout + done.stderr)[-1500:]}"
+                for c in where
+            ]
     assert not failed, "\n\n".join(failed)
     assert len(pythons) >= 20 and len(others) >= 5, (len(pythons), len(others))
 
@@ -215,8 +251,10 @@ def test_a_bench_run_without_the_projects_interpreter_says_why_it_failed():
     """The trial: `python bench/launch.py` on a fresh clone ended in "RuntimeError: fresh at world 2 with 0
     launches ended with 1", the measured process's "No module named ..." nowhere. Its stderr is now in the error."""
     python = shutil.which("python3", path=_env()["PATH"])
-    if python is None or subprocess.run([python, "-c", "import toolkit"], capture_output=True, env=_env(),
-                                        cwd="/").returncode == 0:
+    if (
+        python is None
+        or subprocess.run([python, "-c", "import toolkit"], capture_output=True, env=_env(), cwd="/").returncode == 0
+    ):
         pytest.skip("no system python3 without the toolkit to run the bench with")
     done = run([python, "bench/launch.py", "--worlds", "1", "--next", "1", "--repeats", "1"], ROOT, timeout=120)
     assert done.returncode != 0 and "launches ended with 1:" in done.stderr, done.stderr[-2000:]

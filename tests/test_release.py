@@ -6,6 +6,7 @@ solution file, no hidden checks, no instructors' text, no import of a solution, 
 solution has, no use of the toolkit's own implementation of what a lab teaches; it refuses a tree whose
 skeletons were solved in place. And it must still work: grading the released skeleton gives 0 with the
 released checks."""
+
 import json
 import os
 import re
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from toolkit.grading import grade, lab_checks
-from toolkit.grading.release import main as release_main, release
+from toolkit.grading.release import main as release_main
+from toolkit.grading.release import release
 from toolkit.grading.student_wheel import for_lab
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,9 +33,14 @@ def solution_only(lab: Path) -> set[str]:
     given = set()
     for name in ("skeleton.py", "README.md"):
         given |= {line.strip() for line in (lab / name).read_text().splitlines()}
-    return {line.strip() for solution in lab.glob("solution*.py") for line in solution.read_text().splitlines()
-            if len(line.strip()) >= MIN_LINE and not line.strip().startswith(("#", "import ", "from "))
-            and line.strip() not in given}
+    return {
+        line.strip()
+        for solution in lab.glob("solution*.py")
+        for line in solution.read_text().splitlines()
+        if len(line.strip()) >= MIN_LINE
+        and not line.strip().startswith(("#", "import ", "from "))
+        and line.strip() not in given
+    }
 
 
 @pytest.mark.timeout(300)
@@ -61,8 +68,12 @@ def test_release_has_no_answer_and_its_skeleton_still_grades(tmp_path, no_leftov
         leaked = [line for line in text.splitlines() if line.strip() in secrets.get(lab, ())]
         assert not leaked, f"{path} gives away the solution: {leaked[:3]}"
     released = (out / "10-cost-model" / "checks.py").read_text()  # it names its answers (ANSWERS), never uses them
-    for use in ("from toolkit.memory.formulas import", "from toolkit.sim.timeline import", "alpha_beta_time(",
-                "schedule("):
+    for use in (
+        "from toolkit.memory.formulas import",
+        "from toolkit.sim.timeline import",
+        "alpha_beta_time(",
+        "schedule(",
+    ):
         assert use not in released, use
     score = grade(out / "06-zero")  # the released skeleton, graded with the released checks
     assert score.total == 0 and score.maximum == 8
@@ -78,21 +89,29 @@ def test_release_refuses_to_give_a_solution_away(tmp_path):
     (lab / "checks.py").write_text("from solution import answer  # compare with the reference\n")
     with pytest.raises(ValueError, match="refers to a solution"):
         release(tmp_path / "labs", tmp_path / "out")
-    (lab / "checks.py").write_text("EXPECTED = sum(range(10)) * 42 // 45 + 0\n"
-                                   "    return sum(range(10)) * 42 // 45 + 0\n")
+    (lab / "checks.py").write_text(
+        "EXPECTED = sum(range(10)) * 42 // 45 + 0\n    return sum(range(10)) * 42 // 45 + 0\n"
+    )
     with pytest.raises(ValueError, match="is a line of the solution"):
         release(tmp_path / "labs", tmp_path / "out")
-    (lab / "checks.py").write_text('ANSWERS = {"toolkit.comm.ring": "the ring"}\n'
-                                   "from toolkit.comm.ring import all_reduce as reference\n")
+    (lab / "checks.py").write_text(
+        'ANSWERS = {"toolkit.comm.ring": "the ring"}\nfrom toolkit.comm.ring import all_reduce as reference\n'
+    )
     with pytest.raises(ValueError, match="names toolkit.comm.ring"):
         release(tmp_path / "labs", tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing written
 
 
 def _git(folder: Path, *args):
-    subprocess.run(["git", *args], cwd=folder, check=True, capture_output=True,
-                   env=dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
-                            GIT_COMMITTER_EMAIL="t@t"))
+    subprocess.run(
+        ["git", *args],
+        cwd=folder,
+        check=True,
+        capture_output=True,
+        env=dict(
+            os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t"
+        ),
+    )
 
 
 def test_release_refuses_a_skeleton_solved_in_place(tmp_path):
@@ -114,16 +133,16 @@ def test_release_refuses_a_skeleton_solved_in_place(tmp_path):
 @pytest.mark.timeout(300)
 def test_the_students_wheel_holds_no_answer(tmp_path):
     out = tmp_path / "student-labs"
-    assert release_main([str(LABS), "--out", str(out), "--labs", "01-ring-allreduce", "10-cost-model",
-                         "--wheel"]) == 0
+    assert release_main([str(LABS), "--out", str(out), "--labs", "01-ring-allreduce", "10-cost-model", "--wheel"]) == 0
     (wheel,) = (out / "wheel").glob("distributed_training_toolkit-*+student-*.whl")
     with zipfile.ZipFile(wheel) as z:
         ring = z.read("toolkit/comm/ring.py").decode()
         timeline = z.read("toolkit/sim/timeline.py").decode()
         names = z.namelist()
     assert "batch_isend_irecv" not in ring and ring.count("raise NotImplementedError") >= 5
-    assert "free.get(link" not in timeline and "toolkit.sim.timeline.schedule is not in the students' toolkit" \
-        in timeline
+    assert (
+        "free.get(link" not in timeline and "toolkit.sim.timeline.schedule is not in the students' toolkit" in timeline
+    )
     assert not [n for n in names if n.startswith("labs/") or "solution" in n]
     left = (out / "wheel" / "LEFT-OUT.txt").read_text()
     assert "toolkit.comm.ring.all_reduce" in left and "toolkit.memory.formulas.alpha_beta_time" in left
@@ -131,10 +150,19 @@ def test_the_students_wheel_holds_no_answer(tmp_path):
     installed = tmp_path / "installed"
     with zipfile.ZipFile(wheel) as z:
         z.extractall(installed)
-    done = subprocess.run([sys.executable, "-c", "import toolkit, toolkit.comm.ring as r, toolkit.parallel\n"
-                           "try:\n    r.all_reduce(None, None)\nexcept NotImplementedError as e:\n    print(e)"],
-                          env=dict(os.environ, PYTHONPATH=str(installed)), cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import toolkit, toolkit.comm.ring as r, toolkit.parallel\n"
+            "try:\n    r.all_reduce(None, None)\nexcept NotImplementedError as e:\n    print(e)",
+        ],
+        env=dict(os.environ, PYTHONPATH=str(installed)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "is not in the students' toolkit: it is the answer to a lab" in done.stdout, done.stderr
 
 
@@ -154,8 +182,9 @@ def test_released_files_carry_no_answers(tmp_path):
         hidden = [c for c in lab_checks(LABS / lab)[0] if c.hidden]
         assert [(c["name"], c["points"]) for c in listed] == [(c.name, c.points) for c in hidden]
     checks, _ = lab_checks(out / "12-pipeline")
-    assert [c.name for c in checks if c.platform_only] == [c.name for c in lab_checks(LABS / "12-pipeline")[0]
-                                                             if c.hidden]
+    assert [c.name for c in checks if c.platform_only] == [
+        c.name for c in lab_checks(LABS / "12-pipeline")[0] if c.hidden
+    ]
 
 
 def test_the_students_toolkit_keeps_no_answer_under_another_name_or_in_a_docstring(tmp_path):
@@ -164,17 +193,26 @@ def test_the_students_toolkit_keeps_no_answer_under_another_name_or_in_a_docstri
     tree = for_lab(LABS / "12-pipeline")
     assert for_lab(LABS / "12-pipeline") == tree  # the same content: built once
     schedules = (tree / "toolkit" / "parallel" / "pipeline" / "schedules.py").read_text()
-    body = schedules[schedules.index("def one_f_one_b"):schedules.index("def zb_h1")]
+    body = schedules[schedules.index("def one_f_one_b") : schedules.index("def zb_h1")]
     assert "warm-up" not in body and "rank - 1" not in body and body.count("raise NotImplementedError") == 2
-    assert "def gpipe" in schedules and "Action(\"F\", i, rank) for i in range(microbatches)" in schedules
+    assert "def gpipe" in schedules and 'Action("F", i, rank) for i in range(microbatches)' in schedules
     exchange = (for_lab(LABS / "04-moe-dispatch") / "toolkit" / "moe" / "exchange.py").read_text()
     assert "swapped" not in exchange.split("class _AllToAll")[1] and "ctx.in_splits, ctx.out_splits" not in exchange
     ring = (for_lab(LABS / "01-ring-allreduce") / "toolkit" / "comm" / "ring.py").read_text()
     assert ring.startswith('"""toolkit.comm.ring: not in the students\' toolkit') and "(r - s - 1)" not in ring
-    done = subprocess.run([sys.executable, "-c", "from toolkit.parallel.pipeline import schedules\n"
-                           "try:\n    schedules.build('1f1b', 2, 4)\nexcept NotImplementedError as e:\n    print(e)"],
-                          env=dict(os.environ, PYTHONPATH=str(tree)), cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from toolkit.parallel.pipeline import schedules\n"
+            "try:\n    schedules.build('1f1b', 2, 4)\nexcept NotImplementedError as e:\n    print(e)",
+        ],
+        env=dict(os.environ, PYTHONPATH=str(tree)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "one_f_one_b is not in the students' toolkit" in done.stdout, (done.stdout, done.stderr)
 
 
@@ -187,8 +225,9 @@ def test_gradescope_run_autograder_writes_results_json(tmp_path, no_leftover_ran
     (root / "source" / "LAB").write_text("02-ddp-buckets\n")
     shutil.copy(LABS / "02-ddp-buckets" / "skeleton.py", root / "submission" / "my_buckets.py")
     env = dict(os.environ, AUTOGRADER_ROOT=str(root), PYTHON=sys.executable)
-    done = subprocess.run([str(LABS / "autograder" / "run_autograder")], env=env, capture_output=True, text=True,
-                          timeout=170)
+    done = subprocess.run(
+        [str(LABS / "autograder" / "run_autograder")], env=env, capture_output=True, text=True, timeout=170
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "", done.stdout  # --quiet is quiet
     results = json.loads((root / "results" / "results.json").read_text())
@@ -208,9 +247,24 @@ def test_every_labs_reference_scores_full_marks_with_the_students_wheel(tmp_path
     with zipfile.ZipFile(next((out / "wheel").glob("*.whl"))) as z:
         z.extractall(installed)
     for lab in sorted(p.name for p in out.iterdir() if (p / "checks.py").exists()):
-        done = subprocess.run([sys.executable, "-m", "toolkit", "grade", str(out / lab), "--solution",
-                               str(LABS / lab / "solution.py"), "--format", "json", "--quiet"],
-                              env=dict(os.environ, PYTHONPATH=str(installed)), cwd=tmp_path, capture_output=True,
-                              text=True, timeout=600)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "toolkit",
+                "grade",
+                str(out / lab),
+                "--solution",
+                str(LABS / lab / "solution.py"),
+                "--format",
+                "json",
+                "--quiet",
+            ],
+            env=dict(os.environ, PYTHONPATH=str(installed)),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         report = json.loads(done.stdout)
         assert report["score"] == report["max_score"], (lab, [c for c in report["checks"] if not c["passed"]])

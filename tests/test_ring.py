@@ -4,6 +4,7 @@ Each hand-written collective must give the backend's answer: bitwise for MAX/MIN
 allclose for sums and products of floats (the ring adds in another order). One launch per world
 size runs every case and returns (hand-written, backend) pairs; the tests compare them here.
 """
+
 import itertools
 
 import pytest
@@ -98,10 +99,14 @@ def run_every_case(n):
     finally:
         dist.batch_isend_irecv = real_batch
     chunk = [c.numel() for c in torch.arange(1001).tensor_split(n)]
-    out["traffic"] = {"sent_to": sorted({p for p, _ in sent}), "received_from": sorted({p for p, _ in received}),
-                      "elements_sent": sum(k for _, k in sent),
-                      "expected_sent": 0 if n == 1 else 2 * 1001 - chunk[rank] - chunk[(rank + 1) % n],
-                      "right": (rank + 1) % n, "left": (rank - 1) % n}
+    out["traffic"] = {
+        "sent_to": sorted({p for p, _ in sent}),
+        "received_from": sorted({p for p, _ in received}),
+        "elements_sent": sum(k for _, k in sent),
+        "expected_sent": 0 if n == 1 else 2 * 1001 - chunk[rank] - chunk[(rank + 1) % n],
+        "right": (rank + 1) % n,
+        "left": (rank - 1) % n,
+    }
 
     # subgroups: rings of global ranks {0, 2} and {1, 3}, and {0, 1, 3} (neighbours are not rank +- 1)
     if n == 4:
@@ -188,16 +193,19 @@ def results(n):
 def assert_same(key, mine, theirs, rank, n):
     """Bitwise where order cannot matter (integers, MAX/MIN, data movement); allclose for float sums."""
     where = f"world size {n}, rank {rank}, {key}"
-    assert (mine.dtype, mine.shape) == (theirs.dtype, theirs.shape), f"{where}: {mine.dtype}{tuple(mine.shape)} " \
-                                                                     f"vs {theirs.dtype}{tuple(theirs.shape)}"
-    arithmetic = any(word in str(key) for word in ("SUM", "PRODUCT", "all_reduce", "reduce_scatter")) \
-        and "keeps" not in str(key)
+    assert (mine.dtype, mine.shape) == (theirs.dtype, theirs.shape), (
+        f"{where}: {mine.dtype}{tuple(mine.shape)} vs {theirs.dtype}{tuple(theirs.shape)}"
+    )
+    arithmetic = any(
+        word in str(key) for word in ("SUM", "PRODUCT", "all_reduce", "reduce_scatter")
+    ) and "keeps" not in str(key)
     if mine.dtype.is_floating_point and arithmetic and not any(op in str(key) for op in ("MAX", "MIN")):
         tol = 1e-5 if mine.dtype == torch.float32 else 1e-12
         torch.testing.assert_close(mine, theirs, rtol=tol, atol=tol, msg=lambda m: f"{where}: {m}")
     else:
-        assert torch.equal(mine, theirs), f"{where}: got {mine.flatten()[:8].tolist()} " \
-                                          f"expected {theirs.flatten()[:8].tolist()}"
+        assert torch.equal(mine, theirs), (
+            f"{where}: got {mine.flatten()[:8].tolist()} expected {theirs.flatten()[:8].tolist()}"
+        )
 
 
 def cases(n, prefix):
@@ -247,8 +255,14 @@ def test_use_ring_routes_the_door_and_use_backend_restores(n):
         assert door["previous"] == "backend" and door["implementation"] == "ring"
         assert door["impl"] == "ring" and door["impls"] == ["ring"] * 4
         assert door["after restore"] == ("backend", "backend")
-        for key in ("door all_reduce", "door all_reduce avg", "door reduce_scatter", "door all_gather",
-                    "door all_to_all", "door backend all_reduce"):
+        for key in (
+            "door all_reduce",
+            "door all_reduce avg",
+            "door reduce_scatter",
+            "door all_gather",
+            "door all_to_all",
+            "door backend all_reduce",
+        ):
             assert_same((key,), *answers[key], rank, n)
 
 

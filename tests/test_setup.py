@@ -1,4 +1,5 @@
 """The project installs itself: pyproject, environment.yml, Makefile and CI agree."""
+
 import os
 import re
 import subprocess
@@ -36,6 +37,7 @@ def test_readme_quick_start_and_ci():
 def test_command_line_help():
     out = subprocess.run([sys.executable, "-m", "toolkit", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "demo" in out.stdout and "grade" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "toolkit", "train-everything"], capture_output=True, text=True,
-                         timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "toolkit", "train-everything"], capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2 and "invalid choice" in bad.stderr

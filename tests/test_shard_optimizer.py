@@ -3,6 +3,7 @@ ZeroRedundancyOptimizer. One launch of 2 ranks trains the same model twice side 
 plain optimizer and DDP with the sharded one: every step must leave bit-identical parameters on
 every rank, with two param groups of their own options and a learning-rate scheduler; the ledger must
 show each rank holding half the optimizer states, and the trace one broadcast per owner per step."""
+
 import functools
 
 import pytest
@@ -52,12 +53,15 @@ def side_by_side():
         for s in schedulers:
             s.step()
         identical.append(all(torch.equal(a, b) for a, b in zip(plain_model.parameters(), sharded_model.parameters())))
-    return {"identical": identical, "broadcasts": broadcasts,
-            "lr": [g["lr"] for g in sharded.local.param_groups],
-            "plain": ledger(plain_model.module, plain)["optimizer"],
-            "sharded": ledger(sharded_model.module, sharded)["optimizer"],
-            "owned": sum(p.numel() for p in sharded.owned()),
-            "params": [p.detach().clone() for p in sharded_model.parameters()]}
+    return {
+        "identical": identical,
+        "broadcasts": broadcasts,
+        "lr": [g["lr"] for g in sharded.local.param_groups],
+        "plain": ledger(plain_model.module, plain)["optimizer"],
+        "sharded": ledger(sharded_model.module, sharded)["optimizer"],
+        "owned": sum(p.numel() for p in sharded.owned()),
+        "params": [p.detach().clone() for p in sharded_model.parameters()],
+    }
 
 
 @pytest.mark.timeout(120)

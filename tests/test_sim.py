@@ -3,6 +3,7 @@
 (Exact numbers: tests/test_sim_vs_real.py against real gloo runs, tests/test_sim_scale.py against the
 papers; the fake process group itself: tests/test_sim_fake.py.)
 """
+
 from __future__ import annotations
 
 import warnings
@@ -69,18 +70,23 @@ def test_each_simulation_gives_back_the_excepthook_and_toolkit_sim_is_an_attribu
     for _ in range(2):
         simulate(small, "ddp", 2, progress=False)
         assert sys.excepthook is hook
-    script = ("import toolkit\ntoolkit.sim.simulate(toolkit.models.tiny_gpt, 'ddp', 2, progress=False)\n"
-              "raise SystemError('after a simulation')")
+    script = (
+        "import toolkit\ntoolkit.sim.simulate(toolkit.models.tiny_gpt, 'ddp', 2, progress=False)\n"
+        "raise SystemError('after a simulation')"
+    )
     err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300).stderr
     assert "SystemError: after a simulation" in err and "[rank0]" not in err, err[-2000:]
 
 
-@pytest.mark.parametrize("call, message", [
-    (dict(strategy="zero4", world_size=8), "unknown strategy"),
-    (dict(strategy="ddp", world_size=8192), "1 to 4096"),
-    (dict(strategy="ddp", world_size=12, ranks_per_node=8), "whole number of nodes"),
-    (dict(strategy="ddp", world_size=8, rank=8), "not a rank"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (dict(strategy="zero4", world_size=8), "unknown strategy"),
+        (dict(strategy="ddp", world_size=8192), "1 to 4096"),
+        (dict(strategy="ddp", world_size=12, ranks_per_node=8), "whole number of nodes"),
+        (dict(strategy="ddp", world_size=8, rank=8), "not a rank"),
+    ],
+)
 def test_bad_input_is_a_clear_error(call, message):
     with pytest.raises(ValueError, match=message):
         simulate(small, progress=False, **call)
@@ -107,8 +113,11 @@ def test_ranks_per_node_that_changes_a_presets_nodes_is_said():
     (the default) and a cluster of 2-GPU nodes are priced without a word."""
     from toolkit.sim import cluster_of
 
-    with pytest.warns(UserWarning, match=r"ranks_per_node=2: 'dgx-a100' has nodes of 8 GPUs; priced as 'dgx-a100' "
-                                         r"with nodes of 2.*cluster_of\(cluster, gpus_per_node=2\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"ranks_per_node=2: 'dgx-a100' has nodes of 8 GPUs; priced as 'dgx-a100' "
+        r"with nodes of 2.*cluster_of\(cluster, gpus_per_node=2\)",
+    ):
         asked = simulate(small, "ddp", 4, ranks_per_node=2, cluster="dgx-a100", progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -134,8 +143,15 @@ def test_a_model_that_cannot_be_built_on_meta_is_named():
 def test_sharded_gradients_do_not_pile_up_in_flight(strategy, options):
     """ZeRO-2/3 free a reduction's full-size input before the next one starts (as FSDP does): at the peak
     late in backward, the gradients handed to reduce-scatters are one bucket's, not the whole model's."""
-    sim = simulate(lambda: tiny_gpt(n_layer=8, d_model=128, n_head=4), strategy, 8, batch_per_rank=1, seq_len=4,
-                   progress=False, **options)
+    sim = simulate(
+        lambda: tiny_gpt(n_layer=8, d_model=128, n_head=4),
+        strategy,
+        8,
+        batch_per_rank=1,
+        seq_len=4,
+        progress=False,
+        **options,
+    )
     assert sim.peak_moment["pass"] == "backward"
     full_gradients = sim.num_params * 4
     assert sim.peak_memory["comm"] <= 0.1 * full_gradients, sim.peak_memory
@@ -145,9 +161,11 @@ def test_attention_keeps_what_the_fused_kernel_keeps():
     """On meta, torch's attention would take the math path and keep (heads, s, s) scores; a real rank's fused
     kernel keeps O(s). Doubling the sequence must about double the activations, not quadruple them, and the
     FLOPs still count attention (the fused kernel's formula)."""
+
     def after_forward(seq):
-        sim = simulate(lambda: tiny_gpt(n_layer=2, d_model=64, n_head=4, seq_len=seq), "ddp", 2, seq_len=seq,
-                       progress=False)
+        sim = simulate(
+            lambda: tiny_gpt(n_layer=2, d_model=64, n_head=4, seq_len=seq), "ddp", 2, seq_len=seq, progress=False
+        )
         return next(s["activations"] for s in sim.samples if s["phase"] == "forward"), sim
 
     short, _ = after_forward(256)

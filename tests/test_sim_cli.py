@@ -1,4 +1,5 @@
 """`python -m toolkit simulate`: help with defaults, hsdp, checkpointing and prefetching, the verdict, the report."""
+
 from __future__ import annotations
 
 import json
@@ -13,13 +14,24 @@ from toolkit.units import seconds_text
 
 
 def test_the_top_level_help_lists_every_command_and_simulate_says_its_options_and_defaults():
-    top = subprocess.run([sys.executable, "-m", "toolkit", "--help"], capture_output=True, text=True, timeout=120).stdout
+    top = subprocess.run(
+        [sys.executable, "-m", "toolkit", "--help"], capture_output=True, text=True, timeout=120
+    ).stdout
     for command in ("demo", "compare", "simulate", "grade", "release"):
         assert f"\n  {command} " in top, top
     text = cli.parser().format_help()
-    for flag in ("--activation-checkpointing", "--forward-prefetch", "--no-backward-prefetch", "hsdp", "--tp",
-                 "--sequence-parallel", "(default: 512)", "(default: dgx-a100)", "(default: gpt3-175b)",
-                 "simulates (default: 0)"):
+    for flag in (
+        "--activation-checkpointing",
+        "--forward-prefetch",
+        "--no-backward-prefetch",
+        "hsdp",
+        "--tp",
+        "--sequence-parallel",
+        "(default: 512)",
+        "(default: dgx-a100)",
+        "(default: gpt3-175b)",
+        "simulates (default: 0)",
+    ):
         assert flag in text, flag
     documented = [a for a in cli.parser()._actions if a.dest != "help"]
     assert all(a.help for a in documented), [a.dest for a in documented if not a.help]
@@ -29,10 +41,13 @@ def test_the_fsdp_papers_configuration_is_the_readmes():
     """README: simulate(presets.gpt3_175b, "fsdp", 512, mixed_precision=True, activation_checkpointing=True,
     forward_prefetch=True, cluster="dgx-a100"): the command line gives the same call."""
     parse = cli.parser()
-    args = parse.parse_args("--model gpt3-175b --strategy fsdp --world-size 512 --activation-checkpointing "
-                            "--forward-prefetch".split())
-    assert cli.options_of(args, parse) == ("fsdp", dict(mixed_precision=True, activation_checkpointing=True,
-                                                        forward_prefetch=True))
+    args = parse.parse_args(
+        "--model gpt3-175b --strategy fsdp --world-size 512 --activation-checkpointing --forward-prefetch".split()
+    )
+    assert cli.options_of(args, parse) == (
+        "fsdp",
+        dict(mixed_precision=True, activation_checkpointing=True, forward_prefetch=True),
+    )
     assert args.cluster == "dgx-a100"
     args = parse.parse_args("--strategy hsdp --ranks-per-node 4 --no-backward-prefetch --fp32".split())
     assert cli.options_of(args, parse) == ("fsdp", dict(sharding_group_size=4, backward_prefetch=False))
@@ -44,14 +59,32 @@ def test_the_fsdp_papers_configuration_is_the_readmes():
     assert stop.value.code == 2
     # activation checkpointing is every strategy's option; --tp makes the strategy the method over dp = world / tp
     args = parse.parse_args("--strategy zero1 --activation-checkpointing --tp 8 --sequence-parallel".split())
-    assert cli.options_of(args, parse) == ("zero1", dict(mixed_precision=True, activation_checkpointing=True, tp=8,
-                                                         sequence_parallel=True))
+    assert cli.options_of(args, parse) == (
+        "zero1",
+        dict(mixed_precision=True, activation_checkpointing=True, tp=8, sequence_parallel=True),
+    )
 
 
 def test_a_job_that_fits_gets_its_time_report_and_trace_and_one_that_does_not_gets_what_would_make_it_fit(
-        tmp_path, capsys):
-    assert cli.main(["--model", "tiny", "--strategy", "hsdp", "--world-size", "16", "--activation-checkpointing",
-                     "--forward-prefetch", "--out", str(tmp_path)]) == 0
+    tmp_path, capsys
+):
+    assert (
+        cli.main(
+            [
+                "--model",
+                "tiny",
+                "--strategy",
+                "hsdp",
+                "--world-size",
+                "16",
+                "--activation-checkpointing",
+                "--forward-prefetch",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "fits in the A100 SXM 80GB's" in out and "FLOP/s per GPU" in out and "0.000" not in out
     report = (tmp_path / "sim-tiny-hsdp-16-activation-checkpointing-forward-prefetch-report.html").read_text()
@@ -68,12 +101,33 @@ def test_a_job_that_fits_gets_its_time_report_and_trace_and_one_that_does_not_ge
 def test_moe_with_more_gpus_than_experts_and_a_tensor_parallel_layout_simulate_from_the_command_line(tmp_path, capsys):
     """The trial: the CLI crashed for MoE-GPT-S (16 experts) at 32 GPUs and more (index_add on meta). And
     `--tp` gives simulate's tp option: the strategy is the data-parallel method over world / tp replicas."""
-    assert cli.main(["--model", "moe-gpt-s", "--layers", "1", "--strategy", "ddp", "--world-size", "32",
-                     "--out", str(tmp_path)]) == 0
+    assert (
+        cli.main(
+            ["--model", "moe-gpt-s", "--layers", "1", "--strategy", "ddp", "--world-size", "32", "--out", str(tmp_path)]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "ddp on 32 simulated ranks" in out and "all_to_all" in out and "fits in the" in out
-    assert cli.main(["--model", "tiny", "--strategy", "zero1", "--world-size", "8", "--tp", "2", "--sequence-parallel",
-                     "--activation-checkpointing", "--out", str(tmp_path)]) == 0
+    assert (
+        cli.main(
+            [
+                "--model",
+                "tiny",
+                "--strategy",
+                "zero1",
+                "--world-size",
+                "8",
+                "--tp",
+                "2",
+                "--sequence-parallel",
+                "--activation-checkpointing",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "zero1 over dp=4 x tp=2 with sequence parallelism on 8 simulated ranks" in out
     assert cli.main(["--model", "tiny", "--sequence-parallel", "--out", str(tmp_path)]) == 2
@@ -82,8 +136,15 @@ def test_moe_with_more_gpus_than_experts_and_a_tensor_parallel_layout_simulate_f
 
 
 def _summary_numbers(sim) -> tuple:
-    return (sim.memory, sim.peak, sim.peak_memory, sim.bytes_per_step, sim.cross_node_bytes, sim.flops,
-            round(sim.step_time, 12))
+    return (
+        sim.memory,
+        sim.peak,
+        sim.peak_memory,
+        sim.bytes_per_step,
+        sim.cross_node_bytes,
+        sim.flops,
+        round(sim.step_time, 12),
+    )
 
 
 def test_simulate_with_a_pipeline_on_the_command_line_is_the_python_call(tmp_path, capsys, monkeypatch):
@@ -100,27 +161,64 @@ def test_simulate_with_a_pipeline_on_the_command_line_is_the_python_call(tmp_pat
         return calls[-1]
 
     monkeypatch.setattr("toolkit.sim.simulate", recorded)
-    argv = ["--model", "tiny", "--layers", "4", "--strategy", "zero1", "--world-size", "16", "--tp", "2",
-            "--pp", "2", "--microbatches", "4", "--batch-per-rank", "4", "--schedule", "interleaved",
-            "--virtual-stages", "2", "--out", str(tmp_path)]
+    argv = [
+        "--model",
+        "tiny",
+        "--layers",
+        "4",
+        "--strategy",
+        "zero1",
+        "--world-size",
+        "16",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+        "--batch-per-rank",
+        "4",
+        "--schedule",
+        "interleaved",
+        "--virtual-stages",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    python = real(lambda: presets.tiny_gpt(n_layer=4), "zero1", 16, batch_per_rank=4, cluster="dgx-a100",
-                  mixed_precision=True, tp=2, pp=2, microbatches=4, schedule="interleaved", virtual_stages=2,
-                  progress=False)
+    python = real(
+        lambda: presets.tiny_gpt(n_layer=4),
+        "zero1",
+        16,
+        batch_per_rank=4,
+        cluster="dgx-a100",
+        mixed_precision=True,
+        tp=2,
+        pp=2,
+        microbatches=4,
+        schedule="interleaved",
+        virtual_stages=2,
+        progress=False,
+    )
     assert _summary_numbers(calls[0]) == _summary_numbers(python)
     assert "bubble" in out and "sent per rank per step" in out
     name = "sim-tiny-zero1-16-layers4-batch-per-rank4-tp2-pp2-microbatches4-schedule-interleaved-virtual-stages2"
     assert (tmp_path / f"{name}-report.html").exists() and (tmp_path / f"{name}-trace.json").exists()
 
 
-@pytest.mark.parametrize("flags, wrong", [("--model tiny --world-size 12 --tp 3", "--tp 3"),
-                                          ("--model tiny --world-size 12 --tp 4", "--tp 4"),
-                                          ("--model tiny --world-size 12 --tp 2 --pp 3", "--pp 3"),
-                                          ("--model gpt3-175b --layers 4 --world-size 512 --tp 64", "--tp 64"),
-                                          ("--model gpt3-175b --layers 4 --world-size 512 --tp 7", "--tp 7"),
-                                          ("--model tiny --world-size 12 --cp 3", "--cp 3"),
-                                          ("--model tiny --world-size 16 --cp 2 --tp 16", "--tp 16")])
+@pytest.mark.parametrize(
+    "flags, wrong",
+    [
+        ("--model tiny --world-size 12 --tp 3", "--tp 3"),
+        ("--model tiny --world-size 12 --tp 4", "--tp 4"),
+        ("--model tiny --world-size 12 --tp 2 --pp 3", "--pp 3"),
+        ("--model gpt3-175b --layers 4 --world-size 512 --tp 64", "--tp 64"),
+        ("--model gpt3-175b --layers 4 --world-size 512 --tp 7", "--tp 7"),
+        ("--model tiny --world-size 12 --cp 3", "--cp 3"),
+        ("--model tiny --world-size 16 --cp 2 --tp 16", "--tp 16"),
+    ],
+)
 def test_a_layout_that_does_not_fit_is_answered_with_values_that_fit_every_constraint_at_once(flags, wrong, capsys):
     """The trial: --tp 7 suggested divisors of the world that then failed the head count, and --tp 64's error
     listed divisors of the heads that ignored the world. Every value suggested passes every check (the
@@ -149,9 +247,18 @@ def test_a_layout_that_does_not_fit_is_answered_with_values_that_fit_every_const
     capsys.readouterr()
 
 
-SMALL = {"name": "small", "gpu": {"name": "small-gpu", "peak_flops": {"bf16": 1e14, "fp32": 2e13},
-                                  "memory_bytes": 150_000, "memory_bandwidth": 1e12},
-         "gpus_per_node": 4, "intra": ["100 GB/s", "2 us"], "inter": ["100 Gb/s", "8 us"]}
+SMALL = {
+    "name": "small",
+    "gpu": {
+        "name": "small-gpu",
+        "peak_flops": {"bf16": 1e14, "fp32": 2e13},
+        "memory_bytes": 150_000,
+        "memory_bandwidth": 1e12,
+    },
+    "gpus_per_node": 4,
+    "intra": ["100 GB/s", "2 us"],
+    "inter": ["100 Gb/s", "8 us"],
+}
 
 
 def test_advice_is_said_in_flags_with_a_real_value_and_the_verdict_once(tmp_path, capsys):
@@ -159,8 +266,18 @@ def test_advice_is_said_in_flags_with_a_real_value_and_the_verdict_once(tmp_path
     current length, as if it were the suggestion): the flag, and a value that would help. The tiny GPT on a
     cluster of your own (a JSON file) whose GPUs hold 150 kB."""
     (tmp_path / "small.json").write_text(json.dumps(SMALL))
-    common = ["--model", "tiny", "--strategy", "zero3", "--world-size", "4", "--cluster", str(tmp_path / "small.json"),
-              "--out", str(tmp_path)]
+    common = [
+        "--model",
+        "tiny",
+        "--strategy",
+        "zero3",
+        "--world-size",
+        "4",
+        "--cluster",
+        str(tmp_path / "small.json"),
+        "--out",
+        str(tmp_path),
+    ]
     assert cli.main(common) == 0
     out = capsys.readouterr().out
     assert out.count("DOES NOT FIT") == 1 and "fits in" not in out, out
@@ -182,11 +299,32 @@ def test_a_cluster_of_your_own_from_a_json_file_prices_as_the_python_dict(tmp_pa
 
     mine = dict(SMALL, gpu=dict(SMALL["gpu"], memory_bytes=80e9))
     (tmp_path / "mine.json").write_text(json.dumps(mine))
-    assert cli.main(["--model", "tiny", "--strategy", "fsdp", "--world-size", "8", "--cluster",
-                     str(tmp_path / "mine.json"), "--out", str(tmp_path)]) == 0
+    assert (
+        cli.main(
+            [
+                "--model",
+                "tiny",
+                "--strategy",
+                "fsdp",
+                "--world-size",
+                "8",
+                "--cluster",
+                str(tmp_path / "mine.json"),
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    python = simulate(cli.PRESETS["tiny"], "fsdp", 8, mixed_precision=True, progress=False,
-                      cluster=dict(mine, intra=tuple(mine["intra"]), inter=tuple(mine["inter"])))
+    python = simulate(
+        cli.PRESETS["tiny"],
+        "fsdp",
+        8,
+        mixed_precision=True,
+        progress=False,
+        cluster=dict(mine, intra=tuple(mine["intra"]), inter=tuple(mine["inter"])),
+    )
     assert f"small, bf16, per-operation model: step {seconds_text(python.step_time)}" in out, out
     assert out.count("fits in the small-gpu's") == 1
     assert (tmp_path / "sim-tiny-fsdp-8-cluster-mine-report.html").exists()

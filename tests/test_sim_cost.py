@@ -1,5 +1,6 @@
 """The cost model on hand-written programs: collective times on a two-level cluster, the overlap rule,
 the modelled Run read by the same tools as a real one, and clear errors for bad input."""
+
 import json
 import math
 
@@ -14,8 +15,16 @@ from toolkit.trace.chrome import to_chrome
 
 DGX = cluster_of("dgx-a100")
 # a DGX A100's links as a user would write them: no published measurements, so the alpha-beta model of its links
-AB = cluster_of(dict(name="dgx-like", gpu="a100-80gb", gpus_per_node=8, intra=("300 GB/s", "3.4 us"),
-                     inter=("200 Gb/s", "9.6 us"), call_latency="8.4 us"))
+AB = cluster_of(
+    dict(
+        name="dgx-like",
+        gpu="a100-80gb",
+        gpus_per_node=8,
+        intra=("300 GB/s", "3.4 us"),
+        inter=("200 Gb/s", "9.6 us"),
+        call_latency="8.4 us",
+    )
+)
 MB = 1e6
 
 
@@ -50,10 +59,14 @@ def test_hybrid_sharding_crosses_the_network_with_the_fsdp_papers_volumes():
     hybrid sharding one all-reduce of M/G over one card: the times follow the paper's 3M(W-1)/W vs
     2M(W-1)/(GW) once each is divided by its bandwidth."""
     M, W, G = 3.6e9, 512, 8
-    full = sum(collective_time(AB, op, M, range(W)).seconds - collective_time(AB, op, M, range(W)).latency
-               for op in ("all_gather", "all_gather", "reduce_scatter"))
-    hybrid = (collective_time(AB, "all_reduce", M / G, range(0, W, G)).seconds
-              - collective_time(AB, "all_reduce", M / G, range(0, W, G)).latency)
+    full = sum(
+        collective_time(AB, op, M, range(W)).seconds - collective_time(AB, op, M, range(W)).latency
+        for op in ("all_gather", "all_gather", "reduce_scatter")
+    )
+    hybrid = (
+        collective_time(AB, "all_reduce", M / G, range(0, W, G)).seconds
+        - collective_time(AB, "all_reduce", M / G, range(0, W, G)).latency
+    )
     assert full == pytest.approx(fsdp_cross_host_traffic(M, G, W, "full_shard") / (G * 25e9), rel=1e-9)
     # the replicate ring has W/G members: (W/G-1)/(W/G) against the paper's (W-1)/W, 1.4% apart at W=512
     assert hybrid == pytest.approx(fsdp_cross_host_traffic(M, G, W, "hybrid") / 25e9, rel=2e-2)
@@ -62,8 +75,7 @@ def test_hybrid_sharding_crosses_the_network_with_the_fsdp_papers_volumes():
 
 def test_all_to_all_sends_each_peer_over_its_own_kind_of_link():
     rows = [10] * 16  # 16 ranks on 2 nodes, 10 rows of 1 kB to every rank
-    cost = collective_time(AB, "all_to_all", 160e3, range(16), me=3,
-                           args=dict(input_splits=rows, output_splits=rows))
+    cost = collective_time(AB, "all_to_all", 160e3, range(16), me=3, args=dict(input_splits=rows, output_splits=rows))
     intra, inter = 7 * 10e3 / 300e9, 8 * 10e3 / 25e9
     assert cost.seconds == pytest.approx(8.4e-6 + 7 * 3.4e-6 + 8 * 9.6e-6 + max(intra, inter))
     assert collective_time(AB, "all_reduce", 1e6, [5]).seconds == 0.0  # a group of one moves nothing
@@ -80,11 +92,21 @@ class Cost:
 
 
 def test_async_collective_hides_behind_the_compute_issued_after_it_and_a_wait_stalls():
-    program = [Compute(0, label="a"), comm(0, "all_reduce", 1, [0, 1]), Compute(0, label="b"), Wait(0),
-               Compute(0, label="c")]
+    program = [
+        Compute(0, label="a"),
+        comm(0, "all_reduce", 1, [0, 1]),
+        Compute(0, label="b"),
+        Wait(0),
+        Compute(0, label="c"),
+    ]
     t = schedule(program, fixed({"a": 1.0, "b": 0.4, "c": 1.0}), lambda c: Cost(1.0))
     assert [(s.kind, s.start, s.end) for s in t.spans] == [
-        ("compute", 0.0, 1.0), ("comm", 1.0, 2.0), ("compute", 1.0, 1.4), ("wait", 1.4, 2.0), ("compute", 2.0, 3.0)]
+        ("compute", 0.0, 1.0),
+        ("comm", 1.0, 2.0),
+        ("compute", 1.0, 1.4),
+        ("wait", 1.4, 2.0),
+        ("compute", 2.0, 3.0),
+    ]
     assert t.breakdown() == pytest.approx(dict(compute=2.4, exposed_comm=0.6, overlapped_comm=0.4, step=3.0))
 
 
@@ -92,10 +114,20 @@ def test_where_the_cores_do_the_copies_an_async_collective_hides_only_its_overla
     """A CPU's collectives run on the cores the ranks compute on (`Cluster.overlap` < 1, measured by the
     calibration): an asynchronous one then costs what a synchronous one does at overlap 0, and a synchronous
     one costs the same whatever the fraction; the GPU presets keep separate links (overlap 1)."""
-    program = [Compute(0, label="a"), comm(0, "all_reduce", 1, [0, 1]), Compute(0, label="b"), Wait(0),
-               Compute(0, label="c")]
-    sync = [Compute(0, label="a"), comm(0, "all_reduce", 1, [0, 1], async_op=False), Wait(0),
-            Compute(0, label="b"), Compute(0, label="c")]
+    program = [
+        Compute(0, label="a"),
+        comm(0, "all_reduce", 1, [0, 1]),
+        Compute(0, label="b"),
+        Wait(0),
+        Compute(0, label="c"),
+    ]
+    sync = [
+        Compute(0, label="a"),
+        comm(0, "all_reduce", 1, [0, 1], async_op=False),
+        Wait(0),
+        Compute(0, label="b"),
+        Compute(0, label="c"),
+    ]
     times = fixed({"a": 1.0, "b": 0.8, "c": 1.0})
     step = {f: schedule(program, times, lambda c: Cost(1.0), overlap=f).breakdown() for f in (0.0, 0.5, 1.0)}
     assert [step[f]["step"] for f in (1.0, 0.5, 0.0)] == pytest.approx([3.0, 3.3, 3.8])
@@ -113,19 +145,22 @@ def test_where_latency_is_delay_in_flight_the_next_message_leaves_while_the_last
     so (`latency_holds_link=False`, what calibration gives an emulated link) lets four pipelined all-to-alls
     pay their bytes in turn and their latencies in flight: the emulator's own ledger agrees to the nanosecond.
     NCCL's presets keep the whole time on the link (four latencies in turn)."""
-    from toolkit.comm.cost import Ledger, demand, schedule as book
+    from toolkit.comm.cost import Ledger, demand
+    from toolkit.comm.cost import schedule as book
     from toolkit.comm.emulate import Link, Settings
 
     link = Link(20e6, 0.5e-3)
-    emulated = cluster_of("dgx-a100", gpus_per_node=1, inter=link, intra=link, call_latency=0.0,
-                          latency_holds_link=False, published=None)
+    emulated = cluster_of(
+        "dgx-a100", gpus_per_node=1, inter=link, intra=link, call_latency=0.0, latency_holds_link=False, published=None
+    )
     program = [comm(i, "all_to_all", 256e3, [0, 1]) for i in range(4)] + [Wait(i) for i in range(4)]
     one = collective_time(emulated, "all_to_all", 256e3, [0, 1], me=0)
     assert one.occupancy == pytest.approx(one.seconds - 0.5e-3)
     step = schedule(program, None, lambda c: collective_time(emulated, c.op, c.size_bytes, c.group, me=0)).step_time
     ledger, settings = Ledger(), Settings(link)
-    emulator = max(book(ledger, ledger, settings, demand(settings, "all_to_all", [0, 1], 0, 256e3), 0, 0.0)
-                   for _ in range(4))
+    emulator = max(
+        book(ledger, ledger, settings, demand(settings, "all_to_all", [0, 1], 0, 256e3), 0, 0.0) for _ in range(4)
+    )
     assert step == pytest.approx(emulator, abs=1e-9) == pytest.approx(4 * one.seconds - 3 * 0.5e-3)
     nccl = emulated.with_changes(latency_holds_link=True)
     held = schedule(program, None, lambda c: collective_time(nccl, c.op, c.size_bytes, c.group, me=0)).step_time
@@ -205,6 +240,7 @@ def test_the_modelled_run_has_a_real_runs_spans_and_the_trace_tools_read_it(tmp_
     run.save(tmp_path / "run.json")
     from toolkit import Run
     from toolkit.viz import timeline
+
     fig = timeline(Run.load(tmp_path / "run.json"))
     assert sum(len(t.x) for t in fig.data) == len(run.events)  # every modelled span is drawn
 
@@ -216,8 +252,15 @@ def test_bad_input_gets_a_clear_error():
     with pytest.raises(ValueError, match=r"missing \['inter'\]"):
         cluster_of(dict(name="mine", gpu="a100-80gb", gpus_per_node=8, intra=("300 GB/s", "3 us")))
     with pytest.raises(ValueError, match=r"missing \['memory_bandwidth'\]"):
-        cluster_of(dict(name="mine", gpu=dict(name="x", peak_flops={"bf16": 1e15}, memory_bytes=1e10),
-                     gpus_per_node=4, intra=("300 GB/s", "3 us"), inter=("100 Gb/s", "10 us")))
+        cluster_of(
+            dict(
+                name="mine",
+                gpu=dict(name="x", peak_flops={"bf16": 1e15}, memory_bytes=1e10),
+                gpus_per_node=4,
+                intra=("300 GB/s", "3 us"),
+                inter=("100 Gb/s", "10 us"),
+            )
+        )
     with pytest.raises(ValueError, match=r"world_size=12 does not fill whole nodes of 8 GPUs.*multiple of 8"):
         estimate([[Compute(1.0)]], "dgx-h100", world_size=12)
     for bad in (0, 1.5, -0.1, math.nan, True):
@@ -228,6 +271,7 @@ def test_bad_input_gets_a_clear_error():
     assert set(presets()) >= {"dgx-a100", "dgx-h100", "this-machine"}
     from toolkit.models import tiny_gpt
     from toolkit.sim import simulate
+
     with pytest.raises(ValueError, match="unknown cluster preset 'dgx-a10'"):  # before any work is done
         simulate(tiny_gpt, "ddp", 8, cluster="dgx-a10", progress=False)
     with pytest.raises(ValueError, match=r"mfu=2: .* must be in \(0, 1\]"):
@@ -235,8 +279,16 @@ def test_bad_input_gets_a_clear_error():
 
 
 def test_a_user_defined_cluster_reads_units():
-    mine = cluster_of(dict(name="fsdp-paper", gpu="a100-80gb", gpus_per_node=8, intra=("600 GB/s", "3.4 us"),
-                        inter=("250 Gb/s", "9.6 us"), call_latency="8.4 us"))
+    mine = cluster_of(
+        dict(
+            name="fsdp-paper",
+            gpu="a100-80gb",
+            gpus_per_node=8,
+            intra=("600 GB/s", "3.4 us"),
+            inter=("250 Gb/s", "9.6 us"),
+            call_latency="8.4 us",
+        )
+    )
     assert mine.inter.bandwidth == 31.25e9 and mine.intra.bandwidth == 600e9 and mine.call_latency == 8.4e-6
     assert cluster_of("dgx-a100", gpus_per_node=4).gpus_per_node == 4
 
@@ -253,14 +305,21 @@ def test_sweep_extrapolates_three_and_four_layers_to_the_whole_model():
     hsdp = ("fsdp", dict(sharding_group_size=8, forward_prefetch=True))
     rows = sweep(model, layers=5, strategies={"hsdp": hsdp}, worlds=(16,), batch_per_rank=2, mixed_precision=True)
     for row, (strategy, options) in zip(rows, [hsdp]):
-        whole = simulate(lambda: model(n_layer=5), strategy, 16, progress=False, batch_per_rank=2,
-                         mixed_precision=True, cluster="dgx-a100", **options)
+        whole = simulate(
+            lambda: model(n_layer=5),
+            strategy,
+            16,
+            progress=False,
+            batch_per_rank=2,
+            mixed_precision=True,
+            cluster="dgx-a100",
+            **options,
+        )
         # exact up to the backward's tail: the replicas' last all-reduces overlap a little differently
         assert row["step_time"] == pytest.approx(whole.step_time, rel=1e-3), row["label"]
         assert row["flops"] == pytest.approx(whole.flops, rel=1e-9) and row["states"] == whole.memory["total"]
         assert row["peak"] == pytest.approx(whole.peak, rel=0.05)  # what is alive at the peak may shift a little
         assert row["fits"] and row["tflops_per_gpu"] == pytest.approx(whole.tflops_per_gpu, rel=1e-3)
-
 
 
 @pytest.mark.parametrize("strategy, options", [("zero3", {}), ("fsdp", dict(activation_checkpointing=True))])
@@ -307,8 +366,17 @@ def test_describe_says_a_rate_is_kept_only_when_it_is():
     from toolkit.sim.sweep import describe
 
     def rows(label, rates):
-        return [dict(label=label, world_size=w, fits=True, tflops_per_gpu=r, step_time=1 / r,
-                     breakdown=dict(exposed_comm=0.0)) for w, r in zip((8, 1024), rates)]
+        return [
+            dict(
+                label=label,
+                world_size=w,
+                fits=True,
+                tflops_per_gpu=r,
+                step_time=1 / r,
+                breakdown=dict(exposed_comm=0.0),
+            )
+            for w, r in zip((8, 1024), rates)
+        ]
 
     (fell,) = describe(rows("fsdp", (133.4, 68.1)))
     assert fell.startswith("fsdp loses 49% of its rate: 133 TFLOP/s per GPU at 8 GPUs, 68.1 at 1024")
@@ -321,8 +389,13 @@ def test_describe_says_a_rate_is_kept_only_when_it_is():
 def test_an_asynchronous_collective_beside_compute_takes_beside_times_longer_and_delays_what_queues_behind():
     """ZeRO-3's backward on a CPU: a reduce-scatter in flight while the cores compute takes `beside` times its
     time, and the next all-gather on the same link starts only when it is done; a synchronous one is unchanged."""
-    program = [comm(0, "reduce_scatter", 1, [0, 1]), Compute(0, label="b"), comm(1, "all_gather", 1, [0, 1],
-                                                                                 async_op=False), Wait(1), Wait(0)]
+    program = [
+        comm(0, "reduce_scatter", 1, [0, 1]),
+        Compute(0, label="b"),
+        comm(1, "all_gather", 1, [0, 1], async_op=False),
+        Wait(1),
+        Wait(0),
+    ]
     times = fixed({"b": 1.0})
     plain = schedule(program, times, lambda c: Cost(1.0))
     stretched = schedule(program, times, lambda c: Cost(1.0), beside=3.0)
@@ -333,13 +406,27 @@ def test_an_asynchronous_collective_beside_compute_takes_beside_times_longer_and
 
 def calibration(**changes):
     """A measurement dict as `toolkit.sim.calibrate.measure` returns it (numbers made up, shapes real)."""
-    links = {op: {"bandwidth": 1e9, "latency": 1e-4} for op in ("all_reduce", "reduce_scatter", "all_gather",
-                                                                 "broadcast", "all_to_all")}
-    return {"world_size": 2, "cores": 2, "host": "h", "measured_at": "now", "load": 2.0, "reference_spread": 0.2,
-            "gemm_rates": {"fp32": [(4e6, 2e10), (5e8, 5e10)], "bf16": [(4e6, 1e9), (5e8, 1e9)]},
-            "flops": {"fp32": 5e10, "bf16": 1e9}, "op_overhead": 5e-6, "memory_bandwidth": 5e9,
-            "reference_step_s": 0.02, "links": links, "overlap": 0.2,
-            "beside_compute": {"stretch": 2.5}, **changes}
+    links = {
+        op: {"bandwidth": 1e9, "latency": 1e-4}
+        for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
+    }
+    return {
+        "world_size": 2,
+        "cores": 2,
+        "host": "h",
+        "measured_at": "now",
+        "load": 2.0,
+        "reference_spread": 0.2,
+        "gemm_rates": {"fp32": [(4e6, 2e10), (5e8, 5e10)], "bf16": [(4e6, 1e9), (5e8, 1e9)]},
+        "flops": {"fp32": 5e10, "bf16": 1e9},
+        "op_overhead": 5e-6,
+        "memory_bandwidth": 5e9,
+        "reference_step_s": 0.02,
+        "links": links,
+        "overlap": 0.2,
+        "beside_compute": {"stretch": 2.5},
+        **changes,
+    }
 
 
 def test_a_calibrated_machine_scales_its_rates_by_the_reference_step_timed_again_and_says_how_far_to_trust_it():
@@ -354,6 +441,7 @@ def test_a_calibrated_machine_scales_its_rates_by_the_reference_step_timed_again
     assert slower.beside_compute == 1.0  # measured and reported, not charged (docs/benchmarks.md says why)
     # the rates are scaled so that the per-operation model reproduces the reference step it was timed on
     from toolkit.sim.calibrate import reference_seconds
+
     assert reference_seconds(now.gpu) == pytest.approx(0.02) and reference_seconds(slower.gpu) == pytest.approx(0.04)
     # between two measured sizes the rate is log-linear in the GEMM's FLOPs
     ratio = measured_rate(now.gpu, (4e6 * 5e8) ** 0.5, "fp32") / measured_rate(now.gpu, 4e6, "fp32")

@@ -1,4 +1,5 @@
 """torch's fake process group is private API: what the simulator relies on, pinned (toolkit/sim/fake.py)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,8 +1,8 @@
 """The per-operation cost model: GEMM tiles and waves, fused attention, memory-bound kernels, the host's
 launches, and what a simulated step's operations add up to (FLOPs against the papers' formula, MFU
 against HFU). Every expected value is hand arithmetic from the datasheet numbers in `toolkit.sim.hardware`."""
+
 import functools
-import math
 import subprocess
 import sys
 
@@ -10,9 +10,15 @@ import pytest
 
 from toolkit.models import tiny_gpt
 from toolkit.models.as_in_papers import as_in, recompute_blocks
-from toolkit.sim import Compute, GPUS, Kernel, cluster_of, estimate, simulate
-from toolkit.sim.kernel_time import (device_seconds, gemm_efficiency, gemm_seconds, hbm_bandwidth, segment_seconds,
-                                     sm_rate)
+from toolkit.sim import GPUS, Compute, Kernel, cluster_of, estimate, simulate
+from toolkit.sim.kernel_time import (
+    device_seconds,
+    gemm_efficiency,
+    gemm_seconds,
+    hbm_bandwidth,
+    segment_seconds,
+    sm_rate,
+)
 
 A100 = GPUS["a100-80gb"]
 
@@ -33,8 +39,9 @@ def test_a_gemm_with_one_k_block_fills_one_and_is_never_faster_than_its_bytes():
     """k = 8 is a single k-block (the pipeline has nothing more to fill) and a 256 x 128 tile of outputs to write:
     2048 tiles in 19 waves; its bytes at STREAM's bandwidth are a floor it stays above (a pipeline model: the
     writes of one tile and the loads of the next do not overlap)."""
-    skinny = Kernel("mm", "gemm", 2.0 * 8192 * 8192 * 8, (8192 * 8 + 8 * 8192 + 8192 * 8192) * 2.0, "bf16",
-                    (1, 8192, 8192, 8))
+    skinny = Kernel(
+        "mm", "gemm", 2.0 * 8192 * 8192 * 8, (8192 * 8 + 8 * 8192 + 8192 * 8192) * 2.0, "bf16", (1, 8192, 8192, 8)
+    )
     tile = 2 * 2 * 256 * 128 * 64 / sm_rate(A100, "bf16") + 256 * 128 * 2 / (hbm_bandwidth(A100) / 108)
     assert device_seconds(A100, skinny) == pytest.approx(19 * tile, rel=1e-12)
     assert skinny.bytes / hbm_bandwidth(A100) < device_seconds(A100, skinny) < 2 * skinny.bytes / hbm_bandwidth(A100)
@@ -43,7 +50,7 @@ def test_a_gemm_with_one_k_block_fills_one_and_is_never_faster_than_its_bytes():
 # --- the host ------------------------------------------------------------------------------------------------
 def test_launches_hide_behind_long_kernels_on_a_gpu_and_add_up_on_a_cpu():
     tiny = Kernel("add", "other", 0.0, 4e3, "bf16")  # 4 kB: 2 ns of HBM time, 5 us of launch
-    big = Kernel("mm", "gemm", 2.0 * 16384 ** 3, 3 * 16384 ** 2 * 2.0, "bf16", (1, 16384, 16384, 16384))  # 33 ms
+    big = Kernel("mm", "gemm", 2.0 * 16384**3, 3 * 16384**2 * 2.0, "bf16", (1, 16384, 16384, 16384))  # 33 ms
     many_tiny = Compute(0.0, 4e3 * 1000, ops=1000, kernels=((tiny, 1000),))
     assert segment_seconds(many_tiny, A100)[0] == pytest.approx(1000 * 5e-6)  # launch-bound
     with_big = Compute(big.flops, 0.0, ops=1001, kernels=((tiny, 1000), (big, 1)))
@@ -69,13 +76,13 @@ def test_executed_flops_are_megatrons_formula_and_hfu_counts_the_recomputation_t
     common = dict(batch_per_rank=B, warmup=False, progress=False, mixed_precision=True, cluster="dgx-a100")
     with_rc = simulate(functools.partial(megatron_gpt, L), "ddp", 8, **common)
     plain = simulate(functools.partial(megatron_gpt, L, False), "ddp", 8, **common)
-    formula = 96 * B * s * L * h ** 2 * (1 + s / (6 * h) + V / (16 * L * h))
+    formula = 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
     assert with_rc.flops == pytest.approx(formula, rel=1e-12)
     segments = [c for c in with_rc.programs[-1] if isinstance(c, Compute)]
     assert sum(k.flops * n for c in segments for k, n in c.kernels) == with_rc.flops
     assert with_rc.cost.model_flops[-1] == plain.cost.model_flops[-1] == pytest.approx(plain.flops, rel=1e-12)
     assert plain.hfu == pytest.approx(plain.mfu, rel=1e-12)
-    blocks_forward = 24 * B * s * L * h ** 2 * (1 + s / (6 * h))  # what the recomputation runs again
+    blocks_forward = 24 * B * s * L * h**2 * (1 + s / (6 * h))  # what the recomputation runs again
     assert (with_rc.hfu - with_rc.mfu) * with_rc.step_time * 312e12 == pytest.approx(blocks_forward, rel=1e-9)
 
 
@@ -84,8 +91,16 @@ def test_the_per_operation_breakdown_adds_up_to_the_steps_compute():
     operations' device times, and its parts (GEMM, memory-bound, optimizer, beside the exposed communication) add
     up to the step; at 8 sequences of 2048 the GEMMs dominate and run at their shape's efficiency, below the
     published cuBLASLt rate; MFU below HFU below it."""
-    sim = simulate(functools.partial(megatron_gpt, 2, d_model=4096, n_head=32, seq_len=2048), "ddp", 8,
-                   batch_per_rank=8, warmup=False, progress=False, mixed_precision=True, cluster="dgx-a100")
+    sim = simulate(
+        functools.partial(megatron_gpt, 2, d_model=4096, n_head=32, seq_len=2048),
+        "ddp",
+        8,
+        batch_per_rank=8,
+        warmup=False,
+        progress=False,
+        mixed_precision=True,
+        cluster="dgx-a100",
+    )
     rows, b = sim.cost.per_op(), sim.breakdown
     devices = sum(b[k] for k in ("gemm", "attention", "memory_bound", "optimizer"))
     assert sum(r["seconds"] for r in rows) == pytest.approx(devices, rel=1e-9)
@@ -99,8 +114,15 @@ def test_the_per_operation_breakdown_adds_up_to_the_steps_compute():
 
 
 def test_an_h100_is_faster_by_its_gemm_rate_not_by_a_constant():
-    sim = simulate(functools.partial(megatron_gpt, 2, d_model=4096, n_head=32, seq_len=2048), "ddp", 8,
-                   batch_per_rank=1, warmup=False, progress=False, mixed_precision=True)
+    sim = simulate(
+        functools.partial(megatron_gpt, 2, d_model=4096, n_head=32, seq_len=2048),
+        "ddp",
+        8,
+        batch_per_rank=1,
+        warmup=False,
+        progress=False,
+        mixed_precision=True,
+    )
     a100, h100 = (estimate(sim.programs, name, world_size=8).breakdown["compute"] for name in ("dgx-a100", "dgx-h100"))
     # between the published GEMM rates' ratio and the HBM bandwidths' ratio (the memory-bound kernels)
     assert 2.935 / 1.655 < a100 / h100 < 783.3 / 256.5
@@ -110,15 +132,25 @@ def test_pricing_a_simulation_never_imports_the_calibration():
     """The pricing of a simulation (`priced.py`) sits above the calibration it asks for "this-machine", which
     records its reference step from the pieces below both (no cycle); it imports it only when asked, so pricing
     on a GPU preset loads no measuring code."""
-    code = ("import sys, toolkit.sim.cost, toolkit.sim.simulate, toolkit.sim.priced; "
-            "assert 'toolkit.sim.calibrate' not in sys.modules, sorted(m for m in sys.modules if 'calib' in m)")
+    code = (
+        "import sys, toolkit.sim.cost, toolkit.sim.simulate, toolkit.sim.priced; "
+        "assert 'toolkit.sim.calibrate' not in sys.modules, sorted(m for m in sys.modules if 'calib' in m)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_bad_accelerator_fields_get_a_clear_error():
     with pytest.raises(ValueError, match=r"matmul_efficiency=1.5: .* must be in \(0, 1\]"):
-        cluster_of(dict(name="x", gpu=dict(name="g", peak_flops={"bf16": 1e15}, memory_bytes=1e10,
-                                           memory_bandwidth=1e12, matmul_efficiency=1.5),
-                        gpus_per_node=4, intra=("300 GB/s", "3 us"), inter=("100 Gb/s", "10 us")))
+        cluster_of(
+            dict(
+                name="x",
+                gpu=dict(
+                    name="g", peak_flops={"bf16": 1e15}, memory_bytes=1e10, memory_bandwidth=1e12, matmul_efficiency=1.5
+                ),
+                gpus_per_node=4,
+                intra=("300 GB/s", "3 us"),
+                inter=("100 Gb/s", "10 us"),
+            )
+        )
     with pytest.raises(ValueError, match=r"beside_compute=0.5 .* >= 1"):
         cluster_of("dgx-a100", beside_compute=0.5)

@@ -1,5 +1,6 @@
 """Known shapes (`toolkit.sim.known_shapes`): answering a meta operation from one already run changes nothing a
 simulation reports, for every kind of layout; and it refuses what a fresh tensor would not reproduce."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,14 +26,30 @@ LAYOUTS = {
 
 def reported(sim) -> tuple:
     """Everything a simulation says of its rank: memory over the step, FLOPs and bytes, the programs."""
-    return (sim.peak, sim.peak_memory, sim.memory, sim.end_memory, sim.flops, repr(sim.programs),
-            [{k: v for k, v in s.items()} for s in sim.samples])
+    return (
+        sim.peak,
+        sim.peak_memory,
+        sim.memory,
+        sim.end_memory,
+        sim.flops,
+        repr(sim.programs),
+        [{k: v for k, v in s.items()} for s in sim.samples],
+    )
 
 
 def run(layout):
     build, strategy, world, options = LAYOUTS[layout]
-    return simulate(lambda: build(**TINY), strategy, world, rank=world - 1, batch_per_rank=4, seq_len=32,
-                    progress=False, steps=2, **options)
+    return simulate(
+        lambda: build(**TINY),
+        strategy,
+        world,
+        rank=world - 1,
+        batch_per_rank=4,
+        seq_len=32,
+        progress=False,
+        steps=2,
+        **options,
+    )
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -54,17 +71,17 @@ def test_known_shapes_answer_only_what_a_fresh_tensor_reproduces(monkeypatch):
     a = torch.empty(4, 6, device="meta")
     with KnownShapes() as known:
         for _ in range(3):
-            torch.nn.functional.layer_norm(a, (6,))                  # pure: run once, then answered
-            b = a.t().contiguous()                                     # a view, then a copy
-            a.add_(1)                                                  # mutates: always run
-            v = a.view(24)                                             # aliases: always run
+            torch.nn.functional.layer_norm(a, (6,))  # pure: run once, then answered
+            b = a.t().contiguous()  # a view, then a copy
+            a.add_(1)  # mutates: always run
+            v = a.view(24)  # aliases: always run
     assert known.hits == 2 * 2  # layer norm and contiguous's clone, on the 2nd and 3rd pass
     assert b.shape == (6, 4) and b.stride() == (4, 1) and b.is_meta
     assert v.untyped_storage()._cdata == a.untyped_storage()._cdata  # the view still shares its storage
     real = torch.ones(3)
     with KnownShapes() as known:
         for _ in range(2):
-            out = real * 2                                             # a real tensor: never answered
+            out = real * 2  # a real tensor: never answered
     assert known.hits == 0 and out.tolist() == [2.0, 2.0, 2.0]
 
 
@@ -76,8 +93,9 @@ def test_a_view_returned_without_an_alias_in_its_schema_is_not_memoized(monkeypa
         for _ in range(2):
             out = torch.ops.aten._unsafe_view(a, [12])
             assert out.untyped_storage()._cdata == a.untyped_storage()._cdata
-    assert [spec for key, spec in known_shapes._OUTPUTS.items() if key[0] is torch.ops.aten._unsafe_view.default
-            ] == [None]
+    assert [spec for key, spec in known_shapes._OUTPUTS.items() if key[0] is torch.ops.aten._unsafe_view.default] == [
+        None
+    ]
 
 
 def test_a_sparse_meta_tensor_is_left_to_torch(monkeypatch):
@@ -85,7 +103,11 @@ def test_a_sparse_meta_tensor_is_left_to_torch(monkeypatch):
     monkeypatch.setattr(known_shapes, "_OUTPUTS", known_shapes.Memo())
     with KnownShapes():
         for _ in range(2):
-            s = torch.sparse_coo_tensor(torch.empty(2, 0, dtype=torch.long, device="meta"), torch.empty(0, device="meta"),
-                                        (3, 3), check_invariants=False)
+            s = torch.sparse_coo_tensor(
+                torch.empty(2, 0, dtype=torch.long, device="meta"),
+                torch.empty(0, device="meta"),
+                (3, 3),
+                check_invariants=False,
+            )
     assert s.layout is torch.sparse_coo and s.shape == (3, 3)
     assert [spec for key, spec in known_shapes._OUTPUTS.items() if "sparse" in str(key[0])] == [None]

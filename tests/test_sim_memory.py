@@ -6,6 +6,7 @@
 - The peaks of fsdp and zero3 are within 5% of FSDP2's as FSDPMemTracker measures it on the fake process
   group (torchtitan's estimation; `bench/memory_fsdp2.py`), at small sizes the old toolkit missed by 10-20%.
 """
+
 from __future__ import annotations
 
 import functools
@@ -13,9 +14,9 @@ import gc
 
 import pytest
 import torch
+from bench_module import load
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench_module import load
 from toolkit.models import tiny_gpt
 from toolkit.sim import simulate
 from toolkit.sim.attention import FLOPS
@@ -29,14 +30,15 @@ def _after_backward(sim) -> dict:
     return next(s for s in sim.samples if s["phase"] == "backward")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _checkpointing(strategy: str, world: int) -> tuple:
     """(without, with) activation checkpointing: the simulations of one step of TINY, with the garbage collector
     off (what a reference cycle holds then stays held: the answer must not depend on when it runs)."""
     gc.disable()
     try:
-        return tuple(simulate(TINY, strategy, world, activation_checkpointing=flag, progress=False)
-                     for flag in (False, True))
+        return tuple(
+            simulate(TINY, strategy, world, activation_checkpointing=flag, progress=False) for flag in (False, True)
+        )
     finally:
         gc.enable()
 
@@ -69,9 +71,9 @@ def test_flops_are_flop_counter_modes():
 
 
 CASES = [  # (strategy, world, model, activation checkpointing): the toolkit's ratio before the fixes
-    ("fsdp", 4, dict(n_layer=3, d_model=64, n_head=2, vocab_size=256, seq_len=128), True),   # 1.205
+    ("fsdp", 4, dict(n_layer=3, d_model=64, n_head=2, vocab_size=256, seq_len=128), True),  # 1.205
     ("fsdp", 4, dict(n_layer=2, d_model=128, n_head=2, vocab_size=512, seq_len=32), False),  # 1.095
-    ("zero3", 2, dict(n_layer=4, d_model=64, n_head=2, vocab_size=64, seq_len=8), False),    # 1.148
+    ("zero3", 2, dict(n_layer=4, d_model=64, n_head=2, vocab_size=64, seq_len=8), False),  # 1.148
 ]
 
 

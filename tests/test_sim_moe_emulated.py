@@ -5,6 +5,7 @@ modelled time; an all-to-all also waits for its senders' notes. A simulated rank
 peers, so the simulator's cluster keeps the link as a setting (the MoE layer decides by it, as on a real
 rank) and books nothing; the cost model prices the collectives on the cluster's links instead.
 """
+
 from __future__ import annotations
 
 import functools
@@ -12,9 +13,9 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from bench_module import load
 
 import toolkit
-from bench_module import load
 from toolkit.sim import simulate
 from toolkit.sim.simulate import train_step
 
@@ -50,16 +51,24 @@ def test_moe_rows_simulate_under_the_emulated_link_and_send_what_a_real_run_send
     sims = {}
     with toolkit.comm.emulate(**link) as emulation:
         for name, options in variants.items():
-            sims[name] = simulate(functools.partial(bench.moe_block, WORLD, **options), "local", WORLD,
-                                  ranks_per_node=1, batch_per_rank=bench.MOE["batch"], optimizer=torch.optim.SGD,
-                                  routing=bench.skewed, progress=False)
+            sims[name] = simulate(
+                functools.partial(bench.moe_block, WORLD, **options),
+                "local",
+                WORLD,
+                ranks_per_node=1,
+                batch_per_rank=bench.MOE["batch"],
+                optimizer=torch.optim.SGD,
+                routing=bench.skewed,
+                progress=False,
+            )
         assert toolkit.comm.emulated_link() is emulation.settings  # the setting survives the simulations
     assert set(sims) == {"moe plain", "moe pipeline 4", "moe shadow"}
     for name, sim in sims.items():
         comm = [e for e in sim.run.events if e["cat"] == "comm"]
         assert any(e["name"] == "all_to_all" for e in comm), name
         assert not any("emulated_s" in e["args"] for e in comm), name  # nothing was booked on the fake group
-    real = toolkit.launch(real_bytes, WORLD, args=(bench.moe_block, bench.skewed, variants, link, bench.MOE),
-                          timeout_s=90, quiet=True)
+    real = toolkit.launch(
+        real_bytes, WORLD, args=(bench.moe_block, bench.skewed, variants, link, bench.MOE), timeout_s=90, quiet=True
+    )
     for name, sim in sims.items():  # rank 0 holds the hot expert (the skewed routing's expert 0)
         assert sim.bytes_per_phase == real[0][name], name

@@ -2,6 +2,7 @@
 its DDL-roofline and Algorithm 1 on the cost model, Tutel's adaptive pipelining degree, and the FSDP
 paper's GPT-175B throughput and full-versus-hybrid trend, predicted by the simulator and the cost model.
 Each test states its tolerance and what the model cannot reproduce."""
+
 import functools
 
 import pytest
@@ -11,9 +12,13 @@ from toolkit.models.moe_gpt import moe_gpt
 
 # --- FasterMoE Table 2: parameters = L (2 alpha E + 4) H^2 --------------------------------------------------
 TABLE_2 = {  # name -> (size in the paper, layers, experts, H); alpha = 2 for every model
-    "MoE-GPT-S": (0.86e9, 12, 16, 1024), "MoE-GPT": (3.42e9, 12, 16, 2048), "MoE-GPT-L": (13.7e9, 12, 16, 4096),
-    "MoE-BERT-Deep": (1.71e9, 24, 16, 1024), "MoE-BERT-Deep-L": (27.4e9, 24, 16, 4096),
-    "MoE-BERT-Wide": (3.27e9, 12, 64, 1024), "MoE-BERT-Wide-L": (13.1e9, 12, 64, 2048),
+    "MoE-GPT-S": (0.86e9, 12, 16, 1024),
+    "MoE-GPT": (3.42e9, 12, 16, 2048),
+    "MoE-GPT-L": (13.7e9, 12, 16, 4096),
+    "MoE-BERT-Deep": (1.71e9, 24, 16, 1024),
+    "MoE-BERT-Deep-L": (27.4e9, 24, 16, 4096),
+    "MoE-BERT-Wide": (3.27e9, 12, 64, 1024),
+    "MoE-BERT-Wide-L": (13.1e9, 12, 64, 2048),
 }
 
 
@@ -25,7 +30,9 @@ def test_fastermoe_table_2_parameter_counts_from_the_real_models_built_on_meta(n
     size, layers, experts, H = TABLE_2[name]
     alpha = 2
     with torch.device("meta"):
-        model = moe_gpt(experts, 2, n_layer=layers, d_model=H, n_head=16, d_ff=alpha * H, vocab_size=50257, seq_len=1024)
+        model = moe_gpt(
+            experts, 2, n_layer=layers, d_model=H, n_head=16, d_ff=alpha * H, vocab_size=50257, seq_len=1024
+        )
     counted = 0
     for block in model.blocks:
         counted += block.attn.qkv.weight.numel() + block.attn.proj.weight.numel()
@@ -49,8 +56,12 @@ TOLERANCE = 0.15
 def fsdp_paper_cluster(inter_node="250 Gb/s"):
     from toolkit.sim import cluster_of
 
-    return cluster_of("dgx-a100", name="fsdp-paper", inter=(inter_node, "9.6 us"),
-                      source="FSDP paper, section 6: DGX A100 nodes, 2 Tb/s RoCE per node")
+    return cluster_of(
+        "dgx-a100",
+        name="fsdp-paper",
+        inter=(inter_node, "9.6 us"),
+        source="FSDP paper, section 6: DGX A100 nodes, 2 Tb/s RoCE per node",
+    )
 
 
 def gpt3_fsdp(world, layers=96, inter_node="250 Gb/s", **options):
@@ -59,15 +70,27 @@ def gpt3_fsdp(world, layers=96, inter_node="250 Gb/s", **options):
     from toolkit.models.presets import gpt3_175b
     from toolkit.sim import simulate
 
-    return simulate(lambda: as_in(gpt3_175b(n_layer=layers), "mingpt"), "fsdp", world, batch_per_rank=1, mixed_precision=True,
-                    activation_checkpointing=True, forward_prefetch=True, warmup=False, progress=False,
-                    cluster=fsdp_paper_cluster(inter_node), **options)
+    return simulate(
+        lambda: as_in(gpt3_175b(n_layer=layers), "mingpt"),
+        "fsdp",
+        world,
+        batch_per_rank=1,
+        mixed_precision=True,
+        activation_checkpointing=True,
+        forward_prefetch=True,
+        warmup=False,
+        progress=False,
+        cluster=fsdp_paper_cluster(inter_node),
+        **options,
+    )
 
 
 def assert_in_papers_band(sim):
     low, high = PAPER_TFLOPS[0] * (1 - TOLERANCE), PAPER_TFLOPS[1] * (1 + TOLERANCE)
-    assert low <= sim.tflops_per_gpu <= high, (f"{sim.world_size} GPUs: {sim.tflops_per_gpu:.1f} TFLOP/s per GPU, "
-                                               f"paper {PAPER_TFLOPS}, tolerance {TOLERANCE:.0%}")
+    assert low <= sim.tflops_per_gpu <= high, (
+        f"{sim.world_size} GPUs: {sim.tflops_per_gpu:.1f} TFLOP/s per GPU, "
+        f"paper {PAPER_TFLOPS}, tolerance {TOLERANCE:.0%}"
+    )
 
 
 def test_fsdp_paper_gpt_175b_throughput_and_hybrid_sharding_on_8_of_its_layers():
@@ -93,6 +116,7 @@ def test_fsdp_paper_gpt_175b_throughput_and_hybrid_sharding_on_8_of_its_layers()
     spans = [s for s in hybrid.cost.timelines[-1].spans if s.kind == "comm"]
     replica = [s for s in spans if s.cost.link == "inter-node"]
     assert replica and all(s.instruction.op == "all_reduce" for s in replica)  # the only cross-node traffic
+
     def bandwidth_time(spans):  # the bytes' part of the time (latencies differ: 511-step rings against 63-step ones)
         return sum(s.end - s.start - s.cost.latency for s in spans)
 
@@ -101,13 +125,18 @@ def test_fsdp_paper_gpt_175b_throughput_and_hybrid_sharding_on_8_of_its_layers()
     # measured rate with NCCL's latency per network step (511-step rings against 63-step ones)
     assert bandwidth_time(replica) / bandwidth_time(full) == pytest.approx(2 / 3, rel=0.06)
     hybrid_cross = sum(s.end - s.start for s in replica)
-    exposed_replica = sum(w.end - w.start for w in hybrid.cost.timelines[-1].spans if w.kind == "wait"
-                          and w.instruction.id in {s.instruction.id for s in replica})
+    exposed_replica = sum(
+        w.end - w.start
+        for w in hybrid.cost.timelines[-1].spans
+        if w.kind == "wait" and w.instruction.id in {s.instruction.id for s in replica}
+    )
     assert exposed_replica < 0.35 * hybrid_cross  # the rest runs behind the next units' backward
     assert sims[512].tflops_per_gpu >= hybrid.tflops_per_gpu
     slow = "25 Gb/s"  # a tenth of the paper's network per GPU: cross-node traffic is the bottleneck
-    assert gpt3_fsdp(512, layers=8, inter_node=slow, sharding_group_size=8).tflops_per_gpu > \
-        1.1 * gpt3_fsdp(512, layers=8, inter_node=slow).tflops_per_gpu
+    assert (
+        gpt3_fsdp(512, layers=8, inter_node=slow, sharding_group_size=8).tflops_per_gpu
+        > 1.1 * gpt3_fsdp(512, layers=8, inter_node=slow).tflops_per_gpu
+    )
 
 
 @pytest.mark.papers  # a few minutes on 2 cores: `make test-papers`
@@ -133,7 +162,9 @@ def megatron_table():
 
 
 MEGATRON = megatron_table()
-@functools.lru_cache(maxsize=None)
+
+
+@functools.cache
 def megatron_prediction(i: int, plain: bool = False) -> dict:
     return MEGATRON.predict(MEGATRON.row(i), plain=plain)
 
@@ -156,13 +187,20 @@ def test_megatron_weak_scaling_table_within_15_percent_per_row(i):
 
 
 PLAIN_MISSES = {  # row -> the plain configuration's prediction when last measured (docs/differences.md says why)
-    1: "228 TFLOP/s per GPU against 137 (+67%)", 2: "202 against 138 (+46%)", 3: "179 against 142 (+26%)",
-    4: "174 against 135 (+29%)", 5: "165 against 138 (+20%)", 6: "163 against 140 (+16%)"}
-PLAIN_WHY = ("the plain configuration runs FlashAttention-2 (2023) without dropout where the paper's runs ran "
-             "Megatron-LM's 2021 attention (baddbmm, fused softmax, dropout, bmm): at s = 2,048 FlashAttention-2's "
-             "own figure puts it 2-5x above the standard path (A100: 140-187 against 17-76 TFLOP/s), and attention is "
-             "s/6h of a layer's FLOPs, 15% in row 1 falling to 1.3% in row 10, so the plain rows sit above the paper "
-             "by about that share; priced with the paper's own kernels (the test above) every row is within 15%")
+    1: "228 TFLOP/s per GPU against 137 (+67%)",
+    2: "202 against 138 (+46%)",
+    3: "179 against 142 (+26%)",
+    4: "174 against 135 (+29%)",
+    5: "165 against 138 (+20%)",
+    6: "163 against 140 (+16%)",
+}
+PLAIN_WHY = (
+    "the plain configuration runs FlashAttention-2 (2023) without dropout where the paper's runs ran "
+    "Megatron-LM's 2021 attention (baddbmm, fused softmax, dropout, bmm): at s = 2,048 FlashAttention-2's "
+    "own figure puts it 2-5x above the standard path (A100: 140-187 against 17-76 TFLOP/s), and attention is "
+    "s/6h of a layer's FLOPs, 15% in row 1 falling to 1.3% in row 10, so the plain rows sit above the paper "
+    "by about that share; priced with the paper's own kernels (the test above) every row is within 15%"
+)
 
 
 @pytest.mark.papers
@@ -182,13 +220,15 @@ def test_megatron_table_in_the_configuration_a_student_writes(i):
     assert within, said
 
 
-MEGATRON_TREND = ("the paper's rate rises with model size (rows 7-10 over rows 1-4: 1.14); the prediction's stays "
-                  "flat (0.97 when last measured): rows 1-4 within +1..+6% of the paper, rows 7-10 -7..-14%. In "
-                  "rows 7-10 the pipeline's bubble and transfers are 17-27% of the step where the schedule's own "
-                  "bubble is 4-11%: every transfer between nodes (1/t of an activation on one card, then an "
-                  "all-gather inside the node) is on the critical path as the toolkit's pipeline issues it, and the "
-                  "stages before and after wait on it; what of that the paper's runs hid is not known "
-                  "(docs/differences.md)")
+MEGATRON_TREND = (
+    "the paper's rate rises with model size (rows 7-10 over rows 1-4: 1.14); the prediction's stays "
+    "flat (0.97 when last measured): rows 1-4 within +1..+6% of the paper, rows 7-10 -7..-14%. In "
+    "rows 7-10 the pipeline's bubble and transfers are 17-27% of the step where the schedule's own "
+    "bubble is 4-11%: every transfer between nodes (1/t of an activation on one card, then an "
+    "all-gather inside the node) is on the critical path as the toolkit's pipeline issues it, and the "
+    "stages before and after wait on it; what of that the paper's runs hid is not known "
+    "(docs/differences.md)"
+)
 
 
 @pytest.mark.papers
@@ -224,7 +264,9 @@ def test_megatron_figure_15_tensor_parallelism_loses_to_data_parallelism_and_fal
         runs = {tp: MEGATRON.predict(MEGATRON.figure_15(tp, batch)) for tp in (2, 4, 8, 16, 32)}
         rates = [runs[tp]["predicted"] for tp in sorted(runs)]
         assert rates == sorted(rates, reverse=True), (batch, rates)
-        assert runs[16]["predicted"] < 0.7 * runs[8]["predicted"] and runs[32]["predicted"] < 0.7 * runs[16]["predicted"]
+        assert (
+            runs[16]["predicted"] < 0.7 * runs[8]["predicted"] and runs[32]["predicted"] < 0.7 * runs[16]["predicted"]
+        )
         exposed = [runs[tp]["breakdown"]["exposed_comm"] for tp in sorted(runs)]
         assert exposed == sorted(exposed), (batch, exposed)
 
@@ -280,8 +322,7 @@ def zipf_routing(num_tokens, num_experts, top_k, s=1.2):
     u = (torch.arange(num_tokens, dtype=torch.float64) * 0.6180339887) % 1.0
     first = torch.searchsorted(cdf, u).clamp(max=num_experts - 1)
     t = torch.arange(num_tokens)
-    return torch.stack([first] + [(first + 1 + (t + j) % (num_experts - 1)) % num_experts
-                                  for j in range(top_k - 1)], 1)
+    return torch.stack([first] + [(first + 1 + (t + j) % (num_experts - 1)) % num_experts for j in range(top_k - 1)], 1)
 
 
 def moe_block(**options):
@@ -302,8 +343,9 @@ def test_fastermoe_ddl_roofline_point_of_a_simulated_configuration():
 
     points = {}
     for label, options in (("plain", {}), ("pipeline 4", {"pipeline_degree": 4})):
-        sim = simulate(lambda: moe_block(**options), "ddp", 64, batch_per_rank=8, warmup=False, progress=False,
-                       cluster="dgx-a100")  # fp32: R_CC about 2 on this cluster, where overlap matters
+        sim = simulate(
+            lambda: moe_block(**options), "ddp", 64, batch_per_rank=8, warmup=False, progress=False, cluster="dgx-a100"
+        )  # fp32: R_CC about 2 on this cluster, where overlap matters
         points[label] = roofline_point(sim.modelled_run, 1024, 2048, label=label)
     plain, piped = points["plain"], points["pipeline 4"]
     assert plain["throughput"] == pytest.approx(semi_ideal(plain["r_cc"], plain["peak"]), rel=0.05)
@@ -349,8 +391,18 @@ def test_tutel_adaptive_degree_grows_as_the_all_to_all_grows_relative_to_compute
     from toolkit.sim import cluster_of, price, simulate
     from toolkit.sim.hardware import Link
 
-    sims = {d: simulate(lambda d=d: moe_block(pipeline_degree=d), "ddp", 64, batch_per_rank=16, progress=False,
-                        mixed_precision=True, warmup=False) for d in (1, 2, 4, 8)}
+    sims = {
+        d: simulate(
+            lambda d=d: moe_block(pipeline_degree=d),
+            "ddp",
+            64,
+            batch_per_rank=16,
+            progress=False,
+            mixed_precision=True,
+            warmup=False,
+        )
+        for d in (1, 2, 4, 8)
+    }
     dgx = cluster_of("dgx-a100")
     best = []
     for speed in (30, 3, 1, 0.1):
@@ -372,9 +424,9 @@ RUNS = published_runs()
 RUN_MISSES = {  # run -> what the model predicts when last measured, and what the run paid that it does not price
     "mpt-7b-h100": "14,598 tokens/s per GPU against 10,643 (+37%); " + RUNS.NOTES["mpt-7b-h100"],
     "llama2-13b-a100": "2,588 against 2,162 (+20%): torchtitan's Llama has RoPE, RMSNorm and SwiGLU kernels the "
-                       "toolkit's GPT does not run, and its cluster's network is not stated",
+    "toolkit's GPT does not run, and its cluster's network is not stated",
     "mcore-1.7b-h100": "543 TFLOP/s per GPU against 408.8 (+33%): its 131,072-entry vocabulary's logits and loss are a "
-                       "third of the step here; not explained",
+    "third of the step here; not explained",
     "mcore-16b-h100": "411 against 489.1 (-16%): " + RUNS.NOTES["mcore-16b-h100"],
 }
 

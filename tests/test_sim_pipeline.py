@@ -2,6 +2,7 @@
 own code on the fake process group; one rank per kind of stage put together into every rank's program, as
 simulating them all would; the composed step against the pipeline's own dry run; a rank of 4,096; and the
 simulated rank against a real gloo run at world 2 and 4 (bytes, model states, the modelled timeline's spans)."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,21 +14,45 @@ from toolkit.sim import cluster_of, price, simulate
 from toolkit.sim.pipelined import pipeline_of
 
 TINY = dict(n_layer=8, d_model=32, n_head=2)
-FREE = dict(name="free links", gpu="a100-80gb", gpus_per_node=8, intra=("1e9 GB/s", "0 us"),
-            inter=("1e9 GB/s", "0 us"))  # transfers and collectives cost nothing: only compute and the schedule
+FREE = dict(
+    name="free links", gpu="a100-80gb", gpus_per_node=8, intra=("1e9 GB/s", "0 us"), inter=("1e9 GB/s", "0 us")
+)  # transfers and collectives cost nothing: only compute and the schedule
 
 
-def pipelined(schedule="1f1b", m=8, v=1, rank=1, strategy="local", world=4, every_stage=False, cluster="dgx-a100",
-              **options):
-    return simulate(lambda: tiny_gpt(**TINY), strategy, world, rank=rank, pp=4, microbatches=m, batch_per_rank=m,
-                    schedule=schedule, virtual_stages=v, progress=False, mixed_precision=True, cluster=cluster,
-                    every_stage=every_stage, **options)
+def pipelined(
+    schedule="1f1b", m=8, v=1, rank=1, strategy="local", world=4, every_stage=False, cluster="dgx-a100", **options
+):
+    return simulate(
+        lambda: tiny_gpt(**TINY),
+        strategy,
+        world,
+        rank=rank,
+        pp=4,
+        microbatches=m,
+        batch_per_rank=m,
+        schedule=schedule,
+        virtual_stages=v,
+        progress=False,
+        mixed_precision=True,
+        cluster=cluster,
+        every_stage=every_stage,
+        **options,
+    )
 
 
 def shape(program) -> list:
     """A program as what it does: each instruction's kind, operation, FLOPs or bytes, peer and phase."""
-    return [(type(i).__name__, getattr(i, "op", None), getattr(i, "flops", None), getattr(i, "size_bytes", None),
-             getattr(i, "args", {}).get("peer"), i.phase) for i in program]
+    return [
+        (
+            type(i).__name__,
+            getattr(i, "op", None),
+            getattr(i, "flops", None),
+            getattr(i, "size_bytes", None),
+            getattr(i, "args", {}).get("peer"),
+            i.phase,
+        )
+        for i in program
+    ]
 
 
 @pytest.mark.timeout(900)
@@ -114,20 +139,45 @@ def test_a_rank_of_4096_in_a_dp_x_pp_x_tp_layout():
     holds less than a middle one (seven); its sends are its 1/8 of each of its 16 activations (the tp group's
     scatter/gather) and, once, its tp piece of the tied embedding for the last stage's head."""
     config = dict(n_layer=8, d_model=64, n_head=8, vocab_size=64, seq_len=32)
-    sim = simulate(lambda: tiny_gpt(**config), "zero1", 4096, rank=257, tp=8, pp=8, microbatches=16,
-                   batch_per_rank=16, progress=False, mixed_precision=True, cluster="dgx-a100")
+    sim = simulate(
+        lambda: tiny_gpt(**config),
+        "zero1",
+        4096,
+        rank=257,
+        tp=8,
+        pp=8,
+        microbatches=16,
+        batch_per_rank=16,
+        progress=False,
+        mixed_precision=True,
+        cluster="dgx-a100",
+    )
     ranks = [257 + 512 * p for p in range(8)]  # dp 32, every pp index, tp 1 (Megatron's order: pp outermost)
     assert sorted(sim.stage_sims) == ranks and sorted(sim.stage_peaks) == [257, 769, 3841]
-    transfers = [s for t in sim.cost.stages[-1].stages.values() for s in t.spans
-                 if s.kind == "comm" and s.instruction.op in ("send", "recv")]
+    transfers = [
+        s
+        for t in sim.cost.stages[-1].stages.values()
+        for s in t.spans
+        if s.kind == "comm" and s.instruction.op in ("send", "recv")
+    ]
     assert transfers and {s.cost.link for s in transfers} == {"inter-node"}
     assert sim.step_time == sim.cost.stages[-1].step_time > 0 and sim.breakdown["bubble"] > 0
     assert sim.stage_peaks[3841] < sim.stage_peaks[769]
     sends = [c.size_bytes for c in sim.collectives() if c.op == "send"]
     activation, tied = 1 * config["seq_len"] * config["d_model"] * 2, config["vocab_size"] // 8 * config["d_model"] * 2
     assert sorted(sends) == sorted([activation // 8] * 16 + [tied])  # each tp rank sends 1/t (scatter/gather)
-    inside = simulate(lambda: tiny_gpt(**config), "zero1", 4096, rank=257, tp=8, pp=8, microbatches=16,
-                      batch_per_rank=16, progress=False, mixed_precision=True)  # no cluster: this rank alone
+    inside = simulate(
+        lambda: tiny_gpt(**config),
+        "zero1",
+        4096,
+        rank=257,
+        tp=8,
+        pp=8,
+        microbatches=16,
+        batch_per_rank=16,
+        progress=False,
+        mixed_precision=True,
+    )  # no cluster: this rank alone
     tp_group = set(range(256, 264))  # inside one node; dp, the pipeline's loss and every send cross nodes
     assert sum(c.bytes_sent for c in inside.collectives() if c.op == "send") == sum(sends)
     assert inside.cross_node_bytes == sum(c.bytes_sent for c in inside.collectives() if set(c.group) != tp_group)
@@ -137,16 +187,27 @@ def test_a_send_crosses_the_network_only_to_a_peer_on_another_node():
     """tp 2 x pp 8 on nodes of 8: a pipeline (ranks 0, 2, ..., 14) spans two nodes, but stage 0's activations go to
     rank 2, on its own node, and do not cross the network (its tied embedding for the last stage, rank 14, does);
     stage 3 (rank 6) sends its activations to rank 8, on the next node."""
+
     def rank(r):
-        return simulate(lambda: tiny_gpt(n_layer=8, d_model=32, n_head=2), "local", 16, rank=r, tp=2, pp=8,
-                        microbatches=8, batch_per_rank=8, progress=False)
+        return simulate(
+            lambda: tiny_gpt(n_layer=8, d_model=32, n_head=2),
+            "local",
+            16,
+            rank=r,
+            tp=2,
+            pp=8,
+            microbatches=8,
+            batch_per_rank=8,
+            progress=False,
+        )
 
     first, fourth = rank(0), rank(6)
     sent = {r: sum(c.bytes_sent for c in s.collectives() if c.op == "send") for r, s in ((0, first), (6, fourth))}
     assert sent[0] > 0 and sent[6] > 0
     tied = [c.bytes_sent for c in first.collectives() if c.op == "send" and c.args["peer"] == 14]
     assert len(tied) == 1 and first.cross_node_bytes == tied[0] + sum(
-        c.bytes_sent for c in first.collectives() if c.op != "send" and len({r // 8 for r in c.group}) > 1)
+        c.bytes_sent for c in first.collectives() if c.op != "send" and len({r // 8 for r in c.group}) > 1
+    )
     activations = sum(c.bytes_sent for c in fourth.collectives() if c.op == "send" and c.args["peer"] == 8)
     assert activations > 0 and fourth.cross_node_bytes >= activations
 
@@ -162,9 +223,17 @@ def test_one_and_two_blocks_per_stage_extrapolate_to_four_exactly():
     from toolkit.sim.sweep import PIPELINE_BASE, extrapolate
 
     def at(blocks):
-        return simulate(lambda: tiny_gpt(n_layer=4 * blocks, d_model=256, n_head=4, seq_len=256, vocab_size=512),
-                        "ddp", 8, pp=4, microbatches=8, batch_per_rank=8, progress=False, mixed_precision=True,
-                        cluster="dgx-a100")
+        return simulate(
+            lambda: tiny_gpt(n_layer=4 * blocks, d_model=256, n_head=4, seq_len=256, vocab_size=512),
+            "ddp",
+            8,
+            pp=4,
+            microbatches=8,
+            batch_per_rank=8,
+            progress=False,
+            mixed_precision=True,
+            cluster="dgx-a100",
+        )
 
     one, two, four = at(1), at(2), at(4)
     out = extrapolate(one, two, 4, PIPELINE_BASE)
@@ -180,9 +249,13 @@ def test_one_and_two_blocks_per_stage_extrapolate_to_four_exactly():
 # --- against real runs ------------------------------------------------------------------------------------------
 SMALL = dict(n_layer=4, d_model=32, n_head=2)
 BATCH = 4  # rows per replica: the micro-batches
-CASES = {2: [("local", dict(pp=2, microbatches=4))],
-         4: [("ddp", dict(pp=2, microbatches=4, mixed_precision=True)),
-             ("zero1", dict(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2))]}
+CASES = {
+    2: [("local", dict(pp=2, microbatches=4))],
+    4: [
+        ("ddp", dict(pp=2, microbatches=4, mixed_precision=True)),
+        ("zero1", dict(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2)),
+    ],
+}
 
 
 def real_runs(cases):
@@ -198,14 +271,23 @@ def real_runs(cases):
     found = []
     for strategy, options in cases:
         dp = world // options["pp"]
-        run = train(TrainConfig(strategy=strategy, steps=2, global_batch_size=BATCH * dp, model=SMALL,
-                                options=dict(options), progress=False))
+        run = train(
+            TrainConfig(
+                strategy=strategy,
+                steps=2,
+                global_batch_size=BATCH * dp,
+                model=SMALL,
+                options=dict(options),
+                progress=False,
+            )
+        )
         model, opt = toolkit.parallel.wrap(tiny_gpt(**SMALL), strategy, **options)
         x, y = SyntheticCorpus().batch(0, BATCH * dp, rank=rank // (world // dp), world_size=dp)
         train_step(model, opt, x, y, step=0)
         states = measure_steps(model, opt, x, y, 1, first=1)["memory"]
-        found.append({"bytes": bytes_per_step(run, rank)[-1], "states": {k: states[k] for k in STATES},
-                      **structure(run, rank)})
+        found.append(
+            {"bytes": bytes_per_step(run, rank)[-1], "states": {k: states[k] for k in STATES}, **structure(run, rank)}
+        )
     return found
 
 
@@ -218,12 +300,24 @@ def structure(run, rank, last_step=None) -> dict:
     from toolkit.trace.analysis import step_windows
 
     start, end = step_windows(run, rank)[-1]
-    events = sorted((e for e in run.events if e["rank"] == rank and start <= e["start"] < end
-                     and (last_step is None or e["args"].get("step") == last_step)),
-                    key=lambda e: (e["start"] - e["args"].get("queued_s", 0.0), e["args"].get("issue_order", 0)))
-    return {"collectives": [(e["name"], e["args"].get("message")) for e in events if e["cat"] == "comm"],
-            "actions": [(e["args"]["action"], e["args"]["micro"], e["args"]["stage"]) for e in events
-                        if e["cat"] == "compute" and "action" in e["args"]]}
+    events = sorted(
+        (
+            e
+            for e in run.events
+            if e["rank"] == rank
+            and start <= e["start"] < end
+            and (last_step is None or e["args"].get("step") == last_step)
+        ),
+        key=lambda e: (e["start"] - e["args"].get("queued_s", 0.0), e["args"].get("issue_order", 0)),
+    )
+    return {
+        "collectives": [(e["name"], e["args"].get("message")) for e in events if e["cat"] == "comm"],
+        "actions": [
+            (e["args"]["action"], e["args"]["micro"], e["args"]["stage"])
+            for e in events
+            if e["cat"] == "compute" and "action" in e["args"]
+        ],
+    }
 
 
 @pytest.mark.timeout(900)
@@ -234,15 +328,28 @@ def test_simulated_pipeline_rank_equals_a_real_gloo_run(world, no_leftover_ranks
     bytes it sends per phase (sends, receives, the data-parallel reduction) and its model states exactly; its
     modelled timeline has the real trace's collectives and pipeline actions, in the same order."""
     rank = world - 1
-    sims = [simulate(lambda: tiny_gpt(**SMALL), strategy, world, rank=rank, batch_per_rank=BATCH, ranks_per_node=2,
-                     progress=False, cluster="dgx-a100", **options) for strategy, options in CASES[world]]
+    sims = [
+        simulate(
+            lambda: tiny_gpt(**SMALL),
+            strategy,
+            world,
+            rank=rank,
+            batch_per_rank=BATCH,
+            ranks_per_node=2,
+            progress=False,
+            cluster="dgx-a100",
+            **options,
+        )
+        for strategy, options in CASES[world]
+    ]
     real = toolkit.launch(real_runs, world, args=(CASES[world],), timeout_s=120, quiet=True)
     for (strategy, options), sim, measured in zip(CASES[world], sims, real[rank]):
         case = f"{strategy} {options} rank {rank}/{world}"
         assert sim.bytes_per_phase == measured["bytes"], case
         assert {k: sim.memory[k] for k in STATES} == measured["states"], case
-        assert structure(sim.modelled_run, rank, last_step=len(sim.programs) - 1) == \
-            {k: measured[k] for k in ("collectives", "actions")}, case
+        assert structure(sim.modelled_run, rank, last_step=len(sim.programs) - 1) == {
+            k: measured[k] for k in ("collectives", "actions")
+        }, case
 
 
 @pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2)])
@@ -254,9 +361,20 @@ def test_what_a_stage_keeps_to_the_steps_end_is_its_micro_batches_token_ids_not_
     for rank in pipeline_of(4, 0, dict(pp=2)):  # the first stage and the last (ranks in the mesh's order)
         ends = []
         for m in (4, 8):
-            sim = simulate(lambda: tiny_gpt(n_layer=4, d_model=64, n_head=4), "ddp", 4, rank=rank, pp=2,
-                           microbatches=m, schedule=schedule, virtual_stages=v, batch_per_rank=2 * m, progress=False,
-                           steps=1, warmup=False)
+            sim = simulate(
+                lambda: tiny_gpt(n_layer=4, d_model=64, n_head=4),
+                "ddp",
+                4,
+                rank=rank,
+                pp=2,
+                microbatches=m,
+                schedule=schedule,
+                virtual_stages=v,
+                batch_per_rank=2 * m,
+                progress=False,
+                steps=1,
+                warmup=False,
+            )
             ends.append(sim.end_memory["activations"])
         token_ids = 2 * 2 * sim.seq_len * 8  # one micro-batch: inputs and targets, 2 sequences of int64 ids each
         assert ends == [4 * token_ids, 8 * token_ids], (rank, ends)

@@ -2,6 +2,7 @@
 action lists: 1F1B and Megatron-LM's interleaved schedule on 4 stages, their bubbles against (p-1)/(m+p-1) and
 (p-1)/(v·m+p-1), sends matched with receives in order as NCCL matches them, transfers on the link between the
 stages' nodes, and what the step's time is made of on each stage."""
+
 import pytest
 
 from toolkit.sim import Collective, Compute, Wait
@@ -25,6 +26,7 @@ def one_f_one_b(p, m, rank):
 def interleaved(p, m, rank, v):
     """Narayanan et al.'s interleaved 1F1B: rank r holds stages r, r + p, ...; micro-batches go p at a time
     through one of its stages, then the next; warm-up (p - rank - 1)·2 + (v - 1)·p forwards."""
+
     def micro(k):
         return (k // (p * v)) * p + k % p
 
@@ -48,12 +50,20 @@ def lower(actions, p, stages, ranks, seconds):
     backward the same the other way. ranks: pipeline rank -> global rank; seconds(kind, stage) -> compute."""
     programs = {}
     for r, mine in enumerate(actions):
-        program, sends, ids = [], [], iter(range(10 ** 6))
+        program, sends, ids = [], [], iter(range(10**6))
 
         def transfer(op, stage, phase):
-            c = Collective(next(ids), op, MESSAGE, MESSAGE if op == "send" else 0, MESSAGE if op == "recv" else 0,
-                           tuple(sorted({ranks[r], ranks[stage % p]})), op == "send", phase=phase,
-                           args={"peer": ranks[stage % p]})
+            c = Collective(
+                next(ids),
+                op,
+                MESSAGE,
+                MESSAGE if op == "send" else 0,
+                MESSAGE if op == "recv" else 0,
+                tuple(sorted({ranks[r], ranks[stage % p]})),
+                op == "send",
+                phase=phase,
+                args={"peer": ranks[stage % p]},
+            )
             program.append(c)
             if op == "recv":
                 program.append(Wait(c.id, phase))
@@ -83,8 +93,9 @@ def unit(v=1):
 
 
 def replay(programs, seconds_per_transfer=0.0):
-    return schedule_stages(programs, pair_transfers(programs), lambda stage, c: c.flops / RATE,
-                           lambda stage, c: Cost(seconds_per_transfer))
+    return schedule_stages(
+        programs, pair_transfers(programs), lambda stage, c: c.flops / RATE, lambda stage, c: Cost(seconds_per_transfer)
+    )
 
 
 @pytest.mark.parametrize("m", [4, 8, 12])
@@ -111,11 +122,14 @@ def test_the_interleaved_schedule_divides_the_bubble_by_the_virtual_stages(v):
         assert t.bubble(stage) == pytest.approx((p - 1) / (v * m + p - 1))
     plain = replay(lower([one_f_one_b(p, m, r) for r in range(p)], p, p, list(range(p)), unit()))
     assert plain.step_time - t.step_time == pytest.approx((p - 1) * (F + B) * (1 - 1 / v))
-    sent = {rank: sum(1 for c in program if isinstance(c, Collective) and c.op == "send")
-            for rank, program in programs.items()}
-    sent_plain = {rank: sum(1 for c in program if isinstance(c, Collective) and c.op == "send")
-                  for rank, program in lower([one_f_one_b(p, m, r) for r in range(p)], p, p, list(range(p)),
-                                             unit()).items()}
+    sent = {
+        rank: sum(1 for c in program if isinstance(c, Collective) and c.op == "send")
+        for rank, program in programs.items()
+    }
+    sent_plain = {
+        rank: sum(1 for c in program if isinstance(c, Collective) and c.op == "send")
+        for rank, program in lower([one_f_one_b(p, m, r) for r in range(p)], p, p, list(range(p)), unit()).items()
+    }
     assert sum(sent.values()) == v * sum(sent_plain.values()) + 2 * m * (v - 1)  # v times the messages, and the wrap
     #                                                                         (last rank -> first) both ways
 
@@ -141,8 +155,9 @@ def test_sends_are_matched_with_receives_in_the_order_nccl_matches_them():
     programs = lower([one_f_one_b(p, m, r) for r in range(p)], p, p, [0, 1], unit())
     sends = {r: [c.id for c in prog if isinstance(c, Collective) and c.op == "send"] for r, prog in programs.items()}
     recvs = {r: [c.id for c in prog if isinstance(c, Collective) and c.op == "recv"] for r, prog in programs.items()}
-    expected = {P2P(send=(0, s), recv=(1, r)) for s, r in zip(sends[0], recvs[1])} | \
-        {P2P(send=(1, s), recv=(0, r)) for s, r in zip(sends[1], recvs[0])}
+    expected = {P2P(send=(0, s), recv=(1, r)) for s, r in zip(sends[0], recvs[1])} | {
+        P2P(send=(1, s), recv=(0, r)) for s, r in zip(sends[1], recvs[0])
+    }
     assert set(pair_transfers(programs)) == expected and len(expected) == 2 * m
 
 
@@ -167,12 +182,18 @@ def test_mismatched_transfers_are_named():
     programs = lower([one_f_one_b(p, m, r) for r in range(p)], p, p, [0, 1], unit())
     dropped = dict(programs)
     first = next(i for i, c in enumerate(programs[1]) if isinstance(c, Collective) and c.op == "recv")
-    dropped[1] = programs[1][:first] + programs[1][first + 2:]  # the receive and its wait
+    dropped[1] = programs[1][:first] + programs[1][first + 2 :]  # the receive and its wait
     with pytest.raises(ValueError, match=r"rank 0 sends 2 message\(s\) to rank 1, which receives 1"):
         pair_transfers(dropped)
-    bigger = [Collective(c.id, c.op, 2 * c.size_bytes, 0, 0, c.group, c.async_op, c.phase, args=c.args)
-              if isinstance(c, Collective) else c for c in programs[1]]
-    with pytest.raises(ValueError, match=r"message 0 from rank 0 to rank 1: 1048576 bytes sent into a receive of 2097152"):
+    bigger = [
+        Collective(c.id, c.op, 2 * c.size_bytes, 0, 0, c.group, c.async_op, c.phase, args=c.args)
+        if isinstance(c, Collective)
+        else c
+        for c in programs[1]
+    ]
+    with pytest.raises(
+        ValueError, match=r"message 0 from rank 0 to rank 1: 1048576 bytes sent into a receive of 2097152"
+    ):
         pair_transfers({0: programs[0], 1: bigger})
     with pytest.raises(ValueError, match=r"rank 1, which has no program here"):
         pair_transfers({0: programs[0]})

@@ -3,6 +3,7 @@ GEMMs by shape against cuBLASLt's and XLA's sweeps, attention against FlashAtten
 standard path priced operation by operation), memory-bound kernels against STREAM, collectives against nccl-tests
 by message size and the network cards' rate in NCCL, and compute beside collectives. None of these tables is a
 training run's: the papers' runs are held to the model in tests/test_sim_papers.py."""
+
 import math
 
 import pytest
@@ -24,8 +25,10 @@ def tflops(gpu, shape):
 
 
 # --- GEMMs by shape -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("gpu, table, mean_error, worst", [(A100, published.A100_GEMM_TABLE, 0.06, 0.20),
-                                                            (H100, published.H100_GEMM_TABLE, 0.10, 0.25)])
+@pytest.mark.parametrize(
+    "gpu, table, mean_error, worst",
+    [(A100, published.A100_GEMM_TABLE, 0.06, 0.20), (H100, published.H100_GEMM_TABLE, 0.10, 0.25)],
+)
 def test_gemms_by_shape_against_the_published_sweeps(gpu, table, mean_error, worst):
     """Tiles in waves, each tile's k-blocks through CUTLASS's pipeline and its epilogue's writes, at the SM rate that
     reproduces one large shape of the sweep (16384^3 on A100, 4096^3 on H100, exactly): every other shape of the
@@ -62,7 +65,9 @@ def test_fused_attention_at_flashattention2s_published_rates(gpu, table):
         for seq, rate in zip(published.SEQ, rates):
             batch, heads = 16384 // seq, 2048 // d
             work = 3.5 * 4 * batch * heads * seq * seq * d / (2 if causal else 1)
-            seconds = fa2_seconds(gpu, batch, heads, seq, d, causal) + fa2_seconds(gpu, batch, heads, seq, d, causal, True)
+            seconds = fa2_seconds(gpu, batch, heads, seq, d, causal) + fa2_seconds(
+                gpu, batch, heads, seq, d, causal, True
+            )
             assert work / seconds / 1e12 == pytest.approx(rate, rel=1e-9), (causal, d, seq)
     mid = fa2_seconds(gpu, 8, 2048 // 96, 2048, 96, False) / (2048 // 96 * 96)
     ends = [fa2_seconds(gpu, 8, 2048 // d, 2048, d, False) / (2048 // d * d) for d in (64, 128)]
@@ -73,8 +78,13 @@ def test_fused_attention_at_flashattention2s_published_rates(gpu, table):
 def standard_attention(q, k, v, causal):
     """FlashAttention-2's "Pytorch" baseline (benchmarks/benchmark_flash_attention.py), on (batch x heads, s, d)."""
     s, d = q.shape[1], q.shape[2]
-    scores = torch.baddbmm(torch.empty(q.shape[0], s, s, dtype=q.dtype, device=q.device), q, k.transpose(1, 2),
-                           beta=0, alpha=1 / math.sqrt(d))
+    scores = torch.baddbmm(
+        torch.empty(q.shape[0], s, s, dtype=q.dtype, device=q.device),
+        q,
+        k.transpose(1, 2),
+        beta=0,
+        alpha=1 / math.sqrt(d),
+    )
     if causal:
         scores = scores + torch.triu(torch.full((s, s), -10000.0, device=q.device), 1).to(dtype=scores.dtype)
     return torch.bmm(F.dropout(torch.softmax(scores, dim=-1), 0.0), v)
@@ -82,8 +92,9 @@ def standard_attention(q, k, v, causal):
 
 def standard_tflops(gpu, seq, d, causal):
     batch, heads = 16384 // seq, 2048 // d
-    q, k, v = (torch.empty(batch * heads, seq, d, dtype=torch.float16, device="meta", requires_grad=True)
-               for _ in range(3))
+    q, k, v = (
+        torch.empty(batch * heads, seq, d, dtype=torch.float16, device="meta", requires_grad=True) for _ in range(3)
+    )
     with OpCounter(meta=True) as ops:
         out = standard_attention(q, k, v, causal)
         out.backward(torch.empty_like(out))
@@ -128,22 +139,22 @@ def test_inside_a_node_collectives_run_at_nccl_tests_bus_bandwidth_for_their_siz
     same node measured by S. Bekman, 229.0 at 1 GiB); between sizes it is interpolated; H100's all_reduce runs on
     NVLink SHARP (478.9 at 8 GiB), its other collectives ring at 367.2/480 of that."""
     node = range(8)
-    for size, expected in ((2 ** 20, 36.22), (2 ** 26, 166.63), (2 ** 33, 231.58)):
+    for size, expected in ((2**20, 36.22), (2**26, 166.63), (2**33, 231.58)):
         assert busbw(DGX_A100, "all_reduce", size, node) == pytest.approx(expected, rel=1e-9)
-    assert busbw(DGX_A100, "all_reduce", 2 ** 30, node) == pytest.approx(229.04, rel=0.01)
+    assert busbw(DGX_A100, "all_reduce", 2**30, node) == pytest.approx(229.04, rel=0.01)
     assert 166.63 < busbw(DGX_A100, "reduce_scatter", 100e6, node) < 174.18
-    assert busbw(DGX_H100, "all_reduce", 2 ** 33, node) == pytest.approx(478.87, rel=1e-9)
-    assert busbw(DGX_H100, "all_gather", 2 ** 33, node) == pytest.approx(478.87 * 367.2 / 480.0, rel=1e-9)
+    assert busbw(DGX_H100, "all_reduce", 2**33, node) == pytest.approx(478.87, rel=1e-9)
+    assert busbw(DGX_H100, "all_gather", 2**33, node) == pytest.approx(478.87 * 367.2 / 480.0, rel=1e-9)
 
 
 def test_across_nodes_the_cards_reach_their_measured_rate_in_nccl():
     """One GPU per node (a data-parallel group beside tp = 8): one card each, 24 GB/s on HDR, 47 on NDR (the NCCL
     team's figures), plus NCCL's latency; eight per node: eight cards, below NVLink's measured bus bandwidth."""
-    replicate = collective_time(DGX_A100, "all_reduce", 2 ** 30, range(0, 32, 8))
+    replicate = collective_time(DGX_A100, "all_reduce", 2**30, range(0, 32, 8))
     assert replicate.bandwidth == pytest.approx(24e9) and replicate.link == "inter-node"
-    assert replicate.seconds == pytest.approx(8.4e-6 + 6 * 9.6e-6 + 2 * 3 / 4 * 2 ** 30 / 24e9)
-    assert collective_time(DGX_H100, "all_reduce", 2 ** 30, range(0, 32, 8)).bandwidth == pytest.approx(47e9)
-    assert collective_time(DGX_A100, "all_gather", 2 ** 30, range(32)).bandwidth == pytest.approx(8 * 24e9)
+    assert replicate.seconds == pytest.approx(8.4e-6 + 6 * 9.6e-6 + 2 * 3 / 4 * 2**30 / 24e9)
+    assert collective_time(DGX_H100, "all_reduce", 2**30, range(0, 32, 8)).bandwidth == pytest.approx(47e9)
+    assert collective_time(DGX_A100, "all_gather", 2**30, range(32)).bandwidth == pytest.approx(8 * 24e9)
     assert collective_time(DGX_A100, "send", 1e9, range(16), me=0, args=dict(peer=1)).bandwidth == pytest.approx(274e9)
     assert collective_time(DGX_A100, "send", 1e9, range(16), me=0, args=dict(peer=8)).bandwidth == pytest.approx(24e9)
 
@@ -151,8 +162,12 @@ def test_across_nodes_the_cards_reach_their_measured_rate_in_nccl():
 def test_compute_beside_a_collective_in_flight_runs_longer_by_the_measured_slowdown():
     """2 s of compute issued after a 1 s all-reduce: for its first second it shares the SMs with NCCL's kernels and
     does 1/1.189 s of work, the rest runs alone: 1 + (2 - 1/1.189) s, the extra said as contention."""
-    program = [Compute(0, label="a", phase="backward"), Collective(0, "all_reduce", 1, 0, 0, (0, 1), True),
-               Compute(0, label="b", phase="backward"), Wait(0)]
+    program = [
+        Compute(0, label="a", phase="backward"),
+        Collective(0, "all_reduce", 1, 0, 0, (0, 1), True),
+        Compute(0, label="b", phase="backward"),
+        Wait(0),
+    ]
 
     class Cost:
         seconds, resources = 1.0, ("intra",)
@@ -173,8 +188,11 @@ def test_every_preset_measurement_has_a_source_and_its_band_brackets_the_value()
     assert len(found) == 14
     for m in found:
         assert m.source and (m.worst <= m.value <= m.best or m.best <= m.value <= m.worst), m
-    step = [Collective(0, "all_reduce", 10 ** 9, 0, 0, tuple(range(8)), True), Compute(2e12, 1e9, phase="forward"),
-            Wait(0)]
+    step = [
+        Collective(0, "all_reduce", 10**9, 0, 0, tuple(range(8)), True),
+        Compute(2e12, 1e9, phase="forward"),
+        Wait(0),
+    ]
     cost = estimate([step], "dgx-a100", world_size=8)
     assert cost.band["best"] <= cost.step_time <= cost.band["worst"] and cost.band["best"] < cost.band["worst"]
 
@@ -189,10 +207,20 @@ def scattered_handoff(ranks_of_stage, activation, t, scatter):
         src, dst = ranks_of_stage[0][i], ranks_of_stage[1][i]
         ranks[("s0", i)], ranks[("s1", i)] = src, dst
         programs[("s0", i)] = [Collective(0, "send", piece, piece, 0, (src, dst), True, args=dict(peer=dst)), Wait(0)]
-        after = [Collective(1, "all_gather", activation, activation - piece, activation - piece,
-                            tuple(ranks_of_stage[1]), False), Wait(1)] if scatter else []
-        programs[("s1", i)] = [Collective(0, "recv", piece, 0, piece, (src, dst), False, args=dict(peer=src)),
-                               Wait(0)] + after
+        after = (
+            [
+                Collective(
+                    1, "all_gather", activation, activation - piece, activation - piece, tuple(ranks_of_stage[1]), False
+                ),
+                Wait(1),
+            ]
+            if scatter
+            else []
+        )
+        programs[("s1", i)] = [
+            Collective(0, "recv", piece, 0, piece, (src, dst), False, args=dict(peer=src)),
+            Wait(0),
+        ] + after
     return programs, ranks
 
 

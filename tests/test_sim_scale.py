@@ -5,6 +5,7 @@ the layer count is cut to 2, which keeps every formula exact (model states and b
 the parameter count, and the parameter count is the model's own). `bench/sim_speed.py` runs the
 full-depth models.
 """
+
 from __future__ import annotations
 
 import math
@@ -61,7 +62,7 @@ def test_fsdp_peak_is_the_shards_plus_the_units_in_flight():
     W = 512
     sim = simulate(lambda: presets.gpt3_175b(n_layer=4), "fsdp", W, progress=False, **MIXED)
     assert sim.peak_moment["pass"] == "backward"
-    block = 12 * 12288 ** 2 + 13 * 12288
+    block = 12 * 12288**2 + 13 * 12288
     root = sim.num_params - 4 * block
     padded = lambda n: n + (-n) % W  # noqa: E731
     assert sim.peak_memory["gathered"] == 2 * (2 * padded(block) + padded(root))  # bf16 gathered units
@@ -81,8 +82,9 @@ def test_moe_64_experts_on_64_ranks():
     T = sim.batch_per_rank * sim.seq_len
     C = math.ceil(k * 1.0 * T / E)
     exchanges = [c for c in sim.collectives() if c.op == "all_to_all" and c.label != "counts"]
-    assert sorted(c.label for c in exchanges) == sorted(["dispatch", "combine", "dispatch backward",
-                                                        "combine backward"] * 2)
+    assert sorted(c.label for c in exchanges) == sorted(
+        ["dispatch", "combine", "dispatch backward", "combine backward"] * 2
+    )
     for c in exchanges:
         assert c.size_bytes == E * C * d * 4  # balanced routing fills every expert's capacity exactly
         assert c.bytes_sent == c.size_bytes * (W - 1) // W
@@ -106,7 +108,9 @@ def test_moe_with_more_ranks_than_experts_simulates(world):
     assert sliced.expert_params // world <= sliced.local_expert_params <= sliced.expert_params // world + d % s + s
     exchanges = [c for c in sliced.collectives() if c.op == "all_to_all" and c.label != "counts"]
     assert sorted({c.label for c in exchanges}) == ["combine", "combine backward", "dispatch", "dispatch backward"]
-    assert sliced.flops == pytest.approx(sims[16].flops, rel=1e-9)  # the same rows, each through 1/s of an expert s times
+    assert sliced.flops == pytest.approx(
+        sims[16].flops, rel=1e-9
+    )  # the same rows, each through 1/s of an expert s times
 
 
 def test_presets_are_the_papers():

@@ -1,6 +1,7 @@
 """Several stages' programs on one clock (`toolkit.sim.stage_timeline`): the interface a pipeline schedule
 hands the cost model. A hand-built two-stage GPipe step, its bubble against (p-1)/(m+p-1), transfers on
 the critical path and on the right link, one stage equal to the one-rank rule, and a deadlock named."""
+
 import pytest
 
 from toolkit.sim import Collective, Compute, Wait, cluster_of
@@ -26,12 +27,16 @@ def gpipe_two_stages(m=2, ranks=(0, 1)):
         s1 += [p2p(k, "recv", r0, "forward", ranks), Wait(k, "forward"), Compute(0, phase="forward", label="F")]
     for k in range(m):
         s1 += [Compute(0, phase="backward", label="B"), p2p(m + k, "send", r0, "backward", ranks)]
-        s0 += [p2p(m + k, "recv", r1, "backward", ranks), Wait(m + k, "backward"),
-               Compute(0, phase="backward", label="B")]
+        s0 += [
+            p2p(m + k, "recv", r1, "backward", ranks),
+            Wait(m + k, "backward"),
+            Compute(0, phase="backward", label="B"),
+        ]
     s0 += [Wait(k, "backward") for k in range(m)]
     s1 += [Wait(m + k, "backward") for k in range(m)]
-    pairs = [P2P(send=(0, k), recv=(1, k)) for k in range(m)] + [P2P(send=(1, m + k), recv=(0, m + k))
-                                                                 for k in range(m)]
+    pairs = [P2P(send=(0, k), recv=(1, k)) for k in range(m)] + [
+        P2P(send=(1, m + k), recv=(0, m + k)) for k in range(m)
+    ]
     return {0: s0, 1: s1}, pairs
 
 
@@ -76,16 +81,25 @@ def test_stages_on_two_nodes_send_over_the_network_and_on_one_node_over_nvlink()
     one_node = estimate_stages(*gpipe_two_stages(2, (0, 1)), "dgx-a100", ranks={0: 0, 1: 1}, world_size=16)
     two_nodes = estimate_stages(*gpipe_two_stages(2, (0, 8)), "dgx-a100", ranks={0: 0, 1: 8}, world_size=16)
     links = {s.cost.link for s in two_nodes.stages[0].spans if s.kind == "comm"}
-    assert links == {"inter-node"} and {s.cost.link for s in one_node.stages[0].spans if s.kind == "comm"} == {"intra-node"}
+    assert links == {"inter-node"} and {s.cost.link for s in one_node.stages[0].spans if s.kind == "comm"} == {
+        "intra-node"
+    }
     dgx = cluster_of("dgx-a100")
-    per_transfer = (collective_time(dgx, "send", 1 << 20, (0, 8), 0, dict(peer=8)).seconds
-                    - collective_time(dgx, "send", 1 << 20, (0, 1), 0, dict(peer=1)).seconds)
+    per_transfer = (
+        collective_time(dgx, "send", 1 << 20, (0, 8), 0, dict(peer=8)).seconds
+        - collective_time(dgx, "send", 1 << 20, (0, 1), 0, dict(peer=1)).seconds
+    )
     assert two_nodes.step_time - one_node.step_time == pytest.approx(4 * per_transfer, rel=1e-9)
 
 
 def test_one_stage_is_the_one_rank_overlap_rule():
-    program = [Compute(0, label="F"), Collective(0, "all_reduce", 1, 0, 0, (0, 1), True), Compute(0, label="B"),
-               Wait(0), Compute(0, label="F")]
+    program = [
+        Compute(0, label="F"),
+        Collective(0, "all_reduce", 1, 0, 0, (0, 1), True),
+        Compute(0, label="B"),
+        Wait(0),
+        Compute(0, label="F"),
+    ]
     alone = schedule(program, lambda c: hand(0, c), lambda c: Cost(1.5))
     staged = schedule_stages({0: program}, [], hand, lambda stage, c: Cost(1.5)).stages[0]
     assert [(s.kind, s.start, s.end) for s in staged.spans] == [(s.kind, s.start, s.end) for s in alone.spans]
@@ -96,7 +110,9 @@ def test_a_schedule_that_deadlocks_names_each_stages_blocked_instruction():
     s0 = [p2p(0, "recv", 1, "forward"), Wait(0, "forward"), p2p(1, "send", 1, "forward")]
     s1 = [p2p(1, "recv", 0, "forward"), Wait(1, "forward"), p2p(0, "send", 0, "forward")]
     pairs = [P2P(send=(1, 0), recv=(0, 0)), P2P(send=(0, 1), recv=(1, 1))]
-    with pytest.raises(ValueError, match=r"deadlock.*stage 0 at instruction 1, Wait\(id=0.*stage 1 at instruction 1, Wait\(id=1"):
+    with pytest.raises(
+        ValueError, match=r"deadlock.*stage 0 at instruction 1, Wait\(id=0.*stage 1 at instruction 1, Wait\(id=1"
+    ):
         schedule_stages({0: s0, 1: s1}, pairs, hand, lambda stage, c: Cost(0.1))
     with pytest.raises(ValueError, match="stage 2 has no program"):
         schedule_stages({0: s0, 1: s1}, [P2P(send=(0, 1), recv=(2, 0))], hand, lambda stage, c: Cost(0.1))

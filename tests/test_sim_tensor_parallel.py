@@ -8,16 +8,24 @@
 - Activations kept per block on a real rank equal Korthikanti's per-layer terms split by t
   (`tp_activation_terms`), with and without sequence parallelism.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
+from test_sim_vs_real import allocator_peak, structure
 
 import toolkit
-from test_sim_vs_real import allocator_peak, structure
-from toolkit.memory import (gpt_parameter_split, tp_activation_bytes, tp_activation_terms, tp_bytes_per_layer,
-                            tp_bytes_per_step, tp_model_states, activations_by_module)
+from toolkit.memory import (
+    activations_by_module,
+    gpt_parameter_split,
+    tp_activation_bytes,
+    tp_activation_terms,
+    tp_bytes_per_layer,
+    tp_bytes_per_step,
+    tp_model_states,
+)
 from toolkit.models import SyntheticCorpus, tiny_gpt
 from toolkit.sim import simulate
 from toolkit.train import TrainConfig, train
@@ -33,14 +41,16 @@ CASES = {
 def test_the_terms_add_up_to_korthikantis_closed_forms():
     for s, b, h, a, t in ((2048, 1, 12288, 96, 8), (512, 4, 1024, 16, 2), (32, 2, 64, 4, 4)):
         for sp in (False, True):
-            assert sum(tp_activation_terms(s, b, h, a, t, sequence_parallel=sp).values()) == \
-                pytest.approx(tp_activation_bytes(s, b, h, a, t, sequence_parallel=sp), rel=1e-12)
+            assert sum(tp_activation_terms(s, b, h, a, t, sequence_parallel=sp).values()) == pytest.approx(
+                tp_activation_bytes(s, b, h, a, t, sequence_parallel=sp), rel=1e-12
+            )
         assert tp_activation_bytes(s, b, h, a, 1) == s * b * h * (34 + 5 * a * s / h)  # t = 1: no split
     # the paper's per-layer bytes for GPT-3 175B (s 2048, h 12288, a 96) at t = 8, b = 1: TP 10 + 24/8 + 5as/(8h)
     assert tp_activation_bytes(2048, 1, 12288, 96, 8) / (2048 * 12288) == 10 + 3 + 5 * 96 * 2048 / (12288 * 8)
     # sequence parallelism's bytes per layer equal tensor parallelism's less its extra all-gathers: 10 vs 8 halves
-    assert tp_bytes_per_layer(1, 2048, 12288, 8, sequence_parallel=True) == \
-        pytest.approx(10 / 8 * tp_bytes_per_layer(1, 2048, 12288, 8))
+    assert tp_bytes_per_layer(1, 2048, 12288, 8, sequence_parallel=True) == pytest.approx(
+        10 / 8 * tp_bytes_per_layer(1, 2048, 12288, 8)
+    )
 
 
 def measured_activations(options) -> list[int]:
@@ -56,14 +66,20 @@ def real_runs(cases):
     found = []
     for strategy, options in cases:
         dp = world // options["tp"]
-        config = TrainConfig(strategy=strategy, steps=2, global_batch_size=BATCH * dp, model=SMALL,
-                             options=dict(options), progress=False)
+        config = TrainConfig(
+            strategy=strategy, steps=2, global_batch_size=BATCH * dp, model=SMALL, options=dict(options), progress=False
+        )
         run = train(config)
         after_backward = next(s for s in run.samples if s["step"] == 1 and s["phase"] == "backward")
-        found.append({"bytes": toolkit.trace.analysis.bytes_per_step(run, rank)[-1],
-                      "states": {k: after_backward[k] for k in ("params", "grads", "optimizer")},
-                      "peak": allocator_peak(strategy, options, world, rank), **structure(run, rank),
-                      "activations": measured_activations(options) if strategy == "local" else None})
+        found.append(
+            {
+                "bytes": toolkit.trace.analysis.bytes_per_step(run, rank)[-1],
+                "states": {k: after_backward[k] for k in ("params", "grads", "optimizer")},
+                "peak": allocator_peak(strategy, options, world, rank),
+                **structure(run, rank),
+                "activations": measured_activations(options) if strategy == "local" else None,
+            }
+        )
     return found
 
 
@@ -71,8 +87,20 @@ def real_runs(cases):
 @pytest.mark.parametrize("world", [2, 4])
 def test_simulated_tensor_parallel_rank_equals_a_real_gloo_run_and_the_formulas(world, no_leftover_ranks):
     rank = world - 1
-    sims = [simulate(lambda: tiny_gpt(**SMALL), strategy, world, rank=rank, batch_per_rank=BATCH, ranks_per_node=2,
-                     progress=False, cluster="dgx-a100", **options) for strategy, options in CASES[world]]
+    sims = [
+        simulate(
+            lambda: tiny_gpt(**SMALL),
+            strategy,
+            world,
+            rank=rank,
+            batch_per_rank=BATCH,
+            ranks_per_node=2,
+            progress=False,
+            cluster="dgx-a100",
+            **options,
+        )
+        for strategy, options in CASES[world]
+    ]
     real = toolkit.launch(real_runs, world, args=(CASES[world],), timeout_s=300, quiet=True)
     L, h, a, s, V = SMALL["n_layer"], SMALL["d_model"], SMALL["n_head"], 32, 64
     counts = gpt_parameter_split(V, s, L, h)
@@ -82,26 +110,50 @@ def test_simulated_tensor_parallel_rank_equals_a_real_gloo_run_and_the_formulas(
         assert sim.bytes_per_phase == measured["bytes"], case
         assert {k: sim.memory[k] for k in measured["states"]} == measured["states"], case
         assert abs(sim.peak - measured["peak"]) <= 0.10 * measured["peak"], (case, sim.peak, measured["peak"])
-        assert structure(sim.modelled_run, rank, last_step=len(sim.programs) - 1) == \
-            {k: measured[k] for k in ("collectives", "unit spans")}, case
+        assert structure(sim.modelled_run, rank, last_step=len(sim.programs) - 1) == {
+            k: measured[k] for k in ("collectives", "unit spans")
+        }, case
         # the formulas: the split/replicated count, the bytes to the byte, the model states
-        assert sim.tensor_parallel["split"] == counts["split"] and sim.tensor_parallel["replicated"] == counts["replicated"]
+        assert (
+            sim.tensor_parallel["split"] == counts["split"]
+            and sim.tensor_parallel["replicated"] == counts["replicated"]
+        )
         theory = sim.theory()
         assert sim.bytes_per_step["total"] == theory["bytes_per_step"], case
         tp_group = tuple(range(rank - rank % t, rank - rank % t + t))  # consecutive ranks
-        tp_ops = {op: sum(c.bytes_sent for c in sim.collectives() if op == c.op and c.group == tp_group)
-                  for op in ("all_reduce", "all_gather", "reduce_scatter")}
+        tp_ops = {
+            op: sum(c.bytes_sent for c in sim.collectives() if op == c.op and c.group == tp_group)
+            for op in ("all_reduce", "all_gather", "reduce_scatter")
+        }
         formula = tp_bytes_per_step(BATCH, s, h, L, t, sequence_parallel=sp, bytes_per_value=value)
         assert {op: b for op, b in tp_ops.items() if b} == {op: b for op, b in formula.items() if op != "total" and b}
         stage = {"local": 0, "zero1": 1, "fsdp": 3}[strategy]
         kept = (4, 4, 8) if strategy == "fsdp" else (value, value, 12 if value == 2 else 8)
-        states = tp_model_states(counts["split"], counts["replicated"], t, world // t, stage, param_bytes=kept[0],
-                                 grad_bytes=kept[1], optimizer_multiplier=kept[2])
+        states = tp_model_states(
+            counts["split"],
+            counts["replicated"],
+            t,
+            world // t,
+            stage,
+            param_bytes=kept[0],
+            grad_bytes=kept[1],
+            optimizer_multiplier=kept[2],
+        )
         for k in ("params", "grads"):
             assert abs(sim.memory[k] - states[k]) < world, (case, k)  # a flat buffer pads to a multiple of dp
         if measured["activations"] is not None:  # Korthikanti's terms on one tp rank, this GPT's switches
-            terms = tp_activation_terms(s, BATCH, h, a, t, sequence_parallel=sp, bytes_per_value=4, dropout=False,
-                                        fused_attention=True, small_terms=True)
+            terms = tp_activation_terms(
+                s,
+                BATCH,
+                h,
+                a,
+                t,
+                sequence_parallel=sp,
+                bytes_per_value=4,
+                dropout=False,
+                fused_attention=True,
+                small_terms=True,
+            )
             assert measured["activations"] == [sum(terms.values())] * L, (case, terms)
 
 
@@ -112,13 +164,27 @@ def test_activation_checkpointing_repeats_the_collectives_of_the_forward_it_runs
     (the same code as a real one) sends what `tp_bytes_per_step(recompute=True)` says, its summary no more than
     its theory."""
     for layers in (2, 3):
-        sims = {c: simulate(lambda: tiny_gpt(**dict(SMALL, n_layer=layers)), "local", 2, batch_per_rank=BATCH,
-                            tp=2, sequence_parallel=sp, activation_checkpointing=c, progress=False) for c in (False, True)}
+        sims = {
+            c: simulate(
+                lambda: tiny_gpt(**dict(SMALL, n_layer=layers)),
+                "local",
+                2,
+                batch_per_rank=BATCH,
+                tp=2,
+                sequence_parallel=sp,
+                activation_checkpointing=c,
+                progress=False,
+            )
+            for c in (False, True)
+        }
         for recompute, sim in sims.items():
-            formula = tp_bytes_per_step(BATCH, 32, SMALL["d_model"], layers, 2, sequence_parallel=sp,
-                                        recompute=recompute)
+            formula = tp_bytes_per_step(
+                BATCH, 32, SMALL["d_model"], layers, 2, sequence_parallel=sp, recompute=recompute
+            )
             assert {op: b for op, b in sim.bytes_per_step.items()} == {op: b for op, b in formula.items() if b}
             assert sim.theory()["bytes_per_step"] == sim.bytes_per_step["total"]
-        extra = tp_bytes_per_step(BATCH, 32, SMALL["d_model"], layers, 2, sequence_parallel=sp, recompute=True)["total"] \
+        extra = (
+            tp_bytes_per_step(BATCH, 32, SMALL["d_model"], layers, 2, sequence_parallel=sp, recompute=True)["total"]
             - tp_bytes_per_step(BATCH, 32, SMALL["d_model"], layers, 2, sequence_parallel=sp)["total"]
+        )
         assert extra == layers * (3 if sp else 2) * (2 - 1) / 2 * BATCH * 32 * SMALL["d_model"] * 4

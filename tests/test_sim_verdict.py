@@ -1,5 +1,6 @@
 """What the simulator tells a person is true: does it fit (and what would make it fit), the cluster's useful
 rate, and numbers printed in units a person reads, with no negative or sub-microsecond noise."""
+
 from __future__ import annotations
 
 import re
@@ -12,10 +13,12 @@ from toolkit.sim import cluster_of, simulate
 from toolkit.units import bytes_text, count_text, seconds_text
 
 MIXED = dict(mixed_precision=True, progress=False)
-SMALL_GPU = dict(name="32 MB GPU", peak_flops={"bf16": 1e12, "fp16": 1e12, "fp32": 1e12}, memory_bytes=32e6,
-                 memory_bandwidth=1e11)
-SMALL = cluster_of(dict(name="small", gpu=SMALL_GPU, gpus_per_node=8, intra=("100 GB/s", "5 us"),
-                        inter=("10 GB/s", "10 us")))
+SMALL_GPU = dict(
+    name="32 MB GPU", peak_flops={"bf16": 1e12, "fp16": 1e12, "fp32": 1e12}, memory_bytes=32e6, memory_bandwidth=1e11
+)
+SMALL = cluster_of(
+    dict(name="small", gpu=SMALL_GPU, gpus_per_node=8, intra=("100 GB/s", "5 us"), inter=("10 GB/s", "10 us"))
+)
 
 
 def long_sequences():
@@ -42,14 +45,16 @@ def test_the_advice_to_checkpoint_activations_is_what_makes_it_fit():
     fsdp = simulate(long_sequences, "fsdp", 8, batch_per_rank=4, cluster=SMALL, **MIXED)
     assert not fsdp.fits and any("activation_checkpointing=True" in a for a in fsdp.fit.advice)
     assert fsdp.fit.advice[0].startswith("activation checkpointing")  # activations are most of the peak
-    checkpointed = simulate(long_sequences, "fsdp", 8, batch_per_rank=4, cluster=SMALL,
-                            activation_checkpointing=True, **MIXED)
+    checkpointed = simulate(
+        long_sequences, "fsdp", 8, batch_per_rank=4, cluster=SMALL, activation_checkpointing=True, **MIXED
+    )
     assert checkpointed.fits and checkpointed.step_time > 0
     # not only FSDP's: activation checkpointing is every strategy's option, and the advice says so
     zero2 = simulate(long_sequences, "zero2", 8, batch_per_rank=4, cluster=SMALL, **MIXED)
     assert not zero2.fits and zero2.fit.advice[0].startswith("activation checkpointing (activation_checkpointing=True)")
-    assert simulate(long_sequences, "zero2", 8, batch_per_rank=4, cluster=SMALL, activation_checkpointing=True,
-                    **MIXED).fits
+    assert simulate(
+        long_sequences, "zero2", 8, batch_per_rank=4, cluster=SMALL, activation_checkpointing=True, **MIXED
+    ).fits
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
@@ -59,8 +64,9 @@ def test_every_strategy_is_told_to_checkpoint_its_own_activations(strategy):
     sim = simulate(long_sequences, strategy, 8, batch_per_rank=4, cluster=SMALL, **MIXED)
     tips = [a for a in sim.fit.advice if "activation_checkpointing=True" in a]
     assert not sim.fits and tips and tips[0].startswith("activation checkpointing") and "fsdp" not in tips[0]
-    checkpointed = simulate(long_sequences, strategy, 8, batch_per_rank=4, cluster=SMALL,
-                            activation_checkpointing=True, **MIXED)
+    checkpointed = simulate(
+        long_sequences, strategy, 8, batch_per_rank=4, cluster=SMALL, activation_checkpointing=True, **MIXED
+    )
     assert checkpointed.peak < sim.peak
     assert not any("activation_checkpointing" in a for a in checkpointed.fit.advice)
 
@@ -86,9 +92,17 @@ def test_tflops_per_gpu_is_all_ranks_work_over_the_world_and_rank_0s_own_is_name
     """The trial: shadowing made the step 1.7x faster, and tflops_per_gpu (rank 0's FLOPs / step) halved, because
     rank 0 holds the hot expert and computes most of its rows. The useful work of a dropless layer does not depend
     on where its rows are computed: plain, shadowed and balanced routings do the same work per GPU."""
+
     def moe(routing, **options):
-        return simulate(lambda: presets.moe_gpt_64(n_layer=1, moe_options=dict(dropless=True, **options)), "ddp", 64,
-                        routing=routing, warmup=False, cluster="dgx-a100", **MIXED)
+        return simulate(
+            lambda: presets.moe_gpt_64(n_layer=1, moe_options=dict(dropless=True, **options)),
+            "ddp",
+            64,
+            routing=routing,
+            warmup=False,
+            cluster="dgx-a100",
+            **MIXED,
+        )
 
     # (the predictor's rates given: left to measure them, the layer times a GEMM, counted as the step's work)
     balanced, plain = moe(None), moe(hot_expert)
@@ -107,11 +121,15 @@ def test_tflops_per_gpu_is_all_ranks_work_over_the_world_and_rank_0s_own_is_name
 
 def test_mfu_is_explained_by_the_rate_compute_is_charged_at_and_the_share_of_the_step_spent_at_it():
     """The trial read "100% of peak" next to "MFU 70%": the summary now multiplies out to its MFU."""
-    sim = simulate(long_sequences, "fsdp", 8, batch_per_rank=4, activation_checkpointing=True, cluster="dgx-a100",
-                   mfu=1.0, **MIXED)
+    sim = simulate(
+        long_sequences, "fsdp", 8, batch_per_rank=4, activation_checkpointing=True, cluster="dgx-a100", mfu=1.0, **MIXED
+    )
     text = sim.cost.summary()
-    found = re.search(r"MFU ([\d.]+)% = ([\d.]+)% of the bf16 peak .* x ([\d.]+)% of the step computing"
-                      r"(?: x ([\d.]+) \(model FLOPs, 3 x the forward's, over the FLOPs run)?", text)
+    found = re.search(
+        r"MFU ([\d.]+)% = ([\d.]+)% of the bf16 peak .* x ([\d.]+)% of the step computing"
+        r"(?: x ([\d.]+) \(model FLOPs, 3 x the forward's, over the FLOPs run)?",
+        text,
+    )
     mfu, rate, share = (float(x) for x in found.groups()[:3])
     useful = float(found.group(4) or 1)
     assert useful < 1  # checkpointing recomputes the forward: model FLOPs are fewer than the FLOPs run
@@ -121,13 +139,24 @@ def test_mfu_is_explained_by_the_rate_compute_is_charged_at_and_the_share_of_the
 
 # --- numbers as a person reads them -----------------------------------------------------------------------
 def test_units_follow_the_magnitude_and_noise_is_not_printed():
-    assert [bytes_text(n) for n in (0, 106, 2.05e4, 1.77e10, 2.79e12)] == ["0 B", "106 B", "20.5 kB", "17.7 GB",
-                                                                           "2.79 TB"]
+    assert [bytes_text(n) for n in (0, 106, 2.05e4, 1.77e10, 2.79e12)] == [
+        "0 B",
+        "106 B",
+        "20.5 kB",
+        "17.7 GB",
+        "2.79 TB",
+    ]
     assert [count_text(n) for n in (12, 1.06e5, 7.5e9, 1.746e11)] == ["12", "106K", "7.5B", "175B"]
-    assert [seconds_text(s) for s in (3.47e-18, -3.5e-15, 4.2e-6, 0.0309, 12.5)] == ["0 µs", "0 µs", "4.2 µs",
-                                                                                    "30.9 ms", "12.5 s"]
-    tiny = simulate(lambda: tiny_gpt(n_layer=1, d_model=8, n_head=2, vocab_size=16), "ddp", 2, cluster="dgx-a100",
-                    **MIXED)
+    assert [seconds_text(s) for s in (3.47e-18, -3.5e-15, 4.2e-6, 0.0309, 12.5)] == [
+        "0 µs",
+        "0 µs",
+        "4.2 µs",
+        "30.9 ms",
+        "12.5 s",
+    ]
+    tiny = simulate(
+        lambda: tiny_gpt(n_layer=1, d_model=8, n_head=2, vocab_size=16), "ddp", 2, cluster="dgx-a100", **MIXED
+    )
     printed = tiny.summary() + "\n" + tiny.cost.summary()
     assert not re.search(r"\b0\.000|e-1\d|-\d+(\.\d+)? ?(ms|µs|s)\b|\d\.\d+B parameters", printed), printed
     assert "K parameters" in printed and " kB" in printed

@@ -6,6 +6,7 @@ a steady step (parameters, gradients and optimizer states all alive: the model s
 side must give the same numbers exactly, strategy by strategy, and a peak within 10% of the real one as
 the CPU allocator reports it (torch.profiler's memory events, the allocator's own running total).
 """
+
 from __future__ import annotations
 
 import collections
@@ -28,8 +29,14 @@ BATCH = 2  # rows per rank
 MIXED = {"mixed_precision": True}
 CASES = {  # every strategy in fp32 at 2 ranks; in mixed precision, and hybrid sharding, at 4
     2: [("ddp", {}), ("zero1", {}), ("zero2", {}), ("zero3", {}), ("fsdp", {})],
-    4: [("ddp", MIXED), ("zero1", MIXED), ("zero2", MIXED), ("zero3", MIXED), ("fsdp", MIXED),
-        ("fsdp", {"sharding_group_size": 2})],  # HSDP: shard over 2, replicate over 2
+    4: [
+        ("ddp", MIXED),
+        ("zero1", MIXED),
+        ("zero2", MIXED),
+        ("zero3", MIXED),
+        ("fsdp", MIXED),
+        ("fsdp", {"sharding_group_size": 2}),
+    ],  # HSDP: shard over 2, replicate over 2
 }
 
 
@@ -59,9 +66,13 @@ def allocator_peak(strategy, options, world, rank) -> int:
     gloo = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("name", "").startswith("c10d::")]
     threads = collections.Counter(e.get("tid") for e in trace if e.get("name", "").startswith("aten::"))
     step_thread = threads.most_common(1)[0][0]
-    events = [e for e in sorted(trace, key=lambda e: e.get("ts", 0)) if e.get("name") == "[memory]"
-              and not any(a <= e["ts"] <= b for a, b in gloo)  # in time order: the trace lists thread by thread
-              and (e["args"]["Bytes"] < 0 or e.get("tid") == step_thread)]  # (a free may happen on any thread)
+    events = [
+        e
+        for e in sorted(trace, key=lambda e: e.get("ts", 0))
+        if e.get("name") == "[memory]"
+        and not any(a <= e["ts"] <= b for a, b in gloo)  # in time order: the trace lists thread by thread
+        and (e["args"]["Bytes"] < 0 or e.get("tid") == step_thread)
+    ]  # (a free may happen on any thread)
     # a CPU GEMM may pack its inputs into a scratch buffer of its own, freed before it returns (oneDNN's bf16
     # path does, for transposed inputs, on some CPUs): the kernel's, as cuBLAS's workspace is, not the strategy's
     gemms = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("ph") == "X" and e.get("name") in GEMMS]
@@ -70,7 +81,8 @@ def allocator_peak(strategy, options, world, rank) -> int:
         if e["args"]["Bytes"] > 0:
             allocated[e["args"]["Addr"]] = e
         elif (start_event := allocated.pop(e["args"]["Addr"], None)) is not None and any(
-                a <= start_event["ts"] and e["ts"] <= b for a, b in gemms):
+            a <= start_event["ts"] and e["ts"] <= b for a, b in gemms
+        ):
             start_event["scratch"] = e["scratch"] = True
     events = [e["args"] for e in events if not e.get("scratch")]
     live, running, highest = {}, 0, 0  # blocks allocated during the step, by address
@@ -89,30 +101,63 @@ def real_runs(cases):
     rank, world = dist.get_rank(), dist.get_world_size()
     found = []
     for strategy, options in cases:
-        config = TrainConfig(strategy=strategy, steps=2, global_batch_size=BATCH * world, model=SMALL,
-                             options=dict(options), progress=False)
+        config = TrainConfig(
+            strategy=strategy,
+            steps=2,
+            global_batch_size=BATCH * world,
+            model=SMALL,
+            options=dict(options),
+            progress=False,
+        )
         run = train(config)
         after_backward = next(s for s in run.samples if s["step"] == 1 and s["phase"] == "backward")
-        found.append({"bytes": toolkit.trace.analysis.bytes_per_step(run, rank)[-1],
-                      "states": {k: after_backward[k] for k in ("params", "grads", "optimizer")},
-                      "peak": allocator_peak(strategy, options, world, rank), **structure(run, rank)})
+        found.append(
+            {
+                "bytes": toolkit.trace.analysis.bytes_per_step(run, rank)[-1],
+                "states": {k: after_backward[k] for k in ("params", "grads", "optimizer")},
+                "peak": allocator_peak(strategy, options, world, rank),
+                **structure(run, rank),
+            }
+        )
     return found
 
 
 def structure(run, rank, last_step=None) -> dict:
     """The last step's collectives (op, unit) in issue order and its FSDP unit spans in start order."""
     start, end = toolkit.trace.analysis.step_windows(run, rank)[-1]
-    events = sorted((e for e in run.events if e["rank"] == rank and start <= e["start"] < end
-                     and (last_step is None or e["args"].get("step") == last_step)), key=lambda e: e["start"])
-    return {"collectives": [(e["name"], e["args"].get("unit")) for e in events if e["cat"] == "comm"],
-            "unit spans": [e["name"] for e in events if e["cat"] == "fsdp"]}
+    events = sorted(
+        (
+            e
+            for e in run.events
+            if e["rank"] == rank
+            and start <= e["start"] < end
+            and (last_step is None or e["args"].get("step") == last_step)
+        ),
+        key=lambda e: e["start"],
+    )
+    return {
+        "collectives": [(e["name"], e["args"].get("unit")) for e in events if e["cat"] == "comm"],
+        "unit spans": [e["name"] for e in events if e["cat"] == "fsdp"],
+    }
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_simulated_rank_equals_a_real_gloo_run(world, no_leftover_ranks):
     rank = world - 1  # the last rank: its shards are the ones that hold the padding
-    sims = [simulate(lambda: tiny_gpt(**SMALL), strategy, world, rank=rank, batch_per_rank=BATCH, ranks_per_node=2,
-                     progress=False, cluster="dgx-a100", **options) for strategy, options in CASES[world]]
+    sims = [
+        simulate(
+            lambda: tiny_gpt(**SMALL),
+            strategy,
+            world,
+            rank=rank,
+            batch_per_rank=BATCH,
+            ranks_per_node=2,
+            progress=False,
+            cluster="dgx-a100",
+            **options,
+        )
+        for strategy, options in CASES[world]
+    ]
     # simulations first: they leave this process ready to launch real ranks
     real = toolkit.launch(real_runs, world, args=(CASES[world],), timeout_s=60, quiet=True)
     for (strategy, options), sim, measured in zip(CASES[world], sims, real[rank]):
@@ -123,5 +168,6 @@ def test_simulated_rank_equals_a_real_gloo_run(world, no_leftover_ranks):
         # the modelled timeline has the real trace's structure: the same collectives in the same order, the
         # same FSDP unit spans (issue 11: "same spans, same order", modelled durations)
         modelled = sim.modelled_run
-        assert structure(modelled, rank, last_step=len(sim.programs) - 1) == \
-            {k: measured[k] for k in ("collectives", "unit spans")}, case
+        assert structure(modelled, rank, last_step=len(sim.programs) - 1) == {
+            k: measured[k] for k in ("collectives", "unit spans")
+        }, case

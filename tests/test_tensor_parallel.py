@@ -21,44 +21,68 @@ another order moves by at most about n·u times the sum of its terms' magnitudes
   round differently: |Δg| <= 2 · 2^-8 · G with G = 0.30 the largest gradient element of this model's first
   step, so two SGD steps at lr 0.1 differ by at most 0.1 · 2 · 2 · 2^-8 · 0.30 = 4.7e-4 -> MP_PARAM_ATOL = 5e-4.
 """
+
 from __future__ import annotations
 
 import functools
 
+import foreign_models as fm
 import pytest
 import torch
 import torch.distributed as dist
-
-import foreign_models as fm
 from tp_rank_checks import SGD, norm_of_ones, overflow_on_one_rank, wrapped_mesh
+
 import toolkit
 from toolkit.models import SyntheticCorpus
-from toolkit.train import moe_model_fn
-from toolkit.train import TrainConfig, train
+from toolkit.train import TrainConfig, moe_model_fn, train
 
 LOSS_ATOL, PARAM_ATOL = 2e-5, 1e-5
 MP_LOSS_ATOL, MP_PARAM_ATOL = 3 / 32, 5e-4
 BASE = dict(steps=2, global_batch_size=8, optimizer="sgd", lr=0.1, progress=False, sample_memory=False)
 MOE = dict(num_experts=4, top_k=2, capacity_factor=2.0)
-ENCODER_PLAN = {"encoder.layers.*.linear1": "colwise", "encoder.layers.*.linear2": "rowwise",
-                "embed": "vocab", "head": "vocab"}
-GPT2_PLAN = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise",
-             "transformer.wte": "vocab", "lm_head": "vocab"}
+ENCODER_PLAN = {
+    "encoder.layers.*.linear1": "colwise",
+    "encoder.layers.*.linear2": "rowwise",
+    "embed": "vocab",
+    "head": "vocab",
+}
+GPT2_PLAN = {
+    "transformer.h.*.mlp.c_fc": "colwise",
+    "transformer.h.*.mlp.c_proj": "rowwise",
+    "transformer.wte": "vocab",
+    "lm_head": "vocab",
+}
 
 # (name, TrainConfig fields, model_fn, the reference's fields): world 2 = tp 2; world 4 = dp 2 x tp 2
 CASES = {
-    2: [("tp", dict(strategy="local", options={"tp": 2}), None, {}),
+    2: [
+        ("tp", dict(strategy="local", options={"tp": 2}), None, {}),
         ("tp+sp", dict(strategy="local", options={"tp": 2, "sequence_parallel": True}), None, {}),
         ("moe tp", dict(strategy="local", options={"tp": 2}), "moe", dict(accumulation=2)),
         ("encoder tp_plan", dict(strategy="local", options={"tp": 2, "tp_plan": ENCODER_PLAN}), "encoder", {}),
-        ("tp bf16", dict(strategy="local", options={"tp": 2, "mixed_precision": True}), None,
-         dict(options={"mixed_precision": True}))],
-    4: [("fsdp x tp", dict(strategy="fsdp", clip=0.05, options={"tp": 2}), None, dict(clip=0.05)),
-        ("zero1 x tp+sp", dict(strategy="zero1", clip=0.05, options={"tp": 2, "sequence_parallel": True}), None,
-         dict(clip=0.05)),
+        (
+            "tp bf16",
+            dict(strategy="local", options={"tp": 2, "mixed_precision": True}),
+            None,
+            dict(options={"mixed_precision": True}),
+        ),
+    ],
+    4: [
+        ("fsdp x tp", dict(strategy="fsdp", clip=0.05, options={"tp": 2}), None, dict(clip=0.05)),
+        (
+            "zero1 x tp+sp",
+            dict(strategy="zero1", clip=0.05, options={"tp": 2, "sequence_parallel": True}),
+            None,
+            dict(clip=0.05),
+        ),
         ("ddp x tp moe", dict(strategy="ddp", clip=0.05, options={"tp": 2}), "moe", dict(accumulation=4, clip=0.05)),
-        ("zero3 x tp, checkpointed", dict(strategy="zero3", options={"tp": 2, "activation_checkpointing": True}), None,
-         {})],
+        (
+            "zero3 x tp, checkpointed",
+            dict(strategy="zero3", options={"tp": 2, "activation_checkpointing": True}),
+            None,
+            {},
+        ),
+    ],
 }
 
 
@@ -93,9 +117,12 @@ def gpt2_steps(tp: int):
 
 def layouts(cases, with_gpt2, directory):
     if dist.get_world_size() == 4:
-        found = {"checkpoints": checkpoints_across_layouts(directory), "mesh": wrapped_mesh(),
-                 "fp16 vote, zero2 x tp": overflow_on_one_rank("zero2"),
-                 "norm of ones": {name: norm_of_ones(*case) for name, case in NORM_CASES.items()}}
+        found = {
+            "checkpoints": checkpoints_across_layouts(directory),
+            "mesh": wrapped_mesh(),
+            "fp16 vote, zero2 x tp": overflow_on_one_rank("zero2"),
+            "norm of ones": {name: norm_of_ones(*case) for name, case in NORM_CASES.items()},
+        }
     else:
         found = {"fp16 vote": overflow_on_one_rank()}
     for name, fields, kind, _ in cases:
@@ -110,9 +137,14 @@ def layouts(cases, with_gpt2, directory):
 # Clipping under dp x tp: with every gradient element set to 1 wherever it lies, a norm that counts each element
 # once is exactly sqrt(Ψ) (an fp32 sum of Ψ < 2^24 ones is exact); a replicated parameter counted on both tp
 # ranks, or a dp replica's copy counted again, or a slice left out, moves it by whole elements.
-NORM_CASES = {"ddp x tp": ("ddp", {"tp": 2}, None), "zero1 x tp+sp": ("zero1", {"tp": 2, "sequence_parallel": True}, None),
-              "fsdp x tp": ("fsdp", {"tp": 2}, None), "zero3 x tp": ("zero3", {"tp": 2}, None),
-              "ddp x tp moe": ("ddp", {"tp": 2}, functools.partial(model_fn("moe"), TrainConfig(**BASE)))}
+NORM_CASES = {
+    "ddp x tp": ("ddp", {"tp": 2}, None),
+    "zero1 x tp+sp": ("zero1", {"tp": 2, "sequence_parallel": True}, None),
+    "fsdp x tp": ("fsdp", {"tp": 2}, None),
+    "zero3 x tp": ("zero3", {"tp": 2}, None),
+    "ddp x tp moe": ("ddp", {"tp": 2}, functools.partial(model_fn("moe"), TrainConfig(**BASE))),
+}
+
 
 def compare(name, got, expected):
     (losses, state), (ref_losses, ref_state) = got, expected
@@ -123,10 +155,11 @@ def compare(name, got, expected):
     assert worst <= param_atol, (name, worst)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def launched(world: int, directory: str):
     try:
         import transformers  # noqa: F401
+
         with_gpt2 = world == 2
     except ImportError:
         with_gpt2 = False
@@ -147,13 +180,13 @@ def test_tensor_parallel_layouts_train_as_one_process(world, directory, no_lefto
         compare(name, got[name], ([m["value"] for m in run.metrics if m["name"] == "loss"], state))
     # every rank skipped (only the last saw an inf), nothing moved, the scale halved from 2^16
     for vote in ("fp16 vote",) if world == 2 else ("fp16 vote, zero2 x tp",):
-        assert got[vote] == [(True, True, 2.0 ** 15)] * world, (vote, got[vote])
+        assert got[vote] == [(True, True, 2.0**15)] * world, (vote, got[vote])
     if world == 4:
         assert got["mesh"] == (True, ("dp", "pp", "cp", "tp"), (2, 1, 1, 2))
         for name, (norm, psi, after) in got["norm of ones"].items():
             # exact but for the fp32 square root's rounding (2^-24 relative); one element more or less: 1/(2Ψ)
-            assert abs(norm - psi ** 0.5) <= 2 ** -23 * psi ** 0.5 < psi ** 0.5 / (2 * psi), (name, norm, psi)
-            assert after == {round(1 / (psi ** 0.5 + 1e-6), 6)}, (name, after)
+            assert abs(norm - psi**0.5) <= 2**-23 * psi**0.5 < psi**0.5 / (2 * psi), (name, norm, psi)
+            assert after == {round(1 / (psi**0.5 + 1e-6), 6)}, (name, after)
 
 
 @pytest.mark.timeout(400)
@@ -192,8 +225,9 @@ def checkpoints_across_layouts(directory):
     found = {}
     for strategy, options in LOADERS:
         torch.manual_seed(1)  # other initial values: only the checkpoint can make them equal
-        other, other_opt = toolkit.parallel.wrap(toolkit.models.tiny_gpt(**CKPT_MODEL), strategy, optimizer=ADAM,
-                                                 **options)
+        other, other_opt = toolkit.parallel.wrap(
+            toolkit.models.tiny_gpt(**CKPT_MODEL), strategy, optimizer=ADAM, **options
+        )
         load_full(other, other_opt, first)
         again = os.path.join(directory, f"{strategy}-{options.get('tp', 1)}.pt")
         save_full(other, other_opt, again)
@@ -260,5 +294,8 @@ def test_launch_train_takes_tensor_parallel_options_and_the_global_batch_stays_g
     ref_run, ref_state = reference({}, None)
     per_rank = [[m["value"] for m in run.metrics if m["name"] == "loss" and m["rank"] == r] for r in (0, 1)]
     assert per_rank[0] == per_rank[1]
-    compare("launch_train tp", (per_rank[0], state), ([m["value"] for m in ref_run.metrics if m["name"] == "loss"],
-                                                      ref_state))
+    compare(
+        "launch_train tp",
+        (per_rank[0], state),
+        ([m["value"] for m in ref_run.metrics if m["name"] == "loss"], ref_state),
+    )

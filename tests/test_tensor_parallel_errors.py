@@ -3,13 +3,14 @@
 Checked on the simulated cluster (torch's fake process group, in this process): the same wrap code runs as on
 real ranks, and nothing is launched.
 """
+
 from __future__ import annotations
 
 import warnings
 
+import foreign_models as fm
 import pytest
 
-import foreign_models as fm
 from toolkit.models import tiny_gpt
 from toolkit.sim import simulate
 from toolkit.train import TrainConfig
@@ -19,23 +20,42 @@ def sim(model_fn=tiny_gpt, strategy="local", world=2, **options):
     return simulate(model_fn, strategy, world, progress=False, steps=1, warmup=False, seq_len=32, **options)
 
 
-@pytest.mark.parametrize("model_fn, options, match", [
-    (tiny_gpt, dict(tp=4, world=4), r"n_head=2 of 'blocks.0.attn' does not split over tp=4.*one of \[1, 2\]"),
-    (lambda: tiny_gpt(d_ff=130, n_head=4), dict(tp=4, world=4),
-     r"output features of 'blocks.0.mlp.fc' = 130 does not split over tp=4.*pad it to a multiple of 4 \(e.g. 132\)"),
-    (tiny_gpt, dict(tp=2, world=3), r"a world of 3 ranks does not split into pp=1 x tp=2"),
-    (tiny_gpt, dict(sequence_parallel=True), r"sequence_parallel=True .* needs tp > 1"),
-    (fm.EncoderLM, dict(tp=2), r"default plan for the toolkit's GPT only; for a EncoderLM pass tp_plan="),
-    (fm.EncoderLM, dict(tp=2, tp_plan={"encoder.layers.*.lin1": "colwise"}),
-     r"tp_plan names 'encoder.layers.\*.lin1', which matches no module.*named like"),
-    (fm.EncoderLM, dict(tp=2, tp_plan={"encoder.layers.*.self_attn": "colwise"}),
-     r"matches 'encoder.layers.0.self_attn', a MultiheadAttention; only nn.Linear, Hugging Face's Conv1D and "
-     r"nn.Embedding can be split"),
-    (fm.EncoderLM, dict(tp=2, tp_plan={"embed": "vocab"}), r"'head.weight' is the same Parameter as one of 'embed'"),
-    (fm.EncoderLM, dict(tp=2, tp_plan={"embed": "sharded"}), r"styles are one of \('colwise', 'rowwise'"),
-    (fm.EncoderLM, dict(tp=2, sequence_parallel=True, tp_plan={"head": "vocab", "embed": "vocab"}),
-     r"sequence_parallel=True comes with the toolkit GPT's default plan"),
-])
+@pytest.mark.parametrize(
+    "model_fn, options, match",
+    [
+        (tiny_gpt, dict(tp=4, world=4), r"n_head=2 of 'blocks.0.attn' does not split over tp=4.*one of \[1, 2\]"),
+        (
+            lambda: tiny_gpt(d_ff=130, n_head=4),
+            dict(tp=4, world=4),
+            r"output features of 'blocks.0.mlp.fc' = 130 does not split over tp=4.*pad it to a multiple of 4 \(e.g. 132\)",
+        ),
+        (tiny_gpt, dict(tp=2, world=3), r"a world of 3 ranks does not split into pp=1 x tp=2"),
+        (tiny_gpt, dict(sequence_parallel=True), r"sequence_parallel=True .* needs tp > 1"),
+        (fm.EncoderLM, dict(tp=2), r"default plan for the toolkit's GPT only; for a EncoderLM pass tp_plan="),
+        (
+            fm.EncoderLM,
+            dict(tp=2, tp_plan={"encoder.layers.*.lin1": "colwise"}),
+            r"tp_plan names 'encoder.layers.\*.lin1', which matches no module.*named like",
+        ),
+        (
+            fm.EncoderLM,
+            dict(tp=2, tp_plan={"encoder.layers.*.self_attn": "colwise"}),
+            r"matches 'encoder.layers.0.self_attn', a MultiheadAttention; only nn.Linear, Hugging Face's Conv1D and "
+            r"nn.Embedding can be split",
+        ),
+        (
+            fm.EncoderLM,
+            dict(tp=2, tp_plan={"embed": "vocab"}),
+            r"'head.weight' is the same Parameter as one of 'embed'",
+        ),
+        (fm.EncoderLM, dict(tp=2, tp_plan={"embed": "sharded"}), r"styles are one of \('colwise', 'rowwise'"),
+        (
+            fm.EncoderLM,
+            dict(tp=2, sequence_parallel=True, tp_plan={"head": "vocab", "embed": "vocab"}),
+            r"sequence_parallel=True comes with the toolkit GPT's default plan",
+        ),
+    ],
+)
 def test_bad_input_is_refused_before_training(model_fn, options, match):
     options = dict(options)
     world = options.pop("world", 2)
@@ -44,8 +64,11 @@ def test_bad_input_is_refused_before_training(model_fn, options, match):
 
 
 def test_a_row_parallel_layer_fed_the_full_width_says_what_comes_before_it():
-    with pytest.raises(ValueError, match=r"row-parallel layer 'encoder.layers.0.linear2' expects its slice of 64 "
-                                         r"input features, got 128. It received the full width"):
+    with pytest.raises(
+        ValueError,
+        match=r"row-parallel layer 'encoder.layers.0.linear2' expects its slice of 64 "
+        r"input features, got 128. It received the full width",
+    ):
         sim(fm.EncoderLM, tp=2, tp_plan={"encoder.layers.*.linear2": "rowwise"})
 
 

@@ -1,4 +1,5 @@
 """Traces: spans on one aligned clock, the Run record, and Chrome trace JSON that Perfetto opens."""
+
 import json
 import time
 
@@ -96,16 +97,38 @@ def test_merge_needs_runs():
 
 
 def test_chrome_export_of_a_hand_made_run():
-    run = Run(meta={"ranks": [0, 1]}, events=[
-        {"name": "forward", "cat": "compute", "phase": "forward", "rank": 0, "start": 10.0, "end": 10.5, "args": {}},
-        {"name": "all_reduce", "cat": "comm", "phase": "backward", "rank": 1, "start": 10.25, "end": 10.75,
-         "args": {"bytes_sent": 8, "group": [0, 1], "dtype": "float32"}},
-        {"name": "unit 2", "cat": "fsdp", "phase": "forward", "rank": 0, "start": 10.0, "end": 10.1, "args": {}},
-        {"name": "wait", "cat": "wait", "phase": "backward", "rank": 1, "start": 10.5, "end": 10.75, "args": {}},
-    ])
+    run = Run(
+        meta={"ranks": [0, 1]},
+        events=[
+            {
+                "name": "forward",
+                "cat": "compute",
+                "phase": "forward",
+                "rank": 0,
+                "start": 10.0,
+                "end": 10.5,
+                "args": {},
+            },
+            {
+                "name": "all_reduce",
+                "cat": "comm",
+                "phase": "backward",
+                "rank": 1,
+                "start": 10.25,
+                "end": 10.75,
+                "args": {"bytes_sent": 8, "group": [0, 1], "dtype": "float32"},
+            },
+            {"name": "unit 2", "cat": "fsdp", "phase": "forward", "rank": 0, "start": 10.0, "end": 10.1, "args": {}},
+            {"name": "wait", "cat": "wait", "phase": "backward", "rank": 1, "start": 10.5, "end": 10.75, "args": {}},
+        ],
+    )
     trace = to_chrome(run)
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert [(round(e["ts"]), round(e["dur"]), e["tid"]) for e in spans] == [
-        (0.0, 500000.0, 0), (250000.0, 500000.0, 1), (0.0, 100000.0, 2), (500000.0, 250000.0, 0)]
+        (0.0, 500000.0, 0),
+        (250000.0, 500000.0, 1),
+        (0.0, 100000.0, 2),
+        (500000.0, 250000.0, 0),
+    ]
     threads = {(e["pid"], e["tid"], e["args"]["name"]) for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert (0, 2, "FSDP units") in threads and not any(name == "wait" for _, _, name in threads)

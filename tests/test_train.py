@@ -5,12 +5,12 @@ Parity tests use SGD: its update is linear in the gradient, so summing micro-bat
 order changes the parameters by roundoff only (~1e-8). Adam divides by sqrt(v), which blows the same
 roundoff up wherever a gradient is near zero (~1e-5 after a few steps), so its parity is looser.
 """
+
 import contextlib
 import importlib.util
 import math
 
 import pytest
-import torch
 import torch.nn as nn
 
 import toolkit
@@ -26,7 +26,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def reference():
-    """"local", one batch per step, SGD: the (run, final parameters) every parity test compares with."""
+    """ "local", one batch per step, SGD: the (run, final parameters) every parity test compares with."""
     return train(TrainConfig(steps=STEPS, **SGD), return_state=True)
 
 
@@ -65,7 +65,7 @@ def test_accumulation_with_adamw_matches_to_roundoff():
 def test_clipping_bounds_the_update():
     before = train(TrainConfig(steps=1, **dict(SGD, lr=1e-9)), return_state=True)[1]  # ~ the initial weights
     run, after = train(TrainConfig(steps=1, clip=0.01, **dict(SGD, lr=1.0)), return_state=True)
-    (_, norm), = run.metric("grad_norm")
+    ((_, norm),) = run.metric("grad_norm")
     assert norm > 0.01  # the gradient was longer than the limit...
     update = math.sqrt(sum(float((after[k] - before[k]).double().pow(2).sum()) for k in after))
     assert update == pytest.approx(0.01, rel=1e-4)  # ...so the SGD step (lr 1) has length 0.01
@@ -175,12 +175,15 @@ def test_two_ranks_match_local_and_record_only_the_strategys_traffic(monkeypatch
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(importlib.util.find_spec("toolkit.parallel.ddp") is None,
-                    reason="toolkit/parallel/ddp.py is not written yet: no real data-parallel strategy to launch")
+@pytest.mark.skipif(
+    importlib.util.find_spec("toolkit.parallel.ddp") is None,
+    reason="toolkit/parallel/ddp.py is not written yet: no real data-parallel strategy to launch",
+)
 def test_launch_train_ddp_matches_local(reference):
     (ref_run, ref), steps = reference, STEPS
-    run, state = launch_train(TrainConfig(strategy="ddp", steps=steps, accumulation=2, **SGD), 2,
-                              return_state=True, timeout_s=60)
+    run, state = launch_train(
+        TrainConfig(strategy="ddp", steps=steps, accumulation=2, **SGD), 2, return_state=True, timeout_s=60
+    )
     assert run.meta["ranks"] == [0, 1]
     assert max_diff(state, ref) < 1e-6
     assert losses(run) == pytest.approx(losses(ref_run), abs=1e-6)

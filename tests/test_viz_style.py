@@ -1,5 +1,6 @@
 """One colour per meaning, defined once, readable with colour-vision deficiencies; honest timelines; titles
 below the toolbar. (The browser checks the same in the rendered report: tests/test_browser.py.)"""
+
 import itertools
 import math
 import re
@@ -22,23 +23,28 @@ def _linear(channel: int) -> float:
 def _lab(rgb_linear) -> tuple:
     """CIE L*a*b* (D65) of a linear-RGB colour."""
     r, g, b = (min(1.0, max(0.0, c)) for c in rgb_linear)
-    x, y, z = (0.4124 * r + 0.3576 * g + 0.1805 * b) / 0.95047, 0.2126 * r + 0.7152 * g + 0.0722 * b, \
-        (0.0193 * r + 0.1192 * g + 0.9505 * b) / 1.08883
+    x, y, z = (
+        (0.4124 * r + 0.3576 * g + 0.1805 * b) / 0.95047,
+        0.2126 * r + 0.7152 * g + 0.0722 * b,
+        (0.0193 * r + 0.1192 * g + 0.9505 * b) / 1.08883,
+    )
     f = [t ** (1 / 3) if t > 0.008856 else 7.787 * t + 16 / 116 for t in (x, y, z)]
     return 116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])
 
 
 def seen(colour: str, vision: str | None = None) -> tuple:
     """The colour as a reader sees it (None: typical vision), in L*a*b*."""
-    rgb = [_linear(int(colour[i:i + 2], 16)) for i in (1, 3, 5)]
+    rgb = [_linear(int(colour[i : i + 2], 16)) for i in (1, 3, 5)]
     if vision is not None:
         rgb = [sum(m * c for m, c in zip(row, rgb)) for row in style.CVD_MATRICES[vision]]
     return _lab(rgb)
 
 
 def closest_pair(colours: dict, vision) -> tuple:
-    return min((math.dist(seen(colours[a], vision), seen(colours[b], vision)), a, b)
-               for a, b in itertools.combinations(colours, 2))
+    return min(
+        (math.dist(seen(colours[a], vision), seen(colours[b], vision)), a, b)
+        for a, b in itertools.combinations(colours, 2)
+    )
 
 
 @pytest.mark.parametrize("vision", [None, "deuteranopia", "protanopia"])
@@ -68,17 +74,30 @@ def test_colours_are_defined_once():
 
 def test_compute_categories_and_shades():
     """A name always gets the same colour: its category's, in a shade fixed by the name alone."""
-    assert [style.compute_category({"name": n, "cat": c, "args": a}) for n, c, a in [
-        ("forward", "compute", {}), ("forward blocks.0", "fsdp", {}), ("backward (root)", "fsdp", {}),
-        ("optimizer", "compute", {}), ("wait", "wait", {}), ("wait", "wait", {"emulated": True}),
-        ("moe/layer0/experts", "compute", {}), ("prepare inputs", "compute", {})]] == \
-        ["forward", "forward", "backward", "optimizer", "wait", "emulated", "experts", "other"]
+    assert [
+        style.compute_category({"name": n, "cat": c, "args": a})
+        for n, c, a in [
+            ("forward", "compute", {}),
+            ("forward blocks.0", "fsdp", {}),
+            ("backward (root)", "fsdp", {}),
+            ("optimizer", "compute", {}),
+            ("wait", "wait", {}),
+            ("wait", "wait", {"emulated": True}),
+            ("moe/layer0/experts", "compute", {}),
+            ("prepare inputs", "compute", {}),
+        ]
+    ] == ["forward", "forward", "backward", "optimizer", "wait", "emulated", "experts", "other"]
     family = [style.compute_colour(n) for n in ("forward", "forward (root)", "forward blocks.0", "forward blocks.1")]
     assert family[0] == style.COMPUTE["forward"] and len(set(family)) == 4
     assert style.compute_colour("optimizer") == style.COMPUTE["optimizer"]
     assert style.compute_colour(style.BLOCKED + "all_reduce") == style.shade(
-        style.COMPUTE["wait"], style.variant(style.BLOCKED + "all_reduce", "wait"))
-    assert style.comm_colour("all_to_all · dispatch") != style.comm_colour("all_to_all") == style.COMMUNICATION["all_to_all"]
+        style.COMPUTE["wait"], style.variant(style.BLOCKED + "all_reduce", "wait")
+    )
+    assert (
+        style.comm_colour("all_to_all · dispatch")
+        != style.comm_colour("all_to_all")
+        == style.COMMUNICATION["all_to_all"]
+    )
     assert style.shade("#808080", 1) > "#808080" > style.shade("#808080", 2)  # lighter, then darker
 
 
@@ -91,10 +110,13 @@ def test_the_timeline_shows_blocking_collectives_as_waiting():
     time as blocked, and the subtitle says how much overlapped (none)."""
     events = []
     for rank in (0, 1):
-        events += [_span(rank, "forward", "compute", 0.0, 0.010), _span(rank, "backward", "compute", 0.010, 0.050),
-                   _span(rank, "all_reduce", "comm", 0.030, 0.040, async_op=False, impl="backend"),
-                   _span(rank, "all_reduce", "comm", 0.042, 0.050, async_op=False, impl="backend"),
-                   _span(rank, "optimizer", "compute", 0.050, 0.055)]
+        events += [
+            _span(rank, "forward", "compute", 0.0, 0.010),
+            _span(rank, "backward", "compute", 0.010, 0.050),
+            _span(rank, "all_reduce", "comm", 0.030, 0.040, async_op=False, impl="backend"),
+            _span(rank, "all_reduce", "comm", 0.042, 0.050, async_op=False, impl="backend"),
+            _span(rank, "optimizer", "compute", 0.050, 0.055),
+        ]
     fig = viz.timeline(Run(config={}, events=events, meta={"ranks": [0, 1], "world_size": 2}))
     traces = {t.name: t for t in fig.data}
     blocked = traces["wait in all_reduce"]
@@ -103,10 +125,16 @@ def test_the_timeline_shows_blocking_collectives_as_waiting():
     assert [t.name for t in fig.data][-1] == "wait in all_reduce"  # drawn over the backward span
     assert blocked.marker.color in {style.shade(style.COMPUTE["wait"], k) for k in range(3)}  # waiting's colours
     assert traces["backward"].marker.color == style.COMPUTE["backward"]
-    greys = {name for name, t in traces.items() if t.marker.color in {style.shade(style.COMPUTE["wait"], k)
-                                                                     for k in range(12)}}
+    greys = {
+        name
+        for name, t in traces.items()
+        if t.marker.color in {style.shade(style.COMPUTE["wait"], k) for k in range(12)}
+    }
     assert greys and all(name.startswith("wait") for name in greys), greys  # grey says "wait" in every figure
-    assert "overlapped with computation: 0%" in fig.layout.title.subtitle.text and "blocked" in fig.layout.title.subtitle.text
+    assert (
+        "overlapped with computation: 0%" in fig.layout.title.subtitle.text
+        and "blocked" in fig.layout.title.subtitle.text
+    )
 
 
 def test_titles_sit_below_the_toolbar_and_long_ones_wrap():

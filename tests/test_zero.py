@@ -8,6 +8,7 @@ below only compare the numbers it brought back.
 The model: the tiny GPT with a tied head and a shape chosen so that Ψ = 19,006 divides by neither 3
 nor 4 (nor do most of its per-module units), so padding is exercised at every world size but 1 and 2.
 """
+
 from __future__ import annotations
 
 import collections
@@ -16,9 +17,9 @@ import functools
 
 import pytest
 import torch
+from oracle import plain_training
 
 import toolkit
-from oracle import plain_training
 from toolkit.memory import communication_per_step, model_states_breakdown
 from toolkit.models import SyntheticCorpus, tiny_gpt
 from toolkit.parallel import wrap
@@ -63,7 +64,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 # --- the oracles: plain torch loops in this process --------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def oracle(clip=None, mixed=False):
     """Losses, clip norms and final parameters of one process on the whole batch, torch only."""
     return plain_training(build(), batches(), OPT, clip=clip, mixed=mixed)
@@ -100,7 +101,7 @@ def train(rank, n, strategy, clip=None, micro=1, **options):
             rows, loss = x.shape[0] // micro, 0.0  # does not communicate; ZeRO-2/3 reduce all the same)
             for i in range(micro):
                 with model.no_sync() if i < micro - 1 else contextlib.nullcontext():
-                    part = model(x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows]) / micro
+                    part = model(x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows]) / micro
                     part.backward()
                 loss = loss + part.detach()
         if clip is not None:
@@ -116,11 +117,20 @@ def train(rank, n, strategy, clip=None, micro=1, **options):
     with torch.no_grad():  # the wrapped model's outputs, to compare with a plain model's
         logits = model(batches(0, 1, steps=1)[0][0]).float()
     flats = model.flat_buffers()
-    return {"losses": losses, "norms": norms, "params": model.full_state_dict(), "memory": memory,
-            "logits": logits,
-            "sent": sent, "calls": dict(calls), "freed": freed, "padded": sum(f.padded_numel for f in flats),
-            "padding": sum(f.padding for f in flats), "shards": len(flats),
-            "dtype_bytes": flats[0].data.element_size()}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": model.full_state_dict(),
+        "memory": memory,
+        "logits": logits,
+        "sent": sent,
+        "calls": dict(calls),
+        "freed": freed,
+        "padded": sum(f.padded_numel for f in flats),
+        "padding": sum(f.padding for f in flats),
+        "shards": len(flats),
+        "dtype_bytes": flats[0].data.element_size(),
+    }
 
 
 def peer_zero_redundancy(rank, n):
@@ -174,7 +184,7 @@ def errors(rank, n):
 
     catch("mismatch", lambda: wrap(build(d_model=26 if rank == 0 else 28), "zero2", optimizer=OPT))
     model, opt = wrap(build(), "zero1", optimizer=OPT)
-    (x, y), = batches(rank, n, steps=1)
+    ((x, y),) = batches(rank, n, steps=1)
 
     def twice():
         model(x, y).backward()
@@ -196,13 +206,16 @@ def scheduler_and_state_dict(rank, n):
     """The sharded optimizer is a torch Optimizer: an LR scheduler drives it, state_dict() sees its slices."""
     model, opt = wrap(build(), "zero2", optimizer=OPT)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    (x, y), = batches(rank, n, steps=1)
+    ((x, y),) = batches(rank, n, steps=1)
     model(x, y).backward()
     opt.step()
     schedule.step()
     state = opt.state_dict()
-    return {"lr": opt.inner.param_groups[0]["lr"], "states": len(state["state"]),
-            "moment": tuple(next(iter(state["state"].values()))["exp_avg"].shape)}
+    return {
+        "lr": opt.inner.param_groups[0]["lr"],
+        "states": len(state["state"]),
+        "moment": tuple(next(iter(state["state"].values()))["exp_avg"].shape),
+    }
 
 
 def run_rank(n):
@@ -239,7 +252,7 @@ def run_rank(n):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results(n):
     """Every rank's results for world size n (one launch); losses averaged over ranks."""
     ranks = toolkit.launch(run_rank, n, args=(n,), timeout_s=60, quiet=True)
@@ -331,8 +344,11 @@ def test_memory_matches_model_states(n, strategy, mixed):
     got = results(n)[f"{strategy}_mixed" if mixed else strategy]
     p, g, k = (2, 2, 12) if mixed else (4, 4, 8)
     theory = model_states_breakdown(PSI, n, STAGES[strategy], param_bytes=p, grad_bytes=g, optimizer_multiplier=k)
-    slack = {"params": got["padding"] * p, "grads": got["padding"] * g,
-             "optimizer": got["padding"] * k / n + 4 * got["shards"]}
+    slack = {
+        "params": got["padding"] * p,
+        "grads": got["padding"] * g,
+        "optimizer": got["padding"] * k / n + 4 * got["shards"],
+    }
     for memory in got["all_memory"]:  # every rank
         for category, bytes_ in memory.items():
             assert 0 <= bytes_ - theory[category] <= slack[category] + 1e-9, (category, bytes_, theory[category])
@@ -493,16 +509,18 @@ def test_flat_buffer_layout_and_padding(world_size):
     for t, view in zip(tensors, flat.views()):
         assert view.shape == t.shape and torch.equal(view, t)
         assert view.untyped_storage().data_ptr() == flat.data.untyped_storage().data_ptr()
-    assert torch.all(flat.data[flat.numel:] == 0)
+    assert torch.all(flat.data[flat.numel :] == 0)
     shards = [flat.shard(r) for r in range(world_size)]
     assert torch.equal(torch.cat(shards), flat.data)
     # pieces: every element of every tensor is in exactly one rank's shard, where the layout says
     covered = [torch.zeros(n, dtype=torch.int) for n in flat.numels]
     for r in range(world_size):
         for piece in flat.pieces(r):
-            covered[piece.index][piece.tensor_start:piece.tensor_end] += 1
-            assert torch.equal(shards[r][piece.shard_start:piece.shard_end],
-                               tensors[piece.index].reshape(-1)[piece.tensor_start:piece.tensor_end])
+            covered[piece.index][piece.tensor_start : piece.tensor_end] += 1
+            assert torch.equal(
+                shards[r][piece.shard_start : piece.shard_end],
+                tensors[piece.index].reshape(-1)[piece.tensor_start : piece.tensor_end],
+            )
             assert r in flat.owners(piece.index)
     assert all(torch.all(c == 1) for c in covered)
 

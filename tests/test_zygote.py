@@ -1,6 +1,7 @@
 """The zygote (toolkit/runtime/zygote.py): ranks forked from a process that imported torch once start as a fresh
 interpreter would, a dead zygote is replaced and said, and nothing outlives the launcher; fresh interpreters
 (TOOLKIT_LAUNCH_EXEC=1, the fallback) still work."""
+
 import os
 import signal
 import subprocess
@@ -27,21 +28,37 @@ def _facts():
         return s.encoding, s.errors, s.line_buffering, s.write_through, s.isatty(), s.seekable(), s.mode
 
     folder = os.environ["TOOLKIT_LAUNCH_DIR"]
-    fds = sorted((fd, os.readlink(f"/proc/self/fd/{fd}").split(":")[0].replace(folder, "<folder>"))
-                 for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}"))
-    env = {k: v for k, v in os.environ.items() if k not in ("TOOLKIT_LAUNCH_DIR", "TOOLKIT_STORE_PORT",
-                                                               "TOOLKIT_LAUNCH_EXEC")}
-    return {"env": env, "cwd": os.getcwd(), "path": sys.path, "argv": [a.replace(folder, "<folder>") for a in sys.argv],
-            "orig_argv": [a.replace(folder, "<folder>") for a in sys.orig_argv], "fds": fds,
-            "signals": {int(n): repr(signal.getsignal(n)) for n in signal.valid_signals()},
-            "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
-            "stdio": [stream(sys.stdin), stream(sys.stdout), stream(sys.stderr)],
-            "own_session": os.getsid(0) == os.getpid() == os.getpgid(0), "parent": os.getppid(),
-            "threads": (torch.get_num_threads(), torch.__config__.parallel_info()),
-            "umask": [line for line in open("/proc/self/status") if line.startswith("Umask")],
-            "main": sys.modules["__main__"].__spec__.name, "random": random.random(),
-            "main_thread": (threading.main_thread().native_id == threading.get_native_id(),
-                            threading.main_thread() is threading.current_thread())}
+    fds = sorted(
+        (fd, os.readlink(f"/proc/self/fd/{fd}").split(":")[0].replace(folder, "<folder>"))
+        for fd in os.listdir("/proc/self/fd")
+        if os.path.exists(f"/proc/self/fd/{fd}")
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TOOLKIT_LAUNCH_DIR", "TOOLKIT_STORE_PORT", "TOOLKIT_LAUNCH_EXEC")
+    }
+    return {
+        "env": env,
+        "cwd": os.getcwd(),
+        "path": sys.path,
+        "argv": [a.replace(folder, "<folder>") for a in sys.argv],
+        "orig_argv": [a.replace(folder, "<folder>") for a in sys.orig_argv],
+        "fds": fds,
+        "signals": {int(n): repr(signal.getsignal(n)) for n in signal.valid_signals()},
+        "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+        "stdio": [stream(sys.stdin), stream(sys.stdout), stream(sys.stderr)],
+        "own_session": os.getsid(0) == os.getpid() == os.getpgid(0),
+        "parent": os.getppid(),
+        "threads": (torch.get_num_threads(), torch.__config__.parallel_info()),
+        "umask": [line for line in open("/proc/self/status") if line.startswith("Umask")],
+        "main": sys.modules["__main__"].__spec__.name,
+        "random": random.random(),
+        "main_thread": (
+            threading.main_thread().native_id == threading.get_native_id(),
+            threading.main_thread() is threading.current_thread(),
+        ),
+    }
 
 
 def _ranks_differ_where_they_must(facts):
@@ -52,7 +69,8 @@ def _ranks_differ_where_they_must(facts):
 
 
 def test_a_forked_rank_sees_the_launchers_environment_and_directory_as_a_fresh_interpreter_does(
-        tmp_path, monkeypatch, no_leftover_ranks):
+    tmp_path, monkeypatch, no_leftover_ranks
+):
     toolkit.launch(int, 1)  # the zygote starts here, in the test's first directory and environment
     started = zygotes.pids()
     assert len(started) >= 1
@@ -74,8 +92,7 @@ def test_a_forked_rank_sees_the_launchers_environment_and_directory_as_a_fresh_i
     assert toolkit.launch(_variable, 1, args=("TOOLKIT_TEST_LATE",)) == ["set after the zygote started"]
 
 
-def test_a_forked_rank_starts_with_the_launchers_signals_not_the_zygotes_as_under_nohup(
-        monkeypatch, no_leftover_ranks):
+def test_a_forked_rank_starts_with_the_launchers_signals_not_the_zygotes_as_under_nohup(monkeypatch, no_leftover_ranks):
     """`nohup` ignores SIGHUP in the launcher, and exec keeps a signal ignored (and the blocked mask): a fresh
     rank of a nohup'd run survives its terminal closing. A forked rank must too, even where the zygote was
     started before (or by another launcher than) the one that asks."""
@@ -115,8 +132,7 @@ def _kills_its_zygote():
     time.sleep(60)
 
 
-def test_a_zygote_killed_during_a_launch_is_named_not_a_rank_and_the_next_launch_replaces_it(
-        capfd, no_leftover_ranks):
+def test_a_zygote_killed_during_a_launch_is_named_not_a_rank_and_the_next_launch_replaces_it(capfd, no_leftover_ranks):
     toolkit.launch(int, 1)
     with pytest.raises(RankError, match=r"the zygote that forked this launch's keeper \(pid \d+\) ended") as info:
         toolkit.launch(_kills_its_zygote, 2, timeout_s=60)
@@ -154,8 +170,14 @@ def test_a_relative_pythonpath_a_killed_zygote_and_a_killed_launcher(tmp_path):
     script, there = tmp_path / "launcher.py", tmp_path / "there"
     script.write_text(_LAUNCHER)
     there.mkdir()
-    proc = subprocess.Popen([sys.executable, str(script), str(there)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ, PYTHONPATH="rel"), cwd=tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(there)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH="rel"),
+        cwd=tmp_path,
+    )
     lines = [proc.stdout.readline() for _ in range(2)]
     assert lines[0] == "PATHS True True\n", (lines, proc.stderr.read() if proc.poll() is not None else "")
     zygote = int(lines[1].split()[1])
@@ -184,5 +206,10 @@ def test_where_the_zygote_cannot_serve_the_reason_is_said_once(monkeypatch, capf
     monkeypatch.setattr(sys, "platform", "darwin")
     assert toolkit.launch(os.getpid, 1) and toolkit.launch(os.getpid, 1)
     err = capfd.readouterr().err
-    assert err.count("toolkit.launch: ranks start as fresh interpreters here (the zygote that forks them needs "
-                     "Linux, not darwin)") == 1, err
+    assert (
+        err.count(
+            "toolkit.launch: ranks start as fresh interpreters here (the zygote that forks them needs "
+            "Linux, not darwin)"
+        )
+        == 1
+    ), err

@@ -4,6 +4,7 @@ The stable surface (see README and DESIGN): `launch`, `Run`, `parallel.wrap` / `
 `memory.model_states` / `memory.ledger`, `moe.MoE`, `train.TrainConfig` / `train.launch_train`, and the
 figures in `viz`, the simulated cluster in `sim` (both imported on first use: ranks never pay for them).
 """
+
 import importlib
 
 from . import comm, memory, models, moe, parallel, runtime, trace

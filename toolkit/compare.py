@@ -16,6 +16,7 @@ the report adds its expert-load figure.
 states of ZeRO-3 over F = 2 ranks, and 3Ψ(F-1)/F sent in the shard group plus a ring all-reduce of the Ψ/F
 gradient slice over the W/F replicas.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,11 @@ def available_strategies(wanted=DEFAULT_STRATEGIES) -> list[str]:
 
     out = []
     for name in wanted:
-        module, _ = ("toolkit.moe.layer", None) if name == MOE_LABEL else \
-            parallel.STRATEGIES["fsdp" if name == HSDP_LABEL else name]
+        module, _ = (
+            ("toolkit.moe.layer", None)
+            if name == MOE_LABEL
+            else parallel.STRATEGIES["fsdp" if name == HSDP_LABEL else name]
+        )
         try:
             importlib.import_module(module)
         except ModuleNotFoundError:
@@ -65,8 +69,17 @@ def available_strategies(wanted=DEFAULT_STRATEGIES) -> list[str]:
     return out
 
 
-def summarize(label: str, run, world: int, num_params: int, mixed_precision: bool, local_loss=None, *,
-              theory_states=None, theory_sent=None) -> dict:
+def summarize(
+    label: str,
+    run,
+    world: int,
+    num_params: int,
+    mixed_precision: bool,
+    local_loss=None,
+    *,
+    theory_states=None,
+    theory_sent=None,
+) -> dict:
     """One row of the comparison from a merged Run (theory_*: bytes that replace the formulas' for the
     rows, like "moe-ep", that the ZeRO formulas do not describe)."""
     from .viz.memory import peak_by_category
@@ -78,24 +91,30 @@ def summarize(label: str, run, world: int, num_params: int, mixed_precision: boo
     steps = bytes_per_step(run, run.ranks[0])
     sent = statistics.median(s["total"] for s in steps) if steps else 0
     element = 2 if mixed_precision else 4
-    theory = communication_per_step(num_params, world, label if label in ZERO_STAGE else "ddp") * element \
-        if world > 1 else 0
+    theory = (
+        communication_per_step(num_params, world, label if label in ZERO_STAGE else "ddp") * element if world > 1 else 0
+    )
     theory = theory if theory_sent is None else theory_sent
     if theory_states is None:
         theory_states = predicted_model_states(num_params, world, label, mixed_precision)
-    return {"strategy": label, "ranks": world, "final loss": round(losses[-1], 4),
-            "|loss - local|": NOT_APPLICABLE if local_loss is None else float(f"{abs(losses[-1] - local_loss):.2e}"),
-            "_loss": losses[-1],  # unrounded, for the distance to "local"
-            "step ms": round(1e3 * statistics.median(times), 1),
-            "collectives/step": collectives_per_step(run, run.ranks[0]) if world > 1 else 0,
-            "params MB": round(max(p["params"] for p in peaks) / 1e6, 3),
-            "grads MB": round(max(p["grads"] for p in peaks) / 1e6, 3),
-            "optimizer MB": round(max(p["optimizer"] for p in peaks) / 1e6, 3),
-            "activations MB": round(max(p["activations"] for p in peaks) / 1e6, 3),
-            "model states MB": round(states / 1e6, 3),
-            "theory MB": round(theory_states / 1e6, 3),
-            "sent MB/step": round(sent / 1e6, 3), "theory sent MB/step": round(theory / 1e6, 3),
-            "overlap": round(overlap_fraction(run), 2) if world > 1 else NOT_APPLICABLE}
+    return {
+        "strategy": label,
+        "ranks": world,
+        "final loss": round(losses[-1], 4),
+        "|loss - local|": NOT_APPLICABLE if local_loss is None else float(f"{abs(losses[-1] - local_loss):.2e}"),
+        "_loss": losses[-1],  # unrounded, for the distance to "local"
+        "step ms": round(1e3 * statistics.median(times), 1),
+        "collectives/step": collectives_per_step(run, run.ranks[0]) if world > 1 else 0,
+        "params MB": round(max(p["params"] for p in peaks) / 1e6, 3),
+        "grads MB": round(max(p["grads"] for p in peaks) / 1e6, 3),
+        "optimizer MB": round(max(p["optimizer"] for p in peaks) / 1e6, 3),
+        "activations MB": round(max(p["activations"] for p in peaks) / 1e6, 3),
+        "model states MB": round(states / 1e6, 3),
+        "theory MB": round(theory_states / 1e6, 3),
+        "sent MB/step": round(sent / 1e6, 3),
+        "theory sent MB/step": round(theory / 1e6, 3),
+        "overlap": round(overlap_fraction(run), 2) if world > 1 else NOT_APPLICABLE,
+    }
 
 
 def plan(name: str, world_size: int, steps: int, mixed_precision: bool = False):
@@ -107,8 +126,14 @@ def plan(name: str, world_size: int, steps: int, mixed_precision: bool = False):
     if name == HSDP_LABEL:
         extra = dict(extra, sharding_group_size=HSDP_GROUP)
     options = dict({"mixed_precision": True} if mixed_precision else {}, **extra)
-    config = TrainConfig(strategy=strategy, steps=steps, global_batch_size=4 * world_size, model=dict(MODEL),
-                         options=options, progress=False)
+    config = TrainConfig(
+        strategy=strategy,
+        steps=steps,
+        global_batch_size=4 * world_size,
+        model=dict(MODEL),
+        options=options,
+        progress=False,
+    )
     model_fn = moe_model_fn(MOE["experts_per_rank"] * world_size, MOE["top_k"]) if name == MOE_LABEL else None
     return config, model_fn, 1 if name == "local" else world_size
 
@@ -119,27 +144,46 @@ def measure(name: str, run, world_size: int, mixed_precision: bool = False, loca
     world = run.meta["world_size"]
     if name == MOE_LABEL:
         moe = moe_theory(world, plan(name, world_size, 1, mixed_precision)[0], mixed_precision)
-        row = summarize(name, run, world, moe["num_params"], mixed_precision, None,
-                        theory_states=moe["states"], theory_sent=moe["sent"])
+        row = summarize(
+            name,
+            run,
+            world,
+            moe["num_params"],
+            mixed_precision,
+            None,
+            theory_states=moe["states"],
+            theory_sent=moe["sent"],
+        )
         return row, moe["states"], moe
     if name == HSDP_LABEL:
         hsdp = hsdp_theory(num_params, world, mixed_precision)
-        row = summarize(name, run, world, num_params, mixed_precision, local_loss,
-                        theory_states=hsdp["states"], theory_sent=hsdp["sent"])
+        row = summarize(
+            name,
+            run,
+            world,
+            num_params,
+            mixed_precision,
+            local_loss,
+            theory_states=hsdp["states"],
+            theory_sent=hsdp["sent"],
+        )
         return row, hsdp["states"], None
     row = summarize(name, run, world, num_params, mixed_precision, local_loss)
     return row, predicted_model_states(num_params, world, name, mixed_precision), None
 
 
-def training_section(world_size: int, strategies, steps: int, say, *, mixed_precision: bool = False,
-                     out_dir: str | None = None):
+def training_section(
+    world_size: int, strategies, steps: int, say, *, mixed_precision: bool = False, out_dir: str | None = None
+):
     """Train each strategy; print the table; return (runs, rows, report blocks)."""
     runs, rows, predicted = {}, [], {}
     local_loss, moe = None, None
     for name in strategies:
         if name == HSDP_LABEL and (world_size % HSDP_GROUP or world_size < 2 * HSDP_GROUP):
-            say(f"  {name:>6} skipped: hybrid sharding over pairs of ranks needs an even world size >= 4, "
-                f"got {world_size}")
+            say(
+                f"  {name:>6} skipped: hybrid sharding over pairs of ranks needs an even world size >= 4, "
+                f"got {world_size}"
+            )
             continue
         started = time.perf_counter()
         config, model_fn, world = plan(name, world_size, steps, mixed_precision)
@@ -150,10 +194,12 @@ def training_section(world_size: int, strategies, steps: int, say, *, mixed_prec
             local_loss = row["_loss"]
         rows.append(row)
         runs[name] = run
-        say(f"  {name:>6} on {world} rank(s): loss {row['final loss']:.4f}, {row['step ms']} ms/step, "
+        say(
+            f"  {name:>6} on {world} rank(s): loss {row['final loss']:.4f}, {row['step ms']} ms/step, "
             f"model states {row['model states MB']} MB (theory {row['theory MB']}), "
             f"sent {row['sent MB/step']} MB/step (theory {row['theory sent MB/step']}), "
-            f"overlap {row['overlap']}  [{time.perf_counter() - started:.0f} s]")
+            f"overlap {row['overlap']}  [{time.perf_counter() - started:.0f} s]"
+        )
         if out_dir:
             trace_path, run_path = strategy_files(out_dir, name)
             save_chrome(run, trace_path)
@@ -163,12 +209,33 @@ def training_section(world_size: int, strategies, steps: int, say, *, mixed_prec
         say("What the numbers say:")
         for line in explained:
             say(f"  - {line}")
-    return runs, rows, training_blocks(runs, rows, predicted, world_size=world_size, steps=steps,
-                                       mixed_precision=mixed_precision, moe=moe, explained=explained)
+    return (
+        runs,
+        rows,
+        training_blocks(
+            runs,
+            rows,
+            predicted,
+            world_size=world_size,
+            steps=steps,
+            mixed_precision=mixed_precision,
+            moe=moe,
+            explained=explained,
+        ),
+    )
 
 
-def training_blocks(runs, rows, predicted, *, world_size: int, steps: int, mixed_precision: bool = False,
-                    moe: dict | None = None, explained=()) -> list:
+def training_blocks(
+    runs,
+    rows,
+    predicted,
+    *,
+    world_size: int,
+    steps: int,
+    mixed_precision: bool = False,
+    moe: dict | None = None,
+    explained=(),
+) -> list:
     """The report's training part, from the Runs and rows (nothing runs): the table, what it says,
     memory and bytes against the theory, the last step of each strategy, the MoE's expert load."""
     from . import viz
@@ -179,22 +246,44 @@ def training_blocks(runs, rows, predicted, *, world_size: int, steps: int, mixed
         viz.heading("Training the tiny GPT with every strategy"),
         f"Tiny GPT {MODEL}, {num_params:,} parameters, {steps} AdamW steps, global batch {4 * world_size} rows "
         f"split over {world_size} ranks ('local' trains the whole batch in one process: the oracle). "
-        + ("Mixed precision (bf16 compute, fp32 masters): theory 2 + 2 + 12 bytes per parameter."
-           if mixed_precision else "fp32: theory 4 + 4 + 8 bytes per parameter (AdamW's two moments)."),
+        + (
+            "Mixed precision (bf16 compute, fp32 masters): theory 2 + 2 + 12 bytes per parameter."
+            if mixed_precision
+            else "fp32: theory 4 + 4 + 8 bytes per parameter (AdamW's two moments)."
+        ),
         viz.table([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]),
         viz.bullets(explained),
         memory_bars(runs, predicted, unit=1e6),  # in the table's unit (its columns are MB)
-        comm_bars([{"strategy": r["strategy"], "measured": r["sent MB/step"] * 1e6,
-                    "theory": r["theory sent MB/step"] * 1e6} for r in rows if r["ranks"] > 1], unit=1e6),
+        comm_bars(
+            [
+                {
+                    "strategy": r["strategy"],
+                    "measured": r["sent MB/step"] * 1e6,
+                    "theory": r["theory sent MB/step"] * 1e6,
+                }
+                for r in rows
+                if r["ranks"] > 1
+            ],
+            unit=1e6,
+        ),
     ]
     overlaps = {r["strategy"]: r["overlap"] for r in rows}
     for name, run in runs.items():
         if run.meta["world_size"] > 1:
             table = overlaps.get(name)
-            note = (f"the table's overlap, {table:.0%}, pools every rank over the whole run ({steps} steps and the "
-                    f"set-up)" if isinstance(table, float) else None)
-            blocks.append(viz.timeline(run, where=lambda e, s=steps - 1, r=run: _in_step(e, r, s),
-                                       title=f"{name}: the last step on every rank", note=note))
+            note = (
+                f"the table's overlap, {table:.0%}, pools every rank over the whole run ({steps} steps and the set-up)"
+                if isinstance(table, float)
+                else None
+            )
+            blocks.append(
+                viz.timeline(
+                    run,
+                    where=lambda e, s=steps - 1, r=run: _in_step(e, r, s),
+                    title=f"{name}: the last step on every rank",
+                    note=note,
+                )
+            )
     if moe is not None and MOE_LABEL in runs:
         blocks += _moe_blocks(runs[MOE_LABEL], moe, world_size)
     return blocks
@@ -205,14 +294,16 @@ def _moe_blocks(run, moe: dict, world: int) -> list:
     from . import viz
 
     E = MOE["experts_per_rank"] * world
-    return [viz.heading("The MoE-GPT with expert parallelism (moe-ep)"),
-            f"The same GPT with every MLP replaced by an MoE layer of {E} experts (top-{MOE['top_k']}, capacity "
-            f"factor 1.25): {moe['num_params']:,} parameters, of which {moe['experts']:,} in experts, "
-            f"{moe['experts_per_rank']:,} per rank. Each rank holds {MOE['experts_per_rank']} experts per layer and "
-            f"sends tokens to the others with all-to-alls (on the timeline above: counts, dispatch, combine, and "
-            f"their backward); DDP all-reduces only the {moe['dense']:,} dense parameters' gradients. Its loss is "
-            "not comparable with the dense rows' (another model), hence no |loss - local|.",
-            viz.expert_load(run)]
+    return [
+        viz.heading("The MoE-GPT with expert parallelism (moe-ep)"),
+        f"The same GPT with every MLP replaced by an MoE layer of {E} experts (top-{MOE['top_k']}, capacity "
+        f"factor 1.25): {moe['num_params']:,} parameters, of which {moe['experts']:,} in experts, "
+        f"{moe['experts_per_rank']:,} per rank. Each rank holds {MOE['experts_per_rank']} experts per layer and "
+        f"sends tokens to the others with all-to-alls (on the timeline above: counts, dispatch, combine, and "
+        f"their backward); DDP all-reduces only the {moe['dense']:,} dense parameters' gradients. Its loss is "
+        "not comparable with the dense rows' (another model), hence no |loss - local|.",
+        viz.expert_load(run),
+    ]
 
 
 def _in_step(event, run, step: int) -> bool:
@@ -229,29 +320,44 @@ def main(argv=None) -> int:
     from . import viz
 
     parser = argparse.ArgumentParser(prog="python -m toolkit compare", description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=positive_int, default=None,
-                        help="ranks per strategy, real processes on this machine (default: the GPUs, else 4)")
-    parser.add_argument("--steps", type=positive_int, default=8,
-                        help="training steps per strategy; the step time is their median (default: 8)")
-    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                        help="comma-separated, in this order (default: %(default)s); hsdp needs an even world of 4 "
-                             f"or more, {MOE_LABEL} is the expert-parallel MoE-GPT")
+    parser.add_argument(
+        "--world-size",
+        type=positive_int,
+        default=None,
+        help="ranks per strategy, real processes on this machine (default: the GPUs, else 4)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=8,
+        help="training steps per strategy; the step time is their median (default: 8)",
+    )
+    parser.add_argument(
+        "--strategies",
+        default=",".join(DEFAULT_STRATEGIES),
+        help="comma-separated, in this order (default: %(default)s); hsdp needs an even world of 4 "
+        f"or more, {MOE_LABEL} is the expert-parallel MoE-GPT",
+    )
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 compute with fp32 master weights")
-    parser.add_argument("--out", default="runs",
-                        help="folder for the report (compare-report.html) and each strategy's trace and Run "
-                             "(default: runs)")
+    parser.add_argument(
+        "--out",
+        default="runs",
+        help="folder for the report (compare-report.html) and each strategy's trace and Run (default: runs)",
+    )
     args = parser.parse_args(argv)
     wanted = [s for s in args.strategies.split(",") if s]
     unknown = set(wanted) - set(parallel.STRATEGIES) - {MOE_LABEL, HSDP_LABEL}
     if unknown:
-        parser.error(f"unknown strategies {sorted(unknown)}; choose from "
-                     f"{sorted(parallel.STRATEGIES) + [HSDP_LABEL, MOE_LABEL]}")
+        parser.error(
+            f"unknown strategies {sorted(unknown)}; choose from {sorted(parallel.STRATEGIES) + [HSDP_LABEL, MOE_LABEL]}"
+        )
     strategies = available_strategies(wanted)
     world = args.world_size or default_world_size()
     os.makedirs(args.out, exist_ok=True)
     print(f"Training {', '.join(strategies)} on {world} ranks, {args.steps} steps each:")
-    _, _, blocks = training_section(world, strategies, args.steps, print, mixed_precision=args.mixed_precision,
-                                    out_dir=args.out)
+    _, _, blocks = training_section(
+        world, strategies, args.steps, print, mixed_precision=args.mixed_precision, out_dir=args.out
+    )
     path = os.path.join(args.out, "compare-report.html")
     viz.write_report(path, "toolkit compare: every strategy, measured", blocks)
     print(f"report: {path}")

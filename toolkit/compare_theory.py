@@ -1,6 +1,7 @@
 """What each row of `python -m toolkit compare` should cost by the formulas: model states per rank (ZeRO's
 (2 + 2 + K)Ψ/N terms, or fp32 AdamW's 4 + 4 + 8), and bytes sent per step, for the strategies the ZeRO
 formulas describe, for hybrid sharding ("hsdp") and for the expert-parallel MoE-GPT ("moe-ep")."""
+
 from __future__ import annotations
 
 from .memory import communication_per_step, model_states
@@ -40,10 +41,17 @@ def moe_theory(world: int, config: TrainConfig, mixed_precision: bool) -> dict:
     element = 2 if mixed_precision else 4
     rows = 4 * layers * tokens * k * (world - 1) / world * MODEL["d_model"] * element
     counts = layers * E * (world - 1) / world * 8
-    return {"num_params": dense + experts, "dense": dense, "experts": experts, "experts_per_rank": experts // world,
-            "states": predicted_model_states(dense + experts // world, world, "ddp", mixed_precision),
-            "sent": communication_per_step(dense, world, "ddp") * element + rows + counts,
-            "rows": rows, "row_bytes": MODEL["d_model"] * element, "experts_per_rank_per_layer": MOE["experts_per_rank"]}
+    return {
+        "num_params": dense + experts,
+        "dense": dense,
+        "experts": experts,
+        "experts_per_rank": experts // world,
+        "states": predicted_model_states(dense + experts // world, world, "ddp", mixed_precision),
+        "sent": communication_per_step(dense, world, "ddp") * element + rows + counts,
+        "rows": rows,
+        "row_bytes": MODEL["d_model"] * element,
+        "experts_per_rank_per_layer": MOE["experts_per_rank"],
+    }
 
 
 def hsdp_theory(num_params: int, world: int, mixed_precision: bool) -> dict:

@@ -6,6 +6,7 @@ counts that show it taken from the same trace: how many collectives a step issue
 time hid behind compute, how many rows the MoE routing actually sent. A line appears only when its
 strategies are in the table. Pure functions of rows and Runs; nothing runs.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -54,19 +55,24 @@ def _faster_than_ddp(rows, runs) -> str | None:
     if not faster or "ddp" not in runs:
         return None
     ddp = rows["ddp"]
-    said = " and ".join(f"{z} ({rows[z]['step ms']} ms, {rows[z]['collectives/step']} collectives per step, "
-                        f"backward {phase_ms(runs[z], 'backward')} ms)" for z in faster)
+    said = " and ".join(
+        f"{z} ({rows[z]['step ms']} ms, {rows[z]['collectives/step']} collectives per step, "
+        f"backward {phase_ms(runs[z], 'backward')} ms)"
+        for z in faster
+    )
     one = len(faster) == 1
-    return (f"{said} {'steps' if one else 'step'} faster than ddp ({ddp['step ms']} ms) though "
-            f"{'it sends' if one else 'they send'} the same bytes, and hardly because a sharded optimizer step "
-            f"updates 1/N of the parameters (ddp's whole AdamW step takes "
-            f"{phase_ms(runs['ddp'], 'optimizer')} ms here). ddp sends its gradients in {ddp['collectives/step']} "
-            f"bucket all-reduces and waits for the last of them at the end of backward (its backward: "
-            f"{phase_ms(runs['ddp'], 'backward')} ms); a ZeRO step makes one reduce-scatter and one all-gather. On "
-            f"this machine each call pays a fixed cost of milliseconds (the alpha of the collectives' alpha-beta "
-            f"fit), and the ranks "
-            f"already fill the cores, so ddp's overlap hides little of it. On GPUs, where NCCL moves the data beside "
-            f"the computation, ddp's overlap is what wins.")
+    return (
+        f"{said} {'steps' if one else 'step'} faster than ddp ({ddp['step ms']} ms) though "
+        f"{'it sends' if one else 'they send'} the same bytes, and hardly because a sharded optimizer step "
+        f"updates 1/N of the parameters (ddp's whole AdamW step takes "
+        f"{phase_ms(runs['ddp'], 'optimizer')} ms here). ddp sends its gradients in {ddp['collectives/step']} "
+        f"bucket all-reduces and waits for the last of them at the end of backward (its backward: "
+        f"{phase_ms(runs['ddp'], 'backward')} ms); a ZeRO step makes one reduce-scatter and one all-gather. On "
+        f"this machine each call pays a fixed cost of milliseconds (the alpha of the collectives' alpha-beta "
+        f"fit), and the ranks "
+        f"already fill the cores, so ddp's overlap hides little of it. On GPUs, where NCCL moves the data beside "
+        f"the computation, ddp's overlap is what wins."
+    )
 
 
 def notes(rows, runs, *, moe: dict | None = None) -> list[str]:
@@ -76,34 +82,47 @@ def notes(rows, runs, *, moe: dict | None = None) -> list[str]:
     ratio = _ratio(rows, "dp", "ddp")
     if ratio is not None:
         dp, ddp = rows["dp"], rows["ddp"]
-        out.append(f"dp takes {ratio:.1f}x ddp's step time for the same bytes: dp issues {dp['collectives/step']} "
-                   f"all-reduces per step, one per gradient tensor, after backward, each blocking (overlap "
-                   f"{dp['overlap']:.0%}); ddp sends the same gradients in {ddp['collectives/step']} buckets, each "
-                   f"launched while backward goes on (overlap {ddp['overlap']:.0%}).")
+        out.append(
+            f"dp takes {ratio:.1f}x ddp's step time for the same bytes: dp issues {dp['collectives/step']} "
+            f"all-reduces per step, one per gradient tensor, after backward, each blocking (overlap "
+            f"{dp['overlap']:.0%}); ddp sends the same gradients in {ddp['collectives/step']} buckets, each "
+            f"launched while backward goes on (overlap {ddp['overlap']:.0%})."
+        )
     ratio = _ratio(rows, "zero3", "fsdp")
     if ratio is not None:
         z3, fsdp = rows["zero3"], rows["fsdp"]
-        out.append(f"zero3 takes {ratio:.1f}x fsdp's step time for the same bytes and memory: zero3 gathers and "
-                   f"frees parameters one module at a time (every Linear, LayerNorm, Embedding: "
-                   f"{z3['collectives/step']} collectives per step, each waited for before the module runs); fsdp "
-                   f"does it per transformer block ({fsdp['collectives/step']} per step) and prefetches the next "
-                   f"block's parameters during backward. Every collective pays a fixed cost.")
+        out.append(
+            f"zero3 takes {ratio:.1f}x fsdp's step time for the same bytes and memory: zero3 gathers and "
+            f"frees parameters one module at a time (every Linear, LayerNorm, Embedding: "
+            f"{z3['collectives/step']} collectives per step, each waited for before the module runs); fsdp "
+            f"does it per transformer block ({fsdp['collectives/step']} per step) and prefetches the next "
+            f"block's parameters during backward. Every collective pays a fixed cost."
+        )
     if "zero1" in rows and "ddp" in rows:
-        out.append(f"zero1 and zero2 send what ddp sends ({rows['ddp']['sent MB/step']} MB per step: a "
-                   "reduce-scatter plus an all-gather move the bytes of one all-reduce) and hold less: the "
-                   "optimizer states (zero1), and the gradients too (zero2), are split over the ranks.")
+        out.append(
+            f"zero1 and zero2 send what ddp sends ({rows['ddp']['sent MB/step']} MB per step: a "
+            "reduce-scatter plus an all-gather move the bytes of one all-reduce) and hold less: the "
+            "optimizer states (zero1), and the gradients too (zero2), are split over the ranks."
+        )
     if "ddp" in rows:
         out += [line for line in [_faster_than_ddp(rows, runs)] if line]
     if "local" in rows:
-        out.append("local runs on one rank: nothing to send and nothing to overlap (n/a); it is the oracle "
-                   "whose loss every other strategy matches.")
+        out.append(
+            "local runs on one rank: nothing to send and nothing to overlap (n/a); it is the oracle "
+            "whose loss every other strategy matches."
+        )
     if moe is not None and "moe-ep" in rows and "moe-ep" in runs:
         row, run = rows["moe-ep"], runs["moe-ep"]
-        routed = row["theory sent MB/step"] * 1e6 - moe["rows"] + routed_rows_bytes(
-            run, run.ranks[0], moe["row_bytes"], moe["experts_per_rank_per_layer"])
-        out.append(f"moe-ep sent {row['sent MB/step']} MB per step against a theory of "
-                   f"{row['theory sent MB/step']} MB that assumes balanced routing with nothing dropped. In this run "
-                   f"rank {run.ranks[0]} sent fewer token rows: choices over an expert's capacity are dropped, and "
-                   f"rows for the rank's own experts stay home. Counting the rows its recorded routing sent gives "
-                   f"{routed / 1e6:.3f} MB.")
+        routed = (
+            row["theory sent MB/step"] * 1e6
+            - moe["rows"]
+            + routed_rows_bytes(run, run.ranks[0], moe["row_bytes"], moe["experts_per_rank_per_layer"])
+        )
+        out.append(
+            f"moe-ep sent {row['sent MB/step']} MB per step against a theory of "
+            f"{row['theory sent MB/step']} MB that assumes balanced routing with nothing dropped. In this run "
+            f"rank {run.ranks[0]} sent fewer token rows: choices over an expert's capacity are dropped, and "
+            f"rows for the rank's own experts stay home. Counting the rows its recorded routing sent gives "
+            f"{routed / 1e6:.3f} MB."
+        )
     return out

@@ -1,6 +1,7 @@
 """What a training run reports at its end: every step's loss averaged over the ranks (one collective after
 training, none during it), and, when the run ended non-finite, the rank and step where the loss first went
 non-finite (the gradient all-reduce spreads a NaN to every rank, so by the end nothing else says where)."""
+
 from __future__ import annotations
 
 import math
@@ -56,13 +57,19 @@ def where_it_went_non_finite(mine: list[float], first: list[int], final_mean: fl
         return
     earliest = min(first)
     causes = [r for r, f in enumerate(first) if f == earliest]
-    story = (f"the loss went non-finite first on rank{'s' * (len(causes) > 1)} {', '.join(map(str, causes))} at "
-             f"step {earliest} (of steps 0-{steps - 1}), and the run ended non-finite; ")
+    story = (
+        f"the loss went non-finite first on rank{'s' * (len(causes) > 1)} {', '.join(map(str, causes))} at "
+        f"step {earliest} (of steps 0-{steps - 1}), and the run ended non-finite; "
+    )
     if rank in causes:
         raise NonFiniteLoss(
             story + f"this rank's loss there was {mine[earliest]}. The gradient all-reduce then spread it to every "
             f"rank's weights. Look at what this rank computed at step {earliest}: its slice of that batch, a "
-            f"learning rate too high, an overflow (fp16 without a loss scale), a log of 0 or a division by 0.")
-    mine_too = (f"this rank's loss went non-finite at step {first[rank]} only because the gradient all-reduce "
-                f"spread it here" if first[rank] < steps else "this rank's own loss stayed finite")
+            f"learning rate too high, an overflow (fp16 without a loss scale), a log of 0 or a division by 0."
+        )
+    mine_too = (
+        f"this rank's loss went non-finite at step {first[rank]} only because the gradient all-reduce spread it here"
+        if first[rank] < steps
+        else "this rank's own loss stayed finite"
+    )
     raise NonFiniteElsewhere(story + mine_too + f": look at rank {causes[0]}'s error.")

@@ -16,6 +16,7 @@ takes its contiguous slice (every rank of a replica's tensor/pipeline/context-pa
 backward on loss/M each. So the rows of a step are the same whatever N and M are, and every strategy,
 world size and accumulation can be checked against "local" with accumulation 1.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -77,8 +78,10 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}.")
         if self.global_batch_size % self.accumulation:
-            raise ValueError(f"global_batch_size={self.global_batch_size} does not split into "
-                             f"accumulation={self.accumulation} equal micro-batches; use a multiple of it.")
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} does not split into "
+                f"accumulation={self.accumulation} equal micro-batches; use a multiple of it."
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {sorted(OPTIMIZERS)}.")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0):
@@ -90,10 +93,14 @@ class TrainConfig:
         fields = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "seq_len"}
         unknown = set(self.model) - fields
         if unknown:
-            hint = (" (set TrainConfig.vocab_size / seq_len instead: the corpus and the model share them)"
-                    if unknown & {"vocab_size", "seq_len"} else "")
-            raise ValueError(f"TrainConfig.model has unknown key(s) {sorted(unknown)}{hint}; "
-                             f"valid keys: {sorted(fields)}.")
+            hint = (
+                " (set TrainConfig.vocab_size / seq_len instead: the corpus and the model share them)"
+                if unknown & {"vocab_size", "seq_len"}
+                else ""
+            )
+            raise ValueError(
+                f"TrainConfig.model has unknown key(s) {sorted(unknown)}{hint}; valid keys: {sorted(fields)}."
+            )
 
     def check_world(self, world_size: int) -> None:
         """Each data-parallel replica's micro-batch must be whole rows: global_batch_size % (dp * accumulation)
@@ -105,19 +112,22 @@ class TrainConfig:
             from .parallel.context import SequenceSplit
 
             attention = self.options.get("cp_attention", "ring")
-            SequenceSplit(self.options["cp"], 0, zigzag=attention == "ring").check(self.seq_len,
-                                                                                  "TrainConfig.seq_len")
+            SequenceSplit(self.options["cp"], 0, zigzag=attention == "ring").check(self.seq_len, "TrainConfig.seq_len")
         pp = self.options.get("pp", 1)
         if pp > 1 and self.accumulation != 1:
-            raise ValueError(f"under pp={pp} the pipeline's schedule splits each replica's batch into micro-batches "
-                             f"(options['microbatches']): leave accumulation at 1 (got {self.accumulation}).")
+            raise ValueError(
+                f"under pp={pp} the pipeline's schedule splits each replica's batch into micro-batches "
+                f"(options['microbatches']): leave accumulation at 1 (got {self.accumulation})."
+            )
         per = dp * (self.options.get("microbatches") or pp if pp > 1 else self.accumulation)
         if self.global_batch_size % per:
             ranks = f"world_size={world_size}" if dp == world_size else f"dp={dp} replicas (world {world_size})"
             split = f"microbatches={per // dp}" if pp > 1 else f"accumulation={self.accumulation}"
-            raise ValueError(f"global_batch_size={self.global_batch_size} does not divide over {ranks} x "
-                             f"{split} = {per} micro-batches; use a "
-                             f"multiple of {per}, e.g. {per * max(1, self.global_batch_size // per)}.")
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} does not divide over {ranks} x "
+                f"{split} = {per} micro-batches; use a "
+                f"multiple of {per}, e.g. {per * max(1, self.global_batch_size // per)}."
+            )
 
     def data_parallel(self, world_size: int, rank: int = 0) -> tuple[int, int]:
         """(dp, this rank's dp index): the world is dp x pp x cp x tp (`options` tp=, pp=, cp=, order=), and a rank
@@ -126,12 +136,13 @@ class TrainConfig:
         from .parallel import mesh
 
         o = self.options
-        layout = mesh.layout(world_size, tp=o.get("tp", 1), pp=o.get("pp", 1), cp=o.get("cp", 1),
-                             order=o.get("order", mesh.ORDER))
+        layout = mesh.layout(
+            world_size, tp=o.get("tp", 1), pp=o.get("pp", 1), cp=o.get("cp", 1), order=o.get("order", mesh.ORDER)
+        )
         return layout.dp, layout.coordinate(rank).dp
 
     @classmethod
-    def of(cls, config) -> "TrainConfig":
+    def of(cls, config) -> TrainConfig:
         """A TrainConfig from a TrainConfig or a dict (a Run's `config`)."""
         return config if isinstance(config, cls) else cls(**dict(config))
 
@@ -148,13 +159,16 @@ def moe_model_fn(num_experts: int = 4, top_k: int = 2, **moe_gpt_kwargs):
 
         train(TrainConfig(strategy="ddp"), model_fn=moe_model_fn(4, 2))
     """
+
     def build(config):
         kwargs = dict(seed=config.seed, vocab_size=config.vocab_size, seq_len=config.seq_len, **config.model)
         pp = config.options.get("pp", 1)
         if pp > 1:  # a pipeline stage's experts are split over the ranks of that stage, not the world
             from .parallel.pipeline import stage_group
-            kwargs["group"] = stage_group(pp=pp, **{k: config.options[k] for k in ("tp", "cp", "order")
-                                                    if k in config.options})
+
+            kwargs["group"] = stage_group(
+                pp=pp, **{k: config.options[k] for k in ("tp", "cp", "order") if k in config.options}
+            )
         kwargs.update(moe_gpt_kwargs)
         return moe_gpt(num_experts, top_k, **kwargs)
 
@@ -179,16 +193,20 @@ def train(config, *, model_fn=None, loss_fn=None, batch_fn=None, return_state: b
     """
     config = TrainConfig.of(config)
     if loss_fn is not None and config.options.get("pp", 1) > 1:
-        raise ValueError("under pipeline parallelism (pp > 1) the last stage computes the loss with the model's own "
-                         "head_loss(h, y), so a loss_fn cannot be used: give the model embed, head_loss and "
-                         "hidden_shape (toolkit/models/hf_pipeline.py shows how), or train without pp.")
+        raise ValueError(
+            "under pipeline parallelism (pp > 1) the last stage computes the loss with the model's own "
+            "head_loss(h, y), so a loss_fn cannot be used: give the model embed, head_loss and "
+            "hidden_shape (toolkit/models/hf_pipeline.py shows how), or train without pp."
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     config.check_world(world)
     if not dist.is_initialized() and config.strategy != "local":
-        raise ValueError(f"strategy {config.strategy!r} needs ranks to talk to: run it with "
-                         f"launch_train(config, world_size=N), or call train inside toolkit.launch. "
-                         f"Only 'local' trains in a plain process.")
+        raise ValueError(
+            f"strategy {config.strategy!r} needs ranks to talk to: run it with "
+            f"launch_train(config, world_size=N), or call train inside toolkit.launch. "
+            f"Only 'local' trains in a plain process."
+        )
     device = env.device()
     recorder.reset()
 
@@ -256,8 +274,11 @@ def train(config, *, model_fn=None, loss_fn=None, batch_fn=None, return_state: b
     state = _final_state(model)
     recorder.metric("param_norm", math.sqrt(sum(float(v.double().pow(2).sum()) for v in state.values())))
     run = Run.capture(dataclasses.asdict(config))
-    run.meta["model"] = {"class": type(model.module if hasattr(model, "module") else model).__name__,
-                         "convention": convention.name, "why": convention.why}
+    run.meta["model"] = {
+        "class": type(model.module if hasattr(model, "module") else model).__name__,
+        "convention": convention.name,
+        "why": convention.why,
+    }
     return (run, state) if return_state else run
 
 
@@ -294,8 +315,9 @@ def _rank_main(config, model_fn, return_state, loss_fn=None, batch_fn=None):
     return (run, state if rank == 0 else None) if return_state else run
 
 
-def launch_train(config, world_size: int, *, model_fn=None, loss_fn=None, batch_fn=None, return_state: bool = False,
-                 **launch_kwargs):
+def launch_train(
+    config, world_size: int, *, model_fn=None, loss_fn=None, batch_fn=None, return_state: bool = False, **launch_kwargs
+):
     """Start `world_size` ranks that each run `train(config)` (`model_fn`, `loss_fn`, `batch_fn` as there); return
     the merged Run.
 

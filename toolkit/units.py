@@ -11,6 +11,7 @@
 
 Decimal units (1 GB = 1e9 bytes), as the papers and `toolkit.memory.formulas` count.
 """
+
 from __future__ import annotations
 
 BYTE_UNITS = ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B"))

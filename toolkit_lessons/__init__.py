@@ -19,6 +19,7 @@ marked modified before anything runs: the kernel's `language_info`, which Jupyte
 soon as the kernel answers (a change: the tab was marked modified), is there already. (The stored form leaves it
 out: it names this machine's Python version.)
 """
+
 from __future__ import annotations
 
 NOTEBOOK_KEYS = ("kernelspec", "jupytext")  # the notebook metadata a lesson stores; the rest is the session's
@@ -89,5 +90,4 @@ def _jupyter_server_extension_points():
 def _load_jupyter_server_extension(server_app) -> None:
     server_app.contents_manager.register_pre_save_hook(keep_stored_form)
     open_as_saved(server_app.contents_manager)
-    server_app.log.info("toolkit_lessons: paired notebooks (the lessons) are saved without outputs and open as "
-                        "saved")
+    server_app.log.info("toolkit_lessons: paired notebooks (the lessons) are saved without outputs and open as saved")

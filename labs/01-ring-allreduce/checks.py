@@ -7,6 +7,7 @@ shifted; the lecture's convention, where rank r ends with chunk r+1, is the comm
 over only some ranks (a step missing, or a received chunk not combined), or an all-gather block that
 holds another rank's input.
 """
+
 import itertools
 
 import torch
@@ -15,8 +16,12 @@ from toolkit.grading import Either, Items, List, Tensor, check, like
 
 ANSWERS = {"toolkit.comm.ring": "the toolkit's own ring collectives"}
 MESSAGES_ONLY = True  # the ranks have no built-in collective: the grader's relay carries (and records) every message
-REDUCE = {"SUM": lambda xs: torch.stack(xs).sum(0), "PRODUCT": lambda xs: torch.stack(xs).prod(0),
-          "MAX": lambda xs: torch.stack(xs).amax(0), "MIN": lambda xs: torch.stack(xs).amin(0)}
+REDUCE = {
+    "SUM": lambda xs: torch.stack(xs).sum(0),
+    "PRODUCT": lambda xs: torch.stack(xs).prod(0),
+    "MAX": lambda xs: torch.stack(xs).amax(0),
+    "MIN": lambda xs: torch.stack(xs).amin(0),
+}
 SUM = "SUM"
 
 
@@ -47,9 +52,11 @@ def _what_is(piece, pieces_of, op, exact):
     return None
 
 
-LECTURE = ("the lecture's convention ends the reduce-scatter with the finished chunk r+1 on rank r; here rank r "
-           "must end with chunk r: at step s send chunk (r - s - 1) mod N and combine the chunk (r - s - 2) mod N "
-           "that arrives (README, 'The ring')")
+LECTURE = (
+    "the lecture's convention ends the reduce-scatter with the finished chunk r+1 on rank r; here rank r "
+    "must end with chunk r: at step s send chunk (r - s - 1) mod N and combine the chunk (r - s - 2) mod N "
+    "that arrives (README, 'The ring')"
+)
 
 
 def explain_chunks(xs, op, exact, positions, me) -> str | None:
@@ -66,19 +73,28 @@ def explain_chunks(xs, op, exact, positions, me) -> str | None:
             wrong.append((k, *found))
     if not wrong:
         return None
-    said = [f"chunk {k} holds the finished chunk {j}" if len(ranks) == n and j != k else
-            f"chunk {k} holds chunk {j} reduced over ranks {list(ranks)} only" if j != k else
-            f"chunk {k} is reduced over ranks {list(ranks)} only" for k, j, ranks in wrong]
+    said = [
+        f"chunk {k} holds the finished chunk {j}"
+        if len(ranks) == n and j != k
+        else f"chunk {k} holds chunk {j} reduced over ranks {list(ranks)} only"
+        if j != k
+        else f"chunk {k} is reduced over ranks {list(ranks)} only"
+        for k, j, ranks in wrong
+    ]
     shifts = {(j - k) % n for k, j, _ in wrong}
     if all(j == k and ranks in ((k,), (me,)) for k, j, ranks in wrong):
-        cause = (f"{'each chunk k holds only rank k' if len(positions) > 1 else 'it holds only this rank'}'s own "
-                 "input: the reduce-scatter did not leave rank r with the finished chunk r. Either it is a step "
-                 f"short, or {LECTURE}")
+        cause = (
+            f"{'each chunk k holds only rank k' if len(positions) > 1 else 'it holds only this rank'}'s own "
+            "input: the reduce-scatter did not leave rank r with the finished chunk r. Either it is a step "
+            f"short, or {LECTURE}"
+        )
     elif shifts == {1}:
         cause = f"every chunk is shifted by one: {LECTURE}"
     elif 0 not in shifts:
-        cause = (f"the chunk indices are off by {sorted(shifts)}: write down, for N = 3, which chunk each rank sends "
-                 "and receives at each step (README, 'The ring')")
+        cause = (
+            f"the chunk indices are off by {sorted(shifts)}: write down, for N = 3, which chunk each rank sends "
+            "and receives at each step (README, 'The ring')"
+        )
     else:
         cause = "a received chunk was not combined into yours, or a ring step is missing"
     return "; ".join(said) + ". Likely: " + cause + "."
@@ -99,8 +115,9 @@ def judge_all_reduce(ctx, xs, got, op, rank, members):
     what = f"all_reduce {op} of {xs[0].numel()} {str(xs[0].dtype)[6:]} elements (ring of global ranks {members})"
     got = ctx.tensor(got, what, rank)
     if got.shape == xs[0].shape and got.dtype == xs[0].dtype and len(members) > 1:
-        expect_reduced(ctx, xs, op, exact, what, dict(enumerate(got.tensor_split(len(members)))),
-                       members.index(rank), rank)
+        expect_reduced(
+            ctx, xs, op, exact, what, dict(enumerate(got.tensor_split(len(members)))), members.index(rank), rank
+        )
     ctx.expect(got, REDUCE[op](xs), what, rank=rank, exact=exact)
 
 
@@ -112,13 +129,16 @@ def judge_all_reduce_case(ctx, given, got):
 
 def cases(*specs):
     """All-reduce cases: (numel or a function of n, dtype, op) each; every rank draws its own input."""
+
     def make(n, g):
         found = {}
         for numel, dtype, op in specs:
             size = numel(n) if callable(numel) else numel
-            found[f"{op}, {size} {str(dtype)[6:]} elements"] = [{"x": draw(g, size, dtype, op), "op": op}
-                                                                 for _ in range(n)]
+            found[f"{op}, {size} {str(dtype)[6:]} elements"] = [
+                {"x": draw(g, size, dtype, op), "op": op} for _ in range(n)
+            ]
         return found
+
     return make
 
 
@@ -131,8 +151,13 @@ def _gather_inputs(n, g):
     return {f"{rows}x3 per rank": [{"x": draw(g, rows * 3).view(rows, 3)} for _ in range(n)] for rows in (1, 5)}
 
 
-@check("all-gather: every rank ends with every rank's chunk, in rank order", points=2, world_sizes=(3, 4),
-       cases=_gather_inputs, returns=lambda case, r, n: {"output": Tensor((n * case["x"].shape[0], 3), torch.float32)})
+@check(
+    "all-gather: every rank ends with every rank's chunk, in rank order",
+    points=2,
+    world_sizes=(3, 4),
+    cases=_gather_inputs,
+    returns=lambda case, r, n: {"output": Tensor((n * case["x"].shape[0], 3), torch.float32)},
+)
 def all_gather(ctx, given, got):
     n = ctx.world_size
     xs = [given[r]["x"] for r in range(n)]
@@ -140,17 +165,26 @@ def all_gather(ctx, given, got):
     for r in range(n):
         output = got[r]["output"]
         blocks = output.split(rows)
-        misplaced = [(b, j) for b, block in enumerate(blocks) for j, x in enumerate(xs) if j != b and _same(block, x, True)]
+        misplaced = [
+            (b, j) for b, block in enumerate(blocks) for j, x in enumerate(xs) if j != b and _same(block, x, True)
+        ]
         unwritten = [b for b, block in enumerate(blocks) if bool(block.isnan().all())]
         if misplaced or unwritten:
             shifts = {(j - b) % n for b, j in misplaced}
-            ctx.fail(f"all_gather of {rows}x3 float32 inputs: rank {r}: " + "; ".join(
-                [f"block {b} holds rank {j}'s input" for b, j in misplaced]
-                + ([f"blocks {unwritten} were never written (still the NaN the grader filled in)"] if unwritten
-                   else []))
+            ctx.fail(
+                f"all_gather of {rows}x3 float32 inputs: rank {r}: "
+                + "; ".join(
+                    [f"block {b} holds rank {j}'s input" for b, j in misplaced]
+                    + (
+                        [f"blocks {unwritten} were never written (still the NaN the grader filled in)"]
+                        if unwritten
+                        else []
+                    )
+                )
                 + ". Block k must hold rank k's input: at step 0 each rank sends its own block (chunk r), then "
-                "forwards the one it just received" + (f" (the blocks are shifted by {shifts.pop()})"
-                                                       if len(shifts) == 1 else ""))
+                "forwards the one it just received"
+                + (f" (the blocks are shifted by {shifts.pop()})" if len(shifts) == 1 else "")
+            )
         ctx.expect(output, torch.cat(xs), f"all_gather of {rows}x3 float32 inputs", rank=r)
 
 
@@ -158,9 +192,16 @@ def _scatter_inputs(n, g):
     return {f"{n}x{chunk} elements": [{"x": draw(g, n * chunk)} for _ in range(n)] for chunk in (1, 6)}
 
 
-@check("reduce-scatter, SUM: rank r ends with the sum of everyone's chunk r", points=2, world_sizes=(3, 4),
-       cases=_scatter_inputs, returns=lambda case, r, n: {"output": Tensor((case["x"].numel() // n,), torch.float32),
-                                                          "input_after": like(case["x"])})
+@check(
+    "reduce-scatter, SUM: rank r ends with the sum of everyone's chunk r",
+    points=2,
+    world_sizes=(3, 4),
+    cases=_scatter_inputs,
+    returns=lambda case, r, n: {
+        "output": Tensor((case["x"].numel() // n,), torch.float32),
+        "input_after": like(case["x"]),
+    },
+)
 def reduce_scatter(ctx, given, got):
     n = ctx.world_size
     xs = [given[r]["x"] for r in range(n)]
@@ -169,26 +210,43 @@ def reduce_scatter(ctx, given, got):
         output = got[r]["output"]
         expect_reduced(ctx, xs, SUM, False, what, {r: output}, r, r)
         ctx.expect(output, torch.stack(xs).sum(0).tensor_split(n)[r], what, rank=r, exact=False)
-        ctx.expect(got[r]["input_after"], xs[r], "reduce_scatter must leave its input unchanged; input after the call",
-                   rank=r)
+        ctx.expect(
+            got[r]["input_after"], xs[r], "reduce_scatter must leave its input unchanged; input after the call", rank=r
+        )
 
 
-@check("all-reduce, SUM, float32, size divisible by N", points=2, world_sizes=(3, 4), task="all_reduce",
-       cases=cases((lambda n: 12 * n, torch.float32, SUM)), returns=same_as_input)
+@check(
+    "all-reduce, SUM, float32, size divisible by N",
+    points=2,
+    world_sizes=(3, 4),
+    task="all_reduce",
+    cases=cases((lambda n: 12 * n, torch.float32, SUM)),
+    returns=same_as_input,
+)
 def all_reduce_sum(ctx, given, got):
     judge_all_reduce_case(ctx, given, got)
 
 
-@check("all-reduce, sizes not divisible by N (1, 5, 7, 129 elements)", points=2, world_sizes=(3, 4),
-       task="all_reduce", cases=cases(*[(numel, torch.float32, SUM) for numel in (1, 5, 7, 129)]),
-       returns=same_as_input)
+@check(
+    "all-reduce, sizes not divisible by N (1, 5, 7, 129 elements)",
+    points=2,
+    world_sizes=(3, 4),
+    task="all_reduce",
+    cases=cases(*[(numel, torch.float32, SUM) for numel in (1, 5, 7, 129)]),
+    returns=same_as_input,
+)
 def all_reduce_uneven(ctx, given, got):
     judge_all_reduce_case(ctx, given, got)
 
 
-@check("all-reduce with MAX, MIN and PRODUCT, in float64 and int64", points=1, world_sizes=(3,),
-       task="all_reduce", cases=cases(*[(10, dtype, op) for dtype in (torch.float64, torch.int64)
-                                        for op in ("MAX", "MIN", "PRODUCT", SUM)]), returns=same_as_input)
+@check(
+    "all-reduce with MAX, MIN and PRODUCT, in float64 and int64",
+    points=1,
+    world_sizes=(3,),
+    task="all_reduce",
+    cases=cases(*[(10, dtype, op) for dtype in (torch.float64, torch.int64) for op in ("MAX", "MIN", "PRODUCT", SUM)]),
+    returns=same_as_input,
+)
 def all_reduce_ops_and_dtypes(ctx, given, got):
     judge_all_reduce_case(ctx, given, got)
 
@@ -196,9 +254,13 @@ def all_reduce_ops_and_dtypes(ctx, given, got):
 MESSAGE = Items(str, Either(int, str), int)  # ("send" | "recv", peer, elements), or ("collective", its name, 0)
 
 
-@check("a real ring: only neighbours talk, each rank sends 2(N-1)/N of the tensor, no built-in collective",
-       points=2, world_sizes=(3, 4), inputs=lambda n, g: [{"x": draw(g, 25 * n), "op": SUM} for _ in range(n)],
-       returns=lambda case, r, n: {"x": like(case["x"]), "messages": List(MESSAGE)})
+@check(
+    "a real ring: only neighbours talk, each rank sends 2(N-1)/N of the tensor, no built-in collective",
+    points=2,
+    world_sizes=(3, 4),
+    inputs=lambda n, g: [{"x": draw(g, 25 * n), "op": SUM} for _ in range(n)],
+    returns=lambda case, r, n: {"x": like(case["x"]), "messages": List(MESSAGE)},
+)
 def ring_traffic(ctx, given, got):
     judge_all_reduce_case(ctx, given, got)
     n, numel = ctx.world_size, given[0]["x"].numel()
@@ -206,16 +268,21 @@ def ring_traffic(ctx, given, got):
         messages = [tuple(m) for m in got[r]["messages"]]
         right, left = (r + 1) % n, (r - 1) % n
         sent = sum(m[2] for m in messages if m[0] == "send")
-        wrong_way = sorted({(kind, peer) for kind, peer, _ in messages if (kind, peer) not in (("send", right),
-                                                                                               ("recv", left))})
+        wrong_way = sorted(
+            {(kind, peer) for kind, peer, _ in messages if (kind, peer) not in (("send", right), ("recv", left))}
+        )
         if wrong_way:
-            ctx.fail(f"rank {r} (left neighbour {left}, right neighbour {right}) also posted "
-                     f"{', '.join(f'a {k} with rank {p}' for k, p in wrong_way)}: in a ring a rank sends only "
-                     "to its right neighbour and receives only from its left one")
+            ctx.fail(
+                f"rank {r} (left neighbour {left}, right neighbour {right}) also posted "
+                f"{', '.join(f'a {k} with rank {p}' for k, p in wrong_way)}: in a ring a rank sends only "
+                "to its right neighbour and receives only from its left one"
+            )
         if sent != 2 * (n - 1) * numel // n:
-            ctx.fail(f"all_reduce of {numel} elements: rank {r} sent {sent} elements; a ring sends "
-                     f"2(N-1)/N x {numel} = {2 * (n - 1) * numel // n} (N-1 chunks of {numel // n} in the "
-                     "reduce-scatter, N-1 in the all-gather)")
+            ctx.fail(
+                f"all_reduce of {numel} elements: rank {r} sent {sent} elements; a ring sends "
+                f"2(N-1)/N x {numel} = {2 * (n - 1) * numel // n} (N-1 chunks of {numel // n} in the "
+                "reduce-scatter, N-1 in the all-gather)"
+            )
 
 
 PAIRS = [[0, 2], [1, 3]]
@@ -227,9 +294,13 @@ def _subgroup_inputs(n, g):
     return [{"pairs": PAIRS, "pair": {"x": pair[r], "op": SUM}, "alone": {"x": alone[r], "op": SUM}} for r in range(n)]
 
 
-@check("rings on subgroups: global ranks {0, 2} and {1, 3}, and a ring of one", points=1, world_sizes=(4,),
-       inputs=_subgroup_inputs, returns=lambda case, r, n: {"pair": like(case["pair"]["x"]),
-                                                            "alone": like(case["alone"]["x"])})
+@check(
+    "rings on subgroups: global ranks {0, 2} and {1, 3}, and a ring of one",
+    points=1,
+    world_sizes=(4,),
+    inputs=_subgroup_inputs,
+    returns=lambda case, r, n: {"pair": like(case["pair"]["x"]), "alone": like(case["alone"]["x"])},
+)
 def subgroups(ctx, given, got):
     for members in PAIRS:
         xs = [given[m]["pair"]["x"] for m in members]
@@ -239,13 +310,22 @@ def subgroups(ctx, given, got):
         judge_all_reduce(ctx, [given[r]["alone"]["x"]], got[r]["alone"], SUM, r, [r])
 
 
-@check("plugs into toolkit.comm: comm.use({...}) routes the toolkit's collectives to your functions",
-       points=1, world_sizes=(3,), inputs=lambda n, g: [{"x": draw(g, 9)} for _ in range(n)],
-       returns=lambda case, r, n: {"x": like(case["x"]), "impl": str})
+@check(
+    "plugs into toolkit.comm: comm.use({...}) routes the toolkit's collectives to your functions",
+    points=1,
+    world_sizes=(3,),
+    inputs=lambda n, g: [{"x": draw(g, 9)} for _ in range(n)],
+    returns=lambda case, r, n: {"x": like(case["x"]), "impl": str},
+)
 def through_the_door(ctx, given, got):
     xs = [given[r]["x"] for r in range(ctx.world_size)]
     for r in range(ctx.world_size):
-        ctx.expect(got[r]["x"], torch.stack(xs).mean(0), "toolkit.comm.all_reduce(op='avg') of 9 float32 elements",
-                   rank=r, exact=False)
+        ctx.expect(
+            got[r]["x"],
+            torch.stack(xs).mean(0),
+            "toolkit.comm.all_reduce(op='avg') of 9 float32 elements",
+            rank=r,
+            exact=False,
+        )
         if got[r]["impl"] != "custom":
             ctx.fail(f"rank {r}: the trace says impl={got[r]['impl']!r}, expected 'custom'")

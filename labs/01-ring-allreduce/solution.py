@@ -3,6 +3,7 @@
 Self-contained on purpose (the lab stands alone); `toolkit/comm/ring.py` is the same algorithm as the
 toolkit uses it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,9 @@ def ring_of(group=None):
 
 def pass_along(send: torch.Tensor, receive: torch.Tensor, left: int, right: int, group=None) -> None:
     """One ring step: give `send` to the right neighbour while filling `receive` from the left one."""
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right, group),
-                                    dist.P2POp(dist.irecv, receive, left, group)])
+    works = dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, send, right, group), dist.P2POp(dist.irecv, receive, left, group)]
+    )
     for work in works:
         work.wait()
 

@@ -1,13 +1,13 @@
 """What every rank runs for lab 01's checks, next to your code: it calls your functions on the inputs the
 grader sent this rank and returns what came out. Nothing here knows the right answer: the grader's
 process judges what these return (checks.py)."""
+
 import torch
 import torch.distributed as dist
 
 import toolkit
 
-OPS = {"SUM": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX, "MIN": dist.ReduceOp.MIN,
-       "PRODUCT": dist.ReduceOp.PRODUCT}
+OPS = {"SUM": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX, "MIN": dist.ReduceOp.MIN, "PRODUCT": dist.ReduceOp.PRODUCT}
 
 
 def _all_reduce(student, case, group):
@@ -50,8 +50,9 @@ def through_the_door(student, rank, given):
     from toolkit.trace.events import recorder
 
     x = given["x"].clone()
-    toolkit.comm.use({"all_reduce": student.all_reduce, "reduce_scatter": student.reduce_scatter,
-                      "all_gather": student.all_gather})
+    toolkit.comm.use(
+        {"all_reduce": student.all_reduce, "reduce_scatter": student.reduce_scatter, "all_gather": student.all_gather}
+    )
     try:
         toolkit.comm.all_reduce(x, op="avg", group=rank.group)
     finally:

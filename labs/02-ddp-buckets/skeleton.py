@@ -10,6 +10,7 @@ that call you) is given. Read README.md first, then grade your work with
 Rule of the game: every collective goes through `toolkit.comm` (`comm.all_reduce(...)`), so the trace
 records it and the grader can see when your buckets travelled and how many bytes they carried.
 """
+
 from __future__ import annotations
 
 import functools

@@ -3,6 +3,7 @@
 Self-contained on purpose (the lab stands alone); `toolkit/parallel/ddp.py` is the same design as the
 toolkit's "ddp" strategy uses it (plus no_sync, mixed precision and unused parameters).
 """
+
 from __future__ import annotations
 
 import functools
@@ -106,9 +107,11 @@ class BucketedDDP(nn.Module):
     def finish_backward(self) -> None:
         """Backward is over: wait for every bucket's all-reduce and put the averages back into `.grad`."""
         if self.next_bucket != len(self.buckets):
-            missing = [i for b in self.buckets[self.next_bucket:] for i in b.indices if i not in b.ready]
-            raise RuntimeError(f"backward ended with parameters {missing} still without a gradient; "
-                               "this lab expects every parameter to be used in every forward.")
+            missing = [i for b in self.buckets[self.next_bucket :] for i in b.indices if i not in b.ready]
+            raise RuntimeError(
+                f"backward ended with parameters {missing} still without a gradient; "
+                "this lab expects every parameter to be used in every forward."
+            )
         for bucket in self.buckets:
             bucket.handle.wait()
             for index, view in bucket.views.items():

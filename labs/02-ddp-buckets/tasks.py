@@ -1,6 +1,7 @@
 """What every rank runs for lab 02's checks, next to your code: it builds the tiny GPT from the seed the
 grader sent, wraps it in your BucketedDDP, trains on this rank's rows, and returns what happened (gradients,
 parameters, your buckets, the collectives the trace recorded). The grader's process judges it (checks.py)."""
+
 import torch
 
 from toolkit.comm import collectives
@@ -75,8 +76,12 @@ def overlap(student, rank, given):
     finally:
         collectives.Handle.wait = real_wait
     calls = [e for e in rank.comm_events() if e["name"] == "all_reduce"]
-    return {"log": log, "async": [bool(e["args"].get("async_op")) for e in calls], "buckets": len(ddp.buckets),
-            "overlap": overlap_fraction(Run.capture(align=False), rank.rank) if calls else 0.0}
+    return {
+        "log": log,
+        "async": [bool(e["args"].get("async_op")) for e in calls],
+        "buckets": len(ddp.buckets),
+        "overlap": overlap_fraction(Run.capture(align=False), rank.rank) if calls else 0.0,
+    }
 
 
 class _OneLayerUnused(torch.nn.Module):

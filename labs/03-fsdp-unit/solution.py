@@ -12,6 +12,7 @@ Read README.md first, then grade your work with
 Rule of the game: every collective goes through `toolkit.comm` (`comm.all_gather`, `comm.reduce_scatter`),
 so the trace records it and the grader can count your collectives and the bytes they carried.
 """
+
 from __future__ import annotations
 
 import functools

@@ -2,6 +2,7 @@
 grader sent) wrapped in FSDP with your MyUnit, driven through unshard, reshard, forward and backward on this
 rank's rows, and what was observed on the way (states, bytes held, the collectives recorded, parameter values,
 gradient slices), unit by unit under the unit's name. The grader's process judges it (checks.py)."""
+
 import functools
 
 import torch
@@ -36,8 +37,12 @@ def unshard_gathers(student, rank, given):
     for unit in fsdp.units:
         start = rank.events_now()
         unit.unshard()
-        units[unit.name] = {"state": unit.state, "held": _held(unit), "gathers": _gathers(rank, start),
-                            "values": _values(unit)}
+        units[unit.name] = {
+            "state": unit.state,
+            "held": _held(unit),
+            "gathers": _gathers(rank, start),
+            "values": _values(unit),
+        }
         unit.reshard()
     unit = fsdp.units[-1]  # asynchronous: in flight until wait_unshard
     start = rank.events_now()
@@ -86,9 +91,13 @@ def memory_is_freed(student, rank, given):
     loss = fsdp(x, y)
     after_forward = {u.name: _held(u) for u in fsdp.units}
     loss.backward()
-    return {"after_reshard": after_reshard, "in_flight": in_flight, "after_forward": after_forward,
-            "while_running": {u.name: list(seen.get(u.name, (None, 0))) for u in fsdp.units},
-            "after_backward": {u.name: _held(u) for u in fsdp.units}}
+    return {
+        "after_reshard": after_reshard,
+        "in_flight": in_flight,
+        "after_forward": after_forward,
+        "while_running": {u.name: list(seen.get(u.name, (None, 0))) for u in fsdp.units},
+        "after_backward": {u.name: _held(u) for u in fsdp.units},
+    }
 
 
 def one_step(student, rank, given):

@@ -11,6 +11,7 @@ calls your pieces in order) is given. Read README.md first, then grade your work
 Rule of the game: rows and counts travel only through `send_rows` (given), so the trace records every
 all-to-all with its role ("counts", "dispatch", "combine", and "... backward"), and the grader can read it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -99,8 +100,9 @@ def compute_experts(experts: Experts, received: torch.Tensor, recv_counts: torch
 
 
 # --- yours: 5. there and back again --------------------------------------------------------------------
-def dispatch_compute_combine(rows: torch.Tensor, send: torch.Tensor, recv: torch.Tensor, experts: Experts,
-                             group) -> torch.Tensor:
+def dispatch_compute_combine(
+    rows: torch.Tensor, send: torch.Tensor, recv: torch.Tensor, experts: Experts, group
+) -> torch.Tensor:
     """Dispatch `rows` (sorted by destination) to the experts' ranks, run the local experts on what arrived, and return
     their outputs to where the rows came from, in the order of `rows`: two differentiable all-to-alls, labelled
     "dispatch" and "combine", with the split sizes the count exchange gave (`send`, `recv`: rows per destination
@@ -125,7 +127,7 @@ class LabMoE(MoE):
 
     def forward(self, x: torch.Tensor):
         tokens = x.reshape(-1, self.d_model)
-        routing = self.route(tokens)                                                  # the gate (given)
+        routing = self.route(tokens)  # the gate (given)
         send, recv = exchange_counts(routing.kept_counts, self.world, self.num_local, self.group)
         order, rows = sort_by_destination(tokens, routing)
         answers = dispatch_compute_combine(rows, send, recv, self.experts, self.group)

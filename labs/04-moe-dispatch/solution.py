@@ -11,6 +11,7 @@ calls your pieces in order) is given. Read README.md first, then grade your work
 Rule of the game: rows and counts travel only through `send_rows` (given), so the trace records every
 all-to-all with its role ("counts", "dispatch", "combine", and "... backward"), and the grader can read it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -58,7 +59,7 @@ def sort_by_destination(tokens: torch.Tensor, routing: Routing):
     so choice c is token c // k's (c % k)-th expert; `rows = tokens[order // k]`. Experts are contiguous
     per rank, so expert order is also destination-rank order. Dropped choices are left out.
     """
-    place = routing.buffer_index().reshape(-1)        # expert * C + slot, -1 where dropped
+    place = routing.buffer_index().reshape(-1)  # expert * C + slot, -1 where dropped
     kept = (place >= 0).nonzero().squeeze(1)
     order = kept[place[kept].argsort()]
     return order, tokens[order // routing.top_k]
@@ -100,8 +101,9 @@ def compute_experts(experts: Experts, received: torch.Tensor, recv_counts: torch
 
 
 # --- yours: 5. there and back again --------------------------------------------------------------------
-def dispatch_compute_combine(rows: torch.Tensor, send: torch.Tensor, recv: torch.Tensor, experts: Experts,
-                             group) -> torch.Tensor:
+def dispatch_compute_combine(
+    rows: torch.Tensor, send: torch.Tensor, recv: torch.Tensor, experts: Experts, group
+) -> torch.Tensor:
     """Dispatch `rows` (sorted by destination) to the experts' ranks, run the local experts on what arrived,
     and return their outputs to where the rows came from, in the order of `rows`. Two `all_to_all`s,
     labelled "dispatch" and "combine"; split sizes from the count exchange's `send` and `recv`."""
@@ -127,7 +129,7 @@ class LabMoE(MoE):
 
     def forward(self, x: torch.Tensor):
         tokens = x.reshape(-1, self.d_model)
-        routing = self.route(tokens)                                                  # the gate (given)
+        routing = self.route(tokens)  # the gate (given)
         send, recv = exchange_counts(routing.kept_counts, self.world, self.num_local, self.group)
         order, rows = sort_by_destination(tokens, routing)
         answers = dispatch_compute_combine(rows, send, recv, self.experts, self.group)

@@ -1,6 +1,7 @@
 """What every rank runs for lab 04's checks, next to your code: your pieces (and your LabMoE) on the tokens
 the grader sent this rank, and what came out (counts, orders, rows, outputs, gradients, the recorded
 all-to-alls). The grader's process computes the right answers and judges (checks.py)."""
+
 import torch
 
 from toolkit.moe import TopKGate
@@ -28,8 +29,11 @@ def gate_of(case):
 
 def kept_order(routing, k):
     """The kept choices (flat index t*k + j) grouped by expert: what combine receives its answers in."""
-    choices = [(int(routing.expert_index.reshape(-1)[c]), c) for c in range(routing.kept.numel())
-               if bool(routing.kept.reshape(-1)[c])]
+    choices = [
+        (int(routing.expert_index.reshape(-1)[c]), c)
+        for c in range(routing.kept.numel())
+        if bool(routing.kept.reshape(-1)[c])
+    ]
     return torch.tensor([c for _, c in sorted(choices)], dtype=torch.long)
 
 
@@ -61,7 +65,7 @@ def weighted_sum(student, rank, given):
     gate = gate_of(given)
     routing = gate(given["tokens"])
     order = kept_order(routing, given["k"])
-    answers = given["answers"][:len(order)].clone().requires_grad_(True)
+    answers = given["answers"][: len(order)].clone().requires_grad_(True)
     out = student.combine(answers, routing, order, given["tokens"].shape[0])
     (out * given["probe"]).sum().backward()
     return {"out": out.detach(), "answers_grad": answers.grad, "router_grad": gate.router.weight.grad is not None}
@@ -77,8 +81,11 @@ def layer(student, rank, given):
     found = {"out": out.detach() if isinstance(out, torch.Tensor) else out}
     if isinstance(out, torch.Tensor) and out.shape == x.shape:
         ((out * given["probe"]).sum() + aux).backward()
-        found.update(x_grad=x.grad, grads={w: getattr(moe.experts, w).grad for w in WEIGHTS},
-                     dropped=recorder.metrics[-1]["value"]["dropped"] if recorder.metrics else None)
+        found.update(
+            x_grad=x.grad,
+            grads={w: getattr(moe.experts, w).grad for w in WEIGHTS},
+            dropped=recorder.metrics[-1]["value"]["dropped"] if recorder.metrics else None,
+        )
     return found
 
 

@@ -13,6 +13,7 @@ Notation (the paper's): W workers, E experts; counts[w][e] = rows worker w route
 owners[e] = the worker that holds expert e; H = d_model; alpha = d_ff / d_model; P = FLOP/s of a
 worker; W_net = link bytes/s; s = element_bytes.
 """
+
 from __future__ import annotations
 
 

@@ -13,6 +13,7 @@ Notation (the paper's): W workers, E experts; counts[w][e] = rows worker w route
 owners[e] = the worker that holds expert e; H = d_model; alpha = d_ff / d_model; P = FLOP/s of a
 worker; W_net = link bytes/s; s = element_bytes.
 """
+
 from __future__ import annotations
 
 
@@ -34,8 +35,8 @@ def worker_loads(counts, owners, shadowed=()) -> list:
 # --- yours: 2. the latency model ----------------------------------------------------------------------
 def latency_imbalanced(counts, owners, *, H, alpha, P, W_net, element_bytes=4) -> float:
     """Lat_imbl = max_w { 3 * 4 * B_w * alpha * H^2 / P  +  4 * B_w * H * s / W_net }: the plain layer."""
-    compute = 3 * 4 * alpha * H * H / P          # seconds per row: two GEMMs, forward and backward
-    wire = 4 * H * element_bytes / W_net         # seconds per row: dispatch and combine, twice
+    compute = 3 * 4 * alpha * H * H / P  # seconds per row: two GEMMs, forward and backward
+    wire = 4 * H * element_bytes / W_net  # seconds per row: dispatch and combine, twice
     return max(b * (compute + wire) for b in worker_loads(counts, owners))
 
 

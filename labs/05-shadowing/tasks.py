@@ -1,6 +1,7 @@
 """What every rank runs for lab 05's checks, next to your code: your four functions on the cases the grader
 sent, and `toolkit.moe.MoE(shadow=your_choice)` on this rank's tokens (outputs, gradients, times on an
 emulated link). The grader's process judges what these return (checks.py)."""
+
 import statistics
 import time
 
@@ -28,7 +29,9 @@ def skew_router(layer):
 
 def pure(student, rank, given):
     """Every call the case names, through the function it names: {its name: what it returned}."""
-    return {name: getattr(student, call["fn"])(*call["args"], **call["kwargs"]) for name, call in given["calls"].items()}
+    return {
+        name: getattr(student, call["fn"])(*call["args"], **call["kwargs"]) for name, call in given["calls"].items()
+    }
 
 
 def real_counts(student, rank, given):
@@ -71,11 +74,14 @@ def measured_gain(student, rank, given):
     times = {"plain": [], "shadowed": []}
     with toolkit.comm.emulate(bandwidth=g["bandwidth"], latency=g["latency"]):
         for i in range(1 + g["repeats"]):
-            for name, layer in (("plain", plain), ("shadowed", shadowed))[::1 if i % 2 else -1]:
+            for name, layer in (("plain", plain), ("shadowed", shadowed))[:: 1 if i % 2 else -1]:
                 layer.zero_grad(set_to_none=True)
                 x.grad = None
                 seconds = _timed(layer, x)
                 if i:
                     times[name].append(seconds)
-    return {"chosen": chosen, "plain_s": statistics.median(times["plain"]),
-            "shadowed_s": statistics.median(times["shadowed"])}
+    return {
+        "chosen": chosen,
+        "plain_s": statistics.median(times["plain"]),
+        "shadowed_s": statistics.median(times["shadowed"]),
+    }

@@ -11,6 +11,7 @@ Read README.md first, then grade your work with
 Rule of the game: every collective goes through `toolkit.comm` (`comm.reduce_scatter`, `comm.all_gather`),
 so the trace records it and the grader can count what travelled.
 """
+
 from __future__ import annotations
 
 import torch

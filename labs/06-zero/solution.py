@@ -3,6 +3,7 @@
 Self-contained on purpose (the lab stands alone); `toolkit/parallel/zero.py` is the same idea with
 buckets that reduce during backward, mixed precision and gradient accumulation.
 """
+
 from __future__ import annotations
 
 import torch

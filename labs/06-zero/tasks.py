@@ -1,6 +1,7 @@
 """What every rank runs for lab 06's checks, next to your code: the toolkit's GPT (from the seed the grader
 sent) under your Zero2, trained on this rank's rows, and what was observed (the gradient slice, the
 optimizer's states, the parameters, the collectives recorded). The grader's process judges (checks.py)."""
+
 import functools
 
 import torch
@@ -37,8 +38,9 @@ def states_are_sharded(student, rank, given):
     z, model = _zero(student, rank, given)
     model(*given["batches"][0]).backward()
     z.step()
-    held = sum(t.numel() * t.element_size() for s in z.optimizer.state.values() for t in s.values()
-               if torch.is_tensor(t))
+    held = sum(
+        t.numel() * t.element_size() for s in z.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+    )
     return {"held": held, "gradient_kept": z.master.grad is not None}
 
 
@@ -52,8 +54,11 @@ def parity(student, rank, given):
         z.zero_grad()
         if after_first is None:
             after_first = _flat(model, rank.world_size)
-    return {"before": before, "after_first": after_first,
-            "params": {name: p.detach() for name, p in model.named_parameters()}}
+    return {
+        "before": before,
+        "after_first": after_first,
+        "params": {name: p.detach() for name, p in model.named_parameters()},
+    }
 
 
 def bytes_per_step(student, rank, given):

@@ -11,6 +11,7 @@ unit's methods once the given `wrap` plugs it in. Read README.md first, then gra
 Rule of the game: every collective goes through `toolkit.comm` (`comm.reduce_scatter`, `comm.all_reduce`),
 so the trace records it and the grader can count the bytes that crossed from node to node.
 """
+
 from __future__ import annotations
 
 import functools
@@ -69,8 +70,9 @@ class HybridUnit(FSDPUnit):
 
     def __init__(self, plan, sharding, **kwargs):
         shard_group, replica_group = groups_for(sharding.size)
-        super().__init__(plan, Sharding(shard_group, replica_group, sharding.param_dtype, sharding.reduce_dtype),
-                         **kwargs)
+        super().__init__(
+            plan, Sharding(shard_group, replica_group, sharding.param_dtype, sharding.reduce_dtype), **kwargs
+        )
 
     # --- yours: 2. level one, inside the node ---------------------------------------------------------------
     def reduce_grad(self) -> None:
@@ -93,8 +95,10 @@ class HybridUnit(FSDPUnit):
 
 
 # --- given: FSDP with your unit -------------------------------------------------------------------------
-def wrap(model: torch.nn.Module, sharding_group_size: int, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-         **options):
+def wrap(
+    model: torch.nn.Module, sharding_group_size: int, optimizer=functools.partial(torch.optim.SGD, lr=0.1), **options
+):
     """`toolkit.parallel.wrap(model, "fsdp", sharding_group_size=F, unit_class=HybridUnit)`: (model, optimizer)."""
-    return toolkit.parallel.wrap(model, "fsdp", optimizer=optimizer, sharding_group_size=sharding_group_size,
-                                 unit_class=HybridUnit, **options)
+    return toolkit.parallel.wrap(
+        model, "fsdp", optimizer=optimizer, sharding_group_size=sharding_group_size, unit_class=HybridUnit, **options
+    )

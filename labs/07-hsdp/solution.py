@@ -3,6 +3,7 @@
 Self-contained on purpose (the lab stands alone); `toolkit/parallel/fsdp_unit.py` (`sharding_groups`,
 `FSDPUnit.finish_reduce`) is the same idea as the toolkit uses it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,8 +42,9 @@ def groups_for(F: int):
 class HybridUnit(FSDPUnit):
     def __init__(self, plan, sharding, **kwargs):
         shard_group, replica_group = groups_for(sharding.size)
-        super().__init__(plan, Sharding(shard_group, replica_group, sharding.param_dtype, sharding.reduce_dtype),
-                         **kwargs)
+        super().__init__(
+            plan, Sharding(shard_group, replica_group, sharding.param_dtype, sharding.reduce_dtype), **kwargs
+        )
 
     def reduce_grad(self) -> None:
         out = torch.empty(self.grads.shard_numel, dtype=self.grads.data.dtype, device=self.master.device)
@@ -58,7 +60,9 @@ class HybridUnit(FSDPUnit):
         self.mine.grad = out if self.mine.grad is None else self.mine.grad.add_(out)
 
 
-def wrap(model: torch.nn.Module, sharding_group_size: int, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-         **options):
-    return toolkit.parallel.wrap(model, "fsdp", optimizer=optimizer, sharding_group_size=sharding_group_size,
-                                 unit_class=HybridUnit, **options)
+def wrap(
+    model: torch.nn.Module, sharding_group_size: int, optimizer=functools.partial(torch.optim.SGD, lr=0.1), **options
+):
+    return toolkit.parallel.wrap(
+        model, "fsdp", optimizer=optimizer, sharding_group_size=sharding_group_size, unit_class=HybridUnit, **options
+    )

@@ -2,6 +2,7 @@
 GPT (from the seed the grader sent) under FSDP with your HybridUnit on 4 ranks seen as 2 nodes of 2 (F = 2),
 trained on this rank's rows; it returns what was observed (members, gradient slices, parameters, the
 collectives recorded). The grader's process judges (checks.py)."""
+
 import functools
 
 import torch

@@ -11,6 +11,7 @@ given `wrap` below). Read README.md first, then grade your work with
 Rule of the game: every collective goes through `toolkit.comm`, so the trace records what travelled in
 which dtype, and the grader counts the bytes.
 """
+
 from __future__ import annotations
 
 import functools
@@ -91,8 +92,13 @@ class MixedUnit(FSDPUnit):
 
 
 # --- given: FSDP with your unit ----------------------------------------------------------------------------
-def wrap(model: torch.nn.Module, mixed_precision=MixedPrecision(torch.bfloat16),
-         optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), **options):
+def wrap(
+    model: torch.nn.Module,
+    mixed_precision=MixedPrecision(torch.bfloat16),
+    optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+    **options,
+):
     """`toolkit.parallel.wrap(model, "fsdp", mixed_precision=..., unit_class=MixedUnit)`: (model, optimizer)."""
-    return toolkit.parallel.wrap(model, "fsdp", optimizer=optimizer, mixed_precision=mixed_precision,
-                                 unit_class=MixedUnit, **options)
+    return toolkit.parallel.wrap(
+        model, "fsdp", optimizer=optimizer, mixed_precision=mixed_precision, unit_class=MixedUnit, **options
+    )

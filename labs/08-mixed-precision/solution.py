@@ -3,6 +3,7 @@
 Self-contained on purpose (the lab stands alone); `toolkit/parallel/fsdp_unit.py` is the same unit as
 the toolkit uses it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,8 +28,9 @@ class MixedUnit(FSDPUnit):
 
     def add_grad(self, p) -> bool:
         if self.grads is None:
-            self.grads = FlatBuffer(self.flat.shapes, self.sharding.size, dtype=self.sharding.reduce_dtype,
-                                    device=self.master.device)
+            self.grads = FlatBuffer(
+                self.flat.shapes, self.sharding.size, dtype=self.sharding.reduce_dtype, device=self.master.device
+            )
         self.grads.view(self.index[p]).add_(p.grad)
         p.grad = None
         self.waiting -= 1
@@ -47,7 +49,12 @@ class MixedUnit(FSDPUnit):
         self.mine.grad = out if self.mine.grad is None else self.mine.grad.add_(out)
 
 
-def wrap(model: torch.nn.Module, mixed_precision=MixedPrecision(torch.bfloat16),
-         optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), **options):
-    return toolkit.parallel.wrap(model, "fsdp", optimizer=optimizer, mixed_precision=mixed_precision,
-                                 unit_class=MixedUnit, **options)
+def wrap(
+    model: torch.nn.Module,
+    mixed_precision=MixedPrecision(torch.bfloat16),
+    optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+    **options,
+):
+    return toolkit.parallel.wrap(
+        model, "fsdp", optimizer=optimizer, mixed_precision=mixed_precision, unit_class=MixedUnit, **options
+    )

@@ -2,6 +2,7 @@
 sent) under FSDP with your MixedUnit, on this rank's rows, and what was observed (the gathered flat parameters,
 the dtypes that travelled, gradient slices, losses, parameters, bytes). The grader's process judges
 (checks.py)."""
+
 import functools
 
 import torch
@@ -16,8 +17,9 @@ def _wrapped(student, given, precision=("bfloat16", None)):
     torch.manual_seed(given["seed"])
     param, reduce = precision
     mixed = MixedPrecision(DTYPES[param], DTYPES[reduce] if reduce else None)
-    return student.wrap(tiny_gpt(), mixed_precision=mixed,
-                        optimizer=functools.partial(torch.optim.AdamW, **given["optimizer"]))
+    return student.wrap(
+        tiny_gpt(), mixed_precision=mixed, optimizer=functools.partial(torch.optim.AdamW, **given["optimizer"])
+    )
 
 
 def gathered_in_bf16(student, rank, given):
@@ -26,8 +28,11 @@ def gathered_in_bf16(student, rank, given):
     for unit in fsdp.units:
         start = rank.events_now()
         unit.unshard()
-        units[unit.name] = {"gathered": [e["args"]["dtype"] for e in rank.comm_events(start) if e["name"] == "all_gather"],
-                            "flat": unit.flat.data.detach().clone(), "master": str(unit.master.dtype)}
+        units[unit.name] = {
+            "gathered": [e["args"]["dtype"] for e in rank.comm_events(start) if e["name"] == "all_gather"],
+            "flat": unit.flat.data.detach().clone(),
+            "master": str(unit.master.dtype),
+        }
         unit.reshard()
     return {"units": units}
 
@@ -47,8 +52,10 @@ def add_grad_completes(student, rank, given):
     for p in unit.params:
         p.grad = torch.ones(p.shape, dtype=p.dtype)
         said.append(bool(unit.add_grad(p)))
-    return {"complete": said, "buffer": str(unit.grads.data.dtype).removeprefix("torch.") if unit.grads is not None
-            else "none"}
+    return {
+        "complete": said,
+        "buffer": str(unit.grads.data.dtype).removeprefix("torch.") if unit.grads is not None else "none",
+    }
 
 
 def fp32_for_the_optimizer(student, rank, given):

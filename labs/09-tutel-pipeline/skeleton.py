@@ -11,6 +11,7 @@ your pipeline forward and, on the gradients, backward. Read README.md first, the
 Rule of the game: rows travel only through the given `exchange` (it goes through `toolkit.comm`, labels
 the chunk on the trace and notes when you first waited for it: the grader reads both).
 """
+
 from __future__ import annotations
 
 import torch
@@ -118,8 +119,9 @@ class Pipelined(torch.autograd.Function):
                 total.add_(part)
             return g[0]
 
-        grad_x = run_pipeline(grad.contiguous(), ctx.degree, backward_chunk, ctx.group,
-                              ("combine backward", "dispatch backward"))
+        grad_x = run_pipeline(
+            grad.contiguous(), ctx.degree, backward_chunk, ctx.group, ("combine backward", "dispatch backward")
+        )
         return (grad_x, None, None, None, *grads)
 
 

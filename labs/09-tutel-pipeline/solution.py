@@ -4,6 +4,7 @@ exchange overlapping chunk k's experts).
 Self-contained on purpose (the lab stands alone); `toolkit/moe/pipeline.py` and `toolkit/moe/units.py`
 are the same idea inside the toolkit's MoE layer (uneven splits, an adaptive degree).
 """
+
 from __future__ import annotations
 
 import torch
@@ -103,8 +104,9 @@ class Pipelined(torch.autograd.Function):
                 total.add_(part)
             return g[0]
 
-        grad_x = run_pipeline(grad.contiguous(), ctx.degree, backward_chunk, ctx.group,
-                              ("combine backward", "dispatch backward"))
+        grad_x = run_pipeline(
+            grad.contiguous(), ctx.degree, backward_chunk, ctx.group, ("combine backward", "dispatch backward")
+        )
         return (grad_x, None, None, None, *grads)
 
 

@@ -1,6 +1,7 @@
 """What every rank runs for lab 09's checks, next to your code: your split and your pipelined experts on the
 tokens and expert weights the grader sent this rank, and what happened (chunk sizes, outputs, gradients, the
 recorded exchanges and expert spans with their times). The grader's process judges (checks.py)."""
+
 import torch
 
 from toolkit.trace.events import recorder

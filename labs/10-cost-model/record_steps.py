@@ -9,6 +9,7 @@ the hidden checks compute the exact values from the toolkit's cost model at grad
 
 Run it again when a strategy changes the order of its collectives.
 """
+
 import functools
 import importlib.util
 import json
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from toolkit.models import tiny_gpt
-from toolkit.sim import Collective, Compute, Wait, cluster_of, compute_time, simulate
+from toolkit.sim import Collective, Compute, cluster_of, compute_time, simulate
 from toolkit.sim.collective_time import collective_time
 
 HERE = Path(__file__).resolve().parent
@@ -43,8 +44,13 @@ def _checks():
 
 
 def as_json(instruction) -> dict:
-    kind = ("compute" if isinstance(instruction, Compute) else
-            "collective" if isinstance(instruction, Collective) else "wait")
+    kind = (
+        "compute"
+        if isinstance(instruction, Compute)
+        else "collective"
+        if isinstance(instruction, Collective)
+        else "wait"
+    )
     fields = {k: v for k, v in asdict(instruction).items() if k not in ("spans", "kernels")}
     if kind == "collective":
         fields["group"] = list(fields["group"])
@@ -56,10 +62,24 @@ def record() -> list:
     steps = []
     for name, (strategy, options) in STEPS.items():
         torch.manual_seed(0)
-        sim = simulate(functools.partial(tiny_gpt, **MODEL), strategy, WORLD, batch_per_rank=4,
-                       mixed_precision=True, progress=False, **options)
-        steps.append({"name": name, "strategy": strategy, "options": options, "world_size": WORLD,
-                      "program": [as_json(i) for i in sim.programs[-1]]})
+        sim = simulate(
+            functools.partial(tiny_gpt, **MODEL),
+            strategy,
+            WORLD,
+            batch_per_rank=4,
+            mixed_precision=True,
+            progress=False,
+            **options,
+        )
+        steps.append(
+            {
+                "name": name,
+                "strategy": strategy,
+                "options": options,
+                "world_size": WORLD,
+                "program": [as_json(i) for i in sim.programs[-1]],
+            }
+        )
         print(f"{name}: {len(sim.programs[-1])} instructions")
     return steps
 
@@ -69,13 +89,20 @@ def durations_of(data: dict) -> dict:
     the node's alpha and beta: the inputs of the checks. No expected value: those are the hidden checks' to compute."""
     checks = _checks()
     node = cluster_of("dgx-a100")
-    data = {"model": data["model"], "steps": [{k: step[k] for k in ("name", "strategy", "options", "world_size",
-                                                                       "program")} for step in data["steps"]]}
+    data = {
+        "model": data["model"],
+        "steps": [
+            {k: step[k] for k in ("name", "strategy", "options", "world_size", "program")} for step in data["steps"]
+        ],
+    }
     for step in data["steps"]:
         program = checks.decode(step["program"])
         step["compute_s"] = [compute_time(i, node.gpu, "bf16") if isinstance(i, Compute) else None for i in program]
-        step["comm_s"] = {str(i.id): collective_time(node, i.op, i.size_bytes, i.group, 0, i.args).seconds
-                          for i in program if isinstance(i, Collective)}
+        step["comm_s"] = {
+            str(i.id): collective_time(node, i.op, i.size_bytes, i.group, 0, i.args).seconds
+            for i in program
+            if isinstance(i, Collective)
+        }
         step["alpha_beta"] = {"alpha": node.intra.latency, "beta": 1 / node.intra.bandwidth}
     return data
 

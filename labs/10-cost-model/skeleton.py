@@ -12,6 +12,7 @@ Notation: N ranks in the group, alpha = seconds per message (one step of the rin
 byte (1 / bandwidth). `size_bytes` is the whole buffer: the tensor of an all-reduce, the input of a
 reduce-scatter, the gathered output of an all-gather.
 """
+
 from __future__ import annotations
 
 from toolkit.sim.program import Collective, Compute, Wait  # noqa: F401 - the three kinds of instruction

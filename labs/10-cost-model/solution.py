@@ -12,6 +12,7 @@ Notation: N ranks in the group, alpha = seconds per message (one step of the rin
 byte (1 / bandwidth). `size_bytes` is the whole buffer: the tensor of an all-reduce, the input of a
 reduce-scatter, the gathered output of an all-gather.
 """
+
 from __future__ import annotations
 
 from toolkit.sim.program import Collective, Compute, Wait
@@ -44,9 +45,9 @@ def step_time(program, compute_seconds, comm_seconds) -> dict:
     program: a list of `Compute`, `Collective` and `Wait` in the order the strategy issued them.
     compute_seconds(c) and comm_seconds(c) say how long one Compute or one Collective takes.
     """
-    clock = 0.0        # where the compute stream is
-    link_free = 0.0    # when the communication stream is free again
-    ends = {}          # collective id -> when it ends
+    clock = 0.0  # where the compute stream is
+    link_free = 0.0  # when the communication stream is free again
+    ends = {}  # collective id -> when it ends
     compute = comm = 0.0
     for instruction in program:
         if isinstance(instruction, Compute):

@@ -1,5 +1,6 @@
 """What the rank runs for lab 10's checks, next to your code: your four functions on the cases the grader sent
 (numbers in, numbers out), and what they returned. The grader's process judges (checks.py)."""
+
 from toolkit.sim.program import Collective, Compute, Wait
 
 KINDS = {"compute": Compute, "collective": Collective, "wait": Wait}
@@ -25,8 +26,11 @@ def durations(program, compute_s: list, comm_s: dict):
 
 
 def ring_times(student, rank, given):
-    functions = {"all_reduce": student.all_reduce_time, "reduce_scatter": student.reduce_scatter_time,
-                 "all_gather": student.all_gather_time}
+    functions = {
+        "all_reduce": student.all_reduce_time,
+        "reduce_scatter": student.reduce_scatter_time,
+        "all_gather": student.all_gather_time,
+    }
     return {call: functions[op](size, n, alpha, beta) for call, (op, size, n, alpha, beta) in given["calls"].items()}
 
 
@@ -37,10 +41,14 @@ def step_times(student, rank, given):
 
 def whole_model(student, rank, given):
     """Your collective times inside your overlap rule, on a recorded program with the grader's alpha and beta."""
-    times = {"all_reduce": student.all_reduce_time, "reduce_scatter": student.reduce_scatter_time,
-             "all_gather": student.all_gather_time}
+    times = {
+        "all_reduce": student.all_reduce_time,
+        "reduce_scatter": student.reduce_scatter_time,
+        "all_gather": student.all_gather_time,
+    }
     program = decode(given["program"])
     compute, _ = durations(program, given["compute_s"], {})
     alpha, beta = given["alpha"], given["beta"]
-    return {"breakdown": student.step_time(program, compute, lambda c: times[c.op](c.size_bytes, len(c.group), alpha,
-                                                                                  beta))}
+    return {
+        "breakdown": student.step_time(program, compute, lambda c: times[c.op](c.size_bytes, len(c.group), alpha, beta))
+    }

@@ -11,6 +11,7 @@ your work with
 Rule of the game: every collective goes through `toolkit.comm` (`comm.all_reduce(tensor, group=...)`), so
 the trace records it and the grader can count what travelled.
 """
+
 from __future__ import annotations
 
 import torch

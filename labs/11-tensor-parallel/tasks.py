@@ -2,6 +2,7 @@
 layers and your split MLP, on the whole MLP and input the grader sent (the seed of the MLP, the input), and
 what came out (outputs, gradients, the collectives recorded, a split GPT's losses and weights). The grader's
 process computes what one process gets and judges (checks.py)."""
+
 import torch
 import torch.nn.functional as F
 
@@ -55,9 +56,19 @@ def mlp_parity(student, rank, given):
     x = given["x"].clone().requires_grad_(True)
     out = split(x)
     out.square().sum().backward()
-    return {"out": out.detach(), "x_grad": x.grad,
-            "grads": {name: p.grad for name, p in (("fc.weight", split.fc.weight), ("fc.bias", split.fc.bias),
-                                                  ("proj.weight", split.proj.weight), ("proj.bias", split.proj.bias))}}
+    return {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "grads": {
+            name: p.grad
+            for name, p in (
+                ("fc.weight", split.fc.weight),
+                ("fc.bias", split.fc.bias),
+                ("proj.weight", split.proj.weight),
+                ("proj.bias", split.proj.bias),
+            )
+        },
+    }
 
 
 def talk(student, rank, given):
@@ -83,5 +94,8 @@ def training(student, rank, given):
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-    return {"losses": losses, "fc": [b.mlp.fc.weight.detach() for b in model.blocks],
-            "qkv": [b.attn.qkv.weight.detach() for b in model.blocks]}
+    return {
+        "losses": losses,
+        "fc": [b.mlp.fc.weight.detach() for b in model.blocks],
+        "qkv": [b.attn.qkv.weight.detach() for b in model.blocks],
+    }

@@ -8,6 +8,7 @@ sections 1 and 4), then grade your work with
     python -m toolkit grade labs/12-pipeline                     # grades this file
     python -m toolkit grade labs/12-pipeline --solution my.py    # or a copy of it
 """
+
 from toolkit.parallel.pipeline.schedules import Action  # noqa: F401 - what the list holds
 
 

@@ -1,4 +1,5 @@
 """Lab 12: 1F1B's action list (PipeDream-Flush, Narayanan et al. 2021). The reference solution."""
+
 from toolkit.parallel.pipeline.schedules import Action
 
 

@@ -2,6 +2,7 @@
 sent, and the toolkit's pipeline driver running your lists on real ranks (a tiny GPT trained from the seed and
 batches the grader sent). Nothing here knows the right answer: the grader's process judges what these return
 (checks.py): your lists as data, the losses and weights the pipeline trained, the actions each rank ran."""
+
 import torch
 
 import toolkit
@@ -28,8 +29,9 @@ def real_ranks(student, rank, given):
     torch.manual_seed(given["seed"])
     sgd = lambda params: torch.optim.SGD(params, **given["optimizer"])  # noqa: E731
     try:
-        model, opt = toolkit.parallel.wrap(tiny_gpt(**MODEL), "local", optimizer=sgd, pp=pp, microbatches=m,
-                                           schedule=student.one_f_one_b)
+        model, opt = toolkit.parallel.wrap(
+            tiny_gpt(**MODEL), "local", optimizer=sgd, pp=pp, microbatches=m, schedule=student.one_f_one_b
+        )
     except PipelineDeadlock as exc:  # the driver's dry run, before anything runs
         return {"refused": str(exc)}
     losses, start = [], rank.events_now()
@@ -38,8 +40,15 @@ def real_ranks(student, rank, given):
         opt.step()
         opt.zero_grad()
     last = len(given["batches"]) - 1
-    ran = [[e["args"]["action"], e["args"]["micro"], e["args"]["stage"]] for e in recorder.events[start:]
-           if e["cat"] == "compute" and "action" in e["args"] and e["args"]["step"] == last]
+    ran = [
+        [e["args"]["action"], e["args"]["micro"], e["args"]["stage"]]
+        for e in recorder.events[start:]
+        if e["cat"] == "compute" and "action" in e["args"] and e["args"]["step"] == last
+    ]
     state = toolkit.parallel.full_state_dict(model)  # every rank takes part; rank 0 sends it
-    return {"losses": losses, "ran": ran, "listed": student.one_f_one_b(pp, m, rank.rank),
-            "state": state if rank.rank == 0 else None}
+    return {
+        "losses": losses,
+        "ran": ran,
+        "listed": student.one_f_one_b(pp, m, rank.rank),
+        "state": state if rank.rank == 0 else None,
+    }

@@ -13,6 +13,7 @@ Rules of the game: talk only through `dist.isend` and `dist.irecv` (or `dist.bat
 `dist.something` so the grader can watch your messages, only with your two ring neighbours; attend blocks only
 through the given `attend` and `attend_backward` (the grader notes when each runs, against your messages).
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,10 @@ def ring_of(group=None):
 def attend(q, k, v, mask: str):
     """(out, lse) of the queries q over one block of keys k and values v, each (batch, heads, tokens, head_dim)."""
     if mask not in MASKS:
-        raise ValueError(f"attend(..., mask={mask!r}): the mask is 'all' (every key) or 'causal' (query i sees "
-                         "keys 0..i of the block: the diagonal block)")
+        raise ValueError(
+            f"attend(..., mask={mask!r}): the mask is 'all' (every key) or 'causal' (query i sees "
+            "keys 0..i of the block: the diagonal block)"
+        )
     return kernel.attend(q, k, v, causal=mask == "causal")
 
 

@@ -3,6 +3,7 @@
 Self-contained on purpose (the lab stands alone): `toolkit/parallel/context/` is the same algorithm as the toolkit
 uses it, with the zigzag split and the trace's labels.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,10 @@ def ring_of(group=None):
 def attend(q, k, v, mask: str):
     """(out, lse) of the queries q over one block of keys k and values v, each (batch, heads, tokens, head_dim)."""
     if mask not in MASKS:
-        raise ValueError(f"attend(..., mask={mask!r}): the mask is 'all' (every key) or 'causal' (query i sees "
-                         "keys 0..i of the block: the diagonal block)")
+        raise ValueError(
+            f"attend(..., mask={mask!r}): the mask is 'all' (every key) or 'causal' (query i sees "
+            "keys 0..i of the block: the diagonal block)"
+        )
     return kernel.attend(q, k, v, causal=mask == "causal")
 
 
@@ -62,7 +65,7 @@ def ring_attention(q, k, v, causal: bool = True, group=None):
 # --- yours ---------------------------------------------------------------------------------------------------
 def merge(out1, lse1, out2, lse2):
     """(out, lse) over both blocks' keys from (out1, lse1) over the first and (out2, lse2) over the second."""
-    top = torch.maximum(lse1, lse2)          # the larger normaliser: every exponent below is <= 0
+    top = torch.maximum(lse1, lse2)  # the larger normaliser: every exponent below is <= 0
     w1, w2 = torch.exp(lse1 - top), torch.exp(lse2 - top)
     total = w1 + w2
     out = (w1 / total).unsqueeze(-1) * out1 + (w2 / total).unsqueeze(-1) * out2
@@ -98,7 +101,7 @@ def ring_forward(q, k, v, causal: bool, group=None):
     kv = torch.stack([k, v])
     out = lse = None
     for step in range(n):
-        if step < n - 1:                     # the next block travels while this one is attended
+        if step < n - 1:  # the next block travels while this one is attended
             incoming, works = pass_on(kv, previous, following, group)
         mask = block_mask(me, source(me, step, n), causal)
         if mask is not None:
@@ -115,12 +118,12 @@ def ring_backward(grad_out, q, k, v, out, lse, causal: bool, group=None):
     me, n, previous, following = ring_of(group)
     kv = torch.stack([k, v])
     dq = torch.zeros_like(q)
-    home = travelling = None                 # this rank's share of its own block; the gradient passing by
+    home = travelling = None  # this rank's share of its own block; the gradient passing by
     for step in range(n):
         if step < n - 1:
             incoming, works = pass_on(kv, previous, following, group)
         mask = block_mask(me, source(me, step, n), causal)
-        if mask is None:                     # nothing of this block seen: no share of its gradient
+        if mask is None:  # nothing of this block seen: no share of its gradient
             share = torch.zeros_like(kv)
         else:
             dq_block, dk_block, dv_block = attend_backward(grad_out, q, kv[0], kv[1], out, lse, mask)
@@ -129,14 +132,14 @@ def ring_backward(grad_out, q, k, v, out, lse, causal: bool, group=None):
         if step == 0:
             home = share
         else:
-            if travelling is not None:       # what the ranks before added to this block
+            if travelling is not None:  # what the ranks before added to this block
                 wait(travelling[1])
                 share += travelling[0]
             travelling = pass_on(share, previous, following, group)
         if step < n - 1:
             wait(works)
             kv = incoming
-    if travelling is not None:               # every other rank's share of this rank's own block
+    if travelling is not None:  # every other rank's share of this rank's own block
         wait(travelling[1])
         home += travelling[0]
     return dq, home[0], home[1]

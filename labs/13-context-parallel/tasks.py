@@ -9,6 +9,7 @@ values to send, its previous rank, at the same point, has not sent them either: 
 has posted (and the same for a send waited for before as much is posted to receive). Such a wait, and a blocking
 `dist.send` or `dist.recv`, raise at once with a message saying so.
 """
+
 import inspect
 
 import torch.distributed as dist
@@ -27,8 +28,16 @@ def forward(student, rank, given, group=None):
 
 def backward(student, rank, given, group=None):
     with Recorded(student):
-        dq, dk, dv = student.ring_backward(given["grad"], given["q"], given["k"], given["v"], given["out"],
-                                           given["lse"], given["causal"], group or rank.group)
+        dq, dk, dv = student.ring_backward(
+            given["grad"],
+            given["q"],
+            given["k"],
+            given["v"],
+            given["out"],
+            given["lse"],
+            given["causal"],
+            group or rank.group,
+        )
     return {"dq": dq, "dk": dk, "dv": dv}
 
 
@@ -40,8 +49,9 @@ def traffic_forward(student, rank, given):
 
 def traffic_backward(student, rank, given):
     with Recorded(student) as record:
-        student.ring_backward(given["grad"], given["q"], given["k"], given["v"], given["out"], given["lse"],
-                              given["causal"], rank.group)
+        student.ring_backward(
+            given["grad"], given["q"], given["k"], given["v"], given["out"], given["lse"], given["causal"], rank.group
+        )
     return {"messages": record.messages()}
 
 
@@ -50,8 +60,9 @@ def overlap(student, rank, given):
     with Recorded(student) as record:
         student.ring_forward(given["q"], given["k"], given["v"], given["causal"], rank.group)
         record.events.append(["phase", "backward", 0])
-        student.ring_backward(given["grad"], given["q"], given["k"], given["v"], given["out"], given["lse"],
-                              given["causal"], rank.group)
+        student.ring_backward(
+            given["grad"], given["q"], given["k"], given["v"], given["out"], given["lse"], given["causal"], rank.group
+        )
     return {"events": record.events}
 
 
@@ -120,9 +131,19 @@ class Recorded:
     def _batch(self, real, real_isend):
         def call(ops):
             works = real(ops)
-            return [Waited(work, self._post("send" if op.op is real_isend else "recv",
-                                            _global(op.peer, op.group, getattr(op, "group_peer", None)), op.tensor),
-                           self) for op, work in zip(ops, works)]
+            return [
+                Waited(
+                    work,
+                    self._post(
+                        "send" if op.op is real_isend else "recv",
+                        _global(op.peer, op.group, getattr(op, "group_peer", None)),
+                        op.tensor,
+                    ),
+                    self,
+                )
+                for op, work in zip(ops, works)
+            ]
+
         return call
 
     def _blocking(self, name):
@@ -133,28 +154,35 @@ class Recorded:
                 f"{'receive' if name == 'send' else 'send'}. In a ring every rank does the same at the same moment, "
                 "so each would wait for a neighbour that is itself waiting: a deadlock (named here before it "
                 "happens), and a blocking call overlaps nothing. Post each pass with dist.isend and dist.irecv (or "
-                "dist.batch_isend_irecv), attend the block you hold, then wait() for both.")
+                "dist.batch_isend_irecv), attend the block you hold, then wait() for both."
+            )
+
         return call
 
     def waiting(self, index: int) -> None:
         kind, peer, _ = self.events[index]
         other = "recv" if kind == "send" else "send"
         if self.posted[other] < self.through[index]:
-            what = (f"until {self.through[index]} values have come from rank {peer}, before it has posted as many to "
-                    f"send ({self.posted['send']} so far)" if kind == "recv" else
-                    f"until the {self.through[index]} values it sent to rank {peer} are taken, before it has posted as "
-                    f"many to receive ({self.posted['recv']} so far)")
+            what = (
+                f"until {self.through[index]} values have come from rank {peer}, before it has posted as many to "
+                f"send ({self.posted['send']} so far)"
+                if kind == "recv"
+                else f"until the {self.through[index]} values it sent to rank {peer} are taken, before it has posted as "
+                f"many to receive ({self.posted['recv']} so far)"
+            )
             raise RuntimeError(
                 f"this rank waits {what}. Every rank of the ring runs the same code, so its neighbour, at the same "
                 "point, has not posted the other half either: each waits for a message no rank has posted, a "
                 "deadlock (named here before it happens). Post each pass's dist.isend and dist.irecv together, then "
-                "attend, then wait.")
+                "attend, then wait."
+            )
         self.events.append(["wait", index, 0])
 
     def _attending(self, fn, direction: str):
         def call(*args, **kwargs):
             self.events.append(["attend", direction, 0])
             return fn(*args, **kwargs)
+
         return call
 
 

@@ -9,6 +9,7 @@ and receives exactly one), and step 0 is the local copy of the block a rank keep
 Blocks are rows along dim 0 and may be uneven, even empty (an expert nobody routed to). The function
 has the signature of `toolkit.comm.backend.all_to_all`; `toolkit.comm.use("ring")` plugs it in.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,14 +24,21 @@ def pairwise_schedule(rank: int, n: int) -> list[tuple[int, int]]:
 def exchange(send: torch.Tensor, send_to: int, receive: torch.Tensor, recv_from: int, group=None) -> None:
     """One step: send one block and receive one block at the same time (empty blocks travel too, so
     every rank takes part in every step)."""
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, send_to, group),
-                                    dist.P2POp(dist.irecv, receive, recv_from, group)])
+    works = dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, send, send_to, group), dist.P2POp(dist.irecv, receive, recv_from, group)]
+    )
     for work in works:
         work.wait()
 
 
-def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
-               group=None, async_op=False):
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes=None,
+    input_split_sizes=None,
+    group=None,
+    async_op=False,
+):
     """Block j of my `input` goes to position j; block i of my `output` comes from position i.
 
     Split sizes count rows along dim 0 (None: equal blocks). Runs synchronously; `async_op` is ignored.

@@ -18,6 +18,7 @@ every dtype): ``parallel/ddp.py`` does that itself.
     pre    2    2    4    4    8
     post   1    2    2    4    8
 """
+
 from __future__ import annotations
 
 import torch

@@ -3,6 +3,7 @@
 A hand-written implementation (ring, pairwise exchange, a student's lab) provides functions with
 these same signatures; `toolkit.comm.use` swaps them in. `async_op=True` returns torch's Work.
 """
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -29,8 +30,7 @@ def broadcast(tensor, src, group, async_op):
 
 
 def all_to_all(output, input, output_split_sizes, input_split_sizes, group, async_op):
-    return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                  group=group, async_op=async_op)
+    return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
 
 def send(tensor, dst, group, async_op):
@@ -41,5 +41,10 @@ def recv(tensor, src, group, async_op):
     return dist.irecv(tensor, src=src, group=group) if async_op else dist.recv(tensor, src=src, group=group)
 
 
-IMPLEMENTATION = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather,
-                  "broadcast": broadcast, "all_to_all": all_to_all}
+IMPLEMENTATION = {
+    "all_reduce": all_reduce,
+    "reduce_scatter": reduce_scatter,
+    "all_gather": all_gather,
+    "broadcast": broadcast,
+    "all_to_all": all_to_all,
+}

@@ -34,6 +34,7 @@ returns when it may finish. ``alone`` is a call's time on idle links;
 ``together`` is the time of one collective issued by every rank at the same moment: each node's card
 carries all of its ranks' cross-node traffic in turn, which is what the emulator then measures.
 """
+
 from __future__ import annotations
 
 import math
@@ -93,8 +94,11 @@ def demand(settings, op: str, ranks, me: int, size_bytes: float, extra: dict | N
         sent, received = _all_to_all_bytes(ranks.index(me), n, size_bytes, extra)
         parts, kinds = {}, []
         for kind in ("intra-node", "inter-node"):  # a peer with nothing either way gets no message
-            peers = [p for p in range(n) if ranks[p] != me and _kind(settings, ranks[p], me) == kind
-                     and (sent[p] or received[p])]
+            peers = [
+                p
+                for p in range(n)
+                if ranks[p] != me and _kind(settings, ranks[p], me) == kind and (sent[p] or received[p])
+            ]
             if peers:
                 kinds.append(kind)
                 parts[kind] = (len(peers), sum(sent[p] for p in peers), sum(received[p] for p in peers))
@@ -102,8 +106,13 @@ def demand(settings, op: str, ranks, me: int, size_bytes: float, extra: dict | N
         cross = parts.get("inter-node")
         label = "intra+inter-node" if len(kinds) == 2 else (kinds[0] if kinds else "none")
         cross = cross or (0, 0.0, 0.0)
-        return Demand(own_s=_time(settings.intra, own[0], max(own[1], own[2])), up_s=cross[1] * settings.inter.beta,
-                      down_s=cross[2] * settings.inter.beta, latency_s=cross[0] * settings.inter.latency, label=label)
+        return Demand(
+            own_s=_time(settings.intra, own[0], max(own[1], own[2])),
+            up_s=cross[1] * settings.inter.beta,
+            down_s=cross[2] * settings.inter.beta,
+            latency_s=cross[0] * settings.inter.latency,
+            label=label,
+        )
     spans_nodes = len({settings.node_of(r) for r in ranks}) > 1
     link = settings.inter if spans_nodes else settings.intra
     label = "inter-node" if spans_nodes or settings.ranks_per_node == 1 else "intra-node"
@@ -159,7 +168,7 @@ class Ledger:
         return self.notes.pop(key)
 
 
-def schedule(ledger, own: "Ledger", settings, d: Demand, me: int, now: float, sides=("send", "recv")) -> float:
+def schedule(ledger, own: Ledger, settings, d: Demand, me: int, now: float, sides=("send", "recv")) -> float:
     """Book call ``d`` of rank ``me`` issued at ``now``: its own part on ``own`` (this rank's link, the
     ``sides`` the call uses), then its card part on ``ledger`` (shared by the node's ranks). Returns
     when the call may finish."""
@@ -175,8 +184,9 @@ def schedule(ledger, own: "Ledger", settings, d: Demand, me: int, now: float, si
     return max(end, card + d.latency_s)
 
 
-def schedule_all_to_all(shared, own, settings, ranks, me: int, now: float, size_bytes: float, extra: dict,
-                        call) -> tuple[dict, dict]:
+def schedule_all_to_all(
+    shared, own, settings, ranks, me: int, now: float, size_bytes: float, extra: dict, call
+) -> tuple[dict, dict]:
     """Book rank ``me``'s part of one all-to-all, chunk by chunk, with backpressure: the chunk to peer p
     holds my sending side (my own link's send side; across nodes my node card's uplink) and then p's
     receiving side (p's own link's receive side; across nodes p's card's downlink), which every sender to

@@ -74,6 +74,7 @@ Launched ranks: ``emulate`` also sets the environment variable ``TOOLKIT_EMULATE
 
 On a GPU (NCCL) the hold happens on the host after the collective: the emulation is meant for CPU runs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -97,8 +98,9 @@ def _from_env() -> Settings | None:
     try:
         return Settings.from_dict(json.loads(raw))
     except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{ENV}={raw!r} is not a valid emulated link ({exc}); unset it or call "
-                         f"toolkit.comm.emulate(...).") from None
+        raise ValueError(
+            f"{ENV}={raw!r} is not a valid emulated link ({exc}); unset it or call toolkit.comm.emulate(...)."
+        ) from None
 
 
 _current: Settings | None = _from_env()
@@ -134,8 +136,9 @@ class emulate:
     """
 
     def __init__(self, bandwidth, latency="10 us", *, intra_node=None, ranks_per_node=None, shared_card=True):
-        settings = None if bandwidth is None else make_settings(bandwidth, latency, intra_node, ranks_per_node,
-                                                                 shared_card)
+        settings = (
+            None if bandwidth is None else make_settings(bandwidth, latency, intra_node, ranks_per_node, shared_card)
+        )
         if bandwidth is None and (intra_node is not None or ranks_per_node is not None):
             raise ValueError("emulate(None) switches emulation off; it takes no intra_node/ranks_per_node.")
         self.previous, self.settings = _current, settings
@@ -211,8 +214,9 @@ def book(op: str, ranks, me: int, size_bytes: float, extra: dict):
         shared = shared_ledger()
         with _lock:
             now = time.perf_counter()
-            delivered, messages = schedule_all_to_all(shared, _own, settings, list(ranks), me, now, size_bytes,
-                                                      extra, f"a2a/{group}/{call}")
+            delivered, messages = schedule_all_to_all(
+                shared, _own, settings, list(ranks), me, now, size_bytes, extra, f"a2a/{group}/{call}"
+            )
         kinds = received_kinds(settings, list(ranks), me, size_bytes, extra)
         return Arrival(shared, delivered, messages, kinds, f"a2a/{group}/{call}", me, now, d.alone), args
     sides = (op,) if op in ("send", "recv") else ("send", "recv")

@@ -1,5 +1,6 @@
 """What an issued collective is: a `Handle` to wait on, whose end is marked on the trace, and the error a failed
 call becomes (naming the call, and whether this rank caused it or is a casualty of another)."""
+
 from __future__ import annotations
 
 import time
@@ -44,10 +45,14 @@ class Handle:
             event["end"] = recorder.mark(side)
         else:  # gloo completes on its own thread; note the moment it does
             try:
-                work.get_future().then(lambda _: event.__setitem__(
-                    "end", recorder.mark() if deadline is None else _emulation.emulated_end(recorder.mark(), deadline)))
+                work.get_future().then(
+                    lambda _: event.__setitem__(
+                        "end",
+                        recorder.mark() if deadline is None else _emulation.emulated_end(recorder.mark(), deadline),
+                    )
+                )
             except RuntimeError:  # some gloo ops (reduce-scatter) have no future: the end is marked at
-                pass              # wait(), an upper bound on when it finished
+                pass  # wait(), an upper bound on when it finished
 
     def wait(self):
         if not self._waited:
@@ -56,8 +61,11 @@ class Handle:
         if self._work is not None:
             status.resume(self._entry)
             # time spent blocked here is idle compute: the trace shows it as a "wait" span
-            blocked = None if self._work.is_completed() else recorder.add(
-                "wait", "wait", recorder.mark(), op=self._event["name"])
+            blocked = (
+                None
+                if self._work.is_completed()
+                else recorder.add("wait", "wait", recorder.mark(), op=self._event["name"])
+            )
             try:
                 self._work.wait()
             except BaseException as exc:
@@ -99,11 +107,15 @@ def explained(exc: Exception, entry: status.Entry) -> RuntimeError:
     text = str(exc)
     where = f"{entry.describe()} failed on rank {dist.get_rank()}"
     if "timed out" in text.lower() or "timeout" in text.lower():
-        return PeerFailed(f"{where}: it timed out waiting for the other ranks of the group.\n"
-                          f"{type(exc).__name__}: {text}\nA collective completes only when every rank of its group "
-                          "calls it, with matching shapes: look for a rank that raised or died first, skipped "
-                          "this call, called another one, or is still computing.")
+        return PeerFailed(
+            f"{where}: it timed out waiting for the other ranks of the group.\n"
+            f"{type(exc).__name__}: {text}\nA collective completes only when every rank of its group "
+            "calls it, with matching shapes: look for a rank that raised or died first, skipped "
+            "this call, called another one, or is still computing."
+        )
     if is_consequence(exc):
-        return PeerFailed(f"{where}: another rank of the group went away (it raised, died or was stopped); "
-                          f"look for that rank's own error.\n{type(exc).__name__}: {text}")
+        return PeerFailed(
+            f"{where}: another rank of the group went away (it raised, died or was stopped); "
+            f"look for that rank's own error.\n{type(exc).__name__}: {text}"
+        )
     return RuntimeError(f"{where}.\n{type(exc).__name__}: {text}")

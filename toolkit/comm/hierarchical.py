@@ -37,6 +37,7 @@ Tutel does not need it: its buffers are padded to a fixed capacity. Every step g
 Nodes are consecutive positions of the group: positions n*G .. n*G+G-1 form node n (the world group
 on nodes of G consecutive ranks, as ``toolkit.comm.emulate(ranks_per_node=G)`` numbers them).
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,8 +57,10 @@ def node_groups(group, node_size: int):
         W, G = len(ranks), node_size
         if isinstance(G, bool) or not isinstance(G, int) or G < 1 or W % G:
             fits = [g for g in range(1, W + 1) if W % g == 0]
-            raise ValueError(f"2DH all-to-all: node_size={node_size!r} must divide the group's {W} ranks (every "
-                             f"node holds the same number); choose one of {fits}.")
+            raise ValueError(
+                f"2DH all-to-all: node_size={node_size!r} must divide the group's {W} ranks (every "
+                f"node holds the same number); choose one of {fits}."
+            )
         me = ranks.index(dist.get_rank())
         node, local = divmod(me, G)
         inside = dist.new_group([ranks[node * G + j] for j in range(G)], use_local_synchronization=True)
@@ -72,8 +75,14 @@ def _step(output, input, out_splits, in_splits, group, name):
     handle.wait()
 
 
-def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
-               group=None, node_size: int = 1) -> None:
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes=None,
+    input_split_sizes=None,
+    group=None,
+    node_size: int = 1,
+) -> None:
     """The flat all-to-all's result (block j of my ``input`` to position j; block i of ``output`` from
     position i; split sizes in rows along dim 0, None for equal), in the four steps above."""
     ranks = door.group_ranks(group)
@@ -93,15 +102,27 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes=Non
         _step(theirs.reshape(-1), mine.reshape(-1), [N] * G, [N] * G, inside, "counts")
         held = theirs.tolist()
 
-    blocks = input.split(ins)                                                     # 1. stride
+    blocks = input.split(ins)  # 1. stride
     strided = torch.cat([blocks[m * G + j] for j in range(G) for m in range(N)])
-    middle = input.new_empty((sum(map(sum, held)),) + tuple(input.shape[1:]))    # 2. intra
-    _step(middle, strided, [sum(h) for h in held], [sum(ins[m * G + j] for m in range(N)) for j in range(G)],
-          inside, "intra-node")
-    pieces = middle.split([held[l][m] for l in range(G) for m in range(N)])       # 3. regroup
+    middle = input.new_empty((sum(map(sum, held)),) + tuple(input.shape[1:]))  # 2. intra
+    _step(
+        middle,
+        strided,
+        [sum(h) for h in held],
+        [sum(ins[m * G + j] for m in range(N)) for j in range(G)],
+        inside,
+        "intra-node",
+    )
+    pieces = middle.split([held[l][m] for l in range(G) for m in range(N)])  # 3. regroup
     regrouped = torch.cat([pieces[l * N + m] for m in range(N) for l in range(G)])
-    _step(output, regrouped, [sum(outs[m * G:(m + 1) * G]) for m in range(N)],   # 4. inter
-          [sum(held[l][m] for l in range(G)) for m in range(N)], across, "inter-node")
+    _step(
+        output,
+        regrouped,
+        [sum(outs[m * G : (m + 1) * G]) for m in range(N)],  # 4. inter
+        [sum(held[l][m] for l in range(G)) for m in range(N)],
+        across,
+        "inter-node",
+    )
 
 
 # --- the model: flat against 2DH on the emulated link -------------------------------------------------
@@ -113,8 +134,10 @@ def predicted_times(settings, nodes: int, node_size: int, bytes_per_rank: float)
 
     G, W = node_size, nodes * node_size
     if settings.ranks_per_node != G:
-        raise ValueError(f"predicted_times: the link's nodes hold {settings.ranks_per_node} ranks, not node_size={G}; "
-                         f"make them agree (toolkit.comm.emulate(..., ranks_per_node={G})).")
+        raise ValueError(
+            f"predicted_times: the link's nodes hold {settings.ranks_per_node} ranks, not node_size={G}; "
+            f"make them agree (toolkit.comm.emulate(..., ranks_per_node={G}))."
+        )
     block = bytes_per_rank / W
 
     def phase(groups, blocks_per_message):
@@ -128,8 +151,14 @@ def predicted_times(settings, nodes: int, node_size: int, bytes_per_rank: float)
     flat = phase([list(range(W))], 1)
     intra = phase([[n * G + j for j in range(G)] for n in range(nodes)], nodes) if G > 1 else 0.0
     inter = phase([[m * G + j for m in range(nodes)] for j in range(G)], G) if nodes > 1 else 0.0
-    return {"flat": flat, "2dh": intra + inter, "2dh intra": intra, "2dh inter": inter,
-            "messages flat": W - 1, "messages 2dh": (G - 1) + (nodes - 1)}
+    return {
+        "flat": flat,
+        "2dh": intra + inter,
+        "2dh intra": intra,
+        "2dh inter": inter,
+        "messages flat": W - 1,
+        "messages 2dh": (G - 1) + (nodes - 1),
+    }
 
 
 TUTEL_2DH_NODES, TUTEL_2DH_NODE_SIZE = 64, 8  # tutel.launcher: 2DH from 64 hosts of at least 8 local GPUs
@@ -147,10 +176,12 @@ def choose(settings, world: int, node_size: int, bytes_per_rank: float) -> tuple
         return ("2dh" if two else "flat"), (
             f"{'2dh' if two else 'flat'}: no emulated link of nodes of {node_size} to price, so Tutel's rule of "
             f"scale: 2DH from {TUTEL_2DH_NODES} nodes of at least {TUTEL_2DH_NODE_SIZE} ranks (here {nodes} of "
-            f"{node_size})")
+            f"{node_size})"
+        )
     t = predicted_times(settings, nodes, node_size, bytes_per_rank)
     two = t["2dh"] < t["flat"]
     return ("2dh" if two else "flat"), (
         f"{'2dh' if two else 'flat'}: on the emulated link, {bytes_per_rank:,.0f} bytes per rank over {nodes} nodes "
         f"of {node_size}: flat {t['flat'] * 1e3:.3g} ms ({t['messages flat']} messages), 2DH {t['2dh'] * 1e3:.3g} ms "
-        f"({t['messages 2dh']} messages)")
+        f"({t['messages 2dh']} messages)"
+    )

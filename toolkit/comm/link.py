@@ -6,6 +6,7 @@ node, and whether a node's ranks share its network card. ``make_settings`` valid
 wrote ("100 MB/s", "10 Gb/s", "5 us") into Settings. The emulator (``comm/emulate.py``), the cost model
 (``comm/cost.py``) and the simulator's hardware presets all read links this way.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,10 @@ def parse_bandwidth(value, name: str = "bandwidth") -> float:
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]?)([bB])(?:it)?(?:ps|/s)\s*", value)
         if not m:
-            raise ValueError(f"emulate: {name}={value!r} is not a bandwidth; write bytes per second as a "
-                             f"number, or a string like '100 MB/s' (bytes) or '10 Gb/s' (bits).")
+            raise ValueError(
+                f"emulate: {name}={value!r} is not a bandwidth; write bytes per second as a "
+                f"number, or a string like '100 MB/s' (bytes) or '10 Gb/s' (bits)."
+            )
         try:
             number = float(m.group(1))
         except ValueError:
@@ -43,8 +46,10 @@ def parse_latency(value, name: str = "latency") -> float:
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(s|ms|us|µs|ns)\s*", value)
         if not m:
-            raise ValueError(f"emulate: {name}={value!r} is not a latency; write seconds as a number, or a "
-                             f"string like '5 us' or '1 ms'.")
+            raise ValueError(
+                f"emulate: {name}={value!r} is not a latency; write seconds as a number, or a "
+                f"string like '5 us' or '1 ms'."
+            )
         try:
             value = float(m.group(1)) * _TIME_UNITS[m.group(2)]
         except ValueError:
@@ -110,17 +115,24 @@ class Settings:
         return text + f" ({card}); inside a node of {self.ranks_per_node} ranks: {inside}"
 
     def to_dict(self) -> dict:
-        return {"bandwidth": self.inter.bandwidth, "latency": self.inter.latency,
-                "intra_node": asdict(self.intra) if self.intra is not None else None,
-                "ranks_per_node": self.ranks_per_node, "shared_card": self.shared_card,
-                "description": self.describe()}
+        return {
+            "bandwidth": self.inter.bandwidth,
+            "latency": self.inter.latency,
+            "intra_node": asdict(self.intra) if self.intra is not None else None,
+            "ranks_per_node": self.ranks_per_node,
+            "shared_card": self.shared_card,
+            "description": self.describe(),
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Settings":
+    def from_dict(cls, d: dict) -> Settings:
         intra = d.get("intra_node")
-        return cls(Link(float(d["bandwidth"]), float(d["latency"])),
-                   Link(float(intra["bandwidth"]), float(intra["latency"])) if intra else None,
-                   int(d.get("ranks_per_node", 1)), bool(d.get("shared_card", True)))
+        return cls(
+            Link(float(d["bandwidth"]), float(d["latency"])),
+            Link(float(intra["bandwidth"]), float(intra["latency"])) if intra else None,
+            int(d.get("ranks_per_node", 1)),
+            bool(d.get("shared_card", True)),
+        )
 
 
 def make_settings(bandwidth, latency="10 us", intra_node=None, ranks_per_node=None, shared_card=True) -> Settings:
@@ -129,21 +141,31 @@ def make_settings(bandwidth, latency="10 us", intra_node=None, ranks_per_node=No
     intra = None
     if intra_node is not None:
         if isinstance(intra_node, Link):
-            intra = Link(parse_bandwidth(intra_node.bandwidth, "intra_node bandwidth"),
-                         parse_latency(intra_node.latency, "intra_node latency"))
+            intra = Link(
+                parse_bandwidth(intra_node.bandwidth, "intra_node bandwidth"),
+                parse_latency(intra_node.latency, "intra_node latency"),
+            )
         elif isinstance(intra_node, dict) and set(intra_node) <= {"bandwidth", "latency"} and "bandwidth" in intra_node:
-            intra = Link(parse_bandwidth(intra_node["bandwidth"], "intra_node bandwidth"),
-                         parse_latency(intra_node.get("latency", latency), "intra_node latency"))
+            intra = Link(
+                parse_bandwidth(intra_node["bandwidth"], "intra_node bandwidth"),
+                parse_latency(intra_node.get("latency", latency), "intra_node latency"),
+            )
         elif isinstance(intra_node, (tuple, list)) and len(intra_node) == 2:
-            intra = Link(parse_bandwidth(intra_node[0], "intra_node bandwidth"),
-                         parse_latency(intra_node[1], "intra_node latency"))
+            intra = Link(
+                parse_bandwidth(intra_node[0], "intra_node bandwidth"),
+                parse_latency(intra_node[1], "intra_node latency"),
+            )
         else:
-            raise ValueError(f"emulate: intra_node={intra_node!r}: give the link inside a node as "
-                             f"dict(bandwidth=..., latency=...), a (bandwidth, latency) pair, or None "
-                             f"(traffic inside a node is not slowed).")
+            raise ValueError(
+                f"emulate: intra_node={intra_node!r}: give the link inside a node as "
+                f"dict(bandwidth=..., latency=...), a (bandwidth, latency) pair, or None "
+                f"(traffic inside a node is not slowed)."
+            )
         if ranks_per_node is None:
-            raise ValueError("emulate: intra_node needs ranks_per_node (how many consecutive ranks share a "
-                             "node); without it every rank is its own node and there is no intra-node link.")
+            raise ValueError(
+                "emulate: intra_node needs ranks_per_node (how many consecutive ranks share a "
+                "node); without it every rank is its own node and there is no intra-node link."
+            )
     if ranks_per_node is None:
         ranks_per_node = 1
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:

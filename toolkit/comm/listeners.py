@@ -1,5 +1,6 @@
 """Who hears about the toolkit's collectives: a timeline recorder (toolkit.sim) listens to every call's issue
 and wait, in the order they happen."""
+
 from __future__ import annotations
 
 _listeners: list = []  # fn(kind, event, tensor): see `listening`

@@ -19,6 +19,7 @@ Use `measure_collectives(world_size, ...)` from a notebook or script: it launche
 returns `(records, run)`. Inside ranks you already launched, call `time_collectives(...)`
 (a collective: every rank must call it with the same arguments).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -77,7 +78,7 @@ def implementation_label(impl: str, algorithm: str) -> str:
 
 def size_label(nbytes: float) -> str:
     """4096 -> '4 KiB', 1048576 -> '1 MiB' (binary units, as message sizes usually are)."""
-    for unit, scale in (("GiB", 1024 ** 3), ("MiB", MiB), ("KiB", KiB)):
+    for unit, scale in (("GiB", 1024**3), ("MiB", MiB), ("KiB", KiB)):
         if nbytes >= scale:
             value = nbytes / scale
             return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
@@ -144,8 +145,15 @@ def _all_ranks_agree(diff: float, ok: bool, device) -> tuple[float, bool]:
 
 
 # --- on every rank ---------------------------------------------------------------------------------
-def time_collectives(ops=_door.OPERATIONS, sizes=DEFAULT_SIZES, impls=IMPLEMENTATIONS, *, warmup: int = 2,
-                     repeats: int = 5, dtype=torch.float32) -> list[dict]:
+def time_collectives(
+    ops=_door.OPERATIONS,
+    sizes=DEFAULT_SIZES,
+    impls=IMPLEMENTATIONS,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    dtype=torch.float32,
+) -> list[dict]:
     """Time every (operation, size, implementation) on this job's ranks; return the same records on every rank.
 
     Collective: call it on every rank with the same arguments. Each call of a timed repetition goes
@@ -156,8 +164,9 @@ def time_collectives(ops=_door.OPERATIONS, sizes=DEFAULT_SIZES, impls=IMPLEMENTA
     """
     unknown = set(ops) - set(_door.OPERATIONS) or set(impls) - set(IMPLEMENTATIONS)
     if unknown:
-        raise ValueError(f"unknown {sorted(unknown)}; operations: {_door.OPERATIONS}, "
-                         f"implementations: {IMPLEMENTATIONS}.")
+        raise ValueError(
+            f"unknown {sorted(unknown)}; operations: {_door.OPERATIONS}, implementations: {IMPLEMENTATIONS}."
+        )
     if warmup < 1 or repeats < 1:
         raise ValueError(f"warmup and repeats must be at least 1, got warmup={warmup}, repeats={repeats}.")
     n, device, backend = dist.get_world_size(), _device(), dist.get_backend()
@@ -215,11 +224,25 @@ def _record(op, impl, backend, numel, element_size, dtype, n, worst, agree, diff
     seconds = statistics.median(worst)
     size = numel * element_size
     algbw = size / seconds if seconds > 0 else float("inf")
-    return {"op": op, "impl": impl, "algorithm": algorithm_name(op, impl, backend), "size_bytes": size,
-            "numel": numel, "dtype": str(dtype).replace("torch.", ""), "world_size": n, "backend": backend,
-            "seconds": seconds, "seconds_min": min(worst), "seconds_max": max(worst), "repeats": len(worst),
-            "warmup": warmup, "algbw": algbw, "busbw": algbw * bus_factor(op, n),
-            "agree": agree, "max_abs_diff": diff}
+    return {
+        "op": op,
+        "impl": impl,
+        "algorithm": algorithm_name(op, impl, backend),
+        "size_bytes": size,
+        "numel": numel,
+        "dtype": str(dtype).replace("torch.", ""),
+        "world_size": n,
+        "backend": backend,
+        "seconds": seconds,
+        "seconds_min": min(worst),
+        "seconds_max": max(worst),
+        "repeats": len(worst),
+        "warmup": warmup,
+        "algbw": algbw,
+        "busbw": algbw * bus_factor(op, n),
+        "agree": agree,
+        "max_abs_diff": diff,
+    }
 
 
 # --- from a notebook or a script -----------------------------------------------------------------------
@@ -233,9 +256,19 @@ def _measure_on_rank(ops, sizes, impls, warmup, repeats, dtype, config):
     return records, Run.capture(config)
 
 
-def measure_collectives(world_size: int = 4, ops=_door.OPERATIONS, sizes=DEFAULT_SIZES, impls=IMPLEMENTATIONS,
-                        *, warmup: int = 2, repeats: int = 5, dtype=torch.float32, timeout_s: float = 60.0,
-                        quiet: bool = True, config: dict | None = None):
+def measure_collectives(
+    world_size: int = 4,
+    ops=_door.OPERATIONS,
+    sizes=DEFAULT_SIZES,
+    impls=IMPLEMENTATIONS,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    dtype=torch.float32,
+    timeout_s: float = 60.0,
+    quiet: bool = True,
+    config: dict | None = None,
+):
     """Launch `world_size` ranks, time the collectives on them, and return `(records, run)`.
 
     records: one dict per (operation, size, implementation): op, impl, algorithm, size_bytes, seconds
@@ -247,11 +280,23 @@ def measure_collectives(world_size: int = 4, ops=_door.OPERATIONS, sizes=DEFAULT
     from ..run import Run
     from ..runtime import launch
 
-    config = dict(config or {}, kind="collectives", ops=list(ops), sizes=[int(s) for s in sizes],
-                  impls=list(impls), warmup=warmup, repeats=repeats, dtype=str(dtype).replace("torch.", ""))
-    results = launch(_measure_on_rank, world_size, args=(tuple(ops), tuple(sizes), tuple(impls), warmup,
-                                                         repeats, dtype, config),
-                     timeout_s=timeout_s, quiet=quiet)
+    config = dict(
+        config or {},
+        kind="collectives",
+        ops=list(ops),
+        sizes=[int(s) for s in sizes],
+        impls=list(impls),
+        warmup=warmup,
+        repeats=repeats,
+        dtype=str(dtype).replace("torch.", ""),
+    )
+    results = launch(
+        _measure_on_rank,
+        world_size,
+        args=(tuple(ops), tuple(sizes), tuple(impls), warmup, repeats, dtype, config),
+        timeout_s=timeout_s,
+        quiet=quiet,
+    )
     return results[0][0], Run.merge(run for _, run in results)
 
 
@@ -274,10 +319,18 @@ def _time_label(seconds: float) -> str:
 
 def table_rows(records) -> list[dict]:
     """Records as rows of printable strings: operation, implementation, size, time, algbw, busbw, agreement."""
-    return [{"operation": r["op"], "implementation": implementation_label(r["impl"], r["algorithm"]),
-             "size": size_label(r["size_bytes"]), "time": _time_label(r["seconds"]),
-             "algbw": bandwidth_text(r["algbw"]), "busbw": bandwidth_text(r["busbw"]),
-             "agreement": _agreement(r)} for r in records]
+    return [
+        {
+            "operation": r["op"],
+            "implementation": implementation_label(r["impl"], r["algorithm"]),
+            "size": size_label(r["size_bytes"]),
+            "time": _time_label(r["seconds"]),
+            "algbw": bandwidth_text(r["algbw"]),
+            "busbw": bandwidth_text(r["busbw"]),
+            "agreement": _agreement(r),
+        }
+        for r in records
+    ]
 
 
 def format_table(records) -> str:

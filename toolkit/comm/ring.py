@@ -16,6 +16,7 @@ The functions have the signatures of `toolkit.comm.backend`; `toolkit.comm.use("
 into the toolkit's collectives. They run synchronously (`async_op` is ignored) and talk through raw
 `torch.distributed`, so the door records one collective, not its messages.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,8 +45,9 @@ def pass_along(send: torch.Tensor, receive: torch.Tensor, left: int, right: int,
     Both messages are posted before either is awaited; a blocking send first would deadlock the ring
     (every rank would wait for its neighbour to receive).
     """
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right, group),
-                                    dist.P2POp(dist.irecv, receive, left, group)])
+    works = dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, send, right, group), dist.P2POp(dist.irecv, receive, left, group)]
+    )
     for work in works:
         work.wait()
 
@@ -104,8 +106,8 @@ def all_reduce(tensor: torch.Tensor, op, group=None, async_op=False):
     """
     n = ring_of(group)[1]
     chunks = tensor.view(-1).tensor_split(n)  # views: the ring writes straight into `tensor`
-    ring_reduce_scatter(chunks, op, group)   # now rank r holds the reduced chunk r
-    ring_all_gather(chunks, group)           # now every rank holds every reduced chunk
+    ring_reduce_scatter(chunks, op, group)  # now rank r holds the reduced chunk r
+    ring_all_gather(chunks, group)  # now every rank holds every reduced chunk
 
 
 IMPLEMENTATION = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather}

@@ -8,6 +8,7 @@ monotonic clock, the same in every process); a note (when an all-to-all's chunks
 delivered) is a compare-and-set of the latest end, read and deleted by the receiver once the data has
 moved. Same methods as ``cost.Ledger``, which stands in when no process group is up.
 """
+
 from __future__ import annotations
 
 import os

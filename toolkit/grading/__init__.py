@@ -18,14 +18,40 @@ Gradescope's results.json (every text made harmless first); `classroom` grades a
 makes the students' copy of labs/ and `student_wheel` the toolkit without the labs' answers; `mutation` and
 `mutants` grade each lab's reference mutants with its checks (make test-mutants).
 """
+
 from .checks import Check, CheckFailed, Judge, check, number, seconds, show, sibling
-from .contract import ContractBroken
-from .specs import Either, Fields, Items, Keys, List, Maybe, Tensor, like
 from .cli import class_command, grade_command, main
+from .contract import ContractBroken
 from .grader import grade, lab_checks
 from .score import CheckResult, Score, format_score
 from .session import Limits
+from .specs import Either, Fields, Items, Keys, List, Maybe, Tensor, like
 
-__all__ = ["Check", "CheckFailed", "CheckResult", "ContractBroken", "Either", "Fields", "Items", "Judge", "Keys",
-           "Limits", "List", "Maybe", "Score", "Tensor", "check", "class_command", "format_score", "grade",
-           "grade_command", "lab_checks", "like", "main", "number", "seconds", "show", "sibling"]
+__all__ = [
+    "Check",
+    "CheckFailed",
+    "CheckResult",
+    "ContractBroken",
+    "Either",
+    "Fields",
+    "Items",
+    "Judge",
+    "Keys",
+    "Limits",
+    "List",
+    "Maybe",
+    "Score",
+    "Tensor",
+    "check",
+    "class_command",
+    "format_score",
+    "grade",
+    "grade_command",
+    "lab_checks",
+    "like",
+    "main",
+    "number",
+    "seconds",
+    "show",
+    "sibling",
+]

@@ -31,6 +31,7 @@ A check passes when its judge returns on every case at every world size it asks 
 observation missing or malformed, the judge raises, a rank raised, crashed, hung or sent something
 unreadable) is a failure with a message.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,11 +52,11 @@ class Check:
     judge: object
     task: str
     inputs: object = None
-    hidden: bool = False   # defined in the lab's hidden_checks.py: graded, not shipped to students
+    hidden: bool = False  # defined in the lab's hidden_checks.py: graded, not shipped to students
     platform_only: bool = False  # a hidden check named in a students' copy (platform_checks.json): not run there
-    feedback: str = ""     # for a hidden check, what a student reads when it fails (nothing else is shown)
+    feedback: str = ""  # for a hidden check, what a student reads when it fails (nothing else is shown)
     numbers_only: bool = False  # pure functions (numbers in, numbers out): no process group in the message
-    cases: object = None   # several cases: (n, generator) -> {case id: inputs}
+    cases: object = None  # several cases: (n, generator) -> {case id: inputs}
     returns: object = None  # what the task returns for one case (a spec of contract.py, or a function of the case)
 
     def make_inputs(self, n: int, generator: torch.Generator) -> Drawn:
@@ -75,8 +76,18 @@ class Check:
         return self.numbers_only or self.world_sizes == (1,)
 
 
-def check(name: str, points: int = 1, world_sizes=(2, 3, 4), *, task: str | None = None, inputs=None,
-          cases=None, returns=None, feedback: str = "", pure: bool = False):
+def check(
+    name: str,
+    points: int = 1,
+    world_sizes=(2, 3, 4),
+    *,
+    task: str | None = None,
+    inputs=None,
+    cases=None,
+    returns=None,
+    feedback: str = "",
+    pure: bool = False,
+):
     """Decorator that makes a judge `fn(ctx, given, got)` a graded check of a lab (see the module docstring).
     pure=True: the task calls pure functions (run beside the lab's other checks, at their world size), so the
     messages name no world size."""
@@ -86,8 +97,18 @@ def check(name: str, points: int = 1, world_sizes=(2, 3, 4), *, task: str | None
         raise ValueError(f"check {name!r}: give inputs= (one case) or cases= (several), not both.")
 
     def make(fn) -> Check:
-        return Check(name, points, tuple(sorted(set(world_sizes))), fn, task or fn.__name__, inputs,
-                     feedback=feedback, numbers_only=pure, cases=cases, returns=returns)
+        return Check(
+            name,
+            points,
+            tuple(sorted(set(world_sizes))),
+            fn,
+            task or fn.__name__,
+            inputs,
+            feedback=feedback,
+            numbers_only=pure,
+            cases=cases,
+            returns=returns,
+        )
 
     return make
 
@@ -101,8 +122,10 @@ def platform_only(path) -> list[Check]:
     import json
 
     listed = json.loads(path.read_text())
-    return [Check(str(c["name"]), int(c["points"]), tuple(c["world_sizes"]), None, "", hidden=True, platform_only=True)
-            for c in listed]
+    return [
+        Check(str(c["name"]), int(c["points"]), tuple(c["world_sizes"]), None, "", hidden=True, platform_only=True)
+        for c in listed
+    ]
 
 
 def sibling(checks_file: str, name: str = "tasks.py"):
@@ -156,21 +179,34 @@ class Judge:
             self.fail(f"{what}: {_on(rank)}got {number(got)}, expected a tensor")
         return got
 
-    def expect(self, got, expected: torch.Tensor, what: str, *, rank: int | None = None, exact: bool = True,
-               rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    def expect(
+        self,
+        got,
+        expected: torch.Tensor,
+        what: str,
+        *,
+        rank: int | None = None,
+        exact: bool = True,
+        rtol: float = 1e-5,
+        atol: float = 1e-5,
+    ) -> None:
         """Raise CheckFailed unless `got` equals `expected` (exactly, or within tolerances)."""
         got = self.tensor(got, what, rank)
         if got.shape != expected.shape or got.dtype != expected.dtype:
-            self.fail(f"{what}: {_on(rank)}got shape {tuple(got.shape)} {got.dtype}, "
-                      f"expected shape {tuple(expected.shape)} {expected.dtype}")
+            self.fail(
+                f"{what}: {_on(rank)}got shape {tuple(got.shape)} {got.dtype}, "
+                f"expected shape {tuple(expected.shape)} {expected.dtype}"
+            )
         same = got == expected if exact else torch.isclose(got, expected, rtol=rtol, atol=atol)
         if bool(same.all()):
             return
         wrong = (~same).flatten().nonzero().flatten()
         first = int(wrong[0])
-        self.fail(f"{what}: {_on(rank)}got {show(got)} expected {show(expected)} "
-                  f"({len(wrong)} of {got.numel()} elements differ; first at element {first}: "
-                  f"{got.flatten()[first].item():.6g} instead of {expected.flatten()[first].item():.6g})")
+        self.fail(
+            f"{what}: {_on(rank)}got {show(got)} expected {show(expected)} "
+            f"({len(wrong)} of {got.numel()} elements differ; first at element {first}: "
+            f"{got.flatten()[first].item():.6g} instead of {expected.flatten()[first].item():.6g})"
+        )
 
 
 def _on(rank) -> str:

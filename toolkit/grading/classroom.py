@@ -18,6 +18,7 @@ file", "refused: ..." (a link, a FIFO, a file too big: never followed or read), 
 then the points of every check. With `out_dir`, each student's
 full report (every check's message) is written there as `<student>.json`.
 """
+
 from __future__ import annotations
 
 import csv
@@ -75,8 +76,16 @@ def read(file: Path | None) -> tuple[bytes | None, str]:
         return None, f"refused: {exc}" if isinstance(exc, untrusted.Refused) else f"refused: cannot read it ({exc})"
 
 
-def grade_one(lab, student: str, file: Path | None, source: bytes | None, refused: str = "", *,
-              student_timeout_s: float, options: list[str]) -> Row:
+def grade_one(
+    lab,
+    student: str,
+    file: Path | None,
+    source: bytes | None,
+    refused: str = "",
+    *,
+    student_timeout_s: float,
+    options: list[str],
+) -> Row:
     """Grade one submission (`source`, the bytes read from `file` before any submission ran) in its own
     process and session; nothing it starts survives."""
     row = Row(student, str(file or ""))
@@ -91,11 +100,31 @@ def grade_one(lab, student: str, file: Path | None, source: bytes | None, refuse
         copy = Path(tmp) / "submission" / file.name
         copy.parent.mkdir()
         copy.write_bytes(source)
-        command = [sys.executable, "-m", "toolkit", "grade", str(Path(lab).resolve()), "--solution", str(copy),
-                   "--format", "json", "--output", output, "--quiet", *options]
+        command = [
+            sys.executable,
+            "-m",
+            "toolkit",
+            "grade",
+            str(Path(lab).resolve()),
+            "--solution",
+            str(copy),
+            "--format",
+            "json",
+            "--output",
+            output,
+            "--quiet",
+            *options,
+        ]
         with open(errors, "wb") as err:  # a file, not a pipe: a process that escapes must not hold us up
-            process = subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.DEVNULL, stderr=err, cwd=tmp)
+            process = subprocess.Popen(
+                command,
+                env=env,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                cwd=tmp,
+            )
             try:
                 process.wait(timeout=student_timeout_s)
             except subprocess.TimeoutExpired:
@@ -127,16 +156,28 @@ def _load(path: str):
         return None
 
 
-def grade_class(lab, class_dir, csv_path, *, out_dir=None, filename: str | None = None,
-                student_timeout_s: float = 600.0, jobs: int = 1, options: list[str] = (),
-                progress: bool = True, allow_unsandboxed: bool = False) -> list[Row]:
+def grade_class(
+    lab,
+    class_dir,
+    csv_path,
+    *,
+    out_dir=None,
+    filename: str | None = None,
+    student_timeout_s: float = 600.0,
+    jobs: int = 1,
+    options: list[str] = (),
+    progress: bool = True,
+    allow_unsandboxed: bool = False,
+) -> list[Row]:
     """Grade every submission in `class_dir` against `lab`; write the CSV (and the reports); return rows."""
     from tqdm.auto import tqdm
 
     if not sandbox.isolated() and not allow_unsandboxed:
-        raise ValueError("this machine gives a submission no filesystem sandbox (no Linux landlock, and not "
-                         "root): one student's code could read or change the class folder. Grade on Linux 5.13+, "
-                         "or as root, or pass --allow-unsandboxed if you trust every submission.")
+        raise ValueError(
+            "this machine gives a submission no filesystem sandbox (no Linux landlock, and not "
+            "root): one student's code could read or change the class folder. Grade on Linux 5.13+, "
+            "or as root, or pass --allow-unsandboxed if you trust every submission."
+        )
     work = [(student, file, *read(file)) for student, file in submissions(class_dir, filename)]
     if not work:
         raise FileNotFoundError(f"{class_dir} holds no submissions (.py files, or one folder per student).")
@@ -160,8 +201,9 @@ def grade_class(lab, class_dir, csv_path, *, out_dir=None, filename: str | None 
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         for row in rows:
-            (Path(out_dir) / f"{row.student}.json").write_text(json.dumps(
-                {"student": row.student, "status": row.status, **(row.report or {})}, indent=2))
+            (Path(out_dir) / f"{row.student}.json").write_text(
+                json.dumps({"student": row.student, "status": row.status, **(row.report or {})}, indent=2)
+            )
     return rows
 
 
@@ -173,5 +215,14 @@ def write_csv(rows: list[Row], path) -> None:
         writer = csv.writer(f)
         writer.writerow(["student", "score", "max_score", "status", "seconds", "file", *names])
         for r in rows:  # names and statuses come from the class folder: shown, never able to change the table's look
-            writer.writerow([clean(r.student), r.score, r.max_score, clean(r.status), r.seconds, clean(r.file),
-                             *[r.checks.get(n, 0) for n in names]])
+            writer.writerow(
+                [
+                    clean(r.student),
+                    r.score,
+                    r.max_score,
+                    clean(r.status),
+                    r.seconds,
+                    clean(r.file),
+                    *[r.checks.get(n, 0) for n in names],
+                ]
+            )

@@ -10,6 +10,7 @@ Exit codes: 0 full marks, 1 graded but not full marks, 2 bad arguments or missin
 failed (see `report.py`). With --class: 0 when every submission was graded (whatever the scores),
 1 when some timed out or had no file, 3 when the grader failed on some.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,14 +21,22 @@ import traceback
 from pathlib import Path
 
 from . import isolation, report
-from .untrusted import clean
 from .grader import grade
 from .sandbox import Unsafe
 from .session import Limits
+from .untrusted import clean
 
 
-def grade_command(lab_path, solution=None, *, check_timeout_s: float = 20.0, quiet: bool = False,
-                  fmt: str = "text", output=None, limits: Limits | None = None) -> int:
+def grade_command(
+    lab_path,
+    solution=None,
+    *,
+    check_timeout_s: float = 20.0,
+    quiet: bool = False,
+    fmt: str = "text",
+    output=None,
+    limits: Limits | None = None,
+) -> int:
     """Grade one solution; print (or write to `output`) the report in `fmt`; return the exit code.
     With `output`, a report is written whatever happens: a score, or a score of 0 saying why there is none."""
     started = time.monotonic()
@@ -38,8 +47,12 @@ def grade_command(lab_path, solution=None, *, check_timeout_s: float = 20.0, qui
     except Unsafe as exc:  # the machine, not the solution: nothing was run, and the instructor is told what to change
         return _nothing_graded(f"error: {exc}", fmt, output, report.GRADER_ERROR)
     except BaseException:  # noqa: BLE001 - the grader's own failure, not the student's: say so, distinctly
-        return _nothing_graded("error: the grader itself failed (not a problem of the solution graded):\n"
-                               + traceback.format_exc(), fmt, output, report.GRADER_ERROR)
+        return _nothing_graded(
+            "error: the grader itself failed (not a problem of the solution graded):\n" + traceback.format_exc(),
+            fmt,
+            output,
+            report.GRADER_ERROR,
+        )
     text = report.render(score, fmt, time.monotonic() - started)
     if output:  # the report goes there instead of to stdout; a person running it is told where, on stderr
         _write(output, text)
@@ -62,9 +75,16 @@ def _write(path, text: str) -> None:
 def _nothing_graded(message: str, fmt: str, output, code: int) -> int:
     print(clean(message), file=sys.stderr)
     if output:
-        _write(output, report.nothing_graded(message.splitlines()[0] if code == report.USAGE_ERROR else
-                                             "The autograder could not grade this submission (the grader failed, "
-                                             "not your code). Please tell the course staff.", fmt))
+        _write(
+            output,
+            report.nothing_graded(
+                message.splitlines()[0]
+                if code == report.USAGE_ERROR
+                else "The autograder could not grade this submission (the grader failed, "
+                "not your code). Please tell the course staff.",
+                fmt,
+            ),
+        )
     return code
 
 
@@ -81,14 +101,34 @@ def prepare_command(lab) -> int:
     return 0
 
 
-def class_command(lab, class_dir, csv_path, *, out_dir=None, filename=None, student_timeout_s=600.0,
-                  jobs=1, options=(), allow_unsandboxed=False, quiet=False) -> int:
+def class_command(
+    lab,
+    class_dir,
+    csv_path,
+    *,
+    out_dir=None,
+    filename=None,
+    student_timeout_s=600.0,
+    jobs=1,
+    options=(),
+    allow_unsandboxed=False,
+    quiet=False,
+) -> int:
     from .classroom import grade_class
 
     try:
-        rows = grade_class(lab, class_dir, csv_path, out_dir=out_dir, filename=filename,
-                           student_timeout_s=student_timeout_s, jobs=jobs, options=options,
-                           allow_unsandboxed=allow_unsandboxed, progress=not quiet)
+        rows = grade_class(
+            lab,
+            class_dir,
+            csv_path,
+            out_dir=out_dir,
+            filename=filename,
+            student_timeout_s=student_timeout_s,
+            jobs=jobs,
+            options=options,
+            allow_unsandboxed=allow_unsandboxed,
+            progress=not quiet,
+        )
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return report.USAGE_ERROR
@@ -101,55 +141,110 @@ def class_command(lab, class_dir, csv_path, *, out_dir=None, filename=None, stud
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m toolkit grade", description="Grade a lab on real ranks.",
-                                     epilog="Exit codes: 0 full marks, 1 not full marks, 2 usage error, "
-                                            "3 grader error.")
+    parser = argparse.ArgumentParser(
+        prog="python -m toolkit grade",
+        description="Grade a lab on real ranks.",
+        epilog="Exit codes: 0 full marks, 1 not full marks, 2 usage error, 3 grader error.",
+    )
     parser.add_argument("lab", help="the lab folder, e.g. labs/01-ring-allreduce")
     parser.add_argument("--solution", help="the file to grade (default: the lab's skeleton.py)")
-    parser.add_argument("--format", choices=report.FORMATS, default="text",
-                        help="text (for a person), json, or gradescope (results.json)")
+    parser.add_argument(
+        "--format",
+        choices=report.FORMATS,
+        default="text",
+        help="text (for a person), json, or gradescope (results.json)",
+    )
     parser.add_argument("--output", help="write the report here instead of printing it")
     parser.add_argument("--class", dest="class_dir", help="grade every submission in this folder")
     parser.add_argument("--csv", default="scores.csv", help="with --class: where the scores go")
     parser.add_argument("--out", help="with --class: a folder for every student's full JSON report")
     parser.add_argument("--file", help="with --class: the file name inside each student's folder")
-    parser.add_argument("--student-timeout", type=float, default=600.0,
-                        help="with --class: seconds one submission may take in all")
+    parser.add_argument(
+        "--student-timeout", type=float, default=600.0, help="with --class: seconds one submission may take in all"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="with --class: submissions graded at once")
-    parser.add_argument("--allow-unsandboxed", action="store_true",
-                        help="with --class: grade even where no filesystem sandbox is available")
+    parser.add_argument(
+        "--allow-unsandboxed",
+        action="store_true",
+        help="with --class: grade even where no filesystem sandbox is available",
+    )
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds one rank may wait on a message")
-    parser.add_argument("--stall", type=float, default=Limits.stall_s,
-                        help="seconds every rank may be blocked before it is called a deadlock")
+    parser.add_argument(
+        "--stall",
+        type=float,
+        default=Limits.stall_s,
+        help="seconds every rank may be blocked before it is called a deadlock",
+    )
     parser.add_argument("--time-limit", type=float, default=Limits.time_limit_s, help="seconds one check may run")
-    parser.add_argument("--memory-limit", type=float, default=Limits.memory_limit_mb,
-                        help="MiB a rank may allocate beyond what it starts with (0: no limit)")
-    parser.add_argument("--output-limit", type=float, default=Limits.output_limit_mb,
-                        help="MiB the ranks of one launch may print (the launch is stopped past it)")
-    parser.add_argument("--prepare", action="store_true",
-                        help="build the students' toolkit for this lab (what the ranks import: the lab's answers "
-                             "taken out), kept in a cache for every grading after, and exit")
-    parser.add_argument("--quiet", action="store_true",
-                        help="print nothing but the report (none with --output): not what the ranks print, no progress")
+    parser.add_argument(
+        "--memory-limit",
+        type=float,
+        default=Limits.memory_limit_mb,
+        help="MiB a rank may allocate beyond what it starts with (0: no limit)",
+    )
+    parser.add_argument(
+        "--output-limit",
+        type=float,
+        default=Limits.output_limit_mb,
+        help="MiB the ranks of one launch may print (the launch is stopped past it)",
+    )
+    parser.add_argument(
+        "--prepare",
+        action="store_true",
+        help="build the students' toolkit for this lab (what the ranks import: the lab's answers "
+        "taken out), kept in a cache for every grading after, and exit",
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print nothing but the report (none with --output): not what the ranks print, no progress",
+    )
     args = parser.parse_args(argv)
-    limits = Limits(args.timeout, args.stall, args.time_limit, args.memory_limit or None,
-                    output_limit_mb=args.output_limit)
+    limits = Limits(
+        args.timeout, args.stall, args.time_limit, args.memory_limit or None, output_limit_mb=args.output_limit
+    )
     if args.prepare:
         return prepare_command(args.lab)
     if args.class_dir:
         if args.solution:
             parser.error("give --solution or --class, not both")
-        options = ["--timeout", str(args.timeout), "--stall", str(args.stall), "--time-limit", str(args.time_limit),
-                   "--memory-limit", str(args.memory_limit or 0), "--output-limit", str(args.output_limit)]
-        return class_command(args.lab, args.class_dir, args.csv, out_dir=args.out, filename=args.file,
-                             student_timeout_s=args.student_timeout, jobs=args.jobs, options=options,
-                             allow_unsandboxed=args.allow_unsandboxed, quiet=args.quiet)
+        options = [
+            "--timeout",
+            str(args.timeout),
+            "--stall",
+            str(args.stall),
+            "--time-limit",
+            str(args.time_limit),
+            "--memory-limit",
+            str(args.memory_limit or 0),
+            "--output-limit",
+            str(args.output_limit),
+        ]
+        return class_command(
+            args.lab,
+            args.class_dir,
+            args.csv,
+            out_dir=args.out,
+            filename=args.file,
+            student_timeout_s=args.student_timeout,
+            jobs=args.jobs,
+            options=options,
+            allow_unsandboxed=args.allow_unsandboxed,
+            quiet=args.quiet,
+        )
     whole_process = _is_the_command_line()
     if whole_process:  # whatever the solution orphans is re-parented here, and killed below
         isolation.become_subreaper()
     try:
-        return grade_command(args.lab, args.solution, check_timeout_s=args.timeout, quiet=args.quiet,
-                             fmt=args.format, output=args.output, limits=limits)
+        return grade_command(
+            args.lab,
+            args.solution,
+            check_timeout_s=args.timeout,
+            quiet=args.quiet,
+            fmt=args.format,
+            output=args.output,
+            limits=limits,
+        )
     finally:
         if whole_process:
             isolation.stop(None, all_children=True)

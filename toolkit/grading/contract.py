@@ -16,6 +16,7 @@ copy of the inputs gains nothing: the grader judges the cases it drew, on the in
 `returns=` is a spec (`specs.py`), or a function `(case, rank, world_size) -> spec` of the grader's copy of the
 case's inputs for that rank.
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,8 +57,10 @@ def _per_rank(inputs, n: int, case: str) -> list:
         return [dict(inputs) for _ in range(n)]
     inputs = list(inputs)
     if len(inputs) != n:
-        raise ValueError(f"case {case!r}: inputs for {len(inputs)} ranks at world size {n}; give one dict per "
-                         "rank, or one dict for every rank")
+        raise ValueError(
+            f"case {case!r}: inputs for {len(inputs)} ranks at world size {n}; give one dict per "
+            "rank, or one dict for every rank"
+        )
     return inputs
 
 
@@ -89,7 +92,7 @@ def run_cases(task, student, rank, cases) -> tuple[list, str | None, BaseExcepti
 
 
 def in_case(case) -> str:
-    """", case 'pp=2, microbatches=5'" for a check of several cases; "" for a check of one."""
+    """ ", case 'pp=2, microbatches=5'" for a check of several cases; "" for a check of one."""
     return f", case {case!r}" if isinstance(case, str) and case else ""
 
 
@@ -105,30 +108,37 @@ def observations(drawn: Drawn, sent: list, returns, pure: bool = False) -> dict:
     n = drawn.world_size
     for r in range(n):
         pairs = sent[r]
-        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
-                                                  for p in pairs):
-            raise ContractBroken(f"rank {r} sent {seen(pairs)} instead of one [case id, observation] per case: "
-                                 "the grader cannot tell which case an answer belongs to")
+        if not isinstance(pairs, list) or not all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in pairs
+        ):
+            raise ContractBroken(
+                f"rank {r} sent {seen(pairs)} instead of one [case id, observation] per case: "
+                "the grader cannot tell which case an answer belongs to"
+            )
         ids = [case for case, _ in pairs]
         missing = [c for c in drawn.ids if c not in ids]
         extra = [c for c in ids if c not in drawn.ids]
         twice = sorted({c for c in ids if ids.count(c) > 1})
         whose = "the task" if pure else f"rank {r}"
         if missing:
-            raise ContractBroken(f"{whose} sent no observation for {_cases(missing)} of the {len(drawn.ids)} the "
-                                 "grader drew: every case drawn is judged, and an unanswered one fails")
+            raise ContractBroken(
+                f"{whose} sent no observation for {_cases(missing)} of the {len(drawn.ids)} the "
+                "grader drew: every case drawn is judged, and an unanswered one fails"
+            )
         if extra:
             raise ContractBroken(f"{whose} sent observations for {_cases(extra)} that the grader never drew")
         if twice:
             raise ContractBroken(f"{whose} sent {_cases(twice)} more than once")
         if ids != drawn.ids:
-            raise ContractBroken(f"{whose} sent the cases in another order ({ids[:6]}) than the grader drew them "
-                                 f"({drawn.ids[:6]})")
+            raise ContractBroken(
+                f"{whose} sent the cases in another order ({ids[:6]}) than the grader drew them ({drawn.ids[:6]})"
+            )
     found = {case: [None] * n for case in drawn.ids}
     for r in range(n):
         for case, value in sent[r]:
-            spec = returns(drawn.given(case)[r], r, n) if callable(returns) and not isinstance(returns, Spec) \
-                else returns
+            spec = (
+                returns(drawn.given(case)[r], r, n) if callable(returns) and not isinstance(returns, Spec) else returns
+            )
             problem = _spec(spec).problem(value, "") if spec is not None else _opaque(value)
             if problem:
                 where = _where(r, case, pure)

@@ -2,6 +2,7 @@
 
 The grader, the release and the students' build all need them before (or without) importing a lab's code.
 """
+
 from __future__ import annotations
 
 import ast
@@ -19,6 +20,8 @@ def declared(lab: Path, name: str, default):
             try:
                 return ast.literal_eval(node.value)
             except ValueError:
-                raise ValueError(f"{lab.name}/checks.py: {name} must be written out as a literal (a dict or list of "
-                                 "strings), so a release can read it without running the file") from None
+                raise ValueError(
+                    f"{lab.name}/checks.py: {name} must be written out as a literal (a dict or list of "
+                    "strings), so a release can read it without running the file"
+                ) from None
     return default

@@ -18,6 +18,7 @@ scores zero and says why. The ranks import the students' toolkit (`student_wheel
 toolkit release --wheel` packs), where an answer only raises: the watcher is the second line, which says why a
 check scored 0.
 """
+
 from __future__ import annotations
 
 import ast
@@ -92,14 +93,19 @@ def scan(source: str, answers: dict) -> list[str]:
         found, strings = references(source)
     except (SyntaxError, ValueError):
         return []
-    return [f"{spec.replace(':', '.')} ({why})" for spec, why in answers.items()
-            if any(_names(ref, spec) for ref in found | strings)]
+    return [
+        f"{spec.replace(':', '.')} ({why})"
+        for spec, why in answers.items()
+        if any(_names(ref, spec) for ref in found | strings)
+    ]
 
 
 def delegation_message(uses: list[str]) -> str:
-    return ("this check scores 0: your code uses " + "; ".join(uses) + ", which is the toolkit's own "
-            "implementation of what this lab asks you to write. Write it yourself (the lab's README says what "
-            "it must do), and grade again.")
+    return (
+        "this check scores 0: your code uses " + "; ".join(uses) + ", which is the toolkit's own "
+        "implementation of what this lab asks you to write. Write it yourself (the lab's README says what "
+        "it must do), and grade again."
+    )
 
 
 # --- on the rank -------------------------------------------------------------------------------------------
@@ -160,8 +166,9 @@ def _methods(cls, only, prefix):
 def _with_submodules(module) -> list:
     """A module, or a package and every module in it (`toolkit.parallel.tensor` is a folder of files)."""
     found = [module]
-    for info in pkgutil.walk_packages(getattr(module, "__path__", []), module.__name__ + ".",
-                                      onerror=lambda name: None):
+    for info in pkgutil.walk_packages(
+        getattr(module, "__path__", []), module.__name__ + ".", onerror=lambda name: None
+    ):
         try:
             found.append(importlib.import_module(info.name))
         except Exception:  # noqa: BLE001 - in the students' build a module may raise at import (an answer it runs)
@@ -177,8 +184,11 @@ def watch(answers, submission: str) -> None:
     for spec in answers:
         module_name, name = _parts(spec)
         try:
-            modules = _with_submodules(importlib.import_module(module_name)) if not name else \
-                [importlib.import_module(module_name)]
+            modules = (
+                _with_submodules(importlib.import_module(module_name))
+                if not name
+                else [importlib.import_module(module_name)]
+            )
             targets = [t for module in modules for t in _functions(module, name)]
         except Exception:  # noqa: BLE001 - not there, or not importable in the students' build: nothing to call
             continue

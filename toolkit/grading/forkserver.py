@@ -29,6 +29,7 @@ zygote (`toolkit/runtime/zygote.py`) serving other children, at two levels:
 The grader stops a launch as before (the sandbox zygote's session, then everything that carries the
 grading's id, but the grading's server), and closes the grading's server when the grading ends.
 """
+
 from __future__ import annotations
 
 import ctypes

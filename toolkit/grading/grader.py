@@ -20,6 +20,7 @@ How one failure is kept from spoiling the others:
 - a deadlock (every rank blocked) or a file that cannot be imported stops the grading there.
 A check that failed at a smaller world size is not run again at larger ones.
 """
+
 from __future__ import annotations
 
 import ast
@@ -34,8 +35,8 @@ import torch
 
 from . import delegation, namespaces, sandbox, untrusted
 from .checks import PLATFORM_CHECKS, PLATFORM_ONLY, Check, CheckFailed, platform_only
-from .isolation import Sandbox
 from .declared import declared
+from .isolation import Sandbox
 from .runner import IMPORT, load_module
 from .score import CheckResult, Score, format_score, zero
 from .session import Box, Launch, Limits, launch_ranks
@@ -75,8 +76,9 @@ def not_a_lab(folder: Path, missing: str) -> str:
     parent = folder.parent
     labs = sorted(p.name for p in parent.iterdir() if (p / "checks.py").is_file()) if parent.is_dir() else []
     message = f"{folder} is not a lab folder ({what})."
-    matches = [name for name in labs if name.startswith(folder.name)] or \
-        difflib.get_close_matches(folder.name, labs, n=1, cutoff=0.5)
+    matches = [name for name in labs if name.startswith(folder.name)] or difflib.get_close_matches(
+        folder.name, labs, n=1, cutoff=0.5
+    )
     if len(matches) == 1:
         message += f" Did you mean {parent / matches[0]}?"
     if labs:
@@ -94,11 +96,16 @@ def _crash_story(found: Launch) -> str:
     rank = found.error.get("rank")
     where = [line for line in lines[1:] if line.startswith("  rank ")]  # the launcher's "where every rank was"
     said = found.of_rank(rank) if isinstance(rank, int) else []
-    story = "\n".join([lines[0]] + [f"  rank {rank} printed: {line}" for line in said]
-                      + (["  where every rank was:"] + where if where else []))
+    story = "\n".join(
+        [lines[0]]
+        + [f"  rank {rank} printed: {line}" for line in said]
+        + (["  where every rank was:"] + where if where else [])
+    )
     if "doesn't match expected size" in story:
-        story += ("\n  hint: a rank received a bigger message than the buffer it posted: do sender and "
-                  "receiver agree on which chunk moves at this step, and on its size?")
+        story += (
+            "\n  hint: a rank received a bigger message than the buffer it posted: do sender and "
+            "receiver agree on which chunk moves at this step, and on its size?"
+        )
     return story
 
 
@@ -107,8 +114,10 @@ def _first_failure(results: dict) -> tuple[int, str] | None:
     failed = {r: v for r, v in results.items() if not isinstance(v, dict) or v.get("error")}
     if not failed:
         return None
-    times = {r: v.get("time", 0.0) if isinstance(v, dict) and isinstance(v.get("time"), (int, float)) else 0.0
-             for r, v in failed.items()}
+    times = {
+        r: v.get("time", 0.0) if isinstance(v, dict) and isinstance(v.get("time"), (int, float)) else 0.0
+        for r, v in failed.items()
+    }
     earliest = min(times.values())
     first = min(r for r in failed if times[r] < earliest + 0.5)
     others = sorted(set(failed) - {first})
@@ -121,8 +130,15 @@ def _first_failure(results: dict) -> tuple[int, str] | None:
 def _verdict(check: Check, n: int, given: list, results: dict, found: Launch) -> str:
     """One check at world size n: "" if the judge accepts what every rank observed, else why not."""
     prefix = "" if check.pure else f"world size {n}, "
-    used = sorted({u for v in results.values() if isinstance(v, dict) and isinstance(v.get("delegated"), list)
-                   for u in v["delegated"] if isinstance(u, str)})
+    used = sorted(
+        {
+            u
+            for v in results.values()
+            if isinstance(v, dict) and isinstance(v.get("delegated"), list)
+            for u in v["delegated"]
+            if isinstance(u, str)
+        }
+    )
     if used:  # first: in the students' toolkit the answer only raises, and that failure would hide why
         return prefix + delegation.delegation_message([f"{u} (called while this check ran)" for u in used])
     failure = _first_failure(results)
@@ -152,17 +168,29 @@ def _relayed(results: dict, relayed: dict | None, index) -> dict:
             return [put(v, record) for v in value]
         return value
 
-    return {r: {**v, "ok": put(v["ok"], relayed.get(index, {}).get(r, []))} if isinstance(v, dict) and "ok" in v
-            else v for r, v in results.items()}
+    return {
+        r: {**v, "ok": put(v["ok"], relayed.get(index, {}).get(r, []))} if isinstance(v, dict) and "ok" in v else v
+        for r, v in results.items()
+    }
 
 
 def _generator(seed: int, check: Check, n: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed ^ zlib.crc32(f"{check.name}/{n}".encode())) % 2**63)
 
 
-def _run_world_size(box: Box, checks: list[Check], indices: list[int], n: int, answers: dict, limits: Limits,
-                    seed: int, quiet: bool, backend: str, grading_id: str,
-                    messages_only: bool = False) -> tuple[dict, object]:
+def _run_world_size(
+    box: Box,
+    checks: list[Check],
+    indices: list[int],
+    n: int,
+    answers: dict,
+    limits: Limits,
+    seed: int,
+    quiet: bool,
+    backend: str,
+    grading_id: str,
+    messages_only: bool = False,
+) -> tuple[dict, object]:
     """Run checks `indices` on n ranks: ({index: failure message, or ""}, what stopped the grading or None:
     the index of a check that deadlocked, or IMPORT when the file cannot be imported)."""
     inputs = {i: checks[i].make_inputs(n, _generator(seed, checks[i], n)) for i in indices}
@@ -171,13 +199,26 @@ def _run_world_size(box: Box, checks: list[Check], indices: list[int], n: int, a
     while todo:
         if not quiet:
             print(f"grading: {len(todo)} check(s) on {n} ranks ...", file=sys.stderr, flush=True)
-        found = launch_ranks(box, n, todo, {i: checks[i].task for i in todo}, inputs, list(answers), limits,
-                             backend=backend, quiet=quiet, grading_id=grading_id, messages_only=messages_only)
+        found = launch_ranks(
+            box,
+            n,
+            todo,
+            {i: checks[i].task for i in todo},
+            inputs,
+            list(answers),
+            limits,
+            backend=backend,
+            quiet=quiet,
+            grading_id=grading_id,
+            messages_only=messages_only,
+        )
         stuck = found.stuck
         imported = found.results[IMPORT]
         if not found.ready and not imported:  # no student code ran: the machine or the grader failed
-            raise RuntimeError(f"the ranks could not be started on {n} processes: {_crash_story(found)}\n"
-                               + "\n".join(found.lines[-20:]))
+            raise RuntimeError(
+                f"the ranks could not be started on {n} processes: {_crash_story(found)}\n"
+                + "\n".join(found.lines[-20:])
+            )
         failure = _first_failure(imported)
         if stuck is not None and stuck["index"] == IMPORT:
             return {i: stuck["message"][:4000] for i in todo}, IMPORT
@@ -192,18 +233,26 @@ def _run_world_size(box: Box, checks: list[Check], indices: list[int], n: int, a
             verdicts[index] = _verdict(checks[index], n, inputs[index], results, found)
             if stuck is not None and stuck["index"] == index:  # stopped in this check: carry on after it
                 verdicts[index] = f"world size {n}, {stuck['message'][:4000]}"
-                todo = todo[position + 1:]
+                todo = todo[position + 1 :]
                 break
             if len(results) < n or index == found.abandoned:  # the launch ended in this check
-                todo = todo[position + 1:]
+                todo = todo[position + 1 :]
                 break
         else:
             todo = []
     return verdicts, None
 
 
-def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, quiet: bool = True,
-          backend: str = "gloo", limits: Limits | None = None, seed: int | None = None) -> Score:
+def grade(
+    lab_dir,
+    solution_file=None,
+    *,
+    check_timeout_s: float | None = None,
+    quiet: bool = True,
+    backend: str = "gloo",
+    limits: Limits | None = None,
+    seed: int | None = None,
+) -> Score:
     """Grade `solution_file` (default: the lab's skeleton.py) against every check of the lab in `lab_dir`.
 
     limits: what the solution may cost (`Limits()` by default); check_timeout_s overrides its
@@ -239,22 +288,27 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, 
     except (SyntaxError, ValueError) as exc:
         where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
         what = exc.msg if isinstance(exc, SyntaxError) else exc
-        return replace(zero(score.lab, score.solution, checks,
-                            f"your file does not import: {type(exc).__name__}: {what}{where}"), sandbox=score.sandbox)
+        return replace(
+            zero(score.lab, score.solution, checks, f"your file does not import: {type(exc).__name__}: {what}{where}"),
+            sandbox=score.sandbox,
+        )
     uses = delegation.scan(source.decode(errors="replace"), answers)
     if uses:  # every check would score 0: nothing to run
-        return replace(zero(score.lab, score.solution, checks, delegation.delegation_message(uses)),
-                       sandbox=score.sandbox)
+        return replace(
+            zero(score.lab, score.solution, checks, delegation.delegation_message(uses)), sandbox=score.sandbox
+        )
     seed = secrets.randbits(62) if seed is None else seed
     verdicts, stopped = {}, None
     messages_only = bool(declared(lab_dir, "MESSAGES_ONLY", False))  # its ranks talk through the grader's relay
     with Sandbox() as marked, Box(lab_dir, source, solution.name) as box:
         for n in sorted({n for c in checks if not c.platform_only for n in c.world_sizes}):
-            indices = [i for i, c in enumerate(checks) if n in c.world_sizes and not verdicts.get(i)
-                       and not c.platform_only]
+            indices = [
+                i for i, c in enumerate(checks) if n in c.world_sizes and not verdicts.get(i) and not c.platform_only
+            ]
             if indices and stopped is None:
-                found, stopped = _run_world_size(box, checks, indices, n, answers, limits, seed, quiet, backend,
-                                                 marked.id, messages_only)
+                found, stopped = _run_world_size(
+                    box, checks, indices, n, answers, limits, seed, quiet, backend, marked.id, messages_only
+                )
                 verdicts.update(found)
     for i, c in enumerate(checks):
         if c.platform_only:
@@ -264,9 +318,12 @@ def grade(lab_dir, solution_file=None, *, check_timeout_s: float | None = None, 
         if stopped == IMPORT and i not in verdicts:
             message = next(m for m in verdicts.values() if m)
         elif stopped is not None and i not in verdicts:
-            message = (f"not run: grading stopped at check '{checks[stopped].name}', which could not finish "
-                       "(see its message); fix that first.")
+            message = (
+                f"not run: grading stopped at check '{checks[stopped].name}', which could not finish "
+                "(see its message); fix that first."
+            )
         shown = (c.feedback or HIDDEN_FAILED) if c.hidden and message else message
-        score.results.append(CheckResult(c.name, c.points, 0 if message else c.points, shown, c.hidden,
-                                         message if c.hidden else ""))
+        score.results.append(
+            CheckResult(c.name, c.points, 0 if message else c.points, shown, c.hidden, message if c.hidden else "")
+        )
     return score

@@ -13,6 +13,7 @@ environment is found, as a child of ours, and killed. The command line does this
 (`grade()` from a notebook or a test) does not, since it would change how the caller's own orphans
 are reaped.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -65,8 +66,11 @@ def _parent(pid: int) -> int | None:
 def _children() -> list[int]:
     """Our own child processes (after PR_SET_CHILD_SUBREAPER: also the orphans re-parented to us)."""
     me = os.getpid()
-    return [int(name) for name in (os.listdir("/proc") if os.path.isdir("/proc") else [])
-            if name.isdigit() and _parent(int(name)) == me]
+    return [
+        int(name)
+        for name in (os.listdir("/proc") if os.path.isdir("/proc") else [])
+        if name.isdigit() and _parent(int(name)) == me
+    ]
 
 
 def _reap(pids) -> None:
@@ -89,7 +93,7 @@ class Sandbox:
         self.all_children = all_children
         self.killed: list[int] = []
 
-    def __enter__(self) -> "Sandbox":
+    def __enter__(self) -> Sandbox:
         self._before = os.environ.get(MARKER)
         os.environ[MARKER] = self.id
         return self
@@ -123,8 +127,11 @@ def namespace_below(pid: int) -> str | None:
 
 def in_namespace(namespace: str) -> list[int]:
     """The live processes of PID namespace `namespace` (as this process numbers them)."""
-    return [int(name) for name in (os.listdir("/proc") if os.path.isdir("/proc") else [])
-            if name.isdigit() and _namespace(name) == namespace]
+    return [
+        int(name)
+        for name in (os.listdir("/proc") if os.path.isdir("/proc") else [])
+        if name.isdigit() and _namespace(name) == namespace
+    ]
 
 
 def ancestors() -> set[int]:
@@ -142,8 +149,11 @@ def stop(grading_id: str | None, all_children: bool = False, rounds: int = 20, s
     grading's fork server, which carries the id for its children's sake). Returns the PIDs killed."""
     killed = []
     for _ in range(rounds):
-        pids = [p for p in (marked(grading_id) if grading_id else []) + (_children() if all_children else [])
-                if p not in spare]
+        pids = [
+            p
+            for p in (marked(grading_id) if grading_id else []) + (_children() if all_children else [])
+            if p not in spare
+        ]
         if not pids:
             break
         for pid in pids:

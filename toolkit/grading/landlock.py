@@ -7,6 +7,7 @@ submission read a tree *but* a part of it (the system's Python, but not a full t
 site-packages; /opt, but not a course's checkout there), `restrict` grants each such tree entry by entry down
 to the hidden part, leaving it out (`_allow_tree`). Standard library only: the graders' fork server loads it.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -26,8 +27,11 @@ READ = EXECUTE | READ_FILE | READ_DIR
 
 
 class _Ruleset(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
-                ("scoped", ctypes.c_uint64)]
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
 
 
 class _PathBeneath(ctypes.Structure):
@@ -51,12 +55,14 @@ def abi() -> int:
 
 
 def _rights(version: int) -> int:
-    return _ALL_V1 | (1 << 13 if version >= 2 else 0) | (1 << 14 if version >= 3 else 0) | \
-        (1 << 15 if version >= 5 else 0)
+    return (
+        _ALL_V1 | (1 << 13 if version >= 2 else 0) | (1 << 14 if version >= 3 else 0) | (1 << 15 if version >= 5 else 0)
+    )
 
 
-def restrict(read: list, write: list, listable: list = (), hidden: list = (), version: int | None = None,
-             no_tcp: bool = False) -> bool:
+def restrict(
+    read: list, write: list, listable: list = (), hidden: list = (), version: int | None = None, no_tcp: bool = False
+) -> bool:
     """From now on this process and its children may only read `read` (but what lies in `hidden`), read-write
     `write`, and list the folders `listable` (their names, not their files' content); with `no_tcp` (ABI 4+),
     neither bind nor connect a TCP socket. Returns False (and changes nothing) where the kernel has no landlock."""
@@ -65,8 +71,11 @@ def restrict(read: list, write: list, listable: list = (), hidden: list = (), ve
         return False
     libc, handled = _libc(), _rights(version)
     size = 8 if version < 4 else 16 if version < 6 else 24
-    ruleset = _Ruleset(handled, _BIND_TCP | _CONNECT_TCP if no_tcp and version >= 4 else 0,
-                       (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if version >= 6 else 0)
+    ruleset = _Ruleset(
+        handled,
+        _BIND_TCP | _CONNECT_TCP if no_tcp and version >= 4 else 0,
+        (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if version >= 6 else 0,
+    )
     fd = libc.syscall(_CREATE, ctypes.byref(ruleset), ctypes.c_size_t(size), ctypes.c_uint32(0))
     if fd < 0:
         return False
@@ -119,8 +128,10 @@ def _allow(libc, ruleset_fd: int, path, allowed: int) -> None:
         if not os.path.isdir(path):
             allowed &= _FILE_ONLY
         rule = _PathBeneath(allowed, target)
-        if libc.syscall(_ADD_RULE, ruleset_fd, ctypes.c_int(_PATH_BENEATH), ctypes.byref(rule),
-                        ctypes.c_uint32(0)) != 0:
+        if (
+            libc.syscall(_ADD_RULE, ruleset_fd, ctypes.c_int(_PATH_BENEATH), ctypes.byref(rule), ctypes.c_uint32(0))
+            != 0
+        ):
             raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
     finally:
         os.close(target)

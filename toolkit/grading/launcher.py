@@ -10,6 +10,7 @@ limit (the grader's overseer watches time, output and processes). What it writes
 ended) is read by the grader as untrusted text. It ends with the grader: a grader killed from outside leaves
 nothing running.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -47,9 +48,14 @@ def main(argv=None, spec=None, zygote=None) -> int:
         zygotes.adopt(*zygote)
     limits, error = spec["limits"], None
     try:
-        launch(rank_main, spec["world_size"], args=(spec,), backend=spec["backend"],
-               timeout_s=limits["check_timeout_s"] + 5,
-               deadline_s=(len(spec["indices"]) + 1) * (limits["time_limit_s"] + 5) + 60)
+        launch(
+            rank_main,
+            spec["world_size"],
+            args=(spec,),
+            backend=spec["backend"],
+            timeout_s=limits["check_timeout_s"] + 5,
+            deadline_s=(len(spec["indices"]) + 1) * (limits["time_limit_s"] + 5) + 60,
+        )
     except RankError as exc:
         error = {"message": str(exc), "rank": exc.rank}
     except Exception as exc:  # noqa: BLE001 - say what ended the launch; the grader decides what it means

@@ -10,6 +10,7 @@ the model's definition: a judge never takes a rank's word for the shapes it judg
     reference = local(seed, steps=3, global_batch=12, optimizer=torch.optim.SGD, options=dict(lr=0.1, ...))
     returns=lambda case, r, n: {"params": Keys(parameters(), ...)}
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,17 +25,24 @@ from ..parallel.fsdp_policy import plan
 def training(steps: int, global_batch: int, optimizer: dict, **extra):
     """Inputs for `@check(inputs=...)`: the seed, this rank's rows of `steps` global batches, the optimizer's
     options (and `extra`, the same on every rank)."""
+
     def make(n, g):
         seed = int(torch.randint(0, 2**31, (), generator=g))
         corpus = SyntheticCorpus()
-        return [dict(seed=seed, optimizer=optimizer, **extra,
-                     batches=[corpus.batch(s, global_batch, rank=r, world_size=n) for s in range(steps)])
-                for r in range(n)]
+        return [
+            dict(
+                seed=seed,
+                optimizer=optimizer,
+                **extra,
+                batches=[corpus.batch(s, global_batch, rank=r, world_size=n) for s in range(steps)],
+            )
+            for r in range(n)
+        ]
+
     return make
 
 
-def local(seed: int, steps: int, global_batch: int, optimizer, options: dict, model_options: dict = None,
-          rows=None):
+def local(seed: int, steps: int, global_batch: int, optimizer, options: dict, model_options: dict = None, rows=None):
     """The reference: the model of `seed` trained alone on the whole batch (or on `rows`) for `steps` steps of
     `optimizer(**options)`; with steps=0, after one backward (the gradients are then in `.grad`)."""
     torch.manual_seed(seed)
@@ -68,7 +76,14 @@ def fsdp_units(shard_size: int, config: dict | None = None) -> list[dict]:
     units = []
     for unit in plan(model):
         numel = sum(p.numel() for p in unit.params)
-        units.append({"name": unit.name or "(root)", "param_names": [names[id(p)] for p in unit.params],
-                      "shapes": [tuple(p.shape) for p in unit.params], "numel": numel,
-                      "padded": padded_numel(numel, shard_size), "shard": padded_numel(numel, shard_size) // shard_size})
+        units.append(
+            {
+                "name": unit.name or "(root)",
+                "param_names": [names[id(p)] for p in unit.params],
+                "shapes": [tuple(p.shape) for p in unit.params],
+                "numel": numel,
+                "padded": padded_numel(numel, shard_size),
+                "shard": padded_numel(numel, shard_size) // shard_size,
+            }
+        )
     return units

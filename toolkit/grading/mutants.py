@@ -20,6 +20,7 @@ world sizes; a mutant leaves at the first check that fails it, so most run one o
 deadlocks or crashes ends its launch; a new launch goes on after it. The inputs come from a fixed seed, the same
 for every mutant: a survivor is a survivor of those inputs (the grading draws new ones each time).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,7 +81,7 @@ def __getattr__(name):
 class LabResult:
     lab: str
     mutants: list
-    killed: dict = field(default_factory=dict)      # mutant id -> the check that killed it, and its first line
+    killed: dict = field(default_factory=dict)  # mutant id -> the check that killed it, and its first line
     equivalent: dict = field(default_factory=dict)  # mutant id -> why (equivalent_mutants.md)
     seconds: float = 0.0
 
@@ -90,7 +91,9 @@ class LabResult:
 
     @property
     def score(self) -> float:
-        judged = len(self.mutants) - len([m for m in self.mutants if m.id in self.equivalent and m.id not in self.killed])
+        judged = len(self.mutants) - len(
+            [m for m in self.mutants if m.id in self.equivalent and m.id not in self.killed]
+        )
         return len(self.killed) / judged if judged else 1.0
 
 
@@ -121,17 +124,22 @@ def run_lab(lab: Path, chosen=None, *, seed: int = 0, quiet: bool = True) -> Lab
     lab = Path(lab).resolve()
     every = lab_mutants(lab)
     mutants = every if chosen is None else [m for m in every if m.id in chosen]
-    result = LabResult(lab.name, mutants, equivalent={k: v for k, v in equivalents(lab).items()
-                                                      if k in {m.id for m in mutants}})
+    result = LabResult(
+        lab.name, mutants, equivalent={k: v for k, v in equivalents(lab).items() if k in {m.id for m in mutants}}
+    )
     checks, _ = lab_checks(lab)
     started = time.monotonic()
     reference = mutation.Mutant("(the reference)", 0, "unchanged", (lab / "solution.py").read_text())
     pool = [reference] + mutants  # the reference first: a check it fails would make every kill meaningless
     with tempfile.TemporaryDirectory(prefix="toolkit-mutants-") as tmp:
         shutil.copy(lab / "checks.py", Path(tmp) / "checks.py")  # its ANSWERS: the students' build the ranks import
-        (Path(tmp) / "tasks.py").write_text(WRAPPER.format(
-            tasks=(lab / "tasks.py").read_text(), tasks_file=str(lab / "tasks.py"),
-            mutants={k: m.source for k, m in enumerate(pool)}))
+        (Path(tmp) / "tasks.py").write_text(
+            WRAPPER.format(
+                tasks=(lab / "tasks.py").read_text(),
+                tasks_file=str(lab / "tasks.py"),
+                mutants={k: m.source for k, m in enumerate(pool)},
+            )
+        )
         source = (lab / "solution.py").read_bytes()
         with Sandbox() as marked, Box(Path(tmp), source, "solution.py") as box:
             alive = list(range(len(pool)))
@@ -143,15 +151,22 @@ def run_lab(lab: Path, chosen=None, *, seed: int = 0, quiet: bool = True) -> Lab
                     if verdicts.get(0):  # once more, in case the machine was too busy for the reference's deadline
                         verdicts = _run(box, check, n, alive, seed, marked.id)
                     if verdicts.get(0):
-                        raise RuntimeError(f"{lab.name}: the reference fails '{check.name}' at world size {n} with the "
-                                           f"mutation run's inputs: {verdicts[0][:500]}")
+                        raise RuntimeError(
+                            f"{lab.name}: the reference fails '{check.name}' at world size {n} with the "
+                            f"mutation run's inputs: {verdicts[0][:500]}"
+                        )
                     for k, message in verdicts.items():
                         if message and k:
-                            result.killed[pool[k].id] = f"{check.name} (world size {n}): {message.splitlines()[0][:160]}"
+                            result.killed[pool[k].id] = (
+                                f"{check.name} (world size {n}): {message.splitlines()[0][:160]}"
+                            )
                     alive = [k for k in alive if not verdicts.get(k)]
                     if not quiet:
-                        print(f"{lab.name}: {check.name[:50]} at {n}: {len(alive) - 1} of {len(mutants)} alive",
-                              file=sys.stderr, flush=True)
+                        print(
+                            f"{lab.name}: {check.name[:50]} at {n}: {len(alive) - 1} of {len(mutants)} alive",
+                            file=sys.stderr,
+                            flush=True,
+                        )
     result.seconds = time.monotonic() - started
     return result
 
@@ -165,8 +180,18 @@ def _run(box: Box, check, n: int, alive: list, seed: int, grading_id: str) -> di
     virtual = {k: replace(check, task=f"m{k}__{check.task}") for k in alive}
     verdicts, todo = {}, list(alive)
     while todo:
-        found = launch_ranks(box, n, todo, {k: virtual[k].task for k in todo}, {k: drawn for k in todo}, [], LIMITS,
-                             backend="gloo", quiet=True, grading_id=grading_id)
+        found = launch_ranks(
+            box,
+            n,
+            todo,
+            {k: virtual[k].task for k in todo},
+            {k: drawn for k in todo},
+            [],
+            LIMITS,
+            backend="gloo",
+            quiet=True,
+            grading_id=grading_id,
+        )
         imported = found.results[IMPORT]
         if _first_failure(imported) or len(imported) < n:
             raise RuntimeError(f"the mutants' tasks could not be imported on {n} ranks: {found.lines[-20:]}")
@@ -176,11 +201,11 @@ def _run(box: Box, check, n: int, alive: list, seed: int, grading_id: str) -> di
             verdicts[k] = _verdict(virtual[k], n, drawn, results, found)
             if stuck is not None and stuck["index"] == k:
                 verdicts[k] = verdicts[k] or f"a deadlock: {stuck['message'][:300]}"
-                todo = todo[position + 1:]
+                todo = todo[position + 1 :]
                 break
             if len(results) < n or k == found.abandoned:
                 verdicts[k] = verdicts[k] or "the ranks stopped in this check"
-                todo = todo[position + 1:]
+                todo = todo[position + 1 :]
                 break
         else:
             todo = []
@@ -189,11 +214,15 @@ def _run(box: Box, check, n: int, alive: list, seed: int, grading_id: str) -> di
 
 # --- the table --------------------------------------------------------------------------------------------------
 def table(results: list) -> str:
-    rows = ["| lab | mutants | killed | equivalent | survivors | score | run (wall) |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| lab | mutants | killed | equivalent | survivors | score | run (wall) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results:
-        rows.append(f"| {r.lab} | {len(r.mutants)} | {len(r.killed)} | {len(r.equivalent)} | {len(r.survivors)} | "
-                    f"{r.score:.0%} | {r.seconds:.0f} s |")
+        rows.append(
+            f"| {r.lab} | {len(r.mutants)} | {len(r.killed)} | {len(r.equivalent)} | {len(r.survivors)} | "
+            f"{r.score:.0%} | {r.seconds:.0f} s |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -205,15 +234,19 @@ def write_table(readme: Path, text: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m toolkit.grading.mutants",
-                                     description="Grade every lab's reference mutants with its checks.")
+    parser = argparse.ArgumentParser(
+        prog="python -m toolkit.grading.mutants", description="Grade every lab's reference mutants with its checks."
+    )
     parser.add_argument("labs", help="the instructor's labs folder, e.g. labs/")
     parser.add_argument("--labs", dest="names", nargs="+", metavar="LAB", help="only these labs (folder names)")
     parser.add_argument("--limit", type=int, help="only the first LIMIT mutants of each lab (a quick look)")
     parser.add_argument("--write", action="store_true", help="write the table into the labs folder's README.md")
     parser.add_argument("--readme", help="with --write: this README instead (it holds a <!-- mutants --> block)")
-    parser.add_argument("--check", action="store_true",
-                        help=f"exit 1 when a lab scores under {TARGET:.0%}% or a survivor is not explained")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help=f"exit 1 when a lab scores under {TARGET:.0%}% or a survivor is not explained",
+    )
     args = parser.parse_args(argv)
     root = Path(args.labs)
     labs = sorted(p for p in root.iterdir() if (p / "solution.py").exists() and (p / "checks.py").exists())
@@ -225,11 +258,14 @@ def main(argv=None) -> int:
         labs = [p for p in labs if p.name in args.names]
     results = []
     for lab in labs:
-        chosen = None if args.limit is None else {m.id for m in lab_mutants(lab)[:args.limit]}
+        chosen = None if args.limit is None else {m.id for m in lab_mutants(lab)[: args.limit]}
         result = run_lab(lab, chosen, quiet=False)
         results.append(result)
-        print(f"{lab.name}: {len(result.killed)} of {len(result.mutants)} killed, {len(result.equivalent)} equivalent, "
-              f"score {result.score:.0%}, {result.seconds:.0f} s", flush=True)
+        print(
+            f"{lab.name}: {len(result.killed)} of {len(result.mutants)} killed, {len(result.equivalent)} equivalent, "
+            f"score {result.score:.0%}, {result.seconds:.0f} s",
+            flush=True,
+        )
         for survivor in result.survivors:
             print(f"  survived: {survivor}", flush=True)
     print(table(results))

@@ -15,21 +15,53 @@ mutant changes one thing, the mistakes students make:
 
 `mutants(solution, skeleton)` lists them; `toolkit.grading.mutants` runs a lab's checks against them.
 """
+
 from __future__ import annotations
 
 import ast
 import copy
 from dataclasses import dataclass
 
-SWAP_OPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Div,
-            ast.Mod: ast.FloorDiv}
-SWAP_COMPARE = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
-                ast.NotEq: ast.Eq, ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}
+SWAP_OPS = {
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+    ast.Mult: ast.Div,
+    ast.Div: ast.Mult,
+    ast.FloorDiv: ast.Div,
+    ast.Mod: ast.FloorDiv,
+}
+SWAP_COMPARE = {
+    ast.Lt: ast.LtE,
+    ast.LtE: ast.Lt,
+    ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+}
 SWAP_STRINGS = {"avg": "sum", "sum": "avg", "max": "min", "min": "max"}
 SWAP_NAMES = {"min": "max", "max": "min", "isend": "irecv", "irecv": "isend"}
-SYMBOL = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.Lt: "<",
-          ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!=", ast.Is: "is", ast.IsNot: "is not",
-          ast.In: "in", ast.NotIn: "not in"}
+SYMBOL = {
+    ast.Add: "+",
+    ast.Sub: "-",
+    ast.Mult: "*",
+    ast.Div: "/",
+    ast.FloorDiv: "//",
+    ast.Mod: "%",
+    ast.Lt: "<",
+    ast.LtE: "<=",
+    ast.Gt: ">",
+    ast.GtE: ">=",
+    ast.Eq: "==",
+    ast.NotEq: "!=",
+    ast.Is: "is",
+    ast.IsNot: "is not",
+    ast.In: "in",
+    ast.NotIn: "not in",
+}
 
 
 @dataclass(frozen=True)
@@ -48,6 +80,7 @@ class Mutant:
 
 def students_functions(solution: ast.Module, skeleton: ast.Module) -> set[str]:
     """Qualified names of the solution's functions a student writes: not given with a body in the skeleton."""
+
     def functions(tree):
         found = {}
 
@@ -57,11 +90,15 @@ def students_functions(solution: ast.Module, skeleton: ast.Module) -> set[str]:
                     found[prefix + node.name] = node
                 elif isinstance(node, ast.ClassDef):
                     visit(node.body, prefix + node.name + ".")
+
         visit(tree.body, "")
         return found
 
-    given = {name for name, node in functions(skeleton).items()
-             if not any(isinstance(n, ast.Raise) and "NotImplementedError" in ast.unparse(n) for n in ast.walk(node))}
+    given = {
+        name
+        for name, node in functions(skeleton).items()
+        if not any(isinstance(n, ast.Raise) and "NotImplementedError" in ast.unparse(n) for n in ast.walk(node))
+    }
     return {name for name in functions(solution) if name not in given}
 
 
@@ -109,28 +146,37 @@ class _Sites(ast.NodeTransformer):
     # --- statements: left out, or swapped with the next ------------------------------------------------------------
     def _statements(self, body: list) -> list:
         body = list(body)
-        docstring = body[:1] if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-            else []
+        docstring = (
+            body[:1] if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else []
+        )
         for i, stmt in enumerate(body):
             targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
             left_out = (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)) or (
-                isinstance(stmt, (ast.Assign, ast.AugAssign)) and any(isinstance(t, ast.Attribute) for t in targets))
+                isinstance(stmt, (ast.Assign, ast.AugAssign)) and any(isinstance(t, ast.Attribute) for t in targets)
+            )
             if left_out and len(body) > 1 and self._site(stmt, f"`{_short(stmt)}` left out"):
                 body[i] = ast.copy_location(ast.Pass(), stmt)
                 return body
         for i in range(len(docstring), len(body) - 1):
             a, b = body[i], body[i + 1]
             simple = (ast.Expr, ast.Assign, ast.AugAssign)
-            if isinstance(a, simple) and isinstance(b, simple) and ast.dump(a) != ast.dump(b) and \
-                    self._site(a, f"`{_short(a)}` and `{_short(b)}` swapped"):
+            if (
+                isinstance(a, simple)
+                and isinstance(b, simple)
+                and ast.dump(a) != ast.dump(b)
+                and self._site(a, f"`{_short(a)}` and `{_short(b)}` swapped")
+            ):
                 body[i], body[i + 1] = b, a
                 return body
         return body
 
     def generic_visit(self, node):
         for field in ("body", "orelse", "finalbody"):
-            if self.inside is not None and isinstance(getattr(node, field, None), list) and \
-                    not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module, ast.ClassDef)):
+            if (
+                self.inside is not None
+                and isinstance(getattr(node, field, None), list)
+                and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module, ast.ClassDef))
+            ):
                 setattr(node, field, self._statements(getattr(node, field)))
         return super().generic_visit(node)
 
@@ -166,14 +212,16 @@ class _Sites(ast.NodeTransformer):
     def visit_BoolOp(self, node):
         if self.inside is not None:
             other = ast.Or if isinstance(node.op, ast.And) else ast.And
-            if self._site(node, f"`{_short(node)}`: `{type(node.op).__name__.lower()}` -> "
-                                f"`{other.__name__.lower()}`"):
+            if self._site(node, f"`{_short(node)}`: `{type(node.op).__name__.lower()}` -> `{other.__name__.lower()}`"):
                 return ast.copy_location(ast.BoolOp(other(), node.values), node)
         return self.generic_visit(node)
 
     def visit_UnaryOp(self, node):
-        if self.inside is not None and isinstance(node.op, (ast.USub, ast.Not)) and \
-                self._site(node, f"`{_short(node)}` -> `{_short(node.operand)}`"):
+        if (
+            self.inside is not None
+            and isinstance(node.op, (ast.USub, ast.Not))
+            and self._site(node, f"`{_short(node)}` -> `{_short(node.operand)}`")
+        ):
             return node.operand
         return self.generic_visit(node)
 
@@ -188,31 +236,46 @@ class _Sites(ast.NodeTransformer):
             for new in (value + 1, value - 1):
                 if self._site(node, f"`{value}` -> `{new}`"):
                     return ast.copy_location(ast.Constant(new), node)
-        elif isinstance(value, str) and value in SWAP_STRINGS and \
-                self._site(node, f"`{value!r}` -> `{SWAP_STRINGS[value]!r}`"):
+        elif (
+            isinstance(value, str)
+            and value in SWAP_STRINGS
+            and self._site(node, f"`{value!r}` -> `{SWAP_STRINGS[value]!r}`")
+        ):
             return ast.copy_location(ast.Constant(SWAP_STRINGS[value]), node)
         return node
 
     def visit_Name(self, node):
-        if self.inside is not None and node.id in SWAP_NAMES and isinstance(node.ctx, ast.Load) and \
-                self._site(node, f"`{node.id}` -> `{SWAP_NAMES[node.id]}`"):
+        if (
+            self.inside is not None
+            and node.id in SWAP_NAMES
+            and isinstance(node.ctx, ast.Load)
+            and self._site(node, f"`{node.id}` -> `{SWAP_NAMES[node.id]}`")
+        ):
             return ast.copy_location(ast.Name(SWAP_NAMES[node.id], node.ctx), node)
         return node
 
     def visit_Attribute(self, node):
-        if self.inside is not None and node.attr in SWAP_NAMES and \
-                self._site(node, f"`{_short(node)}` -> `.{SWAP_NAMES[node.attr]}`"):
+        if (
+            self.inside is not None
+            and node.attr in SWAP_NAMES
+            and self._site(node, f"`{_short(node)}` -> `.{SWAP_NAMES[node.attr]}`")
+        ):
             node = copy.copy(node)
             node.attr = SWAP_NAMES[node.attr]
             return node
         return self.generic_visit(node)
 
     def visit_Call(self, node):
-        if self.inside is not None and len(node.args) >= 2 and ast.dump(node.args[0]) != ast.dump(node.args[1]) and \
-                not any(isinstance(a, ast.Starred) for a in node.args[:2]) and \
-                self._site(node, f"`{_short(node.args[0])}` and `{_short(node.args[1])}` swapped in `{_short(node)}`"):
-            return ast.copy_location(ast.Call(node.func, [node.args[1], node.args[0], *node.args[2:]], node.keywords),
-                                     node)
+        if (
+            self.inside is not None
+            and len(node.args) >= 2
+            and ast.dump(node.args[0]) != ast.dump(node.args[1])
+            and not any(isinstance(a, ast.Starred) for a in node.args[:2])
+            and self._site(node, f"`{_short(node.args[0])}` and `{_short(node.args[1])}` swapped in `{_short(node)}`")
+        ):
+            return ast.copy_location(
+                ast.Call(node.func, [node.args[1], node.args[0], *node.args[2:]], node.keywords), node
+            )
         return self.generic_visit(node)
 
 

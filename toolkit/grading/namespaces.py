@@ -21,6 +21,7 @@ before any grading and `sandbox.describe` reports the protections that remain; g
 sandbox's user cannot reach the interpreter and no namespace can make it reachable is refused
 (`sandbox.preflight`): never silently as root. Standard library only: the graders' fork server loads it by path.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -49,9 +50,16 @@ def _call(result: int, what: str) -> None:
 
 
 def mount(source, target: str, fstype, flags: int, data=None) -> None:
-    _call(_libc().mount(None if source is None else source.encode(), target.encode(),
-                        None if fstype is None else fstype.encode(), ctypes.c_ulong(flags),
-                        None if data is None else data.encode()), f"mount {target}")
+    _call(
+        _libc().mount(
+            None if source is None else source.encode(),
+            target.encode(),
+            None if fstype is None else fstype.encode(),
+            ctypes.c_ulong(flags),
+            None if data is None else data.encode(),
+        ),
+        f"mount {target}",
+    )
 
 
 def _own_user_namespace() -> None:
@@ -190,6 +198,7 @@ def enter(box: str, user, reach: list[str]) -> list[str]:
 
 def drop_capabilities() -> None:
     """No capability left in this process (the ones a user namespace gave it), for good."""
+
     class Header(ctypes.Structure):
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
@@ -219,8 +228,13 @@ def probe() -> list[str]:
             _probed.append([])
         else:
             try:
-                done = subprocess.run([sys.executable, "-S", "-c", _PROBE, "/"], capture_output=True, text=True,
-                                      timeout=60, stdin=subprocess.DEVNULL)
+                done = subprocess.run(
+                    [sys.executable, "-S", "-c", _PROBE, "/"],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    stdin=subprocess.DEVNULL,
+                )
                 made = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else []
             except (OSError, ValueError, subprocess.TimeoutExpired):
                 made = []

@@ -11,6 +11,7 @@ code failed): the grader reports the exception, with the line of the student's f
         student.all_reduce(x, dist.ReduceOp.SUM, rank.group, False)
         return {"x": x}
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,26 +20,42 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-_COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
-                "all_gather_object", "all_to_all", "all_to_all_single", "broadcast", "reduce", "gather", "scatter",
-                "reduce_scatter_single", "all_gather_single")
+_COLLECTIVES = (
+    "all_reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "reduce_scatter_single",
+    "all_gather_single",
+)
 
 
 @dataclass
 class Rank:
     """Who this rank is in a task, and what it can record."""
 
-    rank: int          # global rank
+    rank: int  # global rank
     world_size: int
-    group: object      # a fresh group of all ranks: a failed check's stray messages cannot reach the next one
+    group: object  # a fresh group of all ranks: a failed check's stray messages cannot reach the next one
 
     def comm_events(self, start: int = 0) -> list[dict]:
         """The collectives `toolkit.comm` recorded since event `start` (`len(recorder.events)` before),
         each as {"name", "args"}: what the grader reads to count collectives and bytes."""
         from ..trace.events import recorder
 
-        return [{"name": e["name"], "args": dict(e.get("args", {}))} for e in recorder.events[start:]
-                if e.get("cat") == "comm"]
+        return [
+            {"name": e["name"], "args": dict(e.get("args", {}))}
+            for e in recorder.events[start:]
+            if e.get("cat") == "comm"
+        ]
 
     @staticmethod
     def events_now() -> int:
@@ -79,15 +96,23 @@ class Rank:
 
         def batch(ops):
             for op in ops:
-                log.append(["send" if op.op is real["isend"] else "recv",
-                            global_peer(op.peer, op.group, getattr(op, "group_peer", None)), op.tensor.numel()])
+                log.append(
+                    [
+                        "send" if op.op is real["isend"] else "recv",
+                        global_peer(op.peer, op.group, getattr(op, "group_peer", None)),
+                        op.tensor.numel(),
+                    ]
+                )
             return real["batch_isend_irecv"](ops)
 
         def forbidden(name):
             def call(*args, **kwargs):
                 log.append(["collective", name, 0])
-                raise RuntimeError(f"dist.{name} is not allowed here: this lab builds collectives from "
-                                   "point-to-point messages (dist.isend/dist.irecv or dist.batch_isend_irecv)")
+                raise RuntimeError(
+                    f"dist.{name} is not allowed here: this lab builds collectives from "
+                    "point-to-point messages (dist.isend/dist.irecv or dist.batch_isend_irecv)"
+                )
+
             return call
 
         patches = {name: point_to_point(name) for name in ("isend", "irecv", "send", "recv")}

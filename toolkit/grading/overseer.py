@@ -21,6 +21,7 @@ outside (`session._stop`) when:
 Its verdict has the watchdog's form ({"index", "message", "stop"}): the check that was running scores 0 with the
 message, and a stop at the import stops the grading (index None: the ranks never got ready).
 """
+
 from __future__ import annotations
 
 import codecs
@@ -31,7 +32,7 @@ import time
 from . import isolation, untrusted
 from .runner import IMPORT, ready_path, result_path
 
-GRACE_S = 10.0     # beyond the time limit: a check's group, the wait for its peers, the result written
+GRACE_S = 10.0  # beyond the time limit: a check's group, the wait for its peers, the result written
 STARTUP_S = 120.0  # until every rank is ready, before any submission code runs (ranks forked, torch set up)
 POLL_S = 0.1
 
@@ -39,8 +40,19 @@ POLL_S = 0.1
 class Overseer:
     """Watch one launch until its launcher ends or a limit is passed; `run()` returns the verdict, or None."""
 
-    def __init__(self, process, output_fd: int, log, folder: str, world_size: int, order: list, limits,
-                 grading_id: str, spare=(), echo=None):
+    def __init__(
+        self,
+        process,
+        output_fd: int,
+        log,
+        folder: str,
+        world_size: int,
+        order: list,
+        limits,
+        grading_id: str,
+        spare=(),
+        echo=None,
+    ):
         self.process, self.output_fd, self.log, self.folder = process, output_fd, log, folder
         self.world_size, self.order, self.limits = world_size, order, limits
         self.grading_id, self.spare, self.echo = grading_id, set(spare), echo
@@ -56,8 +68,10 @@ class Overseer:
         while True:
             select.select([self.output_fd], [], [], POLL_S)
             if self._take() == "flooded":
-                return self._verdict(f"the ranks printed more than {self.limits.output_limit_mb:g} MiB (the grader's "
-                                     "limit on output): the launch was stopped")
+                return self._verdict(
+                    f"the ranks printed more than {self.limits.output_limit_mb:g} MiB (the grader's "
+                    "limit on output): the launch was stopped"
+                )
             if self.process.poll() is not None:
                 self._take()
                 return None
@@ -78,8 +92,11 @@ class Overseer:
                 held |= set(isolation.in_namespace(self.namespace)) if self.namespace else set()  # launch has one)
                 held = len(held - self.spare)  # every process in its PID namespace, whatever its environment
                 if held > self.limits.max_processes:
-                    return self._verdict(f"the submission started more than {self.limits.max_processes} processes "
-                                         "(the grader's process limit): they were all stopped", stop=True)
+                    return self._verdict(
+                        f"the submission started more than {self.limits.max_processes} processes "
+                        "(the grader's process limit): they were all stopped",
+                        stop=True,
+                    )
 
     def _take(self) -> str:
         """Read what the ranks printed so far: into the log up to the cap, and to the echo."""
@@ -133,5 +150,7 @@ class Overseer:
         late = [r for r in range(self.world_size) if not untrusted.is_file(result_path(self.folder, index, r))]
         who = f"rank{'s' * (len(late) > 1)} {', '.join(map(str, late))}"
         what = "importing your file" if index == IMPORT else "running this check"
-        return self._verdict(f"{who} still {what} after more than {self.limits.time_limit_s:g} s (the time limit; "
-                             "stopped by the grader): an endless loop, far too much work, or a wait that never ends.")
+        return self._verdict(
+            f"{who} still {what} after more than {self.limits.time_limit_s:g} s (the time limit; "
+            "stopped by the grader): an endless loop, far too much work, or a wait that never ends."
+        )

@@ -16,6 +16,7 @@ looks. The grader substitutes this record for what the rank reports under `messa
 It runs in the grader's process, in threads: one accepting, one per rank. Everything a rank sends it is read as
 untrusted frames (capped, checked), never code.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,7 +56,7 @@ class Relay:
         self._threads = [threading.Thread(target=self._accept, daemon=True, name="grading-relay")]
         self._threads[0].start()
 
-    def __enter__(self) -> "Relay":
+    def __enter__(self) -> Relay:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -88,8 +89,12 @@ class Relay:
                 frame = None
             hello = frame[0] if frame else {}
             rank = hello.get("rank")
-            if not (isinstance(rank, int) and 0 <= rank < self.world_size and rank not in self._ranks
-                    and secrets.compare_digest(str(hello.get("token")), self.tokens[rank])):
+            if not (
+                isinstance(rank, int)
+                and 0 <= rank < self.world_size
+                and rank not in self._ranks
+                and secrets.compare_digest(str(hello.get("token")), self.tokens[rank])
+            ):
                 sock.close()
                 continue
             sock.settimeout(None)
@@ -161,8 +166,10 @@ class Relay:
             (sender, sent, data), (receiver, wanted) = self._sends[key].popleft(), self._recvs[key].popleft()
             self._held -= len(data)
         if (sent["numel"], sent["dtype"]) != (wanted["numel"], wanted["dtype"]):
-            said = (f"rank {src} sent {sent['numel']} {sent['dtype']} elements to rank {dst}, which posted a "
-                    f"receive of {wanted['numel']} {wanted['dtype']} (a message doesn't match expected size)")
+            said = (
+                f"rank {src} sent {sent['numel']} {sent['dtype']} elements to rank {dst}, which posted a "
+                f"receive of {wanted['numel']} {wanted['dtype']} (a message doesn't match expected size)"
+            )
             self._answer(receiver, wanted, error=said)
             self._answer(sender, sent, error=said)
             return

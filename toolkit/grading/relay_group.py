@@ -13,6 +13,7 @@ the ranks: the store the group is made with is the rank's own (`_Agreeing`: ever
 since the relay holds a message until its receiver asks), and after the switch the rank may open no socket
 (`sandbox.no_new_channels`).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,21 @@ import torch.distributed as dist
 
 HEADER = struct.Struct("!II")  # the JSON's length, the payload's length
 BACKEND = "toolkit_relay"
-DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool)}
+DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 def send_frame(sock: socket.socket, message: dict, payload: bytes = b"") -> None:
@@ -158,11 +171,16 @@ class RelayGroup(dist.ProcessGroup):
 
     def _message(self, tensor: torch.Tensor, peer: int, tag: int, way: str) -> dict:
         if str(tensor.dtype).removeprefix("torch.") not in DTYPES:
-            raise TypeError(f"dist.{way} of a {tensor.dtype} tensor: the grader's relay carries "
-                            f"{', '.join(DTYPES)}")
+            raise TypeError(f"dist.{way} of a {tensor.dtype} tensor: the grader's relay carries {', '.join(DTYPES)}")
         name = dist.distributed_c10d._world.pg_names.get(self, "")  # the same on every member (its ranks, its order)
-        return {"op": way, "peer": peer, "group": name, "tag": tag,
-                "dtype": str(tensor.dtype).removeprefix("torch."), "numel": tensor.numel()}
+        return {
+            "op": way,
+            "peer": peer,
+            "group": name,
+            "tag": tag,
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "numel": tensor.numel(),
+        }
 
     def send(self, tensors, dstRank, tag):  # noqa: N803 - torch's names
         (tensor,) = tensors
@@ -181,9 +199,12 @@ class RelayGroup(dist.ProcessGroup):
 
 def _refused(name: str):
     def call(self, *args, **kwargs):
-        raise RuntimeError(f"{name} is not allowed here: this lab builds collectives from point-to-point messages "
-                           "(dist.isend/dist.irecv or dist.batch_isend_irecv), and the grader's process group has "
-                           "no built-in collective")
+        raise RuntimeError(
+            f"{name} is not allowed here: this lab builds collectives from point-to-point messages "
+            "(dist.isend/dist.irecv or dist.batch_isend_irecv), and the grader's process group has "
+            "no built-in collective"
+        )
+
     return call
 
 
@@ -239,8 +260,11 @@ def switch(path: str, rank: int, world_size: int, token: str) -> _Link:
     dist.destroy_process_group()  # gloo's sockets closed; the rendezvous store let go with it
     link = _Link(link_socket)
     if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND, lambda store, group_rank, group_size, timeout:
-                                      RelayGroup(link, group_rank, group_size), devices=["cpu"])
+        dist.Backend.register_backend(
+            BACKEND,
+            lambda store, group_rank, group_size, timeout: RelayGroup(link, group_rank, group_size),
+            devices=["cpu"],
+        )
     _KEPT.append(_Agreeing())  # a Python store lives as long as its Python object: torch holds only the C++ half
     dist.init_process_group(BACKEND, store=_KEPT[-1], rank=rank, world_size=world_size)
     return link

@@ -19,6 +19,7 @@ Nothing is written unless every check passes:
 `--wheel` also builds the toolkit for the students, with every released lab's answers taken out
 (`student_wheel.py`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,9 @@ def labs_in(root: Path) -> list[Path]:
 def committed(path: Path) -> str | None:
     """The file as the repository's HEAD holds it; None outside git (or not committed)."""
     try:
-        done = subprocess.run(["git", "show", f"HEAD:./{path.name}"], cwd=path.parent, capture_output=True,
-                              text=True, timeout=30)
+        done = subprocess.run(
+            ["git", "show", f"HEAD:./{path.name}"], cwd=path.parent, capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout if done.returncode == 0 else None
@@ -67,12 +69,16 @@ def solved(lab: Path) -> str:
     head = committed(lab / "skeleton.py")
     if head is not None and head != text:
         changed = [i + 1 for i, (a, b) in enumerate(zip(head.splitlines(), text.splitlines())) if a != b]
-        return (f"{lab.name}/skeleton.py differs from the committed one (line {changed[0] if changed else 'count'}): a "
-                "skeleton filled in place? Restore it (git checkout -- skeleton.py) or commit the one to release.")
+        return (
+            f"{lab.name}/skeleton.py differs from the committed one (line {changed[0] if changed else 'count'}): a "
+            "skeleton filled in place? Restore it (git checkout -- skeleton.py) or commit the one to release."
+        )
     functions = [n for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     if not any(map(_raises_not_implemented, functions)):
-        return (f"{lab.name}/skeleton.py leaves nothing to write: no function raises NotImplementedError (a "
-                "solved skeleton?)")
+        return (
+            f"{lab.name}/skeleton.py leaves nothing to write: no function raises NotImplementedError (a "
+            "solved skeleton?)"
+        )
     return ""
 
 
@@ -87,8 +93,11 @@ def solution_only_lines(lab: Path) -> set[str]:
     for solution in lab.glob("solution*.py"):
         for line in solution.read_text().splitlines():
             text = line.strip()
-            if len(text) >= MIN_LINE and not text.startswith(("#", '"""', "'''", "import ", "from ")) \
-                    and text not in given:
+            if (
+                len(text) >= MIN_LINE
+                and not text.startswith(("#", '"""', "'''", "import ", "from "))
+                and text not in given
+            ):
                 found.add(text)
     return found
 
@@ -98,8 +107,10 @@ def leaks(files: dict[Path, str], secrets: set[str], answers: dict = None) -> li
     problems = []
     for path, text in files.items():
         if path.suffix == ".py" and answers:
-            problems += [f"{path} names {use}: the released checks and tasks may not use the answer"
-                         for use in delegation.scan(_without_declarations(text), answers)]
+            problems += [
+                f"{path} names {use}: the released checks and tasks may not use the answer"
+                for use in delegation.scan(_without_declarations(text), answers)
+            ]
         for number, line in enumerate(text.splitlines(), 1):
             stripped = line.strip()
             if path.suffix == ".py" and IMPORTS_A_SOLUTION.search(line) and not stripped.startswith("#"):
@@ -115,8 +126,11 @@ def _without_declarations(text: str) -> str:
         tree = ast.parse(text)
     except SyntaxError:
         return text
-    tree.body = [n for n in tree.body if not (isinstance(n, ast.Assign) and any(
-        isinstance(t, ast.Name) and t.id == "ANSWERS" for t in n.targets))]
+    tree.body = [
+        n
+        for n in tree.body
+        if not (isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "ANSWERS" for t in n.targets))
+    ]
     return ast.unparse(tree)
 
 
@@ -166,27 +180,39 @@ def release(labs_root, out, names=None) -> list[Path]:
     if out == labs_root or labs_root in out.parents:
         raise ValueError(f"--out {out} is inside {labs_root}: put the release outside the instructor's tree.")
     plan = plan_of(labs_root, labs, out)
-    texts = {dest: INSTRUCTOR_TEXT.sub("", src.read_text()) if src.suffix == ".md" else src.read_text()
-             for src, dest in plan.items()}
+    texts = {
+        dest: INSTRUCTOR_TEXT.sub("", src.read_text()) if src.suffix == ".md" else src.read_text()
+        for src, dest in plan.items()
+    }
     later = [lab.name for lab in labs_in(labs_root) if lab not in labs]
     if later and out / "README.md" in texts:  # the syllabus names the labs still to come, without a link
-        texts[out / "README.md"] = re.sub(r"\[([^\]]+)\]\((%s)/[^)]*\)" % "|".join(map(re.escape, later)),
-                                          r"\1 (released later)", texts[out / "README.md"])
+        texts[out / "README.md"] = re.sub(
+            r"\[([^\]]+)\]\((%s)/[^)]*\)" % "|".join(map(re.escape, later)),
+            r"\1 (released later)",
+            texts[out / "README.md"],
+        )
     problems = [why for lab in labs if (why := solved(lab))]
     for lab in labs:  # a lab's files against its own solution (another lab's may share a line honestly)
-        problems += leaks({dest: texts[dest] for src, dest in plan.items() if lab in src.parents},
-                          solution_only_lines(lab), declared(lab, "ANSWERS", {}))
+        problems += leaks(
+            {dest: texts[dest] for src, dest in plan.items() if lab in src.parents},
+            solution_only_lines(lab),
+            declared(lab, "ANSWERS", {}),
+        )
     problems += leaks({dest: texts[dest] for src, dest in plan.items() if src.parent == labs_root}, set())
     for lab in labs:  # the hidden checks, named (the local grading says they run on the platform only)
         hidden = [c for c in lab_checks(lab)[0] if c.hidden] if (lab / "hidden_checks.py").exists() else []
         if hidden:
             texts[out / lab.name / PLATFORM_CHECKS] = json.dumps(
-                [{"name": c.name, "points": c.points, "world_sizes": list(c.world_sizes)} for c in hidden], indent=1)
-    problems += dead_links({d: t for d, t in texts.items() if d.suffix == ".md"},
-                           {d.resolve() for d in plan.values()} | {(out / lab.name).resolve() for lab in labs})
+                [{"name": c.name, "points": c.points, "world_sizes": list(c.world_sizes)} for c in hidden], indent=1
+            )
+    problems += dead_links(
+        {d: t for d, t in texts.items() if d.suffix == ".md"},
+        {d.resolve() for d in plan.values()} | {(out / lab.name).resolve() for lab in labs},
+    )
     if problems:
-        raise ValueError("the release would give away answers or mislead students; nothing was written:\n  "
-                         + "\n  ".join(problems))
+        raise ValueError(
+            "the release would give away answers or mislead students; nothing was written:\n  " + "\n  ".join(problems)
+        )
     for source, dest in plan.items():
         dest.parent.mkdir(parents=True, exist_ok=True)
         if source.suffix in (".md", ".py"):
@@ -200,15 +226,19 @@ def release(labs_root, out, names=None) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m toolkit release",
-                                     description="Copy the labs for students: skeletons, READMEs, tasks and checks, "
-                                                 "without solutions, hidden checks or instructors' notes.")
+    parser = argparse.ArgumentParser(
+        prog="python -m toolkit release",
+        description="Copy the labs for students: skeletons, READMEs, tasks and checks, "
+        "without solutions, hidden checks or instructors' notes.",
+    )
     parser.add_argument("labs", help="the instructor's labs folder, e.g. labs/")
     parser.add_argument("--out", required=True, help="a new folder for the students' copy")
-    parser.add_argument("--labs", dest="labs_", nargs="+", metavar="LAB",
-                        help="release only these labs (folder names)")
-    parser.add_argument("--wheel", action="store_true",
-                        help="also build the toolkit for students into OUT/wheel, without the released labs' answers")
+    parser.add_argument("--labs", dest="labs_", nargs="+", metavar="LAB", help="release only these labs (folder names)")
+    parser.add_argument(
+        "--wheel",
+        action="store_true",
+        help="also build the toolkit for students into OUT/wheel, without the released labs' answers",
+    )
     args = parser.parse_args(argv)
     try:
         files = release(args.labs, args.out, args.labs_)
@@ -217,8 +247,11 @@ def main(argv=None) -> int:
             from .student_wheel import build
 
             labs = chosen(Path(args.labs).resolve(), args.labs_)
-            wheel = build({s for lab in labs for s in declared(lab, "ANSWERS", {})},
-                          {s for lab in labs for s in declared(lab, "BUILDS_ON", [])}, Path(args.out) / "wheel")
+            wheel = build(
+                {s for lab in labs for s in declared(lab, "ANSWERS", {})},
+                {s for lab in labs for s in declared(lab, "BUILDS_ON", [])},
+                Path(args.out) / "wheel",
+            )
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ Exit codes of `python -m toolkit grade` (a script can branch on them):
     2  nothing graded: bad arguments, no such lab, no such solution file
     3  nothing graded: the grader itself failed (a bug or a broken installation, not the student's)
 """
+
 from __future__ import annotations
 
 import json
@@ -36,13 +37,25 @@ def as_json(score, elapsed_s: float | None = None) -> dict:
 
     score = shown(score)
     return {
-        "lab": score.lab, "solution": score.solution, "score": score.total, "max_score": score.maximum,
+        "lab": score.lab,
+        "solution": score.solution,
+        "score": score.total,
+        "max_score": score.maximum,
         "execution_time": None if elapsed_s is None else round(elapsed_s, 2),
         "sandbox": score.sandbox,
-        "checks": [{"name": r.name, "score": r.earned, "max_score": r.points, "passed": r.passed,
-                    "message": r.message, "hidden": r.hidden, **({"detail": r.detail} if r.detail else {}),
-                    **({"platform_only": True} if r.platform_only else {})}
-                   for r in score.results],
+        "checks": [
+            {
+                "name": r.name,
+                "score": r.earned,
+                "max_score": r.points,
+                "passed": r.passed,
+                "message": r.message,
+                "hidden": r.hidden,
+                **({"detail": r.detail} if r.detail else {}),
+                **({"platform_only": True} if r.platform_only else {}),
+            }
+            for r in score.results
+        ],
     }
 
 
@@ -66,16 +79,31 @@ def as_gradescope(score, elapsed_s: float | None = None) -> dict:
     score = shown(score)
     tests = []
     for number, r in enumerate(score.results, 1):
-        tests.append({"name": r.name, "number": str(number), "score": float(r.earned),
-                      "max_score": float(r.points), "status": "passed" if r.passed else "failed",
-                      "output": r.message or "passed", "visibility": "after_published" if r.hidden else "visible"})
+        tests.append(
+            {
+                "name": r.name,
+                "number": str(number),
+                "score": float(r.earned),
+                "max_score": float(r.points),
+                "status": "passed" if r.passed else "failed",
+                "output": r.message or "passed",
+                "visibility": "after_published" if r.hidden else "visible",
+            }
+        )
     summary = format_score(_visible_only(score))
     hidden = sum(r.points for r in score.results if r.hidden)
     if hidden:
         summary = summary.replace("\nScore: ", "\nScore of the checks shown here: ") + (
-            f"\n(and {hidden} point{'s' * (hidden != 1)} in checks shown once grades are published)")
-    result = {"score": float(score.total), "max_score": float(score.maximum), "output": summary,
-              "visibility": "visible", "stdout_visibility": "hidden", "tests": tests}
+            f"\n(and {hidden} point{'s' * (hidden != 1)} in checks shown once grades are published)"
+        )
+    result = {
+        "score": float(score.total),
+        "max_score": float(score.maximum),
+        "output": summary,
+        "visibility": "visible",
+        "stdout_visibility": "hidden",
+        "tests": tests,
+    }
     if elapsed_s is not None:
         result["execution_time"] = round(elapsed_s, 2)
     return result

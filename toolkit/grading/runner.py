@@ -12,6 +12,7 @@ The launcher (`launcher.py`) starts the ranks with `rank_main`, in the grading's
    check and rank (and to the relay); a task that raises writes the error instead.
 What this process writes is read by the grader as untrusted: observations to judge, text to quote.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -63,8 +64,10 @@ def explain(exc: BaseException, solution: str) -> str:
     else:
         text = f"{type(exc).__name__}: {exc}".strip()
     if out_of_memory(exc):
-        text = ("ran out of memory: the rank tried to allocate more than a check may use "
-                f"(the grader's memory limit). {text.splitlines()[0][:200]}")
+        text = (
+            "ran out of memory: the rank tried to allocate more than a check may use "
+            f"(the grader's memory limit). {text.splitlines()[0][:200]}"
+        )
     mine = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == solution]
     if mine:
         text += f"\n  at {os.path.basename(solution)} line {mine[-1].lineno}: {(mine[-1].line or '').strip()}"
@@ -127,8 +130,9 @@ def rank_main(spec: dict) -> None:
     if link is not None:
         seccomp.no_new_channels()
     limits, out, solution = spec["limits"], spec["out"], spec["student"]
-    watchdog = Watchdog(out, rank, world_size, solution, lambda i, r: result_path(out, i, r),
-                        limits["stall_s"], limits["time_limit_s"])
+    watchdog = Watchdog(
+        out, rank, world_size, solution, lambda i, r: result_path(out, i, r), limits["stall_s"], limits["time_limit_s"]
+    )
     delegation.watch(spec["answers"], solution)
     tasks = load_module(spec["tasks"], "lab_tasks")
     sandbox.limit(limits["memory_limit_mb"])
@@ -150,8 +154,9 @@ def rank_main(spec: dict) -> None:
         watchdog.begin(index)
         try:  # the task once per case, each answer under its case's id (contract.py)
             inputs = relay_group.inputs(link, index) if link is not None else given[str(index)]
-            done, case, exc = contract.run_cases(getattr(tasks, spec["tasks_of"][str(index)]), student,
-                                                 Rank(rank, world_size, group), inputs)
+            done, case, exc = contract.run_cases(
+                getattr(tasks, spec["tasks_of"][str(index)]), student, Rank(rank, world_size, group), inputs
+            )
         except BaseException as error:  # noqa: BLE001 - inputs tampered with: no case to name
             done, case, exc = [], None, error
         observed = {"ok": done}
@@ -171,5 +176,6 @@ def rank_main(spec: dict) -> None:
         # sees that one hang) or dead (the launcher sees that too).
         if not _wait_for_peers(out, index, world_size, PATIENCE_AFTER_FAILURE_S if failed else None):
             _write(os.path.join(out, "abandoned.json"), json.dumps({"index": index}).encode())
-            raise RuntimeError(f"check {index} failed on rank {rank} while other ranks were still inside it; "
-                               "stopping this launch")
+            raise RuntimeError(
+                f"check {index} failed on rank {rank} while other ranks were still inside it; stopping this launch"
+            )

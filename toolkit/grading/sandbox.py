@@ -23,6 +23,7 @@ the machine allows it, and named in the report (`describe`):
 
 Standard library only: the graders' fork server loads it (and its two siblings) by path.
 """
+
 from __future__ import annotations
 
 import glob
@@ -38,9 +39,11 @@ from pathlib import Path
 try:
     from . import landlock, namespaces
 except ImportError:  # loaded by path, by the graders' fork server, which imports nothing of the toolkit
+
     def _sibling(name: str):
-        spec = importlib.util.spec_from_file_location(f"_toolkit_{name}", os.path.join(os.path.dirname(__file__),
-                                                                                        f"{name}.py"))
+        spec = importlib.util.spec_from_file_location(
+            f"_toolkit_{name}", os.path.join(os.path.dirname(__file__), f"{name}.py")
+        )
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
@@ -93,8 +96,12 @@ def toolkits() -> list[str]:
     found = set(packages())
     roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, "/usr", "/usr/local", *python_paths()}
     for root in roots:
-        for pattern in ("toolkit", "lib/python3*/*-packages/toolkit", "lib/python3/dist-packages/toolkit",
-                        "local/lib/python3*/*-packages/toolkit"):
+        for pattern in (
+            "toolkit",
+            "lib/python3*/*-packages/toolkit",
+            "lib/python3/dist-packages/toolkit",
+            "local/lib/python3*/*-packages/toolkit",
+        ):
             found.update(p for p in glob.glob(os.path.join(root, pattern)) if os.path.isfile(f"{p}/grading/grader.py"))
     return sorted(os.path.realpath(p) for p in found)
 
@@ -108,9 +115,11 @@ def other_user() -> tuple[int, int] | None:
     try:
         entry = pwd.getpwnam(name)
     except KeyError:
-        raise Unsafe(f"grading as root, a submission runs as the user {name!r}, and this machine has no such user: "
-                     "create it (useradd --system --no-create-home nobody), or name another unprivileged user in "
-                     "TOOLKIT_GRADING_USER. Nothing was run.") from None
+        raise Unsafe(
+            f"grading as root, a submission runs as the user {name!r}, and this machine has no such user: "
+            "create it (useradd --system --no-create-home nobody), or name another unprivileged user in "
+            "TOOLKIT_GRADING_USER. Nothing was run."
+        ) from None
     if entry.pw_uid == 0:
         raise Unsafe(f"TOOLKIT_GRADING_USER={name} is root: a submission must run as an unprivileged user.")
     return entry.pw_uid, entry.pw_gid
@@ -130,7 +139,8 @@ def preflight(user, reach: list[str], made: list[str]) -> None:
         "mount namespace that would make the interpreter reachable (no CAP_SYS_ADMIN here?). The grading stops "
         f"rather than run the submission as root. Install Python where every user can read it (/usr, /opt, or a "
         f"virtual environment made from such a Python), or let others enter the folder (chmod o+x "
-        f"{' '.join(walls)}), or name in TOOLKIT_GRADING_USER a user who can run {sys.executable}. Nothing was run.")
+        f"{' '.join(walls)}), or name in TOOLKIT_GRADING_USER a user who can run {sys.executable}. Nothing was run."
+    )
 
 
 def hand_over(paths, user) -> None:
@@ -225,9 +235,12 @@ def confine(read: list, write: list, hidden: list = (), shm: bool = True, no_tcp
     every other grading: not writable); with `no_tcp`, no TCP socket bound or connected. False where landlock
     is unavailable."""
     devices = DEVICES_RW + (("/dev/shm",) if shm else ())
-    return landlock.restrict(list(SYSTEM_READ) + python_paths() + [str(p) for p in read],
-                             [str(p) for p in write] + [d for d in devices if os.path.exists(d)],
-                             hidden=[str(h) for h in hidden], no_tcp=no_tcp)
+    return landlock.restrict(
+        list(SYSTEM_READ) + python_paths() + [str(p) for p in read],
+        [str(p) for p in write] + [d for d in devices if os.path.exists(d)],
+        hidden=[str(h) for h in hidden],
+        no_tcp=no_tcp,
+    )
 
 
 def enter(spec: dict) -> list[str]:
@@ -244,8 +257,9 @@ def enter(spec: dict) -> list[str]:
     unreachable = [p for p in spec["reach"] if os.path.exists(p) and not os.access(p, os.R_OK)]
     if unreachable:
         raise Unsafe(f"the sandbox's user cannot read {', '.join(unreachable)}: nothing was run")
-    confine(spec["read"], [spec["out"], spec["work"], spec["tmp"], spec["inputs"]], spec["hidden"],
-            shm=PRIVATE_TMP in made)
+    confine(
+        spec["read"], [spec["out"], spec["work"], spec["tmp"], spec["inputs"]], spec["hidden"], shm=PRIVATE_TMP in made
+    )
     return made
 
 

@@ -1,4 +1,5 @@
 """A grade: one result per check, decided in the grader's process, and the report a student reads."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -43,9 +44,15 @@ class Score:
 def shown(score: Score) -> Score:
     """The score with every text a submission could have written (a message, its file's name) made unable to
     change the report's look (`untrusted.clean`): what every format of the report is made from."""
-    return replace(score, lab=clean(score.lab), solution=clean(score.solution), sandbox=clean(score.sandbox),
-                   results=[replace(r, name=clean(r.name), message=clean(r.message), detail=clean(r.detail))
-                            for r in score.results])
+    return replace(
+        score,
+        lab=clean(score.lab),
+        solution=clean(score.solution),
+        sandbox=clean(score.sandbox),
+        results=[
+            replace(r, name=clean(r.name), message=clean(r.message), detail=clean(r.detail)) for r in score.results
+        ],
+    )
 
 
 def format_score(score: Score) -> str:
@@ -65,6 +72,19 @@ def format_score(score: Score) -> str:
 
 def zero(score_lab: str, solution: str, checks, message: str) -> Score:
     """Every check failed with the same message (nothing could be graded, or the file cannot run)."""
-    return Score(score_lab, solution, [CheckResult(c.name, c.points, 0, message if not c.hidden else
-                                                   (c.feedback or message), c.hidden, message,
-                                                   platform_only=getattr(c, "platform_only", False)) for c in checks])
+    return Score(
+        score_lab,
+        solution,
+        [
+            CheckResult(
+                c.name,
+                c.points,
+                0,
+                message if not c.hidden else (c.feedback or message),
+                c.hidden,
+                message,
+                platform_only=getattr(c, "platform_only", False),
+            )
+            for c in checks
+        ],
+    )

@@ -6,6 +6,7 @@ ranks, which landlock does not cover; a UNIX socket; a new TCP connection to a r
 shared memory, semaphores, message queues and POSIX message queues (shared by the launch's ranks). The call
 fails with EPERM; everything else is allowed. Standard library only.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -14,8 +15,10 @@ import platform
 import struct
 
 # syscall numbers: socket, socketpair, shmget, semget, msgget, mq_open; then seccomp(2) itself
-_NUMBERS = {"x86_64": ((41, 53, 29, 64, 68, 240), 317, 0xC000003E),
-            "aarch64": ((198, 199, 194, 190, 186, 180), 277, 0xC00000B7)}
+_NUMBERS = {
+    "x86_64": ((41, 53, 29, 64, 68, 240), 317, 0xC000003E),
+    "aarch64": ((198, 199, 194, 190, 186, 180), 277, 0xC00000B7),
+}
 _LD_W_ABS, _JEQ_K, _JGE_K, _RET_K = 0x20, 0x15, 0x35, 0x06
 _ALLOW, _ERRNO = 0x7FFF0000, 0x00050000
 _SET_MODE_FILTER, _TSYNC, _NO_NEW_PRIVS = 1, 1, 38
@@ -36,10 +39,13 @@ def no_new_channels() -> bool:
         return False
     refused, seccomp, arch = numbers
     deny = _ERRNO | errno.EPERM
-    program = [_op(_LD_W_ABS, 0, 0, 4),                      # the architecture
-               _op(_JEQ_K, 1, 0, arch), _op(_RET_K, 0, 0, deny),
-               _op(_LD_W_ABS, 0, 0, 0)]                      # the system call's number
-    if platform.machine() == "x86_64":                        # the x32 numbers (bit 30) would pass a plain check
+    program = [
+        _op(_LD_W_ABS, 0, 0, 4),  # the architecture
+        _op(_JEQ_K, 1, 0, arch),
+        _op(_RET_K, 0, 0, deny),
+        _op(_LD_W_ABS, 0, 0, 0),
+    ]  # the system call's number
+    if platform.machine() == "x86_64":  # the x32 numbers (bit 30) would pass a plain check
         program.append(_op(_JGE_K, len(refused) + 1, 0, 0x40000000))
     for position, number in enumerate(refused):
         program.append(_op(_JEQ_K, len(refused) - position, 0, number))

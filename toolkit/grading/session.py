@@ -13,6 +13,7 @@ than its deadline), then makes sure nothing it started is alive before reading a
 file is read with `wire.decode` or as capped text: a rank's output can fail a check, never pass one or
 crash the grader.
 """
+
 from __future__ import annotations
 
 import json
@@ -80,7 +81,7 @@ class Box:
         self.server: Zygote | None = None  # the grading's fork server, from the first launch
         self.serverless = ""  # why launches start fresh interpreters instead
 
-    def __enter__(self) -> "Box":
+    def __enter__(self) -> Box:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -125,7 +126,7 @@ class Launch:
 
     def of_rank(self, rank: int, count: int = 3) -> list[str]:
         prefix = f"[rank {rank}] "
-        return [line[len(prefix):] for line in self.lines if line.startswith(prefix)][-count:]
+        return [line[len(prefix) :] for line in self.lines if line.startswith(prefix)][-count:]
 
 
 def _grading_server(env: dict, cwd: str) -> Zygote:
@@ -140,8 +141,16 @@ def _env(box: Box, grading_id: str) -> dict:
     """The launch's whole environment: a few of the grader's variables (never its secrets), the grading's id and
     folders, and the students' toolkit first on the path."""
     env = {k: v for k, v in os.environ.items() if k in KEEP_ENV}
-    env.update({isolation.MARKER: grading_id, "HOME": str(box.work), "TMPDIR": str(box.tmp),
-                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""})
+    env.update(
+        {
+            isolation.MARKER: grading_id,
+            "HOME": str(box.work),
+            "TMPDIR": str(box.tmp),
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONUNBUFFERED": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+    )
     env["PYTHONPATH"] = str(box.lib)
     return env
 
@@ -185,16 +194,32 @@ def _text(path: Path) -> str:
     return untrusted.tail(path, TEXT_LIMIT).decode(errors="replace")
 
 
-def launch_ranks(box: Box, n: int, indices: list, tasks_of: dict, inputs: dict, answers: list, limits: Limits,
-                 *, backend: str, quiet: bool, grading_id: str, messages_only: bool = False) -> Launch:
+def launch_ranks(
+    box: Box,
+    n: int,
+    indices: list,
+    tasks_of: dict,
+    inputs: dict,
+    answers: list,
+    limits: Limits,
+    *,
+    backend: str,
+    quiet: bool,
+    grading_id: str,
+    messages_only: bool = False,
+) -> Launch:
     """Run the tasks of checks `indices` on n ranks of the submission; read back what they left. messages_only:
     the ranks talk through the grader's relay (`relay.py`), which also hands them the checks' inputs."""
     box.fresh_out()
-    relay = Relay(str(box.root), n, indices, {str(i): [wire.encode(inputs[i][r]) for r in range(n)]
-                                                for i in indices}) if messages_only else None
+    relay = (
+        Relay(str(box.root), n, indices, {str(i): [wire.encode(inputs[i][r]) for r in range(n)] for i in indices})
+        if messages_only
+        else None
+    )
     for rank in range(n):
-        Path(inputs_path(str(box.inputs), rank)).write_bytes(wire.encode(
-            {"relay": relay.tokens[rank]} if relay else {str(i): inputs[i][rank] for i in indices}))
+        Path(inputs_path(str(box.inputs), rank)).write_bytes(
+            wire.encode({"relay": relay.tokens[rank]} if relay else {str(i): inputs[i][rank] for i in indices})
+        )
     sandbox.hand_over([box.inputs], box.user)
     try:
         found = _launch(box, n, indices, tasks_of, answers, limits, backend, quiet, grading_id, relay)
@@ -209,18 +234,44 @@ def launch_ranks(box: Box, n: int, indices: list, tasks_of: dict, inputs: dict, 
     return found
 
 
-def _launch(box: Box, n: int, indices: list, tasks_of: dict, answers: list, limits: Limits, backend: str,
-            quiet: bool, grading_id: str, relay) -> Launch:
+def _launch(
+    box: Box,
+    n: int,
+    indices: list,
+    tasks_of: dict,
+    answers: list,
+    limits: Limits,
+    backend: str,
+    quiet: bool,
+    grading_id: str,
+    relay,
+) -> Launch:
     order = [IMPORT] + list(indices)
     deadline = len(order) * (limits.time_limit_s + GRACE_S) + STARTUP_S
-    spec = {"world_size": n, "indices": indices, "tasks_of": {str(i): tasks_of[i] for i in indices},
-            "code": str(box.code), "student": str(box.student), "tasks": str(box.tasks), "inputs": str(box.inputs),
-            "out": str(box.out), "work": str(box.work), "tmp": str(box.tmp), "answers": list(answers),
-            "limits": asdict(limits), "backend": backend, "user": list(box.user) if box.user else None,
-            "box": str(box.root), "lib": str(box.lib), "namespaces": box.namespaces,
-            "read": [str(box.code), str(box.lib)], "reach": sandbox.python_paths(),
-            "hidden": hidden_from(box), "cpu_s": deadline * max(1, (os.cpu_count() or 1) // n),
-            "relay": relay.path if relay is not None else None}
+    spec = {
+        "world_size": n,
+        "indices": indices,
+        "tasks_of": {str(i): tasks_of[i] for i in indices},
+        "code": str(box.code),
+        "student": str(box.student),
+        "tasks": str(box.tasks),
+        "inputs": str(box.inputs),
+        "out": str(box.out),
+        "work": str(box.work),
+        "tmp": str(box.tmp),
+        "answers": list(answers),
+        "limits": asdict(limits),
+        "backend": backend,
+        "user": list(box.user) if box.user else None,
+        "box": str(box.root),
+        "lib": str(box.lib),
+        "namespaces": box.namespaces,
+        "read": [str(box.code), str(box.lib)],
+        "reach": sandbox.python_paths(),
+        "hidden": hidden_from(box),
+        "cpu_s": deadline * max(1, (os.cpu_count() or 1) // n),
+        "relay": relay.path if relay is not None else None,
+    }
     spec_path = box.root / f"spec-{n}.json"
     spec_path.write_text(json.dumps(spec))
     log_path = box.root / f"log-{n}.txt"
@@ -231,20 +282,29 @@ def _launch(box: Box, n: int, indices: list, tasks_of: dict, answers: list, limi
             process, server = _start_launcher(box, env, spec_path, ranks_output, quiet)
             os.close(ranks_output)
             spare = {server.process.pid} if server else set()
-            verdict = Overseer(process, output, log, str(box.out), n, order, limits, grading_id, spare,
-                               None if quiet else sys.stdout).run()
+            verdict = Overseer(
+                process, output, log, str(box.out), n, order, limits, grading_id, spare, None if quiet else sys.stdout
+            ).run()
             _stop(process, grading_id, spare=spare)
     finally:
         os.close(output)
-    found = Launch(overran=verdict is not None and verdict["index"] is None,
-                   lines=[line for line in _text(log_path).splitlines() if line.strip()][-400:])
+    found = Launch(
+        overran=verdict is not None and verdict["index"] is None,
+        lines=[line for line in _text(log_path).splitlines() if line.strip()][-400:],
+    )
     for index in order:
-        found.results[index] = {r: v for r in range(n) if (v := _read(Path(result_path(str(box.out), index, r))))
-                                is not None}
+        found.results[index] = {
+            r: v for r in range(n) if (v := _read(Path(result_path(str(box.out), index, r)))) is not None
+        }
     found.ready = all(untrusted.is_file(ready_path(str(box.out), r)) for r in range(n))
     stuck = _read(box.out / "deadlock.json")  # the ranks' watchdog, with the line each was on; else the overseer's
-    stuck = stuck if isinstance(stuck, dict) and "index" in stuck and isinstance(stuck.get("message"), str) \
-        else verdict if verdict is not None and verdict["index"] is not None else None
+    stuck = (
+        stuck
+        if isinstance(stuck, dict) and "index" in stuck and isinstance(stuck.get("message"), str)
+        else verdict
+        if verdict is not None and verdict["index"] is not None
+        else None
+    )
     found.stuck = stuck
     abandoned = _read(box.out / "abandoned.json")
     found.abandoned = abandoned.get("index") if isinstance(abandoned, dict) else None
@@ -258,8 +318,11 @@ def hidden_from(box: Box) -> list[str]:
     """What the sandbox must never read, wherever it lies (a readable tree may hold it): every toolkit with the
     labs' answers, and the lab's folder with those beside it (solutions, hidden checks)."""
     lab = box.lab_dir.resolve()
-    labs = {str(lab)} | ({str(lab.parent)} if any((p / "checks.py").is_file() for p in lab.parent.iterdir()
-                                                  if p != lab and p.is_dir()) else set())
+    labs = {str(lab)} | (
+        {str(lab.parent)}
+        if any((p / "checks.py").is_file() for p in lab.parent.iterdir() if p != lab and p.is_dir())
+        else set()
+    )
     root = str(box.root.resolve())
     return sorted(p for p in set(sandbox.toolkits()) | labs if not (root + "/").startswith(p.rstrip("/") + "/"))
 
@@ -277,6 +340,12 @@ def _start_launcher(box: Box, env: dict, spec_path: Path, output: int, quiet: bo
             server.close()
     if box.serverless and not quiet:
         print(f"grading: {box.serverless}: each launch starts its launcher as a fresh interpreter", file=sys.stderr)
-    return subprocess.Popen([sys.executable, "-m", "toolkit.grading.launcher", str(spec_path)], cwd=box.work, env=env,
-                            start_new_session=True, stdin=subprocess.DEVNULL, stdout=output,
-                            stderr=subprocess.STDOUT), None
+    return subprocess.Popen(
+        [sys.executable, "-m", "toolkit.grading.launcher", str(spec_path)],
+        cwd=box.work,
+        env=env,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+    ), None

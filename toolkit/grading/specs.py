@@ -8,6 +8,7 @@ dtype; `Keys(names, spec)` a dict with exactly those keys, each value `spec`; `F
 with at least those keys; `Maybe(spec)` the spec or None; `Either(a, b)`. `why=` on List, Items, Tensor, Fields
 and Keys adds the sentence a student needs ("each action is Action(kind, micro, stage)").
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -106,14 +107,27 @@ class Tensor(Spec):
     why: str = ""
 
     def problem(self, value, path):
-        fits = isinstance(value, torch.Tensor) and (self.dtype is None or value.dtype == self.dtype) and (
-            self.shape is None or (value.dim() == len(self.shape)
-                                   and all(s is None or s == d for s, d in zip(self.shape, value.shape))))
+        fits = (
+            isinstance(value, torch.Tensor)
+            and (self.dtype is None or value.dtype == self.dtype)
+            and (
+                self.shape is None
+                or (
+                    value.dim() == len(self.shape) and all(s is None or s == d for s, d in zip(self.shape, value.shape))
+                )
+            )
+        )
         return None if fits else _wrong(path, value, self.describe(), self.why)
 
     def describe(self):
-        shape = "" if self.shape is None else " of shape (" + ", ".join(
-            "any" if s is None else str(s) for s in self.shape) + ("," if len(self.shape) == 1 else "") + ")"
+        shape = (
+            ""
+            if self.shape is None
+            else " of shape ("
+            + ", ".join("any" if s is None else str(s) for s in self.shape)
+            + ("," if len(self.shape) == 1 else "")
+            + ")"
+        )
         dtype = "" if self.dtype is None else " " + str(self.dtype).removeprefix("torch.")
         return f"a tensor{shape}{dtype}"
 
@@ -183,9 +197,11 @@ class Fields(Spec):
         missing = [k for k in self.fields if k not in value]
         unknown = [k for k in value if k not in self.fields]
         if missing or (unknown and not self.extra):
-            said = (f"lacks {missing}" if missing else "") + (" and " if missing and unknown and not self.extra
-                                                               else "") + \
-                (f"has keys nobody asked for {unknown[:5]}" if unknown and not self.extra else "")
+            said = (
+                (f"lacks {missing}" if missing else "")
+                + (" and " if missing and unknown and not self.extra else "")
+                + (f"has keys nobody asked for {unknown[:5]}" if unknown and not self.extra else "")
+            )
             return f"{_shown(path)} {said}; expected {self.describe()}" + (f": {self.why}" if self.why else "")
         return _first(spec.problem(value[k], _key(path, k)) for k, spec in self.fields.items())
 

@@ -13,6 +13,7 @@ its ranks (`for_lab`) builds it once. `build` makes a wheel of it with pip
 stops working is exactly what the labs ask students to write: a lesson cell that runs the toolkit's ring, say,
 says so when run. labs/README.md tells a course which lessons lean on which answers.
 """
+
 from __future__ import annotations
 
 import ast
@@ -28,8 +29,10 @@ from pathlib import Path
 
 PROJECT_FILES = ("pyproject.toml", "README.md")
 PROJECT_FOLDERS = ("toolkit", "toolkit_lessons", "jupyter-config")
-MESSAGE = ("{name} is not in the students' toolkit: it is the answer to a lab of this course (labs/README.md). "
-           "Write your own in the lab's skeleton.py; the lab's README says how to plug it in.")
+MESSAGE = (
+    "{name} is not in the students' toolkit: it is the answer to a lab of this course (labs/README.md). "
+    "Write your own in the lab's skeleton.py; the lab's README says how to plug it in."
+)
 MODULE_DOC = '"""{name}: not in the students\' toolkit, it is the answer to a lab of this course (labs/README.md)."""'
 CACHE = Path(os.environ.get("TOOLKIT_STUDENT_CACHE", Path.home() / ".cache" / "toolkit" / "students"))
 
@@ -55,8 +58,14 @@ def _targets(tree, names):
 
 def _docstring(node):
     body = getattr(node, "body", [])
-    return body[0] if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
-        isinstance(body[0].value.value, str) else None
+    return (
+        body[0]
+        if body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+        else None
+    )
 
 
 def stub(text: str, names, module: str) -> tuple[str, list[str]]:
@@ -68,14 +77,15 @@ def stub(text: str, names, module: str) -> tuple[str, list[str]]:
     for qualname, node in sorted(targets, key=lambda t: -t[1].lineno):
         body = node.body
         if body[0].lineno == node.lineno:
-            raise ValueError(f"{module}.{qualname}: a one-line function cannot be taken out; write its body on lines "
-                             "of its own")
+            raise ValueError(
+                f"{module}.{qualname}: a one-line function cannot be taken out; write its body on lines of its own"
+            )
         indent = " " * body[0].col_offset
         raise_line = f"{indent}raise NotImplementedError({MESSAGE.format(name=f'{module}.{qualname}')!r})"
-        lines[body[0].lineno - 1:node.end_lineno] = [raise_line]
+        lines[body[0].lineno - 1 : node.end_lineno] = [raise_line]
     doc = _docstring(tree)
     if names is None and doc is not None:  # a module that is an answer as a whole: its account of it goes too
-        lines[doc.lineno - 1:doc.end_lineno] = [MODULE_DOC.format(name=module)]
+        lines[doc.lineno - 1 : doc.end_lineno] = [MODULE_DOC.format(name=module)]
     return "\n".join(lines) + "\n", [q for q, _ in targets]
 
 
@@ -94,7 +104,7 @@ def _defined_in(source: Path, module: str, name: str) -> str:
         return module
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and any(a.name == top and a.asname in (None, top) for a in node.names):
-            package = module.split(".")[:len(module.split(".")) - node.level + (path.name == "__init__.py")]
+            package = module.split(".")[: len(module.split(".")) - node.level + (path.name == "__init__.py")]
             origin = ".".join(package + ([node.module] if node.module else [])) if node.level else node.module
             if origin and origin.startswith("toolkit.") and _module_file(source, origin).exists():
                 return _defined_in(source, origin, name)
@@ -154,8 +164,10 @@ def _project() -> Path:
 
     project = Path(toolkit.__file__).resolve().parent.parent
     if not (project / "pyproject.toml").exists():
-        raise RuntimeError(f"the toolkit at {project} is installed, not a source checkout: build the students' toolkit "
-                           "from the course's repository.")
+        raise RuntimeError(
+            f"the toolkit at {project} is installed, not a source checkout: build the students' toolkit "
+            "from the course's repository."
+        )
     return project
 
 
@@ -179,7 +191,9 @@ def students_toolkit(answers, builds_on=()) -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=CACHE))
     try:
-        shutil.copytree(project / "toolkit", building / "toolkit", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        shutil.copytree(
+            project / "toolkit", building / "toolkit", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+        )
         kept = sorted(set(answers) & set(builds_on))
         taken = take_out(building, set(answers) - set(builds_on))
         left = _left(building, taken)
@@ -188,7 +202,9 @@ def students_toolkit(answers, builds_on=()) -> Path:
         (building / "LEFT-OUT.txt").write_text(
             "Taken out of this toolkit (the labs' answers):\n" + "\n".join(taken) + "\n\nKept, though a lab's answer, "
             "because another released lab runs on it (release that lab later to take it out too):\n"
-            + ("\n".join(kept) or "(none)") + "\n")
+            + ("\n".join(kept) or "(none)")
+            + "\n"
+        )
         compileall.compile_dir(building / "toolkit", quiet=2, workers=1)  # ranks that cannot write import fast
         for folder, _, files in os.walk(building):
             os.chmod(folder, 0o755)
@@ -228,11 +244,27 @@ def build(answers, builds_on, out: Path) -> Path:
             if name != "toolkit" and (project / name).exists():
                 shutil.copytree(project / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         pyproject = source / "pyproject.toml"
-        pyproject.write_text(re.sub(r'^version = "([^"+]+)"', r'version = "\1+student"', pyproject.read_text(),
-                                    count=1, flags=re.M))
+        pyproject.write_text(
+            re.sub(r'^version = "([^"+]+)"', r'version = "\1+student"', pyproject.read_text(), count=1, flags=re.M)
+        )
         out.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                               "-w", str(out), str(source)], capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--no-deps",
+                "--no-build-isolation",
+                "-q",
+                "-w",
+                str(out),
+                str(source),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"pip could not build the students' wheel:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     wheels = sorted(out.glob("distributed_training_toolkit-*+student-*.whl"))

@@ -13,6 +13,7 @@ other control character (but the newline), Unicode line and paragraph separators
 characters (bidirectional overrides, zero-width joiners) are shown as escapes (`\\x1b`, `\\u2028`), so a
 message can neither hide the real "Score:" line nor draw a false one.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,14 +35,18 @@ def read(path, limit: int = TEXT_LIMIT, *, what: str = "file") -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         if os.path.islink(path):
-            raise Refused(f"{what} {path} is a link (to {os.readlink(path)}): the grader reads only regular files, "
-                          "never through a link; copy the file itself there") from None
+            raise Refused(
+                f"{what} {path} is a link (to {os.readlink(path)}): the grader reads only regular files, "
+                "never through a link; copy the file itself there"
+            ) from None
         raise exc
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise Refused(f"{what} {path} is not a regular file (a folder, a FIFO or a device): the grader reads "
-                          "only regular files")
+            raise Refused(
+                f"{what} {path} is not a regular file (a folder, a FIFO or a device): the grader reads "
+                "only regular files"
+            )
         if info.st_size > limit:
             raise Refused(f"{what} {path} holds {info.st_size} bytes, more than the {limit} the grader reads")
         chunks, size = [], 0

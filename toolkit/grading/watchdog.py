@@ -23,6 +23,7 @@ group, most of it never touched). An allocation beyond it fails inside the stude
 The watchdog runs from before the student's file is imported (index "import"): a loop or a deadlock at
 module level is stopped like one inside a check.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,23 @@ import torch.distributed as dist
 POLL_S = 0.25
 COMM_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep, os.sep + os.path.join("toolkit", "comm") + os.sep)
 # isend/irecv stay unwrapped: dist.P2POp accepts only the real ones.
-_WATCHED = ("send", "recv", "batch_isend_irecv", "all_reduce", "reduce_scatter",
-            "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
-            "broadcast", "barrier", "gather", "scatter", "reduce")
+_WATCHED = (
+    "send",
+    "recv",
+    "batch_isend_irecv",
+    "all_reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "barrier",
+    "gather",
+    "scatter",
+    "reduce",
+)
 
 
 # --- memory ------------------------------------------------------------------------------------------
@@ -107,8 +122,9 @@ class Watchdog:
     folder: the launch's shared folder; result_path(index, rank): where a rank's result lands.
     """
 
-    def __init__(self, folder: str, rank: int, world_size: int, solution: str, result_path,
-                 stall_s: float, time_limit_s: float):
+    def __init__(
+        self, folder: str, rank: int, world_size: int, solution: str, result_path, stall_s: float, time_limit_s: float
+    ):
         self.folder, self.rank, self.world_size, self.solution = folder, rank, world_size, solution
         self.result_path, self.stall_s, self.time_limit_s = result_path, stall_s, time_limit_s
         self.progress = _Progress()
@@ -144,8 +160,12 @@ class Watchdog:
                 index, started, stuck_for = self.index, self.started, self._observe(frame, asleep)
             if index is not None and stuck_for >= self.stall_s:
                 where = _where(frame, self.solution)
-                where.update(index=index, rank=self.rank, since=time.time() - stuck_for,
-                             call=self.progress.current or where["call"])
+                where.update(
+                    index=index,
+                    rank=self.rank,
+                    since=time.time() - stuck_for,
+                    call=self.progress.current or where["call"],
+                )
                 _write(self._stuck_path(self.rank), where)
                 self._check_everyone(index)
             del frame
@@ -183,9 +203,14 @@ class Watchdog:
             stuck[r] = where
         if stuck:  # a deadlock stops the grading (the next check would deadlock the same way); a one-sided
             # wait stops this launch only
-            _claim(os.path.join(self.folder, "deadlock.json"),
-                   {"index": index, "stop": not done,
-                    "message": describe_deadlock(stuck, done, self.solution, self.stall_s)})
+            _claim(
+                os.path.join(self.folder, "deadlock.json"),
+                {
+                    "index": index,
+                    "stop": not done,
+                    "message": describe_deadlock(stuck, done, self.solution, self.stall_s),
+                },
+            )
 
     def _over_time(self, index: int) -> None:
         frame = sys._current_frames().get(self.main.ident)
@@ -193,10 +218,18 @@ class Watchdog:
         del frame
         at = _at(where, self.solution)
         what = "importing your file" if index == "import" else "this check"
-        _claim(os.path.join(self.folder, "deadlock.json"), {"index": index, "stop": index == "import", "message": (
-            f"rank {self.rank} was still {what if index == 'import' else 'running ' + what} after "
-            f"{self.time_limit_s:.0f} s (last seen{at or ' outside your file'}): an endless loop, or far too much "
-            "work; it was stopped.")})
+        _claim(
+            os.path.join(self.folder, "deadlock.json"),
+            {
+                "index": index,
+                "stop": index == "import",
+                "message": (
+                    f"rank {self.rank} was still {what if index == 'import' else 'running ' + what} after "
+                    f"{self.time_limit_s:.0f} s (last seen{at or ' outside your file'}): an endless loop, or far too much "
+                    "work; it was stopped."
+                ),
+            },
+        )
 
     def _give_up(self, verdict: dict) -> None:
         """Another watchdog (or this one) saw that this check cannot finish: record it and leave."""
@@ -218,23 +251,31 @@ def describe_deadlock(stuck: dict, done: list, solution: str, stall_s: float) ->
     """The story of a check no rank can finish: where each rank waits, and what that usually means."""
     lines = []
     if done:
-        lines.append(f"rank{'s' * (len(stuck) > 1)} {', '.join(map(str, sorted(stuck)))} waited more than "
-                     f"{stall_s:.0f} s for messages that no rank will send: rank{'s' * (len(done) > 1)} "
-                     f"{', '.join(map(str, done))} already finished this check.")
+        lines.append(
+            f"rank{'s' * (len(stuck) > 1)} {', '.join(map(str, sorted(stuck)))} waited more than "
+            f"{stall_s:.0f} s for messages that no rank will send: rank{'s' * (len(done) > 1)} "
+            f"{', '.join(map(str, done))} already finished this check."
+        )
     else:
-        lines.append(f"deadlock: every rank has been blocked for more than {stall_s:.0f} s, each waiting "
-                     "for another; no rank can make progress, so the grading stopped here.")
+        lines.append(
+            f"deadlock: every rank has been blocked for more than {stall_s:.0f} s, each waiting "
+            "for another; no rank can make progress, so the grading stopped here."
+        )
     for r, where in sorted(stuck.items()):
         call = f" in {where['call']}" if where.get("call") else ""
         lines.append(f"  rank {r} is blocked{_at(where, solution)}{call}")
     calls = {w.get("call", "") for w in stuck.values()}
     if not done and calls and all(c.endswith("send") and "isend" not in c for c in calls):
-        lines.append("  hint: every rank is in a blocking send, and a blocking send returns only once the "
-                     "receiver has posted its receive, which no rank reaches. Post the send and the receive "
-                     "together (dist.isend and dist.irecv, or dist.batch_isend_irecv), then wait for both.")
+        lines.append(
+            "  hint: every rank is in a blocking send, and a blocking send returns only once the "
+            "receiver has posted its receive, which no rank reaches. Post the send and the receive "
+            "together (dist.isend and dist.irecv, or dist.batch_isend_irecv), then wait for both."
+        )
     elif not done:
-        lines.append("  hint: every wait needs a matching send on the peer, posted before that peer waits itself; "
-                     "check that all ranks run the same steps in the same order.")
+        lines.append(
+            "  hint: every wait needs a matching send on the peer, posted before that peer waits itself; "
+            "check that all ranks run the same steps in the same order."
+        )
     return "\n".join(lines)
 
 

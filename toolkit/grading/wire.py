@@ -7,6 +7,7 @@ string-keyed dicts and tensors (dtype, shape and the raw bytes, base64). Anythin
 Foo". `decode` checks everything it reads (size, nesting, dtypes, the bytes against the shape) and raises
 `WireError`, never anything a judge would mistake for an answer.
 """
+
 from __future__ import annotations
 
 import base64
@@ -18,9 +19,22 @@ import torch
 
 MAX_BYTES = 64 * 2**20  # one rank's answer to one check
 MAX_DEPTH = 32
-DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64)}
+DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+    )
+}
 
 
 class WireError(ValueError):
@@ -52,8 +66,11 @@ def _encode(value, depth: int = 0):
         if t.is_complex() and t.dtype != torch.complex64 or str(t.dtype).removeprefix("torch.") not in DTYPES:
             t = t.to(torch.float64)
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return {"__tensor__": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                "data": base64.b64encode(raw).decode()}
+        return {
+            "__tensor__": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "data": base64.b64encode(raw).decode(),
+        }
     if isinstance(value, (list, tuple)):
         return [_encode(v, depth + 1) for v in value]
     if isinstance(value, dict) and all(isinstance(k, str) and not k.startswith("__") for k in value):
@@ -112,8 +129,12 @@ def _hashable(key):
 
 def _tensor(value) -> torch.Tensor:
     dtype, shape, data = value.get("__tensor__"), value.get("shape"), value.get("data")
-    if dtype not in DTYPES or not isinstance(shape, list) or not isinstance(data, str) or \
-            not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+    if (
+        dtype not in DTYPES
+        or not isinstance(shape, list)
+        or not isinstance(data, str)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+    ):
         raise WireError(f"a malformed tensor (dtype {str(dtype)[:20]!r}, shape {str(shape)[:40]})")
     try:
         raw = base64.b64decode(data, validate=True)

@@ -1,5 +1,7 @@
 """Where the bytes go: the theory (``formulas``) and, alongside it, what is measured."""
 
+from .activations import activations_by_module, pass_costs
+from .context_formulas import cp_activation_terms, ring_bytes_per_layer, ulysses_bytes_per_layer
 from .formulas import (
     COLLECTIVES,
     FSDP_SHARDING,
@@ -21,8 +23,13 @@ from .formulas import (
     ring_all_reduce_bytes,
     ring_reduce_scatter_bytes,
 )
-from .activations import activations_by_module, pass_costs
-from .tensor_formulas import (gpt_parameter_split, tp_activation_bytes, tp_activation_terms, tp_bytes_per_layer,
-                              tp_bytes_per_step, tp_collectives, tp_model_states)
-from .context_formulas import cp_activation_terms, ring_bytes_per_layer, ulysses_bytes_per_layer
 from .ledger import ActivationMeter, ledger, memory_groups, record_memory
+from .tensor_formulas import (
+    gpt_parameter_split,
+    tp_activation_bytes,
+    tp_activation_terms,
+    tp_bytes_per_layer,
+    tp_bytes_per_step,
+    tp_collectives,
+    tp_model_states,
+)

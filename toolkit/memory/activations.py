@@ -9,6 +9,7 @@ measure it on a real model, so a lesson or a test can put the two side by side:
   a fused attention kernel on the CPU is not in its table). Stashing against activation checkpointing
   is the difference of two such calls.
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,6 +50,10 @@ def pass_costs(model: torch.nn.Module, *args, **kwargs) -> dict:
     kept = meter.live
     with FlopCounterMode(display=False) as backward:
         loss.backward()
-    return {"kept": kept, "forward": forward.get_total_flops(), "backward": backward.get_total_flops(),
-            "by_module": {name: sum(ops.values()) for name, ops in forward.get_flop_counts().items()},
-            "loss": loss.item()}
+    return {
+        "kept": kept,
+        "forward": forward.get_total_flops(),
+        "backward": backward.get_total_flops(),
+        "by_module": {name: sum(ops.values()) for name, ops in forward.get_flop_counts().items()},
+        "loss": loss.item(),
+    }

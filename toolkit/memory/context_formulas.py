@@ -20,15 +20,23 @@ Bytes per layer, per rank (K and V of the whole sequence: 2·b·s·h/t values on
 The ring's bytes per rank stay the same as cp grows (cp-1 messages of a block 1/cp the size), and only pass
 between neighbours; Ulysses' shrink as 1/cp but are all-to-all, on the critical path.
 """
-from __future__ import annotations
 
-from typing import Dict
+from __future__ import annotations
 
 from .formulas import _check_count, _check_world, activation_terms
 
 
-def cp_activation_terms(seq_len: int, batch: int, hidden: int, heads: int, cp: int, *, tp: int = 1,
-                        sequence_parallel: bool = False, **options) -> Dict[str, float]:
+def cp_activation_terms(
+    seq_len: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    cp: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    **options,
+) -> dict[str, float]:
     """What a layer keeps on one cp rank: `activation_terms` (or `tp_activation_terms` with tp > 1) for s/cp
     tokens. `options` are activation_terms' switches (fused_attention=True: what ring attention keeps)."""
     _check_world("cp", cp)
@@ -37,13 +45,22 @@ def cp_activation_terms(seq_len: int, batch: int, hidden: int, heads: int, cp: i
     if tp > 1 or sequence_parallel:
         from .tensor_formulas import tp_activation_terms
 
-        return tp_activation_terms(seq_len // cp, batch, hidden, heads, tp, sequence_parallel=sequence_parallel,
-                                   **options)
+        return tp_activation_terms(
+            seq_len // cp, batch, hidden, heads, tp, sequence_parallel=sequence_parallel, **options
+        )
     return activation_terms(seq_len // cp, batch, hidden, heads, **options)
 
 
-def ring_bytes_per_layer(batch: int, seq_len: int, hidden: int, cp: int, *, tp: int = 1,
-                         bytes_per_value: float = 2, gradient_bytes: float = 4) -> Dict[str, float]:
+def ring_bytes_per_layer(
+    batch: int,
+    seq_len: int,
+    hidden: int,
+    cp: int,
+    *,
+    tp: int = 1,
+    bytes_per_value: float = 2,
+    gradient_bytes: float = 4,
+) -> dict[str, float]:
     """Bytes one rank sends per layer for ring attention: {"forward", "backward", "total"}."""
     for name, value in (("cp", cp), ("tp", tp)):
         _check_world(name, value)
@@ -54,8 +71,9 @@ def ring_bytes_per_layer(batch: int, seq_len: int, hidden: int, cp: int, *, tp: 
     return {"forward": forward, "backward": backward, "total": forward + backward}
 
 
-def ulysses_bytes_per_layer(batch: int, seq_len: int, hidden: int, cp: int, *, tp: int = 1,
-                            bytes_per_value: float = 2) -> Dict[str, float]:
+def ulysses_bytes_per_layer(
+    batch: int, seq_len: int, hidden: int, cp: int, *, tp: int = 1, bytes_per_value: float = 2
+) -> dict[str, float]:
     """Bytes one rank sends per layer for Ulysses' all-to-alls (q, k, v in, the output back): {"forward",
     "backward", "total"}; backward runs the same all-to-alls in reverse."""
     for name, value in (("cp", cp), ("tp", tp)):

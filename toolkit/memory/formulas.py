@@ -13,11 +13,16 @@ a fraction); 1 GB = 1e9 bytes.
 
 from __future__ import annotations
 
-from typing import Dict
-
 from .fsdp_formulas import flat_padding, fsdp_cross_host_traffic, fsdp_peak_params  # noqa: F401 - one import path
-from .inputs import (COLLECTIVES, FSDP_SHARDING, STRATEGIES, ZERO_STAGES, _check_choice,  # noqa: F401 - the
-                     _check_count, _check_world)                                  # constants: toolkit.memory's
+from .inputs import (  # noqa: F401 - the
+    COLLECTIVES,
+    FSDP_SHARDING,
+    STRATEGIES,
+    ZERO_STAGES,
+    _check_choice,
+    _check_count,  # constants: toolkit.memory's
+    _check_world,
+)
 
 # --- model states under ZeRO --------------------------------------------------------------------
 
@@ -30,7 +35,7 @@ def model_states_breakdown(
     param_bytes: float = 2,
     grad_bytes: float = 2,
     optimizer_multiplier: float = 12,
-) -> Dict[str, float]:
+) -> dict[str, float]:
     """Bytes per rank of parameters, gradients and optimizer states under ZeRO ``stage``.
 
     Plain data parallelism (stage 0) replicates everything: (2 + 2 + K)Ψ on every rank.
@@ -40,8 +45,11 @@ def model_states_breakdown(
     _check_count("num_params", num_params)
     _check_world("world_size", world_size)
     _check_choice("ZeRO stage", stage, ZERO_STAGES)
-    for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
-                        ("optimizer_multiplier", optimizer_multiplier)):
+    for name, value in (
+        ("param_bytes", param_bytes),
+        ("grad_bytes", grad_bytes),
+        ("optimizer_multiplier", optimizer_multiplier),
+    ):
         _check_count(name, value)
     n = world_size
     return {
@@ -64,8 +72,14 @@ def model_states(
 
     stage 0: (2+2+K)Ψ    stage 1: (2+2)Ψ + KΨ/N    stage 2: 2Ψ + (2+K)Ψ/N    stage 3: (2+2+K)Ψ/N
     """
-    parts = model_states_breakdown(num_params, world_size, stage, param_bytes=param_bytes,
-                                   grad_bytes=grad_bytes, optimizer_multiplier=optimizer_multiplier)
+    parts = model_states_breakdown(
+        num_params,
+        world_size,
+        stage,
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        optimizer_multiplier=optimizer_multiplier,
+    )
     return sum(parts.values())
 
 
@@ -194,9 +208,18 @@ def activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, layers: 
     return layers * s * b * h * (34 + 5 * a * s / h)
 
 
-def activation_terms(seq_len: int, batch: int, hidden: int, heads: int, *, bytes_per_value: float = 2,
-                     ffn_hidden: int | None = None, dropout: bool = True, fused_attention: bool = False,
-                     small_terms: bool = False) -> Dict[str, float]:
+def activation_terms(
+    seq_len: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    *,
+    bytes_per_value: float = 2,
+    ffn_hidden: int | None = None,
+    dropout: bool = True,
+    fused_attention: bool = False,
+    small_terms: bool = False,
+) -> dict[str, float]:
     """Bytes one transformer layer keeps for backward, term by term (what each operation saves).
 
     With the defaults (16-bit values, dropout, attention that materializes its s x s scores, an MLP
@@ -239,8 +262,23 @@ def activation_terms(seq_len: int, batch: int, hidden: int, heads: int, *, bytes
 
 
 __all__ = [
-    "model_states", "model_states_breakdown", "deepspeed_zero2_estimate", "deepspeed_zero3_estimate",
-    "communication_per_step", "ring_all_reduce_bytes", "ring_reduce_scatter_bytes", "ring_all_gather_bytes",
-    "bytes_on_wire", "alpha_beta_time", "fsdp_peak_params", "flat_padding", "fsdp_cross_host_traffic",
-    "activation_bytes", "activation_terms", "ZERO_STAGES", "STRATEGIES", "COLLECTIVES", "FSDP_SHARDING",
+    "model_states",
+    "model_states_breakdown",
+    "deepspeed_zero2_estimate",
+    "deepspeed_zero3_estimate",
+    "communication_per_step",
+    "ring_all_reduce_bytes",
+    "ring_reduce_scatter_bytes",
+    "ring_all_gather_bytes",
+    "bytes_on_wire",
+    "alpha_beta_time",
+    "fsdp_peak_params",
+    "flat_padding",
+    "fsdp_cross_host_traffic",
+    "activation_bytes",
+    "activation_terms",
+    "ZERO_STAGES",
+    "STRATEGIES",
+    "COLLECTIVES",
+    "FSDP_SHARDING",
 ]

@@ -1,9 +1,10 @@
 """FSDP's formulas (Zhao et al. 2023): a rank's peak of parameters with units gathered one (or a few) at a
 time, the padding that makes a flat parameter split evenly, and the traffic that crosses hosts under full
 sharding, hybrid sharding and full replication."""
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from .inputs import FSDP_SHARDING, _check_choice, _check_count, _check_world
 
@@ -36,8 +37,7 @@ def flat_padding(numel: int, world_size: int) -> int:
     return -int(numel) % world_size
 
 
-def fsdp_cross_host_traffic(model_size: float, gpus_per_host: int, world_size: int,
-                            sharding: str = "hybrid") -> float:
+def fsdp_cross_host_traffic(model_size: float, gpus_per_host: int, world_size: int, sharding: str = "hybrid") -> float:
     """Cross-host traffic per GPU per step (same unit as ``model_size``), from the FSDP paper.
 
     M = model size, G = GPUs per host, W = GPUs in all.

@@ -1,5 +1,6 @@
 """What the formulas accept, and the errors that say so: a student passes a world size of 0 or a strategy's
 name misspelled, and is told what was wrong and which values are valid."""
+
 from __future__ import annotations
 
 ZERO_STAGES = (0, 1, 2, 3)

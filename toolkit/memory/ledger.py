@@ -13,6 +13,7 @@ is counted once however many tensors view it, across categories too (a tied weig
 a view into a flat buffer, a gradient bucket). A storage resized to 0 (how FSDP frees unsharded
 parameters while autograd still references them) costs 0. Each category and the total are in bytes.
 """
+
 from __future__ import annotations
 
 import threading
@@ -83,8 +84,10 @@ def ledger(model: torch.nn.Module, optimizer=None, *, meta: bool = False) -> dic
     groups = memory_groups(model, optimizer)
     missing = [c for c in CATEGORIES if c not in groups]
     if missing:
-        raise ValueError(f"memory_groups() of {type(model).__name__} lacks {missing}; it must return "
-                         f"{{'params': [...], 'grads': [...], 'optimizer': [...]}} (lists of tensors).")
+        raise ValueError(
+            f"memory_groups() of {type(model).__name__} lacks {missing}; it must return "
+            f"{{'params': [...], 'grads': [...], 'optimizer': [...]}} (lists of tensors)."
+        )
     seen = set()
     result = {}
     for category in list(CATEGORIES) + [c for c in groups if c not in CATEGORIES]:
@@ -211,8 +214,15 @@ class ActivationMeter:
                 del self._live[key]
 
 
-def record_memory(model: torch.nn.Module, optimizer=None, *, step: int | None = None,
-                  meter: ActivationMeter | None = None, recorder=None, **extra) -> dict:
+def record_memory(
+    model: torch.nn.Module,
+    optimizer=None,
+    *,
+    step: int | None = None,
+    meter: ActivationMeter | None = None,
+    recorder=None,
+    **extra,
+) -> dict:
     """Measure now and add one sample to the trace (labelled with the current phase); return it.
 
     The sample holds the ledger's categories (not its total), `activations` (the meter's live bytes,

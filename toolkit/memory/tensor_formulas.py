@@ -26,16 +26,16 @@ Activations per layer (Korthikanti et al. 2022, 16-bit, with dropout, scores sto
 `tp_activation_terms` splits `formulas.activation_terms` term by term the same way, so the toolkit GPT
 (no dropout, fused attention) is predicted to the byte.
 """
-from __future__ import annotations
 
-from typing import Dict
+from __future__ import annotations
 
 from .formulas import _check_count, _check_world, activation_terms, model_states_breakdown
 
 
 # --- parameters and model states ---------------------------------------------------------------------
-def gpt_parameter_split(vocab: int, seq_len: int, layers: int, hidden: int, ffn_hidden: int | None = None,
-                        tied: bool = True) -> Dict[str, int]:
+def gpt_parameter_split(
+    vocab: int, seq_len: int, layers: int, hidden: int, ffn_hidden: int | None = None, tied: bool = True
+) -> dict[str, int]:
     """{"split", "replicated"} parameter counts of the toolkit GPT under its default plan (`tensor/gpt.py`).
 
     Split: the embedding (and an untied head), Q/K/V weights and biases, the attention output and second MLP
@@ -52,21 +52,45 @@ def gpt_parameter_split(vocab: int, seq_len: int, layers: int, hidden: int, ffn_
     return {"split": split, "replicated": replicated}
 
 
-def tp_model_states(split: float, replicated: float, tp: int, dp: int = 1, stage: int = 0, *,
-                    param_bytes: float = 2, grad_bytes: float = 2, optimizer_multiplier: float = 12) -> Dict[str, float]:
+def tp_model_states(
+    split: float,
+    replicated: float,
+    tp: int,
+    dp: int = 1,
+    stage: int = 0,
+    *,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optimizer_multiplier: float = 12,
+) -> dict[str, float]:
     """Bytes per rank of parameters, gradients and optimizer states: (Ψ_split/t + Ψ_rep) under ZeRO `stage` over dp.
 
     fsdp is stage 3 (its fp32 shards: param_bytes=4, grad_bytes=4, optimizer_multiplier=8)."""
     _check_count("split", split)
     _check_count("replicated", replicated)
     _check_world("tp", tp)
-    return model_states_breakdown(split / tp + replicated, dp, stage, param_bytes=param_bytes, grad_bytes=grad_bytes,
-                                  optimizer_multiplier=optimizer_multiplier)
+    return model_states_breakdown(
+        split / tp + replicated,
+        dp,
+        stage,
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        optimizer_multiplier=optimizer_multiplier,
+    )
 
 
 # --- bytes per step ------------------------------------------------------------------------------------
-def tp_collectives(batch: int, seq_len: int, hidden: int, layers: int, tp: int, *, sequence_parallel: bool = False,
-                   bytes_per_value: float = 4, recompute: bool = False) -> Dict[str, list]:
+def tp_collectives(
+    batch: int,
+    seq_len: int,
+    hidden: int,
+    layers: int,
+    tp: int,
+    *,
+    sequence_parallel: bool = False,
+    bytes_per_value: float = 4,
+    recompute: bool = False,
+) -> dict[str, list]:
     """The tensor-parallel collectives of one training step of the toolkit GPT: {op: [message bytes, ...]}.
 
     A message's bytes are the collective's full tensor (an all-gather's output, a reduce-scatter's input).
@@ -79,34 +103,53 @@ def tp_collectives(batch: int, seq_len: int, hidden: int, layers: int, tp: int, 
         _check_world(name, value)
     _check_count("layers", layers)
     act = batch * seq_len * hidden * bytes_per_value  # one (b, s, h) activation
-    loss = [batch * seq_len * 4] * 3                  # max, target logit, sum of exps: fp32
-    again = layers if recompute else 0                # blocks whose forward backward runs again
+    loss = [batch * seq_len * 4] * 3  # max, target logit, sum of exps: fp32
+    again = layers if recompute else 0  # blocks whose forward backward runs again
     if not sequence_parallel:
         return {"all_reduce": [act] * (4 * layers + 2 + again) + loss, "all_gather": [], "reduce_scatter": []}
     params = [hidden * bytes_per_value] * (6 * layers + 2)  # sequence-parallel gradients, one message each
-    positions = [seq_len * hidden * bytes_per_value]         # the position table's T/t-row gradients, gathered
-    return {"all_reduce": loss + params,                     # loss; parameters' gradients
-            "all_gather": [act] * (6 * layers + 2 + 1 + 2 * again) + positions,  # per block 2 forward, 2 backward,
-            "reduce_scatter": [act] * (4 * layers + 2 + again)}  # 2 again; head 2; embedding 1 / embedding 1,
-                                                                 # per block 2 + 2; head 1
+    positions = [seq_len * hidden * bytes_per_value]  # the position table's T/t-row gradients, gathered
+    return {
+        "all_reduce": loss + params,  # loss; parameters' gradients
+        "all_gather": [act] * (6 * layers + 2 + 1 + 2 * again) + positions,  # per block 2 forward, 2 backward,
+        "reduce_scatter": [act] * (4 * layers + 2 + again),
+    }  # 2 again; head 2; embedding 1 / embedding 1,
+    # per block 2 + 2; head 1
 
 
-def tp_bytes_per_step(batch: int, seq_len: int, hidden: int, layers: int, tp: int, *,
-                      sequence_parallel: bool = False, bytes_per_value: float = 4,
-                      recompute: bool = False) -> Dict[str, float]:
+def tp_bytes_per_step(
+    batch: int,
+    seq_len: int,
+    hidden: int,
+    layers: int,
+    tp: int,
+    *,
+    sequence_parallel: bool = False,
+    bytes_per_value: float = 4,
+    recompute: bool = False,
+) -> dict[str, float]:
     """Bytes each tensor-parallel rank sends per step for tensor parallelism, by op and "total" (ring
     accounting: an all-reduce sends 2(t-1)/t of its message, an all-gather or reduce-scatter (t-1)/t);
     recompute: under activation checkpointing (`tp_collectives`)."""
-    calls = tp_collectives(batch, seq_len, hidden, layers, tp, sequence_parallel=sequence_parallel,
-                           bytes_per_value=bytes_per_value, recompute=recompute)
+    calls = tp_collectives(
+        batch,
+        seq_len,
+        hidden,
+        layers,
+        tp,
+        sequence_parallel=sequence_parallel,
+        bytes_per_value=bytes_per_value,
+        recompute=recompute,
+    )
     factor = {"all_reduce": 2 * (tp - 1) / tp, "all_gather": (tp - 1) / tp, "reduce_scatter": (tp - 1) / tp}
     out = {op: factor[op] * sum(sizes) for op, sizes in calls.items()}
     out["total"] = sum(out.values())
     return out
 
 
-def tp_bytes_per_layer(batch: int, seq_len: int, hidden: int, tp: int, *, sequence_parallel: bool = False,
-                       bytes_per_value: float = 2) -> float:
+def tp_bytes_per_layer(
+    batch: int, seq_len: int, hidden: int, tp: int, *, sequence_parallel: bool = False, bytes_per_value: float = 2
+) -> float:
     """Bytes a rank sends per transformer layer per step: 4 all-reduces of b·s·h (2(t-1)/t each), or
     under sequence parallelism 4 reduce-scatters and 6 all-gathers ((t-1)/t each)."""
     act = batch * seq_len * hidden * bytes_per_value
@@ -116,12 +159,18 @@ def tp_bytes_per_layer(batch: int, seq_len: int, hidden: int, tp: int, *, sequen
 
 
 # --- activations ---------------------------------------------------------------------------------------
-_WHOLE_UNDER_TP = ("LayerNorm inputs (2)", "QKV matmul input", "MLP input", "dropout masks (2, 1 byte)",
-                   "LayerNorm mean and 1/std (2)")
+_WHOLE_UNDER_TP = (
+    "LayerNorm inputs (2)",
+    "QKV matmul input",
+    "MLP input",
+    "dropout masks (2, 1 byte)",
+    "LayerNorm mean and 1/std (2)",
+)
 
 
-def tp_activation_terms(seq_len: int, batch: int, hidden: int, heads: int, tp: int, *,
-                        sequence_parallel: bool = False, **options) -> Dict[str, float]:
+def tp_activation_terms(
+    seq_len: int, batch: int, hidden: int, heads: int, tp: int, *, sequence_parallel: bool = False, **options
+) -> dict[str, float]:
     """`formulas.activation_terms` on one tensor-parallel rank: the terms inside the split layers (Q, K, V,
     attention, GELU) divided by t; the others (layer norms, the column layers' inputs, dropout) whole, or
     divided by t too under sequence parallelism. `options` are activation_terms' switches."""
@@ -130,13 +179,21 @@ def tp_activation_terms(seq_len: int, batch: int, hidden: int, heads: int, tp: i
     return {k: v if k in _WHOLE_UNDER_TP and not sequence_parallel else v / tp for k, v in terms.items()}
 
 
-def tp_activation_bytes(seq_len: int, batch: int, hidden: int, heads: int, tp: int, *,
-                        sequence_parallel: bool = False, layers: int = 1) -> float:
+def tp_activation_bytes(
+    seq_len: int, batch: int, hidden: int, heads: int, tp: int, *, sequence_parallel: bool = False, layers: int = 1
+) -> float:
     """Korthikanti et al.'s closed forms per layer (16-bit, dropout, scores stored), times `layers`."""
     s, b, h, a, t = seq_len, batch, hidden, heads, tp
     linear = 34 / t if sequence_parallel else 10 + 24 / t
     return layers * s * b * h * (linear + 5 * a * s / (h * t))
 
 
-__all__ = ["gpt_parameter_split", "tp_model_states", "tp_collectives", "tp_bytes_per_step", "tp_bytes_per_layer",
-           "tp_activation_terms", "tp_activation_bytes"]
+__all__ = [
+    "gpt_parameter_split",
+    "tp_model_states",
+    "tp_collectives",
+    "tp_bytes_per_step",
+    "tp_bytes_per_layer",
+    "tp_activation_terms",
+    "tp_activation_bytes",
+]

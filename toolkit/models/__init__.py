@@ -17,4 +17,5 @@ def tiny_gpt(mlp_factory=None, **overrides) -> GPT:
 
 __all__ = ["GPTConfig", "GPT", "Block", "SyntheticCorpus", "tiny_gpt"]
 from .moe_gpt import moe_gpt  # noqa: E402  (after tiny_gpt: the MoE variant)
+
 __all__ += ["moe_gpt"]

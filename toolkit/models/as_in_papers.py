@@ -22,6 +22,7 @@ strategies that have no such option of their own.
 
     model = as_in(tiny_gpt(...), "megatron")
 """
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,10 @@ def _heads(attn: CausalSelfAttention, x: torch.Tensor, head_dim: int):
     qkv = attn.qkv(x)
     local = qkv.shape[-1] // 3
     heads = local // head_dim
-    q, k, v = (t.reshape(B, T, heads, head_dim).transpose(1, 2).reshape(B * heads, T, head_dim)
-               for t in qkv.split(local, dim=-1))
+    q, k, v = (
+        t.reshape(B, T, heads, head_dim).transpose(1, 2).reshape(B * heads, T, head_dim)
+        for t in qkv.split(local, dim=-1)
+    )
     return q, k, v, heads
 
 
@@ -64,6 +67,7 @@ def _megatron_attention(attn, head_dim):
         scores = torch.baddbmm(empty, q, k.transpose(1, 2), beta=0.0, alpha=1.0 / math.sqrt(head_dim))
         probs = _dropout(torch.softmax(scores, dim=-1), attn.training)  # causal mask made inside the kernel
         return _merge(attn, torch.bmm(probs, v), B, T, heads, head_dim)
+
     return forward
 
 
@@ -76,6 +80,7 @@ def _mingpt_attention(attn, head_dim):
         scores = scores.masked_fill(~causal, float("-inf"))
         probs = _dropout(torch.softmax(scores, dim=-1), attn.training)
         return _dropout(_merge(attn, torch.bmm(probs, v), B, T, heads, head_dim), attn.training)
+
     return forward
 
 
@@ -87,6 +92,7 @@ def _new_gelu(x: torch.Tensor) -> torch.Tensor:
 def _mingpt_mlp(mlp: MLP):
     def forward(x):
         return _dropout(mlp.proj(_new_gelu(mlp.fc(x))), mlp.training)
+
     return forward
 
 
@@ -107,10 +113,12 @@ def as_in(model: torch.nn.Module, style: str) -> torch.nn.Module:
 def recompute_blocks(model: torch.nn.Module) -> torch.nn.Module:
     """Every transformer block of `model` under activation checkpointing (its activations recomputed in
     backward, the whole block, only its input kept); in place."""
+
     def checkpointed(forward):
         def run(*args, **kwargs):
             with torch.utils.checkpoint.set_checkpoint_early_stop(False):
                 return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
         return run
 
     for block in model.modules():

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Optional, Tuple
 
 import torch
 
@@ -64,8 +63,8 @@ class SyntheticCorpus:
         *,
         rank: int = 0,
         world_size: int = 1,
-        device: Optional[torch.device] = None,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        device: torch.device | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch for ``step``: a pure function of (seed, step, global_batch_size).
 
         With ``world_size`` > 1, rank ``rank`` gets rows [rank*b, (rank+1)*b) where
@@ -93,7 +92,7 @@ class SyntheticCorpus:
         return x, y
 
     @staticmethod
-    def shard(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def shard(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank ``rank``'s contiguous slice of a global batch (rows split evenly, in rank order)."""
         _check_rank(rank, world_size, x.shape[0])
         b = x.shape[0] // world_size
@@ -129,9 +128,7 @@ class SyntheticCorpus:
 def _check_rank(rank, world_size, global_batch_size: int) -> None:
     _check_positive_int("world_size", world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(
-            f"rank must be an integer in 0..{world_size - 1} for world_size={world_size}, got {rank!r}"
-        )
+        raise ValueError(f"rank must be an integer in 0..{world_size - 1} for world_size={world_size}, got {rank!r}")
     if global_batch_size % world_size != 0:
         raise ValueError(
             f"global batch size {global_batch_size} does not divide evenly over world_size={world_size}; "

@@ -13,8 +13,8 @@ Two things make it a good test subject for distributed training:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -32,7 +32,7 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 2
     d_model: int = 32
-    d_ff: Optional[int] = None  # hidden width of the MLP; None means 4 * d_model
+    d_ff: int | None = None  # hidden width of the MLP; None means 4 * d_model
     tied_head: bool = True  # the output head reuses the token embedding matrix
     aux_loss_weight: float = 0.01  # weight of the blocks' auxiliary losses (MoE load balancing)
     dropout: float = 0.0  # GPT-2's hidden dropout: after the embeddings and on each residual branch
@@ -124,7 +124,7 @@ class Block(nn.Module):
     ``forward`` returns ``(x, aux_loss)``; ``aux_loss`` is None for a dense MLP.
     """
 
-    def __init__(self, config: GPTConfig, mlp: Optional[nn.Module] = None):
+    def __init__(self, config: GPTConfig, mlp: nn.Module | None = None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config)
@@ -160,7 +160,7 @@ class GPT(nn.Module):
     ``mlp_factory(layer_index)``, if given, builds the MLP of each block (see ``Block``).
     """
 
-    def __init__(self, config: GPTConfig, mlp_factory: Optional[Callable[[int], nn.Module]] = None):
+    def __init__(self, config: GPTConfig, mlp_factory: Callable[[int], nn.Module] | None = None):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
@@ -179,7 +179,7 @@ class GPT(nn.Module):
         else:
             init_weights_(self.head)
 
-    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(x)
         aux_losses = []
         for block in self.blocks:
@@ -209,7 +209,7 @@ class GPT(nn.Module):
         """The shape of the hidden state between blocks for token ids of shape x_shape (what embed returns)."""
         return (x_shape[0], x_shape[1], self.config.d_model)
 
-    def head_loss(self, h: torch.Tensor, y: Optional[torch.Tensor]) -> torch.Tensor:
+    def head_loss(self, h: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
         """The final norm and the head: logits when y is None, else the mean cross-entropy against y."""
         logits = self.head(self.ln_f(h))
         if y is None:

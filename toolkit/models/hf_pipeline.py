@@ -29,6 +29,7 @@ Anything else: give the model the three parts yourself, a short adapter (toolkit
         def hidden_shape(self, shape): return (shape[0], shape[1], self.config.hidden_size)
     model.__class__ = MyPipelined    # its repeated layers must be callable as layer(h): a pre-hook can add inputs
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -47,9 +48,9 @@ LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwe
 @dataclass(frozen=True)
 class Family:
     name: str
-    layers: Callable   # (model) -> the layers' path in the task model
-    embed: Callable    # (model, inputs) -> h
-    head: Callable     # (model, h) -> logits
+    layers: Callable  # (model) -> the layers' path in the task model
+    embed: Callable  # (model, inputs) -> h
+    head: Callable  # (model, h) -> logits
     layer_inputs: Callable | None = None  # (model, h, layer index) -> keyword arguments of that layer
 
 
@@ -75,15 +76,21 @@ def _gpt2_embed(model, x):
 
 def _llama_inputs(model, h, index, rotary):
     positions = _positions(h)
-    return {"position_ids": positions, "position_embeddings": rotary(h, positions),
-            "attention_mask": _decoder_mask(model, h, index)}
+    return {
+        "position_ids": positions,
+        "position_embeddings": rotary(h, positions),
+        "attention_mask": _decoder_mask(model, h, index),
+    }
 
 
 def _bert_mask(model, h, index):
     from transformers import masking_utils
 
-    return {"attention_mask": masking_utils.create_bidirectional_mask(config=model.config, inputs_embeds=h,
-                                                                      attention_mask=None)}
+    return {
+        "attention_mask": masking_utils.create_bidirectional_mask(
+            config=model.config, inputs_embeds=h, attention_mask=None
+        )
+    }
 
 
 def _bert_head(model):
@@ -91,26 +98,50 @@ def _bert_head(model):
 
 
 FAMILIES = {
-    "gpt2": Family("gpt2", lambda m: "transformer.h", _gpt2_embed,
-                   lambda m, h: m.lm_head(m.transformer.ln_f(h)),
-                   lambda m, h, i: {"attention_mask": _decoder_mask(m, h, i), "position_ids": _positions(h)}),
-    **{t: Family("llama-like", lambda m: "model.layers", lambda m, x: m.model.embed_tokens(x),
-                 lambda m, h: m.lm_head(m.model.norm(h))) for t in LLAMA_LIKE},
-    **{t: Family("bert-like", lambda m: f"{m.base_model_prefix}.encoder.layer",
-                 lambda m, x: m.base_model.embeddings(input_ids=x),
-                 lambda m, h: _bert_head(m)(h), _bert_mask) for t in ("bert", "roberta")},
-    "vit": Family("vit", lambda m: "vit.layers", lambda m, x: m.vit.embeddings(x),
-                  lambda m, h: m.classifier(m.vit.layernorm(h)[:, 0, :])),
+    "gpt2": Family(
+        "gpt2",
+        lambda m: "transformer.h",
+        _gpt2_embed,
+        lambda m, h: m.lm_head(m.transformer.ln_f(h)),
+        lambda m, h, i: {"attention_mask": _decoder_mask(m, h, i), "position_ids": _positions(h)},
+    ),
+    **{
+        t: Family(
+            "llama-like",
+            lambda m: "model.layers",
+            lambda m, x: m.model.embed_tokens(x),
+            lambda m, h: m.lm_head(m.model.norm(h)),
+        )
+        for t in LLAMA_LIKE
+    },
+    **{
+        t: Family(
+            "bert-like",
+            lambda m: f"{m.base_model_prefix}.encoder.layer",
+            lambda m, x: m.base_model.embeddings(input_ids=x),
+            lambda m, h: _bert_head(m)(h),
+            _bert_mask,
+        )
+        for t in ("bert", "roberta")
+    },
+    "vit": Family(
+        "vit",
+        lambda m: "vit.layers",
+        lambda m, x: m.vit.embeddings(x),
+        lambda m, h: m.classifier(m.vit.layernorm(h)[:, 0, :]),
+    ),
 }
 
 
 def family_of(model: nn.Module) -> Family:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
-        raise ValueError(f"pipeline parallelism splits Hugging Face models of the families {sorted(FAMILIES)}; this "
-                         f"{type(model).__name__} is {model_type!r}. Give it embed, head_loss and hidden_shape (a "
-                         f"short adapter: toolkit/models/hf_pipeline.py shows one), or use tp= or a data-parallel "
-                         f"strategy.")
+        raise ValueError(
+            f"pipeline parallelism splits Hugging Face models of the families {sorted(FAMILIES)}; this "
+            f"{type(model).__name__} is {model_type!r}. Give it embed, head_loss and hidden_shape (a "
+            f"short adapter: toolkit/models/hf_pipeline.py shows one), or use tp= or a data-parallel "
+            f"strategy."
+        )
     return FAMILIES[model_type]
 
 
@@ -121,10 +152,12 @@ def pipelined(model: nn.Module) -> nn.Module:
     family = family_of(model)
     convention = recognise(model)
     if getattr(model.config, "output_router_logits", False):
-        raise ValueError(f"{type(model).__name__} adds its routers' load-balancing loss (output_router_logits=True), "
-                         f"computed over every layer's router at once; under pipeline parallelism the layers run on "
-                         f"different ranks. Set config.output_router_logits=False for pp, or use a data-parallel "
-                         f"strategy (the loss then is the model's own).")
+        raise ValueError(
+            f"{type(model).__name__} adds its routers' load-balancing loss (output_router_logits=True), "
+            f"computed over every layer's router at once; under pipeline parallelism the layers run on "
+            f"different ranks. Set config.output_router_logits=False for pp, or use a data-parallel "
+            f"strategy (the loss then is the model's own)."
+        )
     layers = model.get_submodule(family.layers(model))
     inputs = family.layer_inputs
     if family.name == "llama-like":
@@ -152,14 +185,20 @@ def announce(model: nn.Module, split) -> None:
         return f"{split.container}.{keys[0]}" + (f"..{keys[-1]}" if len(keys) > 1 else "")
 
     last = len(split.stages) - 1
-    stages = [f"stage {s}: " + " + ".join((["embedding"] if s == 0 else []) + [layers(keys)]
-                                          + (["final norm, head and loss"] if s == last else []))
-              for s, keys in enumerate(split.stages)]
+    stages = [
+        f"stage {s}: "
+        + " + ".join(
+            (["embedding"] if s == 0 else []) + [layers(keys)] + (["final norm, head and loss"] if s == last else [])
+        )
+        for s, keys in enumerate(split.stages)
+    ]
     key = (model._pipeline_of, tuple(split.stages))
     if key != _announced[0] and (not dist.is_initialized() or dist.get_rank() == 0):
         _announced[0] = key
-        print(f"pipeline split of {model._pipeline_of} ({model._pipeline_family.name}, "
-              f"{sum(map(len, split.stages))} layers over {len(split.stages)} stages): " + " | ".join(stages))
+        print(
+            f"pipeline split of {model._pipeline_of} ({model._pipeline_family.name}, "
+            f"{sum(map(len, split.stages))} layers over {len(split.stages)} stages): " + " | ".join(stages)
+        )
 
 
 class _LayerInputs:
@@ -198,8 +237,9 @@ class PipelineParts:
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
         if kind == "image-classification":
             return self.loss_function(y, logits, self.config)
-        raise ValueError(f"pipeline parallelism: no loss for a {type(self).__name__} called by the {kind!r} "
-                         f"convention.")
+        raise ValueError(
+            f"pipeline parallelism: no loss for a {type(self).__name__} called by the {kind!r} convention."
+        )
 
     def hidden_shape(self, x_shape) -> tuple:
         c = self.config

@@ -9,14 +9,24 @@ everything else (embeddings, attention, norms, routers, dense MLPs) is replicate
 data-parallel strategy, which must skip the tagged parameters. Layer l's experts are seeded with
 ``seed + l``, so layers differ and every layout builds the same model.
 """
+
 from __future__ import annotations
 
 from ..moe.layer import MoE
 from .gpt import GPT, MLP, GPTConfig, init_weights_
 
 
-def moe_gpt(num_experts: int = 4, top_k: int = 2, *, every: int = 1, capacity_factor: float = 1.25,
-            group=None, seed: int = 0, moe_options: dict | None = None, **gpt_overrides) -> GPT:
+def moe_gpt(
+    num_experts: int = 4,
+    top_k: int = 2,
+    *,
+    every: int = 1,
+    capacity_factor: float = 1.25,
+    group=None,
+    seed: int = 0,
+    moe_options: dict | None = None,
+    **gpt_overrides,
+) -> GPT:
     """A tiny GPT (``tiny_gpt``'s defaults, ``gpt_overrides`` are GPTConfig fields) with MoE MLPs.
 
     every: MoE in blocks every-1, 2*every-1, ... (1 = all blocks, 2 = every other one).
@@ -35,7 +45,16 @@ def moe_gpt(num_experts: int = 4, top_k: int = 2, *, every: int = 1, capacity_fa
             dense = MLP(config)
             init_weights_(dense)  # as the GPT initializes its own MLPs
             return dense
-        return MoE(config.d_model, config.d_ff, num_experts, top_k=top_k, capacity_factor=capacity_factor,
-                   group=group, seed=seed + layer, name=f"layer{layer}", **(moe_options or {}))
+        return MoE(
+            config.d_model,
+            config.d_ff,
+            num_experts,
+            top_k=top_k,
+            capacity_factor=capacity_factor,
+            group=group,
+            seed=seed + layer,
+            name=f"layer{layer}",
+            **(moe_options or {}),
+        )
 
     return GPT(config, mlp_factory=mlp)

@@ -18,6 +18,7 @@ arguments needed) so it can be passed as a `model_fn`; `PRESETS` names them for 
 configuration file (a `config.json`, or a folder holding one, as a model's page on the Hub has it): the model
 transformers builds from it (the class its `architectures` names), random weights, nothing downloaded.
 """
+
 from __future__ import annotations
 
 import functools
@@ -54,8 +55,14 @@ def moe_gpt_s(num_experts: int = 16, top_k: int = 2, **overrides):
 moe_gpt_64 = functools.partial(moe_gpt_s, 64)
 moe_gpt_64.__doc__ = "MoE-GPT-S with 64 experts (one per rank at 64 ranks)."
 
-PRESETS = {"gpt3-175b": gpt3_175b, "zero-7.5b": zero_7_5b, "gpt2-xl": gpt2_xl, "moe-gpt-s": moe_gpt_s,
-           "moe-gpt-64": moe_gpt_64, "tiny": tiny_gpt}
+PRESETS = {
+    "gpt3-175b": gpt3_175b,
+    "zero-7.5b": zero_7_5b,
+    "gpt2-xl": gpt2_xl,
+    "moe-gpt-s": moe_gpt_s,
+    "moe-gpt-64": moe_gpt_64,
+    "tiny": tiny_gpt,
+}
 
 
 def model_fn_for(name: str, layers: int | None = None):
@@ -65,13 +72,16 @@ def model_fn_for(name: str, layers: int | None = None):
         build = PRESETS[name]
         return functools.partial(build, n_layer=layers) if layers else build
     if not os.path.exists(name):
-        raise ValueError(f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a Hugging Face "
-                         f"config file or folder (a config.json, as a model's page on the Hub has it).")
+        raise ValueError(
+            f"--model {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a Hugging Face "
+            f"config file or folder (a config.json, as a model's page on the Hub has it)."
+        )
     try:
         import transformers
     except ImportError as exc:
-        raise ValueError(f"--model {name!r} is a Hugging Face config; building it needs transformers: "
-                         f"pip install -e '.[hf]'.") from exc
+        raise ValueError(
+            f"--model {name!r} is a Hugging Face config; building it needs transformers: pip install -e '.[hf]'."
+        ) from exc
     config = transformers.AutoConfig.from_pretrained(name)
     if layers:
         config.num_hidden_layers = layers

@@ -27,6 +27,7 @@ The conventions recognised, from the model's forward and (for Hugging Face model
 Anything else: pass `loss_fn(model, inputs, targets) -> scalar loss` and/or `batch_fn(step, global_batch_size,
 *, rank, world_size, device) -> (inputs, targets)`; either one alone replaces only its half.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -39,7 +40,7 @@ from .corpus import SyntheticCorpus, _check_rank, _generator
 from .images import SyntheticImages
 
 MASK_FRACTION = 0.15  # BERT's share of masked positions
-IGNORE = -100         # the label Hugging Face's losses skip
+IGNORE = -100  # the label Hugging Face's losses skip
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Convention:
     name: str
     loss: Callable
     make_data: Callable  # (model, vocab_size, seq_len, seed) -> a source with batch() and example()
-    why: str             # one sentence: how it was recognised (it goes into the Run)
+    why: str  # one sentence: how it was recognised (it goes into the Run)
 
     def data(self, model, *, vocab_size: int = 64, seq_len: int = 32, seed: int = 0):
         return self.make_data(model, vocab_size, seq_len, seed)
@@ -75,8 +76,10 @@ def image_loss(model, pixels, labels):
 def _loss_of(output, model):
     loss = getattr(output, "loss", None)
     if loss is None:
-        raise ValueError(f"{type(model).__name__} was given labels but returned no .loss: it does not compute its own "
-                         f"loss. Pass loss_fn(model, inputs, targets) -> scalar loss.")
+        raise ValueError(
+            f"{type(model).__name__} was given labels but returned no .loss: it does not compute its own "
+            f"loss. Pass loss_fn(model, inputs, targets) -> scalar loss."
+        )
     return loss
 
 
@@ -108,20 +111,22 @@ class MaskedTokens(Tokens):
         _check_rank(rank, world_size, global_batch_size)
         x, _ = self.corpus.batch(step, global_batch_size)
         g = _generator("mask", self.seed, step, global_batch_size)
-        where = torch.rand(x.shape, generator=g).argsort(dim=1)[:, :self.per_row]  # per_row positions per row
+        where = torch.rand(x.shape, generator=g).argsort(dim=1)[:, : self.per_row]  # per_row positions per row
         inputs, labels = x.clone(), torch.full_like(x, IGNORE)
         labels.scatter_(1, where, x.gather(1, where))
         inputs.scatter_(1, where, self.mask_id)
         b = global_batch_size // world_size
-        inputs, labels = inputs[rank * b:(rank + 1) * b], labels[rank * b:(rank + 1) * b]
+        inputs, labels = inputs[rank * b : (rank + 1) * b], labels[rank * b : (rank + 1) * b]
         return (inputs, labels) if device is None else (inputs.to(device), labels.to(device))
 
 
 class Images(SyntheticImages):
     def example(self, batch_size: int, seq_len: int, device="meta", dtype=torch.float32):
         shape = (batch_size, self.channels, self.image_size, self.image_size)
-        return (torch.empty(shape, dtype=dtype, device=device),
-                torch.empty((batch_size,), dtype=torch.long, device=device))
+        return (
+            torch.empty(shape, dtype=dtype, device=device),
+            torch.empty((batch_size,), dtype=torch.long, device=device),
+        )
 
 
 class Custom:
@@ -164,12 +169,16 @@ def _check_fits(model, vocab_size: int, seq_len: int) -> None:
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int) and vocab_size > vocab:
-        raise ValueError(f"the token corpus has vocab_size={vocab_size} but {type(model).__name__}'s vocabulary has "
-                         f"{vocab} ids: use a corpus vocab_size <= {vocab} (TrainConfig.vocab_size).")
+        raise ValueError(
+            f"the token corpus has vocab_size={vocab_size} but {type(model).__name__}'s vocabulary has "
+            f"{vocab} ids: use a corpus vocab_size <= {vocab} (TrainConfig.vocab_size)."
+        )
     positions = max_positions(model)
     if positions is not None and seq_len > positions:
-        raise ValueError(f"sequences of seq_len={seq_len} tokens are longer than {type(model).__name__}'s "
-                         f"{positions} positions: use seq_len <= {positions} (TrainConfig.seq_len).")
+        raise ValueError(
+            f"sequences of seq_len={seq_len} tokens are longer than {type(model).__name__}'s "
+            f"{positions} positions: use seq_len <= {positions} (TrainConfig.seq_len)."
+        )
 
 
 def max_positions(model):
@@ -186,8 +195,12 @@ def max_positions(model):
 KINDS = {
     "causal-lm": (causal_lm_loss, _tokens, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", ("ForCausalLM", "LMHeadModel")),
     "masked-lm": (masked_lm_loss, _masked, "MODEL_FOR_MASKED_LM_MAPPING_NAMES", ("ForMaskedLM",)),
-    "image-classification": (image_loss, _images, "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
-                             ("ForImageClassification",)),
+    "image-classification": (
+        image_loss,
+        _images,
+        "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+        ("ForImageClassification",),
+    ),
 }
 
 
@@ -199,10 +212,13 @@ def recognise(model: torch.nn.Module, *, loss_fn=None, batch_fn=None) -> Convent
     found = _recognise(model, must=loss_fn is None)
     if loss_fn is None and batch_fn is None:
         return found
-    return Convention("custom", loss_fn or found.loss,
-                      (lambda *args: Custom(batch_fn)) if batch_fn is not None else found.make_data,
-                      f"given: {'loss_fn' if loss_fn else found.name + ' loss'} and "
-                      f"{'batch_fn' if batch_fn else found.name + ' data'}")
+    return Convention(
+        "custom",
+        loss_fn or found.loss,
+        (lambda *args: Custom(batch_fn)) if batch_fn is not None else found.make_data,
+        f"given: {'loss_fn' if loss_fn else found.name + ' loss'} and "
+        f"{'batch_fn' if batch_fn else found.name + ' data'}",
+    )
 
 
 def _recognise(model, must: bool) -> Convention:
@@ -215,10 +231,12 @@ def _recognise(model, must: bool) -> Convention:
         if kind in ("causal-lm", "masked-lm"):
             return _kind(kind, f"{cls}.forward takes input_ids and labels; {cls} is a {kind.replace('-', ' ')}")
         if must:
-            raise ValueError(f"{cls} takes input_ids and labels, but it is neither a causal nor a masked language "
-                             f"model, the two kinds the toolkit knows how to feed (its task's labels are not next or "
-                             f"masked tokens). Pass loss_fn(model, inputs, targets) and batch_fn(step, "
-                             f"global_batch_size, *, rank, world_size, device) for it.")
+            raise ValueError(
+                f"{cls} takes input_ids and labels, but it is neither a causal nor a masked language "
+                f"model, the two kinds the toolkit knows how to feed (its task's labels are not next or "
+                f"masked tokens). Pass loss_fn(model, inputs, targets) and batch_fn(step, "
+                f"global_batch_size, *, rank, world_size, device) for it."
+            )
         return Convention("unknown", toolkit_loss, _tokens, f"{cls}: a loss_fn is given")
     return Convention("toolkit", toolkit_loss, _tokens, f"{cls}.forward is called model(x, y) -> loss")
 
@@ -236,7 +254,7 @@ def _forward_params(model) -> set:
 
 
 def _task_of(model) -> str | None:
-    """"causal-lm" or "masked-lm" from Hugging Face's own task tables (the Auto classes' mappings), else from the
+    """ "causal-lm" or "masked-lm" from Hugging Face's own task tables (the Auto classes' mappings), else from the
     class's name (a model written outside transformers in its style)."""
     names = {type(model).__name__, *(c.__name__ for c in type(model).__mro__)}
     tables = {}

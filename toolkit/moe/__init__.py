@@ -1,5 +1,7 @@
 """Mixture of Experts: the gate (moe/gates.py), then the expert-parallel layer built on it."""
 
+from .exchange import all_to_all
+from .experts import Experts, gather_experts, is_expert
 from .gates import (
     AUX_LOSSES,
     Routing,
@@ -10,12 +12,10 @@ from .gates import (
     router_z_loss,
     switch_aux_loss,
 )
-from .topology import TopologyGate, topology_limit
-from .experts import Experts, gather_experts, is_expert
-from .exchange import all_to_all
 from .layer import MoE
-from .plan import Plan
 from .load import merge_load
-from .reference import reference_moe
 from .placement import Placement, choose_parallel, parallel_costs
+from .plan import Plan
+from .reference import reference_moe
 from .shadow import ShadowChoice, choose_shadows, latency_imbalanced, latency_shadowed
+from .topology import TopologyGate, topology_limit

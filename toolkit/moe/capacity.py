@@ -23,6 +23,7 @@ ranks route the same number of tokens (the bound is then the same everywhere); w
 ranks could end with different capacities, which its equal-shape all-to-all forbids, so it assumes
 equal T. The layer (``moe/layer.py``) applies dynamic capacity; this file holds the arithmetic.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,7 @@ def _is_real(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float,
-             min_capacity: int = 1) -> int:
+def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float, min_capacity: int = 1) -> int:
     """Slots per expert buffer: ``max(ceil(k * f * T / E), min_capacity)``.
 
     With perfect balance each expert receives k*T/E tokens; ``capacity_factor`` f is the slack on top.
@@ -55,27 +55,35 @@ def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: flo
     if not _is_int(top_k) or top_k < 1:
         raise ValueError(f"top_k must be an int >= 1 (experts per token), got {top_k!r}.")
     if top_k > num_experts:
-        raise ValueError(f"top_k={top_k} is larger than num_experts={num_experts}: a token cannot pick "
-                         f"more distinct experts than exist. Use top_k <= {num_experts}.")
+        raise ValueError(
+            f"top_k={top_k} is larger than num_experts={num_experts}: a token cannot pick "
+            f"more distinct experts than exist. Use top_k <= {num_experts}."
+        )
     if _is_real(capacity_factor) and capacity_factor <= 0:
-        bound = (f"dynamic_capacity=True, capacity_factor={-capacity_factor!r} (at most that factor's C)"
-                 if capacity_factor < 0 else "dropless=True (no bound)")
-        raise ValueError(f"capacity_factor={capacity_factor!r}: a factor <= 0 is Tutel's spelling of dynamic "
-                         f"capacity (C = the fullest expert's count each step, bounded by -f; 0: no bound). Here "
-                         f"write {bound}. A fixed capacity needs f > 0 (1.0 = exactly the balanced load, 1.25 "
-                         f"is common).")
+        bound = (
+            f"dynamic_capacity=True, capacity_factor={-capacity_factor!r} (at most that factor's C)"
+            if capacity_factor < 0
+            else "dropless=True (no bound)"
+        )
+        raise ValueError(
+            f"capacity_factor={capacity_factor!r}: a factor <= 0 is Tutel's spelling of dynamic "
+            f"capacity (C = the fullest expert's count each step, bounded by -f; 0: no bound). Here "
+            f"write {bound}. A fixed capacity needs f > 0 (1.0 = exactly the balanced load, 1.25 "
+            f"is common)."
+        )
     if not _is_real(capacity_factor):
-        raise ValueError(f"capacity_factor must be a finite number > 0 (1.0 = exactly the balanced "
-                         f"load, 1.25 is common), got {capacity_factor!r}. For no dropping at all, "
-                         f"use dropless=True instead of a huge factor.")
+        raise ValueError(
+            f"capacity_factor must be a finite number > 0 (1.0 = exactly the balanced "
+            f"load, 1.25 is common), got {capacity_factor!r}. For no dropping at all, "
+            f"use dropless=True instead of a huge factor."
+        )
     if not _is_int(min_capacity) or min_capacity < 0:
         raise ValueError(f"min_capacity must be an int >= 0, got {min_capacity!r}.")
     c = math.ceil(int(top_k) * float(capacity_factor) * int(num_tokens) / int(num_experts) - 1e-9)
     return max(c, int(min_capacity))
 
 
-def tutel_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float,
-                   alignment: int = 1) -> int:
+def tutel_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float, alignment: int = 1) -> int:
     """Tutel's static capacity (``tutel.impls.fast_dispatch.extract_critical`` for capacity_factor > 0):
     k * int(f * ceil(T / E)), rounded up to a multiple of ``alignment``. For comparison; the layer uses
     ``capacity``."""

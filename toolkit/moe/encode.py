@@ -15,6 +15,7 @@ are that idea in plain torch (an index_add into the flat (E*C, d) buffer, a gath
 further: only kept rows travel (``MoE.sort_by_destination``, ``weighted_sum``), no (E, C, d) buffer.
 All four are differentiable (with respect to x, the expert outputs and the gate weights).
 """
+
 from __future__ import annotations
 
 import torch

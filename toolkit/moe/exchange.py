@@ -4,6 +4,7 @@ Its backward is the same all-to-all with the splits swapped: gradients return to
 from. Every call goes through `toolkit.comm` (or Tutel's 2DH all-to-all, `comm/hierarchical.py`), so the trace
 names count exchange, dispatch and combine, forward and backward.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,6 @@ import torch.distributed as dist
 from .. import comm
 from ..comm import hierarchical
 from ..trace.events import recorder
-
 
 
 def exchange(x, out_splits, in_splits, group, label, node_size=None):

@@ -18,6 +18,7 @@ one expert: ``shard=(k, s)`` keeps slice k of s of the hidden layer (d_ff/s colu
 of w2) and of the output bias b2 (ceil(d_model/s) entries, the last slice padded), cut from the same
 layout-independent weights.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,8 +52,19 @@ class Experts(nn.Module):
     expert e, in order) and returns each row's expert output, in the same order.
     """
 
-    def __init__(self, d_model: int, d_ff: int, num_experts: int, first: int, num_local: int, *,
-                 seed: int = 0, init_std: float = 0.02, group=None, shard=(0, 1)):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        num_experts: int,
+        first: int,
+        num_local: int,
+        *,
+        seed: int = 0,
+        init_std: float = 0.02,
+        group=None,
+        shard=(0, 1),
+    ):
         super().__init__()
         self.d_model, self.d_ff, self.num_experts = d_model, d_ff, num_experts
         self.first, self.num_local, self.seed, self.group = first, num_local, seed, group
@@ -76,16 +88,18 @@ class Experts(nn.Module):
             g = expert_generator(self.seed, self.first + e)
             w1 = torch.randn(self.d_model, self.d_ff, generator=g) * init_std  # drawn in this order for
             w2 = torch.randn(self.d_ff, self.d_model, generator=g) * init_std  # every expert, every layout
-            self.w1[e].copy_(w1[:, k * f:(k + 1) * f])
-            self.w2[e].copy_(w2[k * f:(k + 1) * f])
+            self.w1[e].copy_(w1[:, k * f : (k + 1) * f])
+            self.w2[e].copy_(w2[k * f : (k + 1) * f])
         self.b1.zero_()
         self.b2.zero_()
 
     def extra_repr(self) -> str:
         last = self.first + self.num_local - 1
         sliced = f", slice {self.shard[0]} of {self.shard[1]}" if self.shard[1] > 1 else ""
-        return (f"experts {self.first}..{last} of {self.num_experts}{sliced}, d_model={self.d_model}, "
-                f"d_ff={self.d_ff}, seed={self.seed}")
+        return (
+            f"experts {self.first}..{last} of {self.num_experts}{sliced}, d_model={self.d_model}, "
+            f"d_ff={self.d_ff}, seed={self.seed}"
+        )
 
     def expert(self, e: int, x: torch.Tensor, weights=None) -> torch.Tensor:
         """Local expert e on rows x: the dense MLP, d_model -> d_ff -> GELU -> d_model."""
@@ -95,8 +109,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts) -> torch.Tensor:
         chunks = x.split([int(c) for c in counts])
         if len(chunks) != self.num_local:
-            raise ValueError(f"Experts.forward needs one count per local expert ({self.num_local}), "
-                             f"got {len(chunks)}.")
+            raise ValueError(f"Experts.forward needs one count per local expert ({self.num_local}), got {len(chunks)}.")
         weights = tuple(predivided(getattr(self, n)) for n in WEIGHTS)  # fp16 under an average: see below
         return torch.cat([self.expert(e, chunk, weights) for e, chunk in enumerate(chunks)])
 
@@ -156,6 +169,7 @@ def join_slices(stacked: torch.Tensor, name: str, s: int, d_model: int) -> torch
 # In the experts' own backward the division comes right after the matrix product that adds up the rows,
 # which has already summed in fp16 (as in Tutel and DeepSpeed-MoE): see docs/differences.md.
 
+
 def predivide_factor(params, dtype) -> float:
     """``pre`` for ``params``' gradient contributions in ``dtype`` (1: nothing to divide)."""
     n = getattr(params[0], "_toolkit_grad_average", None) if params else None
@@ -194,8 +208,9 @@ class GatherWeights(torch.autograd.Function):
     def backward(ctx, grad):
         mine = grad.new_empty(ctx.numel)
         grad = predivide(grad.contiguous(), ctx.params)
-        _label(comm.reduce_scatter(mine, grad, op="sum", group=ctx.group, async_op=True),
-               ctx.label + " backward").wait()
+        _label(
+            comm.reduce_scatter(mine, grad, op="sum", group=ctx.group, async_op=True), ctx.label + " backward"
+        ).wait()
         return mine, None, None, None, None
 
 

@@ -30,7 +30,7 @@ worker may leave its node, the rest re-pick inside it.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -104,10 +104,21 @@ class TopKGate(nn.Module):
     expert choices and make runs irreproducible.
     """
 
-    def __init__(self, d_model: int, num_experts: int, top_k: int = 2, capacity_factor: float = 1.25, *,
-                 noisy: bool = False, noise_std: float = 1.0, normalize_topk: bool = True,
-                 dropless: bool = False, z_loss_weight: float = 0.0, aux_loss: str = "gshard",
-                 min_capacity: int = 1):
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int = 2,
+        capacity_factor: float = 1.25,
+        *,
+        noisy: bool = False,
+        noise_std: float = 1.0,
+        normalize_topk: bool = True,
+        dropless: bool = False,
+        z_loss_weight: float = 0.0,
+        aux_loss: str = "gshard",
+        min_capacity: int = 1,
+    ):
         super().__init__()
         if not _is_int(d_model) or d_model < 1:
             raise ValueError(f"d_model must be an int >= 1, got {d_model!r}.")
@@ -117,8 +128,10 @@ class TopKGate(nn.Module):
         if not (_is_real(noise_std) and noise_std >= 0):
             raise ValueError(f"noise_std must be a finite number >= 0, got {noise_std!r}.")
         if not (_is_real(z_loss_weight) and z_loss_weight >= 0):
-            raise ValueError(f"z_loss_weight must be a finite number >= 0 (0 disables the z-loss; "
-                             f"ST-MoE uses 1e-3), got {z_loss_weight!r}.")
+            raise ValueError(
+                f"z_loss_weight must be a finite number >= 0 (0 disables the z-loss; "
+                f"ST-MoE uses 1e-3), got {z_loss_weight!r}."
+            )
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
         self.capacity_factor, self.min_capacity = capacity_factor, min_capacity
         self.noisy, self.noise_std = bool(noisy), float(noise_std)
@@ -128,8 +141,10 @@ class TopKGate(nn.Module):
 
     def extra_repr(self) -> str:
         cap = "dropless" if self.dropless else f"capacity_factor={self.capacity_factor}"
-        return (f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}, {cap}, "
-                f"aux_loss={self.aux_loss!r}, noisy={self.noisy}, z_loss_weight={self.z_loss_weight}")
+        return (
+            f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}, {cap}, "
+            f"aux_loss={self.aux_loss!r}, noisy={self.noisy}, z_loss_weight={self.z_loss_weight}"
+        )
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """(T, k) expert ids, best first, from (T, E) scores: the top-k. Other gates override this
@@ -137,14 +152,16 @@ class TopKGate(nn.Module):
         and losses then follow from whatever was chosen."""
         return scores.topk(self.top_k, dim=-1).indices
 
-    def forward(self, x: torch.Tensor, *, generator: Optional[torch.Generator] = None) -> Routing:
+    def forward(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Routing:
         if x.dim() != 2 or x.shape[-1] != self.d_model:
-            raise ValueError(f"TopKGate expects tokens of shape (T, d_model={self.d_model}), got "
-                             f"{tuple(x.shape)}. Flatten batch and sequence first: x.reshape(-1, {self.d_model}).")
+            raise ValueError(
+                f"TopKGate expects tokens of shape (T, d_model={self.d_model}), got "
+                f"{tuple(x.shape)}. Flatten batch and sequence first: x.reshape(-1, {self.d_model})."
+            )
         T, E, k = x.shape[0], self.num_experts, self.top_k
 
         # 1. Score every expert (float32 for stable routing) and turn scores into probabilities.
-        logits = F.linear(x.float(), self.router.weight.float())                       # (T, E)
+        logits = F.linear(x.float(), self.router.weight.float())  # (T, E)
         probs = logits.softmax(dim=-1)
 
         # 2. Choose the top-k, optionally on noisy scores (training only).
@@ -153,7 +170,7 @@ class TopKGate(nn.Module):
             noise = torch.randn(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
             scores = logits + self.noise_std * noise
         expert_index = self.choose(scores.detach()) if _assumed is None else _assumed(T, E, k)  # (T, k)
-        gate_weight = probs.gather(1, expert_index.to(probs.device))                   # (T, k)
+        gate_weight = probs.gather(1, expert_index.to(probs.device))  # (T, k)
         if self.normalize_topk and k > 1:
             gate_weight = gate_weight / gate_weight.sum(dim=-1, keepdim=True).clamp_min(1e-9)
 
@@ -169,12 +186,20 @@ class TopKGate(nn.Module):
         aux = loss_fn(probs, expert_index[:, 0])
         z = self.z_loss_weight * router_z_loss(logits) if self.z_loss_weight > 0 else None
 
-        return Routing(expert_index=expert_index, gate_weight=gate_weight, slot=slot,
-                       kept=slot < cap, counts=counts, kept_counts=counts.clamp(max=cap),
-                       capacity=cap, aux_loss=aux, z_loss=z)
+        return Routing(
+            expert_index=expert_index,
+            gate_weight=gate_weight,
+            slot=slot,
+            kept=slot < cap,
+            counts=counts,
+            kept_counts=counts.clamp(max=cap),
+            capacity=cap,
+            aux_loss=aux,
+            z_loss=z,
+        )
 
 
-def load_stats(counts: Union[torch.Tensor, Sequence[int]]) -> dict:
+def load_stats(counts: torch.Tensor | Sequence[int]) -> dict:
     """Imbalance of per-expert token counts, as plain floats (JSON-ready for a Run).
 
     max_over_mean  busiest expert / average: 1.0 is perfect balance, E means one expert takes all.

@@ -24,6 +24,7 @@ On a simulated cluster (meta tensors, `toolkit.moe.gates.assume_routing`) the de
 as for every toolkit MoE layer: the routing is data, which meta tensors do not have, so it is priced from
 the shapes (each expert's rows) instead of run.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,15 +41,24 @@ from .plan import Plan
 from .routing import Routing, _slots
 from .shadow import Shadowing
 
-OPTIONS = ("shadow", "pipeline_degree", "schedule", "smart_group_size", "all_to_all_algorithm", "node_size",
-           "compute_flops", "bandwidth")
+OPTIONS = (
+    "shadow",
+    "pipeline_degree",
+    "schedule",
+    "smart_group_size",
+    "all_to_all_algorithm",
+    "node_size",
+    "compute_flops",
+    "bandwidth",
+)
 
 
 def is_hf_experts(module: nn.Module) -> bool:
     """A Hugging Face fused experts module: 3-D `gate_up_proj` and `down_proj`, and `num_experts`."""
     weights = [getattr(module, n, None) for n in ("gate_up_proj", "down_proj")]
-    return (all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights)
-            and isinstance(getattr(module, "num_experts", None), int))
+    return all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights) and isinstance(
+        getattr(module, "num_experts", None), int
+    )
 
 
 def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -63,9 +73,11 @@ def expert_parallel(model: nn.Module, group=None, *, local: bool = False, **opti
         raise ValueError(f"expert_parallel: unknown option(s) {sorted(unknown)}; valid: {list(OPTIONS)}.")
     found = find_experts(model)
     if not found:
-        raise ValueError(f"expert_parallel: {type(model).__name__} has no Hugging Face experts module (one holding "
-                         f"3-D gate_up_proj and down_proj, as Mixtral's and Qwen2-MoE's do). For the toolkit's own "
-                         f"layer build the model with toolkit.models.moe_gpt.")
+        raise ValueError(
+            f"expert_parallel: {type(model).__name__} has no Hugging Face experts module (one holding "
+            f"3-D gate_up_proj and down_proj, as Mixtral's and Qwen2-MoE's do). For the toolkit's own "
+            f"layer build the model with toolkit.models.moe_gpt."
+        )
     for name, module in found:
         if not isinstance(module, ExpertParallelExperts):
             module.__class__ = type(f"ExpertParallel{type(module).__name__}", (ExpertParallelExperts, type(module)), {})
@@ -81,13 +93,28 @@ class ExpertParallelExperts(MoE):
         return self
 
     @torch.no_grad()
-    def setup(self, name: str, group, local: bool, shadow="off", pipeline_degree=1, schedule="plain",
-              smart_group_size=1, all_to_all_algorithm="flat", node_size=None, compute_flops=None, bandwidth=None):
+    def setup(
+        self,
+        name: str,
+        group,
+        local: bool,
+        shadow="off",
+        pipeline_degree=1,
+        schedule="plain",
+        smart_group_size=1,
+        all_to_all_algorithm="flat",
+        node_size=None,
+        compute_flops=None,
+        bandwidth=None,
+    ):
         if getattr(self, "has_bias", False) or not getattr(self, "has_gate", True):
-            raise ValueError(f"expert_parallel: {name} has biases or no gate projection; the toolkit's layer runs "
-                             f"gated experts without biases (Mixtral's, Qwen2-MoE's).")
-        check_systems_options(shadow, pipeline_degree, schedule, "topk", "ep", node_size, None, smart_group_size,
-                              all_to_all_algorithm)
+            raise ValueError(
+                f"expert_parallel: {name} has biases or no gate projection; the toolkit's layer runs "
+                f"gated experts without biases (Mixtral's, Qwen2-MoE's)."
+            )
+        check_systems_options(
+            shadow, pipeline_degree, schedule, "topk", "ep", node_size, None, smart_group_size, all_to_all_algorithm
+        )
         distributed = dist.is_initialized() and not local
         ranks = comm.group_ranks(group) if distributed else [0]
         E = self.num_experts
@@ -95,23 +122,27 @@ class ExpertParallelExperts(MoE):
         self.rank = ranks.index(dist.get_rank()) if distributed else 0
         if E % self.world:
             fits = [w for w in range(1, E + 1) if E % w == 0]
-            raise ValueError(f"expert_parallel: {E} experts of {name} do not split over {self.world} ranks; use an "
-                             f"expert-parallel group whose size divides {E} (one of {fits}).")
+            raise ValueError(
+                f"expert_parallel: {E} experts of {name} do not split over {self.world} ranks; use an "
+                f"expert-parallel group whose size divides {E} (one of {fits})."
+            )
         self.num_local, self.first = E // self.world, self.rank * (E // self.world)
         gate_up = self.gate_up_proj
         self.d_model = gate_up.shape[-1] if not getattr(self, "is_transposed", False) else gate_up.shape[1]
         self.d_ff = self.down_proj.shape[-1] if not getattr(self, "is_transposed", False) else self.down_proj.shape[1]
         self.top_k, self.slicing, self.gate, self.dropless, self.dynamic_capacity = None, None, None, True, False
         self.placement, self.calls = Placement("ep"), 0
-        self.shadowing = None if shadow == "off" else Shadowing(shadow, E, compute_flops=compute_flops,
-                                                                 bandwidth=bandwidth)
+        self.shadowing = (
+            None if shadow == "off" else Shadowing(shadow, E, compute_flops=compute_flops, bandwidth=bandwidth)
+        )
         self.schedule, self.pipeline_degree, self.smart_group_size = schedule, pipeline_degree, smart_group_size
         self.all_to_all_algorithm, self.node_size = all_to_all_algorithm, node_size
         if self.world > 1:  # keep this rank's experts only
             for attr in ("gate_up_proj", "down_proj"):
                 full = getattr(self, attr)
-                mine = nn.Parameter(full[self.first:self.first + self.num_local].clone(),
-                                    requires_grad=full.requires_grad)
+                mine = nn.Parameter(
+                    full[self.first : self.first + self.num_local].clone(), requires_grad=full.requires_grad
+                )
                 mine._toolkit_expert = True
                 setattr(self, attr, mine)
 
@@ -126,7 +157,7 @@ class ExpertParallelExperts(MoE):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         routing = self.route_given(hidden_states, top_k_index, top_k_weights)  # 1: the model's gate chose
-        return self.routed(hidden_states, routing).to(hidden_states.dtype)    # 2-7: the layer's own steps
+        return self.routed(hidden_states, routing).to(hidden_states.dtype)  # 2-7: the layer's own steps
 
     def route_given(self, tokens, top_k_index, top_k_weights) -> Routing:
         """The gate's decision as a Routing, dropless: the capacity is the fullest expert's load over the group."""
@@ -140,9 +171,16 @@ class ExpertParallelExperts(MoE):
             agreed = torch.tensor([cap], device=counts.device)
             comm.all_reduce(agreed, op="max", group=self.group)
             cap = int(agreed.item())
-        return Routing(expert_index=top_k_index, gate_weight=top_k_weights, slot=slot, kept=slot < cap, counts=counts,
-                       kept_counts=counts.clamp(max=cap), capacity=cap,
-                       aux_loss=counts.new_zeros((), dtype=torch.float))
+        return Routing(
+            expert_index=top_k_index,
+            gate_weight=top_k_weights,
+            slot=slot,
+            kept=slot < cap,
+            counts=counts,
+            kept_counts=counts.clamp(max=cap),
+            capacity=cap,
+            aux_loss=counts.new_zeros((), dtype=torch.float),
+        )
 
     def exchange_counts(self, routing: Routing) -> Plan:
         if self.world == 1:  # every expert here: nothing to tell anyone
@@ -185,7 +223,7 @@ class ExpertParallelExperts(MoE):
         return self._apply_gate(x @ gate_up.t()) @ down.t()
 
     def extra_repr(self) -> str:
-        return (f"name={self.name!r}, expert-parallel over {self.world} rank(s), experts {self.first}.."
-                f"{self.first + self.num_local - 1} of {self.num_experts}")
-
-
+        return (
+            f"name={self.name!r}, expert-parallel over {self.world} rank(s), experts {self.first}.."
+            f"{self.first + self.num_local - 1} of {self.num_experts}"
+        )

@@ -33,6 +33,7 @@ backward is the same all-to-all with the splits swapped (gradients return to whe
 Every collective goes through ``toolkit.comm``, so the trace shows count exchange, dispatch and
 combine, forward and backward.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,17 +42,17 @@ import torch.nn as nn
 
 from .. import comm
 from ..trace.events import recorder, span
+from . import machine
 from .exchange import all_to_all, exchange
 from .experts import Experts, expert_generator
 from .gates import Routing, TopKGate, capacity, load_stats
 from .load import enclosing_step
-from .topology import TopologyGate
-from . import machine
 from .options import check_sliceable, check_systems_options
 from .placement import Placement, ffn
 from .plan import Plan
 from .shadow import Shadowing
 from .sharded import Slicing
+from .topology import TopologyGate
 
 
 class MoE(nn.Module):
@@ -86,69 +87,141 @@ class MoE(nn.Module):
     Each forward records ``moe/{name}/load`` on this rank (see ``record_load``).
     """
 
-    def __init__(self, d_model: int, d_ff: int, num_experts: int, *, top_k: int = 2,
-                 capacity_factor: float = 1.25, group=None, shadow="off", pipeline_degree=1,
-                 schedule: str = "plain", gate: str = "topk", seed: int = 0, dropless: bool = False,
-                 noisy: bool = False, noise_std: float = 1.0, z_loss_weight: float = 0.0,
-                 aux_loss: str = "gshard", min_capacity: int = 1, init_std: float = 0.02,
-                 name: str = "moe", expert_parallel: str = "ep", node_size=None, compute_flops=None,
-                 bandwidth=None, local_bandwidth=None, smart_group_size: int = 1, expert_slices=None,
-                 all_to_all_algorithm: str = "flat", dynamic_capacity: bool = False):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        num_experts: int,
+        *,
+        top_k: int = 2,
+        capacity_factor: float = 1.25,
+        group=None,
+        shadow="off",
+        pipeline_degree=1,
+        schedule: str = "plain",
+        gate: str = "topk",
+        seed: int = 0,
+        dropless: bool = False,
+        noisy: bool = False,
+        noise_std: float = 1.0,
+        z_loss_weight: float = 0.0,
+        aux_loss: str = "gshard",
+        min_capacity: int = 1,
+        init_std: float = 0.02,
+        name: str = "moe",
+        expert_parallel: str = "ep",
+        node_size=None,
+        compute_flops=None,
+        bandwidth=None,
+        local_bandwidth=None,
+        smart_group_size: int = 1,
+        expert_slices=None,
+        all_to_all_algorithm: str = "flat",
+        dynamic_capacity: bool = False,
+    ):
         super().__init__()
-        check_systems_options(shadow, pipeline_degree, schedule, gate, expert_parallel, node_size, local_bandwidth,
-                               smart_group_size, all_to_all_algorithm)
+        check_systems_options(
+            shadow,
+            pipeline_degree,
+            schedule,
+            gate,
+            expert_parallel,
+            node_size,
+            local_bandwidth,
+            smart_group_size,
+            all_to_all_algorithm,
+        )
         for key, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MoE: {key} must be a positive int, got {value!r}.")
         self.group, self.name = group, str(name)
         ranks = comm.group_ranks(group) if dist.is_initialized() else [0]
         if dist.is_initialized() and dist.get_rank() not in ranks:
-            raise ValueError(f"MoE: this rank ({dist.get_rank()}) is not in the expert-parallel group {ranks}; "
-                             f"build the layer only on the group's ranks.")
+            raise ValueError(
+                f"MoE: this rank ({dist.get_rank()}) is not in the expert-parallel group {ranks}; "
+                f"build the layer only on the group's ranks."
+            )
         self.world = len(ranks)
         self.rank = ranks.index(dist.get_rank()) if dist.is_initialized() else 0
         if num_experts % self.world and self.world % num_experts:
             fits = [w for w in range(1, num_experts + 1) if num_experts % w == 0]
-            raise ValueError(f"MoE: num_experts={num_experts} does not split evenly over the {self.world} ranks "
-                             f"of the expert-parallel group. Use a multiple of {self.world} experts, a number "
-                             f"that divides {self.world} (more ranks than experts: each expert sliced over "
-                             f"them, Tutel's EP+DP+MP), or a group whose size divides {num_experts} (one of {fits}).")
+            raise ValueError(
+                f"MoE: num_experts={num_experts} does not split evenly over the {self.world} ranks "
+                f"of the expert-parallel group. Use a multiple of {self.world} experts, a number "
+                f"that divides {self.world} (more ranks than experts: each expert sliced over "
+                f"them, Tutel's EP+DP+MP), or a group whose size divides {num_experts} (one of {fits})."
+            )
         self.slicing = None  # W > E: moe/sharded.py
         if self.world > num_experts:
             check_sliceable(shadow, schedule, pipeline_degree, gate)
             self.slicing = Slicing(self.world, num_experts, d_ff, expert_slices)
         elif expert_slices is not None:
-            raise ValueError(f"expert_slices={expert_slices!r} slices experts over more ranks than experts; here "
-                             f"{num_experts} experts fit whole on {self.world} ranks. Leave it at None.")
+            raise ValueError(
+                f"expert_slices={expert_slices!r} slices experts over more ranks than experts; here "
+                f"{num_experts} experts fit whole on {self.world} ranks. Leave it at None."
+            )
         if self.world % smart_group_size:
             fits = [g for g in range(1, self.world + 1) if self.world % g == 0]
-            raise ValueError(f"MoE: smart_group_size={smart_group_size} does not divide the {self.world} ranks of the "
-                             f"expert-parallel group; choose one of {fits}.")
+            raise ValueError(
+                f"MoE: smart_group_size={smart_group_size} does not divide the {self.world} ranks of the "
+                f"expert-parallel group; choose one of {fits}."
+            )
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.num_local, self.dropless, self.seed = max(1, num_experts // self.world), bool(dropless), seed
         if dynamic_capacity and dropless:
-            raise ValueError("MoE: dynamic_capacity=True already sets the capacity from the load (at most "
-                             "capacity_factor's); dropless=True never limits it. Choose one.")
+            raise ValueError(
+                "MoE: dynamic_capacity=True already sets the capacity from the load (at most "
+                "capacity_factor's); dropless=True never limits it. Choose one."
+            )
         self.dynamic_capacity = bool(dynamic_capacity)
-        gate_options = dict(noisy=noisy, noise_std=noise_std, dropless=dropless or self.dynamic_capacity,
-                            z_loss_weight=z_loss_weight, aux_loss=aux_loss, min_capacity=min_capacity)
+        gate_options = dict(
+            noisy=noisy,
+            noise_std=noise_std,
+            dropless=dropless or self.dynamic_capacity,
+            z_loss_weight=z_loss_weight,
+            aux_loss=aux_loss,
+            min_capacity=min_capacity,
+        )
         if gate == "topology":  # FasterMoE: nodes and links from the arguments or the emulated link
-            nodes = machine.topology(self.world, node_size=node_size, bandwidth=bandwidth,
-                                     local_bandwidth=local_bandwidth)
-            self.gate = TopologyGate(d_model, num_experts, top_k, capacity_factor, world=self.world, rank=self.rank,
-                                     node_size=nodes["node_size"], cross_fraction=nodes["cross_fraction"],
-                                     **gate_options)
+            nodes = machine.topology(
+                self.world, node_size=node_size, bandwidth=bandwidth, local_bandwidth=local_bandwidth
+            )
+            self.gate = TopologyGate(
+                d_model,
+                num_experts,
+                top_k,
+                capacity_factor,
+                world=self.world,
+                rank=self.rank,
+                node_size=nodes["node_size"],
+                cross_fraction=nodes["cross_fraction"],
+                **gate_options,
+            )
         else:
             self.gate = TopKGate(d_model, num_experts, top_k, capacity_factor, **gate_options)
         self.placement = Placement(expert_parallel)  # Tutel: expert weights used on their owners or everywhere
-        self.shadowing = None if shadow == "off" else Shadowing(  # FasterMoE: some experts computed at home
-            shadow, num_experts, compute_flops=compute_flops, bandwidth=bandwidth)
+        self.shadowing = (
+            None
+            if shadow == "off"
+            else Shadowing(  # FasterMoE: some experts computed at home
+                shadow, num_experts, compute_flops=compute_flops, bandwidth=bandwidth
+            )
+        )
         with torch.no_grad():  # the router is the same on every rank and layout: seeded by `seed` alone
             g = expert_generator(seed, -1)
             self.gate.router.weight.copy_(torch.randn(num_experts, d_model, generator=g) * init_std)
         s = self.slicing.s if self.slicing else 1  # W > E: rank r holds slice r % s of expert r // s
-        self.experts = Experts(d_model, d_ff, num_experts, self.rank * self.num_local // s, self.num_local,
-                               seed=seed, init_std=init_std, group=group, shard=(self.rank % s, s))
+        self.experts = Experts(
+            d_model,
+            d_ff,
+            num_experts,
+            self.rank * self.num_local // s,
+            self.num_local,
+            seed=seed,
+            init_std=init_std,
+            group=group,
+            shard=(self.rank % s, s),
+        )
         self.calls = 0
         self.schedule, self.pipeline_degree = schedule, pipeline_degree  # steps 4-6: moe/schedule.py, pipeline.py
         self.smart_group_size = smart_group_size
@@ -164,29 +237,33 @@ class MoE(nn.Module):
     # --- the forward, step by step ------------------------------------------------------------
     def forward(self, x: torch.Tensor):
         if x.dim() == 0 or x.shape[-1] != self.d_model:
-            raise ValueError(f"MoE {self.name!r} expects tokens of shape (..., d_model={self.d_model}), "
-                             f"got {tuple(x.shape)}.")
+            raise ValueError(
+                f"MoE {self.name!r} expects tokens of shape (..., d_model={self.d_model}), got {tuple(x.shape)}."
+            )
         weights = self.gate.router.weight.dtype
         if not x.is_floating_point() or (x.dtype != weights and not torch.is_autocast_enabled(x.device.type)):
-            hint = ("token ids go through an embedding first (nn.Embedding), the MoE layer takes its vectors"
-                    if not x.is_floating_point() else f"convert one to the other: x.to({weights}) or layer.to({x.dtype})")
+            hint = (
+                "token ids go through an embedding first (nn.Embedding), the MoE layer takes its vectors"
+                if not x.is_floating_point()
+                else f"convert one to the other: x.to({weights}) or layer.to({x.dtype})"
+            )
             raise TypeError(f"MoE {self.name!r} expects {weights} tokens, like its weights, got {x.dtype}: {hint}.")
         tokens = x.reshape(-1, self.d_model)
-        routing = self.route(tokens)                                  # 1
+        routing = self.route(tokens)  # 1
         return self.routed(tokens, routing).reshape(x.shape), routing.loss
 
     def routed(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Steps 2-7 for the gate's decision: every token through its experts and back, weighted. (A layer that
         takes another gate's decision, a Hugging Face model's in moe/hf.py, starts here.)"""
-        if self.placement.replicate(self, routing):                   # 2-6 data-parallel (moe/placement.py)
+        if self.placement.replicate(self, routing):  # 2-6 data-parallel (moe/placement.py)
             plan, order, answers = self.placement.forward(self, tokens, routing)
-        elif self.shadowing is not None:                              # 2-6, shadowed experts at home (moe/shadow.py)
+        elif self.shadowing is not None:  # 2-6, shadowed experts at home (moe/shadow.py)
             plan, order, answers = self.shadowing.forward(self, tokens, routing)
         else:
-            plan = self.exchange_counts(routing)                      # 2
-            order, rows = self.sort_by_destination(tokens, routing)   # 3
-            answers = self.dispatch_compute_combine(rows, plan)       # 4, 5, 6
-        out = self.weighted_sum(answers, routing, order, tokens)      # 7
+            plan = self.exchange_counts(routing)  # 2
+            order, rows = self.sort_by_destination(tokens, routing)  # 3
+            answers = self.dispatch_compute_combine(rows, plan)  # 4, 5, 6
+        out = self.weighted_sum(answers, routing, order, tokens)  # 7
         self.record_load(routing, plan)
         return out
 
@@ -196,8 +273,9 @@ class MoE(nn.Module):
         ``capacity_factor`` allows, agreed by all ranks like dropless."""
         routing = self.gate(tokens)
         if self.dynamic_capacity:
-            bound = capacity(routing.num_tokens, self.num_experts, self.top_k, self.gate.capacity_factor,
-                             self.gate.min_capacity)
+            bound = capacity(
+                routing.num_tokens, self.num_experts, self.top_k, self.gate.capacity_factor, self.gate.min_capacity
+            )
             routing = routing.with_capacity(min(routing.capacity, bound))
         if (self.dropless or self.dynamic_capacity) and dist.is_initialized():
             cap = torch.tensor([routing.capacity], device=routing.counts.device)
@@ -207,8 +285,11 @@ class MoE(nn.Module):
 
     def exchange_counts(self, routing: Routing) -> Plan:
         """Step 2: tell every rank how many rows it gets for each of its experts (all-to-all of counts)."""
-        send = (self.slicing.send_counts(routing.kept_counts) if self.slicing else
-                routing.kept_counts.reshape(self.world, self.num_local))
+        send = (
+            self.slicing.send_counts(routing.kept_counts)
+            if self.slicing
+            else routing.kept_counts.reshape(self.world, self.num_local)
+        )
         split = [self.num_local] * self.world
         recv = exchange(send.reshape(-1), split, split, self.group, "counts")
         return Plan(send, recv.reshape(self.world, self.num_local))
@@ -216,9 +297,9 @@ class MoE(nn.Module):
     def sort_by_destination(self, tokens: torch.Tensor, routing: Routing):
         """Step 3: kept (token, choice) pairs ordered by expert, then slot; experts are contiguous per
         rank, so this is also destination-rank order. Returns (choice ids into the flat (T*k), rows)."""
-        place = routing.buffer_index().reshape(-1)       # expert * C + slot, -1 when dropped
+        place = routing.buffer_index().reshape(-1)  # expert * C + slot, -1 when dropped
         kept = (place >= 0).nonzero().squeeze(1)
-        order = kept[place[kept].argsort()]              # unique keys: the order is deterministic
+        order = kept[place[kept].argsort()]  # unique keys: the order is deterministic
         return order, tokens[order // routing.top_k]
 
     def dispatch_compute_combine(self, rows: torch.Tensor, plan: Plan, wrap=None) -> torch.Tensor:
@@ -243,7 +324,9 @@ class MoE(nn.Module):
         outputs = self.compute_experts(received, plan)
         answers = all_to_all(outputs, plan.send_splits, plan.recv_splits, self.group, "combine", nodes)
         if copies is not None:  # the slices' partial outputs, added up
-            answers = answers.new_zeros((kept,) + tuple(answers.shape[1:])).index_add(0, copies.to(answers.device), answers)
+            answers = answers.new_zeros((kept,) + tuple(answers.shape[1:])).index_add(
+                0, copies.to(answers.device), answers
+            )
         return answers
 
     def compute_experts(self, received: torch.Tensor, plan: Plan) -> torch.Tensor:
@@ -284,9 +367,16 @@ class MoE(nn.Module):
         if isinstance(self.gate, TopologyGate):  # rows that cross nodes, wanted and sent, and the limit L
             recorder.metric(f"moe/{self.name}/topology", self.gate.record(routing), step=enclosing_step())
         stats = load_stats(routing.counts)
-        value = {"counts": routing.counts.tolist(), "kept": routing.kept_counts.tolist(),
-                 "dropped": routing.dropped, "capacity": routing.capacity, "received": plan.expert_rows,
-                 "capacity_factor": routing.capacity * self.num_experts / max(1, routing.num_tokens * self.top_k),
-                 "first": self.experts.first, "max_over_mean": stats["max_over_mean"],
-                 "cv": stats["cv"], "call": self.calls}
+        value = {
+            "counts": routing.counts.tolist(),
+            "kept": routing.kept_counts.tolist(),
+            "dropped": routing.dropped,
+            "capacity": routing.capacity,
+            "received": plan.expert_rows,
+            "capacity_factor": routing.capacity * self.num_experts / max(1, routing.num_tokens * self.top_k),
+            "first": self.experts.first,
+            "max_over_mean": stats["max_over_mean"],
+            "cv": stats["cv"],
+            "call": self.calls,
+        }
         recorder.metric(f"moe/{self.name}/load", value, step=enclosing_step())

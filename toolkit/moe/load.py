@@ -1,4 +1,5 @@
 """The global expert load: every rank records its own view of each forward; this adds them up."""
+
 from __future__ import annotations
 
 from .gates import load_stats
@@ -19,8 +20,15 @@ def merge_load(metrics, name: str = "moe") -> list:
     for records in zip(*per_rank.values()):
         counts = [sum(c) for c in zip(*(r["value"]["counts"] for r in records))]
         kept = [sum(c) for c in zip(*(r["value"]["kept"] for r in records))]
-        rows.append({"step": records[0]["step"], "counts": counts, "kept": kept,
-                     "dropped": sum(r["value"]["dropped"] for r in records), **load_stats(counts)})
+        rows.append(
+            {
+                "step": records[0]["step"],
+                "counts": counts,
+                "kept": kept,
+                "dropped": sum(r["value"]["dropped"] for r in records),
+                **load_stats(counts),
+            }
+        )
     return rows
 
 

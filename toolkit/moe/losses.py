@@ -17,9 +17,11 @@ def _check_probs(probs: torch.Tensor, top1_index: torch.Tensor, name: str) -> No
     if probs.dim() != 2:
         raise ValueError(f"{name}: probs must be (tokens, experts), got shape {tuple(probs.shape)}.")
     if top1_index.shape != probs.shape[:1]:
-        raise ValueError(f"{name}: top1_index must be (tokens,) = ({probs.shape[0]},) holding each token's "
-                         f"first-choice expert, got shape {tuple(top1_index.shape)}. "
-                         f"Pass expert_index[:, 0], not the whole (T, k) index.")
+        raise ValueError(
+            f"{name}: top1_index must be (tokens,) = ({probs.shape[0]},) holding each token's "
+            f"first-choice expert, got shape {tuple(top1_index.shape)}. "
+            f"Pass expert_index[:, 0], not the whole (T, k) index."
+        )
 
 
 def _fraction_and_mean_prob(probs: torch.Tensor, top1_index: torch.Tensor):

@@ -18,6 +18,7 @@ MAX of the times, since a step waits for its slowest rank). Agreement matters: t
 decisions (which experts to shadow) that change which collectives run, and a decision that differed
 between ranks would hang the next one. Measured rates are cached per process, so a layer measures once.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,10 +54,13 @@ def emulated_link(group=None) -> dict | None:
         return None
     ranks = comm.group_ranks(group) if dist.is_initialized() else [0]
     used = settings.link(ranks)
-    return {"bandwidth": settings.inter.bandwidth, "latency": settings.inter.latency,
-            "intra_node": settings.intra.bandwidth if settings.intra is not None else None,
-            "ranks_per_node": settings.ranks_per_node,
-            "group_link": used.bandwidth if used is not None else None}
+    return {
+        "bandwidth": settings.inter.bandwidth,
+        "latency": settings.inter.latency,
+        "intra_node": settings.intra.bandwidth if settings.intra is not None else None,
+        "ranks_per_node": settings.ranks_per_node,
+        "group_link": used.bandwidth if used is not None else None,
+    }
 
 
 # --- measurements ------------------------------------------------------------------------------------
@@ -128,18 +132,19 @@ def machine_rates(d_model: int, d_ff: int, *, group=None, compute_flops=None, ba
         if link is not None and link["group_link"] is not None:
             W, source["bandwidth"] = float(link["group_link"]), "emulated"
     if P is None or W is None:
-        key = (tuple(comm.group_ranks(group)) if dist.is_initialized() else (0,), d_model, d_ff,
-               P is None, W is None)
+        key = (tuple(comm.group_ranks(group)) if dist.is_initialized() else (0,), d_model, d_ff, P is None, W is None)
         if key not in _cache:
             gemm = time_gemm(d_model, d_ff) if P is None else 0.0
-            a2a, moved = (time_all_to_all(group) if W is None and world > 1 else (0.0, 0.0))
+            a2a, moved = time_all_to_all(group) if W is None and world > 1 else (0.0, 0.0)
             if dist.is_initialized() and world > 1:  # agree: the slowest rank's times
                 both = torch.tensor([gemm, a2a], dtype=torch.float64)
                 comm.all_reduce(both, op="max", group=group)
                 _label("calibrate")
                 gemm, a2a = both.tolist()
-            _cache[key] = (2.0 * 512 * d_model * d_ff / gemm if P is None else None,
-                           (moved / a2a if a2a > 0 else math.inf) if W is None else None)
+            _cache[key] = (
+                2.0 * 512 * d_model * d_ff / gemm if P is None else None,
+                (moved / a2a if a2a > 0 else math.inf) if W is None else None,
+            )
         measured_P, measured_W = _cache[key]
         if P is None:
             P, source["compute_flops"] = measured_P, "measured"
@@ -153,12 +158,16 @@ def node_size(world: int, given=None) -> int:
     link = emulated_link() or {}
     M = given if given is not None else link.get("ranks_per_node")
     if M is None:
-        raise ValueError("all_to_all_algorithm='2dh' needs the nodes: pass node_size= (ranks per node) or turn on an "
-                         "emulated link with toolkit.comm.emulate(..., ranks_per_node=...).")
+        raise ValueError(
+            "all_to_all_algorithm='2dh' needs the nodes: pass node_size= (ranks per node) or turn on an "
+            "emulated link with toolkit.comm.emulate(..., ranks_per_node=...)."
+        )
     if isinstance(M, bool) or not isinstance(M, int) or M < 1 or world % M:
         fits = [m for m in range(1, world + 1) if world % m == 0]
-        raise ValueError(f"node_size={M!r} must divide the {world} ranks of the group (every node holds the same "
-                         f"number); choose one of {fits}.")
+        raise ValueError(
+            f"node_size={M!r} must divide the {world} ranks of the group (every node holds the same "
+            f"number); choose one of {fits}."
+        )
     return M
 
 
@@ -170,9 +179,11 @@ def topology(world: int, *, node_size=None, bandwidth=None, local_bandwidth=None
     """
     link = emulated_link() or {}
     if link and local_bandwidth is None and link["intra_node"] is None and (node_size or link["ranks_per_node"]) > 1:
-        raise ValueError("gate='topology': the emulated link leaves traffic inside a node unslowed "
-                         "(intra_node=None), so W_local is unknown. Emulate it, e.g. toolkit.comm.emulate(..., "
-                         "intra_node=dict(bandwidth='10 GB/s'), ranks_per_node=...), or pass local_bandwidth=.")
+        raise ValueError(
+            "gate='topology': the emulated link leaves traffic inside a node unslowed "
+            "(intra_node=None), so W_local is unknown. Emulate it, e.g. toolkit.comm.emulate(..., "
+            "intra_node=dict(bandwidth='10 GB/s'), ranks_per_node=...), or pass local_bandwidth=."
+        )
     source = {}
     M = node_size if node_size is not None else link.get("ranks_per_node")
     source["node_size"] = "given" if node_size is not None else "emulated"
@@ -182,19 +193,28 @@ def topology(world: int, *, node_size=None, bandwidth=None, local_bandwidth=None
     source["local_bandwidth"] = "given" if local_bandwidth is not None else "emulated"
     missing = [name for name, v in (("node_size", M), ("bandwidth", W_net), ("local_bandwidth", W_local)) if v is None]
     if missing:
-        raise ValueError(f"gate='topology' needs the nodes and their links; missing {missing}. Turn on an emulated "
-                         f"link with toolkit.comm.emulate(bandwidth=..., intra_node=..., ranks_per_node=...) or "
-                         f"pass node_size= (ranks per node), bandwidth= (cross-node bytes/s) and "
-                         f"local_bandwidth= (intra-node bytes/s) to the MoE layer.")
+        raise ValueError(
+            f"gate='topology' needs the nodes and their links; missing {missing}. Turn on an emulated "
+            f"link with toolkit.comm.emulate(bandwidth=..., intra_node=..., ranks_per_node=...) or "
+            f"pass node_size= (ranks per node), bandwidth= (cross-node bytes/s) and "
+            f"local_bandwidth= (intra-node bytes/s) to the MoE layer."
+        )
     if isinstance(M, bool) or not isinstance(M, int) or M < 1:
         raise ValueError(f"node_size must be an int >= 1 (ranks per node), got {M!r}.")
     if world % M:
         fits = [m for m in range(1, world + 1) if world % m == 0]
-        raise ValueError(f"node_size={M} does not divide the world size {world}: every node must hold the same "
-                         f"number of ranks. Choose one of {fits}.")
+        raise ValueError(
+            f"node_size={M} does not divide the world size {world}: every node must hold the same "
+            f"number of ranks. Choose one of {fits}."
+        )
     W_net, W_local = _positive("bandwidth", W_net), _positive("local_bandwidth", W_local)
-    return {"node_size": M, "bandwidth": W_net, "local_bandwidth": W_local,
-            "cross_fraction": W_net / (M * W_local), "source": source}
+    return {
+        "node_size": M,
+        "bandwidth": W_net,
+        "local_bandwidth": W_local,
+        "cross_fraction": W_net / (M * W_local),
+        "source": source,
+    }
 
 
 def all_to_all_nodes(layer, rows):
@@ -215,6 +235,9 @@ def all_to_all_nodes(layer, rows):
         handle.wait()
     choice, reason = hierarchical.choose(link, layer.world, layer.node_size, largest.item())
     if recorder.enabled:
-        recorder.metric(f"moe/{layer.name}/all_to_all", {"choice": choice, "reason": reason,
-                                                          "bytes_per_rank": largest.item()}, step=enclosing_step())
+        recorder.metric(
+            f"moe/{layer.name}/all_to_all",
+            {"choice": choice, "reason": reason, "bytes_per_rank": largest.item()},
+            step=enclosing_step(),
+        )
     return layer.node_size if choice == "2dh" else None

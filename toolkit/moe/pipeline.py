@@ -27,6 +27,7 @@ slots; C_occ = 2, d = 8: two chunks of one slot. The record says so (``padded_sl
 an explicit degree warns once per layer. The mathematics never changes: the same rows meet the same
 experts; gradients run the same chunks in reverse (``toolkit.moe.units.Overlapped``).
 """
+
 from __future__ import annotations
 
 import math
@@ -78,8 +79,14 @@ class Chunks(Units):
 
     def post(self, x, k, names):
         out = x.new_empty((sum(self.recv_splits[k]),) + tuple(x.shape[1:]))
-        handle = comm.all_to_all(out, x[self.index[k]].contiguous(), self.recv_splits[k], self.send_splits[k],
-                                 group=self.group, async_op=True)
+        handle = comm.all_to_all(
+            out,
+            x[self.index[k]].contiguous(),
+            self.recv_splits[k],
+            self.send_splits[k],
+            group=self.group,
+            async_op=True,
+        )
         return _Pending(out, [self._tag(handle, names[0], k)])
 
     def block(self, k, received):
@@ -87,8 +94,9 @@ class Chunks(Units):
 
     def post_back(self, k, y, names):
         back = y.new_empty((self.index[k].numel(),) + tuple(y.shape[1:]))
-        handle = comm.all_to_all(back, y.contiguous(), self.send_splits[k], self.recv_splits[k],
-                                 group=self.group, async_op=True)
+        handle = comm.all_to_all(
+            back, y.contiguous(), self.send_splits[k], self.recv_splits[k], group=self.group, async_op=True
+        )
         return _Pending(back, [self._tag(handle, names[1], k)])
 
     def assemble(self, results, like):
@@ -103,16 +111,14 @@ def occupied_capacity(layer, plan) -> int:
     slots (an all-reduce MAX through the door, labelled "pipeline capacity")."""
     local = plan.send_counts.max() if plan.send_counts.numel() else plan.send_counts.new_zeros(())
     value = local.reshape(1).clone()
-    label(comm.all_reduce(value, op="max", group=layer.group, async_op=True), "pipeline capacity",
-          layer.name).wait()
+    label(comm.all_reduce(value, op="max", group=layer.group, async_op=True), "pipeline capacity", layer.name).wait()
     return int(value.item())
 
 
 def _agree_on_time(layer, seconds: float) -> float:
     """The slowest rank's time: every rank must make the same choice."""
     value = torch.tensor([seconds], dtype=torch.float64)
-    label(comm.all_reduce(value, op="max", group=layer.group, async_op=True), "pipeline auto timing",
-          layer.name).wait()
+    label(comm.all_reduce(value, op="max", group=layer.group, async_op=True), "pipeline auto timing", layer.name).wait()
     return float(value.item())
 
 
@@ -148,10 +154,12 @@ def pipelined_dispatch_compute_combine(layer, rows: torch.Tensor, plan, wrap=Non
     shape = chunking(capacity, degree)
     if shape["padded_slots"] and not auto and not getattr(layer, "_pipeline_padding_warned", False):
         layer._pipeline_padding_warned = True
-        warnings.warn(f"MoE {layer.name!r}: pipeline_degree={degree} does not divide the occupied capacity "
-                      f"{capacity}: padded to {degree * shape['chunk_slots']} slots ({shape['chunks']} chunk(s) of "
-                      f"{shape['chunk_slots']} slot(s) hold rows; padding carries nothing). The result is unchanged.",
-                      stacklevel=3)
+        warnings.warn(
+            f"MoE {layer.name!r}: pipeline_degree={degree} does not divide the occupied capacity "
+            f"{capacity}: padded to {degree * shape['chunk_slots']} slots ({shape['chunks']} chunk(s) of "
+            f"{shape['chunk_slots']} slot(s) hold rows; padding carries nothing). The result is unchanged.",
+            stacklevel=3,
+        )
     units = Chunks(layer, plan, shape["chunk_slots"], shape["chunks"], degree)
     start = time.perf_counter()
     out = overlapped(wrap(units) if wrap else units, rows, layer)

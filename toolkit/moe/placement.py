@@ -25,6 +25,7 @@ The choice and its reason are kept in ``placement.choice`` / ``placement.reason`
 Note the kinship with shadowing (moe/shadow.py): "dp" is shadowing every expert, with the per-expert
 broadcasts and gradient reductions batched into one all-gather and one reduce-scatter.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,7 @@ from ..trace.events import recorder, span
 from .experts import WEIGHTS, GatherWeights, join_slices
 from .load import enclosing_step
 from .machine import _label
-from .placement_cost import (UNIT_LINK, choose_parallel, expert_parameters, parallel_costs,  # noqa: F401
-                             slice_weight_calls)
+from .placement_cost import UNIT_LINK, choose_parallel, expert_parameters, parallel_costs, slice_weight_calls  # noqa: F401
 from .plan import Plan
 from .sharded import row_destinations
 
@@ -73,7 +73,7 @@ def all_experts(layer):
     out, at = [], 0
     for name, p in zip(WEIGHTS, params):
         n = p.numel()
-        stacked = everyone[:, at:at + n].reshape((layer.world * ex.num_local,) + tuple(p.shape[1:]))
+        stacked = everyone[:, at : at + n].reshape((layer.world * ex.num_local,) + tuple(p.shape[1:]))
         out.append(join_slices(stacked, name, ex.shard[1], layer.d_model))
         at += n
     return tuple(out)
@@ -89,13 +89,18 @@ class Placement:
 
     def __init__(self, mode: str = "ep"):
         if mode not in MODES:
-            raise ValueError(f"expert_parallel={mode!r}: choose 'ep' (experts stay on their owners, tokens "
-                             f"travel), 'dp' (every rank uses every expert, weights travel) or 'auto' (the "
-                             f"cheaper one per forward, by Tutel's communication model).")
+            raise ValueError(
+                f"expert_parallel={mode!r}: choose 'ep' (experts stay on their owners, tokens "
+                f"travel), 'dp' (every rank uses every expert, weights travel) or 'auto' (the "
+                f"cheaper one per forward, by Tutel's communication model)."
+            )
         self.mode = mode
         self.choice = None if mode == "auto" else mode
-        self.reason = {"ep": "ep: asked for (expert_parallel='ep')",
-                       "dp": "dp: asked for (expert_parallel='dp')", "auto": None}[mode]
+        self.reason = {
+            "ep": "ep: asked for (expert_parallel='ep')",
+            "dp": "dp: asked for (expert_parallel='dp')",
+            "auto": None,
+        }[mode]
         self.costs = None
 
     def __repr__(self) -> str:
@@ -108,8 +113,11 @@ class Placement:
             return False
         if self.mode == "dp":
             if recorder.enabled:
-                recorder.metric(f"moe/{layer.name}/parallel", {"mode": "dp", "choice": "dp", "reason": self.reason},
-                                step=enclosing_step())
+                recorder.metric(
+                    f"moe/{layer.name}/parallel",
+                    {"mode": "dp", "choice": "dp", "reason": self.reason},
+                    step=enclosing_step(),
+                )
             return True
         kept = routing.kept_counts
         counts = kept.reshape(1, -1)
@@ -125,9 +133,11 @@ class Placement:
         if self.choice == "ep" and slicing is not None:
             layer.slicing = slicing  # Tutel's adaptive r: this forward computes the experts as r slices
         if recorder.enabled:
-            recorder.metric(f"moe/{layer.name}/parallel",
-                            {"mode": self.mode, "choice": self.choice, "reason": self.reason, **self.costs},
-                            step=enclosing_step())
+            recorder.metric(
+                f"moe/{layer.name}/parallel",
+                {"mode": self.mode, "choice": self.choice, "reason": self.reason, **self.costs},
+                step=enclosing_step(),
+            )
         return self.choice == "dp"
 
     def price(self, layer, counts, settings=None, ranks=None, training=True) -> tuple:
@@ -139,8 +149,16 @@ class Placement:
         for slicing in self._slicings(layer):  # W > E: every r Tutel allows (one, if expert_slices fixed it)
             traffic = [row_destinations(c, layer.world, layer.num_experts, slicing and slicing.r) for c in counts]
             weights = slice_weight_calls(slicing, layer.d_model, size, ranks) if slicing else ()
-            costs = parallel_costs(traffic, expert_params=P, d_model=layer.d_model, element_bytes=size,
-                                   training=training, settings=settings, ranks=ranks, weights=weights)
+            costs = parallel_costs(
+                traffic,
+                expert_params=P,
+                d_model=layer.d_model,
+                element_bytes=size,
+                training=training,
+                settings=settings,
+                ranks=ranks,
+                weights=weights,
+            )
             costs.update(r=slicing and slicing.r, expert_params=P)
             if best is None or costs["ep_s"] < best[1]["ep_s"]:  # ties keep the larger r: fewer weights move
                 best = slicing, costs
@@ -160,12 +178,12 @@ class Placement:
     def forward(self, layer, tokens, routing):
         """Steps 2-6 data-parallel: all experts here, this rank's rows through them. -> (plan, order, answers)"""
         weights = all_experts(layer)
-        order, rows = layer.sort_by_destination(tokens, routing)   # grouped by expert, ascending
+        order, rows = layer.sort_by_destination(tokens, routing)  # grouped by expert, ascending
         kept = routing.kept_counts
         with span(f"moe/{layer.name}/experts", rows=rows.shape[0], placement="dp"):
             answers = run_experts(rows, kept.tolist(), weights, range(layer.num_experts))
         # for the load record: this rank computed its own rows for its own experts (and the rest)
         W, El, r, first = layer.world, layer.num_local, layer.rank, layer.experts.first
         mine = torch.zeros(W, El, dtype=kept.dtype, device=kept.device)
-        mine[r] = kept[first:first + El]
+        mine[r] = kept[first : first + El]
         return Plan(mine, mine.clone()), order, answers

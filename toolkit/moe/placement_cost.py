@@ -18,6 +18,7 @@ once (``together``: parallel groups share a node's card). With W > E and no ``ex
 auto also chooses r among the divisors of s, as Tutel's adaptive r does at run time (the released code
 takes r per forward from the caller; the paper searches it): the cheapest of dp and every r.
 """
+
 from __future__ import annotations
 
 from ..comm.cost import demand, together
@@ -41,15 +42,34 @@ def slice_weight_calls(slicing, d_model: int, element_bytes: int, ranks=None) ->
     f, bias = slicing.d_ff // s, -(-d_model // s)
     calls = []
     if size > 1:
-        calls.append(("all_gather", {ranks[q]: [ranks[p] for p in slicing.members(q)[0]] for q in range(W)},
-                      size * (2 * d_model * f + f) * element_bytes))
-    calls.append(("all_gather", {ranks[q]: [ranks[p] for p in slicing.members(q)[1]] for q in range(W)},
-                  s * bias * element_bytes))
+        calls.append(
+            (
+                "all_gather",
+                {ranks[q]: [ranks[p] for p in slicing.members(q)[0]] for q in range(W)},
+                size * (2 * d_model * f + f) * element_bytes,
+            )
+        )
+    calls.append(
+        (
+            "all_gather",
+            {ranks[q]: [ranks[p] for p in slicing.members(q)[1]] for q in range(W)},
+            s * bias * element_bytes,
+        )
+    )
     return calls
 
 
-def parallel_costs(traffic, *, expert_params: int, d_model: int, element_bytes: int = 4, training: bool = True,
-                   settings=None, ranks=None, weights=()) -> dict:
+def parallel_costs(
+    traffic,
+    *,
+    expert_params: int,
+    d_model: int,
+    element_bytes: int = 4,
+    training: bool = True,
+    settings=None,
+    ranks=None,
+    weights=(),
+) -> dict:
     """Predicted seconds per step of the expert layer's communication under each placement.
 
     traffic[i][j]: rows rank i sends to rank j in the dispatch (``sharded.row_destinations``); the
@@ -77,17 +97,27 @@ def parallel_costs(traffic, *, expert_params: int, d_model: int, element_bytes: 
         return together(link, {me: demand(link, op, group, me, nbytes) for me, group in groups.items()})
 
     everyone = {me: ranks for me in ranks}
-    weight_s = sum(ring("all_gather", groups, nbytes) + (ring("reduce_scatter", groups, nbytes) if training else 0.0)
-                   for _, groups, nbytes in weights)
-    weight_bytes = sum(passes * (len(next(iter(groups.values()))) - 1) / len(next(iter(groups.values()))) * nbytes
-                       for _, groups, nbytes in weights)
+    weight_s = sum(
+        ring("all_gather", groups, nbytes) + (ring("reduce_scatter", groups, nbytes) if training else 0.0)
+        for _, groups, nbytes in weights
+    )
+    weight_bytes = sum(
+        passes * (len(next(iter(groups.values()))) - 1) / len(next(iter(groups.values()))) * nbytes
+        for _, groups, nbytes in weights
+    )
     moved = [max(sum(traffic[i]) - traffic[i][i], sum(t[i] for t in traffic) - traffic[i][i]) for i in range(W)]
     busiest = max(range(W), key=moved.__getitem__)
-    return {"dp_s": ring("all_gather", everyone, size) + (ring("reduce_scatter", everyone, size) if training else 0.0),
-            "ep_s": passes * (exchange(False) + exchange(True)) + weight_s, "ep_weights_s": weight_s,
-            "dp_bytes": float(passes * (W - 1) / W * size if W > 1 else 0.0),
-            "ep_bytes": float(passes * 2 * moved[busiest] * row), "ep_weight_bytes": float(weight_bytes),
-            "busiest": busiest, "busiest_rows": int(moved[busiest]), "unit_link": settings is None}
+    return {
+        "dp_s": ring("all_gather", everyone, size) + (ring("reduce_scatter", everyone, size) if training else 0.0),
+        "ep_s": passes * (exchange(False) + exchange(True)) + weight_s,
+        "ep_weights_s": weight_s,
+        "dp_bytes": float(passes * (W - 1) / W * size if W > 1 else 0.0),
+        "ep_bytes": float(passes * 2 * moved[busiest] * row),
+        "ep_weight_bytes": float(weight_bytes),
+        "busiest": busiest,
+        "busiest_rows": int(moved[busiest]),
+        "unit_link": settings is None,
+    }
 
 
 def _size(nbytes: float) -> str:
@@ -103,15 +133,24 @@ def choose_parallel(costs: dict, *, num_experts: int, expert_params: int) -> tup
     "ep" was priced at (EP+DP+MP)."""
     dp, ep = costs["dp_s"], costs["ep_s"]
     cost = (lambda s: _size(s)) if costs.get("unit_link") else (lambda s: f"{s * 1e3:.3g} ms")
-    weights = (f"{num_experts} experts' {expert_params:,} parameters ({cost(dp)} for all-gather + reduce-scatter, "
-               f"{_size(costs['dp_bytes'])} per rank)")
-    tokens = (f"the 4 all-to-alls ({cost(ep - costs.get('ep_weights_s', 0.0))}), whose slowest rank, rank "
-              f"{costs['busiest']}, sends or receives {costs['busiest_rows']:,} rows ({_size(costs['ep_bytes'])})")
+    weights = (
+        f"{num_experts} experts' {expert_params:,} parameters ({cost(dp)} for all-gather + reduce-scatter, "
+        f"{_size(costs['dp_bytes'])} per rank)"
+    )
+    tokens = (
+        f"the 4 all-to-alls ({cost(ep - costs.get('ep_weights_s', 0.0))}), whose slowest rank, rank "
+        f"{costs['busiest']}, sends or receives {costs['busiest_rows']:,} rows ({_size(costs['ep_bytes'])})"
+    )
     if costs.get("r") is not None:
-        tokens = (f"EP+DP+MP at r={costs['r']}: {tokens}, plus its slice weights' gathers and reduce-scatters "
-                  f"({cost(costs.get('ep_weights_s', 0.0))}, {_size(costs.get('ep_weight_bytes', 0.0))} per rank)")
+        tokens = (
+            f"EP+DP+MP at r={costs['r']}: {tokens}, plus its slice weights' gathers and reduce-scatters "
+            f"({cost(costs.get('ep_weights_s', 0.0))}, {_size(costs.get('ep_weight_bytes', 0.0))} per rank)"
+        )
     if dp < ep:
-        return "dp", (f"dp: moving the weights is cheaper: {weights} < {tokens}. Tutel: DP costs O(P) whatever "
-                      f"the load; EP O(C_g) grows with the tokens routed, and the popular expert's rank receives most.")
-    return "ep", (f"ep: moving the tokens is cheaper: {tokens} <= {weights}. Tutel: EP costs O(C_g); DP O(P) "
-                  f"whatever the load.")
+        return "dp", (
+            f"dp: moving the weights is cheaper: {weights} < {tokens}. Tutel: DP costs O(P) whatever "
+            f"the load; EP O(C_g) grows with the tokens routed, and the popular expert's rank receives most."
+        )
+    return "ep", (
+        f"ep: moving the tokens is cheaper: {tokens} <= {weights}. Tutel: EP costs O(C_g); DP O(P) whatever the load."
+    )

@@ -3,6 +3,7 @@
 Its own file so that every way of running steps 4-6 (the plain layer, shadowing, Tutel's data-parallel
 placement, the pipelined and smart schedules) can build one without importing the layer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

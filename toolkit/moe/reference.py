@@ -1,4 +1,5 @@
 """The oracle: what an expert-parallel MoE layer must compute, by brute force in one process."""
+
 from __future__ import annotations
 
 
@@ -10,8 +11,10 @@ def reference_moe(layer, chunks):
     to check the layer's against. Returns (outputs per chunk, aux losses per chunk).
     """
     if layer.num_local != layer.num_experts:
-        raise ValueError("reference_moe needs a layer that holds every expert: build it in one process "
-                         "(no process group), with the same seed.")
+        raise ValueError(
+            "reference_moe needs a layer that holds every expert: build it in one process "
+            "(no process group), with the same seed."
+        )
     outputs, losses = [], []
     for x in chunks:
         tokens = x.reshape(-1, layer.d_model)

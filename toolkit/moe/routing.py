@@ -4,10 +4,10 @@ The gate (``moe/gates.py``) scores and chooses; this file holds what it decided:
 weights, each choice's position (slot) in its expert's buffer and whether it fits the capacity
 (``moe/capacity.py``), plus the dense teaching forms of dispatch and combine (GShard's einsum masks).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ class Routing:
     kept_counts: torch.Tensor
     capacity: int
     aux_loss: torch.Tensor
-    z_loss: Optional[torch.Tensor] = None
+    z_loss: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +67,7 @@ class Routing:
         """aux_loss + z_loss (if any): the extra term to add to the training loss."""
         return self.aux_loss if self.z_loss is None else self.aux_loss + self.z_loss
 
-    def with_capacity(self, capacity: int) -> "Routing":
+    def with_capacity(self, capacity: int) -> Routing:
         """The same decision with another capacity: only ``kept`` and ``kept_counts`` change.
 
         This is how the layer applies a capacity agreed across ranks. In dropless mode each rank's
@@ -76,10 +76,11 @@ class Routing:
         all-to-all buffers have the same (E, C, d) shape.
         """
         if not _is_int(capacity) or capacity < 0:
-            raise ValueError(f"capacity must be an int >= 0 (slots per expert), got {capacity!r}. "
-                             f"If it came from an all-reduce, convert with int(tensor.item()).")
-        return replace(self, capacity=capacity, kept=self.slot < capacity,
-                       kept_counts=self.counts.clamp(max=capacity))
+            raise ValueError(
+                f"capacity must be an int >= 0 (slots per expert), got {capacity!r}. "
+                f"If it came from an all-reduce, convert with int(tensor.item())."
+            )
+        return replace(self, capacity=capacity, kept=self.slot < capacity, kept_counts=self.counts.clamp(max=capacity))
 
     def buffer_index(self) -> torch.Tensor:
         """(T, k) long: row of each choice in the flattened (E * C) expert buffer, -1 where dropped.
@@ -110,8 +111,9 @@ class Routing:
     def dispatch_mask(self) -> torch.Tensor:
         """(T, E, C) bool: True where token t occupies slot c of expert e. Dense teaching form, O(T*E*C)."""
         t, e, s = self._kept_triples()
-        out = torch.zeros(self.num_tokens, self.num_experts, self.capacity, dtype=torch.bool,
-                          device=self.expert_index.device)
+        out = torch.zeros(
+            self.num_tokens, self.num_experts, self.capacity, dtype=torch.bool, device=self.expert_index.device
+        )
         out[t, e, s] = True
         return out
 
@@ -123,8 +125,8 @@ def _slots(expert_index: torch.Tensor, num_experts: int):
     down the column of expert e counts how many earlier choices also went to e: that is the slot.
     """
     T, k = expert_index.shape
-    onehot = F.one_hot(expert_index.t().reshape(-1), num_experts)            # (k*T, E)
-    position = onehot.cumsum(dim=0) - 1                                       # running count - 1
-    slot = (position * onehot).sum(dim=-1).reshape(k, T).t().contiguous()     # back to (T, k)
-    counts = onehot.sum(dim=0)                                                # (E,)
+    onehot = F.one_hot(expert_index.t().reshape(-1), num_experts)  # (k*T, E)
+    position = onehot.cumsum(dim=0) - 1  # running count - 1
+    slot = (position * onehot).sum(dim=-1).reshape(k, T).t().contiguous()  # back to (T, k)
+    counts = onehot.sum(dim=0)  # (E,)
     return slot, counts

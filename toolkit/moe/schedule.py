@@ -31,6 +31,7 @@ link (``toolkit.comm.emulate``) slows each step as a real one would, and the tra
 ("dispatch step 1/4", "combine step 1/4", "... backward"). Expert compute is a
 ``moe/{name}/experts`` span per block (``backward=True`` in backward).
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,6 +46,7 @@ SCHEDULES = ("plain", "smart")
 # The smart schedule
 # ---------------------------------------------------------------------------------------------
 
+
 class SmartSchedule(Units):
     """Per-group units in pairwise-exchange order: unit j = (S_j, C_j, R_j) of the module docstring.
 
@@ -56,7 +58,7 @@ class SmartSchedule(Units):
         self.layer, self.plan, self.group, self.g = layer, plan, layer.group, group_size
         self.ranks = comm.group_ranks(layer.group)
         self.me = layer.rank
-        self.n = len(self.ranks) // group_size         # groups, hence steps
+        self.n = len(self.ranks) // group_size  # groups, hence steps
         self.count = self.n
         self.send_rows, self.recv_rows = list(plan.send_splits), list(plan.recv_splits)
 
@@ -92,7 +94,7 @@ class SmartSchedule(Units):
 
     def block(self, k, received):
         _, frm = self.peers(k)
-        counts = self.plan.recv_counts[frm.start:frm.stop]  # rows by sender, then local expert
+        counts = self.plan.recv_counts[frm.start : frm.stop]  # rows by sender, then local expert
         return self.layer.compute_experts(received, type(self.plan)(counts, counts))
 
     def post_back(self, k, y, names):

@@ -35,6 +35,7 @@ weights' traffic hides behind its computation (``moe/shadow_steps.py`` says wher
 ``moe/{name}/shadow`` per forward: the experts shadowed, the predicted latency with and without, and
 the measured one (forward + backward of these steps).
 """
+
 from __future__ import annotations
 
 import math
@@ -51,23 +52,26 @@ from .machine import _label, _positive, machine_rates
 from .plan import Plan
 from .shadow_steps import ShadowUnits
 
-
 # ---------------------------------------------------------------------------------------------
 # The performance model and Algorithm 1 (pure functions: a lab and the tests call them directly)
 # ---------------------------------------------------------------------------------------------
 
+
 def _check(counts, owners):
     rows = [[float(c) for c in row] for row in (counts.tolist() if hasattr(counts, "tolist") else counts)]
     if not rows or not rows[0] or any(len(r) != len(rows[0]) for r in rows):
-        raise ValueError("counts must be a (workers, experts) table: counts[w][e] = rows worker w routes to "
-                         "expert e, one row per worker, one column per expert.")
+        raise ValueError(
+            "counts must be a (workers, experts) table: counts[w][e] = rows worker w routes to "
+            "expert e, one row per worker, one column per expert."
+        )
     if any(c < 0 for r in rows for c in r):
         raise ValueError("counts must be >= 0 (rows routed).")
     W, E = len(rows), len(rows[0])
     owners = [int(o) for o in owners]
     if len(owners) != E or any(not 0 <= o < W for o in owners):
-        raise ValueError(f"owners must give, for each of the {E} experts, the worker (0..{W - 1}) that holds it; "
-                         f"got {owners}.")
+        raise ValueError(
+            f"owners must give, for each of the {E} experts, the worker (0..{W - 1}) that holds it; got {owners}."
+        )
     return rows, owners
 
 
@@ -89,9 +93,9 @@ def _unit_costs(H, alpha, P, W_net, element_bytes):
     H, alpha = _positive("H", H), _positive("alpha", alpha)
     P = _positive("P (compute FLOP/s)", P)
     W_net = W_net if W_net == math.inf else _positive("W_net (bytes/s)", W_net)  # inf: nothing travels (one rank)
-    compute = 3 * 4 * alpha * H * H / P                      # seconds per row, forward + backward
-    wire = 4 * H * element_bytes / W_net                     # seconds per row, 4 all-to-all passes
-    weights = 2 * alpha * H * H * element_bytes / W_net      # seconds per expert per transfer
+    compute = 3 * 4 * alpha * H * H / P  # seconds per row, forward + backward
+    wire = 4 * H * element_bytes / W_net  # seconds per row, 4 all-to-all passes
+    weights = 2 * alpha * H * H * element_bytes / W_net  # seconds per expert per transfer
     return compute, wire, weights
 
 
@@ -111,26 +115,36 @@ def latency_shadowed(counts, owners, shadowed, *, H, alpha, P, W_net, element_by
 class ShadowChoice:
     """What the predictor decided, and the numbers behind it (seconds)."""
 
-    shadowed: list                 # experts to shadow, in the order they were accepted
-    predicted_s: float             # predicted latency with them (Lat_imbl when none)
-    plain_s: float                 # Lat_imbl: predicted latency without shadowing
-    loads: list                    # B_w without shadowing
-    loads_shadowed: list           # B'_w with the chosen set
+    shadowed: list  # experts to shadow, in the order they were accepted
+    predicted_s: float  # predicted latency with them (Lat_imbl when none)
+    plain_s: float  # Lat_imbl: predicted latency without shadowing
+    loads: list  # B_w without shadowing
+    loads_shadowed: list  # B'_w with the chosen set
     trail: list = field(default_factory=list)  # Algorithm 1's steps: expert, load, latency_s, accepted
 
     def as_dict(self) -> dict:
-        return {"shadowed": list(self.shadowed), "predicted_s": self.predicted_s, "plain_s": self.plain_s,
-                "loads": list(self.loads), "loads_shadowed": list(self.loads_shadowed), "trail": list(self.trail)}
+        return {
+            "shadowed": list(self.shadowed),
+            "predicted_s": self.predicted_s,
+            "plain_s": self.plain_s,
+            "loads": list(self.loads),
+            "loads_shadowed": list(self.loads_shadowed),
+            "trail": list(self.trail),
+        }
 
     def explain(self) -> str:
         """Algorithm 1's reasoning, one line per step, for a notebook or a lab's feedback."""
         lines = [f"no shadow: Lat_imbl = {self.plain_s:.4g} s (rows per worker {self._fmt(self.loads)})"]
         for step in self.trail:
             verdict = "accept" if step["accepted"] else "stop: it does not lower the latency"
-            lines.append(f"+ shadow expert {step['expert']} (load {step['load']:g}): "
-                         f"Lat_shadow = {step['latency_s']:.4g} s -> {verdict}")
-        lines.append(f"shadowed {self.shadowed or 'nothing'}: predicted {self.predicted_s:.4g} s "
-                     f"(rows per worker {self._fmt(self.loads_shadowed)})")
+            lines.append(
+                f"+ shadow expert {step['expert']} (load {step['load']:g}): "
+                f"Lat_shadow = {step['latency_s']:.4g} s -> {verdict}"
+            )
+        lines.append(
+            f"shadowed {self.shadowed or 'nothing'}: predicted {self.predicted_s:.4g} s "
+            f"(rows per worker {self._fmt(self.loads_shadowed)})"
+        )
         return "\n".join(lines)
 
     @staticmethod
@@ -171,13 +185,13 @@ def predict(counts, owners, shadowed, *, H, alpha, P, W_net, element_bytes=4) ->
     shadowed = sorted(set(shadowed))
     plain = latency_imbalanced(rows, owners, **model)
     predicted = latency_shadowed(rows, owners, shadowed, **model) if shadowed else plain
-    return ShadowChoice(shadowed, predicted, plain, worker_loads(rows, owners),
-                        worker_loads(rows, owners, shadowed))
+    return ShadowChoice(shadowed, predicted, plain, worker_loads(rows, owners), worker_loads(rows, owners, shadowed))
 
 
 # ---------------------------------------------------------------------------------------------
 # In the layer: decide, then run steps 4-6 with the rows kept home (moe/shadow_steps.py)
 # ---------------------------------------------------------------------------------------------
+
 
 class _Stamp(torch.autograd.Function):
     """Identity whose backward notes the time: where the backward of the shadowed steps starts and ends."""
@@ -221,8 +235,10 @@ class Shadowing:
         elif isinstance(shadow, (list, tuple)):
             bad = [e for e in shadow if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < num_experts]
             if bad:
-                raise ValueError(f"shadow={list(shadow)!r}: expert(s) {bad} do not exist; this layer has experts "
-                                 f"0..{num_experts - 1} (global ids). Name existing experts, or use shadow='auto'.")
+                raise ValueError(
+                    f"shadow={list(shadow)!r}: expert(s) {bad} do not exist; this layer has experts "
+                    f"0..{num_experts - 1} (global ids). Name existing experts, or use shadow='auto'."
+                )
             self.mode, self.forced = "forced", sorted(set(shadow))
         else:
             raise ValueError(f"shadow={shadow!r}: choose 'off', 'auto' or a list of expert ids.")
@@ -235,11 +251,17 @@ class Shadowing:
 
     def decide(self, layer, counts, element_bytes) -> tuple:
         """(ShadowChoice, Rates) from the all-gathered (W, E) counts. Identical on every rank."""
-        rates = machine_rates(layer.d_model, layer.d_ff, group=layer.group, compute_flops=self.compute_flops,
-                              bandwidth=self.bandwidth)
+        rates = machine_rates(
+            layer.d_model, layer.d_ff, group=layer.group, compute_flops=self.compute_flops, bandwidth=self.bandwidth
+        )
         owners = [e // layer.num_local for e in range(layer.num_experts)]
-        model = dict(H=layer.d_model, alpha=layer.d_ff / layer.d_model, P=rates.compute_flops,
-                     W_net=rates.bandwidth, element_bytes=element_bytes)
+        model = dict(
+            H=layer.d_model,
+            alpha=layer.d_ff / layer.d_model,
+            P=rates.compute_flops,
+            W_net=rates.bandwidth,
+            element_bytes=element_bytes,
+        )
         if self.mode == "auto":
             return choose_shadows(counts, owners, **model), rates
         return predict(counts, owners, self.forced, **model), rates
@@ -262,22 +284,32 @@ class Shadowing:
         shadowed = sorted(choice.shadowed)
         home_expert = torch.zeros(E, dtype=torch.bool, device=kept.device)
         home_expert[shadowed] = True
-        travel = counts.masked_fill(home_expert, 0)          # shadowed experts' rows do not travel
-        plan = Plan(travel[r].reshape(W, El).clone(), travel[:, r * El:(r + 1) * El].clone())
+        travel = counts.masked_fill(home_expert, 0)  # shadowed experts' rows do not travel
+        plan = Plan(travel[r].reshape(W, El).clone(), travel[:, r * El : (r + 1) * El].clone())
 
-        value = {"mode": self.mode, "shadowed": shadowed, "predicted_s": choice.predicted_s,
-                 "plain_s": choice.plain_s, "loads": choice.loads, "loads_shadowed": choice.loads_shadowed,
-                 "trail": choice.trail, **rates.as_dict(), "measured_forward_s": None, "measured_s": None,
-                 "call": layer.calls + 1}
+        value = {
+            "mode": self.mode,
+            "shadowed": shadowed,
+            "predicted_s": choice.predicted_s,
+            "plain_s": choice.plain_s,
+            "loads": choice.loads,
+            "loads_shadowed": choice.loads_shadowed,
+            "trail": choice.trail,
+            **rates.as_dict(),
+            "measured_forward_s": None,
+            "measured_s": None,
+            "call": layer.calls + 1,
+        }
         clock = _Clock(value, 0.0)
 
-        order, rows = layer.sort_by_destination(tokens, routing)                   # 3
+        order, rows = layer.sort_by_destination(tokens, routing)  # 3
         rows = _Stamp.apply(rows, clock.backward_end)
         if shadowed:  # 4-6: the rows that travel as the layer's pattern runs them, the others at home
             home = home_expert[routing.expert_index.reshape(-1)[order]]
             counts_home = [int(kept[e]) for e in shadowed]
             answers = layer.dispatch_compute_combine(
-                rows, plan, wrap=lambda units: ShadowUnits(units, layer, home, shadowed, counts_home))
+                rows, plan, wrap=lambda units: ShadowUnits(units, layer, home, shadowed, counts_home)
+            )
         else:
             answers = layer.dispatch_compute_combine(rows, plan)
         answers = _Stamp.apply(answers, clock.backward_start)

@@ -27,6 +27,7 @@ The door has no reduce, so the gradients' return is an all-reduce whose sum only
 Under an emulated link a rank's transfers still queue behind one another (one link), so what is won
 is computing while transferring, never two transfers in the time of one.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,7 +53,7 @@ class ShadowUnits(Units):
         self.inner, self.count, self.layer = inner, inner.count, layer
         self.home_index, self.away_index = home.nonzero().squeeze(1), (~home).nonzero().squeeze(1)
         self.shadowed, self.home_counts = list(shadowed), list(home_counts)
-        self.named = list(layer.experts.named_parameters())            # w1, b1, w2, b2 (E_local, ...), or theirs
+        self.named = list(layer.experts.named_parameters())  # w1, b1, w2, b2 (E_local, ...), or theirs
         self.distributed = dist.is_initialized() and layer.world > 1
         self.differentiable = torch.is_grad_enabled()
         self.copies, self.broadcasts, self.result, self.saved, self.reduction = {}, [], None, None, None
@@ -98,8 +99,11 @@ class ShadowUnits(Units):
             if owner == self.layer.rank:
                 flat = torch.cat([p[i].detach().reshape(-1) for _, p in self.named])
             else:
-                flat = torch.empty(sum(p[i].numel() for _, p in self.named), dtype=self.named[0][1].dtype,
-                                   device=self.named[0][1].device)
+                flat = torch.empty(
+                    sum(p[i].numel() for _, p in self.named),
+                    dtype=self.named[0][1].dtype,
+                    device=self.named[0][1].device,
+                )
             if self.distributed:
                 handle = comm.broadcast(flat, src=ranks[owner], group=self.layer.group, async_op=True)
                 self.broadcasts.append(label(handle, f"shadow expert {e}", self.layer.name))
@@ -120,12 +124,15 @@ class ShadowUnits(Units):
             handle.wait()
         self.broadcasts = []
         grad = torch.enable_grad() if self.differentiable else contextlib.nullcontext()
-        with grad, span(f"moe/{self.layer.name}/shadowed experts", rows=int(self.home_index.numel()),
-                        experts=self.shadowed):
+        with (
+            grad,
+            span(f"moe/{self.layer.name}/shadowed experts", rows=int(self.home_index.numel()), experts=self.shadowed),
+        ):
             rows = x[self.home_index].detach().requires_grad_(self.differentiable)
             flats = [self.copies.pop(e).requires_grad_(self.differentiable) for e in self.shadowed]
-            y = run_experts(rows, self.home_counts, self._weights(flats), self.shadowed,
-                            getattr(self.layer, "expert_function", ffn))
+            y = run_experts(
+                rows, self.home_counts, self._weights(flats), self.shadowed, getattr(self.layer, "expert_function", ffn)
+            )
         if self.differentiable:
             self.saved = (rows, flats, y)
         self.result = y.detach()
@@ -141,8 +148,11 @@ class ShadowUnits(Units):
         total = predivide(total, [p for _, p in self.named])  # fp16 under a data-parallel average: experts.py
         handle = None
         if self.distributed:
-            handle = label(comm.all_reduce(total, op="sum", group=self.layer.group, async_op=True),
-                           "shadow experts backward", self.layer.name)
+            handle = label(
+                comm.all_reduce(total, op="sum", group=self.layer.group, async_op=True),
+                "shadow experts backward",
+                self.layer.name,
+            )
         self.reduction = (total, handle)
 
     def finish(self, param_grads: list) -> list:

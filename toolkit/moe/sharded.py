@@ -22,6 +22,7 @@ near-equal parts (Tutel splits its padded capacity buffer by position instead).
 Everything else is the plain layer: the count exchange, the uneven all-to-alls (or the 2DH one),
 autograd through them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,7 +42,7 @@ def row_destinations(kept, world: int, num_experts: int, slices: int | None = No
     kept = [int(c) for c in kept]
     if world <= num_experts:
         per = num_experts // world
-        return [sum(kept[q * per:(q + 1) * per]) for q in range(world)]
+        return [sum(kept[q * per : (q + 1) * per]) for q in range(world)]
     s = world // num_experts
     size = s // (slices or s)  # ranks per slice group
     return [_part(kept[q // s], size, q % s % size) for q in range(world)]
@@ -58,12 +59,16 @@ class Slicing:
         s = world // num_experts
         r = s if slices is None else slices
         if d_ff % s:
-            raise ValueError(f"MoE: {world} ranks for {num_experts} expert(s) slice each expert's hidden layer "
-                             f"over {s} ranks, so d_ff={d_ff} must be a multiple of {s}.")
+            raise ValueError(
+                f"MoE: {world} ranks for {num_experts} expert(s) slice each expert's hidden layer "
+                f"over {s} ranks, so d_ff={d_ff} must be a multiple of {s}."
+            )
         if isinstance(r, bool) or not isinstance(r, int) or r < 1 or s % r:
             fits = [d for d in range(1, s + 1) if s % d == 0]
-            raise ValueError(f"expert_slices={slices!r}: Tutel's r must divide the {s} ranks per expert; choose one "
-                             f"of {fits} (1 = EP+DP: whole experts, rows split; {s} = EP+MP: no weight moves).")
+            raise ValueError(
+                f"expert_slices={slices!r}: Tutel's r must divide the {s} ranks per expert; choose one "
+                f"of {fits} (1 = EP+DP: whole experts, rows split; {s} = EP+MP: no weight moves)."
+            )
         self.world, self.num_experts, self.s, self.r, self.size = world, num_experts, s, r, s // r
         self.d_ff, self.chosen = d_ff, slices is not None  # chosen: the user fixed r (auto may not change it)
         self._groups, self._family = None, {r: self}
@@ -71,7 +76,7 @@ class Slicing:
     def __repr__(self) -> str:
         return f"Slicing({self.s} ranks per expert, r={self.r})"
 
-    def with_slices(self, r: int) -> "Slicing":
+    def with_slices(self, r: int) -> Slicing:
         """The same storage computed as ``r`` slices (Tutel's r switched at run time by
         ``expert_parallel="auto"``); one Slicing per r, so each r's groups are built once."""
         if r not in self._family:
@@ -90,8 +95,10 @@ class Slicing:
         """(my slice group, my expert's ranks) as process groups; built by their members only."""
         if self._groups is None:
             ranks = _positions(layer.group)
-            self._groups = tuple(dist.new_group([ranks[q] for q in members], use_local_synchronization=True)
-                                 for members in self.members(layer.rank))
+            self._groups = tuple(
+                dist.new_group([ranks[q] for q in members], use_local_synchronization=True)
+                for members in self.members(layer.rank)
+            )
         return self._groups
 
     def send_counts(self, kept) -> torch.Tensor:
@@ -103,7 +110,7 @@ class Slicing:
         """Index of the rows (sorted by expert) that fill the send buffer (sorted by destination rank):
         every row appears once per slice group."""
         sends = plan.send_counts.reshape(-1).tolist()
-        per_expert = [sum(sends[e * self.s:e * self.s + self.size]) for e in range(self.num_experts)]
+        per_expert = [sum(sends[e * self.s : e * self.s + self.size]) for e in range(self.num_experts)]
         starts = [sum(per_expert[:e]) for e in range(self.num_experts)]
         index = []
         for q, n in enumerate(sends):
@@ -118,7 +125,7 @@ class Slicing:
         ex = layer.experts
         own = [getattr(ex, n)[0] for n in WEIGHTS]
         if not dist.is_initialized():
-            return own[0], own[1], own[2], own[3][:layer.d_model] / self.r
+            return own[0], own[1], own[2], own[3][: layer.d_model] / self.r
         group, expert = self.groups(layer)
         w1, b1, w2 = own[:3]
         if self.size == 1:  # EP+MP: the storage slice is the slice computed (experts.predivided)
@@ -129,9 +136,9 @@ class Slicing:
             everyone = everyone.reshape(self.size, -1)
             parts, at = [], 0
             for name, w in zip(WEIGHTS, (w1, b1, w2)):
-                stacked = everyone[:, at:at + w.numel()].reshape((self.size,) + tuple(w.shape))
+                stacked = everyone[:, at : at + w.numel()].reshape((self.size,) + tuple(w.shape))
                 parts.append(join_slices(stacked, name, self.size, layer.d_model)[0])
                 at += w.numel()
             w1, b1, w2 = parts
-        b2 = GatherWeights.apply(own[3], expert, self.s, "output bias", (ex.b2,))[:layer.d_model]
+        b2 = GatherWeights.apply(own[3], expert, self.s, "output bias", (ex.b2,))[: layer.d_model]
         return w1, b1, w2, b2 / self.r

@@ -61,28 +61,46 @@ class TopologyGate(TopKGate):
     redirected (wanted - sent), per_node (choices per destination node), node (this rank's node).
     """
 
-    def __init__(self, d_model: int, num_experts: int, top_k: int = 2, capacity_factor: float = 1.25, *,
-                 world: int, rank: int, node_size: int, cross_fraction: float, **options):
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int = 2,
+        capacity_factor: float = 1.25,
+        *,
+        world: int,
+        rank: int,
+        node_size: int,
+        cross_fraction: float,
+        **options,
+    ):
         super().__init__(d_model, num_experts, top_k, capacity_factor, **options)
         if not _is_int(world) or world < 1:
-            raise ValueError(f"TopologyGate: world must be an int >= 1 (ranks of the expert-parallel group), "
-                             f"got {world!r}.")
+            raise ValueError(
+                f"TopologyGate: world must be an int >= 1 (ranks of the expert-parallel group), got {world!r}."
+            )
         if not _is_int(node_size) or node_size < 1:
             raise ValueError(f"TopologyGate: node_size must be an int >= 1 (ranks per node), got {node_size!r}.")
         if world % node_size:
             fits = [m for m in range(1, world + 1) if world % m == 0]
-            raise ValueError(f"TopologyGate: node_size={node_size} does not divide the world size {world}: every "
-                             f"node must hold the same number of ranks. Choose one of {fits}.")
+            raise ValueError(
+                f"TopologyGate: node_size={node_size} does not divide the world size {world}: every "
+                f"node must hold the same number of ranks. Choose one of {fits}."
+            )
         if num_experts % world:
             raise ValueError(f"TopologyGate: num_experts={num_experts} does not split evenly over {world} ranks.")
         per_node = node_size * (num_experts // world)
         if per_node < top_k:
-            raise ValueError(f"TopologyGate: a node of {node_size} rank(s) holds {per_node} expert(s), fewer than "
-                             f"top_k={top_k}: a token could not re-pick inside its node. Use bigger nodes or a "
-                             f"smaller top_k.")
+            raise ValueError(
+                f"TopologyGate: a node of {node_size} rank(s) holds {per_node} expert(s), fewer than "
+                f"top_k={top_k}: a token could not re-pick inside its node. Use bigger nodes or a "
+                f"smaller top_k."
+            )
         if not _is_real(cross_fraction) or cross_fraction < 0:
-            raise ValueError(f"TopologyGate: cross_fraction must be a finite number >= 0 "
-                             f"(W_net / (node_size * W_local)), got {cross_fraction!r}.")
+            raise ValueError(
+                f"TopologyGate: cross_fraction must be a finite number >= 0 "
+                f"(W_net / (node_size * W_local)), got {cross_fraction!r}."
+            )
         self.world, self.node_size, self.cross_fraction = int(world), int(node_size), float(cross_fraction)
         self.rank = rank  # settable: a one-process reference gates each rank's chunk with that rank
         self.experts_per_node = per_node
@@ -103,8 +121,10 @@ class TopologyGate(TopKGate):
         return self._rank // self.node_size
 
     def extra_repr(self) -> str:
-        return (super().extra_repr() + f", world={self.world}, node_size={self.node_size}, "
-                f"cross_fraction={self.cross_fraction:.4g}")
+        return (
+            super().extra_repr() + f", world={self.world}, node_size={self.node_size}, "
+            f"cross_fraction={self.cross_fraction:.4g}"
+        )
 
     def limit(self, num_tokens: int) -> int:
         """L for ``num_tokens`` tokens: floor(cross_fraction * num_tokens * k)."""
@@ -118,11 +138,11 @@ class TopologyGate(TopKGate):
         T, k = scores.shape[0], self.top_k
         index = scores.topk(k, dim=-1).indices
         node_of = self.node_of_expert(scores.device)
-        inside = node_of == self.node                                        # (E,) experts on my node
-        leaving = ~inside[index]                                             # (T, k) choices that cross
+        inside = node_of == self.node  # (E,) experts on my node
+        leaving = ~inside[index]  # (T, k) choices that cross
         L, wanted = self.limit(T), int(leaving.sum())
         if wanted > L:
-            where = leaving.reshape(-1).nonzero().squeeze(1)                 # token-major: t * k + j
+            where = leaving.reshape(-1).nonzero().squeeze(1)  # token-major: t * k + j
             confidence = scores.softmax(dim=-1).gather(1, index).reshape(-1)[where]
             ranked = torch.sort(confidence, descending=True, stable=True).indices
             move = torch.zeros(T * k, dtype=torch.bool, device=scores.device)
@@ -135,12 +155,18 @@ class TopologyGate(TopKGate):
                     continue
                 s = scores[tokens].clone()
                 s[:, ~inside] = -math.inf
-                s.scatter_(1, index[tokens], -math.inf)                      # what the token already has
+                s.scatter_(1, index[tokens], -math.inf)  # what the token already has
                 index[tokens, j] = s.argmax(dim=-1)
         per_node = torch.bincount(node_of[index].reshape(-1), minlength=self.world // self.node_size)
         sent = T * k - int(per_node[self.node])
-        self.last = {"node": self.node, "wanted": wanted, "limit": L, "sent": sent, "redirected": wanted - sent,
-                     "per_node": per_node.tolist()}
+        self.last = {
+            "node": self.node,
+            "wanted": wanted,
+            "limit": L,
+            "sent": sent,
+            "redirected": wanted - sent,
+            "per_node": per_node.tolist(),
+        }
         return index
 
     def record(self, routing: Routing) -> dict:

@@ -17,6 +17,7 @@ Work that is not a unit can run alongside, where it hides traffic (``Units.along
 shadowing's rows kept home (``toolkit.moe.shadow_steps``), added to any pattern, including
 ``WholeExchange``, the plain steps 4-6 as a single unit.
 """
+
 from __future__ import annotations
 
 import torch
@@ -179,6 +180,7 @@ def overlapped(units: Units, x: torch.Tensor, layer) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # The plain pattern as one unit (what shadowing adds its home rows to, moe/shadow_steps.py)
 # ---------------------------------------------------------------------------------------------
+
 
 class WholeExchange(Units):
     """Steps 4-6 as a single unit: one asynchronous all-to-all out, the experts, one back. On its own

@@ -6,6 +6,7 @@
 Each strategy module provides `wrap(model, optimizer, **options) -> (model, optimizer)` and its
 wrapped model provides `full_state_dict()`. The registry below is the whole list.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -34,8 +35,10 @@ def wrap(model: torch.nn.Module, strategy: str, *, optimizer=torch.optim.AdamW, 
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}.")
     if not callable(optimizer):
-        raise TypeError("optimizer must be a callable that takes parameters and returns a torch optimizer, "
-                        "e.g. torch.optim.AdamW or functools.partial(torch.optim.AdamW, lr=1e-3).")
+        raise TypeError(
+            "optimizer must be a callable that takes parameters and returns a torch optimizer, "
+            "e.g. torch.optim.AdamW or functools.partial(torch.optim.AdamW, lr=1e-3)."
+        )
     module, function = STRATEGIES[strategy]
     try:
         build = getattr(importlib.import_module(module), function)
@@ -80,5 +83,6 @@ def check_options(strategy: str, options: dict, valid) -> None:
     """Strategies call this first: an unknown option is a ValueError that lists the valid ones."""
     unknown = set(options) - set(valid)
     if unknown:
-        raise ValueError(f"strategy {strategy!r} got unknown option(s) {sorted(unknown)}; "
-                         f"valid options: {sorted(valid)}.")
+        raise ValueError(
+            f"strategy {strategy!r} got unknown option(s) {sorted(unknown)}; valid options: {sorted(valid)}."
+        )

@@ -23,6 +23,7 @@ The full format (portable, keyed by name; a tied weight appears once, under its 
      "model": {name: tensor},
      "optimizer": {"type": "AdamW", "param_groups": [{"lr": ..., ...}], "state": {name: {"step": ..., "exp_avg": ...}}}}
 """
+
 from __future__ import annotations
 
 import os
@@ -33,13 +34,33 @@ import torch.distributed as dist
 from .. import comm
 from ..runtime import env
 from ..trace.events import phase
-from .checkpoint_checks import (FULL, SHARDED, AnotherRankCouldNotLoad, agree, apply_groups, check_full,
-                                check_slices, distributed, groups, inner, is_sharded, read, replicated)
+from .checkpoint_checks import (
+    FULL,
+    AnotherRankCouldNotLoad,
+    agree,
+    apply_groups,
+    check_full,
+    check_slices,
+    distributed,
+    groups,
+    inner,
+    is_sharded,
+    read,
+    replicated,
+)
 from .checkpoint_sharded import load_sharded, save_sharded, sharded_checkpoint
 from .flat import FlatBuffer
 
-__all__ = ["AnotherRankCouldNotLoad", "full_checkpoint", "load_full", "load_full_checkpoint", "load_sharded",
-           "save_full", "save_sharded", "sharded_checkpoint"]
+__all__ = [
+    "AnotherRankCouldNotLoad",
+    "full_checkpoint",
+    "load_full",
+    "load_full_checkpoint",
+    "load_sharded",
+    "save_full",
+    "save_sharded",
+    "sharded_checkpoint",
+]
 _read = read  # the name tests and older callers use
 
 
@@ -70,14 +91,18 @@ def full_checkpoint(model, optimizer, *, rank0_only: bool = True) -> dict | None
         for name, t in zip(names, stepped):
             params[name] = t.detach().float().clone()
             if t in optimizer.state:
-                state[name] = {k: v.detach().clone() if torch.is_tensor(v) else v
-                               for k, v in optimizer.state[t].items()}
+                state[name] = {
+                    k: v.detach().clone() if torch.is_tensor(v) else v for k, v in optimizer.state[t].items()
+                }
     if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
         return None
     cpu = {n: t.cpu() for n, t in params.items()}
     state = {n: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for n, s in state.items()}
-    return {"format": FULL, "model": cpu, "optimizer": {
-        "type": type(inner(optimizer)).__name__, "param_groups": groups(optimizer), "state": state}}
+    return {
+        "format": FULL,
+        "model": cpu,
+        "optimizer": {"type": type(inner(optimizer)).__name__, "param_groups": groups(optimizer), "state": state},
+    }
 
 
 def _gather(shard: torch.Tensor, shapes, engine) -> list[torch.Tensor]:
@@ -92,6 +117,7 @@ def save_full(model, optimizer, path: str) -> None:
         return model.save_full(optimizer, path)
     if getattr(model, "tensor_parallel", None) is not None:  # tensor-parallel pieces joined (tensor/checkpoint.py)
         from .tensor import checkpoint as tensor_parallel
+
         checkpoint = tensor_parallel.join(model, full_checkpoint(model, optimizer, rank0_only=False))
     else:
         checkpoint = full_checkpoint(model, optimizer, rank0_only=True)
@@ -109,6 +135,7 @@ def load_full(model, optimizer, path: str) -> None:
     checkpoint, error = read(path)
     if getattr(model, "tensor_parallel", None) is not None:  # this rank's tensor-parallel pieces of it
         from .tensor import checkpoint as tensor_parallel
+
         checkpoint = tensor_parallel.cut(model, checkpoint)
     load_full_checkpoint(model, optimizer, checkpoint, _error=error)
 
@@ -157,8 +184,9 @@ def load_full_checkpoint(model, optimizer, checkpoint: dict, *, _error: str | No
             if p is not t:
                 p.copy_(t)  # mixed precision: the 16-bit parameter is the rounded master
             if name in state:
-                optimizer.state[t] = {k: v.clone().to(device or t.device) if torch.is_tensor(v) else v
-                                      for k, v in state[name].items()}
+                optimizer.state[t] = {
+                    k: v.clone().to(device or t.device) if torch.is_tensor(v) else v for k, v in state[name].items()
+                }
             else:
                 optimizer.state.pop(t, None)
 

@@ -11,6 +11,7 @@ Under tensor parallelism the recomputed forward issues its g all-reduces again (
 recomputation does the same), and draws the dropout masks of split regions from the tensor-parallel stream as
 it was in the forward (`rng.py`; torch's checkpoint replays the default stream itself).
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,8 +19,8 @@ import functools
 import torch
 import torch.nn as nn
 
-from .fsdp_policy import default_units
 from . import rng
+from .fsdp_policy import default_units
 
 
 def checkpoint_forward(module: nn.Module) -> None:
@@ -31,8 +32,9 @@ def checkpoint_forward(module: nn.Module) -> None:
     def checkpointed(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False,
-                                                 context_fn=rng.checkpoint_contexts, **kwargs)
+        return torch.utils.checkpoint.checkpoint(
+            forward, *args, use_reentrant=False, context_fn=rng.checkpoint_contexts, **kwargs
+        )
 
     module.forward = checkpointed
 
@@ -41,9 +43,11 @@ def checkpoint_blocks(model: nn.Module) -> list[str]:
     """Run each repeated block's forward under torch.utils.checkpoint (non-reentrant); return their names."""
     names, _ = default_units(model)
     if not names:
-        raise ValueError(f"activation_checkpointing=True checkpoints a model's repeated blocks, and this "
-                         f"{type(model).__name__} has none (no toolkit Block, no ModuleList or Sequential of one "
-                         f"class); leave the option off, or wrap parts of it in torch.utils.checkpoint yourself.")
+        raise ValueError(
+            f"activation_checkpointing=True checkpoints a model's repeated blocks, and this "
+            f"{type(model).__name__} has none (no toolkit Block, no ModuleList or Sequential of one "
+            f"class); leave the option off, or wrap parts of it in torch.utils.checkpoint yourself."
+        )
     modules = dict(model.named_modules())
     for name in names:
         checkpoint_forward(modules[name])

@@ -20,14 +20,25 @@ The steps, in the order they are taken (each one a room of its own, each told on
 
 The data-parallel strategies never learn about the other dimensions: they are given a smaller group.
 """
+
 from __future__ import annotations
 
 from . import mesh as mesh_
 
 # option -> default. Present in a wrap call, they send it here.
-MODEL_PARALLEL = {"tp": 1, "sequence_parallel": False, "tp_plan": None,
-                  "pp": 1, "microbatches": None, "schedule": "1f1b", "virtual_stages": 1, "pp_split": None,
-                  "cp": 1, "cp_attention": "ring", "order": mesh_.ORDER}
+MODEL_PARALLEL = {
+    "tp": 1,
+    "sequence_parallel": False,
+    "tp_plan": None,
+    "pp": 1,
+    "microbatches": None,
+    "schedule": "1f1b",
+    "virtual_stages": 1,
+    "pp_split": None,
+    "cp": 1,
+    "cp_attention": "ring",
+    "order": mesh_.ORDER,
+}
 
 
 def wants(options: dict) -> bool:
@@ -53,10 +64,12 @@ def wrap(model, strategy: str, build, optimizer, options: dict):
     mesh = mesh_.build(tp=mp["tp"], pp=mp["pp"], cp=mp["cp"], order=mp["order"])
     layout = mesh_.layout_of(mesh)
     if strategy == "local" and layout.dp > 1:
-        raise ValueError(f"strategy 'local' means no data parallelism (dp = 1), but the world of {layout.world_size} "
-                         f"ranks with tp={layout.tp}, pp={layout.pp}, cp={layout.cp} leaves dp = {layout.dp}: name a "
-                         f"data-parallel strategy (dp, ddp, zero1-3, fsdp), or launch tp x pp x cp = "
-                         f"{layout.tp * layout.pp * layout.cp} ranks.")
+        raise ValueError(
+            f"strategy 'local' means no data parallelism (dp = 1), but the world of {layout.world_size} "
+            f"ranks with tp={layout.tp}, pp={layout.pp}, cp={layout.cp} leaves dp = {layout.dp}: name a "
+            f"data-parallel strategy (dp, ddp, zero1-3, fsdp), or launch tp x pp x cp = "
+            f"{layout.tp * layout.pp * layout.cp} ranks."
+        )
     if mp["tp"] > 1 or mp["sequence_parallel"] or mp["tp_plan"] is not None:
         from .tensor import parallelize
 
@@ -86,14 +99,18 @@ def check_context_options(mp: dict, strategy: str) -> None:
     from .context import ATTENTIONS
 
     if mp["cp_attention"] not in ATTENTIONS:
-        raise ValueError(f"cp_attention={mp['cp_attention']!r} is not one of {ATTENTIONS}: 'ring' (zigzag-balanced "
-                         f"ring attention), 'ring-unbalanced' (contiguous split, for comparison), 'ulysses' "
-                         f"(all-to-all to a head split).")
+        raise ValueError(
+            f"cp_attention={mp['cp_attention']!r} is not one of {ATTENTIONS}: 'ring' (zigzag-balanced "
+            f"ring attention), 'ring-unbalanced' (contiguous split, for comparison), 'ulysses' "
+            f"(all-to-all to a head split)."
+        )
     if mp["cp"] > 1 and strategy == "local":
-        raise ValueError(f"cp={mp['cp']} gives each rank other tokens of the same sequences with the same parameters, "
-                         f"so their gradients must be averaged over the cp ranks, and strategy 'local' averages "
-                         f"nothing: name a data-parallel strategy (dp, ddp, zero1-3, fsdp), which reduces over "
-                         f"dp x cp (with dp = 1 too).")
+        raise ValueError(
+            f"cp={mp['cp']} gives each rank other tokens of the same sequences with the same parameters, "
+            f"so their gradients must be averaged over the cp ranks, and strategy 'local' averages "
+            f"nothing: name a data-parallel strategy (dp, ddp, zero1-3, fsdp), which reduces over "
+            f"dp x cp (with dp = 1 too)."
+        )
 
 
 def check_tensor_options(mp: dict) -> None:
@@ -101,8 +118,10 @@ def check_tensor_options(mp: dict) -> None:
     if not isinstance(mp["sequence_parallel"], bool):
         raise ValueError(f"sequence_parallel must be True or False, got {mp['sequence_parallel']!r}.")
     if mp["sequence_parallel"] and mp["tp"] == 1:
-        raise ValueError("sequence_parallel=True splits the sequence over the tensor-parallel ranks, so it needs "
-                         "tp > 1 (e.g. tp=2); with tp=1 there is nothing to split.")
+        raise ValueError(
+            "sequence_parallel=True splits the sequence over the tensor-parallel ranks, so it needs "
+            "tp > 1 (e.g. tp=2); with tp=1 there is nothing to split."
+        )
 
 
 def join_tensor_parallel(wrapped, info, mesh) -> None:

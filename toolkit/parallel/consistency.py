@@ -3,12 +3,12 @@
 A mismatch would otherwise surface as a hang (collectives of different sizes) or as silently wrong
 training, so every data-parallel strategy checks shapes at wrap time and starts from rank 0's values.
 """
+
 from __future__ import annotations
 
 import hashlib
 
 import torch
-import torch.distributed as dist
 
 from .. import comm
 
@@ -33,7 +33,8 @@ def check_same_model(model: torch.nn.Module, group=None) -> None:
         raise ValueError(
             "the ranks hold different models (parameter names, shapes or dtypes differ): ranks "
             + " vs ".join(str(g) for g in groups.values())
-            + ". Build the same model on every rank (same config), then wrap it.")
+            + ". Build the same model on every rank (same config), then wrap it."
+        )
 
 
 @torch.no_grad()
@@ -47,6 +48,8 @@ def broadcast_from_rank0(tensors, group=None) -> None:
 def reject_experts(model: torch.nn.Module, strategy: str) -> None:
     """Sharded strategies treat every parameter as replicated; expert parameters are not (toolkit.moe)."""
     if any(getattr(p, "_toolkit_expert", False) for p in model.parameters()):
-        raise ValueError(f"strategy {strategy!r} does not handle expert-parallel parameters (toolkit.moe "
-                         "experts differ per rank and must not be broadcast or sharded as if replicated). "
-                         "Train MoE models with 'ddp' or 'dp' for the dense parameters.")
+        raise ValueError(
+            f"strategy {strategy!r} does not handle expert-parallel parameters (toolkit.moe "
+            "experts differ per rank and must not be broadcast or sharded as if replicated). "
+            "Train MoE models with 'ddp' or 'dp' for the dense parameters."
+        )

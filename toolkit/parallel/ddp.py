@@ -39,6 +39,7 @@ parameters, gradients and messages, fp32 masters in the optimizer). Corner cases
   broadcast nor all-reduced; the MoE all-to-all backward already summed every rank's contribution, so
   they are only divided by the group size (the average the dense gradients get).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -75,7 +76,7 @@ class DataParallel(Wrapped):
         if self.scaler is not None:  # fp16: replicas hold the same averaged gradients, experts their own
             self.scaler.group, self.scaler.across_ranks = group, bool(self.experts)
         self.require_sync = True  # no_sync() turns it off
-        self._sync = True         # what the last forward saw: torch decides at forward time too
+        self._sync = True  # what the last forward saw: torch decides at forward time too
         self._in_backward = False
         for index, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, index))
@@ -132,7 +133,7 @@ class DataParallel(Wrapped):
 
 # --- 1. naive data parallel ---------------------------------------------------------------------
 class NaiveDataParallel(DataParallel):
-    """"dp": when backward is over, average every gradient with its own blocking all-reduce.
+    """ "dp": when backward is over, average every gradient with its own blocking all-reduce.
 
     Why at the end of backward rather than at the start of `optimizer.step()`: whatever runs between
     backward and step (clip_grad_norm_, logging the gradient norm) sees averaged gradients, exactly as
@@ -150,8 +151,7 @@ class NaiveDataParallel(DataParallel):
 FIRST_BUCKET_BYTES = 2**20  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
 
 
-def assign_buckets(params, cap_bytes: float, first_cap_bytes: float | None = None,
-                   order=None) -> list[list[int]]:
+def assign_buckets(params, cap_bytes: float, first_cap_bytes: float | None = None, order=None) -> list[list[int]]:
     """Indices of `params` in buckets, in `order` (default: last-registered first). A bucket closes
     once it holds at least `cap_bytes` (the first bucket: `first_cap_bytes`, default the same), so a
     parameter larger than the cap gets a bucket of its own, or when the dtype changes."""
@@ -185,7 +185,7 @@ class Bucket:
 
 
 class DistributedDataParallel(DataParallel):
-    """"ddp": buckets of gradients all-reduced asynchronously while backward goes on."""
+    """ "ddp": buckets of gradients all-reduced asynchronously while backward goes on."""
 
     def __init__(self, module, mixed_precision=False, bucket_cap_mb=None, group=None):
         super().__init__(module, mixed_precision, group)
@@ -226,12 +226,13 @@ class DistributedDataParallel(DataParallel):
             self.ready_order.append(index)
         bucket = self.buckets[self.bucket_of[index]]
         if index in bucket.ready:
-            raise RuntimeError(f"parameter #{index} became ready twice in one backward; DDP reduces each "
-                               "gradient once per backward (reentrant checkpointing can cause this).")
+            raise RuntimeError(
+                f"parameter #{index} became ready twice in one backward; DDP reduces each "
+                "gradient once per backward (reentrant checkpointing can cause this)."
+            )
         # divide while copying into the bucket, then sum (torch's reducer): N fp16 gradients that fit
         # still fit once summed, where a sum first could overflow 65504 (comm/average.py)
-        torch.mul(self.params[index].grad.reshape(-1), 1.0 / len(comm.group_ranks(self.group)),
-                  out=bucket.views[index])
+        torch.mul(self.params[index].grad.reshape(-1), 1.0 / len(comm.group_ranks(self.group)), out=bucket.views[index])
         bucket.ready.add(index)
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].complete:
             self._launch(self.buckets[self.next_bucket])
@@ -263,7 +264,7 @@ class DistributedDataParallel(DataParallel):
 
 # --- the strategies' entry points ----------------------------------------------------------------
 def wrap_naive(model, optimizer, **options):
-    """"dp": one all-reduce per gradient after backward. Options: mixed_precision, group (the ranks to
+    """ "dp": one all-reduce per gradient after backward. Options: mixed_precision, group (the ranks to
     average over; default every rank)."""
     check_options("dp", options, NAIVE_OPTIONS)
     wrapped = NaiveDataParallel(model, **options)
@@ -271,7 +272,7 @@ def wrap_naive(model, optimizer, **options):
 
 
 def wrap(model, optimizer, **options):
-    """"ddp": bucketed all-reduces overlapped with backward. Options: mixed_precision, bucket_cap_mb
+    """ "ddp": bucketed all-reduces overlapped with backward. Options: mixed_precision, bucket_cap_mb
     (default 25, with a 1 MiB first bucket; a cap given applies to every bucket), group (default every rank)."""
     check_options("ddp", options, DDP_OPTIONS)
     cap = options.get("bucket_cap_mb", 25)

@@ -23,10 +23,11 @@ own can be sharded this way (see `toolkit.parallel.sharded`).
 their shapes, and which slice each rank owns. Its storage can be freed and re-allocated in place
 (ZeRO-3 and FSDP free gathered parameters between uses) without breaking views taken from it.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
@@ -69,8 +70,15 @@ class FlatBuffer:
     `padding` (< world_size zeros at the end), `shard_numel` (S), `data` (the 1-D tensor).
     """
 
-    def __init__(self, shapes: Sequence[Sequence[int]], world_size: int, *, dtype=torch.float32,
-                 device=None, data: torch.Tensor | None = None):
+    def __init__(
+        self,
+        shapes: Sequence[Sequence[int]],
+        world_size: int,
+        *,
+        dtype=torch.float32,
+        device=None,
+        data: torch.Tensor | None = None,
+    ):
         self.shapes = [torch.Size(s) for s in shapes]
         self.numels = [s.numel() for s in self.shapes]
         self.offsets = []
@@ -86,12 +94,14 @@ class FlatBuffer:
         if data is None:
             data = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         elif data.dim() != 1 or data.numel() != self.padded_numel:
-            raise ValueError(f"a FlatBuffer of these shapes needs a 1-D tensor of {self.padded_numel} "
-                             f"elements, got shape {tuple(data.shape)}.")
+            raise ValueError(
+                f"a FlatBuffer of these shapes needs a 1-D tensor of {self.padded_numel} "
+                f"elements, got shape {tuple(data.shape)}."
+            )
         self.data = data
 
     @classmethod
-    def of(cls, tensors: Iterable[torch.Tensor], world_size: int, *, dtype=None, device=None) -> "FlatBuffer":
+    def of(cls, tensors: Iterable[torch.Tensor], world_size: int, *, dtype=None, device=None) -> FlatBuffer:
         """A new buffer holding copies of `tensors` (in `dtype`, default: the first tensor's)."""
         tensors = list(tensors)
         dtype = dtype or tensors[0].dtype
@@ -104,7 +114,7 @@ class FlatBuffer:
     def view(self, index: int) -> torch.Tensor:
         """Tensor `index` as a view into the buffer (writing one writes the other)."""
         start = self.offsets[index]
-        return self.data[start:start + self.numels[index]].view(self.shapes[index])
+        return self.data[start : start + self.numels[index]].view(self.shapes[index])
 
     def views(self) -> list[torch.Tensor]:
         return [self.view(i) for i in range(len(self.shapes))]
@@ -115,7 +125,7 @@ class FlatBuffer:
         for view, t in zip(self.views(), tensors, strict=True):
             view.copy_(t)
         if self.padding:
-            self.data[self.numel:].zero_()
+            self.data[self.numel :].zero_()
 
     # --- shards ----------------------------------------------------------------------------------
     def shard_range(self, rank: int) -> tuple[int, int]:
@@ -165,5 +175,7 @@ class FlatBuffer:
             self.data.untyped_storage().resize_(self.padded_numel * self.data.element_size())
 
     def __repr__(self) -> str:
-        return (f"FlatBuffer({len(self.shapes)} tensors, {self.numel} elements + {self.padding} padding, "
-                f"{self.world_size} shards of {self.shard_numel}, {self.data.dtype})")
+        return (
+            f"FlatBuffer({len(self.shapes)} tensors, {self.numel} elements + {self.padding} padding, "
+            f"{self.world_size} shards of {self.shard_numel}, {self.data.dtype})"
+        )

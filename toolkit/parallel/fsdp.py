@@ -73,6 +73,7 @@ all-gather before the device has freed the earlier ones; the limiter keeps two u
 unit's forward finishes before the next hook runs, so the bound holds without it (`fsdp_wrap.NO_RATE_LIMITER`).
 See docs/differences.md for every difference from torch FSDP.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -94,9 +95,19 @@ class FullyShardedDataParallel(ShardedEngine):
 
     name = "fsdp"
 
-    def __init__(self, module: nn.Module, plans, sharding: Sharding, *, init_fn=None, unit_class=FSDPUnit,
-                 reshard_after_forward=True, forward_prefetch=False, backward_prefetch=True,
-                 activation_checkpointing=False):
+    def __init__(
+        self,
+        module: nn.Module,
+        plans,
+        sharding: Sharding,
+        *,
+        init_fn=None,
+        unit_class=FSDPUnit,
+        reshard_after_forward=True,
+        forward_prefetch=False,
+        backward_prefetch=True,
+        activation_checkpointing=False,
+    ):
         super().__init__(module, sharding.param_dtype, sharding.shard_group)
         self.sharding = sharding
         self.reshard_after_forward, self.forward_prefetch = reshard_after_forward, forward_prefetch
@@ -146,16 +157,19 @@ class FullyShardedDataParallel(ShardedEngine):
             output = module(*args, **kwargs)
             skipped = [u.name for u in self.units if u not in self._order]
             if skipped:  # its parameters were never gathered: anything that read them read nothing
-                raise RuntimeError(f"fsdp: the module of unit(s) {skipped} was not called in this forward, so "
-                                   f"its parameters were never gathered. Every unit's module must run its own "
-                                   f"forward (choose units whose forward the model calls).")
+                raise RuntimeError(
+                    f"fsdp: the module of unit(s) {skipped} was not called in this forward, so "
+                    f"its parameters were never gathered. Every unit's module must run its own "
+                    f"forward (choose units whose forward the model calls)."
+                )
             return output
         finally:
             if self._order:  # next time, prefetch in the order this forward ran
                 self.forward_order = self._order + [u for u in self.units if u not in self._order]
             for unit in self.units:  # prefetched but not run, or everything if forward failed
-                if unit.state != SHARDED and (unit not in self._post_order or self.reshard_after_forward
-                                              or not torch.is_grad_enabled()):
+                if unit.state != SHARDED and (
+                    unit not in self._post_order or self.reshard_after_forward or not torch.is_grad_enabled()
+                ):
                     unit.reshard()
 
     def _pre_forward(self, unit: FSDPUnit, module, args) -> None:
@@ -252,8 +266,10 @@ class FullyShardedDataParallel(ShardedEngine):
     # --- step ----------------------------------------------------------------------------------------
     def before_step(self) -> None:
         if any(u.grads is not None for u in self.units):
-            raise RuntimeError("fsdp: the last backward ran inside model.no_sync(), so its gradients were not "
-                               "reduced; run the final micro-batch's backward outside no_sync() before step().")
+            raise RuntimeError(
+                "fsdp: the last backward ran inside model.no_sync(), so its gradients were not "
+                "reduced; run the final micro-batch's backward outside no_sync() before step()."
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

@@ -28,6 +28,7 @@ them: `own_init(model)` is the model's own per-module init (Hugging Face's `mode
 which computes those buffers; torch modules' `reset_parameters()`), as torchtitan's `init_weights` and
 torch's meta-init recipe (`to_empty`, then each module's reset) do.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,10 +50,12 @@ def seeded_init(seed: int = 0, std: float = 0.02):
         own = list(module.parameters(recurse=False))
         if not own:
             if next(module.buffers(recurse=False), None) is not None:
-                raise ValueError(f"seeded_init draws parameters (the GPT's recipe); {name!r} ({type(module).__name__}) "
-                                 f"holds buffers built on meta whose values only the model knows how to compute. "
-                                 f"Pass param_init_fn=toolkit.parallel.fsdp_init.own_init(model) (the model's own "
-                                 f"init, e.g. Hugging Face's), or your own fn(name, module).")
+                raise ValueError(
+                    f"seeded_init draws parameters (the GPT's recipe); {name!r} ({type(module).__name__}) "
+                    f"holds buffers built on meta whose values only the model knows how to compute. "
+                    f"Pass param_init_fn=toolkit.parallel.fsdp_init.own_init(model) (the model's own "
+                    f"init, e.g. Hugging Face's), or your own fn(name, module)."
+                )
             return
         generator = torch.Generator(device=own[0].device)
         generator.manual_seed(_derived_seed(seed, name))
@@ -65,9 +68,11 @@ def seeded_init(seed: int = 0, std: float = 0.02):
                 torch.manual_seed(_derived_seed(seed, name))
                 module.reset_parameters()
         else:
-            raise ValueError(f"seeded_init does not know how to initialize {type(module).__name__} "
-                             f"({name!r}): give it a reset_parameters() method, or pass your own "
-                             f"param_init_fn(name, module).")
+            raise ValueError(
+                f"seeded_init does not know how to initialize {type(module).__name__} "
+                f"({name!r}): give it a reset_parameters() method, or pass your own "
+                f"param_init_fn(name, module)."
+            )
 
     init.__name__ = f"seeded_init(seed={seed})"
     return init
@@ -89,9 +94,11 @@ def own_init(model: nn.Module, seed: int = 0):
             elif hasattr(module, "reset_parameters"):
                 module.reset_parameters()
             elif list(module.parameters(recurse=False)) or list(module.buffers(recurse=False)):
-                raise ValueError(f"own_init: {type(model).__name__} has no per-module init (_init_weights) and "
-                                 f"{name!r} ({type(module).__name__}) no reset_parameters(); pass your own "
-                                 f"param_init_fn(name, module).")
+                raise ValueError(
+                    f"own_init: {type(model).__name__} has no per-module init (_init_weights) and "
+                    f"{name!r} ({type(module).__name__}) no reset_parameters(); pass your own "
+                    f"param_init_fn(name, module)."
+                )
 
     init.__name__ = f"own_init({type(model).__name__}, seed={seed})"
     return init
@@ -103,8 +110,13 @@ def materialize_buffers(model: nn.Module, device, param_init_fn) -> None:
     `param_init_fn(name, module)` (a module that also holds meta parameters gets it with them, in its unit)."""
     for name, module in model.named_modules():
         built_on_meta = any(b is not None and b.is_meta for b in module._buffers.values())
-        module._buffers.update({k: torch.empty_like(b, device=device) if b.is_meta else b.to(device)
-                                for k, b in module._buffers.items() if b is not None})
+        module._buffers.update(
+            {
+                k: torch.empty_like(b, device=device) if b.is_meta else b.to(device)
+                for k, b in module._buffers.items()
+                if b is not None
+            }
+        )
         if built_on_meta and not any(p.is_meta for p in module.parameters(recurse=False)):
             param_init_fn(name, module)
 
@@ -126,16 +138,20 @@ def check_deferred(model: nn.Module, param_init_fn) -> None:
     """A model on the meta device needs an init function, and only its trainable parameters and its buffers may
     be meta (buffers are made when wrapped: `materialize_buffers`)."""
     if param_init_fn is None:
-        raise ValueError("the model has parameters on the meta device (no values yet): pass "
-                         "param_init_fn=toolkit.parallel.fsdp.seeded_init(seed) (or your own fn(name, module)) "
-                         "so that FSDP can initialize each unit as it materializes it.")
+        raise ValueError(
+            "the model has parameters on the meta device (no values yet): pass "
+            "param_init_fn=toolkit.parallel.fsdp.seeded_init(seed) (or your own fn(name, module)) "
+            "so that FSDP can initialize each unit as it materializes it."
+        )
     if not callable(param_init_fn):
         raise ValueError(f"param_init_fn must be a function fn(name, module), got {param_init_fn!r}.")
     frozen = [n for n, p in model.named_parameters() if p.is_meta and not p.requires_grad]
     if frozen:
-        raise ValueError(f"deferred initialization handles trainable parameters and buffers; these frozen "
-                         f"parameters are on the meta device too: {frozen[:4]}. Build them on a real device, or "
-                         f"make them trainable while the model is wrapped.")
+        raise ValueError(
+            f"deferred initialization handles trainable parameters and buffers; these frozen "
+            f"parameters are on the meta device too: {frozen[:4]}. Build them on a real device, or "
+            f"make them trainable while the model is wrapped."
+        )
 
 
 def owners(model: nn.Module) -> dict:
@@ -160,9 +176,11 @@ def materialize(params: list, fp32_views: list, holders: dict, param_init_fn, un
     for module_name, module in users.values():  # check first: nothing is replaced if this raises
         others = [n for n, q in module.named_parameters(recurse=False) if id(q) not in mine]
         if others:
-            raise ValueError(f"deferred initialization: module {module_name!r} holds parameters of two units "
-                             f"({unit_name or '(root)'!r} and another, for {others}); put all of its "
-                             f"parameters in one unit with the wrap policy.")
+            raise ValueError(
+                f"deferred initialization: module {module_name!r} holds parameters of two units "
+                f"({unit_name or '(root)'!r} and another, for {others}); put all of its "
+                f"parameters in one unit with the wrap policy."
+            )
     new = []
     for p, view in zip(params, fp32_views):
         real = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=p.requires_grad)

@@ -30,6 +30,7 @@ users, whose forward encloses every use. For the GPT that is the root (the embed
 both outside the blocks), so nothing moves; a policy that makes `tok_emb` a unit of its own sees the
 weight moved up to the root, and the emptied unit dropped. (torch's FSDP2 raises instead.)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -75,8 +76,10 @@ def select(model: nn.Module, policy=None) -> list[str]:
                     raise ValueError(f"wrap_policy lists a {type(item).__name__} that is not part of this model.")
                 item = names[id(item)]
             if not isinstance(item, str) or item not in dict(named):
-                raise ValueError(f"wrap_policy lists {item!r}, which is not a submodule of this model; "
-                                 f"names look like {[n for n, _ in named if n][:4]}.")
+                raise ValueError(
+                    f"wrap_policy lists {item!r}, which is not a submodule of this model; "
+                    f"names look like {[n for n, _ in named if n][:4]}."
+                )
             chosen.append(item)
         order = [n for n, _ in named]
         chosen = sorted(set(chosen) - {""}, key=order.index)
@@ -86,9 +89,11 @@ def select(model: nn.Module, policy=None) -> list[str]:
         raise ValueError(f"wrap_policy={policy!r} is not a policy. {POLICY_HELP}")
     containers = [n for n in chosen if isinstance(dict(named)[n], CONTAINERS)]
     if containers and isinstance(policy, (tuple, list)) and not all(isinstance(c, type) for c in policy):
-        raise ValueError(f"wrap_policy lists {containers}, a module container: its forward is never called "
-                         f"(the model calls its children), so its unit would never be gathered. List its "
-                         f"children instead, e.g. {containers[0]}.0.")
+        raise ValueError(
+            f"wrap_policy lists {containers}, a module container: its forward is never called "
+            f"(the model calls its children), so its unit would never be gathered. List its "
+            f"children instead, e.g. {containers[0]}.0."
+        )
     chosen = [n for n in chosen if n not in containers]
     if not chosen:
         classes = sorted({type(m).__name__ for n, m in named if n})
@@ -97,7 +102,8 @@ def select(model: nn.Module, policy=None) -> list[str]:
             f"model would be one unit, gathered whole for every forward and backward; a policy that chooses "
             f"nothing is most likely a mistake. Pick the modules to shard separately: module classes in this "
             f"model are {classes}; or a minimum parameter count, or a list of names; or leave wrap_policy out "
-            f"for the default. {POLICY_HELP}")
+            f"for the default. {POLICY_HELP}"
+        )
     return chosen
 
 
@@ -124,18 +130,20 @@ def default_units(model: nn.Module) -> tuple[list[str], str]:
     for name, module in named:
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or any(_inside(name, c) for c in chosen):
             continue
-        children = [(f"{name}.{n}" if name else n, c) for n, c in module.named_children()
-                    if any(True for _ in c.parameters())]
+        children = [
+            (f"{name}.{n}" if name else n, c) for n, c in module.named_children() if any(True for _ in c.parameters())
+        ]
         if len(children) >= 2 and len({type(c) for _, c in children}) == 1:
             chosen += [n for n, _ in children]
             lists.append(f"{name or '(root)'} ({len(children)} x {type(children[0][1]).__name__})")
     if chosen:
-        return chosen, (f"the model's repeated layers, one unit each: {', '.join(lists)}, plus the root "
-                        "for the rest")
-    return [], ("the root alone: this model has no repeated layers (a ModuleList or Sequential of one class) "
-                "to split it by, so it is one unit, gathered whole for each forward and backward; its "
-                "parameters, gradients and optimizer states are still sharded between uses. Pass wrap_policy "
-                "to choose smaller units.")
+        return chosen, (f"the model's repeated layers, one unit each: {', '.join(lists)}, plus the root for the rest")
+    return [], (
+        "the root alone: this model has no repeated layers (a ModuleList or Sequential of one class) "
+        "to split it by, so it is one unit, gathered whole for each forward and backward; its "
+        "parameters, gradients and optimizer states are still sharded between uses. Pass wrap_policy "
+        "to choose smaller units."
+    )
 
 
 def explain(model: nn.Module, policy=None) -> str:
@@ -150,10 +158,12 @@ def explain(model: nn.Module, policy=None) -> str:
 # size-based policy excludes them too.)
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
-POLICY_HELP = ("Valid policies: None (the default: each toolkit.models.Block, else the model's repeated layers, "
-               "else the root alone), a module class or tuple of classes, an "
-               "int (minimum parameters per unit), a list of modules or qualified names, or a function "
-               "fn(name, module) -> bool.")
+POLICY_HELP = (
+    "Valid policies: None (the default: each toolkit.models.Block, else the model's repeated layers, "
+    "else the root alone), a module class or tuple of classes, an "
+    "int (minimum parameters per unit), a list of modules or qualified names, or a function "
+    "fn(name, module) -> bool."
+)
 
 
 def _by_size(model: nn.Module, min_params: int) -> list[str]:

@@ -28,6 +28,7 @@ checkpoint see each parameter's rows); and only elementwise optimizers can step 
 (`sharded.py`'s allow-list). FSDP2 also copies into and out of a flat buffer around each collective;
 here the flat buffer *is* the storage, so there is no copy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,8 +58,7 @@ class Sharding:
                    gradient reduction. Masters, gradient shards and optimizer states are fp32.
     """
 
-    def __init__(self, shard_group=None, replica_group=None, param_dtype=torch.float32,
-                 reduce_dtype=torch.float32):
+    def __init__(self, shard_group=None, replica_group=None, param_dtype=torch.float32, reduce_dtype=torch.float32):
         self.shard_group, self.replica_group = shard_group, replica_group
         ranks = comm.group_ranks(shard_group)
         self.size, self.rank = len(ranks), ranks.index(dist.get_rank())
@@ -81,8 +81,10 @@ def dtypes(mixed_precision) -> tuple[torch.dtype, torch.dtype]:
     if isinstance(mixed_precision, dict):  # as a config read back from a saved Run holds it
         unknown = set(mixed_precision) - {"param_dtype", "reduce_dtype"}
         if unknown:
-            raise ValueError(f"mixed_precision={mixed_precision!r}: unknown keys {sorted(unknown)}; valid keys: "
-                             f"param_dtype, reduce_dtype.")
+            raise ValueError(
+                f"mixed_precision={mixed_precision!r}: unknown keys {sorted(unknown)}; valid keys: "
+                f"param_dtype, reduce_dtype."
+            )
         mixed_precision = MixedPrecision(**mixed_precision)
     if isinstance(mixed_precision, MixedPrecision):
         param = _dtype(mixed_precision.param_dtype)
@@ -99,8 +101,9 @@ def _dtype(value) -> torch.dtype:
     except ValueError:
         dtype = None
     if dtype is None:
-        raise ValueError(f"MixedPrecision dtype {value!r}: use torch.float32, torch.bfloat16 or torch.float16 "
-                         f"(or their names).")
+        raise ValueError(
+            f"MixedPrecision dtype {value!r}: use torch.float32, torch.bfloat16 or torch.float16 (or their names)."
+        )
     return dtype
 
 
@@ -131,8 +134,10 @@ def _subgroups(F: int, ranks: list, group):
     key = (tuple(ranks), F)
     if key not in _GROUPS:
         me = ranks.index(dist.get_rank())
-        _GROUPS[key] = tuple(dist.new_group(members, use_local_synchronization=True) for members in (
-            ranks[me // F * F:(me // F + 1) * F], ranks[me % F::F]))
+        _GROUPS[key] = tuple(
+            dist.new_group(members, use_local_synchronization=True)
+            for members in (ranks[me // F * F : (me // F + 1) * F], ranks[me % F :: F])
+        )
     return _GROUPS[key]
 
 
@@ -167,18 +172,23 @@ class FSDPUnit:
         self.index = {p: i for i, p in enumerate(self.params)}
         self.master = nn.Parameter(full.shard(sharding.rank).clone())  # the one copy kept, fp32
         self.mine = Shard(self.master)
-        self.flat = full if sharding.param_dtype == torch.float32 else \
-            FlatBuffer(shapes, sharding.size, data=full.data.to(sharding.param_dtype))
+        self.flat = (
+            full
+            if sharding.param_dtype == torch.float32
+            else FlatBuffer(shapes, sharding.size, data=full.data.to(sharding.param_dtype))
+        )
         with torch.no_grad():
             for p, view in zip(self.params, self.flat.views()):
                 p.data = view  # the module's parameters now live in the flat buffer...
-        self.flat.free()       # ...which holds nothing until the unit is gathered
+        self.flat.free()  # ...which holds nothing until the unit is gathered
         self.state = SHARDED
         self.grads: FlatBuffer | None = None
         self.waiting = len(self.params)  # gradients not yet arrived in this backward
         self.backward_started = False
-        self._gather = None    # (handle, input) of the all-gather in flight
-        self.reduction = None  # (handle, output, input) of the reduce-scatter in flight (input None: the replicas' all-reduce)
+        self._gather = None  # (handle, input) of the all-gather in flight
+        self.reduction = (
+            None  # (handle, output, input) of the reduce-scatter in flight (input None: the replicas' all-reduce)
+        )
 
     # --- 1. unshard: all-gather the flat parameter ----------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -187,8 +197,9 @@ class FSDPUnit:
         if self.state == SHARDED:
             self.flat.allocate()
             piece = self.master.detach().to(self.sharding.param_dtype)  # fp32: the master itself, no copy
-            handle = _named(comm.all_gather(self.flat.data, piece, group=self.sharding.shard_group,
-                                            async_op=True), self.name)
+            handle = _named(
+                comm.all_gather(self.flat.data, piece, group=self.sharding.shard_group, async_op=True), self.name
+            )
             self._gather, self.state = (handle, piece), GATHERING
         if not async_op:
             self.wait_unshard()
@@ -224,8 +235,9 @@ class FSDPUnit:
         zeros: padding and parameters without a gradient contribute nothing), each freed once copied."""
         arrived = [p for p in self.params if p.grad is not None]
         if arrived and self.grads is None:
-            self.grads = FlatBuffer(self.flat.shapes, self.sharding.size, dtype=self.sharding.reduce_dtype,
-                                    device=self.master.device)
+            self.grads = FlatBuffer(
+                self.flat.shapes, self.sharding.size, dtype=self.sharding.reduce_dtype, device=self.master.device
+            )
         for p in arrived:
             self.grads.view(self.index[p]).add_(p.grad)  # add: micro-batches under no_sync() accumulate here
             p.grad = None
@@ -233,8 +245,10 @@ class FSDPUnit:
     def reduce_grad(self) -> None:
         """Average the flat gradient over the shard group, rank r receiving slice r (asynchronously)."""
         out = torch.empty(self.grads.shard_numel, dtype=self.sharding.reduce_dtype, device=self.master.device)
-        handle = _named(comm.reduce_scatter(out, self.grads.data, op="avg", group=self.sharding.shard_group,
-                                            async_op=True), self.name)
+        handle = _named(
+            comm.reduce_scatter(out, self.grads.data, op="avg", group=self.sharding.shard_group, async_op=True),
+            self.name,
+        )
         self.reduction, self.grads = (handle, out, self.grads), None
 
     def advance_reduce(self) -> None:
@@ -257,8 +271,7 @@ class FSDPUnit:
         handle, out, given = self.reduction
         handle.wait()
         if given is not None and self.sharding.replica_group is not None:
-            handle = _named(comm.all_reduce(out, op="avg", group=self.sharding.replica_group, async_op=True),
-                            self.name)
+            handle = _named(comm.all_reduce(out, op="avg", group=self.sharding.replica_group, async_op=True), self.name)
             self.reduction = (handle, out, None)
             if not wait_replicas:
                 return

@@ -1,6 +1,7 @@
 """FSDP's setup: `wrap(model, optimizer, **options)` checks every option, builds the shard and replica groups,
 places the model and starts every rank from rank 0's values, then hands the units to the engine (`fsdp.py`,
 where a step happens). `FSDPModel` is what the user holds afterwards. The options are documented in fsdp.py."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,16 +21,27 @@ from .fsdp_policy import explain, plan
 from .fsdp_unit import FSDPUnit, Sharding, dtypes, sharding_groups
 from .sharded import ShardedModel, ShardedOptimizer, check_optimizer
 
-OPTIONS = ("wrap_policy", "reshard_after_forward", "forward_prefetch", "backward_prefetch",
-           "sharding_group_size", "mixed_precision", "activation_checkpointing", "param_init_fn", "unit_class",
-           "limit_all_gathers", "group")
+OPTIONS = (
+    "wrap_policy",
+    "reshard_after_forward",
+    "forward_prefetch",
+    "backward_prefetch",
+    "sharding_group_size",
+    "mixed_precision",
+    "activation_checkpointing",
+    "param_init_fn",
+    "unit_class",
+    "limit_all_gathers",
+    "group",
+)
 NO_RATE_LIMITER = (
     "fsdp: limit_all_gathers=True asks for torch FSDP's rate limiter, which this FSDP does not have. It exists "
     "for GPUs, where the CPU issues kernels ahead of the device and could all-gather unit after unit before "
     "earlier ones are freed; the limiter keeps at most two units in flight. Here a unit's forward finishes on "
     "the host before the next unit is gathered, so the bound holds without it on the CPU; on GPUs this FSDP "
     "can use more memory than torch's. Leave the option out (or pass limit_all_gathers=False); "
-    "docs/differences.md lists what else differs from torch FSDP.")
+    "docs/differences.md lists what else differs from torch FSDP."
+)
 
 
 def _flag(name: str, value) -> bool:
@@ -45,9 +57,15 @@ def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
         raise ValueError(NO_RATE_LIMITER)
     check_optimizer("fsdp", optimizer)
     param_dtype, reduce_dtype = dtypes(options.get("mixed_precision", False))
-    flags = {k: _flag(k, options.get(k, default)) for k, default in (
-        ("reshard_after_forward", True), ("forward_prefetch", False), ("backward_prefetch", True),
-        ("activation_checkpointing", False))}
+    flags = {
+        k: _flag(k, options.get(k, default))
+        for k, default in (
+            ("reshard_after_forward", True),
+            ("forward_prefetch", False),
+            ("backward_prefetch", True),
+            ("activation_checkpointing", False),
+        )
+    }
     unit_class = options.get("unit_class", FSDPUnit)
     if not (isinstance(unit_class, type) and issubclass(unit_class, FSDPUnit)):
         raise ValueError(f"fsdp: unit_class must be FSDPUnit or a subclass of it, got {unit_class!r}.")
@@ -58,20 +76,26 @@ def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
     if deferred:
         check_deferred(model, init_fn)
     elif init_fn is not None:
-        raise ValueError("param_init_fn is for a model built on the meta device (deferred initialization); "
-                         "this model already has values. Build it under `with torch.device('meta'):`.")
+        raise ValueError(
+            "param_init_fn is for a model built on the meta device (deferred initialization); "
+            "this model already has values. Build it under `with torch.device('meta'):`."
+        )
     if not dist.is_initialized():
-        raise RuntimeError("fsdp shards over ranks, so it needs torch.distributed initialized: run it inside "
-                           "toolkit.launch(fn, world_size) (world_size=1 works too), or call "
-                           "toolkit.runtime.init() under torchrun or mpirun.")
+        raise RuntimeError(
+            "fsdp shards over ranks, so it needs torch.distributed initialized: run it inside "
+            "toolkit.launch(fn, world_size) (world_size=1 works too), or call "
+            "toolkit.runtime.init() under torchrun or mpirun."
+        )
     group = options.get("group")
     world = len(comm.group_ranks(group))
     F = options.get("sharding_group_size") or world
     if isinstance(F, bool) or not isinstance(F, int) or F < 1 or world % F:
         valid = [f for f in range(1, world + 1) if world % f == 0]
-        raise ValueError(f"fsdp: sharding_group_size={options.get('sharding_group_size')!r} must divide the "
-                         f"world size {world} (shard groups of F ranks, replicated {world}/F times); valid "
-                         f"values here: {valid}.")
+        raise ValueError(
+            f"fsdp: sharding_group_size={options.get('sharding_group_size')!r} must divide the "
+            f"world size {world} (shard groups of F ranks, replicated {world}/F times); valid "
+            f"values here: {valid}."
+        )
     consistency.check_same_model(model, group)  # a clear error now rather than a hang later
     shard_group, replica_group = sharding_groups(F, group)
     sharding = Sharding(shard_group, replica_group, param_dtype, reduce_dtype)
@@ -81,8 +105,9 @@ def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
         materialize_buffers(model, env.device(), init_fn)
     with phase("setup"):  # every rank starts from rank 0's values (deferred: the seeded init agrees already)
         consistency.broadcast_from_rank0([*([] if deferred else model.parameters()), *model.buffers()], group)
-    engine = FullyShardedDataParallel(model, plans, sharding, init_fn=init_fn if deferred else None,
-                                      unit_class=unit_class, **flags)
+    engine = FullyShardedDataParallel(
+        model, plans, sharding, init_fn=init_fn if deferred else None, unit_class=unit_class, **flags
+    )
     engine.optimizer = ShardedOptimizer(optimizer([u.master for u in engine.units]), engine)
     return FSDPModel(model, engine), engine.optimizer
 
@@ -97,9 +122,17 @@ class FSDPModel(ShardedModel):
 
     def describe(self) -> list[dict]:
         """One row per unit: name, parameter names, elements, padded elements, elements per shard."""
-        return [{"unit": u.name, "params": list(u.param_names), "numel": u.flat.numel,
-                 "padded_numel": u.flat.padded_numel, "shard_numel": u.flat.shard_numel,
-                 "moved_in": [name for name, _ in u.moved_in]} for u in self.units]
+        return [
+            {
+                "unit": u.name,
+                "params": list(u.param_names),
+                "numel": u.flat.numel,
+                "padded_numel": u.flat.padded_numel,
+                "shard_numel": u.flat.shard_numel,
+                "moved_in": [name for name, _ in u.moved_in],
+            }
+            for u in self.units
+        ]
 
     @contextlib.contextmanager
     def sync_backward(self, reduce: bool):
@@ -123,6 +156,7 @@ class FSDPModel(ShardedModel):
         """Inside, record a memory sample into the trace at every gather, free and reduction (the event
         and the unit are in the sample), so a step's memory over time shows each unit come and go.
         `probe(event, unit)` replaces the recording with your own function."""
+
         def record(event, unit):
             record_memory(self, self.engine.optimizer, step=step, meter=meter, event=f"{event} {unit.name}")
 

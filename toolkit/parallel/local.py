@@ -20,6 +20,7 @@ It also holds the two things every strategy shares, because they are the same on
 
 So "local" with `mixed_precision` is the oracle for mixed-precision strategies too.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,14 @@ from .scaler import scaler_for
 OPTIONS = ("mixed_precision",)
 
 
-_NAMED = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16, "torch.float16": torch.float16}
+_NAMED = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "torch.bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "torch.float16": torch.float16,
+}
 
 
 def compute_dtype(mixed_precision) -> torch.dtype | None:
@@ -48,8 +55,10 @@ def compute_dtype(mixed_precision) -> torch.dtype | None:
         return mixed_precision
     if isinstance(mixed_precision, str) and mixed_precision in _NAMED:
         return _NAMED[mixed_precision]
-    raise ValueError(f"mixed_precision={mixed_precision!r}: use False, True (bfloat16), "
-                     "torch.bfloat16 or torch.float16 (or their names, e.g. 'bf16').")
+    raise ValueError(
+        f"mixed_precision={mixed_precision!r}: use False, True (bfloat16), "
+        "torch.bfloat16 or torch.float16 (or their names, e.g. 'bf16')."
+    )
 
 
 class MasterWeights:
@@ -61,8 +70,7 @@ class MasterWeights:
 
     def __init__(self, params, scaler=None):
         self.params = list(params)
-        self.masters = [nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
-                        for p in self.params]
+        self.masters = [nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad) for p in self.params]
         self.scaler = scaler  # fp16: a LossScaler (scaler.py)
 
     def grads_to_masters(self, *_):
@@ -164,8 +172,9 @@ class Wrapped(nn.Module):
     def full_state_dict(self) -> dict:
         """{original parameter name: full fp32 tensor}: the masters under mixed precision."""
         if self.master is not None:
-            return {name: m.detach().clone()
-                    for (name, _), m in zip(self.module.named_parameters(), self.master.masters)}
+            return {
+                name: m.detach().clone() for (name, _), m in zip(self.module.named_parameters(), self.master.masters)
+            }
         return {name: p.detach().clone() for name, p in self.module.named_parameters()}
 
     def memory_groups(self) -> dict:
@@ -175,10 +184,10 @@ class Wrapped(nn.Module):
         if self.master is not None:
             optimizer += self.master.masters + [m.grad for m in self.master.masters if m.grad is not None]
         if self.optimizer is not None:
-            optimizer += [t for state in self.optimizer.state.values() for t in state.values()
-                          if isinstance(t, torch.Tensor)]
-        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                "optimizer": optimizer}
+            optimizer += [
+                t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)
+            ]
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None], "optimizer": optimizer}
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients to `max_norm` in place; return the global norm (fp32).

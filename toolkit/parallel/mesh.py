@@ -28,6 +28,7 @@ the same parameters and see different tokens, as dp ranks do: torchtitan's FSDP 
 is torch's own, so FSDP2/DTensor/torchtitan's conventions carry over; the collectives still go through
 `toolkit.comm` with these groups, so every one is recorded with its global ranks.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,12 +39,13 @@ import torch
 import torch.distributed as dist
 
 DIMS = ("dp", "pp", "cp", "tp")  # the names, in the order coordinates are given (not the rank order)
-ORDER = "tp-cp-ep-dp-pp"         # Megatron-core's default rank order, innermost first
-DP_OUTERMOST = "tp-cp-pp-dp"     # dp outermost: Llama 3's and picotron's nesting, and this toolkit's before
+ORDER = "tp-cp-ep-dp-pp"  # Megatron-core's default rank order, innermost first
+DP_OUTERMOST = "tp-cp-pp-dp"  # dp outermost: Llama 3's and picotron's nesting, and this toolkit's before
 
 
 class Coordinate(NamedTuple):
     """A rank's index along each dimension."""
+
     dp: int
     pp: int
     cp: int
@@ -53,13 +55,17 @@ class Coordinate(NamedTuple):
 def nesting(order: str = ORDER) -> tuple[str, ...]:
     """The four dimensions from innermost (varies fastest) to outermost, from Megatron's spelling of an order."""
     if not isinstance(order, str):
-        raise ValueError(f"order must be a string of dimension names from innermost to outermost, as Megatron-LM "
-                         f"writes it (e.g. {ORDER!r}), got {order!r}.")
+        raise ValueError(
+            f"order must be a string of dimension names from innermost to outermost, as Megatron-LM "
+            f"writes it (e.g. {ORDER!r}), got {order!r}."
+        )
     names = [n for n in order.split("-") if n != "ep"]
     if sorted(names) != sorted(DIMS):
-        raise ValueError(f"order={order!r} must name each of {DIMS} once, innermost first, joined by '-' (Megatron's "
-                         f"spelling; 'ep' may appear and takes no ranks): e.g. {ORDER!r} (Megatron's default, pp "
-                         f"outermost) or {DP_OUTERMOST!r} (dp outermost).")
+        raise ValueError(
+            f"order={order!r} must name each of {DIMS} once, innermost first, joined by '-' (Megatron's "
+            f"spelling; 'ep' may appear and takes no ranks): e.g. {ORDER!r} (Megatron's default, pp "
+            f"outermost) or {DP_OUTERMOST!r} (dp outermost)."
+        )
     return tuple(names)
 
 
@@ -136,11 +142,16 @@ def layout(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, order: str
         others = f"pp={pp}" + (f", cp={cp}" if cp > 1 else "")
         fits = [t for t in range(1, world_size + 1) if world_size % (t * pp * cp) == 0]
         named = f"pp={pp} x " + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp}"
-        choice = (f"with {others}, tp can be one of {fits}" if fits else
-                  f"with {others} no tp can: {others.replace(', ', ' x ')} does not divide {world_size}")
-        raise ValueError(f"a world of {world_size} ranks does not split into {named} = {per_replica} ranks "
-                         f"per data-parallel replica; the world must be a multiple of that ({choice}), or launch "
-                         f"a world of {per_replica * max(1, world_size // per_replica)}.")
+        choice = (
+            f"with {others}, tp can be one of {fits}"
+            if fits
+            else f"with {others} no tp can: {others.replace(', ', ' x ')} does not divide {world_size}"
+        )
+        raise ValueError(
+            f"a world of {world_size} ranks does not split into {named} = {per_replica} ranks "
+            f"per data-parallel replica; the world must be a multiple of that ({choice}), or launch "
+            f"a world of {per_replica * max(1, world_size // per_replica)}."
+        )
     return Layout(dp=world_size // per_replica, pp=pp, cp=cp, tp=tp, order=order)
 
 
@@ -152,8 +163,10 @@ def build(*, tp: int = 1, pp: int = 1, cp: int = 1, order: str = ORDER):
     from ..runtime import env
 
     if not dist.is_initialized():
-        raise RuntimeError("a dp x pp x cp x tp layout spans ranks, so it needs torch.distributed initialized: run "
-                           "it inside toolkit.launch(fn, world_size), or in toolkit.sim.simulate.")
+        raise RuntimeError(
+            "a dp x pp x cp x tp layout spans ranks, so it needs torch.distributed initialized: run "
+            "it inside toolkit.launch(fn, world_size), or in toolkit.sim.simulate."
+        )
     shape = layout(dist.get_world_size(), tp=tp, pp=pp, cp=cp, order=order)
     device_type = env.device().type
     device_type = "cpu" if device_type == "meta" else device_type  # the simulator computes on meta

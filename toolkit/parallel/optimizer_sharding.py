@@ -33,6 +33,7 @@ all-gather of ZeRO-1 does; the gradients' all-reduce is the data parallelism's b
 schedulers work on this object; each step copies the options into the inner optimizer. `group=`
 shards over a process group instead of every rank. `state_dict()` holds this rank's share of the states.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,14 +49,20 @@ class ShardedStateOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_class, group=None, **defaults):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError(f"shard_optimizer needs an optimizer class (e.g. torch.optim.AdamW), got "
-                            f"{optimizer_class!r}; pass its options as keywords: lr=1e-3, ...")
+            raise TypeError(
+                f"shard_optimizer needs an optimizer class (e.g. torch.optim.AdamW), got "
+                f"{optimizer_class!r}; pass its options as keywords: lr=1e-3, ..."
+            )
         if issubclass(optimizer_class, NEEDS_EVERY_PARAMETER):
-            raise ValueError(f"{optimizer_class.__name__} looks at every parameter at once (its line search), "
-                             "so it cannot be split among ranks; use an unsharded optimizer with DDP.")
+            raise ValueError(
+                f"{optimizer_class.__name__} looks at every parameter at once (its line search), "
+                "so it cannot be split among ranks; use an unsharded optimizer with DDP."
+            )
         if not dist.is_initialized():
-            raise RuntimeError("shard_optimizer splits the states among ranks, so it needs torch.distributed "
-                               "initialized: run it inside toolkit.launch(fn, world_size).")
+            raise RuntimeError(
+                "shard_optimizer splits the states among ranks, so it needs torch.distributed "
+                "initialized: run it inside toolkit.launch(fn, world_size)."
+            )
         self.optimizer_class, self.group = optimizer_class, group
         self.ranks = comm.group_ranks(group)  # global ranks, in the group's order
         if dist.get_rank() not in self.ranks:
@@ -84,8 +91,10 @@ class ShardedStateOptimizer(torch.optim.Optimizer):
             self.local.add_param_group(self._mine(group))
 
     def _mine(self, group: dict) -> dict:
-        return {**{k: v for k, v in group.items() if k != "params"},
-                "params": [p for p in group["params"] if self.owner[id(p)] == self.rank]}
+        return {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [p for p in group["params"] if self.owner[id(p)] == self.rank],
+        }
 
     def owned(self) -> list[torch.Tensor]:
         """The parameters whose optimizer states live on this rank."""
@@ -117,10 +126,11 @@ class ShardedStateOptimizer(torch.optim.Optimizer):
                 if r != self.rank:
                     offset = 0
                     for p in group:
-                        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                        p.copy_(flat[offset : offset + p.numel()].view_as(p))
                         offset += p.numel()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        raise NotImplementedError("shard_optimizer's state_dict() is this rank's share of the states; "
-                                  "to resume, give each rank its own share: opt.local.load_state_dict(...).")
-
+        raise NotImplementedError(
+            "shard_optimizer's state_dict() is this rank's share of the states; "
+            "to resume, give each rank its own share: opt.local.load_state_dict(...)."
+        )

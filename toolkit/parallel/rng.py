@@ -24,6 +24,7 @@ Megatron asks (an unseeded process gets a random seed of its own, and its replic
 (Megatron keeps it in tensor_parallel/random.py; here it serves activation checkpointing and pipelines too, so
 it lives beside them, and tensor parallelism seeds its stream when it splits a model.)
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -34,6 +34,7 @@ S (the same as scaling the loss, and the loss you see is not scaled); the optimi
 checks, and steps or skips. `model.scaler` is this object: its `scale`, `skipped` and `last_skipped` say
 what happened, and `toolkit.train` records "loss_scale" and "skipped_step" in the Run every step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -65,8 +66,15 @@ class LossScaler:
     group, across_ranks  the strategy sets them: whether the found-inf flag must be agreed over `group`
     """
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, group=None, across_ranks: bool = False):
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        group=None,
+        across_ranks: bool = False,
+    ):
         self.scale, self.growth_factor, self.backoff_factor = float(init_scale), growth_factor, backoff_factor
         self.growth_interval, self.group, self.across_ranks = growth_interval, group, across_ranks
         self.good_steps, self.skipped = 0, 0
@@ -75,6 +83,7 @@ class LossScaler:
     # --- 1. forward: the outputs carry S into backward ---------------------------------------------
     def scale_outputs(self, output):
         """The outputs, each floating tensor that requires grad wrapped so its gradient is multiplied by S."""
+
         def scale(t):
             if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad:
                 return _ScaleGrad.apply(t, self.scale)

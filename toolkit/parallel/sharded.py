@@ -21,6 +21,7 @@ elements. An optimizer that looks at a whole tensor at once (LAMB's and LARS's p
 row and column statistics, L-BFGS's line search over all parameters, Shampoo's preconditioners) would see a
 meaningless piece of a tensor. So the list below is an explicit allow-list, not a guess.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,18 +32,24 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from .. import comm
-from .local import compute_dtype as local_compute_dtype
-from .local import forward_backward as forward_then_backward
 from ..runtime import env
 from .flat import FlatBuffer
+from .local import compute_dtype as local_compute_dtype
+from .local import forward_backward as forward_then_backward
 from .scaler import scaler_for
 from .sharded_clipping import clip_grad_norm_, global_grad_norm  # noqa: F401 - re-exported
 
 # Optimizers whose update is elementwise: one element's new value depends on its own gradient and
 # state, plus scalars (learning rate, step count). Adding one here is a claim about its math.
 ELEMENTWISE_OPTIMIZERS = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-    torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad,
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
 )
 
 
@@ -55,15 +62,18 @@ def check_optimizer(strategy: str, optimizer_factory) -> None:
     try:
         probe = optimizer_factory([nn.Parameter(torch.zeros(1))])
     except Exception as exc:  # noqa: BLE001 - report any failure to build as a bad factory
-        raise ValueError(f"strategy {strategy!r} could not build the optimizer from {optimizer_factory!r} "
-                         f"on a list of parameters ({type(exc).__name__}: {exc}).") from exc
+        raise ValueError(
+            f"strategy {strategy!r} could not build the optimizer from {optimizer_factory!r} "
+            f"on a list of parameters ({type(exc).__name__}: {exc})."
+        ) from exc
     if type(probe) not in ELEMENTWISE_OPTIMIZERS:
         names = ", ".join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)
         raise ValueError(
             f"strategy {strategy!r} cannot shard {type(probe).__name__}: each rank updates only its slice of "
             f"the flattened parameters, which is exact only for optimizers whose update is elementwise. "
             f"Sharded optimizers allowed: {names}. Use one of them, or an unsharded strategy ('ddp') "
-            f"for {type(probe).__name__}.")
+            f"for {type(probe).__name__}."
+        )
 
 
 def compute_dtype(mixed_precision) -> torch.dtype:
@@ -97,7 +107,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     so LR schedulers and `state_dict()` act on what is really stepped.
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, engine: "ShardedEngine"):
+    def __init__(self, inner: torch.optim.Optimizer, engine: ShardedEngine):
         super().__init__(inner.param_groups, inner.defaults)
         self.inner, self.engine = inner, engine
         self.param_groups, self.state = inner.param_groups, inner.state
@@ -158,7 +168,7 @@ class ShardedModel(nn.Module):
     flat_buffers()        the FlatBuffers being sharded (to look at the layout and its padding)
     """
 
-    def __init__(self, module: nn.Module, engine: "ShardedEngine"):
+    def __init__(self, module: nn.Module, engine: ShardedEngine):
         super().__init__()
         self.module = module
         self.engine = engine  # not an nn.Module: stays out of named_parameters()

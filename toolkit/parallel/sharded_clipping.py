@@ -4,6 +4,7 @@ The norm of the whole gradient is one all-reduce away: each rank's slices are di
 squares add up (and their maxima give the inf-norm). Every rank then scales its own slices by the same
 factor, as `torch.nn.utils.clip_grad_norm_` would scale the whole gradient.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,7 @@ def global_grad_norm(shards, norm_type: float, group=None) -> torch.Tensor:
     grads = [s.grad.detach().float() for s in shards if s.grad is not None]
     device = shards[0].master.device if shards else env.device()
     if norm_type == math.inf:
-        total = torch.stack([g.abs().max() for g in grads]).max().reshape(1) if grads else \
-            torch.zeros(1, device=device)
+        total = torch.stack([g.abs().max() for g in grads]).max().reshape(1) if grads else torch.zeros(1, device=device)
         comm.all_reduce(total, op="max", group=group)
         return total[0]
     total = sum((g.pow(2).sum() for g in grads), torch.zeros((), device=device)).reshape(1)

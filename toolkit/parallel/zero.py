@@ -47,6 +47,7 @@ What the user sees of `model.module`'s parameters: ZeRO-1/2 full parameters (the
 ZeRO-1: views of the flat gradient buffer, of which only this rank's slice is averaged after backward;
 under ZeRO-2/3: None, the gradients live in the slices). Use `full_state_dict()` for the truth.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -100,12 +101,15 @@ def _wrap(stage: int, model: nn.Module, optimizer, options: dict):
     for key in ("prefetch_bucket_size", "reduce_bucket_size", "sub_group_size"):  # stage 3 only (check_options)
         value = buckets[key] = options.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}: {key} is a number of elements (an int >= 0; 0 = one module at a time), "
-                             f"got {value!r}.")
+            raise ValueError(
+                f"{name}: {key} is a number of elements (an int >= 0; 0 = one module at a time), got {value!r}."
+            )
     if not torch.distributed.is_initialized():
-        raise RuntimeError(f"{name} shards over ranks, so it needs torch.distributed initialized: run it "
-                           "inside toolkit.launch(fn, world_size) (world_size=1 works too), or call "
-                           "toolkit.runtime.init() under torchrun or mpirun.")
+        raise RuntimeError(
+            f"{name} shards over ranks, so it needs torch.distributed initialized: run it "
+            "inside toolkit.launch(fn, world_size) (world_size=1 works too), or call "
+            "toolkit.runtime.init() under torchrun or mpirun."
+        )
     group = options.get("group")
     consistency.reject_experts(model, name)
     consistency.check_same_model(model, group)  # a clear error now rather than a hang later
@@ -130,7 +134,7 @@ class Bucket:
     under ZeRO-2 `grads` exists only while the bucket's gradients arrive during backward.
     """
 
-    def __init__(self, engine: "Zero12", params: list):
+    def __init__(self, engine: Zero12, params: list):
         self.params, self.index = params, {p: i for i, p in enumerate(params)}
         self.flat, master = engine.flatten(params)
         for p, view in zip(params, self.flat.views()):
@@ -140,8 +144,9 @@ class Bucket:
         self.waiting = len(params)  # ZeRO-2: gradients not yet arrived in this backward
 
     def new_grads(self) -> FlatBuffer:
-        return FlatBuffer(self.flat.shapes, self.flat.world_size, dtype=self.flat.data.dtype,
-                          device=self.flat.data.device)
+        return FlatBuffer(
+            self.flat.shapes, self.flat.world_size, dtype=self.flat.data.dtype, device=self.flat.data.device
+        )
 
     def bind_grads(self) -> None:
         """ZeRO-1: make every p.grad a view of the flat gradient buffer (autograd then adds into it)."""
@@ -207,8 +212,7 @@ class Zero12(ShardedEngine):
         """ZeRO-2: average the bucket over the ranks, rank r receiving slice r, while backward goes on."""
         out = torch.empty(b.flat.shard_numel, dtype=self.dtype, device=b.grads.data.device)
         self._settle()  # the previous bucket's reduction is done by now: free its full gradient first
-        handle = comm.reduce_scatter(out, b.grads.data, op="avg", group=self.group,
-                                     async_op=True)
+        handle = comm.reduce_scatter(out, b.grads.data, op="avg", group=self.group, async_op=True)
         self.in_flight.append((b, handle, out, b.grads))
         b.grads = None
 
@@ -239,7 +243,8 @@ class Zero12(ShardedEngine):
         if self.reduced:
             raise RuntimeError(
                 "zero1 already reduced this step's gradients: call optimizer.zero_grad() after each step, "
-                "and to accumulate micro-batches run every backward but the last inside model.no_sync().")
+                "and to accumulate micro-batches run every backward but the last inside model.no_sync()."
+            )
         for b in self.pieces:
             b.bind_grads()
             mine = b.grads.shard(self.rank)
@@ -267,8 +272,10 @@ class Zero12(ShardedEngine):
     # --- step ----------------------------------------------------------------------------------------
     def before_step(self) -> None:
         if self.stage == 1 and self.unreduced_backward and not self.reduced:
-            raise RuntimeError("zero1: the last backward ran inside model.no_sync(), so no gradient was "
-                               "reduced; run the final micro-batch's backward outside no_sync() before step().")
+            raise RuntimeError(
+                "zero1: the last backward ran inside model.no_sync(), so no gradient was "
+                "reduced; run the final micro-batch's backward outside no_sync() before step()."
+            )
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -291,5 +298,8 @@ class Zero12(ShardedEngine):
         grads = [b.grads.data for b in self.pieces if b.grads is not None]
         grads += [b.mine.grad for b in self.pieces if b.mine.grad is not None]
         grads += [t[3].data for t in self.in_flight] + [p.grad for p in self.params if p.grad is not None]
-        return {"params": [b.flat.data for b in self.pieces] + self.frozen, "grads": grads,
-                "optimizer": self.optimizer_tensors()}
+        return {
+            "params": [b.flat.data for b in self.pieces] + self.frozen,
+            "grads": grads,
+            "optimizer": self.optimizer_tensors(),
+        }

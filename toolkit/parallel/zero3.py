@@ -47,6 +47,7 @@ Limits: a module's parameters must be used through that module's forward (readin
 `module.weight` from outside sees an empty tensor between uses), and every rank must run the same
 modules in the same order (collectives must match).
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -58,7 +59,6 @@ from torch.utils._pytree import tree_flatten
 from .. import comm
 from .flat import FlatBuffer
 from .sharded import Shard, ShardedEngine
-
 
 # Modules whose forward reads their submodules' parameters without calling those submodules: torch's
 # MultiheadAttention passes out_proj.weight to a functional call. Their unit holds everything below them.
@@ -76,7 +76,7 @@ class Unit:
     users:  every module that uses one of these parameters directly (a tied weight has two).
     """
 
-    def __init__(self, engine: "Zero3", name: str, params: list):
+    def __init__(self, engine: Zero3, name: str, params: list):
         self.name, self.params, self.index = name, params, {p: i for i, p in enumerate(params)}
         self.flat, master = engine.flatten(params)
         if engine.dtype == torch.float32:
@@ -102,8 +102,9 @@ class Zero3(ShardedEngine):
 
     name = "zero3"
 
-    def __init__(self, module: nn.Module, dtype, group=None, prefetch_bucket_size=0, reduce_bucket_size=0,
-                 sub_group_size=0):
+    def __init__(
+        self, module: nn.Module, dtype, group=None, prefetch_bucket_size=0, reduce_bucket_size=0, sub_group_size=0
+    ):
         super().__init__(module, dtype, group)
         self.prefetch_bucket_size, self.reduce_bucket_size = prefetch_bucket_size, reduce_bucket_size
         self.sub_group_size = sub_group_size
@@ -157,7 +158,7 @@ class Zero3(ShardedEngine):
         if self.prefetch_bucket_size <= 0 or unit not in order:
             return []
         found, total = [], unit.flat.padded_numel
-        for u in order[order.index(unit) + 1:]:
+        for u in order[order.index(unit) + 1 :]:
             if total >= self.prefetch_bucket_size:
                 break
             if not u.flat.is_allocated:
@@ -195,7 +196,8 @@ class Zero3(ShardedEngine):
             raise RuntimeError(
                 "zero3 gathers a module's parameters only while that module's own forward runs, and this model "
                 "read a parameter at another time (a parent module using a child's weight directly, without "
-                f"calling the child). Use fsdp for this model: its units are whole layers ({exc})") from exc
+                f"calling the child). Use fsdp for this model: its units are whole layers ({exc})"
+            ) from exc
         finally:  # a unit whose later user did not run this time: free it (backward gathers again)
             for unit in self.pieces:
                 unit.done_forward.clear()

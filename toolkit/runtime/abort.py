@@ -19,6 +19,7 @@ that went away and how it ended when this machine can tell (`peers.py`). Then, b
   traceback. A consequence waits at most `TORCHRUN_PATIENCE_S`, and not at all when every peer it saw go
   away ended with exit code 0 (torchrun then has no failure to act on).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -50,15 +51,21 @@ def install(rank: int, launcher: str, peers: peers_.Peers | None = None) -> None
         peers_.mark(peers, rank, "consequence" if consequence else "raised")
         if consequence:
             who = peers.who_went_away() if peers is not None else ""
-            print(f"[rank{rank}]: {kind.__name__} because another rank failed first: "
-                  f"{who or 'its own error (or the toolkit line naming it) is the one to read'}", file=sys.stderr)
+            print(
+                f"[rank{rank}]: {kind.__name__} because another rank failed first: "
+                f"{who or 'its own error (or the toolkit line naming it) is the one to read'}",
+                file=sys.stderr,
+            )
         else:
             previous(kind, value, tb)
         if launcher == "torchrun":
             _under_torchrun(rank, kind, value, tb, consequence, peers)
             return
-        print(f"[rank{rank}]: toolkit: rank {rank} raised {kind.__name__}; ending the whole job "
-              f"({how(launcher)}) so the other ranks do not run on.", file=sys.stderr)
+        print(
+            f"[rank{rank}]: toolkit: rank {rank} raised {kind.__name__}; ending the whole job "
+            f"({how(launcher)}) so the other ranks do not run on.",
+            file=sys.stderr,
+        )
         _flush()
         abort(launcher)
 
@@ -72,8 +79,11 @@ def _under_torchrun(rank, kind, value, tb, consequence: bool, peers) -> None:
     ended = peers.ended() if peers is not None else {}
     if ended and all(code == 0 for code in ended.values()):
         return  # nobody failed that torchrun could see: wait for nothing
-    print(f"[rank{rank}]: toolkit: rank {rank} waits up to {TORCHRUN_PATIENCE_S:g}s for torchrun to stop it, so "
-          "that torchrun's summary names the rank that failed first, not this one.", file=sys.stderr)
+    print(
+        f"[rank{rank}]: toolkit: rank {rank} waits up to {TORCHRUN_PATIENCE_S:g}s for torchrun to stop it, so "
+        "that torchrun's summary names the rank that failed first, not this one.",
+        file=sys.stderr,
+    )
     _flush()
     time.sleep(TORCHRUN_PATIENCE_S)  # torchrun's SIGTERM ends this (Python's default action)
     os._exit(1)
@@ -87,8 +97,15 @@ def _record_for_torchrun(kind, value, tb) -> None:
     text = "".join(traceback.format_exception(kind, value, tb))
     try:
         with open(path, "w") as f:
-            json.dump({"message": {"message": f"{kind.__name__}: {value}", "extraInfo": {
-                "py_callstack": text, "timestamp": str(int(time.time()))}}}, f)
+            json.dump(
+                {
+                    "message": {
+                        "message": f"{kind.__name__}: {value}",
+                        "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))},
+                    }
+                },
+                f,
+            )
     except OSError:
         pass
 

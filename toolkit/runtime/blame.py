@@ -6,6 +6,7 @@ When one rank fails, the others usually fail moments later: their collective los
 entered a collective its peers were waiting in. `judge` weighs every rank's evidence and names the
 cause first, the consequences below it as such, then where every rank was.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,9 +21,17 @@ class Consequence(Exception):
 
 
 # What gloo and NCCL say when the peer, not this rank, is the problem.
-PEER_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out waiting",
-              "application timeout caused pair closure", "communicator was aborted",
-              "watchdog caught collective operation timeout", "socket timeout", "wait timeout after")
+PEER_SIGNS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out waiting",
+    "application timeout caused pair closure",
+    "communicator was aborted",
+    "watchdog caught collective operation timeout",
+    "socket timeout",
+    "wait timeout after",
+)
 
 
 def is_consequence(exc: BaseException) -> bool:
@@ -47,18 +56,18 @@ class Evidence:
 
     rank: int
     board: Snapshot | None = None
-    error: dict | None = None       # what the rank wrote when it raised (see worker.py)
-    code: int | None = None         # exit code once it ended (negative: the signal that killed it)
-    ended_at: float | None = None   # when the launcher saw it end
-    returned: bool = False          # it wrote its result
+    error: dict | None = None  # what the rank wrote when it raised (see worker.py)
+    code: int | None = None  # exit code once it ended (negative: the signal that killed it)
+    ended_at: float | None = None  # when the launcher saw it end
+    returned: bool = False  # it wrote its result
 
 
 @dataclass
 class Verdict:
-    rank: int | None                # the rank named first
-    found_cause: bool               # False: only consequences seen so far
+    rank: int | None  # the rank named first
+    found_cause: bool  # False: only consequences seen so far
     headline: str
-    lines: list[str]                # more causes, consequences, where every rank was
+    lines: list[str]  # more causes, consequences, where every rank was
     traceback: str = ""
 
     def message(self) -> str:
@@ -77,8 +86,13 @@ def judge(evidence: list[Evidence], now: float, timeout_s: float) -> Verdict | N
         elif e.error is None and e.code not in (None, 0):
             causes.append((e.ended_at or now, e.rank, f"rank {e.rank} {exit_story(e.code)}"))
         elif e.error is None and e.code == 0 and not e.returned:
-            causes.append((e.ended_at or now, e.rank, f"rank {e.rank} exited with code 0 without returning from "
-                                                      "its function (os._exit(0) inside it?)"))
+            causes.append(
+                (
+                    e.ended_at or now,
+                    e.rank,
+                    f"rank {e.rank} exited with code 0 without returning from its function (os._exit(0) inside it?)",
+                )
+            )
     named = {rank for _, rank, _ in causes}
     causes += [c for c in _absent(evidence, now, timeout_s) if c[1] not in named]
     consequences = [e for e in evidence if e.error is not None and e.error.get("consequence")]
@@ -96,9 +110,13 @@ def judge(evidence: list[Evidence], now: float, timeout_s: float) -> Verdict | N
         return Verdict(rank, True, headline, lines + where, error["traceback"] if error else "")
     if consequences:
         first = min(consequences, key=lambda e: e.error["time"])
-        return Verdict(first.rank, False, f"rank {first.rank} raised {first.error['type']}: {first.error['message']}",
-                       ["(an error caused by another rank, but no rank was seen raising, dying or skipping a "
-                        "collective)"] + where, first.error["traceback"])
+        return Verdict(
+            first.rank,
+            False,
+            f"rank {first.rank} raised {first.error['type']}: {first.error['message']}",
+            ["(an error caused by another rank, but no rank was seen raising, dying or skipping a collective)"] + where,
+            first.error["traceback"],
+        )
     return _hung(evidence, now, timeout_s, where)
 
 
@@ -122,19 +140,37 @@ def _absent(evidence, now, timeout_s) -> list[tuple]:
             odd = min(ops, key=lambda op: len(count[op]))
             for r in count[odd]:
                 others = ", ".join(f"{op} on rank(s) {count[op]}" for op in sorted(ops) if op != odd)
-                found.append((since, r, f"rank {r} called {odd} #{number} (group {list(group)}) where the others "
-                                        f"called {others}: collective calls must match on every rank"))
+                found.append(
+                    (
+                        since,
+                        r,
+                        f"rank {r} called {odd} #{number} (group {list(group)}) where the others "
+                        f"called {others}: collective calls must match on every rank",
+                    )
+                )
         elif absent and len(inside) < len(absent):  # one rank called a collective the others never did
             for r in sorted(inside):
-                found.append((since, r, f"rank {r} entered {entry.label()} but ranks {absent} never did: "
-                                        f"an extra call on rank {r}, or a call every other rank skipped"))
+                found.append(
+                    (
+                        since,
+                        r,
+                        f"rank {r} entered {entry.label()} but ranks {absent} never did: "
+                        f"an extra call on rank {r}, or a call every other rank skipped",
+                    )
+                )
         else:
             for r in absent:
-                found.append((since, r, f"rank {r} did not enter {entry.label()}: rank{'s' * (len(inside) > 1)} "
-                                        f"{waiters} waited in it for {max(0.0, now - since):.1f}s "
-                                        f"(timeout_s={timeout_s:g}). A collective completes only when every rank "
-                                        "of its group calls it: look at what rank "
-                                        f"{r} did instead (below)"))
+                found.append(
+                    (
+                        since,
+                        r,
+                        f"rank {r} did not enter {entry.label()}: rank{'s' * (len(inside) > 1)} "
+                        f"{waiters} waited in it for {max(0.0, now - since):.1f}s "
+                        f"(timeout_s={timeout_s:g}). A collective completes only when every rank "
+                        "of its group calls it: look at what rank "
+                        f"{r} did instead (below)",
+                    )
+                )
     return found
 
 
@@ -147,11 +183,17 @@ def _hung(evidence, now, timeout_s, where) -> Verdict | None:
     if waited <= timeout_s:
         return None
     idle = [e.rank for e in evidence if e.board is None or e.board.state != INSIDE]
-    return Verdict(stuck.rank, True,
-                   f"rank {stuck.rank} hung for {waited:.0f}s in {stuck.board.entry.describe()} "
-                   f"(timeout_s={timeout_s:g}); all ranks were stopped. Ranks not in any collective: {idle or 'none'}.",
-                   where + ["A collective completes only when every rank of its group calls it: look for a rank "
-                            "that skipped it or called another one."])
+    return Verdict(
+        stuck.rank,
+        True,
+        f"rank {stuck.rank} hung for {waited:.0f}s in {stuck.board.entry.describe()} "
+        f"(timeout_s={timeout_s:g}); all ranks were stopped. Ranks not in any collective: {idle or 'none'}.",
+        where
+        + [
+            "A collective completes only when every rank of its group calls it: look for a rank "
+            "that skipped it or called another one."
+        ],
+    )
 
 
 def where_every_rank_was(evidence: list[Evidence], now: float) -> list[str]:

@@ -7,6 +7,7 @@ pickler here keeps each code object's real file name, and the launcher ships the
 those files (IPython keeps a cell's in `linecache`; a script's is on disk); the rank registers them in its
 own `linecache`, so its tracebacks, and the stacks the launcher asks for, read as they would at home.
 """
+
 from __future__ import annotations
 
 import io
@@ -60,13 +61,16 @@ def dumps(fn, args: tuple) -> tuple[bytes, dict]:
             carried += [(f"the variable `{n}` it closes over", v) for n, v in zip(code.co_freevars, cells)]
             if getattr(fn, "__module__", None) == "__main__":  # cloudpickle copies __main__'s globals too
                 carried += [(f"the global `{n}`", fn.__globals__[n]) for n in code.co_names if n in fn.__globals__]
-        culprit = next((f"{what}, a {type(v).__name__}" for what, v in carried if not _picklable(v)), "something it uses")
+        culprit = next(
+            (f"{what}, a {type(v).__name__}" for what, v in carried if not _picklable(v)), "something it uses"
+        )
         raise TypeError(
             f"launch sends the function and its args to every rank by value (cloudpickle), so all they carry must "
             f"be picklable; {getattr(fn, '__name__', 'the function')} carries {culprit}, which is not "
             f"({type(exc).__name__}: {exc}). Create such things (locks, open files, sockets, process groups, "
             f"CUDA streams) inside the function, on each rank, or pass something that pickles (a path, numbers, "
-            f"tensors) instead.") from exc
+            f"tensors) instead."
+        ) from exc
 
 
 def _has_contents(cell) -> bool:

@@ -23,6 +23,7 @@ again; if one is killed by a signal, MPICH's mpiexec ends them all. Either way t
 engine died first, how, and how to restart the cluster (`restart_cluster`). In IPython that explanation is printed under the cell's error; elsewhere,
 `explain(rc, error)` returns it.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,10 @@ from .cluster_ends import EngineEnds
 from .env import resolve_backend
 from .launch import check_seconds
 
-_SETUP = ("import toolkit, torch; from toolkit.runtime import cluster_engine as _toolkit_engine; "
-          "_toolkit_place = _toolkit_engine.setup({backend!r}, {timeout_s!r})")
+_SETUP = (
+    "import toolkit, torch; from toolkit.runtime import cluster_engine as _toolkit_engine; "
+    "_toolkit_place = _toolkit_engine.setup({backend!r}, {timeout_s!r})"
+)
 _START_TIMEOUT_S = 180.0  # engines import torch on start: slow on a loaded laptop
 _RESTART = "rc = toolkit.runtime.restart_cluster(rc)"
 
@@ -45,8 +48,10 @@ def _mpiexec() -> str:
     beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     found = beside if os.path.exists(beside) else shutil.which("mpiexec")
     if found is None:
-        raise RuntimeError("no `mpiexec` found: install an MPI (`pip install mpich mpi4py`, or load your "
-                           "cluster's MPI module) so ipyparallel can start MPI engines.")
+        raise RuntimeError(
+            "no `mpiexec` found: install an MPI (`pip install mpich mpi4py`, or load your "
+            "cluster's MPI module) so ipyparallel can start MPI engines."
+        )
     return found
 
 
@@ -102,6 +107,7 @@ def _stamp_calls(rc) -> None:
                 last = max(last + 1, time.time_ns())  # increasing, and comparable with another client's
                 kwargs["metadata"][CALL_ID] = last
             return send(*args, **kwargs)
+
         return send_stamped
 
     rc.send_execute_request = stamped(rc.send_execute_request)
@@ -146,8 +152,9 @@ def restart_cluster(rc):
         stop(rc)
     except Exception:  # noqa: BLE001 - a half-dead cluster may not stop cleanly; start the new one anyway
         pass
-    return cluster(options["n"], backend=options["backend"], timeout_s=options["timeout_s"],
-                   activate=options["activate"])
+    return cluster(
+        options["n"], backend=options["backend"], timeout_s=options["timeout_s"], activate=options["activate"]
+    )
 
 
 def explain(rc, error) -> str | None:
@@ -178,13 +185,18 @@ def explain(rc, error) -> str | None:
     if not causes:
         story = _who_skipped(rc, failures) or (
             "every error here is a consequence (a timeout or a lost partner): no engine raised on its own, so look "
-            "for a rank that skipped the collective, called another one, or is still computing.")
+            "for a rank that skipped the collective, called another one, or is still computing."
+        )
         return f"toolkit: {story} {fresh}"
-    lines = [f"toolkit: rank {ranks.get(e, '?')} (engine {e}) raised {name}: {text.splitlines()[0] if text else ''}"
-             for e, name, text in causes]
+    lines = [
+        f"toolkit: rank {ranks.get(e, '?')} (engine {e}) raised {name}: {text.splitlines()[0] if text else ''}"
+        for e, name, text in causes
+    ]
     if echoes:
-        lines.append(f"The errors on rank{'s' * (len(echoes) > 1)} {', '.join(str(ranks.get(e, '?')) for e in echoes)} "
-                     "are consequences: they were waiting for it in a collective when its cell failed.")
+        lines.append(
+            f"The errors on rank{'s' * (len(echoes) > 1)} {', '.join(str(ranks.get(e, '?')) for e in echoes)} "
+            "are consequences: they were waiting for it in a collective when its cell failed."
+        )
     return "\n".join(lines + [fresh])
 
 
@@ -216,25 +228,37 @@ def _engines_died(rc, gone: list[int]) -> str:
     restart = f"Restart the cluster (fresh engines: variables on them are lost):\n    {_RESTART}"
     if not ended:
         return f"toolkit: every engine is gone (none answers). {restart}"
+
     def how(code):
-        return exits.story(code) if code is not None else (
-            "died: its process ended (os._exit, a crash in native code, or it was killed, e.g. by the out-of-memory "
-            "killer)")
+        return (
+            exits.story(code)
+            if code is not None
+            else (
+                "died: its process ended (os._exit, a crash in native code, or it was killed, e.g. by the out-of-memory "
+                "killer)"
+            )
+        )
 
     if len(ended) == 1:
         first, code = ended[0]
         told = f"toolkit: engine {first} (rank {ranks[first]}) {how(code)}."
     else:  # one of them first, and the others ended by mpiexec at once: nothing tells which
-        told = (f"toolkit: engines {', '.join(str(e) for e, _ in ended)} (ranks "
-                f"{', '.join(str(ranks[e]) for e, _ in ended)}) ended too close together to tell which was first "
-                f"(the machine was too busy to see them end one at a time): "
-                f"{'; '.join(sorted({how(c) for _, c in ended}))}. One of them ended first.")
+        told = (
+            f"toolkit: engines {', '.join(str(e) for e, _ in ended)} (ranks "
+            f"{', '.join(str(ranks[e]) for e, _ in ended)}) ended too close together to tell which was first "
+            f"(the machine was too busy to see them end one at a time): "
+            f"{'; '.join(sorted({how(c) for _, c in ended}))}. One of them ended first."
+        )
     if not alive:
-        return (f"{told} It took the MPI job with it: mpiexec then ended every other engine (MPICH's process "
-                f"manager stops all processes of an MPI job when one is killed by a signal), so no engine is "
-                f"left. {restart}")
-    return (f"{told} Engine{'s' * (len(alive) > 1)} {', '.join(map(str, alive))} {'are' if len(alive) > 1 else 'is'} "
-            f"alive, but the process group lost a member, so no collective can work again. {restart}")
+        return (
+            f"{told} It took the MPI job with it: mpiexec then ended every other engine (MPICH's process "
+            f"manager stops all processes of an MPI job when one is killed by a signal), so no engine is "
+            f"left. {restart}"
+        )
+    return (
+        f"{told} Engine{'s' * (len(alive) > 1)} {', '.join(map(str, alive))} {'are' if len(alive) > 1 else 'is'} "
+        f"alive, but the process group lost a member, so no collective can work again. {restart}"
+    )
 
 
 def _who_skipped(rc, failures) -> str | None:
@@ -243,7 +267,9 @@ def _who_skipped(rc, failures) -> str | None:
 
     from .cluster_engine import entered
 
-    found = next((m for _, _, text in failures if (m := re.search(r"(\w+) #(\d+) \(group \[([\d, ]+)\]\)", text))), None)
+    found = next(
+        (m for _, _, text in failures if (m := re.search(r"(\w+) #(\d+) \(group \[([\d, ]+)\]\)", text))), None
+    )
     if found is None:
         return None
     op, number, group = found[1], int(found[2]), tuple(int(r) for r in found[3].split(","))
@@ -255,16 +281,18 @@ def _who_skipped(rc, failures) -> str | None:
     if not absent:
         return None
     waited = [r for r in group if r not in absent]
-    return (f"rank{'s' * (len(absent) > 1)} {', '.join(map(str, absent))} did not enter {op} #{number} "
-            f"(group {list(group)}): {'they' if len(absent) > 1 else 'it'} finished the cell without calling it, "
-            f"while rank{'s' * (len(waited) > 1)} {', '.join(map(str, waited))} waited in it until timeout_s. The "
-            "errors shown are those waits (consequences).")
+    return (
+        f"rank{'s' * (len(absent) > 1)} {', '.join(map(str, absent))} did not enter {op} #{number} "
+        f"(group {list(group)}): {'they' if len(absent) > 1 else 'it'} finished the cell without calling it, "
+        f"while rank{'s' * (len(waited) > 1)} {', '.join(map(str, waited))} waited in it until timeout_s. The "
+        "errors shown are those waits (consequences)."
+    )
 
 
 def _explain_under_errors(rc) -> None:
     """In IPython: after ipyparallel shows a cell's engine errors, print the toolkit's explanation."""
-    from IPython import get_ipython
     from ipyparallel import error as ipp_error
+    from IPython import get_ipython
 
     def show(shell, kind, value, tb, tb_offset=None):
         shell.showtraceback((kind, value, tb), tb_offset=tb_offset)

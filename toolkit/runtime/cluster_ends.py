@@ -7,6 +7,7 @@ reads "dead", so the order is kept as it happens: a thread in the notebook holds
 (`exits.py`) and notes each end, with its exit code, in the order seen. Ends it sees at one wake-up have no
 order it could tell (on a busy machine mpiexec ends the others before the thread runs): `first()` says so.
 """
+
 from __future__ import annotations
 
 import os

@@ -34,6 +34,7 @@ Functions sent with `view.apply` / `apply_sync` / `map_sync` run outside cells; 
 them (`_wrap_apply`), so they recover as cells do. Groups made with `dist.new_group` in earlier cells die
 with their generation: make them again.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -107,13 +108,17 @@ def _join(generation: int) -> None:
     while store.add(joined, 0) < place.world_size:
         failed = _failed_calls()
         if len(failed) > _state["seen"] or max(failed, default=0) > generation:
-            raise PeerFailed(f"rank {place.rank} could not rebuild the process group after a failed cell: another "
-                             "rank of the group went away (it raised before its first collective of this call); "
-                             "look for that rank's own error.")
+            raise PeerFailed(
+                f"rank {place.rank} could not rebuild the process group after a failed cell: another "
+                "rank of the group went away (it raised before its first collective of this call); "
+                "look for that rank's own error."
+            )
         if time.monotonic() > give_up:
-            raise PeerFailed(f"rank {place.rank} could not rebuild the process group after a failed cell: it timed "
-                             "out waiting for the other ranks of the group (one finished this call without any "
-                             "collective, while this one entered one).")
+            raise PeerFailed(
+                f"rank {place.rank} could not rebuild the process group after a failed cell: it timed "
+                "out waiting for the other ranks of the group (one finished this call without any "
+                "collective, while this one entered one)."
+            )
         time.sleep(0.01)
 
 
@@ -124,8 +129,13 @@ def _failed_calls() -> list[int]:
 def _init(prefix: str, lazy: bool = False) -> None:
     place = _state["place"]
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1" if lazy else "0"  # lazy: connect on first use, never wait now
-    dist.init_process_group(_state["backend"], store=dist.PrefixStore(prefix, _state["store"]), rank=place.rank,
-                            world_size=place.world_size, timeout=_state["timeout"])
+    dist.init_process_group(
+        _state["backend"],
+        store=dist.PrefixStore(prefix, _state["store"]),
+        rank=place.rank,
+        world_size=place.world_size,
+        timeout=_state["timeout"],
+    )
 
 
 def _before_cell() -> None:

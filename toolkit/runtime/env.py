@@ -6,6 +6,7 @@ whichever is present, picks the backend and device, and initializes the default 
 the same script runs under all of them. Under mpirun/srun/torchrun it also makes the rank that caused a
 failure the one a person reads about (`abort.py`, `peers.py`).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -120,8 +121,11 @@ def mpi_store(world_size: int, timeout) -> dist.TCPStore:
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    store = dist.TCPStore(socket.gethostname(), 0, world_size, is_master=True, timeout=timeout,
-                          wait_for_workers=False) if rank == 0 else None
+    store = (
+        dist.TCPStore(socket.gethostname(), 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        if rank == 0
+        else None
+    )
     host, port = comm.bcast((socket.gethostname(), store.port) if rank == 0 else None, root=0)
     return store if rank == 0 else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
 
@@ -139,8 +143,11 @@ def init(backend: str = "auto", *, timeout_s: float = 300.0) -> Placement:
     store = None
     if "TOOLKIT_STORE_PORT" in os.environ:  # toolkit.launch hosts the rendezvous store itself
         store = dist.TCPStore(
-            "127.0.0.1", int(os.environ["TOOLKIT_STORE_PORT"]), place.world_size,
-            is_master=False, timeout=timeout,
+            "127.0.0.1",
+            int(os.environ["TOOLKIT_STORE_PORT"]),
+            place.world_size,
+            is_master=False,
+            timeout=timeout,
         )
     elif place.launcher in ("openmpi", "mpich", "slurm") and not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
         store = mpi_store(place.world_size, timeout)
@@ -150,7 +157,11 @@ def init(backend: str = "auto", *, timeout_s: float = 300.0) -> Placement:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
     dist.init_process_group(
-        backend, store=store, rank=place.rank, world_size=place.world_size, timeout=timeout,
+        backend,
+        store=store,
+        rank=place.rank,
+        world_size=place.world_size,
+        timeout=timeout,
         init_method=None if store is not None else "env://",
     )
     atexit.register(_shutdown)  # a script that never tears down must not abort at exit (gloo's threads)

@@ -8,6 +8,7 @@ Linux 5.3): it becomes readable when the process ends, and since Linux 6.15 `ioc
 `PIDFD_INFO_EXIT` returns the exit status once the process has been reaped, whoever reaped it. Before
 that (a zombie), `/proc/<pid>/stat` still holds it; on older kernels, once reaped, the status is lost.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,23 +16,26 @@ import select
 import signal
 import struct
 
-_PIDFD_INFO_SIZE = 64                                                 # struct pidfd_info, version 0
+_PIDFD_INFO_SIZE = 64  # struct pidfd_info, version 0
 PIDFD_GET_INFO = (3 << 30) | (_PIDFD_INFO_SIZE << 16) | (0xFF << 8) | 11  # _IOWR(PIDFS_IOCTL_MAGIC, 11, ...)
 PIDFD_INFO_EXIT = 1 << 3
-_EXIT_CODE_AT = 8 + 8 + 11 * 4                                        # after mask, cgroupid and 11 ids
+_EXIT_CODE_AT = 8 + 8 + 11 * 4  # after mask, cgroupid and 11 ids
 
 
 def story(code: int) -> str:
     """What an exit code says, for a rank that ended without raising (negative: the signal that killed it)."""
     if code < 0:
         name = signal_name(-code)
-        why = {"SIGKILL": "the kernel's out-of-memory killer does this when memory runs out; so does `kill -9`",
-               "SIGSEGV": "a crash in native code (segmentation fault)",
-               "SIGABRT": "a failed check in native code aborted the process",
-               "SIGTERM": "something asked it to stop"}.get(name, "")
+        why = {
+            "SIGKILL": "the kernel's out-of-memory killer does this when memory runs out; so does `kill -9`",
+            "SIGSEGV": "a crash in native code (segmentation fault)",
+            "SIGABRT": "a failed check in native code aborted the process",
+            "SIGTERM": "something asked it to stop",
+        }.get(name, "")
         return f"died: killed by {name} ({-code}){': ' + why if why else ''}"
-    return (f"died with exit code {code} before returning (os._exit, or a crash in native code); "
-            "it raised no Python error")
+    return (
+        f"died with exit code {code} before returning (os._exit, or a crash in native code); it raised no Python error"
+    )
 
 
 def signal_name(number: int) -> str:

@@ -24,6 +24,7 @@ process group may then escape.
 
 Launcher side: `Keeper.start(...)`, `keeper.exits()`, `keeper.pids()`, `keeper.stop()`.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -101,8 +102,14 @@ class Child:
 
 def _exec_rank(folder: str, rank: int, fd: int, env: dict) -> subprocess.Popen:
     """A rank as a fresh interpreter: `python -m toolkit.runtime.worker FOLDER`, in a session of its own."""
-    return subprocess.Popen([sys.executable, "-m", "toolkit.runtime.worker", folder], env=env,
-                            start_new_session=True, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "toolkit.runtime.worker", folder],
+        env=env,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=fd,
+        stderr=subprocess.STDOUT,
+    )
 
 
 class _Ranks:
@@ -181,6 +188,7 @@ def main(folder: str, world_size: int, fds: list[int], parent: int | None = None
     """Start the ranks (`start`: as fresh interpreters, or forked by the zygote's keeper), date their ends,
     and on SIGTERM (the launcher's, or `parent`'s death) kill everything below. `parent`: the process whose
     death means the launcher's (the launcher itself, or the zygote that forked this keeper)."""
+
     def stop(signum, frame):
         raise _Stop
 
@@ -215,7 +223,7 @@ class Keeper:
         self.folder, self.world_size, self.process, self.streams = folder, world_size, process, streams
 
     @classmethod
-    def start(cls, folder: str, world_size: int, env: dict) -> "Keeper":
+    def start(cls, folder: str, world_size: int, env: dict) -> Keeper:
         """Start the keeper, which starts the ranks; `streams[r]` reads rank r's output (stdout and stderr)."""
         from .zygotes import fork_keeper  # here: run by path, this file imports nothing of the package
 
@@ -224,7 +232,11 @@ class Keeper:
         try:
             process = fork_keeper(folder, world_size, env, writers) or subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), folder, str(world_size), *map(str, writers)],
-                env=env, pass_fds=writers, start_new_session=True, stdin=subprocess.DEVNULL)
+                env=env,
+                pass_fds=writers,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             for w in writers:
                 os.close(w)

@@ -20,6 +20,7 @@ How it works, in the order it happens:
 5. No process outlives the call: the keeper is the ranks' subreaper, so whatever they started (an
    orphan, a child in a new session) is still below it at the end, and it kills all of it.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -40,7 +41,7 @@ from .keeper import Keeper
 # The backend's own timeout fires this long after the launcher's hang check, so the check (which can
 # still see who never entered the collective) speaks first; the backend's timeout is the backstop.
 BACKEND_GRACE_S = 5.0
-_SETTLE_S = 2.0       # after a first failure, wait this long at most for the ranks it takes down
+_SETTLE_S = 2.0  # after a first failure, wait this long at most for the ranks it takes down
 _CAUSE_GRACE_S = 2.0  # how long to wait for a cause when only its consequences are visible
 
 
@@ -78,8 +79,17 @@ def _read_error(folder: str, rank: int):
         return None
 
 
-def launch(fn, world_size: int, *, args=(), backend: str = "auto", timeout_s: float = 120.0,
-           deadline_s: float | None = None, threads_per_rank: int | None = None, quiet: bool = False):
+def launch(
+    fn,
+    world_size: int,
+    *,
+    args=(),
+    backend: str = "auto",
+    timeout_s: float = 120.0,
+    deadline_s: float | None = None,
+    threads_per_rank: int | None = None,
+    quiet: bool = False,
+):
     """Run `fn(*args)` on `world_size` ranks with the default process group ready; return results in rank order.
 
     timeout_s: how long one rank may wait inside one collective before the job is stopped.
@@ -101,16 +111,41 @@ def launch(fn, world_size: int, *, args=(), backend: str = "auto", timeout_s: fl
     payload, sources = by_value.dumps(fn, tuple(args))
     with tempfile.TemporaryDirectory(prefix="toolkit-launch-") as folder:
         with open(os.path.join(folder, "job.pkl"), "wb") as f:
-            pickle.dump({"payload": payload, "sources": sources, "sys_path": list(sys.path), "backend": backend,
-                         "timeout_s": timeout_s + BACKEND_GRACE_S, "threads": threads}, f)
+            pickle.dump(
+                {
+                    "payload": payload,
+                    "sources": sources,
+                    "sys_path": list(sys.path),
+                    "backend": backend,
+                    "timeout_s": timeout_s + BACKEND_GRACE_S,
+                    "threads": threads,
+                },
+                f,
+            )
         boards = [status.StatusBoard(status.board_path(folder, r), create=True) for r in range(world_size)]
-        store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s + 30))
-        env = dict(os.environ, WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                   TOOLKIT_STORE_PORT=str(store.port), TOOLKIT_LAUNCH_DIR=folder,
-                   OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-        for var in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
-                    "SLURM_PROCID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"):
+        store = dist.TCPStore(
+            "127.0.0.1", 0, None, True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s + 30)
+        )
+        env = dict(
+            os.environ,
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            TOOLKIT_STORE_PORT=str(store.port),
+            TOOLKIT_LAUNCH_DIR=folder,
+            OMP_NUM_THREADS=str(threads),
+            PYTHONUNBUFFERED="1",
+        )
+        for var in (
+            "RANK",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "OMPI_COMM_WORLD_RANK",
+            "PMI_RANK",
+            "SLURM_PROCID",
+            "TORCHELASTIC_RUN_ID",
+            "TORCHELASTIC_ERROR_FILE",
+        ):
             env.pop(var, None)  # we are the launcher now, whoever launched us
         keeper, pumps = Keeper.start(folder, world_size, env), []
         try:
@@ -139,16 +174,28 @@ def _evidence(keeper: Keeper, boards, folder: str) -> list[blame.Evidence]:
     ended, found = keeper.exits(), []
     for rank in range(keeper.world_size):
         code, ended_at = ended.get(rank, (None, None))
-        found.append(blame.Evidence(rank, boards[rank].read(), _read_error(folder, rank), code, ended_at,
-                                    os.path.exists(os.path.join(folder, f"result-{rank}.pkl"))))
+        found.append(
+            blame.Evidence(
+                rank,
+                boards[rank].read(),
+                _read_error(folder, rank),
+                code,
+                ended_at,
+                os.path.exists(os.path.join(folder, f"result-{rank}.pkl")),
+            )
+        )
     return found
 
 
 def _went_wrong(e: blame.Evidence) -> bool:
     """This rank raised, ended without its result, or saw a collective fail (a peer's death shows there
     first: its sockets close a moment before the launcher can see that it exited)."""
-    return (e.error is not None or e.code not in (None, 0) or (e.code == 0 and not e.returned)
-            or e.board.state == status.FAILED)
+    return (
+        e.error is not None
+        or e.code not in (None, 0)
+        or (e.code == 0 and not e.returned)
+        or e.board.state == status.FAILED
+    )
 
 
 def _stacks(keeper: Keeper, folder: str, evidence, ranks) -> str:
@@ -156,15 +203,19 @@ def _stacks(keeper: Keeper, folder: str, evidence, ranks) -> str:
     pids = dict(enumerate(keeper.pids()))
     running = {r: pids[r] for r in ranks if r in pids and evidence[r].code is None and evidence[r].error is None}
     found = stacks.ask(folder, running) if running else {}
-    return "".join(f"\n\nwhere rank {r} was when it was stopped (its Python stack, most recent call last):\n{text}"
-                   for r, text in sorted(found.items()))
+    return "".join(
+        f"\n\nwhere rank {r} was when it was stopped (its Python stack, most recent call last):\n{text}"
+        for r, text in sorted(found.items())
+    )
 
 
 def _orphaned(keeper: Keeper) -> None:
     parent = keeper.orphaned()
     if parent is not None:
-        raise RankError(f"the zygote that forked this launch's keeper (pid {parent}) ended, killed from outside?, and "
-                        "the keeper stopped every rank (no rank failed). The next launch starts a new zygote.")
+        raise RankError(
+            f"the zygote that forked this launch's keeper (pid {parent}) ended, killed from outside?, and "
+            "the keeper stopped every rank (no rank failed). The next launch starts a new zygote."
+        )
 
 
 def _watch(keeper: Keeper, boards, folder: str, timeout_s: float, deadline_s: float | None) -> None:
@@ -186,10 +237,14 @@ def _watch(keeper: Keeper, boards, folder: str, timeout_s: float, deadline_s: fl
             raise RankError(verdict.message() + _stacks(keeper, folder, evidence, named), verdict.rank)
         if deadline_s is not None and time.time() - started > deadline_s:
             where = "\n".join(blame.where_every_rank_was(evidence, time.time()))
-            raise RankError(f"the ranks ran past deadline_s={deadline_s}s and were stopped.\n{where}"
-                            + _stacks(keeper, folder, evidence, range(len(evidence))))
+            raise RankError(
+                f"the ranks ran past deadline_s={deadline_s}s and were stopped.\n{where}"
+                + _stacks(keeper, folder, evidence, range(len(evidence)))
+            )
         _orphaned(keeper)
         if keeper.lost() is not None:
-            raise RankError(f"the launch's keeper process (which starts and watches the ranks) ended with code "
-                            f"{keeper.lost()}: killed from outside? Every rank was stopped.")
+            raise RankError(
+                f"the launch's keeper process (which starts and watches the ranks) ended with code "
+                f"{keeper.lost()}: killed from outside? Every rank was stopped."
+            )
         time.sleep(0.02)

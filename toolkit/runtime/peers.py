@@ -13,6 +13,7 @@ in its own session that outlives that cleanup for as long as it takes to name th
 A rank that raises leaves a mark first (`mark`): its own traceback is the story, and the deaths
 that follow (the launcher ending the job) are not causes.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,10 @@ class Peers:
             if r in raised:
                 told.append(f"rank {r} raised (its traceback is the one to read)")
             elif r in finished or code == 0:
-                told.append(f"rank {r} finished its script (it returned, or called sys.exit) while this rank still "
-                            f"waited for it in a collective: it returned early, past a collective the others entered")
+                told.append(
+                    f"rank {r} finished its script (it returned, or called sys.exit) while this rank still "
+                    f"waited for it in a collective: it returned early, past a collective the others entered"
+                )
             elif code is None:
                 told.append(f"rank {r} (pid {self.local[r]}) ended; how, this kernel cannot tell")
             else:
@@ -109,8 +112,13 @@ def _start_witness(marks: str, local: dict[int, int]) -> None:
     launcher's cleanup, which kills the ranks' process groups, leaves it the moment it needs."""
     witness = os.path.join(os.path.dirname(os.path.abspath(__file__)), "witness.py")
     pairs = [f"{r}:{pid}" for r, pid in sorted(local.items())]
-    subprocess.Popen([sys.executable, witness, marks, socket.gethostname(), *pairs], start_new_session=True,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
+    subprocess.Popen(
+        [sys.executable, witness, marks, socket.gethostname(), *pairs],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        close_fds=True,
+    )
     give_up = time.monotonic() + _WITNESS_START_S  # a rank that dies before it watches would go unnamed
     while not os.path.exists(os.path.join(marks, "watching")) and time.monotonic() < give_up:
         time.sleep(0.01)

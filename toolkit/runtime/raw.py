@@ -11,6 +11,7 @@ What stays unseen, because torch offers no hook for it on gloo:
 - a function imported by name (`from torch.distributed import all_reduce`) before `watch()` ran;
 - `async_op=True` calls are posted when issued, not while their `wait()` blocks.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,10 +22,27 @@ import torch.distributed as dist
 
 from . import status
 
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
-               "reduce", "gather", "scatter", "all_gather_object", "broadcast_object_list", "gather_object",
-               "scatter_object_list", "send", "recv")
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "send",
+    "recv",
+)
 
 
 def watch() -> None:

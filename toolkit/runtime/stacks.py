@@ -9,6 +9,7 @@ is inside a long C call (a matmul, a blocking receive) as well as in a Python lo
 The dump holds every thread (gloo's and the toolkit's own too); the rank writes its main thread's id
 first, and the launcher shows that thread only, most recent call last, with the lines of source.
 """
+
 from __future__ import annotations
 
 import faulthandler

@@ -10,6 +10,7 @@ program every member numbers the same call alike, so a member whose count on tha
 entered it. Point-to-point calls are numbered on their pair of ranks. Two process groups over the same
 ranks share one count (the board knows groups by their ranks).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,22 +21,22 @@ import time
 from typing import NamedTuple
 
 IDLE, INSIDE, FAILED = 0, 1, 2
-_SEQ = struct.Struct("<Q")          # odd while the rank is writing its slot (a seqlock: see `read`)
-_HEAD = struct.Struct("<Bdqq")      # state, since (time.time() of entering), number, group key
-_SLOT = struct.Struct("<qq")        # (group key, collectives entered on it)
+_SEQ = struct.Struct("<Q")  # odd while the rank is writing its slot (a seqlock: see `read`)
+_HEAD = struct.Struct("<Bdqq")  # state, since (time.time() of entering), number, group key
+_SLOT = struct.Struct("<qq")  # (group key, collectives entered on it)
 _SLOTS = 32
 _HEAD_AT = _SEQ.size
 _SLOTS_AT = _HEAD_AT + _HEAD.size
 _TEXT_AT = _SLOTS_AT + _SLOTS * _SLOT.size
 _SIZE = 2048
-_DEAD_WRITER_S = 1.0                # a slot odd for this long belongs to a rank that died writing it
+_DEAD_WRITER_S = 1.0  # a slot odd for this long belongs to a rank that died writing it
 
 
 class Entry(NamedTuple):
     """One collective as a rank entered it: `op #number (group [ranks])`, and what it carried."""
 
     op: str
-    group: tuple            # global ranks taking part; () for free text (a grader's check)
+    group: tuple  # global ranks taking part; () for free text (a grader's check)
     number: int
     detail: str = ""
 
@@ -54,7 +55,7 @@ class Snapshot(NamedTuple):
     state: int
     since: float
     entry: Entry | None
-    counts: dict            # group key -> collectives entered on it
+    counts: dict  # group key -> collectives entered on it
 
     def entered(self, group: tuple) -> int:
         return self.counts.get(key(group), 0)
@@ -95,7 +96,7 @@ class StatusBoard:
                 self._posted = entry
                 text = "\x1f".join((entry.op, ",".join(map(str, entry.group)), entry.detail)).encode()
                 text = text[: _SIZE - _TEXT_AT - 1]
-                self._map[_TEXT_AT: _TEXT_AT + len(text) + 1] = text + b"\0"
+                self._map[_TEXT_AT : _TEXT_AT + len(text) + 1] = text + b"\0"
             number, group = (entry.number, key(entry.group)) if entry is not None and entry.group else (0, 0)
             _HEAD.pack_into(self._map, _HEAD_AT, state, since, number, group)
 

@@ -13,6 +13,7 @@ It exits when every rank of its machine has ended (the launcher waits for it: it
 Why not the survivors: mpiexec kills every rank the moment one dies of a signal, before a survivor's
 collective has even failed. The witness is not a rank, and its own session keeps it out of that cleanup.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,10 +55,15 @@ def _story(silent: list[int], ended: dict, ranks: dict, host: str) -> str:
         code = ended[rank]
         how = exits.story(code) if code is not None else "died without raising (how, this kernel cannot tell)"
         lines.append(f"[rank{rank}]: toolkit: rank {rank} (pid {ranks[rank]} on {host}) {how}.")
-    first = "It is" if len(silent) == 1 else (
-        f"Ranks {', '.join(map(str, sorted(silent)))} were seen ending together: the first of them is")
-    return "\n".join(lines) + (f" {first} the cause; what the other ranks report after this (a lost peer, the "
-                               "launcher ending the job) are consequences of it.\n")
+    first = (
+        "It is"
+        if len(silent) == 1
+        else (f"Ranks {', '.join(map(str, sorted(silent)))} were seen ending together: the first of them is")
+    )
+    return "\n".join(lines) + (
+        f" {first} the cause; what the other ranks report after this (a lost peer, the "
+        "launcher ending the job) are consequences of it.\n"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """The body of one rank started by `toolkit.launch` (run as `python -m toolkit.runtime.worker FOLDER`)."""
+
 from __future__ import annotations
 
 import os
@@ -75,10 +76,17 @@ def main(folder: str) -> None:
         _leave_together(dist.get_world_size())
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         consequence = is_consequence is not None and is_consequence(exc)
-        _write(folder, f"error-{rank}.pkl", {
-            "type": type(exc).__name__, "message": str(exc), "time": time.time(), "consequence": consequence,
-            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        })
+        _write(
+            folder,
+            f"error-{rank}.pkl",
+            {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "time": time.time(),
+                "consequence": consequence,
+                "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            },
+        )
         sys.stdout.flush()
         os._exit(1)  # skip teardown: peers may be gone, and destroying the group could hang
     sys.stdout.flush()

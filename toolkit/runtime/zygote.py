@@ -26,6 +26,7 @@ subreaper); each rank turns itself back into what a fresh interpreter would be a
 
 Standard library only, besides torch.
 """
+
 from __future__ import annotations
 
 import io
@@ -78,8 +79,10 @@ def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict | None, list[in
 def launcher_signals() -> dict:
     """What a fresh interpreter started from this thread now would inherit of its signals (exec resets handlers
     to the default, keeps what is ignored and the blocked mask): asked for by the launcher, sent with a launch."""
-    return {"ignored": [int(n) for n in signal.valid_signals() if signal.getsignal(n) == signal.SIG_IGN],
-            "blocked": sorted(int(n) for n in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
+    return {
+        "ignored": [int(n) for n in signal.valid_signals() if signal.getsignal(n) == signal.SIG_IGN],
+        "blocked": sorted(int(n) for n in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+    }
 
 
 def _fresh_signals(inherited: dict) -> None:
@@ -103,12 +106,18 @@ def _fresh_signals(inherited: dict) -> None:
 def _stdio(fd: int, name: str):
     """What CPython's start-up makes of descriptor `fd` (pylifecycle.c's create_stdio), for the file it is now."""
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED")) or sys.flags.unbuffered
-    buffer = io.open(fd, "wb", 0 if unbuffered else -1, closefd=False)
+    buffer = open(fd, "wb", 0 if unbuffered else -1, closefd=False)
     raw = buffer if unbuffered else buffer.raw
     raw.name = name
     old = getattr(sys, name.strip("<>"))
-    stream = io.TextIOWrapper(buffer, old.encoding, old.errors, newline="\n",
-                              line_buffering=not unbuffered and (raw.isatty() or fd == 2), write_through=unbuffered)
+    stream = io.TextIOWrapper(
+        buffer,
+        old.encoding,
+        old.errors,
+        newline="\n",
+        line_buffering=not unbuffered and (raw.isatty() or fd == 2),
+        write_through=unbuffered,
+    )
     stream.mode = "w"
     return stream
 
@@ -130,8 +139,11 @@ def become(env: dict, cwd: str | None = None, signals: dict | None = None) -> No
     # sys.path as `python -m` computes it: the working directory first, then PYTHONPATH (relative entries
     # resolved against the working directory), then the interpreter's own (unchanged: same interpreter)
     start_cwd, start_path = _START["cwd"], _START["path"]
-    moved = {os.path.abspath(os.path.join(start_cwd, p)): os.path.abspath(os.path.join(here, p))
-             for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not os.path.isabs(p)}
+    moved = {
+        os.path.abspath(os.path.join(start_cwd, p)): os.path.abspath(os.path.join(here, p))
+        for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if p and not os.path.isabs(p)
+    }
     sys.path[:] = [here] + [moved.get(p, p) for p in start_path[1:]]
     sys.path_importer_cache.clear()
     importlib.invalidate_caches()
@@ -268,8 +280,14 @@ def serve(control: socket.socket, child=_fork_keeper) -> None:
 
 def say_ready(control: socket.socket) -> None:
     """The hello a launcher checks before it trusts a zygote to fork (`zygote_link.Zygote._refusal`)."""
-    send(control, {"ready": True, "torch": os.path.abspath(sys.modules["torch"].__file__),
-                   "threads": len(os.listdir("/proc/self/task"))})
+    send(
+        control,
+        {
+            "ready": True,
+            "torch": os.path.abspath(sys.modules["torch"].__file__),
+            "threads": len(os.listdir("/proc/self/task")),
+        },
+    )
 
 
 def main(fd: int, child=_fork_keeper) -> None:

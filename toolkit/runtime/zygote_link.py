@@ -5,6 +5,7 @@ thread, the same torch as this process). `fork_keeper` sends it a launch and ret
 launcher's handle on the keeper, with what `Keeper` uses of a Popen, though the launcher is not its parent.
 Which zygote serves which launch, and when none does, is `zygotes.py`'s business.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,14 @@ from .zygote import launcher_signals, receive, send
 ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
 START_PATIENCE_S = 180.0  # a zygote imports torch: slow on a loaded machine, never minutes
 # set by each launch for itself: not the zygote's (nor what tells one zygote from another)
-LAUNCH_SETS = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "TOOLKIT_STORE_PORT", "TOOLKIT_LAUNCH_DIR", "TOOLKIT_LAUNCHER_PID",
-               "OMP_NUM_THREADS")
+LAUNCH_SETS = (
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "TOOLKIT_STORE_PORT",
+    "TOOLKIT_LAUNCH_DIR",
+    "TOOLKIT_LAUNCHER_PID",
+    "OMP_NUM_THREADS",
+)
 
 
 class ZygoteError(RuntimeError):
@@ -80,7 +87,7 @@ class Zygote:
     adopted = False  # True: a zygote this process was forked by (`adopt`), not one it started
 
     @classmethod
-    def adopt(cls, control: socket.socket, pid: int) -> "Zygote":
+    def adopt(cls, control: socket.socket, pid: int) -> Zygote:
         """The zygote (pid) that forked this process and serves it on `control`: a grading's sandboxed one."""
         zygote = cls.__new__(cls)
         zygote.process = Forked(pid, os.pidfd_open(pid), None)
@@ -92,16 +99,20 @@ class Zygote:
         env = {k: v for k, v in env.items() if k not in LAUNCH_SETS}
         try:
             self.process = subprocess.Popen(
-                [sys.executable, script, str(theirs.fileno())], pass_fds=[theirs.fileno()], start_new_session=True,
-                env=dict(env, OMP_NUM_THREADS="1", TOOLKIT_ZYGOTE="1"), stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL)
+                [sys.executable, script, str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                start_new_session=True,
+                env=dict(env, OMP_NUM_THREADS="1", TOOLKIT_ZYGOTE="1"),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
         finally:
             theirs.close()
         self.control, self.lock, self.keepers = ours, threading.Lock(), []
         self._greeted()
 
     @classmethod
-    def forked_by(cls, parent: "Zygote", request: dict) -> "Zygote":
+    def forked_by(cls, parent: Zygote, request: dict) -> Zygote:
         """A zygote that `parent` forks for `request` rather than a new interpreter (a grading's fork server,
         forked by the server every grading of this process shares): it has torch already."""
         ours, theirs = socket.socketpair()
@@ -131,8 +142,11 @@ class Zygote:
         """Why the zygote that said `hello` cannot serve (None: it can)."""
         mine = os.path.abspath(getattr(sys.modules.get("torch"), "__file__", "") or "")
         if hello is None:
-            return (f"it ended while starting ({self._how()})" if self.process.poll() is not None else
-                    f"it had not imported torch after {START_PATIENCE_S:.0f} s")
+            return (
+                f"it ended while starting ({self._how()})"
+                if self.process.poll() is not None
+                else f"it had not imported torch after {START_PATIENCE_S:.0f} s"
+            )
         if "error" in hello:
             return hello["error"]
         if hello["threads"] != 1:  # forking a process with a second thread can deadlock the child
@@ -143,8 +157,11 @@ class Zygote:
 
     def _how(self) -> str:
         code = self.process.poll()
-        return "still running" if code is None else (
-            f"killed by {exits.signal_name(-code)}" if code < 0 else f"exit code {code}")
+        return (
+            "still running"
+            if code is None
+            else (f"killed by {exits.signal_name(-code)}" if code < 0 else f"exit code {code}")
+        )
 
     def fork_keeper(self, folder: str, world_size: int, env: dict, writers: list[int]) -> Forked:
         try:
@@ -152,8 +169,10 @@ class Zygote:
         except OSError as exc:
             raise ZygoteError(f"the working directory is gone ({exc})") from exc
         # the keeper's stdout and stderr are ours; its signals, as a process we started now would have them
-        return self.fork({"folder": folder, "world_size": world_size, "env": env, "cwd": cwd,
-                          "signals": launcher_signals()}, [1, 2, *writers])
+        return self.fork(
+            {"folder": folder, "world_size": world_size, "env": env, "cwd": cwd, "signals": launcher_signals()},
+            [1, 2, *writers],
+        )
 
     def fork(self, request: dict, fds: list[int]) -> Forked:
         """Ask the zygote to fork a child for `request`, handing it the descriptors `fds`: a handle on it."""

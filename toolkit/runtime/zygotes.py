@@ -16,6 +16,7 @@ could not start, more ranks than one message can carry descriptors for. TOOLKIT_
 the fresh interpreters silently (for debugging). A zygote found dead (killed from outside) is said and
 replaced. The zygote ends with its launcher (its control socket's end of file), and `atexit` waits for it.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -33,14 +34,27 @@ MAX_ZYGOTES = 2
 # Nothing reads these at start-up, and they change often: pytest's, with every test; the emulated link's
 # (toolkit.comm.emulate, between launches), read by a rank's toolkit once forked, from its new environment.
 VOLATILE = ("PYTEST_CURRENT_TEST", "TOOLKIT_EMULATED_LINK")
-_STATE = ("Uid", "Gid", "Groups", "Umask", "NoNewPrivs", "Seccomp", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb",
-          "Cpus_allowed_list", "Mems_allowed_list")
+_STATE = (
+    "Uid",
+    "Gid",
+    "Groups",
+    "Umask",
+    "NoNewPrivs",
+    "Seccomp",
+    "CapInh",
+    "CapPrm",
+    "CapEff",
+    "CapBnd",
+    "CapAmb",
+    "Cpus_allowed_list",
+    "Mems_allowed_list",
+)
 _MAX_FDS = 253  # SCM_MAX_FD: descriptors one message can carry (the ranks' pipes, a status socket, stdout, stderr)
 
 
 _pool: dict[str, Zygote] = {}  # by key; the most recently used last
 _adopted: Zygote | None = None  # the zygote this process was forked by, serving every launch (`adopt`)
-_broken: dict[str, str] = {}   # key -> why its zygote could not start (not tried again)
+_broken: dict[str, str] = {}  # key -> why its zygote could not start (not tried again)
 _said: set[str] = set()
 _lock = threading.Lock()
 
@@ -57,12 +71,16 @@ def why_not(world_size: int) -> str | None:
         return ""
     if not sys.platform.startswith("linux"):
         return f"ranks start as fresh interpreters here (the zygote that forks them needs Linux, not {sys.platform})"
-    if not all(hasattr(m, n) for m, n in ((os, "fork"), (os, "pidfd_open"), (socket, "send_fds"),
-                                          (signal, "pidfd_send_signal"))):
+    if not all(
+        hasattr(m, n)
+        for m, n in ((os, "fork"), (os, "pidfd_open"), (socket, "send_fds"), (signal, "pidfd_send_signal"))
+    ):
         return "ranks start as fresh interpreters here (the zygote needs os.fork, pidfds and SCM_RIGHTS)"
     if world_size + 3 > _MAX_FDS:
-        return (f"{world_size} ranks start as fresh interpreters (one message to the zygote carries at most "
-                f"{_MAX_FDS - 3} ranks' output pipes)")
+        return (
+            f"{world_size} ranks start as fresh interpreters (one message to the zygote carries at most "
+            f"{_MAX_FDS - 3} ranks' output pipes)"
+        )
     return None
 
 
@@ -87,14 +105,28 @@ def key(env: dict) -> str:
     import site
 
     status = [line for line in _read("/proc/self/status").splitlines() if line.split(":")[0] in _STATE]
-    spaces = [os.readlink(f"/proc/self/ns/{n}") if os.path.exists(f"/proc/self/ns/{n}") else n
-              for n in ("mnt", "net", "pid_for_children", "user", "uts", "ipc", "cgroup")]
+    spaces = [
+        os.readlink(f"/proc/self/ns/{n}") if os.path.exists(f"/proc/self/ns/{n}") else n
+        for n in ("mnt", "net", "pid_for_children", "user", "uts", "ipc", "cgroup")
+    ]
     sites = [*site.getsitepackages(), site.getusersitepackages()]
-    pth = [(d, sorted(_stat(os.path.join(d, e)) for e in os.listdir(d) if e.endswith(".pth")))
-           for d in sites if os.path.isdir(d)]
+    pth = [
+        (d, sorted(_stat(os.path.join(d, e)) for e in os.listdir(d) if e.endswith(".pth")))
+        for d in sites
+        if os.path.isdir(d)
+    ]
     torch = getattr(sys.modules.get("torch"), "__file__", None)
-    parts = (sorted((k, v) for k, v in env.items() if k not in LAUNCH_SETS + VOLATILE), status, spaces,
-             _read("/proc/self/limits"), _read("/proc/self/cgroup"), pth, _stat(torch), _stat(ZYGOTE), sys.executable)
+    parts = (
+        sorted((k, v) for k, v in env.items() if k not in LAUNCH_SETS + VOLATILE),
+        status,
+        spaces,
+        _read("/proc/self/limits"),
+        _read("/proc/self/cgroup"),
+        pth,
+        _stat(torch),
+        _stat(ZYGOTE),
+        sys.executable,
+    )
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
@@ -102,15 +134,18 @@ def _zygote_for(k: str, env: dict, script: str = ZYGOTE) -> Zygote:
     with _lock:
         zygote = _pool.pop(k, None)
         if zygote is not None and zygote.process.poll() is not None:
-            _say(f"the zygote that forks ranks (pid {zygote.process.pid}) had ended ({zygote._how()}): starting a "
-                 "new one", once=False)
+            _say(
+                f"the zygote that forks ranks (pid {zygote.process.pid}) had ended ({zygote._how()}): starting a "
+                "new one",
+                once=False,
+            )
             zygote.close()
             zygote = None
         if zygote is None:
             if k in _broken:
                 raise ZygoteError(_broken[k])
             idle = [kk for kk, z in _pool.items() if z.idle()]
-            for kk in idle[:len(_pool) + 1 - MAX_ZYGOTES]:  # the least recently used first
+            for kk in idle[: len(_pool) + 1 - MAX_ZYGOTES]:  # the least recently used first
                 _pool.pop(kk).close()
             try:
                 zygote = Zygote(env, script=script)

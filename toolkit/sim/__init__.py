@@ -17,6 +17,7 @@ pipeline's ranks priced together) with `stage_assembly.py` (at scale: one rank p
 simulating their runs); `fit.py` says whether the peak fits in the accelerator's memory and what would make it fit;
 `sweep.py` extrapolates a few layers to a whole model over world sizes; `cli.py` is `python -m toolkit simulate`.
 """
+
 from .cost import StepCost, compute_time, estimate, modelled_run  # noqa: F401
 from .hardware import CLUSTERS, GPUS, Accelerator, Cluster, accelerator, cluster_of, presets  # noqa: F401
 from .priced import price  # noqa: F401

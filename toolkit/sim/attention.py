@@ -11,6 +11,7 @@ shapes and an autograd formula; calls it cannot take (an explicit mask) stay as 
 `FLOPS` teaches the op counter (`record.py`) that op's FLOPs: torch's flop registry counts the GPU flash
 kernels, not the CPU one, and the count is the same formula.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -13,6 +13,7 @@ Waiting, it is "exposed_comm" (its own collectives), and in a pipeline "bubble" 
 "p2p" (a transfer on the wire). Those parts add up to "step"; "compute" is the busy ones together, and
 "overlapped_comm" (collectives hidden behind compute) is said beside, not added.
 """
+
 from __future__ import annotations
 
 from ..units import seconds_text
@@ -20,9 +21,18 @@ from .kernel_time import segment_parts
 
 BUSY = ("gemm", "attention", "memory_bound", "optimizer", "overhead", "contention")
 WAITING = ("exposed_comm", "bubble", "p2p")
-NAMES = {"gemm": "GEMM", "attention": "attention", "memory_bound": "memory-bound", "optimizer": "optimizer",
-         "overhead": "launch overhead", "contention": "compute slowed beside collectives", "roofline": "roofline",
-         "exposed_comm": "exposed communication", "bubble": "bubble", "p2p": "point-to-point"}
+NAMES = {
+    "gemm": "GEMM",
+    "attention": "attention",
+    "memory_bound": "memory-bound",
+    "optimizer": "optimizer",
+    "overhead": "launch overhead",
+    "contention": "compute slowed beside collectives",
+    "roofline": "roofline",
+    "exposed_comm": "exposed communication",
+    "bubble": "bubble",
+    "p2p": "point-to-point",
+}
 
 
 def busy_parts(spans, gpu, roofline: bool, cache: dict | None = None) -> dict:
@@ -60,6 +70,6 @@ def step_breakdown(spans, waits: dict, overlapped: float, gpu, roofline: bool, c
 
 
 def text(b: dict) -> str:
-    """"step 3.53 s = GEMM 2.10 s + attention 0.41 s + ..." with every part there is, in the module's order."""
+    """ "step 3.53 s = GEMM 2.10 s + attention 0.41 s + ..." with every part there is, in the module's order."""
     order = [k for k in (*BUSY, "roofline", *WAITING) if b.get(k, 0.0) > 0]
     return f"step {seconds_text(b['step'])} = " + " + ".join(f"{NAMES[k]} {seconds_text(b[k])}" for k in order)

@@ -18,6 +18,7 @@ follow: build on meta, materialize later):
   expert's rows, hence its GEMMs, priced from the shapes. A model made expert-parallel in `model_fn` keeps its
   layout.
 """
+
 from __future__ import annotations
 
 import sys
@@ -49,13 +50,16 @@ def build_on_meta(model_fn) -> torch.nn.Module:
             f"model_fn() could not build the model on the meta device (shapes only, no values): {where}raised "
             f"{type(exc).__name__}: {exc}. Build every tensor without an explicit device= (the simulator builds "
             f"under `with torch.device('meta')`) and do not read tensor values (.item(), .tolist(), printing) "
-            f"while building.") from exc
+            f"while building."
+        ) from exc
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model_fn() must return an nn.Module, got {type(model).__name__}.")
     real = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta]
     if real:
-        raise ValueError(f"model_fn() built tensors on a real device, not on meta: {real[:4]}. Create them without "
-                         f"an explicit device= so that the simulator can build them on the meta device.")
+        raise ValueError(
+            f"model_fn() built tensors on a real device, not on meta: {real[:4]}. Create them without "
+            f"an explicit device= so that the simulator can build them on the meta device."
+        )
     return model
 
 
@@ -82,9 +86,11 @@ def seq_len_of(model, convention: Convention, seq_len):
         return seq_len
     found = sequence_length(model, convention)
     if found is None:
-        raise ValueError(f"seq_len=None needs a model that says its sequence length (config.seq_len, "
-                         f"max_position_embeddings or n_positions, as toolkit and Hugging Face models do); this "
-                         f"{type(model).__name__} does not: pass seq_len=.")
+        raise ValueError(
+            f"seq_len=None needs a model that says its sequence length (config.seq_len, "
+            f"max_position_embeddings or n_positions, as toolkit and Hugging Face models do); this "
+            f"{type(model).__name__} does not: pass seq_len=."
+        )
     return found
 
 

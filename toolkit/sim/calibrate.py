@@ -26,6 +26,7 @@ The result is cached as JSON under the cache folder (``$TOOLKIT_CACHE_DIR``, els
 ``$XDG_CACHE_HOME/toolkit``, else ``~/.cache/toolkit``), keyed by host, torch version, core count and
 world size; `this_machine(world_size, refresh=True)` measures again.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,15 +49,22 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
 def cache_dir() -> Path:
     base = os.environ.get("TOOLKIT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "toolkit")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "toolkit"
+    )
     return Path(base) / "sim"
 
 
 def _key(world_size: int) -> dict:
     import torch
 
-    return {"version": VERSION, "host": platform.node(), "torch": torch.__version__,
-            "cores": os.cpu_count(), "world_size": world_size, "reference": REFERENCE}
+    return {
+        "version": VERSION,
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "cores": os.cpu_count(),
+        "world_size": world_size,
+        "reference": REFERENCE,
+    }
 
 
 def load_now() -> float:
@@ -85,17 +93,28 @@ def measure(world_size: int, *, timeout_s: float = 240.0) -> dict:
         usable = [r for r in results[0]["records"] if r["op"] == op and r["seconds"] > 0]
         alpha, beta = fit_alpha_beta(usable, impl=None) if len(usable) >= 2 else (1e-9, 0.0)
         links[op] = {"bandwidth": 1 / beta if beta > 0 else 1e15, "latency": max(alpha, 1e-9)}
-    slowest_curve = {dtype: [(flops, min(r["gemm_rates"][dtype][i][1] for r in results))  # the slowest rank's
-                             for i, (flops, _) in enumerate(results[0]["gemm_rates"][dtype])] for dtype in ("fp32", "bf16")}
-    return dict(_key(world_size), measured_at=time.strftime("%Y-%m-%d %H:%M"),
-                gemm_rates=slowest_curve, flops={k: max(r for _, r in v) for k, v in slowest_curve.items()},
-                op_overhead=max(r["op_overhead"] for r in results),
-                memory_bandwidth=min(r["memory_bandwidth"] for r in results),
-                reference_step_s=max(r["reference_step_s"] for r in results),
-                reference_spread=max(r["reference_spread"] for r in results),
-                load=(load_before + load_now()) / 2,
-                links=links, overlap=results[0]["overlap"], beside_compute=results[0]["beside_compute"],
-                records=results[0]["records"])
+    slowest_curve = {
+        dtype: [
+            (flops, min(r["gemm_rates"][dtype][i][1] for r in results))  # the slowest rank's
+            for i, (flops, _) in enumerate(results[0]["gemm_rates"][dtype])
+        ]
+        for dtype in ("fp32", "bf16")
+    }
+    return dict(
+        _key(world_size),
+        measured_at=time.strftime("%Y-%m-%d %H:%M"),
+        gemm_rates=slowest_curve,
+        flops={k: max(r for _, r in v) for k, v in slowest_curve.items()},
+        op_overhead=max(r["op_overhead"] for r in results),
+        memory_bandwidth=min(r["memory_bandwidth"] for r in results),
+        reference_step_s=max(r["reference_step_s"] for r in results),
+        reference_spread=max(r["reference_spread"] for r in results),
+        load=(load_before + load_now()) / 2,
+        links=links,
+        overlap=results[0]["overlap"],
+        beside_compute=results[0]["beside_compute"],
+        records=results[0]["records"],
+    )
 
 
 def trust(m: dict, speed: float = 1.0, model: float = 1.0) -> dict:
@@ -108,16 +127,26 @@ def trust(m: dict, speed: float = 1.0, model: float = 1.0) -> dict:
     per-operation model predicts for it at the calibrated rates (what the CPU kernel model misses)."""
     cores = m.get("cores") or 1
     then, now = m.get("load", 0.0) / cores, load_now() / cores
-    note = (f"calibrated {m.get('measured_at', '?')} at load {then:.1f} per core (reference step spread "
-            f"±{m.get('reference_spread', 0) / 2:.0%}); the reference step takes {model:.2f}x what the "
-            f"per-operation model predicts at the calibrated rates, which are scaled by it; load now {now:.1f} per core")
+    note = (
+        f"calibrated {m.get('measured_at', '?')} at load {then:.1f} per core (reference step spread "
+        f"±{m.get('reference_spread', 0) / 2:.0%}); the reference step takes {model:.2f}x what the "
+        f"per-operation model predicts at the calibrated rates, which are scaled by it; load now {now:.1f} per core"
+    )
     if speed != 1.0:
         note += f"; the machine runs {speed:.2f}x as fast as then (reference step timed again beside the run)"
     elif now > 1.5 * max(then, 0.5):
-        note += ("; the load has grown since: compute will be slower than predicted (time the reference step "
-                 "beside the run and pass it to from_measurements, or calibrate again with refresh=True)")
-    return {"spread": m.get("reference_spread", 0.0), "load_then": then, "load_now": now, "speed": speed,
-            "model": model, "note": note}
+        note += (
+            "; the load has grown since: compute will be slower than predicted (time the reference step "
+            "beside the run and pass it to from_measurements, or calibrate again with refresh=True)"
+        )
+    return {
+        "spread": m.get("reference_spread", 0.0),
+        "load_then": then,
+        "load_now": now,
+        "speed": speed,
+        "model": model,
+        "note": note,
+    }
 
 
 def _accelerator(m: dict, speed: float) -> Accelerator:
@@ -125,11 +154,16 @@ def _accelerator(m: dict, speed: float) -> Accelerator:
     n = m["world_size"]
     rates = {dtype: tuple((f, r * speed) for f, r in points) for dtype, points in m["gemm_rates"].items()}
     peak = {"fp32": m["flops"]["fp32"] * speed, "bf16": m["flops"]["bf16"] * speed, "fp16": m["flops"]["bf16"] * speed}
-    return Accelerator(f"this machine ({n} ranks on {m['cores']} cores)", peak,
-                       memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
-                       memory_bandwidth=m["memory_bandwidth"] * speed, op_overhead=m["op_overhead"] / speed,
-                       asynchronous=False, gemm_rates={**rates, "fp16": rates["bf16"]},
-                       source=f"measured {m['measured_at']} on {m['host']} with {n} ranks at once")
+    return Accelerator(
+        f"this machine ({n} ranks on {m['cores']} cores)",
+        peak,
+        memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        memory_bandwidth=m["memory_bandwidth"] * speed,
+        op_overhead=m["op_overhead"] / speed,
+        asynchronous=False,
+        gemm_rates={**rates, "fp16": rates["bf16"]},
+        source=f"measured {m['measured_at']} on {m['host']} with {n} ranks at once",
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -141,8 +175,8 @@ def _reference_program() -> tuple:
 
     from .. import parallel
     from ..models import tiny_gpt
-    from .cluster import cluster
     from .build import build_on_meta
+    from .cluster import cluster
     from .watched_step import measure_steps, train_step
 
     with cluster(1, 0):
@@ -174,23 +208,39 @@ def from_measurements(m: dict, link: Settings | None = None, *, reference_step_s
     notes = trust(m, m["reference_step_s"] / measured, m["reference_step_s"] / modelled)
     op_links = {op: Link(float(v["bandwidth"]), float(v["latency"])) for op, v in m["links"].items()}
     loopback = op_links["all_reduce"]
-    found = Cluster(THIS_MACHINE, gpu, n, loopback, loopback, 0.0, source=gpu.source + "; links: loopback (gloo)",
-                    op_links=op_links, overlap=m["overlap"],
-                    notes={"measurements": {k: v for k, v in m.items() if k != "records"}, "trust": notes})
+    found = Cluster(
+        THIS_MACHINE,
+        gpu,
+        n,
+        loopback,
+        loopback,
+        0.0,
+        source=gpu.source + "; links: loopback (gloo)",
+        op_links=op_links,
+        overlap=m["overlap"],
+        notes={"measurements": {k: v for k, v in m.items() if k != "records"}, "trust": notes},
+    )
     if link is None:
         return found
     # An emulated link's time is a sleep on top of the loopback's (`toolkit.comm.emulate`): it takes no core,
     # so what it models hides behind compute as a separate link's would; its latency is delay in flight,
     # not occupancy (`toolkit.comm.cost`), so the next message may leave while the last one's latency runs.
-    return found.with_changes(name="this-machine (emulated link)", gpus_per_node=link.ranks_per_node,
-                              inter=link.inter, intra=link.intra or loopback, overlap=1.0, beside_compute=1.0,
-                              latency_holds_link=False,
-                              op_links={} if link.intra is not None or link.ranks_per_node == 1 else op_links,
-                              source=found.source + f"; {link.describe()}")
+    return found.with_changes(
+        name="this-machine (emulated link)",
+        gpus_per_node=link.ranks_per_node,
+        inter=link.inter,
+        intra=link.intra or loopback,
+        overlap=1.0,
+        beside_compute=1.0,
+        latency_holds_link=False,
+        op_links={} if link.intra is not None or link.ranks_per_node == 1 else op_links,
+        source=found.source + f"; {link.describe()}",
+    )
 
 
-def this_machine(world_size: int = 2, *, refresh: bool = False, link: Settings | None = None,
-                 quiet: bool = True) -> Cluster:
+def this_machine(
+    world_size: int = 2, *, refresh: bool = False, link: Settings | None = None, quiet: bool = True
+) -> Cluster:
     """The calibrated cluster for `world_size` ranks on this computer (measured once, then read from the cache).
 
     link: an emulated interconnect (`toolkit.comm.emulated_link()`); collectives are then charged at its
@@ -214,4 +264,3 @@ def this_machine(world_size: int = 2, *, refresh: bool = False, link: Settings |
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(m, default=str))
     return from_measurements(m, link)
-

@@ -17,6 +17,7 @@ rules: no SMs, the host runs each operation itself):
 Every timing spans several of the scheduler's slices (`block` calls at a time), so that a rank sees
 its share of the cores (ranks > cores), not a lucky or unlucky slice of them.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -66,8 +67,9 @@ def tiny_step():
     """A training step whose arithmetic is negligible: what remains is the cost of dispatching its ops."""
     import torch
 
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
-                                  for _ in range(4)])
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8)) for _ in range(4)]
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(4, 8)
 
@@ -88,7 +90,9 @@ def reference_step(reference=REFERENCE):
     torch.manual_seed(0)
     model = tiny_gpt(**reference["model"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = SyntheticCorpus(reference["model"]["vocab_size"], reference["model"]["seq_len"], 0).batch(0, reference["batch"])
+    x, y = SyntheticCorpus(reference["model"]["vocab_size"], reference["model"]["seq_len"], 0).batch(
+        0, reference["batch"]
+    )
 
     def step():
         model(x, y).backward()
@@ -137,9 +141,15 @@ def measure_compute(reference=REFERENCE) -> dict:
     overhead = statistics.median(together(step, 15)) / op_count
     dist.barrier()
     curves = {name: gemm_rates(dtype, overhead) for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
-    src, dst = torch.randn(2 * 2 ** 20), torch.empty(2 * 2 ** 20)  # 8 MiB each, allocated once
+    src, dst = torch.randn(2 * 2**20), torch.empty(2 * 2**20)  # 8 MiB each, allocated once
     bandwidth = 2 * src.numel() * 4 / statistics.median(together(lambda: dst.copy_(src), 10, block=8))
     reference_times = together(reference_step(reference), REFERENCE_REPEATS)
-    return {"gemm_rates": curves, "flops": {k: max(r for _, r in v) for k, v in curves.items()},
-            "op_overhead": overhead, "ops_in_tiny_step": op_count, "memory_bandwidth": bandwidth,
-            "reference_step_s": statistics.median(reference_times), "reference_spread": spread(reference_times)}
+    return {
+        "gemm_rates": curves,
+        "flops": {k: max(r for _, r in v) for k, v in curves.items()},
+        "op_overhead": overhead,
+        "ops_in_tiny_step": op_count,
+        "memory_bandwidth": bandwidth,
+        "reference_step_s": statistics.median(reference_times),
+        "reference_spread": spread(reference_times),
+    }

@@ -16,16 +16,17 @@
   between the compute's matmuls. Its time in flight over its cost alone (the loop above) says how much
   longer a collective takes when the cores it runs on are computing too.
 """
+
 from __future__ import annotations
 
 import statistics
 import time
 
 SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024)
-GAPS = (3, 10, 30)       # 128x128 matmuls between two calls, in turn (about 0.1, 0.3 and 1 ms on 2 cores)
-CALLS, ROUNDS = 18, 3    # calls per timed loop; loops with and without the calls, interleaved
+GAPS = (3, 10, 30)  # 128x128 matmuls between two calls, in turn (about 0.1, 0.3 and 1 ms on 2 cores)
+CALLS, ROUNDS = 18, 3  # calls per timed loop; loops with and without the calls, interleaved
 OVERLAP_SIZES, OVERLAP_GAPS = (512 * 1024, 2 * 1024 * 1024), (50,)  # compute about as long as the call
-OVERLAP_ROUNDS = 5       # a difference of two noisy loops: on 2 cores it still spreads 0-0.5 between calibrations
+OVERLAP_ROUNDS = 5  # a difference of two noisy loops: on 2 cores it still spreads 0-0.5 between calibrations
 BESIDE_SIZE, BESIDE_GAP = 512 * 1024, 50  # one layer's gradients of the accuracy benchmark's model, order of
 
 
@@ -147,8 +148,13 @@ def beside_compute(alone_s: float, size: int = BESIDE_SIZE, gap: int = BESIDE_GA
     mine_ = torch.tensor([statistics.median(in_flight), statistics.median(gathers)])
     dist.all_reduce(mine_, op=dist.ReduceOp.MAX)
     rs, ag = mine_.tolist()
-    return {"size_bytes": numel * 4, "reduce_scatter_in_flight_s": rs, "reduce_scatter_alone_s": alone_s,
-            "all_gather_behind_s": ag, "stretch": max(rs / alone_s, 1.0) if alone_s > 0 else 1.0}
+    return {
+        "size_bytes": numel * 4,
+        "reduce_scatter_in_flight_s": rs,
+        "reduce_scatter_alone_s": alone_s,
+        "all_gather_behind_s": ag,
+        "stretch": max(rs / alone_s, 1.0) if alone_s > 0 else 1.0,
+    }
 
 
 def measure_links(ops, sizes=SIZES) -> dict:
@@ -167,6 +173,7 @@ def measure_links(ops, sizes=SIZES) -> dict:
             numel = _numel_for(size, n, 4)
             seconds = in_a_step(_prepare(op, numel, torch.float32, torch.device("cpu"), seed=len(records)))
             records.append(dict(op=op, impl="backend", size_bytes=numel * 4, world_size=n, seconds=seconds))
-    alone = in_a_step(_prepare("reduce_scatter", _numel_for(BESIDE_SIZE, n, 4), torch.float32, torch.device("cpu"),
-                               seed=99))
+    alone = in_a_step(
+        _prepare("reduce_scatter", _numel_for(BESIDE_SIZE, n, 4), torch.float32, torch.device("cpu"), seed=99)
+    )
     return {"records": records, "overlap": overlap(), "beside_compute": beside_compute(alone)}

@@ -17,6 +17,7 @@ it fit), and, when it fits, the step's time, TFLOP/s per GPU and MFU on that clu
 files), an HTML report and the modelled timeline (Chrome trace JSON, for Perfetto) under `--out`. What it
 advises and every error are said in flags, not in Python's keywords.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,67 +40,134 @@ class _Defaults(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default is not None and action.default is not False and action.default != argparse.SUPPRESS \
-                and "default" not in text:
+        if (
+            action.default is not None
+            and action.default is not False
+            and action.default != argparse.SUPPRESS
+            and "default" not in text
+        ):
             text += " (default: %(default)s)"
         return text
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m toolkit simulate", description=__doc__.splitlines()[0],
-                                formatter_class=_Defaults)
-    p.add_argument("--model", default="gpt3-175b",
-                   help=f"a preset ({', '.join(sorted(PRESETS))}: toolkit.models.presets), or a Hugging Face "
-                        f"config.json (or its folder): the model transformers builds from it, nothing downloaded")
+    p = argparse.ArgumentParser(
+        prog="python -m toolkit simulate", description=__doc__.splitlines()[0], formatter_class=_Defaults
+    )
+    p.add_argument(
+        "--model",
+        default="gpt3-175b",
+        help=f"a preset ({', '.join(sorted(PRESETS))}: toolkit.models.presets), or a Hugging Face "
+        f"config.json (or its folder): the model transformers builds from it, nothing downloaded",
+    )
     p.add_argument("--layers", type=int, default=None, help="number of layers (default: the model's own depth)")
-    p.add_argument("--strategy", default="fsdp", choices=sorted(STRATEGIES) + [HSDP],
-                   help="how the data-parallel ranks share the model; hsdp: fsdp sharded inside each group of "
-                        "--sharding-group-size ranks (a node by default), replicated across the groups")
-    p.add_argument("--world-size", type=positive_int, default=512,
-                   help="ranks (GPUs) in the simulated cluster, up to 4096")
+    p.add_argument(
+        "--strategy",
+        default="fsdp",
+        choices=sorted(STRATEGIES) + [HSDP],
+        help="how the data-parallel ranks share the model; hsdp: fsdp sharded inside each group of "
+        "--sharding-group-size ranks (a node by default), replicated across the groups",
+    )
+    p.add_argument(
+        "--world-size", type=positive_int, default=512, help="ranks (GPUs) in the simulated cluster, up to 4096"
+    )
     p.add_argument("--rank", type=int, default=0, help="the rank this process simulates")
-    p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="GPUs per node (NVLink inside, network between; default: the cluster's, 8 without one)")
-    p.add_argument("--batch-per-rank", type=positive_int, default=1,
-                   help="sequences per data-parallel replica per step (a replica: one rank, or --tp ranks)")
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="GPUs per node (NVLink inside, network between; default: the cluster's, 8 without one)",
+    )
+    p.add_argument(
+        "--batch-per-rank",
+        type=positive_int,
+        default=1,
+        help="sequences per data-parallel replica per step (a replica: one rank, or --tp ranks)",
+    )
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
     p.add_argument("--steps", type=positive_int, default=1, help="measured steps, after one warm-up step")
     p.add_argument("--fp32", action="store_true", help="plain fp32 training (default: mixed precision, bf16)")
-    p.add_argument("--sharding-group-size", type=int, default=None,
-                   help="fsdp/hsdp: shard over groups of this many ranks (hsdp's default: --ranks-per-node)")
-    p.add_argument("--tp", type=positive_int, default=1,
-                   help="tensor-parallel ranks per model replica (consecutive ranks: inside a node when it divides "
-                        "--ranks-per-node); --strategy is then the data-parallel method over world/tp replicas")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="with --tp: split layer norms and residuals along the sequence (Korthikanti et al.)")
-    p.add_argument("--cp", type=positive_int, default=1,
-                   help="context-parallel ranks per model replica: each holds --seq-len/cp tokens of every sequence, "
-                        "attention by ring attention (zigzag-balanced); the data-parallel method then reduces over "
-                        "dp x cp")
-    p.add_argument("--pp", type=positive_int, default=1,
-                   help="pipeline stages per model replica: the model's blocks cut into --pp stages (an embedding with "
-                        "the first, the head with the last); the step is --schedule over --microbatches")
-    p.add_argument("--microbatches", type=positive_int, default=None,
-                   help="with --pp: micro-batches a replica's batch is cut into (it must divide --batch-per-rank; "
-                        "default: --pp)")
-    p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES),
-                   help="with --pp: the pipeline's schedule (interleaved needs --virtual-stages 2 or more)")
-    p.add_argument("--virtual-stages", type=positive_int, default=1,
-                   help="with --schedule interleaved: stages per rank (the blocks cut into --pp x this many stages)")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="keep each block's input only and recompute its activations in backward")
-    p.add_argument("--forward-prefetch", action="store_true",
-                   help="fsdp/hsdp: issue the next unit's all-gather before this unit's forward runs")
-    p.add_argument("--no-backward-prefetch", action="store_true",
-                   help="fsdp/hsdp: do not gather the next unit during backward (prefetching it is the default)")
-    p.add_argument("--cluster", default="dgx-a100",
-                   help="price the step and check the peak against the GPUs' memory on a cluster: dgx-a100, "
-                        "dgx-h100 or this-machine (toolkit.sim.presets()), or a JSON file of your own cluster "
-                        "(fields as toolkit.sim.cluster_of's dict: {\"name\": \"my-cluster\", \"gpu\": "
-                        "\"a100-80gb\", \"gpus_per_node\": 8, \"intra\": [\"300 GB/s\", \"3.4 us\"], \"inter\": "
-                        "[\"200 Gb/s\", \"9.6 us\"]}); 'none' for memory and bytes only")
-    p.add_argument("--mfu", type=float, default=None,
-                   help="the achievable fraction of peak compute (default: the cluster preset's)")
+    p.add_argument(
+        "--sharding-group-size",
+        type=int,
+        default=None,
+        help="fsdp/hsdp: shard over groups of this many ranks (hsdp's default: --ranks-per-node)",
+    )
+    p.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel ranks per model replica (consecutive ranks: inside a node when it divides "
+        "--ranks-per-node); --strategy is then the data-parallel method over world/tp replicas",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: split layer norms and residuals along the sequence (Korthikanti et al.)",
+    )
+    p.add_argument(
+        "--cp",
+        type=positive_int,
+        default=1,
+        help="context-parallel ranks per model replica: each holds --seq-len/cp tokens of every sequence, "
+        "attention by ring attention (zigzag-balanced); the data-parallel method then reduces over "
+        "dp x cp",
+    )
+    p.add_argument(
+        "--pp",
+        type=positive_int,
+        default=1,
+        help="pipeline stages per model replica: the model's blocks cut into --pp stages (an embedding with "
+        "the first, the head with the last); the step is --schedule over --microbatches",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=None,
+        help="with --pp: micro-batches a replica's batch is cut into (it must divide --batch-per-rank; default: --pp)",
+    )
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=sorted(SCHEDULES),
+        help="with --pp: the pipeline's schedule (interleaved needs --virtual-stages 2 or more)",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        type=positive_int,
+        default=1,
+        help="with --schedule interleaved: stages per rank (the blocks cut into --pp x this many stages)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="keep each block's input only and recompute its activations in backward",
+    )
+    p.add_argument(
+        "--forward-prefetch",
+        action="store_true",
+        help="fsdp/hsdp: issue the next unit's all-gather before this unit's forward runs",
+    )
+    p.add_argument(
+        "--no-backward-prefetch",
+        action="store_true",
+        help="fsdp/hsdp: do not gather the next unit during backward (prefetching it is the default)",
+    )
+    p.add_argument(
+        "--cluster",
+        default="dgx-a100",
+        help="price the step and check the peak against the GPUs' memory on a cluster: dgx-a100, "
+        "dgx-h100 or this-machine (toolkit.sim.presets()), or a JSON file of your own cluster "
+        '(fields as toolkit.sim.cluster_of\'s dict: {"name": "my-cluster", "gpu": '
+        '"a100-80gb", "gpus_per_node": 8, "intra": ["300 GB/s", "3.4 us"], "inter": '
+        '["200 Gb/s", "9.6 us"]}); \'none\' for memory and bytes only',
+    )
+    p.add_argument(
+        "--mfu",
+        type=float,
+        default=None,
+        help="the achievable fraction of peak compute (default: the cluster preset's)",
+    )
     p.add_argument("--out", default="runs", help="folder for the Run, the HTML report and the modelled timeline")
     return p
 
@@ -124,8 +192,9 @@ def options_of(args, parse) -> tuple[str, dict]:
         options["cp"] = args.cp
     pipeline = [f for f in ("microbatches", "virtual_stages") if getattr(args, f) not in (None, 1)]
     if args.pp == 1 and (pipeline or args.schedule != "1f1b"):
-        parse.error(f"--{(pipeline or ['schedule'])[0].replace('_', '-')} is an option of a pipeline: add --pp 2 "
-                    f"or more")
+        parse.error(
+            f"--{(pipeline or ['schedule'])[0].replace('_', '-')} is an option of a pipeline: add --pp 2 or more"
+        )
     if args.pp > 1:
         options.update(pp=args.pp, microbatches=args.microbatches or args.pp, schedule=args.schedule)
         if args.virtual_stages != 1:
@@ -141,14 +210,18 @@ def in_flags(text: str, parse: argparse.ArgumentParser) -> str:
     """`text` (advice or an error written for Python) in the command line's words: `activation_checkpointing=True`
     -> `--activation-checkpointing`, `seq_len=1024` -> `--seq-len 1024`, `schedule='1f1b'` -> `--schedule 1f1b`,
     a bare keyword (`sharding_group_size`) -> its flag; keywords the command line spells otherwise too."""
-    for python, flag in (("backward_prefetch=False", "--no-backward-prefetch"), ("mixed_precision=False", "--fp32"),
-                         ("mixed_precision=True", "(the default)")):
+    for python, flag in (
+        ("backward_prefetch=False", "--no-backward-prefetch"),
+        ("mixed_precision=False", "--fp32"),
+        ("mixed_precision=True", "(the default)"),
+    ):
         text = text.replace(python, flag)
     for action in parse._actions:
         flags = [o for o in action.option_strings if o.startswith("--")]
         if not flags or action.dest == "help":
             continue
         key, flag = action.dest, flags[0]
+
         def spelled(m, flag=flag, switch=action.nargs == 0):
             return flag if switch or m.group(1) == "True" else f"{flag} {m.group(2)}"
 
@@ -162,7 +235,7 @@ def in_flags(text: str, parse: argparse.ArgumentParser) -> str:
 def summary(sim, parse) -> str:
     """`sim.summary()` with its verdict's advice in flags (the rest describes the run, in its own words)."""
     text = sim.summary()
-    for line in (sim.fit.text().splitlines() if sim.fit is not None else []):
+    for line in sim.fit.text().splitlines() if sim.fit is not None else []:
         text = text.replace(line, in_flags(line, parse))
     return text
 
@@ -213,8 +286,11 @@ def check_layout(args, model_fn, parse, one_block=None) -> None:
 
         def tp_fits(t: int, p: int = pp) -> str | None:
             if world % (t * p * cp):
-                return (f"a replica's --pp {p} x --cp {cp} x --tp {t} ranks do not divide the {world} ranks" if cp > 1
-                        else f"a replica's --pp {p} x --tp {t} ranks do not divide the {world} ranks")
+                return (
+                    f"a replica's --pp {p} x --cp {cp} x --tp {t} ranks do not divide the {world} ranks"
+                    if cp > 1
+                    else f"a replica's --pp {p} x --tp {t} ranks do not divide the {world} ranks"
+                )
             return tp_refusal(one_block or model_fn, t, args.sequence_parallel, seq_len) if t > 1 else None
 
         why = tp_fits(tp)
@@ -230,11 +306,16 @@ def check_layout(args, model_fn, parse, one_block=None) -> None:
 
         if not cp_fits(cp):
             fits = [c for c in _divisors(world) if c > 1 and cp_fits(c)]
-            parse.error(f"--cp {cp} does not fit: a replica's --pp {pp} x --cp x --tp {tp} ranks must divide the "
-                        f"{world} ranks, and the sequence of {seq_len} tokens must cut into 2 x --cp chunks (ring "
-                        f"attention's zigzag: rank i holds chunks i and 2cp-1-i). "
-                        + (f"Values that fit every constraint: {fits}." if fits else
-                           f"No value does with --tp {tp} and --pp {pp}: change those, or --seq-len."))
+            parse.error(
+                f"--cp {cp} does not fit: a replica's --pp {pp} x --cp x --tp {tp} ranks must divide the "
+                f"{world} ranks, and the sequence of {seq_len} tokens must cut into 2 x --cp chunks (ring "
+                f"attention's zigzag: rank i holds chunks i and 2cp-1-i). "
+                + (
+                    f"Values that fit every constraint: {fits}."
+                    if fits
+                    else f"No value does with --tp {tp} and --pp {pp}: change those, or --seq-len."
+                )
+            )
     if pp > 1:
         import torch
 
@@ -248,23 +329,32 @@ def check_layout(args, model_fn, parse, one_block=None) -> None:
 
         if not pp_fits(pp):
             fits = [p for p in _divisors(world) if p > 1 and pp_fits(p)]
-            parse.error(f"--pp {pp} does not fit: a replica's --pp x --cp {cp} x --tp {tp} ranks must divide the "
-                        f"{world} ranks, "
-                        f"and the model's {blocks} blocks must cut evenly into --pp x --virtual-stages {v} stages. "
-                        + (f"Values that fit every constraint: {fits}." if fits else f"No value does with --tp {tp} "
-                           f"and --virtual-stages {v}: change those, or --layers."))
+            parse.error(
+                f"--pp {pp} does not fit: a replica's --pp x --cp {cp} x --tp {tp} ranks must divide the "
+                f"{world} ranks, "
+                f"and the model's {blocks} blocks must cut evenly into --pp x --virtual-stages {v} stages. "
+                + (
+                    f"Values that fit every constraint: {fits}."
+                    if fits
+                    else f"No value does with --tp {tp} and --virtual-stages {v}: change those, or --layers."
+                )
+            )
     if pp > 1:
         if args.schedule == "interleaved" and v < 2:
             parse.error("--schedule interleaved runs several stages per rank: add --virtual-stages 2 or more")
         if args.schedule != "interleaved" and v != 1:
-            parse.error(f"--virtual-stages {v} needs --schedule interleaved (--schedule {args.schedule} runs one "
-                        f"stage per rank)")
+            parse.error(
+                f"--virtual-stages {v} needs --schedule interleaved (--schedule {args.schedule} runs one "
+                f"stage per rank)"
+            )
         m = args.microbatches or pp
         if args.batch_per_rank % m:
-            parse.error(f"--microbatches {m}{'' if args.microbatches else ' (the default: --pp)'} does not divide "
-                        f"--batch-per-rank {args.batch_per_rank} (a replica's sequences per step): use --microbatches "
-                        f"one of {_divisors(args.batch_per_rank)}, or --batch-per-rank a multiple of {m} (e.g. "
-                        f"{m * max(1, -(-args.batch_per_rank // m))}).")
+            parse.error(
+                f"--microbatches {m}{'' if args.microbatches else ' (the default: --pp)'} does not divide "
+                f"--batch-per-rank {args.batch_per_rank} (a replica's sequences per step): use --microbatches "
+                f"one of {_divisors(args.batch_per_rank)}, or --batch-per-rank a multiple of {m} (e.g. "
+                f"{m * max(1, -(-args.batch_per_rank // m))})."
+            )
 
 
 def cluster_of_flag(value: str, parse):
@@ -323,9 +413,19 @@ def main(argv=None) -> int:
     from . import simulate
 
     try:
-        sim = simulate(model_fn, strategy, args.world_size, rank=args.rank, ranks_per_node=args.ranks_per_node,
-                       batch_per_rank=args.batch_per_rank, seq_len=args.seq_len, steps=args.steps,
-                       cluster=cluster, mfu=args.mfu, **options)
+        sim = simulate(
+            model_fn,
+            strategy,
+            args.world_size,
+            rank=args.rank,
+            ranks_per_node=args.ranks_per_node,
+            batch_per_rank=args.batch_per_rank,
+            seq_len=args.seq_len,
+            steps=args.steps,
+            cluster=cluster,
+            mfu=args.mfu,
+            **options,
+        )
     except ValueError as exc:
         print(f"error: {in_flags(str(exc), parse)}", file=sys.stderr)
         return 2
@@ -352,20 +452,40 @@ def write_report(sim, path: str, title: str | None = None, parse=None) -> str:
     from ..units import bytes_text
 
     t = sim.theory()
-    rows = [{"category": k, "at the peak": bytes_text(v),
-             "at the end of a step": bytes_text(sim.memory[k]) if k in sim.memory else "",
-             "formula": bytes_text(t["model_states"][k]) if k in t["model_states"] else ""}
-            for k, v in sim.peak_memory.items() if v or k in t["model_states"]]
+    rows = [
+        {
+            "category": k,
+            "at the peak": bytes_text(v),
+            "at the end of a step": bytes_text(sim.memory[k]) if k in sim.memory else "",
+            "formula": bytes_text(t["model_states"][k]) if k in t["model_states"] else "",
+        }
+        for k, v in sim.peak_memory.items()
+        if v or k in t["model_states"]
+    ]
     label = title or sim.strategy
     fit = sim.fit
     blocks = [viz.report.preformatted(summary(sim, parse) if parse is not None else sim.summary())]
-    blocks += [viz.report.heading("Memory on the simulated rank"), viz.report.table(rows),
-               viz.peak_bars({label: sim.peak_memory}, capacity=None if fit is None else fit.capacity,
-                             device=None if fit is None else fit.device, predicted={label: t["model_states_total"]},
-                             title=f"Memory at the peak: {label}, rank {sim.rank} of {sim.world_size}")]
+    blocks += [
+        viz.report.heading("Memory on the simulated rank"),
+        viz.report.table(rows),
+        viz.peak_bars(
+            {label: sim.peak_memory},
+            capacity=None if fit is None else fit.capacity,
+            device=None if fit is None else fit.device,
+            predicted={label: t["model_states_total"]},
+            title=f"Memory at the peak: {label}, rank {sim.rank} of {sim.world_size}",
+        ),
+    ]
     if fit is not None and fit.fits:
         cost = sim.cost.summary().replace(f"; {fit.text()}", "")  # the verdict is in the summary above
-        blocks += [viz.report.heading(f"The step on {sim.cost.cluster.name}"), viz.report.preformatted(cost),
-                   viz.timeline(sim.modelled_run, title=f"modelled: rank {sim.rank} of {sim.world_size}, one step")]
-    return viz.write_report(path, f"toolkit simulate: {label} on {sim.world_size} ranks", blocks,
-                            subtitle="one rank of a simulated cluster: the strategies' own code on meta tensors")
+        blocks += [
+            viz.report.heading(f"The step on {sim.cost.cluster.name}"),
+            viz.report.preformatted(cost),
+            viz.timeline(sim.modelled_run, title=f"modelled: rank {sim.rank} of {sim.world_size}, one step"),
+        ]
+    return viz.write_report(
+        path,
+        f"toolkit simulate: {label} on {sim.world_size} ranks",
+        blocks,
+        subtitle="one rank of a simulated cluster: the strategies' own code on meta tensors",
+    )

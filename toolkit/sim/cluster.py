@@ -15,6 +15,7 @@ simulation, or a real `toolkit.launch`, starts clean. This process's trace recor
 given back, so a simulation leaves no spans in it, and so is `sys.excepthook` (torch's process group
 wraps it to prefix tracebacks with the rank, once more per group).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,9 +47,11 @@ def check(world_size, rank=0, ranks_per_node=8) -> int:
         return world_size  # one node holds the whole world
     if world_size % ranks_per_node:
         below = world_size - world_size % ranks_per_node
-        raise ValueError(f"world_size={world_size} is not a whole number of nodes of ranks_per_node={ranks_per_node}; "
-                         f"use a multiple of {ranks_per_node} (e.g. {below} or {below + ranks_per_node}) or "
-                         f"another ranks_per_node.")
+        raise ValueError(
+            f"world_size={world_size} is not a whole number of nodes of ranks_per_node={ranks_per_node}; "
+            f"use a multiple of {ranks_per_node} (e.g. {below} or {below + ranks_per_node}) or "
+            f"another ranks_per_node."
+        )
     return ranks_per_node
 
 
@@ -61,7 +64,7 @@ def forget_groups() -> None:
     collectives._ranks_cache.clear()
     fsdp_unit._GROUPS.clear()
     machine._cache.clear()  # measured machine rates: meaningless on a fake group, stale after it
-    recorder._cuda = None   # "am I on a GPU" is decided again by the next process group
+    recorder._cuda = None  # "am I on a GPU" is decided again by the next process group
 
 
 @contextlib.contextmanager
@@ -72,7 +75,8 @@ def cluster(world_size: int, rank: int = 0):
         raise RuntimeError(
             f"a process group ({dist.get_backend()}, {dist.get_world_size()} ranks) is already initialized in "
             f"this process; a simulation makes its own fake one. Simulate outside toolkit.launch's ranks (in the "
-            f"notebook or script itself), or call torch.distributed.destroy_process_group() first.")
+            f"notebook or script itself), or call torch.distributed.destroy_process_group() first."
+        )
     saved, hook = dict(recorder.__dict__), sys.excepthook
     forget_groups()
     try:

@@ -36,6 +36,7 @@ cluster says latency is delay in flight (`Cluster.latency_holds_link=False`, the
 Which ranks a collective joins is what its group says: the global ranks of the group the strategy's code issued it
 on, whichever order the mesh lays them out in; `node_of` decides which of them share a node.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,9 +51,9 @@ RING_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 @dataclass(frozen=True)
 class CollectiveCost:
     seconds: float
-    latency: float            # the alpha part of `seconds` (call latency included)
-    link: str                 # "intra-node", "inter-node", "intra+inter-node" or "none"
-    resources: tuple          # the links it occupies: ("intra",), ("inter",), ("intra", "inter") or ()
+    latency: float  # the alpha part of `seconds` (call latency included)
+    link: str  # "intra-node", "inter-node", "intra+inter-node" or "none"
+    resources: tuple  # the links it occupies: ("intra",), ("inter",), ("intra", "inter") or ()
     bandwidth: float = math.inf  # bytes/s the bandwidth term ran at (ring ops)
     latency_holds_link: bool = True  # see `Cluster.latency_holds_link`
 
@@ -95,8 +96,9 @@ def wire_bytes(op: str, size_bytes: float, n: int) -> float:
     return (n - 1) / n * size_bytes
 
 
-def collective_time(cluster: Cluster, op: str, size_bytes: float, group, me: int | None = None,
-                    args: dict | None = None) -> CollectiveCost:
+def collective_time(
+    cluster: Cluster, op: str, size_bytes: float, group, me: int | None = None, args: dict | None = None
+) -> CollectiveCost:
     """Seconds that `op` on `size_bytes` (the door's message size) takes for the group of global ranks `group`.
 
     me: this rank (all-to-all and send/recv need it); args: the door's extra args (all-to-all's
@@ -115,9 +117,13 @@ def _time_on_links(cluster, op, size_bytes, group, me, args) -> CollectiveCost:
         link = cluster.intra if inside else cluster.inter
         bandwidth = link.bandwidth * _fraction(cluster, "p2p" if inside else "nic")
         latency = cluster.call_latency + link.latency
-        return CollectiveCost(latency + size_bytes / bandwidth, latency,
-                              "intra-node" if inside else "inter-node", ("intra",) if inside else ("inter",),
-                              bandwidth)
+        return CollectiveCost(
+            latency + size_bytes / bandwidth,
+            latency,
+            "intra-node" if inside else "inter-node",
+            ("intra",) if inside else ("inter",),
+            bandwidth,
+        )
     if n <= 1:
         return CollectiveCost(0.0, 0.0, "none", ())
     nodes, g = _placement(cluster, group)
@@ -129,8 +135,9 @@ def _time_on_links(cluster, op, size_bytes, group, me, args) -> CollectiveCost:
     if op == "all_to_all":
         return _all_to_all(cluster, size_bytes, group, me, args, label, resources)
     if op not in RING_OPS:
-        raise ValueError(f"no time model for collective {op!r}; known: {list(RING_OPS)} + "
-                         f"['all_to_all', 'send', 'recv', 'barrier'].")
+        raise ValueError(
+            f"no time model for collective {op!r}; known: {list(RING_OPS)} + ['all_to_all', 'send', 'recv', 'barrier']."
+        )
     steps, inter_steps = ring_steps(op, n, nodes)
     wire = wire_bytes(op, size_bytes, n)
     if cluster.published is not None:
@@ -180,8 +187,9 @@ def _all_to_all(cluster, size_bytes, group, me, args, label, resources) -> Colle
     row = size_bytes / sum(ins) if sum(ins) else 0.0
     latency, seconds = cluster.call_latency, 0.0
     for kind, link in (("intra", cluster.op_links.get("all_to_all", cluster.intra)), ("inter", cluster.inter)):
-        peers = [p for p in range(n) if p != at
-                 and (cluster.node_of(group[p]) == cluster.node_of(me)) == (kind == "intra")]
+        peers = [
+            p for p in range(n) if p != at and (cluster.node_of(group[p]) == cluster.node_of(me)) == (kind == "intra")
+        ]
         if not peers:
             continue
         latency += len(peers) * link.latency

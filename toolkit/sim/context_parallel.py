@@ -7,6 +7,7 @@ model sees the overlap as the rank issued it, and prices each pass on the link b
 inside a node, the network between nodes). This file only describes the layout after wrapping, and the bytes
 `toolkit.memory.context_formulas` predicts for it (`Simulation.theory` adds them).
 """
+
 from __future__ import annotations
 
 from ..memory.context_formulas import ring_bytes_per_layer, ulysses_bytes_per_layer
@@ -22,9 +23,11 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int) ->
     found = {"cp": cp, "attention": context.attention, "dp": world_size // (cp * tp * pp), "bytes": None}
     if config is not None and hasattr(config, "d_model") and pp == 1:
         value = 2 if options.get("mixed_precision") else 4
-        per_layer = (ring_bytes_per_layer(batch, seq_len, config.d_model, cp, tp=tp, bytes_per_value=value)
-                     if context.attention != "ulysses" else
-                     ulysses_bytes_per_layer(batch, seq_len, config.d_model, cp, tp=tp, bytes_per_value=value))
+        per_layer = (
+            ring_bytes_per_layer(batch, seq_len, config.d_model, cp, tp=tp, bytes_per_value=value)
+            if context.attention != "ulysses"
+            else ulysses_bytes_per_layer(batch, seq_len, config.d_model, cp, tp=tp, bytes_per_value=value)
+        )
         again = per_layer["forward"] if options.get("activation_checkpointing") else 0  # the recomputed forward
         loss_value = 4 if tp > 1 else value  # the vocabulary-parallel loss is fp32; else in the compute dtype
         loss = 2 * (cp - 1) * loss_value // cp  # the loss's all-reduce over the cp group

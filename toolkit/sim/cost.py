@@ -18,23 +18,26 @@
 - Communication: `collective_time` on the cluster's links; overlap: `timeline.schedule`.
 - The Run (`modelled_run.py`) has the spans a real run's trace has, so the trace tools read it as one.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ..run import Run
 from ..units import flops_text, percent_text, seconds_text
-from .collective_time import collective_time
 from . import breakdown as parts
+from .collective_time import collective_time
 from .hardware import Cluster, check_mfu, cluster_of
 from .kernel_time import device_seconds, hbm_bandwidth, segment_seconds
-from .published import at
 from .modelled_run import modelled_run
 from .program import Compute, check, total_flops
+from .published import at
 from .timeline import schedule
 
 
-def compute_time(segment: Compute, gpu, dtype: str = "bf16", mfu: float | None = None, cache: dict | None = None) -> float:
+def compute_time(
+    segment: Compute, gpu, dtype: str = "bf16", mfu: float | None = None, cache: dict | None = None
+) -> float:
     """Seconds for one compute segment: its operations priced one by one (`kernel_time`); a segment without
     recorded operations, or any segment when `mfu` is given, as one roofline: max(FLOPs at mfu x peak (1 x
     peak by default), bytes at memory bandwidth) + ops x the host's overhead per operation."""
@@ -53,17 +56,18 @@ def model_flops(program) -> float:
 @dataclass
 class StepCost:
     """The modelled cost of a simulated rank's steps (the last one is the steady state reported)."""
+
     cluster: Cluster
     dtype: str
-    mfu_override: float | None          # None: every operation priced on its own; else the flat fraction of peak
+    mfu_override: float | None  # None: every operation priced on its own; else the flat fraction of peak
     timelines: list = field(default_factory=list)
     flops: list = field(default_factory=list)  # per step, this rank's, executed (recomputation included)
     run: Run | None = None
     model_flops: list = field(default_factory=list)  # per step, this rank's: 3 x the forward pass's FLOPs
-    useful_flops: list | None = None    # per step, the average rank's: all ranks' work / world (None: = flops)
-    fit: object = None                  # the peak against the accelerator's memory (`fit.Fit`), when known
+    useful_flops: list | None = None  # per step, the average rank's: all ranks' work / world (None: = flops)
+    fit: object = None  # the peak against the accelerator's memory (`fit.Fit`), when known
     rank: int = 0
-    stages: list | None = None          # pp > 1: per step, the pipeline's stages replayed together (`pipelined`)
+    stages: list | None = None  # pp > 1: per step, the pipeline's stages replayed together (`pipelined`)
     reprice: object = field(default=None, repr=False)  # fn(Cluster) -> StepCost: the same steps on another cluster
     cache: dict = field(default_factory=dict, repr=False)  # Kernel -> device seconds on this cluster's GPU
     _band: dict | None = field(default=None, repr=False)
@@ -84,8 +88,14 @@ class StepCost:
         collectives hidden behind compute, said beside."""
         mine = self.timelines[-1].breakdown()
         waits = mine if self.stages is None else self.stages[-1].breakdown(self.rank)
-        return parts.step_breakdown(self.timelines[-1].spans, waits, mine["overlapped_comm"], self.cluster.gpu,
-                                    self.mfu_override is not None, self.cache)
+        return parts.step_breakdown(
+            self.timelines[-1].spans,
+            waits,
+            mine["overlapped_comm"],
+            self.cluster.gpu,
+            self.mfu_override is not None,
+            self.cache,
+        )
 
     @property
     def band(self) -> dict:
@@ -94,8 +104,10 @@ class StepCost:
         cluster has no measurements (a user-defined or calibrated one)."""
         if self._band is None:
             measured = self.cluster.published is not None or self.cluster.gpu.published is not None
-            self._band = {end: (self.reprice(at(self.cluster, end)).step_time if measured and self.reprice
-                                else self.step_time) for end in ("worst", "best")}
+            self._band = {
+                end: (self.reprice(at(self.cluster, end)).step_time if measured and self.reprice else self.step_time)
+                for end in ("worst", "best")
+            }
         return self._band
 
     @property
@@ -140,8 +152,10 @@ class StepCost:
         computing = compute / self.step_time if self.step_time > 0 else 0.0
         useful = self.model_flops[-1] / self.flops[-1] if self.flops[-1] else 1.0
         p = percent_text
-        text = (f"MFU {p(self.mfu)} = {p(rate)} of the {self.dtype} peak (the rate compute ran at) x "
-                f"{p(computing)} of the step computing")
+        text = (
+            f"MFU {p(self.mfu)} = {p(rate)} of the {self.dtype} peak (the rate compute ran at) x "
+            f"{p(computing)} of the step computing"
+        )
         if abs(useful - 1) > 1e-3:
             text += f" x {useful:.2f} (model FLOPs, 3 x the forward's, over the FLOPs run)"
         if abs(self.share - 1) > 1e-3:
@@ -156,8 +170,18 @@ class StepCost:
         gpu = self.cluster.gpu
         for segment in (s.instruction for s in self.timelines[step].spans if s.kind == "compute"):
             for kernel, count in segment.kernels:
-                row = rows.setdefault((kernel.name, kernel.dtype), dict(name=kernel.name, kind=kernel.kind,
-                                      dtype=kernel.dtype, count=0, seconds=0.0, flops=0.0, bytes=0.0))
+                row = rows.setdefault(
+                    (kernel.name, kernel.dtype),
+                    dict(
+                        name=kernel.name,
+                        kind=kernel.kind,
+                        dtype=kernel.dtype,
+                        count=0,
+                        seconds=0.0,
+                        flops=0.0,
+                        bytes=0.0,
+                    ),
+                )
                 row["count"] += count
                 row["seconds"] += count * device_seconds(gpu, kernel)
                 row["flops"] += count * kernel.flops
@@ -181,14 +205,21 @@ class StepCost:
         b, t = self.breakdown, seconds_text
         how = "per-operation model" if self.mfu_override is None else f"at {self.mfu_override:.0%} of peak"
         band = self.band
-        spread = ("" if band["worst"] == band["best"] else
-                  f" (band {t(band['best'])} to {t(band['worst'])} from the spread of its sources)")
-        text = (f"{self.cluster.name}, {self.dtype}, {how}: {parts.text(b)}{spread}; "
-                f"{t(b['overlapped_comm'])} of communication hidden behind compute; "
-                f"{flops_text(self.tflops_per_gpu * 1e12)} per GPU")
+        spread = (
+            ""
+            if band["worst"] == band["best"]
+            else f" (band {t(band['best'])} to {t(band['worst'])} from the spread of its sources)"
+        )
+        text = (
+            f"{self.cluster.name}, {self.dtype}, {how}: {parts.text(b)}{spread}; "
+            f"{t(b['overlapped_comm'])} of communication hidden behind compute; "
+            f"{flops_text(self.tflops_per_gpu * 1e12)} per GPU"
+        )
         if abs(self.share - 1) > 1e-3:
-            text += f" (all ranks' work / {self.run.meta['world_size']}; rank {self.run.ranks[0]}'s own: " \
-                    f"{flops_text(self.rank_tflops * 1e12)})"
+            text += (
+                f" (all ranks' work / {self.run.meta['world_size']}; rank {self.run.ranks[0]}'s own: "
+                f"{flops_text(self.rank_tflops * 1e12)})"
+            )
         text += ", " + self.utilisation_text()
         if self.fit is not None:
             text += f"; {self.fit.text()}"
@@ -201,8 +232,16 @@ def slowdown(cluster: Cluster) -> float:
     return cluster.published.overlap_slowdown.value if cluster.published is not None else 0.0
 
 
-def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mfu: float | None = None,
-             dtype: str = "bf16", config: dict | None = None) -> StepCost:
+def estimate(
+    programs,
+    cluster="dgx-a100",
+    *,
+    world_size: int,
+    rank: int = 0,
+    mfu: float | None = None,
+    dtype: str = "bf16",
+    config: dict | None = None,
+) -> StepCost:
     """Price each step's program on `cluster` (a preset name, a dict or a Cluster); steps run back to back."""
     found = cluster if isinstance(cluster, Cluster) else cluster_of(cluster)
     found.check_world(world_size)
@@ -212,8 +251,9 @@ def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mf
     if not programs:
         raise ValueError("estimate needs at least one step's program (sim.programs is empty).")
     cost = StepCost(found, dtype, override)  # its cache: Kernel -> device seconds (a model's layers repeat them)
-    cost.reprice = lambda other: estimate(programs, other, world_size=world_size, rank=rank, mfu=mfu, dtype=dtype,
-                                          config=config)
+    cost.reprice = lambda other: estimate(
+        programs, other, world_size=world_size, rank=rank, mfu=mfu, dtype=dtype, config=config
+    )
 
     def seconds(segment):
         return compute_time(segment, found.gpu, dtype, override, cost.cache)
@@ -224,12 +264,24 @@ def estimate(programs, cluster="dgx-a100", *, world_size: int, rank: int = 0, mf
     clock = 0.0
     for program in programs:
         check(program)
-        timeline = schedule(program, seconds, comm, start=clock, overlap=found.overlap, beside=found.beside_compute,
-                            slowdown=slowdown(found))
+        timeline = schedule(
+            program,
+            seconds,
+            comm,
+            start=clock,
+            overlap=found.overlap,
+            beside=found.beside_compute,
+            slowdown=slowdown(found),
+        )
         cost.timelines.append(timeline)
         cost.flops.append(total_flops(program))
         cost.model_flops.append(model_flops(program))
         clock = timeline.end
-    cost.run = modelled_run(cost.timelines, found, rank=rank, world_size=world_size,
-                            config=dict(config or {}, cluster=found.name, dtype=dtype, mfu=override))
+    cost.run = modelled_run(
+        cost.timelines,
+        found,
+        rank=rank,
+        world_size=world_size,
+        config=dict(config or {}, cluster=found.name, dtype=dtype, mfu=override),
+    )
     return cost

@@ -6,6 +6,7 @@ in which this one process plays one rank, and every collective completes at once
 all-to-all repeats the input: shapes and allocations are right, values are not). Sub-groups work.
 Checked with torch 2.13 (tests/test_sim_fake.py); if a release moves it, this is the file to change.
 """
+
 from __future__ import annotations
 
 import torch

@@ -15,6 +15,7 @@ What would make it fit is read from what the peak is made of:
   shorter sequences;
 - gathered units (ZeRO-3, FSDP): smaller units, or no prefetch (one unit fewer in flight).
 """
+
 from __future__ import annotations
 
 import math
@@ -24,12 +25,13 @@ from ..memory import model_states
 from ..units import bytes_text, memory_text
 
 STATE_BYTES = 16  # per parameter: 2 + 2 + 12 (mixed precision) = 4 + 4 + 8 (fp32 Adam) = FSDP's fp32 shards
-TIGHT = 0.1       # a fit with less than this fraction of the memory to spare
+TIGHT = 0.1  # a fit with less than this fraction of the memory to spare
 
 
 @dataclass(frozen=True)
 class Fit:
     """The verdict: `peak` bytes on the simulated rank against `capacity` bytes of its `device`."""
+
     peak: float
     capacity: float
     device: str
@@ -56,8 +58,10 @@ class Fit:
             if self.tight:
                 spare += " (tight: the CUDA context and the allocator's fragmentation take 1-3 GB of it)"
             return f"fits in the {where}: peak {bytes_text(self.peak)}, {spare}"
-        lines = [f"DOES NOT FIT in the {where}: peak {bytes_text(self.peak)}, {bytes_text(-self.headroom)} over. "
-                 f"Not priced: it would stop at its first peak (out of memory). To fit:"]
+        lines = [
+            f"DOES NOT FIT in the {where}: peak {bytes_text(self.peak)}, {bytes_text(-self.headroom)} over. "
+            f"Not priced: it would stop at its first peak (out of memory). To fit:"
+        ]
         return "\n".join(lines + [f"  - {a}" for a in self.advice])
 
 
@@ -98,38 +102,76 @@ def advice(sim, room: float) -> list[str]:
     world, options = sim.world_size, sim.options
     dense, experts = sim.num_params - sim.expert_params, sim.expert_params / max(1, sim.expert_parallel)
     group = (options.get("sharding_group_size") or world) if sim.strategy == "fsdp" else world
-    sharded = model_states(dense, world, 3, param_bytes=2, grad_bytes=2, optimizer_multiplier=12) \
-        + STATE_BYTES * experts
+    sharded = (
+        model_states(dense, world, 3, param_bytes=2, grad_bytes=2, optimizer_multiplier=12) + STATE_BYTES * experts
+    )
     tips = []
     if sim.strategy in ("local", "dp", "ddp", "zero1", "zero2") and sharded < states:
-        tips.append((states, f"shard the model states: under zero3 or fsdp they take {bytes_text(sharded)} per GPU "
-                             f"at {world} GPUs ((2+2+12)Ψ/N); here {bytes_text(states)} of the peak"))
+        tips.append(
+            (
+                states,
+                f"shard the model states: under zero3 or fsdp they take {bytes_text(sharded)} per GPU "
+                f"at {world} GPUs ((2+2+12)Ψ/N); here {bytes_text(states)} of the peak",
+            )
+        )
     elif sim.strategy == "fsdp" and group < world and sharded < states:
-        tips.append((states, f"a larger sharding group: over {group} GPUs the model states take {bytes_text(states)} "
-                             f"per GPU, over all {world} {bytes_text(sharded)} (sharding_group_size)"))
+        tips.append(
+            (
+                states,
+                f"a larger sharding group: over {group} GPUs the model states take {bytes_text(states)} "
+                f"per GPU, over all {world} {bytes_text(sharded)} (sharding_group_size)",
+            )
+        )
     if states > 0.5 * room:
-        need = math.ceil(STATE_BYTES * dense / max(1.0, 0.5 * room - STATE_BYTES * experts)) \
-            if 0.5 * room > STATE_BYTES * experts else None
+        need = (
+            math.ceil(STATE_BYTES * dense / max(1.0, 0.5 * room - STATE_BYTES * experts))
+            if 0.5 * room > STATE_BYTES * experts
+            else None
+        )
         if need and need > world:
-            tips.append((states, f"more GPUs: sharded, the model states alone ({STATE_BYTES}Ψ = "
-                                 f"{bytes_text(STATE_BYTES * dense)}) take half of the memory at about {need} GPUs"))
+            tips.append(
+                (
+                    states,
+                    f"more GPUs: sharded, the model states alone ({STATE_BYTES}Ψ = "
+                    f"{bytes_text(STATE_BYTES * dense)}) take half of the memory at about {need} GPUs",
+                )
+            )
     if transient:
         what = f"activations and temporaries take {bytes_text(transient)} of the peak"
         if not options.get("activation_checkpointing"):
-            tips.append((transient, f"activation checkpointing (activation_checkpointing=True): {what}; it keeps "
-                                    f"each block's input and recomputes the rest in backward"))
+            tips.append(
+                (
+                    transient,
+                    f"activation checkpointing (activation_checkpointing=True): {what}; it keeps "
+                    f"each block's input and recomputes the rest in backward",
+                )
+            )
         excess = sim.peak - room
         if sim.batch_per_rank > 1:
             smaller = _smaller(sim.batch_per_rank, transient, excess)
-            tips.append((transient, f"a smaller batch per GPU (batch_per_rank={smaller}, now {sim.batch_per_rank}; "
-                                    f"activations scale with it)"))
+            tips.append(
+                (
+                    transient,
+                    f"a smaller batch per GPU (batch_per_rank={smaller}, now {sim.batch_per_rank}; "
+                    f"activations scale with it)",
+                )
+            )
         else:
             shorter = _smaller(sim.seq_len, transient, excess, power_of_two=True)
-            tips.append((transient / 2, f"shorter sequences (seq_len={shorter}, now {sim.seq_len}; activations grow "
-                                        f"with it, attention's scores with its square where they are kept)"))
+            tips.append(
+                (
+                    transient / 2,
+                    f"shorter sequences (seq_len={shorter}, now {sim.seq_len}; activations grow "
+                    f"with it, attention's scores with its square where they are kept)",
+                )
+            )
     if gathered:
-        tips.append((gathered, f"smaller units (gathered parameters take {bytes_text(gathered)} at the peak)"
-                               + (", or no forward_prefetch (one unit fewer in flight)"
-                                  if options.get("forward_prefetch") else "")))
+        tips.append(
+            (
+                gathered,
+                f"smaller units (gathered parameters take {bytes_text(gathered)} at the peak)"
+                + (", or no forward_prefetch (one unit fewer in flight)" if options.get("forward_prefetch") else ""),
+            )
+        )
     matters = min(sim.peak - room, 0.1 * sim.peak)  # a part smaller than both cannot be what is wrong
     return [text for part, text in sorted(tips, key=lambda t: -t[0]) if part >= matters]

@@ -11,6 +11,7 @@ recorded by the simulator as one operation with its bytes.
 
     simulate(model_fn, "ddp", 64, optimizer=FusedAdamW, ...)
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,10 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
         if not 0.0 <= lr or not 0.0 <= eps or not 0.0 <= weight_decay or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"FusedAdamW: lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0 and betas "
-                             f"{betas} in [0, 1), as torch.optim.AdamW requires.")
+            raise ValueError(
+                f"FusedAdamW: lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0 and betas "
+                f"{betas} in [0, 1), as torch.optim.AdamW requires."
+            )
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
@@ -42,8 +45,19 @@ class FusedAdamW(torch.optim.Optimizer):
             steps = [s["step"] for s in states]
             torch._foreach_add_(steps, 1)
             beta1, beta2 = group["betas"]
-            torch._fused_adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                                [s["exp_avg_sq"] for s in states], [], steps, lr=group["lr"], beta1=beta1,
-                                beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
-                                maximize=False)
+            torch._fused_adamw_(
+                params,
+                [p.grad for p in params],
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                [],
+                steps,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                amsgrad=False,
+                maximize=False,
+            )
         return loss

@@ -30,6 +30,7 @@ data, FlashAttention-2's benchmark after warm-up), so they are the clocks a GPU 
 boost clock. An accelerator without published measurements (a user-defined one) is priced at its datasheet:
 GEMMs at `matmul_efficiency` x peak per SM, attention at that GEMM rate, memory at its full bandwidth.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,10 +38,10 @@ import math
 from .program import Compute, Kernel
 
 TILES = ((256, 128), (128, 256), (128, 128))  # cuBLAS's large tensor-core tiles (the User's Guide, section 2.3)
-TILE_K = 64              # the k-depth of a tile's k-block (CUTLASS's Sm80 default, 128 x 256 x 64; Sm90's too)
-DEFAULT_STAGES = 3       # where no measurement says otherwise (CUTLASS's Sm80 default)
-ATTENTION_BLOCK = 128    # queries per thread block in FlashAttention-2's kernels
-FA2_HIDDEN = 2048        # FlashAttention-2's benchmark: heads = 2048 / head dim, 16k tokens a batch
+TILE_K = 64  # the k-depth of a tile's k-block (CUTLASS's Sm80 default, 128 x 256 x 64; Sm90's too)
+DEFAULT_STAGES = 3  # where no measurement says otherwise (CUTLASS's Sm80 default)
+ATTENTION_BLOCK = 128  # queries per thread block in FlashAttention-2's kernels
+FA2_HIDDEN = 2048  # FlashAttention-2's benchmark: heads = 2048 / head dim, 16k tokens a batch
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
 
 
@@ -58,8 +59,11 @@ def _tile_seconds(gpu, tm: int, tn: int, k: int, element: int, per_sm: float) ->
 
 
 def _waves(gpu, batch, m, n, k, element, per_sm) -> float:
-    return min(math.ceil(batch * math.ceil(m / tm) * math.ceil(n / tn) / gpu.sms)
-               * _tile_seconds(gpu, tm, tn, k, element, per_sm) for tm, tn in TILES)
+    return min(
+        math.ceil(batch * math.ceil(m / tm) * math.ceil(n / tn) / gpu.sms)
+        * _tile_seconds(gpu, tm, tn, k, element, per_sm)
+        for tm, tn in TILES
+    )
 
 
 def sm_rate(gpu, dtype: str) -> float:

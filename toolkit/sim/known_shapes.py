@@ -12,6 +12,7 @@ whose storage is what `empty_strided` makes. Anything else runs as always. It si
 which therefore still sees every output allocated, and below the operation counter, which still sees every
 operation.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,7 +29,7 @@ _UNSAFE = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output, torc
 def _pure(func) -> bool:
     """An aten operation that mutates no argument and returns no alias of one (its schema says so)."""
     schema = func._schema
-    return (func.namespace == "aten" and not schema.is_mutable and all(r.alias_info is None for r in schema.returns))
+    return func.namespace == "aten" and not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
 
 
 def shape_key(func, args, kwargs) -> tuple | None:
@@ -55,8 +56,9 @@ def _key_of(value, into: list) -> bool:
     if isinstance(value, dict):
         into.append(tuple(value))
         return all(_key_of(v, into) for v in value.values())
-    if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-                          torch.memory_format)):
+    if isinstance(
+        value, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+    ):
         into.append((type(value), value))
         return True
     return False  # a generator, a subclass, anything unforeseen: run it
@@ -73,9 +75,14 @@ def _spec(out, inputs: set):
     for o in outs:
         if o is None:
             continue
-        if (type(o) is not torch.Tensor or not o.is_meta or o.layout is not torch.strided or o.storage_offset() != 0
-                or o.untyped_storage()._cdata in seen
-                or o.untyped_storage().nbytes() != _fresh(o).untyped_storage().nbytes()):
+        if (
+            type(o) is not torch.Tensor
+            or not o.is_meta
+            or o.layout is not torch.strided
+            or o.storage_offset() != 0
+            or o.untyped_storage()._cdata in seen
+            or o.untyped_storage().nbytes() != _fresh(o).untyped_storage().nbytes()
+        ):
             return None
         seen.add(o.untyped_storage()._cdata)
     specs = tuple(None if o is None else (tuple(o.shape), o.stride(), o.dtype) for o in outs)
@@ -123,11 +130,12 @@ class KnownShapes(TorchDispatchMode):
         spec = self.known.get(key, _MISSING)
         if spec is _MISSING:
             out = func(*args, **kwargs)
-            inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            inputs = {
+                t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+            }
             self.known[key] = _spec(out, inputs)
             return out
         if spec is None:
             return func(*args, **kwargs)
         self.hits += 1
         return _build(spec)
-

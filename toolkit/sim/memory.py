@@ -20,6 +20,7 @@ The strategy says what its tensors are (`memory_groups`, the ledger's source): `
 before every step; what the step creates is tagged by when it appears, and a tensor handed to the
 collectives door is tagged comm.
 """
+
 from __future__ import annotations
 
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
@@ -27,9 +28,15 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRef
 from ..memory.ledger import memory_groups
 from ..trace.events import current_phase
 
-NAMES = {_MemRefType.PARAM: "params", _MemRefType.BUFFER: "gathered", _MemRefType.GRAD: "grads",
-         _MemRefType.OPT: "optimizer", _MemRefType.OTH: "comm", _MemRefType.ACT: "activations",
-         _MemRefType.TEMP: "temporary"}
+NAMES = {
+    _MemRefType.PARAM: "params",
+    _MemRefType.BUFFER: "gathered",
+    _MemRefType.GRAD: "grads",
+    _MemRefType.OPT: "optimizer",
+    _MemRefType.OTH: "comm",
+    _MemRefType.ACT: "activations",
+    _MemRefType.TEMP: "temporary",
+}
 CATEGORIES = tuple(NAMES.values())
 _FRESH = (_MemRefType.ACT, _MemRefType.TEMP)  # made during the step, not claimed by anything yet
 
@@ -91,8 +98,10 @@ class StepMemory(MemTracker):
         tag a gradient as grads when autograd hands it over."""
         for p in module.parameters():
             if install_grad_hooks and p not in self._param_to_grad_hook_handles and p.requires_grad:
-                self._param_to_grad_hook_handles[p] = (p.register_hook(self._grad),
-                                                       p.register_post_accumulate_grad_hook(self._accumulated))
+                self._param_to_grad_hook_handles[p] = (
+                    p.register_hook(self._grad),
+                    p.register_post_accumulate_grad_hook(self._accumulated),
+                )
         return 0, 0
 
     def _pre_fw_hook(self, module, inputs) -> None:

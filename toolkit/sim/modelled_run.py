@@ -6,6 +6,7 @@ collective with the door's args, and a "wait" span wherever the compute stream s
 asynchronous collective; every event says `args.modelled=True`. So `toolkit.viz.timeline`,
 `toolkit.trace.analysis` and the Chrome export treat it as a real run.
 """
+
 from __future__ import annotations
 
 import platform
@@ -29,8 +30,14 @@ def _compute_events(timeline: Timeline, step: int) -> list[dict]:
         if last is not None and last["phase"] == phase:
             last["end"] = s.end
         else:
-            last = {"name": phase, "cat": "compute", "phase": phase, "start": s.start, "end": s.end,
-                    "args": {"modelled": True, "step": step, "flops": 0.0, "segments": 0}}
+            last = {
+                "name": phase,
+                "cat": "compute",
+                "phase": phase,
+                "start": s.start,
+                "end": s.end,
+                "args": {"modelled": True, "step": step, "flops": 0.0, "segments": 0},
+            }
             events.append(last)
         if s.kind == "compute":
             last["args"]["flops"] += s.instruction.flops
@@ -47,22 +54,39 @@ def _span_events(timeline: Timeline, step: int) -> list[dict]:
             continue
         for key, name, cat, args in s.instruction.spans:
             if name == s.instruction.phase and "action" not in args:  # the loop's own phases: above (a pipeline's
-                continue                                                # actions are spans of their own)
+                continue  # actions are spans of their own)
             if key in spans:
                 spans[key]["end"] = s.end
                 spans[key]["args"]["flops"] += s.instruction.flops
             else:
-                spans[key] = {"name": name, "cat": cat, "phase": s.instruction.phase, "start": s.start, "end": s.end,
-                              "args": dict(args, modelled=True, step=step, flops=s.instruction.flops)}
+                spans[key] = {
+                    "name": name,
+                    "cat": cat,
+                    "phase": s.instruction.phase,
+                    "start": s.start,
+                    "end": s.end,
+                    "args": dict(args, modelled=True, step=step, flops=s.instruction.flops),
+                }
     return list(spans.values())
 
 
 def _comm_event(s, step: int) -> dict:
     c = s.instruction
-    args = dict(c.args, group=list(c.group), size_bytes=c.size_bytes, bytes_sent=c.bytes_sent,
-                bytes_recv=c.bytes_recv, async_op=c.async_op, impl=c.args.get("impl", "backend"),
-                modelled=True, step=step, link=s.cost.link, modelled_s=s.end - s.start, queued_s=s.start - s.issued,
-                issue_order=c.id)
+    args = dict(
+        c.args,
+        group=list(c.group),
+        size_bytes=c.size_bytes,
+        bytes_sent=c.bytes_sent,
+        bytes_recv=c.bytes_recv,
+        async_op=c.async_op,
+        impl=c.args.get("impl", "backend"),
+        modelled=True,
+        step=step,
+        link=s.cost.link,
+        modelled_s=s.end - s.start,
+        queued_s=s.start - s.issued,
+        issue_order=c.id,
+    )
     if c.label:
         args["label"] = c.label  # the unit, MoE step or module that issued it (the door's own args stay as they were)
     return {"name": c.op, "cat": "comm", "phase": c.phase, "start": s.start, "end": s.end, "args": args}
@@ -73,14 +97,26 @@ def _wait_events(timeline: Timeline, step: int) -> list[dict]:
     ("host", overlap < 1: not computing either, args.host=True). A synchronous one's own span, async_op=False,
     already says the rank was blocked, as in a real trace."""
     ops = {s.instruction.id: s.instruction for s in timeline.spans if s.kind == "comm"}
-    return [{"name": "wait", "cat": "wait", "phase": s.instruction.phase, "start": s.start, "end": s.end,
-             "args": {"op": ops[s.instruction.id].op, "modelled": True, "step": step,
-                      **({"host": True} if s.kind == "host" else {})}}
-            for s in timeline.spans if s.kind in ("wait", "host") and ops[s.instruction.id].async_op]
+    return [
+        {
+            "name": "wait",
+            "cat": "wait",
+            "phase": s.instruction.phase,
+            "start": s.start,
+            "end": s.end,
+            "args": {
+                "op": ops[s.instruction.id].op,
+                "modelled": True,
+                "step": step,
+                **({"host": True} if s.kind == "host" else {}),
+            },
+        }
+        for s in timeline.spans
+        if s.kind in ("wait", "host") and ops[s.instruction.id].async_op
+    ]
 
 
-def modelled_run(timelines, cluster: Cluster, *, rank: int = 0, world_size: int = 1,
-                 config: dict | None = None) -> Run:
+def modelled_run(timelines, cluster: Cluster, *, rank: int = 0, world_size: int = 1, config: dict | None = None) -> Run:
     """The timelines of one rank's steps as a Run (events marked modelled), with a "step_time" metric per step."""
     events, metrics = [], []
     for step, timeline in enumerate(timelines):
@@ -92,7 +128,16 @@ def modelled_run(timelines, cluster: Cluster, *, rank: int = 0, world_size: int 
     for e in events:
         e["rank"] = rank
     events.sort(key=lambda e: (e["start"], e["cat"] != "compute"))
-    meta = {"world_size": world_size, "ranks": [rank], "backend": "simulated", "device": cluster.gpu.name,
-            "torch": torch.__version__, "host": platform.node(), "clock_offset_s": 0.0, "emulated_link": None,
-            "modelled": True, "cluster": cluster.describe()}
+    meta = {
+        "world_size": world_size,
+        "ranks": [rank],
+        "backend": "simulated",
+        "device": cluster.gpu.name,
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "clock_offset_s": 0.0,
+        "emulated_link": None,
+        "modelled": True,
+        "cluster": cluster.describe(),
+    }
     return Run(dict(config or {}, kind="simulated"), events, [], metrics, meta)

@@ -16,6 +16,7 @@ its work. The rank asked for keeps its own memory, bytes and FLOPs; its step tim
 At scale the pipeline's programs are put together from one rank of each kind of stage
 (`toolkit.sim.stage_assembly`).
 """
+
 from __future__ import annotations
 
 from ..parallel import mesh as mesh_
@@ -30,8 +31,13 @@ from .timeline import Timeline
 
 def pipeline_of(world_size: int, rank: int, options: dict) -> list[int]:
     """The global ranks of `rank`'s pipeline, in stage order: same dp, cp and tp index, every pp index."""
-    layout = mesh_.layout(world_size, tp=options.get("tp", 1), pp=options.get("pp", 1), cp=options.get("cp", 1),
-                          order=options.get("order", mesh_.ORDER))
+    layout = mesh_.layout(
+        world_size,
+        tp=options.get("tp", 1),
+        pp=options.get("pp", 1),
+        cp=options.get("cp", 1),
+        order=options.get("order", mesh_.ORDER),
+    )
     return layout.group_of(rank, "pp")
 
 
@@ -39,8 +45,9 @@ def is_pipelined(options: dict) -> bool:
     return options.get("pp", 1) > 1
 
 
-def stage_timelines(stage_sims: dict, seconds, cost, *, overlap: float = 1.0, beside: float = 1.0,
-                    slowdown: float = 0.0):
+def stage_timelines(
+    stage_sims: dict, seconds, cost, *, overlap: float = 1.0, beside: float = 1.0, slowdown: float = 0.0
+):
     """Each step of the pipeline, its stages' programs replayed together, steps back to back: [StagesTimeline].
     stage_sims: {global rank: its Simulation}; seconds(rank, Compute); cost(rank, Collective) (`schedule_stages`)."""
     steps = {len(s.programs) for s in stage_sims.values()}
@@ -49,8 +56,16 @@ def stage_timelines(stage_sims: dict, seconds, cost, *, overlap: float = 1.0, be
     out, clock = [], 0.0
     for k in range(steps.pop()):
         programs = {r: s.programs[k] for r, s in stage_sims.items()}
-        timeline = schedule_stages(programs, pair_transfers(programs), seconds, cost, start=clock, overlap=overlap,
-                                   beside=beside, slowdown=slowdown)
+        timeline = schedule_stages(
+            programs,
+            pair_transfers(programs),
+            seconds,
+            cost,
+            start=clock,
+            overlap=overlap,
+            beside=beside,
+            slowdown=slowdown,
+        )
         out.append(timeline)
         clock = timeline.end
     return out
@@ -69,8 +84,16 @@ def useful_flops(stage_sims: dict) -> list[float]:
     return [sum(step) / len(per_rank) for step in zip(*per_rank)]
 
 
-def estimate_pipeline(stage_sims: dict, cluster, *, rank: int, world_size: int, mfu: float | None = None,
-                      dtype: str = "bf16", config: dict | None = None) -> StepCost:
+def estimate_pipeline(
+    stage_sims: dict,
+    cluster,
+    *,
+    rank: int,
+    world_size: int,
+    mfu: float | None = None,
+    dtype: str = "bf16",
+    config: dict | None = None,
+) -> StepCost:
     """One pipeline's steps priced together (`toolkit.sim.pipelined`): stage_sims {global rank: its Simulation},
     one per stage; the StepCost is `rank`'s, whose step is the pipeline's critical path."""
     found = cluster if isinstance(cluster, Cluster) else cluster_of(cluster)
@@ -80,24 +103,36 @@ def estimate_pipeline(stage_sims: dict, cluster, *, rank: int, world_size: int, 
         for program in sim.programs:
             check(program)
     cost = StepCost(found, dtype, override, rank=rank)
-    cost.reprice = lambda other: estimate_pipeline(stage_sims, other, rank=rank, world_size=world_size, mfu=mfu,
-                                                   dtype=dtype, config=config)
-    cost.stages = stage_timelines(stage_sims, lambda r, c: compute_time(c, found.gpu, dtype, override, cost.cache),
-                                  lambda r, c: collective_time(found, c.op, c.size_bytes, c.group, r, c.args),
-                                  overlap=found.overlap, beside=found.beside_compute, slowdown=slowdown(found))
+    cost.reprice = lambda other: estimate_pipeline(
+        stage_sims, other, rank=rank, world_size=world_size, mfu=mfu, dtype=dtype, config=config
+    )
+    cost.stages = stage_timelines(
+        stage_sims,
+        lambda r, c: compute_time(c, found.gpu, dtype, override, cost.cache),
+        lambda r, c: collective_time(found, c.op, c.size_bytes, c.group, r, c.args),
+        overlap=found.overlap,
+        beside=found.beside_compute,
+        slowdown=slowdown(found),
+    )
     stages = cost.stages
     for k, timeline in enumerate(stages):
         program = stage_sims[rank].programs[k]
         cost.timelines.append(as_rank_timeline(timeline, rank))
         cost.flops.append(total_flops(program))
         cost.model_flops.append(model_flops(program))
-    cost.run = modelled_run(cost.timelines, found, rank=rank, world_size=world_size,
-                            config=dict(config or {}, cluster=found.name, dtype=dtype, mfu=override))
+    cost.run = modelled_run(
+        cost.timelines,
+        found,
+        rank=rank,
+        world_size=world_size,
+        config=dict(config or {}, cluster=found.name, dtype=dtype, mfu=override),
+    )
     return cost
 
 
-def estimate_stages(programs: dict, dependencies=None, cluster="dgx-a100", *, ranks: dict, world_size: int,
-                    dtype: str = "bf16") -> StagesTimeline:
+def estimate_stages(
+    programs: dict, dependencies=None, cluster="dgx-a100", *, ranks: dict, world_size: int, dtype: str = "bf16"
+) -> StagesTimeline:
     """One step of a pipeline priced on `cluster`: programs {stage: that stage's rank's program}, ranks {stage:
     its global rank} (which link a transfer or a collective takes), dependencies: `P2P` pairs (None: each send
     matched with its receive in order, `pair_transfers`). The step time is the critical path across the stages
@@ -110,6 +145,11 @@ def estimate_stages(programs: dict, dependencies=None, cluster="dgx-a100", *, ra
     if dependencies is None:
         dependencies = pair_transfers(programs, ranks)
     return schedule_stages(
-        programs, dependencies, lambda stage, c: compute_time(c, found.gpu, dtype, None, cache),
+        programs,
+        dependencies,
+        lambda stage, c: compute_time(c, found.gpu, dtype, None, cache),
         lambda stage, c: collective_time(found, c.op, c.size_bytes, c.group, ranks[stage], c.args),
-        overlap=found.overlap, beside=found.beside_compute, slowdown=slowdown(found))
+        overlap=found.overlap,
+        beside=found.beside_compute,
+        slowdown=slowdown(found),
+    )

@@ -5,6 +5,7 @@ stages together with `pipelined.estimate_pipeline`, the peak against the acceler
 `price(sim, cluster)` prices a Simulation again on another cluster. "this-machine" is measured, not listed: it
 is calibrated here, on demand (`calibrate.this_machine`), so that pricing on a GPU preset loads no measuring code.
 """
+
 from __future__ import annotations
 
 import torch
@@ -62,7 +63,8 @@ def pricer(cluster, world_size: int, *, mfu: float | None = None, dtype: str | N
         sim.cost, sim.modelled_run, sim.fit = cost, cost.run, cost.fit
         ran = cost.fit.fits
         sim.step_time, sim.tflops_per_gpu, sim.mfu, sim.hfu, sim.breakdown = (
-            (cost.step_time, cost.tflops_per_gpu, cost.mfu, cost.hfu, cost.breakdown) if ran else (None,) * 5)
+            (cost.step_time, cost.tflops_per_gpu, cost.mfu, cost.hfu, cost.breakdown) if ran else (None,) * 5
+        )
         return cost
 
     return price
@@ -71,5 +73,10 @@ def pricer(cluster, world_size: int, *, mfu: float | None = None, dtype: str | N
 def price(sim, cluster="dgx-a100", *, mfu: float | None = None, dtype: str | None = None) -> StepCost:
     """What a Simulation's steps would cost on another cluster (or at another mfu): a StepCost; `sim` is unchanged
     (a pipelined one is priced with the stages it was simulated with)."""
-    return _priced(sim, resolve(cluster, sim.world_size), None if mfu is None else check_mfu(mfu), dtype,
-                   getattr(sim, "stage_sims", None))
+    return _priced(
+        sim,
+        resolve(cluster, sim.world_size),
+        None if mfu is None else check_mfu(mfu),
+        dtype,
+        getattr(sim, "stage_sims", None),
+    )

@@ -17,6 +17,7 @@ The cost model (`toolkit.sim.cost`) turns a program into a timeline: compute on 
 collectives on the communication stream from issue until complete, a `Wait` stalls compute. This file
 is the interface between the two halves and holds no logic beyond what reading a program needs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,22 +31,24 @@ class Kernel:
     kind "gemm": shape (batch, m, n, k), an (m x k) by (k x n) product, `batch` of them; "attention": a fused
     attention kernel, shape (batch, heads, queries, keys, head_dim, causal, backward); "other": everything
     else, priced by its bytes (and FLOPs where torch counts any)."""
-    name: str               # the aten op ("addmm", "bmm", "native_layer_norm", ...)
-    kind: str               # "gemm", "attention" or "other"
+
+    name: str  # the aten op ("addmm", "bmm", "native_layer_norm", ...)
+    kind: str  # "gemm", "attention" or "other"
     flops: float
-    bytes: float            # of its tensor inputs and outputs
-    dtype: str              # of its first floating-point input: "bf16", "fp16", "fp32", ...
+    bytes: float  # of its tensor inputs and outputs
+    dtype: str  # of its first floating-point input: "bf16", "fp16", "fp32", ...
     shape: tuple = ()
 
 
 @dataclass(frozen=True)
 class Compute:
     """Work on the compute stream between two door calls."""
-    flops: float            # floating-point operations of the ops in this segment
-    bytes: float = 0.0      # bytes the ops read and wrote (for memory-bound ops); 0 where unknown
-    phase: str = "idle"     # the training phase: "forward", "backward", "optimizer", "setup", ...
-    label: str = ""         # what a real trace would call it (a unit, a module, "optimizer")
-    ops: int = 0            # how many aten operations the segment holds
+
+    flops: float  # floating-point operations of the ops in this segment
+    bytes: float = 0.0  # bytes the ops read and wrote (for memory-bound ops); 0 where unknown
+    phase: str = "idle"  # the training phase: "forward", "backward", "optimizer", "setup", ...
+    label: str = ""  # what a real trace would call it (a unit, a module, "optimizer")
+    ops: int = 0  # how many aten operations the segment holds
     spans: tuple = field(default=(), compare=False)  # the strategy's spans open around it, outermost first:
     #                         (key, name, cat, args) as a real trace records them ("forward blocks.0", "moe/…/experts")
     kernels: tuple = field(default=(), compare=False)  # ((Kernel, count), ...): its operations; () where only
@@ -55,12 +58,13 @@ class Compute:
 @dataclass(frozen=True)
 class Collective:
     """A call to the collectives door, as `toolkit.comm` records it for a real run."""
-    id: int                 # issue order within the step, from 0
-    op: str                 # all_reduce, reduce_scatter, all_gather, broadcast, all_to_all, send, recv, barrier
-    size_bytes: int         # the message size the door records (`args.size_bytes`)
-    bytes_sent: int         # what this rank puts on the wire (ring algorithm accounting)
-    bytes_recv: int         # what this rank takes off the wire
-    group: tuple            # global ranks of the group, in group order
+
+    id: int  # issue order within the step, from 0
+    op: str  # all_reduce, reduce_scatter, all_gather, broadcast, all_to_all, send, recv, barrier
+    size_bytes: int  # the message size the door records (`args.size_bytes`)
+    bytes_sent: int  # what this rank puts on the wire (ring algorithm accounting)
+    bytes_recv: int  # what this rank takes off the wire
+    group: tuple  # global ranks of the group, in group order
     async_op: bool
     phase: str = "idle"
     label: str = ""
@@ -70,6 +74,7 @@ class Collective:
 @dataclass(frozen=True)
 class Wait:
     """This rank's compute stream blocks here until collective `id` has completed."""
+
     id: int
     phase: str = "idle"
 

@@ -12,6 +12,7 @@ The running module's name comes from the memory tracker's own `ModTracker` inste
 when a collective is issued and when the rank waits on one (`toolkit.comm.listening`); each time, the
 work since the last cut becomes a `Compute`, then the call becomes a `Collective` or a `Wait`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,19 @@ _FLOPS = {**flop_registry, **{k: shape_wrapper(v) for k, v in ATTENTION_FLOPS.it
 aten = torch.ops.aten
 _GEMMS = {aten.mm: 0, aten.addmm: 1, aten.bmm: 0, aten.baddbmm: 1}  # op -> index of its first factor
 _KERNELS = Memo()
-_NO_DEVICE_WORK = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
-                   "lift_fresh", "_unsafe_view", "_record_function_enter_new", "_record_function_exit"}  # metadata only
+_NO_DEVICE_WORK = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "detach",
+    "alias",
+    "lift_fresh",
+    "_unsafe_view",
+    "_record_function_enter_new",
+    "_record_function_exit",
+}  # metadata only
 
 
 def kernel_of(func, args, kwargs, out, nbytes: int) -> Kernel:
@@ -52,8 +64,15 @@ def kernel_of(func, args, kwargs, out, nbytes: int) -> Kernel:
     if name.startswith("_scaled_dot_product") and "attention" in name:
         named = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
         q, k = named["query"], named["key"]
-        shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], bool(named.get("is_causal")),
-                 "backward" in name)
+        shape = (
+            q.shape[0],
+            q.shape[1],
+            q.shape[2],
+            k.shape[2],
+            q.shape[3],
+            bool(named.get("is_causal")),
+            "backward" in name,
+        )
         return Kernel(name, "attention", flops, float(nbytes), dtype, tuple(int(x) for x in shape[:5]) + shape[5:])
     return Kernel(name, "other", flops, float(nbytes), dtype)
 
@@ -68,7 +87,7 @@ class OpCounter(TorchDispatchMode):
         self.ops = 0
         self.flops = 0.0
         self.bytes = 0
-        self.kernels: dict = {}   # Kernel -> count, since the last take_kernels()
+        self.kernels: dict = {}  # Kernel -> count, since the last take_kernels()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -78,8 +97,11 @@ class OpCounter(TorchDispatchMode):
             key = shape_key(func, args, kwargs) if self.known is not None else None
             seen = self.known.get(key) if key is not None else None
             if seen is None:  # a new operation or shape: its bytes and Kernel depend on nothing else
-                nbytes = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
-                             if isinstance(t, torch.Tensor))
+                nbytes = sum(
+                    t.numel() * t.element_size()
+                    for t in tree_flatten((args, kwargs, out))[0]
+                    if isinstance(t, torch.Tensor)
+                )
                 seen = (nbytes, kernel_of(func, args, kwargs, out, nbytes))
                 if key is not None:
                     self.known[key] = seen
@@ -101,9 +123,9 @@ class Programmer:
     def __init__(self, ops: OpCounter, module):
         self.ops, self.module = ops, module  # module(): the innermost module running now ("" outside them)
         self.program: list = []
-        self._issued: dict = {}   # id(trace event) -> collective id, this step
-        self._mark = (0, 0, 0)    # flops, ops, bytes at the last cut
-        self._open: list = []     # the strategy's spans open now: (key, event), outermost first
+        self._issued: dict = {}  # id(trace event) -> collective id, this step
+        self._mark = (0, 0, 0)  # flops, ops, bytes at the last cut
+        self._open: list = []  # the strategy's spans open now: (key, event), outermost first
         self._keys = 0
 
     def start_step(self) -> None:
@@ -118,9 +140,17 @@ class Programmer:
         kernels = self.ops.take_kernels()
         if ops:
             spans = tuple((key, e["name"], e["cat"], dict(e["args"])) for key, e in self._open)
-            self.program.append(Compute(flops=float(flops), bytes=float(nbytes), phase=current_phase(),
-                                        label=self.module() if label is None else label, ops=ops, spans=spans,
-                                        kernels=kernels))
+            self.program.append(
+                Compute(
+                    flops=float(flops),
+                    bytes=float(nbytes),
+                    phase=current_phase(),
+                    label=self.module() if label is None else label,
+                    ops=ops,
+                    spans=spans,
+                    kernels=kernels,
+                )
+            )
 
     def span(self, kind: str, event: dict) -> None:
         """A compute span of the strategy's (an FSDP unit's pass, a MoE layer's experts) opens or closes: cut
@@ -153,6 +183,15 @@ class Programmer:
     def _collective(self, event: dict, module: str) -> Collective:
         a = event["args"]
         label = a.get("unit") or a.get("moe") or module  # the unit or MoE step, else the module issuing it
-        return Collective(id=self._issued[id(event)], op=event["name"], size_bytes=a["size_bytes"],
-                          bytes_sent=a["bytes_sent"], bytes_recv=a["bytes_recv"], group=tuple(a["group"]),
-                          async_op=bool(a["async_op"]), phase=event["phase"], label=str(label), args=dict(a))
+        return Collective(
+            id=self._issued[id(event)],
+            op=event["name"],
+            size_bytes=a["size_bytes"],
+            bytes_sent=a["bytes_sent"],
+            bytes_recv=a["bytes_recv"],
+            group=tuple(a["group"]),
+            async_op=bool(a["async_op"]),
+            phase=event["phase"],
+            label=str(label),
+            args=dict(a),
+        )

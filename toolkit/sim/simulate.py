@@ -18,6 +18,7 @@ What happens, in order:
 `measure_steps` (4, `watched_step.py`) is the same on a real process group with real tensors: that is how the tests
 hold the simulation to a real gloo run of the same code.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,8 +27,8 @@ import warnings
 import torch
 
 from .. import parallel
-from ..moe.gates import assume_routing
 from ..moe.experts import is_expert
+from ..moe.gates import assume_routing
 from ..moe.layer import MoE
 from ..run import Run
 from ..trace.events import phase
@@ -43,11 +44,27 @@ from .tensor_parallel import describe as describe_tp
 from .watched_step import measure_steps, train_step  # noqa: F401 (measure_steps, train_step: the tests')
 
 
-def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_per_node: int | None = None,
-             batch_per_rank: int = 1, seq_len: int | None = None, steps: int = 1, warmup: bool = True,
-             optimizer=torch.optim.AdamW, routing=None, progress: bool = True, cluster=None,
-             mfu: float | None = None, every_stage: bool = False, loss_fn=None, batch_fn=None,
-             **options) -> Simulation:
+def simulate(
+    model_fn,
+    strategy: str,
+    world_size: int,
+    *,
+    rank: int = 0,
+    ranks_per_node: int | None = None,
+    batch_per_rank: int = 1,
+    seq_len: int | None = None,
+    steps: int = 1,
+    warmup: bool = True,
+    optimizer=torch.optim.AdamW,
+    routing=None,
+    progress: bool = True,
+    cluster=None,
+    mfu: float | None = None,
+    every_stage: bool = False,
+    loss_fn=None,
+    batch_fn=None,
+    **options,
+) -> Simulation:
     """Run `steps` training steps of `strategy` for rank `rank` of a simulated `world_size`-rank cluster.
 
     model_fn() builds the model (called under `torch.device("meta")`, `build.py`): the toolkit GPT, or any model,
@@ -84,32 +101,58 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
     nodes = _cluster.check(world_size, rank, _node_size(ranks_per_node, found))
     if found is None and mfu is not None:
         check_mfu(mfu)
-        raise ValueError(f"mfu={mfu} is the fraction of peak a cluster's GPUs reach when the step is priced, and no "
-                         f"cluster was given: pass cluster= with it (e.g. cluster='dgx-a100'), or leave mfu out.")
+        raise ValueError(
+            f"mfu={mfu} is the fraction of peak a cluster's GPUs reach when the step is priced, and no "
+            f"cluster was given: pass cluster= with it (e.g. cluster='dgx-a100'), or leave mfu out."
+        )
     price = None if found is None else pricer(found, world_size, mfu=mfu)
     if price is not None and is_pipelined(options):  # the step is the pipeline's: its other stages are needed
-        again = functools.partial(simulate, model_fn, strategy, world_size, ranks_per_node=ranks_per_node,
-                                  seq_len=seq_len, warmup=warmup, optimizer=optimizer, routing=routing,
-                                  progress=progress, loss_fn=loss_fn, batch_fn=batch_fn)
-        return simulate_pipeline(again, price, world_size=world_size, rank=rank, batch_per_rank=batch_per_rank,
-                                 steps=steps, every_stage=every_stage, options=options)
+        again = functools.partial(
+            simulate,
+            model_fn,
+            strategy,
+            world_size,
+            ranks_per_node=ranks_per_node,
+            seq_len=seq_len,
+            warmup=warmup,
+            optimizer=optimizer,
+            routing=routing,
+            progress=progress,
+            loss_fn=loss_fn,
+            batch_fn=batch_fn,
+        )
+        return simulate_pipeline(
+            again,
+            price,
+            world_size=world_size,
+            rank=rank,
+            batch_per_rank=batch_per_rank,
+            steps=steps,
+            every_stage=every_stage,
+            options=options,
+        )
     if strategy not in parallel.STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(parallel.STRATEGIES)}.")
     for name, value in (("batch_per_rank", batch_per_rank), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
     if isinstance(model_fn, torch.nn.Module):
-        raise ValueError(f"model_fn must be the function that builds the model, not a model already built (got a "
-                         f"{type(model_fn).__name__}): the simulator builds it itself, on the meta device. Pass e.g. "
-                         f"`lambda: tiny_gpt(n_layer=2)` or `functools.partial(presets.gpt3_175b, n_layer=2)`.")
+        raise ValueError(
+            f"model_fn must be the function that builds the model, not a model already built (got a "
+            f"{type(model_fn).__name__}): the simulator builds it itself, on the meta device. Pass e.g. "
+            f"`lambda: tiny_gpt(n_layer=2)` or `functools.partial(presets.gpt3_175b, n_layer=2)`."
+        )
     if not callable(model_fn):
         raise ValueError(f"model_fn must be a function that builds the model, got {model_fn!r}.")
     with _cluster.cluster(world_size, rank), assume_routing(routing or balanced):
         model, convention = build(model_fn, loss_fn=loss_fn, batch_fn=batch_fn)
         num_params, expert_params = count_params(model)
         expert_parallel = max([m.world for m in model.modules() if isinstance(m, MoE)], default=1)
-        row_flops = {m.name: getattr(m, "row_flops", 4 * m.d_model * m.d_ff)  # two GEMMs (a SwiGLU's: three)
-                     for m in model.modules() if isinstance(m, MoE)}
+        row_flops = {
+            m.name: getattr(m, "row_flops", 4 * m.d_model * m.d_ff)  # two GEMMs (a SwiGLU's: three)
+            for m in model.modules()
+            if isinstance(m, MoE)
+        }
         local_experts = sum(p.numel() for p in model.parameters() if is_expert(p))
         seq = seq_len_of(model, convention, seq_len)
         x, y = example_batch(model, convention, batch_per_rank, seq)  # the model as built, before it is wrapped
@@ -123,18 +166,39 @@ def simulate(model_fn, strategy: str, world_size: int, *, rank: int = 0, ranks_p
         try:
             if warmup:  # the optimizer makes its states in its first step (Adam does): measure a steady one
                 train_step(model, opt, x, y, step=0, bar=bar, loss_fn=convention.loss)
-            measured = measure_steps(model, opt, x, y, steps, bar=bar, meta=True, first=int(warmup),
-                                     loss_fn=convention.loss)
+            measured = measure_steps(
+                model, opt, x, y, steps, bar=bar, meta=True, first=int(warmup), loss_fn=convention.loss
+            )
         finally:
             if bar is not None:
                 bar.close()
-        run = Run.capture(dict(strategy=strategy, options={k: repr(v) for k, v in options.items()},
-                               batch_per_rank=batch_per_rank, seq_len=seq, steps=steps), align=False)
+        run = Run.capture(
+            dict(
+                strategy=strategy,
+                options={k: repr(v) for k, v in options.items()},
+                batch_per_rank=batch_per_rank,
+                seq_len=seq,
+                steps=steps,
+            ),
+            align=False,
+        )
     run.meta.update(simulated=True, ranks_per_node=nodes)
-    sim = Simulation(strategy=strategy, world_size=world_size, rank=rank, ranks_per_node=nodes,
-                     options=dict(options), num_params=num_params, expert_params=expert_params,
-                     expert_parallel=expert_parallel, local_expert_params=local_experts,
-                     batch_per_rank=batch_per_rank, seq_len=seq, run=run, expert_row_flops=row_flops, **measured)
+    sim = Simulation(
+        strategy=strategy,
+        world_size=world_size,
+        rank=rank,
+        ranks_per_node=nodes,
+        options=dict(options),
+        num_params=num_params,
+        expert_params=expert_params,
+        expert_parallel=expert_parallel,
+        local_expert_params=local_experts,
+        batch_per_rank=batch_per_rank,
+        seq_len=seq,
+        run=run,
+        expert_row_flops=row_flops,
+        **measured,
+    )
     sim.tensor_parallel = tensor_parallel  # None unless tp= (sim/tensor_parallel.py)
     sim.context_parallel = context_parallel  # None unless cp= (sim/context_parallel.py)
     sim.pipeline_info = getattr(model, "pipeline", None)  # pp > 1: the schedule, its actions, the blocks' split
@@ -148,11 +212,14 @@ def _node_size(ranks_per_node, found) -> int:
     if ranks_per_node is None:
         return 8 if found is None else found.gpus_per_node
     if found is not None and ranks_per_node != found.gpus_per_node and not isinstance(ranks_per_node, bool):
-        warnings.warn(f"ranks_per_node={ranks_per_node}: {found.name!r} has nodes of {found.gpus_per_node} GPUs; "
-                      f"priced as {found.name!r} with nodes of {ranks_per_node} (its links inside a node among "
-                      f"{ranks_per_node} GPUs, its network between them). Leave ranks_per_node out to keep the "
-                      f"cluster's nodes, or say it with a cluster of such nodes: "
-                      f"cluster=toolkit.sim.cluster_of(cluster, gpus_per_node={ranks_per_node}).", stacklevel=3)
+        warnings.warn(
+            f"ranks_per_node={ranks_per_node}: {found.name!r} has nodes of {found.gpus_per_node} GPUs; "
+            f"priced as {found.name!r} with nodes of {ranks_per_node} (its links inside a node among "
+            f"{ranks_per_node} GPUs, its network between them). Leave ranks_per_node out to keep the "
+            f"cluster's nodes, or say it with a cluster of such nodes: "
+            f"cluster=toolkit.sim.cluster_of(cluster, gpus_per_node={ranks_per_node}).",
+            stacklevel=3,
+        )
     return ranks_per_node
 
 

@@ -21,6 +21,7 @@ Priced on a cluster (`simulate(..., cluster=...)`, `cost.pricer`) it also holds 
 against the accelerator's memory, the headroom, what would make it fit), `fits`, `cost`, `modelled_run`,
 and, when it fits, `step_time`, `breakdown`, `tflops_per_gpu` and `mfu` (None when it does not fit).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -123,6 +124,7 @@ class Simulation:
         As the FSDP paper counts per-GPU cross-host traffic: a ring over ranks on several nodes is charged
         in full (how the hops map onto NICs is the cost model's business). A pipeline's send crosses the network
         when its peer is on another node (its group is the whole pipeline's)."""
+
         def ends(c):
             return (self.rank, c.args["peer"]) if c.op in ("send", "recv") and "peer" in c.args else c.group
 
@@ -145,18 +147,26 @@ class Simulation:
         expert; this rank's forward expert FLOPs are read from its program (the layer's "experts" spans).
         A row costs its forward once per call of the layer (a recomputation under activation checkpointing
         is a second call) and twice that in backward (the input's and the weights' gradients)."""
-        steps = sorted({m["step"] for m in self.run.metrics if m["name"].endswith("/load")})[-len(self.programs):]
+        steps = sorted({m["step"] for m in self.run.metrics if m["name"].endswith("/load")})[-len(self.programs) :]
         out = []
         for i, program in enumerate(self.programs):
             useful = total_flops(program)
             for name, row_flops in self.expert_row_flops.items():
-                loads = [m["value"] for m in self.run.metrics
-                         if m["name"] == f"moe/{name}/load" and steps and m["step"] == steps[min(i, len(steps) - 1)]]
+                loads = [
+                    m["value"]
+                    for m in self.run.metrics
+                    if m["name"] == f"moe/{name}/load" and steps and m["step"] == steps[min(i, len(steps) - 1)]
+                ]
                 if not loads:
                     continue
                 spans = (f"moe/{name}/experts", f"moe/{name}/shadowed experts")
-                mine = sum(c.flops for c in program if isinstance(c, Compute) and c.phase == "forward" and any(
-                    n in spans and not a.get("backward") for _, n, _, a in c.spans))
+                mine = sum(
+                    c.flops
+                    for c in program
+                    if isinstance(c, Compute)
+                    and c.phase == "forward"
+                    and any(n in spans and not a.get("backward") for _, n, _, a in c.spans)
+                )
                 useful += (sum(loads[0]["kept"]) * row_flops - mine) * (len(loads) + 2)
             out.append(useful)
         return out
@@ -192,16 +202,27 @@ class Simulation:
         F = (self.options.get("sharding_group_size") or self.world_size) if self.strategy == "fsdp" else self.world_size
         kept = (4, 4, 8) if self.strategy == "fsdp" else (value, value, K)  # FSDP keeps fp32 shards: 4 + 4 + 8
         dense = self.num_params - self.expert_params  # experts: each rank keeps its own, whole
-        states = formulas.model_states_breakdown(dense, F, stage, param_bytes=kept[0], grad_bytes=kept[1],
-                                                 optimizer_multiplier=kept[2])
-        mine = formulas.model_states_breakdown(self.expert_params / self.expert_parallel, 1, 0, param_bytes=kept[0],
-                                               grad_bytes=kept[1], optimizer_multiplier=kept[2])
+        states = formulas.model_states_breakdown(
+            dense, F, stage, param_bytes=kept[0], grad_bytes=kept[1], optimizer_multiplier=kept[2]
+        )
+        mine = formulas.model_states_breakdown(
+            self.expert_params / self.expert_parallel,
+            1,
+            0,
+            param_bytes=kept[0],
+            grad_bytes=kept[1],
+            optimizer_multiplier=kept[2],
+        )
         states = {k: v + mine[k] for k, v in states.items()}
         wire = formulas.communication_per_step(dense, F, self.strategy) * value
         if self.strategy == "fsdp" and F < self.world_size:
             wire += formulas.ring_all_reduce_bytes(dense / F * value, self.world_size // F)
-        return {"model_states": states, "model_states_total": sum(states.values()), "bytes_per_step": wire,
-                "flops_6PT": 6 * self.num_params * self.batch_per_rank * self.seq_len}
+        return {
+            "model_states": states,
+            "model_states_total": sum(states.values()),
+            "bytes_per_step": wire,
+            "flops_6PT": 6 * self.num_params * self.batch_per_rank * self.seq_len,
+        }
 
     def summary(self) -> str:
         """A few lines a person reads: memory against the formula, the peak and whether it fits, bytes against
@@ -209,24 +230,43 @@ class Simulation:
         t = self.theory()
         b = lambda n: f"{bytes_text(n):>10}"  # noqa: E731
         tp, cp = getattr(self, "tensor_parallel", None), getattr(self, "context_parallel", None)
-        layout = "" if not tp else (f" over dp={tp['dp']} x tp={tp['tp']}"
-                                    + (" with sequence parallelism" if tp["sequence_parallel"] else ""))
+        layout = (
+            ""
+            if not tp
+            else (
+                f" over dp={tp['dp']} x tp={tp['tp']}"
+                + (" with sequence parallelism" if tp["sequence_parallel"] else "")
+            )
+        )
         if cp:
-            layout += (f" x cp={cp['cp']} ({cp['attention']})" if tp else
-                       f" over dp={cp['dp']} x cp={cp['cp']} ({cp['attention']})")
-        lines = [f"{self.strategy}{layout} on {self.world_size} simulated ranks (rank {self.rank}, {self.ranks_per_node} "
-                 f"per node): {count_text(self.num_params)} parameters, batch {self.batch_per_rank} x {self.seq_len}"
-                 + (" per data-parallel replica" if tp or cp else ""),
-                 f"  model states per rank  {b(self.memory['total'])}   formula {b(t['model_states_total'])}"]
+            layout += (
+                f" x cp={cp['cp']} ({cp['attention']})"
+                if tp
+                else f" over dp={cp['dp']} x cp={cp['cp']} ({cp['attention']})"
+            )
+        lines = [
+            f"{self.strategy}{layout} on {self.world_size} simulated ranks (rank {self.rank}, {self.ranks_per_node} "
+            f"per node): {count_text(self.num_params)} parameters, batch {self.batch_per_rank} x {self.seq_len}"
+            + (" per data-parallel replica" if tp or cp else ""),
+            f"  model states per rank  {b(self.memory['total'])}   formula {b(t['model_states_total'])}",
+        ]
         for k in ("params", "grads", "optimizer"):
             lines.append(f"    {k:<20} {b(self.memory[k])}   formula {b(t['model_states'][k])}")
         peak = ", ".join(f"{k} {bytes_text(v)}" for k, v in self.peak_memory.items() if v)
         where = self.peak_moment
-        lines.append(f"  peak                   {b(self.peak)}   in {where.get('pass', '?')} at "
-                     f"{where.get('module') or '-'} ({peak})")
-        lines.append("  " + (self.fit.text().replace("\n", "\n  ") if self.fit is not None else
-                             "does it fit? price it on a cluster (cluster='dgx-a100') to check the peak against "
-                             "its accelerator's memory"))
+        lines.append(
+            f"  peak                   {b(self.peak)}   in {where.get('pass', '?')} at "
+            f"{where.get('module') or '-'} ({peak})"
+        )
+        lines.append(
+            "  "
+            + (
+                self.fit.text().replace("\n", "\n  ")
+                if self.fit is not None
+                else "does it fit? price it on a cluster (cluster='dgx-a100') to check the peak against "
+                "its accelerator's memory"
+            )
+        )
         lines.append(f"  sent per rank per step {b(self.bytes_per_step['total'])}   theory {b(t['bytes_per_step'])}")
         for op, n in self.bytes_per_step.items():
             if op != "total":
@@ -234,12 +274,17 @@ class Simulation:
         lines.append(f"  across nodes           {b(self.cross_node_bytes)}")
         lines.append(f"  FLOPs per step         {self.flops:10.4g}   6·Ψ·tokens {t['flops_6PT']:.4g}")
         if abs(self.useful_flops - self.flops) > 1e-6 * self.flops:
-            lines.append(f"  the average rank's     {self.useful_flops:10.4g}   (all ranks' work / {self.world_size}: "
-                         f"this rank computes {self.flops / self.useful_flops:.2f}x the average)")
+            lines.append(
+                f"  the average rank's     {self.useful_flops:10.4g}   (all ranks' work / {self.world_size}: "
+                f"this rank computes {self.flops / self.useful_flops:.2f}x the average)"
+            )
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return (f"Simulation({self.strategy!r}, world_size={self.world_size}, rank={self.rank}, "
-                f"memory={bytes_text(self.memory['total'])}, peak={bytes_text(self.peak)}, "
-                f"bytes_per_step={bytes_text(self.bytes_per_step['total'])}"
-                + ("" if self.fit is None else f", fits={self.fit.fits}") + ")")
+        return (
+            f"Simulation({self.strategy!r}, world_size={self.world_size}, rank={self.rank}, "
+            f"memory={bytes_text(self.memory['total'])}, peak={bytes_text(self.peak)}, "
+            f"bytes_per_step={bytes_text(self.bytes_per_step['total'])}"
+            + ("" if self.fit is None else f", fits={self.fit.fits}")
+            + ")"
+        )

@@ -12,6 +12,7 @@ order of the pipeline's own schedule and its sends and receives (`assemble`, thr
 `toolkit.parallel.pipeline`'s lowering, its mailbox's receive order included). Tests hold the result to
 simulating every micro-batch of every stage (`every_stage=True`), to the instruction.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,17 @@ from .program import Collective, Compute, Wait
 from .stage_timeline import is_transfer
 
 
-def simulate_pipeline(simulate_rank, price, *, world_size: int, rank: int, batch_per_rank: int, steps: int,
-                      every_stage: bool, options: dict):
+def simulate_pipeline(
+    simulate_rank,
+    price,
+    *,
+    world_size: int,
+    rank: int,
+    batch_per_rank: int,
+    steps: int,
+    every_stage: bool,
+    options: dict,
+):
     """Rank `rank` of a pipelined job, simulated and priced with its whole pipeline: simulate_rank(rank=,
     batch_per_rank=, steps=, **options) simulates one rank of the job (unpriced); price(sim, stage_sims) prices
     them together (`cost.pricer`). The Simulation returned has its own memory and, for every micro-batch, its
@@ -37,8 +47,10 @@ def simulate_pipeline(simulate_rank, price, *, world_size: int, rank: int, batch
     sim = simulate_rank(rank=rank, batch_per_rank=batch_per_rank // m * fewer, steps=steps, **smaller)
     info = sim.pipeline_info
     if fewer == m:  # every rank simulated with every micro-batch
-        sim.stage_sims = {r: sim if r == rank else simulate_rank(rank=r, batch_per_rank=batch_per_rank, steps=steps,
-                                                                 **options) for r in ranks}
+        sim.stage_sims = {
+            r: sim if r == rank else simulate_rank(rank=r, batch_per_rank=batch_per_rank, steps=steps, **options)
+            for r in ranks
+        }
         sim.stage_peaks = {r: s.peak for r, s in sim.stage_sims.items()}
         price(sim, sim.stage_sims)
         return sim
@@ -46,12 +58,16 @@ def simulate_pipeline(simulate_rank, price, *, world_size: int, rank: int, batch
 
     classes = stage_classes(info["split"], pp)
     me = ranks.index(rank)
-    simulated = {p: sim if p == me else simulate_rank(rank=ranks[p], batch_per_rank=batch_per_rank // m * fewer,
-                                                      steps=steps, **smaller)
-                 for p in sorted(set(classes.values()) | {me})}
+    simulated = {
+        p: sim
+        if p == me
+        else simulate_rank(rank=ranks[p], batch_per_rank=batch_per_rank // m * fewer, steps=steps, **smaller)
+        for p in sorted(set(classes.values()) | {me})
+    }
     pieces = {}
-    lowered = lowering.lower(schedules.build(info["schedule"], pp, m, info["virtual_stages"]), pp,
-                             tied=info["tied"] is not None)
+    lowered = lowering.lower(
+        schedules.build(info["schedule"], pp, m, info["virtual_stages"]), pp, tied=info["tied"] is not None
+    )
     order = lowering.send_order(lowered)
     assembled = []
     for k in range(steps):
@@ -60,8 +76,12 @@ def simulate_pipeline(simulate_rank, price, *, world_size: int, rank: int, batch
         assembled.append(assemble(lowered, pp, m, fewer, ranks, classes, pieces, order))
     sim.programs = [programs[rank] for programs in assembled]
     sim.batch_per_rank, sim.options = batch_per_rank, dict(sim.options, microbatches=m)
-    sim.stage_sims = {r: sim if r == rank else dataclasses.replace(
-        simulated[classes[p]], rank=r, programs=[programs[r] for programs in assembled]) for p, r in enumerate(ranks)}
+    sim.stage_sims = {
+        r: sim
+        if r == rank
+        else dataclasses.replace(simulated[classes[p]], rank=r, programs=[programs[r] for programs in assembled])
+        for p, r in enumerate(ranks)
+    }
     sim.stage_peaks = {ranks[p]: s.peak for p, s in simulated.items()}
     sim.simulated_microbatches = fewer
     price(sim, sim.stage_sims)
@@ -95,6 +115,7 @@ def stage_classes(split, pp: int) -> dict:
 class SentWithin:
     """Where, among its action's work, a send issued from inside that action goes (a backward's input gradient,
     sent before the data-parallel strategy's end of backward: `toolkit.parallel.pipeline.driver`)."""
+
     message: str
 
 
@@ -159,8 +180,9 @@ def chunks(program) -> tuple[list, list, dict, list, dict]:
     return prologue, setup, found, pending, transfers
 
 
-def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list, rank_of_class: dict,
-             pieces: dict, order: dict) -> dict:
+def assemble(
+    lowered, pp: int, microbatches: int, represented: int, ranks: list, rank_of_class: dict, pieces: dict, order: dict
+) -> dict:
     """Every pipeline rank's program for `microbatches` micro-batches: lowered[p] (the pipeline's lowering of
     its schedule) with each action replaced by its representative's work for that micro-batch's kind (the first,
     a middle one, the last of `represented`) and each transfer by the representative's transfer of that kind, as
@@ -194,10 +216,22 @@ def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list,
                 elif isinstance(ins, Wait):
                     out.append(Wait(renamed[ins.id], ins.phase))
                 elif action is not None and _action(ins) is not None:  # the action's span says which it is
-                    out.append(dataclasses.replace(ins, spans=tuple(
-                        (("action", me) + tuple(action), name, cat, dict(args, micro=action.micro, stage=action.stage,
-                                                                         rank=p))
-                        if "action" in args else (key, name, cat, args) for key, name, cat, args in ins.spans)))
+                    out.append(
+                        dataclasses.replace(
+                            ins,
+                            spans=tuple(
+                                (
+                                    ("action", me) + tuple(action),
+                                    name,
+                                    cat,
+                                    dict(args, micro=action.micro, stage=action.stage, rank=p),
+                                )
+                                if "action" in args
+                                else (key, name, cat, args)
+                                for key, name, cat, args in ins.spans
+                            ),
+                        )
+                    )
                 else:
                     out.append(ins)
 
@@ -205,8 +239,12 @@ def assemble(lowered, pp: int, microbatches: int, represented: int, ranks: list,
             micro = micro_of(message.micro) if message.micro >= 0 else message.micro
             prelude, c, phase = transfers[(op, message.kind, micro, message.stage - p + rep)]
             out.extend(prelude)
-            c = dataclasses.replace(c, id=next(ids), group=tuple(ranks), args=dict(
-                c.args, peer=ranks[peer], message=message.kind, micro=message.micro, stage=message.stage))
+            c = dataclasses.replace(
+                c,
+                id=next(ids),
+                group=tuple(ranks),
+                args=dict(c.args, peer=ranks[peer], message=message.kind, micro=message.micro, stage=message.stage),
+            )
             out.append(c)
             waited_in[c.id] = phase
             return c

@@ -35,6 +35,7 @@ The rules, on top of the overlap rule (every stage has its own compute stream an
                                compute_time=lambda stage, c: ..., collective_cost=lambda stage, c: ...)
     timeline.step_time, timeline.stages[1].spans, timeline.bubble(1), timeline.breakdown(1)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from .timeline import Span, Timeline, slowed
 @dataclass(frozen=True)
 class P2P:
     """A send on one stage and the receive that takes it on another: (stage, collective id) each."""
+
     send: tuple
     recv: tuple
 
@@ -53,7 +55,8 @@ class P2P:
 @dataclass
 class StagesTimeline:
     """Every stage's modelled spans (a `Timeline` each, on one clock) and the step's critical path."""
-    stages: dict = field(default_factory=dict)   # stage -> Timeline
+
+    stages: dict = field(default_factory=dict)  # stage -> Timeline
     start: float = 0.0
 
     @property
@@ -74,8 +77,10 @@ class StagesTimeline:
         "p2p", waiting while a transfer it needs is on the wire; "exposed_comm", waiting for its own
         collectives (tensor- and data-parallel); and the step. They add up to the step (its compute stream's time,
         from the step's start to the step's end)."""
-        timeline, out = self.stages[stage], {"compute": self.stages[stage].compute, "bubble": 0.0, "p2p": 0.0,
-                                             "exposed_comm": 0.0}
+        timeline, out = (
+            self.stages[stage],
+            {"compute": self.stages[stage].compute, "bubble": 0.0, "p2p": 0.0, "exposed_comm": 0.0},
+        )
         transfers = {s.instruction.id: s for s in timeline.spans if s.kind == "comm" and s.paired}
         for s in timeline.spans:
             if s.kind == "host":
@@ -115,20 +120,26 @@ def pair_transfers(programs: dict, ranks: dict | None = None) -> list:
                 continue
             peer = c.args.get("peer")
             if peer not in stage_of:
-                raise ValueError(f"stage {stage!r} (rank {me}) {c.op}s {'to' if c.op == 'send' else 'from'} rank "
-                                 f"{peer!r}, which has no program here; programs are given for ranks "
-                                 f"{sorted(stage_of)}: give every rank of the pipeline its program.")
+                raise ValueError(
+                    f"stage {stage!r} (rank {me}) {c.op}s {'to' if c.op == 'send' else 'from'} rank "
+                    f"{peer!r}, which has no program here; programs are given for ranks "
+                    f"{sorted(stage_of)}: give every rank of the pipeline its program."
+                )
             sends, recvs = queues.setdefault((me, peer) if c.op == "send" else (peer, me), ([], []))
             (sends if c.op == "send" else recvs).append(c)
     pairs = []
     for (a, b), (sends, recvs) in sorted(queues.items()):
         if len(sends) != len(recvs):
-            raise ValueError(f"rank {a} sends {len(sends)} message(s) to rank {b}, which receives {len(recvs)} from "
-                             f"it: every send needs its receive (a schedule that drops or adds one).")
+            raise ValueError(
+                f"rank {a} sends {len(sends)} message(s) to rank {b}, which receives {len(recvs)} from "
+                f"it: every send needs its receive (a schedule that drops or adds one)."
+            )
         for k, (s, r) in enumerate(zip(sends, recvs)):
             if s.size_bytes != r.size_bytes:
-                raise ValueError(f"message {k} from rank {a} to rank {b}: {s.size_bytes} bytes sent into a receive "
-                                 f"of {r.size_bytes}: the two ranks disagree on what their {k}th message is.")
+                raise ValueError(
+                    f"message {k} from rank {a} to rank {b}: {s.size_bytes} bytes sent into a receive "
+                    f"of {r.size_bytes}: the two ranks disagree on what their {k}th message is."
+                )
             pairs.append(P2P(send=(stage_of[a], s.id), recv=(stage_of[b], r.id)))
     return pairs
 
@@ -137,13 +148,22 @@ class _Stage:
     def __init__(self, program, start: float):
         self.program, self.next, self.clock = list(program), 0, start
         self.spans: list = []
-        self.done: dict = {}       # collective id -> when it completes (None: a transfer not yet matched)
-        self.free: dict = {}       # link -> when its last collective ends (a stage's own links)
-        self.busy: list = []       # (begin, end) of its collectives in flight (the overlap rule's rule 6)
+        self.done: dict = {}  # collective id -> when it completes (None: a transfer not yet matched)
+        self.free: dict = {}  # link -> when its last collective ends (a stage's own links)
+        self.busy: list = []  # (begin, end) of its collectives in flight (the overlap rule's rule 6)
 
 
-def schedule_stages(programs: dict, dependencies, compute_time, collective_cost, *, start: float = 0.0,
-                    overlap: float = 1.0, beside: float = 1.0, slowdown: float = 0.0) -> StagesTimeline:
+def schedule_stages(
+    programs: dict,
+    dependencies,
+    compute_time,
+    collective_cost,
+    *,
+    start: float = 0.0,
+    overlap: float = 1.0,
+    beside: float = 1.0,
+    slowdown: float = 0.0,
+) -> StagesTimeline:
     """Replay every stage's program together. compute_time(stage, Compute) -> seconds; collective_cost(stage,
     Collective) -> an object with `.seconds`, `.resources` (and optionally `.occupancy`), as for one rank
     (`toolkit.sim.timeline.schedule`); dependencies: `P2P` pairs (anything else is refused; `pair_transfers`
@@ -230,10 +250,15 @@ def schedule_stages(programs: dict, dependencies, compute_time, collective_cost,
 
     while any(st.next < len(st.program) for st in stages.values()):
         if not any([advance(key, st) for key, st in stages.items()]):
-            blocked = "; ".join(f"stage {key!r} at instruction {st.next}, {st.program[st.next]!r}"
-                                for key, st in stages.items() if st.next < len(st.program))
-            raise ValueError(f"the stages' programs deadlock: every stage with work left waits for a transfer whose "
-                             f"other half is issued only after it: {blocked}")
+            blocked = "; ".join(
+                f"stage {key!r} at instruction {st.next}, {st.program[st.next]!r}"
+                for key, st in stages.items()
+                if st.next < len(st.program)
+            )
+            raise ValueError(
+                f"the stages' programs deadlock: every stage with work left waits for a transfer whose "
+                f"other half is issued only after it: {blocked}"
+            )
     unmatched = sorted(issued, key=str)
     if unmatched:
         raise ValueError(f"transfers issued on one side only: {unmatched} (their partners were never issued)")

@@ -19,6 +19,7 @@ blocks per stage are simulated (`PIPELINE_BASE`), the rest extrapolated, the bub
 Each row says whether the whole model's peak fits in the cluster's GPU memory (`fits`, `fit`: the verdict,
 its headroom and what would make it fit); a case that does not fit has no step time, TFLOP/s or MFU (None).
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -38,6 +39,7 @@ def extrapolate(one, two, layers: int, at: tuple = BASE) -> dict:
     parallelism `layers` and `at` count blocks per stage (per virtual stage with interleaving), and the step is
     also made of the bubble and the transfers, each affine in the blocks per stage while the slowest stage
     stays the slowest (the first or last: the embedding, the head)."""
+
     def _affine(x: float, y: float, n: float = layers) -> float:
         return x + (n - at[0]) * (y - x) / (at[1] - at[0])
 
@@ -48,28 +50,50 @@ def extrapolate(one, two, layers: int, at: tuple = BASE) -> dict:
     exposed = max(_affine(first["exposed_comm"], second["exposed_comm"]), 0.0)
     step = sum(breakdown.values()) + exposed
     comm = _affine(first["exposed_comm"] + first["overlapped_comm"], second["exposed_comm"] + second["overlapped_comm"])
-    breakdown.update(exposed_comm=exposed, compute=sum(v for k, v in breakdown.items() if k not in WAITING),
-                     overlapped_comm=max(comm - exposed, 0.0), step=step)
+    breakdown.update(
+        exposed_comm=exposed,
+        compute=sum(v for k, v in breakdown.items() if k not in WAITING),
+        overlapped_comm=max(comm - exposed, 0.0),
+        step=step,
+    )
     band = {end: max(_affine(a.band[end], b.band[end]), 0.0) for end in ("worst", "best")}
     flops = _affine(one.flops, two.flops)
     useful = _affine(a.useful_flops[-1], b.useful_flops[-1])
     peak_memory = deepest_peak(one, two, _affine)
     whole = SimpleNamespace(  # the L-layer model, as the verdict reads a Simulation
-        peak=sum(peak_memory.values()), peak_memory=peak_memory, strategy=one.strategy, options=one.options,
-        world_size=one.world_size, batch_per_rank=one.batch_per_rank, seq_len=one.seq_len,
+        peak=sum(peak_memory.values()),
+        peak_memory=peak_memory,
+        strategy=one.strategy,
+        options=one.options,
+        world_size=one.world_size,
+        batch_per_rank=one.batch_per_rank,
+        seq_len=one.seq_len,
         num_params=_affine(one.num_params, two.num_params),
-        expert_params=_affine(one.expert_params, two.expert_params), expert_parallel=one.expert_parallel)
+        expert_params=_affine(one.expert_params, two.expert_params),
+        expert_parallel=one.expert_parallel,
+    )
     fit = check_fit(whole, a.cluster)
     peak_flops = a.cluster.gpu.flops_per_s(a.dtype)
     share = useful / flops if flops else 1.0  # the average rank's work over this rank's
     model_flops = _affine(a.model_flops[-1], b.model_flops[-1]) * share
     ran = fit.fits
-    return {"step_time": step if ran else None, "flops": flops, "useful_flops": useful,
-            "tflops_per_gpu": useful / step / 1e12 if ran else None,
-            "mfu": model_flops / step / peak_flops if ran else None, "hfu": useful / step / peak_flops if ran else None,
-            "peak": whole.peak, "peak_memory": peak_memory,
-            "states": _affine(one.memory["total"], two.memory["total"]), "num_params": whole.num_params,
-            "fits": ran, "fit": fit, "breakdown": breakdown, "band": band, "layers": layers}
+    return {
+        "step_time": step if ran else None,
+        "flops": flops,
+        "useful_flops": useful,
+        "tflops_per_gpu": useful / step / 1e12 if ran else None,
+        "mfu": model_flops / step / peak_flops if ran else None,
+        "hfu": useful / step / peak_flops if ran else None,
+        "peak": whole.peak,
+        "peak_memory": peak_memory,
+        "states": _affine(one.memory["total"], two.memory["total"]),
+        "num_params": whole.num_params,
+        "fits": ran,
+        "fit": fit,
+        "breakdown": breakdown,
+        "band": band,
+        "layers": layers,
+    }
 
 
 def deepest_peak(one, two, affine) -> dict:
@@ -90,10 +114,11 @@ def deepest_peak(one, two, affine) -> dict:
 def _by_place(moments: dict) -> dict:
     """{(pass, phase, module with its block's index replaced by "first", "middle" or "last"): categories}, the
     middle blocks' highest kept (the index: the first number in the module's name, "blocks.3.mlp" -> 3)."""
+
     def split(module: str):
         parts = module.split(".")
         at = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-        return (None, module) if at is None else (int(parts[at]), ".".join(parts[:at] + ["{}"] + parts[at + 1:]))
+        return (None, module) if at is None else (int(parts[at]), ".".join(parts[:at] + ["{}"] + parts[at + 1 :]))
 
     indices = [split(m)[0] for _, _, m in moments if split(m)[0] is not None]
     out: dict = {}
@@ -108,8 +133,9 @@ def _by_place(moments: dict) -> dict:
     return out
 
 
-def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100", progress=None, warmup: bool = True,
-          **common) -> list:
+def sweep(
+    model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100", progress=None, warmup: bool = True, **common
+) -> list:
     """One row per (strategy, world size): step time, TFLOP/s per GPU, MFU and HFU, peak memory, whether it fits.
 
     model_fn(n_layer=...) builds the model (a preset of `toolkit.models.presets`); strategies maps a label
@@ -130,10 +156,21 @@ def sweep(model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100"
             at = PIPELINE_BASE if stages > 1 else BASE
             if layers % stages:
                 raise ValueError(f"{label}: {layers} layers do not split into pp x virtual_stages = {stages} stages.")
-            sims = [simulate(lambda n=n: model_fn(n_layer=n * stages), strategy, world, warmup=warmup, progress=False,
-                             cluster=found, **both) for n in at]
-            rows.append(dict(extrapolate(*sims, layers // stages, at), label=label, strategy=strategy,
-                             world_size=world))
+            sims = [
+                simulate(
+                    lambda n=n: model_fn(n_layer=n * stages),
+                    strategy,
+                    world,
+                    warmup=warmup,
+                    progress=False,
+                    cluster=found,
+                    **both,
+                )
+                for n in at
+            ]
+            rows.append(
+                dict(extrapolate(*sims, layers // stages, at), label=label, strategy=strategy, world_size=world)
+            )
     return rows
 
 
@@ -152,18 +189,25 @@ def describe(rows) -> list[str]:
         if len(ran) >= 2:
             first, last = ran[0], ran[-1]
             change = last["tflops_per_gpu"] / first["tflops_per_gpu"] - 1
-            trend = ("keeps its rate" if abs(change) < KEEPS else
-                     f"{'loses' if change < 0 else 'gains'} {abs(change):.0%} of its rate")
-            words.append(f"{trend}: {first['tflops_per_gpu']:.3g} TFLOP/s per GPU at {first['world_size']} GPUs, "
-                         f"{last['tflops_per_gpu']:.3g} at {last['world_size']} (exposed communication "
-                         f"{seconds_text(first['breakdown']['exposed_comm'])} -> "
-                         f"{seconds_text(last['breakdown']['exposed_comm'])} of a "
-                         f"{seconds_text(first['step_time'])} -> {seconds_text(last['step_time'])} step)")
+            trend = (
+                "keeps its rate"
+                if abs(change) < KEEPS
+                else f"{'loses' if change < 0 else 'gains'} {abs(change):.0%} of its rate"
+            )
+            words.append(
+                f"{trend}: {first['tflops_per_gpu']:.3g} TFLOP/s per GPU at {first['world_size']} GPUs, "
+                f"{last['tflops_per_gpu']:.3g} at {last['world_size']} (exposed communication "
+                f"{seconds_text(first['breakdown']['exposed_comm'])} -> "
+                f"{seconds_text(last['breakdown']['exposed_comm'])} of a "
+                f"{seconds_text(first['step_time'])} -> {seconds_text(last['step_time'])} step)"
+            )
         elif ran:
             words.append(f"{ran[0]['tflops_per_gpu']:.3g} TFLOP/s per GPU at {ran[0]['world_size']} GPUs")
         if missing:
             worst = max(missing, key=lambda r: r["peak"])
-            words.append(f"does not fit at {', '.join(str(r['world_size']) for r in missing)} GPUs (peak up to "
-                         f"{bytes_text(worst['peak'])}, {bytes_text(worst['fit'].capacity)} per GPU)")
+            words.append(
+                f"does not fit at {', '.join(str(r['world_size']) for r in missing)} GPUs (peak up to "
+                f"{bytes_text(worst['peak'])}, {bytes_text(worst['fit'].capacity)} per GPU)"
+            )
         out.append(f"{label} " + "; ".join(words))
     return out

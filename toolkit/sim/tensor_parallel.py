@@ -9,6 +9,7 @@ ranks each joins). This file only
 - explains a tensor-parallel group wider than a node: allowed (a student should see the cliff), but every
   one of its collectives, two per block and pass, then crosses the network on the critical path.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -33,17 +34,33 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int, ra
     if isinstance(module, TensorParallelGPT) and all(isinstance(b.mlp, MLP) for b in module.blocks):  # dense GPT
         value = 2 if options.get("mixed_precision") else 4
         tokens = seq_len // options.get("cp", 1)  # a cp rank's share of each sequence
-        tp_bytes = tensor_formulas.tp_bytes_per_step(batch, tokens, module.config.d_model, module.config.n_layer, t,
-                                                     sequence_parallel=info.sequence_parallel, bytes_per_value=value,
-                                                     recompute=bool(options.get("activation_checkpointing")))
+        tp_bytes = tensor_formulas.tp_bytes_per_step(
+            batch,
+            tokens,
+            module.config.d_model,
+            module.config.n_layer,
+            t,
+            sequence_parallel=info.sequence_parallel,
+            bytes_per_value=value,
+            recompute=bool(options.get("activation_checkpointing")),
+        )
     if t > ranks_per_node:
-        warnings.warn(f"tp={t} is wider than a node of {ranks_per_node} ranks: the tensor-parallel group spans "
-                      f"{-(-t // ranks_per_node)} nodes, so its all-reduces (two per block forward, two backward, "
-                      f"nothing to hide them behind) cross the network at a node's card bandwidth instead of "
-                      f"NVLink's. Simulated as asked; Megatron keeps tp <= GPUs per node.", stacklevel=3)
+        warnings.warn(
+            f"tp={t} is wider than a node of {ranks_per_node} ranks: the tensor-parallel group spans "
+            f"{-(-t // ranks_per_node)} nodes, so its all-reduces (two per block forward, two backward, "
+            f"nothing to hide them behind) cross the network at a node's card bandwidth instead of "
+            f"NVLink's. Simulated as asked; Megatron keeps tp <= GPUs per node.",
+            stacklevel=3,
+        )
     pp, cp = options.get("pp", 1), options.get("cp", 1)
-    return {"tp": t, "dp": world_size // (t * pp * cp), "split": split, "replicated": replicated,
-            "sequence_parallel": info.sequence_parallel, "tp_bytes": tp_bytes}
+    return {
+        "tp": t,
+        "dp": world_size // (t * pp * cp),
+        "split": split,
+        "replicated": replicated,
+        "sequence_parallel": info.sequence_parallel,
+        "tp_bytes": tp_bytes,
+    }
 
 
 def theory(sim) -> dict:
@@ -56,13 +73,25 @@ def theory(sim) -> dict:
     group = d["dp"] * sim.options.get("cp", 1)  # the data-parallel strategy reduces over dp x cp
     F = (sim.options.get("sharding_group_size") or group) if sim.strategy == "fsdp" else group
     kept = (4, 4, 8) if sim.strategy == "fsdp" else (value, value, 12 if mixed else 8)
-    states = tensor_formulas.tp_model_states(d["split"], d["replicated"], d["tp"], F, stage, param_bytes=kept[0],
-                                             grad_bytes=kept[1], optimizer_multiplier=kept[2])
+    states = tensor_formulas.tp_model_states(
+        d["split"],
+        d["replicated"],
+        d["tp"],
+        F,
+        stage,
+        param_bytes=kept[0],
+        grad_bytes=kept[1],
+        optimizer_multiplier=kept[2],
+    )
     local = d["split"] / d["tp"] + d["replicated"]
     wire = formulas.communication_per_step(local, F, sim.strategy) * value if sim.strategy != "local" else 0.0
     if sim.strategy == "fsdp" and F < group:
         wire += formulas.ring_all_reduce_bytes(local / F * value, group // F)
     if d["tp_bytes"] is not None:
         wire += d["tp_bytes"]["total"]
-    return {"model_states": states, "model_states_total": sum(states.values()), "bytes_per_step": wire,
-            "flops_6PT": 6 * sim.num_params * sim.batch_per_rank * sim.seq_len / d["tp"]}
+    return {
+        "model_states": states,
+        "model_states_total": sum(states.values()),
+        "bytes_per_step": wire,
+        "flops_6PT": 6 * sim.num_params * sim.batch_per_rank * sim.seq_len / d["tp"],
+    }

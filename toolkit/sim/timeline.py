@@ -30,6 +30,7 @@ step splits three ways: compute; exposed communication (the compute stream waiti
 communication (collectives in flight while computing), which costs nothing. Bucketed DDP, FSDP's
 prefetch and ZeRO-3's buckets show their worth here because they issue collectives early.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from .program import Collective, Compute, Wait
 
 @dataclass
 class Span:
-    kind: str            # "compute", "comm", "wait" (the compute stream stalled) or "host" (it ran a collective)
+    kind: str  # "compute", "comm", "wait" (the compute stream stalled) or "host" (it ran a collective)
     start: float
     end: float
     instruction: object  # the Compute, Collective or Wait it came from
@@ -52,6 +53,7 @@ class Span:
 @dataclass
 class Timeline:
     """One step's modelled spans, and how its time splits."""
+
     spans: list = field(default_factory=list)
     start: float = 0.0
     end: float = 0.0
@@ -79,8 +81,12 @@ class Timeline:
         return max(self.comm - self.exposed_comm, 0.0)
 
     def breakdown(self) -> dict:
-        return {"compute": self.compute, "exposed_comm": self.exposed_comm,
-                "overlapped_comm": self.overlapped_comm, "step": self.step_time}
+        return {
+            "compute": self.compute,
+            "exposed_comm": self.exposed_comm,
+            "overlapped_comm": self.overlapped_comm,
+            "step": self.step_time,
+        }
 
 
 def _union_length(intervals) -> float:
@@ -122,16 +128,23 @@ def slowed(start: float, seconds: float, busy: list, slowdown: float) -> float:
     return t + left
 
 
-def schedule(program, compute_time, collective_cost, start: float = 0.0, overlap: float = 1.0,
-             beside: float = 1.0, slowdown: float = 0.0) -> Timeline:
+def schedule(
+    program,
+    compute_time,
+    collective_cost,
+    start: float = 0.0,
+    overlap: float = 1.0,
+    beside: float = 1.0,
+    slowdown: float = 0.0,
+) -> Timeline:
     """Replay `program` from time `start`: compute_time(Compute) -> seconds, collective_cost(Collective) ->
     an object with `.seconds`, `.resources` (the links it occupies) and optionally `.occupancy` (how long it
     holds them, `.seconds` if absent: `toolkit.sim.collective_time`); overlap: rule 4; beside: rule 5;
     slowdown: rule 6."""
-    clock = start                  # where the compute stream is
-    free: dict[str, float] = {}    # link -> when its last collective ends
-    done: dict[int, float] = {}    # collective id -> when it ends
-    busy: list = []                # (begin, end) of collectives in flight, for rule 6
+    clock = start  # where the compute stream is
+    free: dict[str, float] = {}  # link -> when its last collective ends
+    done: dict[int, float] = {}  # collective id -> when it ends
+    busy: list = []  # (begin, end) of collectives in flight, for rule 6
     spans = []
     for n, instruction in enumerate(program):
         if isinstance(instruction, Compute):
@@ -162,6 +175,8 @@ def schedule(program, compute_time, collective_cost, start: float = 0.0, overlap
                 spans.append(Span("wait", clock, done[instruction.id], instruction))
                 clock = done[instruction.id]
         else:
-            raise TypeError(f"instruction {n} is a {type(instruction).__name__}; a program holds Compute, "
-                            f"Collective and Wait (toolkit.sim.program).")
+            raise TypeError(
+                f"instruction {n} is a {type(instruction).__name__}; a program holds Compute, "
+                f"Collective and Wait (toolkit.sim.program)."
+            )
     return Timeline(spans, start, max([clock] + list(done.values())))

@@ -7,11 +7,10 @@ cluster with meta tensors (`simulate`, and the calibration's reference step) or 
 simulation to a real gloo run this way). `loss_fn(model, x, y)` says how the model is called
 (`toolkit.models.protocol`; default `model(x, y)`).
 """
+
 from __future__ import annotations
 
 import contextlib
-
-import torch
 
 from .. import comm
 from ..memory.ledger import ledger
@@ -50,8 +49,7 @@ def train_step(model, opt, x, y, *, step: int, bar=None, after=None, updated=Non
             bar.update()
 
 
-def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False, first: int = 0,
-                  loss_fn=None) -> dict:
+def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False, first: int = 0, loss_fn=None) -> dict:
     """Train `steps` steps on (x, y) as `toolkit.train` does, watched: programs, memory, FLOPs.
 
     Works on any process group: on the simulated cluster (meta tensors, `meta=True` so the ledger counts
@@ -88,15 +86,27 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
             train_step(model, opt, x, y, step=step, bar=bar, after=boundary, updated=update, loss_fn=loss_fn)
             memory.classify(model, opt)  # what the strategy's tensors are after the step
             programs.append(programmer.end_step())
-    return {"programs": programs, "memory": states, "peak": memory.peak_total,
-            "peak_memory": memory.peak_categories, "peak_moment": memory.peak_moment, "moments": memory.moments,
-            "end_memory": memory.current(), "samples": samples}
+    return {
+        "programs": programs,
+        "memory": states,
+        "peak": memory.peak_total,
+        "peak_memory": memory.peak_categories,
+        "peak_moment": memory.peak_moment,
+        "moments": memory.moments,
+        "end_memory": memory.current(),
+        "samples": samples,
+    }
 
 
 def _sample(memory: StepMemory, step: int) -> dict:
     """One memory sample into the trace (as `record_memory` does on real runs), with the viz's keys."""
     now = memory.current()
-    sample = {"params": now["params"] + now["gathered"], "grads": now["grads"], "optimizer": now["optimizer"],
-              "activations": now["activations"], **{f"sim_{k}": v for k, v in now.items()}}
+    sample = {
+        "params": now["params"] + now["gathered"],
+        "grads": now["grads"],
+        "optimizer": now["optimizer"],
+        "activations": now["activations"],
+        **{f"sim_{k}": v for k, v in now.items()},
+    }
     recorder.sample(step=step, **sample)
     return dict(now, phase=recorder.samples[-1]["phase"] if recorder.samples else "", step=step)

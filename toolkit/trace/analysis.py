@@ -4,6 +4,7 @@ Pure functions of a `Run`: they look only at its spans, so they work on a Run lo
 by hand. Times are unions of intervals: two collectives in flight together count their shared time
 once, which is what "time spent communicating" means to someone waiting for them.
 """
+
 from __future__ import annotations
 
 
@@ -59,8 +60,11 @@ def _spans(run, rank: int, cat: str) -> list[tuple[float, float]]:
 
 def _blocked(run, rank: int) -> list[tuple[float, float]]:
     """When the rank could not compute: inside a synchronous collective (or a recorded "wait" span)."""
-    return _union((e["start"], e["end"]) for e in run.events if e["rank"] == rank and (
-        e["cat"] == "wait" or (e["cat"] == "comm" and e["args"].get("async_op") is False)))
+    return _union(
+        (e["start"], e["end"])
+        for e in run.events
+        if e["rank"] == rank and (e["cat"] == "wait" or (e["cat"] == "comm" and e["args"].get("async_op") is False))
+    )
 
 
 def computing(run, rank: int) -> list[tuple[float, float]]:
@@ -109,8 +113,7 @@ def step_windows(run, rank: int) -> list[tuple[float, float]]:
     collectives (ZeRO's all-gather after the update), falls inside it, and setup traffic before
     the first forward (the strategy's initial broadcast) falls outside every step.
     """
-    compute = sorted((e for e in run.events if e["rank"] == rank and e["cat"] == "compute"),
-                     key=lambda e: e["start"])
+    compute = sorted((e for e in run.events if e["rank"] == rank and e["cat"] == "compute"), key=lambda e: e["start"])
     ends = [e["end"] for e in compute if e["name"] == "optimizer"]
     if not ends:
         return []

@@ -4,6 +4,7 @@ One process row per rank; inside it one thread row for compute and one for commu
 overlap is visible at a glance, and one more row for each other kind of span a strategy records
 (FSDP's "fsdp" unit spans, say). Collective details (bytes, group, dtype) travel in `args`.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,15 +34,24 @@ def to_chrome(run) -> dict:
         out.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
         for cat, tid in lanes.items():
             if cat not in SAME_ROW:
-                out.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid,
-                            "args": {"name": NAMES.get(cat, cat)}})
+                out.append(
+                    {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": NAMES.get(cat, cat)}}
+                )
     for e in run.events:
         duration = max(e["end"] - e["start"], 0.0)
-        out.append({"ph": "X", "name": e["name"], "cat": e["cat"], "pid": e["rank"],
-                    "tid": lanes[e["cat"]], "ts": (e["start"] - t0) * 1e6, "dur": duration * 1e6,
-                    "args": dict(e["args"], phase=e["phase"])})
-    return {"traceEvents": out, "displayTimeUnit": "ms",
-            "otherData": {k: str(v) for k, v in run.meta.items()}}
+        out.append(
+            {
+                "ph": "X",
+                "name": e["name"],
+                "cat": e["cat"],
+                "pid": e["rank"],
+                "tid": lanes[e["cat"]],
+                "ts": (e["start"] - t0) * 1e6,
+                "dur": duration * 1e6,
+                "args": dict(e["args"], phase=e["phase"]),
+            }
+        )
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {k: str(v) for k, v in run.meta.items()}}
 
 
 def save_chrome(run, path) -> None:

@@ -6,6 +6,7 @@ adds forward/backward/optimizer spans. On a GPU the start and end of a span are 
 Either way they are turned into seconds on rank 0's wall clock when the Run is captured, so one
 timeline lines up all ranks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -131,8 +132,17 @@ class Recorder:
         events = []
         for e in self.events:
             end = e["end"] if e["end"] is not None else e["start"]
-            events.append({"name": e["name"], "cat": e["cat"], "phase": e["phase"], "rank": rank,
-                           "start": self._seconds(e["start"]), "end": self._seconds(end), "args": e["args"]})
+            events.append(
+                {
+                    "name": e["name"],
+                    "cat": e["cat"],
+                    "phase": e["phase"],
+                    "rank": rank,
+                    "start": self._seconds(e["start"]),
+                    "end": self._seconds(end),
+                    "args": e["args"],
+                }
+            )
         samples = [dict(s, rank=rank, time=self._seconds(s["time"])) for s in self.samples]
         metrics = [dict(m, rank=rank) for m in self.metrics]
         return events, samples, metrics

@@ -22,6 +22,7 @@
 
 Nothing here runs training; only the panel's button launches ranks (through a measuring function).
 """
+
 from . import style
 from .bandwidth import bandwidth, collective_times, fit_alpha_beta
 from .expert_load import expert_load
@@ -36,9 +37,37 @@ from .roofline import roofline, roofline_point
 from .scaling import scaling
 from .timeline import timeline
 
-__all__ = ["style", "CollectivePanel", "MemoryExplorer", "WrapPolicyExplorer", "bandwidth", "bullets", "collective_panel",
-           "collective_times", "comm_bars", "expert_load", "explorer_numbers", "fit_alpha_beta", "heading",
-           "memory_bars", "memory_explorer", "memory_over_time", "model_states_bars", "note", "peak_bars", "pipeline_timeline",
-           "policy_numbers",
-           "preformatted", "report_html", "ring_schedule", "ring_steps", "roofline", "roofline_point", "scaling", "table",
-           "timeline", "wrap_policy_explorer", "write_report"]
+__all__ = [
+    "style",
+    "CollectivePanel",
+    "MemoryExplorer",
+    "WrapPolicyExplorer",
+    "bandwidth",
+    "bullets",
+    "collective_panel",
+    "collective_times",
+    "comm_bars",
+    "expert_load",
+    "explorer_numbers",
+    "fit_alpha_beta",
+    "heading",
+    "memory_bars",
+    "memory_explorer",
+    "memory_over_time",
+    "model_states_bars",
+    "note",
+    "peak_bars",
+    "pipeline_timeline",
+    "policy_numbers",
+    "preformatted",
+    "report_html",
+    "ring_schedule",
+    "ring_steps",
+    "roofline",
+    "roofline_point",
+    "scaling",
+    "table",
+    "timeline",
+    "wrap_policy_explorer",
+    "write_report",
+]

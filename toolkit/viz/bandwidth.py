@@ -8,6 +8,7 @@ shows how much of the measurement the two-parameter model explains.
 
 Figures take measurement records (`toolkit.comm.measure`) or a Run that carries them; they run nothing.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,8 +43,12 @@ def _impl_name(impl: str) -> str:
 
 
 def _panel_titles(records, ops) -> list[str]:
-    return [f"{op} (hand-written: pairwise)" if op == "all_to_all" and any(
-        r["op"] == op and r["impl"] == "ring" for r in records) else op for op in ops]
+    return [
+        f"{op} (hand-written: pairwise)"
+        if op == "all_to_all" and any(r["op"] == op and r["impl"] == "ring" for r in records)
+        else op
+        for op in ops
+    ]
 
 
 def _grid(count: int):
@@ -99,13 +104,21 @@ def model_label(alpha: float, beta: float) -> str:
 
 # --- hover -----------------------------------------------------------------------------------------
 def _hover(r) -> str:
-    agree = {None: "not compared", True: "agrees with the other implementation",
-             False: "DISAGREES with the other implementation"}[r.get("agree")]
-    return "<br>".join([
-        f"<b>{r['op']}</b> · {implementation_label(r['impl'], r.get('algorithm', r['impl']))} · "
-        f"{r['world_size']} ranks",
-        f"size {size_label(r['size_bytes'])}", f"time {r['seconds'] * 1e3:.3f} ms (median of {r.get('repeats', '?')}, "
-        f"slowest rank)", f"algbw {bandwidth_text(r['algbw'])} · busbw {bandwidth_text(r['busbw'])}", agree])
+    agree = {
+        None: "not compared",
+        True: "agrees with the other implementation",
+        False: "DISAGREES with the other implementation",
+    }[r.get("agree")]
+    return "<br>".join(
+        [
+            f"<b>{r['op']}</b> · {implementation_label(r['impl'], r.get('algorithm', r['impl']))} · "
+            f"{r['world_size']} ranks",
+            f"size {size_label(r['size_bytes'])}",
+            f"time {r['seconds'] * 1e3:.3f} ms (median of {r.get('repeats', '?')}, slowest rank)",
+            f"algbw {bandwidth_text(r['algbw'])} · busbw {bandwidth_text(r['busbw'])}",
+            agree,
+        ]
+    )
 
 
 # --- the figures -------------------------------------------------------------------------------------
@@ -131,7 +144,9 @@ def bandwidth(data, *, ops=None, metrics=("algbw", "busbw"), model=None, title: 
         raise ValueError(f"metrics must be some of {tuple(METRIC_DASH)}, got {metrics!r}.")
     ops = _ops_in(records, ops)
     rows, cols = _grid(len(ops))
-    fig = make_subplots(rows=rows, cols=cols, subplot_titles=_panel_titles(records, ops), horizontal_spacing=0.07, vertical_spacing=0.14)
+    fig = make_subplots(
+        rows=rows, cols=cols, subplot_titles=_panel_titles(records, ops), horizontal_spacing=0.07, vertical_spacing=0.14
+    )
     params = _model_params(model, records)
     scale, unit = byte_unit(max(r[m] for r in records for m in metrics))  # kB/s for small messages, not 0.000 GB/s
     shown = set()
@@ -141,11 +156,24 @@ def bandwidth(data, *, ops=None, metrics=("algbw", "busbw"), model=None, title: 
             points = sorted((r for r in records if r["op"] == op and r["impl"] == impl), key=lambda r: r["size_bytes"])
             for metric in metrics:
                 name = f"{_impl_name(impl)} {metric}"
-                fig.add_trace(go.Scatter(
-                    x=[r["size_bytes"] for r in points], y=[r[metric] / scale for r in points],
-                    mode="lines+markers", name=name, legendgroup=name, showlegend=name not in shown,
-                    line=dict(color=style.IMPLEMENTATIONS.get(impl, style.IMPLEMENTATIONS["custom"]), dash=METRIC_DASH[metric]),
-                    hovertext=[_hover(r) for r in points], hoverinfo="text"), row=row, col=col)
+                fig.add_trace(
+                    go.Scatter(
+                        x=[r["size_bytes"] for r in points],
+                        y=[r[metric] / scale for r in points],
+                        mode="lines+markers",
+                        name=name,
+                        legendgroup=name,
+                        showlegend=name not in shown,
+                        line=dict(
+                            color=style.IMPLEMENTATIONS.get(impl, style.IMPLEMENTATIONS["custom"]),
+                            dash=METRIC_DASH[metric],
+                        ),
+                        hovertext=[_hover(r) for r in points],
+                        hoverinfo="text",
+                    ),
+                    row=row,
+                    col=col,
+                )
                 shown.add(name)
         if params is not None:
             sizes, n = _size_grid(records, op), _world(records, op)
@@ -153,17 +181,31 @@ def bandwidth(data, *, ops=None, metrics=("algbw", "busbw"), model=None, title: 
             factor = bus_factor(op, n) if metric == "busbw" else 1.0
             modelled = [s / alpha_beta_time(op, s, n, *params) * factor / scale for s in sizes]
             name = model_label(*params) + f" ({metric})"
-            fig.add_trace(go.Scatter(x=sizes, y=modelled, mode="lines", name=name, legendgroup="model",
-                                     showlegend="model" not in shown, hoverinfo="skip",
-                                     line=dict(color=MODEL_COLOUR, dash="dot")), row=row, col=col)
+            fig.add_trace(
+                go.Scatter(
+                    x=sizes,
+                    y=modelled,
+                    mode="lines",
+                    name=name,
+                    legendgroup="model",
+                    showlegend="model" not in shown,
+                    hoverinfo="skip",
+                    line=dict(color=MODEL_COLOUR, dash="dot"),
+                ),
+                row=row,
+                col=col,
+            )
             shown.add("model")
     fig.update_xaxes(type="log", title_text="message size")
     fig.update_yaxes(title_text=f"{unit}/s", rangemode="tozero")
     style.readable_log_axes(fig, {"x": bytes_text})
     world = sorted({r["world_size"] for r in records})
-    style.place_title(fig, title or f"Achieved bandwidth on {', '.join(map(str, world))} ranks",
-                      "solid: algbw = size / time · dashed: busbw, comparable with one link's speed",
-                      above_plot_px=30)
+    style.place_title(
+        fig,
+        title or f"Achieved bandwidth on {', '.join(map(str, world))} ranks",
+        "solid: algbw = size / time · dashed: busbw, comparable with one link's speed",
+        above_plot_px=30,
+    )
     fig.update_layout(template="plotly_white", height=320 * rows + 110, margin=dict(l=10, r=10, b=40))
     return fig
 
@@ -177,32 +219,63 @@ def collective_times(data, *, ops=None, model=None, title: str | None = None) ->
     records = _records(data)
     ops = _ops_in(records, ops)
     rows, cols = _grid(len(ops))
-    fig = make_subplots(rows=rows, cols=cols, subplot_titles=_panel_titles(records, ops), horizontal_spacing=0.07, vertical_spacing=0.14)
+    fig = make_subplots(
+        rows=rows, cols=cols, subplot_titles=_panel_titles(records, ops), horizontal_spacing=0.07, vertical_spacing=0.14
+    )
     params = _model_params(model, records)
     shown = set()
     for i, op in enumerate(ops):
         row, col = i // cols + 1, i % cols + 1
         for impl in dict.fromkeys(r["impl"] for r in records if r["op"] == op):
             points = sorted((r for r in records if r["op"] == op and r["impl"] == impl), key=lambda r: r["size_bytes"])
-            fig.add_trace(go.Scatter(
-                x=[r["size_bytes"] for r in points], y=[r["seconds"] * 1e3 for r in points],
-                error_y=dict(type="data", symmetric=False, array=[(r["seconds_max"] - r["seconds"]) * 1e3 for r in points],
-                             arrayminus=[(r["seconds"] - r["seconds_min"]) * 1e3 for r in points], thickness=1),
-                mode="lines+markers", name=_impl_name(impl), legendgroup=impl, showlegend=impl not in shown,
-                line=dict(color=style.IMPLEMENTATIONS.get(impl, style.IMPLEMENTATIONS["custom"])),
-                hovertext=[_hover(r) for r in points], hoverinfo="text"), row=row, col=col)
+            fig.add_trace(
+                go.Scatter(
+                    x=[r["size_bytes"] for r in points],
+                    y=[r["seconds"] * 1e3 for r in points],
+                    error_y=dict(
+                        type="data",
+                        symmetric=False,
+                        array=[(r["seconds_max"] - r["seconds"]) * 1e3 for r in points],
+                        arrayminus=[(r["seconds"] - r["seconds_min"]) * 1e3 for r in points],
+                        thickness=1,
+                    ),
+                    mode="lines+markers",
+                    name=_impl_name(impl),
+                    legendgroup=impl,
+                    showlegend=impl not in shown,
+                    line=dict(color=style.IMPLEMENTATIONS.get(impl, style.IMPLEMENTATIONS["custom"])),
+                    hovertext=[_hover(r) for r in points],
+                    hoverinfo="text",
+                ),
+                row=row,
+                col=col,
+            )
             shown.add(impl)
         if params is not None:
             sizes, n = _size_grid(records, op), _world(records, op)
-            fig.add_trace(go.Scatter(x=sizes, y=[alpha_beta_time(op, s, n, *params) * 1e3 for s in sizes],
-                                     mode="lines", name=model_label(*params), legendgroup="model",
-                                     showlegend="model" not in shown, hoverinfo="skip",
-                                     line=dict(color=MODEL_COLOUR, dash="dot")), row=row, col=col)
+            fig.add_trace(
+                go.Scatter(
+                    x=sizes,
+                    y=[alpha_beta_time(op, s, n, *params) * 1e3 for s in sizes],
+                    mode="lines",
+                    name=model_label(*params),
+                    legendgroup="model",
+                    showlegend="model" not in shown,
+                    hoverinfo="skip",
+                    line=dict(color=MODEL_COLOUR, dash="dot"),
+                ),
+                row=row,
+                col=col,
+            )
             shown.add("model")
     fig.update_xaxes(type="log", title_text="message size")
     fig.update_yaxes(type="log", title_text="ms")
     style.readable_log_axes(fig, {"x": bytes_text, "y": lambda v: f"{v:g}"})
-    style.place_title(fig, title or "Time per collective", "median of the repetitions; error bars: the fastest "
-                      "and the slowest", above_plot_px=30)
+    style.place_title(
+        fig,
+        title or "Time per collective",
+        "median of the repetitions; error bars: the fastest and the slowest",
+        above_plot_px=30,
+    )
     fig.update_layout(template="plotly_white", height=320 * rows + 110, margin=dict(l=10, r=10, b=40))
     return fig

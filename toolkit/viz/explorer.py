@@ -16,6 +16,7 @@ Two layers, so the numbers can be tested without a screen:
 Only the theory (`toolkit.memory.model_states_breakdown`) is drawn here: activations, temporary
 buffers and fragmentation come on top (the measured bars of notebook 03 show how much).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,12 @@ from .memory import model_states_bars
 
 STAGE_NAMES = ("DP (stage 0)", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 STAGE_FORMULAS = ("(P+G+K)Ψ", "(P+G)Ψ + KΨ/N", "PΨ + (G+K)Ψ/N", "(P+G+K)Ψ/N")
-STAGE_SHARDED = ("nothing", "optimizer states", "optimizer states, gradients",
-                 "optimizer states, gradients, parameters")
+STAGE_SHARDED = (
+    "nothing",
+    "optimizer states",
+    "optimizer states, gradients",
+    "optimizer states, gradients, parameters",
+)
 PRECISIONS = {  # name -> (bytes per parameter, bytes per gradient)
     "mixed": (2, 2),  # 16-bit (fp16/bf16) parameters and gradients, fp32 states counted in K
     "fp32": (4, 4),
@@ -41,16 +46,25 @@ GB = 1e9
 
 def _check(num_params, world_size, optimizer_multiplier, precision, device_gb):
     if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {sorted(PRECISIONS)} "
-                         "('mixed': 2 + 2 bytes for 16-bit parameters and gradients; 'fp32': 4 + 4).")
-    if device_gb is not None and (isinstance(device_gb, bool) or not isinstance(device_gb, (int, float))
-                                  or device_gb <= 0):
+        raise ValueError(
+            f"unknown precision {precision!r}; choose one of {sorted(PRECISIONS)} "
+            "('mixed': 2 + 2 bytes for 16-bit parameters and gradients; 'fp32': 4 + 4)."
+        )
+    if device_gb is not None and (
+        isinstance(device_gb, bool) or not isinstance(device_gb, (int, float)) or device_gb <= 0
+    ):
         raise ValueError(f"device_gb must be a positive number of GB (or None), got {device_gb!r}.")
     # num_params, world_size and K are checked by model_states_breakdown, with a student's message
 
 
-def explorer_numbers(num_params: float = 7.5e9, world_size: int = 64, optimizer_multiplier: float = 12,
-                     precision: str = "mixed", *, device_gb: float | None = None) -> dict:
+def explorer_numbers(
+    num_params: float = 7.5e9,
+    world_size: int = 64,
+    optimizer_multiplier: float = 12,
+    precision: str = "mixed",
+    *,
+    device_gb: float | None = None,
+) -> dict:
     """What the explorer shows, as plain numbers: model states per rank for data parallelism and ZeRO 1-3.
 
     Returns {"num_params", "world_size", "optimizer_multiplier", "precision", "param_bytes", "grad_bytes",
@@ -67,23 +81,51 @@ def explorer_numbers(num_params: float = 7.5e9, world_size: int = 64, optimizer_
     param_bytes, grad_bytes = PRECISIONS[precision]
     stages = []
     for stage in range(4):
-        parts = model_states_breakdown(num_params, world_size, stage, param_bytes=param_bytes,
-                                       grad_bytes=grad_bytes, optimizer_multiplier=optimizer_multiplier)
+        parts = model_states_breakdown(
+            num_params,
+            world_size,
+            stage,
+            param_bytes=param_bytes,
+            grad_bytes=grad_bytes,
+            optimizer_multiplier=optimizer_multiplier,
+        )
         total = sum(parts.values())
         # Every term is (bytes per parameter) x Ψ, so the per-parameter cost does not depend on Ψ.
-        per_param = sum(model_states_breakdown(1, world_size, stage, param_bytes=param_bytes,
-                                               grad_bytes=grad_bytes,
-                                               optimizer_multiplier=optimizer_multiplier).values())
-        row = {"stage": stage, "name": STAGE_NAMES[stage], "formula": STAGE_FORMULAS[stage],
-               "sharded": STAGE_SHARDED[stage], **parts, "total": total, "total_gb": total / GB,
-               "bytes_per_param": per_param}
+        per_param = sum(
+            model_states_breakdown(
+                1,
+                world_size,
+                stage,
+                param_bytes=param_bytes,
+                grad_bytes=grad_bytes,
+                optimizer_multiplier=optimizer_multiplier,
+            ).values()
+        )
+        row = {
+            "stage": stage,
+            "name": STAGE_NAMES[stage],
+            "formula": STAGE_FORMULAS[stage],
+            "sharded": STAGE_SHARDED[stage],
+            **parts,
+            "total": total,
+            "total_gb": total / GB,
+            "bytes_per_param": per_param,
+        }
         if device_gb is not None:
             row["fits"] = total <= device_gb * GB
             row["max_params"] = device_gb * GB / per_param if per_param > 0 else float("inf")
         stages.append(row)
-    return {"num_params": num_params, "world_size": world_size, "optimizer_multiplier": optimizer_multiplier,
-            "precision": precision, "param_bytes": param_bytes, "grad_bytes": grad_bytes, "device_gb": device_gb,
-            "stages": stages, "totals_gb": [s["total_gb"] for s in stages]}
+    return {
+        "num_params": num_params,
+        "world_size": world_size,
+        "optimizer_multiplier": optimizer_multiplier,
+        "precision": precision,
+        "param_bytes": param_bytes,
+        "grad_bytes": grad_bytes,
+        "device_gb": device_gb,
+        "stages": stages,
+        "totals_gb": [s["total_gb"] for s in stages],
+    }
 
 
 def _gb(x: float) -> str:
@@ -105,9 +147,11 @@ def summary_text(numbers: dict, highlight: int | None = None) -> str:
     header = f"{'':2}{'stage':<14}{'formula':<16}{'per rank':>11}{'B/param':>9}"
     if n["device_gb"]:
         header += f"{'fits ' + format(n['device_gb'], 'g') + ' GB?':>15}{'largest Ψ that fits':>22}"
-    lines = [f"Ψ = {_count(n['num_params'])} parameters, N = {n['world_size']} ranks, "
-             f"K = {n['optimizer_multiplier']:g}, P + G = {n['param_bytes']} + {n['grad_bytes']} bytes per parameter",
-             header]
+    lines = [
+        f"Ψ = {_count(n['num_params'])} parameters, N = {n['world_size']} ranks, "
+        f"K = {n['optimizer_multiplier']:g}, P + G = {n['param_bytes']} + {n['grad_bytes']} bytes per parameter",
+        header,
+    ]
     for s in n["stages"]:
         mark = "▶ " if s["stage"] == highlight else "  "
         line = f"{mark}{s['name']:<14}{s['formula']:<16}{_gb(s['total_gb']):>8} GB{s['bytes_per_param']:>9.3g}"
@@ -116,9 +160,11 @@ def summary_text(numbers: dict, highlight: int | None = None) -> str:
         lines.append(line)
     if highlight is not None:
         s = n["stages"][highlight]
-        lines.append(f"{s['name']} partitions {s['sharded']}: params {s['params'] / GB:.3g} GB + grads "
-                     f"{s['grads'] / GB:.3g} GB + optimizer {s['optimizer'] / GB:.3g} GB = {s['total_gb']:.3g} GB "
-                     "per rank (activations and buffers come on top).")
+        lines.append(
+            f"{s['name']} partitions {s['sharded']}: params {s['params'] / GB:.3g} GB + grads "
+            f"{s['grads'] / GB:.3g} GB + optimizer {s['optimizer'] / GB:.3g} GB = {s['total_gb']:.3g} GB "
+            "per rank (activations and buffers come on top)."
+        )
     return "\n".join(lines)
 
 
@@ -126,20 +172,34 @@ def explorer_figure(numbers: dict, highlight: int | None = None):
     """The stacked bars of `model_states_bars` for these numbers; the highlighted stage in full colour,
     the others faded; the device's memory as a dashed line when given."""
     n = numbers
-    fig = model_states_bars(n["num_params"], n["world_size"], optimizer_multiplier=n["optimizer_multiplier"],
-                            param_bytes=n["param_bytes"], grad_bytes=n["grad_bytes"], unit=GB)
+    fig = model_states_bars(
+        n["num_params"],
+        n["world_size"],
+        optimizer_multiplier=n["optimizer_multiplier"],
+        param_bytes=n["param_bytes"],
+        grad_bytes=n["grad_bytes"],
+        unit=GB,
+    )
     if highlight is not None:
         opacity = [1.0 if s == highlight else 0.35 for s in range(4)]
         fig.update_traces(marker_opacity=opacity, selector=dict(type="bar"))
     if n["device_gb"]:
-        fig.add_hline(y=n["device_gb"], line_dash="dash", line_color=style.ALERT,
-                      annotation_text=f"device memory {n['device_gb']:g} GB", annotation_position="top right")
+        fig.add_hline(
+            y=n["device_gb"],
+            line_dash="dash",
+            line_color=style.ALERT,
+            annotation_text=f"device memory {n['device_gb']:g} GB",
+            annotation_position="top right",
+        )
     fig.update_traces(text=[f"{_gb(t)} GB" for t in n["totals_gb"]], selector=dict(mode="text"))
     top = max(max(n["totals_gb"]), n["device_gb"] or 0)
     fig.update_yaxes(range=[0, 1.15 * top if top > 0 else 1])
-    style.place_title(fig, "Model states per rank under DP and ZeRO 1, 2, 3",
-                      f"Ψ = {_count(n['num_params'])} parameters, N = {n['world_size']} ranks, "
-                      f"K = {n['optimizer_multiplier']:g}, {PRECISION_LABELS[n['precision']]}")
+    style.place_title(
+        fig,
+        "Model states per rank under DP and ZeRO 1, 2, 3",
+        f"Ψ = {_count(n['num_params'])} parameters, N = {n['world_size']} ranks, "
+        f"K = {n['optimizer_multiplier']:g}, {PRECISION_LABELS[n['precision']]}",
+    )
     return fig
 
 
@@ -160,52 +220,104 @@ class MemoryExplorer:
     (last line of a cell) to use it. `numbers`, `figure` and `text` hold what is shown now;
     `redraws` counts the redraws."""
 
-    def __init__(self, num_params: float = 7.5e9, world_size: int = 64, optimizer_multiplier: float = 12, *,
-                 stage: int | None = None, precision: str = "mixed", device_gb: float | None = 80,
-                 psi_range: tuple = (1e8, 1e12)):
+    def __init__(
+        self,
+        num_params: float = 7.5e9,
+        world_size: int = 64,
+        optimizer_multiplier: float = 12,
+        *,
+        stage: int | None = None,
+        precision: str = "mixed",
+        device_gb: float | None = 80,
+        psi_range: tuple = (1e8, 1e12),
+    ):
         if stage not in (None, 0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2, 3 or None (none highlighted), got {stage!r}.")
         explorer_numbers(num_params, world_size, optimizer_multiplier, precision, device_gb=device_gb)  # checks
         lo, hi = psi_range
         style, wide = {"description_width": "150px"}, widgets.Layout(width="480px")
         self.num_params = widgets.FloatLogSlider(
-            value=num_params, base=10, min=math.log10(min(lo, num_params)), max=math.log10(max(hi, num_params)),
-            step=0.005, readout_format=".3g", description="Ψ parameters", style=style, layout=wide,
-            continuous_update=False)
+            value=num_params,
+            base=10,
+            min=math.log10(min(lo, num_params)),
+            max=math.log10(max(hi, num_params)),
+            step=0.005,
+            readout_format=".3g",
+            description="Ψ parameters",
+            style=style,
+            layout=wide,
+            continuous_update=False,
+        )
         worlds = sorted(set(WORLD_SIZES) | {int(world_size)})
-        self.world_size = widgets.SelectionSlider(options=worlds, value=int(world_size), description="N ranks",
-                                                  style=style, layout=wide, continuous_update=False)
+        self.world_size = widgets.SelectionSlider(
+            options=worlds,
+            value=int(world_size),
+            description="N ranks",
+            style=style,
+            layout=wide,
+            continuous_update=False,
+        )
         self.optimizer_multiplier = widgets.IntSlider(
-            value=int(optimizer_multiplier), min=0, max=max(24, int(optimizer_multiplier)), description="K bytes/param",
-            style=style, layout=wide, continuous_update=False)
+            value=int(optimizer_multiplier),
+            min=0,
+            max=max(24, int(optimizer_multiplier)),
+            description="K bytes/param",
+            style=style,
+            layout=wide,
+            continuous_update=False,
+        )
         stages = [("none highlighted", None)] + [(name, s) for s, name in enumerate(STAGE_NAMES)]
         self.stage = widgets.Dropdown(options=stages, value=stage, description="highlight stage", style=style)
-        self.precision = widgets.Dropdown(options=[(label, key) for key, label in PRECISION_LABELS.items()],
-                                          value=precision, description="params, grads", style=style,
-                                          layout=widgets.Layout(width="480px"))
-        self.device_gb = widgets.BoundedFloatText(value=device_gb or 0, min=0, max=1e6, step=8,
-                                                  description="device GB (0: none)", style=style)
+        self.precision = widgets.Dropdown(
+            options=[(label, key) for key, label in PRECISION_LABELS.items()],
+            value=precision,
+            description="params, grads",
+            style=style,
+            layout=widgets.Layout(width="480px"),
+        )
+        self.device_gb = widgets.BoundedFloatText(
+            value=device_gb or 0, min=0, max=1e6, step=8, description="device GB (0: none)", style=style
+        )
         self.help = widgets.HTML(
             "<small>K: bytes of optimizer state per parameter. Mixed-precision Adam keeps an fp32 master copy, "
             "momentum and variance: K = 12 (some lectures add an fp32 gradient copy: 16). Pure fp32 Adam needs "
-            "no master copy: K = 8.</small>")
+            "no master copy: K = 8.</small>"
+        )
         self.output = widgets.Output()
         self.numbers, self.figure, self.text, self.redraws = None, None, "", 0
-        self.controls = (self.num_params, self.world_size, self.optimizer_multiplier, self.stage, self.precision,
-                         self.device_gb)
+        self.controls = (
+            self.num_params,
+            self.world_size,
+            self.optimizer_multiplier,
+            self.stage,
+            self.precision,
+            self.device_gb,
+        )
         for control in self.controls:
             control.observe(self.redraw, names="value")
-        self.widget = widgets.VBox([
-            widgets.HBox([widgets.VBox([self.num_params, self.world_size, self.optimizer_multiplier]),
-                          widgets.VBox([self.precision, self.stage, self.device_gb])]),
-            self.help, self.output])
+        self.widget = widgets.VBox(
+            [
+                widgets.HBox(
+                    [
+                        widgets.VBox([self.num_params, self.world_size, self.optimizer_multiplier]),
+                        widgets.VBox([self.precision, self.stage, self.device_gb]),
+                    ]
+                ),
+                self.help,
+                self.output,
+            ]
+        )
         self.redraw()
 
     def settings(self) -> dict:
         """explorer_numbers' arguments for the current choices."""
-        return {"num_params": self.num_params.value, "world_size": self.world_size.value,
-                "optimizer_multiplier": self.optimizer_multiplier.value, "precision": self.precision.value,
-                "device_gb": self.device_gb.value or None}
+        return {
+            "num_params": self.num_params.value,
+            "world_size": self.world_size.value,
+            "optimizer_multiplier": self.optimizer_multiplier.value,
+            "precision": self.precision.value,
+            "device_gb": self.device_gb.value or None,
+        }
 
     def redraw(self, _change=None) -> None:
         """Recompute and redraw (every control calls it on a change; callable directly too)."""
@@ -223,8 +335,9 @@ class MemoryExplorer:
         return self.widget._repr_mimebundle_(**kwargs)
 
 
-def memory_explorer(num_params: float = 7.5e9, world_size: int = 64, optimizer_multiplier: float = 12,
-                    **options) -> MemoryExplorer:
+def memory_explorer(
+    num_params: float = 7.5e9, world_size: int = 64, optimizer_multiplier: float = 12, **options
+) -> MemoryExplorer:
     """The interactive memory explorer (see `MemoryExplorer`); the defaults show the ZeRO paper's Figure 1.
 
     options: stage (the stage to highlight, or None), precision ("mixed" 2 + 2 or "fp32" 4 + 4 bytes

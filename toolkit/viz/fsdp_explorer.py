@@ -22,6 +22,7 @@ From the units and the number of ranks N it predicts, per rank:
 Two layers, as `explorer.py`: `policy_numbers(...)` (pure, tested) and `wrap_policy_explorer(...)`, the
 ipywidgets panel. Building the panel computes once and shows; every control recomputes (milliseconds).
 """
+
 from __future__ import annotations
 
 import ipywidgets as widgets
@@ -51,9 +52,11 @@ def gpt_models() -> dict:
     """The explorer's models: the notebook's tiny GPT and two GPT-2 sizes, built on the meta device."""
     from ..models import tiny_gpt
 
-    shapes = {"tiny GPT (notebook 04)": dict(n_layer=4, d_model=64, n_head=4),
-              "GPT-2 small (124M)": dict(vocab_size=50257, seq_len=1024, n_layer=12, d_model=768, n_head=12),
-              "GPT-2 XL (1.5B)": dict(vocab_size=50257, seq_len=1024, n_layer=48, d_model=1600, n_head=25)}
+    shapes = {
+        "tiny GPT (notebook 04)": dict(n_layer=4, d_model=64, n_head=4),
+        "GPT-2 small (124M)": dict(vocab_size=50257, seq_len=1024, n_layer=12, d_model=768, n_head=12),
+        "GPT-2 XL (1.5B)": dict(vocab_size=50257, seq_len=1024, n_layer=48, d_model=1600, n_head=25),
+    }
     with torch.device("meta"):
         return {name: tiny_gpt(**shape) for name, shape in shapes.items()}
 
@@ -71,8 +74,15 @@ def _chain(name: str, names: list[str], sizes: dict) -> int:
     return sum(sizes[n] for n in names if n == name or name.startswith(n + "."))
 
 
-def policy_numbers(model: nn.Module, policy=None, world_size: int = 8, *, prefetch: bool = True,
-                   alpha: float = ALPHA, bandwidth: float = BANDWIDTH) -> dict:
+def policy_numbers(
+    model: nn.Module,
+    policy=None,
+    world_size: int = 8,
+    *,
+    prefetch: bool = True,
+    alpha: float = ALPHA,
+    bandwidth: float = BANDWIDTH,
+) -> dict:
     """What the explorer shows for `model` cut into units by `policy`, sharded over `world_size` ranks.
 
     Returns {"units": [{unit, tensors, numel, padded_numel, padding, shard_numel}] (root first), "numel",
@@ -87,8 +97,16 @@ def policy_numbers(model: nn.Module, policy=None, world_size: int = 8, *, prefet
     for p in plans:
         numel = sum(t.numel() for t in p.params)
         padded = padded_numel(numel, world_size)
-        rows.append({"unit": p.name or "(root)", "tensors": len(p.params), "numel": numel, "padded_numel": padded,
-                     "padding": padded - numel, "shard_numel": padded // world_size})
+        rows.append(
+            {
+                "unit": p.name or "(root)",
+                "tensors": len(p.params),
+                "numel": numel,
+                "padded_numel": padded,
+                "padding": padded - numel,
+                "shard_numel": padded // world_size,
+            }
+        )
     root = rows[0]["padded_numel"] if plans[0].name == "" else 0
     inner = [r for r, p in zip(rows, plans) if p.name]
     names = [r["unit"] for r in inner]
@@ -100,10 +118,12 @@ def policy_numbers(model: nn.Module, policy=None, world_size: int = 8, *, prefet
     full_grads = largest * min(2, len(inner))  # one filling, the previous one reduce-scattering
     total_padded = sum(r["padded_numel"] for r in rows)
     N = world_size
-    memory = {"sharded": SHARD_BYTES * total_padded / N if N > 1 else SHARD_BYTES * total_padded,
-              "root": (PARAM_BYTES + GRAD_BYTES) * root if N > 1 else 0,
-              "in_flight": PARAM_BYTES * gathered if N > 1 else 0,
-              "full_grads": GRAD_BYTES * full_grads if N > 1 else 0}
+    memory = {
+        "sharded": SHARD_BYTES * total_padded / N if N > 1 else SHARD_BYTES * total_padded,
+        "root": (PARAM_BYTES + GRAD_BYTES) * root if N > 1 else 0,
+        "in_flight": PARAM_BYTES * gathered if N > 1 else 0,
+        "full_grads": GRAD_BYTES * full_grads if N > 1 else 0,
+    }
     memory["peak"] = sum(memory.values())
     memory["ddp"] = SHARD_BYTES * sum(r["numel"] for r in rows)  # every rank holds everything
     beta = 1 / bandwidth
@@ -114,10 +134,18 @@ def policy_numbers(model: nn.Module, policy=None, world_size: int = 8, *, prefet
             comm += alpha_beta_time(op, size, N, alpha, beta)
             latency += alpha_beta_time(op, size, N, alpha, 0.0)
     U = len(rows) if N > 1 else 0
-    return {"units": rows, "numel": sum(r["numel"] for r in rows), "padding": sum(r["padding"] for r in rows),
-            "world_size": N, "prefetch": prefetch, "memory": memory,
-            "collectives": {"all_gather": 2 * U, "reduce_scatter": U, "total": 3 * U},
-            "bytes_sent": 3 * total_padded * (N - 1) / N * PARAM_BYTES, "comm_s": comm, "latency_s": latency}
+    return {
+        "units": rows,
+        "numel": sum(r["numel"] for r in rows),
+        "padding": sum(r["padding"] for r in rows),
+        "world_size": N,
+        "prefetch": prefetch,
+        "memory": memory,
+        "collectives": {"all_gather": 2 * U, "reduce_scatter": U, "total": 3 * U},
+        "bytes_sent": 3 * total_padded * (N - 1) / N * PARAM_BYTES,
+        "comm_s": comm,
+        "latency_s": latency,
+    }
 
 
 def _size(nbytes: float) -> str:
@@ -134,29 +162,70 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
-MEMORY_PARTS = (("sharded", "shards: 16 B x Σψ/N", style.MEMORY["states"]),
-                ("root", "root: gathered + full gradient", style.MEMORY["params"]),
-                ("in_flight", "units in flight (gathered)", style.COMMUNICATION["all_gather"]),
-                ("full_grads", "full gradients in flight", style.MEMORY["grads"]))
+MEMORY_PARTS = (
+    ("sharded", "shards: 16 B x Σψ/N", style.MEMORY["states"]),
+    ("root", "root: gathered + full gradient", style.MEMORY["params"]),
+    ("in_flight", "units in flight (gathered)", style.COMMUNICATION["all_gather"]),
+    ("full_grads", "full gradients in flight", style.MEMORY["grads"]),
+)
 
 
 def policy_figure(numbers: dict, title: str = "") -> go.Figure:
     """Left: every unit's elements (padding on top); right: the predicted peak per rank, stacked."""
     n = numbers
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.68, 0.32], horizontal_spacing=0.1,
-                        subplot_titles=[f"{len(n['units'])} units: elements per flat parameter",
-                                        f"predicted peak per rank ({'with' if n['prefetch'] else 'no'} prefetch)"])
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.68, 0.32],
+        horizontal_spacing=0.1,
+        subplot_titles=[
+            f"{len(n['units'])} units: elements per flat parameter",
+            f"predicted peak per rank ({'with' if n['prefetch'] else 'no'} prefetch)",
+        ],
+    )
     names = [u["unit"] for u in n["units"]]
-    fig.add_trace(go.Bar(x=names, y=[u["numel"] for u in n["units"]], name="parameters", marker_color=style.MEMORY["params"],
-                         hovertemplate="%{x}: %{y:,} elements<extra></extra>"), row=1, col=1)
-    fig.add_trace(go.Bar(x=names, y=[u["padding"] for u in n["units"]], name="padding", marker_color=style.ALERT,
-                         hovertemplate="%{x}: %{y} padding elements<extra></extra>"), row=1, col=1)
+    fig.add_trace(
+        go.Bar(
+            x=names,
+            y=[u["numel"] for u in n["units"]],
+            name="parameters",
+            marker_color=style.MEMORY["params"],
+            hovertemplate="%{x}: %{y:,} elements<extra></extra>",
+        ),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Bar(
+            x=names,
+            y=[u["padding"] for u in n["units"]],
+            name="padding",
+            marker_color=style.ALERT,
+            hovertemplate="%{x}: %{y} padding elements<extra></extra>",
+        ),
+        row=1,
+        col=1,
+    )
     for key, label, colour in MEMORY_PARTS:
-        fig.add_trace(go.Bar(x=["FSDP"], y=[n["memory"][key] / 1e6], name=label, marker_color=colour,
-                             hovertemplate=f"{label}: %{{y:.3g}} MB<extra></extra>"), row=1, col=2)
+        fig.add_trace(
+            go.Bar(
+                x=["FSDP"],
+                y=[n["memory"][key] / 1e6],
+                name=label,
+                marker_color=colour,
+                hovertemplate=f"{label}: %{{y:.3g}} MB<extra></extra>",
+            ),
+            row=1,
+            col=2,
+        )
     style.place_title(fig, title, above_plot_px=30)  # room for the panels' own titles
-    fig.update_layout(barmode="stack", height=450, template="plotly_white",
-                      legend=dict(orientation="h", y=-0.35), margin=dict(l=10, r=10, b=40))
+    fig.update_layout(
+        barmode="stack",
+        height=450,
+        template="plotly_white",
+        legend=dict(orientation="h", y=-0.35),
+        margin=dict(l=10, r=10, b=40),
+    )
     fig.update_xaxes(showticklabels=len(names) <= 40, tickangle=-45, row=1, col=1)
     fig.update_yaxes(title_text="elements", row=1, col=1)
     fig.update_yaxes(title_text="MB per rank", row=1, col=2)
@@ -166,46 +235,83 @@ def policy_figure(numbers: dict, title: str = "") -> go.Figure:
 def summary_text(numbers: dict) -> str:
     n, m = numbers, numbers["memory"]
     sizes = sorted(u["numel"] for u in n["units"])
-    return "\n".join([
-        f"{len(n['units'])} units over N = {n['world_size']} ranks: the smallest {_count(sizes[0])}, the largest "
-        f"{_count(sizes[-1])} elements; padding {n['padding']:,} elements in all (< N per unit).",
-        f"predicted peak model states per rank: {_size(m['peak'])} = shards {_size(m['sharded'])} + root "
-        f"{_size(m['root'])} + in flight {_size(m['in_flight'])} + full gradients {_size(m['full_grads'])}; "
-        f"data parallelism would hold {_size(m['ddp'])} ({m['ddp'] / m['peak']:.1f}x).",
-        f"collectives per step: {n['collectives']['all_gather']} all-gathers + {n['collectives']['reduce_scatter']} "
-        f"reduce-scatters = {n['collectives']['total']}, sending {_size(n['bytes_sent'])} per rank; at "
-        f"{ALPHA * 1e6:g} µs and {BANDWIDTH / 1e9:g} GB/s about {n['comm_s'] * 1e3:.3g} ms, of which "
-        f"{n['latency_s'] * 1e3:.3g} ms ({n['latency_s'] / n['comm_s']:.0%}) is latency."
-        if n["comm_s"] > 0 else "one rank: nothing to shard, nothing to send.",
-    ])
+    return "\n".join(
+        [
+            f"{len(n['units'])} units over N = {n['world_size']} ranks: the smallest {_count(sizes[0])}, the largest "
+            f"{_count(sizes[-1])} elements; padding {n['padding']:,} elements in all (< N per unit).",
+            f"predicted peak model states per rank: {_size(m['peak'])} = shards {_size(m['sharded'])} + root "
+            f"{_size(m['root'])} + in flight {_size(m['in_flight'])} + full gradients {_size(m['full_grads'])}; "
+            f"data parallelism would hold {_size(m['ddp'])} ({m['ddp'] / m['peak']:.1f}x).",
+            f"collectives per step: {n['collectives']['all_gather']} all-gathers + {n['collectives']['reduce_scatter']} "
+            f"reduce-scatters = {n['collectives']['total']}, sending {_size(n['bytes_sent'])} per rank; at "
+            f"{ALPHA * 1e6:g} µs and {BANDWIDTH / 1e9:g} GB/s about {n['comm_s'] * 1e3:.3g} ms, of which "
+            f"{n['latency_s'] * 1e3:.3g} ms ({n['latency_s'] / n['comm_s']:.0%}) is latency."
+            if n["comm_s"] > 0
+            else "one rank: nothing to shard, nothing to send.",
+        ]
+    )
 
 
 class WrapPolicyExplorer:
     """Model, wrap policy, min params (for that policy), N and prefetch over an Output with the figure and
     the numbers. `numbers`, `figure` and `text` hold what is shown; `redraws` counts the redraws."""
 
-    def __init__(self, models: dict | None = None, *, policy: str = "each transformer block (default)",
-                 world_size: int = 8, prefetch: bool = True, min_params: int = 10_000):
+    def __init__(
+        self,
+        models: dict | None = None,
+        *,
+        policy: str = "each transformer block (default)",
+        world_size: int = 8,
+        prefetch: bool = True,
+        min_params: int = 10_000,
+    ):
         self.models = models or gpt_models()
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {list(POLICIES)}.")
         style = {"description_width": "120px"}
         self.model = widgets.Dropdown(options=list(self.models), description="model", style=style)
-        self.policy = widgets.Dropdown(options=list(POLICIES), value=policy, description="wrap policy", style=style,
-                                       layout=widgets.Layout(width="420px"))
-        self.min_params = widgets.FloatLogSlider(value=min_params, base=10, min=2, max=9, step=0.05,
-                                                 readout_format=".3g", description="min params", style=style,
-                                                 continuous_update=False, layout=widgets.Layout(width="420px"))
-        self.world_size = widgets.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
-                                                  value=world_size, description="N ranks", style=style,
-                                                  continuous_update=False)
+        self.policy = widgets.Dropdown(
+            options=list(POLICIES),
+            value=policy,
+            description="wrap policy",
+            style=style,
+            layout=widgets.Layout(width="420px"),
+        )
+        self.min_params = widgets.FloatLogSlider(
+            value=min_params,
+            base=10,
+            min=2,
+            max=9,
+            step=0.05,
+            readout_format=".3g",
+            description="min params",
+            style=style,
+            continuous_update=False,
+            layout=widgets.Layout(width="420px"),
+        )
+        self.world_size = widgets.SelectionSlider(
+            options=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
+            value=world_size,
+            description="N ranks",
+            style=style,
+            continuous_update=False,
+        )
         self.prefetch = widgets.Checkbox(value=prefetch, description="prefetch the next unit")
         self.output = widgets.Output()
         self.numbers, self.figure, self.text, self.redraws = None, None, "", 0
         for control in (self.model, self.policy, self.min_params, self.world_size, self.prefetch):
             control.observe(self.redraw, names="value")
-        self.widget = widgets.VBox([widgets.HBox([widgets.VBox([self.model, self.policy, self.min_params]),
-                                                  widgets.VBox([self.world_size, self.prefetch])]), self.output])
+        self.widget = widgets.VBox(
+            [
+                widgets.HBox(
+                    [
+                        widgets.VBox([self.model, self.policy, self.min_params]),
+                        widgets.VBox([self.world_size, self.prefetch]),
+                    ]
+                ),
+                self.output,
+            ]
+        )
         self.redraw()
 
     def current_policy(self):
@@ -217,8 +323,12 @@ class WrapPolicyExplorer:
 
         self.min_params.disabled = POLICIES[self.policy.value] != "min params"
         try:
-            self.numbers = policy_numbers(self.models[self.model.value], self.current_policy(), self.world_size.value,
-                                          prefetch=self.prefetch.value)
+            self.numbers = policy_numbers(
+                self.models[self.model.value],
+                self.current_policy(),
+                self.world_size.value,
+                prefetch=self.prefetch.value,
+            )
             self.figure = policy_figure(self.numbers, f"{self.model.value}, {self.policy.value}")
             self.text = summary_text(self.numbers)
             outputs = (_bundle(self.figure),)
@@ -237,5 +347,14 @@ def wrap_policy_explorer(models: dict | None = None, **options) -> WrapPolicyExp
     return WrapPolicyExplorer(models, **options)
 
 
-__all__ = ["POLICIES", "WHOLE_MODEL", "WrapPolicyExplorer", "gpt_models", "policy_figure", "policy_numbers",
-           "summary_text", "units_of", "wrap_policy_explorer"]
+__all__ = [
+    "POLICIES",
+    "WHOLE_MODEL",
+    "WrapPolicyExplorer",
+    "gpt_models",
+    "policy_figure",
+    "policy_numbers",
+    "summary_text",
+    "units_of",
+    "wrap_policy_explorer",
+]

@@ -10,6 +10,7 @@ subtitle gives each rank's idle share of the step, measured, beside the schedule
 
 A pure function of a Run: it reads the spans whose args carry "action" (the pipeline driver's), and runs nothing.
 """
+
 from __future__ import annotations
 
 import plotly.graph_objects as go
@@ -24,8 +25,10 @@ def actions_of(run, step: int | None = None) -> tuple[list[dict], int]:
     """The pipeline's action spans of one step (default: the Run's last), and that step."""
     spans = [e for e in run.events if e["cat"] == "compute" and "action" in e.get("args", {})]
     if not spans:
-        raise ValueError("this Run has no pipeline actions (spans with args 'action'): draw a Run trained with pp > 1, "
-                         "or a schedule's dry run (toolkit.parallel.pipeline.bubble.ideal_run).")
+        raise ValueError(
+            "this Run has no pipeline actions (spans with args 'action'): draw a Run trained with pp > 1, "
+            "or a schedule's dry run (toolkit.parallel.pipeline.bubble.ideal_run)."
+        )
     step = max(e["args"].get("step", 0) for e in spans) if step is None else step
     return [e for e in spans if e["args"].get("step", 0) == step], step
 
@@ -40,11 +43,19 @@ def schedule_of(run, spans: list[dict]) -> str:
     stages = {r: {e["args"]["stage"] for e in spans if e["rank"] == r} for r in ranks}
     v = max(len(s) for s in stages.values())
     if name is None:
-        first_backward = {r: min((e["start"] for e in spans if e["rank"] == r and e["args"]["action"] != "F"),
-                                 default=float("inf")) for r in ranks}
-        name = ("zb-h1" if any(e["args"]["action"] == "W" for e in spans) else "interleaved" if v > 1 else
-                "gpipe" if all(e["start"] < first_backward[e["rank"]] for e in spans if e["args"]["action"] == "F")
-                else "1f1b")
+        first_backward = {
+            r: min((e["start"] for e in spans if e["rank"] == r and e["args"]["action"] != "F"), default=float("inf"))
+            for r in ranks
+        }
+        name = (
+            "zb-h1"
+            if any(e["args"]["action"] == "W" for e in spans)
+            else "interleaved"
+            if v > 1
+            else "gpipe"
+            if all(e["start"] < first_backward[e["rank"]] for e in spans if e["args"]["action"] == "F")
+            else "1f1b"
+        )
     label = NAMES.get(name, name) if isinstance(name, str) else getattr(name, "__name__", "a custom schedule")
     m = len({e["args"]["micro"] for e in spans})
     return f"{label}, p = {len(ranks)}, m = {m}" + (f", v = {v}" if v > 1 else "")
@@ -62,8 +73,9 @@ def arrows_of(spans: list[dict]) -> list[tuple[dict, dict]]:
     return pairs
 
 
-def pipeline_timeline(run, step: int | None = None, *, formula: float | None = None, arrows: bool = True,
-                      title: str | None = None) -> go.Figure:
+def pipeline_timeline(
+    run, step: int | None = None, *, formula: float | None = None, arrows: bool = True, title: str | None = None
+) -> go.Figure:
     """The step's actions per rank, coloured by micro-batch, with arrows for what crossed between ranks.
     formula: the schedule's bubble fraction, printed beside the measured one."""
     from ..parallel.pipeline.bubble import measured_bubble
@@ -81,29 +93,59 @@ def pipeline_timeline(run, step: int | None = None, *, formula: float | None = N
         if not mine:
             continue
         colours = [style.shade(style.SEQUENCE[e["args"]["micro"] % len(style.SEQUENCE)], SHADES[kind]) for e in mine]
-        fig.add_trace(go.Bar(
-            name={"F": "forward", "B": "backward", "W": "weight gradients"}[kind], orientation="h",
-            base=[(e["start"] - start) * scale for e in mine], x=[(e["end"] - e["start"]) * scale for e in mine],
-            y=[row[e["rank"]] for e in mine], text=[f"{kind}{e['args']['micro']}" for e in mine],
-            textposition="inside", insidetextanchor="middle",
-            marker=dict(color=colours, line=dict(color=style.SEPARATOR, width=1),
-                        pattern=dict(shape="/" if kind == "W" else "")),
-            customdata=[[e["args"]["micro"], e["args"]["stage"], (e["end"] - e["start"]) * scale] for e in mine],
-            hovertemplate=f"{kind} micro-batch %{{customdata[0]}}, stage %{{customdata[1]}}<br>"
-                          f"%{{customdata[2]:.3g}} {unit}<extra></extra>"))
+        fig.add_trace(
+            go.Bar(
+                name={"F": "forward", "B": "backward", "W": "weight gradients"}[kind],
+                orientation="h",
+                base=[(e["start"] - start) * scale for e in mine],
+                x=[(e["end"] - e["start"]) * scale for e in mine],
+                y=[row[e["rank"]] for e in mine],
+                text=[f"{kind}{e['args']['micro']}" for e in mine],
+                textposition="inside",
+                insidetextanchor="middle",
+                marker=dict(
+                    color=colours,
+                    line=dict(color=style.SEPARATOR, width=1),
+                    pattern=dict(shape="/" if kind == "W" else ""),
+                ),
+                customdata=[[e["args"]["micro"], e["args"]["stage"], (e["end"] - e["start"]) * scale] for e in mine],
+                hovertemplate=f"{kind} micro-batch %{{customdata[0]}}, stage %{{customdata[1]}}<br>"
+                f"%{{customdata[2]:.3g}} {unit}<extra></extra>",
+            )
+        )
     if arrows:
         for producer, consumer in arrows_of(spans):
-            fig.add_annotation(x=(consumer["start"] - start) * scale, y=row[consumer["rank"]],
-                               ax=(producer["end"] - start) * scale, ay=row[producer["rank"]], xref="x", yref="y",
-                               axref="x", ayref="y", showarrow=True, arrowhead=2, arrowsize=1, arrowwidth=1,
-                               arrowcolor=style.COMMUNICATION["send"], opacity=0.6, text="")
+            fig.add_annotation(
+                x=(consumer["start"] - start) * scale,
+                y=row[consumer["rank"]],
+                ax=(producer["end"] - start) * scale,
+                ay=row[producer["rank"]],
+                xref="x",
+                yref="y",
+                axref="x",
+                ayref="y",
+                showarrow=True,
+                arrowhead=2,
+                arrowsize=1,
+                arrowwidth=1,
+                arrowcolor=style.COMMUNICATION["send"],
+                opacity=0.6,
+                text="",
+            )
     idle = measured_bubble(run, step)
     said = ", ".join(f"rank {r} {idle[r]:.0%}" for r in ranks)
-    subtitle = (f"colour = micro-batch; F forward, B backward (darker), W weight gradients (lighter, hatched); arrows: "
-                f"what was sent<br>bubble (idle share of the step): {said}" +
-                (f"; the schedule's formula: {formula:.0%}" if formula is not None else ""))
-    fig.update_layout(barmode="overlay", bargap=0.25, height=160 + 50 * len(ranks), showlegend=False,
-                      xaxis_title=f"time since the step's first action ({unit})",
-                      yaxis=dict(categoryorder="array", categoryarray=[row[r] for r in reversed(ranks)]))
+    subtitle = (
+        f"colour = micro-batch; F forward, B backward (darker), W weight gradients (lighter, hatched); arrows: "
+        f"what was sent<br>bubble (idle share of the step): {said}"
+        + (f"; the schedule's formula: {formula:.0%}" if formula is not None else "")
+    )
+    fig.update_layout(
+        barmode="overlay",
+        bargap=0.25,
+        height=160 + 50 * len(ranks),
+        showlegend=False,
+        xaxis_title=f"time since the step's first action ({unit})",
+        yaxis=dict(categoryorder="array", categoryarray=[row[r] for r in reversed(ranks)]),
+    )
     when = "dry run" if run.config.get("ideal") else f"step {step}"
     return style.place_title(fig, title or f"{schedule_of(run, spans)} ({when}): one block per action", subtitle)

@@ -8,6 +8,7 @@ Blocks are written in order: a `str` is a paragraph, `heading(...)`, `preformatt
 `bullets(...)` mark other kinds of text, a list of dicts is a table (columns from the first row), and a plotly
 figure is a figure.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -62,8 +63,9 @@ def table(rows) -> Html:
         return Html("<p><em>(empty table)</em></p>")
     columns = list(rows[0])
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(row.get(c, '')))}</td>" for c in columns) + "</tr>"
-                   for row in rows)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(row.get(c, '')))}</td>" for c in columns) + "</tr>" for row in rows
+    )
     return Html(f'<div class="table"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>')
 
 
@@ -73,8 +75,12 @@ def _is_figure(block) -> bool:
 
 def _render(block, plotly_js_written: bool) -> tuple[str, bool]:
     if _is_figure(block):
-        div = pio.to_html(block, include_plotlyjs=not plotly_js_written, full_html=False,
-                          config={"displaylogo": False, "responsive": True})
+        div = pio.to_html(
+            block,
+            include_plotlyjs=not plotly_js_written,
+            full_html=False,
+            config={"displaylogo": False, "responsive": True},
+        )
         return f'<div class="figure">{div}</div>', True
     if isinstance(block, Html):
         return str(block), plotly_js_written
@@ -82,8 +88,9 @@ def _render(block, plotly_js_written: bool) -> tuple[str, bool]:
         return f"<p>{html.escape(block)}</p>", plotly_js_written
     if isinstance(block, (list, tuple)) and all(isinstance(row, dict) for row in block):
         return table(block), plotly_js_written
-    raise TypeError(f"a report block must be text, a table (list of dicts) or a plotly figure, "
-                    f"not {type(block).__name__}.")
+    raise TypeError(
+        f"a report block must be text, a table (list of dicts) or a plotly figure, not {type(block).__name__}."
+    )
 
 
 def report_html(title: str, blocks, *, subtitle: str | None = None) -> str:
@@ -93,10 +100,12 @@ def report_html(title: str, blocks, *, subtitle: str | None = None) -> str:
         rendered, written = _render(block, written)
         parts.append(rendered)
     stamp = subtitle or f"written {datetime.datetime.now():%Y-%m-%d %H:%M}"
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
-            f"<p class=\"subtitle\">{html.escape(stamp)}</p>\n" + "\n".join(parts) + "\n</body></html>\n")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>{html.escape(title)}</title>'
+        f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
+        f'<p class="subtitle">{html.escape(stamp)}</p>\n' + "\n".join(parts) + "\n</body></html>\n"
+    )
 
 
 def write_report(path, title: str, blocks, *, subtitle: str | None = None) -> str:

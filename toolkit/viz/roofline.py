@@ -36,6 +36,7 @@ A point from a Run (``roofline_point``), for the MoE layers' forward passes:
 The lines are drawn for ``peak`` (default: the largest P among the points), so a configuration whose
 experts computed slower (small chunks) sits below them by that much. Pure functions; nothing runs.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,9 +57,12 @@ def _is_forward_traffic(e) -> bool:
 
 
 def _is_forward_experts(e) -> bool:
-    return (e["cat"] == "compute" and e["name"].startswith("moe/")
-            and e["name"].endswith(("/experts", "/shadowed experts"))  # shadowed rows are computed at home
-            and not e["args"].get("backward", False))
+    return (
+        e["cat"] == "compute"
+        and e["name"].startswith("moe/")
+        and e["name"].endswith(("/experts", "/shadowed experts"))  # shadowed rows are computed at home
+        and not e["args"].get("backward", False)
+    )
 
 
 def _forwards(events) -> list[dict]:
@@ -99,9 +103,11 @@ def roofline_point(run, d_model: int, d_ff: int, *, label: str | None = None, sk
     per_rank = {r: _forwards([e for e in run.events if e["rank"] == r]) for r in ranks}
     ranks = [r for r in ranks if per_rank[r]]
     if not ranks:
-        raise ValueError("roofline_point: this Run has no MoE forward to measure (no 'counts' exchange followed "
-                         "by dispatch/combine traffic or moe/<layer>/experts spans). Record the MoE layer's "
-                         "forward passes (toolkit.trace.recorder enabled) and capture the Run on every rank.")
+        raise ValueError(
+            "roofline_point: this Run has no MoE forward to measure (no 'counts' exchange followed "
+            "by dispatch/combine traffic or moe/<layer>/experts spans). Record the MoE layer's "
+            "forward passes (toolkit.trace.recorder enabled) and capture the Run on every rank."
+        )
     count = min(len(per_rank[r]) for r in ranks)
     if count <= skip:
         raise ValueError(f"roofline_point: skip={skip} leaves none of the {count} forward(s) recorded.")
@@ -112,21 +118,38 @@ def roofline_point(run, d_model: int, d_ff: int, *, label: str | None = None, sk
             g = per_rank[r][i]
             spans = g["comm"] + g["compute"]
             flops = 4 * d_model * d_ff * sum(int(e["args"].get("rows", 0)) for e in g["compute"])
-            per.append({"e2e": max(e["end"] for e in spans) - min(e["start"] for e in spans),
-                        "comm": _link_time(g["comm"]),
-                        "comp": _length(_union((e["start"], e["end"]) for e in g["compute"])), "flops": flops})
+            per.append(
+                {
+                    "e2e": max(e["end"] for e in spans) - min(e["start"] for e in spans),
+                    "comm": _link_time(g["comm"]),
+                    "comp": _length(_union((e["start"], e["end"]) for e in g["compute"])),
+                    "flops": flops,
+                }
+            )
         comp_total = sum(p["comp"] for p in per)
-        rows.append({"lat_e2e": max(p["e2e"] for p in per), "lat_comm": max(p["comm"] for p in per),
-                     "lat_comp": max(p["comp"] for p in per), "flops": sum(p["flops"] for p in per),
-                     "peak": sum(p["flops"] for p in per) / comp_total if comp_total > 0 else 0.0})
+        rows.append(
+            {
+                "lat_e2e": max(p["e2e"] for p in per),
+                "lat_comm": max(p["comm"] for p in per),
+                "lat_comp": max(p["comp"] for p in per),
+                "flops": sum(p["flops"] for p in per),
+                "peak": sum(p["flops"] for p in per) / comp_total if comp_total > 0 else 0.0,
+            }
+        )
     point = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     if point["lat_comm"] <= 0 or point["lat_e2e"] <= 0:
-        raise ValueError("roofline_point: the MoE forwards in this Run have no communication time (one rank, or "
-                         "no dispatch/combine traffic): R_CC = Lat_comp / Lat_comm is undefined.")
+        raise ValueError(
+            "roofline_point: the MoE forwards in this Run have no communication time (one rank, or "
+            "no dispatch/combine traffic): R_CC = Lat_comp / Lat_comm is undefined."
+        )
     n = len(ranks)
-    point.update(label=label if label is not None else run.config.get("label", f"{n} ranks"),
-                 r_cc=point["lat_comp"] / point["lat_comm"], throughput=point["flops"] / (n * point["lat_e2e"]),
-                 ranks=n, forwards=len(rows))
+    point.update(
+        label=label if label is not None else run.config.get("label", f"{n} ranks"),
+        r_cc=point["lat_comp"] / point["lat_comm"],
+        throughput=point["flops"] / (n * point["lat_e2e"]),
+        ranks=n,
+        forwards=len(rows),
+    )
     return point
 
 
@@ -142,9 +165,9 @@ def semi_ideal(r_cc: float, peak: float) -> float:
 
 def _as_points(runs_or_points, d_model, d_ff, skip) -> list[dict]:
     if isinstance(runs_or_points, dict) and not all(k in runs_or_points for k in POINT_KEYS):
-        items = list(runs_or_points.items())                 # {label: Run or point}
+        items = list(runs_or_points.items())  # {label: Run or point}
     elif isinstance(runs_or_points, dict) or hasattr(runs_or_points, "events"):
-        items = [(None, runs_or_points)]                     # one point, one Run
+        items = [(None, runs_or_points)]  # one point, one Run
     else:
         items = [(None, item) for item in runs_or_points]
     if not items:
@@ -154,26 +177,38 @@ def _as_points(runs_or_points, d_model, d_ff, skip) -> list[dict]:
         if hasattr(item, "events"):
             if d_model is None or d_ff is None:
                 raise ValueError("roofline: pass d_model= and d_ff= (the experts' sizes) to measure points from Runs.")
-            point = roofline_point(item, d_model, d_ff, skip=skip,
-                                   label=name if name is not None else item.config.get("label", f"run {i}"))
+            point = roofline_point(
+                item, d_model, d_ff, skip=skip, label=name if name is not None else item.config.get("label", f"run {i}")
+            )
         elif isinstance(item, dict):
             missing = [k for k in POINT_KEYS if k not in item]
             if missing:
-                raise ValueError(f"roofline: point {i} ({item!r}) lacks {missing}; a point needs r_cc (compute / "
-                                 f"communication) and throughput (FLOP/s per rank), optionally label and peak.")
+                raise ValueError(
+                    f"roofline: point {i} ({item!r}) lacks {missing}; a point needs r_cc (compute / "
+                    f"communication) and throughput (FLOP/s per rank), optionally label and peak."
+                )
             point = dict(item, label=name if name is not None else item.get("label", f"point {i}"))
         else:
             raise ValueError(f"roofline: item {i} is a {type(item).__name__}; give Runs or point dicts.")
         for key in POINT_KEYS:
             value = point[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-                raise ValueError(f"roofline: point {point['label']!r} has {key}={value!r}; it must be a positive number.")
+                raise ValueError(
+                    f"roofline: point {point['label']!r} has {key}={value!r}; it must be a positive number."
+                )
         points.append(point)
     return points
 
 
-def roofline(runs_or_points, *, d_model: int | None = None, d_ff: int | None = None, peak: float | None = None,
-             skip: int = 0, title: str | None = None) -> go.Figure:
+def roofline(
+    runs_or_points,
+    *,
+    d_model: int | None = None,
+    d_ff: int | None = None,
+    peak: float | None = None,
+    skip: int = 0,
+    title: str | None = None,
+) -> go.Figure:
     """The DDL-roofline with one labelled point per configuration.
 
     runs_or_points: a list of Runs and/or points ({"label", "r_cc", "throughput"[, "peak"]}), or a dict
@@ -190,26 +225,58 @@ def roofline(runs_or_points, *, d_model: int | None = None, d_ff: int | None = N
     lo, hi = min(xs + [1.0]) / 10, max(xs + [1.0]) * 10
     grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
     fig = go.Figure()
-    fig.add_trace(go.Scatter(x=grid, y=[ideal(x, peak) / 1e9 for x in grid], mode="lines", name="ideal: P·min(1, R)",
-                             line=dict(color=style.THEORY)))
-    fig.add_trace(go.Scatter(x=grid, y=[semi_ideal(x, peak) / 1e9 for x in grid], mode="lines",
-                             name="semi-ideal: P·R/(R+1)", line=dict(color=style.THEORY, dash="dash")))
+    fig.add_trace(
+        go.Scatter(
+            x=grid,
+            y=[ideal(x, peak) / 1e9 for x in grid],
+            mode="lines",
+            name="ideal: P·min(1, R)",
+            line=dict(color=style.THEORY),
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=grid,
+            y=[semi_ideal(x, peak) / 1e9 for x in grid],
+            mode="lines",
+            name="semi-ideal: P·R/(R+1)",
+            line=dict(color=style.THEORY, dash="dash"),
+        )
+    )
     for i, p in enumerate(points):
-        hover = [f"<b>{p['label']}</b>", f"R_CC {p['r_cc']:.3g}", f"throughput {p['throughput'] / 1e9:.3g} GFLOP/s per rank",
-                 f"ideal here {ideal(p['r_cc'], peak) / 1e9:.3g}, semi-ideal {semi_ideal(p['r_cc'], peak) / 1e9:.3g}"]
+        hover = [
+            f"<b>{p['label']}</b>",
+            f"R_CC {p['r_cc']:.3g}",
+            f"throughput {p['throughput'] / 1e9:.3g} GFLOP/s per rank",
+            f"ideal here {ideal(p['r_cc'], peak) / 1e9:.3g}, semi-ideal {semi_ideal(p['r_cc'], peak) / 1e9:.3g}",
+        ]
         for key, name in (("lat_comp", "Lat_comp"), ("lat_comm", "Lat_comm"), ("lat_e2e", "Lat_e2e")):
             if key in p:
                 hover.append(f"{name} {p[key] * 1e3:.3g} ms")
         if p.get("peak"):
             hover.append(f"expert compute rate P {p['peak'] / 1e9:.3g} GFLOP/s")
-        fig.add_trace(go.Scatter(x=[p["r_cc"]], y=[p["throughput"] / 1e9], mode="markers+text", name=str(p["label"]),
-                                 text=[str(p["label"])], textposition="top center",
-                                 marker=dict(size=11, color=COLOURS[i % len(COLOURS)]),
-                                 hovertext=["<br>".join(hover)], hoverinfo="text"))
-    style.place_title(fig, title or "DDL-roofline", f"P = {peak / 1e9:.3g} GFLOP/s per rank: the experts' "
-                      "compute rate that the reference lines assume")
-    fig.update_layout(template="plotly_white",
-                      xaxis=dict(type="log", title="R_CC = Lat_comp / Lat_comm"),
-                      yaxis=dict(type="log", title="throughput per rank (GFLOP/s)"),
-                      margin=dict(l=10, r=10, b=40))
+        fig.add_trace(
+            go.Scatter(
+                x=[p["r_cc"]],
+                y=[p["throughput"] / 1e9],
+                mode="markers+text",
+                name=str(p["label"]),
+                text=[str(p["label"])],
+                textposition="top center",
+                marker=dict(size=11, color=COLOURS[i % len(COLOURS)]),
+                hovertext=["<br>".join(hover)],
+                hoverinfo="text",
+            )
+        )
+    style.place_title(
+        fig,
+        title or "DDL-roofline",
+        f"P = {peak / 1e9:.3g} GFLOP/s per rank: the experts' compute rate that the reference lines assume",
+    )
+    fig.update_layout(
+        template="plotly_white",
+        xaxis=dict(type="log", title="R_CC = Lat_comp / Lat_comm"),
+        yaxis=dict(type="log", title="throughput per rank (GFLOP/s)"),
+        margin=dict(l=10, r=10, b=40),
+    )
     return fig

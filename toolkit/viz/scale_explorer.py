@@ -16,6 +16,7 @@ Two layers, so that the numbers can be tested without a screen:
 Choices that do not apply are not offered: MoE models train their dense part with ddp (their experts are
 expert-parallel). Activation checkpointing is an option of every strategy.
 """
+
 from __future__ import annotations
 
 import ipywidgets as widgets
@@ -26,10 +27,14 @@ from ..units import bytes_text, count_text, seconds_text
 from .explorer import _bundle
 from .memory import peak_bars
 
-MODELS = {"GPT-3 175B": "gpt3-175b", "ZeRO's 7.5B": "zero-7.5b", "GPT-2 XL": "gpt2-xl",
-          "MoE-GPT-S (16 experts)": "moe-gpt-s"}
+MODELS = {
+    "GPT-3 175B": "gpt3-175b",
+    "ZeRO's 7.5B": "zero-7.5b",
+    "GPT-2 XL": "gpt2-xl",
+    "MoE-GPT-S (16 experts)": "moe-gpt-s",
+}
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
-MOE_STRATEGIES = ("ddp",)      # the dense part; experts are expert-parallel whatever the strategy
+MOE_STRATEGIES = ("ddp",)  # the dense part; experts are expert-parallel whatever the strategy
 WORLDS = (8, 64, 128, 256, 512, 1024)
 CLUSTERS = ("dgx-a100", "dgx-h100")
 NODE = 8  # GPUs per node on both presets: hsdp shards inside a node
@@ -40,12 +45,21 @@ def _config(model: str) -> dict:
     """The preset's configuration (its depth: n_layer)."""
     from ..models import presets
 
-    return {"gpt3-175b": presets.GPT3, "zero-7.5b": presets.ZERO_7_5B, "gpt2-xl": presets.GPT2_XL,
-            "moe-gpt-s": presets.MOE_GPT_S}[MODELS.get(model, model)]
+    return {
+        "gpt3-175b": presets.GPT3,
+        "zero-7.5b": presets.ZERO_7_5B,
+        "gpt2-xl": presets.GPT2_XL,
+        "moe-gpt-s": presets.MOE_GPT_S,
+    }[MODELS.get(model, model)]
 
 
-def scale_case(model: str = "GPT-3 175B", strategy: str = "fsdp", world_size: int = 512, cluster: str = "dgx-a100",
-               activation_checkpointing: bool = False) -> dict:
+def scale_case(
+    model: str = "GPT-3 175B",
+    strategy: str = "fsdp",
+    world_size: int = 512,
+    cluster: str = "dgx-a100",
+    activation_checkpointing: bool = False,
+) -> dict:
     """The numbers for one choice: a `toolkit.sim.sweep` row of the whole model (its full depth)."""
     key = MODELS.get(model, model)
     if key not in PRESETS:
@@ -53,28 +67,47 @@ def scale_case(model: str = "GPT-3 175B", strategy: str = "fsdp", world_size: in
     moe = key.startswith("moe")
     valid = MOE_STRATEGIES if moe else STRATEGIES
     if strategy not in valid:
-        raise ValueError(f"{model}: strategy {strategy!r} does not apply; choose one of {list(valid)}"
-                         + (" (its experts are expert-parallel; ddp trains its dense part)" if moe else "") + ".")
+        raise ValueError(
+            f"{model}: strategy {strategy!r} does not apply; choose one of {list(valid)}"
+            + (" (its experts are expert-parallel; ddp trains its dense part)" if moe else "")
+            + "."
+        )
     options = {"activation_checkpointing": True} if activation_checkpointing else {}
-    spec = ("fsdp", dict(options, sharding_group_size=min(NODE, world_size))) if strategy == "hsdp" else (strategy, options)
-    (row,) = sweep(PRESETS[key], layers=_config(key)["n_layer"], strategies={strategy: spec}, worlds=(world_size,),
-                   cluster=cluster, mixed_precision=True)
+    spec = (
+        ("fsdp", dict(options, sharding_group_size=min(NODE, world_size)))
+        if strategy == "hsdp"
+        else (strategy, options)
+    )
+    (row,) = sweep(
+        PRESETS[key],
+        layers=_config(key)["n_layer"],
+        strategies={strategy: spec},
+        worlds=(world_size,),
+        cluster=cluster,
+        mixed_precision=True,
+    )
     return dict(row, model=model, cluster=cluster, activation_checkpointing=activation_checkpointing)
 
 
 def case_text(row: dict) -> str:
     """The verdict and, when it fits, the step: what the panel prints under the figure."""
-    head = (f"{row['model']} ({count_text(row['num_params'])} parameters, {row['layers']} layers), {row['label']}"
-            f"{' with activation checkpointing' if row['activation_checkpointing'] else ''}, rank 0 of "
-            f"{row['world_size']} on {row['cluster']}")
+    head = (
+        f"{row['model']} ({count_text(row['num_params'])} parameters, {row['layers']} layers), {row['label']}"
+        f"{' with activation checkpointing' if row['activation_checkpointing'] else ''}, rank 0 of "
+        f"{row['world_size']} on {row['cluster']}"
+    )
     lines = [head, row["fit"].text()]
     if row["fits"]:
         b = row["breakdown"]
-        lines.append(f"step {seconds_text(row['step_time'])} = compute {seconds_text(b['compute'])} + exposed "
-                     f"communication {seconds_text(b['exposed_comm'])} ({seconds_text(b['overlapped_comm'])} more "
-                     f"hidden behind compute): {row['tflops_per_gpu']:.3g} TFLOP/s per GPU, MFU {row['mfu']:.1%}")
-    lines.append(f"(model states {bytes_text(row['states'])} per GPU; simulated with {' and '.join(map(str, BASE))} of the "
-                 f"{row['layers']} layers and extrapolated: every layer adds the same)")
+        lines.append(
+            f"step {seconds_text(row['step_time'])} = compute {seconds_text(b['compute'])} + exposed "
+            f"communication {seconds_text(b['exposed_comm'])} ({seconds_text(b['overlapped_comm'])} more "
+            f"hidden behind compute): {row['tflops_per_gpu']:.3g} TFLOP/s per GPU, MFU {row['mfu']:.1%}"
+        )
+    lines.append(
+        f"(model states {bytes_text(row['states'])} per GPU; simulated with {' and '.join(map(str, BASE))} of the "
+        f"{row['layers']} layers and extrapolated: every layer adds the same)"
+    )
     return "\n".join(lines)
 
 
@@ -82,35 +115,58 @@ def case_figure(row: dict):
     """Memory at the peak, every category, against the GPU's memory."""
     fit = row["fit"]
     verdict = "fits" if fit.fits else "does not fit"
-    return peak_bars({f"{row['label']} x{row['world_size']}": row["peak_memory"]}, capacity=fit.capacity,
-                     device=fit.device, title=f"{row['model']}, {row['label']}, rank 0 of {row['world_size']}: "
-                                              f"{verdict} ({bytes_text(fit.peak)} at the peak)")
+    return peak_bars(
+        {f"{row['label']} x{row['world_size']}": row["peak_memory"]},
+        capacity=fit.capacity,
+        device=fit.device,
+        title=f"{row['model']}, {row['label']}, rank 0 of {row['world_size']}: "
+        f"{verdict} ({bytes_text(fit.peak)} at the peak)",
+    )
 
 
 class ScaleExplorer:
     """Dropdowns, a checkbox and a "simulate" button over an Output holding the figure and the verdict. Display
     it (last line of a cell). `row`, `figure` and `text` hold what is shown now; `redraws` counts the redraws."""
 
-    def __init__(self, model: str = "GPT-3 175B", strategy: str = "fsdp", world_size: int = 512,
-                 cluster: str = "dgx-a100", activation_checkpointing: bool = False, *, run: bool = True):
+    def __init__(
+        self,
+        model: str = "GPT-3 175B",
+        strategy: str = "fsdp",
+        world_size: int = 512,
+        cluster: str = "dgx-a100",
+        activation_checkpointing: bool = False,
+        *,
+        run: bool = True,
+    ):
         look = {"description_width": "120px"}
         self.model = widgets.Dropdown(options=list(MODELS), value=model, description="model", style=look)
         self.strategy = widgets.Dropdown(options=list(STRATEGIES), value=strategy, description="strategy", style=look)
         self.world_size = widgets.Dropdown(options=list(WORLDS), value=world_size, description="GPUs", style=look)
         self.cluster = widgets.Dropdown(options=list(CLUSTERS), value=cluster, description="cluster", style=look)
-        self.checkpointing = widgets.Checkbox(value=activation_checkpointing, description="activation checkpointing",
-                                              indent=False, style={"description_width": "initial"},
-                                              layout=widgets.Layout(width="260px", margin="0 0 0 125px"))
+        self.checkpointing = widgets.Checkbox(
+            value=activation_checkpointing,
+            description="activation checkpointing",
+            indent=False,
+            style={"description_width": "initial"},
+            layout=widgets.Layout(width="260px", margin="0 0 0 125px"),
+        )
         self.button = widgets.Button(description="simulate", button_style="primary")
         self.status = widgets.HTML()
         self.output = widgets.Output()
         self.row, self.figure, self.text, self.redraws = None, None, "", 0
         self.model.observe(self._offer, names="value")
         self.button.on_click(self.redraw)
-        self.widget = widgets.VBox([
-            widgets.HBox([widgets.VBox([self.model, self.strategy, self.world_size]),
-                          widgets.VBox([self.cluster, self.checkpointing, widgets.HBox([self.button, self.status])])]),
-            self.output]).add_class(PANEL_CLASS)
+        self.widget = widgets.VBox(
+            [
+                widgets.HBox(
+                    [
+                        widgets.VBox([self.model, self.strategy, self.world_size]),
+                        widgets.VBox([self.cluster, self.checkpointing, widgets.HBox([self.button, self.status])]),
+                    ]
+                ),
+                self.output,
+            ]
+        ).add_class(PANEL_CLASS)
         self._offer()
         if run:
             self.redraw()
@@ -126,8 +182,13 @@ class ScaleExplorer:
 
     def settings(self) -> dict:
         """scale_case's arguments for the current choices."""
-        return {"model": self.model.value, "strategy": self.strategy.value, "world_size": self.world_size.value,
-                "cluster": self.cluster.value, "activation_checkpointing": self.checkpointing.value}
+        return {
+            "model": self.model.value,
+            "strategy": self.strategy.value,
+            "world_size": self.world_size.value,
+            "cluster": self.cluster.value,
+            "activation_checkpointing": self.checkpointing.value,
+        }
 
     def redraw(self, _button=None) -> None:
         """Simulate the current choices and redraw (the button calls it; callable directly too)."""

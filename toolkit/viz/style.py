@@ -15,6 +15,7 @@ its colour, each name always the same shade, so the family still reads at a glan
 Titles: plotly's toolbar (zoom, pan, save) and dropdowns sit at the top of a figure. `place_title`
 puts the title below the toolbar's strip, with an optional smaller second line, and makes room for it.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,36 +24,44 @@ import textwrap
 import zlib
 
 COMPUTE = {
-    "forward": "#56B4E9",      # sky blue
-    "backward": "#332288",     # indigo: the same work, backwards, darker
-    "optimizer": "#228833",    # green
-    "experts": "#BBCC33",      # pear: an MoE layer's experts
-    "wait": "#CCCCCC",         # light grey: blocked on a collective
-    "emulated": "#777777",     # grey: held back by the emulated link (toolkit.comm.emulate)
-    "other": "#EE8866",        # orange: any other compute span
+    "forward": "#56B4E9",  # sky blue
+    "backward": "#332288",  # indigo: the same work, backwards, darker
+    "optimizer": "#228833",  # green
+    "experts": "#BBCC33",  # pear: an MoE layer's experts
+    "wait": "#CCCCCC",  # light grey: blocked on a collective
+    "emulated": "#777777",  # grey: held back by the emulated link (toolkit.comm.emulate)
+    "other": "#EE8866",  # orange: any other compute span
 }
 COMMUNICATION = {
-    "all_reduce": "#882255",   # wine
+    "all_reduce": "#882255",  # wine
     "reduce_scatter": "#DDCC77",  # sand
-    "all_gather": "#44BB99",   # mint
-    "all_to_all": "#AA4499",   # purple
-    "broadcast": "#99DDFF",    # pale blue
-    "send": "#EE7733",         # orange
-    "recv": "#994F00",         # brown
+    "all_gather": "#44BB99",  # mint
+    "all_to_all": "#AA4499",  # purple
+    "broadcast": "#99DDFF",  # pale blue
+    "send": "#EE7733",  # orange
+    "recv": "#994F00",  # brown
     "barrier": "#000000",
 }
-MEMORY = {"params": "#4477AA", "grads": "#CC6677", "optimizer": COMPUTE["optimizer"], "activations": "#DDCC77",
-          "states": "#88CCEE", "total": "#222222",
-          # a simulated rank's other categories at its peak (toolkit.sim.memory): a unit's gathered parameters
-          # (dark blue, kin to params), buffers handed to collectives, temporaries of backward and the step
-          "gathered": "#004488", "comm": "#BBCC33", "temporary": "#BBBBBB"}
+MEMORY = {
+    "params": "#4477AA",
+    "grads": "#CC6677",
+    "optimizer": COMPUTE["optimizer"],
+    "activations": "#DDCC77",
+    "states": "#88CCEE",
+    "total": "#222222",
+    # a simulated rank's other categories at its peak (toolkit.sim.memory): a unit's gathered parameters
+    # (dark blue, kin to params), buffers handed to collectives, temporaries of backward and the step
+    "gathered": "#004488",
+    "comm": "#BBCC33",
+    "temporary": "#BBBBBB",
+}
 IMPLEMENTATIONS = {"backend": "#4477AA", "ring": "#EE6677", "custom": "#228833"}  # who ran a collective
 SEQUENCE = ("#4477AA", "#EE6677", "#228833", "#CCBB44", "#66CCEE", "#AA3377", "#BBBBBB", "#332288")  # numbered things
 LOAD_SCALE = ("#2166AC", "#92C5DE", "#F7F7F7", "#F4A582", "#B2182B")  # idle .. balanced (white) .. hot: blue-red
-THEORY = "#000000"       # a formula's prediction or a reference level (diamonds, dashed lines)
-MARK = "#000000"         # a point singled out on a figure (the busiest expert)
-SEPARATOR = "#FFFFFF"    # the thin line between two spans of one colour
-ALERT = "#CC3311"        # a limit crossed, tokens dropped, memory freed
+THEORY = "#000000"  # a formula's prediction or a reference level (diamonds, dashed lines)
+MARK = "#000000"  # a point singled out on a figure (the busiest expert)
+SEPARATOR = "#FFFFFF"  # the thin line between two spans of one colour
+ALERT = "#CC3311"  # a limit crossed, tokens dropped, memory freed
 LABELS = {"emulated": "wait (emulated link)"}  # a category's name on the legend, where it is not its key
 BLOCKED = "wait in "  # "wait in all_reduce": a synchronous collective that kept a compute span waiting (grey,
 # as every wait: one colour, one word)
@@ -122,7 +131,7 @@ def shade(colour: str, k: int) -> str:
         return colour
     k = 1 + (k - 1) % 6
     toward, amount = (255, 0.28 * ((k + 1) // 2)) if k % 2 else (0, 0.22 * (k // 2))
-    rgb = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
+    rgb = [int(colour[i : i + 2], 16) for i in (1, 3, 5)]
     return "#" + "".join(f"{round(c + (toward - c) * amount):02X}" for c in rgb)
 
 
@@ -134,11 +143,15 @@ def log_ticks(low: float, high: float, most: int = 6) -> list[float]:
         return []
     decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
     for mantissas in ((1, 2, 3, 4, 5, 6, 7, 8, 9), (1, 2, 5), (1, 3), (1,)):
-        values = [m * 10.0 ** e for e in decades for m in mantissas if low <= m * 10.0 ** e * (1 + 1e-9)
-                  and m * 10.0 ** e <= high * (1 + 1e-9)]
+        values = [
+            m * 10.0**e
+            for e in decades
+            for m in mantissas
+            if low <= m * 10.0**e * (1 + 1e-9) and m * 10.0**e <= high * (1 + 1e-9)
+        ]
         if len(values) <= most and (len(values) >= 2 or mantissas != (1, 2, 3, 4, 5, 6, 7, 8, 9)):
             return values
-    return values[::math.ceil(len(values) / most)]
+    return values[:: math.ceil(len(values) / most)]
 
 
 def readable_log_axes(fig, text: dict, most: int = 6):
@@ -164,8 +177,8 @@ def readable_log_axes(fig, text: dict, most: int = 6):
 
 
 # --- titles ----------------------------------------------------------------------------------------------
-TOOLBAR_PX = 34      # plotly's toolbar strip at the top right; the title starts below it
-TITLE_PX, SUBTITLE_PX = 24, 19   # height of one line of each
+TOOLBAR_PX = 34  # plotly's toolbar strip at the top right; the title starts below it
+TITLE_PX, SUBTITLE_PX = 24, 19  # height of one line of each
 TITLE_CHARS, SUBTITLE_CHARS = 80, 110  # longer lines wrap: about 720 pixels at plotly's title sizes
 
 
@@ -184,8 +197,18 @@ def place_title(fig, title: str, subtitle: str | None = None, *, above_plot_px: 
     title, title_lines = _wrap(title, TITLE_CHARS)
     subtitle, subtitle_lines = _wrap(subtitle or "", SUBTITLE_CHARS)
     top = TOOLBAR_PX + TITLE_PX * title_lines + SUBTITLE_PX * subtitle_lines + above_plot_px
-    fig.update_layout(title=dict(text=title, x=0, xref="paper", xanchor="left", y=1, yref="container",
-                                 yanchor="top", pad=dict(t=TOOLBAR_PX),
-                                 subtitle=dict(text=subtitle, font=dict(size=13, color="#555555"))),
-                      margin=dict(t=top))
+    fig.update_layout(
+        title=dict(
+            text=title,
+            x=0,
+            xref="paper",
+            xanchor="left",
+            y=1,
+            yref="container",
+            yanchor="top",
+            pad=dict(t=TOOLBAR_PX),
+            subtitle=dict(text=subtitle, font=dict(size=13, color="#555555")),
+        ),
+        margin=dict(t=top),
+    )
     return fig

@@ -15,6 +15,7 @@ computation (`toolkit.trace.analysis.overlap_fraction`, the number the tables re
 
 A pure function of a Run: it draws what was recorded and runs nothing.
 """
+
 from __future__ import annotations
 
 import plotly.graph_objects as go
@@ -54,24 +55,38 @@ def blocked_spans(events) -> list[dict]:
     One span per piece, on the compute lane, named "blocked in <operation>"."""
     out = []
     for rank in sorted({e["rank"] for e in events}):
-        compute = _union((e["start"], e["end"]) for e in events
-                         if e["rank"] == rank and e["cat"] not in ("comm", "wait") and e["end"] is not None)
+        compute = _union(
+            (e["start"], e["end"])
+            for e in events
+            if e["rank"] == rank and e["cat"] not in ("comm", "wait") and e["end"] is not None
+        )
         for e in events:
             if e["rank"] == rank and e["cat"] == "comm" and e["args"].get("async_op") is False:
                 for start, end in _intersection([(e["start"], e["end"])], compute):
-                    out.append({"name": BLOCKED + style.operation_of(e["name"]), "cat": "blocked", "rank": rank,
-                                "start": start, "end": end, "phase": e.get("phase", ""),
-                                "args": {"collective": e["name"], "impl": e["args"].get("impl", "?")}})
+                    out.append(
+                        {
+                            "name": BLOCKED + style.operation_of(e["name"]),
+                            "cat": "blocked",
+                            "rank": rank,
+                            "start": start,
+                            "end": end,
+                            "phase": e.get("phase", ""),
+                            "args": {"collective": e["name"], "impl": e["args"].get("impl", "?")},
+                        }
+                    )
     return out
 
 
 def _selected(run, ranks, phase, where):
     prefixes = (phase,) if isinstance(phase, str) else tuple(phase) if phase is not None else None
     keep = set(ranks) if ranks is not None else None
-    return [e for e in run.events
-            if (keep is None or e["rank"] in keep)
-            and (prefixes is None or str(e.get("phase", "")).startswith(prefixes))
-            and (where is None or where(e))]
+    return [
+        e
+        for e in run.events
+        if (keep is None or e["rank"] in keep)
+        and (prefixes is None or str(e.get("phase", "")).startswith(prefixes))
+        and (where is None or where(e))
+    ]
 
 
 def _bandwidth(nbytes: float, seconds: float) -> str:
@@ -86,10 +101,12 @@ def comm_hover(event) -> str:
     """The hover text of one communication span: what moved, how long it took, how fast that was."""
     a, seconds = event["args"], max(event["end"] - event["start"], 0.0)
     size = a.get("size_bytes", 0)
-    lines = [f"<b>{event['name']}</b> ({a.get('impl', '?')}) · rank {event['rank']}",
-             f"size {size_label(size)} ({a.get('numel', '?')} × {a.get('dtype', '?')})",
-             f"sent {size_label(a.get('bytes_sent', 0))} · received {size_label(a.get('bytes_recv', 0))}",
-             f"duration {_duration(seconds)}"]
+    lines = [
+        f"<b>{event['name']}</b> ({a.get('impl', '?')}) · rank {event['rank']}",
+        f"size {size_label(size)} ({a.get('numel', '?')} × {a.get('dtype', '?')})",
+        f"sent {size_label(a.get('bytes_sent', 0))} · received {size_label(a.get('bytes_recv', 0))}",
+        f"duration {_duration(seconds)}",
+    ]
     if size and seconds > 0:
         bw = f"algbw {_bandwidth(size, seconds)}"
         group = a.get("group") or []
@@ -105,19 +122,31 @@ def comm_hover(event) -> str:
 def compute_hover(event) -> str:
     seconds = max(event["end"] - event["start"], 0.0)
     if event["cat"] == "blocked":
-        return "<br>".join([f"<b>{event['name']}</b> · rank {event['rank']}", f"duration {_duration(seconds)}",
-                            "a synchronous collective inside this compute span: the rank waited, it did not "
-                            "compute", f"phase {event.get('phase', '')}"])
+        return "<br>".join(
+            [
+                f"<b>{event['name']}</b> · rank {event['rank']}",
+                f"duration {_duration(seconds)}",
+                "a synchronous collective inside this compute span: the rank waited, it did not compute",
+                f"phase {event.get('phase', '')}",
+            ]
+        )
     extra = ", ".join(f"{k}={v}" for k, v in event["args"].items())
-    return "<br>".join([f"<b>{event['name']}</b> · rank {event['rank']}", f"duration {_duration(seconds)}",
-                        f"phase {event.get('phase', '')}"] + ([extra] if extra else []))
+    return "<br>".join(
+        [
+            f"<b>{event['name']}</b> · rank {event['rank']}",
+            f"duration {_duration(seconds)}",
+            f"phase {event.get('phase', '')}",
+        ]
+        + ([extra] if extra else [])
+    )
 
 
 def _overlap_line(run, events, blocked) -> str:
     """The subtitle: how much of the communication shown hid behind computation, and why not more."""
     working = ("forward", "backward", "optimizer", "experts")
     if not any(e["cat"] == "comm" for e in events) or not any(
-            e["cat"] != "comm" and style.compute_category(e) in working for e in events):
+        e["cat"] != "comm" and style.compute_category(e) in working for e in events
+    ):
         return ""  # nothing but collectives (a measurement): overlap means nothing here
     share = overlap_fraction(type(run)(run.config, events, meta=run.meta))
     line = f"communication overlapped with computation: {share:.0%} of its time"
@@ -126,8 +155,17 @@ def _overlap_line(run, events, blocked) -> str:
     return line
 
 
-def timeline(run, *, ranks=None, phase=None, where=None, include_compute: bool = True,
-             title: str | None = None, subtitle: str | None = None, note: str | None = None) -> go.Figure:
+def timeline(
+    run,
+    *,
+    ranks=None,
+    phase=None,
+    where=None,
+    include_compute: bool = True,
+    title: str | None = None,
+    subtitle: str | None = None,
+    note: str | None = None,
+) -> go.Figure:
     """A Gantt-style figure of the Run's spans: one lane per rank, communication above compute.
 
     ranks: only these ranks. phase: a phase name or prefix (or a tuple of them), e.g. "all_reduce/"
@@ -164,26 +202,44 @@ def timeline(run, *, ranks=None, phase=None, where=None, include_compute: bool =
             name, pattern, hover = label, dict(shape=""), [compute_hover(e) for e in spans]
         units = not is_comm and label.endswith(UNITS)  # near-identical shades per unit would not tell them apart:
         text = [unit_of(e["name"])[1] for e in spans] if units else None  # a name on each bar, and its edges
-        fig.add_trace(go.Bar(
-            orientation="h", name=name, legendgroup="comm" if is_comm else "compute",
-            legendgrouptitle_text="communication" if is_comm else "compute",
-            y=[lane_name(e["rank"], "comm" if is_comm else "compute") for e in spans],
-            base=[(e["start"] - t0) * 1e3 for e in spans],
-            x=[max(e["end"] - e["start"], 0.0) * 1e3 for e in spans],
-            marker=dict(color=(style.comm_colour if is_comm else style.compute_colour)(label),
-                        line=dict(width=1.5 if units else 0.5, color=style.SEPARATOR), pattern=pattern),
-            text=text, textposition="inside" if units else None, insidetextanchor="middle",
-            textfont=dict(color=style.SEPARATOR) if units else None, hovertext=hover, hoverinfo="text"))
+        fig.add_trace(
+            go.Bar(
+                orientation="h",
+                name=name,
+                legendgroup="comm" if is_comm else "compute",
+                legendgrouptitle_text="communication" if is_comm else "compute",
+                y=[lane_name(e["rank"], "comm" if is_comm else "compute") for e in spans],
+                base=[(e["start"] - t0) * 1e3 for e in spans],
+                x=[max(e["end"] - e["start"], 0.0) * 1e3 for e in spans],
+                marker=dict(
+                    color=(style.comm_colour if is_comm else style.compute_colour)(label),
+                    line=dict(width=1.5 if units else 0.5, color=style.SEPARATOR),
+                    pattern=pattern,
+                ),
+                text=text,
+                textposition="inside" if units else None,
+                insidetextanchor="middle",
+                textfont=dict(color=style.SEPARATOR) if units else None,
+                hovertext=hover,
+                hoverinfo="text",
+            )
+        )
     calls = sum(e["cat"] == "comm" for e in events)
-    style.place_title(fig, title or f"Timeline: {len(shown_ranks)} ranks, {calls} collective calls",
-                      " · ".join(t for t in (subtitle if subtitle is not None else _overlap_line(run, events, blocked),
-                                             note) if t))
+    style.place_title(
+        fig,
+        title or f"Timeline: {len(shown_ranks)} ranks, {calls} collective calls",
+        " · ".join(t for t in (subtitle if subtitle is not None else _overlap_line(run, events, blocked), note) if t),
+    )
     legend_px = 20 * (len(groups) + 2)  # one line per name and per group title: the lanes make room for it
     fig.update_layout(
-        barmode="overlay", bargap=0.25, uniformtext=dict(minsize=8, mode="hide"),  # a unit's name where it fits
+        barmode="overlay",
+        bargap=0.25,
+        uniformtext=dict(minsize=8, mode="hide"),  # a unit's name where it fits
         height=fig.layout.margin.t + 80 + max(34 * len(order), legend_px),
         template="plotly_white",
-        xaxis_title="time since the first span (ms)", legend=dict(groupclick="toggleitem"),
+        xaxis_title="time since the first span (ms)",
+        legend=dict(groupclick="toggleitem"),
         yaxis=dict(categoryorder="array", categoryarray=order, autorange="reversed", title=None),
-        margin=dict(l=10, r=10, b=40))
+        margin=dict(l=10, r=10, b=40),
+    )
     return fig

@@ -21,6 +21,7 @@ attention mixes tokens, so only attention must talk. Read in this order:
 data-parallel strategy then reduces over dp x cp (the cp ranks hold the same parameters and see different
 tokens), and learns nothing else of cp.
 """
+
 from __future__ import annotations
 
 from .merge import merge
@@ -31,5 +32,15 @@ from .ring_attention import ring_attention
 from .sequence import SequenceSplit
 from .ulysses import ulysses_attention
 
-__all__ = ["ATTENTIONS", "CPGroup", "ContextParallel", "Ring", "SequenceSplit", "attention_modules", "merge",
-           "parallelize", "ring_attention", "ulysses_attention"]
+__all__ = [
+    "ATTENTIONS",
+    "CPGroup",
+    "ContextParallel",
+    "Ring",
+    "SequenceSplit",
+    "attention_modules",
+    "merge",
+    "parallelize",
+    "ring_attention",
+    "ulysses_attention",
+]

@@ -13,6 +13,7 @@ gradients a single process would get from the whole sequence, as Megatron and to
 Elsewhere (a GPU, whose fused kernels have other signatures) the same two functions run in plain tensor
 algebra, which is exact and slower: the scores of one block pair are materialised for the duration of a call.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,8 +43,9 @@ def fused_attend(q, k, v, causal, scale):
 
 
 def fused_attend_backward(grad_out, q, k, v, out, lse, causal, scale):
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal,
-                                                                    scale=scale)
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
 
 
 def plain_attend(q, k, v, causal, scale):

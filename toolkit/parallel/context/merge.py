@@ -15,6 +15,7 @@ whole sequence exactly (up to rounding). The exponents are never positive, so no
 
 Shapes: out (batch, heads, queries, head_dim), lse (batch, heads, queries), both in fp32 while merging (fp64 for fp64 inputs).
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,11 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     return out, total
 
 
-def merge_into(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
-               block_lse: torch.Tensor) -> None:
+def merge_into(
+    out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
     """Merge a block that only the query rows `rows` attended (the later half, under zigzag) into (out, lse),
     in place; the other rows keep what they have."""
-    out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], block_out.to(out.dtype), block_lse.to(lse.dtype))
+    out[:, :, rows], lse[:, :, rows] = merge(
+        out[:, :, rows], lse[:, :, rows], block_out.to(out.dtype), block_lse.to(lse.dtype)
+    )

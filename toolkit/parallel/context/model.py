@@ -15,6 +15,7 @@ Three things change, each found through a small protocol (the model is not rewri
 So `model(x, y)` takes the whole rows, as every other strategy's model does, and returns the loss of the whole
 sequence; the data-parallel strategy reduces the gradients over dp x cp (`compose.py`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -100,28 +101,38 @@ def check(model: nn.Module, attention: str, size: int, tp: int = 1) -> None:
     """What makes context parallelism over `size` ranks impossible for this model, said before any group is made
     (tp: the tensor-parallel ranks that will share each attention's heads)."""
     if attention not in ATTENTIONS:
-        raise ValueError(f"cp_attention={attention!r} is not one of {ATTENTIONS}: 'ring' (keys and values passed "
-                         f"around the ranks, the sequence zigzag-split so causal work is balanced), 'ring-unbalanced' "
-                         f"(contiguous split, for comparison), 'ulysses' (all-to-all to a head split and back).")
+        raise ValueError(
+            f"cp_attention={attention!r} is not one of {ATTENTIONS}: 'ring' (keys and values passed "
+            f"around the ranks, the sequence zigzag-split so causal work is balanced), 'ring-unbalanced' "
+            f"(contiguous split, for comparison), 'ulysses' (all-to-all to a head split and back)."
+        )
     found = attention_modules(model)
     missing = [end for end in ENDS if not callable(getattr(model, end, None))]
     if not found or missing:
-        why = ("no module with an attend(q, k, v) method (the toolkit GPT's attention has one)" if not found else
-               f"the model has no {missing} (the methods the toolkit's GPT and pipeline use to see its ends)")
-        raise ValueError(f"context parallelism (cp={size}) splits the sequence and replaces the model's attention, "
-                         f"but in {type(model).__name__} the toolkit cannot find it: {why}. Use a toolkit GPT "
-                         f"(toolkit.models.tiny_gpt or a preset), or give your model's attention module an "
-                         f"attend(q, k, v) method over (batch, heads, tokens, head_dim) tensors and the model "
-                         f"embed/hidden_shape/head_loss methods, as toolkit.models.gpt.GPT has.")
+        why = (
+            "no module with an attend(q, k, v) method (the toolkit GPT's attention has one)"
+            if not found
+            else f"the model has no {missing} (the methods the toolkit's GPT and pipeline use to see its ends)"
+        )
+        raise ValueError(
+            f"context parallelism (cp={size}) splits the sequence and replaces the model's attention, "
+            f"but in {type(model).__name__} the toolkit cannot find it: {why}. Use a toolkit GPT "
+            f"(toolkit.models.tiny_gpt or a preset), or give your model's attention module an "
+            f"attend(q, k, v) method over (batch, heads, tokens, head_dim) tensors and the model "
+            f"embed/hidden_shape/head_loss methods, as toolkit.models.gpt.GPT has."
+        )
     dropping = [name for name, module in found if getattr(module, "attention_dropout", 0)]
     if dropping:
-        raise ValueError(f"context parallelism (cp={size}) attends block by block, and its attention drops no weights: "
-                         f"{dropping[0]!r} has attention_dropout={getattr(dict(found)[dropping[0]], 'attention_dropout')}"
-                         f". Build the model with attention_dropout=0 (GPT-3- and Llama-class models train without "
-                         f"it), or train it without cp.")
+        raise ValueError(
+            f"context parallelism (cp={size}) attends block by block, and its attention drops no weights: "
+            f"{dropping[0]!r} has attention_dropout={dict(found)[dropping[0]].attention_dropout}"
+            f". Build the model with attention_dropout=0 (GPT-3- and Llama-class models train without "
+            f"it), or train it without cp."
+        )
     if attention == "ulysses":
         for name, module in found:
             heads = getattr(module, "local_heads", None) or getattr(module, "n_head", tp) / tp
             if heads == int(heads):  # (heads that do not split over tp are tensor parallelism's error to say)
-                check_heads(int(heads), size, f"{name!r}" + (f" (its share on each of tp={tp} ranks)" if tp > 1
-                                                             else ""))
+                check_heads(
+                    int(heads), size, f"{name!r}" + (f" (its share on each of tp={tp} ranks)" if tp > 1 else "")
+                )

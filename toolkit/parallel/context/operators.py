@@ -10,6 +10,7 @@ process), with the gradient of L_c (identity backward).
 The logits. `model(x)` returns the whole sequence's logits, as the unwrapped model does: each rank's are
 all-gathered and put back in sequence order (`gather_sequence`; backward keeps this rank's part).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ class CPGroup:
     rank: int
 
     @classmethod
-    def of(cls, group) -> "CPGroup":
+    def of(cls, group) -> CPGroup:
         ranks = comm.group_ranks(group)
         return cls(group, len(ranks), ranks.index(dist.get_rank()))
 

@@ -10,6 +10,7 @@ are recorded on the trace) and returns at once; the caller computes on the block
 for the next one only when it needs it. That is the overlap of ring attention: the next block's transfer hides
 behind this block's attention, as long as a block's attention takes longer than its transfer.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,7 +35,7 @@ class Ring:
         """The ring index of the rank whose block this rank holds after `step` passes."""
         return (self.rank - step) % self.size
 
-    def pass_on(self, block: torch.Tensor, label: str = "kv") -> "Pass":
+    def pass_on(self, block: torch.Tensor, label: str = "kv") -> Pass:
         """Send `block` to the next rank and receive the previous rank's block of the same shape, asynchronously.
         Even ranks post the send first, odd ranks the receive (so no two neighbours wait on each other's send,
         on any backend)."""

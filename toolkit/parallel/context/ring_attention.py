@@ -22,6 +22,7 @@ only keys at or before it, and the sequence split decides the work:
                 j > i: chunk i sees nothing of it, chunk 2cp-1-i sees all of it: second half of queries x all keys.
                 Every step but the first is half a block's work on every rank: balanced.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ ALL = slice(None)
 @dataclass(frozen=True)
 class Part:
     """The rows of queries and of keys a step attends, and whether the step's mask is causal."""
+
     queries: slice
     keys: slice
     causal: bool
@@ -67,16 +69,17 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, zigzag: bool, causal: bool, scale):
         length = q.shape[2]
-        kv = torch.stack([k, v])           # one message per step: this rank's keys and values
+        kv = torch.stack([k, v])  # one message per step: this rank's keys and values
         out = lse = None
         for step in range(ring.size):
             passing = ring.pass_on(kv) if step < ring.size - 1 else None  # the next block moves while we compute
             work = part(ring.rank, ring.source(step), length, causal, zigzag)
             if work is not None:
                 with recorder.span("ring attention", step=step, owner=ring.source(step)):
-                    block_out, block_lse = attend(q[:, :, work.queries], kv[0][:, :, work.keys],
-                                                  kv[1][:, :, work.keys], work.causal, scale)
-                    if out is None:        # step 0: the own block, every query
+                    block_out, block_lse = attend(
+                        q[:, :, work.queries], kv[0][:, :, work.keys], kv[1][:, :, work.keys], work.causal, scale
+                    )
+                    if out is None:  # step 0: the own block, every query
                         out, lse = block_out.to(accumulator(q.dtype)), block_lse.to(accumulator(q.dtype))
                     else:
                         merge_into(out, lse, work.queries, block_out, block_lse)
@@ -94,7 +97,7 @@ class RingAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         dq = torch.zeros_like(q, dtype=accumulator(q.dtype))
         kv = torch.stack([k, v])
-        own = gradient = None              # the own block's share; the gradient travelling with a block
+        own = gradient = None  # the own block's share; the gradient travelling with a block
         for step in range(ring.size):
             passing = ring.pass_on(kv) if step < ring.size - 1 else None
             block = torch.zeros_like(kv, dtype=dq.dtype)  # this rank's share of the block's dk, dv
@@ -102,20 +105,27 @@ class RingAttention(torch.autograd.Function):
             if work is not None:
                 rows, keys = work.queries, work.keys
                 with recorder.span("ring attention backward", step=step, owner=ring.source(step)):
-                    dq_, dk_, dv_ = attend_backward(grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
-                                                    kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows], work.causal,
-                                                    ctx.scale)
+                    dq_, dk_, dv_ = attend_backward(
+                        grad_out[:, :, rows],
+                        q[:, :, rows],
+                        kv[0][:, :, keys],
+                        kv[1][:, :, keys],
+                        out[:, :, rows],
+                        lse[:, :, rows],
+                        work.causal,
+                        ctx.scale,
+                    )
                     dq[:, :, rows] += dq_
                     block[0][:, :, keys] += dk_
                     block[1][:, :, keys] += dv_
             if step == 0:
-                own = block                # kept here until the block comes home
+                own = block  # kept here until the block comes home
             else:
-                if gradient is not None:   # what the ranks before added to this block
+                if gradient is not None:  # what the ranks before added to this block
                     block += gradient.wait()
                 gradient = ring.pass_on(block, "dkv")  # on to the next rank; the last pass reaches the owner
             if passing is not None:
                 kv = passing.wait()
         if gradient is not None:
-            own += gradient.wait()         # every other rank's share of this rank's own block
+            own += gradient.wait()  # every other rank's share of this rank's own block
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None

@@ -18,6 +18,7 @@ Each rank reads the whole rows of its data-parallel replica (as every rank of a 
 and keeps its own tokens: inputs and labels alike, so a label stays beside its input. Position embeddings
 must see the *global* position of each kept token (`positions`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,12 +48,18 @@ class SequenceSplit:
     def check(self, length: int, what: str = "the sequence") -> None:
         """A sequence that does not split into whole chunks is an error that says which lengths do."""
         if length % self.num_chunks:
-            how = (f"2·cp = {self.num_chunks} chunks (zigzag: rank i holds chunks i and 2·cp-1-i, so causal work "
-                   f"is balanced)" if self.zigzag else f"cp = {self.cp} contiguous pieces")
+            how = (
+                f"2·cp = {self.num_chunks} chunks (zigzag: rank i holds chunks i and 2·cp-1-i, so causal work "
+                f"is balanced)"
+                if self.zigzag
+                else f"cp = {self.cp} contiguous pieces"
+            )
             near = max(self.num_chunks, length - length % self.num_chunks)
-            raise ValueError(f"context parallelism over cp={self.cp} ranks splits {what} into {how}: a length of "
-                             f"{length} tokens does not split. Use a multiple of {self.num_chunks} (e.g. {near} or "
-                             f"{near + self.num_chunks}).")
+            raise ValueError(
+                f"context parallelism over cp={self.cp} ranks splits {what} into {how}: a length of "
+                f"{length} tokens does not split. Use a multiple of {self.num_chunks} (e.g. {near} or "
+                f"{near + self.num_chunks})."
+            )
 
     def positions(self, length: int, device=None) -> torch.Tensor:
         """The global positions of this rank's tokens of a `length`-token sequence, in the order it holds them."""

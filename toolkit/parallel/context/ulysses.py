@@ -19,6 +19,7 @@ Backward is the same two all-to-alls in reverse. Compared with the ring:
   the projection after it keeps the same values in the sequence split (s·b·h/cp each); the ring's output is
   both at once.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,9 +32,11 @@ def check_heads(heads: int, cp: int, where: str = "the model") -> None:
     """Ulysses splits the heads over the cp ranks: say so, before anything runs, when they do not split."""
     if heads % cp:
         fits = [c for c in range(1, heads + 1) if heads % c == 0]
-        raise ValueError(f"Ulysses (cp_attention='ulysses') gives each of the cp={cp} ranks heads/cp of the attention "
-                         f"heads for the whole sequence: {where} has {heads} heads per rank, which do not split over "
-                         f"{cp} ranks. Choose cp among {fits}, or cp_attention='ring' (no limit on heads).")
+        raise ValueError(
+            f"Ulysses (cp_attention='ulysses') gives each of the cp={cp} ranks heads/cp of the attention "
+            f"heads for the whole sequence: {where} has {heads} heads per rank, which do not split over "
+            f"{cp} ranks. Choose cp among {fits}, or cp_attention='ring' (no limit on heads)."
+        )
 
 
 def _all_to_all(x: torch.Tensor, cp: CPGroup, scatter: int, gather: int) -> torch.Tensor:

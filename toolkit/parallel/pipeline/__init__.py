@@ -19,6 +19,7 @@ Read in this order:
 `wrap` is step 3 of `toolkit.parallel.compose`: tensor parallelism has already split the layers, and the
 data-parallel strategy wraps each stage over the dp group.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,8 +41,9 @@ from .stage import cut, find_tie
 __all__ = ["wrap", "Action", "SCHEDULES", "PipelineDeadlock", "PipelineModel", "stage_group"]
 
 
-def wrap(model, mesh, build, optimizer, options: dict, *, microbatches=None, schedule="1f1b", virtual_stages=1,
-         pp_split=None):
+def wrap(
+    model, mesh, build, optimizer, options: dict, *, microbatches=None, schedule="1f1b", virtual_stages=1, pp_split=None
+):
     """(PipelineModel, ChainedOptimizer) of this rank's stages, each wrapped by `build` (the dp strategy)."""
     layout = mesh_.layout_of(mesh)
     pp, me, dp_rank = layout.pp, mesh_.coordinate(mesh).pp, mesh_.data_parallel_rank(mesh)
@@ -68,18 +70,43 @@ def wrap(model, mesh, build, optimizer, options: dict, *, microbatches=None, sch
         wrapped[s], opt = build(part, optimizer, **options)
         optimizers.append(opt)
         if split_backward and getattr(getattr(wrapped[s], "engine", None), "name", None) == "fsdp":
-            raise ValueError(f"schedule={schedule!r} splits each backward in two (B, then W later), but FSDP frees a "
-                             f"unit's gathered parameters at the end of every backward, so W would read freed "
-                             f"memory. Use schedule='1f1b' with fsdp, or zero-bubble with local, dp, ddp or zero1-3 "
-                             f"(ZeRO-3 keeps a module gathered until its gradients are complete).")
+            raise ValueError(
+                f"schedule={schedule!r} splits each backward in two (B, then W later), but FSDP frees a "
+                f"unit's gathered parameters at the end of every backward, so W would read freed "
+                f"memory. Use schedule='1f1b' with fsdp, or zero-bubble with local, dp, ddp or zero1-3 "
+                f"(ZeRO-3 keeps a module gathered until its gradients are complete)."
+            )
     info_tp = getattr(model, "tensor_parallel", None)  # tp ranks holding the same activations send 1/t each
     scatter = info_tp.tp if info_tp is not None and not info_tp.sequence_parallel else None
-    driver = Driver(wrapped, programs[me], lowering.send_order(programs), mesh_.group(mesh, "pp"), me, m,
-                    stages_total, split=split_backward, tie=tie, hidden_shape=part.hidden_shape, dtype=dtype,
-                    device=env.device(), scatter=scatter)
-    info = {"pp": pp, "microbatches": m, "schedule": schedule if isinstance(schedule, str) else schedule.__name__,
-            "virtual_stages": v, "stages": mine, "split": split, "actions": actions, "programs": programs,
-            "dp_rank": dp_rank, "rank": me, "tied": tie.name if tie is not None else None, "names": names}
+    driver = Driver(
+        wrapped,
+        programs[me],
+        lowering.send_order(programs),
+        mesh_.group(mesh, "pp"),
+        me,
+        m,
+        stages_total,
+        split=split_backward,
+        tie=tie,
+        hidden_shape=part.hidden_shape,
+        dtype=dtype,
+        device=env.device(),
+        scatter=scatter,
+    )
+    info = {
+        "pp": pp,
+        "microbatches": m,
+        "schedule": schedule if isinstance(schedule, str) else schedule.__name__,
+        "virtual_stages": v,
+        "stages": mine,
+        "split": split,
+        "actions": actions,
+        "programs": programs,
+        "dp_rank": dp_rank,
+        "rank": me,
+        "tied": tie.name if tie is not None else None,
+        "names": names,
+    }
     return PipelineModel(wrapped, driver, info, getattr(model, "tensor_parallel", None)), ChainedOptimizer(optimizers)
 
 
@@ -88,11 +115,13 @@ def check_schedule(schedule, pp: int, microbatches: int, virtual_stages: int) ->
     schedules.resolve(schedule, virtual_stages)
     if schedule in ("1f1b", "interleaved", "zb-h1") and microbatches < pp:
         bubble = (pp - 1) / (microbatches + pp - 1)
-        raise ValueError(f"schedule={schedule!r} with microbatches={microbatches} < pp={pp}: a pipeline of {pp} stages "
-                         f"needs at least {pp} micro-batches in flight to keep every stage busy in its steady state; with "
-                         f"{microbatches}, the stages idle (the bubble, (pp-1)/(m+pp-1) = {bubble:.0%} of the step) and "
-                         f"1F1B never reaches its one-forward-one-backward rhythm. Use microbatches >= {pp} (more is "
-                         f"better: 4 x pp gives a bubble of {(pp - 1) / (5 * pp - 1):.0%}).")
+        raise ValueError(
+            f"schedule={schedule!r} with microbatches={microbatches} < pp={pp}: a pipeline of {pp} stages "
+            f"needs at least {pp} micro-batches in flight to keep every stage busy in its steady state; with "
+            f"{microbatches}, the stages idle (the bubble, (pp-1)/(m+pp-1) = {bubble:.0%} of the step) and "
+            f"1F1B never reaches its one-forward-one-backward rhythm. Use microbatches >= {pp} (more is "
+            f"better: 4 x pp gives a bubble of {(pp - 1) / (5 * pp - 1):.0%})."
+        )
 
 
 def stage_group(*, pp: int, tp: int = 1, cp: int = 1, order: str = mesh_.ORDER):
@@ -115,14 +144,17 @@ def _check_experts(part, mesh) -> None:
     for name, module in part.named_modules():
         if isinstance(module, MoE) and module.world > 1:  # (a layer of one rank holds every expert itself)
             from ... import comm
+
             ranks = comm.group_ranks(module.group)
             others = [r for r in ranks if layout.coordinate(r).pp != me]
             if others:
-                raise ValueError(f"pipeline parallelism: the MoE layer {name!r} splits its experts over ranks {ranks}, "
-                                 f"but ranks {others} hold other pipeline stages. Build the model with "
-                                 f"moe_gpt(group=toolkit.parallel.pipeline.stage_group(pp={layout.pp}, tp={layout.tp}, "
-                                 f"cp={layout.cp}, order={layout.order!r})) "
-                                 f"(TrainConfig's moe_model_fn does this for you).")
+                raise ValueError(
+                    f"pipeline parallelism: the MoE layer {name!r} splits its experts over ranks {ranks}, "
+                    f"but ranks {others} hold other pipeline stages. Build the model with "
+                    f"moe_gpt(group=toolkit.parallel.pipeline.stage_group(pp={layout.pp}, tp={layout.tp}, "
+                    f"cp={layout.cp}, order={layout.order!r})) "
+                    f"(TrainConfig's moe_model_fn does this for you)."
+                )
 
 
 def _positive(name: str, value) -> int:
@@ -137,7 +169,9 @@ def _compute_dtype(options: dict) -> torch.dtype:
 
     dtype = dtypes(options.get("mixed_precision", False))[0]
     if dtype == torch.float16:
-        raise ValueError("pipeline parallelism here runs fp32 or bfloat16 (mixed_precision=True): fp16 would need "
-                         "its loss scale applied at the last stage only and its overflow vote taken over every "
-                         "stage, which this toolkit does not do. Use mixed_precision=True (bfloat16).")
+        raise ValueError(
+            "pipeline parallelism here runs fp32 or bfloat16 (mixed_precision=True): fp16 would need "
+            "its loss scale applied at the last stage only and its overflow vote taken over every "
+            "stage, which this toolkit does not do. Use mixed_precision=True (bfloat16)."
+        )
     return dtype

@@ -12,11 +12,11 @@ not assigned afterwards, so the hooks a data-parallel strategy puts on gradient 
 buckets, ZeRO's reduce-scatter) fire as in any backward. The first stage's input is token ids, which
 have no gradient: there B does nothing and W runs the whole backward (as torch does).
 """
+
 from __future__ import annotations
 
 import torch
 from torch.autograd.graph import GradientEdge
-
 from torch.distributed.pipelining._backward import stage_backward_input  # private: pinned here only
 
 

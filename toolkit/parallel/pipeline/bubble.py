@@ -25,13 +25,15 @@ programs with its actions' measured durations and free messages (the schedule's 
 actions do not cost F = 1, B = 2), and `step_breakdown(run)` splits each rank's real step into its actions, its
 waits for messages, and the rest (sending and posting them, the loss's all-reduce, Python between actions).
 """
+
 from __future__ import annotations
 
 from .schedules import KINDS, Action, group_size
 
 
-def formula_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1,
-                   costs: dict | None = None) -> float:
+def formula_bubble(
+    schedule: str, pp: int, microbatches: int, virtual_stages: int = 1, costs: dict | None = None
+) -> float:
     """The textbook bubble fraction of `schedule` (costs {"F", "B", "W"}: ZB-H1 only; default 1, 1, 1)."""
     p, m, v = pp, microbatches, virtual_stages
     if schedule in ("gpipe", "1f1b"):
@@ -100,8 +102,10 @@ def replayed_bubble(run, programs: list[list], step: int | None = None) -> dict:
     messages: the bubble the schedule itself leaves with these stages, a lower bound of the measured one."""
     from .lowering import busy_and_span, replay
 
-    took = {(e["args"]["action"], e["args"]["micro"], e["args"]["stage"]): e["end"] - e["start"]
-            for e in _actions(run, step)}
+    took = {
+        (e["args"]["action"], e["args"]["micro"], e["args"]["stage"]): e["end"] - e["start"]
+        for e in _actions(run, step)
+    }
     busy, span = busy_and_span(replay(programs, lambda a: took[(a.kind, a.micro, a.stage)]))
     return {rank: 1.0 - b / span for rank, b in enumerate(busy)}
 
@@ -148,13 +152,39 @@ def ideal_run(timeline: list[list[tuple]], config: dict | None = None):
     for rank, ops in enumerate(timeline):
         for op, start, end in ops:
             if isinstance(op, Action):
-                events.append({"name": KINDS[op.kind], "cat": "compute", "phase": "forward" if op.kind == "F" else
-                               "backward", "rank": rank, "start": start, "end": end,
-                               "args": {"step": 0, "micro": op.micro, "stage": op.stage, "action": op.kind}})
+                events.append(
+                    {
+                        "name": KINDS[op.kind],
+                        "cat": "compute",
+                        "phase": "forward" if op.kind == "F" else "backward",
+                        "rank": rank,
+                        "start": start,
+                        "end": end,
+                        "args": {"step": 0, "micro": op.micro, "stage": op.stage, "action": op.kind},
+                    }
+                )
             elif isinstance(op, Send):
-                events.append({"name": "send", "cat": "comm", "phase": "", "rank": rank, "start": start, "end": end,
-                               "args": {"message": op.message.kind, "micro": op.message.micro,
-                                        "stage": op.message.stage, "peer": op.peer}})
+                events.append(
+                    {
+                        "name": "send",
+                        "cat": "comm",
+                        "phase": "",
+                        "rank": rank,
+                        "start": start,
+                        "end": end,
+                        "args": {
+                            "message": op.message.kind,
+                            "micro": op.message.micro,
+                            "stage": op.message.stage,
+                            "peer": op.peer,
+                        },
+                    }
+                )
     events.sort(key=lambda e: (e["start"], e["rank"]))
-    return Run(dict(config or {}, ideal=True), events, [], [], {"world_size": len(timeline),
-                                                                "ranks": list(range(len(timeline)))})
+    return Run(
+        dict(config or {}, ideal=True),
+        events,
+        [],
+        [],
+        {"world_size": len(timeline), "ranks": list(range(len(timeline)))},
+    )

@@ -12,6 +12,7 @@ its optimizer state beside it; it does not know how the model was laid out. A pi
 A tied embedding appears once, as in a one-process model: the first stage trains it and saves it; the last
 stage's borrowed copy is refreshed from it at the next step.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,9 @@ def full_checkpoint(model, optimizer) -> dict:
     checkpoint = {"format": FULL, "model": params, "optimizer": {"type": kind, "param_groups": groups, "state": state}}
     if model.tp_info is not None:
         checkpoint = tensor_parallel.join(SimpleNamespace(tensor_parallel=model.tp_info), checkpoint, rank0_only=False)
-    everyone = exchange({"model": checkpoint["model"], "state": checkpoint["optimizer"]["state"]}, model.driver.group,
-                        tensors=False)
+    everyone = exchange(
+        {"model": checkpoint["model"], "state": checkpoint["optimizer"]["state"]}, model.driver.group, tensors=False
+    )
     checkpoint["model"] = {n: t for part in everyone for n, t in part["model"].items()}
     checkpoint["optimizer"]["state"] = {n: s for part in everyone for n, s in part["state"].items()}
     return checkpoint
@@ -59,15 +61,21 @@ def load_full(model, optimizer, path: str) -> None:
         names = model.pipeline["names"]
         saved = set(checkpoint.get("model", {})) if isinstance(checkpoint, dict) else set()
         if isinstance(checkpoint, dict) and checkpoint.get("format") == FULL and saved != set(names):
-            error = (f"the checkpoint is from another model: missing parameters {sorted(set(names) - saved)[:5]}, "
-                     f"unexpected {sorted(saved - set(names))[:5]}; nothing was loaded.")
+            error = (
+                f"the checkpoint is from another model: missing parameters {sorted(set(names) - saved)[:5]}, "
+                f"unexpected {sorted(saved - set(names))[:5]}; nothing was loaded."
+            )
     if error is not None:  # every rank read the same file, so every rank raises here
         raise ValueError(error)
     for wrapped, opt in zip(model.stages.values(), optimizer.optimizers):
         mine = [n for n, _ in wrapped.module.named_parameters()]
-        part = {"format": FULL, "model": {n: checkpoint["model"][n] for n in mine},
-                "optimizer": dict(checkpoint["optimizer"], state={n: s for n, s in checkpoint["optimizer"]["state"].items()
-                                                                   if n in mine})}
+        part = {
+            "format": FULL,
+            "model": {n: checkpoint["model"][n] for n in mine},
+            "optimizer": dict(
+                checkpoint["optimizer"], state={n: s for n, s in checkpoint["optimizer"]["state"].items() if n in mine}
+            ),
+        }
         if model.tp_info is not None:
             part = tensor_parallel.cut(SimpleNamespace(tensor_parallel=model.tp_info, module=wrapped.module), part)
         full.load_full_checkpoint(wrapped, opt, part)

@@ -24,6 +24,7 @@ The returned loss is the batch's mean on every rank of the pipeline: the last st
 stage's auxiliary losses (MoE), summed over the pipeline group by one small all-reduce, issued after the
 rank's last forward so that it runs behind the backwards still to do.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,24 +43,50 @@ class Driver:
     """What a rank needs to run its program: its stages (wrapped by the data-parallel strategy), the program,
     the message order, the pipeline group, and the shapes of what it receives."""
 
-    def __init__(self, stages: dict, program: list, order: dict, group, me: int, microbatches: int,
-                 stages_total: int, *, split: bool, tie, hidden_shape, dtype, device, scatter=None):
+    def __init__(
+        self,
+        stages: dict,
+        program: list,
+        order: dict,
+        group,
+        me: int,
+        microbatches: int,
+        stages_total: int,
+        *,
+        split: bool,
+        tie,
+        hidden_shape,
+        dtype,
+        device,
+        scatter=None,
+    ):
         self.stages, self.program, self.order = stages, program, order
         self.scatter = scatter  # the TPGroup whose ranks send 1/t of each activation (`p2p.py`), or None
         self.group, self.me, self.m, self.split = group, me, microbatches, split
         self.last_stage = stages_total - 1
         self.tie, self.hidden_shape, self.dtype, self.device = tie, hidden_shape, dtype, device
         weight_kind = "W" if split else "B"
-        self.reduces = {s: next(a for a in reversed(program) if isinstance(a, Action) and a.kind == weight_kind
-                                and a.stage == s) for s in stages}  # the action in which each stage reduces
+        self.reduces = {
+            s: next(a for a in reversed(program) if isinstance(a, Action) and a.kind == weight_kind and a.stage == s)
+            for s in stages
+        }  # the action in which each stage reduces
         # this rank's share of the loss is complete after its last forward: its sum over the pipeline starts
         # then and runs behind the backwards still to do
         self.last_forward = max(i for i, op in enumerate(program) if isinstance(op, Action) and op.kind == "F")
         # the send of each backward's input gradient, issued from inside that backward (not under split schedules,
         # whose B computes input gradients only: nothing waits in it)
-        self.sends_within = {} if split else {
-            op: after for op, after in zip(program, program[1:]) if isinstance(op, Action) and op.kind == "B"
-            and isinstance(after, Send) and after.message == (("gradient", op.micro, op.stage))}
+        self.sends_within = (
+            {}
+            if split
+            else {
+                op: after
+                for op, after in zip(program, program[1:])
+                if isinstance(op, Action)
+                and op.kind == "B"
+                and isinstance(after, Send)
+                and after.message == (("gradient", op.micro, op.stage))
+            }
+        )
         self.observers: list = []  # fn(action) after every action (a memory sample, a probe)
         self.calls = 0  # steps run so far: the step its spans are labelled with
 
@@ -72,8 +99,9 @@ class Driver:
         shapes = {"activation": self.hidden_shape(micro_shape), "gradient": self.hidden_shape(micro_shape)}
         if self.tie is not None:
             shapes["tied weight"] = shapes["tied gradient"] = self.tie.shape
-        self.mailbox = mailbox = Mailbox(self.group, self.me, self.order, lambda msg: (shapes[msg.kind], self.dtype),
-                                         self.device, split=self.scatter)
+        self.mailbox = mailbox = Mailbox(
+            self.group, self.me, self.order, lambda msg: (shapes[msg.kind], self.dtype), self.device, split=self.scatter
+        )
         self.kept: dict = {}  # (micro, stage) -> [input, roots, gradients of the roots, W's groups]
         self.sent_within: set = set()  # the Sends already issued from inside their backward
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -125,16 +153,22 @@ class Driver:
         entry = self.kept[(op.micro, op.stage)]
         inputs, roots = entry[0], entry[1]
         if op.kind == "B":  # the loss's gradient is 1 (None); a stage's output's came from the next stage
-            entry[2] = [None] if op.stage == self.last_stage else \
-                [self._arrived((op.micro, op.stage, "gradient"))] + [None] * (len(roots) - 1)
+            entry[2] = (
+                [None]
+                if op.stage == self.last_stage
+                else [self._arrived((op.micro, op.stage, "gradient"))] + [None] * (len(roots) - 1)
+            )
         send = self.sends_within.get(op)
-        hook = None if send is None else inputs.register_post_accumulate_grad_hook(
-            lambda t: self._send_within(send, t.grad))
+        hook = (
+            None
+            if send is None
+            else inputs.register_post_accumulate_grad_hook(lambda t: self._send_within(send, t.grad))
+        )
         with self._sync(op):
             if not self.split:
                 bw.backward(roots, entry[2])
             elif op.kind == "B" and op.stage > 0:  # input gradients now, weights' later (the borrowed tied
-                leaves = [inputs]                   # weight's with the input's: it is sent back after the last B)
+                leaves = [inputs]  # weight's with the input's: it is sent back after the last B)
                 if op.stage == self.last_stage and self.tie is not None and self.tie.borrowed is not None:
                     leaves.append(self.tie.borrowed)
                 weights = [p for p in self.stages[op.stage].parameters() if p.requires_grad]

@@ -16,6 +16,7 @@ without running anything: every rank steps through its program on a clock (F, B,
 `cost` says), a receive waits for its send; if no rank can move and work remains, it names where every
 rank waits. With unit costs the replay is the classic diagram, and its idle time the bubble formulas.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -32,8 +33,11 @@ class Message(NamedTuple):
     stage: int
 
     def __repr__(self) -> str:
-        return f"{self.kind} of micro-batch {self.micro} from stage {self.stage}" if self.micro >= 0 else \
-            f"{self.kind} from stage {self.stage}"
+        return (
+            f"{self.kind} of micro-batch {self.micro} from stage {self.stage}"
+            if self.micro >= 0
+            else f"{self.kind} from stage {self.stage}"
+        )
 
 
 class Send(NamedTuple):
@@ -65,8 +69,10 @@ def lower(actions: list[list[Action]], pp: int, tied: bool = False) -> list[list
         first_forward = {s: next((a for a in mine if a.kind == "F" and a.stage == s), None) for s in (0, last_stage)}
         # the first stage adds the head's gradient to its own in its last weight-gradient action; the last stage
         # has it after its last B (its copy of the tied weight gets its gradient in B, with the input's)
-        last_weights = {0: next((a for a in reversed(mine) if a.kind == weight_kind and a.stage == 0), None),
-                        last_stage: next((a for a in reversed(mine) if a.kind == "B" and a.stage == last_stage), None)}
+        last_weights = {
+            0: next((a for a in reversed(mine) if a.kind == weight_kind and a.stage == 0), None),
+            last_stage: next((a for a in reversed(mine) if a.kind == "B" and a.stage == last_stage), None),
+        }
         ops: list = []
         for a in mine:
             if a.kind == "F":
@@ -155,14 +161,17 @@ def explain_deadlock(programs: list[list], position: list[int], done: list[list]
             lines.append(f"rank {rank} has finished")
             continue
         op = ops[position[rank]]
-        action = next((o for o in ops[position[rank]:] if isinstance(o, Action)), None)
+        action = next((o for o in ops[position[rank] :] if isinstance(o, Action)), None)
         last = next((o for o, *_ in reversed(done[rank]) if isinstance(o, Action)), None)
         after = f" (after {last!r})" if last is not None else " (before any action)"
         lines.append(f"rank {rank} waits at {action!r}{after} to receive the {op.message!r} (rank {op.peer})")
-    return ("the pipeline schedule deadlocks: every rank with work left waits to receive a message that its "
-            "sender sends only after something it is itself waiting for.\n  " + "\n  ".join(lines) +
-            "\nAction names read <stage><F|B|W><micro-batch>. Check the order of each rank's actions: a backward "
-            "needs the next stage's backward of the same micro-batch first, a forward the previous stage's forward.")
+    return (
+        "the pipeline schedule deadlocks: every rank with work left waits to receive a message that its "
+        "sender sends only after something it is itself waiting for.\n  "
+        + "\n  ".join(lines)
+        + "\nAction names read <stage><F|B|W><micro-batch>. Check the order of each rank's actions: a backward "
+        "needs the next stage's backward of the same micro-batch first, a forward the previous stage's forward."
+    )
 
 
 def busy_and_span(timeline: list[list[tuple]]) -> tuple[list[float], float]:

@@ -9,6 +9,7 @@ the dp group, each with its own optimizer; `ChainedOptimizer` steps them togethe
 ChainedOptimizer). `model(x, y)` is an error that names forward_backward: a pipeline's forward of one
 batch is no separate thing, it is interleaved with the backward in the schedule.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,10 +20,12 @@ from ...moe.experts import gather_experts
 from . import checkpoint
 from .checkpoint import exchange
 
-FORWARD_UNDER_PP = ("under pipeline parallelism (pp = {pp}) a step is a schedule of micro-batches, each stage's "
-                    "forward interleaved with backwards on other ranks, so there is no separate forward of the "
-                    "batch to call: use `loss = model.forward_backward(x, y)` (forward and backward of every "
-                    "micro-batch, gradients accumulated), then `opt.step()`.")
+FORWARD_UNDER_PP = (
+    "under pipeline parallelism (pp = {pp}) a step is a schedule of micro-batches, each stage's "
+    "forward interleaved with backwards on other ranks, so there is no separate forward of the "
+    "batch to call: use `loss = model.forward_backward(x, y)` (forward and backward of every "
+    "micro-batch, gradients accumulated), then `opt.step()`."
+)
 
 
 class PipelineModel(nn.Module):
@@ -45,12 +48,16 @@ class PipelineModel(nn.Module):
         """Forward and backward of the batch (x, y) in micro-batches, by the schedule; the batch's mean loss."""
         m = self.pipeline["microbatches"]
         if not torch.is_tensor(x) or not torch.is_tensor(y):
-            raise TypeError("forward_backward(x, y) takes the batch's inputs and targets as tensors (a pipeline's "
-                            "last stage needs the targets for its loss).")
+            raise TypeError(
+                "forward_backward(x, y) takes the batch's inputs and targets as tensors (a pipeline's "
+                "last stage needs the targets for its loss)."
+            )
         if x.shape[0] % m or x.shape[0] < m:
-            raise ValueError(f"a batch of {x.shape[0]} rows does not split into microbatches={m} equal micro-batches; "
-                             f"use a batch that is a multiple of {m} (e.g. {m * max(1, -(-x.shape[0] // m))}), or "
-                             f"another microbatches.")
+            raise ValueError(
+                f"a batch of {x.shape[0]} rows does not split into microbatches={m} equal micro-batches; "
+                f"use a batch that is a multiple of {m} (e.g. {m * max(1, -(-x.shape[0] // m))}), or "
+                f"another microbatches."
+            )
         return self.driver.run(x.to(self.driver.device), y.to(self.driver.device))
 
     def full_state_dict(self) -> dict:
@@ -89,7 +96,9 @@ class PipelineModel(nn.Module):
         from ..tensor.clip import _replicated_squares, _sharded_squares
 
         if norm_type != 2:
-            raise ValueError(f"norm_type={norm_type!r}: clipping under pipeline parallelism supports the L2 norm (2.0).")
+            raise ValueError(
+                f"norm_type={norm_type!r}: clipping under pipeline parallelism supports the L2 norm (2.0)."
+            )
         info = self.tp_info
         counted = (lambda name: True) if info is None else (lambda name: info.is_split(name) or info.tp.rank == 0)
         total = torch.zeros((), dtype=torch.float32, device=self.driver.device)

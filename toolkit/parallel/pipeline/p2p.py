@@ -22,6 +22,7 @@ already split (each rank's s/t positions, all that its peer needs), so it is sen
 Megatron-core has since dropped the switch. Messages whose size does not divide by t go whole. `receive`
 hands over what arrived; the action that uses it makes it `whole`.
 """
+
 from __future__ import annotations
 
 import math
@@ -83,13 +84,18 @@ class Mailbox:
             if arrived == message:
                 return buffer
             self.early[arrived] = buffer
-        raise RuntimeError(f"pipeline: rank {self.me} waits for the {message!r} from rank {peer}, which never sends it "
-                           f"(a schedule lowered without it: a bug in toolkit.parallel.pipeline).")
+        raise RuntimeError(
+            f"pipeline: rank {self.me} waits for the {message!r} from rank {peer}, which never sends it "
+            f"(a schedule lowered without it: a bug in toolkit.parallel.pipeline)."
+        )
 
     def _scattered(self, message: Message, shape) -> bool:
         """Whether `message` crosses in 1/t pieces: an activation or its gradient, the same on every tp rank."""
-        return (self.split is not None and message.kind in ("activation", "gradient")
-                and math.prod(shape) % self.split.size == 0)
+        return (
+            self.split is not None
+            and message.kind in ("activation", "gradient")
+            and math.prod(shape) % self.split.size == 0
+        )
 
     def whole(self, message: Message, buffer: torch.Tensor) -> torch.Tensor:
         """The message as its receiver uses it: a piece all-gathered with the tp group's other pieces, reshaped
@@ -116,7 +122,9 @@ class Mailbox:
         for handle, _ in self.pending:
             handle.wait()
         self.pending = []
-        unread = list(self.early) + [m for m, _, _ in self.posted.values()] + [m for q in self.expected.values() for m in q]
+        unread = (
+            list(self.early) + [m for m, _, _ in self.posted.values()] + [m for q in self.expected.values() for m in q]
+        )
         if unread:
             raise RuntimeError(f"pipeline: rank {self.me} was sent {unread[:3]} but never used them.")
 

@@ -20,6 +20,7 @@ student can print them, draw them, or write one (labs/12-pipeline):
     zb-h1        1F1B with backward split into B (input gradient) and W (weight gradient), W's postponed
                  into the cool-down's idle time (Qi et al. 2024's ZB-H1): a third of 1F1B's bubble
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -131,14 +132,20 @@ def resolve(schedule, virtual_stages: int):
     if callable(schedule):
         return schedule
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {sorted(SCHEDULES)} "
-                         f"(or pass a function (pp, microbatches, rank, virtual_stages) -> list of Actions).")
+        raise ValueError(
+            f"unknown pipeline schedule {schedule!r}; choose one of {sorted(SCHEDULES)} "
+            f"(or pass a function (pp, microbatches, rank, virtual_stages) -> list of Actions)."
+        )
     if schedule == "interleaved" and virtual_stages < 2:
-        raise ValueError("schedule='interleaved' runs several stages per rank: pass virtual_stages=2 or more "
-                         "(with virtual_stages=1 it is plain 1F1B: schedule='1f1b').")
+        raise ValueError(
+            "schedule='interleaved' runs several stages per rank: pass virtual_stages=2 or more "
+            "(with virtual_stages=1 it is plain 1F1B: schedule='1f1b')."
+        )
     if schedule != "interleaved" and virtual_stages != 1:
-        raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved'; schedule={schedule!r} "
-                         f"runs one stage per rank.")
+        raise ValueError(
+            f"virtual_stages={virtual_stages} needs schedule='interleaved'; schedule={schedule!r} "
+            f"runs one stage per rank."
+        )
     return SCHEDULES[schedule]
 
 
@@ -155,8 +162,10 @@ def _as_action(a, make) -> Action:
         return a
     if isinstance(a, tuple) and len(a) == 3:
         return Action(*a)
-    raise TypeError(f"schedule {getattr(make, '__name__', make)!r} returned {a!r}; each action is an "
-                    f"Action(kind, micro, stage), e.g. Action('F', 0, rank).")
+    raise TypeError(
+        f"schedule {getattr(make, '__name__', make)!r} returned {a!r}; each action is an "
+        f"Action(kind, micro, stage), e.g. Action('F', 0, rank)."
+    )
 
 
 def check(actions: list[list[Action]], pp: int, microbatches: int, virtual_stages: int = 1) -> None:
@@ -179,14 +188,19 @@ def check(actions: list[list[Action]], pp: int, microbatches: int, virtual_stage
                 raise ValueError(f"{where}: {KINDS[a.kind]} of micro-batch {a.micro} on stage {a.stage} appears twice.")
             before = {"B": "F", "W": "B"}.get(a.kind)
             if before and Action(before, a.micro, a.stage) not in done:
-                raise ValueError(f"{where}: {KINDS[a.kind]} of micro-batch {a.micro} comes before its "
-                                 f"{KINDS[before]} ({Action(before, a.micro, a.stage)!r}) on this rank.")
+                raise ValueError(
+                    f"{where}: {KINDS[a.kind]} of micro-batch {a.micro} comes before its "
+                    f"{KINDS[before]} ({Action(before, a.micro, a.stage)!r}) on this rank."
+                )
             done.add(a)
-        missing = [Action(k, i, s) for s in stages for i in range(microbatches) for k in kinds
-                   if Action(k, i, s) not in done]
+        missing = [
+            Action(k, i, s) for s in stages for i in range(microbatches) for k in kinds if Action(k, i, s) not in done
+        ]
         if missing:
-            raise ValueError(f"rank {rank}'s schedule never runs {missing[:6]}{' ...' if len(missing) > 6 else ''}: "
-                             f"every micro-batch needs {' and '.join(KINDS[k] for k in kinds)} on every stage.")
+            raise ValueError(
+                f"rank {rank}'s schedule never runs {missing[:6]}{' ...' if len(missing) > 6 else ''}: "
+                f"every micro-batch needs {' and '.join(KINDS[k] for k in kinds)} on every stage."
+            )
 
 
 def show(actions: list[list[Action]]) -> str:

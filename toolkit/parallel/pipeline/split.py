@@ -12,6 +12,7 @@ By default the blocks are shared out evenly, as Megatron-LM does (so the first s
 embedding and the last the head: for a small model those make the ends heavier, which `pp_split` can
 balance). `pp_split` names the block where each stage after the first begins.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,17 +39,21 @@ def find_blocks(model: nn.Module) -> tuple[str, list[str]]:
 
     missing = [name for name in PROTOCOL if not callable(getattr(model, name, None))]
     if missing:
-        raise ValueError(f"pipeline parallelism runs a model in three parts on different ranks: embed(x) on the first "
-                         f"stage, its repeated blocks spread over the stages, head_loss(h, y) on the last (and "
-                         f"hidden_shape(x.shape), the shape between blocks). This {type(model).__name__} has no "
-                         f"{missing}: add them (toolkit.models.GPT shows how), or use tp= or a data-parallel "
-                         f"strategy alone.")
+        raise ValueError(
+            f"pipeline parallelism runs a model in three parts on different ranks: embed(x) on the first "
+            f"stage, its repeated blocks spread over the stages, head_loss(h, y) on the last (and "
+            f"hidden_shape(x.shape), the shape between blocks). This {type(model).__name__} has no "
+            f"{missing}: add them (toolkit.models.GPT shows how), or use tp= or a data-parallel "
+            f"strategy alone."
+        )
     units, _ = default_units(model)
     containers = {name.rpartition(".")[0] for name in units}
     if not units or len(containers) != 1:
-        raise ValueError(f"pipeline parallelism spreads a model's repeated blocks (a ModuleList of one class) over "
-                         f"the stages; this {type(model).__name__} has "
-                         f"{'none' if not units else 'blocks in several lists: ' + str(sorted(containers))}.")
+        raise ValueError(
+            f"pipeline parallelism spreads a model's repeated blocks (a ModuleList of one class) over "
+            f"the stages; this {type(model).__name__} has "
+            f"{'none' if not units else 'blocks in several lists: ' + str(sorted(containers))}."
+        )
     container = containers.pop()
     keys = [name.rpartition(".")[2] for name in units]
     if keys != [k for k, _ in model.get_submodule(container).named_children()]:
@@ -65,30 +70,40 @@ def split(model: nn.Module, stages: int, pp: int, pp_split=None) -> Split:
         if n % stages:
             fits = [d for d in range(2, n + 1) if n % d == 0]
             per = -(-n // stages)
-            starts = [f"{container}.{k}" for k in range(per, n, per)][:stages - 1]
-            raise ValueError(f"the model's {n} blocks ({container}.0..{container}.{n - 1}) do not split evenly into "
-                             f"{what} stages. Use a number of stages that divides {n} ({fits or 'none: 1 block'}), "
-                             f"or say where stages begin, e.g. pp_split={starts} (uneven stages).")
+            starts = [f"{container}.{k}" for k in range(per, n, per)][: stages - 1]
+            raise ValueError(
+                f"the model's {n} blocks ({container}.0..{container}.{n - 1}) do not split evenly into "
+                f"{what} stages. Use a number of stages that divides {n} ({fits or 'none: 1 block'}), "
+                f"or say where stages begin, e.g. pp_split={starts} (uneven stages)."
+            )
         per = n // stages
-        return Split(container, tuple(tuple(keys[s * per:(s + 1) * per]) for s in range(stages)))
+        return Split(container, tuple(tuple(keys[s * per : (s + 1) * per]) for s in range(stages)))
     names = list(pp_split) if isinstance(pp_split, (list, tuple)) else None
     if names is None or len(names) != stages - 1 or not all(isinstance(s, str) for s in names):
-        raise ValueError(f"pp_split names the block where each stage after the first begins: {stages - 1} module "
-                         f"name(s) for {what} stages, e.g. {[f'{container}.{k * n // stages}' for k in range(1, stages)]}; "
-                         f"got {pp_split!r}.")
+        raise ValueError(
+            f"pp_split names the block where each stage after the first begins: {stages - 1} module "
+            f"name(s) for {what} stages, e.g. {[f'{container}.{k * n // stages}' for k in range(1, stages)]}; "
+            f"got {pp_split!r}."
+        )
     modules = dict(model.named_modules())
     starts = []
     for name in names:
         if name not in modules:
-            raise ValueError(f"pp_split names {name!r}, which is no module of this {type(model).__name__}; stages begin "
-                             f"at one of its blocks: {container}.0 .. {container}.{n - 1}.")
+            raise ValueError(
+                f"pp_split names {name!r}, which is no module of this {type(model).__name__}; stages begin "
+                f"at one of its blocks: {container}.0 .. {container}.{n - 1}."
+            )
         parent, _, key = name.rpartition(".")
         if parent != container or key not in keys:
-            raise ValueError(f"pp_split names {name!r}, which is not one of the repeated blocks; stages begin at a "
-                             f"block: {container}.0 .. {container}.{n - 1}.")
+            raise ValueError(
+                f"pp_split names {name!r}, which is not one of the repeated blocks; stages begin at a "
+                f"block: {container}.0 .. {container}.{n - 1}."
+            )
         starts.append(keys.index(key))
     bounds = [0] + starts + [n]
     if any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"pp_split={names} must name blocks in increasing order, each stage keeping at least one "
-                         f"block (stages would hold {[b - a for a, b in zip(bounds, bounds[1:])]} blocks).")
+        raise ValueError(
+            f"pp_split={names} must name blocks in increasing order, each stage keeping at least one "
+            f"block (stages would hold {[b - a for a, b in zip(bounds, bounds[1:])]} blocks)."
+        )
     return Split(container, tuple(tuple(keys[a:b]) for a, b in zip(bounds, bounds[1:])))

@@ -20,6 +20,7 @@ back the head's gradient, which the first stage adds to the embedding's in its l
 gradient is summed across the two stages, as Megatron-LM does (there with an all-reduce between two
 copies, each with its own optimizer state; here one copy is trained and the other only borrowed).
 """
+
 from __future__ import annotations
 
 import copy
@@ -62,7 +63,7 @@ def sides(model: nn.Module, container: str) -> tuple[list, list]:
         names = list(parent._modules)
         at = names.index(part)
         before += [(parent, n) for n in names[:at]]
-        after += [(parent, n) for n in names[at + 1:]]
+        after += [(parent, n) for n in names[at + 1 :]]
         parent = parent._modules[part]
     return before, after
 
@@ -82,7 +83,7 @@ def _copy_path(model: nn.Module, container: str) -> nn.Module:
     return root
 
 
-def cut(model: nn.Module, split: Split, stage: int, tie: "TiedWeight | None" = None) -> nn.Module:
+def cut(model: nn.Module, split: Split, stage: int, tie: TiedWeight | None = None) -> nn.Module:
     """Stage `stage` of `model` (shares the parameters of its parts with the model: nothing is copied)."""
     stages = len(split.stages)
     first, last = stage == 0, stage == stages - 1
@@ -100,9 +101,10 @@ def cut(model: nn.Module, split: Split, stage: int, tie: "TiedWeight | None" = N
     part.stage, part.first, part.last = stage, first, last
     part.container, part.keys = split.container, tuple(split.stages[stage])
     if tie is not None and first:  # the weight's own module hands back the head's gradient (it is gathered
-        module, attr = tie.owner        # there under every sharding strategy, in forward and in backward)
+        module, attr = tie.owner  # there under every sharding strategy, in forward and in backward)
         part.get_submodule(module).register_forward_hook(
-            lambda mod, args, out: _TiedGradient.apply(out, getattr(mod, attr), tie))
+            lambda mod, args, out: _TiedGradient.apply(out, getattr(mod, attr), tie)
+        )
     if tie is not None and last:
         tie.borrow(part)
     return part
@@ -134,8 +136,15 @@ class TiedWeight:
     Last stage: its users hold `borrowed`, a plain tensor (no optimizer state, not a parameter of the stage)
     that requires grad: filled with the first stage's value each step, its `.grad` is what goes back."""
 
-    def __init__(self, name: str, param: nn.Parameter, owner: tuple[str, str], users: list[tuple[str, str]],
-                 dtype: torch.dtype, device):
+    def __init__(
+        self,
+        name: str,
+        param: nn.Parameter,
+        owner: tuple[str, str],
+        users: list[tuple[str, str]],
+        dtype: torch.dtype,
+        device,
+    ):
         self.name, self.owner, self.users = name, owner, users  # (module name, attribute) on the first / last stage
         self.shape, self.dtype, self.device = tuple(param.shape), dtype, device
         self.capture, self.outgoing, self.incoming = False, None, None
@@ -154,8 +163,11 @@ def find_tie(model: nn.Module, split: Split, dtype: torch.dtype, device) -> Tied
     """The weight shared by the first and the last stage, if any; any other sharing across stages is refused."""
     before, after = sides(model, split.container)
     blocks = model.get_submodule(split.container)
-    owners = [(stage, f"{split.container}.{key}", blocks._modules[key])
-              for stage, keys in enumerate(split.stages) for key in keys]
+    owners = [
+        (stage, f"{split.container}.{key}", blocks._modules[key])
+        for stage, keys in enumerate(split.stages)
+        for key in keys
+    ]
     prefix = lambda parent: next(n for n, m in model.named_modules() if m is parent)  # noqa: E731
     owners += [(0, _join(prefix(p), n), p._modules[n]) for p, n in before]
     owners += [(len(split.stages) - 1, _join(prefix(p), n), p._modules[n]) for p, n in after]
@@ -172,12 +184,16 @@ def find_tie(model: nn.Module, split: Split, dtype: torch.dtype, device) -> Tied
             continue
         if stages != [0, last]:
             names = [_join(m, a) for _, m, a in uses]
-            raise ValueError(f"pipeline parallelism: the parameter {names[0]} is shared by stages {stages} ({names}); "
-                             f"only a weight shared by the first and the last stage (an embedding tied to the head) "
-                             f"can be split this way. Untie it, or choose pp_split so its users share a stage.")
+            raise ValueError(
+                f"pipeline parallelism: the parameter {names[0]} is shared by stages {stages} ({names}); "
+                f"only a weight shared by the first and the last stage (an embedding tied to the head) "
+                f"can be split this way. Untie it, or choose pp_split so its users share a stage."
+            )
         if tie is not None:
-            raise ValueError(f"pipeline parallelism: two weights ({tie.name} and {_join(*uses[0][1:])}) are shared by "
-                             f"the first and the last stage; this toolkit ties one (an embedding and its head).")
+            raise ValueError(
+                f"pipeline parallelism: two weights ({tie.name} and {_join(*uses[0][1:])}) are shared by "
+                f"the first and the last stage; this toolkit ties one (an embedding and its head)."
+            )
         owner = next((m, a) for s, m, a in uses if s == 0)
         tie = TiedWeight(_join(*owner), p, owner, [(m, a) for s, m, a in uses if s == last], dtype, device)
     return tie

@@ -21,6 +21,7 @@ Read in this order:
 `parallelize` is step 2 of `compose.py`: it changes the model in place and the data-parallel strategy
 then wraps what this rank holds, over the dp group.
 """
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -47,24 +48,27 @@ def parallelize(model: nn.Module, mesh, *, plan=None, sequence_parallel: bool = 
         plan = own_plan(model)
     if plan is None:
         if not isinstance(model, GPT):
-            raise ValueError(f"tensor parallelism has a default plan for the toolkit's GPT only; for a "
-                             f"{type(model).__name__} pass tp_plan={{module name pattern: 'colwise' | 'rowwise' | "
-                             f"'vocab' | 'replicate'}}, e.g. an MLP's first Linear 'colwise' and its second 'rowwise'.")
+            raise ValueError(
+                f"tensor parallelism has a default plan for the toolkit's GPT only; for a "
+                f"{type(model).__name__} pass tp_plan={{module name pattern: 'colwise' | 'rowwise' | "
+                f"'vocab' | 'replicate'}}, e.g. an MLP's first Linear 'colwise' and its second 'rowwise'."
+            )
         from .gpt import default_plan, parallelize_gpt
 
         described = default_plan(model)
         parallelize_gpt(model, tp, sequence_parallel)
     else:
         if sequence_parallel:
-            raise ValueError("sequence_parallel=True comes with the toolkit GPT's default plan, which knows where a "
-                             "block's sequence-local regions (layer norms, residuals) are; with a tp_plan, leave "
-                             "sequence_parallel off.")
+            raise ValueError(
+                "sequence_parallel=True comes with the toolkit GPT's default plan, which knows where a "
+                "block's sequence-local regions (layer norms, residuals) are; with a tp_plan, leave "
+                "sequence_parallel off."
+            )
         from .plan import apply_plan
 
         described = dict(plan)
         apply_plan(model, plan, tp)
-    info = TensorParallel(tp, {name: split_of(p) for name, p in model.named_parameters()}, sequence_parallel,
-                          described)
+    info = TensorParallel(tp, {name: split_of(p) for name, p in model.named_parameters()}, sequence_parallel, described)
     model.tensor_parallel = info
     return model
 

@@ -10,6 +10,7 @@ masks of their own.
 
     X --f--> [Q_r | K_r | V_r] = X W_qkv,r --> softmax(Q_r K_r^T / sqrt(d)) V_r --> Y_r W_o,r --g--> + b_o
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,9 +18,9 @@ import contextlib
 import torch
 
 from ...models.gpt import CausalSelfAttention
+from ..rng import tracker
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .operators import TPGroup
-from ..rng import tracker
 from .shards import QKV_ROWS
 
 
@@ -29,10 +30,11 @@ class TensorParallelAttention(CausalSelfAttention):
     local_heads: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)                       # (B, T, 3 * local width); T whole also under sequence parallelism
+        qkv = self.qkv(x)  # (B, T, 3 * local width); T whole also under sequence parallelism
         B, T, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
-        q, k, v = (t.view(B, T, self.local_heads, width // self.local_heads).transpose(1, 2)
-                   for t in qkv.split(width, dim=-1))
+        q, k, v = (
+            t.view(B, T, self.local_heads, width // self.local_heads).transpose(1, 2) for t in qkv.split(width, dim=-1)
+        )
         # the GPT's causal attention (context parallelism replaces it); this rank's heads: dropout masks of their own
         with tracker.fork() if self.dropout_p() else contextlib.nullcontext():
             y = self.attend(q, k, v)
@@ -43,11 +45,14 @@ def split_attention(attn: CausalSelfAttention, tp: TPGroup, done: dict, name: st
     """Make the GPT's attention tensor-parallel, in place (the class changes, the names stay)."""
     if attn.n_head % tp.size:
         fits = [t for t in range(1, attn.n_head + 1) if attn.n_head % t == 0]
-        raise ValueError(f"tensor parallelism splits attention by heads: n_head={attn.n_head} of {name!r} does not "
-                         f"split over tp={tp.size} ranks. Choose a tp that divides it (one of {fits}), or a model "
-                         f"with a multiple of {tp.size} heads.")
-    attn.qkv = ColumnParallelLinear(attn.qkv, tp, done, f"{name}.qkv", weight_split=QKV_ROWS,
-                                    sequence_parallel=sequence_parallel)
+        raise ValueError(
+            f"tensor parallelism splits attention by heads: n_head={attn.n_head} of {name!r} does not "
+            f"split over tp={tp.size} ranks. Choose a tp that divides it (one of {fits}), or a model "
+            f"with a multiple of {tp.size} heads."
+        )
+    attn.qkv = ColumnParallelLinear(
+        attn.qkv, tp, done, f"{name}.qkv", weight_split=QKV_ROWS, sequence_parallel=sequence_parallel
+    )
     attn.proj = RowParallelLinear(attn.proj, tp, done, f"{name}.proj", sequence_parallel=sequence_parallel)
     attn.__class__ = TensorParallelAttention
     attn.local_heads = attn.n_head // tp.size

@@ -13,6 +13,7 @@ Joining and cutting are exact inverses of the same `Split`, and the values are f
 at dp 2 x tp 2 loads at tp 1 (any strategy), at tp 4, or back, to the bit; the file does not know it came
 from a tensor-parallel run.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,10 @@ def join(model, checkpoint: dict, rank0_only: bool = True) -> dict | None:
     info = model.tensor_parallel
     checkpoint = dict(checkpoint, model=info.gather(checkpoint["model"]))
     optimizer = checkpoint["optimizer"]
-    state = {name: {k: info.gather_tensor(name, v) if torch.is_tensor(v) and v.dim() else v for k, v in entry.items()}
-             for name, entry in optimizer["state"].items()}
+    state = {
+        name: {k: info.gather_tensor(name, v) if torch.is_tensor(v) and v.dim() else v for k, v in entry.items()}
+        for name, entry in optimizer["state"].items()
+    }
     checkpoint["optimizer"] = dict(optimizer, state={n: {k: _cpu(v) for k, v in e.items()} for n, e in state.items()})
     checkpoint["model"] = {n: _cpu(v) for n, v in checkpoint["model"].items()}
     if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
@@ -41,12 +44,17 @@ def cut(model, checkpoint) -> dict:
     info = model.tensor_parallel
     module = getattr(model, "module", model)
     pieces = {n: p.shape for n, p in module.named_parameters()}
-    if any(not _fits(checkpoint["model"].get(n), pieces[n], info.splits[n], info.tp.size)
-           for n in pieces if info.is_split(n) and n in checkpoint["model"]):
+    if any(
+        not _fits(checkpoint["model"].get(n), pieces[n], info.splits[n], info.tp.size)
+        for n in pieces
+        if info.is_split(n) and n in checkpoint["model"]
+    ):
         return checkpoint
     state = checkpoint.get("optimizer", {}).get("state", {})
-    state = {name: {k: info.shard_tensor(name, v) if torch.is_tensor(v) and v.dim() else v for k, v in entry.items()}
-             for name, entry in state.items()}
+    state = {
+        name: {k: info.shard_tensor(name, v) if torch.is_tensor(v) and v.dim() else v for k, v in entry.items()}
+        for name, entry in state.items()
+    }
     return dict(checkpoint, model=info.shard(checkpoint["model"]), optimizer=dict(checkpoint["optimizer"], state=state))
 
 

@@ -14,6 +14,7 @@ around the world, some of them in several copies:
 Each rank adds the squares it counts, one all-reduce over the world adds the ranks' sums, and every rank
 scales what it holds by the same min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,7 +39,7 @@ def _sharded_squares(engine, counted) -> tuple[torch.Tensor, list]:
             continue
         for part in piece.flat.pieces(engine.rank):
             if counted(engine.names[piece.params[part.index]]):
-                total = total + g[part.shard_start:part.shard_end].float().pow(2).sum()
+                total = total + g[part.shard_start : part.shard_end].float().pow(2).sum()
     return total, grads
 
 
@@ -69,6 +70,7 @@ def clip_grad_norm_(model, info: TensorParallel, dp_rank: int, max_norm: float, 
             total, grads = _replicated_squares(model.module, counted, dp_rank == 0)
         if total is None:  # no gradient here: this rank still adds its zero to the others'
             from ...runtime import env
+
             total = torch.zeros((), dtype=torch.float32, device=env.device())
         total = total.reshape(1).clone()
         comm.all_reduce(total)  # over the world: every piece counted once, wherever it lies

@@ -17,6 +17,7 @@ slice is kept for backward, (N, V/t) in fp32, and backward turns it into the gra
 _VocabParallelCrossEntropy does the same): the largest activation of a small model is never held twice.
 The computation is fp32 whatever the logits' dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,14 +40,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if vocab is not None and start + width > vocab:  # a padded vocabulary's last columns are no words: their
             padding = torch.arange(start, start + width, device=z.device) >= vocab  # exp is 0, so is their gradient
             z = z.masked_fill(padding, float("-inf"))
-        m = _all_reduce(z.max(dim=-1).values.clone(), tp, "max", "cross-entropy max")           # 1
+        m = _all_reduce(z.max(dim=-1).values.clone(), tp, "max", "cross-entropy max")  # 1
         z = z - m.unsqueeze(-1)
         outside = (target < start) | (target >= start + width)
         local = (target - start).masked_fill(outside, 0)
         target_logit = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        target_logit = _all_reduce(target_logit, tp, "sum", "cross-entropy target logit")         # 2
+        target_logit = _all_reduce(target_logit, tp, "sum", "cross-entropy target logit")  # 2
         exp = z.exp()
-        sum_exp = _all_reduce(exp.sum(dim=-1), tp, "sum", "cross-entropy sum of exp")              # 3
+        sum_exp = _all_reduce(exp.sum(dim=-1), tp, "sum", "cross-entropy sum of exp")  # 3
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)  # my softmax slice
         ctx.dtype = logits.dtype
         return sum_exp.log() - target_logit
@@ -61,8 +62,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits.mul_(grad.unsqueeze(-1)).to(ctx.dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: TPGroup,
-                                 vocab: int | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, tp: TPGroup, vocab: int | None = None
+) -> torch.Tensor:
     """Mean cross-entropy of (..., V/t) logits split by vocabulary against (...) targets. vocab: the number of
     real words when the split vocabulary was padded (`shards.py`); the columns beyond it are left out."""
     flat = logits.reshape(-1, logits.shape[-1])

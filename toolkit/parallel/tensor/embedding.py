@@ -19,6 +19,7 @@ because both are cut by vocabulary rows, they share this rank's piece too. A voc
 divide by t is padded with zero rows to the next multiple (`shards.py`); no token id reaches them, and the
 loss leaves their logits out.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,28 +35,34 @@ class VocabParallelEmbedding(nn.Module):
     """An nn.Embedding whose rows are split over the tensor-parallel group; forward as the original's, or under
     sequence_parallel this rank's part of the sequence (dim 1) of it."""
 
-    def __init__(self, module: nn.Embedding, tp: TPGroup, done: dict, name: str = "", *,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self, module: nn.Embedding, tp: TPGroup, done: dict, name: str = "", *, sequence_parallel: bool = False
+    ):
         super().__init__()
         if module.padding_idx is not None or module.max_norm is not None or module.sparse:
-            raise ValueError(f"tensor parallelism: embedding {name!r} uses padding_idx, max_norm or sparse "
-                             f"gradients, which the vocabulary-parallel embedding does not support; plan it "
-                             f"'replicate'.")
+            raise ValueError(
+                f"tensor parallelism: embedding {name!r} uses padding_idx, max_norm or sparse "
+                f"gradients, which the vocabulary-parallel embedding does not support; plan it "
+                f"'replicate'."
+            )
         self.tp, self.name, self.sequence_parallel = tp, name, sequence_parallel
         self.num_embeddings, self.embedding_dim = module.num_embeddings, module.embedding_dim
-        self.weight = split_parameter(module.weight, Split(0, size=module.num_embeddings), tp, done,
-                                      f"the vocabulary of {name!r}")  # padded to a multiple of t (`shards.py`)
+        self.weight = split_parameter(
+            module.weight, Split(0, size=module.num_embeddings), tp, done, f"the vocabulary of {name!r}"
+        )  # padded to a multiple of t (`shards.py`)
         rows = self.weight.shape[0]
         self.vocab_start, self.vocab_end = tp.rank * rows, (tp.rank + 1) * rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local = (ids - self.vocab_start).masked_fill(outside, 0)   # any row: it is zeroed next
+        local = (ids - self.vocab_start).masked_fill(outside, 0)  # any row: it is zeroed next
         partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:                                 # the sum, this rank's positions of it
+        if self.sequence_parallel:  # the sum, this rank's positions of it
             return reduce_scatter_sequence(partial, self.tp)
-        return reduce_from_tp(partial, self.tp)                    # g: the t partial lookups add up
+        return reduce_from_tp(partial, self.tp)  # g: the t partial lookups add up
 
     def extra_repr(self) -> str:
-        return (f"rows {self.vocab_start}..{self.vocab_end - 1} of {self.num_embeddings}, dim={self.embedding_dim}, "
-                f"tp={self.tp.size}" + (", sequence parallel" if self.sequence_parallel else ""))
+        return (
+            f"rows {self.vocab_start}..{self.vocab_end - 1} of {self.num_embeddings}, dim={self.embedding_dim}, "
+            f"tp={self.tp.size}" + (", sequence parallel" if self.sequence_parallel else "")
+        )

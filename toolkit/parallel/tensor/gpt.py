@@ -20,22 +20,21 @@ One block costs two all-reduces of b·s·h forward (g after attention, g after t
 forward is the GPT's, with the sequence split after the embeddings (sequence parallelism) and the loss
 taken on the split logits.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
 from ...models.gpt import GPT, MLP
 from ...moe.layer import MoE
+from ..rng import SplitDropout
 from .attention import split_attention
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import split_moe
 from .operators import TPGroup, gather_from_tp, scatter_to_tp
-from ..rng import SplitDropout
 from .sequence import sum_gradients_over_tp
 
 
@@ -52,8 +51,10 @@ class TensorParallelGPT(GPT):
         if not self.sequence_parallel:
             return self.drop(self.tok_emb(x) + positions)
         if T % self.tp.size:
-            raise ValueError(f"sequence_parallel splits the sequence over tp={self.tp.size} ranks: a sequence of "
-                             f"{T} tokens does not split; use a length that is a multiple of {self.tp.size}.")
+            raise ValueError(
+                f"sequence_parallel splits the sequence over tp={self.tp.size} ranks: a sequence of "
+                f"{T} tokens does not split; use a length that is a multiple of {self.tp.size}."
+            )
         # the token lookups come reduce-scattered (this rank's T/t positions, `embedding.py`); add those positions'
         # embeddings: the position table is replicated, so backward all-gathers its T/t-row gradients (T·h values,
         # not b·T·h) and every rank holds its whole gradient
@@ -64,7 +65,7 @@ class TensorParallelGPT(GPT):
         T = x_shape[1] // self.tp.size if self.sequence_parallel else x_shape[1]
         return (x_shape[0], T, self.config.d_model)
 
-    def head_loss(self, h: torch.Tensor, y: Optional[torch.Tensor]) -> torch.Tensor:
+    def head_loss(self, h: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
         """The final norm, the vocabulary-parallel head and its loss (full logits only when y is None)."""
         logits = self.head(self.ln_f(h))  # (B, T, V/t): this rank's words (a padded vocabulary: V'/t)
         V = self.config.vocab_size
@@ -72,7 +73,7 @@ class TensorParallelGPT(GPT):
             return gather_from_tp(logits, self.tp, -1)[..., :V]
         return vocab_parallel_cross_entropy(logits, y, self.tp, vocab=V)
 
-    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         self.check_input(x, y)
         return super().forward(x, y)  # the GPT's: embed, the blocks, head_loss (this class's embed and head_loss)
 
@@ -87,8 +88,13 @@ class TensorParallelGPT(GPT):
 
 def default_plan(model: GPT) -> dict:
     """The plan `parallelize_gpt` applies, in `tp_plan` spelling (what a student compares with torch's)."""
-    plan = {"tok_emb": "vocab", "pos_emb": "replicate", "blocks.*.attn.qkv": "colwise (by heads)",
-            "blocks.*.attn.proj": "rowwise", "head": "vocab (loss on split logits)"}
+    plan = {
+        "tok_emb": "vocab",
+        "pos_emb": "replicate",
+        "blocks.*.attn.qkv": "colwise (by heads)",
+        "blocks.*.attn.proj": "rowwise",
+        "head": "vocab (loss on split logits)",
+    }
     if any(isinstance(b.mlp, MLP) for b in model.blocks):
         plan.update({"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"})
     if any(isinstance(b.mlp, MoE) for b in model.blocks):
@@ -101,8 +107,10 @@ def parallelize_gpt(model: GPT, tp: TPGroup, sequence_parallel: bool) -> GPT:
     c = model.config
     unknown = [i for i, b in enumerate(model.blocks) if not isinstance(b.mlp, (MLP, MoE))]
     if unknown:
-        raise ValueError(f"tensor parallelism: blocks {unknown} have an MLP of a kind the default plan does not know "
-                         f"({type(model.blocks[unknown[0]].mlp).__name__}); pass tp_plan= naming its Linear layers.")
+        raise ValueError(
+            f"tensor parallelism: blocks {unknown} have an MLP of a kind the default plan does not know "
+            f"({type(model.blocks[unknown[0]].mlp).__name__}); pass tp_plan= naming its Linear layers."
+        )
     if c.n_head % tp.size:  # the first error a student meets: say it before anything is cut
         split_attention(model.blocks[0].attn, tp, {}, "blocks.0.attn", False)
     done: dict = {}
@@ -112,10 +120,12 @@ def parallelize_gpt(model: GPT, tp: TPGroup, sequence_parallel: bool) -> GPT:
         if isinstance(block.mlp, MoE):
             split_moe(block.mlp, tp, sequence_parallel)
         else:
-            block.mlp.fc = ColumnParallelLinear(block.mlp.fc, tp, done, f"blocks.{i}.mlp.fc",
-                                                sequence_parallel=sequence_parallel)
-            block.mlp.proj = RowParallelLinear(block.mlp.proj, tp, done, f"blocks.{i}.mlp.proj",
-                                               sequence_parallel=sequence_parallel)
+            block.mlp.fc = ColumnParallelLinear(
+                block.mlp.fc, tp, done, f"blocks.{i}.mlp.fc", sequence_parallel=sequence_parallel
+            )
+            block.mlp.proj = RowParallelLinear(
+                block.mlp.proj, tp, done, f"blocks.{i}.mlp.proj", sequence_parallel=sequence_parallel
+            )
         if sequence_parallel:
             sum_gradients_over_tp(block.ln_1, tp)
             sum_gradients_over_tp(block.ln_2, tp)

@@ -11,14 +11,20 @@ model once built: Llama's q, k, v, gate and up projections "colwise", o and down
 A pattern of the plan that matches no module of this model (Qwen2-MoE's dense-MLP entries when every layer is
 a mixture of experts) is left out, as transformers leaves it; a style the toolkit has no layer for is refused.
 """
+
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
 import torch.nn as nn
 
-STYLES = {"colwise": "colwise", "rowwise": "rowwise", "embedding_rowwise": "vocab",
-          "colwise_gather_output": "vocab", "replicate": "replicate"}
+STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "embedding_rowwise": "vocab",
+    "colwise_gather_output": "vocab",
+    "replicate": "replicate",
+}
 
 
 def own_plan(model: nn.Module) -> dict | None:
@@ -28,9 +34,11 @@ def own_plan(model: nn.Module) -> dict | None:
         return None
     unknown = {k: v for k, v in declared.items() if v not in STYLES}
     if unknown:
-        raise ValueError(f"{type(model).__name__}'s own tensor-parallel plan (transformers' _tp_plan) uses styles the "
-                         f"toolkit has no layer for: {unknown}. Pass tp_plan= with the styles "
-                         f"{sorted(set(STYLES.values()))} "
-                         f"(its other entries translate as {STYLES}).")
+        raise ValueError(
+            f"{type(model).__name__}'s own tensor-parallel plan (transformers' _tp_plan) uses styles the "
+            f"toolkit has no layer for: {unknown}. Pass tp_plan= with the styles "
+            f"{sorted(set(STYLES.values()))} "
+            f"(its other entries translate as {STYLES})."
+        )
     names = [n for n, _ in model.named_modules() if n]
     return {k: STYLES[v] for k, v in declared.items() if any(fnmatchcase(n, k) for n in names)}

@@ -20,6 +20,7 @@ split cuts dim 0 of a Linear and dim 1 of a Conv1D. Under sequence parallelism (
 column layer all-gathers its input along the sequence instead of f, and the row layer reduce-scatters
 instead of g.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,9 +43,11 @@ def split_parameter(param, split: Split | None, tp: TPGroup, done: dict, what: s
     if id(param) in done:
         new = done[id(param)]
         if split_of(new) != split:
-            raise ValueError(f"tensor parallelism: {what} shares its weight with another layer split differently "
-                             f"({split_of(new)} vs {split}); give tied layers the same style (e.g. 'vocab' for an "
-                             f"embedding and the head that reuses it).")
+            raise ValueError(
+                f"tensor parallelism: {what} shares its weight with another layer split differently "
+                f"({split_of(new)} vs {split}); give tied layers the same style (e.g. 'vocab' for an "
+                f"embedding and the head that reuses it)."
+            )
         return new
     if split is None:
         new = param
@@ -58,15 +61,24 @@ def split_parameter(param, split: Split | None, tp: TPGroup, done: dict, what: s
 class ParallelLinear(nn.Module):
     """What both splits share: the weight in its original layout, and the local matmul."""
 
-    def __init__(self, module: nn.Module, tp: TPGroup, weight_split: Split, bias_split: Split | None, done: dict,
-                 name: str, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        module: nn.Module,
+        tp: TPGroup,
+        weight_split: Split,
+        bias_split: Split | None,
+        done: dict,
+        name: str,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.transposed = is_conv1d(module)
         self.tp, self.sequence_parallel = tp, sequence_parallel
         full_in, full_out = self._in_out(module.weight)
         self.full_in_features, self.full_out_features = full_in, full_out
-        self.weight = split_parameter(module.weight, weight_split, tp, done, f"the {self._dim_name(weight_split)} "
-                                      f"of {name!r}")
+        self.weight = split_parameter(
+            module.weight, weight_split, tp, done, f"the {self._dim_name(weight_split)} of {name!r}"
+        )
         self.bias = split_parameter(module.bias, bias_split, tp, done, f"the bias of {name!r}")
         self.in_features, self.out_features = self._in_out(self.weight)
         self.name = name
@@ -86,8 +98,10 @@ class ParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         sp = ", sequence parallel" if self.sequence_parallel else ""
-        return (f"in={self.in_features} of {self.full_in_features}, out={self.out_features} of "
-                f"{self.full_out_features}, tp={self.tp.size}{sp}")
+        return (
+            f"in={self.in_features} of {self.full_in_features}, out={self.out_features} of "
+            f"{self.full_out_features}, tp={self.tp.size}{sp}"
+        )
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -96,8 +110,18 @@ class ColumnParallelLinear(ParallelLinear):
     output features are a vocabulary, padded to a multiple of t when they do not divide (`shards.py`); the
     gathered logits are cut back to the vocabulary."""
 
-    def __init__(self, module, tp: TPGroup, done: dict, name: str = "", *, gather_output: bool = False,
-                 sequence_parallel: bool = False, weight_split: Split | None = None, vocab: bool = False):
+    def __init__(
+        self,
+        module,
+        tp: TPGroup,
+        done: dict,
+        name: str = "",
+        *,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        weight_split: Split | None = None,
+        vocab: bool = False,
+    ):
         out_dim = 1 if is_conv1d(module) else 0
         words = module.weight.shape[out_dim] if vocab else None
         split = weight_split or Split(out_dim, size=words)
@@ -114,7 +138,7 @@ class ColumnParallelLinear(ParallelLinear):
         if not self.gather_output:
             return y
         y = gather_from_tp(y, self.tp, -1)
-        return y if y.shape[-1] == self.full_out_features else y[..., :self.full_out_features]  # padding cut
+        return y if y.shape[-1] == self.full_out_features else y[..., : self.full_out_features]  # padding cut
 
 
 class RowParallelLinear(ParallelLinear):
@@ -126,11 +150,16 @@ class RowParallelLinear(ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
-            hint = (" It received the full width: a row-parallel layer takes the split output of a column-parallel "
-                    "layer before it (plan the layer before it 'colwise')." if x.shape[-1] == self.full_in_features
-                    else "")
-            raise ValueError(f"row-parallel layer {self.name!r} expects its slice of {self.in_features} input "
-                             f"features, got {x.shape[-1]}.{hint}")
+            hint = (
+                " It received the full width: a row-parallel layer takes the split output of a column-parallel "
+                "layer before it (plan the layer before it 'colwise')."
+                if x.shape[-1] == self.full_in_features
+                else ""
+            )
+            raise ValueError(
+                f"row-parallel layer {self.name!r} expects its slice of {self.in_features} input "
+                f"features, got {x.shape[-1]}.{hint}"
+            )
         y = self.matmul(x)  # this rank's partial sum, no bias yet
         if not self.sequence_parallel:
             y = reduce_from_tp(y, self.tp)

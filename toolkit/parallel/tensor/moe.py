@@ -24,6 +24,7 @@ token's contribution to the expert's owner, and the data-parallel strategy divid
 Exactness: with t = 2 and the batch split by rows, this rank's share is half the batch's rows, so a
 step equals one process accumulating two micro-batches (same capacities, same auxiliary losses).
 """
+
 from __future__ import annotations
 
 import torch

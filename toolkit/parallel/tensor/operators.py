@@ -27,6 +27,7 @@ Two more move a tensor between "the same on every rank" and "split" without any 
 Every collective goes through `toolkit.comm` with the tensor-parallel group, so the trace records it
 with its group, and its span says which operator issued it (`args["tp"]`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ class TPGroup:
     rank: int
 
     @classmethod
-    def of(cls, group) -> "TPGroup":
+    def of(cls, group) -> TPGroup:
         ranks = comm.group_ranks(group)
         return cls(group, len(ranks), ranks.index(dist.get_rank()))
 
@@ -77,8 +78,10 @@ def all_gather(x: torch.Tensor, tp: TPGroup, dim: int, label: str) -> torch.Tens
 def reduce_scatter(x: torch.Tensor, tp: TPGroup, dim: int, label: str) -> torch.Tensor:
     """Chunk `rank` (along `dim`) of the sum of every rank's `x`."""
     if x.shape[dim] % tp.size:
-        raise ValueError(f"tensor parallelism: dimension {dim} of size {x.shape[dim]} does not split over "
-                         f"tp={tp.size} ranks; with sequence_parallel the sequence length must be a multiple of tp.")
+        raise ValueError(
+            f"tensor parallelism: dimension {dim} of size {x.shape[dim]} does not split over "
+            f"tp={tp.size} ranks; with sequence_parallel the sequence length must be a multiple of tp."
+        )
     chunks = torch.stack(x.chunk(tp.size, dim=dim)).contiguous()
     out = x.new_empty(chunks.shape[1:])
     labelled(lambda: comm.reduce_scatter(out, chunks, group=tp.group), label)
@@ -87,8 +90,10 @@ def reduce_scatter(x: torch.Tensor, tp: TPGroup, dim: int, label: str) -> torch.
 
 def my_chunk(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
     if x.shape[dim] % tp.size:
-        raise ValueError(f"tensor parallelism: dimension {dim} of size {x.shape[dim]} does not split over "
-                         f"tp={tp.size} ranks; use a sequence length (or batch) that is a multiple of tp.")
+        raise ValueError(
+            f"tensor parallelism: dimension {dim} of size {x.shape[dim]} does not split over "
+            f"tp={tp.size} ranks; use a sequence length (or batch) that is a multiple of tp."
+        )
     return x.chunk(tp.size, dim=dim)[tp.rank].contiguous()
 
 

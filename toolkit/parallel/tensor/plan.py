@@ -14,6 +14,7 @@ would also need its head count divided by t, which is why the toolkit GPT has it
 full logits; the toolkit GPT keeps them split. Sequence parallelism needs to know where a block's
 sequence-local regions are, so it comes with the toolkit GPT's plan only.
 """
+
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
@@ -34,25 +35,31 @@ def _splittable(module: nn.Module) -> bool:
 def resolve(model: nn.Module, plan) -> dict[str, str]:
     """{module name: style} for every module the plan names; every mistake is a ValueError that says so."""
     if not isinstance(plan, dict) or not plan:
-        raise ValueError(f"tp_plan must be a non-empty dict {{module name pattern: style}} with styles {STYLES}, "
-                         f"got {plan!r}.")
+        raise ValueError(
+            f"tp_plan must be a non-empty dict {{module name pattern: style}} with styles {STYLES}, got {plan!r}."
+        )
     modules = dict(model.named_modules())
     candidates = [n for n, m in modules.items() if n and _splittable(m)]
     chosen: dict[str, str] = {}
     for pattern, style in plan.items():
         if not isinstance(pattern, str) or style not in STYLES:
-            raise ValueError(f"tp_plan[{pattern!r}] = {style!r}: keys are module name patterns (str) and styles are "
-                             f"one of {STYLES}.")
+            raise ValueError(
+                f"tp_plan[{pattern!r}] = {style!r}: keys are module name patterns (str) and styles are one of {STYLES}."
+            )
         names = [n for n in modules if n and fnmatchcase(n, pattern)]
         if not names:
-            raise ValueError(f"tp_plan names {pattern!r}, which matches no module of this {type(model).__name__}. "
-                             f"Splittable modules (Linear, Conv1D, Embedding) are named like {candidates[:6]}.")
+            raise ValueError(
+                f"tp_plan names {pattern!r}, which matches no module of this {type(model).__name__}. "
+                f"Splittable modules (Linear, Conv1D, Embedding) are named like {candidates[:6]}."
+            )
         for name in names:
             module = modules[name]
             if style != "replicate" and not _splittable(module):
-                raise ValueError(f"tp_plan[{pattern!r}] = {style!r} matches {name!r}, a {type(module).__name__}; only "
-                                 f"nn.Linear, Hugging Face's Conv1D and nn.Embedding can be split. "
-                                 f"{_instead(name, module, candidates)}, or plan it 'replicate'.")
+                raise ValueError(
+                    f"tp_plan[{pattern!r}] = {style!r} matches {name!r}, a {type(module).__name__}; only "
+                    f"nn.Linear, Hugging Face's Conv1D and nn.Embedding can be split. "
+                    f"{_instead(name, module, candidates)}, or plan it 'replicate'."
+                )
             if style == "colwise" and _fused_qkv(name, module):
                 raise ValueError(FUSED_QKV.format(pattern=pattern, name=name, cls=type(module).__name__))
             if isinstance(module, nn.Embedding) and style in ("colwise", "rowwise"):
@@ -63,14 +70,16 @@ def resolve(model: nn.Module, plan) -> dict[str, str]:
     return chosen
 
 
-FUSED_QKV = ("tp_plan[{pattern!r}] = 'colwise' splits {name!r}, a fused q/k/v projection ({cls} with 3 x its input "
-             "features out): its output is [q | k | v], and a rank's contiguous slice of it would hold q of some heads "
-             "and k of others, not q, k and v of the same heads; the model then cuts that slice in three and its "
-             "attention breaks. Split attention by heads instead: give the model separate q, k and v projections (as "
-             "Llama's q_proj, k_proj, v_proj, which split 'colwise' as they are) or cut each of q, k and v t ways so a "
-             "rank keeps its heads' three (the toolkit GPT's own plan, shards.QKV_ROWS), with the output projection "
-             "'rowwise'; or leave the attention 'replicate' and split the MLP only (its first layer 'colwise', its "
-             "second 'rowwise').")
+FUSED_QKV = (
+    "tp_plan[{pattern!r}] = 'colwise' splits {name!r}, a fused q/k/v projection ({cls} with 3 x its input "
+    "features out): its output is [q | k | v], and a rank's contiguous slice of it would hold q of some heads "
+    "and k of others, not q, k and v of the same heads; the model then cuts that slice in three and its "
+    "attention breaks. Split attention by heads instead: give the model separate q, k and v projections (as "
+    "Llama's q_proj, k_proj, v_proj, which split 'colwise' as they are) or cut each of q, k and v t ways so a "
+    "rank keeps its heads' three (the toolkit GPT's own plan, shards.QKV_ROWS), with the output projection "
+    "'rowwise'; or leave the attention 'replicate' and split the MLP only (its first layer 'colwise', its "
+    "second 'rowwise')."
+)
 QKV_NAMES = ("qkv", "c_attn", "query_key_value", "wqkv", "in_proj")
 
 
@@ -91,25 +100,33 @@ def _instead(name: str, module: nn.Module, candidates: list) -> str:
     if inside:
         return f"Name its Linear layers instead (e.g. {inside[:3]})"
     experts = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
-    hint = (f" Its {experts} are the experts of a mixture of experts, one 3-D tensor each: split them over ranks "
-            f"with expert parallelism (toolkit.moe.hf.expert_parallel(model)) rather than tensor parallelism."
-            if experts else "")
-    return (f"It holds no Linear layer to split.{hint} The model's splittable layers are named like "
-            f"{candidates[:6]}")
+    hint = (
+        f" Its {experts} are the experts of a mixture of experts, one 3-D tensor each: split them over ranks "
+        f"with expert parallelism (toolkit.moe.hf.expert_parallel(model)) rather than tensor parallelism."
+        if experts
+        else ""
+    )
+    return f"It holds no Linear layer to split.{hint} The model's splittable layers are named like {candidates[:6]}"
 
 
 def apply_plan(model: nn.Module, plan, tp: TPGroup) -> nn.Module:
     """Replace the planned layers by their split forms, in place (names and tied weights kept)."""
     chosen = resolve(model, plan)
     modules = dict(model.named_modules())
-    split = {id(p): name for name, style in chosen.items() if style != "replicate"
-             for p in modules[name].parameters(recurse=False)}
+    split = {
+        id(p): name
+        for name, style in chosen.items()
+        if style != "replicate"
+        for p in modules[name].parameters(recurse=False)
+    }
     for name, module in modules.items():  # a tied weight is split with all its users, or not at all
         for pname, p in module.named_parameters(recurse=False):
             if id(p) in split and chosen.get(name, "replicate") == "replicate":
-                raise ValueError(f"tp_plan: {name + '.' + pname!r} is the same Parameter as one of {split[id(p)]!r}'s, "
-                                 f"which the plan splits; plan {name!r} too (tied layers split together, e.g. "
-                                 f"'vocab' for an embedding and the head that reuses its weight).")
+                raise ValueError(
+                    f"tp_plan: {name + '.' + pname!r} is the same Parameter as one of {split[id(p)]!r}'s, "
+                    f"which the plan splits; plan {name!r} too (tied layers split together, e.g. "
+                    f"'vocab' for an embedding and the head that reuses its weight)."
+                )
     done: dict = {}
     for name, style in chosen.items():
         module = modules[name]

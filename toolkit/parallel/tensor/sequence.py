@@ -21,6 +21,7 @@ the group (Megatron all-reduces these "sequence-parallel" gradients after backwa
 of the parameter sums them inside backward (`sum_gradients_over_tp`), because a data-parallel strategy
 reads every gradient the moment it is final.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,8 +71,9 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
     tp: TPGroup
 
     def forward(self, x):
-        return F.layer_norm(x, self.normalized_shape, copy_to_tp(self.weight, self.tp), copy_to_tp(self.bias, self.tp),
-                            self.eps)
+        return F.layer_norm(
+            x, self.normalized_shape, copy_to_tp(self.weight, self.tp), copy_to_tp(self.bias, self.tp), self.eps
+        )
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ no text contains. The toolkit pads to the least multiple of t (nothing to gain f
 vocabulary-parallel loss leaves the padding out (`cross_entropy.py`): the padding rows get no gradient,
 stay zero, and a padded run computes exactly what one unpadded process computes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,9 +45,11 @@ class Split:
         block = size // self.parts
         fits = [t for t in range(1, block + 1) if block % t == 0]
         pad = -(-block // tp) * tp
-        raise ValueError(f"tensor parallelism: {what} = {block}{' per block' if self.parts > 1 else ''} does not "
-                         f"split over tp={tp} ranks. Choose a tp that divides it (one of {fits}), or pad it to a "
-                         f"multiple of {tp} (e.g. {pad}).")
+        raise ValueError(
+            f"tensor parallelism: {what} = {block}{' per block' if self.parts > 1 else ''} does not "
+            f"split over tp={tp} ranks. Choose a tp that divides it (one of {fits}), or pad it to a "
+            f"multiple of {tp} (e.g. {pad})."
+        )
 
     def padded(self, tp: int) -> int:
         """The vocabulary's length once padded for t ranks: the least multiple of t that holds it."""
@@ -68,8 +71,9 @@ class Split:
     def join(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's piece, in tensor-parallel rank order (a vocabulary's padding cut)."""
         per_rank = [p.chunk(self.parts, dim=self.dim) for p in pieces]
-        full = torch.cat([torch.cat([mine[b] for mine in per_rank], dim=self.dim) for b in range(self.parts)],
-                         dim=self.dim)
+        full = torch.cat(
+            [torch.cat([mine[b] for mine in per_rank], dim=self.dim) for b in range(self.parts)], dim=self.dim
+        )
         return full if self.size is None else full.narrow(self.dim, 0, self.size)
 
 

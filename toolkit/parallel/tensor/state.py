@@ -11,6 +11,7 @@ Both act on anything keyed by parameter name whose tensors have the parameter's 
 and an optimizer's per-parameter state (Adam's moments), so a checkpoint moves between (dp, tp) layouts
 bit for bit (`checkpoint.py`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -58,9 +59,21 @@ class TensorParallel:
 
     def describe(self) -> list[dict]:
         """One row per parameter: name, how it is split (or 'replicated')."""
-        return [{"param": n, "split": "replicated" if s is None else f"dim {s.dim}" + (f" ({s.parts} blocks)"
-                 if s.parts > 1 else "") + (f" (padded to {s.padded(self.tp.size)})" if s.size is not None and
-                                            s.padded(self.tp.size) != s.size else "")} for n, s in self.splits.items()]
+        return [
+            {
+                "param": n,
+                "split": "replicated"
+                if s is None
+                else f"dim {s.dim}"
+                + (f" ({s.parts} blocks)" if s.parts > 1 else "")
+                + (
+                    f" (padded to {s.padded(self.tp.size)})"
+                    if s.size is not None and s.padded(self.tp.size) != s.size
+                    else ""
+                ),
+            }
+            for n, s in self.splits.items()
+        ]
 
 
 def _shaped(t) -> bool:
