@@ -62,10 +62,11 @@ class StepMemory(MemTracker):
         self.peak_total = 0
         self.peak_categories: dict = dict.fromkeys(CATEGORIES, 0)
         self.peak_moment: dict = {}
-        self.moments: dict = {}  # (pass, phase, module) -> bytes per category at that moment's highest total
+        self.moments: dict = {}  # (pass, phase, module, action) -> bytes per category at that moment's highest
         self._moment_totals: dict = {}
         self._last_entered: dict = {}  # module name -> when it last began (a count of beginnings)
         self._entries = 0
+        self._actions = 0  # the model's own forwards and backwards begun: a pipeline's micro-batch and pass
 
     # --- telling the tracker what the strategy's tensors are ---------------------------------------
     def classify(self, model, optimizer=None) -> None:
@@ -122,7 +123,9 @@ class StepMemory(MemTracker):
         ended (in backward a module whose inputs need no gradient is never told it has ended: `module`)."""
         if module is not None:
             self._entries += 1
-            self._last_entered[self._mod_tracker.get_known_fqn(module)] = self._entries
+            name = self._mod_tracker.get_known_fqn(module)
+            self._last_entered[name] = self._entries
+            self._actions += short_name(name) == "(model)"
 
     def _grad(self, grad) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
@@ -132,12 +135,13 @@ class StepMemory(MemTracker):
             self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
 
     def _update_peak_stats(self, peak_state) -> None:
-        """The rank's peak, and the highest total at each moment of the step (a pass, phase and module: MemTracker
-        keeps a peak per module, for every module object; these are by name, which is what a deeper model's
-        moments are matched by, `toolkit.sim.sweep`)."""
+        """The rank's peak, and the highest total at each moment of the step: a pass, phase and module, and which of
+        the model's forwards and backwards it is in (under pipeline parallelism, which micro-batch's). MemTracker
+        keeps a peak per module object; these are by name, which is what a deeper model's moments are matched by
+        (`toolkit.sim.sweep`)."""
         total = sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())
         phase = current_phase()
-        moment = ("backward" if self._mod_tracker.is_bw else phase, phase, self.module())
+        moment = ("backward" if self._mod_tracker.is_bw else phase, phase, self.module(), self._actions)
         if total > self._moment_totals.get(moment, -1):
             self._moment_totals[moment] = total
             self.moments[moment] = self.current()

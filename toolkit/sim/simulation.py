@@ -178,8 +178,8 @@ class Simulation:
         model_states: (2+2+K)Ψ under the strategy's ZeRO stage, with the bytes per value of the run (16-bit
         with mixed precision, else 4) and K = 12 with mixed precision (fp32 masters and Adam) or 8 (Adam)
         in fp32; fsdp as stage 3 over its sharding group, its fp32 shards counted 4 + 4 + 8;
-        bytes_per_step: passes x Ψ x bytes x (N-1)/N over the sharding group (hybrid sharding adds its replica all-reduce). MoE experts
-        are kept whole by their owners and travel as tokens (all-to-all), not in these bytes.
+        bytes_per_step: passes x Ψ x bytes x (N-1)/N over the sharding group (hybrid sharding adds its replica
+        all-reduce). MoE experts are kept whole by their owners and travel as tokens (all-to-all), not in these bytes.
         Tensor parallelism: `sim/tensor_parallel.theory`. Context parallelism adds the ring's (or Ulysses') bytes
         and divides the tokens of a rank by cp (`sim/context_parallel.py`).
         """

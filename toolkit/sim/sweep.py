@@ -112,24 +112,28 @@ def deepest_peak(one, two, affine) -> dict:
 
 
 def _by_place(moments: dict) -> dict:
-    """{(pass, phase, module with its block's index replaced by "first", "middle" or "last"): categories}, the
-    middle blocks' highest kept (the index: the first number in the module's name, "blocks.3.mlp" -> 3)."""
+    """{(pass, phase, module with its block's index replaced by "first", "middle" or "last", action): categories}, the
+    middle blocks' highest kept (the index: the first number in the module's name, "blocks.3.mlp" -> 3). A lone
+    block is both the first and the last (a pipeline stage of one block: its deeper version has two, a first and
+    a last, and the deepest's peak is usually in its last)."""
 
     def split(module: str):
         parts = module.split(".")
         at = next((i for i, part in enumerate(parts) if part.isdigit()), None)
         return (None, module) if at is None else (int(parts[at]), ".".join(parts[:at] + ["{}"] + parts[at + 1 :]))
 
-    indices = [split(m)[0] for _, _, m in moments if split(m)[0] is not None]
+    indices = [split(m)[0] for _, _, m, _ in moments if split(m)[0] is not None]
     out: dict = {}
-    for (pass_, phase, module), categories in moments.items():
+    for (pass_, phase, module, action), categories in moments.items():
         index, name = split(module)
+        places = [name]
         if index is not None:
-            place = "first" if index == min(indices) else "last" if index == max(indices) else "middle"
-            name = name.format(place)
-        key = (pass_, phase, name)
-        if key not in out or sum(categories.values()) > sum(out[key].values()):
-            out[key] = categories
+            places = [name.format(p) for p in ("first", "last") if index == (min, max)[p == "last"](indices)]
+            places = places or [name.format("middle")]
+        for place in places:
+            key = (pass_, phase, place, action)
+            if key not in out or sum(categories.values()) > sum(out[key].values()):
+                out[key] = categories
     return out
 
 
@@ -158,7 +162,7 @@ def sweep(
                 raise ValueError(f"{label}: {layers} layers do not split into pp x virtual_stages = {stages} stages.")
             sims = [
                 simulate(
-                    lambda n=n: model_fn(n_layer=n * stages),
+                    lambda n=n, stages=stages: model_fn(n_layer=n * stages),
                     strategy,
                     world,
                     warmup=warmup,
