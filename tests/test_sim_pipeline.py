@@ -56,19 +56,21 @@ def shape(program) -> list:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("schedule, m, v", [("1f1b", 8, 1), ("interleaved", 16, 2)])
+@pytest.mark.parametrize("schedule, m, v", [("1f1b", 8, 1), ("interleaved", 16, 2), ("1f1b", 5, 1)])
 def test_one_rank_per_kind_of_stage_gives_every_ranks_program_as_simulating_them_all(schedule, m, v):
     """Four stages: the first (embedding), two alike, the last (head and loss). Simulating one of each with
     the fewest micro-batches (1F1B: pp + 1; interleaved: 2 pp) and putting every rank's program together in
     the order of the pipeline's lowering gives, instruction for instruction, the programs of simulating every
     rank with every micro-batch. One difference, known: before its first action the driver copies each
     micro-batch's token ids and targets (2 copies per micro-batch), and the put-together program keeps its
-    representative's (2 m' of them): every rank starts later by those copies' launches, and so does the step."""
+    representative's (2 m' of them): every rank starts later by those copies' launches, and so does the step.
+    With as few micro-batches as a representative needs (1F1B's pp + 1 = 5) one rank of each kind is still all
+    that is simulated (Llama 3's 16 stages with 16 micro-batches: 3 simulations, not 16)."""
     from toolkit.sim.cost import compute_time
 
     fast, every = pipelined(schedule, m, v), pipelined(schedule, m, v, every_stage=True)
     fewer = fast.simulated_microbatches
-    assert fewer < m and not hasattr(every, "simulated_microbatches")
+    assert fewer == min(m, 2 * 4 if v > 1 else 4 + 1) and not hasattr(every, "simulated_microbatches")
     assert set(fast.stage_peaks) == {0, 1, 3} and set(every.stage_peaks) == {0, 1, 2, 3}  # ranks simulated
     gpu = cluster_of("dgx-a100").gpu
     for rank in range(4):
@@ -77,7 +79,9 @@ def test_one_rank_per_kind_of_stage_gives_every_ranks_program_as_simulating_them
         assert [k.name for k, n in all_of_it[0].kernels for _ in range(n)].count("clone") == 2 * m
         assert [k.name for k, n in mine[0].kernels for _ in range(n)].count("clone") == 2 * fewer
     later = compute_time(every.programs[-1][0], gpu) - compute_time(fast.programs[-1][0], gpu)
-    assert later > 0 and fast.step_time == pytest.approx(every.step_time - later, rel=1e-12)
+    assert (later > 0 if fewer < m else later == 0) and fast.step_time == pytest.approx(
+        every.step_time - later, rel=1e-12
+    )
     assert fast.bytes_per_phase == every.bytes_per_phase
 
 

@@ -5,10 +5,10 @@ most of it repeats: stages that hold the same blocks (all but the first and the 
 actions in another order, and every micro-batch but the first and the last runs the same work. So by
 default (`every_stage=False`) one rank of each kind of stage is simulated (`stage_classes`: the first, a
 middle and the last, or as many as the blocks' split makes), with the fewest micro-batches its schedule
-needs to reach its peak memory (`reduced_microbatches`); its program is cut into each action's work
-(`chunks`: the compute and the tensor- and data-parallel collectives between two point-to-point
-transfers), and every rank's program for the real number of micro-batches is put back together in the
-order of the pipeline's own schedule and its sends and receives (`assemble`, through
+needs to reach its peak memory (`reduced_microbatches`; all of them where there are no more); its program is
+cut into each action's work (`chunks`: the compute and the tensor- and data-parallel collectives between two
+point-to-point transfers), and every rank's program for the real number of micro-batches is put back together
+in the order of the pipeline's own schedule and its sends and receives (`assemble`, through
 `toolkit.parallel.pipeline`'s lowering, its mailbox's receive order included). Tests hold the result to
 simulating every micro-batch of every stage (`every_stage=True`), to the instruction.
 """
@@ -46,7 +46,7 @@ def simulate_pipeline(
     smaller = dict(options, microbatches=fewer)
     sim = simulate_rank(rank=rank, batch_per_rank=batch_per_rank // m * fewer, steps=steps, **smaller)
     info = sim.pipeline_info
-    if fewer == m:  # every rank simulated with every micro-batch
+    if every_stage:  # every rank simulated with every micro-batch
         sim.stage_sims = {
             r: sim if r == rank else simulate_rank(rank=r, batch_per_rank=batch_per_rank, steps=steps, **options)
             for r in ranks
