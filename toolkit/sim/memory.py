@@ -67,6 +67,7 @@ class StepMemory(MemTracker):
         self._last_entered: dict = {}  # module name -> when it last began (a count of beginnings)
         self._entries = 0
         self._actions = 0  # the model's own forwards and backwards begun: a pipeline's micro-batch and pass
+        self._root = None  # the first module to begin a forward: the model (or a pipeline stage's first part)
 
     # --- telling the tracker what the strategy's tensors are ---------------------------------------
     def classify(self, model, optimizer=None) -> None:
@@ -120,12 +121,15 @@ class StepMemory(MemTracker):
 
     def _entered(self, module) -> None:
         """When each module last began its forward or backward: the module running now is the latest that has not
-        ended (in backward a module whose inputs need no gradient is never told it has ended: `module`)."""
+        ended (in backward a module whose inputs need no gradient is never told it has ended: `module`). And how
+        many forwards and backwards the model has begun, counted where the first module to begin a forward (the
+        model, a pipeline stage's first part) begins again: the same count at every depth, a moment's key."""
         if module is not None:
             self._entries += 1
-            name = self._mod_tracker.get_known_fqn(module)
-            self._last_entered[name] = self._entries
-            self._actions += short_name(name) == "(model)"
+            self._last_entered[self._mod_tracker.get_known_fqn(module)] = self._entries
+            if self._root is None and not self._mod_tracker.is_bw:
+                self._root = module
+            self._actions += module is self._root
 
     def _grad(self, grad) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
