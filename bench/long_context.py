@@ -5,7 +5,8 @@
    sequences of 131,072 tokens, bf16, on 1,024 H100 (the "dgx-h100" preset). FSDP shards over dp x cp, tp 8 with
    sequence parallelism fills each node, cp and pp take the rest of a replica, dp what is left. A replica trains on
    one sequence a step without pp, on 2 pp micro-batches of one sequence with it (1F1B: a third of the step is
-   the bubble); layouts are compared by their rate, TFLOP/s per GPU. Each layout: the toolkit's own code
+   the bubble); layouts are compared by their rate, tokens/s per GPU (and TFLOP/s in PaLM's count, below). Each
+   layout: the toolkit's own code
    simulated for one rank at two depths, extrapolated to 80 layers (`toolkit.sim.sweep`), priced from published
    measurements of the hardware (`toolkit.sim.published`); a layout whose peak does not fit in 80 GB has no time.
 2. Llama 3 405B's 128k stage (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4): 16,384 H100, tp 8, cp 16,
@@ -16,9 +17,14 @@
    every one of the 16 stages (Llama's 126 put 7 on the first and the last, which also hold the embedding and the
    head: the step is set by the stages of 8 alike). The rate is the paper's convention (PaLM's MFU count, Chowdhery
    et al. 2022, appendix B: 6N + 12 L h s FLOPs a token, N = 405B, L = 126) over the predicted step. The paper
-   does not say how many virtual stages its interleaved schedule ran: each is priced, none chosen to fit.
+   does not say how many virtual stages its interleaved schedule ran: each is priced, none chosen to fit. Llama 3
+   all-gathers grouped-query K and V (8 key-value heads) over cp, which the toolkit's GPT cannot: both of its cp
+   attentions are priced, the ring (16x Llama's bytes) and Ulysses (2x). FSDP as Llama 3's (not resharded after
+   forward); activation checkpointing, without which the stand-in's first stage does not fit.
+3. What a larger world costs the simulation itself (`--part worlds`): one rank of a tp 8 x cp 16 x pp 2 layout of a
+   small GPT, unpriced, at 4,096, 16,384 and 65,536 ranks, each in a fresh process: wall time and peak memory.
 
-    .venv/bin/python bench/long_context.py [--part sweep|llama3|both] [--write docs/benchmarks.md]
+    .venv/bin/python bench/long_context.py [--part sweep|llama3|worlds|all] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on
 SECTIONS = {
     "sweep": "## A 128k context on 1,024 H100, every layout priced (bench/long_context.py)",
     "llama3": "## Llama 3 405B's 128k layout on 16,384 H100, predicted (bench/long_context.py)",
+    "worlds": "## One simulated rank at 4,096 to 65,536 ranks (bench/long_context.py --part worlds)",
 }
+WORLDS = (4096, 16384, 65536)
 S = 131072  # tokens per sequence
 WORLD = 1024
 LLAMA70 = dict(vocab_size=128256, seq_len=S, n_head=64, d_model=8192, d_ff=28672 * 3 // 2)
@@ -191,16 +199,37 @@ def _llama3_text() -> str:
     )
 
 
+def _worlds_text() -> str:
+    """Each world in a fresh process (its peak resident memory its own): the simulation's wall time and memory."""
+    import subprocess
+
+    script = (
+        "import resource, sys, time; from toolkit.models import tiny_gpt; from toolkit.sim import simulate; "
+        "t = time.perf_counter(); simulate(lambda: tiny_gpt(n_layer=2, d_model=256, n_head=8, seq_len=1024), "
+        "'fsdp', int(sys.argv[1]), tp=8, cp=16, pp=2, microbatches=2, batch_per_rank=2, mixed_precision=True, "
+        "progress=False); print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    lines = ["| ranks | simulation (s) | peak memory of the process (MB) |", "| --- | --- | --- |"]
+    for world in WORLDS:
+        out = subprocess.run([sys.executable, "-c", script, str(world)], capture_output=True, text=True, check=True)
+        seconds, kilobytes = out.stdout.split()[-2:]
+        lines.append(f"| {world:,} | {float(seconds):.1f} | {int(kilobytes) / 1e3:.0f} |")
+    return (
+        "One rank's program does not depend on the world, only on its groups; what grows is the DeviceMesh's groups "
+        "(every group of every dimension, on every rank):\n\n" + "\n".join(lines)
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("sweep", "llama3", "both"), default="both")
+    parser.add_argument("--part", choices=("sweep", "llama3", "worlds", "all"), default="all")
     parser.add_argument("--write", help="put each part's section into this markdown file")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    for part in ("sweep", "llama3"):
-        if args.part not in (part, "both"):
+    for part, make in (("sweep", _sweep_text), ("llama3", _llama3_text), ("worlds", _worlds_text)):
+        if args.part not in (part, "all"):
             continue
-        text = _sweep_text() if part == "sweep" else _llama3_text()
+        text = make()
         text += f"\n\n({time.perf_counter() - started:.0f} s on this machine.)"
         started = time.perf_counter()
         print(text)
