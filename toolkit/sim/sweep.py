@@ -114,8 +114,8 @@ def deepest_peak(one, two, affine) -> dict:
 
 
 def _by_place(moments: dict) -> dict:
-    """{(pass, phase, module with its block's index replaced by "first", "middle" or "last", action): categories}, the
-    middle blocks' highest kept (the index: the first number in the module's name, "blocks.3.mlp" -> 3). A lone
+    """{(pass, phase, module with its block's index replaced by "first", "middle" or "last", action): categories},
+    the middle blocks' highest kept (the index: the first number in the module's name, "blocks.3.mlp" -> 3). A lone
     block is both the first and the last (a pipeline stage of one block: its deeper version has two, a first and
     a last, and the deepest's peak is usually in its last)."""
 
@@ -125,13 +125,13 @@ def _by_place(moments: dict) -> dict:
         return (None, module) if at is None else (int(parts[at]), ".".join(parts[:at] + ["{}"] + parts[at + 1 :]))
 
     indices = [split(m)[0] for _, _, m, _ in moments if split(m)[0] is not None]
+    ends = (("first", min(indices, default=None)), ("last", max(indices, default=None)))
     out: dict = {}
     for (pass_, phase, module, action), categories in moments.items():
         index, name = split(module)
         places = [name]
         if index is not None:
-            places = [name.format(p) for p in ("first", "last") if index == (min, max)[p == "last"](indices)]
-            places = places or [name.format("middle")]
+            places = [name.format(place) for place, at in ends if index == at] or [name.format("middle")]
         for place in places:
             key = (pass_, phase, place, action)
             if key not in out or sum(categories.values()) > sum(out[key].values()):
