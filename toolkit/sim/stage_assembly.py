@@ -134,11 +134,11 @@ def chunks(program) -> tuple[list, list, dict, list, dict]:
     """(prologue, setup, {(kind, micro, stage): instructions}, epilogue, {(op, message kind, micro, stage):
     (the transfer's prelude, the transfer, the phase it is waited for in)}) of a pipeline rank's recorded program.
     The prologue comes before the mailbox posts its first receives, the setup between those and the schedule's
-    first step. An action's work is its compute and the collectives among it; what lies between two actions goes with the one before when a transfer follows it
-    (its trailing waits, a last bucket's all-reduce), else with the one after (an FSDP unit's gather before its
-    first operation). A transfer is its send or receive with the operations outside every action just before
-    it (a receive's buffer). A send issued from inside an action (args "within") leaves a `SentWithin` at its place
-    in that action's work."""
+    first step. An action's work is its compute and the collectives among it; what lies between two actions goes
+    with the one before when a transfer follows it (its trailing waits, a last bucket's all-reduce), else with the
+    one after (an FSDP unit's gather before its first operation). A transfer is its send or receive with the
+    operations outside every action just before it (a receive's buffer). A send issued from inside an action
+    (args "within") leaves a `SentWithin` at its place in that action's work."""
     p2p = {c.id: c for c in program if is_transfer(c)}
     prologue, setup, found, pending, current, transfers = [], [], {}, [], None, {}
     posting, looping = True, False  # the mailbox posts its first receives, then the schedule's loop runs
