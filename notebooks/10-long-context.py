@@ -419,6 +419,8 @@ assert 0.3 < ring8["breakdown"]["exposed_comm"] / ring8["step_time"] < 0.4
 assert 1.3 < ring8["step_time"] / uly8["step_time"] < 1.5
 assert ring16["breakdown"]["exposed_comm"] > ring16["step_time"] / 2
 assert 0.45 < rate["ring, cp 16"] / rate["ring, cp 8"] < 0.6
+assert 0.4 < S / 8 / hides["across nodes"] < 0.6  # 16,384 tokens a rank: about half what hides across nodes
+assert ring_bytes_per_layer(1, S, 8192, 8)["forward"] == 4 * ulysses_bytes_per_layer(1, S, 8192, 8)["forward"]
 
 # %% [markdown]
 # All three fit. The ring at cp = 8 leaves about a third of its step to passes it cannot hide: 16,384 tokens per
