@@ -43,10 +43,13 @@ demo: $(STAMP)
 	$(PY) -m toolkit demo
 
 # ruff (pinned in the dev extras; rules and line length in pyproject.toml): the lint, then the formatter as a check
-# (nothing is rewritten: `.venv/bin/ruff check --fix` and `.venv/bin/ruff format` do that).
+# (nothing is rewritten: `.venv/bin/ruff check --fix` and `.venv/bin/ruff format` do that). Both run, whatever the
+# first finds; the target fails when either does.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	@status=0; \
+	echo "$(VENV)/bin/ruff check ."; $(VENV)/bin/ruff check . || status=1; \
+	echo "$(VENV)/bin/ruff format --check ."; $(VENV)/bin/ruff format --check . || status=1; \
+	exit $$status
 
 # Two workers (pytest-xdist), each test file whole on one: a test mostly waits for the ranks it starts, their
 # messages and its subprocesses, so one worker leaves the cores half idle (on 2 cores: 12.4 min against 20.2).

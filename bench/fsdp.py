@@ -13,7 +13,8 @@ Reported per configuration: median step time per side (the slowest rank's), the 
 peak bytes per rank over one step measured by torch's MemTracker (every allocation: model states,
 gathered units, activations, temporaries), and the largest loss difference (the two must agree).
 
-    python bench/fsdp.py [--world-size 2] [--steps 10] [--configs default,no-prefetch,prefetch,hsdp] [--write docs/benchmarks.md]
+    python bench/fsdp.py [--world-size 2] [--steps 10] [--configs default,no-prefetch,prefetch,hsdp] \
+        [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations

@@ -149,7 +149,8 @@ def _line(r: dict) -> str:
 
 def table(rows) -> str:
     head = (
-        "| model | toolkit | ranks | FSDP2 + FSDPMemTracker | toolkit (simulated) | toolkit / FSDP2 | toolkit's peak |\n"
+        "| model | toolkit | ranks | FSDP2 + FSDPMemTracker | toolkit (simulated) | toolkit / FSDP2 "
+        "| toolkit's peak |\n"
         "|---|---|---:|---:|---:|---:|---|"
     )
     return "\n".join([head, *map(_line, rows)])

@@ -266,8 +266,8 @@ def run_world(world: int, steps: int, cached: bool, with_moe: bool, calibrations
         missing = {name: why for name, why in predicted.items() if isinstance(why, str)}
         rows += moe_rows
         text += (
-            f"\n\nMoE layer ({MOE['experts_per_rank']} experts per rank, {MOE['batch'] * MOE['seq_len']} tokens per rank, "
-            f"d_model {MOE['d_model']}, d_ff {MOE['d_ff']}, top-{MOE['top_k']}) on an emulated link of "
+            f"\n\nMoE layer ({MOE['experts_per_rank']} experts per rank, {MOE['batch'] * MOE['seq_len']} tokens "
+            f"per rank, d_model {MOE['d_model']}, d_ff {MOE['d_ff']}, top-{MOE['top_k']}) on an emulated link of "
             f"{MOE['bandwidth']}, {MOE['latency']} per message, forward + backward:\n\n"
             + table(world, machine, moe_rows).split("\n", 2)[2]
             + "".join(

@@ -26,16 +26,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9
 NOTES = """The simulation runs on one core. Its CPU seconds (time.process_time of the child) hardly move with
 the machine's load; wall-clock seconds do (other sessions share these 2 cores: the same step has taken
-12 to 85 s of wall time at load averages of 5 to 10). Peak RSS is the child process's own. cProfile (`--profile`) put most of the time in per-operation Python:
-torch's meta kernels (prims and refs: a layer norm's backward about 3 ms on meta), and the two dispatch modes
-that watch every operation (MemTracker, the op counter, which also counts FLOPs); the toolkit's strategies
-themselves are a small share. Known shapes (`toolkit.sim.known_shapes`) now answer a meta operation already
-run on the same shapes with fresh tensors, and the op counter reuses its kernel records by the same key:
-the second row is the same simulation with both turned off, side by side (the same peak, bytes and FLOPs). ZeRO-3's step is the
-slowest because every module is a unit (about six all-gathers, waits and frees per layer and pass).
-Model states and bytes equal the formulas on the model's own parameter count (padding below 0.01 GB);
-the peak adds what one moment of the step holds: gathered units, activations of the sequence, gradients
-on their way to a reduce-scatter (one reduction's input at a time: ZeRO-2/3 and FSDP finish each before starting the next)."""
+12 to 85 s of wall time at load averages of 5 to 10). Peak RSS is the child process's own. cProfile
+(`--profile`) put most of the time in per-operation Python: torch's meta kernels (prims and refs: a layer
+norm's backward about 3 ms on meta), and the two dispatch modes that watch every operation (MemTracker,
+the op counter, which also counts FLOPs); the toolkit's strategies themselves are a small share. Known
+shapes (`toolkit.sim.known_shapes`) now answer a meta operation already run on the same shapes with fresh
+tensors, and the op counter reuses its kernel records by the same key: the second row is the same
+simulation with both turned off, side by side (the same peak, bytes and FLOPs). ZeRO-3's step is the
+slowest because every module is a unit (about six all-gathers, waits and frees per layer and pass). Model
+states and bytes equal the formulas on the model's own parameter count (padding below 0.01 GB); the peak
+adds what one moment of the step holds: gathered units, activations of the sequence, gradients on their
+way to a reduce-scatter (one reduction's input at a time: ZeRO-2/3 and FSDP finish each before starting
+the next)."""
 
 
 def _case(queue, model, strategy, world, options, profile, known_shapes=True):
@@ -113,8 +115,8 @@ def main(argv=None):
         f"| GPT-3 175B, zero3, 512 ranks, 1 step (+ warm-up) | {target['cpu']:.1f} | {target['seconds']:.1f} | "
         f"{target['rss'] / GB:.2f} | CPU time {target['cpu'] / 60:.2f} x 60 s, RAM {target['rss'] / 4e9:.2f} x 4 GB |",
         f"| the same without known shapes (the same peak, bytes and FLOPs) | {computed['cpu']:.1f} | "
-        f"{computed['seconds']:.1f} | {computed['rss'] / GB:.2f} | known shapes take {target['cpu'] / computed['cpu']:.2f}x "
-        f"its CPU time |",
+        f"{computed['seconds']:.1f} | {computed['rss'] / GB:.2f} | "
+        f"known shapes take {target['cpu'] / computed['cpu']:.2f}x its CPU time |",
     ]
     if args.profile:  # where the time goes (cProfile slows the run several times: read shares, not seconds)
         split = run_case("gpt3_175b", "zero3", 512, mixed, profile=True)["split"]

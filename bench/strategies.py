@@ -7,7 +7,8 @@ on the same batches, and their steps are interleaved (A, B, A, B, ...) so that m
 both alike. Reported: median step time per side (the slowest rank's), the ratio toolkit/peer, and
 model-state bytes per rank as counted from the live tensors after a step.
 
-    python bench/strategies.py [--world-size 2] [--steps 12] [--pairs ddp,zero1,zero3,zero3-buckets,fsdp] [--write docs/benchmarks.md]
+    python bench/strategies.py [--world-size 2] [--steps 12] [--pairs ddp,zero1,zero3,zero3-buckets,fsdp] \
+        [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def table(rows, world: int) -> str:
         f"{os.cpu_count()} cores), torch {torch.__version__}; tiny GPT {MODEL}, "
         f"{rows[0]['num_params']:,} parameters, {PER_RANK_BATCH} sequences per rank, AdamW, fp32.",
         "",
-        "| strategy | peer | toolkit step (ms) | peer step (ms) | ratio toolkit/peer | toolkit model states / rank (MB) | peer model states / rank (MB) |",
+        "| strategy | peer | toolkit step (ms) | peer step (ms) | ratio toolkit/peer "
+        "| toolkit model states / rank (MB) | peer model states / rank (MB) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:

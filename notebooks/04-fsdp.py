@@ -268,10 +268,10 @@ def window_of(run, step):
 
 
 def steps_with(label):
-    return [s for s, l in sorted(setting_of.items()) if l == label]
+    return [s for s, setting in sorted(setting_of.items()) if setting == label]
 
 
-DEFAULT, LAST_ROUND = "backward prefetch (default)", {l: steps_with(l)[-1] for l in SETTINGS}
+DEFAULT, LAST_ROUND = "backward prefetch (default)", {label: steps_with(label)[-1] for label in SETTINGS}
 rows = []
 for label, run in runs.items():
     shown = LAST_ROUND[DEFAULT] if label == "fsdp" else len(step_windows(run, 0)) - 1
@@ -709,10 +709,11 @@ explorer
 # recomputed tensors, one block at a time.
 #
 # One launch on 2 ranks trains this notebook's model five steps each way, times the middle three and
-# counts both sides of the trade in the last, on rank 0, with `toolkit.memory.pass_costs`: the bytes kept from forward to backward (an
-# `ActivationMeter`) and the floating-point operations of each pass (torch's `FlopCounterMode`, which
-# counts the matmuls; the fused attention kernel is not in its table on the CPU). The same launch trains
-# a few fp16 steps, for what follows (on 4 rows per rank: the CPU has no fast fp16 matmul).
+# counts both sides of the trade in the last, on rank 0, with `toolkit.memory.pass_costs`: the bytes
+# kept from forward to backward (an `ActivationMeter`) and the floating-point operations of each pass
+# (torch's `FlopCounterMode`, which counts the matmuls; the fused attention kernel is not in its table
+# on the CPU). The same launch trains a few fp16 steps, for what follows (on 4 rows per rank: the CPU
+# has no fast fp16 matmul).
 
 
 # %%

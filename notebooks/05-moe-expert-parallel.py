@@ -185,16 +185,16 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from toolkit.moe.encode import decode_einsum, decode_index, encode_einsum, encode_index
 
 
-def cost(fn):
-    """(result, peak bytes allocated, fastest seconds) of fn(): at least 3 runs, up to 50 or 0.1 s."""
+def cost(fn, *args):
+    """(result, peak bytes allocated, fastest seconds) of fn(*args): at least 3 runs, up to 50 or 0.1 s."""
     tracker = MemTracker()
     with tracker:
-        result = fn()
+        result = fn(*args)
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     seconds = []
     while len(seconds) < 3 or (sum(seconds) < 0.1 and len(seconds) < 50):
         start = time.perf_counter()
-        fn()
+        fn(*args)
         seconds.append(time.perf_counter() - start)
     return result, peak, min(seconds)
 
@@ -206,8 +206,8 @@ for T_enc in (128, 256, 512):
     x_enc = torch.randn(T_enc, D)
     with torch.no_grad():
         r_enc = gate_enc(x_enc)
-        slow, slow_peak, slow_s = cost(lambda: decode_einsum(r_enc, encode_einsum(r_enc, x_enc)))
-        fast, fast_peak, fast_s = cost(lambda: decode_index(r_enc, encode_index(r_enc, x_enc)))
+        slow, slow_peak, slow_s = cost(lambda r, x: decode_einsum(r, encode_einsum(r, x)), r_enc, x_enc)
+        fast, fast_peak, fast_s = cost(lambda r, x: decode_index(r, encode_index(r, x)), r_enc, x_enc)
     assert torch.allclose(slow, fast, atol=1e-5)  # the same numbers either way
     print(
         f"{T_enc:>5}{r_enc.capacity:>5}{slow_peak / 1e6:>13.2f} MB{slow_s * 1e3:>8.1f}ms{fast_peak / 1e6:>12.3f} MB"

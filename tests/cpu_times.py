@@ -8,6 +8,7 @@ nobody waits for is not counted). The file is sorted by CPU, a total line first;
 `--durations=0` gives the wall times alone.
 
     TOOLKIT_TEST_TIMES=runs/times.tsv .venv/bin/python -m pytest -q
+    TOOLKIT_TEST_TIMES=runs/times.tsv .venv/bin/python -m pytest -q -n 2   # runs/times.tsv.gw0 and .gw1
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def pytest_sessionfinish(session):
     path = os.environ.get("TOOLKIT_TEST_TIMES")
     if not path or not _rows:
         return
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # under xdist each worker writes its own file: path.gw0 ...
+    path = f"{path}.{worker}" if worker else path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     rows = sorted(_rows, key=lambda r: -(r[2] + r[3]))
     totals = [sum(r[i] for r in rows) for i in (1, 2, 3)]

@@ -48,15 +48,16 @@ def test_ddp_issues_its_buckets_while_backward_still_computes_and_naive_dp_after
 
     model_size = dict(n_layer=4, d_model=128, n_head=4)
     quarter = tiny_gpt(**model_size).num_params() * 4 / 4 / 2**20  # four buckets
-    seen = {}
-    for strategy, options in (("dp", {}), ("ddp", {"bucket_cap_mb": quarter})):
+
+    def all_reduces(strategy, **options):
+        """(async?, how many gradients were still to come) for each all-reduce of the step."""
         with cluster.cluster(2, 0):
             model, _ = toolkit.parallel.wrap(build_on_meta(lambda: tiny_gpt(**model_size)), strategy, **options)
             params = [p for p in model.parameters() if p.requires_grad]
             ready = []
             for p in params:
-                p.register_post_accumulate_grad_hook(lambda p: ready.append(p))
-            issued = []  # (async?, how many gradients were still to come) for each all-reduce of the step
+                p.register_post_accumulate_grad_hook(ready.append)
+            issued = []
             x = torch.empty((8, 32), dtype=torch.long, device="meta")
             with comm.listening(
                 lambda kind, event, tensor: (
@@ -66,7 +67,9 @@ def test_ddp_issues_its_buckets_while_backward_still_computes_and_naive_dp_after
                 )
             ):
                 model.forward_backward(x, x)
-            seen[strategy] = issued
+            return issued
+
+    seen = {"dp": all_reduces("dp"), "ddp": all_reduces("ddp", bucket_cap_mb=quarter)}
     assert seen["dp"] and all(not asynchronous and to_come == 0 for asynchronous, to_come in seen["dp"]), seen
     early = [to_come for asynchronous, to_come in seen["ddp"] if asynchronous and to_come > 0]
     assert len(seen["ddp"]) == 4 and len(early) >= 3, seen  # 3 of the 4 buckets, at least, before the last grad

@@ -84,8 +84,8 @@ def test_the_merge_rule_on_numbers():
     full, full_lse = block.attend(q, k, v, False)
     parts = [block.attend(q, k[:, :, i:j], v[:, :, i:j], False) for i, j in ((3, 5), (0, 1), (1, 3))]
     out, lse = parts[0]
-    for o, l in parts[1:]:
-        out, lse = merge(out, lse, o, l)
+    for part_out, part_lse in parts[1:]:
+        out, lse = merge(out, lse, part_out, part_lse)
     assert torch.allclose(out, full, atol=1e-14) and torch.allclose(lse, full_lse, atol=1e-14)
 
 

@@ -262,7 +262,7 @@ def errors(rank, n, tmp):
     ]:
         model, opt = wrap(build(seed=5, **overrides), "fsdp", optimizer=OPT)
         before = model.full_state_dict()
-        catch(key, lambda: ckpt.load_full(model, opt, file))
+        catch(key, functools.partial(ckpt.load_full, model, opt, file))
         found[f"{key}_unchanged"] = max_diff(before, model.full_state_dict()) == 0 and not opt.state
     model, opt = wrap(build(), "fsdp", optimizer=functools.partial(torch.optim.SGD, lr=LR))
     catch("optimizer_kind", lambda: ckpt.load_full(model, opt, path))

@@ -97,8 +97,9 @@ def test_a_misbehaving_solution_is_stopped_scored_and_leaves_nothing_running(tmp
 def test_lab01_deadlock_is_found_once_with_each_ranks_line(tmp_path, no_leftover_ranks):
     reference = (LABS / "01-ring-allreduce" / "solution.py").read_text()
     old = (
-        "    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right, group),\n"
-        "                                    dist.P2POp(dist.irecv, receive, left, group)])\n"
+        "    works = dist.batch_isend_irecv(\n"
+        "        [dist.P2POp(dist.isend, send, right, group), dist.P2POp(dist.irecv, receive, left, group)]\n"
+        "    )\n"
         "    for work in works:\n        work.wait()\n"
     )
     assert reference.count(old) == 1, "the reference's pass_along changed: update this test"

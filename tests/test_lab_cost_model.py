@@ -4,6 +4,7 @@ hold no answer (steps.json holds inputs only, and the released judges test prope
 in structure but wrong in its counts passes them and fails the hidden checks, whose instructor's message names
 the mistake, in units."""
 
+import functools
 import json
 import math
 
@@ -66,7 +67,7 @@ def _ring_answer(formulas: dict):
 
     def answer(r, case, given):
         return {
-            call: formulas.get(op, lambda *a: alpha_beta_time(op, *a))(size, n, alpha, beta)
+            call: formulas.get(op, functools.partial(alpha_beta_time, op))(size, n, alpha, beta)
             for call, (op, size, n, alpha, beta) in given[0]["calls"].items()
         }
 

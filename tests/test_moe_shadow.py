@@ -411,7 +411,7 @@ def test_shadowed_experts_stay_home_and_their_weights_travel(world):
     E = 2 * world
     for routing in ("balanced", "skewed"):
         for name, want in ((f"{routing}/shadow_forced", [0, E - 1]), (f"{routing}/shadow_forced_one", [1])):
-            for r, res in enumerate(results(world)):
+            for res in results(world):
                 got = res[name]
                 assert got["metrics"]["shadow"]["shadowed"] == want and got["metrics"]["shadow"]["mode"] == "forced"
                 comms = got["comms"]

@@ -1,8 +1,8 @@
 """Issue 6's schedules and the emulated link: proven equal to the plain path, and honest about time.
 
-- FasterMoE's smart schedule (one rank or two per group) and Tutel's pipelined all-to-all (degrees 1, 2, 3 (padded), 4, 8 and
-  "auto"; and each under forced shadowing) give the plain layer's outputs and gradients (inputs,
-  expert weights, router) to fp32 precision at world sizes 2 and 4, with balanced, skewed and
+- FasterMoE's smart schedule (one rank or two per group) and Tutel's pipelined all-to-all (degrees 1, 2, 3
+  (padded), 4, 8 and "auto"; and each under forced shadowing) give the plain layer's outputs and gradients
+  (inputs, expert weights, router) to fp32 precision at world sizes 2 and 4, with balanced, skewed and
   dropless routing; "auto" tries every
   degree once, then keeps the fastest, the same on every rank, and records it in the Run.
 - The emulated link: a collective of known size takes at least the alpha-beta model's time (and not

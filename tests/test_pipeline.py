@@ -219,17 +219,18 @@ def test_stages_send_exactly_the_activations_their_gradients_and_the_tied_weight
 
 def activations() -> dict:
     """Bytes autograd keeps, per rank: after the first forward (one micro-batch) and at the step's peak."""
-    out = {}
-    for schedule in ("gpipe", "1f1b", "zb-h1"):
-        torch.manual_seed(0)
-        model, _ = toolkit.parallel.wrap(tiny_gpt(**FOUR), "local", pp=2, microbatches=4, schedule=schedule)
-        meter = ActivationMeter(model)
-        after = []
-        model.driver.observers.append(lambda action: after.append(meter.live))
-        with meter:
-            model.forward_backward(*SyntheticCorpus().batch(0, 8))
-        out[schedule] = (after[0], meter.peak, meter.live)
-    return out
+    return {schedule: _activations_under(schedule) for schedule in ("gpipe", "1f1b", "zb-h1")}
+
+
+def _activations_under(schedule: str) -> tuple:
+    torch.manual_seed(0)
+    model, _ = toolkit.parallel.wrap(tiny_gpt(**FOUR), "local", pp=2, microbatches=4, schedule=schedule)
+    meter = ActivationMeter(model)
+    after = []
+    model.driver.observers.append(lambda action: after.append(meter.live))
+    with meter:
+        model.forward_backward(*SyntheticCorpus().batch(0, 8))
+    return after[0], meter.peak, meter.live
 
 
 @pytest.mark.timeout(600)

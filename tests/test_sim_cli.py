@@ -207,6 +207,43 @@ def test_simulate_with_a_pipeline_on_the_command_line_is_the_python_call(tmp_pat
     assert (tmp_path / f"{name}-report.html").exists() and (tmp_path / f"{name}-trace.json").exists()
 
 
+def test_an_moe_model_under_a_pipeline_context_and_expert_parallelism_is_the_python_call(tmp_path, capsys, monkeypatch):
+    """The trial: `simulate --model moe-gpt-s --pp 2` stopped with an error telling to build the model over
+    `stage_group(...)`, which no flag could do. The command line builds an MoE preset over its expert group, carved
+    by --ep (default: the stage) from the --pp, --cp and --tp given, as moe_model_fn does for train."""
+    from toolkit.models import presets
+    from toolkit.parallel.mesh import expert_group
+    from toolkit.sim import simulate
+
+    calls = []
+    real = simulate
+    monkeypatch.setattr("toolkit.sim.simulate", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    layout = dict(pp=2, cp=2)
+    argv = "--model moe-gpt-s --layers 2 --strategy ddp --world-size 16 --pp 2 --cp 2 --batch-per-rank 2".split()
+    for ep in (None, 2):
+        assert cli.main([*argv, *(["--ep", str(ep)] if ep else []), "--out", str(tmp_path)]) == 0
+        python = real(
+            lambda ep=ep: presets.moe_gpt_s(n_layer=2, group=expert_group(ep or 8, **layout)),
+            "ddp",
+            16,
+            batch_per_rank=2,
+            cluster="dgx-a100",
+            mixed_precision=True,
+            microbatches=2,
+            schedule="1f1b",
+            progress=False,
+            **layout,
+            **({"ep": ep} if ep else {}),
+        )
+        assert _summary_numbers(calls[-1]) == _summary_numbers(python)
+    by_ep = [c.memory["params"] for c in calls]
+    assert by_ep[1] > by_ep[0]  # experts over 2 ranks instead of the stage's 8: each rank holds 4x the experts
+    assert "all_to_all" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["--model", "tiny", "--ep", "2", "--out", str(tmp_path)])
+    assert "--ep splits the experts of an MoE model: --model tiny has none" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "flags, wrong",
     [
@@ -217,6 +254,7 @@ def test_simulate_with_a_pipeline_on_the_command_line_is_the_python_call(tmp_pat
         ("--model gpt3-175b --layers 4 --world-size 512 --tp 7", "--tp 7"),
         ("--model tiny --world-size 12 --cp 3", "--cp 3"),
         ("--model tiny --world-size 16 --cp 2 --tp 16", "--tp 16"),
+        ("--model moe-gpt-s --layers 2 --world-size 16 --pp 2 --ep 3", "--ep 3"),
     ],
 )
 def test_a_layout_that_does_not_fit_is_answered_with_values_that_fit_every_constraint_at_once(flags, wrong, capsys):

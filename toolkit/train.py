@@ -12,9 +12,10 @@ boundaries. Under pipeline parallelism (options pp > 1) a step's forward and bac
 its actions a span labelled with its micro-batch and stage, memory sampled after each.
 
 Data: step s uses the corpus's global batch s (`global_batch_size` rows); data-parallel replica r of N
-takes its contiguous slice (every rank of a replica's tensor/pipeline/context-parallel group reads the same rows), and with `accumulation` = M it splits that slice into M micro-batches, calling
-backward on loss/M each. So the rows of a step are the same whatever N and M are, and every strategy,
-world size and accumulation can be checked against "local" with accumulation 1.
+takes its contiguous slice (every rank of a replica's tensor/pipeline/context-parallel group reads the
+same rows), and with `accumulation` = M it splits that slice into M micro-batches, calling backward on
+loss/M each. So the rows of a step are the same whatever N and M are, and every strategy, world size and
+accumulation can be checked against "local" with accumulation 1.
 """
 
 from __future__ import annotations
@@ -155,15 +156,21 @@ def build_model(config: TrainConfig) -> torch.nn.Module:
 def moe_model_fn(num_experts: int = 4, top_k: int = 2, **moe_gpt_kwargs):
     """A ``model_fn`` for `train`: ``moe_gpt`` sized by the TrainConfig (vocab, seq_len, ``config.model``), experts
     seeded by ``config.seed`` unless ``seed=`` is given, and split over the ranks of a pipeline stage under
-    ``options["pp"]`` (the layout is the training's, which is why this lives here and not in `toolkit.models`).
+    ``options["pp"]``, or over ``options["ep"]`` of them (Megatron's carving: `toolkit.parallel.expert_layout`)
+    (the layout is the training's, which is why this lives here and not in `toolkit.models`).
 
         train(TrainConfig(strategy="ddp"), model_fn=moe_model_fn(4, 2))
     """
 
     def build(config):
         kwargs = dict(seed=config.seed, vocab_size=config.vocab_size, seq_len=config.seq_len, **config.model)
-        pp = config.options.get("pp", 1)
-        if pp > 1:  # a pipeline stage's experts are split over the ranks of that stage, not the world
+        pp, ep = config.options.get("pp", 1), config.options.get("ep")
+        if ep is not None:  # ep ranks carved from a stage's dp x cp x tp (toolkit/parallel/expert_layout.py)
+            from .parallel.mesh import expert_group
+
+            layout = {k: config.options[k] for k in ("tp", "pp", "cp", "order") if k in config.options}
+            kwargs["group"] = expert_group(ep, **layout)
+        elif pp > 1:  # a pipeline stage's experts are split over the ranks of that stage, not the world
             from .parallel.pipeline import stage_group
 
             kwargs["group"] = stage_group(

@@ -202,9 +202,9 @@ def model(ctx, given, got):
     said = f"counts {counts}, owners {owners}"
     if not close(mine["imbalanced, rows doubled"], 2 * mine["imbalanced"]):
         ctx.fail(
-            f"{said}: latency_imbalanced is {number(mine['imbalanced'])}, and {number(mine['imbalanced, rows doubled'])}"
-            " with every count doubled: each row costs the same compute and bytes, so twice the rows take twice "
-            "the time"
+            f"{said}: latency_imbalanced is {number(mine['imbalanced'])}, and "
+            f"{number(mine['imbalanced, rows doubled'])} with every count doubled: each row costs the same compute "
+            "and bytes, so twice the rows take twice the time"
         )
     if not close(mine["imbalanced, rates doubled"], mine["imbalanced"] / 2):
         ctx.fail(

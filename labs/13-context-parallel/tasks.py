@@ -167,8 +167,8 @@ class Recorded:
                 f"until {self.through[index]} values have come from rank {peer}, before it has posted as many to "
                 f"send ({self.posted['send']} so far)"
                 if kind == "recv"
-                else f"until the {self.through[index]} values it sent to rank {peer} are taken, before it has posted as "
-                f"many to receive ({self.posted['recv']} so far)"
+                else f"until the {self.through[index]} values it sent to rank {peer} are taken, before it has posted "
+                f"as many to receive ({self.posted['recv']} so far)"
             )
             raise RuntimeError(
                 f"this rank waits {what}. Every rank of the ring runs the same code, so its neighbour, at the same "

@@ -32,9 +32,9 @@ The node's card is shared. Everything that leaves or enters a node goes through 
 card (full duplex: an uplink and a downlink, each ``bandwidth``), and the ranks of the node that cross
 nodes at the same time share its bandwidth: their bytes queue on it, each transfer holding it for bytes
 x beta (a message's latency is delay, its own, and does not hold the card). Two ranks of one node each
-pushing 1 MB to the other node at 100 MB/s therefore take 20 ms together, not 10 ms each: the congestion FasterMoE's topology-aware gate is about (M workers
-share W_net). A ring collective crosses each node boundary once (only the rank whose ring neighbour
-is on the other node uses the card), so one ring does not congest a card; two rings in parallel
+pushing 1 MB to the other node at 100 MB/s therefore take 20 ms together, not 10 ms each: the congestion FasterMoE's
+topology-aware gate is about (M workers share W_net). A ring collective crosses each node boundary once (only the rank
+whose ring neighbour is on the other node uses the card), so one ring does not congest a card; two rings in parallel
 groups do. The ranks are separate processes, so the cards' bookings live in the job's key-value store
 (the process group's, an atomic compare-and-set per cross-node call); with one rank per node the card
 is the rank's own and nothing is shared.
@@ -65,8 +65,9 @@ Traces: every emulated span carries ``args.emulated_s`` (the modelled transfer t
 ``args.link`` ("inter-node", "intra-node" or "intra+inter-node"), ``args.emulated_queue_s`` (how long
 it waited behind earlier transfers: its own, other ranks' on the node's card, or an all-to-all's other
 senders at its receivers) and, once waited, ``args.emulated_sleep_s`` (how long this rank slept to
-honour the model); for an asynchronous call that sleep is also a "wait" span with ``emulated=True``. ``toolkit.Run.capture`` writes ``meta["emulated_link"]`` (None when off), so a
-report always says whether the link was real.
+honour the model); for an asynchronous call that sleep is also a "wait" span with ``emulated=True``.
+``toolkit.Run.capture`` writes ``meta["emulated_link"]`` (None when off), so a report always says whether the
+link was real.
 
 Launched ranks: ``emulate`` also sets the environment variable ``TOOLKIT_EMULATED_LINK``, which
 ``toolkit.launch`` passes to the ranks it starts; they read it when they import the toolkit. Calling

@@ -96,7 +96,7 @@ def all_to_all(
     outs = [output.shape[0] // W] * W if output_split_sizes is None else [int(s) for s in output_split_sizes]
     if even:  # every block has the same size: nothing to tell the rank in the middle
         held = [[ins[0]] * N for _ in range(G)]
-    else:  # held[l][m]: rows local rank l has for (node m, my local index)
+    else:  # held[local][m]: rows local rank `local` has for (node m, my local index)
         mine = torch.tensor([[ins[m * G + j] for m in range(N)] for j in range(G)], dtype=torch.long)
         theirs = torch.empty_like(mine)
         _step(theirs.reshape(-1), mine.reshape(-1), [N] * G, [N] * G, inside, "counts")
@@ -113,13 +113,13 @@ def all_to_all(
         inside,
         "intra-node",
     )
-    pieces = middle.split([held[l][m] for l in range(G) for m in range(N)])  # 3. regroup
-    regrouped = torch.cat([pieces[l * N + m] for m in range(N) for l in range(G)])
+    pieces = middle.split([held[local][m] for local in range(G) for m in range(N)])  # 3. regroup
+    regrouped = torch.cat([pieces[local * N + m] for m in range(N) for local in range(G)])
     _step(
         output,
         regrouped,
         [sum(outs[m * G : (m + 1) * G]) for m in range(N)],  # 4. inter
-        [sum(held[l][m] for l in range(G)) for m in range(N)],
+        [sum(held[local][m] for local in range(G)) for m in range(N)],
         across,
         "inter-node",
     )

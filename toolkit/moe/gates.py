@@ -138,6 +138,9 @@ class TopKGate(nn.Module):
         self.normalize_topk, self.dropless = bool(normalize_topk), bool(dropless)
         self.z_loss_weight, self.aux_loss = float(z_loss_weight), aux_loss
         self.router = nn.Linear(d_model, num_experts, bias=False)
+        # fn(this rank's first-choice counts) -> the counts over every token the loss balances, when this rank
+        # holds a part of each sequence (context parallelism sets it: `toolkit.parallel.context.model`)
+        self.balance_over = None
 
     def extra_repr(self) -> str:
         cap = "dropless" if self.dropless else f"capacity_factor={self.capacity_factor}"
@@ -183,7 +186,9 @@ class TopKGate(nn.Module):
 
         # 4. The losses that teach balance (computed on the clean probabilities, first choices).
         loss_fn = gshard_aux_loss if self.aux_loss == "gshard" else switch_aux_loss
-        aux = loss_fn(probs, expert_index[:, 0])
+        first = expert_index[:, 0]
+        whole = None if self.balance_over is None else self.balance_over(torch.bincount(first, minlength=E))
+        aux = loss_fn(probs, first, counts=whole)
         z = self.z_loss_weight * router_z_loss(logits) if self.z_loss_weight > 0 else None
 
         return Routing(

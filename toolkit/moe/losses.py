@@ -24,41 +24,46 @@ def _check_probs(probs: torch.Tensor, top1_index: torch.Tensor, name: str) -> No
         )
 
 
-def _fraction_and_mean_prob(probs: torch.Tensor, top1_index: torch.Tensor):
-    """f_e: fraction of tokens whose first choice is e (no gradient: it is a count);
+def _fraction_and_mean_prob(probs: torch.Tensor, top1_index: torch.Tensor, counts=None):
+    """f_e: fraction of tokens whose first choice is e (no gradient: it is a count), from `counts` when given
+    (first choices counted over more tokens than these: context parallelism's whole sequence);
     P_e: mean router probability of e (differentiable: this is where the gradient goes)."""
     E = probs.shape[1]
-    frac = torch.bincount(top1_index, minlength=E).to(probs.device, probs.dtype) / probs.shape[0]
-    return frac, probs.mean(dim=0)
+    if counts is None:
+        counts = torch.bincount(top1_index, minlength=E)
+    counts = counts.to(probs.device, probs.dtype)
+    return counts / counts.sum().clamp_min(1), probs.mean(dim=0)
 
 
-def gshard_aux_loss(probs: torch.Tensor, top1_index: torch.Tensor) -> torch.Tensor:
+def gshard_aux_loss(probs: torch.Tensor, top1_index: torch.Tensor, counts=None) -> torch.Tensor:
     """GShard's load-balancing loss: ``mean_e(c_e/S * m_e) * E**2``.
 
     c_e/S is the fraction of the S tokens whose first choice is expert e, m_e the mean gate
     probability of e. The counts are not differentiable, so the gradient flows through m_e: it lowers
     the probability of experts that are already crowded. Scaled by E**2 the loss is 1.0 at perfect
     balance and E when one expert takes everything; multiply by your own weight (e.g. 0.01).
+    `counts` (E,): the first choices counted over every token the loss balances, when these are a part of
+    them (context parallelism: each rank holds 1/cp of each sequence, and Megatron counts over all of it).
     """
     _check_probs(probs, top1_index, "gshard_aux_loss")
     if probs.shape[0] == 0:
         return probs.sum() * 0.0
     E = probs.shape[1]
-    frac, mean_prob = _fraction_and_mean_prob(probs, top1_index)
+    frac, mean_prob = _fraction_and_mean_prob(probs, top1_index, counts)
     return (frac * mean_prob).mean() * E * E
 
 
-def switch_aux_loss(probs: torch.Tensor, top1_index: torch.Tensor, alpha: float = 0.01) -> torch.Tensor:
+def switch_aux_loss(probs: torch.Tensor, top1_index: torch.Tensor, alpha: float = 0.01, counts=None) -> torch.Tensor:
     """Switch Transformer's load-balancing loss: ``alpha * E * sum_e f_e * P_e``.
 
     The same quantity as GShard's (E * sum = E**2 * mean), already scaled by alpha = 0.01 as in the
-    paper, so it is 0.01 at perfect balance.
+    paper, so it is 0.01 at perfect balance. `counts`: as for ``gshard_aux_loss``.
     """
     _check_probs(probs, top1_index, "switch_aux_loss")
     if probs.shape[0] == 0:
         return probs.sum() * 0.0
     E = probs.shape[1]
-    frac, mean_prob = _fraction_and_mean_prob(probs, top1_index)
+    frac, mean_prob = _fraction_and_mean_prob(probs, top1_index, counts)
     return alpha * E * (frac * mean_prob).sum()
 
 

@@ -18,9 +18,10 @@ the all-gather no rank needs. That lets ``expert_parallel="auto"`` choose per la
 from the communication model: the time each would take for the rows actually routed, predicted with
 the emulated link's own model (``moe/placement_cost.py``), where an all-to-all lasts as long as its
 slowest rank and a rank is timed by what it sends and what it receives, and EP+DP+MP pays for its slice
-weights; with W > E and no ``expert_slices`` given it also picks r (Tutel's adaptive r). One all-gather of the per-expert counts lets every rank predict the same and decide alike.
-The choice and its reason are kept in ``placement.choice`` / ``placement.reason`` and recorded as
-``moe/{name}/parallel``. Outputs and gradients are the same either way.
+weights; with W > E and no ``expert_slices`` given it also picks r (Tutel's adaptive r). One all-gather of
+the per-expert counts lets every rank predict the same and decide alike. The choice and its reason are
+kept in ``placement.choice`` / ``placement.reason`` and recorded as ``moe/{name}/parallel``. Outputs and
+gradients are the same either way.
 
 Note the kinship with shadowing (moe/shadow.py): "dp" is shadowing every expert, with the per-expert
 broadcasts and gradient reductions batched into one all-gather and one reduce-scatter.

@@ -12,8 +12,8 @@ Two ways to save a sharded model, as in torch FSDP:
   rank needs. It loads back only into the same layout (world size, sharding factor, units), on the rank
   that wrote it; to change the world size, go through a full checkpoint.
 
-Loading (`checkpoint_checks.py`) checks everything first (format, names, shapes, the optimizer's kind and its state's shapes)
-and writes nothing unless all of it fits; ranks agree before anyone writes, so a bad file raises on
+Loading (`checkpoint_checks.py`) checks everything first (format, names, shapes, the optimizer's kind and its state's
+shapes) and writes nothing unless all of it fits; ranks agree before anyone writes, so a bad file raises on
 every rank rather than leaving some loaded and others not. Files are read with
 `torch.load(weights_only=True)`: plain tensors, numbers and strings, no arbitrary code.
 

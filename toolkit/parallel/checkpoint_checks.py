@@ -81,8 +81,9 @@ def _damaged(path: str, exc: Exception) -> str:
 
 def check_full(checkpoint, shapes: dict, optimizer) -> str | None:
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FULL:
+        found = checkpoint.get("format") if isinstance(checkpoint, dict) else type(checkpoint).__name__
         return (
-            f"this is not a full toolkit checkpoint (format {checkpoint.get('format') if isinstance(checkpoint, dict) else type(checkpoint).__name__!r}, "
+            f"this is not a full toolkit checkpoint (format {found!r}, "
             f"expected {FULL!r}); write one with toolkit.parallel.checkpoint.save_full."
         )
     saved = checkpoint["model"]

@@ -15,7 +15,9 @@ The steps, in the order they are taken (each one a room of its own, each told on
    "pp" group;
 5. data parallelism: `strategy` (local, dp, ddp, zero1-3, fsdp) wraps what this rank holds and reduces,
    or shards, over the "dp" x "cp" group (the cp ranks hold the same parameters and see other tokens:
-   torchtitan's FSDP shards over dp x cp the same way);
+   torchtitan's FSDP shards over dp x cp the same way); an MoE layer's experts are split over ep ranks
+   carved from dp x cp x tp, Megatron's way, and their copies averaged over the rest (`expert_layout.py`,
+   checked before step 2);
 6. under pp > 1 the pipeline's schedule drives the step: `model.forward_backward(x, y)`.
 
 The data-parallel strategies never learn about the other dimensions: they are given a smaller group.
@@ -23,6 +25,7 @@ The data-parallel strategies never learn about the other dimensions: they are gi
 
 from __future__ import annotations
 
+from . import expert_layout
 from . import mesh as mesh_
 
 # option -> default. Present in a wrap call, they send it here.
@@ -37,6 +40,7 @@ MODEL_PARALLEL = {
     "pp_split": None,
     "cp": 1,
     "cp_attention": "ring",
+    "ep": None,  # expert parallelism's size, carved from dp x cp x tp (expert_layout.py); None: the model's own
     "order": mesh_.ORDER,
 }
 
@@ -63,6 +67,7 @@ def wrap(model, strategy: str, build, optimizer, options: dict):
         check(model, mp["cp_attention"], mp["cp"], mp["tp"])
     mesh = mesh_.build(tp=mp["tp"], pp=mp["pp"], cp=mp["cp"], order=mp["order"])
     layout = mesh_.layout_of(mesh)
+    experts_copied = expert_layout.check(model, layout, strategy, mp["ep"])  # ep: carved from dp x cp x tp
     if strategy == "local" and layout.dp > 1:
         raise ValueError(
             f"strategy 'local' means no data parallelism (dp = 1), but the world of {layout.world_size} "
@@ -80,6 +85,8 @@ def wrap(model, strategy: str, build, optimizer, options: dict):
         model = parallelize_context(model, mesh_.group(mesh, "cp"), mp["cp_attention"])
     if strategy != "local":
         options = dict(options, group=mesh_.group(mesh, "dp", "cp"))
+    if experts_copied is not None:  # ep < dp x cp x tp: the experts' copies are averaged too
+        options = dict(options, expert_group=experts_copied)
     if layout.pp > 1:  # the pipeline wraps each stage with `build`, and joins its tp pieces itself
         from .pipeline import wrap as wrap_pipeline
 

@@ -37,7 +37,9 @@ parameters, gradients and messages, fp32 masters in the optimizer). Corner cases
   would leave None (AdamW then still decays it): freeze it with `requires_grad_(False)`.
 - expert parameters (tagged `param._toolkit_expert` by toolkit.moe) differ per rank: they are neither
   broadcast nor all-reduced; the MoE all-to-all backward already summed every rank's contribution, so
-  they are only divided by the group size (the average the dense gradients get).
+  they are only divided by the group size (the average the dense gradients get). When the experts are split
+  over fewer ranks than the group and copied over the rest (`expert_group`: the expert-data-parallel ranks,
+  `toolkit/parallel/expert_layout.py`), the copies' sums are first all-reduced over that group.
 """
 
 from __future__ import annotations
@@ -54,25 +56,30 @@ from ..trace.events import phase
 from . import check_options, consistency
 from .local import Wrapped
 
-NAIVE_OPTIONS = ("mixed_precision", "group")
-DDP_OPTIONS = ("mixed_precision", "bucket_cap_mb", "group")
+NAIVE_OPTIONS = ("mixed_precision", "group", "expert_group")
+DDP_OPTIONS = ("mixed_precision", "bucket_cap_mb", "group", "expert_group")
 
 
 class DataParallel(Wrapped):
     """What both versions share: the same start on every rank, and noticing when a backward runs."""
 
-    def __init__(self, module, mixed_precision=False, group=None):
+    def __init__(self, module, mixed_precision=False, group=None, expert_group=None):
         consistency.check_same_model(module, group)  # a clear error now rather than a hang later
         module.to(env.device())
         with phase("setup"):
             dense = [p for p in module.parameters() if not getattr(p, "_toolkit_expert", False)]
             consistency.broadcast_from_rank0(dense + list(module.buffers()), group)  # experts differ per rank
+            experts = [p for p in module.parameters() if getattr(p, "_toolkit_expert", False)]
+            if expert_group is not None:  # ... and are the same on their copies (Megatron broadcasts them too)
+                consistency.broadcast_from_rank0(experts, expert_group)
         super().__init__(module, mixed_precision)  # fp32 masters copy rank 0's values, then the cast
-        self.group = group
+        self.group, self.expert_group = group, expert_group
         self.params = [p for p in dense if p.requires_grad]  # tied ones appear once
-        self.experts = [p for p in module.parameters() if getattr(p, "_toolkit_expert", False)]
+        self.experts = experts
+        copy = comm.group_ranks(expert_group).index(torch.distributed.get_rank()) if expert_group is not None else 0
         for p in self.experts:  # averaged here over N; in fp16 toolkit.moe divides by `pre` before its sums
             p._toolkit_grad_average = len(comm.group_ranks(group))
+            p._toolkit_expert_copy = copy  # which copy of the expert (a norm counts copy 0 only: tensor/clip.py)
         if self.scaler is not None:  # fp16: replicas hold the same averaged gradients, experts their own
             self.scaler.group, self.scaler.across_ranks = group, bool(self.experts)
         self.require_sync = True  # no_sync() turns it off
@@ -119,6 +126,9 @@ class DataParallel(Wrapped):
     def _end_of_backward(self):
         self._in_backward = False
         for p in self.experts:  # MoE all-to-all backward already summed every rank's part: average
+            if self.expert_group is not None:  # the copies' sums added up (every copy joins, as in dp's)
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+                comm.all_reduce(p.grad, group=self.expert_group)
             if p.grad is not None:  # by what the sums have not divided already (fp16: moe/experts.py)
                 p.grad.div_(divide_factors(len(comm.group_ranks(self.group)), p.grad.dtype)[1])
         self.finish_backward()
@@ -187,8 +197,8 @@ class Bucket:
 class DistributedDataParallel(DataParallel):
     """ "ddp": buckets of gradients all-reduced asynchronously while backward goes on."""
 
-    def __init__(self, module, mixed_precision=False, bucket_cap_mb=None, group=None):
-        super().__init__(module, mixed_precision, group)
+    def __init__(self, module, mixed_precision=False, bucket_cap_mb=None, group=None, expert_group=None):
+        super().__init__(module, mixed_precision, group, expert_group)
         # torch's rule: the default cap (25 MiB) comes with a 1 MiB first bucket; a cap you choose is every bucket's
         self.caps = (FIRST_BUCKET_BYTES, 25 * 2**20) if bucket_cap_mb is None else (bucket_cap_mb * 2**20,) * 2
         self._build(assign_buckets(self.params, self.caps[1], self.caps[0]))

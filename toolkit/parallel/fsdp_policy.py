@@ -151,7 +151,8 @@ def explain(model: nn.Module, policy=None) -> str:
     if policy is None:
         return f"wrap_policy=None (the default): {default_units(model)[1]}"
     units = select(model, policy)
-    return f"wrap_policy={_describe(policy)}: {len(units)} units ({', '.join(units[:4])}{', ...' * (len(units) > 4)}), plus the root"
+    shown = ", ".join(units[:4]) + ", ..." * (len(units) > 4)
+    return f"wrap_policy={_describe(policy)}: {len(units)} units ({shown}), plus the root"
 
 
 # Modules whose forward is never called (a model iterates over them): never units. (torch FSDP1's

@@ -22,6 +22,15 @@ innermost (dp outermost: "tp-cp-pp-dp" here); picotron's grid is (dp, pp, cp, tp
 ("ep" is accepted where Megatron writes it and takes no ranks of its own here: an MoE layer's experts are split
 over the group it is given, `toolkit.moe.MoE(group=...)`.)
 
+Expert parallelism is carved out of the ranks of a pipeline stage, as Megatron-core carves it (its expert rank
+generator: the same order, cp folded in, "ep" next to the innermost dimensions): list a stage's dp x cp x tp
+ranks innermost dimension first (tp fastest, then cp, then dp, in the order's nesting); each run of `ep`
+consecutive ranks of that list is an expert-parallel group, and the ranks at the same place of every run form an
+expert-data-parallel group, which holds copies of the same experts. `layout.expert_groups(ep)`; with cp these
+groups mix cp and dp ranks (dp 2 x cp 2, ep 2: the experts split over each cp pair, copied over dp), since
+routing is per token and every cp rank routes its own tokens. (The toolkit's tp ranks share out their tokens
+to the experts, `tensor/moe.py`, so they join the list as Megatron's expert-tensor-parallel size 1 would.)
+
 Sizes of 1 are allowed (a dimension of one rank is a group of one), so every wrapped model carries the same
 four-name mesh, and `group(mesh, "dp", "cp")` is what a data-parallel strategy reduces over (the cp ranks hold
 the same parameters and see different tokens, as dp ranks do: torchtitan's FSDP shards over dp x cp). The mesh
@@ -106,10 +115,11 @@ class Layout:
         return rank
 
     def grid(self) -> torch.Tensor:
-        """The global ranks as a (dp, pp, cp, tp) tensor: entry [d, p, c, t] is the rank at that index."""
+        """The global ranks as a (dp, pp, cp, tp) tensor: entry [d, p, c, t] is the rank at that index (on the CPU,
+        also where the simulator builds a model on meta)."""
         inner_first = nesting(self.order)
         outer_first = inner_first[::-1]
-        ranks = torch.arange(self.world_size).reshape([self.size(d) for d in outer_first])
+        ranks = torch.arange(self.world_size, device="cpu").reshape([self.size(d) for d in outer_first])
         return ranks.permute([outer_first.index(d) for d in DIMS])
 
     def groups(self, *dims: str) -> list[list[int]]:
@@ -125,6 +135,21 @@ class Layout:
     def group_of(self, rank: int, *dims: str) -> list[int]:
         """The global ranks of `rank`'s group along `dims`."""
         return next(g for g in self.groups(*dims) if rank in g)
+
+    def expert_groups(self, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+        """(expert-parallel groups of `ep` ranks, expert-data-parallel groups): Megatron-core's carving of each
+        pipeline stage's dp x cp x tp ranks (see the module's text), every group a list of global ranks."""
+        stage = self.world_size // self.pp
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or stage % ep:
+            fits = [e for e in range(1, stage + 1) if stage % e == 0]
+            raise ValueError(
+                f"ep={ep!r}: expert parallelism is carved out of the dp x cp x tp = {stage} ranks of a pipeline "
+                f"stage ({self}), so ep must divide {stage}: one of {fits}."
+            )
+        inner = [d for d in reversed(nesting(self.order)) if d != "pp"]  # outermost first: the last varies fastest
+        grid = self.grid().permute([DIMS.index("pp")] + [DIMS.index(d) for d in inner])
+        runs = grid.reshape(self.pp, stage // ep, ep)
+        return runs.reshape(-1, ep).tolist(), runs.transpose(1, 2).reshape(-1, stage // ep).tolist()
 
     def __str__(self) -> str:
         sizes = " x ".join(f"{d} {self.size(d)}" for d in DIMS if d != "cp" or self.cp > 1)
@@ -197,6 +222,25 @@ def data_parallel_rank(mesh) -> int:
     """This rank's index in the group a data-parallel strategy reduces over (`group(mesh, "dp", "cp")`)."""
     c, cp = coordinate(mesh), mesh.size(DIMS.index("cp"))
     return c.dp * cp + c.cp
+
+
+def own_group(groups: list[list[int]]):
+    """A process group for each of `groups` (every rank makes every one, in the same order: torch's rule); this
+    rank's (None if it is in none)."""
+    found = None
+    for ranks in groups:
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            found = group
+    return found
+
+
+def expert_group(ep: int, *, tp: int = 1, pp: int = 1, cp: int = 1, order: str = ORDER):
+    """This rank's expert-parallel group of `ep` ranks in the world's dp x pp x cp x tp layout (`Layout.expert_groups`):
+    what an MoE model is built over before it is wrapped with the same tp, pp, cp and ep
+    (`moe_gpt(group=expert_group(2, cp=2))`; TrainConfig's moe_model_fn does it from `options["ep"]`)."""
+    shape = layout(dist.get_world_size(), tp=tp, pp=pp, cp=cp, order=order)
+    return own_group(shape.expert_groups(ep)[0])
 
 
 def layout_of(mesh) -> Layout:

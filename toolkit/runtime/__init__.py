@@ -1,4 +1,5 @@
-"""Where processes come from: `launch` from a notebook or script, `init` under torchrun/mpirun, `cluster` for ipyparallel."""
+"""Where processes come from: `launch` from a notebook or script, `init` under torchrun/mpirun, `cluster` for
+ipyparallel."""
 
 from .cluster import cluster, restart_cluster
 from .cluster import explain as explain_cluster_error

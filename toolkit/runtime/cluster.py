@@ -20,8 +20,8 @@ enough for an interactive cell, long enough for one engine to build a lesson's m
 wait) bounds a cell in which a rank skipped a collective; `view.apply` / `apply_sync` / `map_sync`
 recover the same way. If an engine exits (`os._exit`), the others live on but cannot run a collective
 again; if one is killed by a signal, MPICH's mpiexec ends them all. Either way the toolkit says which
-engine died first, how, and how to restart the cluster (`restart_cluster`). In IPython that explanation is printed under the cell's error; elsewhere,
-`explain(rc, error)` returns it.
+engine died first, how, and how to restart the cluster (`restart_cluster`). In IPython that explanation is
+printed under the cell's error; elsewhere, `explain(rc, error)` returns it.
 """
 
 from __future__ import annotations
@@ -234,8 +234,8 @@ def _engines_died(rc, gone: list[int]) -> str:
             exits.story(code)
             if code is not None
             else (
-                "died: its process ended (os._exit, a crash in native code, or it was killed, e.g. by the out-of-memory "
-                "killer)"
+                "died: its process ended (os._exit, a crash in native code, or it was killed, e.g. by the "
+                "out-of-memory killer)"
             )
         )
 

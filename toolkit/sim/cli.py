@@ -31,6 +31,7 @@ from ..models.presets import PRESETS, model_fn_for
 from ..parallel import STRATEGIES
 from ..parallel.pipeline.schedules import SCHEDULES
 
+MOE_PRESETS = ("moe-gpt-s", "moe-gpt-64")  # the presets with MoE layers (toolkit.models.presets)
 HSDP = "hsdp"  # fsdp with hybrid sharding: shard inside groups of --sharding-group-size, replicate across them
 FSDP_ONLY = ("forward_prefetch", "no_backward_prefetch", "sharding_group_size")
 
@@ -114,6 +115,14 @@ def parser() -> argparse.ArgumentParser:
         "dp x cp",
     )
     p.add_argument(
+        "--ep",
+        type=positive_int,
+        default=None,
+        help=f"an MoE model's ({', '.join(MOE_PRESETS)}) experts split over groups of --ep ranks carved out of a "
+        "pipeline stage's dp x cp x tp ranks as Megatron-core carves them, copied across the groups (default: "
+        "the whole stage, one copy of each expert)",
+    )
+    p.add_argument(
         "--pp",
         type=positive_int,
         default=1,
@@ -190,6 +199,13 @@ def options_of(args, parse) -> tuple[str, dict]:
         options["sequence_parallel"] = True
     if args.cp != 1:
         options["cp"] = args.cp
+    if args.ep is not None:
+        if args.model not in MOE_PRESETS:
+            parse.error(
+                f"--ep splits the experts of an MoE model: --model {args.model} has none (use one of "
+                f"{', '.join(MOE_PRESETS)})"
+            )
+        options["ep"] = args.ep
     pipeline = [f for f in ("microbatches", "virtual_stages") if getattr(args, f) not in (None, 1)]
     if args.pp == 1 and (pipeline or args.schedule != "1f1b"):
         parse.error(
@@ -316,6 +332,14 @@ def check_layout(args, model_fn, parse, one_block=None) -> None:
                     else f"No value does with --tp {tp} and --pp {pp}: change those, or --seq-len."
                 )
             )
+    if args.ep is not None and (world // pp) % args.ep:
+        stage = world // pp
+        fits = _divisors(stage)
+        parse.error(
+            f"--ep {args.ep} does not fit: the experts' groups are carved out of a pipeline stage's "
+            f"{stage} ranks (--world-size {world} / --pp {pp}), so --ep must divide {stage}. "
+            f"Values that fit every constraint: {fits}."
+        )
     if pp > 1:
         import torch
 
@@ -400,6 +424,20 @@ def file_name(args, parse) -> str:
     return "-".join(parts)
 
 
+def experts_over_their_group(model_fn, args):
+    """An MoE preset built, inside the simulation, over this rank's expert-parallel group: --ep ranks (by default a
+    pipeline stage's) carved as `toolkit.parallel.mesh.expert_group` carves them, which is what `moe_model_fn` does
+    for `train` and what a pipeline or an ep layout checks the model for."""
+
+    def build():
+        from ..parallel.mesh import expert_group
+
+        ep = args.ep or args.world_size // args.pp
+        return model_fn(group=expert_group(ep, tp=args.tp, pp=args.pp, cp=args.cp))
+
+    return build
+
+
 def main(argv=None) -> int:
     parse = parser()
     args = parse.parse_args(argv)
@@ -410,6 +448,8 @@ def main(argv=None) -> int:
     except ValueError as exc:
         parse.error(str(exc))
     check_layout(args, model_fn, parse, one_block=model_fn_for(args.model, 1))
+    if args.model in MOE_PRESETS:
+        model_fn = experts_over_their_group(model_fn, args)
     from . import simulate
 
     try:

@@ -242,8 +242,9 @@ def summary_text(numbers: dict) -> str:
             f"predicted peak model states per rank: {_size(m['peak'])} = shards {_size(m['sharded'])} + root "
             f"{_size(m['root'])} + in flight {_size(m['in_flight'])} + full gradients {_size(m['full_grads'])}; "
             f"data parallelism would hold {_size(m['ddp'])} ({m['ddp'] / m['peak']:.1f}x).",
-            f"collectives per step: {n['collectives']['all_gather']} all-gathers + {n['collectives']['reduce_scatter']} "
-            f"reduce-scatters = {n['collectives']['total']}, sending {_size(n['bytes_sent'])} per rank; at "
+            f"collectives per step: {n['collectives']['all_gather']} all-gathers + "
+            f"{n['collectives']['reduce_scatter']} reduce-scatters = {n['collectives']['total']}, "
+            f"sending {_size(n['bytes_sent'])} per rank; at "
             f"{ALPHA * 1e6:g} µs and {BANDWIDTH / 1e9:g} GB/s about {n['comm_s'] * 1e3:.3g} ms, of which "
             f"{n['latency_s'] * 1e3:.3g} ms ({n['latency_s'] / n['comm_s']:.0%}) is latency."
             if n["comm_s"] > 0

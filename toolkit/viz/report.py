@@ -20,7 +20,8 @@ import plotly.io as pio
 STYLE = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 2em auto; max-width: 1200px;
        padding: 0 1em; color: #222; line-height: 1.45; }
-h1 { font-size: 1.6em; margin-bottom: 0.2em; } h2 { font-size: 1.25em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
+h1 { font-size: 1.6em; margin-bottom: 0.2em; }
+h2 { font-size: 1.25em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
 .subtitle { color: #666; margin-top: 0; }
 .table { max-width: 100%; overflow-x: auto; margin: 1em 0; }  /* a wide table scrolls, the page does not */
 table { border-collapse: collapse; font-size: 0.9em; }

@@ -13,7 +13,8 @@ across the blocks of one device, and ring attention's across devices (Liu, Zahar
 merges the block each step brings into what it has, in any order, and the result equals attention over the
 whole sequence exactly (up to rounding). The exponents are never positive, so nothing overflows.
 
-Shapes: out (batch, heads, queries, head_dim), lse (batch, heads, queries), both in fp32 while merging (fp64 for fp64 inputs).
+Shapes: out (batch, heads, queries, head_dim), lse (batch, heads, queries), both in fp32 while merging (fp64 for
+fp64 inputs).
 """
 
 from __future__ import annotations

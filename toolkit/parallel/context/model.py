@@ -12,6 +12,11 @@ Three things change, each found through a small protocol (the model is not rewri
    `hidden_shape` says s/cp, `head_loss` keeps the same tokens of the labels and returns the loss averaged over
    the cp ranks (`operators.mean_over_cp`), or, with no labels, the whole sequence's logits.
 
+4. MoE layers (`toolkit.moe`): routing is per token, so each rank routes its own tokens and the layer runs as it
+   is, over its expert-parallel group (ep ranks carved from dp x cp x tp: `parallel/expert_layout.py`). Only the gate's
+   load-balancing loss is not per token: its counts are taken over the whole sequence (`gate.balance_over`,
+   `operators.counts_over_cp`), and the model's auxiliary loss, like its loss, is the mean over the cp ranks.
+
 So `model(x, y)` takes the whole rows, as every other strategy's model does, and returns the loss of the whole
 sequence; the data-parallel strategy reduces the gradients over dp x cp (`compose.py`).
 """
@@ -24,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from ... import comm
-from .operators import CPGroup, gather_sequence, mean_over_cp
+from .operators import CPGroup, counts_over_cp, gather_sequence, mean_over_cp
 from .ring import Ring
 from .ring_attention import ring_attention
 from .sequence import SequenceSplit
@@ -66,6 +71,10 @@ class ContextParallelModel:
             return gather_sequence(super().head_loss(h, None), self.context.cp, self.context.split)
         return mean_over_cp(super().head_loss(h, self.context.split.local(y)), self.context.cp)
 
+    def aux_loss(self, aux_losses: list) -> torch.Tensor:
+        own = super().aux_loss(aux_losses) if hasattr(super(), "aux_loss") else sum(aux_losses)
+        return mean_over_cp(own, self.context.cp)
+
 
 class GlobalPositions(nn.Embedding):
     """A position embedding looked up at the global positions of this rank's tokens."""
@@ -88,6 +97,10 @@ def parallelize(model: nn.Module, group, attention: str = "ring") -> nn.Module:
     context = ContextParallel(group, attention)
     for _, module in attention_modules(model):
         module.attend = context.attend()
+    for _, module in model.named_modules():  # an MoE layer's gate (toolkit.moe): balance the whole sequence
+        gate = getattr(module, "gate", None)
+        if hasattr(gate, "balance_over"):
+            gate.balance_over = functools.partial(counts_over_cp, cp=context.cp)
     positions = getattr(model, "pos_emb", None)
     if type(positions) is nn.Embedding:
         positions.__class__ = GlobalPositions

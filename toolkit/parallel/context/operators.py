@@ -1,4 +1,5 @@
-"""The context-parallel group, and the two places outside attention where its ranks talk: the loss and the logits.
+"""The context-parallel group, and the places outside attention where its ranks talk: the loss, the logits, and an
+MoE layer's load-balancing counts.
 
 The loss. Rank c computes the mean loss L_c over its own tokens (the same number on every rank). The loss of the
 sequence is their mean, (1/cp)·Σ_c L_c, and its gradient (1/cp)·Σ_c ∇L_c. The data-parallel strategy already
@@ -6,6 +7,16 @@ averages every gradient over its group, and under cp that group is dp x cp (the 
 parameters and see different tokens, like dp ranks): so each rank must back-propagate its own L_c, nothing more.
 `mean_over_cp` returns the mean over the cp ranks as the loss's value (what a student logs and compares with one
 process), with the gradient of L_c (identity backward).
+
+The load-balancing loss of an MoE layer (GShard's and Switch's, `toolkit.moe.losses`) is E·Σ_e f_e·P_e: f_e the
+fraction of tokens whose first choice is expert e, P_e their mean router probability. It is not a mean over
+tokens (a product of two means), so the mean of the cp ranks' losses on their own tokens is not the sequence's.
+Megatron-core counts f over the whole sequence (`sequence_partition_group`, its tp x cp group): the counts are
+summed over the cp ranks (`counts_over_cp`, E integers per layer), P_e stays this rank's. Then rank c's loss is
+E·Σ_e f_e·P_e,c, and their mean over c, the one the gradients average, is the sequence's E·Σ_e f_e·P_e.
+(Megatron sums the ranks' pieces and multiplies the aux loss's gradient by cp; here each rank's piece is a mean
+over its tokens and the data-parallel average divides by cp: the same gradient.) The router z-loss is a mean
+over tokens: it needs nothing.
 
 The logits. `model(x)` returns the whole sequence's logits, as the unwrapped model does: each rank's are
 all-gathered and put back in sequence order (`gather_sequence`; backward keeps this rank's part).
@@ -38,7 +49,8 @@ class CPGroup:
 
 def labelled(calls, label: str) -> list:
     """Issue `calls` (each one call to `toolkit.comm`) and name on their spans what they carry (`args["cp"]`: "kv",
-    "dkv", "ulysses", "loss", "logits"): the trace, a test or the simulator tells cp's traffic from the rest."""
+    "dkv", "ulysses", "loss", "logits", "moe balance"): the trace, a test or the simulator tells cp's traffic from
+    the rest."""
     issued, results = [], []
     with comm.listening(lambda kind, event, tensor: issued.append(event) if kind == "issue" else None):
         for call in calls:
@@ -63,6 +75,14 @@ class _MeanOverCP(torch.autograd.Function):
 def mean_over_cp(loss: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     """The mean of every cp rank's loss as the value; this rank's own loss's gradient (see the module's text)."""
     return _MeanOverCP.apply(loss, cp)
+
+
+def counts_over_cp(counts: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    """An MoE gate's first-choice counts per expert on this rank's tokens, summed over the cp ranks: the whole
+    sequence's (see the module's text)."""
+    total = counts.clone()
+    labelled([lambda: comm.all_reduce(total, group=cp.group)], "moe balance")
+    return total
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -5,7 +5,8 @@ Attention is independent per *head*: so before it, one all-to-all turns "all hea
 "a/cp of the heads for all s tokens", ordinary attention runs on whole sequences (any mask, any kernel), and
 one all-to-all after it turns the output back:
 
-    q, k, v  (b, a, s/cp, d)  --all-to-all-->  (b, a/cp, s, d)  --attention-->  (b, a/cp, s, d)  --all-to-all-->  (b, a, s/cp, d)
+    q, k, v  (b, a, s/cp, d)  --all-to-all-->  (b, a/cp, s, d)  --attention-->  (b, a/cp, s, d)
+    output   (b, a/cp, s, d)  --all-to-all-->  (b, a, s/cp, d)
 
 Backward is the same two all-to-alls in reverse. Compared with the ring:
 

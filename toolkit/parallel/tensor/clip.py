@@ -9,7 +9,8 @@ around the world, some of them in several copies:
     across dp               replicated strategies (local, dp, ddp) hold the same averaged gradient on every
                             dp rank: count it on dp rank 0; sharded ones (zero1-3, fsdp) hold disjoint
                             slices: count each slice where it lies (with hybrid sharding, in replica 0)
-    MoE experts             each rank holds its own experts (split over the whole world): count them all
+    MoE experts             each rank holds its own experts: count them all (where ep < dp x cp x tp, and
+                            experts have copies, `parallel/expert_layout.py`: on copy 0 only)
 
 Each rank adds the squares it counts, one all-reduce over the world adds the ranks' sums, and every rank
 scales what it holds by the same min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_.
@@ -50,7 +51,7 @@ def _replicated_squares(module, counted, first_dp: bool) -> tuple[torch.Tensor, 
             continue
         grads.append(p.grad)
         total = p.grad.new_zeros((), dtype=torch.float32) if total is None else total
-        if is_expert(p) or (first_dp and counted(name)):
+        if (is_expert(p) and not getattr(p, "_toolkit_expert_copy", 0)) or (first_dp and counted(name)):
             total = total + p.grad.float().pow(2).sum()
     return total, grads
 

@@ -16,10 +16,11 @@ and let the expert-parallel layer send them to their experts. So here:
 3. the outputs are all-gathered back (`gather_from_tp`) into the tokens every rank holds.
 
 What is replicated and computes on a share of the tokens gets its gradient summed over the group: the
-router (f in front of its weight while the layer runs, `sequence.summed_gradients`). Each rank's load-balancing loss is over its share; the
-layer returns their mean over the group (g / t), the same on every rank, as data parallelism averages
-the ranks' losses. The experts' gradients need nothing: the all-to-all's backward already brings every
-token's contribution to the expert's owner, and the data-parallel strategy divides them by dp as ever.
+router (f in front of its weight while the layer runs, `sequence.summed_gradients`). Each rank's
+load-balancing loss is over its share; the layer returns their mean over the group (g / t), the same on
+every rank, as data parallelism averages the ranks' losses. The experts' gradients need nothing: the
+all-to-all's backward already brings every token's contribution to the expert's owner, and the
+data-parallel strategy divides them by dp as ever.
 
 Exactness: with t = 2 and the batch split by rows, this rank's share is half the batch's rows, so a
 step equals one process accumulating two micro-batches (same capacities, same auxiliary losses).
