@@ -191,98 +191,104 @@ def assemble(
     as the mailbox reaps them (`p2p.Mailbox.reap`: on the simulated cluster
     every send is complete by then). ranks: pipeline rank -> global rank; pieces: {representative: `chunks` of its
     program}. Collective ids are renumbered per program."""
-    from ..parallel.pipeline.lowering import Recv, Send
 
     def micro_of(i: int) -> int:
         return 0 if i == 0 else represented - 1 if i == microbatches - 1 else min(1, represented - 1)
 
-    programs = {}
-    for p, ops in enumerate(lowered):
-        me, rep = ranks[p], rank_of_class[p]
-        prologue, setup, found, epilogue, transfers = pieces[rep]
-        out, sends, ids, renamed = [], [], iter(range(1 << 62)), {}
-        expected = {src: list(messages) for (src, dst), messages in order.items() if dst == p}
-        posted: dict = {}  # peer -> (message, receive's id) posted ahead
-        waited_in: dict = {}  # a transfer's id -> the phase its wait is in
-        early: set = set()
+    return {
+        ranks[p]: _rank_program(p, ops, ranks, rank_of_class[p], pieces[rank_of_class[p]], order, micro_of)
+        for p, ops in enumerate(lowered)
+    }
 
-        def copy(instructions, action=None, within=None):
-            for ins in instructions:
-                if isinstance(ins, SentWithin):
-                    sends.append(transfer("send", within.message, within.peer))
-                elif isinstance(ins, Collective):
-                    renamed[ins.id] = next(ids)  # (a wait may come in a later piece: the loss's all-reduce)
-                    out.append(dataclasses.replace(ins, id=renamed[ins.id]))
-                elif isinstance(ins, Wait):
-                    out.append(Wait(renamed[ins.id], ins.phase))
-                elif action is not None and _action(ins) is not None:  # the action's span says which it is
-                    out.append(
-                        dataclasses.replace(
-                            ins,
-                            spans=tuple(
-                                (
-                                    ("action", me) + tuple(action),
-                                    name,
-                                    cat,
-                                    dict(args, micro=action.micro, stage=action.stage, rank=p),
-                                )
-                                if "action" in args
-                                else (key, name, cat, args)
-                                for key, name, cat, args in ins.spans
-                            ),
-                        )
+
+def _rank_program(p: int, ops: list, ranks: list, rep: int, piece: tuple, order: dict, micro_of) -> list:
+    """Pipeline rank p's program (`assemble`): its lowered ops with its representative `rep`'s pieces."""
+    from ..parallel.pipeline.lowering import Recv, Send
+
+    me = ranks[p]
+    prologue, setup, found, epilogue, transfers = piece
+    out, sends, ids, renamed = [], [], iter(range(1 << 62)), {}
+    expected = {src: list(messages) for (src, dst), messages in order.items() if dst == p}
+    posted: dict = {}  # peer -> (message, receive's id) posted ahead
+    waited_in: dict = {}  # a transfer's id -> the phase its wait is in
+    early: set = set()
+
+    def copy(instructions, action=None, within=None):
+        for ins in instructions:
+            if isinstance(ins, SentWithin):
+                sends.append(transfer("send", within.message, within.peer))
+            elif isinstance(ins, Collective):
+                renamed[ins.id] = next(ids)  # (a wait may come in a later piece: the loss's all-reduce)
+                out.append(dataclasses.replace(ins, id=renamed[ins.id]))
+            elif isinstance(ins, Wait):
+                out.append(Wait(renamed[ins.id], ins.phase))
+            elif action is not None and _action(ins) is not None:  # the action's span says which it is
+                out.append(
+                    dataclasses.replace(
+                        ins,
+                        spans=tuple(
+                            (
+                                ("action", me) + tuple(action),
+                                name,
+                                cat,
+                                dict(args, micro=action.micro, stage=action.stage, rank=p),
+                            )
+                            if "action" in args
+                            else (key, name, cat, args)
+                            for key, name, cat, args in ins.spans
+                        ),
                     )
-                else:
-                    out.append(ins)
-
-        def transfer(op: str, message, peer: int) -> Collective:
-            micro = micro_of(message.micro) if message.micro >= 0 else message.micro
-            prelude, c, phase = transfers[(op, message.kind, micro, message.stage - p + rep)]
-            out.extend(prelude)
-            c = dataclasses.replace(
-                c,
-                id=next(ids),
-                group=tuple(ranks),
-                args=dict(c.args, peer=ranks[peer], message=message.kind, micro=message.micro, stage=message.stage),
-            )
-            out.append(c)
-            waited_in[c.id] = phase
-            return c
-
-        def post(peer: int) -> None:  # the mailbox posts the receive of a peer's next message ahead
-            if expected[peer]:
-                message = expected[peer].pop(0)
-                posted[peer] = (message, transfer("recv", message, peer))
-
-        copy(prologue)
-        for peer in expected:
-            post(peer)
-        copy(setup)
-        skip = None  # a Send already issued inside its action
-        for k, op in enumerate(ops):
-            if op is skip:
-                continue
-            if isinstance(op, Send):
-                sends.append(transfer("send", op.message, op.peer))
-            elif isinstance(op, Recv):
-                if op.message in early:
-                    early.discard(op.message)
-                    continue
-                while op.peer in posted:  # wait for what was posted, post the next, until it is the one needed
-                    message, c = posted.pop(op.peer)
-                    out.append(Wait(c.id, waited_in[c.id]))
-                    post(op.peer)
-                    if message == op.message:
-                        break
-                    early.add(message)
+                )
             else:
-                local = op.stage - p + rep  # the representative's stage at the same place
-                work = found[(op.kind, micro_of(op.micro), local)]
-                skip = next((ins for ins in work if isinstance(ins, SentWithin)), None) and ops[k + 1]
-                copy(work, op, skip)
-                out += [Wait(c.id, waited_in[c.id]) for c in sends]  # the mailbox reaps the sends
-                sends = []
-        out += [Wait(c.id, waited_in[c.id]) for c in sends]
-        copy(epilogue)
-        programs[me] = out
-    return programs
+                out.append(ins)
+
+    def transfer(op: str, message, peer: int) -> Collective:
+        micro = micro_of(message.micro) if message.micro >= 0 else message.micro
+        prelude, c, phase = transfers[(op, message.kind, micro, message.stage - p + rep)]
+        out.extend(prelude)
+        c = dataclasses.replace(
+            c,
+            id=next(ids),
+            group=tuple(ranks),
+            args=dict(c.args, peer=ranks[peer], message=message.kind, micro=message.micro, stage=message.stage),
+        )
+        out.append(c)
+        waited_in[c.id] = phase
+        return c
+
+    def post(peer: int) -> None:  # the mailbox posts the receive of a peer's next message ahead
+        if expected[peer]:
+            message = expected[peer].pop(0)
+            posted[peer] = (message, transfer("recv", message, peer))
+
+    copy(prologue)
+    for peer in expected:
+        post(peer)
+    copy(setup)
+    skip = None  # a Send already issued inside its action
+    for k, op in enumerate(ops):
+        if op is skip:
+            continue
+        if isinstance(op, Send):
+            sends.append(transfer("send", op.message, op.peer))
+        elif isinstance(op, Recv):
+            if op.message in early:
+                early.discard(op.message)
+                continue
+            while op.peer in posted:  # wait for what was posted, post the next, until it is the one needed
+                message, c = posted.pop(op.peer)
+                out.append(Wait(c.id, waited_in[c.id]))
+                post(op.peer)
+                if message == op.message:
+                    break
+                early.add(message)
+        else:
+            local = op.stage - p + rep  # the representative's stage at the same place
+            work = found[(op.kind, micro_of(op.micro), local)]
+            skip = next((ins for ins in work if isinstance(ins, SentWithin)), None) and ops[k + 1]
+            copy(work, op, skip)
+            out += [Wait(c.id, waited_in[c.id]) for c in sends]  # the mailbox reaps the sends
+            sends = []
+    out += [Wait(c.id, waited_in[c.id]) for c in sends]
+    copy(epilogue)
+    return out
