@@ -328,7 +328,7 @@ def at_end_of_forward(**options):
 
 layouts = {"tp 8, cp 1, dp 128": dict(tp=8), "tp 8, cp 16, dp 8": dict(tp=8, cp=16)}
 found = {label: at_end_of_forward(**options) for label, options in layouts.items()}
-for label, (total, states, per_layer) in found.items():
+for label, (total, _states, per_layer) in found.items():
     formula = sum(
         cp_activation_terms(
             S,
