@@ -134,7 +134,9 @@ def compare(length: int, repeats: int) -> dict:
                 _FunctionalBytes()
                 if name != "toolkit"
                 else toolkit.comm.listening(
-                    lambda kind, event, tensor: counted.append(event["args"]["bytes_sent"]) if kind == "issue" else None
+                    lambda kind, event, tensor, counted=counted: (
+                        counted.append(event["args"]["bytes_sent"]) if kind == "issue" else None
+                    )
                 )
             )
             dist.barrier()

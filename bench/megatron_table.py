@@ -115,8 +115,8 @@ def figure_15(tp: int, batch: int = 32) -> dict:
 def paper_flops(r: dict, recomputed: bool = True) -> float:
     """The paper's FLOPs per step, recomputation counted: 96 B s l h^2 (1 + s/6h + V/16lh) (its equation 3);
     without it (the model's FLOPs, for MFU): the layers' 72 B s l h^2 (1 + s/6h) and the head's 6 B s h V."""
-    B, l, h = r["batch"], r["layers"], r["hidden"]
-    layers = (96 if recomputed else 72) * B * SEQ * l * h * h * (1 + SEQ / (6 * h))
+    B, depth, h = r["batch"], r["layers"], r["hidden"]
+    layers = (96 if recomputed else 72) * B * SEQ * depth * h * h * (1 + SEQ / (6 * h))
     return layers + 6 * B * SEQ * h * VOCAB
 
 

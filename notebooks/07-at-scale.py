@@ -183,7 +183,7 @@ for name, (s, whole) in gpt3.items():
 # `sim.fit` says what would make a case fit:
 
 # %%
-for name, (s, whole) in gpt3.items():
+for name, (_sim, whole) in gpt3.items():
     assert whole["peak"] > 2 * whole["states"] or name in ("ddp", "hsdp"), name  # "the peak is many times that"
     assert whole["fits"] == (name == "fsdp + checkpointing"), name  # which fit, as the text says
 assert gpt3["hsdp"][0].cross_node_bytes < gpt3["fsdp"][0].cross_node_bytes / 2

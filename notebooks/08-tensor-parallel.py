@@ -160,7 +160,7 @@ runs = {k: Run.merge(r["runs"][k] for r in ranks) for k in CONFIGS}
 mlp = ranks[0]["mlp"]
 print(f"rank 0 holds fc {mlp['fc']} of (256, 64) and proj {mlp['proj']} of (64, 256)")
 print(f"largest difference from the whole MLP: output {mlp['out']:.1e}, input gradient {mlp['dx']:.1e}")
-for phase, name, operator in mlp["calls"]:
+for _phase, name, operator in mlp["calls"]:
     print(f"  {name:<11} {operator}")
 assert [c[2] for c in mlp["calls"]] == ["g forward", "f backward"] and mlp["out"] < 1e-5 and mlp["dx"] < 1e-5
 

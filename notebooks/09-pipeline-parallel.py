@@ -306,7 +306,7 @@ def activation_peaks():
         torch.manual_seed(0)
         model, _ = toolkit.parallel.wrap(tiny_gpt(**MODEL), "local", pp=2, microbatches=4, schedule=name)
         meter, after = ActivationMeter(model), []
-        model.driver.observers.append(lambda action: after.append(meter.live))
+        model.driver.observers.append(lambda action, after=after, meter=meter: after.append(meter.live))
         with meter:
             model.forward_backward(*SyntheticCorpus().batch(0, 8))
         out[name] = (dist.get_rank(), after[0], meter.peak, meter.live)

@@ -328,7 +328,7 @@ def at_end_of_forward(**options):
 
 layouts = {"tp 8, cp 1, dp 128": dict(tp=8), "tp 8, cp 16, dp 8": dict(tp=8, cp=16)}
 found = {label: at_end_of_forward(**options) for label, options in layouts.items()}
-for label, (total, states, per_layer) in found.items():
+for label, (total, _states, per_layer) in found.items():
     formula = sum(
         cp_activation_terms(
             S,
@@ -383,6 +383,54 @@ assert S // 16 == 8192 and round(8 * 16 * S / 1e6) == 17  # "16M" in the paper: 
 # 16,384 GPUs and the same 16M tokens per batch as the 8k stage before it (Table 4: tp 8, cp 1, pp 16, dp 128),
 # each rank holding 8,192 tokens of a sequence, as in the 8k stage, and the rate fell only from 400 to 380
 # TFLOP/s per GPU.
+#
+# What do the layouts that fit cost? Priced on the DGX H100 preset (`toolkit.sim.sweep`: three and four layers
+# simulated and extrapolated to 80; each kernel and collective at its published rate, `toolkit.sim.published`),
+# three of them for the GPT above on 1,024 H100: the ring at cp = 8 (16,384 tokens per rank, dp 16), Ulysses at
+# cp = 8 (its limit here: 64 heads over tp = 8 leave 8 a rank) and the ring at cp = 16 (8,192 tokens per rank, dp
+# 8). Each replica trains on one sequence a step, so the rate that compares them is tokens per second per GPU.
+
+# %%
+from toolkit.sim.sweep import sweep
+
+choices = {"ring, cp 8": dict(cp=8), "Ulysses, cp 8": dict(cp=8, cp_attention="ulysses"), "ring, cp 16": dict(cp=16)}
+priced = {
+    row["label"]: row
+    for row in sweep(
+        lambda n_layer: tiny_gpt(n_layer=n_layer, **LLAMA70),
+        layers=LAYERS,
+        strategies={label: ("fsdp", dict(tp=8, sequence_parallel=True, **o)) for label, o in choices.items()},
+        worlds=(1024,),
+        cluster="dgx-h100",
+        mixed_precision=True,
+        seq_len=S,
+    )
+}
+rate = {label: 1024 // (8 * choices[label]["cp"]) * S / row["step_time"] / 1024 for label, row in priced.items()}
+for label, row in priced.items():
+    b = row["breakdown"]
+    print(
+        f"{label:>14}: peak {row['peak'] / GB:3.0f} GB, step {row['step_time']:4.1f} s, attention "
+        f"{b['attention']:.1f} s, exposed communication {b['exposed_comm']:.1f} s: {rate[label]:.0f} tokens/s per GPU"
+    )
+ring8, uly8, ring16 = (priced[label] for label in choices)
+assert all(row["fits"] for row in priced.values()) and round(ring16["peak"] / GB) < round(ring8["peak"] / GB) < 80
+assert 0.3 < ring8["breakdown"]["exposed_comm"] / ring8["step_time"] < 0.4
+assert 1.3 < ring8["step_time"] / uly8["step_time"] < 1.5
+assert ring16["breakdown"]["exposed_comm"] > ring16["step_time"] / 2
+assert 0.45 < rate["ring, cp 16"] / rate["ring, cp 8"] < 0.6
+assert 0.4 < S / 8 / hides["across nodes"] < 0.6  # 16,384 tokens a rank: about half what hides across nodes
+assert ring_bytes_per_layer(1, S, 8192, 8)["forward"] == 4 * ulysses_bytes_per_layer(1, S, 8192, 8)["forward"]
+
+# %% [markdown]
+# All three fit. The ring at cp = 8 leaves about a third of its step to passes it cannot hide: 16,384 tokens per
+# rank is half what a pass across nodes needs to hide (section 4). Ulysses sends a quarter of the ring's bytes at
+# cp = 8 (section 4's table: cp/2 times fewer), on the critical path, and its step is 1.3-1.5x shorter. At cp = 16
+# each rank holds 8,192 tokens: more than half of the ring's step is exposed communication and the rate per GPU
+# falls to about half of cp = 8's, for the memory it saves. Llama 3 went to cp = 16 with K and V a sixteenth as wide
+# (grouped-query attention) and gathered once per layer. `.venv/bin/python bench/long_context.py` prices every
+# dp x pp x cp layout of this model on 1,024 H100, and Llama 3 405B's own layout at 16,384, against the paper's
+# rate (docs/benchmarks.md).
 #
 # **Try it**: `toolkit.parallel.wrap(model, "fsdp", cp=2, cp_attention="ulysses")` trains any toolkit GPT with
 # Ulysses; `.venv/bin/python -m toolkit simulate --model zero-7.5b --strategy fsdp --world-size 64 --cp 8` prices

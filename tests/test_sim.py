@@ -82,7 +82,7 @@ def test_each_simulation_gives_back_the_excepthook_and_toolkit_sim_is_an_attribu
     "call, message",
     [
         (dict(strategy="zero4", world_size=8), "unknown strategy"),
-        (dict(strategy="ddp", world_size=8192), "1 to 4096"),
+        (dict(strategy="ddp", world_size=65537), "1 to 65536"),
         (dict(strategy="ddp", world_size=12, ranks_per_node=8), "whole number of nodes"),
         (dict(strategy="ddp", world_size=8, rank=8), "not a rank"),
     ],

@@ -46,9 +46,10 @@ def test_fastermoe_table_2_parameter_counts_from_the_real_models_built_on_meta(n
 # --- FSDP paper: GPT-175B on 128-512 A100 ------------------------------------------------------------------
 # The paper's cluster: A100 80GB, 8 per node on NVLink, 2 Tb/s RoCE per node (250 Gb/s per GPU); NCCL's
 # latencies. It is the DGX A100 preset with the paper's cards: its kernels and NVLink at their published rates,
-# the cards at the fraction of their datasheet rate NCCL reaches on HDR (toolkit.sim.published). Its configuration: full sharding, bf16, activation checkpointing, backward prefetch, and
-# forward prefetch (torch FSDP's CPU runs ahead and issues the next unit's all-gather early; the
-# toolkit's FSDP does that only when asked, forward_prefetch=True), a batch of 1 sequence of 2048 per GPU.
+# the cards at the fraction of their datasheet rate NCCL reaches on HDR (toolkit.sim.published). Its
+# configuration: full sharding, bf16, activation checkpointing, backward prefetch, and forward prefetch (torch
+# FSDP's CPU runs ahead and issues the next unit's all-gather early; the toolkit's FSDP does that only when asked,
+# forward_prefetch=True), a batch of 1 sequence of 2048 per GPU.
 PAPER_TFLOPS = (173, 186)
 TOLERANCE = 0.15
 
@@ -176,7 +177,7 @@ def test_megatron_weak_scaling_table_within_15_percent_per_row(i):
     """Each row's per-GPU TFLOP/s (the paper's FLOP count over the predicted step time), in the paper's own
     configuration (`bench/megatron_table.py`: its artifact's micro-batches, DDP and schedule), priced from
     published measurements of the hardware only (`toolkit.sim.published`): within 15% of what the paper measured
-    (+6 / +3 / +1 / +6 / -4 / -1 / -7 / -11 / -13 / -14% when last measured), and the paper's number inside the
+    (+6 / +3 / +1 / +6 / -4 / +6 / +3 / +3 / +4 / -0% when last measured), and the paper's number inside the
     prediction's band widened by the tolerance."""
     r = MEGATRON.row(i)
     got = megatron_prediction(i)
@@ -192,7 +193,7 @@ PLAIN_MISSES = {  # row -> the plain configuration's prediction when last measur
     3: "179 against 142 (+26%)",
     4: "174 against 135 (+29%)",
     5: "165 against 138 (+20%)",
-    6: "163 against 140 (+16%)",
+    6: "166 against 140 (+18%)",
 }
 PLAIN_WHY = (
     "the plain configuration runs FlashAttention-2 (2023) without dropout where the paper's runs ran "
@@ -208,7 +209,7 @@ PLAIN_WHY = (
 @pytest.mark.parametrize("i", range(1, len(MEGATRON.TABLE) + 1))
 def test_megatron_table_in_the_configuration_a_student_writes(i):
     """The plain configuration (`bench/megatron_table.py --plain`: the toolkit's GPT as it comes, activation
-    checkpointing, torch's AdamW, 1F1B): rows 7-10 within 15% (+9 / +2 / -3 / -1%); rows 1-6 above by more, and
+    checkpointing, torch's AdamW, 1F1B): rows 7-10 within 15% (+12 / +11 / +9 / +11%); rows 1-6 above by more, and
     say why (PLAIN_WHY); one that comes within fails until it is taken off PLAIN_MISSES."""
     r = MEGATRON.row(i)
     got = megatron_prediction(i, plain=True)
@@ -220,21 +221,13 @@ def test_megatron_table_in_the_configuration_a_student_writes(i):
     assert within, said
 
 
-MEGATRON_TREND = (
-    "the paper's rate rises with model size (rows 7-10 over rows 1-4: 1.14); the prediction's stays "
-    "flat (0.97 when last measured): rows 1-4 within +1..+6% of the paper, rows 7-10 -7..-14%. In "
-    "rows 7-10 the pipeline's bubble and transfers are 17-27% of the step where the schedule's own "
-    "bubble is 4-11%: every transfer between nodes (1/t of an activation on one card, then an "
-    "all-gather inside the node) is on the critical path as the toolkit's pipeline issues it, and the "
-    "stages before and after wait on it; what of that the paper's runs hid is not known "
-    "(docs/differences.md)"
-)
-
-
 @pytest.mark.papers
 @pytest.mark.timeout(3600)
-@pytest.mark.xfail(strict=True, reason=MEGATRON_TREND)
 def test_megatron_weak_scaling_table_rises_with_model_size_as_the_paper_does():
+    """The paper's rate rises with model size: rows 7-10 run 1.14x rows 1-4; the prediction's 1.12x when last
+    measured (0.97x while a backward's send to the stage before waited behind the data-parallel reductions and the
+    cool-down chained them along the pipeline: `toolkit.parallel.pipeline.driver` sends it from inside the backward,
+    as Megatron-LM does)."""
     paper = [MEGATRON.row(i)["paper"] for i in range(1, 11)]
     predicted = [megatron_prediction(i)["predicted"] for i in range(1, 11)]
     rise = (sum(predicted[-4:]) / sum(predicted[:4])) / (sum(paper[-4:]) / sum(paper[:4]))
@@ -344,7 +337,13 @@ def test_fastermoe_ddl_roofline_point_of_a_simulated_configuration():
     points = {}
     for label, options in (("plain", {}), ("pipeline 4", {"pipeline_degree": 4})):
         sim = simulate(
-            lambda: moe_block(**options), "ddp", 64, batch_per_rank=8, warmup=False, progress=False, cluster="dgx-a100"
+            lambda options=options: moe_block(**options),
+            "ddp",
+            64,
+            batch_per_rank=8,
+            warmup=False,
+            progress=False,
+            cluster="dgx-a100",
         )  # fp32: R_CC about 2 on this cluster, where overlap matters
         points[label] = roofline_point(sim.modelled_run, 1024, 2048, label=label)
     plain, piped = points["plain"], points["pipeline 4"]
@@ -355,10 +354,11 @@ def test_fastermoe_ddl_roofline_point_of_a_simulated_configuration():
 
 def test_fastermoe_algorithm_1_on_simulated_counts_at_64_ranks_and_the_cost_model_agrees():
     """The layer's own Algorithm 1 (shadow="auto") on the counts of a Zipf-skewed routing at 64 ranks, with
-    the DGX A100 preset's best GEMM rate as P (267.9 of 312 TFLOP/s bf16) and one NIC (25 GB/s) as W_net: it shadows the most loaded experts,
-    heaviest first, exactly as `toolkit.moe.choose_shadows` does on the same counts; and the cost model,
-    pricing the programs the strategy really issued, agrees that the step gets faster. The paper's "19% of
-    experts shadowed on average" and "up to 1.97x" come from its training runs' loads: not reproducible here."""
+    the DGX A100 preset's best GEMM rate as P (267.9 of 312 TFLOP/s bf16) and one NIC (25 GB/s) as W_net: it
+    shadows the most loaded experts, heaviest first, exactly as `toolkit.moe.choose_shadows` does on the same
+    counts; and the cost model, pricing the programs the strategy really issued, agrees that the step gets faster.
+    The paper's "19% of experts shadowed on average" and "up to 1.97x" come from its training runs' loads: not
+    reproducible here."""
     from toolkit.moe import choose_shadows
     from toolkit.sim import simulate
 
@@ -423,10 +423,9 @@ def published_runs():
 RUNS = published_runs()
 RUN_MISSES = {  # run -> what the model predicts when last measured, and what the run paid that it does not price
     "mpt-7b-h100": "14,598 tokens/s per GPU against 10,643 (+37%); " + RUNS.NOTES["mpt-7b-h100"],
-    "llama2-13b-a100": "2,588 against 2,162 (+20%): torchtitan's Llama has RoPE, RMSNorm and SwiGLU kernels the "
-    "toolkit's GPT does not run, and its cluster's network is not stated",
-    "mcore-1.7b-h100": "543 TFLOP/s per GPU against 408.8 (+33%): its 131,072-entry vocabulary's logits and loss are a "
-    "third of the step here; not explained",
+    "mcore-1.7b-h100": "543 TFLOP/s per GPU against 408.8 (+33%): not explained; the prediction is 54% GEMMs and 37% "
+    "attention and memory-bound work (its 131,072-word vocabulary's logits and loss among them), and the run's "
+    "configuration beyond the README's table is not published (docs/differences.md)",
     "mcore-16b-h100": "411 against 489.1 (-16%): " + RUNS.NOTES["mcore-16b-h100"],
 }
 
@@ -446,3 +445,34 @@ def test_published_runs_within_15_percent(name):
         assert not within, said + ": now within 15%; take it off RUN_MISSES"
         pytest.xfail(f"{said} ({RUN_MISSES[name]})")
     assert within, said
+
+
+# --- Llama 3 405B's 128k layout on 16,384 H100 (bench/long_context.py) -------------------------------------------
+def long_context():
+    from bench_module import load
+
+    return load("long_context")
+
+
+LONG = long_context()
+LLAMA3_WHY = (
+    "the stand-in pays what Llama 3 did not (docs/differences.md, 'The simulator held to published runs at scale'): "
+    "no grouped-query attention in the toolkit's GPT, so cp moves 2x (Ulysses) the bytes of Llama 3's all-gather of "
+    "8 key-value heads; activation checkpointing, without which its first stage does not fit; and the paper does not "
+    "give its virtual stages"
+)
+
+
+@pytest.mark.papers  # 30 s to 3 min a schedule on 2 cores (three kinds of stage, 16 micro-batches, 16,384 ranks)
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("virtual", LONG.VIRTUAL)
+def test_llama3_405b_128k_layout_at_16384_gpus(virtual):
+    """Llama 3's 128k stage (Table 4: tp 8, cp 16, pp 16, dp 8 on 16,384 H100, 380 TFLOP/s per GPU in PaLM's count)
+    simulated at its own world size and priced: it fits, the stand-in is never faster than the run (it moves more
+    bytes and recomputes), and within 15% it is not (177 / 229 / 266 TFLOP/s per GPU at 1 / 2 / 4 virtual stages
+    when last measured, with Ulysses)."""
+    got = LONG.llama3(virtual, "ulysses")
+    assert got["fits"] and got["predicted"] < LONG.LLAMA3["measured"]
+    said = f"{virtual} virtual stages: predicted {got['predicted']:.0f} TFLOP/s per GPU, published 380"
+    if abs(got["error"]) > LONG.TOLERANCE:
+        pytest.xfail(f"{said} ({got['error']:+.0%}): {LLAMA3_WHY}")

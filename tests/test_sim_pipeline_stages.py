@@ -52,7 +52,7 @@ def lower(actions, p, stages, ranks, seconds):
     for r, mine in enumerate(actions):
         program, sends, ids = [], [], iter(range(10**6))
 
-        def transfer(op, stage, phase):
+        def transfer(op, stage, phase, r=r, program=program, sends=sends, ids=ids):
             c = Collective(
                 next(ids),
                 op,

@@ -180,7 +180,7 @@ def test_compute_beside_a_collective_in_flight_runs_longer_by_the_measured_slowd
     assert DGX_A100.published.overlap_slowdown.value == 0.189
 
 
-# --- the band ----------------------------------------------------------------------------------------------------------
+# --- the band ---------------------------------------------------------------------------------------------------------
 def test_every_preset_measurement_has_a_source_and_its_band_brackets_the_value():
     found = []
     for obj in (published.A100, published.H100, published.DGX_A100, published.DGX_H100):

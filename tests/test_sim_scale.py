@@ -127,3 +127,46 @@ def test_presets_are_the_papers():
     d, layers = gpt3["d_model"], gpt3["n_layer"]
     psi = layers * (12 * d * d + 13 * d) + (gpt3["vocab_size"] + gpt3["seq_len"]) * d + 2 * d
     assert psi == 174_604_259_328  # GPT-3 "175B"
+
+
+@pytest.mark.large_world  # two simulations of a 16-stage pipeline, about 30 s on 2 cores
+@pytest.mark.timeout(600)
+def test_a_rank_of_16384_runs_the_program_of_the_same_rank_at_4096():
+    """Llama 3's 128k layout (tp 8, cp 16, pp 16, dp 8 on 16,384 GPUs, ordered tp-cp-pp-dp) is past the 4,096 ranks
+    the simulator once stopped at. One rank's program depends on its groups, not on the world: at 16,384 (dp 8) and
+    at 4,096 (dp 2) rank 0 runs the same operations, holds the same memory and sends the same messages to the same
+    tp, cp and pp peers; only the group its gradients are reduced over (dp x cp) is wider, 128 members where the
+    layout puts them (rank tp + 8 cp + 128 pp + 2,048 dp), and with it the ring's share of each all-reduce,
+    2(n-1)/n."""
+    from toolkit.models import tiny_gpt
+    from toolkit.parallel.mesh import Layout
+    from toolkit.sim.cluster import MAX_WORLD_SIZE, check
+
+    shape = dict(tp=8, cp=16, pp=16, order="tp-cp-pp-dp", sequence_parallel=True)
+    sims = {
+        world: simulate(
+            lambda: tiny_gpt(n_layer=16, d_model=64, n_head=8, seq_len=512, vocab_size=256),
+            "ddp",
+            world,
+            batch_per_rank=16,
+            progress=False,
+            **MIXED,
+            **shape,
+        )
+        for world in (4096, 16384)
+    }
+    small, large = sims[4096], sims[16384]
+    assert large.peak == small.peak and large.peak_memory == small.peak_memory and large.flops == small.flops
+    layout = Layout(dp=8, pp=16, cp=16, tp=8, order="tp-cp-pp-dp")
+    assert layout.group_of(0, "dp") == list(range(0, 16384, 2048))
+    dp_group = sorted(d + c for d in layout.group_of(0, "dp") for c in layout.group_of(0, "cp"))
+    ops = {world: [(c.op, c.size_bytes, c.group) for c in sim.collectives()] for world, sim in sims.items()}
+    assert len(ops[4096]) == len(ops[16384]) > 0
+    for (op, size, group), (op_, size_, group_) in zip(ops[4096], ops[16384]):
+        assert (op, size) == (op_, size_)
+        assert group == group_ or (len(group), len(group_)) == (32, 128) and sorted(group_) == dp_group
+    reduced = [c for c in large.collectives() if c.op == "all_reduce" and sorted(c.group) == dp_group]
+    assert reduced and all(c.bytes_sent == 2 * 127 * c.size_bytes // 128 for c in reduced)
+    assert MAX_WORLD_SIZE == 65536
+    with pytest.raises(ValueError, match="1 to 65536"):
+        check(65537)

@@ -166,7 +166,7 @@ def test_activation_checkpointing_repeats_the_collectives_of_the_forward_it_runs
     for layers in (2, 3):
         sims = {
             c: simulate(
-                lambda: tiny_gpt(**dict(SMALL, n_layer=layers)),
+                lambda layers=layers: tiny_gpt(**dict(SMALL, n_layer=layers)),
                 "local",
                 2,
                 batch_per_rank=BATCH,

@@ -18,7 +18,7 @@ COMMANDS = {
     "simulate": (
         "toolkit.sim.cli",
         "main",
-        "one rank of a simulated cluster (up to 4096 GPUs): memory, bytes, whether it fits, step time",
+        "one rank of a simulated cluster (up to 65,536 GPUs): memory, bytes, whether it fits, step time",
     ),
     "release": (
         "toolkit.grading.release",

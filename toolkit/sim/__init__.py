@@ -1,4 +1,4 @@
-"""A simulated cluster: the strategies' own code for one rank of up to 4096, and what a step would cost.
+"""A simulated cluster: the strategies' own code for one rank of up to 65,536, and what a step would cost.
 
     sim = toolkit.sim.simulate(model_fn, "zero3", world_size=512, mixed_precision=True)
 

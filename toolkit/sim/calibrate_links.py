@@ -83,12 +83,12 @@ def overlap(sizes=OVERLAP_SIZES) -> float:
         mine = out[: out.numel() // n].clone()
         pending = []
 
-        def issue():  # runs before the compute of the next round: waited there, after it
+        def issue(pending=pending, out=out, mine=mine):  # before the next round's compute: waited there, after it
             if pending:
                 pending.pop().wait()
             pending.append(door.all_gather(out, mine, async_op=True))
 
-        def synchronous():
+        def synchronous(out=out, mine=mine):
             door.all_gather(out, mine)
 
         _loop(synchronous, gaps=OVERLAP_GAPS)

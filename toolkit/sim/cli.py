@@ -70,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
         "--sharding-group-size ranks (a node by default), replicated across the groups",
     )
     p.add_argument(
-        "--world-size", type=positive_int, default=512, help="ranks (GPUs) in the simulated cluster, up to 4096"
+        "--world-size", type=positive_int, default=512, help="ranks (GPUs) in the simulated cluster, up to 65536"
     )
     p.add_argument("--rank", type=int, default=0, help="the rank this process simulates")
     p.add_argument(

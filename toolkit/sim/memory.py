@@ -62,6 +62,12 @@ class StepMemory(MemTracker):
         self.peak_total = 0
         self.peak_categories: dict = dict.fromkeys(CATEGORIES, 0)
         self.peak_moment: dict = {}
+        self.moments: dict = {}  # (pass, phase, module, action) -> bytes per category at that moment's highest
+        self._moment_totals: dict = {}
+        self._last_entered: dict = {}  # module name -> when it last began (a count of beginnings)
+        self._entries = 0
+        self._actions = 0  # the model's own forwards and backwards begun: a pipeline's micro-batch and pass
+        self._root = None  # the first module to begin a forward: the model (or a pipeline stage's first part)
 
     # --- telling the tracker what the strategy's tensors are ---------------------------------------
     def classify(self, model, optimizer=None) -> None:
@@ -103,10 +109,27 @@ class StepMemory(MemTracker):
     def _pre_fw_hook(self, module, inputs) -> None:
         """A pipeline stage's forward runs once per micro-batch: MemTracker takes a root module's second forward
         in one iteration for the next iteration and refuses it; only the rank's peak is kept here, so allow it."""
+        self._entered(module)
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
             if set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
                 return
         super()._pre_fw_hook(module, inputs)
+
+    def _pre_bw_hook(self, module, args) -> None:
+        self._entered(module)
+        super()._pre_bw_hook(module, args)
+
+    def _entered(self, module) -> None:
+        """When each module last began its forward or backward: the module running now is the latest that has not
+        ended (in backward a module whose inputs need no gradient is never told it has ended: `module`). And how
+        many forwards and backwards the model has begun, counted where the first module to begin a forward (the
+        model, a pipeline stage's first part) begins again: the same count at every depth, a moment's key."""
+        if module is not None:
+            self._entries += 1
+            self._last_entered[self._mod_tracker.get_known_fqn(module)] = self._entries
+            if self._root is None and not self._mod_tracker.is_bw:
+                self._root = module
+            self._actions += module is self._root
 
     def _grad(self, grad) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
@@ -116,17 +139,20 @@ class StepMemory(MemTracker):
             self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
 
     def _update_peak_stats(self, peak_state) -> None:
-        """Only the rank's peak (MemTracker also keeps one per module: costly, and not needed here)."""
+        """The rank's peak, and the highest total at each moment of the step: a pass, phase and module, and which of
+        the model's forwards and backwards it is in (under pipeline parallelism, which micro-batch's). MemTracker
+        keeps a peak per module object; these are by name, which is what a deeper model's moments are matched by
+        (`toolkit.sim.sweep`)."""
         total = sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())
+        phase = current_phase()
+        moment = ("backward" if self._mod_tracker.is_bw else phase, phase, self.module(), self._actions)
+        if total > self._moment_totals.get(moment, -1):
+            self._moment_totals[moment] = total
+            self.moments[moment] = self.current()
         if total > self.peak_total:
             self.peak_total = total
-            self.peak_categories = self.current()
-            phase = current_phase()
-            self.peak_moment = {
-                "phase": phase,
-                "module": self.module(),
-                "pass": "backward" if self._mod_tracker.is_bw else phase,
-            }
+            self.peak_categories = self.moments[moment]
+            self.peak_moment = {"phase": phase, "module": moment[2], "pass": moment[0]}
 
     # --- reading it ------------------------------------------------------------------------------------
     def current(self) -> dict:
@@ -141,10 +167,13 @@ class StepMemory(MemTracker):
         return sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())
 
     def module(self) -> str:
-        """The innermost module running now, by its name in the user's model ("" between modules)."""
+        """The module running now, by its name in the user's model ("" between modules): of those begun and not
+        ended, the latest begun (in forward the innermost; in backward the tracker keeps some that ended, e.g. a
+        dropout whose backward's end it never sees, and the deepest name would stay stuck on one of them)."""
         names = [n for n in self._mod_tracker.parents if n != "Global"]
-        return short_name(max(names, key=lambda n: n.count("."))) if names else ""
+        return short_name(max(names, key=lambda n: self._last_entered.get(n, 0))) if names else ""
 
     def reset_peak(self) -> None:
         self.peak_total = 0
+        self.moments, self._moment_totals = {}, {}
         self._update_peak_stats(None)

@@ -21,7 +21,6 @@ is the interface between the two halves and holds no logic beyond what reading a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ class Wait:
     phase: str = "idle"
 
 
-Instruction = Union[Compute, Collective, Wait]
+Instruction = Compute | Collective | Wait
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 

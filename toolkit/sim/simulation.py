@@ -5,7 +5,8 @@ The contract lessons and tests build on (all for the simulated rank):
     memory          {"params", "grads", "optimizer", "total"}: the ledger at the end of the last step,
                     after the optimizer's update and before `zero_grad` (every model state alive)
     peak            bytes: the highest total during the steps; peak_memory by category, peak_moment
-                    ({"phase", "module", "pass"}) when it happened
+                    ({"phase", "module", "pass"}) when it happened; moments: the highest total's categories at
+                    each (pass, phase, module) of the step (what `sweep.extrapolate` matches across depths)
     bytes_per_step  {op: bytes sent, "total": ...} in the last step (ring accounting, as the door
                     counts them; the total equals `toolkit.trace.analysis.bytes_per_step` of a real run)
     message_bytes   {op: bytes of the messages handed to the collectives} in the last step
@@ -72,6 +73,7 @@ class Simulation:
     end_memory: dict
     run: Run
     samples: list = field(default_factory=list)
+    moments: dict = field(default_factory=dict)  # (pass, phase, module) -> bytes per category at its highest
     expert_row_flops: dict = field(default_factory=dict)  # MoE layer name -> forward FLOPs of a row, whole expert
     fit: object = None  # set when priced on a cluster (`cost.pricer`)
 
@@ -176,8 +178,8 @@ class Simulation:
         model_states: (2+2+K)Ψ under the strategy's ZeRO stage, with the bytes per value of the run (16-bit
         with mixed precision, else 4) and K = 12 with mixed precision (fp32 masters and Adam) or 8 (Adam)
         in fp32; fsdp as stage 3 over its sharding group, its fp32 shards counted 4 + 4 + 8;
-        bytes_per_step: passes x Ψ x bytes x (N-1)/N over the sharding group (hybrid sharding adds its replica all-reduce). MoE experts
-        are kept whole by their owners and travel as tokens (all-to-all), not in these bytes.
+        bytes_per_step: passes x Ψ x bytes x (N-1)/N over the sharding group (hybrid sharding adds its replica
+        all-reduce). MoE experts are kept whole by their owners and travel as tokens (all-to-all), not in these bytes.
         Tensor parallelism: `sim/tensor_parallel.theory`. Context parallelism adds the ring's (or Ulysses') bytes
         and divides the tokens of a rank by cp (`sim/context_parallel.py`).
         """

@@ -5,10 +5,10 @@ most of it repeats: stages that hold the same blocks (all but the first and the 
 actions in another order, and every micro-batch but the first and the last runs the same work. So by
 default (`every_stage=False`) one rank of each kind of stage is simulated (`stage_classes`: the first, a
 middle and the last, or as many as the blocks' split makes), with the fewest micro-batches its schedule
-needs to reach its peak memory (`reduced_microbatches`); its program is cut into each action's work
-(`chunks`: the compute and the tensor- and data-parallel collectives between two point-to-point
-transfers), and every rank's program for the real number of micro-batches is put back together in the
-order of the pipeline's own schedule and its sends and receives (`assemble`, through
+needs to reach its peak memory (`reduced_microbatches`; all of them where there are no more); its program is
+cut into each action's work (`chunks`: the compute and the tensor- and data-parallel collectives between two
+point-to-point transfers), and every rank's program for the real number of micro-batches is put back together
+in the order of the pipeline's own schedule and its sends and receives (`assemble`, through
 `toolkit.parallel.pipeline`'s lowering, its mailbox's receive order included). Tests hold the result to
 simulating every micro-batch of every stage (`every_stage=True`), to the instruction.
 """
@@ -46,7 +46,7 @@ def simulate_pipeline(
     smaller = dict(options, microbatches=fewer)
     sim = simulate_rank(rank=rank, batch_per_rank=batch_per_rank // m * fewer, steps=steps, **smaller)
     info = sim.pipeline_info
-    if fewer == m:  # every rank simulated with every micro-batch
+    if every_stage:  # every rank simulated with every micro-batch
         sim.stage_sims = {
             r: sim if r == rank else simulate_rank(rank=r, batch_per_rank=batch_per_rank, steps=steps, **options)
             for r in ranks
@@ -111,6 +111,14 @@ def stage_classes(split, pp: int) -> dict:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class SentWithin:
+    """Where, among its action's work, a send issued from inside that action goes (a backward's input gradient,
+    sent before the data-parallel strategy's end of backward: `toolkit.parallel.pipeline.driver`)."""
+
+    message: str
+
+
 def _action(c: Compute):
     for _, _, _, args in reversed(c.spans):
         if "action" in args:
@@ -118,15 +126,20 @@ def _action(c: Compute):
     return None
 
 
+def _key(c: Collective) -> tuple:
+    return c.op, c.args.get("message"), c.args.get("micro"), c.args.get("stage")
+
+
 def chunks(program) -> tuple[list, list, dict, list, dict]:
     """(prologue, setup, {(kind, micro, stage): instructions}, epilogue, {(op, message kind, micro, stage):
-    transfer}) of a pipeline rank's recorded program. The prologue comes before the mailbox posts its first
-    receives, the setup between those and the schedule's first step. An action's work is its compute and the
-    collectives among it; what lies between two actions goes with the one before when a transfer follows it
-    (its trailing waits, a last bucket's all-reduce), else with the one after (an FSDP unit's gather before its
-    first operation). A transfer is its send or receive with the operations outside every action just before
-    it (a receive's buffer)."""
-    p2p = {c.id for c in program if is_transfer(c)}
+    (the transfer's prelude, the transfer, the phase it is waited for in)}) of a pipeline rank's recorded program.
+    The prologue comes before the mailbox posts its first receives, the setup between those and the schedule's
+    first step. An action's work is its compute and the collectives among it; what lies between two actions goes
+    with the one before when a transfer follows it (its trailing waits, a last bucket's all-reduce), else with the
+    one after (an FSDP unit's gather before its first operation). A transfer is its send or receive with the
+    operations outside every action just before it (a receive's buffer). A send issued from inside an action
+    (args "within") leaves a `SentWithin` at its place in that action's work."""
+    p2p = {c.id: c for c in program if is_transfer(c)}
     prologue, setup, found, pending, current, transfers = [], [], {}, [], None, {}
     posting, looping = True, False  # the mailbox posts its first receives, then the schedule's loop runs
     for ins in program:
@@ -136,6 +149,8 @@ def chunks(program) -> tuple[list, list, dict, list, dict]:
         if not looping and (waits_on_p2p or sends or action is not None):
             looping, setup, pending = True, pending, []
         if waits_on_p2p:
+            key = _key(p2p[ins.id])
+            transfers[key] = transfers[key][:2] + (ins.phase,)  # the phase its wait is in (a send's: the reap's)
             if current is not None:
                 found[current] += pending
                 pending = []
@@ -145,9 +160,12 @@ def chunks(program) -> tuple[list, list, dict, list, dict]:
             while cut and isinstance(pending[cut - 1], Compute):
                 cut -= 1
             a = ins.args
-            transfers[(ins.op, a.get("message"), a.get("micro"), a.get("stage"))] = (pending[cut:], ins)
+            transfers[_key(ins)] = (pending[cut:], ins, ins.phase)
             pending = pending[:cut]
-            if posting:
+            if a.get("within"):
+                found[current] += pending + [SentWithin(a.get("message"))]
+                pending = []
+            elif posting:
                 prologue, pending, posting = prologue + pending, [], not looping
             elif current is not None:
                 found[current] += pending
@@ -173,89 +191,104 @@ def assemble(
     as the mailbox reaps them (`p2p.Mailbox.reap`: on the simulated cluster
     every send is complete by then). ranks: pipeline rank -> global rank; pieces: {representative: `chunks` of its
     program}. Collective ids are renumbered per program."""
-    from ..parallel.pipeline.lowering import Recv, Send
 
     def micro_of(i: int) -> int:
         return 0 if i == 0 else represented - 1 if i == microbatches - 1 else min(1, represented - 1)
 
-    programs = {}
-    for p, ops in enumerate(lowered):
-        me, rep = ranks[p], rank_of_class[p]
-        prologue, setup, found, epilogue, transfers = pieces[rep]
-        out, sends, ids, renamed = [], [], iter(range(1 << 62)), {}
-        expected = {src: list(messages) for (src, dst), messages in order.items() if dst == p}
-        posted: dict = {}  # peer -> (message, receive's id) posted ahead
-        early: set = set()
+    return {
+        ranks[p]: _rank_program(p, ops, ranks, rank_of_class[p], pieces[rank_of_class[p]], order, micro_of)
+        for p, ops in enumerate(lowered)
+    }
 
-        def copy(instructions, action=None):
-            for ins in instructions:
-                if isinstance(ins, Collective):
-                    renamed[ins.id] = next(ids)  # (a wait may come in a later piece: the loss's all-reduce)
-                    out.append(dataclasses.replace(ins, id=renamed[ins.id]))
-                elif isinstance(ins, Wait):
-                    out.append(Wait(renamed[ins.id], ins.phase))
-                elif action is not None and _action(ins) is not None:  # the action's span says which it is
-                    out.append(
-                        dataclasses.replace(
-                            ins,
-                            spans=tuple(
-                                (
-                                    ("action", me) + tuple(action),
-                                    name,
-                                    cat,
-                                    dict(args, micro=action.micro, stage=action.stage, rank=p),
-                                )
-                                if "action" in args
-                                else (key, name, cat, args)
-                                for key, name, cat, args in ins.spans
-                            ),
-                        )
+
+def _rank_program(p: int, ops: list, ranks: list, rep: int, piece: tuple, order: dict, micro_of) -> list:
+    """Pipeline rank p's program (`assemble`): its lowered ops with its representative `rep`'s pieces."""
+    from ..parallel.pipeline.lowering import Recv, Send
+
+    me = ranks[p]
+    prologue, setup, found, epilogue, transfers = piece
+    out, sends, ids, renamed = [], [], iter(range(1 << 62)), {}
+    expected = {src: list(messages) for (src, dst), messages in order.items() if dst == p}
+    posted: dict = {}  # peer -> (message, receive's id) posted ahead
+    waited_in: dict = {}  # a transfer's id -> the phase its wait is in
+    early: set = set()
+
+    def copy(instructions, action=None, within=None):
+        for ins in instructions:
+            if isinstance(ins, SentWithin):
+                sends.append(transfer("send", within.message, within.peer))
+            elif isinstance(ins, Collective):
+                renamed[ins.id] = next(ids)  # (a wait may come in a later piece: the loss's all-reduce)
+                out.append(dataclasses.replace(ins, id=renamed[ins.id]))
+            elif isinstance(ins, Wait):
+                out.append(Wait(renamed[ins.id], ins.phase))
+            elif action is not None and _action(ins) is not None:  # the action's span says which it is
+                out.append(
+                    dataclasses.replace(
+                        ins,
+                        spans=tuple(
+                            (
+                                ("action", me) + tuple(action),
+                                name,
+                                cat,
+                                dict(args, micro=action.micro, stage=action.stage, rank=p),
+                            )
+                            if "action" in args
+                            else (key, name, cat, args)
+                            for key, name, cat, args in ins.spans
+                        ),
                     )
-                else:
-                    out.append(ins)
-
-        def transfer(op: str, message, peer: int) -> Collective:
-            micro = micro_of(message.micro) if message.micro >= 0 else message.micro
-            prelude, c = transfers[(op, message.kind, micro, message.stage - p + rep)]
-            out.extend(prelude)
-            c = dataclasses.replace(
-                c,
-                id=next(ids),
-                group=tuple(ranks),
-                args=dict(c.args, peer=ranks[peer], message=message.kind, micro=message.micro, stage=message.stage),
-            )
-            out.append(c)
-            return c
-
-        def post(peer: int) -> None:  # the mailbox posts the receive of a peer's next message ahead
-            if expected[peer]:
-                message = expected[peer].pop(0)
-                posted[peer] = (message, transfer("recv", message, peer))
-
-        copy(prologue)
-        for peer in expected:
-            post(peer)
-        copy(setup)
-        for op in ops:
-            if isinstance(op, Send):
-                sends.append(transfer("send", op.message, op.peer))
-            elif isinstance(op, Recv):
-                if op.message in early:
-                    early.discard(op.message)
-                    continue
-                while op.peer in posted:  # wait for what was posted, post the next, until it is the one needed
-                    message, c = posted.pop(op.peer)
-                    out.append(Wait(c.id, c.phase))
-                    post(op.peer)
-                    if message == op.message:
-                        break
-                    early.add(message)
+                )
             else:
-                local = op.stage - p + rep  # the representative's stage at the same place
-                copy(found[(op.kind, micro_of(op.micro), local)], op)
-                out += [Wait(c.id, c.phase) for c in sends]  # the mailbox reaps the sends
-                sends = []
-        out += [Wait(c.id, c.phase) for c in sends]
-        copy(epilogue)
-        programs[me] = out
-    return programs
+                out.append(ins)
+
+    def transfer(op: str, message, peer: int) -> Collective:
+        micro = micro_of(message.micro) if message.micro >= 0 else message.micro
+        prelude, c, phase = transfers[(op, message.kind, micro, message.stage - p + rep)]
+        out.extend(prelude)
+        c = dataclasses.replace(
+            c,
+            id=next(ids),
+            group=tuple(ranks),
+            args=dict(c.args, peer=ranks[peer], message=message.kind, micro=message.micro, stage=message.stage),
+        )
+        out.append(c)
+        waited_in[c.id] = phase
+        return c
+
+    def post(peer: int) -> None:  # the mailbox posts the receive of a peer's next message ahead
+        if expected[peer]:
+            message = expected[peer].pop(0)
+            posted[peer] = (message, transfer("recv", message, peer))
+
+    copy(prologue)
+    for peer in expected:
+        post(peer)
+    copy(setup)
+    skip = None  # a Send already issued inside its action
+    for k, op in enumerate(ops):
+        if op is skip:
+            continue
+        if isinstance(op, Send):
+            sends.append(transfer("send", op.message, op.peer))
+        elif isinstance(op, Recv):
+            if op.message in early:
+                early.discard(op.message)
+                continue
+            while op.peer in posted:  # wait for what was posted, post the next, until it is the one needed
+                message, c = posted.pop(op.peer)
+                out.append(Wait(c.id, waited_in[c.id]))
+                post(op.peer)
+                if message == op.message:
+                    break
+                early.add(message)
+        else:
+            local = op.stage - p + rep  # the representative's stage at the same place
+            work = found[(op.kind, micro_of(op.micro), local)]
+            skip = next((ins for ins in work if isinstance(ins, SentWithin)), None) and ops[k + 1]
+            copy(work, op, skip)
+            out += [Wait(c.id, waited_in[c.id]) for c in sends]  # the mailbox reaps the sends
+            sends = []
+    out += [Wait(c.id, waited_in[c.id]) for c in sends]
+    copy(epilogue)
+    return out

@@ -2,13 +2,15 @@
 
 Simulating every layer of a 96-layer model for every (strategy, world size) takes minutes. But the
 layers of a transformer are identical, so whatever a rank spends per step grows by the same amount
-with each layer: memory (each category at the peak), FLOPs and step time are affine in the number of
-layers, f(L) = f(3) + (L - 3) x (f(4) - f(3)). `sweep` simulates each case with three and with four layers
-(so that a layer in the middle of the stack, prefetched from both sides, is what gets repeated: with two
-layers there is no middle, and the peak happens elsewhere, e.g. before FSDP's first reduce-scatter) and
-extrapolates to the model's depth; `tests/test_sim_cost.py` holds the extrapolation to a whole-model
-simulation. One exception: exposed communication shrinks when another layer's compute hides more of it,
-and cannot go below zero; where its line would, the deeper model hides it all (step = compute).
+with each layer: memory (each category, at each moment of the step), FLOPs and step time are affine in
+the number of layers, f(L) = f(3) + (L - 3) x (f(4) - f(3)). The peak is the highest of the moments
+extrapolated (`deepest_peak`): two depths need not peak at the same moment. `sweep` simulates each case
+with three and with four layers (so that a layer in the middle of the stack, prefetched from both sides,
+is what gets repeated: with two layers there is no middle, and the peak happens elsewhere, e.g. before
+FSDP's first reduce-scatter) and extrapolates to the model's depth; `tests/test_sim_cost.py` holds the
+extrapolation to a whole-model simulation. One exception: exposed communication shrinks when another
+layer's compute hides more of it, and cannot go below zero; where its line would, the deeper model hides
+it all (step = compute).
 
     rows = sweep(presets.zero_7_5b, layers=36, strategies={"ddp": {}, "zero3": {}}, worlds=(8, 64, 512),
                  cluster="dgx-a100", mixed_precision=True)
@@ -59,8 +61,7 @@ def extrapolate(one, two, layers: int, at: tuple = BASE) -> dict:
     band = {end: max(_affine(a.band[end], b.band[end]), 0.0) for end in ("worst", "best")}
     flops = _affine(one.flops, two.flops)
     useful = _affine(a.useful_flops[-1], b.useful_flops[-1])
-    categories = set(one.peak_memory) | set(two.peak_memory)
-    peak_memory = {k: max(_affine(one.peak_memory.get(k, 0), two.peak_memory.get(k, 0)), 0.0) for k in categories}
+    peak_memory = deepest_peak(one, two, _affine)
     whole = SimpleNamespace(  # the L-layer model, as the verdict reads a Simulation
         peak=sum(peak_memory.values()),
         peak_memory=peak_memory,
@@ -97,6 +98,47 @@ def extrapolate(one, two, layers: int, at: tuple = BASE) -> dict:
     }
 
 
+def deepest_peak(one, two, affine) -> dict:
+    """The deeper model's peak, by category: at every moment of the step that both simulations have (a pass, a
+    phase and a module, a block named by its place: the first, a middle one, the last), the bytes of each category
+    extrapolated, and the moment whose total is the highest. Two depths need not peak at the same moment (a short
+    model at a large embedding's gradient, a deep one at the end of forward, where every layer's activations are
+    held), so extrapolating each one's peak would mix moments; each moment on its own is affine in the layers."""
+    a, b = _by_place(one.moments), _by_place(two.moments)
+    both = a.keys() & b.keys()
+    if both:
+        moment = max(both, key=lambda m: affine(sum(a[m].values()), sum(b[m].values())))
+        return {k: max(affine(a[moment].get(k, 0), b[moment].get(k, 0)), 0.0) for k in set(a[moment]) | set(b[moment])}
+    categories = set(one.peak_memory) | set(two.peak_memory)  # no moment recorded (a Simulation made by hand)
+    return {k: max(affine(one.peak_memory.get(k, 0), two.peak_memory.get(k, 0)), 0.0) for k in categories}
+
+
+def _by_place(moments: dict) -> dict:
+    """{(pass, phase, module with its block's index replaced by "first", "middle" or "last", action): categories},
+    the middle blocks' highest kept (the index: the first number in the module's name, "blocks.3.mlp" -> 3). A lone
+    block is both the first and the last (a pipeline stage of one block: its deeper version has two, a first and
+    a last, and the deepest's peak is usually in its last)."""
+
+    def split(module: str):
+        parts = module.split(".")
+        at = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        return (None, module) if at is None else (int(parts[at]), ".".join(parts[:at] + ["{}"] + parts[at + 1 :]))
+
+    indices = [split(m)[0] for _, _, m, _ in moments if split(m)[0] is not None]
+    ends = (("first", min(indices, default=None)), ("last", max(indices, default=None)))
+    out: dict = {}
+    for (pass_, phase, module, action), categories in moments.items():
+        index, name = split(module)
+        places = [name]
+        if index is not None:
+            places = [name.format(place) for place, at in ends if index == at] or [name.format("middle")]
+        for place in places:
+            key = (pass_, phase, place, action)
+            if key not in out or sum(categories.values()) > sum(out[key].values()):
+                out[key] = categories
+    return out
+
+
 def sweep(
     model_fn, *, layers: int, strategies: dict, worlds, cluster="dgx-a100", progress=None, warmup: bool = True, **common
 ) -> list:
@@ -122,7 +164,7 @@ def sweep(
                 raise ValueError(f"{label}: {layers} layers do not split into pp x virtual_stages = {stages} stages.")
             sims = [
                 simulate(
-                    lambda n=n: model_fn(n_layer=n * stages),
+                    lambda n=n, stages=stages: model_fn(n_layer=n * stages),
                     strategy,
                     world,
                     warmup=warmup,

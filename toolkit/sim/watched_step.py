@@ -75,7 +75,7 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
             memory.reset_mod_stats()  # MemTracker counts one iteration at a time
             programmer.start_step()
 
-            def boundary(label=None):  # the end of a phase: cut the program, sample memory
+            def boundary(label=None, step=step):  # the end of a phase: cut the program, sample memory
                 programmer.cut(label)
                 memory.classify(model, opt)  # what the phase made that the strategy keeps (DDP's rebuilt
                 samples.append(_sample(memory, step))  # buckets in forward, ZeRO's reduced slices) is its own
@@ -92,6 +92,7 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
         "peak": memory.peak_total,
         "peak_memory": memory.peak_categories,
         "peak_moment": memory.peak_moment,
+        "moments": memory.moments,
         "end_memory": memory.current(),
         "samples": samples,
     }

@@ -3,7 +3,9 @@
     F(i, s)  stage s's forward on micro-batch i: the token ids (first stage) or the activation received;
              keep what backward needs (the autograd graph), send the output on
     B(i, s)  backward from the gradient received (last stage: from the loss / m); send the input's
-             gradient back. Split schedules (ZB-H1): the input's gradient only (`backward.py`)...
+             gradient back the moment autograd has it, from inside the backward: before the data-parallel
+             strategy's end of backward waits for its reductions (below). Split schedules (ZB-H1): the
+             input's gradient only (`backward.py`)...
     W(i, s)  ...and the weights' gradients later
     Recv / Send  through the mailbox (`p2p.py`)
 
@@ -11,6 +13,13 @@ Gradients accumulate over the micro-batches, so one step is the whole batch's: e
 enters backward divided by m. The data-parallel strategy of each stage reduces once, in the stage's last
 weight-gradient action (the others run inside its `no_sync()`, where it has one: DDP, ZeRO-1 and FSDP
 accumulate locally; ZeRO-2/3 reduce-scatter every micro-batch, since they keep only a slice).
+A data-parallel strategy waits for its reductions at the end of the backward in which it reduces (DDP's
+buckets, FSDP's and ZeRO-2/3's reduce-scatters), which is where autograd calls it back. A gradient sent after
+that waits for them too, and the stage upstream with it: in the cool-down each stage's last backward would pass
+its reduction's time on to the next, pp reductions in a row on the critical path. Megatron-LM never holds a
+send behind a reduction (2021: local DDP all-reduces after the whole schedule, `train_step`; Megatron-core:
+`finalize_model_grads` waits after it), so the gradient leaves from a hook on the input's accumulation,
+inside the backward, and the reduction's wait delays only this rank.
 The returned loss is the batch's mean on every rank of the pipeline: the last stage's losses plus every
 stage's auxiliary losses (MoE), summed over the pipeline group by one small all-reduce, issued after the
 rank's last forward so that it runs behind the backwards still to do.
@@ -64,6 +73,20 @@ class Driver:
         # this rank's share of the loss is complete after its last forward: its sum over the pipeline starts
         # then and runs behind the backwards still to do
         self.last_forward = max(i for i, op in enumerate(program) if isinstance(op, Action) and op.kind == "F")
+        # the send of each backward's input gradient, issued from inside that backward (not under split schedules,
+        # whose B computes input gradients only: nothing waits in it)
+        self.sends_within = (
+            {}
+            if split
+            else {
+                op: after
+                for op, after in zip(program, program[1:])
+                if isinstance(op, Action)
+                and op.kind == "B"
+                and isinstance(after, Send)
+                and after.message == (("gradient", op.micro, op.stage))
+            }
+        )
         self.observers: list = []  # fn(action) after every action (a memory sample, a probe)
         self.calls = 0  # steps run so far: the step its spans are labelled with
 
@@ -80,6 +103,7 @@ class Driver:
             self.group, self.me, self.order, lambda msg: (shapes[msg.kind], self.dtype), self.device, split=self.scatter
         )
         self.kept: dict = {}  # (micro, stage) -> [input, roots, gradients of the roots, W's groups]
+        self.sent_within: set = set()  # the Sends already issued from inside their backward
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.tie is not None and 0 in self.stages:
             self.tie.capture = True
@@ -87,7 +111,8 @@ class Driver:
             if isinstance(op, Recv):
                 self._received(op.message, mailbox.receive(op.message, op.peer))
             elif isinstance(op, Send):
-                mailbox.send(op.message, op.peer, self._outgoing(op.message))
+                if op not in self.sent_within:
+                    mailbox.send(op.message, op.peer, self._outgoing(op.message))
             else:
                 with phase("forward" if op.kind == "F" else "backward"):
                     with span(KINDS[op.kind], step=self.calls - 1, micro=op.micro, stage=op.stage, action=op.kind):
@@ -133,6 +158,12 @@ class Driver:
                 if op.stage == self.last_stage
                 else [self._arrived((op.micro, op.stage, "gradient"))] + [None] * (len(roots) - 1)
             )
+        send = self.sends_within.get(op)
+        hook = (
+            None
+            if send is None
+            else inputs.register_post_accumulate_grad_hook(lambda t: self._send_within(send, t.grad))
+        )
         with self._sync(op):
             if not self.split:
                 bw.backward(roots, entry[2])
@@ -146,7 +177,11 @@ class Driver:
                 bw.backward(roots, entry[2])
             elif op.kind == "W":
                 bw.backward_weight(entry[3])
-        if op.kind == "B" and op.stage > 0:
+        if hook is not None:
+            hook.remove()
+            if send not in self.sent_within:
+                raise RuntimeError(f"pipeline: the backward {op!r} gave its input no gradient to send back.")
+        elif op.kind == "B" and op.stage > 0:
             self.kept[(op.micro, op.stage, "input gradient")] = inputs.grad
         if op.kind == ("W" if self.split else "B"):
             del self.kept[(op.micro, op.stage)]
@@ -160,6 +195,11 @@ class Driver:
         if reduce or not hasattr(wrapped, "no_sync"):
             return contextlib.nullcontext()
         return wrapped.no_sync()
+
+    def _send_within(self, send: Send, gradient: torch.Tensor) -> None:
+        """The input's gradient is complete: send it now, while the strategy's hooks may still wait."""
+        self.mailbox.send(send.message, send.peer, gradient, within=True)
+        self.sent_within.add(send)
 
     # --- messages --------------------------------------------------------------------------------------
     def _received(self, message, tensor: torch.Tensor) -> None:

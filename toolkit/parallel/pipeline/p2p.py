@@ -53,11 +53,13 @@ class Mailbox:
         for peer in self.expected:
             self._post(peer)
 
-    def send(self, message: Message, peer: int, tensor: torch.Tensor) -> None:
+    def send(self, message: Message, peer: int, tensor: torch.Tensor, within: bool = False) -> None:
+        """Send `message` to pipeline rank `peer`, asynchronously. within: issued from inside the action that
+        made it (a backward's input gradient, `driver.py`), which its span says."""
         tensor = tensor.detach().contiguous()
         if self._scattered(message, tensor.shape):  # this tp rank's 1/t of it (a contiguous view of the flat tensor)
             tensor = tensor.view(-1).chunk(self.split.size)[self.split.rank]
-        handle = _labelled(lambda: comm.isend(tensor, self.ranks[peer], group=self.group), message)
+        handle = _labelled(lambda: comm.isend(tensor, self.ranks[peer], group=self.group), message, within)
         self.pending.append((handle, tensor))  # the tensor must live until its send has completed
 
     def _post(self, peer: int) -> None:
@@ -127,11 +129,14 @@ class Mailbox:
             raise RuntimeError(f"pipeline: rank {self.me} was sent {unread[:3]} but never used them.")
 
 
-def _labelled(call, message: Message):
-    """Run one send or receive through the door and say on its span what it carried."""
+def _labelled(call, message: Message, within: bool = False):
+    """Run one send or receive through the door and say on its span what it carried (and `within`: that it left
+    from inside the action that made it)."""
     issued = []
     with comm.listening(lambda kind, event, tensor: issued.append(event) if kind == "issue" else None):
         result = call()
     for event in issued:
         event["args"].update(message=message.kind, micro=message.micro, stage=message.stage)
+        if within:
+            event["args"]["within"] = True
     return result
