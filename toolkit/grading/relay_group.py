@@ -26,23 +26,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .wire import DTYPES  # the tensors' dtypes a message may carry, as an answer may
+
 HEADER = struct.Struct("!II")  # the JSON's length, the payload's length
 BACKEND = "toolkit_relay"
-DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
 
 
 def send_frame(sock: socket.socket, message: dict, payload: bytes = b"") -> None:
