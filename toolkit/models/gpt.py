@@ -77,7 +77,7 @@ class GPTConfig:
 
 def repeat_kv(x: torch.Tensor, n_head: int) -> torch.Tensor:
     """(B, kv heads, T, head_dim) -> (B, n_head, T, head_dim): each key-value head repeated for the n_head/kv
-    query heads that share it (grouped-query attention; transformers' `repeat_kv`). A view-free no-op without."""
+    query heads that share it (grouped-query attention; transformers' `repeat_kv`); x itself when none share."""
     groups = n_head // x.shape[1]
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 

@@ -42,21 +42,14 @@ class TensorParallelAttention(CausalSelfAttention):
 
 def split_attention(attn: CausalSelfAttention, tp: TPGroup, done: dict, name: str, sequence_parallel: bool):
     """Make the GPT's attention tensor-parallel, in place (the class changes, the names stay)."""
-    if attn.n_head % tp.size:
-        fits = [t for t in range(1, attn.n_head + 1) if attn.n_head % t == 0]
-        raise ValueError(
-            f"tensor parallelism splits attention by heads: n_head={attn.n_head} of {name!r} does not "
-            f"split over tp={tp.size} ranks. Choose a tp that divides it (one of {fits}), or a model "
-            f"with a multiple of {tp.size} heads."
-        )
-    if attn.n_kv_head % tp.size:
-        fits = [t for t in range(1, attn.n_kv_head + 1) if attn.n_kv_head % t == 0]
-        raise ValueError(
-            f"tensor parallelism splits attention by heads: n_kv_head={attn.n_kv_head} key-value heads of {name!r} "
-            f"do not split over tp={tp.size} ranks (each rank keeps the key-value heads its query heads share). "
-            f"Choose a tp that divides n_kv_head (one of {fits}), or a model with a multiple of {tp.size} "
-            f"key-value heads."
-        )
+    for field, heads, kind in (("n_head", attn.n_head, "heads"), ("n_kv_head", attn.n_kv_head, "key-value heads")):
+        if heads % tp.size:  # (a rank keeps the key-value heads its query heads share: both must split)
+            fits = [t for t in range(1, heads + 1) if heads % t == 0]
+            raise ValueError(
+                f"tensor parallelism splits attention by heads: {field}={heads} of {name!r} does not "
+                f"split over tp={tp.size} ranks. Choose a tp that divides it (one of {fits}), or a model "
+                f"with a multiple of {tp.size} {kind}."
+            )
     split = qkv_rows(attn.n_head, attn.n_kv_head)
     attn.qkv = ColumnParallelLinear(
         attn.qkv, tp, done, f"{name}.qkv", weight_split=split, sequence_parallel=sequence_parallel
