@@ -12,14 +12,16 @@
 2. Llama 3 405B's 128k stage (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4): 16,384 H100, tp 8, cp 16,
    pp 16, dp 8 ordered [tp, cp, pp, dp] from the innermost, 16 sequences of 131,072 tokens per replica (16M tokens),
    380 TFLOP/s per GPU (38% of bf16 peak). The stand-in: the toolkit's GPT at 405B's width (h 16384, 128 heads,
-   vocabulary 128,256), its layer holding as many weights as Llama's (attention 4h^2 here where Llama's GQA has
-   2.125h^2, so the MLP's d_ff is 3.9375h = 64,512 where Llama's SwiGLU has 3 x 53,248: 11.875h^2 both), 8 layers on
+   vocabulary 128,256, Llama's grouped-query attention: 128 query heads sharing 8 key-value heads), its layer
+   holding as many weights as Llama's (attention 2.125h^2 both; the GELU MLP's d_ff 4.875h = 79,872 where Llama's
+   SwiGLU has 3 x 53,248: 9.75h^2 both), 8 layers on
    every one of the 16 stages (Llama's 126 put 7 on the first and the last, which also hold the embedding and the
    head: the step is set by the stages of 8 alike). The rate is the paper's convention (PaLM's MFU count, Chowdhery
    et al. 2022, appendix B: 6N + 12 L h s FLOPs a token, N = 405B, L = 126) over the predicted step. The paper
    does not say how many virtual stages its interleaved schedule ran: each is priced, none chosen to fit. Llama 3
-   all-gathers grouped-query K and V (8 key-value heads) over cp, which the toolkit's GPT cannot: both of its cp
-   attentions are priced, the ring (16x Llama's bytes) and Ulysses (2x). FSDP as Llama 3's (not resharded after
+   all-gathers the 8 key-value heads' K and V over cp; the toolkit's ring passes the same compact K and V (the same
+   bytes, 2(cp-1)/cp of them, in cp-1 steps a layer beside compute), and Ulysses cannot run it (one key-value head
+   per tensor-parallel rank does not split over cp 16): the ring is priced. FSDP as Llama 3's (not resharded after
    forward); activation checkpointing, without which the stand-in's first stage does not fit.
 3. What a larger world costs the simulation itself (`--part worlds`): one rank of a tp 8 x cp 16 x pp 2 layout of a
    small GPT, unpriced, at 4,096, 16,384 and 65,536 ranks, each in a fresh process: wall time and peak memory.
@@ -49,10 +51,10 @@ LAYERS70 = 80
 SWEEP = [(cp, pp) for pp in (1, 4, 8) for cp in (1, 2, 4, 8, 16, 32) if WORLD // (8 * cp * pp) >= 1]
 
 # Llama 3 405B, Table 4's third row (and its model, Table 3)
-LLAMA405 = dict(vocab_size=128256, seq_len=S, n_head=128, d_model=16384, d_ff=64512)  # d_ff: 11.875h^2 a layer
+LLAMA405 = dict(vocab_size=128256, seq_len=S, n_head=128, n_kv_head=8, d_model=16384, d_ff=79872)  # 11.875h^2 a layer
 LLAMA3 = dict(world=16384, tp=8, cp=16, pp=16, dp=8, sequences=16, params=405e9, layers=126, measured=380.0)
 VIRTUAL = (1, 2, 4)  # the interleaved schedule's virtual stages per rank, not published: each priced
-ATTENTIONS = ("ring", "ulysses")  # Llama 3 all-gathers grouped-query K and V, which the toolkit does not have
+ATTENTIONS = ("ring",)  # Ulysses cannot split 1 key-value head per tp rank over cp 16 (why Llama 3 all-gathers)
 TOLERANCE = 0.15
 
 

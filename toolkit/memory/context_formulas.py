@@ -60,26 +60,38 @@ def ring_bytes_per_layer(
     tp: int = 1,
     bytes_per_value: float = 2,
     gradient_bytes: float = 4,
+    kv_hidden: int | None = None,
 ) -> dict[str, float]:
-    """Bytes one rank sends per layer for ring attention: {"forward", "backward", "total"}."""
+    """Bytes one rank sends per layer for ring attention: {"forward", "backward", "total"}. kv_hidden: the width
+    of K (and of V), n_kv_head x head_dim under grouped-query attention, which the ring passes compact (None:
+    hidden)."""
     for name, value in (("cp", cp), ("tp", tp)):
         _check_world(name, value)
     _check_count("bytes_per_value", bytes_per_value, 1)
-    kv = 2 * batch * seq_len * hidden / tp  # K and V of the whole sequence on one tensor-parallel rank (values)
+    kv_width = hidden if kv_hidden is None else kv_hidden
+    kv = 2 * batch * seq_len * kv_width / tp  # K and V of the whole sequence on one tensor-parallel rank (values)
     forward = (cp - 1) / cp * kv * bytes_per_value
     backward = (cp - 1) / cp * kv * (bytes_per_value + gradient_bytes)
     return {"forward": forward, "backward": backward, "total": forward + backward}
 
 
 def ulysses_bytes_per_layer(
-    batch: int, seq_len: int, hidden: int, cp: int, *, tp: int = 1, bytes_per_value: float = 2
+    batch: int,
+    seq_len: int,
+    hidden: int,
+    cp: int,
+    *,
+    tp: int = 1,
+    bytes_per_value: float = 2,
+    kv_hidden: int | None = None,
 ) -> dict[str, float]:
     """Bytes one rank sends per layer for Ulysses' all-to-alls (q, k, v in, the output back): {"forward",
-    "backward", "total"}; backward runs the same all-to-alls in reverse."""
+    "backward", "total"}; backward runs the same all-to-alls in reverse. kv_hidden: as for the ring."""
     for name, value in (("cp", cp), ("tp", tp)):
         _check_world(name, value)
     _check_count("bytes_per_value", bytes_per_value, 1)
-    held = 4 * batch * seq_len / cp * hidden / tp * bytes_per_value  # q, k, v and the output on this rank
+    widths = 2 * hidden + 2 * (hidden if kv_hidden is None else kv_hidden)  # q and the output; k and v
+    held = batch * seq_len / cp * widths / tp * bytes_per_value  # q, k, v and the output on this rank
     forward = (cp - 1) / cp * held
     return {"forward": forward, "backward": forward, "total": 2 * forward}
 

@@ -34,18 +34,26 @@ from .formulas import _check_count, _check_world, activation_terms, model_states
 
 # --- parameters and model states ---------------------------------------------------------------------
 def gpt_parameter_split(
-    vocab: int, seq_len: int, layers: int, hidden: int, ffn_hidden: int | None = None, tied: bool = True
+    vocab: int,
+    seq_len: int,
+    layers: int,
+    hidden: int,
+    ffn_hidden: int | None = None,
+    tied: bool = True,
+    kv_hidden: int | None = None,
 ) -> dict[str, int]:
     """{"split", "replicated"} parameter counts of the toolkit GPT under its default plan (`tensor/gpt.py`).
 
     Split: the embedding (and an untied head), Q/K/V weights and biases, the attention output and second MLP
     weights, the first MLP's weight and bias. Replicated: position embeddings, layer norms, the biases added
-    after a row-parallel layer's reduction.
+    after a row-parallel layer's reduction. kv_hidden: the width of K (and of V), n_kv_head x head_dim under
+    grouped-query attention (None: hidden, one key-value head per query head).
     """
     for name, value in (("vocab", vocab), ("seq_len", seq_len), ("layers", layers), ("hidden", hidden)):
         _check_world(name, value)
     h, f = hidden, 4 * hidden if ffn_hidden is None else ffn_hidden
-    per_block_split = (3 * h * h + 3 * h) + h * h + (h * f + f) + f * h
+    qkv = h + 2 * (h if kv_hidden is None else kv_hidden)  # the fused projection's output features
+    per_block_split = (h * qkv + qkv) + h * h + (h * f + f) + f * h
     per_block_rep = 4 * h + 2 * h  # two layer norms (weight, bias), two row-parallel biases
     split = vocab * h * (1 if tied else 2) + layers * per_block_split
     replicated = seq_len * h + layers * per_block_rep + 2 * h  # + ln_f

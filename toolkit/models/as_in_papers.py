@@ -44,6 +44,11 @@ def _dropout(x: torch.Tensor, training: bool) -> torch.Tensor:
 
 def _heads(attn: CausalSelfAttention, x: torch.Tensor, head_dim: int):
     """q, k, v as (batch x heads, tokens, head_dim), for however many heads this rank's qkv holds."""
+    if attn.n_kv_head != attn.n_head:
+        raise ValueError(
+            f"as_in_papers: the papers' attention has as many key-value heads as query heads; this model has "
+            f"n_kv_head={attn.n_kv_head} for n_head={attn.n_head} (grouped-query attention): leave n_kv_head unset."
+        )
     B, T, _ = x.shape
     qkv = attn.qkv(x)
     local = qkv.shape[-1] // 3

@@ -32,6 +32,7 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 2
     d_model: int = 32
+    n_kv_head: int | None = None  # key-value heads (grouped-query attention, Llama 2 70B/3); None means n_head
     d_ff: int | None = None  # hidden width of the MLP; None means 4 * d_model
     tied_head: bool = True  # the output head reuses the token embedding matrix
     aux_loss_weight: float = 0.01  # weight of the blocks' auxiliary losses (MoE load balancing)
@@ -41,11 +42,13 @@ class GPTConfig:
     def __post_init__(self):
         if self.d_ff is None:
             self.d_ff = 4 * self.d_model
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
         for name in ("dropout", "attention_dropout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ValueError(f"GPTConfig.{name} is a probability in [0, 1), got {value!r}")
-        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "d_ff"):
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
@@ -55,10 +58,28 @@ class GPTConfig:
                 f"GPTConfig: d_model={self.d_model} must divide evenly into n_head={self.n_head} heads; "
                 f"valid n_head for this d_model: {divisors}"
             )
+        if self.n_head % self.n_kv_head != 0:
+            groups = [g for g in range(1, self.n_head + 1) if self.n_head % g == 0]
+            raise ValueError(
+                f"GPTConfig: n_head={self.n_head} query heads must share n_kv_head={self.n_kv_head} key-value heads "
+                f"equally (grouped-query attention); valid n_kv_head for this n_head: {groups}"
+            )
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def kv_width(self) -> int:
+        """Features of K (and of V): n_kv_head heads of head_dim; d_model without grouped-query attention."""
+        return self.n_kv_head * self.head_dim
+
+
+def repeat_kv(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """(B, kv heads, T, head_dim) -> (B, n_head, T, head_dim): each key-value head repeated for the n_head/kv
+    query heads that share it (grouped-query attention; transformers' `repeat_kv`); x itself when none share."""
+    groups = n_head // x.shape[1]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
 def init_weights_(module: nn.Module) -> None:
@@ -72,23 +93,32 @@ def init_weights_(module: nn.Module) -> None:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention where a token sees only itself and the tokens before it."""
+    """Multi-head attention where a token sees only itself and the tokens before it.
+
+    With grouped-query attention (``n_kv_head < n_head``) K and V have n_kv_head heads, each shared by
+    n_head/n_kv_head query heads; they stay that small until ``attend`` repeats them, so whatever moves them
+    (context parallelism's ring) moves the compact ones."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)  # q, k, v in one matmul
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.qkv = nn.Linear(config.d_model, config.d_model + 2 * config.kv_width)  # q, k, v in one matmul
         self.proj = nn.Linear(config.d_model, config.d_model)
         self.attention_dropout = config.attention_dropout
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).split(D, dim=-1)
-        # (B, T, D) -> (B, heads, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = self.attend(q, k, v)
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, D)))
+        y = self.attend(*self.heads(self.qkv(x), self.n_head, self.n_kv_head))
+        B, heads, T, head_dim = y.shape
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, heads * head_dim)))
+
+    @staticmethod
+    def heads(qkv: torch.Tensor, n_head: int, n_kv_head: int):
+        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) from the fused projection's output."""
+        B, T, width = qkv.shape
+        head_dim = width // (n_head + 2 * n_kv_head)
+        q, k, v = qkv.split([n_head * head_dim, n_kv_head * head_dim, n_kv_head * head_dim], dim=-1)
+        return (t.view(B, T, -1, head_dim).transpose(1, 2) for t in (q, k, v))
 
     def dropout_p(self) -> float:
         """The attention weights' dropout now (none when evaluating)."""
@@ -96,7 +126,9 @@ class CausalSelfAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention itself, on (B, heads, T, head_dim) tensors: the one place context parallelism
-        (toolkit.parallel.context) replaces, with the ranks' tokens passed around a ring."""
+        (toolkit.parallel.context) replaces, with the ranks' tokens passed around a ring. k and v may have fewer
+        heads than q (grouped-query attention): they are repeated here, at the point of use."""
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout_p())
 
 

@@ -23,11 +23,9 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int) ->
     found = {"cp": cp, "attention": context.attention, "dp": world_size // (cp * tp * pp), "bytes": None}
     if config is not None and hasattr(config, "d_model") and pp == 1:
         value = 2 if options.get("mixed_precision") else 4
-        per_layer = (
-            ring_bytes_per_layer(batch, seq_len, config.d_model, cp, tp=tp, bytes_per_value=value)
-            if context.attention != "ulysses"
-            else ulysses_bytes_per_layer(batch, seq_len, config.d_model, cp, tp=tp, bytes_per_value=value)
-        )
+        formula = ring_bytes_per_layer if context.attention != "ulysses" else ulysses_bytes_per_layer
+        kv_hidden = getattr(config, "kv_width", config.d_model)  # grouped-query attention: compact K and V
+        per_layer = formula(batch, seq_len, config.d_model, cp, tp=tp, bytes_per_value=value, kv_hidden=kv_hidden)
         again = per_layer["forward"] if options.get("activation_checkpointing") else 0  # the recomputed forward
         loss_value = 4 if tp > 1 else value  # the vocabulary-parallel loss is fp32; else in the compute dtype
         loss = 2 * (cp - 1) * loss_value // cp  # the loss's all-reduce over the cp group

@@ -12,6 +12,10 @@ gradients a single process would get from the whole sequence, as Megatron and to
 
 Elsewhere (a GPU, whose fused kernels have other signatures) the same two functions run in plain tensor
 algebra, which is exact and slower: the scores of one block pair are materialised for the duration of a call.
+
+Grouped-query attention: k and v may hold fewer heads than q (n_kv_head, each shared by a group of query heads).
+They travel compact, and are repeated here only, for the block's kernel; backward sums each repeated head's
+gradient over its group, so the gradient of a block's keys and values travels compact too.
 """
 
 from __future__ import annotations
@@ -20,19 +24,32 @@ import math
 
 import torch
 
+from ...models.gpt import repeat_kv
+
 aten = torch.ops.aten
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None):
     """(out, lse) of queries q over keys k and values v, each (batch, heads, tokens, head_dim); causal: query i
-    sees keys 0..i (the two blocks hold the same positions)."""
-    return (fused_attend if q.device.type in FUSED else plain_attend)(q, k, v, causal, scale)
+    sees keys 0..i (the two blocks hold the same positions). k and v may have fewer heads (grouped-query)."""
+    heads = q.shape[1]
+    return (fused_attend if q.device.type in FUSED else plain_attend)(
+        q, repeat_kv(k, heads), repeat_kv(v, heads), causal, scale
+    )
 
 
 def attend_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float | None = None):
     """(dq, dk, dv) of this block, given the gradient of the final output, and the final output and lse."""
     backward = fused_attend_backward if q.device.type in FUSED else plain_attend_backward
-    return backward(grad_out, q, k, v, out, lse, causal, scale)
+    heads = q.shape[1]
+    dq, dk, dv = backward(grad_out, q, repeat_kv(k, heads), repeat_kv(v, heads), out, lse, causal, scale)
+    return dq, _sum_groups(dk, k.shape[1]), _sum_groups(dv, v.shape[1])
+
+
+def _sum_groups(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of compact keys (or values) from that of their repeated heads: each group's sum."""
+    B, heads, T, d = grad.shape
+    return grad if heads == kv_heads else grad.view(B, kv_heads, heads // kv_heads, T, d).sum(2)
 
 
 FUSED = ("cpu", "meta")  # devices whose fused kernel is called here (the simulator's meta tensors take the CPU's)

@@ -145,7 +145,11 @@ def check(model: nn.Module, attention: str, size: int, tp: int = 1) -> None:
     if attention == "ulysses":
         for name, module in found:
             heads = getattr(module, "local_heads", None) or getattr(module, "n_head", tp) / tp
-            if heads == int(heads):  # (heads that do not split over tp are tensor parallelism's error to say)
+            kv_heads = getattr(module, "local_kv_heads", None) or getattr(module, "n_kv_head", heads * tp) / tp
+            if heads == int(heads) and kv_heads == int(kv_heads):  # (else tensor parallelism's error to say)
                 check_heads(
-                    int(heads), size, f"{name!r}" + (f" (its share on each of tp={tp} ranks)" if tp > 1 else "")
+                    int(heads),
+                    size,
+                    f"{name!r}" + (f" (its share on each of tp={tp} ranks)" if tp > 1 else ""),
+                    int(kv_heads),
                 )

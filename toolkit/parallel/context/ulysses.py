@@ -15,6 +15,9 @@ Backward is the same two all-to-alls in reverse. Compared with the ring:
 - its bytes: each rank sends (cp-1)/cp of its q, k, v and of the output (4 tensors of b·a·(s/cp)·d) per layer
   forward, a volume per link that stays the same when s and cp grow together; the ring sends (cp-1) blocks of k
   and v (2 tensors) that it can hide behind compute, which the all-to-alls, on the critical path, cannot;
+- grouped-query attention (n_kv_head < n_head): k and v cross in a message of their own, with their compact
+  heads, so those too must divide among the cp ranks (Llama 3, with 8 key-value heads, all-gathers K and V
+  instead; the toolkit's ring passes them compact and has no such limit);
 - no load balancing is needed: every rank attends whole sequences, so a contiguous split is balanced;
 - one more activation per layer: the attention kernel keeps its output in the head split for its backward, and
   the projection after it keeps the same values in the sequence split (s·b·h/cp each); the ring's output is
@@ -26,17 +29,27 @@ from __future__ import annotations
 import torch
 
 from ... import comm
+from ...models.gpt import repeat_kv
 from .operators import CPGroup, labelled
 
 
-def check_heads(heads: int, cp: int, where: str = "the model") -> None:
-    """Ulysses splits the heads over the cp ranks: say so, before anything runs, when they do not split."""
+def check_heads(heads: int, cp: int, where: str = "the model", kv_heads: int | None = None) -> None:
+    """Ulysses splits the heads over the cp ranks: say so, before anything runs, when they do not split
+    (the key-value heads too, under grouped-query attention)."""
     if heads % cp:
         fits = [c for c in range(1, heads + 1) if heads % c == 0]
         raise ValueError(
             f"Ulysses (cp_attention='ulysses') gives each of the cp={cp} ranks heads/cp of the attention "
             f"heads for the whole sequence: {where} has {heads} heads per rank, which do not split over "
             f"{cp} ranks. Choose cp among {fits}, or cp_attention='ring' (no limit on heads)."
+        )
+    if kv_heads is not None and kv_heads % cp:
+        fits = [c for c in range(1, kv_heads + 1) if kv_heads % c == 0]
+        raise ValueError(
+            f"Ulysses (cp_attention='ulysses') cannot split grouped-query attention's keys and values over "
+            f"cp={cp} ranks: {where} has n_kv_head={kv_heads} key-value heads per rank, which do not split "
+            f"over {cp} ranks (Llama 3 all-gathers K and V for this reason). Choose cp among {fits}, or "
+            f"cp_attention='ring', which passes the compact K and V around and has no limit on heads."
         )
 
 
@@ -77,8 +90,13 @@ class _HeadsToSequence(torch.autograd.Function):
 
 def ulysses_attention(q, k, v, cp: CPGroup, causal: bool = True, scale: float | None = None):
     """Attention of this rank's tokens (q, k, v of shape (batch, heads, s/cp, head_dim), a contiguous split) over
-    the whole sequence, by Ulysses' two all-to-alls; q, k and v cross in one message."""
-    check_heads(q.shape[1], cp.size)
-    qkv = _SequenceToHeads.apply(torch.stack([q, k, v]), cp)  # (3, b, a/cp, s, d)
-    y = torch.nn.functional.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=causal, scale=scale)
+    the whole sequence, by Ulysses' two all-to-alls; q, k and v cross in one message (k and v in one of their
+    own when they have fewer heads: grouped-query attention, repeated for their groups after the all-to-all)."""
+    check_heads(q.shape[1], cp.size, kv_heads=k.shape[1])
+    if k.shape[1] == q.shape[1]:
+        q, k, v = _SequenceToHeads.apply(torch.stack([q, k, v]), cp)  # (3, b, a/cp, s, d)
+    else:
+        q, (k, v) = _SequenceToHeads.apply(q, cp), _SequenceToHeads.apply(torch.stack([k, v]), cp)
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     return _HeadsToSequence.apply(y, cp)

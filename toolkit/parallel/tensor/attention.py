@@ -21,39 +21,40 @@ from ...models.gpt import CausalSelfAttention
 from ..rng import tracker
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .operators import TPGroup
-from .shards import QKV_ROWS
+from .shards import qkv_rows
 
 
 class TensorParallelAttention(CausalSelfAttention):
-    """The toolkit GPT's attention with this rank's heads only (n_head/t of them)."""
+    """The toolkit GPT's attention with this rank's heads only (n_head/t of them, and n_kv_head/t key-value heads)."""
 
     local_heads: int
+    local_kv_heads: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # (B, T, 3 * local width); T whole also under sequence parallelism
-        B, T, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
-        q, k, v = (
-            t.view(B, T, self.local_heads, width // self.local_heads).transpose(1, 2) for t in qkv.split(width, dim=-1)
-        )
+        qkv = self.qkv(x)  # (B, T, local q, k and v widths); T whole also under sequence parallelism
+        q, k, v = self.heads(qkv, self.local_heads, self.local_kv_heads)
         # the GPT's causal attention (context parallelism replaces it); this rank's heads: dropout masks of their own
         with tracker.fork() if self.dropout_p() else contextlib.nullcontext():
             y = self.attend(q, k, v)
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, width)))
+        B, heads, T, head_dim = y.shape
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, heads * head_dim)))
 
 
 def split_attention(attn: CausalSelfAttention, tp: TPGroup, done: dict, name: str, sequence_parallel: bool):
     """Make the GPT's attention tensor-parallel, in place (the class changes, the names stay)."""
-    if attn.n_head % tp.size:
-        fits = [t for t in range(1, attn.n_head + 1) if attn.n_head % t == 0]
-        raise ValueError(
-            f"tensor parallelism splits attention by heads: n_head={attn.n_head} of {name!r} does not "
-            f"split over tp={tp.size} ranks. Choose a tp that divides it (one of {fits}), or a model "
-            f"with a multiple of {tp.size} heads."
-        )
+    for field, heads, kind in (("n_head", attn.n_head, "heads"), ("n_kv_head", attn.n_kv_head, "key-value heads")):
+        if heads % tp.size:  # (a rank keeps the key-value heads its query heads share: both must split)
+            fits = [t for t in range(1, heads + 1) if heads % t == 0]
+            raise ValueError(
+                f"tensor parallelism splits attention by heads: {field}={heads} of {name!r} does not "
+                f"split over tp={tp.size} ranks. Choose a tp that divides it (one of {fits}), or a model "
+                f"with a multiple of {tp.size} {kind}."
+            )
+    split = qkv_rows(attn.n_head, attn.n_kv_head)
     attn.qkv = ColumnParallelLinear(
-        attn.qkv, tp, done, f"{name}.qkv", weight_split=QKV_ROWS, sequence_parallel=sequence_parallel
+        attn.qkv, tp, done, f"{name}.qkv", weight_split=split, sequence_parallel=sequence_parallel
     )
     attn.proj = RowParallelLinear(attn.proj, tp, done, f"{name}.proj", sequence_parallel=sequence_parallel)
     attn.__class__ = TensorParallelAttention
-    attn.local_heads = attn.n_head // tp.size
+    attn.local_heads, attn.local_kv_heads = attn.n_head // tp.size, attn.n_kv_head // tp.size
     return attn

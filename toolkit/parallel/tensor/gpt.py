@@ -111,7 +111,7 @@ def parallelize_gpt(model: GPT, tp: TPGroup, sequence_parallel: bool) -> GPT:
             f"tensor parallelism: blocks {unknown} have an MLP of a kind the default plan does not know "
             f"({type(model.blocks[unknown[0]].mlp).__name__}); pass tp_plan= naming its Linear layers."
         )
-    if c.n_head % tp.size:  # the first error a student meets: say it before anything is cut
+    if c.n_head % tp.size or c.n_kv_head % tp.size:  # the first error a student meets: say it before anything is cut
         split_attention(model.blocks[0].attn, tp, {}, "blocks.0.attn", False)
     done: dict = {}
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, tp, done, "tok_emb", sequence_parallel=sequence_parallel)

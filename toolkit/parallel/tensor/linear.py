@@ -125,7 +125,8 @@ class ColumnParallelLinear(ParallelLinear):
         out_dim = 1 if is_conv1d(module) else 0
         words = module.weight.shape[out_dim] if vocab else None
         split = weight_split or Split(out_dim, size=words)
-        super().__init__(module, tp, split, Split(0, split.parts, size=words), done, name, sequence_parallel)
+        bias = Split(0, split.parts, size=words, sections=split.sections)
+        super().__init__(module, tp, split, bias, done, name, sequence_parallel)
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,9 @@ A split layer keeps its parameters under their original names, with one dimensio
     Split(dim=0, parts=3)   the dimension is three blocks side by side (q | k | v of a fused QKV
                             projection); each block is cut t ways and rank r keeps piece r of each,
                             so its q, k and v belong to the same heads
+    Split(dim=0, parts=3, sections=(a, g, g))
+                            the same, with blocks of unequal length in the ratio a : g : g (grouped-query
+                            attention: a query heads, g key-value heads); each block is still cut t ways
 
     Split(dim=0, size=V)    a vocabulary of V words, padded with zero rows up to a multiple of t when it
                             does not divide (Megatron-LM's `make_vocab_size_divisible_by`): rank r keeps
@@ -37,12 +40,20 @@ class Split:
     dim: int
     parts: int = 1
     size: int | None = None  # a vocabulary's length: padded up to a multiple of t (None: it must divide)
+    sections: tuple[int, ...] | None = None  # the blocks' lengths relative to each other (None: equal)
+
+    def blocks(self, size: int) -> list[int]:
+        """The lengths of the `parts` blocks of a dimension of `size`."""
+        sections = self.sections or (1,) * self.parts
+        return [size * s // sum(sections) for s in sections]
 
     def check(self, size: int, tp: int, what: str) -> None:
         """A clear error when a dimension of `size` does not cut into t equal pieces (per block)."""
-        if size % (self.parts * tp) == 0 or self.size is not None:
+        if self.size is not None or (
+            size % sum(self.sections or (self.parts,)) == 0 and all(b % tp == 0 for b in self.blocks(size))
+        ):
             return
-        block = size // self.parts
+        block = min(self.blocks(size))
         fits = [t for t in range(1, block + 1) if block % t == 0]
         pad = -(-block // tp) * tp
         raise ValueError(
@@ -65,12 +76,12 @@ class Split:
             shape = list(full.shape)
             shape[self.dim] = self.padded(tp) - full.shape[self.dim]
             full = torch.cat([full, full.new_zeros(shape)], dim=self.dim)
-        blocks = full.chunk(self.parts, dim=self.dim)
+        blocks = full.split(self.blocks(full.shape[self.dim]), dim=self.dim)
         return torch.cat([b.chunk(tp, dim=self.dim)[rank] for b in blocks], dim=self.dim).clone()
 
     def join(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's piece, in tensor-parallel rank order (a vocabulary's padding cut)."""
-        per_rank = [p.chunk(self.parts, dim=self.dim) for p in pieces]
+        per_rank = [p.split(self.blocks(p.shape[self.dim]), dim=self.dim) for p in pieces]
         full = torch.cat(
             [torch.cat([mine[b] for mine in per_rank], dim=self.dim) for b in range(self.parts)], dim=self.dim
         )
@@ -78,6 +89,11 @@ class Split:
 
 
 ROWS, COLUMNS, QKV_ROWS = Split(0), Split(1), Split(0, parts=3)
+
+
+def qkv_rows(n_head: int, n_kv_head: int) -> Split:
+    """How a fused [q | k | v] projection splits: QKV_ROWS, or blocks in the ratio n_head : n_kv_head : n_kv_head."""
+    return QKV_ROWS if n_kv_head == n_head else Split(0, parts=3, sections=(n_head, n_kv_head, n_kv_head))
 
 
 def mark(param: torch.nn.Parameter, split: Split | None) -> torch.nn.Parameter:
