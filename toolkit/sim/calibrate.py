@@ -43,7 +43,7 @@ from .cost import compute_time
 from .hardware import THIS_MACHINE, Accelerator, Cluster
 from .program import Compute
 
-VERSION = 5  # 5: the GEMM shapes timed in turns (calibrate_compute.gemm_rates)
+VERSION = 6  # 6: the collectives gloo runs at once (calibrate_links.lanes)
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
 
@@ -113,6 +113,7 @@ def measure(world_size: int, *, timeout_s: float = 240.0) -> dict:
         links=links,
         overlap=results[0]["overlap"],
         beside_compute=results[0]["beside_compute"],
+        lanes=results[0]["lanes"],
         records=results[0]["records"],
     )
 
@@ -218,6 +219,7 @@ def from_measurements(m: dict, link: Settings | None = None, *, reference_step_s
         source=gpu.source + "; links: loopback (gloo)",
         op_links=op_links,
         overlap=m["overlap"],
+        collective_lanes=int(m.get("lanes", 1)),
         notes={"measurements": {k: v for k, v in m.items() if k != "records"}, "trust": notes},
     )
     if link is None:
@@ -233,6 +235,7 @@ def from_measurements(m: dict, link: Settings | None = None, *, reference_step_s
         overlap=1.0,
         beside_compute=1.0,
         latency_holds_link=False,
+        collective_lanes=1,  # one emulated card: its messages queue on it (`toolkit.comm.cost`)
         op_links={} if link.intra is not None or link.ranks_per_node == 1 else op_links,
         source=found.source + f"; {link.describe()}",
     )

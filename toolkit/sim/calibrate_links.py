@@ -9,6 +9,7 @@
   issued asynchronously before the compute and waited after it; the time it saves over the
   synchronous loop, over the time it could save (the shorter of the two). On a GPU the links and the
   streams are separate hardware (1.0); here gloo's threads copy on the cores the ranks compute on.
+- How many collectives run at once (`Cluster.collective_lanes`): gloo's worker threads, read from the group.
 - A collective in flight beside compute and another collective (reported; `Cluster.beside_compute` charges
   it only where a user asks, as it is too unsteady on a shared CPU to charge by default): what ZeRO-3
   and FSDP do in backward. An asynchronous reduce-scatter is issued, compute runs, and the next layer's
@@ -157,6 +158,16 @@ def beside_compute(alone_s: float, size: int = BESIDE_SIZE, gap: int = BESIDE_GA
     }
 
 
+def lanes(backend=None) -> int:
+    """How many collectives a gloo backend (the default group's if None) runs at once: its worker threads
+    (`ProcessGroupGloo`'s Options.threads, 2 unless set), read from the live backend; 1 where it says nothing."""
+    import torch
+    import torch.distributed as dist
+
+    backend = backend or dist.group.WORLD._get_backend(torch.device("cpu"))
+    return int(getattr(getattr(backend, "options", None), "_threads", 1) or 1)
+
+
 def measure_links(ops, sizes=SIZES) -> dict:
     """On every rank: each op's cost in a step at each size, the overlap fraction, and a reduce-scatter beside
     compute. Records are rank 0's view (every value is already the slowest rank's)."""
@@ -176,4 +187,4 @@ def measure_links(ops, sizes=SIZES) -> dict:
     alone = in_a_step(
         _prepare("reduce_scatter", _numel_for(BESIDE_SIZE, n, 4), torch.float32, torch.device("cpu"), seed=99)
     )
-    return {"records": records, "overlap": overlap(), "beside_compute": beside_compute(alone)}
+    return {"records": records, "overlap": overlap(), "beside_compute": beside_compute(alone), "lanes": lanes()}

@@ -30,9 +30,10 @@ Elsewhere (a user-defined cluster, this machine), the alpha-beta model of the li
 
 Which links a collective occupies (`resources`) lets the timeline run two collectives at once when they
 use different links (an intra-node all-gather beside an inter-node all-reduce), and queue them when
-they share one; for how long (`occupancy`): the whole time on NCCL's presets, only the bytes where the
-cluster says latency is delay in flight (`Cluster.latency_holds_link=False`, the emulated link's physics:
-`toolkit.comm.cost`), so the next message may start while the last one's latency runs.
+they share one, `lanes` at a time (`Cluster.collective_lanes`: gloo's worker threads on this machine); for
+how long (`occupancy`): the whole time on NCCL's presets, only the bytes where the cluster says latency is
+delay in flight (`Cluster.latency_holds_link=False`, the emulated link's physics: `toolkit.comm.cost`), so
+the next message may start while the last one's latency runs.
 Which ranks a collective joins is what its group says: the global ranks of the group the strategy's code issued it
 on, whichever order the mesh lays them out in; `node_of` decides which of them share a node.
 """
@@ -56,6 +57,7 @@ class CollectiveCost:
     resources: tuple  # the links it occupies: ("intra",), ("inter",), ("intra", "inter") or ()
     bandwidth: float = math.inf  # bytes/s the bandwidth term ran at (ring ops)
     latency_holds_link: bool = True  # see `Cluster.latency_holds_link`
+    lanes: int = 1  # collectives its links run at once: `Cluster.collective_lanes`
 
     @property
     def occupancy(self) -> float:
@@ -105,7 +107,7 @@ def collective_time(
     input_splits/output_splits in rows, send/recv's peer).
     """
     cost = _time_on_links(cluster, op, size_bytes, group, me, args)
-    return cost if cluster.latency_holds_link else replace(cost, latency_holds_link=False)
+    return replace(cost, latency_holds_link=cluster.latency_holds_link, lanes=cluster.collective_lanes)
 
 
 def _time_on_links(cluster, op, size_bytes, group, me, args) -> CollectiveCost:

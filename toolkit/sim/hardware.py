@@ -90,6 +90,7 @@ class Cluster:
     #                                 communicator's collectives one after the other); False where latency
     #                                 is delay in flight and the next message may go meanwhile (the emulator)
     op_links: dict = field(default_factory=dict, compare=False)  # op -> Link measured for it inside a node
+    collective_lanes: int = 1  # collectives a link runs at once (timeline rule 2): 1 under NCCL; gloo's threads
     published: NetworkMeasurements | None = field(default=None, compare=False)  # its collectives, measured
     notes: dict = field(default_factory=dict, compare=False)  # e.g. calibration details
 

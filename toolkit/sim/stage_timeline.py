@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .program import Collective, Compute, Wait
-from .timeline import Span, Timeline, slowed
+from .timeline import Links, Span, Timeline, held, slowed
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,8 @@ class _Stage:
         self.program, self.next, self.clock = list(program), 0, start
         self.spans: list = []
         self.done: dict = {}  # collective id -> when it completes (None: a transfer not yet matched)
-        self.free: dict = {}  # link -> when its last collective ends (a stage's own links)
+        self.links = Links(start)  # when a stage's own links can next start a collective
+        self.hold = (start, None)  # until when its collectives hold the cores (the overlap rule's rule 4)
         self.busy: list = []  # (begin, end) of its collectives in flight (the overlap rule's rule 6)
 
 
@@ -189,6 +190,7 @@ def schedule_stages(
         while st.next < len(st.program):
             instruction = st.program[st.next]
             if isinstance(instruction, Compute):
+                st.clock = held(st.spans, st.clock, st.hold)
                 seconds = compute_time(key, instruction)
                 end = slowed(st.clock, seconds, st.busy, slowdown)
                 st.spans.append(Span("compute", st.clock, end, instruction, contention=end - st.clock - seconds))
@@ -219,17 +221,11 @@ def schedule_stages(
 
     def _collective(key, st: _Stage, c: Collective) -> None:
         cost = collective_cost(key, c)
-        stretch = beside if c.async_op else 1.0
-        begin = max([st.clock] + [st.free.get(link, start) for link in cost.resources])
-        st.done[c.id] = begin + cost.seconds * stretch
+        begin, st.done[c.id] = st.links.run(cost, st.clock, beside if c.async_op else 1.0)
         st.busy.append((begin, st.done[c.id]))
-        for link in cost.resources:
-            st.free[link] = begin + getattr(cost, "occupancy", cost.seconds) * stretch
         st.spans.append(Span("comm", begin, st.done[c.id], c, issued=st.clock, cost=cost))
         if overlap < 1 and cost.seconds > 0:
-            held = st.clock + (1 - overlap) * cost.seconds
-            st.spans.append(Span("host", st.clock, held, c))
-            st.clock = held
+            st.hold = max(st.hold, (begin + (1 - overlap) * cost.seconds, c), key=lambda h: h[0])
 
     def _match(key, cid) -> None:
         """Both halves issued: run the transfer (rule 1) and complete both."""
@@ -264,6 +260,7 @@ def schedule_stages(
         raise ValueError(f"transfers issued on one side only: {unmatched} (their partners were never issued)")
     out = StagesTimeline(start=start)
     for key, st in stages.items():
+        st.clock = held(st.spans, st.clock, st.hold)
         ends = [st.clock] + [t for t in st.done.values() if t is not None]
         out.stages[key] = Timeline(st.spans, start, max(ends))
     return out

@@ -13,9 +13,11 @@ The rule, in the order the strategy issued its work (`toolkit.sim.program`):
    if the compute issued after it is shorter than it.
 4. Where the links are not hardware of their own (`overlap` < 1: on a CPU, gloo's threads copy and
    reduce on the cores the ranks compute on), a collective also holds the compute stream for the
-   part of its time that cannot hide, (1 - overlap) x its time, from when it is issued: a "host"
-   span, counted as exposed communication. With overlap 0 an asynchronous collective costs what a
-   synchronous one does; a synchronous one costs the same whatever `overlap` is.
+   part of its time that cannot hide, (1 - overlap) x its time, from when it begins: the next compute
+   waits for the latest such hold (a "host" span, counted as exposed communication), but the next
+   collective may be issued meanwhile (issuing one is queueing it for gloo's threads). With overlap 0
+   an asynchronous collective costs what a synchronous one does; a synchronous one costs the same
+   whatever `overlap` is.
 5. Optionally (`beside` > 1, `Cluster.beside_compute`), an asynchronous collective takes `beside` times
    its own time in flight, as where the cores that run it are also computing; what queues behind it
    on its link waits that much longer. A synchronous collective has nothing beside it. 1 on every
@@ -89,6 +91,16 @@ class Timeline:
         }
 
 
+def held(spans: list, clock: float, hold: tuple) -> float:
+    """Where the compute stream is once the collectives' hold on the cores (rule 4) is over: a "host" span
+    from `clock` to the hold's end (`hold`: (end, the collective that holds them)) where it stalls."""
+    end, collective = hold
+    if end <= clock:
+        return clock
+    spans.append(Span("host", clock, end, collective))
+    return end
+
+
 def _union_length(intervals) -> float:
     total, reach = 0.0, None
     for start, end in sorted(intervals):
@@ -128,6 +140,26 @@ def slowed(start: float, seconds: float, busy: list, slowdown: float) -> float:
     return t + left
 
 
+class Links:
+    """When each of a rank's links can next start a collective (rules 2 and 5): a link runs `cost.lanes`
+    collectives at once (1 where the cost does not say), each for its `occupancy` (its `seconds` if absent)."""
+
+    def __init__(self, start: float):
+        self.start, self.lanes = start, {}  # link -> the ends of the collectives on its lanes
+
+    def run(self, cost, ready: float, stretch: float = 1.0) -> tuple[float, float]:
+        """(begin, end) of a collective whose data is ready at `ready`; its links are held from `begin`."""
+        lanes = getattr(cost, "lanes", 1)
+        ends = [self.lanes.setdefault(link, []) for link in cost.resources]
+        begin = max([ready] + [min(e) if len(e) >= lanes else self.start for e in ends])
+        until = begin + getattr(cost, "occupancy", cost.seconds) * stretch
+        for e in ends:
+            if len(e) >= lanes:
+                e.remove(min(e))
+            e.append(until)
+        return begin, begin + cost.seconds * stretch
+
+
 def schedule(
     program,
     compute_time,
@@ -142,12 +174,14 @@ def schedule(
     holds them, `.seconds` if absent: `toolkit.sim.collective_time`); overlap: rule 4; beside: rule 5;
     slowdown: rule 6."""
     clock = start  # where the compute stream is
-    free: dict[str, float] = {}  # link -> when its last collective ends
+    hold = (start, None)  # until when this rank's collectives hold the cores (rule 4), and which one
+    links = Links(start)
     done: dict[int, float] = {}  # collective id -> when it ends
     busy: list = []  # (begin, end) of collectives in flight, for rule 6
     spans = []
     for n, instruction in enumerate(program):
         if isinstance(instruction, Compute):
+            clock = held(spans, clock, hold)
             seconds = compute_time(instruction)
             end = slowed(clock, seconds, busy, slowdown)
             spans.append(Span("compute", clock, end, instruction, contention=end - clock - seconds))
@@ -156,18 +190,12 @@ def schedule(
             if instruction.id in done:
                 raise ValueError(f"instruction {n}: collective id {instruction.id} issued twice")
             cost = collective_cost(instruction)
-            stretch = beside if instruction.async_op else 1.0
-            begin = max([clock] + [free.get(link, start) for link in cost.resources])
-            end = begin + cost.seconds * stretch
-            for link in cost.resources:
-                free[link] = begin + getattr(cost, "occupancy", cost.seconds) * stretch
+            begin, end = links.run(cost, clock, beside if instruction.async_op else 1.0)
             done[instruction.id] = end
             busy.append((begin, end))
             spans.append(Span("comm", begin, end, instruction, issued=clock, cost=cost))
             if overlap < 1 and cost.seconds > 0:
-                held = clock + (1 - overlap) * cost.seconds
-                spans.append(Span("host", clock, held, instruction))
-                clock = held
+                hold = max(hold, (begin + (1 - overlap) * cost.seconds, instruction), key=lambda h: h[0])
         elif isinstance(instruction, Wait):
             if instruction.id not in done:
                 raise ValueError(f"instruction {n}: waits on collective {instruction.id} before it was issued")
@@ -179,4 +207,5 @@ def schedule(
                 f"instruction {n} is a {type(instruction).__name__}; a program holds Compute, "
                 f"Collective and Wait (toolkit.sim.program)."
             )
+    clock = held(spans, clock, hold)
     return Timeline(spans, start, max([clock] + list(done.values())))
