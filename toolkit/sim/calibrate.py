@@ -236,6 +236,7 @@ def from_measurements(m: dict, link: Settings | None = None, *, reference_step_s
         beside_compute=1.0,
         latency_holds_link=False,
         collective_lanes=1,  # one emulated card: its messages queue on it (`toolkit.comm.cost`)
+        underlay=found,  # each emulated call is a real loopback call, then a sleep to the modelled time
         op_links={} if link.intra is not None or link.ranks_per_node == 1 else op_links,
         source=found.source + f"; {link.describe()}",
     )

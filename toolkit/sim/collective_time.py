@@ -58,6 +58,7 @@ class CollectiveCost:
     bandwidth: float = math.inf  # bytes/s the bandwidth term ran at (ring ops)
     latency_holds_link: bool = True  # see `Cluster.latency_holds_link`
     lanes: int = 1  # collectives its links run at once: `Cluster.collective_lanes`
+    cores: float | None = None  # seconds it holds the cores (timeline rule 4); None: (1 - overlap) x seconds
 
     @property
     def occupancy(self) -> float:
@@ -107,7 +108,13 @@ def collective_time(
     input_splits/output_splits in rows, send/recv's peer).
     """
     cost = _time_on_links(cluster, op, size_bytes, group, me, args)
-    return replace(cost, latency_holds_link=cluster.latency_holds_link, lanes=cluster.collective_lanes)
+    cost = replace(cost, latency_holds_link=cluster.latency_holds_link, lanes=cluster.collective_lanes)
+    if cluster.underlay is None:
+        return cost
+    # an emulated link (`toolkit.comm.emulate`): the call runs on the real links beneath, then sleeps until the
+    # emulated link's time has passed; the real call holds the cores as it would alone, the sleep hides whole
+    real = collective_time(cluster.underlay, op, size_bytes, group, me, args)
+    return replace(cost, seconds=max(cost.seconds, real.seconds), cores=(1 - cluster.underlay.overlap) * real.seconds)
 
 
 def _time_on_links(cluster, op, size_bytes, group, me, args) -> CollectiveCost:

@@ -91,6 +91,7 @@ class Cluster:
     #                                 is delay in flight and the next message may go meanwhile (the emulator)
     op_links: dict = field(default_factory=dict, compare=False)  # op -> Link measured for it inside a node
     collective_lanes: int = 1  # collectives a link runs at once (timeline rule 2): 1 under NCCL; gloo's threads
+    underlay: Cluster | None = field(default=None, compare=False)  # an emulated link's real links, beneath it
     published: NetworkMeasurements | None = field(default=None, compare=False)  # its collectives, measured
     notes: dict = field(default_factory=dict, compare=False)  # e.g. calibration details
 

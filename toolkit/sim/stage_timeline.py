@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .program import Collective, Compute, Wait
-from .timeline import Links, Span, Timeline, held, slowed
+from .timeline import Links, Span, Timeline, cores_held, held, slowed
 
 
 @dataclass(frozen=True)
@@ -224,8 +224,8 @@ def schedule_stages(
         begin, st.done[c.id] = st.links.run(cost, st.clock, beside if c.async_op else 1.0)
         st.busy.append((begin, st.done[c.id]))
         st.spans.append(Span("comm", begin, st.done[c.id], c, issued=st.clock, cost=cost))
-        if overlap < 1 and cost.seconds > 0:
-            st.hold = max(st.hold, (begin + (1 - overlap) * cost.seconds, c), key=lambda h: h[0])
+        if cores_held(cost, overlap) > 0:
+            st.hold = max(st.hold, (begin + cores_held(cost, overlap), c), key=lambda h: h[0])
 
     def _match(key, cid) -> None:
         """Both halves issued: run the transfer (rule 1) and complete both."""

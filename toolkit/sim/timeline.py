@@ -91,6 +91,13 @@ class Timeline:
         }
 
 
+def cores_held(cost, overlap: float) -> float:
+    """Seconds a collective holds the cores (rule 4): what its cost says (`CollectiveCost.cores`: an emulated
+    link's real loopback call beneath its sleep), else the part of it that cannot hide, (1 - overlap) x its time."""
+    cores = getattr(cost, "cores", None)
+    return (1 - overlap) * cost.seconds if cores is None else cores
+
+
 def held(spans: list, clock: float, hold: tuple) -> float:
     """Where the compute stream is once the collectives' hold on the cores (rule 4) is over: a "host" span
     from `clock` to the hold's end (`hold`: (end, the collective that holds them)) where it stalls."""
@@ -194,8 +201,8 @@ def schedule(
             done[instruction.id] = end
             busy.append((begin, end))
             spans.append(Span("comm", begin, end, instruction, issued=clock, cost=cost))
-            if overlap < 1 and cost.seconds > 0:
-                hold = max(hold, (begin + (1 - overlap) * cost.seconds, instruction), key=lambda h: h[0])
+            if cores_held(cost, overlap) > 0:
+                hold = max(hold, (begin + cores_held(cost, overlap), instruction), key=lambda h: h[0])
         elif isinstance(instruction, Wait):
             if instruction.id not in done:
                 raise ValueError(f"instruction {n}: waits on collective {instruction.id} before it was issued")
