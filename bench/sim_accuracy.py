@@ -38,7 +38,7 @@ import time
 import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import torch
 import torch.distributed as dist
-from sim_accuracy_report import ranking, table
+from sim_accuracy_report import how_priced, ranking, table
 
 import toolkit
 
@@ -245,6 +245,7 @@ def run_world(world: int, steps: int, cached: bool, with_moe: bool, calibrations
     ]
     text = table(world, machine, rows)
     text += "\n\nRanking by step time: " + ranking({n: sims[n].step_time for n in CONFIGS}, measured) + "."
+    predicted = {}
     if with_moe:
         link = toolkit.comm.emulate(bandwidth=MOE["bandwidth"], latency=MOE["latency"])
         try:
@@ -278,7 +279,7 @@ def run_world(world: int, steps: int, cached: bool, with_moe: bool, calibrations
             + ranking({r["name"]: r["predicted"] for r in moe_rows}, {r["name"]: r["measured"] for r in moe_rows})
             + "."
         )
-    return text, rows
+    return text + "\n\n" + how_priced(world, machine, predicted), rows
 
 
 def main(argv=None) -> int:

@@ -60,3 +60,31 @@ def table(world: int, machine, rows: list) -> str:
             f"{b['exposed_comm'] * 1e3:.1f} / {b['overlapped_comm'] * 1e3:.1f} |"
         )
     return "\n".join(lines)
+
+
+def how_priced(world: int, machine, moe: dict) -> str:
+    """What the model prices of this machine's collectives beyond each one's alpha-beta, with this run's numbers:
+    gloo's collectives two at a time, and an emulated call's loopback part on the cores (issue 30)."""
+    from toolkit.sim.collective_time import collective_time
+
+    m = machine.notes["measurements"]
+    beside = m["beside_compute"]
+    gather = collective_time(machine, "all_gather", beside["size_bytes"], range(world)).seconds
+    text = (
+        f"Priced at {world} ranks: gloo runs {machine.collective_lanes} of a group's collectives at once (its worker "
+        f"threads, read from the live group), so an all-gather called behind an asynchronous reduce-scatter starts "
+        f"at once instead of queueing (measured: {beside['all_gather_behind_s'] * 1e3:.2f} ms behind it, "
+        f"{gather * 1e3:.2f} ms priced alone), and a collective's hold on the cores ({1 - machine.overlap:.2f} of it) "
+        f"stalls the next compute, not the next collective."
+    )
+    pipelined = moe.get("moe pipeline 4")
+    if pipelined is not None and not isinstance(pipelined, str):
+        spans = [s for s in pipelined.cost.timelines[-1].spans if s.kind == "comm" and s.cost.cores is not None]
+        priced, cores = (sum(getattr(s.cost, k) for s in spans) * 1e3 for k in ("seconds", "cores"))
+        text += (
+            f" Under the emulated link each call is the real loopback call, then a sleep to the emulated time: the "
+            f"pipelined MoE layer's {len(spans)} calls are priced at {priced:.1f} ms, "
+            f"of which their loopback part holds the cores {cores:.1f} ms (the "
+            f"calibrated overlap of the all-to-all beneath; the sleep hides whole)."
+        )
+    return text
