@@ -38,7 +38,7 @@ import time
 import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import torch
 import torch.distributed as dist
-from sim_accuracy_report import how_priced, ranking, table
+from sim_accuracy_report import as_before, how_priced, ranking, table
 
 import toolkit
 
@@ -240,6 +240,7 @@ def run_world(world: int, steps: int, cached: bool, with_moe: bool, calibrations
             "flat": price(
                 sims[name], machine.with_changes(beside_compute=found[0]["beside_compute"]["stretch"])
             ).step_time,
+            "queued": price(sims[name], machine.with_changes(collective_lanes=1)).step_time,
         }
         for name in CONFIGS
     ]
@@ -260,6 +261,7 @@ def run_world(world: int, steps: int, cached: bool, with_moe: bool, calibrations
                 "predicted": predicted[name].step_time,
                 "measured": moe_measured[name],
                 "breakdown": predicted[name].breakdown,
+                "queued": price(predicted[name], emulated.with_changes(underlay=None)).step_time,
             }
             for name in MOE_VARIANTS
             if not isinstance(predicted[name], str)
@@ -305,7 +307,7 @@ def main(argv=None) -> int:
     within = sum(abs(r["predicted"] / r["measured"] - 1) <= 0.2 for r in rows)
     parts.append(
         f"{within} of {len(rows)} predictions within 20%; the worst is {worst['name']} "
-        f"({worst['predicted'] / worst['measured'] - 1:+.0%})."
+        f"({worst['predicted'] / worst['measured'] - 1:+.0%}). " + as_before(rows)
     )
     body = "\n\n".join(parts)
     print(body)

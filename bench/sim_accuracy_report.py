@@ -88,3 +88,17 @@ def how_priced(world: int, machine, moe: dict) -> str:
             f"calibrated overlap of the all-to-all beneath; the sleep hides whole)."
         )
     return text
+
+
+def as_before(rows: list) -> str:
+    """The same programs priced with gloo's collectives one at a time and an emulated call's sleep alone (the model
+    before issue 30's second pass), on the same calibration and measurements: what those two mechanisms change."""
+    error = lambda r, key: r[key] / r["measured"] - 1  # noqa: E731
+    within = sum(abs(error(r, "queued")) <= 0.2 for r in rows)
+    moved = [
+        f"{r['name']} {error(r, 'queued'):+.0%}" for r in rows if abs(error(r, "queued") - error(r, "predicted")) > 0.02
+    ]
+    return (
+        f"Priced with one collective at a time and an emulated call's sleep alone (the model before): {within} of "
+        f"{len(rows)} within 20%" + (f"; the rows that move: {', '.join(moved)}." if moved else ".")
+    )
