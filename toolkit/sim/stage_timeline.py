@@ -224,8 +224,9 @@ def schedule_stages(
         begin, st.done[c.id] = st.links.run(cost, st.clock, beside if c.async_op else 1.0)
         st.busy.append((begin, st.done[c.id]))
         st.spans.append(Span("comm", begin, st.done[c.id], c, issued=st.clock, cost=cost))
-        if cores_held(cost, overlap) > 0:
-            st.hold = max(st.hold, (begin + cores_held(cost, overlap), c), key=lambda h: h[0])
+        cores = cores_held(cost, overlap)
+        if cores > 0:
+            st.hold = max(st.hold, (begin + cores, c), key=lambda h: h[0])
 
     def _match(key, cid) -> None:
         """Both halves issued: run the transfer (rule 1) and complete both."""

@@ -17,7 +17,8 @@ The rule, in the order the strategy issued its work (`toolkit.sim.program`):
    waits for the latest such hold (a "host" span, counted as exposed communication), but the next
    collective may be issued meanwhile (issuing one is queueing it for gloo's threads). With overlap 0
    an asynchronous collective costs what a synchronous one does; a synchronous one costs the same
-   whatever `overlap` is.
+   whatever `overlap` is. A cost may say its hold itself (`CollectiveCost.cores`): an emulated link's
+   call holds the cores for the real loopback call beneath it, its sleep for the rest hides whole.
 5. Optionally (`beside` > 1, `Cluster.beside_compute`), an asynchronous collective takes `beside` times
    its own time in flight, as where the cores that run it are also computing; what queues behind it
    on its link waits that much longer. A synchronous collective has nothing beside it. 1 on every
@@ -201,8 +202,9 @@ def schedule(
             done[instruction.id] = end
             busy.append((begin, end))
             spans.append(Span("comm", begin, end, instruction, issued=clock, cost=cost))
-            if cores_held(cost, overlap) > 0:
-                hold = max(hold, (begin + cores_held(cost, overlap), instruction), key=lambda h: h[0])
+            cores = cores_held(cost, overlap)
+            if cores > 0:
+                hold = max(hold, (begin + cores, instruction), key=lambda h: h[0])
         elif isinstance(instruction, Wait):
             if instruction.id not in done:
                 raise ValueError(f"instruction {n}: waits on collective {instruction.id} before it was issued")
