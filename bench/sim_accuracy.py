@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     body = "\n\n".join(parts)
     print(body)
     if args.write:
-        benchlib.write_section(args.write, SECTION, f"python {' '.join(sys.argv)}", body)
+        benchlib.write_section(args.write, SECTION, f".venv/bin/python {' '.join(sys.argv)}", body)
     return 0
 
 

@@ -65,17 +65,12 @@ def table(world: int, machine, rows: list) -> str:
 def how_priced(world: int, machine, moe: dict) -> str:
     """What the model prices of this machine's collectives beyond each one's alpha-beta, with this run's numbers:
     gloo's collectives two at a time, and an emulated call's loopback part on the cores (issue 30)."""
-    from toolkit.sim.collective_time import collective_time
-
-    m = machine.notes["measurements"]
-    beside = m["beside_compute"]
-    gather = collective_time(machine, "all_gather", beside["size_bytes"], range(world)).seconds
     text = (
         f"Priced at {world} ranks: gloo runs {machine.collective_lanes} of a group's collectives at once (its worker "
         f"threads, read from the live group), so an all-gather called behind an asynchronous reduce-scatter starts "
-        f"at once instead of queueing (measured: {beside['all_gather_behind_s'] * 1e3:.2f} ms behind it, "
-        f"{gather * 1e3:.2f} ms priced alone), and a collective's hold on the cores ({1 - machine.overlap:.2f} of it) "
-        f"stalls the next compute, not the next collective."
+        f"at once instead of queueing (the pair measured on its own: 'What the simulator's misses on this machine "
+        f"pay' below), and a collective's hold on the cores ({1 - machine.overlap:.2f} of it) stalls the next "
+        f"compute, not the next collective."
     )
     pipelined = moe.get("moe pipeline 4")
     if pipelined is not None and not isinstance(pipelined, str):
