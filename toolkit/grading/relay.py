@@ -30,6 +30,7 @@ from collections import defaultdict, deque
 
 import torch
 
+from . import relay_meet
 from .relay_group import DTYPES, read_frame, send_frame
 
 MAX_MESSAGE = 64 * 2**20  # one message's bytes (a result's too: wire.MAX_BYTES)
@@ -48,6 +49,12 @@ class Relay:
         self.path = os.path.join(folder, "relay.sock")
         self.results: dict[str, dict[int, bytes]] = defaultdict(dict)
         self.record: dict[int, dict[str, list]] = {r: defaultdict(list) for r in range(world_size)}
+        # collectives[rank][check]: what the relay carried for the rank, in the order it called (relay_meet.entry;
+        # None for a call never carried: refused, or its peers never came)
+        self.collectives: dict[int, dict[str, list]] = {r: defaultdict(list) for r in range(world_size)}
+        self._counted: dict[tuple, int] = defaultdict(int)  # (rank, group) -> its collectives on that group so far
+        self._meets: dict[tuple, dict] = {}  # (group, k) -> the members' k-th calls on it, until carried
+        self._writing: dict[int, threading.Lock] = defaultdict(threading.Lock)  # one answer at a time per socket
         self._at = [0] * world_size  # the position in `order` of the check each rank is in (0: importing)
         self._lock = threading.Lock()
         self._held = 0
@@ -132,7 +139,8 @@ class Relay:
 
     def _answer(self, sock, message: dict, payload: bytes = b"", error: str = "") -> None:
         try:
-            send_frame(sock, {"id": message.get("id"), **({"error": error} if error else {})}, payload)
+            with self._writing[sock.fileno()]:
+                send_frame(sock, {"id": message.get("id"), **({"error": error} if error else {})}, payload)
         except OSError:
             pass
 
@@ -160,6 +168,8 @@ class Relay:
             self._answer(sock, message)
         elif op in ("send", "recv"):
             self._post(rank, sock, message, payload)
+        elif op == "collective":
+            self._meet(rank, sock, message, payload)
         else:
             raise ValueError(op)
 
@@ -210,6 +220,56 @@ class Relay:
             return
         self._answer(receiver, wanted, data)
         self._answer(sender, sent)
+
+    def _meet(self, rank: int, sock, message: dict, payload: bytes) -> None:
+        """One rank's call of a collective (`relay_meet.py`): held until every member of its group made its call
+        of the same rank in order, then computed, answered and recorded; refused on every member if they
+        disagree."""
+        try:
+            call = relay_meet.validate(rank, message, payload)
+        except relay_meet.Refused as exc:
+            self._answer(sock, message, error=f"the grader's relay refused a collective: {exc}")
+            return
+        with self._lock:
+            if self._posts[rank] >= MAX_POSTS:
+                raise ValueError(f"more than {MAX_POSTS} collectives and messages posted by one rank in a launch")
+            if self._held + len(payload) > MAX_HELD:
+                raise ValueError("too many bytes held")
+            self._posts[rank] += 1
+            k = self._counted[rank, call["group"]]
+            self._counted[rank, call["group"]] = k + 1
+            slots = self.collectives[rank][self._check(rank)]
+            slots.append(None)
+            meet = self._meets.setdefault((call["group"], k), {"members": call["members"], "at": {}, "calls": {}})
+            meet["at"][rank] = (sock, message, call, payload, slots, len(slots) - 1)
+            meet["calls"][rank] = call
+            self._held += len(payload)
+            members = meet["members"]
+            if "refused" not in meet:
+                first = next(iter(meet["calls"]))
+                if rank not in members or call["members"] != members:
+                    meet["refused"] = relay_meet.disagreement(meet["calls"], [first, rank], k) or (
+                        f"the ranks of group {members} disagree on their {relay_meet.ordinal(k)} collective's group: "
+                        f"rank {first} calls it on ranks {members}, rank {rank} on {call['members']}"
+                    )
+                elif set(meet["calls"]) == set(members):
+                    meet["refused"] = relay_meet.disagreement(meet["calls"], members, k)
+            if "refused" not in meet:
+                return
+            posted = [(r, *meet["at"].pop(r)) for r in list(meet["at"])]
+            self._held -= sum(len(at[4]) for at in posted)
+            if set(members) <= set(meet["calls"]):
+                del self._meets[call["group"], k]
+        if meet["refused"]:
+            for _, their_sock, their_message, *_ in posted:
+                self._answer(their_sock, their_message, error=meet["refused"])
+            return
+        calls = {r: c for r, _, _, c, _, _, _ in posted}
+        shares = relay_meet.results(calls, {r: p for r, _, _, _, p, _, _ in posted}, members)
+        for r, their_sock, their_message, their_call, _, their_slots, slot in posted:
+            with self._lock:
+                their_slots[slot] = relay_meet.entry(r, their_call)
+            self._answer(their_sock, their_message, shares[r])
 
     def all_ready(self) -> bool:
         """Every rank said it is ready (got as far as importing the submission): what ran before is the grader's."""

@@ -124,11 +124,10 @@ def rank_main(spec: dict) -> None:
     _store_barrier("grading/inputs-taken", world_size)
     link = relay_group.connect(spec["relay"], rank, given.pop("relay"))  # each check's inputs, and its result
     messages_only = bool(spec.get("messages_only"))
-    if messages_only:  # a point-to-point lab: no process group of its own; the grader carries its messages
-        relay_group.switch(link, rank, world_size)
-    sandbox.confine(spec["read"], [spec["out"], spec["work"], spec["tmp"]], spec["hidden"], no_tcp=messages_only)
-    if messages_only:
-        seccomp.no_new_channels()
+    # no process group of its own: the grader carries its messages (a point-to-point lab) or its collectives too
+    relay_group.switch(link, rank, world_size, collectives=not messages_only)
+    sandbox.confine(spec["read"], [spec["out"], spec["work"], spec["tmp"]], spec["hidden"], no_tcp=True)
+    seccomp.no_new_channels()
     limits, out, solution = spec["limits"], spec["out"], spec["student"]
     watchdog = Watchdog(
         out, rank, world_size, solution, lambda i, r: result_path(out, i, r), limits["stall_s"], limits["time_limit_s"]
@@ -155,7 +154,10 @@ def rank_main(spec: dict) -> None:
         try:  # the task once per case, each answer under its case's id (contract.py)
             inputs = relay_group.inputs(link, index)
             done, case, exc = contract.run_cases(
-                getattr(tasks, spec["tasks_of"][str(index)]), student, Rank(rank, world_size, group), inputs
+                getattr(tasks, spec["tasks_of"][str(index)]),
+                student,
+                Rank(rank, world_size, group, None if messages_only else link),
+                inputs,
             )
         except BaseException as error:  # noqa: BLE001 - inputs tampered with: no case to name
             done, case, exc = [], None, error
