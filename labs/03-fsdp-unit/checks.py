@@ -74,8 +74,16 @@ COMM = Fields({"name": str, "args": Fields({"numel": int, "bytes_sent": int}, ex
 # --- the checks ----------------------------------------------------------------------------------------
 def gathered(case, r, n):
     return {
-        "units": per_unit(n, lambda u: {"state": str, "held": int, "gathers": [bool], "values": values_of(u)}),
-        "async": {"gathers": [bool], "state_before_wait": str, "state": str, "values": values_of(units(n)[-1])},
+        "units": per_unit(
+            n, lambda u: {"state": str, "held": int, "gathers": [bool], "carried": [COMM], "values": values_of(u)}
+        ),
+        "async": {
+            "gathers": [bool],
+            "carried": [COMM],
+            "state_before_wait": str,
+            "state": str,
+            "values": values_of(units(n)[-1]),
+        },
     }
 
 
@@ -103,15 +111,16 @@ def unshard_gathers(ctx, given, got):
                     f"expected {full} ({unit['padded']} elements of 4 bytes): resize its storage back before "
                     "gathering into it"
                 )
-            if len(mine["gathers"]) != 1:
+            carried = [e["name"] for e in mine["carried"]]  # what the grader's relay carried, not the rank's trace
+            if carried != ["all_gather"] or len(mine["gathers"]) != 1:
                 ctx.fail(
-                    f"rank {r}: unshard() of unit {name!r} issued {len(mine['gathers'])} all-gathers "
-                    "through toolkit.comm, expected exactly 1 (comm.all_gather of the master slice into the "
-                    "flat parameter)"
+                    f"rank {r}: unshard() of unit {name!r} made the grader's relay carry {carried or 'nothing'} "
+                    f"and issued {len(mine['gathers'])} all-gathers through toolkit.comm, expected exactly 1 "
+                    "all-gather (comm.all_gather of the master slice into the flat parameter)"
                 )
             expect_values(ctx, mine["values"], reference, "after unshard()", name, r)
         later = got[r]["async"]
-        if not later["gathers"] or not later["gathers"][0]:
+        if not later["gathers"] or not later["gathers"][0] or [e["name"] for e in later["carried"]] != ["all_gather"]:
             ctx.fail(
                 f"rank {r}: unshard(async_op=True) must issue its all-gather with async_op=True and return at "
                 "once (the handle lets wait_unshard finish it later): that is what prefetching is"

@@ -90,8 +90,9 @@ def layer(student, rank, given):
 
 
 def trace(student, rank, given):
+    """The collectives of one forward and backward, as the grader's relay carried them (a mark it fills in)."""
     moe = student.LabMoE(D, FF, 2 * rank.world_size, top_k=2, group=rank.group, seed=SEED, init_std=INIT)
-    recorder.reset()
+    start = rank.events_now()
     out, aux = moe(given["x"].clone().requires_grad_(True))
     ((out * given["probe"]).sum() + aux).backward()
-    return {"calls": [[e["name"], e["args"].get("moe")] for e in rank.comm_events()]}
+    return {"calls": rank.comm_events(start)}

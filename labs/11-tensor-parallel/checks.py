@@ -102,14 +102,15 @@ def g_operator(ctx, given, got):
     points=1,
     world_sizes=(2,),
     inputs=mlp_and_input,
-    returns=lambda case, r, n: {"y": Tensor((B, T, 4 * D // n), F32), "talked": [str]},
+    returns=lambda case, r, n: {"y": Tensor((B, T, 4 * D // n), F32), "talked": [COMM]},
 )
 def column(ctx, given, got):
     mlp, x = whole_mlp(given[0]["seed"]), given[0]["x"]
     for r in range(ctx.world_size):
-        if got[r]["talked"]:
+        talked = [e["name"] for e in got[r]["talked"]]
+        if talked:
             ctx.fail(
-                f"rank {r}: the column-parallel forward issued {got[r]['talked']}: a column-parallel layer needs "
+                f"rank {r}: the column-parallel forward issued {talked}: a column-parallel layer needs "
                 "no talk in forward (each rank computes its own output features from the whole input); an "
                 "all-reduce there adds up features that belong to different columns. Its collective is f's, "
                 "in backward"

@@ -75,11 +75,8 @@ class _Collective(_Work):
             raise RuntimeError(self.error)
         return True
 
-    def get_future(self):
-        future = torch.futures.Future()
-        self.wait()
-        future.set_result(self.outputs)
-        return future
+    def result(self) -> list:
+        return self.outputs
 
 
 class CollectiveGroup(RelayGroup):
@@ -129,7 +126,7 @@ class CollectiveGroup(RelayGroup):
         mine = dist.get_rank() == root
         return self._call("broadcast", t, t.numel(), _bytes(t) if mine else b"", [] if mine else [t], root=root)
 
-    def barrier(self, options=None):
+    def barrier(self, opts=None):
         return self._call("barrier", torch.zeros(0), 0, b"", [])
 
     # --- gathers: a chunk in, every chunk out ---------------------------------------------------------------

@@ -67,11 +67,24 @@ class _Work(dist._Work):
     def __init__(self, tensor: torch.Tensor | None = None):
         super().__init__()
         self.tensor, self.error, self.payload = tensor, None, b""
-        self._done = threading.Event()
+        self._done, self._futures, self._lock = threading.Event(), [], threading.Lock()
 
     def finish(self, error: str | None = None) -> None:
-        self.error = error
-        self._done.set()
+        with self._lock:
+            self.error = error
+            self._done.set()
+            futures, self._futures = self._futures, []
+        for future in futures:
+            self._settle(future)
+
+    def result(self) -> list:
+        return [self.tensor] if self.tensor is not None else []
+
+    def _settle(self, future) -> None:
+        if self.error:
+            future.set_exception(RuntimeError(self.error))
+        else:
+            future.set_result(self.result())
 
     def take(self, payload: bytes) -> None:
         """The relay's answer: a received message's bytes into its tensor."""
@@ -96,9 +109,13 @@ class _Work(dist._Work):
         return self._done.is_set() and not self.error
 
     def get_future(self):
+        """Completed when the relay answers (never waited for here: an async call returns at once)."""
         future = torch.futures.Future()
-        self.wait()
-        future.set_result([self.tensor] if self.tensor is not None else [])
+        with self._lock:
+            if not self._done.is_set():
+                self._futures.append(future)
+                return future
+        self._settle(future)
         return future
 
 
@@ -161,6 +178,13 @@ class RelayGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    def _set_group_name(self, name: str) -> None:  # torch names every group; its C++ half keeps no name for us
+        self._name = name
+
+    @property
+    def group_name(self) -> str:
+        return getattr(self, "_name", "")
 
     def _global(self, group_rank: int) -> int:
         return group_rank if dist.GroupMember.WORLD is self else dist.get_global_rank(self, group_rank)
@@ -262,7 +286,8 @@ def connect(path: str, rank: int, token: str) -> _Link:
 def switch(link: _Link, rank: int, world_size: int, collectives: bool = False) -> _Link:
     """Tear down this rank's gloo group and store, and make a RelayGroup on `link` the default group (with
     `collectives`, a `relay_collectives.CollectiveGroup`: the relay carries the collectives too)."""
-    dist.destroy_process_group()  # gloo's sockets closed; the rendezvous store let go with it
+    if dist.is_initialized():
+        dist.destroy_process_group()  # gloo's sockets closed; the rendezvous store let go with it
     name = BACKEND + ("_collectives" if collectives else "")
     if name.upper() not in dist.Backend._plugins:
         if collectives:
