@@ -47,7 +47,10 @@ def test_the_relay_computes_an_all_reduce_from_what_the_ranks_hand_in_and_record
         _call(one, "all_reduce", torch.tensor([10.0, 20.0]), reduce="sum")
         for sock in (zero, one):
             answer, payload = read_frame(sock, 1 << 20)
-            assert answer == {"id": 1} and torch.frombuffer(bytearray(payload), dtype=torch.float32).tolist() == [11, 22]
+            assert answer == {"id": 1} and torch.frombuffer(bytearray(payload), dtype=torch.float32).tolist() == [
+                11,
+                22,
+            ]
         record = {r: dict(relay.collectives[r]) for r in (0, 1)}
     args = {"group": [0, 1], "dtype": "float32", "numel": 2, "size_bytes": 8, "bytes_sent": 8, "bytes_recv": 8}
     assert record[0] == record[1] == {"import": [{"name": "all_reduce", "args": {**args, "reduce": "sum"}}]}
@@ -104,7 +107,10 @@ def _on_ranks(tmp_path, body, n=2, seconds=60):
             results.put((rank, traceback.format_exc()))
 
     with Relay(str(tmp_path), n, [], {}) as relay:
-        ranks = [multiprocessing.get_context("fork").Process(target=main, args=(r, relay.path, relay.tokens[r])) for r in range(n)]
+        ranks = [
+            multiprocessing.get_context("fork").Process(target=main, args=(r, relay.path, relay.tokens[r]))
+            for r in range(n)
+        ]
         for process in ranks:
             process.start()
         found = dict(results.get(timeout=seconds) for _ in range(n))
@@ -134,7 +140,9 @@ def _every_kind(rank, n, dist):
     splits_out = [1, 2] if rank == 0 else [5, 4]
     got = torch.empty(sum(splits_out), 2)
     dist.all_to_all_single(got, rows, splits_out, splits_in)
-    expected = torch.cat([(torch.arange(12.0).reshape(6, 2) + 100 * src).split([[1, 5], [2, 4]][src])[rank] for src in range(n)])
+    expected = torch.cat(
+        [(torch.arange(12.0).reshape(6, 2) + 100 * src).split([[1, 5], [2, 4]][src])[rank] for src in range(n)]
+    )
     assert torch.equal(got, expected), (got, expected)
     y = me.clone()
     dist.broadcast(y, src=1)
@@ -175,7 +183,12 @@ def _through_toolkit_comm(rank, n, dist):
     comm.reduce_scatter(torch.empty(3), torch.ones(6))
     comm.all_gather(torch.empty(12, dtype=torch.bfloat16), torch.ones(6, dtype=torch.bfloat16))
     comm.broadcast(x, src=0)
-    comm.all_to_all(torch.empty(3 if rank == 0 else 5, 2), torch.ones(4, 2), [1, 2] if rank == 0 else [3, 2], [1, 3] if rank == 0 else [2, 2])
+    comm.all_to_all(
+        torch.empty(3 if rank == 0 else 5, 2),
+        torch.ones(4, 2),
+        [1, 2] if rank == 0 else [3, 2],
+        [1, 3] if rank == 0 else [2, 2],
+    )
     comm.all_reduce(x, async_op=True).wait()
     keys = ("group", "dtype", "numel", "size_bytes", "bytes_sent", "bytes_recv")
     traced = [[e["name"], {k: e["args"][k] for k in keys}] for e in recorder.events if e.get("cat") == "comm"]

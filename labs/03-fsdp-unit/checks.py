@@ -68,7 +68,7 @@ def expect_values(ctx, values, reference, what, unit, r):
         ctx.expect(p, reference[name].detach(), f"{what}: parameter {name!r} of unit {unit!r}", rank=r)
 
 
-COMM = Fields({"name": str, "args": Fields({"numel": int, "bytes_sent": int}, extra=True)}, extra=True)
+COMM = Fields({"name": str, "args": Fields({"group": [int], "numel": int, "bytes_sent": int}, extra=True)}, extra=True)
 
 
 # --- the checks ----------------------------------------------------------------------------------------
@@ -111,6 +111,7 @@ def unshard_gathers(ctx, given, got):
                     f"expected {full} ({unit['padded']} elements of 4 bytes): resize its storage back before "
                     "gathering into it"
                 )
+            ctx.over_everyone(mine["carried"], f"unshard() of unit {name!r}", r)
             carried = [e["name"] for e in mine["carried"]]  # what the grader's relay carried, not the rank's trace
             if carried != ["all_gather"] or len(mine["gathers"]) != 1:
                 ctx.fail(
@@ -120,6 +121,7 @@ def unshard_gathers(ctx, given, got):
                 )
             expect_values(ctx, mine["values"], reference, "after unshard()", name, r)
         later = got[r]["async"]
+        ctx.over_everyone(later["carried"], "unshard(async_op=True)", r)
         if not later["gathers"] or not later["gathers"][0] or [e["name"] for e in later["carried"]] != ["all_gather"]:
             ctx.fail(
                 f"rank {r}: unshard(async_op=True) must issue its all-gather with async_op=True and return at "
@@ -228,6 +230,7 @@ def collectives_per_unit(ctx, given, got):
                 f"rank {r}: no collective went through toolkit.comm in a training step (use comm.all_gather "
                 "and comm.reduce_scatter, not torch.distributed directly)"
             )
+        ctx.over_everyone(events, "a training step", r)
         names = sorted({e["name"] for e in events} - {"all_gather", "reduce_scatter"})
         if names:
             ctx.fail(f"rank {r}: a step issued {names} besides all-gathers and reduce-scatters")

@@ -8,7 +8,7 @@ over the ranks).
 
 import torch
 
-from toolkit.grading import Either, Fields, Items, Maybe, Tensor, check, like, sibling
+from toolkit.grading import Either, Fields, Maybe, Tensor, check, like, sibling
 from toolkit.moe import MoE, reference_moe
 from toolkit.moe.capacity import capacity
 from toolkit.moe.experts import WEIGHTS, Experts

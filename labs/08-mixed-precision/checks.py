@@ -52,7 +52,7 @@ def fp32_model(seed):
 WORLD = 2
 PARAMETERS = model_labs.parameters()
 UNITS = model_labs.fsdp_units(WORLD)
-COMM = Fields({"name": str, "args": Fields({"bytes_sent": int}, extra=True)}, extra=True)
+COMM = Fields({"name": str, "args": Fields({"group": [int], "dtype": str, "bytes_sent": int}, extra=True)}, extra=True)
 
 
 def flat_of(unit, tensors: dict, dtype=FP32):
@@ -75,6 +75,7 @@ def gathered_in_bf16(ctx, given, got):
     for r in range(ctx.world_size):
         for spec in UNITS:
             name, unit = spec["name"], got[r]["units"][spec["name"]]
+            ctx.over_everyone(unit["gathered"], f"unshard() of unit {name!r}", r)
             gathered = [e["args"]["dtype"] for e in unit["gathered"] if e["name"] == "all_gather"]
             if gathered != ["bfloat16"]:
                 ctx.fail(
@@ -112,6 +113,7 @@ def reduced_in_reduce_dtype(ctx, given, got):
     param, reduce = given[0]["precision"]
     expected = reduce or param
     for r in range(ctx.world_size):
+        ctx.over_everyone(got[r]["dtypes"], "one backward", r)
         dtypes = sorted({e["args"]["dtype"] for e in got[r]["dtypes"] if e["name"] == "reduce_scatter"})
         if dtypes != [expected]:
             ctx.fail(

@@ -34,7 +34,7 @@ def piece(t: torch.Tensor, r: int, n: int, dim: int) -> torch.Tensor:
 
 
 F32 = torch.float32
-COMM = Fields({"name": str, "args": Fields({"numel": int}, extra=True)}, extra=True)
+COMM = Fields({"name": str, "args": Fields({"group": [int], "numel": int}, extra=True)}, extra=True)
 
 
 def operator(case, r, n):
@@ -191,6 +191,7 @@ def mlp_parity(ctx, given, got):
 def talk(ctx, given, got):
     for r in range(ctx.world_size):
         for when in ("forward", "backward"):
+            ctx.over_everyone(got[r][when], f"the MLP's {when}", r)
             calls = [(e["name"], e["args"]["numel"]) for e in got[r][when]]
             if calls != [("all_reduce", B * T * D)]:
                 ctx.fail(

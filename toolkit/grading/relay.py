@@ -1,7 +1,9 @@
 """The grader's relay: it hands every lab's ranks each check's inputs and takes their results (so the grader
-times the checks by what it handed out and took in, never by a file a rank wrote: `progress`), and, for a lab
-whose ranks may talk only in point-to-point messages (checks.py: `MESSAGES_ONLY = True`), it carries every
-message between the submission's ranks and keeps the record the traffic checks read.
+times the checks by what it handed out and took in, never by a file a rank wrote: `progress`), and it carries
+everything the submission's ranks say to each other, keeping the record the traffic checks read: in a lab whose
+ranks may talk only in point-to-point messages (checks.py: `MESSAGES_ONLY = True`), every message; in every other
+lab, every collective as well (`_meet`: the members' calls met, checked for agreement, computed here from the
+tensors they hand in, each given its share: `relay_meet.py`), recorded per rank and check in `collectives`.
 
 The ranks of such a lab have no process group of their own (`relay_group.py`): each holds one connection to this
 relay, a UNIX socket in the grading's folder, opened with a token only it was sent. A send is held until its

@@ -39,7 +39,9 @@ def _op(options) -> str:
     for known, name in _OPS.items():
         if op == known:
             return name
-    raise RuntimeError(f"the reduce op {op} is not carried by the grader's relay: use one of {', '.join(_OPS.values())}")
+    raise RuntimeError(
+        f"the reduce op {op} is not carried by the grader's relay: use one of {', '.join(_OPS.values())}"
+    )
 
 
 class _Collective(_Work):

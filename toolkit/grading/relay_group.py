@@ -6,10 +6,11 @@ task patches `torch.distributed` (a submission captures `dist.all_reduce` at imp
 `allreduce` binding). So before the submission is imported, `switch` tears that group down (its sockets closed,
 its rendezvous store let go), and makes the default group a `RelayGroup`: a `torch.distributed.ProcessGroup`
 whose only operations are `send` and `recv` (`dist.send`, `recv`, `isend`, `irecv`, `batch_isend_irecv` and
-`new_group` work as on gloo; every collective raises), each one a request on a socket to the grader's relay. The
+`new_group` work as on gloo; every collective raises; in the other labs its subclass `relay_collectives.CollectiveGroup`
+carries the collectives too), each one a request on a socket to the grader's relay. The
 relay matches a send with its receive (a blocking send waits for it, as gloo's does: a ring of blocking sends
 deadlocks here too), delivers the tensor and keeps the record the traffic checks read. Nothing else connects
-the ranks: the store the group is made with is the rank's own (`_Agreeing`: every rendezvous is already met,
+the ranks: the store the group is made with is the rank's own (`relay_store.Agreeing`: every rendezvous is already met,
 since the relay holds a message until its receiver asks), and after the switch the rank may open no socket
 (`sandbox.no_new_channels`).
 """
@@ -26,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .relay_store import Agreeing
 from .wire import DTYPES  # the tensors' dtypes a message may carry, as an answer may
 
 HEADER = struct.Struct("!II")  # the JSON's length, the payload's length
@@ -233,44 +235,6 @@ for _name in dir(dist.ProcessGroup):  # every collective torch's process group b
         setattr(RelayGroup, _name, _refused(f"the built-in collective {_name.strip('_')}"))
 
 
-class _Agreeing(dist.Store):
-    """The rank's own store, in which every rendezvous is already met: its groups need none (the relay holds a
-    message until its receiver asks for it), and a store shared with the other ranks would carry what the relay
-    does not see."""
-
-    def __init__(self):
-        super().__init__()
-        self.values: dict[str, bytes] = {}
-
-    def set(self, key, value):
-        self.values[key] = value if isinstance(value, bytes) else str(value).encode()
-
-    def get(self, key):
-        return self.values.get(key, b"1")
-
-    def add(self, key, amount):
-        return 1 << 30  # as many as any rendezvous waits for
-
-    def compare_set(self, key, expected, desired):
-        current = self.values.get(key)
-        expected = expected if isinstance(expected, bytes) else str(expected).encode()
-        if current == expected or (current is None and not expected):
-            self.set(key, desired)
-        return self.values.get(key, expected)
-
-    def check(self, keys):
-        return True
-
-    def wait(self, keys, timeout=None):
-        return None
-
-    def delete_key(self, key):
-        return self.values.pop(key, None) is not None
-
-    def num_keys(self):
-        return len(self.values)
-
-
 _KEPT: list = []
 
 
@@ -301,7 +265,7 @@ def switch(link: _Link, rank: int, world_size: int, collectives: bool = False) -
                 return RelayGroup(link, group_rank, group_size)
 
         dist.Backend.register_backend(name, make, devices=["cpu"])
-    _KEPT.append(_Agreeing())  # a Python store lives as long as its Python object: torch holds only the C++ half
+    _KEPT.append(Agreeing())  # a Python store lives as long as its Python object: torch holds only the C++ half
     dist.init_process_group(name, store=_KEPT[-1], rank=rank, world_size=world_size)
     return link
 

@@ -59,7 +59,9 @@ def validate(rank: int, call: dict, payload: bytes) -> dict:
     if kind == "all_to_all":
         sent, received = call.get("sent"), call.get("received")
         for splits in (sent, received):
-            if not (isinstance(splits, list) and len(splits) == n and all(isinstance(s, int) and s >= 0 for s in splits)):
+            if not (
+                isinstance(splits, list) and len(splits) == n and all(isinstance(s, int) and s >= 0 for s in splits)
+            ):
                 raise Refused(f"dist.all_to_all needs one split size per rank of the group ({n})")
         if sum(sent) != size:
             raise Refused("dist.all_to_all: the split sizes do not add up to the input")
@@ -124,7 +126,7 @@ def _reduced(tensors: list, op: str) -> torch.Tensor:
 def results(calls: dict, payloads: dict, members: list) -> dict:
     """Each member's share (bytes) of the collective the agreeing `calls` make, from what they handed in."""
     call = calls[members[0]]
-    kind, n, size, root = call["kind"], len(members), call["size"], call["root"]
+    kind, size, root = call["kind"], call["size"], call["root"]
     dtype = DTYPES[call["dtype"]]
     given = {r: torch.frombuffer(bytearray(payloads[r]), dtype=torch.uint8).view(dtype) for r in members if payloads[r]}
 

@@ -3,9 +3,10 @@
 The launcher (`launcher.py`) starts the ranks with `rank_main`, in the grading's folder. In order:
 1. each rank reads what the grader wrote for it alone (its token for the grader's relay), removes it, and waits
    for its peers to have done the same; it connects to the relay (`relay.py`), which hands it each check's
-   inputs and takes each result; in a lab of point-to-point messages it also trades its process group for the
-   relay (`relay_group.py`: no collective left in the process);
-   it confines itself further (its peers' inputs and the grader's files are out of reach; in that lab, no
+   inputs and takes each result; it trades its process group for the relay (`relay_group.py`: in a lab of
+   point-to-point messages no collective is left in the process; elsewhere the relay carries and computes every
+   collective, `relay_collectives.py`), so nothing but the relay connects the ranks;
+   it confines itself further (its peers' inputs and the grader's files are out of reach; no
    new socket either: `seccomp.py`), takes its limits, notes any call to the lab's answers
    (`delegation.py`), says it is ready (to the relay), and only then imports the student's file, with the
    watchdog running;
