@@ -263,3 +263,68 @@ def test_lab_04s_fake_trace_attack_fails_the_traffic_check(tmp_path):
     score = grade(LABS / "04-moe-dispatch", submission)
     (trace,) = [r for r in score.results if r.name.startswith("the trace")]
     assert trace.earned == 0 and "made the grader's relay carry no collective" in trace.message, trace.message
+
+
+TASKS = """
+def summed(student, rank, given):
+    x = given["x"].clone()
+    start = rank.events_now()
+    student.summed(x, rank.group)
+    return {"x": x, "comms": rank.comm_events(start)}
+"""
+
+CHECKS = """
+import torch
+
+from toolkit.grading import Fields, Tensor, check
+
+
+def SAME(n, g):
+    return {"x": torch.randn(4, generator=g)}  # every rank holds the same x
+
+
+@check("the sum over two ranks", points=1, world_sizes=(2,), inputs=SAME)
+def summed(ctx, given, got):
+    for r in range(2):
+        ctx.expect(got[r]["x"], 2 * given[r]["x"], "the sum", rank=r, exact=False)
+
+
+COMM = Fields({"name": str, "args": Fields({"group": [int]}, extra=True)})
+
+
+@check("the traffic: one all-reduce of x over both ranks", points=1, world_sizes=(2,), inputs=SAME, task="summed",
+       returns={"x": Tensor((4,), torch.float32), "comms": [COMM]})
+def traffic(ctx, given, got):
+    for r in range(2):
+        calls = [(e["name"], e["args"]["group"], e["args"]["numel"], e["args"]["bytes_sent"]) for e in got[r]["comms"]]
+        if calls != [("all_reduce", [0, 1], 4, 16)]:
+            ctx.fail(f"rank {r}: the grader's relay carried {calls or 'no collective'}")
+"""
+
+LOCAL_AND_FAKED = """
+from toolkit.trace.events import recorder
+
+
+def summed(x, group):
+    x.mul_(2)  # every rank holds the same x: the sum needs no collective, and none is called
+    recorder.add("all_reduce", "comm", recorder.mark(), group=[0, 1], dtype="float32", numel=4, size_bytes=16,
+                 bytes_sent=16, bytes_recv=16, impl="backend", async_op=False)  # the trace the check used to read
+"""
+
+
+def test_a_submission_that_computes_locally_and_fakes_its_trace_fails_the_traffic_check(tmp_path):
+    """The answer is right (so the value check passes) and the rank's trace says one all-reduce of x; the grader's
+    relay carried nothing, and the traffic check reads the relay."""
+    lab = tmp_path / "lab"
+    lab.mkdir()
+    for name, text in (
+        ("tasks", TASKS),
+        ("checks", CHECKS),
+        ("skeleton", "def summed(x, group):\n    raise NotImplementedError\n"),
+    ):
+        (lab / f"{name}.py").write_text(text)
+    (tmp_path / "cheat.py").write_text(LOCAL_AND_FAKED)
+    score = grade(lab, tmp_path / "cheat.py")
+    value, traffic = score.results
+    assert value.earned == 1, value.message
+    assert traffic.earned == 0 and "the grader's relay carried no collective" in traffic.message, traffic.message
