@@ -157,19 +157,28 @@ def _every_kind(rank, n, dist):
     objects = [None] * n
     dist.all_gather_object(objects, {"rank": rank})
     assert objects == [{"rank": 0}, {"rank": 1}]
+    total = me.clone()
+    dist.reduce(total, dst=1)
+    assert total.tolist() == ([0.0, 1.0, 2.0, 3.0] if rank == 0 else [10.0, 12.0, 14.0, 16.0])
+    listed = [torch.empty(4) for _ in range(n)] if rank == 0 else None
+    dist.gather(me, listed, dst=0)
+    assert rank == 1 or torch.cat(listed).tolist() == out.tolist()
+    piece = torch.empty(2)
+    dist.scatter(piece, list(me.chunk(2)) if rank == 1 else None, src=1)
+    assert piece.tolist() == ([10.0, 11.0] if rank == 0 else [12.0, 13.0])
 
 
 def test_every_collective_torch_dispatches_computes_what_gloo_computes_on_the_relay(tmp_path):
     errors, record = _on_ranks(tmp_path, _every_kind)
     assert errors == {0: "", 1: ""}, errors
     names = [e["name"] for e in record[0]]
-    assert names[:9] == ["all_reduce", "all_gather", "all_gather", "reduce_scatter", "reduce_scatter"] + [
-        "all_to_all",
-        "broadcast",
-        "all_reduce",
-        "barrier",
-    ], names
+    assert names == (
+        ["all_reduce", "all_gather", "all_gather", "reduce_scatter", "reduce_scatter", "all_to_all", "broadcast"]
+        + ["all_reduce", "barrier", "all_reduce", "all_gather", "all_gather", "reduce", "gather", "scatter"]
+    ), names
     assert record[0][5]["args"]["sent"] == [2, 10] and record[1][5]["args"]["received"] == [10, 8]
+    assert [record[r][12]["args"]["bytes_sent"] for r in (0, 1)] == [16, 0]  # reduce to rank 1: rank 0's 4 floats
+    assert [record[r][14]["args"]["bytes_recv"] for r in (0, 1)] == [8, 0]  # scatter from rank 1: 2 floats to 0
 
 
 def _through_toolkit_comm(rank, n, dist):

@@ -120,7 +120,9 @@ class CollectiveGroup(RelayGroup):
 
     def reduce(self, tensors, options):
         (t,) = tensors
-        return self._call("reduce", t, t.numel(), _bytes(t), [t], reduce=_op(options), root=self._root(options))
+        root = self._root(options)
+        mine = [t] if dist.get_rank() == root else []  # only the root's tensor takes the result
+        return self._call("reduce", t, t.numel(), _bytes(t), mine, reduce=_op(options), root=root)
 
     def broadcast(self, tensors, options):
         (t,) = tensors
