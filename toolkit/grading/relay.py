@@ -5,7 +5,7 @@ ranks may talk only in point-to-point messages (checks.py: `MESSAGES_ONLY = True
 lab, every collective as well (`_meet`: the members' calls met, checked for agreement, computed here from the
 tensors they hand in, each given its share: `relay_meet.py`), recorded per rank and check in `collectives`.
 
-The ranks of such a lab have no process group of their own (`relay_group.py`): each holds one connection to this
+The ranks have no process group of their own (`relay_group.py`): each holds one connection to this
 relay, a UNIX socket in the grading's folder, opened with a token only it was sent. A send is held until its
 receiver posts the matching receive (same group, tag, source and destination), then delivered; the sender's
 work completes then, as gloo's does. What the relay records is what it carried, not what a rank says it sent:
@@ -248,24 +248,24 @@ class Relay:
             meet["calls"][rank] = call
             self._held += len(payload)
             members = meet["members"]
-            if "refused" not in meet:
-                first = next(iter(meet["calls"]))
-                if rank not in members or call["members"] != members:
-                    meet["refused"] = relay_meet.disagreement(meet["calls"], [first, rank], k) or (
+            if "verdict" not in meet:  # "" once every member's call is in and they agree; else why they cannot
+                if call["members"] != members:
+                    first = next(iter(meet["calls"]))
+                    meet["verdict"] = relay_meet.disagreement(meet["calls"], [first, rank], k) or (
                         f"the ranks of group {members} disagree on their {relay_meet.ordinal(k)} collective's group: "
                         f"rank {first} calls it on ranks {members}, rank {rank} on {call['members']}"
                     )
                 elif set(meet["calls"]) == set(members):
-                    meet["refused"] = relay_meet.disagreement(meet["calls"], members, k)
-            if "refused" not in meet:
+                    meet["verdict"] = relay_meet.disagreement(meet["calls"], members, k)
+            if "verdict" not in meet:
                 return
             posted = [(r, *meet["at"].pop(r)) for r in list(meet["at"])]
             self._held -= sum(len(at[4]) for at in posted)
             if set(members) <= set(meet["calls"]):
                 del self._meets[call["group"], k]
-        if meet["refused"]:
+        if meet["verdict"]:  # refused: every member that called it hears why (the later ones as they call)
             for _, their_sock, their_message, *_ in posted:
-                self._answer(their_sock, their_message, error=meet["refused"])
+                self._answer(their_sock, their_message, error=meet["verdict"])
             return
         calls = {r: c for r, _, _, c, _, _, _ in posted}
         shares = relay_meet.results(calls, {r: p for r, _, _, _, p, _, _ in posted}, members)
