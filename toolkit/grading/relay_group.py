@@ -131,7 +131,7 @@ class _Link:
         threading.Thread(target=self._answers, daemon=True, name="grading-relay").start()
 
     def request(self, message: dict, payload: bytes = b"", tensor: torch.Tensor | None = None, work=None) -> _Work:
-        work = work or _Work(tensor)
+        work = _Work(tensor) if work is None else work
         with self.lock:
             if self.lost:
                 raise RuntimeError(self.lost)
