@@ -412,11 +412,12 @@ def _rows_to_each_rank(n, x):
     points=1,
     world_sizes=(2,),
     inputs=lambda n, g: [{"x": x, "probe": p} for x, p in tokens(n, g)],
-    returns={"calls": [COMM]},
+    returns={"calls": [COMM], "labels": [Maybe(str)]},
 )
 def trace(ctx, given, got):
     """Judged on what the grader's relay carried for each rank (never on a trace the rank wrote): five
-    all-to-alls over the whole group, each of the size the routing gives."""
+    all-to-alls over the whole group, each of the size the routing gives; and the labels on the rank's own trace
+    (the README's rule: they name each call on the student's timeline, and decide nothing about the traffic)."""
     n = ctx.world_size
     rows = [_rows_to_each_rank(n, given[r]["x"]) for r in range(n)]
     for r in range(n):
@@ -434,6 +435,11 @@ def trace(ctx, given, got):
                 f"five all-to-alls over all {n} ranks through send_rows, in this order: {', '.join(ROLES)} (the "
                 "count exchange, the two of the forward, then autograd's two in reverse), of the sizes the routing "
                 f"gives ({_said(expected, [list(range(n))] * 5)}), and no other collective"
+            )
+        if got[r]["labels"] != ROLES:
+            ctx.fail(
+                f"rank {r}: the all-to-alls are right, but send_rows labelled them {got[r]['labels']} on this rank's "
+                f"trace; expected {ROLES} (the backward's label is the forward's + ' backward')"
             )
 
 
