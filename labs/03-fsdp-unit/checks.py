@@ -227,8 +227,8 @@ def collectives_per_unit(ctx, given, got):
         events = got[r]["comms"]
         if not events:
             ctx.fail(
-                f"rank {r}: no collective went through toolkit.comm in a training step (use comm.all_gather "
-                "and comm.reduce_scatter, not torch.distributed directly)"
+                f"rank {r}: the grader's relay carried no collective in a training step (gather with "
+                "comm.all_gather and reduce with comm.reduce_scatter)"
             )
         ctx.over_everyone(events, "a training step", r)
         names = sorted({e["name"] for e in events} - {"all_gather", "reduce_scatter"})

@@ -195,7 +195,7 @@ def talk(ctx, given, got):
             calls = [(e["name"], e["args"]["numel"]) for e in got[r][when]]
             if calls != [("all_reduce", B * T * D)]:
                 ctx.fail(
-                    f"rank {r}: the MLP's {when} issued {calls or 'no collective'} through toolkit.comm; "
+                    f"rank {r}: the MLP's {when} made the grader's relay carry {calls or 'no collective'}; "
                     f"Megatron's MLP talks once each way: one all_reduce of the (b, s, h) = ({B}, {T}, {D}) "
                     f"activation ({B * T * D} elements), g's in forward and f's in backward"
                 )
