@@ -337,3 +337,26 @@ def test_a_submission_that_computes_locally_and_fakes_its_trace_fails_the_traffi
     value, traffic = score.results
     assert value.earned == 1, value.message
     assert traffic.earned == 0 and "the grader's relay carried no collective" in traffic.message, traffic.message
+
+
+def test_the_emulated_links_bookings_are_shared_through_the_relay_and_nothing_else_is(tmp_path):
+    """`toolkit.comm.emulate` books its links on the job's store; the ranks' store is their own, so the relay keeps
+    those bookings for every rank (a time under a ledger key) and refuses anything else."""
+    from toolkit.comm.store_ledger import PREFIX
+    from toolkit.grading.relay_store import Agreeing
+
+    with Relay(str(tmp_path), 2, [0], {"0": [b"{}", b"{}"]}) as relay:
+        zero, one = _ranks(relay)
+        key = "default_pg/" + PREFIX + "card/0"
+        booking = {"op": "booking", "do": "compare_set", "key": key, "expected": "", "value": "1.5 42.1", "id": 1}
+        send_frame(zero, booking)
+        assert read_frame(zero, 1 << 20) == ({"id": 1}, b"1.5 42.1")
+        send_frame(one, {**booking, "do": "get"})
+        assert read_frame(one, 1 << 20) == ({"id": 1}, b"1.5 42.1")  # rank 1 sees rank 0's booking
+        for bad in ({"key": "a/key/of/its/own"}, {"value": "the other rank's tokens"}):
+            send_frame(one, {**booking, **bad})
+            assert "the grader's relay refused" in read_frame(one, 1 << 20)[0]["error"]
+    store = Agreeing()  # no relay: a rank's own store, every rendezvous met
+    assert (
+        store.compare_set("k", "", "v") == b"v" and store.compare_set("k", "x", "w") == b"v" and store.get("k") == b"v"
+    )

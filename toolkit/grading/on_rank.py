@@ -1,10 +1,10 @@
 """What a lab's `tasks.py` is written with: the `Rank` a task receives, on a rank that runs student code.
 
-A task is `fn(student, rank, given) -> observations`: it calls the student's functions on `given` (this
-rank's inputs, sent by the grader) and returns what happened (tensors, numbers, and, as `rank.comm_events`,
-a mark the grader replaces with the collectives its relay carried). It decides nothing: no expected value lives here, because this process runs the student's
-code. The grader's side (`checks.py`) judges what the tasks returned. A task may raise (the student's
-code failed): the grader reports the exception, with the line of the student's file.
+A task is `fn(student, rank, given) -> observations`: it calls the student's functions on `given` (this rank's
+inputs, sent by the grader) and returns what happened (tensors, numbers, and, as `rank.comm_events`, a mark the
+grader replaces with the collectives its relay carried). It decides nothing: no expected value lives here, because
+this process runs the student's code. The grader's side (`checks.py`) judges what the tasks returned. A task may
+raise (the student's code failed): the grader reports the exception, with the line of the student's file.
 
     def all_reduce(student, rank, given):
         x = given["x"].clone()

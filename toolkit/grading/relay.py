@@ -34,6 +34,7 @@ import torch
 
 from . import relay_meet
 from .relay_group import DTYPES, read_frame, send_frame
+from .relay_store import Bookings
 
 MAX_MESSAGE = 64 * 2**20  # one message's bytes (a result's too: wire.MAX_BYTES)
 MAX_HELD = 256 * 2**20  # bytes of sends held for their receivers, all ranks together
@@ -58,6 +59,7 @@ class Relay:
         self._counted: dict[tuple, int] = defaultdict(int)  # (rank, group) -> its collectives on that group so far
         self._meets: dict[tuple, dict] = {}  # (group, k) -> the members' k-th calls on it, until carried
         self._writing: dict[int, threading.Lock] = defaultdict(threading.Lock)  # one answer at a time per socket
+        self.bookings = Bookings()
         self._at = [0] * world_size  # the position in `order` of the check each rank is in (0: importing)
         self._lock = threading.Lock()
         self._held = 0
@@ -173,6 +175,10 @@ class Relay:
             self._post(rank, sock, message, payload)
         elif op == "collective":
             self._meet(rank, sock, message, payload)
+        elif op == "booking":  # the emulated link's, shared by every rank (relay_store.py)
+            with self._lock:
+                booked = self.bookings.handle(message)
+            self._answer(sock, message, booked)
         else:
             raise ValueError(op)
 

@@ -265,7 +265,7 @@ def switch(link: _Link, rank: int, world_size: int, collectives: bool = False) -
                 return RelayGroup(link, group_rank, group_size)
 
         dist.Backend.register_backend(name, make, devices=["cpu"])
-    _KEPT.append(Agreeing())  # a Python store lives as long as its Python object: torch holds only the C++ half
+    _KEPT.append(Agreeing(link))  # a Python store lives as long as its Python object: torch holds only the C++ half
     dist.init_process_group(name, store=_KEPT[-1], rank=rank, world_size=world_size)
     return link
 
