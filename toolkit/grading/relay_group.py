@@ -69,15 +69,17 @@ class _Work(dist._Work):
     def __init__(self, tensor: torch.Tensor | None = None):
         super().__init__()
         self.tensor, self.error, self.payload = tensor, None, b""
-        self._done, self._futures, self._lock = threading.Event(), [], threading.Lock()
+        self._done, self._futures, self._lock, self._finished = threading.Event(), [], threading.Lock(), False
 
     def finish(self, error: str | None = None) -> None:
+        """Settle the futures handed out, then wake the waiters: a waiter that goes on to free the tensors (FSDP's
+        reshard) must not race a future still reading them on this thread."""
         with self._lock:
-            self.error = error
-            self._done.set()
+            self.error, self._finished = error, True
             futures, self._futures = self._futures, []
         for future in futures:
             self._settle(future)
+        self._done.set()
 
     def result(self) -> list:
         return [self.tensor] if self.tensor is not None else []
@@ -114,7 +116,7 @@ class _Work(dist._Work):
         """Completed when the relay answers (never waited for here: an async call returns at once)."""
         future = torch.futures.Future()
         with self._lock:
-            if not self._done.is_set():
+            if not self._finished:
                 self._futures.append(future)
                 return future
         self._settle(future)
