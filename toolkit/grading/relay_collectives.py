@@ -57,11 +57,8 @@ class _Collective(_Work):
         if len(payload) != sum(sizes):
             raise ValueError(f"{len(payload)} bytes for outputs of {sum(sizes)}")
         at = 0
-        for t, size in zip(self.outputs, sizes):
-            flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)
-            flat.copy_(torch.frombuffer(bytearray(payload[at : at + size]), dtype=torch.uint8).view(t.dtype))
-            if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
-                t.copy_(flat.view(t.shape))
+        for t, size in zip(self.outputs, sizes):  # copy_ writes a view that is not contiguous too
+            t.copy_(torch.frombuffer(bytearray(payload[at : at + size]), dtype=torch.uint8).view(t.dtype).view(t.shape))
             at += size
         self.finish()
 
