@@ -200,7 +200,7 @@ def grade_many(students: dict, seed: int = 0) -> dict:
                 )
                 assert launch.stuck is None, launch.stuck  # every mistake here fails without hanging
                 for v, check in virtual.items():
-                    results = _relayed(launch.results.get(v, {}), launch.relayed, v)
+                    results = _relayed(launch.results.get(v, {}), launch, v)
                     said = found[names[v // len(checks)]]
                     said[check.name] = said[check.name] or _verdict(check, n, drawn[v % len(checks)], results, launch)
     return found

@@ -68,14 +68,22 @@ def expect_values(ctx, values, reference, what, unit, r):
         ctx.expect(p, reference[name].detach(), f"{what}: parameter {name!r} of unit {unit!r}", rank=r)
 
 
-COMM = Fields({"name": str, "args": Fields({"numel": int, "bytes_sent": int}, extra=True)}, extra=True)
+COMM = Fields({"name": str, "args": Fields({"group": [int], "numel": int, "bytes_sent": int}, extra=True)}, extra=True)
 
 
 # --- the checks ----------------------------------------------------------------------------------------
 def gathered(case, r, n):
     return {
-        "units": per_unit(n, lambda u: {"state": str, "held": int, "gathers": [bool], "values": values_of(u)}),
-        "async": {"gathers": [bool], "state_before_wait": str, "state": str, "values": values_of(units(n)[-1])},
+        "units": per_unit(
+            n, lambda u: {"state": str, "held": int, "gathers": [bool], "carried": [COMM], "values": values_of(u)}
+        ),
+        "async": {
+            "gathers": [bool],
+            "carried": [COMM],
+            "state_before_wait": str,
+            "state": str,
+            "values": values_of(units(n)[-1]),
+        },
     }
 
 
@@ -103,15 +111,18 @@ def unshard_gathers(ctx, given, got):
                     f"expected {full} ({unit['padded']} elements of 4 bytes): resize its storage back before "
                     "gathering into it"
                 )
-            if len(mine["gathers"]) != 1:
+            ctx.over_everyone(mine["carried"], f"unshard() of unit {name!r}", r)
+            carried = [e["name"] for e in mine["carried"]]  # what the grader's relay carried, not the rank's trace
+            if carried != ["all_gather"] or len(mine["gathers"]) != 1:
                 ctx.fail(
-                    f"rank {r}: unshard() of unit {name!r} issued {len(mine['gathers'])} all-gathers "
-                    "through toolkit.comm, expected exactly 1 (comm.all_gather of the master slice into the "
-                    "flat parameter)"
+                    f"rank {r}: unshard() of unit {name!r} made the grader's relay carry {carried or 'nothing'} "
+                    f"and issued {len(mine['gathers'])} all-gathers through toolkit.comm, expected exactly 1 "
+                    "all-gather (comm.all_gather of the master slice into the flat parameter)"
                 )
             expect_values(ctx, mine["values"], reference, "after unshard()", name, r)
         later = got[r]["async"]
-        if not later["gathers"] or not later["gathers"][0]:
+        ctx.over_everyone(later["carried"], "unshard(async_op=True)", r)
+        if not later["gathers"] or not later["gathers"][0] or [e["name"] for e in later["carried"]] != ["all_gather"]:
             ctx.fail(
                 f"rank {r}: unshard(async_op=True) must issue its all-gather with async_op=True and return at "
                 "once (the handle lets wait_unshard finish it later): that is what prefetching is"
@@ -216,9 +227,10 @@ def collectives_per_unit(ctx, given, got):
         events = got[r]["comms"]
         if not events:
             ctx.fail(
-                f"rank {r}: no collective went through toolkit.comm in a training step (use comm.all_gather "
-                "and comm.reduce_scatter, not torch.distributed directly)"
+                f"rank {r}: the grader's relay carried no collective in a training step (gather with "
+                "comm.all_gather and reduce with comm.reduce_scatter)"
             )
+        ctx.over_everyone(events, "a training step", r)
         names = sorted({e["name"] for e in events} - {"all_gather", "reduce_scatter"})
         if names:
             ctx.fail(f"rank {r}: a step issued {names} besides all-gathers and reduce-scatters")

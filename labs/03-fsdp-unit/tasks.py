@@ -27,27 +27,29 @@ def _values(unit) -> dict:
 
 
 def _gathers(rank, start) -> list:
-    """Each all-gather recorded since `start`: was it asynchronous?"""
-    return [bool(e["args"].get("async_op")) for e in rank.comm_events(start) if e["name"] == "all_gather"]
+    """Each all-gather `toolkit.comm` recorded on this rank since `start`: was it asynchronous? (the rank's own
+    word: what the grader's relay carried is under "carried")"""
+    return [bool(e["args"].get("async_op")) for e in rank.local_events(start) if e["name"] == "all_gather"]
 
 
 def unshard_gathers(student, rank, given):
     fsdp, _ = _wrapped(student, given)
     units = {}
     for unit in fsdp.units:
-        start = rank.events_now()
+        start, carried = rank.local_now(), rank.events_now()
         unit.unshard()
         units[unit.name] = {
             "state": unit.state,
             "held": _held(unit),
             "gathers": _gathers(rank, start),
+            "carried": rank.comm_events(carried),
             "values": _values(unit),
         }
         unit.reshard()
     unit = fsdp.units[-1]  # asynchronous: in flight until wait_unshard
-    start = rank.events_now()
+    start, carried = rank.local_now(), rank.events_now()
     unit.unshard(async_op=True)
-    later = {"gathers": _gathers(rank, start), "state_before_wait": unit.state}
+    later = {"gathers": _gathers(rank, start), "carried": rank.comm_events(carried), "state_before_wait": unit.state}
     unit.wait_unshard()
     later.update(state=unit.state, values=_values(unit))
     unit.reshard()

@@ -8,7 +8,7 @@ over the ranks).
 
 import torch
 
-from toolkit.grading import Either, Items, Maybe, Tensor, check, like, sibling
+from toolkit.grading import Either, Fields, Maybe, Tensor, check, like, sibling
 from toolkit.moe import MoE, reference_moe
 from toolkit.moe.capacity import capacity
 from toolkit.moe.experts import WEIGHTS, Experts
@@ -27,6 +27,7 @@ ANSWERS = {
 }
 D, FF, SEED, INIT = 8, 16, 7, 0.3
 ROLES = ["counts", "dispatch", "combine", "combine backward", "dispatch backward"]
+COMM = Fields({"name": str, "args": Fields({"group": [int], "dtype": str}, extra=True)}, extra=True)
 
 
 TASKS = sibling(__file__)  # the gate a case builds, the order combine receives: plain functions of the inputs
@@ -397,20 +398,55 @@ def extreme_skew(ctx, given, got):
             )
 
 
+def _rows_to_each_rank(n, x):
+    """How many rows rank r's tokens `x` send to each rank in the trace's layer (the gate is given code)."""
+    gate = MoE(D, FF, 2 * n, top_k=2, seed=SEED, init_std=INIT).gate
+    with torch.no_grad():
+        kept = gate(x.reshape(-1, D)).kept_counts
+    return kept.reshape(n, 2).sum(1).tolist()
+
+
 @check(
     "the trace: one layer's forward and backward are exactly counts, dispatch, combine, combine backward, "
     "dispatch backward",
     points=1,
     world_sizes=(2,),
     inputs=lambda n, g: [{"x": x, "probe": p} for x, p in tokens(n, g)],
-    returns={"calls": [Items(str, Maybe(str))]},
+    returns={"calls": [COMM], "labels": [Maybe(str)]},
 )
 def trace(ctx, given, got):
-    for r in range(ctx.world_size):
-        calls = [tuple(c) for c in got[r]["calls"]]
-        if calls != [("all_to_all", role) for role in ROLES]:
+    """Judged on what the grader's relay carried for each rank (never on a trace the rank wrote): five
+    all-to-alls over the whole group, each of the size the routing gives; and the labels on the rank's own trace
+    (the README's rule: they name each call on the student's timeline, and decide nothing about the traffic)."""
+    n = ctx.world_size
+    rows = [_rows_to_each_rank(n, given[r]["x"]) for r in range(n)]
+    for r in range(n):
+        calls = got[r]["calls"]
+        sends = [[s * D for s in rows[r]], [rows[j][r] * D for j in range(n)]]  # dispatch: sent, received
+        expected = [("all_to_all", "int64", [2] * n, [2] * n)] + [
+            ("all_to_all", "float32", *(sends if role in ("dispatch", "combine backward") else sends[::-1]))
+            for role in ROLES[1:]
+        ]
+        carried = [(c["name"], c["args"].get("dtype"), c["args"].get("sent"), c["args"].get("received")) for c in calls]
+        groups = [c["args"].get("group") for c in calls]
+        if carried != expected or any(g != list(range(n)) for g in groups):
             ctx.fail(
-                f"rank {r}: one forward and backward issued {calls}; expected five all-to-alls through "
-                f"send_rows, labelled {ROLES} in that order (the count exchange, the two of the forward, then "
-                "autograd's two in reverse), and no other collective"
+                f"rank {r}: one forward and backward made the grader's relay carry {_said(carried, groups)}; expected "
+                f"five all-to-alls over all {n} ranks through send_rows, in this order: {', '.join(ROLES)} (the "
+                "count exchange, the two of the forward, then autograd's two in reverse), of the sizes the routing "
+                f"gives ({_said(expected, [list(range(n))] * 5)}), and no other collective"
             )
+        if got[r]["labels"] != ROLES:
+            ctx.fail(
+                f"rank {r}: the all-to-alls are right, but send_rows labelled them {got[r]['labels']} on this rank's "
+                f"trace; expected {ROLES} (the backward's label is the forward's + ' backward')"
+            )
+
+
+def _said(calls, groups) -> str:
+    if not calls:
+        return "no collective"
+    return "; ".join(
+        f"{name} of {dtype} over ranks {group}" + (f", elements sent {sent}, received {received}" if sent else "")
+        for (name, dtype, sent, received), group in zip(calls, groups)
+    )

@@ -206,7 +206,7 @@ def bytes_per_step(ctx, given, got):
             elif "all_gather" not in names:
                 hint = ": without the all-gather after the step, each rank updates only its own slice of the model"
             ctx.fail(
-                f"rank {r}: a step issued {names or 'no collective'} through toolkit.comm; ZeRO-2 needs "
+                f"rank {r}: a step made the grader's relay carry {names or 'no collective'}; ZeRO-2 needs "
                 f"exactly one reduce_scatter (gradients) and one all_gather (parameters){hint}"
             )
         sent = sum(e["args"]["bytes_sent"] for e in events)

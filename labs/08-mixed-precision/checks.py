@@ -52,7 +52,7 @@ def fp32_model(seed):
 WORLD = 2
 PARAMETERS = model_labs.parameters()
 UNITS = model_labs.fsdp_units(WORLD)
-COMM = Fields({"name": str, "args": Fields({"bytes_sent": int}, extra=True)}, extra=True)
+COMM = Fields({"name": str, "args": Fields({"group": [int], "dtype": str, "bytes_sent": int}, extra=True)}, extra=True)
 
 
 def flat_of(unit, tensors: dict, dtype=FP32):
@@ -67,7 +67,7 @@ def flat_of(unit, tensors: dict, dtype=FP32):
     world_sizes=(WORLD,),
     inputs=training(0),
     returns={
-        "units": {u["name"]: {"gathered": [str], "flat": Tensor((u["padded"],), BF16), "master": str} for u in UNITS}
+        "units": {u["name"]: {"gathered": [COMM], "flat": Tensor((u["padded"],), BF16), "master": str} for u in UNITS}
     },
 )
 def gathered_in_bf16(ctx, given, got):
@@ -75,9 +75,11 @@ def gathered_in_bf16(ctx, given, got):
     for r in range(ctx.world_size):
         for spec in UNITS:
             name, unit = spec["name"], got[r]["units"][spec["name"]]
-            if unit["gathered"] != ["bfloat16"]:
+            ctx.over_everyone(unit["gathered"], f"unshard() of unit {name!r}", r)
+            gathered = [e["args"]["dtype"] for e in unit["gathered"] if e["name"] == "all_gather"]
+            if gathered != ["bfloat16"]:
                 ctx.fail(
-                    f"rank {r}: unshard() of unit {name!r} all-gathered {unit['gathered'] or 'nothing'}, "
+                    f"rank {r}: unshard() of unit {name!r} all-gathered {gathered or 'nothing'}, "
                     "expected one all-gather in bfloat16: cast the fp32 master slice to param_dtype *before* "
                     "the all-gather, which is where mixed precision halves the bytes (an fp32 gather moves 4 "
                     "bytes per element, then rounds)"
@@ -105,13 +107,14 @@ def _precisions(n, g):
     points=2,
     world_sizes=(WORLD,),
     cases=_precisions,
-    returns={"dtypes": [str]},
+    returns={"dtypes": [COMM]},
 )
 def reduced_in_reduce_dtype(ctx, given, got):
     param, reduce = given[0]["precision"]
     expected = reduce or param
     for r in range(ctx.world_size):
-        dtypes = got[r]["dtypes"]
+        ctx.over_everyone(got[r]["dtypes"], "one backward", r)
+        dtypes = sorted({e["args"]["dtype"] for e in got[r]["dtypes"] if e["name"] == "reduce_scatter"})
         if dtypes != [expected]:
             ctx.fail(
                 f"rank {r}: with MixedPrecision({param}, reduce_dtype={reduce}) the gradients' "

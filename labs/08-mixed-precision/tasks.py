@@ -29,7 +29,7 @@ def gathered_in_bf16(student, rank, given):
         start = rank.events_now()
         unit.unshard()
         units[unit.name] = {
-            "gathered": [e["args"]["dtype"] for e in rank.comm_events(start) if e["name"] == "all_gather"],
+            "gathered": rank.comm_events(start),  # what the grader's relay carried (checks.py reads the dtypes)
             "flat": unit.flat.data.detach().clone(),
             "master": str(unit.master.dtype),
         }
@@ -41,7 +41,7 @@ def reduced_in_reduce_dtype(student, rank, given):
     fsdp, _ = _wrapped(student, given, given["precision"])
     start = rank.events_now()
     fsdp(*given["batches"][0]).backward()
-    return {"dtypes": sorted({e["args"]["dtype"] for e in rank.comm_events(start) if e["name"] == "reduce_scatter"})}
+    return {"dtypes": rank.comm_events(start)}  # what the grader's relay carried (checks.py reads the dtypes)
 
 
 def add_grad_completes(student, rank, given):

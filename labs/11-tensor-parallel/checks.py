@@ -34,7 +34,7 @@ def piece(t: torch.Tensor, r: int, n: int, dim: int) -> torch.Tensor:
 
 
 F32 = torch.float32
-COMM = Fields({"name": str, "args": Fields({"numel": int}, extra=True)}, extra=True)
+COMM = Fields({"name": str, "args": Fields({"group": [int], "numel": int}, extra=True)}, extra=True)
 
 
 def operator(case, r, n):
@@ -102,14 +102,15 @@ def g_operator(ctx, given, got):
     points=1,
     world_sizes=(2,),
     inputs=mlp_and_input,
-    returns=lambda case, r, n: {"y": Tensor((B, T, 4 * D // n), F32), "talked": [str]},
+    returns=lambda case, r, n: {"y": Tensor((B, T, 4 * D // n), F32), "talked": [COMM]},
 )
 def column(ctx, given, got):
     mlp, x = whole_mlp(given[0]["seed"]), given[0]["x"]
     for r in range(ctx.world_size):
-        if got[r]["talked"]:
+        talked = [e["name"] for e in got[r]["talked"]]
+        if talked:
             ctx.fail(
-                f"rank {r}: the column-parallel forward issued {got[r]['talked']}: a column-parallel layer needs "
+                f"rank {r}: the column-parallel forward issued {talked}: a column-parallel layer needs "
                 "no talk in forward (each rank computes its own output features from the whole input); an "
                 "all-reduce there adds up features that belong to different columns. Its collective is f's, "
                 "in backward"
@@ -190,10 +191,11 @@ def mlp_parity(ctx, given, got):
 def talk(ctx, given, got):
     for r in range(ctx.world_size):
         for when in ("forward", "backward"):
+            ctx.over_everyone(got[r][when], f"the MLP's {when}", r)
             calls = [(e["name"], e["args"]["numel"]) for e in got[r][when]]
             if calls != [("all_reduce", B * T * D)]:
                 ctx.fail(
-                    f"rank {r}: the MLP's {when} issued {calls or 'no collective'} through toolkit.comm; "
+                    f"rank {r}: the MLP's {when} made the grader's relay carry {calls or 'no collective'}; "
                     f"Megatron's MLP talks once each way: one all_reduce of the (b, s, h) = ({B}, {T}, {D}) "
                     f"activation ({B * T * D} elements), g's in forward and f's in backward"
                 )

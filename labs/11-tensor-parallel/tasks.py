@@ -41,7 +41,7 @@ def column(student, rank, given):
     layer = student.ColumnParallelLinear(mlp.fc, rank.group)
     start = rank.events_now()
     y = layer(given["x"])
-    return {"y": y.detach(), "talked": [e["name"] for e in rank.comm_events(start)]}
+    return {"y": y.detach(), "talked": rank.comm_events(start)}  # what the grader's relay carried
 
 
 def row(student, rank, given):

@@ -52,7 +52,10 @@ class StoreLedger:
     def take(self, key) -> float:
         name = self._key(key)
         end = float(self.store.get(name).split()[0])  # its senders noted it before the data moved: it is there
-        self.store.delete_key(name)
+        try:
+            self.store.delete_key(name)
+        except RuntimeError:  # a store written in Python cannot delete (torch 2.13): the grader's relay's ranks'
+            self.store.set(name, "0")  # a note from the past, which no later one is earlier than
         return end
 
 

@@ -208,6 +208,17 @@ class Judge:
             f"{got.flatten()[first].item():.6g} instead of {expected.flatten()[first].item():.6g})"
         )
 
+    def over_everyone(self, carried: list, what: str, rank: int) -> None:
+        """Fail unless every collective the grader's relay `carried` for `rank` spans all the check's ranks: a
+        collective over a group of one rank's own is a true record, and moves nothing."""
+        everyone = list(range(self.world_size))
+        for event in carried:
+            if event["args"]["group"] != everyone:
+                self.fail(
+                    f"rank {rank}: {what}: the grader's relay carried its {event['name']} over ranks "
+                    f"{event['args']['group']}, not over all {self.world_size} ranks (the group the task handed in)"
+                )
+
 
 def _on(rank) -> str:
     return "" if rank is None else f"rank {rank} "

@@ -155,21 +155,30 @@ def _verdict(check: Check, n: int, given: list, results: dict, found: Launch) ->
     return ""
 
 
-def _relayed(results: dict, relayed: dict | None, index) -> dict:
-    """In a messages-only lab, what a rank reports under `messages` is replaced by what the grader's relay carried
-    for it during that check (`relay.py`): the record a traffic check judges is never the rank's word."""
-    if relayed is None:
+def _relayed(results: dict, found: Launch, index) -> dict:
+    """What a rank reports of its traffic is replaced by what the grader's relay carried for it during that check
+    (`relay.py`): in a messages-only lab, whatever the task returns under `messages`; elsewhere, every mark a task
+    returned for its collectives (`Rank.comm_events`: `{"relay_span": [start, end]}`) becomes the relay's record of
+    that span. The record a traffic check judges is never the rank's word."""
+    if found.relayed is None:
         return results
+    carried = found.relayed.get(index, {})
 
-    def put(value, record):
-        if isinstance(value, dict):
+    def put(value, record: list):
+        if found.relayed_kind == "messages" and isinstance(value, dict):
             return {k: record if k == "messages" else put(v, record) for k, v in value.items()}
+        if isinstance(value, dict) and set(value) == {"relay_span"}:
+            span = value["relay_span"]
+            ok = isinstance(span, list) and len(span) == 2 and all(type(i) is int and i >= 0 for i in span)
+            return [e for e in record[span[0] : span[1]] if e is not None] if ok else value
+        if isinstance(value, dict):
+            return {k: put(v, record) for k, v in value.items()}
         if isinstance(value, list):
             return [put(v, record) for v in value]
         return value
 
     return {
-        r: {**v, "ok": put(v["ok"], relayed.get(index, {}).get(r, []))} if isinstance(v, dict) and "ok" in v else v
+        r: {**v, "ok": put(v["ok"], carried.get(r, []))} if isinstance(v, dict) and "ok" in v else v
         for r, v in results.items()
     }
 
@@ -229,7 +238,7 @@ def _run_world_size(
             verdicts[stuck["index"]] = f"world size {n}, {stuck['message'][:4000]}"
             return verdicts, stuck["index"]
         for position, index in enumerate(todo):
-            results = _relayed(found.results.get(index, {}), found.relayed, index)
+            results = _relayed(found.results.get(index, {}), found, index)
             verdicts[index] = _verdict(checks[index], n, inputs[index], results, found)
             if stuck is not None and stuck["index"] == index:  # stopped in this check: carry on after it
                 verdicts[index] = f"world size {n}, {stuck['message'][:4000]}"

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import mutation
-from .grader import _first_failure, _verdict, lab_checks
+from .declared import declared
+from .grader import _first_failure, _relayed, _verdict, lab_checks
 from .isolation import Sandbox
 from .runner import IMPORT
 from .session import Box, Limits, launch_ranks
@@ -128,6 +129,7 @@ def run_lab(lab: Path, chosen=None, *, seed: int = 0, quiet: bool = True) -> Lab
         lab.name, mutants, equivalent={k: v for k, v in equivalents(lab).items() if k in {m.id for m in mutants}}
     )
     checks, _ = lab_checks(lab)
+    messages_only = bool(declared(lab, "MESSAGES_ONLY", False))  # as a grading: what the relay carries
     started = time.monotonic()
     reference = mutation.Mutant("(the reference)", 0, "unchanged", (lab / "solution.py").read_text())
     pool = [reference] + mutants  # the reference first: a check it fails would make every kill meaningless
@@ -147,9 +149,9 @@ def run_lab(lab: Path, chosen=None, *, seed: int = 0, quiet: bool = True) -> Lab
                 for n in check.world_sizes:
                     if alive == [0]:  # every mutant killed: nothing left to tell from the reference
                         break
-                    verdicts = _run(box, check, n, alive, seed, marked.id)
+                    verdicts = _run(box, check, n, alive, seed, marked.id, messages_only)
                     if verdicts.get(0):  # once more, in case the machine was too busy for the reference's deadline
-                        verdicts = _run(box, check, n, alive, seed, marked.id)
+                        verdicts = _run(box, check, n, alive, seed, marked.id, messages_only)
                     if verdicts.get(0):
                         raise RuntimeError(
                             f"{lab.name}: the reference fails '{check.name}' at world size {n} with the "
@@ -171,7 +173,7 @@ def run_lab(lab: Path, chosen=None, *, seed: int = 0, quiet: bool = True) -> Lab
     return result
 
 
-def _run(box: Box, check, n: int, alive: list, seed: int, grading_id: str) -> dict:
+def _run(box: Box, check, n: int, alive: list, seed: int, grading_id: str, messages_only: bool) -> dict:
     """{mutant k: "" or why `check` fails it at world size n}, for every k in `alive`, in as few launches as hangs
     and crashes allow."""
     from .grader import _generator
@@ -191,13 +193,14 @@ def _run(box: Box, check, n: int, alive: list, seed: int, grading_id: str) -> di
             backend="gloo",
             quiet=True,
             grading_id=grading_id,
+            messages_only=messages_only,
         )
         imported = found.results[IMPORT]
         if _first_failure(imported) or len(imported) < n:
             raise RuntimeError(f"the mutants' tasks could not be imported on {n} ranks: {found.lines[-20:]}")
         stuck = found.stuck
         for position, k in enumerate(todo):
-            results = found.results.get(k, {})
+            results = _relayed(found.results.get(k, {}), found, k)  # the traffic a check reads: the relay's record
             verdicts[k] = _verdict(virtual[k], n, drawn, results, found)
             if stuck is not None and stuck["index"] == k:
                 verdicts[k] = verdicts[k] or f"a deadlock: {stuck['message'][:300]}"

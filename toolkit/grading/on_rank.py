@@ -1,10 +1,10 @@
 """What a lab's `tasks.py` is written with: the `Rank` a task receives, on a rank that runs student code.
 
-A task is `fn(student, rank, given) -> observations`: it calls the student's functions on `given` (this
-rank's inputs, sent by the grader) and returns what happened (tensors, numbers, the collectives the trace
-recorded). It decides nothing: no expected value lives here, because this process runs the student's
-code. The grader's side (`checks.py`) judges what the tasks returned. A task may raise (the student's
-code failed): the grader reports the exception, with the line of the student's file.
+A task is `fn(student, rank, given) -> observations`: it calls the student's functions on `given` (this rank's
+inputs, sent by the grader) and returns what happened (tensors, numbers, and, as `rank.comm_events`, a mark the
+grader replaces with the collectives its relay carried). It decides nothing: no expected value lives here, because
+this process runs the student's code. The grader's side (`checks.py`) judges what the tasks returned. A task may
+raise (the student's code failed): the grader reports the exception, with the line of the student's file.
 
     def all_reduce(student, rank, given):
         x = given["x"].clone()
@@ -45,10 +45,26 @@ class Rank:
     rank: int  # global rank
     world_size: int
     group: object  # a fresh group of all ranks: a failed check's stray messages cannot reach the next one
+    relay: object = None  # the link to the grader's relay, where it carries this lab's collectives (labs 02-12)
 
-    def comm_events(self, start: int = 0) -> list[dict]:
-        """The collectives `toolkit.comm` recorded since event `start` (`len(recorder.events)` before),
-        each as {"name", "args"}: what the grader reads to count collectives and bytes."""
+    def comm_events(self, start: int = 0) -> list[dict] | dict:
+        """The collectives this rank took part in since `start` (`events_now()` before), each as {"name",
+        "args"}: what the grader reads to count collectives and bytes. Where the grader's relay carries the
+        collectives, this is a mark (`{"relay_span": [start, now]}`) that the grader replaces with its own record
+        of the collectives it carried for this rank in that span of the check (`relay_meet.entry`): return it as
+        it is, and count in the checks. Else the ones `toolkit.comm` recorded on this rank."""
+        if self.relay is not None:
+            return {"relay_span": [start, self.relay.collectives]}
+        return self.local_events(start)
+
+    def events_now(self) -> int:
+        """Where `comm_events` starts counting now."""
+        return self.relay.collectives if self.relay is not None else self.local_now()
+
+    @staticmethod
+    def local_events(start: int = 0) -> list[dict]:
+        """What `toolkit.comm` recorded on this rank since `start` (`local_now()` before): the rank's own word, for
+        what no relay sees (a call's `async_op`, its label); never the traffic a check counts."""
         from ..trace.events import recorder
 
         return [
@@ -58,7 +74,7 @@ class Rank:
         ]
 
     @staticmethod
-    def events_now() -> int:
+    def local_now() -> int:
         from ..trace.events import recorder
 
         return len(recorder.events)

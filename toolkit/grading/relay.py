@@ -1,9 +1,11 @@
 """The grader's relay: it hands every lab's ranks each check's inputs and takes their results (so the grader
-times the checks by what it handed out and took in, never by a file a rank wrote: `progress`), and, for a lab
-whose ranks may talk only in point-to-point messages (checks.py: `MESSAGES_ONLY = True`), it carries every
-message between the submission's ranks and keeps the record the traffic checks read.
+times the checks by what it handed out and took in, never by a file a rank wrote: `progress`), and it carries
+everything the submission's ranks say to each other, keeping the record the traffic checks read: in a lab whose
+ranks may talk only in point-to-point messages (checks.py: `MESSAGES_ONLY = True`), every message; in every other
+lab, every collective as well (`_meet`: the members' calls met, checked for agreement, computed here from the
+tensors they hand in, each given its share: `relay_meet.py`), recorded per rank and check in `collectives`.
 
-The ranks of such a lab have no process group of their own (`relay_group.py`): each holds one connection to this
+The ranks have no process group of their own (`relay_group.py`): each holds one connection to this
 relay, a UNIX socket in the grading's folder, opened with a token only it was sent. A send is held until its
 receiver posts the matching receive (same group, tag, source and destination), then delivered; the sender's
 work completes then, as gloo's does. What the relay records is what it carried, not what a rank says it sent:
@@ -30,12 +32,15 @@ from collections import defaultdict, deque
 
 import torch
 
+from . import relay_meet
 from .relay_group import DTYPES, read_frame, send_frame
+from .relay_store import Bookings
 
 MAX_MESSAGE = 64 * 2**20  # one message's bytes (a result's too: wire.MAX_BYTES)
 MAX_HELD = 256 * 2**20  # bytes of sends held for their receivers, all ranks together
 MAX_POSTS = 200_000  # messages one rank may post in a launch (the record of each is kept in the grader's memory;
 # lab 13's ring posts a few hundred)
+MAX_COLLECTIVES = 50_000  # collectives one rank may call in a launch (each recorded in the grader's memory)
 
 
 class Relay:
@@ -48,10 +53,17 @@ class Relay:
         self.path = os.path.join(folder, "relay.sock")
         self.results: dict[str, dict[int, bytes]] = defaultdict(dict)
         self.record: dict[int, dict[str, list]] = {r: defaultdict(list) for r in range(world_size)}
+        # collectives[rank][check]: what the relay carried for the rank, in the order it called (relay_meet.entry;
+        # None for a call never carried: refused, or its peers never came)
+        self.collectives: dict[int, dict[str, list]] = {r: defaultdict(list) for r in range(world_size)}
+        self._counted: dict[tuple, int] = defaultdict(int)  # (rank, group) -> its collectives on that group so far
+        self._meets: dict[tuple, dict] = {}  # (group, k) -> the members' k-th calls on it, until carried
+        self._writing: dict[int, threading.Lock] = defaultdict(threading.Lock)  # one answer at a time per socket
+        self.bookings = Bookings()
         self._at = [0] * world_size  # the position in `order` of the check each rank is in (0: importing)
         self._lock = threading.Lock()
         self._held = 0
-        self._posts = [0] * world_size
+        self._posts, self._called = [0] * world_size, [0] * world_size
         self._ready = [False] * world_size
         self._sends, self._recvs = defaultdict(deque), defaultdict(deque)  # (src, dst, group, tag) -> posts
         self._ranks: dict[int, socket.socket] = {}
@@ -132,7 +144,8 @@ class Relay:
 
     def _answer(self, sock, message: dict, payload: bytes = b"", error: str = "") -> None:
         try:
-            send_frame(sock, {"id": message.get("id"), **({"error": error} if error else {})}, payload)
+            with self._writing[sock.fileno()]:
+                send_frame(sock, {"id": message.get("id"), **({"error": error} if error else {})}, payload)
         except OSError:
             pass
 
@@ -160,6 +173,12 @@ class Relay:
             self._answer(sock, message)
         elif op in ("send", "recv"):
             self._post(rank, sock, message, payload)
+        elif op == "collective":
+            self._meet(rank, sock, message, payload)
+        elif op == "booking":  # the emulated link's, shared by every rank (relay_store.py)
+            with self._lock:
+                booked = self.bookings.handle(message)
+            self._answer(sock, message, booked)
         else:
             raise ValueError(op)
 
@@ -210,6 +229,56 @@ class Relay:
             return
         self._answer(receiver, wanted, data)
         self._answer(sender, sent)
+
+    def _meet(self, rank: int, sock, message: dict, payload: bytes) -> None:
+        """One rank's call of a collective (`relay_meet.py`): held until every member of its group made its call
+        of the same rank in order, then computed, answered and recorded; refused on every member if they
+        disagree."""
+        try:
+            call = relay_meet.validate(rank, message, payload)
+        except relay_meet.Refused as exc:
+            self._answer(sock, message, error=f"the grader's relay refused a collective: {exc}")
+            return
+        with self._lock:
+            if self._called[rank] >= MAX_COLLECTIVES:
+                raise ValueError(f"more than {MAX_COLLECTIVES} collectives called by one rank in a launch")
+            if self._held + len(payload) > MAX_HELD:
+                raise ValueError("too many bytes held")
+            self._called[rank] += 1
+            k = self._counted[rank, call["group"]]
+            self._counted[rank, call["group"]] = k + 1
+            slots = self.collectives[rank][self._check(rank)]
+            slots.append(None)
+            meet = self._meets.setdefault((call["group"], k), {"members": call["members"], "at": {}, "calls": {}})
+            meet["at"][rank] = (sock, message, call, payload, slots, len(slots) - 1)
+            meet["calls"][rank] = call
+            self._held += len(payload)
+            members = meet["members"]
+            if "verdict" not in meet:  # "" once every member's call is in and they agree; else why they cannot
+                if call["members"] != members:
+                    first = next(iter(meet["calls"]))
+                    meet["verdict"] = relay_meet.disagreement(meet["calls"], [first, rank], k) or (
+                        f"the ranks of group {members} disagree on their {relay_meet.ordinal(k)} collective's group: "
+                        f"rank {first} calls it on ranks {members}, rank {rank} on {call['members']}"
+                    )
+                elif set(meet["calls"]) == set(members):
+                    meet["verdict"] = relay_meet.disagreement(meet["calls"], members, k)
+            if "verdict" not in meet:
+                return
+            posted = [(r, *meet["at"].pop(r)) for r in list(meet["at"])]
+            self._held -= sum(len(at[4]) for at in posted)
+            if set(members) <= set(meet["calls"]):
+                del self._meets[call["group"], k]
+        if meet["verdict"]:  # refused: every member that called it hears why (the later ones as they call)
+            for _, their_sock, their_message, *_ in posted:
+                self._answer(their_sock, their_message, error=meet["verdict"])
+            return
+        calls = {r: c for r, _, _, c, _, _, _ in posted}
+        shares = relay_meet.results(calls, {r: p for r, _, _, _, p, _, _ in posted}, members)
+        for r, their_sock, their_message, their_call, _, their_slots, slot in posted:
+            with self._lock:
+                their_slots[slot] = relay_meet.entry(r, their_call)
+            self._answer(their_sock, their_message, shares[r])
 
     def all_ready(self) -> bool:
         """Every rank said it is ready (got as far as importing the submission): what ran before is the grader's."""

@@ -6,10 +6,11 @@ task patches `torch.distributed` (a submission captures `dist.all_reduce` at imp
 `allreduce` binding). So before the submission is imported, `switch` tears that group down (its sockets closed,
 its rendezvous store let go), and makes the default group a `RelayGroup`: a `torch.distributed.ProcessGroup`
 whose only operations are `send` and `recv` (`dist.send`, `recv`, `isend`, `irecv`, `batch_isend_irecv` and
-`new_group` work as on gloo; every collective raises), each one a request on a socket to the grader's relay. The
+`new_group` work as on gloo; every collective raises; in the other labs its subclass `relay_collectives.CollectiveGroup`
+carries the collectives too), each one a request on a socket to the grader's relay. The
 relay matches a send with its receive (a blocking send waits for it, as gloo's does: a ring of blocking sends
 deadlocks here too), delivers the tensor and keeps the record the traffic checks read. Nothing else connects
-the ranks: the store the group is made with is the rank's own (`_Agreeing`: every rendezvous is already met,
+the ranks: the store the group is made with is the rank's own (`relay_store.Agreeing`: every rendezvous is already met,
 since the relay holds a message until its receiver asks), and after the switch the rank may open no socket
 (`sandbox.no_new_channels`).
 """
@@ -26,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .relay_store import Agreeing
 from .wire import DTYPES  # the tensors' dtypes a message may carry, as an answer may
 
 HEADER = struct.Struct("!II")  # the JSON's length, the payload's length
@@ -67,11 +69,34 @@ class _Work(dist._Work):
     def __init__(self, tensor: torch.Tensor | None = None):
         super().__init__()
         self.tensor, self.error, self.payload = tensor, None, b""
-        self._done = threading.Event()
+        self._done, self._futures, self._lock, self._finished = threading.Event(), [], threading.Lock(), False
 
     def finish(self, error: str | None = None) -> None:
-        self.error = error
+        """Settle the futures handed out, then wake the waiters: a waiter that goes on to free the tensors (FSDP's
+        reshard) must not race a future still reading them on this thread."""
+        with self._lock:
+            self.error, self._finished = error, True
+            futures, self._futures = self._futures, []
+        for future in futures:
+            self._settle(future)
         self._done.set()
+
+    def result(self) -> list:
+        return [self.tensor] if self.tensor is not None else []
+
+    def _settle(self, future) -> None:
+        if self.error:
+            future.set_exception(RuntimeError(self.error))
+        else:
+            future.set_result(self.result())
+
+    def take(self, payload: bytes) -> None:
+        """The relay's answer: a received message's bytes into its tensor."""
+        if self.tensor is not None and payload:
+            flat = self.tensor.view(-1)
+            flat.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(flat.dtype))
+        self.payload = payload
+        self.finish()
 
     def wait(self, timeout=timedelta(0)) -> bool:
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else 0
@@ -88,9 +113,13 @@ class _Work(dist._Work):
         return self._done.is_set() and not self.error
 
     def get_future(self):
+        """Completed when the relay answers (never waited for here: an async call returns at once)."""
         future = torch.futures.Future()
-        self.wait()
-        future.set_result([self.tensor] if self.tensor is not None else [])
+        with self._lock:
+            if not self._finished:
+                self._futures.append(future)
+                return future
+        self._settle(future)
         return future
 
 
@@ -100,14 +129,16 @@ class _Link:
     def __init__(self, sock: socket.socket):
         self.sock, self.lock, self.pending, self.next = sock, threading.Lock(), {}, 0
         self.lost = ""
+        self.collectives = 0  # posted in this check: where `Rank.events_now` marks the relay's record
         threading.Thread(target=self._answers, daemon=True, name="grading-relay").start()
 
-    def request(self, message: dict, payload: bytes = b"", tensor: torch.Tensor | None = None) -> _Work:
-        work = _Work(tensor)
+    def request(self, message: dict, payload: bytes = b"", tensor: torch.Tensor | None = None, work=None) -> _Work:
+        work = _Work(tensor) if work is None else work
         with self.lock:
             if self.lost:
                 raise RuntimeError(self.lost)
             self.next += 1
+            self.collectives += message["op"] == "collective"
             message["id"] = self.next
             self.pending[self.next] = work
             send_frame(self.sock, message, payload)
@@ -133,11 +164,10 @@ class _Link:
             if answer.get("error"):
                 work.finish(answer["error"])
                 continue
-            if work.tensor is not None and payload:
-                flat = work.tensor.view(-1)
-                flat.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(flat.dtype))
-            work.payload = payload
-            work.finish()
+            try:
+                work.take(payload)
+            except (RuntimeError, ValueError) as exc:
+                work.finish(f"the grader's relay answered what this rank cannot take ({exc})")
 
 
 class RelayGroup(dist.ProcessGroup):
@@ -152,6 +182,13 @@ class RelayGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    def _set_group_name(self, name: str) -> None:  # torch names every group; its C++ half keeps no name for us
+        self._name = name
+
+    @property
+    def group_name(self) -> str:
+        return getattr(self, "_name", "")
 
     def _global(self, group_rank: int) -> int:
         return group_rank if dist.GroupMember.WORLD is self else dist.get_global_rank(self, group_rank)
@@ -200,41 +237,6 @@ for _name in dir(dist.ProcessGroup):  # every collective torch's process group b
         setattr(RelayGroup, _name, _refused(f"the built-in collective {_name.strip('_')}"))
 
 
-class _Agreeing(dist.Store):
-    """The rank's own store, in which every rendezvous is already met: its groups need none (the relay holds a
-    message until its receiver asks for it), and a store shared with the other ranks would carry what the relay
-    does not see."""
-
-    def __init__(self):
-        super().__init__()
-        self.values: dict[str, bytes] = {}
-
-    def set(self, key, value):
-        self.values[key] = value if isinstance(value, bytes) else str(value).encode()
-
-    def get(self, key):
-        return self.values.get(key, b"1")
-
-    def add(self, key, amount):
-        return 1 << 30  # as many as any rendezvous waits for
-
-    def compare_set(self, key, expected, desired):
-        self.set(key, desired)
-        return self.values[key]
-
-    def check(self, keys):
-        return True
-
-    def wait(self, keys, timeout=None):
-        return None
-
-    def delete_key(self, key):
-        return self.values.pop(key, None) is not None
-
-    def num_keys(self):
-        return len(self.values)
-
-
 _KEPT: list = []
 
 
@@ -247,17 +249,26 @@ def connect(path: str, rank: int, token: str) -> _Link:
     return _Link(link_socket)
 
 
-def switch(link: _Link, rank: int, world_size: int) -> _Link:
-    """Tear down this rank's gloo group and store, and make a RelayGroup on `link` the default group."""
-    dist.destroy_process_group()  # gloo's sockets closed; the rendezvous store let go with it
-    if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(
-            BACKEND,
-            lambda store, group_rank, group_size, timeout: RelayGroup(link, group_rank, group_size),
-            devices=["cpu"],
-        )
-    _KEPT.append(_Agreeing())  # a Python store lives as long as its Python object: torch holds only the C++ half
-    dist.init_process_group(BACKEND, store=_KEPT[-1], rank=rank, world_size=world_size)
+def switch(link: _Link, rank: int, world_size: int, collectives: bool = False) -> _Link:
+    """Tear down this rank's gloo group and store, and make a RelayGroup on `link` the default group (with
+    `collectives`, a `relay_collectives.CollectiveGroup`: the relay carries the collectives too)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()  # gloo's sockets closed; the rendezvous store let go with it
+    name = BACKEND + ("_collectives" if collectives else "")
+    if name.upper() not in dist.Backend._plugins:
+        if collectives:
+            from .relay_collectives import CollectiveGroup
+
+            def make(store, group_rank, group_size, timeout):
+                return CollectiveGroup(link, group_rank, group_size, timeout)
+        else:
+
+            def make(store, group_rank, group_size, timeout):
+                return RelayGroup(link, group_rank, group_size)
+
+        dist.Backend.register_backend(name, make, devices=["cpu"])
+    _KEPT.append(Agreeing(link))  # a Python store lives as long as its Python object: torch holds only the C++ half
+    dist.init_process_group(name, store=_KEPT[-1], rank=rank, world_size=world_size)
     return link
 
 
@@ -265,6 +276,7 @@ def inputs(link: _Link, index) -> dict:
     """The inputs of check `index`, from the relay (which gives them only once the previous result is in)."""
     from . import wire
 
+    link.collectives = 0  # a new check: the relay's record of it starts empty
     work = link.request({"op": "inputs", "index": str(index)})
     work.wait()
     return wire.decode(work.payload)

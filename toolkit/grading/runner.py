@@ -3,9 +3,10 @@
 The launcher (`launcher.py`) starts the ranks with `rank_main`, in the grading's folder. In order:
 1. each rank reads what the grader wrote for it alone (its token for the grader's relay), removes it, and waits
    for its peers to have done the same; it connects to the relay (`relay.py`), which hands it each check's
-   inputs and takes each result; in a lab of point-to-point messages it also trades its process group for the
-   relay (`relay_group.py`: no collective left in the process);
-   it confines itself further (its peers' inputs and the grader's files are out of reach; in that lab, no
+   inputs and takes each result; it trades its process group for the relay (`relay_group.py`: in a lab of
+   point-to-point messages no collective is left in the process; elsewhere the relay carries and computes every
+   collective, `relay_collectives.py`), so nothing but the relay connects the ranks;
+   it confines itself further (its peers' inputs and the grader's files are out of reach; no
    new socket either: `seccomp.py`), takes its limits, notes any call to the lab's answers
    (`delegation.py`), says it is ready (to the relay), and only then imports the student's file, with the
    watchdog running;
@@ -124,11 +125,10 @@ def rank_main(spec: dict) -> None:
     _store_barrier("grading/inputs-taken", world_size)
     link = relay_group.connect(spec["relay"], rank, given.pop("relay"))  # each check's inputs, and its result
     messages_only = bool(spec.get("messages_only"))
-    if messages_only:  # a point-to-point lab: no process group of its own; the grader carries its messages
-        relay_group.switch(link, rank, world_size)
-    sandbox.confine(spec["read"], [spec["out"], spec["work"], spec["tmp"]], spec["hidden"], no_tcp=messages_only)
-    if messages_only:
-        seccomp.no_new_channels()
+    # no process group of its own: the grader carries its messages (a point-to-point lab) or its collectives too
+    relay_group.switch(link, rank, world_size, collectives=not messages_only)
+    sandbox.confine(spec["read"], [spec["out"], spec["work"], spec["tmp"]], spec["hidden"], no_tcp=True)
+    seccomp.no_new_channels()
     limits, out, solution = spec["limits"], spec["out"], spec["student"]
     watchdog = Watchdog(
         out, rank, world_size, solution, lambda i, r: result_path(out, i, r), limits["stall_s"], limits["time_limit_s"]
@@ -155,7 +155,10 @@ def rank_main(spec: dict) -> None:
         try:  # the task once per case, each answer under its case's id (contract.py)
             inputs = relay_group.inputs(link, index)
             done, case, exc = contract.run_cases(
-                getattr(tasks, spec["tasks_of"][str(index)]), student, Rank(rank, world_size, group), inputs
+                getattr(tasks, spec["tasks_of"][str(index)]),
+                student,
+                Rank(rank, world_size, group, None if messages_only else link),
+                inputs,
             )
         except BaseException as error:  # noqa: BLE001 - inputs tampered with: no case to name
             done, case, exc = [], None, error

@@ -128,7 +128,8 @@ class Launch:
     lines: list = field(default_factory=list)
     overran: bool = False
     ready: bool = True  # every rank got as far as importing the student's file
-    relayed: dict | None = None  # messages-only: relayed[index][rank], the messages the grader's relay carried
+    relayed: dict | None = None  # relayed[index][rank]: the messages (or collectives) the grader's relay carried
+    relayed_kind: str = "messages"
 
     def of_rank(self, rank: int, count: int = 3) -> list[str]:
         prefix = f"[rank {rank}] "
@@ -228,8 +229,9 @@ def launch_ranks(
         found = _launch(box, n, indices, tasks_of, answers, limits, backend, quiet, grading_id, relay, messages_only)
     finally:
         relay.close()
-    if messages_only:  # what the relay carried
-        found.relayed = {index: {r: relay.record[r].get(str(index), []) for r in range(n)} for index in indices}
+    carried = relay.record if messages_only else relay.collectives  # what the relay carried: messages or collectives
+    found.relayed = {index: {r: carried[r].get(str(index), []) for r in range(n)} for index in indices}
+    found.relayed_kind = "messages" if messages_only else "collectives"
     for index in indices:  # the results as the ranks first handed them in
         for r, data in relay.results.get(str(index), {}).items():
             found.results[index][r] = _decoded(data)
