@@ -57,7 +57,7 @@ class _Tree:
         except OSError:
             os.rmdir(self.path)
             raise
-        atexit.register(self.remove)  # after the zygotes' own atexit (registered later, run first) ended them
+        atexit.register(self.remove)  # at exit too, if the session never finished
 
     def seconds(self) -> float:
         with open(self.counter) as f:
@@ -67,17 +67,20 @@ class _Tree:
         return int(text) * self.unit
 
     def remove(self) -> None:
-        """Back to the cgroup this process came from, and the folder removed once the last process of ours
-        (a zygote ending, a rank stopped) has left it."""
+        """Every process still in the cgroup (this one, a zygote that ends with it) back to the cgroup this process
+        came from, and the cgroup removed. At the session's end: an xdist worker's atexit may never run."""
         try:
-            with open(os.path.join(self.parent, "cgroup.procs"), "w") as f:
-                f.write(str(os.getpid()))
+            with open(os.path.join(self.path, "cgroup.procs")) as f:
+                pids = f.read().split()
+            for pid in pids:
+                with open(os.path.join(self.parent, "cgroup.procs"), "w") as f:
+                    f.write(pid)
         except OSError:
-            return
-        give_up = time.monotonic() + 10
-        while True:
+            pass  # a process that ended meanwhile; the rmdir below says whether the cgroup is empty
+        give_up = time.monotonic() + 5
+        while os.path.isdir(self.path):
             try:
-                return os.rmdir(self.path)
+                os.rmdir(self.path)
             except OSError:
                 if time.monotonic() > give_up:
                     return
@@ -124,6 +127,8 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_sessionfinish(session):
+    if _tree and _tree[0]:
+        _tree[0].remove()
     path = os.environ.get("TOOLKIT_TEST_TIMES")
     if not path or not _rows:
         return
