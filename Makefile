@@ -57,8 +57,9 @@ lint: $(STAMP)
 test: $(STAMP) browser
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
-# Where the suite's time goes: make test, with each test's wall and CPU seconds (its own and its processes') in
-# runs/test-times.tsv, most CPU first (CPU is what a test costs; wall says how busy the machine was).
+# Where the suite's time goes: make test, with each test's wall and CPU seconds (its own and its processes'; as root,
+# every process it started, the zygote's ranks too: cpu_tree_s) in runs/test-times.tsv, most CPU first (CPU is what
+# a test costs; wall says how busy the machine was).
 test-times: $(STAMP) browser
 	TOOLKIT_TEST_TIMES=runs/test-times.tsv $(PY) -m pytest -q --durations=30
 
