@@ -1,7 +1,8 @@
 """A 128k-token context on 1,024 H100, every dp x pp x cp x tp layout priced; Llama 3's 128k layout held to its paper.
 
-1. The sweep. A GPT the width of Llama 3 70B (h 8192, 64 heads, 80 layers, its 128,256-token vocabulary; the MLP
-   made as large as Llama's three-matrix one, K and V full width: the toolkit's GPT has no grouped-query attention),
+1. The sweep. A GPT the width of Llama 3 70B (h 8192, 64 query heads sharing 8 key-value heads as Llama's
+   grouped-query attention does, 80 layers, its 128,256-token vocabulary; the MLP made as large as Llama's
+   three-matrix one),
    sequences of 131,072 tokens, bf16, on 1,024 H100 (the "dgx-h100" preset). FSDP shards over dp x cp, tp 8 with
    sequence parallelism fills each node, cp and pp take the rest of a replica, dp what is left. A replica trains on
    one sequence a step without pp, on 2 pp micro-batches of one sequence with it (1F1B: a third of the step is
@@ -46,7 +47,7 @@ SECTIONS = {
 WORLDS = (4096, 16384, 65536)
 S = 131072  # tokens per sequence
 WORLD = 1024
-LLAMA70 = dict(vocab_size=128256, seq_len=S, n_head=64, d_model=8192, d_ff=28672 * 3 // 2)
+LLAMA70 = dict(vocab_size=128256, seq_len=S, n_head=64, n_kv_head=8, d_model=8192, d_ff=28672 * 3 // 2)
 LAYERS70 = 80
 SWEEP = [(cp, pp) for pp in (1, 4, 8) for cp in (1, 2, 4, 8, 16, 32) if WORLD // (8 * cp * pp) >= 1]
 
