@@ -140,6 +140,23 @@ def test_memory_bound_kernels_at_streams_bandwidth():
     assert hbm_bandwidth(GPUS["a100-40gb"]) == pytest.approx(1555e9 * 1.655 / 2.039, rel=1e-9)
 
 
+def test_an_indexing_kernel_moves_what_its_index_names_not_the_tensor_it_indexes():
+    """The loss picks one logit a token out of (tokens x V) fp32 logits, and backward subtracts 1 at the same places:
+    16,384 tokens over a 131,072-word vocabulary are 8.6 GB of logits, but the gather reads 16,384 of them (and its
+    index) and the in-place scatter-add reads and writes 16,384; the embedding reads the rows its tokens name."""
+    tokens, vocab, width = 16384, 131072, 2048
+    with OpCounter(meta=True) as ops:
+        z = torch.empty(tokens, vocab, device="meta")
+        index = torch.empty(tokens, 1, dtype=torch.long, device="meta")
+        z.gather(-1, index)
+        z.scatter_add_(-1, index, torch.empty(tokens, 1, device="meta"))
+        F.embedding(index.squeeze(-1), torch.empty(vocab, width, device="meta", dtype=torch.bfloat16))
+    moved = {k.name: k.bytes for k, _ in ops.take_kernels()}
+    assert moved["gather"] == tokens * 8 + 2 * tokens * 4
+    assert moved["scatter_add_"] == tokens * 8 + tokens * 4 + 2 * tokens * 4
+    assert moved["embedding"] == tokens * 8 + 2 * tokens * width * 2
+
+
 # --- collectives ---------------------------------------------------------------------------------------------------
 def busbw(cluster, op, size, group):
     cost = collective_time(cluster, op, size, group)
