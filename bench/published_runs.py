@@ -163,8 +163,8 @@ class MegatronLossGPT(GPT):
     (megatron/core/models/common/language_module/language_module.py, r0.8.0): the logits cast to fp32, then a
     max, a subtraction, an exp, a sum and a division over all (tokens x V) of them, and backward a product and the
     cast back. That is the toolkit's tensor-parallel loss (`toolkit.parallel.tensor.cross_entropy`, which the tp 2
-    and tp 4 rows run); the GPT alone takes torch's fused bf16 cross-entropy, about a third of those bytes: over a
-    131,072-word vocabulary and 16,384 tokens, 112 GB a step against 34."""
+    and tp 4 rows run); the GPT alone takes torch's fused bf16 cross-entropy, priced at about a third of those bytes:
+    over a 131,072-word vocabulary and 16,384 tokens, 112 GB a step against 34."""
 
     def __init__(self, config):
         super().__init__(config)
