@@ -213,15 +213,14 @@ def predict(r: dict, cluster="dgx-a100", plain: bool = False) -> dict:
 
     from toolkit.sim import simulate
     from toolkit.sim.fused_adam import FusedAdamW
-    from toolkit.sim.sweep import BASE, PIPELINE_BASE, extrapolate
+    from toolkit.sim.sweep import simulate_depths
 
     start = time.process_time()
     options = layout(r, plain)
     stages = r["pp"] * options.get("virtual_stages", 1)
     per_stage = r["layers"] // stages
-    at = BASE if stages == 1 else PIPELINE_BASE if per_stage > PIPELINE_BASE[-1] else (per_stage,)
-    sims = [
-        simulate(
+    out, deepest = simulate_depths(
+        lambda n: simulate(
             functools.partial(model, n * stages, r["heads"], r["hidden"], plain),
             "ddp",
             r["gpus"],
@@ -231,14 +230,14 @@ def predict(r: dict, cluster="dgx-a100", plain: bool = False) -> dict:
             progress=False,
             cluster=cluster,
             **options,
-        )
-        for n in at
-    ]
-    out = extrapolate(*sims, per_stage, at) if len(sims) == 2 else extrapolate(sims[0], sims[0], per_stage, (0, 1))
+        ),
+        per_stage,
+        pipelined=stages > 1,
+    )
     b = out["breakdown"]
     predicted = paper_flops(r) / b["step"] / r["gpus"] / 1e12
     band = {end: paper_flops(r) / seconds / r["gpus"] / 1e12 for end, seconds in out["band"].items()}
-    peak = sims[0].cost.cluster.gpu.flops_per_s("bf16") * r["gpus"] * b["step"]
+    peak = deepest.cost.cluster.gpu.flops_per_s("bf16") * r["gpus"] * b["step"]
     return dict(
         r,
         step_time=b["step"],
@@ -251,7 +250,8 @@ def predict(r: dict, cluster="dgx-a100", plain: bool = False) -> dict:
         fit=out["fit"],
         cpu_s=time.process_time() - start,
         plain=plain,
-        top=[(o["name"], o["seconds"]) for o in sims[-1].cost.per_op()[:4]],
+        top=[(o["name"], o["seconds"]) for o in deepest.cost.per_op()[:4]],
+        checked=out["checked"],
     )
 
 
