@@ -50,6 +50,19 @@ def test_a_gemm_with_a_short_k_pays_its_pipeline_and_one_tile_more_a_wave():
     assert full / one_more > 1.04
 
 
+def test_no_gemm_runs_faster_than_the_fastest_a_search_of_shapes_found():
+    """MAMF's brute-force search (S. Bekman, ml-engineering): the fastest H100 GEMM is 794.5 TFLOP/s, at 2048 x
+    2048 x 13312. The tiles alone, held to 4096^3 (783.3), priced that very shape at 847 and a weight gradient of
+    16,384 tokens (2048 x 8192, k = 16384) at 853: both are at the ceiling, 4096^3 is untouched. The A100's tiles
+    stay under its ceiling (271.2 at 1024 x 10240 x 5120) at every shape, so nothing there changes."""
+    assert tflops(H100, (1, 2048, 2048, 13312)) == pytest.approx(794.5, rel=1e-6)
+    assert tflops(H100, (1, 2048, 8192, 16384)) == pytest.approx(794.5, rel=1e-6)
+    assert tflops(H100, (1, 4096, 4096, 4096)) == pytest.approx(783.3, rel=1e-6)
+    sizes = (1024, 2048, 4096, 8192, 16384, 65536)
+    fastest = max(tflops(A100, (1, m, n, k)) for m in sizes for n in sizes for k in sizes)
+    assert 250 < fastest < 271.2
+
+
 # --- attention -----------------------------------------------------------------------------------------------------
 def fa2_seconds(gpu, batch, heads, seq, head_dim, causal, backward=False):
     kernel = Kernel("flash", "attention", 0.0, 0.0, "bf16", (batch, heads, seq, seq, head_dim, causal, backward))
@@ -127,6 +140,23 @@ def test_memory_bound_kernels_at_streams_bandwidth():
     assert hbm_bandwidth(GPUS["a100-40gb"]) == pytest.approx(1555e9 * 1.655 / 2.039, rel=1e-9)
 
 
+def test_an_indexing_kernel_moves_what_its_index_names_not_the_tensor_it_indexes():
+    """The loss picks one logit a token out of (tokens x V) fp32 logits, and backward subtracts 1 at the same places:
+    16,384 tokens over a 131,072-word vocabulary are 8.6 GB of logits, but the gather reads 16,384 of them (and its
+    index) and the in-place scatter-add reads and writes 16,384; the embedding reads the rows its tokens name."""
+    tokens, vocab, width = 16384, 131072, 2048
+    with OpCounter(meta=True) as ops:
+        z = torch.empty(tokens, vocab, device="meta")
+        index = torch.empty(tokens, 1, dtype=torch.long, device="meta")
+        z.gather(-1, index)
+        z.scatter_add_(-1, index, torch.empty(tokens, 1, device="meta"))
+        F.embedding(index.squeeze(-1), torch.empty(vocab, width, device="meta", dtype=torch.bfloat16))
+    moved = {k.name: k.bytes for k, _ in ops.take_kernels()}
+    assert moved["gather"] == tokens * 8 + 2 * tokens * 4
+    assert moved["scatter_add_"] == tokens * 8 + tokens * 4 + 2 * tokens * 4
+    assert moved["embedding"] == tokens * 8 + 2 * tokens * width * 2
+
+
 # --- collectives ---------------------------------------------------------------------------------------------------
 def busbw(cluster, op, size, group):
     cost = collective_time(cluster, op, size, group)
@@ -185,7 +215,7 @@ def test_every_preset_measurement_has_a_source_and_its_band_brackets_the_value()
     found = []
     for obj in (published.A100, published.H100, published.DGX_A100, published.DGX_H100):
         found += [m for m in vars(obj).values() if isinstance(m, published.Measured)]
-    assert len(found) == 14
+    assert len(found) == 16
     for m in found:
         assert m.source and (m.worst <= m.value <= m.best or m.best <= m.value <= m.worst), m
     step = [

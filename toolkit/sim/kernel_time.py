@@ -14,7 +14,10 @@ shape; nothing is fitted to a training run:
    HBM bandwidth, not overlapped: one such tile fills an SM's shared memory). The SMs'
    rate per k-block is the one that makes this reproduce a published cuBLAS measurement at a large shape
    (`published.GpuMeasurements.gemm_rate`): short k (few k-blocks for the same fill and epilogue) and small grids
-   are slower, from the architecture alone. The whole GEMM is never faster than moving its matrices.
+   are slower, from the architecture alone. The whole GEMM is never faster than moving its matrices, nor than
+   the fastest GEMM a brute-force search of shapes measured on the GPU (`gemm_ceiling`, MAMF): held to one large
+   shape, the tiles alone would price a long k (a weight gradient's k is the batch's tokens) above any
+   measurement of the hardware.
 2. A fused attention (FlashAttention) runs at FlashAttention-2's own published rate for its head dimension,
    sequence length and mask (forward + backward; interpolated, and scaled by how well its blocks of 128 queries
    fill the SMs against the benchmark's). Unfused attention (the papers' code) is its GEMMs and memory-bound
@@ -91,7 +94,10 @@ def gemm_seconds(gpu, batch: int, m: int, n: int, k: int, dtype: str) -> float:
     flops = 2.0 * batch * m * n * k
     if not gpu.sms:  # no SMs to fill (a CPU): the rate measured at the nearest sizes
         return flops / measured_rate(gpu, flops / batch, dtype)
-    return _waves(gpu, batch, m, n, k, ELEMENT_BYTES.get(dtype, 2), sm_rate(gpu, dtype))
+    tiled = _waves(gpu, batch, m, n, k, ELEMENT_BYTES.get(dtype, 2), sm_rate(gpu, dtype))
+    if gpu.published is None:
+        return tiled
+    return max(tiled, flops / (gpu.published.gemm_ceiling.value * gpu.flops_per_s(dtype)))
 
 
 def measured_rate(gpu, flops: float, dtype: str) -> float:

@@ -55,6 +55,7 @@ class GpuMeasurements:
 
     gemm_shape: tuple  # (batch, m, n, k) of the GEMM whose rate sets the SMs' mainloop rate
     gemm_rate: Measured  # its FLOP/s over the peak, 16-bit inputs (cuBLAS/cuBLASLt, random data, warmed up)
+    gemm_ceiling: Measured  # the fastest GEMM a search of shapes found, over the peak: no shape runs faster
     gemm_stages: int  # the GEMM kernels' pipeline stages (a k-block each; all but one fill before the first)
     hbm: Measured  # bytes/s a streaming kernel reaches over the datasheet's (STREAM-like kernels)
     attention: dict  # (causal, head_dim) -> ((sequence length, TFLOP/s forward + backward), ...)
@@ -95,6 +96,19 @@ H100_GEMM = Measured(
     "bf16xbf16->bf16): 4096^3 783.3 TFLOP/s; best: MAMF 794.5 (2048x2048x13312, torch 2.7 + CUDA "
     "12.6, " + _MAMF + "); worst: the same table's H100 entry with CUDA 12.1, 738.6 (2816x15616x4096, "
     "stas00/ml-engineering 68fdb6c, 2024-08)",
+)
+# the fastest GEMM a search of shapes found (MAMF: mean of 100 iterations after a 30 s warm-up, L2 flushed, random
+# data): the tiled model, held to one large shape, prices a long k above it (H100: 2048x2048x13312, MAMF's own best,
+# at 847 TFLOP/s; a weight gradient's k = tokens, 16384, at 853-876), which no search of the hardware measured
+A100_GEMM_CEILING = Measured(
+    271.2 / 312, 271.2 / 312, 271.2 / 312, "NVIDIA A100 SXM: 271.2 (1024x10240x5120, " + _MAMF + ")"
+)
+H100_GEMM_CEILING = Measured(
+    794.5 / 989,
+    738.6 / 989,
+    794.5 / 989,
+    "NVIDIA H100 SXM: 794.5 (2048x2048x13312, torch 2.7 + CUDA 12.6, " + _MAMF + "); the same table's "
+    "earlier H100 entries 738.6 (CUDA 12.1, 68fdb6c, 2024-08) to 792.1 (CUDA 12.1, 6144x17920x2816, 8deeddd)",
 )
 CUTLASS_SM80_STAGES = 3  # cutlass/gemm/device/default_gemm_configuration.h, Sm80 tensor op: 128x256x64 tiles, kStages 3
 CUTLASS_SM90_STAGES = 4  # CUTLASS's sm90 collective builder, StageCountAuto: 227 KB of shared memory over 48 KB per
@@ -196,10 +210,22 @@ def _table(seq_rates: dict) -> dict:
 
 
 A100 = GpuMeasurements(
-    (1, 16384, 16384, 16384), A100_GEMM, CUTLASS_SM80_STAGES, A100_HBM, _table(A100_FA2), A100_ATTENTION_SCALE
+    (1, 16384, 16384, 16384),
+    A100_GEMM,
+    A100_GEMM_CEILING,
+    CUTLASS_SM80_STAGES,
+    A100_HBM,
+    _table(A100_FA2),
+    A100_ATTENTION_SCALE,
 )
 H100 = GpuMeasurements(
-    (1, 4096, 4096, 4096), H100_GEMM, CUTLASS_SM90_STAGES, H100_HBM, _table(H100_FA2), H100_ATTENTION_SCALE
+    (1, 4096, 4096, 4096),
+    H100_GEMM,
+    H100_GEMM_CEILING,
+    CUTLASS_SM90_STAGES,
+    H100_HBM,
+    _table(H100_FA2),
+    H100_ATTENTION_SCALE,
 )
 FA2_SOURCE = {"a100": _FA2.format("a100"), "h100": _FA2.format("h100")}
 

@@ -1,13 +1,14 @@
 """Recording a simulated step as a program: compute segments cut at every call to the collectives door.
 
-`OpCounter` below watches every aten operation the rank runs: its FLOPs (from torch's `flop_registry`, the
-counts `FlopCounterMode` makes, which add up to `Simulation.flops`), the bytes of its inputs and outputs (what
-a memory-bound kernel would read and write), and the operation as a `Kernel` (a GEMM's or an attention's
-shape), which the cost model prices one by one. It holds no tensor and hooks no module: `FlopCounterMode`'s
-module tracker registers gradient hooks on every module's outputs, and under activation checkpointing the
-recomputed outputs' graph then references itself through them (node -> hook -> node), so every recomputed
-activation stayed alive until the garbage collector ran (GPT-3 fsdp x512, checkpointed: 59.7 GB where FSDP2 +
-FSDPMemTracker read 26.2 GB; 26.2 GB without it, `bench/memory_fsdp2.py --gpt3`).
+`OpCounter` below watches every aten operation the rank runs: its FLOPs (from torch's `flop_registry`, the counts
+`FlopCounterMode` makes, which add up to `Simulation.flops`), the bytes of its inputs and outputs (what a
+memory-bound kernel would read and write; an indexing kernel's `Kernel` only what its index names), and the
+operation as a `Kernel` (a GEMM's or an attention's shape), which the cost model prices one by one. It holds no
+tensor and hooks no module: `FlopCounterMode`'s module tracker registers gradient hooks on every module's outputs,
+and under activation checkpointing the recomputed outputs' graph then references itself through them (node -> hook
+-> node), so every recomputed activation stayed alive until the garbage collector ran (GPT-3 fsdp x512,
+checkpointed: 59.7 GB where FSDP2 + FSDPMemTracker read 26.2 GB; 26.2 GB without it, `bench/memory_fsdp2.py
+--gpt3`).
 The running module's name comes from the memory tracker's own `ModTracker` instead. The door tells `Programmer`
 when a collective is issued and when the rank waits on one (`toolkit.comm.listening`); each time, the
 work since the last cut becomes a `Compute`, then the call becomes a `Collective` or a `Wait`.
@@ -45,6 +46,22 @@ _NO_DEVICE_WORK = {
 }  # metadata only
 
 
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def indexed_bytes(name: str, args, out) -> int | None:
+    """What an indexing kernel moves: its index and the elements the index names, read and written, not the whole
+    tensor it indexes into (a gather of one logit a token out of (tokens x V) logits reads `tokens` of them; an
+    in-place scatter-add writes as many). None for any other operation."""
+    if name in ("gather", "index_select", "embedding"):
+        return _nbytes(args[1] if name == "embedding" else args[2]) + 2 * _nbytes(out)
+    if name in ("scatter_add_", "scatter_"):
+        index = args[2]
+        return _nbytes(index) + _nbytes(args[3] if len(args) > 3 else None) + 2 * index.numel() * args[0].element_size()
+    return None
+
+
 def kernel_of(func, args, kwargs, out, nbytes: int) -> Kernel:
     """The `Kernel` record of one aten call: a GEMM's (batch, m, n, k), a fused attention's shape, else its bytes."""
     packet = func._overloadpacket
@@ -74,7 +91,8 @@ def kernel_of(func, args, kwargs, out, nbytes: int) -> Kernel:
             "backward" in name,
         )
         return Kernel(name, "attention", flops, float(nbytes), dtype, tuple(int(x) for x in shape[:5]) + shape[5:])
-    return Kernel(name, "other", flops, float(nbytes), dtype)
+    indexed = indexed_bytes(name, args, out)
+    return Kernel(name, "other", flops, float(nbytes if indexed is None else indexed), dtype)
 
 
 class OpCounter(TorchDispatchMode):
