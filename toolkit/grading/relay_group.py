@@ -173,8 +173,8 @@ class _Link:
 class RelayGroup(dist.ProcessGroup):
     """A process group whose messages the grader's relay carries, and which has no collective."""
 
-    def __init__(self, link: _Link, rank: int, size: int):
-        super().__init__(rank, size)
+    def __init__(self, link: _Link, rank: int, size: int, timeout: timedelta | None = None):
+        super().__init__(rank, size)  # timeout: the group's, as torch hands it; a message waits as gloo's does
         self.link, self._rank, self._size = link, rank, size
 
     def size(self) -> int:
@@ -249,22 +249,17 @@ def connect(path: str, rank: int, token: str) -> _Link:
     return _Link(link_socket)
 
 
-def switch(link: _Link, rank: int, world_size: int, collectives: bool = False) -> _Link:
-    """Tear down this rank's gloo group and store, and make a RelayGroup on `link` the default group (with
-    `collectives`, a `relay_collectives.CollectiveGroup`: the relay carries the collectives too)."""
+def switch(link: _Link, rank: int, world_size: int, group: type | None = None) -> _Link:
+    """Tear down this rank's gloo group and store, and make a `group` (a RelayGroup, the default, or a subclass:
+    `relay_collectives.CollectiveGroup` has the relay carry the collectives too) on `link` the default group."""
+    group = group or RelayGroup
     if dist.is_initialized():
         dist.destroy_process_group()  # gloo's sockets closed; the rendezvous store let go with it
-    name = BACKEND + ("_collectives" if collectives else "")
+    name = BACKEND if group is RelayGroup else f"{BACKEND}_{group.__name__.lower()}"
     if name.upper() not in dist.Backend._plugins:
-        if collectives:
-            from .relay_collectives import CollectiveGroup
 
-            def make(store, group_rank, group_size, timeout):
-                return CollectiveGroup(link, group_rank, group_size, timeout)
-        else:
-
-            def make(store, group_rank, group_size, timeout):
-                return RelayGroup(link, group_rank, group_size)
+        def make(store, group_rank, group_size, timeout):
+            return group(link, group_rank, group_size, timeout)
 
         dist.Backend.register_backend(name, make, devices=["cpu"])
     _KEPT.append(Agreeing(link))  # a Python store lives as long as its Python object: torch holds only the C++ half

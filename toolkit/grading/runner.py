@@ -118,6 +118,7 @@ def rank_main(spec: dict) -> None:
     from ..runtime import status
     from . import contract, delegation, relay_group, sandbox, seccomp, wire
     from .on_rank import Rank
+    from .relay_collectives import CollectiveGroup
     from .watchdog import Watchdog
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -126,7 +127,7 @@ def rank_main(spec: dict) -> None:
     link = relay_group.connect(spec["relay"], rank, given.pop("relay"))  # each check's inputs, and its result
     messages_only = bool(spec.get("messages_only"))
     # no process group of its own: the grader carries its messages (a point-to-point lab) or its collectives too
-    relay_group.switch(link, rank, world_size, collectives=not messages_only)
+    relay_group.switch(link, rank, world_size, relay_group.RelayGroup if messages_only else CollectiveGroup)
     sandbox.confine(spec["read"], [spec["out"], spec["work"], spec["tmp"]], spec["hidden"], no_tcp=True)
     seccomp.no_new_channels()
     limits, out, solution = spec["limits"], spec["out"], spec["student"]
