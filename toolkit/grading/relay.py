@@ -15,26 +15,23 @@ belongs to the span between the rank taking the check's inputs (`{"op": "inputs"
 once the rank has handed in the previous check's result) and handing in its result (`{"op": "result"}`: the
 first one counts). So every message a result could depend on is in its check's record: a submission cannot
 fetch the inputs early, exchange them in another check's span, and leave ring-shaped decoys where the check
-looks. The grader substitutes this record for what the rank reports under `messages` (`grader._verdict`).
+looks. The grader substitutes this record for what the rank reports under `messages` (`verdicts.relayed`).
 
-It runs in the grader's process, in threads: one accepting, one per rank. Everything a rank sends it is read as
-untrusted frames (capped, checked), never code.
+It runs in the grader's process, in threads: one accepting, one per rank (`relay_frames.FrameServer`: the socket's
+end, a frame per request). Everything a rank sends it is read as untrusted frames (capped, checked), never code.
 """
 
 from __future__ import annotations
 
-import os
-import secrets
-import socket
 import threading
-import time
 from collections import defaultdict, deque
 
 import torch
 
 from . import relay_meet
-from .relay_group import DTYPES, read_frame, send_frame
+from .relay_frames import FrameServer
 from .relay_store import Bookings
+from .wire import DTYPES
 
 MAX_MESSAGE = 64 * 2**20  # one message's bytes (a result's too: wire.MAX_BYTES)
 MAX_HELD = 256 * 2**20  # bytes of sends held for their receivers, all ranks together
@@ -43,14 +40,14 @@ MAX_POSTS = 200_000  # messages one rank may post in a launch (the record of eac
 MAX_COLLECTIVES = 50_000  # collectives one rank may call in a launch (each recorded in the grader's memory)
 
 
-class Relay:
+class Relay(FrameServer):
     """`with Relay(folder, n, inputs) as relay:` for one launch; `relay.path`, `relay.tokens[r]` go to the ranks.
     inputs[index][rank]: the wire-encoded inputs of each check (in the order the ranks take them)."""
 
+    max_payload = MAX_MESSAGE
+
     def __init__(self, folder: str, world_size: int, order: list, inputs: dict):
-        self.world_size, self.order, self.inputs = world_size, [str(i) for i in order], inputs
-        self.tokens = [secrets.token_hex(16) for _ in range(world_size)]
-        self.path = os.path.join(folder, "relay.sock")
+        self.order, self.inputs = [str(i) for i in order], inputs
         self.results: dict[str, dict[int, bytes]] = defaultdict(dict)
         self.record: dict[int, dict[str, list]] = {r: defaultdict(list) for r in range(world_size)}
         # collectives[rank][check]: what the relay carried for the rank, in the order it called (relay_meet.entry;
@@ -58,7 +55,6 @@ class Relay:
         self.collectives: dict[int, dict[str, list]] = {r: defaultdict(list) for r in range(world_size)}
         self._counted: dict[tuple, int] = defaultdict(int)  # (rank, group) -> its collectives on that group so far
         self._meets: dict[tuple, dict] = {}  # (group, k) -> the members' k-th calls on it, until carried
-        self._writing: dict[int, threading.Lock] = defaultdict(threading.Lock)  # one answer at a time per socket
         self.bookings = Bookings()
         self._at = [0] * world_size  # the position in `order` of the check each rank is in (0: importing)
         self._lock = threading.Lock()
@@ -66,88 +62,7 @@ class Relay:
         self._posts, self._called = [0] * world_size, [0] * world_size
         self._ready = [False] * world_size
         self._sends, self._recvs = defaultdict(deque), defaultdict(deque)  # (src, dst, group, tag) -> posts
-        self._ranks: dict[int, socket.socket] = {}
-        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        if os.path.lexists(self.path):  # the last launch's
-            os.unlink(self.path)
-        self._server.bind(self.path)
-        os.chmod(self.path, 0o666)  # the ranks may run as another user; the token says who is who
-        self._server.listen(world_size)
-        self._threads = [threading.Thread(target=self._accept, daemon=True, name="grading-relay")]
-        self._threads[0].start()
-
-    def __enter__(self) -> Relay:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for sock in [self._server, *self._ranks.values()]:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
-        for thread in self._threads:
-            thread.join(timeout=5)
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self._server.accept()
-            except OSError:
-                return
-            sock.settimeout(30)
-            try:
-                frame = read_frame(sock, 0)
-            except (OSError, ValueError):
-                frame = None
-            hello = frame[0] if frame else {}
-            rank = hello.get("rank")
-            if not (
-                isinstance(rank, int)
-                and 0 <= rank < self.world_size
-                and rank not in self._ranks
-                and secrets.compare_digest(str(hello.get("token")), self.tokens[rank])
-            ):
-                sock.close()
-                continue
-            sock.settimeout(None)
-            self._ranks[rank] = sock
-            thread = threading.Thread(target=self._serve, args=(rank, sock), daemon=True, name=f"grading-relay-{rank}")
-            self._threads.append(thread)
-            thread.start()
-
-    def _serve(self, rank: int, sock: socket.socket) -> None:
-        while True:
-            try:
-                frame = read_frame(sock, MAX_MESSAGE)
-            except (OSError, ValueError):
-                frame = None
-            if frame is None:  # the end, or a frame past the cap: the rank's link ends (it waits on nothing)
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                return
-            message, payload = frame
-            try:
-                self._handle(rank, sock, message, payload)
-            except (OSError, KeyError, TypeError, ValueError) as exc:
-                said = f": {str(exc)[:200]}" if isinstance(exc, ValueError) else ""
-                self._answer(sock, message, error=f"the grader's relay refused a request ({type(exc).__name__}{said})")
-
-    def _answer(self, sock, message: dict, payload: bytes = b"", error: str = "") -> None:
-        try:
-            with self._writing[sock.fileno()]:
-                send_frame(sock, {"id": message.get("id"), **({"error": error} if error else {})}, payload)
-        except OSError:
-            pass
+        super().__init__(folder, world_size)  # the socket's end: admits each rank by its token (`relay_frames.py`)
 
     def _check(self, rank: int) -> str:
         at = self._at[rank]
@@ -294,9 +209,3 @@ class Relay:
                 min(self._at[r], 1) + sum(r in self.results.get(check, {}) for check in self.order)
                 for r in range(self.world_size)
             ]
-
-    def wait_closed(self, seconds: float = 1.0) -> None:
-        """Give the ranks' last frames a moment to land (the launch has ended)."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and any(t.is_alive() for t in self._threads[1:]):
-            time.sleep(0.02)

@@ -17,50 +17,19 @@ since the relay holds a message until its receiver asks), and after the switch t
 
 from __future__ import annotations
 
-import json
 import re
 import socket
-import struct
 import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from .relay_frames import read_frame, send_frame  # the frames both ends speak
 from .relay_store import Agreeing
 from .wire import DTYPES  # the tensors' dtypes a message may carry, as an answer may
 
-HEADER = struct.Struct("!II")  # the JSON's length, the payload's length
 BACKEND = "toolkit_relay"
-
-
-def send_frame(sock: socket.socket, message: dict, payload: bytes = b"") -> None:
-    body = json.dumps(message).encode()
-    sock.sendall(HEADER.pack(len(body), len(payload)) + body + payload)
-
-
-def _exactly(sock: socket.socket, size: int) -> bytes | None:
-    data = bytearray()
-    while len(data) < size:
-        chunk = sock.recv(min(size - len(data), 1 << 20))
-        if not chunk:
-            return None
-        data += chunk
-    return bytes(data)
-
-
-def read_frame(sock: socket.socket, max_bytes: int) -> tuple[dict, bytes] | None:
-    """(message, payload), or None at the end of the stream; ValueError for a frame past `max_bytes`."""
-    head = _exactly(sock, HEADER.size)
-    if head is None:
-        return None
-    size, payload_size = HEADER.unpack(head)
-    if size > 1 << 16 or payload_size > max_bytes:
-        raise ValueError(f"a frame of {size} + {payload_size} bytes, more than the relay carries")
-    body, payload = _exactly(sock, size), _exactly(sock, payload_size) if payload_size else b""
-    if body is None or payload is None:
-        return None
-    return json.loads(body), payload
 
 
 class _Work(dist._Work):
