@@ -25,10 +25,11 @@ import torch
 from lab_grading import LABS, LabGrading
 
 from toolkit.grading import lab_checks
-from toolkit.grading.grader import _generator, _relayed, _verdict
+from toolkit.grading.grader import _generator
 from toolkit.grading.isolation import Sandbox
 from toolkit.grading.mutants import LIMITS, WRAPPER
 from toolkit.grading.session import Box, launch_ranks
+from toolkit.grading.verdicts import relayed, verdict
 
 LAB = LABS / "13-context-parallel"
 CHECKS = {
@@ -200,9 +201,9 @@ def grade_many(students: dict, seed: int = 0) -> dict:
                 )
                 assert launch.stuck is None, launch.stuck  # every mistake here fails without hanging
                 for v, check in virtual.items():
-                    results = _relayed(launch.results.get(v, {}), launch, v)
+                    results = relayed(launch.results.get(v, {}), launch, v)
                     said = found[names[v // len(checks)]]
-                    said[check.name] = said[check.name] or _verdict(check, n, drawn[v % len(checks)], results, launch)
+                    said[check.name] = said[check.name] or verdict(check, n, drawn[v % len(checks)], results, launch)
     return found
 
 

@@ -34,10 +34,11 @@ from pathlib import Path
 
 from . import mutation
 from .declared import declared
-from .grader import _first_failure, _relayed, _verdict, lab_checks
+from .grader import lab_checks
 from .isolation import Sandbox
 from .runner import IMPORT
 from .session import Box, Limits, launch_ranks
+from .verdicts import first_failure, relayed, verdict
 
 LIMITS = Limits(check_timeout_s=30.0, stall_s=5.0, time_limit_s=120.0)  # the grading's, with room for a loaded machine
 EQUIVALENT = "equivalent_mutants.md"  # in a lab: "- `<mutant id>`: why it computes what the reference does"
@@ -196,12 +197,12 @@ def _run(box: Box, check, n: int, alive: list, seed: int, grading_id: str, messa
             messages_only=messages_only,
         )
         imported = found.results[IMPORT]
-        if _first_failure(imported) or len(imported) < n:
+        if first_failure(imported) or len(imported) < n:
             raise RuntimeError(f"the mutants' tasks could not be imported on {n} ranks: {found.lines[-20:]}")
         stuck = found.stuck
         for position, k in enumerate(todo):
-            results = _relayed(found.results.get(k, {}), found, k)  # the traffic a check reads: the relay's record
-            verdicts[k] = _verdict(virtual[k], n, drawn, results, found)
+            results = relayed(found.results.get(k, {}), found, k)  # the traffic a check reads: the relay's record
+            verdicts[k] = verdict(virtual[k], n, drawn, results, found)
             if stuck is not None and stuck["index"] == k:
                 verdicts[k] = verdicts[k] or f"a deadlock: {stuck['message'][:300]}"
                 todo = todo[position + 1 :]
