@@ -279,7 +279,8 @@ def test_each_grading_forks_its_server_from_one_the_process_started_once():
     from uuid import uuid4
 
     from toolkit.grading import isolation
-    from toolkit.grading.session import ID_ROOM, Box, _env
+    from toolkit.grading.box import ID_ROOM, Box
+    from toolkit.grading.session import _env
     from toolkit.runtime import zygotes
 
     servers = []

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from . import isolation, report
 from .grader import grade
+from .limits import Limits
 from .sandbox import Unsafe
-from .session import Limits
 from .untrusted import clean
 
 

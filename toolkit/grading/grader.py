@@ -4,7 +4,7 @@ A lab folder holds `checks.py` (the judges, written with `toolkit.grading.check`
 on the instructor's side), `tasks.py` (what the ranks run next to the student's code) and the student's
 file (`skeleton.py` unless told otherwise). In this process, nothing of the student's runs: the file is
 read as bytes (never through a link), parsed (not run) to find a syntax error or a use of the lab's answers
-(`delegation.py`), and copied into a folder of its own (`session.Box`) with the students' build of the toolkit
+(`delegation.py`), and copied into a folder of its own (`box.Box`) with the students' build of the toolkit
 (`student_wheel.for_lab`); a machine that cannot give it the sandbox promised refuses first (`sandbox.preflight`).
 For each world size the checks ask for, the ranks start there (`session.launch_ranks`), run every check's task
 on inputs made here with a seed drawn for this grading, and send back what they observed; the judges here
@@ -35,12 +35,14 @@ from pathlib import Path
 import torch
 
 from . import delegation, namespaces, sandbox, untrusted
+from .box import Box
 from .checks import PLATFORM_CHECKS, PLATFORM_ONLY, Check, platform_only
 from .declared import declared
 from .isolation import Sandbox
+from .limits import Limits
 from .runner import IMPORT, load_module
 from .score import CheckResult, Score, format_score, zero
-from .session import Box, Limits, launch_ranks
+from .session import launch_ranks
 from .verdicts import crash_story, first_failure, relayed, verdict
 
 HIDDEN_CHECKS = "hidden_checks.py"  # the instructor's extra checks: graded, never released to students

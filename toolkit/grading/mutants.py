@@ -33,11 +33,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import mutation
+from .box import Box
 from .declared import declared
 from .grader import lab_checks
 from .isolation import Sandbox
+from .limits import Limits
 from .runner import IMPORT
-from .session import Box, Limits, launch_ranks
+from .session import launch_ranks
 from .verdicts import first_failure, relayed, verdict
 
 LIMITS = Limits(check_timeout_s=30.0, stall_s=5.0, time_limit_s=120.0)  # the grading's, with room for a loaded machine

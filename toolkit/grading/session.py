@@ -1,11 +1,5 @@
-"""The grader's side of one launch: a folder for the submission, its ranks started and stopped, and what they
-sent read back as untrusted data.
-
-`Box` is the grading's folder (one per submission): `code/` (a copy of the student's file and the lab's
-`tasks.py`, read-only), `work/` (the submission's working directory), `tmp/`, `inputs/` (one file per
-rank: its token for the grader's relay, removed by that rank before any student code runs) and `out/` (what
-the ranks write). The instructor's lab folder, the other students' files and the grader's results are never
-in it.
+"""The grader's side of one launch: the submission's ranks started and stopped in the grading's folder (`box.Box`),
+and what they sent read back as untrusted data.
 
 `launch_ranks` starts the grader's relay (`relay.py`: it hands the ranks each check's inputs, takes their
 results, and is the overseer's clock), writes each rank's token and a spec, has the grading's fork server (one
@@ -20,22 +14,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..runtime import zygotes
-from ..runtime.zygote_link import Zygote, ZygoteError
-from . import isolation, namespaces, sandbox, student_wheel, untrusted, wire
+from ..runtime.zygote_link import ZygoteError
+from . import isolation, sandbox, student_wheel, untrusted, wire
+from .box import Box
+from .limits import Limits
 from .overseer import GRACE_S, STARTUP_S, Overseer
 from .relay import Relay
 from .runner import IMPORT, inputs_path, result_path
 
-FORKSERVER = str(Path(__file__).resolve().with_name("forkserver.py"))
 # The launcher as a fresh interpreter starts as the grader's user, outside the sandbox it then enters: isolated
 # (-I: no current folder, no user site-packages and no PYTHON* variable decide what it imports, since the
 # submission writes its working folder and HOME), with the students' toolkit alone put first on its path.
@@ -43,77 +35,6 @@ LAUNCHER = "import sys; sys.path.insert(0, sys.argv.pop(1)); import toolkit.grad
 
 KEEP_ENV = ("PATH", "LANG", "LC_ALL", "VIRTUAL_ENV", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 TEXT_LIMIT = 20_000
-ID_ROOM = 64  # the longest grading id a grading's server can carry (uuid4().hex: 32)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What grading one solution may cost. check_timeout_s: how long one rank waits for one message;
-    stall_s: every rank blocked (or done) this long is a deadlock; time_limit_s: one check's wall time (and
-    the import's); memory_limit_mb: the data a rank may allocate beyond what it had when the submission was
-    imported (None: no limit); max_processes: processes the grading may hold at once (the grader stops it
-    past that, root or not); output_limit_mb: what the ranks of a launch may print (the grader stops the
-    launch past it). None of them is enforced inside the submission's processes (`overseer.py`, `sandbox`)."""
-
-    check_timeout_s: float = 20.0
-    stall_s: float = 5.0
-    time_limit_s: float = 120.0
-    memory_limit_mb: float | None = 4096
-    max_processes: int = 512
-    output_limit_mb: float = 8.0
-
-
-class Box:
-    """The grading's folder. `with Box(lab_dir, source, filename) as box:`; removed on exit. It holds the students'
-    toolkit for the lab (`student_wheel.for_lab`: lib/, what the ranks import), and knows who the submission
-    runs as (`user`: None, as the grader) and whether this machine gives a launch namespaces of its own."""
-
-    def __init__(self, lab_dir: Path, source: bytes, filename: str):
-        self.root = Path(tempfile.mkdtemp(prefix="toolkit-grade-"))
-        self.code, self.work, self.tmp = self.root / "code", self.root / "work", self.root / "tmp"
-        self.inputs, self.out = self.root / "inputs", self.root / "out"
-        for folder in (self.code, self.work, self.tmp, self.inputs, self.out):
-            folder.mkdir()
-        self.lab_dir = Path(lab_dir)
-        self.student = self.code / (filename if filename.endswith(".py") else "submission.py")
-        self.student.write_bytes(source)
-        self.tasks = self.code / "tasks.py"
-        shutil.copyfile(lab_dir / "tasks.py", self.tasks)
-        self.lib = self.root / "lib"  # the students' toolkit (cached once per toolkit and lab), copied
-        shutil.copytree(student_wheel.for_lab(lab_dir) / "toolkit", self.lib / "toolkit")
-        self.root.chmod(0o755)
-        self.user, self.namespaces = sandbox.other_user(), bool(namespaces.probe())
-        sandbox.hand_over([self.work, self.tmp, self.inputs, self.out], self.user)
-        self.server: Zygote | None = None  # the grading's fork server, from the first launch
-        self.serverless = ""  # why launches start fresh interpreters instead
-
-    def __enter__(self) -> Box:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.server is not None:
-            self.server.close()
-        shutil.rmtree(self.root, ignore_errors=True)
-        if not self.namespaces:  # no /tmp and /dev/shm of its own: what the sandbox's user left there goes now
-            sandbox.sweep(self.user)
-
-    def fork_server(self, env: dict) -> Zygote | None:
-        """The grading's fork server, started on first use; None where none can serve (self.serverless: why)."""
-        if self.server is None and not self.serverless:
-            why = zygotes.why_not(1)
-            if why is None:
-                try:
-                    self.server = _grading_server(env, str(self.work))
-                except (ZygoteError, OSError) as exc:
-                    why = f"the grading's fork server could not start ({exc})"
-            self.serverless = why or ""
-        return self.server
-
-    def fresh_out(self) -> None:
-        for folder in (self.out, self.inputs):
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir()
-        sandbox.hand_over([self.out, self.inputs], self.user)
 
 
 @dataclass
@@ -134,14 +55,6 @@ class Launch:
     def of_rank(self, rank: int, count: int = 3) -> list[str]:
         prefix = f"[rank {rank}] "
         return [line[len(prefix) :] for line in self.lines if line.startswith(prefix)][-count:]
-
-
-def _grading_server(env: dict, cwd: str) -> Zygote:
-    """The grading's fork server, forked by the graders' server of this process (`forkserver.py`, started once
-    per environment with a blank id that the grading's server overwrites with its own)."""
-    common = {k: v for k, v in env.items() if k not in ("HOME", "TMPDIR", "PYTHONPATH")}
-    common[isolation.MARKER] = "-" * ID_ROOM
-    return Zygote.forked_by(zygotes.server(common, FORKSERVER), {"env": env, "cwd": cwd, "marker": isolation.MARKER})
 
 
 def _env(box: Box, grading_id: str) -> dict:

@@ -1,0 +1,83 @@
+"""The grading's folder, one per submission, and the grading's fork server that lives as long as it.
+
+`Box` holds `code/` (a copy of the student's file and the lab's `tasks.py`, read-only), `work/` (the submission's
+working directory), `tmp/`, `inputs/` (one file per rank: its token for the grader's relay, removed by that rank
+before any student code runs), `out/` (what the ranks write) and `lib/` (the students' toolkit for the lab, what
+the ranks import). The instructor's lab folder, the other students' files and the grader's results are never in
+it. Each launch of the grading (`session.launch_ranks`) is forked by the grading's fork server: one per Box,
+forked by the graders' server (`forkserver.py`) with the grading's id in its environment.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..runtime import zygotes
+from ..runtime.zygote_link import Zygote, ZygoteError
+from . import isolation, namespaces, sandbox, student_wheel
+
+FORKSERVER = str(Path(__file__).resolve().with_name("forkserver.py"))
+ID_ROOM = 64  # the longest grading id a grading's server can carry (uuid4().hex: 32)
+
+
+class Box:
+    """The grading's folder. `with Box(lab_dir, source, filename) as box:`; removed on exit. It holds the students'
+    toolkit for the lab (`student_wheel.for_lab`: lib/, what the ranks import), and knows who the submission
+    runs as (`user`: None, as the grader) and whether this machine gives a launch namespaces of its own."""
+
+    def __init__(self, lab_dir: Path, source: bytes, filename: str):
+        self.root = Path(tempfile.mkdtemp(prefix="toolkit-grade-"))
+        self.code, self.work, self.tmp = self.root / "code", self.root / "work", self.root / "tmp"
+        self.inputs, self.out = self.root / "inputs", self.root / "out"
+        for folder in (self.code, self.work, self.tmp, self.inputs, self.out):
+            folder.mkdir()
+        self.lab_dir = Path(lab_dir)
+        self.student = self.code / (filename if filename.endswith(".py") else "submission.py")
+        self.student.write_bytes(source)
+        self.tasks = self.code / "tasks.py"
+        shutil.copyfile(lab_dir / "tasks.py", self.tasks)
+        self.lib = self.root / "lib"  # the students' toolkit (cached once per toolkit and lab), copied
+        shutil.copytree(student_wheel.for_lab(lab_dir) / "toolkit", self.lib / "toolkit")
+        self.root.chmod(0o755)
+        self.user, self.namespaces = sandbox.other_user(), bool(namespaces.probe())
+        sandbox.hand_over([self.work, self.tmp, self.inputs, self.out], self.user)
+        self.server: Zygote | None = None  # the grading's fork server, from the first launch
+        self.serverless = ""  # why launches start fresh interpreters instead
+
+    def __enter__(self) -> Box:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.server is not None:
+            self.server.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+        if not self.namespaces:  # no /tmp and /dev/shm of its own: what the sandbox's user left there goes now
+            sandbox.sweep(self.user)
+
+    def fork_server(self, env: dict) -> Zygote | None:
+        """The grading's fork server, started on first use; None where none can serve (self.serverless: why)."""
+        if self.server is None and not self.serverless:
+            why = zygotes.why_not(1)
+            if why is None:
+                try:
+                    self.server = _grading_server(env, str(self.work))
+                except (ZygoteError, OSError) as exc:
+                    why = f"the grading's fork server could not start ({exc})"
+            self.serverless = why or ""
+        return self.server
+
+    def fresh_out(self) -> None:
+        for folder in (self.out, self.inputs):
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+        sandbox.hand_over([self.out, self.inputs], self.user)
+
+
+def _grading_server(env: dict, cwd: str) -> Zygote:
+    """The grading's fork server, forked by the graders' server of this process (`forkserver.py`, started once
+    per environment with a blank id that the grading's server overwrites with its own)."""
+    common = {k: v for k, v in env.items() if k not in ("HOME", "TMPDIR", "PYTHONPATH")}
+    common[isolation.MARKER] = "-" * ID_ROOM
+    return Zygote.forked_by(zygotes.server(common, FORKSERVER), {"env": env, "cwd": cwd, "marker": isolation.MARKER})
