@@ -13,7 +13,8 @@ thread is asleep in the kernel (`/proc/self/task/<tid>/stat` says S: a wait, not
 innermost Python frame is the same frame object at the same instruction as before, and no
 `torch.distributed` call began since the last look. After `stall_s` of that, the rank posts where it is
 (the line of the student's file) to the shared folder; the first watchdog to see every rank blocked or
-finished writes the story to `deadlock.json`, and every rank then records it as its result and exits.
+finished writes the story (`deadlock_story.py`) to `deadlock.json`, and every rank then records it as its result
+and exits.
 
 The memory ceiling is `sandbox.limit`'s (RLIMIT_DATA, which since Linux 4.7 counts every private writable
 mapping: the heap and torch's tensors; not RLIMIT_AS: gloo reserves ~150 MiB of address space per process
@@ -34,6 +35,8 @@ import threading
 import time
 
 import torch.distributed as dist
+
+from .deadlock_story import at_line, describe_deadlock
 
 POLL_S = 0.25
 COMM_FILES = (os.sep + os.path.join("torch", "distributed") + os.sep, os.sep + os.path.join("toolkit", "comm") + os.sep)
@@ -216,7 +219,7 @@ class Watchdog:
         frame = sys._current_frames().get(self.main.ident)
         where = _where(frame, self.solution) if frame is not None else {"line": None, "text": "", "call": ""}
         del frame
-        at = _at(where, self.solution)
+        at = at_line(where, self.solution)
         what = "importing your file" if index == "import" else "this check"
         _claim(
             os.path.join(self.folder, "deadlock.json"),
@@ -238,45 +241,6 @@ class Watchdog:
             _write(self.result_path(index, self.rank), {"error": verdict["message"], "time": time.time()})
         sys.stdout.flush()
         os._exit(17)
-
-
-def _at(where: dict, solution: str) -> str:
-    if where.get("line") is None:
-        return ""
-    text = f" (`{where['text']}`)" if where.get("text") else ""
-    return f" at {os.path.basename(solution)} line {where['line']}{text}"
-
-
-def describe_deadlock(stuck: dict, done: list, solution: str, stall_s: float) -> str:
-    """The story of a check no rank can finish: where each rank waits, and what that usually means."""
-    lines = []
-    if done:
-        lines.append(
-            f"rank{'s' * (len(stuck) > 1)} {', '.join(map(str, sorted(stuck)))} waited more than "
-            f"{stall_s:.0f} s for messages that no rank will send: rank{'s' * (len(done) > 1)} "
-            f"{', '.join(map(str, done))} already finished this check."
-        )
-    else:
-        lines.append(
-            f"deadlock: every rank has been blocked for more than {stall_s:.0f} s, each waiting "
-            "for another; no rank can make progress, so the grading stopped here."
-        )
-    for r, where in sorted(stuck.items()):
-        call = f" in {where['call']}" if where.get("call") else ""
-        lines.append(f"  rank {r} is blocked{_at(where, solution)}{call}")
-    calls = {w.get("call", "") for w in stuck.values()}
-    if not done and calls and all(c.endswith("send") and "isend" not in c for c in calls):
-        lines.append(
-            "  hint: every rank is in a blocking send, and a blocking send returns only once the "
-            "receiver has posted its receive, which no rank reaches. Post the send and the receive "
-            "together (dist.isend and dist.irecv, or dist.batch_isend_irecv), then wait for both."
-        )
-    elif not done:
-        lines.append(
-            "  hint: every wait needs a matching send on the peer, posted before that peer waits itself; "
-            "check that all ranks run the same steps in the same order."
-        )
-    return "\n".join(lines)
 
 
 # --- small file helpers (results cross between processes as files) -----------------------------------
