@@ -2,8 +2,8 @@
 ipyparallel."""
 
 from .cluster import cluster, restart_cluster
-from .cluster import explain as explain_cluster_error
 from .cluster import stop as stop_cluster
+from .cluster_explain import explain as explain_cluster_error
 from .env import Placement, detect, device, init, resolve_backend
 from .launch import RankError, launch
 

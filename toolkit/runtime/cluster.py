@@ -21,7 +21,7 @@ wait) bounds a cell in which a rank skipped a collective; `view.apply` / `apply_
 recover the same way. If an engine exits (`os._exit`), the others live on but cannot run a collective
 again; if one is killed by a signal, MPICH's mpiexec ends them all. Either way the toolkit says which
 engine died first, how, and how to restart the cluster (`restart_cluster`). In IPython that explanation is
-printed under the cell's error; elsewhere, `explain(rc, error)` returns it.
+printed under the cell's error; elsewhere, `explain(rc, error)` returns it (`cluster_explain.py`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import shutil
 import sys
 import time
 
-from . import exits
 from .cluster_ends import EngineEnds
+from .cluster_explain import explain as explain  # cluster.explain, as before (`cluster_explain.py`)
+from .cluster_explain import explain_under_errors, guard_targets
 from .env import resolve_backend
 from .launch import check_seconds
 
@@ -41,7 +42,6 @@ _SETUP = (
     "_toolkit_place = _toolkit_engine.setup({backend!r}, {timeout_s!r})"
 )
 _START_TIMEOUT_S = 180.0  # engines import torch on start: slow on a loaded laptop
-_RESTART = "rc = toolkit.runtime.restart_cluster(rc)"
 
 
 def _mpiexec() -> str:
@@ -84,9 +84,9 @@ def cluster(n: int, *, backend: str = "auto", timeout_s: float = 30.0, activate:
         raise
     rc.toolkit_cluster["ranks"] = {e: p.rank for e, p in zip(view.targets, places)}
     rc.toolkit_cluster["ends"] = EngineEnds(dict(zip(view.targets, pids)))
-    _guard_targets(rc)
+    guard_targets(rc)
     if _in_ipython():
-        _explain_under_errors(rc)
+        explain_under_errors(rc)
     return rc
 
 
@@ -155,154 +155,3 @@ def restart_cluster(rc):
     return cluster(
         options["n"], backend=options["backend"], timeout_s=options["timeout_s"], activate=options["activate"]
     )
-
-
-def explain(rc, error) -> str | None:
-    """What went wrong in a cell that failed on the engines, who caused it and what to do (None: not ours)."""
-    from ipyparallel import error as ipp_error
-
-    from .blame import reads_as_consequence
-
-    ranks = rc.toolkit_cluster["ranks"]
-    error = getattr(error, "original_error", error)  # the magic's "already displayed" wrapper
-    if isinstance(error, rc.toolkit_cluster.get("gone_error", ())):
-        return str(error)  # raised by the toolkit: it says it all
-    gone = sorted(set(ranks) - set(rc.ids))
-    if isinstance(error, ipp_error.CompositeError):
-        failures = [(ei.get("engine_id"), en, str(ev)) for en, ev, _, ei in error.elist]
-    elif isinstance(error, ipp_error.RemoteError):
-        failures = [(error.engine_info.get("engine_id"), error.ename, error.evalue)]
-    elif isinstance(error, ipp_error.KernelError):
-        failures = []
-    else:
-        return None
-    gone += sorted({e for e, name, _ in failures if name == "EngineError" and e in ranks} - set(gone))
-    if gone or isinstance(error, ipp_error.NoEnginesRegistered):
-        return _engines_died(rc, gone)
-    causes = [(e, name, text) for e, name, text in failures if not reads_as_consequence(name, text)]
-    echoes = [e for e, *_ in failures if e not in {c[0] for c in causes}]
-    fresh = "The next cell re-creates the process group on every engine by itself: nothing to restart."
-    if not causes:
-        story = _who_skipped(rc, failures) or (
-            "every error here is a consequence (a timeout or a lost partner): no engine raised on its own, so look "
-            "for a rank that skipped the collective, called another one, or is still computing."
-        )
-        return f"toolkit: {story} {fresh}"
-    lines = [
-        f"toolkit: rank {ranks.get(e, '?')} (engine {e}) raised {name}: {text.splitlines()[0] if text else ''}"
-        for e, name, text in causes
-    ]
-    if echoes:
-        lines.append(
-            f"The errors on rank{'s' * (len(echoes) > 1)} {', '.join(str(ranks.get(e, '?')) for e in echoes)} "
-            "are consequences: they were waiting for it in a collective when its cell failed."
-        )
-    return "\n".join(lines + [fresh])
-
-
-def _guard_targets(rc) -> None:
-    """A call on a view of engines that are gone fails inside ipyparallel with `KeyError: 1`; say what it means."""
-    from ipyparallel import error as ipp_error
-
-    class EnginesGone(ipp_error.EngineError):
-        """The toolkit's explanation, raised where ipyparallel would raise a KeyError for a dead engine."""
-
-    real = rc._build_targets
-
-    def build_targets(targets):
-        try:
-            return real(targets)
-        except (KeyError, IndexError) as exc:
-            gone = sorted(set(rc.toolkit_cluster["ranks"]) - set(rc.ids))
-            raise EnginesGone(_engines_died(rc, gone)) from exc
-
-    rc._build_targets = build_targets
-    rc.toolkit_cluster["gone_error"] = EnginesGone
-
-
-def _engines_died(rc, gone: list[int]) -> str:
-    """Which engine died first and how; whether the others live (MPICH ends them all after a signal)."""
-    ranks, ends = rc.toolkit_cluster["ranks"], rc.toolkit_cluster.get("ends")
-    ended = ends.first() if ends is not None else [(e, None) for e in gone[:1]]
-    alive = ends.alive() if ends is not None else sorted(set(ranks) - set(gone))
-    restart = f"Restart the cluster (fresh engines: variables on them are lost):\n    {_RESTART}"
-    if not ended:
-        return f"toolkit: every engine is gone (none answers). {restart}"
-
-    def how(code):
-        return (
-            exits.story(code)
-            if code is not None
-            else (
-                "died: its process ended (os._exit, a crash in native code, or it was killed, e.g. by the "
-                "out-of-memory killer)"
-            )
-        )
-
-    if len(ended) == 1:
-        first, code = ended[0]
-        told = f"toolkit: engine {first} (rank {ranks[first]}) {how(code)}."
-    else:  # one of them first, and the others ended by mpiexec at once: nothing tells which
-        told = (
-            f"toolkit: engines {', '.join(str(e) for e, _ in ended)} (ranks "
-            f"{', '.join(str(ranks[e]) for e, _ in ended)}) ended too close together to tell which was first "
-            f"(the machine was too busy to see them end one at a time): "
-            f"{'; '.join(sorted({how(c) for _, c in ended}))}. One of them ended first."
-        )
-    if not alive:
-        return (
-            f"{told} It took the MPI job with it: mpiexec then ended every other engine (MPICH's process "
-            f"manager stops all processes of an MPI job when one is killed by a signal), so no engine is "
-            f"left. {restart}"
-        )
-    return (
-        f"{told} Engine{'s' * (len(alive) > 1)} {', '.join(map(str, alive))} {'are' if len(alive) > 1 else 'is'} "
-        f"alive, but the process group lost a member, so no collective can work again. {restart}"
-    )
-
-
-def _who_skipped(rc, failures) -> str | None:
-    """Ask the engines how far each got on the group of the collective that timed out."""
-    import re
-
-    from .cluster_engine import entered
-
-    found = next(
-        (m for _, _, text in failures if (m := re.search(r"(\w+) #(\d+) \(group \[([\d, ]+)\]\)", text))), None
-    )
-    if found is None:
-        return None
-    op, number, group = found[1], int(found[2]), tuple(int(r) for r in found[3].split(","))
-    try:
-        counts = dict(rc[:].apply_sync(entered, group))  # {rank: collectives entered on the group}
-    except Exception:  # noqa: BLE001 - an engine gone: no answer
-        return None
-    absent = [r for r in group if counts.get(r, 0) < number]
-    if not absent:
-        return None
-    waited = [r for r in group if r not in absent]
-    return (
-        f"rank{'s' * (len(absent) > 1)} {', '.join(map(str, absent))} did not enter {op} #{number} "
-        f"(group {list(group)}): {'they' if len(absent) > 1 else 'it'} finished the cell without calling it, "
-        f"while rank{'s' * (len(waited) > 1)} {', '.join(map(str, waited))} waited in it until timeout_s. The "
-        "errors shown are those waits (consequences)."
-    )
-
-
-def _explain_under_errors(rc) -> None:
-    """In IPython: after ipyparallel shows a cell's engine errors, print the toolkit's explanation."""
-    from ipyparallel import error as ipp_error
-    from IPython import get_ipython
-
-    def show(shell, kind, value, tb, tb_offset=None):
-        shell.showtraceback((kind, value, tb), tb_offset=tb_offset)
-        rc = _current["rc"]
-        note = None if isinstance(value, rc.toolkit_cluster["gone_error"]) else explain(rc, value)
-        if note:
-            print(note, file=sys.stderr)
-
-    _current["rc"] = rc
-    get_ipython().set_custom_exc((ipp_error.KernelError,), show)
-
-
-_current: dict = {}

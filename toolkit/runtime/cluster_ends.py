@@ -1,4 +1,4 @@
-"""Which cluster engine ended first, and how, seen from the notebook (for `cluster.explain`).
+"""Which cluster engine ended first, and how, seen from the notebook (for `cluster_explain.explain`).
 
 When one engine is killed by a signal (the out-of-memory killer, `kill -9`), MPICH's process manager ends
 every other engine of the MPI job at once (it sends SIGUSR1, then SIGKILL), `-disable-auto-cleanup` or
