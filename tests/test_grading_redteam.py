@@ -99,12 +99,12 @@ def test_a_forked_rank_puts_no_working_folder_on_its_path(tmp_path):
     side of the grading (its sandbox's second layer, its memory limit, the relay, the watcher) before the
     submission was imported. The grading's environment says PYTHONSAFEPATH, and the runtime honours it."""
     code = (
-        "import sys, os; sys.path.insert(0, sys.argv[1]); from toolkit.runtime import zygote\n"
-        "zygote._START.update(cwd=os.getcwd(), path=[os.getcwd()] + [p for p in sys.path if p], signals={})\n"
-        "zygote._fresh_signals = lambda s: None\n"
-        "zygote.become({'PYTHONSAFEPATH': '1', 'PYTHONPATH': sys.argv[1]}, sys.argv[2])\n"
+        "import sys, os; sys.path.insert(0, sys.argv[1]); from toolkit.runtime import fresh_interpreter as fresh\n"
+        "fresh.START.update(cwd=os.getcwd(), path=[os.getcwd()] + [p for p in sys.path if p], signals={})\n"
+        "fresh._fresh_signals = lambda s: None\n"
+        "fresh.become({'PYTHONSAFEPATH': '1', 'PYTHONPATH': sys.argv[1]}, sys.argv[2])\n"
         "assert sys.argv[2] not in sys.path and '' not in sys.path, sys.path\n"
-        "zygote.become({'PYTHONPATH': sys.argv[1]}, sys.argv[2])\n"
+        "fresh.become({'PYTHONPATH': sys.argv[1]}, sys.argv[2])\n"
         "assert sys.path[0] == sys.argv[2], sys.path  # toolkit.launch outside a grading: as python -m\n"
     )
     done = subprocess.run(

@@ -53,6 +53,7 @@ def _by_path(name: str, path: str):
 
 
 zygote = _by_path("_toolkit_zygote", os.path.join(_HERE, "..", "runtime", "zygote.py"))
+fresh = zygote.fresh_interpreter  # what a forked child does to become a fresh interpreter
 sandbox = _by_path("_toolkit_sandbox", os.path.join(_HERE, "sandbox.py"))
 
 
@@ -65,17 +66,17 @@ def _sandbox_zygote(request: dict, fds: list[int]) -> None:
         os.dup2(fds[0], 1)
         os.dup2(fds[0], 2)
         os.close(fds[0])
-        sys.stdout = sys.__stdout__ = zygote._stdio(1, "<stdout>")
-        sys.stderr = sys.__stderr__ = zygote._stdio(2, "<stderr>")
+        sys.stdout = sys.__stdout__ = fresh.stdio(1, "<stdout>")
+        sys.stderr = sys.__stderr__ = fresh.stdio(2, "<stderr>")
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: dies with the server
         if os.getppid() != server:
             os._exit(1)
-        zygote.become(request["env"], request["cwd"])
+        fresh.become(request["env"], request["cwd"])
         with open(request["spec"]) as f:
             spec = json.load(f)  # out of the sandbox's reach once in it
         sandbox.enter(spec)  # may fork: this is then the launch's PID namespace's first process
         sys.path.insert(0, spec["lib"])  # the students' toolkit first, for the launcher, every keeper and rank
-        zygote._START["path"][1:1] = [spec["lib"]]  # what a forked process recomputes its sys.path from
+        fresh.START["path"][1:1] = [spec["lib"]]  # what a forked process recomputes its sys.path from
         zygote._KEEPER = os.path.join(spec["lib"], "toolkit", "runtime", "keeper.py")  # loaded by path
         ours, theirs = socket.socketpair()
         launcher = os.fork()
@@ -128,7 +129,7 @@ def _grading_server(request: dict, fds: list[int]) -> None:
     try:
         os.setsid()
         _carry(request["marker"], request["env"][request["marker"]])
-        zygote.become(request["env"], request["cwd"])
+        fresh.become(request["env"], request["cwd"])
         zygote.say_ready(control)
         zygote.serve(control, _sandbox_zygote)
         code = 0

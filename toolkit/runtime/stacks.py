@@ -24,7 +24,10 @@ _SIGNAL = signal.SIGUSR1
 _HEADER = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):$")
 _FRAME = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
 # the launch's own frames, below the user's: the worker, and in a forked rank the zygote's and keeper's
-_SKIP = (*(os.path.join("toolkit", "runtime", f) for f in ("worker.py", "zygote.py", "keeper.py")), "<frozen runpy>")
+_SKIP = (
+    *(os.path.join("toolkit", "runtime", f) for f in ("worker.py", "zygote.py", "fresh_interpreter.py", "keeper.py")),
+    "<frozen runpy>",
+)
 
 
 def path(folder: str, rank: int) -> str:

@@ -18,7 +18,8 @@ import threading
 import time
 
 from . import exits
-from .zygote import launcher_signals, receive, send
+from .fresh_interpreter import launcher_signals
+from .zygote import receive, send
 
 ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
 START_PATIENCE_S = 180.0  # a zygote imports torch: slow on a loaded machine, never minutes
