@@ -39,7 +39,7 @@ from .options import check_systems_options
 from .placement import Placement, run_experts
 from .plan import Plan
 from .routing import Routing, _slots
-from .shadow import Shadowing
+from .shadow_layer import Shadowing
 
 OPTIONS = (
     "shadow",

@@ -50,7 +50,7 @@ from .load import enclosing_step
 from .options import check_sliceable, check_systems_options
 from .placement import Placement, ffn
 from .plan import Plan
-from .shadow import Shadowing
+from .shadow_layer import Shadowing
 from .sharded import Slicing
 from .topology import TopologyGate
 
@@ -257,7 +257,7 @@ class MoE(nn.Module):
         takes another gate's decision, a Hugging Face model's in moe/hf.py, starts here.)"""
         if self.placement.replicate(self, routing):  # 2-6 data-parallel (moe/placement.py)
             plan, order, answers = self.placement.forward(self, tokens, routing)
-        elif self.shadowing is not None:  # 2-6, shadowed experts at home (moe/shadow.py)
+        elif self.shadowing is not None:  # 2-6, shadowed experts at home (moe/shadow_layer.py)
             plan, order, answers = self.shadowing.forward(self, tokens, routing)
         else:
             plan = self.exchange_counts(routing)  # 2
