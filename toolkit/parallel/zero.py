@@ -9,7 +9,7 @@ momentum, variance). ZeRO partitions them over the N ranks, one more kind per st
     stage 3  + parameters       (P + G + O)/N   each rank stores only its slice of the parameters
 
 Every rank owns the same slice r of every flat buffer (`flat.py`) and updates it with an ordinary
-optimizer (`sharded.py`). What changes between stages is which collective runs when:
+optimizer (`sharded_optimizer.py`). What changes between stages is which collective runs when:
 
 ZeRO-1  forward with full parameters -> backward fills full gradients -> when backward is over,
         reduce-scatter them (rank r receives the average of slice r) -> the optimizer steps slice r
@@ -60,7 +60,8 @@ from ..runtime import env
 from ..trace.events import phase
 from . import check_options, consistency
 from .flat import FlatBuffer
-from .sharded import Shard, ShardedEngine, ShardedModel, ShardedOptimizer, check_optimizer, compute_dtype
+from .sharded import Shard, ShardedEngine, ShardedModel, compute_dtype
+from .sharded_optimizer import ShardedOptimizer, check_optimizer
 from .zero3 import Zero3  # stage 3 is its own idea, in its own file
 
 OPTIONS = {
