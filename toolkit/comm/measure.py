@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..trace import events as _events
 from ..units import bandwidth_text
 from . import collectives as _door
+from .switch import OPERATIONS, using
 
 KiB, MiB = 1024, 1024 * 1024
 DEFAULT_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB)
@@ -49,7 +50,7 @@ def bus_factor(op: str, world_size: int) -> float:
         return (n - 1) / n
     if op == "broadcast":
         return 1.0
-    raise ValueError(f"no bus-bandwidth factor for {op!r}; known: {_door.OPERATIONS}.")
+    raise ValueError(f"no bus-bandwidth factor for {op!r}; known: {OPERATIONS}.")
 
 
 def handwritten_operations() -> set[str]:
@@ -122,7 +123,7 @@ def _prepare(op: str, numel: int, dtype, device, seed: int):
     if op == "all_to_all":
         out = torch.empty_like(pristine)
         return (lambda: None), (lambda: _door.all_to_all(out, pristine)), (lambda: out)
-    raise ValueError(f"unknown operation {op!r}; choose from {_door.OPERATIONS}.")
+    raise ValueError(f"unknown operation {op!r}; choose from {OPERATIONS}.")
 
 
 def _sync(device) -> None:
@@ -146,7 +147,7 @@ def _all_ranks_agree(diff: float, ok: bool, device) -> tuple[float, bool]:
 
 # --- on every rank ---------------------------------------------------------------------------------
 def time_collectives(
-    ops=_door.OPERATIONS,
+    ops=OPERATIONS,
     sizes=DEFAULT_SIZES,
     impls=IMPLEMENTATIONS,
     *,
@@ -162,11 +163,9 @@ def time_collectives(
     has no broadcast) is skipped for that operation rather than timed twice under two names.
     Rank 0 also notes each record as a metric, so the Run it captures carries its own measurements.
     """
-    unknown = set(ops) - set(_door.OPERATIONS) or set(impls) - set(IMPLEMENTATIONS)
+    unknown = set(ops) - set(OPERATIONS) or set(impls) - set(IMPLEMENTATIONS)
     if unknown:
-        raise ValueError(
-            f"unknown {sorted(unknown)}; operations: {_door.OPERATIONS}, implementations: {IMPLEMENTATIONS}."
-        )
+        raise ValueError(f"unknown {sorted(unknown)}; operations: {OPERATIONS}, implementations: {IMPLEMENTATIONS}.")
     if warmup < 1 or repeats < 1:
         raise ValueError(f"warmup and repeats must be at least 1, got warmup={warmup}, repeats={repeats}.")
     n, device, backend = dist.get_world_size(), _device(), dist.get_backend()
@@ -184,7 +183,7 @@ def time_collectives(
                 reset, call, result = _prepare(op, numel, dtype, device, seed=op_index * 100 + size_index)
             outputs, timed = {}, {}
             for impl in chosen:
-                with _door.using(impl):
+                with using(impl):
                     was_on, recorder.enabled = recorder.enabled, False
                     try:
                         for i in range(warmup):
@@ -258,7 +257,7 @@ def _measure_on_rank(ops, sizes, impls, warmup, repeats, dtype, config):
 
 def measure_collectives(
     world_size: int = 4,
-    ops=_door.OPERATIONS,
+    ops=OPERATIONS,
     sizes=DEFAULT_SIZES,
     impls=IMPLEMENTATIONS,
     *,
