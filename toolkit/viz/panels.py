@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipywidgets as widgets
 from IPython.display import clear_output, display
 
-from ..comm.measure import KiB, MiB, format_table, size_label
+from ..comm.measure_table import KiB, MiB, format_table, size_label
 from ..comm.switch import OPERATIONS
 from .timeline import timeline
 
