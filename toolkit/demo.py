@@ -27,7 +27,7 @@ import time
 import torch
 
 from .comm import measure
-from .comm.collectives import OPERATIONS
+from .comm.switch import OPERATIONS
 from .compare import available_strategies, strategy_files, training_section
 from .runtime.env import default_world_size, resolve_backend
 from .trace.chrome import save_chrome

@@ -15,8 +15,8 @@ from toolkit.grading import Fields, Items, List, Maybe, check, like, model_labs
 
 ANSWERS = {
     "toolkit.parallel.ddp": "the toolkit's own DDP and its buckets",
-    "toolkit.parallel.zero:Zero12._bucket_params": "ZeRO-2's buckets, assign_buckets under another name",
-    "toolkit.parallel.zero:Zero12._gradient_ready": "ZeRO-2's hook that launches a bucket once it is complete",
+    "toolkit.parallel.zero12:Zero12._bucket_params": "ZeRO-2's buckets, assign_buckets under another name",
+    "toolkit.parallel.zero12:Zero12._gradient_ready": "ZeRO-2's hook that launches a bucket once it is complete",
     "torch.nn.parallel:DistributedDataParallel": "PyTorch's DDP",
 }
 CAP_BYTES = 0.01 * 2**20  # tasks.CAP_MB

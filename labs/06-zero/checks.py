@@ -15,6 +15,7 @@ from toolkit.parallel.flat import FlatBuffer
 
 ANSWERS = {
     "toolkit.parallel.zero": "the toolkit's own ZeRO",
+    "toolkit.parallel.zero12": "the toolkit's own ZeRO stages 1 and 2",
     "toolkit.parallel.optimizer_sharding": "the toolkit's own sharded optimizer",
     "toolkit.parallel.zero3": "the toolkit's own ZeRO stage 3",
     "torch.distributed.optim:ZeroRedundancyOptimizer": "PyTorch's sharded optimizer",

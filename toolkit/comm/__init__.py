@@ -1,7 +1,6 @@
 """How ranks talk: every collective goes through `toolkit.comm` so that traces are complete."""
 
 from .collectives import (
-    OPERATIONS,
     Handle,
     all_gather,
     all_reduce,
@@ -9,17 +8,15 @@ from .collectives import (
     barrier,
     broadcast,
     group_ranks,
-    implementation,
     irecv,
     isend,
     recv,
     reduce_scatter,
     send,
-    use,
-    using,
 )
 from .emulate import Link, emulate, emulated_link, emulation_description
 from .listeners import listening
+from .switch import OPERATIONS, implementation, use, using
 
 __all__ = [
     "OPERATIONS",

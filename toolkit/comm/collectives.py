@@ -2,8 +2,8 @@
 
 Each call leaves a span on this rank's trace: operation, group, dtype, element count, message size,
 bytes this rank sends and receives, and the phase. Then it runs either the backend's collective
-(NCCL or gloo) or a hand-written one (`use("ring")`, or a student's functions), so the same training
-code can run on either and the trace shows which.
+(NCCL or gloo) or a hand-written one (`use("ring")`, or a student's functions: `switch.py`), so the
+same training code can run on either and the trace shows which.
 
 Bytes on the wire follow the algorithms the lessons teach (ring all-reduce sends 2(N-1)/N of the
 message per rank, ring reduce-scatter and all-gather (N-1)/N); all-to-all and send/recv are exact.
@@ -24,9 +24,11 @@ from ..runtime import status
 from ..trace.events import recorder
 from . import backend as _backend_impl
 from . import emulate as _emulation
+from . import switch as _switch
 from .average import divide_around_sum
 from .handle import Handle, explained
 from .listeners import tell
+from .switch import OPERATIONS, implementation, use, using  # noqa: F401 - re-exported: the switch
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -35,57 +37,8 @@ REDUCE_OPS = {
     "product": dist.ReduceOp.PRODUCT,
     "avg": dist.ReduceOp.SUM,
 }
-OPERATIONS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
-_impl: dict = dict(_backend_impl.IMPLEMENTATION)
-_impl_name = "backend"
 _ranks_cache: dict = {}
-
-
-# --- choosing the implementation ------------------------------------------------------------------
-def use(implementation="backend") -> str:
-    """Route the toolkit's collectives: "backend", "ring", or a dict {operation: function}.
-
-    A dict replaces only the operations it names (a student's ring all-reduce, say); each function
-    has the backend's signature (see `toolkit.comm.backend`). Returns the previous choice's name.
-    """
-    global _impl, _impl_name
-    from . import alltoall, ring  # noqa: F401 - hand-written implementations register themselves
-
-    previous = _impl_name
-    if implementation == "backend":
-        _impl, _impl_name = dict(_backend_impl.IMPLEMENTATION), "backend"
-    elif implementation == "ring":
-        _impl = dict(_backend_impl.IMPLEMENTATION, **ring.IMPLEMENTATION, **alltoall.IMPLEMENTATION)
-        _impl_name = "ring"
-    elif isinstance(implementation, dict):
-        unknown = set(implementation) - set(OPERATIONS)
-        if unknown:
-            raise ValueError(f"use() got unknown operations {sorted(unknown)}; valid: {OPERATIONS}.")
-        _impl = dict(_backend_impl.IMPLEMENTATION, **implementation)
-        _impl_name = "custom"
-    else:
-        raise ValueError(f"use({implementation!r}): choose 'backend', 'ring' or a dict {{operation: function}}.")
-    return previous
-
-
-def implementation() -> str:
-    return _impl_name
-
-
-class using:
-    """`with comm.using("ring"): ...` switches the implementation for a block, then switches back."""
-
-    def __init__(self, implementation):
-        self.implementation = implementation
-
-    def __enter__(self):
-        self._previous = dict(_impl), _impl_name
-        use(self.implementation)
-
-    def __exit__(self, *exc):
-        global _impl, _impl_name
-        _impl, _impl_name = self._previous
 
 
 # --- bookkeeping ----------------------------------------------------------------------------------
@@ -123,11 +76,11 @@ def _run(name, group, tensor, size_bytes, sent, received, call, async_op, after=
         size_bytes=size_bytes,
         bytes_sent=sent,
         bytes_recv=received,
-        impl=_impl_name,
+        impl=_switch.implementation(),
         async_op=async_op,
         **extra,
     )
-    native = _impl.get(name) is _backend_impl.IMPLEMENTATION.get(name)
+    native = _switch.is_backend(name)
     booked = (
         None
         if _emulation._current is None
@@ -172,7 +125,7 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op=False):
         size,
         wire,
         wire,
-        lambda a: _impl["all_reduce"](tensor, reduce, group, a),
+        lambda a: _switch.function("all_reduce")(tensor, reduce, group, a),
         async_op,
         after,
         op=str(op),
@@ -199,7 +152,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op="sum", group=No
         size,
         wire,
         wire,
-        lambda a: _impl["reduce_scatter"](output, input, reduce, group, a),
+        lambda a: _switch.function("reduce_scatter")(output, input, reduce, group, a),
         async_op,
         after,
         op=str(op),
@@ -216,7 +169,14 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op=F
     size = output.numel() * output.element_size()
     wire = (n - 1) * size // n
     return _run(
-        "all_gather", group, output, size, wire, wire, lambda a: _impl["all_gather"](output, input, group, a), async_op
+        "all_gather",
+        group,
+        output,
+        size,
+        wire,
+        wire,
+        lambda a: _switch.function("all_gather")(output, input, group, a),
+        async_op,
     )
 
 
@@ -231,7 +191,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op=False):
         size,
         size if me == src else 0,
         0 if me == src else size,
-        lambda a: _impl["broadcast"](tensor, src, group, a),
+        lambda a: _switch.function("broadcast")(tensor, src, group, a),
         async_op,
         src=src,
     )
@@ -275,7 +235,7 @@ def all_to_all(
         size,
         sent,
         received,
-        lambda a: _impl["all_to_all"](output, input, out_splits, in_splits, group, a),
+        lambda a: _switch.function("all_to_all")(output, input, out_splits, in_splits, group, a),
         async_op,
         link=dict(row_bytes=(row_in, row_out)),
         input_splits=in_splits,

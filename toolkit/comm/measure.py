@@ -17,7 +17,8 @@ buffer for all_to_all.
 
 Use `measure_collectives(world_size, ...)` from a notebook or script: it launches the ranks and
 returns `(records, run)`. Inside ranks you already launched, call `time_collectives(...)`
-(a collective: every rank must call it with the same arguments).
+(a collective: every rank must call it with the same arguments). `format_table(records)` prints them
+(`measure_table.py`: the labels a table and a figure share).
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ import torch
 import torch.distributed as dist
 
 from ..trace import events as _events
-from ..units import bandwidth_text
 from . import collectives as _door
+from .measure_table import KiB, MiB, format_table, implementation_label, size_label, table_rows  # noqa: F401 - re-exported
+from .switch import OPERATIONS, using
 
-KiB, MiB = 1024, 1024 * 1024
 DEFAULT_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB)
 QUICK_SIZES = (4 * KiB, 256 * KiB)
 IMPLEMENTATIONS = ("backend", "ring")
@@ -49,7 +50,7 @@ def bus_factor(op: str, world_size: int) -> float:
         return (n - 1) / n
     if op == "broadcast":
         return 1.0
-    raise ValueError(f"no bus-bandwidth factor for {op!r}; known: {_door.OPERATIONS}.")
+    raise ValueError(f"no bus-bandwidth factor for {op!r}; known: {OPERATIONS}.")
 
 
 def handwritten_operations() -> set[str]:
@@ -66,23 +67,6 @@ def algorithm_name(op: str, impl: str, backend: str) -> str:
     if impl == "backend":
         return backend
     return "pairwise" if op == "all_to_all" else "ring"
-
-
-def implementation_label(impl: str, algorithm: str) -> str:
-    """How a table names who ran a collective: 'backend (gloo)', 'hand-written ring', 'hand-written
-    pairwise' (the all-to-all that `use("ring")` selects), or a plugged-in function's name."""
-    if impl == "backend":
-        return f"backend ({algorithm})"
-    return f"hand-written {algorithm}" if impl == "ring" else impl
-
-
-def size_label(nbytes: float) -> str:
-    """4096 -> '4 KiB', 1048576 -> '1 MiB' (binary units, as message sizes usually are)."""
-    for unit, scale in (("GiB", 1024**3), ("MiB", MiB), ("KiB", KiB)):
-        if nbytes >= scale:
-            value = nbytes / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 # --- one collective, ready to call many times --------------------------------------------------------
@@ -122,7 +106,7 @@ def _prepare(op: str, numel: int, dtype, device, seed: int):
     if op == "all_to_all":
         out = torch.empty_like(pristine)
         return (lambda: None), (lambda: _door.all_to_all(out, pristine)), (lambda: out)
-    raise ValueError(f"unknown operation {op!r}; choose from {_door.OPERATIONS}.")
+    raise ValueError(f"unknown operation {op!r}; choose from {OPERATIONS}.")
 
 
 def _sync(device) -> None:
@@ -146,7 +130,7 @@ def _all_ranks_agree(diff: float, ok: bool, device) -> tuple[float, bool]:
 
 # --- on every rank ---------------------------------------------------------------------------------
 def time_collectives(
-    ops=_door.OPERATIONS,
+    ops=OPERATIONS,
     sizes=DEFAULT_SIZES,
     impls=IMPLEMENTATIONS,
     *,
@@ -162,11 +146,9 @@ def time_collectives(
     has no broadcast) is skipped for that operation rather than timed twice under two names.
     Rank 0 also notes each record as a metric, so the Run it captures carries its own measurements.
     """
-    unknown = set(ops) - set(_door.OPERATIONS) or set(impls) - set(IMPLEMENTATIONS)
+    unknown = set(ops) - set(OPERATIONS) or set(impls) - set(IMPLEMENTATIONS)
     if unknown:
-        raise ValueError(
-            f"unknown {sorted(unknown)}; operations: {_door.OPERATIONS}, implementations: {IMPLEMENTATIONS}."
-        )
+        raise ValueError(f"unknown {sorted(unknown)}; operations: {OPERATIONS}, implementations: {IMPLEMENTATIONS}.")
     if warmup < 1 or repeats < 1:
         raise ValueError(f"warmup and repeats must be at least 1, got warmup={warmup}, repeats={repeats}.")
     n, device, backend = dist.get_world_size(), _device(), dist.get_backend()
@@ -184,7 +166,7 @@ def time_collectives(
                 reset, call, result = _prepare(op, numel, dtype, device, seed=op_index * 100 + size_index)
             outputs, timed = {}, {}
             for impl in chosen:
-                with _door.using(impl):
+                with using(impl):
                     was_on, recorder.enabled = recorder.enabled, False
                     try:
                         for i in range(warmup):
@@ -258,7 +240,7 @@ def _measure_on_rank(ops, sizes, impls, warmup, repeats, dtype, config):
 
 def measure_collectives(
     world_size: int = 4,
-    ops=_door.OPERATIONS,
+    ops=OPERATIONS,
     sizes=DEFAULT_SIZES,
     impls=IMPLEMENTATIONS,
     *,
@@ -303,48 +285,3 @@ def measure_collectives(
 def records_from_run(run) -> list[dict]:
     """The measurement records a Run carries (as noted by its lowest rank)."""
     return [value for _, value in run.metric(METRIC)]
-
-
-# --- a plain table -------------------------------------------------------------------------------------
-def _agreement(record) -> str:
-    if record["agree"] is None:
-        return "-"
-    verdict = "yes" if record["agree"] else "NO"
-    return f"{verdict} (max diff {record['max_abs_diff']:.1e})"
-
-
-def _time_label(seconds: float) -> str:
-    return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
-
-
-def table_rows(records) -> list[dict]:
-    """Records as rows of printable strings: operation, implementation, size, time, algbw, busbw, agreement."""
-    return [
-        {
-            "operation": r["op"],
-            "implementation": implementation_label(r["impl"], r["algorithm"]),
-            "size": size_label(r["size_bytes"]),
-            "time": _time_label(r["seconds"]),
-            "algbw": bandwidth_text(r["algbw"]),
-            "busbw": bandwidth_text(r["busbw"]),
-            "agreement": _agreement(r),
-        }
-        for r in records
-    ]
-
-
-def format_table(records) -> str:
-    """A fixed-width text table of the records, one line per measurement, for terminals and logs."""
-    rows = table_rows(records)
-    if not rows:
-        return "(no measurements)"
-    columns = list(rows[0])
-    widths = {c: max(len(c), *(len(row[c]) for row in rows)) for c in columns}
-    right = {"size", "time", "algbw", "busbw"}
-
-    def line(values):
-        return "  ".join(v.rjust(widths[c]) if c in right else v.ljust(widths[c]) for c, v in zip(columns, values))
-
-    out = [line(columns), line("-" * widths[c] for c in columns)]
-    out += [line(row[c] for c in columns) for row in rows]
-    return "\n".join(out)

@@ -21,13 +21,18 @@ more difference: Tutel takes the global maximum first and bounds it after, with 
 each rank bounds its own count first and the ranks then agree on the maximum. The two agree whenever the
 ranks route the same number of tokens (the bound is then the same everywhere); with uneven T Tutel's
 ranks could end with different capacities, which its equal-shape all-to-all forbids, so it assumes
-equal T. The layer (``moe/layer.py``) applies dynamic capacity; this file holds the arithmetic.
+equal T. The layer (``moe/layer.py``) applies dynamic capacity; this file holds the arithmetic, and the
+ranks' agreement on one capacity (``agreed_capacity``).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+
+import torch
+
+from .. import comm
 
 
 def _is_int(v) -> bool:
@@ -89,3 +94,11 @@ def tutel_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_facto
     ``capacity``."""
     c = int(top_k) * int(float(capacity_factor) * ((int(num_tokens) + num_experts - 1) // num_experts))
     return c + (-c) % int(alignment)
+
+
+def agreed_capacity(capacity: int, group, device) -> int:
+    """The largest of every rank's ``capacity`` (an all-reduce MAX over ``group``): the one capacity that
+    dropless and dynamic capacity need, so that every rank agrees on each all-to-all's shapes."""
+    agreed = torch.tensor([capacity], device=device)
+    comm.all_reduce(agreed, op="max", group=group)
+    return int(agreed.item())

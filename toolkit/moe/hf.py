@@ -34,12 +34,13 @@ import torch.nn as nn
 from .. import comm
 from ..trace.events import span
 from . import gates
+from .capacity import agreed_capacity
 from .layer import MoE
-from .options import check_systems_options
+from .options import check_systems_options, expert_parallel_ranks
 from .placement import Placement, run_experts
 from .plan import Plan
 from .routing import Routing, _slots
-from .shadow import Shadowing
+from .shadow_layer import Shadowing
 
 OPTIONS = (
     "shadow",
@@ -116,10 +117,9 @@ class ExpertParallelExperts(MoE):
             shadow, pipeline_degree, schedule, "topk", "ep", node_size, None, smart_group_size, all_to_all_algorithm
         )
         distributed = dist.is_initialized() and not local
-        ranks = comm.group_ranks(group) if distributed else [0]
         E = self.num_experts
-        self.group, self.name, self.world = group, name, len(ranks)
-        self.rank = ranks.index(dist.get_rank()) if distributed else 0
+        self.group, self.name = group, name
+        self.world, self.rank = expert_parallel_ranks(group, distributed)
         if E % self.world:
             fits = [w for w in range(1, E + 1) if E % w == 0]
             raise ValueError(
@@ -168,9 +168,7 @@ class ExpertParallelExperts(MoE):
         slot, counts = _slots(top_k_index, self.num_experts)
         cap = max(int(counts.max()) if T else 0, 1)
         if dist.is_initialized() and self.world > 1:
-            agreed = torch.tensor([cap], device=counts.device)
-            comm.all_reduce(agreed, op="max", group=self.group)
-            cap = int(agreed.item())
+            cap = agreed_capacity(cap, self.group, counts.device)
         return Routing(
             expert_index=top_k_index,
             gate_weight=top_k_weights,

@@ -40,19 +40,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import comm
 from ..trace.events import recorder, span
 from . import machine
+from .capacity import agreed_capacity, capacity
 from .exchange import all_to_all, exchange
 from .experts import Experts, expert_generator
-from .gates import Routing, TopKGate, capacity, load_stats
-from .load import enclosing_step
-from .options import check_sliceable, check_systems_options
+from .gates import Routing
+from .load import enclosing_step, record_load
+from .options import check_layer, check_sliceable, check_systems_options, check_tokens, expert_parallel_ranks
 from .placement import Placement, ffn
 from .plan import Plan
-from .shadow import Shadowing
+from .shadow_layer import Shadowing
 from .sharded import Slicing
-from .topology import TopologyGate
+from .topology import TopologyGate, make_gate
 
 
 class MoE(nn.Module):
@@ -131,48 +131,15 @@ class MoE(nn.Module):
             smart_group_size,
             all_to_all_algorithm,
         )
-        for key, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MoE: {key} must be a positive int, got {value!r}.")
         self.group, self.name = group, str(name)
-        ranks = comm.group_ranks(group) if dist.is_initialized() else [0]
-        if dist.is_initialized() and dist.get_rank() not in ranks:
-            raise ValueError(
-                f"MoE: this rank ({dist.get_rank()}) is not in the expert-parallel group {ranks}; "
-                f"build the layer only on the group's ranks."
-            )
-        self.world = len(ranks)
-        self.rank = ranks.index(dist.get_rank()) if dist.is_initialized() else 0
-        if num_experts % self.world and self.world % num_experts:
-            fits = [w for w in range(1, num_experts + 1) if num_experts % w == 0]
-            raise ValueError(
-                f"MoE: num_experts={num_experts} does not split evenly over the {self.world} ranks "
-                f"of the expert-parallel group. Use a multiple of {self.world} experts, a number "
-                f"that divides {self.world} (more ranks than experts: each expert sliced over "
-                f"them, Tutel's EP+DP+MP), or a group whose size divides {num_experts} (one of {fits})."
-            )
+        self.world, self.rank = expert_parallel_ranks(group, dist.is_initialized())
+        check_layer(d_model, d_ff, num_experts, self.world, expert_slices, smart_group_size, dropless, dynamic_capacity)
         self.slicing = None  # W > E: moe/sharded.py
         if self.world > num_experts:
             check_sliceable(shadow, schedule, pipeline_degree, gate)
             self.slicing = Slicing(self.world, num_experts, d_ff, expert_slices)
-        elif expert_slices is not None:
-            raise ValueError(
-                f"expert_slices={expert_slices!r} slices experts over more ranks than experts; here "
-                f"{num_experts} experts fit whole on {self.world} ranks. Leave it at None."
-            )
-        if self.world % smart_group_size:
-            fits = [g for g in range(1, self.world + 1) if self.world % g == 0]
-            raise ValueError(
-                f"MoE: smart_group_size={smart_group_size} does not divide the {self.world} ranks of the "
-                f"expert-parallel group; choose one of {fits}."
-            )
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.num_local, self.dropless, self.seed = max(1, num_experts // self.world), bool(dropless), seed
-        if dynamic_capacity and dropless:
-            raise ValueError(
-                "MoE: dynamic_capacity=True already sets the capacity from the load (at most "
-                "capacity_factor's); dropless=True never limits it. Choose one."
-            )
         self.dynamic_capacity = bool(dynamic_capacity)
         gate_options = dict(
             noisy=noisy,
@@ -182,31 +149,21 @@ class MoE(nn.Module):
             aux_loss=aux_loss,
             min_capacity=min_capacity,
         )
-        if gate == "topology":  # FasterMoE: nodes and links from the arguments or the emulated link
-            nodes = machine.topology(
-                self.world, node_size=node_size, bandwidth=bandwidth, local_bandwidth=local_bandwidth
-            )
-            self.gate = TopologyGate(
-                d_model,
-                num_experts,
-                top_k,
-                capacity_factor,
-                world=self.world,
-                rank=self.rank,
-                node_size=nodes["node_size"],
-                cross_fraction=nodes["cross_fraction"],
-                **gate_options,
-            )
-        else:
-            self.gate = TopKGate(d_model, num_experts, top_k, capacity_factor, **gate_options)
-        self.placement = Placement(expert_parallel)  # Tutel: expert weights used on their owners or everywhere
-        self.shadowing = (
-            None
-            if shadow == "off"
-            else Shadowing(  # FasterMoE: some experts computed at home
-                shadow, num_experts, compute_flops=compute_flops, bandwidth=bandwidth
-            )
+        self.gate = make_gate(  # "topk", or FasterMoE's topology-aware gate (moe/topology.py)
+            gate,
+            d_model,
+            num_experts,
+            top_k,
+            capacity_factor,
+            world=self.world,
+            rank=self.rank,
+            nodes=dict(node_size=node_size, bandwidth=bandwidth, local_bandwidth=local_bandwidth),
+            **gate_options,
         )
+        self.placement = Placement(expert_parallel)  # Tutel: expert weights used on their owners or everywhere
+        self.shadowing = None  # FasterMoE: some experts computed at home (moe/shadow_layer.py)
+        if shadow != "off":
+            self.shadowing = Shadowing(shadow, num_experts, compute_flops=compute_flops, bandwidth=bandwidth)
         with torch.no_grad():  # the router is the same on every rank and layout: seeded by `seed` alone
             g = expert_generator(seed, -1)
             self.gate.router.weight.copy_(torch.randn(num_experts, d_model, generator=g) * init_std)
@@ -226,28 +183,14 @@ class MoE(nn.Module):
         self.schedule, self.pipeline_degree = schedule, pipeline_degree  # steps 4-6: moe/schedule.py, pipeline.py
         self.smart_group_size = smart_group_size
         self.all_to_all_algorithm = all_to_all_algorithm  # Tutel's 2DH over nodes of node_size ranks
-        self.node_size = machine.node_size(self.world, node_size) if all_to_all_algorithm == "2dh" else None
-        if all_to_all_algorithm == "auto":  # nodes given or emulated; else one rank per node (always flat)
-            self.node_size = node_size or (comm.emulated_link().ranks_per_node if comm.emulated_link() else 1)
-            machine.node_size(self.world, self.node_size)  # validates it
+        self.node_size = machine.all_to_all_node_size(self.world, all_to_all_algorithm, node_size)
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, expert-parallel over {self.world} rank(s), {self.num_local} local expert(s)"
 
     # --- the forward, step by step ------------------------------------------------------------
     def forward(self, x: torch.Tensor):
-        if x.dim() == 0 or x.shape[-1] != self.d_model:
-            raise ValueError(
-                f"MoE {self.name!r} expects tokens of shape (..., d_model={self.d_model}), got {tuple(x.shape)}."
-            )
-        weights = self.gate.router.weight.dtype
-        if not x.is_floating_point() or (x.dtype != weights and not torch.is_autocast_enabled(x.device.type)):
-            hint = (
-                "token ids go through an embedding first (nn.Embedding), the MoE layer takes its vectors"
-                if not x.is_floating_point()
-                else f"convert one to the other: x.to({weights}) or layer.to({x.dtype})"
-            )
-            raise TypeError(f"MoE {self.name!r} expects {weights} tokens, like its weights, got {x.dtype}: {hint}.")
+        check_tokens(x, self.d_model, self.gate.router.weight.dtype, self.name)
         tokens = x.reshape(-1, self.d_model)
         routing = self.route(tokens)  # 1
         return self.routed(tokens, routing).reshape(x.shape), routing.loss
@@ -257,7 +200,7 @@ class MoE(nn.Module):
         takes another gate's decision, a Hugging Face model's in moe/hf.py, starts here.)"""
         if self.placement.replicate(self, routing):  # 2-6 data-parallel (moe/placement.py)
             plan, order, answers = self.placement.forward(self, tokens, routing)
-        elif self.shadowing is not None:  # 2-6, shadowed experts at home (moe/shadow.py)
+        elif self.shadowing is not None:  # 2-6, shadowed experts at home (moe/shadow_layer.py)
             plan, order, answers = self.shadowing.forward(self, tokens, routing)
         else:
             plan = self.exchange_counts(routing)  # 2
@@ -278,9 +221,7 @@ class MoE(nn.Module):
             )
             routing = routing.with_capacity(min(routing.capacity, bound))
         if (self.dropless or self.dynamic_capacity) and dist.is_initialized():
-            cap = torch.tensor([routing.capacity], device=routing.counts.device)
-            comm.all_reduce(cap, op="max", group=self.group)
-            routing = routing.with_capacity(int(cap.item()))
+            routing = routing.with_capacity(agreed_capacity(routing.capacity, self.group, routing.counts.device))
         return routing
 
     def exchange_counts(self, routing: Routing) -> Plan:
@@ -349,34 +290,9 @@ class MoE(nn.Module):
 
     # --- what the Run learns ------------------------------------------------------------------
     def record_load(self, routing: Routing, plan: Plan) -> None:
-        """Record ``moe/{name}/load`` on this rank, one per forward (this rank's view; sum over ranks
-        for the global load, see ``merge_load`` in moe/load.py):
-
-        counts    [E]  (token, choice) pairs this rank routed to each global expert, before capacity
-        kept      [E]  the same after capacity;  dropped = sum(counts) - sum(kept)
-        capacity       slots per expert on this rank;  capacity_factor  the f it amounts to, C*E/(k*T)
-        received  [E_local]  rows each of this rank's experts computed (from all ranks)
-        first          global id of this rank's first expert
-        max_over_mean, cv    imbalance of ``counts`` (``load_stats``)
-        call           this layer's forward count on this rank
-        The metric's step is the training loop's step when called inside its "forward" span.
-        """
+        """Record ``moe/{name}/load`` on this rank, one per forward (moe/load.py's ``record_load`` says
+        what it holds; ``merge_load`` there sums the ranks' views)."""
         self.calls += 1
-        if not recorder.enabled:
-            return
-        if isinstance(self.gate, TopologyGate):  # rows that cross nodes, wanted and sent, and the limit L
+        if isinstance(self.gate, TopologyGate) and recorder.enabled:  # rows that cross nodes, wanted and sent, and L
             recorder.metric(f"moe/{self.name}/topology", self.gate.record(routing), step=enclosing_step())
-        stats = load_stats(routing.counts)
-        value = {
-            "counts": routing.counts.tolist(),
-            "kept": routing.kept_counts.tolist(),
-            "dropped": routing.dropped,
-            "capacity": routing.capacity,
-            "received": plan.expert_rows,
-            "capacity_factor": routing.capacity * self.num_experts / max(1, routing.num_tokens * self.top_k),
-            "first": self.experts.first,
-            "max_over_mean": stats["max_over_mean"],
-            "cv": stats["cv"],
-            "call": self.calls,
-        }
-        recorder.metric(f"moe/{self.name}/load", value, step=enclosing_step())
+        record_load(self, routing, plan)

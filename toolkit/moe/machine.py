@@ -171,6 +171,17 @@ def node_size(world: int, given=None) -> int:
     return M
 
 
+def all_to_all_node_size(world: int, algorithm: str, given=None):
+    """Ranks per node for the layer's all-to-all: "2dh" needs them (``node_size``); "auto" takes them given or
+    from the emulated link, else one rank per node (then always flat); "flat" none."""
+    if algorithm == "2dh":
+        return node_size(world, given)
+    if algorithm == "auto":
+        link = comm.emulated_link()
+        return node_size(world, given or (link.ranks_per_node if link else 1))
+    return None
+
+
 def topology(world: int, *, node_size=None, bandwidth=None, local_bandwidth=None) -> dict:
     """Node size M and the fraction W_net / (M * W_local) for the topology-aware gate.
 

@@ -1,7 +1,16 @@
-"""The MoE layer's systems options (FasterMoE, Tutel): which names exist and which combinations can work."""
+"""The MoE layer's options: which names exist, which combinations can work, and what the layer accepts.
+
+The systems options (FasterMoE, Tutel), the layer's sizes and how its experts fit the expert-parallel
+group, and the tokens a forward takes: each mistake a ValueError (or TypeError) that says what to do,
+raised before any collective.
+"""
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
+from .. import comm
 from .placement import Placement
 
 
@@ -74,3 +83,62 @@ def check_sliceable(shadow, schedule, pipeline_degree, gate) -> None:
             "EP+DP+MP); shadow=, schedule='smart', pipeline_degree= and gate='topology' assume whole "
             "experts on their owners. Use at least as many experts as ranks for them."
         )
+
+
+def expert_parallel_ranks(group, distributed: bool = True) -> tuple[int, int]:
+    """(W, this rank's place among them) for the expert-parallel ``group``; (1, 0) for one process alone."""
+    if not distributed:
+        return 1, 0
+    ranks = comm.group_ranks(group)
+    if dist.get_rank() not in ranks:
+        raise ValueError(
+            f"MoE: this rank ({dist.get_rank()}) is not in the expert-parallel group {ranks}; "
+            f"build the layer only on the group's ranks."
+        )
+    return len(ranks), ranks.index(dist.get_rank())
+
+
+def check_layer(d_model, d_ff, num_experts, world: int, expert_slices, smart_group_size, dropless, dynamic_capacity):
+    """The layer's sizes (positive ints); its experts over the ``world`` ranks of the expert-parallel group:
+    evenly, each whole (E >= W) or sliced over W / E ranks (``expert_slices``, moe/sharded.py); the smart
+    schedule's groups divide the ranks; one way to set the capacity from the load."""
+    for key, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"MoE: {key} must be a positive int, got {value!r}.")
+    if num_experts % world and world % num_experts:
+        fits = [w for w in range(1, num_experts + 1) if num_experts % w == 0]
+        raise ValueError(
+            f"MoE: num_experts={num_experts} does not split evenly over the {world} ranks "
+            f"of the expert-parallel group. Use a multiple of {world} experts, a number "
+            f"that divides {world} (more ranks than experts: each expert sliced over "
+            f"them, Tutel's EP+DP+MP), or a group whose size divides {num_experts} (one of {fits})."
+        )
+    if world <= num_experts and expert_slices is not None:
+        raise ValueError(
+            f"expert_slices={expert_slices!r} slices experts over more ranks than experts; here "
+            f"{num_experts} experts fit whole on {world} ranks. Leave it at None."
+        )
+    if world % smart_group_size:
+        fits = [g for g in range(1, world + 1) if world % g == 0]
+        raise ValueError(
+            f"MoE: smart_group_size={smart_group_size} does not divide the {world} ranks of the "
+            f"expert-parallel group; choose one of {fits}."
+        )
+    if dynamic_capacity and dropless:
+        raise ValueError(
+            "MoE: dynamic_capacity=True already sets the capacity from the load (at most "
+            "capacity_factor's); dropless=True never limits it. Choose one."
+        )
+
+
+def check_tokens(x, d_model: int, dtype, name: str) -> None:
+    """A forward's input: vectors of ``d_model`` in the weights' ``dtype`` (or under autocast)."""
+    if x.dim() == 0 or x.shape[-1] != d_model:
+        raise ValueError(f"MoE {name!r} expects tokens of shape (..., d_model={d_model}), got {tuple(x.shape)}.")
+    if not x.is_floating_point() or (x.dtype != dtype and not torch.is_autocast_enabled(x.device.type)):
+        hint = (
+            "token ids go through an embedding first (nn.Embedding), the MoE layer takes its vectors"
+            if not x.is_floating_point()
+            else f"convert one to the other: x.to({dtype}) or layer.to({x.dtype})"
+        )
+        raise TypeError(f"MoE {name!r} expects {dtype} tokens, like its weights, got {x.dtype}: {hint}.")

@@ -13,10 +13,11 @@ import math
 
 import torch
 
+from . import machine
 from .gates import TopKGate, _is_int, _is_real
 from .routing import Routing
 
-__all__ = ["TopologyGate", "topology_limit"]
+__all__ = ["TopologyGate", "make_gate", "topology_limit"]
 
 
 def topology_limit(rows: int, bandwidth: float, local_bandwidth: float, node_size: int) -> int:
@@ -177,5 +178,22 @@ class TopologyGate(TopKGate):
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. How uneven was it? (for the Run's expert-load records)
+# The layer's choice: this gate or the plain one (MoE's gate= option)
 # ---------------------------------------------------------------------------------------------
+def make_gate(gate: str, d_model, num_experts, top_k, capacity_factor, *, world, rank, nodes: dict, **options):
+    """The MoE layer's gate: ``"topk"`` (``TopKGate``), or ``"topology"``: this gate, its nodes and links from
+    ``nodes`` (node_size, bandwidth, local_bandwidth) or the emulated link (``machine.topology``)."""
+    if gate != "topology":
+        return TopKGate(d_model, num_experts, top_k, capacity_factor, **options)
+    found = machine.topology(world, **nodes)
+    return TopologyGate(
+        d_model,
+        num_experts,
+        top_k,
+        capacity_factor,
+        world=world,
+        rank=rank,
+        node_size=found["node_size"],
+        cross_fraction=found["cross_fraction"],
+        **options,
+    )

@@ -25,7 +25,7 @@ of "a unit", the padding is at most F-1 elements per unit, and the shards reuse 
 already uses. The price: a rank's slice cuts through tensors anywhere, so a rank does not hold whole
 rows of any weight (FSDP2's dim-0 shards are real `DTensor`s that keep shapes and let an optimizer or a
 checkpoint see each parameter's rows); and only elementwise optimizers can step the slices
-(`sharded.py`'s allow-list). FSDP2 also copies into and out of a flat buffer around each collective;
+(`sharded_optimizer.py`'s allow-list). FSDP2 also copies into and out of a flat buffer around each collective;
 here the flat buffer *is* the storage, so there is no copy.
 """
 

@@ -19,7 +19,8 @@ from .fsdp import FullyShardedDataParallel
 from .fsdp_init import check_deferred, is_deferred, materialize_buffers
 from .fsdp_policy import explain, plan
 from .fsdp_unit import FSDPUnit, Sharding, dtypes, sharding_groups
-from .sharded import ShardedModel, ShardedOptimizer, check_optimizer
+from .sharded import ShardedModel
+from .sharded_optimizer import ShardedOptimizer, check_optimizer
 
 OPTIONS = (
     "wrap_policy",

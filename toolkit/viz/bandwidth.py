@@ -17,7 +17,8 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..comm.measure import bus_factor, implementation_label, records_from_run, size_label
+from ..comm.measure import bus_factor, records_from_run
+from ..comm.measure_table import implementation_label, size_label
 from ..memory.formulas import alpha_beta_time
 from ..units import bandwidth_text, byte_unit, bytes_text
 from . import style

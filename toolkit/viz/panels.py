@@ -14,8 +14,8 @@ from __future__ import annotations
 import ipywidgets as widgets
 from IPython.display import clear_output, display
 
-from ..comm.collectives import OPERATIONS
-from ..comm.measure import KiB, MiB, format_table, size_label
+from ..comm.measure_table import KiB, MiB, format_table, size_label
+from ..comm.switch import OPERATIONS
 from .timeline import timeline
 
 PANEL_SIZES = (1 * KiB, 16 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from ..comm.measure import bus_factor, size_label
+from ..comm.measure import bus_factor
+from ..comm.measure_table import size_label
 from ..trace.analysis import _intersection, _union, overlap_fraction
 from ..units import bandwidth_text
 from . import style
