@@ -60,28 +60,13 @@ def explorer_numbers(
     """
     _check(num_params, world_size, optimizer_multiplier, precision, device_gb)
     param_bytes, grad_bytes = PRECISIONS[precision]
+    sizes = dict(param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_multiplier=optimizer_multiplier)
     stages = []
     for stage in range(4):
-        parts = model_states_breakdown(
-            num_params,
-            world_size,
-            stage,
-            param_bytes=param_bytes,
-            grad_bytes=grad_bytes,
-            optimizer_multiplier=optimizer_multiplier,
-        )
+        parts = model_states_breakdown(num_params, world_size, stage, **sizes)
         total = sum(parts.values())
         # Every term is (bytes per parameter) x Ψ, so the per-parameter cost does not depend on Ψ.
-        per_param = sum(
-            model_states_breakdown(
-                1,
-                world_size,
-                stage,
-                param_bytes=param_bytes,
-                grad_bytes=grad_bytes,
-                optimizer_multiplier=optimizer_multiplier,
-            ).values()
-        )
+        per_param = sum(model_states_breakdown(1, world_size, stage, **sizes).values())
         row = {
             "stage": stage,
             "name": STAGE_NAMES[stage],
