@@ -22,6 +22,9 @@ is explained by what the model leaves out, never fixed with a per-case factor. M
 shadowing, predicted with the emulated link's alpha-beta in place of the loopback's (a one-block MoE GPT,
 SGD, no gradient synchronisation: what is measured is the layer's all-to-alls and experts).
 
+The cases are in `sim_accuracy_cases.py`, the measurements in `sim_accuracy_measure.py`, the report's table
+in `sim_accuracy_report.py`; here, the predictions and the run that puts them side by side.
+
     python bench/sim_accuracy.py [--world-sizes 2,4] [--steps 8] [--cached] [--write docs/benchmarks.md]
 """
 
@@ -31,144 +34,17 @@ import argparse
 import functools
 import os
 import platform
-import statistics
 import sys
-import time
 
 import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import torch
-import torch.distributed as dist
+from sim_accuracy_cases import CONFIGS, MODEL, MOE, MOE_VARIANTS, PER_RANK_BATCH, moe_block, skewed
+from sim_accuracy_measure import measure_moe, measure_strategies
 from sim_accuracy_report import as_before, how_priced, ranking, table
 
 import toolkit
 
-MODEL = dict(n_layer=4, d_model=128, n_head=4, vocab_size=256, seq_len=64)
-PER_RANK_BATCH = 8
-CONFIGS = {  # name -> (strategy, options)
-    "ddp": ("ddp", {}),
-    "zero1": ("zero1", {}),
-    "zero2": ("zero2", {}),
-    "zero3": ("zero3", {}),
-    "zero3 buckets": ("zero3", dict(prefetch_bucket_size=200_000, reduce_bucket_size=200_000)),
-    "fsdp prefetch": ("fsdp", dict(forward_prefetch=True, backward_prefetch=True)),
-    "fsdp no prefetch": ("fsdp", dict(forward_prefetch=False, backward_prefetch=False)),
-    "ddp x tp 2": ("ddp", dict(tp=2)),  # the replica's 8 sequences, each layer split over 2 ranks
-    "ddp x pp 2": ("ddp", dict(pp=2, microbatches=4)),  # the replica's 8 sequences, 1F1B over 2 stages
-}
-MOE = dict(
-    d_model=128,
-    d_ff=512,
-    experts_per_rank=2,
-    vocab=64,
-    batch=8,
-    seq_len=64,
-    top_k=2,
-    bandwidth="20 MB/s",
-    latency="0.5 ms",
-)
-MOE_VARIANTS = {"moe plain": {}, "moe pipeline 4": dict(pipeline_degree=4), "moe shadow": dict(shadow=[0])}
 SECTION = "## Simulator accuracy on this machine (bench/sim_accuracy.py)"
-
-
-# --- measuring (on every rank) ---------------------------------------------------------------------------
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def _train_step(model, opt):
-    def step(x, y):
-        if hasattr(model, "pipeline"):  # pp > 1: the schedule runs every micro-batch's forward and backward
-            model.forward_backward(x, y)
-        else:
-            model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-
-    return step
-
-
-def _in_turns(steps_by_name: dict, batches, steps: int, warmup: int) -> dict:
-    """Each step function in turn on each batch (all ranks start together); median of the slowest rank's times."""
-    times = {name: [] for name in steps_by_name}
-    for i in range(warmup + steps):
-        x, y = batches(i)
-        for name, step in steps_by_name.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step(x, y)
-            seconds = _slowest(time.perf_counter() - start)
-            if i >= warmup:
-                times[name].append(seconds)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def measure_strategies(configs, steps: int, warmup: int = 2) -> dict:
-    """Median over steps of the slowest rank's step time, per config; the configs take turns, and with them
-    the calibration's reference step (local, no communication), so the fitted compute rate sees the same load."""
-    from toolkit import parallel
-    from toolkit.models import SyntheticCorpus, tiny_gpt
-    from toolkit.sim.calibrate import reference_step
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    toolkit.trace.recorder.enabled = False  # the bench times steps, not the trace
-    corpus = SyntheticCorpus(vocab_size=MODEL["vocab_size"], seq_len=MODEL["seq_len"], seed=0)
-    reference = reference_step()
-    steps_by_name = {"reference": lambda x, y: reference()}
-    for name, (strategy, options) in configs.items():
-        torch.manual_seed(0)
-        steps_by_name[name] = _train_step(*parallel.wrap(tiny_gpt(**MODEL), strategy, **options))
-    return _in_turns(
-        steps_by_name, lambda i: corpus.batch(i, PER_RANK_BATCH * world, rank=rank, world_size=world), steps, warmup
-    )
-
-
-def moe_block(world: int, **options):
-    """The MoE case: a one-block GPT whose MLP is the MoE layer, experts over all ranks (`toolkit.models.moe_gpt`)."""
-    from toolkit.models.moe_gpt import moe_gpt
-
-    return moe_gpt(
-        MOE["experts_per_rank"] * world,
-        MOE["top_k"],
-        n_layer=1,
-        d_model=MOE["d_model"],
-        n_head=4,
-        d_ff=MOE["d_ff"],
-        vocab_size=MOE["vocab"],
-        seq_len=MOE["seq_len"],
-        moe_options=options,
-    )
-
-
-def skewed(num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
-    """A fixed skewed routing, the same for the real and the simulated layer: half the tokens pick expert 0
-    first, the others spread; the second choice is another expert."""
-    t = torch.arange(num_tokens, device="cpu")
-    first = torch.where(t % 4 < 2, torch.zeros_like(t), t % num_experts)
-    choices = [first] + [(first + 1 + (t + j) % (num_experts - 1)) % num_experts for j in range(top_k - 1)]
-    return torch.stack(choices, dim=1)
-
-
-def measure_moe(variants, steps: int, warmup: int = 2) -> dict:
-    """The MoE layer steps under the emulated link the launcher set; median slowest-rank time per variant."""
-    from toolkit.moe.gates import assume_routing
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    toolkit.trace.recorder.enabled = False
-    steps_by_name = {}
-    for name, options in variants.items():
-        torch.manual_seed(0)
-        model = moe_block(world, **options)
-        steps_by_name[name] = _train_step(model, torch.optim.SGD(model.parameters(), lr=1e-3))
-    g = torch.Generator().manual_seed(rank)
-
-    def tokens(i):
-        x = torch.randint(0, MOE["vocab"], (MOE["batch"], MOE["seq_len"]), generator=g)
-        return x, x
-
-    with assume_routing(skewed):
-        return _in_turns(steps_by_name, tokens, steps, warmup)
 
 
 # --- predicting (in this process) ----------------------------------------------------------------------------

@@ -142,8 +142,9 @@ def gap(world: int, op: str, size: int) -> str:
 
 # --- moe -------------------------------------------------------------------------------------------------------
 def moe_on_rank(variant: str, steps: int) -> dict:
-    import sim_accuracy as sa
+    import sim_accuracy_cases as sa
     import torch.distributed as dist
+    from sim_accuracy_measure import training_step
 
     from toolkit.moe.gates import assume_routing
     from toolkit.trace.events import recorder
@@ -151,7 +152,7 @@ def moe_on_rank(variant: str, steps: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = sa.moe_block(world, **sa.MOE_VARIANTS[variant])
-    step = sa._train_step(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+    step = training_step(model, torch.optim.SGD(model.parameters(), lr=1e-3))
     g = torch.Generator().manual_seed(rank)
     totals = {"step": [], "calls": [], "emulated": [], "in calls": [], "slept": [], "queued": []}
     with assume_routing(sa.skewed):
@@ -176,7 +177,7 @@ def moe_on_rank(variant: str, steps: int) -> dict:
 
 
 def moe(world: int, variant: str) -> str:
-    import sim_accuracy as sa
+    import sim_accuracy_cases as sa
 
     before = _load()
     with toolkit.comm.emulate(bandwidth=sa.MOE["bandwidth"], latency=sa.MOE["latency"]):

@@ -15,161 +15,34 @@ the report adds its expert-load figure.
 (world size 4: 2 x 2). It needs an even world size of 4 or more and is skipped otherwise. Its theory: model
 states of ZeRO-3 over F = 2 ranks, and 3Ψ(F-1)/F sent in the shard group plus a ring all-reduce of the Ψ/F
 gradient slice over the W/F replicas.
+
+The pieces, in the order they run: `compare_plan.py` (the labels, and how each trains), `compare_table.py`
+(each Run measured into the table's row, beside `compare_theory.py`'s formulas) and `compare_report.py` (the
+report's figures); here, the loop over the labels and the command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 from . import parallel
 from .cli_args import positive_int
-from .compare_theory import HSDP_GROUP, MODEL, MOE, ZERO_STAGE, hsdp_theory, moe_theory, predicted_model_states
-from .interpret import collectives_per_step, notes
-from .memory import communication_per_step
-from .models import tiny_gpt
+from .compare_plan import DEFAULT_STRATEGIES, HSDP_LABEL, MOE_LABEL, available_strategies, plan
+from .compare_report import training_blocks
+from .compare_table import measure
+from .compare_theory import HSDP_GROUP
+from .interpret import notes
 from .runtime.env import default_world_size
-from .trace.analysis import bytes_per_step, overlap_fraction
 from .trace.chrome import save_chrome
-from .train import TrainConfig, launch_train, moe_model_fn
-
-MOE_LABEL = "moe-ep"
-HSDP_LABEL = "hsdp"  # strategy fsdp with sharding_group_size=HSDP_GROUP
-DEFAULT_STRATEGIES = ("local", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", HSDP_LABEL, MOE_LABEL)
-# Strategy options for a model this small: DDP's default 25 MB bucket would hold the whole model,
-# leaving nothing to overlap; a quarter of the gradient bytes gives four buckets.
-STRATEGY_OPTIONS = {"ddp": lambda grad_bytes: {"bucket_cap_mb": grad_bytes / 4 / 2**20}}
-NOT_APPLICABLE = "n/a"  # "local": one rank, nothing sent or overlapped; "moe-ep": another model than local's
+from .train import TrainConfig, launch_train  # noqa: F401 - TrainConfig: `compare.TrainConfig` as before the split
 
 
 def strategy_files(out_dir, name: str) -> tuple[str, str]:
     """Where a strategy's Chrome trace and Run go: compare-<name>-trace.json, compare-<name>-run.json."""
     return (os.path.join(out_dir, f"compare-{name}-trace.json"), os.path.join(out_dir, f"compare-{name}-run.json"))
-
-
-def available_strategies(wanted=DEFAULT_STRATEGIES) -> list[str]:
-    """The wanted strategies whose implementation exists in this checkout."""
-    import importlib
-
-    out = []
-    for name in wanted:
-        module, _ = (
-            ("toolkit.moe.layer", None)
-            if name == MOE_LABEL
-            else parallel.STRATEGIES["fsdp" if name == HSDP_LABEL else name]
-        )
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError:
-            continue
-        out.append(name)
-    return out
-
-
-def summarize(
-    label: str,
-    run,
-    world: int,
-    num_params: int,
-    mixed_precision: bool,
-    local_loss=None,
-    *,
-    theory_states=None,
-    theory_sent=None,
-) -> dict:
-    """One row of the comparison from a merged Run (theory_*: bytes that replace the formulas' for the
-    rows, like "moe-ep", that the ZeRO formulas do not describe)."""
-    from .viz.memory import peak_by_category
-
-    losses = [v for _, v in run.metric("loss")]
-    times = [v for _, v in run.metric("step_time")]
-    peaks = [peak_by_category(run, r) for r in run.ranks]
-    states = max(p["params"] + p["grads"] + p["optimizer"] for p in peaks)
-    steps = bytes_per_step(run, run.ranks[0])
-    sent = statistics.median(s["total"] for s in steps) if steps else 0
-    element = 2 if mixed_precision else 4
-    theory = (
-        communication_per_step(num_params, world, label if label in ZERO_STAGE else "ddp") * element if world > 1 else 0
-    )
-    theory = theory if theory_sent is None else theory_sent
-    if theory_states is None:
-        theory_states = predicted_model_states(num_params, world, label, mixed_precision)
-    return {
-        "strategy": label,
-        "ranks": world,
-        "final loss": round(losses[-1], 4),
-        "|loss - local|": NOT_APPLICABLE if local_loss is None else float(f"{abs(losses[-1] - local_loss):.2e}"),
-        "_loss": losses[-1],  # unrounded, for the distance to "local"
-        "step ms": round(1e3 * statistics.median(times), 1),
-        "collectives/step": collectives_per_step(run, run.ranks[0]) if world > 1 else 0,
-        "params MB": round(max(p["params"] for p in peaks) / 1e6, 3),
-        "grads MB": round(max(p["grads"] for p in peaks) / 1e6, 3),
-        "optimizer MB": round(max(p["optimizer"] for p in peaks) / 1e6, 3),
-        "activations MB": round(max(p["activations"] for p in peaks) / 1e6, 3),
-        "model states MB": round(states / 1e6, 3),
-        "theory MB": round(theory_states / 1e6, 3),
-        "sent MB/step": round(sent / 1e6, 3),
-        "theory sent MB/step": round(theory / 1e6, 3),
-        "overlap": round(overlap_fraction(run), 2) if world > 1 else NOT_APPLICABLE,
-    }
-
-
-def plan(name: str, world_size: int, steps: int, mixed_precision: bool = False):
-    """How a label trains: (TrainConfig, model_fn or None, ranks). The same model, seed and global batch
-    for every label; "local" on one rank, the others on `world_size`."""
-    num_params = tiny_gpt(**MODEL).num_params()
-    strategy = {MOE_LABEL: MOE["strategy"], HSDP_LABEL: "fsdp"}.get(name, name)
-    extra = STRATEGY_OPTIONS.get(strategy, lambda _: {})(num_params * (2 if mixed_precision else 4))
-    if name == HSDP_LABEL:
-        extra = dict(extra, sharding_group_size=HSDP_GROUP)
-    options = dict({"mixed_precision": True} if mixed_precision else {}, **extra)
-    config = TrainConfig(
-        strategy=strategy,
-        steps=steps,
-        global_batch_size=4 * world_size,
-        model=dict(MODEL),
-        options=options,
-        progress=False,
-    )
-    model_fn = moe_model_fn(MOE["experts_per_rank"] * world_size, MOE["top_k"]) if name == MOE_LABEL else None
-    return config, model_fn, 1 if name == "local" else world_size
-
-
-def measure(name: str, run, world_size: int, mixed_precision: bool = False, local_loss=None):
-    """(the table's row, the predicted model states, the MoE theory or None) of one label's merged Run."""
-    num_params = tiny_gpt(**MODEL).num_params()
-    world = run.meta["world_size"]
-    if name == MOE_LABEL:
-        moe = moe_theory(world, plan(name, world_size, 1, mixed_precision)[0], mixed_precision)
-        row = summarize(
-            name,
-            run,
-            world,
-            moe["num_params"],
-            mixed_precision,
-            None,
-            theory_states=moe["states"],
-            theory_sent=moe["sent"],
-        )
-        return row, moe["states"], moe
-    if name == HSDP_LABEL:
-        hsdp = hsdp_theory(num_params, world, mixed_precision)
-        row = summarize(
-            name,
-            run,
-            world,
-            num_params,
-            mixed_precision,
-            local_loss,
-            theory_states=hsdp["states"],
-            theory_sent=hsdp["sent"],
-        )
-        return row, hsdp["states"], None
-    row = summarize(name, run, world, num_params, mixed_precision, local_loss)
-    return row, predicted_model_states(num_params, world, name, mixed_precision), None
 
 
 def training_section(
@@ -223,97 +96,6 @@ def training_section(
             explained=explained,
         ),
     )
-
-
-def training_blocks(
-    runs,
-    rows,
-    predicted,
-    *,
-    world_size: int,
-    steps: int,
-    mixed_precision: bool = False,
-    moe: dict | None = None,
-    explained=(),
-) -> list:
-    """The report's training part, from the Runs and rows (nothing runs): the table, what it says,
-    memory and bytes against the theory, the last step of each strategy, the MoE's expert load."""
-    from . import viz
-    from .viz.memory import comm_bars, memory_bars
-
-    num_params = tiny_gpt(**MODEL).num_params()
-    blocks = [
-        viz.heading("Training the tiny GPT with every strategy"),
-        f"Tiny GPT {MODEL}, {num_params:,} parameters, {steps} AdamW steps, global batch {4 * world_size} rows "
-        f"split over {world_size} ranks ('local' trains the whole batch in one process: the oracle). "
-        + (
-            "Mixed precision (bf16 compute, fp32 masters): theory 2 + 2 + 12 bytes per parameter."
-            if mixed_precision
-            else "fp32: theory 4 + 4 + 8 bytes per parameter (AdamW's two moments)."
-        ),
-        viz.table([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]),
-        viz.bullets(explained),
-        memory_bars(runs, predicted, unit=1e6),  # in the table's unit (its columns are MB)
-        comm_bars(
-            [
-                {
-                    "strategy": r["strategy"],
-                    "measured": r["sent MB/step"] * 1e6,
-                    "theory": r["theory sent MB/step"] * 1e6,
-                }
-                for r in rows
-                if r["ranks"] > 1
-            ],
-            unit=1e6,
-        ),
-    ]
-    overlaps = {r["strategy"]: r["overlap"] for r in rows}
-    for name, run in runs.items():
-        if run.meta["world_size"] > 1:
-            table = overlaps.get(name)
-            note = (
-                f"the table's overlap, {table:.0%}, pools every rank over the whole run ({steps} steps and the set-up)"
-                if isinstance(table, float)
-                else None
-            )
-            blocks.append(
-                viz.timeline(
-                    run,
-                    where=lambda e, s=steps - 1, r=run: _in_step(e, r, s),
-                    title=f"{name}: the last step on every rank",
-                    note=note,
-                )
-            )
-    if moe is not None and MOE_LABEL in runs:
-        blocks += _moe_blocks(runs[MOE_LABEL], moe, world_size)
-    return blocks
-
-
-def _moe_blocks(run, moe: dict, world: int) -> list:
-    """The report's MoE part: what the "moe-ep" row trained, and where its tokens went."""
-    from . import viz
-
-    E = MOE["experts_per_rank"] * world
-    return [
-        viz.heading("The MoE-GPT with expert parallelism (moe-ep)"),
-        f"The same GPT with every MLP replaced by an MoE layer of {E} experts (top-{MOE['top_k']}, capacity "
-        f"factor 1.25): {moe['num_params']:,} parameters, of which {moe['experts']:,} in experts, "
-        f"{moe['experts_per_rank']:,} per rank. Each rank holds {MOE['experts_per_rank']} experts per layer and "
-        f"sends tokens to the others with all-to-alls (on the timeline above: counts, dispatch, combine, and "
-        f"their backward); DDP all-reduces only the {moe['dense']:,} dense parameters' gradients. Its loss is "
-        "not comparable with the dense rows' (another model), hence no |loss - local|.",
-        viz.expert_load(run),
-    ]
-
-
-def _in_step(event, run, step: int) -> bool:
-    from .trace.analysis import step_windows
-
-    windows = step_windows(run, event["rank"])
-    if step >= len(windows):
-        return True
-    start, end = windows[step]
-    return start <= event["start"] <= end
 
 
 def main(argv=None) -> int:

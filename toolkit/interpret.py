@@ -76,7 +76,7 @@ def _faster_than_ddp(rows, runs) -> str | None:
 
 
 def notes(rows, runs, *, moe: dict | None = None) -> list[str]:
-    """The lines that explain the table (rows as `toolkit.compare.summarize` makes them)."""
+    """The lines that explain the table (rows as `toolkit.compare_table.summarize` makes them)."""
     rows = {r["strategy"]: r for r in rows}
     out = []
     ratio = _ratio(rows, "dp", "ddp")

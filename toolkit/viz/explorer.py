@@ -7,11 +7,12 @@ N = 64, K = 12, mixed precision): 120 / 31.4 / 16.6 / 1.9 GB per GPU.
 
 Two layers, so the numbers can be tested without a screen:
 
-- `explorer_numbers(...)`: a pure function, the numbers the panel shows (bytes per rank per stage,
-  the formula, and the largest model that fits in a given device memory);
-- `memory_explorer(...)` -> `MemoryExplorer`: the ipywidgets panel around it. Building it runs nothing
-  expensive; every change of a control recomputes the numbers and redraws (`figure`, `numbers` and the
-  Output's content hold what is shown).
+- `explorer_numbers(...)` (`zero_stages.py`): a pure function, the numbers the panel shows (bytes per rank
+  per stage, the formula, and the largest model that fits in a given device memory);
+- here, what is shown of them (`explorer_figure`, `summary_text`) and `memory_explorer(...)` ->
+  `MemoryExplorer`, the ipywidgets panel around them. Building it runs nothing expensive; every change
+  of a control recomputes the numbers and redraws (`figure`, `numbers` and the Output's content hold
+  what is shown).
 
 Only the theory (`toolkit.memory.model_states_breakdown`) is drawn here: activations, temporary
 buffers and fragmentation come on top (the measured bars of notebook 03 show how much).
@@ -23,122 +24,19 @@ import math
 
 import ipywidgets as widgets
 
-from ..memory import model_states_breakdown
+from ..units import count_text
 from . import style
 from .memory import model_states_bars
+from .panel_output import show
+from .zero_stages import GB, STAGE_NAMES, explorer_numbers
 
-STAGE_NAMES = ("DP (stage 0)", "ZeRO-1", "ZeRO-2", "ZeRO-3")
-STAGE_FORMULAS = ("(P+G+K)Ψ", "(P+G)Ψ + KΨ/N", "PΨ + (G+K)Ψ/N", "(P+G+K)Ψ/N")
-STAGE_SHARDED = (
-    "nothing",
-    "optimizer states",
-    "optimizer states, gradients",
-    "optimizer states, gradients, parameters",
-)
-PRECISIONS = {  # name -> (bytes per parameter, bytes per gradient)
-    "mixed": (2, 2),  # 16-bit (fp16/bf16) parameters and gradients, fp32 states counted in K
-    "fp32": (4, 4),
-}
 PRECISION_LABELS = {"mixed": "16-bit params + grads (2 + 2 B)", "fp32": "fp32 params + grads (4 + 4 B)"}
 WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
-GB = 1e9
-
-
-def _check(num_params, world_size, optimizer_multiplier, precision, device_gb):
-    if precision not in PRECISIONS:
-        raise ValueError(
-            f"unknown precision {precision!r}; choose one of {sorted(PRECISIONS)} "
-            "('mixed': 2 + 2 bytes for 16-bit parameters and gradients; 'fp32': 4 + 4)."
-        )
-    if device_gb is not None and (
-        isinstance(device_gb, bool) or not isinstance(device_gb, (int, float)) or device_gb <= 0
-    ):
-        raise ValueError(f"device_gb must be a positive number of GB (or None), got {device_gb!r}.")
-    # num_params, world_size and K are checked by model_states_breakdown, with a student's message
-
-
-def explorer_numbers(
-    num_params: float = 7.5e9,
-    world_size: int = 64,
-    optimizer_multiplier: float = 12,
-    precision: str = "mixed",
-    *,
-    device_gb: float | None = None,
-) -> dict:
-    """What the explorer shows, as plain numbers: model states per rank for data parallelism and ZeRO 1-3.
-
-    Returns {"num_params", "world_size", "optimizer_multiplier", "precision", "param_bytes", "grad_bytes",
-    "device_gb", "stages": [one dict per stage 0..3], "totals_gb": [4 totals in GB]}. Each stage's dict:
-    stage, name, formula (in the paper's notation, P and G the bytes per parameter and per gradient),
-    sharded (what the stage partitions), params / grads / optimizer / total (bytes per rank),
-    total_gb, bytes_per_param (total / Ψ: what each parameter costs this rank), and, when device_gb is
-    given, fits (does it fit in the device) and max_params (the largest Ψ that would, for this N and K).
-
-    >>> [round(t, 1) for t in explorer_numbers()["totals_gb"]]   # the ZeRO paper's Figure 1
-    [120.0, 31.4, 16.6, 1.9]
-    """
-    _check(num_params, world_size, optimizer_multiplier, precision, device_gb)
-    param_bytes, grad_bytes = PRECISIONS[precision]
-    stages = []
-    for stage in range(4):
-        parts = model_states_breakdown(
-            num_params,
-            world_size,
-            stage,
-            param_bytes=param_bytes,
-            grad_bytes=grad_bytes,
-            optimizer_multiplier=optimizer_multiplier,
-        )
-        total = sum(parts.values())
-        # Every term is (bytes per parameter) x Ψ, so the per-parameter cost does not depend on Ψ.
-        per_param = sum(
-            model_states_breakdown(
-                1,
-                world_size,
-                stage,
-                param_bytes=param_bytes,
-                grad_bytes=grad_bytes,
-                optimizer_multiplier=optimizer_multiplier,
-            ).values()
-        )
-        row = {
-            "stage": stage,
-            "name": STAGE_NAMES[stage],
-            "formula": STAGE_FORMULAS[stage],
-            "sharded": STAGE_SHARDED[stage],
-            **parts,
-            "total": total,
-            "total_gb": total / GB,
-            "bytes_per_param": per_param,
-        }
-        if device_gb is not None:
-            row["fits"] = total <= device_gb * GB
-            row["max_params"] = device_gb * GB / per_param if per_param > 0 else float("inf")
-        stages.append(row)
-    return {
-        "num_params": num_params,
-        "world_size": world_size,
-        "optimizer_multiplier": optimizer_multiplier,
-        "precision": precision,
-        "param_bytes": param_bytes,
-        "grad_bytes": grad_bytes,
-        "device_gb": device_gb,
-        "stages": stages,
-        "totals_gb": [s["total_gb"] for s in stages],
-    }
 
 
 def _gb(x: float) -> str:
     """A total in GB as the paper prints it (120.0, 31.4, 1.9), with more digits below 1 GB."""
     return f"{x:.1f}" if x >= 0.95 else f"{x:.2g}"
-
-
-def _count(n: float) -> str:
-    """7.5e9 -> '7.5B', 1.2e12 -> '1.2T'."""
-    for value, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= value:
-            return f"{n / value:.3g}{suffix}"
-    return f"{n:.3g}"
 
 
 def summary_text(numbers: dict, highlight: int | None = None) -> str:
@@ -148,7 +46,7 @@ def summary_text(numbers: dict, highlight: int | None = None) -> str:
     if n["device_gb"]:
         header += f"{'fits ' + format(n['device_gb'], 'g') + ' GB?':>15}{'largest Ψ that fits':>22}"
     lines = [
-        f"Ψ = {_count(n['num_params'])} parameters, N = {n['world_size']} ranks, "
+        f"Ψ = {count_text(n['num_params'])} parameters, N = {n['world_size']} ranks, "
         f"K = {n['optimizer_multiplier']:g}, P + G = {n['param_bytes']} + {n['grad_bytes']} bytes per parameter",
         header,
     ]
@@ -156,7 +54,7 @@ def summary_text(numbers: dict, highlight: int | None = None) -> str:
         mark = "▶ " if s["stage"] == highlight else "  "
         line = f"{mark}{s['name']:<14}{s['formula']:<16}{_gb(s['total_gb']):>8} GB{s['bytes_per_param']:>9.3g}"
         if n["device_gb"]:
-            line += f"{'yes' if s['fits'] else 'no':>15}{_count(s['max_params']):>22}"
+            line += f"{'yes' if s['fits'] else 'no':>15}{count_text(s['max_params']):>22}"
         lines.append(line)
     if highlight is not None:
         s = n["stages"][highlight]
@@ -197,22 +95,10 @@ def explorer_figure(numbers: dict, highlight: int | None = None):
     style.place_title(
         fig,
         "Model states per rank under DP and ZeRO 1, 2, 3",
-        f"Ψ = {_count(n['num_params'])} parameters, N = {n['world_size']} ranks, "
+        f"Ψ = {count_text(n['num_params'])} parameters, N = {n['world_size']} ranks, "
         f"K = {n['optimizer_multiplier']:g}, {PRECISION_LABELS[n['precision']]}",
     )
     return fig
-
-
-def _bundle(fig) -> dict:
-    """An Output entry for `fig`: the mime bundle of plotly's current renderer (in a notebook, what a cell
-    ending in `fig` shows), with a text stand-in where there is none (a test, a script).
-
-    (Not IPython's display formatter: it would *display* the figure, under the cell instead of in the
-    Output, because plotly figures have their own `_ipython_display_`.)
-    """
-    data = dict(fig._repr_mimebundle_())
-    data.setdefault("text/plain", f"<figure: {fig.layout.title.text}>")
-    return {"output_type": "display_data", "data": data, "metadata": {}}
 
 
 class MemoryExplorer:
@@ -325,10 +211,10 @@ class MemoryExplorer:
             self.numbers = explorer_numbers(**self.settings())
             self.figure = explorer_figure(self.numbers, self.stage.value)
             self.text = summary_text(self.numbers, self.stage.value)
-            outputs = (_bundle(self.figure),)
+            shown = self.figure
         except ValueError as exc:  # a bad value typed in: say so, keep the panel
-            self.text, outputs = f"{exc}", ()
-        self.output.outputs = outputs + ({"output_type": "stream", "name": "stdout", "text": self.text + "\n"},)
+            self.text, shown = f"{exc}", None
+        show(self.output, shown, self.text)
         self.redraws += 1
 
     def _repr_mimebundle_(self, **kwargs):  # shown as the widget when it ends a cell

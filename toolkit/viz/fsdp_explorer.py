@@ -1,26 +1,12 @@
 """The wrap-policy explorer: pick how FSDP cuts a model into units and see what it costs, without launching.
 
-The units come from the same code FSDP itself uses (`toolkit.parallel.fsdp_policy.plan`: the wrap policy,
-the root taking what is left, tied weights moved to their lowest common ancestor), run on one process on
-a model that may live on the meta device (shapes only: a 1.5B-parameter GPT costs nothing to build).
-From the units and the number of ranks N it predicts, per rank:
+A model (the notebook's tiny GPT, or GPT-2 small or XL built on the meta device: shapes only), a wrap policy,
+the number of ranks N and prefetching: every change recomputes `fsdp_units.policy_numbers` (milliseconds;
+its docstring spells out the prediction) and redraws each unit's elements and padding beside the predicted
+peak per rank, with the collectives per step and their alpha-beta time printed under them.
 
-- each unit's flat parameter: elements, padding to a multiple of N (< N per unit), elements per shard;
-- peak memory of the model states (bytes, fp32 AdamW as in `toolkit.parallel.fsdp`):
-      16 B x Σ padded_i / N               the shards: fp32 master 4 + gradient 4 + AdamW moments 8
-    + (4 + 4) B x root                    the root unit encloses the whole forward: it stays gathered,
-                                          and its full gradient lives through backward
-    + 4 B x in-flight units               the largest unit gathered (with its enclosing units), plus
-                                          the next one when it is prefetched
-    + 4 B x full gradients in flight      one unit's gradient filling, the previous one's reduce-scatter
-  This is the FSDP paper's "sharded model plus the largest fully materialized unit(s)", spelled out for
-  this implementation; `tests/test_fsdp.py` checks the measured peak against it;
-- collectives per step: 2 all-gathers + 1 reduce-scatter per unit, and the bytes they send,
-  3 Σ padded_i (N-1)/N x 4 B, with an alpha-beta estimate of their time (the latency term grows with
-  the number of units: many small units waste the link).
-
-Two layers, as `explorer.py`: `policy_numbers(...)` (pure, tested) and `wrap_policy_explorer(...)`, the
-ipywidgets panel. Building the panel computes once and shows; every control recomputes (milliseconds).
+Two layers, as `explorer.py`: `policy_numbers(...)` (pure, tested; `fsdp_units.py`) and
+`wrap_policy_explorer(...)`, the ipywidgets panel here. Building the panel computes once and shows.
 """
 
 from __future__ import annotations
@@ -31,21 +17,17 @@ import torch
 import torch.nn as nn
 from plotly.subplots import make_subplots
 
-from ..memory.formulas import alpha_beta_time
-from ..parallel.flat import padded_numel
-from ..parallel.fsdp_policy import UnitPlan, plan
+from ..units import bytes_text, count_text
 from . import style
+from .fsdp_units import ALPHA, BANDWIDTH, WHOLE_MODEL, policy_numbers, units_of
+from .panel_output import show
 
-WHOLE_MODEL = "whole model"
 POLICIES = {  # label -> what it means (the "min params" policy takes its number from the slider)
     "each transformer block (default)": None,
     "each Linear layer": nn.Linear,
     "min params per unit": "min params",
     "whole model (one unit)": WHOLE_MODEL,
 }
-SHARD_BYTES = 16  # per element of a shard: fp32 master 4 + fp32 gradient 4 + AdamW moments 8
-PARAM_BYTES = GRAD_BYTES = 4  # fp32 gathered parameters and full gradients
-ALPHA, BANDWIDTH = 20e-6, 25e9  # a link for the time estimate: 20 µs per message, 25 GB/s
 
 
 def gpt_models() -> dict:
@@ -59,107 +41,6 @@ def gpt_models() -> dict:
     }
     with torch.device("meta"):
         return {name: tiny_gpt(**shape) for name, shape in shapes.items()}
-
-
-def units_of(model: nn.Module, policy=None) -> list[UnitPlan]:
-    """FSDP's units for `policy` (see fsdp_policy.py), or one root unit for WHOLE_MODEL."""
-    if isinstance(policy, str) and policy == WHOLE_MODEL:
-        params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
-        return [UnitPlan("", model, params)]
-    return plan(model, policy)
-
-
-def _chain(name: str, names: list[str], sizes: dict) -> int:
-    """Elements gathered while unit `name` computes: it and every non-root unit enclosing it."""
-    return sum(sizes[n] for n in names if n == name or name.startswith(n + "."))
-
-
-def policy_numbers(
-    model: nn.Module,
-    policy=None,
-    world_size: int = 8,
-    *,
-    prefetch: bool = True,
-    alpha: float = ALPHA,
-    bandwidth: float = BANDWIDTH,
-) -> dict:
-    """What the explorer shows for `model` cut into units by `policy`, sharded over `world_size` ranks.
-
-    Returns {"units": [{unit, tensors, numel, padded_numel, padding, shard_numel}] (root first), "numel",
-    "padding", "memory": {sharded, root, in_flight, full_grads, peak, ddp} in bytes per rank,
-    "collectives": {all_gather, reduce_scatter, total} per step, "bytes_sent" per rank per step,
-    "comm_s" and "latency_s" (alpha-beta estimate of the step's collectives, and its latency part)}.
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}.")
-    plans = units_of(model, policy)
-    rows = []
-    for p in plans:
-        numel = sum(t.numel() for t in p.params)
-        padded = padded_numel(numel, world_size)
-        rows.append(
-            {
-                "unit": p.name or "(root)",
-                "tensors": len(p.params),
-                "numel": numel,
-                "padded_numel": padded,
-                "padding": padded - numel,
-                "shard_numel": padded // world_size,
-            }
-        )
-    root = rows[0]["padded_numel"] if plans[0].name == "" else 0
-    inner = [r for r, p in zip(rows, plans) if p.name]
-    names = [r["unit"] for r in inner]
-    sizes = {r["unit"]: r["padded_numel"] for r in inner}
-    largest = max(sizes.values(), default=0)
-    gathered = max((_chain(n, names, sizes) for n in names), default=0)
-    if prefetch and len(inner) > 1:
-        gathered += largest  # the next unit's all-gather is issued while this one computes
-    full_grads = largest * min(2, len(inner))  # one filling, the previous one reduce-scattering
-    total_padded = sum(r["padded_numel"] for r in rows)
-    N = world_size
-    memory = {
-        "sharded": SHARD_BYTES * total_padded / N if N > 1 else SHARD_BYTES * total_padded,
-        "root": (PARAM_BYTES + GRAD_BYTES) * root if N > 1 else 0,
-        "in_flight": PARAM_BYTES * gathered if N > 1 else 0,
-        "full_grads": GRAD_BYTES * full_grads if N > 1 else 0,
-    }
-    memory["peak"] = sum(memory.values())
-    memory["ddp"] = SHARD_BYTES * sum(r["numel"] for r in rows)  # every rank holds everything
-    beta = 1 / bandwidth
-    comm = latency = 0.0
-    for r in rows:  # forward all-gather, backward all-gather, reduce-scatter
-        size = r["padded_numel"] * PARAM_BYTES
-        for op in ("all_gather", "all_gather", "reduce_scatter"):
-            comm += alpha_beta_time(op, size, N, alpha, beta)
-            latency += alpha_beta_time(op, size, N, alpha, 0.0)
-    U = len(rows) if N > 1 else 0
-    return {
-        "units": rows,
-        "numel": sum(r["numel"] for r in rows),
-        "padding": sum(r["padding"] for r in rows),
-        "world_size": N,
-        "prefetch": prefetch,
-        "memory": memory,
-        "collectives": {"all_gather": 2 * U, "reduce_scatter": U, "total": 3 * U},
-        "bytes_sent": 3 * total_padded * (N - 1) / N * PARAM_BYTES,
-        "comm_s": comm,
-        "latency_s": latency,
-    }
-
-
-def _size(nbytes: float) -> str:
-    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def _count(n: float) -> str:
-    for value, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= value:
-            return f"{n / value:.3g}{suffix}"
-    return f"{n:.0f}"
 
 
 MEMORY_PARTS = (
@@ -237,14 +118,15 @@ def summary_text(numbers: dict) -> str:
     sizes = sorted(u["numel"] for u in n["units"])
     return "\n".join(
         [
-            f"{len(n['units'])} units over N = {n['world_size']} ranks: the smallest {_count(sizes[0])}, the largest "
-            f"{_count(sizes[-1])} elements; padding {n['padding']:,} elements in all (< N per unit).",
-            f"predicted peak model states per rank: {_size(m['peak'])} = shards {_size(m['sharded'])} + root "
-            f"{_size(m['root'])} + in flight {_size(m['in_flight'])} + full gradients {_size(m['full_grads'])}; "
-            f"data parallelism would hold {_size(m['ddp'])} ({m['ddp'] / m['peak']:.1f}x).",
+            f"{len(n['units'])} units over N = {n['world_size']} ranks: the smallest {count_text(sizes[0])}, "
+            f"the largest {count_text(sizes[-1])} elements; padding {n['padding']:,} elements in all (< N per unit).",
+            f"predicted peak model states per rank: {bytes_text(m['peak'])} = shards {bytes_text(m['sharded'])} + "
+            f"root {bytes_text(m['root'])} + in flight {bytes_text(m['in_flight'])} + full gradients "
+            f"{bytes_text(m['full_grads'])}; "
+            f"data parallelism would hold {bytes_text(m['ddp'])} ({m['ddp'] / m['peak']:.1f}x).",
             f"collectives per step: {n['collectives']['all_gather']} all-gathers + "
             f"{n['collectives']['reduce_scatter']} reduce-scatters = {n['collectives']['total']}, "
-            f"sending {_size(n['bytes_sent'])} per rank; at "
+            f"sending {bytes_text(n['bytes_sent'])} per rank; at "
             f"{ALPHA * 1e6:g} µs and {BANDWIDTH / 1e9:g} GB/s about {n['comm_s'] * 1e3:.3g} ms, of which "
             f"{n['latency_s'] * 1e3:.3g} ms ({n['latency_s'] / n['comm_s']:.0%}) is latency."
             if n["comm_s"] > 0
@@ -320,8 +202,6 @@ class WrapPolicyExplorer:
         return int(self.min_params.value) if policy == "min params" else policy
 
     def redraw(self, _change=None) -> None:
-        from .explorer import _bundle
-
         self.min_params.disabled = POLICIES[self.policy.value] != "min params"
         try:
             self.numbers = policy_numbers(
@@ -332,10 +212,9 @@ class WrapPolicyExplorer:
             )
             self.figure = policy_figure(self.numbers, f"{self.model.value}, {self.policy.value}")
             self.text = summary_text(self.numbers)
-            outputs = (_bundle(self.figure),)
         except ValueError as exc:  # a policy that matches nothing: FSDP's own message
-            self.numbers, self.figure, self.text, outputs = None, None, f"{exc}", ()
-        self.output.outputs = outputs + ({"output_type": "stream", "name": "stdout", "text": self.text + "\n"},)
+            self.numbers, self.figure, self.text = None, None, f"{exc}"
+        show(self.output, self.figure, self.text)
         self.redraws += 1
 
     def _repr_mimebundle_(self, **kwargs):

@@ -24,8 +24,8 @@ import ipywidgets as widgets
 from ..models.presets import PRESETS
 from ..sim.sweep import BASE, sweep
 from ..units import bytes_text, count_text, seconds_text
-from .explorer import _bundle
 from .memory import peak_bars
+from .panel_output import show
 
 MODELS = {
     "GPT-3 175B": "gpt3-175b",
@@ -196,12 +196,11 @@ class ScaleExplorer:
         try:
             self.row = scale_case(**self.settings())
             self.figure, self.text = case_figure(self.row), case_text(self.row)
-            outputs = (_bundle(self.figure),)
         except ValueError as exc:  # a choice that cannot work: say so, keep the panel
-            self.row, self.figure, self.text, outputs = None, None, f"{exc}", ()
+            self.row, self.figure, self.text = None, None, f"{exc}"
         finally:
             self.button.disabled, self.status.value = False, ""
-        self.output.outputs = outputs + ({"output_type": "stream", "name": "stdout", "text": self.text + "\n"},)
+        show(self.output, self.figure, self.text)
         self.redraws += 1
 
     def _repr_mimebundle_(self, **kwargs):  # shown as the widget when it ends a cell
