@@ -34,6 +34,12 @@ TOLERANCE = 0.15
 LLM_FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (image mosaicml/pytorch:2.1.0_cu121, 2023-08)"
 TORCHTITAN = "pytorch/torchtitan docs/performance.md, Llama 2 performance numbers (FSDP2, 64 A100 80GB)"
 MCORE = "NVIDIA/Megatron-LM README, images/model_table.png (Megatron-Core r0.8.0 on H100, 2024-07)"
+FMS_FSDP = (
+    "foundation-model-stack/fms-fsdp README at 5e522b4 (2024-03-13; the PyTorch blog 'Maximizing training throughput "
+    "using PyTorch FSDP', the same day): the same scripts and configuration on 128 A100 80GB (400 Gbps) and 96 H100 "
+    "80GB (800 Gbps); PyTorch nightlies after 2.2, SDPA's FlashAttention-2, no torch.compile, bf16 parameters and "
+    "reductions (fms_fsdp/policies/mixed_precision.py bfSixteen), HYBRID_SHARD inside each node of 8"
+)
 
 
 class PublishedRun(NamedTuple):
@@ -49,10 +55,47 @@ class PublishedRun(NamedTuple):
     options: dict = {}
     llama: dict | None = None  # built as transformers' LlamaForCausalLM from this config (RoPE, RMSNorm, SwiGLU)
     megatron: bool = False  # Megatron-Core's GPT: its loss at tensor-parallel size 1 too (`MegatronLossGPT`)
+    network: str | None = None  # the run's network card rate per GPU where it is not the preset's (e.g. "50 Gb/s")
 
 
 def gpt(d, layers, heads, vocab, seq, **more):
     return dict(d_model=d, n_layer=layers, n_head=heads, vocab_size=vocab, seq_len=seq, **more)
+
+
+def mpt(size, d, layers, heads, gpu, batch, measured, seq=2048):
+    """A row of llm-foundry's table: MPT at `d` x `layers` on 8 GPUs of the table's `gpu`, FULL_SHARD, bf16 (amp_bf16),
+    no activation checkpointing, `batch` sequences a micro-batch (the gradient accumulation it lists is not simulated:
+    under FULL_SHARD each micro-batch gathers and reduces as a step does)."""
+    return PublishedRun(
+        f"mpt-{size}-{gpu}",
+        LLM_FOUNDRY + f": {size}, {seq}, 8 x {gpu}_80gb, micro-batch {batch}, FULL_SHARD, no activation checkpointing",
+        f"dgx-{gpu}",
+        8,
+        gpt(d, layers, heads, 50368, seq),
+        "fsdp",
+        batch,
+        measured,
+        "tokens/s/GPU",
+    )
+
+
+def llama2_7b_fms(gpu, world, network, measured):
+    """fms-fsdp's Llama 2 7B (IBM's FMS Llama: rotary positions, RMSNorm, SwiGLU at 11,008, untied head), 2 sequences
+    of 4,096 a GPU, no activation checkpointing, hybrid sharding: sharded inside each node, replicated across."""
+    return PublishedRun(
+        f"llama2-7b-{gpu}",
+        FMS_FSDP + f": 7b, HSDP, no AC, batch 2, {world} x {gpu}, {measured} tokens/s/GPU",
+        f"dgx-{gpu}",
+        world,
+        gpt(4096, 32, 32, 32000, 4096),
+        "fsdp",
+        2,
+        measured,
+        "tokens/s/GPU",
+        dict(sharding_group_size=8),
+        llama=dict(intermediate_size=11008, tie_word_embeddings=False),
+        network=network,
+    )
 
 
 # Megatron-Core's table counts untied embeddings: 1.7B, 7.1B and 16B are 12 L h^2 + 2 V h (tied: 1.5B, 6.6B, 15.3B)
@@ -132,6 +175,13 @@ RUNS = [
         dict(tp=4, sequence_parallel=True),
         megatron=True,
     ),
+    # runs the project was not told about (issue 30's question: does the H100 gap hold beyond the rows above?)
+    mpt("1b", 2048, 24, 16, "a100", 14, 20513),
+    mpt("1b", 2048, 24, 16, "h100", 14, 45455),
+    mpt("13b", 5120, 40, 40, "a100", 2, 2262),
+    mpt("13b", 5120, 40, 40, "h100", 2, 4792),
+    llama2_7b_fms("a100", 128, "50 Gb/s", 3700),
+    llama2_7b_fms("h100", 96, "100 Gb/s", 7500),
 ]
 NOTES = {
     "mpt-7b-h100": "the H100's GEMMs ran on CUDA 12.1's cuBLAS (the run's image): the best GEMM measured with it is "
@@ -211,9 +261,12 @@ def flops_per_step(run: PublishedRun) -> float:
 
 
 def predict(run: PublishedRun) -> dict:
-    from toolkit.sim import simulate
+    from toolkit.sim import cluster_of, simulate
     from toolkit.sim.sweep import BASE, extrapolate
 
+    cluster = run.cluster
+    if run.network:  # the run's own network cards, each at the rate NCCL reaches on the preset's (their fraction)
+        cluster = cluster_of(run.cluster, inter=(run.network, "9.6 us"))
     sims = [
         simulate(
             _model(run, n),
@@ -222,7 +275,7 @@ def predict(run: PublishedRun) -> dict:
             batch_per_rank=run.batch,
             mixed_precision=True,
             progress=False,
-            cluster=run.cluster,
+            cluster=cluster,
             **run.options,
         )
         for n in BASE
