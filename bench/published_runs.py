@@ -1,14 +1,15 @@
 """Published training runs beyond Megatron-LM's Table 1, predicted by the simulator from the hardware's measurements.
 
-Each run as its authors published it: MPT-7B on 8 A100s and on 8 H100s (llm-foundry's benchmark tables), Llama 2 13B
-on 64 A100s (torchtitan's performance page) and three rows of Megatron-Core's weak-scaling table on H100s (its
-README). The model is the toolkit's GPT at the run's width, depth, heads, vocabulary and sequence length (MPT has no
-biases and ALiBi; Megatron-Core's is untied and computes Megatron's loss, `MegatronLossGPT`), except Llama 2 13B,
-which is transformers' LlamaForCausalLM as torchtitan's Llama 2 is built (rotary positions, RMSNorm, SwiGLU: their
-memory-bound kernels are 0.4 s of a 3.6 s step; the toolkit's GPT predicted 2,588 tokens/s per GPU, +20%); the
-layout, precision and batch are the run's; three and four layers are simulated and extrapolated to the depth
-(`toolkit.sim.sweep.extrapolate`). The prediction is priced on the
-DGX presets, from published measurements of the hardware only (`toolkit.sim.published`), with its band.
+Each run as its authors published it: MPT-1B, 7B and 13B on 8 A100s and on 8 H100s (llm-foundry's benchmark tables),
+Llama 2 13B on 64 A100s (torchtitan's performance page), Llama 2 7B on 128 A100s and 96 H100s (fms-fsdp's README) and
+three rows of Megatron-Core's weak-scaling table on H100s (its README). Where the same code ran on both GPUs, the pair's
+H100 rate over its A100 rate is printed beside the model's (`speedups`). The model is the toolkit's GPT at the run's
+width, depth, heads, vocabulary and sequence length (MPT has no biases and ALiBi; Megatron-Core's is untied and computes
+Megatron's loss, `MegatronLossGPT`), except the Llamas, which are transformers' LlamaForCausalLM as torchtitan's and
+FMS's Llama 2 are built (rotary positions, RMSNorm, SwiGLU: in the 13B's 3.6 s step their memory-bound kernels are 0.4
+s; the toolkit's GPT predicted 2,588 tokens/s per GPU there, +20%); the layout, precision and batch are the run's; three
+and four layers are simulated and extrapolated to the depth (`toolkit.sim.sweep.extrapolate`). The prediction is priced
+on the DGX presets, from published measurements of the hardware only (`toolkit.sim.published`), with its band.
 
 What each row leaves out is in `NOTES` and docs/differences.md ("Pricing from published measurements").
 
