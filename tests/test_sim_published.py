@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.sim import GPUS, Collective, Compute, Kernel, Wait, cluster_of, estimate, published
+from toolkit.sim import published_collectives as collectives
+from toolkit.sim import published_kernels as kernels
 from toolkit.sim.collective_time import collective_time
 from toolkit.sim.kernel_time import device_seconds, gemm_efficiency, hbm_bandwidth
 from toolkit.sim.record import OpCounter
@@ -27,7 +29,7 @@ def tflops(gpu, shape):
 # --- GEMMs by shape -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "gpu, table, mean_error, worst",
-    [(A100, published.A100_GEMM_TABLE, 0.06, 0.20), (H100, published.H100_GEMM_TABLE, 0.10, 0.25)],
+    [(A100, kernels.A100_GEMM_TABLE, 0.06, 0.20), (H100, kernels.H100_GEMM_TABLE, 0.10, 0.25)],
 )
 def test_gemms_by_shape_against_the_published_sweeps(gpu, table, mean_error, worst):
     """Tiles in waves, each tile's k-blocks through CUTLASS's pipeline and its epilogue's writes, at the SM rate that
@@ -69,13 +71,13 @@ def fa2_seconds(gpu, batch, heads, seq, head_dim, causal, backward=False):
     return device_seconds(gpu, kernel)
 
 
-@pytest.mark.parametrize("gpu, table", [(A100, published.A100_FA2), (H100, published.H100_FA2)])
+@pytest.mark.parametrize("gpu, table", [(A100, kernels.A100_FA2), (H100, kernels.H100_FA2)])
 def test_fused_attention_at_flashattention2s_published_rates(gpu, table):
     """The benchmark's own configuration (16k tokens, hidden 2048) gives the figure's fwd+bwd TFLOP/s back, at every
     head dimension, length and mask; head dim 96 lies between 64's and 128's; two heads instead of sixteen leave
     SMs idle (32 blocks of queries for 108 or 132 SMs)."""
     for (causal, d), rates in table.items():
-        for seq, rate in zip(published.SEQ, rates):
+        for seq, rate in zip(kernels.SEQ, rates):
             batch, heads = 16384 // seq, 2048 // d
             work = 3.5 * 4 * batch * heads * seq * seq * d / (2 if causal else 1)
             seconds = fa2_seconds(gpu, batch, heads, seq, d, causal) + fa2_seconds(
@@ -115,7 +117,7 @@ def standard_tflops(gpu, seq, d, causal):
     return 3.5 * 4 * batch * heads * seq * seq * d / (2 if causal else 1) / seconds / 1e12
 
 
-@pytest.mark.parametrize("gpu, table", [(A100, published.A100_STANDARD), (H100, published.H100_STANDARD)])
+@pytest.mark.parametrize("gpu, table", [(A100, kernels.A100_STANDARD), (H100, kernels.H100_STANDARD)])
 def test_unfused_attention_priced_op_by_op_against_the_published_standard_attention(gpu, table):
     """The papers' attention (baddbmm, softmax, dropout, bmm) is priced as its GEMMs and memory-bound kernels. Held to
     the same figures' PyTorch bars at head dim 128, 8k tokens (A100: 86 TFLOP/s, H100: 167), it is within 25%, and
@@ -126,7 +128,7 @@ def test_unfused_attention_priced_op_by_op_against_the_published_standard_attent
     got = standard_tflops(gpu, 8192, 128, False)
     assert got == pytest.approx(table[(False, 128)][-1], rel=0.25)
     for (causal, d), rates in table.items():
-        for seq, rate in zip(published.SEQ, rates):
+        for seq, rate in zip(kernels.SEQ, rates):
             assert rate < standard_tflops(gpu, seq, d, causal) < 1.8 * rate, (causal, d, seq)
 
 
@@ -213,7 +215,7 @@ def test_compute_beside_a_collective_in_flight_runs_longer_by_the_measured_slowd
 # --- the band ---------------------------------------------------------------------------------------------------------
 def test_every_preset_measurement_has_a_source_and_its_band_brackets_the_value():
     found = []
-    for obj in (published.A100, published.H100, published.DGX_A100, published.DGX_H100):
+    for obj in (kernels.A100, kernels.H100, collectives.DGX_A100, collectives.DGX_H100):
         found += [m for m in vars(obj).values() if isinstance(m, published.Measured)]
     assert len(found) == 16
     for m in found:

@@ -1,6 +1,6 @@
 """How long one collective takes on a two-level cluster: measured bus bandwidth, or the alpha-beta model of its links.
 
-On the presets (a cluster with `published` network measurements, `toolkit.sim.published`):
+On the presets (a cluster with `published` network measurements, `toolkit.sim.published_collectives`):
 
 - inside a node, a ring collective moves its wire bytes at the bus bandwidth nccl-tests measure for that message
   size on that machine (`all_reduce` with NVLink SHARP on H100, the ring's measured share of it for the others);

@@ -228,7 +228,7 @@ class StepCost:
 
 def slowdown(cluster: Cluster) -> float:
     """How much longer compute runs beside collectives on `cluster` (the overlap rule's rule 6): measured on the
-    presets (`published.OVERLAP_SLOWDOWN`), none elsewhere."""
+    presets (`published_collectives.OVERLAP_SLOWDOWN`), none elsewhere."""
     return cluster.published.overlap_slowdown.value if cluster.published is not None else 0.0
 
 

@@ -25,7 +25,7 @@ The rule, in the order the strategy issued its work (`toolkit.sim.program`):
    preset: the calibration measures it on a CPU but does not charge it (too unsteady: docs/benchmarks.md).
 6. Where collectives share the SMs with compute (a GPU: NCCL's kernels take some of the SMs and the memory
    bandwidth), compute runs `slowdown` longer while one of this rank's collectives is in flight
-   (`published.OVERLAP_SLOWDOWN`, measured; 0 on a CPU and on user-defined clusters). The extra time is the
+   (`published_collectives.OVERLAP_SLOWDOWN`, measured; 0 on a CPU and on user-defined clusters). The extra time is the
    compute span's `contention`.
 
 The step ends when the compute stream is done and no collective is still in flight. So the time of a
