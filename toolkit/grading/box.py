@@ -10,13 +10,15 @@ forked by the graders' server (`forkserver.py`) with the grading's id in its env
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from ..runtime import zygotes
 from ..runtime.zygote_link import Zygote, ZygoteError
-from . import isolation, namespaces, sandbox, student_wheel
+from . import isolation, namespaces, sandbox, student_wheel, volume
+from .limits import Limits
 
 FORKSERVER = str(Path(__file__).resolve().with_name("forkserver.py"))
 ID_ROOM = 64  # the longest grading id a grading's server can carry (uuid4().hex: 32)
@@ -27,7 +29,7 @@ class Box:
     toolkit for the lab (`student_wheel.for_lab`: lib/, what the ranks import), and knows who the submission
     runs as (`user`: None, as the grader) and whether this machine gives a launch namespaces of its own."""
 
-    def __init__(self, lab_dir: Path, source: bytes, filename: str):
+    def __init__(self, lab_dir: Path, source: bytes, filename: str, disk_limit_mb: float = Limits.disk_limit_mb):
         self.root = Path(tempfile.mkdtemp(prefix="toolkit-grade-"))
         self.code, self.work, self.tmp = self.root / "code", self.root / "work", self.root / "tmp"
         self.inputs, self.out = self.root / "inputs", self.root / "out"
@@ -42,7 +44,8 @@ class Box:
         shutil.copytree(student_wheel.for_lab(lab_dir) / "toolkit", self.lib / "toolkit")
         self.root.chmod(0o755)
         self.user, self.namespaces = sandbox.other_user(), bool(namespaces.probe())
-        sandbox.hand_over([self.work, self.tmp, self.inputs, self.out], self.user)
+        self.volume, self.disk = _volumes(self.root, disk_limit_mb)
+        sandbox.hand_over([self.seen(f) for f in (self.work, self.tmp, self.inputs, self.out)], self.user)
         self.server: Zygote | None = None  # the grading's fork server, from the first launch
         self.serverless = ""  # why launches start fresh interpreters instead
 
@@ -52,6 +55,8 @@ class Box:
     def __exit__(self, *exc) -> None:
         if self.server is not None:
             self.server.close()
+        if self.volume is not None:  # its bytes go with it
+            self.volume.close()
         shutil.rmtree(self.root, ignore_errors=True)
         if not self.namespaces:  # no /tmp and /dev/shm of its own: what the sandbox's user left there goes now
             sandbox.sweep(self.user)
@@ -68,11 +73,37 @@ class Box:
             self.serverless = why or ""
         return self.server
 
+    def seen(self, path) -> Path:
+        """Where the grader reads and writes `path`, a path in the grading's writable folders: on their volume
+        (`volume.Volume.seen`), or where it lies."""
+        return Path(self.volume.seen(path)) if self.volume is not None else Path(path)
+
     def fresh_out(self) -> None:
-        for folder in (self.out, self.inputs):
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir()
-        sandbox.hand_over([self.out, self.inputs], self.user)
+        """Empty out/ and inputs/ for the next launch (the folders stay: on a volume, each is a mount point)."""
+        for folder in (self.seen(self.out), self.seen(self.inputs)):
+            for entry in os.scandir(folder):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+            folder.chmod(0o755)
+        sandbox.hand_over([self.seen(self.out), self.seen(self.inputs)], self.user)
+
+
+def _volumes(root: Path, size_mb: float) -> tuple[volume.Volume | None, str]:
+    """The grading's writable folders on volumes of their own, and the report's words for them; where this machine
+    allows none, the folders stay on its disk, capped per file only, and the words say so."""
+    try:
+        made = volume.Volume(str(root), {"written": ["work", "tmp"], "sent": ["inputs", "out"]}, size_mb)
+    except OSError as exc:  # volume.Unavailable: the machine allows no namespace for it
+        return None, (
+            f"its folders on the machine's disk, each file capped at {sandbox.FILE_SIZE_LIMIT // 2**20} MiB but not "
+            f"the folders in all (this machine gives a grading no volume of its own: {exc.strerror or exc})"
+        )
+    return made, (
+        f"its folders on volumes of their own: {size_mb:g} MiB and {volume.MAX_FILES} files for what it writes, "
+        "as much for what its ranks send back"
+    )
 
 
 def _grading_server(env: dict, cwd: str) -> Zygote:

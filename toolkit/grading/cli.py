@@ -189,6 +189,12 @@ def main(argv=None) -> int:
         help="MiB the ranks of one launch may print (the launch is stopped past it)",
     )
     parser.add_argument(
+        "--disk-limit",
+        type=float,
+        default=Limits.disk_limit_mb,
+        help="MiB the submission's folders may hold in all (and as much what its ranks send back)",
+    )
+    parser.add_argument(
         "--prepare",
         action="store_true",
         help="build the students' toolkit for this lab (what the ranks import: the lab's answers "
@@ -200,8 +206,15 @@ def main(argv=None) -> int:
         help="print nothing but the report (none with --output): not what the ranks print, no progress",
     )
     args = parser.parse_args(argv)
+    if not args.disk_limit > 0:
+        parser.error(f"--disk-limit must be a positive number of MiB, got {args.disk_limit:g}")
     limits = Limits(
-        args.timeout, args.stall, args.time_limit, args.memory_limit or None, output_limit_mb=args.output_limit
+        args.timeout,
+        args.stall,
+        args.time_limit,
+        args.memory_limit or None,
+        output_limit_mb=args.output_limit,
+        disk_limit_mb=args.disk_limit,
     )
     if args.prepare:
         return prepare_command(args.lab)
@@ -219,6 +232,8 @@ def main(argv=None) -> int:
             str(args.memory_limit or 0),
             "--output-limit",
             str(args.output_limit),
+            "--disk-limit",
+            str(args.disk_limit),
         ]
         return class_command(
             args.lab,

@@ -222,7 +222,10 @@ def grade(
     seed = secrets.randbits(62) if seed is None else seed
     verdicts, stopped = {}, None
     messages_only = bool(declared(lab_dir, "MESSAGES_ONLY", False))  # its ranks talk through the grader's relay
-    with Sandbox() as marked, Box(lab_dir, source, solution.name) as box:
+    with Sandbox() as marked, Box(lab_dir, source, solution.name, limits.disk_limit_mb) as box:
+        score.sandbox += f", {box.disk}"  # the instructor's report says whether the folders are capped in all
+        if box.volume is None and not quiet:
+            print(f"grading: {box.disk}", file=sys.stderr)
         for n in sorted({n for c in checks if not c.platform_only for n in c.world_sizes}):
             indices = [
                 i for i, c in enumerate(checks) if n in c.world_sizes and not verdicts.get(i) and not c.platform_only

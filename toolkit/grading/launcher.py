@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 
 from .runner import _write, rank_main
 
@@ -47,6 +48,9 @@ def main(argv=None, spec=None, zygote=None) -> int:
     else:
         zygotes.adopt(*zygote)
     limits, error = spec["limits"], None
+    # the launch's own folder (the ranks' exits and errors, `toolkit.launch`'s) lies with what the ranks send back,
+    # apart from what the submission writes: a submission that fills its folders still has its failure told
+    tempfile.tempdir = spec["out"]
     try:
         launch(
             rank_main,

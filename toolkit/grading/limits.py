@@ -13,7 +13,9 @@ class Limits:
     the import's); memory_limit_mb: the data a rank may allocate beyond what it had when the submission was
     imported (None: no limit); max_processes: processes the grading may hold at once (the grader stops it
     past that, root or not); output_limit_mb: what the ranks of a launch may print (the grader stops the
-    launch past it). None of them is enforced inside the submission's processes (`overseer.py`, `sandbox`)."""
+    launch past it); disk_limit_mb: what the submission's folders (its working folder and TMPDIR) may hold in
+    all, and apart what its ranks send back (`volume.py`; each file is capped too: `sandbox.FILE_SIZE_LIMIT`).
+    None of them is enforced inside the submission's processes (`overseer.py`, `sandbox`, `volume`)."""
 
     check_timeout_s: float = 20.0
     stall_s: float = 5.0
@@ -21,3 +23,4 @@ class Limits:
     memory_limit_mb: float | None = 4096
     max_processes: int = 512
     output_limit_mb: float = 8.0
+    disk_limit_mb: float = 256.0

@@ -50,8 +50,10 @@ def load_module(path, name: str):
     return module
 
 
-def explain(exc: BaseException, solution: str) -> str:
-    """The exception in a student's words, with the line of their file where it happened."""
+def explain(exc: BaseException, solution: str, disk_mb: float | None = None) -> str:
+    """The exception in a student's words, with the line of their file where it happened. `disk_mb`: what the
+    grading's folders hold, where they lie on volumes of their own (`volume.py`)."""
+    from .volume import MAX_FILES, full
     from .watchdog import out_of_memory
 
     cause = exc
@@ -67,6 +69,11 @@ def explain(exc: BaseException, solution: str) -> str:
         text = (
             "ran out of memory: the rank tried to allocate more than a check may use "
             f"(the grader's memory limit). {text.splitlines()[0][:200]}"
+        )
+    if disk_mb is not None and full(exc):
+        text = (
+            f"the grading's folders are full: your working folder and TMPDIR may hold at most {disk_mb:g} MiB and "
+            f"{MAX_FILES} files in all (the grader's disk limit). {text.splitlines()[0][:200]}"
         )
     mine = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == solution]
     if mine:
@@ -131,6 +138,7 @@ def rank_main(spec: dict) -> None:
     sandbox.confine(spec["read"], [spec["out"], spec["work"], spec["tmp"]], spec["hidden"], no_tcp=True)
     seccomp.no_new_channels()
     limits, out, solution = spec["limits"], spec["out"], spec["student"]
+    disk_mb = limits.get("disk_limit_mb") if spec.get("volume") else None  # a full folder is then the cap's
     watchdog = Watchdog(
         out, rank, world_size, solution, lambda i, r: result_path(out, i, r), limits["stall_s"], limits["time_limit_s"]
     )
@@ -143,7 +151,7 @@ def rank_main(spec: dict) -> None:
         student = load_module(solution, "submission")
         failed = ""
     except BaseException as exc:  # noqa: BLE001 - SystemExit too: a submission does not end the grading
-        student, failed = None, f"your file does not import: {explain(exc, solution)}"
+        student, failed = None, f"your file does not import: {explain(exc, solution, disk_mb)}"
     _write(result_path(out, IMPORT, rank), wire.encode({"error": failed, "delegated": delegation.take()}))
     watchdog.end()
     if failed or not _wait_for_peers(out, IMPORT, world_size, None):
@@ -164,7 +172,7 @@ def rank_main(spec: dict) -> None:
         except BaseException as error:  # noqa: BLE001 - inputs tampered with: no case to name
             done, case, exc = [], None, error
         observed = {"ok": done}
-        failed = f"rank {rank}{contract.in_case(case)}: {explain(exc, solution)}" if exc is not None else ""
+        failed = f"rank {rank}{contract.in_case(case)}: {explain(exc, solution, disk_mb)}" if exc is not None else ""
         exc = None  # its traceback holds the task's frames, and what they hold (a check that ate the memory)
         observed.update(error=failed, delegated=delegation.take(), time=time.time())
         try:

@@ -16,12 +16,13 @@ the machine allows it, and named in the report (`describe`):
   user cannot reach the interpreter (a Python under /root), the mount namespace makes it reachable; where no
   namespace can, the grading is refused with a message saying what to change (`preflight`), never run as root;
 - **limits** set by the launch's first process before any code of the launch runs, hard (no process below can
-  raise them): CPU seconds (RLIMIT_CPU), the size of a file, no core files; each rank's memory (RLIMIT_DATA)
+  raise them): CPU seconds (RLIMIT_CPU), the size of a file (and of the grading's folders in all, where they lie
+  on volumes of their own: `volume.py`), no core files; each rank's memory (RLIMIT_DATA)
   before the submission is imported (`limit`). The
   grader watches what no limit of the kernel covers: wall-clock time, the volume printed, the number of
   processes (`session.py`).
 
-Standard library only: the graders' fork server loads it (and its two siblings) by path.
+Standard library only: the graders' fork server loads it (and its three siblings) by path.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import sys
 from pathlib import Path
 
 try:
-    from . import landlock, namespaces
+    from . import landlock, namespaces, volume
 except ImportError:  # loaded by path, by the graders' fork server, which imports nothing of the toolkit
 
     def _sibling(name: str):
@@ -48,7 +49,7 @@ except ImportError:  # loaded by path, by the graders' fork server, which import
         spec.loader.exec_module(module)
         return module
 
-    landlock, namespaces = _sibling("landlock"), _sibling("namespaces")
+    landlock, namespaces, volume = _sibling("landlock"), _sibling("namespaces"), _sibling("volume")
 
 NOBODY = "nobody"
 FILE_SIZE_LIMIT = 256 * 2**20  # no file a submission writes needs more
@@ -249,10 +250,12 @@ def enter(spec: dict) -> list[str]:
     What starts a launch does this first, single-threaded; everything it starts inherits it. Returns what the
     namespaces made (see `namespaces.enter`)."""
     user = tuple(spec["user"]) if spec["user"] else None
+    if spec.get("volume"):  # first: the grading's folders on their volumes (`volume.py`), then the launch's own
+        volume.join(spec["volume"])
     made = namespaces.enter(spec["box"], user, spec["reach"]) if spec["namespaces"] else []
     launch_limits(spec["cpu_s"])
     become(user)
-    if made and os.getuid() != 0:
+    if (made or spec.get("volume")) and os.getuid() != 0:
         namespaces.drop_capabilities()  # a user namespace's, which a submission must not have
     unreachable = [p for p in spec["reach"] if os.path.exists(p) and not os.access(p, os.R_OK)]
     if unreachable:

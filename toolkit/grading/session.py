@@ -136,8 +136,8 @@ def launch_ranks(
     box.fresh_out()
     relay = Relay(str(box.root), n, indices, {str(i): [wire.encode(inputs[i][r]) for r in range(n)] for i in indices})
     for rank in range(n):
-        Path(inputs_path(str(box.inputs), rank)).write_bytes(wire.encode({"relay": relay.tokens[rank]}))
-    sandbox.hand_over([box.inputs], box.user)
+        Path(inputs_path(str(box.seen(box.inputs)), rank)).write_bytes(wire.encode({"relay": relay.tokens[rank]}))
+    sandbox.hand_over([box.seen(box.inputs)], box.user)
     try:
         found = _launch(box, n, indices, tasks_of, answers, limits, backend, quiet, grading_id, relay, messages_only)
     finally:
@@ -189,6 +189,7 @@ def _launch(
         "hidden": hidden_from(box),
         "cpu_s": deadline * max(1, (os.cpu_count() or 1) // n),
         "relay": relay.path,
+        "volume": None if box.volume is None else box.volume.pid,  # the namespace its folders' volumes are in
         "messages_only": messages_only,
     }
     spec_path = box.root / f"spec-{n}.json"
@@ -220,12 +221,13 @@ def _launch(
         overran=verdict is not None and verdict["index"] is None,
         lines=[line for line in _text(log_path).splitlines() if line.strip()][-400:],
     )
+    out = box.seen(box.out)
     for index in order:
         found.results[index] = {
-            r: v for r in range(n) if (v := _read(Path(result_path(str(box.out), index, r)))) is not None
+            r: v for r in range(n) if (v := _read(Path(result_path(str(out), index, r)))) is not None
         }
     found.ready = relay.all_ready()  # said by each rank just before it imported the submission, to the relay
-    stuck = _read(box.out / "deadlock.json")  # the ranks' watchdog, with the line each was on; else the overseer's
+    stuck = _read(out / "deadlock.json")  # the ranks' watchdog, with the line each was on; else the overseer's
     stuck = (
         stuck
         if isinstance(stuck, dict) and "index" in stuck and isinstance(stuck.get("message"), str)
@@ -234,9 +236,9 @@ def _launch(
         else None
     )
     found.stuck = stuck
-    abandoned = _read(box.out / "abandoned.json")
+    abandoned = _read(out / "abandoned.json")
     found.abandoned = abandoned.get("index") if isinstance(abandoned, dict) else None
-    told = _read(box.out / "launch.json")
+    told = _read(out / "launch.json")
     error = told.get("error") if isinstance(told, dict) else None
     found.error = error if isinstance(error, dict) and isinstance(error.get("message"), str) else None
     return found
