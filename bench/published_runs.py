@@ -34,6 +34,12 @@ SECTION = "## Published runs beyond Table 1, predicted (bench/published_runs.py)
 TOLERANCE = 0.15
 LLM_FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (image mosaicml/pytorch:2.1.0_cu121, 2023-08)"
 TORCHTITAN = "pytorch/torchtitan docs/performance.md, Llama 2 performance numbers (FSDP2, 64 A100 80GB)"
+TORCHTITAN_AT = (  # the Llama 3 table and the code of its day
+    "pytorch/torchtitan docs/performance.md at 157a12c (2024-04-24), {} performance numbers (FSDP2, 64 A100 80GB)"
+)
+# torchtitan's FSDP2 reduces gradients in fp32 (parallelize_llama.py at 395a526 and 157a12c: MixedPrecisionPolicy(
+# param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) and checkpoints each block whole under mode "full"
+TORCHTITAN_FSDP = dict(mixed_precision=dict(param_dtype="bf16", reduce_dtype="fp32"))
 MCORE = "NVIDIA/Megatron-LM README, images/model_table.png (Megatron-Core r0.8.0 on H100, 2024-07)"
 FMS_FSDP = (
     "foundation-model-stack/fms-fsdp README at 5e522b4 (2024-03-13; the PyTorch blog 'Maximizing training throughput "
@@ -99,6 +105,24 @@ def llama2_7b_fms(gpu, world, network, measured):
     )
 
 
+def llama_70b_torchtitan(name, family, vocab, seq, batch, measured, **more):
+    """torchtitan's Llama 2 or 3 70B on 64 A100s: FSDP2 over all 64, full activation checkpointing, `batch` sequences
+    of `seq` a GPU; grouped-query attention (8 key-value heads), SwiGLU at 28,672, untied head."""
+    return PublishedRun(
+        name,
+        TORCHTITAN_AT.format(family) + f": 70B, batch {batch}, full activation checkpointing, {measured} WPS",
+        "dgx-a100",
+        64,
+        gpt(8192, 80, 64, vocab, seq),
+        "fsdp",
+        batch,
+        measured,
+        "tokens/s/GPU",
+        dict(TORCHTITAN_FSDP, activation_checkpointing=True),
+        llama=dict(intermediate_size=28672, num_key_value_heads=8, tie_word_embeddings=False, **more),
+    )
+
+
 # Megatron-Core's table counts untied embeddings: 1.7B, 7.1B and 16B are 12 L h^2 + 2 V h (tied: 1.5B, 6.6B, 15.3B)
 UNTIED = dict(tied_head=False)
 
@@ -136,6 +160,7 @@ RUNS = [
         2,
         2162,
         "tokens/s/GPU",
+        TORCHTITAN_FSDP,
         llama=dict(intermediate_size=13824, tie_word_embeddings=False),
     ),
     PublishedRun(
@@ -183,6 +208,8 @@ RUNS = [
     mpt("13b", 5120, 40, 40, "h100", 2, 4792),
     llama2_7b_fms("a100", 128, "50 Gb/s", 3700),
     llama2_7b_fms("h100", 96, "100 Gb/s", 7500),
+    llama_70b_torchtitan("llama3-70b-a100", "Llama 3", 128256, 8192, 1, 331, rope_theta=500000.0),
+    llama_70b_torchtitan("llama2-70b-a100", "Llama 2", 32000, 4096, 2, 353),
 ]
 PAIRS = tuple((f"{m}-a100", f"{m}-h100") for m in ("mpt-1b", "mpt-7b", "mpt-13b", "llama2-7b"))
 H100_LEVEL = (
@@ -285,10 +312,9 @@ def predict(run: PublishedRun) -> dict:
             run.strategy,
             run.world,
             batch_per_rank=run.batch,
-            mixed_precision=True,
             progress=False,
             cluster=cluster,
-            **run.options,
+            **{"mixed_precision": True, **run.options},  # a run's own precision policy where it gives one
         )
         for n in BASE
     ]
@@ -333,7 +359,10 @@ def table(results) -> str:
     ]
     for r in results:
         run, b = r["run"], r["breakdown"]
-        layout = run.strategy + "".join(f", {k}={v}" for k, v in run.options.items() if k != "sequence_parallel")
+        shown = {k: v for k, v in run.options.items() if k not in ("sequence_parallel", "mixed_precision")}
+        layout = run.strategy + "".join(f", {k}={v}" for k, v in shown.items())
+        if "reduce_dtype" in run.options.get("mixed_precision", {}):
+            layout += f", {run.options['mixed_precision']['reduce_dtype']} reduction"
         lines.append(
             f"| {run.name} | {run.world} | {layout} | {run.measured:g} {run.metric} | {r['predicted']:.0f} "
             f"({r['band']['worst']:.0f}-{r['band']['best']:.0f}) | {r['error']:+.0%} | {r['compute_alone']:+.0%} | "

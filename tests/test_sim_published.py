@@ -90,6 +90,33 @@ def test_fused_attention_at_flashattention2s_published_rates(gpu, table):
     assert fa2_seconds(gpu, 1, 2, 2048, 128, False) / 2 > 1.5 * fa2_seconds(gpu, 1, 16, 2048, 128, False) / 16
 
 
+def test_grouped_query_attention_takes_the_fused_kernel():
+    """transformers' Llama 3 and Mistral call SDPA with enable_gqa=True, K and V keeping their own few heads: on a GPU
+    that is FlashAttention's kernel, priced as the same attention with K and V repeated to every query head (the same
+    FLOPs, per query head). It took the math path on meta: (heads, s, s) scores, softmax and bmms priced apart."""
+    from toolkit.sim.attention import fused_attention
+
+    def seconds(kv_heads, **gqa):
+        q = torch.empty(2, 16, 1024, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
+        k, v = (
+            torch.empty(2, kv_heads, 1024, 128, dtype=torch.bfloat16, device="meta", requires_grad=True) for _ in "kv"
+        )
+        with fused_attention(), OpCounter(meta=True) as ops:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+            out.backward(torch.empty_like(out))
+        assert k.grad.shape == k.shape and v.grad.shape == v.shape
+        kernels = ops.take_kernels()
+        assert "gemm" not in {kernel.kind for kernel, _ in kernels}, kernels  # no scores built by bmm
+        return {
+            kind: sum(n * device_seconds(H100, k) for k, n in kernels if k.kind == kind)
+            for kind in ("attention", "other")
+        }
+
+    grouped, repeated = seconds(2, enable_gqa=True), seconds(16)
+    assert grouped["attention"] == pytest.approx(repeated["attention"], rel=1e-12)
+    assert grouped["other"] < repeated["other"]  # the gradients' copies: K's and V's are 2 heads, not 16
+
+
 def standard_attention(q, k, v, causal):
     """FlashAttention-2's "Pytorch" baseline (benchmarks/benchmark_flash_attention.py), on (batch x heads, s, d)."""
     s, d = q.shape[1], q.shape[2]

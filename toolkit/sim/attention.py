@@ -7,7 +7,10 @@ and their softmax and keeps them for backward: at GPT-3's 2048 tokens that is se
 activations a real rank keeps, and a "does it fit?" answer far too pessimistic.
 
 `fused_attention()` sends such calls on meta tensors to the fused kernel's own op, which has meta
-shapes and an autograd formula; calls it cannot take (an explicit mask) stay as they were.
+shapes and an autograd formula; calls it cannot take (an explicit mask) stay as they were. Grouped-query
+attention (`enable_gqa=True`, K and V with fewer heads than Q, as transformers' Llama 3 and Mistral call it)
+takes the fused op too, K and V as they are: FlashAttention-2 and torch's CUDA kernels take them so, and its
+FLOPs are counted per query head.
 `FLOPS` teaches the op counter (`record.py`) that op's FLOPs: torch's flop registry counts the GPU flash
 kernels, not the CPU one, and the count is the same formula.
 """
@@ -37,10 +40,11 @@ FLOPS = {_FUSED: _forward_flops, aten._scaled_dot_product_flash_attention_for_cp
 
 def _fused_on_meta(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
     """scaled_dot_product_attention, taking the fused kernel's op for meta tensors it can handle."""
-    if query.is_meta and attn_mask is None and not kwargs.get("enable_gqa", False):
+    gqa = kwargs.pop("enable_gqa", False)
+    if query.is_meta and attn_mask is None and (gqa or key.shape[-3] == query.shape[-3]):
         out, _ = _FUSED(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
         return out
-    return _ORIGINAL(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+    return _ORIGINAL(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=gqa, **kwargs)
 
 
 _ORIGINAL = F.scaled_dot_product_attention
