@@ -3,16 +3,16 @@ the per-file cap, fills only its own volume (`toolkit/grading/volume.py`), and t
 the machine's disk, the grader and the other gradings are untouched, and nothing is left behind."""
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_grading_attacks import SOLUTION, _survivors, make_lab
+from test_grading_attacks import SOLUTION, make_lab
 
 from toolkit.grading import Limits, box, grade, main, volume
 
 AT_SCALE = pytest.mark.grading_scale
-HOLDER = "volume.hold("  # in the command line of a volume's holder
 
 # each file a tenth of the cap, far under the per-file one (256 MiB); together twice the cap
 FILLS = SOLUTION.replace(
@@ -24,6 +24,21 @@ FILLS = SOLUTION.replace(
 ).replace("import torch.distributed as dist", "import os\nimport torch.distributed as dist")
 
 
+# the holder as it runs where no user namespace can be made (the grader then needs CAP_SYS_ADMIN)
+NO_USER_NAMESPACE = volume.HOLDER.replace(
+    "volume.hold(",
+    "real = volume._unshare\nvolume._unshare = lambda f: False if f & volume.CLONE_NEWUSER else real(f)\nvolume.hold(",
+)
+JOINS = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import volume
+os.chdir(sys.argv[2])
+volume.join(int(sys.argv[3]))
+print(sorted(os.listdir(".")), os.getcwd())
+"""
+
+
 def _volume_or_skip(tmp_path) -> volume.Volume:
     for name in ("work", "out"):
         (tmp_path / name).mkdir()
@@ -33,13 +48,35 @@ def _volume_or_skip(tmp_path) -> volume.Volume:
         pytest.skip(f"this machine gives a grading no volume of its own: {exc}")
 
 
-def test_a_volume_caps_bytes_and_files_in_all_and_leaves_nothing(tmp_path):
-    """Bytes past the size and files past MAX_FILES fail with ENOSPC in the volume only; the folder on the machine's
-    disk stays empty, each group of folders is capped apart, and closing it frees everything."""
+@pytest.mark.parametrize("holder", ["user and mount namespaces", "a mount namespace alone"])
+def test_a_volume_caps_bytes_and_files_in_all_and_leaves_nothing(holder, tmp_path, monkeypatch):
+    """Bytes past the size and files past MAX_FILES fail with ENOSPC in the volume only; a process that joins it
+    finds its working folder there; the folder on the machine's disk stays empty, each group of folders is capped
+    apart, and closing it frees everything. With a user namespace (Gradescope's container: root without
+    CAP_SYS_ADMIN), and without one."""
+    if holder == "a mount namespace alone":
+        monkeypatch.setattr(volume, "HOLDER", NO_USER_NAMESPACE)
     held = _volume_or_skip(tmp_path)
+    alone = os.stat(f"/proc/{held.pid}/ns/user").st_ino == os.stat("/proc/self/ns/user").st_ino
     try:
+        assert alone == (holder == "a mount namespace alone")
         work, out = Path(held.seen(tmp_path / "work")), Path(held.seen(tmp_path / "out"))
         (work / "a").write_bytes(b"x" * 600 * 1024)
+        joined = subprocess.run(
+            [
+                sys.executable,
+                "-S",
+                "-c",
+                JOINS,
+                os.path.dirname(volume.__file__),
+                str(tmp_path / "work"),
+                str(held.pid),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert joined.stdout.split() == ["['a']", str(tmp_path / "work")], joined.stderr
         with pytest.raises(OSError) as full:
             (work / "b").write_bytes(b"x" * 600 * 1024)  # two files, each under the cap, together over it
         assert volume.full(full.value)
@@ -47,6 +84,8 @@ def test_a_volume_caps_bytes_and_files_in_all_and_leaves_nothing(tmp_path):
         assert os.listdir(tmp_path / "work") == []  # the machine's disk saw none of it
         (work / "b").unlink()
         (work / "a").unlink()
+        if alone:
+            return  # the files' cap is the tmpfs's, whichever namespace holds it
         made, folder = 0, os.open(work, os.O_RDONLY | os.O_DIRECTORY)
         try:
             with pytest.raises(OSError) as full:
@@ -73,7 +112,7 @@ def test_a_submission_that_fills_its_folders_fails_with_the_limit_and_leaves_not
 
     def kept(self, *args, **kwargs):
         made(self, *args, **kwargs)
-        roots.append(self.root)
+        roots.append((self.root, self.volume and self.volume.pid))
 
     monkeypatch.setattr(box.Box, "__init__", kept)
     score = grade(lab, tmp_path / "fills.py", limits=Limits(disk_limit_mb=4))
@@ -85,8 +124,9 @@ def test_a_submission_that_fills_its_folders_fails_with_the_limit_and_leaves_not
     assert "No space left on device" in total.message and "fills.py line" in total.message
     assert "the grading's folders are full" in hidden.detail  # the next check (world size 1 again) says it too
     assert "4 MiB and 65536 files for what it writes" in score.sandbox
-    assert len(roots) == 1 and not roots[0].exists(), "the grading's folder was left behind"
-    assert not _survivors(HOLDER), "a volume's holder outlived its grading"
+    ((root, holder),) = roots
+    assert not root.exists(), "the grading's folder was left behind"
+    assert not os.path.exists(f"/proc/{holder}"), "the volume's holder outlived its grading"
 
 
 def test_without_a_volume_the_grading_says_its_folders_are_capped_per_file_only(tmp_path, monkeypatch, capsys):

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..runtime.zygote_link import ZygoteError
-from . import isolation, sandbox, student_wheel, untrusted, wire
+from . import isolation, sandbox, student_wheel, untrusted, volume, wire
 from .box import Box
 from .limits import Limits
 from .overseer import GRACE_S, STARTUP_S, Overseer
@@ -279,8 +279,9 @@ def _start_launcher(box: Box, env: dict, spec_path: Path, output: int, quiet: bo
             server.close()
     if box.serverless and not quiet:
         print(f"grading: {box.serverless}: each launch starts its launcher as a fresh interpreter", file=sys.stderr)
+    command = launcher_command(box.lib, spec_path)
     return subprocess.Popen(
-        launcher_command(box.lib, spec_path),
+        command if box.volume is None else volume.entering(box.volume.pid, command),
         cwd=box.work,
         env=env,
         start_new_session=True,

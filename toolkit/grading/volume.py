@@ -13,8 +13,9 @@ mount namespace the grading holds for its whole life:
    `root`/volumes/<name> and binds a folder of it over each writable folder of the same name. It then waits for
    the grader to let it go (the end of its stdin); the namespace, and every byte written there, go with the last
    process in it.
-2. Every launch's first process joins that namespace before anything else (`join`, from `sandbox.enter`): the
-   spec's paths are the same, and lead to the volumes. A write past a cap fails in the submission's own code
+2. Every launch's first process joins that namespace before anything else (`join`, from `sandbox.enter`; a
+   launcher started as a fresh interpreter, through `entering`): the spec's paths are the same, and lead to the
+   volumes. A write past a cap fails in the submission's own code
    (ENOSPC: `full` recognises it, and the check's message names the limit).
 3. The grader reads and writes those folders through the holder's root (`Volume.seen`: /proc/<pid>/root/...).
 
@@ -70,7 +71,7 @@ def hold(request: dict, namespaces) -> None:
     """The holder (`HOLDER`): namespaces, the tmpfs and its binds, then wait for the grader. Never returns."""
     own = _unshare(CLONE_NEWUSER)
     _say({"user": own})
-    if own and sys.stdin.readline().strip() != "mapped":  # the grader maps our ids from outside
+    if sys.stdin.readline().strip() != "go":  # once the grader mapped our ids (from outside), if `own`
         os._exit(1)
     if not _unshare(CLONE_NEWNS):
         _say({"error": f"unshare(CLONE_NEWNS): {os.strerror(ctypes.get_errno())}"})
@@ -104,7 +105,7 @@ class Volume:
             os.makedirs(os.path.join(self.root, FOLDER, name), mode=0o700)
         request = {"root": self.root, "volumes": volumes, "size_kb": max(1, int(size_mb * 1024))}
         self._holder = subprocess.Popen(
-            [sys.executable, "-S", "-c", HOLDER, os.path.dirname(os.path.abspath(__file__)), json.dumps(request)],
+            [sys.executable, "-I", "-S", "-c", HOLDER, os.path.dirname(os.path.abspath(__file__)), json.dumps(request)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -112,11 +113,11 @@ class Volume:
             env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},  # nothing of the grader's, no grading's id
         )
         self.pid = self._holder.pid
-        try:
+        try:  # one word at a time, each answered: never two lines in flight
             if self._told().get("user"):
                 _map_ids(self.pid)
-                self._holder.stdin.write("mapped\n")
-                self._holder.stdin.flush()
+            self._holder.stdin.write("go\n")
+            self._holder.stdin.flush()
             told = self._told()
         except (OSError, ValueError) as exc:
             told = {"error": str(exc)}
@@ -166,14 +167,14 @@ def _map_ids(pid: int) -> None:
 
 def join(pid: int) -> None:
     """This process (single-threaded, before anything of the launch runs) enters the namespace of the volume's
-    holder `pid`; its working folder is found again there."""
+    holder `pid`, unless it is there already (`entering`); its working folder is found again there."""
+    if _namespace("self", "mnt") == _namespace(pid, "mnt"):
+        return
     here = os.getcwd()
-    mine, theirs = (os.stat(f"/proc/{p}/ns/user").st_ino for p in ("self", pid))
-    handles = ([os.open(f"/proc/{pid}/ns/user", os.O_RDONLY)] if mine != theirs else []) + [
-        os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY)
-    ]
+    kinds = ([CLONE_NEWUSER] if _namespace("self", "user") != _namespace(pid, "user") else []) + [CLONE_NEWNS]
+    handles = [os.open(f"/proc/{pid}/ns/{'user' if kind == CLONE_NEWUSER else 'mnt'}", os.O_RDONLY) for kind in kinds]
     try:
-        for handle, kind in zip(handles, [CLONE_NEWUSER, CLONE_NEWNS][-len(handles) :]):
+        for handle, kind in zip(handles, kinds):
             if _libc().setns(handle, kind) != 0:
                 number = ctypes.get_errno()
                 raise OSError(number, f"setns into the grading's volume: {os.strerror(number)}")
@@ -183,6 +184,21 @@ def join(pid: int) -> None:
     os.chdir(here)
 
 
+def _namespace(pid, kind: str) -> int:
+    return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
+
+
+def entering(pid: int, command: list[str]) -> list[str]:
+    """`command` started inside the namespace of the volume's holder `pid`: an interpreter that imports torch has
+    threads by the time it could join (setns wants one), so a small one joins first, then becomes `command`."""
+    return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(pid), *command]
+
+
 def full(exc: BaseException) -> bool:
     """The error a write past the volume's cap raises (in the submission's code)."""
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+if __name__ == "__main__":  # `entering`: join, then become the command
+    join(int(sys.argv[1]))
+    os.execv(sys.argv[2], sys.argv[2:])
