@@ -72,7 +72,7 @@ def gpt(d, layers, heads, vocab, seq, **more):
 def mpt(size, d, layers, heads, gpu, batch, measured, seq=2048):
     """A row of llm-foundry's table: MPT at `d` x `layers` on 8 GPUs of the table's `gpu`, FULL_SHARD, bf16 (amp_bf16),
     no activation checkpointing, `batch` sequences a micro-batch (the gradient accumulation it lists is not simulated:
-    under FULL_SHARD each micro-batch gathers and reduces as a step does)."""
+    each micro-batch's gathers and reductions are priced as a step's, as the MPT-7B rows are)."""
     return PublishedRun(
         f"mpt-{size}-{gpu}",
         LLM_FOUNDRY + f": {size}, {seq}, 8 x {gpu}_80gb, micro-batch {batch}, FULL_SHARD, no activation checkpointing",
