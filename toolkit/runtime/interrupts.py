@@ -22,10 +22,13 @@ _handler = None  # the launcher's own SIGINT handler, while `_note` stands in fo
 _taking: list[bool] = []  # per open `held` (False) or `taken` (True) stretch, innermost last
 _noted = None  # the frame a held SIGINT arrived in (None: none is waiting)
 
+# Each step below leaves a state a SIGINT may land in: `_note` is installed before the first stretch is pushed and
+# removed after the last is popped (while none is open, it notes), and what was noted is taken before it is acted on.
+
 
 def _note(signum, frame) -> None:
     global _noted
-    if _taking[-1]:
+    if _taking and _taking[-1]:
         _handler(signum, frame)
     else:
         _noted = frame
@@ -43,40 +46,36 @@ class _Stretch:
     taking = False
 
     def __enter__(self):
-        global _handler
+        global _handler, _noted
         self.open = threading.current_thread() is threading.main_thread() and (
             bool(_taking) or (not self.taking and callable(signal.getsignal(signal.SIGINT)))
         )
-        if self.open:
-            if not _taking:
-                _handler = signal.signal(signal.SIGINT, _note)
+        if not self.open:
+            return self
+        depth = len(_taking)
+        try:
+            if not depth:
+                _handler, _noted = signal.getsignal(signal.SIGINT), None
+                signal.signal(signal.SIGINT, _note)
             _taking.append(self.taking)
             if self.taking:
-                try:
-                    self._then(None)
-                except BaseException:
-                    _taking.pop()  # it raised on entry: `__exit__` is not called
-                    raise
+                _deliver()
+        except BaseException:
+            del _taking[depth:]  # it raised on entry (a Ctrl-C that was waiting): `__exit__` is not called
+            raise
         return self
 
     def __exit__(self, kind, value, traceback):
-        if self.open:
-            _taking.pop()
-            self._then(kind)
-
-    def _then(self, kind) -> None:
-        """What a stretch's start or end leaves: SIGINT acting again (a waiting one acts now), or still held."""
-        global _handler, _noted
+        global _noted
+        if not self.open:
+            return
+        _taking.pop()
         if kind is not None and issubclass(kind, KeyboardInterrupt):
             _noted = None  # a second Ctrl-C while the first one unwinds: the same interrupt
         if not _taking:
             signal.signal(signal.SIGINT, _handler)
         if not _taking or _taking[-1]:
-            try:
-                _deliver()
-            finally:
-                if not _taking:
-                    _handler = None
+            _deliver()
 
 
 class held(_Stretch):

@@ -189,8 +189,12 @@ def main(folder: str, world_size: int, fds: list[int], parent: int | None = None
     and on SIGTERM (the launcher's, or `parent`'s death) kill everything below. `parent`: the process whose
     death means the launcher's (the launcher itself, or the zygote that forked this keeper)."""
 
+    forking, asked = [False], []
+
     def stop(signum, frame):
-        raise _Stop
+        asked.append(signum)
+        if not forking[0]:  # raised inside fork's own handlers (logging's, at fork) it would be ignored, and lost
+            raise _Stop
 
     signal.signal(signal.SIGTERM, stop)
     ranks, launcher = _Ranks(folder), int(os.environ.get("TOOLKIT_LAUNCHER_PID", os.getppid()))
@@ -199,7 +203,11 @@ def main(folder: str, world_size: int, fds: list[int], parent: int | None = None
         subreaper = _become_subreaper()
         _write(folder, "keeper.json", json.dumps({"subreaper": subreaper}))
         _die_with_parent(parent)
+        forking[0] = True
         ranks.spawn(world_size, fds, start)
+        forking[0] = False
+        if asked:  # it came while the ranks were forked
+            raise _Stop
         while True:  # date each death as it happens; collect orphans
             if not ranks.reap_all(block=True):
                 time.sleep(0.02)  # no child right now (an orphan may still be re-parented here later)

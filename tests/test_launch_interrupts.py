@@ -1,0 +1,126 @@
+"""A Ctrl-C at any moment of a launch: KeyboardInterrupt reaches the caller promptly, and nothing is left behind.
+
+A tracer counts the lines the launcher runs in `toolkit/runtime/` and sends the process SIGINT at the k-th one, as a
+Ctrl-C (or a notebook's stop button: Jupyter sends the kernel SIGINT) landing exactly there. Swept over the start-up
+(from asking for the keeper to waiting for the ranks) and over the teardown (a second Ctrl-C while the first unwinds),
+each launch must raise KeyboardInterrupt, leave no keeper, rank or zygote of its own, remove its folder and give
+SIGINT back its handler. TOOLKIT_INTERRUPT_EVERY_LINE=1 sweeps every line instead of a sample (a few minutes).
+"""
+
+import os
+import signal
+import sys
+import time
+import types
+
+import pytest
+from conftest import _children
+
+import toolkit
+from toolkit.runtime.launch import RankError  # noqa: F401 - loads the module below
+
+pytestmark = pytest.mark.timeout(240)
+launch_module = sys.modules["toolkit.runtime.launch"]  # (toolkit.runtime.launch is the function)
+
+RUNTIME = os.path.dirname(os.path.abspath(launch_module.__file__)) + os.sep
+PATIENCE_S = 30.0  # a launch stops its keeper within 15 s at worst; normally well under one
+
+
+def _sleepy():
+    time.sleep(60)
+
+
+class _Lines:
+    """sys.settrace: count the lines run in toolkit/runtime/ (this thread only); SIGINT at the k-th for k in `at`.
+    (A KeyboardInterrupt raised inside the tracer ends the tracing: the rest of that launch is not counted.)"""
+
+    def __init__(self, at=()):
+        self.at, self.seen = set(at), []
+
+    def __call__(self, frame, event, arg):
+        return self._line if frame.f_code.co_filename.startswith(RUNTIME) else None
+
+    def _line(self, frame, event, arg):
+        if event == "line":
+            self.seen.append(frame.f_code.co_name)
+            if len(self.seen) in self.at:
+                signal.raise_signal(signal.SIGINT)
+        return self._line
+
+
+@pytest.fixture
+def ctrl_c():
+    """SIGINT raises KeyboardInterrupt here, as in a terminal or a notebook (not so where the suite was started in
+    the background by a shell without job control, which ignores it), and no launch leaves its handler behind."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "a launch left its SIGINT handler"
+    signal.signal(signal.SIGINT, before)
+
+
+def _kill_leftovers() -> list[int]:
+    """Kill what a launch left (so that a failure here never fails the next test) and say what it was."""
+    left = sorted(_children())
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def _interrupted_launch(monkeypatch, lines: _Lines) -> float:
+    """Launch ranks that sleep for a minute with the tracer on; the seconds until KeyboardInterrupt reached us."""
+    folders = []
+
+    class Folder(launch_module.tempfile.TemporaryDirectory):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            folders.append(self.name)
+
+    monkeypatch.setattr(launch_module, "tempfile", types.SimpleNamespace(TemporaryDirectory=Folder))
+    started = time.monotonic()
+    sys.settrace(lines)
+    try:
+        # deadline_s: a Ctrl-C that was lost would end the launch as RankError, not KeyboardInterrupt
+        with pytest.raises(KeyboardInterrupt):
+            toolkit.launch(_sleepy, 2, timeout_s=300, deadline_s=PATIENCE_S)
+    finally:
+        sys.settrace(None)
+        took, left = time.monotonic() - started, _kill_leftovers()
+    assert not left, f"processes left running after a Ctrl-C at line(s) {sorted(lines.at)}: {left}"
+    assert folders and not os.path.exists(folders[0]), f"the launch's folder was left: {folders}"
+    assert took < PATIENCE_S, f"a Ctrl-C at line(s) {sorted(lines.at)} took {took:.1f} s to reach the caller"
+    return took
+
+
+def _sample(first: int, last: int, count: int) -> list[int]:
+    if os.environ.get("TOOLKIT_INTERRUPT_EVERY_LINE") == "1":
+        return list(range(first, last + 1))
+    return sorted({round(first + i * (last - first) / max(1, count - 1)) for i in range(count)})
+
+
+def test_a_ctrl_c_at_any_line_of_a_launchs_start_up_or_teardown_stops_everything(
+    monkeypatch, ctrl_c, no_leftover_ranks
+):
+    toolkit.launch(lambda: 0, 2, timeout_s=60)  # the zygote for this environment is up (its start: the next test)
+    watch, user = launch_module._watch, []
+
+    def interrupted_watch(*args):  # the Ctrl-C a user gives: while the ranks run (outside the tracer)
+        user.append(len(whole.seen))
+        signal.raise_signal(signal.SIGINT)
+        return watch(*args)
+
+    whole = _Lines()
+    with monkeypatch.context() as m:
+        m.setattr(launch_module, "_watch", interrupted_watch)
+        _interrupted_launch(m, whole)
+    names, waiting = whole.seen, user[0]
+    asked = names.index("fork_keeper")  # from asking for the keeper (its zygote found) to waiting for the ranks
+    assert asked < waiting < len(names), (asked, waiting, len(names))
+    for k in _sample(asked, waiting, 14):
+        _interrupted_launch(monkeypatch, _Lines([k]))
+    with monkeypatch.context() as m:  # and a second Ctrl-C while the first unwinds (the keeper stopped, the folder)
+        m.setattr(launch_module, "_watch", interrupted_watch)
+        for k in _sample(waiting + 1, len(names), 4):
+            _interrupted_launch(m, _Lines([k]))
