@@ -58,8 +58,8 @@ def ctrl_c():
     signal.signal(signal.SIGINT, before)
 
 
-def _kill_leftovers() -> list[int]:
-    """Kill what a launch left (so that a failure here never fails the next test) and say what it was."""
+def kill_leftovers() -> list[int]:
+    """Kill what this process's launches left (so that one failure never fails the next tests); what it was."""
     left = sorted(_children())
     for pid in left:
         try:
@@ -87,7 +87,7 @@ def _interrupted_launch(monkeypatch, lines: _Lines) -> float:
             toolkit.launch(_sleepy, 2, timeout_s=300, deadline_s=PATIENCE_S)
     finally:
         sys.settrace(None)
-        took, left = time.monotonic() - started, _kill_leftovers()
+        took, left = time.monotonic() - started, kill_leftovers()
     assert not left, f"processes left running after a Ctrl-C at line(s) {sorted(lines.at)}: {left}"
     assert folders and not os.path.exists(folders[0]), f"the launch's folder was left: {folders}"
     assert took < PATIENCE_S, f"a Ctrl-C at line(s) {sorted(lines.at)} took {took:.1f} s to reach the caller"
