@@ -288,28 +288,25 @@ class Keeper:
         return self.process.poll()
 
     def stop(self) -> None:
-        """Kill every rank and everything they started, then wait for the keeper to finish doing so (a Ctrl-C
-        meanwhile waits for that too: the launch holds it)."""
-        from .interrupts import held
-
+        """Kill every rank and everything they started, then wait for the keeper to finish doing so (`launch`
+        holds a Ctrl-C meanwhile: it lands once nothing is left)."""
         if self.process is None:  # never started
             return
-        with held():
-            if self.process.poll() is None:
-                self.process.send_signal(signal.SIGTERM)
-                try:
-                    self.process.wait(timeout=_KILL_PATIENCE_S + 5)
-                except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    self.process.wait()
-            if self.process.returncode != 0:  # the keeper was killed from outside: its ranks' groups at least
-                ended = self.exits()
-                for rank, pid in enumerate(self.pids()):
-                    if rank not in ended:  # (an ended rank's pid may belong to another process by now)
-                        try:
-                            os.killpg(pid, signal.SIGKILL)
-                        except (ProcessLookupError, PermissionError):
-                            pass
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=_KILL_PATIENCE_S + 5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.returncode != 0:  # the keeper was killed from outside: its ranks' groups at least
+            ended = self.exits()
+            for rank, pid in enumerate(self.pids()):
+                if rank not in ended:  # (an ended rank's pid may belong to another process by now)
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
 
 
 if __name__ == "__main__":
