@@ -17,13 +17,13 @@ import pytest
 from conftest import _children
 
 import toolkit
-from toolkit.runtime.launch import RankError  # noqa: F401 - loads the module below
+from toolkit.runtime import zygote_link, zygotes
 
 pytestmark = pytest.mark.timeout(240)
 launch_module = sys.modules["toolkit.runtime.launch"]  # (toolkit.runtime.launch is the function)
 
 RUNTIME = os.path.dirname(os.path.abspath(launch_module.__file__)) + os.sep
-PATIENCE_S = 30.0  # a launch stops its keeper within 15 s at worst; normally well under one
+PATIENCE_S = 12.0  # stopping takes well under a second; a keeper that missed its SIGTERM is killed after 15 s
 
 
 def _sleepy():
@@ -124,3 +124,46 @@ def test_a_ctrl_c_at_any_line_of_a_launchs_start_up_or_teardown_stops_everything
         m.setattr(launch_module, "_watch", interrupted_watch)
         for k in _sample(waiting + 1, len(names), 4):
             _interrupted_launch(m, _Lines([k]))
+
+
+def test_a_ctrl_c_while_a_zygote_starts_or_a_fresh_interpreter_keeper_starts_leaves_nothing(
+    monkeypatch, ctrl_c, no_leftover_ranks
+):
+    """The start-up's other paths: a zygote that imports torch for a new environment (SIGINT acts at once, and the
+    zygote is killed: it would serve nobody), and a keeper started as a fresh interpreter (TOOLKIT_LAUNCH_EXEC=1)."""
+    monkeypatch.setattr(zygotes, "MAX_ZYGOTES", 100)  # no zygote of the other tests is let go for these
+    started = zygotes.pids()
+    monkeypatch.setenv("TOOLKIT_INTERRUPT_TEST", "count")  # a new environment: a new zygote starts
+    greeted = []
+    real_greeted = zygote_link.Zygote._greeted
+
+    def interrupted_greeted(self):
+        greeted.append(len(whole.seen))
+        signal.raise_signal(signal.SIGINT)
+        return real_greeted(self)
+
+    whole = _Lines()
+    with monkeypatch.context() as m:
+        m.setattr(zygote_link.Zygote, "_greeted", interrupted_greeted)
+        took = _interrupted_launch(m, whole)
+    assert took < 10, f"a Ctrl-C while a zygote imported torch took {took:.1f} s"
+    first = whole.seen.index("_zygote_for")
+    for k in _sample(first, greeted[0], 5):
+        monkeypatch.setenv("TOOLKIT_INTERRUPT_TEST", str(k))
+        _interrupted_launch(monkeypatch, _Lines([k]))
+    assert zygotes.pids() == started, "an interrupted zygote start left a zygote in the pool"
+
+    monkeypatch.setenv("TOOLKIT_LAUNCH_EXEC", "1")
+    watch, user = launch_module._watch, []
+
+    def interrupted_watch(*args):
+        user.append(len(whole.seen))
+        signal.raise_signal(signal.SIGINT)
+        return watch(*args)
+
+    whole = _Lines()
+    with monkeypatch.context() as m:
+        m.setattr(launch_module, "_watch", interrupted_watch)
+        _interrupted_launch(m, whole)
+    for k in _sample(whole.seen.index("start"), user[0], 4):
+        _interrupted_launch(monkeypatch, _Lines([k]))
