@@ -8,6 +8,10 @@ noted, not acted on, and the handler the launcher had (KeyboardInterrupt, normal
 everything; `taken()` lets it act at once where the launch only waits (for its ranks, for a zygote to import torch).
 What is held is short: milliseconds to start a keeper, and stopping one (well under a second; 15 s at most).
 
+Why a stand-in handler rather than blocking SIGINT (`pthread_sigmask`): a mask is per thread, and the kernel hands a
+process's SIGINT to any thread not blocking it (a notebook kernel has several, the rendezvous store one more), whose
+C handler then has the main thread raise all the same; and what the launcher starts would inherit the mask.
+
 Only the main thread runs Python's signal handlers and may change them: elsewhere both do nothing (no
 KeyboardInterrupt lands there). Where SIGINT is ignored or left to the system (it then kills the launcher, and the
 keeper dies with it: `keeper.py`), nothing changes either.
