@@ -100,30 +100,37 @@ def _sample(first: int, last: int, count: int) -> list[int]:
     return sorted({round(first + i * (last - first) / max(1, count - 1)) for i in range(count)})
 
 
+def _interrupt_in(monkeypatch, owner, name: str, lines: _Lines) -> list[int]:
+    """SIGINT on entering `owner.name` (outside the tracer, which goes on counting); the line count then, once."""
+    real, entered = getattr(owner, name), []
+
+    def interrupted(*args):
+        entered.append(len(lines.seen))
+        signal.raise_signal(signal.SIGINT)
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, interrupted)
+    return entered
+
+
 def test_a_ctrl_c_at_any_line_of_a_launchs_start_up_or_teardown_stops_everything(
     monkeypatch, ctrl_c, no_leftover_ranks
 ):
     toolkit.launch(lambda: 0, 2, timeout_s=60)  # the zygote for this environment is up (its start: the next test)
-    watch, user = launch_module._watch, []
-
-    def interrupted_watch(*args):  # the Ctrl-C a user gives: while the ranks run (outside the tracer)
-        user.append(len(whole.seen))
-        signal.raise_signal(signal.SIGINT)
-        return watch(*args)
-
     whole = _Lines()
-    with monkeypatch.context() as m:
-        m.setattr(launch_module, "_watch", interrupted_watch)
+    with monkeypatch.context() as m:  # the Ctrl-C a user gives: while the ranks run
+        waiting = _interrupt_in(m, launch_module, "_watch", whole)
         _interrupted_launch(m, whole)
-    names, waiting = whole.seen, user[0]
+    names, waiting = whole.seen, waiting[0]
     asked = names.index("fork_keeper")  # from asking for the keeper (its zygote found) to waiting for the ranks
     assert asked < waiting < len(names), (asked, waiting, len(names))
     for k in _sample(asked, waiting, 14):
         _interrupted_launch(monkeypatch, _Lines([k]))
-    with monkeypatch.context() as m:  # and a second Ctrl-C while the first unwinds (the keeper stopped, the folder)
-        m.setattr(launch_module, "_watch", interrupted_watch)
-        for k in _sample(waiting + 1, len(names), 4):
-            _interrupted_launch(m, _Lines([k]))
+    for k in _sample(waiting + 1, len(names), 4):  # and a second Ctrl-C while the first unwinds (stop, the folder)
+        with monkeypatch.context() as m:
+            lines = _Lines([k])
+            _interrupt_in(m, launch_module, "_watch", lines)
+            _interrupted_launch(m, lines)
 
 
 def test_a_ctrl_c_while_a_zygote_starts_or_a_fresh_interpreter_keeper_starts_leaves_nothing(
@@ -134,36 +141,20 @@ def test_a_ctrl_c_while_a_zygote_starts_or_a_fresh_interpreter_keeper_starts_lea
     monkeypatch.setattr(zygotes, "MAX_ZYGOTES", 100)  # no zygote of the other tests is let go for these
     started = zygotes.pids()
     monkeypatch.setenv("TOOLKIT_INTERRUPT_TEST", "count")  # a new environment: a new zygote starts
-    greeted = []
-    real_greeted = zygote_link.Zygote._greeted
-
-    def interrupted_greeted(self):
-        greeted.append(len(whole.seen))
-        signal.raise_signal(signal.SIGINT)
-        return real_greeted(self)
-
     whole = _Lines()
     with monkeypatch.context() as m:
-        m.setattr(zygote_link.Zygote, "_greeted", interrupted_greeted)
+        greeted = _interrupt_in(m, zygote_link.Zygote, "_greeted", whole)
         took = _interrupted_launch(m, whole)
     assert took < 10, f"a Ctrl-C while a zygote imported torch took {took:.1f} s"
-    first = whole.seen.index("_zygote_for")
-    for k in _sample(first, greeted[0], 5):
+    for k in _sample(whole.seen.index("_zygote_for"), greeted[0], 5):
         monkeypatch.setenv("TOOLKIT_INTERRUPT_TEST", str(k))
         _interrupted_launch(monkeypatch, _Lines([k]))
     assert zygotes.pids() == started, "an interrupted zygote start left a zygote in the pool"
 
     monkeypatch.setenv("TOOLKIT_LAUNCH_EXEC", "1")
-    watch, user = launch_module._watch, []
-
-    def interrupted_watch(*args):
-        user.append(len(whole.seen))
-        signal.raise_signal(signal.SIGINT)
-        return watch(*args)
-
     whole = _Lines()
     with monkeypatch.context() as m:
-        m.setattr(launch_module, "_watch", interrupted_watch)
+        waiting = _interrupt_in(m, launch_module, "_watch", whole)
         _interrupted_launch(m, whole)
-    for k in _sample(whole.seen.index("start"), user[0], 4):
+    for k in _sample(whole.seen.index("start"), waiting[0], 4):
         _interrupted_launch(monkeypatch, _Lines([k]))
