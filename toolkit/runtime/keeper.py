@@ -22,7 +22,7 @@ launcher (PR_SET_PDEATHSIG on its parent: the launcher, or the zygote, which end
 Without prctl (not Linux) it still starts, dates and kills the ranks; an orphan that left its rank's
 process group may then escape.
 
-Launcher side: `Keeper(folder, world_size)`, `keeper.start(env)`, `keeper.exits()`, `keeper.pids()`, `keeper.stop()`.
+The launcher's side, its handle on a keeper, is `keeper_handle.Keeper`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import time
 
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_PDEATHSIG = 1
-_KILL_PATIENCE_S = 10.0
+KILL_PATIENCE_S = 10.0
 
 
 # --- the keeper process ------------------------------------------------------------------------------------
@@ -150,7 +150,7 @@ class _Ranks:
 
 def _kill_everything(ranks: _Ranks) -> None:
     """SIGKILL every descendant, reap them, and again for whatever was re-parented here meanwhile."""
-    give_up = time.monotonic() + _KILL_PATIENCE_S
+    give_up = time.monotonic() + KILL_PATIENCE_S
     while time.monotonic() < give_up:
         below = _descendants(os.getpid())
         for pid in below:
@@ -223,90 +223,6 @@ def main(folder: str, world_size: int, fds: list[int], parent: int | None = None
         if orphaned and _gone(launcher):  # the launcher died: nobody else will remove its folder
             shutil.rmtree(folder, ignore_errors=True)
     os._exit(0)
-
-
-# --- the launcher's side --------------------------------------------------------------------------------------
-class Keeper:
-    """The launcher's handle on a running keeper and its ranks."""
-
-    def __init__(self, folder: str, world_size: int):
-        """Nothing runs yet: `start` starts the keeper, `stop` stops whatever `start` got to (nothing, if it was
-        interrupted before). `process`: the keeper, a Popen or a `zygotes.Forked` (the zygote forked it)."""
-        self.folder, self.world_size, self.process, self.streams = folder, world_size, None, []
-
-    def start(self, env: dict) -> None:
-        """Start the keeper, which starts the ranks; `streams[r]` reads rank r's output (stdout and stderr).
-        A Ctrl-C waits (`interrupts.held`) until the keeper is `self.process`, so `stop` stops it whenever it lands."""
-        from .interrupts import held  # here: run by path, this file imports nothing of the package
-        from .zygotes import fork_keeper
-
-        with held():
-            pipes = [os.pipe() for _ in range(self.world_size)]
-            self.streams = [os.fdopen(r, "rb") for r, _ in pipes]
-            writers, env = [w for _, w in pipes], dict(env, TOOLKIT_LAUNCHER_PID=str(os.getpid()))
-            try:
-                self.process = fork_keeper(self.folder, self.world_size, env, writers) or subprocess.Popen(
-                    [sys.executable, os.path.abspath(__file__), self.folder, str(self.world_size), *map(str, writers)],
-                    env=env,
-                    pass_fds=writers,
-                    start_new_session=True,
-                    stdin=subprocess.DEVNULL,
-                )
-            finally:
-                for w in writers:
-                    os.close(w)
-
-    def exits(self) -> dict[int, tuple[int, float]]:
-        """{rank: (exit code, when it ended)} for the ranks that have ended, as the keeper saw them end."""
-        found = {}
-        for rank in range(self.world_size):
-            try:
-                with open(os.path.join(self.folder, f"exit-{rank}")) as f:
-                    record = json.load(f)
-            except (OSError, ValueError):
-                continue
-            found[rank] = (record["code"], record["time"])
-        return found
-
-    def pids(self) -> list[int]:
-        try:
-            with open(os.path.join(self.folder, "pids.json")) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return []
-
-    def orphaned(self) -> int | None:
-        """The pid of the process whose death made the keeper stop everything on its own (None: it did not)."""
-        try:
-            with open(os.path.join(self.folder, "orphaned")) as f:
-                return int(f.read())
-        except (OSError, ValueError):
-            return None
-
-    def lost(self) -> int | None:
-        """The keeper's own exit code if it ended before being told to (None while it runs)."""
-        return self.process.poll()
-
-    def stop(self) -> None:
-        """Kill every rank and everything they started, then wait for the keeper to finish doing so (`launch`
-        holds a Ctrl-C meanwhile: it lands once nothing is left)."""
-        if self.process is None:  # never started
-            return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=_KILL_PATIENCE_S + 5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self.process.returncode != 0:  # the keeper was killed from outside: its ranks' groups at least
-            ended = self.exits()
-            for rank, pid in enumerate(self.pids()):
-                if rank not in ended:  # (an ended rank's pid may belong to another process by now)
-                    try:
-                        os.killpg(pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
 
 
 if __name__ == "__main__":

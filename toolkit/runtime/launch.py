@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from . import blame, by_value, interrupts, stacks, status
 from .env import resolve_backend
-from .keeper import Keeper
+from .keeper_handle import Keeper
 
 # The backend's own timeout fires this long after the launcher's hang check, so the check (which can
 # still see who never entered the collective) speaks first; the backend's timeout is the backstop.
