@@ -21,10 +21,11 @@ import torch
 from toolkit.grading import CheckFailed, format_score, grade, lab_checks
 from toolkit.grading.declared import declared
 from toolkit.grading.grader import _generator
-from toolkit.grading.verdicts import relayed, verdict
 from toolkit.grading.isolation import Sandbox
 from toolkit.grading.mutants import LIMITS, WRAPPER
 from toolkit.grading.session import Box, launch_ranks
+from toolkit.grading.verdicts import relayed
+from toolkit.grading.verdicts import verdict as judge
 
 LABS = Path(__file__).resolve().parent.parent / "labs"
 
@@ -114,7 +115,7 @@ def grade_many(lab: Path, students: dict, seed: int) -> dict:
                     for position, v in enumerate(todo):
                         results = relayed(launch.results.get(v, {}), launch, v)
                         said, name = found[names[v // len(checks)]], virtual[v].name
-                        said[name] = said[name] or verdict(virtual[v], n, drawn[v % len(checks)], results, launch)
+                        said[name] = said[name] or judge(virtual[v], n, drawn[v % len(checks)], results, launch)
                         if len(results) < n or v == launch.abandoned:  # the launch ended in this check
                             todo = todo[position + 1 :]
                             break
