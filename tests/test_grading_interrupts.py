@@ -8,6 +8,7 @@ Ctrl-C that was lost lets the grading end with a score after the time limit, not
 """
 
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -62,23 +63,39 @@ def _interrupted_grading(monkeypatch, submission: Path, lines: Lines) -> float:
     assert not left, f"processes of the grading left running after {where}: {left}"
     assert not [f for f in folders if os.path.exists(f)], f"the grading's folder was left after {where}: {folders}"
     assert took < PATIENCE_S, f"{where} took {took:.1f} s to reach the caller"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, f"{where} left a SIGINT handler"
     return took
 
 
-def test_a_ctrl_c_at_any_line_of_a_gradings_start_up_or_teardown_leaves_nothing(monkeypatch, tmp_path):
+def _sweep(monkeypatch, tmp_path, spread: int, launching: int, making: int, unwinding: int) -> None:
+    """A grading interrupted where an instructor would (while the ranks run), then at sampled lines: `spread` over
+    the whole start-up, `launching` from asking for the launcher to the wait, `making` while the grading's volume
+    is made, and `unwinding` a second Ctrl-C during the teardown."""
     submission = tmp_path / "sleepy.py"
     submission.write_text("import time\n\ntime.sleep(60)\n")
     whole = Lines(GRADING)
-    with monkeypatch.context() as m:  # the Ctrl-C an instructor gives: while the overseer waits for the ranks
+    with monkeypatch.context() as m:
         waiting = interrupt_in(m, overseer.Overseer, "run", whole)
         _interrupted_grading(m, submission, whole)
     names, waiting = whole.seen, waiting[0]
-    begun = names.index("__enter__")  # the grading's Sandbox: then its Box, its volume, its fork server, a launch
-    assert begun < waiting < len(names), (begun, waiting, len(names))
-    for k in sample(begun, waiting, 8):
+    begun, volume, launcher = names.index("__enter__"), names.index("_volumes"), names.index("_start_launcher")
+    assert begun < volume < launcher < waiting < len(names), (begun, volume, launcher, waiting, len(names))
+    at = sample(begun, waiting, spread) if spread else []
+    at += sample(launcher, waiting, launching) + sample(volume, names.index("launch_ranks"), making)
+    for k in sorted(set(at)):
         _interrupted_grading(monkeypatch, submission, Lines(GRADING, [k]))
-    for k in sample(waiting + 1, len(names), 4):  # and a second Ctrl-C while the first unwinds
+    for k in sample(waiting + 1, len(names), unwinding):
         with monkeypatch.context() as m:
             lines = Lines(GRADING, [k])
             interrupt_in(m, overseer.Overseer, "run", lines)
             _interrupted_grading(m, submission, lines)
+
+
+def test_a_ctrl_c_while_a_grading_starts_its_launcher_or_unwinds_leaves_nothing(monkeypatch, tmp_path):
+    """Where a process is asked for and owned: the launcher forked by the grading's server, the volume's holder."""
+    _sweep(monkeypatch, tmp_path, spread=0, launching=4, making=1, unwinding=1)
+
+
+@pytest.mark.grading_scale
+def test_a_ctrl_c_at_any_line_of_a_gradings_start_up_or_teardown_leaves_nothing(monkeypatch, tmp_path):
+    _sweep(monkeypatch, tmp_path, spread=14, launching=8, making=4, unwinding=4)
