@@ -46,7 +46,13 @@ def _interrupted_grading(monkeypatch, submission: Path, lines: Lines) -> float:
         folders.append(tempfile.mkdtemp(**kw))
         return folders[-1]
 
+    def last_sweep(sandbox):  # what its owner had not stopped (the submission's own daemons, were there any)
+        swept.extend(isolation.marked(sandbox.id))
+        sweep(sandbox)
+
+    swept, sweep = [], isolation.Sandbox.stop_everything
     monkeypatch.setattr(box_module, "tempfile", types.SimpleNamespace(mkdtemp=mkdtemp))
+    monkeypatch.setattr(isolation.Sandbox, "stop_everything", last_sweep)
     started = time.monotonic()
     sys.settrace(lines)
     try:
@@ -61,6 +67,7 @@ def _interrupted_grading(monkeypatch, submission: Path, lines: Lines) -> float:
     monkeypatch.undo()
     where = f"a Ctrl-C at line(s) {sorted(lines.at)}"
     assert not left, f"processes of the grading left running after {where}: {left}"
+    assert not swept, f"after {where}, the grader's own processes were left to the grading's last sweep: {swept}"
     assert not [f for f in folders if os.path.exists(f)], f"the grading's folder was left after {where}: {folders}"
     assert took < PATIENCE_S, f"{where} took {took:.1f} s to reach the caller"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, f"{where} left a SIGINT handler"
