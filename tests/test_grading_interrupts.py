@@ -19,7 +19,7 @@ from uuid import uuid4
 import pytest
 from interrupting import Lines, ctrl_c, interrupt_in, kill_leftovers, sample  # noqa: F401 (ctrl_c: a fixture)
 
-from toolkit.grading import Limits, grade, isolation, overseer
+from toolkit.grading import Limits, grade, isolation, overseer, student_wheel
 from toolkit.runtime import zygotes
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("ctrl_c")]
@@ -80,15 +80,16 @@ def _sweep(monkeypatch, tmp_path, spread: int, launching: int, making: int, unwi
     is made, and `unwinding` a second Ctrl-C during the teardown."""
     submission = tmp_path / "sleepy.py"
     submission.write_text("import time\n\ntime.sleep(60)\n")
+    student_wheel.for_lab(LAB)  # built (once per toolkit and lab) before the lines are counted: each grading alike
     whole = Lines(GRADING)
     with monkeypatch.context() as m:
         waiting = interrupt_in(m, overseer.Overseer, "run", whole)
         _interrupted_grading(m, submission, whole)
     names, waiting = whole.seen, waiting[0]
-    begun, volume, launcher = names.index("__enter__"), names.index("_volumes"), names.index("_start_launcher")
+    begun, volume, launcher = (names.index(name) + 1 for name in ("__enter__", "_volumes", "_start_launcher"))
     assert begun < volume < launcher < waiting < len(names), (begun, volume, launcher, waiting, len(names))
     at = sample(begun, waiting, spread) if spread else []
-    at += sample(launcher, waiting, launching) + sample(volume, names.index("launch_ranks"), making)
+    at += sample(launcher, waiting, launching) + sample(volume, names.index("launch_ranks") + 1, making)
     for k in sorted(set(at)):
         _interrupted_grading(monkeypatch, submission, Lines(GRADING, [k]))
     for k in sample(waiting + 1, len(names), unwinding):

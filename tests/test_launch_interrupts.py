@@ -8,6 +8,7 @@ instead of a sample (a few minutes).
 """
 
 import os
+import signal
 import sys
 import time
 import types
@@ -16,7 +17,7 @@ import pytest
 from interrupting import Lines, ctrl_c, interrupt_in, kill_leftovers, sample  # noqa: F401 (ctrl_c: a fixture)
 
 import toolkit
-from toolkit.runtime import zygote_link, zygotes
+from toolkit.runtime import interrupts, zygote_link, zygotes
 
 pytestmark = pytest.mark.timeout(240)
 launch_module = sys.modules["toolkit.runtime.launch"]  # (toolkit.runtime.launch is the function)
@@ -103,3 +104,29 @@ def test_a_ctrl_c_while_a_zygote_starts_or_a_fresh_interpreter_keeper_starts_lea
         _interrupted_launch(m, whole)
     for k in sample(whole.seen.index("start"), waiting[0], 4):
         _interrupted_launch(monkeypatch, _lines([k]))
+
+
+def _nested():
+    with interrupts.held():
+        with interrupts.taken():
+            time.sleep(0)
+        time.sleep(0)
+
+
+@pytest.mark.usefixtures("ctrl_c")
+def test_a_ctrl_c_at_any_line_of_nested_stretches_reaches_the_caller_and_gives_sigint_back_its_handler():
+    """Every line, the line event of the inner `with`'s exit among them: the interrupt lands before its `__exit__`
+    runs, which then never does; the outer stretch still ends everything opened inside it."""
+    here = os.path.abspath(__file__)
+    whole = Lines(here)
+    sys.settrace(whole)
+    _nested()
+    sys.settrace(None)
+    for k in range(1, len(whole.seen) + 1):
+        sys.settrace(Lines(here, [k]))
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                _nested()
+        finally:
+            sys.settrace(None)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and not interrupts._taking, whole.seen
