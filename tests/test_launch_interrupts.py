@@ -1,10 +1,10 @@
 """A Ctrl-C at any moment of a launch: KeyboardInterrupt reaches the caller promptly, and nothing is left behind.
 
-A tracer counts the lines the launcher runs in `toolkit/runtime/` and sends the process SIGINT at the k-th one, as a
-Ctrl-C (or a notebook's stop button: Jupyter sends the kernel SIGINT) landing exactly there. Swept over the start-up
-(from asking for the keeper to waiting for the ranks) and over the teardown (a second Ctrl-C while the first unwinds),
-each launch must raise KeyboardInterrupt, leave no keeper, rank or zygote of its own, remove its folder and give
-SIGINT back its handler. TOOLKIT_INTERRUPT_EVERY_LINE=1 sweeps every line instead of a sample (a few minutes).
+A tracer (`interrupting.Lines`) counts the lines the launcher runs in `toolkit/runtime/` and sends the process SIGINT
+at the k-th one. Swept over the start-up (from asking for the keeper to waiting for the ranks) and over the teardown
+(a second Ctrl-C while the first unwinds), each launch must raise KeyboardInterrupt, leave no keeper, rank or zygote
+of its own, remove its folder and give SIGINT back its handler. TOOLKIT_INTERRUPT_EVERY_LINE=1 sweeps every line
+instead of a sample (a few minutes).
 """
 
 import os
@@ -14,10 +14,10 @@ import time
 import types
 
 import pytest
-from conftest import _children
+from interrupting import Lines, ctrl_c, interrupt_in, kill_leftovers, sample  # noqa: F401 (ctrl_c: a fixture)
 
 import toolkit
-from toolkit.runtime import zygote_link, zygotes
+from toolkit.runtime import interrupts, zygote_link, zygotes
 
 pytestmark = pytest.mark.timeout(240)
 launch_module = sys.modules["toolkit.runtime.launch"]  # (toolkit.runtime.launch is the function)
@@ -26,50 +26,15 @@ RUNTIME = os.path.dirname(os.path.abspath(launch_module.__file__)) + os.sep
 PATIENCE_S = 12.0  # stopping takes well under a second; a keeper that missed its SIGTERM is killed after 15 s
 
 
+def _lines(at=()) -> Lines:
+    return Lines(RUNTIME, at)
+
+
 def _sleepy():
     time.sleep(60)
 
 
-class _Lines:
-    """sys.settrace: count the lines run in toolkit/runtime/ (this thread only); SIGINT at the k-th for k in `at`.
-    (A KeyboardInterrupt raised inside the tracer ends the tracing: the rest of that launch is not counted.)"""
-
-    def __init__(self, at=()):
-        self.at, self.seen = set(at), []
-
-    def __call__(self, frame, event, arg):
-        return self._line if frame.f_code.co_filename.startswith(RUNTIME) else None
-
-    def _line(self, frame, event, arg):
-        if event == "line":
-            self.seen.append(frame.f_code.co_name)
-            if len(self.seen) in self.at:
-                signal.raise_signal(signal.SIGINT)
-        return self._line
-
-
-@pytest.fixture
-def ctrl_c():
-    """SIGINT raises KeyboardInterrupt here, as in a terminal or a notebook (not so where the suite was started in
-    the background by a shell without job control, which ignores it), and no launch leaves its handler behind."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "a launch left its SIGINT handler"
-    signal.signal(signal.SIGINT, before)
-
-
-def kill_leftovers() -> list[int]:
-    """Kill what this process's launches left (so that one failure never fails the next tests); what it was."""
-    left = sorted(_children())
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return left
-
-
-def _interrupted_launch(monkeypatch, lines: _Lines) -> float:
+def _interrupted_launch(monkeypatch, lines: Lines) -> float:
     """Launch ranks that sleep for a minute with the tracer on; the seconds until KeyboardInterrupt reached us."""
     folders = []
 
@@ -94,67 +59,74 @@ def _interrupted_launch(monkeypatch, lines: _Lines) -> float:
     return took
 
 
-def _sample(first: int, last: int, count: int) -> list[int]:
-    if os.environ.get("TOOLKIT_INTERRUPT_EVERY_LINE") == "1":
-        return list(range(first, last + 1))
-    return sorted({round(first + i * (last - first) / max(1, count - 1)) for i in range(count)})
-
-
-def _interrupt_in(monkeypatch, owner, name: str, lines: _Lines) -> list[int]:
-    """SIGINT on entering `owner.name` (outside the tracer, which goes on counting); the line count then, once."""
-    real, entered = getattr(owner, name), []
-
-    def interrupted(*args):
-        entered.append(len(lines.seen))
-        signal.raise_signal(signal.SIGINT)
-        return real(*args)
-
-    monkeypatch.setattr(owner, name, interrupted)
-    return entered
-
-
-def test_a_ctrl_c_at_any_line_of_a_launchs_start_up_or_teardown_stops_everything(
-    monkeypatch, ctrl_c, no_leftover_ranks
-):
+@pytest.mark.usefixtures("ctrl_c")
+def test_a_ctrl_c_at_any_line_of_a_launchs_start_up_or_teardown_stops_everything(monkeypatch, no_leftover_ranks):
     toolkit.launch(lambda: 0, 2, timeout_s=60)  # the zygote for this environment is up (its start: the next test)
-    whole = _Lines()
+    whole = _lines()
     with monkeypatch.context() as m:  # the Ctrl-C a user gives: while the ranks run
-        waiting = _interrupt_in(m, launch_module, "_watch", whole)
+        waiting = interrupt_in(m, launch_module, "_watch", whole)
         _interrupted_launch(m, whole)
     names, waiting = whole.seen, waiting[0]
     asked = names.index("fork_keeper")  # from asking for the keeper (its zygote found) to waiting for the ranks
     assert asked < waiting < len(names), (asked, waiting, len(names))
-    for k in _sample(asked, waiting, 14):
-        _interrupted_launch(monkeypatch, _Lines([k]))
-    for k in _sample(waiting + 1, len(names), 4):  # and a second Ctrl-C while the first unwinds (stop, the folder)
+    for k in sample(asked, waiting, 14):
+        _interrupted_launch(monkeypatch, _lines([k]))
+    for k in sample(waiting + 1, len(names), 4):  # and a second Ctrl-C while the first unwinds (stop, the folder)
         with monkeypatch.context() as m:
-            lines = _Lines([k])
-            _interrupt_in(m, launch_module, "_watch", lines)
+            lines = _lines([k])
+            interrupt_in(m, launch_module, "_watch", lines)
             _interrupted_launch(m, lines)
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_a_ctrl_c_while_a_zygote_starts_or_a_fresh_interpreter_keeper_starts_leaves_nothing(
-    monkeypatch, ctrl_c, no_leftover_ranks
+    monkeypatch, no_leftover_ranks
 ):
     """The start-up's other paths: a zygote that imports torch for a new environment (SIGINT acts at once, and the
     zygote is killed: it would serve nobody), and a keeper started as a fresh interpreter (TOOLKIT_LAUNCH_EXEC=1)."""
     monkeypatch.setattr(zygotes, "MAX_ZYGOTES", 100)  # no zygote of the other tests is let go for these
     started = zygotes.pids()
     monkeypatch.setenv("TOOLKIT_INTERRUPT_TEST", "count")  # a new environment: a new zygote starts
-    whole = _Lines()
+    whole = _lines()
     with monkeypatch.context() as m:
-        greeted = _interrupt_in(m, zygote_link.Zygote, "_greeted", whole)
+        greeted = interrupt_in(m, zygote_link.Zygote, "_greeted", whole)
         took = _interrupted_launch(m, whole)
     assert took < 10, f"a Ctrl-C while a zygote imported torch took {took:.1f} s"
-    for k in _sample(whole.seen.index("_zygote_for"), greeted[0], 5):
+    for k in sample(whole.seen.index("_zygote_for"), greeted[0], 5):
         monkeypatch.setenv("TOOLKIT_INTERRUPT_TEST", str(k))
-        _interrupted_launch(monkeypatch, _Lines([k]))
+        _interrupted_launch(monkeypatch, _lines([k]))
     assert zygotes.pids() == started, "an interrupted zygote start left a zygote in the pool"
 
     monkeypatch.setenv("TOOLKIT_LAUNCH_EXEC", "1")
-    whole = _Lines()
+    whole = _lines()
     with monkeypatch.context() as m:
-        waiting = _interrupt_in(m, launch_module, "_watch", whole)
+        waiting = interrupt_in(m, launch_module, "_watch", whole)
         _interrupted_launch(m, whole)
-    for k in _sample(whole.seen.index("start"), waiting[0], 4):
-        _interrupted_launch(monkeypatch, _Lines([k]))
+    for k in sample(whole.seen.index("start"), waiting[0], 4):
+        _interrupted_launch(monkeypatch, _lines([k]))
+
+
+def _nested():
+    with interrupts.held():
+        with interrupts.taken():
+            time.sleep(0)
+        time.sleep(0)
+
+
+@pytest.mark.usefixtures("ctrl_c")
+def test_a_ctrl_c_at_any_line_of_nested_stretches_reaches_the_caller_and_gives_sigint_back_its_handler():
+    """Every line, the line event of the inner `with`'s exit among them: the interrupt lands before its `__exit__`
+    runs, which then never does; the outer stretch still ends everything opened inside it."""
+    here = os.path.abspath(__file__)
+    whole = Lines(here)
+    sys.settrace(whole)
+    _nested()
+    sys.settrace(None)
+    for k in range(1, len(whole.seen) + 1):
+        sys.settrace(Lines(here, [k]))
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                _nested()
+        finally:
+            sys.settrace(None)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and not interrupts._taking, whole.seen

@@ -28,11 +28,19 @@ _noted = None  # the frame a held SIGINT arrived in (None: none is waiting)
 
 # Each step below leaves a state a SIGINT may land in: `_note` is installed before the first stretch is pushed and
 # removed after the last is popped (while none is open, it notes), and what was noted is taken before it is acted on.
+# Once a Ctrl-C acts in a `taken` stretch, the rest of it unwinds held; and each stretch's exit drops every stretch
+# opened inside it, since the interrupt can land just before an inner stretch's `__exit__` runs (it then never does).
+
+
+def _acted() -> None:
+    if _taking:
+        _taking[-1] = False
 
 
 def _note(signum, frame) -> None:
     global _noted
     if _taking and _taking[-1]:
+        _acted()
         _handler(signum, frame)
     else:
         _noted = frame
@@ -43,6 +51,7 @@ def _deliver() -> None:
     global _noted
     frame, _noted = _noted, None
     if frame is not None:
+        _acted()
         _handler(signal.SIGINT, frame)
 
 
@@ -56,7 +65,7 @@ class _Stretch:
         )
         if not self.open:
             return self
-        depth = len(_taking)
+        depth = self.depth = len(_taking)
         try:
             if not depth:
                 _handler, _noted = signal.getsignal(signal.SIGINT), None
@@ -73,7 +82,7 @@ class _Stretch:
         global _noted
         if not self.open:
             return
-        _taking.pop()
+        del _taking[self.depth :]
         if kind is not None and issubclass(kind, KeyboardInterrupt):
             _noted = None  # a second Ctrl-C while the first one unwinds: the same interrupt
         if not _taking:
