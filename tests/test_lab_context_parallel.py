@@ -10,26 +10,15 @@ loses exactly the checks that name it, with a message that names it:
                     a wait before the block's attention (no overlap); a rank's own share of its own block sent round
                     too; a gradient that never comes home
 
-The mistakes are graded as a grading grades them (the sandbox, the students' build of the toolkit, the grader's
-relay carrying every message), but all of them in one launch per world size (`grade_many`), and judged by the
-lab's checks in this process; the skeleton's whole grading is under `grading_scale` (make test-grading).
+The mistakes are graded together with the reference and the skeleton (tests/lab_grading.py); the skeleton's whole
+grading is under `grading_scale` (make test-grading).
 """
-
-import shutil
-import tempfile
-from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from lab_grading import LABS, LabGrading
 
 from toolkit.grading import lab_checks
-from toolkit.grading.grader import _generator
-from toolkit.grading.isolation import Sandbox
-from toolkit.grading.mutants import LIMITS, WRAPPER
-from toolkit.grading.session import Box, launch_ranks
-from toolkit.grading.verdicts import relayed, verdict
 
 LAB = LABS / "13-context-parallel"
 CHECKS = {
@@ -161,83 +150,20 @@ def lab() -> LabGrading:
     return LabGrading("13-context-parallel", 11, CHECKS)
 
 
-def grade_many(students: dict, seed: int = 0) -> dict:
-    """{student: {check: its message at the first world size where it fails, or ""}} for every student (name:
-    source), graded as a grading grades a submission (sandbox, students' build, relay; the inputs of `seed`), every
-    check of every student in one launch per world size, judged here."""
-    checks, _ = lab_checks(LAB)
-    names = list(students)
-    found = {name: {check.name: "" for check in checks} for name in names}
-    with tempfile.TemporaryDirectory(prefix="lab13-") as tmp:
-        shutil.copy(LAB / "checks.py", Path(tmp) / "checks.py")  # its ANSWERS: the students' build the ranks import
-        (Path(tmp) / "tasks.py").write_text(
-            WRAPPER.format(
-                tasks=(LAB / "tasks.py").read_text(),
-                tasks_file=str(LAB / "tasks.py"),
-                mutants={k: students[name] for k, name in enumerate(names)},
-            )
-        )
-        with Sandbox() as marked, Box(Path(tmp), b"", "solution.py") as box:
-            for n in sorted({n for check in checks for n in check.world_sizes}):
-                judged = [i for i, check in enumerate(checks) if n in check.world_sizes]
-                drawn = {i: checks[i].make_inputs(n, _generator(seed, checks[i], n)) for i in judged}
-                virtual = {
-                    k * len(checks) + i: replace(checks[i], task=f"m{k}__{checks[i].task}")
-                    for k in range(len(names))
-                    for i in judged
-                }
-                launch = launch_ranks(
-                    box,
-                    n,
-                    list(virtual),
-                    {v: c.task for v, c in virtual.items()},
-                    {v: drawn[v % len(checks)] for v in virtual},
-                    [],
-                    LIMITS,
-                    backend="gloo",
-                    quiet=True,
-                    grading_id=marked.id,
-                    messages_only=True,
-                )
-                assert launch.stuck is None, launch.stuck  # every mistake here fails without hanging
-                for v, check in virtual.items():
-                    results = relayed(launch.results.get(v, {}), launch, v)
-                    said = found[names[v // len(checks)]]
-                    said[check.name] = said[check.name] or verdict(check, n, drawn[v % len(checks)], results, launch)
-    return found
-
-
 @pytest.fixture(scope="module")
 def graded():
-    reference = (LAB / "solution.py").read_text()
-    students = {"the reference": reference, "the skeleton": (LAB / "skeleton.py").read_text()}
-    for name, ((old, new), _) in MISTAKES.items():
-        assert reference.count(old) == 1, f"{name}: the reference no longer contains {old!r}: update this test"
-        students[name] = reference.replace(old, new)
-    return grade_many(students)
-
-
-def _by_key(messages: dict) -> dict:
-    return {key: next(m for name, m in messages.items() if name.startswith(prefix)) for key, prefix in CHECKS.items()}
+    return lab().grade_together({name: change for name, (change, _) in MISTAKES.items()}, seed=0)
 
 
 @pytest.mark.timeout(600)
 def test_the_reference_passes_and_the_skeleton_fails_everything(graded, no_leftover_ranks):
-    assert not any(_by_key(graded["the reference"]).values()), graded["the reference"]
-    for key, message in _by_key(graded["the skeleton"]).items():
-        assert "not implemented yet" in message, (key, message)
+    lab().assert_reference_passes_and_skeleton_fails(graded)
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mistake", list(MISTAKES))
 def test_each_classic_mistake_loses_exactly_its_checks_and_is_named(mistake, graded):
-    _, failing = MISTAKES[mistake]
-    for key, message in _by_key(graded[mistake]).items():
-        if key not in failing:
-            assert message == "", f"{mistake}: {key} should pass: {message}"
-            continue
-        phrases = failing[key] if isinstance(failing[key], tuple) else (failing[key],)
-        assert any(p in message for p in phrases), f"{mistake}: {key} says {message!r}"
+    lab().assert_loses_exactly(graded, mistake, MISTAKES[mistake][1])
 
 
 @pytest.mark.timeout(300)

@@ -1,5 +1,7 @@
 """Lab 04 (MoE dispatch and combine) through the grader: the untouched skeleton scores 0, the reference full
-marks, and two classic mistakes lose exactly the points of the checks that describe them."""
+marks, and two classic mistakes lose exactly the points of the checks that describe them. The mistakes are
+graded together with the reference and the skeleton (tests/lab_grading.py); the skeleton's own grading is under
+`grading_scale` (make test-grading)."""
 
 import pytest
 from lab_grading import LabGrading
@@ -17,6 +19,7 @@ CHECKS = {  # a short key -> the start of the check's name in checks.py
 LAB = LabGrading("04-moe-dispatch", 13, CHECKS)
 
 
+@pytest.mark.grading_scale  # graded together below, every check "not implemented yet"
 @pytest.mark.timeout(300)
 def test_untouched_skeleton_scores_zero(no_leftover_ranks):
     LAB.assert_skeleton_scores_zero()
@@ -50,10 +53,20 @@ MISTAKES = [
 ]
 
 
-@pytest.mark.timeout(300)
+@pytest.fixture(scope="module")
+def graded():
+    return LAB.grade_together({name: change for name, change, _ in MISTAKES})
+
+
+@pytest.mark.timeout(600)
+def test_graded_together_the_reference_passes_and_the_skeleton_fails(graded, no_leftover_ranks):
+    LAB.assert_reference_passes_and_skeleton_fails(graded)
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("name, change, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
-def test_a_mistake_loses_exactly_its_checks(name, change, failing, tmp_path, no_leftover_ranks):
-    LAB.assert_mistake_loses_exactly(name, change, failing, tmp_path)
+def test_a_mistake_loses_exactly_its_checks(name, change, failing, graded, no_leftover_ranks):
+    LAB.assert_loses_exactly(graded, name, failing)
 
 
 def test_the_toolkits_own_layer_scores_zero(tmp_path):

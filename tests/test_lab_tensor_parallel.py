@@ -1,5 +1,6 @@
 """Lab 11 (tensor parallelism) through the grader: the untouched skeleton scores 0, the reference full marks,
-and each classic mistake loses exactly the checks that describe it, with feedback that names it.
+and each classic mistake loses exactly the checks that describe it, with feedback that names it (graded together
+with the reference and the skeleton, tests/lab_grading.py; the skeleton's own grading is under `grading_scale`):
 
     an all-reduce in the column-parallel forward (where f's backward belongs)
     the row-parallel bias added before the reduction (so the output holds it t times)
@@ -49,6 +50,7 @@ def lab() -> LabGrading:
     return LabGrading("11-tensor-parallel", 8, CHECKS)
 
 
+@pytest.mark.grading_scale  # graded together below, every check "not implemented yet"
 @pytest.mark.timeout(300)
 def test_untouched_skeleton_scores_zero(no_leftover_ranks):
     lab().assert_skeleton_scores_zero()
@@ -59,11 +61,20 @@ def test_reference_solution_scores_full_marks(no_leftover_ranks):
     lab().assert_reference_scores_full()
 
 
-@pytest.mark.timeout(300)
+@pytest.fixture(scope="module")
+def graded():
+    return lab().grade_together({name: change for name, (change, _) in MISTAKES.items()})
+
+
+@pytest.mark.timeout(600)
+def test_graded_together_the_reference_passes_and_the_skeleton_fails(graded, no_leftover_ranks):
+    lab().assert_reference_passes_and_skeleton_fails(graded)
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("mistake", list(MISTAKES))
-def test_the_classic_mistakes_are_named(mistake, tmp_path, no_leftover_ranks):
-    change, failing = MISTAKES[mistake]
-    lab().assert_mistake_loses_exactly(mistake, change, failing, tmp_path)
+def test_the_classic_mistakes_are_named(mistake, graded, no_leftover_ranks):
+    lab().assert_loses_exactly(graded, mistake, MISTAKES[mistake][1])
 
 
 def test_the_toolkits_own_tensor_parallelism_scores_zero(tmp_path):

@@ -1,5 +1,6 @@
 """toolkit.launch: results in rank order, functions from notebooks and __main__, and every failure path."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -254,13 +255,19 @@ def test_nothing_a_rank_started_outlives_the_launch(then, tmp_path, no_leftover_
                     os.kill(int(pid), signal.SIGKILL)
 
 
+@contextlib.contextmanager
 def _launcher_of_sleepy_ranks(tmp_path, **popen):
-    """A script whose two ranks sleep for two minutes, started once both ranks are up; (process, their pid folder)."""
+    """A script whose two ranks sleep for two minutes, started once both ranks are up; (process, their pid folder).
+    Whatever the test finds, the script, its zygote, keeper and ranks are gone after it (no failure spreads)."""
+    from test_launch_interrupts import kill_leftovers
+
     script, pid_dir = tmp_path / "launcher.py", tmp_path / "pids"
     pid_dir.mkdir()
+    # SIGINT as a terminal gives it: a shell without job control (a suite started with `&`) ignores it for its jobs
     script.write_text(
         textwrap.dedent(f"""
-        import os, time, toolkit
+        import os, signal, time, toolkit
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         def sleepy():
             with open(os.path.join({str(pid_dir)!r}, str(os.getpid())), "w") as f:
                 f.write(os.environ["TOOLKIT_LAUNCH_DIR"])
@@ -272,35 +279,47 @@ def _launcher_of_sleepy_ranks(tmp_path, **popen):
     """)
     )
     proc = subprocess.Popen([sys.executable, str(script)], **popen)
-    deadline = time.time() + 90
-    while len(os.listdir(pid_dir)) < 2 and time.time() < deadline:
-        time.sleep(0.1)
-    return proc, pid_dir
+    try:
+        deadline = time.time() + 90
+        while len(os.listdir(pid_dir)) < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        yield proc, pid_dir
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        kill_leftovers()
 
 
 def test_keyboard_interrupt_stops_all_ranks(tmp_path):
-    proc, pid_dir = _launcher_of_sleepy_ranks(tmp_path, stdout=subprocess.PIPE, text=True)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=30)
-    assert "INTERRUPTED" in out
-    time.sleep(0.5)
-    _assert_dead(pid_dir)
+    from test_launch_interrupts import kill_leftovers
+    from test_launchers import gone
+
+    with _launcher_of_sleepy_ranks(tmp_path, stdout=subprocess.PIPE, text=True) as (proc, pid_dir):
+        pids = [int(p) for p in os.listdir(pid_dir)]
+        assert len(pids) == 2, "the ranks never started"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        assert "INTERRUPTED" in out
+        assert gone(pids, patience_s=10), "a rank outlived its interrupted launch"
+        assert not kill_leftovers(), "the launch's keeper or zygote outlived it"
+        assert not os.path.exists((pid_dir / str(pids[0])).read_text()), "the launch's folder was left"
 
 
 def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
     """A notebook kernel restarted (SIGKILL): its keeper learns it from the kernel and kills every rank."""
     from test_launchers import gone
 
-    proc, pid_dir = _launcher_of_sleepy_ranks(tmp_path)
-    proc.kill()
-    proc.wait()
-    pids = [int(p) for p in os.listdir(pid_dir)]
-    assert len(pids) == 2 and gone(pids, patience_s=30), "a rank outlived its launcher"
-    folder = (pid_dir / str(pids[0])).read_text()
-    deadline = time.time() + 15  # the keeper removes the launch's folder, as the launcher would have
-    while os.path.exists(folder) and time.time() < deadline:
-        time.sleep(0.1)
-    assert not os.path.exists(folder), folder
+    with _launcher_of_sleepy_ranks(tmp_path) as (proc, pid_dir):
+        proc.kill()
+        proc.wait()
+        pids = [int(p) for p in os.listdir(pid_dir)]
+        assert len(pids) == 2 and gone(pids, patience_s=30), "a rank outlived its launcher"
+        folder = (pid_dir / str(pids[0])).read_text()
+        deadline = time.time() + 15  # the keeper removes the launch's folder, as the launcher would have
+        while os.path.exists(folder) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(folder), folder
 
 
 def test_bad_arguments_are_clear_errors():

@@ -8,6 +8,7 @@ index once, last-registered first, closed once they reach the cap), not against 
 """
 
 import re
+from collections import Counter
 
 import torch
 
@@ -260,32 +261,50 @@ def unused_parameter(ctx, given, got):
             )
 
 
+def since_backward_1(comms: list, first: list, step: int) -> str:
+    """For a later backward whose traffic is wrong: how its all-reduces differ from backward 1's, which were right."""
+    now, before = (Counter(e["args"]["numel"] for e in calls) for calls in (comms, first))
+    more, fewer = sorted((now - before).elements()), sorted((before - now).elements())
+    differs = [f"extra: all-reduces of {more} elements"] if more else []
+    differs += [f"missing: all-reduces of {fewer} elements"] if fewer else []
+    earlier = "backward 1 was" if step == 2 else f"backwards 1 to {step - 1} were"
+    return (
+        f" {earlier.capitalize()} right; this one issued {sum(now.values())} all-reduces where backward 1 issued "
+        f"{sum(before.values())}{' (' + '; '.join(differs) + ')' if differs else ''}. Whatever a backward changes in "
+        "your wrapper, finish_backward must put back as __init__ left it: the next backward starts from there"
+    )
+
+
 @check(
-    "bytes on the wire: every gradient reduced once, 2(N-1)/N x the gradient bytes per rank",
+    f"bytes on the wire: every gradient reduced once in each of {STEPS} backwards, 2(N-1)/N x the gradient bytes "
+    "per rank",
     points=1,
     world_sizes=(2, 3),
-    inputs=training(1),
-    returns={"comms": [COMM]},
+    inputs=training(STEPS),
+    returns={"comms": List(List(COMM), length=STEPS, why="the collectives of each backward, in order")},
 )
 def bytes_on_the_wire(ctx, given, got):
     n = ctx.world_size
     grad_elements, grad_bytes = sum(p.numel() for p in PARAMETERS.values()), sum(SIZES)
+    theory = 2 * (n - 1) / n * grad_bytes
     for r in range(n):
-        comms = got[r]["comms"]
-        others = sorted({e["name"] for e in comms} - {"all_reduce"})
-        if others:
-            ctx.fail(f"rank {r}: backward issued {others} besides all_reduce; DDP needs only all-reduces")
-        reduced = sum(e["args"]["numel"] for e in comms)
-        if reduced != grad_elements:
-            ctx.fail(
-                f"rank {r}: the all-reduces of one backward carried {reduced} elements, the model has "
-                f"{grad_elements} gradient elements: each gradient must travel exactly once per backward "
-                f"({'some travelled more than once' if reduced > grad_elements else 'some never did'})"
-            )
-        sent = sum(e["args"]["bytes_sent"] for e in comms)
-        theory = 2 * (n - 1) / n * grad_bytes
-        if abs(sent - theory) > len(comms):  # the door rounds each call down to whole bytes
-            ctx.fail(
-                f"rank {r}: sent {sent} bytes in one backward; a ring all-reduce of {grad_bytes} bytes of "
-                f"gradients sends 2(N-1)/N x {grad_bytes} = {theory:.0f}"
-            )
+        first = got[r]["comms"][0]
+        for step, comms in enumerate(got[r]["comms"], 1):
+            where = f"rank {r}, backward {step} of {STEPS} (the plain loop: backward, SGD step, zero_grad)"
+            others = sorted({e["name"] for e in comms} - {"all_reduce"})
+            if others:
+                ctx.fail(f"{where}: issued {others} besides all_reduce; DDP needs only all-reduces")
+            reduced = sum(e["args"]["numel"] for e in comms)
+            if reduced != grad_elements:
+                later = since_backward_1(comms, first, step) if step > 1 else ""
+                ctx.fail(
+                    f"{where}: the all-reduces carried {reduced} elements, the model has {grad_elements} gradient "
+                    f"elements: each gradient must travel exactly once in every backward "
+                    f"({'some travelled more than once' if reduced > grad_elements else 'some never did'}).{later}"
+                )
+            sent = sum(e["args"]["bytes_sent"] for e in comms)
+            if abs(sent - theory) > len(comms):  # the relay rounds each call down to whole bytes
+                ctx.fail(
+                    f"{where}: sent {sent} bytes; a ring all-reduce of {grad_bytes} bytes of gradients sends "
+                    f"2(N-1)/N x {grad_bytes} = {theory:.0f}"
+                )

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from ..runtime import zygotes
+from ..runtime.interrupts import held, taken
 from ..runtime.zygote_link import Zygote, ZygoteError
 from . import isolation, namespaces, sandbox, student_wheel, volume
 from .limits import Limits
@@ -27,39 +28,53 @@ ID_ROOM = 64  # the longest grading id a grading's server can carry (uuid4().hex
 class Box:
     """The grading's folder. `with Box(lab_dir, source, filename) as box:`; removed on exit. It holds the students'
     toolkit for the lab (`student_wheel.for_lab`: lib/, what the ranks import), and knows who the submission
-    runs as (`user`: None, as the grader) and whether this machine gives a launch namespaces of its own."""
+    runs as (`user`: None, as the grader) and whether this machine gives a launch namespaces of its own.
+    Made and removed whole: a Ctrl-C meanwhile waits until it is (`runtime/interrupts.py`), and a Box that could not
+    be made removes what it had made (its folder, its volume's holder) before the error reaches the caller."""
 
     def __init__(self, lab_dir: Path, source: bytes, filename: str, disk_limit_mb: float = Limits.disk_limit_mb):
-        self.root = Path(tempfile.mkdtemp(prefix="toolkit-grade-"))
+        self.server: Zygote | None = None  # the grading's fork server, from the first launch
+        self.serverless = ""  # why launches start fresh interpreters instead
+        self.volume, self.user, self.namespaces = None, None, True  # (what `__exit__` reads, should this fail)
+        with held():
+            self.root = Path(tempfile.mkdtemp(prefix="toolkit-grade-"))
+            try:
+                self._fill(Path(lab_dir), source, filename, disk_limit_mb)
+            except BaseException:
+                self.__exit__()
+                raise
+
+    def _fill(self, lab_dir: Path, source: bytes, filename: str, disk_limit_mb: float) -> None:
         self.code, self.work, self.tmp = self.root / "code", self.root / "work", self.root / "tmp"
         self.inputs, self.out = self.root / "inputs", self.root / "out"
         for folder in (self.code, self.work, self.tmp, self.inputs, self.out):
             folder.mkdir()
-        self.lab_dir = Path(lab_dir)
+        self.lab_dir = lab_dir
         self.student = self.code / (filename if filename.endswith(".py") else "submission.py")
         self.student.write_bytes(source)
         self.tasks = self.code / "tasks.py"
         shutil.copyfile(lab_dir / "tasks.py", self.tasks)
         self.lib = self.root / "lib"  # the students' toolkit (cached once per toolkit and lab), copied
-        shutil.copytree(student_wheel.for_lab(lab_dir) / "toolkit", self.lib / "toolkit")
+        with taken():  # the first grading of a lab builds its students' toolkit (seconds): a Ctrl-C acts at once
+            built = student_wheel.for_lab(lab_dir)
+        shutil.copytree(built / "toolkit", self.lib / "toolkit")
         self.root.chmod(0o755)
         self.user, self.namespaces = sandbox.other_user(), bool(namespaces.probe())
         self.volume, self.disk = _volumes(self.root, disk_limit_mb)
         sandbox.hand_over([self.seen(f) for f in (self.work, self.tmp, self.inputs, self.out)], self.user)
-        self.server: Zygote | None = None  # the grading's fork server, from the first launch
-        self.serverless = ""  # why launches start fresh interpreters instead
 
     def __enter__(self) -> Box:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.server is not None:
-            self.server.close()
-        if self.volume is not None:  # its bytes go with it
-            self.volume.close()
-        shutil.rmtree(self.root, ignore_errors=True)
-        if not self.namespaces:  # no /tmp and /dev/shm of its own: what the sandbox's user left there goes now
-            sandbox.sweep(self.user)
+        with held():
+            if self.server is not None:
+                self.server.close()
+            if self.volume is not None:  # its bytes go with it
+                self.volume.close()
+            shutil.rmtree(self.root, ignore_errors=True)
+            if not self.namespaces:  # no /tmp and /dev/shm of its own: what the sandbox's user left there goes now
+                sandbox.sweep(self.user)
 
     def fork_server(self, env: dict) -> Zygote | None:
         """The grading's fork server, started on first use; None where none can serve (self.serverless: why)."""

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..runtime import interrupts
 from . import isolation, sandbox, untrusted
 from .untrusted import clean
 
@@ -115,7 +116,8 @@ def grade_one(
             "--quiet",
             *options,
         ]
-        with open(errors, "wb") as err:  # a file, not a pipe: a process that escapes must not hold us up
+        # a Ctrl-C waits until the child is held by the `finally` that stops it (`runtime/interrupts.py`)
+        with open(errors, "wb") as err, interrupts.held():  # a file, not a pipe: an escapee must not hold us up
             process = subprocess.Popen(
                 command,
                 env=env,
@@ -126,7 +128,8 @@ def grade_one(
                 cwd=tmp,
             )
             try:
-                process.wait(timeout=student_timeout_s)
+                with interrupts.taken():
+                    process.wait(timeout=student_timeout_s)
             except subprocess.TimeoutExpired:
                 row.status = f"timed out after {student_timeout_s:.0f} s"
             finally:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from ..runtime import interrupts
 from . import delegation, namespaces, sandbox, untrusted
 from .box import Box
 from .checks import PLATFORM_CHECKS, PLATFORM_ONLY, Check, platform_only
@@ -222,7 +223,14 @@ def grade(
     seed = secrets.randbits(62) if seed is None else seed
     verdicts, stopped = {}, None
     messages_only = bool(declared(lab_dir, "MESSAGES_ONLY", False))  # its ranks talk through the grader's relay
-    with Sandbox() as marked, Box(lab_dir, source, solution.name, limits.disk_limit_mb) as box:
+    # A Ctrl-C (a notebook's stop button) waits while the grading's processes and folders are made or stopped, so
+    # that none is left with nobody to stop it (`runtime/interrupts.py`); while the grading runs, it acts at once.
+    with (
+        interrupts.held(),
+        Sandbox() as marked,
+        Box(lab_dir, source, solution.name, limits.disk_limit_mb) as box,
+        interrupts.taken(),
+    ):
         score.sandbox += f", {box.disk}"  # the instructor's report says whether the folders are capped in all
         if box.volume is None and not quiet:
             print(f"grading: {box.disk}", file=sys.stderr)

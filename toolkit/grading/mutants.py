@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..runtime import interrupts
 from . import mutation
 from .box import Box
 from .declared import declared
@@ -146,7 +147,7 @@ def run_lab(lab: Path, chosen=None, *, seed: int = 0, quiet: bool = True) -> Lab
             )
         )
         source = (lab / "solution.py").read_bytes()
-        with Sandbox() as marked, Box(Path(tmp), source, "solution.py") as box:
+        with interrupts.held(), Sandbox() as marked, Box(Path(tmp), source, "solution.py") as box, interrupts.taken():
             alive = list(range(len(pool)))
             for check in _ordered(checks):
                 for n in check.world_sizes:

@@ -20,6 +20,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..runtime import interrupts
 from ..runtime.zygote_link import ZygoteError
 from . import isolation, sandbox, student_wheel, untrusted, volume, wire
 from .box import Box
@@ -132,16 +133,22 @@ def launch_ranks(
 ) -> Launch:
     """Run the tasks of checks `indices` on n ranks of the submission; read back what they left. The grader's relay
     (`relay.py`) hands them each check's inputs and takes their results; with messages_only, the ranks also talk
-    through it (and it records what it carried)."""
+    through it (and it records what it carried). A Ctrl-C acts at once while the ranks run; elsewhere it waits until
+    what the launch started is stopped (`runtime/interrupts.py`): none lands between forking the launcher and its
+    handle being held here."""
     box.fresh_out()
-    relay = Relay(str(box.root), n, indices, {str(i): [wire.encode(inputs[i][r]) for r in range(n)] for i in indices})
-    for rank in range(n):
-        Path(inputs_path(str(box.seen(box.inputs)), rank)).write_bytes(wire.encode({"relay": relay.tokens[rank]}))
-    sandbox.hand_over([box.seen(box.inputs)], box.user)
-    try:
-        found = _launch(box, n, indices, tasks_of, answers, limits, backend, quiet, grading_id, relay, messages_only)
-    finally:
-        relay.close()
+    sent, handed = {str(i): [wire.encode(inputs[i][r]) for r in range(n)] for i in indices}, box.seen(box.inputs)
+    with interrupts.held():
+        relay = Relay(str(box.root), n, indices, sent)
+        try:
+            for rank in range(n):
+                Path(inputs_path(str(handed), rank)).write_bytes(wire.encode({"relay": relay.tokens[rank]}))
+            sandbox.hand_over([handed], box.user)
+            found = _launch(
+                box, n, indices, tasks_of, answers, limits, backend, quiet, grading_id, relay, messages_only
+            )
+        finally:
+            relay.close()
     carried = relay.record if messages_only else relay.collectives  # what the relay carried: messages or collectives
     found.relayed = {index: {r: carried[r].get(str(index), []) for r in range(n)} for index in indices}
     found.relayed_kind = "messages" if messages_only else "collectives"
@@ -199,22 +206,18 @@ def _launch(
     output, ranks_output = os.pipe()  # what the launch prints comes to this process alone (the overseer)
     try:
         with open(log_path, "wb") as log:
-            process, server = _start_launcher(box, env, spec_path, ranks_output, quiet)
-            os.close(ranks_output)
+            try:
+                process, server = _start_launcher(box, env, spec_path, ranks_output, quiet)
+            finally:
+                os.close(ranks_output)
             spare = {server.process.pid} if server else set()
-            verdict = Overseer(
-                process,
-                output,
-                log,
-                relay,
-                n,
-                order,
-                limits,
-                grading_id,
-                spare,
-                None if quiet else sys.stdout,
-            ).run()
-            _stop(process, grading_id, spare=spare)
+            try:
+                with interrupts.taken():  # the wait for the ranks
+                    verdict = Overseer(
+                        process, output, log, relay, n, order, limits, grading_id, spare, None if quiet else sys.stdout
+                    ).run()
+            finally:
+                _stop(process, grading_id, spare=spare)
     finally:
         os.close(output)
     found = Launch(

@@ -22,7 +22,7 @@ launcher (PR_SET_PDEATHSIG on its parent: the launcher, or the zygote, which end
 Without prctl (not Linux) it still starts, dates and kills the ranks; an orphan that left its rank's
 process group may then escape.
 
-Launcher side: `Keeper.start(...)`, `keeper.exits()`, `keeper.pids()`, `keeper.stop()`.
+The launcher's side, its handle on a keeper, is `keeper_handle.Keeper`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import time
 
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_PDEATHSIG = 1
-_KILL_PATIENCE_S = 10.0
+KILL_PATIENCE_S = 10.0
 
 
 # --- the keeper process ------------------------------------------------------------------------------------
@@ -150,7 +150,7 @@ class _Ranks:
 
 def _kill_everything(ranks: _Ranks) -> None:
     """SIGKILL every descendant, reap them, and again for whatever was re-parented here meanwhile."""
-    give_up = time.monotonic() + _KILL_PATIENCE_S
+    give_up = time.monotonic() + KILL_PATIENCE_S
     while time.monotonic() < give_up:
         below = _descendants(os.getpid())
         for pid in below:
@@ -189,8 +189,12 @@ def main(folder: str, world_size: int, fds: list[int], parent: int | None = None
     and on SIGTERM (the launcher's, or `parent`'s death) kill everything below. `parent`: the process whose
     death means the launcher's (the launcher itself, or the zygote that forked this keeper)."""
 
+    forking, asked = [False], []
+
     def stop(signum, frame):
-        raise _Stop
+        asked.append(signum)
+        if not forking[0]:  # raised inside fork's own handlers (logging's, at fork) it would be ignored, and lost
+            raise _Stop
 
     signal.signal(signal.SIGTERM, stop)
     ranks, launcher = _Ranks(folder), int(os.environ.get("TOOLKIT_LAUNCHER_PID", os.getppid()))
@@ -199,7 +203,11 @@ def main(folder: str, world_size: int, fds: list[int], parent: int | None = None
         subreaper = _become_subreaper()
         _write(folder, "keeper.json", json.dumps({"subreaper": subreaper}))
         _die_with_parent(parent)
+        forking[0] = True
         ranks.spawn(world_size, fds, start)
+        forking[0] = False
+        if asked:  # it came while the ranks were forked
+            raise _Stop
         while True:  # date each death as it happens; collect orphans
             if not ranks.reap_all(block=True):
                 time.sleep(0.02)  # no child right now (an orphan may still be re-parented here later)
@@ -207,89 +215,14 @@ def main(folder: str, world_size: int, fds: list[int], parent: int | None = None
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         orphaned = os.getppid() != parent
         if orphaned:  # not asked: said first, so that the ranks' deaths read as what they are
-            _write(folder, "orphaned", str(parent))
+            try:
+                _write(folder, "orphaned", str(parent))
+            except OSError:  # its folder is gone (a launcher that never owned this keeper removed it): kill anyway
+                pass
         _kill_everything(ranks)
         if orphaned and _gone(launcher):  # the launcher died: nobody else will remove its folder
             shutil.rmtree(folder, ignore_errors=True)
     os._exit(0)
-
-
-# --- the launcher's side --------------------------------------------------------------------------------------
-class Keeper:
-    """The launcher's handle on a running keeper and its ranks."""
-
-    def __init__(self, folder: str, world_size: int, process, streams: list):
-        """`process`: the keeper, a Popen, or a `zygotes.Forked` (its handle when the zygote forked it)."""
-        self.folder, self.world_size, self.process, self.streams = folder, world_size, process, streams
-
-    @classmethod
-    def start(cls, folder: str, world_size: int, env: dict) -> Keeper:
-        """Start the keeper, which starts the ranks; `streams[r]` reads rank r's output (stdout and stderr)."""
-        from .zygotes import fork_keeper  # here: run by path, this file imports nothing of the package
-
-        pipes = [os.pipe() for _ in range(world_size)]
-        writers, env = [w for _, w in pipes], dict(env, TOOLKIT_LAUNCHER_PID=str(os.getpid()))
-        try:
-            process = fork_keeper(folder, world_size, env, writers) or subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), folder, str(world_size), *map(str, writers)],
-                env=env,
-                pass_fds=writers,
-                start_new_session=True,
-                stdin=subprocess.DEVNULL,
-            )
-        finally:
-            for w in writers:
-                os.close(w)
-        return cls(folder, world_size, process, [os.fdopen(r, "rb") for r, _ in pipes])
-
-    def exits(self) -> dict[int, tuple[int, float]]:
-        """{rank: (exit code, when it ended)} for the ranks that have ended, as the keeper saw them end."""
-        found = {}
-        for rank in range(self.world_size):
-            try:
-                with open(os.path.join(self.folder, f"exit-{rank}")) as f:
-                    record = json.load(f)
-            except (OSError, ValueError):
-                continue
-            found[rank] = (record["code"], record["time"])
-        return found
-
-    def pids(self) -> list[int]:
-        try:
-            with open(os.path.join(self.folder, "pids.json")) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return []
-
-    def orphaned(self) -> int | None:
-        """The pid of the process whose death made the keeper stop everything on its own (None: it did not)."""
-        try:
-            with open(os.path.join(self.folder, "orphaned")) as f:
-                return int(f.read())
-        except (OSError, ValueError):
-            return None
-
-    def lost(self) -> int | None:
-        """The keeper's own exit code if it ended before being told to (None while it runs)."""
-        return self.process.poll()
-
-    def stop(self) -> None:
-        """Kill every rank and everything they started, then wait for the keeper to finish doing so."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=_KILL_PATIENCE_S + 5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self.process.returncode != 0:  # the keeper was killed from outside: its ranks' groups at least
-            ended = self.exits()
-            for rank, pid in enumerate(self.pids()):
-                if rank not in ended:  # (an ended rank's pid may belong to another process by now)
-                    try:
-                        os.killpg(pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
 
 
 if __name__ == "__main__":

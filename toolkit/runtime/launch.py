@@ -16,7 +16,7 @@ How it works, in the order it happens:
    one that raised on its own, died, or never entered a collective its peers waited in for `timeout_s`;
    the others' errors (a lost connection, a timeout) are listed below as consequences. Causes are
    ordered by when they happened (a raise by its rank's clock, a death by the keeper's), not by when
-   the launcher saw them. Ctrl-C (a notebook's stop button) stops them too.
+   the launcher saw them. Ctrl-C (a notebook's stop button) stops them too, wherever it lands (`interrupts.py`).
 5. No process outlives the call: the keeper is the ranks' subreaper, so whatever they started (an
    orphan, a child in a new session) is still below it at the end, and it kills all of it.
 """
@@ -34,9 +34,9 @@ import time
 
 import torch.distributed as dist
 
-from . import blame, by_value, stacks, status
+from . import blame, by_value, interrupts, stacks, status
 from .env import resolve_backend
-from .keeper import Keeper
+from .keeper_handle import Keeper
 
 # The backend's own timeout fires this long after the launcher's hang check, so the check (which can
 # still see who never entered the collective) speaks first; the backend's timeout is the backstop.
@@ -109,52 +109,41 @@ def launch(
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
 
     payload, sources = by_value.dumps(fn, tuple(args))
-    with tempfile.TemporaryDirectory(prefix="toolkit-launch-") as folder:
-        with open(os.path.join(folder, "job.pkl"), "wb") as f:
-            pickle.dump(
-                {
-                    "payload": payload,
-                    "sources": sources,
-                    "sys_path": list(sys.path),
-                    "backend": backend,
-                    "timeout_s": timeout_s + BACKEND_GRACE_S,
-                    "threads": threads,
-                },
-                f,
-            )
-        boards = [status.StatusBoard(status.board_path(folder, r), create=True) for r in range(world_size)]
-        store = dist.TCPStore(
-            "127.0.0.1", 0, None, True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s + 30)
-        )
-        env = dict(
-            os.environ,
-            WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size),
-            TOOLKIT_STORE_PORT=str(store.port),
-            TOOLKIT_LAUNCH_DIR=folder,
-            OMP_NUM_THREADS=str(threads),
-            PYTHONUNBUFFERED="1",
-        )
-        for var in (
-            "RANK",
-            "LOCAL_RANK",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-            "OMPI_COMM_WORLD_RANK",
-            "PMI_RANK",
-            "SLURM_PROCID",
-            "TORCHELASTIC_RUN_ID",
-            "TORCHELASTIC_ERROR_FILE",
-        ):
-            env.pop(var, None)  # we are the launcher now, whoever launched us
-        keeper, pumps = Keeper.start(folder, world_size, env), []
+    # A Ctrl-C (a notebook's stop button) acts at once while the ranks run (`taken` below); anywhere else it waits
+    # until every rank is stopped and the folder removed (`interrupts.py`), so none lands between starting the
+    # keeper and owning it, or while it is being stopped. Then it reaches the caller as KeyboardInterrupt.
+    with interrupts.held(), tempfile.TemporaryDirectory(prefix="toolkit-launch-") as folder:
+        keeper, boards, store, pumps = Keeper(folder, world_size), [], None, []
         try:
+            with open(os.path.join(folder, "job.pkl"), "wb") as f:
+                pickle.dump(
+                    {
+                        "payload": payload,
+                        "sources": sources,
+                        "sys_path": list(sys.path),
+                        "backend": backend,
+                        "timeout_s": timeout_s + BACKEND_GRACE_S,
+                        "threads": threads,
+                    },
+                    f,
+                )
+            boards = [status.StatusBoard(status.board_path(folder, r), create=True) for r in range(world_size)]
+            store = dist.TCPStore(
+                "127.0.0.1",
+                0,
+                None,
+                True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=timeout_s + 30),
+            )
+            keeper.start(_rank_env(folder, world_size, store.port, threads))
             for rank, stream in enumerate(keeper.streams):
                 sink = open(os.devnull, "w") if quiet else sys.stdout
                 t = threading.Thread(target=_forward, args=(stream, rank, sink), daemon=True)
                 t.start()
                 pumps.append(t)
-            _watch(keeper, boards, folder, timeout_s, deadline_s)
+            with interrupts.taken():
+                _watch(keeper, boards, folder, timeout_s, deadline_s)
             results = []
             for rank in range(world_size):
                 with open(os.path.join(folder, f"result-{rank}.pkl"), "rb") as f:
@@ -162,11 +151,38 @@ def launch(
             return results
         finally:
             keeper.stop()  # every rank and whatever it started, in a new session or orphaned
+            last_lines = time.monotonic() + 5
             for t in pumps:
-                t.join(timeout=5)  # the ranks' last lines
+                t.join(timeout=max(0.0, last_lines - time.monotonic()))  # the ranks' last lines
             for b in boards:
                 b.close()
             del store
+
+
+def _rank_env(folder: str, world_size: int, port: int, threads: int) -> dict:
+    """The launcher's environment as the ranks get it: this launch's settings, no other launcher's."""
+    env = dict(
+        os.environ,
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        TOOLKIT_STORE_PORT=str(port),
+        TOOLKIT_LAUNCH_DIR=folder,
+        OMP_NUM_THREADS=str(threads),
+        PYTHONUNBUFFERED="1",
+    )
+    for var in (
+        "RANK",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+        "SLURM_PROCID",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_ERROR_FILE",
+    ):
+        env.pop(var, None)  # we are the launcher now, whoever launched us
+    return env
 
 
 def _evidence(keeper: Keeper, boards, folder: str) -> list[blame.Evidence]:

@@ -19,6 +19,7 @@ import time
 
 from . import exits
 from .fresh_interpreter import launcher_signals
+from .interrupts import held, taken
 from .zygote import receive, send
 
 ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
@@ -98,43 +99,56 @@ class Zygote:
     def __init__(self, env: dict, script: str = ZYGOTE):
         ours, theirs = socket.socketpair()
         env = {k: v for k, v in env.items() if k not in LAUNCH_SETS}
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, script, str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                start_new_session=True,
-                env=dict(env, OMP_NUM_THREADS="1", TOOLKIT_ZYGOTE="1"),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-            )
-        finally:
-            theirs.close()
         self.control, self.lock, self.keepers = ours, threading.Lock(), []
-        self._greeted()
+        with held():  # a Ctrl-C waits until the zygote is `self.process`, then acts in `_greeted`, which ends it
+            try:
+                self.process = subprocess.Popen(
+                    [sys.executable, script, str(theirs.fileno())],
+                    pass_fds=[theirs.fileno()],
+                    start_new_session=True,
+                    env=dict(env, OMP_NUM_THREADS="1", TOOLKIT_ZYGOTE="1"),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                )
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()
+            self._greeted()
 
     @classmethod
     def forked_by(cls, parent: Zygote, request: dict) -> Zygote:
         """A zygote that `parent` forks for `request` rather than a new interpreter (a grading's fork server,
         forked by the server every grading of this process shares): it has torch already."""
         ours, theirs = socket.socketpair()
-        try:
-            process = parent.fork(request, [theirs.fileno()])
-        except ZygoteError:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        zygote = cls.__new__(cls)
-        zygote.process, zygote.control, zygote.lock, zygote.keepers = process, ours, threading.Lock(), []
-        zygote._greeted()
+        with held():  # as in `__init__`
+            try:
+                process = parent.fork(request, [theirs.fileno()])
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()
+            zygote = cls.__new__(cls)
+            zygote.process, zygote.control, zygote.lock, zygote.keepers = process, ours, threading.Lock(), []
+            zygote._greeted()
         return zygote
 
     def _greeted(self) -> None:
         """Wait for its hello; close it and raise ZygoteError if it cannot serve."""
         give_up = time.monotonic() + START_PATIENCE_S
-        while not select.select([self.control], [], [], 0.1)[0] and time.monotonic() < give_up:
-            pass
-        why = self._refusal(receive(self.control)[0] if select.select([self.control], [], [], 0)[0] else None)
+        try:
+            with taken():  # it imports torch (seconds): a Ctrl-C acts at once, and nothing is left of it
+                while not select.select([self.control], [], [], 0.1)[0] and time.monotonic() < give_up:
+                    pass
+                hello = receive(self.control)[0] if select.select([self.control], [], [], 0)[0] else None
+        except BaseException:
+            self.process.kill()
+            self.process.wait()
+            self.control.close()
+            raise
+        why = self._refusal(hello)
         if why:
             self.close()
             raise ZygoteError(why)

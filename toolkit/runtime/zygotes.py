@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 
+from .interrupts import taken
 from .zygote_link import LAUNCH_SETS, ZYGOTE, Forked, Zygote, ZygoteError
 
 MAX_ZYGOTES = 2
@@ -132,14 +133,14 @@ def key(env: dict) -> str:
 
 def _zygote_for(k: str, env: dict, script: str = ZYGOTE) -> Zygote:
     with _lock:
-        zygote = _pool.pop(k, None)
+        zygote = _pool.get(k)  # left in the pool until it is known dead (an interrupt may land anywhere below)
         if zygote is not None and zygote.process.poll() is not None:
             _say(
                 f"the zygote that forks ranks (pid {zygote.process.pid}) had ended ({zygote._how()}): starting a "
                 "new one",
                 once=False,
             )
-            zygote.close()
+            _pool.pop(k).close()
             zygote = None
         if zygote is None:
             if k in _broken:
@@ -152,7 +153,8 @@ def _zygote_for(k: str, env: dict, script: str = ZYGOTE) -> Zygote:
             except (ZygoteError, OSError) as exc:
                 _broken[k] = str(exc)
                 raise ZygoteError(str(exc)) from exc
-        _pool[k] = zygote
+        _pool.pop(k, None)
+        _pool[k] = zygote  # the most recently used last
         return zygote
 
 
@@ -191,7 +193,8 @@ def fork_keeper(folder: str, world_size: int, env: dict, writers: list[int]) -> 
         k = key(env)
         for attempt in range(2):  # a zygote killed since it last served: once more, with a new one
             try:
-                zygote = _zygote_for(k, env)
+                with taken():  # a Ctrl-C while a zygote imports torch acts at once: nothing of the launch runs yet
+                    zygote = _zygote_for(k, env)
                 return zygote.fork_keeper(folder, world_size, env, writers)
             except ZygoteError as exc:
                 why = f"ranks start as fresh interpreters (the zygote that forks them failed: {exc})"
