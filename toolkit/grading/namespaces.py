@@ -189,10 +189,12 @@ def enter(box: str, user, reach: list[str]) -> list[str]:
         made.append("its own /proc")
     except OSError:
         pass  # a container's /proc with parts masked: the kernel refuses another; the grader's process is apart
-    box = os.path.realpath(box)
+    # kept below a covered folder: the grading's box, and the Python environment the ranks run in (a clone under
+    # /tmp: its .venv's packages, which no rank has imported yet, would vanish with the machine's /tmp)
+    keep = [os.path.realpath(p) for p in (box, sys.prefix, sys.exec_prefix)]
     for folder in SHARED_TMP:
         if os.path.isdir(folder) and not os.path.islink(folder):
-            _cover(folder, [box] if box.startswith(folder + "/") else [], 0o1777)
+            _cover(folder, [p for p in keep if p.startswith(folder + "/")], 0o1777)
     made.append("private /tmp and /dev/shm")
     try:
         _own_network()
