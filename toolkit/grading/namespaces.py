@@ -190,8 +190,12 @@ def enter(box: str, user, reach: list[str]) -> list[str]:
     except OSError:
         pass  # a container's /proc with parts masked: the kernel refuses another; the grader's process is apart
     # kept below a covered folder: the grading's box, and the Python environment the ranks run in (a clone under
-    # /tmp: its .venv's packages, which no rank has imported yet, would vanish with the machine's /tmp)
-    keep = [os.path.realpath(p) for p in (box, sys.prefix, sys.exec_prefix)]
+    # /tmp: its .venv's packages, which no rank has imported yet, would vanish with the machine's /tmp): its
+    # prefixes and every package folder on sys.path (a .pth may name another environment's), by the name the
+    # ranks use and where it resolves. Not the rest of sys.path: the working folder may be the instructor's.
+    packages = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages") and os.path.isdir(p)]
+    named = [sys.prefix, sys.exec_prefix, *packages]
+    keep = [os.path.realpath(box)] + [q for p in named for q in (os.path.abspath(p), os.path.realpath(p))]
     for folder in SHARED_TMP:
         if os.path.isdir(folder) and not os.path.islink(folder):
             _cover(folder, [p for p in keep if p.startswith(folder + "/")], 0o1777)
