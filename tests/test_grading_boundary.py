@@ -538,3 +538,20 @@ def test_without_namespaces_what_the_sandbox_user_left_in_shared_folders_is_remo
         os.chown(shm / name, 65534, 65534)
     assert sorted(Path(p).name for p in sandbox.sweep((65534, 65534), [str(shm)])) == ["folder", "left"]
     assert [p.name for p in shm.iterdir()] == ["kept"]
+
+
+def test_a_covered_tmp_keeps_the_box_and_the_ranks_python_environment_not_the_working_folder(tmp_path):
+    """A clone under /tmp: its .venv and a site-packages a .pth names (by name and resolved) stay visible to the
+    ranks under the private /tmp; the working folder on sys.path does not."""
+    from toolkit.grading.namespaces import kept
+
+    venv, other = tmp_path / "clone" / ".venv", tmp_path / "project" / ".venv"
+    packages = other / "lib" / "python3" / "site-packages"
+    packages.mkdir(parents=True)
+    venv.parent.mkdir()
+    venv.symlink_to(other)
+    work = tmp_path / "clone"
+    found = kept(str(tmp_path / "box"), str(venv), str(venv), [str(work), str(venv / "lib/python3/site-packages")])
+    assert str(tmp_path / "box") in found
+    assert {str(venv), str(other), str(venv / "lib/python3/site-packages"), str(packages)} <= set(found)
+    assert str(work) not in found

@@ -125,6 +125,16 @@ def _cover(folder: str, keep: list[str], mode: int = 0o755) -> None:
             os.close(handle)
 
 
+def kept(box: str, prefix: str, exec_prefix: str, path: list[str]) -> list[str]:
+    """What a covered /tmp keeps: the grading's box, and the Python environment the ranks run in (a clone under
+    /tmp: its .venv's packages, which no rank has imported yet, would vanish with the machine's /tmp): its
+    prefixes and every package folder on `path` (a .pth may name another environment's), by the name the ranks
+    use and where it resolves. Not the rest of `path`: the working folder may be the instructor's."""
+    packages = [p for p in path if os.path.basename(p) in ("site-packages", "dist-packages") and os.path.isdir(p)]
+    named = [prefix, exec_prefix, *packages]
+    return [os.path.realpath(box)] + [q for p in named for q in (os.path.abspath(p), os.path.realpath(p))]
+
+
 def _between(top: str, path: str) -> list[str]:
     """The folders from `top` (excluded) down to `path`'s parent: the ones made inside a cover."""
     found, parent = [], os.path.dirname(path)
@@ -189,13 +199,7 @@ def enter(box: str, user, reach: list[str]) -> list[str]:
         made.append("its own /proc")
     except OSError:
         pass  # a container's /proc with parts masked: the kernel refuses another; the grader's process is apart
-    # kept below a covered folder: the grading's box, and the Python environment the ranks run in (a clone under
-    # /tmp: its .venv's packages, which no rank has imported yet, would vanish with the machine's /tmp): its
-    # prefixes and every package folder on sys.path (a .pth may name another environment's), by the name the
-    # ranks use and where it resolves. Not the rest of sys.path: the working folder may be the instructor's.
-    packages = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages") and os.path.isdir(p)]
-    named = [sys.prefix, sys.exec_prefix, *packages]
-    keep = [os.path.realpath(box)] + [q for p in named for q in (os.path.abspath(p), os.path.realpath(p))]
+    keep = kept(box, sys.prefix, sys.exec_prefix, sys.path)
     for folder in SHARED_TMP:
         if os.path.isdir(folder) and not os.path.islink(folder):
             _cover(folder, [p for p in keep if p.startswith(folder + "/")], 0o1777)
