@@ -5,6 +5,7 @@ platform reads (Gradescope's results.json, plain JSON, exit codes, a class folde
 import csv
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -195,7 +196,7 @@ time.sleep(600)
 
 @pytest.mark.grading_scale  # beyond the suite's budget: `make test-grading` (about 30 s: a submission's timeout)
 @pytest.mark.timeout(180)
-def test_a_class_folder_grades_to_a_csv_and_one_hang_costs_only_its_timeout(tmp_path):
+def test_a_class_folder_grades_to_a_csv_and_one_hang_costs_only_its_timeout(tmp_path, monkeypatch):
     from toolkit.grading.classroom import grade_class
 
     lab = tmp_path / "lab"
@@ -218,8 +219,18 @@ def test_a_class_folder_grades_to_a_csv_and_one_hang_costs_only_its_timeout(tmp_
     (tmp_path / "hangs").mkdir()
     sleep = str(3019_000_000 + os.getpid())  # this test's own: another run of it may be going on beside it
     (tmp_path / "hangs" / "bob.py").write_text(HANGS_AT_IMPORT.replace("SLEEP", sleep))
-    rows = grade_class(lab, tmp_path / "hangs", tmp_path / "bob.csv", student_timeout_s=8, progress=False)
+    temp = tmp_path / "temp"  # where the timed-out grading makes its folders (TMPDIR), to see that none is left
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as from a shell's background job: the grading inherits it
+    try:
+        rows = grade_class(  # a stall limit past the timeout: the grading is still going on when it is stopped
+            lab, tmp_path / "hangs", tmp_path / "bob.csv", student_timeout_s=8, options=["--stall", "60"], progress=False
+        )
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert (rows[0].status, rows[0].score, rows[0].max_score) == ("timed out after 8 s", 0, 2)
+    assert not [p.name for p in temp.iterdir() if p.name.startswith("toolkit-grade-")], "bob's grading left its folder"
     leftovers = [
         pid
         for pid in os.listdir("/proc")

@@ -8,7 +8,8 @@ Every submission is read into memory before any is run, and each is graded from 
 bytes by its own `python -m toolkit grade ... --format json` process in a fresh session, with a wall-clock
 limit (`student_timeout_s`): whatever one submission does (hang, deadlock, fork, eat memory, write to
 other students' files), it costs at most that limit, it changes no other student's grade, and every
-process it started is killed before the next one begins (`isolation.stop`). The class folder itself is
+process it started is killed before the next one begins (`isolation.stop`): a grading that runs out of time is first
+interrupted as a Ctrl-C interrupts it, so that it removes the folders it made. The class folder itself is
 out of the submissions' reach where the machine allows a sandbox (`sandbox.py`); `grade_class` refuses
 to run without one unless `allow_unsandboxed`. `jobs` > 1 grades that many students at once (a machine
 with more cores than one grading's ranks use).
@@ -37,6 +38,8 @@ from pathlib import Path
 from ..runtime import interrupts
 from . import isolation, sandbox, untrusted
 from .untrusted import clean
+
+GRACE_S = 20.0  # a timed-out grading's time to stop itself once interrupted (stopping a launch takes 15 s at most)
 
 
 @dataclass
@@ -132,6 +135,7 @@ def grade_one(
                     process.wait(timeout=student_timeout_s)
             except subprocess.TimeoutExpired:
                 row.status = f"timed out after {student_timeout_s:.0f} s"
+                _interrupt(process)
             finally:
                 try:
                     os.killpg(process.pid, signal.SIGKILL)  # its session's process group, whatever is left
@@ -150,6 +154,18 @@ def grade_one(
         row.status = "grader error"
         row.report = {"error": err.decode(errors="replace")[-2000:]}
     return row
+
+
+def _interrupt(process: subprocess.Popen) -> None:
+    """Stop a timed-out grading as a Ctrl-C stops it, for at most GRACE_S: the grader (ours, not the student's) stops
+    its ranks and removes what it made (its folder, its volume, what the sandbox's user left in /tmp). A SIGKILL
+    alone would leave those behind; whatever is still running after the grace is killed all the same."""
+    with interrupts.taken():
+        try:
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=GRACE_S)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
 
 
 def _load(path: str):

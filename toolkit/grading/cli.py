@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -206,6 +208,10 @@ def main(argv=None) -> int:
         help="print nothing but the report (none with --output): not what the ranks print, no progress",
     )
     args = parser.parse_args(argv)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+        # started as a shell's background job, which ignores SIGINT: a grading still stops cleanly when interrupted,
+        # as a class grading stops one that timed out (`classroom._interrupt`)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if not args.disk_limit > 0:
         parser.error(f"--disk-limit must be a positive number of MiB, got {args.disk_limit:g}")
     limits = Limits(
