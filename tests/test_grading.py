@@ -225,7 +225,12 @@ def test_a_class_folder_grades_to_a_csv_and_one_hang_costs_only_its_timeout(tmp_
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as from a shell's background job: the grading inherits it
     try:
         rows = grade_class(  # a stall limit past the timeout: the grading is still going on when it is stopped
-            lab, tmp_path / "hangs", tmp_path / "bob.csv", student_timeout_s=8, options=["--stall", "60"], progress=False
+            lab,
+            tmp_path / "hangs",
+            tmp_path / "bob.csv",
+            student_timeout_s=8,
+            options=["--stall", "60"],
+            progress=False,
         )
     finally:
         signal.signal(signal.SIGINT, before)
