@@ -244,6 +244,25 @@ def test_a_class_folder_grades_to_a_csv_and_one_hang_costs_only_its_timeout(tmp_
     assert not leftovers, "bob's processes survived the class grading"
 
 
+def test_a_class_is_graded_several_at_once_only_where_each_grading_has_its_own_pids(tmp_path, monkeypatch, capsys):
+    """Without a PID namespace per grading, submissions graded at once run side by side as one user: one could signal
+    or read another's ranks. --jobs above 1 is refused there (before anything is graded), unless --allow-unsandboxed."""
+    from toolkit.grading import classroom, namespaces
+
+    empty = tmp_path / "class"
+    empty.mkdir()
+    for made, jobs, refused in (([], 2, True), ([], 1, False), ([namespaces.OWN_PIDS], 2, False)):
+        monkeypatch.setattr(namespaces, "probe", lambda made=made: made)
+        with pytest.raises(ValueError if refused else FileNotFoundError) as caught:  # past the check: an empty class
+            classroom.grade_class(tmp_path, empty, tmp_path / "scores.csv", jobs=jobs, progress=False)
+        assert ("--jobs 2" in str(caught.value)) == refused, str(caught.value)
+    monkeypatch.setattr(namespaces, "probe", lambda: [])
+    assert main([str(tmp_path), "--class", str(empty), "--jobs", "3"]) == 2
+    assert "--jobs 3 grades 3 submissions at once" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError):
+        classroom.grade_class(tmp_path, empty, tmp_path / "s.csv", jobs=2, progress=False, allow_unsandboxed=True)
+
+
 def _cmdline(pid: str) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -12,7 +12,7 @@ process it started is killed before the next one begins (`isolation.stop`): a gr
 interrupted as a Ctrl-C interrupts it, so that it removes the folders it made. The class folder itself is
 out of the submissions' reach where the machine allows a sandbox (`sandbox.py`); `grade_class` refuses
 to run without one unless `allow_unsandboxed`. `jobs` > 1 grades that many students at once (a machine
-with more cores than one grading's ranks use).
+with more cores than one grading's ranks use), where each grading has a PID namespace of its own.
 
 The CSV has one row per student: student, score, max_score, status ("graded", "timed out", "no
 file", "refused: ..." (a link, a FIFO, a file too big: never followed or read), "grader error"), seconds, file,
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..runtime import interrupts
-from . import isolation, sandbox, untrusted
+from . import isolation, namespaces, sandbox, untrusted
 from .untrusted import clean
 
 GRACE_S = 20.0  # a timed-out grading's time to stop itself once interrupted (stopping a launch takes 15 s at most)
@@ -196,6 +196,13 @@ def grade_class(
             "this machine gives a submission no filesystem sandbox (no Linux landlock, and not "
             "root): one student's code could read or change the class folder. Grade on Linux 5.13+, "
             "or as root, or pass --allow-unsandboxed if you trust every submission."
+        )
+    if jobs > 1 and not allow_unsandboxed and namespaces.OWN_PIDS not in namespaces.probe():
+        raise ValueError(
+            f"--jobs {jobs} grades {jobs} submissions at once, and this machine gives a grading no PID namespace of "
+            "its own: they would run side by side as one user, and one student's code could signal or read another's "
+            "ranks and change that grade. Grade one at a time (--jobs 1, the default), on a machine that allows user "
+            "namespaces, or pass --allow-unsandboxed if you trust every submission."
         )
     work = [(student, file, *read(file)) for student, file in submissions(class_dir, filename)]
     if not work:

@@ -37,6 +37,7 @@ import sys
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x08000000, 0x10000000, 0x20000000
 CLONE_NEWNET, SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x40000000, 0x8913, 0x8914, 0x1
 LOOPBACK_ONLY = "its own network (a loopback only)"
+OWN_PIDS = "its own PID namespace"  # made: no process of the launch sees or signals one outside it
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 4096, 16384, 1 << 18
 SHARED_TMP = ("/dev/shm", "/tmp", "/var/tmp")
 TMPFS_SIZE = "size=64m"  # what a launch may keep in its /tmp and /dev/shm (its folder, where it writes, is apart)
@@ -192,7 +193,7 @@ def enter(box: str, user, reach: list[str]) -> list[str]:
         _wait_for(child)
     os.close(holding)
     _die_with_parent(alive)
-    made.append("its own PID namespace")
+    made.append(OWN_PIDS)
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     try:
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)

@@ -131,7 +131,7 @@ def preflight(user, reach: list[str], made: list[str]) -> None:
     the interpreter, its libraries) and no mount namespace can make it reachable (`made`: what `namespaces.probe`
     found this machine allows)."""
     walls = namespaces.blocked(reach, user)
-    if not walls or "its own PID namespace" in made:
+    if not walls or namespaces.OWN_PIDS in made:
         return
     name = os.environ.get("TOOLKIT_GRADING_USER", NOBODY)
     where = "; ".join(f"{folder} (it holds {', '.join(paths)})" for folder, paths in walls.items())
