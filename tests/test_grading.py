@@ -234,7 +234,7 @@ def test_a_class_folder_grades_to_a_csv_and_one_hang_costs_only_its_timeout(tmp_
         )
     finally:
         signal.signal(signal.SIGINT, before)
-    assert (rows[0].status, rows[0].score, rows[0].max_score) == ("timed out after 8 s", 0, 2)
+    assert (rows[0].status, rows[0].score, rows[0].max_score, rows[0].report) == ("timed out after 8 s", 0, 2, None)
     assert not [p.name for p in temp.iterdir() if p.name.startswith("toolkit-grade-")], "bob's grading left its folder"
     leftovers = [
         pid

@@ -144,7 +144,8 @@ def grade_one(
                 process.wait()
                 isolation.stop(grading_id)  # and whatever left the group, by the id in its environment
         row.seconds = round(time.monotonic() - started, 1)
-        report = _load(output)
+        # past the limit, what the grading wrote while it was stopped is no grade
+        report = _load(output) if row.status == "graded" else None
         err = untrusted.tail(errors, 2000)
     if report is not None:
         report["solution"] = str(file)
