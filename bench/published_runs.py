@@ -217,8 +217,9 @@ H100_LEVEL = (
     "the model's H100 rate over its A100 rate for the same code, model and batch is 1.20-1.23x the runs' in all four "
     "pairs (llm-foundry's MPT-1B, 7B and 13B, fms-fsdp's Llama 2 7B: two software stacks), the level the Megatron-Core "
     "rows' compute shows too, and no published measurement of the H100's kernels found prices it; read as time, each "
-    "pair's runs took about as long beyond their priced compute on either GPU (1.0-1.4x), and with its A100 twin's "
-    "time the H100 row is within 15% (+1% to +9%): a cost both GPUs pay fits as well as a slower H100 "
+    "pair's runs took about as long beyond their priced compute on either GPU (1.0-1.4x, in proportion to the work), "
+    "and with its A100 twin's time the H100 row is within 15% (+1% to +9%): the training steps' kernels ran slower "
+    "than their benchmarks by about the same time per unit of work on both GPUs, a larger share of the H100's "
     "(docs/differences.md, 'The H100 gap, held to runs the project was not told about')"
 )
 NOTES = {
