@@ -449,7 +449,27 @@ def test_a_calibrated_machine_scales_its_rates_by_the_reference_step_timed_again
     note = slower.notes["trust"]["note"]
     assert "load 1.0 per core" in note and "spread ±10%" in note and "0.50x as fast" in note
     cost = estimate([[Compute(1e9, label="x")]], slower, world_size=2)
-    assert cost.trust == note and note in cost.summary() and estimate([[Compute(1.0)]], DGX, world_size=8).trust is None
+    assert cost.trust == note and note in cost.summary()
+
+
+def test_a_prediction_on_a_gpu_preset_says_how_its_predictions_fared_against_published_runs():
+    """On the presets, `trust` is the record of published training runs (`toolkit.sim.held_to_runs`; each run held
+    inside its group's range in tests/test_sim_papers.py): every group with its range, on the preset's GPU; a what-if
+    on another GPU, or a cluster of one's own, states none rather than another GPU's record."""
+    from toolkit.sim import held_to_runs
+    from toolkit.sim.hardware import GPUS
+
+    for name, groups in held_to_runs.PRESETS.items():
+        cost = estimate([[Compute(1e12)]], name, world_size=8)
+        assert cost.trust in cost.summary()
+        for group in groups:
+            low, high = group.took
+            assert f"{group.what}: each took {low:.2f}x to {high:.2f}x the predicted step" in cost.trust
+    h100 = held_to_runs.PRESETS["dgx-h100"][0]
+    assert (h100.took[0] > 1.2, h100.covers(0.33), h100.covers(0.10)) == (True, True, False)  # MPT-7B's +33%
+    assert estimate([[Compute(1e12)]], cluster_of("dgx-h100", inter=(100e9, "5 us")), world_size=8).trust
+    other_gpu = cluster_of("dgx-h100").with_changes(gpu=GPUS["a100-80gb"])
+    assert estimate([[Compute(1e12)]], other_gpu, world_size=8).trust is None
 
 
 def test_a_hugging_face_models_peak_extrapolates_to_six_layers_exactly():

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from ..run import Run
 from ..units import flops_text, percent_text, seconds_text
 from . import breakdown as parts
+from . import held_to_runs
 from .collective_time import collective_time
 from .hardware import Cluster, check_mfu, cluster_of
 from .kernel_time import device_seconds, hbm_bandwidth, segment_seconds
@@ -193,10 +194,11 @@ class StepCost:
 
     @property
     def trust(self) -> str | None:
-        """How far to trust this prediction, where the cluster was measured (`toolkit.sim.calibrate.trust`): the
-        calibration's spread, the load then and now. None on the datasheet presets (see docs/benchmarks.md)."""
+        """How far to trust this prediction: where the cluster was measured (`toolkit.sim.calibrate.trust`), the
+        calibration's spread, the load then and now; on a GPU preset, how its predictions fared against published
+        training runs (`held_to_runs`); None elsewhere."""
         found = self.cluster.notes.get("trust")
-        return found["note"] if found else None
+        return found["note"] if found else held_to_runs.note(self.cluster)
 
     def summary(self) -> str:
         """The step's time and rate; for a job that does not fit, the verdict instead of a time."""
