@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .relay_group import RelayGroup, _Work
+from .relay_group import RelayGroup, _Work, check_holds
 
 _OPS = {
     dist.ReduceOp.SUM: "sum",
@@ -56,6 +56,7 @@ class _Collective(_Work):
         sizes = [t.numel() * t.element_size() for t in self.outputs]
         if len(payload) != sum(sizes):
             raise ValueError(f"{len(payload)} bytes for outputs of {sum(sizes)}")
+        check_holds(self.outputs)
         at = 0
         for t, size in zip(self.outputs, sizes):  # copy_ writes a view that is not contiguous too
             t.copy_(torch.frombuffer(bytearray(payload[at : at + size]), dtype=torch.uint8).view(t.dtype).view(t.shape))

@@ -32,6 +32,21 @@ from .wire import DTYPES  # the tensors' dtypes a message may carry, as an answe
 BACKEND = "toolkit_relay"
 
 
+def check_holds(tensors) -> None:
+    """Refuse (ValueError) to write into a tensor whose storage no longer holds every element the view reaches: the
+    relay's answers are written from its thread, and memory freed meanwhile (FSDP frees a flat parameter by resizing
+    its storage to 0 bytes, the view keeping its shape) would be written all the same, crashing the rank or changing
+    another tensor's bytes, in this check or a later one of the same launch."""
+    for t in tensors:
+        last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        if t.numel() and t.untyped_storage().nbytes() < (last + 1) * t.element_size():
+            raise ValueError(
+                f"the tensor of {tuple(t.shape)} it was to fill has no memory any more (its storage holds "
+                f"{t.untyped_storage().nbytes()} bytes): it was freed or resized while the message was in flight; "
+                "wait for a collective or a receive before freeing what it writes into"
+            )
+
+
 class _Work(dist._Work):
     """A message in flight: done when the relay says the receiver took it (a send) or it arrived (a receive)."""
 
@@ -62,6 +77,7 @@ class _Work(dist._Work):
     def take(self, payload: bytes) -> None:
         """The relay's answer: a received message's bytes into its tensor."""
         if self.tensor is not None and payload:
+            check_holds([self.tensor])
             flat = self.tensor.view(-1)
             flat.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(flat.dtype))
         self.payload = payload
