@@ -187,7 +187,7 @@ RUNS = [
         4,
         465.9,
         "TFLOP/s/GPU",
-        dict(tp=2, sequence_parallel=True),
+        dict(tp=2, sequence_parallel=True, tp_comm_overlap=True),
         megatron=True,
     ),
     PublishedRun(
@@ -200,7 +200,7 @@ RUNS = [
         4,
         489.1,
         "TFLOP/s/GPU",
-        dict(tp=4, sequence_parallel=True),
+        dict(tp=4, sequence_parallel=True, tp_comm_overlap=True),
         megatron=True,
     ),
     # runs the project was not told about (issue 30's question: does the H100 gap hold beyond the rows above?)
@@ -233,19 +233,16 @@ NOTES = {
     "FlashAttention-2 through PyTorch's SDPA, the kernel the model prices); " + H100_LEVEL,
     "mcore-1.7b-h100": "priced as the run was built (untied head, Megatron's fp32 loss at tp 1, no GEMM above the "
     "H100's fastest measured), the step is 377 ms against the 452 ms the table's rate implies in Megatron's own "
-    "count; the run overlapped the 27 ms of data-parallel traffic the model exposes (--overlap-grad-reduce, "
-    "--overlap-param-gather), and without it the prediction is 529 (+29%), as the 7.1B and 16B rows' compute is "
-    "without their exposed tensor-parallel traffic (605, +30%; 625, +28%; +24% and +16% if that traffic slowed the "
-    "compute by the measured 18.9%): the rise with size is the table's (1.14 and 1.18 against 1.14 and 1.20), the "
-    "level on H100 is not, and no published measurement of the H100's kernels found prices it (the k = 2048 GEMMs "
-    "are within 3% of one of that shape, 8192 x 2048 x 2048 in 100.06 us, TransformerEngine#2053; the A100 rows of "
-    "Table 1 are met)",
-    "mcore-7.1b-h100": "Megatron-Core overlaps its tensor-parallel communication with GEMMs (--tp-comm-overlap), "
-    "which the toolkit's tensor parallelism does not: its all-gathers and reduce-scatters are exposed (21% of the "
-    "step), and the row is met because they offset its compute, which alone predicts 605 TFLOP/s per GPU (+30%), as "
-    "the 1.7B row's does (+29%)",
-    "mcore-16b-h100": "as 7.1B: the tensor-parallel communication Megatron-Core overlaps is exposed here (36% of the "
-    "step); its compute alone predicts 625 TFLOP/s per GPU (+28%)",
+    "count; the run overlapped the data-parallel traffic the model exposes (27 ms, 7% of the step; "
+    "--overlap-grad-reduce, --overlap-param-gather), and without it the prediction is 529 (+29%), where the 7.1B and "
+    "16B rows' compute predicts 577 (+24%) and 593 (+21%): the level on H100 is not the table's, and no published "
+    "measurement of the H100's kernels found prices it (the k = 2048 GEMMs are within 3% of one of that shape, 8192 "
+    "x 2048 x 2048 in 100.06 us, TransformerEngine#2053; the A100 rows of Table 1 are met)",
+    "mcore-7.1b-h100": "its tensor-parallel traffic hidden behind the GEMMs as the run hid it (--tp-comm-overlap: "
+    "tp_comm_overlap's rings, each pass slowing the GEMM beside it by the measured 18.9%); the data-parallel "
+    "traffic the run also overlapped is exposed (13% of the step), and the compute alone predicts 577 (+24%)",
+    "mcore-16b-h100": "as 7.1B: the data-parallel traffic the run overlapped is exposed (24% of the step), and the "
+    "compute alone predicts 593 (+21%)",
 }
 
 

@@ -366,6 +366,44 @@ assert tp_bytes_per_layer(1, GPT3_S, GPT3_H, 8, sequence_parallel=True) == 1.25 
 )
 
 # %% [markdown]
+# ### Hiding it anyway: `tp_comm_overlap`
+#
+# Sequence parallelism leaves a column layer's all-gather right before its GEMM and a row layer's reduce-scatter
+# right after it, so each still stops compute. Megatron-Core hides them (`--tp-comm-overlap`): cut the sequence
+# into the t ranks' chunks and the all-gather becomes t - 1 passes around a ring, each beside one chunk's GEMM (the
+# chunk in hand is multiplied while the next arrives); the reduce-scatter becomes a ring of running sums, each rank
+# adding its part of a chunk while the sum before travels on. `tp_comm_overlap=True` runs the same rings
+# (`toolkit/parallel/tensor/overlap.py`): the same bytes, the same sums in another order. The simulator prices both
+# on the DGX A100 node of section 3:
+
+# %%
+sp_node = {
+    overlap: simulate(
+        GPT3, "local", 8, batch_per_rank=8, tp=8, sequence_parallel=True, tp_comm_overlap=overlap, **common
+    )
+    for overlap in (False, True)
+}
+for overlap, sim in sp_node.items():
+    br = sim.breakdown
+    print(
+        f"tp_comm_overlap={overlap!s:<5}: step {br['step'] * 1e3:4.0f} ms, GEMMs {br['gemm'] * 1e3:4.0f}, beside "
+        f"NCCL's kernels {max(br['contention'], 0) * 1e3:3.0f}, communication exposed {br['exposed_comm'] * 1e3:3.0f}, "
+        f"hidden {br['overlapped_comm'] * 1e3:3.0f} ms"
+    )
+plain, ringed = (sp_node[o].breakdown for o in (False, True))
+won, paid = plain["exposed_comm"] - ringed["exposed_comm"], ringed["compute"] - plain["compute"]
+print(f"won back {won * 1e3:.0f} ms of exposed communication, paid {paid * 1e3:.0f} ms more compute")
+assert ringed["exposed_comm"] < 0.2 * plain["exposed_comm"]  # "most of it hides"
+assert 0.5 * won < paid < won and ringed["gemm"] > 1.05 * plain["gemm"]  # "most of what it wins", "smaller GEMMs"
+
+# %% [markdown]
+# Most of the communication hides, but hiding is not free: a chunk's GEMM is t times smaller, and the GPU runs small
+# GEMMs less efficiently (the last wave of tiles is partly empty), and compute beside NCCL's kernels runs slower
+# (they take some of the SMs). Here the compute pays back most of what the overlap wins. It pays off where more of
+# the step is traffic the rings can hide: Megatron-Core's 7.1B and 16B rows on H100 ran with it, and the simulator
+# prices them so (`bench/published_runs.py`, docs/differences.md).
+
+# %% [markdown]
 # ## 5. At 512 to 1,024 GPUs: when does 2D FSDP + TP beat FSDP alone?
 #
 # torchtitan's 2D: tensor parallelism inside each 8-GPU node, FSDP over the data-parallel dimension (the

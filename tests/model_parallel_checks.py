@@ -39,6 +39,31 @@ def embedding_bytes() -> dict:
     return out
 
 
+def _sequence_or_ring(label: str) -> bool:
+    return label.startswith(("sequence", "column", "row"))
+
+
+def tp_ring_traffic() -> dict:
+    """{tp_comm_overlap: (bytes sent by the layers' tensor-parallel calls in one step, {(op, label): calls})} at
+    tp = world with sequence parallelism: the rings move what the blocking all-gathers and reduce-scatters move."""
+    out = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model, opt = toolkit.parallel.wrap(
+            tiny_gpt(n_head=4), "local", tp=dist.get_world_size(), sequence_parallel=True, tp_comm_overlap=overlap
+        )
+        x, y = SyntheticCorpus().batch(0, 8)
+        recorder.reset()
+        model(x, y).backward()
+        layers = [e for e in recorder.events if e["cat"] == "comm" and _sequence_or_ring(e["args"].get("tp", ""))]
+        calls: dict = {}
+        for e in layers:
+            key = (e["name"], e["args"]["tp"])
+            calls[key] = calls.get(key, 0) + 1
+        out[overlap] = (_sent(layers), calls)
+    return out
+
+
 def cross_entropy_backward_memory(tokens: int = 256, width: int = 512, hidden: int = 8) -> tuple[int, int]:
     """(bytes the vocabulary-parallel loss's backward allocates at its peak, through the head's matmul, measured by
     torch's MemTracker; one (tokens, V/t) fp32 buffer's bytes). The softmax the forward saved becomes the

@@ -40,6 +40,11 @@ CASES = [
     ),
     ("tp 4 + sp", dict(model=HEADS4, options={"tp": 4, "sequence_parallel": True}), dict(model=HEADS4)),
     (
+        "tp 4 + sp, comm overlapped",
+        dict(model=HEADS4, options={"tp": 4, "sequence_parallel": True, "tp_comm_overlap": True}),
+        dict(model=HEADS4),
+    ),
+    (
         "tp 4, hidden dropout",
         dict(model=dict(HEADS4, dropout=0.1), options={"tp": 4}),
         dict(model=dict(HEADS4, dropout=0.1)),
@@ -57,6 +62,14 @@ CASES = [
     (
         "pp 2 x tp 2, sends scattered",
         dict(model=dict(HEADS4, n_layer=4), options={"pp": 2, "tp": 2, "microbatches": 4}),
+        dict(model=dict(HEADS4, n_layer=4)),
+    ),
+    (
+        "pp 2 x tp 2 + sp, comm overlapped",
+        dict(
+            model=dict(HEADS4, n_layer=4),
+            options={"pp": 2, "tp": 2, "sequence_parallel": True, "tp_comm_overlap": True, "microbatches": 4},
+        ),
         dict(model=dict(HEADS4, n_layer=4)),
     ),
     (
@@ -88,6 +101,7 @@ def layouts(directory):
         "padded vocabulary": checks.padded_vocabulary(directory),
         "pipeline sends": checks.pipeline_sends(),
         "fsdp kept": checks.fsdp_kept_gathered(),
+        "tp rings": checks.tp_ring_traffic(),
     }
     for name, fields, _ in CASES:
         torch.manual_seed(0)
@@ -100,7 +114,8 @@ def layouts(directory):
         found[f"dropout, checkpointing {checkpointing}"] = (losses_of(run), state)
     everyone = [None] * dist.get_world_size()
     mine = {
-        k: found[k] for k in ("embedding bytes", "loss backward", "rng", "dropout masks", "pipeline sends", "fsdp kept")
+        k: found[k]
+        for k in ("embedding bytes", "loss backward", "rng", "dropout masks", "pipeline sends", "fsdp kept", "tp rings")
     }
     mine["padding"] = (found["padded vocabulary"]["padding zero"], found["padded vocabulary"]["moments zero"])
     dist.all_gather_object(everyone, mine)
@@ -154,6 +169,34 @@ def test_the_embedding_reduce_scatters_under_sequence_parallelism(got, no_leftov
         assert plain == (2 * (t - 1) / t * act, 0)
         assert split == ((t - 1) / t * act, (t - 1) / t * (act + positions))
         assert split[0] == plain[0] / 2
+
+
+@pytest.mark.timeout(600)
+def test_tp_comm_overlap_moves_the_same_bytes_around_a_ring(got, no_leftover_ranks):
+    """At tp 4 + sp, one forward and backward of the tiny GPT (2 blocks; b 8, s 32, h 32, fp32): with tp_comm_overlap
+    every column layer's all-gather and every row layer's reduce-scatter, and the row layer's all-gather in backward,
+    are t - 1 = 3 passes of a chunk to the next rank (and its receive from the previous), sending what the collective
+    sends, (t-1)/t of the sequence; the column layer's backward keeps its all-gather and reduce-scatter, started
+    beside the GEMM that does not need them; the embedding's reduce-scatter stays (nothing to hide it behind)."""
+    columns, rows = 2 * 2 + 1, 2 * 2  # qkv and fc per block, the head; proj and the MLP's proj per block
+    for rank in got["every rank"]:
+        (blocking, plain), (ringed, passes) = rank["tp rings"][False], rank["tp rings"][True]
+        assert ringed == blocking > 0
+        assert plain == {
+            ("all_gather", "sequence all-gather"): columns,
+            ("all_gather", "sequence all-gather again"): columns,
+            ("reduce_scatter", "sequence all-gather backward"): columns,
+            ("reduce_scatter", "sequence reduce-scatter"): rows + 1,
+            ("all_gather", "sequence reduce-scatter backward"): rows + 1,
+        }
+        ring = {"column ring": columns, "row ring": rows, "row ring backward": rows}
+        assert passes == {
+            **{(op, label): 3 * n for label, n in ring.items() for op in ("send", "recv")},
+            ("all_gather", "column backward all-gather (input again)"): columns,
+            ("reduce_scatter", "column backward reduce-scatter"): columns,
+            ("reduce_scatter", "sequence reduce-scatter"): 1,
+            ("all_gather", "sequence reduce-scatter backward"): 1,
+        }
 
 
 @pytest.mark.timeout(600)

@@ -63,6 +63,10 @@ def test_the_fsdp_papers_configuration_is_the_readmes():
         "zero1",
         dict(mixed_precision=True, activation_checkpointing=True, tp=8, sequence_parallel=True),
     )
+    args = parse.parse_args("--tp 8 --sequence-parallel --tp-comm-overlap".split())
+    assert cli.options_of(args, parse)[1] == dict(
+        mixed_precision=True, tp=8, sequence_parallel=True, tp_comm_overlap=True
+    )
 
 
 def test_a_job_that_fits_gets_its_time_report_and_trace_and_one_that_does_not_gets_what_would_make_it_fit(
@@ -130,6 +134,9 @@ def test_moe_with_more_gpus_than_experts_and_a_tensor_parallel_layout_simulate_f
     )
     out = capsys.readouterr().out
     assert "zero1 over dp=4 x tp=2 with sequence parallelism on 8 simulated ranks" in out
+    assert cli.main(["--model", "tiny", "--tp", "2", "--tp-comm-overlap", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--tp-comm-overlap hides" in err and "needs --sequence-parallel with tp > 1 (e.g. --tp 2)" in err, err
     assert cli.main(["--model", "tiny", "--sequence-parallel", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err  # said in flags: the error came from Python's keywords
     assert "--sequence-parallel splits" in err and "(e.g. --tp 2)" in err and "=" not in err, err

@@ -427,7 +427,6 @@ RUNS = published_runs()
 RUN_MISSES = {  # run -> what the model predicts when last measured, and what the run paid that it does not price
     "mpt-7b-h100": "14,151 tokens/s per GPU against 10,643 (+33%); " + RUNS.NOTES["mpt-7b-h100"],
     "mcore-1.7b-h100": "490 TFLOP/s per GPU against 408.8 (+20%): " + RUNS.NOTES["mcore-1.7b-h100"],
-    "mcore-16b-h100": "400 against 489.1 (-18%): " + RUNS.NOTES["mcore-16b-h100"],
     "mpt-1b-h100": "63,095 against 45,455 (+39%): " + RUNS.NOTES["mpt-1b-h100"],
     "mpt-13b-h100": "6,197 against 4,792 (+29%): " + RUNS.NOTES["mpt-13b-h100"],
     "llama2-7b-h100": "9,624 against 7,500 (+28%): " + RUNS.NOTES["llama2-7b-h100"],

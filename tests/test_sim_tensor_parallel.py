@@ -33,7 +33,11 @@ from toolkit.train import TrainConfig, train
 SMALL = dict(n_layer=2, d_model=64, n_head=4)
 BATCH = 2  # sequences per data-parallel replica
 CASES = {
-    2: [("local", {"tp": 2}), ("local", {"tp": 2, "sequence_parallel": True})],
+    2: [
+        ("local", {"tp": 2}),
+        ("local", {"tp": 2, "sequence_parallel": True}),
+        ("local", {"tp": 2, "sequence_parallel": True, "tp_comm_overlap": True}),
+    ],
     4: [("fsdp", {"tp": 2}), ("zero1", {"tp": 2, "sequence_parallel": True, "mixed_precision": True})],
 }
 
@@ -123,10 +127,15 @@ def test_simulated_tensor_parallel_rank_equals_a_real_gloo_run_and_the_formulas(
         tp_group = tuple(range(rank - rank % t, rank - rank % t + t))  # consecutive ranks
         tp_ops = {
             op: sum(c.bytes_sent for c in sim.collectives() if op == c.op and c.group == tp_group)
-            for op in ("all_reduce", "all_gather", "reduce_scatter")
+            for op in ("all_reduce", "all_gather", "reduce_scatter", "send")
         }
         formula = tp_bytes_per_step(BATCH, s, h, L, t, sequence_parallel=sp, bytes_per_value=value)
-        assert {op: b for op, b in tp_ops.items() if b} == {op: b for op, b in formula.items() if op != "total" and b}
+        if options.get("tp_comm_overlap"):  # the layers' all-gathers and reduce-scatters as passes around a ring
+            assert tp_ops["send"] > 0 and sum(tp_ops.values()) == formula["total"], case
+        else:
+            assert {op: b for op, b in tp_ops.items() if b} == {
+                op: b for op, b in formula.items() if op != "total" and b
+            }
         stage = {"local": 0, "zero1": 1, "fsdp": 3}[strategy]
         kept = (4, 4, 8) if strategy == "fsdp" else (value, value, 12 if value == 2 else 8)
         states = tp_model_states(
@@ -157,12 +166,13 @@ def test_simulated_tensor_parallel_rank_equals_a_real_gloo_run_and_the_formulas(
             assert measured["activations"] == [sum(terms.values())] * L, (case, terms)
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_activation_checkpointing_repeats_the_collectives_of_the_forward_it_runs_again(sp):
+@pytest.mark.parametrize("sp, overlap", [(False, False), (True, False), (True, True)])
+def test_activation_checkpointing_repeats_the_collectives_of_the_forward_it_runs_again(sp, overlap):
     """Backward re-runs each block's forward as far as torch's checkpoint needs: one more all-reduce per block
-    (the attention's g), or under sequence parallelism two all-gathers and a reduce-scatter. The simulated rank
-    (the same code as a real one) sends what `tp_bytes_per_step(recompute=True)` says, its summary no more than
-    its theory."""
+    (the attention's g), or under sequence parallelism two all-gathers and a reduce-scatter, and with
+    tp_comm_overlap the MLP's reduce-scatter too (its ring is one Function with the GEMM whose input backward needs).
+    The simulated rank (the same code as a real one) sends what `tp_bytes_per_step(recompute=True)` says, its
+    summary no more than its theory."""
     for layers in (2, 3):
         sims = {
             c: simulate(
@@ -172,6 +182,7 @@ def test_activation_checkpointing_repeats_the_collectives_of_the_forward_it_runs
                 batch_per_rank=BATCH,
                 tp=2,
                 sequence_parallel=sp,
+                tp_comm_overlap=overlap,
                 activation_checkpointing=c,
                 progress=False,
             )
@@ -179,12 +190,51 @@ def test_activation_checkpointing_repeats_the_collectives_of_the_forward_it_runs
         }
         for recompute, sim in sims.items():
             formula = tp_bytes_per_step(
-                BATCH, 32, SMALL["d_model"], layers, 2, sequence_parallel=sp, recompute=recompute
+                BATCH, 32, SMALL["d_model"], layers, 2, sequence_parallel=sp, recompute=recompute, comm_overlap=overlap
             )
-            assert {op: b for op, b in sim.bytes_per_step.items()} == {op: b for op, b in formula.items() if b}
+            if overlap:  # the layers' collectives are sends now: the same bytes in all
+                assert sim.bytes_per_step["send"] > 0 and sim.bytes_per_step["total"] == formula["total"]
+            else:
+                assert {op: b for op, b in sim.bytes_per_step.items()} == {op: b for op, b in formula.items() if b}
             assert sim.theory()["bytes_per_step"] == sim.bytes_per_step["total"]
-        extra = (
-            tp_bytes_per_step(BATCH, 32, SMALL["d_model"], layers, 2, sequence_parallel=sp, recompute=True)["total"]
-            - tp_bytes_per_step(BATCH, 32, SMALL["d_model"], layers, 2, sequence_parallel=sp)["total"]
+        halves = 4 if overlap else 3 if sp else 2
+        extra = sims[True].bytes_per_step["total"] - sims[False].bytes_per_step["total"]
+        assert extra == layers * halves * (2 - 1) / 2 * BATCH * 32 * SMALL["d_model"] * 4
+
+
+def test_tp_comm_overlap_hides_the_layers_traffic_behind_their_gemms_on_a_gpu():
+    """dgx-h100, tp 4 + sp inside a node, a GPT 4,096 wide (2 blocks, 4 sequences of 2,048): sequence parallelism's
+    all-gathers and reduce-scatters stall the compute stream for their whole time (nothing else can run: the GEMM
+    needs them); with `tp_comm_overlap` each ring pass is beside one chunk's GEMM, and each of the column layer's
+    backward collectives beside a whole GEMM, which take longer: under a sixth of the stall is left, most of it the
+    embedding's reduce-scatter and its backward, which nothing hides. The same bytes either way, and a pass's
+    receive takes no link time of its own (full duplex: one transfer's time a pass, not two)."""
+    sims = {
+        overlap: simulate(
+            lambda: tiny_gpt(n_layer=2, d_model=4096, n_head=32, vocab_size=32768, seq_len=2048),
+            "local",
+            4,
+            batch_per_rank=4,
+            cluster="dgx-h100",
+            progress=False,
+            mixed_precision=True,
+            tp=4,
+            sequence_parallel=True,
+            tp_comm_overlap=overlap,
         )
-        assert extra == layers * (3 if sp else 2) * (2 - 1) / 2 * BATCH * 32 * SMALL["d_model"] * 4
+        for overlap in (False, True)
+    }
+
+    def stalled_on_layers(sim) -> float:
+        spans = sim.cost.timelines[-1].spans
+        comm = {s.instruction.id: s.instruction for s in spans if s.kind == "comm"}
+        label = lambda c: str(c.args.get("tp", ""))  # noqa: E731
+        layers = {i for i, c in comm.items() if label(c).startswith(("sequence", "column", "row"))}
+        return sum(s.end - s.start for s in spans if s.kind == "wait" and s.instruction.id in layers)
+
+    blocking, ringed = (stalled_on_layers(sims[o]) for o in (False, True))
+    assert blocking > 0.1 * sims[False].step_time
+    assert ringed < blocking / 6
+    assert sims[True].bytes_per_step["total"] == sims[False].bytes_per_step["total"]
+    passes = [s for s in sims[True].cost.timelines[-1].spans if s.kind == "comm" and s.instruction.op == "recv"]
+    assert passes and all(s.start == s.issued and s.cost.resources == () for s in passes)

@@ -98,6 +98,7 @@ def tp_collectives(
     sequence_parallel: bool = False,
     bytes_per_value: float = 4,
     recompute: bool = False,
+    comm_overlap: bool = False,
 ) -> dict[str, list]:
     """The tensor-parallel collectives of one training step of the toolkit GPT: {op: [message bytes, ...]}.
 
@@ -106,7 +107,9 @@ def tp_collectives(
     it needs (torch's non-reentrant checkpoint stops there): the attention's g once more (its output feeds
     ln_2, whose input backward needs) but not the MLP's (its output is only added to the residual); under
     sequence parallelism the attention's all-gather and reduce-scatter and the MLP's all-gather (fc's output
-    feeds GELU)."""
+    feeds GELU). comm_overlap (`tp_comm_overlap`, with sequence parallelism): the same messages, each a ring of
+    passes; recomputed, the MLP's reduce-scatter runs again too (its ring is one autograd Function with the GEMM
+    whose input backward needs, which the checkpoint cannot stop inside)."""
     for name, value in (("batch", batch), ("seq_len", seq_len), ("hidden", hidden), ("tp", tp)):
         _check_world(name, value)
     _check_count("layers", layers)
@@ -120,7 +123,7 @@ def tp_collectives(
     return {
         "all_reduce": loss + params,  # loss; parameters' gradients
         "all_gather": [act] * (6 * layers + 2 + 1 + 2 * again) + positions,  # per block 2 forward, 2 backward,
-        "reduce_scatter": [act] * (4 * layers + 2 + again),
+        "reduce_scatter": [act] * (4 * layers + 2 + again * (2 if comm_overlap else 1)),
     }  # 2 again; head 2; embedding 1 / embedding 1,
     # per block 2 + 2; head 1
 
@@ -135,10 +138,11 @@ def tp_bytes_per_step(
     sequence_parallel: bool = False,
     bytes_per_value: float = 4,
     recompute: bool = False,
+    comm_overlap: bool = False,
 ) -> dict[str, float]:
     """Bytes each tensor-parallel rank sends per step for tensor parallelism, by op and "total" (ring
-    accounting: an all-reduce sends 2(t-1)/t of its message, an all-gather or reduce-scatter (t-1)/t);
-    recompute: under activation checkpointing (`tp_collectives`)."""
+    accounting: an all-reduce sends 2(t-1)/t of its message, an all-gather or reduce-scatter (t-1)/t, as its
+    t - 1 passes do under comm_overlap); recompute: under activation checkpointing (`tp_collectives`)."""
     calls = tp_collectives(
         batch,
         seq_len,
@@ -148,6 +152,7 @@ def tp_bytes_per_step(
         sequence_parallel=sequence_parallel,
         bytes_per_value=bytes_per_value,
         recompute=recompute,
+        comm_overlap=comm_overlap,
     )
     factor = {"all_reduce": 2 * (tp - 1) / tp, "all_gather": (tp - 1) / tp, "reduce_scatter": (tp - 1) / tp}
     out = {op: factor[op] * sum(sizes) for op, sizes in calls.items()}

@@ -28,7 +28,7 @@ STRATEGIES = {
 def wrap(model: torch.nn.Module, strategy: str, *, optimizer=torch.optim.AdamW, **options):
     """Wrap `model` for `strategy`; `optimizer` is any callable taking parameters and returning an optimizer.
 
-    Model-parallel options (tp=, sequence_parallel=, tp_plan=, pp=, microbatches=, schedule=,
+    Model-parallel options (tp=, sequence_parallel=, tp_comm_overlap=, tp_plan=, pp=, microbatches=, schedule=,
     virtual_stages=, pp_split=, cp=, cp_attention=, order=) lay the world out as dp x pp x cp x tp (`compose.py`,
     `model.mesh`, ranks in Megatron's order unless `order=` says otherwise); `strategy` is then the data-parallel
     method over the dp x cp group ("local": dp = 1, cp = 1)."""

@@ -32,6 +32,7 @@ from . import mesh as mesh_
 MODEL_PARALLEL = {
     "tp": 1,
     "sequence_parallel": False,
+    "tp_comm_overlap": False,
     "tp_plan": None,
     "pp": 1,
     "microbatches": None,
@@ -78,7 +79,13 @@ def wrap(model, strategy: str, build, optimizer, options: dict):
     if mp["tp"] > 1 or mp["sequence_parallel"] or mp["tp_plan"] is not None:
         from .tensor import parallelize
 
-        model = parallelize(model, mesh, plan=mp["tp_plan"], sequence_parallel=mp["sequence_parallel"])
+        model = parallelize(
+            model,
+            mesh,
+            plan=mp["tp_plan"],
+            sequence_parallel=mp["sequence_parallel"],
+            comm_overlap=mp["tp_comm_overlap"],
+        )
     if layout.cp > 1:
         from .context import parallelize as parallelize_context
 
@@ -124,6 +131,14 @@ def check_tensor_options(mp: dict) -> None:
     """Tensor-parallel options that make no sense are refused before any group exists."""
     if not isinstance(mp["sequence_parallel"], bool):
         raise ValueError(f"sequence_parallel must be True or False, got {mp['sequence_parallel']!r}.")
+    if not isinstance(mp["tp_comm_overlap"], bool):
+        raise ValueError(f"tp_comm_overlap must be True or False, got {mp['tp_comm_overlap']!r}.")
+    if mp["tp_comm_overlap"] and not mp["sequence_parallel"]:
+        raise ValueError(
+            "tp_comm_overlap=True hides sequence parallelism's all-gathers and reduce-scatters behind the GEMMs, "
+            "a chunk of the sequence at a time, so it needs sequence_parallel=True with tp > 1 (e.g. tp=2), as "
+            "Megatron's --tp-comm-overlap needs --sequence-parallel."
+        )
     if mp["sequence_parallel"] and mp["tp"] == 1:
         raise ValueError(
             "sequence_parallel=True splits the sequence over the tensor-parallel ranks, so it needs "

@@ -130,7 +130,7 @@ def _time_on_links(cluster, op, size_bytes, group, me, args) -> CollectiveCost:
             latency + size_bytes / bandwidth,
             latency,
             "intra-node" if inside else "inter-node",
-            ("intra",) if inside else ("inter",),
+            _p2p_resources(op, inside),
             bandwidth,
         )
     if n <= 1:
@@ -155,6 +155,15 @@ def _time_on_links(cluster, op, size_bytes, group, me, args) -> CollectiveCost:
     latency = cluster.call_latency + (steps - inter_steps) * intra.latency + inter_steps * cluster.inter.latency
     bandwidth = intra.bandwidth if nodes == 1 else min(intra.bandwidth, g * cluster.inter.bandwidth)
     return CollectiveCost(latency + wire / bandwidth, latency, label, resources, bandwidth)
+
+
+def _p2p_resources(op: str, inside: bool) -> tuple:
+    """The links a send holds: this rank's outgoing side. A receive holds none of this rank's: its bytes come in on
+    the link's other direction (full duplex), carried by the peer's send, so a ring's pass (send to the next rank,
+    receive from the previous, `toolkit.parallel.context.ring`) takes one transfer's time, not two."""
+    if op == "recv":
+        return ()
+    return ("intra",) if inside else ("inter",)
 
 
 def _fraction(cluster, what: str) -> float:

@@ -90,6 +90,12 @@ def parser(description: str) -> argparse.ArgumentParser:
         help="with --tp: split layer norms and residuals along the sequence (Korthikanti et al.)",
     )
     p.add_argument(
+        "--tp-comm-overlap",
+        action="store_true",
+        help="with --sequence-parallel: its all-gathers and reduce-scatters as rings hidden behind the GEMMs, "
+        "a chunk of the sequence at a time (Megatron-Core's --tp-comm-overlap)",
+    )
+    p.add_argument(
         "--cp",
         type=positive_int,
         default=1,
@@ -180,6 +186,8 @@ def options_of(args, parse) -> tuple[str, dict]:
         options["tp"] = args.tp
     if args.sequence_parallel:
         options["sequence_parallel"] = True
+    if args.tp_comm_overlap:
+        options["tp_comm_overlap"] = True
     if args.cp != 1:
         options["cp"] = args.cp
     if args.ep is not None:

@@ -236,6 +236,7 @@ class Simulation:
             else (
                 f" over dp={tp['dp']} x tp={tp['tp']}"
                 + (" with sequence parallelism" if tp["sequence_parallel"] else "")
+                + (", its communication overlapped" if tp.get("comm_overlap") else "")
             )
         )
         if cp:

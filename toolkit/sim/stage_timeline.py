@@ -101,9 +101,10 @@ class StagesTimeline:
 
 
 def is_transfer(c) -> bool:
-    """A send or receive between the pipeline's stages. A context-parallel ring's pass (labelled `args["cp"]`)
-    goes to a rank of another pipeline: it is priced on its link, as one rank's collectives are."""
-    return isinstance(c, Collective) and c.op in ("send", "recv") and "cp" not in c.args
+    """A send or receive between the pipeline's stages. A context- or tensor-parallel ring's pass (labelled
+    `args["cp"]` or `args["tp"]`) goes to a rank of another pipeline: it is priced on its link, as one rank's
+    collectives are."""
+    return isinstance(c, Collective) and c.op in ("send", "recv") and "cp" not in c.args and "tp" not in c.args
 
 
 def pair_transfers(programs: dict, ranks: dict | None = None) -> list:

@@ -18,7 +18,8 @@ from ..memory import formulas, tensor_formulas
 
 
 def describe(model, options: dict, batch: int, seq_len: int, world_size: int, ranks_per_node: int) -> dict | None:
-    """{"tp", "dp", "split", "replicated", "sequence_parallel", "tp_bytes"} of a wrapped tensor-parallel model."""
+    """{"tp", "dp", "split", "replicated", "sequence_parallel", "comm_overlap", "tp_bytes"} of a wrapped
+    tensor-parallel model."""
     info = getattr(model, "tensor_parallel", None)
     if info is None:
         return None
@@ -43,6 +44,7 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int, ra
             sequence_parallel=info.sequence_parallel,
             bytes_per_value=value,
             recompute=bool(options.get("activation_checkpointing")),
+            comm_overlap=bool(options.get("tp_comm_overlap")),
         )
     if t > ranks_per_node:
         warnings.warn(
@@ -59,6 +61,7 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int, ra
         "split": split,
         "replicated": replicated,
         "sequence_parallel": info.sequence_parallel,
+        "comm_overlap": bool(options.get("tp_comm_overlap")),
         "tp_bytes": tp_bytes,
     }
 

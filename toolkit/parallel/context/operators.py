@@ -47,16 +47,16 @@ class CPGroup:
         return cls(group, len(ranks), ranks.index(dist.get_rank()))
 
 
-def labelled(calls, label: str) -> list:
+def labelled(calls, label: str, key: str = "cp") -> list:
     """Issue `calls` (each one call to `toolkit.comm`) and name on their spans what they carry (`args["cp"]`: "kv",
     "dkv", "ulysses", "loss", "logits", "moe balance"): the trace, a test or the simulator tells cp's traffic from
-    the rest."""
+    the rest. `key`: another dimension's ring names its passes under its own ("tp": `tensor/overlap.py`)."""
     issued, results = [], []
     with comm.listening(lambda kind, event, tensor: issued.append(event) if kind == "issue" else None):
         for call in calls:
             results.append(call())
     for event in issued:
-        event["args"]["cp"] = label
+        event["args"][key] = label
     return results
 
 

@@ -23,8 +23,8 @@ from .operators import labelled
 class Ring:
     """The context-parallel group as a ring: this rank's neighbours, as global ranks."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, key: str = "cp"):
+        self.group, self.key = group, key  # key: the span arg that names its passes (`operators.labelled`)
         self.ranks = comm.group_ranks(group)
         self.size = len(self.ranks)
         self.rank = self.ranks.index(dist.get_rank())
@@ -44,7 +44,7 @@ class Ring:
         send = lambda: comm.isend(block, self.next, group=self.group)  # noqa: E731
         receive = lambda: comm.irecv(incoming, self.previous, group=self.group)  # noqa: E731
         calls = (send, receive) if self.rank % 2 == 0 else (receive, send)
-        handles = labelled(calls, label)
+        handles = labelled(calls, label, self.key)
         return Pass(handles, block, incoming)
 
 

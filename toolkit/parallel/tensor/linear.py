@@ -59,7 +59,10 @@ def split_parameter(param, split: Split | None, tp: TPGroup, done: dict, what: s
 
 
 class ParallelLinear(nn.Module):
-    """What both splits share: the weight in its original layout, and the local matmul."""
+    """What both splits share: the weight in its original layout, and the local matmul. `comm_overlap`: under
+    sequence parallelism, its collective runs as a ring hidden behind the GEMM, a chunk at a time (`overlap.py`)."""
+
+    comm_overlap = False
 
     def __init__(
         self,
@@ -97,7 +100,7 @@ class ParallelLinear(nn.Module):
         return F.linear(x, self.weight, bias)
 
     def extra_repr(self) -> str:
-        sp = ", sequence parallel" if self.sequence_parallel else ""
+        sp = (", sequence parallel" if self.sequence_parallel else "") + (", comm overlap" if self.comm_overlap else "")
         return (
             f"in={self.in_features} of {self.full_in_features}, out={self.out_features} of "
             f"{self.full_out_features}, tp={self.tp.size}{sp}"
@@ -130,7 +133,11 @@ class ColumnParallelLinear(ParallelLinear):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
+        if self.sequence_parallel and self.comm_overlap:
+            from .overlap import ring_gathered_linear
+
+            y = ring_gathered_linear(x, self)
+        elif self.sequence_parallel:
             from .sequence import gathered_linear
 
             y = gathered_linear(x, self, self.tp)
@@ -161,13 +168,17 @@ class RowParallelLinear(ParallelLinear):
                 f"row-parallel layer {self.name!r} expects its slice of {self.in_features} input "
                 f"features, got {x.shape[-1]}.{hint}"
             )
-        y = self.matmul(x)  # this rank's partial sum, no bias yet
         if not self.sequence_parallel:
-            y = reduce_from_tp(y, self.tp)
+            y = reduce_from_tp(self.matmul(x), self.tp)  # this rank's partial sum, added up; then the bias
             return y if self.bias is None else y + self.bias
         # sequence parallel: the sum, each rank keeping its part of the sequence; the bias then acts on that
         # part only, so its gradient here is partial: f in front of it sums the ranks' parts in backward
-        y = reduce_scatter_sequence(y, self.tp)
+        if self.comm_overlap:
+            from .overlap import ring_scattered_linear
+
+            y = ring_scattered_linear(x, self)
+        else:
+            y = reduce_scatter_sequence(self.matmul(x), self.tp)
         return y if self.bias is None else y + copy_to_tp(self.bias, self.tp)
 
 

@@ -1,0 +1,172 @@
+"""Tensor-parallel communication hidden behind the GEMMs (`tp_comm_overlap=True`; Megatron-Core's
+`--tp-comm-overlap`, TransformerEngine's ring exchange; torchtitan's async tensor parallelism).
+
+Under sequence parallelism (`sequence.py`) a column-parallel layer all-gathers its input along the sequence and
+then multiplies; a row-parallel layer multiplies and then reduce-scatters. Each waits for its whole collective, and
+nothing else runs meanwhile: the GEMM needs all of it. Cut the sequence into the t ranks' chunks and each
+collective becomes a ring whose every pass hides behind one chunk's GEMM:
+
+    all-gather, then GEMM      t steps: multiply the chunk in hand while the next one arrives from the previous
+                               rank (after t - 1 passes every chunk has visited every rank)
+    GEMM, then reduce-scatter  t steps: multiply this rank's part of one chunk's sum while the running sum of the
+                               chunk before travels on; each rank adds its part and passes it along, and after
+                               t - 1 passes each rank holds the whole sum of its own chunk
+
+The bytes are the collective's, (t - 1)/t of the message a rank, but sent to one neighbour a pass
+(`toolkit.comm.isend`/`irecv`, labelled `args["tp"]` on the trace), and the arithmetic is the same GEMM cut in t
+pieces: the same sums, added in another order (equal to the blocking layers to rounding). Backward, as
+TransformerEngine does it: the row layer gathers its output's gradient around a ring, the input's gradient a chunk at
+a time, then the weight's in one GEMM; the column layer starts each of its two collectives beside the GEMM that does
+not need it (the input gathered again while the input's gradient is multiplied out, that gradient reduce-scattered
+while the weight's is), whole GEMMs, not chunks (a weight's gradient summed chunk by chunk would read and write the
+whole of it t times).
+
+What it hides depends on a chunk's GEMM taking longer than its pass: on a GPU the links are hardware of their own;
+on a CPU gloo's threads copy on the cores the ranks compute on, so the overlap is partial (the simulator prices
+both: `toolkit.sim.timeline`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import comm
+from ..context.operators import labelled
+from ..context.ring import Ring
+from .sequence import SEQUENCE_DIM
+
+
+def ring_of(layer) -> Ring:
+    """The layer's tensor-parallel group as a ring whose passes are labelled `args["tp"]`."""
+    return Ring(layer.tp.group, key="tp")
+
+
+def ring_gather(block: torch.Tensor, ring: Ring, visit, label: str) -> None:
+    """`visit(chunk, owner)` on this rank's `block`, then on every other rank's as it arrives (`owner`: its ring
+    index); the next chunk is in flight while `visit` computes on this one."""
+    for step in range(ring.size):
+        passing = ring.pass_on(block, label) if step < ring.size - 1 else None
+        visit(block, ring.source(step))
+        if passing is not None:
+            block = passing.wait()
+
+
+def ring_reduce_scatter(part, ring: Ring, label: str) -> torch.Tensor:
+    """The sum over the ring of `part(c)` for c = this rank's index. The running sum of chunk c starts at rank c + 1
+    and travels c + 1 -> c + 2 -> ... -> c; at step k this rank computes its part of chunk (rank - 1 - k) mod t while
+    the running sum of the chunk before is on its way to it."""
+    t, me = ring.size, ring.rank
+    total = part((me - 1) % t)
+    for step in range(1, t):
+        passing = ring.pass_on(total, label)
+        mine = part((me - 1 - step) % t)
+        total = passing.wait() + mine
+    return total
+
+
+def _sequence_chunks(x: torch.Tensor, t: int) -> tuple:
+    if x.shape[SEQUENCE_DIM] % t:
+        raise ValueError(
+            f"tensor parallelism: a sequence of {x.shape[SEQUENCE_DIM]} positions does not split over tp={t} ranks; "
+            f"with sequence_parallel the sequence length must be a multiple of tp."
+        )
+    return x.chunk(t, dim=SEQUENCE_DIM)
+
+
+def _input_grad(grad: torch.Tensor, weight: torch.Tensor, layer) -> torch.Tensor:
+    return grad @ (weight.t() if layer.transposed else weight)
+
+
+def _weight_grad(x: torch.Tensor, grad: torch.Tensor, layer) -> torch.Tensor:
+    g, a = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    return a.t() @ g if layer.transposed else g.t() @ a
+
+
+class _RingGatheredLinear(torch.autograd.Function):
+    """Column-parallel under sequence parallelism: Y = [X_0; ...; X_t-1] A_r + b_r, a chunk of X at a time."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        ctx.layer, ctx.has_bias = layer, bias is not None
+        ctx.save_for_backward(x, weight)
+        ring, pieces = ring_of(layer), [None] * layer.tp.size
+        ring_gather(x, ring, lambda chunk, owner: pieces.__setitem__(owner, layer.matmul(chunk, bias)), "column ring")
+        return torch.cat(pieces, dim=SEQUENCE_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        """Two collectives, each beside the GEMM that does not need it (TransformerEngine's bulk overlap): the input
+        gathered again while the input's gradient is multiplied out, that gradient reduce-scattered while the
+        weight's is."""
+        x, weight = ctx.saved_tensors
+        layer = ctx.layer
+        gathering = _all_gather(x, layer.tp, "column backward all-gather (input again)")
+        grad_total = _input_grad(grad, weight, layer)
+        total = gathering.wait()
+        scattering = _reduce_scatter(grad_total, layer.tp, "column backward reduce-scatter")
+        grad_weight = _weight_grad(total, grad, layer)
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        return scattering.wait(), grad_weight, grad_bias, None
+
+
+class _RingScatteredLinear(torch.autograd.Function):
+    """Row-parallel under sequence parallelism: this rank's chunk of sum_r X_r B_r, one chunk's GEMM at a time."""
+
+    @staticmethod
+    def forward(ctx, x, weight, layer):
+        ctx.layer = layer
+        ctx.save_for_backward(x, weight)
+        chunks = _sequence_chunks(x, layer.tp.size)
+        return ring_reduce_scatter(lambda c: layer.matmul(chunks[c]), ring_of(layer), "row ring")
+
+    @staticmethod
+    def backward(ctx, grad):
+        """The output's gradient gathered around the ring, the input's gradient multiplied out a chunk at a time as
+        they arrive; then the weight's gradient, one GEMM on the whole sequence."""
+        x, weight = ctx.saved_tensors
+        layer, ring = ctx.layer, ring_of(ctx.layer)
+        arrived, pieces = [None] * ring.size, [None] * ring.size
+
+        def input_grad(chunk, owner):
+            arrived[owner], pieces[owner] = chunk, _input_grad(chunk, weight, layer)
+
+        ring_gather(grad, ring, input_grad, "row ring backward")
+        grad_weight = _weight_grad(x, torch.cat(arrived, dim=SEQUENCE_DIM), layer)
+        return torch.cat(pieces, dim=SEQUENCE_DIM), grad_weight, None
+
+
+class _Started:
+    """A collective in flight; `wait()` returns its result."""
+
+    def __init__(self, handle, finish):
+        self.handle, self.finish = handle, finish
+
+    def wait(self) -> torch.Tensor:
+        self.handle.wait()
+        return self.finish()
+
+
+def _all_gather(x, tp, label) -> _Started:
+    """Every rank's `x` joined along the sequence, asynchronously."""
+    x = x.contiguous()
+    out = x.new_empty((tp.size,) + tuple(x.shape))
+    (handle,) = labelled([lambda: comm.all_gather(out, x, group=tp.group, async_op=True)], label, "tp")
+    return _Started(handle, lambda: torch.cat(out.unbind(0), dim=SEQUENCE_DIM))
+
+
+def _reduce_scatter(x, tp, label) -> _Started:
+    """This rank's chunk (along the sequence) of the sum of every rank's `x`, asynchronously."""
+    chunks = torch.stack(_sequence_chunks(x, tp.size)).contiguous()
+    out = x.new_empty(chunks.shape[1:])
+    (handle,) = labelled([lambda: comm.reduce_scatter(out, chunks, group=tp.group, async_op=True)], label, "tp")
+    return _Started(handle, lambda: out)
+
+
+def ring_gathered_linear(x: torch.Tensor, layer) -> torch.Tensor:
+    """A column-parallel layer's forward under sequence parallelism, its all-gather hidden chunk by chunk."""
+    return _RingGatheredLinear.apply(x, layer.weight, layer.bias, layer)
+
+
+def ring_scattered_linear(x: torch.Tensor, layer) -> torch.Tensor:
+    """A row-parallel layer's partial sums reduce-scattered along the sequence, hidden chunk by chunk (no bias)."""
+    return _RingScatteredLinear.apply(x, layer.weight, layer)
