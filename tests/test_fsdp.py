@@ -275,6 +275,14 @@ def errors(rank, n, tmp):
         opt.step()
 
     catch("no_sync_only", only_no_sync)
+    for strategy in ("fsdp", "zero3"):  # between steps the parameters hold no memory: refused, not read
+        model, opt = wrap(build(), strategy, optimizer=OPT)
+        model(x, y).backward()
+        opt.step()
+        catch(f"{strategy} state_dict", model.state_dict)
+        catch(f"{strategy} block state_dict", model.module.blocks[0].state_dict)
+        names = sorted(name for name, _ in build().named_parameters())
+        found[f"{strategy} full_state_dict"] = sorted(model.full_state_dict()) == names
     return found
 
 
@@ -726,6 +734,11 @@ def test_errors_on_ranks():
     assert "sharding_group_size=3" in results(4)["checkpoints"]["group_size"]
     assert "param_init_fn" in found["meta_without_init"]
     assert "no_sync" in found["no_sync_only"]
+    for strategy in ("fsdp", "zero3"):  # torch.save(model.state_dict()) read freed memory: a SIGSEGV
+        for key, name in ((f"{strategy} state_dict", "'module.tok_emb.weight'"), (f"{strategy} block state_dict", "")):
+            assert found[key].startswith("RuntimeError: state_dict(): " + name), found[key]
+            assert "holds no memory on this rank between steps" in found[key] and "full_state_dict(model)" in found[key]
+        assert found[f"{strategy} full_state_dict"]
 
 
 def test_bad_options_and_policies():

@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..parallel.flat import holds
 from .relay_frames import read_frame, send_frame  # the frames both ends speak
 from .relay_store import Agreeing
 from .wire import DTYPES  # the tensors' dtypes a message may carry, as an answer may
@@ -38,8 +39,7 @@ def check_holds(tensors) -> None:
     its storage to 0 bytes, the view keeping its shape) would be written all the same, crashing the rank or changing
     another tensor's bytes, in this check or a later one of the same launch."""
     for t in tensors:
-        last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-        if t.numel() and t.untyped_storage().nbytes() < (last + 1) * t.element_size():
+        if not holds(t):
             raise ValueError(
                 f"the tensor of {tuple(t.shape)} it was to fill has no memory any more (its storage holds "
                 f"{t.untyped_storage().nbytes()} bytes): it was freed or resized while the message was in flight; "

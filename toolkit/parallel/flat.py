@@ -32,6 +32,13 @@ from dataclasses import dataclass
 import torch
 
 
+def holds(t: torch.Tensor) -> bool:
+    """Whether `t`'s storage still holds every element the view reaches. A view of a freed flat buffer (ZeRO-3's and
+    FSDP's parameters between uses) keeps its shape over 0 bytes: reading or writing it would touch freed memory."""
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.numel() == 0 or t.untyped_storage().nbytes() >= (last + 1) * t.element_size()
+
+
 def padded_numel(numel: int, world_size: int) -> int:
     """`numel` rounded up to a multiple of `world_size`: the size of a flat buffer that splits evenly."""
     if world_size < 1:

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map
 
 from .. import comm
 from ..runtime import env
-from .flat import FlatBuffer
+from .flat import FlatBuffer, holds
 from .local import compute_dtype as local_compute_dtype
 from .local import forward_backward as forward_then_backward
 from .scaler import scaler_for
@@ -67,6 +67,8 @@ class ShardedModel(nn.Module):
         super().__init__()
         self.module = module
         self.engine = engine  # not an nn.Module: stays out of named_parameters()
+        for m in module.modules():
+            m.register_state_dict_post_hook(_refuse_freed_parameters)
 
     def forward(self, *args, **kwargs):
         args, kwargs = tree_map(self._prepare, args), tree_map(self._prepare, kwargs)
@@ -104,6 +106,20 @@ class ShardedModel(nn.Module):
 
     def flat_buffers(self) -> list[FlatBuffer]:
         return [piece.flat for piece in self.engine.pieces]
+
+
+def _refuse_freed_parameters(module, state_dict, prefix, local_metadata) -> None:
+    """`state_dict()` never hands out a parameter whose memory is freed: between uses ZeRO-3's and FSDP's parameters
+    are views of a flat buffer resized to 0 bytes (only this rank's slice is kept), and reading one (torch.save does)
+    would touch freed memory."""
+    for name, p in module._parameters.items():
+        if p is not None and not holds(p):
+            raise RuntimeError(
+                f"state_dict(): {prefix + name!r} of {tuple(p.shape)} holds no memory on this rank between steps: "
+                f"this strategy keeps only this rank's slice of it. For the full parameters call "
+                f"toolkit.parallel.full_state_dict(model) on every rank (it gathers them); to save, "
+                f"toolkit.parallel.checkpoint.save_full(model, optimizer, path) or save_sharded."
+            )
 
 
 class ShardedEngine:
