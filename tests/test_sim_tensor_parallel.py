@@ -238,3 +238,27 @@ def test_tp_comm_overlap_hides_the_layers_traffic_behind_their_gemms_on_a_gpu():
     assert sims[True].bytes_per_step["total"] == sims[False].bytes_per_step["total"]
     passes = [s for s in sims[True].cost.timelines[-1].spans if s.kind == "comm" and s.instruction.op == "recv"]
     assert passes and all(s.start == s.issued and s.cost.resources == () for s in passes)
+
+
+def test_tp_rings_inside_pipeline_stages_are_no_pipeline_transfers():
+    """pp 2 x tp 2 + sp: the tensor-parallel rings' sends go to the tp neighbour inside the stage, priced on their
+    link as one rank's collectives are, not matched with a receive of the next stage as a pipeline transfer would be
+    (labelled `args["tp"]`, as a cp ring's `args["cp"]`): the same bytes as the blocking layers, every send counted."""
+    sims = [
+        simulate(
+            lambda: tiny_gpt(n_layer=4, n_head=4),
+            "local",
+            4,
+            pp=2,
+            tp=2,
+            sequence_parallel=True,
+            tp_comm_overlap=overlap,
+            microbatches=4,
+            batch_per_rank=4,
+            cluster="dgx-h100",
+            progress=False,
+        )
+        for overlap in (False, True)
+    ]
+    assert sims[1].bytes_per_step["total"] == sims[0].bytes_per_step["total"]
+    assert sims[1].bytes_per_step["send"] > sims[0].bytes_per_step["send"]
