@@ -99,6 +99,7 @@ test-stress: $(STAMP) browser
 # where CUDA exists it prints tables for docs/benchmarks.md; elsewhere it says it skipped, and exits 0.
 test-gpu: $(STAMP)
 	$(PY) bench/gpu_suite.py
+	$(PY) bench/kernel_profile.py
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab $(LAB_ROOT) notebooks/
