@@ -51,6 +51,10 @@ FMS_FSDP = (
 )
 
 
+# Megatron-Core's distributed optimizer as the table's runs ran it (--overlap-grad-reduce --overlap-param-gather)
+MEGATRON_DP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+
+
 class PublishedRun(NamedTuple):
     name: str
     source: str
@@ -175,6 +179,7 @@ RUNS = [
         4,
         408.8,
         "TFLOP/s/GPU",
+        MEGATRON_DP,
         megatron=True,
     ),
     PublishedRun(
@@ -187,7 +192,7 @@ RUNS = [
         4,
         465.9,
         "TFLOP/s/GPU",
-        dict(tp=2, sequence_parallel=True, tp_comm_overlap=True),
+        dict(MEGATRON_DP, tp=2, sequence_parallel=True, tp_comm_overlap=True),
         megatron=True,
     ),
     PublishedRun(
@@ -200,7 +205,7 @@ RUNS = [
         4,
         489.1,
         "TFLOP/s/GPU",
-        dict(tp=4, sequence_parallel=True, tp_comm_overlap=True),
+        dict(MEGATRON_DP, tp=4, sequence_parallel=True, tp_comm_overlap=True),
         megatron=True,
     ),
     # runs the project was not told about (issue 30's question: does the H100 gap hold beyond the rows above?)
@@ -232,17 +237,18 @@ NOTES = {
     "llama2-7b-h100": "the same scripts and configuration on 128 A100s are met (llama2-7b-a100; its attention is "
     "FlashAttention-2 through PyTorch's SDPA, the kernel the model prices); " + H100_LEVEL,
     "mcore-1.7b-h100": "priced as the run was built (untied head, Megatron's fp32 loss at tp 1, no GEMM above the "
-    "H100's fastest measured), the step is 377 ms against the 452 ms the table's rate implies in Megatron's own "
-    "count; the run overlapped the data-parallel traffic the model exposes (27 ms, 7% of the step; "
-    "--overlap-grad-reduce, --overlap-param-gather), and without it the prediction is 529 (+29%), where the 7.1B and "
-    "16B rows' compute predicts 577 (+24%) and 593 (+21%): the level on H100 is not the table's, and no published "
-    "measurement of the H100's kernels found prices it (the k = 2048 GEMMs are within 3% of one of that shape, 8192 "
-    "x 2048 x 2048 in 100.06 us, TransformerEngine#2053; the A100 rows of Table 1 are met)",
-    "mcore-7.1b-h100": "its tensor-parallel traffic hidden behind the GEMMs as the run hid it (--tp-comm-overlap: "
-    "tp_comm_overlap's rings, each pass slowing the GEMM beside it by the measured 18.9%); the data-parallel "
-    "traffic the run also overlapped is exposed (13% of the step), and the compute alone predicts 577 (+24%)",
-    "mcore-16b-h100": "as 7.1B: the data-parallel traffic the run overlapped is exposed (24% of the step), and the "
-    "compute alone predicts 593 (+21%)",
+    "H100's fastest measured, its data-parallel traffic overlapped as the run's: --overlap-grad-reduce, "
+    "--overlap-param-gather), 1% of the step exposed; its compute alone predicts +29%, the 7.1B and 16B rows' +22% "
+    "and +19%: a level on H100 that no published measurement of the H100's kernels found prices (the k = 2048 GEMMs "
+    "are within 3% of one of that shape, 8192 x 2048 x 2048 in 100.06 us, TransformerEngine#2053; the A100 rows of "
+    "Table 1 are met)",
+    "mcore-7.1b-h100": "priced as the run was built, its tensor- and data-parallel traffic hidden as the run hid it "
+    "(tp_comm_overlap's rings, each pass slowing the GEMM beside it by the measured 18.9%; the distributed "
+    "optimizer's overlaps), 5% of the step exposed; its compute alone predicts +22%, the level the 1.7B row shows",
+    "mcore-16b-h100": "as 7.1B, with 16% of its step exposed: the data-parallel buckets' first all-gather and last "
+    "reduce-scatter, the tensor-parallel all-reduces of the layer norms' gradients queued behind a data-parallel "
+    "reduce-scatter on NVLink (the model's links take turns), the rings' passes longer than a chunk's GEMM; they "
+    "offset its compute's +19%",
 }
 
 
@@ -348,7 +354,7 @@ def table(results) -> str:
     for r in results:
         run, b = r["run"], r["breakdown"]
         shown = {k: v for k, v in run.options.items() if k not in ("sequence_parallel", "mixed_precision")}
-        layout = run.strategy + "".join(f", {k}={v}" for k, v in shown.items())
+        layout = run.strategy + "".join(f", {k}" if v is True else f", {k}={v}" for k, v in shown.items())
         if "reduce_dtype" in run.options.get("mixed_precision", {}):
             layout += f", {run.options['mixed_precision']['reduce_dtype']} reduction"
         lines.append(

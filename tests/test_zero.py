@@ -110,6 +110,7 @@ def train(rank, n, strategy, clip=None, micro=1, **options):
         if last:
             sent = sum(e["args"]["bytes_sent"] for e in recorder.events[start:] if e["cat"] == "comm")
             calls = collections.Counter(e["name"] for e in recorder.events[start:] if e["cat"] == "comm")
+            order = [(e["name"], e["args"]["async_op"]) for e in recorder.events[start:] if e["cat"] == "comm"]
             memory = storage_bytes(model.memory_groups())
             freed = all(p.untyped_storage().nbytes() == 0 for p in model.module.parameters())
         opt.zero_grad()
@@ -125,6 +126,7 @@ def train(rank, n, strategy, clip=None, micro=1, **options):
         "logits": logits,
         "sent": sent,
         "calls": dict(calls),
+        "order": order,
         "freed": freed,
         "padded": sum(f.padded_numel for f in flats),
         "padding": sum(f.padding for f in flats),
@@ -199,6 +201,15 @@ def errors(rank, n):
         opt.step()
 
     catch("zero1_no_sync_only", only_no_sync)
+    model, opt = wrap(build(), "zero1", optimizer=OPT, overlap_param_gather=True, overlap_grad_reduce=True)
+    model(x, y).backward()
+    catch("zero1_overlap_twice", lambda: model(x, y).backward())
+    opt.zero_grad()
+    model(x, y).backward()
+    opt.step()
+    catch("stale state_dict", model.state_dict)  # the gathers wait for the next forward
+    catch("overlap not a bool", lambda: wrap(build(), "zero1", optimizer=OPT, overlap_grad_reduce="yes"))
+    catch("overlap on zero3", lambda: wrap(build(), "zero3", optimizer=OPT, overlap_param_gather=True))
     return found
 
 
@@ -236,6 +247,11 @@ def run_rank(n):
     if n != 2:
         return out
     out["zero1_all_reduce"] = train(rank, n, "zero1", reduce="all_reduce")
+    overlaps = dict(bucket_cap_mb=SMALL, overlap_grad_reduce=True, overlap_param_gather=True)
+    out["zero1_overlap"] = train(rank, n, "zero1", **overlaps)
+    out["zero1_overlap_mixed"] = train(rank, n, "zero1", mixed_precision=True, **overlaps)
+    out["zero1_overlap_accumulate"] = train(rank, n, "zero1", micro=2, **overlaps)
+    out["zero2_overlap"] = train(rank, n, "zero2", bucket_cap_mb=SMALL, overlap_param_gather=True)
     for strategy in STAGES:
         out[f"{strategy}_mixed"] = train(rank, n, strategy, mixed_precision=True)
         out[f"{strategy}_clip"] = train(rank, n, strategy, clip=CLIP)
@@ -317,6 +333,32 @@ def test_all_reduce_variant_of_zero1():
     assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < ATOL
     assert max_diff(got["params"], params) < ATOL
     assert got["sent"] == 3 * got["padded"] * 4 // 2  # all-reduce 2(N-1)/N + all-gather (N-1)/N, N = 2
+
+
+@pytest.mark.timeout(150)
+def test_megatrons_overlaps_train_as_one_process_and_move_the_communication_into_the_passes():
+    """overlap_grad_reduce (ZeRO-1) reduce-scatters each bucket during backward; overlap_param_gather (ZeRO-1 and 2)
+    all-gathers the updated parameters bucket by bucket in the next forward, before each bucket's first module: the
+    same training (fp32, bf16, two micro-batches under no_sync) and the same bytes, in the passes that hide them."""
+    got = results(2)
+    losses, _, params = oracle()
+    for key in ("zero1_overlap", "zero1_overlap_accumulate", "zero2_overlap"):
+        assert max(abs(a - b) for a, b in zip(got[key]["losses"], losses)) < ATOL, key
+        assert max_diff(got[key]["params"], params) < ATOL, key
+    mixed = got["zero1_overlap_mixed"]
+    assert max(abs(a - b) for a, b in zip(mixed["losses"], got["zero1_mixed"]["losses"])) < 1e-6
+    assert max_diff(mixed["params"], got["zero1_mixed"]["params"]) < 1e-6  # the same sums, in the same order
+    # the last step's calls in order: without the overlaps, the reductions (blocking under ZeRO-1) after backward and
+    # the gathers (blocking) after the step; with them, the gathers first (the forward's, asynchronous, a bucket
+    # ahead), then the reductions (asynchronous, during backward)
+    n = got["zero1_small"]["shards"]
+    assert got["zero1_small"]["order"] == [("reduce_scatter", False)] * n + [("all_gather", False)] * n
+    assert got["zero2_small"]["order"] == [("reduce_scatter", True)] * n + [("all_gather", False)] * n
+    for key, plain in (("zero1_overlap", "zero1_small"), ("zero2_overlap", "zero2_small")):
+        assert got[key]["sent"] == got[plain]["sent"], key  # the same bytes
+        assert got[key]["order"] == [("all_gather", True)] * n + [("reduce_scatter", True)] * n, key
+    assert "overlap_param_gather=True" in got["errors"]["stale state_dict"]
+    assert "full_state_dict(model) on every rank" in got["errors"]["stale state_dict"]
 
 
 # --- parity with torch's own ZeRO-1 and FSDP2 ------------------------------------------------------
@@ -437,6 +479,9 @@ def test_errors_on_ranks():
     assert "different models" in found["mismatch"]
     assert "zero_grad" in found["zero1_twice"] and "no_sync" in found["zero1_twice"]
     assert "no_sync" in found["zero1_no_sync_only"]
+    assert "zero_grad" in found["zero1_overlap_twice"]  # reduced during the first backward already
+    assert "overlap_grad_reduce must be True or False, got 'yes'" in found["overlap not a bool"]
+    assert "overlap_param_gather" in found["overlap on zero3"] and "valid options" in found["overlap on zero3"]
 
 
 @pytest.mark.timeout(150)

@@ -37,6 +37,11 @@ ZeRO-1:
   reduce           "reduce_scatter" (default), or "all_reduce": every rank receives the whole averaged
                    gradient and uses only its slice. Same result, DDP's traffic plus the all-gather
                    (3Ψ instead of 2Ψ): the notebook's contrast for why a reduce-scatter is enough.
+  overlap_grad_reduce   False; True: each bucket reduced during backward, as soon as it is complete (Megatron-LM's
+                   distributed optimizer, `--overlap-grad-reduce`). See `zero12.py`.
+ZeRO-1 and ZeRO-2:
+  overlap_param_gather  False; True: the updated parameters all-gathered bucket by bucket when the next forward
+                   needs them, beside its compute (`--overlap-param-gather`). See `param_gather.py`.
 
 Gradient accumulation. ZeRO-1 keeps full gradients anyway, so it accumulates like DDP: run every
 backward but the last inside `model.no_sync()`; the last one reduces the sum once. ZeRO-2 and ZeRO-3
@@ -63,8 +68,8 @@ from .zero3 import Zero3  # stage 3 is its own idea, in its own file
 from .zero12 import Zero12  # so are stages 1 and 2
 
 OPTIONS = {
-    1: ("mixed_precision", "group", "bucket_cap_mb", "reduce"),
-    2: ("mixed_precision", "group", "bucket_cap_mb"),
+    1: ("mixed_precision", "group", "bucket_cap_mb", "reduce", "overlap_grad_reduce", "overlap_param_gather"),
+    2: ("mixed_precision", "group", "bucket_cap_mb", "overlap_param_gather"),
     3: ("mixed_precision", "group", "prefetch_bucket_size", "reduce_bucket_size", "sub_group_size"),
 }
 REDUCE = ("reduce_scatter", "all_reduce")
@@ -96,6 +101,10 @@ def _wrap(stage: int, model: nn.Module, optimizer, options: dict):
     cap = options.get("bucket_cap_mb", 25)
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0:
         raise ValueError(f"{name}: bucket_cap_mb must be a positive number of MiB, got {cap!r}.")
+    overlaps = {key: options.get(key, False) for key in ("overlap_grad_reduce", "overlap_param_gather")}
+    for key, value in overlaps.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: {key} must be True or False, got {value!r}.")
     buckets = {}
     for key in ("prefetch_bucket_size", "reduce_bucket_size", "sub_group_size"):  # stage 3 only (check_options)
         value = buckets[key] = options.get(key, 0)
@@ -118,7 +127,7 @@ def _wrap(stage: int, model: nn.Module, optimizer, options: dict):
     if stage == 3:
         engine = Zero3(model, dtype, group, **buckets)
     else:
-        engine = Zero12(model, stage, dtype, group, reduce, cap * 2**20)
+        engine = Zero12(model, stage, dtype, group, reduce, cap * 2**20, **overlaps)
     # The user's optimizer, built on this rank's fp32 slices only: that is the stage-1 saving.
     engine.optimizer = ShardedOptimizer(optimizer([s.master for s in engine.shards()]), engine)
     return ShardedModel(model, engine), engine.optimizer

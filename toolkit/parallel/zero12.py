@@ -9,6 +9,10 @@ ZeRO-1  backward fills the full gradients (views of each bucket's flat gradient 
 ZeRO-2  each bucket is reduce-scattered *during* backward, as soon as its last gradient arrives, and
         its full gradients are freed at once: only the slice stays (`_settle` keeps one in flight).
 
+Megatron-LM's distributed optimizer is ZeRO-1 with two overlaps (its own flags' names): `overlap_grad_reduce`, each
+bucket reduce-scattered during backward as soon as it is complete (ZeRO-2's schedule, the full gradients kept), and
+`overlap_param_gather`, the updated parameters all-gathered in the next forward (`param_gather.py`).
+
 `zero.py` wraps a model in them (and says what every stage shares); stage 3 is `zero3.py`.
 """
 
@@ -21,6 +25,7 @@ import torch.nn as nn
 
 from .. import comm
 from .flat import FlatBuffer
+from .param_gather import ParamGather
 from .sharded import Shard, ShardedEngine
 
 
@@ -59,12 +64,24 @@ class Bucket:
 class Zero12(ShardedEngine):
     """ZeRO-1 and ZeRO-2: full parameters for compute; optimizer states (ZeRO-2: and gradients) sliced."""
 
-    def __init__(self, module, stage: int, dtype, group, reduce: str, bucket_bytes: float):
+    def __init__(
+        self,
+        module,
+        stage: int,
+        dtype,
+        group,
+        reduce: str,
+        bucket_bytes: float,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
+    ):
         super().__init__(module, dtype, group)
         self.stage, self.name, self.reduce = stage, f"zero{stage}", reduce
         self.pieces = [Bucket(self, ps) for ps in self._bucket_params(bucket_bytes)]
         self.bucket_of = {p: b for b in self.pieces for p in b.params}
-        self.in_flight = []  # ZeRO-2: (bucket, handle, output, input) of launched reduce-scatters
+        self.in_flight = []  # (bucket, handle, output, input) of launched reductions (ZeRO-1: overlap_grad_reduce)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.param_gather = ParamGather(self, module) if overlap_param_gather else None
         self.skip_reduce = False  # ZeRO-1, inside no_sync()
         self.reduced = False  # ZeRO-1: this step's gradients are already reduced
         self.unreduced_backward = False  # ZeRO-1: a backward ran inside no_sync() since the last reduce
@@ -89,11 +106,16 @@ class Zero12(ShardedEngine):
     # --- backward ----------------------------------------------------------------------------------
     def _gradient_ready(self, p: nn.Parameter) -> None:
         """Hook: autograd has just finished p.grad for this backward."""
-        if self.stage == 1:  # full gradients stay where they are; reduce them all once backward is over
+        if self.stage == 1:  # full gradients stay where they are; reduce them once backward is over (or their bucket)
             if self.skip_reduce:
                 self.unreduced_backward = True
-            else:
-                self.queue_end_of_backward()
+                return
+            self.queue_end_of_backward()
+            if self.overlap_grad_reduce:
+                b = self.bucket_of[p]
+                b.waiting -= 1
+                if b.waiting == 0:
+                    self._reduce_full_bucket(b)
             return
         # ZeRO-2: copy the gradient into its bucket, free it, and reduce the bucket once it is complete.
         self.queue_end_of_backward()
@@ -127,6 +149,18 @@ class Zero12(ShardedEngine):
         self.in_flight = []
 
     def end_of_backward(self) -> None:
+        if self.stage == 1 and self.overlap_grad_reduce:
+            for b in self.pieces:  # a bucket some of whose parameters got no gradient this time
+                if b.waiting:
+                    self._reduce_full_bucket(b)
+                b.waiting = len(b.params)
+            for b, handle, out, _ in self.in_flight:
+                handle.wait()
+                if out is not None:
+                    b.mine.grad.copy_(out)
+            self.in_flight = []
+            self.reduced, self.unreduced_backward = True, False
+            return
         if self.stage == 1:
             self._reduce_full_gradients()
             return
@@ -136,13 +170,29 @@ class Zero12(ShardedEngine):
             b.waiting = len(b.params)
         self._settle()
 
-    def _reduce_full_gradients(self) -> None:
-        """ZeRO-1, once backward is over: each rank gets the averaged gradient of its slice."""
+    def _refuse_reducing_twice(self) -> None:
         if self.reduced:
             raise RuntimeError(
                 "zero1 already reduced this step's gradients: call optimizer.zero_grad() after each step, "
                 "and to accumulate micro-batches run every backward but the last inside model.no_sync()."
             )
+
+    def _reduce_full_bucket(self, b: Bucket) -> None:
+        """ZeRO-1 with overlap_grad_reduce: one bucket's full gradients reduced while backward goes on; its slice
+        becomes the average when the end of backward waits for it."""
+        self._refuse_reducing_twice()
+        b.bind_grads()
+        b.mine.grad = b.grads.shard(self.rank)
+        if self.reduce == "reduce_scatter":
+            out = torch.empty_like(b.mine.grad)
+            handle = comm.reduce_scatter(out, b.grads.data, op="avg", group=self.group, async_op=True)
+        else:
+            out, handle = None, comm.all_reduce(b.grads.data, op="avg", group=self.group, async_op=True)
+        self.in_flight.append((b, handle, out, None))
+
+    def _reduce_full_gradients(self) -> None:
+        """ZeRO-1, once backward is over: each rank gets the averaged gradient of its slice."""
+        self._refuse_reducing_twice()
         for b in self.pieces:
             b.bind_grads()
             mine = b.grads.shard(self.rank)
@@ -174,10 +224,16 @@ class Zero12(ShardedEngine):
                 "zero1: the last backward ran inside model.no_sync(), so no gradient was "
                 "reduced; run the final micro-batch's backward outside no_sync() before step()."
             )
+        if self.param_gather is not None:
+            self.param_gather.finish_in_flight()  # before the slices change
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """Every rank updated its slice; all-gather the slices so that every rank has the new parameters."""
+        """Every rank updated its slice; all-gather the slices so that every rank has the new parameters (with
+        overlap_param_gather: when the next forward needs them)."""
+        if self.param_gather is not None:
+            self.param_gather.all_stale()
+            return
         for b in self.pieces:
             mine = b.mine.master.detach().to(self.dtype, copy=True)  # (16-bit) copy of my new slice
             comm.all_gather(b.flat.data, mine, group=self.group)
