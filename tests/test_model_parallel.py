@@ -107,11 +107,14 @@ def layouts(directory):
         torch.manual_seed(0)
         run, state = train(TrainConfig(**{**BASE, **fields}), return_state=True)
         found[name] = (losses_of(run), state)
-    for checkpointing in (False, True):
+    for checkpointing, overlap in ((False, False), (True, False), (True, True)):
         torch.manual_seed(0)
-        options = dict(CHECKPOINTED["options"], activation_checkpointing=checkpointing)
+        options = dict(CHECKPOINTED["options"], activation_checkpointing=checkpointing, tp_comm_overlap=overlap)
         run, state = train(TrainConfig(**{**BASE, **CHECKPOINTED, "options": options}), return_state=True)
-        found[f"dropout, checkpointing {checkpointing}"] = (losses_of(run), state)
+        found[f"dropout, checkpointing {checkpointing}" + (", comm overlapped" if overlap else "")] = (
+            losses_of(run),
+            state,
+        )
     everyone = [None] * dist.get_world_size()
     mine = {
         k: found[k]
@@ -155,6 +158,8 @@ def test_dropout_under_activation_checkpointing_replays_both_streams(got, no_lef
     masks as the forward did: the same step as without checkpointing. (Without the tracker's states replayed the
     parameters differ by about 1e-3.)"""
     compare("checkpointing", got["dropout, checkpointing True"], got["dropout, checkpointing False"], 0.0, 1e-7)
+    overlapped = got["dropout, checkpointing True, comm overlapped"]  # tp_comm_overlap's rings recomputed too
+    compare("checkpointing, overlapped", overlapped, got["dropout, checkpointing False"], LOSS_ATOL, PARAM_ATOL)
     without = train(TrainConfig(**{**BASE, "model": HEADS4, "strategy": "local"}))
     assert abs(losses_of(without)[0] - got["dropout, checkpointing False"][0][0]) > LOSS_ATOL  # the dropout dropped
 
