@@ -8,7 +8,9 @@ network once per hop at most).
 A pass is started, not finished: `pass_on` posts the send and the receive (`toolkit.comm.isend`/`irecv`, so both
 are recorded on the trace) and returns at once; the caller computes on the block it holds and calls `wait()`
 for the next one only when it needs it. That is the overlap of ring attention: the next block's transfer hides
-behind this block's attention, as long as a block's attention takes longer than its transfer.
+behind this block's attention, as long as a block's attention takes longer than its transfer. Tensor parallelism's
+`tp_comm_overlap` runs its rings on the same class, over the tp group, its passes labelled `args["tp"]`
+(`toolkit/parallel/tensor/overlap.py`).
 """
 
 from __future__ import annotations
