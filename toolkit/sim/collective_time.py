@@ -29,11 +29,12 @@ Elsewhere (a user-defined cluster, this machine), the alpha-beta model of the li
   then max(bytes to peers in the node / NVLink, bytes to other nodes / NIC).
 
 Which links a collective occupies (`resources`) lets the timeline run two collectives at once when they
-use different links (an intra-node all-gather beside an inter-node all-reduce), and queue them when
-they share one, `lanes` at a time (`Cluster.collective_lanes`: gloo's worker threads on this machine); for
-how long (`occupancy`): the whole time on NCCL's presets, only the bytes where the cluster says latency is
-delay in flight (`Cluster.latency_holds_link=False`, the emulated link's physics: `toolkit.comm.cost`), so
-the next message may start while the last one's latency runs.
+use different links (an intra-node all-gather beside an inter-node all-reduce; a ring pass's send beside its
+receive, which holds none of this rank's: `_p2p_resources`), and queue them when they share one, `lanes` at a
+time (`Cluster.collective_lanes`: gloo's worker threads on this machine); for how long (`occupancy`): the whole
+time on NCCL's presets, only the bytes where the cluster says latency is delay in flight
+(`Cluster.latency_holds_link=False`, the emulated link's physics: `toolkit.comm.cost`), so the next message may
+start while the last one's latency runs.
 Which ranks a collective joins is what its group says: the global ranks of the group the strategy's code issued it
 on, whichever order the mesh lays them out in; `node_of` decides which of them share a node.
 """
