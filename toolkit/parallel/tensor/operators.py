@@ -52,14 +52,28 @@ class TPGroup:
         return cls(group, len(ranks), ranks.index(dist.get_rank()))
 
 
-def labelled(call, label: str) -> None:
-    """Run `call()`, one collective through the door, synchronously (the next operation needs its result, so
-    nothing could hide it), and name the operator that issued it on its span (`args["tp"]`)."""
+def labelled(call, label: str):
+    """Run `call()`, one collective through the door, and name the operator that issued it on its span
+    (`args["tp"]`); returns what the call returns (a handle where it was asynchronous)."""
     issued = []
     with comm.listening(lambda kind, event, tensor: issued.append(event) if kind == "issue" else None):
-        call()
+        result = call()
     for event in issued:
         event["args"]["tp"] = label
+    return result
+
+
+class InFlight:
+    """An asynchronous collective of this file: `wait()` returns its result (`tp_comm_overlap` starts one beside a
+    GEMM that does not need it, `overlap.py`)."""
+
+    def __init__(self, handle, result):
+        self.handle, self.result = handle, result
+
+    def wait(self) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.wait()
+        return self.result()
 
 
 def all_reduce(x: torch.Tensor, tp: TPGroup, label: str) -> torch.Tensor:
@@ -68,24 +82,32 @@ def all_reduce(x: torch.Tensor, tp: TPGroup, label: str) -> torch.Tensor:
     return out
 
 
-def all_gather(x: torch.Tensor, tp: TPGroup, dim: int, label: str) -> torch.Tensor:
-    """Every rank's `x` side by side along `dim`, in rank order."""
+def all_gather(x: torch.Tensor, tp: TPGroup, dim: int, label: str, async_op: bool = False):
+    """Every rank's `x` side by side along `dim`, in rank order (async_op: an `InFlight` that gives it). Synchronous
+    by default: the next operation needs its result, so nothing could hide it."""
     out = x.new_empty((tp.size,) + tuple(x.shape))
-    labelled(lambda: comm.all_gather(out, x.contiguous(), group=tp.group), label)
-    return torch.cat(out.unbind(0), dim=dim)
+    handle = labelled(lambda: comm.all_gather(out, x.contiguous(), group=tp.group, async_op=async_op), label)
+    started = InFlight(handle, lambda: torch.cat(out.unbind(0), dim=dim))
+    return started if async_op else started.wait()
 
 
-def reduce_scatter(x: torch.Tensor, tp: TPGroup, dim: int, label: str) -> torch.Tensor:
-    """Chunk `rank` (along `dim`) of the sum of every rank's `x`."""
+def reduce_scatter(x: torch.Tensor, tp: TPGroup, dim: int, label: str, async_op: bool = False):
+    """Chunk `rank` (along `dim`) of the sum of every rank's `x` (async_op: an `InFlight` that gives it)."""
+    chunks = torch.stack(split(x, tp, dim)).contiguous()
+    out = x.new_empty(chunks.shape[1:])
+    handle = labelled(lambda: comm.reduce_scatter(out, chunks, group=tp.group, async_op=async_op), label)
+    started = InFlight(handle, lambda: out)
+    return started if async_op else started.wait()
+
+
+def split(x: torch.Tensor, tp: TPGroup, dim: int) -> tuple:
+    """`x` cut into the t ranks' chunks along `dim` (the sequence, under sequence parallelism)."""
     if x.shape[dim] % tp.size:
         raise ValueError(
             f"tensor parallelism: dimension {dim} of size {x.shape[dim]} does not split over "
             f"tp={tp.size} ranks; with sequence_parallel the sequence length must be a multiple of tp."
         )
-    chunks = torch.stack(x.chunk(tp.size, dim=dim)).contiguous()
-    out = x.new_empty(chunks.shape[1:])
-    labelled(lambda: comm.reduce_scatter(out, chunks, group=tp.group), label)
-    return out
+    return x.chunk(tp.size, dim=dim)
 
 
 def my_chunk(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:

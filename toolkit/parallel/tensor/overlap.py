@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from ... import comm
-from ..context.operators import labelled
 from ..context.ring import Ring
+from .operators import all_gather, reduce_scatter, split
 from .sequence import SEQUENCE_DIM
 
 
@@ -64,15 +63,6 @@ def ring_reduce_scatter(part, ring: Ring, label: str) -> torch.Tensor:
     return total
 
 
-def _sequence_chunks(x: torch.Tensor, t: int) -> tuple:
-    if x.shape[SEQUENCE_DIM] % t:
-        raise ValueError(
-            f"tensor parallelism: a sequence of {x.shape[SEQUENCE_DIM]} positions does not split over tp={t} ranks; "
-            f"with sequence_parallel the sequence length must be a multiple of tp."
-        )
-    return x.chunk(t, dim=SEQUENCE_DIM)
-
-
 def _input_grad(grad: torch.Tensor, weight: torch.Tensor, layer) -> torch.Tensor:
     return grad @ (weight.t() if layer.transposed else weight)
 
@@ -100,10 +90,10 @@ class _RingGatheredLinear(torch.autograd.Function):
         weight's is."""
         x, weight = ctx.saved_tensors
         layer = ctx.layer
-        gathering = _all_gather(x, layer.tp, "column backward all-gather (input again)")
+        gathering = all_gather(x, layer.tp, SEQUENCE_DIM, "column backward all-gather (input again)", async_op=True)
         grad_total = _input_grad(grad, weight, layer)
         total = gathering.wait()
-        scattering = _reduce_scatter(grad_total, layer.tp, "column backward reduce-scatter")
+        scattering = reduce_scatter(grad_total, layer.tp, SEQUENCE_DIM, "column backward reduce-scatter", async_op=True)
         grad_weight = _weight_grad(total, grad, layer)
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
         return scattering.wait(), grad_weight, grad_bias, None
@@ -116,7 +106,7 @@ class _RingScatteredLinear(torch.autograd.Function):
     def forward(ctx, x, weight, layer):
         ctx.layer = layer
         ctx.save_for_backward(x, weight)
-        chunks = _sequence_chunks(x, layer.tp.size)
+        chunks = split(x, layer.tp, SEQUENCE_DIM)
         return ring_reduce_scatter(lambda c: layer.matmul(chunks[c]), ring_of(layer), "row ring")
 
     @staticmethod
@@ -133,33 +123,6 @@ class _RingScatteredLinear(torch.autograd.Function):
         ring_gather(grad, ring, input_grad, "row ring backward")
         grad_weight = _weight_grad(x, torch.cat(arrived, dim=SEQUENCE_DIM), layer)
         return torch.cat(pieces, dim=SEQUENCE_DIM), grad_weight, None
-
-
-class _Started:
-    """A collective in flight; `wait()` returns its result."""
-
-    def __init__(self, handle, finish):
-        self.handle, self.finish = handle, finish
-
-    def wait(self) -> torch.Tensor:
-        self.handle.wait()
-        return self.finish()
-
-
-def _all_gather(x, tp, label) -> _Started:
-    """Every rank's `x` joined along the sequence, asynchronously."""
-    x = x.contiguous()
-    out = x.new_empty((tp.size,) + tuple(x.shape))
-    (handle,) = labelled([lambda: comm.all_gather(out, x, group=tp.group, async_op=True)], label, "tp")
-    return _Started(handle, lambda: torch.cat(out.unbind(0), dim=SEQUENCE_DIM))
-
-
-def _reduce_scatter(x, tp, label) -> _Started:
-    """This rank's chunk (along the sequence) of the sum of every rank's `x`, asynchronously."""
-    chunks = torch.stack(_sequence_chunks(x, tp.size)).contiguous()
-    out = x.new_empty(chunks.shape[1:])
-    (handle,) = labelled([lambda: comm.reduce_scatter(out, chunks, group=tp.group, async_op=True)], label, "tp")
-    return _Started(handle, lambda: out)
 
 
 def ring_gathered_linear(x: torch.Tensor, layer) -> torch.Tensor:
