@@ -25,6 +25,14 @@ class ReadsChildWeight(nn.Module):
         return F.linear(x, self.child.weight).sum()
 
 
+class ScalesByChildWeight(ReadsChildWeight):
+    """The same mistake where the arithmetic works on whatever it reads: between uses ZeRO-3's parameter is this
+    rank's piece of it, and the sum of a piece is a number. Only its gradient shows the mistake."""
+
+    def forward(self, x):
+        return (x * self.child.weight.sum()).sum()
+
+
 class EncoderLM(nn.Module):
     """nn.TransformerEncoder as a causal LM: the head is tied to the embedding (one Parameter, two users),
     the causal mask is a buffer, and the first encoder layer runs twice per forward (weight sharing across

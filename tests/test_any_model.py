@@ -55,13 +55,14 @@ def every_strategy(which: str):
         got = full_state_dict(model)
         assert set(got) == set(expected), (strategy, set(got) ^ set(expected))
         diffs[strategy] = max((got[n].float() - v).abs().max().item() for n, v in expected.items())
-    refused = None
+    refused = []
     if which == "encoder":  # a parent reading its child's weight: zero3 must say so, not crash obscurely
-        try:
-            model, _ = wrap(fm.ReadsChildWeight(), "zero3", optimizer=OPTIMIZER)
-            model(torch.randn(2, 4))
-        except RuntimeError as exc:
-            refused = str(exc)
+        for parent in (fm.ReadsChildWeight(), fm.ScalesByChildWeight()):  # the forward fails; it computes
+            try:
+                model, _ = wrap(parent, "zero3", optimizer=OPTIMIZER)
+                model(torch.randn(2, 4)).backward()
+            except RuntimeError as exc:
+                refused.append(str(exc))
     policy = [m["value"] for m in recorder.metrics if m["name"] == "fsdp/wrap_policy"]
     return diffs, policy, refused
 
@@ -75,7 +76,10 @@ def test_torch_transformer_encoder_lm_trains_the_same_under_every_strategy(no_le
         "wrap_policy=None (the default): the model's repeated layers, one unit each: "
         "encoder.layers (2 x TransformerEncoderLayer), plus the root for the rest"
     ]
-    assert refused is not None and "read a parameter at another time" in refused and "Use fsdp" in refused
+    assert len(refused) == 2, refused
+    for said in refused:
+        assert "read a parameter at another time" in said and "Use fsdp" in said, said
+    assert "['child'] did not run" in refused[0] and "'child.weight' got a gradient" in refused[1], refused
 
 
 @pytest.mark.timeout(180)

@@ -275,9 +275,19 @@ def errors(rank, n, tmp):
         opt.step()
 
     catch("no_sync_only", only_no_sync)
-    for strategy in ("fsdp", "zero3"):  # between steps the parameters hold no memory: refused, not read
+    for strategy in ("fsdp", "zero3"):  # between steps the parameters are this rank's pieces: readable, not saved
         model, opt = wrap(build(), strategy, optimizer=OPT)
         model(x, y).backward()
+        opt.step()
+        params = dict(model.module.named_parameters())
+        sums = torch.stack([p.detach().sum() for p in params.values()])  # read freed memory before ParamViews
+        torch.distributed.all_reduce(sums)
+        full = model.full_state_dict()
+        found[f"{strategy} pieces add up"] = torch.allclose(
+            sums, torch.stack([full[n].sum() for n in params]), atol=1e-5
+        )
+        found[f"{strategy} pieces"] = sum(p.numel() for p in params.values())
+        model(x, y).backward()  # and training goes on from them
         opt.step()
         catch(f"{strategy} state_dict", model.state_dict)
         catch(f"{strategy} block state_dict", model.module.blocks[0].state_dict)
@@ -734,10 +744,13 @@ def test_errors_on_ranks():
     assert "sharding_group_size=3" in results(4)["checkpoints"]["group_size"]
     assert "param_init_fn" in found["meta_without_init"]
     assert "no_sync" in found["no_sync_only"]
-    for strategy in ("fsdp", "zero3"):  # torch.save(model.state_dict()) read freed memory: a SIGSEGV
+    total = sum(p.numel() for p in build().parameters())
+    for strategy in ("fsdp", "zero3"):  # between steps: p.sum() read freed memory (a SIGSEGV), state_dict() too
+        assert found[f"{strategy} pieces add up"]
+        assert total / 2 <= found[f"{strategy} pieces"] < total / 2 + 100  # half of every unit, less its padding
         for key, name in ((f"{strategy} state_dict", "'module.tok_emb.weight'"), (f"{strategy} block state_dict", "")):
             assert found[key].startswith("RuntimeError: state_dict(): " + name), found[key]
-            assert "holds no memory on this rank between steps" in found[key] and "full_state_dict(model)" in found[key]
+            assert "only this rank's piece of it between steps" in found[key] and "full_state_dict(model)" in found[key]
         assert found[f"{strategy} full_state_dict"]
 
 

@@ -29,8 +29,8 @@ class MyUnit(FSDPUnit):
 
     self.flat      a FlatBuffer: `self.flat.data` is the unit's whole flat parameter, a 1-D tensor of
                    `self.flat.padded_numel` elements (the unit's tensors end to end, padded with zeros to
-                   a multiple of the group size). The module's parameters are views into it. While the
-                   unit is sharded its storage holds 0 bytes.
+                   a multiple of the group size); 0 bytes while the unit is sharded. FSDP points the module's
+                   parameters into it once gathered (between uses, at this rank's pieces of `self.master`).
     self.master    this rank's slice of the flat parameter (fp32, `self.flat.shard_numel` elements): the
                    values the optimizer updates, kept all the time.
     self.sharding  `.shard_group` (the process group the unit is sharded over), `.size` (its N), `.rank`

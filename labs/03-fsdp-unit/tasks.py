@@ -23,7 +23,9 @@ def _held(unit) -> int:
 
 
 def _values(unit) -> dict:
-    return {name: p.detach().clone() for name, p in zip(unit.param_names, unit.params)}
+    """The gathered flat parameter's values, tensor by tensor (the module's parameters point at them only once FSDP
+    has gathered the unit for its module; this task calls `unshard` directly)."""
+    return {name: view.detach().clone() for name, view in zip(unit.param_names, unit.flat.views())}
 
 
 def _gathers(rank, start) -> list:

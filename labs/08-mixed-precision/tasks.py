@@ -48,6 +48,7 @@ def add_grad_completes(student, rank, given):
     """A block's parameters' gradients handed to add_grad one by one: what it answered each time, its buffer's dtype."""
     fsdp, _ = _wrapped(student, given)
     unit = fsdp.units[1]
+    unit.views.full()  # as in backward: the parameters are the full (param_dtype) tensors autograd gives gradients to
     said = []
     for p in unit.params:
         p.grad = torch.ones(p.shape, dtype=p.dtype)

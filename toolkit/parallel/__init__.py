@@ -79,6 +79,16 @@ def full_state_dict(model: torch.nn.Module) -> dict:
     return gather_experts(model, state)
 
 
+def parameter_shapes(model: torch.nn.Module) -> dict:
+    """{name: shape} of every parameter as this rank's model computes with it, whatever the strategy (under tp=,
+    this rank's tensor-parallel pieces). Between uses ZeRO-3's and FSDP's parameters are only this rank's pieces of
+    them (`flat.ParamViews`), so their shapes come from the strategy's layout, not from `p.shape`."""
+    engine = getattr(model, "engine", None)
+    if engine is not None and hasattr(engine, "shapes"):
+        return engine.shapes()
+    return {n: p.shape for n, p in getattr(model, "module", model).named_parameters()}
+
+
 def check_options(strategy: str, options: dict, valid) -> None:
     """Strategies call this first: an unknown option is a ValueError that lists the valid ones."""
     unknown = set(options) - set(valid)

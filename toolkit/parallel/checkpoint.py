@@ -145,14 +145,11 @@ def load_full_checkpoint(model, optimizer, checkpoint: dict, *, _error: str | No
     """Load the portable format into `model` and `optimizer`, whatever the strategy and world size."""
     if is_sharded(model):
         engine = model.engine
-        names = [engine.names[p] for piece in engine.pieces for p in piece.params]
-        shapes = [p.shape for piece in engine.pieces for p in piece.params]
-        names += [engine.names[p] for p in engine.frozen]
-        shapes += [p.shape for p in engine.frozen]
+        shapes = engine.shapes()
     else:
         names, stepped, _ = replicated(model)
-        shapes = [t.shape for t in stepped]
-    error = _error or check_full(checkpoint, dict(zip(names, shapes)), optimizer)
+        shapes = dict(zip(names, (t.shape for t in stepped)))
+    error = _error or check_full(checkpoint, shapes, optimizer)
     if error is None and is_sharded(model):
         error = check_slices(checkpoint, engine)
     agree(model, error)

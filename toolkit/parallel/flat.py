@@ -22,6 +22,8 @@ own can be sharded this way (see `toolkit.parallel.sharded`).
 `FlatBuffer` holds the flat tensor plus the layout: where each original tensor lives, views back onto
 their shapes, and which slice each rank owns. Its storage can be freed and re-allocated in place
 (ZeRO-3 and FSDP free gathered parameters between uses) without breaking views taken from it.
+`ParamViews` points a module's parameters at the full views while a unit is gathered and at this rank's pieces
+of them between uses, so a parameter never reaches into freed memory.
 """
 
 from __future__ import annotations
@@ -156,6 +158,12 @@ class FlatBuffer:
                 found.append(Piece(index, a - start, b - start, a - lo, b - lo))
         return found
 
+    def piece_views(self, shard: torch.Tensor, rank: int) -> list[torch.Tensor]:
+        """Each tensor's part in `rank`'s shard, as a 1-D view of `shard` (a tensor laid out as that shard: the
+        master slice); empty for a tensor with no element there."""
+        parts = {p.index: shard[p.shard_start : p.shard_end] for p in self.pieces(rank)}
+        return [parts.get(i, shard[:0]) for i in range(len(self.shapes))]
+
     def owners(self, index: int) -> list[int]:
         """The ranks whose shards hold some of tensor `index` (one, or several when it straddles)."""
         start, n = self.offsets[index], self.numels[index]
@@ -186,3 +194,33 @@ class FlatBuffer:
             f"FlatBuffer({len(self.shapes)} tensors, {self.numel} elements + {self.padding} padding, "
             f"{self.world_size} shards of {self.shard_numel}, {self.data.dtype})"
         )
+
+
+class ParamViews:
+    """Where a sharded unit's parameters point: at the gathered flat buffer while the unit computes, at this rank's
+    pieces of its kept slice between uses (FSDP1's `use_orig_params`).
+
+    Between uses the flat buffer holds 0 bytes, and a parameter that still viewed it (full shape, no memory) would
+    make `p.sum()` read freed memory and kill the rank. Pointed at the kept slice instead, `p` is the part of it this
+    rank holds, 1-D (empty when none of it is here), updated in place by the optimizer: reading it is safe and shows
+    what ZeRO-3 is. `.data` is swapped, not the Parameter: autograd's references to `p`, its hooks and every name stay.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], flat: FlatBuffer, kept: torch.Tensor, rank: int):
+        self.params = list(params)
+        self.whole = flat.views()  # stay valid while the storage is freed and re-allocated under them
+        self.pieces = flat.piece_views(kept.detach(), rank)
+        self.is_full = True
+
+    def full(self) -> None:
+        self._point(self.whole)
+        self.is_full = True
+
+    def sharded(self) -> None:
+        self._point(self.pieces)
+        self.is_full = False
+
+    def _point(self, views: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, view in zip(self.params, views):
+                p.data = view

@@ -143,11 +143,25 @@ class FullyShardedDataParallel(ShardedEngine):
         i = order.index(unit) + 1 if unit in order else len(order)
         return order[i] if i < len(order) else None
 
+    # --- gathered for use, freed after ----------------------------------------------------------------
+    @staticmethod
+    def _unshard(unit: FSDPUnit) -> None:
+        """The unit's full parameters, for its module to compute with: gathered (waiting for a prefetch),
+        the module's parameters pointed at them."""
+        unit.unshard()
+        unit.views.full()
+
+    @staticmethod
+    def _reshard(unit: FSDPUnit) -> None:
+        """The full parameters freed, the module's parameters pointed at this rank's pieces of them."""
+        unit.reshard()
+        unit.views.sharded()
+
     # --- forward -------------------------------------------------------------------------------------
     def forward(self, module, args, kwargs):
         if self.in_backward:  # the last backward raised before its end: start from a clean state
             for unit in self.units:
-                unit.reshard()
+                self._reshard(unit)
                 unit.grads, unit.waiting, unit.backward_started = None, len(unit.params), False
                 for p in unit.params:  # gradients that were waiting for the unit's end
                     p.grad = None
@@ -170,14 +184,14 @@ class FullyShardedDataParallel(ShardedEngine):
                 if unit.state != SHARDED and (
                     unit not in self._post_order or self.reshard_after_forward or not torch.is_grad_enabled()
                 ):
-                    unit.reshard()
+                    self._reshard(unit)
 
     def _pre_forward(self, unit: FSDPUnit, module, args) -> None:
         if self.in_backward:  # a recomputation under activation checkpointing: just make sure it is there
-            unit.unshard()
+            self._unshard(unit)
             return
         self._order.append(unit)
-        unit.unshard()  # waits for it (it may have been prefetched)
+        self._unshard(unit)  # waits for it (it may have been prefetched)
         self._probe("gathered", unit)
         if self.forward_prefetch and (nxt := self._after(self.forward_order, unit)) is not None:
             nxt.unshard(async_op=True)  # in flight while this unit computes
@@ -190,7 +204,7 @@ class FullyShardedDataParallel(ShardedEngine):
         recorder.close(unit.span)
         self._post_order.append(unit)
         if self.reshard_after_forward or not torch.is_grad_enabled():
-            unit.reshard()
+            self._reshard(unit)
             self._probe("freed", unit)
         if torch.is_grad_enabled():  # backward enters the unit when its outputs' gradients arrive
             for t in tree_flatten(output)[0]:
@@ -207,7 +221,7 @@ class FullyShardedDataParallel(ShardedEngine):
         if unit.backward_started:
             return
         unit.backward_started = True
-        unit.unshard()
+        self._unshard(unit)
         self._probe("gathered", unit)
         if self.backward_prefetch and (nxt := self._after(self.backward_order, unit)) is not None:
             nxt.unshard(async_op=True)  # before this unit's reduce-scatter is issued
@@ -224,7 +238,7 @@ class FullyShardedDataParallel(ShardedEngine):
             recorder.close(unit.span)
         self._probe("backward done", unit)
         if self.reshard_after_backward:
-            unit.reshard()
+            self._reshard(unit)
             self._probe("freed", unit)
         if self.sync:
             for other in self.units:  # at most one reduce-scatter in flight (and one replicas' all-reduce)
@@ -243,7 +257,7 @@ class FullyShardedDataParallel(ShardedEngine):
             elif self.sync and unit.grads is not None:  # accumulated under no_sync(), unused this time
                 unit.reduce_grad()
             if self.reshard_after_backward:
-                unit.reshard()
+                self._reshard(unit)
             unit.waiting, unit.backward_started = len(unit.params), False
         for unit in self.units:
             if unit.reduction is not None:

@@ -2,12 +2,16 @@
 
 A unit owns the parameters of one module (see `fsdp_policy.py`), laid end to end in one flat
 parameter padded to a multiple of the sharding factor F (`flat.py`). Between uses a rank keeps only
-its 1/F slice, in fp32: that slice is also the master weight the optimizer steps. The module's own
-Parameters stay in place as *views* of the flat buffer, so the module's code runs unchanged; only
+its 1/F slice, in fp32: that slice is also the master weight the optimizer steps. While the module
+computes, its own Parameters are *views* of the flat buffer, so the module's code runs unchanged; only
 the buffer's memory comes and goes:
 
     SHARDED  --unshard()-->  GATHERING  --wait_unshard()-->  GATHERED  --reshard()-->  SHARDED
-    (views hold 0 bytes)     (all-gather in flight)          (views hold the full values)
+    (buffer: 0 bytes)        (all-gather in flight)          (buffer: the full values)
+
+Between uses the Parameters are this rank's pieces of the master (`flat.ParamViews`, as FSDP1's
+`use_orig_params`): FSDP points them at the full views once a unit is gathered and back after
+`reshard()`, so reading `module.weight` between steps reads memory that exists.
 
 and during backward, the gradients take the reverse road:
 
@@ -39,7 +43,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..runtime import env
-from .flat import FlatBuffer
+from .flat import FlatBuffer, ParamViews
 from .fsdp_init import materialize
 from .local import compute_dtype
 from .sharded import Shard
@@ -177,10 +181,9 @@ class FSDPUnit:
             if sharding.param_dtype == torch.float32
             else FlatBuffer(shapes, sharding.size, data=full.data.to(sharding.param_dtype))
         )
-        with torch.no_grad():
-            for p, view in zip(self.params, self.flat.views()):
-                p.data = view  # the module's parameters now live in the flat buffer...
-        self.flat.free()  # ...which holds nothing until the unit is gathered
+        self.views = ParamViews(self.params, self.flat, self.master, sharding.rank)  # full: views of the flat buffer,
+        self.views.sharded()  # sharded (now): this rank's pieces of the master, while the flat buffer holds nothing
+        self.flat.free()
         self.state = SHARDED
         self.grads: FlatBuffer | None = None
         self.waiting = len(self.params)  # gradients not yet arrived in this backward

@@ -18,6 +18,7 @@ of optimizers it may wrap: `sharded_optimizer.py`; clipping slices by the global
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from torch.utils._pytree import tree_map
 
 from .. import comm
 from ..runtime import env
-from .flat import FlatBuffer, holds
+from .flat import FlatBuffer
 from .local import compute_dtype as local_compute_dtype
 from .local import forward_backward as forward_then_backward
 from .scaler import scaler_for
@@ -68,7 +69,7 @@ class ShardedModel(nn.Module):
         self.module = module
         self.engine = engine  # not an nn.Module: stays out of named_parameters()
         for m in module.modules():
-            m.register_state_dict_post_hook(_refuse_freed_parameters)
+            m.register_state_dict_post_hook(functools.partial(_refuse_sharded_parameters, engine))
 
     def forward(self, *args, **kwargs):
         args, kwargs = tree_map(self._prepare, args), tree_map(self._prepare, kwargs)
@@ -108,15 +109,15 @@ class ShardedModel(nn.Module):
         return [piece.flat for piece in self.engine.pieces]
 
 
-def _refuse_freed_parameters(module, state_dict, prefix, local_metadata) -> None:
-    """`state_dict()` never hands out a parameter whose memory is freed: between uses ZeRO-3's and FSDP's parameters
-    are views of a flat buffer resized to 0 bytes (only this rank's slice is kept), and reading one (torch.save does)
-    would touch freed memory."""
+def _refuse_sharded_parameters(engine, module, state_dict, prefix, local_metadata) -> None:
+    """`state_dict()` never hands out this rank's piece of a parameter under the parameter's name: between uses
+    ZeRO-3's and FSDP's parameters are the pieces this rank keeps (`flat.ParamViews`), and a checkpoint of them
+    would load into nothing."""
     for name, p in module._parameters.items():
-        if p is not None and not holds(p):
+        if p is not None and engine.sharded_now(p):
             raise RuntimeError(
-                f"state_dict(): {prefix + name!r} of {tuple(p.shape)} holds no memory on this rank between steps: "
-                f"this strategy keeps only this rank's slice of it. For the full parameters call "
+                f"state_dict(): {prefix + name!r} is only this rank's piece of it between steps ({p.numel()} "
+                f"elements): this strategy keeps a slice of every parameter. For the full parameters call "
                 f"toolkit.parallel.full_state_dict(model) on every rank (it gathers them); to save, "
                 f"toolkit.parallel.checkpoint.save_full(model, optimizer, path) or save_sharded."
             )
@@ -140,6 +141,7 @@ class ShardedEngine:
         for p in self.frozen:
             p.data = p.data.to(dtype)
         self.pieces: list = []
+        self.unit_of: dict = {}  # ZeRO-3 and FSDP: each parameter's unit (its `views` say where it points)
         self.optimizer: ShardedOptimizer | None = None
         self.scaler = scaler_for(dtype)  # fp16: a rank sees only its slice, so overflow is agreed on
         if self.scaler is not None:
@@ -148,6 +150,17 @@ class ShardedEngine:
 
     def shards(self) -> list[Shard]:
         return [piece.mine for piece in self.pieces]
+
+    def shapes(self) -> dict:
+        """{name: shape} of every parameter as the model computes with it (between uses ZeRO-3's and FSDP's
+        parameters are only this rank's pieces: the layout keeps their shapes)."""
+        found = {self.names[p]: s for piece in self.pieces for p, s in zip(piece.params, piece.flat.shapes)}
+        return {n: found.get(n, p.shape) for p, n in self.names.items()}
+
+    def sharded_now(self, p: nn.Parameter) -> bool:
+        """Whether `p` is, right now, only this rank's piece of it (ZeRO-3 and FSDP between uses)."""
+        unit = self.unit_of.get(p)
+        return unit is not None and not unit.views.is_full
 
     def step_groups(self) -> list[list[Shard]]:  # what the optimizer steps together, group after group
         return [self.shards()]

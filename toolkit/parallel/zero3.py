@@ -16,10 +16,11 @@ Embedding, a Linear, a LayerNorm) is a *unit*; its parameters are flattened into
 So every step moves Ψ three times (gather in forward, gather in backward, reduce-scatter), 1.5x
 ZeRO-1/2's 2Ψ, to hold (2 + 2 + K)Ψ/N bytes of model states per rank.
 
-How "free" works: the module's parameters are views of the unit's flat buffer, and freeing resizes
-that buffer's storage to 0 bytes. Autograd keeps references to the parameters (and views of them)
-for backward; those references stay valid, and the backward gather refills the same storage before
-they are read (FSDP2 does the same).
+How "free" works: while a unit computes, the module's parameters are views of its flat buffer; freeing
+resizes that buffer's storage to 0 bytes and points the parameters at this rank's pieces of them
+(`flat.ParamViews`: 1-D, empty where the rank holds none, safe to read). Autograd keeps references to
+the parameters (and views of them) for backward; those references stay valid, and the backward gather
+refills the same storage and points the parameters back before they are read (FSDP2 does the same).
 
 Tied parameters: the GPT's token embedding is also its output head. A parameter belongs to the unit
 of the first module that owns it (the embedding); every module that uses it directly (the head too)
@@ -43,9 +44,9 @@ at the step (1.2x FSDP2's peak when the states are most of it); stepping one sub
 that sub-group's fp32 gradients exist (DeepSpeed does the same). fp32 training steps everything at once:
 its gradients need no copy.
 
-Limits: a module's parameters must be used through that module's forward (reading
-`module.weight` from outside sees an empty tensor between uses), and every rank must run the same
-modules in the same order (collectives must match).
+Limits: a module's parameters must be used through that module's forward (from outside, between
+uses, `module.weight` is this rank's piece of it), and every rank must run the same modules in the
+same order (collectives must match).
 """
 
 from __future__ import annotations
@@ -57,12 +58,20 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from .. import comm
-from .flat import FlatBuffer
+from .flat import FlatBuffer, ParamViews
 from .sharded import Shard, ShardedEngine
 
 # Modules whose forward reads their submodules' parameters without calling those submodules: torch's
 # MultiheadAttention passes out_proj.weight to a functional call. Their unit holds everything below them.
 READS_CHILDREN = (nn.MultiheadAttention,)
+
+
+def _read_elsewhere(what: str) -> RuntimeError:
+    return RuntimeError(
+        "zero3 gathers a module's parameters only while that module's own forward runs, and this model read a "
+        "parameter at another time (a parent module using a child's weight directly, without calling the child): "
+        f"{what}. Use fsdp for this model: its units are whole layers."
+    )
 
 
 class Unit:
@@ -84,8 +93,8 @@ class Unit:
             self.kept = master
         else:
             self.kept = self.flat.shard(engine.rank).clone()
-        for p, view in zip(params, self.flat.views()):
-            p.data = view
+        self.views = ParamViews(params, self.flat, self.kept, engine.rank)
+        self.views.sharded()  # the module's parameters: this rank's pieces of them, until a forward gathers
         self.flat.free()  # from now on this rank keeps only its slice
         self.mine = Shard(master)
         self.users: list[nn.Module] = []
@@ -109,6 +118,7 @@ class Zero3(ShardedEngine):
         self.prefetch_bucket_size, self.reduce_bucket_size = prefetch_bucket_size, reduce_bucket_size
         self.sub_group_size = sub_group_size
         self.order: list[Unit] = []  # units in the order the first forward gathered them
+        self.gathered_now: set = set()  # units gathered for their forward in this forward pass
         self.ready: list[Unit] = []  # units whose gradients wait for a reduce bucket to fill
         self.unit_of, self.uses = {}, {}
         whole = []  # modules gathered with everything below them (READS_CHILDREN)
@@ -140,17 +150,21 @@ class Zero3(ShardedEngine):
             return
         if not backward and unit not in self.order:
             self.order.append(unit)
+        if not backward:
+            self.gathered_now.add(unit)
         units = [unit] + self._next(unit, backward)
         for u in units:
             u.flat.allocate()
         if len(units) == 1:
             comm.all_gather(unit.flat.data, unit.kept.detach(), group=self.group)
+            unit.views.full()
             return
         sizes = [u.flat.shard_numel for u in units]  # one all-gather for the bucket, then each its part
         out = unit.flat.data.new_empty(self.world * sum(sizes))
         comm.all_gather(out, torch.cat([u.kept.detach() for u in units]), group=self.group)
         for u, part in zip(units, out.view(self.world, -1).split(sizes, dim=1)):
             u.flat.data.view(self.world, -1).copy_(part)
+            u.views.full()
 
     def _next(self, unit: Unit, backward: bool) -> list:
         """The units to prefetch with `unit`: those that run next, up to the bucket's elements."""
@@ -168,7 +182,8 @@ class Zero3(ShardedEngine):
 
     @staticmethod
     def _free(unit: Unit) -> None:
-        unit.flat.free()  # the module's parameters (and autograd's views of them) now hold 0 bytes
+        unit.flat.free()  # autograd's views of the parameters now hold 0 bytes (backward gathers again)
+        unit.views.sharded()  # and the parameters are this rank's pieces
 
     # --- forward -------------------------------------------------------------------------------------
     def _before_forward(self, module, args) -> None:
@@ -188,15 +203,16 @@ class Zero3(ShardedEngine):
         return output
 
     def forward(self, module, args, kwargs):
+        self.gathered_now = set()
         try:
             return module(*args, **kwargs)
         except RuntimeError as exc:
-            if "storage of size 0" not in str(exc):
+            missed = [u.name for u in self.pieces if u not in self.gathered_now]
+            if not missed:
                 raise
-            raise RuntimeError(
-                "zero3 gathers a module's parameters only while that module's own forward runs, and this model "
-                "read a parameter at another time (a parent module using a child's weight directly, without "
-                f"calling the child). Use fsdp for this model: its units are whole layers ({exc})"
+            raise _read_elsewhere(
+                f"the module(s) {missed} did not run, so their parameters were never gathered, "
+                f"and this forward failed ({exc})"
             ) from exc
         finally:  # a unit whose later user did not run this time: free it (backward gathers again)
             for unit in self.pieces:
@@ -212,6 +228,8 @@ class Zero3(ShardedEngine):
     def _gradient_ready(self, p: nn.Parameter) -> None:
         """Hook: p.grad is final for this backward. Collect it; the unit's last one triggers the reduction."""
         unit = self.unit_of[p]
+        if not unit.views.is_full:  # computed from this rank's piece: the model read it outside its module
+            raise _read_elsewhere(f"{self.names[p]!r} got a gradient while its module was not running")
         if unit.grads is None:
             unit.grads = FlatBuffer(unit.flat.shapes, self.world, dtype=self.dtype, device=p.device)
         unit.grads.view(unit.index[p]).copy_(p.grad)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 
 from ..memory import formulas, tensor_formulas
+from ..parallel import parameter_shapes
 
 
 def describe(model, options: dict, batch: int, seq_len: int, world_size: int, ranks_per_node: int) -> dict | None:
@@ -25,9 +26,9 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int, ra
         return None
     t = info.tp.size
     module = getattr(model, "module", model)
-    params = dict(module.named_parameters())
-    split = sum(params[n].numel() * t for n, s in info.splits.items() if s is not None and n in params)
-    replicated = sum(params[n].numel() for n, s in info.splits.items() if s is None and n in params)
+    shapes = parameter_shapes(model)  # not p.shape: a ZeRO-3 or FSDP parameter is this rank's piece between uses
+    split = sum(shapes[n].numel() * t for n, s in info.splits.items() if s is not None and n in shapes)
+    replicated = sum(shapes[n].numel() for n, s in info.splits.items() if s is None and n in shapes)
     tp_bytes = None
     from ..models.gpt import MLP
     from ..parallel.tensor.gpt import TensorParallelGPT

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import parameter_shapes
+
 
 def join(model, checkpoint: dict, rank0_only: bool = True) -> dict | None:
     """A full checkpoint from every rank's (tp-local) one; every rank of the world must call it."""
@@ -42,8 +44,7 @@ def cut(model, checkpoint) -> dict:
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict):
         return checkpoint
     info = model.tensor_parallel
-    module = getattr(model, "module", model)
-    pieces = {n: p.shape for n, p in module.named_parameters()}
+    pieces = parameter_shapes(model)
     if any(
         not _fits(checkpoint["model"].get(n), pieces[n], info.splits[n], info.tp.size)
         for n in pieces
