@@ -209,6 +209,9 @@ def fsdp_rounds(rounds):
             step += 1
     run = Run.capture({"strategy": "fsdp", "model": MODEL, "settings": list(SETTINGS)})
     run.meta["units"] = model.describe()
+    weight, full = model.module.tok_emb.weight, model.full_state_dict()["tok_emb.weight"]  # between two steps
+    run.meta["held"] = {"shape": tuple(weight.shape), "sum": weight.detach().sum().item(), "full": tuple(full.shape)}
+    run.meta["held"]["full sum"] = full.sum().item()
     return run
 
 
@@ -296,6 +299,38 @@ show_table(rows)
 # gathered in forward, gathered again in backward, and its gradient reduce-scattered. FSDP does it in
 # 15 collectives (3 per unit, 5 units) where ZeRO-3 needs 81: each collective pays a latency, so on a
 # real link fewer, larger messages win.
+#
+# Between two steps, what does a rank hold of a weight? Ask the module itself: `model.module.tok_emb.weight`
+# on each rank, after the last step above.
+
+# %%
+held = [ranks[-1].meta["held"] for ranks in per_rank]
+show_table(
+    [
+        {"rank": r, "tok_emb.weight between steps": str(h["shape"]), "sum": round(h["sum"], 4)}
+        for r, h in enumerate(held)
+    ]
+    + [
+        {
+            "rank": "full_state_dict()",
+            "tok_emb.weight between steps": str(held[0]["full"]),
+            "sum": round(held[0]["full sum"], 4),
+        }
+    ]
+)
+full_numel = held[0]["full"][0] * held[0]["full"][1]
+assert held[0]["full"] == (64, 64) and 0 < held[1]["shape"][0] < held[0]["shape"][0] < full_numel == 4096
+assert all(len(h["shape"]) == 1 for h in held) and sum(h["shape"][0] for h in held) == full_numel
+assert abs(sum(h["sum"] for h in held) - held[0]["full sum"]) < 1e-3 and held[0]["shape"][0] > held[1]["shape"][0]
+
+# %% [markdown]
+# Each rank holds a 1-D piece of the 64 x 64 embedding, and the pieces add up to it: their lengths sum to
+# its 4,096 values and their sums to its sum. They are not halves: the embedding is the first tensor of the
+# root unit, whose flat parameter is cut in two, so rank 0's half is all embedding and rank 1's half holds
+# the rest of it, then the position embedding and the final norm. This is FSDP1's `use_orig_params` view:
+# between uses the module's parameters are this rank's pieces of its slice, updated in place by the
+# optimizer. `model.state_dict()` refuses them (a checkpoint of pieces would load into nothing); the full
+# tensors come from `model.full_state_dict()`, a gather on every rank.
 #
 # ## 3. The FSDP workflow on the timeline
 #
