@@ -238,6 +238,7 @@ labels = list(baselines) + ["fsdp"]
 runs = {label: Run.merge(ranks[i] for ranks in per_rank) for i, label in enumerate(labels)}
 fsdp = runs["fsdp"]
 setting_of = dict(fsdp.metric("setting"))
+held = [ranks[-1].meta["held"] for ranks in per_rank]  # what each rank holds of a weight between steps (below)
 
 
 def losses(run, steps=3):
@@ -304,7 +305,6 @@ show_table(rows)
 # on each rank, after the last step above.
 
 # %%
-held = [ranks[-1].meta["held"] for ranks in per_rank]
 show_table(
     [
         {"rank": r, "tok_emb.weight between steps": str(h["shape"]), "sum": round(h["sum"], 4)}
