@@ -8,7 +8,7 @@ import pytest
 
 from toolkit.memory.formulas import alpha_beta_time, fsdp_cross_host_traffic
 from toolkit.sim import Collective, Compute, Wait, cluster_of, estimate, presets
-from toolkit.sim.collective_time import collective_time
+from toolkit.sim.collective_time import bus_bandwidth, collective_time
 from toolkit.sim.timeline import schedule
 from toolkit.trace import analysis
 from toolkit.trace.chrome import to_chrome
@@ -173,6 +173,27 @@ def test_collectives_on_one_link_take_turns_and_on_different_links_run_side_by_s
     apart = schedule(program, None, lambda c: Cost(1.0, ("intra",) if c.op == "all_gather" else ("inter",)))
     assert same.step_time == 2.0 and apart.step_time == 1.0
     assert same.breakdown()["exposed_comm"] == 2.0 and same.breakdown()["overlapped_comm"] == 0.0
+
+
+def test_a_ring_the_network_bounds_holds_nvlink_only_for_its_bytes_time_there():
+    """A data-parallel reduce-scatter across nodes runs at the network's pace; its bytes cross NVLink in a fraction of
+    that. A tensor-parallel all-reduce inside the node (another communicator: NCCL runs the two side by side) waits
+    only for that fraction, not for the whole reduce-scatter; a second collective across nodes still waits for the
+    network."""
+    for cluster in (AB, cluster_of("dgx-h100")):
+        across = collective_time(cluster, "reduce_scatter", 1e9, range(0, 32, 2))  # 4 nodes, 4 members on each
+        inside = collective_time(cluster, "all_reduce", 8 * MB, range(4))
+        nvlink = bus_bandwidth(cluster, "reduce_scatter", 1e9) if cluster.published else cluster.intra.bandwidth
+        assert across.resources == ("intra", "inter") and across.bandwidth < nvlink
+        assert across.occupancy_on("intra") == pytest.approx(15 / 16 * 1e9 / nvlink)  # its bytes at NVLink's rate
+        assert across.occupancy_on("intra") < across.occupancy_on("inter") == across.seconds
+        assert inside.occupancy_on("intra") == inside.seconds and inside.intra_seconds is None
+        program = [comm(0, "reduce_scatter", 1e9, range(0, 32, 2)), comm(1, "all_reduce", 8 * MB, range(4))]
+        program += [comm(2, "all_gather", 1e9, range(0, 32, 2)), Wait(0), Wait(1), Wait(2)]
+        spans = schedule(program, None, lambda c: collective_time(cluster, c.op, c.size_bytes, c.group)).spans
+        (rs, ar, ag) = [next(s for s in spans if s.kind == "comm" and s.instruction.id == i) for i in range(3)]
+        assert ar.start == pytest.approx(across.occupancy_on("intra")) and ar.end < rs.end  # beside it
+        assert ag.start == pytest.approx(rs.end)  # the network takes turns
 
 
 def test_buckets_beat_one_all_reduce_after_backward_and_the_model_says_by_how_much():

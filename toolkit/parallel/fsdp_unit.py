@@ -181,8 +181,8 @@ class FSDPUnit:
             if sharding.param_dtype == torch.float32
             else FlatBuffer(shapes, sharding.size, data=full.data.to(sharding.param_dtype))
         )
-        self.views = ParamViews(self.params, self.flat, self.master, sharding.rank)  # full: views of the flat buffer,
-        self.views.sharded()  # sharded (now): this rank's pieces of the master, while the flat buffer holds nothing
+        self.views = ParamViews(self.params, self.flat, self.master, sharding.rank)
+        self.views.sharded()  # the module's parameters: this rank's pieces of the master until FSDP gathers the unit
         self.flat.free()
         self.state = SHARDED
         self.grads: FlatBuffer | None = None

@@ -31,10 +31,11 @@ Elsewhere (a user-defined cluster, this machine), the alpha-beta model of the li
 Which links a collective occupies (`resources`) lets the timeline run two collectives at once when they
 use different links (an intra-node all-gather beside an inter-node all-reduce; a ring pass's send beside its
 receive, which holds none of this rank's: `_p2p_resources`), and queue them when they share one, `lanes` at a
-time (`Cluster.collective_lanes`: gloo's worker threads on this machine); for how long (`occupancy`): the whole
+time (`Cluster.collective_lanes`: gloo's worker threads on this machine); for how long (`occupancy_on`): the whole
 time on NCCL's presets, only the bytes where the cluster says latency is delay in flight
 (`Cluster.latency_holds_link=False`, the emulated link's physics: `toolkit.comm.cost`), so the next message may
-start while the last one's latency runs.
+start while the last one's latency runs; and a ring across nodes that the network bounds holds NVLink only for
+its bytes' time there (`intra_seconds`), the rest of NVLink's time left to collectives inside the node.
 Which ranks a collective joins is what its group says: the global ranks of the group the strategy's code issued it
 on, whichever order the mesh lays them out in; `node_of` decides which of them share a node.
 """
@@ -60,11 +61,21 @@ class CollectiveCost:
     latency_holds_link: bool = True  # see `Cluster.latency_holds_link`
     lanes: int = 1  # collectives its links run at once: `Cluster.collective_lanes`
     cores: float | None = None  # seconds it holds the cores (timeline rule 4); None: (1 - overlap) x seconds
+    intra_seconds: float | None = None  # its bytes' time on NVLink, where the network bounds it (see `occupancy_on`)
 
     @property
     def occupancy(self) -> float:
         """Seconds its links are held: the whole time, or only the bytes where latency is delay in flight."""
         return self.seconds if self.latency_holds_link else self.seconds - self.latency
+
+    def occupancy_on(self, link: str) -> float:
+        """Seconds it holds `link`. A collective across nodes that the network bounds moves its bytes over NVLink
+        in less than its whole time: NVLink is busy with it only for that (`intra_seconds`), and another
+        communicator's collective inside the node (a tensor-parallel all-reduce beside a data-parallel
+        reduce-scatter across nodes: NCCL runs them side by side) uses the rest."""
+        if link == "intra" and self.intra_seconds is not None:
+            return min(self.occupancy, self.intra_seconds)
+        return self.occupancy
 
 
 def _placement(cluster: Cluster, group) -> tuple[int, int]:
@@ -155,7 +166,8 @@ def _time_on_links(cluster, op, size_bytes, group, me, args) -> CollectiveCost:
     intra = cluster.op_links.get(op, cluster.intra)  # a calibrated machine may measure each op apart
     latency = cluster.call_latency + (steps - inter_steps) * intra.latency + inter_steps * cluster.inter.latency
     bandwidth = intra.bandwidth if nodes == 1 else min(intra.bandwidth, g * cluster.inter.bandwidth)
-    return CollectiveCost(latency + wire / bandwidth, latency, label, resources, bandwidth)
+    on_nvlink = wire / intra.bandwidth if bandwidth < intra.bandwidth else None
+    return CollectiveCost(latency + wire / bandwidth, latency, label, resources, bandwidth, intra_seconds=on_nvlink)
 
 
 def _p2p_resources(op: str, inside: bool) -> tuple:
@@ -193,7 +205,8 @@ def _measured_ring(cluster, op, size_bytes, wire, nodes, g, inter_steps, label, 
         alpha = cluster.call_latency + inter_steps * cluster.inter.latency
         if alpha + wire / network > seconds:
             seconds, latency, bandwidth = alpha + wire / network, alpha, network
-    return CollectiveCost(seconds, latency, label, resources, bandwidth)
+    on_nvlink = wire / inside if bandwidth < inside else None  # the network bounds it: NVLink is busy for less
+    return CollectiveCost(seconds, latency, label, resources, bandwidth, intra_seconds=on_nvlink)
 
 
 def _all_to_all(cluster, size_bytes, group, me, args, label, resources) -> CollectiveCost:

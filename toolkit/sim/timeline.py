@@ -7,7 +7,8 @@ The rule, in the order the strategy issued its work (`toolkit.sim.program`):
    compute has finished, so it starts then, or when the links it needs are free of earlier
    collectives, whichever is later, and runs for the time the link model gives (`collective_time`).
    Collectives on different links (NVLink inside a node, the network between nodes) run side by side;
-   on the same link they take turns, in issue order.
+   on the same link they take turns, in issue order, each holding it for its bytes' time on that link
+   (a ring across nodes that the network bounds holds NVLink for less than its whole time).
 3. A `Wait` stalls the compute stream until that collective has finished. A synchronous collective is
    a Collective followed at once by its Wait, so it always stalls; an asynchronous one stalls only
    if the compute issued after it is shorter than it.
@@ -150,7 +151,8 @@ def slowed(start: float, seconds: float, busy: list, slowdown: float) -> float:
 
 class Links:
     """When each of a rank's links can next start a collective (rules 2 and 5): a link runs `cost.lanes`
-    collectives at once (1 where the cost does not say), each for its `occupancy` (its `seconds` if absent)."""
+    collectives at once (1 where the cost does not say), each for its `occupancy_on(link)` (its `occupancy`, or
+    its `seconds`, where the cost does not say)."""
 
     def __init__(self, start: float):
         self.start, self.lanes = start, {}  # link -> the ends of the collectives on its lanes
@@ -160,11 +162,11 @@ class Links:
         lanes = getattr(cost, "lanes", 1)
         ends = [self.lanes.setdefault(link, []) for link in cost.resources]
         begin = max([ready] + [min(e) if len(e) >= lanes else self.start for e in ends])
-        until = begin + getattr(cost, "occupancy", cost.seconds) * stretch
-        for e in ends:
+        held = getattr(cost, "occupancy_on", lambda link: getattr(cost, "occupancy", cost.seconds))
+        for link, e in zip(cost.resources, ends):
             if len(e) >= lanes:
                 e.remove(min(e))
-            e.append(until)
+            e.append(begin + held(link) * stretch)
         return begin, begin + cost.seconds * stretch
 
 
