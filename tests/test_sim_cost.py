@@ -190,7 +190,9 @@ def test_a_ring_the_network_bounds_holds_nvlink_only_for_its_bytes_time_there():
         assert inside.occupancy_on("intra") == inside.seconds and inside.intra_seconds is None
         program = [comm(0, "reduce_scatter", 1e9, range(0, 32, 2)), comm(1, "all_reduce", 8 * MB, range(4))]
         program += [comm(2, "all_gather", 1e9, range(0, 32, 2)), Wait(0), Wait(1), Wait(2)]
-        spans = schedule(program, None, lambda c: collective_time(cluster, c.op, c.size_bytes, c.group)).spans
+        spans = schedule(
+            program, None, lambda c, cluster=cluster: collective_time(cluster, c.op, c.size_bytes, c.group)
+        ).spans
         (rs, ar, ag) = [next(s for s in spans if s.kind == "comm" and s.instruction.id == i) for i in range(3)]
         assert ar.start == pytest.approx(across.occupancy_on("intra")) and ar.end < rs.end  # beside it
         assert ag.start == pytest.approx(rs.end)  # the network takes turns
