@@ -196,6 +196,8 @@ def test_a_ring_the_network_bounds_holds_nvlink_only_for_its_bytes_time_there():
         (rs, ar, ag) = [next(s for s in spans if s.kind == "comm" and s.instruction.id == i) for i in range(3)]
         assert ar.start == pytest.approx(across.occupancy_on("intra")) and ar.end < rs.end  # beside it
         assert ag.start == pytest.approx(rs.end)  # the network takes turns
+    exchange = collective_time(cluster_of("dgx-h100"), "all_to_all", 16 * MB, range(16), me=0)  # 7 peers by NVLink
+    assert exchange.resources == ("intra", "inter") and 0 < exchange.occupancy_on("intra") < exchange.seconds / 2
 
 
 def test_buckets_beat_one_all_reduce_after_backward_and_the_model_says_by_how_much():

@@ -34,8 +34,8 @@ receive, which holds none of this rank's: `_p2p_resources`), and queue them when
 time (`Cluster.collective_lanes`: gloo's worker threads on this machine); for how long (`occupancy_on`): the whole
 time on NCCL's presets, only the bytes where the cluster says latency is delay in flight
 (`Cluster.latency_holds_link=False`, the emulated link's physics: `toolkit.comm.cost`), so the next message may
-start while the last one's latency runs; and a ring across nodes that the network bounds holds NVLink only for
-its bytes' time there (`intra_seconds`), the rest of NVLink's time left to collectives inside the node.
+start while the last one's latency runs; and a ring or an all-to-all across nodes that the network bounds holds
+NVLink only for its bytes' time there (`intra_seconds`), the rest of NVLink's time left to collectives inside the node.
 Which ranks a collective joins is what its group says: the global ranks of the group the strategy's code issued it
 on, whichever order the mesh lays them out in; `node_of` decides which of them share a node.
 """
@@ -217,7 +217,7 @@ def _all_to_all(cluster, size_bytes, group, me, args, label, resources) -> Colle
     ins = list(args.get("input_splits") or [1] * n)
     outs = list(args.get("output_splits") or ins)
     row = size_bytes / sum(ins) if sum(ins) else 0.0
-    latency, seconds = cluster.call_latency, 0.0
+    latency, bytes_time = cluster.call_latency, {}
     for kind, link in (("intra", cluster.op_links.get("all_to_all", cluster.intra)), ("inter", cluster.inter)):
         peers = [
             p for p in range(n) if p != at and (cluster.node_of(group[p]) == cluster.node_of(me)) == (kind == "intra")
@@ -226,5 +226,8 @@ def _all_to_all(cluster, size_bytes, group, me, args, label, resources) -> Colle
             continue
         latency += len(peers) * link.latency
         moved = max(sum(ins[p] for p in peers), sum(outs[p] for p in peers)) * row
-        seconds = max(seconds, moved / (link.bandwidth * _fraction(cluster, "p2p" if kind == "intra" else "nic")))
-    return CollectiveCost(latency + seconds, latency, label, resources)
+        bytes_time[kind] = moved / (link.bandwidth * _fraction(cluster, "p2p" if kind == "intra" else "nic"))
+    seconds = max(bytes_time.values(), default=0.0)
+    both = len(bytes_time) == 2  # peers on both kinds of link: NVLink busy only for its own bytes
+    on_nvlink = bytes_time["intra"] if both and bytes_time["intra"] < seconds else None
+    return CollectiveCost(latency + seconds, latency, label, resources, intra_seconds=on_nvlink)
