@@ -250,10 +250,12 @@ def test_activation_memory_per_stage_is_the_formula(directory, no_leftover_ranks
 # --- checkpoints across (dp, pp, tp) layouts -------------------------------------------------------------------
 ADAM = functools.partial(torch.optim.AdamW, lr=1e-2)
 LOADERS = [("ddp", {}), ("local", {"tp": 2, "pp": 2, "microbatches": 2}), ("zero2", {"pp": 2, "microbatches": 2})]
+LOADERS += [("zero3", {"tp": 2, "pp": 2, "microbatches": 2})]  # stages whose parameters are pieces between uses
 
 
 def checkpoints_across_layouts(directory):
-    """Train zero1 at dp 2 x pp 2 and save; load at pp 1 (ddp over 4), at tp 2 x pp 2 and back at dp 2 x pp 2."""
+    """Train zero1 at dp 2 x pp 2 and save; load at pp 1 (ddp over 4), at tp 2 x pp 2 (plain and zero3) and back at
+    dp 2 x pp 2."""
     from toolkit.parallel.checkpoint import load_full, save_full
 
     torch.manual_seed(0)

@@ -77,7 +77,7 @@ def load_full(model, optimizer, path: str) -> None:
             ),
         }
         if model.tp_info is not None:
-            part = tensor_parallel.cut(SimpleNamespace(tensor_parallel=model.tp_info, module=wrapped.module), part)
+            part = tensor_parallel.cut(wrapped, part, model.tp_info)  # the stage's strategy knows its shapes
         full.load_full_checkpoint(wrapped, opt, part)
 
 

@@ -38,12 +38,13 @@ def join(model, checkpoint: dict, rank0_only: bool = True) -> dict | None:
     return checkpoint
 
 
-def cut(model, checkpoint) -> dict:
+def cut(model, checkpoint, info=None) -> dict:
     """This rank's pieces of a full checkpoint (left as it is when it does not look like one: the strategy's
-    loader then says what is wrong with it)."""
+    loader then says what is wrong with it). `info`: the layout's `TensorParallel`, `model.tensor_parallel` if not
+    given (a pipeline stage's wrapped model does not carry it)."""
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict):
         return checkpoint
-    info = model.tensor_parallel
+    info = info if info is not None else model.tensor_parallel
     pieces = parameter_shapes(model)
     if any(
         not _fits(checkpoint["model"].get(n), pieces[n], info.splits[n], info.tp.size)
