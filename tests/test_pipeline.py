@@ -250,7 +250,10 @@ def test_activation_memory_per_stage_is_the_formula(directory, no_leftover_ranks
 # --- checkpoints across (dp, pp, tp) layouts -------------------------------------------------------------------
 ADAM = functools.partial(torch.optim.AdamW, lr=1e-2)
 LOADERS = [("ddp", {}), ("local", {"tp": 2, "pp": 2, "microbatches": 2}), ("zero2", {"pp": 2, "microbatches": 2})]
-LOADERS += [("zero3", {"tp": 2, "pp": 2, "microbatches": 2})]  # stages whose parameters are pieces between uses
+LOADERS += [
+    ("zero3", {"tp": 2, "pp": 2, "microbatches": 2}),
+    ("fsdp", {"tp": 2, "pp": 2, "microbatches": 2}),
+]  # stages whose parameters are pieces between uses
 
 
 def checkpoints_across_layouts(directory):
