@@ -85,6 +85,12 @@ CASES = {
             dict(model=FOUR),
         ),
         (
+            "zero3 x pp, zb-h1",  # W after B: each module's parameters stay gathered until its gradients are complete
+            dict(strategy="zero3", model=FOUR, options={"pp": 2, "microbatches": 2, "schedule": "zb-h1"}),
+            False,
+            dict(model=FOUR),
+        ),
+        (
             "tp+sp x pp",
             dict(clip=0.05, model=FOUR, options={"pp": 2, "tp": 2, "sequence_parallel": True, "microbatches": 4}),
             False,
