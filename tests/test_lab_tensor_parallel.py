@@ -29,7 +29,8 @@ MISTAKES = {
             "column": "the column-parallel forward issued ['all_reduce']",
             "mlp": "the output of the split MLP",
             "talk": "the MLP's forward made the grader's relay carry",
-            "training": "the loss of step 0",
+            # at step 0 the wrong sum may move the loss by less than the tolerance (seed 4152819075629749142)
+            "training": ("the loss of step 0", "the loss of step 1"),
         },
     ),
     "row bias before the reduction": (
