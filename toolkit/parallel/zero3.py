@@ -58,8 +58,9 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from .. import comm
-from .flat import FlatBuffer, ParamViews
-from .sharded import Shard, ShardedEngine
+from .flat import FlatBuffer
+from .sharded import ShardedEngine
+from .zero3_unit import Unit
 
 # Modules whose forward reads their submodules' parameters without calling those submodules: torch's
 # MultiheadAttention passes out_proj.weight to a functional call. Their unit holds everything below them.
@@ -72,38 +73,6 @@ def _read_elsewhere(what: str) -> RuntimeError:
         "parameter at another time (a parent module using a child's weight directly, without calling the child): "
         f"{what}. Use fsdp for this model: its units are whole layers."
     )
-
-
-class Unit:
-    """The parameters one module owns directly, flattened; between uses only this rank's slice is kept.
-
-    flat:   the gathered buffer, in the compute dtype; the module's parameters are views of it. It has
-            memory only while a user of the unit computes.
-    kept:   this rank's slice of the parameters, the one copy kept all the time (in fp32 training it
-            is also the master the optimizer steps; with mixed precision, a 16-bit copy of it).
-    mine:   the Shard the optimizer sees (fp32 master, averaged gradient slice).
-    users:  every module that uses one of these parameters directly (a tied weight has two).
-    """
-
-    def __init__(self, engine: Zero3, name: str, params: list):
-        self.name, self.params, self.index = name, params, {p: i for i, p in enumerate(params)}
-        self.flat, master = engine.flatten(params)
-        if engine.dtype == torch.float32:
-            master = nn.Parameter(master.detach().clone())  # its own memory: the flat buffer is freed below
-            self.kept = master
-        else:
-            self.kept = self.flat.shard(engine.rank).clone()
-        self.views = ParamViews(params, self.flat, self.kept, engine.rank)
-        self.views.sharded()  # the module's parameters: this rank's pieces of them, until a forward gathers
-        self.flat.free()  # from now on this rank keeps only its slice
-        self.mine = Shard(master)
-        self.users: list[nn.Module] = []
-        self.done_forward: set[int] = set()  # users whose forward has finished in this pass
-        self.grads: FlatBuffer | None = None  # full gradients, while they arrive during backward
-        self.waiting = len(params)  # gradients not yet arrived in this backward
-
-    def __repr__(self) -> str:
-        return f"Unit({self.name!r}, {len(self.params)} parameters, {self.flat})"
 
 
 class Zero3(ShardedEngine):
