@@ -7,16 +7,11 @@ parameters point (`flat.ParamViews`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn as nn
 
 from .flat import FlatBuffer, ParamViews
-from .sharded import Shard
-
-if TYPE_CHECKING:
-    from .zero3 import Zero3
+from .sharded import Shard, ShardedEngine
 
 
 class Unit:
@@ -31,7 +26,7 @@ class Unit:
     users:  every module that uses one of these parameters directly (a tied weight has two).
     """
 
-    def __init__(self, engine: Zero3, name: str, params: list):
+    def __init__(self, engine: ShardedEngine, name: str, params: list):
         self.name, self.params, self.index = name, params, {p: i for i, p in enumerate(params)}
         self.flat, master = engine.flatten(params)
         if engine.dtype == torch.float32:
