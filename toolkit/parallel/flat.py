@@ -35,8 +35,9 @@ import torch
 
 
 def holds(t: torch.Tensor) -> bool:
-    """Whether `t`'s storage still holds every element the view reaches. A view of a freed flat buffer (ZeRO-3's and
-    FSDP's parameters between uses) keeps its shape over 0 bytes: reading or writing it would touch freed memory."""
+    """Whether `t`'s storage still holds every element the view reaches. A view of a freed flat buffer (what autograd
+    saved of a ZeRO-3 or FSDP unit's gathered parameters, once the unit is freed) keeps its shape over 0 bytes:
+    reading or writing it would touch freed memory."""
     last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     return t.numel() == 0 or t.untyped_storage().nbytes() >= (last + 1) * t.element_size()
 
