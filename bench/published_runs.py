@@ -39,9 +39,16 @@ TORCHTITAN = "pytorch/torchtitan docs/performance.md, Llama 2 performance number
 TORCHTITAN_AT = (  # the Llama 3 table and the code of its day
     "pytorch/torchtitan docs/performance.md at 157a12c (2024-04-24), {} performance numbers (FSDP2, 64 A100 80GB)"
 )
+# FSDP as it runs on a GPU: the next unit's all-gather runs while this unit computes. FSDP1 gathers on its own unshard
+# stream, not ordered after the compute, as soon as the host (ahead of the GPU) reaches the unit: its documentation says
+# so ("the next instance whose all-gather is prefetched", `limit_all_gathers`; `forward_prefetch` is "only useful for
+# CPU-bound workloads"), and FSDP2's all-gather stream does the same. The toolkit's FSDP issues its gather in the
+# compute stream's order, as ProcessGroupNCCL orders a collective after the work before it, so it overlaps only when
+# told to prefetch: every FSDP row here is priced with forward_prefetch=True.
+GPU_FSDP = dict(forward_prefetch=True)
 # torchtitan's FSDP2 reduces gradients in fp32 (parallelize_llama.py at 395a526 and 157a12c: MixedPrecisionPolicy(
 # param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) and checkpoints each block whole under mode "full"
-TORCHTITAN_FSDP = dict(mixed_precision=dict(param_dtype="bf16", reduce_dtype="fp32"))
+TORCHTITAN_FSDP = dict(GPU_FSDP, mixed_precision=dict(param_dtype="bf16", reduce_dtype="fp32"))
 MCORE = "NVIDIA/Megatron-LM README, images/model_table.png (Megatron-Core r0.8.0 on H100, 2024-07)"
 FMS_FSDP = (
     "foundation-model-stack/fms-fsdp README at 5e522b4 (2024-03-13; the PyTorch blog 'Maximizing training throughput "
@@ -89,6 +96,7 @@ def mpt(size, d, layers, heads, gpu, batch, measured, seq=2048):
         batch,
         measured,
         "tokens/s/GPU",
+        GPU_FSDP,
     )
 
 
@@ -105,7 +113,7 @@ def llama2_7b_fms(gpu, world, network, measured):
         2,
         measured,
         "tokens/s/GPU",
-        dict(sharding_group_size=8),
+        dict(GPU_FSDP, sharding_group_size=8),
         llama=dict(intermediate_size=11008, tie_word_embeddings=False),
         network=network,
     )
@@ -144,6 +152,7 @@ RUNS = [
         6,
         4641,
         "tokens/s/GPU",
+        GPU_FSDP,
     ),
     PublishedRun(
         "mpt-7b-h100",
@@ -155,6 +164,7 @@ RUNS = [
         6,
         10643,
         "tokens/s/GPU",
+        GPU_FSDP,
     ),
     PublishedRun(
         "llama2-13b-a100",
@@ -219,11 +229,11 @@ RUNS = [
     llama_70b_torchtitan("llama2-70b-a100", "Llama 2", 32000, 4096, 2, 353),
 ]
 H100_LEVEL = (
-    "the model's H100 rate over its A100 rate for the same code, model and batch is 1.20-1.23x the runs' in all four "
+    "the model's H100 rate over its A100 rate for the same code, model and batch is 1.22-1.27x the runs' in all four "
     "pairs (llm-foundry's MPT-1B, 7B and 13B, fms-fsdp's Llama 2 7B: two software stacks), the level the Megatron-Core "
     "rows' compute shows too, and no published measurement of the H100's kernels found prices it; read as time, each "
     "pair's runs took about as long beyond their priced compute on either GPU (1.0-1.4x, in proportion to the work), "
-    "and with its A100 twin's time the H100 row is within 15% (+1% to +9%): the training steps' kernels ran slower "
+    "and with its A100 twin's time the H100 row is within 15% (+1% to +10%): the training steps' kernels ran slower "
     "than their benchmarks by about the same time per unit of work on both GPUs, a larger share of the H100's "
     "(docs/differences.md, 'The H100 gap, held to runs the project was not told about')"
 )
