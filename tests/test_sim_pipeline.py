@@ -449,3 +449,39 @@ def test_a_pipeline_whose_shallow_stages_hide_their_bubble_is_simulated_whole():
     )
     guess = extrapolate(sims[1], sims[2], PIPELINE_CHECK, PIPELINE_BASE)["breakdown"]["step"]
     assert abs(guess / sims[PIPELINE_CHECK].cost.step_time - 1) > AFFINE
+
+
+def test_an_fsdp_stage_starts_gathering_its_units_before_its_first_activation_arrives():
+    """FSDP that keeps its units gathered through the step under pp (reshard_after_forward=False, as torchtitan and
+    Llama 3 run it) gathers a stage's units one action before that stage's first forward (`FSDPModel.unshard_ahead`,
+    as torch's pipelining issues an UNSHARD ahead of a stage's first use), not after its activation has arrived: on
+    the second rank of pp 2 with 2 virtual stages (blocks 1 and 3), each block's all-gather is issued before the rank
+    waits for its virtual stage's first activation, so it runs while the rank waits or computes. Issued after that
+    wait, every stage's gathers lay end to end along the pipeline's fill, once per virtual stage."""
+    sim = simulate(
+        lambda: tiny_gpt(n_layer=4, d_model=32, n_head=2),
+        "fsdp",
+        4,
+        rank=3,
+        pp=2,
+        microbatches=2,
+        batch_per_rank=2,
+        schedule="interleaved",
+        virtual_stages=2,
+        reshard_after_forward=False,
+        progress=False,
+    )
+    program = sim.programs[0]
+    where = {getattr(op, "id", None): n for n, op in enumerate(program) if type(op).__name__ == "Wait"}
+    for block, fed_by in (("blocks.1", 0), ("blocks.3", 2)):
+        (gather,) = [
+            n for n, op in enumerate(program) if getattr(op, "op", None) == "all_gather" and op.args["unit"] == block
+        ]
+        (recv,) = [
+            op.id
+            for op in program
+            if getattr(op, "op", None) == "recv"
+            and (op.args.get("message"), op.args.get("micro")) == ("activation", 0)
+            and op.args.get("stage") == fed_by
+        ]
+        assert gather < where[recv], (block, gather, where[recv])

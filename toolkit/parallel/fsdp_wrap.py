@@ -135,6 +135,17 @@ class FSDPModel(ShardedModel):
             for u in self.units
         ]
 
+    def unshard_ahead(self) -> None:
+        """Start gathering the units this stage's first forward of the step needs, before it runs (a pipeline's
+        `driver.py` calls it one action ahead), so that the all-gathers run while another stage computes rather
+        than once the activation has arrived: all of them where they stay gathered through the step
+        (reshard_after_forward=False), the first otherwise. torch's pipelining schedules do the same: an UNSHARD
+        action issued ahead of a stage's first use (`schedules._add_unshard_reshard`)."""
+        engine = self.engine
+        for unit in engine.forward_order if not engine.reshard_after_forward else engine.forward_order[:1]:
+            unit.unshard(async_op=True)
+            engine._probe("prefetch", unit)
+
     @contextlib.contextmanager
     def sync_backward(self, reduce: bool):
         """A pipeline's backward of one micro-batch (`pipeline/driver.py`): the stage's last one reduces, the

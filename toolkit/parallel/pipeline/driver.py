@@ -87,6 +87,13 @@ class Driver:
                 and after.message == (("gradient", op.micro, op.stage))
             }
         )
+        # each stage's units start gathering one action before its first forward of the step, or before the step's
+        # first message where that forward comes first (`unshard_ahead`: FSDP; other strategies gather in forward)
+        self.unshard_before: dict = {}
+        actions = [i for i, op in enumerate(program) if isinstance(op, Action)]
+        for s in stages:
+            first = next(k for k, i in enumerate(actions) if program[i].kind == "F" and program[i].stage == s)
+            self.unshard_before.setdefault(actions[first - 1] if first else None, []).append(s)
         self.observers: list = []  # fn(action) after every action (a memory sample, a probe)
         self.calls = 0  # steps run so far: the step its spans are labelled with
 
@@ -107,6 +114,7 @@ class Driver:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.tie is not None and 0 in self.stages:
             self.tie.capture = True
+        self._unshard_ahead(None)
         for index, op in enumerate(self.program):
             if isinstance(op, Recv):
                 self._received(op.message, mailbox.receive(op.message, op.peer))
@@ -114,6 +122,7 @@ class Driver:
                 if op not in self.sent_within:
                     mailbox.send(op.message, op.peer, self._outgoing(op.message))
             else:
+                self._unshard_ahead(index)
                 with phase("forward" if op.kind == "F" else "backward"):
                     with span(KINDS[op.kind], step=self.calls - 1, micro=op.micro, stage=op.stage, action=op.kind):
                         if op.kind == "F":
@@ -136,6 +145,11 @@ class Driver:
         return total / self.m
 
     # --- the actions -----------------------------------------------------------------------------------
+    def _unshard_ahead(self, index) -> None:
+        for s in self.unshard_before.get(index, ()):
+            if hasattr(self.stages[s], "unshard_ahead"):
+                self.stages[s].unshard_ahead()
+
     def _forward(self, op: Action, xs, ys) -> torch.Tensor:
         first, last = op.stage == 0, op.stage == self.last_stage
         inputs = xs[op.micro] if first else self._arrived((op.micro, op.stage, "input")).requires_grad_()
