@@ -23,11 +23,14 @@
    all-gathers the 8 key-value heads' K and V over cp; the toolkit's ring passes the same compact K and V (the same
    bytes, 2(cp-1)/cp of them, in cp-1 steps a layer beside compute), and Ulysses cannot run it (one key-value head
    per tensor-parallel rank does not split over cp 16): the ring is priced. FSDP as Llama 3's (not resharded after
-   forward); activation checkpointing, without which the stand-in's first stage does not fit.
+   forward) and as FSDP runs on a GPU (the next unit gathered while this one computes: forward_prefetch);
+   activation checkpointing, without which the stand-in's first stage does not fit. 1, 2, 4 and 8 virtual stages
+   are priced (8: one layer each, as many as a stage of 8 layers can have).
 3. What a larger world costs the simulation itself (`--part worlds`): one rank of a tp 8 x cp 16 x pp 2 layout of a
    small GPT, unpriced, at 4,096, 16,384 and 65,536 ranks, each in a fresh process: wall time and peak memory.
 
     .venv/bin/python bench/long_context.py [--part sweep|llama3|worlds|all] [--write docs/benchmarks.md]
+    .venv/bin/python bench/long_context.py --part llama3 --virtual 8 --collective-lanes 2   (links' turns bounded)
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import sys
 import time
 
 import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
+from published_runs import GPU_FSDP
 
 SECTIONS = {
     "sweep": "## A 128k context on 1,024 H100, every layout priced (bench/long_context.py)",
@@ -54,7 +58,7 @@ SWEEP = [(cp, pp) for pp in (1, 4, 8) for cp in (1, 2, 4, 8, 16, 32) if WORLD //
 # Llama 3 405B, Table 4's third row (and its model, Table 3)
 LLAMA405 = dict(vocab_size=128256, seq_len=S, n_head=128, n_kv_head=8, d_model=16384, d_ff=79872)  # 11.875h^2 a layer
 LLAMA3 = dict(world=16384, tp=8, cp=16, pp=16, dp=8, sequences=16, params=405e9, layers=126, measured=380.0)
-VIRTUAL = (1, 2, 4)  # the interleaved schedule's virtual stages per rank, not published: each priced
+VIRTUAL = (1, 2, 4, 8)  # the interleaved schedule's virtual stages per rank, not published: each priced (8: 1 layer)
 ATTENTIONS = ("ring",)  # Ulysses cannot split 1 key-value head per tp rank over cp 16 (why Llama 3 all-gathers)
 TOLERANCE = 0.15
 
@@ -114,17 +118,19 @@ def llama3_flops_per_token() -> float:
 
 
 @functools.cache
-def llama3(virtual: int, attention: str = "ring") -> dict:
+def llama3(virtual: int, attention: str = "ring", lanes: int = 1) -> dict:
     """Llama 3 405B's 128k layout priced with `virtual` stages per rank (1: plain 1F1B) and cp's `attention`.
     FSDP as Llama 3's (section 3.3.2): units not resharded after forward (reshard_after_forward=False: under pp,
     gathered once a step); activation checkpointing, without which the stand-in's 16 micro-batches in flight on
     the first stage do not fit (the paper does not say what it recomputed)."""
     from toolkit.models import tiny_gpt
+    from toolkit.sim import cluster_of
     from toolkit.sim.sweep import sweep
 
     c = LLAMA3
     options = dict(tp=c["tp"], cp=c["cp"], pp=c["pp"], order="tp-cp-pp-dp", sequence_parallel=True)
     options.update(microbatches=c["sequences"], cp_attention=attention, reshard_after_forward=False)
+    options.update(GPU_FSDP)  # the next unit gathered while this one computes, as FSDP on a GPU does (published_runs)
     options.update(activation_checkpointing=True)
     if virtual > 1:
         options.update(schedule="interleaved", virtual_stages=virtual)
@@ -133,7 +139,7 @@ def llama3(virtual: int, attention: str = "ring") -> dict:
         layers=8 * c["pp"],
         strategies={f"v{virtual} {attention}": ("fsdp", options)},
         worlds=(c["world"],),
-        cluster="dgx-h100",
+        cluster="dgx-h100" if lanes == 1 else cluster_of("dgx-h100", collective_lanes=lanes),
         mixed_precision=True,
         seq_len=S,
         batch_per_rank=c["sequences"],
@@ -194,11 +200,17 @@ def _sweep_text() -> str:
     return text
 
 
-def _llama3_text() -> str:
-    results = [llama3(v, a) for a in ATTENTIONS for v in VIRTUAL]
+def _llama3_text(virtual=VIRTUAL, lanes: int = 1) -> str:
+    results = [llama3(v, a, lanes) for a in ATTENTIONS for v in virtual]
+    shared = (
+        f", with {lanes} collectives at once on each link (an upper bound on links sharing their bandwidth: each at "
+        f"full speed; the toolkit's links take turns)"
+        if lanes > 1
+        else ""
+    )
     return (
         "Llama 3 405B's 128k stage (Table 4: 16,384 H100, tp 8 x cp 16 x pp 16 x dp 8, 16M tokens a step, "
-        "380 TFLOP/s per GPU), its stand-in priced at 16,384 ranks:\n\n" + llama3_table(results)
+        f"380 TFLOP/s per GPU), its stand-in priced at 16,384 ranks{shared}:\n\n" + llama3_table(results)
     )
 
 
@@ -227,9 +239,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("sweep", "llama3", "worlds", "all"), default="all")
     parser.add_argument("--write", help="put each part's section into this markdown file")
+    parser.add_argument("--virtual", default=",".join(map(str, VIRTUAL)), help="llama3: the virtual stages to price")
+    parser.add_argument(
+        "--collective-lanes", type=int, default=1, help="llama3: collectives each link runs at once (an upper bound)"
+    )
     args = parser.parse_args(argv)
+    try:
+        virtual = tuple(int(v) for v in args.virtual.split(","))
+    except ValueError:
+        parser.error(f"--virtual takes virtual stages per rank separated by commas (e.g. 4,8), got {args.virtual!r}")
+    if args.collective_lanes != 1 and args.write:
+        parser.error("--collective-lanes prices an upper bound, not the model: it is not written; drop --write")
     started = time.perf_counter()
-    for part, make in (("sweep", _sweep_text), ("llama3", _llama3_text), ("worlds", _worlds_text)):
+    llama3_part = functools.partial(_llama3_text, virtual, args.collective_lanes)
+    for part, make in (("sweep", _sweep_text), ("llama3", llama3_part), ("worlds", _worlds_text)):
         if args.part not in (part, "all"):
             continue
         text = make()

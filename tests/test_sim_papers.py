@@ -545,9 +545,11 @@ def long_context():
 LONG = long_context()
 LLAMA3_WHY = (
     "the stand-in pays what Llama 3 did not (docs/differences.md, 'The simulator held to published runs at scale'): "
-    "not cp's bytes any more (grouped-query attention: the ring passes the 8 key-value heads' K and V, what Llama 3's "
-    "all-gather moves, 5-8% of the step exposed), but the pipeline's bubble (30-53% of the step; the paper does not "
-    "give its virtual stages) and activation checkpointing, without which its first stage does not fit"
+    "the pipeline's bubble (20-50% of the step, where the formula gives 10.5-48%: at 8 virtual stages mostly ring "
+    "passes queued behind FSDP all-gathers on the network, as the simulator's links take turns; with two collectives "
+    "at once on each link, an upper bound on sharing it, that row is 331, -13%), activation checkpointing, without "
+    "which its first stage does not fit, and virtual stages the paper does not give; not cp's bytes (the ring passes "
+    "the 8 key-value heads' K and V, what Llama 3's all-gather moves)"
 )
 
 
@@ -557,8 +559,8 @@ LLAMA3_WHY = (
 def test_llama3_405b_128k_layout_at_16384_gpus(virtual):
     """Llama 3's 128k stage (Table 4: tp 8, cp 16, pp 16, dp 8 on 16,384 H100, 380 TFLOP/s per GPU in PaLM's count)
     simulated at its own world size and priced: it fits, the stand-in is never faster than the run (it
-    recomputes its activations), and within 15% it is not (177 / 225 / 265 TFLOP/s per GPU at 1 / 2 / 4 virtual stages
-    when last measured, the ring passing grouped-query K and V; -53% / -41% / -30%)."""
+    recomputes its activations), and within 15% it is not (189 / 235 / 273 / 305 TFLOP/s per GPU at 1 / 2 / 4 / 8
+    virtual stages when last measured, the ring passing grouped-query K and V; -50% / -38% / -28% / -20%)."""
     got = LONG.llama3(virtual, "ring")
     assert got["fits"] and got["predicted"] < LONG.LLAMA3["measured"]
     said = f"{virtual} virtual stages: predicted {got['predicted']:.0f} TFLOP/s per GPU, published 380"
