@@ -30,7 +30,7 @@
    small GPT, unpriced, at 4,096, 16,384 and 65,536 ranks, each in a fresh process: wall time and peak memory.
 
     .venv/bin/python bench/long_context.py [--part sweep|llama3|worlds|all] [--write docs/benchmarks.md]
-    .venv/bin/python bench/long_context.py --part llama3 --virtual 8 --collective-lanes 2   (links' turns bounded)
+    .venv/bin/python bench/long_context.py --part llama3 --virtual 8 --links-share   (links sharing, not taking turns)
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def llama3_flops_per_token() -> float:
 
 
 @functools.cache
-def llama3(virtual: int, attention: str = "ring", lanes: int = 1) -> dict:
+def llama3(virtual: int, attention: str = "ring", share: bool = False) -> dict:
     """Llama 3 405B's 128k layout priced with `virtual` stages per rank (1: plain 1F1B) and cp's `attention`.
     FSDP as Llama 3's (section 3.3.2): units not resharded after forward (reshard_after_forward=False: under pp,
     gathered once a step); activation checkpointing, without which the stand-in's 16 micro-batches in flight on
@@ -139,7 +139,7 @@ def llama3(virtual: int, attention: str = "ring", lanes: int = 1) -> dict:
         layers=8 * c["pp"],
         strategies={f"v{virtual} {attention}": ("fsdp", options)},
         worlds=(c["world"],),
-        cluster="dgx-h100" if lanes == 1 else cluster_of("dgx-h100", collective_lanes=lanes),
+        cluster=cluster_of("dgx-h100", links_share=share),
         mixed_precision=True,
         seq_len=S,
         batch_per_rank=c["sequences"],
@@ -200,14 +200,9 @@ def _sweep_text() -> str:
     return text
 
 
-def _llama3_text(virtual=VIRTUAL, lanes: int = 1) -> str:
-    results = [llama3(v, a, lanes) for a in ATTENTIONS for v in virtual]
-    shared = (
-        f", with {lanes} collectives at once on each link (an upper bound on links sharing their bandwidth: each at "
-        f"full speed; the toolkit's links take turns)"
-        if lanes > 1
-        else ""
-    )
+def _llama3_text(virtual=VIRTUAL, share: bool = False) -> str:
+    results = [llama3(v, a, share) for a in ATTENTIONS for v in virtual]
+    shared = ", its links sharing their rate among the collectives on them (`Cluster.links_share`)" if share else ""
     return (
         "Llama 3 405B's 128k stage (Table 4: 16,384 H100, tp 8 x cp 16 x pp 16 x dp 8, 16M tokens a step, "
         f"380 TFLOP/s per GPU), its stand-in priced at 16,384 ranks{shared}:\n\n" + llama3_table(results)
@@ -241,17 +236,17 @@ def main(argv=None) -> int:
     parser.add_argument("--write", help="put each part's section into this markdown file")
     parser.add_argument("--virtual", default=",".join(map(str, VIRTUAL)), help="llama3: the virtual stages to price")
     parser.add_argument(
-        "--collective-lanes", type=int, default=1, help="llama3: collectives each link runs at once (an upper bound)"
+        "--links-share", action="store_true", help="llama3: collectives on a link share it (not yet the presets' way)"
     )
     args = parser.parse_args(argv)
     try:
         virtual = tuple(int(v) for v in args.virtual.split(","))
     except ValueError:
         parser.error(f"--virtual takes virtual stages per rank separated by commas (e.g. 4,8), got {args.virtual!r}")
-    if args.collective_lanes != 1 and args.write:
-        parser.error("--collective-lanes prices an upper bound, not the model: it is not written; drop --write")
+    if args.links_share and args.write:
+        parser.error("--links-share is not yet how the presets price (their tables rerun first): drop --write")
     started = time.perf_counter()
-    llama3_part = functools.partial(_llama3_text, virtual, args.collective_lanes)
+    llama3_part = functools.partial(_llama3_text, virtual, args.links_share)
     for part, make in (("sweep", _sweep_text), ("llama3", llama3_part), ("worlds", _worlds_text)):
         if args.part not in (part, "all"):
             continue

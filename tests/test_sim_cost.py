@@ -200,6 +200,32 @@ def test_a_ring_the_network_bounds_holds_nvlink_only_for_its_bytes_time_there():
     assert exchange.resources == ("intra", "inter") and 0 < exchange.occupancy_on("intra") < exchange.seconds / 2
 
 
+def test_links_that_share_run_a_short_collective_beside_a_long_one_and_lose_no_time():
+    """With `links_share` (NCCL's communicators on their own streams) a small collective issued while a large one
+    crosses the network starts at once and the two split the link's rate: the small one's bytes take twice their
+    time (not the large one's remaining time plus their own, as when links take turns), the large one ends later by
+    exactly the small one's bytes' time, and a third issued once both are done starts when it would with turns:
+    the link's work is the same, only its order differs."""
+    turns, shared = cluster_of("dgx-h100"), cluster_of("dgx-h100", links_share=True)
+    nodes = range(0, 128, 8)  # one rank on each of 16 nodes: the network alone
+    program = [comm(0, "all_gather", 1e9, nodes), comm(1, "all_reduce", 4 * MB, nodes)]
+    program += [Wait(1), Wait(0), comm(2, "all_gather", 1e9, nodes), Wait(2)]
+
+    def spans(cluster):
+        out = schedule(program, None, lambda c: collective_time(cluster, c.op, c.size_bytes, c.group))
+        return [next(s for s in out.spans if s.kind == "comm" and s.instruction.id == i) for i in range(3)]
+
+    big, small = collective_time(shared, "all_gather", 1e9, nodes), collective_time(shared, "all_reduce", 4 * MB, nodes)
+    assert big.resources == small.resources == ("inter",) and small.occupancy_on("inter") < big.seconds / 10
+    (g0, r0, a0), (g1, r1, a1) = spans(turns), spans(shared)
+    assert r0.start == pytest.approx(g0.end) and a0.start == pytest.approx(r0.end)  # turns: behind the gather
+    assert r1.start == 0 and r1.end == pytest.approx(small.seconds + small.occupancy_on("inter"))  # beside it
+    assert g1.end == pytest.approx(big.seconds + small.occupancy_on("inter"))  # delayed by its bytes' time
+    assert r1.end < r0.end / 10 and a1.start == pytest.approx(a0.start)  # the same work on the link
+    with pytest.raises(ValueError, match="links_share"):
+        cluster_of("dgx-h100", links_share="yes")
+
+
 def test_buckets_beat_one_all_reduce_after_backward_and_the_model_says_by_how_much():
     """DDP's point: four buckets issued as backward produces them hide all but the last one."""
     layer = Compute(1e12, phase="backward", label="layer")

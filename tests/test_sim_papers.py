@@ -546,8 +546,8 @@ LONG = long_context()
 LLAMA3_WHY = (
     "the stand-in pays what Llama 3 did not (docs/differences.md, 'The simulator held to published runs at scale'): "
     "the pipeline's bubble (20-50% of the step, where the formula gives 10.5-48%: at 8 virtual stages mostly ring "
-    "passes queued behind FSDP all-gathers on the network, as the simulator's links take turns; with two collectives "
-    "at once on each link, an upper bound on sharing it, that row is 331, -13%), activation checkpointing, without "
+    "passes queued behind FSDP all-gathers on the network, as the presets' links take turns; with links that share "
+    "their rate, `Cluster.links_share`, that row is 329, -13%), activation checkpointing, without "
     "which its first stage does not fit, and virtual stages the paper does not give; not cp's bytes (the ring passes "
     "the 8 key-value heads' K and V, what Llama 3's all-gather moves)"
 )

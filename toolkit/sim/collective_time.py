@@ -60,6 +60,7 @@ class CollectiveCost:
     bandwidth: float = math.inf  # bytes/s the bandwidth term ran at (ring ops)
     latency_holds_link: bool = True  # see `Cluster.latency_holds_link`
     lanes: int = 1  # collectives its links run at once: `Cluster.collective_lanes`
+    shares: bool = False  # its links share their rate among the collectives on them: `Cluster.links_share`
     cores: float | None = None  # seconds it holds the cores (timeline rule 4); None: (1 - overlap) x seconds
     intra_seconds: float | None = None  # its bytes' time on NVLink, where the network bounds it (see `occupancy_on`)
 
@@ -120,7 +121,12 @@ def collective_time(
     input_splits/output_splits in rows, send/recv's peer).
     """
     cost = _time_on_links(cluster, op, size_bytes, group, me, args)
-    cost = replace(cost, latency_holds_link=cluster.latency_holds_link, lanes=cluster.collective_lanes)
+    cost = replace(
+        cost,
+        latency_holds_link=cluster.latency_holds_link,
+        lanes=cluster.collective_lanes,
+        shares=cluster.links_share,
+    )
     if cluster.underlay is None:
         return cost
     # an emulated link (`toolkit.comm.emulate`): the call runs on the real links beneath, then sleeps until the

@@ -146,6 +146,11 @@ def cluster_of(spec, **changes) -> Cluster:
             f"cluster {found.name!r}: beside_compute={beside!r} is how many times longer a collective "
             f"takes in flight beside compute, a finite number >= 1 (1: links of their own, as on GPUs)."
         )
+    if not isinstance(found.links_share, bool):
+        raise ValueError(
+            f"cluster {found.name!r}: links_share={found.links_share!r} is True (collectives on a link share its "
+            f"rate, as NCCL's communicators do) or False (they take turns)."
+        )
     return found
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .program import Collective, Compute, Wait
-from .timeline import Links, Span, Timeline, cores_held, held, slowed
+from .timeline import Links, Span, Timeline, cores_held, held, run_on, slowed
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,7 @@ class _Stage:
         self.spans: list = []
         self.done: dict = {}  # collective id -> when it completes (None: a transfer not yet matched)
         self.links = Links(start)  # when a stage's own links can next start a collective
+        self.span_of: dict = {}  # collective id -> its span
         self.hold = (start, None)  # until when its collectives hold the cores (the overlap rule's rule 4)
         self.busy: list = []  # (begin, end) of its collectives in flight (the overlap rule's rule 6)
 
@@ -222,9 +223,11 @@ def schedule_stages(
 
     def _collective(key, st: _Stage, c: Collective) -> None:
         cost = collective_cost(key, c)
-        begin, st.done[c.id] = st.links.run(cost, st.clock, beside if c.async_op else 1.0)
+        stretch = beside if c.async_op else 1.0
+        begin, st.done[c.id] = run_on(st.links, cost, st.clock, stretch, c.id, st.done, st.span_of, st.busy)
         st.busy.append((begin, st.done[c.id]))
         st.spans.append(Span("comm", begin, st.done[c.id], c, issued=st.clock, cost=cost))
+        st.span_of[c.id] = st.spans[-1]
         cores = cores_held(cost, overlap)
         if cores > 0:
             st.hold = max(st.hold, (begin + cores, c), key=lambda h: h[0])

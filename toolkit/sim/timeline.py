@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .link_sharing import SharedLinks
 from .program import Collective, Compute, Wait
 
 
@@ -152,13 +153,18 @@ def slowed(start: float, seconds: float, busy: list, slowdown: float) -> float:
 class Links:
     """When each of a rank's links can next start a collective (rules 2 and 5): a link runs `cost.lanes`
     collectives at once (1 where the cost does not say), each for its `occupancy_on(link)` (its `occupancy`, or
-    its `seconds`, where the cost does not say)."""
+    its `seconds`, where the cost does not say); where the cost says its links share (`cost.shares`, from
+    `Cluster.links_share`), every collective starts at once and they share the link's rate (`link_sharing`)."""
 
     def __init__(self, start: float):
         self.start, self.lanes = start, {}  # link -> the ends of the collectives on its lanes
+        self.shared = SharedLinks(start)
 
-    def run(self, cost, ready: float, stretch: float = 1.0) -> tuple[float, float]:
-        """(begin, end) of a collective whose data is ready at `ready`; its links are held from `begin`."""
+    def run(self, cost, ready: float, stretch: float = 1.0, key=None) -> tuple[float, float]:
+        """(begin, end) of a collective whose data is ready at `ready`; its links are held from `begin`. `key`
+        names it among the ends a later collective moves on shared links (`moved`)."""
+        if getattr(cost, "shares", False):
+            return self.shared.run(cost, ready, stretch, key)
         lanes = getattr(cost, "lanes", 1)
         ends = [self.lanes.setdefault(link, []) for link in cost.resources]
         begin = max([ready] + [min(e) if len(e) >= lanes else self.start for e in ends])
@@ -168,6 +174,23 @@ class Links:
                 e.remove(min(e))
             e.append(begin + held(link) * stretch)
         return begin, begin + cost.seconds * stretch
+
+    def moved(self) -> dict:
+        """{key: new end} of collectives in flight that the last one delayed, on links that share."""
+        return self.shared.moved()
+
+
+def run_on(links: Links, cost, ready: float, stretch: float, key, done: dict, span_of: dict, busy: list):
+    """(begin, end) of collective `key` on `links`; the ends of the ones it delays (links that share) moved in
+    `done` (id -> end), their spans (`span_of`: id -> Span) and the in-flight intervals of rule 6 (`busy`)."""
+    begin, end = links.run(cost, ready, stretch, key)
+    for k, new in links.moved().items():
+        old, span = done.get(k), span_of.get(k)
+        if old is None or span is None or new <= old:
+            continue
+        busy[:] = [(b, new if (b, e) == (span.start, old) else e) for b, e in busy]
+        done[k] = span.end = new
+    return begin, end
 
 
 def schedule(
@@ -187,6 +210,7 @@ def schedule(
     hold = (start, None)  # until when this rank's collectives hold the cores (rule 4), and which one
     links = Links(start)
     done: dict[int, float] = {}  # collective id -> when it ends
+    span_of: dict = {}  # collective id -> its span
     busy: list = []  # (begin, end) of collectives in flight, for rule 6
     spans = []
     for n, instruction in enumerate(program):
@@ -200,10 +224,12 @@ def schedule(
             if instruction.id in done:
                 raise ValueError(f"instruction {n}: collective id {instruction.id} issued twice")
             cost = collective_cost(instruction)
-            begin, end = links.run(cost, clock, beside if instruction.async_op else 1.0)
+            stretch = beside if instruction.async_op else 1.0
+            begin, end = run_on(links, cost, clock, stretch, instruction.id, done, span_of, busy)
             done[instruction.id] = end
             busy.append((begin, end))
             spans.append(Span("comm", begin, end, instruction, issued=clock, cost=cost))
+            span_of[instruction.id] = spans[-1]
             cores = cores_held(cost, overlap)
             if cores > 0:
                 hold = max(hold, (begin + cores, instruction), key=lambda h: h[0])
