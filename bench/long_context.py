@@ -30,7 +30,7 @@
    small GPT, unpriced, at 4,096, 16,384 and 65,536 ranks, each in a fresh process: wall time and peak memory.
 
     .venv/bin/python bench/long_context.py [--part sweep|llama3|worlds|all] [--write docs/benchmarks.md]
-    .venv/bin/python bench/long_context.py --part llama3 --virtual 8 --links-share   (links sharing, not taking turns)
+    .venv/bin/python bench/long_context.py --part llama3 --virtual 8 --links-take-turns   (a what-if: links in turns)
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def llama3_flops_per_token() -> float:
 
 
 @functools.cache
-def llama3(virtual: int, attention: str = "ring", share: bool = False) -> dict:
+def llama3(virtual: int, attention: str = "ring", share: bool = True) -> dict:
     """Llama 3 405B's 128k layout priced with `virtual` stages per rank (1: plain 1F1B) and cp's `attention`.
     FSDP as Llama 3's (section 3.3.2): units not resharded after forward (reshard_after_forward=False: under pp,
     gathered once a step); activation checkpointing, without which the stand-in's 16 micro-batches in flight on
@@ -200,12 +200,12 @@ def _sweep_text() -> str:
     return text
 
 
-def _llama3_text(virtual=VIRTUAL, share: bool = False) -> str:
+def _llama3_text(virtual=VIRTUAL, share: bool = True) -> str:
     results = [llama3(v, a, share) for a in ATTENTIONS for v in virtual]
-    shared = ", its links sharing their rate among the collectives on them (`Cluster.links_share`)" if share else ""
+    turns = "" if share else ", its links taking turns among the collectives on them (`links_share=False`)"
     return (
         "Llama 3 405B's 128k stage (Table 4: 16,384 H100, tp 8 x cp 16 x pp 16 x dp 8, 16M tokens a step, "
-        f"380 TFLOP/s per GPU), its stand-in priced at 16,384 ranks{shared}:\n\n" + llama3_table(results)
+        f"380 TFLOP/s per GPU), its stand-in priced at 16,384 ranks{turns}:\n\n" + llama3_table(results)
     )
 
 
@@ -236,17 +236,19 @@ def main(argv=None) -> int:
     parser.add_argument("--write", help="put each part's section into this markdown file")
     parser.add_argument("--virtual", default=",".join(map(str, VIRTUAL)), help="llama3: the virtual stages to price")
     parser.add_argument(
-        "--links-share", action="store_true", help="llama3: collectives on a link share it (not yet the presets' way)"
+        "--links-take-turns",
+        action="store_true",
+        help="llama3: collectives on a link take turns rather than share it (a what-if: NCCL's communicators share)",
     )
     args = parser.parse_args(argv)
     try:
         virtual = tuple(int(v) for v in args.virtual.split(","))
     except ValueError:
         parser.error(f"--virtual takes virtual stages per rank separated by commas (e.g. 4,8), got {args.virtual!r}")
-    if args.links_share and args.write:
-        parser.error("--links-share is not yet how the presets price (their tables rerun first): drop --write")
+    if args.links_take_turns and args.write:
+        parser.error("--links-take-turns is a what-if, not how the presets price: drop --write")
     started = time.perf_counter()
-    llama3_part = functools.partial(_llama3_text, virtual, args.links_share)
+    llama3_part = functools.partial(_llama3_text, virtual, not args.links_take_turns)
     for part, make in (("sweep", _sweep_text), ("llama3", llama3_part), ("worlds", _worlds_text)):
         if args.part not in (part, "all"):
             continue

@@ -178,9 +178,9 @@ def test_collectives_on_one_link_take_turns_and_on_different_links_run_side_by_s
 def test_a_ring_the_network_bounds_holds_nvlink_only_for_its_bytes_time_there():
     """A data-parallel reduce-scatter across nodes runs at the network's pace; its bytes cross NVLink in a fraction of
     that. A tensor-parallel all-reduce inside the node (another communicator: NCCL runs the two side by side) waits
-    only for that fraction, not for the whole reduce-scatter; a second collective across nodes still waits for the
-    network."""
-    for cluster in (AB, cluster_of("dgx-h100")):
+    only for that fraction, not for the whole reduce-scatter (where the links share, as on the GPU presets, not at
+    all); a second collective of the reduce-scatter's communicator waits for it either way."""
+    for cluster in (AB, cluster_of("dgx-h100", links_share=False), cluster_of("dgx-h100")):
         across = collective_time(cluster, "reduce_scatter", 1e9, range(0, 32, 2))  # 4 nodes, 4 members on each
         inside = collective_time(cluster, "all_reduce", 8 * MB, range(4))
         nvlink = bus_bandwidth(cluster, "reduce_scatter", 1e9) if cluster.published else cluster.intra.bandwidth
@@ -194,34 +194,42 @@ def test_a_ring_the_network_bounds_holds_nvlink_only_for_its_bytes_time_there():
             program, None, lambda c, cluster=cluster: collective_time(cluster, c.op, c.size_bytes, c.group)
         ).spans
         (rs, ar, ag) = [next(s for s in spans if s.kind == "comm" and s.instruction.id == i) for i in range(3)]
-        assert ar.start == pytest.approx(across.occupancy_on("intra")) and ar.end < rs.end  # beside it
-        assert ag.start == pytest.approx(rs.end)  # the network takes turns
+        beside = 0.0 if cluster.links_share else across.occupancy_on("intra")
+        assert ar.start == pytest.approx(beside) and ar.end < rs.end  # beside it
+        assert ag.start == pytest.approx(rs.end)  # one communicator's collectives in turn
     exchange = collective_time(cluster_of("dgx-h100"), "all_to_all", 16 * MB, range(16), me=0)  # 7 peers by NVLink
     assert exchange.resources == ("intra", "inter") and 0 < exchange.occupancy_on("intra") < exchange.seconds / 2
 
 
 def test_links_that_share_run_a_short_collective_beside_a_long_one_and_lose_no_time():
-    """With `links_share` (NCCL's communicators on their own streams) a small collective issued while a large one
-    crosses the network starts at once and the two split the link's rate: the small one's bytes take twice their
-    time (not the large one's remaining time plus their own, as when links take turns), the large one ends later by
-    exactly the small one's bytes' time, and a third issued once both are done starts when it would with turns:
-    the link's work is the same, only its order differs."""
-    turns, shared = cluster_of("dgx-h100"), cluster_of("dgx-h100", links_share=True)
-    nodes = range(0, 128, 8)  # one rank on each of 16 nodes: the network alone
-    program = [comm(0, "all_gather", 1e9, nodes), comm(1, "all_reduce", 4 * MB, nodes)]
-    program += [Wait(1), Wait(0), comm(2, "all_gather", 1e9, nodes), Wait(2)]
+    """With `links_share` (the GPU presets: NCCL's communicators on their own streams) a small collective of another
+    communicator issued while a large one crosses the network starts at once and the two split the link's rate: the
+    small one's bytes take twice their time (not the large one's remaining time plus their own, as when links take
+    turns), the large one ends later by exactly the small one's bytes' time, and a third issued once both are done
+    starts when it would with turns: the link's work is the same, only its order differs. A collective of the large
+    one's own communicator waits for it, as NCCL runs one communicator's collectives in turn."""
+    turns, shared = cluster_of("dgx-h100", links_share=False), cluster_of("dgx-h100")
+    nodes, half = range(0, 128, 8), range(0, 64, 8)  # one rank on each of 16 (8) nodes: the network alone
+    program = [comm(0, "all_gather", 1e9, nodes), comm(1, "all_reduce", 4 * MB, half)]
+    program += [Wait(1), Wait(0), comm(2, "all_gather", 1e9, nodes), comm(3, "all_reduce", 4 * MB, nodes), Wait(3)]
 
     def spans(cluster):
         out = schedule(program, None, lambda c: collective_time(cluster, c.op, c.size_bytes, c.group))
-        return [next(s for s in out.spans if s.kind == "comm" and s.instruction.id == i) for i in range(3)]
+        return [next(s for s in out.spans if s.kind == "comm" and s.instruction.id == i) for i in range(4)]
 
-    big, small = collective_time(shared, "all_gather", 1e9, nodes), collective_time(shared, "all_reduce", 4 * MB, nodes)
+    big, small = collective_time(shared, "all_gather", 1e9, nodes), collective_time(shared, "all_reduce", 4 * MB, half)
     assert big.resources == small.resources == ("inter",) and small.occupancy_on("inter") < big.seconds / 10
-    (g0, r0, a0), (g1, r1, a1) = spans(turns), spans(shared)
+    (g0, r0, a0, s0), (g1, r1, a1, s1) = spans(turns), spans(shared)
     assert r0.start == pytest.approx(g0.end) and a0.start == pytest.approx(r0.end)  # turns: behind the gather
     assert r1.start == 0 and r1.end == pytest.approx(small.seconds + small.occupancy_on("inter"))  # beside it
     assert g1.end == pytest.approx(big.seconds + small.occupancy_on("inter"))  # delayed by its bytes' time
     assert r1.end < r0.end / 10 and a1.start == pytest.approx(a0.start)  # the same work on the link
+    assert s1.start == pytest.approx(a1.end) and s1.start == pytest.approx(s0.start)  # its communicator's turn
+    queued = [comm(0, "all_gather", 1e9, nodes), comm(1, "all_reduce", 4 * MB, nodes)]  # the second queued...
+    queued += [comm(2, "all_reduce", 4 * MB, half), Wait(0), Wait(1), Wait(2)]  # ...when another communicator comes
+    out = schedule(queued, None, lambda c: collective_time(shared, c.op, c.size_bytes, c.group)).spans
+    g, q, r = [next(s for s in out if s.kind == "comm" and s.instruction.id == i) for i in range(3)]
+    assert g.end == pytest.approx(g1.end) and q.start == pytest.approx(g.end)  # moved back with the gather's end
     with pytest.raises(ValueError, match="links_share"):
         cluster_of("dgx-h100", links_share="yes")
 

@@ -81,6 +81,7 @@ CLUSTERS = {
         + _NCCL
         + "; collectives: toolkit.sim.published_collectives",
         published=published_collectives.DGX_A100,
+        links_share=True,
     ),
     "dgx-h100": Cluster(
         "dgx-h100",
@@ -93,6 +94,7 @@ CLUSTERS = {
         + _NCCL
         + "; collectives: toolkit.sim.published_collectives",
         published=published_collectives.DGX_H100,
+        links_share=True,
     ),
 }
 THIS_MACHINE = "this-machine"

@@ -63,7 +63,8 @@ class Cluster:
     op_links: dict = field(default_factory=dict, compare=False)  # op -> Link measured for it inside a node
     collective_lanes: int = 1  # collectives a link runs at once (timeline rule 2): 1 under NCCL; gloo's threads
     links_share: bool = False  # collectives on one link share its rate (`link_sharing`, as NCCL's communicators
-    #                                 on their own streams do) rather than take turns: an option until the tables rerun
+    #                                 on their own streams do) rather than take turns: True on the GPU presets;
+    #                                 False where one thread runs them in turn (gloo, this machine's calibration)
     underlay: Cluster | None = field(default=None, compare=False)  # an emulated link's real links, beneath it
     published: NetworkMeasurements | None = field(default=None, compare=False)  # its collectives, measured
     notes: dict = field(default_factory=dict, compare=False)  # e.g. calibration details

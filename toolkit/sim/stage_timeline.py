@@ -224,7 +224,7 @@ def schedule_stages(
     def _collective(key, st: _Stage, c: Collective) -> None:
         cost = collective_cost(key, c)
         stretch = beside if c.async_op else 1.0
-        begin, st.done[c.id] = run_on(st.links, cost, st.clock, stretch, c.id, st.done, st.span_of, st.busy)
+        begin, st.done[c.id] = run_on(st.links, cost, st.clock, stretch, c, st.done, st.span_of, st.busy)
         st.busy.append((begin, st.done[c.id]))
         st.spans.append(Span("comm", begin, st.done[c.id], c, issued=st.clock, cost=cost))
         st.span_of[c.id] = st.spans[-1]

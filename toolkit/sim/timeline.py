@@ -8,7 +8,10 @@ The rule, in the order the strategy issued its work (`toolkit.sim.program`):
    collectives, whichever is later, and runs for the time the link model gives (`collective_time`).
    Collectives on different links (NVLink inside a node, the network between nodes) run side by side;
    on the same link they take turns, in issue order, each holding it for its bytes' time on that link
-   (a ring across nodes that the network bounds holds NVLink for less than its whole time).
+   (a ring across nodes that the network bounds holds NVLink for less than its whole time). Where the
+   links share (`Cluster.links_share`, the GPU presets: NCCL's communicators on streams of their own),
+   the communicators on a link split its rate, each running its own collectives in issue order
+   (`link_sharing`).
 3. A `Wait` stalls the compute stream until that collective has finished. A synchronous collective is
    a Collective followed at once by its Wait, so it always stalls; an asynchronous one stalls only
    if the compute issued after it is shorter than it.
@@ -154,17 +157,17 @@ class Links:
     """When each of a rank's links can next start a collective (rules 2 and 5): a link runs `cost.lanes`
     collectives at once (1 where the cost does not say), each for its `occupancy_on(link)` (its `occupancy`, or
     its `seconds`, where the cost does not say); where the cost says its links share (`cost.shares`, from
-    `Cluster.links_share`), every collective starts at once and they share the link's rate (`link_sharing`)."""
+    `Cluster.links_share`), the communicators on a link share its rate, each running its own in turn (`link_sharing`)."""
 
     def __init__(self, start: float):
         self.start, self.lanes = start, {}  # link -> the ends of the collectives on its lanes
         self.shared = SharedLinks(start)
 
-    def run(self, cost, ready: float, stretch: float = 1.0, key=None) -> tuple[float, float]:
+    def run(self, cost, ready: float, stretch: float = 1.0, key=None, group=None) -> tuple[float, float]:
         """(begin, end) of a collective whose data is ready at `ready`; its links are held from `begin`. `key`
-        names it among the ends a later collective moves on shared links (`moved`)."""
+        names it among the spans a later collective moves on shared links (`moved`); `group`: its communicator."""
         if getattr(cost, "shares", False):
-            return self.shared.run(cost, ready, stretch, key)
+            return self.shared.run(cost, ready, stretch, key, group)
         lanes = getattr(cost, "lanes", 1)
         ends = [self.lanes.setdefault(link, []) for link in cost.resources]
         begin = max([ready] + [min(e) if len(e) >= lanes else self.start for e in ends])
@@ -176,20 +179,21 @@ class Links:
         return begin, begin + cost.seconds * stretch
 
     def moved(self) -> dict:
-        """{key: new end} of collectives in flight that the last one delayed, on links that share."""
+        """{key: new (begin, end)} of collectives in flight or queued that the last one delayed, on links that share."""
         return self.shared.moved()
 
 
-def run_on(links: Links, cost, ready: float, stretch: float, key, done: dict, span_of: dict, busy: list):
-    """(begin, end) of collective `key` on `links`; the ends of the ones it delays (links that share) moved in
-    `done` (id -> end), their spans (`span_of`: id -> Span) and the in-flight intervals of rule 6 (`busy`)."""
-    begin, end = links.run(cost, ready, stretch, key)
-    for k, new in links.moved().items():
-        old, span = done.get(k), span_of.get(k)
-        if old is None or span is None or new <= old:
+def run_on(links: Links, cost, ready: float, stretch: float, collective, done: dict, span_of: dict, busy: list):
+    """(begin, end) of `collective` on `links`; the ones it delays (links that share) moved in `done` (id -> end),
+    their spans (`span_of`: id -> Span) and the in-flight intervals of rule 6 (`busy`)."""
+    begin, end = links.run(cost, ready, stretch, collective.id, collective.group)
+    for k, (new_begin, new_end) in links.moved().items():
+        span = span_of.get(k)
+        if span is None or done.get(k) is None or (new_begin, new_end) == (span.start, span.end):
             continue
-        busy[:] = [(b, new if (b, e) == (span.start, old) else e) for b, e in busy]
-        done[k] = span.end = new
+        busy[:] = [(new_begin, new_end) if (b, e) == (span.start, span.end) else (b, e) for b, e in busy]
+        span.start, span.end = new_begin, new_end
+        done[k] = new_end
     return begin, end
 
 
@@ -225,7 +229,7 @@ def schedule(
                 raise ValueError(f"instruction {n}: collective id {instruction.id} issued twice")
             cost = collective_cost(instruction)
             stretch = beside if instruction.async_op else 1.0
-            begin, end = run_on(links, cost, clock, stretch, instruction.id, done, span_of, busy)
+            begin, end = run_on(links, cost, clock, stretch, instruction, done, span_of, busy)
             done[instruction.id] = end
             busy.append((begin, end))
             spans.append(Span("comm", begin, end, instruction, issued=clock, cost=cost))
