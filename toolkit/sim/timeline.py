@@ -157,7 +157,8 @@ class Links:
     """When each of a rank's links can next start a collective (rules 2 and 5): a link runs `cost.lanes`
     collectives at once (1 where the cost does not say), each for its `occupancy_on(link)` (its `occupancy`, or
     its `seconds`, where the cost does not say); where the cost says its links share (`cost.shares`, from
-    `Cluster.links_share`), the communicators on a link share its rate, each running its own in turn (`link_sharing`)."""
+    `Cluster.links_share`), the communicators on a link share its rate, each running its own in turn
+    (`link_sharing`)."""
 
     def __init__(self, start: float):
         self.start, self.lanes = start, {}  # link -> the ends of the collectives on its lanes
