@@ -249,14 +249,14 @@ NOTES = {
     "mcore-1.7b-h100": "priced as the run was built (untied head, Megatron's fp32 loss at tp 1, no GEMM above the "
     "H100's fastest measured, its data-parallel traffic overlapped as the run's: --overlap-grad-reduce, "
     "--overlap-param-gather), 1% of the step exposed; its compute alone predicts +29%, the 7.1B and 16B rows' +23% "
-    "and +19%: a level on H100 that no published measurement of the H100's kernels found prices (the k = 2048 GEMMs "
+    "and +18%: a level on H100 that no published measurement of the H100's kernels found prices (the k = 2048 GEMMs "
     "are within 3% of one of that shape, 8192 x 2048 x 2048 in 100.06 us, TransformerEngine#2053; the A100 rows of "
     "Table 1 are met)",
     "mcore-7.1b-h100": "priced as the run was built, its tensor- and data-parallel traffic hidden as the run hid it "
     "(tp_comm_overlap's rings, each pass slowing the GEMM beside it by the measured 18.9%; the distributed "
     "optimizer's overlaps), 2% of the step exposed; its compute alone predicts +23%, the level the 1.7B row shows",
     "mcore-16b-h100": "as 7.1B, 4% of its step exposed (the data-parallel buckets' first all-gather and last "
-    "reduce-scatter among it); its compute alone predicts +19%, the level the other two rows show",
+    "reduce-scatter among it); its compute alone predicts +18%, the level the other two rows show",
 }
 
 

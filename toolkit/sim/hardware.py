@@ -114,6 +114,7 @@ def cluster_of(spec, **changes) -> Cluster:
             _link(spec["inter"], "inter"),
             parse_latency(spec["call_latency"], "call_latency") if spec.get("call_latency") else 0.0,
             spec.get("source", "user-defined"),
+            links_share=True,  # GPUs under NCCL, as the presets: communicators share a link
         )
     else:
         raise ValueError(
