@@ -85,7 +85,7 @@ class SharedLinks:
         if not works:
             return ready, ready + total
         key = key if key is not None else object()
-        group = group if group is not None else ("alone", key)
+        group = ("alone", key) if group is None else tuple(group)  # a group of ranks, however it was given
         self.jobs[key] = [total - max(works.values()), {}]
         touched = set()
         for link, work in works.items():
