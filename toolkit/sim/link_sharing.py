@@ -21,6 +21,12 @@ from __future__ import annotations
 _DONE = 1e-15  # seconds of work below which a collective has finished on a link
 
 
+def held_on(cost):
+    """link -> the seconds a collective needs of that link: its `occupancy_on(link)`, else its `occupancy`, else
+    its `seconds` (a cost that does not say)."""
+    return getattr(cost, "occupancy_on", lambda link: getattr(cost, "occupancy", cost.seconds))
+
+
 class SharedLinks:
     """Each link's communicators, each with its collectives in issue order and the work (seconds at the link's full
     rate) each has left there; every communicator with work progresses at 1/n of the rate while n have work."""
@@ -79,7 +85,7 @@ class SharedLinks:
     def run(self, cost, ready: float, stretch: float = 1.0, key=None, group=None) -> tuple[float, float]:
         """(begin, end) of a collective issued at `ready` (`stretch`: timeline rule 5) by communicator `group` (its
         own, where None); `key` names it in `moved()`."""
-        held = getattr(cost, "occupancy_on", lambda link: getattr(cost, "occupancy", cost.seconds))
+        held = held_on(cost)
         works = {link: held(link) * stretch for link in cost.resources}
         total = cost.seconds * stretch
         if not works:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .link_sharing import SharedLinks
+from .link_sharing import SharedLinks, held_on
 from .program import Collective, Compute, Wait
 
 
@@ -172,7 +172,7 @@ class Links:
         lanes = getattr(cost, "lanes", 1)
         ends = [self.lanes.setdefault(link, []) for link in cost.resources]
         begin = max([ready] + [min(e) if len(e) >= lanes else self.start for e in ends])
-        held = getattr(cost, "occupancy_on", lambda link: getattr(cost, "occupancy", cost.seconds))
+        held = held_on(cost)
         for link, e in zip(cost.resources, ends):
             if len(e) >= lanes:
                 e.remove(min(e))
