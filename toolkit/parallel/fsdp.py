@@ -87,6 +87,7 @@ from ..trace.events import recorder
 from .checkpointing import checkpoint_forward
 from .fsdp_init import initialize, owners, seeded_init  # noqa: F401 - re-exported
 from .fsdp_unit import SHARDED, FSDPUnit, MixedPrecision, Sharding  # noqa: F401 - re-exported
+from .grad_in_slices import real_grads
 from .sharded import ShardedEngine
 
 
@@ -125,8 +126,7 @@ class FullyShardedDataParallel(ShardedEngine):
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
             if activation_checkpointing and unit.module is not module:
                 checkpoint_forward(unit.module)
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        self.watch_gradients(self._on_grad)
         self.forward_order = list(self.units)  # a guess (model order) until a forward has run
         self._order, self._post_order, self.backward_order = [], [], []
         self.in_backward, self.sync = False, True
@@ -295,6 +295,6 @@ class FullyShardedDataParallel(ShardedEngine):
         grads = [u.mine.grad for u in self.units if u.mine.grad is not None]
         grads += [u.grads.data for u in self.units if u.grads is not None]
         grads += [t.data for u in self.units if u.reduction is not None for t in u.reduction[1:] if t is not None]
-        grads += [p.grad for p in self.params if p.grad is not None]
+        grads += real_grads(self.params)
         optimizer = self.optimizer.state_tensors() if self.optimizer is not None else []
         return {"params": params, "grads": grads, "optimizer": optimizer}

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 from .. import comm
 from ..runtime import env
 from .flat import FlatBuffer
+from .grad_in_slices import clear_before_accumulating, is_placeholder, put_placeholders
 from .local import compute_dtype as local_compute_dtype
 from .local import forward_backward as forward_then_backward
 from .scaler import scaler_for
@@ -104,6 +105,11 @@ class ShardedModel(nn.Module):
 
     def no_sync(self):
         return self.engine.no_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The optimizer's `zero_grad()`: the gradients are the strategy's (its slices, ZeRO-1's flat buffer), and
+        nn.Module's, clearing only each `p.grad`, would leave them to add into the next step's."""
+        self.engine.zero_grad(set_to_none)
 
     def flat_buffers(self) -> list[FlatBuffer]:
         return [piece.flat for piece in self.engine.pieces]
@@ -191,6 +197,14 @@ class ShardedEngine:
     def _finish_backward(self) -> None:
         self._callback_queued = False
         self.end_of_backward()
+        put_placeholders(self.params, self.name)  # p.grad is not the gradient now (`grad_in_slices.py`)
+
+    def watch_gradients(self, ready) -> None:
+        """`ready(p)` once autograd has finished each trained parameter's gradient; before it accumulates one,
+        the last backward's placeholder is dropped."""
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(ready)
+        clear_before_accumulating(self.params)
 
     def end_of_backward(self) -> None:
         pass
@@ -207,6 +221,9 @@ class ShardedEngine:
                 s.grad = None
             else:
                 s.grad.zero_()
+        for p in self.params:
+            if is_placeholder(p.grad):
+                p.grad = None
 
     def no_sync(self):
         """Accepted so that one training loop serves every strategy, and changes nothing: a stage that

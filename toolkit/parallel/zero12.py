@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from .. import comm
 from .flat import FlatBuffer
+from .grad_in_slices import is_placeholder, real_grads
 from .param_gather import ParamGather
 from .sharded import Shard, ShardedEngine
 
@@ -56,7 +57,7 @@ class Bucket:
         for p, view in zip(self.params, self.grads.views()):
             if p.grad is None:
                 view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():  # someone replaced it (module.zero_grad())
+            elif not is_placeholder(p.grad) and p.grad.data_ptr() != view.data_ptr():  # replaced (module.zero_grad())
                 view.copy_(p.grad)
             p.grad = view
 
@@ -89,8 +90,7 @@ class Zero12(ShardedEngine):
             for b in self.pieces:
                 b.grads = b.new_grads()
                 b.bind_grads()
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._gradient_ready)
+        self.watch_gradients(self._gradient_ready)
 
     def _bucket_params(self, bucket_bytes: float) -> list[list]:
         """Reverse parameter order (roughly the order backward produces gradients), cut every bucket_bytes."""
@@ -251,7 +251,7 @@ class Zero12(ShardedEngine):
     def memory_groups(self) -> dict:
         grads = [b.grads.data for b in self.pieces if b.grads is not None]
         grads += [b.mine.grad for b in self.pieces if b.mine.grad is not None]
-        grads += [t[3].data for t in self.in_flight] + [p.grad for p in self.params if p.grad is not None]
+        grads += [t[3].data for t in self.in_flight] + real_grads(self.params)
         return {
             "params": [b.flat.data for b in self.pieces] + self.frozen,
             "grads": grads,

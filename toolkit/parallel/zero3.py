@@ -59,6 +59,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import comm
 from .flat import FlatBuffer
+from .grad_in_slices import real_grads
 from .sharded import ShardedEngine
 from .zero3_unit import Unit
 
@@ -109,8 +110,7 @@ class Zero3(ShardedEngine):
                     unit.users.append(m)
                 m.register_forward_pre_hook(self._before_forward)
                 m.register_forward_hook(self._after_forward)
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._gradient_ready)
+        self.watch_gradients(self._gradient_ready)
         self.in_flight = []  # (units, handle, output, input) of launched reduce-scatters
 
     # --- gather and free -----------------------------------------------------------------------------
@@ -275,6 +275,6 @@ class Zero3(ShardedEngine):
     def memory_groups(self) -> dict:
         grads = [u.mine.grad for u in self.pieces if u.mine.grad is not None]
         grads += [u.grads.data for u in self.pieces if u.grads is not None] + [t[3] for t in self.in_flight]
-        grads += [p.grad for p in self.params if p.grad is not None]
+        grads += real_grads(self.params)
         params = [u.flat.data for u in self.pieces] + [u.kept for u in self.pieces] + self.frozen
         return {"params": params, "grads": grads, "optimizer": self.optimizer_tensors()}

@@ -1,0 +1,97 @@
+"""Code written for one process, run on a sharded model: it gets the training it asked for, or an error that says
+what to call. Never a silently wrong number.
+
+- `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` reads `p.grad`, which after a sharded backward is not
+  the gradient (`toolkit/parallel/grad_in_slices.py`): before, it clipped nothing and returned 0 (ZeRO-2/3, FSDP)
+  or a norm that differed from rank to rank (ZeRO-1: 1.19 and 0.97 for a true 0.88). Now it raises, naming
+  `model.clip_grad_norm_`, which gives the one-process norm.
+- `model.zero_grad()` (nn.Module's, where the loop clears the model rather than the optimizer) clears the
+  gradients the strategy keeps in its slices. Before, ZeRO-2/3 and FSDP added every step's gradient into the next
+  (the losses left one process's from the third step on), and ZeRO-1 refused the next backward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import plain_training
+from test_zero import CLIP, OPT, STEPS, batches, build, max_diff
+
+import toolkit
+from toolkit.parallel import wrap
+from toolkit.parallel.grad_in_slices import is_placeholder
+
+STRATEGIES = ["zero1", "zero2", "zero3", "fsdp"]
+
+
+def run_rank(n: int) -> dict:
+    """Each strategy twice: the loop clearing with `model.zero_grad()`, and one backward read by torch's clip."""
+    rank, out = torch.distributed.get_rank(), {}
+    for strategy in STRATEGIES:
+        model, opt = wrap(build(), strategy, optimizer=OPT)
+        losses, error = [], None
+        try:
+            for x, y in batches(rank, n):
+                loss = model(x, y)
+                loss.backward()
+                opt.step()
+                model.zero_grad()  # nn.Module's habit: the model, not the optimizer
+                losses.append(loss.item())
+        except RuntimeError as exc:
+            error = str(exc)
+        out[strategy] = {"losses": losses, "error": error, "params": model.full_state_dict()}
+
+        model, _ = wrap(build(), strategy, optimizer=OPT)
+        x, y = batches(rank, n)[0]
+        model(x, y).backward()
+        params = list(model.parameters())
+        try:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            refusal = None
+        except RuntimeError as exc:
+            refusal = str(exc)
+        out[f"{strategy} after backward"] = {
+            "refusal": refusal,
+            "placeholders": sum(is_placeholder(p.grad) for p in params),
+            "params": len(params),
+            "shapes kept": all(
+                p.grad is not None and (p.grad.shape, p.grad.dtype) == (p.shape, p.dtype) for p in params
+            ),
+            "repr": repr(params[0].grad),
+            "grads counted": sum(is_placeholder(t) for t in model.memory_groups()["grads"]),
+            "norm": model.clip_grad_norm_(CLIP).item(),
+        }
+        model.zero_grad()
+        out[f"{strategy} after backward"]["cleared"] = all(p.grad is None or not is_placeholder(p.grad) for p in params)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return toolkit.launch(run_rank, 2, args=(2,), timeout_s=150, quiet=True)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_torch_clip_on_a_sharded_model_refuses_and_names_the_call_that_works(ranks, strategy):
+    _, norms, _ = plain_training(build(), batches()[:1], OPT, clip=CLIP)
+    for got in ranks:
+        seen = got[f"{strategy} after backward"]
+        assert seen["refusal"] is not None, "torch's clip_grad_norm_ ran on p.grad that is not the gradient"
+        assert "model.clip_grad_norm_(max_norm)" in seen["refusal"] and strategy in seen["refusal"]
+        assert seen["placeholders"] == seen["params"] and seen["shapes kept"]
+        assert "slices" in seen["repr"]
+        assert seen["grads counted"] == 0  # a placeholder has no bytes: the memory ledger does not see it
+        assert abs(seen["norm"] - norms[0]) < 1e-5  # the call it names gives the one-process norm
+        assert seen["cleared"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_model_zero_grad_clears_the_slices_as_the_optimizers_does(ranks, strategy):
+    losses, _, params = plain_training(build(), batches(), OPT)
+    assert all(got[strategy]["error"] is None for got in ranks), ranks[0][strategy]["error"]
+    mean = [sum(step) / len(step) for step in zip(*(got[strategy]["losses"] for got in ranks))]  # the batch's loss
+    assert len(mean) == STEPS and max(abs(a - b) for a, b in zip(mean, losses)) < 1e-5
+    for got in ranks:
+        assert max_diff(got[strategy]["params"], params) < 1e-5
