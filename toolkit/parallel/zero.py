@@ -49,9 +49,10 @@ keep only a slice, so every backward reduce-scatters and *adds* into the slice: 
 on each micro-batch before `step()`. Their no_sync() is accepted (one loop serves every strategy) but
 changes nothing: postponing the reduction would need the full gradients they do not keep.
 
-What the user sees of `model.module`'s parameters: ZeRO-1/2 full parameters (their `.grad` under
-ZeRO-1: views of the flat gradient buffer, of which only this rank's slice is averaged after backward;
-under ZeRO-2/3: None, the gradients live in the slices). Use `full_state_dict()` for the truth.
+What the user sees of `model.module`'s parameters: ZeRO-1/2 full parameters, ZeRO-3 this rank's pieces
+between uses. Their `.grad` after backward is a placeholder that refuses use (`grad_in_slices.py`): the averaged
+gradient lives in the slices, so clip with `model.clip_grad_norm_(max_norm)`, clear with `model.zero_grad()` or
+the optimizer's, and read the parameters with `full_state_dict()`.
 """
 
 from __future__ import annotations
