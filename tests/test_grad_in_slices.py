@@ -4,13 +4,16 @@ what to call. Never a silently wrong number.
 - `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` reads `p.grad`, which after a sharded backward is not
   the gradient (`toolkit/parallel/grad_in_slices.py`): before, it clipped nothing and returned 0 (ZeRO-2/3, FSDP)
   or a norm that differed from rank to rank (ZeRO-1: 1.19 and 0.97 for a true 0.88). Now it raises, naming
-  `model.clip_grad_norm_`, which gives the one-process norm.
+  `model.clip_grad_norm_`, which gives the one-process norm. So does a torch optimizer built on
+  `model.parameters()` (it stepped nothing, or each rank its own way), naming the optimizer `wrap()` returned.
 - `model.zero_grad()` (nn.Module's, where the loop clears the model rather than the optimizer) clears the
   gradients the strategy keeps in its slices. Before, ZeRO-2/3 and FSDP added every step's gradient into the next
   (the losses left one process's from the third step on), and ZeRO-1 refused the next backward.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -45,13 +48,9 @@ def run_rank(n: int) -> dict:
         x, y = batches(rank, n)[0]
         model(x, y).backward()
         params = list(model.parameters())
-        try:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            refusal = None
-        except RuntimeError as exc:
-            refusal = str(exc)
         out[f"{strategy} after backward"] = {
-            "refusal": refusal,
+            "refusal": refusal(functools.partial(torch.nn.utils.clip_grad_norm_, params, CLIP)),
+            "own optimizer": refusal(torch.optim.AdamW(model.parameters(), lr=1e-3).step),
             "placeholders": sum(is_placeholder(p.grad) for p in params),
             "params": len(params),
             "shapes kept": all(
@@ -64,6 +63,14 @@ def run_rank(n: int) -> dict:
         model.zero_grad()
         out[f"{strategy} after backward"]["cleared"] = all(p.grad is None or not is_placeholder(p.grad) for p in params)
     return out
+
+
+def refusal(call) -> str | None:
+    try:
+        call()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +86,7 @@ def test_torch_clip_on_a_sharded_model_refuses_and_names_the_call_that_works(ran
         seen = got[f"{strategy} after backward"]
         assert seen["refusal"] is not None, "torch's clip_grad_norm_ ran on p.grad that is not the gradient"
         assert "model.clip_grad_norm_(max_norm)" in seen["refusal"] and strategy in seen["refusal"]
+        assert "optimizer wrap() returned" in seen["own optimizer"]  # it stepped nothing, or each rank its own way
         assert seen["placeholders"] == seen["params"] and seen["shapes kept"]
         assert "slices" in seen["repr"]
         assert seen["grads counted"] == 0  # a placeholder has no bytes: the memory ledger does not see it

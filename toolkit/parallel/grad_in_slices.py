@@ -3,11 +3,12 @@
 After ZeRO's or FSDP's backward the averaged gradient lives in the ranks' slices (`Shard.grad`). Under ZeRO-2, ZeRO-3
 and FSDP no rank holds a parameter's whole gradient; under ZeRO-1 each `p.grad` holds this rank's slice of the
 average beside its own local gradient for the rest. Code written for one process reads `p.grad` anyway, and reads
-it wrong without a word: torch's `clip_grad_norm_(model.parameters(), ...)` clips nothing and returns 0 (ZeRO-2/3,
-FSDP), or a norm that differs from rank to rank (ZeRO-1). So after the backward that reduces, every trained
-parameter's `.grad` is a `GradInSlices`: the parameter's shape, dtype and device, no storage, and any operation on
-it raises, naming the call that works (`model.clip_grad_norm_`). FSDP2 answers the same question the other way:
-its gradients are `DTensor`s, whose norm is a collective.
+it wrong without a word. torch's `clip_grad_norm_(model.parameters(), ...)` clipped nothing and returned 0
+(ZeRO-2/3, FSDP), or a norm that differed from rank to rank (ZeRO-1); an optimizer built on `model.parameters()`
+stepped nothing, or stepped each rank its own way. So after the backward that reduces, every trained parameter's
+`.grad` is a `GradInSlices`: the parameter's shape, dtype and device, no storage, and any operation on it raises,
+naming the calls that work (the optimizer `wrap()` returned, `model.clip_grad_norm_`). FSDP2 answers the same
+question the other way: its gradients are `DTensor`s, whose norm is a collective.
 
 The placeholder goes away on its own: a hook on each parameter drops it just before autograd accumulates the next
 backward's gradient, and `zero_grad()` drops it (ZeRO-1's gradients are views of its flat buffer again then).
@@ -41,12 +42,12 @@ class GradInSlices(torch.Tensor):
 
 def _refusal(strategy: str, what: str) -> str:
     return (
-        f"{strategy}: {what}, but after backward p.grad is not this parameter's gradient: {strategy} keeps the "
-        f"averaged gradient in the ranks' slices of its flat buffers, so torch.nn.utils.clip_grad_norm_"
-        f"(model.parameters(), ...) or a norm of each p.grad would see nothing, or only this rank's mix. To clip, "
-        f"or to log the gradient norm, call model.clip_grad_norm_(max_norm) on every rank (it adds every rank's "
-        f"slices); this rank's slices are [s.grad for s in model.engine.shards()]. The next backward or "
-        f"zero_grad() clears p.grad."
+        f"{strategy}: {what}, which after backward is not this parameter's gradient: {strategy} keeps the averaged "
+        f"gradient in the ranks' slices of its flat buffers, and code written for one process would see nothing "
+        f"there, or only this rank's mix. Step with the optimizer wrap() returned (not one built on "
+        f"model.parameters()); to clip, or to log the gradient norm, call model.clip_grad_norm_(max_norm) on every "
+        f"rank (it adds every rank's slices); this rank's slices are [s.grad for s in model.engine.shards()]. The "
+        f"next backward or zero_grad() clears p.grad."
     )
 
 
