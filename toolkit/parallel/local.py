@@ -23,6 +23,8 @@ So "local" with `mixed_precision` is the oracle for mixed-precision strategies t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
@@ -125,6 +127,19 @@ def clip_grad_norm_(grads, max_norm: float, own=(), reduce=None) -> torch.Tensor
     return norm
 
 
+def refuse_loading(strategy: str, why: str, module, state_dict, prefix, *_) -> None:
+    """A load_state_dict pre-hook on every module of a wrapped model whose parameters are not where a load puts
+    them: the 16-bit compute copies of fp32 masters (the next step rounds the masters back over them), or this rank's
+    pieces. Refused before anything is written."""
+    names = [prefix + n for n, p in module._parameters.items() if p is not None]
+    if names:
+        raise RuntimeError(
+            f"load_state_dict() into {names[0]!r} under {strategy}: {why}, so the loaded values would not be the "
+            f"ones trained. Load the weights into the model before wrap(model, ...), or load a full checkpoint "
+            f"into the wrapped model: toolkit.parallel.checkpoint.load_full(model, optimizer, path)."
+        )
+
+
 class Wrapped(nn.Module):
     """The wrapper every strategy returns: the original model inside, plus what training tools ask of it."""
 
@@ -137,6 +152,9 @@ class Wrapped(nn.Module):
         if self.dtype is not None:
             self.master = MasterWeights(module.parameters(), self.scaler)  # fp32 copies first, then cast
             module.to(self.dtype)
+            why = "the optimizer steps fp32 masters and rounds them into these 16-bit parameters"
+            for m in module.modules():
+                m.register_load_state_dict_pre_hook(functools.partial(refuse_loading, "mixed precision", why))
         self.optimizer = None
 
     def build_optimizer(self, optimizer) -> torch.optim.Optimizer:

@@ -31,6 +31,7 @@ from .flat import FlatBuffer
 from .grad_in_slices import clear_before_accumulating, is_placeholder, put_placeholders
 from .local import compute_dtype as local_compute_dtype
 from .local import forward_backward as forward_then_backward
+from .local import refuse_loading
 from .scaler import scaler_for
 from .sharded_clipping import clip_grad_norm_
 from .sharded_optimizer import ShardedOptimizer
@@ -71,6 +72,7 @@ class ShardedModel(nn.Module):
         self.engine = engine  # not an nn.Module: stays out of named_parameters()
         for m in module.modules():
             m.register_state_dict_post_hook(functools.partial(_refuse_sharded_parameters, engine))
+            m.register_load_state_dict_pre_hook(functools.partial(_refuse_loading_here, engine))
 
     def forward(self, *args, **kwargs):
         args, kwargs = tree_map(self._prepare, args), tree_map(self._prepare, kwargs)
@@ -113,6 +115,17 @@ class ShardedModel(nn.Module):
 
     def flat_buffers(self) -> list[FlatBuffer]:
         return [piece.flat for piece in self.engine.pieces]
+
+
+def _refuse_loading_here(engine, module, *args) -> None:
+    """`load_state_dict()` into a sharded model's parameters would miss what trains: the fp32 masters are this rank's
+    slices (mixed precision: separate copies, which the next step rounds back over the parameters), and between
+    uses ZeRO-3's and FSDP's parameters are only this rank's pieces."""
+    if engine.dtype != torch.float32:
+        why = "the optimizer steps this rank's fp32 master slices and copies them into these 16-bit parameters"
+        refuse_loading(f"{engine.name} with mixed precision", why, module, *args)
+    if any(p is not None and engine.sharded_now(p) for p in module._parameters.values()):
+        refuse_loading(engine.name, "between uses each parameter is only this rank's piece of it", module, *args)
 
 
 def _refuse_sharded_parameters(engine, module, state_dict, prefix, local_metadata) -> None:

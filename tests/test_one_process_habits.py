@@ -1,4 +1,4 @@
-"""Code written for one process, run on a sharded model: it gets the training it asked for, or an error that says
+"""Code written for one process, run on a wrapped model: it gets the training it asked for, or an error that says
 what to call. Never a silently wrong number.
 
 - `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` reads `p.grad`, which after a sharded backward is not
@@ -9,6 +9,10 @@ what to call. Never a silently wrong number.
 - `model.zero_grad()` (nn.Module's, where the loop clears the model rather than the optimizer) clears the
   gradients the strategy keeps in its slices. Before, ZeRO-2/3 and FSDP added every step's gradient into the next
   (the losses left one process's from the third step on), and ZeRO-1 refused the next backward.
+- `model.module.load_state_dict(weights)` loads where the parameters are what trains (fp32 "local", DDP, ZeRO-1/2),
+  and refuses, naming `load_full` and loading before `wrap()`, where they are not: under mixed precision the next
+  step rounded the old fp32 masters back over the loaded weights (1.04 away from them after one step at lr 0), and
+  ZeRO-3's and FSDP's parameters are this rank's pieces (torch's own "size mismatch" before).
 """
 
 from __future__ import annotations
@@ -62,7 +66,31 @@ def run_rank(n: int) -> dict:
         }
         model.zero_grad()
         out[f"{strategy} after backward"]["cleared"] = all(p.grad is None or not is_placeholder(p.grad) for p in params)
+    for strategy in ["local", "ddp", *STRATEGIES]:
+        for mixed in (False, True):
+            out[("load", strategy, mixed)] = load_then_step(rank, n, strategy, mixed)
     return out
+
+
+def load_then_step(rank: int, n: int, strategy: str, mixed: bool):
+    """Other weights loaded into the wrapped model's module after a step, then a step at lr 0: the largest distance
+    from the loaded weights (0: they are what trains), or the refusal."""
+    model, opt = wrap(build(), strategy, optimizer=functools.partial(torch.optim.SGD, lr=0.0), mixed_precision=mixed)
+    x, y = batches(rank, n)[0]
+    for step in range(2):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            weights = build()
+            with torch.no_grad():
+                for p in weights.parameters():
+                    p.normal_(0, 0.02)
+            weights = weights.state_dict()
+            loading = refusal(functools.partial(model.module.load_state_dict, weights))
+            if loading is not None:
+                return loading
+    return max((v.float() - weights[k]).abs().max().item() for k, v in model.full_state_dict().items())
 
 
 def refusal(call) -> str | None:
@@ -103,3 +131,16 @@ def test_model_zero_grad_clears_the_slices_as_the_optimizers_does(ranks, strateg
     assert len(mean) == STEPS and max(abs(a - b) for a, b in zip(mean, losses)) < 1e-5
     for got in ranks:
         assert max_diff(got[strategy]["params"], params) < 1e-5
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", ["local", "ddp", *STRATEGIES])
+def test_loading_weights_into_a_wrapped_model_trains_them_or_refuses(ranks, strategy):
+    for got in ranks:
+        for mixed in (False, True):
+            seen = got[("load", strategy, mixed)]
+            if mixed or strategy in ("zero3", "fsdp"):  # the parameters are not what the optimizer steps
+                assert isinstance(seen, str) and "load_full(model, optimizer, path)" in seen, (mixed, seen)
+                assert "before wrap(model, ...)" in seen and "tok_emb.weight" in seen
+            else:
+                assert seen == 0.0, (mixed, seen)
