@@ -112,6 +112,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)
 
+    def state_dict(self) -> dict:
+        """torch's state dict of what this rank steps (its slices' states), marked with whose slices they are."""
+        return {**self.inner.state_dict(), "slices_of": self._slices_of()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Into the inner optimizer, which is what steps (torch's own would replace only this wrapper's `state`), and
+        only this rank's own slices' states: another rank's have the same shapes, and would load and step wrong."""
+        found, here = state_dict.get("slices_of"), self._slices_of()
+        if found != here:
+            raise ValueError(
+                f"optimizer.load_state_dict(): this state dict holds the optimizer states of {found or 'no marked'} "
+                f"slices, and this optimizer steps {here}. Each rank loads the state dict it saved itself (same "
+                f"strategy and world size); to resume anywhere else, save and load a full checkpoint: "
+                f"toolkit.parallel.checkpoint.save_full(model, optimizer, path) and load_full(...)."
+            )
+        self.inner.load_state_dict({k: v for k, v in state_dict.items() if k != "slices_of"})
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+
+    def _slices_of(self) -> dict:
+        e = self.engine
+        return {"strategy": e.name, "rank": e.rank, "world": e.world, "numels": [s.master.numel() for s in e.shards()]}
+
     def memory_groups(self) -> dict:
         return self.engine.memory_groups()
 
