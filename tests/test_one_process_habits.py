@@ -13,6 +13,10 @@ what to call. Never a silently wrong number.
   and refuses, naming `load_full` and loading before `wrap()`, where they are not: under mixed precision the next
   step rounded the old fp32 masters back over the loaded weights (1.04 away from them after one step at lr 0), and
   ZeRO-3's and FSDP's parameters are this rank's pieces (torch's own "size mismatch" before).
+- `model.to(torch.float64)` (or `.half()`, `.cuda()`) after `wrap()` refuses where it would change a parameter's dtype
+  or device, naming `mixed_precision=True` and casting before `wrap()`. Before, ZeRO-2 trained detached copies that the
+  optimizer never updated (its losses rose), ZeRO-3 and FSDP dropped the cast at the next use, DDP and ZeRO-1 failed
+  in backward on a gradient's dtype.
 - A sharded optimizer's `state_dict()` is this rank's slices' states: each rank resumes from its own and trains as
   the run that never stopped, and another rank's (the same shapes) is refused, naming `save_full`.
 """
@@ -73,6 +77,10 @@ def run_rank(n: int) -> dict:
             out[("load", strategy, mixed)] = load_then_step(rank, n, strategy, mixed)
     for strategy in STRATEGIES:
         out[("resume", strategy)] = resume(rank, n, strategy)
+    for strategy in ["local", "ddp", *STRATEGIES]:
+        model, _ = wrap(build(), strategy, optimizer=OPT)
+        model.to(torch.float32).float()  # changes nothing: allowed
+        out[("cast", strategy)] = refusal(functools.partial(model.to, torch.float64))
     return out
 
 
@@ -185,3 +193,12 @@ def test_each_rank_resumes_from_its_own_optimizer_state_dict_and_refuses_another
         seen = got[("resume", strategy)]
         assert seen["distance"] < 1e-6  # Adam's moments came back: before, the loaded state never reached the step
         assert seen["other rank's"] is not None and "save_full(model, optimizer, path)" in seen["other rank's"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", ["local", "ddp", *STRATEGIES])
+def test_casting_a_wrapped_model_refuses_and_names_mixed_precision(ranks, strategy):
+    for got in ranks:
+        seen = got[("cast", strategy)]
+        assert seen is not None and "'tok_emb.weight' torch.float64" in seen, seen
+        assert "before wrap(model, ...)" in seen and "mixed_precision=True" in seen

@@ -140,6 +140,21 @@ def refuse_loading(strategy: str, why: str, module, state_dict, prefix, *_) -> N
         )
 
 
+def refuse_casting(module: nn.Module, fn) -> None:
+    """`model.to(...)`, `.half()`, `.double()`, `.cuda()` on a wrapped model, refused where they would change a
+    parameter's dtype or device: the strategy laid the parameters out in its own buffers (flat buckets, fp32 masters,
+    gradient views) for the dtype and device they had, and a cast parameter leaves them: ZeRO-2 then trained copies
+    the optimizer never updates, without a word."""
+    for name, p in getattr(module, "module", module).named_parameters():
+        probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+        if (probe.dtype, probe.device) != (p.dtype, p.device):
+            raise RuntimeError(
+                f"model.to() (or .half(), .double(), .cuda(), ...) after wrap() would make {name!r} {probe.dtype} "
+                f"on {probe.device}, where the strategy keeps it {p.dtype} on {p.device} in its own buffers. Cast "
+                f"and move the model before wrap(model, ...); for 16-bit compute ask wrap(..., mixed_precision=True)."
+            )
+
+
 class Wrapped(nn.Module):
     """The wrapper every strategy returns: the original model inside, plus what training tools ask of it."""
 
@@ -156,6 +171,10 @@ class Wrapped(nn.Module):
             for m in module.modules():
                 m.register_load_state_dict_pre_hook(functools.partial(refuse_loading, "mixed precision", why))
         self.optimizer = None
+
+    def _apply(self, fn, recurse=True):
+        refuse_casting(self, fn)
+        return super()._apply(fn, recurse)
 
     def build_optimizer(self, optimizer) -> torch.optim.Optimizer:
         """`optimizer(params)` on the fp32 masters (mixed precision) or on the model's parameters."""

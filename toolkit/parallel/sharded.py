@@ -31,7 +31,7 @@ from .flat import FlatBuffer
 from .grad_in_slices import clear_before_accumulating, is_placeholder, put_placeholders
 from .local import compute_dtype as local_compute_dtype
 from .local import forward_backward as forward_then_backward
-from .local import refuse_loading
+from .local import refuse_casting, refuse_loading
 from .scaler import scaler_for
 from .sharded_clipping import clip_grad_norm_
 from .sharded_optimizer import ShardedOptimizer
@@ -73,6 +73,10 @@ class ShardedModel(nn.Module):
         for m in module.modules():
             m.register_state_dict_post_hook(functools.partial(_refuse_sharded_parameters, engine))
             m.register_load_state_dict_pre_hook(functools.partial(_refuse_loading_here, engine))
+
+    def _apply(self, fn, recurse=True):
+        refuse_casting(self, fn)
+        return super()._apply(fn, recurse)
 
     def forward(self, *args, **kwargs):
         args, kwargs = tree_map(self._prepare, args), tree_map(self._prepare, kwargs)
