@@ -17,6 +17,9 @@ what to call. Never a silently wrong number.
   or device, naming `mixed_precision=True` and casting before `wrap()`. Before, ZeRO-2 trained detached copies that the
   optimizer never updated (its losses rose), ZeRO-3 and FSDP dropped the cast at the next use, DDP and ZeRO-1 failed
   in backward on a gradient's dtype.
+- A parameter frozen (`requires_grad_(False)`) after `wrap()` is refused at the end of the backward, naming it:
+  the strategy laid it out to train, gave it a zero gradient, and AdamW's weight decay still moved it (one process's
+  optimizer skips it: it stays put, as under "local").
 - A sharded optimizer's `state_dict()` is this rank's slices' states: each rank resumes from its own and trains as
   the run that never stopped, and another rank's (the same shapes) is refused, naming `save_full`.
 """
@@ -81,7 +84,21 @@ def run_rank(n: int) -> dict:
         model, _ = wrap(build(), strategy, optimizer=OPT)
         model.to(torch.float32).float()  # changes nothing: allowed
         out[("cast", strategy)] = refusal(functools.partial(model.to, torch.float64))
+        out[("freeze", strategy)] = freeze_after_wrap(rank, n, strategy)
     return out
+
+
+def freeze_after_wrap(rank: int, n: int, strategy: str):
+    """The embedding (tied to the head) frozen after wrap(), then a step: how far it moved, or the refusal."""
+    model, opt = wrap(build(), strategy, optimizer=OPT)
+    model.module.tok_emb.weight.requires_grad_(False)
+    before = model.full_state_dict()["tok_emb.weight"]
+    x, y = batches(rank, n)[0]
+    stopped = refusal(lambda: model(x, y).backward())
+    if stopped is not None:
+        return stopped
+    opt.step()
+    return (model.full_state_dict()["tok_emb.weight"] - before).abs().max().item()
 
 
 def resume(rank: int, n: int, strategy: str) -> dict:
@@ -202,3 +219,15 @@ def test_casting_a_wrapped_model_refuses_and_names_mixed_precision(ranks, strate
         seen = got[("cast", strategy)]
         assert seen is not None and "'tok_emb.weight' torch.float64" in seen, seen
         assert "before wrap(model, ...)" in seen and "mixed_precision=True" in seen
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", ["local", "ddp", *STRATEGIES])
+def test_freezing_after_wrap_refuses_where_the_frozen_parameter_would_still_move(ranks, strategy):
+    for got in ranks:
+        seen = got[("freeze", strategy)]
+        if strategy == "local":  # torch's optimizer skips a parameter without a gradient
+            assert seen == 0.0
+        else:
+            assert isinstance(seen, str) and "'tok_emb.weight' stopped requiring gradients after wrap()" in seen
+            assert "before wrap(model, ...)" in seen

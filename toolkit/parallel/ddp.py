@@ -54,7 +54,7 @@ from ..comm.average import divide_factors
 from ..runtime import env
 from ..trace.events import phase
 from . import check_options, consistency
-from .local import Wrapped
+from .local import Wrapped, refuse_frozen_since_wrap
 
 NAIVE_OPTIONS = ("mixed_precision", "group", "expert_group")
 DDP_OPTIONS = ("mixed_precision", "bucket_cap_mb", "group", "expert_group")
@@ -125,6 +125,7 @@ class DataParallel(Wrapped):
 
     def _end_of_backward(self):
         self._in_backward = False
+        refuse_frozen_since_wrap(self.module, self.params)
         for p in self.experts:  # MoE all-to-all backward already summed every rank's part: average
             if self.expert_group is not None:  # the copies' sums added up (every copy joins, as in dp's)
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad

@@ -155,6 +155,21 @@ def refuse_casting(module: nn.Module, fn) -> None:
             )
 
 
+def refuse_frozen_since_wrap(module: nn.Module, trained) -> None:
+    """At the end of a backward: a parameter frozen (`requires_grad_(False)`) after wrap() is still one the strategy
+    laid out to train, so it gets a zero gradient, and the optimizer still moves it (weight decay, momentum), where
+    one process's optimizer skips a parameter without a gradient."""
+    frozen = [p for p in trained if not p.requires_grad]
+    if frozen:
+        names = {p: n for n, p in module.named_parameters()}
+        listed = ", ".join(repr(names.get(p, "?")) for p in frozen[:3]) + (" and more" if len(frozen) > 3 else "")
+        raise RuntimeError(
+            f"{listed} stopped requiring gradients after wrap(): the strategy laid them out to train, and its "
+            f"optimizer would still move them (weight decay, momentum) on a zero gradient. Freeze parameters before "
+            f"wrap(model, ...)."
+        )
+
+
 class Wrapped(nn.Module):
     """The wrapper every strategy returns: the original model inside, plus what training tools ask of it."""
 

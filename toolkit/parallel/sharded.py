@@ -31,7 +31,7 @@ from .flat import FlatBuffer
 from .grad_in_slices import clear_before_accumulating, is_placeholder, put_placeholders
 from .local import compute_dtype as local_compute_dtype
 from .local import forward_backward as forward_then_backward
-from .local import refuse_casting, refuse_loading
+from .local import refuse_casting, refuse_frozen_since_wrap, refuse_loading
 from .scaler import scaler_for
 from .sharded_clipping import clip_grad_norm_
 from .sharded_optimizer import ShardedOptimizer
@@ -213,6 +213,7 @@ class ShardedEngine:
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
+        refuse_frozen_since_wrap(self.module, self.params)
         self.end_of_backward()
         put_placeholders(self.params, self.name)  # p.grad is not the gradient now (`grad_in_slices.py`)
 
