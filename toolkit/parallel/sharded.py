@@ -63,6 +63,7 @@ class ShardedModel(nn.Module):
     memory_groups()       {"params", "grads", "optimizer"}: the tensors that exist on this rank now
     clip_grad_norm_(max)  clip by the global norm of the averaged gradient (every rank's slices)
     no_sync()             ZeRO-1: accumulate without communicating; ZeRO-2/3: accepted, no effect
+    zero_grad()           the optimizer's: clears the slices (nn.Module's would clear only each p.grad)
     flat_buffers()        the FlatBuffers being sharded (to look at the layout and its padding)
     """
 
