@@ -9,10 +9,11 @@ what to call. Never a silently wrong number.
 - `model.zero_grad()` (nn.Module's, where the loop clears the model rather than the optimizer) clears the
   gradients the strategy keeps in its slices. Before, ZeRO-2/3 and FSDP added every step's gradient into the next
   (the losses left one process's from the third step on), and ZeRO-1 refused the next backward.
-- `model.module.load_state_dict(weights)` loads where the parameters are what trains (fp32 "local", DDP, ZeRO-1/2),
-  and refuses, naming `load_full` and loading before `wrap()`, where they are not: under mixed precision the next
-  step rounded the old fp32 masters back over the loaded weights (1.04 away from them after one step at lr 0), and
-  ZeRO-3's and FSDP's parameters are this rank's pieces (torch's own "size mismatch" before).
+- `model.module.load_state_dict(weights)` loads where the strategy trains them (`toolkit/parallel/loading.py`): under
+  mixed precision into the fp32 masters too (before, the next step rounded the old masters back over the loaded
+  weights: 1.04 away from them after one step at lr 0). ZeRO-3's and FSDP's parameters are this rank's pieces between
+  uses: refused, naming `load_full` and loading before `wrap()` (torch's own "size mismatch" before). `assign=True`
+  is refused everywhere.
 - `model.to(torch.float64)` (or `.half()`, `.cuda()`) after `wrap()` refuses where it would change a parameter's dtype
   or device, naming `mixed_precision=True` and casting before `wrap()`. Before, ZeRO-2 trained detached copies that the
   optimizer never updated (its losses rose), ZeRO-3 and FSDP dropped the cast at the next use, DDP and ZeRO-1 failed
@@ -144,10 +145,13 @@ def load_then_step(rank: int, n: int, strategy: str, mixed: bool):
                 for p in weights.parameters():
                     p.normal_(0, 0.02)
             weights = weights.state_dict()
+            fresh = build().state_dict()  # (torch marks a dict's metadata with assign=True for good: another dict)
+            assigned = refusal(functools.partial(model.module.load_state_dict, fresh, assign=True))
             loading = refusal(functools.partial(model.module.load_state_dict, weights))
             if loading is not None:
-                return loading
-    return max((v.float() - weights[k]).abs().max().item() for k, v in model.full_state_dict().items())
+                return {"refused": loading, "assign": assigned}
+    distance = max((v.float() - weights[k]).abs().max().item() for k, v in model.full_state_dict().items())
+    return {"distance": distance, "assign": assigned}
 
 
 def refusal(call, kind=RuntimeError) -> str | None:
@@ -196,11 +200,12 @@ def test_loading_weights_into_a_wrapped_model_trains_them_or_refuses(ranks, stra
     for got in ranks:
         for mixed in (False, True):
             seen = got[("load", strategy, mixed)]
-            if mixed or strategy in ("zero3", "fsdp"):  # the parameters are not what the optimizer steps
-                assert isinstance(seen, str) and "load_full(model, optimizer, path)" in seen, (mixed, seen)
-                assert "before wrap(model, ...)" in seen and "tok_emb.weight" in seen
-            else:
-                assert seen == 0.0, (mixed, seen)
+            assert "assign=True would replace the Parameter objects" in seen["assign"]
+            if strategy in ("zero3", "fsdp"):  # between uses a parameter is this rank's piece
+                assert "load_full(model, optimizer, path)" in seen["refused"], (mixed, seen)
+                assert "before wrap(model, ...)" in seen["refused"] and "tok_emb.weight" in seen["refused"]
+            else:  # exactly the loaded fp32 values train: mixed precision's masters took them, not only the copies
+                assert seen["distance"] == 0.0, (mixed, seen)
 
 
 @pytest.mark.timeout(200)

@@ -23,12 +23,11 @@ So "local" with `mixed_precision` is the oracle for mixed-precision strategies t
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 
 from . import check_options
+from .loading import watch_loading
 from .scaler import scaler_for
 
 OPTIONS = ("mixed_precision",)
@@ -127,19 +126,6 @@ def clip_grad_norm_(grads, max_norm: float, own=(), reduce=None) -> torch.Tensor
     return norm
 
 
-def refuse_loading(strategy: str, why: str, module, state_dict, prefix, *_) -> None:
-    """A load_state_dict pre-hook on every module of a wrapped model whose parameters are not where a load puts
-    them: the 16-bit compute copies of fp32 masters (the next step rounds the masters back over them), or this rank's
-    pieces. Refused before anything is written."""
-    names = [prefix + n for n, p in module._parameters.items() if p is not None]
-    if names:
-        raise RuntimeError(
-            f"load_state_dict() into {names[0]!r} under {strategy}: {why}, so the loaded values would not be the "
-            f"ones trained. Load the weights into the model before wrap(model, ...), or load a full checkpoint "
-            f"into the wrapped model: toolkit.parallel.checkpoint.load_full(model, optimizer, path)."
-        )
-
-
 def refuse_casting(module: nn.Module, fn) -> None:
     """`model.to(...)`, `.half()`, `.double()`, `.cuda()` on a wrapped model, refused where they would change a
     parameter's dtype or device: the strategy laid the parameters out in its own buffers (flat buckets, fp32 masters,
@@ -182,9 +168,8 @@ class Wrapped(nn.Module):
         if self.dtype is not None:
             self.master = MasterWeights(module.parameters(), self.scaler)  # fp32 copies first, then cast
             module.to(self.dtype)
-            why = "the optimizer steps fp32 masters and rounds them into these 16-bit parameters"
-            for m in module.modules():
-                m.register_load_state_dict_pre_hook(functools.partial(refuse_loading, "mixed precision", why))
+        master_of = dict(zip(self.master.params, self.master.masters)) if self.master is not None else {}
+        watch_loading(module, "this strategy", lambda p: getattr(master_of.get(p), "copy_", None))
         self.optimizer = None
 
     def _apply(self, fn, recurse=True):

@@ -29,9 +29,10 @@ from .. import comm
 from ..runtime import env
 from .flat import FlatBuffer
 from .grad_in_slices import clear_before_accumulating, is_placeholder, put_placeholders
+from .loading import into_slice, watch_loading
 from .local import compute_dtype as local_compute_dtype
 from .local import forward_backward as forward_then_backward
-from .local import refuse_casting, refuse_frozen_since_wrap, refuse_loading
+from .local import refuse_casting, refuse_frozen_since_wrap
 from .scaler import scaler_for
 from .sharded_clipping import clip_grad_norm_
 from .sharded_optimizer import ShardedOptimizer
@@ -71,9 +72,9 @@ class ShardedModel(nn.Module):
         super().__init__()
         self.module = module
         self.engine = engine  # not an nn.Module: stays out of named_parameters()
+        watch_loading(module, engine.name, engine.where_loaded)
         for m in module.modules():
             m.register_state_dict_post_hook(functools.partial(_refuse_sharded_parameters, engine))
-            m.register_load_state_dict_pre_hook(functools.partial(_refuse_loading_here, engine))
 
     def _apply(self, fn, recurse=True):
         refuse_casting(self, fn)
@@ -120,17 +121,6 @@ class ShardedModel(nn.Module):
 
     def flat_buffers(self) -> list[FlatBuffer]:
         return [piece.flat for piece in self.engine.pieces]
-
-
-def _refuse_loading_here(engine, module, *args) -> None:
-    """`load_state_dict()` into a sharded model's parameters would miss what trains: the fp32 masters are this rank's
-    slices (mixed precision: separate copies, which the next step rounds back over the parameters), and between
-    uses ZeRO-3's and FSDP's parameters are only this rank's pieces."""
-    if engine.dtype != torch.float32:
-        why = "the optimizer steps this rank's fp32 master slices and copies them into these 16-bit parameters"
-        refuse_loading(f"{engine.name} with mixed precision", why, module, *args)
-    if any(p is not None and engine.sharded_now(p) for p in module._parameters.values()):
-        refuse_loading(engine.name, "between uses each parameter is only this rank's piece of it", module, *args)
 
 
 def _refuse_sharded_parameters(engine, module, state_dict, prefix, local_metadata) -> None:
@@ -180,6 +170,17 @@ class ShardedEngine:
         parameters are only this rank's pieces: the layout keeps their shapes)."""
         found = {self.names[p]: s for piece in self.pieces for p, s in zip(piece.params, piece.flat.shapes)}
         return {n: found.get(n, p.shape) for p, n in self.names.items()}
+
+    def where_loaded(self, p: nn.Parameter):
+        """Where `load_state_dict()` must put a value of `p` for it to train (`loading.py`): the parameter itself
+        (None), a writer into this rank's fp32 master slice (mixed precision), or why it cannot load here."""
+        if self.sharded_now(p):
+            return "between uses each parameter is only this rank's piece of it"
+        found = {q: (piece, i) for piece in self.pieces for i, q in enumerate(piece.params)}.get(p)
+        if found is None or self.dtype == torch.float32:  # frozen and replicated, or the master is the slice itself
+            return None
+        piece, index = found
+        return into_slice(piece.mine.master, piece.flat, index, self.rank)
 
     def sharded_now(self, p: nn.Parameter) -> bool:
         """Whether `p` is, right now, only this rank's piece of it (ZeRO-3 and FSDP between uses)."""
