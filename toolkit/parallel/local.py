@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from . import check_options
-from .loading import watch_loading
+from .loading import Place, watch_loading
 from .scaler import scaler_for
 
 OPTIONS = ("mixed_precision",)
@@ -169,7 +169,7 @@ class Wrapped(nn.Module):
             self.master = MasterWeights(module.parameters(), self.scaler)  # fp32 copies first, then cast
             module.to(self.dtype)
         master_of = dict(zip(self.master.params, self.master.masters)) if self.master is not None else {}
-        watch_loading(module, "this strategy", lambda p: getattr(master_of.get(p), "copy_", None))
+        watch_loading(module, "this strategy", lambda p: Place(master_of[p].copy_) if p in master_of else None)
         self.optimizer = None
 
     def _apply(self, fn, recurse=True):

@@ -29,7 +29,7 @@ from .. import comm
 from ..runtime import env
 from .flat import FlatBuffer
 from .grad_in_slices import clear_before_accumulating, is_placeholder, put_placeholders
-from .loading import into_slice, watch_loading
+from .loading import into_slices, watch_loading
 from .local import compute_dtype as local_compute_dtype
 from .local import forward_backward as forward_then_backward
 from .local import refuse_casting, refuse_frozen_since_wrap
@@ -172,15 +172,17 @@ class ShardedEngine:
         return {n: found.get(n, p.shape) for p, n in self.names.items()}
 
     def where_loaded(self, p: nn.Parameter):
-        """Where `load_state_dict()` must put a value of `p` for it to train (`loading.py`): the parameter itself
-        (None), a writer into this rank's fp32 master slice (mixed precision), or why it cannot load here."""
-        if self.sharded_now(p):
-            return "between uses each parameter is only this rank's piece of it"
+        """Where `load_state_dict()` must put a value of `p` for it to train (`loading.py`): the parameter itself (None:
+        fp32 ZeRO-1/2, whose masters are slices of the parameters, and frozen ones), or this rank's slice of the fp32
+        master (and of ZeRO-3's 16-bit kept slice), instead of the parameter where it is only this rank's piece."""
         found = {q: (piece, i) for piece in self.pieces for i, q in enumerate(piece.params)}.get(p)
-        if found is None or self.dtype == torch.float32:  # frozen and replicated, or the master is the slice itself
+        pieces = self.sharded_now(p)
+        if found is None or (self.dtype == torch.float32 and not pieces):
             return None
         piece, index = found
-        return into_slice(piece.mine.master, piece.flat, index, self.rank)
+        kept = getattr(piece, "kept", piece.mine.master)  # ZeRO-3's 16-bit slice beside the master (fp32: the master)
+        slices = [piece.mine.master] if kept is piece.mine.master else [piece.mine.master, kept]
+        return into_slices(slices, piece.flat, index, self.rank, torch_copies=not pieces)
 
     def sharded_now(self, p: nn.Parameter) -> bool:
         """Whether `p` is, right now, only this rank's piece of it (ZeRO-3 and FSDP between uses)."""
