@@ -4,7 +4,8 @@ graded together with the reference and the skeleton (tests/lab_grading.py); the 
 `grading_scale` (make test-grading)."""
 
 import pytest
-from lab_grading import LabGrading
+import torch
+from lab_grading import LabGrading, check_named, verdict
 
 CHECKS = {  # a short key -> the start of the check's name in checks.py
     "counts": "exchange_counts",
@@ -73,3 +74,31 @@ def test_the_toolkits_own_layer_scores_zero(tmp_path):
     LAB.assert_delegation_scores_zero(
         "LabMoE.forward = MoE.forward  # the toolkit's own, not yours", "toolkit.moe.layer:MoE.forward", tmp_path
     )
+
+
+def test_compute_experts_judges_a_rank_that_receives_no_rows():
+    """About 1 grading in 500 draws a rank that receives no rows (seed 132543461849019322 did, in a clean clone's
+    run): the check crashed building the expected answer (torch.stack of nothing) and said "your results could not
+    be checked" to every student, the reference included. An empty answer is right there, and a row where none
+    arrived is wrong."""
+    check = check_named(LAB.lab, "compute_experts")
+
+    def least_received(seed: int) -> int:
+        drawn = check.make_inputs(2, torch.Generator().manual_seed(seed))
+        return min(int(rank["recv"].sum()) for rank in drawn.given(drawn.ids[0]))
+
+    seed = next(s for s in range(20_000) if least_received(s) == 0)
+    lab = check.judge.__globals__  # the lab's own experts and constants
+    Experts, D, FF, SEED, INIT = (lab[k] for k in ("Experts", "D", "FF", "SEED", "INIT"))  # noqa: N806
+
+    def answer(r, case, given, extra_row=False):
+        layer = Experts(D, FF, 6, 3 * r, 3, seed=SEED, init_std=INIT)
+        recv, received = given[r]["recv"], given[r]["received"]
+        order = [e for j in range(2) for e in range(3) for _ in range(int(recv[j, e]))]
+        with torch.no_grad():
+            out = [layer.expert(e, row[None])[0] for e, row in zip(order, received)]
+        out = torch.stack(out) if out else received.new_zeros((0, D))
+        return {"out": torch.cat([out, out.new_zeros((1, D))]) if extra_row and not len(received) else out}
+
+    assert verdict(check, 2, answer, seed) == ""
+    assert verdict(check, 2, lambda r, c, g: answer(r, c, g, extra_row=True), seed) != ""
