@@ -41,7 +41,8 @@ STRATEGIES = ["zero1", "zero2", "zero3", "fsdp"]
 
 
 def run_rank(n: int) -> dict:
-    """Each strategy twice: the loop clearing with `model.zero_grad()`, and one backward read by torch's clip."""
+    """Every habit of the module docstring on every strategy it concerns, in one launch; errors are recorded, so a
+    broken mechanism fails its own tests rather than the whole launch."""
     rank, out = torch.distributed.get_rank(), {}
     for strategy in STRATEGIES:
         model, opt = wrap(build(), strategy, optimizer=OPT)
@@ -78,6 +79,10 @@ def run_rank(n: int) -> dict:
     for strategy in ["local", "ddp", *STRATEGIES]:
         for mixed in (False, True):
             out[("load", strategy, mixed)] = load_then_step(rank, n, strategy, mixed)
+    for strategy in ("zero3", "fsdp"):  # a value of the wrong shape for a parameter that is this rank's piece
+        model, _ = wrap(build(), strategy, optimizer=OPT)
+        wrong = {**build().state_dict(), "tok_emb.weight": torch.zeros(3, 3)}
+        out[("wrong shape", strategy)] = refusal(functools.partial(model.module.load_state_dict, wrong))
     for strategy in STRATEGIES:
         out[("resume", strategy)] = resume(rank, n, strategy)
     for strategy in ["local", "ddp", *STRATEGIES]:
@@ -234,3 +239,11 @@ def test_freezing_after_wrap_refuses_where_the_frozen_parameter_would_still_move
         else:
             assert isinstance(seen, str) and "'tok_emb.weight' stopped requiring gradients after wrap()" in seen
             assert "before wrap(model, ...)" in seen
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_loading_a_wrong_shape_into_a_piece_says_size_mismatch(ranks, strategy):
+    for got in ranks:
+        seen = got[("wrong shape", strategy)]
+        assert seen is not None and "size mismatch for 'tok_emb.weight'" in seen and "(3, 3)" in seen, seen
