@@ -2,6 +2,7 @@
 launches, and what a simulated step's operations add up to (FLOPs against the papers' formula, MFU
 against HFU). Every expected value is hand arithmetic from the datasheet numbers in `toolkit.sim.hardware`."""
 
+import dataclasses
 import functools
 import subprocess
 import sys
@@ -11,6 +12,9 @@ import pytest
 from toolkit.models import tiny_gpt
 from toolkit.models.as_in_papers import as_in, recompute_blocks
 from toolkit.sim import GPUS, Compute, Kernel, cluster_of, estimate, simulate
+from toolkit.sim.breakdown import BUSY, WAITING
+from toolkit.sim.cost import compute_time
+from toolkit.sim.priced import price
 from toolkit.sim.kernel_time import (
     device_seconds,
     gemm_efficiency,
@@ -58,6 +62,22 @@ def test_launches_hide_behind_long_kernels_on_a_gpu_and_add_up_on_a_cpu():
     assert seconds == device == pytest.approx(device_seconds(A100, big) + 1000 * device_seconds(A100, tiny))
     cpu = A100.__class__(**{**A100.__dict__, "asynchronous": False})
     assert segment_seconds(with_big, cpu)[0] == pytest.approx(device + 1001 * 5e-6)
+    views = Compute(0.0, 0.0, ops=4)  # views alone, between two collectives: nothing for the device to run
+    assert compute_time(views, A100) == 0.0  # the host, running ahead of the GPU, did them meanwhile
+    assert compute_time(views, cpu) == pytest.approx(4 * 5e-6)  # a CPU's dispatches are its step's time
+
+
+def test_the_per_operation_cost_is_charged_for_what_it_was_measured_on():
+    """The calibration divides a tiny step's time by every operation it dispatches, views included
+    (`count_ops`); a recorded program counts the same: the reference step's program, recorded on meta tensors,
+    holds exactly the operations the real step dispatches (it held 361 of 521 when views were left out, so each
+    of a step's views went unpriced and the reference step's scale made up for them in every rate)."""
+    from toolkit.sim.calibrate import _reference_program
+    from toolkit.sim.calibrate_compute import count_ops, reference_step
+
+    step = reference_step()
+    step()  # Adam makes its states in its first step: count a steady one, as the program is recorded
+    assert sum(c.ops for c in _reference_program()) == count_ops(step)
 
 
 # --- a simulated step's operations --------------------------------------------------------------------------
@@ -111,6 +131,11 @@ def test_the_per_operation_breakdown_adds_up_to_the_steps_compute():
     addmm = next(r for r in rows if r["name"] == "addmm")
     assert 0.5 < addmm["fraction_of_peak"] <= 256.5 / 312 + 1e-12
     assert 0 < sim.mfu < sim.hfu < 256.5 / 312
+    # on a CPU the host's dispatches add up, views between collectives too: launch overhead, not a roofline
+    a100 = cluster_of("dgx-a100")
+    cpu = price(sim, a100.with_changes(gpu=dataclasses.replace(a100.gpu, asynchronous=False))).breakdown
+    assert cpu["overhead"] > 0 and "roofline" not in cpu
+    assert sum(cpu[k] for k in (*BUSY, *WAITING) if k in cpu) == pytest.approx(cpu["step"], rel=1e-12)
 
 
 def test_an_h100_is_faster_by_its_gemm_rate_not_by_a_constant():

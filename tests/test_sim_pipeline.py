@@ -419,9 +419,9 @@ def test_what_a_stage_keeps_to_the_steps_end_is_its_micro_batches_token_ids_not_
 
 @pytest.mark.timeout(900)
 def test_a_pipeline_whose_shallow_stages_hide_their_bubble_is_simulated_whole():
-    """FSDP under pp gathers the embedding again for every micro-batch: at one and two blocks per stage that wait
-    covers part of the bubble a deeper stage pays, so the step is not affine in the blocks (extrapolated from one
-    and two to four: +2.5% here). `simulate_depths` checks the extrapolation at `PIPELINE_CHECK` blocks and,
+    """FSDP under pp gathers the embedding again for every micro-batch, and how much of that wait the bubble covers
+    changes with the blocks per stage, so the step is not affine in them (extrapolated from one and two to four:
+    -1.7% here, at d_model 256). `simulate_depths` checks the extrapolation at `PIPELINE_CHECK` blocks and,
     missing it by more than `AFFINE`, simulates the whole stage: its numbers are the whole simulation's."""
     from toolkit.sim.sweep import AFFINE, PIPELINE_BASE, PIPELINE_CHECK, extrapolate, simulate_depths
 
@@ -429,7 +429,7 @@ def test_a_pipeline_whose_shallow_stages_hide_their_bubble_is_simulated_whole():
 
     def at(blocks):
         sims[blocks] = simulate(
-            lambda: tiny_gpt(n_layer=4 * blocks, d_model=512, n_head=4, seq_len=256, vocab_size=50304),
+            lambda: tiny_gpt(n_layer=4 * blocks, d_model=256, n_head=4, seq_len=256, vocab_size=50304),
             "fsdp",
             8,
             pp=4,

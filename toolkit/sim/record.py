@@ -110,8 +110,10 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.namespace not in _NOT_COMPUTE and not func.is_view:
-            self.ops += 1
+        if func.namespace in _NOT_COMPUTE:
+            return out
+        self.ops += 1  # every operation the host dispatches costs it a dispatch, a view's too
+        if not func.is_view:
             key = shape_key(func, args, kwargs) if self.known is not None else None
             seen = self.known.get(key) if key is not None else None
             if seen is None:  # a new operation or shape: its bytes and Kernel depend on nothing else
