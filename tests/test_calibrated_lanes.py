@@ -31,8 +31,8 @@ BACKWARD = [
 TIMES = fixed({"a": 1.0, "b": 1.0})
 
 
-def priced(lanes, overlap=0.05):
-    return schedule(BACKWARD, TIMES, lambda c: Lanes(2.0 if c.op == "reduce_scatter" else 1.0, lanes), overlap=overlap)
+def priced(lanes, overlap=0.05, program=BACKWARD, times=TIMES):
+    return schedule(program, times, lambda c: Lanes(2.0 if c.op == "reduce_scatter" else 1.0, lanes), overlap=overlap)
 
 
 def test_with_two_lanes_the_all_gather_runs_beside_the_reduce_scatter_and_compute_waits_for_the_cores_hold():
@@ -55,6 +55,18 @@ def test_with_two_lanes_the_all_gather_runs_beside_the_reduce_scatter_and_comput
     assert [(s.kind, s.start, s.end) for s in staged.stages[0].spans] == [
         (s.kind, s.start, s.end) for s in two.spans
     ] and staged.end == pytest.approx(two.end)
+
+
+def test_views_between_two_collectives_do_not_wait_for_the_cores_hold():
+    """Between an asynchronous collective and the next, a strategy's views (a flat buffer's slices, a parameter
+    pointed at its gathered view) are microseconds of the host's dispatch, not work for the cores: they do not wait
+    for the first collective's hold, so the second is issued beside it as before. A segment with kernels waits."""
+    times = fixed({"a": 1.0, "b": 1.0, "between": 0.001})
+    views = [*BACKWARD[:2], Compute(0, label="between", ops=3), *BACKWARD[2:]]
+    for lanes in (1, 2):  # they ran while the reduce-scatter did
+        assert priced(lanes, program=views, times=times).step_time == pytest.approx(priced(lanes).step_time)
+    work = [*BACKWARD[:2], Compute(1e3, label="between", ops=3), *BACKWARD[2:]]  # it waits for the hold: 1.9 s
+    assert priced(2, program=work, times=times).step_time == pytest.approx(1.0 + 1.9 + 0.001 + 1.0 + 1.0)
 
 
 def test_the_calibrated_machine_prices_with_the_lanes_it_measured_and_the_presets_and_emulated_link_with_one():

@@ -14,7 +14,6 @@ from toolkit.models.as_in_papers import as_in, recompute_blocks
 from toolkit.sim import GPUS, Compute, Kernel, cluster_of, estimate, simulate
 from toolkit.sim.breakdown import BUSY, WAITING
 from toolkit.sim.cost import compute_time
-from toolkit.sim.priced import price
 from toolkit.sim.kernel_time import (
     device_seconds,
     gemm_efficiency,
@@ -23,6 +22,7 @@ from toolkit.sim.kernel_time import (
     segment_seconds,
     sm_rate,
 )
+from toolkit.sim.priced import price
 
 A100 = GPUS["a100-80gb"]
 

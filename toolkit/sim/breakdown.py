@@ -45,7 +45,7 @@ def busy_parts(spans, gpu, roofline: bool, cache: dict | None = None) -> dict:
             continue
         segment, nominal = s.instruction, s.end - s.start - s.contention
         out["contention"] += s.contention
-        if roofline or (not segment.kernels and (segment.flops or segment.bytes)):  # (views alone: host work)
+        if roofline or not (segment.kernels or segment.views_only):
             out["roofline"] = out.get("roofline", 0.0) + nominal
             continue
         parts = segment_parts(segment, gpu, cache)

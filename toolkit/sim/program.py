@@ -53,6 +53,12 @@ class Compute:
     kernels: tuple = field(default=(), compare=False)  # ((Kernel, count), ...): its operations; () where only
     #                         the totals are known (a hand-written program): priced as one roofline
 
+    @property
+    def views_only(self) -> bool:
+        """Operations the host dispatched, none of them a kernel: views and metadata between two door calls
+        (a recorded program's), work for the host alone."""
+        return self.ops > 0 and not (self.kernels or self.flops or self.bytes)
+
 
 @dataclass(frozen=True)
 class Collective:

@@ -192,7 +192,7 @@ def schedule_stages(
         while st.next < len(st.program):
             instruction = st.program[st.next]
             if isinstance(instruction, Compute):
-                st.clock = held(st.spans, st.clock, st.hold)
+                st.clock = held(st.spans, st.clock, st.hold, instruction)
                 seconds = compute_time(key, instruction)
                 end = slowed(st.clock, seconds, st.busy, slowdown)
                 st.spans.append(Span("compute", st.clock, end, instruction, contention=end - st.clock - seconds))

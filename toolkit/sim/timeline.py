@@ -19,7 +19,8 @@ The rule, in the order the strategy issued its work (`toolkit.sim.program`):
    reduce on the cores the ranks compute on), a collective also holds the compute stream for the
    part of its time that cannot hide, (1 - overlap) x its time, from when it begins: the next compute
    waits for the latest such hold (a "host" span, counted as exposed communication), but the next
-   collective may be issued meanwhile (issuing one is queueing it for gloo's threads). With overlap 0
+   collective may be issued meanwhile (issuing one is queueing it for gloo's threads), and so may the views
+   between them (a segment without kernels: microseconds of the host's dispatch, not work for the cores). With overlap 0
    an asynchronous collective costs what a synchronous one does; a synchronous one costs the same
    whatever `overlap` is. A cost may say its hold itself (`CollectiveCost.cores`): an emulated link's
    call holds the cores for the real loopback call beneath it, its sleep for the rest hides whole.
@@ -104,11 +105,12 @@ def cores_held(cost, overlap: float) -> float:
     return (1 - overlap) * cost.seconds if cores is None else cores
 
 
-def held(spans: list, clock: float, hold: tuple) -> float:
+def held(spans: list, clock: float, hold: tuple, segment: Compute | None = None) -> float:
     """Where the compute stream is once the collectives' hold on the cores (rule 4) is over: a "host" span
-    from `clock` to the hold's end (`hold`: (end, the collective that holds them)) where it stalls."""
+    from `clock` to the hold's end (`hold`: (end, the collective that holds them)) where it stalls. A `segment`
+    of views alone (`Compute.views_only`) does not wait for it."""
     end, collective = hold
-    if end <= clock:
+    if end <= clock or (segment is not None and segment.views_only):
         return clock
     spans.append(Span("host", clock, end, collective))
     return end
@@ -220,7 +222,7 @@ def schedule(
     spans = []
     for n, instruction in enumerate(program):
         if isinstance(instruction, Compute):
-            clock = held(spans, clock, hold)
+            clock = held(spans, clock, hold, instruction)
             seconds = compute_time(instruction)
             end = slowed(clock, seconds, busy, slowdown)
             spans.append(Span("compute", clock, end, instruction, contention=end - clock - seconds))
