@@ -70,7 +70,7 @@ def how_priced(world: int, machine, moe: dict) -> str:
         f"threads, read from the live group), so an all-gather called behind an asynchronous reduce-scatter starts "
         f"at once instead of queueing (the pair measured on its own: 'What the simulator's misses on this machine "
         f"pay' below), and a collective's hold on the cores ({1 - machine.overlap:.2f} of it) stalls the next "
-        f"compute, not the next collective."
+        f"compute, not the next collective nor the views dispatched between them."
     )
     pipelined = moe.get("moe pipeline 4")
     if pipelined is not None and not isinstance(pipelined, str):
