@@ -187,4 +187,37 @@ def measure_links(ops, sizes=SIZES) -> dict:
     alone = in_a_step(
         _prepare("reduce_scatter", _numel_for(BESIDE_SIZE, n, 4), torch.float32, torch.device("cpu"), seed=99)
     )
-    return {"records": records, "overlap": overlap(), "beside_compute": beside_compute(alone), "lanes": lanes()}
+    return {
+        "records": records,
+        "overlap": overlap(),
+        "beside_compute": beside_compute(alone),
+        "lanes": lanes(),
+        "emulator_bookings": emulator_bookings() if n > 1 else 0.0,
+    }
+
+
+BOOKINGS = 20  # all-to-alls booked in the emulated link's bookkeeping measurement
+
+
+def emulator_bookings() -> float:
+    """Seconds of host work the emulated link's bookkeeping adds to one all-to-all at issue, every rank at once
+    (`toolkit.comm.cost.schedule_all_to_all` on the job's store): a reservation of each peer's receiving side and a
+    note of the delivery, round trips to the store that every rank makes at the same moments. The loopback call
+    and the sleep are priced apart; this is what the call's issue costs the host before either."""
+    import torch.distributed as dist
+
+    from ..comm.store_ledger import StoreLedger
+
+    ledger, me, n = StoreLedger(dist.distributed_c10d._get_default_store()), dist.get_rank(), dist.get_world_size()
+    times = []
+    for call in range(BOOKINGS):
+        dist.barrier()
+        start = time.perf_counter()
+        for peer in range(n):
+            if peer != me:
+                taken = ledger.reserve(("calibration", peer, "recv"), start, 0.0)
+                ledger.note(("calibration", call, peer), taken)
+        times.append(time.perf_counter() - start)
+        dist.barrier()
+        ledger.take(("calibration", call, me))
+    return statistics.median(times)

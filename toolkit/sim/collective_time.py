@@ -129,10 +129,24 @@ def collective_time(
     )
     if cluster.underlay is None:
         return cost
-    # an emulated link (`toolkit.comm.emulate`): the call runs on the real links beneath, then sleeps until the
-    # emulated link's time has passed; the real call holds the cores as it would alone, the sleep hides whole
+    # an emulated link (`toolkit.comm.emulate`): an all-to-all first books its chunks on the job's store (host work,
+    # for the peers it sends to), the call runs on the real links beneath, then sleeps until the emulated link's
+    # time has passed; the bookings and the real call hold the cores as they would alone, the sleep hides whole
     real = collective_time(cluster.underlay, op, size_bytes, group, me, args)
-    return replace(cost, seconds=max(cost.seconds, real.seconds), cores=(1 - cluster.underlay.overlap) * real.seconds)
+    booked = cluster.bookings * _peers_sent_to(op, group, me, args) / max(len(list(group)) - 1, 1)
+    host = booked + (1 - cluster.underlay.overlap) * real.seconds
+    return replace(cost, seconds=max(cost.seconds, booked + real.seconds), cores=host)
+
+
+def _peers_sent_to(op: str, group, me, args) -> int:
+    """The peers an all-to-all sends rows to (the emulator books each); 0 for any other op."""
+    if op != "all_to_all":
+        return 0
+    group = list(group)
+    splits = (args or {}).get("input_splits")
+    if splits is None:  # even splits: every peer
+        return len(group) - 1
+    return sum(1 for p, rows in enumerate(splits) if rows and group[p] != me)
 
 
 def _time_on_links(cluster, op, size_bytes, group, me, args) -> CollectiveCost:

@@ -66,6 +66,8 @@ class Cluster:
     #                                 on their own streams do) rather than take turns: True on the GPU presets;
     #                                 False where one thread runs them in turn (gloo, this machine's calibration)
     underlay: Cluster | None = field(default=None, compare=False)  # an emulated link's real links, beneath it
+    bookings: float = 0.0  # an emulated link's: host seconds its bookkeeping adds to an all-to-all's issue, for
+    #                                 world - 1 peers (the job's store, measured: `calibrate_links.emulator_bookings`)
     published: NetworkMeasurements | None = field(default=None, compare=False)  # its collectives, measured
     notes: dict = field(default_factory=dict, compare=False)  # e.g. calibration details
 
