@@ -20,8 +20,8 @@ The rule, in the order the strategy issued its work (`toolkit.sim.program`):
    part of its time that cannot hide, (1 - overlap) x its time, from when it begins: the next compute
    waits for the latest such hold (a "host" span, counted as exposed communication), but the next
    collective may be issued meanwhile (issuing one is queueing it for gloo's threads), and so may the views
-   between them (a segment without kernels: microseconds of the host's dispatch, not work for the cores). With overlap 0
-   an asynchronous collective costs what a synchronous one does; a synchronous one costs the same
+   between them (a segment without kernels: microseconds of the host's dispatch, not work for the cores).
+   With overlap 0 an asynchronous collective costs what a synchronous one does; a synchronous one costs the same
    whatever `overlap` is. A cost may say its hold itself (`CollectiveCost.cores`): an emulated link's
    call holds the cores for the real loopback call beneath it, its sleep for the rest hides whole.
 5. Optionally (`beside` > 1, `Cluster.beside_compute`), an asynchronous collective takes `beside` times
