@@ -42,7 +42,9 @@ def compute_time(
     """Seconds for one compute segment: its operations priced one by one (`kernel_time`); a segment without
     recorded operations, or any segment when `mfu` is given, as one roofline: max(FLOPs at mfu x peak (1 x
     peak by default), bytes at memory bandwidth) + ops x the host's overhead per operation."""
-    if mfu is None and (segment.kernels or (gpu.asynchronous and segment.views_only)):
+    if mfu is None and gpu.asynchronous and segment.views_only:
+        return 0.0  # the host, running ahead of the device, dispatched them while it worked (kernel_time rule 4)
+    if segment.kernels and mfu is None:
         return segment_seconds(segment, gpu, cache)[0]
     rate = gpu.flops_per_s(dtype) * (1.0 if mfu is None else mfu)
     memory = segment.bytes / hbm_bandwidth(gpu) if segment.bytes else 0.0

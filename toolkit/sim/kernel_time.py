@@ -27,9 +27,9 @@ shape; nothing is fitted to a training run:
    whichever is slower.
 4. The host: every operation it dispatches costs `op_overhead` seconds of host work (dispatch and launch), a view's
    too (the calibration divides by every operation dispatched, `calibrate_compute.count_ops`). On a GPU the host
-   runs ahead of the device, so a run of operations takes the longer of the two totals, and a run that gives the
-   device nothing to do (views and metadata alone, between two collectives) takes none of its time; on a CPU the
-   two add up.
+   runs ahead of the device, so a run of operations takes the longer of the two totals, and a run of views alone
+   (between two collectives: nothing for the device to do) takes none of its time (`cost.compute_time`); on a CPU
+   the two add up.
 
 Clocks: the published rates were measured under sustained load (cuBLASLt after 10,000 warm-up iterations on random
 data, FlashAttention-2's benchmark after warm-up), so they are the clocks a GPU holds while computing, not its
@@ -186,6 +186,4 @@ def segment_seconds(segment: Compute, gpu, cache: dict | None = None) -> tuple[f
     """(seconds, device seconds) of a compute segment priced kernel by kernel (rule 4 for the host)."""
     device = sum(segment_parts(segment, gpu, cache).values())
     host = segment.ops * gpu.op_overhead
-    if not gpu.asynchronous:
-        return device + host, device
-    return (max(device, host) if device > 0 else 0.0), device
+    return (max(device, host) if gpu.asynchronous else device + host), device
