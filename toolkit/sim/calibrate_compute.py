@@ -48,14 +48,17 @@ def spread(values) -> float:
 
 
 def count_ops(fn) -> int:
-    """How many aten operations `fn` dispatches (what a program's `Compute.ops` counts)."""
+    """How many aten operations `fn` dispatches, views included and collectives apart (what a program's
+    `Compute.ops` counts)."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .record import _NOT_COMPUTE
 
     class Counter(TorchDispatchMode):
         calls = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.calls += 1
+            Counter.calls += func.namespace not in _NOT_COMPUTE
             return func(*args, **(kwargs or {}))
 
     with Counter():
