@@ -69,24 +69,30 @@ def predict_strategies(configs, world: int, machine) -> dict:
 
 
 def predict_moe(variants, world: int, machine) -> dict:
-    """Each variant simulated (rank 0 holds the hot expert: the slowest rank); a variant the simulator cannot
-    run yet maps to the reason."""
+    """Each variant simulated on every rank (their loads differ: capacity caps the hot expert, so at 4 ranks rank 0
+    is not the busiest), the slowest rank's kept: a step ends when the slowest rank's does, and the measurement is
+    the slowest rank's. A variant the simulator cannot run yet maps to the reason."""
     from toolkit.sim import simulate
 
     out = {}
     for name, options in variants.items():
         try:
-            out[name] = simulate(
-                functools.partial(moe_block, world, **options),
-                "local",
-                world,
-                ranks_per_node=1,
-                batch_per_rank=MOE["batch"],
-                optimizer=torch.optim.SGD,
-                routing=skewed,
-                cluster=machine,
-                progress=False,
-            )
+            ranks = [
+                simulate(
+                    functools.partial(moe_block, world, **options),
+                    "local",
+                    world,
+                    rank=rank,
+                    ranks_per_node=1,
+                    batch_per_rank=MOE["batch"],
+                    optimizer=torch.optim.SGD,
+                    routing=skewed,
+                    cluster=machine,
+                    progress=False,
+                )
+                for rank in range(world)
+            ]
+            out[name] = max(ranks, key=lambda sim: sim.step_time)
         except (RuntimeError, ValueError, NotImplementedError) as exc:
             out[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     return out

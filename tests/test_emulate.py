@@ -1,5 +1,6 @@
 """The emulated link's physics (toolkit/comm/emulate.py, cost.py): backpressure at a congested receiver, a
-rank's links inside and across nodes working side by side, and no message for an empty block.
+rank's links inside and across nodes working side by side, no message for an empty block, and an all-to-all with
+even splits as fast as its model whatever order the ranks book in.
 
 Each is checked on the emulator's own ledger (its bookings, in one process, where the arithmetic is exact)
 and the backpressure once more on launched ranks, through the door, as a lesson sees it.
@@ -27,12 +28,18 @@ def into_rank_0(me: int, rows: int = 10, row_bytes: int = 1000) -> dict:
     return dict(input_splits=ins, output_splits=outs, row_bytes=(row_bytes, row_bytes))
 
 
-def booked(settings, calls) -> dict:
-    """Each rank's all-to-all booked on the emulator's own ledger, issued at time 0 in the order given;
-    {rank: its modelled finish}. What `emulate.book` does for each rank, in one process."""
+def even(me: int, rows: int = 10) -> dict:
+    """Every rank sends `rows` rows of 1,000 bytes to every other rank."""
+    splits = [0 if p == me else rows for p in RANKS]
+    return dict(input_splits=splits, output_splits=splits, row_bytes=(1000, 1000))
+
+
+def booked(settings, calls, shared=None) -> dict:
+    """Each rank's all-to-all booked on the emulator's own ledger (or `shared`: the job's store's), issued at time 0
+    in the order given; {rank: its modelled finish}. What `emulate.book` does for each rank, in one process."""
     from toolkit.comm.cost import Ledger, all_to_all_finish, received_kinds, schedule_all_to_all
 
-    shared, done = Ledger(), {}
+    shared, done = shared or Ledger(), {}
     for me, extra in calls:
         own = Ledger()
         done[me] = (schedule_all_to_all(shared, own, settings, RANKS, me, 0.0, 0.0, extra, "call"), extra)
@@ -79,6 +86,43 @@ def test_an_empty_block_is_no_message():
     one_peer = dict(input_splits=[10, 0, 0, 0], output_splits=[0, 0, 0, 0], row_bytes=(1000, 1000))
     assert model_time(link, "all_to_all", RANKS, 1, 0.0, one_peer)[0] == pytest.approx(0.010 + ALPHA)
     assert booked(link, [(1, one_peer)])[1] == pytest.approx(0.010 + ALPHA)
+
+
+@pytest.mark.parametrize("where", ["process", "store"])
+def test_even_splits_issued_together_take_the_models_time_whatever_order_the_ranks_book_in(where):
+    """Four ranks, 10 ms to each peer: the pairwise exchange's 3 steps, 33 ms with the latencies, for every rank in
+    all 24 orders in which their processes may book. Before, each rank booked its peers in rank order and a link
+    was "free again at" its last booking, so ranks that booked late queued behind chunks booked early for later:
+    33, 43, 53 and 53 ms in rank order. On the job's store (a HashStore here) the calendar survives being text."""
+    import itertools
+
+    import torch.distributed as dist
+
+    from toolkit.comm.emulate import model_time
+    from toolkit.comm.link import make_settings
+    from toolkit.comm.store_ledger import StoreLedger
+
+    link = make_settings(MB_S, ALPHA)
+    assert model_time(link, "all_to_all", RANKS, 0, 0.0, even(0))[0] == pytest.approx(0.030 + 3 * ALPHA)
+    for order in itertools.permutations(RANKS):
+        shared = StoreLedger(dist.HashStore()) if where == "store" else None
+        finish = booked(link, [(me, even(me)) for me in order], shared)
+        assert list(finish.values()) == pytest.approx([0.030 + 3 * ALPHA] * 4), order
+
+
+def test_a_link_s_calendar_gives_a_chunk_the_first_gap_it_fits():
+    """A chunk wanted early goes into the gap before one booked earlier for later; a chunk too long for the gap goes
+    after; bookings that ended a second before the next one's earliest start are forgotten."""
+    from toolkit.comm.cost import FORGET_S, Ledger
+
+    link = Ledger()
+    assert link.reserve("recv", 0.020, 0.010) == pytest.approx(0.030)
+    assert link.reserve("recv", 0.0, 0.010) == pytest.approx(0.010)  # before it, in the gap
+    assert link.reserve("recv", 0.005, 0.012) == pytest.approx(0.042)  # the 10 ms gap is too short: after
+    assert sum(link.busy["recv"], ()) == pytest.approx((0.0, 0.010, 0.020, 0.042))
+    assert link.reserve("recv", 0.005, 0.010) == pytest.approx(0.020)  # it waits for the gap, and fits it
+    assert link.reserve("recv", 0.042 + FORGET_S, 0.001) == pytest.approx(0.043 + FORGET_S)
+    assert sum(link.busy["recv"], ()) == pytest.approx((0.042 + FORGET_S, 0.043 + FORGET_S))
 
 
 # --- on launched ranks, through the door ---------------------------------------------------------------

@@ -144,19 +144,48 @@ def _all_to_all_bytes(me_at: int, n: int, size_bytes: float, extra: dict):
 
 
 # --- who is busy until when ---------------------------------------------------------------------------
+FORGET_S = 1.0  # a booking that ended this long before a new one's earliest start is forgotten (no rank books
+# a call a second after issuing it), which keeps a link's calendar a few intervals long
+
+
+def first_fit(busy: list, earliest: float, seconds: float) -> tuple[float, list]:
+    """Where ``seconds`` of a link go on its calendar ``busy`` (sorted, disjoint (start, end) pairs): the first
+    gap at or after ``earliest`` they fit in. Returns (their end, the calendar with them). A calendar, not "free
+    again at": ranks book in whatever order their processes run, and a chunk that one rank wants early must not
+    queue behind a chunk that another rank booked first for later."""
+    kept = [(s, e) for s, e in busy if e > earliest - FORGET_S]
+    start = earliest
+    for s, e in kept:
+        if start + seconds <= s + 1e-9:  # a nanosecond: the clock's grain, not a float's rounding
+            break
+        start = max(start, e)
+    if seconds > 0:
+        kept = sorted(kept + [(start, start + seconds)])
+    merged = []  # touching intervals become one
+    for s, e in kept:
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(e, merged[-1][1]))
+        else:
+            merged.append((s, e))
+    return start + seconds, merged
+
+
 class Ledger:
-    """When each link is free again (seconds on one clock). Resources: ("rank", r, side) for a rank's own
-    link, side "send" or "recv"; ("node", n, side) for a node's card, side "up" or "down". This one lives
-    in one process; the emulator's shared one (``comm/store_ledger.py``) has the same methods."""
+    """When each link is busy (seconds on one clock). Resources: ("rank", r, side) for a rank's own link, side
+    "send" or "recv"; ("node", n, side) for a node's card, side "up" or "down". This one lives in one process;
+    the emulator's shared one (``comm/store_ledger.py``) has the same methods."""
 
     def __init__(self):
-        self.free, self.notes = {}, {}
+        self.busy, self.notes = {}, {}
+
+    def free_at(self, resource) -> float:
+        """When ``resource``'s last booking ends (0 if it has none)."""
+        booked = self.busy.get(resource)
+        return booked[-1][1] if booked else 0.0
 
     def reserve(self, resource, earliest: float, seconds: float) -> float:
-        """Hold ``resource`` for ``seconds`` from ``earliest`` or when it is free, whichever is later.
-        Returns the end."""
-        end = max(earliest, self.free.get(resource, 0.0)) + seconds
-        self.free[resource] = end
+        """Hold ``resource`` for ``seconds`` in its first gap from ``earliest`` (``first_fit``). Returns the end."""
+        end, self.busy[resource] = first_fit(self.busy.get(resource, []), earliest, seconds)
         return end
 
     def note(self, key, end: float) -> None:
@@ -172,11 +201,11 @@ def schedule(ledger, own: Ledger, settings, d: Demand, me: int, now: float, side
     """Book call ``d`` of rank ``me`` issued at ``now``: its own part on ``own`` (this rank's link, the
     ``sides`` the call uses), then its card part on ``ledger`` (shared by the node's ranks). Returns
     when the call may finish."""
-    start = max([now] + [own.free.get(("rank", me, s), 0.0) for s in sides])
+    start = max([now] + [own.free_at(("rank", me, s)) for s in sides])
     end = start + d.own_s
     if d.own_s > 0:
         for s in sides:
-            own.free[("rank", me, s)] = end
+            own.reserve(("rank", me, s), start, d.own_s)
     node, card = settings.card_of(me), start  # the card part runs beside the own part, on its own link
     for side, seconds in (("up", d.up_s), ("down", d.down_s)):
         if seconds > 0:
@@ -199,10 +228,13 @@ def schedule_all_to_all(
     job's store). Returns ({kind: when my chunks of that kind are delivered}, {kind: (messages, alpha)}):
     a kind's messages are its peers with rows either way (an empty block sends nothing).
     """
-    sent, received = _all_to_all_bytes(ranks.index(me), len(ranks), size_bytes, extra)
+    mine_at, n = ranks.index(me), len(ranks)
+    sent, received = _all_to_all_bytes(mine_at, n, size_bytes, extra)
     delivered, messages = {}, {}
-    for p, peer in enumerate(ranks):
-        if peer == me or not (sent[p] or received[p]):
+    for step in range(1, n):  # the pairwise exchange's order (``alltoall.pairwise_schedule``): at each step
+        p = (mine_at - step) % n  # every receiver has one sender, so even splits issued together never queue
+        peer = ranks[p]
+        if not (sent[p] or received[p]):
             continue
         kind = _kind(settings, peer, me)
         link = settings.intra if kind == "intra-node" else settings.inter

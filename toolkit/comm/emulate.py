@@ -46,12 +46,15 @@ meanwhile (the card is another link: the two parts run side by side). So two all
 once take twice as long, not the same time: overlapping communication with communication gains
 nothing, as on a real link; overlapping it with computation does, which is the point of the lessons.
 
-Backpressure. An all-to-all is booked chunk by chunk: the chunk for rank p holds the sender's sending
+Backpressure. An all-to-all is booked chunk by chunk, in the pairwise exchange's order (at step i rank j
+sends to j - i: every receiver has one sender per step): the chunk for rank p holds the sender's sending
 side, then p's receiving side (its own link's, or its card's downlink), where every sender to p queues
-(``cost.schedule_all_to_all``). A sender is released when its last chunk is delivered, not when it has
-pushed it: three ranks sending 10 ms each to one receiver finish at 10, 20 and 30 ms (the order they
-issued), with the receiver, not all at 10 ms while it still needs 30. Each delivery is noted in the
-job's store (``comm/store_ledger.py``); the receiver reads its notes once the data has moved (its
+(``cost.schedule_all_to_all``). A link's bookings are a calendar (``cost.first_fit``): the ranks' processes
+book in whatever order they run, and a chunk wanted early takes a gap before one booked first for later, so
+even splits issued together take the model's time. A sender is released when its last chunk is
+delivered, not when it has pushed it: three ranks sending 10 ms each to one receiver finish at 10, 20 and
+30 ms (the order they issued), with the receiver, not all at 10 ms while it still needs 30. Each
+delivery is noted in the job's store (``comm/store_ledger.py``); the receiver reads its notes once the data has moved (its
 deadline, an ``Arrival``, is known then). The ring collectives and send/recv book a rank's receiving
 side in its own process, so they do not queue behind another rank's all-to-all chunks into it.
 
@@ -106,7 +109,7 @@ def _from_env() -> Settings | None:
 
 _current: Settings | None = _from_env()
 _lock = threading.Lock()
-_own = Ledger()  # when this rank's links (and, one rank per node, its card) are free again (perf_counter)
+_own = Ledger()  # when this rank's links (and, one rank per node, its card) are busy (perf_counter)
 _calls: dict = {}  # all-to-alls issued per group: the number that names a call's notes in the store
 _links = [True]  # False on a simulated rank (``no_links``): the setting is in force, nothing is booked
 
@@ -118,7 +121,7 @@ def _set(settings: Settings | None) -> None:
         os.environ.pop(ENV, None)
     else:
         os.environ[ENV] = json.dumps(settings.to_dict())
-    _own.free.clear()
+    _own.busy.clear()
     _calls.clear()
 
 

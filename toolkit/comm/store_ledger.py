@@ -3,17 +3,17 @@
 A rank's own link is booked in its own process (``cost.Ledger``). What other ranks book too lives in
 the process group's store: a node's card when several ranks share it, and, for an all-to-all, every
 receiver's receiving side, on which its senders queue their chunks (backpressure, ``cost.py``). A
-reservation is an atomic compare-and-set of "free again at" on one clock (perf_counter is the machine's
-monotonic clock, the same in every process); a note (when an all-to-all's chunks into a receiver are
-delivered) is a compare-and-set of the latest end, read and deleted by the receiver once the data has
-moved. Same methods as ``cost.Ledger``, which stands in when no process group is up.
+reservation is an atomic compare-and-set of the resource's calendar (its busy intervals, ``cost.first_fit``)
+on one clock (perf_counter is the machine's monotonic clock, the same in every process); a note (when an
+all-to-all's chunks into a receiver are delivered) is a compare-and-set of the latest end, read and deleted
+by the receiver once the data has moved. Same methods as ``cost.Ledger``, which stands in when no process group is up.
 """
 
 from __future__ import annotations
 
 import os
 
-from .cost import Ledger
+from .cost import Ledger, first_fit
 
 PREFIX = "toolkit/emulated_link/"
 _shared: dict = {}
@@ -30,24 +30,28 @@ class StoreLedger:
     def _key(parts) -> str:
         return PREFIX + "/".join(str(part) for part in _flat(parts))
 
-    def _latest(self, key: str, value) -> float:
-        """Set ``key`` to ``value(current)`` atomically (current: None when new); returns what was set.
-        A value carries this writer's mark, so a compare-and-set that failed (it returns the value found)
-        never reads as one that succeeded with the same number."""
+    def _swap(self, key: str, change):
+        """Replace ``key``'s numbers atomically: change(numbers now, [] when new) -> (result, numbers to store);
+        returns the result. A value carries this writer's mark, so a compare-and-set that failed (it returns
+        the value found) never reads as one that succeeded with the same numbers."""
         current = self.store.compare_set(key, "", "")
         while True:
             _count[0] += 1
-            end = value(float(current.split()[0]) if current else None)
-            wanted = f"{end!r} {os.getpid()}.{_count[0]}".encode()
+            result, numbers = change([float(x) for x in current.split()[:-1]] if current else [])
+            wanted = " ".join([repr(x) for x in numbers] + [f"{os.getpid()}.{_count[0]}"]).encode()
             current = self.store.compare_set(key, current, wanted)
             if current == wanted:
-                return end
+                return result
 
     def reserve(self, resource, earliest: float, seconds: float) -> float:
-        return self._latest(self._key(resource), lambda free: max(earliest, free or 0.0) + seconds)
+        def book(numbers):
+            end, busy = first_fit(list(zip(numbers[::2], numbers[1::2])), earliest, seconds)
+            return end, [x for interval in busy for x in interval]
+
+        return self._swap(self._key(resource), book)
 
     def note(self, key, end: float) -> None:
-        self._latest(self._key(key), lambda latest: max(end, latest if latest is not None else end))
+        self._swap(self._key(key), lambda latest: (None, [max([end] + latest)]))
 
     def take(self, key) -> float:
         name = self._key(key)

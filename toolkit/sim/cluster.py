@@ -82,8 +82,10 @@ def cluster(world_size: int, rank: int = 0):
     try:
         fake.init(world_size, rank)  # torch chains a "[rank0]:" excepthook onto sys.excepthook here
         recorder.reset()
-        with env.computing_on("meta"), fused_attention(), no_links():  # attention as a real rank runs it
-            yield  # (attention.py); an emulated link is a setting here, never booked (comm/emulate.py)
+        # attention as a real rank runs it (attention.py); an emulated link is a setting here, never booked
+        # (comm/emulate.py); an all-to-all's values as every rank alike would send them (fake.py)
+        with env.computing_on("meta"), fused_attention(), no_links(), fake.alike_all_to_all():
+            yield
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

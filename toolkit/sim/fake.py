@@ -3,7 +3,8 @@
 `torch.testing._internal.distributed.fake_pg` registers a "fake" backend: a process group of any size
 in which this one process plays one rank, and every collective completes at once without moving data
 (an all-gather copies the local input into every slot, a reduce-scatter copies this rank's chunk, an
-all-to-all repeats the input: shapes and allocations are right, values are not). Sub-groups work.
+all-to-all repeats the input's first block: shapes and allocations are right, values are not; `alike_all_to_all`
+puts right the values a program decides by). Sub-groups work.
 Checked with torch 2.13 (tests/test_sim_fake.py); if a release moves it, this is the file to change.
 
 How large a world: one rank's program (its tensors, operations and messages) depends on the sizes of its groups and
@@ -16,6 +17,8 @@ to the same rank's at 4,096.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -50,3 +53,29 @@ def init(world_size: int, rank: int) -> None:
 def is_fake() -> bool:
     """True when the default group is a fake one (the simulator's own check; strategies never ask)."""
     return dist.is_initialized() and dist.get_backend() == BACKEND
+
+
+@contextlib.contextmanager
+def alike_all_to_all():
+    """The values of an all-to-all on a simulated rank, where it has values (not meta tensors: an MoE layer's counts,
+    from which its experts' rows and its messages' sizes follow). The fake one copies the input's first block into
+    every slot, so rank r would "receive" what it sends rank 0, and every rank would carry rank 0's load. Here each
+    peer sends this rank what it sends itself: the simulator's assumption everywhere, every rank runs the same
+    program (under an assumed routing, the same choice of experts). Blocks of another size are left as they are."""
+    fake_all_to_all = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        work = fake_all_to_all(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        if not (output.is_meta or input.is_meta):
+            n, me = dist.get_world_size(group), dist.get_rank(group)
+            mine = input.split(list(input_split_sizes or [input.shape[0] // n] * n))[me]
+            for block in output.split(list(output_split_sizes or [output.shape[0] // n] * n)):
+                if block.shape == mine.shape:
+                    block.copy_(mine)
+        return work
+
+    dist.all_to_all_single = all_to_all_single
+    try:
+        yield
+    finally:
+        dist.all_to_all_single = fake_all_to_all
