@@ -112,7 +112,7 @@ def test_even_splits_issued_together_take_the_models_time_whatever_order_the_ran
 
 def test_a_link_s_calendar_gives_a_chunk_the_first_gap_it_fits():
     """A chunk wanted early goes into the gap before one booked earlier for later; a chunk too long for the gap goes
-    after; bookings that ended a second before the next one's earliest start are forgotten."""
+    after; the bookings that ended FORGET_S before a call was issued are forgotten when it books."""
     from toolkit.comm.cost import FORGET_S, Ledger
 
     link = Ledger()
@@ -121,8 +121,8 @@ def test_a_link_s_calendar_gives_a_chunk_the_first_gap_it_fits():
     assert link.reserve("recv", 0.005, 0.012) == pytest.approx(0.042)  # the 10 ms gap is too short: after
     assert sum(link.busy["recv"], ()) == pytest.approx((0.0, 0.010, 0.020, 0.042))
     assert link.reserve("recv", 0.005, 0.010) == pytest.approx(0.020)  # it waits for the gap, and fits it
-    assert link.reserve("recv", 0.042 + FORGET_S, 0.001) == pytest.approx(0.043 + FORGET_S)
-    assert sum(link.busy["recv"], ()) == pytest.approx((0.042 + FORGET_S, 0.043 + FORGET_S))
+    assert link.reserve("recv", 0.5, 0.001, issued=0.042 + FORGET_S) == pytest.approx(0.501)
+    assert sum(link.busy["recv"], ()) == pytest.approx((0.5, 0.501))
 
 
 # --- on launched ranks, through the door ---------------------------------------------------------------

@@ -144,16 +144,16 @@ def _all_to_all_bytes(me_at: int, n: int, size_bytes: float, extra: dict):
 
 
 # --- who is busy until when ---------------------------------------------------------------------------
-FORGET_S = 1.0  # a booking that ended this long before a new one's earliest start is forgotten (no rank books
-# a call a second after issuing it), which keeps a link's calendar a few intervals long
+FORGET_S = 0.1  # a link forgets the bookings that ended this long before a new call was issued: a call still to be
+# booked was issued at most this long before it books (a few round trips to the store), so none can overlap them
 
 
-def first_fit(busy: list, earliest: float, seconds: float) -> tuple[float, list]:
+def first_fit(busy: list, earliest: float, seconds: float, forget_before: float) -> tuple[float, list]:
     """Where ``seconds`` of a link go on its calendar ``busy`` (sorted, disjoint (start, end) pairs): the first
-    gap at or after ``earliest`` they fit in. Returns (their end, the calendar with them). A calendar, not "free
-    again at": ranks book in whatever order their processes run, and a chunk that one rank wants early must not
-    queue behind a chunk that another rank booked first for later."""
-    kept = [(s, e) for s, e in busy if e > earliest - FORGET_S]
+    gap at or after ``earliest`` they fit in. Returns (their end, the calendar with them, less the bookings that
+    ended before ``forget_before``). A calendar, not "free again at": ranks book in whatever order their processes
+    run, and a chunk that one rank wants early must not queue behind one that another rank booked first for later."""
+    kept = [(s, e) for s, e in busy if e > forget_before]
     start = earliest
     for s, e in kept:
         if start + seconds <= s + 1e-9:  # a nanosecond: the clock's grain, not a float's rounding
@@ -183,9 +183,11 @@ class Ledger:
         booked = self.busy.get(resource)
         return booked[-1][1] if booked else 0.0
 
-    def reserve(self, resource, earliest: float, seconds: float) -> float:
-        """Hold ``resource`` for ``seconds`` in its first gap from ``earliest`` (``first_fit``). Returns the end."""
-        end, self.busy[resource] = first_fit(self.busy.get(resource, []), earliest, seconds)
+    def reserve(self, resource, earliest: float, seconds: float, issued: float | None = None) -> float:
+        """Hold ``resource`` for ``seconds`` in its first gap from ``earliest`` (``first_fit``), for a call issued at
+        ``issued`` (default ``earliest``). Returns the end."""
+        forget = (earliest if issued is None else issued) - FORGET_S
+        end, self.busy[resource] = first_fit(self.busy.get(resource, []), earliest, seconds, forget)
         return end
 
     def note(self, key, end: float) -> None:
@@ -205,11 +207,11 @@ def schedule(ledger, own: Ledger, settings, d: Demand, me: int, now: float, side
     end = start + d.own_s
     if d.own_s > 0:
         for s in sides:
-            own.reserve(("rank", me, s), start, d.own_s)
+            own.reserve(("rank", me, s), start, d.own_s, now)
     node, card = settings.card_of(me), start  # the card part runs beside the own part, on its own link
     for side, seconds in (("up", d.up_s), ("down", d.down_s)):
         if seconds > 0:
-            card = max(card, ledger.reserve(("node", node, side), start, seconds))
+            card = max(card, ledger.reserve(("node", node, side), start, seconds, now))
     return max(end, card + d.latency_s)
 
 
@@ -249,8 +251,8 @@ def schedule_all_to_all(
         else:
             mine, theirs = ("node", settings.card_of(me), "up"), ("node", settings.card_of(peer), "down")
             ledger = shared if settings.ranks_per_node > 1 and settings.shared_card else own
-        pushed = ledger.reserve(mine, now, seconds)
-        taken = max(pushed, shared.reserve(theirs, pushed - seconds, seconds))
+        pushed = ledger.reserve(mine, now, seconds, now)
+        taken = max(pushed, shared.reserve(theirs, pushed - seconds, seconds, now))
         shared.note((call, peer, kind), taken)
         delivered[kind] = max(delivered[kind], taken)
     return delivered, messages

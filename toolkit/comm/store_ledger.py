@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from .cost import Ledger, first_fit
+from .cost import FORGET_S, Ledger, first_fit
 
 PREFIX = "toolkit/emulated_link/"
 _shared: dict = {}
@@ -43,9 +43,11 @@ class StoreLedger:
             if current == wanted:
                 return result
 
-    def reserve(self, resource, earliest: float, seconds: float) -> float:
+    def reserve(self, resource, earliest: float, seconds: float, issued: float | None = None) -> float:
+        forget = (earliest if issued is None else issued) - FORGET_S
+
         def book(numbers):
-            end, busy = first_fit(list(zip(numbers[::2], numbers[1::2])), earliest, seconds)
+            end, busy = first_fit(list(zip(numbers[::2], numbers[1::2])), earliest, seconds, forget)
             return end, [x for interval in busy for x in interval]
 
         return self._swap(self._key(resource), book)
