@@ -16,7 +16,8 @@ what to call. Never a silently wrong number.
 - `model.to(torch.float64)` (or `.half()`, `.cuda()`) after `wrap()` refuses where it would change a parameter's dtype
   or device, naming `mixed_precision=True` and casting before `wrap()`. Before, ZeRO-2 trained detached copies that the
   optimizer never updated (its losses rose), ZeRO-3 and FSDP dropped the cast at the next use, DDP and ZeRO-1 failed
-  in backward on a gradient's dtype.
+  in backward on a gradient's dtype. A cast the wrapper never sees (`model.module.double()`, `p.data = ...`) is
+  refused at the next forward: before, DDP and ZeRO-1 failed inside with torch's "mixed dtype", the others trained on.
 - A parameter frozen (`requires_grad_(False)`) after `wrap()` is refused at the end of the backward, naming it:
   the strategy laid it out to train, gave it a zero gradient, and AdamW's weight decay still moved it (one process's
   optimizer skips it: it stays put, as under "local").
@@ -89,8 +90,22 @@ def run_rank(n: int) -> dict:
         model, _ = wrap(build(), strategy, optimizer=OPT)
         model.to(torch.float32).float()  # changes nothing: allowed
         out[("cast", strategy)] = refusal(functools.partial(model.to, torch.float64))
+        for how in ("model.module", "p.data"):
+            out[("cast inside", strategy, how)] = cast_inside_then_forward(rank, n, strategy, how)
         out[("freeze", strategy)] = freeze_after_wrap(rank, n, strategy)
     return out
+
+
+def cast_inside_then_forward(rank: int, n: int, strategy: str, how: str):
+    """The model cast where the wrapper's own `.to()` never sees it, then a forward: the refusal, or None."""
+    model, _ = wrap(build(), strategy, optimizer=OPT)
+    if how == "model.module":
+        model.module.double()
+    else:
+        weight = model.module.tok_emb.weight
+        weight.data = weight.data.double()
+    x, y = batches(rank, n)[0]
+    return refusal(lambda: model(x, y))
 
 
 def freeze_after_wrap(rank: int, n: int, strategy: str):
@@ -227,6 +242,10 @@ def test_casting_a_wrapped_model_refuses_and_names_mixed_precision(ranks, strate
         seen = got[("cast", strategy)]
         assert seen is not None and "'tok_emb.weight' torch.float64" in seen, seen
         assert "before wrap(model, ...)" in seen and "mixed_precision=True" in seen
+        for how in ("model.module", "p.data"):  # where the wrapper's .to() never sees it: at the next forward
+            seen = got[("cast inside", strategy, how)]
+            assert seen is not None and "'tok_emb.weight' torch.float64" in seen, (how, seen)
+            assert "since wrap()" in seen and "mixed_precision=True" in seen
 
 
 @pytest.mark.timeout(200)

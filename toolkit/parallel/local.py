@@ -135,10 +135,36 @@ def refuse_casting(module: nn.Module, fn) -> None:
         probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
         if (probe.dtype, probe.device) != (p.dtype, p.device):
             raise RuntimeError(
-                f"model.to() (or .half(), .double(), .cuda(), ...) after wrap() would make {name!r} {probe.dtype} "
-                f"on {probe.device}, where the strategy keeps it {p.dtype} on {p.device} in its own buffers. Cast "
-                f"and move the model before wrap(model, ...); for 16-bit compute ask wrap(..., mixed_precision=True)."
+                _cast_refused("model.to() (or .half(), .double(), .cuda(), ...) after wrap() would", name, probe, p)
             )
+
+
+def kept_as(module: nn.Module) -> list:
+    """Each parameter with the dtype and device the strategy laid it out for (`refuse_cast_since_wrap`)."""
+    return [(name, p, p.dtype, p.device) for name, p in module.named_parameters()]
+
+
+def refuse_cast_since_wrap(kept: list) -> None:
+    """At each forward: a parameter cast or moved since wrap() by a path the wrapper's own `.to()` never sees
+    (`model.module.half()`, a block's `.to()`, `p.data = p.data.double()`). DDP and ZeRO-1 then failed somewhere
+    inside with torch's words, and ZeRO-2, ZeRO-3 and FSDP trained on without a word (ZeRO-2 the copies its optimizer
+    never updates)."""
+    for name, p, dtype, device in kept:
+        if p.dtype != dtype or p.device != device:
+            kept_one = torch.empty(0, dtype=dtype, device=device)
+            raise RuntimeError(
+                _cast_refused(
+                    "since wrap(), something (model.module.to(), a block's .to(), p.data = ...) made", name, p, kept_one
+                )
+            )
+
+
+def _cast_refused(what: str, name: str, cast, kept) -> str:
+    return (
+        f"{what} {name!r} {cast.dtype} on {cast.device}, where the strategy keeps it {kept.dtype} on {kept.device} "
+        f"in its own buffers. Cast and move the model before wrap(model, ...); for 16-bit compute ask "
+        f"wrap(..., mixed_precision=True)."
+    )
 
 
 def refuse_frozen_since_wrap(module: nn.Module, trained) -> None:
@@ -171,6 +197,7 @@ class Wrapped(nn.Module):
         master_of = dict(zip(self.master.params, self.master.masters)) if self.master is not None else {}
         watch_loading(module, "this strategy", lambda p: Place(master_of[p].copy_) if p in master_of else None)
         self.optimizer = None
+        self.kept_as = kept_as(module)
 
     def _apply(self, fn, recurse=True):
         refuse_casting(self, fn)
@@ -185,6 +212,7 @@ class Wrapped(nn.Module):
         return self.optimizer
 
     def forward(self, *args, **kwargs):
+        refuse_cast_since_wrap(self.kept_as)
         output = self.module(*self._prepare(args), **self._prepare(kwargs))
         return output if self.scaler is None else self.scaler.scale_outputs(output)
 

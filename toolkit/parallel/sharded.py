@@ -32,7 +32,7 @@ from .grad_in_slices import clear_before_accumulating, is_placeholder, put_place
 from .loading import into_slices, watch_loading
 from .local import compute_dtype as local_compute_dtype
 from .local import forward_backward as forward_then_backward
-from .local import refuse_casting, refuse_frozen_since_wrap
+from .local import kept_as, refuse_cast_since_wrap, refuse_casting, refuse_frozen_since_wrap
 from .scaler import scaler_for
 from .sharded_clipping import clip_grad_norm_
 from .sharded_optimizer import ShardedOptimizer
@@ -75,12 +75,14 @@ class ShardedModel(nn.Module):
         watch_loading(module, engine.name, engine.where_loaded)
         for m in module.modules():
             m.register_state_dict_post_hook(functools.partial(_refuse_sharded_parameters, engine))
+        self.kept_as = kept_as(module)
 
     def _apply(self, fn, recurse=True):
         refuse_casting(self, fn)
         return super()._apply(fn, recurse)
 
     def forward(self, *args, **kwargs):
+        refuse_cast_since_wrap(self.kept_as)
         args, kwargs = tree_map(self._prepare, args), tree_map(self._prepare, kwargs)
         output = self.engine.forward(self.module, args, kwargs)
         return output if self.scaler is None else self.scaler.scale_outputs(output)
