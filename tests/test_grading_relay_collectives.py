@@ -366,7 +366,8 @@ def test_a_submission_that_computes_locally_and_fakes_its_trace_fails_the_traffi
 
 def test_the_emulated_links_bookings_are_shared_through_the_relay_and_nothing_else_is(tmp_path):
     """`toolkit.comm.emulate` books its links on the job's store; the ranks' store is their own, so the relay keeps
-    those bookings for every rank (a time under a ledger key) and refuses anything else."""
+    those bookings for every rank (times under a ledger key: a link's calendar, a note) and refuses anything else,
+    or too much."""
     from toolkit.comm.store_ledger import PREFIX
     from toolkit.grading.relay_store import Agreeing
 
@@ -378,10 +379,30 @@ def test_the_emulated_links_bookings_are_shared_through_the_relay_and_nothing_el
         assert read_frame(zero, 1 << 20) == ({"id": 1}, b"1.5 42.1")
         send_frame(one, {**booking, "do": "get"})
         assert read_frame(one, 1 << 20) == ({"id": 1}, b"1.5 42.1")  # rank 1 sees rank 0's booking
-        for bad in ({"key": "a/key/of/its/own"}, {"value": "the other rank's tokens"}):
+        calendar = {**booking, "key": key + "/recv", "value": "1.5 1.6 1.8 2.25e-05 42.2"}  # intervals, then the mark
+        send_frame(zero, calendar)
+        assert read_frame(zero, 1 << 20) == ({"id": 1}, b"1.5 1.6 1.8 2.25e-05 42.2")
+        for bad in ({"key": "a/key/of/its/own"}, {"value": "the other rank's tokens"}, {"value": "1.5 " * 2000}):
             send_frame(one, {**booking, **bad})
             assert "the grader's relay refused" in read_frame(one, 1 << 20)[0]["error"]
     store = Agreeing()  # no relay: a rank's own store, every rendezvous met
     assert (
         store.compare_set("k", "", "v") == b"v" and store.compare_set("k", "x", "w") == b"v" and store.get("k") == b"v"
     )
+
+
+def test_the_relay_keeps_a_bounded_amount_of_bookings():
+    """A calendar is a few numbers, but a submission writes what it likes: the relay keeps at most MAX_BYTES of
+    values, then refuses new bytes (a shorter value for a key it keeps is still taken)."""
+    from toolkit.comm.store_ledger import PREFIX
+    from toolkit.grading.relay_store import MAX_BYTES, MAX_VALUE, Bookings
+
+    bookings, value = Bookings(), ("1.5 " * (MAX_VALUE // 4 - 1) + "1.5")[:MAX_VALUE].strip()
+    kept = 0
+    with pytest.raises(ValueError, match="MiB of bookings"):
+        while True:
+            bookings.handle({"do": "set", "key": PREFIX + f"card/{kept}", "value": value})
+            kept += 1
+    assert kept == MAX_BYTES // len(value) and bookings.bytes <= MAX_BYTES
+    bookings.handle({"do": "compare_set", "key": PREFIX + "card/0", "expected": value, "value": "2.5 42.1"})
+    assert bookings.values[PREFIX + "card/0"] == b"2.5 42.1" and bookings.bytes == (kept - 1) * len(value) + 8

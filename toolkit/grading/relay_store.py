@@ -2,9 +2,9 @@
 every rendezvous is already met. Its groups need none (the relay holds a message, or a member's call of a
 collective, until its peers come), and a store shared with the other ranks would be a channel the relay does not
 see. One kind of key is shared, through the relay: the emulated link's bookings (`comm/store_ledger.py`: when each
-link is free again, when an all-to-all's chunks reach a receiver), which the ranks of one job must see alike for
+link is busy, when an all-to-all's chunks reach a receiver), which the ranks of one job must see alike for
 `toolkit.comm.emulate` to time them as it does on a real store. The relay keeps them (`Bookings`) and takes only
-those: a key of the ledger's, a value that is a time.
+those: a key of the ledger's, a value that is times (a link's calendar, or a note), within a budget of bytes.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ import re
 import torch.distributed as dist
 
 LEDGER = "toolkit/emulated_link/"  # comm/store_ledger.PREFIX: the keys the relay keeps for every rank
-VALUE = re.compile(rb"^(-?[0-9.]+(e[-+]?[0-9]+)?( [0-9]+\.[0-9]+)?)?$")  # "<seconds> <pid>.<count>", or empty
+TIME = rb"-?[0-9.]+(e[-+]?[0-9]+)?"
+VALUE = re.compile(rb"^(" + TIME + rb"( " + TIME + rb")*( [0-9]+\.[0-9]+)?)?$")  # "<seconds>... <pid>.<count>" or ""
+MAX_VALUE = 4096  # bytes of one value: a calendar of about a hundred intervals
 MAX_BOOKINGS = 100_000  # keys the relay keeps for one launch
+MAX_BYTES = 16 << 20  # and the bytes of their values, together
 
 
 class Agreeing(dist.Store):
@@ -81,23 +84,28 @@ def _compare_set(values: dict, key: str, expected, desired) -> bytes:
 
 class Bookings:
     """The grader's side: the emulated link's bookings of one launch, kept for every rank (see the module doc).
-    Anything but a ledger key with a time for its value is refused."""
+    Anything but a ledger key with times for its value is refused."""
 
     def __init__(self):
         self.values: dict[str, bytes] = {}
+        self.bytes = 0  # of the values kept
 
     def handle(self, message: dict) -> bytes:
         do, key = message.get("do"), message.get("key")
         expected, value = (str(message.get(k, "")).encode() for k in ("expected", "value"))
         if not (isinstance(key, str) and len(key) <= 256 and LEDGER in key and do in ("set", "get", "compare_set")):
             raise ValueError("a booking of the emulated link that is not one")
-        if not all(len(v) <= 64 and VALUE.match(v) for v in (expected, value)):
-            raise ValueError("a booking of the emulated link whose value is not a time")
+        if not all(len(v) <= MAX_VALUE and VALUE.match(v) for v in (expected, value)):
+            raise ValueError("a booking of the emulated link whose value is not times")
         if key not in self.values and len(self.values) >= MAX_BOOKINGS:
             raise ValueError(f"more than {MAX_BOOKINGS} bookings of the emulated link in a launch")
-        if do == "set":
-            self.values[key] = value
-            return b""
+        if self.bytes - len(self.values.get(key, b"")) + len(value) > MAX_BYTES:
+            raise ValueError(f"more than {MAX_BYTES >> 20} MiB of bookings of the emulated link in a launch")
         if do == "get":
             return self.values.get(key, b"0")  # a note from the past: no receiver waits for it
-        return _compare_set(self.values, key, expected, value)
+        before = self.values.get(key, b"")
+        if do == "set":
+            self.values[key] = value
+        found = b"" if do == "set" else _compare_set(self.values, key, expected, value)
+        self.bytes += len(self.values.get(key, b"")) - len(before)
+        return found
