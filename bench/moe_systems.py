@@ -431,7 +431,10 @@ Why the numbers land where they do:
 
 - Pipelining pays while chunks are few; every chunk costs a message's latency (four all-to-alls per chunk, \
 forward and backward) and Python overhead, so degree 8 falls behind, as in Tutel's measurements. On loopback \
-there is nothing to hide and the chunking only costs.
+there is nothing to hide and the chunking only costs. On the slow link it is the other way round, and it can beat \
+the "ideal overlap", for the smart schedule's reason below: chunk i's combine leaves the hot rank while chunk \
+i + 1's dispatch arrives, the two directions of its link at once, where the plain path uses them in turn; only the \
+first chunk's dispatch and the last one's combine travel alone, so more chunks hide more.
 - The smart schedule has W - 1 transfers to hide; with 2 ranks only the block a rank keeps for itself overlaps \
 the one transfer. On the slow link at 4 ranks it can beat the "ideal overlap": the plain all-to-all holds both \
 directions of a rank's link for max(sent, received), while the per-peer sends and receives of different steps \
