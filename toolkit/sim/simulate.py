@@ -76,7 +76,9 @@ def simulate(
     Adam creates its states during its first step; ZeRO-3 and FSDP learn the module order in their first
     forward). The Run holds the warm-up step too; programs and memory are of the `steps` after it.
     routing: how MoE gates choose experts, `fn(T, E, k) -> (T, k)` expert ids (meta tokens have no values
-    to score); default `balanced`, every expert gets the same number of tokens.
+    to score); default `balanced`, every expert gets the same number of tokens. Every rank routes alike, so rank
+    `rank`'s experts compute what all ranks send them (`fake.alike_all_to_all`); under a skewed routing the ranks'
+    loads differ, and the busiest is not always rank 0 (capacity caps the hottest expert): simulate each rank.
     Tensor parallelism: `tp=`, `sequence_parallel=`, `tp_plan=` as in `toolkit.parallel.wrap`; the world is then
     dp x tp and `batch_per_rank` is the sequences of one data-parallel replica (every rank of its tp group
     computes on them). A tp group wider than `ranks_per_node` is allowed, with a warning that says its cost.
