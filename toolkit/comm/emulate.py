@@ -55,8 +55,9 @@ even splits issued together take the model's time. A sender is released when its
 delivered, not when it has pushed it: three ranks sending 10 ms each to one receiver finish at 10, 20 and
 30 ms (the order they issued), with the receiver, not all at 10 ms while it still needs 30. Each
 delivery is noted in the job's store (``comm/store_ledger.py``); the receiver reads its notes once the
-data has moved (its deadline, an ``Arrival``, is known then). The ring collectives and send/recv book a rank's receiving
-side in its own process, so they do not queue behind another rank's all-to-all chunks into it.
+data has moved (its deadline, an ``Arrival``, is known then). The ring collectives and send/recv book a
+rank's receiving side in its own process, so they do not queue behind another rank's all-to-all chunks
+into it.
 
 What the emulation cannot know: when the *other* ranks issue the collective. The clock starts at this
 rank's call; a peer that arrives late delays the real completion, and the modelled time is counted

@@ -6,7 +6,8 @@ receiver's receiving side, on which its senders queue their chunks (backpressure
 reservation is an atomic compare-and-set of the resource's calendar (its busy intervals, ``cost.first_fit``)
 on one clock (perf_counter is the machine's monotonic clock, the same in every process); a note (when an
 all-to-all's chunks into a receiver are delivered) is a compare-and-set of the latest end, read and deleted
-by the receiver once the data has moved. Same methods as ``cost.Ledger``, which stands in when no process group is up.
+by the receiver once the data has moved. Same methods as ``cost.Ledger``, which stands in when no process
+group is up.
 """
 
 from __future__ import annotations
