@@ -147,8 +147,8 @@ def kept_as(module: nn.Module) -> list:
 def refuse_cast_since_wrap(kept: list) -> None:
     """At each forward: a parameter cast or moved since wrap() by a path the wrapper's own `.to()` never sees
     (`model.module.half()`, a block's `.to()`, `p.data = p.data.double()`). DDP and ZeRO-1 then failed somewhere
-    inside with torch's words, and ZeRO-2, ZeRO-3 and FSDP trained on without a word (ZeRO-2 the copies its optimizer
-    never updates)."""
+    inside with torch's words, ZeRO-2 too but after `model.module.double()` (it trained on copies its optimizer never
+    updates), and ZeRO-3 and FSDP trained on without a word."""
     for name, p, dtype, device in kept:
         if p.dtype != dtype or p.device != device:
             kept_one = torch.empty(0, dtype=dtype, device=device)
