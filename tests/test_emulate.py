@@ -125,6 +125,31 @@ def test_a_link_s_calendar_gives_a_chunk_the_first_gap_it_fits():
     assert sum(link.busy["recv"], ()) == pytest.approx((0.5, 0.501))
 
 
+def test_a_booking_on_the_store_is_one_round_trip_when_nobody_else_booked_since():
+    """`StoreLedger` starts its compare-and-set from the calendar it last wrote: one round trip where no other rank
+    booked the link since, two where one did (the first answers with their calendar), and a key that is gone (a
+    store that forgot it) is booked from nothing: c10d answers a compare-and-set on a missing key with the guess."""
+    from toolkit.comm.store_ledger import StoreLedger
+    from toolkit.grading.relay_store import _compare_set
+
+    class Store:  # c10d's compare_set, counted
+        def __init__(self):
+            self.values, self.calls = {}, 0
+
+        def compare_set(self, key, expected, desired):
+            self.calls += 1
+            return _compare_set(self.values, key, expected, desired)
+
+    store, link = Store(), ("rank", 1, "recv")
+    ledger, key = StoreLedger(store), StoreLedger._key(link)
+    assert ledger.reserve(link, 0.0, 0.010) == pytest.approx(0.010) and store.calls == 1
+    assert ledger.reserve(link, 0.0, 0.010) == pytest.approx(0.020) and store.calls == 2
+    store.values[key] = b"0.0 0.02 0.025 0.03 1.1"  # another rank booked 5 ms, 5 ms after ours
+    assert ledger.reserve(link, 0.0, 0.010) == pytest.approx(0.040) and store.calls == 4
+    del store.values[key]
+    assert ledger.reserve(link, 0.0, 0.010) == pytest.approx(0.010) and store.calls == 6
+
+
 # --- on launched ranks, through the door ---------------------------------------------------------------
 def skewed_exchange(rows: int) -> dict:
     """One all-to-all into rank 0 after a barrier; the modelled queue and the time this rank was held."""

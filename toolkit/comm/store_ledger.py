@@ -19,6 +19,7 @@ from .cost import FORGET_S, Ledger, first_fit
 PREFIX = "toolkit/emulated_link/"
 _shared: dict = {}
 _count = [0]  # this process's writes: with its pid, the mark that makes each written value unique
+_seen: dict = {}  # a link's key -> the calendar this process last wrote there: its next swap's first guess
 
 
 class StoreLedger:
@@ -31,18 +32,21 @@ class StoreLedger:
     def _key(parts) -> str:
         return PREFIX + "/".join(str(part) for part in _flat(parts))
 
-    def _swap(self, key: str, change):
+    def _swap(self, key: str, change, guess: bytes = b""):
         """Replace ``key``'s numbers atomically: change(numbers now, [] when new) -> (result, numbers to store);
-        returns the result. A value carries this writer's mark, so a compare-and-set that failed (it returns
-        the value found) never reads as one that succeeded with the same numbers."""
-        current = self.store.compare_set(key, "", "")
+        returns the result. The first compare-and-set starts from ``guess`` (what this process last saw there), so
+        an uncontended swap is one round trip; one that failed returns the value found, and the next starts from
+        it. A value carries this writer's mark, so a failure never reads as a success with the same numbers."""
+        current = guess
         while True:
             _count[0] += 1
             result, numbers = change([float(x) for x in current.split()[:-1]] if current else [])
             wanted = " ".join([repr(x) for x in numbers] + [f"{os.getpid()}.{_count[0]}"]).encode()
-            current = self.store.compare_set(key, current, wanted)
-            if current == wanted:
-                return result
+            found = self.store.compare_set(key, current, wanted)
+            if found == wanted:
+                return result, wanted
+            # a key that is not there answers with the value guessed (c10d's compare_set): start from nothing
+            current = b"" if found == current else found
 
     def reserve(self, resource, earliest: float, seconds: float, issued: float | None = None) -> float:
         forget = (earliest if issued is None else issued) - FORGET_S
@@ -51,10 +55,12 @@ class StoreLedger:
             end, busy = first_fit(list(zip(numbers[::2], numbers[1::2])), earliest, seconds, forget)
             return end, [x for interval in busy for x in interval]
 
-        return self._swap(self._key(resource), book)
+        key = self._key(resource)
+        end, _seen[key] = self._swap(key, book, _seen.get(key, b""))
+        return end
 
     def note(self, key, end: float) -> None:
-        self._swap(self._key(key), lambda latest: (None, [max([end] + latest)]))
+        self._swap(self._key(key), lambda latest: (None, [max([end] + latest)]))  # a new key each call: guess none
 
     def take(self, key) -> float:
         name = self._key(key)
