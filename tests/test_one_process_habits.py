@@ -17,8 +17,8 @@ what to call. Never a silently wrong number.
   or device, naming `mixed_precision=True` and casting before `wrap()`. Before, ZeRO-2 trained detached copies that the
   optimizer never updated (its losses rose), ZeRO-3 and FSDP dropped the cast at the next use, DDP and ZeRO-1 failed
   in backward on a gradient's dtype. A cast the wrapper never sees (`model.module.double()`, `p.data = ...`) is
-  refused at the next forward: before, DDP, ZeRO-1 and (but after `model.module.double()`) ZeRO-2 failed inside with
-  torch's "mixed dtype", and ZeRO-3 and FSDP trained on.
+  refused at the next forward: before, DDP, ZeRO-1 and (except after `model.module.double()`) ZeRO-2 failed inside
+  with torch's "mixed dtype", and ZeRO-3 and FSDP trained on.
 - A parameter frozen (`requires_grad_(False)`) after `wrap()` is refused at the end of the backward, naming it:
   the strategy laid it out to train, gave it a zero gradient, and AdamW's weight decay still moved it (one process's
   optimizer skips it: it stays put, as under "local").

@@ -103,9 +103,10 @@ class Bookings:
             raise ValueError(f"more than {MAX_BYTES >> 20} MiB of bookings of the emulated link in a launch")
         if do == "get":
             return self.values.get(key, b"0")  # a note from the past: no receiver waits for it
-        before = self.values.get(key, b"")
+        before = len(self.values.get(key, b""))
         if do == "set":
-            self.values[key] = value
-        found = b"" if do == "set" else _compare_set(self.values, key, expected, value)
-        self.bytes += len(self.values.get(key, b"")) - len(before)
+            self.values[key], found = value, b""
+        else:
+            found = _compare_set(self.values, key, expected, value)
+        self.bytes += len(self.values.get(key, b"")) - before
         return found

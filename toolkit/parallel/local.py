@@ -135,7 +135,12 @@ def refuse_casting(module: nn.Module, fn) -> None:
         probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
         if (probe.dtype, probe.device) != (p.dtype, p.device):
             raise RuntimeError(
-                _cast_refused("model.to() (or .half(), .double(), .cuda(), ...) after wrap() would", name, probe, p)
+                _cast_refused(
+                    "model.to() (or .half(), .double(), .cuda(), ...) after wrap() would",
+                    name,
+                    probe,
+                    (p.dtype, p.device),
+                )
             )
 
 
@@ -147,21 +152,18 @@ def kept_as(module: nn.Module) -> list:
 def refuse_cast_since_wrap(kept: list) -> None:
     """At each forward: a parameter cast or moved since wrap() by a path the wrapper's own `.to()` never sees
     (`model.module.half()`, a block's `.to()`, `p.data = p.data.double()`). DDP and ZeRO-1 then failed somewhere
-    inside with torch's words, ZeRO-2 too but after `model.module.double()` (it trained on copies its optimizer never
-    updates), and ZeRO-3 and FSDP trained on without a word."""
+    inside with torch's words, ZeRO-2 too except after `model.module.double()` (then it trained on copies its optimizer
+    never updates), and ZeRO-3 and FSDP trained on without a word."""
     for name, p, dtype, device in kept:
         if p.dtype != dtype or p.device != device:
-            kept_one = torch.empty(0, dtype=dtype, device=device)
-            raise RuntimeError(
-                _cast_refused(
-                    "since wrap(), something (model.module.to(), a block's .to(), p.data = ...) made", name, p, kept_one
-                )
-            )
+            made = "since wrap(), something (model.module.to(), a block's .to(), p.data = ...) made"
+            raise RuntimeError(_cast_refused(made, name, p, (dtype, device)))
 
 
-def _cast_refused(what: str, name: str, cast, kept) -> str:
+def _cast_refused(what: str, name: str, cast, kept: tuple) -> str:
+    """The refusal's words: `cast` (a tensor) is what the parameter became, `kept` the (dtype, device) it keeps."""
     return (
-        f"{what} {name!r} {cast.dtype} on {cast.device}, where the strategy keeps it {kept.dtype} on {kept.device} "
+        f"{what} {name!r} {cast.dtype} on {cast.device}, where the strategy keeps it {kept[0]} on {kept[1]} "
         f"in its own buffers. Cast and move the model before wrap(model, ...); for 16-bit compute ask "
         f"wrap(..., mixed_precision=True)."
     )
