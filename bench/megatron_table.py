@@ -115,18 +115,18 @@ def figure_15(tp: int, batch: int = 32) -> dict:
 def paper_flops(r: dict, recomputed: bool = True) -> float:
     """The paper's FLOPs per step, recomputation counted: 96 B s l h^2 (1 + s/6h + V/16lh) (its equation 3);
     without it (the model's FLOPs, for MFU): the layers' 72 B s l h^2 (1 + s/6h) and the head's 6 B s h V."""
-    B, depth, h = r["batch"], r["layers"], r["hidden"]
+    B, depth, h, vocab = r["batch"], r["layers"], r["hidden"], r.get("vocab", VOCAB)
     layers = (96 if recomputed else 72) * B * SEQ * depth * h * h * (1 + SEQ / (6 * h))
-    return layers + 6 * B * SEQ * h * VOCAB
+    return layers + 6 * B * SEQ * h * vocab
 
 
-def model(n_layer: int, heads: int, hidden: int, plain: bool = False):
+def model(n_layer: int, heads: int, hidden: int, plain: bool = False, vocab: int = VOCAB):
     """The row's GPT: as Megatron-LM's code ran it (its attention kernels, every block recomputed), or (plain) the
     toolkit's GPT as it comes, to be checkpointed by the wrapper."""
     from toolkit.models import tiny_gpt
     from toolkit.models.as_in_papers import as_in, recompute_blocks
 
-    gpt = tiny_gpt(vocab_size=VOCAB, seq_len=SEQ, n_layer=n_layer, n_head=heads, d_model=hidden)
+    gpt = tiny_gpt(vocab_size=vocab, seq_len=SEQ, n_layer=n_layer, n_head=heads, d_model=hidden)
     return gpt if plain else recompute_blocks(as_in(gpt, "megatron"))
 
 

@@ -20,6 +20,7 @@ What each row leaves out is in `NOTES` and docs/differences.md ("Pricing from pu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from typing import NamedTuple
@@ -76,6 +77,8 @@ class PublishedRun(NamedTuple):
     llama: dict | None = None  # built as transformers' LlamaForCausalLM from this config (RoPE, RMSNorm, SwiGLU)
     megatron: bool = False  # Megatron-Core's GPT: its loss at tensor-parallel size 1 too (`MegatronLossGPT`)
     network: str | None = None  # the run's network card rate per GPU where it is not the preset's (e.g. "50 Gb/s")
+    kernels: str | None = None  # "megatron": Megatron-LM's attention kernels, every block recomputed (megatron_table)
+    launch_blocking: bool = False  # run with CUDA_LAUNCH_BLOCKING=1: the host no longer runs ahead of the GPU
 
 
 def gpt(d, layers, heads, vocab, seq, **more):
@@ -136,6 +139,23 @@ def llama_70b_torchtitan(name, family, vocab, seq, batch, measured, **more):
         llama=dict(intermediate_size=28672, num_key_value_heads=8, tie_word_embeddings=False, **more),
     )
 
+
+# BLOOM as bigscience trained it (train/tr11-176B-ml: the slurm script, README.md and chronicles.md at 9e64ede): 384
+# A100 80GB, 8 a node, 4 Omni-Path 100 Gb/s links a node (50 Gb/s a GPU), Megatron-DeepSpeed with DeepSpeed's pipeline
+# engine, tp 4 x pp 12 x dp 8, micro-batches of 2, global batch 2,048 of 2,048 tokens, bf16, every block recomputed,
+# Megatron's fused attention kernels (ALiBi), tied embeddings. The stages split 72 units ('type:transformer|embedding':
+# the embedding counts as one on the first and last stage): 5 blocks on the first and last, 6 on the others. Its
+# BF16_Optimizer all-reduces the fp32 gradients of the whole stage once the pipeline's backward is over (one bucket)
+# and keeps the fp32 weights sharded over dp; it then all-gathers the updated bf16 weights, which is not priced.
+# "samples per second: 19.561 | TFLOPs: 149.77" at GBS 2,048 (README.md), 104.7 s a step.
+BLOOM_SPLIT = tuple(f"blocks.{5 + 6 * i}" for i in range(11))
+BLOOM = dict(
+    tp=4, pp=12, microbatches=128, schedule="1f1b", pp_split=BLOOM_SPLIT, bucket_cap_mb=1e9, reduce="all_reduce"
+)
+BIGSCIENCE = (
+    "bigscience-workshop/bigscience train/tr11-176B-ml at 9e64ede (tr11-176B-ml.slurm; README.md: 'samples per "
+    "second: 19.561 | TFLOPs: 149.77' at global batch 2,048; 48 nodes of 8 A100 80GB, 4 Omni-Path links a node), 2022"
+)
 
 # Megatron-Core's table counts untied embeddings: 1.7B, 7.1B and 16B are 12 L h^2 + 2 V h (tied: 1.5B, 6.6B, 15.3B)
 UNTIED = dict(tied_head=False)
@@ -227,6 +247,21 @@ RUNS = [
     llama2_7b_fms("h100", 96, "100 Gb/s", 7500),
     llama_70b_torchtitan("llama3-70b-a100", "Llama 3", 128256, 8192, 1, 331, rope_theta=500000.0),
     llama_70b_torchtitan("llama2-70b-a100", "Llama 2", 32000, 4096, 2, 353),
+    PublishedRun(
+        "bloom-176b-a100",
+        BIGSCIENCE,
+        "dgx-a100",
+        384,
+        gpt(14336, 70, 112, 250880, 2048),
+        "zero1",
+        256,
+        19.561 * 2048 / 384,  # tokens/s per GPU
+        "tokens/s/GPU",
+        BLOOM,
+        network="50 Gb/s",
+        kernels="megatron",
+        launch_blocking=True,
+    ),
 ]
 H100_LEVEL = (
     "the model's H100 rate over its A100 rate for the same code, model and batch is 1.22-1.27x the runs' in all four "
@@ -238,6 +273,14 @@ H100_LEVEL = (
     "(docs/differences.md, 'The H100 gap, held to runs the project was not told about')"
 )
 NOTES = {
+    "bloom-176b-a100": "priced as bigscience's script ran it: tp 4 x pp 12 x dp 8, its stages' split (5 blocks and "
+    "the embedding on the first stage, 5 and the tied head on the last, 6 on the others), 128 micro-batches of 2 "
+    "through 1F1B, every block recomputed with Megatron's attention kernels, 50 Gb/s of Omni-Path a GPU, the gradients "
+    "all-reduced after the pipeline's backward with the optimizer's states sharded over dp (DeepSpeed's "
+    "BF16_Optimizer), and CUDA_LAUNCH_BLOCKING=1 (each operation's dispatch before its kernel: 0.75 s of the 90 s "
+    "step); not priced: ALiBi's bias read by every baddbmm, the embedding's layer norm, the bf16 weights' all-gather "
+    "after the step, DeepSpeed's blocking transfers between stages; its compute alone predicts +25%, where the other "
+    "A100 runs' predict +7% to +15%: what else the run paid is not measured here",
     "mpt-7b-h100": "the H100's GEMMs ran on CUDA 12.1's cuBLAS (the run's image): the best GEMM measured with it is "
     "738.6 TFLOP/s (MAMF, ml-engineering at 68fdb6c), the model's 783.3 is a 2025 sweep's (the band's "
     "worst end is 738.6); the same stack's A100 row is met, its H100 MFU is 0.72x the A100's across "
@@ -284,6 +327,10 @@ def _model(run: PublishedRun, layers: int):
     shape = dict(run.shape, n_layer=layers)
     if run.llama:
         return _llama(run, layers)
+    if run.kernels == "megatron":
+        from megatron_table import model
+
+        return functools.partial(model, layers, shape["n_head"], shape["d_model"], False, shape["vocab_size"])
     return (
         functools.partial(MegatronLossGPT, GPTConfig(**shape)) if run.megatron else functools.partial(tiny_gpt, **shape)
     )
@@ -321,6 +368,10 @@ def predict(run: PublishedRun) -> dict:
     cluster = run.cluster
     if run.network:  # the run's own network cards, each at the rate NCCL reaches on the preset's (their fraction)
         cluster = cluster_of(run.cluster, inter=(run.network, "9.6 us"))
+    if run.launch_blocking:  # every kernel launch waits for the kernel: each operation's dispatch, then its kernel
+        found = cluster_of(cluster)
+        cluster = found.with_changes(gpu=dataclasses.replace(found.gpu, asynchronous=False))
+    pipelined = run.options.get("pp", 1) > 1  # its stages as the run split them: the whole model, simulated once
     sims = [
         simulate(
             _model(run, n),
@@ -331,13 +382,14 @@ def predict(run: PublishedRun) -> dict:
             cluster=cluster,
             **{"mixed_precision": True, **run.options},  # a run's own precision policy where it gives one
         )
-        for n in BASE
+        for n in ((run.shape["n_layer"],) if pipelined else BASE)
     ]
-    out = extrapolate(*sims, run.shape["n_layer"], BASE)
+    out = extrapolate(sims[0], sims[0], 1, (0, 1)) if pipelined else extrapolate(*sims, run.shape["n_layer"], BASE)
 
     def rate(seconds):
         if run.metric == "tokens/s/GPU":
-            return run.batch * run.shape["seq_len"] / run.options.get("tp", 1) / seconds
+            model_parallel = run.options.get("tp", 1) * run.options.get("pp", 1)
+            return run.batch * run.shape["seq_len"] / model_parallel / seconds
         return flops_per_step(run) / run.world / seconds / 1e12
 
     step = out["breakdown"]["step"]
@@ -361,7 +413,8 @@ def table(results) -> str:
     ]
     for r in results:
         run, b = r["run"], r["breakdown"]
-        shown = {k: v for k, v in run.options.items() if k not in ("sequence_parallel", "mixed_precision")}
+        hidden = ("sequence_parallel", "mixed_precision", "pp_split")  # a split is said in the run's note
+        shown = {k: v for k, v in run.options.items() if k not in hidden}
         layout = run.strategy + "".join(f", {k}" if v is True else f", {k}={v}" for k, v in shown.items())
         if "reduce_dtype" in run.options.get("mixed_precision", {}):
             layout += f", {run.options['mixed_precision']['reduce_dtype']} reduction"

@@ -39,11 +39,12 @@ PRESETS = {
     "dgx-a100": (
         Group(
             "Megatron-LM's Table 1 as its artifact ran (32 to 3,072 A100s), llm-foundry's MPT-1B, 7B and 13B, "
-            "fms-fsdp's Llama 2 7B and torchtitan's Llama 2 13B and 70B and Llama 3 70B",
+            "fms-fsdp's Llama 2 7B, torchtitan's Llama 2 13B and 70B and Llama 3 70B, and BigScience's BLOOM-176B "
+            "(384 A100s, Megatron-DeepSpeed)",
             TABLE_1
             + ("mpt-1b-a100", "mpt-7b-a100", "mpt-13b-a100", "llama2-7b-a100", "llama2-13b-a100")
-            + ("llama3-70b-a100", "llama2-70b-a100"),
-            (0.96, 1.14),
+            + ("llama3-70b-a100", "llama2-70b-a100", "bloom-176b-a100"),
+            (0.96, 1.16),
         ),
     ),
     "dgx-h100": (
