@@ -1,16 +1,18 @@
 """Published training runs beyond Megatron-LM's Table 1, predicted by the simulator from the hardware's measurements.
 
 Each run as its authors published it: MPT-1B, 7B and 13B on 8 A100s and on 8 H100s (llm-foundry's benchmark tables),
-Llama 2 13B on 64 A100s (torchtitan's performance page), Llama 2 7B on 128 A100s and 96 H100s (fms-fsdp's README) and
-three rows of Megatron-Core's weak-scaling table on H100s (its README). Where the same code ran on both GPUs, the
-pair's H100 rate over its A100 rate is printed beside the model's, and the time each took beyond its priced compute
-(bench/published_pairs.py). The model is the toolkit's GPT at the run's width, depth, heads, vocabulary and sequence
-length (MPT has no biases and ALiBi; Megatron-Core's is untied and computes Megatron's loss, `MegatronLossGPT`), except
-the Llamas, which are transformers' LlamaForCausalLM as torchtitan's and FMS's Llama 2 are built (rotary positions,
-RMSNorm, SwiGLU: in the 13B's 3.6 s step their memory-bound kernels are 0.4 s; the toolkit's GPT predicted 2,588
-tokens/s per GPU there, +20%); the layout, precision and batch are the run's; three and four layers are simulated and
-extrapolated to the depth (`toolkit.sim.sweep.extrapolate`). The prediction is priced on the DGX presets, from
-published measurements of the hardware only (`toolkit.sim.published`), with its band.
+Llama 2 13B on 64 A100s (torchtitan's performance page), Llama 2 7B on 128 A100s and 96 H100s (fms-fsdp's README),
+three rows of Megatron-Core's weak-scaling table on H100s (its README) and BLOOM-176B on 384 A100s (BigScience's
+training run: Megatron's kernels, its pipeline's stages as it split them, CUDA_LAUNCH_BLOCKING=1). Where the same code
+ran on both GPUs, the pair's H100 rate over its A100 rate is printed beside the model's, and the time each took beyond
+its priced compute (bench/published_pairs.py). The model is the toolkit's GPT at the run's width, depth, heads,
+vocabulary and sequence length (MPT has no biases and ALiBi; Megatron-Core's is untied and computes Megatron's loss,
+`MegatronLossGPT`), except the Llamas, which are transformers' LlamaForCausalLM as torchtitan's and FMS's Llama 2 are
+built (rotary positions, RMSNorm, SwiGLU: in the 13B's 3.6 s step their memory-bound kernels are 0.4 s; the toolkit's
+GPT predicted 2,588 tokens/s per GPU there, +20%); the layout, precision and batch are the run's; three and four layers
+are simulated and extrapolated to the depth (`toolkit.sim.sweep.extrapolate`), a pipelined run simulated whole. The
+prediction is priced on the DGX presets, from published measurements of the hardware only (`toolkit.sim.published`),
+with its band.
 
 What each row leaves out is in `NOTES` and docs/differences.md ("Pricing from published measurements").
 
@@ -140,14 +142,10 @@ def llama_70b_torchtitan(name, family, vocab, seq, batch, measured, **more):
     )
 
 
-# BLOOM as bigscience trained it (train/tr11-176B-ml: the slurm script, README.md and chronicles.md at 9e64ede): 384
-# A100 80GB, 8 a node, 4 Omni-Path 100 Gb/s links a node (50 Gb/s a GPU), Megatron-DeepSpeed with DeepSpeed's pipeline
-# engine, tp 4 x pp 12 x dp 8, micro-batches of 2, global batch 2,048 of 2,048 tokens, bf16, every block recomputed,
-# Megatron's fused attention kernels (ALiBi), tied embeddings. The stages split 72 units ('type:transformer|embedding':
-# the embedding counts as one on the first and last stage): 5 blocks on the first and last, 6 on the others. Its
-# BF16_Optimizer all-reduces the fp32 gradients of the whole stage once the pipeline's backward is over (one bucket)
-# and keeps the fp32 weights sharded over dp; it then all-gathers the updated bf16 weights, which is not priced.
-# "samples per second: 19.561 | TFLOPs: 149.77" at GBS 2,048 (README.md), 104.7 s a step.
+# BLOOM as bigscience's script ran it (NOTES says what is priced and what is not). Its stages split 72 units
+# ('type:transformer|embedding': the embedding is a unit on the first stage and, tied, on the last), so 5 blocks on
+# those two and 6 on the others; DeepSpeed's BF16_Optimizer all-reduces the fp32 gradients once the pipeline's
+# backward is over and keeps the fp32 weights sharded over dp: ZeRO-1 with one bucket and reduce="all_reduce".
 BLOOM_SPLIT = tuple(f"blocks.{5 + 6 * i}" for i in range(11))
 BLOOM = dict(
     tp=4, pp=12, microbatches=128, schedule="1f1b", pp_split=BLOOM_SPLIT, bucket_cap_mb=1e9, reduce="all_reduce"
