@@ -198,3 +198,62 @@ def test_on_launched_ranks_the_last_sender_waits_for_the_congested_receiver():
     assert ranks[0]["end"] - first >= 0.3
     spread = max(r["start"] for r in senders) - first
     assert 0.3 - 2 * spread - 0.01 <= sum(r["queue"] for r in senders) <= 0.3 + 0.01, ranks
+
+
+def late_peer(late_s: float) -> dict:
+    """Rank 1 calls an all-reduce and then a barrier `late_s` after rank 0 (both after a barrier): when each ends."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from toolkit.trace.events import recorder
+
+    me, out = dist.get_rank(), {}
+    for op in ("all_reduce", "barrier"):
+        toolkit.comm.barrier()
+        start = time.perf_counter()
+        if me == 1:
+            time.sleep(late_s)
+        toolkit.comm.all_reduce(torch.ones(2500)) if op == "all_reduce" else toolkit.comm.barrier()
+        event = [e for e in recorder.events if e["name"] == op][-1]
+        out[op] = (start, time.perf_counter(), event["args"]["emulated_s"], event["args"]["emulated_peers_s"])
+    return out
+
+
+@pytest.mark.usefixtures("no_leftover_ranks")
+def test_a_ring_collective_ends_for_every_rank_when_the_late_peer_has_called_it_and_the_model_has_passed():
+    """A real link starts an all-reduce when its last rank calls it: rank 1 calls 60 ms late, so rank 0 ends at
+    least 60 ms plus the all-reduce's modelled time after it called it, as rank 1 does (before, it ended when the
+    late rank's loopback call let it: the modelled time counted from its own call), and says it waited for a late
+    peer. A barrier likewise."""
+    late = 0.06
+    with toolkit.comm.emulate(MB_S, "100 us"):
+        ranks = toolkit.launch(late_peer, 2, args=(late,), timeout_s=120)
+    for op in ("all_reduce", "barrier"):
+        (start0, end0, alone, peers0), (start1, end1, _, peers1) = ranks[0][op], ranks[1][op]
+        # a barrier's model is one round's latency; the all-reduce's 10 kB at 1 MB/s take 10 ms and two latencies
+        assert alone == pytest.approx(1e-4 if op == "barrier" else 0.0102), (op, alone)
+        assert end0 - start0 >= late + alone and end1 - start1 >= late + alone, (op, ranks)
+        assert peers0 >= late - 0.01 and peers1 < 0.01, (op, ranks)
+
+
+def test_reading_the_peers_issue_marks_never_waits_for_one_that_is_not_there():
+    """A call that did not meet its peers (an implementation of one's own that never talked to them) finds their
+    marks missing: they read as (-1, 0), at once, where the store's get would wait for the key until its timeout."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from toolkit.comm.cost import Ledger
+    from toolkit.comm.store_ledger import StoreLedger
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=2))
+    ledger, key = StoreLedger(store), ("issue", "0-1", 3, 1)
+    start = time.perf_counter()
+    assert ledger.marks([key]) == [(-1, 0.0)] and time.perf_counter() - start < 1.0
+    ledger.mark(key, [3, 12.5])
+    assert ledger.marks([key, ("issue", "0-1", 3, 0)]) == [(3, 12.5), (-1, 0.0)]
+    assert Ledger().marks([key]) == [(-1, 0.0)]

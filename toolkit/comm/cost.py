@@ -198,6 +198,14 @@ class Ledger:
         """The latest end noted for ``key``, forgotten once read."""
         return self.notes.pop(key)
 
+    def mark(self, key, numbers) -> None:
+        """Keep ``numbers`` under ``key`` (a rank's issue mark: ``comm/deadlines.py``)."""
+        self.notes[key] = tuple(numbers)
+
+    def marks(self, keys) -> list:
+        """The numbers marked under each of ``keys``."""
+        return [self.notes.get(key, (-1, 0.0)) for key in keys]
+
 
 def schedule(ledger, own: Ledger, settings, d: Demand, me: int, now: float, sides=("send", "recv")) -> float:
     """Book call ``d`` of rank ``me`` issued at ``now``: its own part on ``own`` (this rank's link, the

@@ -59,17 +59,18 @@ data has moved (its deadline, an ``Arrival``, is known then). The ring collectiv
 rank's receiving side in its own process, so they do not queue behind another rank's all-to-all chunks
 into it.
 
-What the emulation cannot know: when the *other* ranks issue the collective. The clock starts at this
-rank's call; a peer that arrives late delays the real completion, and the modelled time is counted
-from this rank's call, not from the last arrival. The rank on the critical path (the late one) pays
-the full modelled time, so step times stay right; an early rank may see less waiting than on a real
-link. Synchronise (barrier) before timing one collective.
+A peer that comes late. The clock starts at this rank's call, and a real link starts a collective when its
+last rank arrives: so a call ends no earlier than its group's last issue plus its time on idle links, for
+every rank of the group (``comm/deadlines.py``). An all-to-all learns it from what it receives (its senders'
+notes); a ring collective or a barrier from its peers' issue times, which each rank marks in the job's store
+before its real call and reads once that call is complete. Synchronise (barrier) before timing one collective.
 
 Traces: every emulated span carries ``args.emulated_s`` (the modelled transfer time),
 ``args.link`` ("inter-node", "intra-node" or "intra+inter-node"), ``args.emulated_queue_s`` (how long
 it waited behind earlier transfers: its own, other ranks' on the node's card, or an all-to-all's other
-senders at its receivers) and, once waited, ``args.emulated_sleep_s`` (how long this rank slept to
-honour the model); for an asynchronous call that sleep is also a "wait" span with ``emulated=True``.
+senders at its receivers), for a ring collective ``args.emulated_peers_s`` (how long it waited for a late
+peer) and, once waited, ``args.emulated_sleep_s`` (how long this rank slept to honour the model); for an
+asynchronous call that sleep is also a "wait" span with ``emulated=True``.
 ``toolkit.Run.capture`` writes ``meta["emulated_link"]`` (None when off), so a report always says whether the
 link was real.
 
@@ -88,7 +89,8 @@ import os
 import threading
 import time
 
-from .cost import Ledger, all_to_all_finish, demand, received_kinds, schedule, schedule_all_to_all
+from .cost import Ledger, demand, received_kinds, schedule, schedule_all_to_all
+from .deadlines import Arrival, Together, issue_mark, when
 from .link import Link, Settings, make_settings, parse_bandwidth, parse_latency  # noqa: F401 - re-exported
 from .store_ledger import shared_ledger
 
@@ -205,17 +207,19 @@ def _card_ledger(settings: Settings):
 
 def book(op: str, ranks, me: int, size_bytes: float, extra: dict):
     """Reserve the links for one call issued now: (deadline, trace args), or None when emulation is off.
-    The deadline is perf_counter seconds, or for an all-to-all an ``Arrival`` (what it receives is known
-    once it has moved; ``when`` reads it). Transfers on the same link take turns; across nodes, the
+    The deadline is perf_counter seconds for send and recv; for an all-to-all an ``Arrival`` (what it receives is
+    known once it has moved), for a ring collective or a barrier a ``Together`` (when its peers issued it), each read
+    by ``when`` once the real call is complete. Transfers on the same link take turns; across nodes, the
     node's card is shared by its ranks; an all-to-all's chunks queue on their receiver (``comm/cost.py``)."""
     settings = _current
     if settings is None or not _links[0]:
         return None
     d = demand(settings, op, ranks, me, size_bytes, extra)
     args = {"emulated_s": d.alone, "link": d.label}
-    if op == "all_to_all":
-        group = "-".join(str(r) for r in ranks)
+    group = "-".join(str(r) for r in ranks)
+    if op not in ("send", "recv"):
         _calls[group] = call = _calls.get(group, 0) + 1  # every rank of the group numbers its calls alike
+    if op == "all_to_all":
         shared = shared_ledger()
         with _lock:
             now = time.perf_counter()
@@ -229,27 +233,12 @@ def book(op: str, ranks, me: int, size_bytes: float, extra: dict):
     with _lock:
         now = time.perf_counter()
         deadline = schedule(ledger, _own, settings, d, me, now, sides)
-    return deadline, dict(args, emulated_queue_s=max(0.0, deadline - now - d.alone))
-
-
-class Arrival:
-    """An all-to-all's deadline: when this rank's chunks are delivered and the chunks it receives have
-    arrived (their senders noted when, before the data moved), plus the messages' latencies. Read with
-    ``when`` once the real all-to-all is complete."""
-
-    def __init__(self, shared, delivered, messages, kinds, call, me, issued, alone):
-        self.shared, self.delivered, self.messages, self.kinds = shared, delivered, messages, kinds
-        self.call, self.me, self.issued, self.alone, self._at = call, me, issued, alone, None
-
-    def at(self) -> float:
-        if self._at is None:
-            self._at = all_to_all_finish(self.shared, self.delivered, self.messages, self.kinds, self.call, self.me)
-        return self._at
-
-
-def when(deadline) -> float:
-    """A deadline in perf_counter seconds (an all-to-all's ``Arrival`` read: call once its data moved)."""
-    return deadline.at() if isinstance(deadline, Arrival) else deadline
+    args["emulated_queue_s"] = max(0.0, deadline - now - d.alone)
+    if op in ("send", "recv") or len(ranks) < 2:
+        return deadline, args
+    shared = shared_ledger()  # the call starts when its last rank has issued it: the peers' marks say when
+    issue_mark(shared, group, call, me, now)
+    return Together(deadline, shared, group, call, [r for r in ranks if r != me], now, d.alone), args
 
 
 def hold(event, deadline: float) -> float:
@@ -259,8 +248,8 @@ def hold(event, deadline: float) -> float:
     blocking time already."""
     from ..trace.events import recorder
 
-    if isinstance(deadline, Arrival):  # how long it queued is known only now
-        event["args"]["emulated_queue_s"] = max(0.0, deadline.at() - deadline.issued - deadline.alone)
+    if not isinstance(deadline, (int, float)):  # how long it queued, or waited for a late peer, is known only now
+        deadline.explain(event["args"])
     deadline = when(deadline)
     remaining = deadline - time.perf_counter()
     slept = 0.0
@@ -279,7 +268,7 @@ def hold(event, deadline: float) -> float:
 def emulated_end(marker, deadline: float, slept: bool = True):
     """A span's end pushed to the modelled deadline. Markers are perf_counter floats on the CPU (the
     recorder reads floats as such on a GPU too); a CUDA event is replaced by the deadline if we slept."""
-    if isinstance(deadline, Arrival):  # not read yet (gloo's thread): ``hold`` stretches the span later
+    if not isinstance(deadline, (int, float)):  # not read yet (gloo's thread): ``hold`` stretches the span later
         return marker
     if marker is None or isinstance(marker, float):
         return max(marker if marker is not None else deadline, deadline)
