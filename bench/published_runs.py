@@ -151,8 +151,8 @@ BLOOM = dict(
     tp=4, pp=12, microbatches=128, schedule="1f1b", pp_split=BLOOM_SPLIT, bucket_cap_mb=1e9, reduce="all_reduce"
 )
 BIGSCIENCE = (
-    "bigscience-workshop/bigscience train/tr11-176B-ml at 9e64ede (tr11-176B-ml.slurm; README.md: 'samples per "
-    "second: 19.561 | TFLOPs: 149.77' at global batch 2,048; 48 nodes of 8 A100 80GB, 4 Omni-Path links a node), 2022"
+    "bigscience-workshop/bigscience train/tr11-176B-ml at 9e64ede (tr11-176B-ml.slurm; README.md: 19.561 samples and "
+    "149.77 TFLOPs a second at global batch 2,048; 48 nodes of 8 A100 80GB, 4 Omni-Path links a node), 2022"
 )
 
 # Megatron-Core's table counts untied embeddings: 1.7B, 7.1B and 16B are 12 L h^2 + 2 V h (tied: 1.5B, 6.6B, 15.3B)
