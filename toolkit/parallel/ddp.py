@@ -54,7 +54,8 @@ from ..comm.average import divide_factors
 from ..runtime import env
 from ..trace.events import phase
 from . import check_options, consistency
-from .local import Wrapped, refuse_frozen_since_wrap
+from .local import Wrapped
+from .refusals import refuse_frozen_since_wrap
 
 NAIVE_OPTIONS = ("mixed_precision", "group", "expert_group")
 DDP_OPTIONS = ("mixed_precision", "bucket_cap_mb", "group", "expert_group")

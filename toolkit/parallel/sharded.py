@@ -32,7 +32,7 @@ from .grad_in_slices import clear_before_accumulating, is_placeholder, put_place
 from .loading import into_slices, watch_loading
 from .local import compute_dtype as local_compute_dtype
 from .local import forward_backward as forward_then_backward
-from .local import kept_as, refuse_cast_since_wrap, refuse_casting, refuse_frozen_since_wrap
+from .refusals import kept_as, refuse_cast_since_wrap, refuse_casting, refuse_frozen_since_wrap
 from .scaler import scaler_for
 from .sharded_clipping import clip_grad_norm_
 from .sharded_optimizer import ShardedOptimizer
