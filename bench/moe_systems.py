@@ -22,7 +22,9 @@ both with 0.5 ms per message (small next to a pass's transfers, tens of ms, as ~
 ~1 ms dispatch on a GPU cluster). Why these two: by FasterMoE's model R_CC = 3·alpha·H·W_net / (s·P),
 so its MoE-GPT-S (H = 1024, alpha = 2, fp16) on V100s (P ~ 30-50 TFLOP/s) sits at R_CC ~ 0.8-1.3 on
 100 Gb/s InfiniBand and ~0.1 on 10 Gb/s: the links stand in for those two networks for this small
-layer. The bandwidths are derived from the measurement, never from the results, and are printed.
+layer. The bandwidths are derived from the measurement, never from the results, and are printed. The
+calibration is a closed loop (``settle``): the plain path is then measured on the calibrated link, and while its
+R_CC is more than 5% off it is calibrated again on those passes (at most twice); the report lists each probe's R_CC.
 
 Predicted ideal speedups:
 
@@ -61,6 +63,7 @@ LINKS = {  # name -> R_CC the link is calibrated for (see calibrate); None: loop
     "slow": 0.1,
 }
 LATENCY_S = 0.5e-3
+PROBES, PROBE_REPEATS, PROBE_TOLERANCE = 2, 5, 0.05  # the link's closed loop (settle): at most 2 corrections
 VARIANTS = {
     "plain": {},
     "shadow auto": dict(shadow="auto"),
@@ -170,12 +173,17 @@ def _pass_numbers(events, name: str) -> dict:
     return {"comm": comm, "comp": comp, "wire_bytes": wire, "messages": messages}
 
 
+def slowest_median(passes_by_rank, key: str) -> float:
+    """Per pass, the slowest rank's number; the median over passes."""
+    return statistics.median(max(p[i][key] for p in passes_by_rank) for i in range(len(passes_by_rank[0])))
+
+
 def calibrate(passes_by_rank, r_cc: float, latency: float) -> float:
     """The bandwidth (bytes/s) at which the plain path's dispatch/combine traffic, forward and backward,
     takes 1/r_cc times its expert compute on the emulated link (both: the slowest rank's, median over
     passes). The link's model for one all-to-all: peers x latency + max(bytes sent, received) / bandwidth."""
     n_pass = len(passes_by_rank[0])
-    comp = statistics.median(max(p[i]["comp"] for p in passes_by_rank) for i in range(n_pass))
+    comp = slowest_median(passes_by_rank, "comp")
     wire = max(statistics.median(p[i]["wire_bytes"] for i in range(n_pass)) for p in passes_by_rank)
     messages = max(p[0]["messages"] for p in passes_by_rank)
     budget = comp / r_cc - messages * latency
@@ -228,6 +236,33 @@ def run_link(cfg, variants, repeats, warmup, emulation) -> dict:
     return {"times": times, "passes": passes, "records": records}
 
 
+def _gathered(result) -> list:
+    """Every rank's (passes, records) of one ``run_link``, on every rank."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (result["passes"], result["records"]))
+    return everyone
+
+
+def measured_r_cc(passes_by_rank) -> float:
+    """R_CC as the table reads it: the slowest rank's expert compute over its link time, median over passes."""
+    return slowest_median(passes_by_rank, "comp") / slowest_median(passes_by_rank, "comm")
+
+
+def settle(cfg, plain, loopback_passes, r_cc: float, warmup: int):
+    """The link's bandwidth, closed loop: calibrated on the loopback passes, then, while the plain path measured
+    on that link is off its R_CC by more than PROBE_TOLERANCE, calibrated again on those passes (the experts
+    compute at another pace once the link sleeps between them). Returns (bandwidth, each probe's measured R_CC)."""
+    bandwidth, probes = calibrate(loopback_passes, r_cc, LATENCY_S), []
+    for _ in range(PROBES):
+        emulation = toolkit.comm.emulate(bandwidth=bandwidth, latency=LATENCY_S)
+        passes = [p["plain"] for p, _ in _gathered(run_link(cfg, {"plain": plain}, PROBE_REPEATS, warmup, emulation))]
+        probes.append(measured_r_cc(passes))
+        if abs(probes[-1] / r_cc - 1) <= PROBE_TOLERANCE:
+            break
+        bandwidth = calibrate(passes, r_cc, LATENCY_S)
+    return bandwidth, probes
+
+
 def bench(cfg, link_names, variants, repeats, warmup) -> dict:
     """On every rank: every link in turn. Emulated links are calibrated on the plain path measured on
     loopback first (the loopback run itself when it is asked for). Every rank returns the same record."""
@@ -245,17 +280,17 @@ def bench(cfg, link_names, variants, repeats, warmup) -> dict:
             emulation, params = contextlib.nullcontext(), None
             chosen = variants if link_name == "loopback" else {"plain": variants["plain"]}
         else:
-            bandwidth = calibrate(measured, LINKS[link_name], LATENCY_S)
+            bandwidth, probes = settle(cfg, variants["plain"], measured, LINKS[link_name], warmup)
             params = (bandwidth, LATENCY_S)
             emulation, chosen = toolkit.comm.emulate(bandwidth=bandwidth, latency=LATENCY_S), variants
         result = run_link(cfg, chosen, repeats, warmup, emulation)
-        everyone = [None] * world
-        dist.all_gather_object(everyone, (result["passes"], result["records"]))
+        everyone = _gathered(result)
         if measured is None:
             measured = [p["plain"] for p, _ in everyone]
         if link_name != "calibration":
             out["links"][link_name] = {
                 "params": params,
+                "probes": probes if params else [],
                 "r_cc_target": LINKS[link_name],
                 "times": result["times"],
                 "passes": [p for p, _ in everyone],
@@ -268,17 +303,13 @@ def bench(cfg, link_names, variants, repeats, warmup) -> dict:
 def summarize(link: dict, cfg) -> dict:
     """Median step time per variant, speedups over plain, the predictions, and what the layer decided."""
     times = {name: statistics.median(t) for name, t in link["times"].items()}
-    n_pass = len(link["times"]["plain"])
     # paired: each repetition ran every variant back to back, so a slow moment of the machine hits all alike
     speedup = {
         name: statistics.median(p / v for p, v in zip(link["times"]["plain"], t)) for name, t in link["times"].items()
     }
     ranks = range(len(link["passes"]))
-
-    def slowest(variant, key):  # per pass, the slowest rank's number; median over passes
-        return statistics.median(max(link["passes"][r][variant][i][key] for r in ranks) for i in range(n_pass))
-
-    comm, comp = slowest("plain", "comm"), slowest("plain", "comp")
+    plain = [passes["plain"] for passes in link["passes"]]
+    comm, comp = slowest_median(plain, "comm"), slowest_median(plain, "comp")
     row = {
         "times": times,
         "speedup": speedup,
@@ -313,7 +344,12 @@ def combined(results: list, cfg) -> dict:
     for res in results:
         for link_name, link in res["links"].items():
             out.setdefault((res["world"], link_name), []).append(
-                dict(summarize(link, cfg), params=link["params"], r_cc_target=link["r_cc_target"])
+                dict(
+                    summarize(link, cfg),
+                    params=link["params"],
+                    probes=link.get("probes", []),
+                    r_cc_target=link["r_cc_target"],
+                )
             )
     return out
 
@@ -377,8 +413,18 @@ def table(results: list, cfg) -> str:
             f"(max/mean {s['expert_max_over_mean']:.2f}); rows each rank's experts compute "
             f"{s['rank_rows']} (max/mean {s['rank_max_over_mean']:.2f}).",
         ]
-    lines += ["", *targets(results, cfg), "", NOTES]
+    lines += ["", *closed_loop(groups), "", *targets(results, cfg), "", NOTES]
     return "\n".join(lines)
+
+
+def closed_loop(groups: dict) -> list:
+    """How each emulated link's bandwidth settled (``settle``): the plain path's R_CC on each probe, per round."""
+    lines = ["The links' closed loop (the plain path's R_CC on the link as first calibrated, then as corrected):", ""]
+    for (world, link_name), rs in groups.items():
+        if rs[0]["params"] is not None:
+            probes = "; ".join(" -> ".join(f"{x:.2f}" for x in r["probes"]) or "-" for r in rs)
+            lines.append(f"- world size {world}, {link_name} (target {rs[0]['r_cc_target']:g}), each round: {probes}.")
+    return lines
 
 
 def targets(results: list, cfg) -> list:
@@ -423,7 +469,10 @@ NOTES = """How to read it. *R_CC* is measured on each link from the plain path's
 compute (forward + backward) over its link time for dispatch and combine (forward + backward). The emulated links \
 are set from a loopback measurement of the same plain path so that R_CC is 1 ("comparable": roughly where \
 FasterMoE's MoE-GPT-S sits on V100s with 100 Gb/s InfiniBand, by the paper's model R_CC = 3·α·H·W_net/(s·P)) or 0.1 \
-("slow": the same on 10 Gb/s); the bandwidths printed are what was used, 0.5 ms per message. *Ideal overlap* is \
+("slow": the same on 10 Gb/s), then corrected in a closed loop: the plain path is measured on the link for 5 passes \
+and, while its R_CC is more than 5% off, the link is calibrated again on those passes, at most twice (the experts \
+compute at another pace once the link sleeps between them). The bandwidths printed are what was used, 0.5 ms per \
+message. *Ideal overlap* is \
 (comm + comp)/max(comm, comp) from the plain path's trace; *shadow: model* is FasterMoE's Lat_imbl/Lat_shadow for the \
 experts Algorithm 1 chose, as the layer recorded it.
 

@@ -35,6 +35,32 @@ def test_calibration_solves_the_link_model():
         bench.calibrate(passes, 1.0, 0.03)
 
 
+def test_the_link_settles_in_a_closed_loop(monkeypatch):
+    """The link as first calibrated is measured; while the plain path's R_CC is off by more than 5% the link is
+    calibrated again on what was measured there (at most PROBES times), and each probe's R_CC is kept."""
+    bench = _bench()
+    loopback = [[{"comp": 0.1, "comm": 0.0, "wire_bytes": 1e6, "messages": 4}]]
+    paces = iter([0.125, 0.13, 0.5])  # the experts' compute on the link, probe by probe
+
+    def probe(cfg, variants, repeats, warmup, emulation):
+        with emulation:  # as run_link: the link in force for this run only
+            comm = 4 * bench.LATENCY_S + 1e6 / emulation.settings.inter.bandwidth  # the link's model time
+        passes = [{"comp": next(paces), "comm": comm, "wire_bytes": 1e6, "messages": 4}] * repeats
+        return {"passes": {"plain": passes}, "records": {"plain": []}}
+
+    monkeypatch.setattr(bench, "run_link", probe)
+    monkeypatch.setattr(bench, "_gathered", lambda result: [(result["passes"], result["records"])])
+    bandwidth, probes = bench.settle({}, {}, loopback, 1.0, 1)
+    # as first calibrated the link takes the loopback compute, 0.1 s: 1.25 on the link; corrected to 0.125 s: 1.04
+    assert probes == [pytest.approx(1.25), pytest.approx(0.13 / 0.125)]
+    assert 4 * bench.LATENCY_S + 1e6 / bandwidth == pytest.approx(0.125)
+    assert toolkit.comm.emulated_link() is None  # each probe's link was in force for its run only
+    monkeypatch.setattr(bench, "PROBES", 1)  # one correction at most: the first probe's correction stands
+    paces = iter([0.2])
+    bandwidth, probes = bench.settle({}, {}, loopback, 1.0, 1)
+    assert probes == [pytest.approx(2.0)] and 4 * bench.LATENCY_S + 1e6 / bandwidth == pytest.approx(0.2)
+
+
 @pytest.mark.timeout(180)
 def test_a_tiny_run_measures_every_variant_on_a_calibrated_link(no_leftover_ranks):
     bench = _bench()
@@ -44,6 +70,7 @@ def test_a_tiny_run_measures_every_variant_on_a_calibrated_link(no_leftover_rank
     link = res["links"]["comparable"]
     bandwidth, latency = link["params"]
     assert bandwidth > 0 and latency == bench.LATENCY_S and link["r_cc_target"] == 1.0
+    assert 1 <= len(link["probes"]) <= bench.PROBES and all(r > 0 for r in link["probes"])
     summary = bench.summarize(link, cfg)
     assert set(summary["times"]) == set(variants) and all(t > 0 for t in summary["times"].values())
     assert summary["comm"] > 0 and summary["comp"] > 0 and summary["ideal_overlap"] >= 1.0
@@ -53,5 +80,6 @@ def test_a_tiny_run_measures_every_variant_on_a_calibrated_link(no_leftover_rank
     text = bench.table([res], cfg)
     assert "emulated comparable" in text and "| 2 |" in text and "Load at world size 2" in text
     assert "1 round(s)" in text and "Targets (issue 6)" in text and "target 1.3x" in text
+    assert "world size 2, comparable (target 1), each round: " in text  # the closed loop's probes
     twice = bench.table([res, res], cfg)  # two rounds: median and range
     assert "2 round(s)" in twice and twice.count("| 2 |") == 1 and "x (" in twice
