@@ -50,14 +50,14 @@ def test_the_link_settles_in_a_closed_loop(monkeypatch):
 
     monkeypatch.setattr(bench, "run_link", probe)
     monkeypatch.setattr(bench, "_gathered", lambda result: [(result["passes"], result["records"])])
-    bandwidth, probes = bench.settle({}, {}, loopback, 1.0, 1)
+    bandwidth, probes = bench.settle({}, {}, loopback, 1.0)
     # as first calibrated the link takes the loopback compute, 0.1 s: 1.25 on the link; corrected to 0.125 s: 1.04
     assert probes == [pytest.approx(1.25), pytest.approx(0.13 / 0.125)]
     assert 4 * bench.LATENCY_S + 1e6 / bandwidth == pytest.approx(0.125)
     assert toolkit.comm.emulated_link() is None  # each probe's link was in force for its run only
     monkeypatch.setattr(bench, "PROBES", 1)  # one correction at most: the first probe's correction stands
     paces = iter([0.2])
-    bandwidth, probes = bench.settle({}, {}, loopback, 1.0, 1)
+    bandwidth, probes = bench.settle({}, {}, loopback, 1.0)
     assert probes == [pytest.approx(2.0)] and 4 * bench.LATENCY_S + 1e6 / bandwidth == pytest.approx(0.2)
 
 
