@@ -76,11 +76,12 @@ def how_priced(world: int, machine, moe: dict) -> str:
     if pipelined is not None and not isinstance(pipelined, str):
         spans = [s for s in pipelined.cost.timelines[-1].spans if s.kind == "comm" and s.cost.cores is not None]
         priced, cores = (sum(getattr(s.cost, k) for s in spans) * 1e3 for k in ("seconds", "cores"))
-        booked = pipelined.cost.cluster.bookings * 1e3
+        booked, marked = (getattr(pipelined.cost.cluster, k) * 1e3 for k in ("bookings", "marks"))
         text += (
             f" Under the emulated link each call is the real loopback call, then a sleep to the emulated time (an "
-            f"all-to-all books its chunks on the job's store first, {booked:.2f} ms at issue as "
-            f"calibrated): the pipelined MoE layer's {len(spans)} calls are priced at {priced:.1f} ms, of which their "
+            f"all-to-all books its chunks on the job's store first, {booked:.2f} ms at issue as calibrated; a ring "
+            f"collective or a barrier marks its issue there and reads its peers' marks after, {marked:.2f} ms): the "
+            f"pipelined MoE layer's {len(spans)} calls are priced at {priced:.1f} ms, of which their "
             f"bookings and loopback part hold the cores {cores:.1f} ms (the calibrated overlap of the all-to-all "
             f"beneath; the sleep hides whole)."
         )

@@ -57,7 +57,8 @@ def test_an_emulated_all_to_all_holds_the_cores_for_its_bookings_on_the_store_pe
     the delivery: round trips every rank makes at once). That is host work the call's issue pays, measured by the
     calibration for world - 1 peers and charged for the peers this rank sends rows to; at 4 ranks under the
     bench's skewed routing it was 13-16 ms a step of the plain MoE layer and 55-70 ms of the pipelined one's 16
-    calls, timed in `StoreLedger` (docs/benchmarks.md). Other collectives book nothing on the store here."""
+    calls, timed in `StoreLedger` (docs/benchmarks.md). A ring collective books nothing; it marks its issue (the
+    test below)."""
     links = dict(LOOPBACK, all_to_all={"bandwidth": 1e9, "latency": 1e-3})
     m = calibration(links=links, overlap=0.25, lanes=2, world_size=4, emulator_bookings=3e-3)
     found = from_measurements(m, Settings(Link(20e6, 0.5e-3)))
@@ -74,9 +75,37 @@ def test_an_emulated_all_to_all_holds_the_cores_for_its_bookings_on_the_store_pe
     )  # a calibration from before the bookings were measured charges none
 
 
-def test_the_calibration_measures_the_emulators_bookings_with_every_rank_at_once(no_leftover_ranks):
-    import toolkit
-    from toolkit.sim.calibrate_links import emulator_bookings
+def test_an_emulated_ring_collective_or_barrier_holds_the_cores_for_its_issue_marks():
+    """A ring collective or a barrier under the emulated link marks its issue in the job's store and reads its
+    peers' marks once the real call is done (`toolkit.comm.deadlines`): host work the calibration measures once for
+    the group, charged to every such call of two or more ranks, on top of the loopback call; an all-to-all pays its
+    bookings instead, send and recv neither."""
+    links = dict(LOOPBACK, all_to_all={"bandwidth": 1e9, "latency": 1e-3})
+    m = calibration(links=links, overlap=0.25, lanes=2, world_size=4, emulator_bookings=3e-3, emulator_marks=2e-3)
+    found = from_measurements(m, Settings(Link(20e6, 0.5e-3)))
+    group = [0, 1, 2, 3]
+    for op in ("all_reduce", "broadcast", "barrier"):
+        size = 0 if op == "barrier" else 64_000
+        loopback = collective_time(found.underlay, op, size, group, me=0).seconds
+        cost = collective_time(found, op, size, group, me=0)
+        assert cost.cores == pytest.approx(2e-3 + 0.75 * loopback), op
+        assert cost.seconds >= 2e-3 + loopback, op  # the marks and the real call inside the emulated time at least
+    alone = collective_time(found, "all_reduce", 64_000, [0], me=0)  # a group of one marks nothing
+    assert alone.cores == pytest.approx(0.75 * collective_time(found.underlay, "all_reduce", 64_000, [0], me=0).seconds)
+    to_all = collective_time(found, "all_to_all", 64_000, group, me=0)
+    assert to_all.cores == pytest.approx(
+        3e-3 + 0.75 * collective_time(found.underlay, "all_to_all", 64_000, group, 0).seconds
+    )
+    send = collective_time(found, "send", 64_000, [0, 1], me=0, args={"peer": 1})
+    assert send.cores == pytest.approx(
+        0.75 * collective_time(found.underlay, "send", 64_000, [0, 1], 0, {"peer": 1}).seconds
+    )
 
-    found = toolkit.launch(emulator_bookings, 2, timeout_s=60, quiet=True)
+
+@pytest.mark.parametrize("name", ["emulator_bookings", "emulator_marks"])
+def test_the_calibration_measures_the_emulators_store_work_with_every_rank_at_once(name, no_leftover_ranks):
+    import toolkit
+    from toolkit.sim import calibrate_links
+
+    found = toolkit.launch(getattr(calibrate_links, name), 2, timeout_s=60, quiet=True)
     assert all(0 < seconds < 0.1 for seconds in found)  # round trips to the store: microseconds to milliseconds

@@ -43,7 +43,7 @@ from .cost import compute_time
 from .hardware import THIS_MACHINE, Accelerator, Cluster
 from .program import Compute
 
-VERSION = 7  # 7: the emulated link's bookkeeping (calibrate_links.emulator_bookings)
+VERSION = 8  # 7: the emulated link's bookkeeping (calibrate_links.emulator_bookings); 8: its issue marks
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
 
@@ -115,6 +115,7 @@ def measure(world_size: int, *, timeout_s: float = 240.0) -> dict:
         beside_compute=results[0]["beside_compute"],
         lanes=results[0]["lanes"],
         emulator_bookings=max(r["emulator_bookings"] for r in results),
+        emulator_marks=max(r["emulator_marks"] for r in results),
         records=results[0]["records"],
     )
 
@@ -239,6 +240,7 @@ def from_measurements(m: dict, link: Settings | None = None, *, reference_step_s
         collective_lanes=1,  # one emulated card: its messages queue on it (`toolkit.comm.cost`)
         underlay=found,  # each emulated call is a real loopback call, then a sleep to the modelled time
         bookings=float(m.get("emulator_bookings", 0.0)),  # and an all-to-all's bookings on the job's store first
+        marks=float(m.get("emulator_marks", 0.0)),  # or a ring collective's issue marks there
         op_links={} if link.intra is not None or link.ranks_per_node == 1 else op_links,
         source=found.source + f"; {link.describe()}",
     )

@@ -193,6 +193,7 @@ def measure_links(ops, sizes=SIZES) -> dict:
         "beside_compute": beside_compute(alone),
         "lanes": lanes(),
         "emulator_bookings": emulator_bookings() if n > 1 else 0.0,
+        "emulator_marks": emulator_marks() if n > 1 else 0.0,
     }
 
 
@@ -220,4 +221,27 @@ def emulator_bookings() -> float:
         times.append(time.perf_counter() - start)
         dist.barrier()
         ledger.take(("calibration", call, me))
+    return statistics.median(times)
+
+
+def emulator_marks() -> float:
+    """Seconds of host work the emulated link's issue marks add to one ring collective or barrier, every rank at once
+    (`toolkit.comm.deadlines`): this rank's mark in the job's store at issue, and its peers' read once the call is
+    done, through the code a call runs (`issue_mark`, `Together`)."""
+    import torch.distributed as dist
+
+    from ..comm.deadlines import Together, issue_mark
+    from ..comm.store_ledger import StoreLedger
+
+    ledger, me, n = StoreLedger(dist.distributed_c10d._get_default_store()), dist.get_rank(), dist.get_world_size()
+    peers, times = [r for r in range(n) if r != me], []
+    for call in range(1, BOOKINGS + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        issue_mark(ledger, "calibration", call, me, start)
+        marked = time.perf_counter()
+        dist.barrier()  # the real call's place: once it is over, every peer has marked
+        read = time.perf_counter()
+        Together(0.0, ledger, "calibration", call, peers, start, 0.0).at()
+        times.append(marked - start + time.perf_counter() - read)
     return statistics.median(times)

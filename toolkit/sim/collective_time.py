@@ -129,24 +129,26 @@ def collective_time(
     )
     if cluster.underlay is None:
         return cost
-    # an emulated link (`toolkit.comm.emulate`): an all-to-all first books its chunks on the job's store (host work,
-    # for the peers it sends to), the call runs on the real links beneath, then sleeps until the emulated link's
-    # time has passed; the bookings and the real call hold the cores as they would alone, the sleep hides whole
+    # an emulated link (`toolkit.comm.emulate`): an all-to-all first books its chunks on the job's store, a ring
+    # collective or a barrier marks its issue there and reads its peers' marks after (host work), the call runs on
+    # the real links beneath, then sleeps until the emulated link's time has passed; the bookkeeping and the real
+    # call hold the cores as they would alone, the sleep hides whole
     real = collective_time(cluster.underlay, op, size_bytes, group, me, args)
-    booked = cluster.bookings * _peers_sent_to(op, group, me, args) / max(len(list(group)) - 1, 1)
+    booked = _bookkeeping(cluster, op, list(group), me, args)
     host = booked + (1 - cluster.underlay.overlap) * real.seconds
     return replace(cost, seconds=max(cost.seconds, booked + real.seconds), cores=host)
 
 
-def _peers_sent_to(op: str, group, me, args) -> int:
-    """The peers an all-to-all sends rows to (the emulator books each); 0 for any other op."""
+def _bookkeeping(cluster: Cluster, op: str, group: list, me, args) -> float:
+    """Host seconds the emulator's store adds to one call: an all-to-all books each peer it sends rows to, a ring
+    collective or a barrier of two or more ranks marks its issue and reads its peers' marks; send and recv neither."""
+    if op in ("send", "recv") or len(group) < 2:
+        return 0.0
     if op != "all_to_all":
-        return 0
-    group = list(group)
+        return cluster.marks
     splits = (args or {}).get("input_splits")
-    if splits is None:  # even splits: every peer
-        return len(group) - 1
-    return sum(1 for p, rows in enumerate(splits) if rows and group[p] != me)
+    peers = len(group) - 1 if splits is None else sum(1 for p, rows in enumerate(splits) if rows and group[p] != me)
+    return cluster.bookings * peers / (len(group) - 1)
 
 
 def _time_on_links(cluster, op, size_bytes, group, me, args) -> CollectiveCost:

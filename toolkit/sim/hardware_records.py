@@ -68,6 +68,8 @@ class Cluster:
     underlay: Cluster | None = field(default=None, compare=False)  # an emulated link's real links, beneath it
     bookings: float = 0.0  # an emulated link's: host seconds its bookkeeping adds to an all-to-all's issue, for
     #                                 world - 1 peers (the job's store, measured: `calibrate_links.emulator_bookings`)
+    marks: float = 0.0  # an emulated link's: host seconds a ring collective's or a barrier's issue marks cost (its
+    #                                 own at issue, its peers' read after the call: `calibrate_links.emulator_marks`)
     published: NetworkMeasurements | None = field(default=None, compare=False)  # its collectives, measured
     notes: dict = field(default_factory=dict, compare=False)  # e.g. calibration details
 
