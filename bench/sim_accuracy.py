@@ -112,6 +112,7 @@ def run_world(world: int, steps: int, cached: bool, with_moe: bool, calibrations
     machines = [from_measurements(m, reference_step_s=reference) for m in found]
     machine = machines[0]
     sims = predict_strategies(CONFIGS, world, machine)
+    world_fit = machine.with_changes(op_links={op: v for op, v in machine.op_links.items() if isinstance(op, str)})
     rows = [
         {
             "name": f"{name} x{world}",
@@ -123,6 +124,7 @@ def run_world(world: int, steps: int, cached: bool, with_moe: bool, calibrations
                 sims[name], machine.with_changes(beside_compute=found[0]["beside_compute"]["stretch"])
             ).step_time,
             "queued": price(sims[name], machine.with_changes(collective_lanes=1)).step_time,
+            "world_fit": price(sims[name], world_fit).step_time,
         }
         for name in CONFIGS
     ]

@@ -90,13 +90,26 @@ def how_priced(world: int, machine, moe: dict) -> str:
 
 def as_before(rows: list) -> str:
     """The same programs priced with gloo's collectives one at a time and an emulated call's sleep alone (the model
-    before issue 30's second pass), on the same calibration and measurements: what those two mechanisms change."""
+    before issue 30's second pass), and with every group on the world's fit (before each group size was measured),
+    on the same calibration and measurements: what those mechanisms change."""
     error = lambda r, key: r[key] / r["measured"] - 1  # noqa: E731
     within = sum(abs(error(r, "queued")) <= 0.2 for r in rows)
     moved = [
         f"{r['name']} {error(r, 'queued'):+.0%}" for r in rows if abs(error(r, "queued") - error(r, "predicted")) > 0.02
     ]
-    return (
+    text = (
         f"Priced with one collective at a time and an emulated call's sleep alone (the model before): {within} of "
         f"{len(rows)} within 20%" + (f"; the rows that move: {', '.join(moved)}." if moved else ".")
+    )
+    fitted = [r for r in rows if "world_fit" in r]
+    moved = [
+        f"{r['name']} {error(r, 'world_fit'):+.0%}"
+        for r in fitted
+        if abs(error(r, "world_fit") - error(r, "predicted")) > 0.02
+    ]
+    within = sum(abs(error(r, "world_fit")) <= 0.2 for r in fitted)
+    return text + (
+        f" Priced with every group's collectives on the world's fit (before each group size was measured): {within} "
+        f"of the {len(fitted)} strategy rows within 20%"
+        + (f"; the rows that move: {', '.join(moved)}." if moved else ".")
     )

@@ -81,31 +81,33 @@ def _numel_for(nbytes: int, n: int, element_size: int) -> int:
     return max(n, (nbytes // element_size) // n * n)
 
 
-def _prepare(op: str, numel: int, dtype, device, seed: int):
+def _prepare(op: str, numel: int, dtype, device, seed: int, group=None):
     """Buffers for one operation, and a `call()` that runs it through the door and returns the result.
 
     Inputs differ per rank (so a broken collective shows) and are reset before every call (in-place
     collectives would otherwise feed on their own output); the reset is outside the timed region.
+    group: the process group it runs on (None: every rank); a broadcast comes from the group's first rank.
     """
-    n, me = dist.get_world_size(), dist.get_rank()
+    n, me = dist.get_world_size(group), dist.get_rank()
+    first = dist.get_process_group_ranks(group)[0] if group is not None else 0
     gen = torch.Generator().manual_seed(seed * 1000 + me)
     pristine = torch.randn(numel, generator=gen).to(device=device, dtype=dtype)
     if op == "all_reduce":
         buf = torch.empty_like(pristine)
-        return (lambda: buf.copy_(pristine)), (lambda: _door.all_reduce(buf)), (lambda: buf)
+        return (lambda: buf.copy_(pristine)), (lambda: _door.all_reduce(buf, group=group)), (lambda: buf)
     if op == "broadcast":
         buf = torch.empty_like(pristine)
-        return (lambda: buf.copy_(pristine)), (lambda: _door.broadcast(buf, src=0)), (lambda: buf)
+        return (lambda: buf.copy_(pristine)), (lambda: _door.broadcast(buf, src=first, group=group)), (lambda: buf)
     if op == "reduce_scatter":
         out = torch.empty(numel // n, device=device, dtype=dtype)
-        return (lambda: None), (lambda: _door.reduce_scatter(out, pristine)), (lambda: out)
+        return (lambda: None), (lambda: _door.reduce_scatter(out, pristine, group=group)), (lambda: out)
     if op == "all_gather":
         mine = pristine[: numel // n].clone()
         out = torch.empty_like(pristine)
-        return (lambda: None), (lambda: _door.all_gather(out, mine)), (lambda: out)
+        return (lambda: None), (lambda: _door.all_gather(out, mine, group=group)), (lambda: out)
     if op == "all_to_all":
         out = torch.empty_like(pristine)
-        return (lambda: None), (lambda: _door.all_to_all(out, pristine)), (lambda: out)
+        return (lambda: None), (lambda: _door.all_to_all(out, pristine, group=group)), (lambda: out)
     raise ValueError(f"unknown operation {op!r}; choose from {OPERATIONS}.")
 
 

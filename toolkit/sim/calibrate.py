@@ -43,7 +43,8 @@ from .cost import compute_time
 from .hardware import THIS_MACHINE, Accelerator, Cluster
 from .program import Compute
 
-VERSION = 8  # 7: the emulated link's bookkeeping (calibrate_links.emulator_bookings); 8: its issue marks
+VERSION = 8  # 7: the emulated link's bookkeeping (calibrate_links.emulator_bookings); 8: its issue marks, and
+#                each smaller group's collectives (calibrate_links.subgroups)
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
 
@@ -86,13 +87,18 @@ def measure(world_size: int, *, timeout_s: float = 240.0) -> dict:
 
     load_before = load_now()
     results = launch(_on_rank, world_size, args=(OPS, SIZES, REFERENCE), timeout_s=timeout_s)
-    links = {}
+    links, group_links = {}, {}
     for op in OPS:
-        # a size whose calls added nothing measurable to the loop (0 s: below the machine's noise) says nothing
-        # about alpha or beta; fit the others, and call the op free where none is left
-        usable = [r for r in results[0]["records"] if r["op"] == op and r["seconds"] > 0]
-        alpha, beta = fit_alpha_beta(usable, impl=None) if len(usable) >= 2 else (1e-9, 0.0)
-        links[op] = {"bandwidth": 1 / beta if beta > 0 else 1e15, "latency": max(alpha, 1e-9)}
+        for k in sorted({r["world_size"] for r in results[0]["records"]}):
+            # a size whose calls added nothing measurable to the loop (0 s: below the machine's noise) says nothing
+            # about alpha or beta; fit the others, and call the op free where none is left
+            usable = [r for r in results[0]["records"] if (r["op"], r["world_size"]) == (op, k) and r["seconds"] > 0]
+            alpha, beta = fit_alpha_beta(usable, impl=None) if len(usable) >= 2 else (1e-9, 0.0)
+            link = {"bandwidth": 1 / beta if beta > 0 else 1e15, "latency": max(alpha, 1e-9)}
+            if k == world_size:
+                links[op] = link
+            else:  # a smaller group, while the other groups run theirs (`calibrate_links.subgroups`)
+                group_links.setdefault(str(k), {})[op] = link
     slowest_curve = {
         dtype: [
             (flops, min(r["gemm_rates"][dtype][i][1] for r in results))  # the slowest rank's
@@ -111,6 +117,7 @@ def measure(world_size: int, *, timeout_s: float = 240.0) -> dict:
         reference_spread=max(r["reference_spread"] for r in results),
         load=(load_before + load_now()) / 2,
         links=links,
+        group_links=group_links,
         overlap=results[0]["overlap"],
         beside_compute=results[0]["beside_compute"],
         lanes=results[0]["lanes"],
@@ -210,6 +217,11 @@ def from_measurements(m: dict, link: Settings | None = None, *, reference_step_s
     n = m["world_size"]
     notes = trust(m, m["reference_step_s"] / measured, m["reference_step_s"] / modelled)
     op_links = {op: Link(float(v["bandwidth"]), float(v["latency"])) for op, v in m["links"].items()}
+    op_links.update(  # a smaller group's own, measured beside the others (`calibrate_links.subgroups`)
+        ((op, int(k)), Link(float(v["bandwidth"]), float(v["latency"])))
+        for k, by_op in m.get("group_links", {}).items()
+        for op, v in by_op.items()
+    )
     loopback = op_links["all_reduce"]
     found = Cluster(
         THIS_MACHINE,

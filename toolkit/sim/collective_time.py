@@ -185,11 +185,18 @@ def _time_on_links(cluster, op, size_bytes, group, me, args) -> CollectiveCost:
     wire = wire_bytes(op, size_bytes, n)
     if cluster.published is not None:
         return _measured_ring(cluster, op, size_bytes, wire, nodes, g, inter_steps, label, resources)
-    intra = cluster.op_links.get(op, cluster.intra)  # a calibrated machine may measure each op apart
+    intra = measured_link(cluster, op, n)
     latency = cluster.call_latency + (steps - inter_steps) * intra.latency + inter_steps * cluster.inter.latency
     bandwidth = intra.bandwidth if nodes == 1 else min(intra.bandwidth, g * cluster.inter.bandwidth)
     on_nvlink = wire / intra.bandwidth if bandwidth < intra.bandwidth else None
     return CollectiveCost(latency + wire / bandwidth, latency, label, resources, bandwidth, intra_seconds=on_nvlink)
+
+
+def measured_link(cluster, op: str, n: int):
+    """The link a collective of `n` ranks runs on inside a node: where this machine was calibrated, what was measured
+    for `op` on groups of `n` ranks (while the other groups ran theirs), else for `op` on the whole world; else the
+    cluster's link."""
+    return cluster.op_links.get((op, n)) or cluster.op_links.get(op, cluster.intra)
 
 
 def _p2p_resources(op: str, inside: bool) -> tuple:
@@ -240,7 +247,7 @@ def _all_to_all(cluster, size_bytes, group, me, args, label, resources) -> Colle
     outs = list(args.get("output_splits") or ins)
     row = size_bytes / sum(ins) if sum(ins) else 0.0
     latency, bytes_time = cluster.call_latency, {}
-    for kind, link in (("intra", cluster.op_links.get("all_to_all", cluster.intra)), ("inter", cluster.inter)):
+    for kind, link in (("intra", measured_link(cluster, "all_to_all", n)), ("inter", cluster.inter)):
         peers = [
             p for p in range(n) if p != at and (cluster.node_of(group[p]) == cluster.node_of(me)) == (kind == "intra")
         ]

@@ -60,7 +60,8 @@ class Cluster:
     latency_holds_link: bool = True  # a collective holds its links for its latency too (NCCL runs a
     #                                 communicator's collectives one after the other); False where latency
     #                                 is delay in flight and the next message may go meanwhile (the emulator)
-    op_links: dict = field(default_factory=dict, compare=False)  # op -> Link measured for it inside a node
+    op_links: dict = field(default_factory=dict, compare=False)  # op, or (op, group size), -> Link measured for
+    #                                 it inside a node (`collective_time.measured_link`)
     collective_lanes: int = 1  # collectives a link runs at once (timeline rule 2): 1 under NCCL; gloo's threads
     links_share: bool = False  # collectives on one link share its rate (`link_sharing`, as NCCL's communicators
     #                                 on their own streams do) rather than take turns: True on the GPU presets;
