@@ -38,7 +38,8 @@ def table(world: int, machine, rows: list) -> str:
         f"(load {trust['load_now']:.1f} per core): rates scaled so the model reproduces it then; loopback "
         f"all-reduce α = {machine.op_links['all_reduce'].latency * 1e6:.0f} µs, "
         f"1/β = {machine.op_links['all_reduce'].bandwidth / 1e9:.2f} GB/s (collectives timed with compute "
-        f"between calls), overlap {machine.overlap:.2f} (the fraction of a collective that hides behind "
+        f"between calls){_in_groups(machine)}, overlap {machine.overlap:.2f} (the fraction of a collective that hides "
+        f"behind "
         f"compute; the emulated link's sleep hides whole); a reduce-scatter of "
         f"{beside['size_bytes'] / 2**20:.1f} MiB in flight beside compute takes "
         f"{beside['reduce_scatter_in_flight_s'] * 1e3:.2f} ms against {beside['reduce_scatter_alone_s'] * 1e3:.2f} "
@@ -86,6 +87,15 @@ def how_priced(world: int, machine, moe: dict) -> str:
             f"beneath; the sleep hides whole)."
         )
     return text
+
+
+def _in_groups(machine) -> str:
+    """The all-reduce's fit in each smaller group size the calibration measured, every group at once."""
+    fits = sorted((k[1], v) for k, v in machine.op_links.items() if isinstance(k, tuple) and k[0] == "all_reduce")
+    return "".join(
+        f"; in groups of {n}, every group at once, α = {v.latency * 1e6:.0f} µs, 1/β = {v.bandwidth / 1e9:.2f} GB/s"
+        for n, v in fits
+    )
 
 
 def as_before(rows: list) -> str:
