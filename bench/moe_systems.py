@@ -279,7 +279,7 @@ def bench(cfg, link_names, variants, repeats, warmup) -> dict:
     measured = None
     for link_name in todo:
         if link_name in ("loopback", "calibration"):
-            emulation, params = contextlib.nullcontext(), None
+            emulation, params, probes = contextlib.nullcontext(), None, []
             chosen = variants if link_name == "loopback" else {"plain": variants["plain"]}
         else:
             bandwidth, probes = settle(cfg, variants, measured, LINKS[link_name])
@@ -292,7 +292,7 @@ def bench(cfg, link_names, variants, repeats, warmup) -> dict:
         if link_name != "calibration":
             out["links"][link_name] = {
                 "params": params,
-                "probes": probes if params else [],
+                "probes": probes,
                 "r_cc_target": LINKS[link_name],
                 "times": result["times"],
                 "passes": [p for p, _ in everyone],
