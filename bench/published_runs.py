@@ -49,9 +49,14 @@ TORCHTITAN_AT = (  # the Llama 3 table and the code of its day
 # compute stream's order, as ProcessGroupNCCL orders a collective after the work before it, so it overlaps only when
 # told to prefetch: every FSDP row here is priced with forward_prefetch=True.
 GPU_FSDP = dict(forward_prefetch=True)
+# bf16 compute, gradients reduced in fp32. torchtitan's FSDP2 (below); under ZeRO-1, each backward's bf16
+# gradients added into fp32 main gradients first: Megatron-LM with --bf16 ("bfloat16 requires gradient accumulation
+# and all-reduce to be done in fp32", arguments.py, 2021 and r0.8.0 alike) and DeepSpeed's BF16_Optimizer ("our own
+# list of gradients from the optimizer's FP32 grads", _bf16_reduce_grads in runtime/pipe/engine.py)
+FP32_REDUCTION = dict(param_dtype="bf16", reduce_dtype="fp32")
 # torchtitan's FSDP2 reduces gradients in fp32 (parallelize_llama.py at 395a526 and 157a12c: MixedPrecisionPolicy(
 # param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) and checkpoints each block whole under mode "full"
-TORCHTITAN_FSDP = dict(GPU_FSDP, mixed_precision=dict(param_dtype="bf16", reduce_dtype="fp32"))
+TORCHTITAN_FSDP = dict(GPU_FSDP, mixed_precision=FP32_REDUCTION)
 MCORE = "NVIDIA/Megatron-LM README, images/model_table.png (Megatron-Core r0.8.0 on H100, 2024-07)"
 FMS_FSDP = (
     "foundation-model-stack/fms-fsdp README at 5e522b4 (2024-03-13; the PyTorch blog 'Maximizing training throughput "
@@ -62,7 +67,7 @@ FMS_FSDP = (
 
 
 # Megatron-Core's distributed optimizer as the table's runs ran it (--overlap-grad-reduce --overlap-param-gather)
-MEGATRON_DP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+MEGATRON_DP = dict(overlap_grad_reduce=True, overlap_param_gather=True, mixed_precision=FP32_REDUCTION)
 
 
 class PublishedRun(NamedTuple):
@@ -144,11 +149,19 @@ def llama_70b_torchtitan(name, family, vocab, seq, batch, measured, **more):
 
 # BLOOM as bigscience's script ran it (NOTES says what is priced and what is not). Its stages split 72 units
 # ('type:transformer|embedding': the embedding is a unit on the first stage and, tied, on the last), so 5 blocks on
-# those two and 6 on the others; DeepSpeed's BF16_Optimizer all-reduces the fp32 gradients once the pipeline's
-# backward is over and keeps the fp32 weights sharded over dp: ZeRO-1 with one bucket and reduce="all_reduce".
+# those two and 6 on the others; DeepSpeed's BF16_Optimizer adds each micro-batch's bf16 gradients into fp32 ones,
+# all-reduces those once the pipeline's backward is over, keeps the fp32 weights sharded over dp and all-gathers the
+# updated bf16 weights after its step: ZeRO-1 with one bucket, reduce="all_reduce" and fp32 main gradients.
 BLOOM_SPLIT = tuple(f"blocks.{5 + 6 * i}" for i in range(11))
 BLOOM = dict(
-    tp=4, pp=12, microbatches=128, schedule="1f1b", pp_split=BLOOM_SPLIT, bucket_cap_mb=1e9, reduce="all_reduce"
+    tp=4,
+    pp=12,
+    microbatches=128,
+    schedule="1f1b",
+    pp_split=BLOOM_SPLIT,
+    bucket_cap_mb=1e9,
+    reduce="all_reduce",
+    mixed_precision=FP32_REDUCTION,
 )
 BIGSCIENCE = (
     "bigscience-workshop/bigscience train/tr11-176B-ml at 9e64ede (tr11-176B-ml.slurm; README.md: 19.561 samples and "
@@ -273,12 +286,12 @@ H100_LEVEL = (
 NOTES = {
     "bloom-176b-a100": "priced as bigscience's script ran it: tp 4 x pp 12 x dp 8, its stages' split (5 blocks and "
     "the embedding on the first stage, 5 and the tied head on the last, 6 on the others), 128 micro-batches of 2 "
-    "through 1F1B, every block recomputed with Megatron's attention kernels, 50 Gb/s of Omni-Path a GPU, the gradients "
-    "all-reduced after the pipeline's backward with the optimizer's states sharded over dp (DeepSpeed's "
-    "BF16_Optimizer), and CUDA_LAUNCH_BLOCKING=1 (each operation's dispatch before its kernel: 0.75 s of the 90 s "
-    "step); not priced: ALiBi's bias read by every baddbmm, the embedding's layer norm, the bf16 weights' all-gather "
-    "after the step, DeepSpeed's blocking transfers between stages; its compute alone predicts +25%, where the other "
-    "A100 runs' predict +7% to +15%: what else the run paid is not measured here",
+    "through 1F1B, every block recomputed with Megatron's attention kernels, 50 Gb/s of Omni-Path a GPU, DeepSpeed's "
+    "BF16_Optimizer (each micro-batch's bf16 gradients added into fp32 ones, which are all-reduced after the "
+    "pipeline's backward, the optimizer's states sharded over dp, the bf16 weights all-gathered after its step), "
+    "and CUDA_LAUNCH_BLOCKING=1 (each operation's dispatch before its kernel: 0.87 s of the 92 s step); not priced: "
+    "ALiBi's bias read by every baddbmm, the embedding's layer norm, DeepSpeed's blocking transfers between stages; "
+    "its compute alone predicts +23%, where the other A100 runs' predict +7% to +15%",
     "mpt-7b-h100": "the H100's GEMMs ran on CUDA 12.1's cuBLAS (the run's image): the best GEMM measured with it is "
     "738.6 TFLOP/s (MAMF, ml-engineering at 68fdb6c), the model's 783.3 is a 2025 sweep's (the band's "
     "worst end is 738.6); the same stack's A100 row is met, its H100 MFU is 0.72x the A100's across "
@@ -288,16 +301,17 @@ NOTES = {
     "llama2-7b-h100": "the same scripts and configuration on 128 A100s are met (llama2-7b-a100; its attention is "
     "FlashAttention-2 through PyTorch's SDPA, the kernel the model prices); " + H100_LEVEL,
     "mcore-1.7b-h100": "priced as the run was built (untied head, Megatron's fp32 loss at tp 1, no GEMM above the "
-    "H100's fastest measured, its data-parallel traffic overlapped as the run's: --overlap-grad-reduce, "
-    "--overlap-param-gather), 1% of the step exposed; its compute alone predicts +29%, the 7.1B and 16B rows' +23% "
-    "and +18%: a level on H100 that no published measurement of the H100's kernels found prices (the k = 2048 GEMMs "
-    "are within 3% of one of that shape, 8192 x 2048 x 2048 in 100.06 us, TransformerEngine#2053; the A100 rows of "
-    "Table 1 are met)",
+    "H100's fastest measured, its bf16 gradients reduced in fp32 and overlapped as the run's: --bf16, "
+    "--overlap-grad-reduce, --overlap-param-gather), 1% of the step exposed; its compute alone predicts +27%, the "
+    "7.1B and 16B rows' +19% and +14%: a level on H100 that no published measurement of the H100's kernels found "
+    "prices (the k = 2048 GEMMs are within 3% of one of that shape, 8192 x 2048 x 2048 in 100.06 us, "
+    "TransformerEngine#2053; the A100 rows of Table 1 are met)",
     "mcore-7.1b-h100": "priced as the run was built, its tensor- and data-parallel traffic hidden as the run hid it "
     "(tp_comm_overlap's rings, each pass slowing the GEMM beside it by the measured 18.9%; the distributed "
-    "optimizer's overlaps), 2% of the step exposed; its compute alone predicts +23%, the level the 1.7B row shows",
-    "mcore-16b-h100": "as 7.1B, 4% of its step exposed (the data-parallel buckets' first all-gather and last "
-    "reduce-scatter among it); its compute alone predicts +18%, the level the other two rows show",
+    "optimizer's overlaps, its gradients reduced in fp32), 3% of the step exposed; its compute alone predicts +19%, "
+    "the level the 1.7B row shows",
+    "mcore-16b-h100": "as 7.1B, 5% of its step exposed (the data-parallel buckets' first all-gather and last "
+    "reduce-scatter among it); its compute alone predicts +14%, the level the other two rows show",
 }
 
 

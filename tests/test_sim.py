@@ -157,6 +157,24 @@ def test_sharded_gradients_do_not_pile_up_in_flight(strategy, options):
     assert sim.peak_memory["comm"] <= 0.1 * full_gradients, sim.peak_memory
 
 
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_gradients_reduced_in_fp32_cost_their_bytes_in_memory_and_on_the_wire(strategy):
+    """Main gradients (reduce_dtype fp32): 4 bytes of gradient a parameter where bf16 keeps 2, and the reduce-scatter's
+    bytes doubled while the all-gather's stay; the formulas (`Simulation.theory`) say the same, up to the padding."""
+    sims = [
+        simulate(small, strategy, 8, batch_per_rank=1, progress=False, mixed_precision=dict(param_dtype="bf16", **r))
+        for r in ({}, {"reduce_dtype": "fp32"})
+    ]
+    bf16, fp32 = sims
+    assert fp32.memory["grads"] == 2 * bf16.memory["grads"] and fp32.memory["params"] == bf16.memory["params"]
+    assert fp32.bytes_per_step["reduce_scatter"] == 2 * bf16.bytes_per_step["reduce_scatter"]
+    assert fp32.bytes_per_step["all_gather"] == bf16.bytes_per_step["all_gather"]
+    for sim in sims:
+        theory = sim.theory()
+        assert sim.memory["grads"] == pytest.approx(theory["model_states"]["grads"], rel=0.01)
+        assert sim.bytes_per_step["total"] == pytest.approx(theory["bytes_per_step"], rel=0.01)
+
+
 def test_attention_keeps_what_the_fused_kernel_keeps():
     """On meta, torch's attention would take the math path and keep (heads, s, s) scores; a real rank's fused
     kernel keeps O(s). Doubling the sequence must about double the activations, not quadruple them, and the

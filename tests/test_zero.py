@@ -46,6 +46,16 @@ STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 # so a wrong update would show) and 99% of the elements within 5e-4.
 MP_LOSS_ATOL = 3 / 32
 MP_PARAM_MAX, MP_PARAM_MEAN, MP_PARAM_P99 = 2 * LR * STEPS, 1e-4, 5e-4
+# bf16 compute, gradients accumulated and reduced in fp32 (Megatron-LM's main gradients; DeepSpeed's BF16_Optimizer)
+MAIN_GRADS = dict(param_dtype="bf16", reduce_dtype="fp32")
+FP32_REDUCE = {
+    "zero1_fp32_reduce": {},
+    "zero1_fp32_reduce_small_all_reduce": dict(bucket_cap_mb=SMALL, reduce="all_reduce"),
+    "zero1_fp32_reduce_overlap": dict(bucket_cap_mb=SMALL, overlap_grad_reduce=True, overlap_param_gather=True),
+    "zero1_fp32_reduce_accumulate": dict(micro=2),
+    "zero2_fp32_reduce": dict(bucket_cap_mb=SMALL),
+    "zero2_fp32_reduce_accumulate": dict(micro=2),
+}
 
 
 def build(**overrides):
@@ -253,6 +263,8 @@ def run_rank(n):
     out["zero1_overlap_mixed"] = train(rank, n, "zero1", mixed_precision=True, **overlaps)
     out["zero1_overlap_accumulate"] = train(rank, n, "zero1", micro=2, **overlaps)
     out["zero2_overlap"] = train(rank, n, "zero2", bucket_cap_mb=SMALL, overlap_param_gather=True)
+    for key, options in FP32_REDUCE.items():
+        out[key] = train(rank, n, key.split("_")[0], mixed_precision=MAIN_GRADS, **options)
     for strategy in STAGES:
         out[f"{strategy}_mixed"] = train(rank, n, strategy, mixed_precision=True)
         out[f"{strategy}_clip"] = train(rank, n, strategy, clip=CLIP)
@@ -467,6 +479,28 @@ def test_activation_checkpointing_trains_as_one_process(strategy):
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("key", list(FP32_REDUCE))
+def test_gradients_reduced_in_fp32(key):
+    """mixed_precision=dict(param_dtype="bf16", reduce_dtype="fp32"): each backward's bf16 gradients added into fp32
+    main gradients, which are reduced: the bf16 recipe's training (with micro-batches accumulated in fp32 too), the
+    reduction's bytes at 4 a value and the all-gather's at 2, and 4 bytes of gradient a parameter."""
+    losses, _, params = oracle(mixed=True)
+    got, n = results(2)[key], 2
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < MP_LOSS_ATOL
+    diff = torch.cat([(got["params"][k] - params[k]).abs().flatten() for k in params])
+    assert diff.max() < MP_PARAM_MAX and diff.mean() < MP_PARAM_MEAN and diff.quantile(0.99) < MP_PARAM_P99
+    reduce_passes = 2 if "all_reduce" in key else 1  # an all-reduce is 2(N-1)/N, a reduce-scatter (N-1)/N
+    if key == "zero2_fp32_reduce_accumulate":  # ZeRO-2 reduce-scatters each micro-batch's gradients
+        reduce_passes = 2
+    assert got["dtype_bytes"] == 2
+    assert got["sent"] == (reduce_passes * 4 + 2) * got["padded"] * (n - 1) // n
+    stage = STAGES[key.split("_")[0]]
+    theory = model_states_breakdown(PSI, n, stage, param_bytes=2, grad_bytes=4, optimizer_multiplier=12)
+    for memory in got["all_memory"]:
+        assert 0 <= memory["grads"] - theory["grads"] <= got["padding"] * 4, (memory["grads"], theory["grads"])
+
+
+@pytest.mark.timeout(150)
 def test_mixed_precision_halves_the_bytes():
     got = results(2)
     for strategy in STAGES:
@@ -526,6 +560,10 @@ def test_bad_options_and_optimizers(strategy):
 
 
 def test_bad_stage_options():
+    with pytest.raises(ValueError, match="zero3: mixed_precision's reduce_dtype.*use fsdp"):
+        wrap(build(), "zero3", optimizer=OPT, mixed_precision=MAIN_GRADS)
+    with pytest.raises(ValueError, match="unknown keys.*param_dtype, reduce_dtype"):
+        wrap(build(), "zero1", optimizer=OPT, mixed_precision=dict(grad_dtype="fp32"))
     with pytest.raises(ValueError, match="reduce"):
         wrap(build(), "zero1", optimizer=OPT, reduce="broadcast")
     with pytest.raises(ValueError, match="bucket_cap_mb"):

@@ -24,7 +24,11 @@ ZeRO-3  parameters live as slices only: all-gathered just before a module's forw
 Options (every stage):
   mixed_precision  False (fp32), True (bfloat16) or a 16-bit dtype: 16-bit parameters and gradients
                    for compute and communication, fp32 master weights and fp32 optimizer states
-                   (2 + 2 + 12 bytes per parameter), as in "local" and "ddp".
+                   (2 + 2 + 12 bytes per parameter), as in "local" and "ddp". ZeRO-1 and ZeRO-2 also take
+                   `MixedPrecision(param_dtype, reduce_dtype)` (or its dict) as FSDP does: reduce_dtype=torch.float32
+                   adds each backward's 16-bit gradients into fp32 buffers and reduces those (Megatron-LM's main
+                   gradients, `--accumulate-allreduce-grads-in-fp32`; DeepSpeed's BF16_Optimizer): 4 bytes of
+                   gradient per parameter where there were 2, and twice the reduction's bytes.
   group            the process group to shard over (default: every rank).
 ZeRO-1 and ZeRO-2:
   bucket_cap_mb    MiB of gradients per bucket (25, as DDP): the unit of a reduce-scatter.
@@ -63,7 +67,8 @@ import torch.nn as nn
 from ..runtime import env
 from ..trace.events import phase
 from . import check_options, consistency
-from .sharded import ShardedModel, compute_dtype
+from .fsdp_unit import dtypes
+from .sharded import ShardedModel
 from .sharded_optimizer import ShardedOptimizer, check_optimizer
 from .zero3 import Zero3  # stage 3 is its own idea, in its own file
 from .zero12 import Zero12  # so are stages 1 and 2
@@ -95,7 +100,13 @@ def _wrap(stage: int, model: nn.Module, optimizer, options: dict):
     name = f"zero{stage}"
     check_options(name, options, OPTIONS[stage])  # every mistake is reported before any collective
     check_optimizer(name, optimizer)
-    dtype = compute_dtype(options.get("mixed_precision", False))
+    dtype, grad_dtype = dtypes(options.get("mixed_precision", False))
+    if stage == 3 and grad_dtype != dtype:
+        raise ValueError(
+            f"zero3: mixed_precision's reduce_dtype={grad_dtype} differs from its param_dtype={dtype}; zero3 reduces "
+            "in the dtype it computes in. For fp32 reductions of sharded parameters use fsdp, which takes the same "
+            "MixedPrecision; zero1 and zero2 take it too."
+        )
     reduce = options.get("reduce", "reduce_scatter")
     if reduce not in REDUCE:
         raise ValueError(f"{name}: reduce={reduce!r}; choose one of {REDUCE}.")
@@ -128,7 +139,7 @@ def _wrap(stage: int, model: nn.Module, optimizer, options: dict):
     if stage == 3:
         engine = Zero3(model, dtype, group, **buckets)
     else:
-        engine = Zero12(model, stage, dtype, group, reduce, cap * 2**20, **overlaps)
+        engine = Zero12(model, stage, dtype, group, reduce, cap * 2**20, grad_dtype=grad_dtype, **overlaps)
     # The user's optimizer, built on this rank's fp32 slices only: that is the stage-1 saving.
     engine.optimizer = ShardedOptimizer(optimizer([s.master for s in engine.shards()]), engine)
     return ShardedModel(model, engine), engine.optimizer

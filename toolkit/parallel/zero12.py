@@ -9,6 +9,10 @@ ZeRO-1  backward fills the full gradients (views of each bucket's flat gradient 
 ZeRO-2  each bucket is reduce-scattered *during* backward, as soon as its last gradient arrives, and
         its full gradients are freed at once: only the slice stays (`_settle` keeps one in flight).
 
+With `reduce_dtype=torch.float32` (16-bit compute) the gradients are reduced in fp32: each backward's 16-bit `p.grad`
+is added into an fp32 buffer and dropped as soon as autograd has finished it, as Megatron-LM adds it into its
+`main_grad` (and DeepSpeed's BF16_Optimizer into its fp32 gradients), so micro-batches accumulate in fp32 too.
+
 Megatron-LM's distributed optimizer is ZeRO-1 with two overlaps (its own flags' names): `overlap_grad_reduce`, each
 bucket reduce-scattered during backward as soon as it is complete (ZeRO-2's schedule, the full gradients kept), and
 `overlap_param_gather`, the updated parameters all-gathered in the next forward (`param_gather.py`).
@@ -34,8 +38,9 @@ class Bucket:
     """Consecutive parameters flattened into one padded buffer; the model's parameters become views of it.
 
     Rank r owns slice r of the bucket (`mine`): its fp32 master, its optimizer states and its averaged
-    gradient. ZeRO-1 also keeps `grads`, a flat buffer of full gradients whose views are the `p.grad`;
-    under ZeRO-2 `grads` exists only while the bucket's gradients arrive during backward.
+    gradient. ZeRO-1 also keeps `grads`, a flat buffer of full gradients whose views are the `p.grad`
+    (in fp32 main gradients, which each `p.grad` is added into: `main`); under ZeRO-2 `grads` exists only
+    while the bucket's gradients arrive during backward.
     """
 
     def __init__(self, engine: Zero12, params: list):
@@ -45,15 +50,23 @@ class Bucket:
             p.data = view
         self.mine = Shard(master)
         self.grads: FlatBuffer | None = None
+        self.grad_dtype = engine.grad_dtype
+        self.main = self.grad_dtype != self.flat.data.dtype  # fp32 main gradients: p.grad is added in, not a view
         self.waiting = len(params)  # ZeRO-2: gradients not yet arrived in this backward
 
     def new_grads(self) -> FlatBuffer:
-        return FlatBuffer(
-            self.flat.shapes, self.flat.world_size, dtype=self.flat.data.dtype, device=self.flat.data.device
-        )
+        return FlatBuffer(self.flat.shapes, self.flat.world_size, dtype=self.grad_dtype, device=self.flat.data.device)
+
+    def add_main_grad(self, p: nn.Parameter) -> None:
+        """Main gradients: add this backward's 16-bit p.grad into its fp32 view, and free it."""
+        self.grads.view(self.index[p]).add_(p.grad)
+        p.grad = None
 
     def bind_grads(self) -> None:
-        """ZeRO-1: make every p.grad a view of the flat gradient buffer (autograd then adds into it)."""
+        """ZeRO-1: make every p.grad a view of the flat gradient buffer (autograd then adds into it). Main
+        gradients are in another dtype than p.grad can be: each p.grad is added into them instead."""
+        if self.main:
+            return
         for p, view in zip(self.params, self.grads.views()):
             if p.grad is None:
                 view.zero_()
@@ -75,8 +88,10 @@ class Zero12(ShardedEngine):
         bucket_bytes: float,
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
+        grad_dtype=None,
     ):
         super().__init__(module, dtype, group)
+        self.grad_dtype = grad_dtype or dtype  # the dtype gradients are accumulated and reduced in
         self.stage, self.name, self.reduce = stage, f"zero{stage}", reduce
         self.pieces = [Bucket(self, ps) for ps in self._bucket_params(bucket_bytes)]
         self.bucket_of = {p: b for b in self.pieces for p in b.params}
@@ -107,6 +122,8 @@ class Zero12(ShardedEngine):
     def _gradient_ready(self, p: nn.Parameter) -> None:
         """Hook: autograd has just finished p.grad for this backward."""
         if self.stage == 1:  # full gradients stay where they are; reduce them once backward is over (or their bucket)
+            if self.bucket_of[p].main:
+                self.bucket_of[p].add_main_grad(p)
             if self.skip_reduce:
                 self.unreduced_backward = True
                 return
@@ -130,7 +147,7 @@ class Zero12(ShardedEngine):
 
     def _reduce_scatter(self, b: Bucket) -> None:
         """ZeRO-2: average the bucket over the ranks, rank r receiving slice r, while backward goes on."""
-        out = torch.empty(b.flat.shard_numel, dtype=self.dtype, device=b.grads.data.device)
+        out = torch.empty(b.flat.shard_numel, dtype=self.grad_dtype, device=b.grads.data.device)
         self._settle()  # the previous bucket's reduction is done by now: free its full gradient first
         handle = comm.reduce_scatter(out, b.grads.data, op="avg", group=self.group, async_op=True)
         self.in_flight.append((b, handle, out, b.grads))

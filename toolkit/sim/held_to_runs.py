@@ -44,7 +44,7 @@ PRESETS = {
             TABLE_1
             + ("mpt-1b-a100", "mpt-7b-a100", "mpt-13b-a100", "llama2-7b-a100", "llama2-13b-a100")
             + ("llama3-70b-a100", "llama2-70b-a100", "bloom-176b-a100"),
-            (0.96, 1.16),
+            (0.96, 1.14),
         ),
     ),
     "dgx-h100": (
@@ -58,8 +58,8 @@ PRESETS = {
         Group(
             "Megatron-Core's 1.7B, 7.1B and 16B weak-scaling rows (48 to 192 H100s)",
             ("mcore-1.7b-h100", "mcore-7.1b-h100", "mcore-16b-h100"),
-            (1.13, 1.28),
-            "priced with their tensor- and data-parallel traffic hidden as the runs hid it (1-4% of their steps "
+            (1.09, 1.25),
+            "priced with their tensor- and data-parallel traffic hidden as the runs hid it (1-5% of their steps "
             "exposed): what remains is their compute, at the H100 level the FSDP runs show",
         ),
     ),

@@ -195,12 +195,15 @@ class Simulation:
             from .tensor_parallel import theory
 
             return theory(self)
-        mixed = bool(self.options.get("mixed_precision"))
-        value = 2 if mixed else 4
+        from ..parallel.fsdp_unit import dtypes
+
+        param_dtype, reduce_dtype = dtypes(self.options.get("mixed_precision", False))
+        mixed = param_dtype != torch.float32
+        value, reduced = param_dtype.itemsize, reduce_dtype.itemsize  # ZeRO-1/2's main gradients: fp32
         K = 12 if mixed else 8
         stage = {"local": 0, "dp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[self.strategy]
         F = (self.options.get("sharding_group_size") or self.world_size) if self.strategy == "fsdp" else self.world_size
-        kept = (4, 4, 8) if self.strategy == "fsdp" else (value, value, K)  # FSDP keeps fp32 shards: 4 + 4 + 8
+        kept = (4, 4, 8) if self.strategy == "fsdp" else (value, reduced, K)  # FSDP keeps fp32 shards: 4 + 4 + 8
         dense = self.num_params - self.expert_params  # experts: each rank keeps its own, whole
         states = formulas.model_states_breakdown(
             dense, F, stage, param_bytes=kept[0], grad_bytes=kept[1], optimizer_multiplier=kept[2]
@@ -215,6 +218,8 @@ class Simulation:
         )
         states = {k: v + mine[k] for k, v in states.items()}
         wire = formulas.communication_per_step(dense, F, self.strategy) * value
+        if self.strategy in ("zero1", "zero2", "zero3", "fsdp"):  # one pass of the ring is the gradients' reduction
+            wire += formulas.communication_per_step(dense, F, "zero1") / 2 * (reduced - value)
         if self.strategy == "fsdp" and F < self.world_size:
             wire += formulas.ring_all_reduce_bytes(dense / F * value, self.world_size // F)
         return {
