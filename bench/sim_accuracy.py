@@ -146,6 +146,7 @@ def run_world(world: int, steps: int, cached: bool, with_moe: bool, calibrations
                 "measured": moe_measured[name],
                 "breakdown": predicted[name].breakdown,
                 "queued": price(predicted[name], emulated.with_changes(underlay=None)).step_time,
+                "together": price(predicted[name], emulated.with_changes(late_peers=())).step_time,
             }
             for name in MOE_VARIANTS
             if not isinstance(predicted[name], str)

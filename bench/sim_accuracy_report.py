@@ -86,6 +86,15 @@ def how_priced(world: int, machine, moe: dict) -> str:
             f"bookings and loopback part hold the cores {cores:.1f} ms (the calibrated overlap of the all-to-all "
             f"beneath; the sleep hides whole)."
         )
+        late = pipelined.cost.cluster.late_peers
+        if late:
+            text += (
+                f" Its time runs from the group's last issue, and on the shared cores the last rank issued "
+                f"{late[0][1] * 1e3:.2f} to {max(y for _, y in late) * 1e3:.2f} ms after a rank that had computed "
+                f"{late[0][0] * 1e3:.1f} to {late[-1][0] * 1e3:.1f} ms since its previous call (measured: "
+                + ", ".join(f"{y * 1e3:.2f} ms after {x * 1e3:.1f}" for x, y in late)
+                + "), charged by each call's compute before it."
+            )
     return text
 
 
@@ -100,8 +109,9 @@ def _in_groups(machine) -> str:
 
 def as_before(rows: list) -> str:
     """The same programs priced with gloo's collectives one at a time and an emulated call's sleep alone (the model
-    before issue 30's second pass), and with every group on the world's fit (before each group size was measured),
-    on the same calibration and measurements: what those mechanisms change."""
+    before issue 30's second pass), with every group on the world's fit (before each group size was measured), and
+    with every rank issuing each emulated call together (before the late peers were measured), on the same
+    calibration and measurements: what those mechanisms change."""
     error = lambda r, key: r[key] / r["measured"] - 1  # noqa: E731
     within = sum(abs(error(r, "queued")) <= 0.2 for r in rows)
     moved = [
@@ -118,8 +128,17 @@ def as_before(rows: list) -> str:
         if abs(error(r, "world_fit") - error(r, "predicted")) > 0.02
     ]
     within = sum(abs(error(r, "world_fit")) <= 0.2 for r in fitted)
-    return text + (
+    text += (
         f" Priced with every group's collectives on the world's fit (before each group size was measured): {within} "
         f"of the {len(fitted)} strategy rows within 20%"
         + (f"; the rows that move: {', '.join(moved)}." if moved else ".")
+    )
+    emulated = [r for r in rows if "together" in r]
+    moved = [f"{r['name']} {error(r, 'together'):+.0%}" for r in emulated]
+    within = sum(abs(error(r, "together")) <= 0.2 for r in emulated)
+    return text + (
+        f" Priced with every rank issuing each emulated call together (before the late peers were measured): {within} "
+        f"of the {len(emulated)} MoE rows within 20% ({', '.join(moved)})."
+        if emulated
+        else ""
     )

@@ -109,3 +109,47 @@ def test_the_calibration_measures_the_emulators_store_work_with_every_rank_at_on
 
     found = toolkit.launch(getattr(calibrate_links, name), 2, timeout_s=60, quiet=True)
     assert all(0 < seconds < 0.1 for seconds in found)  # round trips to the store: microseconds to milliseconds
+
+
+LATE = ((0.0, 0.1e-3), (2e-3, 0.5e-3), (10e-3, 2.5e-3), (30e-3, 4e-3))  # (compute, lateness), as a calibration measures
+
+
+@pytest.mark.parametrize("compute, late", [(1e-3, 0.3e-3), (6e-3, 1.5e-3), (50e-3, 4e-3)])
+def test_an_emulated_call_runs_from_its_groups_last_issue_which_comes_later_after_more_compute(compute, late):
+    """Timeline rule 7: the emulated link's time runs from the group's last issue (`toolkit.comm.emulate`), and on
+    shared cores the last rank comes later the more each computed since its previous call (`Cluster.late_peers`,
+    linear between the measured points, the last one's beyond them). A synchronous emulated all-to-all after
+    `compute` ends at compute + lateness + its emulated time; a calibration without the points, or a send, charges
+    no lateness."""
+    m = calibration(links=dict(LOOPBACK, all_to_all={"bandwidth": 1e9, "latency": 1e-3}), overlap=0.25, lanes=2)
+    found = from_measurements(dict(m, world_size=4, late_peers=LATE), Settings(Link(20e6, 0.5e-3)))
+    assert found.late_peers == LATE and found.underlay.late_peers == ()  # the loopback's cost has the lateness in it
+    program = [Compute(0, label="experts"), comm(0, "all_to_all", 256_000, [0, 1, 2, 3]), Wait(0)]
+    emulated = 3 * 0.5e-3 + 192e3 / 20e6  # three peers' latencies, then its 192 kB to them (64 kB each) at 20 MB/s
+
+    def step(cluster):
+        return schedule(
+            program,
+            lambda c: compute,
+            lambda c: collective_time(cluster, c.op, c.size_bytes, c.group, 0, c.args),
+            overlap=cluster.overlap,
+        ).step_time
+
+    assert step(found) == pytest.approx(compute + late + emulated)
+    assert step(found.with_changes(late_peers=())) == pytest.approx(compute + emulated)
+    send = collective_time(found, "send", 64_000, [0, 1], me=0, args={"peer": 1})
+    assert send.from_last_issue is None  # a transfer's two halves are matched by the stages' timeline
+
+
+def test_the_calibration_measures_how_late_the_last_rank_issues_with_every_rank_at_once(no_leftover_ranks):
+    """Four ranks on the 2 cores, the same compute between small all-reduces: the last rank issues after the others,
+    later after more compute (the loop's points: 0 to about 30 ms of compute)."""
+    import toolkit
+    from toolkit.sim import calibrate_links
+
+    found = toolkit.launch(calibrate_links.late_peers, 4, timeout_s=60, quiet=True)
+    points = found[0]
+    assert found[1] == found[0] and len(points) == len(calibrate_links.LATE_GAPS)  # gathered: the same on each rank
+    assert [c for c, _ in points] == sorted(c for c, _ in points) and points[-1][0] > 10 * points[1][0] > 0, points
+    assert all(0 <= late < 0.1 for _, late in points), points  # a descheduled rank: a slice late even after none
+    assert points[-1][1] > points[0][1], points  # more compute between the calls, a later last rank

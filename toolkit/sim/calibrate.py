@@ -43,8 +43,9 @@ from .cost import compute_time
 from .hardware import THIS_MACHINE, Accelerator, Cluster
 from .program import Compute
 
-VERSION = 8  # 7: the emulated link's bookkeeping (calibrate_links.emulator_bookings); 8: its issue marks, and
-#                each smaller group's collectives (calibrate_links.subgroups)
+VERSION = 9  # 7: the emulated link's bookkeeping (calibrate_links.emulator_bookings); 8: its issue marks, and
+#                each smaller group's collectives (calibrate_links.subgroups); 9: how late the last peer issues
+#                (calibrate_links.late_peers)
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
 
@@ -123,6 +124,7 @@ def measure(world_size: int, *, timeout_s: float = 240.0) -> dict:
         lanes=results[0]["lanes"],
         emulator_bookings=max(r["emulator_bookings"] for r in results),
         emulator_marks=max(r["emulator_marks"] for r in results),
+        late_peers=results[0]["late_peers"],  # every rank's issues, gathered: the same on each
         records=results[0]["records"],
     )
 
@@ -253,6 +255,7 @@ def from_measurements(m: dict, link: Settings | None = None, *, reference_step_s
         underlay=found,  # each emulated call is a real loopback call, then a sleep to the modelled time
         bookings=float(m.get("emulator_bookings", 0.0)),  # and an all-to-all's bookings on the job's store first
         marks=float(m.get("emulator_marks", 0.0)),  # or a ring collective's issue marks there
+        late_peers=tuple((float(x), float(y)) for x, y in m.get("late_peers", ())),  # its time runs from the last issue
         op_links={} if link.intra is not None or link.ranks_per_node == 1 else op_links,
         source=found.source + f"; {link.describe()}",
     )

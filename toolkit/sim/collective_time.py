@@ -63,11 +63,21 @@ class CollectiveCost:
     shares: bool = False  # its links share their rate among the collectives on them: `Cluster.links_share`
     cores: float | None = None  # seconds it holds the cores (timeline rule 4); None: (1 - overlap) x seconds
     intra_seconds: float | None = None  # its bytes' time on NVLink, where the network bounds it (see `occupancy_on`)
+    from_last_issue: float | None = None  # the part of it that runs from its group's last issue (an emulated link's
+    #                                      time: `toolkit.comm.emulate`), which a late peer delays (timeline rule 7)
+    late_peers: tuple = ()  # how late the group's last rank issues, by the compute before: `Cluster.late_peers`
 
     @property
     def occupancy(self) -> float:
         """Seconds its links are held: the whole time, or only the bytes where latency is delay in flight."""
         return self.seconds if self.latency_holds_link else self.seconds - self.latency
+
+    def end_with_late_peers(self, issued: float, compute_s: float, end: float) -> float:
+        """When it ends (timeline rule 7), issued at `issued` after this rank computed `compute_s` since its previous
+        collective: no earlier than the group's last issue plus the part that runs from it."""
+        if self.from_last_issue is None or not self.late_peers:
+            return end
+        return max(end, issued + last_peer_after(self.late_peers, compute_s) + self.from_last_issue)
 
     def occupancy_on(self, link: str) -> float:
         """Seconds it holds `link`. A collective across nodes that the network bounds moves its bytes over NVLink
@@ -136,7 +146,26 @@ def collective_time(
     real = collective_time(cluster.underlay, op, size_bytes, group, me, args)
     booked = _bookkeeping(cluster, op, list(group), me, args)
     host = booked + (1 - cluster.underlay.overlap) * real.seconds
-    return replace(cost, seconds=max(cost.seconds, booked + real.seconds), cores=host)
+    waits = op not in ("send", "recv") and len(list(group)) > 1  # a transfer's pair is matched by the stages' timeline
+    return replace(
+        cost,
+        seconds=max(cost.seconds, booked + real.seconds),
+        cores=host,
+        from_last_issue=cost.seconds if waits else None,
+        late_peers=cluster.late_peers,
+    )
+
+
+def last_peer_after(points: tuple, compute_s: float) -> float:
+    """Seconds after a rank's issue its group's last rank issues, each having computed `compute_s` since its previous
+    call: linearly between the measured points ((compute, lateness), `Cluster.late_peers`), the nearest end's
+    beyond them."""
+    if compute_s <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if compute_s <= x1:
+            return y0 + (y1 - y0) * (compute_s - x0) / (x1 - x0) if x1 > x0 else y1
+    return points[-1][1]
 
 
 def _bookkeeping(cluster: Cluster, op: str, group: list, me, args) -> float:

@@ -71,6 +71,8 @@ class Cluster:
     #                                 world - 1 peers (the job's store, measured: `calibrate_links.emulator_bookings`)
     marks: float = 0.0  # an emulated link's: host seconds a ring collective's or a barrier's issue marks cost (its
     #                                 own at issue, its peers' read after the call: `calibrate_links.emulator_marks`)
+    late_peers: tuple = ()  # an emulated link's: ((compute seconds a rank ran since its last call, seconds after
+    #                                 its issue the group's last rank issued), ...): `calibrate_links.late_peers`
     published: NetworkMeasurements | None = field(default=None, compare=False)  # its collectives, measured
     notes: dict = field(default_factory=dict, compare=False)  # e.g. calibration details
 

@@ -24,7 +24,7 @@ The rules, on top of the overlap rule (every stage has its own compute stream an
    duplex), two transfers the same way take turns, and none waits behind the stage's data-parallel or
    tensor-parallel collectives (NCCL runs them on other streams; what it leaves out: a transfer and a
    collective that cross the same network card share it at full speed each). The stage's other
-   collectives follow rules 2-6 of the overlap rule as on one rank; a transfer slows the compute of both its
+   collectives follow rules 2-7 of the overlap rule as on one rank; a transfer slows the compute of both its
    stages while in flight (rule 6), but not compute a stage had already scheduled before its other half was
    issued.
 4. Stages advance as far as their dependencies allow; if none can and work remains, the programs
@@ -154,6 +154,7 @@ class _Stage:
         self.span_of: dict = {}  # collective id -> its span
         self.hold = (start, None)  # until when its collectives hold the cores (the overlap rule's rule 4)
         self.busy: list = []  # (begin, end) of its collectives in flight (the overlap rule's rule 6)
+        self.since = 0.0  # compute seconds since its previous collective (the overlap rule's rule 7)
 
 
 def schedule_stages(
@@ -196,6 +197,7 @@ def schedule_stages(
                 seconds = compute_time(key, instruction)
                 end = slowed(st.clock, seconds, st.busy, slowdown)
                 st.spans.append(Span("compute", st.clock, end, instruction, contention=end - st.clock - seconds))
+                st.since += end - st.clock
                 st.clock = end
             elif isinstance(instruction, Collective):
                 if instruction.id in st.done:
@@ -224,7 +226,8 @@ def schedule_stages(
     def _collective(key, st: _Stage, c: Collective) -> None:
         cost = collective_cost(key, c)
         stretch = beside if c.async_op else 1.0
-        begin, st.done[c.id] = run_on(st.links, cost, st.clock, stretch, c, st.done, st.span_of, st.busy)
+        begin, st.done[c.id] = run_on(st.links, cost, st.clock, stretch, c, st.done, st.span_of, st.busy, st.since)
+        st.since = 0.0
         st.busy.append((begin, st.done[c.id]))
         st.spans.append(Span("comm", begin, st.done[c.id], c, issued=st.clock, cost=cost))
         st.span_of[c.id] = st.spans[-1]

@@ -32,6 +32,11 @@ The rule, in the order the strategy issued its work (`toolkit.sim.program`):
    bandwidth), compute runs `slowdown` longer while one of this rank's collectives is in flight
    (`published_collectives.OVERLAP_SLOWDOWN`, measured; 0 on a CPU and on user-defined clusters). The extra time is the
    compute span's `contention`.
+7. A collective starts when its group's last rank arrives. Where ranks share cores, the same work between two calls
+   ends at different moments on each: a cost whose time runs from that last issue (`CollectiveCost.from_last_issue`,
+   an emulated link's) ends no earlier than the issue, plus how late the last rank came after this one's compute
+   since its previous collective (`Cluster.late_peers`, measured), plus that time. Nowhere else: a loopback
+   collective's measured cost has the ranks' lateness in it, and the GPU presets state none.
 
 The step ends when the compute stream is done and no collective is still in flight. So the time of a
 step splits three ways: compute; exposed communication (the compute stream waiting); and overlapped
@@ -186,10 +191,16 @@ class Links:
         return self.shared.moved()
 
 
-def run_on(links: Links, cost, ready: float, stretch: float, collective, done: dict, span_of: dict, busy: list):
-    """(begin, end) of `collective` on `links`; the ones it delays (links that share) moved in `done` (id -> end),
-    their spans (`span_of`: id -> Span) and the in-flight intervals of rule 6 (`busy`)."""
+def run_on(
+    links: Links, cost, ready: float, stretch: float, collective, done: dict, span_of: dict, busy: list, since=0.0
+):
+    """(begin, end) of `collective` on `links`, issued at `ready` after `since` seconds of compute since this rank's
+    previous collective (rule 7); the ones it delays (links that share) moved in `done` (id -> end), their spans
+    (`span_of`: id -> Span) and the in-flight intervals of rule 6 (`busy`)."""
     begin, end = links.run(cost, ready, stretch, collective.id, collective.group)
+    late = getattr(cost, "end_with_late_peers", None)
+    if late is not None:
+        end = late(ready, since, end)
     for k, (new_begin, new_end) in links.moved().items():
         span = span_of.get(k)
         if span is None or done.get(k) is None or (new_begin, new_end) == (span.start, span.end):
@@ -219,6 +230,7 @@ def schedule(
     done: dict[int, float] = {}  # collective id -> when it ends
     span_of: dict = {}  # collective id -> its span
     busy: list = []  # (begin, end) of collectives in flight, for rule 6
+    since = 0.0  # compute seconds since this rank's previous collective, for rule 7
     spans = []
     for n, instruction in enumerate(program):
         if isinstance(instruction, Compute):
@@ -226,13 +238,15 @@ def schedule(
             seconds = compute_time(instruction)
             end = slowed(clock, seconds, busy, slowdown)
             spans.append(Span("compute", clock, end, instruction, contention=end - clock - seconds))
+            since += end - clock
             clock = end
         elif isinstance(instruction, Collective):
             if instruction.id in done:
                 raise ValueError(f"instruction {n}: collective id {instruction.id} issued twice")
             cost = collective_cost(instruction)
             stretch = beside if instruction.async_op else 1.0
-            begin, end = run_on(links, cost, clock, stretch, instruction, done, span_of, busy)
+            begin, end = run_on(links, cost, clock, stretch, instruction, done, span_of, busy, since)
+            since = 0.0
             done[instruction.id] = end
             busy.append((begin, end))
             spans.append(Span("comm", begin, end, instruction, issued=clock, cost=cost))
