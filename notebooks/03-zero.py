@@ -144,11 +144,12 @@ model_states_bars(7.5e9, 64)
 # The same tiny GPT, the same seed, the same global batch (8 rows, 4 per rank), 3 AdamW steps, with
 # four strategies: `ddp` (bucketed, overlapped data parallelism from notebook 02), `zero1`, `zero2` and
 # `zero3`. Each runs once in fp32 and once in mixed precision (bf16 parameters and gradients, fp32
-# master weights and Adam states: exactly the 2 + 2 + 12 of section 1). Three more runs: ZeRO-1 with
-# `reduce="all_reduce"`, for section 7, ZeRO-1 as Megatron-LM runs it (section 4) and ZeRO-3 with buckets.
+# master weights and Adam states: exactly the 2 + 2 + 12 of section 1). Four more runs: ZeRO-1 with
+# `reduce="all_reduce"`, for section 7, ZeRO-1 as Megatron-LM runs it (section 4), ZeRO-3 with buckets and ZeRO-1
+# with its bf16 gradients reduced in fp32 (section 5).
 #
 # A launch starts fresh Python processes, which costs more than three steps of this model, so one
-# `toolkit.launch` trains all nine configurations in a row: `toolkit.train.train(config)` is the
+# `toolkit.launch` trains all twelve configurations in a row: `toolkit.train.train(config)` is the
 # toolkit's training loop, and it runs inside any launch. Each call returns that rank's `Run` (its
 # trace of collectives, memory samples and losses), which we merge over the ranks.
 #
@@ -164,7 +165,7 @@ def config(strategy, mixed_precision=False, **options):
     if strategy != "zero3":  # ZeRO-3 communicates per module, not per bucket
         options["bucket_cap_mb"] = PSI * (2 if mixed_precision else 4) / 4 / 2**20
     if mixed_precision:
-        options["mixed_precision"] = True
+        options["mixed_precision"] = mixed_precision
     return TrainConfig(
         strategy=strategy, steps=STEPS, global_batch_size=4 * WORLD, model=dict(MODEL), options=options, progress=False
     )
@@ -175,6 +176,7 @@ configs["zero1 all_reduce"] = config("zero1", reduce="all_reduce")
 configs["zero1 overlapped"] = config("zero1", overlap_grad_reduce=True, overlap_param_gather=True)
 configs["zero3 buckets"] = config("zero3", prefetch_bucket_size=PSI // 4, reduce_bucket_size=PSI // 4)
 configs.update({f"{name} bf16": config(name, mixed_precision=True) for name in STRATEGIES})
+configs["zero1 bf16, fp32 gradients"] = config("zero1", mixed_precision=dict(param_dtype="bf16", reduce_dtype="fp32"))
 
 
 def train_each(configs):
@@ -389,6 +391,41 @@ memory_bars(
     unit=MB,
     title="mixed precision: measured peak per rank (bars) and (2 + 2 + 12)Ψ under each stage (diamonds)",
 )
+
+# %% [markdown]
+# ### Gradients in fp32: how Megatron-LM and DeepSpeed train in bf16
+#
+# A bf16 gradient has 8 bits of mantissa: summed over many micro-batches or ranks, small contributions vanish.
+# Megatron-LM with `--bf16` ("bfloat16 requires gradient accumulation and all-reduce to be done in fp32") and
+# DeepSpeed's BF16_Optimizer therefore add each backward's bf16 gradients into fp32 *main gradients* and reduce
+# those. The toolkit's ZeRO-1 and ZeRO-2 do the same with FSDP's `mixed_precision=dict(param_dtype="bf16",
+# reduce_dtype="fp32")`: the same training, a gradient costs 4 bytes instead of 2, and the reduce-scatter moves
+# twice the bytes while the parameters' all-gather stays in bf16.
+
+# %%
+main_grads = runs["zero1 bf16, fp32 gradients"]
+measured_grads = {
+    label: peak_by_category(runs[label], 0)["grads"] for label in ("zero1 bf16", "zero1 bf16, fp32 gradients")
+}
+sent = {
+    label: {r["collective"]: r["bytes sent"] for r in collectives_of_one_step(runs[label])} for label in measured_grads
+}
+theory = model_states_breakdown(PSI, WORLD, 1, param_bytes=2, grad_bytes=4, optimizer_multiplier=12)
+show_table(
+    [
+        {
+            "run": label,
+            "grads KB": round(measured_grads[label] / KB, 1),
+            **{f"{op} bytes": n for op, n in sent[label].items()},
+        }
+        for label in measured_grads
+    ]
+)
+bf16, fp32 = measured_grads.values()
+assert fp32 == 2 * bf16 and abs(fp32 - theory["grads"]) <= WORLD * 4  # "4 bytes instead of 2", within the padding
+assert sent["zero1 bf16, fp32 gradients"]["reduce_scatter"] == 2 * sent["zero1 bf16"]["reduce_scatter"]  # "twice"
+assert sent["zero1 bf16, fp32 gradients"]["all_gather"] == sent["zero1 bf16"]["all_gather"]  # "stays in bf16"
+assert max(abs(a - b) for (_, a), (_, b) in zip(main_grads.metric("loss"), runs["zero1 bf16"].metric("loss"))) < 0.1
 
 # %% [markdown]
 # What the numbers say:
