@@ -246,6 +246,8 @@ def test_unknown_option_lists_the_valid_ones():
             wrap(build(), strategy, optimizer=OPT, bucket_size=3)
     with pytest.raises(ValueError, match="mixed_precision"):
         wrap(build(), "local", optimizer=OPT, mixed_precision="fp8")
+    with pytest.raises(ValueError, match="is for fsdp, zero1 and zero2"):  # a policy with a reduction dtype
+        wrap(build(), "local", optimizer=OPT, mixed_precision=dict(param_dtype="bf16", reduce_dtype="fp32"))
 
 
 def test_buckets_are_reverse_registration_order_and_capped():

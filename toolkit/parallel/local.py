@@ -57,9 +57,16 @@ def compute_dtype(mixed_precision) -> torch.dtype | None:
         return mixed_precision
     if isinstance(mixed_precision, str) and mixed_precision in _NAMED:
         return _NAMED[mixed_precision]
+    policy = isinstance(mixed_precision, dict) or hasattr(mixed_precision, "reduce_dtype")
     raise ValueError(
         f"mixed_precision={mixed_precision!r}: use False, True (bfloat16), "
         "torch.bfloat16 or torch.float16 (or their names, e.g. 'bf16')."
+        + (
+            " A MixedPrecision(param_dtype, reduce_dtype), or its dict, is for fsdp, zero1 and zero2, which reduce "
+            "gradients in buffers of their own."
+            if policy
+            else ""
+        )
     )
 
 
