@@ -164,16 +164,17 @@ def peer_zero_redundancy(rank, n):
     return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
 
 
-def peer_fsdp2(rank, n):
+def peer_fsdp2(rank, n, mp_policy=None):
     """torch's FSDP2: fully_shard on every block, then the root (which holds the tied embedding/head)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build()
     mesh = init_device_mesh("cpu", (n,))
+    policy = dict(mp_policy=MixedPrecisionPolicy(**mp_policy)) if mp_policy else {}
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
     opt = OPT(model.parameters())
     losses = []
     for x, y in batches(rank, n):
@@ -277,6 +278,7 @@ def run_rank(n):
     out["zero3_buckets_accumulate"] = train(rank, n, "zero3", micro=2, **buckets)
     out["torch_zero"] = peer_zero_redundancy(rank, n)
     out["torch_fsdp2"] = peer_fsdp2(rank, n)
+    out["torch_fsdp2_fp32_reduce"] = peer_fsdp2(rank, n, dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     out["errors"] = errors(rank, n)
     return out
 
@@ -381,6 +383,20 @@ def test_parity_with_torch(ours, theirs):
     got = results(2)
     assert max(abs(a - b) for a, b in zip(got[ours]["losses"], got[theirs]["losses"])) < ATOL
     assert max_diff(got[ours]["params"], got[theirs]["params"]) < ATOL
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("ours", [k for k in FP32_REDUCE if not k.endswith("accumulate")])
+def test_gradients_reduced_in_fp32_train_as_fsdp2_with_the_same_policy(ours):
+    """ZeRO-1 and ZeRO-2 with mixed_precision=dict(param_dtype="bf16", reduce_dtype="fp32") against torch's FSDP2 with
+    MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32): the same bf16 forward and backward, the same fp32
+    average of two ranks' gradients (one addition and a halving), the same fp32 AdamW on the slices: the same losses
+    and parameters to the bit. Reduced in bf16, the parameters differ (the average rounded to bf16)."""
+    got = results(2)
+    theirs = got["torch_fsdp2_fp32_reduce"]
+    assert got[ours]["losses"] == theirs["losses"], ours
+    assert max_diff(got[ours]["params"], theirs["params"]) == 0, ours
+    assert max_diff(got["zero1_mixed"]["params"], theirs["params"]) > 1e-4  # the bf16 reduction: not FSDP2's policy
 
 
 # --- memory: measured model states against the ZeRO formulas ------------------------------------------
