@@ -36,7 +36,8 @@ The rule, in the order the strategy issued its work (`toolkit.sim.program`):
    ends at different moments on each: a cost whose time runs from that last issue (`CollectiveCost.from_last_issue`,
    an emulated link's) ends no earlier than the issue, plus how late the last rank came after this one's compute
    since its previous collective (`Cluster.late_peers`, measured), plus that time. Nowhere else: a loopback
-   collective's measured cost has the ranks' lateness in it, and the GPU presets state none.
+   collective's measured cost has the ranks' lateness in it (charged again beyond the calibration's gaps, it counted
+   some twice: docs/differences.md, note 27), and the GPU presets state none.
 
 The step ends when the compute stream is done and no collective is still in flight. So the time of a
 step splits three ways: compute; exposed communication (the compute stream waiting); and overlapped
