@@ -36,6 +36,7 @@ from oracle import plain_training
 from test_zero import CLIP, OPT, STEPS, batches, build, max_diff
 
 import toolkit
+from toolkit.models import tiny_gpt
 from toolkit.parallel import wrap
 from toolkit.parallel.grad_in_slices import is_placeholder
 
@@ -94,14 +95,20 @@ def run_rank(n: int) -> dict:
         for how in ("model.module", "p.data"):
             out[("cast inside", strategy, how)] = cast_inside_then_forward(rank, n, strategy, how)
         out[("freeze", strategy)] = freeze_after_wrap(rank, n, strategy)
+    for strategy in ("zero3", "fsdp"):  # gathered in bf16 is the strategy's own dtype; fp16 is a cast
+        out[("cast inside, mixed", strategy)] = cast_inside_then_forward(
+            rank, n, strategy, "half", mixed_precision=True
+        )
     return out
 
 
-def cast_inside_then_forward(rank: int, n: int, strategy: str, how: str):
+def cast_inside_then_forward(rank: int, n: int, strategy: str, how: str, **options):
     """The model cast where the wrapper's own `.to()` never sees it, then a forward: the refusal, or None."""
-    model, _ = wrap(build(), strategy, optimizer=OPT)
+    model, _ = wrap(build(), strategy, optimizer=OPT, **options)
     if how == "model.module":
         model.module.double()
+    elif how == "half":
+        model.module.half()
     else:
         weight = model.module.tok_emb.weight
         weight.data = weight.data.double()
@@ -247,6 +254,33 @@ def test_casting_a_wrapped_model_refuses_and_names_mixed_precision(ranks, strate
             seen = got[("cast inside", strategy, how)]
             assert seen is not None and "'tok_emb.weight' torch.float64" in seen, (how, seen)
             assert "since wrap()" in seen and "mixed_precision=True" in seen
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_a_sharded_model_gathered_in_its_compute_dtype_is_not_a_cast(ranks, strategy):
+    """Under mixed precision FSDP and ZeRO-3 keep fp32 shards and gather bf16 parameters to compute. A pipeline stage
+    keeps its units gathered between micro-batches (`reshard_after_forward=False`, as Llama 3's layout runs), so its
+    next forward meets bf16 parameters: the strategy's own dtype, not a cast (the refusal had stopped that layout's
+    simulation, `make test-papers`). A cast to fp16 inside is still refused."""
+    from toolkit.sim import simulate
+
+    if strategy == "fsdp":
+        sim = simulate(
+            lambda: tiny_gpt(n_layer=4, d_model=64, n_head=4),
+            "fsdp",
+            4,
+            pp=2,
+            microbatches=2,
+            batch_per_rank=2,
+            mixed_precision=True,
+            reshard_after_forward=False,
+            progress=False,
+        )
+        assert sim.num_params > 0
+    for got in ranks:
+        seen = got[("cast inside, mixed", strategy)]
+        assert seen is not None and "'tok_emb.weight' torch.float16" in seen, seen
 
 
 @pytest.mark.timeout(200)

@@ -30,9 +30,11 @@ def refuse_casting(module: nn.Module, fn) -> None:
             )
 
 
-def kept_as(module: nn.Module) -> list:
-    """Each parameter with the dtype and device the strategy laid it out for (`refuse_cast_since_wrap`)."""
-    return [(name, p, p.dtype, p.device) for name, p in module.named_parameters()]
+def kept_as(module: nn.Module, gathered: torch.dtype | None = None) -> list:
+    """Each parameter with the dtypes and device the strategy laid it out for (`refuse_cast_since_wrap`): the one it
+    had at wrap(), and `gathered`, the compute dtype a sharding strategy gathers it in (FSDP's and ZeRO-3's units,
+    which a pipeline stage gathers ahead of its first forward)."""
+    return [(name, p, p.dtype, gathered or p.dtype, p.device) for name, p in module.named_parameters()]
 
 
 def refuse_cast_since_wrap(kept: list) -> None:
@@ -40,8 +42,8 @@ def refuse_cast_since_wrap(kept: list) -> None:
     (`model.module.half()`, a block's `.to()`, `p.data = p.data.double()`). DDP and ZeRO-1 then failed somewhere
     inside with torch's words, ZeRO-2 too except after `model.module.double()` (then it trained on copies its optimizer
     never updates), and ZeRO-3 and FSDP trained on without a word."""
-    for name, p, dtype, device in kept:
-        if p.dtype != dtype or p.device != device:
+    for name, p, dtype, gathered, device in kept:
+        if p.dtype not in (dtype, gathered) or p.device != device:
             made = "since wrap(), something (model.module.to(), a block's .to(), p.data = ...) made"
             raise RuntimeError(_cast_refused(made, name, p, (dtype, device)))
 

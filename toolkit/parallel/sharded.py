@@ -75,7 +75,7 @@ class ShardedModel(nn.Module):
         watch_loading(module, engine.name, engine.where_loaded)
         for m in module.modules():
             m.register_state_dict_post_hook(functools.partial(_refuse_sharded_parameters, engine))
-        self.kept_as = kept_as(module)
+        self.kept_as = kept_as(module, gathered=engine.dtype)
 
     def _apply(self, fn, recurse=True):
         refuse_casting(self, fn)
