@@ -224,7 +224,7 @@ def late_peer(late_s: float) -> dict:
 @pytest.mark.usefixtures("no_leftover_ranks")
 def test_a_ring_collective_ends_for_every_rank_when_the_late_peer_has_called_it_and_the_model_has_passed():
     """A real link starts an all-reduce when its last rank calls it: rank 1 calls 60 ms late, so rank 0 ends at
-    least 60 ms plus the all-reduce's modelled time after it called it, as rank 1 does (before, it ended when the
+    least the all-reduce's modelled time after rank 1 called it, as rank 1 does (before, it ended when the
     late rank's loopback call let it: the modelled time counted from its own call), and says it waited for a late
     peer. A barrier likewise."""
     late = 0.06
@@ -234,7 +234,9 @@ def test_a_ring_collective_ends_for_every_rank_when_the_late_peer_has_called_it_
         (start0, end0, alone, peers0), (start1, end1, _, peers1) = ranks[0][op], ranks[1][op]
         # a barrier's model is one round's latency; the all-reduce's 10 kB at 1 MB/s take 10 ms and two latencies
         assert alone == pytest.approx(1e-4 if op == "barrier" else 0.0102), (op, alone)
-        assert end0 - start0 >= late + alone and end1 - start1 >= late + alone, (op, ranks)
+        # rank 1 issues no earlier than `late` after its own start; rank 0 may have left the barrier before it a
+        # little later than rank 1 did (a fresh clone's CI saw 1.3 ms), so its end is held to rank 1's issue
+        assert end0 >= start1 + late + alone and end1 - start1 >= late + alone, (op, ranks)
         assert peers0 >= late - 0.01 and peers1 < 0.01, (op, ranks)
 
 
