@@ -231,7 +231,7 @@ def test_a_ring_collective_ends_for_every_rank_when_the_late_peer_has_called_it_
     with toolkit.comm.emulate(MB_S, "100 us"):
         ranks = toolkit.launch(late_peer, 2, args=(late,), timeout_s=120)
     for op in ("all_reduce", "barrier"):
-        (start0, end0, alone, peers0), (start1, end1, _, peers1) = ranks[0][op], ranks[1][op]
+        (_, end0, alone, peers0), (start1, end1, _, peers1) = ranks[0][op], ranks[1][op]
         # a barrier's model is one round's latency; the all-reduce's 10 kB at 1 MB/s take 10 ms and two latencies
         assert alone == pytest.approx(1e-4 if op == "barrier" else 0.0102), (op, alone)
         # rank 1 issues no earlier than `late` after its own start; rank 0 may have left the barrier before it a
