@@ -145,11 +145,11 @@ def test_the_calibration_measures_how_late_the_last_rank_issues_with_every_rank_
     """Four ranks on the 2 cores, the same compute between small all-reduces: the last rank issues after the others,
     later after more compute (the loop's points: 0 to about 30 ms of compute)."""
     import toolkit
-    from toolkit.sim import calibrate_links
+    from toolkit.sim import calibrate_late
 
-    found = toolkit.launch(calibrate_links.late_peers, 4, timeout_s=60, quiet=True)
+    found = toolkit.launch(calibrate_late.late_peers, 4, timeout_s=60, quiet=True)
     points = found[0]
-    assert found[1] == found[0] and len(points) == len(calibrate_links.LATE_GAPS)  # gathered: the same on each rank
+    assert found[1] == found[0] and len(points) == len(calibrate_late.LATE_GAPS)  # gathered: the same on each rank
     assert [c for c, _ in points] == sorted(c for c, _ in points) and points[-1][0] > 10 * points[1][0] > 0, points
     assert all(0 <= late < 0.1 for _, late in points), points  # a descheduled rank: a slice late even after none
     assert points[-1][1] > points[0][1], points  # more compute between the calls, a later last rank

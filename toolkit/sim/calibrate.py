@@ -45,7 +45,7 @@ from .program import Compute
 
 VERSION = 9  # 7: the emulated link's bookkeeping (calibrate_links.emulator_bookings); 8: its issue marks, and
 #                each smaller group's collectives (calibrate_links.subgroups); 9: how late the last peer issues
-#                (calibrate_links.late_peers)
+#                (calibrate_late.late_peers)
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
 

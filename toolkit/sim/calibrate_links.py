@@ -10,10 +10,7 @@
   synchronous loop, over the time it could save (the shorter of the two). On a GPU the links and the
   streams are separate hardware (1.0); here gloo's threads copy on the cores the ranks compute on.
 - How many collectives run at once (`Cluster.collective_lanes`): gloo's worker threads, read from the group.
-- How late the last rank reaches a collective (`Cluster.late_peers`): the ranks compute the same work between two
-  calls, yet on shared cores they finish it at different moments, and a collective starts when its last rank
-  arrives. Each rank notes when it issues each call; the mean over calls and ranks of (the last issue - its own),
-  for a spread of compute between calls. An emulated link's time runs from that last issue (`toolkit.comm.emulate`).
+- How late the last rank reaches a collective (`Cluster.late_peers`): `calibrate_late`.
 - A collective in flight beside compute and another collective (reported; `Cluster.beside_compute` charges
   it only where a user asks, as it is too unsteady on a shared CPU to charge by default): what ZeRO-3
   and FSDP do in backward. An asynchronous reduce-scatter is issued, compute runs, and the next layer's
@@ -26,6 +23,8 @@ from __future__ import annotations
 
 import statistics
 import time
+
+from .calibrate_late import late_peers
 
 SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024)
 GAPS = (3, 10, 30)  # 128x128 matmuls between two calls, in turn (about 0.1, 0.3 and 1 ms on 2 cores)
@@ -200,7 +199,7 @@ def measure_links(ops, sizes=SIZES) -> dict:
         "lanes": lanes(),
         "emulator_bookings": emulator_bookings() if n > 1 else 0.0,
         "emulator_marks": emulator_marks() if n > 1 else 0.0,
-        "late_peers": late_peers() if n > 1 else [],
+        "late_peers": late_peers() if n > 1 else [],  # `calibrate_late`
     }
 
 
@@ -267,38 +266,3 @@ def emulator_marks() -> float:
         Together(0.0, ledger, "calibration", call, peers, start, 0.0).at()
         times.append(marked - start + time.perf_counter() - read)
     return statistics.median(times)
-
-
-LATE_GAPS = (0, 10, 30, 100, 300)  # 128x128 matmuls between two calls: about 0 to 30 ms a round at 4 ranks on 2 cores
-LATE_CALLS = 30
-
-
-def late_peers() -> list:
-    """[(compute seconds, lateness seconds)] for each of LATE_GAPS, every rank at once: the compute a rank ran between
-    the end of one small all-reduce and its next call (the median over calls and ranks), and how long after a rank's
-    own issue the last rank issued the same call (the mean over calls and ranks; the loop's first call left out).
-    Ranks that share cores finish the same work apart: at 4 ranks on 2 cores the last one comes about a fifth of the
-    compute later, at most a few milliseconds (the scheduler's slices); at 2 ranks, a few percent."""
-    import torch
-    import torch.distributed as dist
-
-    a, b = _matmuls()
-    token, found = torch.zeros(1), []
-    for gap in LATE_GAPS:
-        issued, ended = [], []
-        dist.barrier()
-        ended.append(time.perf_counter())
-        for _ in range(LATE_CALLS):
-            for _ in range(gap):
-                a @ b
-            issued.append(time.perf_counter())
-            dist.all_reduce(token)
-            ended.append(time.perf_counter())
-        marks = torch.tensor([issued, ended[:-1]], dtype=torch.float64)
-        every = [torch.zeros_like(marks) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, marks)
-        issues = torch.stack([e[0] for e in every])  # ranks x calls
-        compute = torch.stack([e[0] - e[1] for e in every])
-        late = (issues.max(0).values - issues)[:, 1:]
-        found.append((compute[:, 1:].median().item(), late.mean().item()))
-    return sorted(found)

@@ -72,7 +72,7 @@ class Cluster:
     marks: float = 0.0  # an emulated link's: host seconds a ring collective's or a barrier's issue marks cost (its
     #                                 own at issue, its peers' read after the call: `calibrate_links.emulator_marks`)
     late_peers: tuple = ()  # an emulated link's: ((compute seconds a rank ran since its last call, seconds after
-    #                                 its issue the group's last rank issued), ...): `calibrate_links.late_peers`
+    #                                 its issue the group's last rank issued), ...): `calibrate_late.late_peers`
     published: NetworkMeasurements | None = field(default=None, compare=False)  # its collectives, measured
     notes: dict = field(default_factory=dict, compare=False)  # e.g. calibration details
 
