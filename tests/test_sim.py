@@ -191,3 +191,18 @@ def test_attention_keeps_what_the_fused_kernel_keeps():
     assert long / short < 2.2, (short, long)
     matmul_flops = 6 * sim.num_params * 512  # the dense part; attention adds its s^2 terms on top
     assert sim.flops > matmul_flops
+
+
+def test_hybrid_sharding_reduces_in_its_reduce_dtype_as_the_formula_says():
+    """FSDP with its shards over groups of 4 and their replicas all-reduced (HSDP), gradients reduced in fp32: the
+    reduce-scatter and the replicas' all-reduce move 4 bytes a value, the all-gathers 2; the formula says the same."""
+    sim = simulate(
+        small,
+        "fsdp",
+        8,
+        batch_per_rank=1,
+        progress=False,
+        sharding_group_size=4,
+        mixed_precision=dict(param_dtype="bf16", reduce_dtype="fp32"),
+    )
+    assert sim.bytes_per_step["total"] == pytest.approx(sim.theory()["bytes_per_step"], rel=0.01)

@@ -219,9 +219,9 @@ class Simulation:
         states = {k: v + mine[k] for k, v in states.items()}
         wire = formulas.communication_per_step(dense, F, self.strategy) * value
         if self.strategy in ("zero1", "zero2", "zero3", "fsdp"):  # one pass of the ring is the gradients' reduction
-            wire += formulas.communication_per_step(dense, F, "zero1") / 2 * (reduced - value)
+            wire += dense * (F - 1) / F * (reduced - value)
         if self.strategy == "fsdp" and F < self.world_size:
-            wire += formulas.ring_all_reduce_bytes(dense / F * value, self.world_size // F)
+            wire += formulas.ring_all_reduce_bytes(dense / F * reduced, self.world_size // F)  # the replicas' shards
         return {
             "model_states": states,
             "model_states_total": sum(states.values()),
