@@ -76,6 +76,18 @@ def test_the_toolkits_own_layer_scores_zero(tmp_path):
     )
 
 
+def test_the_trace_is_always_drawn_so_unswapped_splits_move_the_wrong_sizes():
+    """Seed 3283981737566723443 (a clean clone's run) drew tokens where rank 0 sent rank 1 as many rows as it got
+    back, so a backward that forgets to swap the splits carried the right sizes and kept the trace's point (about 1
+    grading in 60). The trace's tokens are drawn until the exchange is asymmetric."""
+    check = check_named(LAB.lab, "the trace")
+    rows_to_each_rank = check.judge.__globals__["_rows_to_each_rank"]
+    for seed in (3283981737566723443, *range(100)):
+        drawn = check.make_inputs(2, torch.Generator().manual_seed(seed))
+        rows = [rows_to_each_rank(2, rank["x"]) for rank in drawn.given(drawn.ids[0])]
+        assert rows[0][1] != rows[1][0], (seed, rows)
+
+
 def test_compute_experts_judges_a_rank_that_receives_no_rows():
     """About 1 grading in 500 draws a rank that receives no rows (seed 132543461849019322 did, in a clean clone's
     run): the check crashed building the expected answer (torch.stack of nothing) and said "your results could not
