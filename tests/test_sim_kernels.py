@@ -179,3 +179,84 @@ def test_bad_accelerator_fields_get_a_clear_error():
         )
     with pytest.raises(ValueError, match=r"beside_compute=0.5 .* >= 1"):
         cluster_of("dgx-a100", beside_compute=0.5)
+
+
+# --- torch.autocast, which does not reach meta tensors ---------------------------------------------------------------
+def _ops_and_grads(model, x, y, autocast: bool):
+    """The aten operations (name, output dtypes) of one forward and backward, and the loss and gradients."""
+    import collections
+    import contextlib
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name != "view":  # a view moves no bytes; autocast takes the logits' before its cast, this after
+                outs = out if isinstance(out, (tuple, list)) else (out,)
+                self.ops[name, tuple(o.dtype for o in outs if isinstance(o, torch.Tensor))] += 1
+            return out
+
+    with Record() as record:
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            loss = model(x, y)
+        loss.backward()
+    return record.ops, loss, [p.grad for p in model.parameters()]
+
+
+def test_under_autocast_runs_torch_autocasts_operations_and_numbers():
+    """torch.autocast reaches no meta tensor, so the simulator could not price a run that used it (fp32 weights cast
+    to 16 bits for each GEMM, their gradients cast back, LayerNorm and the residual stream in fp32). `under_autocast`
+    writes those casts into the model: on CPU tensors it runs the operations torch.autocast runs, dtype for dtype,
+    and gives its loss and gradients to the bit."""
+    import copy
+
+    import torch
+
+    from toolkit.models.as_in_papers import under_autocast
+
+    torch.manual_seed(0)
+    gpt = tiny_gpt(n_layer=2, d_model=32, n_head=4, vocab_size=64, seq_len=16)
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    ops, loss, grads = _ops_and_grads(copy.deepcopy(gpt), x, y, autocast=True)
+    ops_as, loss_as, grads_as = _ops_and_grads(under_autocast(copy.deepcopy(gpt), torch.bfloat16), x, y, False)
+    assert ops_as == ops
+    assert ("mm", (torch.bfloat16,)) in ops and ("native_layer_norm", (torch.float32,) * 3) in ops
+    assert torch.equal(loss_as, loss) and all(torch.equal(a, b) for a, b in zip(grads_as, grads))
+    assert all(g.dtype == torch.float32 for g in grads_as)
+    _, loss_plain, _ = _ops_and_grads(copy.deepcopy(gpt), x, y, autocast=False)
+    assert not torch.equal(loss_plain, loss)  # fp32 throughout is another number: the casts are what is compared
+
+
+def test_a_model_under_autocast_is_priced_with_fp32_weights_and_16_bit_gemms():
+    """Simulated on meta tensors: every GEMM in fp16, the weights and gradients in fp32 (8 bytes a parameter, where
+    the bf16 recipe keeps 4 and fp32 masters in the optimizer), and more memory-bound time than the recipe's: the casts
+    and the fp32 residual stream."""
+    from toolkit.models.as_in_papers import under_autocast
+
+    shape = dict(vocab_size=512, seq_len=64, n_layer=2, n_head=4, d_model=64)
+    runs = {}
+    for name, model_fn, precision in (
+        ("autocast", lambda: under_autocast(tiny_gpt(**shape)), False),
+        ("recipe", lambda: tiny_gpt(**shape), True),
+    ):
+        runs[name] = simulate(
+            model_fn,
+            "ddp",
+            2,
+            batch_per_rank=2,
+            mixed_precision=precision,
+            progress=False,
+            warmup=False,
+            cluster="dgx-a100",
+        )
+    kernels = [k for p in runs["autocast"].programs for c in p if hasattr(c, "kernels") for k, _ in c.kernels]
+    assert {k.dtype for k in kernels if k.kind == "gemm"} == {"fp16"}
+    breakdown = {name: sim.cost.breakdown for name, sim in runs.items()}
+    assert breakdown["autocast"]["memory_bound"] > breakdown["recipe"]["memory_bound"]

@@ -15,6 +15,10 @@ and the residual dropouts) with the operations that code ran, one aten call per 
   scale, `masked_fill`, softmax and attention dropout, the `bmm` with the values; GELU written out
   (`NewGELU`, seven elementwise kernels); dropout after each residual branch.
 
+`under_autocast(model)` runs the model as `torch.autocast` runs it on a GPU: fp32 parameters, each Linear in 16 bits
+(its input and weight cast first), everything else in the dtype its inputs promote to (the residual stream and
+LayerNorm in fp32), the loss over fp32 logits. Autocast itself does not reach the meta tensors the simulator runs on.
+
 `recompute_blocks(model)` runs every block under activation checkpointing, the papers' full
 recomputation (the whole block again in backward, as Megatron's reentrant checkpoint does; torch's
 non-reentrant one would stop after the last saved activation, skipping the block's last GEMM), for
@@ -28,6 +32,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from .gpt import MLP, Block, CausalSelfAttention
@@ -112,6 +117,28 @@ def as_in(model: torch.nn.Module, style: str) -> torch.nn.Module:
             module.forward = make(module, head_dim)
         elif isinstance(module, MLP) and style == "mingpt":
             module.forward = _mingpt_mlp(module)
+    return model
+
+
+def _autocast_linear(linear: torch.nn.Linear, dtype: torch.dtype, upcast: bool):
+    def forward(x):
+        bias = None if linear.bias is None else linear.bias.to(dtype)
+        out = F.linear(x.to(dtype), linear.weight.to(dtype), bias)
+        return out.float() if upcast else out
+
+    return forward
+
+
+def under_autocast(model: torch.nn.Module, dtype: torch.dtype = torch.float16) -> torch.nn.Module:
+    """`model` (a toolkit GPT, parameters in fp32) as `torch.autocast(dtype=dtype)` runs it, on any device; in place.
+
+    Autocast casts a GEMM's inputs to 16 bits (each weight once a forward, its gradient cast back to fp32 in
+    backward, where the fp32 `.grad` gathers it) and leaves other operations to type promotion: the embeddings,
+    LayerNorm and the residual stream stay fp32 (a 16-bit branch added to it is promoted). `cross_entropy` is on its
+    fp32 list, so the head's logits come out in fp32 here."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = _autocast_linear(module, dtype, upcast=name == "head")
     return model
 
 
