@@ -1,20 +1,20 @@
 """Published training runs beyond Megatron-LM's Table 1, predicted by the simulator from the hardware's measurements.
 
 Each run as its authors published it: MPT-1B, 7B and 13B on 8 A100s and on 8 H100s (llm-foundry's benchmark tables),
-Llama 2 13B on 64 A100s (torchtitan's performance page), Llama 2 7B on 128 A100s and 96 H100s (fms-fsdp's README),
-three rows of Megatron-Core's weak-scaling table on H100s (its README), BLOOM-176B on 384 A100s (BigScience's
-training run: Megatron's kernels, its pipeline's stages as it split them, CUDA_LAUNCH_BLOCKING=1) and flash-attention's
-GPT3-2.7B on 8 A100s and on 8 H100s (Lambda's run of its training code: a step every 16 micro-batches, each simulated
-step's optimizer and exposed traffic shared among them, `per_micro_batch`). Where the same code ran on both GPUs, the
-pair's H100 rate over its A100 rate is printed beside the model's, and the time each took beyond its priced compute
-(bench/published_pairs.py). The model is the toolkit's GPT at the run's width, depth, heads,
-vocabulary and sequence length (MPT has no biases and ALiBi; Megatron-Core's is untied and computes Megatron's loss,
-`MegatronLossGPT`), except the Llamas, which are transformers' LlamaForCausalLM as torchtitan's and FMS's Llama 2 are
-built (rotary positions, RMSNorm, SwiGLU: in the 13B's 3.6 s step their memory-bound kernels are 0.4 s; the toolkit's
-GPT predicted 2,588 tokens/s per GPU there, +20%); the layout, precision and batch are the run's; three and four layers
-are simulated and extrapolated to the depth (`toolkit.sim.sweep.extrapolate`), a pipelined run simulated whole. The
-prediction is priced on the DGX presets, from published measurements of the hardware only (`toolkit.sim.published`),
-with its band.
+Llama 2 13B on 64 A100s (torchtitan's performance page), Llama 2 7B on 128 A100s and 96 H100s (fms-fsdp's README), three
+rows of Megatron-Core's weak-scaling table on H100s (its README), BLOOM-176B on 384 A100s (BigScience's training run:
+Megatron's kernels, its pipeline's stages as it split them, CUDA_LAUNCH_BLOCKING=1) and flash-attention's GPT3-2.7B on 8
+A100s and on 8 H100s (Lambda's run of its training code: fp16 autocast over fp32 weights, `as_in_papers.under_autocast`;
+a step every 16 micro-batches, each simulated step's optimizer and exposed traffic shared among them,
+`per_micro_batch`). Where the same code ran on both GPUs, the pair's H100 rate over its A100 rate is printed beside the
+model's, and the time each took beyond its priced compute (bench/published_pairs.py). The model is the toolkit's GPT at
+the run's width, depth, heads, vocabulary and sequence length (MPT has no biases and ALiBi; Megatron-Core's is untied
+and computes Megatron's loss, `MegatronLossGPT`), except the Llamas, which are transformers' LlamaForCausalLM as
+torchtitan's and FMS's Llama 2 are built (rotary positions, RMSNorm, SwiGLU: in the 13B's 3.6 s step their memory-bound
+kernels are 0.4 s; the toolkit's GPT predicted 2,588 tokens/s per GPU there, +20%); the layout, precision and batch are
+the run's; three and four layers are simulated and extrapolated to the depth (`toolkit.sim.sweep.extrapolate`), a
+pipelined run simulated whole. The prediction is priced on the DGX presets, from published measurements of the hardware
+only (`toolkit.sim.published`), with its band.
 
 What each row leaves out is in `NOTES` and docs/differences.md ("Pricing from published measurements").
 
@@ -90,7 +90,7 @@ class PublishedRun(NamedTuple):
     kernels: str | None = None  # "megatron": Megatron-LM's attention kernels, every block recomputed (megatron_table);
     # "autocast": fp32 parameters, each Linear in fp16 as torch.autocast runs it (`as_in_papers.under_autocast`)
     launch_blocking: bool = False  # run with CUDA_LAUNCH_BLOCKING=1: the host no longer runs ahead of the GPU
-    accumulation: int = 1  # micro-batches an optimizer step, the traffic and the step once per step (DDP's no_sync)
+    accumulation: int = 1  # micro-batches a step accumulates; its traffic and optimizer once a step (DDP's no_sync)
 
 
 def gpt(d, layers, heads, vocab, seq, **more):
@@ -185,8 +185,9 @@ LAMBDA = (
 
 
 def gpt3_2_7b_flash(gpu, tokens_per_s):
-    """flash-attention's GPT3-2.7B (tied head, vocabulary padded to 50,264) on one node of 8 `gpu`s: DDP's all-reduce
-    and ZeRO-1's sharded AdamW once every 16 micro-batches of 4 sequences (Lightning's no_sync in between)."""
+    """flash-attention's GPT3-2.7B (tied head, vocabulary padded to 50,264) on one node of 8 `gpu`s, fp16 autocast over
+    fp32 weights: DDP's all-reduce and ZeRO-1's sharded AdamW once every 16 micro-batches of 4 sequences (Lightning's
+    no_sync in between)."""
     return PublishedRun(
         f"fa2-gpt3-2.7b-{gpu}",
         LAMBDA,
