@@ -449,6 +449,55 @@ assert max(abs(a - b) for (_, a), (_, b) in zip(main_grads.metric("loss"), runs[
 #   buckets in flight, and DDP's gradients while they wait in `.grad` to be copied into a bucket. On a
 #   GPU, the allocator's peak (`torch.cuda.max_memory_allocated`) would include them.
 #
+# ### torch.autocast: the other way to train in 16 bits
+#
+# Most PyTorch code trains in 16 bits with `torch.autocast` instead: the weights stay fp32 and the optimizer steps
+# them directly (no master copy), while each GEMM casts its input and its weight to 16 bits, every forward, and its
+# weight's gradient back to fp32 in backward; LayerNorm, the residual stream and the loss stay fp32. Its model states
+# are the recipe's 16 bytes a parameter, split another way: 4 + 4 + 8 against 2 + 2 + 12. It pays in traffic and in
+# activations instead. One rank of 8 A100s, simulated with a GPT whose blocks are GPT-3 XL's (d 2,048, 16 heads, 4
+# sequences of 1,024): autocast does not reach the simulator's meta tensors, so
+# `toolkit.models.as_in_papers.under_autocast` writes its casts into the model (the operations autocast runs, and on
+# a CPU its numbers to the bit).
+
+# %%
+from toolkit.models.as_in_papers import under_autocast  # noqa: E402
+from toolkit.sim import simulate  # noqa: E402
+
+XL_BLOCKS = dict(vocab_size=50304, seq_len=1024, n_layer=4, n_head=16, d_model=2048)
+recipes = {
+    "torch.autocast (fp32 weights)": (lambda: under_autocast(tiny_gpt(**XL_BLOCKS)), False),
+    "bf16 weights, fp32 masters": (lambda: tiny_gpt(**XL_BLOCKS), True),
+}
+priced = {
+    name: simulate(build, "ddp", 8, batch_per_rank=4, mixed_precision=bf16, cluster="dgx-a100", progress=False)
+    for name, (build, bf16) in recipes.items()
+}
+show_table(
+    [
+        {
+            "recipe": name,
+            **{f"{k} GB": round(sim.peak_memory[k] / GB, 2) for k in ("params", "grads", "optimizer", "activations")},
+            **{f"{k} ms": round(sim.cost.breakdown[k] * 1e3, 1) for k in ("gemm", "memory_bound", "step")},
+        }
+        for name, sim in priced.items()
+    ]
+)
+amp, masters = priced.values()
+states = [sum(sim.peak_memory[k] for k in ("params", "grads", "optimizer")) for sim in (amp, masters)]
+assert abs(states[0] / states[1] - 1) < 0.01  # "the recipe's 16 bytes a parameter"
+assert amp.peak_memory["activations"] > 1.5 * masters.peak_memory["activations"]  # "nearly twice"
+assert amp.cost.breakdown["gemm"] == masters.cost.breakdown["gemm"]  # "the same GEMMs"
+assert amp.cost.breakdown["memory_bound"] > 2 * masters.cost.breakdown["memory_bound"]  # "more than twice"
+assert amp.step_time > 1.1 * masters.step_time  # "over a tenth longer"
+
+# %% [markdown]
+# The same model states and the same GEMMs; nearly twice the activations (the fp32 stream between blocks, and the
+# 16-bit copies of inputs and weights autocast keeps for backward), more than twice the memory-bound time (the casts
+# and the fp32 stream), a step over a tenth longer. That is why Megatron-LM and DeepSpeed keep 16-bit weights and
+# fp32 masters; autocast asks nothing of the model, which is why most code uses it. A published run that trained
+# under autocast, priced both ways: flash-attention's GPT3-2.7B in docs/benchmarks.md ("Published runs").
+#
 # ## 6. Communication: 2Ψ against 3Ψ
 #
 # Each rank's bytes sent per step, from the trace, against the theory for ring collectives: a
