@@ -225,6 +225,14 @@ def test_megatron_table_in_the_configuration_a_student_writes(i):
     assert within, said
 
 
+def test_the_papers_kernels_are_asked_for_with_the_plain_configuration(capsys):
+    """The artifact's configuration runs Megatron-LM's kernels already: `--kernels` alone is a mistake, said as the
+    command line's."""
+    with pytest.raises(SystemExit) as stopped:
+        MEGATRON.main(["--kernels", "megatron", "--rows", "1"])
+    assert stopped.value.code == 2 and "--kernels goes with --plain" in capsys.readouterr().err
+
+
 @pytest.mark.papers  # a few seconds a row
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("i", sorted(PLAIN_MISSES))
