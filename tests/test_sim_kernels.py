@@ -232,6 +232,8 @@ def test_under_autocast_runs_torch_autocasts_operations_and_numbers():
     assert all(g.dtype == torch.float32 for g in grads_as)
     _, loss_plain, _ = _ops_and_grads(copy.deepcopy(gpt), x, y, autocast=False)
     assert not torch.equal(loss_plain, loss)  # fp32 throughout is another number: the casts are what is compared
+    with pytest.raises(ValueError, match="use torch.float16 or torch.bfloat16"):
+        under_autocast(copy.deepcopy(gpt), torch.float32)
 
 
 def test_a_model_under_autocast_is_priced_with_fp32_weights_and_16_bit_gemms():

@@ -136,6 +136,10 @@ def under_autocast(model: torch.nn.Module, dtype: torch.dtype = torch.float16) -
     backward, where the fp32 `.grad` gathers it) and leaves other operations to type promotion: the embeddings,
     LayerNorm and the residual stream stay fp32 (a 16-bit branch added to it is promoted). `cross_entropy` is on its
     fp32 list, so the head's logits come out in fp32 here."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"under_autocast: dtype={dtype} is not one autocast computes in; use torch.float16 or torch.bfloat16"
+        )
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
             module.forward = _autocast_linear(module, dtype, upcast=name == "head")
