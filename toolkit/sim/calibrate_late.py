@@ -14,6 +14,13 @@ LATE_GAPS = (0, 10, 30, 100, 300)  # 128x128 matmuls between two calls: about 0 
 LATE_CALLS = 30
 
 
+def matmuls():
+    """The calibration's unit of compute between two calls: a 128 x 128 product (`calibrate_links` uses it too)."""
+    import torch
+
+    return torch.randn(128, 128), torch.randn(128, 128)
+
+
 def late_peers() -> list:
     """[(compute seconds, lateness seconds)] for each of LATE_GAPS, every rank at once: the compute a rank ran between
     the end of one small all-reduce and its next call (the median over calls and ranks), and how long after a rank's
@@ -23,7 +30,7 @@ def late_peers() -> list:
     import torch
     import torch.distributed as dist
 
-    a, b = torch.randn(128, 128), torch.randn(128, 128)  # the calibration's unit of compute (`calibrate_links`)
+    a, b = matmuls()
     token, found = torch.zeros(1), []
     for gap in LATE_GAPS:
         issued, ended = [], []

@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from .calibrate_late import late_peers
+from .calibrate_late import late_peers, matmuls
 
 SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024)
 GAPS = (3, 10, 30)  # 128x128 matmuls between two calls, in turn (about 0.1, 0.3 and 1 ms on 2 cores)
@@ -34,17 +34,11 @@ OVERLAP_ROUNDS = 5  # a difference of two noisy loops: on 2 cores it still sprea
 BESIDE_SIZE, BESIDE_GAP = 512 * 1024, 50  # one layer's gradients of the accuracy benchmark's model, order of
 
 
-def _matmuls():
-    import torch
-
-    return torch.randn(128, 128), torch.randn(128, 128)
-
-
 def _loop(call, reset=lambda: None, gaps=GAPS) -> float:
     """Seconds for CALLS rounds of (compute, then `call`), all ranks starting together."""
     import torch.distributed as dist
 
-    a, b = _matmuls()
+    a, b = matmuls()
     dist.barrier()
     start = time.perf_counter()
     for i in range(CALLS):
@@ -130,7 +124,7 @@ def beside_compute(alone_s: float, size: int = BESIDE_SIZE, gap: int = BESIDE_GA
     numel = _numel_for(size, n, 4)
     grads, shard = torch.randn(numel), torch.empty(numel // n)
     out, mine = torch.empty(numel), torch.randn(numel // n)
-    a, b = _matmuls()
+    a, b = matmuls()
     in_flight, gathers = [], []
     for round_ in range(CALLS + 2):
         dist.barrier()
