@@ -4,10 +4,10 @@ Each run as its authors published it: MPT-1B, 7B and 13B on 8 A100s and on 8 H10
 Llama 2 13B on 64 A100s (torchtitan's performance page), Llama 2 7B on 128 A100s and 96 H100s (fms-fsdp's README), three
 rows of Megatron-Core's weak-scaling table on H100s (its README), BLOOM-176B on 384 A100s (BigScience's training run:
 Megatron's kernels, its pipeline's stages as it split them, CUDA_LAUNCH_BLOCKING=1) and flash-attention's GPT3-2.7B on 8
-A100s and on 8 H100s (Lambda's run of its training code: fp16 autocast over fp32 weights, `as_in_papers.under_autocast`;
-a step every 16 micro-batches, each simulated step's optimizer and exposed traffic shared among them,
-`per_micro_batch`). Where the same code ran on both GPUs, the pair's H100 rate over its A100 rate is printed beside the
-model's, and the time each took beyond its priced compute (bench/published_pairs.py). The model is the toolkit's GPT at
+A100s and on 8 H100s (Lambda's run of its training code: fp16 autocast over fp32 weights, `as_in_papers.under_autocast`
+). A run that accumulated micro-batches is simulated so (`simulate(accumulation=...)`). Where the same code ran on both
+GPUs, the pair's H100 rate over its A100 rate is printed beside the model's, and the time each took beyond its priced
+compute (bench/published_pairs.py). The model is the toolkit's GPT at
 the run's width, depth, heads, vocabulary and sequence length (MPT has no biases and ALiBi; Megatron-Core's is untied
 and computes Megatron's loss, `MegatronLossGPT`), except the Llamas, which are transformers' LlamaForCausalLM as
 torchtitan's and FMS's Llama 2 are built (rotary positions, RMSNorm, SwiGLU: in the 13B's 3.6 s step their memory-bound
@@ -90,20 +90,22 @@ class PublishedRun(NamedTuple):
     kernels: str | None = None  # "megatron": Megatron-LM's attention kernels, every block recomputed (megatron_table);
     # "autocast": fp32 parameters, each Linear in fp16 as torch.autocast runs it (`as_in_papers.under_autocast`)
     launch_blocking: bool = False  # run with CUDA_LAUNCH_BLOCKING=1: the host no longer runs ahead of the GPU
-    accumulation: int = 1  # micro-batches a step accumulates; its traffic and optimizer once a step (DDP's no_sync)
+    accumulation: int = 1  # micro-batches of `batch` sequences a step accumulates, one optimizer step after them
+    no_sync: bool = True  # all but a step's last micro-batch inside no_sync(); False: each one's reduced (Composer)
 
 
 def gpt(d, layers, heads, vocab, seq, **more):
     return dict(d_model=d, n_layer=layers, n_head=heads, vocab_size=vocab, seq_len=seq, **more)
 
 
-def mpt(size, d, layers, heads, gpu, batch, measured, seq=2048):
+def mpt(size, d, layers, heads, gpu, batch, measured, accumulation=1, seq=2048):
     """A row of llm-foundry's table: MPT at `d` x `layers` on 8 GPUs of the table's `gpu`, FULL_SHARD, bf16 (amp_bf16),
-    no activation checkpointing, `batch` sequences a micro-batch (the gradient accumulation it lists is not simulated:
-    each micro-batch's gathers and reductions are priced as a step's, as the MPT-7B rows are)."""
+    no activation checkpointing, `batch` sequences a micro-batch and `accumulation` of them a step (its GradAccum:
+    Composer runs FSDP without no_sync, so each micro-batch reduce-scatters its gradients)."""
     return PublishedRun(
         f"mpt-{size}-{gpu}",
-        LLM_FOUNDRY + f": {size}, {seq}, 8 x {gpu}_80gb, micro-batch {batch}, FULL_SHARD, no activation checkpointing",
+        LLM_FOUNDRY + f": {size}, {seq}, 8 x {gpu}_80gb, micro-batch {batch}, FULL_SHARD, no activation checkpointing"
+        + f", gradient accumulation {accumulation}" * (accumulation > 1),
         f"dgx-{gpu}",
         8,
         gpt(d, layers, heads, 50368, seq),
@@ -112,6 +114,8 @@ def mpt(size, d, layers, heads, gpu, batch, measured, seq=2048):
         measured,
         "tokens/s/GPU",
         GPU_FSDP,
+        accumulation=accumulation,
+        no_sync=False,
     )
 
 
@@ -209,30 +213,8 @@ UNTIED = dict(tied_head=False)
 
 
 RUNS = [
-    PublishedRun(
-        "mpt-7b-a100",
-        LLM_FOUNDRY + ": 7b, 2048, 8 x a100_80gb, micro-batch 6, FULL_SHARD, no activation checkpointing",
-        "dgx-a100",
-        8,
-        gpt(4096, 32, 32, 50368, 2048),
-        "fsdp",
-        6,
-        4641,
-        "tokens/s/GPU",
-        GPU_FSDP,
-    ),
-    PublishedRun(
-        "mpt-7b-h100",
-        LLM_FOUNDRY + ": 7b, 2048, 8 x h100_80gb, micro-batch 6, FULL_SHARD, no activation checkpointing",
-        "dgx-h100",
-        8,
-        gpt(4096, 32, 32, 50368, 2048),
-        "fsdp",
-        6,
-        10643,
-        "tokens/s/GPU",
-        GPU_FSDP,
-    ),
+    mpt("7b", 4096, 32, 32, "a100", 6, 4641, accumulation=2),
+    mpt("7b", 4096, 32, 32, "h100", 6, 10643),
     PublishedRun(
         "llama2-13b-a100",
         TORCHTITAN + ": 13B, batch 2, no activation checkpointing, 2162 WPS",
@@ -286,9 +268,9 @@ RUNS = [
         megatron=True,
     ),
     # runs the project was not told about (issue 30's question: does the H100 gap hold beyond the rows above?)
-    mpt("1b", 2048, 24, 16, "a100", 14, 20513),
+    mpt("1b", 2048, 24, 16, "a100", 14, 20513, accumulation=4),
     mpt("1b", 2048, 24, 16, "h100", 14, 45455),
-    mpt("13b", 5120, 40, 40, "a100", 2, 2262),
+    mpt("13b", 5120, 40, 40, "a100", 2, 2262, accumulation=3),
     mpt("13b", 5120, 40, 40, "h100", 2, 4792),
     llama2_7b_fms("a100", 128, "50 Gb/s", 3700),
     llama2_7b_fms("h100", 96, "100 Gb/s", 7500),
@@ -418,7 +400,7 @@ def _llama(run: PublishedRun, layers: int):
 def flops_per_step(run: PublishedRun) -> float:
     """Megatron's count for the whole batch (no recomputation): 72 B s l h^2 (1 + s/6h) + 6 B s h V."""
     s, h, layers, v = (run.shape[k] for k in ("seq_len", "d_model", "n_layer", "vocab_size"))
-    batch = run.batch * run.world // run.options.get("tp", 1)
+    batch = run.batch * run.accumulation * run.world // run.options.get("tp", 1)
     return 72 * batch * s * layers * h * h * (1 + s / (6 * h)) + 6 * batch * s * h * v
 
 
@@ -438,7 +420,9 @@ def predict(run: PublishedRun) -> dict:
             _model(run, n),
             run.strategy,
             run.world,
-            batch_per_rank=run.batch,
+            batch_per_rank=run.batch * run.accumulation,
+            accumulation=run.accumulation,
+            no_sync=run.no_sync,
             progress=False,
             cluster=cluster,
             **{"mixed_precision": True, **run.options},  # a run's own precision policy where it gives one
@@ -450,10 +434,10 @@ def predict(run: PublishedRun) -> dict:
     def rate(seconds):
         if run.metric == "tokens/s/GPU":
             model_parallel = run.options.get("tp", 1) * run.options.get("pp", 1)
-            return run.batch * run.shape["seq_len"] / model_parallel / seconds
+            return run.batch * run.accumulation * run.shape["seq_len"] / model_parallel / seconds
         return flops_per_step(run) / run.world / seconds / 1e12
 
-    b = per_micro_batch(out["breakdown"], run.accumulation, gradient_accumulation_seconds(run, sims[-1]))
+    b = out["breakdown"]
     predicted = rate(b["step"])
     return dict(
         run=run,
@@ -461,39 +445,9 @@ def predict(run: PublishedRun) -> dict:
         error=predicted / run.measured - 1,
         compute_alone=rate(b["step"] - b["exposed_comm"]) / run.measured - 1,  # as if it hid its traffic
         breakdown=b,
-        band={end: rate(seconds * b["step"] / out["breakdown"]["step"]) for end, seconds in out["band"].items()},
+        band={end: rate(seconds) for end, seconds in out["band"].items()},
         fit=out["fit"],
     )
-
-
-def per_micro_batch(breakdown: dict, accumulation: int, add_seconds: float = 0.0) -> dict:
-    """A simulated step's breakdown as a micro-batch's share of a step that accumulates `accumulation` of them: each
-    micro-batch computes, and the optimizer and the exposed traffic come once a step (DDP's no_sync in between); every
-    micro-batch but a step's first adds its gradients into `.grad`, a memory-bound kernel of `add_seconds`."""
-    once = {k: breakdown[k] * (1 - 1 / accumulation) for k in ("optimizer", "exposed_comm")}
-    b = {k: v - once.get(k, 0) for k, v in breakdown.items()}
-    added = add_seconds * (1 - 1 / accumulation)
-    b["memory_bound"] += added
-    b["compute"] += added - once["optimizer"]
-    b["step"] += added - sum(once.values())
-    return b
-
-
-def gradient_accumulation_seconds(run: PublishedRun, sim) -> float:
-    """What adding one micro-batch's gradients into `.grad` takes on the run's GPU, priced as the kernel it is (each
-    element read twice and written once, in the gradients' dtype: fp32 for a model of fp32 parameters); none for a run
-    that steps every micro-batch."""
-    if run.accumulation == 1:
-        return 0.0
-    import torch
-
-    from toolkit.sim.kernel_time import device_seconds
-    from toolkit.sim.program import Kernel
-
-    with torch.device("meta"):
-        params = sum(p.numel() for p in _model(run, run.shape["n_layer"])().parameters())
-    element = 4 if run.options.get("mixed_precision") is False else 2
-    return device_seconds(sim.cost.cluster.gpu, Kernel("add_", "other", 0.0, 3 * element * params, "fp32"))
 
 
 def table(results) -> str:
@@ -513,7 +467,7 @@ def table(results) -> str:
         if run.kernels == "autocast":
             layout += ", fp16 autocast"
         if run.accumulation > 1:
-            layout += f", a step every {run.accumulation} micro-batches"
+            layout += f", a step every {run.accumulation} micro-batches" + ", each reduced" * (not run.no_sync)
         lines.append(
             f"| {run.name} | {run.world} | {layout} | {run.measured:g} {run.metric} | {r['predicted']:.0f} "
             f"({r['band']['worst']:.0f}-{r['band']['best']:.0f}) | {r['error']:+.0%} | {r['compute_alone']:+.0%} | "

@@ -74,6 +74,31 @@ def test_communication_volumes():
     assert communication_per_step(psi, 1, "zero3") == 0
 
 
+def test_accumulation_reduces_once_where_no_sync_can_hold_the_gradients_back():
+    """4 micro-batches on 8 ranks, in passes of Ψ(N-1)/N: DDP all-reduces once (2 passes) under no_sync, 4 times
+    without; ZeRO-2 and ZeRO-3 keep only a slice, so reduce-scatter every micro-batch (ZeRO-2 gathers the updated
+    parameters once, ZeRO-3 gathers them in each micro-batch's forward and backward); FSDP's no_sync keeps whole
+    gradients and reduce-scatters once."""
+    psi, n = 1e6, 8
+    one_pass = psi * 7 / 8
+    expected = {  # strategy: (no_sync, every micro-batch reduced)
+        "dp": (2, 8),
+        "ddp": (2, 8),
+        "zero1": (2, 5),
+        "zero2": (5, 5),
+        "zero3": (12, 12),
+        "fsdp": (9, 12),
+        "local": (0, 0),
+    }
+    for strategy, (held, each) in expected.items():
+        assert communication_per_step(psi, n, strategy, accumulation=4) == pytest.approx(held * one_pass), strategy
+        got = communication_per_step(psi, n, strategy, accumulation=4, no_sync=False)
+        assert got == pytest.approx(each * one_pass), strategy
+        assert communication_per_step(psi, n, strategy, accumulation=1) == communication_per_step(psi, n, strategy)
+    with pytest.raises(ValueError, match="accumulation must be a positive integer"):
+        communication_per_step(psi, n, "ddp", accumulation=0)
+
+
 def test_ring_volumes():
     assert ring_all_reduce_bytes(1000, 4) == 1500
     assert ring_reduce_scatter_bytes(1000, 4) == 750

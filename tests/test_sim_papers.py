@@ -507,42 +507,6 @@ def test_megatron_cores_loss_at_tp_1_is_its_vocabulary_parallel_loss_in_fp32():
     assert not any(dtype == "fp32" for _, dtype in found["gpt"]) and ("_log_softmax", "bf16") in found["gpt"]
 
 
-def test_a_run_that_accumulates_micro_batches_pays_its_step_and_its_traffic_once_a_step():
-    """Lambda's flash-attention runs reduce and step once every 16 micro-batches (Lightning's no_sync): a simulated
-    step (one micro-batch, its reduction and its optimizer) is read as one of 16 micro-batches, each computing, the
-    optimizer and the exposed traffic shared among them; a run that steps every micro-batch is read as simulated."""
-    step = dict(gemm=0.30, attention=0.02, memory_bound=0.04, optimizer=0.032, overhead=0.001, exposed_comm=0.08)
-    step.update(compute=0.393, overlapped_comm=0.01, step=0.473)
-    assert RUNS.per_micro_batch(step, 1) == step
-    got = RUNS.per_micro_batch(step, 16)
-    assert {k: got[k] for k in ("gemm", "attention", "memory_bound", "overlapped_comm")} == {
-        k: step[k] for k in ("gemm", "attention", "memory_bound", "overlapped_comm")
-    }
-    assert got["optimizer"] == pytest.approx(0.002) and got["exposed_comm"] == pytest.approx(0.005)
-    assert got["step"] == pytest.approx(got["compute"] + got["exposed_comm"]) == pytest.approx(0.361 + 0.002 + 0.005)
-    assert 16 * got["step"] == pytest.approx(16 * (step["compute"] - step["optimizer"]) + 0.032 + 0.08)
-    added = RUNS.per_micro_batch(step, 16, add_seconds=0.016)  # 15 of 16 micro-batches add into .grad
-    assert added["memory_bound"] - got["memory_bound"] == pytest.approx(0.015) == added["step"] - got["step"]
-
-
-def test_adding_a_micro_batchs_fp32_gradients_into_grad_is_priced_as_its_bytes():
-    """flash-attention's run keeps fp32 weights (autocast), so each micro-batch after a step's first reads the fp32
-    `.grad` and its new gradient and writes the sum: 12 bytes a parameter, at the GPU's measured HBM rate."""
-    from types import SimpleNamespace
-
-    from toolkit.sim import cluster_of
-    from toolkit.sim.kernel_time import hbm_bandwidth
-
-    run = next(r for r in RUNS.RUNS if r.name == "fa2-gpt3-2.7b-a100")
-    cluster = cluster_of("dgx-a100")
-    with torch.device("meta"):
-        params = sum(p.numel() for p in tiny_gpt(**run.shape).parameters())
-    assert 2.6e9 < params < 2.7e9  # GPT3-2.7B, its head tied to the embedding
-    seconds = RUNS.gradient_accumulation_seconds(run, SimpleNamespace(cost=SimpleNamespace(cluster=cluster)))
-    assert seconds == pytest.approx(12 * params / hbm_bandwidth(cluster.gpu))
-    assert RUNS.gradient_accumulation_seconds(RUNS.RUNS[0], None) == 0.0  # MPT-7B steps every micro-batch
-
-
 @functools.cache
 def predicted_run(name):
     """bench/published_runs.py's prediction of the run called `name`, once a session (the pairs' test reuses it)."""

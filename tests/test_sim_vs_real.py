@@ -1,4 +1,5 @@
-"""Same code, same answer: the simulated rank against a real gloo run of the same strategy, at 2 and 4 ranks.
+"""Same code, same answer: the simulated rank against a real gloo run of the same strategy, at 2 and 4 ranks (at 2,
+also accumulating micro-batches, with and without no_sync).
 
 The real side is `toolkit.train.train` (the training loop every lesson uses) on real ranks; from its Run
 come the bytes per step (`toolkit.trace.analysis.bytes_per_step`) and the ledger after the backward of
@@ -27,15 +28,27 @@ from toolkit.train import TrainConfig, train
 SMALL = dict(n_layer=2, d_model=64, n_head=4)
 BATCH = 2  # rows per rank
 MIXED = {"mixed_precision": True}
-CASES = {  # every strategy in fp32 at 2 ranks; in mixed precision, and hybrid sharding, at 4
-    2: [("ddp", {}), ("zero1", {}), ("zero2", {}), ("zero3", {}), ("fsdp", {})],
+ACCUMULATE = {"accumulation": 2}  # the rank's 2 rows as 2 micro-batches, all but the last inside no_sync()
+EACH = {"accumulation": 2, "no_sync": False}  # every micro-batch's gradients reduced
+CASES = {  # (strategy, options, loop): every strategy in fp32 at 2 ranks, and accumulating; in mixed precision, and
+    2: [  # hybrid sharding, at 4
+        ("ddp", {}, {}),
+        ("zero1", {}, {}),
+        ("zero2", {}, {}),
+        ("zero3", {}, {}),
+        ("fsdp", {}, {}),
+        ("ddp", {}, ACCUMULATE),
+        ("zero2", {}, ACCUMULATE),
+        ("fsdp", {}, ACCUMULATE),
+        ("fsdp", {}, EACH),
+    ],
     4: [
-        ("ddp", MIXED),
-        ("zero1", MIXED),
-        ("zero2", MIXED),
-        ("zero3", MIXED),
-        ("fsdp", MIXED),
-        ("fsdp", {"sharding_group_size": 2}),
+        ("ddp", MIXED, {}),
+        ("zero1", MIXED, {}),
+        ("zero2", MIXED, {}),
+        ("zero3", MIXED, {}),
+        ("fsdp", MIXED, {}),
+        ("fsdp", {"sharding_group_size": 2}, {}),
     ],  # HSDP: shard over 2, replicate over 2
 }
 
@@ -43,19 +56,20 @@ CASES = {  # every strategy in fp32 at 2 ranks; in mixed precision, and hybrid s
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
-def allocator_peak(strategy, options, world, rank) -> int:
+def allocator_peak(strategy, options, world, rank, loop=None) -> int:
     """The CPU allocator's own account of a steady step's peak: the model states when the step starts, plus
     the most bytes allocated during the step and not yet freed (torch.profiler's memory events)."""
     from torch.profiler import ProfilerActivity, profile
 
     model, opt = toolkit.parallel.wrap(tiny_gpt(**SMALL), strategy, **options)
     x, y = SyntheticCorpus().batch(0, BATCH * world, rank=rank, world_size=world)
+    loop = loop or {}  # train_step's accumulation and no_sync
     for step in (0, 1):  # the optimizer's states exist from step 0, DDP's buckets are rebuilt in step 1:
-        train_step(model, opt, x, y, step=step)  # the allocator's events cannot show a block made before them
+        train_step(model, opt, x, y, step=step, **loop)  # the allocator's events cannot show a block made before them
     gc.collect()  # the previous case's tensors go now, not during the measured step
     start = toolkit.memory.ledger(model, opt)["total"] + x.nbytes + y.nbytes
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        train_step(model, opt, x, y, step=2)
+        train_step(model, opt, x, y, step=2, **loop)
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
         with open(os.path.join(tmp, "trace.json")) as f:
@@ -100,7 +114,7 @@ def real_runs(cases):
     """On every real rank: train 2 steps of each case; return what the Run says about the second."""
     rank, world = dist.get_rank(), dist.get_world_size()
     found = []
-    for strategy, options in cases:
+    for strategy, options, loop in cases:
         config = TrainConfig(
             strategy=strategy,
             steps=2,
@@ -108,14 +122,15 @@ def real_runs(cases):
             model=SMALL,
             options=dict(options),
             progress=False,
+            **loop,
         )
         run = train(config)
-        after_backward = next(s for s in run.samples if s["step"] == 1 and s["phase"] == "backward")
+        after_backward = [s for s in run.samples if s["step"] == 1 and s["phase"] == "backward"][-1]  # the step's last
         found.append(
             {
                 "bytes": toolkit.trace.analysis.bytes_per_step(run, rank)[-1],
                 "states": {k: after_backward[k] for k in ("params", "grads", "optimizer")},
-                "peak": allocator_peak(strategy, options, world, rank),
+                "peak": allocator_peak(strategy, options, world, rank, loop),
                 **structure(run, rank),
             }
         )
@@ -155,13 +170,14 @@ def test_simulated_rank_equals_a_real_gloo_run(world, no_leftover_ranks):
             progress=False,
             cluster="dgx-a100",
             **options,
+            **loop,
         )
-        for strategy, options in CASES[world]
+        for strategy, options, loop in CASES[world]
     ]
     # simulations first: they leave this process ready to launch real ranks
     real = toolkit.launch(real_runs, world, args=(CASES[world],), timeout_s=60, quiet=True)
-    for (strategy, options), sim, measured in zip(CASES[world], sims, real[rank]):
-        case = f"{strategy} {options} rank {rank}/{world}"
+    for (strategy, options, loop), sim, measured in zip(CASES[world], sims, real[rank]):
+        case = f"{strategy} {options} {loop} rank {rank}/{world}"
         assert sim.bytes_per_phase == measured["bytes"], case
         assert {k: sim.memory[k] for k in measured["states"]} == measured["states"], case
         assert abs(sim.peak - measured["peak"]) <= 0.10 * measured["peak"], (case, sim.peak, measured["peak"])
@@ -181,13 +197,13 @@ def dispatched_per_step(cases):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     found = []
-    for strategy, options in cases:
+    for strategy, options, loop in cases:
         torch.manual_seed(0)
         model, opt = toolkit.parallel.wrap(tiny_gpt(**SMALL), strategy, **options)
         x, y = SyntheticCorpus().batch(0, BATCH * world, rank=rank, world_size=world)  # tiny_gpt's vocab and length
         for step in range(2):  # Adam makes its states in the first step: count a steady one
-            train_step(model, opt, x, y, step=step)
-        found.append(count_ops(lambda: train_step(model, opt, x, y, step=2)))  # noqa: B023 - called at once
+            train_step(model, opt, x, y, step=step, **loop)
+        found.append(count_ops(lambda: train_step(model, opt, x, y, step=2, **loop)))  # noqa: B023 - called at once
     return found
 
 
@@ -198,10 +214,10 @@ def test_the_simulated_program_dispatches_the_operations_a_real_rank_does(no_lef
     the programs counted 390 of DDP's 605 and 123 of ZeRO-2's 346 (now 607 and 344)."""
     cases = CASES[2]
     sims = [
-        simulate(lambda: tiny_gpt(**SMALL), strategy, 2, batch_per_rank=BATCH, progress=False, **options).programs[-1]
-        for strategy, options in cases
+        simulate(lambda: tiny_gpt(**SMALL), s, 2, batch_per_rank=BATCH, progress=False, **o, **loop).programs[-1]
+        for s, o, loop in cases
     ]
     real = toolkit.launch(dispatched_per_step, 2, args=(cases,), timeout_s=60, quiet=True)
-    for (strategy, _), program, measured in zip(cases, sims, real[0]):
+    for (strategy, _, loop), program, measured in zip(cases, sims, real[0]):
         simulated = sum(c.ops for c in program if isinstance(c, Compute))
-        assert abs(simulated - measured) <= 0.05 * measured, (strategy, simulated, measured)
+        assert abs(simulated - measured) <= 0.05 * measured, (strategy, loop, simulated, measured)

@@ -144,7 +144,7 @@ def train(config, *, model_fn=None, loss_fn=None, batch_fn=None, return_state: b
                 step_loss += model.forward_backward(x, y)
         for micro, (xm, ym) in enumerate(zip(x.chunk(M), y.chunk(M)) if not pipelined else ()):
             # Gradients are synchronized once per step: skip it on all but the last micro-batch.
-            quiet = micro < M - 1 and hasattr(model, "no_sync")
+            quiet = config.no_sync and micro < M - 1 and hasattr(model, "no_sync")
             with model.no_sync() if quiet else contextlib.nullcontext():
                 with phase("forward"):
                     sample(step)

@@ -26,7 +26,9 @@ class TrainConfig:
     strategy: a name from `toolkit.parallel.STRATEGIES`; options: that strategy's own (bucket size,
     mixed precision, ...). model: overrides for `tiny_gpt` (n_layer, d_model, ...). vocab_size,
     seq_len, data_seed: the synthetic corpus (the model gets the same vocab_size and seq_len).
-    global_batch_size: rows per optimizer step over all ranks; accumulation: micro-batches per step.
+    global_batch_size: rows per optimizer step over all ranks; accumulation: micro-batches per step, all but
+    the last inside the strategy's `no_sync()` (no_sync=False: every micro-batch's gradients reduced, as
+    Composer runs FSDP).
     clip: max gradient norm, or None for no clipping. sample_memory: record the memory ledger at
     phase boundaries. progress: a progress bar on rank 0.
     """
@@ -35,6 +37,7 @@ class TrainConfig:
     steps: int = 20
     global_batch_size: int = 8
     accumulation: int = 1
+    no_sync: bool = True
     model: dict = field(default_factory=dict)
     vocab_size: int = 64
     seq_len: int = 32
@@ -58,6 +61,13 @@ class TrainConfig:
             raise ValueError(
                 f"global_batch_size={self.global_batch_size} does not split into "
                 f"accumulation={self.accumulation} equal micro-batches; use a multiple of it."
+            )
+        if not isinstance(self.no_sync, bool):
+            raise ValueError(f"TrainConfig.no_sync must be True or False, got {self.no_sync!r}.")
+        if self.strategy == "zero1" and self.accumulation > 1 and not self.no_sync:
+            raise ValueError(
+                "TrainConfig.no_sync=False: zero1 reduce-scatters its whole gradients once a step and cannot add a "
+                "second reduction into its slices (zero2 does): keep no_sync=True, or use strategy='zero2'."
             )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {sorted(OPTIMIZERS)}.")

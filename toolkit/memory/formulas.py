@@ -136,20 +136,35 @@ def ring_all_reduce_bytes(nbytes: float, n: int) -> float:
     return ring_reduce_scatter_bytes(nbytes, n) + ring_all_gather_bytes(nbytes, n)
 
 
-def communication_per_step(num_params: float, world_size: int, strategy: str) -> float:
+def communication_per_step(
+    num_params: float, world_size: int, strategy: str, *, accumulation: int = 1, no_sync: bool = True
+) -> float:
     """Elements each rank sends per training step with ring collectives.
 
     dp, ddp, zero1, zero2: one all-reduce of the gradients (or its two halves:
     reduce-scatter of gradients, all-gather of updated parameters) = 2Ψ(N-1)/N.
     zero3, fsdp: parameters all-gathered in forward and again in backward, gradients
     reduce-scattered = 3Ψ(N-1)/N, 1.5x data parallelism. local: nothing.
+    A step of `accumulation` micro-batches: zero3 and fsdp gather in every micro-batch's forward and
+    backward; the gradients are reduced once a step where the strategy can hold them back (`no_sync`:
+    dp, ddp, zero1 and fsdp keep whole gradients until the last micro-batch), every micro-batch where it
+    cannot (zero2 and zero3 keep only a slice) or is not asked to (no_sync=False: Composer's FSDP, DeepSpeed).
     Multiply by bytes per element for bytes.
     """
     _check_count("num_params", num_params)
     _check_world("world_size", world_size)
     _check_choice("strategy", strategy, STRATEGIES)
-    passes = {"local": 0, "dp": 2, "ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3, "fsdp": 3}[strategy]
+    _check_world("accumulation", accumulation)
+    gathers = {"local": 0, "dp": 0, "ddp": 0, "zero1": 1, "zero2": 1}.get(strategy, 2 * accumulation)
+    reduction = {"local": 0, "dp": 2, "ddp": 2}.get(strategy, 1)  # an all-reduce is two passes of the ring
+    passes = gathers + gradient_reductions(strategy, accumulation, no_sync) * reduction
     return passes * num_params * (world_size - 1) / world_size
+
+
+def gradient_reductions(strategy: str, accumulation: int = 1, no_sync: bool = True) -> int:
+    """How many times a step of `accumulation` micro-batches reduces its gradients: once where the strategy's
+    no_sync() holds them back to the last micro-batch (dp, ddp, zero1 and fsdp keep whole gradients), else each time."""
+    return 1 if no_sync and strategy in ("dp", "ddp", "zero1", "fsdp") else accumulation
 
 
 def bytes_on_wire(op: str, nbytes: float, world_size: int) -> float:
@@ -267,6 +282,7 @@ __all__ = [
     "deepspeed_zero2_estimate",
     "deepspeed_zero3_estimate",
     "communication_per_step",
+    "gradient_reductions",
     "ring_all_reduce_bytes",
     "ring_reduce_scatter_bytes",
     "ring_all_gather_bytes",

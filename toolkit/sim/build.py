@@ -100,3 +100,20 @@ def example_batch(model, convention: Convention, batch_per_rank: int, seq_len: i
     vocab = getattr(config, "vocab_size", 64)
     data = convention.data(model, vocab_size=min(64, vocab) if isinstance(vocab, int) else 64, seq_len=seq_len)
     return data.example(batch_per_rank, seq_len, device="meta")
+
+
+def count_params(model: torch.nn.Module) -> tuple[int, int]:
+    """(parameters of the whole model, of which in MoE experts): a rank holds E_local of E experts, or
+    with more ranks than experts one slice of one, so every expert is counted from its shape (d_model ->
+    d_ff -> d_model, with biases), once."""
+    from ..moe.experts import Experts, is_expert
+
+    mine, experts = set(), 0
+    for m in model.modules():
+        if isinstance(m, Experts):
+            mine.update(id(p) for p in m.parameters(recurse=False))
+            experts += m.num_experts * (2 * m.d_model * m.d_ff + m.d_ff + m.d_model)
+        elif any(is_expert(p) for p in m.parameters(recurse=False)):  # another layout's experts (moe/hf.py)
+            mine.update(id(p) for p in m.parameters(recurse=False))
+            experts += m.all_expert_params
+    return sum(p.numel() for p in model.parameters() if id(p) not in mine) + experts, experts

@@ -13,8 +13,9 @@ from __future__ import annotations
 from ..memory.context_formulas import ring_bytes_per_layer, ulysses_bytes_per_layer
 
 
-def describe(model, options: dict, batch: int, seq_len: int, world_size: int) -> dict | None:
-    """{"cp", "attention", "dp", "bytes"} of a wrapped context-parallel model (None without cp)."""
+def describe(model, options: dict, batch: int, seq_len: int, world_size: int, micro_batches: int = 1) -> dict | None:
+    """{"cp", "attention", "dp", "bytes"} of a wrapped context-parallel model (None without cp); a step of
+    `micro_batches` reduces each one's loss over the cp group."""
     context = getattr(model, "context", None)
     if context is None:
         return None
@@ -28,6 +29,6 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int) ->
         per_layer = formula(batch, seq_len, config.d_model, cp, tp=tp, bytes_per_value=value, kv_hidden=kv_hidden)
         again = per_layer["forward"] if options.get("activation_checkpointing") else 0  # the recomputed forward
         loss_value = 4 if tp > 1 else value  # the vocabulary-parallel loss is fp32; else in the compute dtype
-        loss = 2 * (cp - 1) * loss_value // cp  # the loss's all-reduce over the cp group
+        loss = 2 * (cp - 1) * loss_value // cp * micro_batches  # the loss's all-reduce over the cp group
         found["bytes"] = config.n_layer * (per_layer["total"] + again) + loss
     return found

@@ -68,6 +68,18 @@ def parser(description: str) -> argparse.ArgumentParser:
         default=1,
         help="sequences per data-parallel replica per step (a replica: one rank, or --tp ranks)",
     )
+    p.add_argument(
+        "--accumulation",
+        type=positive_int,
+        default=1,
+        help="micro-batches a step's --batch-per-rank sequences are cut into, one optimizer step after them all "
+        "(gradient accumulation: all but the last inside the strategy's no_sync())",
+    )
+    p.add_argument(
+        "--reduce-every-micro-batch",
+        action="store_true",
+        help="with --accumulation: reduce every micro-batch's gradients, no no_sync() (Composer's FSDP does)",
+    )
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
     p.add_argument("--steps", type=positive_int, default=1, help="measured steps, after one warm-up step")
     p.add_argument("--fp32", action="store_true", help="plain fp32 training (default: mixed precision, bf16)")
@@ -197,6 +209,8 @@ def options_of(args, parse) -> tuple[str, dict]:
                 f"{', '.join(MOE_PRESETS)})"
             )
         options["ep"] = args.ep
+    if args.reduce_every_micro_batch and args.accumulation == 1:
+        parse.error("--reduce-every-micro-batch is an option of gradient accumulation: add --accumulation 2 or more")
     pipeline = [f for f in ("microbatches", "virtual_stages") if getattr(args, f) not in (None, 1)]
     if args.pp == 1 and (pipeline or args.schedule != "1f1b"):
         parse.error(
@@ -221,6 +235,7 @@ def in_flags(text: str, parse: argparse.ArgumentParser) -> str:
         ("backward_prefetch=False", "--no-backward-prefetch"),
         ("mixed_precision=False", "--fp32"),
         ("mixed_precision=True", "(the default)"),
+        ("no_sync=False", "--reduce-every-micro-batch"),
     ):
         text = text.replace(python, flag)
     for action in parse._actions:

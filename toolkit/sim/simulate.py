@@ -33,12 +33,12 @@ from ..moe.layer import MoE
 from ..run import Run
 from ..trace.events import phase
 from . import cluster as _cluster
-from .build import build, build_on_meta, example_batch, no_values, seq_len_of  # noqa: F401 - build_on_meta: the tests'
+from .build import build, build_on_meta, count_params, example_batch, no_values, seq_len_of  # noqa: F401 - build_on_meta: the tests'
 from .context_parallel import describe as describe_cp
 from .hardware import check_mfu
 from .pipelined import is_pipelined
 from .priced import pricer, resolve
-from .simulation import Simulation, count_params
+from .simulation import Simulation
 from .stage_assembly import simulate_pipeline
 from .tensor_parallel import describe as describe_tp
 from .watched_step import measure_steps, train_step  # noqa: F401 (measure_steps, train_step: the tests')
@@ -52,6 +52,8 @@ def simulate(
     rank: int = 0,
     ranks_per_node: int | None = None,
     batch_per_rank: int = 1,
+    accumulation: int = 1,
+    no_sync: bool = True,
     seq_len: int | None = None,
     steps: int = 1,
     warmup: bool = True,
@@ -72,6 +74,10 @@ def simulate(
     or `loss_fn` / `batch_fn` as there), a batch of `batch_per_rank` examples of seq_len tokens. seq_len
     defaults to the model's (its `config.seq_len`, max_position_embeddings, or an image's patches). options go
     to `toolkit.parallel.wrap` (mixed_precision, sharding_group_size, ...).
+    accumulation: a step's `batch_per_rank` sequences as that many micro-batches, each a forward and a backward,
+    then one optimizer step, as `toolkit.train` runs them: all but the last inside the strategy's `no_sync()`, so
+    DDP, ZeRO-1 and FSDP reduce the gradients once a step (ZeRO-2 and ZeRO-3 keep only a slice and reduce every
+    micro-batch's); no_sync=False reduces every micro-batch's whatever the strategy (Composer's FSDP does).
     warmup: first run one step unwatched, so that what is measured is a steady step (an optimizer such as
     Adam creates its states during its first step; ZeRO-3 and FSDP learn the module order in their first
     forward). The Run holds the warm-up step too; programs and memory are of the `steps` after it.
@@ -107,6 +113,11 @@ def simulate(
             f"mfu={mfu} is the fraction of peak a cluster's GPUs reach when the step is priced, and no "
             f"cluster was given: pass cluster= with it (e.g. cluster='dgx-a100'), or leave mfu out."
         )
+    if is_pipelined(options) and accumulation != 1:
+        raise ValueError(
+            f"under pp={options['pp']} the pipeline's schedule splits each replica's batch into micro-batches "
+            f"(microbatches=pp by default): leave accumulation=1 (got {accumulation})."
+        )
     price = None if found is None else pricer(found, world_size, mfu=mfu)
     if price is not None and is_pipelined(options):  # the step is the pipeline's: its other stages are needed
         again = functools.partial(
@@ -135,9 +146,10 @@ def simulate(
         )
     if strategy not in parallel.STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(parallel.STRATEGIES)}.")
-    for name, value in (("batch_per_rank", batch_per_rank), ("steps", steps)):
+    for name, value in (("batch_per_rank", batch_per_rank), ("steps", steps), ("accumulation", accumulation)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    _check_accumulation(strategy, batch_per_rank, accumulation, no_sync)
     if isinstance(model_fn, torch.nn.Module):
         raise ValueError(
             f"model_fn must be the function that builds the model, not a model already built (got a "
@@ -163,14 +175,13 @@ def simulate(
         with phase("setup"):
             model, opt = parallel.wrap(model, strategy, optimizer=optimizer, **options)
         tensor_parallel = describe_tp(model, options, batch_per_rank, seq, world_size, nodes)
-        context_parallel = describe_cp(model, options, batch_per_rank, seq, world_size)
-        bar = _progress(progress, strategy, world_size, steps + warmup)
+        context_parallel = describe_cp(model, options, batch_per_rank, seq, world_size, accumulation)
+        bar = _progress(progress, strategy, world_size, (steps + warmup) * (2 * accumulation + 1))
         try:
+            loop = dict(loss_fn=convention.loss, accumulation=accumulation, no_sync=no_sync)
             if warmup:  # the optimizer makes its states in its first step (Adam does): measure a steady one
-                train_step(model, opt, x, y, step=0, bar=bar, loss_fn=convention.loss)
-            measured = measure_steps(
-                model, opt, x, y, steps, bar=bar, meta=True, first=int(warmup), loss_fn=convention.loss
-            )
+                train_step(model, opt, x, y, step=0, bar=bar, **loop)
+            measured = measure_steps(model, opt, x, y, steps, bar=bar, meta=True, first=int(warmup), **loop)
         finally:
             if bar is not None:
                 bar.close()
@@ -179,6 +190,8 @@ def simulate(
                 strategy=strategy,
                 options={k: repr(v) for k, v in options.items()},
                 batch_per_rank=batch_per_rank,
+                accumulation=accumulation,
+                no_sync=no_sync,
                 seq_len=seq,
                 steps=steps,
             ),
@@ -196,6 +209,8 @@ def simulate(
         expert_parallel=expert_parallel,
         local_expert_params=local_experts,
         batch_per_rank=batch_per_rank,
+        accumulation=accumulation,
+        no_sync=no_sync,
         seq_len=seq,
         run=run,
         expert_row_flops=row_flops,
@@ -225,6 +240,24 @@ def _node_size(ranks_per_node, found) -> int:
     return ranks_per_node
 
 
+def _check_accumulation(strategy: str, batch_per_rank: int, accumulation: int, no_sync) -> None:
+    """A step's sequences must split into whole micro-batches; no_sync is a yes or a no, and a yes for ZeRO-1."""
+    if not isinstance(no_sync, bool):
+        raise ValueError(f"no_sync must be True or False, got {no_sync!r}.")
+    if strategy == "zero1" and accumulation > 1 and not no_sync:
+        raise ValueError(
+            "zero1 reduce-scatters its whole gradients once a step and cannot add a second reduction into its "
+            "slices (ZeRO-2 does): drop no_sync=False, or use strategy='zero2'."
+        )
+    if batch_per_rank % accumulation:
+        whole = [m for m in range(1, batch_per_rank + 1) if batch_per_rank % m == 0]
+        raise ValueError(
+            f"batch_per_rank={batch_per_rank} does not split into accumulation={accumulation} equal micro-batches: "
+            f"use an accumulation that divides it ({', '.join(map(str, whole))}), or "
+            f"batch_per_rank={accumulation * max(1, batch_per_rank // accumulation)}."
+        )
+
+
 def balanced(num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
     """An MoE routing in which every expert gets the same share: choice j of token t is expert (t*k + j) mod E."""
     index = torch.arange(num_tokens * top_k, device="cpu").reshape(num_tokens, top_k)
@@ -236,4 +269,4 @@ def _progress(progress: bool, strategy: str, world_size: int, steps: int):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=3 * steps, desc=f"simulating {strategy} x{world_size}", unit="phase", leave=False)
+    return tqdm(total=steps, desc=f"simulating {strategy} x{world_size}", unit="phase", leave=False)

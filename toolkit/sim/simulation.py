@@ -35,23 +35,6 @@ from ..units import bytes_text, count_text
 from .program import Collective, Compute, collectives, total_flops
 
 
-def count_params(model: torch.nn.Module) -> tuple[int, int]:
-    """(parameters of the whole model, of which in MoE experts): a rank holds E_local of E experts, or
-    with more ranks than experts one slice of one, so every expert is counted from its shape (d_model ->
-    d_ff -> d_model, with biases), once."""
-    from ..moe.experts import Experts, is_expert
-
-    mine, experts = set(), 0
-    for m in model.modules():
-        if isinstance(m, Experts):
-            mine.update(id(p) for p in m.parameters(recurse=False))
-            experts += m.num_experts * (2 * m.d_model * m.d_ff + m.d_ff + m.d_model)
-        elif any(is_expert(p) for p in m.parameters(recurse=False)):  # another layout's experts (moe/hf.py)
-            mine.update(id(p) for p in m.parameters(recurse=False))
-            experts += m.all_expert_params
-    return sum(p.numel() for p in model.parameters() if id(p) not in mine) + experts, experts
-
-
 @dataclass
 class Simulation:
     strategy: str
@@ -76,6 +59,8 @@ class Simulation:
     moments: dict = field(default_factory=dict)  # (pass, phase, module) -> bytes per category at its highest
     expert_row_flops: dict = field(default_factory=dict)  # MoE layer name -> forward FLOPs of a row, whole expert
     fit: object = None  # set when priced on a cluster (`cost.pricer`)
+    accumulation: int = 1  # micro-batches a step, `batch_per_rank` sequences in all
+    no_sync: bool = True  # all but a step's last micro-batch inside the strategy's no_sync()
 
     @property
     def fits(self):
@@ -217,11 +202,13 @@ class Simulation:
             optimizer_multiplier=kept[2],
         )
         states = {k: v + mine[k] for k, v in states.items()}
-        wire = formulas.communication_per_step(dense, F, self.strategy) * value
+        loop = dict(accumulation=self.accumulation, no_sync=self.no_sync)
+        wire = formulas.communication_per_step(dense, F, self.strategy, **loop) * value
+        reductions = formulas.gradient_reductions(self.strategy, **loop)
         if self.strategy in ("zero1", "zero2", "zero3", "fsdp"):  # one pass of the ring is the gradients' reduction
-            wire += dense * (F - 1) / F * (reduced - value)
-        if self.strategy == "fsdp" and F < self.world_size:
-            wire += formulas.ring_all_reduce_bytes(dense / F * reduced, self.world_size // F)  # the replicas' shards
+            wire += dense * (F - 1) / F * (reduced - value) * reductions
+        if self.strategy == "fsdp" and F < self.world_size:  # the replicas' shards
+            wire += formulas.ring_all_reduce_bytes(dense / F * reduced, self.world_size // F) * reductions
         return {
             "model_states": states,
             "model_states_total": sum(states.values()),
@@ -250,10 +237,12 @@ class Simulation:
                 if tp
                 else f" over dp={cp['dp']} x cp={cp['cp']} ({cp['attention']})"
             )
+        micro = f" in {self.accumulation} micro-batches" + ", each one's gradients reduced" * (not self.no_sync)
         lines = [
             f"{self.strategy}{layout} on {self.world_size} simulated ranks (rank {self.rank}, {self.ranks_per_node} "
             f"per node): {count_text(self.num_params)} parameters, batch {self.batch_per_rank} x {self.seq_len}"
-            + (" per data-parallel replica" if tp or cp else ""),
+            + (" per data-parallel replica" if tp or cp else "")
+            + micro * (self.accumulation > 1),
             f"  model states per rank  {b(self.memory['total'])}   formula {b(t['model_states_total'])}",
         ]
         for k in ("params", "grads", "optimizer"):

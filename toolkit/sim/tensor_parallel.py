@@ -88,9 +88,12 @@ def theory(sim) -> dict:
         optimizer_multiplier=kept[2],
     )
     local = d["split"] / d["tp"] + d["replicated"]
-    wire = formulas.communication_per_step(local, F, sim.strategy) * value if sim.strategy != "local" else 0.0
+    loop = dict(accumulation=sim.accumulation, no_sync=sim.no_sync)
+    wire = formulas.communication_per_step(local, F, sim.strategy, **loop) * value
     if sim.strategy == "fsdp" and F < group:
-        wire += formulas.ring_all_reduce_bytes(local / F * value, group // F)
+        wire += formulas.ring_all_reduce_bytes(local / F * value, group // F) * formulas.gradient_reductions(
+            sim.strategy, **loop
+        )
     if d["tp_bytes"] is not None:
         wire += d["tp_bytes"]["total"]
     return {

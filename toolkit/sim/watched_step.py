@@ -20,37 +20,50 @@ from .memory import StepMemory
 from .record import OpCounter, Programmer
 
 
-def train_step(model, opt, x, y, *, step: int, bar=None, after=None, updated=None, loss_fn=None) -> None:
+def train_step(
+    model, opt, x, y, *, step: int, bar=None, after=None, updated=None, loss_fn=None, accumulation=1, no_sync=True
+) -> None:
     """One training step in `toolkit.train`'s phases and spans; `after(label)` ends each phase, and
-    `updated()` runs between the optimizer's update and `zero_grad` (every model state alive)."""
-    names = ("forward", "backward", "optimizer")
+    `updated()` runs between the optimizer's update and `zero_grad` (every model state alive). With
+    `accumulation` = M the batch is M micro-batches, each a forward and a backward of loss/M, all but the last
+    inside `model.no_sync()` (where the strategy has one, unless no_sync=False), as `toolkit.train` runs them."""
     if hasattr(model, "pipeline"):  # pp > 1: the schedule runs forward and backward of every micro-batch
         with span("forward_backward", step=step):  # (its actions are spans of their own, in their phases)
             model.forward_backward(x, y)
         if after is not None:
             after(None)
-        names = ("optimizer",)
-    for name in names:
-        with phase(name):
-            with span(name, step=step, **({} if name == "optimizer" else {"micro": 0})):
-                if name == "forward":
-                    loss = model(x, y) if loss_fn is None else loss_fn(model, x, y)
-                elif name == "backward":
-                    loss.backward()
-                    del loss
-                else:
-                    opt.step()
-                    if updated is not None:
-                        updated()
-                    opt.zero_grad()
-            if after is not None:
-                after("optimizer" if name == "optimizer" else None)
-        if bar is not None:
-            bar.update()
+    else:
+        batches = zip(x.chunk(accumulation), y.chunk(accumulation)) if accumulation > 1 else [(x, y)]
+        for micro, (xm, ym) in enumerate(batches):
+            quiet = no_sync and micro < accumulation - 1 and hasattr(model, "no_sync")
+            with model.no_sync() if quiet else contextlib.nullcontext():
+                for name in ("forward", "backward"):
+                    with phase(name):
+                        with span(name, step=step, micro=micro):
+                            if name == "forward":
+                                loss = model(xm, ym) if loss_fn is None else loss_fn(model, xm, ym)
+                            else:
+                                (loss if accumulation == 1 else loss / accumulation).backward()
+                                del loss
+                        if after is not None:
+                            after(None)
+                    if bar is not None:
+                        bar.update()
+    with phase("optimizer"):
+        with span("optimizer", step=step):
+            opt.step()
+            if updated is not None:
+                updated()
+            opt.zero_grad()
+        if after is not None:
+            after("optimizer")
+    if bar is not None:
+        bar.update()
 
 
-def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False, first: int = 0, loss_fn=None) -> dict:
-    """Train `steps` steps on (x, y) as `toolkit.train` does, watched: programs, memory, FLOPs.
+def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False, first: int = 0, **loop) -> dict:
+    """Train `steps` steps on (x, y) as `toolkit.train` does, watched: programs, memory, FLOPs. loop: `train_step`'s
+    loss_fn, accumulation and no_sync.
 
     Works on any process group: on the simulated cluster (meta tensors, `meta=True` so the ledger counts
     them) or on a real one. Returns the fields of a `Simulation` that a step produces.
@@ -83,7 +96,7 @@ def measure_steps(model, opt, x, y, steps: int, *, bar=None, meta: bool = False,
             def update():  # the model states, as the formulas count them: all of them alive
                 states.update(ledger(model, opt, meta=meta))
 
-            train_step(model, opt, x, y, step=step, bar=bar, after=boundary, updated=update, loss_fn=loss_fn)
+            train_step(model, opt, x, y, step=step, bar=bar, after=boundary, updated=update, **loop)
             memory.classify(model, opt)  # what the strategy's tensors are after the step
             programs.append(programmer.end_step())
     return {
