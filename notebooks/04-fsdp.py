@@ -53,6 +53,7 @@ from toolkit import viz
 from toolkit.memory import activation_terms, communication_per_step, fsdp_cross_host_traffic, model_states
 from toolkit.models import tiny_gpt
 from toolkit.run import Run
+from toolkit.sim import simulate
 from toolkit.trace.analysis import step_windows
 from toolkit.train import TrainConfig
 from toolkit.viz.fsdp_explorer import gpt_models, policy_numbers, wrap_policy_explorer
@@ -668,6 +669,46 @@ show_table(rows)
 # (DDP never wins here: it fits only the smallest model and still sends 2M across hosts.) In between,
 # hybrid sharding over 2 hosts (F = 16) trades some of each. Tight on memory: full; tight on network:
 # hybrid.
+#
+# **Gradient accumulation: hold the gradients, or reduce every micro-batch.** A step of several micro-batches
+# gathers each unit in every micro-batch's forward and backward. Its gradients can be reduce-scattered after each
+# micro-batch (added into the slices), or kept whole inside `model.no_sync()` until the last one, which reduces
+# the sum once: fewer bytes, and every unit's whole gradient in memory meanwhile. `toolkit.train` runs all but a
+# step's last micro-batch inside `no_sync()` (`TrainConfig.no_sync`); Composer's trainer runs FSDP the other way.
+# The simulator runs either (`simulate(..., accumulation=, no_sync=)`), here on section 2's model, 4 micro-batches:
+
+# %%
+rows = []
+for label, no_sync in (("whole gradients until the last (no_sync)", True), ("reduce-scatter every micro-batch", False)):
+    sim = simulate(
+        lambda: tiny_gpt(**MODEL),
+        "fsdp",
+        WORLD,
+        batch_per_rank=BATCH // WORLD,
+        accumulation=4,
+        no_sync=no_sync,
+        progress=False,
+    )
+    rows.append(
+        {
+            "4 micro-batches a step": label,
+            "KB sent per step": round(sim.bytes_per_step["total"] / KB, 1),
+            "formula KB": round(sim.theory()["bytes_per_step"] / KB, 1),
+            "peak KB": round(sim.peak / KB, 1),
+        }
+    )
+show_table(rows)
+held, each = rows
+sent, peak = (held[k] / each[k] for k in ("KB sent per step", "peak KB"))
+print(f"no_sync sends {sent:.2f}x the bytes, at {peak:.2f}x the peak")
+assert all(r["KB sent per step"] == r["formula KB"] for r in rows)
+assert abs(sent - 9 / 12) < 0.01 and peak > 1
+
+# %% [markdown]
+# Held back, the step moves 9 passes of the model instead of 12 (8 gathers either way, then one reduce-scatter
+# instead of four: `communication_per_step(..., accumulation=4, no_sync=True)`), and its peak is higher by the
+# whole gradients it keeps. ZeRO-2 and ZeRO-3 have no such choice: they keep only a slice of the gradients, so each
+# micro-batch reduce-scatters into it.
 #
 # ## 7. Reasons to use FSDP, and reasons not to
 #
