@@ -706,8 +706,8 @@ assert abs(sent - 9 / 12) < 0.01 and peak > 1
 
 # %% [markdown]
 # Held back, the step moves 9 passes of the model instead of 12 (8 gathers either way, then one reduce-scatter
-# instead of four: `communication_per_step(..., accumulation=4, no_sync=True)`), and its peak is higher by the
-# whole gradients it keeps. ZeRO-2 and ZeRO-3 have no such choice: they keep only a slice of the gradients, so each
+# instead of four: `communication_per_step(..., accumulation=4, no_sync=True)`), and its peak is higher: it holds
+# every unit's whole gradient where the other holds this rank's slice. ZeRO-2 and ZeRO-3 have no such choice: they keep only a slice of the gradients, so each
 # micro-batch reduce-scatters into it.
 #
 # ## 7. Reasons to use FSDP, and reasons not to
