@@ -104,7 +104,8 @@ def mpt(size, d, layers, heads, gpu, batch, measured, accumulation=1, seq=2048):
     Composer runs FSDP without no_sync, so each micro-batch reduce-scatters its gradients)."""
     return PublishedRun(
         f"mpt-{size}-{gpu}",
-        LLM_FOUNDRY + f": {size}, {seq}, 8 x {gpu}_80gb, micro-batch {batch}, FULL_SHARD, no activation checkpointing"
+        LLM_FOUNDRY
+        + f": {size}, {seq}, 8 x {gpu}_80gb, micro-batch {batch}, FULL_SHARD, no activation checkpointing"
         + f", gradient accumulation {accumulation}" * (accumulation > 1),
         f"dgx-{gpu}",
         8,
@@ -311,8 +312,10 @@ NOTES = {
     "BF16_Optimizer (each micro-batch's bf16 gradients added into fp32 ones, which are all-reduced after the "
     "pipeline's backward, the optimizer's states sharded over dp, the bf16 weights all-gathered after its step), "
     "and CUDA_LAUNCH_BLOCKING=1 (each operation's dispatch before its kernel: 0.87 s of the 92 s step); not priced: "
-    "ALiBi's bias read by every baddbmm, the embedding's layer norm, DeepSpeed's blocking transfers between stages; "
-    "its compute alone predicts +23%, where the other A100 runs' predict +7% to +15%",
+    "ALiBi's bias read by every baddbmm, the embedding's layer norm, DeepSpeed's blocking transfers between stages "
+    "(an inner stage's four a micro-batch, 4.9 ms each, in turn with its compute: 2.5 s a step where the model "
+    "exposes 0.6 s, about +11% instead of +13% charged whole); its compute alone predicts +23%, where the other A100 "
+    "runs' predict +6% to +15%",
     "mpt-7b-h100": "the H100's GEMMs ran on CUDA 12.1's cuBLAS (the run's image): the best GEMM measured with it is "
     "738.6 TFLOP/s (MAMF, ml-engineering at 68fdb6c), the model's 783.3 is a 2025 sweep's (the band's "
     "worst end is 738.6); the same stack's A100 row is met, its H100 MFU is 0.72x the A100's across "
