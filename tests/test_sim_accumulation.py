@@ -38,6 +38,27 @@ def test_a_step_of_micro_batches_sends_what_the_formula_says(strategy, no_sync):
     assert reductions == (single if holds else 3 * single), (strategy, reductions, single)
 
 
+LAYOUTS = [  # tensor and context parallelism, hybrid sharding, 16-bit passes with fp32 reductions
+    ("ddp", dict(tp=2)),
+    ("fsdp", dict(tp=2)),
+    ("zero2", dict(tp=2, mixed_precision=True)),
+    ("fsdp", dict(sharding_group_size=2)),
+    ("fsdp", dict(mixed_precision=dict(param_dtype="bf16", reduce_dtype="fp32"))),
+    ("ddp", dict(cp=2)),
+]
+
+
+@pytest.mark.parametrize("strategy, options", LAYOUTS)
+@pytest.mark.parametrize("no_sync", [True, False])
+def test_every_layout_accumulates_as_the_formula_says(strategy, options, no_sync):
+    """The tensor-parallel activations' traffic grows with the micro-batches' rows (the same in all), the replicas'
+    all-reduce under hybrid sharding and the fp32 reductions count like the reduce-scatters they follow, and under
+    context parallelism every micro-batch reduces its loss over the cp group."""
+    sim = simulate(small, strategy, 4, batch_per_rank=4, accumulation=2, no_sync=no_sync, progress=False, **options)
+    sent = sim.bytes_per_step["total"] - sim.bytes_per_step.get("broadcast", 0)
+    assert sent == pytest.approx(sim.theory()["bytes_per_step"], rel=1e-12)
+
+
 def test_the_program_is_three_forwards_and_backwards_then_one_optimizer_step():
     sim = simulate(small, "ddp", 2, batch_per_rank=6, accumulation=3, progress=False)
     spans = [(e["name"], e["args"].get("micro")) for e in sim.run.events if e["cat"] == "compute"]

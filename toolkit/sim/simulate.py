@@ -264,9 +264,9 @@ def balanced(num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
     return index % num_experts
 
 
-def _progress(progress: bool, strategy: str, world_size: int, steps: int):
+def _progress(progress: bool, strategy: str, world_size: int, phases: int):
     if not progress:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=steps, desc=f"simulating {strategy} x{world_size}", unit="phase", leave=False)
+    return tqdm(total=phases, desc=f"simulating {strategy} x{world_size}", unit="phase", leave=False)
