@@ -23,8 +23,8 @@ The optimizer is one fused AdamW kernel (`toolkit.sim.fused_adam`), as apex's Fu
 stepped with. The artifact's data parallelism: rows 1-4 ran torch's DDP (`--DDP-impl torch`: 25 MB buckets all-reduced
 during backward, which the toolkit's "ddp" is), rows 5-10 Megatron's own ("local": one all-reduce of all
 gradients once the pipeline's backward is over, nothing hidden: "ddp" with a single bucket). Row 4
-accumulates 4 micro-batches of 8; the simulator runs the replica's 32 sequences as one pass (the same
-GEMMs, four times as tall; stated with the results).
+accumulates 4 micro-batches of 8, and so does its simulation (`simulate(accumulation=4)`: Megatron's
+forward_backward_no_pipelining runs all but the last inside torch DDP's no_sync).
 
 The plain configuration (`--plain`) is what a student writes for the same rows: the toolkit's GPT as it comes
 (FlashAttention through `scaled_dot_product_attention`, no dropout), `activation_checkpointing=True`, torch's AdamW,
@@ -231,6 +231,7 @@ def predict(r: dict, cluster="dgx-a100", plain: bool = False, kernels: str | Non
             r["gpus"],
             optimizer=torch.optim.AdamW if plain else FusedAdamW,
             batch_per_rank=r["batch"] // r["dp"],
+            accumulation=r["microbatches"] if r["pp"] == 1 and not plain else 1,
             mixed_precision=True,
             progress=False,
             cluster=cluster,
