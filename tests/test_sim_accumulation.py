@@ -90,6 +90,22 @@ def test_the_price_is_m_micro_batches_of_kernels_and_one_optimizer_step():
     assert four.step_time < 4 * one.step_time
 
 
+def test_a_step_that_does_not_fit_is_told_to_accumulate_and_following_the_advice_fits():
+    """Activations grow with the micro-batch, not with the step's batch: a rank's 16 sequences that do not fit in
+    one pass are told the accumulation that would bring the peak down (the same batch, one optimizer step), with a
+    micro-batch that divides it; run so, the step fits."""
+    gpu = dict(name="small-gpu", peak_flops={"bf16": 1e14, "fp32": 2e13}, memory_bytes=700_000, memory_bandwidth=1e12)
+    cluster = dict(name="small", gpu=gpu, gpus_per_node=4, intra=("100 GB/s", "2 us"), inter=("100 Gb/s", "8 us"))
+    step = dict(strategy="zero3", world_size=4, batch_per_rank=16, cluster=cluster, progress=False)
+    whole = simulate(tiny_gpt, **step)
+    said = [a for a in whole.fit.advice if a.startswith("the same batch in smaller micro-batches")]
+    assert not whole.fits and said and "now 16;" in said[0], whole.fit.advice
+    accumulation = int(said[0].split("accumulation=")[1].split(",")[0])
+    assert 16 % accumulation == 0 and f"{16 // accumulation} sequences a pass" in said[0]
+    advised = simulate(tiny_gpt, accumulation=accumulation, **step)
+    assert advised.fits and advised.peak < whole.peak / 4, (advised.peak, whole.peak)
+
+
 @pytest.mark.parametrize(
     "call, message",
     [

@@ -334,8 +334,8 @@ def test_advice_is_said_in_flags_with_a_real_value_and_the_verdict_once(tmp_path
     assert cli.main([*common, "--batch-per-rank", "4", "--activation-checkpointing"]) == 0
     out = capsys.readouterr().out
     assert out.count("DOES NOT FIT") == 1 and "_" not in out.split("To fit:")[1].split("sent per rank")[0], out
-    smaller = re.search(r"\(--batch-per-rank (\d+)[^()]*, now 4;", out)
-    assert smaller and int(smaller.group(1)) < 4, out
+    smaller = re.search(r"\(--accumulation (\d+), (\d+) sequences? a pass, now 4\b", out)
+    assert smaller and int(smaller.group(2)) < 4 and int(smaller.group(1)) * int(smaller.group(2)) == 4, out
     # two configurations, two sets of files: the second did not overwrite the first
     assert len(list(tmp_path.glob("sim-tiny-zero3-4-*-report.html"))) == 2
 

@@ -93,6 +93,20 @@ def _smaller(now: int, transient: float, excess: float, power_of_two: bool = Fal
     return f"{value} or less" if value > 1 else "1" if value == 1 else "1, not enough alone"
 
 
+def _more_micro_batches(sim, micro: int, transient: float, excess: float) -> str:
+    """The step's batch in more micro-batches (gradient accumulation): the fewest that take `excess` bytes off
+    `transient`, which grows with the micro-batch, said as a suggestion (where even one sequence would not, that)."""
+    fits = int(micro * (1 - excess / transient)) if transient > 0 else 0  # the largest micro-batch that would do
+    batch = sim.batch_per_rank
+    more = [m for m in range(sim.accumulation + 1, batch + 1) if batch % m == 0 and batch // m <= max(fits, 1)]
+    n = batch // more[0]
+    return (
+        f"the same batch in smaller micro-batches (accumulation={more[0]}, {n} sequence{'s' * (n > 1)} a pass, "
+        f"now {micro}{'' if fits >= 1 else ', not enough alone'}; activations scale with the micro-batch, and "
+        f"one optimizer step follows them all)"
+    )
+
+
 def advice(sim, room: float) -> list[str]:
     """What would bring `sim`'s peak under `room` bytes, the largest part of the peak first."""
     parts = sim.peak_memory
@@ -147,7 +161,10 @@ def advice(sim, room: float) -> list[str]:
                 )
             )
         excess = sim.peak - room
-        if sim.batch_per_rank > 1:
+        micro = sim.batch_per_rank // sim.accumulation
+        if micro > 1 and options.get("pp", 1) == 1:
+            tips.append((transient, _more_micro_batches(sim, micro, transient, excess)))
+        elif sim.batch_per_rank > 1:
             smaller = _smaller(sim.batch_per_rank, transient, excess)
             tips.append(
                 (

@@ -73,6 +73,7 @@ def extrapolate(one, two, layers: int, at: tuple = BASE) -> dict:
         options=one.options,
         world_size=one.world_size,
         batch_per_rank=one.batch_per_rank,
+        accumulation=one.accumulation,
         seq_len=one.seq_len,
         num_params=_affine(one.num_params, two.num_params),
         expert_params=_affine(one.expert_params, two.expert_params),
