@@ -698,8 +698,8 @@ for label, no_sync in (("whole gradients until the last (no_sync)", True), ("red
         }
     )
 show_table(rows)
-held, each = rows
-sent, peak = (held[k] / each[k] for k in ("KB sent per step", "peak KB"))
+kept_whole, reduced_each = rows
+sent, peak = (kept_whole[k] / reduced_each[k] for k in ("KB sent per step", "peak KB"))
 print(f"no_sync sends {sent:.2f}x the bytes, at {peak:.2f}x the peak")
 assert all(r["KB sent per step"] == r["formula KB"] for r in rows)
 assert abs(sent - 9 / 12) < 0.01 and peak > 1
