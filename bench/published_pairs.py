@@ -8,7 +8,10 @@ shorter step shows it as a larger share (docs/differences.md, "The H100 gap", re
 
 from __future__ import annotations
 
-PAIRS = tuple((f"{m}-a100", f"{m}-h100") for m in ("mpt-1b", "mpt-7b", "mpt-13b", "llama2-7b", "fa2-gpt3-2.7b"))
+PAIRS = tuple(
+    (f"{m}-a100", f"{m}-h100")
+    for m in ("mpt-1b", "mpt-7b", "mpt-13b", "llama2-7b", "fa2-gpt3-2.7b", "fms-llama-34b", "fms-llama-70b")
+)
 
 
 def speedups(results) -> dict:

@@ -456,12 +456,19 @@ RUN_MISSES = {  # run -> what the model predicts when last measured, and what th
     "mpt-13b-h100": "6,739 against 4,792 (+41%): " + RUNS.NOTES["mpt-13b-h100"],
     "llama2-7b-h100": "9,951 against 7,500 (+33%): " + RUNS.NOTES["llama2-7b-h100"],
     "fa2-gpt3-2.7b-h100": "26,846 against 21,873 (+23%): " + RUNS.NOTES["fa2-gpt3-2.7b-h100"],
+    "fms-llama-34b-h100": "1,989 against 1,550 (+28%): " + RUNS.NOTES["fms-llama-34b-h100"],
+    "fms-llama-70b-h100": "1,020 against 800 (+27%): " + RUNS.NOTES["fms-llama-70b-h100"],
 }
 SPEEDUP_MISS = (  # what the pairs' test below measured last
     "predicted H100 over A100 when last measured: MPT-1B 2.70 against the runs' 2.22 (1.22x), MPT-7B 2.78 against "
-    "2.29 (1.21x), MPT-13B 2.62 against 2.12 (1.24x), fms-fsdp's Llama 2 7B 2.49 against 2.03 (1.23x), "
-    "flash-attention's GPT3-2.7B 2.55 against 2.14 (1.20x); " + RUNS.H100_LEVEL
+    "2.29 (1.21x), MPT-13B 2.62 against 2.12 (1.24x), fms-fsdp's Llama 2 7B 2.49 against 2.03 (1.23x), 34B 2.64 "
+    "against 2.21 (1.19x) and 70B 2.68 against 2.16 (1.24x), flash-attention's GPT3-2.7B 2.55 against 2.14 (1.20x); "
+    + RUNS.H100_LEVEL
 )
+CARRIED_MISS = {  # pair -> the H100 row with its A100 twin's unpriced time, when last measured, and why it misses
+    "fms-llama-70b": "+17%: the H100 run left 278 µs a token beyond its priced compute, the A100 run 92 µs (3.0x), "
+    "where the other pairs left 1.0-1.9x: found after the reading was made, and it does not carry whole",
+}
 MCORE_SIZES = {"mcore-1.7b-h100": 1.7e9, "mcore-7.1b-h100": 7.1e9, "mcore-16b-h100": 16e9}  # the table's column
 
 
@@ -513,11 +520,11 @@ def predicted_run(name):
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("name", [r.name for r in RUNS.RUNS])
 def test_published_runs_within_15_percent(name):
-    """MPT-1B, 7B and 13B (llm-foundry), Llama 2 13B (torchtitan), Llama 2 7B (fms-fsdp), flash-attention's GPT3-2.7B
-    (Lambda), Megatron-Core's H100 rows and BLOOM-176B, in their published layouts, priced from the hardware's
-    measurements. The runs in RUN_MISSES miss 15% and say by how much and why; one that comes within fails until it
-    is taken off that list. Each lies inside what every prediction on its preset states of its group of runs
-    (`toolkit.sim.held_to_runs`)."""
+    """MPT-1B, 7B and 13B (llm-foundry), Llama 2 13B (torchtitan), Llama 2 7B, 34B and 70B (fms-fsdp),
+    flash-attention's GPT3-2.7B (Lambda), Megatron-Core's H100 rows and BLOOM-176B, in their published layouts, priced
+    from the hardware's measurements. The runs in RUN_MISSES miss 15% and say by how much and why; one that comes
+    within fails until it is taken off that list. Each lies inside what every prediction on its preset states of its
+    group of runs (`toolkit.sim.held_to_runs`)."""
     run = next(r for r in RUNS.RUNS if r.name == name)
     got = predicted_run(name)
     said = f"{name}: predicted {got['predicted']:.0f} {run.metric}, published {run.measured}"
@@ -552,13 +559,18 @@ def test_h100_speedup_over_the_a100_is_the_runs(a100, h100):
 def test_h100_row_paying_the_time_its_a100_twin_left_unpriced(a100, h100):
     """What the ratio above hides: each run's time a token and GPU beyond its compute as priced
     (bench/published_pairs.py), in absolute time, is about the same on both GPUs of a pair. The H100 row priced
-    with its A100 twin's time on top comes within 15% in each (-0% to +11% when last measured; docs/differences.md,
+    with its A100 twin's time on top comes within 15% in six pairs (-0% to +11% when last measured; fms-fsdp's 70B,
+    added later, is the exception said in CARRIED_MISS; docs/differences.md,
     "The H100 gap"): the steps' kernels ran slower than their benchmarks by about the same time per unit of work on
     both GPUs, a larger share of the H100's shorter step."""
     ((name, (a100_us, h100_us, carried)),) = RUNS.unpriced([predicted_run(a100), predicted_run(h100)]).items()
     said = f"{name}: {a100_us:.1f} µs a token beyond the priced compute on A100, {h100_us:.1f} on H100"
     assert a100_us > 0 and h100_us > 0, said  # the model prices each run faster than it ran
-    assert abs(carried) <= RUNS.TOLERANCE, f"{said}: the H100 row with the A100's time is {carried:+.0%}"
+    said += f": the H100 row with the A100's time is {carried:+.0%}"
+    if name in CARRIED_MISS:
+        assert abs(carried) > RUNS.TOLERANCE, said + ": now within 15%; take it off CARRIED_MISS"
+        pytest.xfail(f"{said} ({CARRIED_MISS[name]})")
+    assert abs(carried) <= RUNS.TOLERANCE, said
 
 
 # --- Llama 3 405B's 128k layout on 16,384 H100 (bench/long_context.py) -------------------------------------------
