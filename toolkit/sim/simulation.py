@@ -16,6 +16,8 @@ The contract lessons and tests build on (all for the simulated rank):
     flops           FLOPs of the last step (torch's flop_registry, `record.py`), programs: one per step, run: the Run
     useful_flops    the average rank's FLOPs in the last step: all ranks' work / world size (differs
                     from `flops`, this rank's own, where ranks compute different numbers of MoE rows)
+    accumulation    the micro-batches of a step (batch_per_rank sequences in all), and no_sync: whether all but the
+                    last ran inside the strategy's no_sync() (`simulate(accumulation=, no_sync=)`)
 
 Priced on a cluster (`simulate(..., cluster=...)`, `cost.pricer`) it also holds `fit` (`fit.Fit`: the peak
 against the accelerator's memory, the headroom, what would make it fit), `fits`, `cost`, `modelled_run`,
