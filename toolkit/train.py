@@ -153,7 +153,7 @@ def train(config, *, model_fn=None, loss_fn=None, batch_fn=None, return_state: b
                     sample(step)
                 with phase("backward"):
                     with span("backward", step=step, micro=micro):
-                        (loss / M).backward()
+                        (loss if M == 1 else loss / M).backward()
                     sample(step)
             step_loss += loss.detach()
         with phase("optimizer"):

@@ -15,6 +15,7 @@ import torch
 
 from . import parallel
 from .models import GPTConfig
+from .parallel.zero import ZERO1_REDUCES_ONCE
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
@@ -66,8 +67,7 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.no_sync must be True or False, got {self.no_sync!r}.")
         if self.strategy == "zero1" and self.accumulation > 1 and not self.no_sync:
             raise ValueError(
-                "TrainConfig.no_sync=False: zero1 reduce-scatters its whole gradients once a step and cannot add a "
-                "second reduction into its slices (zero2 does): keep no_sync=True, or use strategy='zero2'."
+                f"TrainConfig.no_sync=False: {ZERO1_REDUCES_ONCE}: keep no_sync=True, or use strategy='zero2'."
             )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {sorted(OPTIMIZERS)}.")

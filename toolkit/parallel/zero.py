@@ -79,6 +79,11 @@ OPTIONS = {
     3: ("mixed_precision", "group", "prefetch_bucket_size", "reduce_bucket_size", "sub_group_size"),
 }
 REDUCE = ("reduce_scatter", "all_reduce")
+# why a step of micro-batches under ZeRO-1 runs all but the last inside no_sync(): said by the interfaces that refuse it
+ZERO1_REDUCES_ONCE = (
+    "zero1 reduce-scatters its whole gradients once a step and cannot add a second reduction into its slices "
+    "(zero2 does)"
+)
 
 
 def wrap_zero1(model: nn.Module, optimizer=torch.optim.AdamW, **options):

@@ -30,6 +30,7 @@ from .. import parallel
 from ..moe.experts import is_expert
 from ..moe.gates import assume_routing
 from ..moe.layer import MoE
+from ..parallel.zero import ZERO1_REDUCES_ONCE
 from ..run import Run
 from ..trace.events import phase
 from . import cluster as _cluster
@@ -245,10 +246,7 @@ def _check_accumulation(strategy: str, batch_per_rank: int, accumulation: int, n
     if not isinstance(no_sync, bool):
         raise ValueError(f"no_sync must be True or False, got {no_sync!r}.")
     if strategy == "zero1" and accumulation > 1 and not no_sync:
-        raise ValueError(
-            "zero1 reduce-scatters its whole gradients once a step and cannot add a second reduction into its "
-            "slices (ZeRO-2 does): drop no_sync=False, or use strategy='zero2'."
-        )
+        raise ValueError(f"{ZERO1_REDUCES_ONCE}: drop no_sync=False, or use strategy='zero2'.")
     if batch_per_rank % accumulation:
         whole = [m for m in range(1, batch_per_rank + 1) if batch_per_rank % m == 0]
         raise ValueError(
