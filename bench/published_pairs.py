@@ -11,6 +11,7 @@ from __future__ import annotations
 PAIRS = tuple(
     (f"{m}-a100", f"{m}-h100")
     for m in ("mpt-1b", "mpt-7b", "mpt-13b", "llama2-7b", "fa2-gpt3-2.7b", "fms-llama-34b", "fms-llama-70b")
+    + ("fms-llama-13b",)
 )
 
 

@@ -122,9 +122,18 @@ def mpt(size, d, layers, heads, gpu, batch, measured, accumulation=1, seq=2048):
 
 # fms-fsdp's sizes (fms_fsdp/utils/config_utils.py at 5e522b4, IBM's FMS Llama: rotary positions, RMSNorm, SwiGLU,
 # untied head, a vocabulary of 32,000): its layout, and the README's name for it. 7b: hybrid sharding inside each
-# node, no checkpointing; 34b and 70b: sharded over every GPU, every block checkpointed (ac_handler.py, p = 1).
+# node, no checkpointing; 34b and 70b: sharded over every GPU, every block checkpointed (ac_handler.py, p = 1); 13b:
+# sharded over every GPU, "Selective AC": every second block (p = 2), the only period its table's HFU/MFU ratios allow
+# (0.59/0.51 and 0.40/0.35, 1.14-1.18 with their rounding; recomputing one block in k adds 1/(3k): 1.17 at k = 2,
+# 1.11 at 3, 1.33 at 1; `test_fms_13b_recomputes_every_second_block`).
 FMS_SIZES = {
     "7b": (gpt(4096, 32, 32, 32000, 4096), dict(intermediate_size=11008), dict(sharding_group_size=8), "HSDP, no AC"),
+    "13b": (
+        gpt(5120, 40, 40, 32000, 4096),
+        dict(intermediate_size=13824),
+        dict(activation_checkpointing=2),
+        "FSDP, selective AC (every second block)",
+    ),
     "34b": (
         gpt(8192, 48, 64, 32000, 4096),
         dict(intermediate_size=22016, num_key_value_heads=8),
@@ -304,6 +313,8 @@ RUNS = [
     llama_fms("34b", "h100", 96, "100 Gb/s", 1550),
     llama_fms("70b", "a100", 128, "50 Gb/s", 370),
     llama_fms("70b", "h100", 96, "100 Gb/s", 800),
+    llama_fms("13b", "a100", 128, "50 Gb/s", 1800),
+    llama_fms("13b", "h100", 96, "100 Gb/s", 3800),
     PublishedRun(
         "bloom-176b-a100",
         BIGSCIENCE,
@@ -321,15 +332,15 @@ RUNS = [
     ),
 ]
 H100_LEVEL = (
-    "the model's H100 rate over its A100 rate for the same code, model and batch is 1.19-1.24x the runs' in all seven "
-    "pairs (llm-foundry's MPT-1B, 7B and 13B and fms-fsdp's Llama 2 7B, 34B and 70B on FSDP, flash-attention's "
+    "the model's H100 rate over its A100 rate for the same code, model and batch is 1.19-1.24x the runs' in all eight"
+    " pairs (llm-foundry's MPT-1B, 7B and 13B and fms-fsdp's Llama 2 7B, 13B, 34B and 70B on FSDP, flash-attention's "
     "GPT3-2.7B on DDP: three software stacks), the level the Megatron-Core rows' compute shows too, and no published "
-    "measurement of the H100's kernels found prices it; read as time, the runs of six pairs took about as long beyond "
-    "their priced compute on either GPU (1.0-1.9x), and with its A100 twin's time each of those H100 rows is within "
-    "15% (-0% to +11%), which says the training steps' kernels ran slower than their benchmarks by about the same "
-    "time per unit of work on both GPUs, a larger share of the H100's; fms-fsdp's 70B, found after that reading, left "
-    "3.0x the A100's time on the H100 (+17% with it), so the time does not carry whole "
-    "(docs/differences.md, 'The H100 gap, held to runs the project was not told about')"
+    "measurement of the H100's kernels found prices it; read as time, the runs of seven pairs took about as long "
+    "beyond their priced compute on either GPU (1.0-1.9x), and with its A100 twin's time each of those H100 rows is "
+    "within 15% (-0% to +11%), which says the training steps' kernels ran slower than their benchmarks by about the "
+    "same time per unit of work on both GPUs, a larger share of the H100's; fms-fsdp's 70B, found after that reading,"
+    " left 3.0x the A100's time on the H100 (+17% with it), so the time does not carry whole (docs/differences.md, "
+    "'The H100 gap, held to runs the project was not told about')"
 )
 NOTES = {
     "bloom-176b-a100": "priced as bigscience's script ran it: tp 4 x pp 12 x dp 8, its stages' split (5 blocks and "
@@ -353,6 +364,8 @@ NOTES = {
     "fms-llama-34b-h100": "the same scripts and configuration on 128 A100s are met (fms-llama-34b-a100: sharded over "
     "every GPU, every block recomputed); " + H100_LEVEL,
     "fms-llama-70b-h100": "the same scripts and configuration on 128 A100s are met (fms-llama-70b-a100); " + H100_LEVEL,
+    "fms-llama-13b-h100": "the same scripts and configuration on 128 A100s are met (fms-llama-13b-a100: sharded over "
+    "every GPU, every second block recomputed); " + H100_LEVEL,
     "fa2-gpt3-2.7b-a100": "priced as Lambda ran flash-attention's training code: fp16 autocast over fp32 weights "
     "(`as_in_papers.under_autocast`, torch's autocast op for op), 16 micro-batches a step (`simulate(accumulation=16)`"
     ": each adds its fp32 gradients into the step's, DDP's all-reduce and ZeRO-1's AdamW once); overcharged: the "
@@ -436,8 +449,9 @@ def flops_per_step(run: PublishedRun) -> float:
 
 
 def predict(run: PublishedRun) -> dict:
+    from toolkit.parallel.checkpointing import period
     from toolkit.sim import cluster_of, simulate
-    from toolkit.sim.sweep import BASE, extrapolate
+    from toolkit.sim.sweep import depths, extrapolate
 
     cluster = run.cluster
     if run.network:  # the run's own network cards, each at the rate NCCL reaches on the preset's (their fraction)
@@ -446,6 +460,7 @@ def predict(run: PublishedRun) -> dict:
         found = cluster_of(cluster)
         cluster = found.with_changes(gpu=dataclasses.replace(found.gpu, asynchronous=False))
     pipelined = run.options.get("pp", 1) > 1  # its stages as the run split them: the whole model, simulated once
+    at = depths(run.shape["n_layer"], period(run.options.get("activation_checkpointing", False)))
     sims = [
         simulate(
             _model(run, n),
@@ -458,9 +473,9 @@ def predict(run: PublishedRun) -> dict:
             cluster=cluster,
             **{"mixed_precision": True, **run.options},  # a run's own precision policy where it gives one
         )
-        for n in ((run.shape["n_layer"],) if pipelined else BASE)
+        for n in ((run.shape["n_layer"],) if pipelined else at)
     ]
-    out = extrapolate(sims[0], sims[0], 1, (0, 1)) if pipelined else extrapolate(*sims, run.shape["n_layer"], BASE)
+    out = extrapolate(sims[0], sims[0], 1, (0, 1)) if pipelined else extrapolate(*sims, run.shape["n_layer"], at)
 
     def rate(seconds):
         if run.metric == "tokens/s/GPU":

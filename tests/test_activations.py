@@ -55,7 +55,7 @@ def test_the_tiny_gpt_saves_exactly_what_the_terms_say(shape, dtype):
 
 
 # --- stashing against checkpointing, under FSDP on two ranks --------------------------------------------
-def stash_or_recompute(checkpointing: bool) -> dict:
+def stash_or_recompute(checkpointing: bool | int) -> dict:
     """One FSDP step: activation bytes kept from forward to backward, FLOPs of each pass, final state."""
     import torch.distributed as dist
 
@@ -78,7 +78,7 @@ def stash_or_recompute(checkpointing: bool) -> dict:
 
 
 def both():
-    return {c: stash_or_recompute(c) for c in (False, True)}
+    return {c: stash_or_recompute(c) for c in (False, True, 2)}  # 2: every second block (fms-fsdp's selective)
 
 
 @functools.cache
@@ -93,16 +93,18 @@ def test_checkpointing_keeps_only_each_blocks_input_and_recomputes_its_forward()
     b = CKPT_BATCH // 2
     per_block = sum(tiny_gpt_terms(s, b, h, CKPT["n_head"], torch.float32).values())
     for rank in checkpointing_runs():
-        stash, ckpt = rank[False], rank[True]
-        # memory: each block keeps its input (4·sbh bytes) instead of everything its operations saved
-        assert stash["kept"] - ckpt["kept"] == L * (per_block - 4 * s * b * h)
-        # compute: the same forward; backward runs each block's forward again, up to the last tensor it
-        # needs (torch stops before the MLP's output matmul, whose result backward never reads)
-        assert ckpt["forward"] == stash["forward"]
-        assert ckpt["backward"] - stash["backward"] == L * (stash["block"] - stash["last_matmul"])
-        # and the arithmetic is the same: recomputation gives back the very tensors stashing kept
-        assert ckpt["loss"] == stash["loss"]
-        assert all(torch.equal(ckpt["state"][k], stash["state"][k]) for k in stash["state"])
+        stash = rank[False]
+        for k, blocks in ((True, L), (2, L // 2)):  # every block; every second one (of 3: the middle one)
+            ckpt = rank[k]
+            # memory: each checkpointed block keeps its input (4·sbh bytes) instead of everything its operations saved
+            assert stash["kept"] - ckpt["kept"] == blocks * (per_block - 4 * s * b * h), k
+            # compute: the same forward; backward runs each checkpointed block's forward again, up to the last
+            # tensor it needs (torch stops before the MLP's output matmul, whose result backward never reads)
+            assert ckpt["forward"] == stash["forward"]
+            assert ckpt["backward"] - stash["backward"] == blocks * (stash["block"] - stash["last_matmul"]), k
+            # and the arithmetic is the same: recomputation gives back the very tensors stashing kept
+            assert ckpt["loss"] == stash["loss"]
+            assert all(torch.equal(ckpt["state"][k_], stash["state"][k_]) for k_ in stash["state"])
 
 
 def test_checkpointing_gathers_zero3s_modules_again_in_backward_and_fsdps_units_not():

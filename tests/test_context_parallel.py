@@ -183,7 +183,8 @@ def test_the_simulated_ring_and_ulysses_send_what_the_formulas_say():
         )
         assert sent == {"forward": L * formula["forward"], "backward": L * formula["backward"]}, (cp, tp, attention)
         assert sim.bytes_per_step["total"] == sim.theory()["bytes_per_step"], (cp, tp, attention)  # and the rest
-    for options in (dict(cp=4, mixed_precision=True), dict(cp=2, activation_checkpointing=True)):  # bf16; recompute
+    recomputed = (dict(cp=2, activation_checkpointing=k) for k in (True, 2))  # every block; every second one
+    for options in (dict(cp=4, mixed_precision=True), *recomputed):  # bf16; recompute
         sim = simulate(lambda: tiny_gpt(**SMALL), "fsdp", 4, rank=3, batch_per_rank=b, progress=False, **options)
         assert sim.bytes_per_step["total"] == sim.theory()["bytes_per_step"], options
 

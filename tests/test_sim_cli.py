@@ -37,7 +37,7 @@ def test_the_top_level_help_lists_every_command_and_simulate_says_its_options_an
     assert all(a.help for a in documented), [a.dest for a in documented if not a.help]
 
 
-def test_the_fsdp_papers_configuration_is_the_readmes():
+def test_the_fsdp_papers_configuration_is_the_readmes(capsys):
     """README: simulate(presets.gpt3_175b, "fsdp", 512, mixed_precision=True, activation_checkpointing=True,
     forward_prefetch=True, cluster="dgx-a100"): the command line gives the same call."""
     parse = cli.parser()
@@ -53,6 +53,16 @@ def test_the_fsdp_papers_configuration_is_the_readmes():
     assert cli.options_of(args, parse) == ("fsdp", dict(sharding_group_size=4, backward_prefetch=False))
     args = parse.parse_args("--strategy zero2 --activation-checkpointing".split())  # every strategy checkpoints
     assert cli.options_of(args, parse) == ("zero2", dict(mixed_precision=True, activation_checkpointing=True))
+    assert cli.file_name(args, parse) == "sim-gpt3-175b-zero2-512-activation-checkpointing"
+    args = parse.parse_args("--activation-checkpointing 2 --tp 2".split())  # every second block, before a flag
+    assert cli.options_of(args, parse) == ("fsdp", dict(mixed_precision=True, activation_checkpointing=2, tp=2))
+    assert cli.file_name(args, parse) == "sim-gpt3-175b-fsdp-512-tp2-activation-checkpointing2"
+    assert cli.in_flags("activation_checkpointing=2", parse) == "--activation-checkpointing 2"
+    for wrong in ("0", "half"):
+        with pytest.raises(SystemExit) as stop:
+            parse.parse_args(["--activation-checkpointing", wrong])
+        assert stop.value.code == 2
+    assert "--activation-checkpointing: must be a whole number of 1 or more, got 'half'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:
         bad = parse.parse_args("--strategy ddp --forward-prefetch".split())
         cli.options_of(bad, parse)

@@ -353,19 +353,24 @@ def test_a_user_defined_cluster_reads_units():
 
 
 # --- the sweep's extrapolation ------------------------------------------------------------------------------
-def test_sweep_extrapolates_three_and_four_layers_to_the_whole_model():
+@pytest.mark.parametrize("layers, checkpointing", [(5, False), (8, 2), (7, 2), (7, 3)])
+def test_sweep_extrapolates_three_and_four_layers_to_the_whole_model(layers, checkpointing):
+    """And with every k-th block checkpointed (`activation_checkpointing=k`), from two depths a period apart that
+    leave the model's remainder (8 layers at k = 2: 4 and 6; 7: 3 and 5; 7 at k = 3: 4 and 7): from 3 and 4, the
+    layer added is a checkpointed block alone, and 8 layers at k = 2 were priced as if 6 were recomputed."""
     import functools
 
     from toolkit.models import tiny_gpt
     from toolkit.sim import simulate
-    from toolkit.sim.sweep import sweep
+    from toolkit.sim.sweep import depths, sweep
 
+    assert depths(8, 2) == (4, 6) and depths(7, 2) == (3, 5) and depths(7, 3) == (4, 7) and depths(40, 1) == (3, 4)
     model = functools.partial(tiny_gpt, d_model=64, n_head=4, vocab_size=128, seq_len=32)
-    hsdp = ("fsdp", dict(sharding_group_size=8, forward_prefetch=True))
-    rows = sweep(model, layers=5, strategies={"hsdp": hsdp}, worlds=(16,), batch_per_rank=2, mixed_precision=True)
+    hsdp = ("fsdp", dict(sharding_group_size=8, forward_prefetch=True, activation_checkpointing=checkpointing))
+    rows = sweep(model, layers=layers, strategies={"hsdp": hsdp}, worlds=(16,), batch_per_rank=2, mixed_precision=True)
     for row, (strategy, options) in zip(rows, [hsdp]):
         whole = simulate(
-            lambda: model(n_layer=5),
+            lambda: model(n_layer=layers),
             strategy,
             16,
             progress=False,

@@ -168,7 +168,8 @@ def test_simulated_tensor_parallel_rank_equals_a_real_gloo_run_and_the_formulas(
 
 @pytest.mark.parametrize("sp, overlap", [(False, False), (True, False), (True, True)])
 def test_activation_checkpointing_repeats_the_collectives_of_the_forward_it_runs_again(sp, overlap):
-    """Backward re-runs each block's forward as far as torch's checkpoint needs: one more all-reduce per block
+    """Backward re-runs each checkpointed block's forward (every block, or every second) as far as torch's
+    checkpoint needs: one more all-reduce per block
     (the attention's g), or under sequence parallelism two all-gathers and a reduce-scatter, and with
     tp_comm_overlap the MLP's reduce-scatter too (its ring is one Function with the GEMM whose input backward needs).
     The simulated rank (the same code as a real one) sends what `tp_bytes_per_step(recompute=True)` says, its
@@ -186,7 +187,7 @@ def test_activation_checkpointing_repeats_the_collectives_of_the_forward_it_runs
                 activation_checkpointing=c,
                 progress=False,
             )
-            for c in (False, True)
+            for c in (False, True, 2)  # 2: every second block
         }
         for recompute, sim in sims.items():
             formula = tp_bytes_per_step(
@@ -198,8 +199,9 @@ def test_activation_checkpointing_repeats_the_collectives_of_the_forward_it_runs
                 assert {op: b for op, b in sim.bytes_per_step.items()} == {op: b for op, b in formula.items() if b}
             assert sim.theory()["bytes_per_step"] == sim.bytes_per_step["total"]
         halves = 4 if overlap else 3 if sp else 2
-        extra = sims[True].bytes_per_step["total"] - sims[False].bytes_per_step["total"]
-        assert extra == layers * halves * (2 - 1) / 2 * BATCH * 32 * SMALL["d_model"] * 4
+        for k, recomputed in ((True, layers), (2, layers // 2)):
+            extra = sims[k].bytes_per_step["total"] - sims[False].bytes_per_step["total"]
+            assert extra == recomputed * halves * (2 - 1) / 2 * BATCH * 32 * SMALL["d_model"] * 4
 
 
 def test_tp_comm_overlap_hides_the_layers_traffic_behind_their_gemms_on_a_gpu():

@@ -266,21 +266,27 @@ def test_checkpoints_move_between_dp_tp_layouts_bit_for_bit(directory, no_leftov
 
 def test_activation_checkpointing_is_an_option_of_every_strategy():
     """Not only FSDP's: here "local", in this process. The blocks keep their inputs only, and backward
-    pays their forward again; the gradients are the same."""
+    pays their forward again; the gradients are the same. A whole number k checkpoints every k-th block."""
     from toolkit.memory import pass_costs
 
     costs = {}
-    for flag in (False, True):
+    for flag in (False, True, 2):
         torch.manual_seed(0)
-        model, _ = toolkit.parallel.wrap(toolkit.models.tiny_gpt(), "local", activation_checkpointing=flag)
+        model, _ = toolkit.parallel.wrap(toolkit.models.tiny_gpt(n_layer=4), "local", activation_checkpointing=flag)
         costs[flag] = pass_costs(model, *SyntheticCorpus().batch(0, 4))
         costs[flag]["grads"] = [p.grad.clone() for p in model.parameters()]
-    plain, checkpointed = costs[False], costs[True]
+    plain, checkpointed, half = costs[False], costs[True], costs[2]
     assert checkpointed["kept"] < plain["kept"] / 2
     assert checkpointed["backward"] > plain["backward"]  # the recomputed forwards
-    assert all(torch.equal(a, b) for a, b in zip(plain["grads"], checkpointed["grads"]))
-    with pytest.raises(ValueError, match="activation_checkpointing must be True or False"):
-        toolkit.parallel.wrap(toolkit.models.tiny_gpt(), "local", activation_checkpointing="yes")
+    # every second block (2 and 4 of 4): half the saving, half the recomputation
+    assert plain["kept"] - half["kept"] == (plain["kept"] - checkpointed["kept"]) / 2
+    assert half["backward"] - plain["backward"] == (checkpointed["backward"] - plain["backward"]) / 2
+    for got in (checkpointed, half):
+        assert all(torch.equal(a, b) for a, b in zip(plain["grads"], got["grads"]))
+    for wrong in ("yes", 0, -2, 1.5):
+        for strategy in ("local", "fsdp"):  # fsdp's is its own option: refused before it asks for ranks
+            with pytest.raises(ValueError, match=r"activation_checkpointing must be True \(every block\), False"):
+                toolkit.parallel.wrap(toolkit.models.tiny_gpt(), strategy, activation_checkpointing=wrong)
 
 
 @pytest.mark.timeout(300)

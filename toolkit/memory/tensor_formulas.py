@@ -97,25 +97,25 @@ def tp_collectives(
     *,
     sequence_parallel: bool = False,
     bytes_per_value: float = 4,
-    recompute: bool = False,
+    recompute: bool | int = False,
     comm_overlap: bool = False,
 ) -> dict[str, list]:
     """The tensor-parallel collectives of one training step of the toolkit GPT: {op: [message bytes, ...]}.
 
-    A message's bytes are the collective's full tensor (an all-gather's output, a reduce-scatter's input).
-    recompute (activation checkpointing): backward runs each block's forward again, as far as the last tensor
-    it needs (torch's non-reentrant checkpoint stops there): the attention's g once more (its output feeds
-    ln_2, whose input backward needs) but not the MLP's (its output is only added to the residual); under
-    sequence parallelism the attention's all-gather and reduce-scatter and the MLP's all-gather (fc's output
-    feeds GELU). comm_overlap (`tp_comm_overlap`, with sequence parallelism): the same messages, each a ring of
-    passes; recomputed, the MLP's reduce-scatter runs again too (its ring is one autograd Function with the GEMM
-    whose input backward needs, which the checkpoint cannot stop inside)."""
+    A message's bytes are the collective's full tensor (an all-gather's output, a reduce-scatter's input). recompute
+    (activation checkpointing; a whole number k: every k-th block): backward runs a checkpointed block's forward
+    again, as far as the last tensor it needs (torch's non-reentrant checkpoint stops there): the attention's g once
+    more (its output feeds ln_2, whose input backward needs) but not the MLP's (its output is only added to the
+    residual); under sequence parallelism the attention's all-gather and reduce-scatter and the MLP's all-gather
+    (fc's output feeds GELU). comm_overlap (`tp_comm_overlap`, with sequence parallelism): the same messages, each a
+    ring of passes; recomputed, the MLP's reduce-scatter runs again too (its ring is one autograd Function with the
+    GEMM whose input backward needs, which the checkpoint cannot stop inside)."""
     for name, value in (("batch", batch), ("seq_len", seq_len), ("hidden", hidden), ("tp", tp)):
         _check_world(name, value)
     _check_count("layers", layers)
     act = batch * seq_len * hidden * bytes_per_value  # one (b, s, h) activation
     loss = [batch * seq_len * 4] * 3  # max, target logit, sum of exps: fp32
-    again = layers if recompute else 0  # blocks whose forward backward runs again
+    again = layers // int(recompute) if recompute else 0  # blocks whose forward backward runs again
     if not sequence_parallel:
         return {"all_reduce": [act] * (4 * layers + 2 + again) + loss, "all_gather": [], "reduce_scatter": []}
     params = [hidden * bytes_per_value] * (6 * layers + 2)  # sequence-parallel gradients, one message each
@@ -137,7 +137,7 @@ def tp_bytes_per_step(
     *,
     sequence_parallel: bool = False,
     bytes_per_value: float = 4,
-    recompute: bool = False,
+    recompute: bool | int = False,
     comm_overlap: bool = False,
 ) -> dict[str, float]:
     """Bytes each tensor-parallel rank sends per step for tensor parallelism, by op and "total" (ring

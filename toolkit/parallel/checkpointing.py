@@ -1,6 +1,7 @@
 """Activation checkpointing for every strategy: keep a block's input, recompute its inside in backward.
 
     model, opt = toolkit.parallel.wrap(model, "zero2", activation_checkpointing=True)
+    model, opt = toolkit.parallel.wrap(model, "fsdp", activation_checkpointing=2)  # every 2nd block only
 
 A transformer keeps about s·b·h·34 bytes per layer for backward (Korthikanti et al.); under checkpointing a
 block keeps only its input (2·s·b·h in 16 bits) and runs its forward again when backward reaches it, one
@@ -10,6 +11,10 @@ unit itself, inside its gather/free hooks; every other strategy gets it here, be
 Under tensor parallelism the recomputed forward issues its g all-reduces again (Megatron's full
 recomputation does the same), and draws the dropout masks of split regions from the tensor-parallel stream as
 it was in the forward (`rng.py`; torch's checkpoint replays the default stream itself).
+
+A whole number k checkpoints every k-th block (the k-th, 2k-th, ... in the model's order) and keeps the others'
+activations: a trade between memory and recomputation in steps of 1/k, as fms-fsdp's `selective_checkpointing`
+and torchtitan's layer-wise selective checkpointing (`selective_ac_option="2"`) count blocks. True is 1.
 """
 
 from __future__ import annotations
@@ -39,19 +44,36 @@ def checkpoint_forward(module: nn.Module) -> None:
     module.forward = checkpointed
 
 
-def checkpoint_blocks(model: nn.Module) -> list[str]:
-    """Run each repeated block's forward under torch.utils.checkpoint (non-reentrant); return their names."""
+def period(flag, where: str = "") -> int:
+    """The blocks `activation_checkpointing=flag` recomputes, as k (every k-th block): False 0, True 1."""
+    if isinstance(flag, bool):
+        return int(flag)
+    if isinstance(flag, int) and flag >= 1:
+        return flag
+    raise ValueError(
+        f"{where}activation_checkpointing must be True (every block), False (none) or a whole number k >= 1 "
+        f"(every k-th block: 2 recomputes half of them), got {flag!r}."
+    )
+
+
+def every(names: list, k: int) -> list:
+    """The k-th, 2k-th, ... of `names` (none for k = 0): the blocks checkpointed at period k."""
+    return names[k - 1 :: k] if k else []
+
+
+def checkpoint_blocks(model: nn.Module, k: int = 1) -> list[str]:
+    """Run every k-th repeated block's forward under torch.utils.checkpoint (non-reentrant); return their names."""
     names, _ = default_units(model)
     if not names:
         raise ValueError(
-            f"activation_checkpointing=True checkpoints a model's repeated blocks, and this "
+            f"activation_checkpointing={k if k > 1 else True} checkpoints a model's repeated blocks, and this "
             f"{type(model).__name__} has none (no toolkit Block, no ModuleList or Sequential of one "
             f"class); leave the option off, or wrap parts of it in torch.utils.checkpoint yourself."
         )
-    modules = dict(model.named_modules())
-    for name in names:
+    modules, chosen = dict(model.named_modules()), every(names, k)
+    for name in chosen:
         checkpoint_forward(modules[name])
-    return names
+    return chosen
 
 
 def apply_option(model: nn.Module, strategy: str, options: dict) -> dict:
@@ -59,9 +81,7 @@ def apply_option(model: nn.Module, strategy: str, options: dict) -> dict:
     if strategy == "fsdp" or "activation_checkpointing" not in options:
         return options
     options = dict(options)
-    flag = options.pop("activation_checkpointing")
-    if not isinstance(flag, bool):
-        raise ValueError(f"activation_checkpointing must be True or False, got {flag!r}.")
-    if flag:
-        checkpoint_blocks(model)
+    k = period(options.pop("activation_checkpointing"))
+    if k:
+        checkpoint_blocks(model, k)
     return options

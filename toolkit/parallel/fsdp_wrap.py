@@ -15,6 +15,7 @@ from ..memory.ledger import record_memory
 from ..runtime import env
 from ..trace.events import phase, recorder
 from . import check_options, consistency
+from .checkpointing import period
 from .fsdp import FullyShardedDataParallel
 from .fsdp_init import check_deferred, is_deferred, materialize_buffers
 from .fsdp_policy import explain, plan
@@ -64,9 +65,9 @@ def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
             ("reshard_after_forward", True),
             ("forward_prefetch", False),
             ("backward_prefetch", True),
-            ("activation_checkpointing", False),
         )
     }
+    flags["activation_checkpointing"] = period(options.get("activation_checkpointing", False), "fsdp: ")
     unit_class = options.get("unit_class", FSDPUnit)
     if not (isinstance(unit_class, type) and issubclass(unit_class, FSDPUnit)):
         raise ValueError(f"fsdp: unit_class must be FSDPUnit or a subclass of it, got {unit_class!r}.")

@@ -60,7 +60,7 @@ def file_name(args, parse) -> str:
         if value == action.default:
             continue
         flag = action.option_strings[-1].lstrip("-")
-        if action.nargs == 0:
+        if action.nargs == 0 or (action.const is not None and value == action.const):  # a switch, given bare
             parts.append(flag)
         else:
             text = os.path.splitext(os.path.basename(str(value)))[0] if action.dest == "cluster" else str(value)

@@ -152,11 +152,13 @@ def advice(sim, room: float) -> list[str]:
             )
     if transient:
         what = f"activations and temporaries take {bytes_text(transient)} of the peak"
-        if not options.get("activation_checkpointing"):
+        k = int(options.get("activation_checkpointing", False))
+        if k != 1:
+            which = f" of every block (activation_checkpointing=True, now one block in {k})" if k else ""
             tips.append(
                 (
                     transient,
-                    f"activation checkpointing (activation_checkpointing=True): {what}; it keeps "
+                    f"activation checkpointing{which or ' (activation_checkpointing=True)'}: {what}; it keeps "
                     f"each block's input and recomputes the rest in backward",
                 )
             )

@@ -150,8 +150,12 @@ def parser(description: str) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--activation-checkpointing",
-        action="store_true",
-        help="keep each block's input only and recompute its activations in backward",
+        nargs="?",
+        const=1,
+        type=positive_int,
+        metavar="EVERY",
+        help="keep each block's input only and recompute its activations in backward; with a number k, "
+        "every k-th block only (2: half of them)",
     )
     p.add_argument(
         "--forward-prefetch",
@@ -192,8 +196,9 @@ def options_of(args, parse) -> tuple[str, dict]:
     group = args.sharding_group_size or ((args.ranks_per_node or 8) if args.strategy == HSDP else None)
     if group:
         options["sharding_group_size"] = group
-    if args.activation_checkpointing:
-        options["activation_checkpointing"] = True
+    if args.activation_checkpointing:  # 1 (the bare flag) is every block: True, as Python spells it
+        k = args.activation_checkpointing
+        options["activation_checkpointing"] = k if k > 1 else True
     if args.tp != 1 or args.sequence_parallel:
         options["tp"] = args.tp
     if args.sequence_parallel:

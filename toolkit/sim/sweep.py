@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from ..parallel import checkpointing
 from ..units import bytes_text, seconds_text
 from .breakdown import WAITING
 from .fit import check_fit
@@ -178,12 +179,24 @@ def sweep(
                     **both,
                 )
 
-            row, _ = simulate_depths(simulate_at, layers // stages, pipelined=stages > 1)
+            period = checkpointing.period(both.get("activation_checkpointing", False))
+            row, _ = simulate_depths(simulate_at, layers // stages, pipelined=stages > 1, period=period)
             rows.append(dict(row, label=label, strategy=strategy, world_size=world))
     return rows
 
 
-def simulate_depths(simulate_at, blocks: int, pipelined: bool) -> tuple[dict, object]:
+def depths(blocks: int, period: int = 1) -> tuple[int, int]:
+    """The two depths simulated for a model of `blocks` layers that repeat every `period` layers (activation
+    checkpointing of every k-th block: `activation_checkpointing=k`): `BASE` for k = 1; else the first depth from
+    BASE[0] that leaves the same remainder as `blocks` and one period more (13B's 40 layers at k = 2: 4 and 6), so
+    that the layers added are a whole period, one checkpointed block and k - 1 kept, as the model's are."""
+    if period <= 1:
+        return BASE
+    first = BASE[0] + (blocks - BASE[0]) % period
+    return first, first + period
+
+
+def simulate_depths(simulate_at, blocks: int, pipelined: bool, period: int = 1) -> tuple[dict, object]:
     """(`extrapolate`'s numbers, the deepest Simulation run) for a model of `blocks` layers (blocks per stage under
     pp), from simulate_at(n), the Simulation of its n-layer version. Without pp: `BASE` simulated and extrapolated.
     Under pp the step is affine in the blocks per stage only while the pipeline keeps its regime: at one and two
@@ -194,11 +207,13 @@ def simulate_depths(simulate_at, blocks: int, pipelined: bool) -> tuple[dict, ob
     misses that step by more than `AFFINE` of it, the whole stage is simulated (exact, and as slow as its blocks);
     a stage of up to `PIPELINE_CHECK` blocks is simulated whole in any case. The numbers say which in "checked".
     The check is not a proof: a bend that starts deeper passes it (FSDP, d_model 256, pp 4, 8 micro-batches:
-    -0.2% at four blocks, -2.1% at eight)."""
+    -0.2% at four blocks, -2.1% at eight). Blocks checkpointed one in `period` (`depths`): without pp, depths a
+    period apart; under pp the stage simulated whole."""
     if not pipelined:
-        sims = [simulate_at(n) for n in BASE]
-        return dict(extrapolate(*sims, blocks, BASE), checked="extrapolated"), sims[-1]
-    if blocks <= PIPELINE_CHECK:
+        at = depths(blocks, period)
+        sims = [simulate_at(n) for n in at]
+        return dict(extrapolate(*sims, blocks, at), checked="extrapolated"), sims[-1]
+    if blocks <= PIPELINE_CHECK or period > 1:
         whole = simulate_at(blocks)
         return dict(extrapolate(whole, whole, blocks, (0, 1)), checked="simulated whole"), whole
     one, two, check = (simulate_at(n) for n in (*PIPELINE_BASE, PIPELINE_CHECK))

@@ -44,7 +44,7 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int, ra
             t,
             sequence_parallel=info.sequence_parallel,
             bytes_per_value=value,
-            recompute=bool(options.get("activation_checkpointing")),
+            recompute=options.get("activation_checkpointing", False),
             comm_overlap=bool(options.get("tp_comm_overlap")),
         )
     if t > ranks_per_node:
