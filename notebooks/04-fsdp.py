@@ -784,7 +784,8 @@ explorer
 # does anyway), autograd runs the block's forward a second time and backward proceeds through the
 # recomputed tensors, one block at a time.
 #
-# One launch on 2 ranks trains this notebook's model five steps each way, times the middle three and
+# One launch on 2 ranks trains this notebook's model five steps each way (and a third, in between: below), times
+# the middle three and
 # counts both sides of the trade in the last, on rank 0, with `toolkit.memory.pass_costs`: the bytes
 # kept from forward to backward (an `ActivationMeter`) and the floating-point operations of each pass
 # (torch's `FlopCounterMode`, which counts the matmuls; the fused attention kernel is not in its table
@@ -809,7 +810,7 @@ def stash_or_recompute(steps=5):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     corpus, out = SyntheticCorpus(64, 32, 0), {}
-    for checkpointing in (False, True):
+    for checkpointing in (False, True, 2):  # 2: every second block
         torch.manual_seed(0)
         model, opt = wrap(
             tiny_gpt(**MODEL),
@@ -845,7 +846,7 @@ def stash_or_recompute(steps=5):
 
 
 ckpt_ranks = toolkit.launch(stash_or_recompute, WORLD, quiet=True)
-stash, recompute = ckpt_ranks[0][False], ckpt_ranks[0][True]
+stash, recompute, every_second = (ckpt_ranks[0][k] for k in (False, True, 2))
 S, B = 32, BATCH // WORLD
 per_block = sum(
     activation_terms(
@@ -870,7 +871,11 @@ show_table(
             "median step ms": round(r["step"] * 1e3, 1),
             "loss, last step": round(r["loss"], 6),
         }
-        for label, r in (("stashed (default)", stash), ("checkpointed", recompute))
+        for label, r in (
+            ("stashed (default)", stash),
+            ("checkpointed", recompute),
+            ("every second block checkpointed", every_second),
+        )
     ]
 )
 print(
@@ -881,6 +886,14 @@ print(
     f"(L x (one block's terms - its input)); backward paid {recompute['backward'] / stash['backward'] - 1:+.0%} "
     f"FLOPs, the step {recompute['step'] / stash['step'] - 1:+.0%} time"
 )
+print(
+    f"every second block: saved {(stash['kept'] - every_second['kept']) / KB:,.1f} KB, backward paid "
+    f"{every_second['backward'] / stash['backward'] - 1:+.0%} FLOPs"
+)
+assert stash["kept"] - recompute["kept"] == saving  # to the byte
+assert 2 * (stash["kept"] - every_second["kept"]) == stash["kept"] - recompute["kept"]  # half the saving,
+assert 2 * (every_second["backward"] - stash["backward"]) == recompute["backward"] - stash["backward"]  # half the cost
+assert stash["loss"] == recompute["loss"] == every_second["loss"]
 
 # %% [markdown]
 # The saving is the prediction to the byte: each block keeps only its input instead of everything its
@@ -893,6 +906,12 @@ print(
 # matmuls are the step, it does. Both runs compute the same losses: a recomputation gives back the very
 # tensors stashing kept. During backward one recomputed block is alive at a time, so the peak is what is
 # kept plus one block's activations.
+#
+# The trade need not be all or nothing. `activation_checkpointing=2` checkpoints every second block (here
+# blocks 2 and 4 of 4) and stashes the others: exactly half the saving for exactly half the recomputed
+# FLOPs, and `k` in general recomputes one block in k. That is fms-fsdp's `selective_checkpointing` and
+# torchtitan's layer-wise selective checkpointing; IBM trained a 13B Llama so on 128 A100s
+# (`bench/published_runs.py` prices that run: docs/benchmarks.md).
 #
 # That trade is usually a good one for large models: notebook 03 found 275 GB of activations per row of
 # GPT-3 against 4.8 GB with checkpointing, for about a third more computation. FSDP and checkpointing
