@@ -123,9 +123,8 @@ def mpt(size, d, layers, heads, gpu, batch, measured, accumulation=1, seq=2048):
 # fms-fsdp's sizes (fms_fsdp/utils/config_utils.py at 5e522b4, IBM's FMS Llama: rotary positions, RMSNorm, SwiGLU,
 # untied head, a vocabulary of 32,000): its layout, and the README's name for it. 7b: hybrid sharding inside each
 # node, no checkpointing; 34b and 70b: sharded over every GPU, every block checkpointed (ac_handler.py, p = 1); 13b:
-# sharded over every GPU, "Selective AC": every second block (p = 2), the only period its table's HFU/MFU ratios allow
-# (0.59/0.51 and 0.40/0.35, 1.14-1.18 with their rounding; recomputing one block in k adds 1/(3k): 1.17 at k = 2,
-# 1.11 at 3, 1.33 at 1; `test_fms_13b_recomputes_every_second_block`).
+# sharded over every GPU, "Selective AC": every second block (p = 2, the only period the README's MFU and HFU allow:
+# `test_fms_13b_recomputes_every_second_block`).
 FMS_SIZES = {
     "7b": (gpt(4096, 32, 32, 32000, 4096), dict(intermediate_size=11008), dict(sharding_group_size=8), "HSDP, no AC"),
     "13b": (

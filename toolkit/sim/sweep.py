@@ -1,16 +1,15 @@
 """Where does a strategy stop fitting, or stop scaling? Step time and memory over world sizes, quickly.
 
-Simulating every layer of a 96-layer model for every (strategy, world size) takes minutes. But the
-layers of a transformer are identical, so whatever a rank spends per step grows by the same amount
-with each layer: memory (each category, at each moment of the step), FLOPs and step time are affine in
-the number of layers, f(L) = f(3) + (L - 3) x (f(4) - f(3)). The peak is the highest of the moments
-extrapolated (`deepest_peak`): two depths need not peak at the same moment. `sweep` simulates each case
-with three and with four layers (so that a layer in the middle of the stack, prefetched from both sides,
-is what gets repeated: with two layers there is no middle, and the peak happens elsewhere, e.g. before
-FSDP's first reduce-scatter) and extrapolates to the model's depth; `tests/test_sim_cost.py` holds the
-extrapolation to a whole-model simulation. One exception: exposed communication shrinks when another
-layer's compute hides more of it, and cannot go below zero; where its line would, the deeper model hides
-it all (step = compute).
+Simulating every layer of a 96-layer model for every (strategy, world size) takes minutes. But the layers of a
+transformer are identical, so whatever a rank spends per step grows by the same amount with each layer: memory (each
+category, at each moment of the step), FLOPs and step time are affine in the number of layers, f(L) = f(3) + (L - 3)
+x (f(4) - f(3)). The peak is the highest of the moments extrapolated (`deepest_peak`): two depths need not peak at
+the same moment. `sweep` simulates each case with three and with four layers (so that a layer in the middle of the
+stack, prefetched from both sides, is what gets repeated: with two layers there is no middle, and the peak happens
+elsewhere, e.g. before FSDP's first reduce-scatter; with one block in k checkpointed, two depths k apart, `depths`)
+and extrapolates to the model's depth; `tests/test_sim_cost.py` holds the extrapolation to a whole-model simulation.
+One exception: exposed communication shrinks when another layer's compute hides more of it, and cannot go below
+zero; where its line would, the deeper model hides it all (step = compute).
 
     rows = sweep(presets.zero_7_5b, layers=36, strategies={"ddp": {}, "zero3": {}}, worlds=(8, 64, 512),
                  cluster="dgx-a100", mixed_precision=True)
