@@ -41,6 +41,7 @@ CASES = {  # (strategy, options, loop): every strategy in fp32 at 2 ranks, and a
         ("zero2", {}, ACCUMULATE),
         ("fsdp", {}, ACCUMULATE),
         ("fsdp", {}, EACH),
+        ("zero3", {"activation_checkpointing": 2}, {}),  # the second block recomputed: gathered a third time
     ],
     4: [
         ("ddp", MIXED, {}),
