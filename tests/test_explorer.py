@@ -187,9 +187,21 @@ def test_the_scale_explorer_offers_only_what_applies():
     assert "hsdp" in explorer.strategy.options and "hybrid" not in str(explorer.widget.children)
     with pytest.raises(ValueError, match="does not apply"):
         scale_case("MoE-GPT-S (16 experts)", "zero3", 64)
-    plain, checkpointed = (scale_case("GPT-2 XL", "ddp", 8, activation_checkpointing=c) for c in (False, True))
+    plain, checkpointed, half = (scale_case("GPT-2 XL", "ddp", 8, activation_checkpointing=c) for c in (False, True, 2))
     assert checkpointed["flops"] > 1.2 * plain["flops"]  # backward recomputes each block's forward
     assert "ddp with activation checkpointing" in case_text(checkpointed)
+    # one block in 2 (GPT-2 XL's 48: 24): half the recomputation, extrapolated from 4 and 6 layers
+    assert half["flops"] - plain["flops"] == pytest.approx((checkpointed["flops"] - plain["flops"]) / 2, rel=1e-6)
+    assert "ddp with one block in 2 checkpointed" in case_text(half) and "with 4 and 6 of the 48" in case_text(half)
+    assert [value for _, value in explorer.checkpointing.options] == [False, True, 2, 4]
+    # GPT-3 on 512 GPUs under fsdp: stashed it does not fit; one block in 2 fits, between the two, in a shorter step
+    none, every, second = (scale_case("GPT-3 175B", "fsdp", 512, activation_checkpointing=c) for c in (False, True, 2))
+    assert every["peak"] < second["peak"] < none["peak"] and (none["fits"], every["fits"], second["fits"]) == (
+        False,
+        True,
+        True,
+    )
+    assert second["step_time"] < every["step_time"]
 
 
 def test_the_scale_explorer_simulates_moe_with_more_ranks_than_experts():

@@ -1,8 +1,9 @@
 """Lesson 07's "Try it": a model, a strategy, a number of GPUs and a cluster; does it fit, and how fast is it?
 
 Each click of "simulate" runs the strategy's own code for rank 0 of the chosen cluster on meta tensors
-(`toolkit.sim`), at the model's full width, with three and with four of its layers, and extrapolates to its
-full depth (`toolkit.sim.sweep`: every layer adds the same). Then it draws what the rank holds at its peak,
+(`toolkit.sim`), at the model's full width, with three and with four of its layers (with one block in k
+checkpointed, two depths k apart), and extrapolates to its full depth (`toolkit.sim.sweep`: every layer, or
+every k layers, adds the same). Then it draws what the rank holds at its peak,
 every category, against the GPU's memory, and says whether it fits (and, if not, what would make it fit)
 and, when it fits, the step's time, TFLOP/s per GPU and MFU on that cluster.
 
@@ -14,7 +15,8 @@ Two layers, so that the numbers can be tested without a screen:
   its function returns, so a figure returned from it is never redrawn.)
 
 Choices that do not apply are not offered: MoE models train their dense part with ddp (their experts are
-expert-parallel). Activation checkpointing is an option of every strategy.
+expert-parallel). Activation checkpointing is an option of every strategy: of every block, or of one block in 2
+or 4 (`activation_checkpointing=k`), memory traded for recomputation in steps.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import ipywidgets as widgets
 
 from ..models.presets import PRESETS
-from ..sim.sweep import BASE, sweep
+from ..sim.sweep import depths, sweep
 from ..units import bytes_text, count_text, seconds_text
 from .memory import peak_bars
 from .panel_output import show
@@ -37,6 +39,7 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 MOE_STRATEGIES = ("ddp",)  # the dense part; experts are expert-parallel whatever the strategy
 WORLDS = (8, 64, 128, 256, 512, 1024)
 CLUSTERS = ("dgx-a100", "dgx-h100")
+CHECKPOINTING = {"none": False, "every block": True, "every 2nd block": 2, "every 4th block": 4}  # label: option
 NODE = 8  # GPUs per node on both presets: hsdp shards inside a node
 PANEL_CLASS = "toolkit-scale-explorer"  # the panel's CSS class (a browser test finds it by it)
 
@@ -58,9 +61,10 @@ def scale_case(
     strategy: str = "fsdp",
     world_size: int = 512,
     cluster: str = "dgx-a100",
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | int = False,
 ) -> dict:
-    """The numbers for one choice: a `toolkit.sim.sweep` row of the whole model (its full depth)."""
+    """The numbers for one choice: a `toolkit.sim.sweep` row of the whole model (its full depth); checkpointing
+    every block (True), one block in k (k) or none (False)."""
     key = MODELS.get(model, model)
     if key not in PRESETS:
         raise ValueError(f"unknown model {model!r}; choose one of {list(MODELS)}.")
@@ -72,7 +76,7 @@ def scale_case(
             + (" (its experts are expert-parallel; ddp trains its dense part)" if moe else "")
             + "."
         )
-    options = {"activation_checkpointing": True} if activation_checkpointing else {}
+    options = {"activation_checkpointing": activation_checkpointing} if activation_checkpointing else {}
     spec = (
         ("fsdp", dict(options, sharding_group_size=min(NODE, world_size)))
         if strategy == "hsdp"
@@ -86,15 +90,23 @@ def scale_case(
         cluster=cluster,
         mixed_precision=True,
     )
-    return dict(row, model=model, cluster=cluster, activation_checkpointing=activation_checkpointing)
+    layers = _config(key)["n_layer"]
+    return dict(
+        row,
+        model=model,
+        cluster=cluster,
+        activation_checkpointing=activation_checkpointing,
+        depths=depths(layers, int(activation_checkpointing)),
+    )
 
 
 def case_text(row: dict) -> str:
     """The verdict and, when it fits, the step: what the panel prints under the figure."""
+    k = int(row["activation_checkpointing"])
+    which = {0: "", 1: " with activation checkpointing"}.get(k, f" with one block in {k} checkpointed")
     head = (
         f"{row['model']} ({count_text(row['num_params'])} parameters, {row['layers']} layers), {row['label']}"
-        f"{' with activation checkpointing' if row['activation_checkpointing'] else ''}, rank 0 of "
-        f"{row['world_size']} on {row['cluster']}"
+        f"{which}, rank 0 of {row['world_size']} on {row['cluster']}"
     )
     lines = [head, row["fit"].text()]
     if row["fits"]:
@@ -105,8 +117,10 @@ def case_text(row: dict) -> str:
             f"hidden behind compute): {row['tflops_per_gpu']:.3g} TFLOP/s per GPU, MFU {row['mfu']:.1%}"
         )
     lines.append(
-        f"(model states {bytes_text(row['states'])} per GPU; simulated with {' and '.join(map(str, BASE))} of the "
-        f"{row['layers']} layers and extrapolated: every layer adds the same)"
+        f"(model states {bytes_text(row['states'])} per GPU; simulated with {' and '.join(map(str, row['depths']))} "
+        f"of the {row['layers']} layers and extrapolated: every "
+        + (f"{k} layers add" if k > 1 else "layer adds")
+        + " the same)"
     )
     return "\n".join(lines)
 
@@ -125,7 +139,7 @@ def case_figure(row: dict):
 
 
 class ScaleExplorer:
-    """Dropdowns, a checkbox and a "simulate" button over an Output holding the figure and the verdict. Display
+    """Dropdowns and a "simulate" button over an Output holding the figure and the verdict. Display
     it (last line of a cell). `row`, `figure` and `text` hold what is shown now; `redraws` counts the redraws."""
 
     def __init__(
@@ -134,7 +148,7 @@ class ScaleExplorer:
         strategy: str = "fsdp",
         world_size: int = 512,
         cluster: str = "dgx-a100",
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | int = False,
         *,
         run: bool = True,
     ):
@@ -143,12 +157,11 @@ class ScaleExplorer:
         self.strategy = widgets.Dropdown(options=list(STRATEGIES), value=strategy, description="strategy", style=look)
         self.world_size = widgets.Dropdown(options=list(WORLDS), value=world_size, description="GPUs", style=look)
         self.cluster = widgets.Dropdown(options=list(CLUSTERS), value=cluster, description="cluster", style=look)
-        self.checkpointing = widgets.Checkbox(
+        self.checkpointing = widgets.Dropdown(
+            options=list(CHECKPOINTING.items()),
             value=activation_checkpointing,
-            description="activation checkpointing",
-            indent=False,
-            style={"description_width": "initial"},
-            layout=widgets.Layout(width="260px", margin="0 0 0 125px"),
+            description="checkpointing",
+            style=look,
         )
         self.button = widgets.Button(description="simulate", button_style="primary")
         self.status = widgets.HTML()
@@ -192,9 +205,11 @@ class ScaleExplorer:
 
     def redraw(self, _button=None) -> None:
         """Simulate the current choices and redraw (the button calls it; callable directly too)."""
-        self.button.disabled, self.status.value = True, f"<i>simulating {' and '.join(map(str, BASE))} layers ...</i>"
+        chosen = self.settings()
+        at = depths(_config(MODELS[chosen["model"]])["n_layer"], int(chosen["activation_checkpointing"]))
+        self.button.disabled, self.status.value = True, f"<i>simulating {' and '.join(map(str, at))} layers ...</i>"
         try:
-            self.row = scale_case(**self.settings())
+            self.row = scale_case(**chosen)
             self.figure, self.text = case_figure(self.row), case_text(self.row)
         except ValueError as exc:  # a choice that cannot work: say so, keep the panel
             self.row, self.figure, self.text = None, None, f"{exc}"
