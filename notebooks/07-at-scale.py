@@ -203,8 +203,8 @@ print(gpt3["zero3"][1]["fit"].text())
 # ### Try it
 #
 # Pick a model, a strategy, a number of GPUs and a cluster (DGX A100 or DGX H100 nodes of 8 GPUs), then
-# "simulate". The panel simulates 3 and 4 layers of the model at its full width and extrapolates to its full
-# depth (every click: a few seconds for the big models), then draws what rank 0 holds at its peak, every
+# "simulate". The panel simulates 3 and 4 layers of the model at its full width (two depths 2 or 4 apart when one
+# block in 2 or 4 is checkpointed) and extrapolates to its full depth (every click: a few seconds for the big models), then draws what rank 0 holds at its peak, every
 # category, against the GPU's memory, says whether it fits (and, if not, what would), and, when it fits, how
 # long a step takes. MoE-GPT-S trains its dense part with ddp (its experts are expert-parallel); activation
 # checkpointing is an option of every strategy.
