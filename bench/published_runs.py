@@ -168,22 +168,33 @@ def llama_fms(size, gpu, world, network, measured):
     )
 
 
-def llama_70b_torchtitan(name, family, vocab, seq, batch, measured, **more):
-    """torchtitan's Llama 2 or 3 70B on 64 A100s: FSDP2 over all 64, full activation checkpointing, `batch` sequences
-    of `seq` a GPU; grouped-query attention (8 key-value heads), SwiGLU at 28,672, untied head."""
+TORCHTITAN_AC = {
+    True: "full activation checkpointing",
+    2: "selective layer activation checkpointing (every second layer: selective_ac_option's default, \"2 = "
+    'checkpoint every other layer", torchtitan/config_manager.py at 157a12c)',
+}
+
+
+def llama_torchtitan(name, family, size, shape, batch, checkpointing, measured, **llama):
+    """A row of torchtitan's performance page: its Llama `shape` on 64 A100s, FSDP2 over all 64, its gradients reduced
+    in fp32, `batch` sequences a GPU, activation checkpointing of every layer (True) or of every second one (2);
+    `llama`: the transformers config's other fields (untied head)."""
     return PublishedRun(
         name,
-        TORCHTITAN_AT.format(family) + f": 70B, batch {batch}, full activation checkpointing, {measured} WPS",
+        TORCHTITAN_AT.format(family) + f": {size}, batch {batch}, {TORCHTITAN_AC[checkpointing]}, {measured} WPS",
         "dgx-a100",
         64,
-        gpt(8192, 80, 64, vocab, seq),
+        shape,
         "fsdp",
         batch,
         measured,
         "tokens/s/GPU",
-        dict(TORCHTITAN_FSDP, activation_checkpointing=True),
-        llama=dict(intermediate_size=28672, num_key_value_heads=8, tie_word_embeddings=False, **more),
+        dict(TORCHTITAN_FSDP, activation_checkpointing=checkpointing),
+        llama=dict(tie_word_embeddings=False, **llama),
     )
+
+
+LLAMA_70B = dict(intermediate_size=28672, num_key_value_heads=8)  # grouped-query attention, SwiGLU at 28,672
 
 
 # BLOOM as bigscience's script ran it (NOTES says what is priced and what is not). Its stages split 72 units
@@ -304,8 +315,10 @@ RUNS = [
     mpt("13b", 5120, 40, 40, "h100", 2, 4792),
     llama_fms("7b", "a100", 128, "50 Gb/s", 3700),
     llama_fms("7b", "h100", 96, "100 Gb/s", 7500),
-    llama_70b_torchtitan("llama3-70b-a100", "Llama 3", 128256, 8192, 1, 331, rope_theta=500000.0),
-    llama_70b_torchtitan("llama2-70b-a100", "Llama 2", 32000, 4096, 2, 353),
+    llama_torchtitan(
+        "llama3-70b-a100", "Llama 3", "70B", gpt(8192, 80, 64, 128256, 8192), 1, True, 331, **LLAMA_70B, rope_theta=5e5
+    ),
+    llama_torchtitan("llama2-70b-a100", "Llama 2", "70B", gpt(8192, 80, 64, 32000, 4096), 2, True, 353, **LLAMA_70B),
     gpt3_2_7b_flash("a100", 81920),
     gpt3_2_7b_flash("h100", 174981.12),
     llama_fms("34b", "a100", 128, "50 Gb/s", 700),
@@ -314,6 +327,21 @@ RUNS = [
     llama_fms("70b", "h100", 96, "100 Gb/s", 800),
     llama_fms("13b", "a100", 128, "50 Gb/s", 1800),
     llama_fms("13b", "h100", 96, "100 Gb/s", 3800),
+    llama_torchtitan(
+        "llama2-13b-ac2-a100", "Llama 2", "13B", gpt(5120, 40, 40, 32000, 4096), 2, 2, 1914, intermediate_size=13824
+    ),
+    llama_torchtitan(
+        "llama3-8b-ac2-a100",
+        "Llama 3",
+        "8B",
+        gpt(4096, 32, 32, 128256, 8192),
+        1,
+        2,
+        2904,
+        intermediate_size=14336,
+        num_key_value_heads=8,
+        rope_theta=5e5,
+    ),
     PublishedRun(
         "bloom-176b-a100",
         BIGSCIENCE,

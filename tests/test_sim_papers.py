@@ -534,11 +534,11 @@ def predicted_run(name):
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("name", [r.name for r in RUNS.RUNS])
 def test_published_runs_within_15_percent(name):
-    """MPT-1B, 7B and 13B (llm-foundry), Llama 2 13B (torchtitan), Llama 2 7B, 13B, 34B and 70B (fms-fsdp),
-    flash-attention's GPT3-2.7B (Lambda), Megatron-Core's H100 rows and BLOOM-176B, in their published layouts, priced
-    from the hardware's measurements. The runs in RUN_MISSES miss 15% and say by how much and why; one that comes
-    within fails until it is taken off that list. Each lies inside what every prediction on its preset states of its
-    group of runs (`toolkit.sim.held_to_runs`)."""
+    """MPT-1B, 7B and 13B (llm-foundry), Llama 2 13B and 70B and Llama 3 8B and 70B (torchtitan), Llama 2 7B, 13B, 34B
+    and 70B (fms-fsdp), flash-attention's GPT3-2.7B (Lambda), Megatron-Core's H100 rows and BLOOM-176B, in their
+    published layouts, priced from the hardware's measurements. The runs in RUN_MISSES miss 15% and say by how much
+    and why; one that comes within fails until it is taken off that list. Each lies inside what every prediction on
+    its preset states of its group of runs (`toolkit.sim.held_to_runs`)."""
     run = next(r for r in RUNS.RUNS if r.name == name)
     got = predicted_run(name)
     said = f"{name}: predicted {got['predicted']:.0f} {run.metric}, published {run.measured}"
@@ -565,6 +565,18 @@ def test_h100_speedup_over_the_a100_is_the_runs(a100, h100):
     assert measured > 1 and predicted > 1, said  # both sides are the H100's rate over the A100's
     assert abs(predicted / measured - 1) > RUNS.TOLERANCE, said + ": now within 15%; take off the xfail"
     pytest.xfail(f"{said}: {SPEEDUP_MISS}")
+
+
+@pytest.mark.papers  # no run of its own: the two rows' predictions are the test's above
+@pytest.mark.timeout(1800)
+def test_recomputing_every_second_layer_costs_what_torchtitan_measured():
+    """torchtitan measured the same Llama 2 13B on the same 64 A100s stashing every layer and recomputing every second
+    one ("selective layer"): 1,914 against 2,162 tokens/s per GPU, 0.885. Everything else equal, the ratio is the price
+    of the recomputation alone, which the model must give (0.888 when last measured: within 0.3%)."""
+    stashed, every_second = (predicted_run(name) for name in ("llama2-13b-a100", "llama2-13b-ac2-a100"))
+    measured = every_second["run"].measured / stashed["run"].measured
+    predicted = every_second["predicted"] / stashed["predicted"]
+    assert predicted == pytest.approx(measured, rel=0.02), (predicted, measured)
 
 
 @pytest.mark.papers  # no run of its own: the pairs' predictions are the tests' above
