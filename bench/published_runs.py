@@ -172,13 +172,15 @@ TORCHTITAN_AC = {
     True: "full activation checkpointing",
     2: "selective layer activation checkpointing (every second layer: selective_ac_option's default, \"2 = "
     'checkpoint every other layer", torchtitan/config_manager.py at 157a12c)',
+    "op": "selective op activation checkpointing (every layer by operation: the outputs of its matmuls, but every "
+    "second one, and of its attention kept, the rest recomputed; parallelize_llama.py at 157a12c)",
 }
 
 
 def llama_torchtitan(name, family, size, shape, batch, checkpointing, measured, **llama):
     """A row of torchtitan's performance page: its Llama `shape` on 64 A100s, FSDP2 over all 64, its gradients reduced
-    in fp32, `batch` sequences a GPU, activation checkpointing of every layer (True) or of every second one (2);
-    `llama`: the transformers config's other fields (untied head)."""
+    in fp32, `batch` sequences a GPU, activation checkpointing of every layer (True), of every second one (2) or of
+    every layer by operation ("op"); `llama`: the transformers config's other fields (untied head)."""
     return PublishedRun(
         name,
         TORCHTITAN_AT.format(family) + f": {size}, batch {batch}, {TORCHTITAN_AC[checkpointing]}, {measured} WPS",
@@ -195,6 +197,7 @@ def llama_torchtitan(name, family, size, shape, batch, checkpointing, measured, 
 
 
 LLAMA_70B = dict(intermediate_size=28672, num_key_value_heads=8)  # grouped-query attention, SwiGLU at 28,672
+LLAMA3_8B = dict(intermediate_size=14336, num_key_value_heads=8, rope_theta=5e5)
 
 
 # BLOOM as bigscience's script ran it (NOTES says what is priced and what is not). Its stages split 72 units
@@ -330,18 +333,16 @@ RUNS = [
     llama_torchtitan(
         "llama2-13b-ac2-a100", "Llama 2", "13B", gpt(5120, 40, 40, 32000, 4096), 2, 2, 1914, intermediate_size=13824
     ),
-    llama_torchtitan(
-        "llama3-8b-ac2-a100",
-        "Llama 3",
-        "8B",
-        gpt(4096, 32, 32, 128256, 8192),
-        1,
-        2,
-        2904,
-        intermediate_size=14336,
-        num_key_value_heads=8,
-        rope_theta=5e5,
+    *(
+        llama_torchtitan(
+            f"llama3-8b-{how}-a100", "Llama 3", "8B", gpt(4096, 32, 32, 128256, 8192), 1, ac, wps, **LLAMA3_8B
+        )
+        for how, ac, wps in (("ac2", 2, 2904), ("op", "op", 2973))
     ),
+    llama_torchtitan(
+        "llama2-13b-op-a100", "Llama 2", "13B", gpt(5120, 40, 40, 32000, 4096), 2, "op", 1904, intermediate_size=13824
+    ),
+    llama_torchtitan("llama2-70b-op-a100", "Llama 2", "70B", gpt(8192, 80, 64, 32000, 4096), 1, "op", 355, **LLAMA_70B),
     PublishedRun(
         "bloom-176b-a100",
         BIGSCIENCE,

@@ -131,3 +131,30 @@ def test_checkpointing_gathers_zero3s_modules_again_in_backward_and_fsdps_units_
     assert 0 < again < blocks * 4 / 2, (again, blocks)  # some of the blocks' parameters, once more, half sent
     assert sent["zero3", True]["reduce_scatter"] == sent["zero3", False]["reduce_scatter"]
     assert sent["fsdp", True] == sent["fsdp", False]
+
+
+def test_checkpointing_by_operation_keeps_what_is_dear_to_recompute():
+    """activation_checkpointing="op" (torchtitan's selective op checkpointing, `checkpoint_ops.py`): every block keeps
+    its attention's output and every other matmul's, and recomputes the rest. On a simulated rank of GPT-3 (four
+    layers at its width, fsdp over 512): activations at the peak between stashing and checkpointing every block, and
+    the recomputation costs under a quarter of what whole-block checkpointing adds (the cheap operations and the
+    matmuls backward needs again)."""
+    from toolkit.models import presets
+    from toolkit.sim import simulate
+
+    sims = {
+        flag: simulate(
+            lambda: presets.gpt3_175b(n_layer=4),
+            "fsdp",
+            512,
+            mixed_precision=True,
+            progress=False,
+            warmup=False,
+            activation_checkpointing=flag,
+        )
+        for flag in (False, True, "op")
+    }
+    kept = {flag: sim.peak_memory["activations"] for flag, sim in sims.items()}
+    assert kept[True] < kept["op"] < kept[False], kept
+    stashed, whole, by_operation = (sims[flag].flops for flag in (False, True, "op"))
+    assert stashed < by_operation < stashed + (whole - stashed) / 4, (stashed, by_operation, whole)

@@ -178,6 +178,27 @@ def test_a_hugging_face_llama_trains_as_plain_torch_and_inits_deferred(no_leftov
 
 
 @hf
+def test_a_checkpointed_hugging_face_llama_keeps_no_cache_and_computes_the_same_gradients():
+    """transformers' models keep a key-value cache unless told not to, and a recomputed forward added its keys and
+    values to it a second time (its attention then sliced the doubled cache back; by operation, torch's selective
+    checkpointing saw the recomputation take that other path and stopped: "aten.slice.Tensor invocation index 4
+    encountered during backward but not found in storage"). The toolkit turns the cache off when it checkpoints, as
+    transformers does under its own gradient checkpointing: every block, every second one and by operation, the
+    gradients are the uncheckpointed model's to the bit, and the output carries no cache."""
+    x = torch.randint(0, fm.VOCAB, (2, fm.SEQ), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for flag in (False, True, 2, "op"):
+        llama = fm.hf_model("llama")
+        model, _ = toolkit.parallel.wrap(llama, "local", activation_checkpointing=flag)
+        out = model(input_ids=x, labels=x)
+        out.loss.backward()
+        grads[flag] = [p.grad for p in model.parameters()]
+        assert (out.past_key_values is None) == bool(flag) and llama.config.use_cache == (not flag), flag
+    for flag in (True, 2, "op"):
+        assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[flag])), flag
+
+
+@hf
 def test_hugging_face_models_simulate_at_512_ranks_with_buffers_and_routing(capsys):
     from toolkit.sim import simulate
 

@@ -352,6 +352,7 @@ VARIANTS_2 = {
     "ac": dict(activation_checkpointing=True, track=True),
     "ac_prefetch": dict(activation_checkpointing=True, forward_prefetch=True),
     "ac_every_2": dict(activation_checkpointing=2, track=True),  # the second block of two
+    "ac_op": dict(activation_checkpointing="op", track=True),  # every block by operation (checkpoint_ops.py)
     "tied_policy": dict(wrap_policy=["tok_emb", "blocks.0", "blocks.1"]),
     "nested_policy": dict(wrap_policy=["blocks.0", "blocks.0.mlp", "blocks.1"]),
     "size_policy": dict(wrap_policy=3000),
@@ -667,6 +668,7 @@ def test_activation_checkpointing_saves_activations():
     got = results(2)
     assert got["ac"]["activations_peak"] < 0.6 * got["fsdp"]["activations_peak"]
     assert got["ac"]["activations_peak"] < got["ac_every_2"]["activations_peak"] < got["fsdp"]["activations_peak"]
+    assert got["ac"]["tracked_peak"] < got["ac_op"]["tracked_peak"] < got["fsdp"]["tracked_peak"]  # its cache held
     assert got["ac"]["tracked_peak"] < got["fsdp"]["tracked_peak"]
 
 

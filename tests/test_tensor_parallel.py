@@ -266,11 +266,12 @@ def test_checkpoints_move_between_dp_tp_layouts_bit_for_bit(directory, no_leftov
 
 def test_activation_checkpointing_is_an_option_of_every_strategy():
     """Not only FSDP's: here "local", in this process. The blocks keep their inputs only, and backward
-    pays their forward again; the gradients are the same. A whole number k checkpoints every k-th block."""
+    pays their forward again; the gradients are the same. A whole number k checkpoints every k-th block; "op" every
+    block by operation."""
     from toolkit.memory import pass_costs
 
     costs = {}
-    for flag in (False, True, 2):
+    for flag in (False, True, 2, "op"):
         torch.manual_seed(0)
         model, _ = toolkit.parallel.wrap(toolkit.models.tiny_gpt(n_layer=4), "local", activation_checkpointing=flag)
         costs[flag] = pass_costs(model, *SyntheticCorpus().batch(0, 4))
@@ -281,9 +282,13 @@ def test_activation_checkpointing_is_an_option_of_every_strategy():
     # every second block (2 and 4 of 4): half the saving, half the recomputation
     assert plain["kept"] - half["kept"] == (plain["kept"] - checkpointed["kept"]) / 2
     assert half["backward"] - plain["backward"] == (checkpointed["backward"] - plain["backward"]) / 2
-    for got in (checkpointed, half):
+    # by operation: the matmuls' and attention's outputs kept (but every second matmul's), the rest recomputed
+    assert plain["backward"] < costs["op"]["backward"] < half["backward"]
+    for got in (checkpointed, half, costs["op"]):
         assert all(torch.equal(a, b) for a, b in zip(plain["grads"], got["grads"]))
-    for wrong in ("yes", 0, -2, 1.5):
+    with pytest.raises(ValueError, match='activation_checkpointing="op" is not built for tensor or context'):
+        toolkit.parallel.wrap(toolkit.models.tiny_gpt(), "local", activation_checkpointing="op", tp=2)
+    for wrong in ("yes", 0, -2, 1.5, "ops"):
         for strategy in ("local", "fsdp"):  # fsdp's is its own option: refused before it asks for ranks
             with pytest.raises(ValueError, match=r"activation_checkpointing must be True \(every block\), False"):
                 toolkit.parallel.wrap(toolkit.models.tiny_gpt(), strategy, activation_checkpointing=wrong)

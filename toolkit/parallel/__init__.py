@@ -46,6 +46,12 @@ def wrap(model: torch.nn.Module, strategy: str, *, optimizer=torch.optim.AdamW, 
         raise NotImplementedError(f"strategy {strategy!r} is not implemented yet ({module} is missing).") from exc
     from . import checkpointing, compose
 
+    by_operation = options.get("activation_checkpointing") == checkpointing.BY_OPERATION
+    if by_operation and (options.get("tp", 1) > 1 or options.get("cp", 1) > 1):
+        raise ValueError(
+            'activation_checkpointing="op" is not built for tensor or context parallelism: its policy would recompute '
+            "their collectives in backward. Use activation_checkpointing=True (or a whole number k) with tp= or cp=."
+        )
     options = checkpointing.apply_option(model, strategy, options)  # every strategy, not only fsdp
     if compose.wants(options):  # tp= / pp= / cp= ...: a dp x pp x cp x tp layout, `strategy` over dp x cp
         return compose.wrap(model, strategy, build, optimizer, options)

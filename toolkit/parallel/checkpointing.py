@@ -14,7 +14,9 @@ it was in the forward (`rng.py`; torch's checkpoint replays the default stream i
 
 A whole number k checkpoints every k-th block (the k-th, 2k-th, ... in the model's order) and keeps the others'
 activations: a trade between memory and recomputation in steps of 1/k, as fms-fsdp's `selective_checkpointing`
-and torchtitan's layer-wise selective checkpointing (`selective_ac_option="2"`) count blocks. True is 1.
+and torchtitan's layer-wise selective checkpointing (`selective_ac_option="2"`) count blocks. True is 1. "op"
+checkpoints every block by operation, keeping the outputs of its matmuls (every other one) and attention and
+recomputing the rest (torchtitan's `selective_ac_option="op"`: `checkpoint_ops.py`).
 """
 
 from __future__ import annotations
@@ -25,34 +27,48 @@ import torch
 import torch.nn as nn
 
 from . import rng
+from .checkpoint_ops import selective_contexts
 from .fsdp_policy import default_units
 
+BY_OPERATION = "op"  # activation_checkpointing="op": every block, by operation (checkpoint_ops.py)
 
-def checkpoint_forward(module: nn.Module) -> None:
-    """Run `module.forward` under activation checkpointing (non-reentrant). Under FSDP the unit's hooks stay
-    outside: in backward the unit is gathered (pre-backward hook) before autograd asks for the recomputation."""
+
+def checkpoint_forward(module: nn.Module, by_operation: bool = False) -> None:
+    """Run `module.forward` under activation checkpointing (non-reentrant; by operation: torch's selective
+    checkpointing under `checkpoint_ops`' policy). Under FSDP the unit's hooks stay outside: in backward the unit is
+    gathered (pre-backward hook) before autograd asks for the recomputation."""
     forward = module.forward
+    contexts = selective_contexts if by_operation else rng.checkpoint_contexts
 
     @functools.wraps(forward)
     def checkpointed(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(
-            forward, *args, use_reentrant=False, context_fn=rng.checkpoint_contexts, **kwargs
-        )
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     module.forward = checkpointed
 
 
+def without_cache(model: nn.Module) -> None:
+    """A transformers model keeps a key-value cache unless told not to, and a recomputed forward would add its keys
+    and values to it a second time (a longer cache, another path through its attention). transformers turns the cache
+    off under its own gradient checkpointing ("`use_cache=True` is incompatible with gradient checkpointing"); so does
+    the toolkit's."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+
+
 def period(flag, where: str = "") -> int:
-    """The blocks `activation_checkpointing=flag` recomputes, as k (every k-th block): False 0, True 1."""
+    """The blocks `activation_checkpointing=flag` recomputes, as k (every k-th block): False 0, True and "op" 1."""
     if isinstance(flag, bool):
         return int(flag)
-    if isinstance(flag, int) and flag >= 1:
-        return flag
+    if (isinstance(flag, int) and flag >= 1) or flag == BY_OPERATION:
+        return 1 if flag == BY_OPERATION else flag
     raise ValueError(
-        f"{where}activation_checkpointing must be True (every block), False (none) or a whole number k >= 1 "
-        f"(every k-th block: 2 recomputes half of them), got {flag!r}."
+        f"{where}activation_checkpointing must be True (every block), False (none), a whole number k >= 1 "
+        f'(every k-th block: 2 recomputes half of them) or "op" (every block by operation: its matmuls\' and '
+        f"attention's outputs kept), got {flag!r}."
     )
 
 
@@ -61,18 +77,21 @@ def every(names: list, k: int) -> list:
     return names[k - 1 :: k] if k else []
 
 
-def checkpoint_blocks(model: nn.Module, k: int = 1) -> list[str]:
-    """Run every k-th repeated block's forward under torch.utils.checkpoint (non-reentrant); return their names."""
+def checkpoint_blocks(model: nn.Module, k: int = 1, by_operation: bool = False) -> list[str]:
+    """Run every k-th repeated block's forward under torch.utils.checkpoint (non-reentrant; by operation: selective
+    checkpointing); return their names."""
     names, _ = default_units(model)
     if not names:
         raise ValueError(
-            f"activation_checkpointing={k if k > 1 else True} checkpoints a model's repeated blocks, and this "
+            f"activation_checkpointing={k if k > 1 else 'op' if by_operation else True} checkpoints a model's "
+            f"repeated blocks, and this "
             f"{type(model).__name__} has none (no toolkit Block, no ModuleList or Sequential of one "
             f"class); leave the option off, or wrap parts of it in torch.utils.checkpoint yourself."
         )
+    without_cache(model)
     modules, chosen = dict(model.named_modules()), every(names, k)
     for name in chosen:
-        checkpoint_forward(modules[name])
+        checkpoint_forward(modules[name], by_operation)
     return chosen
 
 
@@ -81,7 +100,7 @@ def apply_option(model: nn.Module, strategy: str, options: dict) -> dict:
     if strategy == "fsdp" or "activation_checkpointing" not in options:
         return options
     options = dict(options)
-    k = period(options.pop("activation_checkpointing"))
-    if k:
-        checkpoint_blocks(model, k)
+    flag = options.pop("activation_checkpointing")
+    if period(flag):
+        checkpoint_blocks(model, period(flag), flag == BY_OPERATION)
     return options

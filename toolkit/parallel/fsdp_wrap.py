@@ -15,7 +15,7 @@ from ..memory.ledger import record_memory
 from ..runtime import env
 from ..trace.events import phase, recorder
 from . import check_options, consistency
-from .checkpointing import period
+from .checkpointing import BY_OPERATION, period
 from .fsdp import FullyShardedDataParallel
 from .fsdp_init import check_deferred, is_deferred, materialize_buffers
 from .fsdp_policy import explain, plan
@@ -67,7 +67,9 @@ def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
             ("backward_prefetch", True),
         )
     }
-    flags["activation_checkpointing"] = period(options.get("activation_checkpointing", False), "fsdp: ")
+    checkpointing = options.get("activation_checkpointing", False)
+    flags["activation_checkpointing"] = period(checkpointing, "fsdp: ")
+    flags["checkpoint_by_operation"] = checkpointing == BY_OPERATION
     unit_class = options.get("unit_class", FSDPUnit)
     if not (isinstance(unit_class, type) and issubclass(unit_class, FSDPUnit)):
         raise ValueError(f"fsdp: unit_class must be FSDPUnit or a subclass of it, got {unit_class!r}.")

@@ -11,6 +11,7 @@ inside a node, the network between nodes). This file only describes the layout a
 from __future__ import annotations
 
 from ..memory.context_formulas import ring_bytes_per_layer, ulysses_bytes_per_layer
+from ..parallel.checkpointing import period
 
 
 def describe(model, options: dict, batch: int, seq_len: int, world_size: int, micro_batches: int = 1) -> dict | None:
@@ -27,7 +28,7 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int, mi
         formula = ring_bytes_per_layer if context.attention != "ulysses" else ulysses_bytes_per_layer
         kv_hidden = getattr(config, "kv_width", config.d_model)  # grouped-query attention: compact K and V
         per_layer = formula(batch, seq_len, config.d_model, cp, tp=tp, bytes_per_value=value, kv_hidden=kv_hidden)
-        k = int(options.get("activation_checkpointing", False))
+        k = period(options.get("activation_checkpointing", False))
         again = config.n_layer // k * per_layer["forward"] if k else 0  # the recomputed blocks' forward again
         loss_value = 4 if tp > 1 else value  # the vocabulary-parallel loss is fp32; else in the compute dtype
         loss = 2 * (cp - 1) * loss_value // cp * micro_batches  # the loss's all-reduce over the cp group

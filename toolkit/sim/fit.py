@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..memory import model_states
+from ..parallel.checkpointing import BY_OPERATION, period
 from ..units import bytes_text, memory_text
 
 STATE_BYTES = 16  # per parameter: 2 + 2 + 12 (mixed precision) = 4 + 4 + 8 (fp32 Adam) = FSDP's fp32 shards
@@ -152,9 +153,11 @@ def advice(sim, room: float) -> list[str]:
             )
     if transient:
         what = f"activations and temporaries take {bytes_text(transient)} of the peak"
-        k = int(options.get("activation_checkpointing", False))
-        if k != 1:
-            which = f" of every block (activation_checkpointing=True, now one block in {k})" if k else ""
+        flag = options.get("activation_checkpointing", False)
+        k = period(flag)
+        if k != 1 or flag == BY_OPERATION:
+            now = "by operation" if flag == BY_OPERATION else f"one block in {k}"
+            which = f" of every block (activation_checkpointing=True, now {now})" if k else ""
             tips.append(
                 (
                     transient,

@@ -14,6 +14,7 @@ import re
 from ..cli_args import positive_int
 from ..models.presets import PRESETS
 from ..parallel import STRATEGIES
+from ..parallel.checkpointing import BY_OPERATION
 from ..parallel.pipeline.schedules import SCHEDULES
 
 MOE_PRESETS = ("moe-gpt-s", "moe-gpt-64")  # the presets with MoE layers (toolkit.models.presets)
@@ -152,10 +153,11 @@ def parser(description: str) -> argparse.ArgumentParser:
         "--activation-checkpointing",
         nargs="?",
         const=1,
-        type=positive_int,
+        type=checkpointing_flag,
         metavar="EVERY",
         help="keep each block's input only and recompute its activations in backward; with a number k, "
-        "every k-th block only (2: half of them)",
+        "every k-th block only (2: half of them); with op, every block by operation (its matmuls' and "
+        "attention's outputs kept, the rest recomputed: torchtitan's selective op checkpointing)",
     )
     p.add_argument(
         "--forward-prefetch",
@@ -186,6 +188,18 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def checkpointing_flag(text: str):
+    """--activation-checkpointing's value: a whole number of 1 or more (every k-th block), or op."""
+    if text == BY_OPERATION:
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number of 1 or more (every k-th block) or {BY_OPERATION} (by operation), got {text!r}"
+        ) from None
+
+
 def options_of(args, parse) -> tuple[str, dict]:
     """(the strategy to wrap with, its options) from the parsed flags; an fsdp-only flag elsewhere is an error."""
     strategy = "fsdp" if args.strategy == HSDP else args.strategy
@@ -198,7 +212,7 @@ def options_of(args, parse) -> tuple[str, dict]:
         options["sharding_group_size"] = group
     if args.activation_checkpointing:  # 1 (the bare flag) is every block: True, as Python spells it
         k = args.activation_checkpointing
-        options["activation_checkpointing"] = k if k > 1 else True
+        options["activation_checkpointing"] = True if k == 1 else k
     if args.tp != 1 or args.sequence_parallel:
         options["tp"] = args.tp
     if args.sequence_parallel:

@@ -39,14 +39,15 @@ PRESETS = {
     "dgx-a100": (
         Group(
             "Megatron-LM's Table 1 as its artifact ran (32 to 3,072 A100s), llm-foundry's MPT-1B, 7B and 13B, "
-            "fms-fsdp's Llama 2 7B, 13B, 34B and 70B, torchtitan's Llama 2 13B (stashed, and every second layer "
-            "recomputed) and 70B and Llama 3 8B and 70B, BigScience's "
+            "fms-fsdp's Llama 2 7B, 13B, 34B and 70B, torchtitan's Llama 2 13B and 70B and Llama 3 8B and 70B (every "
+            "layer, every second one or by operation recomputed, or none), BigScience's "
             "BLOOM-176B (384 A100s, Megatron-DeepSpeed) and flash-attention's GPT3-2.7B (8 A100s, DDP with ZeRO-1)",
             TABLE_1
             + ("mpt-1b-a100", "mpt-7b-a100", "mpt-13b-a100", "llama2-7b-a100", "llama2-13b-a100")
             + ("llama3-70b-a100", "llama2-70b-a100", "bloom-176b-a100", "fa2-gpt3-2.7b-a100")
             + ("fms-llama-13b-a100", "fms-llama-34b-a100", "fms-llama-70b-a100")
-            + ("llama2-13b-ac2-a100", "llama3-8b-ac2-a100"),
+            + ("llama2-13b-ac2-a100", "llama3-8b-ac2-a100", "llama3-8b-op-a100", "llama2-13b-op-a100")
+            + ("llama2-70b-op-a100",),
             (0.96, 1.15),
         ),
     ),

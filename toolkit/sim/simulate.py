@@ -42,6 +42,7 @@ from .priced import pricer, resolve
 from .simulation import Simulation
 from .stage_assembly import simulate_pipeline
 from .tensor_parallel import describe as describe_tp
+from .unpacked_rows import unpacked_rows
 from .watched_step import measure_steps, train_step  # noqa: F401 (measure_steps, train_step: the tests')
 
 
@@ -180,9 +181,10 @@ def simulate(
         bar = _progress(progress, strategy, world_size, (steps + warmup) * (2 * accumulation + 1))
         try:
             loop = dict(loss_fn=convention.loss, accumulation=accumulation, no_sync=no_sync)
-            if warmup:  # the optimizer makes its states in its first step (Adam does): measure a steady one
-                train_step(model, opt, x, y, step=0, bar=bar, **loop)
-            measured = measure_steps(model, opt, x, y, steps, bar=bar, meta=True, first=int(warmup), **loop)
+            with unpacked_rows():  # a transformers model's causal mask, on meta tensors (its module is imported now)
+                if warmup:  # the optimizer makes its states in its first step (Adam does): measure a steady one
+                    train_step(model, opt, x, y, step=0, bar=bar, **loop)
+                measured = measure_steps(model, opt, x, y, steps, bar=bar, meta=True, first=int(warmup), **loop)
         finally:
             if bar is not None:
                 bar.close()
