@@ -55,6 +55,13 @@ def test_the_advice_to_checkpoint_activations_is_what_makes_it_fit():
     assert simulate(
         long_sequences, "zero2", 8, batch_per_rank=4, cluster=SMALL, activation_checkpointing=True, **MIXED
     ).fits
+    # checkpointing short of every block, whole: the advice is every block, says what the run has now, and fits
+    six = dict(batch_per_rank=6, cluster=SMALL, **MIXED)
+    for flag, now in ((2, "now one block in 2"), ("op", "now by operation")):
+        part = simulate(long_sequences, "fsdp", 8, activation_checkpointing=flag, **six)
+        said = f"activation checkpointing of every block (activation_checkpointing=True, {now})"
+        assert not part.fits and part.fit.advice[0].startswith(said), part.fit.advice
+    assert simulate(long_sequences, "fsdp", 8, activation_checkpointing=True, **six).fits
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])

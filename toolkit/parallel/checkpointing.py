@@ -61,10 +61,10 @@ def without_cache(model: nn.Module) -> None:
 
 def period(flag, where: str = "") -> int:
     """The blocks `activation_checkpointing=flag` recomputes, as k (every k-th block): False 0, True and "op" 1."""
-    if isinstance(flag, bool):
-        return int(flag)
-    if (isinstance(flag, int) and flag >= 1) or flag == BY_OPERATION:
-        return 1 if flag == BY_OPERATION else flag
+    if flag == BY_OPERATION or isinstance(flag, bool):
+        return int(bool(flag))
+    if isinstance(flag, int) and flag >= 1:
+        return flag
     raise ValueError(
         f"{where}activation_checkpointing must be True (every block), False (none), a whole number k >= 1 "
         f'(every k-th block: 2 recomputes half of them) or "op" (every block by operation: its matmuls\' and '
@@ -77,21 +77,20 @@ def every(names: list, k: int) -> list:
     return names[k - 1 :: k] if k else []
 
 
-def checkpoint_blocks(model: nn.Module, k: int = 1, by_operation: bool = False) -> list[str]:
-    """Run every k-th repeated block's forward under torch.utils.checkpoint (non-reentrant; by operation: selective
-    checkpointing); return their names."""
+def checkpoint_blocks(model: nn.Module, flag=True) -> list[str]:
+    """Run the repeated blocks `activation_checkpointing=flag` names under torch.utils.checkpoint (non-reentrant; by
+    operation: selective checkpointing); return their names."""
     names, _ = default_units(model)
     if not names:
         raise ValueError(
-            f"activation_checkpointing={k if k > 1 else 'op' if by_operation else True} checkpoints a model's "
-            f"repeated blocks, and this "
+            f"activation_checkpointing={flag!r} checkpoints a model's repeated blocks, and this "
             f"{type(model).__name__} has none (no toolkit Block, no ModuleList or Sequential of one "
             f"class); leave the option off, or wrap parts of it in torch.utils.checkpoint yourself."
         )
     without_cache(model)
-    modules, chosen = dict(model.named_modules()), every(names, k)
+    modules, chosen = dict(model.named_modules()), every(names, period(flag))
     for name in chosen:
-        checkpoint_forward(modules[name], by_operation)
+        checkpoint_forward(modules[name], flag == BY_OPERATION)
     return chosen
 
 
@@ -102,5 +101,5 @@ def apply_option(model: nn.Module, strategy: str, options: dict) -> dict:
     options = dict(options)
     flag = options.pop("activation_checkpointing")
     if period(flag):
-        checkpoint_blocks(model, period(flag), flag == BY_OPERATION)
+        checkpoint_blocks(model, flag)
     return options

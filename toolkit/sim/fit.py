@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..memory import model_states
-from ..parallel.checkpointing import BY_OPERATION, period
+from ..parallel.checkpointing import BY_OPERATION
 from ..units import bytes_text, memory_text
 
 STATE_BYTES = 16  # per parameter: 2 + 2 + 12 (mixed precision) = 4 + 4 + 8 (fp32 Adam) = FSDP's fp32 shards
@@ -154,15 +154,13 @@ def advice(sim, room: float) -> list[str]:
     if transient:
         what = f"activations and temporaries take {bytes_text(transient)} of the peak"
         flag = options.get("activation_checkpointing", False)
-        k = period(flag)
-        if k != 1 or flag == BY_OPERATION:
-            now = "by operation" if flag == BY_OPERATION else f"one block in {k}"
-            which = f" of every block (activation_checkpointing=True, now {now})" if k else ""
+        if flag != 1:  # short of every block, whole (True is 1)
+            now = "" if not flag else ", now by operation" if flag == BY_OPERATION else f", now one block in {flag}"
             tips.append(
                 (
                     transient,
-                    f"activation checkpointing{which or ' (activation_checkpointing=True)'}: {what}; it keeps "
-                    f"each block's input and recomputes the rest in backward",
+                    f"activation checkpointing{' of every block' if flag else ''} (activation_checkpointing=True"
+                    f"{now}): {what}; it keeps each block's input and recomputes the rest in backward",
                 )
             )
         excess = sim.peak - room
