@@ -77,9 +77,19 @@ def every(names: list, k: int) -> list:
     return names[k - 1 :: k] if k else []
 
 
-def checkpoint_blocks(model: nn.Module, flag=True) -> list[str]:
+def checkpoint_modules(model: nn.Module, blocks: list, flag) -> None:
+    """Checkpoint the blocks `activation_checkpointing=flag` names among `blocks` (the model's repeated blocks, in
+    order): every k-th, by operation for "op"; a transformers model's cache turned off."""
+    chosen = every(blocks, period(flag))
+    if chosen:
+        without_cache(model)
+    for block in chosen:
+        checkpoint_forward(block, flag == BY_OPERATION)
+
+
+def checkpoint_blocks(model: nn.Module, flag=True) -> None:
     """Run the repeated blocks `activation_checkpointing=flag` names under torch.utils.checkpoint (non-reentrant; by
-    operation: selective checkpointing); return their names."""
+    operation: selective checkpointing)."""
     names, _ = default_units(model)
     if not names:
         raise ValueError(
@@ -87,11 +97,8 @@ def checkpoint_blocks(model: nn.Module, flag=True) -> list[str]:
             f"{type(model).__name__} has none (no toolkit Block, no ModuleList or Sequential of one "
             f"class); leave the option off, or wrap parts of it in torch.utils.checkpoint yourself."
         )
-    without_cache(model)
-    modules, chosen = dict(model.named_modules()), every(names, period(flag))
-    for name in chosen:
-        checkpoint_forward(modules[name], flag == BY_OPERATION)
-    return chosen
+    modules = dict(model.named_modules())
+    checkpoint_modules(model, [modules[name] for name in names], flag)
 
 
 def apply_option(model: nn.Module, strategy: str, options: dict) -> dict:

@@ -50,9 +50,8 @@ Options (checked by `fsdp_wrap.wrap`, which builds the groups and the units):
                          (4 + 4 + 8 = the same 16 bytes per parameter as (2 + 2 + 12), split differently).
   activation_checkpointing  False (default) or True: every unit but the root runs its forward under
                          torch.utils.checkpoint (use_reentrant=False): its activations are recomputed in
-                         backward, after the unit has been gathered again. A whole number k: every k-th
-                         of those units only (fms-fsdp's `selective_checkpointing`); "op": every unit,
-                         by operation (its matmuls' and attention's outputs kept: checkpoint_ops.py).
+                         backward, after the unit has been gathered again. k: every k-th of those units
+                         only; "op": every unit, by operation (checkpointing.py, checkpoint_ops.py).
   param_init_fn          for a model built on the meta device (deferred initialization, fsdp_init.py).
   unit_class             the class that does a unit's work (default `FSDPUnit`): a lab's subclass that
                          re-implements `unshard`/`reshard` (or the gradient reduction) plugs in here.
@@ -86,7 +85,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ..trace.events import recorder
-from .checkpointing import checkpoint_forward, every, without_cache
+from .checkpointing import checkpoint_modules
 from .fsdp_init import initialize, owners, seeded_init  # noqa: F401 - re-exported
 from .fsdp_unit import SHARDED, FSDPUnit, MixedPrecision, Sharding  # noqa: F401 - re-exported
 from .grad_in_slices import real_grads
@@ -110,7 +109,6 @@ class FullyShardedDataParallel(ShardedEngine):
         forward_prefetch=False,
         backward_prefetch=True,
         activation_checkpointing=False,
-        checkpoint_by_operation=False,
     ):
         super().__init__(module, sharding.param_dtype, sharding.shard_group)
         self.sharding = sharding
@@ -127,10 +125,7 @@ class FullyShardedDataParallel(ShardedEngine):
             unit.param_names = [self.names[p] for p in unit.params]
             unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
-        if activation_checkpointing:
-            without_cache(module)
-        for unit in every([u for u in self.units if u.module is not module], int(activation_checkpointing)):
-            checkpoint_forward(unit.module, checkpoint_by_operation)
+        checkpoint_modules(module, [u.module for u in self.units if u.module is not module], activation_checkpointing)
         self.watch_gradients(self._on_grad)
         self.forward_order = list(self.units)  # a guess (model order) until a forward has run
         self._order, self._post_order, self.backward_order = [], [], []

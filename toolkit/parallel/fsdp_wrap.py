@@ -15,7 +15,7 @@ from ..memory.ledger import record_memory
 from ..runtime import env
 from ..trace.events import phase, recorder
 from . import check_options, consistency
-from .checkpointing import BY_OPERATION, period
+from .checkpointing import period
 from .fsdp import FullyShardedDataParallel
 from .fsdp_init import check_deferred, is_deferred, materialize_buffers
 from .fsdp_policy import explain, plan
@@ -67,9 +67,8 @@ def wrap(model: nn.Module, optimizer=torch.optim.AdamW, **options):
             ("backward_prefetch", True),
         )
     }
-    checkpointing = options.get("activation_checkpointing", False)
-    flags["activation_checkpointing"] = period(checkpointing, "fsdp: ")
-    flags["checkpoint_by_operation"] = checkpointing == BY_OPERATION
+    flags["activation_checkpointing"] = options.get("activation_checkpointing", False)
+    period(flags["activation_checkpointing"], "fsdp: ")  # refused here, before any collective
     unit_class = options.get("unit_class", FSDPUnit)
     if not (isinstance(unit_class, type) and issubclass(unit_class, FSDPUnit)):
         raise ValueError(f"fsdp: unit_class must be FSDPUnit or a subclass of it, got {unit_class!r}.")
