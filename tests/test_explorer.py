@@ -193,7 +193,7 @@ def test_the_scale_explorer_offers_only_what_applies():
     # one block in 2 (GPT-2 XL's 48: 24): half the recomputation, extrapolated from 4 and 6 layers
     assert half["flops"] - plain["flops"] == pytest.approx((checkpointed["flops"] - plain["flops"]) / 2, rel=1e-6)
     assert "ddp with one block in 2 checkpointed" in case_text(half) and "with 4 and 6 of the 48" in case_text(half)
-    assert [value for _, value in explorer.checkpointing.options] == [False, True, 2, 4]
+    assert [value for _, value in explorer.checkpointing.options] == [False, True, 2, 4, "op"]
     # GPT-3 on 512 GPUs under fsdp: stashed it does not fit; one block in 2 fits, between the two, in a shorter step
     none, every, second = (scale_case("GPT-3 175B", "fsdp", 512, activation_checkpointing=c) for c in (False, True, 2))
     assert every["peak"] < second["peak"] < none["peak"] and (none["fits"], every["fits"], second["fits"]) == (
@@ -202,6 +202,9 @@ def test_the_scale_explorer_offers_only_what_applies():
         True,
     )
     assert second["step_time"] < every["step_time"]
+    by_operation = scale_case("GPT-3 175B", "fsdp", 512, activation_checkpointing="op")  # keeps more, recomputes less
+    assert every["peak"] < by_operation["peak"] < none["peak"] and by_operation["step_time"] < every["step_time"]
+    assert "fsdp with activation checkpointing by operation" in case_text(by_operation)
 
 
 def test_the_scale_explorer_simulates_moe_with_more_ranks_than_experts():

@@ -16,7 +16,7 @@ Two layers, so that the numbers can be tested without a screen:
 
 Choices that do not apply are not offered: MoE models train their dense part with ddp (their experts are
 expert-parallel). Activation checkpointing is an option of every strategy: of every block, or of one block in 2
-or 4 (`activation_checkpointing=k`), memory traded for recomputation in steps.
+or 4 (`activation_checkpointing=k`), memory traded for recomputation in steps, or of every block by operation ("op").
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import ipywidgets as widgets
 
 from ..models.presets import PRESETS
+from ..parallel.checkpointing import period
 from ..sim.sweep import depths, sweep
 from ..units import bytes_text, count_text, seconds_text
 from .memory import peak_bars
@@ -39,7 +40,13 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 MOE_STRATEGIES = ("ddp",)  # the dense part; experts are expert-parallel whatever the strategy
 WORLDS = (8, 64, 128, 256, 512, 1024)
 CLUSTERS = ("dgx-a100", "dgx-h100")
-CHECKPOINTING = {"none": False, "every block": True, "every 2nd block": 2, "every 4th block": 4}  # label: option
+CHECKPOINTING = {  # label: the option
+    "none": False,
+    "every block": True,
+    "every 2nd block": 2,
+    "every 4th block": 4,
+    "every block, by operation": "op",
+}
 NODE = 8  # GPUs per node on both presets: hsdp shards inside a node
 PANEL_CLASS = "toolkit-scale-explorer"  # the panel's CSS class (a browser test finds it by it)
 
@@ -96,14 +103,16 @@ def scale_case(
         model=model,
         cluster=cluster,
         activation_checkpointing=activation_checkpointing,
-        depths=depths(layers, int(activation_checkpointing)),
+        depths=depths(layers, period(activation_checkpointing)),
     )
 
 
 def case_text(row: dict) -> str:
     """The verdict and, when it fits, the step: what the panel prints under the figure."""
-    k = int(row["activation_checkpointing"])
-    which = {0: "", 1: " with activation checkpointing"}.get(k, f" with one block in {k} checkpointed")
+    flag = row["activation_checkpointing"]
+    k = period(flag)
+    which = {False: "", True: " with activation checkpointing", "op": " with activation checkpointing by operation"}
+    which = which.get(flag, f" with one block in {k} checkpointed")
     head = (
         f"{row['model']} ({count_text(row['num_params'])} parameters, {row['layers']} layers), {row['label']}"
         f"{which}, rank 0 of {row['world_size']} on {row['cluster']}"
@@ -206,7 +215,7 @@ class ScaleExplorer:
     def redraw(self, _button=None) -> None:
         """Simulate the current choices and redraw (the button calls it; callable directly too)."""
         chosen = self.settings()
-        at = depths(_config(MODELS[chosen["model"]])["n_layer"], int(chosen["activation_checkpointing"]))
+        at = depths(_config(MODELS[chosen["model"]])["n_layer"], period(chosen["activation_checkpointing"]))
         self.button.disabled, self.status.value = True, f"<i>simulating {' and '.join(map(str, at))} layers ...</i>"
         try:
             self.row = scale_case(**chosen)
