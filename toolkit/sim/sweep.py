@@ -207,22 +207,23 @@ def simulate_depths(simulate_at, blocks: int, pipelined: bool, period: int = 1) 
     a stage of up to `PIPELINE_CHECK` blocks is simulated whole in any case. The numbers say which in "checked".
     The check is not a proof: a bend that starts deeper passes it (FSDP, d_model 256, pp 4, 8 micro-batches:
     -0.2% at four blocks, -2.1% at eight). Blocks checkpointed one in `period` (`depths`): without pp, depths a
-    period apart; under pp the stage simulated whole."""
+    period apart; under pp the stage simulated whole. The numbers say which depths were simulated in "depths"."""
     if not pipelined:
         at = depths(blocks, period)
         sims = [simulate_at(n) for n in at]
-        return dict(extrapolate(*sims, blocks, at), checked="extrapolated"), sims[-1]
+        return dict(extrapolate(*sims, blocks, at), checked="extrapolated", depths=at), sims[-1]
     if blocks <= PIPELINE_CHECK or period > 1:
         whole = simulate_at(blocks)
-        return dict(extrapolate(whole, whole, blocks, (0, 1)), checked="simulated whole"), whole
+        return dict(extrapolate(whole, whole, blocks, (0, 1)), checked="simulated whole", depths=(blocks,)), whole
     one, two, check = (simulate_at(n) for n in (*PIPELINE_BASE, PIPELINE_CHECK))
     guess = extrapolate(one, two, PIPELINE_CHECK, PIPELINE_BASE)["breakdown"]["step"]
     miss = guess / check.cost.step_time - 1
     how = f"({miss:+.1%} at {PIPELINE_CHECK} blocks)"
     if abs(miss) <= AFFINE:
-        return dict(extrapolate(one, two, blocks, PIPELINE_BASE), checked=f"extrapolated {how}"), check
+        extrapolated = extrapolate(one, two, blocks, PIPELINE_BASE)
+        return dict(extrapolated, checked=f"extrapolated {how}", depths=PIPELINE_BASE), check
     whole = simulate_at(blocks)
-    return dict(extrapolate(whole, whole, blocks, (0, 1)), checked=f"simulated whole {how}"), whole
+    return dict(extrapolate(whole, whole, blocks, (0, 1)), checked=f"simulated whole {how}", depths=(blocks,)), whole
 
 
 KEEPS = 0.1  # a rate that moves less than this fraction "keeps" it

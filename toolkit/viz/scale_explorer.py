@@ -97,14 +97,7 @@ def scale_case(
         cluster=cluster,
         mixed_precision=True,
     )
-    layers = _config(key)["n_layer"]
-    return dict(
-        row,
-        model=model,
-        cluster=cluster,
-        activation_checkpointing=activation_checkpointing,
-        depths=depths(layers, period(activation_checkpointing)),
-    )
+    return dict(row, model=model, cluster=cluster, activation_checkpointing=activation_checkpointing)
 
 
 def case_text(row: dict) -> str:
