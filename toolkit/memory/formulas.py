@@ -234,6 +234,7 @@ def activation_terms(
     dropout: bool = True,
     fused_attention: bool = False,
     small_terms: bool = False,
+    recompute_attention: bool = False,
 ) -> dict[str, float]:
     """Bytes one transformer layer keeps for backward, term by term (what each operation saves).
 
@@ -249,6 +250,9 @@ def activation_terms(
     small_terms      True: also the terms the paper neglects, the LayerNorms' mean and 1/std per row
                      (in the activations' dtype, as torch's CPU kernel keeps them; CUDA keeps fp32)
                      and the fused kernel's log-sum-exp, so the count is exact
+    recompute_attention  True: the core attention recomputed in backward from Q, K and V (Megatron's selective
+                     recomputation, `activation_checkpointing="attention"`): its scores, their dropout and
+                     the log-sum-exp are not kept; its output is, as the projection's input
     """
     for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden), ("heads", heads)):
         _check_world(name, value)
@@ -266,13 +270,13 @@ def activation_terms(
         "GELU input": p * s * b * f,
         "GELU output (second matmul input)": p * s * b * f,
         "dropout masks (2, 1 byte)": 2 * sbh if dropout else 0,
-        "softmax output": 0 if fused_attention else p * scores,
-        "softmax dropout mask (1 byte)": scores if dropout and not fused_attention else 0,
-        "softmax dropout output": p * scores if dropout and not fused_attention else 0,
+        "softmax output": 0 if fused_attention or recompute_attention else p * scores,
+        "softmax dropout mask (1 byte)": scores if dropout and not (fused_attention or recompute_attention) else 0,
+        "softmax dropout output": p * scores if dropout and not (fused_attention or recompute_attention) else 0,
     }
     if small_terms:
         terms["LayerNorm mean and 1/std (2)"] = 2 * 2 * p * s * b
-        terms["attention log-sum-exp (fp32)"] = 4 * a * s * b if fused_attention else 0
+        terms["attention log-sum-exp (fp32)"] = 4 * a * s * b if fused_attention and not recompute_attention else 0
     return terms
 
 

@@ -23,6 +23,7 @@ Activations per layer (Korthikanti et al. 2022, 16-bit, with dropout, scores sto
     tensor parallelism        s·b·h·(10 + 24/t + 5·a·s/(h·t))     LN inputs, matmul inputs of the two
                                                                  column layers and dropout masks stay whole
     + sequence parallelism    s·b·h·(34/t + 5·a·s/(h·t))          everything split
+    + selective recomputation the 5·a·s/(h·t) term gone            the core attention recomputed from Q, K, V
 `tp_activation_terms` splits `formulas.activation_terms` term by term the same way, so the toolkit GPT
 (no dropout, fused attention) is predicted to the byte.
 """
@@ -193,12 +194,21 @@ def tp_activation_terms(
 
 
 def tp_activation_bytes(
-    seq_len: int, batch: int, hidden: int, heads: int, tp: int, *, sequence_parallel: bool = False, layers: int = 1
+    seq_len: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    tp: int,
+    *,
+    sequence_parallel: bool = False,
+    layers: int = 1,
+    recompute_attention: bool = False,
 ) -> float:
-    """Korthikanti et al.'s closed forms per layer (16-bit, dropout, scores stored), times `layers`."""
+    """Korthikanti et al.'s closed forms per layer (16-bit, dropout, scores stored), times `layers`; with the core
+    attention recomputed (their selective recomputation, equation 6) the 5·a·s/(h·t) term is gone."""
     s, b, h, a, t = seq_len, batch, hidden, heads, tp
     linear = 34 / t if sequence_parallel else 10 + 24 / t
-    return layers * s * b * h * (linear + 5 * a * s / (h * t))
+    return layers * s * b * h * (linear + (0 if recompute_attention else 5 * a * s / (h * t)))
 
 
 __all__ = [

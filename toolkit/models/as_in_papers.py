@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from .gpt import MLP, Block, CausalSelfAttention
+from .gpt import MLP, Block, CausalSelfAttention, repeat_kv
 
 DROPOUT = 0.1  # both papers' attention and hidden dropout
 STYLES = ("megatron", "mingpt")
@@ -69,16 +69,21 @@ def _merge(attn, y: torch.Tensor, B: int, T: int, heads: int, head_dim: int) -> 
     return attn.proj(y.reshape(B, heads, T, head_dim).transpose(1, 2).reshape(B, T, heads * head_dim))
 
 
-def _megatron_attention(attn, head_dim):
-    def forward(x):
-        B, T, _ = x.shape
-        q, k, v, heads = _heads(attn, x, head_dim)
+def _megatron_attend(attn):
+    """Megatron-LM's core attention as the GPT's `attend(q, k, v)` on (batch, heads, tokens, head_dim) tensors, so
+    that whatever wraps the core (tensor parallelism's heads and dropout stream, Megatron's selective recomputation:
+    `activation_checkpointing="attention"`) wraps this one."""
+
+    def attend(q, k, v):
+        B, heads, T, head_dim = q.shape
+        k, v = repeat_kv(k, heads), repeat_kv(v, heads)
+        q, k, v = (t.reshape(B * heads, T, head_dim) for t in (q, k, v))
         empty = torch.empty(B * heads, T, T, dtype=q.dtype, device=q.device)
         scores = torch.baddbmm(empty, q, k.transpose(1, 2), beta=0.0, alpha=1.0 / math.sqrt(head_dim))
         probs = _dropout(torch.softmax(scores, dim=-1), attn.training)  # causal mask made inside the kernel
-        return _merge(attn, torch.bmm(probs, v), B, T, heads, head_dim)
+        return torch.bmm(probs, v).view(B, heads, T, head_dim)
 
-    return forward
+    return attend
 
 
 def _mingpt_attention(attn, head_dim):
@@ -112,9 +117,11 @@ def as_in(model: torch.nn.Module, style: str) -> torch.nn.Module:
         raise ValueError(f"unknown style {style!r}; choose one of {STYLES}.")
     head_dim = model.config.d_model // model.config.n_head
     for module in model.modules():
-        if isinstance(module, CausalSelfAttention):
-            make = _megatron_attention if style == "megatron" else _mingpt_attention
-            module.forward = make(module, head_dim)
+        if isinstance(module, CausalSelfAttention) and style == "megatron":
+            module.attend = _megatron_attend(module)
+            module.attention_dropout = DROPOUT  # under tensor parallelism: its heads' masks from their stream
+        elif isinstance(module, CausalSelfAttention):
+            module.forward = _mingpt_attention(module, head_dim)
         elif isinstance(module, MLP) and style == "mingpt":
             module.forward = _mingpt_mlp(module)
     return model

@@ -52,6 +52,12 @@ def wrap(model: torch.nn.Module, strategy: str, *, optimizer=torch.optim.AdamW, 
             'activation_checkpointing="op" is not built for tensor or context parallelism: its policy would recompute '
             "their collectives in backward. Use activation_checkpointing=True (or a whole number k) with tp= or cp=."
         )
+    if options.get("activation_checkpointing") == checkpointing.ATTENTION and options.get("cp", 1) > 1:
+        raise ValueError(
+            'activation_checkpointing="attention" is not built for context parallelism: cp replaces the core attention '
+            "with its ring, which keeps its own blocks' results and would pass K and V around again to recompute. "
+            "Use activation_checkpointing=True (or a whole number k) with cp=."
+        )
     options = checkpointing.apply_option(model, strategy, options)  # every strategy, not only fsdp
     if compose.wants(options):  # tp= / pp= / cp= ...: a dp x pp x cp x tp layout, `strategy` over dp x cp
         return compose.wrap(model, strategy, build, optimizer, options)

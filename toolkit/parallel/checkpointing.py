@@ -16,7 +16,12 @@ A whole number k checkpoints every k-th block (the k-th, 2k-th, ... in the model
 activations: a trade between memory and recomputation in steps of 1/k, as fms-fsdp's `selective_checkpointing`
 and torchtitan's layer-wise selective checkpointing (`selective_ac_option="2"`) count blocks. True is 1. "op"
 checkpoints every block by operation, keeping the outputs of its matmuls (every other one) and attention and
-recomputing the rest (torchtitan's `selective_ac_option="op"`: `checkpoint_ops.py`).
+recomputing the rest (torchtitan's `selective_ac_option="op"`: `checkpoint_ops.py`). "attention" keeps every
+block's activations but those of its core attention (QKᵀ, softmax, its dropout, the product with V: every module's
+`attend(q, k, v)`), which it recomputes from Q, K and V: Megatron-LM's selective recomputation
+(`--recompute-granularity selective`, Korthikanti et al. 2022). Those are the 5·a·s/h of a layer's s·b·h·(34 +
+5·a·s/h) bytes that grow with the sequence, for a few percent more FLOPs; a fused attention (FlashAttention) never
+stores its scores, and there it saves only the log-sum-exp.
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ from .checkpoint_ops import selective_contexts
 from .fsdp_policy import default_units
 
 BY_OPERATION = "op"  # activation_checkpointing="op": every block, by operation (checkpoint_ops.py)
+ATTENTION = "attention"  # activation_checkpointing="attention": every block's core attention (Megatron's selective)
 
 
-def checkpoint_forward(module: nn.Module, by_operation: bool = False) -> None:
-    """Run `module.forward` under activation checkpointing (non-reentrant; by operation: torch's selective
-    checkpointing under `checkpoint_ops`' policy). Under FSDP the unit's hooks stay outside: in backward the unit is
-    gathered (pre-backward hook) before autograd asks for the recomputation."""
-    forward = module.forward
+def checkpoint_forward(module: nn.Module, by_operation: bool = False, method: str = "forward") -> None:
+    """Run `module.forward` (or another `method`) under activation checkpointing (non-reentrant; by operation:
+    torch's selective checkpointing under `checkpoint_ops`' policy). Under FSDP the unit's hooks stay outside: in
+    backward the unit is gathered (pre-backward hook) before autograd asks for the recomputation."""
+    forward = getattr(module, method)
     contexts = selective_contexts if by_operation else rng.checkpoint_contexts
 
     @functools.wraps(forward)
@@ -46,7 +52,7 @@ def checkpoint_forward(module: nn.Module, by_operation: bool = False) -> None:
             return forward(*args, **kwargs)
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
-    module.forward = checkpointed
+    setattr(module, method, checkpointed)
 
 
 def without_cache(model: nn.Module) -> None:
@@ -60,16 +66,24 @@ def without_cache(model: nn.Module) -> None:
 
 
 def period(flag, where: str = "") -> int:
-    """The blocks `activation_checkpointing=flag` recomputes, as k (every k-th block): False 0, True and "op" 1."""
-    if flag == BY_OPERATION or isinstance(flag, bool):
+    """The blocks `activation_checkpointing=flag` recomputes, as k (every k-th block): False 0, True, "op" and
+    "attention" 1."""
+    if flag in (BY_OPERATION, ATTENTION) or isinstance(flag, bool):
         return int(bool(flag))
     if isinstance(flag, int) and flag >= 1:
         return flag
     raise ValueError(
         f"{where}activation_checkpointing must be True (every block), False (none), a whole number k >= 1 "
-        f'(every k-th block: 2 recomputes half of them) or "op" (every block by operation: its matmuls\' and '
-        f"attention's outputs kept), got {flag!r}."
+        f'(every k-th block: 2 recomputes half of them), "op" (every block by operation: its matmuls\' and '
+        f"attention's outputs kept) or \"attention\" (every block's core attention, Megatron's selective "
+        f"recomputation), got {flag!r}."
     )
+
+
+def blocks_recomputed(flag) -> int:
+    """k where `activation_checkpointing=flag` runs every k-th block's forward again whole (its collectives too), 0
+    where it runs none: "attention" recomputes the core attention inside each block, which talks to no one."""
+    return 0 if flag == ATTENTION else period(flag)
 
 
 def every(names: list, k: int) -> list:
@@ -77,9 +91,27 @@ def every(names: list, k: int) -> list:
     return names[k - 1 :: k] if k else []
 
 
+def core_attentions(model: nn.Module, blocks: list) -> list:
+    """The modules inside `blocks` whose core attention is their `attend(q, k, v)` (the toolkit GPT's attention, in
+    any kernels' style); none in a model that computes attention inside its forward (a transformers model)."""
+    found = [m for block in blocks for m in block.modules() if callable(getattr(m, "attend", None))]
+    if not found:
+        raise ValueError(
+            f'activation_checkpointing="attention" recomputes the core attention of modules with an attend(q, k, '
+            f"v) method (the toolkit GPT's attention has one), and this {type(model).__name__} has none; use "
+            f'activation_checkpointing=True, a whole number k, or "op".'
+        )
+    return found
+
+
 def checkpoint_modules(model: nn.Module, blocks: list, flag) -> None:
     """Checkpoint the blocks `activation_checkpointing=flag` names among `blocks` (the model's repeated blocks, in
-    order): every k-th, by operation for "op"; a transformers model's cache turned off."""
+    order): every k-th, by operation for "op", their core attention alone for "attention"; a transformers model's
+    cache turned off."""
+    if flag == ATTENTION:
+        for attention in core_attentions(model, blocks):
+            checkpoint_forward(attention, method="attend")
+        return
     chosen = every(blocks, period(flag))
     if chosen:
         without_cache(model)

@@ -51,7 +51,7 @@ Options (checked by `fsdp_wrap.wrap`, which builds the groups and the units):
   activation_checkpointing  False (default) or True: every unit but the root runs its forward under
                          torch.utils.checkpoint (use_reentrant=False): its activations are recomputed in
                          backward, after the unit has been gathered again. k: every k-th of those units
-                         only; "op": every unit, by operation (checkpointing.py, checkpoint_ops.py).
+                         only; "op": every unit by operation; "attention": its core attention (checkpointing.py).
   param_init_fn          for a model built on the meta device (deferred initialization, fsdp_init.py).
   unit_class             the class that does a unit's work (default `FSDPUnit`): a lab's subclass that
                          re-implements `unshard`/`reshard` (or the gradient reduction) plugs in here.

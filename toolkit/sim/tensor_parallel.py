@@ -16,6 +16,7 @@ import warnings
 
 from ..memory import formulas, tensor_formulas
 from ..parallel import parameter_shapes
+from ..parallel.checkpointing import blocks_recomputed
 
 
 def describe(model, options: dict, batch: int, seq_len: int, world_size: int, ranks_per_node: int) -> dict | None:
@@ -44,7 +45,7 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int, ra
             t,
             sequence_parallel=info.sequence_parallel,
             bytes_per_value=value,
-            recompute=options.get("activation_checkpointing", False),
+            recompute=blocks_recomputed(options.get("activation_checkpointing", False)),
             comm_overlap=bool(options.get("tp_comm_overlap")),
         )
     if t > ranks_per_node:
