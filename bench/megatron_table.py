@@ -122,17 +122,26 @@ def paper_flops(r: dict, recomputed: bool = True) -> float:
     return layers + 6 * B * SEQ * h * vocab
 
 
-def model(n_layer: int, heads: int, hidden: int, plain: bool = False, vocab: int = VOCAB, kernels: str | None = None):
-    """The row's GPT: as Megatron-LM's code ran it (its attention kernels, every block recomputed), or (plain) the
-    toolkit's GPT as it comes, to be checkpointed by the wrapper; plain with `kernels` ("megatron"), that GPT with the
-    paper's attention kernels (`as_in_papers.as_in`)."""
+def model(
+    n_layer: int,
+    heads: int,
+    hidden: int,
+    plain: bool = False,
+    vocab: int = VOCAB,
+    kernels: str | None = None,
+    whole_blocks: bool = True,
+):
+    """The row's GPT: as Megatron-LM's code ran it (its attention kernels, every block recomputed; without
+    `whole_blocks`, none: the wrapper recomputes what the layout asks for), or (plain) the toolkit's GPT as it comes,
+    to be checkpointed by the wrapper; plain with `kernels` ("megatron"), that GPT with the paper's attention kernels
+    (`as_in_papers.as_in`)."""
     from toolkit.models import tiny_gpt
     from toolkit.models.as_in_papers import as_in, recompute_blocks
 
     gpt = tiny_gpt(vocab_size=vocab, seq_len=SEQ, n_layer=n_layer, n_head=heads, d_model=hidden)
     if plain:
         return gpt if kernels is None else as_in(gpt, kernels)
-    return recompute_blocks(as_in(gpt, "megatron"))
+    return recompute_blocks(as_in(gpt, "megatron")) if whole_blocks else as_in(gpt, "megatron")
 
 
 def figure_13(pp: int, batch: int = 128) -> dict:
@@ -166,6 +175,7 @@ def layout(r: dict, plain: bool = False) -> dict:
     options = {} if r["ddp"] == "torch" or plain else dict(bucket_cap_mb=1e9)
     if plain:
         options["activation_checkpointing"] = True
+    options.update(r.get("options", {}))  # a run's own (Korthikanti et al.'s: sequence parallelism, selective)
     if r["tp"] > 1:
         options["tp"] = r["tp"]
     if r["pp"] > 1:
@@ -224,9 +234,10 @@ def predict(r: dict, cluster="dgx-a100", plain: bool = False, kernels: str | Non
     options = layout(r, plain)
     stages = r["pp"] * options.get("virtual_stages", 1)
     per_stage = r["layers"] // stages
+    whole = "activation_checkpointing" not in options
     out, deepest = simulate_depths(
         lambda n: simulate(
-            functools.partial(model, n * stages, r["heads"], r["hidden"], plain, kernels=kernels),
+            functools.partial(model, n * stages, r["heads"], r["hidden"], plain, kernels=kernels, whole_blocks=whole),
             "ddp",
             r["gpus"],
             optimizer=torch.optim.AdamW if plain else FusedAdamW,

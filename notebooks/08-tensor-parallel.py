@@ -30,7 +30,8 @@
 # 2. **tensor parallelism against FSDP on the same 2 ranks**: memory per rank and bytes per layer, measured
 #    next to the formulas;
 # 3. **the two timelines side by side**: where the bytes go, and whether anything hides them;
-# 4. **sequence parallelism** (Korthikanti et al. 2022): the layer norms split too, the activations /t;
+# 4. **sequence parallelism** (Korthikanti et al. 2022): the layer norms split too, the activations /t; and
+#    their selective recomputation, the attention's scores recomputed rather than stored;
 # 5. **2D at 512-1,024 GPUs** in the simulator: when does FSDP + TP beat FSDP alone, and the cliff when a
 #    tensor-parallel group leaves its node.
 #
@@ -402,6 +403,62 @@ assert 0.5 * won < paid < won and ringed["gemm"] > 1.05 * plain["gemm"]  # "most
 # (they take some of the SMs). Here the compute pays back most of what the overlap wins. It pays off where more of
 # the step is traffic the rings can hide: Megatron-Core's 7.1B and 16B rows on H100 ran with it, and the simulator
 # prices them so (`bench/published_runs.py`, docs/differences.md).
+
+# %% [markdown]
+# ### Recomputing only the scores: selective recomputation
+#
+# With sequence parallelism a layer keeps s·b·h·34/t bytes plus what its attention keeps: the softmax's output,
+# its dropout mask and the dropped-out scores, 5·a·s²·b/t bytes, s x s numbers per head. For GPT-3 (5·a·s/h = 80)
+# that is most of the layer. Korthikanti et al. noticed they are also the cheapest activations to recompute: QKᵀ
+# and a few element-wise kernels, no weight involved. `activation_checkpointing="attention"` (Megatron's
+# `--recompute-granularity selective`) keeps Q, K and V and recomputes the core attention in backward
+# (`toolkit/parallel/checkpointing.py`). On the same node, GPT-3's width, with the attention kernels Megatron ran
+# (`as_in_papers`, "megatron": the scores stored), against keeping everything and against recomputing whole blocks:
+
+# %%
+from toolkit.memory import tp_activation_bytes  # noqa: E402
+from toolkit.models.as_in_papers import as_in  # noqa: E402
+
+
+def megatron_gpt3():
+    return as_in(GPT3(), "megatron")  # the paper's attention: baddbmm, softmax, dropout, bmm
+
+
+recomputed = {
+    flag: simulate(
+        megatron_gpt3,
+        "local",
+        8,
+        batch_per_rank=1,
+        tp=8,
+        sequence_parallel=True,
+        **dict(common, activation_checkpointing=flag),
+    )
+    for flag in (False, "attention", True)
+}
+kept = {flag: sim.moments[("forward", "forward", "(model)", 1)]["activations"] for flag, sim in recomputed.items()}
+steps = {flag: sim.step_time for flag, sim in recomputed.items()}
+for flag in recomputed:
+    print(
+        f"activation_checkpointing={flag!r:<12}: {kept[flag] / 1e6:5.0f} MB kept at the end of the forward, "
+        f"step {steps[flag] * 1e3:5.1f} ms ({steps[flag] / steps[False] - 1:+.1%})"
+    )
+layer = {
+    r: tp_activation_bytes(GPT3_S, 1, GPT3_H, 96, 8, sequence_parallel=True, recompute_attention=r) for r in (0, 1)
+}
+print(f"per layer (Korthikanti): {layer[0] / 1e6:.0f} MB stored, {layer[1] / 1e6:.0f} MB with the scores recomputed")
+assert kept[False] - kept["attention"] == 2 * (layer[0] - layer[1])  # two layers, to the byte
+assert round(1 - layer[1] / layer[0], 2) == 0.70  # "seventy percent"
+assert kept[True] < kept["attention"] < kept[False]
+assert steps["attention"] - steps[False] < 0.02 * steps[False] < 0.2 * (steps[True] - steps[False])  # "about 1%"
+
+# %% [markdown]
+# Seventy percent of a layer's activations for about one percent of the step; whole blocks keep less still and
+# cost over ten times more. Sequence parallelism made it possible: without it the 10·s·b·h/t part of the layer
+# norms and dropouts stays whole on every rank. With FlashAttention (this toolkit's GPT as it comes) there is
+# nothing to gain: the fused kernel never stores the scores, and "attention" would keep only its log-sum-exp less.
+# How the simulator's prices hold against the paper's own timings (its Tables 4 and 5, on A100s) is in
+# docs/benchmarks.md ("Sequence parallelism and selective recomputation, predicted").
 
 # %% [markdown]
 # ## 5. At 512 to 1,024 GPUs: when does 2D FSDP + TP beat FSDP alone?

@@ -62,11 +62,18 @@ def test_the_fsdp_papers_configuration_is_the_readmes(capsys):
         with pytest.raises(SystemExit) as stop:
             parse.parse_args(["--activation-checkpointing", wrong])
         assert stop.value.code == 2
-    said = "--activation-checkpointing: must be a whole number of 1 or more (every k-th block) or op (by operation)"
+    said = (
+        "--activation-checkpointing: must be a whole number of 1 or more (every k-th block), op (by operation) or "
+        "attention (the core attention)"
+    )
     assert said + ", got 'half'" in capsys.readouterr().err
     args = parse.parse_args("--activation-checkpointing op".split())  # every block, by operation
     assert cli.options_of(args, parse)[1]["activation_checkpointing"] == "op"
     assert cli.file_name(args, parse) == "sim-gpt3-175b-fsdp-512-activation-checkpointing-op"
+    args = parse.parse_args("--activation-checkpointing attention --tp 8 --sequence-parallel".split())  # Megatron's
+    assert cli.options_of(args, parse)[1]["activation_checkpointing"] == "attention"
+    assert cli.file_name(args, parse) == "sim-gpt3-175b-fsdp-512-tp8-sp-activation-checkpointing-attention"
+    assert cli.in_flags('activation_checkpointing="attention"', parse) == "--activation-checkpointing attention"
     with pytest.raises(SystemExit) as stop:
         bad = parse.parse_args("--strategy ddp --forward-prefetch".split())
         cli.options_of(bad, parse)

@@ -57,7 +57,11 @@ def test_the_advice_to_checkpoint_activations_is_what_makes_it_fit():
     ).fits
     # checkpointing short of every block, whole: the advice is every block, says what the run has now, and fits
     six = dict(batch_per_rank=6, cluster=SMALL, **MIXED)
-    for flag, now in ((2, "now one block in 2"), ("op", "now by operation")):
+    for flag, now in (
+        (2, "now one block in 2"),
+        ("op", "now by operation"),
+        ("attention", "now its core attention only"),
+    ):
         part = simulate(long_sequences, "fsdp", 8, activation_checkpointing=flag, **six)
         said = f"activation checkpointing of every block (activation_checkpointing=True, {now})"
         assert not part.fits and part.fit.advice[0].startswith(said), part.fit.advice

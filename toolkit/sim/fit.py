@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..memory import model_states
-from ..parallel.checkpointing import BY_OPERATION
+from ..parallel.checkpointing import ATTENTION, BY_OPERATION
 from ..units import bytes_text, memory_text
 
 STATE_BYTES = 16  # per parameter: 2 + 2 + 12 (mixed precision) = 4 + 4 + 8 (fp32 Adam) = FSDP's fp32 shards
@@ -155,7 +155,9 @@ def advice(sim, room: float) -> list[str]:
         what = f"activations and temporaries take {bytes_text(transient)} of the peak"
         flag = options.get("activation_checkpointing", False)
         if flag != 1:  # short of every block, whole (True is 1)
-            now = "" if not flag else ", now by operation" if flag == BY_OPERATION else f", now one block in {flag}"
+            now = {False: "", BY_OPERATION: ", now by operation", ATTENTION: ", now its core attention only"}.get(
+                flag, f", now one block in {flag}"
+            )
             tips.append(
                 (
                     transient,

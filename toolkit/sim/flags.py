@@ -14,7 +14,7 @@ import re
 from ..cli_args import positive_int
 from ..models.presets import PRESETS
 from ..parallel import STRATEGIES
-from ..parallel.checkpointing import BY_OPERATION
+from ..parallel.checkpointing import ATTENTION, BY_OPERATION
 from ..parallel.pipeline.schedules import SCHEDULES
 
 MOE_PRESETS = ("moe-gpt-s", "moe-gpt-64")  # the presets with MoE layers (toolkit.models.presets)
@@ -157,7 +157,8 @@ def parser(description: str) -> argparse.ArgumentParser:
         metavar="EVERY",
         help="keep each block's input only and recompute its activations in backward; with a number k, "
         "every k-th block only (2: half of them); with op, every block by operation (its matmuls' and "
-        "attention's outputs kept, the rest recomputed: torchtitan's selective op checkpointing)",
+        "attention's outputs kept, the rest recomputed: torchtitan's selective op checkpointing); with attention, "
+        "only every block's core attention (Megatron's selective recomputation)",
     )
     p.add_argument(
         "--forward-prefetch",
@@ -189,14 +190,15 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 
 def checkpointing_flag(text: str):
-    """--activation-checkpointing's value: a whole number of 1 or more (every k-th block), or op."""
-    if text == BY_OPERATION:
+    """--activation-checkpointing's value: a whole number of 1 or more (every k-th block), op or attention."""
+    if text in (BY_OPERATION, ATTENTION):
         return text
     try:
         return positive_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"must be a whole number of 1 or more (every k-th block) or {BY_OPERATION} (by operation), got {text!r}"
+            f"must be a whole number of 1 or more (every k-th block), {BY_OPERATION} (by operation) or {ATTENTION} "
+            f"(the core attention), got {text!r}"
         ) from None
 
 

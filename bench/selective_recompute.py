@@ -1,0 +1,212 @@
+"""Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), predicted: sequence
+parallelism and selective recomputation against full recomputation, on the runs the paper timed.
+
+The paper's runs (its Tables 3-5; Selene, DGX A100 80GB, mixed precision, sequence 2,048, vocabulary 51,200, no data
+parallelism but one run): a 22B GPT on 8 GPUs (tp 8, 4 sequences in one micro-batch), GPT-3 175B on 64 (tp 8 x pp
+8, 3 interleaved stages a rank), MT-NLG 530B on 280 (tp 8 x pp 35, 3 interleaved stages) and a 1T GPT on 512 (tp 8
+x pp 64), one sequence a micro-batch and one micro-batch a GPU a step; the 530B again on 2,240 GPUs (dp 8, its
+gradients all-reduced after backward, nothing overlapped). Each is timed twice: every block recomputed without
+sequence parallelism ("full recompute"), and with sequence parallelism and the core attention alone recomputed
+("present work": `sequence_parallel=True, activation_checkpointing="attention"`). Table 4 times one layer of the 22B
+in five settings, forward and backward apart.
+
+Simulated as `bench/megatron_table.py` simulates SC21's Table 1, with the code the paper's Megatron-LM ran: its
+attention kernels (`as_in_papers`, "megatron"), apex's fused Adam, Megatron's reentrant checkpoint, which runs the
+checkpointed function again whole (torch's non-reentrant one stops at the last tensor backward needs: for the core
+attention, before the product with V). Priced on the DGX A100 preset from published measurements of the hardware
+only; nothing here was used to build or check the model.
+
+    .venv/bin/python bench/selective_recompute.py [--runs 22B,175B] [--no-layer] [--write docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import sys
+
+import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
+from megatron_table import FIELDS, configuration, model, paper_flops, predict
+
+SECTION = "## Sequence parallelism and selective recomputation, predicted (bench/selective_recompute.py)"
+TOLERANCE = 0.15
+SOURCE = "Korthikanti et al. 2022, arXiv 2205.05198 (MLSys 2023), Tables 3, 4 and 5"
+# model: (params (B), heads, hidden, layers, tp, pp, GPUs, global batch), layers per virtual stage (None: 1F1B),
+# and Table 5's seconds a step: full recompute, present work (Table 3; section 6: interleaving for 175B and 530B)
+RUNS = {
+    "22B": ((22, 64, 6144, 48, 8, 1, 8, 4), 4, None, (1.42, 1.10)),
+    "175B": ((175, 96, 12288, 96, 8, 8, 64, 64), 1, 4, (18.13, 13.75)),
+    "530B": ((530, 128, 20480, 105, 8, 35, 280, 280), 1, 1, (49.05, 37.83)),
+    "1T": ((1000, 160, 25600, 128, 8, 64, 512, 512), 1, None, (94.42, 71.49)),
+}
+DATA_PARALLEL = ("530B", 8, 39.15)  # section 6.3: the 530B at dp 8 (2,240 GPUs), present work
+SETTINGS = {  # how each column ran: sequence parallelism, what is recomputed
+    "full recompute": {},
+    "present work": dict(sequence_parallel=True, activation_checkpointing="attention"),
+}
+# Table 4: one layer of the 22B, (forward, backward) milliseconds
+LAYER = {
+    "baseline, no recompute": ({}, (7.7, 11.9)),
+    "sequence parallelism": (dict(sequence_parallel=True), (7.2, 11.8)),
+    "full recompute": (dict(activation_checkpointing=True), (7.7, 19.5)),
+    "selective recompute": (dict(activation_checkpointing="attention"), (7.7, 13.2)),
+    "selective + sequence": (dict(sequence_parallel=True, activation_checkpointing="attention"), (7.2, 13.1)),
+}
+
+
+def run(name: str, setting: str, dp: int = 1) -> dict:
+    """A run of Table 3 in one of Table 5's settings, as `megatron_table.predict` reads a row."""
+    shape, micro_batch, per_virtual, published = RUNS[name]
+    r = dict(zip(FIELDS, (*shape, None)), row=name)
+    r.update(gpus=r["gpus"] * dp, batch=r["batch"] * dp)
+    r = configuration(r, micro_batch, "local", per_virtual)
+    return dict(r, setting=setting, options=SETTINGS[setting], published=published[list(SETTINGS).index(setting)])
+
+
+@contextlib.contextmanager
+def as_megatron_recomputes():
+    """Megatron's checkpoint is reentrant: a checkpointed function runs again whole in backward."""
+    import torch.utils.checkpoint
+
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        yield
+
+
+def predict_run(r: dict) -> dict:
+    """The run's predicted step (`megatron_table.predict`: its MFU counts equation 7's model FLOPs, the paper's),
+    against the paper's seconds."""
+    with as_megatron_recomputes():
+        out = predict(r)
+    return dict(out, error=out["step_time"] / r["published"] - 1)
+
+
+def layer_times(options: dict) -> tuple[float, float]:
+    """(forward, backward) seconds of one of the 22B's layers: the simulated steps at three and four layers apart."""
+    from toolkit.sim import simulate
+    from toolkit.sim.fused_adam import FusedAdamW
+
+    shape = RUNS["22B"][0]
+    heads, hidden, tp = shape[1], shape[2], shape[4]
+
+    def phases(n):
+        with as_megatron_recomputes():
+            sim = simulate(
+                functools.partial(
+                    model, n, heads, hidden, whole_blocks=options.get("activation_checkpointing") is True
+                ),
+                "local",
+                tp,
+                optimizer=FusedAdamW,
+                batch_per_rank=RUNS["22B"][1],
+                mixed_precision=True,
+                progress=False,
+                cluster="dgx-a100",
+                tp=tp,
+                **{k: v for k, v in options.items() if v is not True},
+            )
+        timeline = sim.cost.timelines[-1]
+        backward = min(s.start for s in timeline.spans if getattr(s.instruction, "phase", "") == "backward")
+        optimizer = min(s.start for s in timeline.spans if getattr(s.instruction, "phase", "") == "optimizer")
+        return backward - timeline.start, optimizer - backward
+
+    (f3, b3), (f4, b4) = phases(3), phases(4)
+    return f4 - f3, b4 - b3
+
+
+def table5(results: list) -> str:
+    lines = [
+        "| model | tp x pp x dp | setting | published (s) | predicted (band) | error | GEMM | attention + "
+        "memory-bound | exposed comm | bubble + p2p | MFU | peak memory |",
+        "| --- " * 12 + "|",
+    ]
+    for r in results:
+        b, band = r["breakdown"], r["band"]
+        share = {k: v / b["step"] for k, v in b.items()}
+        seconds = {end: paper_flops(r) / (rate * r["gpus"] * 1e12) for end, rate in band.items()}
+        lines.append(
+            "| "
+            + " | ".join(
+                str(c)
+                for c in (
+                    r["row"],
+                    f"{r['tp']} x {r['pp']} x {r['dp']}",
+                    r["setting"],
+                    f"{r['published']:.2f}",
+                    f"{r['step_time']:.2f} ({seconds['best']:.2f}-{seconds['worst']:.2f})",
+                    f"{r['error']:+.0%}",
+                    f"{share['gemm']:.0%}",
+                    f"{share['attention'] + share['memory_bound']:.0%}",
+                    f"{share['exposed_comm']:.0%}",
+                    f"{share.get('bubble', 0) + share.get('p2p', 0):.0%}",
+                    f"{r['mfu']:.1%}",
+                    f"{r['fit'].peak / 1e9:.0f} GB{'' if r['fit'].fits else ' (over the 80 GB)'}",
+                )
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def gains(results: list) -> list[tuple[str, float, float]]:
+    """(model, published, predicted) throughput increase of present work over full recompute (Table 5's column)."""
+    by = {(r["row"], r["setting"], r["dp"]): r for r in results}
+    out = []
+    for name, (*_, published) in RUNS.items():
+        full, present = by.get((name, "full recompute", 1)), by.get((name, "present work", 1))
+        if full and present:
+            out.append((name, published[0] / published[1] - 1, full["step_time"] / present["step_time"] - 1))
+    return out
+
+
+def table4(layers: dict) -> str:
+    base = sum(LAYER["baseline, no recompute"][1])
+    predicted_base = sum(layers["baseline, no recompute"])
+    lines = [
+        "| setting | published forward / backward (ms) | overhead | predicted forward / backward (ms) | overhead |",
+        "| --- " * 5 + "|",
+    ]
+    for name, (_, (forward, backward)) in LAYER.items():
+        f, b = (1e3 * x for x in layers[name])
+        lines.append(
+            f"| {name} | {forward} / {backward} | {(forward + backward) / base - 1:+.0%} | {f:.1f} / {b:.1f} | "
+            f"{(f + b) / 1e3 / predicted_base - 1:+.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"of {', '.join(RUNS)}")
+    parser.add_argument("--no-layer", action="store_true", help="leave out Table 4 (one layer of the 22B)")
+    parser.add_argument("--write", help="put the section into this markdown file")
+    args = parser.parse_args(argv)
+    names = [n for n in args.runs.split(",") if n]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        parser.error(f"--runs: unknown {unknown}; choose from {', '.join(RUNS)}")
+    results = [predict_run(run(name, setting)) for name in names for setting in SETTINGS]
+    if DATA_PARALLEL[0] in names:
+        wide = dict(run(DATA_PARALLEL[0], "present work", DATA_PARALLEL[1]), published=DATA_PARALLEL[2])
+        results.append(predict_run(wide))
+    body = table5(results)
+    within = sum(abs(r["error"]) <= TOLERANCE for r in results)
+    body += (
+        f"\n\n{within} of {len(results)} runs predicted within {TOLERANCE:.0%} ({SOURCE}; the band: every published "
+        "measurement of the hardware at either end of its sources' spread). Throughput of present work over full "
+        "recompute, published against predicted: "
+        + "; ".join(f"{name} {pub:+.1%} / {pred:+.1%}" for name, pub, pred in gains(results))
+        + "."
+    )
+    if not args.no_layer:
+        layers = {name: layer_times(options) for name, (options, _) in LAYER.items()}
+        body += "\n\nOne layer of the 22B (Table 4; the simulated steps at three and four layers apart):\n\n"
+        body += table4(layers)
+    print(body)
+    if args.write:
+        benchlib.write_section(args.write, SECTION, f".venv/bin/python {' '.join(sys.argv)}", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
