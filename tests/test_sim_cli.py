@@ -72,7 +72,9 @@ def test_the_fsdp_papers_configuration_is_the_readmes(capsys):
     assert cli.file_name(args, parse) == "sim-gpt3-175b-fsdp-512-activation-checkpointing-op"
     args = parse.parse_args("--activation-checkpointing attention --tp 8 --sequence-parallel".split())  # Megatron's
     assert cli.options_of(args, parse)[1]["activation_checkpointing"] == "attention"
-    assert cli.file_name(args, parse) == "sim-gpt3-175b-fsdp-512-tp8-sp-activation-checkpointing-attention"
+    assert (
+        cli.file_name(args, parse) == "sim-gpt3-175b-fsdp-512-tp8-sequence-parallel-activation-checkpointing-attention"
+    )
     assert cli.in_flags('activation_checkpointing="attention"', parse) == "--activation-checkpointing attention"
     with pytest.raises(SystemExit) as stop:
         bad = parse.parse_args("--strategy ddp --forward-prefetch".split())
@@ -88,6 +90,11 @@ def test_the_fsdp_papers_configuration_is_the_readmes(capsys):
     assert cli.options_of(args, parse)[1] == dict(
         mixed_precision=True, tp=8, sequence_parallel=True, tp_comm_overlap=True
     )
+    args = parse.parse_args("--tp 8 --tp-comm-overlap backward".split())  # Megatron-LM's: the backward's alone
+    assert cli.options_of(args, parse)[1] == dict(mixed_precision=True, tp=8, tp_comm_overlap="backward")
+    assert cli.file_name(args, parse) == "sim-gpt3-175b-fsdp-512-tp8-tp-comm-overlap-backward"
+    with pytest.raises(SystemExit):
+        parse.parse_args("--tp 8 --tp-comm-overlap forward".split())
 
 
 def test_a_job_that_fits_gets_its_time_report_and_trace_and_one_that_does_not_gets_what_would_make_it_fit(

@@ -33,7 +33,11 @@ def sim(model_fn=tiny_gpt, strategy="local", world=2, **options):
         (tiny_gpt, dict(tp=2, world=3), r"a world of 3 ranks does not split into pp=1 x tp=2"),
         (tiny_gpt, dict(sequence_parallel=True), r"sequence_parallel=True .* needs tp > 1"),
         (tiny_gpt, dict(tp=2, tp_comm_overlap=True), r"tp_comm_overlap=True .* needs sequence_parallel=True"),
-        (tiny_gpt, dict(tp=2, sequence_parallel=True, tp_comm_overlap="yes"), r"tp_comm_overlap must be True or"),
+        (
+            tiny_gpt,
+            dict(tp=2, sequence_parallel=True, tp_comm_overlap="yes"),
+            r"tp_comm_overlap must be True \(TransformerEngine's rings\), \"backward\"",
+        ),
         (fm.EncoderLM, dict(tp=2), r"default plan for the toolkit's GPT only; for a EncoderLM pass tp_plan="),
         (
             fm.EncoderLM,

@@ -131,13 +131,16 @@ def check_tensor_options(mp: dict) -> None:
     """Tensor-parallel options that make no sense are refused before any group exists."""
     if not isinstance(mp["sequence_parallel"], bool):
         raise ValueError(f"sequence_parallel must be True or False, got {mp['sequence_parallel']!r}.")
-    if not isinstance(mp["tp_comm_overlap"], bool):
-        raise ValueError(f"tp_comm_overlap must be True or False, got {mp['tp_comm_overlap']!r}.")
-    if mp["tp_comm_overlap"] and not mp["sequence_parallel"]:
+    if not isinstance(mp["tp_comm_overlap"], bool) and mp["tp_comm_overlap"] != "backward":
+        raise ValueError(
+            f"tp_comm_overlap must be True (TransformerEngine's rings), \"backward\" (Megatron-LM's overlap of the "
+            f"column layers' backward collectives) or False, got {mp['tp_comm_overlap']!r}."
+        )
+    if mp["tp_comm_overlap"] is True and not mp["sequence_parallel"]:
         raise ValueError(
             "tp_comm_overlap=True hides sequence parallelism's all-gathers and reduce-scatters behind the GEMMs, "
             "a chunk of the sequence at a time, so it needs sequence_parallel=True with tp > 1 (e.g. tp=2), as "
-            "Megatron's --tp-comm-overlap needs --sequence-parallel."
+            'Megatron\'s --tp-comm-overlap needs --sequence-parallel; tp_comm_overlap="backward" works without it.'
         )
     if mp["sequence_parallel"] and mp["tp"] == 1:
         raise ValueError(

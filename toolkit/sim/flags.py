@@ -104,9 +104,13 @@ def parser(description: str) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tp-comm-overlap",
-        action="store_true",
+        nargs="?",
+        const=True,
+        choices=("backward",),
+        metavar="backward",
         help="with --sequence-parallel: its all-gathers and reduce-scatters as rings hidden behind the GEMMs, "
-        "a chunk of the sequence at a time (Megatron-Core's --tp-comm-overlap)",
+        "a chunk of the sequence at a time (Megatron-Core's --tp-comm-overlap); with backward, only the column "
+        "layers' backward collectives beside the weights' gradients (Megatron-LM's before TransformerEngine)",
     )
     p.add_argument(
         "--cp",
@@ -220,7 +224,7 @@ def options_of(args, parse) -> tuple[str, dict]:
     if args.sequence_parallel:
         options["sequence_parallel"] = True
     if args.tp_comm_overlap:
-        options["tp_comm_overlap"] = True
+        options["tp_comm_overlap"] = args.tp_comm_overlap
     if args.cp != 1:
         options["cp"] = args.cp
     if args.ep is not None:

@@ -230,7 +230,9 @@ class Simulation:
             else (
                 f" over dp={tp['dp']} x tp={tp['tp']}"
                 + (" with sequence parallelism" if tp["sequence_parallel"] else "")
-                + (", its communication overlapped" if tp.get("comm_overlap") else "")
+                + {True: ", its communication overlapped", "backward": ", its backward's communication overlapped"}.get(
+                    tp.get("comm_overlap"), ""
+                )
             )
         )
         if cp:

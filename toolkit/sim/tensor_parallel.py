@@ -46,7 +46,7 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int, ra
             sequence_parallel=info.sequence_parallel,
             bytes_per_value=value,
             recompute=blocks_recomputed(options.get("activation_checkpointing", False)),
-            comm_overlap=bool(options.get("tp_comm_overlap")),
+            comm_overlap=options.get("tp_comm_overlap") is True,  # "backward": the same messages as blocking
         )
     if t > ranks_per_node:
         warnings.warn(
@@ -63,7 +63,7 @@ def describe(model, options: dict, batch: int, seq_len: int, world_size: int, ra
         "split": split,
         "replicated": replicated,
         "sequence_parallel": info.sequence_parallel,
-        "comm_overlap": bool(options.get("tp_comm_overlap")),
+        "comm_overlap": options.get("tp_comm_overlap", False),
         "tp_bytes": tp_bytes,
     }
 

@@ -13,7 +13,8 @@ Read in this order:
     embedding.py      the vocabulary split: embedding table and head
     cross_entropy.py  the loss on logits split by vocabulary
     sequence.py       sequence parallelism: layer norms on s/t positions, gradients summed
-    overlap.py        tp_comm_overlap: sequence parallelism's collectives as rings hidden behind the GEMMs
+    overlap.py        tp_comm_overlap: sequence parallelism's collectives as rings hidden behind the GEMMs;
+                      "backward": the column layers' backward collectives beside the weights' gradients
     ../rng.py         random numbers: dropout alike on replicated activations, its own on each rank's piece
     moe.py            Mixture-of-Experts under tensor parallelism (tokens shared out, experts over the world)
     gpt.py            the toolkit GPT's default plan;  plan.py: a `tp_plan` for any model
@@ -31,20 +32,21 @@ from ...models.gpt import GPT
 from ...runtime import env
 from .. import mesh as mesh_
 from .. import rng
-from .linear import ParallelLinear
+from .linear import BACKWARD, ColumnParallelLinear, ParallelLinear
 from .operators import TPGroup
 from .shards import split_of
 from .state import TensorParallel
 
 
 def parallelize(
-    model: nn.Module, mesh, *, plan=None, sequence_parallel: bool = False, comm_overlap: bool = False
+    model: nn.Module, mesh, *, plan=None, sequence_parallel: bool = False, comm_overlap: bool | str = False
 ) -> nn.Module:
     """Split `model` over the mesh's "tp" group, in place, and return it (with `model.tensor_parallel`).
 
     plan None: the toolkit GPT's default plan (`gpt.py`), or a Hugging Face model's own (`hf.py`); any other
     model needs `plan`, a tp_plan dict (`plan.py`). sequence_parallel comes with the GPT's plan; comm_overlap
-    (`tp_comm_overlap`) runs its all-gathers and reduce-scatters as rings hidden behind the GEMMs (`overlap.py`)."""
+    (`tp_comm_overlap`) runs its all-gathers and reduce-scatters as rings hidden behind the GEMMs, or ("backward") the
+    column layers' backward collectives beside the weights' gradients only (`overlap.py`)."""
     tp = TPGroup.of(mesh_.group(mesh, "tp"))
     rng.seed_tensor_parallel(tp.rank, mesh.get_local_rank("pp"), env.device())  # split regions' dropout stream
     if plan is None and not isinstance(model, GPT):
@@ -73,10 +75,11 @@ def parallelize(
 
         described = dict(plan)
         apply_plan(model, plan, tp)
-    if comm_overlap:
-        for layer in model.modules():
-            if isinstance(layer, ParallelLinear) and layer.sequence_parallel:
-                layer.comm_overlap = True
+    for layer in model.modules():
+        if comm_overlap is True and isinstance(layer, ParallelLinear) and layer.sequence_parallel:
+            layer.comm_overlap = True
+        elif comm_overlap == BACKWARD and isinstance(layer, ColumnParallelLinear):
+            layer.comm_overlap = BACKWARD
     info = TensorParallel(tp, {name: split_of(p) for name, p in model.named_parameters()}, sequence_parallel, described)
     model.tensor_parallel = info
     return model

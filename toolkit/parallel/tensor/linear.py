@@ -58,11 +58,15 @@ def split_parameter(param, split: Split | None, tp: TPGroup, done: dict, what: s
     return new
 
 
-class ParallelLinear(nn.Module):
-    """What both splits share: the weight in its original layout, and the local matmul. `comm_overlap`: under
-    sequence parallelism, its collective runs as a ring hidden behind the GEMM, a chunk at a time (`overlap.py`)."""
+BACKWARD = "backward"  # tp_comm_overlap="backward": the column layers' backward collectives overlapped (overlap.py)
 
-    comm_overlap = False
+
+class ParallelLinear(nn.Module):
+    """What both splits share: the weight in its original layout, and the local matmul. `comm_overlap`: True, under
+    sequence parallelism, its collective runs as a ring hidden behind the GEMM, a chunk at a time; "backward", a
+    column layer's backward collectives beside the GEMM that does not need them (`overlap.py`)."""
+
+    comm_overlap: bool | str = False
 
     def __init__(
         self,
@@ -100,7 +104,8 @@ class ParallelLinear(nn.Module):
         return F.linear(x, self.weight, bias)
 
     def extra_repr(self) -> str:
-        sp = (", sequence parallel" if self.sequence_parallel else "") + (", comm overlap" if self.comm_overlap else "")
+        overlap = {True: ", comm overlap", BACKWARD: ", backward comm overlap"}.get(self.comm_overlap, "")
+        sp = (", sequence parallel" if self.sequence_parallel else "") + overlap
         return (
             f"in={self.in_features} of {self.full_in_features}, out={self.out_features} of "
             f"{self.full_out_features}, tp={self.tp.size}{sp}"
@@ -133,10 +138,14 @@ class ColumnParallelLinear(ParallelLinear):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel and self.comm_overlap:
+        if self.sequence_parallel and self.comm_overlap is True:
             from .overlap import ring_gathered_linear
 
             y = ring_gathered_linear(x, self)
+        elif self.comm_overlap == BACKWARD and self.tp.size > 1:
+            from .overlap import backward_overlapped_linear
+
+            y = backward_overlapped_linear(x, self)
         elif self.sequence_parallel:
             from .sequence import gathered_linear
 
@@ -173,7 +182,7 @@ class RowParallelLinear(ParallelLinear):
             return y if self.bias is None else y + self.bias
         # sequence parallel: the sum, each rank keeping its part of the sequence; the bias then acts on that
         # part only, so its gradient here is partial: f in front of it sums the ranks' parts in backward
-        if self.comm_overlap:
+        if self.comm_overlap is True:
             from .overlap import ring_scattered_linear
 
             y = ring_scattered_linear(x, self)

@@ -76,10 +76,12 @@ class InFlight:
         return self.result()
 
 
-def all_reduce(x: torch.Tensor, tp: TPGroup, label: str) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, tp: TPGroup, label: str, async_op: bool = False):
+    """The sum of every rank's `x` (async_op: an `InFlight` that gives it)."""
     out = x.contiguous().clone()
-    labelled(lambda: comm.all_reduce(out, group=tp.group), label)
-    return out
+    handle = labelled(lambda: comm.all_reduce(out, group=tp.group, async_op=async_op), label)
+    started = InFlight(handle, lambda: out)
+    return started if async_op else started.wait()
 
 
 def all_gather(x: torch.Tensor, tp: TPGroup, dim: int, label: str, async_op: bool = False):

@@ -24,6 +24,12 @@ whole of it t times).
 What it hides depends on a chunk's GEMM taking longer than its pass: on a GPU the links are hardware of their own;
 on a CPU gloo's threads copy on the cores the ranks compute on, so the overlap is partial (the simulator prices
 both: `toolkit.sim.timeline`).
+
+`tp_comm_overlap="backward"` is Megatron-LM's own overlap, before TransformerEngine (its default since 2022,
+`LinearWithGradAccumulationAndAsyncCommunication`; Korthikanti et al. timed their runs with it): the forward's
+collectives block, and only the column layer's backward hides its collectives behind the GEMM that does not need
+them, as above; without sequence parallelism that is f's all-reduce of the input's gradient beside the weight's
+gradient (`--async-tensor-model-parallel-allreduce`). The same collectives and the same arithmetic as blocking.
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ from __future__ import annotations
 import torch
 
 from ..context.ring import Ring
-from .operators import all_gather, reduce_scatter, split
-from .sequence import SEQUENCE_DIM
+from .operators import all_gather, all_reduce, reduce_scatter, split
+from .sequence import SEQUENCE_DIM, _GatheredLinear
 
 
 def ring_of(layer) -> Ring:
@@ -72,6 +78,22 @@ def _weight_grad(x: torch.Tensor, grad: torch.Tensor, layer) -> torch.Tensor:
     return a.t() @ g if layer.transposed else g.t() @ a
 
 
+def overlapped_backward(ctx, grad):
+    """A column layer's backward under sequence parallelism, its two collectives each beside the GEMM that does not
+    need it (TransformerEngine's bulk overlap, Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication): the
+    input gathered again while the input's gradient is multiplied out, that gradient reduce-scattered while the
+    weight's is."""
+    x, weight = ctx.saved_tensors
+    layer = ctx.layer
+    gathering = all_gather(x, layer.tp, SEQUENCE_DIM, "column backward all-gather (input again)", async_op=True)
+    grad_total = _input_grad(grad, weight, layer)
+    total = gathering.wait()
+    scattering = reduce_scatter(grad_total, layer.tp, SEQUENCE_DIM, "column backward reduce-scatter", async_op=True)
+    grad_weight = _weight_grad(total, grad, layer)
+    grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+    return scattering.wait(), grad_weight, grad_bias, None
+
+
 class _RingGatheredLinear(torch.autograd.Function):
     """Column-parallel under sequence parallelism: Y = [X_0; ...; X_t-1] A_r + b_r, a chunk of X at a time."""
 
@@ -83,20 +105,35 @@ class _RingGatheredLinear(torch.autograd.Function):
         ring_gather(x, ring, lambda chunk, owner: pieces.__setitem__(owner, layer.matmul(chunk, bias)), "column ring")
         return torch.cat(pieces, dim=SEQUENCE_DIM)
 
+    backward = staticmethod(overlapped_backward)
+
+
+class _GatheredLinearOverlappedBackward(_GatheredLinear):
+    """Column-parallel under sequence parallelism as Megatron-LM ran it before TransformerEngine: the input
+    all-gathered, then multiplied (blocking, `sequence._GatheredLinear`); backward overlapped."""
+
+    backward = staticmethod(overlapped_backward)
+
+
+class _ReducedInBackwardLinear(torch.autograd.Function):
+    """Column-parallel without sequence parallelism, f fused in (Megatron-LM's `--async-tensor-model-parallel-
+    allreduce`): forward X A_r + b_r; backward starts the all-reduce of the input's partial gradient, computes the
+    weight's gradient meanwhile, then waits."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        ctx.layer, ctx.has_bias = layer, bias is not None
+        ctx.save_for_backward(x, weight)
+        return layer.matmul(x, bias)
+
     @staticmethod
     def backward(ctx, grad):
-        """Two collectives, each beside the GEMM that does not need it (TransformerEngine's bulk overlap): the input
-        gathered again while the input's gradient is multiplied out, that gradient reduce-scattered while the
-        weight's is."""
         x, weight = ctx.saved_tensors
         layer = ctx.layer
-        gathering = all_gather(x, layer.tp, SEQUENCE_DIM, "column backward all-gather (input again)", async_op=True)
-        grad_total = _input_grad(grad, weight, layer)
-        total = gathering.wait()
-        scattering = reduce_scatter(grad_total, layer.tp, SEQUENCE_DIM, "column backward reduce-scatter", async_op=True)
-        grad_weight = _weight_grad(total, grad, layer)
+        reducing = all_reduce(_input_grad(grad, weight, layer), layer.tp, "column backward all-reduce", async_op=True)
+        grad_weight = _weight_grad(x, grad, layer)
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
-        return scattering.wait(), grad_weight, grad_bias, None
+        return reducing.wait(), grad_weight, grad_bias, None
 
 
 class _RingScatteredLinear(torch.autograd.Function):
@@ -133,3 +170,11 @@ def ring_gathered_linear(x: torch.Tensor, layer) -> torch.Tensor:
 def ring_scattered_linear(x: torch.Tensor, layer) -> torch.Tensor:
     """A row-parallel layer's partial sums reduce-scattered along the sequence, hidden chunk by chunk (no bias)."""
     return _RingScatteredLinear.apply(x, layer.weight, layer)
+
+
+def backward_overlapped_linear(x: torch.Tensor, layer) -> torch.Tensor:
+    """A column-parallel layer's forward with its backward's collectives overlapped (`tp_comm_overlap="backward"`),
+    under sequence parallelism or not."""
+    if layer.sequence_parallel:
+        return _GatheredLinearOverlappedBackward.apply(x, layer.weight, layer.bias, layer)
+    return _ReducedInBackwardLinear.apply(x, layer.weight, layer.bias, layer)
