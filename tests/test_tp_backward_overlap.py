@@ -1,7 +1,7 @@
-"""`tp_comm_overlap="backward"`: Megatron-LM's own overlap before TransformerEngine (its default since 2022), the column
-layers' backward collectives beside the GEMM that does not need them: without sequence parallelism f's all-reduce of
-the input's gradient beside the weight's gradient (`--async-tensor-model-parallel-allreduce`), with it the input's
-all-gather beside the input's gradient and that gradient's reduce-scatter beside the weight's
+"""`tp_comm_overlap="backward"`: Megatron-LM's own overlap before TransformerEngine (its default, which
+`--no-async-tensor-model-parallel-allreduce` turns off), the column layers' backward collectives beside the GEMM that
+does not need them: without sequence parallelism f's all-reduce of the input's gradient beside the weight's, with it
+the input's all-gather beside the input's gradient and that gradient's reduce-scatter beside the weight's
 (`LinearWithGradAccumulationAndAsyncCommunication`). The forward blocks as before.
 
 The same collectives, the same bytes, the same arithmetic in the same order: a real run equals the blocking one to the

@@ -25,11 +25,11 @@ What it hides depends on a chunk's GEMM taking longer than its pass: on a GPU th
 on a CPU gloo's threads copy on the cores the ranks compute on, so the overlap is partial (the simulator prices
 both: `toolkit.sim.timeline`).
 
-`tp_comm_overlap="backward"` is Megatron-LM's own overlap, before TransformerEngine (its default since 2022,
-`LinearWithGradAccumulationAndAsyncCommunication`; Korthikanti et al. timed their runs with it): the forward's
-collectives block, and only the column layer's backward hides its collectives behind the GEMM that does not need
-them, as above; without sequence parallelism that is f's all-reduce of the input's gradient beside the weight's
-gradient (`--async-tensor-model-parallel-allreduce`). The same collectives and the same arithmetic as blocking.
+`tp_comm_overlap="backward"` is Megatron-LM's own overlap, before TransformerEngine (its default, which
+`--no-async-tensor-model-parallel-allreduce` turns off; `LinearWithGradAccumulationAndAsyncCommunication`; Korthikanti
+et al. 2022 timed their runs with it): the forward's collectives block, and only the column layer's backward hides
+its collectives behind the GEMM that does not need them, as above; without sequence parallelism that is f's
+all-reduce of the input's gradient beside the weight's gradient. The same collectives and arithmetic as blocking.
 """
 
 from __future__ import annotations
