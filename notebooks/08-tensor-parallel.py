@@ -402,7 +402,9 @@ assert 0.5 * won < paid < won and ringed["gemm"] > 1.05 * plain["gemm"]  # "most
 # GEMMs less efficiently (the last wave of tiles is partly empty), and compute beside NCCL's kernels runs slower
 # (they take some of the SMs). Here the compute pays back most of what the overlap wins. It pays off where more of
 # the step is traffic the rings can hide: Megatron-Core's 7.1B and 16B rows on H100 ran with it, and the simulator
-# prices them so (`bench/published_runs.py`, docs/differences.md).
+# prices them so (`bench/published_runs.py`, docs/differences.md). Before TransformerEngine, Megatron-LM hid only the
+# backward's: each column layer starts its collective and computes its weight's gradient meanwhile, with or without
+# sequence parallelism (`tp_comm_overlap="backward"`, Megatron's default); the forward's still block.
 
 # %% [markdown]
 # ### Recomputing only the scores: selective recomputation
