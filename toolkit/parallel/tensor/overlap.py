@@ -27,9 +27,10 @@ both: `toolkit.sim.timeline`).
 
 `tp_comm_overlap="backward"` is Megatron-LM's own overlap, before TransformerEngine (its default since 3f65246,
 2021-09, which `--no-async-tensor-model-parallel-allreduce` turns off; under sequence parallelism since cfd2e21,
-2022-04, `LinearWithGradAccumulationAndAsyncCommunication`; Korthikanti et al. 2022 timed their runs with it): the forward's collectives block, and only the column layer's backward hides
-its collectives behind the GEMM that does not need them, as above; without sequence parallelism that is f's
-all-reduce of the input's gradient beside the weight's gradient. The same collectives and arithmetic as blocking.
+2022-04, `LinearWithGradAccumulationAndAsyncCommunication`; Korthikanti et al. 2022 timed their runs with it): the
+forward's collectives block, and only the column layer's backward hides its collectives behind the GEMM that does
+not need them, as above; without sequence parallelism that is f's all-reduce of the input's gradient beside the
+weight's gradient. The same collectives and arithmetic as blocking.
 """
 
 from __future__ import annotations
