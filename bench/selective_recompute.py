@@ -64,6 +64,12 @@ LAYER = {
 }
 
 
+def run_name(name: str, setting: str, dp: int = 1) -> str:
+    """The run's name in `toolkit.sim.held_to_runs` ("korthikanti-530b-dp8-selective")."""
+    at = f"-dp{dp}" if dp > 1 else ""
+    return f"korthikanti-{name.lower()}{at}-{'full' if setting == 'full recompute' else 'selective'}"
+
+
 def blocked(options: dict, blocking: bool) -> dict:
     """`options` with every tensor-parallel collective blocking (`--blocking`), or as they are."""
     return {k: v for k, v in options.items() if k != "tp_comm_overlap"} if blocking else options

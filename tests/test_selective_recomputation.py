@@ -17,6 +17,7 @@ import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import toolkit
 from toolkit.memory import activation_terms, activations_by_module, pass_costs, tp_activation_bytes, tp_activation_terms
@@ -108,9 +109,27 @@ def tp_rank_passes():
     return found
 
 
+def fsdp_steps():
+    """FSDP over both ranks (its units checkpoint their own core attention): the state after a step, both ways."""
+    found = {}
+    for flag in (False, "attention"):
+        model, opt = toolkit.parallel.wrap(gpt("megatron", **TP_SHAPE), "fsdp", activation_checkpointing=flag)
+        model.train()
+        torch.manual_seed(1)
+        x, y = SyntheticCorpus(64, TP_SHAPE["seq_len"]).batch(0, 4, rank=dist.get_rank(), world_size=2)
+        kept = pass_costs(model, x, y)["kept"]
+        opt.step()
+        found[flag] = (kept, toolkit.parallel.full_state_dict(model))
+    return found
+
+
+def both_layouts():
+    return {"tp": tp_rank_passes(), "fsdp": fsdp_steps()}
+
+
 @functools.cache
 def tp_runs():
-    return toolkit.launch(tp_rank_passes, 2, timeout_s=120, quiet=True)
+    return toolkit.launch(both_layouts, 2, timeout_s=120, quiet=True)
 
 
 @pytest.mark.timeout(200)
@@ -121,9 +140,19 @@ def test_on_tensor_parallel_ranks_each_drops_its_heads_scores_and_the_masks_repl
     terms = {flag: tp_activation_terms(s, 2, h, a, t, bytes_per_value=4, recompute_attention=flag) for flag in (0, 1)}
     assert sum(terms[0].values()) - sum(terms[1].values()) == per_rank
     for rank in tp_runs():
-        (stash, stash_grads), (selective, grads) = rank[False], rank["attention"]
+        (stash, stash_grads), (selective, grads) = rank["tp"][False], rank["tp"]["attention"]
         assert [x - y for x, y in zip(stash, selective)] == [per_rank] * L
         assert all(torch.equal(grads[n], g) for n, g in stash_grads.items())  # the tp stream's masks, replayed
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.usefixtures("no_leftover_ranks")
+def test_fsdp_units_recompute_their_core_attention_to_the_same_step():
+    L, a, s = TP_SHAPE["n_layer"], TP_SHAPE["n_head"], TP_SHAPE["seq_len"]
+    for rank in tp_runs():
+        (stash_kept, stash), (kept, selective) = rank["fsdp"][False], rank["fsdp"]["attention"]
+        assert stash_kept - kept == L * 9 * a * s * s * 2  # every unit's scores, mask, dropped-out scores: 2 rows
+        assert all(torch.equal(selective[k], v) for k, v in stash.items())
 
 
 def test_the_simulated_rank_sends_the_same_and_prices_the_recomputed_attention():
