@@ -1,14 +1,12 @@
 """The theory the lessons check the measurements against.
 
-Pure functions, no torch: bytes of model states under ZeRO, elements and bytes a
-collective puts on the wire, an alpha-beta time model, activation memory, and
-DeepSpeed's own estimators (FSDP's peak parameters and cross-host traffic are in
-fsdp_formulas.py, importable from here too).
+Pure functions, no torch: bytes of model states under ZeRO, elements and bytes a collective puts on the wire, an
+alpha-beta time model, activation memory, and DeepSpeed's own estimators (FSDP's peak parameters and cross-host
+traffic are in fsdp_formulas.py, importable from here too).
 
-Notation (as in the ZeRO paper): Ψ parameters, N data-parallel ranks, K bytes of
-optimizer state per parameter (mixed-precision Adam: fp32 master weights 4 +
-momentum 4 + variance 4 = 12). Sizes are plain numbers (floats where a shard is
-a fraction); 1 GB = 1e9 bytes.
+Notation (as in the ZeRO paper): Ψ parameters, N data-parallel ranks, K bytes of optimizer state per parameter
+(mixed-precision Adam: fp32 master weights 4 + momentum 4 + variance 4 = 12). Sizes are plain numbers (floats where a
+shard is a fraction); 1 GB = 1e9 bytes.
 """
 
 from __future__ import annotations
@@ -250,9 +248,7 @@ def activation_terms(
     small_terms      True: also the terms the paper neglects, the LayerNorms' mean and 1/std per row
                      (in the activations' dtype, as torch's CPU kernel keeps them; CUDA keeps fp32)
                      and the fused kernel's log-sum-exp, so the count is exact
-    recompute_attention  True: the core attention recomputed in backward from Q, K and V (Megatron's selective
-                     recomputation, `activation_checkpointing="attention"`): its scores, their dropout and
-                     the log-sum-exp are not kept; its output is, as the projection's input
+    recompute_attention  True: the core attention recomputed (Megatron's selective): no scores or log-sum-exp kept
     """
     for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden), ("heads", heads)):
         _check_world(name, value)
@@ -260,7 +256,7 @@ def activation_terms(
     s, b, h, a, p = seq_len, batch, hidden, heads, bytes_per_value
     f = 4 * h if ffn_hidden is None else ffn_hidden
     _check_world("ffn_hidden", f)
-    sbh, scores = s * b * h, a * s * s * b
+    sbh, scores = s * b * h, 0 if fused_attention or recompute_attention else a * s * s * b  # s x s, stored
     terms = {
         "LayerNorm inputs (2)": 2 * p * sbh,
         "QKV matmul input": p * sbh,
@@ -270,9 +266,9 @@ def activation_terms(
         "GELU input": p * s * b * f,
         "GELU output (second matmul input)": p * s * b * f,
         "dropout masks (2, 1 byte)": 2 * sbh if dropout else 0,
-        "softmax output": 0 if fused_attention or recompute_attention else p * scores,
-        "softmax dropout mask (1 byte)": scores if dropout and not (fused_attention or recompute_attention) else 0,
-        "softmax dropout output": p * scores if dropout and not (fused_attention or recompute_attention) else 0,
+        "softmax output": p * scores,
+        "softmax dropout mask (1 byte)": scores if dropout else 0,
+        "softmax dropout output": p * scores if dropout else 0,
     }
     if small_terms:
         terms["LayerNorm mean and 1/std (2)"] = 2 * 2 * p * s * b
