@@ -2,6 +2,7 @@
 
     model, opt = toolkit.parallel.wrap(model, "zero2", activation_checkpointing=True)
     model, opt = toolkit.parallel.wrap(model, "fsdp", activation_checkpointing=2)  # every 2nd block only
+    model, opt = toolkit.parallel.wrap(model, "ddp", tp=8, sequence_parallel=True, activation_checkpointing="attention")
 
 A transformer keeps about s·b·h·34 bytes per layer for backward (Korthikanti et al.); under checkpointing a
 block keeps only its input (2·s·b·h in 16 bits) and runs its forward again when backward reaches it, one
