@@ -256,14 +256,14 @@ for name, run in PP_RUNS.items():
 # Read the table from the left. The replay's column differs from the formula's because these stages are not
 # the textbook's. The real step is never shorter than its replay (a real rank cannot start an action earlier
 # than the replay does), and its bubble is exactly the two right columns: time spent waiting for messages and
-# time between actions. How long a message takes next to an action is measured below, from the same step (each
+# time between actions. How long a message takes next to an action is measured below, from the steady steps (each
 # message's time from its send to the end of the wait of a receiver that was already waiting for it).
 
 # %%
 for name, run in PP_RUNS.items():
     spans = [e for e in run.events if e["cat"] == "compute" and "action" in e["args"] and e["args"]["step"] == 2]
     action = statistics.median(e["end"] - e["start"] for e in spans)
-    latency = bubble.message_latency(run)
+    latency = [t for step in (1, 2) for t in bubble.message_latency(run, step)]  # one step may have no wait
     print(
         f"{name}: an action takes {action * 1e3:.2f} ms (median of {len(spans)}), a message "
         f"{statistics.median(latency) * 1e3:.2f} ms ({len(latency)} measured) and the step sends "
