@@ -530,7 +530,7 @@ def test_a_prediction_on_a_gpu_preset_says_how_its_predictions_fared_against_pub
             low, high = group.took
             assert f"{group.what}: each took {low:.2f}x to {high:.2f}x the predicted step" in cost.trust
     h100 = held_to_runs.PRESETS["dgx-h100"][0]
-    assert (h100.took[0] > 1.2, h100.covers(0.37), h100.covers(0.10)) == (True, True, False)  # MPT-7B's +37%
+    assert (h100.took[0] > 1.2, h100.covers(0.31), h100.covers(0.10)) == (True, True, False)  # MPT-7B's +31%
     assert estimate([[Compute(1e12)]], cluster_of("dgx-h100", inter=(100e9, "5 us")), world_size=8).trust
     other_gpu = cluster_of("dgx-h100").with_changes(gpu=GPUS["a100-80gb"])
     assert estimate([[Compute(1e12)]], other_gpu, world_size=8).trust is None

@@ -31,9 +31,10 @@ shape; nothing is fitted to a training run:
    (between two collectives: nothing for the device to do) takes none of its time (`cost.compute_time`); on a CPU
    the two add up.
 
-Clocks: the published rates were measured under sustained load (cuBLASLt after 10,000 warm-up iterations on random
-data, FlashAttention-2's benchmark after warm-up), so they are the clocks a GPU holds while computing, not its
-boost clock. An accelerator without published measurements (a user-defined one) is priced at its datasheet:
+Clocks: a GEMM that fills every SM at a long k draws the GPU's power limit, and its clock settles below boost; a
+shorter one runs at boost under the limit. The A100's rate was measured so (cuBLASLt after 10,000 warm-up iterations
+on random data, 16384^3); the H100's shapes are priced from a table of shorter runs and held to the rate the fastest
+shape sustains at the 700 W limit (MSMF: `gemm_ceiling`), 6% under the fastest burst an H100 was measured at. An accelerator without published measurements (a user-defined one) is priced at its datasheet:
 GEMMs at `matmul_efficiency` x peak per SM, attention at that GEMM rate, memory at its full bandwidth.
 """
 
@@ -92,12 +93,18 @@ def sm_rate(gpu, dtype: str) -> float:
     return min(rates) * peak / gpu.flops_per_s("bf16")
 
 
+def tiled_seconds(gpu, batch: int, m: int, n: int, k: int, dtype: str) -> float:
+    """batch x (m x k) @ (k x n) as tiles in waves on the SMs, at the rate that reproduces the published shape."""
+    return _waves(gpu, batch, m, n, k, ELEMENT_BYTES.get(dtype, 2), sm_rate(gpu, dtype))
+
+
 def gemm_seconds(gpu, batch: int, m: int, n: int, k: int, dtype: str) -> float:
-    """Device seconds of batch x (m x k) @ (k x n), compute-bound part only (tiles in waves on the SMs)."""
+    """Device seconds of batch x (m x k) @ (k x n), compute-bound part only (tiles in waves on the SMs, never faster
+    than the fastest GEMM measured on the GPU: `gemm_ceiling`)."""
     flops = 2.0 * batch * m * n * k
     if not gpu.sms:  # no SMs to fill (a CPU): the rate measured at the nearest sizes
         return flops / measured_rate(gpu, flops / batch, dtype)
-    tiled = _waves(gpu, batch, m, n, k, ELEMENT_BYTES.get(dtype, 2), sm_rate(gpu, dtype))
+    tiled = tiled_seconds(gpu, batch, m, n, k, dtype)
     if gpu.published is None:
         return tiled
     return max(tiled, flops / (gpu.published.gemm_ceiling.value * gpu.flops_per_s(dtype)))
