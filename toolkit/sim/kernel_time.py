@@ -34,7 +34,8 @@ shape; nothing is fitted to a training run:
 Clocks: a GEMM that fills every SM at a long k draws the GPU's power limit, and its clock settles below boost; a
 shorter one runs at boost under the limit. The A100's rate was measured so (cuBLASLt after 10,000 warm-up iterations
 on random data, 16384^3); the H100's shapes are priced from a table of shorter runs and held to the rate the fastest
-shape sustains at the 700 W limit (MSMF: `gemm_ceiling`), 6% under the fastest burst an H100 was measured at. An accelerator without published measurements (a user-defined one) is priced at its datasheet:
+shape sustains at the 700 W limit (MSMF: `gemm_ceiling`), 6% under the fastest burst an H100 was measured at.
+An accelerator without published measurements (a user-defined one) is priced at its datasheet:
 GEMMs at `matmul_efficiency` x peak per SM, attention at that GEMM rate, memory at its full bandwidth.
 """
 
