@@ -97,9 +97,12 @@ test-stress: $(STAMP) browser
 
 # The GPU path (NCCL, CUDA memory and events, the simulator against this GPU, torch DDP/FSDP2 beside):
 # where CUDA exists it prints tables for docs/benchmarks.md; elsewhere it says it skipped, and exits 0.
-test-gpu: $(STAMP)
-	$(PY) bench/gpu_suite.py
-	$(PY) bench/kernel_profile.py
+# Where python3 already holds a CUDA build of torch and no package index can be reached (a lent GPU machine),
+# `make test-gpu PY=python3` runs it with that python and builds no .venv (the toolkit imports torch, numpy, tqdm,
+# tabulate, cloudpickle and sympy).
+test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(PY) bench/gpu_suite.py
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(PY) bench/kernel_profile.py
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab $(LAB_ROOT) notebooks/

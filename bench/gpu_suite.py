@@ -47,7 +47,6 @@ SIZES = {
 }
 # The simulator's check: one GPT-2-medium-like step in bf16 (the regime the cost model is for).
 SIM_MODEL = dict(n_layer=8, d_model=1024, n_head=16, vocab_size=32768, seq_len=1024)
-PRESETS = {"H100": "dgx-h100", "A100": "dgx-a100", "H200": "dgx-h100 with H200 memory"}
 
 
 def _model_parallel_layouts(world: int) -> list[tuple[str, dict]]:
@@ -190,33 +189,15 @@ def _measured_step(model_kwargs, batch, steps):
     return statistics.median(times[2:]) if len(times) > 3 else statistics.median(times)
 
 
-def _h200():
-    """No H200 preset in the simulator: an H100 SXM's compute (the same Hopper die and clocks) with the H200's
-    memory, 141 GB of HBM3e at 4.8 TB/s (NVIDIA H200 datasheet), in a DGX H100's links."""
-    import dataclasses
-
-    from toolkit.sim.hardware import GPUS, cluster_of
-
-    gpu = dataclasses.replace(
-        GPUS["h100-sxm"],
-        name="H200 SXM 141GB",
-        memory_bytes=141e9,
-        memory_bandwidth=4.8e12,
-        source=GPUS["h100-sxm"].source + "; memory: NVIDIA H200 datasheet",
-    )
-    return cluster_of("dgx-h100", gpu=gpu)
-
-
 def simulator(backend, steps, dry_run) -> str:
     import toolkit
     from toolkit.models import tiny_gpt
     from toolkit.sim import simulate
 
     name = "cpu" if dry_run else torch.cuda.get_device_name()
-    preset = "this-machine" if dry_run else next((p for key, p in PRESETS.items() if key in name), None)
+    preset, cluster = ("this-machine", "this-machine") if dry_run else benchlib.cluster_for(name)
     if preset is None:
-        return f"no simulator preset for {name!r} (presets: {sorted(PRESETS)}): part 3 skipped."
-    cluster = _h200() if preset == PRESETS["H200"] else preset
+        return f"no simulator preset for {name!r} (presets: {sorted(benchlib.GPU_PRESETS)}): part 3 skipped."
     kwargs = dict(SIM_MODEL, n_layer=2, d_model=64, n_head=2, vocab_size=256, seq_len=64) if dry_run else SIM_MODEL
     batch = 2 if dry_run else 8
     measured = toolkit.launch(_measured_step, 1, args=(kwargs, batch, steps), backend=backend, timeout_s=600)[0]

@@ -28,11 +28,11 @@ import sys
 import threading
 import time
 
+import benchlib  # bench/benchlib.py (a bench runs as a script: its folder is on sys.path)
 import torch
 
 MPT_7B = dict(d_model=4096, n_head=32, vocab_size=50368, seq_len=2048)
 TINY = dict(d_model=32, n_head=2, vocab_size=64, seq_len=16)
-PRESETS = {"H100": "dgx-h100", "A100": "dgx-a100"}
 SKIP = (
     "bench/kernel_profile.py: no CUDA device here (torch.cuda.is_available() is False): the kernel profile was "
     "skipped; `.venv/bin/python bench/kernel_profile.py --cpu-dry-run` runs the same code on the CPU."
@@ -182,9 +182,10 @@ def main(argv=None) -> int:
         print(SKIP)
         return 0
     name = "cpu" if dry else torch.cuda.get_device_name()
-    preset = "dgx-a100" if dry else next((p for key, p in PRESETS.items() if key in name), None)
+    preset, cluster = ("dgx-a100", "dgx-a100") if dry else benchlib.cluster_for(name)
     if preset is None:
-        print(f"bench/kernel_profile.py: no simulator preset for {name!r} (presets: {sorted(PRESETS)}): skipped.")
+        presets = sorted(benchlib.GPU_PRESETS)
+        print(f"bench/kernel_profile.py: no simulator preset for {name!r} (presets: {presets}): skipped.")
         return 0
     shape, layers, batch = (TINY, 2, 2) if dry else (MPT_7B, args.layers, args.batch)
     clocks = _Clocks() if not dry else contextlib.nullcontext()
@@ -195,7 +196,7 @@ def main(argv=None) -> int:
         f"One step of MPT-7B's layer x{layers} ({shape}), batch {batch}, bf16, on {where}; priced on {preset} "
         f"(`toolkit.sim`), kernels by `torch.profiler` over {args.steps} steps:\n"
     )
-    print(table(measured, priced(layers, batch, shape, preset)))
+    print(table(measured, priced(layers, batch, shape, cluster)))
     print("\n" + (clocks.line() if not dry else "SM clock and power: not read in a dry run."))
     return 0
 

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import bench_module
 import pytest
 import torch
 
@@ -52,11 +53,7 @@ def test_the_kernel_profile_skips_without_cuda_and_its_dry_run_fills_every_categ
 
 
 def test_kernels_are_put_in_the_simulators_categories_by_name():
-    from importlib import util
-
-    spec = util.spec_from_file_location("kernel_profile", os.path.join(ROOT, "bench", "kernel_profile.py"))
-    kp = util.module_from_spec(spec)
-    spec.loader.exec_module(kp)
+    kp = bench_module.load("kernel_profile")
     assert kp.category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "gemm"
     assert kp.category("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
     assert kp.category("flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>") == "attention"
@@ -66,3 +63,19 @@ def test_kernels_are_put_in_the_simulators_categories_by_name():
     assert kp.category("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>") == "optimizer"
     assert kp.category("void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>") == "memory_bound"
     assert kp.category("aten::addmm") == "gemm" and kp.category("aten::layer_norm") == "memory_bound"
+
+
+def test_each_gpu_a_lent_machine_may_have_gets_its_simulator_preset():
+    """`make test-gpu` on an H200 (the kind a GPU machine here is often lent as) prices it, not skips it: the H100's
+    compute with the H200's memory; a GPU the simulator has no preset for gets (None, None) and a skip line."""
+    from toolkit.sim.hardware import cluster_of
+
+    benchlib = bench_module.load("benchlib")
+
+    name, h200 = benchlib.cluster_for("NVIDIA H200")
+    h100 = cluster_of("dgx-h100")
+    assert name == "dgx-h100 with H200 memory" and h200.gpu.memory_bandwidth == 4.8e12
+    assert h200.gpu.peak_flops == h100.gpu.peak_flops and h200.gpu.published == h100.gpu.published
+    assert benchlib.cluster_for("NVIDIA H100 80GB HBM3") == ("dgx-h100", "dgx-h100")
+    assert benchlib.cluster_for("NVIDIA A100-SXM4-80GB") == ("dgx-a100", "dgx-a100")
+    assert benchlib.cluster_for("NVIDIA GeForce RTX 4090") == (None, None)

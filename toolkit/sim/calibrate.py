@@ -8,7 +8,7 @@ a real run would use (N processes sharing its cores, all at once, so each rank m
   and a small reference GPT's local step, timed several times;
 - collectives (`calibrate_links`): each one's cost as a step pays it, the fraction that hides behind
   compute, and how much longer one takes in flight beside compute and another collective;
-  `toolkit.viz.fit_alpha_beta` fits alpha and beta to each operation apart (gloo runs a reduce-scatter
+  `toolkit.comm.fit.fit_alpha_beta` fits alpha and beta to each operation apart (gloo runs a reduce-scatter
   as an all-reduce, so one fit for all would mislead).
 
 The cost model prices a step's recorded operations on these rates (`toolkit.sim.kernel_time`, a CPU's
@@ -83,8 +83,8 @@ def _on_rank(ops, sizes, reference) -> dict:
 
 def measure(world_size: int, *, timeout_s: float = 240.0) -> dict:
     """Launch `world_size` ranks and measure; compute rates are the slowest rank's."""
+    from ..comm.fit import fit_alpha_beta
     from ..runtime import launch
-    from ..viz.bandwidth import fit_alpha_beta
 
     load_before = load_now()
     results = launch(_on_rank, world_size, args=(OPS, SIZES, REFERENCE), timeout_s=timeout_s)
