@@ -349,7 +349,8 @@ def test_links_inside_a_node_and_between_nodes():
     assert ranks[3]["emulation"]["p2p_events"] == []
     cross = NBYTES / BANDWIDTH + LATENCY
     assert ranks[2]["emulation"]["p2p_2"] >= cross and ranks[0]["emulation"]["p2p_2"] >= cross
-    assert ranks[1]["emulation"]["p2p_1"] < cross
+    # the free link: its recorded delay is 0.0 above; its wall time has no upper bound on a loaded machine (a 100 kB
+    # gloo send between two of four ranks on 2 busy cores once took 23 ms, over the 11 ms the emulated link adds)
 
 
 def test_the_model_of_each_collective():
