@@ -237,7 +237,10 @@ def test_a_ring_collective_ends_for_every_rank_when_the_late_peer_has_called_it_
         # rank 1 issues no earlier than `late` after its own start; rank 0 may have left the barrier before it a
         # little later than rank 1 did (a fresh clone's CI saw 1.3 ms), so its end is held to rank 1's issue
         assert end0 >= start1 + late + alone and end1 - start1 >= late + alone, (op, ranks)
-        assert peers0 >= late - 0.01 and peers1 < 0.01, (op, ranks)
+        # rank 0 waited for its late peer, rank 1 for nobody; rank 0's wait is the gap between the two calls, which a
+        # loaded machine shortens by however long it holds rank 0 between the barrier and its call (a fresh clone's
+        # CI saw 46.6 ms of the 60): held to half of it
+        assert peers0 >= late / 2 and peers1 < 0.01, (op, ranks)
 
 
 def test_reading_the_peers_issue_marks_never_waits_for_one_that_is_not_there():
