@@ -113,6 +113,10 @@ def as_megatron_lays_out():
     for found in pkgutil.walk_packages(toolkit.parallel.__path__, "toolkit.parallel."):  # every holder, imported
         importlib.import_module(found.name)
 
+    def issue(call, label, result, async_op):
+        started = operators.InFlight(operators.labelled(call, label), result)
+        return started if async_op else started.wait()
+
     def meta_only(x):
         if not x.is_meta:
             raise RuntimeError("as_megatron_lays_out prices a simulated program (meta tensors); it runs no real one")
@@ -122,22 +126,20 @@ def as_megatron_lays_out():
         x = meta_only(x)
         out, shape = x.new_empty((tp.size,) + tuple(x.shape)), list(x.shape)
         shape[dim] *= tp.size
-        handle = operators.labelled(lambda: comm.all_gather(out, x, group=tp.group, async_op=async_op), label)
-        started = operators.InFlight(handle, lambda: out.view(shape))
-        return started if async_op else started.wait()
+        return issue(
+            lambda: comm.all_gather(out, x, group=tp.group, async_op=async_op), label, lambda: out.view(shape), async_op
+        )
 
     def reduce_scatter(x, tp, dim, label, async_op=False):
         x, shape = meta_only(x), list(operators.split(x, tp, dim)[0].shape)
         chunks, out = x.view([tp.size] + shape), x.new_empty(shape)
-        handle = operators.labelled(lambda: comm.reduce_scatter(out, chunks, group=tp.group, async_op=async_op), label)
-        started = operators.InFlight(handle, lambda: out)
-        return started if async_op else started.wait()
+        return issue(
+            lambda: comm.reduce_scatter(out, chunks, group=tp.group, async_op=async_op), label, lambda: out, async_op
+        )
 
     def all_reduce(x, tp, label, async_op=False):
         out = meta_only(x)
-        handle = operators.labelled(lambda: comm.all_reduce(out, group=tp.group, async_op=async_op), label)
-        started = operators.InFlight(handle, lambda: out)
-        return started if async_op else started.wait()
+        return issue(lambda: comm.all_reduce(out, group=tp.group, async_op=async_op), label, lambda: out, async_op)
 
     views = [(getattr(operators, f.__name__), f) for f in (all_gather, reduce_scatter, all_reduce)]
     held = [  # every module that holds the toolkit's three (`from .operators import all_gather`) gets the views'
